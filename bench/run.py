@@ -1,0 +1,100 @@
+"""All benchmarks, one command (from the repository root, after `bash .ci/run`):
+
+    .venv/bin/python bench/run.py            # everything, about 5 minutes
+    .venv/bin/python bench/run.py --quick    # fewer trials and shorter windows
+    .venv/bin/python bench/run.py --only agent
+
+GPU usage comes from the fake libnvidia-ml.so built from NVIDIA's nvml.h (tests/fakenvml),
+so the figures measure the enforcer, not a driver: a real NVML pass costs more per call.
+Results are printed and written as JSON to bench/results.json. Method: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import agent_bench, exec_bench, sidecar_bench
+from bench.common import ROOT
+from tests.fakenvml import build_fake_nvml
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="fewer trials and shorter windows")
+    p.add_argument("--only", choices=("exec", "agent", "sidecar"), help="run one group")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
+    args = p.parse_args()
+    trials, window, seconds = (40, 3.0, 5.0) if args.quick else (200, 10.0, 30.0)
+    lib_dir = build_fake_nvml(ROOT / ".build" / "fakenvml")
+    results: dict[str, Any] = {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "kernel": platform.release(),
+        }
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.only in (None, "exec"):
+            results["latency"] = [
+                exec_bench.latency(lib_dir, Path(tmp), iv, trials) for iv in ("100ms", "20ms")
+            ]
+            results["tick_cost"] = [
+                exec_bench.tick_cost(lib_dir, Path(tmp), n, window) for n in (10, 100, 1000)
+            ]
+        if args.only in (None, "agent"):
+            results["agent"] = [
+                agent_bench.round_trips(lib_dir, Path(tmp), 1, seconds),
+                agent_bench.round_trips(lib_dir, Path(tmp), 110, seconds),
+                agent_bench.round_trips(lib_dir, Path(tmp), 110, seconds, subscribe=True),
+            ]
+        if args.only in (None, "sidecar"):
+            reason = sidecar_bench.available()
+            if reason:
+                print(f"sidecar benchmarks skipped: {reason}")
+            else:
+                results["sidecar"] = sidecar_bench.run(lib_dir, trials, window)
+    for row in results.get("latency", ()):
+        print(
+            f"exec detection latency @ {row['interval_ms']:.0f} ms: p50 {row['p50_ms']:.1f} ms, "
+            f"p99 {row['p99_ms']:.1f} ms (target <= {row['target_p99_ms']:.0f} ms), "
+            f"max {row['max_ms']:.1f} ms over {row['trials']} trials"
+        )
+    for row in results.get("tick_cost", ()):
+        print(
+            f"exec, {row['processes']:>4} processes / 8 GPUs: {row['cpu_ms_per_tick']:.2f} ms CPU per tick "
+            f"({row['wall_ms_per_tick']:.2f} ms wall), {100 * row['cpu_share_of_one_core']:.1f}% "
+            f"of a core at 100 ms, RSS {row['rss_mib']:.1f} MiB (peak {row['peak_rss_mib']:.1f})"
+        )
+    for row in results.get("agent", ()):
+        what = "round trip" if row["mode"] == "request" else "age of pushed sample"
+        print(
+            f"agent, {row['callers']:>3} callers ({row['mode']}, 10 Hz): {what} p50 {row['p50_ms']:.2f} ms, "
+            f"p99 {row['p99_ms']:.2f} ms, max {row['max_ms']:.1f} ms ({row['requests']} replies, "
+            f"{row['requests_per_second']:.0f}/s); agent CPU {100 * row['agent_cpu_share_of_one_core']:.1f}% "
+            f"of a core; RSS {row['agent_rss_mib']:.1f} MiB (peak {row['agent_peak_rss_mib']:.1f})"
+        )
+    if row := results.get("sidecar"):
+        print(
+            f"sidecar end-to-end latency (agent 100 ms + sidecar 100 ms): p50 {row['p50_ms']:.1f} ms, "
+            f"p99 {row['p99_ms']:.1f} ms (target <= {row['target_p99_ms']} ms), max {row['max_ms']:.1f} ms over "
+            f"{row['trials']} trials; CPU {100 * row['cpu_share_of_one_core']:.2f}% of a core; "
+            f"RSS {row['rss_mib']:.1f} MiB (peak {row['peak_rss_mib']:.1f})"
+        )
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

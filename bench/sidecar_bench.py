@@ -1,0 +1,152 @@
+"""Sidecar benchmarks: end-to-end detection latency inside a pod, CPU share, RSS.
+
+Uses the pod-on-this-machine harness of the e2e tests (tests/e2e/podsim.py): the real
+kube-apiserver, the real agent on the host side (fake NVML, 100 ms), the sidecar in the
+pod's PID namespace (100 ms). A driver process in the "trainer" container forks one victim
+per trial; the benchmark makes the fake NVML report the victim over the limit and times
+until the victim's SIGTERM handler runs (CLOCK_MONOTONIC on both sides).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from bench.common import GiB, percentile, proc_cpu_seconds, proc_status_kib
+from tests.e2e.cluster import ApiServer, apiserver_binary, etcd_binary
+from tests.e2e.podsim import SimPod
+from tests.fakenvml import FakeGpuState
+from tests.helpers import wait_for
+
+DRIVER = r"""
+import os, signal, sys, time
+r, w = os.pipe()
+print("ready", flush=True)
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        def on_term(signum, frame):
+            os.write(w, f"{time.monotonic_ns()}\n".encode())
+            os._exit(0)
+        signal.signal(signal.SIGTERM, on_term)
+        print("forked", flush=True)
+        while True:
+            time.sleep(1)
+    hit = b""
+    while not hit.endswith(b"\n"):
+        hit += os.read(r, 64)
+    os.waitpid(pid, 0)
+    print(f"hit {hit.decode().strip()}", flush=True)
+"""
+
+
+def available() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (PID namespaces, cgroups)"
+    if apiserver_binary() is None or etcd_binary() is None:
+        return "needs kube-apiserver: bash tests/e2e/build-kube-apiserver.sh"
+    return None
+
+
+def run(lib_dir: Path, trials: int, window: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        server = ApiServer(apiserver_binary(), etcd_binary())  # type: ignore[arg-type]
+        server.start()
+        try:
+            return _run(server, lib_dir, tmp, trials, window)
+        finally:
+            server.close()
+
+
+def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float) -> dict[str, Any]:
+    core = client.CoreV1Api(server.client())
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="bench")))
+    state_file, state = tmp / "gpu.json", FakeGpuState.single_gpu()
+    state.write(state_file)
+    env = {**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)}
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--socket", str(tmp / "agent.sock")],
+        env=env, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_for((tmp / "agent.sock").exists, what="the agent")
+    pod = SimPod(core, "bench", "bench-0", ["trainer", "vram-enforcer"])
+    try:
+        driver = pod.start(
+            "trainer",
+            [sys.executable, "-c", DRIVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert driver.stdout is not None and driver.stdin is not None
+        assert driver.stdout.readline().strip() == "ready"
+        (driver_pid,) = pod.host_pids("trainer")
+        sidecar = pod.start(
+            "vram-enforcer",
+            [sys.executable, "-m", "enforcer", "sidecar", "--kubeconfig", str(server.kubeconfig(server.admin_token, tmp / "kc")),
+             "--interval", "100ms", "--log-format", "text"],
+            env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid,
+                 "VRAM_ENFORCER_LIMITS": json.dumps({"trainer": GiB}), "VRAM_ENFORCER_AGENT_SOCKET": str(tmp / "agent.sock")},
+            stderr=(tmp / "sidecar.log").open("w"),
+        )  # fmt: skip
+        (sidecar_pid,) = wait_for(lambda: pod.host_pids("vram-enforcer"), what="the sidecar")
+        wait_for(
+            lambda: "enforcing" in (tmp / "sidecar.log").read_text(),
+            timeout=20,
+            what="the sidecar to start",
+        )
+        time.sleep(1.0)
+        latencies = []
+        for _ in range(trials):
+            driver.stdin.write("go\n")
+            driver.stdin.flush()
+            assert driver.stdout.readline().strip() == "forked"
+            (victim,) = set(pod.host_pids("trainer")) - {driver_pid}
+            time.sleep(random.uniform(0, 0.1))  # a random phase against both ticks
+            state.set_process(0, victim, 2 * GiB)
+            state.write(state_file)
+            crossed = time.monotonic_ns()
+            word, hit = driver.stdout.readline().split()
+            assert word == "hit"
+            latencies.append((int(hit) - crossed) / 1e6)
+            state.remove_process(victim)
+            state.write(state_file)
+        # Steady state for the CPU share: one compliant GPU process in the pod.
+        state.set_process(0, driver_pid, GiB // 2)
+        state.write(state_file)
+        time.sleep(2.0)
+        cpu0 = proc_cpu_seconds(sidecar_pid)
+        time.sleep(window)
+        cpu1 = proc_cpu_seconds(sidecar_pid)
+        rss, peak = (
+            proc_status_kib(sidecar_pid, "VmRSS") / 1024,
+            proc_status_kib(sidecar_pid, "VmHWM") / 1024,
+        )
+        os.kill(sidecar_pid, 15)
+        sidecar.wait(timeout=10)
+    finally:
+        pod.close()
+        agent.terminate()
+        agent.wait(timeout=10)
+    ms = sorted(latencies)
+    return {
+        "trials": len(ms),
+        "p50_ms": statistics.median(ms),
+        "p99_ms": percentile(ms, 0.99),
+        "max_ms": ms[-1],
+        "target_p99_ms": 100 + 100 + 10,
+        "cpu_share_of_one_core": (cpu1 - cpu0) / window,
+        "rss_mib": rss,
+        "peak_rss_mib": peak,
+    }

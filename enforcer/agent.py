@@ -1,0 +1,234 @@
+"""`vram-enforcer agent`: the node's one NVML reader, capacity advertiser and PID translator.
+
+Three loops share one process:
+- the sampler thread reads NVML once per --interval and publishes the sample;
+- the usage socket (an epoll thread) answers each pod about its own processes;
+- the advertiser thread keeps the Node's capacity and labels equal to what NVML reports,
+  checking every --resync and right after the GPUs change.
+NVML or the API being down degrades one part: the socket answers with an error, the Node
+keeps its last advertisement, and each part recovers on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from enforcer.config import AgentSettings
+from enforcer.metrics import AgentTelemetry, MetricsServer
+from enforcer.model import Device, Sample, SourceDown
+from enforcer.nvml import Nvml, NvmlError
+from enforcer.procfs import ProcFs
+from enforcer.sources import NvmlSource, PidView, PidViewError
+from enforcer.usage_server import ServerMetrics, SocketInUse, UsageServer
+
+if TYPE_CHECKING:
+    from enforcer.kube import NodeAdvertiser
+
+log = logging.getLogger("enforcer.agent")
+
+EXIT_USAGE = 2
+STALE_INTERVALS = 20  # replies turn into errors once the sample is this many intervals old
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def _device_shape(devices: Sequence[Device]) -> tuple[tuple[str, int | None], ...]:
+    """What the advertisement depends on: which devices, and how big."""
+    return tuple((d.uuid, d.total_bytes) for d in devices)
+
+
+class Sampler(threading.Thread):
+    """One NVML pass per interval, published to the socket and the metrics."""
+
+    def __init__(
+        self,
+        source: NvmlSource,
+        server: UsageServer,
+        telemetry: AgentTelemetry,
+        interval: float,
+        devices_changed: threading.Event,
+    ) -> None:
+        super().__init__(name="nvml-sampler", daemon=True)
+        self._source = source
+        self._server = server
+        self._telemetry = telemetry
+        self._interval = interval
+        self._devices_changed = devices_changed
+        self.stop = threading.Event()
+        self.devices: Sequence[Device] = ()
+        self._up: bool | None = None
+
+    def run(self) -> None:
+        next_tick = time.monotonic()
+        while not self.stop.wait(max(0.0, next_tick - time.monotonic())):
+            next_tick = max(next_tick + self._interval, time.monotonic())
+            started = time.perf_counter()
+            sample = self._source.sample()
+            self._telemetry.tick_duration.observe(time.perf_counter() - started)
+            self._server.publish(sample)
+            self._record(sample)
+
+    def _record(self, sample: Sample | SourceDown) -> None:
+        up = isinstance(sample, Sample)
+        if up != self._up:
+            if isinstance(sample, Sample):
+                log.info("reading NVML: %d device(s)", len(sample.devices))
+            else:
+                log.error("cannot read GPU usage: %s", sample.reason)
+            self._up = up
+        self._telemetry.node.source_up = up
+        if isinstance(sample, Sample):
+            self._telemetry.node.devices = sample.devices
+            if _device_shape(sample.devices) != _device_shape(self.devices):
+                self.devices = sample.devices
+                self._devices_changed.set()
+
+
+class Advertiser(threading.Thread):
+    """Re-applies capacity and labels every resync, or at once when the GPUs change."""
+
+    def __init__(
+        self,
+        advertiser: NodeAdvertiser,
+        sampler: Sampler,
+        telemetry: AgentTelemetry,
+        resync: float,
+        devices_changed: threading.Event,
+    ) -> None:
+        super().__init__(name="node-advertiser", daemon=True)
+        self._advertiser = advertiser
+        self._sampler = sampler
+        self._telemetry = telemetry
+        self._resync = resync
+        self._devices_changed = devices_changed
+        self.stop = threading.Event()
+        self._last_error = ""
+
+    def run(self) -> None:
+        from enforcer.kube import Forbidden, KubeError  # noqa: PLC0415 - loaded only when used
+
+        while not self.stop.is_set():
+            self._devices_changed.wait(self._resync)
+            self._devices_changed.clear()
+            devices = self._sampler.devices
+            if self.stop.is_set() or not devices:
+                continue  # no successful NVML pass yet: never advertise a guess
+            try:
+                status_ops, label_ops = self._advertiser.sync(devices)
+            except Forbidden as exc:
+                self._report(str(exc), "sync", logging.ERROR)
+                continue
+            except KubeError as exc:
+                self._report(str(exc), "sync", logging.WARNING)
+                continue
+            self._telemetry.node.advertised_bytes = self._advertiser.desired_bytes(devices)
+            if status_ops or label_ops or self._last_error:
+                log.info("node is up to date (%d status, %d label changes)", status_ops, label_ops)
+            self._last_error = ""
+
+    def _report(self, message: str, operation: str, level: int) -> None:
+        """Each distinct failure is logged once, not on every resync."""
+        self._telemetry.api_errors.labels(operation).inc()
+        if message != self._last_error:
+            log.log(level, "%s", message)
+            self._last_error = message
+
+
+def run(settings: AgentSettings) -> int:
+    host_proc = ProcFs(settings.host_proc)
+    try:
+        PidView.of_process(host_proc, "self")
+    except PidViewError:
+        log.error(
+            "the agent must run in the host's PID namespace (hostPID: true), with %s being the "
+            "host's /proc: NVML reports host PIDs and only there can they be translated",
+            settings.host_proc,
+        )
+        return EXIT_USAGE
+    telemetry = AgentTelemetry()
+    advertiser = None
+    if settings.uses_api:
+        from enforcer.kube import KubeError, NodeAdvertiser, connect  # noqa: PLC0415
+
+        try:
+            api = connect(settings.kubeconfig)
+        except KubeError as exc:
+            log.error("%s", exc)
+            return EXIT_USAGE
+        advertiser = NodeAdvertiser(
+            api,
+            settings.node_name,
+            resource_name=settings.resource_name,
+            resource_unit=settings.resource_unit,
+            reserve_bytes=settings.reserve_bytes,
+            advertise=settings.advertise,
+            labels=settings.labels,
+        )
+    # Threads started from here on, libnvidia-ml's included, inherit the mask: only
+    # sigwait() below takes the signals, so a SIGTERM always means a clean shutdown.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    nvml = Nvml()
+    try:
+        nvml.init()
+    except NvmlError as exc:  # keep serving errors and retrying: the driver may come later
+        log.error("cannot initialise NVML yet (%s); retrying with backoff", exc)
+    try:
+        return _serve(settings, host_proc, nvml, telemetry, advertiser)
+    finally:
+        nvml.shutdown()
+
+
+def _serve(
+    settings: AgentSettings,
+    host_proc: ProcFs,
+    nvml: Nvml,
+    telemetry: AgentTelemetry,
+    advertiser: NodeAdvertiser | None,
+) -> int:
+    server = UsageServer(
+        Path(settings.socket),
+        host_proc,
+        ServerMetrics(telemetry.requests, telemetry.connections),
+        stale_after=max(2.0, STALE_INTERVALS * settings.interval),
+    )
+    try:
+        server.start()
+    except (SocketInUse, OSError) as exc:
+        log.error("cannot serve on %s: %s", settings.socket, exc)
+        return EXIT_USAGE
+    metrics = None
+    if settings.metrics_port is not None:
+        try:
+            metrics = MetricsServer(
+                telemetry.registry, settings.metrics_port, settings.metrics_address
+            )
+        except OSError as exc:
+            log.error("--metrics-port %d: %s", settings.metrics_port, exc.strerror)
+            server.close()
+            return EXIT_USAGE
+    changed = threading.Event()
+    source = NvmlSource(nvml, PidView.host(host_proc))
+    sampler = Sampler(source, server, telemetry, settings.interval, changed)
+    threads: list[Sampler | Advertiser] = [sampler]
+    if advertiser is not None:
+        threads.append(Advertiser(advertiser, sampler, telemetry, settings.resync, changed))
+    for t in threads:
+        t.start()
+    log.info("agent running on node %r", settings.node_name or "(no API)")
+    received = signal.sigwait(_STOP_SIGNALS)
+    log.info("%s: shutting down", signal.Signals(received).name)
+    server.close()
+    for t in threads:
+        t.stop.set()
+    changed.set()
+    for t in threads:
+        t.join(timeout=5)
+    source.close()
+    if metrics is not None:
+        metrics.close()
+    return 0

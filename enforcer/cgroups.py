@@ -1,0 +1,50 @@
+"""Which container a process runs in, from its `/proc/<pid>/cgroup` lines (pure).
+
+Container runtimes name a container's cgroup after its ID, in a handful of forms:
+
+    containerd, systemd driver   .../kubepods-burstable-pod<uid>.slice/cri-containerd-<id>.scope
+    containerd, cgroupfs driver  /kubepods/burstable/pod<uid>/<id>
+    CRI-O                        .../crio-<id>.scope   (but crio-conmon-<id>.scope is conmon)
+    Docker / cri-dockerd         .../docker-<id>.scope   or   /docker/<id>
+    cgroup namespaces            /../cri-containerd-<id>.scope  (relative to the reader's root)
+
+The ID alone proves nothing: it becomes a container of *this pod* only when it matches the
+pod's `status.containerStatuses[].containerID`, which the sidecar checks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from enforcer.procfs import CgroupEntry
+
+_ID = r"[0-9a-f]{64}"
+# The last path component that names a container: a runtime prefix and suffix, or a bare ID
+# (the cgroupfs driver) directly below a pod or docker directory.
+_NAMED = re.compile(rf"(?:^|/)(?:cri-containerd|crio|docker)-({_ID})\.scope(?:/|$)")
+_BARE = re.compile(rf"(?:^|/)(?:pod[0-9a-f_-]+|docker|\.\.)/({_ID})(?:/|$)")
+_STATUS_ID = re.compile(rf"^[a-z0-9-]+://({_ID})$")
+
+
+def container_id(entries: Sequence[CgroupEntry]) -> str | None:
+    """The container ID in a process's cgroup lines; None when there is none or they disagree.
+
+    cgroup v1 lists one line per hierarchy and v2 one line in all; some v1 hierarchies may
+    be unrelated (a host's `memory` cgroup, say). Every line that names a container must
+    name the same one.
+    """
+    found = set()
+    for entry in entries:
+        if "conmon" in entry.path:
+            return None  # CRI-O's container monitor, not a process of the container
+        match = _NAMED.search(entry.path) or _BARE.search(entry.path)
+        if match:
+            found.add(match[1])
+    return found.pop() if len(found) == 1 else None
+
+
+def status_container_id(value: str | None) -> str | None:
+    """`containerd://<id>` (or `cri-o://`, `docker://`) from a containerStatus, as a bare ID."""
+    match = _STATUS_ID.match(value or "")
+    return match[1] if match else None

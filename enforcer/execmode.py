@@ -1,0 +1,261 @@
+"""`vram-enforcer exec`: enforce a VRAM limit on one command and all of its descendants.
+
+The enforcer becomes a child subreaper, so a grandchild whose parent exits is re-parented
+to us and stays in the tree we enforce. Signals are taken synchronously (`sigtimedwait`)
+in the one loop that also ticks, so forwarding a signal, reaping a child and escalating a
+termination never race each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+from enforcer.attribution import attribute
+from enforcer.config import ExecSettings
+from enforcer.metrics import MetricsServer, Telemetry
+from enforcer.model import ProcessKey, Sample, UnitUsage, format_bytes
+from enforcer.nvml import Nvml, NvmlError
+from enforcer.pipeline import LogReporter, Pipeline
+from enforcer.procfs import INITIAL_PID_NS, ProcFs
+from enforcer.signals import Membership, Signaller, Terminator
+from enforcer.sources import NvmlSource, PidView, PidViewError
+
+log = logging.getLogger("enforcer.exec")
+
+EXIT_USAGE = 2  # our own failure to start: bad flags, no NVML, wrong namespace
+EXIT_NOT_EXECUTABLE = 126
+EXIT_NOT_FOUND = 127
+
+_PR_SET_CHILD_SUBREAPER = 36
+_SI_KERNEL = 0x80  # si_code of signals the kernel generates (the terminal's ^C)
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+_WAITED = frozenset({*_FORWARDED, signal.SIGCHLD})
+
+
+class StartupError(Exception):
+    """Why the command was not started; printed as one line, exit status 2."""
+
+
+class TreeAttributor:
+    """The unit is every descendant of this process: the command and whatever it spawns."""
+
+    def __init__(self, procfs: ProcFs, name: str, limit_bytes: int) -> None:
+        self._procfs = procfs
+        self._root = os.getpid()
+        self._name = name
+        self._limits = {name: limit_bytes}
+        # Membership is decided once per process: a descendant stays one (its orphans are
+        # re-parented to us, the subreaper) and an outsider can never become one. The
+        # command line is kept with it. Processes that leave the sample are forgotten.
+        self._known: dict[ProcessKey, str | None] = {}
+
+    def _is_member(self, pid: int) -> bool:
+        return self._procfs.is_descendant(pid, self._root)
+
+    def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]:
+        known: dict[ProcessKey, str | None] = {}
+        for key in {p.key for p in sample.processes}:
+            if key in self._known:
+                known[key] = self._known[key]
+            elif self._is_member(key.pid) and self._procfs.start_time(key.pid) == key.start_time:
+                known[key] = self._procfs.cmdline(key.pid) or ""
+            else:
+                known[key] = None
+        self._known = known
+        cmdlines = {key: cmd for key, cmd in known.items() if cmd is not None}
+        return attribute(sample, dict.fromkeys(cmdlines, self._name), self._limits, cmdlines)
+
+    def membership(self, unit: str) -> Membership:
+        return self._is_member
+
+    def label(self, unit: str) -> str:
+        return "the command tree"
+
+
+def _set_child_subreaper() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise StartupError(f"cannot become a child subreaper: {os.strerror(err)}")
+
+
+def _pid_view(settings: ExecSettings) -> PidView:
+    """Where NVML's host pids can be read; refuses to guess inside a container."""
+    if settings.host_proc:
+        try:
+            return PidView.of_process(ProcFs(settings.host_proc), "self")
+        except PidViewError as exc:
+            raise StartupError(f"--host-proc {settings.host_proc}: {exc}") from None
+    local = ProcFs()
+    ns = local.pid_ns("self")
+    if ns != INITIAL_PID_NS:
+        raise StartupError(
+            f"this process runs in a PID namespace (inode {ns}) other than the host's "
+            f"({INITIAL_PID_NS}), so the host PIDs that NVML reports name other processes "
+            "here. Run the container with --pid=host, or mount the host's /proc read-only "
+            "and pass --host-proc (e.g. -v /proc:/host/proc:ro --host-proc /host/proc)"
+        )
+    return PidView.host(local)
+
+
+def _spawn(command: tuple[str, ...]) -> int:
+    try:
+        return os.posix_spawnp(
+            command[0],
+            list(command),
+            os.environ,
+            setsigmask=(),
+            # Python ignores SIGPIPE and SIGXFSZ; an ignored disposition survives exec.
+            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+        )
+    except FileNotFoundError:
+        raise _SpawnError(EXIT_NOT_FOUND, f"{command[0]}: command not found") from None
+    except PermissionError:
+        raise _SpawnError(EXIT_NOT_EXECUTABLE, f"{command[0]}: permission denied") from None
+    except OSError as exc:
+        raise _SpawnError(EXIT_NOT_EXECUTABLE, f"{command[0]}: {exc.strerror}") from None
+
+
+class _SpawnError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@contextlib.contextmanager
+def _blocked_signals() -> Iterator[None]:
+    """Hold our signals for `sigtimedwait`; threads started inside inherit the mask."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def run(settings: ExecSettings) -> int:
+    """Run the command under enforcement; returns the exit status to exit with."""
+    # Block first: libnvidia-ml may start threads in nvmlInit, and a thread that does not
+    # block SIGCHLD would take it, so that sigtimedwait never saw the command exit.
+    with _blocked_signals():
+        try:
+            view = _pid_view(settings)
+            nvml = Nvml()
+            nvml.init()
+        except StartupError as exc:
+            log.error("%s", exc)
+            return EXIT_USAGE
+        except NvmlError as exc:
+            log.error("cannot read GPU memory usage, so the command was not started: %s", exc)
+            return EXIT_USAGE
+        try:
+            _set_child_subreaper()
+            return _supervise(settings, NvmlSource(nvml, view))
+        except StartupError as exc:
+            log.error("%s", exc)
+            return EXIT_USAGE
+        finally:
+            nvml.shutdown()
+
+
+def _supervise(settings: ExecSettings, source: NvmlSource) -> int:
+    procfs = ProcFs()
+    telemetry = Telemetry({}, unit_label="container")
+    terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
+    pipeline = Pipeline(
+        source,
+        TreeAttributor(procfs, settings.name, settings.limit_bytes),
+        settings.policy,
+        terminator,
+        [LogReporter()],
+        telemetry,
+    )
+    server = _serve_metrics(settings, telemetry)
+    try:
+        try:
+            child = _spawn(settings.command)
+        except _SpawnError as exc:
+            log.error("%s", exc)
+            return exc.status
+        log.info(
+            "enforcing a %s limit on pid %d (%s), every %.0f ms",
+            format_bytes(settings.limit_bytes),
+            child,
+            " ".join(settings.command),
+            settings.interval * 1000,
+        )
+        status = _loop(child, pipeline, terminator, settings.interval)
+    finally:
+        terminator.close()
+        if server is not None:
+            server.close()
+    leftovers = procfs.descendants(os.getpid())
+    if leftovers:
+        log.warning(
+            "the command exited, but %d process(es) it started are still running and are no "
+            "longer enforced: %s",
+            len(leftovers),
+            ", ".join(map(str, sorted(leftovers))),
+        )
+    return status
+
+
+def _serve_metrics(settings: ExecSettings, telemetry: Telemetry) -> MetricsServer | None:
+    if settings.metrics_port is None:
+        return None
+    try:
+        server = MetricsServer(telemetry.registry, settings.metrics_port, settings.metrics_address)
+    except OSError as exc:
+        raise StartupError(
+            f"--metrics-port {settings.metrics_port}: cannot listen on "
+            f"{settings.metrics_address}: {exc.strerror}"
+        ) from None
+    log.info("serving metrics on http://%s:%d/metrics", settings.metrics_address, server.port)
+    return server
+
+
+def _loop(child: int, pipeline: Pipeline, terminator: Terminator, interval: float) -> int:
+    """Tick, forward signals and reap children until the command exits and victims are gone."""
+    status: int | None = None
+    next_tick = time.monotonic()
+    while status is None or terminator.busy():
+        now = time.monotonic()
+        if now >= next_tick:
+            pipeline.tick()
+            next_tick = max(next_tick + interval, now)
+        deadline = terminator.next_deadline()
+        wake = next_tick if deadline is None else min(next_tick, deadline)
+        info = signal.sigtimedwait(_WAITED, max(0.0, wake - time.monotonic()))
+        if info is None:
+            # Reap here too: a SIGCHLD taken by a thread we did not start must not hang us.
+            status = _reap(child, status)
+            pipeline.follow_victims()
+            continue
+        if info.si_signo == signal.SIGCHLD:
+            status = _reap(child, status)
+            pipeline.follow_victims()
+        elif status is None and info.si_code == _SI_KERNEL:
+            pass  # from the terminal: the command is in our process group and got it too
+        elif status is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, info.si_signo)
+    return status
+
+
+def _reap(child: int, status: int | None) -> int | None:
+    """Collect every exited child (orphans are ours too); remember the command's status."""
+    while True:
+        try:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return status
+        if pid == 0:
+            return status
+        if pid == child:
+            code = os.waitstatus_to_exitcode(wait_status)
+            status = 128 - code if code < 0 else code

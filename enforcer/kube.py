@@ -1,0 +1,362 @@
+"""The Kubernetes API: connecting, advertising a node's VRAM and labels, retry policies.
+
+Everything goes through the official client. Objects are handled as plain JSON (the
+client's own `sanitize_for_serialization`), so the pure modules see the same dicts the
+API server sends, whatever version of the client's generated models is installed. Writes
+are JSON patches, which every client version sends as `application/json-patch+json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import tenacity
+import urllib3.exceptions
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from enforcer.model import Device
+from enforcer.node import capacity_patch, gpu_labels, label_ops, node_vram, to_units
+
+log = logging.getLogger("enforcer.kube")
+
+COMPONENT = "vram-enforcer"
+
+# Connection problems and the API statuses that a later attempt can fix.
+_RETRYABLE_STATUS = frozenset({409, 429, 500, 502, 503, 504})
+_NETWORK_ERRORS = (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError, OSError)
+
+
+class KubeError(Exception):
+    """An API failure that retrying will not fix; the message says what to do."""
+
+
+class KubeConfigError(KubeError):
+    """No way to reach the API server was configured."""
+
+
+class Forbidden(KubeError):
+    """RBAC denied a request: which verb on which resource, and how to grant it."""
+
+    def __init__(self, verb: str, resource: str, detail: str) -> None:
+        super().__init__(
+            f"RBAC forbids '{verb}' on '{resource}': {detail}. Grant it to this "
+            "ServiceAccount (see deploy/rbac/ for the minimal roles)"
+        )
+        self.verb = verb
+        self.resource = resource
+
+
+def connect(kubeconfig: str | None = None) -> client.ApiClient:
+    """An API client from `kubeconfig`, else in-cluster, else the default kubeconfig."""
+    try:
+        if kubeconfig:
+            return config.new_client_from_config(config_file=kubeconfig)
+        try:
+            config.load_incluster_config()
+            return client.ApiClient()
+        except ConfigException:
+            return config.new_client_from_config()
+    except (ConfigException, OSError) as exc:
+        raise KubeConfigError(
+            f"cannot configure the Kubernetes client ({exc}); run in a pod with a "
+            "ServiceAccount, or pass --kubeconfig"
+        ) from None
+
+
+def is_retryable(exc: BaseException) -> bool:
+    if isinstance(exc, ApiException):
+        return exc.status in _RETRYABLE_STATUS or exc.status == 0
+    return isinstance(exc, _NETWORK_ERRORS)
+
+
+def retrying(deadline: float) -> tenacity.Retrying:
+    """Retry transient failures with exponential backoff and jitter, for at most `deadline`."""
+    return tenacity.Retrying(
+        retry=tenacity.retry_if_exception(is_retryable),
+        wait=tenacity.wait_exponential(multiplier=0.2, max=10) + tenacity.wait_random(0, 0.5),
+        stop=tenacity.stop_after_delay(deadline),
+        reraise=True,
+        before_sleep=lambda state: log.info(
+            "Kubernetes API call failed (%s); retrying",
+            _short(state.outcome.exception() if state.outcome else None),
+        ),
+    )
+
+
+def _short(exc: BaseException | None) -> str:
+    if isinstance(exc, ApiException):
+        return f"HTTP {exc.status} {exc.reason}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def call(verb: str, resource: str, fn: Any, *args: Any, deadline: float, **kwargs: Any) -> Any:
+    """Run one API call under the retry policy; a 403 becomes `Forbidden`."""
+    try:
+        for attempt in retrying(deadline):
+            with attempt:
+                return fn(*args, **kwargs)
+    except ApiException as exc:
+        if exc.status == 403:
+            raise Forbidden(verb, resource, _reason(exc)) from None
+        raise KubeError(f"{verb} {resource} failed: {_short(exc)}: {_reason(exc)}") from None
+    except _NETWORK_ERRORS as exc:
+        raise KubeError(
+            f"{verb} {resource} failed: the API server is unreachable ({exc})"
+        ) from None
+    raise AssertionError("unreachable")  # pragma: no cover - tenacity returns or raises
+
+
+def _reason(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body or "{}").get("message") or exc.reason)
+    except (ValueError, AttributeError):
+        return str(exc.reason)
+
+
+class NodeAdvertiser:
+    """Brings a Node's VRAM capacity and GPU labels to what NVML reports, and only then."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        node_name: str,
+        *,
+        resource_name: str,
+        resource_unit: int,
+        reserve_bytes: int,
+        advertise: bool = True,
+        labels: bool = True,
+        deadline: float = 30.0,
+    ) -> None:
+        self._api = api
+        self._core = client.CoreV1Api(api)
+        self._node = node_name
+        self._resource = resource_name
+        self._unit = resource_unit
+        self._reserve = reserve_bytes
+        self._advertise = advertise
+        self._labels = labels
+        self._deadline = deadline
+
+    def desired_bytes(self, devices: Sequence[Device]) -> int:
+        return to_units(node_vram(devices, self._reserve), self._unit) * self._unit
+
+    def sync(self, devices: Sequence[Device]) -> tuple[int, int]:
+        """Patch what differs; returns (status ops, label ops) applied. Raises KubeError."""
+        node = self._read()
+        status_ops: list[dict[str, Any]] = []
+        label_changes: list[dict[str, Any]] = []
+        if self._advertise:
+            units = to_units(node_vram(devices, self._reserve), self._unit)
+            status_ops = capacity_patch(node.get("status"), self._resource, units)
+        if self._labels:
+            label_changes = label_ops(node.get("metadata", {}).get("labels"), gpu_labels(devices))
+        if status_ops:
+            call("patch", "nodes/status", self._core.patch_node_status, self._node, status_ops,
+                 deadline=self._deadline)  # fmt: skip
+        if label_changes:
+            call("patch", "nodes", self._core.patch_node, self._node, label_changes,
+                 deadline=self._deadline)  # fmt: skip
+        return len(status_ops), len(label_changes)
+
+    def _read(self) -> dict[str, Any]:
+        node = call("get", "nodes", self._core.read_node, self._node, deadline=self._deadline)
+        raw: dict[str, Any] = self._api.sanitize_for_serialization(node)
+        return raw
+
+
+class PodWatcher(threading.Thread):
+    """The sidecar's own pod, fetched in the background and refreshed on demand.
+
+    Attribution needs the pod's container IDs; a container that restarts gets a new one.
+    Asking for a refresh never blocks: the tick goes on with what is known, and a process
+    of an unknown container is simply not attributed until the refresh lands.
+    """
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        namespace: str,
+        name: str,
+        period: float = 30.0,
+        min_gap: float = 1.0,
+    ) -> None:
+        super().__init__(name="pod-watcher", daemon=True)
+        self._core = client.CoreV1Api(api)
+        self._api = api
+        self._namespace = namespace
+        self._name = name
+        self._period = period
+        self._min_gap = min_gap
+        self._wanted = threading.Event()
+        self.stop = threading.Event()
+        self.pod: dict[str, Any] | None = None
+        self.error: str | None = None
+        self._wanted.set()
+
+    def refresh(self) -> None:
+        self._wanted.set()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self._wanted.wait(self._period)  # also re-read now and then: container states
+            self._wanted.clear()
+            if self.stop.is_set():
+                return
+            try:
+                pod = call(
+                    "get",
+                    "pods",
+                    self._core.read_namespaced_pod,
+                    self._name,
+                    self._namespace,
+                    deadline=10.0,
+                )
+            except KubeError as exc:
+                if str(exc) != self.error:
+                    log.warning(
+                        "cannot read this pod from the API (%s); attribution uses what is known",
+                        exc,
+                    )
+                self.error = str(exc)
+                self._wanted.set()  # keep trying, at the pace below
+            else:
+                self.pod = self._api.sanitize_for_serialization(pod)
+                if self.error:
+                    log.info("reading this pod from the API again")
+                self.error = None
+            self.stop.wait(self._min_gap)
+
+
+@dataclass(slots=True)
+class _Sent:
+    name: str
+    count: int
+    first: str
+    at: float
+
+
+class EventRecorder(threading.Thread):
+    """Kubernetes Events for one pod, aggregated like client-go's recorder, never blocking.
+
+    `record()` only queues. A background thread creates the Event, or, for a repeat (same
+    reason, type and container) within ten minutes, patches its count, lastTimestamp and
+    message, so `kubectl describe pod` shows "(x3 over 2m)" with the latest numbers.
+    Failures are retried with backoff, counted, and at worst dropped: an Event is helpful
+    but auxiliary, and must never delay a kill.
+    """
+
+    WINDOW = 600.0
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        namespace: str,
+        pod_name: str,
+        pod_uid: str,
+        host: str,
+        failures: Any,
+        deadline: float = 30.0,
+    ) -> None:
+        super().__init__(name="event-recorder", daemon=True)
+        self._core = client.CoreV1Api(api)
+        self._namespace = namespace
+        self._pod = pod_name
+        self._uid = pod_uid
+        self._host = host
+        self._failures = failures
+        self._deadline = deadline
+        self._queue: queue.Queue[tuple[str, str, bool, str | None] | None] = queue.Queue(
+            maxsize=1000
+        )
+        self._sent: dict[tuple[str, str | None, bool], _Sent] = {}
+        self._forbidden_logged = False
+
+    def record(self, reason: str, message: str, warning: bool, field_path: str | None) -> None:
+        try:
+            self._queue.put_nowait((reason, message, warning, field_path))
+        except queue.Full:
+            self._failures.labels("dropped").inc()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Let queued Events go out for up to `timeout`, then stop."""
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
+        self.join(timeout)
+
+    def run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._send(*item)
+            except Forbidden as exc:
+                self._failures.labels("forbidden").inc()
+                if not self._forbidden_logged:
+                    log.error("cannot post Events: %s", exc)
+                    self._forbidden_logged = True
+            except KubeError as exc:
+                self._failures.labels("api").inc()
+                log.warning("an Event was not posted: %s", exc)
+
+    def _send(self, reason: str, message: str, warning: bool, field_path: str | None) -> None:
+        now = time.time()
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+        key = (reason, field_path, warning)
+        sent = self._sent.get(key)
+        if sent is not None and now - sent.at < self.WINDOW:
+            sent.count += 1
+            ops = [
+                {"op": "replace", "path": "/count", "value": sent.count},
+                {"op": "replace", "path": "/lastTimestamp", "value": stamp},
+                {"op": "replace", "path": "/message", "value": message[:1024]},
+            ]
+            patch = self._core.patch_namespaced_event
+            try:
+                call(
+                    "patch",
+                    "events",
+                    patch,
+                    sent.name,
+                    self._namespace,
+                    ops,
+                    deadline=self._deadline,
+                )
+            except KubeError:
+                del self._sent[key]  # the Event is gone (expired, deleted): start a new one
+            else:
+                sent.at = now
+                return
+        involved: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "namespace": self._namespace,
+            "name": self._pod,
+            "uid": self._uid,
+        }
+        if field_path:
+            involved["fieldPath"] = field_path
+        body = {
+            "metadata": {"generateName": f"{self._pod}.", "namespace": self._namespace},
+            "involvedObject": involved,
+            "reason": reason,
+            "message": message[:1024],
+            "type": "Warning" if warning else "Normal",
+            "source": {"component": COMPONENT, "host": self._host},
+            "reportingComponent": COMPONENT,
+            "reportingInstance": self._pod,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        create = self._core.create_namespaced_event
+        created = call("create", "events", create, self._namespace, body, deadline=self._deadline)
+        self._sent[key] = _Sent(str(created.metadata.name), 1, stamp, now)

@@ -1,0 +1,42 @@
+"""Logging set-up: one line per event, as text for people or JSON for log pipelines.
+
+Structured fields are passed with `extra=`; the JSON formatter emits every such field, so
+a log pipeline can filter on `unit`, `pid` or `reason` without parsing sentences.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+_STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        payload = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        payload.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD})
+        if record.exc_info:
+            payload["exc"] = self.formatException(record.exc_info)
+        return json.dumps(payload, default=str)
+
+
+def setup(fmt: str = "text", verbosity: int = 0, *, default_level: int = logging.WARNING) -> None:
+    """Configure the root logger; each `-v` lowers the threshold one level."""
+    level = max(logging.DEBUG, default_level - 10 * verbosity)
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("vram-enforcer: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)

@@ -1,0 +1,89 @@
+"""The sentences people read: stderr lines, log messages and Kubernetes Event messages.
+
+One place for them keeps `exec`, the sidecar and the docs saying the same thing the same
+way. Each sentence answers: who, how much of what limit, and what was (or was not) done.
+"""
+
+from __future__ import annotations
+
+from enforcer.config import format_duration
+from enforcer.model import Action, ProcessTotal, SignalResult, UnitUsage, format_bytes
+from enforcer.policy import Enforcement, Notice, Reason
+
+_SIGNAL_NAME = {Action.TERMINATE: "SIGTERM", Action.KILL: "SIGKILL", Action.RESTART: "SIGTERM"}
+
+_REFUSED = {
+    SignalResult.GONE: "it had already exited",
+    SignalResult.IDENTITY_CHANGED: "its pid now belongs to another process (start time changed)",
+    SignalResult.NOT_MEMBER: "it no longer belongs to {label}",
+    SignalResult.PROTECTED: "it is protected (pid 1 or the enforcer itself)",
+    SignalResult.DENIED: "the kernel denied the signal (EPERM: missing CAP_KILL?)",
+}
+
+
+def usage(unit: UnitUsage, label: str) -> str:
+    """`the command tree uses 5.10 GiB of its 4.00 GiB VRAM limit (127%)`."""
+    used, limit = unit.used_bytes, unit.limit_bytes
+    if limit == 0:
+        return f"{label} uses {format_bytes(used)} of VRAM but declares no VRAM limit"
+    share = f" ({100 * used / limit:.0f}%)"
+    unknown = " plus usage NVML could not report" if unit.has_unknown else ""
+    return (
+        f"{label} uses {format_bytes(used)}{unknown} of its {format_bytes(limit)} VRAM limit{share}"
+    )
+
+
+def process(victim: ProcessTotal) -> str:
+    """`pid 4242 (python train.py), which holds 5.00 GiB`."""
+    cmd = victim.cmdline if len(victim.cmdline) <= 120 else victim.cmdline[:117] + "..."
+    name = f" ({cmd})" if cmd else ""
+    return f"pid {victim.key.pid}{name}, which holds {format_bytes(victim.used_bytes)}"
+
+
+def notice(n: Notice, label: str, action: Action, warn_at: float) -> str:
+    if n.reason is Reason.NEAR_LIMIT:
+        return f"{usage(n.unit, label)}, above the {100 * warn_at:g}% warning threshold"
+    if action is Action.WARN:
+        consequence = "the action is warn, so nothing is signalled"
+    elif not n.unit.enforceable:
+        consequence = "not enforced: the containers of some processes cannot be proven yet"
+    elif n.over_for_left > 0:
+        left = format_duration(n.over_for_left)
+        consequence = f"it will be enforced ({action}) if it stays over for {left}"
+    else:
+        consequence = f"enforcing ({action})"
+    return f"{usage(n.unit, label)}; {consequence}"
+
+
+def enforcement(e: Enforcement, label: str, result: SignalResult) -> str:
+    signal = _SIGNAL_NAME.get(e.action, str(e.action))
+    head = f"{usage(e.unit, label)}; "
+    if e.dry_run:
+        return head + f"dry run: would send {signal} to {process(e.victim)}"
+    if result is SignalResult.SENT:
+        tail = ""
+        if e.action is not Action.KILL:
+            tail = f"; SIGKILL follows in {format_duration(e.grace_period)} if it has not exited"
+        if e.action is Action.RESTART:
+            return (
+                head
+                + f"restarting it: sent {signal} to its init process, {process(e.victim)}{tail}"
+            )
+        return head + f"sent {signal} to {process(e.victim)}{tail}"
+    reason = _REFUSED[result].format(label=label)
+    return head + f"did not signal {process(e.victim)}: {reason}"
+
+
+def escalated(victim: ProcessTotal, grace_period: float) -> str:
+    grace = format_duration(grace_period)
+    return f"{process(victim)} did not exit {grace} after SIGTERM; sent SIGKILL"
+
+
+def source_down(reason: str) -> str:
+    return (
+        f"VRAM usage cannot be observed ({reason}); enforcement is paused and nothing is signalled"
+    )
+
+
+def source_up() -> str:
+    return "VRAM usage can be observed again; enforcement resumed"

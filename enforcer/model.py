@@ -1,0 +1,145 @@
+"""Plain data shared by every stage of the pipeline.
+
+Nothing here does I/O: a `Sample` is what a usage source saw, a `UnitUsage` is what
+attribution made of it, and the policy decides over those. Keeping them frozen means a
+tick's inputs cannot change under the decision that is being made about them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import NamedTuple
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+class ProcessKey(NamedTuple):
+    """A process identity that survives PID reuse: the pid and its start time.
+
+    `start_time` is field 22 of `/proc/<pid>/stat`, in clock ticks since boot. Two
+    processes never share both, so a signal aimed at a key cannot hit a newcomer.
+    (A NamedTuple: keys are hashed many times per tick, and tuples hash in C.)
+    """
+
+    pid: int
+    start_time: int
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One GPU, or one MIG partition of a GPU (then `parent_uuid` names the GPU).
+
+    Byte counts are None when NVML could not tell: unknown is never zero.
+    """
+
+    index: int
+    uuid: str
+    name: str
+    total_bytes: int | None
+    used_bytes: int | None
+    parent_uuid: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessUsage:
+    """GPU memory held by one process on one device, with pids as the reader sees them."""
+
+    key: ProcessKey
+    device_uuid: str
+    used_bytes: int | None
+    # (PID namespace inode, pid there) from the host's namespace down to the process's own,
+    # when the source knows it (the node agent answers each caller from it).
+    namespaces: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """Everything one NVML pass saw, already filtered to the caller's PID namespace."""
+
+    sampled_at: float
+    devices: tuple[Device, ...]
+    processes: tuple[ProcessUsage, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SourceDown:
+    """A usage source could not produce a sample; `reason` is for humans."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessTotal:
+    """One process's usage inside one enforcement unit, per device and summed.
+
+    `used_bytes` counts only what NVML reported. A device where NVML listed the process but
+    not its usage appears in `by_device` with None: that usage is never guessed as zero for
+    choosing a victim, and a process with only unknown usage is never killed.
+    """
+
+    key: ProcessKey
+    used_bytes: int
+    by_device: tuple[tuple[str, int | None], ...]
+    cmdline: str = ""
+
+    @property
+    def unknown_devices(self) -> tuple[str, ...]:
+        return tuple(uuid for uuid, used in self.by_device if used is None)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitUsage:
+    """The usage of one unit that carries a limit: a container, or `exec`'s command tree."""
+
+    name: str
+    limit_bytes: int
+    processes: tuple[ProcessTotal, ...] = ()
+    # False when membership is only known for the whole pod: such a unit is reported on,
+    # never enforced, since no single process of it is proven to be the culprit.
+    enforceable: bool = True
+    # The process whose exit restarts the container (action `restart`), when known.
+    init_process: ProcessTotal | None = None
+    used_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "used_bytes", sum(p.used_bytes for p in self.processes))
+
+    @property
+    def has_unknown(self) -> bool:
+        return any(p.unknown_devices for p in self.processes)
+
+
+class Action(StrEnum):
+    """What to do with a unit over its limit."""
+
+    WARN = "warn"
+    TERMINATE = "terminate"
+    KILL = "kill"
+    RESTART = "restart"
+
+
+class SignalResult(StrEnum):
+    """What became of one attempt to signal a process."""
+
+    SENT = "sent"
+    GONE = "gone"
+    IDENTITY_CHANGED = "identity-changed"
+    NOT_MEMBER = "not-member"
+    PROTECTED = "protected"
+    DENIED = "denied"
+
+
+def format_bytes(n: int | None) -> str:
+    """Human-readable binary size, as people read it in `kubectl describe` and logs."""
+    if n is None:
+        return "unknown"
+    if abs(n) < 1024:
+        return f"{n} B"
+    value = n / 1024
+    for suffix in ("KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.2f} {suffix}"
+        value /= 1024
+    return f"{value:.2f} TiB"

@@ -1,0 +1,296 @@
+"""nvidia-ml-py behind a small interface: devices, per-process usage, MIG.
+
+pynvml raises a different exception class per NVML return code and reports "not
+available" as None in some places and as 0xFFFF... in others. This module turns both into
+our own terms: `NvmlUnavailable` (cannot start: nothing will work until a person acts),
+`NvmlLost` (the driver or a GPU went away: re-initialise, with backoff) and
+`NvmlQueryError` (this pass failed; try the next). Unknown usage stays None, never 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pynvml
+
+from enforcer.backoff import Backoff
+from enforcer.model import Device
+
+# NVML returns all-ones for "not available" in 64-bit fields.
+NOT_AVAILABLE_64 = 0xFFFFFFFFFFFFFFFF
+
+_UNAVAILABLE_HELP = {
+    pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: (
+        "libnvidia-ml.so.1 was not found: the NVIDIA driver is not installed here. In a "
+        "container, run it with the NVIDIA container runtime (docker --gpus, or a pod with "
+        "runtimeClassName nvidia / NVIDIA_VISIBLE_DEVICES) so that the library is mounted in"
+    ),
+    pynvml.NVML_ERROR_DRIVER_NOT_LOADED: (
+        "the NVIDIA kernel driver is not loaded: is this a GPU machine? `nvidia-smi` should "
+        "list the GPUs"
+    ),
+    pynvml.NVML_ERROR_NO_PERMISSION: (
+        "no permission to talk to the NVIDIA driver: the process needs read-write access to "
+        "/dev/nvidiactl and the /dev/nvidia* devices"
+    ),
+    pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH: (
+        "the NVML library and the loaded kernel driver have different versions: the driver "
+        "was upgraded without a reboot; reload the nvidia kernel modules or reboot"
+    ),
+}
+
+
+class _ProcessInfo(ctypes.Structure):
+    """`nvmlProcessInfo_t` as nvml.h lays it out since R470 (24 bytes), for `_v2` and `_v3`.
+
+    We read the process lists into our own array of these instead of pynvml's friendly
+    objects: it fixes the layout we depend on (nvidia-ml-py 12.535.77 got it wrong for
+    `_v3`) and costs a tenth of the CPU per process, which matters on every tick.
+    """
+
+    _fields_: ClassVar[list[tuple[str, type[ctypes._SimpleCData[Any]]]]] = [
+        ("pid", ctypes.c_uint),
+        ("usedGpuMemory", ctypes.c_ulonglong),
+        ("gpuInstanceId", ctypes.c_uint),
+        ("computeInstanceId", ctypes.c_uint),
+    ]
+
+
+# Each list, newest first; drivers older than R510 lack `_v3`, and `_v2` has the same layout.
+_PROCESS_LISTS = (
+    ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"),
+    ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2"),
+)
+
+# Errors after which the NVML session or a device handle is no longer usable.
+_LOST = frozenset(
+    {
+        pynvml.NVML_ERROR_UNINITIALIZED,
+        pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
+        pynvml.NVML_ERROR_GPU_IS_LOST,
+        pynvml.NVML_ERROR_RESET_REQUIRED,
+        pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+        pynvml.NVML_ERROR_NOT_FOUND,
+        pynvml.NVML_ERROR_INVALID_ARGUMENT,
+        pynvml.NVML_ERROR_UNKNOWN,
+    }
+)
+
+
+class NvmlError(Exception):
+    """An NVML failure, with the NVML return code where there is one."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class NvmlUnavailable(NvmlError):
+    """NVML cannot be initialised; the message says why and what to do."""
+
+
+class NvmlLost(NvmlError):
+    """The driver or a GPU stopped answering; the session is re-initialised with backoff."""
+
+
+class NvmlQueryError(NvmlError):
+    """One query failed for a reason that does not invalidate the session."""
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlProcess:
+    """A process as NVML reports it: host pid, device, bytes (None when not available)."""
+
+    pid: int
+    device_uuid: str
+    used_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlSnapshot:
+    devices: tuple[Device, ...]
+    processes: tuple[NvmlProcess, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Handle:
+    """A device to query each pass: a whole GPU, or one MIG partition of it."""
+
+    handle: Any
+    index: int
+    uuid: str
+    name: str
+    parent_uuid: str | None
+    query_processes: bool
+
+
+def _code(exc: pynvml.NVMLError) -> int:
+    return int(exc.value)
+
+
+def _translate(exc: pynvml.NVMLError, what: str) -> NvmlError:
+    code = _code(exc)
+    message = f"{what}: {exc}"
+    if code in _LOST:
+        return NvmlLost(message, code)
+    return NvmlQueryError(message, code)
+
+
+def _bytes(value: object) -> int | None:
+    if value is None:
+        return None
+    number = int(value)  # type: ignore[call-overload]
+    return None if number == NOT_AVAILABLE_64 else number
+
+
+class Nvml:
+    """An NVML session that enumerates devices once and re-initialises itself after loss."""
+
+    def __init__(self, backoff: Backoff | None = None, clock: Callable[[], float] = time.monotonic):
+        self._backoff = backoff or Backoff()
+        self._clock = clock
+        self._handles: list[_Handle] | None = None
+        self.driver_version = ""
+        self._lists = [names[0] for names in _PROCESS_LISTS]
+        self._buffer = (_ProcessInfo * 64)()
+
+    def init(self) -> None:
+        """Start the session; raises NvmlUnavailable with a reason a person can act on."""
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            code = _code(exc)
+            help_text = _UNAVAILABLE_HELP.get(code, f"NVML initialisation failed: {exc}")
+            raise NvmlUnavailable(help_text, code) from None
+        try:
+            self.driver_version = str(pynvml.nvmlSystemGetDriverVersion())
+            self._handles = self._enumerate()
+        except pynvml.NVMLError as exc:
+            self._shutdown_quietly()
+            raise _translate(exc, "enumerating GPUs") from None
+
+    def shutdown(self) -> None:
+        if self._handles is not None:
+            self._shutdown_quietly()
+
+    def _shutdown_quietly(self) -> None:
+        self._handles = None
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+    def snapshot(self) -> NvmlSnapshot:
+        """One pass over every device: memory totals and per-process usage."""
+        handles = self._handles if self._handles is not None else self._reinit()
+        try:
+            snap = self._read(handles)
+        except pynvml.NVMLError as exc:
+            error = _translate(exc, "reading GPU usage")
+            if isinstance(error, NvmlLost):
+                self._shutdown_quietly()
+                self._backoff.failed(self._clock())
+            raise error from None
+        self._backoff.succeeded()
+        return snap
+
+    def _reinit(self) -> list[_Handle]:
+        now = self._clock()
+        if not self._backoff.ready(now):
+            wait = self._backoff.next_attempt - now
+            raise NvmlLost(f"NVML is re-initialising; next attempt in {wait:.2f}s")
+        try:
+            self.init()
+        except NvmlError as exc:
+            self._backoff.failed(now)
+            raise NvmlLost(f"re-initialising NVML failed: {exc}", exc.code) from None
+        assert self._handles is not None  # noqa: S101 - init() sets them or raises
+        return self._handles
+
+    def _enumerate(self) -> list[_Handle]:
+        handles: list[_Handle] = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = str(pynvml.nvmlDeviceGetUUID(handle))
+            migs = self._mig_devices(handle, index, uuid)
+            name = str(pynvml.nvmlDeviceGetName(handle))
+            handles.append(_Handle(handle, index, uuid, name, None, not migs))
+            handles.extend(migs)
+        return handles
+
+    def _mig_devices(self, parent: Any, index: int, parent_uuid: str) -> list[_Handle]:
+        """MIG partitions of a GPU in MIG mode; processes are only attributable per partition."""
+        try:
+            current, _pending = pynvml.nvmlDeviceGetMigMode(parent)
+        except pynvml.NVMLError_NotSupported:
+            return []
+        if current != pynvml.NVML_DEVICE_MIG_ENABLE:
+            return []
+        found = []
+        for slot in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(parent)):
+            try:
+                mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, slot)
+            except pynvml.NVMLError_NotFound:
+                continue
+            uuid = str(pynvml.nvmlDeviceGetUUID(mig))
+            name = str(pynvml.nvmlDeviceGetName(mig))
+            found.append(_Handle(mig, index, uuid, name, parent_uuid, True))
+        return found
+
+    def _read(self, handles: list[_Handle]) -> NvmlSnapshot:
+        devices = []
+        usage: dict[tuple[int, str], int | None] = {}
+        for h in handles:
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h.handle)
+            devices.append(
+                Device(h.index, h.uuid, h.name, _bytes(mem.total), _bytes(mem.used), h.parent_uuid)
+            )
+            if not h.query_processes:
+                continue
+            for pid, used in self._processes(h.handle):
+                key = (pid, h.uuid)
+                usage[key] = _merge(usage[key], used) if key in usage else used
+        processes = tuple(NvmlProcess(pid, uuid, used) for (pid, uuid), used in usage.items())
+        return NvmlSnapshot(tuple(devices), processes)
+
+    def _processes(self, handle: Any) -> list[tuple[int, int | None]]:
+        """(host pid, bytes or None) from both process lists of one device."""
+        found: list[tuple[int, int | None]] = []
+        for i, name in enumerate(self._lists):
+            try:
+                found.extend(self._process_list(name, handle))
+            except pynvml.NVMLError_FunctionNotFound:
+                older = _PROCESS_LISTS[i][1]
+                if name == older:
+                    raise
+                self._lists[i] = older
+                found.extend(self._process_list(older, handle))
+        return found
+
+    def _process_list(self, name: str, handle: Any) -> list[tuple[int, int | None]]:
+        """NVML's size handshake, into a buffer kept between calls (grown when too small)."""
+        fn = pynvml._nvmlGetFunctionPointer(name)
+        while True:
+            count = ctypes.c_uint(len(self._buffer))
+            ret = fn(handle, ctypes.byref(count), self._buffer)
+            if ret != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+                break
+            # Processes may start between two calls: leave room for them.
+            self._buffer = (_ProcessInfo * (count.value * 2 + 16))()
+        if ret != pynvml.NVML_SUCCESS:
+            raise pynvml.NVMLError(ret)
+        buf = self._buffer
+        return [(buf[i].pid, _bytes(buf[i].usedGpuMemory)) for i in range(count.value)]
+
+
+def _merge(a: int | None, b: int | None) -> int | None:
+    """One process in both the compute and the graphics list of a device holds one context:
+    the same memory, reported twice. Count it once, preferring a known figure."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return max(a, b)

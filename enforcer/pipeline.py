@@ -1,0 +1,165 @@
+"""One enforcement tick: sample -> attribute -> decide -> act -> report.
+
+`exec` and the sidecar run this same tick; they differ only in their attributor (process
+tree or cgroups) and their reporters (stderr or Kubernetes Events). When the source is
+down the tick still follows victims already being terminated, but decides nothing new:
+the policy state is kept as it was, and nobody is signalled on stale or missing data.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from enforcer import messages
+from enforcer.metrics import Telemetry, View
+from enforcer.model import Sample, SignalResult, SourceDown, UnitUsage
+from enforcer.policy import Decision, PolicyConfig, Reason, UnitState, decide
+from enforcer.signals import Escalation, EscalationEvent, Membership, Terminator
+from enforcer.sources import UsageSource
+
+log = logging.getLogger("enforcer")
+
+
+class Attributor(Protocol):
+    """Maps a sample's processes to units; knows how to re-check membership before a signal."""
+
+    def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]: ...
+
+    def membership(self, unit: str) -> Membership: ...
+
+    def label(self, unit: str) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """Something a person should hear about: a reason, a sentence, and what it is about."""
+
+    reason: Reason
+    message: str
+    unit: str | None = None
+    pid: int | None = None
+    normal: bool = False  # good news (Event type Normal rather than Warning)
+    quiet: bool = False  # routine: logged at INFO, so `exec` does not print it by default
+
+
+class Reporter(Protocol):
+    def report(self, report: Report) -> None: ...
+
+
+class LogReporter:
+    """Reports as log lines, with the report's fields as structured data."""
+
+    def report(self, report: Report) -> None:
+        fields = {"reason": str(report.reason), "unit": report.unit, "pid": report.pid}
+        level = logging.INFO if report.quiet else logging.WARNING
+        log.log(level, report.message, extra={k: v for k, v in fields.items() if v is not None})
+
+
+class Pipeline:
+    def __init__(
+        self,
+        source: UsageSource,
+        attributor: Attributor,
+        config: PolicyConfig,
+        terminator: Terminator,
+        reporters: Sequence[Reporter],
+        telemetry: Telemetry,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._source = source
+        self._attributor = attributor
+        self._config = config
+        self._terminator = terminator
+        self._reporters = reporters
+        self._telemetry = telemetry
+        self._clock = clock
+        self._state: dict[str, UnitState] = {}
+        self._source_up: bool | None = None
+        self.last_units: tuple[UnitUsage, ...] = ()
+
+    def tick(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._tick()
+        finally:
+            self._telemetry.tick_duration.observe(time.perf_counter() - started)
+
+    def follow_victims(self) -> None:
+        """Escalate or forget victims; runs every tick, and between ticks at their deadlines."""
+        for event in self._terminator.poll(self._clock()):
+            self._escalation(event)
+
+    def _tick(self) -> None:
+        self.follow_victims()
+        sample = self._source.sample()
+        if isinstance(sample, SourceDown):
+            self._source_changed(False, sample.reason)
+            self._telemetry.collector.show(View(self.last_units, (), source_up=False))
+            return
+        self._source_changed(True, "")
+        units = self._attributor.attribute(sample)
+        decision = decide(units, self._config, self._state, self._clock(), self._terminator.busy())
+        self._state = dict(decision.state)
+        self._act(decision)
+        self.last_units = units
+        self._telemetry.collector.show(View(units, sample.devices, source_up=True))
+
+    def _act(self, decision: Decision) -> None:
+        for notice in decision.notices:
+            label = self._attributor.label(notice.unit.name)
+            text = messages.notice(notice, label, self._config.action, self._config.warn_at)
+            self._telemetry.actions.labels("warn").inc()
+            self._emit(Report(notice.reason, text, notice.unit.name))
+        for enf in decision.enforcements:
+            name = enf.unit.name
+            if enf.dry_run:
+                result = SignalResult.SENT
+                self._telemetry.actions.labels("dry-run").inc()
+            else:
+                membership = self._attributor.membership(name)
+                result = self._terminator.start(enf, membership, self._clock())
+                if result is SignalResult.SENT:
+                    self._telemetry.actions.labels(str(enf.action)).inc()
+                else:
+                    self._telemetry.refused.labels(str(result)).inc()
+            text = messages.enforcement(enf, self._attributor.label(name), result)
+            self._emit(Report(Reason.ENFORCED, text, name, enf.victim.key.pid))
+
+    def _escalation(self, event: EscalationEvent) -> None:
+        enf = event.enforcement
+        victim = event.victim
+        if event.kind is Escalation.EXITED:
+            text = f"{messages.process(victim)} has exited"
+            exited = Report(
+                Reason.ENFORCED, text, enf.unit.name, victim.key.pid, normal=True, quiet=True
+            )
+            self._emit(exited)
+            return
+        if event.kind is Escalation.KILLED:
+            self._telemetry.actions.labels("kill").inc()
+            text = messages.escalated(victim, enf.grace_period)
+        elif event.kind is Escalation.STUCK:
+            text = f"{messages.process(victim)} is still there after SIGKILL; giving up on it"
+        else:
+            text = (
+                f"did not send SIGKILL to {messages.process(victim)}: it could not be re-verified"
+            )
+        self._emit(Report(Reason.ENFORCED, text, enf.unit.name, victim.key.pid))
+
+    def _source_changed(self, up: bool, reason: str) -> None:
+        if self._source_up is up:
+            return
+        first = self._source_up is None
+        self._source_up = up
+        if up and not first:
+            self._emit(Report(Reason.USAGE_UNKNOWN, messages.source_up(), normal=True))
+        elif not up:
+            self._emit(Report(Reason.USAGE_UNKNOWN, messages.source_down(reason)))
+
+    def _emit(self, report: Report) -> None:
+        for reporter in self._reporters:
+            reporter.report(report)

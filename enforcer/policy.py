@@ -1,0 +1,167 @@
+"""Pure enforcement decisions: usage per unit, limits, previous state and time in; actions out.
+
+Everything that makes enforcement predictable lives here, where it can be tested without
+a GPU, a process or a clock: when a warning is due (once per crossing), how long usage may
+stay over the limit (`over_for`), which process pays for it (the largest), and that nobody
+new is picked while an earlier victim is still on its way out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from enforcer.model import Action, ProcessKey, ProcessTotal, UnitUsage
+
+# The near-limit warning re-arms only once usage falls below this share of the warn
+# threshold, so usage hovering around the threshold gives one warning, not one per tick.
+REARM_FRACTION = 0.95
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    action: Action = Action.TERMINATE
+    warn_at: float = 0.9
+    over_for: float = 0.0
+    grace_period: float = 5.0
+    dry_run: bool = False
+
+    @property
+    def signals(self) -> bool:
+        """Whether this configuration ever signals a process."""
+        return self.action is not Action.WARN and not self.dry_run
+
+
+@dataclass(frozen=True, slots=True)
+class UnitState:
+    """What the policy remembers about one unit between ticks."""
+
+    near_warned: bool = False
+    over_since: float | None = None
+    exceeded_reported: bool = False
+    dry_run_reported: bool = False
+
+
+class Reason(StrEnum):
+    """Why a unit is reported; the values are the Kubernetes Event reasons."""
+
+    NEAR_LIMIT = "VRAMNearLimit"
+    LIMIT_EXCEEDED = "VRAMLimitExceeded"
+    ENFORCED = "VRAMEnforced"
+    USAGE_UNKNOWN = "VRAMUsageUnknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """A unit crossed a threshold; nothing is signalled because of it."""
+
+    reason: Reason
+    unit: UnitUsage
+    over_for_left: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Enforcement:
+    """Signal `victim` because `unit` has been over its limit for long enough."""
+
+    unit: UnitUsage
+    victim: ProcessTotal
+    action: Action
+    grace_period: float
+    dry_run: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    state: Mapping[str, UnitState]
+    notices: tuple[Notice, ...] = ()
+    enforcements: tuple[Enforcement, ...] = ()
+
+
+def choose_victim(unit: UnitUsage, busy: frozenset[ProcessKey]) -> ProcessTotal | None:
+    """The process to signal: the largest known user; the youngest on a tie.
+
+    A process whose usage is unknown everywhere holds no known bytes and is never chosen.
+    """
+    candidates = [p for p in unit.processes if p.used_bytes > 0 and p.key not in busy]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: (p.used_bytes, p.key.start_time, p.key.pid))
+
+
+def decide(
+    units: Iterable[UnitUsage],
+    config: PolicyConfig,
+    state: Mapping[str, UnitState],
+    now: float,
+    busy: frozenset[ProcessKey] = frozenset(),
+) -> Decision:
+    """One tick of policy for every unit; `busy` holds victims still being terminated."""
+    new_state: dict[str, UnitState] = {}
+    notices: list[Notice] = []
+    enforcements: list[Enforcement] = []
+    for unit in units:
+        prev = state.get(unit.name, UnitState())
+        unit_state, notice, enforcement = _decide_unit(unit, config, prev, now, busy)
+        new_state[unit.name] = unit_state
+        if notice is not None:
+            notices.append(notice)
+        if enforcement is not None:
+            enforcements.append(enforcement)
+    return Decision(new_state, tuple(notices), tuple(enforcements))
+
+
+def _decide_unit(
+    unit: UnitUsage,
+    config: PolicyConfig,
+    prev: UnitState,
+    now: float,
+    busy: frozenset[ProcessKey],
+) -> tuple[UnitState, Notice | None, Enforcement | None]:
+    used, limit = unit.used_bytes, unit.limit_bytes
+    if used <= limit:
+        return _below_limit(unit, config, prev), _near_notice(unit, config, prev), None
+
+    over_since = prev.over_since if prev.over_since is not None else now
+    state = replace(prev, near_warned=True, over_since=over_since, exceeded_reported=True)
+    left = max(0.0, config.over_for - (now - over_since))
+    notice = None if prev.exceeded_reported else Notice(Reason.LIMIT_EXCEEDED, unit, left)
+    if left > 0 or config.action is Action.WARN or not unit.enforceable:
+        return state, notice, None
+    in_unit = [p.key for p in unit.processes]
+    if unit.init_process is not None:
+        in_unit.append(unit.init_process.key)
+    if any(key in busy for key in in_unit):
+        return state, notice, None  # an earlier victim is still exiting: wait for it
+    if config.dry_run and prev.dry_run_reported:
+        return state, notice, None
+    victim = choose_victim(unit, busy) if config.action is not Action.RESTART else unit.init_process
+    if victim is None or victim.key in busy:
+        return state, notice, None
+    if config.dry_run:
+        state = replace(state, dry_run_reported=True)
+    enforcement = Enforcement(unit, victim, config.action, config.grace_period, config.dry_run)
+    return state, notice, enforcement
+
+
+def _below_limit(unit: UnitUsage, config: PolicyConfig, prev: UnitState) -> UnitState:
+    """Leaving the excursion over the limit re-arms its reports; hysteresis re-arms 'near'."""
+    near_warned = prev.near_warned or _is_near(unit, config)
+    if unit.used_bytes < _warn_threshold(unit, config) * REARM_FRACTION:
+        near_warned = False
+    return UnitState(near_warned=near_warned)
+
+
+def _near_notice(unit: UnitUsage, config: PolicyConfig, prev: UnitState) -> Notice | None:
+    if prev.near_warned or not _is_near(unit, config):
+        return None
+    return Notice(Reason.NEAR_LIMIT, unit)
+
+
+def _is_near(unit: UnitUsage, config: PolicyConfig) -> bool:
+    return unit.used_bytes > 0 and unit.used_bytes >= _warn_threshold(unit, config)
+
+
+def _warn_threshold(unit: UnitUsage, config: PolicyConfig) -> float:
+    return unit.limit_bytes * config.warn_at

@@ -1,0 +1,238 @@
+"""Readers for `/proc`, rooted anywhere so that tests can point them at fixture trees.
+
+A process can exit between any two reads. Every reader therefore returns None for a
+process that is gone (or that we may not inspect) instead of raising: callers treat
+"gone" as a normal answer and never act on a process they could not read.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# The inode of the initial PID namespace (PROC_PID_INIT_INO in the kernel).
+INITIAL_PID_NS = 4026531836
+
+# ioctl(2) request that returns an fd for the parent of a namespace: _IO(0xb7, 0x2).
+_NS_GET_PARENT = 0xB702
+
+_NS_LINK = re.compile(r"pid:\[(\d+)\]")
+
+NsChain = tuple[tuple[int, int], ...]
+"""(PID namespace inode, pid in it) for each level, from the host's namespace down."""
+_MAX_DEPTH = 4096  # ppid chains longer than this are corrupt or a loop in a fixture
+
+
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    """The fields of `/proc/<pid>/stat` that we use."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    start_time: int  # field 22: clock ticks after boot
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupEntry:
+    """One line of `/proc/<pid>/cgroup`: `hierarchy-id:controllers:path`."""
+
+    hierarchy_id: int
+    controllers: tuple[str, ...]
+    path: str
+
+
+def parse_stat(text: str) -> ProcStat:
+    """Parse `/proc/<pid>/stat`; `comm` may hold spaces and ')', so split at the last ')'."""
+    head, _, tail = text.rpartition(")")
+    pid_text, _, comm = head.partition(" (")
+    fields = tail.split()
+    # After the comm, fields[0] is field 3 (state); field N is fields[N - 3].
+    return ProcStat(
+        pid=int(pid_text),
+        comm=comm,
+        state=fields[0],
+        ppid=int(fields[1]),
+        start_time=int(fields[19]),
+    )
+
+
+def parse_cgroup(text: str) -> tuple[CgroupEntry, ...]:
+    entries = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        hid, controllers, path = line.split(":", 2)
+        names = tuple(c for c in controllers.split(",") if c)
+        entries.append(CgroupEntry(int(hid), names, path))
+    return tuple(entries)
+
+
+def parse_nspid(status: str) -> tuple[int, ...] | None:
+    """The pid of the process in each nested PID namespace, outermost first."""
+    found: dict[str, tuple[int, ...]] = {}
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("NStgid", "NSpid"):
+            found[key] = tuple(int(v) for v in value.split())
+    return found.get("NStgid") or found.get("NSpid")
+
+
+class ProcFs:
+    """`/proc` (or a copy of it) with every read tolerant of processes that vanish."""
+
+    def __init__(self, root: str | os.PathLike[str] = "/proc") -> None:
+        self.root = Path(root)
+        self._prefix = os.fspath(root).rstrip("/") + "/"
+
+    def _read(self, pid: int | str, name: str) -> str | None:
+        # os.open/os.read on a formatted path: this runs for every GPU process on every
+        # tick, and pathlib plus text I/O cost more than the kernel's work here.
+        try:
+            fd = os.open(f"{self._prefix}{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+            return None
+        try:
+            chunks = []
+            while chunk := os.read(fd, 65536):
+                chunks.append(chunk)
+        except OSError as exc:
+            if exc.errno in (errno.ESRCH, errno.ENOENT, errno.EACCES):
+                return None
+            raise
+        finally:
+            os.close(fd)
+        return b"".join(chunks).decode("utf-8", errors="replace")
+
+    def stat(self, pid: int | str) -> ProcStat | None:
+        text = self._read(pid, "stat")
+        if not text:
+            return None
+        try:
+            return parse_stat(text)
+        except (ValueError, IndexError):
+            return None
+
+    def start_time(self, pid: int) -> int | None:
+        st = self.stat(pid)
+        return None if st is None else st.start_time
+
+    def nspid(self, pid: int | str) -> tuple[int, ...] | None:
+        text = self._read(pid, "status")
+        return None if text is None else parse_nspid(text)
+
+    def cgroup(self, pid: int | str) -> tuple[CgroupEntry, ...] | None:
+        text = self._read(pid, "cgroup")
+        if text is None:
+            return None
+        try:
+            return parse_cgroup(text)
+        except ValueError:
+            return None
+
+    def cmdline(self, pid: int) -> str | None:
+        """The command line joined by spaces; `[comm]` when empty (zombies, kernel threads)."""
+        text = self._read(pid, "cmdline")
+        if text is None:
+            return None
+        args = [a for a in text.split("\0") if a]
+        if args:
+            return " ".join(args)
+        st = self.stat(pid)
+        return None if st is None else f"[{st.comm}]"
+
+    def pid_ns(self, pid: int | str = "self") -> int | None:
+        """The inode of the process's PID namespace, from the `ns/pid` link."""
+        try:
+            link = os.readlink(f"{self._prefix}{pid}/ns/pid")
+        except OSError:
+            return None
+        m = _NS_LINK.fullmatch(link)
+        return int(m[1]) if m else None
+
+    def pid_ns_ancestor(self, pid: int, levels_up: int) -> int | None:
+        """The inode of the PID namespace `levels_up` above the process's own.
+
+        Needs a real procfs: it walks parents with the NS_GET_PARENT ioctl.
+        """
+        if levels_up == 0:
+            return self.pid_ns(pid)
+        try:
+            fd = os.open(f"{self._prefix}{pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            for _ in range(levels_up):
+                parent = fcntl.ioctl(fd, _NS_GET_PARENT)
+                os.close(fd)
+                fd = parent
+            return os.fstat(fd).st_ino
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def names_our_pids(self) -> bool:
+        """Whether pids here are pids we can open: the live /proc of our own PID namespace."""
+        try:
+            return os.readlink(f"{self._prefix}self") == str(os.getpid())
+        except OSError:
+            return False
+
+    def ns_chain(self, pid: int) -> NsChain | None:
+        """(PID namespace inode, pid there) from this procfs's namespace down to the process's.
+
+        The first level is taken to be the initial namespace (the caller checks that this
+        is the host's /proc); deeper levels are read from `ns/pid` and its parents.
+        """
+        nspid = self.nspid(pid)
+        if not nspid:
+            return None
+        depth = len(nspid) - 1
+        inodes = [INITIAL_PID_NS]
+        for level in range(1, depth + 1):
+            inode = self.pid_ns_ancestor(pid, depth - level)
+            if inode is None:
+                return None
+            inodes.append(inode)
+        return tuple(zip(inodes, nspid, strict=True))
+
+    def pids(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return []
+        return [int(n) for n in names if n.isdigit()]
+
+    def is_descendant(self, pid: int, ancestor: int) -> bool:
+        """Whether `ancestor` is on the ppid chain of `pid` (never true for `pid` itself)."""
+        current = pid
+        for _ in range(_MAX_DEPTH):
+            st = self.stat(current)
+            if st is None or st.ppid <= 0:
+                return False
+            if st.ppid == ancestor:
+                return True
+            current = st.ppid
+        return False
+
+    def descendants(self, ancestor: int) -> set[int]:
+        """Every process below `ancestor` in the process tree, from one pass over `/proc`."""
+        children: dict[int, list[int]] = {}
+        for pid in self.pids():
+            st = self.stat(pid)
+            if st is not None:
+                children.setdefault(st.ppid, []).append(pid)
+        found: set[int] = set()
+        stack = list(children.get(ancestor, ()))
+        while stack:
+            pid = stack.pop()
+            if pid not in found:
+                found.add(pid)
+                stack.extend(children.get(pid, ()))
+        return found

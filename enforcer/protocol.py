@@ -1,0 +1,133 @@
+"""The agent's usage protocol, version 1: newline-delimited JSON over a Unix socket.
+
+Pure encoding and decoding, shared by the agent (server) and `AgentSource` (client), so
+that both sides agree by construction. See docs/agent-protocol.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from enforcer.model import Device, ProcessKey, ProcessUsage, Sample, SourceDown
+
+VERSION = 1
+MAX_REQUEST_BYTES = 4096
+OPS = ("usage", "subscribe")
+
+
+class ProtocolError(ValueError):
+    """A request or reply that does not follow the protocol; the message says how."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    op: str
+
+
+def parse_request(line: bytes) -> Request:
+    try:
+        doc = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ProtocolError('not JSON; send one line like {"v": 1, "op": "usage"}') from None
+    if not isinstance(doc, dict):
+        raise ProtocolError('a request is a JSON object like {"v": 1, "op": "usage"}')
+    if doc.get("v") != VERSION:
+        raise ProtocolError(f"unsupported protocol version {doc.get('v')!r}; this agent speaks v1")
+    op = doc.get("op")
+    if op not in OPS:
+        raise ProtocolError(f"unknown op {op!r}; supported: {', '.join(OPS)}")
+    return Request(op)
+
+
+def encode_request(op: str = "usage") -> bytes:
+    return json.dumps({"v": VERSION, "op": op}, separators=(",", ":")).encode() + b"\n"
+
+
+def encode_error(message: str) -> bytes:
+    return json.dumps({"v": VERSION, "error": message}, separators=(",", ":")).encode() + b"\n"
+
+
+def _json(value: object) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def usage_head(sampled_at: float, devices: Iterable[Device]) -> bytes:
+    """A usage reply up to its process list; see `encode_usage`."""
+    listed = [
+        {"index": d.index, "uuid": d.uuid, "name": d.name, "total_bytes": d.total_bytes,
+         "used_bytes": d.used_bytes, "parent_uuid": d.parent_uuid}
+        for d in devices
+    ]  # fmt: skip
+    return b'{"v":%d,"sampled_at":%s,"devices":%s,"processes":[' % (
+        VERSION, _json(sampled_at), _json(listed)
+    )  # fmt: skip
+
+
+def usage_process(pid: int, start_time: int, device_json: bytes, used_bytes: int | None) -> bytes:
+    """One entry of a usage reply's process list; `device_json` is `json_string(uuid)`.
+
+    Hand-formatted: the agent encodes every process for every namespace on each sample.
+    """
+    used = b"null" if used_bytes is None else b"%d" % used_bytes
+    return b'{"pid":%d,"start_time":%d,"device_uuid":%s,"used_bytes":%s}' % (
+        pid, start_time, device_json, used
+    )  # fmt: skip
+
+
+def json_string(text: str) -> bytes:
+    return _json(text)
+
+
+USAGE_TAIL = b"]}\n"
+
+
+def encode_usage(
+    sampled_at: float, devices: Iterable[Device], processes: Iterable[ProcessUsage]
+) -> bytes:
+    """A usage reply; `processes` must already carry pids as the caller names them.
+
+    The agent builds the same bytes from the pieces, once per sample and namespace.
+    """
+    entries = (
+        usage_process(p.key.pid, p.key.start_time, json_string(p.device_uuid), p.used_bytes)
+        for p in processes
+    )
+    return usage_head(sampled_at, devices) + b",".join(entries) + USAGE_TAIL
+
+
+def decode_reply(line: bytes) -> Sample | SourceDown:
+    """A reply as the client sees it: a sample, or the agent's error as `SourceDown`."""
+    try:
+        doc = json.loads(line)
+        if doc.get("v") != VERSION:
+            raise ProtocolError(f"the agent speaks protocol version {doc.get('v')!r}, not v1")
+        if "error" in doc:
+            return SourceDown(f"the agent says: {doc['error']}")
+        devices = tuple(_device(d) for d in doc["devices"])
+        processes = tuple(_process(p) for p in doc["processes"])
+        return Sample(float(doc["sampled_at"]), devices, processes)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ProtocolError(f"malformed reply from the agent: {exc}") from None
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _device(d: dict[str, Any]) -> Device:
+    return Device(
+        int(d["index"]),
+        str(d["uuid"]),
+        str(d["name"]),
+        _optional_int(d["total_bytes"]),
+        _optional_int(d["used_bytes"]),
+        d.get("parent_uuid"),
+    )
+
+
+def _process(p: dict[str, Any]) -> ProcessUsage:
+    key = ProcessKey(int(p["pid"]), int(p["start_time"]))
+    return ProcessUsage(key, str(p["device_uuid"]), _optional_int(p["used_bytes"]))

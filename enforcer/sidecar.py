@@ -1,0 +1,333 @@
+"""`vram-enforcer sidecar`: per-container VRAM enforcement from inside the pod.
+
+The pod shares one PID namespace (`shareProcessNamespace: true`), so the sidecar sees its
+sibling containers' processes in its own `/proc`, and may signal them. Usage comes from
+the node agent (PIDs already translated into this namespace) or, with `--source nvml`,
+from NVML through the host's `/proc`. A process belongs to a container when the container
+ID in its cgroup is one that kubelet reports for this pod; anything less proven is only
+reported on, never signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import signal
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from enforcer.attribution import attribute
+from enforcer.cgroups import container_id
+from enforcer.config import SidecarSettings
+from enforcer.kube import EventRecorder, KubeError, PodWatcher, connect
+from enforcer.metrics import MetricsServer, Telemetry
+from enforcer.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
+from enforcer.nvml import Nvml, NvmlError
+from enforcer.pipeline import LogReporter, Pipeline, Report, Reporter
+from enforcer.pod import ContainerRef, containers_by_id, others_finished, spec_field_of
+from enforcer.procfs import ProcFs
+from enforcer.signals import Membership, Signaller, Terminator
+from enforcer.sources import AgentSource, NvmlSource, PidView, PidViewError, UsageSource
+
+log = logging.getLogger("enforcer.sidecar")
+
+EXIT_USAGE = 2
+POD_UNIT = "(pod)"  # processes whose container cannot be proven, against the pod's total
+ALONE_FOR = 10.0  # container mode, without the API: others gone this long means done
+
+
+class ContainerAttributor:
+    """Units are the pod's containers, proven by container ID; the sidecar and pid 1 are out."""
+
+    def __init__(
+        self,
+        procfs: ProcFs,
+        pod: Callable[[], Mapping[str, Any] | None],
+        refresh: Callable[[], None],
+        limits: Mapping[str, int],
+        undeclared_allowed: bool,
+        want_init: bool,
+    ) -> None:
+        self._procfs = procfs
+        self._pod = pod
+        self._refresh = refresh
+        self._limits = dict(limits)
+        self._undeclared_allowed = undeclared_allowed
+        self._want_init = want_init
+        self._self = os.getpid()
+        self._self_cid = _cid(procfs, "self")
+        # (container ID or None, command line) per process, read once per process.
+        self._known: dict[ProcessKey, tuple[str | None, str]] = {}
+        self.refs: dict[str, ContainerRef] = {}
+
+    def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]:
+        pod = self._pod() or {}
+        by_id = containers_by_id(pod)
+        self.refs = {ref.name: ref for ref in by_id.values()}
+        known: dict[ProcessKey, tuple[str | None, str]] = {}
+        for key in {p.key for p in sample.processes}:
+            if key.pid in (1, self._self):
+                continue
+            info = self._known.get(key) or self._read(key)
+            if info is None or (info[0] is not None and info[0] == self._self_cid):
+                continue
+            known[key] = info
+        self._known = known
+        unit_of = {key: by_id[cid].name for key, (cid, _) in known.items() if cid in by_id}
+        cmdlines = {key: cmd for key, (_, cmd) in known.items()}
+        limits = dict(self._limits)
+        if not self._undeclared_allowed:
+            for ref in by_id.values():
+                limits.setdefault(ref.name, 0)  # GPU memory without a declaration is a violation
+        units = list(attribute(sample, unit_of, limits, cmdlines))
+        if self._want_init:
+            units = [self._with_init(u, by_id) for u in units]
+        unproven = [key for key in known if key not in unit_of]
+        if unproven:
+            self._refresh()  # a new container (or a restart) the cached pod does not know yet
+            everyone = dict.fromkeys(known, POD_UNIT)
+            (pod_unit,) = attribute(
+                sample, everyone, {POD_UNIT: sum(self._limits.values())}, cmdlines
+            )
+            units.append(
+                UnitUsage(POD_UNIT, pod_unit.limit_bytes, pod_unit.processes, enforceable=False)
+            )
+        return tuple(units)
+
+    def _read(self, key: ProcessKey) -> tuple[str | None, str] | None:
+        st = self._procfs.stat(key.pid)
+        if st is None or st.start_time != key.start_time:
+            return None  # gone, or its pid now names another process
+        return _cid(self._procfs, key.pid), self._procfs.cmdline(key.pid) or ""
+
+    def _with_init(self, unit: UnitUsage, by_id: Mapping[str, ContainerRef]) -> UnitUsage:
+        """Attach the container's init process: in a shared PID namespace, its parent is 0."""
+        ids = {cid for cid, ref in by_id.items() if ref.name == unit.name}
+        for pid in self._procfs.pids():
+            st = self._procfs.stat(pid)
+            if st is not None and st.ppid == 0 and pid != 1 and _cid(self._procfs, pid) in ids:
+                init = ProcessTotal(
+                    ProcessKey(pid, st.start_time), 0, (), self._procfs.cmdline(pid) or ""
+                )
+                return UnitUsage(unit.name, unit.limit_bytes, unit.processes, init_process=init)
+        return unit
+
+    def membership(self, unit: str) -> Membership:
+        """Re-proven before every signal: the pid's cgroup still names one of the unit's IDs."""
+        if unit == POD_UNIT:
+            return lambda pid: False
+        by_id = containers_by_id(self._pod() or {})
+        ids = {cid for cid, ref in by_id.items() if ref.name == unit}
+        return lambda pid: pid != 1 and _cid(self._procfs, pid) in ids
+
+    def label(self, unit: str) -> str:
+        return "the pod as a whole" if unit == POD_UNIT else f"container {unit!r}"
+
+
+def _cid(procfs: ProcFs, pid: int | str) -> str | None:
+    entries = procfs.cgroup(pid)
+    return None if entries is None else container_id(entries)
+
+
+class EventReporter:
+    """Reports as Kubernetes Events on the pod, pointing at the container when there is one."""
+
+    def __init__(
+        self,
+        recorder: EventRecorder,
+        refs: Callable[[], Mapping[str, ContainerRef]],
+        pod: Callable[[], Mapping[str, Any] | None],
+    ) -> None:
+        self._recorder = recorder
+        self._refs = refs
+        self._pod = pod
+
+    def report(self, report: Report) -> None:
+        if report.quiet:
+            return  # routine news (a victim has exited) belongs in the log, not in Events
+        field_path = None
+        if report.unit and report.unit != POD_UNIT:
+            ref = self._refs().get(report.unit)
+            spec_field = ref.spec_field if ref else spec_field_of(self._pod() or {}, report.unit)
+            field_path = ContainerRef(report.unit, spec_field).field_path
+        self._recorder.record(str(report.reason), report.message, not report.normal, field_path)
+
+
+def _source(settings: SidecarSettings) -> tuple[UsageSource, Nvml | None]:
+    if settings.source == "agent":
+        return AgentSource(settings.agent_socket, settings.stale_after), None
+    host_proc = ProcFs(settings.host_proc or "/host/proc")
+    view = PidView.of_process(host_proc, "self")
+    nvml = Nvml()
+    try:
+        nvml.init()
+    except NvmlError as exc:  # keep running, reporting the source down, and retry
+        log.error("cannot initialise NVML yet (%s); retrying with backoff", exc)
+    return NvmlSource(nvml, view), nvml
+
+
+def run(settings: SidecarSettings) -> int:
+    procfs = ProcFs()
+    if os.getpid() == 1:
+        log.error(
+            "the sidecar is PID 1 of its namespace: the pod does not share its process "
+            "namespace. Set spec.shareProcessNamespace: true (the webhook does)"
+        )
+        return EXIT_USAGE
+    try:
+        api = connect(settings.kubeconfig)
+        source, nvml = _source(settings)
+    except (KubeError, PidViewError) as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    telemetry = Telemetry({"namespace": settings.namespace, "pod": settings.pod_name})
+    # A "container"-mode sidecar watches the other containers' states to know when to exit.
+    period = 2.0 if settings.sidecar_mode == "container" else 30.0
+    watcher = PodWatcher(api, settings.namespace, settings.pod_name, period=period)
+    recorder = EventRecorder(
+        api,
+        settings.namespace,
+        settings.pod_name,
+        settings.pod_uid,
+        settings.node_name,
+        telemetry.event_failures,
+    )
+    attributor = ContainerAttributor(
+        procfs,
+        lambda: watcher.pod,
+        watcher.refresh,
+        settings.limits,
+        settings.undeclared_allowed,
+        want_init=settings.policy.action is Action.RESTART,
+    )
+    terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
+    reporters: list[Reporter] = [
+        LogReporter(),
+        EventReporter(recorder, lambda: attributor.refs, lambda: watcher.pod),
+    ]
+    pipeline = Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry)
+    server = None
+    if settings.metrics_port is not None:
+        try:
+            server = MetricsServer(
+                telemetry.registry, settings.metrics_port, settings.metrics_address
+            )
+        except OSError as exc:
+            log.error("--metrics-port %d: %s", settings.metrics_port, exc.strerror)
+            return EXIT_USAGE
+    watcher.start()
+    recorder.start()
+    log.info(
+        "enforcing %s on pod %s/%s (action %s, source %s)",
+        ", ".join(f"{k}={v}" for k, v in settings.limits.items()) or "no declared limits",
+        settings.namespace,
+        settings.pod_name,
+        settings.policy.action,
+        settings.source,
+    )
+    try:
+        return _loop(settings, source, pipeline, terminator, procfs, watcher)
+    finally:
+        terminator.close()
+        source.close()
+        watcher.stop.set()
+        watcher.refresh()
+        recorder.close()
+        if server is not None:
+            server.close()
+        if nvml is not None:
+            nvml.shutdown()
+
+
+def _loop(
+    settings: SidecarSettings,
+    source: UsageSource,
+    pipeline: Pipeline,
+    terminator: Terminator,
+    procfs: ProcFs,
+    watcher: PodWatcher,
+) -> int:
+    """Tick when the agent pushes a sample or the interval is up; stop on SIGTERM/SIGINT."""
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    stop: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stop.append(signum))
+    signal.set_wakeup_fd(wake_w)
+    selector = selectors.DefaultSelector()
+    selector.register(wake_r, selectors.EVENT_READ)
+    waiting_on: int | None = None
+    next_tick = time.monotonic()
+    alone = _AloneDetector(settings, procfs, watcher)
+    try:
+        while not stop:
+            fd = source.fileno()
+            if fd != waiting_on:
+                if waiting_on is not None:
+                    selector.unregister(waiting_on)
+                if fd is not None:
+                    selector.register(fd, selectors.EVENT_READ)
+                waiting_on = fd
+            deadline = terminator.next_deadline()
+            wake = next_tick if deadline is None else min(next_tick, deadline)
+            ready = selector.select(max(0.0, wake - time.monotonic()))
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 64)
+            now = time.monotonic()
+            if now >= next_tick or any(key.fd == waiting_on for key, _ in ready):
+                pipeline.tick()
+                next_tick = now + settings.interval
+            else:
+                pipeline.follow_victims()
+            if alone.done(now):
+                log.info("every other container has finished: exiting so that the pod can complete")
+                return 0
+    finally:
+        signal.set_wakeup_fd(-1)
+        selector.close()
+        os.close(wake_r)
+        os.close(wake_w)
+    log.info("%s: exiting", signal.Signals(stop[0]).name)
+    return 0
+
+
+class _AloneDetector:
+    """In "container" sidecar mode, decides when the other containers are gone for good.
+
+    With the API, the pod's status decides (terminated, and not to be restarted under the
+    pod's restartPolicy). Without it, no other process in the pod for ALONE_FOR seconds,
+    after having seen one, is taken as the end.
+    """
+
+    def __init__(self, settings: SidecarSettings, procfs: ProcFs, watcher: PodWatcher) -> None:
+        self._enabled = settings.sidecar_mode == "container"
+        self._me = settings.self_name
+        self._procfs = procfs
+        self._watcher = watcher
+        self._self_cid = _cid(procfs, "self")
+        self._seen_others = False
+        self._alone_since: float | None = None
+        self._next_check = 0.0
+
+    def done(self, now: float) -> bool:
+        if not self._enabled or now < self._next_check:
+            return False
+        self._next_check = now + 1.0
+        pod = self._watcher.pod
+        if pod is not None and self._watcher.error is None:
+            return others_finished(pod, self._me)
+        others = [
+            pid
+            for pid in self._procfs.pids()
+            if pid not in (1, os.getpid()) and _cid(self._procfs, pid) != self._self_cid
+        ]
+        if others:
+            self._seen_others, self._alone_since = True, None
+            return False
+        if not self._seen_others:
+            return False
+        if self._alone_since is None:
+            self._alone_since = now
+        return now - self._alone_since >= ALONE_FOR

@@ -1,0 +1,3 @@
+"""Fixtures shared by the whole suite."""
+
+pytest_plugins = ["tests.fakenvml.plugin"]

@@ -1,0 +1,131 @@
+"""The node agent and the sidecar as the end-to-end tests run them: real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+from kubernetes import client, utils
+
+from enforcer.procfs import ProcFs
+from tests.e2e.cluster import ApiServer
+from tests.e2e.podsim import SimPod
+from tests.fakenvml import FakeGpuState
+from tests.helpers import free_port, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "integration" / "worker.py"
+HOST = ProcFs()
+
+
+def alive(pid: int) -> bool:
+    st = HOST.stat(pid)
+    return st is not None and st.state != "Z"
+
+
+class Node:
+    """The real agent on this machine, serving the fake GPU (`lib`) or, without it, real NVML."""
+
+    def __init__(self, tmp: Path, lib: Path | None) -> None:
+        self.state_file = tmp / "gpu.json"
+        self.state = FakeGpuState.single_gpu()
+        self.state.write(self.state_file)
+        self.socket = tmp / "agent.sock"
+        self.lib = lib
+        self.log = tmp / "agent.log"
+        self.agent: subprocess.Popen[bytes] | None = None
+
+    def start_agent(self) -> None:
+        self.agent = subprocess.Popen(
+            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--socket", str(self.socket),
+             "--interval", "50ms", "--log-format", "text"],
+            env={**os.environ, **self.nvml_env()},
+            stderr=self.log.open("a"),
+        )  # fmt: skip
+        wait_for(self.socket.exists, what="the agent socket")
+
+    def nvml_env(self) -> dict[str, str]:
+        """What a process needs to see this node's NVML."""
+        if self.lib is None:
+            return {}
+        return {"LD_LIBRARY_PATH": str(self.lib), "FAKE_NVML_STATE": str(self.state_file)}
+
+    def stop_agent(self) -> None:
+        assert self.agent is not None
+        self.agent.terminate()
+        assert self.agent.wait(timeout=10) == 0
+
+    def use(self, usage: dict[int, int | None]) -> None:
+        for pid, used in usage.items():
+            if used is None:
+                self.state.remove_process(pid)
+            else:
+                self.state.set_process(0, pid, used)
+        self.state.write(self.state_file)
+
+
+class Sidecar:
+    def __init__(self, pod: SimPod, node: Node, apiserver: ApiServer, token: str, tmp: Path, limits: dict[str, int],
+                 *flags: str, env: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.pod = pod
+        self.log = tmp / f"sidecar-{pod.name}.log"
+        self.metrics_port = free_port()
+        kubeconfig = apiserver.kubeconfig(token, tmp / f"kubeconfig-{pod.name}")
+        self.proc = pod.start(
+            "vram-enforcer",
+            [sys.executable, "-m", "enforcer", "sidecar", "--kubeconfig", str(kubeconfig), "--interval", "50ms",
+             "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1", "--log-format", "text", *flags],
+            env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid, "NODE_NAME": "gpu-node-1",
+                 "VRAM_ENFORCER_LIMITS": json.dumps(limits), "VRAM_ENFORCER_AGENT_SOCKET": str(node.socket),
+                 "VRAM_ENFORCER_GRACE_PERIOD": "1s", **(env or {})},
+            stderr=self.log.open("w"),
+        )  # fmt: skip
+        wait_for(lambda: "enforcing" in self.text(), timeout=20, what="the sidecar to start")
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def stop(self) -> int:
+        """SIGTERM to the sidecar itself (not to nsenter, which does not forward it)."""
+        (pid,) = self.pod.host_pids("vram-enforcer")
+        os.kill(pid, signal.SIGTERM)
+        return self.proc.wait(timeout=10)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
+        ) as r:
+            return str(r.read().decode())
+
+
+def start_worker(pod: SimPod, container: str, tmp: Path, *extra: str) -> int:
+    """A GPU program in `container`; returns its host pid."""
+    before = set(pod.host_pids(container))
+    report = tmp / f"{container}-{time.monotonic_ns()}.json"
+    pod.start(container, [sys.executable, str(WORKER), "--report", str(report), *extra])
+    (pid,) = wait_for(lambda: set(pod.host_pids(container)) - before if report.with_name(report.name + ".main").exists() else None,
+                      what=f"a process in {container}")  # fmt: skip
+    return pid
+
+
+def namespace_with_sidecar_rbac(
+    apiserver: ApiServer, admin: client.ApiClient, namespace: str
+) -> str:
+    """A namespace whose default ServiceAccount has the shipped sidecar Role (deploy/rbac/sidecar.yaml)
+    bound to its group; returns that ServiceAccount's token."""
+    core = client.CoreV1Api(admin)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+    core.create_namespaced_service_account(
+        namespace, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="default"))
+    )
+    text = (ROOT / "deploy" / "rbac" / "sidecar.yaml").read_text().replace("NAMESPACE", namespace)
+    for doc in yaml.safe_load_all(text):
+        utils.create_from_dict(admin, doc, namespace=namespace)
+    return apiserver.token_for(namespace, "default")

@@ -1,0 +1,217 @@
+"""The node agent against a real kube-apiserver: capacity, labels, resync, RBAC, outages.
+
+The agent runs as a user would run it: `vram-enforcer agent --kubeconfig ...`, with a
+ServiceAccount token bound to the ClusterRole in deploy/rbac/agent.yaml, and the fake NVML
+reporting two 80 GiB GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client, utils
+from kubernetes.client.exceptions import ApiException
+
+from enforcer.config import parse_quantity
+from enforcer.model import GiB
+from tests.e2e.cluster import ApiServer
+from tests.fakenvml import FakeGpuState
+from tests.helpers import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+RESOURCE = "vram-enforcer.io/vram"
+EXPECTED = 2 * (80 * GiB - 1 * GiB)  # two GPUs, --reserve 1Gi each
+
+
+@pytest.fixture(scope="module")
+def agent_rbac(apiserver: ApiServer, admin: client.ApiClient) -> str:
+    """The shipped RBAC, applied as an operator would; returns a token for its ServiceAccount."""
+    client.CoreV1Api(admin).create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name="vram-enforcer"))
+    )
+    for doc in yaml.safe_load_all((ROOT / "deploy" / "rbac" / "agent.yaml").read_text()):
+        utils.create_from_dict(admin, doc)
+    return apiserver.token_for("vram-enforcer", "vram-enforcer-agent")
+
+
+class AgentProcess:
+    def __init__(
+        self, apiserver: ApiServer, token: str, node: str, tmp: Path, lib: Path, *flags: str
+    ) -> None:
+        self.state_file = tmp / "gpu.json"
+        state = FakeGpuState.single_gpu()
+        state.add_device()
+        state.write(self.state_file)
+        self.log_path = tmp / "agent.log"
+        kubeconfig = apiserver.kubeconfig(token, tmp / "kubeconfig")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "enforcer", "agent", "--node-name", node, "--kubeconfig", str(kubeconfig),
+             "--socket", str(tmp / "agent.sock"), "--resync", "1s", "--reserve", "1Gi", "--log-format", "text", *flags],
+            env={**os.environ, "LD_LIBRARY_PATH": str(lib), "FAKE_NVML_STATE": str(self.state_file)},
+            stderr=self.log_path.open("w"),
+        )  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(timeout=15)
+
+
+def make_node(core: client.CoreV1Api, name: str) -> None:
+    core.create_node(
+        client.V1Node(
+            metadata=client.V1ObjectMeta(name=name, labels={"kubernetes.io/hostname": name})
+        )
+    )
+
+
+def advertised(core: client.CoreV1Api, node: str, field: str = "capacity") -> int | None:
+    status = core.read_node(node).status
+    value = (getattr(status, field) or {}).get(RESOURCE) if status else None
+    return None if value is None else int(parse_quantity(value, field=field))
+
+
+@pytest.fixture(scope="module")
+def running(apiserver: ApiServer, admin: client.ApiClient, agent_rbac: str, fake_nvml_lib: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:  # fmt: skip
+    make_node(client.CoreV1Api(admin), "gpu-node-1")
+    agent = AgentProcess(
+        apiserver, agent_rbac, "gpu-node-1", tmp_path_factory.mktemp("agent"), fake_nvml_lib
+    )
+    yield agent
+    assert agent.stop() == 0
+
+
+def test_capacity_allocatable_and_labels_are_advertised(
+    running: AgentProcess, core: client.CoreV1Api
+) -> None:
+    # Capacity (nodes/status) and labels (nodes) are two PATCHes: wait for the second one.
+    def labelled() -> bool:
+        return "vram-enforcer.io/gpu.product" in (
+            core.read_node("gpu-node-1").metadata.labels or {}
+        )
+
+    wait_for(lambda: advertised(core, "gpu-node-1") == EXPECTED, timeout=20, what="capacity")
+    wait_for(labelled, timeout=20, what="GPU labels")
+    assert advertised(core, "gpu-node-1", "allocatable") == EXPECTED
+    labels = core.read_node("gpu-node-1").metadata.labels
+    assert labels["vram-enforcer.io/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+    assert labels["vram-enforcer.io/gpu.count"] == "2"
+    assert labels["vram-enforcer.io/gpu.memory"] == "81920"
+    assert labels["kubernetes.io/hostname"] == "gpu-node-1"  # other labels untouched
+
+
+def test_nothing_is_patched_while_nothing_differs(
+    running: AgentProcess, core: client.CoreV1Api
+) -> None:
+    wait_for(lambda: advertised(core, "gpu-node-1") == EXPECTED, timeout=20, what="capacity")
+    time.sleep(1.5)
+    before = core.read_node("gpu-node-1").metadata.resource_version
+    time.sleep(3.5)  # three resyncs
+    assert core.read_node("gpu-node-1").metadata.resource_version == before
+
+
+def test_a_kubelet_reset_is_undone_within_a_resync(
+    running: AgentProcess, core: client.CoreV1Api
+) -> None:
+    wait_for(lambda: advertised(core, "gpu-node-1") == EXPECTED, timeout=20, what="capacity")
+    pointer = RESOURCE.replace("/", "~1")
+    core.patch_node_status("gpu-node-1", [
+        {"op": "remove", "path": f"/status/capacity/{pointer}"},
+        {"op": "remove", "path": f"/status/allocatable/{pointer}"},
+    ])  # fmt: skip
+    core.patch_node(
+        "gpu-node-1", [{"op": "remove", "path": "/metadata/labels/vram-enforcer.io~1gpu.count"}]
+    )
+    wait_for(
+        lambda: advertised(core, "gpu-node-1") == EXPECTED, timeout=5, what="capacity restored"
+    )
+    wait_for(
+        lambda: advertised(core, "gpu-node-1", "allocatable") == EXPECTED,
+        timeout=5,
+        what="allocatable",
+    )
+    wait_for(lambda: core.read_node("gpu-node-1").metadata.labels.get("vram-enforcer.io/gpu.count") == "2",
+             timeout=5, what="label restored")  # fmt: skip
+
+
+def test_an_api_server_outage_is_ridden_out(
+    running: AgentProcess, apiserver: ApiServer, core: client.CoreV1Api
+) -> None:
+    wait_for(lambda: advertised(core, "gpu-node-1") == EXPECTED, timeout=20, what="capacity")
+    apiserver.stop()
+    time.sleep(4)  # several resyncs fail meanwhile
+    apiserver.start()
+    assert running.proc.poll() is None
+    pointer = RESOURCE.replace("/", "~1")
+    core.patch_node_status("gpu-node-1", [{"op": "remove", "path": f"/status/capacity/{pointer}"}])
+    wait_for(
+        lambda: advertised(core, "gpu-node-1") == EXPECTED,
+        timeout=40,
+        what="capacity after the outage",
+    )
+    assert "Traceback" not in running.log()
+
+
+def test_the_minimal_role_allows_nothing_else(apiserver: ApiServer, agent_rbac: str) -> None:
+    as_agent = client.CoreV1Api(apiserver.client(agent_rbac))
+    for forbidden in (as_agent.list_node, as_agent.list_pod_for_all_namespaces,
+                      lambda: as_agent.delete_node("gpu-node-1"),
+                      lambda: as_agent.list_namespaced_secret("vram-enforcer")):  # fmt: skip
+        with pytest.raises(ApiException) as info:
+            forbidden()
+        assert info.value.status == 403
+
+
+def test_resource_unit_and_switches(apiserver: ApiServer, agent_rbac: str, core: client.CoreV1Api,
+                                    fake_nvml_lib: Path, tmp_path: Path) -> None:  # fmt: skip
+    make_node(core, "gpu-node-units")
+    agent = AgentProcess(apiserver, agent_rbac, "gpu-node-units", tmp_path, fake_nvml_lib,
+                         "--resource-unit", "1Gi", "--no-labels")  # fmt: skip
+    try:
+        wait_for(
+            lambda: advertised(core, "gpu-node-units") == 158, timeout=20, what="capacity in GiB"
+        )
+        time.sleep(1.5)
+        assert not any(
+            k.startswith("vram-enforcer.io/")
+            for k in core.read_node("gpu-node-units").metadata.labels
+        )
+    finally:
+        assert agent.stop() == 0
+
+
+def test_forbidden_is_one_clear_error_and_the_socket_keeps_serving(apiserver: ApiServer, core: client.CoreV1Api,
+                                                                    fake_nvml_lib: Path, tmp_path: Path) -> None:  # fmt: skip
+    core.create_namespaced_service_account(
+        "vram-enforcer", client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="nobody"))
+    )
+    token = apiserver.token_for("vram-enforcer", "nobody")
+    make_node(core, "gpu-node-denied")
+    agent = AgentProcess(apiserver, token, "gpu-node-denied", tmp_path, fake_nvml_lib)
+    try:
+        wait_for(lambda: "RBAC forbids" in agent.log(), timeout=20, what="the RBAC error")
+        time.sleep(3)  # more resyncs: still one line
+        log = agent.log()
+        assert log.count("RBAC forbids") == 1
+        assert "RBAC forbids 'get' on 'nodes'" in log
+        assert "deploy/rbac/" in log
+        import socket as sk
+
+        s = sk.socket(sk.AF_UNIX)
+        s.connect(str(tmp_path / "agent.sock"))
+        s.sendall(b'{"v":1,"op":"usage"}\n')
+        assert b"processes" in s.makefile("rb").readline()
+        s.close()
+    finally:
+        assert agent.stop() == 0
+    assert advertised(core, "gpu-node-denied") is None

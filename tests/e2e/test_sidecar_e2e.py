@@ -1,0 +1,288 @@
+"""The sidecar in a pod on this machine, against the real agent and the real API server.
+
+The pod is simulated by `podsim.SimPod`: a shared PID namespace whose PID 1 stands in for
+pause, "containers" in containerd-named cgroups, and a Pod object whose status carries
+their container IDs. The node agent runs on the host side with the fake NVML reporting
+host PIDs; the sidecar runs inside the pod with the pod's ServiceAccount token, bound to
+the Role in deploy/rbac/sidecar.yaml.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from enforcer.model import GiB, MiB
+from tests.e2e.actors import (
+    HOST,
+    WORKER,
+    Node,
+    Sidecar,
+    alive,
+    namespace_with_sidecar_rbac,
+    start_worker,
+)
+from tests.e2e.cluster import ApiServer
+from tests.e2e.podsim import SimPod
+from tests.helpers import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMESPACE = "gpu-team"
+
+
+@pytest.fixture(scope="module")
+def token(apiserver: ApiServer, admin: client.ApiClient) -> str:
+    """The namespace's default ServiceAccount, with the shipped sidecar Role bound to its group."""
+    return namespace_with_sidecar_rbac(apiserver, admin, NAMESPACE)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, fake_nvml_lib: Path) -> Iterator[Node]:
+    n = Node(tmp_path_factory.mktemp("node"), fake_nvml_lib)
+    n.start_agent()
+    yield n
+    if n.agent is not None and n.agent.poll() is None:
+        n.stop_agent()
+
+
+@pytest.fixture(scope="module")
+def pod(admin: client.ApiClient, token: str) -> Iterator[SimPod]:
+    p = SimPod(
+        client.CoreV1Api(admin),
+        NAMESPACE,
+        "trainer-0",
+        ["trainer", "helper", "undeclared", "vram-enforcer"],
+    )
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def sidecar(pod: SimPod, node: Node, apiserver: ApiServer, token: str,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:  # fmt: skip
+    s = Sidecar(
+        pod,
+        node,
+        apiserver,
+        token,
+        tmp_path_factory.mktemp("sidecar"),
+        {"trainer": 4 * GiB, "helper": 2 * GiB},
+    )
+    yield s
+    assert s.stop() == 0
+
+
+def events(core: client.CoreV1Api, pod: str) -> list[Any]:
+    return list(
+        core.list_namespaced_event(NAMESPACE, field_selector=f"involvedObject.name={pod}").items
+    )
+
+
+def test_the_container_over_its_limit_is_terminated_and_its_neighbour_untouched(
+    sidecar: Sidecar, pod: SimPod, node: Node, tmp_path: Path
+) -> None:
+    trainer, helper = start_worker(pod, "trainer", tmp_path), start_worker(pod, "helper", tmp_path)
+    node.use({trainer: 5 * GiB, helper: 1 * GiB})
+    wait_for(lambda: not alive(trainer), what="the trainer to be terminated")
+    assert alive(helper)
+    text = sidecar.text()
+    assert "container 'trainer' uses 5.00 GiB of its 4.00 GiB VRAM limit (125%)" in text
+    assert "sent SIGTERM to pid" in text
+    node.use({trainer: None})
+
+
+def test_a_container_without_declared_vram_is_caught(
+    sidecar: Sidecar, pod: SimPod, node: Node, tmp_path: Path
+) -> None:
+    sneaky = start_worker(pod, "undeclared", tmp_path)
+    node.use({sneaky: 1 * MiB})
+    wait_for(lambda: not alive(sneaky), what="the undeclared container's process to be terminated")
+    assert (
+        "container 'undeclared' uses 1.00 MiB of VRAM but declares no VRAM limit" in sidecar.text()
+    )
+    node.use({sneaky: None})
+
+
+def test_events_are_posted_on_the_pod_and_aggregated(sidecar: Sidecar, pod: SimPod, node: Node, core: client.CoreV1Api,
+                                                     tmp_path: Path) -> None:  # fmt: skip
+    def enforced() -> list[Any]:
+        return [e for e in events(core, pod.name) if e.reason == "VRAMEnforced"
+                and e.involved_object.field_path == "spec.containers{trainer}" and "sent SIGTERM" in e.message]  # fmt: skip
+
+    (first,) = wait_for(enforced, what="the VRAMEnforced event")
+    assert first.type == "Warning"
+    assert first.source.component == "vram-enforcer"
+    assert first.involved_object.uid == pod.uid
+    assert first.involved_object.kind == "Pod"
+    assert "container 'trainer' uses 5.00 GiB of its 4.00 GiB VRAM limit" in first.message
+    exceeded = [e for e in events(core, pod.name) if e.reason == "VRAMLimitExceeded"]
+    assert {e.involved_object.field_path for e in exceeded} >= {
+        "spec.containers{trainer}",
+        "spec.containers{undeclared}",
+    }
+    again = start_worker(pod, "trainer", tmp_path)
+    node.use({again: 6 * GiB})
+    wait_for(lambda: not alive(again), what="the second offender to be terminated")
+    node.use({again: None})
+    (aggregated,) = wait_for(
+        lambda: (e := enforced()) and e[0].count >= 2 and e, what="the repeat to be aggregated"
+    )
+    assert aggregated.metadata.name == first.metadata.name
+    assert "6.00 GiB" in aggregated.message
+
+
+def test_metrics_are_labelled_with_namespace_pod_and_container(
+    sidecar: Sidecar, pod: SimPod, node: Node, tmp_path: Path
+) -> None:
+    helper = pod.host_pids("helper")[0]
+    body = wait_for(
+        lambda: (m := sidecar.metrics()) and 'container="helper"' in m and m, what="metrics"
+    )
+    assert (
+        f'vram_enforcer_container_used_bytes{{container="helper",namespace="{NAMESPACE}",pod="trainer-0"}} 1.073741824e+09'
+        in body
+    )
+    assert (
+        'vram_enforcer_container_limit_bytes{container="trainer",namespace="gpu-team",pod="trainer-0"} 4.294967296e+09'
+        in body
+    )
+    assert 'vram_enforcer_actions_total{action="terminate"}' in body
+    assert "vram_enforcer_source_up 1.0" in body
+    assert helper > 0
+
+
+def test_a_pid_outside_the_pod_is_never_signalled(
+    sidecar: Sidecar, pod: SimPod, node: Node
+) -> None:
+    """NVML lists a host pid that (now) belongs to a process outside the pod: nobody is touched."""
+    outsider = subprocess.Popen(["sleep", "60"])
+    try:
+        node.use({outsider.pid: 50 * GiB})
+        time.sleep(1.0)
+        assert outsider.poll() is None
+        assert all(alive(p) for p in pod.host_pids("helper"))
+    finally:
+        node.use({outsider.pid: None})
+        outsider.kill()
+        outsider.wait()
+
+
+def test_agent_loss_is_reported_and_enforcement_resumes(sidecar: Sidecar, pod: SimPod, node: Node, core: client.CoreV1Api,
+                                                        tmp_path: Path) -> None:  # fmt: skip
+    node.stop_agent()
+    wait_for(
+        lambda: "VRAM usage cannot be observed" in sidecar.text(), what="the loss to be reported"
+    )
+    wait_for(
+        lambda: any(e.reason == "VRAMUsageUnknown" for e in events(core, pod.name)),
+        what="VRAMUsageUnknown",
+    )
+    assert "vram_enforcer_source_up 0.0" in sidecar.metrics()
+    node.start_agent()
+    wait_for(lambda: "enforcement resumed" in sidecar.text(), what="the sidecar to reconnect")
+    offender = start_worker(pod, "trainer", tmp_path)
+    node.use({offender: 5 * GiB})
+    wait_for(lambda: not alive(offender), what="enforcement after the agent came back")
+    node.use({offender: None})
+
+
+def test_enforcement_goes_on_while_the_api_server_is_down(sidecar: Sidecar, pod: SimPod, node: Node, apiserver: ApiServer,
+                                                          tmp_path: Path) -> None:  # fmt: skip
+    apiserver.stop()
+    try:
+        offender = start_worker(pod, "trainer", tmp_path)
+        started = time.monotonic()
+        node.use({offender: 5 * GiB})
+        wait_for(lambda: not alive(offender), what="enforcement without the API")
+        assert time.monotonic() - started < 5
+        node.use({offender: None})
+    finally:
+        apiserver.start()
+    assert "Traceback" not in sidecar.text()
+
+
+def test_restart_signals_the_containers_init_process(pod: SimPod, node: Node, apiserver: ApiServer, token: str,
+                                                     admin: client.ApiClient, tmp_path: Path) -> None:  # fmt: skip
+    restarter = SimPod(
+        client.CoreV1Api(admin), NAMESPACE, "restarter-0", ["trainer", "vram-enforcer"]
+    )
+    try:
+        side = Sidecar(
+            restarter, node, apiserver, token, tmp_path, {"trainer": 1 * GiB}, "--action", "restart"
+        )
+        before = set(restarter.host_pids("trainer"))
+        report = tmp_path / "restart.json"
+        restarter.start(
+            "trainer", [sys.executable, str(WORKER), "--report", str(report), "--spawn", "child"]
+        )
+        wait_for(lambda: report.with_name(report.name + ".child").exists(), what="the child")
+        pids = set(restarter.host_pids("trainer")) - before
+        init = next(p for p in pids if HOST.stat(p).ppid not in pids)  # type: ignore[union-attr]
+        (gpu_user,) = pids - {init}
+        node.use({gpu_user: 2 * GiB})
+        wait_for(lambda: not alive(init), what="the init process to be terminated")
+        assert "restarting it: sent SIGTERM to its init process" in side.text()
+        node.use({gpu_user: None})
+        assert side.stop() == 0
+    finally:
+        restarter.close()
+
+
+def test_direct_nvml_through_the_host_proc(node: Node, apiserver: ApiServer, token: str, admin: client.ApiClient,
+                                           tmp_path: Path) -> None:  # fmt: skip
+    """--source nvml: no agent; NVML's host pids translated through a read-only host /proc."""
+    host_proc = tmp_path / "host-proc"
+    direct = SimPod(
+        client.CoreV1Api(admin),
+        NAMESPACE,
+        "direct-0",
+        ["trainer", "vram-enforcer"],
+        host_proc=host_proc,
+    )
+    try:
+        side = Sidecar(direct, node, apiserver, token, tmp_path, {"trainer": 1 * GiB}, "--source", "nvml",
+                       "--host-proc", str(host_proc),
+                       env=node.nvml_env())  # fmt: skip
+        offender = start_worker(direct, "trainer", tmp_path)
+        node.use({offender: 2 * GiB})
+        wait_for(lambda: not alive(offender), what="the offender to be terminated")
+        assert "container 'trainer' uses 2.00 GiB of its 1.00 GiB VRAM limit" in side.text()
+        node.use({offender: None})
+        assert side.stop() == 0
+    finally:
+        direct.close()
+
+
+def test_container_mode_exits_once_the_other_containers_are_done(node: Node, apiserver: ApiServer, token: str,
+                                                                  admin: client.ApiClient, tmp_path: Path) -> None:  # fmt: skip
+    """The legacy sidecar (a regular container) must exit by itself, or the Job never completes."""
+    job = SimPod(client.CoreV1Api(admin), NAMESPACE, "job-0", ["trainer", "vram-enforcer"])
+    try:
+        side = Sidecar(job, node, apiserver, token, tmp_path, {"trainer": 1 * GiB},
+                       env={"VRAM_ENFORCER_SIDECAR_MODE": "container"})  # fmt: skip
+        time.sleep(1.5)
+        assert side.proc.poll() is None  # the trainer is still running
+        job.report_status({"trainer": {"terminated": {"exitCode": 0, "reason": "Completed"}}})
+        assert side.proc.wait(timeout=15) == 0
+        assert "every other container has finished" in side.text()
+    finally:
+        job.close()
+
+
+def test_bad_environment_is_a_clear_error(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "enforcer", "sidecar"],
+        env={**os.environ, "POD_NAME": "p", "POD_NAMESPACE": "n", "POD_UID": "u", "VRAM_ENFORCER_LIMITS": "trainer=4Gi"},
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "VRAM_ENFORCER_LIMITS: 'trainer=4Gi' is not valid JSON" in out.stderr
+    assert "Traceback" not in out.stderr

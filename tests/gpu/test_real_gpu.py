@@ -1,0 +1,132 @@
+"""Real NVML and real CUDA processes (PyTorch): the enforcer catches an allocation at the
+limit and leaves a compliant process alone. Skipped without a GPU."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from enforcer.model import GiB
+from enforcer.nvml import Nvml
+from enforcer.procfs import ProcFs
+from enforcer.sources import NvmlSource, PidView
+from tests.helpers import children, wait_for
+
+ALLOC = Path(__file__).with_name("alloc.py")
+POD_ALLOC = Path(__file__).with_name("pod_alloc.py")
+
+
+def enforce(limit: str, step_mib: int, steps: int, hold: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "enforcer",
+            "exec",
+            "--limit",
+            limit,
+            "--interval",
+            "50ms",
+            "--grace-period",
+            "2s",
+            "--",
+            sys.executable,
+            str(ALLOC),
+            str(step_mib),
+            str(steps),
+            str(hold),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def test_real_nvml_lists_devices_and_memory() -> None:
+    nvml = Nvml()
+    nvml.init()
+    try:
+        snap = nvml.snapshot()
+    finally:
+        nvml.shutdown()
+    assert snap.devices
+    for d in snap.devices:
+        assert d.total_bytes and d.total_bytes > GiB
+        assert d.used_bytes is not None
+    print("driver", nvml.driver_version, [(d.index, d.name, d.total_bytes) for d in snap.devices])
+
+
+def test_a_real_cuda_process_is_seen_with_its_start_time() -> None:
+    child = subprocess.Popen(
+        [sys.executable, str(ALLOC), "512", "1", "30"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().startswith("allocated")
+        nvml = Nvml()
+        nvml.init()
+        try:
+            sample = NvmlSource(nvml, PidView.host(ProcFs())).sample()
+        finally:
+            nvml.shutdown()
+        mine = [p for p in sample.processes if p.key.pid == child.pid]  # type: ignore[union-attr]
+        assert mine, f"NVML did not report pid {child.pid}: {sample}"
+        assert mine[0].key.start_time == ProcFs().start_time(child.pid)
+        assert mine[0].used_bytes is not None and mine[0].used_bytes >= 512 * 1024**2
+        print("NVML sees", mine)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_an_allocation_past_the_limit_is_terminated() -> None:
+    out = enforce("2Gi", 256, 24, 30)  # would reach 6 GiB (plus the CUDA context)
+    print(out.stdout, out.stderr)
+    assert out.returncode == 128 + signal.SIGTERM, out.stderr
+    assert "of its 2.00 GiB VRAM limit" in out.stderr and "sent SIGTERM" in out.stderr
+    last = [line for line in out.stdout.splitlines() if line.startswith("allocated")][-1]
+    assert int(last.split()[1]) <= 2048 + 256, "caught within one step of the limit"
+
+
+def test_a_compliant_cuda_process_survives() -> None:
+    out = enforce("4Gi", 256, 4, 1)  # 1 GiB plus the CUDA context
+    print(out.stdout, out.stderr)
+    assert out.returncode == 0, out.stderr
+    assert "done" in out.stdout
+    assert "SIG" not in out.stderr
+
+
+def test_the_agent_names_a_pods_cuda_process_by_the_pods_own_pid(tmp_path: Path) -> None:
+    """NVML reports host pids; a caller in a PID namespace must get its own pids back."""
+    sock = tmp_path / "agent.sock"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels",
+         "--socket", str(sock), "--interval", "50ms", "--log-format", "text"],
+        stderr=(tmp_path / "agent.log").open("w"),
+    )  # fmt: skip
+    pod = None
+    try:
+        wait_for(sock.exists, what="the agent socket")
+        pod = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
+             sys.executable, str(POD_ALLOC), str(sock), "768"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert pod.stdout is not None
+        seen = json.loads(pod.stdout.readline())
+        print("the pod saw", seen)
+        (listed,) = seen["reply"]["processes"]
+        assert listed["pid"] == seen["pid"] == 1  # the namespace's pid, never the host's
+        assert listed["used_bytes"] >= 768 * 1024**2
+        (host_pid,) = children(pod.pid)
+        assert listed["start_time"] == ProcFs().start_time(host_pid)
+        assert seen["reply"]["devices"] and seen["reply"]["devices"][0]["total_bytes"] > GiB
+    finally:
+        if pod is not None:
+            pod.kill()
+            pod.wait()
+        agent.terminate()
+        assert agent.wait(timeout=15) == 0, (tmp_path / "agent.log").read_text()

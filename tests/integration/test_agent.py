@@ -1,0 +1,351 @@
+"""The node agent's usage socket, against real PID namespaces made with `unshare`.
+
+Each "pod" is a fresh PID namespace whose PID 1 asks the agent for usage. The fake NVML
+lists the pods' processes by host pid, as a real driver does; each pod must see exactly its
+own processes, named by its own pids, and the host must see all of them by host pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from enforcer.model import GiB
+from enforcer.peers import PeerError, attest
+from enforcer.procfs import ProcFs
+from tests.fakenvml.plugin import FakeNvml
+from tests.helpers import children, free_port, wait_for
+
+POD = Path(__file__).with_name("pod.py")
+HOST = ProcFs()
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare"
+)
+
+
+class Agent:
+    def __init__(self, gpu: FakeNvml, tmp: Path) -> None:
+        self.socket = tmp / "run" / "agent.sock"
+        self.metrics_port = free_port()
+        self.log_path = tmp / "agent.log"
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels",
+             "--socket", str(self.socket), "--interval", "50ms", "--metrics-port", str(self.metrics_port),
+             "--log-format", "text"],
+            env={**os.environ, **gpu.env()}, stderr=self.log, text=True,
+        )  # fmt: skip
+        wait_for(self._answers, what="the agent socket")
+
+    def _answers(self) -> bool:
+        """Listening, and past its first NVML pass."""
+        try:
+            return "processes" in self.ask()
+        except OSError:
+            return False
+
+    def connect(self) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(self.socket))
+        return s
+
+    def ask(self, request: bytes = b'{"v":1,"op":"usage"}\n') -> dict[str, Any]:
+        with self.connect() as s:
+            s.sendall(request)
+            return json.loads(s.makefile("rb").readline())  # type: ignore[no-any-return]
+
+    def stderr(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        code = self.proc.wait(timeout=10)
+        self.log.close()
+        return code
+
+
+class Pod:
+    def __init__(self, agent: Agent, *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
+             sys.executable, str(POD), "--socket", str(agent.socket), *extra],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        assert self.proc.stdout.readline().strip() == "ready"
+        (self.init_pid,) = wait_for(lambda: children(self.proc.pid), what="pod init")
+
+    def host_pids(self) -> dict[int, tuple[int, ...]]:
+        """Every process of the pod but its init: host pid -> NSpid chain."""
+        found = {}
+        for pid in HOST.descendants(self.proc.pid):
+            nspid = HOST.nspid(pid)
+            if pid != self.init_pid and nspid is not None and HOST.stat(pid).state != "Z":  # type: ignore[union-attr]
+                found[pid] = nspid
+        return found
+
+    def ask(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write('{"v":1,"op":"usage"}\n')
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def agent(fake_nvml: FakeNvml, tmp_path: Path) -> Iterator[Agent]:
+    a = Agent(fake_nvml, tmp_path)
+    yield a
+    if a.proc.poll() is None:
+        a.stop()
+
+
+@pytest.fixture
+def pods(agent: Agent) -> Iterator[list[Pod]]:
+    made: list[Pod] = []
+    yield made
+    for p in made:
+        p.close()
+
+
+def list_on_gpu(gpu: FakeNvml, pids: dict[int, int]) -> None:
+    for pid, used in pids.items():
+        gpu.state.set_process(0, pid, used)
+    gpu.write()
+
+
+def wait_for_processes(ask: Any, count: int) -> dict[str, Any]:
+    return wait_for(
+        lambda: (r := ask()) and len(r.get("processes", ())) == count and r,
+        what=f"{count} processes",
+    )  # type: ignore[no-any-return]
+
+
+def test_each_pod_sees_only_its_own_processes_with_its_own_pids(
+    agent: Agent, pods: list[Pod], fake_nvml: FakeNvml
+) -> None:
+    a, b = Pod(agent), Pod(agent, "--nested")
+    pods += [a, b]
+    a_pids = wait_for(lambda: len(a.host_pids()) == 2 and a.host_pids(), what="pod a's workers")
+    b_pids = wait_for(
+        lambda: len(b.host_pids()) == 4 and b.host_pids(), what="pod b's workers"
+    )  # 2 + unshare + nested sleep
+    everyone = {pid: (i + 1) * GiB for i, pid in enumerate([*a_pids, *b_pids])}
+    list_on_gpu(fake_nvml, everyone)
+
+    reply_a = wait_for_processes(a.ask, 2)
+    assert {(p["pid"], p["start_time"], p["used_bytes"]) for p in reply_a["processes"]} == {
+        (chain[1], HOST.start_time(host), everyone[host]) for host, chain in a_pids.items()
+    }
+    reply_b = wait_for_processes(b.ask, 4)
+    # The nested namespace's process is b's too, named by its pid in b's namespace.
+    assert {p["pid"] for p in reply_b["processes"]} == {chain[1] for chain in b_pids.values()}
+    assert any(len(chain) == 3 for chain in b_pids.values())
+
+    host = wait_for_processes(agent.ask, 6)
+    assert {p["pid"] for p in host["processes"]} == set(everyone)
+    assert reply_a["devices"][0]["total_bytes"] == 80 * GiB
+
+
+def test_a_pod_without_gpu_processes_gets_an_empty_list(
+    agent: Agent, pods: list[Pod], fake_nvml: FakeNvml
+) -> None:
+    a, b = Pod(agent), Pod(agent)
+    pods += [a, b]
+    a_pids = wait_for(lambda: len(a.host_pids()) == 2 and a.host_pids(), what="pod a's workers")
+    list_on_gpu(fake_nvml, dict.fromkeys(a_pids, GiB))
+    wait_for_processes(a.ask, 2)
+    assert b.ask()["processes"] == []
+
+
+def test_garbage_huge_lines_and_versions_get_errors_and_the_agent_lives(agent: Agent) -> None:
+    with agent.connect() as s:
+        f = s.makefile("rwb")
+        for request, error in [
+            (b"hello\n", "not JSON"),
+            (b"[1,2]\n", "a request is a JSON object"),
+            (b'{"v":2,"op":"usage"}\n', "unsupported protocol version 2"),
+            (b'{"v":1,"op":"rm -rf"}\n', "unknown op 'rm -rf'"),
+            (b"\xff\xfe\n", "not JSON"),
+        ]:
+            f.write(request)
+            f.flush()
+            assert error in json.loads(f.readline())["error"]
+        f.write(b'{"v":1,"op":"usage"}\n')  # the same connection still works
+        f.flush()
+        assert "processes" in json.loads(f.readline())
+    with agent.connect() as s:
+        s.sendall(b"x" * 100_000)
+        f = s.makefile("rb")
+        assert "longer than 4096 bytes" in json.loads(f.readline())["error"]
+        assert f.readline() == b""  # and the connection is closed
+    assert "processes" in agent.ask()
+
+
+def test_a_reader_that_never_reads_does_not_stall_others(agent: Agent) -> None:
+    stuck = agent.connect()
+    stuck.setblocking(False)
+    sent = 0
+    try:
+        while sent < 20_000_000:  # until our socket buffer is full too
+            sent += stuck.send(b'{"v":1,"op":"usage"}\n' * 200)
+    except BlockingIOError:
+        pass
+    started = time.monotonic()
+    assert "processes" in agent.ask()
+    assert time.monotonic() - started < 2.0
+    stuck.close()
+
+
+def test_a_dead_peer_is_refused_not_confused(tmp_path: Path) -> None:
+    """The caller exits before it is identified: no answer about anybody."""
+    path = tmp_path / "s.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen()
+    code = f"import socket; s = socket.socket(socket.AF_UNIX); s.connect({str(path)!r})"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    conn, _ = server.accept()
+    with pytest.raises(PeerError, match=r"exited|cannot read"):
+        attest(conn, HOST)
+    conn.close()
+    server.close()
+
+
+def test_a_connection_that_closes_at_once_does_not_hurt(agent: Agent) -> None:
+    for _ in range(20):
+        agent.connect().close()
+    assert "processes" in agent.ask()
+
+
+def test_two_hundred_concurrent_clients(agent: Agent, fake_nvml: FakeNvml) -> None:
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        list_on_gpu(fake_nvml, {child.pid: GiB})
+        wait_for_processes(agent.ask, 1)
+        results: list[int] = []
+        errors: list[BaseException] = []
+
+        def client() -> None:
+            try:
+                with agent.connect() as s:
+                    f = s.makefile("rwb")
+                    for _ in range(10):
+                        f.write(b'{"v":1,"op":"usage"}\n')
+                        f.flush()
+                        results.append(len(json.loads(f.readline())["processes"]))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client) for _ in range(200)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert errors == []
+        assert results == [1] * 2000
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_nvml_down_is_an_error_reply_and_it_recovers(agent: Agent, fake_nvml: FakeNvml) -> None:
+    fake_nvml.state.inject_error("nvmlDeviceGetMemoryInfo", "GPU_IS_LOST", device_index=0)
+    fake_nvml.write()
+    reply = wait_for(lambda: "error" in (r := agent.ask()) and r, what="an error reply")
+    assert "GPU usage is unavailable on this node" in reply["error"]
+    fake_nvml.state.clear_errors()
+    fake_nvml.write()
+    wait_for(lambda: "processes" in agent.ask(), what="recovery")
+
+
+def test_metrics_and_a_clean_shutdown(agent: Agent) -> None:
+    def scrape() -> str | None:
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=2
+            ) as r:
+                body: str = r.read().decode()
+        except OSError:
+            return None
+        return body if "vram_enforcer_source_up 1.0" in body else None
+
+    agent.ask()
+    body = wait_for(scrape, what="metrics")
+    assert "vram_enforcer_gpu_total_bytes{" in body
+    assert 'vram_enforcer_agent_requests_total{result="ok"}' in body
+    assert agent.stop() == 0
+    assert not agent.socket.exists()
+    assert "Traceback" not in agent.stderr()
+
+
+def test_a_stale_socket_is_replaced_but_a_live_one_is_not(
+    fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    stale = tmp_path / "run" / "agent.sock"
+    stale.parent.mkdir()
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale))
+    s.close()  # bound, never listening: what a crashed agent leaves behind
+    first = Agent(fake_nvml, tmp_path)
+    try:
+        assert "processes" in first.ask()
+        second = subprocess.run(
+            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--socket", str(first.socket)],
+            env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert second.returncode == 2
+        assert "another agent is already listening" in second.stderr
+        assert "processes" in first.ask()
+    finally:
+        first.stop()
+
+
+def test_the_agent_refuses_to_run_outside_the_host_pid_namespace(
+    fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    out = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "enforcer", "agent",
+         "--no-advertise", "--no-labels", "--socket", str(tmp_path / "a.sock"), "--log-format", "text"],
+        env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "hostPID: true" in out.stderr
+
+
+def test_a_subscriber_gets_each_new_sample_pushed(agent: Agent, fake_nvml: FakeNvml) -> None:
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        with agent.connect() as s:
+            f = s.makefile("rwb")
+            f.write(b'{"v":1,"op":"subscribe"}\n')
+            f.flush()
+            first = json.loads(f.readline())  # the current sample, at once
+            stamps = [first["sampled_at"]]
+            list_on_gpu(fake_nvml, {child.pid: GiB})
+            seen = []
+            for _ in range(30):  # then one line per NVML pass, without asking
+                reply = json.loads(f.readline())
+                stamps.append(reply["sampled_at"])
+                seen.append(len(reply["processes"]))
+            assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps)
+            assert seen[-1] == 1
+    finally:
+        child.kill()
+        child.wait()

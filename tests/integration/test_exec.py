@@ -1,0 +1,424 @@
+"""`vram-enforcer exec` end to end: the real CLI in a subprocess, real signals, real /proc,
+and the fake libnvidia-ml.so.1 reporting the pids that the test chooses."""
+
+from __future__ import annotations
+
+import ctypes.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from enforcer.model import GiB
+from tests.helpers import free_port, wait_for
+
+WORKER = Path(__file__).with_name("worker.py")
+
+
+@dataclass
+class Run:
+    """One `vram-enforcer exec` run with a worker, and the fake GPU it is watched through."""
+
+    gpu: Any
+    tmp: Path
+    proc: subprocess.Popen[str] | None = None
+    stderr: str = ""
+    extra: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    @property
+    def report(self) -> Path:
+        return self.tmp / "worker.json"
+
+    def start(
+        self, *flags: str, worker: tuple[str, ...] = (), prefix: tuple[str, ...] = ()
+    ) -> None:
+        cmd = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "enforcer",
+            "exec",
+            "--interval",
+            "20ms",
+            *flags,
+            "--",
+            sys.executable,
+            str(WORKER),
+            "--report",
+            str(self.report),
+            *worker,
+        ]
+        env = {**os.environ, **self.gpu.env(), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+
+    def worker(self, role: str = "main") -> dict[str, int]:
+        path = self.report.with_name(f"{self.report.name}.{role}")
+        return wait_for(
+            lambda: path.exists() and json.loads(path.read_text()), what=f"{role} to start"
+        )  # type: ignore[no-any-return]
+
+    def use(self, pid: int, used: int) -> None:
+        self.gpu.state.set_process(0, pid, used)
+        self.gpu.write()
+
+    def release(self) -> None:
+        self.report.with_name(self.report.name + ".release").touch()
+
+    def wait(self, timeout: float = 20) -> int:
+        assert self.proc is not None
+        _, self.stderr = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode
+
+
+@pytest.fixture
+def run(fake_nvml: Any, tmp_path: Path) -> Iterator[Run]:
+    r = Run(fake_nvml, tmp_path)
+    yield r
+    r.release()
+    for p in [r.proc, *r.extra]:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def alive(pid: int) -> bool:
+    """Running, as opposed to gone or a zombie that its parent has not reaped yet."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def test_a_compliant_command_runs_to_its_own_exit_status(run: Run) -> None:
+    run.start("--limit", "4Gi", worker=("--exit", "3"))
+    w = run.worker()
+    run.use(w["pid"], 1 * GiB)
+    time.sleep(0.2)
+    run.release()
+    assert run.wait() == 3, run.stderr
+    assert run.stderr == ""
+
+
+def test_the_exit_is_seen_while_nvml_is_busy(run: Run) -> None:
+    """The driver's own thread must not swallow SIGCHLD: on a real H100, a command that
+    exited while a tick was inside NVML left `exec` waiting forever."""
+    run.gpu.state.data["query_delay_ms"] = 40  # with 20 ms ticks: mostly inside NVML
+    run.gpu.write()
+    for code in (3, 4, 5):
+        run.start("--limit", "4Gi", worker=("--exit", str(code)))
+        run.worker()
+        run.release()
+        assert run.wait(timeout=10) == code, run.stderr
+        run.report.with_name(run.report.name + ".main").unlink()
+        run.report.with_name(run.report.name + ".release").unlink()
+
+
+def test_an_offender_is_terminated_with_one_explaining_line(run: Run) -> None:
+    run.start("--limit", "4Gi")
+    w = run.worker()
+    run.use(w["pid"], 5 * GiB)
+    assert run.wait() == 128 + signal.SIGTERM
+    lines = [line for line in run.stderr.splitlines() if "sent SIGTERM" in line]
+    assert len(lines) == 1, run.stderr
+    assert f"pid {w['pid']} ({sys.executable} {WORKER}" in lines[0]
+    assert "uses 5.00 GiB of its 4.00 GiB VRAM limit (125%)" in lines[0]
+
+
+def test_one_that_ignores_sigterm_is_killed_after_the_grace_period(run: Run) -> None:
+    run.start("--limit", "1Gi", "--grace-period", "300ms", worker=("--ignore-term",))
+    w = run.worker()
+    run.use(w["pid"], 2 * GiB)
+    assert run.wait() == 128 + signal.SIGKILL
+    assert "did not exit 300ms after SIGTERM; sent SIGKILL" in run.stderr
+
+
+def test_kill_action(run: Run) -> None:
+    run.start("--limit", "1Gi", "--action", "kill", worker=("--ignore-term",))
+    w = run.worker()
+    run.use(w["pid"], 2 * GiB)
+    assert run.wait() == 128 + signal.SIGKILL
+    assert "sent SIGKILL" in run.stderr
+
+
+def test_a_grandchild_is_counted_and_caught(run: Run) -> None:
+    run.start("--limit", "4Gi", worker=("--spawn", "child"))
+    main, child = run.worker("main"), run.worker("child")
+    assert child["ppid"] == main["pid"]
+    run.gpu.state.set_process(0, main["pid"], 2 * GiB)
+    run.use(child["pid"], 3 * GiB)  # neither alone is over; together they are
+    wait_for(lambda: not alive(child["pid"]), what="the child to be terminated")
+    assert alive(main["pid"])
+    run.release()
+    assert run.wait() == 0
+    assert f"sent SIGTERM to pid {child['pid']}" in run.stderr
+
+
+def test_a_reparented_orphan_is_still_counted(run: Run) -> None:
+    run.start("--limit", "4Gi", worker=("--spawn", "orphan"))
+    run.worker("main")
+    orphan = run.worker("orphan")
+    assert run.proc is not None
+    # Its parent shell has exited: the subreaper (the enforcer) is its parent now.
+    wait_for(lambda: _ppid(orphan["pid"]) == run.proc.pid, what="re-parenting")  # type: ignore[union-attr]
+    run.use(orphan["pid"], 5 * GiB)
+    wait_for(lambda: not alive(orphan["pid"]), what="the orphan to be terminated")
+    run.release()
+    assert run.wait() == 0
+    assert f"sent SIGTERM to pid {orphan['pid']}" in run.stderr
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    return int(text.rpartition(")")[2].split()[1])
+
+
+def test_warn_only_kills_nothing(run: Run) -> None:
+    run.start("--limit", "1Gi", "--action", "warn")
+    w = run.worker()
+    run.use(w["pid"], 3 * GiB)
+    time.sleep(0.5)
+    assert alive(w["pid"])
+    run.release()
+    assert run.wait() == 0
+    assert "uses 3.00 GiB of its 1.00 GiB VRAM limit (300%); the action is warn" in run.stderr
+    assert run.stderr.count("VRAM limit") == 1  # one warning per crossing
+
+
+def test_dry_run_kills_nothing_and_says_what_it_would_do(run: Run) -> None:
+    run.start("--limit", "1Gi", "--dry-run")
+    w = run.worker()
+    run.use(w["pid"], 3 * GiB)
+    time.sleep(0.5)
+    assert alive(w["pid"])
+    run.release()
+    assert run.wait() == 0
+    assert f"dry run: would send SIGTERM to pid {w['pid']}" in run.stderr
+
+
+def test_near_limit_warning(run: Run) -> None:
+    run.start("--limit", "1Gi", "--warn-at", "50%")
+    w = run.worker()
+    run.use(w["pid"], 600 * 1024**2)
+    time.sleep(0.3)
+    run.release()
+    assert run.wait() == 0
+    assert "above the 50% warning threshold" in run.stderr
+
+
+def test_nvml_errors_mid_run_kill_nothing_and_enforcement_recovers(run: Run) -> None:
+    run.start("--limit", "1Gi")
+    w = run.worker()
+    run.use(w["pid"], 100)
+    time.sleep(0.2)
+    # The GPU falls off the bus while the worker's usage goes over the limit.
+    run.gpu.state.inject_error("nvmlDeviceGetMemoryInfo", "GPU_IS_LOST", device_index=0)
+    run.use(w["pid"], 5 * GiB)
+    time.sleep(1.0)
+    assert alive(w["pid"]), "nothing may be signalled while usage cannot be observed"
+    run.gpu.state.clear_errors()
+    run.gpu.write()
+    assert run.wait() == 128 + signal.SIGTERM
+    text = run.stderr
+    assert "VRAM usage cannot be observed" in text and "GPU is lost" in text
+    assert (
+        text.index("cannot be observed") < text.index("observed again") < text.index("sent SIGTERM")
+    )
+
+
+def test_a_reused_pid_outside_the_tree_is_never_signalled(run: Run) -> None:
+    """NVML still lists a pid that now belongs to an unrelated process: nobody is killed."""
+    bystander = subprocess.Popen(["sleep", "60"], text=True)
+    run.extra.append(bystander)
+    run.start("--limit", "1Gi")
+    w = run.worker()
+    run.use(bystander.pid, 10 * GiB)
+    time.sleep(0.5)
+    assert bystander.poll() is None and alive(w["pid"])
+    run.release()
+    assert run.wait() == 0
+    assert "SIG" not in run.stderr
+
+
+def test_metrics_are_served(run: Run) -> None:
+    port = free_port()
+    run.start("--limit", "4Gi", "--metrics-port", str(port), "--name", "trainer")
+    w = run.worker()
+    run.use(w["pid"], 1 * GiB)
+
+    def scrape() -> str | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                body: str = r.read().decode()
+        except OSError:
+            return None
+        return body if f'pid="{w["pid"]}"' in body else None
+
+    body = wait_for(scrape, what="metrics")
+    assert 'vram_enforcer_container_used_bytes{container="trainer"} 1.073741824e+09' in body
+    assert 'vram_enforcer_container_limit_bytes{container="trainer"} 4.294967296e+09' in body
+    assert "vram_enforcer_source_up 1.0" in body
+    run.release()
+    assert run.wait() == 0
+
+
+def test_sigterm_to_the_enforcer_is_forwarded_to_the_command(run: Run) -> None:
+    run.start("--limit", "4Gi")
+    w = run.worker()
+    assert run.proc is not None
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == 128 + signal.SIGTERM
+    assert not alive(w["pid"])
+
+
+def _real_nvml_installed() -> bool:
+    # Look it up without loading it: once loaded, it would shadow the fake NVML in-process.
+    return ctypes.util.find_library("nvidia-ml") is not None
+
+
+@pytest.mark.skipif(_real_nvml_installed(), reason="a real libnvidia-ml.so.1 is installed here")
+def test_no_nvml_refuses_to_start_the_command(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "FAKE_NVML_STATE")}
+    out = subprocess.run(
+        [sys.executable, "-m", "enforcer", "exec", "--limit", "1Gi", "--", "touch", str(marker)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2
+    assert "libnvidia-ml.so.1 was not found" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not marker.exists()
+
+
+def test_driver_not_loaded_is_explained(fake_nvml: Any, tmp_path: Path) -> None:
+    fake_nvml.state.data["init_error"] = "DRIVER_NOT_LOADED"
+    fake_nvml.write()
+    out = subprocess.run(
+        [sys.executable, "-m", "enforcer", "exec", "--limit", "1Gi", "--", "true"],
+        env={**os.environ, **fake_nvml.env()},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2
+    assert "the NVIDIA kernel driver is not loaded" in out.stderr
+
+
+def test_command_not_found(fake_nvml: Any) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "enforcer", "exec", "--limit", "1Gi", "--", "no-such-command-xyz"],
+        env={**os.environ, **fake_nvml.env()},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 127
+    assert "no-such-command-xyz: command not found" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--limit", "4GB!"],
+            "--limit: '4GB!' is not a quantity; use a Kubernetes quantity such as 4Gi",
+        ),
+        (
+            ["--limit", "4Gi", "--warn-at", "150%"],
+            "--warn-at: '150%' is out of range; use a percentage above 0% and at most 100%",
+        ),
+        (
+            ["--limit", "4Gi", "--grace-period", "5"],
+            "--grace-period: '5' is not a duration; use a duration with a unit",
+        ),
+        (
+            ["--limit", "4Gi", "--action", "explode"],
+            "--action: 'explode' is not an action; use one of: terminate, kill, warn",
+        ),
+    ],
+)
+def test_bad_flags_name_the_flag_the_value_and_the_form(flags: list[str], message: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "enforcer", "exec", *flags, "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+NEEDS_UNSHARE = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare"
+)
+
+
+@NEEDS_UNSHARE
+def test_in_a_pid_namespace_it_refuses_rather_than_guess(fake_nvml: Any, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    out = subprocess.run(
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            sys.executable,
+            "-m",
+            "enforcer",
+            "exec",
+            "--limit",
+            "1Gi",
+            "--",
+            "touch",
+            str(marker),
+        ],
+        env={**os.environ, **fake_nvml.env()},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2
+    assert (
+        "PID namespace" in out.stderr and "--pid=host" in out.stderr and "--host-proc" in out.stderr
+    )
+    assert not marker.exists()
+
+
+@NEEDS_UNSHARE
+def test_in_a_pid_namespace_with_the_host_proc_it_translates_and_enforces(
+    run: Run, tmp_path: Path
+) -> None:
+    """Like a container with -v /proc:/host/proc:ro: NVML's host pid is mapped to ours."""
+    host_proc = tmp_path / "host-proc"
+    host_proc.mkdir()
+    script = f'mount --bind /proc {host_proc} && mount -t proc proc /proc && exec "$0" "$@"'
+    run.start(
+        "--limit",
+        "1Gi",
+        "--host-proc",
+        str(host_proc),
+        worker=("--host-proc", str(host_proc)),
+        prefix=("unshare", "--mount", "--pid", "--fork", "sh", "-c", script),
+    )
+    w = run.worker()
+    assert w["host_pid"] != w["pid"]
+    run.use(w["host_pid"], 2 * GiB)
+    assert run.wait() == 128 + signal.SIGTERM, run.stderr
+    assert f"sent SIGTERM to pid {w['pid']} " in run.stderr

@@ -1,0 +1,58 @@
+"""A stand-in for a GPU program, started by the tests under `vram-enforcer exec`.
+
+It reports its pid (and its pid in the host's /proc, when given one) in a JSON file, can
+spawn a child or an orphan that does the same, can ignore SIGTERM, and exits 0 once the
+test creates the release file.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def report(path: Path, role: str, host_proc: str | None) -> None:
+    entry = {"role": role, "pid": os.getpid(), "ppid": os.getppid()}
+    if host_proc:
+        entry["host_pid"] = int(os.readlink(f"{host_proc}/self"))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(entry))
+    tmp.rename(path.with_name(f"{path.name}.{role}"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--report", type=Path, required=True)
+    p.add_argument("--role", default="main")
+    p.add_argument("--spawn", choices=("child", "orphan"))
+    p.add_argument("--ignore-term", action="store_true")
+    p.add_argument("--host-proc")
+    p.add_argument("--exit", type=int, default=0)
+    args = p.parse_args()
+    if args.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    me = [sys.executable, __file__, "--report", str(args.report)]
+    if args.host_proc:
+        me += ["--host-proc", args.host_proc]
+    if args.ignore_term:
+        me.append("--ignore-term")
+    if args.spawn == "child":
+        subprocess.Popen([*me, "--role", "child"])
+    elif args.spawn == "orphan":
+        # The intermediate shell exits at once, so the orphan is re-parented to the
+        # nearest subreaper: vram-enforcer exec.
+        orphan = " ".join(f"'{a}'" for a in [*me, "--role", "orphan"])
+        subprocess.run(["sh", "-c", f"{orphan} &"], check=True)
+    report(args.report, args.role, args.host_proc)
+    release = args.report.with_name(args.report.name + ".release")
+    while not release.exists():
+        time.sleep(0.02)
+    sys.exit(args.exit)
+
+
+if __name__ == "__main__":
+    main()

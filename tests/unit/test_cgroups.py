@@ -1,0 +1,65 @@
+"""Container IDs from real /proc/<pid>/cgroup contents: containerd, CRI-O and Docker, on
+cgroup v1 and v2, with the systemd and cgroupfs drivers, with and without cgroup namespaces."""
+
+import pytest
+
+from enforcer.cgroups import container_id, status_container_id
+from enforcer.procfs import parse_cgroup
+
+A = "3f2d6b0c5a1e4d9f8b7a6c5d4e3f2a1b0c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f"
+B = "a1b2c3d4e5f60718a1b2c3d4e5f60718a1b2c3d4e5f60718a1b2c3d4e5f60718"
+UID_SYSTEMD = "6b5ab4a6_3e21_4b5d_9a5f_2b1c9d6e4f7a"
+UID = "6b5ab4a6-3e21-4b5d-9a5f-2b1c9d6e4f7a"
+
+CASES = {
+    "containerd, systemd, v2": f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_SYSTEMD}.slice/cri-containerd-{A}.scope\n",
+    "containerd, systemd, v2, guaranteed": f"0::/kubepods.slice/kubepods-pod{UID_SYSTEMD}.slice/cri-containerd-{A}.scope\n",
+    "containerd, cgroupfs, v1": (
+        f"12:pids:/kubepods/burstable/pod{UID}/{A}\n11:memory:/kubepods/burstable/pod{UID}/{A}\n"
+        f"4:cpu,cpuacct:/kubepods/burstable/pod{UID}/{A}\n1:name=systemd:/kubepods/burstable/pod{UID}/{A}\n0::/\n"
+    ),
+    "containerd, cgroupfs, v2": f"0::/kubepods/besteffort/pod{UID}/{A}\n",
+    "CRI-O, systemd, v2": f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID_SYSTEMD}.slice/crio-{A}.scope\n",
+    "CRI-O, systemd, v1": (
+        f"10:memory:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID_SYSTEMD}.slice/crio-{A}.scope\n"
+        f"1:name=systemd:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID_SYSTEMD}.slice/crio-{A}.scope\n"
+    ),
+    "Docker (dockershim), cgroupfs, v1": f"11:memory:/kubepods/besteffort/pod{UID}/{A}\n3:cpuset:/kubepods/besteffort/pod{UID}/{A}\n",
+    "Docker, systemd, v2": f"0::/system.slice/docker-{A}.scope\n",
+    "Docker, cgroupfs, v1": f"12:memory:/docker/{A}\n1:name=systemd:/docker/{A}\n",
+    "containerd, cgroup namespace, v2": f"0::/../cri-containerd-{A}.scope\n",
+    "cgroupfs, cgroup namespace, v2": f"0::/../{A}\n",
+    "v1 with an unrelated host hierarchy": f"4:memory:/process_api/c3654c36554ad2054a4190ead6dd87e8\n1:name=systemd:/docker/{A}\n",
+    "nested cgroup below the container": f"0::/kubepods.slice/kubepods-pod{UID_SYSTEMD}.slice/cri-containerd-{A}.scope/init.scope\n",
+}
+
+
+@pytest.mark.parametrize("text", CASES.values(), ids=CASES.keys())
+def test_container_ids(text: str) -> None:
+    assert container_id(parse_cgroup(text)) == A
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0::/user.slice/user-1000.slice/session-2.scope\n",
+        "0::/\n",
+        "0::/init.scope\n",
+        f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_SYSTEMD}.slice\n",  # the pod, no container
+        f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID_SYSTEMD}.slice/crio-conmon-{A}.scope\n",
+        f"11:memory:/docker/{A}\n1:name=systemd:/docker/{B}\n",  # hierarchies disagree
+        f"0::/system.slice/docker-{A[:12]}.scope\n",  # a short ID is not an ID
+        f"0::/somewhere/{A}\n",  # a bare ID below an unknown directory
+    ],
+)
+def test_no_container_or_no_proof(text: str) -> None:
+    assert container_id(parse_cgroup(text)) is None
+
+
+def test_status_container_ids() -> None:
+    assert status_container_id(f"containerd://{A}") == A
+    assert status_container_id(f"cri-o://{A}") == A
+    assert status_container_id(f"docker://{A}") == A
+    assert status_container_id("") is None
+    assert status_container_id(None) is None
+    assert status_container_id(f"containerd://{A[:20]}") is None

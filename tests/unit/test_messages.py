@@ -1,0 +1,57 @@
+"""The sentences people read: who, how much of what limit, and what was done."""
+
+from enforcer import messages
+from enforcer.model import Action, GiB, ProcessKey, ProcessTotal, SignalResult, UnitUsage
+from enforcer.policy import Enforcement, Notice, Reason
+
+VICTIM = ProcessTotal(
+    ProcessKey(4242, 1), int(4.5 * GiB), (("GPU-0", int(4.5 * GiB)),), "python train.py"
+)
+UNIT = UnitUsage("main", 4 * GiB, (VICTIM,))
+
+
+def test_enforcement_line_names_usage_limit_victim_and_signal() -> None:
+    e = Enforcement(UNIT, VICTIM, Action.TERMINATE, 5.0)
+    text = messages.enforcement(e, "the command tree", SignalResult.SENT)
+    assert text == (
+        "the command tree uses 4.50 GiB of its 4.00 GiB VRAM limit (112%); sent SIGTERM to "
+        "pid 4242 (python train.py), which holds 4.50 GiB; SIGKILL follows in 5s if it has not exited"
+    )
+
+
+def test_refusal_says_why() -> None:
+    e = Enforcement(UNIT, VICTIM, Action.KILL, 5.0)
+    text = messages.enforcement(e, "container 'x'", SignalResult.IDENTITY_CHANGED)
+    assert "did not signal pid 4242" in text
+    assert "start time changed" in text
+    assert "no longer belongs to container 'x'" in messages.enforcement(
+        e, "container 'x'", SignalResult.NOT_MEMBER
+    )
+
+
+def test_dry_run_says_what_would_happen() -> None:
+    e = Enforcement(UNIT, VICTIM, Action.KILL, 5.0, dry_run=True)
+    assert "dry run: would send SIGKILL to pid 4242" in messages.enforcement(
+        e, "x", SignalResult.SENT
+    )
+
+
+def test_notices() -> None:
+    near = Notice(Reason.NEAR_LIMIT, UNIT)
+    assert messages.notice(near, "x", Action.TERMINATE, 0.9).endswith(
+        "above the 90% warning threshold"
+    )
+    over = Notice(Reason.LIMIT_EXCEEDED, UNIT, over_for_left=30.0)
+    assert "if it stays over for 30s" in messages.notice(over, "x", Action.TERMINATE, 0.9)
+    assert "nothing is signalled" in messages.notice(over, "x", Action.WARN, 0.9)
+
+
+def test_undeclared_usage_and_unknown_usage() -> None:
+    assert "declares no VRAM limit" in messages.usage(UnitUsage("c", 0, (VICTIM,)), "container 'c'")
+    partly = ProcessTotal(ProcessKey(1, 1), 10, (("GPU-0", 10), ("GPU-1", None)))
+    assert "plus usage NVML could not report" in messages.usage(UnitUsage("c", 100, (partly,)), "c")
+
+
+def test_long_command_lines_are_shortened() -> None:
+    long = ProcessTotal(ProcessKey(1, 1), 1, (("GPU-0", 1),), "x" * 500)
+    assert len(messages.process(long)) < 160

@@ -1,0 +1,68 @@
+"""The collector renders the latest tick; series of processes that are gone disappear."""
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from enforcer.metrics import Telemetry, View
+from enforcer.model import Device, GiB, ProcessKey, ProcessTotal, UnitUsage
+
+
+def scrape(t: Telemetry) -> str:
+    return generate_latest(t.registry).decode()
+
+
+def samples(t: Telemetry) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    out = {}
+    for family in text_string_to_metric_families(scrape(t)):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def key(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
+    return (name, frozenset(labels.items()))
+
+
+def test_unit_process_device_and_health_series() -> None:
+    t = Telemetry({"namespace": "ml", "pod": "trainer-0"})
+    p = ProcessTotal(
+        ProcessKey(42, 1), 3 * GiB, (("GPU-a", 1 * GiB), ("GPU-b", 2 * GiB), ("GPU-c", None))
+    )
+    dev = Device(0, "GPU-a", "NVIDIA H100", 80 * GiB, 10 * GiB)
+    t.collector.show(View([UnitUsage("main", 4 * GiB, (p,))], [dev], source_up=True))
+    got = samples(t)
+    labels = {"namespace": "ml", "pod": "trainer-0", "container": "main"}
+    assert got[key("vram_enforcer_container_used_bytes", **labels)] == 3 * GiB
+    assert got[key("vram_enforcer_container_limit_bytes", **labels)] == 4 * GiB
+    assert (
+        got[key("vram_enforcer_process_used_bytes", **labels, pid="42", device="GPU-b")] == 2 * GiB
+    )
+    assert got[key("vram_enforcer_process_used_bytes", **labels, pid="42", device="GPU-a")] == GiB
+    # Unknown usage is not exported as a number.
+    assert key("vram_enforcer_process_used_bytes", **labels, pid="42", device="GPU-c") not in got
+    assert got[key("vram_enforcer_source_up")] == 1.0
+    gpu = {"gpu": "0", "uuid": "GPU-a", "model": "NVIDIA H100", "parent_uuid": ""}
+    assert got[key("vram_enforcer_gpu_total_bytes", **gpu)] == 80 * GiB
+    assert got[key("vram_enforcer_gpu_used_bytes", **gpu)] == 10 * GiB
+    assert got[key("vram_enforcer_tick_duration_seconds_count")] == 0
+    assert any(name == "process_resident_memory_bytes" for name, _ in got)
+
+
+def test_series_of_gone_processes_disappear() -> None:
+    t = Telemetry({})
+    p = ProcessTotal(ProcessKey(42, 1), 1, (("GPU-a", 1),))
+    t.collector.show(View([UnitUsage("main", 10, (p,))], [], source_up=True))
+    assert 'pid="42"' in scrape(t)
+    t.collector.show(View([UnitUsage("main", 10, ())], [], source_up=False))
+    text = scrape(t)
+    assert 'pid="42"' not in text
+    assert "vram_enforcer_source_up 0.0" in text
+
+
+def test_action_and_refusal_counters() -> None:
+    t = Telemetry({})
+    t.actions.labels("terminate").inc()
+    t.refused.labels("identity-changed").inc()
+    got = samples(t)
+    assert got[key("vram_enforcer_actions_total", action="terminate")] == 1
+    assert got[key("vram_enforcer_signals_refused_total", reason="identity-changed")] == 1

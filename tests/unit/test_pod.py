@@ -1,0 +1,55 @@
+from typing import Any
+
+from enforcer.pod import ContainerRef, containers_by_id, others_finished, spec_field_of
+
+A, B, C = "a" * 64, "b" * 64, "c" * 64
+
+
+def pod(policy: str = "Never", states: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    states = states or {}
+    return {
+        "spec": {"restartPolicy": policy, "containers": [{"name": "trainer"}, {"name": "vram-enforcer"}],
+                 "initContainers": [{"name": "fetch"}]},
+        "status": {
+            "initContainerStatuses": [{"name": "fetch", "containerID": f"containerd://{C}", "state": {"terminated": {"exitCode": 0}}}],
+            "containerStatuses": [
+                {"name": "trainer", "containerID": f"containerd://{A}", "state": states.get("trainer", {"running": {}})},
+                {"name": "vram-enforcer", "containerID": f"containerd://{B}", "state": {"running": {}}},
+                {"name": "waiting", "state": states.get("waiting", {"waiting": {"reason": "ContainerCreating"}})},
+            ],
+        },
+    }  # fmt: skip
+
+
+def test_containers_by_id_covers_init_containers_and_skips_uncreated_ones() -> None:
+    refs = containers_by_id(pod())
+    assert refs == {
+        C: ContainerRef("fetch", "initContainers"),
+        A: ContainerRef("trainer", "containers"),
+        B: ContainerRef("vram-enforcer", "containers"),
+    }
+    assert refs[C].field_path == "spec.initContainers{fetch}"
+    assert containers_by_id({}) == {}
+
+
+def test_spec_field_of() -> None:
+    assert spec_field_of(pod(), "fetch") == "initContainers"
+    assert spec_field_of(pod(), "trainer") == "containers"
+    assert spec_field_of({}, "x") == "containers"
+
+
+def test_others_finished_follows_the_restart_policy() -> None:
+    done_ok = {
+        "trainer": {"terminated": {"exitCode": 0}},
+        "waiting": {"terminated": {"exitCode": 0}},
+    }
+    failed = {
+        "trainer": {"terminated": {"exitCode": 1}},
+        "waiting": {"terminated": {"exitCode": 0}},
+    }
+    assert not others_finished(pod("Never"), "vram-enforcer")  # trainer still running
+    assert others_finished(pod("Never", done_ok), "vram-enforcer")
+    assert others_finished(pod("Never", failed), "vram-enforcer")
+    assert others_finished(pod("OnFailure", done_ok), "vram-enforcer")
+    assert not others_finished(pod("OnFailure", failed), "vram-enforcer")  # it will be restarted
+    assert not others_finished(pod("Always", done_ok), "vram-enforcer")

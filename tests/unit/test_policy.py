@@ -1,0 +1,218 @@
+"""The policy is a pure function: every rule is checked with plain data and a fake 'now'."""
+
+import math
+from dataclasses import replace
+
+from enforcer.model import Action, GiB, ProcessKey, ProcessTotal, UnitUsage
+from enforcer.policy import (
+    REARM_FRACTION,
+    Decision,
+    PolicyConfig,
+    Reason,
+    UnitState,
+    choose_victim,
+    decide,
+)
+
+
+def proc(pid: int, used: int, start: int | None = None, unknown: bool = False) -> ProcessTotal:
+    by_device: tuple[tuple[str, int | None], ...] = (("GPU-0", used),)
+    if unknown:
+        by_device += (("GPU-1", None),)
+    return ProcessTotal(ProcessKey(pid, start if start is not None else pid * 10), used, by_device)
+
+
+def unit(*processes: ProcessTotal, limit: int = 4 * GiB, name: str = "main") -> UnitUsage:
+    return UnitUsage(name, limit, processes)
+
+
+def run(units: list[UnitUsage], config: PolicyConfig, steps: list[float]) -> list[Decision]:
+    """Feed the same usage at each time in `steps`, threading the state through."""
+    state: dict[str, UnitState] = {}
+    out = []
+    for now in steps:
+        d = decide(units, config, state, now)
+        state = dict(d.state)
+        out.append(d)
+    return out
+
+
+def test_under_the_warn_threshold_nothing_happens() -> None:
+    d = decide([unit(proc(1, 3 * GiB))], PolicyConfig(), {}, 0.0)
+    assert d.notices == ()
+    assert d.enforcements == ()
+
+
+def test_near_limit_warns_once_per_crossing() -> None:
+    near = unit(proc(1, int(3.7 * GiB)))
+    decisions = run([near], PolicyConfig(warn_at=0.9), [0, 1, 2])
+    assert [n.reason for n in decisions[0].notices] == [Reason.NEAR_LIMIT]
+    assert decisions[1].notices == ()
+    assert decisions[2].notices == ()
+
+
+def test_near_warning_rearms_only_below_the_hysteresis_band() -> None:
+    config = PolicyConfig(warn_at=0.9)
+    threshold = 4 * GiB * 0.9
+    state: dict[str, UnitState] = {}
+    seen = []
+    for used in (
+        threshold,
+        threshold * 0.97,
+        threshold,
+        threshold * REARM_FRACTION * 0.99,
+        threshold,
+    ):
+        d = decide([unit(proc(1, math.ceil(used)))], config, state, 0.0)
+        state = dict(d.state)
+        seen.append([n.reason for n in d.notices])
+    # Dipping just under the threshold does not re-arm; dipping below the band does.
+    assert seen == [[Reason.NEAR_LIMIT], [], [], [], [Reason.NEAR_LIMIT]]
+
+
+def test_over_the_limit_terminates_the_largest_process() -> None:
+    u = unit(proc(1, 1 * GiB), proc(2, 3 * GiB), proc(3, 1 * GiB))
+    d = decide([u], PolicyConfig(grace_period=7.0), {}, 0.0)
+    assert [n.reason for n in d.notices] == [Reason.LIMIT_EXCEEDED]
+    (e,) = d.enforcements
+    assert e.victim.key.pid == 2
+    assert e.action is Action.TERMINATE
+    assert e.grace_period == 7.0
+
+
+def test_exactly_at_the_limit_is_allowed() -> None:
+    d = decide([unit(proc(1, 4 * GiB))], PolicyConfig(), {}, 0.0)
+    assert d.enforcements == ()
+
+
+def test_tie_goes_to_the_youngest_process() -> None:
+    u = unit(proc(1, 3 * GiB, start=100), proc(2, 3 * GiB, start=900), limit=5 * GiB)
+    assert choose_victim(u, frozenset()) is not None
+    assert choose_victim(u, frozenset()).key.pid == 2  # type: ignore[union-attr]
+
+
+def test_a_process_with_only_unknown_usage_is_never_chosen() -> None:
+    unknown_only = ProcessTotal(ProcessKey(9, 90), 0, (("GPU-0", None),))
+    u = unit(unknown_only, proc(1, 5 * GiB))
+    d = decide([u], PolicyConfig(), {}, 0.0)
+    assert [e.victim.key.pid for e in d.enforcements] == [1]
+    assert choose_victim(unit(unknown_only, limit=0), frozenset()) is None
+
+
+def test_unknown_usage_is_not_counted_as_zero_but_never_inflates_the_total() -> None:
+    u = unit(proc(1, 3 * GiB, unknown=True))
+    assert u.used_bytes == 3 * GiB
+    assert u.has_unknown
+    assert decide([u], PolicyConfig(), {}, 0.0).enforcements == ()
+
+
+def test_over_for_tolerates_a_short_spike() -> None:
+    over = unit(proc(1, 5 * GiB))
+    fine = unit(proc(1, 1 * GiB))
+    config = PolicyConfig(over_for=2.0)
+    d0 = decide([over], config, {}, 0.0)
+    assert [n.reason for n in d0.notices] == [Reason.LIMIT_EXCEEDED]
+    assert d0.notices[0].over_for_left == 2.0
+    d1 = decide([over], config, d0.state, 1.5)
+    assert d1.enforcements == ()
+    d2 = decide([fine], config, d1.state, 1.9)
+    assert d2.enforcements == ()
+    # A new excursion starts its own window.
+    d3 = decide([over], config, d2.state, 3.0)
+    assert d3.enforcements == ()
+    assert [n.reason for n in d3.notices] == [Reason.LIMIT_EXCEEDED]
+    d4 = decide([over], config, d3.state, 5.0)
+    assert [e.victim.key.pid for e in d4.enforcements] == [1]
+
+
+def test_exceeded_is_reported_once_per_excursion() -> None:
+    decisions = run([unit(proc(1, 5 * GiB))], PolicyConfig(action=Action.WARN), [0, 1, 2])
+    assert [len(d.notices) for d in decisions] == [1, 0, 0]
+    assert all(d.enforcements == () for d in decisions)
+
+
+def test_warn_action_never_enforces() -> None:
+    decisions = run([unit(proc(1, 50 * GiB))], PolicyConfig(action=Action.WARN), [0, 10, 100])
+    assert all(d.enforcements == () for d in decisions)
+
+
+def test_no_new_victim_while_one_is_still_exiting() -> None:
+    u = unit(proc(1, 3 * GiB), proc(2, 3 * GiB, start=5))
+    first = decide([u], PolicyConfig(), {}, 0.0)
+    (e,) = first.enforcements
+    busy = frozenset({e.victim.key})
+    assert decide([u], PolicyConfig(), first.state, 1.0, busy).enforcements == ()
+    # Once it has gone and usage is still over, the next largest is chosen.
+    rest = unit(*(p for p in u.processes if p.key != e.victim.key))
+    rest = replace(rest, limit_bytes=1 * GiB)
+    (nxt,) = decide([rest], PolicyConfig(), first.state, 2.0).enforcements
+    assert nxt.victim.key != e.victim.key
+
+
+def test_dry_run_reports_the_would_be_victim_once() -> None:
+    decisions = run([unit(proc(1, 5 * GiB))], PolicyConfig(dry_run=True), [0, 1, 2])
+    assert [len(d.enforcements) for d in decisions] == [1, 0, 0]
+    assert decisions[0].enforcements[0].dry_run
+
+
+def test_kill_action_is_passed_through() -> None:
+    (e,) = decide([unit(proc(1, 5 * GiB))], PolicyConfig(action=Action.KILL), {}, 0).enforcements
+    assert e.action is Action.KILL
+
+
+def test_zero_limit_means_any_usage_is_a_violation() -> None:
+    (e,) = decide([unit(proc(1, 1), limit=0)], PolicyConfig(), {}, 0.0).enforcements
+    assert e.victim.key.pid == 1
+    assert decide([unit(limit=0)], PolicyConfig(), {}, 0.0).notices == ()
+
+
+def test_units_are_independent_and_vanished_units_are_forgotten() -> None:
+    a = unit(proc(1, 5 * GiB), name="a")
+    b = unit(proc(2, 1 * GiB), name="b")
+    d = decide([a, b], PolicyConfig(), {"gone": UnitState(near_warned=True)}, 0.0)
+    assert [e.unit.name for e in d.enforcements] == ["a"]
+    assert set(d.state) == {"a", "b"}
+
+
+def test_falling_below_the_limit_after_enforcement_rearms_reports() -> None:
+    over, under = unit(proc(1, 5 * GiB)), unit(proc(1, 1 * GiB))
+    d1 = decide([over], PolicyConfig(), {}, 0.0)
+    d2 = decide([under], PolicyConfig(), d1.state, 1.0)
+    d3 = decide([over], PolicyConfig(), d2.state, 2.0)
+    assert [n.reason for n in d3.notices] == [Reason.LIMIT_EXCEEDED]
+    assert len(d3.enforcements) == 1
+
+
+def test_signals_property() -> None:
+    assert PolicyConfig().signals
+    assert not PolicyConfig(action=Action.WARN).signals
+    assert not PolicyConfig(dry_run=True).signals
+
+
+def test_restart_signals_the_containers_init_process() -> None:
+    init = ProcessTotal(ProcessKey(40, 400), 0, (), "/bin/sh /entrypoint.sh")
+    u = replace(unit(proc(41, 5 * GiB)), init_process=init)
+    (e,) = decide([u], PolicyConfig(action=Action.RESTART), {}, 0.0).enforcements
+    assert e.victim == init
+    assert e.action is Action.RESTART
+    # While it is being restarted, nothing more is signalled.
+    assert (
+        decide(
+            [u], PolicyConfig(action=Action.RESTART), {}, 1.0, frozenset({init.key})
+        ).enforcements
+        == ()
+    )
+
+
+def test_restart_without_a_known_init_process_signals_nobody() -> None:
+    assert (
+        decide([unit(proc(41, 5 * GiB))], PolicyConfig(action=Action.RESTART), {}, 0.0).enforcements
+        == ()
+    )
+
+
+def test_an_unenforceable_unit_is_reported_never_enforced() -> None:
+    u = replace(unit(proc(1, 5 * GiB)), enforceable=False)
+    d = decide([u], PolicyConfig(action=Action.KILL), {}, 0.0)
+    assert [n.reason for n in d.notices] == [Reason.LIMIT_EXCEEDED]
+    assert d.enforcements == ()

@@ -1,0 +1,79 @@
+"""Protocol v1: what the agent sends is what AgentSource reads back."""
+
+import contextlib
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from enforcer.model import Device, ProcessKey, ProcessUsage, Sample, SourceDown
+from enforcer.protocol import (
+    ProtocolError,
+    decode_reply,
+    encode_error,
+    encode_request,
+    encode_usage,
+    parse_request,
+)
+
+
+def test_request_round_trip() -> None:
+    assert parse_request(encode_request()).op == "usage"
+    assert parse_request(encode_request("subscribe")).op == "subscribe"
+    assert parse_request(b'{"op": "usage", "v": 1, "extra": true}\n').op == "usage"
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (b"nope\n", "not JSON"),
+        (b"\xff\n", "not JSON"),
+        (b"42\n", "a request is a JSON object"),
+        (b'{"op":"usage"}\n', "unsupported protocol version None"),
+        (b'{"v":"1","op":"usage"}\n', "unsupported protocol version '1'"),
+        (b'{"v":1}\n', "unknown op None"),
+    ],
+)
+def test_bad_requests(line: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        parse_request(line)
+
+
+def test_usage_reply_round_trip() -> None:
+    devices = (
+        Device(0, "GPU-a", 'NVIDIA "quoted"', 80, 10, None),
+        Device(0, "MIG-b", "m", 40, None, "GPU-a"),
+    )
+    procs = (
+        ProcessUsage(ProcessKey(7, 123), "GPU-a", 5),
+        ProcessUsage(ProcessKey(8, 124), "MIG-b", None),
+    )
+    line = encode_usage(1700000000.25, devices, procs)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    doc = json.loads(line)
+    assert doc["processes"][0] == {
+        "pid": 7,
+        "start_time": 123,
+        "device_uuid": "GPU-a",
+        "used_bytes": 5,
+    }
+    assert decode_reply(line) == Sample(1700000000.25, devices, procs)
+
+
+def test_error_reply_is_a_source_down() -> None:
+    assert decode_reply(encode_error("GPU is lost")) == SourceDown("the agent says: GPU is lost")
+
+
+@pytest.mark.parametrize(
+    "line", [b"", b"{", b"[]", b'{"v":2}', b'{"v":1,"devices":[{}],"processes":[]}']
+)
+def test_malformed_replies_raise_protocol_error(line: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_reply(line)
+
+
+@given(st.binary(max_size=200))
+def test_parse_request_raises_only_protocol_error(data: bytes) -> None:
+    with contextlib.suppress(ProtocolError):
+        parse_request(data)

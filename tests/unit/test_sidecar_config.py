@@ -1,0 +1,74 @@
+"""The sidecar's settings: environment from the webhook, flags on top, errors that name the variable."""
+
+from typing import Any
+
+import pytest
+
+from enforcer.config import ConfigError, sidecar_settings
+from enforcer.model import Action
+
+ENV = {
+    "POD_NAME": "trainer-0",
+    "POD_NAMESPACE": "ml",
+    "POD_UID": "6b5ab4a6-3e21-4b5d-9a5f-2b1c9d6e4f7a",
+    "NODE_NAME": "gpu-1",
+    "VRAM_ENFORCER_LIMITS": '{"trainer": 12884901888, "sidecar": 0}',
+}
+FLAGS: dict[str, Any] = {
+    "limits": None, "action": None, "grace_period": None, "interval": None, "warn_at": None,
+    "over_for": None, "dry_run": False, "undeclared": "deny", "source": "agent", "agent_socket": None,
+    "host_proc": None, "stale_after": "2s", "sidecar_mode": None, "kubeconfig": None,
+    "metrics_port": 9477, "metrics_address": "127.0.0.1",
+}  # fmt: skip
+
+
+def settings(env: dict[str, str] | None = None, **flags: Any) -> Any:
+    return sidecar_settings(environ={**ENV, **(env or {})}, **{**FLAGS, **flags})
+
+
+def test_defaults_from_the_environment() -> None:
+    s = settings()
+    assert (s.pod_name, s.namespace, s.node_name) == ("trainer-0", "ml", "gpu-1")
+    assert s.limits == {"trainer": 12884901888, "sidecar": 0}
+    assert s.policy.action is Action.TERMINATE
+    assert s.interval == pytest.approx(0.1)
+    assert s.agent_socket == "/run/vram-enforcer/agent.sock"
+    assert s.sidecar_mode == "native"
+    assert not s.undeclared_allowed
+
+
+def test_flags_override_the_environment() -> None:
+    s = settings({"VRAM_ENFORCER_ACTION": "kill", "VRAM_ENFORCER_INTERVAL": "1s"}, action="restart")
+    assert s.policy.action is Action.RESTART
+    assert s.interval == 1.0
+    assert settings({"VRAM_ENFORCER_GRACE_PERIOD": "30s"}).policy.grace_period == 30.0
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "message"),
+    [
+        ({"POD_UID": ""}, {}, "POD_UID is missing; set it from the Downward API"),
+        ({"VRAM_ENFORCER_LIMITS": ""}, {}, "VRAM_ENFORCER_LIMITS is missing"),
+        (
+            {"VRAM_ENFORCER_LIMITS": "{trainer: 1}"},
+            {},
+            "VRAM_ENFORCER_LIMITS: '{trainer: 1}' is not valid JSON",
+        ),
+        ({"VRAM_ENFORCER_LIMITS": "[1]"}, {}, "is not a JSON object"),
+        ({"VRAM_ENFORCER_LIMITS": '{"a": -1}'}, {}, "gives container 'a' the limit -1"),
+        ({"VRAM_ENFORCER_LIMITS": '{"a": true}'}, {}, "gives container 'a' the limit True"),
+        ({}, {"limits": '{"a": 1.5}'}, "--limits: "),
+        ({"VRAM_ENFORCER_ACTION": "nuke"}, {}, "VRAM_ENFORCER_ACTION: 'nuke' is not an action"),
+        ({"VRAM_ENFORCER_WARN_AT": "0.9"}, {}, "VRAM_ENFORCER_WARN_AT: '0.9' is not a percentage"),
+        ({"VRAM_ENFORCER_GRACE_PERIOD": "5"}, {}, "did you mean 5s?"),
+        ({"VRAM_ENFORCER_SIDECAR_MODE": "sidecar"}, {}, "is not a sidecar mode"),
+        ({}, {"source": "nvml"}, "--host-proc is missing"),
+        ({}, {"undeclared": "maybe"}, "--undeclared: 'maybe'"),
+    ],
+)
+def test_bad_values_name_the_variable_or_flag(
+    env: dict[str, str], flags: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        settings(env, **flags)
+    assert message in str(info.value)
