@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-
-from enforcer.procfs import CgroupEntry
+from dataclasses import dataclass
 
 _ID = r"[0-9a-f]{64}"
 # The last path component that names a container: a runtime prefix and suffix, or a bare ID
@@ -25,6 +24,26 @@ _ID = r"[0-9a-f]{64}"
 _NAMED = re.compile(rf"(?:^|/)(?:cri-containerd|crio|docker)-({_ID})\.scope(?:/|$)")
 _BARE = re.compile(rf"(?:^|/)(?:pod[0-9a-f_-]+|docker|\.\.)/({_ID})(?:/|$)")
 _STATUS_ID = re.compile(rf"^[a-z0-9-]+://({_ID})$")
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupEntry:
+    """One line of `/proc/<pid>/cgroup`: `hierarchy-id:controllers:path`."""
+
+    hierarchy_id: int
+    controllers: tuple[str, ...]
+    path: str
+
+
+def parse_cgroup(text: str) -> tuple[CgroupEntry, ...]:
+    entries = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        hid, controllers, path = line.split(":", 2)
+        names = tuple(c for c in controllers.split(",") if c)
+        entries.append(CgroupEntry(int(hid), names, path))
+    return tuple(entries)
 
 
 def container_id(entries: Sequence[CgroupEntry]) -> str | None:

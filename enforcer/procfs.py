@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from enforcer.cgroups import CgroupEntry, parse_cgroup
+
 # The inode of the initial PID namespace (PROC_PID_INIT_INO in the kernel).
 INITIAL_PID_NS = 4026531836
 
@@ -38,15 +40,6 @@ class ProcStat:
     start_time: int  # field 22: clock ticks after boot
 
 
-@dataclass(frozen=True, slots=True)
-class CgroupEntry:
-    """One line of `/proc/<pid>/cgroup`: `hierarchy-id:controllers:path`."""
-
-    hierarchy_id: int
-    controllers: tuple[str, ...]
-    path: str
-
-
 def parse_stat(text: str) -> ProcStat:
     """Parse `/proc/<pid>/stat`; `comm` may hold spaces and ')', so split at the last ')'."""
     head, _, tail = text.rpartition(")")
@@ -60,17 +53,6 @@ def parse_stat(text: str) -> ProcStat:
         ppid=int(fields[1]),
         start_time=int(fields[19]),
     )
-
-
-def parse_cgroup(text: str) -> tuple[CgroupEntry, ...]:
-    entries = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        hid, controllers, path = line.split(":", 2)
-        names = tuple(c for c in controllers.split(",") if c)
-        entries.append(CgroupEntry(int(hid), names, path))
-    return tuple(entries)
 
 
 def parse_nspid(status: str) -> tuple[int, ...] | None:
