@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.config import AgentSettings
-from enforcer.metrics import AgentTelemetry, MetricsServer
+from enforcer.metrics import AgentTelemetry, MetricsPortError, serve_metrics
 from enforcer.model import Device, Sample, SourceDown
 from enforcer.nvml import Nvml, NvmlError
 from enforcer.procfs import ProcFs
@@ -201,16 +201,12 @@ def _serve(
     except (SocketInUse, OSError) as exc:
         log.error("cannot serve on %s: %s", settings.socket, exc)
         return EXIT_USAGE
-    metrics = None
-    if settings.metrics_port is not None:
-        try:
-            metrics = MetricsServer(
-                telemetry.registry, settings.metrics_port, settings.metrics_address
-            )
-        except OSError as exc:
-            log.error("--metrics-port %d: %s", settings.metrics_port, exc.strerror)
-            server.close()
-            return EXIT_USAGE
+    try:
+        metrics = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
+    except MetricsPortError as exc:
+        log.error("%s", exc)
+        server.close()
+        return EXIT_USAGE
     changed = threading.Event()
     source = NvmlSource(nvml, PidView.host(host_proc))
     sampler = Sampler(source, server, telemetry, settings.interval, changed)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 from enforcer.attribution import attribute
 from enforcer.config import ExecSettings
-from enforcer.metrics import MetricsServer, Telemetry
+from enforcer.metrics import MetricsPortError, Telemetry, serve_metrics
 from enforcer.model import ProcessKey, Sample, UnitUsage, format_bytes
 from enforcer.nvml import Nvml, NvmlError
 from enforcer.pipeline import LogReporter, Pipeline
@@ -156,7 +156,7 @@ def run(settings: ExecSettings) -> int:
         try:
             _set_child_subreaper()
             return _supervise(settings, NvmlSource(nvml, view))
-        except StartupError as exc:
+        except (StartupError, MetricsPortError) as exc:
             log.error("%s", exc)
             return EXIT_USAGE
         finally:
@@ -175,7 +175,7 @@ def _supervise(settings: ExecSettings, source: NvmlSource) -> int:
         [LogReporter()],
         telemetry,
     )
-    server = _serve_metrics(settings, telemetry)
+    server = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
     try:
         try:
             child = _spawn(settings.command)
@@ -203,20 +203,6 @@ def _supervise(settings: ExecSettings, source: NvmlSource) -> int:
             ", ".join(map(str, sorted(leftovers))),
         )
     return status
-
-
-def _serve_metrics(settings: ExecSettings, telemetry: Telemetry) -> MetricsServer | None:
-    if settings.metrics_port is None:
-        return None
-    try:
-        server = MetricsServer(telemetry.registry, settings.metrics_port, settings.metrics_address)
-    except OSError as exc:
-        raise StartupError(
-            f"--metrics-port {settings.metrics_port}: cannot listen on "
-            f"{settings.metrics_address}: {exc.strerror}"
-        ) from None
-    log.info("serving metrics on http://%s:%d/metrics", settings.metrics_address, server.port)
-    return server
 
 
 def _loop(child: int, pipeline: Pipeline, terminator: Terminator, interval: float) -> int:

@@ -7,6 +7,7 @@ and the tick histogram are ordinary prometheus_client metrics in the same regist
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from enforcer.model import Device, UnitUsage
+
+log = logging.getLogger(__name__)
 
 PREFIX = "vram_enforcer_"
 TICK_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -191,6 +194,26 @@ class AgentTelemetry:
             ["operation"],
             registry=self.registry,
         )
+
+
+class MetricsPortError(Exception):
+    """`--metrics-port` cannot be served; the message names the flag, the address and why."""
+
+
+def serve_metrics(
+    registry: CollectorRegistry, port: int | None, address: str
+) -> MetricsServer | None:
+    """Start the /metrics endpoint when a port is set (every mode shares this start-up rule)."""
+    if port is None:
+        return None
+    try:
+        server = MetricsServer(registry, port, address)
+    except OSError as exc:
+        raise MetricsPortError(
+            f"--metrics-port {port}: cannot listen on {address}: {exc.strerror}"
+        ) from None
+    log.info("serving metrics on http://%s:%d/metrics", address, server.port)
+    return server
 
 
 class MetricsServer:

@@ -23,7 +23,7 @@ from enforcer.attribution import attribute
 from enforcer.cgroups import container_id
 from enforcer.config import SidecarSettings
 from enforcer.kube import EventRecorder, KubeError, PodWatcher, connect
-from enforcer.metrics import MetricsServer, Telemetry
+from enforcer.metrics import MetricsPortError, Telemetry, serve_metrics
 from enforcer.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
 from enforcer.nvml import Nvml, NvmlError
 from enforcer.pipeline import LogReporter, Pipeline, Report, Reporter
@@ -209,15 +209,11 @@ def run(settings: SidecarSettings) -> int:
         EventReporter(recorder, lambda: attributor.refs, lambda: watcher.pod),
     ]
     pipeline = Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry)
-    server = None
-    if settings.metrics_port is not None:
-        try:
-            server = MetricsServer(
-                telemetry.registry, settings.metrics_port, settings.metrics_address
-            )
-        except OSError as exc:
-            log.error("--metrics-port %d: %s", settings.metrics_port, exc.strerror)
-            return EXIT_USAGE
+    try:
+        server = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
+    except MetricsPortError as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
     watcher.start()
     recorder.start()
     log.info(

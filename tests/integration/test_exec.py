@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -330,6 +331,27 @@ def test_command_not_found(fake_nvml: Any) -> None:
     )
     assert out.returncode == 127
     assert "no-such-command-xyz: command not found" in out.stderr
+
+
+def test_a_busy_metrics_port_is_a_clear_error_and_nothing_runs(
+    fake_nvml: Any, tmp_path: Path
+) -> None:
+    marker = tmp_path / "ran"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "enforcer", "exec", "--limit", "1Gi", "--metrics-port", str(port),
+             "--metrics-address", "127.0.0.1", "--", "touch", str(marker)],
+            env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    assert out.returncode == 2
+    assert (
+        f"--metrics-port {port}: cannot listen on 127.0.0.1: Address already in use" in out.stderr
+    )
+    assert "Traceback" not in out.stderr
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize(
