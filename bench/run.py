@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import agent_bench, exec_bench, sidecar_bench
+from bench import agent_bench, exec_bench, sidecar_bench, webhook_bench
 from bench.common import ROOT
 from tests.fakenvml import build_fake_nvml
 
@@ -32,7 +32,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="fewer trials and shorter windows")
-    p.add_argument("--only", choices=("exec", "agent", "sidecar"), help="run one group")
+    p.add_argument("--only", choices=("exec", "agent", "sidecar", "webhook"), help="run one group")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     args = p.parse_args()
     trials, window, seconds = (40, 3.0, 5.0) if args.quick else (200, 10.0, 30.0)
@@ -59,6 +59,11 @@ def main() -> None:
                 agent_bench.round_trips(lib_dir, Path(tmp), 110, seconds),
                 agent_bench.round_trips(lib_dir, Path(tmp), 110, seconds, subscribe=True),
             ]
+        if args.only in (None, "webhook"):
+            results["webhook"] = {
+                "in_process": webhook_bench.in_process(trials * 10),
+                "https": webhook_bench.over_https(window),
+            }
         if args.only in (None, "sidecar"):
             reason = sidecar_bench.available()
             if reason:
@@ -91,6 +96,18 @@ def main() -> None:
             f"p99 {row['p99_ms']:.1f} ms (target <= {row['target_p99_ms']} ms), max {row['max_ms']:.1f} ms over "
             f"{row['trials']} trials; CPU {100 * row['cpu_share_of_one_core']:.2f}% of a core; "
             f"RSS {row['rss_mib']:.1f} MiB (peak {row['peak_rss_mib']:.1f})"
+        )
+    if row := results.get("webhook"):
+        local, remote = row["in_process"], row["https"]
+        print(
+            f"webhook in process: p50 {local['p50_ms']:.2f} ms, p99 {local['p99_ms']:.2f} ms "
+            f"(target < {local['target_p99_ms']:.0f} ms) over {local['trials']} reviews of {local['body_bytes']} bytes"
+        )
+        print(
+            f"webhook over HTTPS, one core, {remote['clients']} kept-alive clients: {remote['reviews_per_second']:.0f} "
+            f"reviews/s (target > {remote['target_reviews_per_second']}), round trip p50 {remote['p50_ms']:.2f} ms, "
+            f"p99 {remote['p99_ms']:.2f} ms; server CPU {100 * remote['server_cpu_share_of_one_core']:.0f}% of its "
+            f"core; RSS {remote['rss_mib']:.1f} MiB"
         )
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")

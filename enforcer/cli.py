@@ -18,6 +18,7 @@ from enforcer.config import (
     agent_settings,
     exec_settings,
     sidecar_settings,
+    webhook_settings,
 )
 
 EXEC_EPILOG = """\
@@ -246,6 +247,79 @@ def _sidecar_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _log_flags(p, default_format="json")
 
 
+WEBHOOK_EPILOG = """\
+The API server calls POST /mutate for each pod CREATE in namespaces labelled
+vram-enforcer.io/inject=enabled (see the chart's MutatingWebhookConfiguration). A pod
+that declares --resource-name in a container's limits gets the sidecar, a shared process
+namespace, the agent socket, VRAM_LIMIT_BYTES and a /dev/shm. Pod annotations:
+  vram-enforcer.io/inject: "false"            leave this pod alone
+  vram-enforcer.io/action: kill               warn | terminate | kill | restart
+  vram-enforcer.io/grace-period: 30s          SIGTERM to SIGKILL
+  vram-enforcer.io/warn-at: 80%               warn once at this share of a limit
+  vram-enforcer.io/shm-size: auto             auto | off | a quantity such as 8Gi
+
+The certificate and key are re-read when they change on disk (cert-manager rotation).
+/healthz and /readyz answer plain GETs. SIGTERM drains requests in flight, then exits.
+"""
+
+
+def _webhook_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "webhook",
+        help="the mutating admission webhook that injects the sidecar",
+        description="Serve AdmissionReviews over HTTPS and inject the enforcer into pods "
+        "that declare VRAM.",
+        epilog=WEBHOOK_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--tls-cert-file", required=True, help="PEM serving certificate (reloaded on change)"
+    )
+    p.add_argument("--tls-key-file", required=True, help="PEM private key (reloaded on change)")
+    p.add_argument("--port", type=int, default=8443, help="HTTPS port [default: 8443]")
+    p.add_argument("--address", default="0.0.0.0", help="[default: 0.0.0.0]")  # noqa: S104
+    p.add_argument("--sidecar-image", required=True, help="the enforcer image to inject")
+    p.add_argument(
+        "--sidecar-mode",
+        default="auto",
+        help="native (init container with restartPolicy Always, Kubernetes >= 1.29), container "
+        "(a regular container), or auto (by the API server's version) [default: auto]",
+    )
+    _resource_flags(p)
+    p.add_argument(
+        "--no-framework-env",
+        dest="framework_env",
+        action="store_false",
+        help="do not set XLA_PYTHON_CLIENT_PREALLOCATE=false and TF_FORCE_GPU_ALLOW_GROWTH=true",
+    )
+    p.add_argument(
+        "--shm-default",
+        default="auto",
+        help="the /dev/shm of pods without the shm-size annotation: auto (memory-backed, "
+        "sized to the largest container memory limit), off, or a quantity [default: auto]",
+    )
+    p.add_argument(
+        "--gpu-exposure",
+        default="none",
+        help="none, or env: set NVIDIA_VISIBLE_DEVICES=all on declaring containers, for pods "
+        "that request VRAM but not nvidia.com/gpu (see docs/security.md) [default: none]",
+    )
+    p.add_argument("--runtime-class", help="with --gpu-exposure env: set this runtimeClassName")
+    p.add_argument("--sidecar-cpu", default="10m", help="the sidecar's CPU request [default: 10m]")
+    p.add_argument(
+        "--sidecar-memory",
+        default="128Mi",
+        help="the sidecar's memory request and limit [default: 128Mi]",
+    )
+    p.add_argument("--agent-socket", default=DEFAULT_SOCKET, help=f"[default: {DEFAULT_SOCKET}]")
+    p.add_argument("--kubeconfig", help="for --sidecar-mode auto [default: in-cluster]")
+    p.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on this port [default: off]"
+    )
+    p.add_argument("--metrics-address", default="0.0.0.0", help="[default: 0.0.0.0]")  # noqa: S104
+    _log_flags(p, default_format="json")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vram-enforcer",
@@ -256,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     _exec_parser(sub)
     _agent_parser(sub)
     _sidecar_parser(sub)
+    _webhook_parser(sub)
     return parser
 
 
@@ -265,6 +340,7 @@ _MODES: dict[str, tuple[Callable[..., object], int, str]] = {
     "exec": (exec_settings, logging.WARNING, "enforcer.execmode"),
     "agent": (agent_settings, logging.INFO, "enforcer.agent"),
     "sidecar": (sidecar_settings, logging.INFO, "enforcer.sidecar"),
+    "webhook": (webhook_settings, logging.INFO, "enforcer.webhook.server"),
 }
 
 

@@ -449,3 +449,94 @@ def sidecar_settings(
         metrics_port=parse_port(metrics_port, field="--metrics-port"),
         metrics_address=metrics_address,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookSettings:
+    """Everything `vram-enforcer webhook` needs, validated; see docs/configuration.md."""
+
+    tls_cert_file: str
+    tls_key_file: str
+    port: int
+    address: str
+    sidecar_image: str
+    sidecar_mode: str  # native, container or auto
+    resource_name: str
+    resource_unit: int
+    framework_env: bool
+    shm_default: str
+    gpu_exposure: str
+    runtime_class: str | None
+    sidecar_cpu: str
+    sidecar_memory: str
+    agent_socket: str
+    kubeconfig: str | None
+    metrics_port: int | None
+    metrics_address: str
+
+
+def _choice(value: str, field: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(field, value, f"is not a choice; use one of: {', '.join(choices)}")
+    return value
+
+
+def webhook_settings(
+    tls_cert_file: str,
+    tls_key_file: str,
+    port: int,
+    address: str,
+    sidecar_image: str,
+    sidecar_mode: str,
+    resource_name: str,
+    resource_unit: str,
+    framework_env: bool,
+    shm_default: str,
+    gpu_exposure: str,
+    runtime_class: str | None,
+    sidecar_cpu: str,
+    sidecar_memory: str,
+    agent_socket: str,
+    kubeconfig: str | None,
+    metrics_port: int | None,
+    metrics_address: str,
+) -> WebhookSettings:
+    """Validate `webhook`'s flags; the first bad one raises a ConfigError."""
+    if not sidecar_image.strip():
+        raise ConfigError("--sidecar-image", sidecar_image, "is empty; give the enforcer's image")
+    unit = parse_bytes(resource_unit, field="--resource-unit")
+    if unit < 1:
+        raise ConfigError(
+            "--resource-unit", resource_unit, "must be at least 1 byte, e.g. 1 or 1Gi"
+        )
+    if shm_default not in ("auto", "off"):
+        parse_bytes(shm_default, field="--shm-default")
+    parse_quantity(sidecar_cpu, field="--sidecar-cpu")
+    parse_bytes(sidecar_memory, field="--sidecar-memory")
+    if gpu_exposure == "none" and runtime_class:
+        raise ConfigError("--runtime-class", runtime_class, "needs --gpu-exposure env")
+    if not agent_socket.startswith("/run/vram-enforcer/"):
+        raise ConfigError(
+            "--agent-socket", agent_socket,
+            "must lie in /run/vram-enforcer/, the directory mounted into the sidecar",
+        )  # fmt: skip
+    return WebhookSettings(
+        tls_cert_file=tls_cert_file,
+        tls_key_file=tls_key_file,
+        port=8443 if (checked := parse_port(port, field="--port")) is None else checked,
+        address=address,
+        sidecar_image=sidecar_image.strip(),
+        sidecar_mode=_choice(sidecar_mode, "--sidecar-mode", ("native", "container", "auto")),
+        resource_name=parse_resource_name(resource_name, field="--resource-name"),
+        resource_unit=unit,
+        framework_env=framework_env,
+        shm_default=shm_default,
+        gpu_exposure=_choice(gpu_exposure, "--gpu-exposure", ("none", "env")),
+        runtime_class=runtime_class,
+        sidecar_cpu=sidecar_cpu,
+        sidecar_memory=sidecar_memory,
+        agent_socket=agent_socket,
+        kubeconfig=kubeconfig,
+        metrics_port=parse_port(metrics_port, field="--metrics-port"),
+        metrics_address=metrics_address,
+    )

@@ -360,3 +360,9 @@ class EventRecorder(threading.Thread):
         create = self._core.create_namespaced_event
         created = call("create", "events", create, self._namespace, body, deadline=self._deadline)
         self._sent[key] = _Sent(str(created.metadata.name), 1, stamp, now)
+
+
+def server_version(api: client.ApiClient, deadline: float = 30.0) -> str:
+    """The API server's gitVersion (`v1.29.3`), retried like any other call."""
+    info = call("get", "version", client.VersionApi(api).get_code, deadline=deadline)
+    return str(info.git_version)

@@ -196,6 +196,32 @@ class AgentTelemetry:
         )
 
 
+class WebhookTelemetry:
+    """The admission webhook's registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        self.requests = Counter(
+            PREFIX + "admission_requests",
+            "Admission reviews answered, by result (patched, skipped, denied, invalid, error)",
+            ["result"],
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            PREFIX + "admission_duration_seconds",
+            "Time from a review's request line to its answer, body read and JSON included",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=self.registry,
+        )
+        self.cert_reloads = Counter(
+            PREFIX + "webhook_certificate_reloads",
+            "Serving certificate changes seen on disk, by result (ok, error)",
+            ["result"],
+            registry=self.registry,
+        )
+
+
 class MetricsPortError(Exception):
     """`--metrics-port` cannot be served; the message names the flag, the address and why."""
 

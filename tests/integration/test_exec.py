@@ -96,7 +96,7 @@ def alive(pid: int) -> bool:
     """Running, as opposed to gone or a zombie that its parent has not reaped yet."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: it went while we opened it
         return False
     return stat.rpartition(")")[2].split()[0] != "Z"
 

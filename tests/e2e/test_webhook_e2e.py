@@ -1,0 +1,183 @@
+"""The webhook registered with the real API server: pods created with the API server's own
+client come back mutated and accepted by its validation, denials reach the user, and an
+unlabelled namespace is untouched. The certificate is rotated mid-test.
+
+The server is Kubernetes 1.20, without native sidecars, so the webhook runs in
+`--sidecar-mode auto` and must pick `container` by itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tests.e2e.cluster import ApiServer, make_ca, make_serving_cert
+from tests.helpers import free_port, wait_for
+
+RES = "vram-enforcer.io/vram"
+
+
+class Webhook:
+    def __init__(self, apiserver: ApiServer, tmp: Path) -> None:
+        self.dir = tmp
+        self.ca = make_ca(tmp, "webhook-ca")
+        self.cert, self.key = make_serving_cert(tmp, self.ca, "webhook")
+        self.port = free_port()
+        self.log = tmp / "webhook.log"
+        kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp / "kubeconfig")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "enforcer", "webhook", "--tls-cert-file", str(self.cert), "--tls-key-file", str(self.key),
+             "--port", str(self.port), "--address", "127.0.0.1", "--sidecar-image", "ghcr.io/vram-enforcer/vram-enforcer:e2e",
+             "--sidecar-mode", "auto", "--kubeconfig", str(kubeconfig), "--log-format", "text"],
+            stderr=self.log.open("w"),
+        )  # fmt: skip
+        wait_for(
+            lambda: "serving admission reviews" in self.log.read_text(),
+            timeout=30,
+            what="the webhook",
+        )
+
+    def rotate(self, name: str) -> None:
+        cert, key = make_serving_cert(self.dir, self.ca, name)
+        os.replace(key, self.key)
+        os.replace(cert, self.cert)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def webhook(
+    apiserver: ApiServer, admin: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Webhook]:
+    w = Webhook(apiserver, tmp_path_factory.mktemp("webhook"))
+    config = {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": "vram-enforcer"},
+        "webhooks": [{
+            "name": "inject.vram-enforcer.io",
+            "clientConfig": {"url": f"https://127.0.0.1:{w.port}/mutate",
+                             "caBundle": base64.b64encode(w.ca[0].read_bytes()).decode()},
+            "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}],
+            "namespaceSelector": {"matchLabels": {"vram-enforcer.io/inject": "enabled"}},
+            "admissionReviewVersions": ["v1"], "sideEffects": "None", "failurePolicy": "Fail",
+            "reinvocationPolicy": "IfNeeded", "timeoutSeconds": 5,
+        }],
+    }  # fmt: skip
+    client.AdmissionregistrationV1Api(admin).create_mutating_webhook_configuration(config)
+    core = client.CoreV1Api(admin)
+    for name, labels in (("ml", {"vram-enforcer.io/inject": "enabled"}), ("plain", {})):
+        core.create_namespace(
+            client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels))
+        )
+        core.create_namespaced_service_account(
+            name, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="default"))
+        )
+    yield w
+    client.AdmissionregistrationV1Api(admin).delete_mutating_webhook_configuration("vram-enforcer")
+    assert w.stop() == 0
+
+
+def gpu_pod(
+    name: str, vram: str = "12Gi", annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "annotations": annotations or {}},
+            "spec": {"restartPolicy": "Never", "containers": [
+                {"name": "trainer", "image": "nvcr.io/nvidia/pytorch:24.05-py3",
+                 "resources": {"limits": {RES: vram, "memory": "16Gi"}}}]}}  # fmt: skip
+
+
+def stored(core: client.CoreV1Api, namespace: str, name: str) -> dict[str, Any]:
+    """The pod as the API server stores it, as plain JSON."""
+    resp = core.read_namespaced_pod(name, namespace, _preload_content=False)
+    return json.loads(resp.data)  # type: ignore[no-any-return]
+
+
+def test_a_pod_that_declares_vram_is_stored_mutated(
+    webhook: Webhook, core: client.CoreV1Api
+) -> None:
+    core.create_namespaced_pod("ml", gpu_pod("trainer-0"))
+    pod = stored(core, "ml", "trainer-0")
+    spec = pod["spec"]
+    assert spec["shareProcessNamespace"] is True
+    names = [c["name"] for c in spec["containers"]]
+    assert names == ["trainer", "vram-enforcer"]  # 1.20: container mode, chosen by itself
+    side = spec["containers"][1]
+    env = {e["name"]: e for e in side["env"]}
+    assert json.loads(env["VRAM_ENFORCER_LIMITS"]["value"]) == {"trainer": 12 * 1024**3}
+    assert env["VRAM_ENFORCER_SIDECAR_MODE"]["value"] == "container"
+    assert env["POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+    assert side["securityContext"]["capabilities"] == {"add": ["KILL"], "drop": ["ALL"]}
+    trainer_env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    assert trainer_env["VRAM_LIMIT_BYTES"] == str(12 * 1024**3)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["vram-enforcer-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    assert volumes["vram-enforcer-socket"]["hostPath"]["path"] == "/run/vram-enforcer"
+    assert pod["metadata"]["labels"]["vram-enforcer.io/enforced"] == "true"
+    assert pod["metadata"]["annotations"]["vram-enforcer.io/injected"] == "true"
+    assert "the API server is v1.20" in webhook.log.read_text()
+
+
+def test_a_denial_reaches_the_user(webhook: Webhook, core: client.CoreV1Api) -> None:
+    with pytest.raises(ApiException) as caught:
+        core.create_namespaced_pod(
+            "ml", gpu_pod("bad-0", annotations={"vram-enforcer.io/action": "explode"})
+        )
+    assert caught.value.status == 403
+    message = json.loads(caught.value.body)["message"]
+    assert 'admission webhook "inject.vram-enforcer.io" denied the request' in message
+    assert "metadata.annotations['vram-enforcer.io/action']: 'explode' is not an action" in message
+
+
+def test_pods_elsewhere_or_without_vram_are_untouched(
+    webhook: Webhook, core: client.CoreV1Api
+) -> None:
+    core.create_namespaced_pod("plain", gpu_pod("outside-0"))
+    assert [c["name"] for c in stored(core, "plain", "outside-0")["spec"]["containers"]] == [
+        "trainer"
+    ]
+    web = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web-0"},
+           "spec": {"containers": [{"name": "web", "image": "nginx"}]}}  # fmt: skip
+    core.create_namespaced_pod("ml", web)
+    pod = stored(core, "ml", "web-0")
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["web"]
+    assert "vram-enforcer.io/injected" not in (pod["metadata"].get("annotations") or {})
+
+
+def served_certificate(webhook: Webhook) -> bytes:
+    """The certificate a new TLS connection to the webhook is shown."""
+    context = ssl.create_default_context(cafile=str(webhook.ca[0]))
+    with socket.create_connection(("127.0.0.1", webhook.port), timeout=5) as raw, \
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:  # fmt: skip
+        return tls.getpeercert(binary_form=True) or b""
+
+
+def test_pods_keep_being_admitted_across_a_certificate_rotation(
+    webhook: Webhook, core: client.CoreV1Api
+) -> None:
+    core.create_namespaced_pod("ml", gpu_pod("before-0"))
+    webhook.rotate("webhook-rotated")
+    new = ssl.PEM_cert_to_DER_cert(webhook.cert.read_text())
+    for i in range(10):  # pods go on being admitted while the certificate changes
+        core.create_namespaced_pod("ml", gpu_pod(f"during-{i}"))
+    wait_for(lambda: served_certificate(webhook) == new, what="the new certificate to be served")
+    core.create_namespaced_pod("ml", gpu_pod("after-0"))
+    assert [c["name"] for c in stored(core, "ml", "after-0")["spec"]["containers"]] == [
+        "trainer",
+        "vram-enforcer",
+    ]
+    assert "certificate reloaded" in webhook.log.read_text()

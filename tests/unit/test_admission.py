@@ -1,0 +1,338 @@
+"""The webhook's mutation over realistic pods: each patch is applied with jsonpatch and the
+result validated against the Kubernetes 1.29 OpenAPI schema (kubernetes-validate)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from typing import Any
+
+import jsonpatch
+import kubernetes_validate
+import pytest
+
+from enforcer.webhook.admission import (
+    INJECTED,
+    AdmissionSettings,
+    BadReview,
+    format_quantity,
+    mutate,
+    review,
+    sidecar_mode_for,
+)
+
+GiB = 1024**3
+RES = "vram-enforcer.io/vram"
+NATIVE = AdmissionSettings("ghcr.io/vram-enforcer/vram-enforcer:0.1.0", "native", RES, 1)
+CONTAINER = AdmissionSettings("ghcr.io/vram-enforcer/vram-enforcer:0.1.0", "container", RES, 1)
+
+
+def gpu(name: str, vram: str | None = "12Gi", **extra: Any) -> dict[str, Any]:
+    c: dict[str, Any] = {"name": name, "image": "nvcr.io/nvidia/pytorch:24.05-py3", **extra}
+    if vram is not None:
+        c.setdefault("resources", {}).setdefault("limits", {})[RES] = vram
+    return c
+
+
+def pod(*containers: dict[str, Any], init: list[dict[str, Any]] | None = None, name: str | None = "trainer-0",
+        annotations: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:  # fmt: skip
+    meta: dict[str, Any] = {"namespace": "ml"}
+    if name:
+        meta["name"] = name
+    if annotations:
+        meta["annotations"] = annotations
+    body: dict[str, Any] = {"containers": list(containers), **spec}
+    if init:
+        body["initContainers"] = init
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": body}
+
+
+def applied(p: dict[str, Any], settings: AdmissionSettings = NATIVE) -> dict[str, Any]:
+    ops = mutate(p, settings)
+    out: dict[str, Any] = jsonpatch.apply_patch(p, ops)
+    kubernetes_validate.validate(out, "1.29", strict=True)
+    return out
+
+
+def env_of(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+def sidecar_of(out: dict[str, Any]) -> dict[str, Any]:
+    spec = out["spec"]
+    (found,) = [
+        c
+        for c in spec.get("initContainers", []) + spec["containers"]
+        if c["name"] == "vram-enforcer"
+    ]
+    return found
+
+
+def test_a_bare_pod_gets_the_sidecar_first_among_init_containers() -> None:
+    out = applied(pod(gpu("trainer")))
+    spec = out["spec"]
+    assert spec["shareProcessNamespace"] is True
+    side = spec["initContainers"][0]
+    assert side["name"] == "vram-enforcer" and side["restartPolicy"] == "Always"
+    assert side["command"] == ["vram-enforcer", "sidecar"]
+    env = env_of(side)
+    assert json.loads(env["VRAM_ENFORCER_LIMITS"]) == {"trainer": 12 * GiB}
+    assert env["POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["VRAM_ENFORCER_SIDECAR_MODE"] == "native"
+    sc = side["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert side["volumeMounts"] == [
+        {"name": "vram-enforcer-socket", "mountPath": "/run/vram-enforcer", "readOnly": True}
+    ]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["vram-enforcer-socket"]["hostPath"] == {
+        "path": "/run/vram-enforcer",
+        "type": "DirectoryOrCreate",
+    }
+    trainer = spec["containers"][0]
+    assert env_of(trainer) == {"VRAM_LIMIT_BYTES": str(12 * GiB), "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                               "TF_FORCE_GPU_ALLOW_GROWTH": "true"}  # fmt: skip
+    assert {"name": "vram-enforcer-shm", "mountPath": "/dev/shm"} in trainer["volumeMounts"]
+    assert volumes["vram-enforcer-shm"]["emptyDir"] == {"medium": "Memory"}  # no memory limit: none
+    assert out["metadata"]["annotations"][INJECTED] == "true"
+    assert out["metadata"]["labels"]["vram-enforcer.io/enforced"] == "true"
+
+
+def test_a_deployments_pod_with_generate_name_and_no_name() -> None:
+    p = pod(gpu("server", "8Gi", resources={"limits": {RES: "8Gi", "memory": "32Gi", "cpu": "4"},
+                                            "requests": {RES: "8Gi", "memory": "32Gi", "cpu": "4"}}), name=None)  # fmt: skip
+    p["metadata"]["generateName"] = "vllm-7d9f8c6b5-"
+    p["metadata"]["labels"] = {"app": "vllm", "pod-template-hash": "7d9f8c6b5"}
+    p["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "vllm-7d9f8c6b5",
+                                         "uid": "2d1c3b4a-0000-4000-8000-000000000001", "controller": True}]  # fmt: skip
+    out = applied(p)
+    assert out["metadata"]["labels"]["app"] == "vllm"
+    assert env_of(sidecar_of(out))["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    shm = next(v for v in out["spec"]["volumes"] if v["name"] == "vram-enforcer-shm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+
+
+def test_a_job_pod_in_container_mode_appends_the_sidecar() -> None:
+    p = pod(gpu("train", "20Gi"), restartPolicy="Never")
+    out = applied(p, CONTAINER)
+    assert [c["name"] for c in out["spec"]["containers"]] == ["train", "vram-enforcer"]
+    assert "restartPolicy" not in out["spec"]["containers"][1]
+    assert "initContainers" not in out["spec"]
+    assert env_of(out["spec"]["containers"][1])["VRAM_ENFORCER_SIDECAR_MODE"] == "container"
+
+
+def test_init_containers_that_declare_vram_are_limited_too() -> None:
+    warmup = gpu("compile-kernels", "4Gi")
+    out = applied(pod(gpu("trainer"), init=[warmup]))
+    names = [c["name"] for c in out["spec"]["initContainers"]]
+    assert names == ["vram-enforcer", "compile-kernels"]  # the enforcer runs before them
+    limits = json.loads(env_of(sidecar_of(out))["VRAM_ENFORCER_LIMITS"])
+    assert limits == {"compile-kernels": 4 * GiB, "trainer": 12 * GiB}
+    assert env_of(out["spec"]["initContainers"][1])["VRAM_LIMIT_BYTES"] == str(4 * GiB)
+
+
+def test_existing_volumes_env_and_shm_mounts_are_kept() -> None:
+    trainer = gpu("trainer", env=[{"name": "XLA_PYTHON_CLIENT_PREALLOCATE", "value": "true"},
+                                  {"name": "VRAM_LIMIT_BYTES", "value": "1"}],
+                  volumeMounts=[{"name": "dshm", "mountPath": "/dev/shm/"}, {"name": "data", "mountPath": "/data"}])  # fmt: skip
+    helper = {
+        "name": "logger",
+        "image": "busybox",
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+    p = pod(trainer, helper, volumes=[{"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                                      {"name": "data", "persistentVolumeClaim": {"claimName": "data"}}])  # fmt: skip
+    out = applied(p)
+    t, h = out["spec"]["containers"]
+    env = env_of(t)
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"  # the user's choice stands
+    assert env["VRAM_LIMIT_BYTES"] == str(12 * GiB)  # ours is authoritative
+    assert [e["name"] for e in t["env"]].count("VRAM_LIMIT_BYTES") == 1
+    assert [m["mountPath"] for m in t["volumeMounts"]] == ["/dev/shm/", "/data"]  # has its own
+    assert {"name": "vram-enforcer-shm", "mountPath": "/dev/shm"} in h["volumeMounts"]
+    assert "env" not in h  # declares no VRAM
+    assert [v["name"] for v in out["spec"]["volumes"]][:2] == ["dshm", "data"]
+
+
+def test_several_gpu_containers_each_get_their_own_limit() -> None:
+    out = applied(pod(gpu("a", "10Gi"), gpu("b", "2Gi"), gpu("c", None)))
+    assert json.loads(env_of(sidecar_of(out))["VRAM_ENFORCER_LIMITS"]) == {
+        "a": 10 * GiB,
+        "b": 2 * GiB,
+    }
+    assert "VRAM_LIMIT_BYTES" not in env_of(out["spec"]["containers"][2])
+
+
+@pytest.mark.parametrize(
+    "p",
+    [
+        pod({"name": "web", "image": "nginx"}),
+        pod(gpu("trainer"), annotations={"vram-enforcer.io/inject": "false"}),
+        pod(gpu("trainer"), annotations={INJECTED: "true"}),
+    ],
+    ids=["declares-nothing", "opted-out", "already-injected"],
+)
+def test_untouched(p: dict[str, Any]) -> None:
+    assert mutate(p, NATIVE) == []
+
+
+def test_requests_alone_count_as_declaring() -> None:
+    c = {"name": "t", "image": "x", "resources": {"requests": {RES: "1Gi"}}}
+    with pytest.raises(
+        Exception, match=r"requests\['vram-enforcer.io/vram'\] is set but limits is not"
+    ):
+        mutate(pod(c), NATIVE)
+
+
+def test_resource_unit_scales_the_limit_and_refuses_fractions() -> None:
+    gb = AdmissionSettings("img", "native", "ggaman.com/vram", GiB)
+    c = {"name": "t", "image": "x", "resources": {"limits": {"ggaman.com/vram": "3"}}}
+    out = applied(pod(c), gb)
+    assert json.loads(env_of(sidecar_of(out))["VRAM_ENFORCER_LIMITS"]) == {"t": 3 * GiB}
+    c["resources"]["limits"]["ggaman.com/vram"] = "1500m"
+    with pytest.raises(
+        Exception,
+        match=r"'1500m' is not a whole number of 1073741824-byte units; use a whole number, e.g. 2",
+    ):
+        mutate(pod(c), gb)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"spec": {"hostPID": True}}, "spec.hostPID: true cannot be combined with the shared process namespace"),
+        ({"annotations": {"vram-enforcer.io/action": "explode"}},
+         "metadata.annotations['vram-enforcer.io/action']: 'explode' is not an action; use one of: terminate, kill, restart, warn"),
+        ({"annotations": {"vram-enforcer.io/grace-period": "5"}},
+         "metadata.annotations['vram-enforcer.io/grace-period']: '5' is not a duration; use a duration with a unit, such as 100ms, 5s, 1m30s or 2h (did you mean 5s?)"),
+        ({"annotations": {"vram-enforcer.io/warn-at": "0.9"}},
+         "metadata.annotations['vram-enforcer.io/warn-at']: '0.9' is not a percentage"),
+        ({"annotations": {"vram-enforcer.io/shm-size": "lots"}},
+         "metadata.annotations['vram-enforcer.io/shm-size']: 'lots' is not a quantity"),
+        ({"requests": "8Gi"}, "spec.containers['trainer'].resources: requests['vram-enforcer.io/vram'] '8Gi' differs from limits '12Gi'"),
+        ({"limit": "12GB"}, "'12GB' is not a quantity; use a Kubernetes quantity such as 4Gi, 512Mi, 8G or 4294967296 (bytes) (did you mean 12Gi"),
+        ({"limit": "0.5"}, "is not a whole number of bytes"),
+        ({"second": "vram-enforcer"}, "a container is already named 'vram-enforcer'"),
+    ],
+)  # fmt: skip
+def test_denials_name_the_field_the_value_and_the_fix(change: dict[str, Any], message: str) -> None:
+    c = gpu("trainer", change.get("limit", "12Gi"))
+    if "requests" in change:
+        c["resources"]["requests"] = {RES: change["requests"]}
+    containers = [c] + ([{"name": change["second"], "image": "x"}] if "second" in change else [])
+    p = pod(*containers, annotations=change.get("annotations"), **change.get("spec", {}))
+    out = review(admission_review(p), NATIVE)
+    assert out.result == "denied"
+    response = out.review["response"]
+    assert response["allowed"] is False
+    assert message in response["status"]["message"]
+
+
+def test_annotations_become_the_sidecars_settings() -> None:
+    out = applied(pod(gpu("t"), annotations={"vram-enforcer.io/action": "restart", "vram-enforcer.io/grace-period": "30s",
+                                             "vram-enforcer.io/warn-at": "80%", "vram-enforcer.io/shm-size": "2Gi"}))  # fmt: skip
+    env = env_of(sidecar_of(out))
+    assert (
+        env["VRAM_ENFORCER_ACTION"],
+        env["VRAM_ENFORCER_GRACE_PERIOD"],
+        env["VRAM_ENFORCER_WARN_AT"],
+    ) == ("restart", "30s", "80%")
+    shm = next(v for v in out["spec"]["volumes"] if v["name"] == "vram-enforcer-shm")
+    assert shm["emptyDir"]["sizeLimit"] == "2Gi"
+
+
+def test_shm_off_and_no_framework_env() -> None:
+    s = AdmissionSettings("img", "native", RES, 1, framework_env=False, shm_default="off")
+    out = applied(pod(gpu("t")), s)
+    assert env_of(out["spec"]["containers"][0]) == {"VRAM_LIMIT_BYTES": str(12 * GiB)}
+    assert "volumeMounts" not in out["spec"]["containers"][0]
+
+
+def test_gpu_exposure_env_and_runtime_class() -> None:
+    s = AdmissionSettings("img", "native", RES, 1, gpu_exposure="env", runtime_class="nvidia")
+    out = applied(pod(gpu("t"), gpu("cpu-only", None)), s)
+    env = env_of(out["spec"]["containers"][0])
+    assert (
+        env["NVIDIA_VISIBLE_DEVICES"] == "all"
+        and env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    )
+    assert "env" not in out["spec"]["containers"][1]
+    assert out["spec"]["runtimeClassName"] == "nvidia"
+
+
+def test_no_automounted_token_gets_a_projected_one_for_the_sidecar_only() -> None:
+    out = applied(pod(gpu("t"), automountServiceAccountToken=False))
+    mounts = {m["name"]: m for m in sidecar_of(out)["volumeMounts"]}
+    assert (
+        mounts["vram-enforcer-token"]["mountPath"]
+        == "/var/run/secrets/kubernetes.io/serviceaccount"
+    )
+    assert all(
+        m["name"] != "vram-enforcer-token"
+        for m in out["spec"]["containers"][0].get("volumeMounts", [])
+    )
+
+
+def test_a_second_pass_changes_nothing() -> None:
+    once = applied(pod(gpu("t")))
+    assert mutate(once, NATIVE) == []
+
+
+def admission_review(obj: Any, operation: str = "CREATE", kind: str = "Pod") -> dict[str, Any]:
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": "705ab4f5-6393-11e8-b7cc-42010a800002", "kind": {"group": "", "version": "v1", "kind": kind},
+                        "resource": {"group": "", "version": "v1", "resource": "pods"}, "operation": operation,
+                        "namespace": "ml", "object": obj}}  # fmt: skip
+
+
+def test_a_review_carries_a_base64_json_patch() -> None:
+    p = pod(gpu("t"))
+    out = review(admission_review(p), NATIVE)
+    response = out.review["response"]
+    assert out.result == "patched"
+    assert (
+        out.review["apiVersion"] == "admission.k8s.io/v1"
+        and out.review["kind"] == "AdmissionReview"
+    )
+    assert response["uid"] == "705ab4f5-6393-11e8-b7cc-42010a800002"
+    assert response["allowed"] is True and response["patchType"] == "JSONPatch"
+    ops = json.loads(base64.b64decode(response["patch"]))
+    assert jsonpatch.apply_patch(copy.deepcopy(p), ops)["spec"]["shareProcessNamespace"] is True
+
+
+@pytest.mark.parametrize(
+    ("doc", "result"),
+    [
+        (admission_review(pod(gpu("t")), operation="UPDATE"), "skipped"),
+        (admission_review({"metadata": {}}, kind="Deployment"), "skipped"),
+        ({**admission_review(pod(gpu("t"))), "apiVersion": "admission.k8s.io/v1beta1"}, "invalid"),
+        (admission_review(["not", "a", "pod"]), "invalid"),
+    ],
+)
+def test_other_reviews(doc: dict[str, Any], result: str) -> None:
+    out = review(doc, NATIVE)
+    assert out.result == result
+    assert out.review["response"]["uid"] == doc["request"]["uid"]
+    assert "patch" not in out.review["response"]
+
+
+@pytest.mark.parametrize("doc", [None, [], {}, {"request": {}}, {"request": {"uid": 7}}, "x"])
+def test_no_uid_is_a_bad_review(doc: object) -> None:
+    with pytest.raises(BadReview):
+        review(doc, NATIVE)
+
+
+def test_format_quantity_and_versions() -> None:
+    assert format_quantity(8 * GiB) == "8Gi"
+    assert format_quantity(1536 * 1024**2) == "1536Mi"
+    assert format_quantity(1000) == "1000"
+    assert sidecar_mode_for("v1.29.3") == "native"
+    assert sidecar_mode_for("v1.30.0-eks-1234") == "native"
+    assert sidecar_mode_for("v1.28.9+k3s1") == "container"
+    assert sidecar_mode_for("v1.20.2") == "container"
+    with pytest.raises(ValueError, match="cannot read a Kubernetes version"):
+        sidecar_mode_for("unknown")

@@ -1,0 +1,75 @@
+"""The webhook's flags: defaults from the CLI, errors that name the flag, the value and the fix."""
+
+from typing import Any
+
+import pytest
+
+from enforcer.cli import build_parser
+from enforcer.config import ConfigError, webhook_settings
+
+REQUIRED = [
+    "webhook",
+    "--tls-cert-file",
+    "tls.crt",
+    "--tls-key-file",
+    "tls.key",
+    "--sidecar-image",
+    "img:1",
+]
+
+
+def settings(*extra: str) -> Any:
+    args = vars(build_parser().parse_args([*REQUIRED, *extra]))
+    return webhook_settings(
+        **{k: v for k, v in args.items() if k not in ("mode", "log_format", "verbose")}
+    )
+
+
+def test_defaults() -> None:
+    s = settings()
+    assert (s.port, s.sidecar_mode, s.resource_name, s.resource_unit) == (
+        8443,
+        "auto",
+        "vram-enforcer.io/vram",
+        1,
+    )
+    assert (s.framework_env, s.shm_default, s.gpu_exposure, s.runtime_class) == (
+        True,
+        "auto",
+        "none",
+        None,
+    )
+    assert (s.sidecar_cpu, s.sidecar_memory, s.metrics_port) == ("10m", "128Mi", None)
+    assert s.agent_socket == "/run/vram-enforcer/agent.sock"
+
+
+def test_flags() -> None:
+    s = settings("--port", "0", "--sidecar-mode", "container", "--resource-unit", "1Gi", "--no-framework-env",
+                 "--shm-default", "8Gi", "--gpu-exposure", "env", "--runtime-class", "nvidia")  # fmt: skip
+    assert (s.port, s.sidecar_mode, s.resource_unit, s.framework_env) == (
+        0,
+        "container",
+        1024**3,
+        False,
+    )
+    assert (s.shm_default, s.gpu_exposure, s.runtime_class) == ("8Gi", "env", "nvidia")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--sidecar-mode", "sidecar"], "--sidecar-mode: 'sidecar' is not a choice; use one of: native, container, auto"),
+        (["--gpu-exposure", "all"], "--gpu-exposure: 'all' is not a choice; use one of: none, env"),
+        (["--runtime-class", "nvidia"], "--runtime-class: 'nvidia' needs --gpu-exposure env"),
+        (["--shm-default", "big"], "--shm-default: 'big' is not a quantity"),
+        (["--resource-unit", "0"], "--resource-unit: '0' must be at least 1 byte"),
+        (["--resource-name", "nvidia.com gpu"], "--resource-name: 'nvidia.com gpu' is not an extended resource name"),
+        (["--sidecar-memory", "128MB"], "--sidecar-memory: '128MB' is not a quantity"),
+        (["--agent-socket", "/tmp/a.sock"], "--agent-socket: '/tmp/a.sock' must lie in /run/vram-enforcer/"),
+        (["--port", "70000"], "--port: 70000 is not a TCP port"),
+    ],
+)  # fmt: skip
+def test_bad_flags(flags: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        settings(*flags)
+    assert message in str(caught.value)
