@@ -127,7 +127,13 @@ class Pipeline:
                 else:
                     self._telemetry.refused.labels(str(result)).inc()
             text = messages.enforcement(enf, self._attributor.label(name), result)
-            self._emit(Report(Reason.ENFORCED, text, name, enf.victim.key.pid))
+            # A victim that exited before the signal (often the previous victim, still in a
+            # sample taken before it went) is routine: the log has it, an Event would bury
+            # the message that says what was actually done.
+            gone = result is SignalResult.GONE
+            self._emit(
+                Report(Reason.ENFORCED, text, name, enf.victim.key.pid, normal=gone, quiet=gone)
+            )
 
     def _escalation(self, event: EscalationEvent) -> None:
         enf = event.enforcement

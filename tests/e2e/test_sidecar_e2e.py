@@ -117,7 +117,7 @@ def test_events_are_posted_on_the_pod_and_aggregated(sidecar: Sidecar, pod: SimP
         return [e for e in events(core, pod.name) if e.reason == "VRAMEnforced"
                 and e.involved_object.field_path == "spec.containers{trainer}" and "sent SIGTERM" in e.message]  # fmt: skip
 
-    (first,) = wait_for(enforced, what="the VRAMEnforced event")
+    (first,) = wait_for(enforced, timeout=20, what="the VRAMEnforced event")
     assert first.type == "Warning"
     assert first.source.component == "vram-enforcer"
     assert first.involved_object.uid == pod.uid
