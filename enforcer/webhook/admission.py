@@ -278,9 +278,18 @@ def _workload_env(c: dict[str, Any], limit: int, settings: AdmissionSettings) ->
     env[:] = [e for e in env if not (isinstance(e, dict) and e.get("name") == "VRAM_LIMIT_BYTES")]
     env.append({"name": "VRAM_LIMIT_BYTES", "value": str(limit)})
     extra = {**(FRAMEWORK_ENV if settings.framework_env else {})}
-    if settings.gpu_exposure == "env":
-        extra.update(GPU_ENV)
+    if settings.gpu_exposure == "env" and not _requests_gpus(c):
+        extra.update(GPU_ENV)  # a container given GPUs by the device plugin keeps those
     env.extend({"name": k, "value": v} for k, v in extra.items() if k not in names)
+
+
+def _requests_gpus(c: Mapping[str, Any]) -> bool:
+    resources = _dict(c.get("resources"))
+    return any(
+        key.startswith("nvidia.com/")
+        for part in ("limits", "requests")
+        for key in _dict(resources.get(part))
+    )
 
 
 def _add_shm(spec: dict[str, Any], size: int | None) -> None:

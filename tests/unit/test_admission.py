@@ -254,13 +254,17 @@ def test_shm_off_and_no_framework_env() -> None:
 
 def test_gpu_exposure_env_and_runtime_class() -> None:
     s = AdmissionSettings("img", "native", RES, 1, gpu_exposure="env", runtime_class="nvidia")
-    out = applied(pod(gpu("t"), gpu("cpu-only", None)), s)
+    plugin = gpu("plugin")
+    plugin["resources"]["limits"]["nvidia.com/gpu"] = "1"
+    out = applied(pod(gpu("t"), gpu("cpu-only", None), plugin), s)
     env = env_of(out["spec"]["containers"][0])
     assert (
         env["NVIDIA_VISIBLE_DEVICES"] == "all"
         and env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
     )
     assert "env" not in out["spec"]["containers"][1]
+    # The device plugin's assignment stands for a container that asks for nvidia.com/gpu.
+    assert "NVIDIA_VISIBLE_DEVICES" not in env_of(out["spec"]["containers"][2])
     assert out["spec"]["runtimeClassName"] == "nvidia"
 
 
