@@ -237,6 +237,9 @@ class ApiServer:
             "--endpoint-reconciler-type=none",
             f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
             "--allow-privileged=true", "--profiling=false",
+            # Webhook Services resolve to their Endpoints (no kube-proxy here): the chart
+            # test points its webhook Service at a process on this machine.
+            "--enable-aggregator-routing=true",
             *self._extra_args,
         ]  # fmt: skip
 

@@ -1,0 +1,69 @@
+{{- define "vram-enforcer.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "vram-enforcer.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "vram-enforcer.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/name: {{ include "vram-enforcer.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "vram-enforcer.selector" -}}
+app.kubernetes.io/name: {{ include "vram-enforcer.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "vram-enforcer.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "vram-enforcer.webhookName" -}}
+{{ include "vram-enforcer.fullname" . }}-webhook
+{{- end -}}
+
+{{- define "vram-enforcer.agentName" -}}
+{{ include "vram-enforcer.fullname" . }}-agent
+{{- end -}}
+
+{{- define "vram-enforcer.tlsSecret" -}}
+{{ include "vram-enforcer.webhookName" . }}-tls
+{{- end -}}
+
+{{/* The DNS names the API server uses for the webhook's Service. */}}
+{{- define "vram-enforcer.webhookDNS" -}}
+{{- $svc := include "vram-enforcer.webhookName" . -}}
+{{- list $svc (printf "%s.%s" $svc .Release.Namespace) (printf "%s.%s.svc" $svc .Release.Namespace) (printf "%s.%s.svc.cluster.local" $svc .Release.Namespace) | toJson -}}
+{{- end -}}
+
+{{/*
+The self-signed TLS material, base64-encoded, as JSON {"crt", "key", "ca"}: the existing
+Secret's when there is one (lookup), so that upgrades keep the certificate and the
+caBundle the API server trusts; else a new CA and certificate. Generated once per render
+and memoized, so the Secret, the caBundle and the Deployment's checksum agree.
+*/}}
+{{- define "vram-enforcer.tlsData" -}}
+{{- $tls := .Values.webhook.tls -}}
+{{- if not (hasKey $tls "generated") -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "vram-enforcer.tlsSecret" .) -}}
+{{- if and $existing (hasKey ($existing.data | default dict) "ca.crt") -}}
+{{- $_ := set $tls "generated" (dict "crt" (index $existing.data "tls.crt") "key" (index $existing.data "tls.key") "ca" (index $existing.data "ca.crt")) -}}
+{{- else -}}
+{{- $caPair := genCA (printf "%s-ca" (include "vram-enforcer.webhookName" .)) 3650 -}}
+{{- $dns := include "vram-enforcer.webhookDNS" . | fromJsonArray -}}
+{{- $cert := genSignedCert (index $dns 2) nil $dns 3650 $caPair -}}
+{{- $_ := set $tls "generated" (dict "crt" ($cert.Cert | b64enc) "key" ($cert.Key | b64enc) "ca" ($caPair.Cert | b64enc)) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson (get $tls "generated") -}}
+{{- end -}}

@@ -1,0 +1,361 @@
+"""The Helm chart, linted and installed by the real Helm engine (helm-sdkpy, Helm v4) on the
+real API server: the objects it creates, what its ServiceAccounts may and may not do, and a
+pod mutated through the chart's own webhook configuration, Service and certificate, served
+by `vram-enforcer webhook` run here with the chart's own arguments.
+
+Helm runs in a Python >= 3.12 virtualenv (`.venv-helm`, made by .ci/run; or HELM_PYTHON).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from tests.e2e.cluster import ApiServer
+from tests.helpers import free_port, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "vram-enforcer"
+# Not "vram-enforcer": test_agent_e2e applies deploy/rbac/agent.yaml's ClusterRole of that name.
+RELEASE, NAMESPACE, OPTED_IN = "vram-enforcer-e2e", "vram-chart", "chart-ml"
+
+
+def helm_python() -> Path | None:
+    explicit = os.environ.get("HELM_PYTHON")
+    found = Path(explicit) if explicit else ROOT / ".venv-helm" / "bin" / "python"
+    return found if found.exists() else None
+
+
+def helm(*args: str, fails: bool = False) -> Any:
+    python = helm_python()
+    if python is None:
+        reason = "no helm-sdkpy: bash .ci/run makes .venv-helm (Python >= 3.12), or set HELM_PYTHON"
+        if os.environ.get("VRAM_ENFORCER_E2E") == "required":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    out = subprocess.run([str(python), str(ROOT / "tests" / "chart" / "helm_driver.py"), *args],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    if fails:
+        assert out.returncode != 0, out.stdout
+        return out.stderr
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def host_ip() -> str | None:
+    """An address of this machine that an Endpoints object may name (not loopback)."""
+    out = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show", "scope", "global"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    found = re.search(r"inet (\d+\.\d+\.\d+\.\d+)/", out.stdout)
+    return found[1] if found else None
+
+
+@pytest.fixture(scope="module")
+def installed(
+    apiserver: ApiServer, admin: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
+    tmp = tmp_path_factory.mktemp("chart")
+    kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp / "kubeconfig")
+    core = client.CoreV1Api(admin)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
+        name=OPTED_IN, labels={"vram-enforcer.io/inject": "enabled"})))  # fmt: skip
+    core.create_namespaced_service_account(
+        OPTED_IN, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="default"))
+    )
+    values = {
+        "image": {"tag": "e2e"},
+        "sidecar": {"namespaces": [OPTED_IN]},
+        "webhook": {"logFormat": "text"},
+    }
+    helm("install", RELEASE, str(CHART), NAMESPACE, str(kubeconfig), json.dumps(values))
+    yield kubeconfig
+    helm(
+        "uninstall", RELEASE, NAMESPACE, str(kubeconfig)
+    )  # the webhook must not outlive this module
+
+
+def test_the_chart_lints_clean() -> None:
+    result = helm("lint", str(CHART))
+    assert result["Errors"] is None
+    assert [m for m in result["Messages"] if m["Severity"] >= 2] == []  # no warnings or errors
+
+
+def test_bad_values_are_refused_by_the_schema(apiserver: ApiServer, tmp_path: Path) -> None:
+    kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp_path / "kubeconfig")
+    for values, field in (({"webhook": {"failurePolicy": "Sometimes"}}, "failurePolicy"),
+                          ({"resource": {"unit": "1 GiB"}}, "unit"),
+                          ({"agent": {"reserve": "512MB"}}, "reserve"),
+                          ({"sidecar": {"namespaces": ["ML_Team"]}}, "namespaces"),
+                          ({"webhook": {"replica": 2}}, "replica")):  # fmt: skip
+        error = helm(
+            "install",
+            "bad",
+            str(CHART),
+            "vram-bad",
+            str(kubeconfig),
+            json.dumps(values),
+            fails=True,
+        )
+        assert "values don't meet the specifications of the schema" in error and field in error, (
+            error
+        )
+
+
+def test_the_webhook_objects(installed: Path, admin: client.ApiClient) -> None:
+    config = client.AdmissionregistrationV1Api(admin).read_mutating_webhook_configuration(RELEASE)
+    (hook,) = config.webhooks
+    assert hook.admission_review_versions == ["v1"] and hook.side_effects == "None"
+    assert (hook.timeout_seconds, hook.reinvocation_policy, hook.failure_policy) == (
+        5,
+        "IfNeeded",
+        "Fail",
+    )
+    assert hook.namespace_selector.match_labels == {"vram-enforcer.io/inject": "enabled"}
+    assert hook.object_selector.match_expressions[0].to_dict() == {
+        "key": "app.kubernetes.io/instance",
+        "operator": "NotIn",
+        "values": [RELEASE],
+    }
+    assert (hook.client_config.service.name, hook.client_config.service.path) == (
+        "vram-enforcer-e2e-webhook",
+        "/mutate",
+    )
+    secret = client.CoreV1Api(admin).read_namespaced_secret(
+        "vram-enforcer-e2e-webhook-tls", NAMESPACE
+    )
+    assert base64.b64encode(hook.client_config.ca_bundle if isinstance(hook.client_config.ca_bundle, bytes)
+                            else base64.b64decode(hook.client_config.ca_bundle)).decode() == secret.data["ca.crt"]  # fmt: skip
+    apps = client.AppsV1Api(admin)
+    deployment = apps.read_namespaced_deployment("vram-enforcer-e2e-webhook", NAMESPACE)
+    assert deployment.spec.replicas == 2
+    assert (
+        deployment.spec.template.spec.containers[0].image
+        == "ghcr.io/vram-enforcer/vram-enforcer:e2e"
+    )
+    assert deployment.spec.template.spec.affinity.pod_anti_affinity is not None
+    service = client.CoreV1Api(admin).read_namespaced_service(
+        "vram-enforcer-e2e-webhook", NAMESPACE
+    )
+    assert [(p.name, p.port) for p in service.spec.ports] == [("https", 443), ("metrics", 9479)]
+    # policy/v1beta1 on this 1.20 server (policy/v1 from 1.21): the client no longer has it.
+    pdb = get_json(
+        admin,
+        f"/apis/policy/v1beta1/namespaces/{NAMESPACE}/poddisruptionbudgets/vram-enforcer-e2e-webhook",
+    )
+    assert pdb["spec"]["minAvailable"] == 1
+
+
+def get_json(api: client.ApiClient, path: str) -> Any:
+    method, url, headers, _, _ = api.param_serialize("GET", path, auth_settings=["BearerToken"])
+    response = api.call_api(method, url, header_params=headers)
+    response.read()
+    assert response.status == 200, response.data
+    return json.loads(response.data)
+
+
+def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
+    ds = client.AppsV1Api(admin).read_namespaced_daemon_set("vram-enforcer-e2e-agent", NAMESPACE)
+    spec = ds.spec.template.spec
+    assert spec.host_pid is True
+    (agent,) = spec.containers
+    env = {e.name: e.value for e in agent.env}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    assert agent.env[0].value_from.field_ref.field_path == "spec.nodeName"
+    assert spec.node_selector == {"nvidia.com/gpu.present": "true"}
+    assert agent.security_context.capabilities.add == ["SYS_PTRACE"]  # and root: see agent.yaml
+    assert agent.security_context.capabilities.drop == ["ALL"]
+    assert spec.volumes[0].host_path.path == "/run/vram-enforcer"
+    shipped = yaml.safe_load_all((ROOT / "deploy" / "rbac" / "agent.yaml").read_text())
+    rules = next(d for d in shipped if d["kind"] == "ClusterRole")["rules"]
+    role = client.RbacAuthorizationV1Api(admin).read_cluster_role("vram-enforcer-e2e-agent")
+    assert [
+        {"apiGroups": r.api_groups, "resources": r.resources, "verbs": r.verbs} for r in role.rules
+    ] == rules
+
+
+def allowed(
+    api: client.ApiClient,
+    verb: str,
+    resource: str,
+    namespace: str | None = None,
+    subresource: str | None = None,
+) -> bool:
+    review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+              "spec": {"resourceAttributes": {"verb": verb, "resource": resource, "namespace": namespace, "subresource": subresource}}}  # fmt: skip
+    return bool(
+        client.AuthorizationV1Api(api).create_self_subject_access_review(review).status.allowed
+    )
+
+
+def test_service_accounts_can_do_what_they_need_and_no_more(
+    installed: Path, apiserver: ApiServer
+) -> None:
+    agent = apiserver.client(apiserver.token_for(NAMESPACE, "vram-enforcer-e2e-agent"))
+    assert allowed(agent, "get", "nodes") and allowed(agent, "patch", "nodes")
+    assert allowed(agent, "patch", "nodes", subresource="status")
+    for verb, resource in (
+        ("list", "nodes"),
+        ("delete", "nodes"),
+        ("get", "secrets"),
+        ("get", "pods"),
+        ("create", "events"),
+    ):
+        assert not allowed(
+            agent, verb, resource, namespace=NAMESPACE if resource != "nodes" else None
+        ), (verb, resource)
+    sidecar = apiserver.client(apiserver.token_for(OPTED_IN, "default"))
+    assert allowed(sidecar, "get", "pods", OPTED_IN)
+    assert allowed(sidecar, "create", "events", OPTED_IN) and allowed(
+        sidecar, "patch", "events", OPTED_IN
+    )
+    for verb, resource, ns in (("list", "pods", OPTED_IN), ("delete", "pods", OPTED_IN), ("get", "secrets", OPTED_IN),
+                               ("get", "pods", NAMESPACE), ("create", "events", "default"), ("get", "nodes", None)):  # fmt: skip
+        assert not allowed(sidecar, verb, resource, ns), (verb, resource, ns)
+    webhook = apiserver.client(apiserver.token_for(NAMESPACE, "vram-enforcer-e2e-webhook"))
+    assert not allowed(webhook, "get", "pods", OPTED_IN) and not allowed(
+        webhook, "get", "secrets", NAMESPACE
+    )
+
+
+def test_a_pod_is_mutated_through_the_charts_own_webhook(
+    installed: Path, admin: client.ApiClient, tmp_path: Path
+) -> None:
+    ip = host_ip()
+    if ip is None:
+        pytest.skip("no non-loopback IPv4 address for the webhook's Endpoints")
+    core = client.CoreV1Api(admin)
+    secret = core.read_namespaced_secret("vram-enforcer-e2e-webhook-tls", NAMESPACE)
+    (tmp_path / "tls.crt").write_bytes(base64.b64decode(secret.data["tls.crt"]))
+    (tmp_path / "tls.key").write_bytes(base64.b64decode(secret.data["tls.key"]))
+    deployment = client.AppsV1Api(admin).read_namespaced_deployment(
+        "vram-enforcer-e2e-webhook", NAMESPACE
+    )
+    port = free_port()
+    args = [a.replace("/tls/", f"{tmp_path}/") for a in deployment.spec.template.spec.containers[0].args
+            if not a.startswith(("--port=", "--metrics-port="))]  # fmt: skip
+    log = tmp_path / "webhook.log"
+    proc = subprocess.Popen([sys.executable, "-m", "enforcer", *args, f"--port={port}", f"--address={ip}",
+                             f"--kubeconfig={installed}"], stderr=log.open("w"))  # fmt: skip
+    try:
+        wait_for(
+            lambda: "serving admission reviews" in log.read_text(), timeout=30, what="the webhook"
+        )
+        core.create_namespaced_endpoints(NAMESPACE, {
+            "metadata": {"name": "vram-enforcer-e2e-webhook"},
+            "subsets": [{"addresses": [{"ip": ip}], "ports": [{"name": "https", "port": port, "protocol": "TCP"}]}]})  # fmt: skip
+        pod = {"metadata": {"name": "trainer-0"}, "spec": {"restartPolicy": "Never", "containers": [
+            {"name": "trainer", "image": "pytorch", "resources": {"limits": {"vram-enforcer.io/vram": "6Gi"}}}]}}  # fmt: skip
+        core.create_namespaced_pod(OPTED_IN, pod)
+        stored = json.loads(
+            core.read_namespaced_pod("trainer-0", OPTED_IN, _preload_content=False).data
+        )
+        assert [c["name"] for c in stored["spec"]["containers"]] == [
+            "trainer",
+            "vram-enforcer",
+        ]  # 1.20: container mode
+        side = stored["spec"]["containers"][1]
+        assert side["image"] == "ghcr.io/vram-enforcer/vram-enforcer:e2e"
+        assert {"name": "VRAM_ENFORCER_LIMITS", "value": '{"trainer":6442450944}'} in side["env"]
+        assert stored["spec"]["shareProcessNamespace"] is True
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, log.read_text()
+
+
+def test_an_upgrade_keeps_the_self_signed_certificate(
+    installed: Path, admin: client.ApiClient
+) -> None:
+    core = client.CoreV1Api(admin)
+    before = core.read_namespaced_secret("vram-enforcer-e2e-webhook-tls", NAMESPACE).data
+    values = {
+        "image": {"tag": "e2e-2"},
+        "sidecar": {"namespaces": [OPTED_IN]},
+        "webhook": {"logFormat": "text"},
+    }
+    helm("upgrade", RELEASE, str(CHART), NAMESPACE, str(installed), json.dumps(values))
+    assert core.read_namespaced_secret("vram-enforcer-e2e-webhook-tls", NAMESPACE).data == before
+    deployment = client.AppsV1Api(admin).read_namespaced_deployment(
+        "vram-enforcer-e2e-webhook", NAMESPACE
+    )
+    assert (
+        deployment.spec.template.spec.containers[0].image
+        == "ghcr.io/vram-enforcer/vram-enforcer:e2e-2"
+    )
+
+
+CERT_MANAGER_CRDS = [("issuers", "Issuer"), ("certificates", "Certificate")]
+
+
+def test_cert_manager_mode_renders_an_issuer_a_certificate_and_the_ca_injection(
+    apiserver: ApiServer, admin: client.ApiClient, tmp_path: Path
+) -> None:
+    """cert-manager itself does not run here: its two CRDs stand in, so the objects can be stored."""
+    extensions = client.ApiextensionsV1Api(admin)
+    for plural, kind in CERT_MANAGER_CRDS:
+        extensions.create_custom_resource_definition({
+            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"{plural}.cert-manager.io"},
+            "spec": {"group": "cert-manager.io", "scope": "Namespaced",
+                     "names": {"plural": plural, "singular": kind.lower(), "kind": kind},
+                     "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                         "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}})  # fmt: skip
+    wait_for(lambda: _served(admin, "issuers"), what="the cert-manager CRDs")
+    kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp_path / "kubeconfig")
+    values = {"webhook": {"tls": {"mode": "cert-manager"}}, "agent": {"enabled": False}}
+    helm("install", "vram-enforcer-cm", str(CHART), "vram-cm", str(kubeconfig), json.dumps(values))
+    try:
+        custom = client.CustomObjectsApi(admin)
+        cert = custom.get_namespaced_custom_object(
+            "cert-manager.io", "v1", "vram-cm", "certificates", "vram-enforcer-cm-webhook"
+        )
+        assert cert["spec"]["secretName"] == "vram-enforcer-cm-webhook-tls"
+        assert "vram-enforcer-cm-webhook.vram-cm.svc" in cert["spec"]["dnsNames"]
+        assert cert["spec"]["issuerRef"] == {
+            "name": "vram-enforcer-cm-webhook-selfsigned",
+            "kind": "Issuer",
+            "group": "cert-manager.io",
+        }
+        issuer = custom.get_namespaced_custom_object(
+            "cert-manager.io", "v1", "vram-cm", "issuers", "vram-enforcer-cm-webhook-selfsigned"
+        )
+        assert issuer["spec"] == {"selfSigned": {}}
+        config = client.AdmissionregistrationV1Api(admin).read_mutating_webhook_configuration(
+            "vram-enforcer-cm"
+        )
+        assert (
+            config.metadata.annotations["cert-manager.io/inject-ca-from"]
+            == "vram-cm/vram-enforcer-cm-webhook"
+        )
+        assert not config.webhooks[0].client_config.ca_bundle  # cert-manager's cainjector fills it
+        secrets = client.CoreV1Api(admin).list_namespaced_secret("vram-cm").items
+        assert "vram-enforcer-cm-webhook-tls" not in [
+            s.metadata.name for s in secrets
+        ]  # cert-manager makes it
+    finally:
+        helm("uninstall", "vram-enforcer-cm", "vram-cm", str(kubeconfig))
+
+
+def _served(api: client.ApiClient, plural: str) -> bool:
+    try:
+        client.CustomObjectsApi(api).list_namespaced_custom_object(
+            "cert-manager.io", "v1", "default", plural
+        )
+    except client.exceptions.ApiException:
+        return False
+    return True
