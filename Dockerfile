@@ -1,0 +1,120 @@
+# One image for every mode: the entrypoint is the console script, the mode is the first
+# argument.
+#
+#   docker build -t ghcr.io/vram-enforcer/vram-enforcer:0.1.0 .
+#   docker run --rm ghcr.io/vram-enforcer/vram-enforcer:0.1.0 webhook --help
+#   docker run --rm --gpus all --pid=host ghcr.io/vram-enforcer/vram-enforcer:0.1.0 \
+#       exec --limit 4Gi -- CMD ...
+#
+# How each mode runs it (docs/install.md, docs/security.md):
+# - webhook: as the image's user, 65532, non-root, no capabilities.
+# - sidecar: the webhook injects it with `command: [vram-enforcer, sidecar]`, runAsUser 0,
+#   CAP_KILL only and readOnlyRootFilesystem: true. Nothing in the image is written at
+#   run time: the bytecode is compiled here, and PYTHONDONTWRITEBYTECODE stops any attempt.
+# - agent: the chart runs it as root with hostPID: true and the NVIDIA runtime.
+#
+# No NVML library is installed. nvidia-ml-py loads libnvidia-ml.so.1 at run time, and the
+# NVIDIA container runtime injects the node driver's copy into containers that ask for GPUs
+# (the agent; `docker run --gpus`). The sidecar reads usage from the agent's socket and
+# needs no GPU. NVIDIA_VISIBLE_DEVICES is deliberately not set here, so the webhook and
+# sidecar containers do not get the node's GPUs when nvidia is the default runtime.
+#
+# Both stages must use the same base image: the venv links /usr/local/bin/python and holds
+# extensions built for that Python. To pin it by digest:
+#   docker build --build-arg PYTHON_IMAGE=python:3.12-slim@sha256:<digest> ...
+ARG PYTHON_IMAGE=python:3.12-slim
+
+
+FROM ${PYTHON_IMAGE} AS builder
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
+    PYTHONDONTWRITEBYTECODE=1
+
+# The runtime dependencies that pyproject.toml lists, pinned to the versions CI tests
+# (`.venv/bin/pip freeze`). Only these six are pinned: their own dependencies (pydantic,
+# urllib3, requests, aiohttp, PyYAML, ...) are resolved by pip at build time. Change a pin
+# here together with the bound in pyproject.toml; `pip check` below fails the build if they
+# disagree, or if pyproject.toml gains a dependency that is not listed here.
+# --only-binary: the slim image has no compiler, so a missing wheel (for instance on a new
+# architecture) fails here instead of half-building from source.
+# This layer comes before the source is copied, so editing the code does not re-download it.
+RUN python -m venv /opt/venv \
+ && /opt/venv/bin/pip install --only-binary=:all: \
+        "nvidia-ml-py==13.615.71" \
+        "psutil==7.2.2" \
+        "kubernetes==37.0.2" \
+        "prometheus-client==0.26.0" \
+        "tenacity==9.2.1" \
+        "jsonpatch==1.47"
+
+# The build backend, pinned, in a venv of its own that never reaches the final image.
+# pyproject.toml's build-system asks for setuptools>=77; the wheel is then built without
+# build isolation, so nothing unpinned is fetched for the build either.
+RUN python -m venv /opt/build \
+ && /opt/build/bin/pip install "setuptools==84.0.0"
+
+WORKDIR /src
+# Only what the wheel is built from: the package and the metadata (readme = README.md).
+COPY pyproject.toml README.md ./
+COPY enforcer/ ./enforcer/
+
+# 1. Build the wheel and install it without its dependencies, which are already there.
+# 2. pip check: every requirement of every installed distribution is met.
+# 3. Drop kubernetes.aio (about 64 MiB with bytecode): the enforcer uses the synchronous
+#    client only (enforcer/kube.py), and `import kubernetes` does not import aio. Re-check
+#    this when the kubernetes pin moves; the import test in the final stage catches the rest.
+# 4. Drop pip from the runtime venv: nothing installs at run time.
+# 5. Compile all bytecode now, as unchecked-hash .pyc files: they stay valid whatever
+#    timestamps COPY gives the sources, and a read-only root filesystem never needs a
+#    __pycache__ write (which would be refused, leaving every start to recompile the
+#    kubernetes client in memory).
+RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation -w /tmp/wheels . \
+ && /opt/venv/bin/pip install --no-deps /tmp/wheels/vram_enforcer-*.whl \
+ && /opt/venv/bin/pip check \
+ && rm -rf /opt/venv/lib/python3.*/site-packages/kubernetes/aio \
+ && /opt/venv/bin/pip uninstall --yes pip \
+ && /opt/venv/bin/python -m compileall -q -f -j 0 --invalidation-mode unchecked-hash \
+        /opt/venv/lib/python3.*/site-packages
+
+
+FROM ${PYTHON_IMAGE}
+
+# Labels: pass --build-arg REVISION=$(git rev-parse HEAD), and the build time with
+# --label org.opencontainers.image.created=$(date -u +%Y-%m-%dT%H:%M:%SZ).
+ARG PYTHON_IMAGE
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG SOURCE=https://github.com/vram-enforcer/vram-enforcer
+
+LABEL org.opencontainers.image.title="vram-enforcer" \
+      org.opencontainers.image.description="Per-container GPU memory (VRAM) limits for Kubernetes: node agent, in-pod sidecar, admission webhook, and exec for a single command" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.base.name="${PYTHON_IMAGE}"
+
+# The default user. Numeric in USER below, so that kubelet can verify runAsNonRoot; named
+# here, so that tools which look the uid up find it. No home directory: nothing is written.
+RUN groupadd --gid 65532 nonroot \
+ && useradd --uid 65532 --gid 65532 --no-create-home --no-log-init \
+        --home-dir /nonexistent --shell /usr/sbin/nologin nonroot
+
+COPY --from=builder /opt/venv /opt/venv
+
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+
+# Smoke test of the copied venv on this base: the console script runs, and every mode's
+# module imports (kubernetes included, without kubernetes.aio). Writes nothing.
+RUN vram-enforcer --version \
+ && python -c "import enforcer.execmode, enforcer.agent, enforcer.sidecar, enforcer.kube, enforcer.webhook.server"
+
+USER 65532:65532
+
+ENTRYPOINT ["vram-enforcer"]
+CMD ["--help"]
