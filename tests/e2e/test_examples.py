@@ -1,0 +1,479 @@
+"""The manifests under examples/, as a user would apply them.
+
+- Every Kubernetes object validates against the 1.29 schemas in strict mode (no unknown
+  field), and is created on the real API server (1.20) with `utils.create_from_dict`, as
+  `kubectl create -f` would (the Python client also wants every quantity to be a string,
+  so the manifests quote them). The webhook is not registered here, so pods are stored as
+  written; the webhook's own mutation is checked in-process instead, against what
+  examples/README.md promises (framework env, /dev/shm size, GPU exposure, annotations).
+- The kube-scheduler configuration is not an API object: its fields are checked by hand.
+- three-pods.yaml: two Nodes advertise 4Gi and 8Gi of VRAM on the API server, and a
+  first-fit placement over the stored nodes and the manifest's pods (no scheduler runs in
+  this harness) gives what the README claims, in every order: three pods fit, one does not.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import jsonpatch
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes import client, utils
+
+from enforcer.webhook.admission import AdmissionSettings, mutate
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+README = EXAMPLES / "README.md"
+RESOURCE = "vram-enforcer.io/vram"
+NAMESPACE = "vram-demo"
+SCHEDULER_API = "kubescheduler.config.k8s.io/v1"
+GiB = 1024**3
+NODES = {"demo-node-4gi": "4Gi", "demo-node-8gi": "8Gi"}  # unique to this module
+
+Doc = dict[str, Any]
+
+
+def load(relative: str) -> list[Doc]:
+    return [d for d in yaml.safe_load_all((EXAMPLES / relative).read_text()) if d is not None]
+
+
+def all_documents() -> list[tuple[str, Doc]]:
+    return [
+        (str(path.relative_to(EXAMPLES)), doc)
+        for path in sorted(EXAMPLES.rglob("*.y*ml"))
+        for doc in load(str(path.relative_to(EXAMPLES)))
+    ]
+
+
+def is_scheduler_config(doc: Doc) -> bool:
+    return str(doc.get("apiVersion", "")).startswith("kubescheduler.config.k8s.io/")
+
+
+API_OBJECTS = [(f, d) for f, d in all_documents() if not is_scheduler_config(d)]
+SCHEDULER_CONFIGS = [(f, d) for f, d in all_documents() if is_scheduler_config(d)]
+
+
+def object_id(item: tuple[str, Doc]) -> str:
+    path, doc = item
+    return f"{path}:{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+
+
+def pod_templates() -> list[tuple[str, Doc]]:
+    """(id, pod) for every pod the examples make: Pods, and the templates of Jobs and Deployments."""
+    pods = []
+    for item in API_OBJECTS:
+        _, doc = item
+        if doc["kind"] == "Pod":
+            pods.append((object_id(item), doc))
+        elif doc["kind"] in {"Job", "Deployment"}:
+            pods.append((object_id(item), {"apiVersion": "v1", "kind": "Pod", **doc["spec"]["template"]}))  # fmt: skip
+    return pods
+
+
+POD_TEMPLATES = pod_templates()
+
+
+def quantity(value: object) -> Decimal:
+    return Decimal(utils.parse_quantity(str(value)))
+
+
+def effective_requests(container: Doc) -> dict[str, Decimal]:
+    """What the scheduler counts: requests, defaulted from limits as the API server does."""
+    resources = container.get("resources") or {}
+    merged = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+    return {name: quantity(value) for name, value in merged.items()}
+
+
+def pod_requests(pod: Doc) -> dict[str, Decimal]:
+    total: dict[str, Decimal] = {"pods": Decimal(1)}
+    for c in pod["spec"]["containers"]:
+        for name, value in effective_requests(c).items():
+            total[name] = total.get(name, Decimal(0)) + value
+    return total
+
+
+def first_fit(
+    pods: list[tuple[str, dict[str, Decimal]]], nodes: list[tuple[str, dict[str, Decimal]]]
+) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Place each pod, in order, on the first node where every request still fits.
+
+    Returns the placements, and for each pod that fits nowhere, the scheduler's reason per
+    node (`Insufficient <resource>` for each resource that does not fit).
+    """
+    free = {name: dict(alloc) for name, alloc in nodes}
+    placed: dict[str, str] = {}
+    refused: dict[str, list[str]] = {}
+    for pod, requests in pods:
+        reasons = []
+        for node, _ in nodes:
+            short = [r for r, v in requests.items() if free[node].get(r, Decimal(0)) < v]
+            if not short:
+                for r, v in requests.items():
+                    free[node][r] -= v
+                placed[pod] = node
+                break
+            reasons.extend(f"Insufficient {r}" for r in short)
+        else:
+            refused[pod] = reasons
+    return placed, refused
+
+
+def scheduler_message(reasons: list[str], node_count: int) -> str:
+    """kube-scheduler's FailedScheduling summary: reasons counted, then sorted."""
+    counts: dict[str, int] = {}
+    for r in reasons:
+        counts[r] = counts.get(r, 0) + 1
+    summary = ", ".join(sorted(f"{n} {r}" for r, n in counts.items()))
+    return f"0/{node_count} nodes are available: {summary}."
+
+
+# --- the files -------------------------------------------------------------------------------
+
+
+def test_every_example_is_there_and_explained_in_the_readme() -> None:
+    expected = {
+        "namespace.yaml",
+        "pods/three-pods.yaml",
+        "jobs/pytorch-overrun.yaml",
+        "pods/jax.yaml",
+        "pods/mpi-shm.yaml",
+        "pods/vram-only.yaml",
+    }
+    found = {str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.y*ml")}
+    assert expected <= found
+    assert any(f.startswith("scheduler/") for f in found)
+    readme = README.read_text()
+    for f in sorted(found):
+        assert f in readme, f"examples/README.md does not mention {f}"
+    assert "../docs/security.md" in readme  # the --gpu-exposure env trade-off
+
+
+@pytest.mark.parametrize("item", API_OBJECTS, ids=object_id)
+def test_each_object_validates_against_kubernetes_1_29_strictly(item: tuple[str, Doc]) -> None:
+    _, doc = item
+    kubernetes_validate.validate(doc, "1.29", strict=True)
+
+
+def test_the_strict_validation_does_catch_a_misspelt_field() -> None:
+    pod = copy.deepcopy(load("pods/jax.yaml")[0])
+    pod["spec"]["containers"][0]["resource"] = pod["spec"]["containers"][0].pop("resources")
+    with pytest.raises(kubernetes_validate.ValidationError, match="'resource' was unexpected"):
+        kubernetes_validate.validate(pod, "1.29", strict=True)
+
+
+def test_the_namespace_opts_in_and_every_object_lives_in_it() -> None:
+    (namespace,) = [d for _, d in API_OBJECTS if d["kind"] == "Namespace"]
+    assert namespace["metadata"] == {
+        "name": NAMESPACE,
+        "labels": {"vram-enforcer.io/inject": "enabled"},
+    }
+    for item in API_OBJECTS:
+        if item[1]["kind"] != "Namespace":
+            assert item[1]["metadata"].get("namespace") == NAMESPACE, object_id(item)
+
+
+def test_api_versions_exist_on_1_20_and_on_current_kubernetes() -> None:
+    kinds = {(d["apiVersion"], d["kind"]) for _, d in API_OBJECTS}
+    assert kinds <= {
+        ("v1", "Namespace"),
+        ("v1", "Pod"),
+        ("v1", "ConfigMap"),
+        ("batch/v1", "Job"),
+        ("apps/v1", "Deployment"),
+    }
+
+
+# --- what the webhook makes of them (in-process: the pure admission logic) ------------------
+
+
+def admitted(pod: Doc, **settings: Any) -> Doc:
+    """The pod as the webhook would let it through (Kubernetes >= 1.29: native sidecar)."""
+    base = AdmissionSettings(
+        sidecar_image="ghcr.io/vram-enforcer/vram-enforcer:0.1.0",
+        sidecar_mode="native",
+        resource_name=RESOURCE,
+        resource_unit=1,
+    )
+    ops = mutate(
+        pod, dataclasses.replace(base, **settings)
+    )  # raises Denied if the webhook would refuse the pod
+    assert ops, "the webhook would leave this pod alone"
+    result: Doc = jsonpatch.apply_patch(pod, ops)
+    return result
+
+
+def env_of(container: Doc) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def sidecar_env(pod: Doc) -> dict[str, str]:
+    (sidecar,) = [
+        c
+        for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
+        if c["name"] == "vram-enforcer"
+    ]
+    return env_of(sidecar)
+
+
+@pytest.mark.parametrize(("name", "pod"), POD_TEMPLATES, ids=[i for i, _ in POD_TEMPLATES])
+def test_the_webhook_admits_and_enforces_every_example_pod(name: str, pod: Doc) -> None:
+    out = admitted(pod)
+    assert out["spec"]["shareProcessNamespace"] is True
+    for c in pod["spec"]["containers"]:
+        vram = (c.get("resources", {}).get("limits") or {}).get(RESOURCE)
+        assert vram is not None, f"{name}: container {c['name']!r} declares no VRAM"
+        (after,) = [x for x in out["spec"]["containers"] if x["name"] == c["name"]]
+        assert env_of(after)["VRAM_LIMIT_BYTES"] == str(int(quantity(vram)))
+        assert env_of(after)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+        assert env_of(after)["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+
+
+def test_jax_gets_no_preallocation() -> None:
+    (pod,) = load("pods/jax.yaml")
+    assert "env" not in pod["spec"]["containers"][0]  # what follows is the webhook's doing
+    env = env_of(admitted(pod)["spec"]["containers"][0])
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert env["VRAM_LIMIT_BYTES"] == str(8 * GiB)
+    # --no-framework-env: JAX would preallocate 75% of the GPU, which the README warns of
+    bare = env_of(admitted(pod, framework_env=False)["spec"]["containers"][0])
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in bare
+
+
+def test_the_dataloader_gets_a_dev_shm_as_large_as_its_memory_limit() -> None:
+    (pod,) = load("pods/mpi-shm.yaml")
+    assert pod["metadata"]["annotations"]["vram-enforcer.io/shm-size"] == "auto"
+    out = admitted(pod)
+    (trainer,) = [c for c in out["spec"]["containers"] if c["name"] == "trainer"]
+    (mount,) = [m for m in trainer["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in out["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    assert quantity(volume["emptyDir"]["sizeLimit"]) == 16 * GiB
+    assert quantity(trainer["resources"]["limits"]["memory"]) == 16 * GiB
+    # and not with shm-size: off, where the runtime's 64 MB would break the DataLoader
+    off = copy.deepcopy(pod)
+    off["metadata"]["annotations"]["vram-enforcer.io/shm-size"] = "off"
+    (trainer,) = [c for c in admitted(off)["spec"]["containers"] if c["name"] == "trainer"]
+    assert all(m["mountPath"] != "/dev/shm" for m in trainer.get("volumeMounts", []))
+
+
+def test_the_vram_only_pod_gets_the_gpu_only_with_gpu_exposure_env() -> None:
+    (pod,) = load("pods/vram-only.yaml")
+    assert "nvidia.com/gpu" not in json.dumps(pod)
+    exposed = env_of(admitted(pod, gpu_exposure="env")["spec"]["containers"][0])
+    assert exposed["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert exposed["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    assert "NVIDIA_VISIBLE_DEVICES" not in env_of(admitted(pod)["spec"]["containers"][0])
+
+
+def test_the_overrun_job_is_enforced_as_annotated() -> None:
+    config_map, job = load("jobs/pytorch-overrun.yaml")
+    assert (job["spec"]["backoffLimit"], job["spec"]["template"]["spec"]["restartPolicy"]) == (
+        0,
+        "Never",
+    )
+    (pod,) = [p for i, p in POD_TEMPLATES if i.endswith("Job/pytorch-overrun")]
+    env = sidecar_env(admitted(pod))
+    assert json.loads(env["VRAM_ENFORCER_LIMITS"]) == {"trainer": 4 * GiB}
+    assert (env["VRAM_ENFORCER_ACTION"], env["VRAM_ENFORCER_GRACE_PERIOD"]) == ("terminate", "10s")
+    assert env["VRAM_ENFORCER_WARN_AT"] == "80%"
+    # the script that overruns is the one the Job runs
+    container = pod["spec"]["containers"][0]
+    (mount,) = container["volumeMounts"]
+    (volume,) = pod["spec"]["volumes"]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    script = container["command"][-1]
+    assert script == f"{mount['mountPath']}/overrun.py"
+    assert "overrun.py" in config_map["data"]
+    compile(config_map["data"]["overrun.py"], "overrun.py", "exec")
+
+
+def test_every_inline_python_script_compiles() -> None:
+    for name, pod in POD_TEMPLATES:
+        for c in pod["spec"]["containers"]:
+            command = c.get("command", [])
+            if command[:2] == ["python", "-c"]:
+                compile(command[2], f"{name}:{c['name']}", "exec")
+
+
+# --- the scheduler profiles -------------------------------------------------------------------
+
+CONFIG_FIELDS = {"apiVersion", "kind", "parallelism", "leaderElection", "clientConnection",
+                 "healthzBindAddress", "metricsBindAddress", "enableProfiling",
+                 "enableContentionProfiling", "percentageOfNodesToScore",
+                 "podInitialBackoffSeconds", "podMaxBackoffSeconds", "profiles", "extenders",
+                 "delayCacheUntilActive"}  # fmt: skip
+PROFILE_FIELDS = {"schedulerName", "percentageOfNodesToScore", "plugins", "pluginConfig"}
+EXTENSION_POINTS = {"preEnqueue", "queueSort", "preFilter", "filter", "postFilter", "preScore",
+                    "score", "reserve", "permit", "preBind", "bind", "postBind", "multiPoint"}  # fmt: skip
+
+
+def test_there_is_a_scheduler_configuration() -> None:
+    assert SCHEDULER_CONFIGS, "no KubeSchedulerConfiguration under examples/scheduler/"
+    for path, _ in SCHEDULER_CONFIGS:
+        assert path.startswith("scheduler/")
+
+
+@pytest.mark.parametrize("item", SCHEDULER_CONFIGS, ids=object_id)
+def test_the_scheduler_profiles_weigh_vram(item: tuple[str, Doc]) -> None:
+    _, config = item
+    assert config["apiVersion"] == SCHEDULER_API
+    assert config["kind"] == "KubeSchedulerConfiguration"
+    assert set(config) <= CONFIG_FIELDS
+    profiles = {p["schedulerName"]: p for p in config["profiles"]}
+    assert len(profiles) == len(config["profiles"]), "schedulerNames must be unique"
+    assert {"vram-binpack", "vram-spread"} <= set(profiles)
+    for name, profile in profiles.items():
+        assert set(profile) <= PROFILE_FIELDS, name
+        plugins = profile.get("plugins") or {}
+        assert set(plugins) <= EXTENSION_POINTS, name
+        assert "queueSort" not in plugins, f"{name}: every profile must share the queue sort"
+    for name, strategy in (("vram-binpack", "MostAllocated"), ("vram-spread", "LeastAllocated")):
+        profile = profiles[name]
+        (fit,) = [c for c in profile["pluginConfig"] if c["name"] == "NodeResourcesFit"]
+        assert set(fit["args"]) <= {"ignoredResources", "ignoredResourceGroups", "scoringStrategy"}
+        scoring = fit["args"]["scoringStrategy"]
+        assert set(scoring) <= {"type", "resources", "requestedToCapacityRatio"}
+        assert scoring["type"] == strategy
+        weights = {r["name"]: r["weight"] for r in scoring["resources"]}
+        assert all(isinstance(w, int) and 1 <= w <= 100 for w in weights.values())
+        assert weights[RESOURCE] > max(weights.get("cpu", 0), weights.get("memory", 0))
+        # a resource weight scales within the plugin's score; the plugin weight across plugins
+        scored = {p["name"]: p.get("weight", 1) for p in profile["plugins"]["score"]["enabled"]}
+        assert scored["NodeResourcesFit"] > 1
+
+
+def test_workloads_name_profiles_that_exist() -> None:
+    profiles = {p["schedulerName"] for _, c in SCHEDULER_CONFIGS for p in c["profiles"]}
+    used = {pod["spec"]["schedulerName"] for _, pod in POD_TEMPLATES if "schedulerName" in pod["spec"]}  # fmt: skip
+    assert used == {"vram-binpack", "vram-spread"}
+    assert used <= profiles
+
+
+# --- on the API server ------------------------------------------------------------------------
+
+
+def selects(webhook: client.V1MutatingWebhook, labels: dict[str, str]) -> bool:
+    selector = webhook.namespace_selector
+    if selector is None or (not selector.match_labels and not selector.match_expressions):
+        return True
+    if selector.match_expressions:
+        return True  # not worth evaluating: assume the worst
+    return all(labels.get(k) == v for k, v in selector.match_labels.items())
+
+
+@pytest.fixture(scope="module")
+def created(admin: client.ApiClient) -> dict[str, Doc]:
+    """Every API object, created in dependency order; returns them as stored, by id."""
+    (namespace,) = [d for _, d in API_OBJECTS if d["kind"] == "Namespace"]
+    hooks = client.AdmissionregistrationV1Api(admin).list_mutating_webhook_configuration().items
+    leaked = [
+        h.metadata.name
+        for h in hooks
+        if any(selects(w, namespace["metadata"]["labels"]) for w in h.webhooks or [])
+    ]
+    assert not leaked, f"webhook configurations left by another module would mutate {NAMESPACE}: {leaked}"  # fmt: skip
+    ordered = sorted(API_OBJECTS, key=lambda item: item[1]["kind"] != "Namespace")
+    stored = {}
+    for item in ordered:
+        (obj,) = utils.create_from_dict(admin, copy.deepcopy(item[1]), namespace=NAMESPACE)
+        stored[object_id(item)] = admin.sanitize_for_serialization(obj)
+    return stored
+
+
+def test_every_object_is_accepted_by_the_api_server(created: dict[str, Doc]) -> None:
+    assert set(created) == {object_id(item) for item in API_OBJECTS}
+    for item in API_OBJECTS:
+        doc, obj = item[1], created[object_id(item)]
+        assert obj["metadata"]["uid"]
+        assert obj["kind"] == doc["kind"]
+        assert obj["metadata"]["name"] == doc["metadata"]["name"]
+
+
+def test_pods_are_stored_as_written(created: dict[str, Doc], core: client.CoreV1Api) -> None:
+    for item in API_OBJECTS:
+        doc = item[1]
+        if doc["kind"] != "Pod":
+            continue
+        pod = core.read_namespaced_pod(doc["metadata"]["name"], NAMESPACE)
+        assert [c.name for c in pod.spec.containers] == [
+            c["name"] for c in doc["spec"]["containers"]
+        ]
+        assert not pod.spec.share_process_namespace  # no webhook in this test
+        for stored, written in zip(pod.spec.containers, doc["spec"]["containers"], strict=True):
+            limits = {k: quantity(v) for k, v in stored.resources.limits.items()}
+            assert limits == {k: quantity(v) for k, v in written["resources"]["limits"].items()}
+            # the API server defaulted the requests from the limits, as the scheduler sees them
+            requests = {k: quantity(v) for k, v in stored.resources.requests.items()}
+            assert requests == effective_requests(written)
+
+
+def test_the_job_and_its_script_are_stored(
+    created: dict[str, Doc], admin: client.ApiClient
+) -> None:
+    job = client.BatchV1Api(admin).read_namespaced_job("pytorch-overrun", NAMESPACE)
+    assert job.spec.backoff_limit == 0
+    assert job.spec.template.spec.restart_policy == "Never"
+    config_map = client.CoreV1Api(admin).read_namespaced_config_map("pytorch-overrun", NAMESPACE)
+    assert "torch.empty(512 * 2**20" in config_map.data["overrun.py"]
+
+
+@pytest.fixture(scope="module")
+def demo_nodes(admin: client.ApiClient) -> list[tuple[str, dict[str, Decimal]]]:
+    """Two GPU nodes as the agent would advertise them; returns their allocatable as stored."""
+    core = client.CoreV1Api(admin)
+    for name, vram in NODES.items():
+        core.create_node(
+            client.V1Node(
+                metadata=client.V1ObjectMeta(name=name, labels={"kubernetes.io/hostname": name})
+            )
+        )
+        resources = {"cpu": "8", "memory": "32Gi", "pods": "110", RESOURCE: vram}
+        core.patch_node_status(name, {"status": {"capacity": resources, "allocatable": resources}})
+    nodes = []
+    for name in NODES:
+        allocatable = core.read_node(name).status.allocatable
+        nodes.append((name, {k: quantity(v) for k, v in allocatable.items()}))
+    return nodes
+
+
+def test_three_of_the_four_pods_fit_on_the_4gi_and_8gi_nodes(
+    created: dict[str, Doc],
+    demo_nodes: list[tuple[str, dict[str, Decimal]]],
+    core: client.CoreV1Api,
+) -> None:
+    capacities = {name: alloc[RESOURCE] for name, alloc in demo_nodes}
+    assert capacities == {"demo-node-4gi": 4 * GiB, "demo-node-8gi": 8 * GiB}
+
+    manifests = load("pods/three-pods.yaml")
+    assert len(manifests) == 4
+    pods = [(p["metadata"]["name"], pod_requests(p)) for p in manifests]
+    assert all(requests[RESOURCE] == 3 * GiB for _, requests in pods)
+
+    readme = README.read_text()
+    # Which pod stays Pending depends on the order the scheduler takes them, and where the
+    # first ones land on the scores; the count does not: try every order.
+    for pod_order in itertools.permutations(pods):
+        for node_order in itertools.permutations(demo_nodes):
+            placed, refused = first_fit(list(pod_order), list(node_order))
+            assert len(placed) == 3, (pod_order, node_order)
+            assert sorted(placed.values()) == ["demo-node-4gi", "demo-node-8gi", "demo-node-8gi"]
+            ((pending, reasons),) = refused.items()
+            assert pending == pod_order[-1][0]  # the last one finds no room
+            message = scheduler_message(reasons, len(demo_nodes))
+            assert message == f"0/2 nodes are available: 2 Insufficient {RESOURCE}."
+            assert message in readme
+
+    stored = core.list_namespaced_pod(NAMESPACE, label_selector="example=three-pods").items
+    assert sorted(p.metadata.name for p in stored) == ["share-1", "share-2", "share-3", "share-4"]
+    for p in stored:
+        assert p.spec.node_name is None  # no scheduler in this harness: nothing is bound
+        assert quantity(p.spec.containers[0].resources.requests[RESOURCE]) == 3 * GiB
