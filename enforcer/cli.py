@@ -16,6 +16,7 @@ from enforcer.config import (
     DEFAULT_SOCKET,
     ConfigError,
     agent_settings,
+    doctor_settings,
     exec_settings,
     sidecar_settings,
     webhook_settings,
@@ -320,6 +321,32 @@ def _webhook_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _log_flags(p, default_format="json")
 
 
+def _doctor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="check NVML, the PID namespace, the agent socket and the API (RBAC)",
+        description="Try each thing vram-enforcer depends on, here, and say what to fix. "
+        "Exits 1 if a check failed.",
+        epilog="examples:\n"
+        "  vram-enforcer doctor --no-api                      # a workstation, before exec\n"
+        "  kubectl exec POD -c vram-enforcer -- vram-enforcer doctor --no-nvml\n"
+        "  kubectl -n vram-enforcer exec AGENT_POD -- vram-enforcer doctor",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--no-nvml", dest="nvml", action="store_false", help="skip the NVML check")
+    p.add_argument("--no-agent", dest="agent", action="store_false", help="skip the socket check")
+    p.add_argument("--no-api", dest="api", action="store_false", help="skip the API checks")
+    p.add_argument(
+        "--agent-socket", help=f"[default: $VRAM_ENFORCER_AGENT_SOCKET or {DEFAULT_SOCKET}]"
+    )
+    p.add_argument("--kubeconfig", help="[default: in-cluster, then ~/.kube/config]")
+    p.add_argument(
+        "--namespace", help="for the sidecar's RBAC [default: $POD_NAMESPACE or default]"
+    )
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    _log_flags(p, default_format="text")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vram-enforcer",
@@ -331,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     _agent_parser(sub)
     _sidecar_parser(sub)
     _webhook_parser(sub)
+    _doctor_parser(sub)
     return parser
 
 
@@ -341,6 +369,7 @@ _MODES: dict[str, tuple[Callable[..., object], int, str]] = {
     "agent": (agent_settings, logging.INFO, "enforcer.agent"),
     "sidecar": (sidecar_settings, logging.INFO, "enforcer.sidecar"),
     "webhook": (webhook_settings, logging.INFO, "enforcer.webhook.server"),
+    "doctor": (doctor_settings, logging.WARNING, "enforcer.doctor"),
 }
 
 

@@ -540,3 +540,38 @@ def webhook_settings(
         metrics_port=parse_port(metrics_port, field="--metrics-port"),
         metrics_address=metrics_address,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class DoctorSettings:
+    """Which checks `vram-enforcer doctor` runs, and against what."""
+
+    nvml: bool
+    agent: bool
+    api: bool
+    agent_socket: str
+    kubeconfig: str | None
+    namespace: str
+    json: bool
+
+
+def doctor_settings(
+    nvml: bool,
+    agent: bool,
+    api: bool,
+    agent_socket: str | None,
+    kubeconfig: str | None,
+    namespace: str | None,
+    json: bool,
+    environ: Mapping[str, str],
+) -> DoctorSettings:
+    """The checks to run; the socket and namespace default to what the sidecar would use."""
+    return DoctorSettings(
+        nvml=nvml,
+        agent=agent,
+        api=api,
+        agent_socket=agent_socket or environ.get("VRAM_ENFORCER_AGENT_SOCKET") or DEFAULT_SOCKET,
+        kubeconfig=kubeconfig,
+        namespace=namespace or environ.get("POD_NAMESPACE") or "default",
+        json=json,
+    )

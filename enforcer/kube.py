@@ -366,3 +366,23 @@ def server_version(api: client.ApiClient, deadline: float = 30.0) -> str:
     """The API server's gitVersion (`v1.29.3`), retried like any other call."""
     info = call("get", "version", client.VersionApi(api).get_code, deadline=deadline)
     return str(info.git_version)
+
+
+def access_allowed(
+    api: client.ApiClient,
+    verb: str,
+    resource: str,
+    namespace: str | None = None,
+    subresource: str | None = None,
+) -> bool:
+    """Whether this identity may do `verb` on `resource`, as the API server's RBAC says."""
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SelfSubjectAccessReview",
+        "spec": {"resourceAttributes": {"verb": verb, "resource": resource,
+                                        "namespace": namespace, "subresource": subresource}},
+    }  # fmt: skip
+    reply = call("create", "selfsubjectaccessreviews",
+                 client.AuthorizationV1Api(api).create_self_subject_access_review, review,
+                 deadline=5.0)  # fmt: skip
+    return bool(reply.status.allowed)

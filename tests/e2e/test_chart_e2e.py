@@ -23,6 +23,7 @@ import pytest
 import yaml
 from kubernetes import client
 
+from enforcer.kube import access_allowed as allowed
 from tests.e2e.cluster import ApiServer
 from tests.helpers import free_port, wait_for
 
@@ -187,20 +188,6 @@ def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
     assert [
         {"apiGroups": r.api_groups, "resources": r.resources, "verbs": r.verbs} for r in role.rules
     ] == rules
-
-
-def allowed(
-    api: client.ApiClient,
-    verb: str,
-    resource: str,
-    namespace: str | None = None,
-    subresource: str | None = None,
-) -> bool:
-    review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
-              "spec": {"resourceAttributes": {"verb": verb, "resource": resource, "namespace": namespace, "subresource": subresource}}}  # fmt: skip
-    return bool(
-        client.AuthorizationV1Api(api).create_self_subject_access_review(review).status.allowed
-    )
 
 
 def test_service_accounts_can_do_what_they_need_and_no_more(

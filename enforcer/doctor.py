@@ -1,0 +1,172 @@
+"""`vram-enforcer doctor`: what works here, what does not, and what to do about it.
+
+Each check is tried for real (NVML is initialised, the socket is asked, the API server
+is asked what this identity may do) and answers with one line and, when it fails, a fix.
+Run it inside a pod (`kubectl exec <pod> -c vram-enforcer -- vram-enforcer doctor`), on
+a node, or on a workstation before using `exec`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from enforcer.config import DoctorSettings
+from enforcer.model import SourceDown, format_bytes
+from enforcer.nvml import Nvml, NvmlError
+from enforcer.procfs import INITIAL_PID_NS, ProcFs
+from enforcer.protocol import ProtocolError, decode_reply, encode_request
+
+EXIT_PROBLEMS = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    status: str  # ok, fail, skip
+    detail: str
+    fix: str = ""
+
+
+def render(checks: list[Check]) -> str:
+    """The report a person reads: one line per check, fixes indented below failures."""
+    mark = {"ok": "ok  ", "fail": "FAIL", "skip": "skip"}
+    lines = []
+    for c in checks:
+        lines.append(f"[{mark[c.status]}] {c.name}: {c.detail}")
+        if c.fix:
+            lines.append(f"       fix: {c.fix}")
+    failed = sum(c.status == "fail" for c in checks)
+    lines.append("all checks passed" if not failed else f"{failed} check(s) failed")
+    return "\n".join(lines)
+
+
+def check_nvml() -> Check:
+    nvml = Nvml()
+    try:
+        nvml.init()
+        snap = nvml.snapshot()
+    except NvmlError as exc:
+        return Check(
+            "NVML", "fail", str(exc),
+            "needed by the agent and by exec; the sidecar reads usage from the agent "
+            "and needs no NVML",
+        )  # fmt: skip
+    finally:
+        nvml.shutdown()
+    gpus = ", ".join(
+        f"{d.index}: {d.name} ({format_bytes(d.total_bytes or 0)})" for d in snap.devices
+    )
+    return Check(
+        "NVML",
+        "ok",
+        f"driver {nvml.driver_version}, {len(snap.devices)} device(s) [{gpus}], "
+        f"{len(snap.processes)} process(es) using them",
+    )
+
+
+def check_pid_namespace(procfs: ProcFs) -> Check:
+    ns = procfs.pid_ns("self")
+    if ns is None:
+        return Check("PID namespace", "fail", "cannot read /proc/self/ns/pid")
+    if ns == INITIAL_PID_NS:
+        return Check("PID namespace", "ok", "the host's: NVML's pids are this machine's pids")
+    return Check(
+        "PID namespace",
+        "ok",
+        f"a container's (inode {ns}): NVML's host pids need the agent, or exec --host-proc",
+    )
+
+
+def check_agent(path: str) -> Check:
+    if not os.path.exists(path):
+        return Check(
+            "agent socket", "fail", f"{path} does not exist",
+            "is the node agent (DaemonSet) running on this node, and is /run/vram-enforcer "
+            "mounted? kubectl -n <ns> get pods -l app.kubernetes.io/component=agent -o wide",
+        )  # fmt: skip
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(5)
+            conn.connect(path)
+            conn.sendall(encode_request())
+            reply = decode_reply(conn.makefile("rb").readline())
+    except (OSError, ProtocolError) as exc:
+        return Check(
+            "agent socket", "fail", f"{path}: {exc}",
+            "the agent may be restarting; its log says why (kubectl logs)",
+        )  # fmt: skip
+    if isinstance(reply, SourceDown):
+        return Check("agent socket", "fail", f"the agent answers but {reply.reason}",
+                     "the agent cannot read NVML on this node: see its log")  # fmt: skip
+    return Check(
+        "agent socket",
+        "ok",
+        f"{len(reply.devices)} GPU(s); {len(reply.processes)} GPU process(es) visible to this "
+        "PID namespace",
+    )
+
+
+# What each component asks of the API, as (verb, resource, subresource, namespaced).
+_NEEDS: dict[str, list[tuple[str, str, str | None, bool]]] = {
+    "sidecar": [("get", "pods", None, True), ("create", "events", None, True),
+                ("patch", "events", None, True)],
+    "agent": [("get", "nodes", None, False), ("patch", "nodes", None, False),
+              ("patch", "nodes", "status", False)],
+}  # fmt: skip
+
+
+def check_api(settings: DoctorSettings) -> list[Check]:
+    # The kubernetes client is loaded only for this check (about 40 MiB).
+    from enforcer.kube import KubeError, access_allowed, connect, server_version  # noqa: PLC0415
+
+    try:
+        api = connect(settings.kubeconfig)
+        version = server_version(api, deadline=5.0)
+    except KubeError as exc:
+        return [Check("Kubernetes API", "fail", str(exc),
+                      "check the kubeconfig, or the pod's ServiceAccount token")]  # fmt: skip
+    checks = [Check("Kubernetes API", "ok", f"reachable, {version}")]
+    for component, needs in _NEEDS.items():
+        denied = []
+        for verb, resource, sub, namespaced in needs:
+            ns = settings.namespace if namespaced else None
+            what = f"{verb} {resource}{'/' + sub if sub else ''}"
+            try:
+                if not access_allowed(api, verb, resource, ns, sub):
+                    denied.append(what)
+            except KubeError as exc:
+                denied.append(f"{what} (cannot ask: {exc})")
+        scope = f" in namespace {settings.namespace}" if component == "sidecar" else ""
+        if denied:
+            fix = ("add the namespace to the chart's sidecar.namespaces (or apply "
+                   "deploy/rbac/sidecar.yaml there)" if component == "sidecar"
+                   else "apply deploy/rbac/agent.yaml (or the chart's ClusterRole)")  # fmt: skip
+            problem = f"this identity may not {', '.join(denied)}{scope}"
+            checks.append(Check(f"RBAC for the {component}", "fail", problem, fix))
+        else:
+            checks.append(
+                Check(f"RBAC for the {component}", "ok", f"all it needs is allowed{scope}")
+            )
+    return checks
+
+
+def run(settings: DoctorSettings) -> int:
+    procfs = ProcFs()
+    checks = [check_pid_namespace(procfs)]
+    steps: list[tuple[bool, Callable[[], list[Check]]]] = [
+        (settings.nvml, lambda: [check_nvml()]),
+        (settings.agent, lambda: [check_agent(settings.agent_socket)]),
+        (settings.api, lambda: check_api(settings)),
+    ]
+    names = ("NVML", "agent socket", "Kubernetes API")
+    for (wanted, step), name in zip(steps, names, strict=True):
+        checks += step() if wanted else [Check(name, "skip", "not asked for")]
+    if settings.json:
+        print(json.dumps([asdict(c) for c in checks], indent=2))
+    else:
+        print(render(checks))
+    return EXIT_PROBLEMS if any(c.status == "fail" for c in checks) else 0

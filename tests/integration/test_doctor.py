@@ -1,0 +1,86 @@
+"""`vram-enforcer doctor` as a user runs it: against the fake NVML and a real agent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from enforcer.doctor import Check, render
+from tests.helpers import wait_for
+
+
+def doctor(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "enforcer", "doctor", "--no-api", *flags],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+@pytest.fixture
+def agent(fake_nvml: Any, tmp_path: Path) -> Iterator[Path]:
+    sock = tmp_path / "agent.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--socket", str(sock)],
+        env={**os.environ, **fake_nvml.env()}, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_for(sock.exists, what="the agent socket")
+    yield sock
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_everything_reachable_passes(fake_nvml: Any, agent: Path) -> None:
+    out = doctor(fake_nvml.env(), "--agent-socket", str(agent))
+    assert out.returncode == 0, out.stdout
+    assert (
+        "[ok  ] NVML: driver 550.54.15, 1 device(s) [0: NVIDIA H100 80GB HBM3 (80.00 GiB)]"
+        in out.stdout
+    )
+    assert (
+        "[ok  ] agent socket: 1 GPU(s); 0 GPU process(es) visible to this PID namespace"
+        in out.stdout
+    )
+    assert "[ok  ] PID namespace: the host's" in out.stdout
+    assert "[skip] Kubernetes API: not asked for" in out.stdout
+    assert out.stdout.rstrip().endswith("all checks passed")
+
+
+def test_missing_pieces_fail_with_a_fix_and_exit_1(tmp_path: Path) -> None:
+    out = doctor(
+        {
+            "LD_LIBRARY_PATH": str(tmp_path),
+            "VRAM_ENFORCER_AGENT_SOCKET": str(tmp_path / "none.sock"),
+        },
+        "--json",
+    )
+    assert out.returncode == 1
+    checks = {c["name"]: c for c in json.loads(out.stdout)}
+    assert checks["agent socket"]["status"] == "fail"
+    assert checks["agent socket"]["detail"] == f"{tmp_path / 'none.sock'} does not exist"
+    assert "is the node agent (DaemonSet) running on this node" in checks["agent socket"]["fix"]
+    assert "Traceback" not in out.stderr
+
+
+def test_a_socket_that_is_not_the_agent(tmp_path: Path) -> None:
+    not_a_socket = tmp_path / "file"
+    not_a_socket.write_text("")
+    out = doctor({}, "--no-nvml", "--agent-socket", str(not_a_socket))
+    assert out.returncode == 1
+    assert f"[FAIL] agent socket: {not_a_socket}: [Errno 111] Connection refused" in out.stdout
+
+
+def test_render() -> None:
+    text = render(
+        [
+            Check("A", "ok", "fine"),
+            Check("B", "fail", "broken", "do this"),
+            Check("C", "skip", "not asked"),
+        ]
+    )
+    assert text.splitlines() == ["[ok  ] A: fine", "[FAIL] B: broken", "       fix: do this", "[skip] C: not asked",
+                                 "1 check(s) failed"]  # fmt: skip
