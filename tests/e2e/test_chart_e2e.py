@@ -293,16 +293,7 @@ def test_cert_manager_mode_renders_an_issuer_a_certificate_and_the_ca_injection(
     apiserver: ApiServer, admin: client.ApiClient, tmp_path: Path
 ) -> None:
     """cert-manager itself does not run here: its two CRDs stand in, so the objects can be stored."""
-    extensions = client.ApiextensionsV1Api(admin)
-    for plural, kind in CERT_MANAGER_CRDS:
-        extensions.create_custom_resource_definition({
-            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "metadata": {"name": f"{plural}.cert-manager.io"},
-            "spec": {"group": "cert-manager.io", "scope": "Namespaced",
-                     "names": {"plural": plural, "singular": kind.lower(), "kind": kind},
-                     "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                         "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}})  # fmt: skip
-    wait_for(lambda: _served(admin, "issuers"), what="the cert-manager CRDs")
+    stand_in_crds(admin, "cert-manager.io", CERT_MANAGER_CRDS)
     kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp_path / "kubeconfig")
     values = {"webhook": {"tls": {"mode": "cert-manager"}}, "agent": {"enabled": False}}
     helm("install", "vram-enforcer-cm", str(CHART), "vram-cm", str(kubeconfig), json.dumps(values))
@@ -338,11 +329,66 @@ def test_cert_manager_mode_renders_an_issuer_a_certificate_and_the_ca_injection(
         helm("uninstall", "vram-enforcer-cm", "vram-cm", str(kubeconfig))
 
 
-def _served(api: client.ApiClient, plural: str) -> bool:
+def stand_in_crds(admin: client.ApiClient, group: str, kinds: list[tuple[str, str]]) -> None:
+    """CRDs that accept any object of these kinds: their operators do not run here."""
+    for plural, kind in kinds:
+        client.ApiextensionsV1Api(admin).create_custom_resource_definition({
+            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"{plural}.{group}"},
+            "spec": {"group": group, "scope": "Namespaced",
+                     "names": {"plural": plural, "singular": kind.lower(), "kind": kind},
+                     "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                         "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}})  # fmt: skip
+    wait_for(
+        lambda: all(_served(admin, group, plural) for plural, _ in kinds), what=f"the {group} CRDs"
+    )
+
+
+def test_monitoring_objects_and_the_dashboard(
+    apiserver: ApiServer, admin: client.ApiClient, tmp_path: Path
+) -> None:
+    stand_in_crds(
+        admin,
+        "monitoring.coreos.com",
+        [("servicemonitors", "ServiceMonitor"), ("podmonitors", "PodMonitor")],
+    )
+    kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp_path / "kubeconfig")
+    values = {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+                             "podMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
+              "webhook": {"failurePolicy": "Ignore"}}  # fmt: skip
+    helm(
+        "install", "vram-enforcer-mon", str(CHART), "vram-mon", str(kubeconfig), json.dumps(values)
+    )
     try:
-        client.CustomObjectsApi(api).list_namespaced_custom_object(
-            "cert-manager.io", "v1", "default", plural
+        custom = client.CustomObjectsApi(admin)
+        sm = custom.get_namespaced_custom_object(
+            "monitoring.coreos.com", "v1", "vram-mon", "servicemonitors", "vram-enforcer-mon"
         )
+        assert sm["metadata"]["labels"]["release"] == "prometheus"
+        assert sm["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s"}]
+        pm = custom.get_namespaced_custom_object(
+            "monitoring.coreos.com", "v1", "vram-mon", "podmonitors", "vram-enforcer-mon-sidecars"
+        )
+        assert pm["spec"]["selector"] == {"matchLabels": {"vram-enforcer.io/enforced": "true"}}
+        assert (
+            pm["spec"]["podMetricsEndpoints"][0]["port"] == "vram-metrics"
+        )  # the injected sidecar's port name
+        cm = client.CoreV1Api(admin).read_namespaced_config_map(
+            "vram-enforcer-mon-dashboard", "vram-mon"
+        )
+        assert cm.metadata.labels["grafana_dashboard"] == "1"
+        dashboard = json.loads(cm.data["vram-enforcer.json"])
+        exprs = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
+        for metric in ("vram_enforcer_container_used_bytes", "vram_enforcer_container_limit_bytes",
+                       "vram_enforcer_actions_total", "vram_enforcer_gpu_total_bytes"):  # fmt: skip
+            assert metric in exprs
+    finally:
+        helm("uninstall", "vram-enforcer-mon", "vram-mon", str(kubeconfig))
+
+
+def _served(api: client.ApiClient, group: str, plural: str) -> bool:
+    try:
+        client.CustomObjectsApi(api).list_namespaced_custom_object(group, "v1", "default", plural)
     except client.exceptions.ApiException:
         return False
     return True
