@@ -1,9 +1,14 @@
 """The Kubernetes API: connecting, advertising a node's VRAM and labels, retry policies.
 
-Everything goes through the official client. Objects are handled as plain JSON (the
-client's own `sanitize_for_serialization`), so the pure modules see the same dicts the
-API server sends, whatever version of the client's generated models is installed. Writes
-are JSON patches, which every client version sends as `application/json-patch+json`.
+Everything goes through the official client's `ApiClient`: its kubeconfig and in-cluster
+loading, bearer tokens (re-read when the projected token rotates), TLS and proxies. Objects
+are handled as plain JSON, so the pure modules see the same dicts the API server sends.
+Writes are JSON patches.
+
+The generated typed API classes are not used. Importing `CoreV1Api` alone costs about
+20 MiB of resident memory (hundreds of pydantic-validated methods), and every object was
+turned back into JSON anyway. The sidecar runs in every enforced pod, so this is paid once
+per pod. `request()` is the same code path those classes end in.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from enforcer.node import capacity_patch, gpu_labels, label_ops, node_vram, to_u
 log = logging.getLogger("enforcer.kube")
 
 COMPONENT = "vram-enforcer"
+JSON_PATCH = "application/json-patch+json"
+POD = "/api/v1/namespaces/{namespace}/pods/{name}"
+EVENTS = "/api/v1/namespaces/{namespace}/events"
 
 # Connection problems and the API statuses that a later attempt can fix.
 _RETRYABLE_STATUS = frozenset({409, 429, 500, 502, 503, 504})
@@ -71,6 +79,42 @@ def connect(kubeconfig: str | None = None) -> client.ApiClient:
             f"cannot configure the Kubernetes client ({exc}); run in a pod with a "
             "ServiceAccount, or pass --kubeconfig"
         ) from None
+
+
+def request(
+    api: client.ApiClient,
+    method: str,
+    path: str,
+    *,
+    params: dict[str, str] | None = None,
+    body: Any = None,
+    content_type: str = "application/json",
+    timeout: float = 10.0,
+) -> Any:
+    """One API call as JSON: `path` has `{name}` placeholders filled (escaped) from `params`.
+
+    A status outside 2xx raises the client's `ApiException`, as its typed methods do.
+    `timeout` bounds each of the client's tries (urllib3 makes up to four), so a server that
+    accepts and never answers cannot hold a thread.
+    """
+    headers = {"Accept": "application/json"}
+    if body is not None:
+        headers["Content-Type"] = content_type
+    method, url, headers, body, post = api.param_serialize(
+        method=method,
+        resource_path=path,
+        path_params=params,
+        header_params=headers,
+        body=body,
+        auth_settings=["BearerToken"],
+    )
+    response = api.call_api(method, url, headers, body, post, _request_timeout=timeout)
+    data: bytes = response.read()
+    if not 200 <= response.status <= 299:
+        raise ApiException.from_response(
+            http_resp=response, body=data.decode("utf-8", "replace"), data=None
+        )
+    return json.loads(data) if data else None
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -139,7 +183,6 @@ class NodeAdvertiser:
         deadline: float = 30.0,
     ) -> None:
         self._api = api
-        self._core = client.CoreV1Api(api)
         self._node = node_name
         self._resource = resource_name
         self._unit = resource_unit
@@ -162,17 +205,19 @@ class NodeAdvertiser:
         if self._labels:
             label_changes = label_ops(node.get("metadata", {}).get("labels"), gpu_labels(devices))
         if status_ops:
-            call("patch", "nodes/status", self._core.patch_node_status, self._node, status_ops,
-                 deadline=self._deadline)  # fmt: skip
+            self._call("patch", "nodes/status", "PATCH", "/status", status_ops)
         if label_changes:
-            call("patch", "nodes", self._core.patch_node, self._node, label_changes,
-                 deadline=self._deadline)  # fmt: skip
+            self._call("patch", "nodes", "PATCH", "", label_changes)
         return len(status_ops), len(label_changes)
 
     def _read(self) -> dict[str, Any]:
-        node = call("get", "nodes", self._core.read_node, self._node, deadline=self._deadline)
-        raw: dict[str, Any] = self._api.sanitize_for_serialization(node)
-        return raw
+        node: dict[str, Any] = self._call("get", "nodes", "GET", "")
+        return node
+
+    def _call(self, verb: str, resource: str, method: str, sub: str, ops: Any = None) -> Any:
+        return call(verb, resource, request, self._api, method, "/api/v1/nodes/{name}" + sub,
+                    params={"name": self._node}, body=ops, content_type=JSON_PATCH,
+                    deadline=self._deadline)  # fmt: skip
 
 
 class PodWatcher(threading.Thread):
@@ -192,7 +237,6 @@ class PodWatcher(threading.Thread):
         min_gap: float = 1.0,
     ) -> None:
         super().__init__(name="pod-watcher", daemon=True)
-        self._core = client.CoreV1Api(api)
         self._api = api
         self._namespace = namespace
         self._name = name
@@ -214,14 +258,9 @@ class PodWatcher(threading.Thread):
             if self.stop.is_set():
                 return
             try:
-                pod = call(
-                    "get",
-                    "pods",
-                    self._core.read_namespaced_pod,
-                    self._name,
-                    self._namespace,
-                    deadline=10.0,
-                )
+                pod = call("get", "pods", request, self._api, "GET", POD,
+                           params={"namespace": self._namespace, "name": self._name},
+                           deadline=10.0)  # fmt: skip
             except KubeError as exc:
                 if str(exc) != self.error:
                     log.warning(
@@ -231,7 +270,7 @@ class PodWatcher(threading.Thread):
                 self.error = str(exc)
                 self._wanted.set()  # keep trying, at the pace below
             else:
-                self.pod = self._api.sanitize_for_serialization(pod)
+                self.pod = pod
                 if self.error:
                     log.info("reading this pod from the API again")
                 self.error = None
@@ -269,7 +308,7 @@ class EventRecorder(threading.Thread):
         deadline: float = 30.0,
     ) -> None:
         super().__init__(name="event-recorder", daemon=True)
-        self._core = client.CoreV1Api(api)
+        self._api = api
         self._namespace = namespace
         self._pod = pod_name
         self._uid = pod_uid
@@ -319,17 +358,10 @@ class EventRecorder(threading.Thread):
                 {"op": "replace", "path": "/lastTimestamp", "value": stamp},
                 {"op": "replace", "path": "/message", "value": message[:1024]},
             ]
-            patch = self._core.patch_namespaced_event
             try:
-                call(
-                    "patch",
-                    "events",
-                    patch,
-                    sent.name,
-                    self._namespace,
-                    ops,
-                    deadline=self._deadline,
-                )
+                call("patch", "events", request, self._api, "PATCH", EVENTS + "/{name}",
+                     params={"namespace": self._namespace, "name": sent.name}, body=ops,
+                     content_type=JSON_PATCH, deadline=self._deadline)  # fmt: skip
             except KubeError:
                 del self._sent[key]  # the Event is gone (expired, deleted): start a new one
             else:
@@ -357,15 +389,16 @@ class EventRecorder(threading.Thread):
             "lastTimestamp": stamp,
             "count": 1,
         }
-        create = self._core.create_namespaced_event
-        created = call("create", "events", create, self._namespace, body, deadline=self._deadline)
-        self._sent[key] = _Sent(str(created.metadata.name), 1, stamp, now)
+        created = call("create", "events", request, self._api, "POST", EVENTS,
+                       params={"namespace": self._namespace}, body=body,
+                       deadline=self._deadline)  # fmt: skip
+        self._sent[key] = _Sent(str(created["metadata"]["name"]), 1, stamp, now)
 
 
 def server_version(api: client.ApiClient, deadline: float = 30.0) -> str:
     """The API server's gitVersion (`v1.29.3`), retried like any other call."""
-    info = call("get", "version", client.VersionApi(api).get_code, deadline=deadline)
-    return str(info.git_version)
+    info = call("get", "version", request, api, "GET", "/version", deadline=deadline)
+    return str(info["gitVersion"])
 
 
 def access_allowed(
@@ -382,7 +415,7 @@ def access_allowed(
         "spec": {"resourceAttributes": {"verb": verb, "resource": resource,
                                         "namespace": namespace, "subresource": subresource}},
     }  # fmt: skip
-    reply = call("create", "selfsubjectaccessreviews",
-                 client.AuthorizationV1Api(api).create_self_subject_access_review, review,
+    reply = call("create", "selfsubjectaccessreviews", request, api, "POST",
+                 "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", body=review,
                  deadline=5.0)  # fmt: skip
-    return bool(reply.status.allowed)
+    return bool(reply["status"]["allowed"])
