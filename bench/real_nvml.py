@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ROOT, percentile
 from enforcer.nvml import Nvml
+from enforcer.nvml_source import NvmlSource
 from enforcer.procfs import ProcFs
-from enforcer.sources import NvmlSource, PidView
+from enforcer.sources import PidView
 
 ALLOC = ROOT / "tests" / "gpu" / "alloc.py"
 

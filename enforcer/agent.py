@@ -23,8 +23,9 @@ from enforcer.config import AgentSettings
 from enforcer.metrics import AgentTelemetry, MetricsPortError, serve_metrics
 from enforcer.model import Device, Sample, SourceDown
 from enforcer.nvml import Nvml, NvmlError
+from enforcer.nvml_source import NvmlSource
 from enforcer.procfs import ProcFs
-from enforcer.sources import NvmlSource, PidView, PidViewError
+from enforcer.sources import PidView, PidViewError
 from enforcer.usage_server import ServerMetrics, SocketInUse, UsageServer
 
 if TYPE_CHECKING:

@@ -21,10 +21,11 @@ from enforcer.config import ExecSettings
 from enforcer.metrics import MetricsPortError, Telemetry, serve_metrics
 from enforcer.model import ProcessKey, Sample, UnitUsage, format_bytes
 from enforcer.nvml import Nvml, NvmlError
+from enforcer.nvml_source import NvmlSource
 from enforcer.pipeline import LogReporter, Pipeline
 from enforcer.procfs import INITIAL_PID_NS, ProcFs
 from enforcer.signals import Membership, Signaller, Terminator
-from enforcer.sources import NvmlSource, PidView, PidViewError
+from enforcer.sources import PidView, PidViewError
 
 log = logging.getLogger("enforcer.exec")
 

@@ -25,12 +25,11 @@ from enforcer.config import SidecarSettings
 from enforcer.kube import EventRecorder, KubeError, PodWatcher, connect
 from enforcer.metrics import MetricsPortError, Telemetry, serve_metrics
 from enforcer.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
-from enforcer.nvml import Nvml, NvmlError
 from enforcer.pipeline import LogReporter, Pipeline, Report, Reporter
 from enforcer.pod import ContainerRef, containers_by_id, others_finished, spec_field_of
 from enforcer.procfs import ProcFs
 from enforcer.signals import Membership, Signaller, Terminator
-from enforcer.sources import AgentSource, NvmlSource, PidView, PidViewError, UsageSource
+from enforcer.sources import AgentSource, PidView, PidViewError, UsageSource
 
 log = logging.getLogger("enforcer.sidecar")
 
@@ -156,9 +155,13 @@ class EventReporter:
         self._recorder.record(str(report.reason), report.message, not report.normal, field_path)
 
 
-def _source(settings: SidecarSettings) -> tuple[UsageSource, Nvml | None]:
+def _source(settings: SidecarSettings) -> UsageSource:
     if settings.source == "agent":
-        return AgentSource(settings.agent_socket, settings.stale_after), None
+        return AgentSource(settings.agent_socket, settings.stale_after)
+    # Loaded only here: pynvml is ~2 MiB of the sidecar's memory, in every enforced pod.
+    from enforcer.nvml import Nvml, NvmlError  # noqa: PLC0415
+    from enforcer.nvml_source import NvmlSource  # noqa: PLC0415
+
     host_proc = ProcFs(settings.host_proc or "/host/proc")
     view = PidView.of_process(host_proc, "self")
     nvml = Nvml()
@@ -166,7 +169,7 @@ def _source(settings: SidecarSettings) -> tuple[UsageSource, Nvml | None]:
         nvml.init()
     except NvmlError as exc:  # keep running, reporting the source down, and retry
         log.error("cannot initialise NVML yet (%s); retrying with backoff", exc)
-    return NvmlSource(nvml, view), nvml
+    return NvmlSource(nvml, view)
 
 
 def run(settings: SidecarSettings) -> int:
@@ -179,7 +182,7 @@ def run(settings: SidecarSettings) -> int:
         return EXIT_USAGE
     try:
         api = connect(settings.kubeconfig)
-        source, nvml = _source(settings)
+        source = _source(settings)
     except (KubeError, PidViewError) as exc:
         log.error("%s", exc)
         return EXIT_USAGE
@@ -234,8 +237,6 @@ def run(settings: SidecarSettings) -> int:
         recorder.close()
         if server is not None:
             server.close()
-        if nvml is not None:
-            nvml.shutdown()
 
 
 def _loop(

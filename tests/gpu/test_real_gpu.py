@@ -10,8 +10,9 @@ from pathlib import Path
 
 from enforcer.model import GiB
 from enforcer.nvml import Nvml
+from enforcer.nvml_source import NvmlSource
 from enforcer.procfs import ProcFs
-from enforcer.sources import NvmlSource, PidView
+from enforcer.sources import PidView
 from tests.helpers import children, wait_for
 
 ALLOC = Path(__file__).with_name("alloc.py")

@@ -12,8 +12,9 @@ import pytest
 
 from enforcer.model import GiB, ProcessKey, Sample, SourceDown
 from enforcer.nvml import Nvml, NvmlLost, NvmlQueryError, NvmlUnavailable
+from enforcer.nvml_source import NvmlSource
 from enforcer.procfs import ProcFs
-from enforcer.sources import NvmlSource, PidView
+from enforcer.sources import PidView
 
 
 class Clock:

@@ -1,0 +1,34 @@
+"""The sidecar runs in every enforced pod, so what it loads is memory paid once per pod.
+
+Two things once cost 22 MiB of its 50 MiB budget: pynvml (the sidecar reads the agent by
+default) and the kubernetes client's typed API classes (`CoreV1Api` alone is 20 MiB).
+A fresh interpreter shows whether either comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+PROBE = """
+import json, sys
+from kubernetes import client
+from enforcer import sidecar
+from enforcer.kube import EventRecorder, NodeAdvertiser, PodWatcher
+
+api = client.ApiClient()
+PodWatcher(api, "ns", "pod")
+EventRecorder(api, "ns", "pod", "uid", "node", failures=None)
+NodeAdvertiser(api, "node", resource_name="vram-enforcer.io/vram", resource_unit=1,
+               reserve_bytes=0)
+print(json.dumps(sorted(m for m in sys.modules
+                        if m == "pynvml" or m.startswith("kubernetes.client.api."))))
+"""
+
+
+def test_the_sidecar_loads_neither_pynvml_nor_the_typed_api_classes() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, check=True
+    ).stdout
+    assert json.loads(out) == []
