@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, GiB, percentile, proc_cpu_seconds, proc_status_kib
+from bench.common import ROOT, GiB, enforcer_argv, percentile, proc_cpu_seconds, proc_status_kib
 from tests.fakenvml import FakeGpuState
 from tests.helpers import children, free_port, wait_for
 
@@ -38,7 +38,7 @@ def _start_agent(
         "contexts:\n- name: x\n  context: {cluster: x, user: x}\ncurrent-context: x\n"
     )
     agent = subprocess.Popen(
-        [sys.executable, "-m", "enforcer", "agent", "--node-name", "bench", "--kubeconfig", str(kubeconfig),
+        [*enforcer_argv("agent"), "--node-name", "bench", "--kubeconfig", str(kubeconfig),
          "--socket", str(sock), "--interval", "100ms"],
         env={**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)},
         stderr=(tmp / "agent.log").open("w"), cwd=ROOT,

@@ -13,6 +13,16 @@ sys.path.insert(0, str(ROOT))
 GiB = 1024**3
 
 
+def enforcer_argv(*args: str) -> list[str]:
+    """`python -m enforcer ARGS`, run by $VRAM_BENCH_RUNTIME (`run.py --runtime`) if set.
+
+    The benchmarks themselves need the dev extras, and one of them (kubernetes-validate) is
+    imported by the kubernetes client whenever it is installed. A venv with only
+    `pip install .` measures the footprint that ships.
+    """
+    return [os.environ.get("VRAM_BENCH_RUNTIME") or sys.executable, "-m", "enforcer", *args]
+
+
 def scrape(port: int) -> dict[str, float]:
     """Metric name -> value, summed over label sets."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:

@@ -11,7 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, GiB, percentile, proc_cpu_seconds, proc_status_kib, scrape
+from bench.common import (
+    ROOT,
+    GiB,
+    enforcer_argv,
+    percentile,
+    proc_cpu_seconds,
+    proc_status_kib,
+    scrape,
+)
 from tests.fakenvml import FakeGpuState
 from tests.helpers import free_port
 
@@ -68,10 +76,7 @@ class Enforcer:
             "PYTHONUNBUFFERED": "1",
         }
         cmd = [
-            sys.executable,
-            "-m",
-            "enforcer",
-            "exec",
+            *enforcer_argv("exec"),
             "--limit",
             "1Gi",
             "--interval",

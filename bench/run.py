@@ -4,6 +4,9 @@
     .venv/bin/python bench/run.py --quick    # fewer trials and shorter windows
     .venv/bin/python bench/run.py --only agent
 
+    # the footprint that ships: the components run from a venv without the dev extras
+    python3 -m venv /tmp/rt && /tmp/rt/bin/pip install . && .venv/bin/python bench/run.py --runtime /tmp/rt/bin/python
+
 GPU usage comes from the fake libnvidia-ml.so built from NVIDIA's nvml.h (tests/fakenvml),
 so the figures measure the enforcer, not a driver: a real NVML pass costs more per call.
 Results are printed and written as JSON to bench/results.json. Method: docs/performance.md.
@@ -34,7 +37,15 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer trials and shorter windows")
     p.add_argument("--only", choices=("exec", "agent", "sidecar", "webhook"), help="run one group")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
+    p.add_argument(
+        "--runtime",
+        metavar="PYTHON",
+        help="the interpreter that runs the measured components (default: this one); give "
+        "one of a venv with only `pip install .` for the memory that ships",
+    )
     args = p.parse_args()
+    if args.runtime:
+        os.environ["VRAM_BENCH_RUNTIME"] = args.runtime
     trials, window, seconds = (40, 3.0, 5.0) if args.quick else (200, 10.0, 30.0)
     lib_dir = build_fake_nvml(ROOT / ".build" / "fakenvml")
     results: dict[str, Any] = {
@@ -43,6 +54,7 @@ def main() -> None:
             "cores": os.cpu_count(),
             "python": platform.python_version(),
             "kernel": platform.release(),
+            "runtime": args.runtime or sys.executable,
         }
     }
     with tempfile.TemporaryDirectory() as tmp:

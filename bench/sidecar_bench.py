@@ -22,7 +22,7 @@ from typing import Any
 
 from kubernetes import client
 
-from bench.common import GiB, percentile, proc_cpu_seconds, proc_status_kib
+from bench.common import GiB, enforcer_argv, percentile, proc_cpu_seconds, proc_status_kib
 from tests.e2e.cluster import ApiServer, apiserver_binary, etcd_binary
 from tests.e2e.podsim import SimPod
 from tests.fakenvml import FakeGpuState
@@ -76,7 +76,7 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float
     state.write(state_file)
     env = {**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)}
     agent = subprocess.Popen(
-        [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--socket", str(tmp / "agent.sock")],
+        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--socket", str(tmp / "agent.sock")],
         env=env, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     wait_for((tmp / "agent.sock").exists, what="the agent")
@@ -94,7 +94,7 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float
         (driver_pid,) = pod.host_pids("trainer")
         sidecar = pod.start(
             "vram-enforcer",
-            [sys.executable, "-m", "enforcer", "sidecar", "--kubeconfig", str(server.kubeconfig(server.admin_token, tmp / "kc")),
+            [*enforcer_argv("sidecar"), "--kubeconfig", str(server.kubeconfig(server.admin_token, tmp / "kc")),
              "--interval", "100ms", "--log-format", "text"],
             env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid,
                  "VRAM_ENFORCER_LIMITS": json.dumps({"trainer": GiB}), "VRAM_ENFORCER_AGENT_SOCKET": str(tmp / "agent.sock")},

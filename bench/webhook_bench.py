@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, percentile, proc_cpu_seconds, proc_status_kib
+from bench.common import ROOT, enforcer_argv, percentile, proc_cpu_seconds, proc_status_kib
 from enforcer.webhook.admission import AdmissionSettings, review
 from tests.e2e.cluster import make_ca, make_serving_cert
 from tests.helpers import free_port, wait_for
@@ -119,7 +119,7 @@ def over_https(seconds: float, clients: int = 4) -> dict[str, Any]:
         port = free_port()
         log = tmp / "webhook.log"
         server = subprocess.Popen(
-            ["taskset", "-c", str(server_cpu), sys.executable, "-m", "enforcer", "webhook", "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+            ["taskset", "-c", str(server_cpu), *enforcer_argv("webhook"), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
              "--port", str(port), "--address", "127.0.0.1", "--sidecar-image", "img:1", "--sidecar-mode", "native",
              "--log-format", "text"],
             stderr=log.open("w"),

@@ -309,8 +309,8 @@ def _webhook_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--sidecar-cpu", default="10m", help="the sidecar's CPU request [default: 10m]")
     p.add_argument(
         "--sidecar-memory",
-        default="128Mi",
-        help="the sidecar's memory request and limit [default: 128Mi]",
+        default="96Mi",
+        help="the sidecar's memory request and limit [default: 96Mi]",
     )
     p.add_argument("--agent-socket", default=DEFAULT_SOCKET, help=f"[default: {DEFAULT_SOCKET}]")
     p.add_argument("--kubeconfig", help="for --sidecar-mode auto [default: in-cluster]")

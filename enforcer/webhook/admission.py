@@ -68,7 +68,7 @@ class AdmissionSettings:
     gpu_exposure: str = "none"  # none or env
     runtime_class: str | None = None
     sidecar_cpu: str = "10m"
-    sidecar_memory: str = "128Mi"
+    sidecar_memory: str = "96Mi"
     agent_socket: str = f"{SOCKET_DIR}/agent.sock"
 
 

@@ -39,7 +39,7 @@ def test_defaults() -> None:
         "none",
         None,
     )
-    assert (s.sidecar_cpu, s.sidecar_memory, s.metrics_port) == ("10m", "128Mi", None)
+    assert (s.sidecar_cpu, s.sidecar_memory, s.metrics_port) == ("10m", "96Mi", None)
     assert s.agent_socket == "/run/vram-enforcer/agent.sock"
 
 
