@@ -243,7 +243,9 @@ def _sidecar_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--sidecar-mode", help="overrides VRAM_ENFORCER_SIDECAR_MODE")
     p.add_argument("--kubeconfig", help="[default: in-cluster]")
-    p.add_argument("--metrics-port", type=int, default=9477, help="[default: 9477]")
+    p.add_argument(
+        "--metrics-port", type=int, help="overrides VRAM_ENFORCER_METRICS_PORT [default: 9477]"
+    )
     p.add_argument("--metrics-address", default="0.0.0.0", help="[default: 0.0.0.0]")  # noqa: S104
     _log_flags(p, default_format="json")
 
@@ -258,6 +260,8 @@ namespace, the agent socket, VRAM_LIMIT_BYTES and a /dev/shm. Pod annotations:
   vram-enforcer.io/grace-period: 30s          SIGTERM to SIGKILL
   vram-enforcer.io/warn-at: 80%               warn once at this share of a limit
   vram-enforcer.io/shm-size: auto             auto | off | a quantity such as 8Gi
+  vram-enforcer.io/metrics-port: "9500"       the sidecar's /metrics port [default: 9477,
+                                              or the next one no container declares]
 
 The certificate and key are re-read when they change on disk (cert-manager rotation).
 /healthz and /readyz answer plain GETs. SIGTERM drains requests in flight, then exits.

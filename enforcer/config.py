@@ -212,6 +212,7 @@ def parse_action(text: str, *, field: str, allowed: tuple[Action, ...]) -> Actio
 
 DEFAULT_RESOURCE = "vram-enforcer.io/vram"
 DEFAULT_SOCKET = "/run/vram-enforcer/agent.sock"
+SIDECAR_METRICS_PORT = 9477  # the webhook moves it when a container declares it
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,10 +260,14 @@ def parse_resource_name(text: str, *, field: str) -> str:
     return text
 
 
-def parse_port(value: int | None, *, field: str) -> int | None:
-    if value is not None and not 0 <= value <= 65535:
+def parse_port(value: int | str | None, *, field: str) -> int | None:
+    """A port from a flag (int) or an environment variable (text)."""
+    if value is None:
+        return None
+    port = int(value) if isinstance(value, int) or value.isdigit() else -1
+    if not 0 <= port <= 65535:
         raise ConfigError(field, value, "is not a TCP port; use 1-65535 (0 picks a free one)")
-    return value
+    return port
 
 
 def agent_settings(
@@ -408,6 +413,9 @@ def sidecar_settings(
     raw_mode, mode_field = _pick(
         sidecar_mode, environ, "VRAM_ENFORCER_SIDECAR_MODE", "--sidecar-mode"
     )
+    raw_port, port_field = _pick(
+        metrics_port, environ, "VRAM_ENFORCER_METRICS_PORT", "--metrics-port"
+    )
     if source not in ("agent", "nvml"):
         raise ConfigError("--source", source, "is not a source; use agent or nvml")
     if source == "nvml" and not host_proc:
@@ -446,7 +454,7 @@ def sidecar_settings(
         stale_after=parse_positive_duration(stale_after, field="--stale-after", minimum=0.1),
         sidecar_mode=mode,
         kubeconfig=kubeconfig,
-        metrics_port=parse_port(metrics_port, field="--metrics-port"),
+        metrics_port=parse_port(raw_port or str(SIDECAR_METRICS_PORT), field=port_field),
         metrics_address=metrics_address,
     )
 

@@ -85,5 +85,12 @@ def source_down(reason: str) -> str:
     )
 
 
+def metrics_unavailable(detail: str) -> str:
+    return (
+        f"metrics are not served ({detail}): another process in the pod listens there. "
+        "Enforcement goes on. Set the pod annotation vram-enforcer.io/metrics-port to a free port"
+    )
+
+
 def source_up() -> str:
     return "VRAM usage can be observed again; enforcement resumed"

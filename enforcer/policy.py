@@ -50,6 +50,7 @@ class Reason(StrEnum):
     LIMIT_EXCEEDED = "VRAMLimitExceeded"
     ENFORCED = "VRAMEnforced"
     USAGE_UNKNOWN = "VRAMUsageUnknown"
+    METRICS_UNAVAILABLE = "VRAMMetricsUnavailable"  # the sidecar's port is taken
 
 
 @dataclass(frozen=True, slots=True)

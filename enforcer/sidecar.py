@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from enforcer import messages
 from enforcer.attribution import attribute
 from enforcer.cgroups import container_id
 from enforcer.config import SidecarSettings
@@ -27,6 +28,7 @@ from enforcer.metrics import MetricsPortError, Telemetry, serve_metrics
 from enforcer.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
 from enforcer.pipeline import LogReporter, Pipeline, Report, Reporter
 from enforcer.pod import ContainerRef, containers_by_id, others_finished, spec_field_of
+from enforcer.policy import Reason
 from enforcer.procfs import ProcFs
 from enforcer.signals import Membership, Signaller, Terminator
 from enforcer.sources import AgentSource, PidView, PidViewError, UsageSource
@@ -215,8 +217,12 @@ def run(settings: SidecarSettings) -> int:
     try:
         server = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
     except MetricsPortError as exc:
-        log.error("%s", exc)
-        return EXIT_USAGE
+        # Enforcement matters more than metrics: exiting would crash-loop the sidecar and
+        # leave the pod unenforced because some workload listens on an undeclared port.
+        text = messages.metrics_unavailable(str(exc))
+        log.error("%s", text)
+        recorder.record(str(Reason.METRICS_UNAVAILABLE), text, True, None)
+        server = None
     watcher.start()
     recorder.start()
     log.info(

@@ -22,6 +22,7 @@ import jsonpatch
 
 from enforcer.config import (
     SIDECAR_ACTIONS,
+    SIDECAR_METRICS_PORT,
     ConfigError,
     parse_action,
     parse_bytes,
@@ -35,6 +36,7 @@ INJECT = "vram-enforcer.io/inject"
 INJECTED = "vram-enforcer.io/injected"
 ENFORCED = "vram-enforcer.io/enforced"
 SHM_SIZE = "vram-enforcer.io/shm-size"
+METRICS_PORT_ANNOTATION = "vram-enforcer.io/metrics-port"
 SIDECAR = "vram-enforcer"
 SOCKET_VOLUME = "vram-enforcer-socket"
 SHM_VOLUME = "vram-enforcer-shm"
@@ -42,7 +44,6 @@ TOKEN_VOLUME = "vram-enforcer-token"  # noqa: S105 - a volume name, not a secret
 SOCKET_DIR = "/run/vram-enforcer"
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # noqa: S105 - a path
 SHM_DIR = "/dev/shm"  # noqa: S108 - the mount point we provide, not a file we write
-METRICS_PORT = 9477
 # Annotation -> the sidecar variable it sets, and how it is checked.
 _SETTINGS = {
     "vram-enforcer.io/action": "VRAM_ENFORCER_ACTION",
@@ -148,6 +149,7 @@ def mutate(pod: Mapping[str, Any], settings: AdmissionSettings) -> list[dict[str
         return []
     _check_pod(spec, annotations)
     sidecar_env = _sidecar_settings(annotations)
+    metrics_port = _metrics_port(annotations, spec)
     shm = str(annotations.get(SHM_SIZE, settings.shm_default))
     shm_limit = None if shm == "off" else _shm_limit(shm, spec)
     out: dict[str, Any] = copy.deepcopy(dict(pod))
@@ -159,7 +161,7 @@ def mutate(pod: Mapping[str, Any], settings: AdmissionSettings) -> list[dict[str
             _workload_env(c, limits[c["name"]], settings)
     if shm != "off":
         _add_shm(out_spec, shm_limit)
-    _add_sidecar(out_spec, limits, sidecar_env, settings)
+    _add_sidecar(out_spec, limits, sidecar_env, metrics_port, settings)
     if settings.gpu_exposure == "env" and settings.runtime_class:
         out_spec.setdefault("runtimeClassName", settings.runtime_class)
     out_meta.setdefault("annotations", {})[INJECTED] = "true"
@@ -249,6 +251,30 @@ def _sidecar_settings(annotations: Mapping[str, Any]) -> dict[str, str]:
     return env
 
 
+def _metrics_port(annotations: Mapping[str, Any], spec: Mapping[str, Any]) -> int:
+    """The sidecar's metrics port: the annotation's, else the first from 9477 up that no
+    container declares. The containers share the pod's network namespace, so a port taken
+    twice would keep the sidecar from serving metrics. Scrapers find it by its name."""
+    declared = {
+        port.get("containerPort"): f"{field}[{c['name']!r}].ports"
+        for field, c in _named_containers(spec)
+        for port in _list(c.get("ports"))
+        if isinstance(port, dict) and port.get("protocol", "TCP") == "TCP"
+    }
+    if METRICS_PORT_ANNOTATION not in annotations:
+        return next(p for p in range(SIDECAR_METRICS_PORT, 65536) if p not in declared)
+    value = str(annotations[METRICS_PORT_ANNOTATION])
+    field = f"metadata.annotations[{METRICS_PORT_ANNOTATION!r}]"
+    if not value.isdigit() or not 1 <= int(value) <= 65535:
+        raise Denied(f"{field}: {value!r} is not a TCP port; use 1-65535")
+    if int(value) in declared:
+        raise Denied(
+            f"{field}: port {value} is also declared in {declared[int(value)]}; the containers "
+            "of a pod share one network namespace: choose another port for the sidecar"
+        )
+    return int(value)
+
+
 def _shm_limit(value: str, spec: Mapping[str, Any]) -> int | None:
     """The /dev/shm sizeLimit in bytes (None: no limit) for `auto` or a quantity."""
     if value == "auto":
@@ -313,7 +339,7 @@ def _add_shm(spec: dict[str, Any], size: int | None) -> None:
 
 
 def _add_sidecar(spec: dict[str, Any], limits: Mapping[str, int], settings_env: Mapping[str, str],
-                 settings: AdmissionSettings) -> None:  # fmt: skip
+                 metrics_port: int, settings: AdmissionSettings) -> None:  # fmt: skip
     env = [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
@@ -323,6 +349,7 @@ def _add_sidecar(spec: dict[str, Any], limits: Mapping[str, int], settings_env: 
         *({"name": k, "value": v} for k, v in settings_env.items()),
         {"name": "VRAM_ENFORCER_AGENT_SOCKET", "value": settings.agent_socket},
         {"name": "VRAM_ENFORCER_SIDECAR_MODE", "value": settings.sidecar_mode},
+        {"name": "VRAM_ENFORCER_METRICS_PORT", "value": str(metrics_port)},
     ]
     mounts = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR, "readOnly": True}]
     volumes = spec.setdefault("volumes", [])
@@ -338,7 +365,7 @@ def _add_sidecar(spec: dict[str, Any], limits: Mapping[str, int], settings_env: 
         "image": settings.sidecar_image,
         "command": ["vram-enforcer", "sidecar"],
         "env": env,
-        "ports": [{"name": "vram-metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "vram-metrics", "containerPort": metrics_port, "protocol": "TCP"}],
         "resources": {
             "requests": {"cpu": settings.sidecar_cpu, "memory": settings.sidecar_memory},
             "limits": {"memory": settings.sidecar_memory},

@@ -73,10 +73,10 @@ class Node:
 
 class Sidecar:
     def __init__(self, pod: SimPod, node: Node, apiserver: ApiServer, token: str, tmp: Path, limits: dict[str, int],
-                 *flags: str, env: dict[str, str] | None = None) -> None:  # fmt: skip
+                 *flags: str, env: dict[str, str] | None = None, metrics_port: int | None = None) -> None:  # fmt: skip
         self.pod = pod
         self.log = tmp / f"sidecar-{pod.name}.log"
-        self.metrics_port = free_port()
+        self.metrics_port = metrics_port or free_port()
         kubeconfig = apiserver.kubeconfig(token, tmp / f"kubeconfig-{pod.name}")
         self.proc = pod.start(
             "vram-enforcer",

@@ -10,6 +10,7 @@ the Role in deploy/rbac/sidecar.yaml.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -275,6 +276,41 @@ def test_container_mode_exits_once_the_other_containers_are_done(node: Node, api
         assert "every other container has finished" in side.text()
     finally:
         job.close()
+
+
+def test_a_taken_metrics_port_is_reported_and_enforcement_goes_on(node: Node, apiserver: ApiServer, token: str,
+                                                                   core: client.CoreV1Api, tmp_path: Path) -> None:  # fmt: skip
+    """A workload listening on the sidecar's port (undeclared, so the webhook could not
+    move it) must not crash-loop the sidecar and leave the pod unenforced."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = SimPod(core, NAMESPACE, "busy-port-0", ["trainer", "vram-enforcer"])
+        try:
+            side = Sidecar(taken, node, apiserver, token, tmp_path, {"trainer": 1 * GiB},
+                           metrics_port=busy.getsockname()[1])  # fmt: skip
+            offender = start_worker(taken, "trainer", tmp_path)
+            node.use({offender: 2 * GiB})
+            wait_for(lambda: not alive(offender), what="the offender to be terminated")
+            node.use({offender: None})
+            (event,) = wait_for(
+                lambda: [
+                    e for e in events(core, "busy-port-0") if e.reason == "VRAMMetricsUnavailable"
+                ],
+                what="the VRAMMetricsUnavailable Event",
+            )
+            assert event.type == "Warning"
+            assert (
+                f"--metrics-port {busy.getsockname()[1]}: cannot listen on 127.0.0.1"
+                in event.message
+            )
+            assert (
+                "Set the pod annotation vram-enforcer.io/metrics-port to a free port"
+                in event.message
+            )
+            assert side.stop() == 0
+        finally:
+            taken.close()
 
 
 def test_bad_environment_is_a_clear_error(tmp_path: Path) -> None:

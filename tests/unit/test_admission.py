@@ -217,10 +217,16 @@ def test_resource_unit_scales_the_limit_and_refuses_fractions() -> None:
         ({"limit": "12GB"}, "'12GB' is not a quantity; use a Kubernetes quantity such as 4Gi, 512Mi, 8G or 4294967296 (bytes) (did you mean 12Gi"),
         ({"limit": "0.5"}, "is not a whole number of bytes"),
         ({"second": "vram-enforcer"}, "a container is already named 'vram-enforcer'"),
+        ({"annotations": {"vram-enforcer.io/metrics-port": "http"}},
+         "metadata.annotations['vram-enforcer.io/metrics-port']: 'http' is not a TCP port; use 1-65535"),
+        ({"annotations": {"vram-enforcer.io/metrics-port": "8080"}, "port": 8080},
+         "metadata.annotations['vram-enforcer.io/metrics-port']: port 8080 is also declared in spec.containers['trainer'].ports; the containers of a pod share one network namespace: choose another port for the sidecar"),
     ],
 )  # fmt: skip
 def test_denials_name_the_field_the_value_and_the_fix(change: dict[str, Any], message: str) -> None:
     c = gpu("trainer", change.get("limit", "12Gi"))
+    if "port" in change:
+        c["ports"] = [{"containerPort": change["port"]}]
     if "requests" in change:
         c["resources"]["requests"] = {RES: change["requests"]}
     containers = [c] + ([{"name": change["second"], "image": "x"}] if "second" in change else [])
@@ -243,6 +249,23 @@ def test_annotations_become_the_sidecars_settings() -> None:
     ) == ("restart", "30s", "80%")
     shm = next(v for v in out["spec"]["volumes"] if v["name"] == "vram-enforcer-shm")
     assert shm["emptyDir"]["sizeLimit"] == "2Gi"
+
+
+def test_the_metrics_port_moves_off_ports_the_containers_declare() -> None:
+    def port_of(out: dict[str, Any]) -> tuple[int, str]:
+        side = sidecar_of(out)
+        (port,) = side["ports"]
+        assert port["name"] == "vram-metrics"  # what the chart's PodMonitor scrapes by
+        return port["containerPort"], env_of(side)["VRAM_ENFORCER_METRICS_PORT"]
+
+    assert port_of(applied(pod(gpu("t")))) == (9477, "9477")
+    busy = gpu("t", ports=[{"containerPort": 9477}, {"containerPort": 9478, "protocol": "UDP"}])
+    assert port_of(
+        applied(pod(busy, {"name": "exporter", "ports": [{"containerPort": 9478}]}))
+    ) == (9479, "9479")
+    assert port_of(applied(pod(busy))) == (9478, "9478")  # a UDP port does not take TCP's
+    chosen = pod(gpu("t"), annotations={"vram-enforcer.io/metrics-port": "9100"})
+    assert port_of(applied(chosen)) == (9100, "9100")
 
 
 def test_shm_off_and_no_framework_env() -> None:

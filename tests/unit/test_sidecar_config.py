@@ -18,7 +18,7 @@ FLAGS: dict[str, Any] = {
     "limits": None, "action": None, "grace_period": None, "interval": None, "warn_at": None,
     "over_for": None, "dry_run": False, "undeclared": "deny", "source": "agent", "agent_socket": None,
     "host_proc": None, "stale_after": "2s", "sidecar_mode": None, "kubeconfig": None,
-    "metrics_port": 9477, "metrics_address": "127.0.0.1",
+    "metrics_port": None, "metrics_address": "127.0.0.1",
 }  # fmt: skip
 
 
@@ -42,6 +42,16 @@ def test_flags_override_the_environment() -> None:
     assert s.policy.action is Action.RESTART
     assert s.interval == 1.0
     assert settings({"VRAM_ENFORCER_GRACE_PERIOD": "30s"}).policy.grace_period == 30.0
+
+
+def test_the_metrics_port_from_the_webhook_the_flag_or_the_default() -> None:
+    assert settings().metrics_port == 9477
+    assert settings({"VRAM_ENFORCER_METRICS_PORT": "9478"}).metrics_port == 9478
+    assert settings({"VRAM_ENFORCER_METRICS_PORT": "9478"}, metrics_port=9500).metrics_port == 9500
+    with pytest.raises(ConfigError, match=r"VRAM_ENFORCER_METRICS_PORT: '94a' is not a TCP port"):
+        settings({"VRAM_ENFORCER_METRICS_PORT": "94a"})
+    with pytest.raises(ConfigError, match=r"--metrics-port: '70000' is not a TCP port"):
+        settings(metrics_port=70000)
 
 
 @pytest.mark.parametrize(
