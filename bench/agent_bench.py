@@ -7,7 +7,6 @@ and gets its own reply, cut from the shared sample for its namespace, as in prod
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -16,7 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, GiB, enforcer_argv, percentile, proc_cpu_seconds, proc_status_kib
+from bench.common import (
+    ROOT,
+    GiB,
+    enforcer_argv,
+    percentile,
+    proc_cpu_seconds,
+    proc_status_kib,
+    release_and_collect,
+)
 from tests.fakenvml import FakeGpuState
 from tests.helpers import children, free_port, wait_for
 
@@ -70,14 +77,7 @@ def round_trips(
         state.write(state_file)
         time.sleep(0.5)  # the next NVML pass picks them up
         cpu0, t0 = proc_cpu_seconds(agent.pid), time.monotonic()
-        for pod in pods:
-            assert pod.stdin is not None
-            pod.stdin.write("go\n")
-            pod.stdin.flush()
-        micros: list[int] = []
-        for pod in pods:
-            assert pod.stdout is not None
-            micros += json.loads(pod.stdout.readline())
+        micros = release_and_collect(pods)
         cpu1, t1 = proc_cpu_seconds(agent.pid), time.monotonic()
         rss = proc_status_kib(agent.pid, "VmRSS") / 1024
         peak = proc_status_kib(agent.pid, "VmHWM") / 1024

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -21,6 +23,19 @@ def enforcer_argv(*args: str) -> list[str]:
     `pip install .` measures the footprint that ships.
     """
     return [os.environ.get("VRAM_BENCH_RUNTIME") or sys.executable, "-m", "enforcer", *args]
+
+
+def release_and_collect(callers: list[subprocess.Popen[str]]) -> list[float]:
+    """Start every waiting caller at once ("go"), then gather the figures each prints."""
+    for p in callers:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    figures: list[float] = []
+    for p in callers:
+        assert p.stdout is not None
+        figures += json.loads(p.stdout.readline())
+    return figures
 
 
 def scrape(port: int) -> dict[str, float]:

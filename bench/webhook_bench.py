@@ -19,7 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, enforcer_argv, percentile, proc_cpu_seconds, proc_status_kib
+from bench.common import (
+    ROOT,
+    enforcer_argv,
+    percentile,
+    proc_cpu_seconds,
+    proc_status_kib,
+    release_and_collect,
+)
 from enforcer.webhook.admission import AdmissionSettings, review
 from tests.e2e.cluster import make_ca, make_serving_cert
 from tests.helpers import free_port, wait_for
@@ -136,14 +143,7 @@ def over_https(seconds: float, clients: int = 4) -> dict[str, Any]:
             for p in procs:
                 assert p.stdout is not None and p.stdout.readline().strip() == "ready"
             cpu0, t0 = proc_cpu_seconds(server.pid), time.monotonic()
-            for p in procs:
-                assert p.stdin is not None
-                p.stdin.write("go\n")
-                p.stdin.flush()
-            micros: list[float] = []
-            for p in procs:
-                assert p.stdout is not None
-                micros += json.loads(p.stdout.readline())
+            micros = release_and_collect(procs)
             elapsed = time.monotonic() - t0
             cpu = proc_cpu_seconds(server.pid) - cpu0
             rss = proc_status_kib(server.pid, "VmRSS") / 1024

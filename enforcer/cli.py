@@ -87,16 +87,8 @@ def _exec_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="decide as usual but only print what would be signalled",
     )
     p.add_argument("--name", help="the unit's name in metrics [default: the command's basename]")
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        help="serve Prometheus metrics on this port (0 picks a free one) [default: off]",
-    )
-    p.add_argument(
-        "--metrics-address",
-        default="127.0.0.1",
-        help="address for --metrics-port [default: 127.0.0.1]",
-    )
+    _metrics_flags(p, "serve Prometheus metrics on this port (0 picks a free one) [default: off]",
+                   "127.0.0.1")  # fmt: skip
     p.add_argument(
         "--host-proc",
         metavar="PATH",
@@ -159,10 +151,7 @@ def _agent_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--kubeconfig", help="kubeconfig file [default: in-cluster, then ~/.kube/config]"
     )
-    p.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus metrics on this port [default: off]"
-    )
-    p.add_argument("--metrics-address", default="0.0.0.0", help="[default: 0.0.0.0]")  # noqa: S104
+    _metrics_flags(p, METRICS_OFF, "0.0.0.0")  # noqa: S104 - scraped from other pods
     p.add_argument("--host-proc", default="/proc", help="the host's /proc [default: /proc]")
     _log_flags(p, default_format="json")
 
@@ -177,6 +166,18 @@ def _resource_flags(p: argparse.ArgumentParser) -> None:
         "--resource-unit",
         default="1",
         help="bytes per unit of the resource: with 1Gi, a limit of 3 means 3 GiB [default: 1]",
+    )
+
+
+METRICS_OFF = "serve Prometheus metrics on this port [default: off]"
+
+
+def _metrics_flags(p: argparse.ArgumentParser, port_help: str, address: str) -> None:
+    p.add_argument("--metrics-port", type=int, help=port_help)
+    p.add_argument(
+        "--metrics-address",
+        default=address,
+        help=f"address for --metrics-port [default: {address}]",
     )
 
 
@@ -243,10 +244,7 @@ def _sidecar_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--sidecar-mode", help="overrides VRAM_ENFORCER_SIDECAR_MODE")
     p.add_argument("--kubeconfig", help="[default: in-cluster]")
-    p.add_argument(
-        "--metrics-port", type=int, help="overrides VRAM_ENFORCER_METRICS_PORT [default: 9477]"
-    )
-    p.add_argument("--metrics-address", default="0.0.0.0", help="[default: 0.0.0.0]")  # noqa: S104
+    _metrics_flags(p, "overrides VRAM_ENFORCER_METRICS_PORT [default: 9477]", "0.0.0.0")  # noqa: S104
     _log_flags(p, default_format="json")
 
 
@@ -318,10 +316,7 @@ def _webhook_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--agent-socket", default=DEFAULT_SOCKET, help=f"[default: {DEFAULT_SOCKET}]")
     p.add_argument("--kubeconfig", help="for --sidecar-mode auto [default: in-cluster]")
-    p.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus metrics on this port [default: off]"
-    )
-    p.add_argument("--metrics-address", default="0.0.0.0", help="[default: 0.0.0.0]")  # noqa: S104
+    _metrics_flags(p, METRICS_OFF, "0.0.0.0")  # noqa: S104 - scraped from other pods
     _log_flags(p, default_format="json")
 
 

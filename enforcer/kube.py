@@ -35,7 +35,7 @@ from enforcer.node import capacity_patch, gpu_labels, label_ops, node_vram, to_u
 log = logging.getLogger("enforcer.kube")
 
 COMPONENT = "vram-enforcer"
-JSON_PATCH = "application/json-patch+json"
+NODE = "/api/v1/nodes/{name}"
 POD = "/api/v1/namespaces/{namespace}/pods/{name}"
 EVENTS = "/api/v1/namespaces/{namespace}/events"
 
@@ -88,18 +88,20 @@ def request(
     *,
     params: dict[str, str] | None = None,
     body: Any = None,
-    content_type: str = "application/json",
     timeout: float = 10.0,
 ) -> Any:
     """One API call as JSON: `path` has `{name}` placeholders filled (escaped) from `params`.
 
-    A status outside 2xx raises the client's `ApiException`, as its typed methods do.
-    `timeout` bounds each of the client's tries (urllib3 makes up to four), so a server that
-    accepts and never answers cannot hold a thread.
+    Every PATCH we send is a JSON patch. A status outside 2xx raises the client's
+    `ApiException`, as its typed methods do. `timeout` bounds each of the client's tries
+    (urllib3 makes up to four), so a server that accepts and never answers cannot hold a
+    thread.
     """
     headers = {"Accept": "application/json"}
     if body is not None:
-        headers["Content-Type"] = content_type
+        headers["Content-Type"] = (
+            "application/json-patch+json" if method == "PATCH" else "application/json"
+        )
     method, url, headers, body, post = api.param_serialize(
         method=method,
         resource_path=path,
@@ -143,12 +145,27 @@ def _short(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def call(verb: str, resource: str, fn: Any, *args: Any, deadline: float, **kwargs: Any) -> Any:
-    """Run one API call under the retry policy; a 403 becomes `Forbidden`."""
+_VERBS = {"GET": "get", "PATCH": "patch", "POST": "create"}
+
+
+def call(
+    api: client.ApiClient,
+    method: str,
+    path: str,
+    resource: str,
+    *,
+    deadline: float,
+    params: dict[str, str] | None = None,
+    body: Any = None,
+    timeout: float = 10.0,
+) -> Any:
+    """`request()` under the retry policy. Errors become `KubeError`s that name the RBAC
+    verb and `resource`; a 403 becomes `Forbidden`."""
+    verb = _VERBS[method]
     try:
         for attempt in retrying(deadline):
             with attempt:
-                return fn(*args, **kwargs)
+                return request(api, method, path, params=params, body=body, timeout=timeout)
     except ApiException as exc:
         if exc.status == 403:
             raise Forbidden(verb, resource, _reason(exc)) from None
@@ -205,19 +222,17 @@ class NodeAdvertiser:
         if self._labels:
             label_changes = label_ops(node.get("metadata", {}).get("labels"), gpu_labels(devices))
         if status_ops:
-            self._call("patch", "nodes/status", "PATCH", "/status", status_ops)
+            call(self._api, "PATCH", NODE + "/status", "nodes/status", body=status_ops,
+                 params={"name": self._node}, deadline=self._deadline)  # fmt: skip
         if label_changes:
-            self._call("patch", "nodes", "PATCH", "", label_changes)
+            call(self._api, "PATCH", NODE, "nodes", body=label_changes,
+                 params={"name": self._node}, deadline=self._deadline)  # fmt: skip
         return len(status_ops), len(label_changes)
 
     def _read(self) -> dict[str, Any]:
-        node: dict[str, Any] = self._call("get", "nodes", "GET", "")
+        node: dict[str, Any] = call(self._api, "GET", NODE, "nodes", params={"name": self._node},
+                                    deadline=self._deadline)  # fmt: skip
         return node
-
-    def _call(self, verb: str, resource: str, method: str, sub: str, ops: Any = None) -> Any:
-        return call(verb, resource, request, self._api, method, "/api/v1/nodes/{name}" + sub,
-                    params={"name": self._node}, body=ops, content_type=JSON_PATCH,
-                    deadline=self._deadline)  # fmt: skip
 
 
 class PodWatcher(threading.Thread):
@@ -258,9 +273,8 @@ class PodWatcher(threading.Thread):
             if self.stop.is_set():
                 return
             try:
-                pod = call("get", "pods", request, self._api, "GET", POD,
-                           params={"namespace": self._namespace, "name": self._name},
-                           deadline=10.0)  # fmt: skip
+                pod = call(self._api, "GET", POD, "pods", deadline=10.0,
+                           params={"namespace": self._namespace, "name": self._name})  # fmt: skip
             except KubeError as exc:
                 if str(exc) != self.error:
                     log.warning(
@@ -359,9 +373,9 @@ class EventRecorder(threading.Thread):
                 {"op": "replace", "path": "/message", "value": message[:1024]},
             ]
             try:
-                call("patch", "events", request, self._api, "PATCH", EVENTS + "/{name}",
-                     params={"namespace": self._namespace, "name": sent.name}, body=ops,
-                     content_type=JSON_PATCH, deadline=self._deadline)  # fmt: skip
+                call(self._api, "PATCH", EVENTS + "/{name}", "events", body=ops,
+                     params={"namespace": self._namespace, "name": sent.name},
+                     deadline=self._deadline)  # fmt: skip
             except KubeError:
                 del self._sent[key]  # the Event is gone (expired, deleted): start a new one
             else:
@@ -389,15 +403,14 @@ class EventRecorder(threading.Thread):
             "lastTimestamp": stamp,
             "count": 1,
         }
-        created = call("create", "events", request, self._api, "POST", EVENTS,
-                       params={"namespace": self._namespace}, body=body,
-                       deadline=self._deadline)  # fmt: skip
+        created = call(self._api, "POST", EVENTS, "events", body=body,
+                       params={"namespace": self._namespace}, deadline=self._deadline)  # fmt: skip
         self._sent[key] = _Sent(str(created["metadata"]["name"]), 1, stamp, now)
 
 
 def server_version(api: client.ApiClient, deadline: float = 30.0) -> str:
     """The API server's gitVersion (`v1.29.3`), retried like any other call."""
-    info = call("get", "version", request, api, "GET", "/version", deadline=deadline)
+    info = call(api, "GET", "/version", "version", deadline=deadline)
     return str(info["gitVersion"])
 
 
@@ -415,7 +428,6 @@ def access_allowed(
         "spec": {"resourceAttributes": {"verb": verb, "resource": resource,
                                         "namespace": namespace, "subresource": subresource}},
     }  # fmt: skip
-    reply = call("create", "selfsubjectaccessreviews", request, api, "POST",
-                 "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", body=review,
-                 deadline=5.0)  # fmt: skip
+    reply = call(api, "POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                 "selfsubjectaccessreviews", body=review, deadline=5.0)  # fmt: skip
     return bool(reply["status"]["allowed"])

@@ -32,9 +32,7 @@ def test_an_object_comes_back_as_the_json_the_server_sent(
 
 def test_a_json_patch_is_sent_as_one(admin: client.ApiClient, pod: dict[str, str]) -> None:
     ops = [{"op": "add", "path": "/metadata/labels/patched", "value": "yes"}]
-    got = request(
-        admin, "PATCH", POD, params=pod, body=ops, content_type="application/json-patch+json"
-    )
+    got = request(admin, "PATCH", POD, params=pod, body=ops)
     assert got["metadata"]["labels"] == {"app": "x", "patched": "yes"}
 
 
@@ -42,6 +40,6 @@ def test_a_missing_object_is_an_error_that_names_it(
     admin: client.ApiClient, pod: dict[str, str]
 ) -> None:
     with pytest.raises(KubeError) as raised:
-        call("get", "pods", request, admin, "GET", POD,
+        call(admin, "GET", POD, "pods",
              params={**pod, "name": "absent"}, deadline=1.0)  # fmt: skip
     assert str(raised.value) == 'get pods failed: HTTP 404 Not Found: pods "absent" not found'

@@ -11,7 +11,7 @@ import threading
 
 from kubernetes import client
 
-from enforcer.kube import KubeError, call, request
+from enforcer.kube import KubeError, call
 
 
 def test_a_silent_api_server_is_an_error_not_a_hang() -> None:
@@ -26,7 +26,7 @@ def test_a_silent_api_server_is_an_error_not_a_hang() -> None:
 
         def get() -> None:
             try:
-                call("get", "version", request, api, "GET", "/version", timeout=0.2, deadline=0.1)
+                call(api, "GET", "/version", "version", timeout=0.2, deadline=0.1)
             except KubeError as exc:
                 errors.append(str(exc))
 
