@@ -92,6 +92,11 @@ class Sidecar:
     def text(self) -> str:
         return self.log.read_text()
 
+    def wait_logged(self, *lines: str) -> None:
+        """The log line of an action is written after its signal: a victim can be seen
+        dead before the line is there."""
+        wait_for(lambda: all(line in self.text() for line in lines), what=f"the log lines {lines}")
+
     def stop(self) -> int:
         """SIGTERM to the sidecar itself (not to nsenter, which does not forward it)."""
         (pid,) = self.pod.host_pids("vram-enforcer")

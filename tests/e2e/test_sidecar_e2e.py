@@ -94,9 +94,9 @@ def test_the_container_over_its_limit_is_terminated_and_its_neighbour_untouched(
     node.use({trainer: 5 * GiB, helper: 1 * GiB})
     wait_for(lambda: not alive(trainer), what="the trainer to be terminated")
     assert alive(helper)
-    text = sidecar.text()
-    assert "container 'trainer' uses 5.00 GiB of its 4.00 GiB VRAM limit (125%)" in text
-    assert "sent SIGTERM to pid" in text
+    sidecar.wait_logged(
+        "container 'trainer' uses 5.00 GiB of its 4.00 GiB VRAM limit (125%)", "sent SIGTERM to pid"
+    )
     node.use({trainer: None})
 
 
@@ -230,7 +230,7 @@ def test_restart_signals_the_containers_init_process(pod: SimPod, node: Node, ap
         (gpu_user,) = pids - {init}
         node.use({gpu_user: 2 * GiB})
         wait_for(lambda: not alive(init), what="the init process to be terminated")
-        assert "restarting it: sent SIGTERM to its init process" in side.text()
+        side.wait_logged("restarting it: sent SIGTERM to its init process")
         node.use({gpu_user: None})
         assert side.stop() == 0
     finally:
@@ -255,7 +255,7 @@ def test_direct_nvml_through_the_host_proc(node: Node, apiserver: ApiServer, tok
         offender = start_worker(direct, "trainer", tmp_path)
         node.use({offender: 2 * GiB})
         wait_for(lambda: not alive(offender), what="the offender to be terminated")
-        assert "container 'trainer' uses 2.00 GiB of its 1.00 GiB VRAM limit" in side.text()
+        side.wait_logged("container 'trainer' uses 2.00 GiB of its 1.00 GiB VRAM limit")
         node.use({offender: None})
         assert side.stop() == 0
     finally:

@@ -56,9 +56,9 @@ def test_a_real_cuda_process_over_its_containers_limit_is_caught(
         ]
         print("trainer got to", allocated[-1], "\n", side.text())
         assert int(allocated[-1].split()[1]) <= 2048 + 256, "caught within one step of the limit"
-        assert "container 'trainer' uses" in side.text()
-        assert "of its 2.00 GiB VRAM limit" in side.text()
-        assert "sent SIGTERM to pid" in side.text()
+        side.wait_logged(
+            "container 'trainer' uses", "of its 2.00 GiB VRAM limit", "sent SIGTERM to pid"
+        )
         assert server.poll() is None and all(alive(p) for p in pod.host_pids("server"))
         enforced = wait_for(
             lambda: [e for e in core.list_namespaced_event(NAMESPACE).items
