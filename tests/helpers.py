@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+PROC_FIXTURES = Path(__file__).parent / "fixtures" / "proc"
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
@@ -36,3 +40,22 @@ def children(parent: int) -> list[int]:
         for p in proc.descendants(parent)
         if (st := proc.stat(p)) is not None and st.ppid == parent
     ]
+
+
+def copy_proc_fixture(name: str, dest: Path) -> Path:
+    """A writable copy of the checked-in `/proc` tree `name` (e.g. "host"), at `dest`."""
+    shutil.copytree(PROC_FIXTURES / name, dest, symlinks=True)
+    return dest
+
+
+def set_start_time(proc_root: Path, pid: int, ticks: int) -> None:
+    """Rewrite field 22 (start time, clock ticks since boot) of `<proc_root>/<pid>/stat`.
+
+    The fields are counted after the last ')': the command name before it may hold spaces
+    and parentheses, so splitting the whole line on spaces would edit another field.
+    """
+    stat = proc_root / str(pid) / "stat"
+    head, paren, tail = stat.read_text().rpartition(")")
+    fields = tail.split(" ")  # fields[0] is "" (the space after ')'), fields[1] is field 3
+    fields[22 - 2] = str(ticks)
+    stat.write_text(head + paren + " ".join(fields))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from enforcer.nvml import Nvml, NvmlLost, NvmlQueryError, NvmlUnavailable
 from enforcer.nvml_source import NvmlSource
 from enforcer.procfs import ProcFs
 from enforcer.sources import PidView
+from tests.helpers import copy_proc_fixture, set_start_time
 
 
 class Clock:
@@ -195,17 +195,9 @@ def test_source_drops_a_process_born_after_nvml_looked(
     fake_nvml: Any, nvml: Nvml, tmp_path: Path
 ) -> None:
     """NVML saw pid 4242; the /proc entry now under that pid started later: not the same one."""
-    proc = tmp_path / "proc"
-    shutil.copytree(Path(__file__).parents[1] / "fixtures" / "proc" / "host", proc, symlinks=True)
-
-    def set_start_time(pid: int, ticks: int) -> None:
-        stat = proc / str(pid) / "stat"
-        fields = stat.read_text().split(" ")
-        fields[21] = str(ticks)  # field 22: start time, in clock ticks since boot
-        stat.write_text(" ".join(fields))
-
-    set_start_time(4242, 2**40)  # far in the future
-    set_start_time(4243, 1)  # long ago, however recently this machine booted
+    proc = copy_proc_fixture("host", tmp_path / "proc")
+    set_start_time(proc, 4242, 2**40)  # far in the future
+    set_start_time(proc, 4243, 1)  # long ago, however recently this machine booted
     fake_nvml.state.set_process(0, 4242, GiB)
     fake_nvml.state.set_process(0, 4243, GiB)
     fake_nvml.write()
