@@ -6,11 +6,15 @@ Three loops share one process:
 - the advertiser thread keeps the Node's capacity and labels equal to what NVML reports,
   checking every --resync and right after the GPUs change.
 NVML or the API being down degrades one part: the socket answers with an error, the Node
-keeps its last advertisement, and each part recovers on its own.
+keeps its last advertisement, and each part recovers on its own. A bug in one step of a
+loop is reported and the loop goes on (`guard.LoopGuard`). A thread that stops anyway ends
+the process with status 1, so that the DaemonSet restarts it, and `/healthz` (on the
+metrics port) fails once no NVML pass has completed for `LIVENESS_AFTER`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
@@ -20,10 +24,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.config import AgentSettings
+from enforcer.guard import LoopGuard
 from enforcer.metrics import AgentTelemetry, MetricsPortError, serve_metrics
 from enforcer.model import Device, Sample, SourceDown
 from enforcer.nvml import Nvml, NvmlError
-from enforcer.nvml_source import NvmlSource
+from enforcer.nvml_source import NvmlSource, gpu_device_prefix
 from enforcer.procfs import ProcFs
 from enforcer.sources import PidView, PidViewError
 from enforcer.usage_server import ServerMetrics, SocketInUse, UsageServer
@@ -34,7 +39,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("enforcer.agent")
 
 EXIT_USAGE = 2
+EXIT_THREAD_DIED = 1
 STALE_INTERVALS = 20  # replies turn into errors once the sample is this many intervals old
+LIVENESS_AFTER = 60.0  # /healthz fails when no NVML pass has completed for this long (s)
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
@@ -63,16 +70,22 @@ class Sampler(threading.Thread):
         self.stop = threading.Event()
         self.devices: Sequence[Device] = ()
         self._up: bool | None = None
+        self._guard = LoopGuard("sampler", telemetry.unexpected.labels("sampler"), log)
+        self.last_pass = time.monotonic()  # when the last pass completed without a bug
 
     def run(self) -> None:
         next_tick = time.monotonic()
         while not self.stop.wait(max(0.0, next_tick - time.monotonic())):
             next_tick = max(next_tick + self._interval, time.monotonic())
-            started = time.perf_counter()
-            sample = self._source.sample()
-            self._telemetry.tick_duration.observe(time.perf_counter() - started)
-            self._server.publish(sample)
-            self._record(sample)
+            if self._guard.run(self._pass):
+                self.last_pass = time.monotonic()
+
+    def _pass(self) -> None:
+        started = time.perf_counter()
+        sample = self._source.sample()
+        self._telemetry.tick_duration.observe(time.perf_counter() - started)
+        self._server.publish(sample)
+        self._record(sample)
 
     def _record(self, sample: Sample | SourceDown) -> None:
         up = isinstance(sample, Sample)
@@ -109,28 +122,32 @@ class Advertiser(threading.Thread):
         self._devices_changed = devices_changed
         self.stop = threading.Event()
         self._last_error = ""
+        self._guard = LoopGuard("advertiser", telemetry.unexpected.labels("advertiser"), log)
 
     def run(self) -> None:
-        from enforcer.kube import Forbidden, KubeError  # noqa: PLC0415 - loaded only when used
-
         while not self.stop.is_set():
             self._devices_changed.wait(self._resync)
             self._devices_changed.clear()
             devices = self._sampler.devices
             if self.stop.is_set() or not devices:
                 continue  # no successful NVML pass yet: never advertise a guess
-            try:
-                status_ops, label_ops = self._advertiser.sync(devices)
-            except Forbidden as exc:
-                self._report(str(exc), "sync", logging.ERROR)
-                continue
-            except KubeError as exc:
-                self._report(str(exc), "sync", logging.WARNING)
-                continue
-            self._telemetry.node.advertised_bytes = self._advertiser.desired_bytes(devices)
-            if status_ops or label_ops or self._last_error:
-                log.info("node is up to date (%d status, %d label changes)", status_ops, label_ops)
-            self._last_error = ""
+            self._guard.run(functools.partial(self._sync, devices))
+
+    def _sync(self, devices: Sequence[Device]) -> None:
+        from enforcer.kube import Forbidden, KubeError  # noqa: PLC0415 - loaded only when used
+
+        try:
+            status_ops, label_ops = self._advertiser.sync(devices)
+        except Forbidden as exc:
+            self._report(str(exc), "sync", logging.ERROR)
+            return
+        except KubeError as exc:
+            self._report(str(exc), "sync", logging.WARNING)
+            return
+        self._telemetry.node.advertised_bytes = self._advertiser.desired_bytes(devices)
+        if status_ops or label_ops or self._last_error:
+            log.info("node is up to date (%d status, %d label changes)", status_ops, label_ops)
+        self._last_error = ""
 
     def _report(self, message: str, operation: str, level: int) -> None:
         """Each distinct failure is logged once, not on every resync."""
@@ -194,7 +211,7 @@ def _serve(
     server = UsageServer(
         Path(settings.socket),
         host_proc,
-        ServerMetrics(telemetry.requests, telemetry.connections),
+        ServerMetrics(telemetry.requests, telemetry.connections, telemetry.unexpected),
         stale_after=max(2.0, STALE_INTERVALS * settings.interval),
     )
     try:
@@ -202,23 +219,26 @@ def _serve(
     except (SocketInUse, OSError) as exc:
         log.error("cannot serve on %s: %s", settings.socket, exc)
         return EXIT_USAGE
-    try:
-        metrics = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
-    except MetricsPortError as exc:
-        log.error("%s", exc)
-        server.close()
-        return EXIT_USAGE
     changed = threading.Event()
-    source = NvmlSource(nvml, PidView.host(host_proc))
+    source = NvmlSource(nvml, PidView.host(host_proc), gpu_device_prefix())
     sampler = Sampler(source, server, telemetry, settings.interval, changed)
     threads: list[Sampler | Advertiser] = [sampler]
     if advertiser is not None:
         threads.append(Advertiser(advertiser, sampler, telemetry, settings.resync, changed))
+    liveness = max(LIVENESS_AFTER, STALE_INTERVALS * settings.interval)
+    check = functools.partial(health, sampler, liveness)
+    try:
+        metrics = serve_metrics(
+            telemetry.registry, settings.metrics_port, settings.metrics_address, check
+        )
+    except MetricsPortError as exc:
+        log.error("%s", exc)
+        server.close()
+        return EXIT_USAGE
     for t in threads:
         t.start()
     log.info("agent running on node %r", settings.node_name or "(no API)")
-    received = signal.sigwait(_STOP_SIGNALS)
-    log.info("%s: shutting down", signal.Signals(received).name)
+    status = watch([*threads, server.thread])
     server.close()
     for t in threads:
         t.stop.set()
@@ -228,4 +248,28 @@ def _serve(
     source.close()
     if metrics is not None:
         metrics.close()
-    return 0
+    return status
+
+
+def health(sampler: Sampler, after: float) -> str | None:
+    """What /healthz says: the sampler must have completed a pass within `after` seconds."""
+    age = time.monotonic() - sampler.last_pass
+    if not sampler.is_alive() or age > after:
+        return f"no NVML pass has completed for {age:.0f}s (the limit is {after:.0f}s)"
+    return None
+
+
+def watch(threads: Sequence[threading.Thread], poll: float = 1.0) -> int:
+    """Wait for SIGTERM or SIGINT (0), or for one of `threads` to stop (1): a thread that
+    stops on its own ends the agent, so that the DaemonSet restarts it, rather than leaving
+    it half-working while the main thread waits."""
+    while True:
+        received = signal.sigtimedwait(_STOP_SIGNALS, poll)
+        if received is not None:
+            log.info("%s: shutting down", signal.Signals(received.si_signo).name)
+            return 0
+        dead = [t.name for t in threads if not t.is_alive()]
+        if dead:
+            log.error("the %s thread has stopped; exiting with status %d so that the agent is "
+                      "restarted", ", ".join(dead), EXIT_THREAD_DIED)  # fmt: skip
+            return EXIT_THREAD_DIED

@@ -21,7 +21,7 @@ from enforcer.config import ExecSettings
 from enforcer.metrics import MetricsPortError, Telemetry, serve_metrics
 from enforcer.model import ProcessKey, Sample, UnitUsage, format_bytes
 from enforcer.nvml import Nvml, NvmlError
-from enforcer.nvml_source import NvmlSource
+from enforcer.nvml_source import NvmlSource, gpu_device_prefix
 from enforcer.pipeline import LogReporter, Pipeline
 from enforcer.procfs import INITIAL_PID_NS, ProcFs
 from enforcer.signals import Membership, Signaller, Terminator
@@ -156,7 +156,7 @@ def run(settings: ExecSettings) -> int:
             return EXIT_USAGE
         try:
             _set_child_subreaper()
-            return _supervise(settings, NvmlSource(nvml, view))
+            return _supervise(settings, NvmlSource(nvml, view, gpu_device_prefix()))
         except (StartupError, MetricsPortError) as exc:
             log.error("%s", exc)
             return EXIT_USAGE

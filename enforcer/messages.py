@@ -15,9 +15,11 @@ _SIGNAL_NAME = {Action.TERMINATE: "SIGTERM", Action.KILL: "SIGKILL", Action.REST
 _REFUSED = {
     SignalResult.GONE: "it had already exited",
     SignalResult.IDENTITY_CHANGED: "its pid now belongs to another process (start time changed)",
-    SignalResult.NOT_MEMBER: "it no longer belongs to {label}",
+    SignalResult.NOT_MEMBER: "it could not be proven to belong to {label}",
     SignalResult.PROTECTED: "it is protected (pid 1 or the enforcer itself)",
     SignalResult.DENIED: "the kernel denied the signal (EPERM: missing CAP_KILL?)",
+    SignalResult.UNVERIFIED: "it could not be pinned or read, so its identity is not proven",
+    SignalResult.IN_PROGRESS: "it is already being terminated",
 }
 
 

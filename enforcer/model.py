@@ -121,14 +121,16 @@ class Action(StrEnum):
 
 
 class SignalResult(StrEnum):
-    """What became of one attempt to signal a process."""
+    """What became of one attempt to signal a process; only SENT means a signal went out."""
 
     SENT = "sent"
     GONE = "gone"
     IDENTITY_CHANGED = "identity-changed"
     NOT_MEMBER = "not-member"
     PROTECTED = "protected"
-    DENIED = "denied"
+    DENIED = "denied"  # the kernel refused the signal
+    UNVERIFIED = "unverified"  # the process could not be pinned or read: not proven
+    IN_PROGRESS = "in-progress"  # already being terminated; nothing new was sent
 
 
 def format_bytes(n: int | None) -> str:

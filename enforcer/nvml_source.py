@@ -10,84 +10,120 @@ import select
 import time
 from dataclasses import dataclass
 
-from enforcer.model import ProcessKey, ProcessUsage, Sample, SourceDown
+from enforcer.model import ProcessKey, ProcessUsage, Sample, SignalResult, SourceDown
 from enforcer.nvml import Nvml, NvmlError
+from enforcer.pidfd import Pinned
 from enforcer.procfs import NsChain
 from enforcer.sources import PidView, boot_ticks
+
+NVIDIA_DEVICES = "/dev/nvidia"  # nvidiactl, nvidia0..N, nvidia-uvm, nvidia-caps/...
+
+
+def gpu_device_prefix() -> str | None:
+    """The path prefix a GPU process holds open, when this machine has NVIDIA's device files."""
+    return NVIDIA_DEVICES if os.path.exists(NVIDIA_DEVICES + "ctl") else None
 
 
 @dataclass(slots=True)
 class _Tracked:
     start_time: int
-    pidfd: int  # -1 when no fd could be spared: then the process is re-read every tick
+    process: Pinned | None  # None when no pidfd could be had: identity is re-read every tick
     chain: NsChain
-    pid: int | None  # as the view's namespace names it; None if it cannot see it
+    pid: int | None  # as the view names it; None when it is not charged (invisible, rejected)
 
 
 class _ProcessTable:
-    """NVML's processes from one tick to the next, each pinned by a pidfd.
+    """Which process each pid that NVML lists really is, from one tick to the next.
 
-    A live process keeps its pid, so while its pidfd has not polled readable (exited), the
-    start time and translation read when it first appeared still hold, and no `/proc` read
-    is needed. One `poll()` over all pidfds per tick replaces a `stat` read per process.
-    Pinning needs pids we can open; reading another namespace's `/proc` (`--host-proc`),
-    every process is re-read on every tick instead.
+    NVML can go on listing a pid after its process has exited: the driver lags, or a child
+    that inherited the device files keeps the context alive. If that pid then names a
+    newcomer, the newcomer must not inherit the usage. So:
+
+    - The pass in which NVML first listed a pid is remembered for as long as NVML keeps
+      listing it. A process that started at or after that pass is not the one NVML meant
+      (at: start times count clock ticks, and a start in the same tick is not proven older).
+    - Zombies are dropped: their memory is already released.
+    - Where this machine has NVIDIA's device files, a charged process must hold one open.
+      This covers listings whose age cannot be known, such as those seen at start-up.
+      A process whose descriptors cannot be read is not held to it.
+
+    Once proven, a process is pinned by a pidfd: while the pidfd has not polled readable
+    (exited), its pid cannot be reused, so nothing needs reading again. One `poll()` over
+    all pidfds per tick replaces a `stat` read per process. Reading another namespace's
+    `/proc` (`--host-proc`), pids cannot be opened; then each process's start time is
+    re-read every tick instead.
     """
 
-    def __init__(self, view: PidView) -> None:
+    def __init__(self, view: PidView, device_prefix: str | None) -> None:
         self._view = view
+        self._device_prefix = device_prefix
         self._pin = view.procfs.names_our_pids()
+        self._first_seen: dict[int, int] = {}
         self._entries: dict[int, _Tracked] = {}
         self._by_fd: dict[int, int] = {}
         self._poller = select.poll()
 
-    def resolve(self, host_pids: set[int], before: int) -> dict[int, _Tracked]:
-        """Host pid -> what we know of it, for every process the view may see."""
+    def resolve(self, host_pids: set[int], looked_at: int) -> dict[int, _Tracked]:
+        """Host pid -> what we know of it, for every listed process the view may see.
+
+        `looked_at` is when this NVML pass began, in clock ticks since boot.
+        """
         for fd, _ in self._poller.poll(0):
             self._forget(self._by_fd[fd])
-        for pid in [p for p in self._entries if p not in host_pids]:
+        for pid in [p for p in self._first_seen if p not in host_pids]:
+            del self._first_seen[pid]
             self._forget(pid)
-        keys = {}
+        found = {}
         for pid in host_pids:
+            first_seen = self._first_seen.setdefault(pid, looked_at)
             entry = self._entries.get(pid)
-            if entry is None or entry.pidfd < 0:
-                entry = self._track(pid, before)
+            if entry is not None and entry.process is None and not self._unchanged(pid, entry):
+                self._forget(pid)
+                entry = None
+            if entry is None:
+                entry = self._track(pid, first_seen)
             if entry is not None and entry.pid is not None:
-                keys[pid] = entry
-        return keys
+                found[pid] = entry
+        return found
 
-    def _track(self, pid: int, before: int) -> _Tracked | None:
-        self._forget(pid)
-        pidfd = -1  # without a pidfd: still correct, only slower
-        if self._pin:
-            try:
-                pidfd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                return None
-            except OSError:
-                pass  # out of file descriptors
+    def _unchanged(self, pid: int, entry: _Tracked) -> bool:
         st = self._view.procfs.stat(pid)
-        # A process born after NVML looked cannot be the one NVML reported: its pid was
-        # reused in between. A zombie has already released its memory. Neither is used.
-        chain = self._view.procfs.ns_chain(pid)
-        exited = pidfd >= 0 and bool(select.select([pidfd], [], [], 0)[0])
-        if st is None or chain is None or st.start_time > before or st.state == "Z" or exited:
-            if pidfd >= 0:
-                os.close(pidfd)
+        return st is not None and st.start_time == entry.start_time and st.state != "Z"
+
+    def _track(self, pid: int, first_seen: int) -> _Tracked | None:
+        """Prove what `pid` is now; None (and nothing remembered) when it cannot be read."""
+        opened = Pinned.open(pid) if self._pin else SignalResult.UNVERIFIED
+        if opened is SignalResult.GONE:
             return None
-        entry = _Tracked(st.start_time, pidfd, chain, self._view.sees(chain))
-        if pidfd >= 0:
-            self._entries[pid] = entry
-            self._by_fd[pidfd] = pid
-            self._poller.register(pidfd, select.POLLIN)
+        process = opened if isinstance(opened, Pinned) else None  # out of fds: unpinned
+        procfs = self._view.procfs
+        st = procfs.stat(pid)
+        chain = None if st is None else procfs.ns_chain(pid)
+        if st is None or chain is None or (process is not None and process.exited()):
+            if process is not None:
+                process.close()  # gone, unreadable, or the reads may be of a newcomer
+            return None
+        seen_as = self._view.sees(chain)
+        if st.start_time >= first_seen or st.state == "Z" or not self._holds_gpu(pid):
+            seen_as = None  # proven not to be the process NVML listed: remembered as such
+        entry = _Tracked(st.start_time, process, chain, seen_as)
+        self._entries[pid] = entry
+        if process is not None:
+            self._by_fd[process.fileno()] = pid
+            self._poller.register(process.fileno(), select.POLLIN)
         return entry
+
+    def _holds_gpu(self, pid: int) -> bool:
+        if self._device_prefix is None:
+            return True
+        return self._view.procfs.holds_file(pid, self._device_prefix) is not False
 
     def _forget(self, pid: int) -> None:
         entry = self._entries.pop(pid, None)
-        if entry is not None and entry.pidfd >= 0:
-            del self._by_fd[entry.pidfd]
-            self._poller.unregister(entry.pidfd)
-            os.close(entry.pidfd)
+        if entry is not None and entry.process is not None:
+            del self._by_fd[entry.process.fileno()]
+            self._poller.unregister(entry.process.fileno())
+            entry.process.close()
 
     def close(self) -> None:
         for pid in list(self._entries):
@@ -95,19 +131,23 @@ class _ProcessTable:
 
 
 class NvmlSource:
-    """Samples NVML directly and keeps the processes that `view` may see."""
+    """Samples NVML directly and keeps the processes that `view` may see.
 
-    def __init__(self, nvml: Nvml, view: PidView) -> None:
+    `device_prefix` (see `gpu_device_prefix()`): a charged process must hold a file open
+    under it; None turns that check off.
+    """
+
+    def __init__(self, nvml: Nvml, view: PidView, device_prefix: str | None = None) -> None:
         self._nvml = nvml
-        self._table = _ProcessTable(view)
+        self._table = _ProcessTable(view, device_prefix)
 
     def sample(self) -> Sample | SourceDown:
-        before = boot_ticks()
+        looked_at = boot_ticks()
         try:
             snap = self._nvml.snapshot()
         except NvmlError as exc:
             return SourceDown(str(exc))
-        known = self._table.resolve({p.pid for p in snap.processes}, before)
+        known = self._table.resolve({p.pid for p in snap.processes}, looked_at)
         processes = []
         for p in snap.processes:
             entry = known.get(p.pid)

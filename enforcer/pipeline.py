@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from enforcer import messages
+from enforcer.guard import LoopGuard
 from enforcer.metrics import Telemetry, View
 from enforcer.model import Sample, SignalResult, SourceDown, UnitUsage
 from enforcer.policy import Decision, PolicyConfig, Reason, UnitState, decide
@@ -79,22 +80,25 @@ class Pipeline:
         self._clock = clock
         self._state: dict[str, UnitState] = {}
         self._source_up: bool | None = None
+        self._guard = LoopGuard("tick", telemetry.unexpected.labels("tick"), log)
         self.last_units: tuple[UnitUsage, ...] = ()
 
     def tick(self) -> None:
+        """One tick; a bug in it is reported and the next tick runs as usual."""
         started = time.perf_counter()
-        try:
-            self._tick()
-        finally:
-            self._telemetry.tick_duration.observe(time.perf_counter() - started)
+        self._guard.run(self._tick)
+        self._telemetry.tick_duration.observe(time.perf_counter() - started)
 
     def follow_victims(self) -> None:
         """Escalate or forget victims; runs every tick, and between ticks at their deadlines."""
+        self._guard.run(self._follow_victims)
+
+    def _follow_victims(self) -> None:
         for event in self._terminator.poll(self._clock()):
             self._escalation(event)
 
     def _tick(self) -> None:
-        self.follow_victims()
+        self._follow_victims()
         sample = self._source.sample()
         if isinstance(sample, SourceDown):
             self._source_changed(False, sample.reason)

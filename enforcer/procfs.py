@@ -1,13 +1,13 @@
 """Readers for `/proc`, rooted anywhere so that tests can point them at fixture trees.
 
 A process can exit between any two reads. Every reader therefore returns None for a
-process that is gone (or that we may not inspect) instead of raising: callers treat
-"gone" as a normal answer and never act on a process they could not read.
+process that is gone, that we may not inspect, or that the kernel would not let us read
+(out of file descriptors, a thread id, EIO) instead of raising: callers treat None as
+"not proven", never act on a process they could not read, and never cache a failure.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import re
@@ -77,16 +77,14 @@ class ProcFs:
         # tick, and pathlib plus text I/O cost more than the kernel's work here.
         try:
             fd = os.open(f"{self._prefix}{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+        except OSError:
             return None
         try:
             chunks = []
             while chunk := os.read(fd, 65536):
                 chunks.append(chunk)
-        except OSError as exc:
-            if exc.errno in (errno.ESRCH, errno.ENOENT, errno.EACCES):
-                return None
-            raise
+        except OSError:
+            return None
         finally:
             os.close(fd)
         return b"".join(chunks).decode("utf-8", errors="replace")
@@ -127,6 +125,24 @@ class ProcFs:
             return " ".join(args)
         st = self.stat(pid)
         return None if st is None else f"[{st.comm}]"
+
+    def holds_file(self, pid: int, prefix: str) -> bool | None:
+        """Whether the process has a file open whose path starts with `prefix` (as it names
+        it, in its own mount namespace); None when its descriptors cannot be read."""
+        unreadable = False
+        try:
+            with os.scandir(f"{self._prefix}{pid}/fd") as entries:
+                for entry in entries:
+                    try:
+                        if os.readlink(entry.path).startswith(prefix):
+                            return True
+                    except FileNotFoundError:
+                        continue  # closed meanwhile
+                    except OSError:
+                        unreadable = True
+        except OSError:
+            return None
+        return None if unreadable else False
 
     def pid_ns(self, pid: int | str = "self") -> int | None:
         """The inode of the process's PID namespace, from the `ns/pid` link."""

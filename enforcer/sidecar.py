@@ -162,7 +162,7 @@ def _source(settings: SidecarSettings) -> UsageSource:
         return AgentSource(settings.agent_socket, settings.stale_after)
     # Loaded only here: pynvml is ~2 MiB of the sidecar's memory, in every enforced pod.
     from enforcer.nvml import Nvml, NvmlError  # noqa: PLC0415
-    from enforcer.nvml_source import NvmlSource  # noqa: PLC0415
+    from enforcer.nvml_source import NvmlSource, gpu_device_prefix  # noqa: PLC0415
 
     host_proc = ProcFs(settings.host_proc or "/host/proc")
     view = PidView.of_process(host_proc, "self")
@@ -171,7 +171,7 @@ def _source(settings: SidecarSettings) -> UsageSource:
         nvml.init()
     except NvmlError as exc:  # keep running, reporting the source down, and retry
         log.error("cannot initialise NVML yet (%s); retrying with backoff", exc)
-    return NvmlSource(nvml, view)
+    return NvmlSource(nvml, view, gpu_device_prefix())
 
 
 def run(settings: SidecarSettings) -> int:

@@ -6,85 +6,76 @@ is, the reads were of the process the pidfd pins (a pid cannot be reused while i
 lives), so the signal cannot reach a newcomer that inherited the pid. A terminated victim
 keeps its pidfd until it exits, so its SIGKILL after the grace period needs no second
 lookup and survives a process that ignores SIGTERM.
+
+Each pidfd has one owner, a `Pinned`, which closes it exactly once. Any error from the
+kernel while pinning or reading a process means "not proven": the process is left alone.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import select
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
 from enforcer.model import Action, ProcessKey, ProcessTotal, SignalResult
+from enforcer.pidfd import Pinned
 from enforcer.policy import Enforcement
 from enforcer.procfs import ProcFs
 
 log = logging.getLogger(__name__)
 
 Membership = Callable[[int], bool]
-"""Whether a pid (in our namespace) still belongs to the unit being enforced."""
+"""Whether a pid (in our namespace) is proven, now, to belong to the unit being enforced."""
 
 # How long a victim may take to vanish after SIGKILL before we stop waiting for it
 # (a process stuck in uninterruptible sleep inside the driver cannot die sooner).
 STUCK_AFTER = 30.0
 
 
-def _exited(pidfd: int) -> bool:
-    """A pidfd polls readable once its process has exited."""
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(0))
-
-
 class Signaller:
-    """Sends one signal to a process identified by (pid, start time), or says why not."""
+    """Proves a process's identity (pid, start time) and membership, and pins it."""
 
     def __init__(self, procfs: ProcFs, protected: frozenset[int]) -> None:
         self._procfs = procfs
         self._protected = protected | {os.getpid()}
 
-    def open_verified(self, key: ProcessKey, is_member: Membership) -> tuple[SignalResult, int]:
-        """A pidfd for `key` if it is alive, unchanged and a member; else the reason and -1."""
+    def verify(self, key: ProcessKey, is_member: Membership) -> Pinned | SignalResult:
+        """The process pinned if it is alive, unchanged and a member; else why not."""
         if key.pid in self._protected or key.pid <= 1:
-            return SignalResult.PROTECTED, -1
-        try:
-            pidfd = os.pidfd_open(key.pid)
-        except ProcessLookupError:
-            return SignalResult.GONE, -1
-        result = SignalResult.SENT
-        if self._procfs.start_time(key.pid) != key.start_time:
-            result = SignalResult.IDENTITY_CHANGED
+            return SignalResult.PROTECTED
+        pinned = Pinned.open(key.pid)
+        if isinstance(pinned, SignalResult):
+            return pinned
+        start_time = self._procfs.start_time(key.pid)
+        refusal = None
+        if start_time is None:
+            refusal = SignalResult.GONE if pinned.exited() else SignalResult.UNVERIFIED
+        elif start_time != key.start_time:
+            refusal = SignalResult.IDENTITY_CHANGED
         elif not is_member(key.pid):
-            result = SignalResult.NOT_MEMBER
-        if result is SignalResult.SENT and _exited(pidfd):
-            result = SignalResult.GONE
-        if result is not SignalResult.SENT:
-            os.close(pidfd)
-            return result, -1
-        return result, pidfd
+            refusal = SignalResult.NOT_MEMBER
+        elif pinned.exited():  # last: the reads above were of the pinned process
+            refusal = SignalResult.GONE
+        if refusal is not None:
+            pinned.close()
+            return refusal
+        return pinned
 
-    @staticmethod
-    def send_pidfd(pidfd: int, sig: signal.Signals) -> SignalResult:
-        try:
-            signal.pidfd_send_signal(pidfd, sig)
-        except ProcessLookupError:
-            return SignalResult.GONE
-        except PermissionError:
-            return SignalResult.DENIED
-        return SignalResult.SENT
 
-    def send(self, key: ProcessKey, sig: signal.Signals, is_member: Membership) -> SignalResult:
-        result, pidfd = self.open_verified(key, is_member)
-        if result is not SignalResult.SENT:
-            return result
-        try:
-            return self.send_pidfd(pidfd, sig)
-        finally:
-            os.close(pidfd)
+def signal_children(pids: Iterable[int], sig: signal.Signals) -> None:
+    """Send `sig` to our own children, through pidfds.
+
+    Only for children we have not reaped: until we do, their pids cannot be reused, so the
+    pid alone proves the identity. (`exec` forwards the signals it receives this way.)
+    """
+    for pid in pids:
+        pinned = Pinned.open(pid)
+        if isinstance(pinned, Pinned):
+            with pinned:
+                pinned.send(sig)
 
 
 class Escalation(StrEnum):
@@ -97,7 +88,7 @@ class Escalation(StrEnum):
 @dataclass(slots=True)
 class _Victim:
     enforcement: Enforcement
-    pidfd: int
+    process: Pinned
     is_member: Membership
     kill_at: float | None
     give_up_at: float
@@ -133,18 +124,18 @@ class Terminator:
         """SIGTERM (then SIGKILL after the grace period) or SIGKILL, as the enforcement says."""
         key = enforcement.victim.key
         if key in self._victims:
-            return SignalResult.SENT
-        result, pidfd = self._signaller.open_verified(key, is_member)
-        if result is not SignalResult.SENT:
-            return result
+            return SignalResult.IN_PROGRESS
+        pinned = self._signaller.verify(key, is_member)
+        if isinstance(pinned, SignalResult):
+            return pinned
         terminate = enforcement.action is not Action.KILL
-        result = self._signaller.send_pidfd(pidfd, signal.SIGTERM if terminate else signal.SIGKILL)
+        result = pinned.send(signal.SIGTERM if terminate else signal.SIGKILL)
         if result is not SignalResult.SENT:
-            os.close(pidfd)
+            pinned.close()
             return result
         kill_at = now + enforcement.grace_period if terminate else None
         give_up_at = (kill_at if kill_at is not None else now) + STUCK_AFTER
-        self._victims[key] = _Victim(enforcement, pidfd, is_member, kill_at, give_up_at)
+        self._victims[key] = _Victim(enforcement, pinned, is_member, kill_at, give_up_at)
         return result
 
     def poll(self, now: float) -> list[EscalationEvent]:
@@ -156,19 +147,19 @@ class Terminator:
                 continue
             events.append(EscalationEvent(kind, victim.enforcement))
             if kind is not Escalation.KILLED:
-                os.close(victim.pidfd)
+                victim.process.close()
                 del self._victims[key]
         return events
 
     def _step(self, victim: _Victim, now: float) -> Escalation | None:
-        if _exited(victim.pidfd):
+        if victim.process.exited():
             return Escalation.EXITED
         if victim.kill_at is not None and now >= victim.kill_at:
             victim.kill_at = None
             victim.give_up_at = now + STUCK_AFTER
             if not victim.is_member(victim.enforcement.victim.key.pid):
                 return Escalation.ABANDONED
-            sent = self._signaller.send_pidfd(victim.pidfd, signal.SIGKILL)
+            sent = victim.process.send(signal.SIGKILL)
             if sent is SignalResult.GONE:
                 return Escalation.EXITED
             return Escalation.KILLED if sent is SignalResult.SENT else Escalation.ABANDONED
@@ -178,6 +169,5 @@ class Terminator:
 
     def close(self) -> None:
         for victim in self._victims.values():
-            with contextlib.suppress(OSError):
-                os.close(victim.pidfd)
+            victim.process.close()
         self._victims.clear()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
+from enforcer.guard import LoopGuard
 from enforcer.model import Sample, SourceDown
 from enforcer.peers import PeerError, attest
 from enforcer.procfs import ProcFs
@@ -57,6 +58,7 @@ class SocketInUse(Exception):
 class ServerMetrics:
     requests: Counter
     connections: Gauge
+    unexpected: Counter  # labelled by loop
 
 
 @dataclass(slots=True)
@@ -168,8 +170,9 @@ class UsageServer:
         self._connections: dict[int, _Connection] = {}
         self._counters: dict[str, Counter] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._thread = threading.Thread(target=self._run, name="usage-socket", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="usage-socket", daemon=True)
         self._stopping = False
+        self._guard = LoopGuard("usage-socket", metrics.unexpected.labels("usage-socket"), log)
 
     def publish(self, sample: Sample | SourceDown) -> None:
         """Called by the sampler thread: swap in the sample (one reference, no lock needed)
@@ -197,16 +200,16 @@ class UsageServer:
         self._listener = listener
         self._epoll.register(listener.fileno(), select.EPOLLIN)
         self._epoll.register(self._wake_r, select.EPOLLIN)
-        self._thread.start()
+        self.thread.start()
         log.info("serving GPU usage on %s", self._path)
 
     def close(self) -> None:
         """Stop accepting, end every conversation, remove the socket."""
-        if self._thread.is_alive():
+        if self.thread.is_alive():
             self._stopping = True
             with contextlib.suppress(BlockingIOError):
                 os.write(self._wake_w, b"x")
-            self._thread.join(timeout=5)
+            self.thread.join(timeout=5)
         for conn in list(self._connections.values()):
             self._drop(conn)
         if self._listener is not None:
@@ -228,17 +231,22 @@ class UsageServer:
                         os.read(self._wake_r, 4096)
                     if self._stopping:
                         return
-                    self._push()
+                    self._guard.run(self._push)
                 if fd == listener_fd:
-                    self._accept()
-                elif (conn := self._connections.get(fd)) is not None:
-                    if events & select.EPOLLOUT:
-                        self._flush(conn)
-                    if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
-                        self._read(conn)
+                    self._guard.run(self._accept)
+                elif (conn := self._connections.get(fd)) is not None and not self._guard.run(
+                    functools.partial(self._serve, conn, events)
+                ):
+                    self._drop(conn)  # a bug with this caller: hang up, serve the rest
             if (now := time.monotonic()) >= next_sweep:
-                self._sweep(now)
+                self._guard.run(functools.partial(self._sweep, now))
                 next_sweep = now + 1.0
+
+    def _serve(self, conn: _Connection, events: int) -> None:
+        if events & select.EPOLLOUT:
+            self._flush(conn)
+        if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
+            self._read(conn)
 
     def _accept(self) -> None:
         assert self._listener is not None  # noqa: S101

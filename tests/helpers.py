@@ -59,3 +59,19 @@ def set_start_time(proc_root: Path, pid: int, ticks: int) -> None:
     fields = tail.split(" ")  # fields[0] is "" (the space after ')'), fields[1] is field 3
     fields[22 - 2] = str(ticks)
     stat.write_text(head + paren + " ".join(fields))
+
+
+def older_than_a_tick(pid: int) -> int:
+    """Wait until process `pid` started at least one clock tick ago; returns `pid`.
+
+    A real GPU process always is by the time NVML lists it (creating a CUDA context takes
+    far longer), and the enforcer refuses a process that started in the tick in which NVML
+    first listed its pid: it cannot be proven to be the one NVML meant.
+    """
+    from enforcer.procfs import ProcFs
+    from enforcer.sources import boot_ticks
+
+    start = ProcFs().start_time(pid)
+    assert start is not None, f"no process {pid}"
+    wait_for(lambda: boot_ticks() > start, what=f"pid {pid} to be a tick old")
+    return pid

@@ -181,6 +181,9 @@ def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
     assert spec.node_selector == {"nvidia.com/gpu.present": "true"}
     assert agent.security_context.capabilities.add == ["SYS_PTRACE"]  # and root: see agent.yaml
     assert agent.security_context.capabilities.drop == ["ALL"]
+    assert agent.security_context.seccomp_profile.type == "RuntimeDefault"
+    liveness = agent.liveness_probe.http_get
+    assert (liveness.path, liveness.port) == ("/healthz", "metrics")
     assert spec.volumes[0].host_path.path == "/run/vram-enforcer"
     shipped = yaml.safe_load_all((ROOT / "deploy" / "rbac" / "agent.yaml").read_text())
     rules = next(d for d in shipped if d["kind"] == "ClusterRole")["rules"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from enforcer.model import GiB
 from enforcer.nvml import Nvml
-from enforcer.nvml_source import NvmlSource
+from enforcer.nvml_source import NvmlSource, gpu_device_prefix
 from enforcer.procfs import ProcFs
 from enforcer.sources import PidView
 from tests.helpers import children, wait_for
@@ -70,7 +70,7 @@ def test_a_real_cuda_process_is_seen_with_its_start_time() -> None:
         nvml = Nvml()
         nvml.init()
         try:
-            sample = NvmlSource(nvml, PidView.host(ProcFs())).sample()
+            sample = NvmlSource(nvml, PidView.host(ProcFs()), gpu_device_prefix()).sample()
         finally:
             nvml.shutdown()
         mine = [p for p in sample.processes if p.key.pid == child.pid]  # type: ignore[union-attr]

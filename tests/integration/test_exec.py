@@ -187,6 +187,18 @@ def _ppid(pid: int) -> int | None:
     return int(text.rpartition(")")[2].split()[1])
 
 
+def test_a_garbage_pid_from_nvml_does_not_stop_enforcement(run: Run) -> None:
+    """A pid no process can have (NVML's are unsigned) is not proven; the offender next to it
+    is still caught, and nothing escapes a tick as an exception."""
+    run.start("--limit", "1Gi")
+    w = run.worker()
+    run.gpu.state.set_process(0, 2**32 - 1, 10 * GiB)
+    run.use(w["pid"], 2 * GiB)
+    assert run.wait() == 128 + signal.SIGTERM, run.stderr
+    assert f"sent SIGTERM to pid {w['pid']}" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_warn_only_kills_nothing(run: Run) -> None:
     run.start("--limit", "1Gi", "--action", "warn")
     w = run.worker()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +16,8 @@ from enforcer.model import GiB, ProcessKey, Sample, SourceDown
 from enforcer.nvml import Nvml, NvmlLost, NvmlQueryError, NvmlUnavailable
 from enforcer.nvml_source import NvmlSource
 from enforcer.procfs import ProcFs
-from enforcer.sources import PidView
-from tests.helpers import copy_proc_fixture, set_start_time
+from enforcer.sources import PidView, boot_ticks
+from tests.helpers import copy_proc_fixture, older_than_a_tick, set_start_time, wait_for
 
 
 class Clock:
@@ -178,7 +181,7 @@ def test_old_drivers_without_v3_process_lists_fall_back_to_v2(fake_nvml: Any, nv
 def test_source_keeps_live_processes_with_their_start_times(fake_nvml: Any, nvml: Nvml) -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        fake_nvml.state.set_process(0, child.pid, GiB)
+        fake_nvml.state.set_process(0, older_than_a_tick(child.pid), GiB)
         fake_nvml.state.set_process(0, 2**22 + 12345, GiB)  # no such pid
         fake_nvml.write()
         nvml.init()
@@ -230,7 +233,7 @@ def test_an_exited_process_is_dropped_even_while_nvml_still_lists_it(
     fake_nvml: Any, nvml: Nvml
 ) -> None:
     child = subprocess.Popen(["sleep", "60"])
-    fake_nvml.state.set_process(0, child.pid, GiB)
+    fake_nvml.state.set_process(0, older_than_a_tick(child.pid), GiB)
     fake_nvml.write()
     nvml.init()
     source = NvmlSource(nvml, PidView.host(ProcFs()))
@@ -243,3 +246,118 @@ def test_an_exited_process_is_dropped_even_while_nvml_still_lists_it(
     assert isinstance(second, Sample)
     assert second.processes == ()
     source.close()
+
+
+def test_a_process_born_in_the_tick_nvml_first_listed_its_pid_is_not_proven(
+    fake_nvml: Any, nvml: Nvml, tmp_path: Path
+) -> None:
+    """The first sighting is remembered: a start at that tick or later is not the listed
+    process, however many passes later it is read."""
+    proc = copy_proc_fixture("host", tmp_path / "proc")
+    set_start_time(proc, 4242, 1)
+    fake_nvml.state.set_process(0, 4242, GiB)
+    fake_nvml.write()
+    nvml.init()
+
+    def first_pass() -> tuple[NvmlSource, int] | None:
+        """A source whose first pass ran within one clock tick, so that we know that tick."""
+        source = NvmlSource(nvml, PidView.host(ProcFs(proc)))
+        before = boot_ticks()
+        sample = source.sample()
+        assert isinstance(sample, Sample) and [p.key.pid for p in sample.processes] == [4242]
+        return (source, before) if boot_ticks() == before else None
+
+    source, first_seen = wait_for(first_pass, what="a first pass within one tick")
+
+    def charged() -> list[int]:
+        sample = source.sample()
+        assert isinstance(sample, Sample)
+        return [p.key.pid for p in sample.processes]
+
+    set_start_time(proc, 4242, first_seen)  # the pid now names a process born in that tick
+    assert charged() == []
+    set_start_time(proc, 4242, first_seen - 1)  # born a tick earlier: there when NVML looked
+    assert charged() == [4242]
+    set_start_time(proc, 4242, first_seen + 5)
+    assert charged() == []
+
+
+STALE_LISTING = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from enforcer.model import GiB
+    from enforcer.nvml import Nvml
+    from enforcer.nvml_source import NvmlSource
+    from enforcer.procfs import ProcFs
+    from enforcer.sources import PidView, boot_ticks
+    from tests.fakenvml import FakeGpuState
+    from tests.helpers import older_than_a_tick
+
+    state = FakeGpuState(json.loads(open(os.environ["FAKE_NVML_STATE"]).read()))
+    nvml = Nvml()
+    nvml.init()
+    source = NvmlSource(nvml, PidView.host(ProcFs()))
+    pids = lambda: sorted({p.key.pid for p in source.sample().processes})
+
+    old = subprocess.Popen(["sleep", "60"])
+    state.set_process(0, older_than_a_tick(old.pid), 3 * GiB)
+    state.write(__import__("pathlib").Path(os.environ["FAKE_NVML_STATE"]))
+    print(pids() == [old.pid], end=" ")
+    old.kill(); old.wait()  # NVML goes on listing its pid, as a lagging driver does
+    time.sleep(0.02)  # so that the newcomer starts in a later clock tick
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(old.pid - 1))
+    new = subprocess.Popen(["sleep", "60"])
+    assert new.pid == old.pid, (new.pid, old.pid)
+    older_than_a_tick(new.pid)
+    print(pids(), pids())  # the newcomer inherits nothing, on this pass or the next
+    new.kill()
+    """
+)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare"
+)
+def test_a_newcomer_on_a_stale_listed_pid_inherits_nothing(fake_nvml: Any) -> None:
+    """Real pid reuse in a fresh PID namespace (ns_last_pid), while NVML still lists the pid."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", STALE_LISTING, str(root)],
+        env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert out.stdout.split() == ["True", "[]", "[]"], out.stderr
+
+
+def test_where_gpu_device_files_exist_a_charged_process_holds_one(
+    fake_nvml: Any, nvml: Nvml, tmp_path: Path
+) -> None:
+    """Defence in depth for listings whose age is unknown (an agent that just started): a
+    process that holds no GPU device file is not the process NVML meant."""
+    devices = tmp_path / "dev"
+    devices.mkdir()
+    (devices / "nvidiactl").touch()
+    holds = subprocess.Popen(
+        [sys.executable, "-c", f"import time; f = open({str(devices / 'nvidiactl')!r}); print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        assert holds.stdout is not None and holds.stdout.readline() == "ready\n"
+        for pid in (holds.pid, bystander.pid):
+            fake_nvml.state.set_process(0, older_than_a_tick(pid), GiB)
+        fake_nvml.write()
+        nvml.init()
+        checked = NvmlSource(nvml, PidView.host(ProcFs()), str(devices / "nvidia"))
+        sample = checked.sample()
+        assert isinstance(sample, Sample)
+        assert [p.key.pid for p in sample.processes] == [holds.pid]
+        unchecked = NvmlSource(nvml, PidView.host(ProcFs()), None)  # a machine without them
+        sample = unchecked.sample()
+        assert isinstance(sample, Sample)
+        assert sorted(p.key.pid for p in sample.processes) == sorted([holds.pid, bystander.pid])
+    finally:
+        for child in (holds, bystander):
+            child.kill()
+            child.wait()

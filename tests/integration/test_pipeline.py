@@ -1,29 +1,42 @@
-"""One tick of the pipeline against real processes: what is reported, and how loudly."""
+"""Ticks of the pipeline with the real attributor, signaller and terminator, against real
+processes: what is reported, how loudly, and that a failing tick does not end enforcement.
+
+The usage source is the one stand-in, at the boundary: it replays samples, as the agent's
+socket delivers a sample taken before a process exited, or fails as a buggy source would.
+"""
 
 from __future__ import annotations
 
+import logging
 import subprocess
+from collections.abc import Iterator
 
-from enforcer.attribution import attribute
+import pytest
+
+from enforcer.execmode import TreeAttributor
 from enforcer.metrics import Telemetry
-from enforcer.model import Device, ProcessKey, ProcessUsage, Sample, UnitUsage
+from enforcer.model import Device, ProcessKey, ProcessUsage, Sample
 from enforcer.pipeline import Pipeline, Report
 from enforcer.policy import PolicyConfig
 from enforcer.procfs import ProcFs
-from enforcer.signals import Membership, Signaller, Terminator
+from enforcer.signals import Signaller, Terminator
 
 GiB = 1024**3
 GPU = Device(0, "GPU-0", "NVIDIA H100 80GB HBM3", 80 * GiB, 2 * GiB)
+PROC = ProcFs()
 
 
-class StaleSource:
-    """A sample taken while `key` was alive: the process has exited since."""
+class Replay:
+    """Each tick takes the next step: a sample to return, or an exception to raise."""
 
-    def __init__(self, key: ProcessKey) -> None:
-        self.key = key
+    def __init__(self, *steps: Sample | Exception) -> None:
+        self.steps = list(steps)
 
     def sample(self) -> Sample:
-        return Sample(0.0, (GPU,), (ProcessUsage(self.key, "GPU-0", 2 * GiB),))
+        step = self.steps.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        return step
 
     def fileno(self) -> int | None:
         return None
@@ -32,39 +45,67 @@ class StaleSource:
         pass
 
 
-class OneUnit:
-    def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]:
-        return attribute(sample, {p.key: "trainer" for p in sample.processes}, {"trainer": GiB})
-
-    def membership(self, unit: str) -> Membership:
-        return lambda pid: True
-
-    def label(self, unit: str) -> str:
-        return f"container {unit!r}"
+def using(key: ProcessKey, used: int) -> Sample:
+    return Sample(0.0, (GPU,), (ProcessUsage(key, GPU.uuid, used),))
 
 
-def test_a_victim_that_already_exited_is_logged_quietly_not_reported_as_an_event() -> None:
+class Collect:
+    def __init__(self) -> None:
+        self.reports: list[Report] = []
+
+    def report(self, report: Report) -> None:
+        self.reports.append(report)
+
+    def reasons(self) -> list[str]:
+        return [str(r.reason) for r in self.reports]
+
+
+@pytest.fixture
+def child() -> Iterator[tuple[subprocess.Popen[bytes], ProcessKey]]:
+    """A process of our own tree: TreeAttributor counts it (we are its root)."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc, ProcessKey(proc.pid, PROC.start_time(proc.pid) or -1)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def pipeline(source: Replay, reporter: Collect, telemetry: Telemetry) -> Pipeline:
+    terminator = Terminator(Signaller(PROC, protected=frozenset({1})))
+    attributor = TreeAttributor(PROC, "trainer", GiB)
+    return Pipeline(source, attributor, PolicyConfig(), terminator, [reporter], telemetry)
+
+
+def test_a_victim_that_already_exited_is_logged_quietly_not_reported_as_an_event(
+    child: tuple[subprocess.Popen[bytes], ProcessKey],
+) -> None:
     """Otherwise its Event, aggregated with the real one, would replace "sent SIGTERM"."""
-    child = subprocess.Popen(["sleep", "60"])
-    key = ProcessKey(child.pid, ProcFs().start_time(child.pid) or -1)
-    child.kill()
-    child.wait()
-    reports: list[Report] = []
-
-    class Collect:
-        def report(self, report: Report) -> None:
-            reports.append(report)
-
-    terminator = Terminator(Signaller(ProcFs(), protected=frozenset({1})))
-    pipeline = Pipeline(
-        StaleSource(key), OneUnit(), PolicyConfig(), terminator, [Collect()], Telemetry({})
-    )
-    try:
-        pipeline.tick()
-    finally:
-        terminator.close()
-    (enforced,) = [r for r in reports if str(r.reason) == "VRAMEnforced"]
+    proc, key = child
+    reporter = Collect()
+    # First seen alive and under its limit; then a sample taken before it exited says over.
+    ticks = pipeline(Replay(using(key, GiB // 2), using(key, 2 * GiB)), reporter, Telemetry({}))
+    ticks.tick()
+    assert [u.used_bytes for u in ticks.last_units] == [GiB // 2]  # the tick saw it
+    proc.kill()
+    proc.wait()
+    ticks.tick()
+    (enforced,) = [r for r in reporter.reports if str(r.reason) == "VRAMEnforced"]
     assert "it had already exited" in enforced.message
     assert enforced.quiet and enforced.normal
-    exceeded = [r for r in reports if str(r.reason) == "VRAMLimitExceeded"]
+    exceeded = [r for r in reporter.reports if str(r.reason) == "VRAMLimitExceeded"]
     assert exceeded and not exceeded[0].quiet
+
+
+def test_a_tick_that_fails_is_reported_and_the_next_one_enforces(
+    child: tuple[subprocess.Popen[bytes], ProcessKey], caplog: pytest.LogCaptureFixture
+) -> None:
+    proc, key = child
+    reporter, telemetry = Collect(), Telemetry({})
+    ticks = pipeline(Replay(RuntimeError("a bug"), using(key, 2 * GiB)), reporter, telemetry)
+    with caplog.at_level(logging.ERROR):
+        ticks.tick()
+    assert "unexpected error in the tick loop" in caplog.text and "a bug" in caplog.text
+    assert telemetry.unexpected.labels("tick")._value.get() == 1
+    ticks.tick()
+    assert proc.wait(timeout=5) == -15
+    assert "VRAMEnforced" in reporter.reasons()

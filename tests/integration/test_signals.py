@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ from enforcer.model import Action, ProcessKey, ProcessTotal, SignalResult, UnitU
 from enforcer.policy import Enforcement
 from enforcer.procfs import ProcFs
 from enforcer.signals import Escalation, Signaller, Terminator
+from tests.helpers import wait_for
 
 PROC = ProcFs()
 IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
@@ -55,10 +55,16 @@ def always(pid: int) -> bool:
     return True
 
 
+def terminator() -> Terminator:
+    return Terminator(Signaller(PROC, frozenset()))
+
+
 def test_sigterm_reaches_a_verified_process(spawn: list[subprocess.Popen[str]]) -> None:
     child, key = start(spawn)
-    assert Signaller(PROC, frozenset()).send(key, signal.SIGTERM, always) is SignalResult.SENT
+    t = terminator()
+    assert t.start(enforcement(key, grace=10), always, time.monotonic()) is SignalResult.SENT
     assert child.wait(timeout=5) == -15
+    t.close()
 
 
 def test_wrong_start_time_is_refused_and_the_process_lives(
@@ -66,33 +72,28 @@ def test_wrong_start_time_is_refused_and_the_process_lives(
 ) -> None:
     child, key = start(spawn)
     stale = ProcessKey(key.pid, key.start_time - 1)
-    assert (
-        Signaller(PROC, frozenset()).send(stale, signal.SIGKILL, always)
-        is SignalResult.IDENTITY_CHANGED
-    )
+    result = terminator().start(enforcement(stale, Action.KILL), always, time.monotonic())
+    assert result is SignalResult.IDENTITY_CHANGED
     time.sleep(0.1)
     assert child.poll() is None
 
 
 def test_non_member_is_refused(spawn: list[subprocess.Popen[str]]) -> None:
     child, key = start(spawn)
-    result = Signaller(PROC, frozenset()).send(key, signal.SIGKILL, lambda pid: False)
+    result = terminator().start(enforcement(key, Action.KILL), lambda pid: False, time.monotonic())
     assert result is SignalResult.NOT_MEMBER
     assert child.poll() is None
 
 
 def test_protected_and_gone() -> None:
-    s = Signaller(PROC, frozenset({12345}))
-    sig = signal.SIGKILL
-    assert s.send(ProcessKey(1, 1), sig, always) is SignalResult.PROTECTED
-    assert (
-        s.send(ProcessKey(os.getpid(), PROC.start_time(os.getpid()) or 0), sig, always)
-        is SignalResult.PROTECTED
-    )
-    assert s.send(ProcessKey(12345, 1), sig, always) is SignalResult.PROTECTED
+    t = Terminator(Signaller(PROC, frozenset({12345})))
+    now = time.monotonic()
+    me = ProcessKey(os.getpid(), PROC.start_time(os.getpid()) or 0)
+    for key in (ProcessKey(1, 1), me, ProcessKey(12345, 1)):
+        assert t.start(enforcement(key, Action.KILL), always, now) is SignalResult.PROTECTED
     dead = subprocess.Popen(["true"])
     dead.wait()
-    assert s.send(ProcessKey(dead.pid, 1), sig, always) in (
+    assert t.start(enforcement(ProcessKey(dead.pid, 1), Action.KILL), always, now) in (
         SignalResult.GONE,
         SignalResult.IDENTITY_CHANGED,
     )
@@ -100,12 +101,63 @@ def test_protected_and_gone() -> None:
 
 def test_a_zombie_counts_as_gone(spawn: list[subprocess.Popen[str]]) -> None:
     child, key = start(spawn, "print('ready', flush=True)")
-    deadline = time.monotonic() + 5
-    while (
-        (st := PROC.stat(child.pid)) is not None and st.state != "Z" and time.monotonic() < deadline
-    ):
-        time.sleep(0.01)
-    assert Signaller(PROC, frozenset()).send(key, signal.SIGTERM, always) is SignalResult.GONE
+    wait_for(lambda: (st := PROC.stat(child.pid)) is not None and st.state == "Z", what="a zombie")
+    assert terminator().start(enforcement(key), always, time.monotonic()) is SignalResult.GONE
+
+
+def test_a_thread_id_is_not_proven_and_nothing_raises(spawn: list[subprocess.Popen[str]]) -> None:
+    """pidfd_open refuses a thread id (ENOENT): that is "not proven", not an exception."""
+    code = (
+        "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    child, _ = start(spawn, code)
+    tid = wait_for(
+        lambda: [int(t) for t in os.listdir(f"/proc/{child.pid}/task") if int(t) != child.pid]
+    )[0]
+    key = ProcessKey(tid, PROC.start_time(tid) or 0)
+    result = terminator().start(enforcement(key, Action.KILL), always, time.monotonic())
+    assert result is SignalResult.UNVERIFIED
+    assert child.poll() is None
+
+
+OUT_OF_FDS = textwrap.dedent(
+    """
+    import resource, subprocess, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from enforcer.model import Action, ProcessKey, ProcessTotal, UnitUsage
+    from enforcer.policy import Enforcement
+    from enforcer.procfs import ProcFs
+    from enforcer.signals import Signaller, Terminator
+
+    proc = ProcFs()
+    victim = subprocess.Popen(["sleep", "60"])
+    key = ProcessKey(victim.pid, proc.start_time(victim.pid))
+    total = ProcessTotal(key, 100, (("GPU-0", 100),))
+    t = Terminator(Signaller(proc, frozenset()))
+    hoard = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    try:
+        while True:
+            hoard.append(open("/dev/null"))
+    except OSError:
+        pass
+    print(proc.stat(victim.pid), end=" ")  # EMFILE while reading /proc: None, no exception
+    result = t.start(Enforcement(UnitUsage("u", 1, (total,)), total, Action.KILL, 0), lambda pid: True, 0.0)
+    for f in hoard:
+        f.close()
+    time.sleep(0.05)
+    print(result.value, victim.poll() is None)
+    victim.kill()
+    """
+)
+
+
+def test_out_of_file_descriptors_is_not_proven_and_nothing_raises() -> None:
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", OUT_OF_FDS, str(root)],
+                         capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    assert out.stdout.split() == ["None", "unverified", "True"], out.stderr
 
 
 def test_terminate_escalates_to_sigkill_for_a_process_ignoring_sigterm(
@@ -163,9 +215,10 @@ PID_REUSE = textwrap.dedent(
     """
     import os, signal, subprocess, sys, time
     sys.path.insert(0, sys.argv[1])
-    from enforcer.model import ProcessKey, SignalResult
+    from enforcer.model import Action, ProcessKey, ProcessTotal, UnitUsage
+    from enforcer.policy import Enforcement
     from enforcer.procfs import ProcFs
-    from enforcer.signals import Signaller
+    from enforcer.signals import Signaller, Terminator
 
     proc = ProcFs()
     old = subprocess.Popen(["sleep", "60"])
@@ -177,7 +230,9 @@ PID_REUSE = textwrap.dedent(
         f.write(str(key.pid - 1))
     new = subprocess.Popen(["sleep", "60"])
     assert new.pid == key.pid, (new.pid, key.pid)
-    result = Signaller(proc, frozenset()).send(key, signal.SIGKILL, lambda pid: True)
+    victim = ProcessTotal(key, 100, (("GPU-0", 100),))
+    enforcement = Enforcement(UnitUsage("u", 1, (victim,)), victim, Action.KILL, 0.0)
+    result = Terminator(Signaller(proc, frozenset())).start(enforcement, lambda pid: True, 0.0)
     time.sleep(0.05)
     print(result.value, new.poll() is None)
     new.kill(); new.wait()

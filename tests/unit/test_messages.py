@@ -24,7 +24,7 @@ def test_refusal_says_why() -> None:
     text = messages.enforcement(e, "container 'x'", SignalResult.IDENTITY_CHANGED)
     assert "did not signal pid 4242" in text
     assert "start time changed" in text
-    assert "no longer belongs to container 'x'" in messages.enforcement(
+    assert "could not be proven to belong to container 'x'" in messages.enforcement(
         e, "container 'x'", SignalResult.NOT_MEMBER
     )
 
