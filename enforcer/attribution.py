@@ -6,7 +6,7 @@ the process tree, the sidecar reads cgroups); given those facts, the folding is 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from enforcer.model import ProcessKey, ProcessTotal, Sample, UnitUsage
 
@@ -35,3 +35,12 @@ def attribute(
         UnitUsage(name, limit, tuple(sorted(members[name], key=lambda p: -p.used_bytes)))
         for name, limit in limits.items()
     )
+
+
+def oldest(processes: Iterable[ProcessTotal]) -> ProcessTotal | None:
+    """The process that started first; None when there is none, or when two started in the
+    same clock tick (then which one is older is not proven)."""
+    ordered = sorted(processes, key=lambda p: p.key.start_time)
+    if len(ordered) > 1 and ordered[0].key.start_time == ordered[1].key.start_time:
+        return None
+    return ordered[0] if ordered else None

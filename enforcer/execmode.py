@@ -53,21 +53,31 @@ class TreeAttributor:
         self._limits = {name: limit_bytes}
         # Membership is decided once per process: a descendant stays one (its orphans are
         # re-parented to us, the subreaper) and an outsider can never become one. The
-        # command line is kept with it. Processes that leave the sample are forgotten.
+        # command line is kept with it. Processes that leave the sample are forgotten, and
+        # so is a process whose ancestry could not be read: it is read again next tick.
         self._known: dict[ProcessKey, str | None] = {}
 
     def _is_member(self, pid: int) -> bool:
-        return self._procfs.is_descendant(pid, self._root)
+        return self._procfs.is_descendant(pid, self._root) is True
+
+    def _membership(self, key: ProcessKey) -> tuple[bool, str | None]:
+        """(decided, the command line of a member or None for a proven outsider)."""
+        member = self._procfs.is_descendant(key.pid, self._root)
+        start_time = self._procfs.start_time(key.pid)
+        if member is None or start_time is None:
+            return False, None  # unreadable now: not remembered
+        if member and start_time == key.start_time:
+            return True, self._procfs.cmdline(key.pid) or ""
+        return True, None  # outside the tree, or the pid names a newer process than the sample's
 
     def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]:
         known: dict[ProcessKey, str | None] = {}
         for key in {p.key for p in sample.processes}:
-            if key in self._known:
-                known[key] = self._known[key]
-            elif self._is_member(key.pid) and self._procfs.start_time(key.pid) == key.start_time:
-                known[key] = self._procfs.cmdline(key.pid) or ""
-            else:
-                known[key] = None
+            decided, cmdline = (
+                (True, self._known[key]) if key in self._known else self._membership(key)
+            )
+            if decided:
+                known[key] = cmdline
         self._known = known
         cmdlines = {key: cmd for key, cmd in known.items() if cmd is not None}
         return attribute(sample, dict.fromkeys(cmdlines, self._name), self._limits, cmdlines)

@@ -207,17 +207,20 @@ class ProcFs:
             return []
         return [int(n) for n in names if n.isdigit()]
 
-    def is_descendant(self, pid: int, ancestor: int) -> bool:
-        """Whether `ancestor` is on the ppid chain of `pid` (never true for `pid` itself)."""
+    def is_descendant(self, pid: int, ancestor: int) -> bool | None:
+        """Whether `ancestor` is on the ppid chain of `pid` (never true for `pid` itself);
+        None when a link of the chain could not be read (an ancestor exiting meanwhile)."""
         current = pid
         for _ in range(_MAX_DEPTH):
             st = self.stat(current)
-            if st is None or st.ppid <= 0:
-                return False
+            if st is None:
+                return None
             if st.ppid == ancestor:
                 return True
+            if st.ppid <= 0:
+                return False
             current = st.ppid
-        return False
+        return None
 
     def descendants(self, ancestor: int) -> set[int]:
         """Every process below `ancestor` in the process tree, from one pass over `/proc`."""

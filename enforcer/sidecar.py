@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from enforcer import messages
-from enforcer.attribution import attribute
+from enforcer.attribution import attribute, oldest
 from enforcer.cgroups import container_id
 from enforcer.config import SidecarSettings
 from enforcer.kube import EventRecorder, KubeError, PodWatcher, connect
@@ -85,7 +85,11 @@ class ContainerAttributor:
                 limits.setdefault(ref.name, 0)  # GPU memory without a declaration is a violation
         units = list(attribute(sample, unit_of, limits, cmdlines))
         if self._want_init:
-            units = [self._with_init(u, by_id) for u in units]
+            inits = self._inits(by_id)
+            units = [
+                UnitUsage(u.name, u.limit_bytes, u.processes, init_process=inits.get(u.name))
+                for u in units
+            ]
         unproven = [key for key in known if key not in unit_of]
         if unproven:
             self._refresh()  # a new container (or a restart) the cached pod does not know yet
@@ -99,22 +103,31 @@ class ContainerAttributor:
         return tuple(units)
 
     def _read(self, key: ProcessKey) -> tuple[str | None, str] | None:
+        """(container ID or None, command line) of a process; None when it cannot be read
+        now, which is not remembered: the next tick reads again."""
         st = self._procfs.stat(key.pid)
         if st is None or st.start_time != key.start_time:
-            return None  # gone, or its pid now names another process
-        return _cid(self._procfs, key.pid), self._procfs.cmdline(key.pid) or ""
+            return None  # gone, unreadable, or its pid now names another process
+        entries = self._procfs.cgroup(key.pid)
+        if entries is None:
+            return None
+        return container_id(entries), self._procfs.cmdline(key.pid) or ""
 
-    def _with_init(self, unit: UnitUsage, by_id: Mapping[str, ContainerRef]) -> UnitUsage:
-        """Attach the container's init process: in a shared PID namespace, its parent is 0."""
-        ids = {cid for cid, ref in by_id.items() if ref.name == unit.name}
+    def _inits(self, by_id: Mapping[str, ContainerRef]) -> dict[str, ProcessTotal]:
+        """Each container's init process, from one scan of /proc. In a shared PID namespace
+        its parent is 0, but so is that of a `kubectl exec` into the container, which is
+        always younger: the oldest such process of the container is its init."""
+        candidates: dict[str, list[ProcessTotal]] = {}
         for pid in self._procfs.pids():
             st = self._procfs.stat(pid)
-            if st is not None and st.ppid == 0 and pid != 1 and _cid(self._procfs, pid) in ids:
-                init = ProcessTotal(
-                    ProcessKey(pid, st.start_time), 0, (), self._procfs.cmdline(pid) or ""
-                )
-                return UnitUsage(unit.name, unit.limit_bytes, unit.processes, init_process=init)
-        return unit
+            if st is None or st.ppid != 0 or pid == 1:
+                continue
+            ref = by_id.get(_cid(self._procfs, pid) or "")
+            if ref is not None:
+                cmd = self._procfs.cmdline(pid) or ""
+                found = ProcessTotal(ProcessKey(pid, st.start_time), 0, (), cmd)
+                candidates.setdefault(ref.name, []).append(found)
+        return {name: init for name, found in candidates.items() if (init := oldest(found))}
 
     def membership(self, unit: str) -> Membership:
         """Re-proven before every signal: the pid's cgroup still names one of the unit's IDs."""

@@ -1,0 +1,172 @@
+"""The attributors, driven directly over `/proc` fixture trees: which process counts for
+which unit, what is never counted, and that a failed read is never remembered.
+
+`tests/fixtures/proc/pod` is a pod's /proc as its sidecar sees it (the sidecar is pid 40,
+`self`): pause (1), the trainer's init (7, the oldest process of its container with parent
+0) and its worker (12), four `kubectl exec` shells in the trainer container (2-5, parent 0,
+younger, lower pids), a helper container's process (50) and one in a container that the
+pod's status does not list (60).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from enforcer.execmode import TreeAttributor
+from enforcer.model import GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.procfs import ProcFs
+from enforcer.sidecar import POD_UNIT, ContainerAttributor
+from tests.helpers import copy_proc_fixture, set_start_time
+
+TRAINER, HELPER, SIDECAR = "7" * 64, "4" * 64, "5" * 64
+POD = {
+    "metadata": {"name": "trainer-0"},
+    "spec": {"containers": [{"name": "trainer"}, {"name": "helper"}]},
+    "status": {
+        "initContainerStatuses": [{"name": "vram-enforcer", "containerID": f"containerd://{SIDECAR}"}],
+        "containerStatuses": [
+            {"name": "trainer", "containerID": f"containerd://{TRAINER}"},
+            {"name": "helper", "containerID": f"containerd://{HELPER}"},
+        ],
+    },
+}  # fmt: skip
+START = {1: 400000, 7: 500000, 12: 500100, 40: 450000, 50: 500050, 60: 500060}
+
+
+def key(pid: int) -> ProcessKey:
+    return ProcessKey(pid, START[pid])
+
+
+def sample(usage: dict[int, int]) -> Sample:
+    return Sample(
+        0.0, (), tuple(ProcessUsage(key(pid), "GPU-0", used) for pid, used in usage.items())
+    )
+
+
+class Refreshes:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self) -> None:
+        self.count += 1
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> Path:
+    return copy_proc_fixture("pod", tmp_path / "proc")
+
+
+def attributor(proc: Path, pod: dict[str, Any] | None = POD, **kwargs: Any) -> ContainerAttributor:
+    options: dict[str, Any] = {"undeclared_allowed": False, "want_init": False, **kwargs}
+    return ContainerAttributor(
+        ProcFs(proc),
+        lambda: pod,
+        options.pop("refresh", Refreshes()),
+        {"trainer": 4 * GiB},
+        **options,
+    )
+
+
+def by_name(units: Any) -> dict[str, Any]:
+    return {u.name: u for u in units}
+
+
+def test_processes_count_for_their_container_and_undeclared_ones_get_a_limit_of_0(
+    proc: Path,
+) -> None:
+    units = by_name(attributor(proc).attribute(sample({12: 3 * GiB, 50: GiB})))
+    assert [p.key.pid for p in units["trainer"].processes] == [12]
+    assert (units["trainer"].used_bytes, units["trainer"].limit_bytes) == (3 * GiB, 4 * GiB)
+    assert (units["helper"].used_bytes, units["helper"].limit_bytes) == (GiB, 0)
+    assert units["trainer"].processes[0].cmdline == "python -m torch.distributed.run worker"
+
+
+def test_with_undeclared_allowed_an_undeclared_container_is_not_checked(proc: Path) -> None:
+    units = by_name(attributor(proc, undeclared_allowed=True).attribute(sample({50: GiB})))
+    assert set(units) == {"trainer"}
+
+
+def test_pause_the_sidecar_and_its_own_container_never_count(proc: Path) -> None:
+    units = attributor(proc).attribute(sample({1: GiB, 40: GiB, 12: GiB}))
+    assert {p.key.pid for u in units for p in u.processes} == {12}
+
+
+def test_an_unknown_container_is_reported_for_the_pod_never_enforced(proc: Path) -> None:
+    refresh = Refreshes()
+    units = by_name(attributor(proc, refresh=refresh).attribute(sample({60: 2 * GiB, 12: GiB})))
+    pod = units[POD_UNIT]
+    assert not pod.enforceable
+    assert {p.key.pid for p in pod.processes} == {60, 12}  # the pod's total, everyone in it
+    assert pod.limit_bytes == 4 * GiB  # the sum of the declared limits
+    assert refresh.count == 1  # the cached pod may be missing a new container: read it again
+
+
+def test_restart_targets_the_containers_oldest_process_with_parent_0_not_an_exec_shell(
+    proc: Path,
+) -> None:
+    """`kubectl exec` shells (2-5) also have parent 0 and lower pids: the init is the oldest."""
+    units = by_name(attributor(proc, want_init=True).attribute(sample({12: 5 * GiB})))
+    init = units["trainer"].init_process
+    assert init is not None and init.key == key(7)
+    assert init.cmdline == "python train.py"
+    assert units["helper"].init_process is not None and units["helper"].init_process.key == key(50)
+
+
+def test_no_init_is_chosen_when_two_candidates_started_in_the_same_tick(proc: Path) -> None:
+    set_start_time(proc, 3, START[7])  # which one is the init is no longer proven
+    units = by_name(attributor(proc, want_init=True).attribute(sample({12: 5 * GiB})))
+    assert units["trainer"].init_process is None
+
+
+def test_membership_is_proven_again_for_each_signal(proc: Path) -> None:
+    a = attributor(proc)
+    a.attribute(sample({12: GiB}))
+    trainer = a.membership("trainer")
+    assert trainer(12) and trainer(7)
+    assert not trainer(50) and not trainer(1) and not trainer(40) and not trainer(60)
+    assert not a.membership(POD_UNIT)(12)
+    shutil.copy(proc / "50" / "cgroup", proc / "12" / "cgroup")  # moved to another container
+    assert not trainer(12)
+
+
+def test_a_failed_cgroup_read_is_not_remembered(proc: Path) -> None:
+    """A read that fails once must not leave the process unenforceable for its whole life."""
+    cgroup = proc / "12" / "cgroup"
+    saved = cgroup.read_bytes()
+    cgroup.unlink()  # unreadable this tick
+    a = attributor(proc)
+    units = by_name(a.attribute(sample({12: 5 * GiB})))
+    assert units["trainer"].processes == ()
+    cgroup.write_bytes(saved)
+    units = by_name(a.attribute(sample({12: 5 * GiB})))
+    assert [p.key.pid for p in units["trainer"].processes] == [12]
+
+
+def test_the_command_tree_forgets_a_process_whose_ancestry_could_not_be_read(
+    tmp_path: Path,
+) -> None:
+    """exec's attributor: an unreadable /proc entry is read again next tick, not cached as an
+    outsider (our own pid is the tree's root, so the fixture is built around it)."""
+    me = os.getpid()
+    proc = tmp_path / "proc"
+    for pid, ppid in ((me, 1), (900001, me)):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "stat").write_text(f"{pid} (x) S {ppid} " + " ".join(["0"] * 30))
+        set_start_time(proc, pid, 4242)
+    child = ProcessKey(900001, 4242)
+    stat = proc / "900001" / "stat"
+    saved = stat.read_text()
+    stat.unlink()
+    tree = TreeAttributor(ProcFs(proc), "job", GiB)
+    usage = Sample(0.0, (), (ProcessUsage(child, "GPU-0", 2 * GiB),))
+    (unit,) = tree.attribute(usage)
+    assert unit.processes == ()
+    stat.write_text(saved)
+    (unit,) = tree.attribute(usage)
+    assert [p.key for p in unit.processes] == [child]
+    assert tree.membership("job")(900001)
