@@ -37,6 +37,16 @@ how it works:
   process is only signalled after its pid, start time and membership in the command's
   tree were verified, through a pidfd.
 
+processes that outlive the command:
+  A process the command started and left running (a double fork, `cmd &`) is re-parented
+  to vram-enforcer and stays under the limit: vram-enforcer keeps running until the last
+  of them has exited, then exits with the command's status. It says so on stderr.
+
+signals:
+  SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to vram-enforcer are passed on to the command
+  and to the processes it left running (a ^C from the terminal has reached the command
+  already, and goes only to those outside its process group).
+
 exit status:
   the command's own status, or 128+N if it was killed by signal N;
   2 if the enforcer could not start (bad flags, no NVML, wrong PID namespace);

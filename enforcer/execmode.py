@@ -1,9 +1,10 @@
 """`vram-enforcer exec`: enforce a VRAM limit on one command and all of its descendants.
 
 The enforcer becomes a child subreaper, so a grandchild whose parent exits is re-parented
-to us and stays in the tree we enforce. Signals are taken synchronously (`sigtimedwait`)
-in the one loop that also ticks, so forwarding a signal, reaping a child and escalating a
-termination never race each other.
+to us and stays in the tree we enforce, also after the command itself has exited: we exit
+once the last descendant has. Signals are taken synchronously (`sigtimedwait`) in the one
+loop that also ticks, so forwarding a signal, reaping a child and escalating a termination
+never race each other.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from enforcer.nvml import Nvml, NvmlError
 from enforcer.nvml_source import NvmlSource, gpu_device_prefix
 from enforcer.pipeline import LogReporter, Pipeline
 from enforcer.procfs import INITIAL_PID_NS, ProcFs
-from enforcer.signals import Membership, Signaller, Terminator
+from enforcer.signals import Membership, Signaller, Terminator, signal_children
 from enforcer.sources import PidView, PidViewError
 
 log = logging.getLogger("enforcer.exec")
@@ -200,27 +201,27 @@ def _supervise(settings: ExecSettings, source: NvmlSource) -> int:
             " ".join(settings.command),
             settings.interval * 1000,
         )
-        status = _loop(child, pipeline, terminator, settings.interval)
+        return _loop(child, pipeline, terminator, procfs, settings.interval)
     finally:
         terminator.close()
         if server is not None:
             server.close()
-    leftovers = procfs.descendants(os.getpid())
-    if leftovers:
-        log.warning(
-            "the command exited, but %d process(es) it started are still running and are no "
-            "longer enforced: %s",
-            len(leftovers),
-            ", ".join(map(str, sorted(leftovers))),
-        )
-    return status
 
 
-def _loop(child: int, pipeline: Pipeline, terminator: Terminator, interval: float) -> int:
-    """Tick, forward signals and reap children until the command exits and victims are gone."""
+def _loop(
+    child: int, pipeline: Pipeline, terminator: Terminator, procfs: ProcFs, interval: float
+) -> int:
+    """Tick, forward signals and reap children until the last descendant has exited.
+
+    A descendant that outlives the command (a double fork) is re-parented to us, the
+    subreaper, and stays under the limit: we are done when we have no children left and
+    no victim is being terminated, and then exit with the command's own status.
+    """
     status: int | None = None
+    children_left = True
+    announced = False
     next_tick = time.monotonic()
-    while status is None or terminator.busy():
+    while status is None or children_left or terminator.busy():
         now = time.monotonic()
         if now >= next_tick:
             pipeline.tick()
@@ -228,31 +229,68 @@ def _loop(child: int, pipeline: Pipeline, terminator: Terminator, interval: floa
         deadline = terminator.next_deadline()
         wake = next_tick if deadline is None else min(next_tick, deadline)
         info = signal.sigtimedwait(_WAITED, max(0.0, wake - time.monotonic()))
-        if info is None:
-            # Reap here too: a SIGCHLD taken by a thread we did not start must not hang us.
-            status = _reap(child, status)
-            pipeline.follow_victims()
-            continue
-        if info.si_signo == signal.SIGCHLD:
-            status = _reap(child, status)
-            pipeline.follow_victims()
-        elif status is None and info.si_code == _SI_KERNEL:
-            pass  # from the terminal: the command is in our process group and got it too
-        elif status is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, info.si_signo)
+        if info is not None and info.si_signo != signal.SIGCHLD:
+            _forward(info, procfs)
+        # Reap on every wake-up: a SIGCHLD taken by a thread we did not start must not hang us.
+        status, children_left = _reap(child, status)
+        pipeline.follow_victims()
+        if status is not None and children_left and not announced:
+            announced = True
+            _announce_leftovers(status, procfs)
     return status
 
 
-def _reap(child: int, status: int | None) -> int | None:
-    """Collect every exited child (orphans are ours too); remember the command's status."""
+def _children(procfs: ProcFs) -> list[int]:
+    """Our own children: the command, and orphans re-parented to us."""
+    me = os.getpid()
+    return [pid for pid in procfs.pids() if (st := procfs.stat(pid)) is not None and st.ppid == me]
+
+
+def _forward(info: signal.struct_siginfo, procfs: ProcFs) -> None:
+    """Pass a signal we received to our children: the command and the leftovers.
+
+    One that the kernel sent (the terminal's ^C, a hangup) has already reached every
+    process of our process group, so it goes only to children outside it (the same rule
+    as sudo's, extended to orphans that started a session of their own).
+    """
+    targets = _children(procfs)
+    if info.si_code == _SI_KERNEL:
+        group = os.getpgrp()
+        targets = [pid for pid in targets if _process_group(pid) not in (group, None)]
+    signal_children(targets, signal.Signals(info.si_signo))
+
+
+def _process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _announce_leftovers(status: int, procfs: ProcFs) -> None:
+    leftovers = sorted(procfs.descendants(os.getpid()))
+    shown = ", ".join(f"{pid} ({procfs.cmdline(pid) or '?'})" for pid in leftovers[:5])
+    more = f" and {len(leftovers) - 5} more" if len(leftovers) > 5 else ""
+    log.warning(
+        "the command exited with status %d, but %d process(es) it started are still running: "
+        "%s%s. They stay under the limit until they exit; vram-enforcer then exits with the "
+        "command's status. To end them now, send SIGTERM to vram-enforcer (pid %d)",
+        status, len(leftovers), shown, more, os.getpid(),
+    )  # fmt: skip
+
+
+def _reap(child: int, status: int | None) -> tuple[int | None, bool]:
+    """Collect every exited child (orphans are ours too); remember the command's status.
+
+    Returns the status (None while the command runs) and whether any child is left.
+    """
     while True:
         try:
             pid, wait_status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return status
+            return status, False
         if pid == 0:
-            return status
+            return status, True
         if pid == child:
             code = os.waitstatus_to_exitcode(wait_status)
             status = 128 - code if code < 0 else code

@@ -33,12 +33,16 @@ class Run:
     gpu: Any
     tmp: Path
     proc: subprocess.Popen[str] | None = None
-    stderr: str = ""
     extra: list[subprocess.Popen[str]] = field(default_factory=list)
 
     @property
     def report(self) -> Path:
         return self.tmp / "worker.json"
+
+    @property
+    def stderr(self) -> str:
+        """What exec has written to stderr so far."""
+        return (self.tmp / "exec.stderr").read_text()
 
     def start(
         self, *flags: str, worker: tuple[str, ...] = (), prefix: tuple[str, ...] = ()
@@ -60,7 +64,8 @@ class Run:
             *worker,
         ]
         env = {**os.environ, **self.gpu.env(), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+        with (self.tmp / "exec.stderr").open("w") as stderr:
+            self.proc = subprocess.Popen(cmd, env=env, stderr=stderr, text=True)
 
     def worker(self, role: str = "main") -> dict[str, int]:
         path = self.report.with_name(f"{self.report.name}.{role}")
@@ -77,8 +82,7 @@ class Run:
 
     def wait(self, timeout: float = 20) -> int:
         assert self.proc is not None
-        _, self.stderr = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode
+        return self.proc.wait(timeout=timeout)
 
 
 @pytest.fixture
@@ -89,7 +93,7 @@ def run(fake_nvml: Any, tmp_path: Path) -> Iterator[Run]:
     for p in [r.proc, *r.extra]:
         if p is not None and p.poll() is None:
             p.kill()
-            p.communicate()
+            p.wait()
 
 
 def alive(pid: int) -> bool:
@@ -177,6 +181,45 @@ def test_a_reparented_orphan_is_still_counted(run: Run) -> None:
     run.release()
     assert run.wait() == 0
     assert f"sent SIGTERM to pid {orphan['pid']}" in run.stderr
+
+
+def test_a_double_fork_stays_under_the_limit_after_the_command_exits(run: Run) -> None:
+    """The command exits at once, leaving an orphan: exec supervises it until it is gone and
+    then exits with the command's own status."""
+    run.start("--limit", "4Gi", worker=("--spawn", "orphan", "--leave", "--exit", "3"))
+    main, orphan = run.worker("main"), run.worker("orphan")
+    assert run.proc is not None
+    wait_for(lambda: _ppid(main["pid"]) is None, what="the command to exit and be reaped")
+    wait_for(lambda: "still running" in run.stderr, what="the leftovers line")
+    assert run.proc.poll() is None, "exec must go on supervising the orphan"
+    run.use(orphan["pid"], 5 * GiB)
+    assert run.wait() == 3, run.stderr  # the command's status, once the orphan is gone
+    assert f"sent SIGTERM to pid {orphan['pid']}" in run.stderr
+    assert (
+        "the command exited with status 3, but 1 process(es) it started are still running"
+        in run.stderr
+    )
+
+
+def test_sigterm_to_exec_reaches_the_leftovers_too(run: Run) -> None:
+    run.start("--limit", "4Gi", worker=("--spawn", "orphan", "--leave", "--exit", "3"))
+    main, orphan = run.worker("main"), run.worker("orphan")
+    assert run.proc is not None
+    wait_for(lambda: _ppid(main["pid"]) is None, what="the command to exit and be reaped")
+    wait_for(lambda: "still running" in run.stderr, what="the leftovers line")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == 3
+    assert not alive(orphan["pid"])
+
+
+def test_sigterm_while_the_command_runs_reaches_an_orphan_as_well(run: Run) -> None:
+    run.start("--limit", "4Gi", worker=("--spawn", "orphan"))
+    main, orphan = run.worker("main"), run.worker("orphan")
+    assert run.proc is not None
+    wait_for(lambda: _ppid(orphan["pid"]) == run.proc.pid, what="re-parenting")  # type: ignore[union-attr]
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == 128 + signal.SIGTERM
+    assert not alive(main["pid"]) and not alive(orphan["pid"])
 
 
 def _ppid(pid: int) -> int | None:

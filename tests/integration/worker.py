@@ -2,7 +2,7 @@
 
 It reports its pid (and its pid in the host's /proc, when given one) in a JSON file, can
 spawn a child or an orphan that does the same, can ignore SIGTERM, and exits 0 once the
-test creates the release file.
+test creates the release file (or at once, with --leave: a double fork's intermediate).
 """
 
 import argparse
@@ -32,6 +32,9 @@ def main() -> None:
     p.add_argument("--ignore-term", action="store_true")
     p.add_argument("--host-proc")
     p.add_argument("--exit", type=int, default=0)
+    p.add_argument(
+        "--leave", action="store_true", help="exit (with --exit) at once, not on release"
+    )
     args = p.parse_args()
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -48,6 +51,8 @@ def main() -> None:
         orphan = " ".join(f"'{a}'" for a in [*me, "--role", "orphan"])
         subprocess.run(["sh", "-c", f"{orphan} &"], check=True)
     report(args.report, args.role, args.host_proc)
+    if args.leave:
+        sys.exit(args.exit)
     release = args.report.with_name(args.report.name + ".release")
     while not release.exists():
         time.sleep(0.02)
