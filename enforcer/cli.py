@@ -116,7 +116,7 @@ what it does:
   - reads NVML once per --interval for every GPU of the node;
   - serves each pod's sidecar the GPU usage of that pod's own processes on --socket,
     with PIDs translated into the pod's PID namespace (the caller is identified by the
-    kernel: SO_PEERPIDFD / SO_PEERCRED);
+    kernel: SO_PEERPIDFD, or SO_PEERCRED and a challenge on Linux < 6.5);
   - writes the node's VRAM (sum over GPUs or MIG partitions of total minus --reserve) to
     status.capacity and status.allocatable under --resource-name, and the labels
     vram-enforcer.io/gpu.product, gpu.count and gpu.memory (MiB of the smallest device),

@@ -18,7 +18,7 @@ from enforcer.config import DoctorSettings
 from enforcer.model import SourceDown, format_bytes
 from enforcer.nvml import Nvml, NvmlError
 from enforcer.procfs import INITIAL_PID_NS, ProcFs
-from enforcer.protocol import ProtocolError, decode_reply, encode_request
+from enforcer.protocol import Challenge, ProtocolError, decode_reply, encode_request
 
 EXIT_PROBLEMS = 1
 
@@ -93,7 +93,14 @@ def check_agent(path: str) -> Check:
             conn.settimeout(5)
             conn.connect(path)
             conn.sendall(encode_request())
-            reply = decode_reply(conn.makefile("rb").readline())
+            replies = conn.makefile("rb")
+            reply = decode_reply(replies.readline())
+            answered = ""
+            while isinstance(reply, Challenge):  # a kernel < 6.5: prove who we are
+                if reply.nonce != answered:
+                    conn.sendall(encode_request("usage", reply.nonce))
+                    answered = reply.nonce
+                reply = decode_reply(replies.readline())
     except (OSError, ProtocolError) as exc:
         return Check(
             "agent socket", "fail", f"{path}: {exc}",

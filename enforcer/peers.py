@@ -1,27 +1,37 @@
 """Who is on the other end of a Unix socket: the peer's process, and its PID namespace.
 
 The agent answers each caller only about processes in the caller's own PID namespace (or
-below it). The peer is identified by the kernel, not by anything it sends: SO_PEERPIDFD
-(Linux >= 6.5) hands us a pidfd for the very process that connected; on older kernels we
-fall back to SO_PEERCRED's pid. Its namespace is read through the host's `/proc`, and the
-pidfd is checked afterwards: if the peer exited meanwhile, its pid may name another process
-now, and the answer is refused.
+below it). The peer is identified by the kernel, not by anything it sends.
+
+- With SO_PEERPIDFD (Linux >= 6.5) the kernel hands us a pidfd for the very process that
+  connected. Its namespace is read through the host's `/proc`, and the pidfd is checked
+  afterwards: if the peer exited meanwhile, the reads may be of someone else, and the
+  connection is refused.
+- Older kernels give only SO_PEERCRED's pid, taken at connect time. If the caller exited
+  before we pinned that pid, the pid may name another process by now, maybe in another
+  pod. So the pinned process must prove that it is the caller: the agent sends a random
+  challenge, and the request that echoes it must arrive with SCM_CREDENTIALS (stamped by
+  the kernel when it was sent) naming the pinned pid. It was sent after we pinned, and the
+  pinned process still holds its pid when we check; so the process that sent it is the
+  one we pinned, and it holds the connection.
 """
 
 from __future__ import annotations
 
-import os
-import select
+import secrets
 import socket
 import struct
 from dataclasses import dataclass
 
+from enforcer.pidfd import Pinned
 from enforcer.procfs import ProcFs
+from enforcer.protocol import Challenge
 from enforcer.sources import PidView, PidViewError
 
 # Not in Python's socket module before 3.13; the value is fixed in the kernel ABI.
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+CREDENTIALS_SPACE = socket.CMSG_SPACE(_UCRED.size)
 
 
 class PeerError(Exception):
@@ -35,31 +45,76 @@ class Peer:
     view: PidView
 
 
-def attest(sock: socket.socket, host_proc: ProcFs) -> Peer:
+class Unproven:
+    """A caller pinned by its pid alone, until it answers the challenge (see the module)."""
+
+    def __init__(self, pid: int, uid: int, process: Pinned, view: PidView) -> None:
+        self.pid, self.uid, self.view = pid, uid, view
+        self._process = process
+        self.challenge = Challenge(
+            secrets.token_hex(16),
+            "this node's kernel cannot name the process behind a connection (no SO_PEERPIDFD, "
+            "Linux < 6.5): send the request again with this challenge to be identified",
+        )
+
+    def prove(self, answer: str | None, senders: set[int]) -> Peer:
+        """The caller, once the request that carries `answer` was sent by the pinned process
+        alone (`senders`: the pids in its SCM_CREDENTIALS). Raises PeerError otherwise."""
+        if answer != self.challenge.nonce:
+            raise PeerError("the answer to the challenge is wrong")
+        if senders != {self.pid}:
+            raise PeerError(
+                "the challenge was answered by another process than the one that connected"
+            )
+        if self._process.exited():
+            raise PeerError("the caller exited while it was being identified")
+        return Peer(self.pid, self.uid, self.view)
+
+    def close(self) -> None:
+        self._process.close()
+
+
+def attest(sock: socket.socket, host_proc: ProcFs, peer_pidfd: bool = True) -> Peer | Unproven:
+    """Identify the caller: a `Peer` at once, or, without SO_PEERPIDFD (or with
+    `peer_pidfd` False), an `Unproven` caller that still has to answer its challenge."""
     pid, uid, _gid = _UCRED.unpack(
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     )
     if pid <= 0:
         raise PeerError("the kernel reports no process for this connection")
-    pidfd = _peer_pidfd(sock, pid)
+    process = _peer_pidfd(sock, pid) if peer_pidfd else None
+    proven = process is not None
+    if process is None:
+        opened = Pinned.open(pid)
+        if not isinstance(opened, Pinned):
+            raise PeerError("the caller exited before it could be identified")
+        process = opened
     try:
-        try:
-            view = PidView.of_process(host_proc, pid)
-        except PidViewError as exc:
-            raise PeerError(f"cannot read the caller's PID namespace: {exc}") from None
-        if select.select([pidfd], [], [], 0)[0]:
-            raise PeerError("the caller exited while it was being identified")
+        view = PidView.of_process(host_proc, pid)
+    except PidViewError as exc:
+        process.close()
+        raise PeerError(f"cannot read the caller's PID namespace: {exc}") from None
+    if process.exited():
+        process.close()
+        raise PeerError("the caller exited while it was being identified")
+    if proven:
+        process.close()
         return Peer(pid, uid, view)
-    finally:
-        os.close(pidfd)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # stamp what it sends next
+    return Unproven(pid, uid, process, view)
 
 
-def _peer_pidfd(sock: socket.socket, pid: int) -> int:
+def _peer_pidfd(sock: socket.socket, pid: int) -> Pinned | None:
     try:
-        return int(sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD))
+        return Pinned(pid, int(sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)))
     except OSError:
-        pass  # kernel older than 6.5: open by pid, racing an exit we then detect
-    try:
-        return os.pidfd_open(pid)
-    except ProcessLookupError:
-        raise PeerError("the caller exited before it could be identified") from None
+        return None  # kernel older than 6.5
+
+
+def sender(ancillary: list[tuple[int, int, bytes]]) -> int | None:
+    """The sending process's pid from a message's SCM_CREDENTIALS (0 when the kernel did not
+    stamp it), None without credentials."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+            return int(_UCRED.unpack(data[: _UCRED.size])[0])
+    return None

@@ -25,6 +25,16 @@ class ProtocolError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Request:
     op: str
+    challenge: str | None = None  # the answer to the agent's challenge, when it sent one
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """The agent cannot tell from the kernel alone who connected (no SO_PEERPIDFD): the
+    caller is to send its request again with this challenge, and is identified by that."""
+
+    nonce: str
+    message: str
 
 
 def parse_request(line: bytes) -> Request:
@@ -39,15 +49,26 @@ def parse_request(line: bytes) -> Request:
     op = doc.get("op")
     if op not in OPS:
         raise ProtocolError(f"unknown op {op!r}; supported: {', '.join(OPS)}")
-    return Request(op)
+    challenge = doc.get("challenge")
+    return Request(op, challenge if isinstance(challenge, str) else None)
 
 
-def encode_request(op: str = "usage") -> bytes:
-    return json.dumps({"v": VERSION, "op": op}, separators=(",", ":")).encode() + b"\n"
+def encode_request(op: str = "usage", challenge: str | None = None) -> bytes:
+    doc: dict[str, object] = {"v": VERSION, "op": op}
+    if challenge is not None:
+        doc["challenge"] = challenge
+    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 
 def encode_error(message: str) -> bytes:
     return json.dumps({"v": VERSION, "error": message}, separators=(",", ":")).encode() + b"\n"
+
+
+def encode_challenge(challenge: Challenge) -> bytes:
+    """An error reply (so that a client that does not know challenges reports it) that
+    carries the challenge."""
+    doc = {"v": VERSION, "error": challenge.message, "challenge": challenge.nonce}
+    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 
 def _json(value: object) -> bytes:
@@ -98,12 +119,15 @@ def encode_usage(
     return usage_head(sampled_at, devices) + b",".join(entries) + USAGE_TAIL
 
 
-def decode_reply(line: bytes) -> Sample | SourceDown:
-    """A reply as the client sees it: a sample, or the agent's error as `SourceDown`."""
+def decode_reply(line: bytes) -> Sample | SourceDown | Challenge:
+    """A reply as the client sees it: a sample, the agent's error as `SourceDown`, or a
+    challenge to answer."""
     try:
         doc = json.loads(line)
         if doc.get("v") != VERSION:
             raise ProtocolError(f"the agent speaks protocol version {doc.get('v')!r}, not v1")
+        if isinstance(doc.get("challenge"), str):
+            return Challenge(doc["challenge"], str(doc.get("error", "")))
         if "error" in doc:
             return SourceDown(f"the agent says: {doc['error']}")
         devices = tuple(_device(d) for d in doc["devices"])

@@ -19,7 +19,7 @@ from typing import Protocol
 from enforcer.backoff import Backoff
 from enforcer.model import Sample, SourceDown
 from enforcer.procfs import INITIAL_PID_NS, NsChain, ProcFs
-from enforcer.protocol import ProtocolError, decode_reply, encode_request
+from enforcer.protocol import Challenge, ProtocolError, decode_reply, encode_request
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -127,6 +127,7 @@ class AgentSource:
         self._clock = clock
         self._sock: socket.socket | None = None
         self._buffer = b""
+        self._answered = ""  # the last challenge answered
         self._latest: Sample | SourceDown = SourceDown(
             "waiting for the first sample from the node agent"
         )
@@ -182,11 +183,22 @@ class AgentSource:
                 return
             self._buffer += chunk
         *lines, self._buffer = self._buffer.split(b"\n")
-        if lines:
-            try:
-                self._latest = decode_reply(lines[-1])
-            except ProtocolError as exc:
-                self._lost(str(exc))
+        try:
+            for line in lines:  # usually one: a sample per wake-up
+                reply = decode_reply(line)
+                if isinstance(reply, Challenge):
+                    self._answer(reply)
+                else:
+                    self._latest = reply
+        except (ProtocolError, OSError) as exc:
+            self._lost(str(exc))
+
+    def _answer(self, challenge: Challenge) -> None:
+        """A node whose kernel cannot name its callers asks them to prove who they are."""
+        if challenge.nonce != self._answered:
+            assert self._sock is not None  # noqa: S101 - only called when connected
+            self._sock.sendall(encode_request("subscribe", challenge.nonce))
+            self._answered = challenge.nonce
 
     def _lost(self, reason: str) -> None:
         self.close()

@@ -27,13 +27,14 @@ from prometheus_client import Counter, Gauge
 
 from enforcer.guard import LoopGuard
 from enforcer.model import Sample, SourceDown
-from enforcer.peers import PeerError, attest
+from enforcer.peers import CREDENTIALS_SPACE, PeerError, Unproven, attest, sender
 from enforcer.procfs import ProcFs
 from enforcer.protocol import (
     MAX_REQUEST_BYTES,
     USAGE_TAIL,
     ProtocolError,
     Request,
+    encode_challenge,
     encode_error,
     json_string,
     parse_request,
@@ -135,13 +136,22 @@ def _parse(line: bytes) -> Request:
 
 
 class _Connection:
-    """One caller: its attested view, unparsed input and unsent output."""
+    """One caller: its attested view, unparsed input and unsent output.
 
-    __slots__ = ("blocked_since", "inbox", "last_request", "outbox", "sock", "subscribed", "view")
+    Without SO_PEERPIDFD, a caller stays `unproven` until it answers its challenge; until
+    then it gets nothing but the challenge, and the pids the kernel stamped on what it
+    sent are collected in `senders`.
+    """
 
-    def __init__(self, sock: socket.socket, view: PidView) -> None:
+    __slots__ = ("blocked_since", "inbox", "last_request", "outbox", "refused", "senders",
+                 "sock", "subscribed", "unproven", "view")  # fmt: skip
+
+    def __init__(self, sock: socket.socket, view: PidView, unproven: Unproven | None) -> None:
         self.sock = sock
         self.view = view
+        self.unproven = unproven
+        self.senders: set[int] = set()
+        self.refused = False
         self.inbox = b""
         self.outbox = b""
         self.last_request = time.monotonic()
@@ -158,9 +168,15 @@ class UsageServer:
     """
 
     def __init__(
-        self, path: Path, host_proc: ProcFs, metrics: ServerMetrics, stale_after: float
+        self,
+        path: Path,
+        host_proc: ProcFs,
+        metrics: ServerMetrics,
+        stale_after: float,
+        peer_pidfd: bool = True,
     ) -> None:
         self.host_proc = host_proc
+        self._peer_pidfd = peer_pidfd  # False: identify callers as on kernels < 6.5
         self._path = path
         self._metrics = metrics
         self._stale_after = stale_after
@@ -263,14 +279,18 @@ class UsageServer:
                 self._refuse(sock, "too many connections; retry later")
                 continue
             try:
-                peer = attest(sock, self.host_proc)
+                peer = attest(sock, self.host_proc, self._peer_pidfd)
             except PeerError as exc:
                 self._refuse(sock, str(exc))
                 continue
-            conn = _Connection(sock, peer.view)
+            unproven = peer if isinstance(peer, Unproven) else None
+            conn = _Connection(sock, peer.view, unproven)
             self._connections[sock.fileno()] = conn
             self._epoll.register(sock.fileno(), select.EPOLLIN)
             self._metrics.connections.set(len(self._connections))
+            if unproven is not None:
+                conn.outbox = encode_challenge(unproven.challenge)
+                self._flush(conn)
 
     def _refuse(self, sock: socket.socket, message: str) -> None:
         self.count("refused")
@@ -280,7 +300,14 @@ class UsageServer:
 
     def _read(self, conn: _Connection) -> None:
         try:
-            data = conn.sock.recv(65536)
+            if conn.unproven is None:
+                data = conn.sock.recv(65536)
+            else:
+                data, ancillary, _, _ = conn.sock.recvmsg(65536, CREDENTIALS_SPACE)
+                # Unstamped data (pid 0) was sent before SO_PASSCRED, so before the challenge:
+                # it cannot hold the answer, and says nothing about who sent the answer.
+                if data and (pid := sender(ancillary)):
+                    conn.senders.add(pid)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -293,6 +320,12 @@ class UsageServer:
         while (end := conn.inbox.find(b"\n")) >= 0:
             line, conn.inbox = conn.inbox[: end + 1], conn.inbox[end + 1 :]
             replies.append(self._answer(line, conn))
+            if conn.refused:
+                with contextlib.suppress(OSError):
+                    conn.sock.send(replies[-1])
+                _discard_pending(conn.sock)
+                self._drop(conn)
+                return
         if len(conn.inbox) > MAX_REQUEST_BYTES:  # the stream cannot resync: hang up
             self.count("error")
             with contextlib.suppress(OSError):
@@ -313,6 +346,17 @@ class UsageServer:
         except ProtocolError as exc:
             self.count("error")
             return encode_error(str(exc))
+        if conn.unproven is not None:
+            if request.challenge is None:
+                return encode_challenge(conn.unproven.challenge)  # sent before it read it
+            try:
+                peer = conn.unproven.prove(request.challenge, conn.senders)
+            except PeerError as exc:
+                self.count("refused")
+                conn.refused = True
+                return encode_error(str(exc))
+            conn.unproven.close()
+            conn.unproven, conn.view = None, peer.view
         self.count("ok")
         if request.op == "subscribe":
             conn.subscribed = True
@@ -352,6 +396,9 @@ class UsageServer:
                 self._drop(conn)
 
     def _drop(self, conn: _Connection) -> None:
+        if conn.unproven is not None:
+            conn.unproven.close()
+            conn.unproven = None
         fd = conn.sock.fileno()
         if self._connections.pop(fd, None) is not None:
             with contextlib.suppress(OSError, ValueError):
