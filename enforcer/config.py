@@ -329,6 +329,7 @@ class SidecarSettings:
     node_name: str
     self_name: str
     limits: dict[str, int]
+    containers: tuple[str, ...]  # the pod's other containers, from its spec (may be empty)
     undeclared_allowed: bool
     policy: PolicyConfig
     interval: float
@@ -440,6 +441,7 @@ def sidecar_settings(
         pod_uid=identity["POD_UID"],
         node_name=environ.get("NODE_NAME", ""),
         self_name=environ.get("VRAM_ENFORCER_SELF_NAME", "vram-enforcer"),
+        containers=tuple(c for c in environ.get("VRAM_ENFORCER_CONTAINERS", "").split(",") if c),
         limits=parse_limits(
             _required(raw_limits, limits_field, f"use {LIMITS_FORM}"), field=limits_field
         ),

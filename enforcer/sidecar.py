@@ -41,7 +41,16 @@ ALONE_FOR = 10.0  # container mode, without the API: others gone this long means
 
 
 class ContainerAttributor:
-    """Units are the pod's containers, proven by container ID; the sidecar and pid 1 are out."""
+    """Units are the pod's containers, proven by container ID; the sidecar and pid 1 are out.
+
+    Container IDs are matched to names through the pod's status. Before the API has ever
+    answered, that is possible in one case only: the pod has a single container besides
+    the sidecar (`spec_containers`, from the webhook) and, among all of the pod's processes,
+    exactly one container ID other than the sidecar's and pause's has been seen since the
+    sidecar started. Then that ID is the container. A second ID (an ephemeral container, or
+    a restart) makes it ambiguous, and only the pod's total is reported until the API
+    answers.
+    """
 
     def __init__(
         self,
@@ -51,6 +60,7 @@ class ContainerAttributor:
         limits: Mapping[str, int],
         undeclared_allowed: bool,
         want_init: bool,
+        spec_containers: tuple[str, ...] = (),
     ) -> None:
         self._procfs = procfs
         self._pod = pod
@@ -58,15 +68,20 @@ class ContainerAttributor:
         self._limits = dict(limits)
         self._undeclared_allowed = undeclared_allowed
         self._want_init = want_init
+        self._spec_containers = spec_containers
         self._self = os.getpid()
         self._self_cid = _cid(procfs, "self")
         # (container ID or None, command line) per process, read once per process.
         self._known: dict[ProcessKey, tuple[str | None, str]] = {}
+        self._seen_without_api: set[str] = set()
+        self._without_api_said = ""
+        self._by_id: dict[str, ContainerRef] = {}
         self.refs: dict[str, ContainerRef] = {}
 
     def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]:
-        pod = self._pod() or {}
-        by_id = containers_by_id(pod)
+        pod = self._pod()
+        by_id = containers_by_id(pod) if pod is not None else self._without_api()
+        self._by_id = by_id
         self.refs = {ref.name: ref for ref in by_id.values()}
         known: dict[ProcessKey, tuple[str | None, str]] = {}
         for key in {p.key for p in sample.processes}:
@@ -102,6 +117,30 @@ class ContainerAttributor:
             )
         return tuple(units)
 
+    def _without_api(self) -> dict[str, ContainerRef]:
+        """Container ID -> container while the pod's status has never been read (see above)."""
+        pause = _cid(self._procfs, 1)
+        for pid in self._procfs.pids():
+            cid = _cid(self._procfs, pid)
+            if cid is not None and cid not in (self._self_cid, pause):
+                self._seen_without_api.add(cid)
+        sole = len(self._spec_containers) == 1 and len(self._seen_without_api) == 1
+        if sole:
+            (cid,) = self._seen_without_api
+            name = self._spec_containers[0]
+            self._say_once(f"enforcing container {name!r}, the pod's only one, by its ID")
+            return {cid: ContainerRef(name, "containers")}
+        self._say_once(
+            "the pod's containers cannot be told apart until its status is read: only the "
+            "pod's total is checked, and nothing is signalled"
+        )
+        return {}
+
+    def _say_once(self, what: str) -> None:
+        if what != self._without_api_said:
+            self._without_api_said = what
+            log.warning("this pod has not been read from the API yet; %s", what)
+
     def _read(self, key: ProcessKey) -> tuple[str | None, str] | None:
         """(container ID or None, command line) of a process; None when it cannot be read
         now, which is not remembered: the next tick reads again."""
@@ -130,11 +169,11 @@ class ContainerAttributor:
         return {name: init for name, found in candidates.items() if (init := oldest(found))}
 
     def membership(self, unit: str) -> Membership:
-        """Re-proven before every signal: the pid's cgroup still names one of the unit's IDs."""
+        """Re-proven before every signal: the pid's cgroup still names one of the unit's IDs
+        (as this tick matched IDs to containers)."""
         if unit == POD_UNIT:
             return lambda pid: False
-        by_id = containers_by_id(self._pod() or {})
-        ids = {cid for cid, ref in by_id.items() if ref.name == unit}
+        ids = {cid for cid, ref in self._by_id.items() if ref.name == unit}
         return lambda pid: pid != 1 and _cid(self._procfs, pid) in ids
 
     def label(self, unit: str) -> str:
@@ -220,6 +259,7 @@ def run(settings: SidecarSettings) -> int:
         settings.limits,
         settings.undeclared_allowed,
         want_init=settings.policy.action is Action.RESTART,
+        spec_containers=settings.containers,
     )
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
     reporters: list[Reporter] = [

@@ -346,6 +346,7 @@ def _add_sidecar(spec: dict[str, Any], limits: Mapping[str, int], settings_env: 
         _field_env("POD_UID", "metadata.uid"),
         _field_env("NODE_NAME", "spec.nodeName"),
         {"name": "VRAM_ENFORCER_LIMITS", "value": json.dumps(dict(limits), separators=(",", ":"))},
+        {"name": "VRAM_ENFORCER_CONTAINERS", "value": ",".join(c["name"] for c in _containers(spec))},
         *({"name": k, "value": v} for k, v in settings_env.items()),
         {"name": "VRAM_ENFORCER_AGENT_SOCKET", "value": settings.agent_socket},
         {"name": "VRAM_ENFORCER_SIDECAR_MODE", "value": settings.sidecar_mode},

@@ -210,6 +210,53 @@ def test_enforcement_goes_on_while_the_api_server_is_down(sidecar: Sidecar, pod:
     assert "Traceback" not in sidecar.text()
 
 
+def test_without_the_api_from_the_start_a_pod_with_one_container_is_enforced(
+    node: Node, apiserver: ApiServer, token: str, core: client.CoreV1Api, tmp_path: Path
+) -> None:
+    """The sidecar never reads its pod: its one container is proven by its only ID."""
+    solo = SimPod(core, NAMESPACE, "solo-0", ["trainer", "vram-enforcer"])
+    apiserver.stop()
+    try:
+        side = Sidecar(solo, node, apiserver, token, tmp_path, {"trainer": 1 * GiB},
+                       env={"VRAM_ENFORCER_CONTAINERS": "trainer"})  # fmt: skip
+        offender = start_worker(solo, "trainer", tmp_path)
+        node.use({offender: 2 * GiB})
+        wait_for(lambda: not alive(offender), what="the offender to be terminated without the API")
+        side.wait_logged(
+            "enforcing container 'trainer', the pod's only one, by its ID",
+            "container 'trainer' uses 2.00 GiB of its 1.00 GiB VRAM limit",
+        )
+        node.use({offender: None})
+        assert side.stop() == 0
+    finally:
+        apiserver.start()
+        solo.close()
+
+
+def test_without_the_api_two_containers_are_reported_then_enforced_once_it_answers(
+    node: Node, apiserver: ApiServer, token: str, core: client.CoreV1Api, tmp_path: Path
+) -> None:
+    duo = SimPod(core, NAMESPACE, "duo-0", ["trainer", "helper", "vram-enforcer"])
+    apiserver.stop()
+    try:
+        side = Sidecar(duo, node, apiserver, token, tmp_path, {"trainer": 1 * GiB, "helper": 1 * GiB},
+                       env={"VRAM_ENFORCER_CONTAINERS": "trainer,helper"})  # fmt: skip
+        offender = start_worker(duo, "trainer", tmp_path)
+        node.use({offender: 3 * GiB})
+        side.wait_logged("the pod as a whole uses 3.00 GiB")  # it saw the usage, and then:
+        side.wait_logged("only the pod's total is checked, and nothing is signalled")
+        assert alive(offender)
+    finally:
+        apiserver.start()
+    try:
+        wait_for(lambda: not alive(offender), timeout=60, what="enforcement once the pod is read")
+        side.wait_logged("container 'trainer' uses 3.00 GiB of its 1.00 GiB VRAM limit")
+        node.use({offender: None})
+        assert side.stop() == 0
+    finally:
+        duo.close()
+
+
 def test_restart_signals_the_containers_init_process(pod: SimPod, node: Node, apiserver: ApiServer, token: str,
                                                      admin: client.ApiClient, tmp_path: Path) -> None:  # fmt: skip
     restarter = SimPod(

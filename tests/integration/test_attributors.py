@@ -61,15 +61,23 @@ def proc(tmp_path: Path) -> Path:
     return copy_proc_fixture("pod", tmp_path / "proc")
 
 
-def attributor(proc: Path, pod: dict[str, Any] | None = POD, **kwargs: Any) -> ContainerAttributor:
+class ApiView:
+    """The pod as the pod watcher has it: None until the API first answers."""
+
+    def __init__(self, pod: dict[str, Any] | None) -> None:
+        self.pod = pod
+
+    def __call__(self) -> dict[str, Any] | None:
+        return self.pod
+
+
+def attributor(
+    proc: Path, pod: dict[str, Any] | ApiView | None = POD, **kwargs: Any
+) -> ContainerAttributor:
     options: dict[str, Any] = {"undeclared_allowed": False, "want_init": False, **kwargs}
-    return ContainerAttributor(
-        ProcFs(proc),
-        lambda: pod,
-        options.pop("refresh", Refreshes()),
-        {"trainer": 4 * GiB},
-        **options,
-    )
+    view = pod if isinstance(pod, ApiView) else ApiView(pod)
+    refresh = options.pop("refresh", Refreshes())
+    return ContainerAttributor(ProcFs(proc), view, refresh, {"trainer": 4 * GiB}, **options)
 
 
 def by_name(units: Any) -> dict[str, Any]:
@@ -170,3 +178,42 @@ def test_the_command_tree_forgets_a_process_whose_ancestry_could_not_be_read(
     (unit,) = tree.attribute(usage)
     assert [p.key for p in unit.processes] == [child]
     assert tree.membership("job")(900001)
+
+
+def only_the_trainer(proc: Path) -> Path:
+    """The pod fixture with the helper's and the unknown container's processes gone."""
+    for pid in (50, 60):
+        shutil.rmtree(proc / str(pid))
+    return proc
+
+
+def test_before_the_api_answers_the_only_container_is_enforced_by_its_id(proc: Path) -> None:
+    a = attributor(only_the_trainer(proc), pod=None, spec_containers=("trainer",))
+    units = by_name(a.attribute(sample({12: 5 * GiB})))
+    assert [p.key.pid for p in units["trainer"].processes] == [12]
+    assert POD_UNIT not in units
+    assert a.membership("trainer")(12) and not a.membership("trainer")(40)
+
+
+def test_before_the_api_answers_two_containers_are_only_reported(proc: Path) -> None:
+    a = attributor(only_the_trainer(proc), pod=None, spec_containers=("trainer", "helper"))
+    units = by_name(a.attribute(sample({12: 5 * GiB})))
+    assert set(units) == {"trainer", POD_UNIT}  # the declared limit, with nobody proven in it
+    assert units["trainer"].processes == () and not units[POD_UNIT].enforceable
+    assert not a.membership("trainer")(12)
+
+
+def test_before_the_api_answers_a_second_container_id_makes_it_ambiguous_for_good(
+    proc: Path,
+) -> None:
+    """An ephemeral container, or a restart: which ID is the container is no longer known."""
+    api = ApiView(None)
+    a = attributor(proc, pod=api, spec_containers=("trainer",))
+    assert by_name(a.attribute(sample({12: 5 * GiB})))["trainer"].processes == ()
+    only_the_trainer(proc)
+    units = by_name(a.attribute(sample({12: 5 * GiB})))
+    assert units["trainer"].processes == () and POD_UNIT in units
+    # Once the pod's status is read, it decides.
+    api.pod = POD
+    units = by_name(a.attribute(sample({12: 5 * GiB})))
+    assert [p.key.pid for p in units["trainer"].processes] == [12]

@@ -78,6 +78,7 @@ def test_a_bare_pod_gets_the_sidecar_first_among_init_containers() -> None:
     assert side["command"] == ["vram-enforcer", "sidecar"]
     env = env_of(side)
     assert json.loads(env["VRAM_ENFORCER_LIMITS"]) == {"trainer": 12 * GiB}
+    assert env["VRAM_ENFORCER_CONTAINERS"] == "trainer"  # without the API: the only one
     assert env["POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
     assert env["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["VRAM_ENFORCER_SIDECAR_MODE"] == "native"
@@ -132,6 +133,7 @@ def test_init_containers_that_declare_vram_are_limited_too() -> None:
     assert names == ["vram-enforcer", "compile-kernels"]  # the enforcer runs before them
     limits = json.loads(env_of(sidecar_of(out))["VRAM_ENFORCER_LIMITS"])
     assert limits == {"compile-kernels": 4 * GiB, "trainer": 12 * GiB}
+    assert env_of(sidecar_of(out))["VRAM_ENFORCER_CONTAINERS"] == "compile-kernels,trainer"
     assert env_of(out["spec"]["initContainers"][1])["VRAM_LIMIT_BYTES"] == str(4 * GiB)
 
 
