@@ -30,6 +30,7 @@ from enforcer.config import (
     parse_percent,
     parse_quantity,
 )
+from enforcer.webhook import shapes
 
 API_VERSION = "admission.k8s.io/v1"
 INJECT = "vram-enforcer.io/inject"
@@ -147,12 +148,17 @@ def mutate(pod: Mapping[str, Any], settings: AdmissionSettings) -> list[dict[str
     limits = declared_limits(spec, settings)
     if not limits:
         return []
+    try:
+        shapes.check(pod)
+    except shapes.ShapeError as exc:
+        raise Denied(str(exc)) from None
     _check_pod(spec, annotations)
     sidecar_env = _sidecar_settings(annotations)
     metrics_port = _metrics_port(annotations, spec)
     shm = str(annotations.get(SHM_SIZE, settings.shm_default))
     shm_limit = None if shm == "off" else _shm_limit(shm, spec)
     out: dict[str, Any] = copy.deepcopy(dict(pod))
+    shapes.without_nulls(out)
     out_spec = out.setdefault("spec", {})
     out_meta = out.setdefault("metadata", {})
     out_spec["shareProcessNamespace"] = True
@@ -346,7 +352,10 @@ def _add_sidecar(spec: dict[str, Any], limits: Mapping[str, int], settings_env: 
         _field_env("POD_UID", "metadata.uid"),
         _field_env("NODE_NAME", "spec.nodeName"),
         {"name": "VRAM_ENFORCER_LIMITS", "value": json.dumps(dict(limits), separators=(",", ":"))},
-        {"name": "VRAM_ENFORCER_CONTAINERS", "value": ",".join(c["name"] for c in _containers(spec))},
+        {
+            "name": "VRAM_ENFORCER_CONTAINERS",
+            "value": ",".join(c["name"] for c in _containers(spec)),
+        },
         *({"name": k, "value": v} for k, v in settings_env.items()),
         {"name": "VRAM_ENFORCER_AGENT_SOCKET", "value": settings.agent_socket},
         {"name": "VRAM_ENFORCER_SIDECAR_MODE", "value": settings.sidecar_mode},

@@ -28,7 +28,7 @@ from tests.helpers import free_port, wait_for
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
 
-def review_body(uid: str = "u-1", vram: str = "4Gi") -> bytes:
+def review_body(uid: str = "u-1", vram: str = "4Gi", **container: Any) -> bytes:
     pod = {
         "metadata": {"name": "p", "namespace": "ml"},
         "spec": {
@@ -37,6 +37,7 @@ def review_body(uid: str = "u-1", vram: str = "4Gi") -> bytes:
                     "name": "t",
                     "image": "x",
                     "resources": {"limits": {"vram-enforcer.io/vram": vram}},
+                    **container,
                 }
             ]
         },
@@ -168,6 +169,18 @@ def test_bad_requests_get_clear_errors_never_a_500(webhook: Webhook) -> None:
     assert c.getresponse().status == 411
     assert "Traceback" not in webhook.log.read_text()
     assert webhook.proc.poll() is None
+
+
+def test_nulls_and_wrong_shapes_get_a_patch_or_a_denial_never_a_500(webhook: Webhook) -> None:
+    """With failurePolicy Ignore, a 500 would admit the pod unenforced."""
+    status, doc = webhook.post(review_body(env=None, volumeMounts=None, ports=None))
+    assert status == 200 and doc["response"]["allowed"] and doc["response"]["patch"]
+    status, doc = webhook.post(review_body(env="A=1"))
+    assert status == 200 and not doc["response"]["allowed"]
+    assert doc["response"]["status"]["message"].startswith(
+        "spec.containers['t'].env: 'A=1' is a string, where a list belongs"
+    )
+    assert 'result="error"' not in webhook.metrics()
 
 
 def test_health_ready_and_tls_versions(webhook: Webhook) -> None:

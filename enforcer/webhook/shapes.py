@@ -1,0 +1,103 @@
+"""The JSON shapes the webhook relies on, checked before it reads or writes anything (pure).
+
+The API server sends pods as it decoded them, but a webhook must answer any body with a
+well-formed AdmissionReview: a list where a map belongs, a string where a list belongs, a
+container without a name. `check()` denies such a pod with the field, what it holds and
+what belongs there. `null` is the one oddity that is accepted: it means "absent", and
+`without_nulls()` drops it from the copy that the webhook then changes, so that the patch
+replaces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+CONTAINER_FIELDS = ("initContainers", "containers")
+# Per container: the fields the webhook reads or writes, and what each holds.
+_CONTAINER = {"env": list, "volumeMounts": list, "ports": list, "resources": dict}
+_ITEM_NAMES = {"env": "name", "volumeMounts": "mountPath", "ports": "containerPort"}
+_ITEM_TYPES: dict[str, type | tuple[type, ...]] = {"name": str, "mountPath": str,
+                                                   "containerPort": int}  # fmt: skip
+
+
+class ShapeError(ValueError):
+    """A field holds the wrong kind of JSON value; the message says which, and what fits."""
+
+    def __init__(self, field: str, value: object, expected: type | tuple[type, ...]) -> None:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        super().__init__(
+            f"{field}: {shown} is {_kind(value)}, where {_kind_of(expected)} belongs; fix the "
+            'pod\'s manifest (or opt the pod out with vram-enforcer.io/inject: "false")'
+        )
+        self.field = field
+
+
+def check(pod: Mapping[str, Any]) -> None:
+    """Raise ShapeError for the first field the webhook uses that has the wrong shape."""
+    meta = _expect(pod.get("metadata"), dict, "metadata")
+    _expect(meta.get("annotations"), dict, "metadata.annotations")
+    _expect(meta.get("labels"), dict, "metadata.labels")
+    spec = _expect(pod.get("spec"), dict, "spec")
+    for i, volume in enumerate(_expect(spec.get("volumes"), list, "spec.volumes")):
+        _expect(volume, dict, f"spec.volumes[{i}]", nullable=False)
+    for field in CONTAINER_FIELDS:
+        for i, c in enumerate(_expect(spec.get(field), list, f"spec.{field}")):
+            where = f"spec.{field}[{i}]"
+            container = _expect(c, dict, where, nullable=False)
+            name = _expect(container.get("name"), str, f"{where}.name", nullable=False)
+            _container(container, f"spec.{field}[{name!r}]")
+
+
+def _container(c: Mapping[str, Any], where: str) -> None:
+    for field, kind in _CONTAINER.items():
+        value = _expect(c.get(field), kind, f"{where}.{field}")
+        if kind is dict:
+            for part in ("limits", "requests"):
+                _expect(value.get(part), dict, f"{where}.{field}.{part}")
+            continue
+        key = _ITEM_NAMES[field]
+        for j, item in enumerate(value):
+            entry = _expect(item, dict, f"{where}.{field}[{j}]", nullable=False)
+            _expect(entry.get(key), _ITEM_TYPES[key], f"{where}.{field}[{j}].{key}")
+
+
+def without_nulls(pod: dict[str, Any]) -> None:
+    """Drop, in place, the nulls in the maps and lists that the webhook adds to."""
+    _drop_nulls(pod, ("metadata", "spec"))
+    _drop_nulls(pod.get("metadata") or {}, ("annotations", "labels"))
+    spec = pod.get("spec") or {}
+    _drop_nulls(spec, ("volumes", "runtimeClassName", *CONTAINER_FIELDS))
+    for field in CONTAINER_FIELDS:
+        for c in spec.get(field) or ():
+            _drop_nulls(c, tuple(_CONTAINER))
+
+
+def _drop_nulls(doc: dict[str, Any], keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if key in doc and doc[key] is None:
+            del doc[key]
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], field: str, nullable: bool = True) -> Any:
+    """`value` if it has the right kind (None: empty, when `nullable`); else ShapeError."""
+    if value is None and nullable:
+        return {} if kind is dict else [] if kind is list else None
+    if isinstance(value, bool) and kind is int:
+        raise ShapeError(field, value, kind)  # JSON true is not a number
+    if not isinstance(value, kind):
+        raise ShapeError(field, value, kind)
+    return value
+
+
+_NAMES = {dict: "a map", list: "a list", str: "a string", int: "a whole number",
+          float: "a number", bool: "true or false", type(None): "null"}  # fmt: skip
+
+
+def _kind(value: object) -> str:
+    return _NAMES.get(type(value), type(value).__name__)
+
+
+def _kind_of(expected: type | tuple[type, ...]) -> str:
+    kinds = expected if isinstance(expected, tuple) else (expected,)
+    return " or ".join(_NAMES.get(k, k.__name__) for k in kinds)
