@@ -14,6 +14,7 @@ per pod. `request()` is the same code path those classes end in.
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import json
 import logging
 import queue
@@ -25,6 +26,7 @@ from typing import Any
 
 import tenacity
 import urllib3.exceptions
+import urllib3.util
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
@@ -64,16 +66,30 @@ class Forbidden(KubeError):
         self.resource = resource
 
 
+# Connection errors are retried by urllib3 (three times per request), statuses only by our
+# own policy (`retrying`): urllib3 would otherwise obey a Retry-After of any length, three
+# times, inside one request, and hold the calling thread for as long.
+_URLLIB3_RETRIES = urllib3.util.Retry(total=3, respect_retry_after_header=False)
+
+
+def api_client(configuration: client.Configuration) -> client.ApiClient:
+    """The official client on `configuration`, with our division of retries (see above)."""
+    configuration.retries = _URLLIB3_RETRIES
+    return client.ApiClient(configuration)
+
+
 def connect(kubeconfig: str | None = None) -> client.ApiClient:
     """An API client from `kubeconfig`, else in-cluster, else the default kubeconfig."""
+    configuration = client.Configuration()
     try:
         if kubeconfig:
-            return config.new_client_from_config(config_file=kubeconfig)
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+            return api_client(configuration)
         try:
-            config.load_incluster_config()
-            return client.ApiClient()
+            config.load_incluster_config(client_configuration=configuration)
         except ConfigException:
-            return config.new_client_from_config()
+            config.load_kube_config(client_configuration=configuration)
+        return api_client(configuration)
     except (ConfigException, OSError) as exc:
         raise KubeConfigError(
             f"cannot configure the Kubernetes client ({exc}); run in a pod with a "
@@ -125,12 +141,48 @@ def is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, _NETWORK_ERRORS)
 
 
+MAX_RETRY_AFTER = 30.0  # a server that asks for longer is asked again after this long
+
+
+def retry_after(exc: BaseException | None) -> float | None:
+    """Seconds the API server asked us to wait before trying again (Retry-After on a 429 or
+    503: API Priority and Fairness, max-in-flight), capped; None when it did not ask."""
+    if not isinstance(exc, ApiException) or exc.status not in (429, 503) or not exc.headers:
+        return None
+    value = str(exc.headers.get("Retry-After") or "").strip()
+    if value.isdigit():
+        seconds = float(value)
+    else:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            return None
+        seconds = when.timestamp() - time.time()
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
+
+
+class _WaitRetryAfter(tenacity.wait.wait_base):
+    """What the server asked for in Retry-After, else `fallback`."""
+
+    def __init__(self, fallback: tenacity.wait.wait_base) -> None:
+        self._fallback = fallback
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        outcome = retry_state.outcome
+        asked = retry_after(outcome.exception() if outcome is not None else None)
+        return asked if asked is not None else float(self._fallback(retry_state))
+
+
 def retrying(deadline: float) -> tenacity.Retrying:
-    """Retry transient failures with exponential backoff and jitter, for at most `deadline`."""
+    """Retry transient failures, pausing as long as Retry-After says (capped), else with
+    exponential backoff and jitter; give up rather than pause past `deadline`."""
+    backoff = tenacity.wait_exponential(multiplier=0.2, max=10) + tenacity.wait_random(0, 0.5)
     return tenacity.Retrying(
         retry=tenacity.retry_if_exception(is_retryable),
-        wait=tenacity.wait_exponential(multiplier=0.2, max=10) + tenacity.wait_random(0, 0.5),
-        stop=tenacity.stop_after_delay(deadline),
+        wait=_WaitRetryAfter(backoff),
+        stop=tenacity.stop_before_delay(deadline),
         reraise=True,
         before_sleep=lambda state: log.info(
             "Kubernetes API call failed (%s); retrying",

@@ -1,17 +1,30 @@
-"""An API server that accepts the connection and never answers must not hold a thread.
+"""The API client's edge cases, against real HTTP servers on loopback.
 
-The sidecar's pod watcher and event recorder each own a thread; before requests had a
-timeout, one silent server stopped both for good.
+An API server that accepts the connection and never answers must not hold a thread: the
+sidecar's pod watcher and event recorder each own one, and before requests had a timeout,
+one silent server stopped both for good. A server that asks us to slow down (Retry-After)
+is obeyed, within a cap.
 """
 
 from __future__ import annotations
 
+import contextlib
+import email.utils
+import http.server
+import json
 import socket
 import threading
+import time
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
+import pytest
+import tenacity
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from urllib3 import HTTPHeaderDict
 
-from enforcer.kube import KubeError, call
+from enforcer.kube import MAX_RETRY_AFTER, KubeError, api_client, call, retrying, server_version
 
 
 def test_a_silent_api_server_is_an_error_not_a_hang() -> None:
@@ -35,3 +48,95 @@ def test_a_silent_api_server_is_an_error_not_a_hang() -> None:
         caller.join(30)  # urllib3 makes four tries of 0.2 s each; without a timeout: never
         assert not caller.is_alive()
         assert len(errors) == 1 and "the API server is unreachable" in errors[0]
+
+
+class Throttling(http.server.BaseHTTPRequestHandler):
+    """Answers each GET with the next canned reply, and notes when each request came."""
+
+    replies: ClassVar[list[tuple[int, dict[str, str]]]] = []
+    arrived: ClassVar[list[float]] = []
+
+    def do_GET(self) -> None:
+        self.arrived.append(time.monotonic())
+        status, headers = self.replies.pop(0) if self.replies else (200, {})
+        body = json.dumps(
+            {"gitVersion": "v1.36.0"} if status == 200 else {"message": "slow down"}
+        ).encode()
+        self.send_response(status)
+        for name, value in {**headers, "Content-Type": "application/json"}.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def throttling(*replies: tuple[int, dict[str, str]]) -> Iterator[client.ApiClient]:
+    """A client, configured as in production, of a server that answers with `replies` first
+    and then with its version."""
+    Throttling.replies = list(replies)
+    Throttling.arrived = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Throttling)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config = client.Configuration()
+    config.host = f"http://127.0.0.1:{server.server_address[1]}"
+    config.proxy = None
+    try:
+        yield api_client(config)
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_retry_after_is_honoured(status: int) -> None:
+    """API Priority and Fairness answers 429 with Retry-After; our own backoff would retry
+    after at most 0.7 s."""
+    with throttling((status, {"Retry-After": "2"})) as api:
+        assert server_version(api, deadline=10.0) == "v1.36.0"
+    first, second = Throttling.arrived
+    assert second - first >= 2.0
+
+
+def test_a_retry_after_longer_than_the_deadline_ends_the_call_instead_of_holding_it() -> None:
+    """urllib3 would sleep through any Retry-After, three times, inside one request."""
+    errors: list[str] = []
+
+    def ask(api: client.ApiClient) -> None:
+        try:
+            call(api, "GET", "/version", "version", deadline=5.0)
+        except KubeError as exc:
+            errors.append(str(exc))
+
+    with throttling(*[(429, {"Retry-After": "3600"})] * 10) as api:
+        caller = threading.Thread(target=ask, args=(api,), daemon=True)
+        caller.start()
+        caller.join(30)
+        assert not caller.is_alive(), "the call is still asleep"
+    assert len(Throttling.arrived) == 1  # asked to wait longer than the deadline: given up
+    assert errors == ["get version failed: HTTP 429 Too Many Requests: slow down"]
+
+
+def throttled(headers: dict[str, str], status: int = 429) -> tenacity.RetryCallState:
+    exc = ApiException(status=status, reason="Too Many Requests")
+    exc.headers = HTTPHeaderDict(headers)
+    state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
+    state.set_exception((ApiException, exc, None))
+    return state
+
+
+def test_retry_after_is_capped_and_read_in_both_forms() -> None:
+    wait = retrying(deadline=30.0).wait
+    assert wait(throttled({"retry-after": "3"})) == 3.0  # header names are case-insensitive
+    assert wait(throttled({"Retry-After": "86400"})) == MAX_RETRY_AFTER
+    later = email.utils.formatdate(time.time() + 5, usegmt=True)
+    assert 3.0 < wait(throttled({"Retry-After": later})) <= 5.0
+    # Not asked for, or not understood: our own backoff (0.2 s plus up to 0.5 s of jitter).
+    for state in (
+        throttled({}),
+        throttled({"Retry-After": "soon"}),
+        throttled({"Retry-After": "3"}, 500),
+    ):
+        assert 0.2 <= wait(state) <= 0.7
