@@ -145,6 +145,7 @@ class Advertiser(threading.Thread):
             self._report(str(exc), "sync", logging.WARNING)
             return
         self._telemetry.node.advertised_bytes = self._advertiser.desired_bytes(devices)
+        self._telemetry.node_syncs.inc()
         if status_ops or label_ops or self._last_error:
             log.info("node is up to date (%d status, %d label changes)", status_ops, label_ops)
         self._last_error = ""

@@ -207,6 +207,12 @@ class AgentTelemetry:
             ["operation"],
             registry=self.registry,
         )
+        self.node_syncs = Counter(
+            PREFIX + "node_syncs",
+            "Times the Node's capacity and labels were checked against NVML (and patched if "
+            "they differed)",
+            registry=self.registry,
+        )
         self.unexpected = _unexpected_errors(self.registry)
 
 

@@ -35,24 +35,25 @@ def containers_by_id(pod: Mapping[str, Any]) -> dict[str, ContainerRef]:
     """Container ID -> container, for every container that kubelet reports as created.
 
     Only IDs in the pod's own status count: a process in any other container, of this pod
-    or not, is never attributed to a container of this pod.
+    or not, is never attributed to a container of this pod. Entries of the wrong shape
+    count for nothing.
     """
-    status = pod.get("status") or {}
+    status = _map(pod.get("status"))
     found: dict[str, ContainerRef] = {}
     for status_field, spec_field in _STATUS_FIELDS:
-        for cs in status.get(status_field) or ():
+        for cs in _maps(status.get(status_field)):
             name = cs.get("name")
             cid = status_container_id(cs.get("containerID"))
-            if name and cid:
+            if isinstance(name, str) and name and cid:
                 found[cid] = ContainerRef(name, spec_field)
     return found
 
 
 def spec_field_of(pod: Mapping[str, Any], name: str) -> str:
     """Where container `name` is declared, `containers` when the pod is not known."""
-    spec = pod.get("spec") or {}
+    spec = _map(pod.get("spec"))
     for field in ("initContainers", "ephemeralContainers"):
-        if any(c.get("name") == name for c in spec.get(field) or ()):
+        if any(c.get("name") == name for c in _maps(spec.get(field))):
             return field
     return "containers"
 
@@ -64,16 +65,24 @@ def others_finished(pod: Mapping[str, Any], me: str) -> bool:
     complete: with restartPolicy Never any termination is final, with OnFailure only a
     successful one, and with Always none.
     """
-    policy = (pod.get("spec") or {}).get("restartPolicy", "Always")
+    policy = _map(pod.get("spec")).get("restartPolicy", "Always")
     statuses = [
-        s for s in (pod.get("status") or {}).get("containerStatuses") or () if s.get("name") != me
+        s for s in _maps(_map(pod.get("status")).get("containerStatuses")) if s.get("name") != me
     ]
     if not statuses or policy == "Always":
         return False
     for s in statuses:
-        terminated = (s.get("state") or {}).get("terminated")
-        if terminated is None:
+        terminated = _map(s.get("state")).get("terminated")
+        if not isinstance(terminated, dict):
             return False
         if policy == "OnFailure" and terminated.get("exitCode") != 0:
             return False
     return True
+
+
+def _map(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _maps(value: object) -> list[Mapping[str, Any]]:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []

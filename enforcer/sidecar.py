@@ -316,7 +316,12 @@ def _loop(
     selector.register(wake_r, selectors.EVENT_READ)
     waiting_on: int | None = None
     next_tick = time.monotonic()
-    alone = _AloneDetector(settings, procfs, watcher)
+    alone = AloneDetector(
+        settings.sidecar_mode == "container",
+        settings.self_name,
+        procfs,
+        lambda: watcher.pod if watcher.error is None else None,
+    )
     try:
         while not stop:
             fd = source.fileno()
@@ -349,19 +354,25 @@ def _loop(
     return 0
 
 
-class _AloneDetector:
+class AloneDetector:
     """In "container" sidecar mode, decides when the other containers are gone for good.
 
-    With the API, the pod's status decides (terminated, and not to be restarted under the
-    pod's restartPolicy). Without it, no other process in the pod for ALONE_FOR seconds,
-    after having seen one, is taken as the end.
+    With the pod's status (`pod`: None while it cannot be read fresh), the status decides:
+    terminated, and not to be restarted under the pod's restartPolicy. Without it, no other
+    process in the pod for ALONE_FOR seconds, after having seen one, is taken as the end.
     """
 
-    def __init__(self, settings: SidecarSettings, procfs: ProcFs, watcher: PodWatcher) -> None:
-        self._enabled = settings.sidecar_mode == "container"
-        self._me = settings.self_name
+    def __init__(
+        self,
+        enabled: bool,
+        me: str,
+        procfs: ProcFs,
+        pod: Callable[[], Mapping[str, Any] | None],
+    ) -> None:
+        self._enabled = enabled
+        self._me = me
         self._procfs = procfs
-        self._watcher = watcher
+        self._pod = pod
         self._self_cid = _cid(procfs, "self")
         self._seen_others = False
         self._alone_since: float | None = None
@@ -371,8 +382,8 @@ class _AloneDetector:
         if not self._enabled or now < self._next_check:
             return False
         self._next_check = now + 1.0
-        pod = self._watcher.pod
-        if pod is not None and self._watcher.error is None:
+        pod = self._pod()
+        if pod is not None:
             return others_finished(pod, self._me)
         others = [
             pid

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,3 +76,17 @@ def older_than_a_tick(pid: int) -> int:
     assert start is not None, f"no process {pid}"
     wait_for(lambda: boot_ticks() > start, what=f"pid {pid} to be a tick old")
     return pid
+
+
+def reuse_pid(pid: int) -> subprocess.Popen[bytes]:
+    """A new process (`sleep 60`) that has `pid`, forced through this PID namespace's
+    `ns_last_pid` (root only). A fork elsewhere in between takes the pid first: then it
+    tries again."""
+    for _ in range(50):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        newcomer = subprocess.Popen(["sleep", "60"])
+        if newcomer.pid == pid:
+            return newcomer
+        newcomer.kill()
+        newcomer.wait()
+    raise AssertionError(f"could not reuse pid {pid}")

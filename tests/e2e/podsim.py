@@ -41,11 +41,13 @@ class SimPod:
         name: str,
         containers: list[str],
         host_proc: Path | None = None,
+        unlisted: tuple[str, ...] = (),
     ) -> None:
         self.core = core
         self.namespace = namespace
         self.name = name
-        self.ids = {c: secrets.token_hex(32) for c in containers}
+        self.ids = {c: secrets.token_hex(32) for c in [*containers, *unlisted]}
+        self.unlisted = unlisted  # containers with cgroups whose IDs the pod's status omits
         self.slice = CGROUP2 / f"vram-e2e-{secrets.token_hex(4)}.slice"
         self.pod_slice = self.slice / f"kubepods-pod{uuid.uuid4().hex}.slice"
         self.pod_slice.mkdir(parents=True)
@@ -94,7 +96,7 @@ class SimPod:
         statuses = [
             {"name": c, "containerID": f"containerd://{cid}", "image": "example.com/gpu:1", "imageID": "",
              "ready": True, "restartCount": 0, "state": (states or {}).get(c, {"running": {"startedAt": "2026-11-22T00:00:00Z"}})}
-            for c, cid in self.ids.items()
+            for c, cid in self.ids.items() if c not in self.unlisted
         ]  # fmt: skip
         self.core.patch_namespaced_pod_status(
             self.name,

@@ -8,9 +8,10 @@ reporting two 80 GiB GPUs.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
-import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,11 +24,13 @@ from enforcer.config import parse_quantity
 from enforcer.model import GiB
 from tests.e2e.cluster import ApiServer
 from tests.fakenvml import FakeGpuState
-from tests.helpers import wait_for
+from tests.helpers import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 RESOURCE = "vram-enforcer.io/vram"
 EXPECTED = 2 * (80 * GiB - 1 * GiB)  # two GPUs, --reserve 1Gi each
+SYNCS = "vram_enforcer_node_syncs_total"
+API_ERRORS = 'vram_enforcer_api_errors_total{operation="sync"}'
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +53,34 @@ class AgentProcess:
         state.add_device()
         state.write(self.state_file)
         self.log_path = tmp / "agent.log"
+        self.port = free_port()
         kubeconfig = apiserver.kubeconfig(token, tmp / "kubeconfig")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "enforcer", "agent", "--node-name", node, "--kubeconfig", str(kubeconfig),
-             "--socket", str(tmp / "agent.sock"), "--resync", "1s", "--reserve", "1Gi", "--log-format", "text", *flags],
+             "--socket", str(tmp / "agent.sock"), "--resync", "1s", "--reserve", "1Gi", "--log-format", "text",
+             "--metrics-port", str(self.port), "--metrics-address", "127.0.0.1", *flags],
             env={**os.environ, "LD_LIBRARY_PATH": str(lib), "FAKE_NVML_STATE": str(self.state_file)},
             stderr=self.log_path.open("w"),
         )  # fmt: skip
 
     def log(self) -> str:
         return self.log_path.read_text()
+
+    def counter(self, series: str) -> float:
+        """A counter's value from the agent's /metrics (0 before it has one)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+                body = r.read().decode()
+        except OSError:
+            return 0.0
+        found = re.search(rf"^{re.escape(series)} (\S+)$", body, re.MULTILINE)
+        return float(found[1]) if found else 0.0
+
+    def wait_for_more(self, series: str, more: int, timeout: float = 30.0) -> None:
+        """Wait until `series` has grown by `more`: proof that the agent did that much."""
+        start = self.counter(series)
+        wait_for(lambda: self.counter(series) >= start + more, timeout=timeout,
+                 what=f"{more} more of {series}")  # fmt: skip
 
     def stop(self) -> int:
         self.proc.terminate()
@@ -114,9 +135,9 @@ def test_nothing_is_patched_while_nothing_differs(
     running: AgentProcess, core: client.CoreV1Api
 ) -> None:
     wait_for(lambda: advertised(core, "gpu-node-1") == EXPECTED, timeout=20, what="capacity")
-    time.sleep(1.5)
+    running.wait_for_more(SYNCS, 1)  # the labels' patch, if it was still pending, is done
     before = core.read_node("gpu-node-1").metadata.resource_version
-    time.sleep(3.5)  # three resyncs
+    running.wait_for_more(SYNCS, 3)  # three resyncs that found nothing to change
     assert core.read_node("gpu-node-1").metadata.resource_version == before
 
 
@@ -149,8 +170,10 @@ def test_an_api_server_outage_is_ridden_out(
 ) -> None:
     wait_for(lambda: advertised(core, "gpu-node-1") == EXPECTED, timeout=20, what="capacity")
     apiserver.stop()
-    time.sleep(4)  # several resyncs fail meanwhile
-    apiserver.start()
+    try:
+        running.wait_for_more(API_ERRORS, 1, timeout=120)  # a resync fails meanwhile
+    finally:
+        apiserver.start()
     assert running.proc.poll() is None
     pointer = RESOURCE.replace("/", "~1")
     core.patch_node_status("gpu-node-1", [{"op": "remove", "path": f"/status/capacity/{pointer}"}])
@@ -181,7 +204,7 @@ def test_resource_unit_and_switches(apiserver: ApiServer, agent_rbac: str, core:
         wait_for(
             lambda: advertised(core, "gpu-node-units") == 158, timeout=20, what="capacity in GiB"
         )
-        time.sleep(1.5)
+        agent.wait_for_more(SYNCS, 2)
         assert not any(
             k.startswith("vram-enforcer.io/")
             for k in core.read_node("gpu-node-units").metadata.labels
@@ -200,7 +223,7 @@ def test_forbidden_is_one_clear_error_and_the_socket_keeps_serving(apiserver: Ap
     agent = AgentProcess(apiserver, token, "gpu-node-denied", tmp_path, fake_nvml_lib)
     try:
         wait_for(lambda: "RBAC forbids" in agent.log(), timeout=20, what="the RBAC error")
-        time.sleep(3)  # more resyncs: still one line
+        agent.wait_for_more(API_ERRORS, 3)  # more resyncs fail: still one line
         log = agent.log()
         assert log.count("RBAC forbids") == 1
         assert "RBAC forbids 'get' on 'nodes'" in log

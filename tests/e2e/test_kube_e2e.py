@@ -1,11 +1,19 @@
-"""`kube.request`, the one path every API call takes, against the real API server."""
+"""`kube.request`, the one path every API call takes, and the Events the sidecar posts,
+against the real API server."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from kubernetes import client
+from prometheus_client import CollectorRegistry, Counter
 
-from enforcer.kube import POD, KubeError, call, request
+from enforcer.kube import POD, EventRecorder, KubeError, call, request
+from enforcer.pipeline import Report
+from enforcer.policy import Reason
+from enforcer.sidecar import POD_UNIT, EventReporter
+from tests.helpers import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +51,39 @@ def test_a_missing_object_is_an_error_that_names_it(
         call(admin, "GET", POD, "pods",
              params={**pod, "name": "absent"}, deadline=1.0)  # fmt: skip
     assert str(raised.value) == 'get pods failed: HTTP 404 Not Found: pods "absent" not found'
+
+
+def test_reports_become_events_on_the_container_that_they_concern(admin: client.ApiClient) -> None:
+    """The sidecar's EventReporter with the real EventRecorder: which Event each report
+    makes, pointed at which container, and which reports make none."""
+    core = client.CoreV1Api(admin)
+    core.create_namespace({"metadata": {"name": "kube-events"}})
+    created = core.create_namespaced_pod("kube-events", {
+        "metadata": {"name": "p"},
+        "spec": {"initContainers": [{"name": "warmup", "image": "busybox"}],
+                 "containers": [{"name": "trainer", "image": "busybox"}]}})  # fmt: skip
+    pod = admin.sanitize_for_serialization(created)
+    failures = Counter("failures", "test", ["reason"], registry=CollectorRegistry())
+    recorder = EventRecorder(admin, "kube-events", "p", pod["metadata"]["uid"], "node-1", failures)
+    recorder.start()
+    reporter = EventReporter(recorder, lambda: {}, lambda: pod)
+    reporter.report(Report(Reason.ENFORCED, "sent SIGTERM to pid 7", "trainer", 7))
+    reporter.report(Report(Reason.NEAR_LIMIT, "warm-up near its limit", "warmup", normal=True))
+    reporter.report(Report(Reason.LIMIT_EXCEEDED, "the pod as a whole is over", POD_UNIT))
+    reporter.report(Report(Reason.ENFORCED, "pid 7 has exited", "trainer", 7, quiet=True))
+    recorder.close(timeout=30)
+
+    def posted() -> dict[str, Any]:
+        events = core.list_namespaced_event("kube-events").items
+        return {e.message: e for e in events}
+
+    events = wait_for(lambda: len(e := posted()) == 3 and e, what="three Events")
+    assert "pid 7 has exited" not in events  # routine news stays in the log
+    enforced = events["sent SIGTERM to pid 7"]
+    assert (enforced.reason, enforced.type) == ("VRAMEnforced", "Warning")
+    assert enforced.involved_object.field_path == "spec.containers{trainer}"
+    assert enforced.involved_object.uid == pod["metadata"]["uid"]
+    near = events["warm-up near its limit"]
+    assert (near.type, near.involved_object.field_path) == ("Normal", "spec.initContainers{warmup}")
+    assert events["the pod as a whole is over"].involved_object.field_path is None
+    assert failures.labels("api")._value.get() == 0

@@ -3,7 +3,6 @@ when NVML passes stop completing."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import urllib.error
@@ -52,7 +51,9 @@ def test_sigterm_ends_the_watch_with_status_0(blocked: None) -> None:
     alive = threading.Thread(target=waiting.wait)
     alive.start()
     try:
-        os.kill(os.getpid(), signal.SIGTERM)  # pending, blocked: taken by sigtimedwait
+        # To this thread, which blocks it: other threads of the test run may not (the agent's
+        # threads all inherit the block), and one of them would take a process-wide signal.
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
         assert watch([alive], poll=0.05) == 0
     finally:
         waiting.set()

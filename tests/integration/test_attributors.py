@@ -20,7 +20,7 @@ import pytest
 from enforcer.execmode import TreeAttributor
 from enforcer.model import GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.procfs import ProcFs
-from enforcer.sidecar import POD_UNIT, ContainerAttributor
+from enforcer.sidecar import ALONE_FOR, POD_UNIT, AloneDetector, ContainerAttributor
 from tests.helpers import copy_proc_fixture, set_start_time
 
 TRAINER, HELPER, SIDECAR = "7" * 64, "4" * 64, "5" * 64
@@ -217,3 +217,32 @@ def test_before_the_api_answers_a_second_container_id_makes_it_ambiguous_for_goo
     api.pod = POD
     units = by_name(a.attribute(sample({12: 5 * GiB})))
     assert [p.key.pid for p in units["trainer"].processes] == [12]
+
+
+def test_the_legacy_sidecar_is_alone_when_the_status_says_the_others_are_done(proc: Path) -> None:
+    api = ApiView({**POD, "spec": {**POD["spec"], "restartPolicy": "Never"}})
+    alone = AloneDetector(True, "vram-enforcer", ProcFs(proc), api)
+    assert not alone.done(0.0)  # trainer and helper: no state reported, so still running
+    done = {"terminated": {"exitCode": 0}}
+    statuses = [{**cs, "state": done} for cs in POD["status"]["containerStatuses"]]  # type: ignore[index]
+    api.pod = {**api.pod, "status": {**POD["status"], "containerStatuses": statuses}}  # type: ignore[dict-item]
+    assert not alone.done(0.5)  # checked at most once a second
+    assert alone.done(1.0)
+
+
+def test_without_the_status_it_is_alone_after_a_while_without_other_processes(proc: Path) -> None:
+    alone = AloneDetector(True, "vram-enforcer", ProcFs(proc), ApiView(None))
+    assert not alone.done(0.0)  # the trainer's processes are there
+    for pid in (2, 3, 4, 5, 7, 12, 50, 60):
+        shutil.rmtree(proc / str(pid))
+    assert not alone.done(1.0)  # alone since now...
+    assert not alone.done(ALONE_FOR)
+    assert alone.done(1.0 + ALONE_FOR)  # ...and for ALONE_FOR
+
+
+def test_without_ever_seeing_another_process_it_never_decides_it_is_alone(proc: Path) -> None:
+    for pid in (2, 3, 4, 5, 7, 12, 50, 60):
+        shutil.rmtree(proc / str(pid))
+    alone = AloneDetector(True, "vram-enforcer", ProcFs(proc), ApiView(None))
+    assert not any(alone.done(t) for t in (0.0, 100.0, 1000.0))
+    assert not AloneDetector(False, "vram-enforcer", ProcFs(proc), ApiView(None)).done(0.0)

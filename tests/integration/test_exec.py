@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.utils import floatToGoString
 
 from enforcer.model import GiB
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, reuse_pid, wait_for
 
 WORKER = Path(__file__).with_name("worker.py")
 
@@ -34,6 +34,7 @@ class Run:
     tmp: Path
     proc: subprocess.Popen[str] | None = None
     extra: list[subprocess.Popen[str]] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
 
     @property
     def report(self) -> Path:
@@ -55,6 +56,8 @@ class Run:
             "exec",
             "--interval",
             "20ms",
+            "--metrics-port",
+            str(self.port),
             *flags,
             "--",
             sys.executable,
@@ -84,6 +87,28 @@ class Run:
         assert self.proc is not None
         return self.proc.wait(timeout=timeout)
 
+    def metrics(self) -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
+                return str(r.read().decode())
+        except OSError:
+            return ""
+
+    def saw(self, used: int) -> None:
+        """Wait until a tick has counted `used` bytes for the command tree: proof that the
+        enforcer looked, before a test asserts that it did nothing."""
+        line = (
+            f'vram_enforcer_container_used_bytes{{container="{self.name}"}} {floatToGoString(used)}'
+        )
+        wait_for(lambda: line in self.metrics(), what=f"a tick to count {used} bytes")
+
+    def logged(self, text: str) -> None:
+        wait_for(lambda: text in self.stderr, what=f"{text!r} on stderr")
+
+    @property
+    def name(self) -> str:
+        return Path(sys.executable).name  # exec's default unit name: the command's basename
+
 
 @pytest.fixture
 def run(fake_nvml: Any, tmp_path: Path) -> Iterator[Run]:
@@ -109,7 +134,7 @@ def test_a_compliant_command_runs_to_its_own_exit_status(run: Run) -> None:
     run.start("--limit", "4Gi", worker=("--exit", "3"))
     w = run.worker()
     run.use(w["pid"], 1 * GiB)
-    time.sleep(0.2)
+    run.saw(1 * GiB)
     run.release()
     assert run.wait() == 3, run.stderr
     assert run.stderr == ""
@@ -246,7 +271,8 @@ def test_warn_only_kills_nothing(run: Run) -> None:
     run.start("--limit", "1Gi", "--action", "warn")
     w = run.worker()
     run.use(w["pid"], 3 * GiB)
-    time.sleep(0.5)
+    run.logged("the action is warn")
+    run.saw(3 * GiB)  # and again after the warning: still alive
     assert alive(w["pid"])
     run.release()
     assert run.wait() == 0
@@ -258,7 +284,8 @@ def test_dry_run_kills_nothing_and_says_what_it_would_do(run: Run) -> None:
     run.start("--limit", "1Gi", "--dry-run")
     w = run.worker()
     run.use(w["pid"], 3 * GiB)
-    time.sleep(0.5)
+    run.logged("dry run: would send SIGTERM")
+    run.saw(3 * GiB)
     assert alive(w["pid"])
     run.release()
     assert run.wait() == 0
@@ -269,7 +296,7 @@ def test_near_limit_warning(run: Run) -> None:
     run.start("--limit", "1Gi", "--warn-at", "50%")
     w = run.worker()
     run.use(w["pid"], 600 * 1024**2)
-    time.sleep(0.3)
+    run.logged("above the 50% warning threshold")
     run.release()
     assert run.wait() == 0
     assert "above the 50% warning threshold" in run.stderr
@@ -279,11 +306,12 @@ def test_nvml_errors_mid_run_kill_nothing_and_enforcement_recovers(run: Run) -> 
     run.start("--limit", "1Gi")
     w = run.worker()
     run.use(w["pid"], 100)
-    time.sleep(0.2)
+    run.saw(100)
     # The GPU falls off the bus while the worker's usage goes over the limit.
     run.gpu.state.inject_error("nvmlDeviceGetMemoryInfo", "GPU_IS_LOST", device_index=0)
     run.use(w["pid"], 5 * GiB)
-    time.sleep(1.0)
+    run.logged("VRAM usage cannot be observed")
+    wait_for(lambda: "vram_enforcer_source_up 0.0" in run.metrics(), what="ticks without data")
     assert alive(w["pid"]), "nothing may be signalled while usage cannot be observed"
     run.gpu.state.clear_errors()
     run.gpu.write()
@@ -295,35 +323,66 @@ def test_nvml_errors_mid_run_kill_nothing_and_enforcement_recovers(run: Run) -> 
     )
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (ns_last_pid)")
 def test_a_reused_pid_outside_the_tree_is_never_signalled(run: Run) -> None:
-    """NVML still lists a pid that now belongs to an unrelated process: nobody is killed."""
-    bystander = subprocess.Popen(["sleep", "60"], text=True)
-    run.extra.append(bystander)
-    run.start("--limit", "1Gi")
-    w = run.worker()
-    run.use(bystander.pid, 10 * GiB)
-    time.sleep(0.5)
-    assert bystander.poll() is None and alive(w["pid"])
+    """A process of the tree exits while NVML goes on listing its pid, which an outsider
+    then takes: the outsider is not charged, however much the listing says."""
+    run.start("--limit", "1Gi", worker=("--spawn", "orphan"))
+    main, child = run.worker("main"), run.worker("orphan")  # exec reaps the orphan
+    run.gpu.state.set_process(0, main["pid"], 100)
+    run.use(child["pid"], 200)
+    run.saw(300)
+    os.kill(child["pid"], signal.SIGKILL)  # its listing stays: NVML lags
+    wait_for(lambda: _ppid(child["pid"]) is None, what="the child to be reaped")
+    outsider = reuse_pid(child["pid"])
+    run.extra.append(outsider)
+    run.gpu.state.set_process(0, main["pid"], 150)  # in the same write: proof of a tick
+    run.use(child["pid"], 10 * GiB)
+    run.saw(150)
+    assert outsider.poll() is None and alive(main["pid"])
+    run.release()
+    assert run.wait() == 0
+    assert "SIG" not in run.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (ns_last_pid)")
+def test_a_newcomer_of_the_tree_on_a_stale_listed_pid_is_never_signalled(run: Run) -> None:
+    """NVML lags: it still lists the pid of a process of the tree that has exited, now over
+    the limit, and another process of the tree has taken that pid. The newcomer started
+    after NVML first listed the pid, so it is not the process NVML meant."""
+    run.start("--limit", "1Gi", worker=("--spawn", "orphan"))
+    main, gone = run.worker("main"), run.worker("orphan")
+    run.gpu.state.set_process(0, main["pid"], 100)
+    run.use(gone["pid"], 200)
+    run.saw(300)
+    os.kill(gone["pid"], signal.SIGKILL)
+    wait_for(lambda: _ppid(gone["pid"]) is None, what="the process to be reaped")
+    late = run.report.with_name(run.report.name + ".late")
+    for _ in range(50):  # the worker forks the newcomer onto the freed pid
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(gone["pid"] - 1))
+        os.kill(main["pid"], signal.SIGUSR1)
+        newcomer = int(wait_for(lambda: late.exists() and late.read_text(), what="the newcomer"))
+        late.unlink()
+        if newcomer == gone["pid"]:
+            break
+        os.kill(newcomer, signal.SIGKILL)
+    assert newcomer == gone["pid"]
+    assert _ppid(newcomer) == main["pid"]  # in the tree
+    run.gpu.state.set_process(0, main["pid"], 150)  # in the same write: proof of a tick
+    run.use(gone["pid"], 10 * GiB)
+    run.saw(150)
+    assert alive(newcomer) and alive(main["pid"])
+    os.kill(newcomer, signal.SIGKILL)
     run.release()
     assert run.wait() == 0
     assert "SIG" not in run.stderr
 
 
 def test_metrics_are_served(run: Run) -> None:
-    port = free_port()
-    run.start("--limit", "4Gi", "--metrics-port", str(port), "--name", "trainer")
+    run.start("--limit", "4Gi", "--name", "trainer")
     w = run.worker()
     run.use(w["pid"], 1 * GiB)
-
-    def scrape() -> str | None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-                body: str = r.read().decode()
-        except OSError:
-            return None
-        return body if f'pid="{w["pid"]}"' in body else None
-
-    body = wait_for(scrape, what="metrics")
+    body = wait_for(lambda: (m := run.metrics()) and f'pid="{w["pid"]}"' in m and m, what="metrics")
     assert 'vram_enforcer_container_used_bytes{container="trainer"} 1.073741824e+09' in body
     assert 'vram_enforcer_container_limit_bytes{container="trainer"} 4.294967296e+09' in body
     assert "vram_enforcer_source_up 1.0" in body

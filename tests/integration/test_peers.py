@@ -28,7 +28,7 @@ from enforcer.procfs import INITIAL_PID_NS, ProcFs
 from enforcer.protocol import encode_challenge
 from enforcer.sources import AgentSource
 from enforcer.usage_server import ServerMetrics, UsageServer
-from tests.helpers import wait_for
+from tests.helpers import reuse_pid, wait_for
 
 HOST = ProcFs()
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,19 +101,6 @@ ACCOMPLICE = textwrap.dedent(
 )
 
 
-def reuse(pid: int) -> subprocess.Popen[bytes]:
-    """A new process with `pid`, forced through this namespace's ns_last_pid (a fork by any
-    other process in between takes it first: then we try again)."""
-    for _ in range(50):
-        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
-        newcomer = subprocess.Popen(["sleep", "60"])
-        if newcomer.pid == pid:
-            return newcomer
-        newcomer.kill()
-        newcomer.wait()
-    raise AssertionError(f"could not reuse pid {pid}")
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (ns_last_pid)")
 def test_a_reused_pid_is_not_answered_for_the_caller_that_left(tmp_path: Path) -> None:
     """C connects, leaves the connection to its child D and exits; C's pid goes to another
@@ -128,7 +115,7 @@ def test_a_reused_pid_is_not_answered_for_the_caller_that_left(tmp_path: Path) -
     assert caller.stdout is not None
     accomplice = int(caller.stdout.readline())
     caller.wait()
-    newcomer = reuse(caller.pid)
+    newcomer = reuse_pid(caller.pid)
     conn, _ = listener.accept()
     try:
         peer = attest(conn, HOST, peer_pidfd=False)

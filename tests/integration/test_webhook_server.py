@@ -258,12 +258,18 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(webhook: Webhook) -> 
     busy.putheader("Content-Length", str(len(body)))
     busy.endheaders()
     busy.send(body[:20])
-    time.sleep(0.2)
+    time.sleep(0.2)  # for the server to read the request line: the request is in flight
     webhook.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+
+    def refused() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", webhook.port), timeout=2).close()
+        except ConnectionRefusedError:
+            return True
+        return False
+
+    wait_for(refused, what="the webhook to stop accepting")
     assert webhook.proc.poll() is None  # waiting for the request in flight
-    with pytest.raises(ConnectionRefusedError):  # no longer accepting
-        socket.create_connection(("127.0.0.1", webhook.port), timeout=2).close()
     busy.send(body[20:])
     r = busy.getresponse()
     assert r.status == 200 and json.loads(r.read())["response"]["uid"] == "in-flight"

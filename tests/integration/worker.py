@@ -1,8 +1,9 @@
 """A stand-in for a GPU program, started by the tests under `vram-enforcer exec`.
 
 It reports its pid (and its pid in the host's /proc, when given one) in a JSON file, can
-spawn a child or an orphan that does the same, can ignore SIGTERM, and exits 0 once the
-test creates the release file (or at once, with --leave: a double fork's intermediate).
+spawn a child or an orphan that does the same, can ignore SIGTERM, starts one more process
+on SIGUSR1, and exits 0 once the test creates the release file (or at once, with --leave:
+a double fork's intermediate).
 """
 
 import argparse
@@ -38,6 +39,12 @@ def main() -> None:
     args = p.parse_args()
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # On SIGUSR1, start one more process of the tree (`sleep`), and report its pid.
+    late = args.report.with_name(args.report.name + ".late")
+    signal.signal(
+        signal.SIGUSR1,
+        lambda *_: late.write_text(str(os.posix_spawn("/bin/sleep", ["sleep", "60"], os.environ))),
+    )
     me = [sys.executable, __file__, "--report", str(args.report)]
     if args.host_proc:
         me += ["--host-proc", args.host_proc]

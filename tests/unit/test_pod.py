@@ -1,5 +1,8 @@
 from typing import Any
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from enforcer.pod import ContainerRef, containers_by_id, others_finished, spec_field_of
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -53,3 +56,20 @@ def test_others_finished_follows_the_restart_policy() -> None:
     assert others_finished(pod("OnFailure", done_ok), "vram-enforcer")
     assert not others_finished(pod("OnFailure", failed), "vram-enforcer")  # it will be restarted
     assert not others_finished(pod("Always", done_ok), "vram-enforcer")
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(
+        ["status", "spec", "containerStatuses", "initContainers", "name", "containerID", "state",
+         "terminated", "exitCode", "restartPolicy", "x"]), inner, max_size=4),
+    max_leaves=25,
+)  # fmt: skip
+
+
+@given(pod=st.dictionaries(st.sampled_from(["spec", "status", "metadata"]), json_values))
+def test_a_pod_of_any_shape_is_read_without_an_exception(pod: dict[str, Any]) -> None:
+    """The pod comes from the API server; a shape we did not expect means "not known"."""
+    assert isinstance(containers_by_id(pod), dict)
+    assert others_finished(pod, "vram-enforcer") in (True, False)
+    assert spec_field_of(pod, "trainer") in ("containers", "initContainers", "ephemeralContainers")
