@@ -25,7 +25,26 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "vram-enforcer.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The sidecar mode the webhook injects: sidecarMode, or for "auto" the one that this
+cluster's version supports (native sidecars are on by default from 1.29). Resolved here,
+at install and upgrade, so that the webhook needs no access to the API at all.
+*/}}
+{{- define "vram-enforcer.sidecarMode" -}}
+{{- if ne .Values.webhook.sidecarMode "auto" -}}
+{{ .Values.webhook.sidecarMode }}
+{{- else if semverCompare ">=1.29-0" .Capabilities.KubeVersion.Version -}}
+native
+{{- else -}}
+container
+{{- end -}}
 {{- end -}}
 
 {{- define "vram-enforcer.webhookName" -}}
