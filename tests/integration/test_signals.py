@@ -121,14 +121,19 @@ def test_a_thread_id_is_not_proven_and_nothing_raises(spawn: list[subprocess.Pop
     assert child.poll() is None
 
 
-OUT_OF_FDS = textwrap.dedent(
+# The start of the scripts below, run in a process of their own: the enforcer's signalling
+# path, with a victim of their own.
+IMPORTS = """
+import os, resource, signal, subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+from enforcer.model import Action, ProcessKey, ProcessTotal, UnitUsage
+from enforcer.policy import Enforcement
+from enforcer.procfs import ProcFs
+from enforcer.signals import Signaller, Terminator
+"""
+
+OUT_OF_FDS = IMPORTS + textwrap.dedent(
     """
-    import resource, subprocess, sys, time
-    sys.path.insert(0, sys.argv[1])
-    from enforcer.model import Action, ProcessKey, ProcessTotal, UnitUsage
-    from enforcer.policy import Enforcement
-    from enforcer.procfs import ProcFs
-    from enforcer.signals import Signaller, Terminator
 
     proc = ProcFs()
     victim = subprocess.Popen(["sleep", "60"])
@@ -211,14 +216,8 @@ def test_escalation_is_abandoned_when_membership_is_lost(
     assert child.poll() is None
 
 
-PID_REUSE = textwrap.dedent(
+PID_REUSE = IMPORTS + textwrap.dedent(
     """
-    import os, signal, subprocess, sys, time
-    sys.path.insert(0, sys.argv[1])
-    from enforcer.model import Action, ProcessKey, ProcessTotal, UnitUsage
-    from enforcer.policy import Enforcement
-    from enforcer.procfs import ProcFs
-    from enforcer.signals import Signaller, Terminator
 
     proc = ProcFs()
     old = subprocess.Popen(["sleep", "60"])
