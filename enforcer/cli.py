@@ -122,6 +122,9 @@ what it does:
     vram-enforcer.io/gpu.product, gpu.count and gpu.memory (MiB of the smallest device),
     re-checking every --resync and patching only what differs.
 
+health: with --metrics-port, /healthz answers 503 once no NVML pass has completed for 60s
+(a liveness probe restarts a hung agent). A thread that stops ends the agent with status 1.
+
 It must run with hostPID: true (NVML reports host PIDs) and as root.
 """
 

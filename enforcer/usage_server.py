@@ -189,6 +189,7 @@ class UsageServer:
         self.thread = threading.Thread(target=self._run, name="usage-socket", daemon=True)
         self._stopping = False
         self._guard = LoopGuard("usage-socket", metrics.unexpected.labels("usage-socket"), log)
+        self._serving: _Connection | None = None  # the caller being served, for the guard
 
     def publish(self, sample: Sample | SourceDown) -> None:
         """Called by the sampler thread: swap in the sample (one reference, no lock needed)
@@ -237,32 +238,37 @@ class UsageServer:
         os.close(self._wake_w)
 
     def _run(self) -> None:
-        assert self._listener is not None  # noqa: S101 - start() sets it before the thread runs
-        listener_fd = self._listener.fileno()
         next_sweep = time.monotonic() + 1.0
-        while True:
-            for fd, events in self._epoll.poll(1.0):
-                if fd == self._wake_r:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 4096)
-                    if self._stopping:
-                        return
-                    self._guard.run(self._push)
-                if fd == listener_fd:
-                    self._guard.run(self._accept)
-                elif (conn := self._connections.get(fd)) is not None and not self._guard.run(
-                    functools.partial(self._serve, conn, events)
-                ):
-                    self._drop(conn)  # a bug with this caller: hang up, serve the rest
+        while not self._stopping:
+            ready = self._epoll.poll(1.0)
+            # One guarded call per wake-up, not per event: this loop is the agent's hottest
+            # path. Events left unhandled come back (level-triggered), and the caller being
+            # served when the bug struck is hung up on.
+            if not self._guard.run(functools.partial(self._dispatch, ready)) and self._serving:
+                self._drop(self._serving)
             if (now := time.monotonic()) >= next_sweep:
                 self._guard.run(functools.partial(self._sweep, now))
                 next_sweep = now + 1.0
 
-    def _serve(self, conn: _Connection, events: int) -> None:
-        if events & select.EPOLLOUT:
-            self._flush(conn)
-        if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
-            self._read(conn)
+    def _dispatch(self, ready: list[tuple[int, int]]) -> None:
+        assert self._listener is not None  # noqa: S101 - start() sets it before the thread runs
+        for fd, events in ready:
+            self._serving = None
+            if fd == self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+                if self._stopping:
+                    return
+                self._push()
+            if fd == self._listener.fileno():
+                self._accept()
+            elif (conn := self._connections.get(fd)) is not None:
+                self._serving = conn
+                if events & select.EPOLLOUT:
+                    self._flush(conn)
+                if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
+                    self._read(conn)
+        self._serving = None
 
     def _accept(self) -> None:
         assert self._listener is not None  # noqa: S101
