@@ -20,10 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ROOT, percentile
-from enforcer.nvml import Nvml
-from enforcer.nvml_source import NvmlSource, gpu_device_prefix
-from enforcer.procfs import ProcFs
-from enforcer.sources import PidView
+from enforcer.edge.nvml import Nvml
+from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.sources import PidView
 
 ALLOC = ROOT / "tests" / "gpu" / "alloc.py"
 

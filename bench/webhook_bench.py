@@ -27,7 +27,7 @@ from bench.common import (
     proc_status_kib,
     release_and_collect,
 )
-from enforcer.webhook.admission import AdmissionSettings, review
+from enforcer.core.admission import AdmissionSettings, review
 from tests.e2e.cluster import make_ca, make_serving_cert
 from tests.helpers import free_port, wait_for
 

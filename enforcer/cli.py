@@ -10,8 +10,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from enforcer import __version__, logs
-from enforcer.config import (
+from enforcer import __version__
+from enforcer.core.config import (
     DEFAULT_RESOURCE,
     DEFAULT_SOCKET,
     ConfigError,
@@ -21,6 +21,7 @@ from enforcer.config import (
     sidecar_settings,
     webhook_settings,
 )
+from enforcer.edge import logs
 
 EXEC_EPILOG = """\
 examples:
@@ -377,11 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
 # mode -> (settings builder, default log level, the module whose run() takes the settings).
 # Each builder's keyword arguments are the mode's argparse destinations.
 _MODES: dict[str, tuple[Callable[..., object], int, str]] = {
-    "exec": (exec_settings, logging.WARNING, "enforcer.execmode"),
-    "agent": (agent_settings, logging.INFO, "enforcer.agent"),
-    "sidecar": (sidecar_settings, logging.INFO, "enforcer.sidecar"),
-    "webhook": (webhook_settings, logging.INFO, "enforcer.webhook.server"),
-    "doctor": (doctor_settings, logging.WARNING, "enforcer.doctor"),
+    "exec": (exec_settings, logging.WARNING, "enforcer.modes.exec"),
+    "agent": (agent_settings, logging.INFO, "enforcer.modes.agent"),
+    "sidecar": (sidecar_settings, logging.INFO, "enforcer.modes.sidecar"),
+    "webhook": (webhook_settings, logging.INFO, "enforcer.modes.webhook"),
+    "doctor": (doctor_settings, logging.WARNING, "enforcer.modes.doctor"),
 }
 
 

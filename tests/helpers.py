@@ -33,7 +33,7 @@ def free_port() -> int:
 
 def children(parent: int) -> list[int]:
     """The direct children of `parent`, from /proc."""
-    from enforcer.procfs import ProcFs
+    from enforcer.edge.procfs import ProcFs
 
     proc = ProcFs()
     return [
@@ -69,8 +69,8 @@ def older_than_a_tick(pid: int) -> int:
     far longer), and the enforcer refuses a process that started in the tick in which NVML
     first listed its pid: it cannot be proven to be the one NVML meant.
     """
-    from enforcer.procfs import ProcFs
-    from enforcer.sources import boot_ticks
+    from enforcer.edge.procfs import ProcFs
+    from enforcer.edge.sources import boot_ticks
 
     start = ProcFs().start_time(pid)
     assert start is not None, f"no process {pid}"

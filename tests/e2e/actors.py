@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from kubernetes import client, utils
 
-from enforcer.procfs import ProcFs
+from enforcer.edge.procfs import ProcFs
 from tests.e2e.cluster import ApiServer
 from tests.e2e.podsim import SimPod
 from tests.fakenvml import FakeGpuState

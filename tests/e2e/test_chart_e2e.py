@@ -23,7 +23,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from enforcer.kube import access_allowed as allowed
+from enforcer.edge.kube import access_allowed as allowed
 from tests.e2e.cluster import ApiServer
 from tests.helpers import free_port, wait_for
 

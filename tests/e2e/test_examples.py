@@ -28,7 +28,7 @@ import pytest
 import yaml
 from kubernetes import client, utils
 
-from enforcer.webhook.admission import AdmissionSettings, mutate
+from enforcer.core.admission import AdmissionSettings, mutate
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

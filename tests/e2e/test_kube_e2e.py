@@ -9,10 +9,10 @@ import pytest
 from kubernetes import client
 from prometheus_client import CollectorRegistry, Counter
 
-from enforcer.kube import POD, EventRecorder, KubeError, call, request
-from enforcer.pipeline import Report
-from enforcer.policy import Reason
-from enforcer.sidecar import POD_UNIT, EventReporter
+from enforcer.core.policy import Reason
+from enforcer.edge.kube import POD, EventRecorder, KubeError, call, request
+from enforcer.modes.pipeline import Report
+from enforcer.modes.sidecar import POD_UNIT, EventReporter
 from tests.helpers import wait_for
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from enforcer.model import GiB, MiB
+from enforcer.core.model import GiB, MiB
 from tests.e2e.actors import (
     HOST,
     WORKER,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from enforcer.model import GiB
+from enforcer.core.model import GiB
 from tests.e2e.actors import Node, Sidecar, alive, namespace_with_sidecar_rbac
 from tests.e2e.cluster import ApiServer
 from tests.e2e.podsim import SimPod

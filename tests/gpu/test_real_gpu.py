@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from enforcer.model import GiB
-from enforcer.nvml import Nvml
-from enforcer.nvml_source import NvmlSource, gpu_device_prefix
-from enforcer.procfs import ProcFs
-from enforcer.sources import PidView
+from enforcer.core.model import GiB
+from enforcer.edge.nvml import Nvml
+from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.sources import PidView
 from tests.helpers import children, wait_for
 
 ALLOC = Path(__file__).with_name("alloc.py")

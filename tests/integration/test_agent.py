@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from enforcer.model import GiB
-from enforcer.peers import PeerError, attest
-from enforcer.procfs import ProcFs
+from enforcer.core.model import GiB
+from enforcer.edge.peers import PeerError, attest
+from enforcer.edge.procfs import ProcFs
 from tests.fakenvml.plugin import FakeNvml
 from tests.helpers import children, free_port, wait_for
 

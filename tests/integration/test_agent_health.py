@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from enforcer.agent import EXIT_THREAD_DIED, Sampler, health, watch
-from enforcer.metrics import AgentTelemetry, serve_metrics
-from enforcer.nvml import Nvml
-from enforcer.nvml_source import NvmlSource
-from enforcer.procfs import ProcFs
-from enforcer.sources import PidView
-from enforcer.usage_server import ServerMetrics, UsageServer
+from enforcer.edge.metrics import AgentTelemetry, serve_metrics
+from enforcer.edge.nvml import Nvml
+from enforcer.edge.nvml_source import NvmlSource
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.sources import PidView
+from enforcer.edge.usage_server import ServerMetrics, UsageServer
+from enforcer.modes.agent import EXIT_THREAD_DIED, Sampler, health, watch
 from tests.helpers import wait_for
 
 

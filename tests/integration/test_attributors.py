@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from enforcer.execmode import TreeAttributor
-from enforcer.model import GiB, ProcessKey, ProcessUsage, Sample
-from enforcer.procfs import ProcFs
-from enforcer.sidecar import ALONE_FOR, POD_UNIT, AloneDetector, ContainerAttributor
+from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.edge.procfs import ProcFs
+from enforcer.modes.exec import TreeAttributor
+from enforcer.modes.sidecar import ALONE_FOR, POD_UNIT, AloneDetector, ContainerAttributor
 from tests.helpers import copy_proc_fixture, set_start_time
 
 TRAINER, HELPER, SIDECAR = "7" * 64, "4" * 64, "5" * 64

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from enforcer.doctor import Check, render
+from enforcer.modes.doctor import Check, render
 from tests.helpers import wait_for
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from prometheus_client.utils import floatToGoString
 
-from enforcer.model import GiB
+from enforcer.core.model import GiB
 from tests.helpers import free_port, reuse_pid, wait_for
 
 WORKER = Path(__file__).with_name("worker.py")

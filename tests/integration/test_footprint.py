@@ -14,8 +14,8 @@ import sys
 PROBE = """
 import json, sys
 from kubernetes import client
-from enforcer import sidecar
-from enforcer.kube import EventRecorder, NodeAdvertiser, PodWatcher
+from enforcer.modes import sidecar
+from enforcer.edge.kube import EventRecorder, NodeAdvertiser, PodWatcher
 
 api = client.ApiClient()
 PodWatcher(api, "ns", "pod")

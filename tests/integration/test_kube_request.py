@@ -24,7 +24,14 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from urllib3 import HTTPHeaderDict
 
-from enforcer.kube import MAX_RETRY_AFTER, KubeError, api_client, call, retrying, server_version
+from enforcer.edge.kube import (
+    MAX_RETRY_AFTER,
+    KubeError,
+    api_client,
+    call,
+    retrying,
+    server_version,
+)
 
 
 def test_a_silent_api_server_is_an_error_not_a_hang() -> None:

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from enforcer.model import GiB, ProcessKey, Sample, SourceDown
-from enforcer.nvml import Nvml, NvmlLost, NvmlQueryError, NvmlUnavailable
-from enforcer.nvml_source import NvmlSource
-from enforcer.procfs import ProcFs
-from enforcer.sources import PidView, boot_ticks
+from enforcer.core.model import GiB, ProcessKey, Sample, SourceDown
+from enforcer.edge.nvml import Nvml, NvmlLost, NvmlQueryError, NvmlUnavailable
+from enforcer.edge.nvml_source import NvmlSource
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.sources import PidView, boot_ticks
 from tests.helpers import copy_proc_fixture, older_than_a_tick, set_start_time, wait_for
 
 
@@ -286,11 +286,11 @@ STALE_LISTING = textwrap.dedent(
     """
     import json, os, subprocess, sys, time
     sys.path.insert(0, sys.argv[1])
-    from enforcer.model import GiB
-    from enforcer.nvml import Nvml
-    from enforcer.nvml_source import NvmlSource
-    from enforcer.procfs import ProcFs
-    from enforcer.sources import PidView, boot_ticks
+    from enforcer.core.model import GiB
+    from enforcer.edge.nvml import Nvml
+    from enforcer.edge.nvml_source import NvmlSource
+    from enforcer.edge.procfs import ProcFs
+    from enforcer.edge.sources import PidView, boot_ticks
     from tests.fakenvml import FakeGpuState
     from tests.helpers import older_than_a_tick
 

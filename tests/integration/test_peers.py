@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from enforcer.metrics import AgentTelemetry
-from enforcer.model import Device, GiB, ProcessKey, ProcessUsage, Sample
-from enforcer.peers import CREDENTIALS_SPACE, Peer, PeerError, Unproven, attest, sender
-from enforcer.procfs import INITIAL_PID_NS, ProcFs
-from enforcer.protocol import encode_challenge
-from enforcer.sources import AgentSource
-from enforcer.usage_server import ServerMetrics, UsageServer
+from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.protocol import encode_challenge
+from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.peers import CREDENTIALS_SPACE, Peer, PeerError, Unproven, attest, sender
+from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
+from enforcer.edge.sources import AgentSource
+from enforcer.edge.usage_server import ServerMetrics, UsageServer
 from tests.helpers import reuse_pid, wait_for
 
 HOST = ProcFs()
@@ -75,7 +75,7 @@ def test_a_caller_that_does_not_answer_learns_nothing(server: UsageServer, tmp_p
 
 
 def test_the_doctor_answers_the_challenge(server: UsageServer, tmp_path: Path) -> None:
-    from enforcer.doctor import check_agent
+    from enforcer.modes.doctor import check_agent
 
     check = check_agent(str(tmp_path / "agent.sock"))
     assert check.status == "ok", check
@@ -85,7 +85,7 @@ ACCOMPLICE = textwrap.dedent(
     """
     import json, os, socket, sys
     sys.path.insert(0, sys.argv[2])
-    from enforcer.protocol import encode_request
+    from enforcer.core.protocol import encode_request
 
     s = socket.socket(socket.AF_UNIX)
     s.connect(sys.argv[1])       # the caller C, whose pid SO_PEERCRED records

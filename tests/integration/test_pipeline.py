@@ -13,13 +13,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from enforcer.execmode import TreeAttributor
-from enforcer.metrics import Telemetry
-from enforcer.model import Device, ProcessKey, ProcessUsage, Sample
-from enforcer.pipeline import Pipeline, Report
-from enforcer.policy import PolicyConfig
-from enforcer.procfs import ProcFs
-from enforcer.signals import Signaller, Terminator
+from enforcer.core.model import Device, ProcessKey, ProcessUsage, Sample
+from enforcer.core.policy import PolicyConfig
+from enforcer.edge.metrics import Telemetry
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.signals import Signaller, Terminator
+from enforcer.modes.exec import TreeAttributor
+from enforcer.modes.pipeline import Pipeline, Report
 
 GiB = 1024**3
 GPU = Device(0, "GPU-0", "NVIDIA H100 80GB HBM3", 80 * GiB, 2 * GiB)

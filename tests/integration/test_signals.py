@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from enforcer.model import Action, ProcessKey, ProcessTotal, SignalResult, UnitUsage
-from enforcer.policy import Enforcement
-from enforcer.procfs import ProcFs
-from enforcer.signals import Escalation, Signaller, Terminator
+from enforcer.core.model import Action, ProcessKey, ProcessTotal, SignalResult, UnitUsage
+from enforcer.core.policy import Enforcement
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.signals import Escalation, Signaller, Terminator
 from tests.helpers import wait_for
 
 PROC = ProcFs()
@@ -126,10 +126,10 @@ def test_a_thread_id_is_not_proven_and_nothing_raises(spawn: list[subprocess.Pop
 IMPORTS = """
 import os, resource, signal, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
-from enforcer.model import Action, ProcessKey, ProcessTotal, UnitUsage
-from enforcer.policy import Enforcement
-from enforcer.procfs import ProcFs
-from enforcer.signals import Signaller, Terminator
+from enforcer.core.model import Action, ProcessKey, ProcessTotal, UnitUsage
+from enforcer.core.policy import Enforcement
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.signals import Signaller, Terminator
 """
 
 OUT_OF_FDS = IMPORTS + textwrap.dedent(

@@ -12,7 +12,7 @@ import jsonpatch
 import kubernetes_validate
 import pytest
 
-from enforcer.webhook.admission import (
+from enforcer.core.admission import (
     INJECTED,
     AdmissionSettings,
     BadReview,

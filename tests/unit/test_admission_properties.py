@@ -15,7 +15,7 @@ import jsonpatch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from enforcer.webhook.admission import AdmissionSettings, BadReview, review
+from enforcer.core.admission import AdmissionSettings, BadReview, review
 
 RES = "vram-enforcer.io/vram"
 SETTINGS = [

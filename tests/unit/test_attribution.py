@@ -1,5 +1,5 @@
-from enforcer.attribution import attribute
-from enforcer.model import GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.attribution import attribute
+from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample
 
 A, B, C = ProcessKey(10, 100), ProcessKey(11, 110), ProcessKey(12, 120)
 

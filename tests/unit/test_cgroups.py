@@ -3,7 +3,7 @@ cgroup v1 and v2, with the systemd and cgroupfs drivers, with and without cgroup
 
 import pytest
 
-from enforcer.cgroups import container_id, parse_cgroup, status_container_id
+from enforcer.core.cgroups import container_id, parse_cgroup, status_container_id
 
 A = "3f2d6b0c5a1e4d9f8b7a6c5d4e3f2a1b0c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f"
 B = "a1b2c3d4e5f60718a1b2c3d4e5f60718a1b2c3d4e5f60718a1b2c3d4e5f60718"

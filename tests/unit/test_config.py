@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kubernetes.utils import parse_quantity as k8s_parse_quantity
 
-from enforcer.config import (
+from enforcer.core.config import (
     ConfigError,
     exec_settings,
     format_duration,
@@ -16,7 +16,7 @@ from enforcer.config import (
     parse_percent,
     parse_quantity,
 )
-from enforcer.model import Action
+from enforcer.core.model import Action
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from enforcer.guard import LoopGuard
+from enforcer.edge.guard import LoopGuard
 
 
 def counter() -> Counter:

@@ -1,8 +1,8 @@
 """The sentences people read: who, how much of what limit, and what was done."""
 
-from enforcer import messages
-from enforcer.model import Action, GiB, ProcessKey, ProcessTotal, SignalResult, UnitUsage
-from enforcer.policy import Enforcement, Notice, Reason
+from enforcer.core import messages
+from enforcer.core.model import Action, GiB, ProcessKey, ProcessTotal, SignalResult, UnitUsage
+from enforcer.core.policy import Enforcement, Notice, Reason
 
 VICTIM = ProcessTotal(
     ProcessKey(4242, 1), int(4.5 * GiB), (("GPU-0", int(4.5 * GiB)),), "python train.py"

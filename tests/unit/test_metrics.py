@@ -3,8 +3,8 @@
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from enforcer.metrics import Telemetry, View
-from enforcer.model import Device, GiB, ProcessKey, ProcessTotal, UnitUsage
+from enforcer.core.model import Device, GiB, ProcessKey, ProcessTotal, UnitUsage
+from enforcer.edge.metrics import Telemetry, View
 
 
 def scrape(t: Telemetry) -> str:

@@ -1,7 +1,7 @@
 """What a node advertises, and the patches that get it there without flapping."""
 
-from enforcer.model import Device, GiB, MiB
-from enforcer.node import (
+from enforcer.core.model import Device, GiB, MiB
+from enforcer.core.node import (
     LABEL_COUNT,
     LABEL_MEMORY,
     LABEL_PRODUCT,

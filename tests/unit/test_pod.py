@@ -3,7 +3,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from enforcer.pod import ContainerRef, containers_by_id, others_finished, spec_field_of
+from enforcer.core.pod import ContainerRef, containers_by_id, others_finished, spec_field_of
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 

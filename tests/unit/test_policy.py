@@ -3,8 +3,8 @@
 import math
 from dataclasses import replace
 
-from enforcer.model import Action, GiB, ProcessKey, ProcessTotal, UnitUsage
-from enforcer.policy import (
+from enforcer.core.model import Action, GiB, ProcessKey, ProcessTotal, UnitUsage
+from enforcer.core.policy import (
     REARM_FRACTION,
     Decision,
     PolicyConfig,

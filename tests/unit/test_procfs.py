@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from enforcer.cgroups import parse_cgroup
-from enforcer.procfs import INITIAL_PID_NS, ProcFs, parse_nspid, parse_stat
+from enforcer.core.cgroups import parse_cgroup
+from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs, parse_nspid, parse_stat
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "proc" / "host"
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from enforcer.model import Device, ProcessKey, ProcessUsage, Sample, SourceDown
-from enforcer.protocol import (
+from enforcer.core.model import Device, ProcessKey, ProcessUsage, Sample, SourceDown
+from enforcer.core.protocol import (
     ProtocolError,
     decode_reply,
     encode_error,

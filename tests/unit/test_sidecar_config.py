@@ -4,8 +4,8 @@ from typing import Any
 
 import pytest
 
-from enforcer.config import ConfigError, sidecar_settings
-from enforcer.model import Action
+from enforcer.core.config import ConfigError, sidecar_settings
+from enforcer.core.model import Action
 
 ENV = {
     "POD_NAME": "trainer-0",

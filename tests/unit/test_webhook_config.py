@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 
 from enforcer.cli import build_parser
-from enforcer.config import ConfigError, webhook_settings
+from enforcer.core.config import ConfigError, webhook_settings
 
 REQUIRED = [
     "webhook",

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from enforcer.model import Action, ProcessKey, ProcessTotal, UnitUsage
+from enforcer.core.model import Action, ProcessKey, ProcessTotal, UnitUsage
 
 # The near-limit warning re-arms only once usage falls below this share of the warn
 # threshold, so usage hovering around the threshold gives one warning, not one per tick.

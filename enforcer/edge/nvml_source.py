@@ -10,11 +10,11 @@ import select
 import time
 from dataclasses import dataclass
 
-from enforcer.model import ProcessKey, ProcessUsage, Sample, SignalResult, SourceDown
-from enforcer.nvml import Nvml, NvmlError
-from enforcer.pidfd import Pinned
-from enforcer.procfs import NsChain
-from enforcer.sources import PidView, boot_ticks
+from enforcer.core.model import ProcessKey, ProcessUsage, Sample, SignalResult, SourceDown
+from enforcer.edge.nvml import Nvml, NvmlError
+from enforcer.edge.pidfd import Pinned
+from enforcer.edge.procfs import NsChain
+from enforcer.edge.sources import PidView, boot_ticks
 
 NVIDIA_DEVICES = "/dev/nvidia"  # nvidiactl, nvidia0..N, nvidia-uvm, nvidia-caps/...
 

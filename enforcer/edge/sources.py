@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from enforcer.backoff import Backoff
-from enforcer.model import Sample, SourceDown
-from enforcer.procfs import INITIAL_PID_NS, NsChain, ProcFs
-from enforcer.protocol import Challenge, ProtocolError, decode_reply, encode_request
+from enforcer.core.model import Sample, SourceDown
+from enforcer.core.protocol import Challenge, ProtocolError, decode_reply, encode_request
+from enforcer.edge.backoff import Backoff
+from enforcer.edge.procfs import INITIAL_PID_NS, NsChain, ProcFs
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

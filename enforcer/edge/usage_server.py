@@ -25,11 +25,8 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
-from enforcer.guard import LoopGuard
-from enforcer.model import Sample, SourceDown
-from enforcer.peers import CREDENTIALS_SPACE, PeerError, Unproven, attest, sender
-from enforcer.procfs import ProcFs
-from enforcer.protocol import (
+from enforcer.core.model import Sample, SourceDown
+from enforcer.core.protocol import (
     MAX_REQUEST_BYTES,
     USAGE_TAIL,
     ProtocolError,
@@ -41,9 +38,12 @@ from enforcer.protocol import (
     usage_head,
     usage_process,
 )
-from enforcer.sources import PidView
+from enforcer.edge.guard import LoopGuard
+from enforcer.edge.peers import CREDENTIALS_SPACE, PeerError, Unproven, attest, sender
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.sources import PidView
 
-log = logging.getLogger("enforcer.agent")
+log = logging.getLogger("enforcer.modes.agent")
 
 IDLE_TIMEOUT = 300.0  # a connection that asks nothing for this long is closed
 WRITE_TIMEOUT = 5.0  # a reader that leaves replies unread this long is disconnected

@@ -20,7 +20,8 @@ from typing import Any
 
 import jsonpatch
 
-from enforcer.config import (
+from enforcer.core import shapes
+from enforcer.core.config import (
     SIDECAR_ACTIONS,
     SIDECAR_METRICS_PORT,
     ConfigError,
@@ -30,7 +31,6 @@ from enforcer.config import (
     parse_percent,
     parse_quantity,
 )
-from enforcer.webhook import shapes
 
 API_VERSION = "admission.k8s.io/v1"
 INJECT = "vram-enforcer.io/inject"

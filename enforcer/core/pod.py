@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from enforcer.cgroups import status_container_id
+from enforcer.core.cgroups import status_container_id
 
 _STATUS_FIELDS = (
     ("initContainerStatuses", "initContainers"),

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from enforcer.model import Device, ProcessKey, ProcessUsage, Sample, SourceDown
+from enforcer.core.model import Device, ProcessKey, ProcessUsage, Sample, SourceDown
 
 VERSION = 1
 MAX_REQUEST_BYTES = 4096

@@ -21,7 +21,7 @@ from prometheus_client import make_wsgi_app as metrics_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from enforcer.model import Device, UnitUsage
+from enforcer.core.model import Device, UnitUsage
 
 log = logging.getLogger(__name__)
 

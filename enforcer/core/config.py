@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import PurePath
 
-from enforcer.model import Action
-from enforcer.policy import PolicyConfig
+from enforcer.core.model import Action
+from enforcer.core.policy import PolicyConfig
 
 _QUANTITY = re.compile(
     r"(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"

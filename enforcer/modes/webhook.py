@@ -22,9 +22,9 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from enforcer.config import WebhookSettings
-from enforcer.metrics import MetricsPortError, WebhookTelemetry, serve_metrics
-from enforcer.webhook.admission import AdmissionSettings, BadReview, review, sidecar_mode_for
+from enforcer.core.admission import AdmissionSettings, BadReview, review, sidecar_mode_for
+from enforcer.core.config import WebhookSettings
+from enforcer.edge.metrics import MetricsPortError, WebhookTelemetry, serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ def run(settings: WebhookSettings) -> int:
     mode = settings.sidecar_mode
     if mode == "auto":
         # The kubernetes client (about 40 MiB) is loaded only for this one question.
-        from enforcer.kube import KubeError, connect, server_version  # noqa: PLC0415
+        from enforcer.edge.kube import KubeError, connect, server_version  # noqa: PLC0415
 
         try:
             version = server_version(connect(settings.kubeconfig))

@@ -12,7 +12,7 @@ import os
 import select
 import signal
 
-from enforcer.model import SignalResult
+from enforcer.core.model import SignalResult
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from enforcer.model import ProcessKey, ProcessTotal, Sample, UnitUsage
+from enforcer.core.model import ProcessKey, ProcessTotal, Sample, UnitUsage
 
 
 def attribute(

@@ -31,10 +31,10 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from enforcer.model import Device
-from enforcer.node import capacity_patch, gpu_labels, label_ops, node_vram, to_units
+from enforcer.core.model import Device
+from enforcer.core.node import capacity_patch, gpu_labels, label_ops, node_vram, to_units
 
-log = logging.getLogger("enforcer.kube")
+log = logging.getLogger("enforcer.edge.kube")
 
 COMPONENT = "vram-enforcer"
 NODE = "/api/v1/nodes/{name}"

@@ -14,13 +14,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from enforcer import messages
-from enforcer.guard import LoopGuard
-from enforcer.metrics import Telemetry, View
-from enforcer.model import Sample, SignalResult, SourceDown, UnitUsage
-from enforcer.policy import Decision, PolicyConfig, Reason, UnitState, decide
-from enforcer.signals import Escalation, EscalationEvent, Membership, Terminator
-from enforcer.sources import UsageSource
+from enforcer.core import messages
+from enforcer.core.model import Sample, SignalResult, SourceDown, UnitUsage
+from enforcer.core.policy import Decision, PolicyConfig, Reason, UnitState, decide
+from enforcer.edge.guard import LoopGuard
+from enforcer.edge.metrics import Telemetry, View
+from enforcer.edge.signals import Escalation, EscalationEvent, Membership, Terminator
+from enforcer.edge.sources import UsageSource
 
 log = logging.getLogger("enforcer")
 

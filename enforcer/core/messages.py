@@ -6,9 +6,9 @@ way. Each sentence answers: who, how much of what limit, and what was (or was no
 
 from __future__ import annotations
 
-from enforcer.config import format_duration
-from enforcer.model import Action, ProcessTotal, SignalResult, UnitUsage, format_bytes
-from enforcer.policy import Enforcement, Notice, Reason
+from enforcer.core.config import format_duration
+from enforcer.core.model import Action, ProcessTotal, SignalResult, UnitUsage, format_bytes
+from enforcer.core.policy import Enforcement, Notice, Reason
 
 _SIGNAL_NAME = {Action.TERMINATE: "SIGTERM", Action.KILL: "SIGKILL", Action.RESTART: "SIGTERM"}
 

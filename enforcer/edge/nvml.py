@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 
 import pynvml
 
-from enforcer.backoff import Backoff
-from enforcer.model import Device
+from enforcer.core.model import Device
+from enforcer.edge.backoff import Backoff
 
 # NVML returns all-ones for "not available" in 64-bit fields.
 NOT_AVAILABLE_64 = 0xFFFFFFFFFFFFFFFF

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from enforcer.cgroups import CgroupEntry, parse_cgroup
+from enforcer.core.cgroups import CgroupEntry, parse_cgroup
 
 # The inode of the initial PID namespace (PROC_PID_INIT_INO in the kernel).
 INITIAL_PID_NS = 4026531836

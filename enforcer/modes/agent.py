@@ -23,20 +23,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from enforcer.config import AgentSettings
-from enforcer.guard import LoopGuard
-from enforcer.metrics import AgentTelemetry, MetricsPortError, serve_metrics
-from enforcer.model import Device, Sample, SourceDown
-from enforcer.nvml import Nvml, NvmlError
-from enforcer.nvml_source import NvmlSource, gpu_device_prefix
-from enforcer.procfs import ProcFs
-from enforcer.sources import PidView, PidViewError
-from enforcer.usage_server import ServerMetrics, SocketInUse, UsageServer
+from enforcer.core.config import AgentSettings
+from enforcer.core.model import Device, Sample, SourceDown
+from enforcer.edge.guard import LoopGuard
+from enforcer.edge.metrics import AgentTelemetry, MetricsPortError, serve_metrics
+from enforcer.edge.nvml import Nvml, NvmlError
+from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.sources import PidView, PidViewError
+from enforcer.edge.usage_server import ServerMetrics, SocketInUse, UsageServer
 
 if TYPE_CHECKING:
-    from enforcer.kube import NodeAdvertiser
+    from enforcer.edge.kube import NodeAdvertiser
 
-log = logging.getLogger("enforcer.agent")
+log = logging.getLogger("enforcer.modes.agent")
 
 EXIT_USAGE = 2
 EXIT_THREAD_DIED = 1
@@ -134,7 +134,7 @@ class Advertiser(threading.Thread):
             self._guard.run(functools.partial(self._sync, devices))
 
     def _sync(self, devices: Sequence[Device]) -> None:
-        from enforcer.kube import Forbidden, KubeError  # noqa: PLC0415 - loaded only when used
+        from enforcer.edge.kube import Forbidden, KubeError  # noqa: PLC0415 - loaded only when used
 
         try:
             status_ops, label_ops = self._advertiser.sync(devices)
@@ -172,7 +172,7 @@ def run(settings: AgentSettings) -> int:
     telemetry = AgentTelemetry()
     advertiser = None
     if settings.uses_api:
-        from enforcer.kube import KubeError, NodeAdvertiser, connect  # noqa: PLC0415
+        from enforcer.edge.kube import KubeError, NodeAdvertiser, connect  # noqa: PLC0415
 
         try:
             api = connect(settings.kubeconfig)

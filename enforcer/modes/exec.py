@@ -17,16 +17,16 @@ import signal
 import time
 from collections.abc import Iterator
 
-from enforcer.attribution import attribute
-from enforcer.config import ExecSettings
-from enforcer.metrics import MetricsPortError, Telemetry, serve_metrics
-from enforcer.model import ProcessKey, Sample, UnitUsage, format_bytes
-from enforcer.nvml import Nvml, NvmlError
-from enforcer.nvml_source import NvmlSource, gpu_device_prefix
-from enforcer.pipeline import LogReporter, Pipeline
-from enforcer.procfs import INITIAL_PID_NS, ProcFs
-from enforcer.signals import Membership, Signaller, Terminator, signal_children
-from enforcer.sources import PidView, PidViewError
+from enforcer.core.attribution import attribute
+from enforcer.core.config import ExecSettings
+from enforcer.core.model import ProcessKey, Sample, UnitUsage, format_bytes
+from enforcer.edge.metrics import MetricsPortError, Telemetry, serve_metrics
+from enforcer.edge.nvml import Nvml, NvmlError
+from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix
+from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
+from enforcer.edge.signals import Membership, Signaller, Terminator, signal_children
+from enforcer.edge.sources import PidView, PidViewError
+from enforcer.modes.pipeline import LogReporter, Pipeline
 
 log = logging.getLogger("enforcer.exec")
 

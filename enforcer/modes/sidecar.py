@@ -19,21 +19,21 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from enforcer import messages
-from enforcer.attribution import attribute, oldest
-from enforcer.cgroups import container_id
-from enforcer.config import SidecarSettings
-from enforcer.kube import EventRecorder, KubeError, PodWatcher, connect
-from enforcer.metrics import MetricsPortError, Telemetry, serve_metrics
-from enforcer.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
-from enforcer.pipeline import LogReporter, Pipeline, Report, Reporter
-from enforcer.pod import ContainerRef, containers_by_id, others_finished, spec_field_of
-from enforcer.policy import Reason
-from enforcer.procfs import ProcFs
-from enforcer.signals import Membership, Signaller, Terminator
-from enforcer.sources import AgentSource, PidView, PidViewError, UsageSource
+from enforcer.core import messages
+from enforcer.core.attribution import attribute, oldest
+from enforcer.core.cgroups import container_id
+from enforcer.core.config import SidecarSettings
+from enforcer.core.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
+from enforcer.core.pod import ContainerRef, containers_by_id, others_finished, spec_field_of
+from enforcer.core.policy import Reason
+from enforcer.edge.kube import EventRecorder, KubeError, PodWatcher, connect
+from enforcer.edge.metrics import MetricsPortError, Telemetry, serve_metrics
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.signals import Membership, Signaller, Terminator
+from enforcer.edge.sources import AgentSource, PidView, PidViewError, UsageSource
+from enforcer.modes.pipeline import LogReporter, Pipeline, Report, Reporter
 
-log = logging.getLogger("enforcer.sidecar")
+log = logging.getLogger("enforcer.modes.sidecar")
 
 EXIT_USAGE = 2
 POD_UNIT = "(pod)"  # processes whose container cannot be proven, against the pod's total
@@ -213,8 +213,8 @@ def _source(settings: SidecarSettings) -> UsageSource:
     if settings.source == "agent":
         return AgentSource(settings.agent_socket, settings.stale_after)
     # Loaded only here: pynvml is ~2 MiB of the sidecar's memory, in every enforced pod.
-    from enforcer.nvml import Nvml, NvmlError  # noqa: PLC0415
-    from enforcer.nvml_source import NvmlSource, gpu_device_prefix  # noqa: PLC0415
+    from enforcer.edge.nvml import Nvml, NvmlError  # noqa: PLC0415
+    from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix  # noqa: PLC0415
 
     host_proc = ProcFs(settings.host_proc or "/host/proc")
     view = PidView.of_process(host_proc, "self")

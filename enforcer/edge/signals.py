@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from enforcer.model import Action, ProcessKey, ProcessTotal, SignalResult
-from enforcer.pidfd import Pinned
-from enforcer.policy import Enforcement
-from enforcer.procfs import ProcFs
+from enforcer.core.model import Action, ProcessKey, ProcessTotal, SignalResult
+from enforcer.core.policy import Enforcement
+from enforcer.edge.pidfd import Pinned
+from enforcer.edge.procfs import ProcFs
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from enforcer.pidfd import Pinned
-from enforcer.procfs import ProcFs
-from enforcer.protocol import Challenge
-from enforcer.sources import PidView, PidViewError
+from enforcer.core.protocol import Challenge
+from enforcer.edge.pidfd import Pinned
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.sources import PidView, PidViewError
 
 # Not in Python's socket module before 3.13; the value is fixed in the kernel ABI.
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)

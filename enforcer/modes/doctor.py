@@ -14,11 +14,11 @@ import socket
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from enforcer.config import DoctorSettings
-from enforcer.model import SourceDown, format_bytes
-from enforcer.nvml import Nvml, NvmlError
-from enforcer.procfs import INITIAL_PID_NS, ProcFs
-from enforcer.protocol import Challenge, ProtocolError, decode_reply, encode_request
+from enforcer.core.config import DoctorSettings
+from enforcer.core.model import SourceDown, format_bytes
+from enforcer.core.protocol import Challenge, ProtocolError, decode_reply, encode_request
+from enforcer.edge.nvml import Nvml, NvmlError
+from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
 
 EXIT_PROBLEMS = 1
 
@@ -128,7 +128,7 @@ _NEEDS: dict[str, list[tuple[str, str, str | None, bool]]] = {
 
 def check_api(settings: DoctorSettings) -> list[Check]:
     # The kubernetes client is loaded only for this check (about 40 MiB).
-    from enforcer.kube import KubeError, access_allowed, connect, server_version  # noqa: PLC0415
+    from enforcer.edge.kube import KubeError, access_allowed, connect, server_version  # noqa: PLC0415
 
     try:
         api = connect(settings.kubeconfig)
