@@ -90,3 +90,12 @@ def reuse_pid(pid: int) -> subprocess.Popen[bytes]:
         newcomer.kill()
         newcomer.wait()
     raise AssertionError(f"could not reuse pid {pid}")
+
+
+def configured(argv: list[str], environ: dict[str, str] | None = None) -> Any:
+    """A mode's validated settings from a command line and an environment, as `main` makes
+    them (raises ConfigError)."""
+    from enforcer.cli import build_parser, configure
+
+    _, _, settings = configure(build_parser().parse_args(argv), environ or {})
+    return settings

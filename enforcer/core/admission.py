@@ -21,9 +21,7 @@ from typing import Any
 import jsonpatch
 
 from enforcer.core import shapes
-from enforcer.core.config import (
-    SIDECAR_ACTIONS,
-    SIDECAR_METRICS_PORT,
+from enforcer.core.parsing import (
     ConfigError,
     parse_action,
     parse_bytes,
@@ -31,6 +29,7 @@ from enforcer.core.config import (
     parse_percent,
     parse_quantity,
 )
+from enforcer.core.settings.sidecar import METRICS_PORT_DEFAULT, SIDECAR_ACTIONS
 
 API_VERSION = "admission.k8s.io/v1"
 INJECT = "vram-enforcer.io/inject"
@@ -268,7 +267,7 @@ def _metrics_port(annotations: Mapping[str, Any], spec: Mapping[str, Any]) -> in
         if isinstance(port, dict) and port.get("protocol", "TCP") == "TCP"
     }
     if METRICS_PORT_ANNOTATION not in annotations:
-        return next(p for p in range(SIDECAR_METRICS_PORT, 65536) if p not in declared)
+        return next(p for p in range(METRICS_PORT_DEFAULT, 65536) if p not in declared)
     value = str(annotations[METRICS_PORT_ANNOTATION])
     field = f"metadata.annotations[{METRICS_PORT_ANNOTATION!r}]"
     if not value.isdigit() or not 1 <= int(value) <= 65535:

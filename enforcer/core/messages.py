@@ -6,8 +6,8 @@ way. Each sentence answers: who, how much of what limit, and what was (or was no
 
 from __future__ import annotations
 
-from enforcer.core.config import format_duration
 from enforcer.core.model import Action, ProcessTotal, SignalResult, UnitUsage, format_bytes
+from enforcer.core.parsing import format_duration
 from enforcer.core.policy import Enforcement, Notice, Reason
 
 _SIGNAL_NAME = {Action.TERMINATE: "SIGTERM", Action.KILL: "SIGKILL", Action.RESTART: "SIGTERM"}

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
-from enforcer.core.config import ConfigError, parse_quantity
 from enforcer.core.model import Device, MiB
+from enforcer.core.parsing import ConfigError, parse_quantity
 
 LABEL_PRODUCT = "vram-enforcer.io/gpu.product"
 LABEL_COUNT = "vram-enforcer.io/gpu.count"

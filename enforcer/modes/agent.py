@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from enforcer.core.config import AgentSettings
 from enforcer.core.model import Device, Sample, SourceDown
+from enforcer.core.settings.agent import AgentSettings
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry, MetricsPortError, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError

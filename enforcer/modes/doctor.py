@@ -14,9 +14,9 @@ import socket
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from enforcer.core.config import DoctorSettings
 from enforcer.core.model import SourceDown, format_bytes
 from enforcer.core.protocol import Challenge, ProtocolError, decode_reply, encode_request
+from enforcer.core.settings.doctor import DoctorSettings
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
 

@@ -18,8 +18,8 @@ import time
 from collections.abc import Iterator
 
 from enforcer.core.attribution import attribute
-from enforcer.core.config import ExecSettings
 from enforcer.core.model import ProcessKey, Sample, UnitUsage, format_bytes
+from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge.metrics import MetricsPortError, Telemetry, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix

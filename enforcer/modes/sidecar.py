@@ -22,10 +22,10 @@ from typing import Any
 from enforcer.core import messages
 from enforcer.core.attribution import attribute, oldest
 from enforcer.core.cgroups import container_id
-from enforcer.core.config import SidecarSettings
 from enforcer.core.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
 from enforcer.core.pod import ContainerRef, containers_by_id, others_finished, spec_field_of
 from enforcer.core.policy import Reason
+from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.edge.kube import EventRecorder, KubeError, PodWatcher, connect
 from enforcer.edge.metrics import MetricsPortError, Telemetry, serve_metrics
 from enforcer.edge.procfs import ProcFs

@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from enforcer.core.admission import AdmissionSettings, BadReview, review, sidecar_mode_for
-from enforcer.core.config import WebhookSettings
+from enforcer.core.settings.webhook import WebhookSettings
 from enforcer.edge.metrics import MetricsPortError, WebhookTelemetry, serve_metrics
 
 log = logging.getLogger(__name__)

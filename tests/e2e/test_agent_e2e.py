@@ -20,8 +20,8 @@ import yaml
 from kubernetes import client, utils
 from kubernetes.client.exceptions import ApiException
 
-from enforcer.core.config import parse_quantity
 from enforcer.core.model import GiB
+from enforcer.core.parsing import parse_quantity
 from tests.e2e.cluster import ApiServer
 from tests.fakenvml import FakeGpuState
 from tests.helpers import free_port, wait_for

@@ -7,16 +7,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kubernetes.utils import parse_quantity as k8s_parse_quantity
 
-from enforcer.core.config import (
+from enforcer.core.model import Action
+from enforcer.core.parsing import (
     ConfigError,
-    exec_settings,
     format_duration,
     parse_bytes,
     parse_duration,
     parse_percent,
     parse_quantity,
 )
-from enforcer.core.model import Action
+from tests.helpers import configured
 
 
 @pytest.mark.parametrize(
@@ -173,27 +173,12 @@ def test_bad_percentages(text: str, fragment: str) -> None:
     assert f"--warn-at: {text!r}" in str(info.value)
 
 
-def _exec(**overrides: object) -> dict[str, object]:
-    args: dict[str, object] = {
-        "command": ["--", "python", "train.py"],
-        "limit": "4Gi",
-        "action": "terminate",
-        "grace_period": "5s",
-        "interval": "100ms",
-        "warn_at": "90%",
-        "over_for": "0s",
-        "dry_run": False,
-        "name": None,
-        "metrics_port": None,
-        "metrics_address": "127.0.0.1",
-        "host_proc": None,
-    }
-    args.update(overrides)
-    return args
+def exec_argv(*flags: str) -> list[str]:
+    return ["exec", "--limit", "4Gi", *flags, "--", "python", "train.py"]
 
 
 def test_exec_settings_defaults() -> None:
-    s = exec_settings(**_exec())  # type: ignore[arg-type]
+    s = configured(exec_argv())
     assert s.command == ("python", "train.py")
     assert s.limit_bytes == 4 * 1024**3
     assert s.policy.action is Action.TERMINATE
@@ -203,20 +188,21 @@ def test_exec_settings_defaults() -> None:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "message"),
+    ("argv", "message"),
     [
-        ({"command": []}, "CMD is missing; put the command after --"),
+        (["exec", "--limit", "4Gi"], "CMD is missing; put the command after --"),
+        (["exec", "--", "python"], "--limit is missing; give the GPU memory limit"),
         (
-            {"action": "restart"},
+            exec_argv("--action", "restart"),
             "--action: 'restart' is not available here; use one of: terminate, kill, warn",
         ),
-        ({"action": "nuke"}, "--action: 'nuke' is not an action"),
-        ({"interval": "1ms"}, "--interval: '1ms' is too short; use at least 10ms"),
-        ({"metrics_port": 70000}, "--metrics-port: 70000 is not a TCP port"),
-        ({"limit": "4GB!"}, "--limit: '4GB!' is not a quantity"),
+        (exec_argv("--action", "nuke"), "--action: 'nuke' is not an action"),
+        (exec_argv("--interval", "1ms"), "--interval: '1ms' is too short; use at least 10ms"),
+        (exec_argv("--metrics-port", "70000"), "--metrics-port: '70000' is not a TCP port"),
+        (["exec", "--limit", "4GB!", "--", "true"], "--limit: '4GB!' is not a quantity"),
     ],
 )
-def test_exec_settings_errors(overrides: dict[str, object], message: str) -> None:
+def test_exec_settings_errors(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
-        exec_settings(**_exec(**overrides))  # type: ignore[arg-type]
+        configured(argv)
     assert message in str(info.value)

@@ -4,8 +4,9 @@ from typing import Any
 
 import pytest
 
-from enforcer.core.config import ConfigError, sidecar_settings
 from enforcer.core.model import Action
+from enforcer.core.parsing import ConfigError
+from tests.helpers import configured
 
 ENV = {
     "POD_NAME": "trainer-0",
@@ -14,16 +15,12 @@ ENV = {
     "NODE_NAME": "gpu-1",
     "VRAM_ENFORCER_LIMITS": '{"trainer": 12884901888, "sidecar": 0}',
 }
-FLAGS: dict[str, Any] = {
-    "limits": None, "action": None, "grace_period": None, "interval": None, "warn_at": None,
-    "over_for": None, "dry_run": False, "undeclared": "deny", "source": "agent", "agent_socket": None,
-    "host_proc": None, "stale_after": "2s", "sidecar_mode": None, "kubeconfig": None,
-    "metrics_port": None, "metrics_address": "127.0.0.1",
-}  # fmt: skip
 
 
-def settings(env: dict[str, str] | None = None, **flags: Any) -> Any:
-    return sidecar_settings(environ={**ENV, **(env or {})}, **{**FLAGS, **flags})
+def settings(env: dict[str, str] | None = None, **flags: str) -> Any:
+    """The sidecar's settings from the environment and the flags (by their names)."""
+    argv = [f"--{name.replace('_', '-')}={value}" for name, value in flags.items()]
+    return configured(["sidecar", *argv], {**ENV, **(env or {})})
 
 
 def test_defaults_from_the_environment() -> None:
@@ -47,11 +44,13 @@ def test_flags_override_the_environment() -> None:
 def test_the_metrics_port_from_the_webhook_the_flag_or_the_default() -> None:
     assert settings().metrics_port == 9477
     assert settings({"VRAM_ENFORCER_METRICS_PORT": "9478"}).metrics_port == 9478
-    assert settings({"VRAM_ENFORCER_METRICS_PORT": "9478"}, metrics_port=9500).metrics_port == 9500
+    assert (
+        settings({"VRAM_ENFORCER_METRICS_PORT": "9478"}, metrics_port="9500").metrics_port == 9500
+    )
     with pytest.raises(ConfigError, match=r"VRAM_ENFORCER_METRICS_PORT: '94a' is not a TCP port"):
         settings({"VRAM_ENFORCER_METRICS_PORT": "94a"})
     with pytest.raises(ConfigError, match=r"--metrics-port: '70000' is not a TCP port"):
-        settings(metrics_port=70000)
+        settings(metrics_port="70000")
 
 
 @pytest.mark.parametrize(
@@ -71,7 +70,11 @@ def test_the_metrics_port_from_the_webhook_the_flag_or_the_default() -> None:
         ({"VRAM_ENFORCER_ACTION": "nuke"}, {}, "VRAM_ENFORCER_ACTION: 'nuke' is not an action"),
         ({"VRAM_ENFORCER_WARN_AT": "0.9"}, {}, "VRAM_ENFORCER_WARN_AT: '0.9' is not a percentage"),
         ({"VRAM_ENFORCER_GRACE_PERIOD": "5"}, {}, "did you mean 5s?"),
-        ({"VRAM_ENFORCER_SIDECAR_MODE": "sidecar"}, {}, "is not a sidecar mode"),
+        (
+            {"VRAM_ENFORCER_SIDECAR_MODE": "sidecar"},
+            {},
+            "VRAM_ENFORCER_SIDECAR_MODE: 'sidecar' is not a choice; use one of: native, container",
+        ),
         ({}, {"source": "nvml"}, "--host-proc is missing"),
         ({}, {"undeclared": "maybe"}, "--undeclared: 'maybe'"),
     ],

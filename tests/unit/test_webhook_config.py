@@ -4,8 +4,8 @@ from typing import Any
 
 import pytest
 
-from enforcer.cli import build_parser
-from enforcer.core.config import ConfigError, webhook_settings
+from enforcer.core.parsing import ConfigError
+from tests.helpers import configured
 
 REQUIRED = [
     "webhook",
@@ -19,10 +19,7 @@ REQUIRED = [
 
 
 def settings(*extra: str) -> Any:
-    args = vars(build_parser().parse_args([*REQUIRED, *extra]))
-    return webhook_settings(
-        **{k: v for k, v in args.items() if k not in ("mode", "log_format", "verbose")}
-    )
+    return configured([*REQUIRED, *extra])
 
 
 def test_defaults() -> None:
@@ -66,7 +63,7 @@ def test_flags() -> None:
         (["--resource-name", "nvidia.com gpu"], "--resource-name: 'nvidia.com gpu' is not an extended resource name"),
         (["--sidecar-memory", "128MB"], "--sidecar-memory: '128MB' is not a quantity"),
         (["--agent-socket", "/tmp/a.sock"], "--agent-socket: '/tmp/a.sock' must lie in /run/vram-enforcer/"),
-        (["--port", "70000"], "--port: 70000 is not a TCP port"),
+        (["--port", "70000"], "--port: '70000' is not a TCP port"),
     ],
 )  # fmt: skip
 def test_bad_flags(flags: list[str], message: str) -> None:

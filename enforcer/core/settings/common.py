@@ -1,0 +1,156 @@
+"""Settings that several modes share, each a factory for the mode's own declaration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from enforcer.core.model import Action
+from enforcer.core.parsing import (
+    actions,
+    as_text,
+    choice,
+    parse_duration,
+    parse_percent,
+    parse_port,
+    parse_resource_name,
+    parse_unit,
+    positive_duration,
+)
+from enforcer.core.settings import Setting, switch, value
+
+DEFAULT_RESOURCE = "vram-enforcer.io/vram"
+DEFAULT_SOCKET = "/run/vram-enforcer/agent.sock"
+
+
+def interval(help: str, doc: str, **options: Any) -> Setting[float]:
+    return value(
+        "interval",
+        positive_duration(0.01),
+        help,
+        flag="--interval",
+        default="100ms",
+        metavar="DURATION",
+        doc=doc,
+        **options,
+    )
+
+
+def metrics_port(help: str, **options: Any) -> Setting[int | None]:
+    if "default" not in options:
+        options["shown_default"] = "off"
+    return value("metrics_port", parse_port, help, flag="--metrics-port", metavar="PORT",
+                 **options)  # fmt: skip
+
+
+def metrics_address(default: str) -> Setting[str]:
+    return value("metrics_address", as_text, "the address that --metrics-port listens on",
+                 flag="--metrics-address", default=default, metavar="ADDR",
+                 doc="the address that `--metrics-port` listens on")  # fmt: skip
+
+
+def log_format(default: str) -> Setting[str]:
+    return value(
+        "log_format",
+        choice("text", "json"),
+        "how log lines are written",
+        flag="--log-format",
+        default=default,
+        metavar="text|json",
+        doc="`json` gives one JSON object per line, with `reason`, `unit` and `pid` "
+        "fields where they apply",
+    )
+
+
+def kubeconfig(shown_default: str, doc: str = "how to reach the API server") -> Setting[str | None]:
+    return value(
+        "kubeconfig",
+        as_text,
+        "kubeconfig file",
+        flag="--kubeconfig",
+        metavar="FILE",
+        shown_default=shown_default,
+        doc=doc,
+    )
+
+
+RESOURCE_NAME = value(
+    "resource_name",
+    parse_resource_name,
+    "the extended resource that counts VRAM",
+    flag="--resource-name",
+    default=DEFAULT_RESOURCE,
+    metavar="NAME",
+    doc="the extended resource. It must be `domain/name`, outside `kubernetes.io`",
+)
+
+
+def resource_unit(doc: str) -> Setting[int]:
+    return value(
+        "resource_unit",
+        parse_unit,
+        "bytes per unit of the resource: with 1Gi, a limit of 3 means 3 GiB",
+        flag="--resource-unit",
+        default="1",
+        metavar="QUANTITY",
+        doc=doc,
+    )
+
+
+# The policy: what happens over a limit. The sidecar also reads them from the environment.
+
+
+def action(allowed: tuple[Action, ...], doc: str, **options: Any) -> Setting[Action]:
+    names = [a.value for a in allowed]
+    return value(
+        "action",
+        actions(*allowed),
+        f"what to do over the limit: {', '.join(names)}",
+        flag="--action",
+        default="terminate",
+        metavar="|".join(names),
+        doc=doc,
+        **options,
+    )
+
+
+def grace_period(**options: Any) -> Setting[float]:
+    return value(
+        "grace_period",
+        parse_duration,
+        "time between SIGTERM and SIGKILL",
+        flag="--grace-period",
+        default="5s",
+        metavar="DURATION",
+        **options,
+    )
+
+
+def warn_at(doc: str, **options: Any) -> Setting[float]:
+    return value(
+        "warn_at",
+        parse_percent,
+        "warn once usage reaches this share of the limit",
+        flag="--warn-at",
+        default="90%",
+        metavar="PERCENT",
+        doc=doc,
+        **options,
+    )
+
+
+def over_for(doc: str) -> Setting[float]:
+    return value(
+        "over_for",
+        parse_duration,
+        "how long usage may stay over the limit before the action",
+        flag="--over-for",
+        default="0s",
+        metavar="DURATION",
+        doc=doc,
+    )
+
+
+def dry_run(doc: str) -> Setting[bool]:
+    return switch(
+        "dry_run", "--dry-run", "decide as usual but only report what would be signalled", doc=doc
+    )

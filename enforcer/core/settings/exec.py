@@ -1,0 +1,136 @@
+"""`vram-enforcer exec`'s settings: the command line only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any
+
+from enforcer.core.model import Action
+from enforcer.core.parsing import ConfigError, as_text, parse_bytes
+from enforcer.core.policy import PolicyConfig
+from enforcer.core.settings import Setting, Values, value, verbosity
+from enforcer.core.settings.common import (
+    action,
+    dry_run,
+    grace_period,
+    interval,
+    log_format,
+    metrics_address,
+    metrics_port,
+    over_for,
+    warn_at,
+)
+
+EXEC_ACTIONS = (Action.TERMINATE, Action.KILL, Action.WARN)
+
+LIMIT = value(
+    "limit",
+    parse_bytes,
+    "GPU memory limit as a Kubernetes quantity: 4Gi, 512Mi, 8G (10^9) or bytes",
+    flag="--limit",
+    metavar="QUANTITY",
+    required="give the GPU memory limit, e.g. --limit 4Gi",
+    doc="GPU memory limit for CMD and all of its descendants, summed over all GPUs",
+)
+ACTION = action(
+    EXEC_ACTIONS,
+    "`terminate`: SIGTERM, then SIGKILL after `--grace-period`. "
+    "`kill`: SIGKILL at once. `warn`: report only",
+)
+GRACE_PERIOD = grace_period()
+INTERVAL = interval("how often usage is sampled", "how often NVML is sampled (at least `10ms`)")
+WARN_AT = warn_at(
+    "report once when usage reaches this share of the limit. The report "
+    "re-arms when usage falls below 95% of that threshold"
+)
+OVER_FOR = over_for(
+    "how long usage may stay over the limit before the action. A dip back "
+    "under the limit restarts the window"
+)
+DRY_RUN = dry_run(
+    "decide as usual, but only report what would be signalled (once per excursion over the limit)"
+)
+NAME = value(
+    "name",
+    as_text,
+    "the unit's name in metrics",
+    flag="--name",
+    metavar="NAME",
+    shown_default="basename of CMD",
+    doc="the `container` label of the metrics",
+)
+METRICS_PORT = metrics_port(
+    "serve Prometheus metrics on this port (0 picks a free one)",
+    doc="serve Prometheus metrics. `0` picks a free port, which is logged with `-v`",
+)
+METRICS_ADDRESS = metrics_address("127.0.0.1")
+HOST_PROC = value(
+    "host_proc",
+    as_text,
+    "the host's /proc, mounted read-only, when running inside a container "
+    "without --pid=host: NVML reports host PIDs, and they are translated through it",
+    flag="--host-proc",
+    metavar="PATH",
+    doc="the host's `/proc`, mounted read-only. Needed when running in a PID namespace "
+    "without `--pid=host`",
+)
+LOG_FORMAT = log_format("text")
+VERBOSE = verbosity("warnings only")
+
+DECLARED: tuple[Setting[Any], ...] = (
+    LIMIT,
+    ACTION,
+    GRACE_PERIOD,
+    INTERVAL,
+    WARN_AT,
+    OVER_FOR,
+    DRY_RUN,
+    NAME,
+    METRICS_PORT,
+    METRICS_ADDRESS,
+    HOST_PROC,
+    LOG_FORMAT,
+    VERBOSE,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ExecSettings:
+    """Everything `vram-enforcer exec` needs, validated."""
+
+    command: tuple[str, ...]
+    limit_bytes: int
+    policy: PolicyConfig
+    interval: float
+    name: str
+    metrics_port: int | None = None
+    metrics_address: str = "127.0.0.1"
+    host_proc: str | None = None
+
+
+def exec_settings(values: Values, command: list[str]) -> ExecSettings:
+    """`exec`'s settings, with the command to run (after `--`)."""
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ConfigError(
+            "CMD", None, "is missing; put the command after --, e.g. -- python train.py"
+        )
+    policy = PolicyConfig(
+        action=values[ACTION],
+        warn_at=values[WARN_AT],
+        over_for=values[OVER_FOR],
+        grace_period=values[GRACE_PERIOD],
+        dry_run=values[DRY_RUN],
+    )
+    return ExecSettings(
+        command=tuple(command),
+        limit_bytes=values[LIMIT],
+        policy=policy,
+        interval=values[INTERVAL],
+        name=values[NAME] or PurePath(command[0]).name,
+        metrics_port=values[METRICS_PORT],
+        metrics_address=values[METRICS_ADDRESS],
+        host_proc=values[HOST_PROC],
+    )

@@ -1,0 +1,268 @@
+"""`vram-enforcer sidecar`'s settings: the environment the webhook sets, flags on top."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from enforcer.core.model import Action
+from enforcer.core.parsing import (
+    LIMITS_FORM,
+    ConfigError,
+    as_text,
+    choice,
+    parse_limits,
+    parse_names,
+    positive_duration,
+)
+from enforcer.core.policy import PolicyConfig
+from enforcer.core.settings import Setting, Values, value, verbosity
+from enforcer.core.settings.common import (
+    DEFAULT_SOCKET,
+    action,
+    dry_run,
+    grace_period,
+    interval,
+    kubeconfig,
+    log_format,
+    metrics_address,
+    metrics_port,
+    over_for,
+    warn_at,
+)
+
+SIDECAR_ACTIONS = (Action.TERMINATE, Action.KILL, Action.RESTART, Action.WARN)
+METRICS_PORT_DEFAULT = 9477  # the webhook moves it when a container declares it
+_DOWNWARD = "set it from the Downward API (the webhook does)"
+
+POD_NAME = value(
+    "pod_name",
+    as_text,
+    "the sidecar's own pod",
+    env="POD_NAME",
+    required=_DOWNWARD,
+    doc="the sidecar's own pod, from the Downward API (`metadata.name`)",
+)
+POD_NAMESPACE = value(
+    "namespace",
+    as_text,
+    "the pod's namespace",
+    env="POD_NAMESPACE",
+    required=_DOWNWARD,
+    doc="from the Downward API (`metadata.namespace`)",
+)
+POD_UID = value(
+    "pod_uid",
+    as_text,
+    "the pod's uid",
+    env="POD_UID",
+    required=_DOWNWARD,
+    doc="from the Downward API (`metadata.uid`)",
+)
+NODE_NAME = value(
+    "node_name",
+    as_text,
+    "the node",
+    env="NODE_NAME",
+    default="",
+    doc="`spec.nodeName`; the `source.host` of the Events",
+)
+LIMITS = value(
+    "limits",
+    parse_limits,
+    "container name -> limit in bytes, as JSON",
+    flag="--limits",
+    env="VRAM_ENFORCER_LIMITS",
+    metavar="JSON",
+    required=f"use {LIMITS_FORM}",
+    doc='JSON: container name → limit in bytes, `{"trainer": 12884901888}`. The webhook '
+    "writes it from `resources.limits`",
+)
+ACTION = action(
+    SIDECAR_ACTIONS,
+    env="VRAM_ENFORCER_ACTION",
+    doc="`warn`, `terminate` (SIGTERM, then SIGKILL after the grace period), `kill` (SIGKILL), "
+    "`restart` (SIGTERM, then SIGKILL, to the container's init process: kubelet restarts "
+    "the container under the pod's `restartPolicy`)",
+)
+GRACE_PERIOD = grace_period(env="VRAM_ENFORCER_GRACE_PERIOD")
+INTERVAL = interval(
+    "how often usage is checked, at the latest",
+    "the longest time between two checks. With the agent, the sidecar also checks on every "
+    "sample the agent pushes",
+    env="VRAM_ENFORCER_INTERVAL",
+)
+WARN_AT = warn_at("one `VRAMNearLimit` per crossing", env="VRAM_ENFORCER_WARN_AT")
+OVER_FOR = over_for("how long a container may stay over its limit before it is enforced")
+DRY_RUN = dry_run("report what would be signalled, signal nothing")
+UNDECLARED_ALLOWED = value(
+    "undeclared_allowed",
+    lambda text, field: choice("deny", "allow")(text, field) == "allow",
+    "deny: a container that declares no VRAM has a limit of 0; allow: it is not checked",
+    flag="--undeclared",
+    default="deny",
+    metavar="deny|allow",
+    doc="`deny`: a container that declares no VRAM has a limit of 0, so any GPU memory it takes "
+    "is a violation. `allow`: it is not checked",
+)
+SOURCE = value(
+    "source",
+    choice("agent", "nvml"),
+    "agent (the node agent's socket) or nvml",
+    flag="--source",
+    default="agent",
+    metavar="agent|nvml",
+    doc="where usage comes from (below)",
+)
+AGENT_SOCKET = value(
+    "agent_socket",
+    as_text,
+    "the node agent's socket",
+    flag="--agent-socket",
+    env="VRAM_ENFORCER_AGENT_SOCKET",
+    default=DEFAULT_SOCKET,
+    metavar="PATH",
+    doc="the node agent's socket (a hostPath mount)",
+)
+HOST_PROC = value(
+    "host_proc",
+    as_text,
+    "with --source nvml: the host's /proc, mounted read-only",
+    flag="--host-proc",
+    metavar="PATH",
+    shown_default="required with `--source nvml`",
+    doc="with `--source nvml`: the host's `/proc`, mounted read-only (e.g. `/host/proc`)",
+)
+STALE_AFTER = value(
+    "stale_after",
+    positive_duration(0.1),
+    "usage older than this counts as unknown",
+    flag="--stale-after",
+    default="2s",
+    metavar="DURATION",
+)
+SIDECAR_MODE = value(
+    "sidecar_mode",
+    choice("native", "container"),
+    "how the webhook injected it",
+    flag="--sidecar-mode",
+    env="VRAM_ENFORCER_SIDECAR_MODE",
+    default="native",
+    metavar="native|container",
+    doc="`native` (an init container with `restartPolicy: Always`, Kubernetes ≥ 1.29) or "
+    "`container` (a regular container, below)",
+)
+SELF_NAME = value(
+    "self_name",
+    as_text,
+    "the sidecar's own container name",
+    env="VRAM_ENFORCER_SELF_NAME",
+    default="vram-enforcer",
+    doc="the sidecar's own container name, so that it never counts itself",
+)
+CONTAINERS = value(
+    "containers",
+    parse_names,
+    "the pod's other containers",
+    env="VRAM_ENFORCER_CONTAINERS",
+    default="",
+    doc="the pod's other containers (init and regular), comma-separated, set by the webhook. "
+    "Before the API has answered once, the sidecar can only enforce a pod that has exactly "
+    "one of them (see [architecture.md](architecture.md#the-sidecar))",
+)
+KUBECONFIG = kubeconfig("in-cluster")
+METRICS_PORT = metrics_port(
+    "serve Prometheus metrics on this port",
+    env="VRAM_ENFORCER_METRICS_PORT",
+    default=str(METRICS_PORT_DEFAULT),
+    doc="set by the webhook (below). If something else in the pod already listens there, the "
+    "sidecar posts a `VRAMMetricsUnavailable` Event and enforces without metrics",
+)
+METRICS_ADDRESS = metrics_address("0.0.0.0")  # noqa: S104 - scraped from other pods
+LOG_FORMAT = log_format("json")
+VERBOSE = verbosity("info")
+
+DECLARED: tuple[Setting[Any], ...] = (
+    POD_NAME,
+    POD_NAMESPACE,
+    POD_UID,
+    NODE_NAME,
+    LIMITS,
+    ACTION,
+    GRACE_PERIOD,
+    INTERVAL,
+    WARN_AT,
+    OVER_FOR,
+    DRY_RUN,
+    UNDECLARED_ALLOWED,
+    SOURCE,
+    AGENT_SOCKET,
+    HOST_PROC,
+    STALE_AFTER,
+    SIDECAR_MODE,
+    SELF_NAME,
+    CONTAINERS,
+    KUBECONFIG,
+    METRICS_PORT,
+    METRICS_ADDRESS,
+    LOG_FORMAT,
+    VERBOSE,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarSettings:
+    """Everything `vram-enforcer sidecar` needs, validated; see docs/configuration.md."""
+
+    pod_name: str
+    namespace: str
+    pod_uid: str
+    node_name: str
+    self_name: str
+    limits: dict[str, int]
+    containers: tuple[str, ...]  # the pod's other containers, from its spec (may be empty)
+    undeclared_allowed: bool
+    policy: PolicyConfig
+    interval: float
+    source: str
+    agent_socket: str
+    host_proc: str | None
+    stale_after: float
+    sidecar_mode: str
+    kubeconfig: str | None
+    metrics_port: int | None
+    metrics_address: str
+
+
+def sidecar_settings(values: Values) -> SidecarSettings:
+    if values[SOURCE] == "nvml" and not values[HOST_PROC]:
+        raise ConfigError(
+            "--host-proc", None, "is missing; --source nvml needs the host's /proc, e.g. /host/proc"
+        )
+    policy = PolicyConfig(
+        action=values[ACTION],
+        warn_at=values[WARN_AT],
+        over_for=values[OVER_FOR],
+        grace_period=values[GRACE_PERIOD],
+        dry_run=values[DRY_RUN],
+    )
+    return SidecarSettings(
+        pod_name=values[POD_NAME],
+        namespace=values[POD_NAMESPACE],
+        pod_uid=values[POD_UID],
+        node_name=values[NODE_NAME],
+        self_name=values[SELF_NAME],
+        limits=values[LIMITS],
+        containers=values[CONTAINERS],
+        undeclared_allowed=values[UNDECLARED_ALLOWED],
+        policy=policy,
+        interval=values[INTERVAL],
+        source=values[SOURCE],
+        agent_socket=values[AGENT_SOCKET],
+        host_proc=values[HOST_PROC],
+        stale_after=values[STALE_AFTER],
+        sidecar_mode=values[SIDECAR_MODE],
+        kubeconfig=values[KUBECONFIG],
+        metrics_port=values[METRICS_PORT],
+        metrics_address=values[METRICS_ADDRESS],
+    )

@@ -1,0 +1,261 @@
+"""`vram-enforcer webhook`'s settings: the command line only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from enforcer.core.parsing import (
+    ConfigError,
+    as_text,
+    choice,
+    parse_bytes,
+    parse_port,
+    parse_quantity,
+)
+from enforcer.core.settings import Setting, Values, switch, value, verbosity
+from enforcer.core.settings.common import (
+    DEFAULT_SOCKET,
+    RESOURCE_NAME,
+    kubeconfig,
+    log_format,
+    metrics_address,
+    metrics_port,
+    resource_unit,
+)
+
+
+def _image(text: str, field: str) -> str:
+    if not text.strip():
+        raise ConfigError(field, text, "is empty; give the enforcer's image")
+    return text.strip()
+
+
+def _shm_default(text: str, field: str) -> str:
+    if text not in ("auto", "off"):
+        parse_bytes(text, field)
+    return text
+
+
+def _cpu(text: str, field: str) -> str:
+    parse_quantity(text, field)
+    return text
+
+
+def _memory(text: str, field: str) -> str:
+    parse_bytes(text, field)
+    return text
+
+
+def _socket(text: str, field: str) -> str:
+    if not text.startswith("/run/vram-enforcer/"):
+        raise ConfigError(
+            field, text, "must lie in /run/vram-enforcer/, the directory mounted into the sidecar"
+        )
+    return text
+
+
+TLS_CERT_FILE = value(
+    "tls_cert_file",
+    as_text,
+    "PEM serving certificate (reloaded on change)",
+    flag="--tls-cert-file",
+    metavar="FILE",
+    required="give the serving certificate (PEM)",
+    doc="PEM serving certificate. Re-read within a second of a change on disk (a cert-manager "
+    "rotation swaps a Secret's files); new connections get the new certificate, "
+    "connections in flight finish on the old one. A pair that does not load yet (half "
+    "written) is retried, and the last good one stays in use",
+)
+TLS_KEY_FILE = value(
+    "tls_key_file",
+    as_text,
+    "PEM private key (reloaded on change)",
+    flag="--tls-key-file",
+    metavar="FILE",
+    required="give the certificate's private key (PEM)",
+)
+PORT = value(
+    "port",
+    parse_port,
+    "HTTPS port",
+    flag="--port",
+    default="8443",
+    metavar="PORT",
+    doc="HTTPS, TLS 1.2 or later",
+)
+ADDRESS = value(
+    "address",
+    as_text,
+    "the address to listen on",
+    flag="--address",
+    default="0.0.0.0",  # noqa: S104 - the API server calls it from outside the pod
+    metavar="ADDR",
+)
+SIDECAR_IMAGE = value(
+    "sidecar_image",
+    _image,
+    "the enforcer image to inject",
+    flag="--sidecar-image",
+    metavar="IMAGE",
+    required="give the enforcer's image",
+)
+SIDECAR_MODE = value(
+    "sidecar_mode",
+    choice("native", "container", "auto"),
+    "native (Kubernetes >= 1.29), container, or auto (by the API server's version)",
+    flag="--sidecar-mode",
+    default="auto",
+    metavar="native|container|auto",
+    doc="`native`: first of `initContainers` with `restartPolicy: Always` (Kubernetes ≥ 1.29), "
+    "so Jobs complete and the enforcer starts before the workload. `container`: appended "
+    "to `containers` (the sidecar then exits by itself when the others finish). `auto`: "
+    "read the API server's version once at start-up (`GET /version`, needs no RBAC) and "
+    "choose. The chart resolves `auto` itself, so that the webhook needs no API access",
+)
+RESOURCE_UNIT = resource_unit(
+    "bytes per unit, as for the agent. A limit must be a whole number of units"
+)
+FRAMEWORK_ENV = switch(
+    "framework_env",
+    "--no-framework-env",
+    "do not set XLA_PYTHON_CLIENT_PREALLOCATE=false and TF_FORCE_GPU_ALLOW_GROWTH=true",
+    doc="do not add `XLA_PYTHON_CLIENT_PREALLOCATE=false` and `TF_FORCE_GPU_ALLOW_GROWTH=true`",
+)
+SHM_DEFAULT = value(
+    "shm_default",
+    _shm_default,
+    "the shared memory of pods without the shm-size annotation: auto, off, or a quantity",
+    flag="--shm-default",
+    default="auto",
+    metavar="auto|off|QUANTITY",
+    doc="`/dev/shm` for pods without the `shm-size` annotation (below)",
+)
+GPU_EXPOSURE = value(
+    "gpu_exposure",
+    choice("none", "env"),
+    "none, or env: NVIDIA_VISIBLE_DEVICES=all on declaring containers (see docs/security.md)",
+    flag="--gpu-exposure",
+    default="none",
+    metavar="none|env",
+    doc="`env`: set `NVIDIA_VISIBLE_DEVICES=all` and `NVIDIA_DRIVER_CAPABILITIES=compute,utility` "
+    "on declaring containers (unless set), for clusters where pods request only VRAM and "
+    "not `nvidia.com/gpu`. Read [security.md](security.md) first",
+)
+RUNTIME_CLASS = value(
+    "runtime_class",
+    as_text,
+    "with --gpu-exposure env: set this runtimeClassName",
+    flag="--runtime-class",
+    metavar="NAME",
+    doc="with `--gpu-exposure env`: set `runtimeClassName` (unless set), e.g. `nvidia`",
+)
+SIDECAR_CPU = value(
+    "sidecar_cpu",
+    _cpu,
+    "the sidecar's CPU request",
+    flag="--sidecar-cpu",
+    default="10m",
+    metavar="QUANTITY",
+)
+SIDECAR_MEMORY = value(
+    "sidecar_memory",
+    _memory,
+    "the sidecar's memory request and limit",
+    flag="--sidecar-memory",
+    default="96Mi",
+    metavar="QUANTITY",
+    doc="the sidecar's memory request and limit (it uses about 50 MiB, see performance.md)",
+)
+AGENT_SOCKET = value(
+    "agent_socket",
+    _socket,
+    "the agent's socket, passed to the sidecar",
+    flag="--agent-socket",
+    default=DEFAULT_SOCKET,
+    metavar="PATH",
+    doc="passed to the sidecar; must lie in `/run/vram-enforcer/`, the mounted directory",
+)
+KUBECONFIG = kubeconfig("in-cluster", doc="only for `--sidecar-mode auto`")
+METRICS_PORT = metrics_port(
+    "serve Prometheus metrics on this port",
+    doc="`vram_enforcer_admission_requests_total{result}`, "
+    "`vram_enforcer_admission_duration_seconds`, "
+    "`vram_enforcer_webhook_certificate_reloads_total{result}`",
+)
+METRICS_ADDRESS = metrics_address("0.0.0.0")  # noqa: S104 - scraped from other pods
+LOG_FORMAT = log_format("json")
+VERBOSE = verbosity("info")
+
+DECLARED: tuple[Setting[Any], ...] = (
+    TLS_CERT_FILE,
+    TLS_KEY_FILE,
+    PORT,
+    ADDRESS,
+    SIDECAR_IMAGE,
+    SIDECAR_MODE,
+    RESOURCE_NAME,
+    RESOURCE_UNIT,
+    FRAMEWORK_ENV,
+    SHM_DEFAULT,
+    GPU_EXPOSURE,
+    RUNTIME_CLASS,
+    SIDECAR_CPU,
+    SIDECAR_MEMORY,
+    AGENT_SOCKET,
+    KUBECONFIG,
+    METRICS_PORT,
+    METRICS_ADDRESS,
+    LOG_FORMAT,
+    VERBOSE,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookSettings:
+    """Everything `vram-enforcer webhook` needs, validated; see docs/configuration.md."""
+
+    tls_cert_file: str
+    tls_key_file: str
+    port: int
+    address: str
+    sidecar_image: str
+    sidecar_mode: str  # native, container or auto
+    resource_name: str
+    resource_unit: int
+    framework_env: bool
+    shm_default: str
+    gpu_exposure: str
+    runtime_class: str | None
+    sidecar_cpu: str
+    sidecar_memory: str
+    agent_socket: str
+    kubeconfig: str | None
+    metrics_port: int | None
+    metrics_address: str
+
+
+def webhook_settings(values: Values) -> WebhookSettings:
+    runtime_class = values[RUNTIME_CLASS]
+    if values[GPU_EXPOSURE] == "none" and runtime_class:
+        raise ConfigError("--runtime-class", runtime_class, "needs --gpu-exposure env")
+    return WebhookSettings(
+        tls_cert_file=values[TLS_CERT_FILE],
+        tls_key_file=values[TLS_KEY_FILE],
+        port=values[PORT],
+        address=values[ADDRESS],
+        sidecar_image=values[SIDECAR_IMAGE],
+        sidecar_mode=values[SIDECAR_MODE],
+        resource_name=values[RESOURCE_NAME],
+        resource_unit=values[RESOURCE_UNIT],
+        framework_env=values[FRAMEWORK_ENV],
+        shm_default=values[SHM_DEFAULT],
+        gpu_exposure=values[GPU_EXPOSURE],
+        runtime_class=runtime_class,
+        sidecar_cpu=values[SIDECAR_CPU],
+        sidecar_memory=values[SIDECAR_MEMORY],
+        agent_socket=values[AGENT_SOCKET],
+        kubeconfig=values[KUBECONFIG],
+        metrics_port=values[METRICS_PORT],
+        metrics_address=values[METRICS_ADDRESS],
+    )
