@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import cast
 
 import jsonpatch
 
@@ -28,6 +28,17 @@ from enforcer.core.parsing import (
     parse_duration,
     parse_percent,
     parse_quantity,
+)
+from enforcer.core.payloads import (
+    AdmissionRequest,
+    AdmissionResponse,
+    AdmissionReview,
+    Container,
+    EnvVar,
+    PatchOperation,
+    PodSpec,
+    Volume,
+    VolumeMount,
 )
 from enforcer.core.settings.sidecar import METRICS_PORT_DEFAULT, SIDECAR_ACTIONS
 
@@ -85,23 +96,21 @@ class Denied(Exception):
 class Outcome:
     """The AdmissionReview to answer with, and how it ended (the metric's `result`)."""
 
-    review: dict[str, Any]
+    review: AdmissionReview
     result: str  # patched, skipped, denied, invalid
 
 
 def review(doc: object, settings: AdmissionSettings) -> Outcome:
     """Answer one AdmissionReview (the decoded request body). Raises BadReview without uid."""
-    uid = _uid(doc)
-    if not isinstance(doc, dict):  # pragma: no cover - _uid has checked it
-        raise BadReview("not an AdmissionReview")
-    if doc.get("apiVersion") != API_VERSION or doc.get("kind") != "AdmissionReview":
+    request = _request(doc)
+    uid = request["uid"]
+    envelope = _map(doc)
+    if envelope.get("apiVersion") != API_VERSION or envelope.get("kind") != "AdmissionReview":
         problem = f"expected apiVersion {API_VERSION}, kind AdmissionReview"
         return Outcome(_deny(uid, f"unsupported review: {problem}", 400), "invalid")
-    request = doc["request"]
-    kind = request.get("kind") or {}
+    kind = _map(request.get("kind"))
     if (
         request.get("operation") != "CREATE"
-        or not isinstance(kind, dict)
         or (kind.get("group"), kind.get("kind")) != ("", "Pod")
         or request.get("subResource")
     ):
@@ -116,53 +125,56 @@ def review(doc: object, settings: AdmissionSettings) -> Outcome:
     return Outcome(_allow(uid, ops), "patched" if ops else "skipped")
 
 
-def _uid(doc: object) -> str:
-    request = doc.get("request") if isinstance(doc, dict) else None
-    uid = request.get("uid") if isinstance(request, dict) else None
+def _request(doc: object) -> AdmissionRequest:
+    """The request of an AdmissionReview, once it is known to have a uid to answer to."""
+    request = _map(doc).get("request")
+    uid = _map(request).get("uid")
     if not isinstance(uid, str) or not uid:
         raise BadReview("not an AdmissionReview: request.uid is missing")
-    return uid
+    return cast(AdmissionRequest, request)
 
 
-def _allow(uid: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
-    response: dict[str, Any] = {"uid": uid, "allowed": True}
+def _allow(uid: str, ops: list[PatchOperation]) -> AdmissionReview:
+    response: AdmissionResponse = {"uid": uid, "allowed": True}
     if ops:
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
     return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
-def _deny(uid: str, message: str, code: int) -> dict[str, Any]:
-    response = {"uid": uid, "allowed": False, "status": {"code": code, "message": message}}
+def _deny(uid: str, message: str, code: int) -> AdmissionReview:
+    response: AdmissionResponse = {
+        "uid": uid,
+        "allowed": False,
+        "status": {"code": code, "message": message},
+    }
     return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
-def mutate(pod: Mapping[str, Any], settings: AdmissionSettings) -> list[dict[str, Any]]:
+def mutate(pod: Mapping[str, object], settings: AdmissionSettings) -> list[PatchOperation]:
     """The JSON patch that makes `pod` enforced; [] when it is not ours to touch."""
-    meta = _dict(pod.get("metadata"))
-    annotations = _dict(meta.get("annotations"))
+    annotations = _map(_map(pod.get("metadata")).get("annotations"))
     if str(annotations.get(INJECT, "")).lower() == "false" or INJECTED in annotations:
         return []
-    spec = _dict(pod.get("spec"))
-    limits = declared_limits(spec, settings)
+    limits = declared_limits(_map(pod.get("spec")), settings)
     if not limits:
         return []
     try:
-        shapes.check(pod)
+        checked = shapes.check(pod)  # from here on, every field read has its JSON type
     except shapes.ShapeError as exc:
         raise Denied(str(exc)) from None
-    _check_pod(spec, annotations)
+    spec = checked.get("spec") or {}
+    _check_pod(spec)
     sidecar_env = _sidecar_settings(annotations)
     metrics_port = _metrics_port(annotations, spec)
     shm = str(annotations.get(SHM_SIZE, settings.shm_default))
     shm_limit = None if shm == "off" else _shm_limit(shm, spec)
-    out: dict[str, Any] = copy.deepcopy(dict(pod))
-    shapes.without_nulls(out)
+    out = shapes.without_nulls(copy.deepcopy(checked))
     out_spec = out.setdefault("spec", {})
     out_meta = out.setdefault("metadata", {})
     out_spec["shareProcessNamespace"] = True
     for c in _containers(out_spec):
-        if c.get("name") in limits:
+        if c["name"] in limits:
             _workload_env(c, limits[c["name"]], settings)
     if shm != "off":
         _add_shm(out_spec, shm_limit)
@@ -171,35 +183,41 @@ def mutate(pod: Mapping[str, Any], settings: AdmissionSettings) -> list[dict[str
         out_spec.setdefault("runtimeClassName", settings.runtime_class)
     out_meta.setdefault("annotations", {})[INJECTED] = "true"
     out_meta.setdefault("labels", {})[ENFORCED] = "true"
-    ops: list[dict[str, Any]] = jsonpatch.make_patch(dict(pod), out).patch
-    return ops
+    return cast(list[PatchOperation], jsonpatch.make_patch(dict(pod), out).patch)
 
 
-def declared_limits(spec: Mapping[str, Any], settings: AdmissionSettings) -> dict[str, int]:
-    """Container name -> limit in bytes, for each container that declares the resource."""
+def declared_limits(spec: Mapping[str, object], settings: AdmissionSettings) -> dict[str, int]:
+    """Container name -> limit in bytes, for each container that declares the resource.
+
+    Read before the pod's shape is checked (a pod that declares nothing is not ours to
+    judge), so every field is taken as it comes: a map or list of the wrong type counts as
+    absent.
+    """
     limits: dict[str, int] = {}
-    for field, c in _named_containers(spec):
-        resources = _dict(c.get("resources"))
-        limit = _dict(resources.get("limits")).get(settings.resource_name)
-        request = _dict(resources.get("requests")).get(settings.resource_name)
-        if limit is None and request is None:
-            continue
-        where = f"{field}[{c['name']!r}].resources"
-        if limit is None:
-            raise Denied(
-                f"{where}.requests[{settings.resource_name!r}] is set but limits is not; "
-                f"extended resources are declared in limits (requests default to them): "
-                f"set limits[{settings.resource_name!r}]: {request!r}"
-            )
-        units = _units(limit, f"{where}.limits[{settings.resource_name!r}]", settings)
-        request_field = f"{where}.requests[{settings.resource_name!r}]"
-        if request is not None and _units(request, request_field, settings) != units:
-            raise Denied(
-                f"{where}: requests[{settings.resource_name!r}] {request!r} differs from "
-                f"limits {limit!r}; VRAM cannot be overcommitted: make them equal, or drop "
-                "the request"
-            )
-        limits[c["name"]] = int(units) * settings.resource_unit
+    for field in shapes.CONTAINER_FIELDS:
+        for item in _list(spec.get(field)):
+            name = _map(item).get("name")
+            resources = _map(_map(item).get("resources"))
+            limit = _map(resources.get("limits")).get(settings.resource_name)
+            request = _map(resources.get("requests")).get(settings.resource_name)
+            if not isinstance(name, str) or (limit is None and request is None):
+                continue
+            where = f"spec.{field}[{name!r}].resources"
+            if limit is None:
+                raise Denied(
+                    f"{where}.requests[{settings.resource_name!r}] is set but limits is not; "
+                    f"extended resources are declared in limits (requests default to them): "
+                    f"set limits[{settings.resource_name!r}]: {request!r}"
+                )
+            units = _units(limit, f"{where}.limits[{settings.resource_name!r}]", settings)
+            request_field = f"{where}.requests[{settings.resource_name!r}]"
+            if request is not None and _units(request, request_field, settings) != units:
+                raise Denied(
+                    f"{where}: requests[{settings.resource_name!r}] {request!r} differs from "
+                    f"limits {limit!r}; VRAM cannot be overcommitted: make them equal, or drop "
+                    "the request"
+                )
+            limits[name] = int(units) * settings.resource_unit
     return limits
 
 
@@ -217,14 +235,14 @@ def _units(value: object, field: str, settings: AdmissionSettings) -> Decimal:
     return units
 
 
-def _check_pod(spec: Mapping[str, Any], annotations: Mapping[str, Any]) -> None:
+def _check_pod(spec: PodSpec) -> None:
     if spec.get("hostPID") is True:
         raise Denied(
             "spec.hostPID: true cannot be combined with the shared process namespace that VRAM "
             f'enforcement needs; remove hostPID, or opt the pod out with {INJECT}: "false"'
         )
-    names = {c.get("name") for _, c in _named_containers(spec)}
-    volumes = {str(v.get("name")) for v in _list(spec.get("volumes")) if isinstance(v, dict)}
+    names = {c["name"] for c in _containers(spec)}
+    volumes = {str(v.get("name")) for v in spec.get("volumes") or ()}
     if SIDECAR in names:
         raise Denied(
             f"a container is already named {SIDECAR!r}, the name of the enforcer's sidecar; "
@@ -235,7 +253,7 @@ def _check_pod(spec: Mapping[str, Any], annotations: Mapping[str, Any]) -> None:
         raise Denied(f"spec.volumes: {sorted(taken)[0]!r} is reserved for the enforcer; rename it")
 
 
-def _sidecar_settings(annotations: Mapping[str, Any]) -> dict[str, str]:
+def _sidecar_settings(annotations: Mapping[str, object]) -> dict[str, str]:
     """The sidecar's variables from the pod's annotations, each checked as the sidecar will."""
     env: dict[str, str] = {}
     for key, var in _SETTINGS.items():
@@ -256,15 +274,15 @@ def _sidecar_settings(annotations: Mapping[str, Any]) -> dict[str, str]:
     return env
 
 
-def _metrics_port(annotations: Mapping[str, Any], spec: Mapping[str, Any]) -> int:
+def _metrics_port(annotations: Mapping[str, object], spec: PodSpec) -> int:
     """The sidecar's metrics port: the annotation's, else the first from 9477 up that no
     container declares. The containers share the pod's network namespace, so a port taken
     twice would keep the sidecar from serving metrics. Scrapers find it by its name."""
     declared = {
         port.get("containerPort"): f"{field}[{c['name']!r}].ports"
-        for field, c in _named_containers(spec)
-        for port in _list(c.get("ports"))
-        if isinstance(port, dict) and port.get("protocol", "TCP") == "TCP"
+        for field, c in _containers_where(spec)
+        for port in c.get("ports") or ()
+        if port.get("protocol", "TCP") == "TCP"
     }
     if METRICS_PORT_ANNOTATION not in annotations:
         return next(p for p in range(METRICS_PORT_DEFAULT, 65536) if p not in declared)
@@ -280,12 +298,12 @@ def _metrics_port(annotations: Mapping[str, Any], spec: Mapping[str, Any]) -> in
     return int(value)
 
 
-def _shm_limit(value: str, spec: Mapping[str, Any]) -> int | None:
+def _shm_limit(value: str, spec: PodSpec) -> int | None:
     """The /dev/shm sizeLimit in bytes (None: no limit) for `auto` or a quantity."""
     if value == "auto":
         # The largest container memory limit: tmpfs pages count against the container's
         # memory, so more than that could never be used anyway.
-        known = [m for c in _list(spec.get("containers")) if (m := _memory_limit(c)) is not None]
+        known = [m for c in spec.get("containers") or () if (m := _memory_limit(c)) is not None]
         return max(known) if known else None
     try:
         return parse_bytes(value, field=f"metadata.annotations[{SHM_SIZE!r}]")
@@ -293,8 +311,8 @@ def _shm_limit(value: str, spec: Mapping[str, Any]) -> int | None:
         raise Denied(f"{exc}; or use auto or off") from None
 
 
-def _memory_limit(c: object) -> int | None:
-    memory = _dict(_dict(_dict(c).get("resources")).get("limits")).get("memory")
+def _memory_limit(c: Container) -> int | None:
+    memory = ((c.get("resources") or {}).get("limits") or {}).get("memory")
     if memory is None:
         return None
     try:
@@ -303,10 +321,10 @@ def _memory_limit(c: object) -> int | None:
         return None  # the API server's own validation will say so
 
 
-def _workload_env(c: dict[str, Any], limit: int, settings: AdmissionSettings) -> None:
+def _workload_env(c: Container, limit: int, settings: AdmissionSettings) -> None:
     env = c.setdefault("env", [])
-    names = {e.get("name") for e in env if isinstance(e, dict)}
-    env[:] = [e for e in env if not (isinstance(e, dict) and e.get("name") == "VRAM_LIMIT_BYTES")]
+    names = {e.get("name") for e in env}
+    env[:] = [e for e in env if e.get("name") != "VRAM_LIMIT_BYTES"]
     env.append({"name": "VRAM_LIMIT_BYTES", "value": str(limit)})
     extra = {**(FRAMEWORK_ENV if settings.framework_env else {})}
     if settings.gpu_exposure == "env" and not _requests_gpus(c):
@@ -314,28 +332,26 @@ def _workload_env(c: dict[str, Any], limit: int, settings: AdmissionSettings) ->
     env.extend({"name": k, "value": v} for k, v in extra.items() if k not in names)
 
 
-def _requests_gpus(c: Mapping[str, Any]) -> bool:
-    resources = _dict(c.get("resources"))
+def _requests_gpus(c: Container) -> bool:
+    resources = c.get("resources") or {}
     return any(
         key.startswith("nvidia.com/")
-        for part in ("limits", "requests")
-        for key in _dict(resources.get(part))
+        for part in (resources.get("limits") or {}, resources.get("requests") or {})
+        for key in part
     )
 
 
-def _add_shm(spec: dict[str, Any], size: int | None) -> None:
+def _add_shm(spec: PodSpec, size: int | None) -> None:
     missing = [
         c
-        for c in _list(spec.get("containers"))
-        if isinstance(c, dict)
-        and not any(
-            isinstance(m, dict) and str(m.get("mountPath", "")).rstrip("/") == SHM_DIR
-            for m in _list(c.get("volumeMounts"))
+        for c in spec.get("containers") or ()
+        if not any(
+            str(m.get("mountPath", "")).rstrip("/") == SHM_DIR for m in c.get("volumeMounts") or ()
         )
     ]
     if not missing:
         return
-    empty_dir: dict[str, Any] = {"medium": "Memory"}
+    empty_dir = {"medium": "Memory"}
     if size is not None:
         empty_dir["sizeLimit"] = format_quantity(size)
     spec.setdefault("volumes", []).append({"name": SHM_VOLUME, "emptyDir": empty_dir})
@@ -343,9 +359,9 @@ def _add_shm(spec: dict[str, Any], size: int | None) -> None:
         c.setdefault("volumeMounts", []).append({"name": SHM_VOLUME, "mountPath": SHM_DIR})
 
 
-def _add_sidecar(spec: dict[str, Any], limits: Mapping[str, int], settings_env: Mapping[str, str],
+def _add_sidecar(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping[str, str],
                  metrics_port: int, settings: AdmissionSettings) -> None:  # fmt: skip
-    env = [
+    env: list[EnvVar] = [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
         _field_env("POD_UID", "metadata.uid"),
@@ -355,12 +371,12 @@ def _add_sidecar(spec: dict[str, Any], limits: Mapping[str, int], settings_env: 
             "name": "VRAM_ENFORCER_CONTAINERS",
             "value": ",".join(c["name"] for c in _containers(spec)),
         },
-        *({"name": k, "value": v} for k, v in settings_env.items()),
+        *[EnvVar(name=k, value=v) for k, v in settings_env.items()],
         {"name": "VRAM_ENFORCER_AGENT_SOCKET", "value": settings.agent_socket},
         {"name": "VRAM_ENFORCER_SIDECAR_MODE", "value": settings.sidecar_mode},
         {"name": "VRAM_ENFORCER_METRICS_PORT", "value": str(metrics_port)},
     ]
-    mounts = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR, "readOnly": True}]
+    mounts: list[VolumeMount] = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR, "readOnly": True}]
     volumes = spec.setdefault("volumes", [])
     volumes.append(
         {"name": SOCKET_VOLUME, "hostPath": {"path": SOCKET_DIR, "type": "DirectoryOrCreate"}}
@@ -369,7 +385,7 @@ def _add_sidecar(spec: dict[str, Any], limits: Mapping[str, int], settings_env: 
         # The pod opted out of the API token; the sidecar still needs one, for itself only.
         volumes.append(_token_volume())
         mounts.append({"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
-    sidecar: dict[str, Any] = {
+    sidecar: Container = {
         "name": SIDECAR,
         "image": settings.sidecar_image,
         "command": ["vram-enforcer", "sidecar"],
@@ -397,11 +413,11 @@ def _add_sidecar(spec: dict[str, Any], limits: Mapping[str, int], settings_env: 
         spec.setdefault("containers", []).append(sidecar)
 
 
-def _field_env(name: str, path: str) -> dict[str, Any]:
+def _field_env(name: str, path: str) -> EnvVar:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def _token_volume() -> dict[str, Any]:
+def _token_volume() -> Volume:
     return {
         "name": TOKEN_VOLUME,
         "projected": {
@@ -435,21 +451,23 @@ def sidecar_mode_for(git_version: str) -> str:
     return "native" if (int(m[1]), int(m[2])) >= (1, 29) else "container"
 
 
-def _containers(spec: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
-    for _, c in _named_containers(spec):
+def _containers(spec: PodSpec) -> Iterator[Container]:
+    """Init containers, then containers: every one that the sidecar may have to enforce."""
+    for _, c in _containers_where(spec):
         yield c
 
 
-def _named_containers(spec: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
-    for field in ("initContainers", "containers"):
-        for c in _list(spec.get(field)):
-            if isinstance(c, dict) and isinstance(c.get("name"), str):
-                yield f"spec.{field}", c
+def _containers_where(spec: PodSpec) -> Iterator[tuple[str, Container]]:
+    """Each container with the field that holds it (for messages)."""
+    for c in spec.get("initContainers") or ():
+        yield "spec.initContainers", c
+    for c in spec.get("containers") or ():
+        yield "spec.containers", c
 
 
-def _dict(value: object) -> dict[str, Any]:
+def _map(value: object) -> Mapping[str, object]:
     return value if isinstance(value, dict) else {}
 
 
-def _list(value: object) -> list[Any]:
+def _list(value: object) -> list[object]:
     return value if isinstance(value, list) else []

@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
-from typing import Any
 
 from enforcer.core.model import Device, MiB
 from enforcer.core.parsing import ConfigError, parse_quantity
+from enforcer.core.payloads import NodeStatus, PatchOperation
 
 LABEL_PRODUCT = "vram-enforcer.io/gpu.product"
 LABEL_COUNT = "vram-enforcer.io/gpu.count"
@@ -71,18 +71,17 @@ def _same_quantity(current: object, desired: int) -> bool:
         return False
 
 
-def capacity_patch(
-    status: Mapping[str, Any] | None, resource: str, value: int
-) -> list[dict[str, Any]]:
+def capacity_patch(status: NodeStatus | None, resource: str, value: int) -> list[PatchOperation]:
     """JSON patch ops setting `resource` in status.capacity and status.allocatable.
 
     Values are compared as quantities (the API server stores `85899345920` as `80Gi`), so a
     node that already advertises the value gets no patch at all: nothing flaps.
     """
-    ops: list[dict[str, Any]] = []
+    ops: list[PatchOperation] = []
     pointer = _pointer(resource)
-    for field in ("capacity", "allocatable"):
-        current = (status or {}).get(field)
+    status = status or {}
+    for field, current in (("capacity", status.get("capacity")),
+                           ("allocatable", status.get("allocatable"))):  # fmt: skip
         if current is None:
             ops.append({"op": "add", "path": f"/status/{field}", "value": {resource: str(value)}})
         elif not _same_quantity(current.get(resource), value):
@@ -92,13 +91,13 @@ def capacity_patch(
 
 def label_ops(
     current: Mapping[str, str] | None, desired: Mapping[str, str]
-) -> list[dict[str, Any]]:
+) -> list[PatchOperation]:
     """JSON patch ops for metadata.labels; our labels that are no longer desired go away."""
     if current is None:
         return (
             [{"op": "add", "path": "/metadata/labels", "value": dict(desired)}] if desired else []
         )
-    ops: list[dict[str, Any]] = [
+    ops: list[PatchOperation] = [
         {"op": "add", "path": f"/metadata/labels/{_pointer(k)}", "value": v}
         for k, v in desired.items()
         if current.get(k) != v

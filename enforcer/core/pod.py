@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from enforcer.core.cgroups import status_container_id
+from enforcer.core.payloads import Pod
 
 _STATUS_FIELDS = (
     ("initContainerStatuses", "initContainers"),
@@ -31,7 +32,7 @@ class ContainerRef:
         return f"spec.{self.spec_field}{{{self.name}}}"
 
 
-def containers_by_id(pod: Mapping[str, Any]) -> dict[str, ContainerRef]:
+def containers_by_id(pod: Pod) -> dict[str, ContainerRef]:
     """Container ID -> container, for every container that kubelet reports as created.
 
     Only IDs in the pod's own status count: a process in any other container, of this pod
@@ -49,7 +50,7 @@ def containers_by_id(pod: Mapping[str, Any]) -> dict[str, ContainerRef]:
     return found
 
 
-def spec_field_of(pod: Mapping[str, Any], name: str) -> str:
+def spec_field_of(pod: Pod, name: str) -> str:
     """Where container `name` is declared, `containers` when the pod is not known."""
     spec = _map(pod.get("spec"))
     for field in ("initContainers", "ephemeralContainers"):
@@ -58,7 +59,7 @@ def spec_field_of(pod: Mapping[str, Any], name: str) -> str:
     return "containers"
 
 
-def others_finished(pod: Mapping[str, Any], me: str) -> bool:
+def others_finished(pod: Pod, me: str) -> bool:
     """Whether every container but `me` has terminated and will not be restarted.
 
     For the legacy "regular container" sidecar, which must exit by itself for a Job to
@@ -80,7 +81,7 @@ def others_finished(pod: Mapping[str, Any], me: str) -> bool:
     return True
 
 
-def _map(value: object) -> Mapping[str, Any]:
+def _map(value: object) -> Mapping[str, Any]:  # a field of the API's JSON, of any shape
     return value if isinstance(value, dict) else {}
 
 

@@ -11,7 +11,9 @@ replaces it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
+
+from enforcer.core.payloads import Pod
 
 CONTAINER_FIELDS = ("initContainers", "containers")
 # Per container: the fields the webhook reads or writes, and what each holds.
@@ -33,8 +35,9 @@ class ShapeError(ValueError):
         self.field = field
 
 
-def check(pod: Mapping[str, Any]) -> None:
-    """Raise ShapeError for the first field the webhook uses that has the wrong shape."""
+def check(pod: Mapping[str, object]) -> Pod:
+    """`pod`, typed, once every field the webhook uses has its JSON type (null: absent);
+    else ShapeError for the first one that has not."""
     meta = _expect(pod.get("metadata"), dict, "metadata")
     _expect(meta.get("annotations"), dict, "metadata.annotations")
     _expect(meta.get("labels"), dict, "metadata.labels")
@@ -47,6 +50,7 @@ def check(pod: Mapping[str, Any]) -> None:
             container = _expect(c, dict, where, nullable=False)
             name = _expect(container.get("name"), str, f"{where}.name", nullable=False)
             _container(container, f"spec.{field}[{name!r}]")
+    return cast(Pod, pod)
 
 
 def _container(c: Mapping[str, Any], where: str) -> None:
@@ -62,18 +66,19 @@ def _container(c: Mapping[str, Any], where: str) -> None:
             _expect(entry.get(key), _ITEM_TYPES[key], f"{where}.{field}[{j}].{key}")
 
 
-def without_nulls(pod: dict[str, Any]) -> None:
-    """Drop, in place, the nulls in the maps and lists that the webhook adds to."""
+def without_nulls(pod: Pod) -> Pod:
+    """`pod` without the nulls in the maps and lists that the webhook adds to (in place)."""
     _drop_nulls(pod, ("metadata", "spec"))
     _drop_nulls(pod.get("metadata") or {}, ("annotations", "labels"))
     spec = pod.get("spec") or {}
     _drop_nulls(spec, ("volumes", "runtimeClassName", *CONTAINER_FIELDS))
-    for field in CONTAINER_FIELDS:
-        for c in spec.get(field) or ():
-            _drop_nulls(c, tuple(_CONTAINER))
+    for c in [*(spec.get("initContainers") or ()), *(spec.get("containers") or ())]:
+        _drop_nulls(c, tuple(_CONTAINER))
+    return pod
 
 
-def _drop_nulls(doc: dict[str, Any], keys: tuple[str, ...]) -> None:
+def _drop_nulls(doc: Mapping[str, object], keys: tuple[str, ...]) -> None:
+    doc = cast(dict[str, object], doc)  # a TypedDict is a dict: drop the keys it holds null
     for key in keys:
         if key in doc and doc[key] is None:
             del doc[key]

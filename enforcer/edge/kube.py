@@ -33,6 +33,7 @@ from kubernetes.config.config_exception import ConfigException
 
 from enforcer.core.model import Device
 from enforcer.core.node import capacity_patch, gpu_labels, label_ops, node_vram, to_units
+from enforcer.core.payloads import Event, Node, ObjectReference, PatchOperation, Pod
 
 log = logging.getLogger("enforcer.edge.kube")
 
@@ -266,13 +267,14 @@ class NodeAdvertiser:
     def sync(self, devices: Sequence[Device]) -> tuple[int, int]:
         """Patch what differs; returns (status ops, label ops) applied. Raises KubeError."""
         node = self._read()
-        status_ops: list[dict[str, Any]] = []
-        label_changes: list[dict[str, Any]] = []
+        status_ops: list[PatchOperation] = []
+        label_changes: list[PatchOperation] = []
         if self._advertise:
             units = to_units(node_vram(devices, self._reserve), self._unit)
             status_ops = capacity_patch(node.get("status"), self._resource, units)
         if self._labels:
-            label_changes = label_ops(node.get("metadata", {}).get("labels"), gpu_labels(devices))
+            labels = (node.get("metadata") or {}).get("labels")
+            label_changes = label_ops(labels, gpu_labels(devices))
         if status_ops:
             call(self._api, "PATCH", NODE + "/status", "nodes/status", body=status_ops,
                  params={"name": self._node}, deadline=self._deadline)  # fmt: skip
@@ -281,8 +283,8 @@ class NodeAdvertiser:
                  params={"name": self._node}, deadline=self._deadline)  # fmt: skip
         return len(status_ops), len(label_changes)
 
-    def _read(self) -> dict[str, Any]:
-        node: dict[str, Any] = call(self._api, "GET", NODE, "nodes", params={"name": self._node},
+    def _read(self) -> Node:
+        node: Node = call(self._api, "GET", NODE, "nodes", params={"name": self._node},
                                     deadline=self._deadline)  # fmt: skip
         return node
 
@@ -311,7 +313,7 @@ class PodWatcher(threading.Thread):
         self._min_gap = min_gap
         self._wanted = threading.Event()
         self.stop = threading.Event()
-        self.pod: dict[str, Any] | None = None
+        self.pod: Pod | None = None
         self.error: str | None = None
         self._wanted.set()
 
@@ -433,7 +435,7 @@ class EventRecorder(threading.Thread):
             else:
                 sent.at = now
                 return
-        involved: dict[str, Any] = {
+        involved: ObjectReference = {
             "apiVersion": "v1",
             "kind": "Pod",
             "namespace": self._namespace,
@@ -442,7 +444,7 @@ class EventRecorder(threading.Thread):
         }
         if field_path:
             involved["fieldPath"] = field_path
-        body = {
+        body: Event = {
             "metadata": {"generateName": f"{self._pod}.", "namespace": self._namespace},
             "involvedObject": involved,
             "reason": reason,
@@ -455,9 +457,10 @@ class EventRecorder(threading.Thread):
             "lastTimestamp": stamp,
             "count": 1,
         }
-        created = call(self._api, "POST", EVENTS, "events", body=body,
-                       params={"namespace": self._namespace}, deadline=self._deadline)  # fmt: skip
-        self._sent[key] = _Sent(str(created["metadata"]["name"]), 1, stamp, now)
+        where = {"namespace": self._namespace}
+        created: Event = call(self._api, "POST", EVENTS, "events", body=body, params=where,
+                              deadline=self._deadline)  # fmt: skip
+        self._sent[key] = _Sent(str((created.get("metadata") or {}).get("name")), 1, stamp, now)
 
 
 def server_version(api: client.ApiClient, deadline: float = 30.0) -> str:

@@ -17,12 +17,12 @@ import selectors
 import signal
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from enforcer.core import messages
 from enforcer.core.attribution import attribute, oldest
 from enforcer.core.cgroups import container_id
 from enforcer.core.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
+from enforcer.core.payloads import Pod
 from enforcer.core.pod import ContainerRef, containers_by_id, others_finished, spec_field_of
 from enforcer.core.policy import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
@@ -55,7 +55,7 @@ class ContainerAttributor:
     def __init__(
         self,
         procfs: ProcFs,
-        pod: Callable[[], Mapping[str, Any] | None],
+        pod: Callable[[], Pod | None],
         refresh: Callable[[], None],
         limits: Mapping[str, int],
         undeclared_allowed: bool,
@@ -192,7 +192,7 @@ class EventReporter:
         self,
         recorder: EventRecorder,
         refs: Callable[[], Mapping[str, ContainerRef]],
-        pod: Callable[[], Mapping[str, Any] | None],
+        pod: Callable[[], Pod | None],
     ) -> None:
         self._recorder = recorder
         self._refs = refs
@@ -367,7 +367,7 @@ class AloneDetector:
         enabled: bool,
         me: str,
         procfs: ProcFs,
-        pod: Callable[[], Mapping[str, Any] | None],
+        pod: Callable[[], Pod | None],
     ) -> None:
         self._enabled = enabled
         self._me = me

@@ -18,6 +18,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -213,7 +214,7 @@ class _Handler(BaseHTTPRequestHandler):
             while time.monotonic() < deadline and self.rfile.read1(65536):
                 pass
 
-    def _send(self, status: HTTPStatus, doc: dict[str, Any]) -> None:
+    def _send(self, status: HTTPStatus, doc: Mapping[str, object]) -> None:
         payload = json.dumps(doc, separators=(",", ":")).encode()
         if self.server.stopping.is_set():
             self.close_connection = True  # shutting down: this is the connection's last answer
