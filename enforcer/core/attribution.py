@@ -44,3 +44,16 @@ def oldest(processes: Iterable[ProcessTotal]) -> ProcessTotal | None:
     if len(ordered) > 1 and ordered[0].key.start_time == ordered[1].key.start_time:
         return None
     return ordered[0] if ordered else None
+
+
+def reported_only(
+    name: str,
+    sample: Sample,
+    members: Iterable[ProcessKey],
+    limit_bytes: int,
+    cmdlines: Mapping[ProcessKey, str],
+) -> UnitUsage:
+    """A unit whose processes are counted against `limit_bytes` but never signalled: those
+    of a pod whose containers cannot all be proven yet."""
+    (unit,) = attribute(sample, dict.fromkeys(members, name), {name: limit_bytes}, cmdlines)
+    return UnitUsage(name, unit.limit_bytes, unit.processes, enforceable=False)

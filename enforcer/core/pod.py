@@ -6,7 +6,8 @@ pod documents and do not depend on the kubernetes client's generated models.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,35 @@ def containers_by_id(pod: Pod) -> dict[str, ContainerRef]:
             if isinstance(name, str) and name and cid:
                 found[cid] = ContainerRef(name, spec_field)
     return found
+
+
+def container_limits(
+    declared: Mapping[str, int], containers: Iterable[ContainerRef], undeclared_allowed: bool
+) -> dict[str, int]:
+    """The limit of each container that is checked: its declaration; for a container that
+    declares none, 0, so that any GPU memory it takes is a violation (unless undeclared
+    containers are allowed, and then it is not checked)."""
+    limits = dict(declared)
+    if not undeclared_allowed:
+        for ref in containers:
+            limits.setdefault(ref.name, 0)
+    return limits
+
+
+def sole_container(
+    spec_containers: Sequence[str], seen_ids: AbstractSet[str]
+) -> dict[str, ContainerRef]:
+    """Container ID -> container before the pod's status has been read.
+
+    Proven in one case only: the pod has a single container besides the sidecar, and a
+    single container ID (other than the sidecar's and pause's) has been seen in the pod
+    since the sidecar started. A second ID (an ephemeral container, a restart) leaves
+    nothing proven until the status is read.
+    """
+    if len(spec_containers) == 1 and len(seen_ids) == 1:
+        (cid,) = seen_ids
+        return {cid: ContainerRef(spec_containers[0], "containers")}
+    return {}
 
 
 def spec_field_of(pod: Pod, name: str) -> str:

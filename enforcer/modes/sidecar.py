@@ -19,11 +19,18 @@ import time
 from collections.abc import Callable, Mapping
 
 from enforcer.core import messages
-from enforcer.core.attribution import attribute, oldest
+from enforcer.core.attribution import attribute, oldest, reported_only
 from enforcer.core.cgroups import container_id
 from enforcer.core.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
 from enforcer.core.payloads import Pod
-from enforcer.core.pod import ContainerRef, containers_by_id, others_finished, spec_field_of
+from enforcer.core.pod import (
+    ContainerRef,
+    container_limits,
+    containers_by_id,
+    others_finished,
+    sole_container,
+    spec_field_of,
+)
 from enforcer.core.policy import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.edge.kube import EventRecorder, KubeError, PodWatcher, connect
@@ -94,10 +101,7 @@ class ContainerAttributor:
         self._known = known
         unit_of = {key: by_id[cid].name for key, (cid, _) in known.items() if cid in by_id}
         cmdlines = {key: cmd for key, (_, cmd) in known.items()}
-        limits = dict(self._limits)
-        if not self._undeclared_allowed:
-            for ref in by_id.values():
-                limits.setdefault(ref.name, 0)  # GPU memory without a declaration is a violation
+        limits = container_limits(self._limits, by_id.values(), self._undeclared_allowed)
         units = list(attribute(sample, unit_of, limits, cmdlines))
         if self._want_init:
             inits = self._inits(by_id)
@@ -108,13 +112,8 @@ class ContainerAttributor:
         unproven = [key for key in known if key not in unit_of]
         if unproven:
             self._refresh()  # a new container (or a restart) the cached pod does not know yet
-            everyone = dict.fromkeys(known, POD_UNIT)
-            (pod_unit,) = attribute(
-                sample, everyone, {POD_UNIT: sum(self._limits.values())}, cmdlines
-            )
-            units.append(
-                UnitUsage(POD_UNIT, pod_unit.limit_bytes, pod_unit.processes, enforceable=False)
-            )
+            total = sum(self._limits.values())
+            units.append(reported_only(POD_UNIT, sample, known, total, cmdlines))
         return tuple(units)
 
     def _without_api(self) -> dict[str, ContainerRef]:
@@ -124,17 +123,15 @@ class ContainerAttributor:
             cid = _cid(self._procfs, pid)
             if cid is not None and cid not in (self._self_cid, pause):
                 self._seen_without_api.add(cid)
-        sole = len(self._spec_containers) == 1 and len(self._seen_without_api) == 1
-        if sole:
-            (cid,) = self._seen_without_api
-            name = self._spec_containers[0]
-            self._say_once(f"enforcing container {name!r}, the pod's only one, by its ID")
-            return {cid: ContainerRef(name, "containers")}
-        self._say_once(
-            "the pod's containers cannot be told apart until its status is read: only the "
-            "pod's total is checked, and nothing is signalled"
-        )
-        return {}
+        by_id = sole_container(self._spec_containers, self._seen_without_api)
+        for ref in by_id.values():
+            self._say_once(f"enforcing container {ref.name!r}, the pod's only one, by its ID")
+        if not by_id:
+            self._say_once(
+                "the pod's containers cannot be told apart until its status is read: only the "
+                "pod's total is checked, and nothing is signalled"
+            )
+        return by_id
 
     def _say_once(self, what: str) -> None:
         if what != self._without_api_said:

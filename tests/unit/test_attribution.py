@@ -1,4 +1,4 @@
-from enforcer.core.attribution import attribute
+from enforcer.core.attribution import attribute, reported_only
 from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample
 
 A, B, C = ProcessKey(10, 100), ProcessKey(11, 110), ProcessKey(12, 120)
@@ -36,3 +36,14 @@ def test_unattributed_processes_and_units_without_limits_are_left_out() -> None:
     )
     units = attribute(s, {A: "a", B: "no-limit"}, {"a": 10, "idle": 5})
     assert [(u.name, u.used_bytes) for u in units] == [("a", 1), ("idle", 0)]
+
+
+def test_a_reported_only_unit_counts_every_member_and_is_never_enforceable() -> None:
+    s = sample(
+        ProcessUsage(A, "GPU-0", 3), ProcessUsage(B, "GPU-0", 4), ProcessUsage(C, "GPU-0", 8)
+    )
+    u = reported_only("pod", s, [A, B], 5, {B: "python b.py"})
+    assert (u.name, u.used_bytes, u.limit_bytes) == ("pod", 7, 5)
+    assert [p.key for p in u.processes] == [B, A]
+    assert u.processes[0].cmdline == "python b.py"
+    assert not u.enforceable

@@ -3,7 +3,14 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from enforcer.core.pod import ContainerRef, containers_by_id, others_finished, spec_field_of
+from enforcer.core.pod import (
+    ContainerRef,
+    container_limits,
+    containers_by_id,
+    others_finished,
+    sole_container,
+    spec_field_of,
+)
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 
@@ -33,6 +40,22 @@ def test_containers_by_id_covers_init_containers_and_skips_uncreated_ones() -> N
     }
     assert refs[C].field_path == "spec.initContainers{fetch}"
     assert containers_by_id({}) == {}
+
+
+def test_a_container_without_a_declaration_is_held_to_zero_unless_allowed() -> None:
+    refs = [ContainerRef("trainer", "containers"), ContainerRef("fetch", "initContainers")]
+    assert container_limits({"trainer": 8}, refs, undeclared_allowed=False) == {
+        "trainer": 8,
+        "fetch": 0,
+    }
+    assert container_limits({"trainer": 8}, refs, undeclared_allowed=True) == {"trainer": 8}
+
+
+def test_only_a_sole_container_with_a_sole_id_is_proven_without_the_status() -> None:
+    assert sole_container(["trainer"], {A}) == {A: ContainerRef("trainer", "containers")}
+    assert sole_container(["trainer"], {A, C}) == {}  # a restart or an ephemeral container
+    assert sole_container(["trainer", "helper"], {A}) == {}
+    assert sole_container(["trainer"], set()) == {}
 
 
 def test_spec_field_of() -> None:
