@@ -27,11 +27,6 @@ class PolicyConfig:
     grace_period: float = 5.0
     dry_run: bool = False
 
-    @property
-    def signals(self) -> bool:
-        """Whether this configuration ever signals a process."""
-        return self.action is not Action.WARN and not self.dry_run
-
 
 @dataclass(frozen=True, slots=True)
 class UnitState:

@@ -76,7 +76,8 @@ def _json(value: object) -> bytes:
 
 
 def usage_head(sampled_at: float, devices: Iterable[Device]) -> bytes:
-    """A usage reply up to its process list; see `encode_usage`."""
+    """A usage reply up to its process list. The agent assembles a reply from the pieces
+    (head, one `usage_process` per process, `USAGE_TAIL`) once per sample and namespace."""
     listed = [
         {"index": d.index, "uuid": d.uuid, "name": d.name, "total_bytes": d.total_bytes,
          "used_bytes": d.used_bytes, "parent_uuid": d.parent_uuid}
@@ -103,20 +104,6 @@ def json_string(text: str) -> bytes:
 
 
 USAGE_TAIL = b"]}\n"
-
-
-def encode_usage(
-    sampled_at: float, devices: Iterable[Device], processes: Iterable[ProcessUsage]
-) -> bytes:
-    """A usage reply; `processes` must already carry pids as the caller names them.
-
-    The agent builds the same bytes from the pieces, once per sample and namespace.
-    """
-    entries = (
-        usage_process(p.key.pid, p.key.start_time, json_string(p.device_uuid), p.used_bytes)
-        for p in processes
-    )
-    return usage_head(sampled_at, devices) + b",".join(entries) + USAGE_TAIL
 
 
 def decode_reply(line: bytes) -> Sample | SourceDown | Challenge:

@@ -34,8 +34,9 @@ from kubernetes.config.config_exception import ConfigException
 from enforcer.core.model import Device
 from enforcer.core.node import capacity_patch, gpu_labels, label_ops, node_vram, to_units
 from enforcer.core.payloads import Event, Node, ObjectReference, PatchOperation, Pod
+from enforcer.edge import logs
 
-log = logging.getLogger("enforcer.edge.kube")
+log = logging.getLogger(__name__)
 
 COMPONENT = "vram-enforcer"
 NODE = "/api/v1/nodes/{name}"
@@ -95,7 +96,7 @@ def connect(kubeconfig: str | None = None) -> client.ApiClient:
         raise KubeConfigError(
             f"cannot configure the Kubernetes client ({exc}); run in a pod with a "
             "ServiceAccount, or pass --kubeconfig"
-        ) from None
+        ) from exc
 
 
 def request(
@@ -221,12 +222,10 @@ def call(
                 return request(api, method, path, params=params, body=body, timeout=timeout)
     except ApiException as exc:
         if exc.status == 403:
-            raise Forbidden(verb, resource, _reason(exc)) from None
-        raise KubeError(f"{verb} {resource} failed: {_short(exc)}: {_reason(exc)}") from None
+            raise Forbidden(verb, resource, _reason(exc)) from exc
+        raise KubeError(f"{verb} {resource} failed: {_short(exc)}: {_reason(exc)}") from exc
     except _NETWORK_ERRORS as exc:
-        raise KubeError(
-            f"{verb} {resource} failed: the API server is unreachable ({exc})"
-        ) from None
+        raise KubeError(f"{verb} {resource} failed: the API server is unreachable ({exc})") from exc
     raise AssertionError("unreachable")  # pragma: no cover - tenacity returns or raises
 
 
@@ -334,6 +333,7 @@ class PodWatcher(threading.Thread):
                     log.warning(
                         "cannot read this pod from the API (%s); attribution uses what is known",
                         exc,
+                        exc_info=logs.detail(exc),
                     )
                 self.error = str(exc)
                 self._wanted.set()  # keep trying, at the pace below
@@ -349,7 +349,6 @@ class PodWatcher(threading.Thread):
 class _Sent:
     name: str
     count: int
-    first: str
     at: float
 
 
@@ -408,11 +407,11 @@ class EventRecorder(threading.Thread):
             except Forbidden as exc:
                 self._failures.labels("forbidden").inc()
                 if not self._forbidden_logged:
-                    log.error("cannot post Events: %s", exc)
+                    log.error("cannot post Events: %s", exc, exc_info=logs.detail(exc))
                     self._forbidden_logged = True
             except KubeError as exc:
                 self._failures.labels("api").inc()
-                log.warning("an Event was not posted: %s", exc)
+                log.warning("an Event was not posted: %s", exc, exc_info=logs.detail(exc))
 
     def _send(self, reason: str, message: str, warning: bool, field_path: str | None) -> None:
         now = time.time()
@@ -460,7 +459,7 @@ class EventRecorder(threading.Thread):
         where = {"namespace": self._namespace}
         created: Event = call(self._api, "POST", EVENTS, "events", body=body, params=where,
                               deadline=self._deadline)  # fmt: skip
-        self._sent[key] = _Sent(str((created.get("metadata") or {}).get("name")), 1, stamp, now)
+        self._sent[key] = _Sent(str((created.get("metadata") or {}).get("name")), 1, now)
 
 
 def server_version(api: client.ApiClient, deadline: float = 30.0) -> str:

@@ -261,7 +261,7 @@ def serve_metrics(
     except OSError as exc:
         raise MetricsPortError(
             f"--metrics-port {port}: cannot listen on {address}: {exc.strerror}"
-        ) from None
+        ) from exc
     log.info("serving metrics on http://%s:%d/metrics", address, server.port)
     return server
 

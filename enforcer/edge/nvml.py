@@ -166,13 +166,13 @@ class Nvml:
         except pynvml.NVMLError as exc:
             code = _code(exc)
             help_text = _UNAVAILABLE_HELP.get(code, f"NVML initialisation failed: {exc}")
-            raise NvmlUnavailable(help_text, code) from None
+            raise NvmlUnavailable(help_text, code) from exc
         try:
             self.driver_version = str(pynvml.nvmlSystemGetDriverVersion())
             self._handles = self._enumerate()
         except pynvml.NVMLError as exc:
             self._shutdown_quietly()
-            raise _translate(exc, "enumerating GPUs") from None
+            raise _translate(exc, "enumerating GPUs") from exc
 
     def shutdown(self) -> None:
         if self._handles is not None:
@@ -193,7 +193,7 @@ class Nvml:
             if isinstance(error, NvmlLost):
                 self._shutdown_quietly()
                 self._backoff.failed(self._clock())
-            raise error from None
+            raise error from exc
         self._backoff.succeeded()
         return snap
 
@@ -206,7 +206,7 @@ class Nvml:
             self.init()
         except NvmlError as exc:
             self._backoff.failed(now)
-            raise NvmlLost(f"re-initialising NVML failed: {exc}", exc.code) from None
+            raise NvmlLost(f"re-initialising NVML failed: {exc}", exc.code) from exc
         assert self._handles is not None  # noqa: S101 - init() sets them or raises
         return self._handles
 

@@ -13,7 +13,6 @@ kernel while pinning or reading a process means "not proven": the process is lef
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 from collections.abc import Callable, Iterable
@@ -24,8 +23,6 @@ from enforcer.core.model import Action, ProcessKey, ProcessTotal, SignalResult
 from enforcer.core.policy import Enforcement
 from enforcer.edge.pidfd import Pinned
 from enforcer.edge.procfs import ProcFs
-
-log = logging.getLogger(__name__)
 
 Membership = Callable[[int], bool]
 """Whether a pid (in our namespace) is proven, now, to belong to the unit being enforced."""

@@ -79,10 +79,6 @@ class PidView:
             return chain[self.level][1]
         return None
 
-    def translate(self, host_pid: int) -> int | None:
-        chain = self.procfs.ns_chain(host_pid)
-        return None if chain is None else self.sees(chain)
-
 
 def _is_initial_procfs(procfs: ProcFs, pid: int | str) -> bool:
     """Whether `procfs` belongs to the initial PID namespace, judged from `pid`'s ancestors.

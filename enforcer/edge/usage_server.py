@@ -43,7 +43,7 @@ from enforcer.edge.peers import CREDENTIALS_SPACE, PeerError, Unproven, attest, 
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView
 
-log = logging.getLogger("enforcer.modes.agent")
+log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 300.0  # a connection that asks nothing for this long is closed
 WRITE_TIMEOUT = 5.0  # a reader that leaves replies unread this long is disconnected

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from enforcer.core.model import Device, Sample, SourceDown
 from enforcer.core.settings.agent import AgentSettings
+from enforcer.edge import logs
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry, MetricsPortError, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
@@ -36,7 +37,7 @@ from enforcer.edge.usage_server import ServerMetrics, SocketInUse, UsageServer
 if TYPE_CHECKING:
     from enforcer.edge.kube import NodeAdvertiser
 
-log = logging.getLogger("enforcer.modes.agent")
+log = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
 EXIT_THREAD_DIED = 1
@@ -139,10 +140,10 @@ class Advertiser(threading.Thread):
         try:
             status_ops, label_ops = self._advertiser.sync(devices)
         except Forbidden as exc:
-            self._report(str(exc), "sync", logging.ERROR)
+            self._report(exc, "sync", logging.ERROR)
             return
         except KubeError as exc:
-            self._report(str(exc), "sync", logging.WARNING)
+            self._report(exc, "sync", logging.WARNING)
             return
         self._telemetry.node.advertised_bytes = self._advertiser.desired_bytes(devices)
         self._telemetry.node_syncs.inc()
@@ -150,12 +151,12 @@ class Advertiser(threading.Thread):
             log.info("node is up to date (%d status, %d label changes)", status_ops, label_ops)
         self._last_error = ""
 
-    def _report(self, message: str, operation: str, level: int) -> None:
+    def _report(self, exc: Exception, operation: str, level: int) -> None:
         """Each distinct failure is logged once, not on every resync."""
         self._telemetry.api_errors.labels(operation).inc()
-        if message != self._last_error:
-            log.log(level, "%s", message)
-            self._last_error = message
+        if str(exc) != self._last_error:
+            log.log(level, "%s", exc, exc_info=logs.detail(exc))
+            self._last_error = str(exc)
 
 
 def run(settings: AgentSettings) -> int:
@@ -177,7 +178,7 @@ def run(settings: AgentSettings) -> int:
         try:
             api = connect(settings.kubeconfig)
         except KubeError as exc:
-            log.error("%s", exc)
+            log.error("%s", exc, exc_info=logs.detail(exc))
             return EXIT_USAGE
         advertiser = NodeAdvertiser(
             api,
@@ -195,7 +196,9 @@ def run(settings: AgentSettings) -> int:
     try:
         nvml.init()
     except NvmlError as exc:  # keep serving errors and retrying: the driver may come later
-        log.error("cannot initialise NVML yet (%s); retrying with backoff", exc)
+        log.error(
+            "cannot initialise NVML yet (%s); retrying with backoff", exc, exc_info=logs.detail(exc)
+        )
     try:
         return _serve(settings, host_proc, nvml, telemetry, advertiser)
     finally:

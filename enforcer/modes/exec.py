@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from enforcer.core.attribution import attribute
 from enforcer.core.model import ProcessKey, Sample, UnitUsage, format_bytes
 from enforcer.core.settings.exec import ExecSettings
+from enforcer.edge import logs
 from enforcer.edge.metrics import MetricsPortError, Telemetry, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix
@@ -28,7 +29,7 @@ from enforcer.edge.signals import Membership, Signaller, Terminator, signal_chil
 from enforcer.edge.sources import PidView, PidViewError
 from enforcer.modes.pipeline import LogReporter, Pipeline
 
-log = logging.getLogger("enforcer.exec")
+log = logging.getLogger(__name__)
 
 EXIT_USAGE = 2  # our own failure to start: bad flags, no NVML, wrong namespace
 EXIT_NOT_EXECUTABLE = 126
@@ -163,13 +164,17 @@ def run(settings: ExecSettings) -> int:
             log.error("%s", exc)
             return EXIT_USAGE
         except NvmlError as exc:
-            log.error("cannot read GPU memory usage, so the command was not started: %s", exc)
+            log.error(
+                "cannot read GPU memory usage, so the command was not started: %s",
+                exc,
+                exc_info=logs.detail(exc),
+            )
             return EXIT_USAGE
         try:
             _set_child_subreaper()
             return _supervise(settings, NvmlSource(nvml, view, gpu_device_prefix()))
         except (StartupError, MetricsPortError) as exc:
-            log.error("%s", exc)
+            log.error("%s", exc, exc_info=logs.detail(exc))
             return EXIT_USAGE
         finally:
             nvml.shutdown()

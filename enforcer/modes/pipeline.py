@@ -22,7 +22,7 @@ from enforcer.edge.metrics import Telemetry, View
 from enforcer.edge.signals import Escalation, EscalationEvent, Membership, Terminator
 from enforcer.edge.sources import UsageSource
 
-log = logging.getLogger("enforcer")
+log = logging.getLogger(__name__)
 
 
 class Attributor(Protocol):

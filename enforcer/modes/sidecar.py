@@ -33,6 +33,7 @@ from enforcer.core.pod import (
 )
 from enforcer.core.policy import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
+from enforcer.edge import logs
 from enforcer.edge.kube import EventRecorder, KubeError, PodWatcher, connect
 from enforcer.edge.metrics import MetricsPortError, Telemetry, serve_metrics
 from enforcer.edge.procfs import ProcFs
@@ -40,7 +41,7 @@ from enforcer.edge.signals import Membership, Signaller, Terminator
 from enforcer.edge.sources import AgentSource, PidView, PidViewError, UsageSource
 from enforcer.modes.pipeline import LogReporter, Pipeline, Report, Reporter
 
-log = logging.getLogger("enforcer.modes.sidecar")
+log = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
 POD_UNIT = "(pod)"  # processes whose container cannot be proven, against the pod's total
@@ -219,7 +220,9 @@ def _source(settings: SidecarSettings) -> UsageSource:
     try:
         nvml.init()
     except NvmlError as exc:  # keep running, reporting the source down, and retry
-        log.error("cannot initialise NVML yet (%s); retrying with backoff", exc)
+        log.error(
+            "cannot initialise NVML yet (%s); retrying with backoff", exc, exc_info=logs.detail(exc)
+        )
     return NvmlSource(nvml, view, gpu_device_prefix())
 
 
@@ -235,7 +238,7 @@ def run(settings: SidecarSettings) -> int:
         api = connect(settings.kubeconfig)
         source = _source(settings)
     except (KubeError, PidViewError) as exc:
-        log.error("%s", exc)
+        log.error("%s", exc, exc_info=logs.detail(exc))
         return EXIT_USAGE
     telemetry = Telemetry({"namespace": settings.namespace, "pod": settings.pod_name})
     # A "container"-mode sidecar watches the other containers' states to know when to exit.

@@ -25,6 +25,7 @@ from typing import Any
 
 from enforcer.core.admission import AdmissionSettings, BadReview, review, sidecar_mode_for
 from enforcer.core.settings.webhook import WebhookSettings
+from enforcer.edge import logs
 from enforcer.edge.metrics import MetricsPortError, WebhookTelemetry, serve_metrics
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class CertReloader:
             raise CertError(
                 f"--tls-cert-file {self._cert} / --tls-key-file {self._key}: cannot load the "
                 f"certificate and key ({exc}); give a PEM certificate and its private key"
-            ) from None
+            ) from exc
         return context
 
     def context(self) -> ssl.SSLContext:
@@ -88,7 +89,11 @@ class CertReloader:
                         self._context = self._load()
                     except CertError as exc:
                         self._telemetry.cert_reloads.labels("error").inc()
-                        log.warning("certificate changed but does not load yet: %s", exc)
+                        log.warning(
+                            "certificate changed but does not load yet: %s",
+                            exc,
+                            exc_info=logs.detail(exc),
+                        )
                     else:
                         self._signature = signature
                         self._telemetry.cert_reloads.labels("ok").inc()
@@ -298,7 +303,8 @@ def run(settings: WebhookSettings) -> int:
             version = server_version(connect(settings.kubeconfig))
         except KubeError as exc:
             log.error("--sidecar-mode auto: cannot read the API server's version (%s); "
-                      "set --sidecar-mode native or container", exc)  # fmt: skip
+                      "set --sidecar-mode native or container", exc,
+                      exc_info=logs.detail(exc))  # fmt: skip
             return EXIT_USAGE
         mode = sidecar_mode_for(version)
         log.info("the API server is %s: sidecars are injected as %s", version, mode)
@@ -320,7 +326,7 @@ def run(settings: WebhookSettings) -> int:
         tls = CertReloader(settings.tls_cert_file, settings.tls_key_file, telemetry)
         server = WebhookServer(settings, admission, tls, telemetry)
     except CertError as exc:
-        log.error("%s", exc)
+        log.error("%s", exc, exc_info=logs.detail(exc))
         return EXIT_USAGE
     except OSError as exc:
         log.error(
@@ -330,7 +336,7 @@ def run(settings: WebhookSettings) -> int:
     try:
         metrics = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
     except MetricsPortError as exc:
-        log.error("%s", exc)
+        log.error("%s", exc, exc_info=logs.detail(exc))
         server.server_close()
         return EXIT_USAGE
     stop = threading.Event()

@@ -223,10 +223,16 @@ def test_pid_view_translates_through_a_fixture_namespace() -> None:
     proc = ProcFs(Path(__file__).parents[1] / "fixtures" / "proc" / "host")
     pod = PidView.of_process(proc, 4990)  # the pod's pause process
     assert (pod.ns_inode, pod.level) == (4026532999, 1)
-    assert pod.translate(5000) == 7
-    assert pod.translate(4990) == 1
-    assert pod.translate(4242) is None  # a host process: invisible to the pod
-    assert PidView.host(proc).translate(5000) == 5000
+
+    def seen_by(view: PidView, host_pid: int) -> int | None:
+        chain = proc.ns_chain(host_pid)
+        assert chain is not None
+        return view.sees(chain)
+
+    assert seen_by(pod, 5000) == 7
+    assert seen_by(pod, 4990) == 1
+    assert seen_by(pod, 4242) is None  # a host process: invisible to the pod
+    assert seen_by(PidView.host(proc), 5000) == 5000
 
 
 def test_an_exited_process_is_dropped_even_while_nvml_still_lists_it(

@@ -290,6 +290,17 @@ def test_bad_certificate_files_and_a_busy_port_are_clear_errors(tmp_path: Path) 
         in missing.stderr
     )
     assert "Traceback" not in missing.stderr
+    text = [sys.executable, "-m", "enforcer", "webhook", "--tls-cert-file", str(tmp_path / "no.crt"),
+            "--tls-key-file", str(tmp_path / "no.key"), "--sidecar-image", "img", "--sidecar-mode", "native",
+            "--port", "0", "--log-format", "text"]  # fmt: skip
+    plain = subprocess.run(text, capture_output=True, text=True, timeout=30)
+    assert plain.stderr.startswith("vram-enforcer: error: --tls-cert-file "), plain.stderr
+    assert "Traceback" not in plain.stderr
+    debug = subprocess.run([*text, "-v"], capture_output=True, text=True, timeout=30)
+    assert debug.returncode == 2
+    assert debug.stderr.startswith("vram-enforcer: error: --tls-cert-file "), debug.stderr
+    assert "FileNotFoundError" in debug.stderr  # the cause, shown at debug verbosity
+    assert "direct cause of the following exception" in debug.stderr
     bad = subprocess.run(
         [sys.executable, "-m", "enforcer", "webhook", "--tls-cert-file", "c", "--tls-key-file", "k",
          "--sidecar-image", "img", "--sidecar-mode", "sometimes"],

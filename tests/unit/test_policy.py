@@ -183,12 +183,6 @@ def test_falling_below_the_limit_after_enforcement_rearms_reports() -> None:
     assert len(d3.enforcements) == 1
 
 
-def test_signals_property() -> None:
-    assert PolicyConfig().signals
-    assert not PolicyConfig(action=Action.WARN).signals
-    assert not PolicyConfig(dry_run=True).signals
-
-
 def test_restart_signals_the_containers_init_process() -> None:
     init = ProcessTotal(ProcessKey(40, 400), 0, (), "/bin/sh /entrypoint.sh")
     u = replace(unit(proc(41, 5 * GiB)), init_process=init)

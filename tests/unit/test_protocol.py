@@ -9,13 +9,27 @@ from hypothesis import strategies as st
 
 from enforcer.core.model import Device, ProcessKey, ProcessUsage, Sample, SourceDown
 from enforcer.core.protocol import (
+    USAGE_TAIL,
     ProtocolError,
     decode_reply,
     encode_error,
     encode_request,
-    encode_usage,
+    json_string,
     parse_request,
+    usage_head,
+    usage_process,
 )
+
+
+def encode_usage(
+    sampled_at: float, devices: tuple[Device, ...], processes: tuple[ProcessUsage, ...]
+) -> bytes:
+    """A usage reply assembled from the pieces, as the agent assembles it."""
+    entries = (
+        usage_process(p.key.pid, p.key.start_time, json_string(p.device_uuid), p.used_bytes)
+        for p in processes
+    )
+    return usage_head(sampled_at, devices) + b",".join(entries) + USAGE_TAIL
 
 
 def test_request_round_trip() -> None:

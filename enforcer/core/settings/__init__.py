@@ -68,7 +68,8 @@ def verbosity(shown_default: str) -> Setting[int]:
         "count",
         flag="-v",
         shown_default=shown_default,
-        doc="more logging: each `-v` one level more",
+        doc="more logging: each `-v` one level more; at debug, a handled error's log line "
+        "is followed by its chain of causes",
     )
 
 
