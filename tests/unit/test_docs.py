@@ -22,3 +22,26 @@ def test_every_test_that_security_md_names_exists() -> None:
     missing = [f"{path}::{name}" for path, name in named
                if not (ROOT / path).exists() or name not in defined_tests(ROOT / path)]  # fmt: skip
     assert missing == []
+
+
+def test_the_tree_in_architecture_md_lists_every_module_and_no_other() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    tree = text.split("## Modules", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    folders: list[str] = []
+    listed: set[str] = set()
+    for line in tree.strip("\n").splitlines()[1:]:  # below "enforcer/"
+        match = re.match(r"^([│ ]*)(?:[├└]── )(\S+)", line)
+        assert match, f"not a tree line: {line!r}"
+        depth = len(match.group(1)) // 4
+        name = match.group(2)
+        del folders[depth:]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+        else:
+            listed.add("/".join(["enforcer", *folders, name]))
+    package = ROOT / "enforcer"
+    present = {
+        str(path.relative_to(ROOT)) for path in package.rglob("*.py")
+        if not (path.name == "__init__.py" and path.parent != package / "core" / "settings")
+    }  # fmt: skip
+    assert listed == present
