@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from enforcer.core.model import Action
@@ -16,7 +17,8 @@ from enforcer.core.parsing import (
     parse_unit,
     positive_duration,
 )
-from enforcer.core.settings import Setting, switch, value
+from enforcer.core.policy import PolicyConfig
+from enforcer.core.settings import Setting, Values, switch, value
 
 DEFAULT_RESOURCE = "vram-enforcer.io/vram"
 DEFAULT_SOCKET = "/run/vram-enforcer/agent.sock"
@@ -154,3 +156,24 @@ def dry_run(doc: str) -> Setting[bool]:
     return switch(
         "dry_run", "--dry-run", "decide as usual but only report what would be signalled", doc=doc
     )
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySettings:
+    """A mode's own declarations of the policy settings (their help and variables differ
+    between exec and the sidecar), read into one `PolicyConfig`."""
+
+    action: Setting[Action]
+    grace_period: Setting[float]
+    warn_at: Setting[float]
+    over_for: Setting[float]
+    dry_run: Setting[bool]
+
+    def config(self, values: Values) -> PolicyConfig:
+        return PolicyConfig(
+            action=values[self.action],
+            warn_at=values[self.warn_at],
+            over_for=values[self.over_for],
+            grace_period=values[self.grace_period],
+            dry_run=values[self.dry_run],
+        )

@@ -11,6 +11,7 @@ from enforcer.core.parsing import ConfigError, as_text, parse_bytes
 from enforcer.core.policy import PolicyConfig
 from enforcer.core.settings import Setting, Values, value, verbosity
 from enforcer.core.settings.common import (
+    PolicySettings,
     action,
     dry_run,
     grace_period,
@@ -51,6 +52,7 @@ OVER_FOR = over_for(
 DRY_RUN = dry_run(
     "decide as usual, but only report what would be signalled (once per excursion over the limit)"
 )
+POLICY = PolicySettings(ACTION, GRACE_PERIOD, WARN_AT, OVER_FOR, DRY_RUN)
 NAME = value(
     "name",
     as_text,
@@ -117,17 +119,10 @@ def exec_settings(values: Values, command: list[str]) -> ExecSettings:
         raise ConfigError(
             "CMD", None, "is missing; put the command after --, e.g. -- python train.py"
         )
-    policy = PolicyConfig(
-        action=values[ACTION],
-        warn_at=values[WARN_AT],
-        over_for=values[OVER_FOR],
-        grace_period=values[GRACE_PERIOD],
-        dry_run=values[DRY_RUN],
-    )
     return ExecSettings(
         command=tuple(command),
         limit_bytes=values[LIMIT],
-        policy=policy,
+        policy=POLICY.config(values),
         interval=values[INTERVAL],
         name=values[NAME] or PurePath(command[0]).name,
         metrics_port=values[METRICS_PORT],

@@ -19,6 +19,7 @@ from enforcer.core.policy import PolicyConfig
 from enforcer.core.settings import Setting, Values, value, verbosity
 from enforcer.core.settings.common import (
     DEFAULT_SOCKET,
+    PolicySettings,
     action,
     dry_run,
     grace_period,
@@ -95,6 +96,7 @@ INTERVAL = interval(
 WARN_AT = warn_at("one `VRAMNearLimit` per crossing", env="VRAM_ENFORCER_WARN_AT")
 OVER_FOR = over_for("how long a container may stay over its limit before it is enforced")
 DRY_RUN = dry_run("report what would be signalled, signal nothing")
+POLICY = PolicySettings(ACTION, GRACE_PERIOD, WARN_AT, OVER_FOR, DRY_RUN)
 UNDECLARED_ALLOWED = value(
     "undeclared_allowed",
     lambda text, field: choice("deny", "allow")(text, field) == "allow",
@@ -239,13 +241,6 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         raise ConfigError(
             "--host-proc", None, "is missing; --source nvml needs the host's /proc, e.g. /host/proc"
         )
-    policy = PolicyConfig(
-        action=values[ACTION],
-        warn_at=values[WARN_AT],
-        over_for=values[OVER_FOR],
-        grace_period=values[GRACE_PERIOD],
-        dry_run=values[DRY_RUN],
-    )
     return SidecarSettings(
         pod_name=values[POD_NAME],
         namespace=values[POD_NAMESPACE],
@@ -255,7 +250,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         limits=values[LIMITS],
         containers=values[CONTAINERS],
         undeclared_allowed=values[UNDECLARED_ALLOWED],
-        policy=policy,
+        policy=POLICY.config(values),
         interval=values[INTERVAL],
         source=values[SOURCE],
         agent_socket=values[AGENT_SOCKET],
