@@ -10,6 +10,7 @@ client never holds up `accept`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -294,8 +295,8 @@ def _shut(handler: _Handler) -> None:
 
 
 def run(settings: WebhookSettings) -> int:
-    mode = settings.sidecar_mode
-    if mode == "auto":
+    admission = settings.admission
+    if admission.sidecar_mode == "auto":
         # The kubernetes client (about 40 MiB) is loaded only for this one question.
         from enforcer.edge.kube import KubeError, connect, server_version  # noqa: PLC0415
 
@@ -306,21 +307,9 @@ def run(settings: WebhookSettings) -> int:
                       "set --sidecar-mode native or container", exc,
                       exc_info=logs.detail(exc))  # fmt: skip
             return EXIT_USAGE
-        mode = sidecar_mode_for(version)
-        log.info("the API server is %s: sidecars are injected as %s", version, mode)
-    admission = AdmissionSettings(
-        sidecar_image=settings.sidecar_image,
-        sidecar_mode=mode,
-        resource_name=settings.resource_name,
-        resource_unit=settings.resource_unit,
-        framework_env=settings.framework_env,
-        shm_default=settings.shm_default,
-        gpu_exposure=settings.gpu_exposure,
-        runtime_class=settings.runtime_class,
-        sidecar_cpu=settings.sidecar_cpu,
-        sidecar_memory=settings.sidecar_memory,
-        agent_socket=settings.agent_socket,
-    )
+        admission = dataclasses.replace(admission, sidecar_mode=sidecar_mode_for(version))
+        log.info("the API server is %s: sidecars are injected as %s", version,
+                 admission.sidecar_mode)  # fmt: skip
     telemetry = WebhookTelemetry()
     try:
         tls = CertReloader(settings.tls_cert_file, settings.tls_key_file, telemetry)
@@ -345,7 +334,8 @@ def run(settings: WebhookSettings) -> int:
     serving = threading.Thread(target=server.serve_forever, name="webhook", daemon=True)
     serving.start()
     log.info("serving admission reviews on https://%s:%d/mutate (sidecar %s, %s mode)",
-             settings.address, server.server_address[1], settings.sidecar_image, mode)  # fmt: skip
+             settings.address, server.server_address[1], admission.sidecar_image,
+             admission.sidecar_mode)  # fmt: skip
     while not stop.wait(3600):
         pass
     log.info("shutting down: finishing requests in flight")

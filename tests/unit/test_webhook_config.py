@@ -24,32 +24,55 @@ def settings(*extra: str) -> Any:
 
 def test_defaults() -> None:
     s = settings()
-    assert (s.port, s.sidecar_mode, s.resource_name, s.resource_unit) == (
+    assert (
+        s.port,
+        s.admission.sidecar_mode,
+        s.admission.resource_name,
+        s.admission.resource_unit,
+    ) == (
         8443,
         "auto",
         "vram-enforcer.io/vram",
         1,
     )
-    assert (s.framework_env, s.shm_default, s.gpu_exposure, s.runtime_class) == (
+    assert (
+        s.admission.framework_env,
+        s.admission.shm_default,
+        s.admission.gpu_exposure,
+        s.admission.runtime_class,
+    ) == (
         True,
         "auto",
         "none",
         None,
     )
-    assert (s.sidecar_cpu, s.sidecar_memory, s.metrics_port) == ("10m", "96Mi", None)
-    assert s.agent_socket == "/run/vram-enforcer/agent.sock"
+    assert (s.admission.sidecar_cpu, s.admission.sidecar_memory, s.metrics_port) == (
+        "10m",
+        "96Mi",
+        None,
+    )
+    assert s.admission.agent_socket == "/run/vram-enforcer/agent.sock"
 
 
 def test_flags() -> None:
     s = settings("--port", "0", "--sidecar-mode", "container", "--resource-unit", "1Gi", "--no-framework-env",
                  "--shm-default", "8Gi", "--gpu-exposure", "env", "--runtime-class", "nvidia")  # fmt: skip
-    assert (s.port, s.sidecar_mode, s.resource_unit, s.framework_env) == (
+    assert (
+        s.port,
+        s.admission.sidecar_mode,
+        s.admission.resource_unit,
+        s.admission.framework_env,
+    ) == (
         0,
         "container",
         1024**3,
         False,
     )
-    assert (s.shm_default, s.gpu_exposure, s.runtime_class) == ("8Gi", "env", "nvidia")
+    assert (s.admission.shm_default, s.admission.gpu_exposure, s.admission.runtime_class) == (
+        "8Gi",
+        "env",
+        "nvidia",
+    )
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from enforcer.core.admission import AdmissionSettings
 from enforcer.core.parsing import (
     ConfigError,
     as_text,
@@ -219,17 +220,7 @@ class WebhookSettings:
     tls_key_file: str
     port: int
     address: str
-    sidecar_image: str
-    sidecar_mode: str  # native, container or auto
-    resource_name: str
-    resource_unit: int
-    framework_env: bool
-    shm_default: str
-    gpu_exposure: str
-    runtime_class: str | None
-    sidecar_cpu: str
-    sidecar_memory: str
-    agent_socket: str
+    admission: AdmissionSettings  # its sidecar_mode may still be "auto"
     kubeconfig: str | None
     metrics_port: int | None
     metrics_address: str
@@ -244,17 +235,19 @@ def webhook_settings(values: Values) -> WebhookSettings:
         tls_key_file=values[TLS_KEY_FILE],
         port=values[PORT],
         address=values[ADDRESS],
-        sidecar_image=values[SIDECAR_IMAGE],
-        sidecar_mode=values[SIDECAR_MODE],
-        resource_name=values[RESOURCE_NAME],
-        resource_unit=values[RESOURCE_UNIT],
-        framework_env=values[FRAMEWORK_ENV],
-        shm_default=values[SHM_DEFAULT],
-        gpu_exposure=values[GPU_EXPOSURE],
-        runtime_class=runtime_class,
-        sidecar_cpu=values[SIDECAR_CPU],
-        sidecar_memory=values[SIDECAR_MEMORY],
-        agent_socket=values[AGENT_SOCKET],
+        admission=AdmissionSettings(
+            sidecar_image=values[SIDECAR_IMAGE],
+            sidecar_mode=values[SIDECAR_MODE],
+            resource_name=values[RESOURCE_NAME],
+            resource_unit=values[RESOURCE_UNIT],
+            framework_env=values[FRAMEWORK_ENV],
+            shm_default=values[SHM_DEFAULT],
+            gpu_exposure=values[GPU_EXPOSURE],
+            runtime_class=runtime_class,
+            sidecar_cpu=values[SIDECAR_CPU],
+            sidecar_memory=values[SIDECAR_MEMORY],
+            agent_socket=values[AGENT_SOCKET],
+        ),
         kubeconfig=values[KUBECONFIG],
         metrics_port=values[METRICS_PORT],
         metrics_address=values[METRICS_ADDRESS],
