@@ -35,7 +35,7 @@ from enforcer.core.policy import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.edge import logs
 from enforcer.edge.kube import EventRecorder, KubeError, PodWatcher, connect
-from enforcer.edge.metrics import MetricsPortError, Telemetry, serve_metrics
+from enforcer.edge.metrics import MetricsPortError, MetricsServer, Telemetry, serve_metrics
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator
 from enforcer.edge.sources import AgentSource, PidView, PidViewError, UsageSource
@@ -252,30 +252,9 @@ def run(settings: SidecarSettings) -> int:
         settings.node_name,
         telemetry.event_failures,
     )
-    attributor = ContainerAttributor(
-        procfs,
-        lambda: watcher.pod,
-        watcher.refresh,
-        settings.limits,
-        settings.undeclared_allowed,
-        want_init=settings.policy.action is Action.RESTART,
-        spec_containers=settings.containers,
-    )
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
-    reporters: list[Reporter] = [
-        LogReporter(),
-        EventReporter(recorder, lambda: attributor.refs, lambda: watcher.pod),
-    ]
-    pipeline = Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry)
-    try:
-        server = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
-    except MetricsPortError as exc:
-        # Enforcement matters more than metrics: exiting would crash-loop the sidecar and
-        # leave the pod unenforced because some workload listens on an undeclared port.
-        text = messages.metrics_unavailable(str(exc))
-        log.error("%s", text)
-        recorder.record(str(Reason.METRICS_UNAVAILABLE), text, True, None)
-        server = None
+    pipeline = _pipeline(settings, procfs, source, terminator, watcher, recorder, telemetry)
+    server = _metrics(settings, telemetry, recorder)
     watcher.start()
     recorder.start()
     log.info(
@@ -296,6 +275,49 @@ def run(settings: SidecarSettings) -> int:
         recorder.close()
         if server is not None:
             server.close()
+
+
+def _pipeline(
+    settings: SidecarSettings,
+    procfs: ProcFs,
+    source: UsageSource,
+    terminator: Terminator,
+    watcher: PodWatcher,
+    recorder: EventRecorder,
+    telemetry: Telemetry,
+) -> Pipeline:
+    """The tick: usage per container, decided on, enforced, logged and posted as Events."""
+    attributor = ContainerAttributor(
+        procfs,
+        lambda: watcher.pod,
+        watcher.refresh,
+        settings.limits,
+        settings.undeclared_allowed,
+        want_init=settings.policy.action is Action.RESTART,
+        spec_containers=settings.containers,
+    )
+    reporters: list[Reporter] = [
+        LogReporter(),
+        EventReporter(recorder, lambda: attributor.refs, lambda: watcher.pod),
+    ]
+    return Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry)
+
+
+def _metrics(
+    settings: SidecarSettings, telemetry: Telemetry, recorder: EventRecorder
+) -> MetricsServer | None:
+    """The /metrics endpoint, or None and an Event saying why not.
+
+    Enforcement matters more than metrics: exiting would crash-loop the sidecar and leave
+    the pod unenforced because some workload listens on an undeclared port.
+    """
+    try:
+        return serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
+    except MetricsPortError as exc:
+        text = messages.metrics_unavailable(str(exc))
+        log.error("%s", text)
+        recorder.record(str(Reason.METRICS_UNAVAILABLE), text, True, None)
+        return None
 
 
 def _loop(
