@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
 import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +102,28 @@ def configured(argv: list[str], environ: dict[str, str] | None = None) -> Any:
 
     _, _, settings = configure(build_parser().parse_args(argv), environ or {})
     return settings
+
+
+@contextlib.contextmanager
+def scratch_cgroup(prefix: str = "vram-test") -> Iterator[Path]:
+    """A fresh cgroup in the cgroup v2 hierarchy (never a v1 controller hierarchy), removed
+    with everything below it afterwards, once the processes in it have gone. Skips the
+    test where cgroup v2 is not mounted or not writable (not root)."""
+    import pytest
+
+    from enforcer.edge.cgroupfs import v2_root
+
+    root = v2_root()
+    if root is None or os.geteuid() != 0:
+        pytest.skip("needs root and a cgroup v2 hierarchy")
+    path = root / f"{prefix}-{secrets.token_hex(4)}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        for directory in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            if directory.is_dir():
+                wait_for(lambda d=directory: not (d / "cgroup.procs").read_text().strip(),
+                         what=f"{directory} to empty")  # fmt: skip
+                directory.rmdir()
+        path.rmdir()

@@ -24,6 +24,11 @@ _ID = r"[0-9a-f]{64}"
 _NAMED = re.compile(rf"(?:^|/)(?:cri-containerd|crio|docker)-({_ID})\.scope(?:/|$)")
 _BARE = re.compile(rf"(?:^|/)(?:pod[0-9a-f_-]+|docker|\.\.)/({_ID})(?:/|$)")
 _STATUS_ID = re.compile(rf"^[a-z0-9-]+://({_ID})$")
+# A container's own directory: systemd-style `<runtime>-<id>.scope`, or a bare ID (cgroupfs).
+_CONTAINER_DIR = re.compile(rf"^(?:(?:cri-containerd|crio|docker)-({_ID})\.scope|({_ID}))$")
+# A pod's directory: `pod<uid>` (cgroupfs) or `kubepods[-<qos>]-pod<uid with _>.slice` (systemd).
+_UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
+_POD_DIR = re.compile(rf"^(?:kubepods(?:-[a-z]+)?-pod({_UID})\.slice|pod({_UID}))$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +72,24 @@ def status_container_id(value: str | None) -> str | None:
     """`containerd://<id>` (or `cri-o://`, `docker://`) from a containerStatus, as a bare ID."""
     match = _STATUS_ID.match(value or "")
     return match[1] if match else None
+
+
+def is_kubepods_dir(name: str) -> bool:
+    """The kubelet's top cgroup of all pods, as the systemd or the cgroupfs driver names it."""
+    return name in ("kubepods.slice", "kubepods")
+
+
+def pod_uid_of_dir(name: str) -> str | None:
+    """The pod UID that the kubelet put in the name of a pod's cgroup directory.
+
+    UIDs are unique for the life of a cluster, so below the kubepods directory this name
+    proves which pod the cgroup belongs to.
+    """
+    match = _POD_DIR.match(name)
+    return (match[1] or match[2]).replace("_", "-") if match else None
+
+
+def container_id_of_dir(name: str) -> str | None:
+    """The container ID in the name of a container's cgroup directory (not conmon's)."""
+    match = _CONTAINER_DIR.match(name)
+    return (match[1] or match[2]) if match else None

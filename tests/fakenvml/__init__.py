@@ -19,6 +19,8 @@ from typing import Any
 SOURCE = Path(__file__).with_name("fake_nvml.c")
 LIBRARY = "libnvidia-ml.so.1"
 GiB = 1024**3
+LIMITS_DRIVER = "615.43.02"  # a driver with nvmlDeviceSetMemoryLimits_v1 (R615+)
+LIMIT_MAX = 0xFFFFFFFFFFFFFFFF  # NVML_DEVICE_MEMORY_LIMIT_MAX: with soft 0, "no limit"
 
 
 class FakeNvmlBuildError(RuntimeError):
@@ -90,6 +92,10 @@ class FakeGpuState:
         return cls({"driver_version": "550.54.15", "errors": {}, "init_error": None,
                     "devices": [_device(0, total_bytes=total_bytes)]})  # fmt: skip
 
+    def support_memory_limits(self, supported: bool = True) -> None:
+        """A driver new enough for per-cgroup limits (R615+), or the default, older one."""
+        self.data["driver_version"] = LIMITS_DRIVER if supported else "550.54.15"
+
     def copy(self) -> FakeGpuState:
         return FakeGpuState(copy.deepcopy(self.data))
 
@@ -143,3 +149,12 @@ class FakeGpuState:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.data))
         os.replace(tmp, path)
+
+
+def limit_records(state_file: Path) -> list[dict[str, Any]]:
+    """Every nvmlDeviceSetMemoryLimits_v1 call the fake accepted, oldest first: device,
+    cgroup (the path as given), inode, soft, hard and the caller's pid."""
+    path = state_file.with_name(state_file.name + ".limits.jsonl")
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]

@@ -19,7 +19,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -29,6 +32,8 @@
 #define MAX_GPUS 16
 #define MAX_MIGS 8
 #define MAX_MIG_SLOTS 7 /* what nvmlDeviceGetMaxMigDeviceCount reports on an H100 */
+#define CGROUP2_MAGIC 0x63677270
+#define FIRST_LIMITS_DRIVER 615 /* nvmlDeviceSetMemoryLimits_v1 came with R615 (CUDA 13.4) */
 
 /* ---------------------------------------------------------------- a small JSON parser */
 
@@ -940,4 +945,142 @@ nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id) {
 
 nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id) {
     return instance_id("nvmlDeviceGetComputeInstanceId", device, id, 1);
+}
+
+/* ---------------------------------------------------------------- per-cgroup memory limits
+ *
+ * nvmlDeviceSetMemoryLimits_v1 / nvmlDeviceGetMemoryLimits_v1 (R615+). Every Set call is
+ * appended as one JSON line to "<FAKE_NVML_STATE>.limits.jsonl": the fake's record of what
+ * the driver would hold, shared by every process that loads the fake (as the driver's
+ * state is), and readable by tests and by the limited command itself. Get answers from
+ * the last record for that device and cgroup directory (by inode, so a cgroup re-created
+ * at the same path starts without limits, as a new kernel object would). */
+
+static int driver_major(void) { return atoi(g_state->driver_version); }
+
+/* The cgroup v2 directory behind `path`: OPERATING_SYSTEM when it cannot be opened as one. */
+static nvmlReturn_t cgroup_dir(const char *path, struct stat *st) {
+    struct statfs fs;
+    if (!path || !*path) return NVML_ERROR_INVALID_ARGUMENT;
+    if (statfs(path, &fs) != 0 || (unsigned long)fs.f_type != CGROUP2_MAGIC) return NVML_ERROR_OPERATING_SYSTEM;
+    if (stat(path, st) != 0 || !S_ISDIR(st->st_mode)) return NVML_ERROR_OPERATING_SYSTEM;
+    return NVML_SUCCESS;
+}
+
+static void records_path(char *out, size_t size) {
+    const char *state = getenv("FAKE_NVML_STATE");
+    snprintf(out, size, "%s.limits.jsonl", state ? state : "/nonexistent");
+}
+
+static void json_escape(char *out, size_t size, const char *in) {
+    size_t n = 0;
+    for (; *in && n + 7 < size; in++) {
+        unsigned char c = (unsigned char)*in;
+        if (c == '"' || c == '\\') { out[n++] = '\\'; out[n++] = (char)c; }
+        else if (c < 0x20) n += (size_t)snprintf(out + n, size - n, "\\u%04x", c);
+        else out[n++] = (char)c;
+    }
+    out[n] = '\0';
+}
+
+static nvmlReturn_t record_limits(const fdev *d, const char *path, const struct stat *st,
+                                  unsigned long long soft, unsigned long long hard) {
+    char file[PATH_MAX + 32], escaped[2 * PATH_MAX], line[3 * PATH_MAX];
+    records_path(file, sizeof file);
+    json_escape(escaped, sizeof escaped, path);
+    int n = snprintf(line, sizeof line,
+                     "{\"device\": \"%s\", \"cgroup\": \"%s\", \"inode\": %llu, \"soft\": %llu, "
+                     "\"hard\": %llu, \"pid\": %d}\n",
+                     d->uuid, escaped, (unsigned long long)st->st_ino, soft, hard, (int)getpid());
+    int fd = open(file, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return NVML_ERROR_UNKNOWN;
+    ssize_t wrote = write(fd, line, (size_t)n); /* one write: lines from several processes never mix */
+    close(fd);
+    return wrote == n ? NVML_SUCCESS : NVML_ERROR_UNKNOWN;
+}
+
+/* The last record for (device, cgroup inode): 1 and the limits, or 0 when there is none. */
+static int recorded_limits(const fdev *d, const struct stat *st, unsigned long long *soft, unsigned long long *hard) {
+    char file[PATH_MAX + 32], want_dev[160], want_ino[64], line[3 * PATH_MAX];
+    records_path(file, sizeof file);
+    snprintf(want_dev, sizeof want_dev, "{\"device\": \"%s\", ", d->uuid);
+    snprintf(want_ino, sizeof want_ino, "\"inode\": %llu, ", (unsigned long long)st->st_ino);
+    FILE *f = fopen(file, "re");
+    int found = 0;
+    if (!f) return 0;
+    while (fgets(line, sizeof line, f)) {
+        const char *s, *h;
+        if (strncmp(line, want_dev, strlen(want_dev)) != 0 || !strstr(line, want_ino)) continue;
+        if (!(s = strstr(line, "\"soft\": ")) || !(h = strstr(line, "\"hard\": "))) continue;
+        *soft = strtoull(s + 8, NULL, 10);
+        *hard = strtoull(h + 8, NULL, 10);
+        found = 1;
+    }
+    fclose(f);
+    return found && !(*soft == 0 && *hard == NVML_DEVICE_MEMORY_LIMIT_MAX);
+}
+
+/* Whether `pid` is in the cgroup at `dir` or below it (depth-limited walk of cgroup.procs). */
+static int in_cgroup(const char *dir, unsigned int pid, int depth) {
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/cgroup.procs", dir);
+    FILE *f = fopen(path, "re");
+    if (f) {
+        unsigned int p;
+        while (fscanf(f, "%u", &p) == 1) {
+            if (p == pid) { fclose(f); return 1; }
+        }
+        fclose(f);
+    }
+    if (depth <= 0) return 0;
+    DIR *dp = opendir(dir);
+    if (!dp) return 0;
+    int found = 0;
+    for (struct dirent *e; !found && (e = readdir(dp));) {
+        if (e->d_type != DT_DIR || e->d_name[0] == '.') continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        found = in_cgroup(path, pid, depth - 1);
+    }
+    closedir(dp);
+    return found;
+}
+
+static nvmlReturn_t limits_supported(const fdev *d) {
+    if (driver_major() < FIRST_LIMITS_DRIVER) return NVML_ERROR_NOT_SUPPORTED;
+    if (d->is_mig) return NVML_ERROR_NOT_SUPPORTED; /* "MIG handles are not supported" */
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, nvmlSetMemoryLimits_v1_t *limits) {
+    fdev *d;
+    struct stat st;
+    nvmlReturn_t r = enter("nvmlDeviceSetMemoryLimits_v1");
+    if (r != NVML_SUCCESS) return r;
+    if ((r = resolve(device, "nvmlDeviceSetMemoryLimits_v1", &d)) != NVML_SUCCESS) return leave(r);
+    if ((r = limits_supported(d)) != NVML_SUCCESS) return leave(r);
+    if (!limits) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (geteuid() != 0) return leave(NVML_ERROR_NO_PERMISSION); /* "Requires root/admin permissions" */
+    int clearing = limits->softLimit == 0 && limits->hardLimit == NVML_DEVICE_MEMORY_LIMIT_MAX;
+    if (limits->softLimit > limits->hardLimit || (!clearing && limits->hardLimit > d->total))
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if ((r = cgroup_dir(limits->nameSpace, &st)) != NVML_SUCCESS) return leave(r);
+    return leave(record_limits(d, limits->nameSpace, &st, limits->softLimit, limits->hardLimit));
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, nvmlGetMemoryLimits_v1_t *limits) {
+    fdev *d;
+    struct stat st;
+    nvmlReturn_t r = enter("nvmlDeviceGetMemoryLimits_v1");
+    if (r != NVML_SUCCESS) return r;
+    if ((r = resolve(device, "nvmlDeviceGetMemoryLimits_v1", &d)) != NVML_SUCCESS) return leave(r);
+    if ((r = limits_supported(d)) != NVML_SUCCESS) return leave(r);
+    if (!limits) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if ((r = cgroup_dir(limits->nameSpace, &st)) != NVML_SUCCESS) return leave(r);
+    if (!recorded_limits(d, &st, &limits->softLimit, &limits->hardLimit)) return leave(NVML_ERROR_NOT_FOUND);
+    unsigned long long used = 0;
+    for (int i = 0; i < d->ncompute; i++)
+        if (d->compute[i].used != (unsigned long long)NVML_VALUE_NOT_AVAILABLE && in_cgroup(limits->nameSpace, d->compute[i].pid, 8))
+            used += d->compute[i].used;
+    limits->currentUsed = used;
+    return leave(NVML_SUCCESS);
 }

@@ -11,10 +11,11 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.fakenvml import LIBRARY, FakeGpuState, build_fake_nvml
+from tests.fakenvml import LIBRARY, FakeGpuState, build_fake_nvml, limit_records
 
 BUILD_DIR = Path(__file__).resolve().parents[2] / ".build" / "fakenvml"
 
@@ -29,6 +30,10 @@ class FakeNvml:
 
     def write(self) -> None:
         self.state.write(self.state_file)
+
+    def limit_records(self) -> list[dict[str, Any]]:
+        """The per-cgroup limits set so far, by any process using this fake GPU."""
+        return limit_records(self.state_file)
 
     def env(self) -> dict[str, str]:
         """Environment for a subprocess that should load the fake instead of a driver."""

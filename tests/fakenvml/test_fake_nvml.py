@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,100 @@ def test_large_values_survive_exactly(fake_nvml: FakeNvml) -> None:
     (p,) = pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(0))
     assert p.usedGpuMemory == 2**63 + 12345
     pynvml.nvmlShutdown()
+
+
+def _limits(path: Path, soft: int = 0, hard: int = 0) -> pynvml.c_nvmlSetMemoryLimits_v1_t:
+    return pynvml.c_nvmlSetMemoryLimits_v1_t(str(path).encode(), soft, hard)
+
+
+def _read_limits(handle: object, path: Path) -> tuple[int, int, int]:
+    got = pynvml.c_nvmlGetMemoryLimits_v1_t(str(path).encode(), 0, 0, 0)
+    pynvml.nvmlDeviceGetMemoryLimits_v1(handle, got)
+    return got.softLimit, got.hardLimit, got.currentUsed
+
+
+def test_memory_limits_are_not_supported_before_r615(fake_nvml: FakeNvml, cgroup2: Path) -> None:
+    pynvml.nvmlInit()
+    gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        pynvml.nvmlDeviceSetMemoryLimits_v1(gpu, _limits(cgroup2, 0, GiB))
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        _read_limits(gpu, cgroup2)
+    pynvml.nvmlShutdown()
+    assert fake_nvml.limit_records() == []
+
+
+def test_memory_limits_are_recorded_read_back_and_cleared(
+    fake_nvml: FakeNvml, cgroup2: Path
+) -> None:
+    fake_nvml.state.support_memory_limits()
+    child = subprocess.Popen(["sleep", "60"])
+    (cgroup2 / "cgroup.procs").write_text(str(child.pid))
+    fake_nvml.state.set_process(0, child.pid, 3 * GiB)
+    fake_nvml.state.set_process(0, os.getpid(), 5 * GiB)  # outside the cgroup
+    fake_nvml.write()
+    pynvml.nvmlInit()
+    gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+    try:
+        with pytest.raises(pynvml.NVMLError_NotFound):
+            _read_limits(gpu, cgroup2)
+        pynvml.nvmlDeviceSetMemoryLimits_v1(gpu, _limits(cgroup2, 0, 4 * GiB))
+        assert _read_limits(gpu, cgroup2) == (0, 4 * GiB, 3 * GiB)
+        (record,) = fake_nvml.limit_records()
+        assert record == {"device": fake_nvml.state.devices[0]["uuid"], "cgroup": str(cgroup2),
+                          "inode": cgroup2.stat().st_ino, "soft": 0, "hard": 4 * GiB,
+                          "pid": os.getpid()}  # fmt: skip
+        pynvml.nvmlDeviceSetMemoryLimits_v1(
+            gpu, _limits(cgroup2, 0, pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX)
+        )
+        with pytest.raises(pynvml.NVMLError_NotFound):
+            _read_limits(gpu, cgroup2)  # cleared
+    finally:
+        pynvml.nvmlShutdown()
+        child.kill()
+        child.wait()
+
+
+def test_memory_limits_are_validated_like_the_driver(
+    fake_nvml: FakeNvml, cgroup2: Path, tmp_path: Path
+) -> None:
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.state.enable_mig(0, [{"uuid": "MIG-1", "total_bytes": 10 * GiB}])
+    fake_nvml.write()
+    pynvml.nvmlInit()
+    gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0)
+    try:
+        with pytest.raises(pynvml.NVMLError_InvalidArgument):  # above the GPU's memory
+            pynvml.nvmlDeviceSetMemoryLimits_v1(gpu, _limits(cgroup2, 0, 81 * GiB))
+        with pytest.raises(pynvml.NVMLError_InvalidArgument):  # soft above hard
+            pynvml.nvmlDeviceSetMemoryLimits_v1(gpu, _limits(cgroup2, 2 * GiB, GiB))
+        with pytest.raises(pynvml.NVMLError_OperatingSystem):  # not a cgroup v2 directory
+            pynvml.nvmlDeviceSetMemoryLimits_v1(gpu, _limits(tmp_path, 0, GiB))
+        with pytest.raises(pynvml.NVMLError_OperatingSystem):  # gone
+            pynvml.nvmlDeviceSetMemoryLimits_v1(gpu, _limits(cgroup2 / "gone", 0, GiB))
+        with pytest.raises(pynvml.NVMLError_NotSupported):  # "MIG handles are not supported"
+            pynvml.nvmlDeviceSetMemoryLimits_v1(mig, _limits(cgroup2, 0, GiB))
+    finally:
+        pynvml.nvmlShutdown()
+    assert fake_nvml.limit_records() == []
+
+
+def test_a_cgroup_made_again_at_the_same_path_starts_without_limits(
+    fake_nvml: FakeNvml, cgroup2: Path
+) -> None:
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.write()
+    inner = cgroup2 / "unit"
+    inner.mkdir()
+    pynvml.nvmlInit()
+    gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+    try:
+        pynvml.nvmlDeviceSetMemoryLimits_v1(gpu, _limits(inner, 0, GiB))
+        assert _read_limits(gpu, inner)[1] == GiB
+        inner.rmdir()
+        inner.mkdir()
+        with pytest.raises(pynvml.NVMLError_NotFound):
+            _read_limits(gpu, inner)
+    finally:
+        pynvml.nvmlShutdown()

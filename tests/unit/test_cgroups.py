@@ -3,7 +3,14 @@ cgroup v1 and v2, with the systemd and cgroupfs drivers, with and without cgroup
 
 import pytest
 
-from enforcer.core.cgroups import container_id, parse_cgroup, status_container_id
+from enforcer.core.cgroups import (
+    container_id,
+    container_id_of_dir,
+    is_kubepods_dir,
+    parse_cgroup,
+    pod_uid_of_dir,
+    status_container_id,
+)
 
 A = "3f2d6b0c5a1e4d9f8b7a6c5d4e3f2a1b0c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f"
 B = "a1b2c3d4e5f60718a1b2c3d4e5f60718a1b2c3d4e5f60718a1b2c3d4e5f60718"
@@ -62,3 +69,36 @@ def test_status_container_ids() -> None:
     assert status_container_id("") is None
     assert status_container_id(None) is None
     assert status_container_id(f"containerd://{A[:20]}") is None
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        f"kubepods-burstable-pod{UID_SYSTEMD}.slice",  # systemd driver, burstable
+        f"kubepods-pod{UID_SYSTEMD}.slice",  # systemd driver, guaranteed
+        f"pod{UID}",  # cgroupfs driver
+    ],
+)
+def test_a_pod_directory_names_its_pod(name: str) -> None:
+    assert pod_uid_of_dir(name) == UID
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["kubepods-burstable.slice", "kubepods.slice", f"cri-containerd-{A}.scope", f"pod{UID}x",
+     f"xpod{UID}", "pod", f"kubepods-burstable-pod{UID_SYSTEMD}.scope"],
+)  # fmt: skip
+def test_other_directories_name_no_pod(name: str) -> None:
+    assert pod_uid_of_dir(name) is None
+
+
+def test_container_directories() -> None:
+    assert container_id_of_dir(f"cri-containerd-{A}.scope") == A
+    assert container_id_of_dir(f"crio-{A}.scope") == A
+    assert container_id_of_dir(f"docker-{A}.scope") == A
+    assert container_id_of_dir(A) == A  # cgroupfs
+    assert container_id_of_dir(f"crio-conmon-{A}.scope") is None  # CRI-O's monitor
+    assert container_id_of_dir(f"cri-containerd-{A}.scope.old") is None
+    assert container_id_of_dir(A[:-1]) is None
+    assert is_kubepods_dir("kubepods.slice") and is_kubepods_dir("kubepods")
+    assert not is_kubepods_dir("kubepods-burstable.slice")

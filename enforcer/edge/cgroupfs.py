@@ -1,0 +1,197 @@
+"""cgroup v2 as files: where the hierarchy is mounted, which cgroup a process is in, the few
+writes vram-enforcer makes (create a cgroup, move a process into it, remove it), and the
+kubelet's pod and container cgroups found under a root.
+
+Every failure is a `CgroupFsError` whose message names the path and says what to do; the
+callers fall back to sampling on it, never crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from enforcer.core.cgroups import container_id_of_dir, is_kubepods_dir, pod_uid_of_dir
+
+MOUNTINFO = Path("/proc/self/mountinfo")
+_CONTROLLERS = "cgroup.controllers"  # a file of cgroup v2 directories only
+
+
+class CgroupFsError(Exception):
+    """A cgroup operation failed; the message says where and what to do."""
+
+
+def v2_root(mountinfo: Path = MOUNTINFO) -> Path | None:
+    """Where the cgroup v2 hierarchy is mounted (the first `cgroup2` mount), or None.
+
+    On a pure v2 host that is /sys/fs/cgroup; on a hybrid one often /sys/fs/cgroup/unified.
+    """
+    try:
+        text = mountinfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        head, sep, tail = line.partition(" - ")
+        fields = head.split()
+        if sep and tail.split()[:1] == ["cgroup2"] and len(fields) > 4:
+            return Path(fields[4].replace("\\040", " "))
+    return None
+
+
+def v2_path(pid: int | str = "self", proc: Path = Path("/proc")) -> str | None:
+    """A process's cgroup v2 path (the `0::` line of /proc/<pid>/cgroup), relative to the
+    root of the reader's cgroup namespace; None when it has none or has exited."""
+    try:
+        text = (proc / str(pid) / "cgroup").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    return None
+
+
+def own_dir(mountinfo: Path = MOUNTINFO) -> Path:
+    """This process's own cgroup v2 directory; raises CgroupFsError when there is none."""
+    root = v2_root(mountinfo)
+    if root is None:
+        raise CgroupFsError("cgroup v2 is not mounted here (cgroup v1 only)")
+    rel = v2_path()
+    if rel is None or rel.startswith("/.."):
+        raise CgroupFsError(f"this process's cgroup v2 directory is not visible under {root}")
+    found = root / rel.lstrip("/")
+    if not (found / _CONTROLLERS).exists():
+        raise CgroupFsError(f"{found} is not a cgroup v2 directory")
+    return found
+
+
+def _fail(action: str, path: Path, exc: OSError) -> CgroupFsError:
+    fix = {
+        errno.EACCES: "run as root, or in a cgroup v2 subtree delegated to this user",
+        errno.EPERM: "run as root, or in a cgroup v2 subtree delegated to this user",
+        errno.EROFS: "the cgroup hierarchy is mounted read-only here (a container?)",
+    }.get(exc.errno or 0, "")
+    return CgroupFsError(f"cannot {action} {path}: {exc.strerror}" + (f"; {fix}" if fix else ""))
+
+
+def create(path: Path) -> None:
+    try:
+        path.mkdir()
+    except OSError as exc:
+        raise _fail("create the cgroup", path, exc) from exc
+
+
+def move(pid: int, path: Path) -> None:
+    """Move the whole process `pid` (all its threads) into the cgroup at `path`."""
+    try:
+        (path / "cgroup.procs").write_text(str(pid))
+    except OSError as exc:
+        raise _fail(f"move pid {pid} into", path, exc) from exc
+
+
+def remove(path: Path) -> bool:
+    """Remove an empty cgroup; False when it still holds processes or children. A cgroup
+    that is already gone counts as removed."""
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def controllers(path: Path) -> frozenset[str]:
+    """The controllers available in the cgroup at `path` (those its parent enabled)."""
+    try:
+        return frozenset((path / _CONTROLLERS).read_text().split())
+    except OSError:
+        return frozenset()
+
+
+def enable(path: Path, controller: str) -> bool:
+    """Enable `controller` for the children of `path`; False when the kernel refuses."""
+    try:
+        (path / "cgroup.subtree_control").write_text(f"+{controller}")
+    except OSError:
+        return False
+    return True
+
+
+def exists(path: Path) -> bool:
+    return (path / _CONTROLLERS).exists()
+
+
+@dataclass(slots=True)
+class PodDirs:
+    """The kubelet's cgroups under a root: each pod's directory by pod UID, and within it,
+    each container's directory by container ID (as named by the runtime)."""
+
+    pods: dict[str, Path] = field(default_factory=dict)
+    containers: dict[str, dict[str, Path]] = field(default_factory=dict)
+
+    def paths(self) -> set[str]:
+        found = {str(p) for p in self.pods.values()}
+        for by_id in self.containers.values():
+            found.update(str(p) for p in by_id.values())
+        return found
+
+
+class PodScanner:
+    """Finds the kubelet's pod and container cgroups below `root` (the host's cgroup v2
+    mount, as this process sees it).
+
+    Pods live below a `kubepods` or `kubepods.slice` directory, at a depth that depends on
+    the cgroup driver (systemd or cgroupfs) and the kubelet's `--cgroup-root`: it is
+    looked for up to `depth` levels down, once, and again only while none is found or
+    when one found before is gone. Each scan then reads just those subtrees.
+    """
+
+    def __init__(self, root: Path, depth: int = 4) -> None:
+        self.root = root
+        self._depth = depth
+        self._kubepods: list[Path] = []
+
+    def scan(self) -> PodDirs:
+        if not self._kubepods or not all(exists(k) for k in self._kubepods):
+            self._kubepods = list(_find(self.root, is_kubepods_dir, self._depth))
+        found = PodDirs()
+        for kubepods in self._kubepods:
+            for pod_dir in _find(kubepods, _is_pod_dir, 2):  # below a QoS class, or not
+                uid = pod_uid_of_dir(pod_dir.name)
+                assert uid is not None  # noqa: S101 - _is_pod_dir matched it
+                found.pods[uid] = pod_dir
+                found.containers[uid] = {
+                    cid: child
+                    for child in _subdirs(pod_dir)
+                    if (cid := container_id_of_dir(child.name)) is not None
+                }
+        return found
+
+
+def _is_pod_dir(name: str) -> bool:
+    return pod_uid_of_dir(name) is not None
+
+
+def _subdirs(path: Path) -> Iterator[Path]:
+    with contextlib.suppress(OSError), os.scandir(path) as entries:
+        yield from [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+
+
+def _find(root: Path, matches: Callable[[str], bool], depth: int) -> Iterator[Path]:
+    """Directories below `root` (not `root` itself), breadth first, whose name `matches`;
+    a match is not descended into."""
+    level = [root]
+    for _ in range(depth):
+        below: list[Path] = []
+        for directory in level:
+            for child in _subdirs(directory):
+                if matches(child.name):
+                    yield child
+                else:
+                    below.append(child)
+        level = below
