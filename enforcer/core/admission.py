@@ -156,7 +156,7 @@ def mutate(pod: Mapping[str, object], settings: AdmissionSettings) -> list[Patch
     annotations = _map(_map(pod.get("metadata")).get("annotations"))
     if str(annotations.get(INJECT, "")).lower() == "false" or INJECTED in annotations:
         return []
-    limits = declared_limits(_map(pod.get("spec")), settings)
+    limits = declared_limits(_map(pod.get("spec")), settings.resource_name, settings.resource_unit)
     if not limits:
         return []
     try:
@@ -186,7 +186,7 @@ def mutate(pod: Mapping[str, object], settings: AdmissionSettings) -> list[Patch
     return cast(list[PatchOperation], jsonpatch.make_patch(dict(pod), out).patch)
 
 
-def declared_limits(spec: Mapping[str, object], settings: AdmissionSettings) -> dict[str, int]:
+def declared_limits(spec: Mapping[str, object], resource: str, unit: int) -> dict[str, int]:
     """Container name -> limit in bytes, for each container that declares the resource.
 
     Read before the pod's shape is checked (a pod that declares nothing is not ours to
@@ -198,38 +198,38 @@ def declared_limits(spec: Mapping[str, object], settings: AdmissionSettings) -> 
         for item in _list(spec.get(field)):
             name = _map(item).get("name")
             resources = _map(_map(item).get("resources"))
-            limit = _map(resources.get("limits")).get(settings.resource_name)
-            request = _map(resources.get("requests")).get(settings.resource_name)
+            limit = _map(resources.get("limits")).get(resource)
+            request = _map(resources.get("requests")).get(resource)
             if not isinstance(name, str) or (limit is None and request is None):
                 continue
             where = f"spec.{field}[{name!r}].resources"
             if limit is None:
                 raise Denied(
-                    f"{where}.requests[{settings.resource_name!r}] is set but limits is not; "
+                    f"{where}.requests[{resource!r}] is set but limits is not; "
                     f"extended resources are declared in limits (requests default to them): "
-                    f"set limits[{settings.resource_name!r}]: {request!r}"
+                    f"set limits[{resource!r}]: {request!r}"
                 )
-            units = _units(limit, f"{where}.limits[{settings.resource_name!r}]", settings)
-            request_field = f"{where}.requests[{settings.resource_name!r}]"
-            if request is not None and _units(request, request_field, settings) != units:
+            units = _units(limit, f"{where}.limits[{resource!r}]", unit)
+            request_field = f"{where}.requests[{resource!r}]"
+            if request is not None and _units(request, request_field, unit) != units:
                 raise Denied(
-                    f"{where}: requests[{settings.resource_name!r}] {request!r} differs from "
+                    f"{where}: requests[{resource!r}] {request!r} differs from "
                     f"limits {limit!r}; VRAM cannot be overcommitted: make them equal, or drop "
                     "the request"
                 )
-            limits[name] = int(units) * settings.resource_unit
+            limits[name] = int(units) * unit
     return limits
 
 
-def _units(value: object, field: str, settings: AdmissionSettings) -> Decimal:
+def _units(value: object, field: str, unit: int) -> Decimal:
     try:
         units = parse_quantity(str(value), field=field)
     except ConfigError as exc:
         raise Denied(str(exc)) from None
-    unit = "bytes" if settings.resource_unit == 1 else f"{settings.resource_unit}-byte units"
+    named = "bytes" if unit == 1 else f"{unit}-byte units"
     if units < 0 or units != units.to_integral_value():
         raise Denied(
-            f"{field}: {value!r} is not a whole number of {unit}; use a whole number, "
+            f"{field}: {value!r} is not a whole number of {named}; use a whole number, "
             f"e.g. {max(1, int(units.to_integral_value()))}"
         )
     return units

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import pynvml
 
+from enforcer.core.hard_limits import LimitOutcome, LimitResult
 from enforcer.core.model import Device
 from enforcer.edge.backoff import Backoff
 
@@ -60,6 +61,38 @@ class _ProcessInfo(ctypes.Structure):
         ("computeInstanceId", ctypes.c_uint),
     ]
 
+
+class _SetMemoryLimits(ctypes.Structure):
+    """`nvmlSetMemoryLimits_v1_t` (R615+). Our own, like `_ProcessInfo`: older pynvml
+    releases do not have it, and the symbol is looked up the same way."""
+
+    _fields_: ClassVar[list[tuple[str, Any]]] = [
+        ("nameSpace", ctypes.c_char_p),
+        ("softLimit", ctypes.c_ulonglong),
+        ("hardLimit", ctypes.c_ulonglong),
+    ]
+
+
+class _GetMemoryLimits(ctypes.Structure):
+    """`nvmlGetMemoryLimits_v1_t` (R615+)."""
+
+    _fields_: ClassVar[list[tuple[str, Any]]] = [
+        ("nameSpace", ctypes.c_char_p),
+        ("softLimit", ctypes.c_ulonglong),
+        ("hardLimit", ctypes.c_ulonglong),
+        ("currentUsed", ctypes.c_ulonglong),
+    ]
+
+
+MEMORY_LIMIT_MAX = 0xFFFFFFFFFFFFFFFF  # NVML_DEVICE_MEMORY_LIMIT_MAX: with soft 0, no limit
+
+_LIMIT_RESULTS = {
+    pynvml.NVML_ERROR_NOT_SUPPORTED: LimitResult.UNSUPPORTED,
+    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND: LimitResult.UNSUPPORTED,  # a driver before R615
+    pynvml.NVML_ERROR_NO_PERMISSION: LimitResult.FORBIDDEN,
+    pynvml.NVML_ERROR_OPERATING_SYSTEM: LimitResult.NO_CGROUP,
+    pynvml.NVML_ERROR_INVALID_ARGUMENT: LimitResult.REJECTED,
+}
 
 # Each list, newest first; drivers older than R510 lack `_v3`, and `_v2` has the same layout.
 _PROCESS_LISTS = (
@@ -141,6 +174,12 @@ def _translate(exc: pynvml.NVMLError, what: str) -> NvmlError:
     return NvmlQueryError(message, code)
 
 
+def _limit_outcome(ret: int) -> LimitOutcome:
+    if ret == pynvml.NVML_SUCCESS:
+        return LimitOutcome(LimitResult.SET)
+    return LimitOutcome(_LIMIT_RESULTS.get(ret, LimitResult.FAILED), str(pynvml.NVMLError(ret)))
+
+
 def _bytes(value: object) -> int | None:
     if value is None:
         return None
@@ -196,6 +235,48 @@ class Nvml:
             raise error from exc
         self._backoff.succeeded()
         return snap
+
+    def set_memory_limit(self, gpu_uuid: str, cgroup: str, hard_bytes: int) -> LimitOutcome:
+        """Hold every process in the cgroup v2 directory `cgroup` (a path as this process
+        sees it) to `hard_bytes` on the GPU: the driver refuses allocations past it."""
+        return self._memory_limits(gpu_uuid, cgroup, 0, hard_bytes)
+
+    def clear_memory_limit(self, gpu_uuid: str, cgroup: str) -> LimitOutcome:
+        return self._memory_limits(gpu_uuid, cgroup, 0, MEMORY_LIMIT_MAX)
+
+    def memory_limit(self, gpu_uuid: str, cgroup: str) -> int | LimitOutcome | None:
+        """The hard limit the driver holds for `cgroup` on the GPU, None when there is none,
+        or why it cannot say. Needs no privilege: `doctor` asks it to learn the tier."""
+        limits = _GetMemoryLimits(cgroup.encode(), 0, 0, 0)
+        ret = self._limits_call("nvmlDeviceGetMemoryLimits_v1", gpu_uuid, limits)
+        if ret == pynvml.NVML_SUCCESS:
+            return int(limits.hardLimit)
+        if ret == pynvml.NVML_ERROR_NOT_FOUND:
+            return None
+        return ret if isinstance(ret, LimitOutcome) else _limit_outcome(ret)
+
+    def _memory_limits(self, gpu_uuid: str, cgroup: str, soft: int, hard: int) -> LimitOutcome:
+        limits = _SetMemoryLimits(cgroup.encode(), soft, hard)
+        ret = self._limits_call("nvmlDeviceSetMemoryLimits_v1", gpu_uuid, limits)
+        return ret if isinstance(ret, LimitOutcome) else _limit_outcome(ret)
+
+    def _limits_call(
+        self, function: str, gpu_uuid: str, limits: ctypes.Structure
+    ) -> int | LimitOutcome:
+        """NVML's return code for one per-cgroup limit call on a whole GPU, or why the call
+        could not be made."""
+        try:
+            handles = self._handles if self._handles is not None else self._reinit()
+        except NvmlError as exc:
+            return LimitOutcome(LimitResult.FAILED, str(exc))
+        handle = next((h for h in handles if h.uuid == gpu_uuid and h.parent_uuid is None), None)
+        if handle is None:
+            return LimitOutcome(LimitResult.FAILED, f"no GPU {gpu_uuid} in this NVML session")
+        try:
+            fn = pynvml._nvmlGetFunctionPointer(function)
+        except pynvml.NVMLError as exc:  # the symbol is missing: a driver before R615
+            return _code(exc)
+        return int(fn(handle.handle, ctypes.byref(limits)))
 
     def _reinit(self) -> list[_Handle]:
         now = self._clock()

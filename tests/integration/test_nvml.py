@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from enforcer.core.hard_limits import LimitOutcome, LimitResult
 from enforcer.core.model import GiB, ProcessKey, Sample, SourceDown
-from enforcer.edge.nvml import Nvml, NvmlLost, NvmlQueryError, NvmlUnavailable
+from enforcer.edge.nvml import MEMORY_LIMIT_MAX, Nvml, NvmlLost, NvmlQueryError, NvmlUnavailable
 from enforcer.edge.nvml_source import NvmlSource
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView, boot_ticks
@@ -367,3 +368,48 @@ def test_where_gpu_device_files_exist_a_charged_process_holds_one(
         for child in (holds, bystander):
             child.kill()
             child.wait()
+
+
+def test_memory_limits_set_read_and_clear(fake_nvml: Any, nvml: Nvml, cgroup2: Path) -> None:
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.write()
+    nvml.init()
+    gpu = fake_nvml.state.devices[0]["uuid"]
+    assert nvml.memory_limit(gpu, str(cgroup2)) is None
+    assert nvml.set_memory_limit(gpu, str(cgroup2), 4 * GiB) == LimitOutcome(LimitResult.SET)
+    assert nvml.memory_limit(gpu, str(cgroup2)) == 4 * GiB
+    assert [(r["cgroup"], r["soft"], r["hard"]) for r in fake_nvml.limit_records()] == [
+        (str(cgroup2), 0, 4 * GiB)
+    ]
+    assert nvml.clear_memory_limit(gpu, str(cgroup2)).result is LimitResult.SET
+    assert nvml.memory_limit(gpu, str(cgroup2)) is None
+    assert fake_nvml.limit_records()[-1]["hard"] == MEMORY_LIMIT_MAX
+
+
+@pytest.mark.parametrize(
+    ("driver_new", "inject", "target", "expected"),
+    [
+        (False, None, "cgroup", LimitResult.UNSUPPORTED),  # a driver before R615
+        (True, "FUNCTION_NOT_FOUND", "cgroup", LimitResult.UNSUPPORTED),  # its library
+        (True, "NO_PERMISSION", "cgroup", LimitResult.FORBIDDEN),
+        (True, None, "missing", LimitResult.NO_CGROUP),
+        (True, None, "too-much", LimitResult.REJECTED),
+        (True, "TIMEOUT", "cgroup", LimitResult.FAILED),
+    ],
+)
+def test_memory_limit_failures_are_values(
+    fake_nvml: Any, nvml: Nvml, cgroup2: Path, driver_new: bool, inject: str | None,
+    target: str, expected: LimitResult,
+) -> None:  # fmt: skip
+    fake_nvml.state.support_memory_limits(driver_new)
+    if inject:
+        fake_nvml.state.inject_error("nvmlDeviceSetMemoryLimits_v1", inject)
+    fake_nvml.write()
+    nvml.init()
+    gpu = fake_nvml.state.devices[0]["uuid"]
+    path = str(cgroup2 / "missing") if target == "missing" else str(cgroup2)
+    outcome = nvml.set_memory_limit(gpu, path, 81 * GiB if target == "too-much" else GiB)
+    assert outcome.result is expected
+    assert outcome.detail
+    assert fake_nvml.limit_records() == []
+    assert nvml.set_memory_limit("GPU-nope", str(cgroup2), GiB).result is LimitResult.FAILED

@@ -1,0 +1,166 @@
+"""Allocation-time limits (NVIDIA R615+ per-cgroup limits): which cgroup gets which limit on
+which GPU, and what each outcome means (pure).
+
+With a hard limit in place the driver refuses an allocation that would take the cgroup
+past it, so the offender sees an out-of-memory error it can handle, and its neighbours
+never see the overshoot. Sampling stays on as the backstop everywhere: the driver's limit
+is per GPU while ours is a sum over GPUs, and older drivers, MIG and cgroup v1 have none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from enum import StrEnum
+
+from enforcer.core.admission import Denied, declared_limits
+from enforcer.core.model import Device
+from enforcer.core.payloads import Pod
+from enforcer.core.pod import containers_by_id
+
+
+class LimitResult(StrEnum):
+    """What became of one limit on one GPU (NVML's return codes, in our terms)."""
+
+    SET = "set"
+    UNSUPPORTED = "unsupported"  # the driver or the GPU has no per-cgroup limits
+    FORBIDDEN = "forbidden"  # NVML's NO_PERMISSION: the caller is not root
+    NO_CGROUP = "no-cgroup"  # the driver cannot open the cgroup (gone, or not cgroup v2)
+    REJECTED = "rejected"  # NVML refused the values themselves
+    FAILED = "failed"  # anything else; worth another try later
+
+
+@dataclass(frozen=True, slots=True)
+class LimitOutcome:
+    result: LimitResult
+    detail: str = ""  # NVML's own words, for the log
+
+    @property
+    def final(self) -> bool:
+        """Whether this GPU (UNSUPPORTED) or this caller (FORBIDDEN) will never get hard
+        limits, so that trying again only repeats the failure until a restart."""
+        return self.result in (LimitResult.UNSUPPORTED, LimitResult.FORBIDDEN)
+
+
+def per_gpu(limit_bytes: int, devices: Sequence[Device]) -> dict[str, int]:
+    """The hard limit on each GPU: the unit's limit, capped at the GPU's memory (NVML
+    refuses a limit above it). MIG partitions and GPUs in MIG mode get none: NVML takes no
+    MIG handles."""
+    in_mig_mode = {d.parent_uuid for d in devices if d.parent_uuid}
+    return {
+        d.uuid: min(limit_bytes, d.total_bytes)
+        for d in devices
+        if d.parent_uuid is None and d.uuid not in in_mig_mode and d.total_bytes
+    }
+
+
+def mig_gpus(devices: Sequence[Device]) -> tuple[str, ...]:
+    """The GPUs in MIG mode, which no hard limit covers."""
+    return tuple(sorted({d.parent_uuid for d in devices if d.parent_uuid}))
+
+
+@dataclass(frozen=True, slots=True)
+class PodVram:
+    """What a pod declares, and which container ID each of its containers runs as now."""
+
+    uid: str
+    namespace: str
+    name: str
+    limits: Mapping[str, int]  # container name -> bytes, declaring containers only
+    ids: Mapping[str, str]  # container name -> container ID, from the pod's status
+
+    @property
+    def total(self) -> int:
+        """The pod's cap: the sum of its containers' limits (an upper bound on what they may
+        hold together, init containers included)."""
+        return sum(self.limits.values())
+
+
+def pod_vram(pod: Pod, resource: str, unit: int) -> PodVram | None:
+    """The pod's declared VRAM, or None when it declares none (or declares it in a way the
+    API server's validation would not have let through)."""
+    meta = pod.get("metadata") or {}
+    uid, namespace, name = meta.get("uid"), meta.get("namespace"), meta.get("name")
+    if not (isinstance(uid, str) and isinstance(namespace, str) and isinstance(name, str)):
+        return None
+    try:
+        limits = declared_limits(pod.get("spec") or {}, resource, unit)
+    except Denied:
+        return None
+    if not limits:
+        return None
+    ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
+    return PodVram(uid, namespace, name, limits, ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One cgroup to hold to a limit, proven to be the pod's (its directory names the pod's
+    UID) or the container's (it names the container ID the pod's status gives)."""
+
+    cgroup: str
+    namespace: str
+    pod: str
+    uid: str
+    container: str  # "" for the pod as a whole
+    limit_bytes: int
+
+
+def targets(
+    pods: Iterable[PodVram],
+    pod_dirs: Mapping[str, str],
+    container_dirs: Mapping[str, Mapping[str, str]],
+) -> dict[str, Target]:
+    """Cgroup path -> target: each pod's total on its pod cgroup as soon as that exists (it
+    does before any container starts), and each declaring container's limit on the
+    cgroup named after its current container ID, below that pod's cgroup."""
+    found: dict[str, Target] = {}
+    for p in pods:
+        pod_dir = pod_dirs.get(p.uid)
+        if pod_dir is None:
+            continue
+        found[pod_dir] = Target(pod_dir, p.namespace, p.name, p.uid, "", p.total)
+        dirs = container_dirs.get(p.uid, {})
+        for name, limit in p.limits.items():
+            path = dirs.get(p.ids.get(name, ""))
+            if path is not None:
+                found[path] = Target(path, p.namespace, p.name, p.uid, name, limit)
+    return found
+
+
+Key = tuple[str, str]  # (cgroup path, GPU UUID)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    set: tuple[tuple[Target, str, int], ...]  # (target, GPU, bytes) to set
+    clear: tuple[Key, ...]  # ours, no longer wanted, the cgroup still there
+    forget: tuple[Key, ...]  # ours, but the cgroup is gone and the limit with it
+
+
+def plan(
+    wanted: Mapping[str, Target],
+    devices: Sequence[Device],
+    applied: Mapping[Key, int],
+    existing: AbstractSet[str],
+    rejected: AbstractSet[tuple[str, str, int]] = frozenset(),
+) -> Plan:
+    """What to change so that exactly the wanted limits hold, touching only limits that we
+    set ourselves (`applied`). A value NVML rejected is not tried again until it changes."""
+    desired = {
+        (t.cgroup, gpu): limit
+        for t in wanted.values()
+        for gpu, limit in per_gpu(t.limit_bytes, devices).items()
+    }
+    to_set = tuple(
+        (wanted[cgroup], gpu, limit)
+        for (cgroup, gpu), limit in desired.items()
+        if applied.get((cgroup, gpu)) != limit and (cgroup, gpu, limit) not in rejected
+    )
+    gone = [key for key in applied if key not in desired]
+    return Plan(
+        to_set,
+        tuple(key for key in gone if key[0] in existing),
+        tuple(key for key in gone if key[0] not in existing),
+    )

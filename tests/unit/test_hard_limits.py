@@ -1,0 +1,83 @@
+"""Which cgroup gets which hard limit on which GPU, and what changes when pods come and go."""
+
+from typing import Any
+
+from enforcer.core.hard_limits import PodVram, Target, per_gpu, plan, pod_vram, targets
+from enforcer.core.model import Device, GiB
+
+A, B = "a" * 64, "b" * 64
+UID = "6b5ab4a6-3e21-4b5d-9a5f-2b1c9d6e4f7a"
+H100 = Device(0, "GPU-0", "H100", 80 * GiB, 0)
+L4 = Device(1, "GPU-1", "L4", 24 * GiB, 0)
+A100 = Device(2, "GPU-2", "A100", 40 * GiB, 0)
+MIG = Device(2, "MIG-2a", "1g.5gb", 5 * GiB, 0, parent_uuid="GPU-2")
+
+
+def test_a_limit_is_capped_at_each_gpus_memory_and_mig_gets_none() -> None:
+    assert per_gpu(32 * GiB, [H100, L4]) == {"GPU-0": 32 * GiB, "GPU-1": 24 * GiB}
+    assert per_gpu(GiB, [H100, A100, MIG]) == {"GPU-0": GiB}  # GPU-2 is in MIG mode
+    assert per_gpu(GiB, [Device(3, "GPU-3", "?", None, None)]) == {}  # size unknown
+
+
+def pod(**status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"uid": UID, "namespace": "ml", "name": "train"},
+        "spec": {
+            "initContainers": [{"name": "fetch", "resources": {"limits": {"vram-enforcer.io/vram": "1Gi"}}}],
+            "containers": [
+                {"name": "trainer", "resources": {"limits": {"vram-enforcer.io/vram": "8Gi"}}},
+                {"name": "vram-enforcer"},
+            ],
+        },
+        "status": status,
+    }  # fmt: skip
+
+
+def test_a_pods_declaration_and_current_container_ids() -> None:
+    running = {"containerStatuses": [{"name": "trainer", "containerID": f"containerd://{A}"}]}
+    got = pod_vram(pod(**running), "vram-enforcer.io/vram", 1)
+    assert got == PodVram(UID, "ml", "train", {"fetch": GiB, "trainer": 8 * GiB}, {"trainer": A})
+    assert got is not None and got.total == 9 * GiB
+    assert pod_vram(pod(), "example.com/other", 1) is None  # declares nothing of ours
+    assert pod_vram({"spec": pod()["spec"]}, "vram-enforcer.io/vram", 1) is None  # no uid
+
+
+def test_targets_are_the_pod_cgroup_and_the_cgroups_named_by_its_status() -> None:
+    p = PodVram(UID, "ml", "train", {"trainer": 8 * GiB, "fetch": GiB}, {"trainer": A})
+    # Before the pod's cgroup exists, nothing; then the pod's total at once.
+    assert targets([p], {}, {}) == {}
+    assert targets([p], {UID: "/k/pod"}, {}) == {
+        "/k/pod": Target("/k/pod", "ml", "train", UID, "", 9 * GiB)
+    }
+    # A container's cgroup counts only under the ID that the pod's status gives it: the
+    # directory of another ID (a restart the status does not show yet) gets nothing.
+    found = targets([p], {UID: "/k/pod"}, {UID: {A: "/k/pod/a", B: "/k/pod/b"}})
+    assert found["/k/pod/a"] == Target("/k/pod/a", "ml", "train", UID, "trainer", 8 * GiB)
+    assert set(found) == {"/k/pod", "/k/pod/a"}
+    # A directory named after the container ID under another pod proves nothing.
+    assert set(targets([p], {UID: "/k/pod"}, {"other-uid": {A: "/k/x/a"}})) == {"/k/pod"}
+
+
+def test_plan_sets_what_differs_and_clears_only_its_own_limits() -> None:
+    pod_t = Target("/k/pod", "ml", "train", UID, "", 9 * GiB)
+    box = Target("/k/pod/a", "ml", "train", UID, "trainer", 8 * GiB)
+    wanted = {t.cgroup: t for t in (pod_t, box)}
+    first = plan(wanted, [H100, L4], {}, {"/k/pod", "/k/pod/a"})
+    assert sorted((t.cgroup, gpu, b) for t, gpu, b in first.set) == [
+        ("/k/pod", "GPU-0", 9 * GiB), ("/k/pod", "GPU-1", 9 * GiB),
+        ("/k/pod/a", "GPU-0", 8 * GiB), ("/k/pod/a", "GPU-1", 8 * GiB),
+    ]  # fmt: skip
+    applied = {(t.cgroup, gpu): b for t, gpu, b in first.set}
+    assert plan(wanted, [H100, L4], applied, {"/k/pod", "/k/pod/a"}).set == ()
+    # The container restarted: its old cgroup is gone (forget), the pod went on (nothing).
+    after = plan({"/k/pod": pod_t}, [H100, L4], applied, {"/k/pod"})
+    assert (after.set, after.clear) == ((), ())
+    assert sorted(after.forget) == [("/k/pod/a", "GPU-0"), ("/k/pod/a", "GPU-1")]
+    # The pod left the node while its cgroup lingers: our limits are cleared, and only ours.
+    gone = plan({}, [H100], {("/k/pod", "GPU-0"): 9 * GiB}, {"/k/pod", "/k/other"})
+    assert gone.clear == (("/k/pod", "GPU-0"),) and gone.forget == ()
+    # A value NVML rejected is not sent again; a new value is.
+    rejected = {("/k/pod", "GPU-0", 9 * GiB)}
+    assert plan({"/k/pod": pod_t}, [H100], {}, {"/k/pod"}, rejected).set == ()
+    bigger = Target("/k/pod", "ml", "train", UID, "", 10 * GiB)
+    assert len(plan({"/k/pod": bigger}, [H100], {}, {"/k/pod"}, rejected).set) == 1
