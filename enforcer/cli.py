@@ -37,6 +37,13 @@ how it works:
   process is only signalled after its pid, start time and membership in the command's
   tree were verified, through a pidfd.
 
+hard limits (--hard-limits auto):
+  Where the NVIDIA driver can (R615 and newer, cgroup v2, run as root), the command starts
+  in a cgroup of its own that the driver holds to the limit on every GPU (capped at each
+  GPU's memory): an allocation past it fails with out-of-memory in the program, before any
+  neighbour is affected. Sampling goes on as above, for the sum over GPUs. Elsewhere one
+  line says why there is no hard limit, and sampling alone enforces.
+
 processes that outlive the command:
   A process the command started and left running (a double fork, `cmd &`) is re-parented
   to vram-enforcer and stays under the limit: vram-enforcer keeps running until the last
@@ -49,7 +56,8 @@ signals:
 
 exit status:
   the command's own status, or 128+N if it was killed by signal N;
-  2 if the enforcer could not start (bad flags, no NVML, wrong PID namespace);
+  2 if the enforcer could not start (bad flags, no NVML, wrong PID namespace, or no
+    hard limit with --hard-limits required);
   126/127 if the command could not be run / was not found.
 """
 

@@ -1,13 +1,21 @@
 """Fixtures shared by the whole suite."""
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from tests.helpers import scratch_cgroup
 
 pytest_plugins = ["tests.fakenvml.plugin"]
+
+# CI runs the same examples every time, so that a result never depends on luck; a run on a
+# developer's machine explores new ones (and hypothesis keeps any failure it finds).
+settings.register_profile("ci", derandomize=True, deadline=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture

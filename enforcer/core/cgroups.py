@@ -68,9 +68,10 @@ def container_id(entries: Sequence[CgroupEntry]) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
-def status_container_id(value: str | None) -> str | None:
-    """`containerd://<id>` (or `cri-o://`, `docker://`) from a containerStatus, as a bare ID."""
-    match = _STATUS_ID.match(value or "")
+def status_container_id(value: object) -> str | None:
+    """`containerd://<id>` (or `cri-o://`, `docker://`) from a containerStatus, as a bare ID;
+    None for anything else, of any type."""
+    match = _STATUS_ID.match(value) if isinstance(value, str) else None
     return match[1] if match else None
 
 

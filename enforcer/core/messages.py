@@ -6,6 +6,9 @@ way. Each sentence answers: who, how much of what limit, and what was (or was no
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
+from enforcer.core.hard_limits import LimitOutcome, LimitResult
 from enforcer.core.model import Action, ProcessTotal, SignalResult, UnitUsage, format_bytes
 from enforcer.core.parsing import format_duration
 from enforcer.core.policy import Enforcement, Notice, Reason
@@ -96,3 +99,42 @@ def metrics_unavailable(detail: str) -> str:
 
 def source_up() -> str:
     return "VRAM usage can be observed again; enforcement resumed"
+
+
+def no_hard_limit(outcome: LimitOutcome, driver_version: str, cgroup: str) -> str:
+    """Why a cgroup got no hard limit, in words a person can act on."""
+    detail = f" ({outcome.detail})" if outcome.detail else ""
+    if outcome.result is LimitResult.UNSUPPORTED:
+        return (
+            f"the NVIDIA driver {driver_version or '(unknown version)'} cannot hold a cgroup to a "
+            f"GPU memory limit{detail}; drivers from R615 can"
+        )
+    if outcome.result is LimitResult.FORBIDDEN:
+        return f"NVML refused to set GPU memory limits{detail}: that needs root"
+    if outcome.result is LimitResult.NO_CGROUP:
+        return f"the NVIDIA driver cannot open the cgroup {cgroup}{detail}"
+    if outcome.result is LimitResult.REJECTED:
+        return f"NVML rejected the limit for {cgroup}{detail}"
+    return f"setting the GPU memory limit on {cgroup} failed{detail}"
+
+
+def mig_without_hard_limit(gpus: Sequence[str]) -> str:
+    return f"{', '.join(gpus)} in MIG mode, where NVML sets no per-cgroup limits"
+
+
+def sampling_only(reason: str, interval: float) -> str:
+    """`exec`'s line when it falls back, and the sidecar pod's Event on such a node."""
+    return (
+        f"no hard limit: {reason}. The limit is enforced by sampling every "
+        f"{format_duration(interval)}: an allocation past it succeeds, and the offender is "
+        "stopped within one interval"
+    )
+
+
+def hard_limit_in_place(label: str, limits: Mapping[str, int]) -> str:
+    """`hard limit in place: the command tree may allocate at most 4.00 GiB on GPU-a, ...`."""
+    per_gpu = ", ".join(f"{format_bytes(b)} on {gpu}" for gpu, b in limits.items())
+    return (
+        f"hard limit in place: {label} may allocate at most {per_gpu}; the driver refuses an "
+        "allocation past it (out of memory), and sampling checks the sum over GPUs"
+    )

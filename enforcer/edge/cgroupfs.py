@@ -126,6 +126,64 @@ def exists(path: Path) -> bool:
     return (path / _CONTROLLERS).exists()
 
 
+class CommandCgroup:
+    """`exec`'s cgroups: `<its own>/vram-enforcer-<pid>/command`, where the command and all
+    its descendants live and which carries the hard limits, and `.../enforcer`, where exec
+    itself waits. They are apart because a cgroup v2 that hands a controller (`dmem`) to
+    its children may hold no processes of its own, and because exec's own NVML session
+    must not count against the command's limit.
+    """
+
+    def __init__(self, parent: Path) -> None:
+        self.parent = parent
+        self.top = parent / f"vram-enforcer-{os.getpid()}"
+        self.command = self.top / "command"
+        self.enforcer = self.top / "enforcer"
+
+    @classmethod
+    def create(cls) -> CommandCgroup:
+        """Make the cgroups below this process's own; raises CgroupFsError."""
+        made = cls(own_dir())
+        made.remove_stale()
+        create(made.top)
+        try:
+            create(made.command)
+            create(made.enforcer)
+        except CgroupFsError:
+            made.close()
+            raise
+        if "dmem" in controllers(made.top):  # the kernel's device-memory controller, >= 6.14
+            enable(made.top, "dmem")
+        return made
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """While inside, this process is in `command`, so that a child it spawns starts
+        there, under the limits, before its first instruction; afterwards in `enforcer`."""
+        move(os.getpid(), self.command)
+        try:
+            yield
+        finally:
+            move(os.getpid(), self.enforcer)
+
+    def remove_stale(self) -> None:
+        """Remove what an `exec` that was killed (SIGKILL) left behind, once empty: only
+        a removed cgroup releases its limits, and only an empty one can be removed."""
+        for old in self.parent.glob("vram-enforcer-*"):
+            pid = old.name.rpartition("-")[2]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                for path in (old / "command", old / "enforcer", old):
+                    remove(path)
+
+    def close(self) -> bool:
+        """Go back to the original cgroup and remove ours (and with them the limits);
+        False when the command's cgroup still holds processes and was left in place."""
+        with contextlib.suppress(CgroupFsError):
+            move(os.getpid(), self.parent)
+        removed = [remove(p) for p in (self.command, self.enforcer, self.top)]
+        return all(removed)
+
+
 @dataclass(slots=True)
 class PodDirs:
     """The kubelet's cgroups under a root: each pod's directory by pod UID, and within it,

@@ -115,6 +115,16 @@ def _unexpected_errors(registry: CollectorRegistry) -> Counter:
     )
 
 
+def hard_limit_gauge(labels: list[str], registry: CollectorRegistry) -> Gauge:
+    return Gauge(
+        PREFIX + "hard_limit_bytes",
+        "The GPU memory limit the driver holds a cgroup to on a GPU, refusing allocations "
+        "past it (bytes); absent where sampling alone enforces",
+        labels,
+        registry=registry,
+    )
+
+
 class Telemetry:
     """The registry of one long-running mode and the metrics every mode shares."""
 
@@ -141,6 +151,7 @@ class Telemetry:
             ["reason"],
             registry=self.registry,
         )
+        self.hard_limits = hard_limit_gauge([unit_label, "gpu"], self.registry)
         self.tick_duration = Histogram(
             PREFIX + "tick_duration_seconds",
             "Wall time of one enforcement tick (sample, attribute, decide, act, report)",

@@ -16,11 +16,15 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+from enforcer.core import messages
 from enforcer.core.attribution import attribute
+from enforcer.core.hard_limits import LimitOutcome, LimitResult, mig_gpus, per_gpu
 from enforcer.core.model import ProcessKey, Sample, UnitUsage, format_bytes
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge import logs
+from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup
 from enforcer.edge.metrics import MetricsPortError, Telemetry, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix
@@ -172,7 +176,9 @@ def run(settings: ExecSettings) -> int:
             return EXIT_USAGE
         try:
             _set_child_subreaper()
-            return _supervise(settings, NvmlSource(nvml, view, gpu_device_prefix()))
+            source = NvmlSource(nvml, view, gpu_device_prefix())
+            with _hard_limits(settings, nvml) as placed:
+                return _supervise(settings, source, placed)
         except (StartupError, MetricsPortError) as exc:
             log.error("%s", exc, exc_info=logs.detail(exc))
             return EXIT_USAGE
@@ -180,9 +186,71 @@ def run(settings: ExecSettings) -> int:
             nvml.shutdown()
 
 
-def _supervise(settings: ExecSettings, source: NvmlSource) -> int:
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """The command's cgroup, and the hard limit the driver holds it to on each GPU."""
+
+    cgroup: CommandCgroup
+    limits: dict[str, int]
+
+
+@contextlib.contextmanager
+def _hard_limits(settings: ExecSettings, nvml: Nvml) -> Iterator[_Placed | None]:
+    """A cgroup for the command, held to the limit on every GPU where the driver can, or
+    None where it cannot (said once, unless --hard-limits off); removed afterwards."""
+    placed, missing = (None, "") if settings.hard_limits == "off" else _place(settings, nvml)
+    if missing and settings.hard_limits == "required":
+        if placed is not None:
+            placed.cgroup.close()
+        raise StartupError(f"--hard-limits required, but there is no hard limit: {missing}")
+    if missing:
+        log.warning("%s", messages.sampling_only(missing, settings.interval))
+    try:
+        yield placed
+    finally:
+        if placed is not None and not placed.cgroup.close():
+            log.warning("left the cgroup %s in place: it still holds processes of the command",
+                        placed.cgroup.command)  # fmt: skip
+
+
+def _place(settings: ExecSettings, nvml: Nvml) -> tuple[_Placed | None, str]:
+    """The command's cgroup and its limits, and why some or all GPUs have none ("")."""
+    try:
+        devices = nvml.snapshot().devices
+    except NvmlError as exc:
+        return None, f"the GPUs could not be listed ({exc})"
+    wanted = per_gpu(settings.limit_bytes, devices)
+    mig = messages.mig_without_hard_limit(mig_gpus(devices)) if mig_gpus(devices) else ""
+    if not wanted:
+        return None, mig or "NVML reports no GPU memory to limit"
+    try:
+        cgroup = CommandCgroup.create()
+    except CgroupFsError as exc:
+        return None, str(exc)
+    outcomes = {
+        gpu: nvml.set_memory_limit(gpu, str(cgroup.command), b) for gpu, b in wanted.items()
+    }
+    limits = {gpu: wanted[gpu] for gpu, o in outcomes.items() if o.result is LimitResult.SET}
+    failed = {gpu: o for gpu, o in outcomes.items() if o.result is not LimitResult.SET}
+    why = [_why(o, nvml, cgroup, gpu if limits else None) for gpu, o in failed.items()]
+    missing = "; ".join(dict.fromkeys([*why, mig] if mig else why))
+    if not limits:
+        cgroup.close()
+        return None, missing
+    log.info("%s", messages.hard_limit_in_place("the command tree", limits))
+    return _Placed(cgroup, limits), missing
+
+
+def _why(outcome: LimitOutcome, nvml: Nvml, cgroup: CommandCgroup, gpu: str | None) -> str:
+    reason = messages.no_hard_limit(outcome, nvml.driver_version, str(cgroup.command))
+    return f"{gpu}: {reason}" if gpu else reason
+
+
+def _supervise(settings: ExecSettings, source: NvmlSource, placed: _Placed | None) -> int:
     procfs = ProcFs()
     telemetry = Telemetry({}, unit_label="container")
+    for gpu, limit in (placed.limits if placed else {}).items():
+        telemetry.hard_limits.labels(settings.name, gpu).set(limit)
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
     pipeline = Pipeline(
         source,
@@ -195,7 +263,10 @@ def _supervise(settings: ExecSettings, source: NvmlSource) -> int:
     server = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
     try:
         try:
-            child = _spawn(settings.command)
+            with placed.cgroup.entered() if placed else contextlib.nullcontext():
+                child = _spawn(settings.command)
+        except CgroupFsError as exc:
+            raise StartupError(str(exc)) from exc
         except _SpawnError as exc:
             log.error("%s", exc)
             return exc.status

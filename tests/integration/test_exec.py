@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.utils import floatToGoString
 
 from enforcer.core.model import GiB
+from enforcer.edge.cgroupfs import v2_root
 from tests.helpers import free_port, reuse_pid, wait_for
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -70,7 +71,7 @@ class Run:
         with (self.tmp / "exec.stderr").open("w") as stderr:
             self.proc = subprocess.Popen(cmd, env=env, stderr=stderr, text=True)
 
-    def worker(self, role: str = "main") -> dict[str, int]:
+    def worker(self, role: str = "main") -> dict[str, Any]:
         path = self.report.with_name(f"{self.report.name}.{role}")
         return wait_for(
             lambda: path.exists() and json.loads(path.read_text()), what=f"{role} to start"
@@ -114,11 +115,21 @@ class Run:
 def run(fake_nvml: Any, tmp_path: Path) -> Iterator[Run]:
     r = Run(fake_nvml, tmp_path)
     yield r
-    r.release()
-    for p in [r.proc, *r.extra]:
-        if p is not None and p.poll() is None:
-            p.kill()
-            p.wait()
+    for p in r.extra:  # the test's own helpers, outside exec's tree
+        p.kill()
+        p.wait()
+    r.release()  # a worker that is still waiting exits, and exec after it, cleaning up
+    if r.proc is not None:
+        try:
+            r.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            r.proc.kill()
+            r.proc.wait()
+    if r.proc is not None and (root := v2_root()) is not None:
+        for left in root.rglob(f"vram-enforcer-{r.proc.pid}"):  # exec was killed: tidy up
+            for path in (left / "command", left / "enforcer", left):
+                wait_for(lambda path=path: not (path / "cgroup.procs").read_text().strip())
+                path.rmdir()
 
 
 def alive(pid: int) -> bool:
@@ -137,7 +148,9 @@ def test_a_compliant_command_runs_to_its_own_exit_status(run: Run) -> None:
     run.saw(1 * GiB)
     run.release()
     assert run.wait() == 3, run.stderr
-    assert run.stderr == ""
+    # The fake's default driver (550) has no hard limits: the one line that says so, no more.
+    (line,) = run.stderr.splitlines()
+    assert line.startswith("vram-enforcer: warning: no hard limit: the NVIDIA driver 550.54.15")
 
 
 def test_the_exit_is_seen_while_nvml_is_busy(run: Run) -> None:
@@ -558,3 +571,102 @@ def test_in_a_pid_namespace_with_the_host_proc_it_translates_and_enforces(
     run.use(w["host_pid"], 2 * GiB)
     assert run.wait() == 128 + signal.SIGTERM, run.stderr
     assert f"sent SIGTERM to pid {w['pid']} " in run.stderr
+
+
+needs_cgroup2 = pytest.mark.skipif(
+    v2_root() is None or os.geteuid() != 0, reason="needs root and a cgroup v2 hierarchy"
+)
+
+
+@needs_cgroup2
+def test_the_command_starts_in_a_cgroup_already_held_to_the_limit(run: Run) -> None:
+    run.gpu.state.support_memory_limits()
+    small = run.gpu.state.add_device(total_bytes=2 * GiB)
+    run.gpu.write()
+    run.start("--limit", "4Gi", "-v", worker=("--spawn", "orphan"))
+    w = run.worker()
+    assert run.proc is not None
+    assert w["cgroup"].endswith(f"/vram-enforcer-{run.proc.pid}/command")
+    cgroup = v2_root() / w["cgroup"].lstrip("/")  # type: ignore[operator]
+    # The worker read the fake driver's records as its first step: the limits were there.
+    held = {(r["device"], r["hard"]) for r in w["limits"]
+            if r["cgroup"] == str(cgroup) and r["inode"] == cgroup.stat().st_ino}  # fmt: skip
+    gpu0 = run.gpu.state.devices[0]["uuid"]
+    assert held == {(gpu0, 4 * GiB), (small["uuid"], 2 * GiB)}  # capped at the GPU's memory
+    assert run.worker("orphan")["cgroup"] == w["cgroup"]  # a double fork stays in it too
+    metric = (
+        f'vram_enforcer_hard_limit_bytes{{container="{run.name}",gpu="{gpu0}"}} 4.294967296e+09'
+    )
+    wait_for(lambda: metric in run.metrics(), what="the hard-limit metric")
+    # Sampling goes on as the backstop: the sum over GPUs is still enforced.
+    run.use(w["pid"], 5 * GiB)
+    run.logged(f"sent SIGTERM to pid {w['pid']}")
+    run.release()
+    assert run.wait() == 128 + signal.SIGTERM
+    assert "hard limit in place: the command tree may allocate at most 4.00 GiB on" in run.stderr
+    assert "no hard limit" not in run.stderr
+    assert not cgroup.parent.exists()  # removed, and the limits with it
+
+
+@needs_cgroup2
+def test_a_gpu_in_mig_mode_gets_no_hard_limit_and_says_so(run: Run) -> None:
+    run.gpu.state.support_memory_limits()
+    mig = run.gpu.state.add_device()
+    run.gpu.state.enable_mig(1, [{"uuid": "MIG-x", "total_bytes": 10 * GiB}])
+    run.gpu.write()
+    run.start("--limit", "4Gi")
+    w = run.worker()
+    run.release()
+    assert run.wait() == 0, run.stderr
+    assert [r["device"] for r in w["limits"]] == [run.gpu.state.devices[0]["uuid"]]
+    (line,) = run.stderr.splitlines()
+    assert f"no hard limit: {mig['uuid']} in MIG mode" in line
+
+
+def test_hard_limits_off_is_silent_and_required_refuses_without_them(run: Run) -> None:
+    run.start("--limit", "4Gi", "--hard-limits", "off", worker=("--exit", "3"))
+    run.worker()
+    run.release()
+    assert run.wait() == 3
+    assert run.stderr == ""
+    run.report.with_name(run.report.name + ".main").unlink()
+    run.start("--limit", "4Gi", "--hard-limits", "required")
+    assert run.wait() == 2
+    assert (
+        "--hard-limits required, but there is no hard limit: the NVIDIA driver 550.54.15"
+        in run.stderr
+    )
+    assert not run.report.with_name(run.report.name + ".main").exists()  # never started
+
+
+@needs_cgroup2
+def test_without_permission_to_set_limits_it_falls_back_and_still_enforces(run: Run) -> None:
+    run.gpu.state.support_memory_limits()
+    run.gpu.state.inject_error("nvmlDeviceSetMemoryLimits_v1", "NO_PERMISSION")
+    run.gpu.write()
+    run.start("--limit", "4Gi")
+    w = run.worker()
+    assert w["cgroup"] == "/" or "vram-enforcer-" not in w["cgroup"]  # not moved: no point
+    run.use(w["pid"], 5 * GiB)
+    assert run.wait() == 128 + signal.SIGTERM
+    assert (
+        "no hard limit: NVML refused to set GPU memory limits (Insufficient Permissions): that needs root"
+        in run.stderr
+    )
+
+
+@needs_cgroup2
+def test_what_a_killed_exec_left_behind_is_removed_once_empty(run: Run) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    own = v2_root() / Path(
+        Path("/proc/self/cgroup").read_text().split("0::")[1].strip()
+    ).relative_to("/")  # type: ignore[operator]
+    stale = own / f"vram-enforcer-{gone.pid}"
+    (stale / "command").mkdir(parents=True)
+    (stale / "enforcer").mkdir()
+    run.gpu.state.support_memory_limits()
+    run.gpu.write()
+    run.start("--limit", "4Gi")
+    run.worker()
+    assert not stale.exists()

@@ -16,8 +16,24 @@ import time
 from pathlib import Path
 
 
+def limits_at_start() -> tuple[str, list[dict[str, object]]]:
+    """This process's cgroup v2 path, and the per-cgroup limits the fake NVML holds as its
+    first instruction runs: a hard limit set "before the command runs" is already here."""
+    cgroup = next(
+        (line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines()
+         if line.startswith("0::")), "",
+    )  # fmt: skip
+    records = Path(os.environ.get("FAKE_NVML_STATE", "/nonexistent") + ".limits.jsonl")
+    found = records.read_text().splitlines() if records.exists() else []
+    return cgroup, [json.loads(line) for line in found]
+
+
+STARTED_IN = limits_at_start()
+
+
 def report(path: Path, role: str, host_proc: str | None) -> None:
-    entry = {"role": role, "pid": os.getpid(), "ppid": os.getppid()}
+    entry = {"role": role, "pid": os.getpid(), "ppid": os.getppid(), "cgroup": STARTED_IN[0],
+             "limits": STARTED_IN[1]}  # fmt: skip
     if host_proc:
         entry["host_pid"] = int(os.readlink(f"{host_proc}/self"))
     tmp = path.with_name(f".{path.name}.{os.getpid()}")

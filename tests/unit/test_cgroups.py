@@ -69,6 +69,8 @@ def test_status_container_ids() -> None:
     assert status_container_id("") is None
     assert status_container_id(None) is None
     assert status_container_id(f"containerd://{A[:20]}") is None
+    assert status_container_id(True) is None  # a status of the wrong shape (found by hypothesis)
+    assert status_container_id(["x"]) is None
 
 
 @pytest.mark.parametrize(

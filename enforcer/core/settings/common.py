@@ -158,6 +158,19 @@ def dry_run(doc: str) -> Setting[bool]:
     )
 
 
+def hard_limits(choices: tuple[str, ...], doc: str) -> Setting[str]:
+    return value(
+        "hard_limits",
+        choice(*choices),
+        "per-cgroup GPU memory limits, so that the driver refuses allocations past the "
+        "limit (NVIDIA R615+, cgroup v2, root); sampling stays on as the backstop",
+        flag="--hard-limits",
+        default="auto",
+        metavar="|".join(choices),
+        doc=doc,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class PolicySettings:
     """A mode's own declarations of the policy settings (their help and variables differ

@@ -15,6 +15,7 @@ from enforcer.core.settings.common import (
     action,
     dry_run,
     grace_period,
+    hard_limits,
     interval,
     log_format,
     metrics_address,
@@ -77,6 +78,12 @@ HOST_PROC = value(
     doc="the host's `/proc`, mounted read-only. Needed when running in a PID namespace "
     "without `--pid=host`",
 )
+HARD_LIMITS = hard_limits(
+    ("auto", "off", "required"),
+    "`auto`: put CMD in a cgroup of its own with the limit on every GPU where the driver "
+    "can (R615+, cgroup v2, root), else say why once and enforce by sampling alone. "
+    "`required`: refuse to start without them. `off`: sampling alone",
+)
 LOG_FORMAT = log_format("text")
 VERBOSE = verbosity("warnings only")
 
@@ -92,6 +99,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     METRICS_PORT,
     METRICS_ADDRESS,
     HOST_PROC,
+    HARD_LIMITS,
     LOG_FORMAT,
     VERBOSE,
 )
@@ -109,6 +117,7 @@ class ExecSettings:
     metrics_port: int | None = None
     metrics_address: str = "127.0.0.1"
     host_proc: str | None = None
+    hard_limits: str = "auto"  # auto, off or required
 
 
 def exec_settings(values: Values, command: list[str]) -> ExecSettings:
@@ -128,4 +137,5 @@ def exec_settings(values: Values, command: list[str]) -> ExecSettings:
         metrics_port=values[METRICS_PORT],
         metrics_address=values[METRICS_ADDRESS],
         host_proc=values[HOST_PROC],
+        hard_limits=values[HARD_LIMITS],
     )
