@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from enforcer.core.cgroups import status_container_id
-from enforcer.core.payloads import Pod
+from enforcer.core.payloads import ObjectReference, Pod
 
 _STATUS_FIELDS = (
     ("initContainerStatuses", "initContainers"),
@@ -31,6 +31,18 @@ class ContainerRef:
     @property
     def field_path(self) -> str:
         return f"spec.{self.spec_field}{{{self.name}}}"
+
+
+def pod_reference(
+    namespace: str, name: str, uid: str, container: ContainerRef | None = None
+) -> ObjectReference:
+    """What an Event is about: the pod, or one of its containers (fieldPath)."""
+    ref: ObjectReference = {
+        "apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": name, "uid": uid,
+    }  # fmt: skip
+    if container is not None:
+        ref["fieldPath"] = container.field_path
+    return ref
 
 
 def containers_by_id(pod: Pod) -> dict[str, ContainerRef]:

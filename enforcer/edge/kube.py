@@ -353,13 +353,13 @@ class _Sent:
 
 
 class EventRecorder(threading.Thread):
-    """Kubernetes Events for one pod, aggregated like client-go's recorder, never blocking.
+    """Kubernetes Events, aggregated like client-go's recorder, never blocking.
 
     `record()` only queues. A background thread creates the Event, or, for a repeat (same
-    reason, type and container) within ten minutes, patches its count, lastTimestamp and
-    message, so `kubectl describe pod` shows "(x3 over 2m)" with the latest numbers.
-    Failures are retried with backoff, counted, and at worst dropped: an Event is helpful
-    but auxiliary, and must never delay a kill.
+    object, container, reason and type) within ten minutes, patches its count,
+    lastTimestamp and message, so `kubectl describe pod` shows "(x3 over 2m)" with the
+    latest numbers. Failures are retried with backoff, counted, and at worst dropped: an
+    Event is helpful but auxiliary, and must never delay a kill.
     """
 
     WINDOW = 600.0
@@ -367,30 +367,27 @@ class EventRecorder(threading.Thread):
     def __init__(
         self,
         api: client.ApiClient,
-        namespace: str,
-        pod_name: str,
-        pod_uid: str,
+        instance: str,
         host: str,
         failures: Any,
         deadline: float = 30.0,
     ) -> None:
         super().__init__(name="event-recorder", daemon=True)
         self._api = api
-        self._namespace = namespace
-        self._pod = pod_name
-        self._uid = pod_uid
+        self._instance = instance  # reportingInstance: the sidecar's pod, the agent's node
         self._host = host
         self._failures = failures
         self._deadline = deadline
-        self._queue: queue.Queue[tuple[str, str, bool, str | None] | None] = queue.Queue(
+        self._queue: queue.Queue[tuple[ObjectReference, str, str, bool] | None] = queue.Queue(
             maxsize=1000
         )
-        self._sent: dict[tuple[str, str | None, bool], _Sent] = {}
+        self._sent: dict[tuple[str, str, str, bool], _Sent] = {}
         self._forbidden_logged = False
 
-    def record(self, reason: str, message: str, warning: bool, field_path: str | None) -> None:
+    def record(self, about: ObjectReference, reason: str, message: str, warning: bool) -> None:
+        """Queue an Event about `about` (a pod, with a fieldPath for one of its containers)."""
         try:
-            self._queue.put_nowait((reason, message, warning, field_path))
+            self._queue.put_nowait((about, reason, message, warning))
         except queue.Full:
             self._failures.labels("dropped").inc()
 
@@ -413,10 +410,11 @@ class EventRecorder(threading.Thread):
                 self._failures.labels("api").inc()
                 log.warning("an Event was not posted: %s", exc, exc_info=logs.detail(exc))
 
-    def _send(self, reason: str, message: str, warning: bool, field_path: str | None) -> None:
+    def _send(self, about: ObjectReference, reason: str, message: str, warning: bool) -> None:
         now = time.time()
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
-        key = (reason, field_path, warning)
+        namespace = about.get("namespace", "")
+        key = (about.get("uid", ""), about.get("fieldPath", ""), reason, warning)
         sent = self._sent.get(key)
         if sent is not None and now - sent.at < self.WINDOW:
             sent.count += 1
@@ -427,38 +425,31 @@ class EventRecorder(threading.Thread):
             ]
             try:
                 call(self._api, "PATCH", EVENTS + "/{name}", "events", body=ops,
-                     params={"namespace": self._namespace, "name": sent.name},
+                     params={"namespace": namespace, "name": sent.name},
                      deadline=self._deadline)  # fmt: skip
             except KubeError:
                 del self._sent[key]  # the Event is gone (expired, deleted): start a new one
             else:
                 sent.at = now
                 return
-        involved: ObjectReference = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "namespace": self._namespace,
-            "name": self._pod,
-            "uid": self._uid,
-        }
-        if field_path:
-            involved["fieldPath"] = field_path
         body: Event = {
-            "metadata": {"generateName": f"{self._pod}.", "namespace": self._namespace},
-            "involvedObject": involved,
+            "metadata": {
+                "generateName": f"{about.get('name', COMPONENT)}.",
+                "namespace": namespace,
+            },
+            "involvedObject": about,
             "reason": reason,
             "message": message[:1024],
             "type": "Warning" if warning else "Normal",
             "source": {"component": COMPONENT, "host": self._host},
             "reportingComponent": COMPONENT,
-            "reportingInstance": self._pod,
+            "reportingInstance": self._instance,
             "firstTimestamp": stamp,
             "lastTimestamp": stamp,
             "count": 1,
         }
-        where = {"namespace": self._namespace}
-        created: Event = call(self._api, "POST", EVENTS, "events", body=body, params=where,
-                              deadline=self._deadline)  # fmt: skip
+        created: Event = call(self._api, "POST", EVENTS, "events", body=body,
+                              params={"namespace": namespace}, deadline=self._deadline)  # fmt: skip
         self._sent[key] = _Sent(str((created.get("metadata") or {}).get("name")), 1, now)
 
 

@@ -22,12 +22,13 @@ from enforcer.core import messages
 from enforcer.core.attribution import attribute, oldest, reported_only
 from enforcer.core.cgroups import container_id
 from enforcer.core.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
-from enforcer.core.payloads import Pod
+from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import (
     ContainerRef,
     container_limits,
     containers_by_id,
     others_finished,
+    pod_reference,
     sole_container,
     spec_field_of,
 )
@@ -189,22 +190,29 @@ class EventReporter:
     def __init__(
         self,
         recorder: EventRecorder,
+        settings: SidecarSettings,
         refs: Callable[[], Mapping[str, ContainerRef]],
         pod: Callable[[], Pod | None],
     ) -> None:
         self._recorder = recorder
+        self._settings = settings
         self._refs = refs
         self._pod = pod
 
     def report(self, report: Report) -> None:
         if report.quiet:
             return  # routine news (a victim has exited) belongs in the log, not in Events
-        field_path = None
+        container = None
         if report.unit and report.unit != POD_UNIT:
             ref = self._refs().get(report.unit)
             spec_field = ref.spec_field if ref else spec_field_of(self._pod() or {}, report.unit)
-            field_path = ContainerRef(report.unit, spec_field).field_path
-        self._recorder.record(str(report.reason), report.message, not report.normal, field_path)
+            container = ContainerRef(report.unit, spec_field)
+        about = _about(self._settings, container)
+        self._recorder.record(about, str(report.reason), report.message, not report.normal)
+
+
+def _about(settings: SidecarSettings, container: ContainerRef | None = None) -> ObjectReference:
+    return pod_reference(settings.namespace, settings.pod_name, settings.pod_uid, container)
 
 
 def _source(settings: SidecarSettings) -> UsageSource:
@@ -244,14 +252,7 @@ def run(settings: SidecarSettings) -> int:
     # A "container"-mode sidecar watches the other containers' states to know when to exit.
     period = 2.0 if settings.sidecar_mode == "container" else 30.0
     watcher = PodWatcher(api, settings.namespace, settings.pod_name, period=period)
-    recorder = EventRecorder(
-        api,
-        settings.namespace,
-        settings.pod_name,
-        settings.pod_uid,
-        settings.node_name,
-        telemetry.event_failures,
-    )
+    recorder = EventRecorder(api, settings.pod_name, settings.node_name, telemetry.event_failures)
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
     pipeline = _pipeline(settings, procfs, source, terminator, watcher, recorder, telemetry)
     server = _metrics(settings, telemetry, recorder)
@@ -298,7 +299,7 @@ def _pipeline(
     )
     reporters: list[Reporter] = [
         LogReporter(),
-        EventReporter(recorder, lambda: attributor.refs, lambda: watcher.pod),
+        EventReporter(recorder, settings, lambda: attributor.refs, lambda: watcher.pod),
     ]
     return Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry)
 
@@ -316,7 +317,7 @@ def _metrics(
     except MetricsPortError as exc:
         text = messages.metrics_unavailable(str(exc))
         log.error("%s", text)
-        recorder.record(str(Reason.METRICS_UNAVAILABLE), text, True, None)
+        recorder.record(_about(settings), str(Reason.METRICS_UNAVAILABLE), text, True)
         return None
 
 

@@ -13,7 +13,7 @@ from enforcer.core.policy import Reason
 from enforcer.edge.kube import POD, EventRecorder, KubeError, call, request
 from enforcer.modes.pipeline import Report
 from enforcer.modes.sidecar import POD_UNIT, EventReporter
-from tests.helpers import wait_for
+from tests.helpers import configured, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +64,12 @@ def test_reports_become_events_on_the_container_that_they_concern(admin: client.
                  "containers": [{"name": "trainer", "image": "busybox"}]}})  # fmt: skip
     pod = admin.sanitize_for_serialization(created)
     failures = Counter("failures", "test", ["reason"], registry=CollectorRegistry())
-    recorder = EventRecorder(admin, "kube-events", "p", pod["metadata"]["uid"], "node-1", failures)
+    recorder = EventRecorder(admin, "p", "node-1", failures)
     recorder.start()
-    reporter = EventReporter(recorder, lambda: {}, lambda: pod)
+    settings = configured(["sidecar"], {"POD_NAME": "p", "POD_NAMESPACE": "kube-events",
+                                        "POD_UID": pod["metadata"]["uid"], "NODE_NAME": "node-1",
+                                        "VRAM_ENFORCER_LIMITS": "{}"})  # fmt: skip
+    reporter = EventReporter(recorder, settings, lambda: {}, lambda: pod)
     reporter.report(Report(Reason.ENFORCED, "sent SIGTERM to pid 7", "trainer", 7))
     reporter.report(Report(Reason.NEAR_LIMIT, "warm-up near its limit", "warmup", normal=True))
     reporter.report(Report(Reason.LIMIT_EXCEEDED, "the pod as a whole is over", POD_UNIT))

@@ -19,7 +19,7 @@ from enforcer.edge.kube import EventRecorder, NodeAdvertiser, PodWatcher
 
 api = client.ApiClient()
 PodWatcher(api, "ns", "pod")
-EventRecorder(api, "ns", "pod", "uid", "node", failures=None)
+EventRecorder(api, "pod", "node", failures=None)
 NodeAdvertiser(api, "node", resource_name="vram-enforcer.io/vram", resource_unit=1,
                reserve_bytes=0)
 print(json.dumps(sorted(m for m in sys.modules
