@@ -76,7 +76,7 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float
     state.write(state_file)
     env = {**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)}
     agent = subprocess.Popen(
-        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--socket", str(tmp / "agent.sock")],
+        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--hard-limits", "off", "--socket", str(tmp / "agent.sock")],
         env=env, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     wait_for((tmp / "agent.sock").exists, what="the agent")

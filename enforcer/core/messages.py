@@ -122,12 +122,13 @@ def mig_without_hard_limit(gpus: Sequence[str]) -> str:
     return f"{', '.join(gpus)} in MIG mode, where NVML sets no per-cgroup limits"
 
 
-def sampling_only(reason: str, interval: float) -> str:
-    """`exec`'s line when it falls back, and the sidecar pod's Event on such a node."""
+def sampling_only(reason: str, interval: float | None = None) -> str:
+    """`exec`'s line when it falls back, and the agent's Event for a pod on such a node
+    (where the sidecar's interval is not known)."""
+    every = f" every {format_duration(interval)}" if interval is not None else ""
     return (
-        f"no hard limit: {reason}. The limit is enforced by sampling every "
-        f"{format_duration(interval)}: an allocation past it succeeds, and the offender is "
-        "stopped within one interval"
+        f"no hard limit: {reason}. The limit is enforced by sampling{every}: an allocation "
+        "past it succeeds, and the offender is stopped within one interval"
     )
 
 

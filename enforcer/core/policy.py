@@ -46,6 +46,8 @@ class Reason(StrEnum):
     ENFORCED = "VRAMEnforced"
     USAGE_UNKNOWN = "VRAMUsageUnknown"
     METRICS_UNAVAILABLE = "VRAMMetricsUnavailable"  # the sidecar's port is taken
+    HARD_LIMIT = "VRAMHardLimit"  # the agent: the driver holds the pod to its limits
+    SAMPLING_ONLY = "VRAMSamplingOnly"  # the agent: no hard limit for the pod, and why
 
 
 @dataclass(frozen=True, slots=True)

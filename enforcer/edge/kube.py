@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,10 +105,12 @@ def request(
     path: str,
     *,
     params: dict[str, str] | None = None,
+    query: dict[str, str] | None = None,
     body: Any = None,
     timeout: float = 10.0,
 ) -> Any:
-    """One API call as JSON: `path` has `{name}` placeholders filled (escaped) from `params`.
+    """One API call as JSON: `path` has `{name}` placeholders filled (escaped) from `params`,
+    and `query` is the query string.
 
     Every PATCH we send is a JSON patch. A status outside 2xx raises the client's
     `ApiException`, as its typed methods do. `timeout` bounds each of the client's tries
@@ -120,21 +122,76 @@ def request(
         headers["Content-Type"] = (
             "application/json-patch+json" if method == "PATCH" else "application/json"
         )
-    method, url, headers, body, post = api.param_serialize(
-        method=method,
-        resource_path=path,
-        path_params=params,
-        header_params=headers,
-        body=body,
-        auth_settings=["BearerToken"],
-    )
-    response = api.call_api(method, url, headers, body, post, _request_timeout=timeout)
+    response = _send(api, method, path, params, query, headers, body, timeout)
     data: bytes = response.read()
     if not 200 <= response.status <= 299:
         raise ApiException.from_response(
             http_resp=response, body=data.decode("utf-8", "replace"), data=None
         )
     return json.loads(data) if data else None
+
+
+def _send(
+    api: client.ApiClient,
+    method: str,
+    path: str,
+    params: dict[str, str] | None,
+    query: dict[str, str] | None,
+    headers: dict[str, str],
+    body: Any,
+    timeout: float | tuple[float, float],
+) -> Any:
+    method, url, headers, body, post = api.param_serialize(
+        method=method,
+        resource_path=path,
+        path_params=params,
+        query_params=list((query or {}).items()),
+        header_params=headers,
+        body=body,
+        auth_settings=["BearerToken"],
+    )
+    return api.call_api(method, url, headers, body, post, _request_timeout=timeout)
+
+
+def watch_error(status: Any) -> ApiException:
+    """A watch's ERROR event (a Status object) as the exception a request would raise."""
+    code = status.get("code") if isinstance(status, dict) else None
+    reason = status.get("message") if isinstance(status, dict) else None
+    return ApiException(status=code if isinstance(code, int) else 0, reason=str(reason))
+
+
+class WatchStream:
+    """A watch's events as they arrive (`?watch=true`): one JSON object per line.
+
+    The read timeout is longer than the server's own `timeoutSeconds`, so a connection
+    that went silent is noticed; `close()` from another thread ends a blocked read.
+    """
+
+    def __init__(self, api: client.ApiClient, path: str, query: dict[str, str], timeout: float):
+        headers = {"Accept": "application/json"}
+        response = _send(api, "GET", path, None, {**query, "watch": "true"}, headers, None,
+                         (10.0, timeout))  # fmt: skip
+        if not 200 <= response.status <= 299:
+            data = response.read()
+            raise ApiException.from_response(
+                http_resp=response, body=data.decode("utf-8", "replace"), data=None
+            )
+        self._raw = response.response  # urllib3's response, not read yet
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        pending = b""
+        for chunk in self._raw.stream(65536, decode_content=True):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if line.strip():
+                    yield json.loads(line)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._raw.shutdown()
+        with contextlib.suppress(Exception):
+            self._raw.release_conn()
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -210,16 +267,19 @@ def call(
     *,
     deadline: float,
     params: dict[str, str] | None = None,
+    query: dict[str, str] | None = None,
     body: Any = None,
     timeout: float = 10.0,
+    verb: str | None = None,
 ) -> Any:
     """`request()` under the retry policy. Errors become `KubeError`s that name the RBAC
-    verb and `resource`; a 403 becomes `Forbidden`."""
-    verb = _VERBS[method]
+    verb (`verb`, else the method's) and `resource`; a 403 becomes `Forbidden`."""
+    verb = verb or _VERBS[method]
     try:
         for attempt in retrying(deadline):
             with attempt:
-                return request(api, method, path, params=params, body=body, timeout=timeout)
+                return request(api, method, path, params=params, query=query, body=body,
+                               timeout=timeout)  # fmt: skip
     except ApiException as exc:
         if exc.status == 403:
             raise Forbidden(verb, resource, _reason(exc)) from exc

@@ -115,6 +115,15 @@ def _unexpected_errors(registry: CollectorRegistry) -> Counter:
     )
 
 
+def event_failures(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        PREFIX + "events_failed",
+        "Kubernetes Events not posted, by reason (api, forbidden, dropped)",
+        ["reason"],
+        registry=registry,
+    )
+
+
 def hard_limit_gauge(labels: list[str], registry: CollectorRegistry) -> Gauge:
     return Gauge(
         PREFIX + "hard_limit_bytes",
@@ -145,12 +154,7 @@ class Telemetry:
             ["reason"],
             registry=self.registry,
         )
-        self.event_failures = Counter(
-            PREFIX + "events_failed",
-            "Kubernetes Events not posted, by reason (api, forbidden, dropped)",
-            ["reason"],
-            registry=self.registry,
-        )
+        self.event_failures = event_failures(self.registry)
         self.hard_limits = hard_limit_gauge([unit_label, "gpu"], self.registry)
         self.tick_duration = Histogram(
             PREFIX + "tick_duration_seconds",
@@ -222,6 +226,15 @@ class AgentTelemetry:
             PREFIX + "node_syncs",
             "Times the Node's capacity and labels were checked against NVML (and patched if "
             "they differed)",
+            registry=self.registry,
+        )
+        self.event_failures = event_failures(self.registry)
+        self.hard_limits = hard_limit_gauge(["namespace", "pod", "container", "gpu"], self.registry)
+        self.hard_limit_calls = Counter(
+            PREFIX + "hard_limit_calls",
+            "Per-cgroup GPU memory limits set or cleared through NVML, by operation (set, "
+            "clear) and result (set, unsupported, forbidden, no-cgroup, rejected, failed)",
+            ["operation", "result"],
             registry=self.registry,
         )
         self.unexpected = _unexpected_errors(self.registry)

@@ -1,10 +1,12 @@
 """`vram-enforcer agent`: the node's one NVML reader, capacity advertiser and PID translator.
 
-Three loops share one process:
+Its loops share one process:
 - the sampler thread reads NVML once per --interval and publishes the sample;
 - the usage socket (an epoll thread) answers each pod about its own processes;
 - the advertiser thread keeps the Node's capacity and labels equal to what NVML reports,
-  checking every --resync and right after the GPUs change.
+  checking every --resync and right after the GPUs change;
+- with --hard-limits auto, a pod watch and the hard limiter (`limiter.py`) keep the
+  driver's per-cgroup limits on this node's pods.
 NVML or the API being down degrades one part: the socket answers with an error, the Node
 keeps its last advertisement, and each part recovers on its own. A bug in one step of a
 loop is reported and the loop goes on (`guard.LoopGuard`). A thread that stops anyway ends
@@ -33,9 +35,13 @@ from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView, PidViewError
 from enforcer.edge.usage_server import ServerMetrics, SocketInUse, UsageServer
+from enforcer.modes.limiter import HardLimiter
 
 if TYPE_CHECKING:
-    from enforcer.edge.kube import NodeAdvertiser
+    from kubernetes import client
+
+    from enforcer.edge.kube import EventRecorder, NodeAdvertiser
+    from enforcer.edge.node_pods import NodePods
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +177,7 @@ def run(settings: AgentSettings) -> int:
         )
         return EXIT_USAGE
     telemetry = AgentTelemetry()
-    advertiser = None
+    advertiser, api = None, None
     if settings.uses_api:
         from enforcer.edge.kube import KubeError, NodeAdvertiser, connect  # noqa: PLC0415
 
@@ -180,15 +186,16 @@ def run(settings: AgentSettings) -> int:
         except KubeError as exc:
             log.error("%s", exc, exc_info=logs.detail(exc))
             return EXIT_USAGE
-        advertiser = NodeAdvertiser(
-            api,
-            settings.node_name,
-            resource_name=settings.resource_name,
-            resource_unit=settings.resource_unit,
-            reserve_bytes=settings.reserve_bytes,
-            advertise=settings.advertise,
-            labels=settings.labels,
-        )
+        if settings.advertise or settings.labels:
+            advertiser = NodeAdvertiser(
+                api,
+                settings.node_name,
+                resource_name=settings.resource_name,
+                resource_unit=settings.resource_unit,
+                reserve_bytes=settings.reserve_bytes,
+                advertise=settings.advertise,
+                labels=settings.labels,
+            )
     # Threads started from here on, libnvidia-ml's included, inherit the mask: only
     # sigwait() below takes the signals, so a SIGTERM always means a clean shutdown.
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
@@ -200,7 +207,7 @@ def run(settings: AgentSettings) -> int:
             "cannot initialise NVML yet (%s); retrying with backoff", exc, exc_info=logs.detail(exc)
         )
     try:
-        return _serve(settings, host_proc, nvml, telemetry, advertiser)
+        return _serve(settings, host_proc, nvml, telemetry, advertiser, api)
     finally:
         nvml.shutdown()
 
@@ -211,6 +218,7 @@ def _serve(
     nvml: Nvml,
     telemetry: AgentTelemetry,
     advertiser: NodeAdvertiser | None,
+    api: client.ApiClient | None,
 ) -> int:
     server = UsageServer(
         Path(settings.socket),
@@ -226,9 +234,13 @@ def _serve(
     changed = threading.Event()
     source = NvmlSource(nvml, PidView.host(host_proc), gpu_device_prefix())
     sampler = Sampler(source, server, telemetry, settings.interval, changed)
-    threads: list[Sampler | Advertiser] = [sampler]
+    threads: list[Sampler | Advertiser | HardLimiter | NodePods] = [sampler]
     if advertiser is not None:
         threads.append(Advertiser(advertiser, sampler, telemetry, settings.resync, changed))
+    recorder, pod_watch = None, None
+    if api is not None and settings.hard_limits:
+        recorder, pod_watch, limiter = _hard_limits(settings, api, sampler, telemetry)
+        threads.extend([pod_watch, limiter])
     liveness = max(LIVENESS_AFTER, STALE_INTERVALS * settings.interval)
     check = functools.partial(health, sampler, liveness)
     try:
@@ -241,18 +253,52 @@ def _serve(
         return EXIT_USAGE
     for t in threads:
         t.start()
+    if recorder is not None:
+        recorder.start()
     log.info("agent running on node %r", settings.node_name or "(no API)")
     status = watch([*threads, server.thread])
     server.close()
     for t in threads:
         t.stop.set()
+    if pod_watch is not None:
+        pod_watch.close()  # ends a read blocked on the watch
     changed.set()
     for t in threads:
         t.join(timeout=5)
+    if recorder is not None:
+        recorder.close()
     source.close()
     if metrics is not None:
         metrics.close()
     return status
+
+
+def _hard_limits(
+    settings: AgentSettings,
+    api: client.ApiClient,
+    sampler: Sampler,
+    telemetry: AgentTelemetry,
+) -> tuple[EventRecorder, NodePods, HardLimiter]:
+    """The pod watch, the limiter it wakes and the recorder of its Events. The limiter has
+    an NVML session of its own (NVML counts initialisations): the sampler's is not shared."""
+    from enforcer.edge.kube import EventRecorder  # noqa: PLC0415 - loaded only when used
+    from enforcer.edge.node_pods import NodePods  # noqa: PLC0415
+
+    recorder = EventRecorder(api, settings.node_name, settings.node_name, telemetry.event_failures)
+    changed = threading.Event()
+    pods = NodePods(api, settings.node_name, changed)
+    limiter = HardLimiter(
+        Nvml(),
+        pods.snapshot,
+        lambda: sampler.devices,
+        recorder,
+        telemetry,
+        cgroup_root=Path(settings.cgroup_root),
+        resource=(settings.resource_name, settings.resource_unit),
+        scan_every=settings.cgroup_scan,
+        changed=changed,
+    )
+    return recorder, pods, limiter
 
 
 def health(sampler: Sampler, after: float) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,7 +45,7 @@ class Node:
 
     def start_agent(self) -> None:
         self.agent = subprocess.Popen(
-            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--socket", str(self.socket),
+            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--hard-limits", "off", "--socket", str(self.socket),
              "--interval", "50ms", "--log-format", "text"],
             env={**os.environ, **self.nvml_env()},
             stderr=self.log.open("a"),
@@ -134,3 +135,55 @@ def namespace_with_sidecar_rbac(
     for doc in yaml.safe_load_all(text):
         utils.create_from_dict(admin, doc, namespace=namespace)
     return apiserver.token_for(namespace, "default")
+
+
+class AgentProcess:
+    def __init__(
+        self,
+        apiserver: ApiServer,
+        token: str,
+        node: str,
+        tmp: Path,
+        lib: Path,
+        *flags: str,
+        state: FakeGpuState | None = None,
+    ) -> None:
+        """The agent on two 80 GiB GPUs (or `state`), advertising on `node`."""
+        self.state_file = tmp / "gpu.json"
+        if state is None:
+            state = FakeGpuState.single_gpu()
+            state.add_device()
+        state.write(self.state_file)
+        self.log_path = tmp / "agent.log"
+        self.port = free_port()
+        kubeconfig = apiserver.kubeconfig(token, tmp / "kubeconfig")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "enforcer", "agent", "--node-name", node, "--kubeconfig", str(kubeconfig),
+             "--socket", str(tmp / "agent.sock"), "--resync", "1s", "--reserve", "1Gi", "--log-format", "text",
+             "--metrics-port", str(self.port), "--metrics-address", "127.0.0.1", *flags],
+            env={**os.environ, "LD_LIBRARY_PATH": str(lib), "FAKE_NVML_STATE": str(self.state_file)},
+            stderr=self.log_path.open("w"),
+        )  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def counter(self, series: str) -> float:
+        """A counter's value from the agent's /metrics (0 before it has one)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+                body = r.read().decode()
+        except OSError:
+            return 0.0
+        found = re.search(rf"^{re.escape(series)} (\S+)$", body, re.MULTILINE)
+        return float(found[1]) if found else 0.0
+
+    def wait_for_more(self, series: str, more: int, timeout: float = 30.0) -> None:
+        """Wait until `series` has grown by `more`: proof that the agent did that much."""
+        start = self.counter(series)
+        wait_for(lambda: self.counter(series) >= start + more, timeout=timeout,
+                 what=f"{more} more of {series}")  # fmt: skip
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(timeout=15)

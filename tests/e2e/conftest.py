@@ -11,9 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kubernetes import client
+import yaml
+from kubernetes import client, utils
 
 from tests.e2e.cluster import ApiServer, apiserver_binary, etcd_binary
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -47,3 +50,14 @@ def admin(apiserver: ApiServer) -> client.ApiClient:
 @pytest.fixture
 def core(admin: client.ApiClient) -> client.CoreV1Api:
     return client.CoreV1Api(admin)
+
+
+@pytest.fixture(scope="session")
+def agent_rbac(apiserver: ApiServer, admin: client.ApiClient) -> str:
+    """The shipped RBAC, applied as an operator would; returns a token for its ServiceAccount."""
+    client.CoreV1Api(admin).create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name="vram-enforcer"))
+    )
+    for doc in yaml.safe_load_all((ROOT / "deploy" / "rbac" / "agent.yaml").read_text()):
+        utils.create_from_dict(admin, doc)
+    return apiserver.token_for("vram-enforcer", "vram-enforcer-agent")

@@ -5,6 +5,10 @@
   so inside the namespace their parent is 0. They first move into
   `.../kubepods-pod<uid>.slice/cri-containerd-<id>.scope` in the cgroup v2 hierarchy (never
   a v1 controller hierarchy), and then exec the command.
+- With `kubelet=True`, the layout is the systemd driver's, named after the Pod's real UID
+  (`<root>/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod<uid_>.slice`),
+  and the pod's cgroup is made after the Pod exists, as kubelet does it; `root` is what
+  the node agent's --cgroup-root points at.
 - The Pod object on the API server gets a status with `containerd://<id>` for each
   container, as kubelet would report it.
 Everything is removed again on `close()`.
@@ -16,7 +20,6 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -42,15 +45,23 @@ class SimPod:
         containers: list[str],
         host_proc: Path | None = None,
         unlisted: tuple[str, ...] = (),
+        *,
+        limits: dict[str, str] | None = None,
+        node_name: str | None = None,
+        kubelet: bool = False,
     ) -> None:
         self.core = core
         self.namespace = namespace
         self.name = name
         self.ids = {c: secrets.token_hex(32) for c in [*containers, *unlisted]}
         self.unlisted = unlisted  # containers with cgroups whose IDs the pod's status omits
-        self.slice = CGROUP2 / f"vram-e2e-{secrets.token_hex(4)}.slice"
-        self.pod_slice = self.slice / f"kubepods-pod{uuid.uuid4().hex}.slice"
-        self.pod_slice.mkdir(parents=True)
+        self.root = CGROUP2 / f"vram-e2e-{secrets.token_hex(4)}.slice"
+        self.slice = (
+            self.root / "kubepods.slice/kubepods-besteffort.slice" if kubelet else self.root
+        )
+        if not kubelet:
+            self.pod_slice = self.slice / f"kubepods-pod{uuid.uuid4().hex}.slice"
+            self.pod_slice.mkdir(parents=True)
         pause = [
             "unshare",
             "--pid",
@@ -81,14 +92,20 @@ class SimPod:
         self.processes: list[subprocess.Popen[Any]] = []
         spec = [
             client.V1Container(
-                name=c, image="example.com/gpu:1", resources=client.V1ResourceRequirements()
+                name=c, image="example.com/gpu:1", resources=client.V1ResourceRequirements(
+                    limits={"vram-enforcer.io/vram": limits[c]} if c in (limits or {}) else None)
             )
             for c in containers
-        ]
+        ]  # fmt: skip
         body = client.V1Pod(metadata=client.V1ObjectMeta(name=name), spec=client.V1PodSpec(containers=spec,
-                            share_process_namespace=True, restart_policy="Never"))  # fmt: skip
+                            share_process_namespace=True, restart_policy="Never", node_name=node_name))  # fmt: skip
         created = core.create_namespaced_pod(namespace, body)
         self.uid = str(created.metadata.uid)
+        if kubelet:
+            self.pod_slice = (
+                self.slice / f"kubepods-besteffort-pod{self.uid.replace('-', '_')}.slice"
+            )
+            self.pod_slice.mkdir(parents=True)
         self.report_status()
 
     def report_status(self, states: dict[str, dict[str, Any]] | None = None) -> None:
@@ -121,6 +138,16 @@ class SimPod:
         self.processes.append(proc)
         return proc
 
+    def restart(self, container: str) -> None:
+        """The container's processes end and its cgroup goes; it comes back under a new
+        container ID, as a restart does (the new cgroup is made by the next `start`)."""
+        for pid in self.host_pids(container):
+            os.kill(pid, 9)
+        wait_for(lambda: not self.host_pids(container), what=f"{container}'s processes to end")
+        self.cgroup(container).rmdir()
+        self.ids[container] = secrets.token_hex(32)
+        self.report_status()
+
     def host_pids(self, container: str) -> list[int]:
         """The container's processes, by host pid (cgroup.procs as the host reads it)."""
         try:
@@ -139,5 +166,7 @@ class SimPod:
             )
             cg.rmdir()
         self.pod_slice.rmdir()
-        self.slice.rmdir()
-        time.sleep(0)
+        for directory in (self.slice, *self.slice.parents):
+            directory.rmdir()
+            if directory == self.root:
+                break

@@ -7,84 +7,23 @@ reporting two 80 GiB GPUs.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
-from kubernetes import client, utils
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from enforcer.core.model import GiB
 from enforcer.core.parsing import parse_quantity
+from tests.e2e.actors import AgentProcess
 from tests.e2e.cluster import ApiServer
-from tests.fakenvml import FakeGpuState
-from tests.helpers import free_port, wait_for
+from tests.helpers import wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
 RESOURCE = "vram-enforcer.io/vram"
 EXPECTED = 2 * (80 * GiB - 1 * GiB)  # two GPUs, --reserve 1Gi each
 SYNCS = "vram_enforcer_node_syncs_total"
 API_ERRORS = 'vram_enforcer_api_errors_total{operation="sync"}'
-
-
-@pytest.fixture(scope="module")
-def agent_rbac(apiserver: ApiServer, admin: client.ApiClient) -> str:
-    """The shipped RBAC, applied as an operator would; returns a token for its ServiceAccount."""
-    client.CoreV1Api(admin).create_namespace(
-        client.V1Namespace(metadata=client.V1ObjectMeta(name="vram-enforcer"))
-    )
-    for doc in yaml.safe_load_all((ROOT / "deploy" / "rbac" / "agent.yaml").read_text()):
-        utils.create_from_dict(admin, doc)
-    return apiserver.token_for("vram-enforcer", "vram-enforcer-agent")
-
-
-class AgentProcess:
-    def __init__(
-        self, apiserver: ApiServer, token: str, node: str, tmp: Path, lib: Path, *flags: str
-    ) -> None:
-        self.state_file = tmp / "gpu.json"
-        state = FakeGpuState.single_gpu()
-        state.add_device()
-        state.write(self.state_file)
-        self.log_path = tmp / "agent.log"
-        self.port = free_port()
-        kubeconfig = apiserver.kubeconfig(token, tmp / "kubeconfig")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "enforcer", "agent", "--node-name", node, "--kubeconfig", str(kubeconfig),
-             "--socket", str(tmp / "agent.sock"), "--resync", "1s", "--reserve", "1Gi", "--log-format", "text",
-             "--metrics-port", str(self.port), "--metrics-address", "127.0.0.1", *flags],
-            env={**os.environ, "LD_LIBRARY_PATH": str(lib), "FAKE_NVML_STATE": str(self.state_file)},
-            stderr=self.log_path.open("w"),
-        )  # fmt: skip
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def counter(self, series: str) -> float:
-        """A counter's value from the agent's /metrics (0 before it has one)."""
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
-                body = r.read().decode()
-        except OSError:
-            return 0.0
-        found = re.search(rf"^{re.escape(series)} (\S+)$", body, re.MULTILINE)
-        return float(found[1]) if found else 0.0
-
-    def wait_for_more(self, series: str, more: int, timeout: float = 30.0) -> None:
-        """Wait until `series` has grown by `more`: proof that the agent did that much."""
-        start = self.counter(series)
-        wait_for(lambda: self.counter(series) >= start + more, timeout=timeout,
-                 what=f"{more} more of {series}")  # fmt: skip
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        return self.proc.wait(timeout=15)
 
 
 def make_node(core: client.CoreV1Api, name: str) -> None:
@@ -187,7 +126,7 @@ def test_an_api_server_outage_is_ridden_out(
 
 def test_the_minimal_role_allows_nothing_else(apiserver: ApiServer, agent_rbac: str) -> None:
     as_agent = client.CoreV1Api(apiserver.client(agent_rbac))
-    for forbidden in (as_agent.list_node, as_agent.list_pod_for_all_namespaces,
+    for forbidden in (as_agent.list_node, lambda: as_agent.read_namespaced_pod("p", "default"),
                       lambda: as_agent.delete_node("gpu-node-1"),
                       lambda: as_agent.list_namespaced_secret("vram-enforcer")):  # fmt: skip
         with pytest.raises(ApiException) as info:
@@ -222,11 +161,11 @@ def test_forbidden_is_one_clear_error_and_the_socket_keeps_serving(apiserver: Ap
     make_node(core, "gpu-node-denied")
     agent = AgentProcess(apiserver, token, "gpu-node-denied", tmp_path, fake_nvml_lib)
     try:
-        wait_for(lambda: "RBAC forbids" in agent.log(), timeout=20, what="the RBAC error")
-        agent.wait_for_more(API_ERRORS, 3)  # more resyncs fail: still one line
+        wait_for(lambda: agent.log().count("RBAC forbids") == 2, timeout=20, what="the RBAC errors")
+        agent.wait_for_more(API_ERRORS, 3)  # more resyncs fail: still one line each
         log = agent.log()
-        assert log.count("RBAC forbids") == 1
-        assert "RBAC forbids 'get' on 'nodes'" in log
+        assert log.count("RBAC forbids 'get' on 'nodes'") == 1
+        assert log.count("RBAC forbids 'list' on 'pods'") == 1  # the hard limits' pod watch
         assert "deploy/rbac/" in log
         import socket as sk
 

@@ -189,6 +189,11 @@ def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
     liveness = agent.liveness_probe.http_get
     assert (liveness.path, liveness.port) == ("/healthz", "metrics")
     assert spec.volumes[0].host_path.path == "/run/vram-enforcer"
+    # The host's cgroup tree, read-only, where --cgroup-root says (hard limits, by default).
+    assert spec.volumes[1].host_path.path == "/sys/fs/cgroup"
+    mount = next(m for m in agent.volume_mounts if m.name == spec.volumes[1].name)
+    assert (mount.mount_path, mount.read_only) == ("/host/sys/fs/cgroup", True)
+    assert "--cgroup-root=/host/sys/fs/cgroup" in agent.args
     shipped = yaml.safe_load_all((ROOT / "deploy" / "rbac" / "agent.yaml").read_text())
     rules = next(d for d in shipped if d["kind"] == "ClusterRole")["rules"]
     role = client.RbacAuthorizationV1Api(admin).read_cluster_role("vram-enforcer-e2e-agent")
@@ -197,18 +202,49 @@ def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
     ] == rules
 
 
+def test_without_hard_limits_the_agent_gets_no_cgroup_mount_no_pod_access_and_no_token(
+    apiserver: ApiServer, admin: client.ApiClient, tmp_path: Path
+) -> None:
+    kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp_path / "kubeconfig")
+    values = {"agent": {"hardLimits": "off", "advertise": False, "labels": False}}
+    helm(
+        "install",
+        "vram-enforcer-soft",
+        str(CHART),
+        "vram-soft",
+        str(kubeconfig),
+        json.dumps(values),
+    )
+    try:
+        ds = client.AppsV1Api(admin).read_namespaced_daemon_set(
+            "vram-enforcer-soft-agent", "vram-soft"
+        )
+        spec = ds.spec.template.spec
+        assert [v.host_path.path for v in spec.volumes] == ["/run/vram-enforcer"]
+        assert "--hard-limits=off" in spec.containers[0].args
+        assert spec.automount_service_account_token is False
+        role = client.RbacAuthorizationV1Api(admin).read_cluster_role("vram-enforcer-soft-agent")
+        assert {res for r in role.rules for res in r.resources} == {"nodes", "nodes/status"}
+    finally:
+        helm("uninstall", "vram-enforcer-soft", "vram-soft", str(kubeconfig))
+
+
 def test_service_accounts_can_do_what_they_need_and_no_more(
     installed: Path, apiserver: ApiServer
 ) -> None:
     agent = apiserver.client(apiserver.token_for(NAMESPACE, "vram-enforcer-e2e-agent"))
     assert allowed(agent, "get", "nodes") and allowed(agent, "patch", "nodes")
     assert allowed(agent, "patch", "nodes", subresource="status")
+    # Hard limits (on by default): this node's pods by a list and a watch, and their Events.
+    assert allowed(agent, "list", "pods") and allowed(agent, "watch", "pods")
+    assert allowed(agent, "create", "events", OPTED_IN) and allowed(agent, "patch", "events")
     for verb, resource in (
         ("list", "nodes"),
         ("delete", "nodes"),
         ("get", "secrets"),
         ("get", "pods"),
-        ("create", "events"),
+        ("delete", "pods"),
+        ("delete", "events"),
     ):
         assert not allowed(
             agent, verb, resource, namespace=NAMESPACE if resource != "nodes" else None

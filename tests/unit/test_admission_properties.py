@@ -218,7 +218,9 @@ def test_any_request_gets_a_well_formed_answer_or_bad_review(
 
 def test_most_generated_pods_reach_the_mutation() -> None:
     """Otherwise the properties above would hold vacuously, checked on nothing but denials
-    for malformed input (the examples are drawn the same way on every run)."""
+    for malformed input. The share is not fixed even derandomized: Hypothesis's choices
+    vary with what else the process has run (52% to 84% of plain pods patched, seen here),
+    so the bound leaves room below the lowest seen."""
     plain: Counter[str] = Counter()
     corrupted: Counter[str] = Counter()
 
@@ -229,7 +231,7 @@ def test_most_generated_pods_reach_the_mutation() -> None:
         corrupted[check(q, s)] += 1
 
     sample()
-    assert plain["patched"] >= 0.6 * plain.total(), plain
+    assert plain["patched"] >= 0.45 * plain.total(), plain
     assert corrupted["patched"] + corrupted["denied"] >= 0.5 * corrupted.total(), corrupted
     assert corrupted["patched"] > 0 and corrupted["denied"] > 0, corrupted
 

@@ -10,6 +10,7 @@ from enforcer.core.settings import Setting, Values, switch, value, verbosity
 from enforcer.core.settings.common import (
     DEFAULT_SOCKET,
     RESOURCE_NAME,
+    hard_limits,
     interval,
     kubeconfig,
     log_format,
@@ -26,7 +27,7 @@ NODE_NAME = value(
     env="NODE_NAME",
     metavar="NAME",
     doc="the Node to advertise on. Set `NODE_NAME` from the Downward API (`spec.nodeName`). "
-    "Not needed with both `--no-advertise` and `--no-labels`",
+    "Not needed with `--no-advertise`, `--no-labels` and `--hard-limits off`",
 )
 SOCKET = value(
     "socket",
@@ -91,6 +92,35 @@ HOST_PROC = value(
     metavar="PATH",
     doc="the host's `/proc` (the agent checks that it belongs to the initial PID namespace)",
 )
+HARD_LIMITS = hard_limits(
+    ("auto", "off"),
+    "`auto`: hold each pod bound to this node (and each of its containers) to its declared "
+    "limit on every GPU, through the driver's per-cgroup limits, where the driver can "
+    "(R615+); one Event per pod says which tier holds. `off`: sampling only, and no pod "
+    "watch. Needs `--node-name`, RBAC to list and watch pods and to create Events, root, "
+    "and the host's cgroup v2 mount at `--cgroup-root`",
+)
+CGROUP_ROOT = value(
+    "cgroup_root",
+    as_text,
+    "the host's cgroup v2 mount",
+    flag="--cgroup-root",
+    default="/sys/fs/cgroup",
+    metavar="PATH",
+    doc="where the host's cgroup v2 hierarchy is mounted in this container; the kubelet's "
+    "pod cgroups (`kubepods.slice` or `kubepods`) are found below it. NVML is given these "
+    "paths, so mount it at the host's own path where you can",
+)
+CGROUP_SCAN = value(
+    "cgroup_scan",
+    positive_duration(0.05),
+    "how often the pod cgroups are looked for",
+    flag="--cgroup-scan",
+    default="1s",
+    metavar="DURATION",
+    doc="how often the kubelet's pod and container cgroups are scanned for new ones (a pod "
+    "change triggers a scan at once). A new cgroup gets its limit within this long",
+)
 LOG_FORMAT = log_format("json")
 VERBOSE = verbosity("info")
 
@@ -108,6 +138,9 @@ DECLARED: tuple[Setting[Any], ...] = (
     METRICS_PORT,
     METRICS_ADDRESS,
     HOST_PROC,
+    HARD_LIMITS,
+    CGROUP_ROOT,
+    CGROUP_SCAN,
     LOG_FORMAT,
     VERBOSE,
 )
@@ -130,20 +163,24 @@ class AgentSettings:
     metrics_port: int | None
     metrics_address: str
     host_proc: str
+    hard_limits: bool
+    cgroup_root: str
+    cgroup_scan: float
 
     @property
     def uses_api(self) -> bool:
-        return self.advertise or self.labels
+        return self.advertise or self.labels or self.hard_limits
 
 
 def agent_settings(values: Values) -> AgentSettings:
     advertise, labels, node_name = values[ADVERTISE], values[LABELS], values[NODE_NAME]
-    if (advertise or labels) and not node_name:
+    hard = values[HARD_LIMITS] == "auto"
+    if (advertise or labels or hard) and not node_name:
         raise ConfigError(
             "--node-name",
             None,
             "is missing; set it, or NODE_NAME from the Downward API (spec.nodeName), "
-            "or pass both --no-advertise and --no-labels",
+            "or pass --no-advertise, --no-labels and --hard-limits off",
         )
     return AgentSettings(
         node_name=node_name or "",
@@ -159,4 +196,7 @@ def agent_settings(values: Values) -> AgentSettings:
         metrics_port=values[METRICS_PORT],
         metrics_address=values[METRICS_ADDRESS],
         host_proc=values[HOST_PROC],
+        hard_limits=hard,
+        cgroup_root=values[CGROUP_ROOT],
+        cgroup_scan=values[CGROUP_SCAN],
     )

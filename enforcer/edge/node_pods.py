@@ -1,0 +1,147 @@
+"""The pods bound to this node, kept current by a list and a watch (the node agent's view).
+
+The agent needs each pod's limits the moment its cgroup appears, so it watches rather than
+polls: one list (`fieldSelector=spec.nodeName=<node>`), then a watch from that list's
+resourceVersion. A watch that ends is resumed from the last version seen; one the server
+has expired (410 Gone) or that failed starts again with a list. Failures back off, are
+logged once each, and never lose what is known: the last good view stays in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import urllib3.exceptions
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from enforcer.core.payloads import Pod
+from enforcer.edge import logs
+from enforcer.edge.backoff import Backoff
+from enforcer.edge.kube import KubeError, WatchStream, call, watch_error
+
+log = logging.getLogger(__name__)
+
+PODS = "/api/v1/pods"
+# What a list or a watch can fail with: the API's answers, the network, a garbled line.
+_FAILURES = (KubeError, ApiException, urllib3.exceptions.HTTPError, OSError, ValueError)
+
+
+class NodePods(threading.Thread):
+    """Pod UID -> pod, for the pods bound to `node`; `changed` is set on every change."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        node: str,
+        changed: threading.Event,
+        *,
+        watch_seconds: int = 300,
+        backoff: Backoff | None = None,
+    ) -> None:
+        super().__init__(name="node-pods", daemon=True)
+        self._api = api
+        self._query = {"fieldSelector": f"spec.nodeName={node}"}
+        self._changed = changed
+        self._watch_seconds = watch_seconds
+        self._backoff = backoff or Backoff()
+        self._pods: dict[str, Pod] = {}
+        self._synced = False
+        self._lock = threading.Lock()
+        self._stream: WatchStream | None = None
+        self.stop = threading.Event()
+        self.error = ""
+
+    def snapshot(self) -> Mapping[str, Pod] | None:
+        """The pods as last seen, or None before the first list has succeeded."""
+        with self._lock:
+            return dict(self._pods) if self._synced else None
+
+    def close(self) -> None:
+        self.stop.set()
+        stream = self._stream
+        if stream is not None:
+            stream.close()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                version = self._list()
+                while version and not self.stop.is_set():
+                    version = self._watch(version)
+            except (
+                KubeError,
+                ApiException,
+                urllib3.exceptions.HTTPError,
+                OSError,
+                ValueError,
+            ) as exc:
+                if self.stop.is_set():
+                    return
+                self.stop.wait(self._failed(exc))
+
+    def _list(self) -> str:
+        reply = call(self._api, "GET", PODS, "pods", query=self._query, deadline=30.0,
+                     timeout=30.0, verb="list")  # fmt: skip
+        pods = {uid: pod for pod in reply.get("items") or () if (uid := _uid(pod))}
+        with self._lock:
+            self._pods = pods
+            self._synced = True
+        self._changed.set()
+        if self.error:
+            log.info("watching this node's pods again (%d pods)", len(pods))
+            self.error = ""
+        self._backoff.succeeded()
+        return str((reply.get("metadata") or {}).get("resourceVersion") or "")
+
+    def _watch(self, version: str) -> str:
+        """Apply events until the watch ends; returns the version to resume from, or ""
+        when a new list is needed (the server expired `version`)."""
+        query = {**self._query, "resourceVersion": version, "allowWatchBookmarks": "true",
+                 "timeoutSeconds": str(self._watch_seconds)}  # fmt: skip
+        self._stream = WatchStream(self._api, PODS, query, timeout=self._watch_seconds + 30.0)
+        try:
+            for event in self._stream:
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    raise watch_error(obj)
+                version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    self._apply(kind, obj)
+        finally:
+            self._stream.close()
+            self._stream = None
+        return version
+
+    def _apply(self, kind: str, pod: Any) -> None:
+        uid = _uid(pod)
+        if not uid:
+            return
+        with self._lock:
+            if kind == "DELETED":
+                self._pods.pop(uid, None)
+            else:
+                self._pods[uid] = pod
+        self._changed.set()
+
+    def _failed(self, exc: Exception) -> float:
+        """Log a new failure once; returns the pause before listing again."""
+        if isinstance(exc, ApiException) and exc.status == 410:
+            log.debug("the pod watch expired; listing again")
+            return 0.0
+        delay = self._backoff.failed(0.0)
+        message = f"cannot watch this node's pods: {exc}"
+        if message != self.error:
+            log.warning("%s; keeping the last view and retrying", message,
+                        exc_info=logs.detail(exc))  # fmt: skip
+            self.error = message
+        return delay
+
+
+def _uid(pod: Any) -> str:
+    meta = pod.get("metadata") if isinstance(pod, dict) else None
+    uid = meta.get("uid") if isinstance(meta, dict) else None
+    return uid if isinstance(uid, str) else ""

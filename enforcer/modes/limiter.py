@@ -1,0 +1,206 @@
+"""The node agent's hard limits: each pod bound to this node, and each of its declaring
+containers, held by the driver to its limit on every GPU (NVIDIA R615+ per-cgroup limits).
+
+One pass, on every pod change and every --cgroup-scan: the pods from the watch, the
+kubelet's cgroups from a scan, `hard_limits.plan()` for what to set, clear or forget, and
+NVML for the doing. The pod's total goes on the pod's cgroup, which the kubelet creates
+before any container; a container's limit on the cgroup named by its current container ID,
+so a restart (a new ID, a new cgroup) moves it. Only limits this agent set are cleared.
+
+Where the driver cannot (an older driver, MIG, no root, no cgroup v2), each pod is told
+once, and the sidecar's sampling enforces alone. NVML failing mid-way keeps what is in
+place and tries again on the next pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from enforcer.core import messages
+from enforcer.core.hard_limits import (
+    Key,
+    LimitOutcome,
+    LimitResult,
+    PodVram,
+    Target,
+    mig_gpus,
+    per_gpu,
+    plan,
+    pod_vram,
+    targets,
+)
+from enforcer.core.model import Device, format_bytes
+from enforcer.core.payloads import Pod
+from enforcer.core.pod import pod_reference
+from enforcer.core.policy import Reason
+from enforcer.edge import cgroupfs
+from enforcer.edge.guard import LoopGuard
+from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.nvml import Nvml
+
+if TYPE_CHECKING:
+    from enforcer.edge.kube import EventRecorder
+
+log = logging.getLogger(__name__)
+
+POD_LABEL = "(pod)"  # the `container` label of a pod's own limit, as the sidecar names it
+
+
+class HardLimiter(threading.Thread):
+    """Keeps the driver's per-cgroup limits equal to what this node's pods declare."""
+
+    def __init__(
+        self,
+        nvml: Nvml,
+        pods: Callable[[], Mapping[str, Pod] | None],
+        devices: Callable[[], Sequence[Device]],
+        recorder: EventRecorder,
+        telemetry: AgentTelemetry,
+        *,
+        cgroup_root: Path,
+        resource: tuple[str, int],
+        scan_every: float,
+        changed: threading.Event,
+    ) -> None:
+        super().__init__(name="hard-limiter", daemon=True)
+        self._nvml = nvml
+        self._pods = pods
+        self._devices = devices
+        self._recorder = recorder
+        self._telemetry = telemetry
+        self._root = cgroup_root
+        self._scanner = cgroupfs.PodScanner(cgroup_root)
+        self._resource = resource
+        self._scan_every = scan_every
+        self._changed = changed
+        self.stop = threading.Event()
+        self._guard = LoopGuard("hard-limiter", telemetry.unexpected.labels("hard-limiter"), log)
+        self.applied: dict[Key, Target] = {}  # the limits this agent set, still in place
+        self._limits: dict[Key, int] = {}
+        self._rejected: set[tuple[str, str, int]] = set()
+        self._final: dict[str, LimitOutcome] = {}  # GPU -> why it never gets a limit
+        self._told: set[str] = set()  # pods whose Event has gone out
+        self._logged = ""
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self._changed.wait(self._scan_every)
+            self._changed.clear()
+            if not self.stop.is_set():
+                self._guard.run(self._pass)
+
+    def _pass(self) -> None:
+        pods, devices = self._pods(), self._devices()
+        if pods is None or not devices:
+            return  # no pod list or no NVML pass yet: never act on a guess
+        declared = [v for p in pods.values() if (v := pod_vram(p, *self._resource)) is not None]
+        self._told &= {p.uid for p in declared}
+        usable = [d for d in devices if d.uuid not in self._final]
+        why = self._node_reason(devices, usable)
+        if why:
+            self._say_once(why)
+            for p in declared:
+                self._tell(p, Reason.SAMPLING_ONLY, messages.sampling_only(why))
+            return
+        found = self._scanner.scan()
+        pod_dirs = {uid: str(path) for uid, path in found.pods.items()}
+        container_dirs = {
+            uid: {cid: str(path) for cid, path in by_id.items()}
+            for uid, by_id in found.containers.items()
+        }
+        wanted = targets(declared, pod_dirs, container_dirs)
+        todo = plan(wanted, usable, self._limits, found.paths(), self._rejected)
+        for key in todo.forget:
+            self._drop(key)
+        for key in todo.clear:
+            self._clear(key)
+        for target, gpu, limit in todo.set:
+            self._set(target, gpu, limit)
+        for p in declared:
+            if p.uid in pod_dirs:
+                self._announce(p, pod_dirs[p.uid], usable)
+            elif (pods[p.uid].get("status") or {}).get("phase") == "Running":
+                why = f"the pod's cgroup is not below {self._root} (is --cgroup-root the host's?)"
+                self._tell(p, Reason.SAMPLING_ONLY, messages.sampling_only(why))
+
+    def _node_reason(self, devices: Sequence[Device], usable: Sequence[Device]) -> str:
+        """Why no pod on this node can get a hard limit; "" while some can."""
+        if not cgroupfs.exists(self._root):
+            return f"no cgroup v2 hierarchy at {self._root} (--cgroup-root)"
+        if per_gpu(1, usable):
+            return ""
+        reasons = [
+            f"{gpu}: {messages.no_hard_limit(o, self._nvml.driver_version, '')}"
+            for gpu, o in self._final.items()
+        ]
+        if mig_gpus(devices):
+            reasons.append(messages.mig_without_hard_limit(mig_gpus(devices)))
+        return "; ".join(dict.fromkeys(reasons)) or "NVML reports no GPU memory to limit"
+
+    def _set(self, target: Target, gpu: str, limit: int) -> None:
+        outcome = self._nvml.set_memory_limit(gpu, target.cgroup, limit)
+        self._telemetry.hard_limit_calls.labels("set", outcome.result.value).inc()
+        key = (target.cgroup, gpu)
+        if outcome.result is LimitResult.SET:
+            self.applied[key] = target
+            self._limits[key] = limit
+            self._telemetry.hard_limits.labels(*_labels(target), gpu).set(limit)
+            log.info("hard limit of %s on %s for %s: %s", format_bytes(limit), gpu,
+                     _name(target), target.cgroup)  # fmt: skip
+        elif outcome.final:
+            self._final[gpu] = outcome  # said once, as this node's reason
+        elif outcome.result is LimitResult.REJECTED:
+            self._rejected.add((target.cgroup, gpu, limit))
+            log.warning("%s", messages.no_hard_limit(outcome, "", target.cgroup))
+        else:  # the cgroup went away meanwhile, or NVML failed: the next pass tries again
+            log.debug("%s", messages.no_hard_limit(outcome, "", target.cgroup))
+
+    def _clear(self, key: Key) -> None:
+        outcome = self._nvml.clear_memory_limit(key[1], key[0])
+        self._telemetry.hard_limit_calls.labels("clear", outcome.result.value).inc()
+        if outcome.result in (LimitResult.SET, LimitResult.NO_CGROUP):
+            log.info("hard limit on %s for %s cleared", key[1], key[0])
+            self._drop(key)
+        else:
+            log.warning("clearing the hard limit on %s for %s: %s", key[1], key[0],
+                        messages.no_hard_limit(outcome, "", key[0]))  # fmt: skip
+
+    def _drop(self, key: Key) -> None:
+        target = self.applied.pop(key)
+        del self._limits[key]
+        self._telemetry.hard_limits.remove(*_labels(target), key[1])
+
+    def _announce(self, pod: PodVram, pod_dir: str, usable: Sequence[Device]) -> None:
+        """The pod's Event, once its own cgroup has its limit on every GPU that can."""
+        limits = {gpu: b for (cg, gpu), b in self._limits.items() if cg == pod_dir}
+        rejected = [gpu for cg, gpu, _ in self._rejected if cg == pod_dir]
+        if rejected:
+            why = f"NVML rejected the limit of the pod's cgroup {pod_dir} on {', '.join(rejected)}"
+            self._tell(pod, Reason.SAMPLING_ONLY, messages.sampling_only(why))
+        elif limits and set(limits) == set(per_gpu(pod.total, usable)):
+            self._tell(pod, Reason.HARD_LIMIT, messages.hard_limit_in_place("the pod", limits))
+
+    def _tell(self, pod: PodVram, reason: Reason, message: str) -> None:
+        if pod.uid in self._told:
+            return
+        self._told.add(pod.uid)
+        about = pod_reference(pod.namespace, pod.name, pod.uid)
+        self._recorder.record(about, str(reason), message, warning=False)
+
+    def _say_once(self, why: str) -> None:
+        if why != self._logged:
+            log.warning("%s", messages.sampling_only(why))
+            self._logged = why
+
+
+def _name(target: Target) -> str:
+    pod = f"pod {target.namespace}/{target.pod}"
+    return f"{pod}, container {target.container}" if target.container else pod
+
+
+def _labels(target: Target) -> tuple[str, str, str]:
+    return target.namespace, target.pod, target.container or POD_LABEL
