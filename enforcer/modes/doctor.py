@@ -14,9 +14,12 @@ import socket
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from enforcer.core import messages
+from enforcer.core.hard_limits import LimitOutcome, mig_gpus, per_gpu
 from enforcer.core.model import SourceDown, format_bytes
 from enforcer.core.protocol import Challenge, ProtocolError, decode_reply, encode_request
 from enforcer.core.settings.doctor import DoctorSettings
+from enforcer.edge import cgroupfs
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
 
@@ -26,14 +29,14 @@ EXIT_PROBLEMS = 1
 @dataclass(frozen=True, slots=True)
 class Check:
     name: str
-    status: str  # ok, fail, skip
+    status: str  # ok, fail, skip, or note (works, in a lesser way: said, but not a failure)
     detail: str
     fix: str = ""
 
 
 def render(checks: list[Check]) -> str:
     """The report a person reads: one line per check, fixes indented below failures."""
-    mark = {"ok": "ok  ", "fail": "FAIL", "skip": "skip"}
+    mark = {"ok": "ok  ", "fail": "FAIL", "skip": "skip", "note": "note"}
     lines = []
     for c in checks:
         lines.append(f"[{mark[c.status]}] {c.name}: {c.detail}")
@@ -66,6 +69,57 @@ def check_nvml() -> Check:
         f"driver {nvml.driver_version}, {len(snap.devices)} device(s) [{gpus}], "
         f"{len(snap.processes)} process(es) using them",
     )
+
+
+TIER = "enforcement tier"
+
+
+def check_tier() -> Check:
+    """Which tier holds a limit on this machine: the driver's per-cgroup hard limits with
+    sampling as the backstop, or sampling alone, and why. Reads, never sets: NVML's Get
+    call on this process's own cgroup tells whether the driver can."""
+    try:
+        own = cgroupfs.own_dir()
+    except cgroupfs.CgroupFsError as exc:
+        return _sampling_only(f"{exc}; the driver's limits need cgroup v2")
+    nvml = Nvml()
+    try:
+        nvml.init()
+        devices = nvml.snapshot().devices
+        answers = {gpu: nvml.memory_limit(gpu, str(own)) for gpu in per_gpu(1, devices)}
+    except NvmlError as exc:
+        return Check(TIER, "skip", f"NVML is not available ({exc})")
+    finally:
+        nvml.shutdown()
+    why = [
+        f"{gpu}: {messages.no_hard_limit(a, nvml.driver_version, str(own))}"
+        for gpu, a in answers.items()
+        if isinstance(a, LimitOutcome)
+    ]
+    if mig_gpus(devices):
+        why.append(messages.mig_without_hard_limit(mig_gpus(devices)))
+    able = [gpu for gpu, a in answers.items() if not isinstance(a, LimitOutcome)]
+    if not able:
+        return _sampling_only("; ".join(dict.fromkeys(why)) or "no GPU to limit")
+    root = cgroupfs.v2_root()
+    dmem = root is not None and "dmem" in cgroupfs.controllers(root)
+    no_dmem = "not in this hierarchy (Linux < 6.14, or bound to v1): the driver counts alone"
+    detail = (
+        f"hard limits (driver {nvml.driver_version}, cgroup v2) on {len(able)} GPU(s), "
+        f"with sampling as the backstop; the kernel's dmem controller is "
+        f"{'there' if dmem else no_dmem}"
+    )
+    if os.geteuid() != 0:
+        detail += "; setting them needs root (exec falls back to sampling without it)"
+    return Check(TIER, "ok", "; ".join([detail, *why]))
+
+
+def _sampling_only(why: str) -> Check:
+    return Check(
+        TIER, "note", f"sampling only: {why}",
+        "allocations past a limit succeed and the offender is stopped within one "
+        "interval; for the driver to refuse them: NVIDIA R615+, cgroup v2, a GPU not in MIG mode",
+    )  # fmt: skip
 
 
 def check_pid_namespace(procfs: ProcFs) -> Check:
@@ -165,7 +219,7 @@ def run(settings: DoctorSettings) -> int:
     procfs = ProcFs()
     checks = [check_pid_namespace(procfs)]
     steps: list[tuple[bool, Callable[[], list[Check]]]] = [
-        (settings.nvml, lambda: [check_nvml()]),
+        (settings.nvml, lambda: [check_nvml(), check_tier()]),
         (settings.agent, lambda: [check_agent(settings.agent_socket)]),
         (settings.api, lambda: check_api(settings)),
     ]

@@ -48,6 +48,30 @@ def test_everything_reachable_passes(fake_nvml: Any, agent: Path) -> None:
     assert "[ok  ] PID namespace: the host's" in out.stdout
     assert "[skip] Kubernetes API: not asked for" in out.stdout
     assert out.stdout.rstrip().endswith("all checks passed")
+    # A driver before R615: sampling alone, which is said, and is no failure.
+    assert (
+        "[note] enforcement tier: sampling only: GPU-00000000-fake-4000-8000-000000000000: the "
+        "NVIDIA driver 550.54.15 cannot hold a cgroup to a GPU memory limit (Not Supported); "
+        "drivers from R615 can" in out.stdout
+    )
+    assert "fix: allocations past a limit succeed" in out.stdout
+
+
+def test_the_tier_on_an_r615_driver_is_hard_limits(fake_nvml: Any) -> None:
+    """Asked with NVML's Get call on doctor's own cgroup, which the fake answers as an R615
+    driver would; nothing is set."""
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.state.add_device()
+    fake_nvml.state.enable_mig(1, [{"uuid": "MIG-x", "total_bytes": 40 * 1024**3}])
+    fake_nvml.write()
+    out = doctor(fake_nvml.env(), "--json", "--no-agent")
+    (tier,) = [c for c in json.loads(out.stdout) if c["name"] == "enforcement tier"]
+    assert tier["status"] == "ok", tier
+    assert tier["detail"].startswith(
+        "hard limits (driver 615.43.02, cgroup v2) on 1 GPU(s), with sampling as the backstop"
+    )
+    assert "GPU-00000001-fake-4000-8000-000000000001 in MIG mode" in tier["detail"]
+    assert fake_nvml.limit_records() == []
 
 
 def test_missing_pieces_fail_with_a_fix_and_exit_1(tmp_path: Path) -> None:
