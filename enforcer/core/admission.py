@@ -65,6 +65,10 @@ _SETTINGS = {
 # at start-up would otherwise be over their limit before they allocate anything.
 FRAMEWORK_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "TF_FORCE_GPU_ALLOW_GROWTH": "true"}
 GPU_ENV = {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}
+# Read by the NVIDIA container toolkit's `apply-cuda-memory-limits` CDI hook, in MiB: it
+# sets them as the container cgroup's soft and hard limit on each of the container's GPUs.
+TOOLKIT_ENV = ("NVIDIA_GPU_MEMORY_REQUEST", "NVIDIA_GPU_MEMORY_LIMIT")
+MiB = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,7 @@ class AdmissionSettings:
     framework_env: bool = True
     shm_default: str = "auto"  # auto, off, or a quantity
     gpu_exposure: str = "none"  # none or env
+    toolkit_limits: bool = False  # also set TOOLKIT_ENV for the toolkit's CDI hook
     runtime_class: str | None = None
     sidecar_cpu: str = "10m"
     sidecar_memory: str = "96Mi"
@@ -324,8 +329,11 @@ def _memory_limit(c: Container) -> int | None:
 def _workload_env(c: Container, limit: int, settings: AdmissionSettings) -> None:
     env = c.setdefault("env", [])
     names = {e.get("name") for e in env}
-    env[:] = [e for e in env if e.get("name") != "VRAM_LIMIT_BYTES"]
-    env.append({"name": "VRAM_LIMIT_BYTES", "value": str(limit)})
+    ours = {"VRAM_LIMIT_BYTES": str(limit)}
+    if settings.toolkit_limits:  # whole MiB, rounded down: never above the declared limit
+        ours.update(dict.fromkeys(TOOLKIT_ENV, str(limit // MiB)))
+    env[:] = [e for e in env if e.get("name") not in ours]
+    env.extend({"name": k, "value": v} for k, v in ours.items())
     extra = {**(FRAMEWORK_ENV if settings.framework_env else {})}
     if settings.gpu_exposure == "env" and not _requests_gpus(c):
         extra.update(GPU_ENV)  # a container given GPUs by the device plugin keeps those

@@ -277,6 +277,22 @@ def test_shm_off_and_no_framework_env() -> None:
     assert "volumeMounts" not in out["spec"]["containers"][0]
 
 
+def test_toolkit_memory_limits_are_whole_mib_and_ours_replace_the_users() -> None:
+    """Read by the NVIDIA container toolkit's apply-cuda-memory-limits hook, which needs
+    both, in MiB, request <= limit."""
+    s = AdmissionSettings("img", "native", RES, 1, toolkit_limits=True)
+    odd = gpu("odd", str(12 * GiB + 5))
+    odd["env"] = [{"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "999999"}]
+    out = applied(pod(gpu("t"), odd, gpu("cpu-only", None)), s)
+    t, o, c = out["spec"]["containers"][:3]
+    assert env_of(t)["NVIDIA_GPU_MEMORY_REQUEST"] == env_of(t)["NVIDIA_GPU_MEMORY_LIMIT"] == "12288"
+    assert env_of(o)["NVIDIA_GPU_MEMORY_LIMIT"] == "12288"  # rounded down; the user's replaced
+    assert [e["name"] for e in o["env"]].count("NVIDIA_GPU_MEMORY_LIMIT") == 1
+    assert "env" not in c
+    default = applied(pod(gpu("t")))  # off by default: the hook fails containers on old drivers
+    assert "NVIDIA_GPU_MEMORY_LIMIT" not in env_of(default["spec"]["containers"][0])
+
+
 def test_gpu_exposure_env_and_runtime_class() -> None:
     s = AdmissionSettings("img", "native", RES, 1, gpu_exposure="env", runtime_class="nvidia")
     plugin = gpu("plugin")

@@ -123,6 +123,18 @@ FRAMEWORK_ENV = switch(
     "do not set XLA_PYTHON_CLIENT_PREALLOCATE=false and TF_FORCE_GPU_ALLOW_GROWTH=true",
     doc="do not add `XLA_PYTHON_CLIENT_PREALLOCATE=false` and `TF_FORCE_GPU_ALLOW_GROWTH=true`",
 )
+TOOLKIT_LIMITS = switch(
+    "toolkit_limits",
+    "--toolkit-memory-limits",
+    "also set NVIDIA_GPU_MEMORY_REQUEST/LIMIT (MiB) for the NVIDIA container toolkit's hook",
+    doc="also set `NVIDIA_GPU_MEMORY_REQUEST` and `NVIDIA_GPU_MEMORY_LIMIT` (the limit in "
+    "whole MiB, rounded down) on each declaring container, replacing values the user set. "
+    "The NVIDIA container toolkit's `apply-cuda-memory-limits` CDI hook (recent toolkits) "
+    "then sets the container cgroup's limit on each of its GPUs as the container is "
+    "created. Off by default: where that hook runs, a driver before R615, cgroup v1, or a "
+    "limit above a GPU's memory makes it fail the container's creation. The node agent's "
+    "`--hard-limits auto` does the same without those failures",
+)
 SHM_DEFAULT = value(
     "shm_default",
     _shm_default,
@@ -198,6 +210,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     RESOURCE_NAME,
     RESOURCE_UNIT,
     FRAMEWORK_ENV,
+    TOOLKIT_LIMITS,
     SHM_DEFAULT,
     GPU_EXPOSURE,
     RUNTIME_CLASS,
@@ -241,6 +254,7 @@ def webhook_settings(values: Values) -> WebhookSettings:
             resource_name=values[RESOURCE_NAME],
             resource_unit=values[RESOURCE_UNIT],
             framework_env=values[FRAMEWORK_ENV],
+            toolkit_limits=values[TOOLKIT_LIMITS],
             shm_default=values[SHM_DEFAULT],
             gpu_exposure=values[GPU_EXPOSURE],
             runtime_class=runtime_class,
