@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import agent_bench, exec_bench, sidecar_bench, webhook_bench
+from bench import agent_bench, exec_bench, hard_limits_bench, sidecar_bench, webhook_bench
 from bench.common import ROOT
 from tests.fakenvml import build_fake_nvml
 
@@ -35,7 +35,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="fewer trials and shorter windows")
-    p.add_argument("--only", choices=("exec", "agent", "sidecar", "webhook"), help="run one group")
+    p.add_argument(
+        "--only",
+        choices=("exec", "agent", "sidecar", "webhook", "hard-limits"),
+        help="run one group",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     p.add_argument(
         "--runtime",
@@ -76,6 +80,14 @@ def main() -> None:
                 "in_process": webhook_bench.in_process(trials * 10),
                 "https": webhook_bench.over_https(window),
             }
+        if args.only in (None, "hard-limits"):
+            reason = hard_limits_bench.available()
+            if reason:
+                print(f"hard-limit benchmarks skipped: {reason}")
+            else:
+                results["hard_limits"] = hard_limits_bench.agent_cpu(lib_dir, window)
+        if "latency" in results:
+            results["overshoot"] = hard_limits_bench.overshoot(results["latency"])
         if args.only in (None, "sidecar"):
             reason = sidecar_bench.available()
             if reason:
@@ -101,6 +113,18 @@ def main() -> None:
             f"p99 {row['p99_ms']:.2f} ms, max {row['max_ms']:.1f} ms ({row['requests']} replies, "
             f"{row['requests_per_second']:.0f}/s); agent CPU {100 * row['agent_cpu_share_of_one_core']:.1f}% "
             f"of a core; RSS {row['agent_rss_mib']:.1f} MiB (peak {row['agent_peak_rss_mib']:.1f})"
+        )
+    if row := results.get("hard_limits"):
+        print(
+            f"agent hard limits, {row['pods']} pods ({row['cgroups']} cgroups x {row['gpus']} GPUs): all set "
+            f"{row['all_set_after_s']:.1f} s after start; steady CPU {100 * row['agent_cpu_share_of_one_core']:.2f}% "
+            f"of a core (scan every {row['cgroup_scan_s']:.0f} s), against "
+            f"{100 * row['agent_cpu_share_without_hard_limits']:.2f}% with --hard-limits off; RSS {row['agent_rss_mib']:.1f} MiB"
+        )
+    for row in results.get("overshoot", ()):
+        print(
+            f"overshoot, {row['tier']:>20} at {row['rate_gib_per_s']:>3} GiB/s: p50 {row['p50_gib']:.3f} GiB, "
+            f"p99 {row['p99_gib']:.3f} GiB"
         )
     if row := results.get("sidecar"):
         print(

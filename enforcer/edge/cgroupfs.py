@@ -187,15 +187,16 @@ class CommandCgroup:
 @dataclass(slots=True)
 class PodDirs:
     """The kubelet's cgroups under a root: each pod's directory by pod UID, and within it,
-    each container's directory by container ID (as named by the runtime)."""
+    each container's directory by container ID (as named by the runtime). Paths are plain
+    strings: a scan of a full node makes hundreds, and they go to NVML as strings."""
 
-    pods: dict[str, Path] = field(default_factory=dict)
-    containers: dict[str, dict[str, Path]] = field(default_factory=dict)
+    pods: dict[str, str] = field(default_factory=dict)
+    containers: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def paths(self) -> set[str]:
-        found = {str(p) for p in self.pods.values()}
+        found = set(self.pods.values())
         for by_id in self.containers.values():
-            found.update(str(p) for p in by_id.values())
+            found.update(by_id.values())
         return found
 
 
@@ -212,21 +213,23 @@ class PodScanner:
     def __init__(self, root: Path, depth: int = 4) -> None:
         self.root = root
         self._depth = depth
-        self._kubepods: list[Path] = []
+        self._kubepods: list[str] = []
 
     def scan(self) -> PodDirs:
-        if not self._kubepods or not all(exists(k) for k in self._kubepods):
-            self._kubepods = list(_find(self.root, is_kubepods_dir, self._depth))
+        if not self._kubepods or not all(exists(Path(k)) for k in self._kubepods):
+            self._kubepods = [
+                path for _, path in _find(str(self.root), is_kubepods_dir, self._depth)
+            ]
         found = PodDirs()
         for kubepods in self._kubepods:
-            for pod_dir in _find(kubepods, _is_pod_dir, 2):  # below a QoS class, or not
-                uid = pod_uid_of_dir(pod_dir.name)
+            for name, pod_dir in _find(kubepods, _is_pod_dir, 2):  # below a QoS class, or not
+                uid = pod_uid_of_dir(name)
                 assert uid is not None  # noqa: S101 - _is_pod_dir matched it
                 found.pods[uid] = pod_dir
                 found.containers[uid] = {
-                    cid: child
-                    for child in _subdirs(pod_dir)
-                    if (cid := container_id_of_dir(child.name)) is not None
+                    cid: path
+                    for child, path in _subdirs(pod_dir)
+                    if (cid := container_id_of_dir(child)) is not None
                 }
         return found
 
@@ -235,21 +238,25 @@ def _is_pod_dir(name: str) -> bool:
     return pod_uid_of_dir(name) is not None
 
 
-def _subdirs(path: Path) -> Iterator[Path]:
-    with contextlib.suppress(OSError), os.scandir(path) as entries:
-        yield from [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+def _subdirs(path: str) -> list[tuple[str, str]]:
+    """(name, path) of each directory in `path`; none when it has gone."""
+    try:
+        with os.scandir(path) as entries:
+            return [(e.name, e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
 
 
-def _find(root: Path, matches: Callable[[str], bool], depth: int) -> Iterator[Path]:
-    """Directories below `root` (not `root` itself), breadth first, whose name `matches`;
-    a match is not descended into."""
+def _find(root: str, matches: Callable[[str], bool], depth: int) -> Iterator[tuple[str, str]]:
+    """(name, path) of the directories below `root` (not `root` itself), breadth first,
+    whose name `matches`; a match is not descended into."""
     level = [root]
     for _ in range(depth):
-        below: list[Path] = []
+        below: list[str] = []
         for directory in level:
-            for child in _subdirs(directory):
-                if matches(child.name):
-                    yield child
+            for name, path in _subdirs(directory):
+                if matches(name):
+                    yield name, path
                 else:
-                    below.append(child)
+                    below.append(path)
         level = below

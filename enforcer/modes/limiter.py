@@ -84,6 +84,7 @@ class HardLimiter(threading.Thread):
         self._rejected: set[tuple[str, str, int]] = set()
         self._final: dict[str, LimitOutcome] = {}  # GPU -> why it never gets a limit
         self._told: set[str] = set()  # pods whose Event has gone out
+        self._parsed: dict[str, tuple[str, PodVram | None]] = {}  # uid -> (version, parsed)
         self._logged = ""
 
     def run(self) -> None:
@@ -97,7 +98,7 @@ class HardLimiter(threading.Thread):
         pods, devices = self._pods(), self._devices()
         if pods is None or not devices:
             return  # no pod list or no NVML pass yet: never act on a guess
-        declared = [v for p in pods.values() if (v := pod_vram(p, *self._resource)) is not None]
+        declared = self._declared(pods)
         self._told &= {p.uid for p in declared}
         usable = [d for d in devices if d.uuid not in self._final]
         why = self._node_reason(devices, usable)
@@ -107,12 +108,8 @@ class HardLimiter(threading.Thread):
                 self._tell(p, Reason.SAMPLING_ONLY, messages.sampling_only(why))
             return
         found = self._scanner.scan()
-        pod_dirs = {uid: str(path) for uid, path in found.pods.items()}
-        container_dirs = {
-            uid: {cid: str(path) for cid, path in by_id.items()}
-            for uid, by_id in found.containers.items()
-        }
-        wanted = targets(declared, pod_dirs, container_dirs)
+        pod_dirs = found.pods
+        wanted = targets(declared, pod_dirs, found.containers)
         todo = plan(wanted, usable, self._limits, found.paths(), self._rejected)
         for key in todo.forget:
             self._drop(key)
@@ -126,6 +123,17 @@ class HardLimiter(threading.Thread):
             elif (pods[p.uid].get("status") or {}).get("phase") == "Running":
                 why = f"the pod's cgroup is not below {self._root} (is --cgroup-root the host's?)"
                 self._tell(p, Reason.SAMPLING_ONLY, messages.sampling_only(why))
+
+    def _declared(self, pods: Mapping[str, Pod]) -> list[PodVram]:
+        """What each pod declares, parsed again only when the pod has changed."""
+        parsed: dict[str, tuple[str, PodVram | None]] = {}
+        for uid, pod in pods.items():
+            version = str((pod.get("metadata") or {}).get("resourceVersion") or "")
+            known = self._parsed.get(uid)
+            fresh = known if known and version and known[0] == version else None
+            parsed[uid] = fresh or (version, pod_vram(pod, *self._resource))
+        self._parsed = parsed
+        return [v for _, v in parsed.values() if v is not None]
 
     def _node_reason(self, devices: Sequence[Device], usable: Sequence[Device]) -> str:
         """Why no pod on this node can get a hard limit; "" while some can."""

@@ -71,11 +71,12 @@ def test_pods_and_containers_are_found_under_either_driver(tmp_path: Path, cgrou
     )
     guaranteed = "11111111-2222-3333-4444-555555555555"
     assert found.pods == {
-        UID: pod_dir,
-        guaranteed: pod_dir.parent.parent
-        / f"kubepods-pod{'1' * 8}_2222_3333_4444_{'5' * 12}.slice",
+        UID: str(pod_dir),
+        guaranteed: str(
+            pod_dir.parent.parent / f"kubepods-pod{'1' * 8}_2222_3333_4444_{'5' * 12}.slice"
+        ),
     }
-    assert found.containers[UID] == {A: pod_dir / f"cri-containerd-{A}.scope"}
+    assert found.containers[UID] == {A: str(pod_dir / f"cri-containerd-{A}.scope")}
     assert set(found.containers[guaranteed]) == {B}
     # the cgroupfs driver, below a kubelet --cgroup-root
     cgroupfs_tree = tmp_path / "root"
@@ -83,6 +84,6 @@ def test_pods_and_containers_are_found_under_either_driver(tmp_path: Path, cgrou
     (cgroupfs_tree / "kubelet/kubepods/cgroup.controllers").touch()
     found = PodScanner(cgroupfs_tree).scan()
     assert found.containers == {
-        UID: {A: cgroupfs_tree / f"kubelet/kubepods/besteffort/pod{UID}/{A}"}
+        UID: {A: str(cgroupfs_tree / f"kubelet/kubepods/besteffort/pod{UID}/{A}")}
     }
     assert PodScanner(tmp_path / "nothing").scan().pods == {}
