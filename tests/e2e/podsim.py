@@ -49,13 +49,15 @@ class SimPod:
         limits: dict[str, str] | None = None,
         node_name: str | None = None,
         kubelet: bool = False,
+        root: Path | None = None,
     ) -> None:
         self.core = core
         self.namespace = namespace
         self.name = name
         self.ids = {c: secrets.token_hex(32) for c in [*containers, *unlisted]}
         self.unlisted = unlisted  # containers with cgroups whose IDs the pod's status omits
-        self.root = CGROUP2 / f"vram-e2e-{secrets.token_hex(4)}.slice"
+        self._owns_root = root is None  # else another SimPod's (kubelet layout): one node
+        self.root = root or CGROUP2 / f"vram-e2e-{secrets.token_hex(4)}.slice"
         self.slice = (
             self.root / "kubepods.slice/kubepods-besteffort.slice" if kubelet else self.root
         )
@@ -166,7 +168,7 @@ class SimPod:
             )
             cg.rmdir()
         self.pod_slice.rmdir()
-        for directory in (self.slice, *self.slice.parents):
+        for directory in (self.slice, *self.slice.parents) if self._owns_root else ():
             directory.rmdir()
             if directory == self.root:
                 break

@@ -164,5 +164,27 @@ def test_on_an_older_driver_each_pod_is_told_that_sampling_alone_enforces(
         assert agent.stop() == 0
 
 
+def test_the_pod_watch_rides_out_an_api_server_restart(
+    apiserver: ApiServer, agent_rbac: str, core: client.CoreV1Api, fake_nvml_lib: Path,
+    pod: SimPod, namespace: str, tmp_path: Path,
+) -> None:  # fmt: skip
+    agent = start_agent(apiserver, agent_rbac, tmp_path, fake_nvml_lib, pod.root)
+    try:
+        wait_for(lambda: limited(agent, pod.pod_slice, 16 * GiB), timeout=20,
+                 what="the first pod's limit")  # fmt: skip
+        apiserver.restart()
+        late = SimPod(core, namespace, "late", ["train"], limits={"train": "8Gi"}, node_name=NODE,
+                      kubelet=True, root=pod.root)  # fmt: skip
+        try:
+            wait_for(lambda: limited(agent, late.pod_slice, 8 * GiB), timeout=60,
+                     what="the late pod's limit")  # fmt: skip
+        finally:
+            late.close()
+        assert agent.proc.poll() is None
+        assert "Traceback" not in agent.log()
+    finally:
+        assert agent.stop() == 0
+
+
 def _read(path: Path) -> str | None:
     return path.read_text() if path.exists() else None
