@@ -34,7 +34,7 @@ def available() -> str | None:
     if os.geteuid() != 0 or not (CGROUP2 / "cgroup.procs").exists():
         return "needs root and a cgroup v2 hierarchy"
     if apiserver_binary() is None or etcd_binary() is None:
-        return "needs kube-apiserver: bash tests/e2e/build-kube-apiserver.sh"
+        return "needs kube-apiserver: bash tests/e2e/build-kubernetes.sh"
     return None
 
 

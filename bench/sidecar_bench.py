@@ -54,7 +54,7 @@ def available() -> str | None:
     if os.geteuid() != 0:
         return "needs root (PID namespaces, cgroups)"
     if apiserver_binary() is None or etcd_binary() is None:
-        return "needs kube-apiserver: bash tests/e2e/build-kube-apiserver.sh"
+        return "needs kube-apiserver: bash tests/e2e/build-kubernetes.sh"
     return None
 
 

@@ -37,7 +37,7 @@ from kubernetes import client
 
 from tests.helpers import free_port
 
-VERSION = "1.20.2"
+VERSION = "1.37.2"
 CACHE = Path(os.environ.get("VRAM_ENFORCER_CACHE", Path.home() / ".cache" / "vram-enforcer"))
 ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMIN_TOKEN = "e2e-admin-token"  # noqa: S105 - a throwaway cluster on loopback
@@ -53,18 +53,19 @@ class ApiServerError(RuntimeError):
 
 
 def apiserver_binary() -> Path | None:
-    """$KUBE_APISERVER_BIN, else the binary that build-kube-apiserver.sh caches; None if absent."""
-    explicit = os.environ.get("KUBE_APISERVER_BIN")
-    path = Path(explicit) if explicit else CACHE / f"kube-apiserver-{VERSION}" / "kube-apiserver"
-    return path if path.is_file() and os.access(path, os.X_OK) else None
+    """$KUBE_APISERVER_BIN, else the binary that build-kubernetes.sh caches; None if absent."""
+    return _binary("KUBE_APISERVER_BIN", "kube-apiserver")
 
 
 def etcd_binary() -> Path | None:
-    """$ETCD_BIN, else /usr/bin/etcd (Debian's etcd-server), else etcd on PATH; None if absent."""
-    explicit = os.environ.get("ETCD_BIN")
-    found = explicit or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None)
-    found = found or shutil.which("etcd")
-    return Path(found) if found and os.access(found, os.X_OK) else None
+    """$ETCD_BIN, else the etcd that build-kubernetes.sh caches; None if absent."""
+    return _binary("ETCD_BIN", "etcd")
+
+
+def _binary(variable: str, name: str) -> Path | None:
+    explicit = os.environ.get(variable)
+    path = Path(explicit) if explicit else CACHE / f"kubernetes-{VERSION}" / name
+    return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
 def openssl(*args: str, cwd: Path) -> None:
@@ -167,10 +168,10 @@ class ApiServer:
         found_apiserver, found_etcd = apiserver or apiserver_binary(), etcd or etcd_binary()
         if found_apiserver is None:
             raise ApiServerError(
-                "no kube-apiserver: set KUBE_APISERVER_BIN or run tests/e2e/build-kube-apiserver.sh"
+                "no kube-apiserver: set KUBE_APISERVER_BIN or run tests/e2e/build-kubernetes.sh"
             )
         if found_etcd is None:
-            raise ApiServerError("no etcd: set ETCD_BIN or apt-get install etcd-server")
+            raise ApiServerError("no etcd: set ETCD_BIN or run tests/e2e/build-kubernetes.sh")
         self._apiserver_bin: Path = found_apiserver
         self._etcd_bin: Path = found_etcd
         self._extra_args = list(extra_args)
@@ -223,7 +224,7 @@ class ApiServer:
         return [
             str(self._apiserver_bin),
             f"--etcd-servers={self.etcd_url}",
-            "--bind-address=127.0.0.1", f"--secure-port={self.port}", "--insecure-port=0",
+            "--bind-address=127.0.0.1", f"--secure-port={self.port}",
             "--advertise-address=127.0.0.1",
             f"--cert-dir={d / 'certs'}",
             f"--tls-cert-file={self._tls[0]}", f"--tls-private-key-file={self._tls[1]}",

@@ -1,6 +1,6 @@
 """Fixtures for the end-to-end tests against a real kube-apiserver.
 
-Without the binary (`bash tests/e2e/build-kube-apiserver.sh` builds it) these tests are
+Without the binary (`bash tests/e2e/build-kubernetes.sh` builds it) these tests are
 skipped, unless VRAM_ENFORCER_E2E=required, as in CI, where a missing server is a failure.
 """
 
@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def apiserver() -> Iterator[ApiServer]:
     binary, etcd = apiserver_binary(), etcd_binary()
     if binary is None or etcd is None:
-        reason = "kube-apiserver or etcd missing: run bash tests/e2e/build-kube-apiserver.sh"
+        reason = "kube-apiserver or etcd missing: run bash tests/e2e/build-kubernetes.sh"
         if os.environ.get("VRAM_ENFORCER_E2E") == "required":
             pytest.fail(reason)
         pytest.skip(reason)

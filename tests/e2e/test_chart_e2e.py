@@ -151,27 +151,17 @@ def test_the_webhook_objects(installed: Path, admin: client.ApiClient) -> None:
         == "ghcr.io/vram-enforcer/vram-enforcer:e2e"
     )
     assert deployment.spec.template.spec.affinity.pod_anti_affinity is not None
-    # No API access at all: sidecarMode auto is resolved by the chart, for this 1.20 server.
+    # No API access at all: sidecarMode auto is resolved by the chart, for this 1.37 server.
     assert deployment.spec.template.spec.automount_service_account_token is False
-    assert "--sidecar-mode=container" in deployment.spec.template.spec.containers[0].args
+    assert "--sidecar-mode=native" in deployment.spec.template.spec.containers[0].args
     service = client.CoreV1Api(admin).read_namespaced_service(
         "vram-enforcer-e2e-webhook", NAMESPACE
     )
     assert [(p.name, p.port) for p in service.spec.ports] == [("https", 443), ("metrics", 9479)]
-    # policy/v1beta1 on this 1.20 server (policy/v1 from 1.21): the client no longer has it.
-    pdb = get_json(
-        admin,
-        f"/apis/policy/v1beta1/namespaces/{NAMESPACE}/poddisruptionbudgets/vram-enforcer-e2e-webhook",
+    pdb = client.PolicyV1Api(admin).read_namespaced_pod_disruption_budget(
+        "vram-enforcer-e2e-webhook", NAMESPACE
     )
-    assert pdb["spec"]["minAvailable"] == 1
-
-
-def get_json(api: client.ApiClient, path: str) -> Any:
-    method, url, headers, _, _ = api.param_serialize("GET", path, auth_settings=["BearerToken"])
-    response = api.call_api(method, url, header_params=headers)
-    response.read()
-    assert response.status == 200, response.data
-    return json.loads(response.data)
+    assert pdb.spec.min_available == 1
 
 
 def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
@@ -286,20 +276,21 @@ def test_a_pod_is_mutated_through_the_charts_own_webhook(
         wait_for(
             lambda: "serving admission reviews" in log.read_text(), timeout=30, what="the webhook"
         )
-        core.create_namespaced_endpoints(NAMESPACE, {
-            "metadata": {"name": "vram-enforcer-e2e-webhook"},
-            "subsets": [{"addresses": [{"ip": ip}], "ports": [{"name": "https", "port": port, "protocol": "TCP"}]}]})  # fmt: skip
+        # What the EndpointSlice controller would write for a webhook pod at ip:port.
+        client.DiscoveryV1Api(core.api_client).create_namespaced_endpoint_slice(NAMESPACE, {
+            "metadata": {"name": "vram-enforcer-e2e-webhook-local",
+                         "labels": {"kubernetes.io/service-name": "vram-enforcer-e2e-webhook"}},
+            "addressType": "IPv4", "endpoints": [{"addresses": [ip], "conditions": {"ready": True}}],
+            "ports": [{"name": "https", "port": port, "protocol": "TCP"}]})  # fmt: skip
         pod = {"metadata": {"name": "trainer-0"}, "spec": {"restartPolicy": "Never", "containers": [
             {"name": "trainer", "image": "pytorch", "resources": {"limits": {"vram-enforcer.io/vram": "6Gi"}}}]}}  # fmt: skip
         core.create_namespaced_pod(OPTED_IN, pod)
         stored = json.loads(
             core.read_namespaced_pod("trainer-0", OPTED_IN, _preload_content=False).data
         )
-        assert [c["name"] for c in stored["spec"]["containers"]] == [
-            "trainer",
-            "vram-enforcer",
-        ]  # 1.20: container mode
-        side = stored["spec"]["containers"][1]
+        assert [c["name"] for c in stored["spec"]["containers"]] == ["trainer"]
+        (side,) = stored["spec"]["initContainers"]  # 1.37: a native sidecar
+        assert side["name"] == "vram-enforcer" and side["restartPolicy"] == "Always"
         assert side["image"] == "ghcr.io/vram-enforcer/vram-enforcer:e2e"
         assert {"name": "VRAM_ENFORCER_LIMITS", "value": '{"trainer":6442450944}'} in side["env"]
         assert stored["spec"]["shareProcessNamespace"] is True

@@ -31,7 +31,7 @@ def test_a_namespace_with_the_sidecar_role(
     token = namespace_with_sidecar_rbac(apiserver, admin, "doctor-ok")
     code, checks = doctor(apiserver, token, "doctor-ok", tmp_path)
     assert (
-        checks["Kubernetes API"]["status"] == "ok" and "v1.20" in checks["Kubernetes API"]["detail"]
+        checks["Kubernetes API"]["status"] == "ok" and "v1.37" in checks["Kubernetes API"]["detail"]
     )
     assert checks["RBAC for the sidecar"] == {"name": "RBAC for the sidecar", "status": "ok",
                                               "detail": "all it needs is allowed in namespace doctor-ok", "fix": ""}  # fmt: skip

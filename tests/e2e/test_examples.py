@@ -1,7 +1,7 @@
 """The manifests under examples/, as a user would apply them.
 
 - Every Kubernetes object validates against the 1.29 schemas in strict mode (no unknown
-  field), and is created on the real API server (1.20) with `utils.create_from_dict`, as
+  field), and is created on the real API server (1.37) with `utils.create_from_dict`, as
   `kubectl create -f` would (the Python client also wants every quantity to be a string,
   so the manifests quote them). The webhook is not registered here, so pods are stored as
   written; the webhook's own mutation is checked in-process instead, against what

@@ -2,8 +2,8 @@
 client come back mutated and accepted by its validation, denials reach the user, and an
 unlabelled namespace is untouched. The certificate is rotated mid-test.
 
-The server is Kubernetes 1.20, without native sidecars, so the webhook runs in
-`--sidecar-mode auto` and must pick `container` by itself.
+The server is Kubernetes 1.37, with native sidecars, and the webhook runs in
+`--sidecar-mode auto`: it must pick `native` by itself.
 """
 
 from __future__ import annotations
@@ -114,12 +114,12 @@ def test_a_pod_that_declares_vram_is_stored_mutated(
     pod = stored(core, "ml", "trainer-0")
     spec = pod["spec"]
     assert spec["shareProcessNamespace"] is True
-    names = [c["name"] for c in spec["containers"]]
-    assert names == ["trainer", "vram-enforcer"]  # 1.20: container mode, chosen by itself
-    side = spec["containers"][1]
+    assert [c["name"] for c in spec["containers"]] == ["trainer"]
+    (side,) = spec["initContainers"]  # 1.37: a native sidecar, chosen by itself
+    assert side["name"] == "vram-enforcer" and side["restartPolicy"] == "Always"
     env = {e["name"]: e for e in side["env"]}
     assert json.loads(env["VRAM_ENFORCER_LIMITS"]["value"]) == {"trainer": 12 * 1024**3}
-    assert env["VRAM_ENFORCER_SIDECAR_MODE"]["value"] == "container"
+    assert env["VRAM_ENFORCER_SIDECAR_MODE"]["value"] == "native"
     assert env["POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
     assert side["securityContext"]["capabilities"] == {"add": ["KILL"], "drop": ["ALL"]}
     trainer_env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
@@ -129,7 +129,7 @@ def test_a_pod_that_declares_vram_is_stored_mutated(
     assert volumes["vram-enforcer-socket"]["hostPath"]["path"] == "/run/vram-enforcer"
     assert pod["metadata"]["labels"]["vram-enforcer.io/enforced"] == "true"
     assert pod["metadata"]["annotations"]["vram-enforcer.io/injected"] == "true"
-    assert "the API server is v1.20" in webhook.log.read_text()
+    assert "the API server is v1.37" in webhook.log.read_text()
 
 
 def test_a_denial_reaches_the_user(webhook: Webhook, core: client.CoreV1Api) -> None:
@@ -176,8 +176,6 @@ def test_pods_keep_being_admitted_across_a_certificate_rotation(
         core.create_namespaced_pod("ml", gpu_pod(f"during-{i}"))
     wait_for(lambda: served_certificate(webhook) == new, what="the new certificate to be served")
     core.create_namespaced_pod("ml", gpu_pod("after-0"))
-    assert [c["name"] for c in stored(core, "ml", "after-0")["spec"]["containers"]] == [
-        "trainer",
-        "vram-enforcer",
-    ]
+    after = stored(core, "ml", "after-0")["spec"]
+    assert [c["name"] for c in after["initContainers"]] == ["vram-enforcer"]
     assert "certificate reloaded" in webhook.log.read_text()

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Build a current Kubernetes control plane and node (kube-apiserver, kube-scheduler,
+# kube-controller-manager, kubelet) and etcd from the Go module proxy with the ordinary
+# `go` client, and cache them outside the checkout. Idempotent: cached binaries that run
+# are reused at once.
+#
+#   bash tests/e2e/build-kubernetes.sh      # prints the cache directory on stdout
+#
+# k8s.io/kubernetes cannot be `go install`ed: its go.mod replaces its staging modules
+# (k8s.io/api, k8s.io/apimachinery, ...) with paths inside its own tree. So the binaries
+# are built from a throw-away module that requires k8s.io/kubernetes at the release and
+# points each staging module at its published version of the same release (v0.X.Y for
+# v1.X.Y). etcd's server module has the same kind of replaces; it gets the same treatment.
+#
+# Environment: VRAM_ENFORCER_CACHE (default ~/.cache/vram-enforcer) is where they go;
+# GOPROXY as usual.
+set -euo pipefail
+
+K8S=${VRAM_ENFORCER_K8S_VERSION:-1.37.2}
+ETCD=${VRAM_ENFORCER_ETCD_VERSION:-3.6.6}
+CACHE=${VRAM_ENFORCER_CACHE:-$HOME/.cache/vram-enforcer}
+OUT="$CACHE/kubernetes-$K8S"
+BINARIES=(kube-apiserver kube-scheduler kube-controller-manager kubelet)
+
+log() { echo "build-kubernetes: $*" >&2; }
+
+cached() {
+    local b
+    for b in "${BINARIES[@]}"; do
+        "$OUT/$b" --version 2>/dev/null | grep -qx "Kubernetes v$K8S" || return 1
+    done
+    "$OUT/etcd" --version 2>/dev/null | grep -q "etcd Version: $ETCD"
+}
+
+if cached; then
+    echo "$OUT"
+    exit 0
+fi
+command -v go >/dev/null || { log "needs Go (1.26 or newer) and the Go module proxy"; exit 1; }
+
+# One build at a time per cache; a build that finished while we waited is reused.
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.build-kubernetes.lock"
+flock 9
+if cached; then
+    echo "$OUT"
+    exit 0
+fi
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/vram-kube-build.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+started=$(date +%s)
+export GOFLAGS=-mod=mod CGO_ENABLED=0 GOTOOLCHAIN=local
+
+# Kubernetes: the staging modules are the ones its go.mod replaces with ./staging paths.
+mkdir -p "$WORK/k8s"
+cd "$WORK/k8s"
+echo "module vram-enforcer.invalid/probe" >go.mod
+go mod download -json "k8s.io/kubernetes@v$K8S" >download.json
+cp "$(sed -n 's/^\t"GoMod": "\(.*\)",$/\1/p' download.json)" upstream.mod
+{
+    echo "module vram-enforcer.invalid/kube-build"
+    echo
+    echo "go 1.26"
+    echo
+    echo "require k8s.io/kubernetes v$K8S"
+    echo
+    echo "replace ("
+    awk '/=> \.\/staging\/src\// { print "\t" $1 " => " $1 " v0." substr(v, 3) }' v="$K8S" upstream.mod |
+        grep -v -e k8s.io/sample-cli-plugin -e k8s.io/sample-controller
+    echo ")"
+} >go.mod
+pkg=k8s.io/component-base/version
+minor=$(echo "$K8S" | cut -d. -f2)
+ldflags="-s -w -X $pkg.gitVersion=v$K8S -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+ldflags="$ldflags -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+log "Kubernetes v$K8S: resolving modules"
+mkdir -p "$WORK/bin"
+for b in "${BINARIES[@]}"; do
+    log "building $b"
+    go build -trimpath -ldflags "$ldflags" -o "$WORK/bin/$b" "k8s.io/kubernetes/cmd/$b"
+done
+
+# etcd: its server module (package main at its root) replaces its sibling modules.
+mkdir -p "$WORK/etcd"
+cd "$WORK/etcd"
+cat >go.mod <<MOD
+module vram-enforcer.invalid/etcd-build
+
+go 1.26
+
+require go.etcd.io/etcd/server/v3 v$ETCD
+
+replace (
+	go.etcd.io/etcd/api/v3 => go.etcd.io/etcd/api/v3 v$ETCD
+	go.etcd.io/etcd/client/pkg/v3 => go.etcd.io/etcd/client/pkg/v3 v$ETCD
+	go.etcd.io/etcd/client/v3 => go.etcd.io/etcd/client/v3 v$ETCD
+	go.etcd.io/etcd/pkg/v3 => go.etcd.io/etcd/pkg/v3 v$ETCD
+)
+MOD
+log "building etcd v$ETCD"
+go build -trimpath -ldflags "-s -w" -o "$WORK/bin/etcd" go.etcd.io/etcd/server/v3
+
+mkdir -p "$OUT"
+for b in "${BINARIES[@]}" etcd; do
+    mv "$WORK/bin/$b" "$OUT/$b.tmp" && mv "$OUT/$b.tmp" "$OUT/$b"
+done
+log "built in $(($(date +%s) - started)) s: $OUT"
+cached || { log "the built binaries do not report the expected versions"; exit 1; }
+echo "$OUT"
