@@ -1,6 +1,7 @@
-"""A real Kubernetes control plane on loopback: etcd and kube-apiserver, nothing else.
+"""A real Kubernetes control plane on loopback: etcd and kube-apiserver, and kube-scheduler
+on request (`start_scheduler`).
 
-No kubelet, scheduler or controllers run: tests play those parts themselves (they create
+No kubelet or controllers run: tests play those parts themselves (they create
 Nodes, set pod status as kubelet would, and mint ServiceAccount tokens through the
 TokenRequest API). The server authenticates static tokens and ServiceAccount tokens and
 authorizes with RBAC, so permission tests are real.
@@ -55,6 +56,11 @@ class ApiServerError(RuntimeError):
 def apiserver_binary() -> Path | None:
     """$KUBE_APISERVER_BIN, else the binary that build-kubernetes.sh caches; None if absent."""
     return _binary("KUBE_APISERVER_BIN", "kube-apiserver")
+
+
+def scheduler_binary() -> Path | None:
+    """$KUBE_SCHEDULER_BIN, else the binary that build-kubernetes.sh caches; None if absent."""
+    return _binary("KUBE_SCHEDULER_BIN", "kube-scheduler")
 
 
 def etcd_binary() -> Path | None:
@@ -302,6 +308,36 @@ class ApiServer:
     ) -> None:
         self.close()
 
+    def start_scheduler(self, config: Mapping[str, Any], name: str = "scheduler") -> None:
+        """The real kube-scheduler with `config` (a KubeSchedulerConfiguration), connected
+        to this server as admin, without leader election; returns once it is ready. It
+        stops with `close()`."""
+        binary = scheduler_binary()
+        if binary is None:
+            raise ApiServerError("no kube-scheduler: run tests/e2e/build-kubernetes.sh")
+        kubeconfig = self.write_kubeconfig(self.dir / f"{name}.kubeconfig")
+        connected = {**config, "clientConnection": {"kubeconfig": str(kubeconfig)},
+                     "leaderElection": {"leaderElect": False}}  # fmt: skip
+        (self.dir / f"{name}.json").write_text(json.dumps(connected))
+        port = free_port()
+        process = self._spawn(name, [
+            str(binary), f"--config={self.dir / f'{name}.json'}", "--bind-address=127.0.0.1",
+            f"--secure-port={port}", f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+        ])  # fmt: skip
+        insecure = ssl.create_default_context()
+        insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE  # its own cert
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"https://127.0.0.1:{port}/readyz", context=insecure,
+                                            timeout=2) as r:  # fmt: skip
+                    return int(r.status) == 200
+            except OSError:
+                return False
+
+        self._wait(time.monotonic() + self.ready_timeout, name, ready, process)
+
     def _spawn(self, name: str, argv: list[str]) -> _Process:
         process = _Process(argv, self.dir / f"{name}.log", self.dir)
         self._processes.append(process)
@@ -341,8 +377,10 @@ class ApiServer:
         except (OSError, ValueError):
             return False
 
-    def _wait(self, deadline: float, name: str, ready: Callable[[], bool]) -> None:
-        process = self._etcd if name == "etcd" else self._apiserver
+    def _wait(
+        self, deadline: float, name: str, ready: Callable[[], bool], process: _Process | None = None
+    ) -> None:
+        process = process or (self._etcd if name == "etcd" else self._apiserver)
         while time.monotonic() < deadline:
             if process is None or not process.running():
                 code = None if process is None else process.popen.returncode

@@ -6,17 +6,15 @@
   so the manifests quote them). The webhook is not registered here, so pods are stored as
   written; the webhook's own mutation is checked in-process instead, against what
   examples/README.md promises (framework env, /dev/shm size, GPU exposure, annotations).
-- The kube-scheduler configuration is not an API object: its fields are checked by hand.
-- three-pods.yaml: two Nodes advertise 4Gi and 8Gi of VRAM on the API server, and a
-  first-fit placement over the stored nodes and the manifest's pods (no scheduler runs in
-  this harness) gives what the README claims, in every order: three pods fit, one does not.
+- The kube-scheduler configuration is not an API object: here its fields and what its
+  profiles promise are checked; test_scheduler_e2e.py runs the real kube-scheduler with it,
+  and has it place three-pods.yaml and pack or spread by VRAM.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import json
 from decimal import Decimal
 from pathlib import Path
@@ -37,7 +35,6 @@ RESOURCE = "vram-enforcer.io/vram"
 NAMESPACE = "vram-demo"
 SCHEDULER_API = "kubescheduler.config.k8s.io/v1"
 GiB = 1024**3
-NODES = {"demo-node-4gi": "4Gi", "demo-node-8gi": "8Gi"}  # unique to this module
 
 Doc = dict[str, Any]
 
@@ -91,49 +88,6 @@ def effective_requests(container: Doc) -> dict[str, Decimal]:
     resources = container.get("resources") or {}
     merged = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
     return {name: quantity(value) for name, value in merged.items()}
-
-
-def pod_requests(pod: Doc) -> dict[str, Decimal]:
-    total: dict[str, Decimal] = {"pods": Decimal(1)}
-    for c in pod["spec"]["containers"]:
-        for name, value in effective_requests(c).items():
-            total[name] = total.get(name, Decimal(0)) + value
-    return total
-
-
-def first_fit(
-    pods: list[tuple[str, dict[str, Decimal]]], nodes: list[tuple[str, dict[str, Decimal]]]
-) -> tuple[dict[str, str], dict[str, list[str]]]:
-    """Place each pod, in order, on the first node where every request still fits.
-
-    Returns the placements, and for each pod that fits nowhere, the scheduler's reason per
-    node (`Insufficient <resource>` for each resource that does not fit).
-    """
-    free = {name: dict(alloc) for name, alloc in nodes}
-    placed: dict[str, str] = {}
-    refused: dict[str, list[str]] = {}
-    for pod, requests in pods:
-        reasons = []
-        for node, _ in nodes:
-            short = [r for r, v in requests.items() if free[node].get(r, Decimal(0)) < v]
-            if not short:
-                for r, v in requests.items():
-                    free[node][r] -= v
-                placed[pod] = node
-                break
-            reasons.extend(f"Insufficient {r}" for r in short)
-        else:
-            refused[pod] = reasons
-    return placed, refused
-
-
-def scheduler_message(reasons: list[str], node_count: int) -> str:
-    """kube-scheduler's FailedScheduling summary: reasons counted, then sorted."""
-    counts: dict[str, int] = {}
-    for r in reasons:
-        counts[r] = counts.get(r, 0) + 1
-    summary = ", ".join(sorted(f"{n} {r}" for r, n in counts.items()))
-    return f"0/{node_count} nodes are available: {summary}."
 
 
 # --- the files -------------------------------------------------------------------------------
@@ -424,56 +378,3 @@ def test_the_job_and_its_script_are_stored(
     assert job.spec.template.spec.restart_policy == "Never"
     config_map = client.CoreV1Api(admin).read_namespaced_config_map("pytorch-overrun", NAMESPACE)
     assert "torch.empty(512 * 2**20" in config_map.data["overrun.py"]
-
-
-@pytest.fixture(scope="module")
-def demo_nodes(admin: client.ApiClient) -> list[tuple[str, dict[str, Decimal]]]:
-    """Two GPU nodes as the agent would advertise them; returns their allocatable as stored."""
-    core = client.CoreV1Api(admin)
-    for name, vram in NODES.items():
-        core.create_node(
-            client.V1Node(
-                metadata=client.V1ObjectMeta(name=name, labels={"kubernetes.io/hostname": name})
-            )
-        )
-        resources = {"cpu": "8", "memory": "32Gi", "pods": "110", RESOURCE: vram}
-        core.patch_node_status(name, {"status": {"capacity": resources, "allocatable": resources}})
-    nodes = []
-    for name in NODES:
-        allocatable = core.read_node(name).status.allocatable
-        nodes.append((name, {k: quantity(v) for k, v in allocatable.items()}))
-    return nodes
-
-
-def test_three_of_the_four_pods_fit_on_the_4gi_and_8gi_nodes(
-    created: dict[str, Doc],
-    demo_nodes: list[tuple[str, dict[str, Decimal]]],
-    core: client.CoreV1Api,
-) -> None:
-    capacities = {name: alloc[RESOURCE] for name, alloc in demo_nodes}
-    assert capacities == {"demo-node-4gi": 4 * GiB, "demo-node-8gi": 8 * GiB}
-
-    manifests = load("pods/three-pods.yaml")
-    assert len(manifests) == 4
-    pods = [(p["metadata"]["name"], pod_requests(p)) for p in manifests]
-    assert all(requests[RESOURCE] == 3 * GiB for _, requests in pods)
-
-    readme = README.read_text()
-    # Which pod stays Pending depends on the order the scheduler takes them, and where the
-    # first ones land on the scores; the count does not: try every order.
-    for pod_order in itertools.permutations(pods):
-        for node_order in itertools.permutations(demo_nodes):
-            placed, refused = first_fit(list(pod_order), list(node_order))
-            assert len(placed) == 3, (pod_order, node_order)
-            assert sorted(placed.values()) == ["demo-node-4gi", "demo-node-8gi", "demo-node-8gi"]
-            ((pending, reasons),) = refused.items()
-            assert pending == pod_order[-1][0]  # the last one finds no room
-            message = scheduler_message(reasons, len(demo_nodes))
-            assert message == f"0/2 nodes are available: 2 Insufficient {RESOURCE}."
-            assert message in readme
-
-    stored = core.list_namespaced_pod(NAMESPACE, label_selector="example=three-pods").items
-    assert sorted(p.metadata.name for p in stored) == ["share-1", "share-2", "share-3", "share-4"]
-    for p in stored:
-        assert p.spec.node_name is None  # no scheduler in this harness: nothing is bound
-        assert quantity(p.spec.containers[0].resources.requests[RESOURCE]) == 3 * GiB
