@@ -126,6 +126,12 @@ def exists(path: Path) -> bool:
     return (path / _CONTROLLERS).exists()
 
 
+def v2_at(path: Path) -> Path:
+    """The cgroup v2 hierarchy at `path`, or at `path`/unified where `path` is a hybrid
+    host's /sys/fs/cgroup (v1 controllers, v2 below `unified`); `path` when neither is."""
+    return path / "unified" if not exists(path) and exists(path / "unified") else path
+
+
 class CommandCgroup:
     """`exec`'s cgroups: `<its own>/vram-enforcer-<pid>/command`, where the command and all
     its descendants live and which carries the hard limits, and `.../enforcer`, where exec

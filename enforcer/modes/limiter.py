@@ -72,8 +72,8 @@ class HardLimiter(threading.Thread):
         self._devices = devices
         self._recorder = recorder
         self._telemetry = telemetry
-        self._root = cgroup_root
-        self._scanner = cgroupfs.PodScanner(cgroup_root)
+        self._root = cgroupfs.v2_at(cgroup_root)  # a hybrid host's v2 is below `unified`
+        self._scanner = cgroupfs.PodScanner(self._root)
         self._resource = resource
         self._scan_every = scan_every
         self._changed = changed

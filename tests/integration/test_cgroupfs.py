@@ -87,3 +87,13 @@ def test_pods_and_containers_are_found_under_either_driver(tmp_path: Path, cgrou
         UID: {A: str(cgroupfs_tree / f"kubelet/kubepods/besteffort/pod{UID}/{A}")}
     }
     assert PodScanner(tmp_path / "nothing").scan().pods == {}
+
+
+def test_a_hybrid_hosts_v2_hierarchy_is_found_below_unified(tmp_path: Path, cgroup2: Path) -> None:
+    """The chart mounts the host's /sys/fs/cgroup; on a hybrid host that is a tmpfs of v1
+    mounts, and the v2 hierarchy (where the driver's limits live) is its `unified`."""
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "unified").symlink_to(cgroup2)
+    assert cgroupfs.v2_at(tmp_path) == tmp_path / "unified"
+    assert cgroupfs.v2_at(cgroup2) == cgroup2  # a pure v2 host: the path itself
+    assert cgroupfs.v2_at(tmp_path / "memory") == tmp_path / "memory"  # neither: said later

@@ -107,9 +107,9 @@ CGROUP_ROOT = value(
     flag="--cgroup-root",
     default="/sys/fs/cgroup",
     metavar="PATH",
-    doc="where the host's cgroup v2 hierarchy is mounted in this container; the kubelet's "
-    "pod cgroups (`kubepods.slice` or `kubepods`) are found below it. NVML is given these "
-    "paths, so mount it at the host's own path where you can",
+    doc="where the host's cgroup v2 hierarchy is mounted in this container (on a hybrid "
+    "host, its `unified` directory is used); the kubelet's pod cgroups (`kubepods.slice` or "
+    "`kubepods`) are found below it. NVML is given these paths",
 )
 CGROUP_SCAN = value(
     "cgroup_scan",
