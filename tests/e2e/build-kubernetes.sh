@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build a current Kubernetes control plane and node (kube-apiserver, kube-scheduler,
-# kube-controller-manager, kubelet) and etcd from the Go module proxy with the ordinary
-# `go` client, and cache them outside the checkout. Idempotent: cached binaries that run
-# are reused at once.
+# kube-controller-manager, kubelet), etcd, containerd and a pause binary from the Go module
+# proxy with the ordinary `go` client, and cache them outside the checkout. Idempotent:
+# cached binaries that run are reused at once. runc and the CNI plugins come from Debian
+# (.ci/run installs them).
 #
 #   bash tests/e2e/build-kubernetes.sh      # prints the cache directory on stdout
 #
@@ -18,6 +19,7 @@ set -euo pipefail
 
 K8S=${VRAM_ENFORCER_K8S_VERSION:-1.37.2}
 ETCD=${VRAM_ENFORCER_ETCD_VERSION:-3.6.6}
+CONTAINERD=${VRAM_ENFORCER_CONTAINERD_VERSION:-2.4.2}
 CACHE=${VRAM_ENFORCER_CACHE:-$HOME/.cache/vram-enforcer}
 OUT="$CACHE/kubernetes-$K8S"
 BINARIES=(kube-apiserver kube-scheduler kube-controller-manager kubelet)
@@ -29,7 +31,9 @@ cached() {
     for b in "${BINARIES[@]}"; do
         "$OUT/$b" --version 2>/dev/null | grep -qx "Kubernetes v$K8S" || return 1
     done
-    "$OUT/etcd" --version 2>/dev/null | grep -q "etcd Version: $ETCD"
+    "$OUT/etcd" --version 2>/dev/null | grep -q "etcd Version: $ETCD" &&
+        "$OUT/containerd" --version 2>/dev/null | grep -q " $CONTAINERD" &&
+        [ -x "$OUT/containerd-shim-runc-v2" ] && [ -x "$OUT/ctr" ] && [ -x "$OUT/pause" ]
 }
 
 if cached; then
@@ -101,8 +105,36 @@ MOD
 log "building etcd v$ETCD"
 go build -trimpath -ldflags "-s -w" -o "$WORK/bin/etcd" go.etcd.io/etcd/server/v3
 
+# containerd 2.x (no replaces in its go.mod: a plain go install), without the snapshotters
+# that need cgo; and pause, the sandbox's one process, as the kubelet's image would run it.
+log "building containerd v$CONTAINERD"
+GOBIN="$WORK/bin" go install -trimpath -tags "no_btrfs no_devmapper no_zfs" -ldflags "-s -w" \
+    "github.com/containerd/containerd/v2/cmd/containerd@v$CONTAINERD" \
+    "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@v$CONTAINERD" \
+    "github.com/containerd/containerd/v2/cmd/ctr@v$CONTAINERD"
+mkdir -p "$WORK/pause"
+cd "$WORK/pause"
+printf 'module pause\n\ngo 1.26\n' >go.mod
+cat >main.go <<'GO'
+// pause holds a pod's namespaces until it is told to stop.
+package main
+
+import (
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+func main() {
+	stop := make(chan os.Signal, 1)
+	signal.Notify(stop, syscall.SIGINT, syscall.SIGTERM)
+	<-stop
+}
+GO
+go build -trimpath -ldflags "-s -w" -o "$WORK/bin/pause" .
+
 mkdir -p "$OUT"
-for b in "${BINARIES[@]}" etcd; do
+for b in "${BINARIES[@]}" etcd containerd containerd-shim-runc-v2 ctr pause; do
     mv "$WORK/bin/$b" "$OUT/$b.tmp" && mv "$OUT/$b.tmp" "$OUT/$b"
 done
 log "built in $(($(date +%s) - started)) s: $OUT"
