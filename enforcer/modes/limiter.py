@@ -108,9 +108,10 @@ class HardLimiter(threading.Thread):
                 self._tell(p, Reason.SAMPLING_ONLY, messages.sampling_only(why))
             return
         found = self._scanner.scan()
-        pod_dirs = found.pods
+        pod_dirs, existing = found.pods, found.paths()
+        self._rejected = {r for r in self._rejected if r[0] in existing}  # gone with the cgroup
         wanted = targets(declared, pod_dirs, found.containers)
-        todo = plan(wanted, usable, self._limits, found.paths(), self._rejected)
+        todo = plan(wanted, usable, self._limits, existing, self._rejected)
         for key in todo.forget:
             self._drop(key)
         for key in todo.clear:
