@@ -29,6 +29,7 @@ from pathlib import Path
 
 from kubernetes import client
 
+from enforcer.edge import cgroupfs
 from tests.e2e.cluster import CACHE, VERSION, ApiServer
 from tests.helpers import free_port, wait_for
 
@@ -258,18 +259,8 @@ state = "{d}/containerd/state"
                 (p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)
             ):
                 wait_for(
-                    lambda directory=directory: _rmdir(directory),
+                    lambda directory=directory: cgroupfs.remove(directory),
                     timeout=10,
                     what=f"{directory} removed",
                 )
-            wait_for(lambda top=top: _rmdir(top), timeout=10, what=f"{top} removed")
-
-
-def _rmdir(path: Path) -> bool:
-    try:
-        path.rmdir()
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return True
+            wait_for(lambda top=top: cgroupfs.remove(top), timeout=10, what=f"{top} removed")
