@@ -24,7 +24,7 @@ from bench.common import enforcer_argv, proc_cpu_seconds, proc_status_kib
 from tests.e2e.cluster import ApiServer, apiserver_binary, etcd_binary
 from tests.e2e.podsim import CGROUP2
 from tests.fakenvml import FakeGpuState, limit_records
-from tests.helpers import wait_for
+from tests.helpers import remove_cgroup_tree, wait_for
 
 NODE = "bench-node"
 PODS = 110
@@ -51,7 +51,7 @@ def agent_cpu(lib_dir: Path, window: float) -> dict[str, Any]:
             on = _measure(lib_dir, tmp / "on", kubeconfig, root, cgroups, window, "auto")
             off = _measure(lib_dir, tmp / "off", kubeconfig, root, cgroups, window, "off")
     finally:
-        _remove(root)
+        remove_cgroup_tree(root)
         server.close()
     return {
         "pods": PODS,
@@ -139,14 +139,3 @@ def overshoot(latency_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append({"tier": "hard limit (R615+)", "rate_gib_per_s": rate_gib_s, "p50_gib": 0.0,
                      "p99_gib": 0.0})  # fmt: skip
     return rows
-
-
-def _remove(root: Path) -> None:
-    """The scratch cgroups, deepest first (rmdir, as cgroupfs wants; they hold no process)."""
-    if not root.exists():
-        return
-    for directory in sorted(
-        (p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)
-    ):
-        directory.rmdir()
-    root.rmdir()

@@ -121,9 +121,16 @@ def scratch_cgroup(prefix: str = "vram-test") -> Iterator[Path]:
     try:
         yield path
     finally:
-        for directory in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-            if directory.is_dir():
-                wait_for(lambda d=directory: not (d / "cgroup.procs").read_text().strip(),
-                         what=f"{directory} to empty")  # fmt: skip
-                directory.rmdir()
-        path.rmdir()
+        remove_cgroup_tree(path)
+
+
+def remove_cgroup_tree(path: Path, timeout: float = 10.0) -> None:
+    """Remove a cgroup and every cgroup below it, deepest first, each once its processes
+    have gone (rmdir is the only removal cgroupfs allows). Nothing there: nothing to do."""
+    from enforcer.edge.cgroupfs import remove
+
+    if not path.exists():
+        return
+    below = sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+    for directory in [*below, path]:
+        wait_for(lambda d=directory: remove(d), timeout=timeout, what=f"{directory} removed")

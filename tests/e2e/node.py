@@ -16,11 +16,13 @@ containerd does not let us move) are deleted on `close()`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tarfile
@@ -29,9 +31,8 @@ from pathlib import Path
 
 from kubernetes import client
 
-from enforcer.edge import cgroupfs
 from tests.e2e.cluster import CACHE, VERSION, ApiServer
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, remove_cgroup_tree, wait_for
 
 BIN = CACHE / f"kubernetes-{VERSION}"
 CNI_BIN = Path("/usr/lib/cni")
@@ -227,7 +228,7 @@ state = "{d}/containerd/state"
         shims = subprocess.run(["pgrep", "-f", f"containerd-shim-runc-v2.*{self.socket}"],
                                capture_output=True, text=True).stdout.split()  # fmt: skip
         for pid in shims:
-            subprocess.run(["kill", "-9", pid], check=False)
+            _kill(int(pid))
         mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
         for mount in sorted(
             (m for m in mounts if m.startswith(str(self.dir))), key=len, reverse=True
@@ -241,26 +242,20 @@ state = "{d}/containerd/state"
 
     def _kill_cgroup_tree(self) -> None:
         """SIGKILL every process left in the node's cgroups (containers of pods that were
-        not deleted), and wait until they have gone."""
+        not deleted); `_remove_cgroups` then waits for each cgroup to empty."""
         for hierarchy in _hierarchies():
             top = hierarchy / self.cgroup_root.lstrip("/")
             if not top.exists():
                 continue
             for procs in top.rglob("cgroup.procs"):
                 for pid in procs.read_text().split():
-                    subprocess.run(["kill", "-9", pid], check=False)
+                    _kill(int(pid))
 
     def _remove_cgroups(self) -> None:
         for hierarchy in _hierarchies():
-            top = hierarchy / self.cgroup_root.lstrip("/")
-            if not top.exists():
-                continue
-            for directory in sorted(
-                (p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)
-            ):
-                wait_for(
-                    lambda directory=directory: cgroupfs.remove(directory),
-                    timeout=10,
-                    what=f"{directory} removed",
-                )
-            wait_for(lambda top=top: cgroupfs.remove(top), timeout=10, what=f"{top} removed")
+            remove_cgroup_tree(hierarchy / self.cgroup_root.lstrip("/"))
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)

@@ -26,7 +26,7 @@ from typing import Any
 
 from kubernetes import client
 
-from tests.helpers import children, wait_for
+from tests.helpers import children, remove_cgroup_tree, wait_for
 
 CGROUP2 = (
     Path("/sys/fs/cgroup/unified")
@@ -162,12 +162,7 @@ class SimPod:
         self.unshare.wait()
         for p in self.processes:
             p.wait(timeout=10)
-        for cg in sorted(self.pod_slice.glob("*.scope")):
-            wait_for(
-                lambda cg=cg: not (cg / "cgroup.procs").read_text().strip(), what="an empty cgroup"
-            )
-            cg.rmdir()
-        self.pod_slice.rmdir()
+        remove_cgroup_tree(self.pod_slice)
         for directory in (self.slice, *self.slice.parents) if self._owns_root else ():
             directory.rmdir()
             if directory == self.root:
