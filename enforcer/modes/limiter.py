@@ -79,8 +79,8 @@ class HardLimiter(threading.Thread):
         self._changed = changed
         self.stop = threading.Event()
         self._guard = LoopGuard("hard-limiter", telemetry.unexpected.labels("hard-limiter"), log)
-        self.applied: dict[Key, Target] = {}  # the limits this agent set, still in place
-        self._limits: dict[Key, int] = {}
+        # The limits this agent set and that are still in place, with whom they are for.
+        self._applied: dict[Key, tuple[Target, int]] = {}
         self._rejected: set[tuple[str, str, int]] = set()
         self._final: dict[str, LimitOutcome] = {}  # GPU -> why it never gets a limit
         self._told: set[str] = set()  # pods whose Event has gone out
@@ -111,7 +111,8 @@ class HardLimiter(threading.Thread):
         pod_dirs, existing = found.pods, found.paths()
         self._rejected = {r for r in self._rejected if r[0] in existing}  # gone with the cgroup
         wanted = targets(declared, pod_dirs, found.containers)
-        todo = plan(wanted, usable, self._limits, existing, self._rejected)
+        limits = {key: limit for key, (_, limit) in self._applied.items()}
+        todo = plan(wanted, usable, limits, existing, self._rejected)
         for key in todo.forget:
             self._drop(key)
         for key in todo.clear:
@@ -155,8 +156,7 @@ class HardLimiter(threading.Thread):
         self._telemetry.hard_limit_calls.labels("set", outcome.result.value).inc()
         key = (target.cgroup, gpu)
         if outcome.result is LimitResult.SET:
-            self.applied[key] = target
-            self._limits[key] = limit
+            self._applied[key] = (target, limit)
             self._telemetry.hard_limits.labels(*_labels(target), gpu).set(limit)
             log.info("hard limit of %s on %s for %s: %s", format_bytes(limit), gpu,
                      _name(target), target.cgroup)  # fmt: skip
@@ -179,13 +179,12 @@ class HardLimiter(threading.Thread):
                         messages.no_hard_limit(outcome, "", key[0]))  # fmt: skip
 
     def _drop(self, key: Key) -> None:
-        target = self.applied.pop(key)
-        del self._limits[key]
+        target, _ = self._applied.pop(key)
         self._telemetry.hard_limits.remove(*_labels(target), key[1])
 
     def _announce(self, pod: PodVram, pod_dir: str, usable: Sequence[Device]) -> None:
         """The pod's Event, once its own cgroup has its limit on every GPU that can."""
-        limits = {gpu: b for (cg, gpu), b in self._limits.items() if cg == pod_dir}
+        limits = {gpu: b for (cg, gpu), (_, b) in self._applied.items() if cg == pod_dir}
         rejected = [gpu for cg, gpu, _ in self._rejected if cg == pod_dir]
         if rejected:
             why = f"NVML rejected the limit of the pod's cgroup {pod_dir} on {', '.join(rejected)}"
