@@ -131,3 +131,33 @@ def test_the_agent_names_a_pods_cuda_process_by_the_pods_own_pid(tmp_path: Path)
             pod.wait()
         agent.terminate()
         assert agent.wait(timeout=15) == 0, (tmp_path / "agent.log").read_text()
+
+
+def test_the_real_driver_is_asked_for_a_hard_limit_and_its_answer_is_reported() -> None:
+    """Issue 12 on hardware: below R615 `exec` says in one line that only sampling holds the
+    limit, and `--hard-limits required` refuses to start; from R615 the driver itself makes
+    the allocation past the limit fail, before sampling would stop the process."""
+    nvml = Nvml()
+    nvml.init()
+    try:
+        driver = nvml.driver_version
+    finally:
+        nvml.shutdown()
+    major = int(str(driver).split(".")[0])
+    out = enforce("2Gi", 256, 24, 5)
+    print(driver, out.stdout, out.stderr)
+    if major < 615:
+        assert f"no hard limit: the NVIDIA driver {driver}" in out.stderr
+        assert out.returncode == 128 + signal.SIGTERM  # sampling still holds the limit
+        refused = subprocess.run(
+            [sys.executable, "-m", "enforcer", "exec", "--limit", "2Gi", "--hard-limits",
+             "required", "--", sys.executable, str(ALLOC), "256", "1", "0"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        print(refused.stderr)
+        assert refused.returncode == 2 and "--hard-limits required" in refused.stderr
+        assert "allocated" not in refused.stdout  # the command never ran
+    else:
+        assert "no hard limit" not in out.stderr
+        assert "out of memory" in out.stderr.lower()  # CUDA's own error, from the driver
+        assert "sent SIGTERM" not in out.stderr
