@@ -28,10 +28,22 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "c
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port that nobody uses right now, below the kernel's ephemeral range.
+
+    Not port 0's pick: that comes from the ephemeral range, where every outgoing
+    connection takes its local port too, so between this call and the server's own bind
+    a client could take it ("address already in use", seen with etcd).
+    """
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = secrets.randbelow(low - 10000) + 10000
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))  # noqa: S104 - a probe, closed at once; servers bind all too
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port between 10000 and {low}")
 
 
 def children(parent: int) -> list[int]:
