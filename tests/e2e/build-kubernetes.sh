@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build a current Kubernetes control plane and node (kube-apiserver, kube-scheduler,
-# kube-controller-manager, kubelet), etcd, containerd and a pause binary from the Go module
-# proxy with the ordinary `go` client, and cache them outside the checkout. Idempotent:
+# kube-controller-manager, kubelet, kube-proxy), kubectl, etcd, containerd and a pause
+# binary from the Go module proxy with the ordinary `go` client, and the kube-apiserver of
+# the oldest Kubernetes the chart supports; cache them outside the checkout. Idempotent:
 # cached binaries that run are reused at once. runc and the CNI plugins come from Debian
 # (.ci/run installs them).
 #
@@ -18,11 +19,12 @@
 set -euo pipefail
 
 K8S=${VRAM_ENFORCER_K8S_VERSION:-1.37.2}
+OLDEST=${VRAM_ENFORCER_K8S_OLDEST:-1.31.4}  # the chart's kubeVersion floor (see tests/e2e/README.md)
 ETCD=${VRAM_ENFORCER_ETCD_VERSION:-3.6.6}
 CONTAINERD=${VRAM_ENFORCER_CONTAINERD_VERSION:-2.4.2}
 CACHE=${VRAM_ENFORCER_CACHE:-$HOME/.cache/vram-enforcer}
 OUT="$CACHE/kubernetes-$K8S"
-BINARIES=(kube-apiserver kube-scheduler kube-controller-manager kubelet)
+BINARIES=(kube-apiserver kube-scheduler kube-controller-manager kubelet kube-proxy)
 
 log() { echo "build-kubernetes: $*" >&2; }
 
@@ -31,9 +33,11 @@ cached() {
     for b in "${BINARIES[@]}"; do
         "$OUT/$b" --version 2>/dev/null | grep -qx "Kubernetes v$K8S" || return 1
     done
-    "$OUT/etcd" --version 2>/dev/null | grep -q "etcd Version: $ETCD" &&
+    "$OUT/kubectl" version --client 2>/dev/null | grep -qx "Client Version: v$K8S" &&
+        "$OUT/etcd" --version 2>/dev/null | grep -q "etcd Version: $ETCD" &&
         "$OUT/containerd" --version 2>/dev/null | grep -q " $CONTAINERD" &&
-        [ -x "$OUT/containerd-shim-runc-v2" ] && [ -x "$OUT/ctr" ] && [ -x "$OUT/pause" ]
+        [ -x "$OUT/containerd-shim-runc-v2" ] && [ -x "$OUT/ctr" ] && [ -x "$OUT/pause" ] &&
+        "$CACHE/kubernetes-$OLDEST/kube-apiserver" --version 2>/dev/null | grep -qx "Kubernetes v$OLDEST"
 }
 
 if cached; then
@@ -57,33 +61,40 @@ started=$(date +%s)
 export GOFLAGS=-mod=mod CGO_ENABLED=0 GOTOOLCHAIN=local
 
 # Kubernetes: the staging modules are the ones its go.mod replaces with ./staging paths.
-mkdir -p "$WORK/k8s"
-cd "$WORK/k8s"
-echo "module vram-enforcer.invalid/probe" >go.mod
-go mod download -json "k8s.io/kubernetes@v$K8S" >download.json
-cp "$(sed -n 's/^\t"GoMod": "\(.*\)",$/\1/p' download.json)" upstream.mod
-{
-    echo "module vram-enforcer.invalid/kube-build"
-    echo
-    echo "go 1.26"
-    echo
-    echo "require k8s.io/kubernetes v$K8S"
-    echo
-    echo "replace ("
-    awk '/=> \.\/staging\/src\// { print "\t" $1 " => " $1 " v0." substr(v, 3) }' v="$K8S" upstream.mod |
-        grep -v -e k8s.io/sample-cli-plugin -e k8s.io/sample-controller
-    echo ")"
-} >go.mod
-pkg=k8s.io/component-base/version
-minor=$(echo "$K8S" | cut -d. -f2)
-ldflags="-s -w -X $pkg.gitVersion=v$K8S -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
-ldflags="$ldflags -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-log "Kubernetes v$K8S: resolving modules"
+# build_kubernetes VERSION DIR BINARY...: the binaries of release VERSION into DIR.
+build_kubernetes() {
+    local version=$1 dir=$2 b
+    shift 2
+    mkdir -p "$WORK/k8s-$version" "$dir"
+    cd "$WORK/k8s-$version"
+    echo "module vram-enforcer.invalid/probe" >go.mod
+    go mod download -json "k8s.io/kubernetes@v$version" >download.json
+    cp "$(sed -n 's/^\t"GoMod": "\(.*\)",$/\1/p' download.json)" upstream.mod
+    {
+        echo "module vram-enforcer.invalid/kube-build"
+        echo
+        echo "go 1.26"
+        echo
+        echo "require k8s.io/kubernetes v$version"
+        echo
+        echo "replace ("
+        awk '/=> \.\/staging\/src\// { print "\t" $1 " => " $1 " v0." substr(v, 3) }' v="$version" upstream.mod |
+            grep -v -e k8s.io/sample-cli-plugin -e k8s.io/sample-controller
+        echo ")"
+    } >go.mod
+    local pkg=k8s.io/component-base/version minor
+    minor=$(echo "$version" | cut -d. -f2)
+    local ldflags="-s -w -X $pkg.gitVersion=v$version -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+    ldflags="$ldflags -X $pkg.gitTreeState=clean -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    log "Kubernetes v$version: resolving modules"
+    for b in "$@"; do
+        log "building $b v$version"
+        go build -trimpath -ldflags "$ldflags" -o "$dir/$b" "k8s.io/kubernetes/cmd/$b"
+    done
+}
 mkdir -p "$WORK/bin"
-for b in "${BINARIES[@]}"; do
-    log "building $b"
-    go build -trimpath -ldflags "$ldflags" -o "$WORK/bin/$b" "k8s.io/kubernetes/cmd/$b"
-done
+build_kubernetes "$K8S" "$WORK/bin" "${BINARIES[@]}" kubectl
+build_kubernetes "$OLDEST" "$WORK/oldest" kube-apiserver
 
 # etcd: its server module (package main at its root) replaces its sibling modules.
 mkdir -p "$WORK/etcd"
@@ -133,8 +144,10 @@ func main() {
 GO
 go build -trimpath -ldflags "-s -w" -o "$WORK/bin/pause" .
 
-mkdir -p "$OUT"
-for b in "${BINARIES[@]}" etcd containerd containerd-shim-runc-v2 ctr pause; do
+mkdir -p "$OUT" "$CACHE/kubernetes-$OLDEST"
+mv "$WORK/oldest/kube-apiserver" "$CACHE/kubernetes-$OLDEST/kube-apiserver.tmp"
+mv "$CACHE/kubernetes-$OLDEST/kube-apiserver.tmp" "$CACHE/kubernetes-$OLDEST/kube-apiserver"
+for b in "${BINARIES[@]}" kubectl etcd containerd containerd-shim-runc-v2 ctr pause; do
     mv "$WORK/bin/$b" "$OUT/$b.tmp" && mv "$OUT/$b.tmp" "$OUT/$b"
 done
 log "built in $(($(date +%s) - started)) s: $OUT"

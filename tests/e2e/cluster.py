@@ -1,10 +1,18 @@
-"""A real Kubernetes control plane on loopback: etcd and kube-apiserver, and kube-scheduler
-on request (`start_scheduler`).
+"""A real Kubernetes control plane: etcd and kube-apiserver, and on request kube-scheduler
+(`start_scheduler`) and kube-controller-manager (`start_controller_manager`).
 
-No kubelet or controllers run: tests play those parts themselves (they create
-Nodes, set pod status as kubelet would, and mint ServiceAccount tokens through the
-TokenRequest API). The server authenticates static tokens and ServiceAccount tokens and
-authorizes with RBAC, so permission tests are real.
+Two shapes:
+- the default, on loopback only, for tests that play the kubelet and the controllers (they
+  create Nodes and ServiceAccounts, set pod status as kubelet would, and mint
+  ServiceAccount tokens through the TokenRequest API as kubelet does): the ServiceAccount
+  admission plugin is off, since no kubelet mounts a pod's token, and the `kubernetes`
+  Service has no endpoints;
+- `for_pods=True`, for a cluster with a real node: the server listens on every address and
+  advertises this machine's, so that pods reach it through the `kubernetes` Service (which
+  the node's kube-proxy routes), and ServiceAccount admission is on (the controller-manager
+  creates each namespace's `default` ServiceAccount and its CA ConfigMap).
+The server authenticates static tokens and ServiceAccount tokens and authorizes with RBAC,
+so permission tests are real.
 
     with ApiServer() as server:          # binaries from KUBE_APISERVER_BIN / ETCD_BIN or defaults
         server.start()
@@ -21,6 +29,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import tempfile
@@ -39,10 +48,12 @@ from kubernetes import client
 from tests.helpers import free_port
 
 VERSION = "1.37.2"
+OLDEST = "1.31.4"  # the chart's kubeVersion floor: its install and webhook are tested on it
 CACHE = Path(os.environ.get("VRAM_ENFORCER_CACHE", Path.home() / ".cache" / "vram-enforcer"))
 ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMIN_TOKEN = "e2e-admin-token"  # noqa: S105 - a throwaway cluster on loopback
-SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"  # a config value only: nothing listens there
+SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"  # routed by kube-proxy on a real node, else nowhere
+KUBERNETES_SERVICE_IP = "10.0.0.1"  # the first address of the range: the `kubernetes` Service
 
 # Variables the children must not inherit: a proxy must never see loopback traffic (webhook
 # calls included), and etcd reads any ETCD_* variable as a flag.
@@ -63,14 +74,32 @@ def scheduler_binary() -> Path | None:
     return _binary("KUBE_SCHEDULER_BIN", "kube-scheduler")
 
 
+def controller_manager_binary() -> Path | None:
+    """$KUBE_CONTROLLER_MANAGER_BIN, else the cached binary; None if absent."""
+    return _binary("KUBE_CONTROLLER_MANAGER_BIN", "kube-controller-manager")
+
+
+def node_ip() -> str:
+    """This machine's address toward the outside (not loopback, which the kubelet refuses
+    and which pods cannot reach)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the route
+        return str(s.getsockname()[0])
+
+
 def etcd_binary() -> Path | None:
     """$ETCD_BIN, else the etcd that build-kubernetes.sh caches; None if absent."""
     return _binary("ETCD_BIN", "etcd")
 
 
-def _binary(variable: str, name: str) -> Path | None:
+def oldest_apiserver_binary() -> Path | None:
+    """$KUBE_APISERVER_OLDEST_BIN, else the cached kube-apiserver of `OLDEST`; None if absent."""
+    return _binary("KUBE_APISERVER_OLDEST_BIN", "kube-apiserver", OLDEST)
+
+
+def _binary(variable: str, name: str, version: str = VERSION) -> Path | None:
     explicit = os.environ.get(variable)
-    path = Path(explicit) if explicit else CACHE / f"kubernetes-{VERSION}" / name
+    path = Path(explicit) if explicit else CACHE / f"kubernetes-{version}" / name
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
@@ -169,8 +198,10 @@ class ApiServer:
         static_tokens: Mapping[str, tuple[str, Sequence[str]]] | None = None,
         extra_args: Sequence[str] = (),
         ready_timeout: float = 90.0,
+        for_pods: bool = False,
     ) -> None:
-        """`static_tokens` maps extra bearer tokens to (user name, groups)."""
+        """`static_tokens` maps extra bearer tokens to (user name, groups); `for_pods`: see
+        the module's docstring."""
         found_apiserver, found_etcd = apiserver or apiserver_binary(), etcd or etcd_binary()
         if found_apiserver is None:
             raise ApiServerError(
@@ -181,6 +212,7 @@ class ApiServer:
         self._apiserver_bin: Path = found_apiserver
         self._etcd_bin: Path = found_etcd
         self._extra_args = list(extra_args)
+        self.for_pods = for_pods
         self.ready_timeout = ready_timeout
         self._etcd: _Process | None = None
         self._apiserver: _Process | None = None
@@ -196,7 +228,10 @@ class ApiServer:
         self.etcd_port = free_port()
         self._etcd_peer_port = free_port()
         self.ca_file, ca_key = make_ca(self.dir)
-        self._tls = make_serving_cert(self.dir, (self.ca_file, ca_key), "apiserver")
+        sans = "IP:127.0.0.1,DNS:localhost"
+        if for_pods:
+            sans += f",IP:{node_ip()},IP:{KUBERNETES_SERVICE_IP},DNS:kubernetes.default.svc"
+        self._tls = make_serving_cert(self.dir, (self.ca_file, ca_key), "apiserver", sans)
         openssl("genrsa", "-out", "sa.key", "2048", cwd=self.dir)
         openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=self.dir)
         tokens = {ADMIN_TOKEN: ("admin", ["system:masters"]), **(static_tokens or {})}
@@ -227,11 +262,15 @@ class ApiServer:
     def apiserver_args(self) -> list[str]:
         """The kube-apiserver command line."""
         d = self.dir
+        if self.for_pods:
+            network = ["--bind-address=0.0.0.0", f"--advertise-address={node_ip()}"]
+        else:
+            network = ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+                       "--disable-admission-plugins=ServiceAccount", "--endpoint-reconciler-type=none"]  # fmt: skip
         return [
             str(self._apiserver_bin),
             f"--etcd-servers={self.etcd_url}",
-            "--bind-address=127.0.0.1", f"--secure-port={self.port}",
-            "--advertise-address=127.0.0.1",
+            f"--secure-port={self.port}", *network,
             f"--cert-dir={d / 'certs'}",
             f"--tls-cert-file={self._tls[0]}", f"--tls-private-key-file={self._tls[1]}",
             f"--client-ca-file={self.ca_file}",
@@ -240,8 +279,6 @@ class ApiServer:
             f"--service-account-issuer={ISSUER}", f"--api-audiences={ISSUER}",
             f"--service-account-key-file={d / 'sa.pub'}",
             f"--service-account-signing-key-file={d / 'sa.key'}",
-            "--disable-admission-plugins=ServiceAccount",
-            "--endpoint-reconciler-type=none",
             f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
             "--allow-privileged=true", "--profiling=false",
             # Webhook Services resolve to their Endpoints (no kube-proxy here): the chart
@@ -319,24 +356,46 @@ class ApiServer:
         connected = {**config, "clientConnection": {"kubeconfig": str(kubeconfig)},
                      "leaderElection": {"leaderElect": False}}  # fmt: skip
         (self.dir / f"{name}.json").write_text(json.dumps(connected))
+        self._start_component(name, [str(binary), f"--config={self.dir / f'{name}.json'}"])
+
+    def start_controller_manager(self, name: str = "controller-manager") -> None:
+        """The real kube-controller-manager with its default controllers (ServiceAccounts
+        and their tokens' CA, garbage collection, Deployments, Jobs, DaemonSets, the node
+        lifecycle, ...), each controller under its own ServiceAccount as in a real cluster,
+        without leader election; returns once it is healthy. It stops with `close()`."""
+        binary = controller_manager_binary()
+        if binary is None:
+            raise ApiServerError("no kube-controller-manager: run tests/e2e/build-kubernetes.sh")
+        kubeconfig = self.write_kubeconfig(self.dir / f"{name}.kubeconfig")
+        self._start_component(name, [
+            str(binary), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
+            "--use-service-account-credentials=true",
+            f"--service-account-private-key-file={self.dir / 'sa.key'}",
+            f"--root-ca-file={self.ca_file}",
+            f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+        ])  # fmt: skip
+
+    def _start_component(self, name: str, argv: list[str]) -> None:
+        """Start a control-plane component that authenticates its callers through this
+        server, on a free loopback port, and wait for its /healthz."""
+        kubeconfig = self.dir / f"{name}.kubeconfig"
         port = free_port()
         process = self._spawn(name, [
-            str(binary), f"--config={self.dir / f'{name}.json'}", "--bind-address=127.0.0.1",
-            f"--secure-port={port}", f"--authentication-kubeconfig={kubeconfig}",
-            f"--authorization-kubeconfig={kubeconfig}",
+            *argv, "--bind-address=127.0.0.1", f"--secure-port={port}",
+            f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
         ])  # fmt: skip
         insecure = ssl.create_default_context()
         insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE  # its own cert
 
-        def ready() -> bool:
+        def healthy() -> bool:
             try:
-                with urllib.request.urlopen(f"https://127.0.0.1:{port}/readyz", context=insecure,
+                with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=insecure,
                                             timeout=2) as r:  # fmt: skip
                     return int(r.status) == 200
             except OSError:
                 return False
 
-        self._wait(time.monotonic() + self.ready_timeout, name, ready, process)
+        self._wait(time.monotonic() + self.ready_timeout, name, healthy, process)
 
     def _spawn(self, name: str, argv: list[str]) -> _Process:
         process = _Process(argv, self.dir / f"{name}.log", self.dir)

@@ -11,52 +11,51 @@ machine needs, each found by a failure:
   no kernel-default check, no iptables chains, and a node IP that is not loopback.
 Pods get a bridge network from Debian's CNI plugins; the IPAM state is kept in the node's
 own directory, and the bridge and libcni's cached results (/var/lib/cni/results, which
-containerd does not let us move) are deleted on `close()`.
+containerd does not let us move) are deleted on `close()`. kube-proxy (nftables mode, its
+own `kube-proxy` tables, removed on `close()` by `kube-proxy --cleanup`) routes Service
+addresses, so that pods reach the API server through the `kubernetes` Service of a
+cluster started with `ApiServer(for_pods=True)`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import tarfile
-import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from kubernetes import client
 
-from tests.e2e.cluster import CACHE, VERSION, ApiServer
+from tests.e2e.cluster import CACHE, KUBERNETES_SERVICE_IP, VERSION, ApiServer, node_ip
+from tests.e2e.images import image_archive
 from tests.helpers import free_port, remove_cgroup_tree, wait_for
 
 BIN = CACHE / f"kubernetes-{VERSION}"
 CNI_BIN = Path("/usr/lib/cni")
 PAUSE_IMAGE = "localhost/pause:e2e"
 BRIDGE = "vram-e2e0"
+NETNS = Path("/var/run/netns")  # where containerd makes each sandbox's network namespace
+CNI_CACHE = Path("/var/lib/cni/results")  # libcni's cache of results, which containerd fixes
 
 
 def missing() -> str | None:
     """Why a real node cannot run here, or None."""
     if os.geteuid() != 0:
         return "needs root"
-    for path in (BIN / "kubelet", BIN / "containerd", BIN / "pause"):
+    for path in (BIN / "kubelet", BIN / "kube-proxy", BIN / "containerd", BIN / "pause"):
         if not path.exists():
             return f"no {path}: run tests/e2e/build-kubernetes.sh"
-    if shutil.which("runc") is None or not (CNI_BIN / "bridge").exists():
-        return "needs runc and the CNI plugins: apt-get install runc containernetworking-plugins"
+    if (
+        shutil.which("runc") is None
+        or shutil.which("nft") is None
+        or not (CNI_BIN / "bridge").exists()
+    ):
+        return "needs runc, nft and the CNI plugins: apt-get install runc nftables containernetworking-plugins"
     return None
-
-
-def node_ip() -> str:
-    """This machine's address toward the outside (the kubelet refuses a loopback one)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the route
-        return str(s.getsockname()[0])
 
 
 def own_cgroup_root() -> str:
@@ -78,61 +77,41 @@ def _hierarchies() -> list[Path]:
     return found
 
 
-def image_archive(path: Path, ref: str, files: dict[str, Path], entrypoint: list[str]) -> Path:
-    """A one-layer OCI image archive holding `files` (path in the image -> file here)."""
-    layer = io.BytesIO()
-    with tarfile.open(fileobj=layer, mode="w") as t:
-        for dest, src in files.items():
-            t.add(str(src), arcname=dest.lstrip("/"))
-    blobs: dict[str, bytes] = {}
-
-    def blob(data: bytes) -> tuple[str, int]:
-        digest = hashlib.sha256(data).hexdigest()
-        blobs[digest] = data
-        return f"sha256:{digest}", len(data)
-
-    layer_digest, layer_size = blob(layer.getvalue())
-    config = {"architecture": "amd64", "os": "linux", "config": {"Entrypoint": entrypoint},
-              "rootfs": {"type": "layers", "diff_ids": [layer_digest]}}  # fmt: skip
-    config_digest, config_size = blob(json.dumps(config).encode())
-    manifest = {
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config_size},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_digest, "size": layer_size}],
-    }  # fmt: skip
-    manifest_digest, manifest_size = blob(json.dumps(manifest).encode())
-    index = {"schemaVersion": 2, "manifests": [{
-        "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": manifest_digest,
-        "size": manifest_size, "annotations": {"io.containerd.image.name": ref}}]}  # fmt: skip
-    with tarfile.open(path, "w") as t:
-        entries = {"oci-layout": b'{"imageLayoutVersion": "1.0.0"}', "index.json": json.dumps(index).encode(),
-                   **{f"blobs/sha256/{d}": data for d, data in blobs.items()}}  # fmt: skip
-        for name, data in entries.items():
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime = len(data), int(time.time())
-            t.addfile(info, io.BytesIO(data))
-    return path
-
-
 class RealNode:
     """containerd and kubelet registered as `name` with `apiserver`; `close()` removes
     everything they made: processes, mounts, cgroups, the bridge."""
 
-    def __init__(self, apiserver: ApiServer, directory: Path, name: str = "e2e-real-node") -> None:
+    def __init__(
+        self,
+        apiserver: ApiServer,
+        directory: Path,
+        name: str = "e2e-real-node",
+        images: Sequence[Path] = (),
+        kube_proxy: bool = False,
+    ) -> None:
+        """`images`: OCI archives to import beside the pause image; `kube_proxy`: route
+        Services (needs `ApiServer(for_pods=True)`)."""
         self.name = name
         self.dir = directory
         self.cgroup_root = own_cgroup_root()
         self.socket = directory / "containerd.sock"
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._kube_proxy: list[str] = []
+        self._netns_before = set(NETNS.glob("cni-*"))
+        self.core: client.CoreV1Api | None = None
         for hierarchy in _hierarchies():
             (hierarchy / self.cgroup_root.lstrip("/")).mkdir(parents=True, exist_ok=True)
         try:
             self._start_containerd()
             self.ctr("images", "import", str(image_archive(directory / "pause.tar", PAUSE_IMAGE,
                                                             {"/pause": BIN / "pause"}, ["/pause"])))  # fmt: skip
+            for archive in images:
+                self.ctr("images", "import", str(archive))
             self._start_kubelet(apiserver)
             self.core = client.CoreV1Api(apiserver.client())
             wait_for(self._ready, timeout=60, what=f"node {name} to be Ready")
+            if kube_proxy:
+                self._start_kube_proxy(apiserver)
         except BaseException:
             self.close()
             raise
@@ -160,7 +139,7 @@ class RealNode:
         (d / "cni").mkdir()
         (d / "cni" / "10-e2e.conflist").write_text(json.dumps({
             "cniVersion": "1.0.0", "name": "vram-e2e", "plugins": [
-                {"type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False,
+                {"type": "bridge", "bridge": BRIDGE, "isGateway": True, "isDefaultGateway": True, "ipMasq": False,
                  "ipam": {"type": "host-local", "dataDir": str(d / "ipam"),
                           "ranges": [[{"subnet": "10.88.77.0/24"}]]}},
                 {"type": "loopback"}]}))  # fmt: skip
@@ -203,6 +182,7 @@ state = "{d}/containerd/state"
             "evictionHard": {}, "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
             "protectKernelDefaults": False, "makeIPTablesUtilChains": False,
             "localStorageCapacityIsolation": False, "resolvConf": "/etc/resolv.conf",
+            "podLogsDir": str(d / "pods"),
         }  # fmt: skip
         (d / "kubelet.json").write_text(json.dumps(config))
         self._spawn("kubelet", [
@@ -211,12 +191,63 @@ state = "{d}/containerd/state"
             f"--node-ip={node_ip()}",
         ])  # fmt: skip
 
+    def _start_kube_proxy(self, apiserver: ApiServer) -> None:
+        """kube-proxy in nftables mode; conntrack sysctls are left as they are (0)."""
+        kubeconfig = apiserver.write_kubeconfig(self.dir / "kube-proxy.kubeconfig")
+        self._kube_proxy = [f"--kubeconfig={kubeconfig}", "--proxy-mode=nftables"]
+        self._spawn("kube-proxy", [
+            str(BIN / "kube-proxy"), *self._kube_proxy, f"--hostname-override={self.name}",
+            "--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0",
+            "--conntrack-tcp-timeout-close-wait=0",
+            f"--healthz-bind-address=127.0.0.1:{free_port()}",
+            f"--metrics-bind-address=127.0.0.1:{free_port()}",
+        ])  # fmt: skip
+
+        def routed() -> bool:
+            rules = subprocess.run(["nft", "list", "table", "ip", "kube-proxy"],
+                                   capture_output=True, text=True).stdout  # fmt: skip
+            return KUBERNETES_SERVICE_IP in rules
+
+        wait_for(routed, timeout=30, what="kube-proxy's rule for the kubernetes Service")
+
+    def pids(self, container_id: str) -> list[int]:
+        """The host pids in a container's cgroup (runc's, below the kubelet's root)."""
+        for hierarchy in _hierarchies():
+            for found in (hierarchy / self.cgroup_root.lstrip("/")).rglob(container_id):
+                procs = found / "cgroup.procs"
+                if procs.exists():
+                    return [int(pid) for pid in procs.read_text().split()]
+        return []
+
     def log(self, name: str = "kubelet") -> str:
         return (self.dir / f"{name}.log").read_text(errors="replace")
 
+    def _our_netns(self) -> set[Path]:
+        return set(NETNS.glob("cni-*")) - self._netns_before
+
+    def _drain(self) -> None:
+        """Delete every pod on this node and give the kubelet time to tear their sandboxes
+        down (CNI DEL, which removes the veth, then the network namespace)."""
+        if self.core is None:
+            return
+        try:
+            pods = self.core.list_pod_for_all_namespaces(
+                field_selector=f"spec.nodeName={self.name}"
+            )
+            for pod in pods.items:
+                with contextlib.suppress(client.ApiException):
+                    self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace,
+                                                    grace_period_seconds=0)  # fmt: skip
+        except OSError:
+            return  # the API server is gone: the forced cleanup in close() does it all
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: not self._our_netns(), timeout=30, what="the sandboxes' teardown")
+
     def close(self) -> None:
-        """Stop the kubelet, then every container (their shims), then containerd; remove the
-        mounts below the node's directory, its cgroups and the bridge."""
+        """Delete the node's pods; stop the kubelet, then every container (their shims), then
+        containerd; remove the mounts below the node's directory, its cgroups, what is left of
+        the pods' networks and the bridge."""
+        self._drain()
         for proc in reversed(self._procs):  # the kubelet first
             proc.terminate()
             try:
@@ -235,10 +266,17 @@ state = "{d}/containerd/state"
         ):
             subprocess.run(["umount", "-l", mount], check=False)
         self._remove_cgroups()
+        if self._kube_proxy:
+            subprocess.run([str(BIN / "kube-proxy"), *self._kube_proxy, "--cleanup"],
+                           capture_output=True, check=False)  # fmt: skip
+        leftover = self._our_netns()
+        for netns in leftover:  # with it go the pod's end of each veth, and the host's
+            subprocess.run(["ip", "netns", "delete", netns.name], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
-        # libcni's cache of results, which containerd keeps in /var/lib/cni whatever we say
-        for cached in Path("/var/lib/cni/results").glob("vram-e2e-*"):
-            cached.unlink()
+        for cached in CNI_CACHE.glob("*"):
+            text = cached.read_text(errors="replace")
+            if cached.name.startswith("vram-e2e-") or any(str(n) in text for n in leftover):
+                cached.unlink()
 
     def _kill_cgroup_tree(self) -> None:
         """SIGKILL every process left in the node's cgroups (containers of pods that were

@@ -3,7 +3,8 @@ real API server: the objects it creates, what its ServiceAccounts may and may no
 pod mutated through the chart's own webhook configuration, Service and certificate, served
 by `vram-enforcer webhook` run here with the chart's own arguments.
 
-Helm runs in a Python >= 3.12 virtualenv (`.venv-helm`, made by .ci/run; or HELM_PYTHON).
+Helm: tests/e2e/helm.py. The same chart on a real node, its webhook and sidecars in pods:
+test_cluster_e2e.py.
 """
 
 from __future__ import annotations
@@ -24,35 +25,13 @@ import yaml
 from kubernetes import client
 
 from enforcer.edge.kube import access_allowed as allowed
-from tests.e2e.cluster import ApiServer
+from tests.e2e.cluster import OLDEST, ApiServer, oldest_apiserver_binary
+from tests.e2e.helm import CHART, helm
 from tests.helpers import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "helm" / "vram-enforcer"
 # Not "vram-enforcer": test_agent_e2e applies deploy/rbac/agent.yaml's ClusterRole of that name.
 RELEASE, NAMESPACE, OPTED_IN = "vram-enforcer-e2e", "vram-chart", "chart-ml"
-
-
-def helm_python() -> Path | None:
-    explicit = os.environ.get("HELM_PYTHON")
-    found = Path(explicit) if explicit else ROOT / ".venv-helm" / "bin" / "python"
-    return found if found.exists() else None
-
-
-def helm(*args: str, fails: bool = False) -> Any:
-    python = helm_python()
-    if python is None:
-        reason = "no helm-sdkpy: bash .ci/run makes .venv-helm (Python >= 3.12), or set HELM_PYTHON"
-        if os.environ.get("VRAM_ENFORCER_E2E") == "required":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    out = subprocess.run([str(python), str(ROOT / "tests" / "chart" / "helm_driver.py"), *args],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    if fails:
-        assert out.returncode != 0, out.stdout
-        return out.stderr
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
 
 
 def host_ip() -> str | None:
@@ -67,18 +46,13 @@ def host_ip() -> str | None:
     return found[1] if found else None
 
 
-@pytest.fixture(scope="module")
-def installed(
-    apiserver: ApiServer, admin: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Path]:
-    tmp = tmp_path_factory.mktemp("chart")
+def install(apiserver: ApiServer, admin: client.ApiClient, tmp: Path) -> Path:
+    """The chart installed as RELEASE, with OPTED_IN opted in; returns the admin kubeconfig
+    (the rendered manifest is left beside it, as manifest.yaml)."""
     kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp / "kubeconfig")
     core = client.CoreV1Api(admin)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
         name=OPTED_IN, labels={"vram-enforcer.io/inject": "enabled"})))  # fmt: skip
-    core.create_namespaced_service_account(
-        OPTED_IN, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="default"))
-    )
     values = {
         "image": {"tag": "e2e"},
         "sidecar": {"namespaces": [OPTED_IN]},
@@ -86,6 +60,17 @@ def installed(
     }
     release = helm("install", RELEASE, str(CHART), NAMESPACE, str(kubeconfig), json.dumps(values))
     (tmp / "manifest.yaml").write_text(release["manifest"])
+    return kubeconfig
+
+
+@pytest.fixture(scope="module")
+def installed(
+    apiserver: ApiServer, admin: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
+    kubeconfig = install(apiserver, admin, tmp_path_factory.mktemp("chart"))
+    client.CoreV1Api(admin).create_namespaced_service_account(  # for its token's RBAC checks
+        OPTED_IN, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="default"))
+    )
     yield kubeconfig
     helm(
         "uninstall", RELEASE, NAMESPACE, str(kubeconfig)
@@ -253,50 +238,90 @@ def test_service_accounts_can_do_what_they_need_and_no_more(
     )
 
 
-def test_a_pod_is_mutated_through_the_charts_own_webhook(
-    installed: Path, admin: client.ApiClient, tmp_path: Path
-) -> None:
+def mutate_through_the_chart(admin: client.ApiClient, kubeconfig: Path, tmp: Path) -> Any:
+    """Serve the chart's webhook here, with the chart's own arguments and certificate, point
+    the chart's Service at it, and create a pod that declares VRAM in OPTED_IN; the pod as
+    stored (JSON)."""
     ip = host_ip()
     if ip is None:
         pytest.skip("no non-loopback IPv4 address for the webhook's Endpoints")
     core = client.CoreV1Api(admin)
     secret = core.read_namespaced_secret("vram-enforcer-e2e-webhook-tls", NAMESPACE)
-    (tmp_path / "tls.crt").write_bytes(base64.b64decode(secret.data["tls.crt"]))
-    (tmp_path / "tls.key").write_bytes(base64.b64decode(secret.data["tls.key"]))
+    (tmp / "tls.crt").write_bytes(base64.b64decode(secret.data["tls.crt"]))
+    (tmp / "tls.key").write_bytes(base64.b64decode(secret.data["tls.key"]))
     deployment = client.AppsV1Api(admin).read_namespaced_deployment(
         "vram-enforcer-e2e-webhook", NAMESPACE
     )
     port = free_port()
-    args = [a.replace("/tls/", f"{tmp_path}/") for a in deployment.spec.template.spec.containers[0].args
+    args = [a.replace("/tls/", f"{tmp}/") for a in deployment.spec.template.spec.containers[0].args
             if not a.startswith(("--port=", "--metrics-port="))]  # fmt: skip
-    log = tmp_path / "webhook.log"
+    log = tmp / "webhook.log"
     proc = subprocess.Popen([sys.executable, "-m", "enforcer", *args, f"--port={port}", f"--address={ip}",
-                             f"--kubeconfig={installed}"], stderr=log.open("w"))  # fmt: skip
+                             f"--kubeconfig={kubeconfig}"], stderr=log.open("w"))  # fmt: skip
     try:
         wait_for(
             lambda: "serving admission reviews" in log.read_text(), timeout=30, what="the webhook"
         )
-        # What the EndpointSlice controller would write for a webhook pod at ip:port.
-        client.DiscoveryV1Api(core.api_client).create_namespaced_endpoint_slice(NAMESPACE, {
-            "metadata": {"name": "vram-enforcer-e2e-webhook-local",
-                         "labels": {"kubernetes.io/service-name": "vram-enforcer-e2e-webhook"}},
-            "addressType": "IPv4", "endpoints": [{"addresses": [ip], "conditions": {"ready": True}}],
-            "ports": [{"name": "https", "port": port, "protocol": "TCP"}]})  # fmt: skip
+        # What the endpoint controllers would write for a webhook pod at ip:port: an
+        # EndpointSlice, which the API server reads from 1.33 on (kubernetes/kubernetes#129837),
+        # or before that Endpoints.
+        minor = int(client.VersionApi(admin).get_code().minor.rstrip("+"))
+        if minor >= 33:
+            client.DiscoveryV1Api(core.api_client).create_namespaced_endpoint_slice(NAMESPACE, {
+                "metadata": {"name": "vram-enforcer-e2e-webhook-local",
+                             "labels": {"kubernetes.io/service-name": "vram-enforcer-e2e-webhook"}},
+                "addressType": "IPv4", "endpoints": [{"addresses": [ip], "conditions": {"ready": True}}],
+                "ports": [{"name": "https", "port": port, "protocol": "TCP"}]})  # fmt: skip
+        else:
+            core.create_namespaced_endpoints(NAMESPACE, {
+                "metadata": {"name": "vram-enforcer-e2e-webhook"},
+                "subsets": [{"addresses": [{"ip": ip}], "ports": [{"name": "https", "port": port}]}]})  # fmt: skip
         pod = {"metadata": {"name": "trainer-0"}, "spec": {"restartPolicy": "Never", "containers": [
             {"name": "trainer", "image": "pytorch", "resources": {"limits": {"vram-enforcer.io/vram": "6Gi"}}}]}}  # fmt: skip
         core.create_namespaced_pod(OPTED_IN, pod)
-        stored = json.loads(
+        return json.loads(
             core.read_namespaced_pod("trainer-0", OPTED_IN, _preload_content=False).data
         )
-        assert [c["name"] for c in stored["spec"]["containers"]] == ["trainer"]
-        (side,) = stored["spec"]["initContainers"]  # 1.37: a native sidecar
-        assert side["name"] == "vram-enforcer" and side["restartPolicy"] == "Always"
-        assert side["image"] == "ghcr.io/vram-enforcer/vram-enforcer:e2e"
-        assert {"name": "VRAM_ENFORCER_LIMITS", "value": '{"trainer":6442450944}'} in side["env"]
-        assert stored["spec"]["shareProcessNamespace"] is True
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0, log.read_text()
+
+
+def assert_mutated(stored: Any) -> None:
+    assert [c["name"] for c in stored["spec"]["containers"]] == ["trainer"]
+    (side,) = stored["spec"]["initContainers"]  # native: what sidecarMode auto is
+    assert side["name"] == "vram-enforcer" and side["restartPolicy"] == "Always"
+    assert side["image"] == "ghcr.io/vram-enforcer/vram-enforcer:e2e"
+    assert {"name": "VRAM_ENFORCER_LIMITS", "value": '{"trainer":6442450944}'} in side["env"]
+    assert stored["spec"]["shareProcessNamespace"] is True
+
+
+def test_a_pod_is_mutated_through_the_charts_own_webhook(
+    installed: Path, admin: client.ApiClient, tmp_path: Path
+) -> None:
+    assert_mutated(mutate_through_the_chart(admin, installed, tmp_path))
+
+
+def test_the_oldest_supported_kubernetes_takes_the_chart_and_its_webhook(
+    apiserver: ApiServer, tmp_path: Path
+) -> None:
+    """The chart's kubeVersion floor, OLDEST: the chart installs on that kube-apiserver and
+    its webhook mutates a pod there as on the current one. (`apiserver` only for its
+    skip-or-fail check: this server is its own.)"""
+    binary = oldest_apiserver_binary()
+    if binary is None:
+        reason = f"no kube-apiserver {OLDEST}: run tests/e2e/build-kubernetes.sh"
+        if os.environ.get("VRAM_ENFORCER_E2E") == "required":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == f">={OLDEST.rsplit('.', 1)[0]}.0-0"
+    with ApiServer(binary) as server:
+        server.start()
+        admin = server.client()
+        assert client.VersionApi(admin).get_code().git_version == f"v{OLDEST}"
+        kubeconfig = install(server, admin, tmp_path)
+        assert_mutated(mutate_through_the_chart(admin, kubeconfig, tmp_path))
 
 
 def test_an_upgrade_keeps_the_self_signed_certificate(

@@ -1,50 +1,182 @@
-"""On a real node: kubelet 1.37 and containerd run the pods (tests/e2e/node.py).
+"""A whole cluster on this machine, real in every part but the GPU.
 
-- A pod with a native sidecar (an init container with restartPolicy Always, which the
-  webhook injects by default) starts both, sidecar first, and stops both on deletion.
-- The node agent's hard limits land on the cgroups that this kubelet and runc really make
-  (the cgroupfs driver's `pod<uid>` and container-ID directories, in the v2 hierarchy),
-  found from --cgroup-root /sys/fs/cgroup as the chart mounts it.
+kube-apiserver, kube-controller-manager and kube-scheduler 1.37 (the scheduler with
+examples/scheduler/kube-scheduler-config.yaml as shipped); a node: kubelet, containerd,
+runc and kube-proxy (tests/e2e/node.py); the project's image built here
+(tests/e2e/images.py); the chart installed with Helm, its webhook serving from a pod. The
+node agent runs on the host, as root, because the fake NVML lives there: it is the one part
+played, and it lists the pods' real host pids with the usage each test gives them. Its
+fake GPUs accept hard limits, as a driver from R615 would.
+
+- A pod with a native sidecar starts the sidecar first and stops with its pod.
+- The agent's hard limits land on the cgroups this kubelet and runc really make.
+- A pod that declares VRAM is mutated by the webhook, placed by the scheduler on the VRAM
+  the agent advertises, and started by the kubelet with the sidecar as a native sidecar;
+  the sidecar stops the process over the limit and posts the Event that
+  `kubectl describe pod` shows. With `restart`, the kubelet restarts the container.
+- A Job whose pod carries the native sidecar completes.
+- Uninstalling the chart leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 
 from enforcer.core.model import GiB
 from tests.e2e.actors import AgentProcess
 from tests.e2e.cluster import ApiServer
-from tests.e2e.node import PAUSE_IMAGE, RealNode, missing
+from tests.e2e.helm import CHART, helm
+from tests.e2e.images import ENFORCER_IMAGE, enforcer_image
+from tests.e2e.node import BIN, PAUSE_IMAGE, RealNode, missing
 from tests.fakenvml import FakeGpuState, limit_records
 from tests.helpers import wait_for
 
+ROOT = Path(__file__).resolve().parents[2]
 RESOURCE = "vram-enforcer.io/vram"
+RELEASE = NAMESPACE = "vram-enforcer"
+OPTED_IN = "ml"
+# Where the webhook tells every sidecar to find the agent (a hostPath): the host's own.
+SOCKET = Path("/run/vram-enforcer/agent.sock")
+# A workload whose process that "uses VRAM" is a child of the container's first process:
+# `terminate` stops the child only, `restart` the container.
+CHILD = "import time; time.sleep(3600)"
+HOLDER = f"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", {CHILD!r}])
+print("the child exited with", child.wait(), flush=True)
+time.sleep(3600)
+"""
+
+
+@dataclass
+class Cluster:
+    server: ApiServer
+    node: RealNode
+    core: client.CoreV1Api
+    kubeconfig: Path
+    tmp: Path
+    lib: Path
+    gpus: FakeGpuState = field(default_factory=FakeGpuState.single_gpu)
+    agent: AgentProcess | None = None
+    socket_dir_made: bool = False
+
+    def kubectl(self, *args: str) -> str:
+        out = subprocess.run([str(BIN / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    def use(self, pid: int, used: int | None) -> None:
+        """What the fake NVML reports for host pid `pid` (None: nothing)."""
+        assert self.agent is not None
+        if used is None:
+            self.gpus.remove_process(pid)
+        else:
+            self.gpus.set_process(0, pid, used)
+        self.gpus.write(self.agent.state_file)
 
 
 @pytest.fixture(scope="module")
-def node(apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:
+def cluster(
+    apiserver: ApiServer, fake_nvml_lib: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """`apiserver` (the shared one) only for its skip-or-fail check: this cluster is its own."""
     reason = missing()
     if reason:
         if os.environ.get("VRAM_ENFORCER_E2E") == "required":
             pytest.fail(reason)
         pytest.skip(reason)
-    real = RealNode(apiserver, tmp_path_factory.mktemp("node"))
-    yield real
-    real.close()
+    tmp = tmp_path_factory.mktemp("cluster")
+    server = ApiServer(for_pods=True)
+    node = None
+    try:
+        server.start()
+        server.start_controller_manager()
+        config = ROOT / "examples" / "scheduler" / "kube-scheduler-config.yaml"
+        server.start_scheduler(yaml.safe_load(config.read_text()))
+        image = enforcer_image(tmp_path_factory.mktemp("image"))
+        node = RealNode(server, tmp_path_factory.mktemp("node"), images=[image], kube_proxy=True)
+        kubeconfig = server.write_kubeconfig(tmp / "admin.kubeconfig")
+        found = Cluster(server, node, node.core, kubeconfig, tmp, fake_nvml_lib)
+        found.gpus.support_memory_limits()
+        yield found
+        if found.agent is not None:
+            assert found.agent.stop() == 0, found.agent.log()
+        if found.socket_dir_made:
+            SOCKET.parent.rmdir()
+    finally:
+        if node is not None:
+            node.close()
+        server.close()
+
+
+@pytest.fixture
+def installed(cluster: Cluster) -> Cluster:
+    """The chart installed (again, if a test uninstalled it) and the agent serving."""
+    if cluster.agent is not None:
+        return cluster
+    core = cluster.core
+    if not namespace_exists(core, OPTED_IN):
+        core.create_namespace({"metadata": {"name": OPTED_IN,
+                                            "labels": {"vram-enforcer.io/inject": "enabled"}}})  # fmt: skip
+    values = {
+        "image": {"repository": ENFORCER_IMAGE.rsplit(":", 1)[0], "tag": "e2e", "pullPolicy": "Never"},
+        "webhook": {"replicas": 1, "logFormat": "text"},
+        "sidecar": {"namespaces": [OPTED_IN]},
+    }  # fmt: skip
+    helm("install", RELEASE, str(CHART), NAMESPACE, str(cluster.kubeconfig), json.dumps(values))
+    assert not SOCKET.exists(), f"{SOCKET} is in use: is another vram-enforcer agent running here?"
+    if not SOCKET.parent.exists():
+        SOCKET.parent.mkdir()
+        cluster.socket_dir_made = True
+    token = cluster.server.token_for(NAMESPACE, f"{RELEASE}-agent")
+    cluster.agent = AgentProcess(cluster.server, token, cluster.node.name, cluster.tmp, cluster.lib,
+                                 "--socket", str(SOCKET), "--cgroup-root", "/sys/fs/cgroup",
+                                 "--cgroup-scan", "500ms", state=cluster.gpus)  # fmt: skip
+    apps = client.AppsV1Api(cluster.server.client())
+    wait_for(lambda: apps.read_namespaced_deployment(f"{RELEASE}-webhook", NAMESPACE).status.available_replicas,
+             timeout=120, what="the chart's webhook to be available")  # fmt: skip
+    wait_for(lambda: RESOURCE in (core.read_node(cluster.node.name).status.allocatable or {}),
+             timeout=30, what="the agent to advertise VRAM")  # fmt: skip
+    return cluster
+
+
+def namespace_exists(core: client.CoreV1Api, name: str) -> bool:
+    try:
+        core.read_namespace(name)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
 
 
 def pause(name: str, **extra: Any) -> dict[str, Any]:
     return {"name": name, "image": PAUSE_IMAGE, "imagePullPolicy": "Never", **extra}
 
 
-def phase(core: client.CoreV1Api, namespace: str, name: str) -> str:
-    return str(core.read_namespaced_pod(name, namespace).status.phase)
+def workload(name: str, limit: str, **spec: Any) -> dict[str, Any]:
+    """A pod of one container, `trainer`, that declares `limit` and runs HOLDER."""
+    annotations = spec.pop("annotations", {})
+    return {"metadata": {"name": name, "annotations": annotations}, "spec": {
+        "terminationGracePeriodSeconds": 2, **spec,
+        "containers": [{"name": "trainer", "image": ENFORCER_IMAGE, "imagePullPolicy": "Never",
+                        "command": ["python", "-c", HOLDER], "resources": {"limits": {RESOURCE: limit}}}]}}  # fmt: skip
+
+
+def running(core: client.CoreV1Api, namespace: str, name: str) -> client.V1Pod | None:
+    pod = core.read_namespaced_pod(name, namespace)
+    return pod if pod.status.phase == "Running" else None
 
 
 def gone(core: client.CoreV1Api, namespace: str, name: str) -> bool:
@@ -55,15 +187,37 @@ def gone(core: client.CoreV1Api, namespace: str, name: str) -> bool:
     return False
 
 
-def test_a_native_sidecar_runs_beside_the_workload_and_stops_with_it(node: RealNode) -> None:
-    core = node.core
+def the_holder(node: RealNode, pod: client.V1Pod) -> int:
+    """The host pid of the trainer container's child, the process that "holds VRAM"."""
+    (status,) = pod.status.container_statuses
+    container_id = status.container_id.split("://")[1]
+
+    def child() -> int | None:
+        for pid in node.pids(container_id):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[1:3] == [b"-c", CHILD.encode()]:
+                return pid
+        return None
+
+    return wait_for(child, timeout=30, what="the workload's child process")
+
+
+def events(core: client.CoreV1Api, namespace: str, name: str, reason: str) -> list[Any]:
+    return [e for e in core.list_namespaced_event(namespace).items
+            if e.involved_object.name == name and e.reason == reason]  # fmt: skip
+
+
+def test_a_native_sidecar_runs_beside_the_workload_and_stops_with_it(cluster: Cluster) -> None:
+    core = cluster.core
     core.create_namespaced_pod("default", {"metadata": {"name": "native"}, "spec": {
-        "nodeName": node.name, "terminationGracePeriodSeconds": 1,
+        "nodeName": cluster.node.name, "terminationGracePeriodSeconds": 1,
         "initContainers": [pause("vram-enforcer", restartPolicy="Always")],
         "containers": [pause("trainer")]}})  # fmt: skip
-    wait_for(lambda: phase(core, "default", "native") == "Running", timeout=60,
-             what="the pod to run on the real node")  # fmt: skip
-    pod = core.read_namespaced_pod("native", "default")
+    pod = wait_for(lambda: running(core, "default", "native"), timeout=60,
+                   what="the pod to run on the real node")  # fmt: skip
     (side,) = pod.status.init_container_statuses
     (main,) = pod.status.container_statuses
     assert side.name == "vram-enforcer" and side.started and side.state.running
@@ -73,41 +227,137 @@ def test_a_native_sidecar_runs_beside_the_workload_and_stops_with_it(node: RealN
     wait_for(lambda: gone(core, "default", "native"), timeout=60, what="the pod to be gone")
 
 
-def test_hard_limits_land_on_the_cgroups_the_real_kubelet_makes(
-    node: RealNode, apiserver: ApiServer, agent_rbac: str, fake_nvml_lib: Path, tmp_path: Path
+def test_hard_limits_land_on_the_cgroups_the_real_kubelet_makes(installed: Cluster) -> None:
+    core, node = installed.core, installed.node
+    core.create_namespaced_pod("default", {"metadata": {"name": "limited"}, "spec": {
+        "terminationGracePeriodSeconds": 1,
+        "containers": [pause("trainer", resources={"limits": {RESOURCE: "2Gi"}})]}})  # fmt: skip
+    pod = wait_for(lambda: running(core, "default", "limited"), timeout=60, what="the pod to run")
+    container_id = pod.status.container_statuses[0].container_id.split("://")[1]
+    assert installed.agent is not None
+
+    def limited() -> dict[str, int]:
+        assert installed.agent is not None
+        return {r["cgroup"]: r["hard"] for r in limit_records(installed.agent.state_file)
+                if pod.metadata.uid in r["cgroup"]}  # fmt: skip
+
+    wait_for(lambda: len(limited()) == 2, timeout=30, what="the pod's and the container's limits")
+    found = limited()
+    pod_dir = next(c for c in found if c.endswith(f"/pod{pod.metadata.uid}"))
+    assert f"{node.cgroup_root}/kubepods/besteffort/pod{pod.metadata.uid}" in pod_dir
+    assert found[pod_dir] == 2 * GiB
+    assert found[f"{pod_dir}/{container_id}"] == 2 * GiB
+    assert events(core, "default", "limited", "VRAMHardLimit")
+    core.delete_namespaced_pod("limited", "default")
+    wait_for(lambda: gone(core, "default", "limited"), timeout=60, what="the pod to be gone")
+    assert "Traceback" not in installed.agent.log()
+
+
+def test_a_pod_over_its_limit_is_mutated_placed_run_and_its_offender_stopped(
+    installed: Cluster,
 ) -> None:
-    core = node.core
-    vram = {RESOURCE: "16Gi"}  # what the agent would advertise; the kubelet admits by it
-    core.patch_node_status(node.name, {"status": {"capacity": vram, "allocatable": vram}})
-    state = FakeGpuState.single_gpu()
-    state.support_memory_limits()
-    agent = AgentProcess(apiserver, agent_rbac, node.name, tmp_path, fake_nvml_lib, "--no-advertise", "--no-labels",
-                         "--cgroup-root", "/sys/fs/cgroup", "--cgroup-scan", "200ms", state=state)  # fmt: skip
+    core, node = installed.core, installed.node
+    core.create_namespaced_pod(OPTED_IN, workload("trainer-0", "2Gi"))
+    pod = wait_for(lambda: running(core, OPTED_IN, "trainer-0"), timeout=90,
+                   what="the mutated pod to run")  # fmt: skip
+    assert pod.spec.node_name == node.name  # placed by the scheduler: no nodeName was given
+    assert pod.spec.share_process_namespace is True
+    (side,) = pod.spec.init_containers
+    assert side.name == "vram-enforcer" and side.restart_policy == "Always"  # native sidecar
+    assert pod.status.init_container_statuses[0].started
+    holder = the_holder(node, pod)
+    installed.use(holder, 3 * GiB)
     try:
-        core.create_namespaced_pod("default", {"metadata": {"name": "limited"}, "spec": {
-            "nodeName": node.name, "terminationGracePeriodSeconds": 1,
-            "containers": [pause("trainer", resources={"limits": {RESOURCE: "2Gi"}})]}})  # fmt: skip
+        (enforced,) = wait_for(lambda: events(core, OPTED_IN, "trainer-0", "VRAMEnforced"),
+                               timeout=30, what="the VRAMEnforced event")  # fmt: skip
         wait_for(
-            lambda: phase(core, "default", "limited") == "Running",
-            timeout=60,
-            what="the pod to run",
+            lambda: not Path(f"/proc/{holder}").exists(), timeout=15, what="the holder to exit"
         )
-        pod = core.read_namespaced_pod("limited", "default")
-        container_id = pod.status.container_statuses[0].container_id.split("://")[1]
-
-        def limited() -> dict[str, int]:
-            return {r["cgroup"]: r["hard"] for r in limit_records(agent.state_file)}
-
-        wait_for(
-            lambda: len(limited()) == 2, timeout=30, what="the pod's and the container's limits"
-        )
-        found = limited()
-        pod_dir = next(c for c in found if c.endswith(f"/pod{pod.metadata.uid}"))
-        assert f"{node.cgroup_root}/kubepods/besteffort/pod{pod.metadata.uid}" in pod_dir
-        assert found[pod_dir] == 2 * GiB
-        assert found[f"{pod_dir}/{container_id}"] == 2 * GiB
-        core.delete_namespaced_pod("limited", "default")
-        wait_for(lambda: gone(core, "default", "limited"), timeout=60, what="the pod to be gone")
-        assert "Traceback" not in agent.log()
     finally:
-        assert agent.stop() == 0
+        installed.use(holder, None)
+    assert enforced.involved_object.field_path == "spec.containers{trainer}"
+    assert "of its 2.00 GiB VRAM limit" in enforced.message
+    described = installed.kubectl("describe", "pod", "trainer-0", "-n", OPTED_IN)
+    assert "VRAMEnforced" in described and "of its 2.00 GiB VRAM limit" in described
+    pod = core.read_namespaced_pod("trainer-0", OPTED_IN)
+    assert pod.status.container_statuses[0].restart_count == 0  # the child only was stopped
+    assert pod.status.container_statuses[0].state.running
+    core.delete_namespaced_pod("trainer-0", OPTED_IN)
+    wait_for(lambda: gone(core, OPTED_IN, "trainer-0"), timeout=60, what="the pod to be gone")
+
+
+def test_restart_makes_the_kubelet_restart_the_container(installed: Cluster) -> None:
+    core, node = installed.core, installed.node
+    core.create_namespaced_pod(OPTED_IN, workload(
+        "trainer-1", "1Gi", annotations={"vram-enforcer.io/action": "restart"},
+        schedulerName="vram-binpack"))  # fmt: skip
+    pod = wait_for(lambda: running(core, OPTED_IN, "trainer-1"), timeout=90, what="the pod to run")
+    assert pod.spec.node_name == node.name
+    holder = the_holder(node, pod)
+    installed.use(holder, 2 * GiB)
+    try:
+        wait_for(
+            lambda: core.read_namespaced_pod("trainer-1", OPTED_IN).status.container_statuses[0].restart_count >= 1,
+            timeout=60, what="the kubelet to restart the container",
+        )  # fmt: skip
+    finally:
+        installed.use(holder, None)
+    (enforced, *_) = events(core, OPTED_IN, "trainer-1", "VRAMEnforced")
+    assert enforced.involved_object.field_path == "spec.containers{trainer}"
+    core.delete_namespaced_pod("trainer-1", OPTED_IN)
+    wait_for(lambda: gone(core, OPTED_IN, "trainer-1"), timeout=60, what="the pod to be gone")
+
+
+def test_a_job_whose_pod_carries_the_native_sidecar_completes(installed: Cluster) -> None:
+    batch = client.BatchV1Api(installed.server.client())
+    batch.create_namespaced_job(OPTED_IN, {"metadata": {"name": "step"}, "spec": {
+        "backoffLimit": 0, "template": {"spec": {"restartPolicy": "Never", "containers": [{
+            "name": "step", "image": ENFORCER_IMAGE, "imagePullPolicy": "Never",
+            "command": ["python", "-c", "print('done')"],
+            "resources": {"limits": {RESOURCE: "1Gi"}}}]}}}})  # fmt: skip
+    job = wait_for(lambda: (j := batch.read_namespaced_job("step", OPTED_IN)).status.succeeded and j,
+                   timeout=90, what="the Job to complete")  # fmt: skip
+    assert any(c.type == "Complete" and c.status == "True" for c in job.status.conditions)
+    (pod,) = installed.core.list_namespaced_pod(OPTED_IN, label_selector="job-name=step").items
+    assert [c.name for c in pod.spec.init_containers] == ["vram-enforcer"]
+    assert pod.status.phase == "Succeeded"
+    batch.delete_namespaced_job("step", OPTED_IN, propagation_policy="Foreground")
+
+
+def test_uninstalling_leaves_nothing_behind(installed: Cluster) -> None:
+    server, core = installed.server, installed.core
+    assert installed.agent is not None
+    assert installed.agent.stop() == 0  # the operator's agent goes with the chart
+    installed.agent = None
+    helm("uninstall", RELEASE, NAMESPACE, str(installed.kubeconfig))
+    selector = f"app.kubernetes.io/instance={RELEASE}"
+    listings = {
+        "mutating webhook configurations": lambda: client.AdmissionregistrationV1Api(
+            server.client()).list_mutating_webhook_configuration(label_selector=selector).items,
+        "cluster roles": lambda: client.RbacAuthorizationV1Api(server.client()).list_cluster_role(
+            label_selector=selector).items,
+        "cluster role bindings": lambda: client.RbacAuthorizationV1Api(
+            server.client()).list_cluster_role_binding(label_selector=selector).items,
+        "roles": lambda: client.RbacAuthorizationV1Api(
+            server.client()).list_role_for_all_namespaces(label_selector=selector).items,
+        "role bindings": lambda: client.RbacAuthorizationV1Api(
+            server.client()).list_role_binding_for_all_namespaces(label_selector=selector).items,
+        "deployments": lambda: client.AppsV1Api(server.client()).list_deployment_for_all_namespaces(
+            label_selector=selector).items,
+        "daemon sets": lambda: client.AppsV1Api(server.client()).list_daemon_set_for_all_namespaces(
+            label_selector=selector).items,
+        "pods": lambda: core.list_pod_for_all_namespaces(label_selector=selector).items,
+        "services": lambda: core.list_service_for_all_namespaces(label_selector=selector).items,
+        "secrets": lambda: core.list_secret_for_all_namespaces(label_selector=selector).items,
+        "service accounts": lambda: core.list_service_account_for_all_namespaces(
+            label_selector=selector).items,
+    }  # fmt: skip
+    wait_for(lambda: not any(list_() for list_ in listings.values()), timeout=90,
+             what="every object of the release to be gone")  # fmt: skip
+    # No webhook is left to call: a pod that declares VRAM is admitted as it was sent.
+    core.create_namespaced_pod(OPTED_IN, {"metadata": {"name": "after"}, "spec": {
+        "containers": [pause("trainer", resources={"limits": {RESOURCE: "1Gi"}})]}})  # fmt: skip
+    after = core.read_namespaced_pod("after", OPTED_IN)
+    assert not after.spec.init_containers and not after.spec.share_process_namespace
+    core.delete_namespaced_pod("after", OPTED_IN, grace_period_seconds=0)
+    assert not SOCKET.exists()

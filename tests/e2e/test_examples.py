@@ -1,6 +1,6 @@
 """The manifests under examples/, as a user would apply them.
 
-- Every Kubernetes object validates against the 1.29 schemas in strict mode (no unknown
+- Every Kubernetes object validates against the 1.31 schemas in strict mode (no unknown
   field), and is created on the real API server (1.37) with `utils.create_from_dict`, as
   `kubectl create -f` would (the Python client also wants every quantity to be a string,
   so the manifests quote them). The webhook is not registered here, so pods are stored as
@@ -114,14 +114,14 @@ def test_every_example_is_there_and_explained_in_the_readme() -> None:
 @pytest.mark.parametrize("item", API_OBJECTS, ids=object_id)
 def test_each_object_validates_against_kubernetes_1_29_strictly(item: tuple[str, Doc]) -> None:
     _, doc = item
-    kubernetes_validate.validate(doc, "1.29", strict=True)
+    kubernetes_validate.validate(doc, "1.31", strict=True)
 
 
 def test_the_strict_validation_does_catch_a_misspelt_field() -> None:
     pod = copy.deepcopy(load("pods/jax.yaml")[0])
     pod["spec"]["containers"][0]["resource"] = pod["spec"]["containers"][0].pop("resources")
     with pytest.raises(kubernetes_validate.ValidationError, match="'resource' was unexpected"):
-        kubernetes_validate.validate(pod, "1.29", strict=True)
+        kubernetes_validate.validate(pod, "1.31", strict=True)
 
 
 def test_the_namespace_opts_in_and_every_object_lives_in_it() -> None:
@@ -150,7 +150,7 @@ def test_api_versions_exist_on_1_20_and_on_current_kubernetes() -> None:
 
 
 def admitted(pod: Doc, **settings: Any) -> Doc:
-    """The pod as the webhook would let it through (Kubernetes >= 1.29: native sidecar)."""
+    """The pod as the webhook would let it through (native sidecar, as from the chart's 1.31)."""
     base = AdmissionSettings(
         sidecar_image="ghcr.io/vram-enforcer/vram-enforcer:0.1.0",
         sidecar_mode="native",

@@ -33,17 +33,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/*
-The sidecar mode the webhook injects: sidecarMode, or for "auto" the one that this
-cluster's version supports (native sidecars are on by default from 1.29). Resolved here,
-at install and upgrade, so that the webhook needs no access to the API at all.
+The sidecar mode the webhook injects: sidecarMode, or native for "auto": every Kubernetes
+the chart installs on (kubeVersion, from 1.31) runs native sidecars by default. Resolved
+here, so that the webhook needs no access to the API at all.
 */}}
 {{- define "vram-enforcer.sidecarMode" -}}
-{{- if ne .Values.webhook.sidecarMode "auto" -}}
-{{ .Values.webhook.sidecarMode }}
-{{- else if semverCompare ">=1.29-0" .Capabilities.KubeVersion.Version -}}
+{{- if eq .Values.webhook.sidecarMode "auto" -}}
 native
 {{- else -}}
-container
+{{ .Values.webhook.sidecarMode }}
 {{- end -}}
 {{- end -}}
 
