@@ -28,16 +28,27 @@ BINARIES=(kube-apiserver kube-scheduler kube-controller-manager kubelet kube-pro
 
 log() { echo "build-kubernetes: $*" >&2; }
 
+# reports PATTERN COMMAND...: COMMAND runs and a line of its output matches PATTERN (grep -E).
+# The output is read in full before it is matched: under pipefail, `cmd | grep -q` fails
+# whenever grep exits before cmd's last write (SIGPIPE), a race that kubectl's and etcd's
+# multi-line --version lose now and then.
+reports() {
+    local pattern=$1 out
+    shift
+    out=$("$@" 2>/dev/null) || return 1
+    grep -Eq -- "$pattern" <<<"$out"
+}
+
 cached() {
-    local b
+    local b v=${K8S//./\\.}
     for b in "${BINARIES[@]}"; do
-        "$OUT/$b" --version 2>/dev/null | grep -qx "Kubernetes v$K8S" || return 1
+        reports "^Kubernetes v$v\$" "$OUT/$b" --version || return 1
     done
-    "$OUT/kubectl" version --client 2>/dev/null | grep -qx "Client Version: v$K8S" &&
-        "$OUT/etcd" --version 2>/dev/null | grep -q "etcd Version: $ETCD" &&
-        "$OUT/containerd" --version 2>/dev/null | grep -q " $CONTAINERD" &&
+    reports "^Client Version: v$v\$" "$OUT/kubectl" version --client &&
+        reports "^etcd Version: ${ETCD//./\\.}\$" "$OUT/etcd" --version &&
+        reports " ${CONTAINERD//./\\.}([+ ]|\$)" "$OUT/containerd" --version &&
         [ -x "$OUT/containerd-shim-runc-v2" ] && [ -x "$OUT/ctr" ] && [ -x "$OUT/pause" ] &&
-        "$CACHE/kubernetes-$OLDEST/kube-apiserver" --version 2>/dev/null | grep -qx "Kubernetes v$OLDEST"
+        reports "^Kubernetes v${OLDEST//./\\.}\$" "$CACHE/kubernetes-$OLDEST/kube-apiserver" --version
 }
 
 if cached; then
