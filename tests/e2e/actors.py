@@ -121,6 +121,22 @@ def start_worker(pod: SimPod, container: str, tmp: Path, *extra: str) -> int:
     return pid
 
 
+def default_service_account(core: client.CoreV1Api, namespace: str) -> None:
+    """Wait for the ServiceAccount controller (kube-controller-manager) to give a new
+    namespace its `default` ServiceAccount, as a pod in it would need."""
+
+    def made() -> bool:
+        try:
+            core.read_namespaced_service_account("default", namespace)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    wait_for(made, timeout=30, what=f"the default ServiceAccount of {namespace}")
+
+
 def namespace_with_sidecar_rbac(
     apiserver: ApiServer, admin: client.ApiClient, namespace: str
 ) -> str:
@@ -128,9 +144,7 @@ def namespace_with_sidecar_rbac(
     bound to its group; returns that ServiceAccount's token."""
     core = client.CoreV1Api(admin)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
-    core.create_namespaced_service_account(
-        namespace, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="default"))
-    )
+    default_service_account(core, namespace)
     text = (ROOT / "deploy" / "rbac" / "sidecar.yaml").read_text().replace("NAMESPACE", namespace)
     for doc in yaml.safe_load_all(text):
         utils.create_from_dict(admin, doc, namespace=namespace)

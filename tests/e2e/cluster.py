@@ -2,11 +2,10 @@
 (`start_scheduler`) and kube-controller-manager (`start_controller_manager`).
 
 Two shapes:
-- the default, on loopback only, for tests that play the kubelet and the controllers (they
-  create Nodes and ServiceAccounts, set pod status as kubelet would, and mint
-  ServiceAccount tokens through the TokenRequest API as kubelet does): the ServiceAccount
-  admission plugin is off, since no kubelet mounts a pod's token, and the `kubernetes`
-  Service has no endpoints;
+- the default, on loopback only, for tests that play the kubelet (they create Nodes, set
+  pod status as kubelet would, and mint ServiceAccount tokens through the TokenRequest API
+  as kubelet does): the ServiceAccount admission plugin is off, since no kubelet mounts a
+  pod's token, and the `kubernetes` Service has no endpoints;
 - `for_pods=True`, for a cluster with a real node: the server listens on every address and
   advertises this machine's, so that pods reach it through the `kubernetes` Service (which
   the node's kube-proxy routes), and ServiceAccount admission is on (the controller-manager
@@ -374,6 +373,22 @@ class ApiServer:
             f"--root-ca-file={self.ca_file}",
             f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
         ])  # fmt: skip
+        # Healthy is not started: it builds its controllers one by one after that. An API
+        # server restart in that window left the ServiceAccount controller never acting (no
+        # error in its log). The `default` namespace's ServiceAccount and CA ConfigMap show
+        # that those controllers and their informers are running.
+        core = client.CoreV1Api(self.api_client())
+
+        def controllers_running() -> bool:
+            try:
+                core.read_namespaced_service_account("default", "default")
+                core.read_namespaced_config_map("kube-root-ca.crt", "default")
+            except client.ApiException:
+                return False
+            return True
+
+        self._wait(time.monotonic() + self.ready_timeout, name, controllers_running,
+                   self._processes[-1])  # fmt: skip
 
     def _start_component(self, name: str, argv: list[str]) -> None:
         """Start a control-plane component that authenticates its callers through this

@@ -37,6 +37,7 @@ def apiserver() -> Iterator[ApiServer]:
     server = ApiServer(binary, etcd)
     try:
         server.start()
+        server.start_controller_manager()
         yield server
     finally:
         server.close()

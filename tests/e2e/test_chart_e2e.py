@@ -25,6 +25,7 @@ import yaml
 from kubernetes import client
 
 from enforcer.edge.kube import access_allowed as allowed
+from tests.e2e.actors import default_service_account
 from tests.e2e.cluster import OLDEST, ApiServer, oldest_apiserver_binary
 from tests.e2e.helm import CHART, helm
 from tests.helpers import free_port, wait_for
@@ -68,9 +69,7 @@ def installed(
     apiserver: ApiServer, admin: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Path]:
     kubeconfig = install(apiserver, admin, tmp_path_factory.mktemp("chart"))
-    client.CoreV1Api(admin).create_namespaced_service_account(  # for its token's RBAC checks
-        OPTED_IN, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="default"))
-    )
+    default_service_account(client.CoreV1Api(admin), OPTED_IN)  # for its token's RBAC checks
     yield kubeconfig
     helm(
         "uninstall", RELEASE, NAMESPACE, str(kubeconfig)

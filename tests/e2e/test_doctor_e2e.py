@@ -10,7 +10,7 @@ from typing import Any
 
 from kubernetes import client
 
-from tests.e2e.actors import namespace_with_sidecar_rbac
+from tests.e2e.actors import default_service_account, namespace_with_sidecar_rbac
 from tests.e2e.cluster import ApiServer
 
 
@@ -49,9 +49,7 @@ def test_a_namespace_without_it(
 ) -> None:
     core = client.CoreV1Api(admin)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="doctor-bare")))
-    core.create_namespaced_service_account(
-        "doctor-bare", client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="default"))
-    )
+    default_service_account(core, "doctor-bare")
     code, checks = doctor(
         apiserver, apiserver.token_for("doctor-bare", "default"), "doctor-bare", tmp_path
     )

@@ -35,6 +35,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def node_object(admin: client.ApiClient) -> None:
+    """The Node the pods are bound to: the controller-manager's pod GC deletes pods bound to
+    a Node that does not exist."""
+    core = client.CoreV1Api(admin)
+    try:
+        core.read_node(NODE)
+    except client.ApiException as exc:
+        if exc.status != 404:
+            raise
+        core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=NODE)))
+
+
 @pytest.fixture
 def namespace(core: client.CoreV1Api, request: pytest.FixtureRequest) -> str:
     name = f"hard-{request.node.name[5:30].replace('_', '-').strip('-')}"

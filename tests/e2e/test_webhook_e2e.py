@@ -24,6 +24,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from tests.e2e.actors import default_service_account
 from tests.e2e.cluster import ApiServer, make_ca, make_serving_cert
 from tests.helpers import free_port, wait_for
 
@@ -84,9 +85,7 @@ def webhook(
         core.create_namespace(
             client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels))
         )
-        core.create_namespaced_service_account(
-            name, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="default"))
-        )
+        default_service_account(core, name)
     yield w
     client.AdmissionregistrationV1Api(admin).delete_mutating_webhook_configuration("vram-enforcer")
     assert w.stop() == 0
