@@ -357,11 +357,18 @@ class ApiServer:
         (self.dir / f"{name}.json").write_text(json.dumps(connected))
         self._start_component(name, [str(binary), f"--config={self.dir / f'{name}.json'}"])
 
-    def start_controller_manager(self, name: str = "controller-manager") -> None:
+    def start_controller_manager(
+        self, name: str = "controller-manager", without: Sequence[str] = ()
+    ) -> None:
         """The real kube-controller-manager with its default controllers (ServiceAccounts
         and their tokens' CA, garbage collection, Deployments, Jobs, DaemonSets, the node
-        lifecycle, ...), each controller under its own ServiceAccount as in a real cluster,
-        without leader election; returns once it is healthy. It stops with `close()`."""
+        lifecycle, ResourceClaims from templates, ...) but those named in `without`, each
+        controller under its own ServiceAccount as in a real cluster, without leader
+        election; returns once it is running. It stops with `close()`.
+
+        Where tests play the kubelet, leave out `node-lifecycle-controller`: a played
+        kubelet sends no heartbeats, so the controller would mark its Nodes unreachable
+        after 50 s, taint them, and evict their pods five minutes later."""
         binary = controller_manager_binary()
         if binary is None:
             raise ApiServerError("no kube-controller-manager: run tests/e2e/build-kubernetes.sh")
@@ -369,6 +376,7 @@ class ApiServer:
         self._start_component(name, [
             str(binary), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
             "--use-service-account-credentials=true",
+            "--controllers=" + ",".join(["*", *(f"-{c}" for c in without)]),
             f"--service-account-private-key-file={self.dir / 'sa.key'}",
             f"--root-ca-file={self.ca_file}",
             f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",

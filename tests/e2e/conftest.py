@@ -17,6 +17,9 @@ from kubernetes import client, utils
 from tests.e2e.cluster import ApiServer, apiserver_binary, etcd_binary
 
 ROOT = Path(__file__).resolve().parents[2]
+# The tests of the shared cluster play the kubelet, which sends no heartbeats (see
+# ApiServer.start_controller_manager).
+PLAYED_KUBELET = ("node-lifecycle-controller",)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -37,7 +40,7 @@ def apiserver() -> Iterator[ApiServer]:
     server = ApiServer(binary, etcd)
     try:
         server.start()
-        server.start_controller_manager()
+        server.start_controller_manager(without=PLAYED_KUBELET)
         yield server
     finally:
         server.close()

@@ -19,11 +19,11 @@ import yaml
 from kubernetes import client, utils
 
 from tests.e2e.cluster import ApiServer
+from tests.e2e.placement import RESOURCE, add_node, bound, unschedulable
 from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-RESOURCE = "vram-enforcer.io/vram"
 
 
 @pytest.fixture(scope="module")
@@ -38,32 +38,6 @@ def core(apiserver: ApiServer) -> Iterator[client.CoreV1Api]:
         yield client.CoreV1Api(server.client())
     finally:
         server.close()
-
-
-def add_node(core: client.CoreV1Api, name: str, vram: str, **labels: str) -> None:
-    """A Ready node advertising `vram`, as the agent and kubelet would leave it. The API
-    server taints every new Node not-ready (TaintNodesByCondition); the node lifecycle
-    controller lifts it once kubelet reports Ready. Neither runs here, so the test does both."""
-    core.create_node(client.V1Node(metadata=client.V1ObjectMeta(
-        name=name, labels={"kubernetes.io/hostname": name, **labels})))  # fmt: skip
-    resources = {"cpu": "8", "memory": "32Gi", "pods": "110", RESOURCE: vram}
-    ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "e2e"}
-    core.patch_node_status(name, {"status": {"capacity": resources, "allocatable": resources,
-                                             "conditions": [ready]}})  # fmt: skip
-    core.patch_node(name, [{"op": "remove", "path": "/spec/taints"}])
-
-
-def bound(core: client.CoreV1Api, namespace: str, name: str) -> str | None:
-    return core.read_namespaced_pod(name, namespace).spec.node_name  # type: ignore[no-any-return]
-
-
-def unschedulable(core: client.CoreV1Api, namespace: str, name: str) -> str | None:
-    """The scheduler's message on a pod it could not place, once it has said it."""
-    conditions = core.read_namespaced_pod(name, namespace).status.conditions or []
-    for c in conditions:
-        if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable":
-            return str(c.message)
-    return None
 
 
 def test_three_of_the_four_pods_fit_on_the_4gi_and_8gi_nodes(core: client.CoreV1Api) -> None:
