@@ -7,7 +7,9 @@ the process tree, the sidecar reads cgroups); given those facts, the folding is 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 
+from enforcer.core.dra import Allocations
 from enforcer.core.model import ProcessKey, ProcessTotal, Sample, UnitUsage
 
 
@@ -35,6 +37,47 @@ def attribute(
         UnitUsage(name, limit, tuple(sorted(members[name], key=lambda p: -p.used_bytes)))
         for name, limit in limits.items()
     )
+
+
+def attribute_per_gpu(
+    sample: Sample,
+    container_of: Mapping[ProcessKey, str],
+    allocations: Allocations,
+    held_to_zero: AbstractSet[str],
+    cmdlines: Mapping[ProcessKey, str] | None = None,
+) -> tuple[UnitUsage, ...]:
+    """Units of one GPU each (DRA): every allocation's unit, with its containers' usage on
+    that GPU; and, for a container of `held_to_zero`, its usage on any GPU that no
+    allocation gives it, as a unit `<container>@<gpu>` with a limit of 0.
+
+    Containers in `allocations.unresolved` are left out: which GPUs are theirs is unknown.
+    """
+    limits = {u.name: (u.limit_bytes, u.gpu) for u in allocations.units}
+    members: dict[str, dict[ProcessKey, list[tuple[str, int | None]]]] = {n: {} for n in limits}
+    for usage in sample.processes:
+        container = container_of.get(usage.key)
+        if container is None or container in allocations.unresolved:
+            continue
+        unit = allocations.unit_for(container, usage.device_uuid)
+        if unit is not None:
+            name = unit.name
+        elif container in held_to_zero:
+            name = f"{container}@{usage.device_uuid}"
+            limits.setdefault(name, (0, usage.device_uuid))
+        else:
+            continue
+        per_device = members.setdefault(name, {}).setdefault(usage.key, [])
+        per_device.append((usage.device_uuid, usage.used_bytes))
+    units = []
+    for name, (limit, gpu) in limits.items():
+        processes = [
+            ProcessTotal(key, sum(b for _, b in per if b is not None), tuple(per),
+                         (cmdlines or {}).get(key, ""))
+            for key, per in members.get(name, {}).items()
+        ]  # fmt: skip
+        processes.sort(key=lambda p: -p.used_bytes)
+        units.append(UnitUsage(name, limit, tuple(processes), device_uuid=gpu))
+    return tuple(units)
 
 
 def oldest(processes: Iterable[ProcessTotal]) -> ProcessTotal | None:

@@ -101,6 +101,8 @@ class UnitUsage:
     enforceable: bool = True
     # The process whose exit restarts the container (action `restart`), when known.
     init_process: ProcessTotal | None = None
+    # The one GPU whose usage the unit counts (DRA: a limit per GPU); None: all of them.
+    device_uuid: str | None = None
     used_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:

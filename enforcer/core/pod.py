@@ -52,10 +52,10 @@ def containers_by_id(pod: Pod) -> dict[str, ContainerRef]:
     or not, is never attributed to a container of this pod. Entries of the wrong shape
     count for nothing.
     """
-    status = _map(pod.get("status"))
+    status = json_map(pod.get("status"))
     found: dict[str, ContainerRef] = {}
     for status_field, spec_field in _STATUS_FIELDS:
-        for cs in _maps(status.get(status_field)):
+        for cs in json_maps(status.get(status_field)):
             name = cs.get("name")
             cid = status_container_id(cs.get("containerID"))
             if isinstance(name, str) and name and cid:
@@ -94,9 +94,9 @@ def sole_container(
 
 def spec_field_of(pod: Pod, name: str) -> str:
     """Where container `name` is declared, `containers` when the pod is not known."""
-    spec = _map(pod.get("spec"))
+    spec = json_map(pod.get("spec"))
     for field in ("initContainers", "ephemeralContainers"):
-        if any(c.get("name") == name for c in _maps(spec.get(field))):
+        if any(c.get("name") == name for c in json_maps(spec.get(field))):
             return field
     return "containers"
 
@@ -108,14 +108,16 @@ def others_finished(pod: Pod, me: str) -> bool:
     complete: with restartPolicy Never any termination is final, with OnFailure only a
     successful one, and with Always none.
     """
-    policy = _map(pod.get("spec")).get("restartPolicy", "Always")
+    policy = json_map(pod.get("spec")).get("restartPolicy", "Always")
     statuses = [
-        s for s in _maps(_map(pod.get("status")).get("containerStatuses")) if s.get("name") != me
+        s
+        for s in json_maps(json_map(pod.get("status")).get("containerStatuses"))
+        if s.get("name") != me
     ]
     if not statuses or policy == "Always":
         return False
     for s in statuses:
-        terminated = _map(s.get("state")).get("terminated")
+        terminated = json_map(s.get("state")).get("terminated")
         if not isinstance(terminated, dict):
             return False
         if policy == "OnFailure" and terminated.get("exitCode") != 0:
@@ -123,9 +125,11 @@ def others_finished(pod: Pod, me: str) -> bool:
     return True
 
 
-def _map(value: object) -> Mapping[str, Any]:  # a field of the API's JSON, of any shape
+def json_map(value: object) -> Mapping[str, Any]:
+    """A field of the API's JSON that should be an object; {} when it is anything else."""
     return value if isinstance(value, dict) else {}
 
 
-def _maps(value: object) -> list[Mapping[str, Any]]:
+def json_maps(value: object) -> list[Mapping[str, Any]]:
+    """A field that should be a list of objects; the objects in it, or [] when it is not a list."""
     return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
