@@ -213,6 +213,8 @@ class ApiServer:
         self._extra_args = list(extra_args)
         self.for_pods = for_pods
         self.ready_timeout = ready_timeout
+        self._controller_manager: _Process | None = None
+        self._probes = 0
         self._etcd: _Process | None = None
         self._apiserver: _Process | None = None
         self.last_start_seconds: float | None = None
@@ -311,6 +313,8 @@ class ApiServer:
             self._apiserver = self._spawn("apiserver", self.apiserver_args())
         self._wait(deadline, "apiserver", self.is_ready)
         self.last_start_seconds = time.monotonic() - began
+        if self._controller_manager is not None:
+            self._controllers_caught_up()
 
     def stop(self) -> None:
         """Stop the API server only; etcd keeps the data for a later `start()`."""
@@ -381,22 +385,34 @@ class ApiServer:
             f"--root-ca-file={self.ca_file}",
             f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
         ])  # fmt: skip
-        # Healthy is not started: it builds its controllers one by one after that. An API
-        # server restart in that window left the ServiceAccount controller never acting (no
-        # error in its log). The `default` namespace's ServiceAccount and CA ConfigMap show
-        # that those controllers and their informers are running.
-        core = client.CoreV1Api(self.api_client())
+        self._controller_manager = self._processes[-1]
+        self._controllers_caught_up()
 
-        def controllers_running() -> bool:
+    def _controllers_caught_up(self) -> None:
+        """Return once the controller-manager acts on a new namespace (it gets its `default`
+        ServiceAccount and `kube-root-ca.crt`); the namespace is then deleted.
+
+        Healthy is not acting: the controller-manager builds its controllers one by one
+        after its /healthz answers. And once the API server has been down (`restart()`),
+        client-go's reflectors list again only after their backoff, up to 30 s plus as much
+        jitter: the first namespace made after a restart waited up to a minute for its
+        ServiceAccount. The tests that make namespaces count on the controllers acting."""
+        self._probes += 1
+        name = f"e2e-controllers-{self._probes}"
+        core = client.CoreV1Api(self.api_client())
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+
+        def acting() -> bool:
             try:
-                core.read_namespaced_service_account("default", "default")
-                core.read_namespaced_config_map("kube-root-ca.crt", "default")
+                core.read_namespaced_service_account("default", name)
+                core.read_namespaced_config_map("kube-root-ca.crt", name)
             except client.ApiException:
                 return False
             return True
 
-        self._wait(time.monotonic() + self.ready_timeout, name, controllers_running,
-                   self._processes[-1])  # fmt: skip
+        assert self._controller_manager is not None
+        self._wait(time.monotonic() + 150, "controller-manager", acting, self._controller_manager)
+        core.delete_namespace(name)
 
     def _start_component(self, name: str, argv: list[str]) -> None:
         """Start a control-plane component that authenticates its callers through this
