@@ -61,6 +61,12 @@ class GpuUnit:
         return f"{'+'.join(self.containers)}@{self.gpu}"
 
 
+def unit_containers(name: str) -> tuple[str, ...]:
+    """The containers of a unit named by `GpuUnit.name` (`a+b@GPU-...`), or of a container's
+    own unit. Container names are DNS labels: they hold neither `+` nor `@`."""
+    return tuple(name.split("@", 1)[0].split("+"))
+
+
 @dataclass(frozen=True, slots=True)
 class Allocations:
     """What the pod's claims give its containers on each GPU.

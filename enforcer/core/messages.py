@@ -29,6 +29,8 @@ _REFUSED = {
 def usage(unit: UnitUsage, label: str) -> str:
     """`the command tree uses 5.10 GiB of its 4.00 GiB VRAM limit (127%)`."""
     used, limit = unit.used_bytes, unit.limit_bytes
+    if limit == 0 and unit.device_uuid is not None:
+        return f"{label} uses {format_bytes(used)} of VRAM but was allocated none there"
     if limit == 0:
         return f"{label} uses {format_bytes(used)} of VRAM but declares no VRAM limit"
     share = f" ({100 * used / limit:.0f}%)"

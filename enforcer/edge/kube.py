@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,10 @@ class Forbidden(KubeError):
         )
         self.verb = verb
         self.resource = resource
+
+
+class NotFound(KubeError):
+    """The object does not exist (HTTP 404)."""
 
 
 # Connection errors are retried by urllib3 (three times per request), statuses only by our
@@ -283,6 +287,8 @@ def call(
     except ApiException as exc:
         if exc.status == 403:
             raise Forbidden(verb, resource, _reason(exc)) from exc
+        if exc.status == 404:
+            raise NotFound(f"{resource} not found: {_reason(exc)}") from exc
         raise KubeError(f"{verb} {resource} failed: {_short(exc)}: {_reason(exc)}") from exc
     except _NETWORK_ERRORS as exc:
         raise KubeError(f"{verb} {resource} failed: the API server is unreachable ({exc})") from exc
@@ -363,8 +369,10 @@ class PodWatcher(threading.Thread):
         name: str,
         period: float = 30.0,
         min_gap: float = 1.0,
+        on_read: Callable[[Pod], None] | None = None,
     ) -> None:
         super().__init__(name="pod-watcher", daemon=True)
+        self._on_read = on_read  # more to read once the pod is (its ResourceClaims)
         self._api = api
         self._namespace = namespace
         self._name = name
@@ -402,6 +410,8 @@ class PodWatcher(threading.Thread):
                 if self.error:
                     log.info("reading this pod from the API again")
                 self.error = None
+                if self._on_read is not None:
+                    self._on_read(pod)
             self.stop.wait(self._min_gap)
 
 

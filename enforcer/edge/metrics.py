@@ -70,20 +70,36 @@ class EnforcerCollector(Collector):
             "The unit's declared GPU memory limit",
             labels=unit_labels,
         )
+        per_gpu = [*unit_labels, "gpu"]
+        gpu_used = GaugeMetricFamily(
+            PREFIX + "container_gpu_used_bytes",
+            "GPU memory used by the unit's processes on the one GPU of its limit (DRA)",
+            labels=per_gpu,
+        )
+        gpu_limit = GaugeMetricFamily(
+            PREFIX + "container_gpu_limit_bytes",
+            "The unit's limit on one GPU: what DRA allocated there (0 on a GPU not given)",
+            labels=per_gpu,
+        )
         proc = GaugeMetricFamily(
             PREFIX + "process_used_bytes",
             "GPU memory used by one process on one device",
             labels=[*unit_labels, "pid", "device"],
         )
         for unit in view.units:
-            values = [*base_values, unit.name]
-            used.add_metric(values, unit.used_bytes)
-            limit.add_metric(values, unit.limit_bytes)
+            if unit.device_uuid is None:
+                values = [*base_values, unit.name]
+                used.add_metric(values, unit.used_bytes)
+                limit.add_metric(values, unit.limit_bytes)
+            else:  # `a+b@GPU-...`: the containers, and the GPU on a label of its own
+                values = [*base_values, unit.name.split("@", 1)[0]]
+                gpu_used.add_metric([*values, unit.device_uuid], unit.used_bytes)
+                gpu_limit.add_metric([*values, unit.device_uuid], unit.limit_bytes)
             for p in unit.processes:
                 for device, bytes_used in p.by_device:
                     if bytes_used is not None:
                         proc.add_metric([*values, str(p.key.pid), device], bytes_used)
-        yield from (used, limit, proc)
+        yield from (used, limit, gpu_used, gpu_limit, proc)
         up = GaugeMetricFamily(
             PREFIX + "source_up", "1 when GPU usage could be read on the last tick"
         )

@@ -17,10 +17,12 @@ import selectors
 import signal
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from enforcer.core import messages
-from enforcer.core.attribution import attribute, oldest, reported_only
+from enforcer.core.attribution import attribute, attribute_per_gpu, oldest, reported_only
 from enforcer.core.cgroups import container_id
+from enforcer.core.dra import Allocations, DraSettings, allocations, unit_containers
 from enforcer.core.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import (
@@ -35,6 +37,7 @@ from enforcer.core.pod import (
 from enforcer.core.policy import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.edge import logs
+from enforcer.edge.claims import ClaimReader, ClaimState, DraObjects
 from enforcer.edge.kube import EventRecorder, KubeError, PodWatcher, connect
 from enforcer.edge.metrics import MetricsPortError, MetricsServer, Telemetry, serve_metrics
 from enforcer.edge.procfs import ProcFs
@@ -70,6 +73,9 @@ class ContainerAttributor:
         undeclared_allowed: bool,
         want_init: bool,
         spec_containers: tuple[str, ...] = (),
+        dra: DraSettings | None = None,
+        claims: Callable[[], DraObjects | None] = lambda: None,
+        problem: Callable[[str], None] = lambda text: None,
     ) -> None:
         self._procfs = procfs
         self._pod = pod
@@ -86,6 +92,11 @@ class ContainerAttributor:
         self._without_api_said = ""
         self._by_id: dict[str, ContainerRef] = {}
         self.refs: dict[str, ContainerRef] = {}
+        # DRA (limits per GPU from the pod's claims): None when the limits are declared.
+        self._dra = dra
+        self._claims = claims
+        self._problem = problem
+        self._problems_said: frozenset[str] = frozenset()
 
     def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]:
         pod = self._pod()
@@ -103,20 +114,42 @@ class ContainerAttributor:
         self._known = known
         unit_of = {key: by_id[cid].name for key, (cid, _) in known.items() if cid in by_id}
         cmdlines = {key: cmd for key, (_, cmd) in known.items()}
-        limits = container_limits(self._limits, by_id.values(), self._undeclared_allowed)
-        units = list(attribute(sample, unit_of, limits, cmdlines))
+        if self._dra is not None:
+            found = self._allocations(pod, self._dra, by_id)
+            held = {r.name for r in by_id.values()} if not self._undeclared_allowed else set()
+            held = (held | found.claiming) - found.unresolved
+            units = list(attribute_per_gpu(sample, unit_of, found, held, cmdlines))
+            total = sum(u.limit_bytes for u in found.units)
+        else:
+            limits = container_limits(self._limits, by_id.values(), self._undeclared_allowed)
+            units = list(attribute(sample, unit_of, limits, cmdlines))
+            total = sum(self._limits.values())
         if self._want_init:
             inits = self._inits(by_id)
-            units = [
-                UnitUsage(u.name, u.limit_bytes, u.processes, init_process=inits.get(u.name))
-                for u in units
-            ]
+            units = [replace(u, init_process=_init_of(u.name, inits)) for u in units]
         unproven = [key for key in known if key not in unit_of]
         if unproven:
             self._refresh()  # a new container (or a restart) the cached pod does not know yet
-            total = sum(self._limits.values())
             units.append(reported_only(POD_UNIT, sample, known, total, cmdlines))
         return tuple(units)
+
+    def _allocations(
+        self, pod: Pod | None, dra: DraSettings, by_id: Mapping[str, ContainerRef]
+    ) -> Allocations:
+        """What the pod's claims give each container per GPU; each new problem said once.
+
+        Until the claims have been read (the pod watcher logs why not), no container is
+        enforced on any GPU."""
+        objects = self._claims()
+        if pod is None or objects is None:
+            everyone = frozenset(self._spec_containers) | {r.name for r in by_id.values()}
+            return Allocations(unresolved=everyone)
+        found = allocations(pod, objects.claims, objects.slices, dra)
+        for text in found.problems:
+            if text not in self._problems_said:
+                self._problem(text)
+        self._problems_said = frozenset(found.problems)
+        return found
 
     def _without_api(self) -> dict[str, ContainerRef]:
         """Container ID -> container while the pod's status has never been read (see above)."""
@@ -168,15 +201,30 @@ class ContainerAttributor:
         return {name: init for name, found in candidates.items() if (init := oldest(found))}
 
     def membership(self, unit: str) -> Membership:
-        """Re-proven before every signal: the pid's cgroup still names one of the unit's IDs
-        (as this tick matched IDs to containers)."""
+        """Re-proven before every signal: the pid's cgroup still names one of the IDs of the
+        unit's containers (as this tick matched IDs to containers)."""
         if unit == POD_UNIT:
             return lambda pid: False
-        ids = {cid for cid, ref in self._by_id.items() if ref.name == unit}
+        names = unit_containers(unit)
+        ids = {cid for cid, ref in self._by_id.items() if ref.name in names}
         return lambda pid: pid != 1 and _cid(self._procfs, pid) in ids
 
     def label(self, unit: str) -> str:
-        return "the pod as a whole" if unit == POD_UNIT else f"container {unit!r}"
+        if unit == POD_UNIT:
+            return "the pod as a whole"
+        names = unit_containers(unit)
+        who = (
+            f"container {names[0]!r}"
+            if len(names) == 1
+            else "containers " + " and ".join(repr(n) for n in names)
+        )
+        return f"{who} on GPU {unit.split('@', 1)[1]}" if "@" in unit else who
+
+
+def _init_of(unit: str, inits: Mapping[str, ProcessTotal]) -> ProcessTotal | None:
+    """A unit's init process, for `restart`: its container's, when it has one container."""
+    names = unit_containers(unit)
+    return inits.get(names[0]) if len(names) == 1 else None
 
 
 def _cid(procfs: ProcFs, pid: int | str) -> str | None:
@@ -203,10 +251,11 @@ class EventReporter:
         if report.quiet:
             return  # routine news (a victim has exited) belongs in the log, not in Events
         container = None
-        if report.unit and report.unit != POD_UNIT:
-            ref = self._refs().get(report.unit)
-            spec_field = ref.spec_field if ref else spec_field_of(self._pod() or {}, report.unit)
-            container = ContainerRef(report.unit, spec_field)
+        names = unit_containers(report.unit) if report.unit and report.unit != POD_UNIT else ()
+        if len(names) == 1:  # the Event points at the container (not when a claim is shared)
+            ref = self._refs().get(names[0])
+            spec_field = ref.spec_field if ref else spec_field_of(self._pod() or {}, names[0])
+            container = ContainerRef(names[0], spec_field)
         about = _about(self._settings, container)
         self._recorder.record(about, str(report.reason), report.message, not report.normal)
 
@@ -251,16 +300,21 @@ def run(settings: SidecarSettings) -> int:
     telemetry = Telemetry({"namespace": settings.namespace, "pod": settings.pod_name})
     # A "container"-mode sidecar watches the other containers' states to know when to exit.
     period = 2.0 if settings.sidecar_mode == "container" else 30.0
-    watcher = PodWatcher(api, settings.namespace, settings.pod_name, period=period)
+    claims = None
+    if settings.dra is not None:  # the claims are read after each read of the pod
+        claims = ClaimState(ClaimReader(api, settings.namespace, settings.node_name))
+    watcher = PodWatcher(api, settings.namespace, settings.pod_name, period=period,
+                         on_read=claims.refresh if claims is not None else None)  # fmt: skip
     recorder = EventRecorder(api, settings.pod_name, settings.node_name, telemetry.event_failures)
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
-    pipeline = _pipeline(settings, procfs, source, terminator, watcher, recorder, telemetry)
+    pipeline = _pipeline(settings, procfs, source, terminator, watcher, claims, recorder, telemetry)
     server = _metrics(settings, telemetry, recorder)
     watcher.start()
     recorder.start()
+    declared = ", ".join(f"{k}={v}" for k, v in settings.limits.items()) or "no declared limits"
     log.info(
         "enforcing %s on pod %s/%s (action %s, source %s)",
-        ", ".join(f"{k}={v}" for k, v in settings.limits.items()) or "no declared limits",
+        "the limits per GPU of the pod's ResourceClaims" if settings.dra else declared,
         settings.namespace,
         settings.pod_name,
         settings.policy.action,
@@ -284,10 +338,16 @@ def _pipeline(
     source: UsageSource,
     terminator: Terminator,
     watcher: PodWatcher,
+    claims: ClaimState | None,
     recorder: EventRecorder,
     telemetry: Telemetry,
 ) -> Pipeline:
     """The tick: usage per container, decided on, enforced, logged and posted as Events."""
+
+    def problem(text: str) -> None:  # a container's GPUs are not proven: said once each
+        log.warning("%s", text)
+        recorder.record(_about(settings), str(Reason.ALLOCATION_UNKNOWN), text, True)
+
     attributor = ContainerAttributor(
         procfs,
         lambda: watcher.pod,
@@ -296,6 +356,9 @@ def _pipeline(
         settings.undeclared_allowed,
         want_init=settings.policy.action is Action.RESTART,
         spec_containers=settings.containers,
+        dra=settings.dra,
+        claims=lambda: claims.objects if claims is not None else None,
+        problem=problem,
     )
     reporters: list[Reporter] = [
         LogReporter(),

@@ -27,9 +27,12 @@ def device_class(api: client.ApiClient) -> None:
     })  # fmt: skip
 
 
-def gpu_device(index: int, uuid: str, memory: str, product: str = "NVIDIA L4") -> dict[str, Any]:
-    """One GPU as the driver lists it, shareable by memory."""
-    return {
+def gpu_device(
+    index: int, uuid: str | None, memory: str, product: str = "NVIDIA L4"
+) -> dict[str, Any]:
+    """One GPU as the driver lists it, shareable by memory (`uuid` None: a driver that does
+    not publish one)."""
+    device = {
         "name": f"gpu-{index}",
         "allowMultipleAllocations": True,
         "attributes": {
@@ -50,9 +53,12 @@ def gpu_device(index: int, uuid: str, memory: str, product: str = "NVIDIA L4") -
             },
         },
     }
+    if uuid is None:
+        del device["attributes"]["uuid"]  # type: ignore[attr-defined]
+    return device
 
 
-def publish(api: client.ApiClient, node: str, gpus: Sequence[tuple[str, str]]) -> None:
+def publish(api: client.ApiClient, node: str, gpus: Sequence[tuple[str | None, str]]) -> None:
     """The node's ResourceSlice: one device per (uuid, memory) in `gpus`, in index order."""
     devices = [gpu_device(i, uuid, memory) for i, (uuid, memory) in enumerate(gpus)]
     utils.create_from_dict(api, {

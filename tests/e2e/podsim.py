@@ -48,6 +48,8 @@ class SimPod:
         *,
         limits: dict[str, str] | None = None,
         node_name: str | None = None,
+        claims: dict[str, tuple[str, str | None]] | None = None,
+        node_selector: dict[str, str] | None = None,
         kubelet: bool = False,
         root: Path | None = None,
     ) -> None:
@@ -92,15 +94,25 @@ class SimPod:
         assert self.unshare.stdout.readline().strip() == "ready"
         (self.pause,) = wait_for(lambda: children(self.unshare.pid), what="pause")
         self.processes: list[subprocess.Popen[Any]] = []
+        # DRA: container -> (template, request or None); one pod claim per template
+        templates = sorted({t for t, _ in (claims or {}).values()})
+        uses = {
+            c: [client.CoreV1ResourceClaim(name=t, request=r)]
+            for c, (t, r) in (claims or {}).items()
+        }
         spec = [
             client.V1Container(
                 name=c, image="example.com/gpu:1", resources=client.V1ResourceRequirements(
-                    limits={"vram-enforcer.io/vram": limits[c]} if c in (limits or {}) else None)
+                    limits={"vram-enforcer.io/vram": limits[c]} if c in (limits or {}) else None,
+                    claims=uses.get(c))
             )
             for c in containers
         ]  # fmt: skip
         body = client.V1Pod(metadata=client.V1ObjectMeta(name=name), spec=client.V1PodSpec(containers=spec,
-                            share_process_namespace=True, restart_policy="Never", node_name=node_name))  # fmt: skip
+                            share_process_namespace=True, restart_policy="Never", node_name=node_name,
+                            node_selector=node_selector,
+                            resource_claims=[client.V1PodResourceClaim(name=t, resource_claim_template_name=t)
+                                             for t in templates] or None))  # fmt: skip
         created = core.create_namespaced_pod(namespace, body)
         self.uid = str(created.metadata.uid)
         if kubelet:

@@ -9,6 +9,7 @@ The server is Kubernetes 1.37, with native sidecars, and the webhook runs in
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
@@ -79,16 +80,21 @@ def webhook(
             "reinvocationPolicy": "IfNeeded", "timeoutSeconds": 5,
         }],
     }  # fmt: skip
-    client.AdmissionregistrationV1Api(admin).create_mutating_webhook_configuration(config)
-    core = client.CoreV1Api(admin)
-    for name, labels in (("ml", {"vram-enforcer.io/inject": "enabled"}), ("plain", {})):
-        core.create_namespace(
-            client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels))
-        )
-        default_service_account(core, name)
-    yield w
-    client.AdmissionregistrationV1Api(admin).delete_mutating_webhook_configuration("vram-enforcer")
-    assert w.stop() == 0
+    try:  # a failed setup must leave neither the process nor the configuration behind
+        client.AdmissionregistrationV1Api(admin).create_mutating_webhook_configuration(config)
+        core = client.CoreV1Api(admin)
+        for name, labels in (("ml", {"vram-enforcer.io/inject": "enabled"}), ("plain", {})):
+            core.create_namespace(
+                client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels))
+            )
+            default_service_account(core, name)
+        yield w
+    finally:
+        with contextlib.suppress(client.ApiException):
+            client.AdmissionregistrationV1Api(admin).delete_mutating_webhook_configuration(
+                "vram-enforcer"
+            )
+        assert w.stop() == 0
 
 
 def gpu_pod(

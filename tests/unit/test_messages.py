@@ -48,6 +48,10 @@ def test_notices() -> None:
 
 def test_undeclared_usage_and_unknown_usage() -> None:
     assert "declares no VRAM limit" in messages.usage(UnitUsage("c", 0, (VICTIM,)), "container 'c'")
+    elsewhere = UnitUsage("c@GPU-1", 0, (VICTIM,), device_uuid="GPU-1")  # DRA: not given GPU-1
+    assert messages.usage(elsewhere, "container 'c' on GPU GPU-1") == (
+        "container 'c' on GPU GPU-1 uses 4.50 GiB of VRAM but was allocated none there"
+    )
     partly = ProcessTotal(ProcessKey(1, 1), 10, (("GPU-0", 10), ("GPU-1", None)))
     assert "plus usage NVML could not report" in messages.usage(UnitUsage("c", 100, (partly,)), "c")
 

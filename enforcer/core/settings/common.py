@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from enforcer.core.dra import NVIDIA_DRIVER, DraSettings
 from enforcer.core.model import Action
 from enforcer.core.parsing import (
     actions,
     as_text,
     choice,
     parse_duration,
+    parse_names,
     parse_percent,
     parse_port,
     parse_resource_name,
@@ -190,3 +192,43 @@ class PolicySettings:
             grace_period=values[self.grace_period],
             dry_run=values[self.dry_run],
         )
+
+
+DRA_DRIVERS: Setting[tuple[str, ...]] = value(
+    "dra_drivers",
+    parse_names,
+    "DRA drivers whose allocations are GPUs",
+    flag="--dra-drivers",
+    env="VRAM_ENFORCER_DRA_DRIVERS",
+    default=NVIDIA_DRIVER,
+    metavar="NAMES",
+    doc="the DRA drivers whose allocations are GPUs, comma-separated (NVIDIA's by default); "
+    "allocations of other drivers are left alone",
+)
+DRA_UUID_ATTRIBUTE = value(
+    "dra_uuid_attribute",
+    as_text,
+    "the ResourceSlice attribute that holds a GPU's UUID",
+    flag="--dra-uuid-attribute",
+    env="VRAM_ENFORCER_DRA_UUID_ATTRIBUTE",
+    default="uuid",
+    metavar="NAME",
+    doc="the device attribute, in the driver's ResourceSlices, that holds the GPU's UUID as "
+    "NVML names it (`uuid` for NVIDIA's driver; a name without a domain is in the driver's)",
+)
+DRA_CAPACITY = value(
+    "dra_capacity",
+    as_text,
+    "the device capacity that is GPU memory",
+    flag="--dra-capacity",
+    env="VRAM_ENFORCER_DRA_CAPACITY",
+    default="memory",
+    metavar="NAME",
+    doc="the device capacity that is GPU memory: its `consumedCapacity` in an allocation is "
+    "the limit on that GPU",
+)
+
+
+def dra_settings(values: Values) -> DraSettings:
+    drivers: tuple[str, ...] = values[DRA_DRIVERS]
+    return DraSettings(frozenset(drivers), values[DRA_UUID_ATTRIBUTE], values[DRA_CAPACITY])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from enforcer.core.dra import DraSettings
 from enforcer.core.model import Action
 from enforcer.core.parsing import (
     LIMITS_FORM,
@@ -19,8 +20,12 @@ from enforcer.core.policy import PolicyConfig
 from enforcer.core.settings import Setting, Values, value, verbosity
 from enforcer.core.settings.common import (
     DEFAULT_SOCKET,
+    DRA_CAPACITY,
+    DRA_DRIVERS,
+    DRA_UUID_ATTRIBUTE,
     PolicySettings,
     action,
+    dra_settings,
     dry_run,
     grace_period,
     interval,
@@ -75,9 +80,22 @@ LIMITS = value(
     flag="--limits",
     env="VRAM_ENFORCER_LIMITS",
     metavar="JSON",
-    required=f"use {LIMITS_FORM}",
+    shown_default="required unless `--limits-from dra`",
     doc='JSON: container name → limit in bytes, `{"trainer": 12884901888}`. The webhook '
     "writes it from `resources.limits`",
+)
+LIMITS_FROM = value(
+    "limits_from",
+    choice("declared", "dra"),
+    "declared (--limits) or dra (the pod's ResourceClaims, per GPU)",
+    flag="--limits-from",
+    env="VRAM_ENFORCER_LIMITS_FROM",
+    default="declared",
+    metavar="declared|dra",
+    doc="`declared`: each container's limit is `--limits`, over all GPUs. `dra`: a limit per "
+    "container and GPU, what the scheduler allocated to the container's ResourceClaims on that "
+    "GPU (`consumedCapacity`); usage on a GPU the container was not given counts against a "
+    "limit of 0 (see [install.md](install.md#vram-per-gpu-dra))",
 )
 ACTION = action(
     SIDECAR_ACTIONS,
@@ -190,6 +208,10 @@ DECLARED: tuple[Setting[Any], ...] = (
     POD_UID,
     NODE_NAME,
     LIMITS,
+    LIMITS_FROM,
+    DRA_DRIVERS,
+    DRA_UUID_ATTRIBUTE,
+    DRA_CAPACITY,
     ACTION,
     GRACE_PERIOD,
     INTERVAL,
@@ -222,6 +244,7 @@ class SidecarSettings:
     node_name: str
     self_name: str
     limits: dict[str, int]
+    dra: DraSettings | None  # limits from the pod's ResourceClaims, per GPU; None: `limits`
     containers: tuple[str, ...]  # the pod's other containers, from its spec (may be empty)
     undeclared_allowed: bool
     policy: PolicyConfig
@@ -241,13 +264,19 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         raise ConfigError(
             "--host-proc", None, "is missing; --source nvml needs the host's /proc, e.g. /host/proc"
         )
+    dra = dra_settings(values) if values[LIMITS_FROM] == "dra" else None
+    if dra is None and values[LIMITS] is None:
+        raise ConfigError(
+            "VRAM_ENFORCER_LIMITS", None, f"is missing; use {LIMITS_FORM} (or --limits-from dra)"
+        )
     return SidecarSettings(
         pod_name=values[POD_NAME],
         namespace=values[POD_NAMESPACE],
         pod_uid=values[POD_UID],
         node_name=values[NODE_NAME],
         self_name=values[SELF_NAME],
-        limits=values[LIMITS],
+        limits=values[LIMITS] or {},
+        dra=dra,
         containers=values[CONTAINERS],
         undeclared_allowed=values[UNDECLARED_ALLOWED],
         policy=POLICY.config(values),

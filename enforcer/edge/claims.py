@@ -1,0 +1,106 @@
+"""The DRA objects behind a pod's GPU limits: its ResourceClaims and its node's
+ResourceSlices, read from the API as JSON (resource.k8s.io/v1, Kubernetes 1.34+).
+
+Both are read again on each call (the sidecar's pod refresh): a claim gets its
+allocation after the pod was first read, and a driver that restarts may publish a new
+generation of slices. A claim once seen allocated is kept through API errors: its
+allocation cannot change while the pod holds it reserved.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes import client
+
+from enforcer.core.dra import claim_names
+from enforcer.core.payloads import Pod
+from enforcer.edge import logs
+from enforcer.edge.kube import KubeError, NotFound, call
+
+log = logging.getLogger(__name__)
+
+CLAIM = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+
+
+@dataclass(frozen=True, slots=True)
+class DraObjects:
+    """What `enforcer.core.dra.allocations` needs besides the pod."""
+
+    claims: dict[str, dict[str, Any]] = field(default_factory=dict)  # by ResourceClaim name
+    slices: tuple[dict[str, Any], ...] = ()
+
+
+class ClaimReader:
+    """Reads a pod's ResourceClaims (namespaced: get) and the ResourceSlices of its node
+    (cluster-scoped: list, by the `spec.nodeName` field selector)."""
+
+    def __init__(self, api: client.ApiClient, namespace: str, node: str) -> None:
+        self._api = api
+        self._namespace = namespace
+        self._node = node
+        self._allocated: dict[str, dict[str, Any]] = {}  # by name: the last allocated copy
+
+    def read(self, pod: Pod) -> DraObjects:
+        """Raises KubeError (naming the verb and resource, and Forbidden for RBAC)."""
+        claims: dict[str, dict[str, Any]] = {}
+        for name in {n for n in claim_names(pod).values() if n is not None}:
+            claim = self._claim(name)
+            if claim is not None:
+                claims[name] = claim
+        if not self._node:
+            raise KubeError("NODE_NAME is unset: this node's ResourceSlices cannot be listed")
+        listed = call(self._api, "GET", SLICES, "resourceslices", deadline=10.0, verb="list",
+                      query={"fieldSelector": f"spec.nodeName={self._node}"})  # fmt: skip
+        items = listed.get("items") if isinstance(listed, dict) else None
+        slices = tuple(s for s in items if isinstance(s, dict)) if isinstance(items, list) else ()
+        return DraObjects(claims, slices)
+
+    def _claim(self, name: str) -> dict[str, Any] | None:
+        """The claim, or None when it does not exist (deleted, or not made yet)."""
+        try:
+            where = {"namespace": self._namespace, "name": name}
+            claim: dict[str, Any] = call(
+                self._api, "GET", CLAIM, "resourceclaims", deadline=10.0, params=where
+            )
+        except NotFound:
+            self._allocated.pop(name, None)
+            return None
+        except KubeError:
+            kept = self._allocated.get(name)
+            if kept is None:
+                raise
+            return kept  # allocated before: it cannot have changed while the pod holds it
+        status = claim.get("status")
+        if isinstance(status, dict) and status.get("allocation"):
+            self._allocated[name] = claim
+        return claim
+
+
+class ClaimState:
+    """The last DRA objects read for the pod, refreshed from the pod watcher's thread.
+
+    Errors are values: the last good read is kept (None until there is one), and `error`
+    says what failed, logged once per change.
+    """
+
+    def __init__(self, reader: ClaimReader) -> None:
+        self._reader = reader
+        self.objects: DraObjects | None = None
+        self.error: str | None = None
+
+    def refresh(self, pod: Pod) -> None:
+        try:
+            self.objects = self._reader.read(pod)
+        except KubeError as exc:
+            if str(exc) != self.error:
+                what = "cannot read this pod's ResourceClaims or its node's ResourceSlices"
+                log.warning("%s (%s); the last read is kept", what, exc, exc_info=logs.detail(exc))
+            self.error = str(exc)
+        else:
+            if self.error is not None:
+                log.info("reading this pod's ResourceClaims again")
+            self.error = None

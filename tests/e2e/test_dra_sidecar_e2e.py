@@ -1,0 +1,209 @@
+"""The sidecar enforcing what DRA allocated, per GPU (`--limits-from dra`).
+
+A cluster of its own: kube-apiserver, kube-controller-manager (claims from templates) and
+kube-scheduler, which allocates each pod's claims by consumable capacity. Node
+`gpu-node-1` has two 24Gi GPUs, published as NVIDIA's DRA driver publishes them
+(`tests/e2e/dra.py`, the stand-in), with the UUIDs of the fake NVML's two devices;
+`gpu-node-2` has one GPU published by a driver that gives no UUID attribute. Pods are
+`SimPod`s (the tests play the kubelet, as in test_sidecar_e2e.py) that the real
+scheduler binds; the agent serves the fake NVML; the sidecar reads the pod, its claims
+and the node's slices with the pod's ServiceAccount under deploy/rbac/sidecar.yaml.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client, utils
+
+from enforcer.core.model import GiB, MiB
+from tests.e2e import dra
+from tests.e2e.actors import Node, Sidecar, alive, namespace_with_sidecar_rbac, start_worker
+from tests.e2e.cluster import ApiServer
+from tests.e2e.placement import add_node, bound
+from tests.e2e.podsim import SimPod
+from tests.fakenvml import FakeGpuState
+from tests.helpers import wait_for
+
+NAMESPACE = "dra-team"
+NODE, OTHER_NODE = "gpu-node-1", "gpu-node-2"
+NO_KUBELET = ("node-lifecycle-controller",)  # see ApiServer.start_controller_manager
+
+
+@pytest.fixture(scope="module")
+def cluster(apiserver: ApiServer) -> Iterator[ApiServer]:
+    """`apiserver` (the shared one) only for its skip-or-fail check: this module has its own."""
+    server = ApiServer()
+    try:
+        server.start()
+        server.start_controller_manager(without=NO_KUBELET)
+        server.start_scheduler(
+            {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration"}
+        )
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, fake_nvml_lib: Path) -> Iterator[Node]:
+    """The agent, with two 24Gi GPUs in the fake NVML."""
+    n = Node(tmp_path_factory.mktemp("node"), fake_nvml_lib)
+    n.state = FakeGpuState.single_gpu(total_bytes=24 * GiB)
+    n.state.add_device(total_bytes=24 * GiB)
+    n.state.write(n.state_file)
+    n.start_agent()
+    yield n
+    n.stop_agent()
+
+
+@pytest.fixture(scope="module")
+def api(cluster: ApiServer, node: Node) -> client.ApiClient:
+    api = cluster.client()
+    core = client.CoreV1Api(api)
+    add_node(core, NODE, None)
+    add_node(core, OTHER_NODE, None)
+    dra.device_class(api)
+    dra.publish(api, NODE, [(d["uuid"], "24Gi") for d in node.state.devices])
+    dra.publish(api, OTHER_NODE, [(None, "24Gi")])  # a driver that publishes no UUID
+    return api
+
+
+@pytest.fixture(scope="module")
+def token(cluster: ApiServer, api: client.ApiClient) -> str:
+    token = namespace_with_sidecar_rbac(cluster, api, NAMESPACE)
+    # trainer 4Gi and helper 2Gi, both of one GPU (the same UUID): neighbours
+    utils.create_from_dict(api, {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "tenants", "namespace": NAMESPACE},
+        "spec": {"spec": {"devices": {
+            "requests": [
+                {"name": name, "exactly": {"deviceClassName": dra.DEVICE_CLASS,
+                                           "capacity": {"requests": {"memory": size}}}}
+                for name, size in (("trainer", "4Gi"), ("helper", "2Gi"))],
+            "constraints": [{"requests": ["trainer", "helper"],
+                             "matchAttribute": f"{dra.DRIVER}/uuid"}],
+        }}},
+    })  # fmt: skip
+    utils.create_from_dict(api, {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "vram-8gi", "namespace": NAMESPACE},
+        "spec": {"spec": {"devices": {"requests": [
+            {"name": "vram", "exactly": {"deviceClassName": dra.DEVICE_CLASS,
+                                         "capacity": {"requests": {"memory": "8Gi"}}}}]}}},
+    })  # fmt: skip
+    return token
+
+
+_numbers = itertools.count()
+
+
+def scheduled_pod(api: client.ApiClient, node: str, containers: list[str],
+                  claims: dict[str, tuple[str, str | None]]) -> SimPod:  # fmt: skip
+    """A SimPod that the scheduler binds to `node`, its claims allocated."""
+    core = client.CoreV1Api(api)
+    pod = SimPod(core, NAMESPACE, f"dra-{next(_numbers)}", containers, claims=claims,
+                 node_selector={"kubernetes.io/hostname": node})  # fmt: skip
+    wait_for(lambda: bound(core, NAMESPACE, pod.name), timeout=30, what="the scheduler to bind it")
+    pod.report_status()  # the status as the kubelet writes it once the pod runs
+    return pod
+
+
+def allocated_gpu(api: client.ApiClient, pod: SimPod) -> int:
+    """The index of the GPU of the pod's one claim (every result is on it)."""
+    status = client.CoreV1Api(api).read_namespaced_pod(pod.name, NAMESPACE).status
+    (claim_status,) = status.resource_claim_statuses
+    claim = dra.claims(api, NAMESPACE)[claim_status.resource_claim_name]
+    (device,) = {r["device"] for r in claim["status"]["allocation"]["devices"]["results"]}
+    return int(device.removeprefix("gpu-"))
+
+
+@pytest.fixture
+def tenants(api: client.ApiClient, token: str) -> Iterator[SimPod]:
+    pod = scheduled_pod(api, NODE, ["trainer", "helper", "undeclared", "vram-enforcer"],
+                        {"trainer": ("tenants", "trainer"), "helper": ("tenants", "helper")})  # fmt: skip
+    yield pod
+    pod.close()
+
+
+@pytest.fixture
+def sidecar(tenants: SimPod, node: Node, cluster: ApiServer, token: str, tmp_path: Path) -> Iterator[Sidecar]:  # fmt: skip
+    s = Sidecar(tenants, node, cluster, token, tmp_path, {}, "--limits-from", "dra")
+    yield s
+    assert s.stop() == 0
+
+
+def events(api: client.ApiClient, pod: str, reason: str) -> list[Any]:
+    listed = client.CoreV1Api(api).list_namespaced_event(
+        NAMESPACE, field_selector=f"involvedObject.name={pod},reason={reason}"
+    )
+    return list(listed.items)
+
+
+def test_over_its_claim_on_its_gpu_is_stopped_and_the_neighbour_within_is_not(
+    api: client.ApiClient, sidecar: Sidecar, tenants: SimPod, node: Node, tmp_path: Path
+) -> None:
+    gpu = allocated_gpu(api, tenants)
+    uuid = node.state.devices[gpu]["uuid"]
+    trainer = start_worker(tenants, "trainer", tmp_path)
+    helper = start_worker(tenants, "helper", tmp_path)
+    # 6Gi of a 24Gi GPU in all, and the pod's claims are 6Gi: only the split is wrong
+    node.use({trainer: 5 * GiB, helper: 1 * GiB}, device=gpu)
+    wait_for(lambda: not alive(trainer), what="the trainer to be terminated")
+    assert alive(helper)
+    said = f"container 'trainer' on GPU {uuid} uses 5.00 GiB of its 4.00 GiB VRAM limit (125%)"
+    sidecar.wait_logged(said, "sent SIGTERM to pid")
+    (event,) = wait_for(lambda: events(api, tenants.name, "VRAMEnforced"), what="the Event")
+    assert event.message.startswith(said) and event.involved_object.field_path == "spec.containers{trainer}"  # fmt: skip
+    metrics = sidecar.metrics()
+    labels = f'container="helper",gpu="{uuid}",namespace="{NAMESPACE}",pod="{tenants.name}"'
+    assert f"vram_enforcer_container_gpu_limit_bytes{{{labels}}} 2.147483648e+09" in metrics
+    assert f"vram_enforcer_container_gpu_used_bytes{{{labels}}} 1.073741824e+09" in metrics
+    node.use({trainer: None, helper: None})
+
+
+def test_usage_on_a_gpu_it_was_not_given_is_caught(
+    api: client.ApiClient, sidecar: Sidecar, tenants: SimPod, node: Node, tmp_path: Path
+) -> None:
+    other = 1 - allocated_gpu(api, tenants)
+    uuid = node.state.devices[other]["uuid"]
+    helper, sneaky = start_worker(tenants, "helper", tmp_path), start_worker(tenants, "undeclared", tmp_path)  # fmt: skip
+    node.use({helper: 1 * MiB}, device=other)
+    wait_for(lambda: not alive(helper), what="the helper's process on the other GPU to be stopped")
+    sidecar.wait_logged(f"container 'helper' on GPU {uuid} uses 1.00 MiB of VRAM but was allocated none there")  # fmt: skip
+    node.use({sneaky: 1 * MiB}, device=other)  # a container with no claim at all
+    wait_for(lambda: not alive(sneaky), what="the undeclared container's process to be stopped")
+    node.use({helper: None, sneaky: None})
+
+
+def test_a_claim_that_cannot_be_mapped_to_a_gpu_is_reported_and_signals_nothing(
+    api: client.ApiClient, node: Node, cluster: ApiServer, token: str, tmp_path: Path
+) -> None:
+    pod = scheduled_pod(api, OTHER_NODE, ["trainer", "undeclared", "vram-enforcer"],
+                        {"trainer": ("vram-8gi", None)})  # fmt: skip
+    try:
+        sidecar = Sidecar(pod, node, cluster, token, tmp_path, {}, "--limits-from", "dra",
+                          env={"NODE_NAME": OTHER_NODE})  # fmt: skip
+        trainer = start_worker(pod, "trainer", tmp_path)
+        sneaky = start_worker(pod, "undeclared", tmp_path)
+        node.use({trainer: 20 * GiB, sneaky: 1 * MiB})
+        # the sidecar sees the usage and enforces: the container with no claim is stopped...
+        wait_for(lambda: not alive(sneaky), what="the undeclared container's process to be stopped")
+        # ...but the one whose GPU cannot be proven is not, and the pod says why
+        (event,) = wait_for(
+            lambda: events(api, pod.name, "VRAMAllocationUnknown"), what="the Event"
+        )
+        assert "names device gpu.nvidia.com/gpu-node-2/gpu-0, which no ResourceSlice of this node lists with a 'uuid' attribute" in event.message  # fmt: skip
+        assert "container 'trainer' is not enforced on any GPU" in event.message
+        assert event.type == "Warning"
+        assert alive(trainer)
+        enforced = {e.involved_object.field_path for e in events(api, pod.name, "VRAMEnforced")}
+        assert enforced == {"spec.containers{undeclared}"}
+        node.use({trainer: None, sneaky: None})
+        assert sidecar.stop() == 0
+    finally:
+        pod.close()
