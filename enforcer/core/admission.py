@@ -87,6 +87,10 @@ class AdmissionSettings:
     sidecar_cpu: str = "10m"
     sidecar_memory: str = "96Mi"
     agent_socket: str = f"{SOCKET_DIR}/agent.sock"
+    # DRA: the DeviceClass that a declaration becomes a claim on (None: per-node counting by
+    # the extended resource), and the device capacity that is GPU memory.
+    dra_class: str | None = None
+    dra_capacity: str = "memory"
 
 
 class BadReview(ValueError):
@@ -130,6 +134,24 @@ def review(doc: object, settings: AdmissionSettings) -> Outcome:
     return Outcome(_allow(uid, ops), "patched" if ops else "skipped")
 
 
+def needed_templates(doc: object, settings: AdmissionSettings) -> list[dict[str, object]]:
+    """DRA mode: the ResourceClaimTemplates that the patched pod of this review names, to be
+    made before it is admitted; none for a dry run (the webhook is NoneOnDryRun)."""
+    request = _map(_map(doc).get("request"))
+    namespace, pod = request.get("namespace"), request.get("object")
+    if settings.dra_class is None or request.get("dryRun") is True:
+        return []
+    if not isinstance(namespace, str) or not isinstance(pod, dict):
+        return []
+    sizes = sorted(claim_templates(pod, settings))
+    return [claim_template(namespace, size, settings) for size in sizes]
+
+
+def refused(doc: object, message: str) -> Outcome:
+    """The review denied after all (the pod was fine, but what it needs could not be made)."""
+    return Outcome(_deny(_request(doc)["uid"], message, 403), "denied")
+
+
 def _request(doc: object) -> AdmissionRequest:
     """The request of an AdmissionReview, once it is known to have a uid to answer to."""
     request = _map(doc).get("request")
@@ -157,12 +179,20 @@ def _deny(uid: str, message: str, code: int) -> AdmissionReview:
 
 
 def mutate(pod: Mapping[str, object], settings: AdmissionSettings) -> list[PatchOperation]:
-    """The JSON patch that makes `pod` enforced; [] when it is not ours to touch."""
+    """The JSON patch that makes `pod` enforced; [] when it is not ours to touch.
+
+    In DRA mode (`settings.dra_class`), a declaration becomes a claim (see `_claim_vram`),
+    and a pod with claims made by hand is enforced too: the sidecar takes its limits from
+    the claims (`--limits-from dra`).
+    """
     annotations = _map(_map(pod.get("metadata")).get("annotations"))
     if str(annotations.get(INJECT, "")).lower() == "false" or INJECTED in annotations:
         return []
     limits = declared_limits(_map(pod.get("spec")), settings.resource_name, settings.resource_unit)
-    if not limits:
+    claims_by_hand = settings.dra_class is not None and bool(
+        _list(_map(pod.get("spec")).get("resourceClaims"))
+    )
+    if not limits and not claims_by_hand:
         return []
     try:
         checked = shapes.check(pod)  # from here on, every field read has its JSON type
@@ -181,14 +211,67 @@ def mutate(pod: Mapping[str, object], settings: AdmissionSettings) -> list[Patch
     for c in _containers(out_spec):
         if c["name"] in limits:
             _workload_env(c, limits[c["name"]], settings)
+            if settings.dra_class is not None:
+                _claim_vram(out_spec, c, limits[c["name"]], settings)
     if shm != "off":
         _add_shm(out_spec, shm_limit)
+    if settings.dra_class is not None:
+        sidecar_env["VRAM_ENFORCER_LIMITS_FROM"] = "dra"
     _add_sidecar(out_spec, limits, sidecar_env, metrics_port, settings)
     if settings.gpu_exposure == "env" and settings.runtime_class:
         out_spec.setdefault("runtimeClassName", settings.runtime_class)
     out_meta.setdefault("annotations", {})[INJECTED] = "true"
     out_meta.setdefault("labels", {})[ENFORCED] = "true"
     return cast(list[PatchOperation], jsonpatch.make_patch(dict(pod), out).patch)
+
+
+def claim_template_name(limit: int) -> str:
+    """The ResourceClaimTemplate a declaration of `limit` bytes becomes a claim from, one per
+    size and namespace: `vram-enforcer-16gi`."""
+    return f"vram-enforcer-{format_quantity(limit).lower()}"
+
+
+def claim_template(namespace: str, limit: int, settings: AdmissionSettings) -> dict[str, object]:
+    """That template: one request of `limit` bytes of the DeviceClass's memory capacity."""
+    assert settings.dra_class is not None  # noqa: S101 - only asked in DRA mode
+    exactly = {
+        "deviceClassName": settings.dra_class,
+        "capacity": {"requests": {settings.dra_capacity: format_quantity(limit)}},
+    }
+    return {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "metadata": {"name": claim_template_name(limit), "namespace": namespace,
+                     "labels": {"app.kubernetes.io/managed-by": "vram-enforcer"}},
+        "spec": {"spec": {"devices": {"requests": [{"name": "vram", "exactly": exactly}]}}},
+    }  # fmt: skip
+
+
+def claim_templates(pod: Mapping[str, object], settings: AdmissionSettings) -> set[int]:
+    """The sizes whose templates must exist for `mutate(pod)` to be schedulable."""
+    if settings.dra_class is None:
+        return set()
+    spec = _map(pod.get("spec"))
+    return set(declared_limits(spec, settings.resource_name, settings.resource_unit).values())
+
+
+def _claim_vram(spec: PodSpec, c: Container, limit: int, settings: AdmissionSettings) -> None:
+    """DRA mode: the container's VRAM becomes a claim from the template of its size, which
+    the scheduler places on one GPU with that much room; the extended resource goes.
+
+    When extended resource names can carry capacity requests (KEP-6406, provisional), the
+    scheduler will make this claim itself, and this step can be dropped."""
+    claim = f"vram-{c['name']}"
+    resources = c.setdefault("resources", {})
+    for part in ("limits", "requests"):
+        listed = resources.get(part)
+        if isinstance(listed, dict):
+            listed.pop(settings.resource_name, None)
+            if not listed:
+                del resources[part]  # type: ignore[misc]
+    resources.setdefault("claims", []).append({"name": claim})
+    spec.setdefault("resourceClaims", []).append(
+        {"name": claim, "resourceClaimTemplateName": claim_template_name(limit)}
+    )
 
 
 def declared_limits(spec: Mapping[str, object], resource: str, unit: int) -> dict[str, int]:

@@ -153,6 +153,24 @@ def device_uuids(
     return found
 
 
+def shareable_gpus(slices: Iterable[Mapping[str, Any]], settings: DraSettings) -> list[str]:
+    """The GPUs (driver/pool/device) that DRA can place by memory and that the sidecar can
+    name: published by a configured driver, shared (`allowMultipleAllocations`), with the
+    memory capacity and the UUID attribute."""
+    named = device_uuids(slices, settings)
+    found = []
+    for s in slices:
+        spec = json_map(s.get("spec"))
+        driver, pool = str(spec.get("driver")), str(json_map(spec.get("pool")).get("name"))
+        for device in json_maps(spec.get("devices")):
+            key = (driver, pool, str(device.get("name")))
+            capacity = json_map(device.get("capacity"))
+            shared = device.get("allowMultipleAllocations") is True
+            if key in named and shared and settings.capacity in capacity:
+                found.append("/".join(key))
+    return sorted(set(found))
+
+
 def _attribute(attributes: Mapping[str, Any], driver: str, name: str) -> object:
     """An attribute's value; a name without a domain is in the driver's own."""
     value = json_map(attributes.get(name) or attributes.get(f"{driver}/{name}"))

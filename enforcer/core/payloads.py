@@ -44,9 +44,21 @@ class ContainerPort(TypedDict, total=False):
     protocol: str
 
 
+class ContainerClaim(TypedDict, total=False):
+    name: str  # a claim of the pod (spec.resourceClaims[].name)
+    request: str
+
+
 class ResourceRequirements(TypedDict, total=False):
     limits: dict[str, Quantity]
     requests: dict[str, Quantity]
+    claims: list[ContainerClaim]
+
+
+class PodResourceClaim(TypedDict, total=False):
+    name: str
+    resourceClaimName: str
+    resourceClaimTemplateName: str
 
 
 class Container(TypedDict, total=False):
@@ -80,6 +92,7 @@ class PodSpec(TypedDict, total=False):
     runtimeClassName: str
     restartPolicy: str
     nodeName: str
+    resourceClaims: list[PodResourceClaim]
 
 
 class TerminatedState(TypedDict, total=False):

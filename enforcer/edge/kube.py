@@ -287,9 +287,8 @@ def call(
     except ApiException as exc:
         if exc.status == 403:
             raise Forbidden(verb, resource, _reason(exc)) from exc
-        if exc.status == 404:
-            raise NotFound(f"{resource} not found: {_reason(exc)}") from exc
-        raise KubeError(f"{verb} {resource} failed: {_short(exc)}: {_reason(exc)}") from exc
+        failed = f"{verb} {resource} failed: {_short(exc)}: {_reason(exc)}"
+        raise (NotFound(failed) if exc.status == 404 else KubeError(failed)) from exc
     except _NETWORK_ERRORS as exc:
         raise KubeError(f"{verb} {resource} failed: the API server is unreachable ({exc})") from exc
     raise AssertionError("unreachable")  # pragma: no cover - tenacity returns or raises
@@ -535,12 +534,14 @@ def access_allowed(
     resource: str,
     namespace: str | None = None,
     subresource: str | None = None,
+    group: str = "",
 ) -> bool:
-    """Whether this identity may do `verb` on `resource`, as the API server's RBAC says."""
+    """Whether this identity may do `verb` on `resource` (of API `group`), as the API
+    server's RBAC says."""
     review = {
         "apiVersion": "authorization.k8s.io/v1",
         "kind": "SelfSubjectAccessReview",
-        "spec": {"resourceAttributes": {"verb": verb, "resource": resource,
+        "spec": {"resourceAttributes": {"verb": verb, "resource": resource, "group": group,
                                         "namespace": namespace, "subresource": subresource}},
     }  # fmt: skip
     reply = call(api, "POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from enforcer.core import messages
+from enforcer.core.dra import shareable_gpus
 from enforcer.core.hard_limits import LimitOutcome, mig_gpus, per_gpu
 from enforcer.core.model import SourceDown, format_bytes
 from enforcer.core.protocol import Challenge, ProtocolError, decode_reply, encode_request
@@ -22,6 +25,9 @@ from enforcer.core.settings.doctor import DoctorSettings
 from enforcer.edge import cgroupfs
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
 
 EXIT_PROBLEMS = 1
 
@@ -190,7 +196,8 @@ def check_api(settings: DoctorSettings) -> list[Check]:
     except KubeError as exc:
         return [Check("Kubernetes API", "fail", str(exc),
                       "check the kubeconfig, or the pod's ServiceAccount token")]  # fmt: skip
-    checks = [Check("Kubernetes API", "ok", f"reachable, {version}")]
+    checks = [Check("Kubernetes API", "ok", f"reachable, {version}"),
+              check_dra(api, version, settings)]  # fmt: skip
     for component, needs in _NEEDS.items():
         denied = []
         for verb, resource, sub, namespaced in needs:
@@ -213,6 +220,52 @@ def check_api(settings: DoctorSettings) -> list[Check]:
                 Check(f"RBAC for the {component}", "ok", f"all it needs is allowed{scope}")
             )
     return checks
+
+
+DRA_MODE = "VRAM per GPU (DRA)"
+
+
+def check_dra(api: ApiClient, version: str, settings: DoctorSettings) -> Check:
+    """Which placement this cluster can use: DRA with consumable capacity (per GPU), or the
+    extended resource (per node); and why."""
+    from enforcer.edge.claims import SLICES  # noqa: PLC0415 - with the client, as above
+    from enforcer.edge.kube import KubeError, call  # noqa: PLC0415
+
+    node_mode = "node-level mode (vram-enforcer.io/vram counted per node) is what this cluster has"
+    minor = _minor(version)
+    if minor is not None and minor < 34:
+        return Check(DRA_MODE, "note", f"Kubernetes {version} has no DRA (1.34+): {node_mode}")
+    try:
+        listed = call(api, "GET", SLICES, "resourceslices", deadline=5.0, verb="list")
+    except KubeError as exc:
+        return Check(DRA_MODE, "note", f"cannot list ResourceSlices ({exc}): cannot tell",
+                     "the sidecar needs list on resourceslices in DRA mode (the chart grants it "
+                     "with webhook.draDeviceClass)")  # fmt: skip
+    items = listed.get("items") if isinstance(listed, dict) else None
+    gpus = shareable_gpus(items if isinstance(items, list) else [], settings.dra)
+    gate = (
+        ""
+        if minor is None or minor >= 36
+        else (
+            f"; Kubernetes {version} also needs the DRAConsumableCapacity feature gate "
+            "(beta and on by default from 1.36)"
+        )
+    )
+    if not gpus:
+        drivers = ", ".join(sorted(settings.dra.drivers))
+        return Check(DRA_MODE, "note",
+                     f"no ResourceSlice of {drivers} publishes a GPU shareable by memory with a "
+                     f"{settings.dra.uuid_attribute!r} attribute: {node_mode}{gate}",
+                     "for DRA mode, run NVIDIA's DRA driver with its ConsumableShares gate and "
+                     "--consumable-shares=memory (see docs/install.md)")  # fmt: skip
+    shown = ", ".join(gpus[:4]) + (f" and {len(gpus) - 4} more" if len(gpus) > 4 else "")
+    return Check(DRA_MODE, "ok", f"{len(gpus)} GPU(s) shareable by memory ({shown}): DRA mode "
+                 f"can be used (the chart's webhook.draDeviceClass){gate}")  # fmt: skip
+
+
+def _minor(version: str) -> int | None:
+    match = re.match(r"v?1\.(\d+)", version)
+    return int(match[1]) if match else None
 
 
 def run(settings: DoctorSettings) -> int:

@@ -19,12 +19,20 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from enforcer.core.admission import AdmissionSettings, BadReview, review, sidecar_mode_for
+from enforcer.core.admission import (
+    AdmissionSettings,
+    BadReview,
+    Outcome,
+    needed_templates,
+    refused,
+    review,
+    sidecar_mode_for,
+)
 from enforcer.core.settings.webhook import WebhookSettings
 from enforcer.edge import logs
 from enforcer.edge.metrics import MetricsPortError, WebhookTelemetry, serve_metrics
@@ -196,6 +204,8 @@ class _Handler(BaseHTTPRequestHandler):
             return "invalid"
         try:
             outcome = review(doc, self.server.admission)
+            if outcome.result == "patched" and self.server.ensure_template is not None:
+                outcome = self._with_templates(doc, outcome)
         except BadReview as exc:
             self._send(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
             return "invalid"
@@ -209,6 +219,18 @@ class _Handler(BaseHTTPRequestHandler):
         if outcome.result == "denied":
             log.info("denied: %s", outcome.review["response"]["status"]["message"])
         return outcome.result
+
+    def _with_templates(self, doc: object, outcome: Outcome) -> Outcome:
+        """DRA mode: the claim templates the patched pod names exist before it is admitted,
+        or it is denied, saying why (a pod admitted without them would never start)."""
+        assert self.server.ensure_template is not None  # noqa: S101 - checked by the caller
+        for template in needed_templates(doc, self.server.admission):
+            problem = self.server.ensure_template(template)
+            if problem is not None:
+                log.error("%s", problem)
+                return refused(doc, f"{problem}. Grant the webhook create on "
+                                    "resourceclaimtemplates, or create it")  # fmt: skip
+        return outcome
 
     def _linger(self) -> None:
         """Read and drop what the client still sends (for a second at most) before closing:
@@ -244,8 +266,11 @@ class WebhookServer(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, settings: WebhookSettings, admission: AdmissionSettings,
-                 tls: CertReloader, telemetry: WebhookTelemetry) -> None:  # fmt: skip
+                 tls: CertReloader, telemetry: WebhookTelemetry,
+                 ensure_template: Callable[[Mapping[str, Any]], str | None] | None = None,
+                 ) -> None:  # fmt: skip
         self.admission = admission
+        self.ensure_template = ensure_template  # DRA mode: makes a claim template if missing
         self.tls = tls
         self.telemetry = telemetry
         self.stopping = threading.Event()
@@ -310,10 +335,22 @@ def run(settings: WebhookSettings) -> int:
         admission = dataclasses.replace(admission, sidecar_mode=sidecar_mode_for(version))
         log.info("the API server is %s: sidecars are injected as %s", version,
                  admission.sidecar_mode)  # fmt: skip
+    ensure_template = None
+    if admission.dra_class is not None:
+        from enforcer.edge.claims import TemplateKeeper  # noqa: PLC0415 - the client: DRA only
+        from enforcer.edge.kube import KubeError, connect  # noqa: PLC0415
+
+        try:
+            ensure_template = TemplateKeeper(connect(settings.kubeconfig)).ensure
+        except KubeError as exc:
+            log.error("--dra-device-class: the webhook makes claim templates, and cannot reach "
+                      "the API server (%s)", exc, exc_info=logs.detail(exc))  # fmt: skip
+            return EXIT_USAGE
+        log.info("DRA mode: declared VRAM becomes claims on DeviceClass %s", admission.dra_class)
     telemetry = WebhookTelemetry()
     try:
         tls = CertReloader(settings.tls_cert_file, settings.tls_key_file, telemetry)
-        server = WebhookServer(settings, admission, tls, telemetry)
+        server = WebhookServer(settings, admission, tls, telemetry, ensure_template)
     except CertError as exc:
         log.error("%s", exc, exc_info=logs.detail(exc))
         return EXIT_USAGE

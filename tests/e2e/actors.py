@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import os
 import re
@@ -11,12 +13,13 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import yaml
 from kubernetes import client, utils
 
 from enforcer.edge.procfs import ProcFs
-from tests.e2e.cluster import ApiServer
+from tests.e2e.cluster import ApiServer, make_ca, make_serving_cert
 from tests.e2e.podsim import SimPod
 from tests.fakenvml import FakeGpuState
 from tests.helpers import free_port, wait_for
@@ -154,6 +157,73 @@ def namespace_with_sidecar_rbac(
             if doc["kind"] != "ClusterRole" or any(e.status != 409 for e in exc.api_exceptions):
                 raise
     return apiserver.token_for(namespace, "default")
+
+
+class Webhook:
+    """`vram-enforcer webhook` over HTTPS on loopback, with a CA of its own; `register()`
+    makes the API server call it for pods of labelled namespaces, `close()` undoes both."""
+
+    def __init__(self, apiserver: ApiServer, tmp: Path, *flags: str) -> None:
+        self.dir = tmp
+        self.ca = make_ca(tmp, "webhook-ca")
+        self.cert, self.key = make_serving_cert(tmp, self.ca, "webhook")
+        self.port = free_port()
+        self.log = tmp / "webhook.log"
+        kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp / "kubeconfig")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "enforcer", "webhook", "--tls-cert-file", str(self.cert), "--tls-key-file", str(self.key),
+             "--port", str(self.port), "--address", "127.0.0.1", "--sidecar-image", "ghcr.io/vram-enforcer/vram-enforcer:e2e",
+             "--sidecar-mode", "auto", "--kubeconfig", str(kubeconfig), "--log-format", "text", *flags],
+            stderr=self.log.open("w"),
+        )  # fmt: skip
+        wait_for(
+            lambda: "serving admission reviews" in self.log.read_text(),
+            timeout=30,
+            what="the webhook",
+        )
+
+    def rotate(self, name: str) -> None:
+        cert, key = make_serving_cert(self.dir, self.ca, name)
+        os.replace(key, self.key)
+        os.replace(cert, self.cert)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=20)
+
+    def register(self, admin: client.ApiClient, side_effects: str = "None") -> None:
+        config = {
+            "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+            "metadata": {"name": "vram-enforcer"},
+            "webhooks": [{
+                "name": "inject.vram-enforcer.io",
+                "clientConfig": {"url": f"https://127.0.0.1:{self.port}/mutate",
+                                 "caBundle": base64.b64encode(self.ca[0].read_bytes()).decode()},
+                "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}],
+                "namespaceSelector": {"matchLabels": {"vram-enforcer.io/inject": "enabled"}},
+                "admissionReviewVersions": ["v1"], "sideEffects": side_effects, "failurePolicy": "Fail",
+                "reinvocationPolicy": "IfNeeded", "timeoutSeconds": 5,
+            }],
+        }  # fmt: skip
+        client.AdmissionregistrationV1Api(admin).create_mutating_webhook_configuration(config)
+
+    def close(self, admin: client.ApiClient) -> None:
+        with contextlib.suppress(client.ApiException):
+            client.AdmissionregistrationV1Api(admin).delete_mutating_webhook_configuration(
+                "vram-enforcer"
+            )
+        assert self.stop() == 0
+
+
+def doctor(
+    apiserver: ApiServer, token: str, namespace: str, tmp: Path
+) -> tuple[int, dict[str, Any]]:
+    kubeconfig = apiserver.kubeconfig(token, tmp / f"kubeconfig-{namespace}")
+    out = subprocess.run([sys.executable, "-m", "enforcer", "doctor", "--no-nvml", "--no-agent", "--json",
+                          "--kubeconfig", str(kubeconfig), "--namespace", namespace],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "Traceback" not in out.stderr, out.stderr
+    return out.returncode, {c["name"]: c for c in json.loads(out.stdout)}
 
 
 class AgentProcess:

@@ -203,6 +203,52 @@ def test_without_hard_limits_the_agent_gets_no_cgroup_mount_no_pod_access_and_no
         helm("uninstall", "vram-enforcer-soft", "vram-soft", str(kubeconfig))
 
 
+def test_dra_mode_gives_the_webhook_and_the_sidecars_what_they_need(
+    apiserver: ApiServer, admin: client.ApiClient, tmp_path: Path
+) -> None:
+    kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp_path / "kubeconfig")
+    opted_in = "chart-dra-ml"
+    core = client.CoreV1Api(admin)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=opted_in)))
+    default_service_account(core, opted_in)
+    values = {"webhook": {"draDeviceClass": "gpu.nvidia.com"}, "sidecar": {"namespaces": [opted_in]},
+              "agent": {"enabled": False}}  # fmt: skip
+    helm(
+        "install", "vram-enforcer-dra", str(CHART), "vram-dra", str(kubeconfig), json.dumps(values)
+    )
+    try:
+        config = client.AdmissionregistrationV1Api(admin).read_mutating_webhook_configuration(
+            "vram-enforcer-dra"
+        )
+        assert config.webhooks[0].side_effects == "NoneOnDryRun"  # it makes claim templates
+        spec = (
+            client.AppsV1Api(admin)
+            .read_namespaced_deployment("vram-enforcer-dra-webhook", "vram-dra")
+            .spec.template.spec
+        )
+        assert "--dra-device-class=gpu.nvidia.com" in spec.containers[0].args
+        assert spec.automount_service_account_token is True
+        webhook = apiserver.client(apiserver.token_for("vram-dra", "vram-enforcer-dra-webhook"))
+        for ns in (opted_in, "default"):  # any namespace may be labelled
+            assert allowed(webhook, "create", "resourceclaimtemplates", ns, group="resource.k8s.io")
+            assert allowed(webhook, "get", "resourceclaimtemplates", ns, group="resource.k8s.io")
+        for verb, resource in (("delete", "resourceclaimtemplates"), ("get", "resourceclaims"),
+                               ("get", "secrets"), ("get", "pods")):  # fmt: skip
+            group = "resource.k8s.io" if resource.startswith("resource") else ""
+            assert not allowed(webhook, verb, resource, opted_in, group=group), (verb, resource)
+        sidecar = apiserver.client(apiserver.token_for(opted_in, "default"))
+        assert allowed(sidecar, "get", "resourceclaims", opted_in, group="resource.k8s.io")
+        assert allowed(sidecar, "list", "resourceslices", group="resource.k8s.io")
+        assert not allowed(sidecar, "list", "resourceclaims", opted_in, group="resource.k8s.io")
+        assert not allowed(sidecar, "delete", "resourceslices", group="resource.k8s.io")
+    finally:
+        helm("uninstall", "vram-enforcer-dra", "vram-dra", str(kubeconfig))
+    rbac = client.RbacAuthorizationV1Api(admin)
+    assert not [
+        r.metadata.name for r in rbac.list_cluster_role().items if "-dra-" in r.metadata.name
+    ]
+
+
 def test_service_accounts_can_do_what_they_need_and_no_more(
     installed: Path, apiserver: ApiServer
 ) -> None:

@@ -6,23 +6,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from kubernetes import client
 
-from tests.e2e.actors import default_service_account, namespace_with_sidecar_rbac
+from tests.e2e.actors import default_service_account, doctor, namespace_with_sidecar_rbac
 from tests.e2e.cluster import ApiServer
-
-
-def doctor(
-    apiserver: ApiServer, token: str, namespace: str, tmp: Path
-) -> tuple[int, dict[str, Any]]:
-    kubeconfig = apiserver.kubeconfig(token, tmp / f"kubeconfig-{namespace}")
-    out = subprocess.run([sys.executable, "-m", "enforcer", "doctor", "--no-nvml", "--no-agent", "--json",
-                          "--kubeconfig", str(kubeconfig), "--namespace", namespace],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert "Traceback" not in out.stderr, out.stderr
-    return out.returncode, {c["name"]: c for c in json.loads(out.stdout)}
 
 
 def test_a_namespace_with_the_sidecar_role(
@@ -42,6 +30,14 @@ def test_a_namespace_with_the_sidecar_role(
         and agent["detail"] == "this identity may not get nodes, patch nodes, patch nodes/status"
     )
     assert code == 1
+    # No DRA driver publishes GPUs in this cluster: node-level mode, and why.
+    dra = checks["VRAM per GPU (DRA)"]
+    assert dra["status"] == "note" and dra["detail"] == (
+        "no ResourceSlice of gpu.nvidia.com publishes a GPU shareable by memory with a 'uuid' "
+        "attribute: node-level mode (vram-enforcer.io/vram counted per node) is what this "
+        "cluster has"
+    )
+    assert "--consumable-shares=memory" in dra["fix"]
 
 
 def test_a_namespace_without_it(
@@ -60,6 +56,10 @@ def test_a_namespace_without_it(
         == "this identity may not get pods, create events, patch events in namespace doctor-bare"
     )
     assert "sidecar.namespaces" in sidecar["fix"]
+    dra = checks["VRAM per GPU (DRA)"]
+    assert dra["status"] == "note" and dra["detail"].startswith(
+        "cannot list ResourceSlices (RBAC forbids 'list' on 'resourceslices'"
+    )
 
 
 def test_an_unreachable_api_server(tmp_path: Path) -> None:

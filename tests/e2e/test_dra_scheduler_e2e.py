@@ -20,6 +20,7 @@ import yaml
 from kubernetes import client, utils
 
 from tests.e2e import dra
+from tests.e2e.actors import Webhook, doctor
 from tests.e2e.cluster import ApiServer
 from tests.e2e.placement import add_node, bound, unschedulable
 from tests.helpers import wait_for
@@ -33,7 +34,7 @@ NO_KUBELET = ("node-lifecycle-controller",)  # see ApiServer.start_controller_ma
 
 
 @pytest.fixture(scope="module")
-def api(apiserver: ApiServer) -> Iterator[client.ApiClient]:
+def cluster(apiserver: ApiServer) -> Iterator[ApiServer]:
     """`apiserver` (the shared one) only for its skip-or-fail check: this module has its own."""
     server = ApiServer()
     try:
@@ -42,16 +43,21 @@ def api(apiserver: ApiServer) -> Iterator[client.ApiClient]:
         server.start_scheduler(
             {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration"}
         )
-        api = server.client()
-        add_node(client.CoreV1Api(api), NODE, None)
-        dra.device_class(api)
-        dra.publish(api, NODE, GPUS)
-        client.CoreV1Api(api).create_namespace(
-            client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE))
-        )
-        yield api
+        dra.device_class(server.client())
+        yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def api(cluster: ApiServer) -> client.ApiClient:
+    api = cluster.client()
+    add_node(client.CoreV1Api(api), NODE, None)
+    dra.publish(api, NODE, GPUS)
+    client.CoreV1Api(api).create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE))
+    )
+    return api
 
 
 def apply(api: client.ApiClient, relative: str) -> list[str]:
@@ -62,13 +68,13 @@ def apply(api: client.ApiClient, relative: str) -> list[str]:
     return [d["metadata"]["name"] for d in docs if d["kind"] == "Pod"]
 
 
-def allocation(api: client.ApiClient, pod: str) -> tuple[str, str]:
+def allocation(api: client.ApiClient, pod: str, namespace: str = NAMESPACE) -> tuple[str, str]:
     """(device, consumed memory) of the pod's one claim, as the scheduler allocated it."""
-    status = client.CoreV1Api(api).read_namespaced_pod(pod, NAMESPACE).status
+    status = client.CoreV1Api(api).read_namespaced_pod(pod, namespace).status
     (claim_status,) = status.resource_claim_statuses
-    claim = dra.claims(api, NAMESPACE)[claim_status.resource_claim_name]
+    claim = dra.claims(api, namespace)[claim_status.resource_claim_name]
     (result,) = claim["status"]["allocation"]["devices"]["results"]
-    assert result["driver"] == dra.DRIVER and result["pool"] == NODE
+    assert result["driver"] == dra.DRIVER
     assert result["shareID"]  # one share of a device that allows several allocations
     return result["device"], result["consumedCapacity"]["memory"]
 
@@ -99,3 +105,76 @@ def test_two_16gi_pods_on_different_gpus_and_a_third_pending_then_4gi_fits(
     device, memory = allocation(api, small)
     assert memory == "4Gi" and device in {"gpu-0", "gpu-1"}
     assert unschedulable(core, NAMESPACE, pending) is not None  # still no room for 16Gi
+    # The pending pod would take a GPU of the next test's node, the moment it appears.
+    core.delete_collection_namespaced_pod(NAMESPACE, grace_period_seconds=0)
+    wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, what="the pods to be gone")
+
+
+def test_doctor_says_dra_mode_can_be_used(cluster: ApiServer, api: client.ApiClient, tmp_path: Path) -> None:  # fmt: skip
+    code, checks = doctor(cluster, cluster.admin_token, "default", tmp_path)
+    dra_mode = checks["VRAM per GPU (DRA)"]
+    assert dra_mode["status"] == "ok", dra_mode
+    assert dra_mode["detail"].startswith("2 GPU(s) shareable by memory (gpu.nvidia.com/gpu-node/gpu-0, gpu.nvidia.com/gpu-node/gpu-1): DRA mode can be used")  # fmt: skip
+    assert code == 0
+
+
+def test_the_one_line_declaration_becomes_a_claim_placed_per_gpu(
+    cluster: ApiServer, tmp_path: Path
+) -> None:
+    """The webhook in DRA mode: `limits: {vram-enforcer.io/vram: 16Gi}` as users write it,
+    on a node of its own with two 24Gi GPUs."""
+    admin = cluster.client()
+    core = client.CoreV1Api(admin)
+    node, namespace = "gpu-node-oneline", "vram-oneline"
+    add_node(core, node, None)
+    dra.publish(admin, node, [(u.replace("0a1b", "1a1b"), m) for u, m in GPUS])
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
+        name=namespace, labels={"vram-enforcer.io/inject": "enabled"})))  # fmt: skip
+    webhook = Webhook(cluster, tmp_path, "--dra-device-class", dra.DEVICE_CLASS)
+    try:
+        webhook.register(admin, side_effects="NoneOnDryRun")
+
+        def one_line(name: str, vram: str, **options: str) -> Any:
+            return core.create_namespaced_pod(namespace, {
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                "spec": {"nodeSelector": {"kubernetes.io/hostname": node}, "containers": [{
+                    "name": "app", "image": "busybox:1.36", "command": ["sleep", "3600"],
+                    "resources": {"limits": {"vram-enforcer.io/vram": vram}}}]},
+            }, **options)  # fmt: skip
+
+        # a server-side dry run makes nothing (NoneOnDryRun)
+        one_line("dry", "2Gi", dry_run="All")
+        templates = client.ResourceV1Api(admin).list_namespaced_resource_claim_template(namespace)
+        assert templates.items == []
+        names = [one_line(f"p{i}", "16Gi").metadata.name for i in (1, 2, 3)]
+        stored = core.read_namespaced_pod("p1", namespace)
+        (app,) = stored.spec.containers
+        assert "vram-enforcer.io/vram" not in (app.resources.limits or {})
+        assert [c.name for c in app.resources.claims] == ["vram-app"]
+        (claim,) = stored.spec.resource_claims
+        assert claim.resource_claim_template_name == "vram-enforcer-16gi"
+        (sidecar,) = [c for c in stored.spec.init_containers if c.name == "vram-enforcer"]
+        assert {"name": "VRAM_ENFORCER_LIMITS_FROM", "value": "dra"} in [
+            {"name": e.name, "value": e.value} for e in sidecar.env
+        ]
+        (template,) = (
+            client.ResourceV1Api(admin).list_namespaced_resource_claim_template(namespace).items
+        )  # made by the webhook, once for the three pods
+        assert template.metadata.labels == {"app.kubernetes.io/managed-by": "vram-enforcer"}
+
+        def settled() -> bool:  # a pod may first wait for its claim to be made: not final
+            placed = [n for n in names if bound(core, namespace, n)]
+            refused = [
+                m for n in names if "allocate" in (m := unschedulable(core, namespace, n) or "")
+            ]
+            return len(placed) == 2 and len(refused) == 1
+
+        wait_for(settled, timeout=60, what="two pods placed and one refused for lack of room")
+        placed = [n for n in names if bound(core, namespace, n)]
+        got = sorted(allocation(admin, n, namespace) for n in placed)
+        assert got == [("gpu-0", "16Gi"), ("gpu-1", "16Gi")]
+        (pending,) = set(names) - set(placed)
+        message = unschedulable(core, namespace, pending) or ""
+        assert "1 cannot allocate all claims" in message
+    finally:
+        webhook.close(admin)

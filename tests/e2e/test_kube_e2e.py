@@ -10,7 +10,7 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry, Counter
 
 from enforcer.core.policy import Reason
-from enforcer.edge.kube import POD, EventRecorder, KubeError, call, request
+from enforcer.edge.kube import POD, EventRecorder, KubeError, NotFound, call, request
 from enforcer.modes.pipeline import Report
 from enforcer.modes.sidecar import POD_UNIT, EventReporter
 from tests.helpers import configured, wait_for
@@ -51,6 +51,7 @@ def test_a_missing_object_is_an_error_that_names_it(
         call(admin, "GET", POD, "pods",
              params={**pod, "name": "absent"}, deadline=1.0)  # fmt: skip
     assert str(raised.value) == 'get pods failed: HTTP 404 Not Found: pods "absent" not found'
+    assert isinstance(raised.value, NotFound)  # which a caller may expect (a claim not made yet)
 
 
 def test_reports_become_events_on_the_container_that_they_concern(admin: client.ApiClient) -> None:

@@ -8,58 +8,21 @@ The server is Kubernetes 1.37, with native sidecars, and the webhook runs in
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import json
-import os
-import signal
 import socket
 import ssl
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.e2e.actors import default_service_account
-from tests.e2e.cluster import ApiServer, make_ca, make_serving_cert
-from tests.helpers import free_port, wait_for
+from tests.e2e.actors import Webhook, default_service_account
+from tests.e2e.cluster import ApiServer
+from tests.helpers import wait_for
 
 RES = "vram-enforcer.io/vram"
-
-
-class Webhook:
-    def __init__(self, apiserver: ApiServer, tmp: Path) -> None:
-        self.dir = tmp
-        self.ca = make_ca(tmp, "webhook-ca")
-        self.cert, self.key = make_serving_cert(tmp, self.ca, "webhook")
-        self.port = free_port()
-        self.log = tmp / "webhook.log"
-        kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp / "kubeconfig")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "enforcer", "webhook", "--tls-cert-file", str(self.cert), "--tls-key-file", str(self.key),
-             "--port", str(self.port), "--address", "127.0.0.1", "--sidecar-image", "ghcr.io/vram-enforcer/vram-enforcer:e2e",
-             "--sidecar-mode", "auto", "--kubeconfig", str(kubeconfig), "--log-format", "text"],
-            stderr=self.log.open("w"),
-        )  # fmt: skip
-        wait_for(
-            lambda: "serving admission reviews" in self.log.read_text(),
-            timeout=30,
-            what="the webhook",
-        )
-
-    def rotate(self, name: str) -> None:
-        cert, key = make_serving_cert(self.dir, self.ca, name)
-        os.replace(key, self.key)
-        os.replace(cert, self.cert)
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=20)
 
 
 @pytest.fixture(scope="module")
@@ -67,21 +30,8 @@ def webhook(
     apiserver: ApiServer, admin: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Webhook]:
     w = Webhook(apiserver, tmp_path_factory.mktemp("webhook"))
-    config = {
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
-        "metadata": {"name": "vram-enforcer"},
-        "webhooks": [{
-            "name": "inject.vram-enforcer.io",
-            "clientConfig": {"url": f"https://127.0.0.1:{w.port}/mutate",
-                             "caBundle": base64.b64encode(w.ca[0].read_bytes()).decode()},
-            "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}],
-            "namespaceSelector": {"matchLabels": {"vram-enforcer.io/inject": "enabled"}},
-            "admissionReviewVersions": ["v1"], "sideEffects": "None", "failurePolicy": "Fail",
-            "reinvocationPolicy": "IfNeeded", "timeoutSeconds": 5,
-        }],
-    }  # fmt: skip
     try:  # a failed setup must leave neither the process nor the configuration behind
-        client.AdmissionregistrationV1Api(admin).create_mutating_webhook_configuration(config)
+        w.register(admin)
         core = client.CoreV1Api(admin)
         for name, labels in (("ml", {"vram-enforcer.io/inject": "enabled"}), ("plain", {})):
             core.create_namespace(
@@ -90,11 +40,7 @@ def webhook(
             default_service_account(core, name)
         yield w
     finally:
-        with contextlib.suppress(client.ApiException):
-            client.AdmissionregistrationV1Api(admin).delete_mutating_webhook_configuration(
-                "vram-enforcer"
-            )
-        assert w.stop() == 0
+        w.close(admin)
 
 
 def gpu_pod(

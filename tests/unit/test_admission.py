@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import json
 from typing import Any
 
@@ -16,8 +17,10 @@ from enforcer.core.admission import (
     INJECTED,
     AdmissionSettings,
     BadReview,
+    claim_template,
     format_quantity,
     mutate,
+    needed_templates,
     review,
     sidecar_mode_for,
 )
@@ -381,3 +384,63 @@ def test_format_quantity_and_versions() -> None:
     assert sidecar_mode_for("v1.20.2") == "container"
     with pytest.raises(ValueError, match="cannot read a Kubernetes version"):
         sidecar_mode_for("unknown")
+
+
+# --- DRA mode: declared VRAM becomes a claim placed per GPU --------------------------------
+
+DRA = dataclasses.replace(NATIVE, dra_class="gpu.nvidia.com")
+
+
+def applied_dra(p: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = jsonpatch.apply_patch(p, mutate(p, DRA))
+    kubernetes_validate.validate(out, "1.36", strict=True)  # resourceClaims by template name
+    return out
+
+
+def test_dra_mode_turns_the_declaration_into_a_claim_from_the_template_of_its_size() -> None:
+    trainer = gpu("trainer", "16Gi")
+    trainer["resources"]["limits"]["cpu"] = "2"
+    trainer["resources"]["requests"] = {RES: "16Gi", "cpu": "1"}
+    out = applied_dra(pod(trainer, gpu("helper", "512Mi"), gpu("plain", None)))
+    spec = out["spec"]
+    assert spec["resourceClaims"] == [
+        {"name": "vram-trainer", "resourceClaimTemplateName": "vram-enforcer-16gi"},
+        {"name": "vram-helper", "resourceClaimTemplateName": "vram-enforcer-512mi"},
+    ]
+    first, second, plain = spec["containers"]
+    # the extended resource is gone (the scheduler places by the claim); the rest stays
+    assert first["resources"] == {"limits": {"cpu": "2"}, "requests": {"cpu": "1"},
+                                  "claims": [{"name": "vram-trainer"}]}  # fmt: skip
+    assert second["resources"] == {"claims": [{"name": "vram-helper"}]}
+    assert "resources" not in plain
+    assert env_of(first)["VRAM_LIMIT_BYTES"] == str(16 * GiB)
+    assert env_of(sidecar_of(out))["VRAM_ENFORCER_LIMITS_FROM"] == "dra"
+
+
+def test_dra_mode_enforces_pods_with_claims_made_by_hand() -> None:
+    by_hand = pod(
+        {"name": "app", "image": "x", "resources": {"claims": [{"name": "gpu"}]}},
+        resourceClaims=[{"name": "gpu", "resourceClaimTemplateName": "my-16gi"}],
+    )
+    out = applied_dra(by_hand)
+    assert out["spec"]["resourceClaims"] == by_hand["spec"]["resourceClaims"]  # as written
+    assert env_of(sidecar_of(out))["VRAM_ENFORCER_LIMITS_FROM"] == "dra"
+    assert out["spec"]["shareProcessNamespace"] is True
+    assert mutate(by_hand, NATIVE) == []  # per-node mode: claims are not ours
+
+
+def test_the_templates_a_review_needs_and_what_they_claim() -> None:
+    doc = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+           "request": {"uid": "u1", "namespace": "ml", "operation": "CREATE",
+                       "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                       "object": pod(gpu("a", "16Gi"), gpu("b", "16Gi"), gpu("c", "1Gi"))}}  # fmt: skip
+    names = [t["metadata"]["name"] for t in needed_templates(doc, DRA)]  # type: ignore[index]
+    assert names == ["vram-enforcer-1gi", "vram-enforcer-16gi"]  # one per size
+    assert needed_templates(doc, NATIVE) == []
+    doc["request"]["dryRun"] = True  # type: ignore[index]
+    assert needed_templates(doc, DRA) == []  # NoneOnDryRun
+    template = claim_template("ml", 16 * GiB, DRA)
+    kubernetes_validate.validate(template, "1.36", strict=True)
+    (request,) = template["spec"]["spec"]["devices"]["requests"]  # type: ignore[index]
+    assert request == {"name": "vram", "exactly": {"deviceClassName": "gpu.nvidia.com",
+                                                   "capacity": {"requests": {"memory": "16Gi"}}}}  # fmt: skip

@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 
 from enforcer.core.attribution import attribute_per_gpu
-from enforcer.core.dra import Allocations, DraSettings, allocations, claim_names
+from enforcer.core.dra import (
+    Allocations,
+    DraSettings,
+    allocations,
+    claim_names,
+    shareable_gpus,
+)
 from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.policy import PolicyConfig, decide
 
@@ -245,3 +251,13 @@ def test_an_unresolved_container_is_enforced_on_no_gpu(
     # the enforcer saw the usage: attributed to c, which is unresolved, so no unit at all
     assert got.unresolved == {"c"}
     assert attribute_per_gpu(usage, {ProcessKey(1, 10): "c"}, got, {"c"}) == ()
+
+
+def test_the_gpus_dra_can_place_by_memory_and_the_sidecar_can_name(slices: list[Doc]) -> None:
+    both = ["gpu.nvidia.com/gpu-node/gpu-0", "gpu.nvidia.com/gpu-node/gpu-1"]
+    assert shareable_gpus(slices, NVIDIA) == both
+    first, second = slices[0]["spec"]["devices"]
+    del first["allowMultipleAllocations"]  # allocated whole: no consumedCapacity to enforce
+    del second["attributes"]["uuid"]  # cannot be matched to an NVML GPU
+    assert shareable_gpus(slices, NVIDIA) == []
+    assert shareable_gpus(slices, DraSettings(drivers=frozenset({"other"}))) == []

@@ -5,9 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from enforcer.core.dra import DraSettings
 from enforcer.core.parsing import as_text
 from enforcer.core.settings import Setting, Values, switch, value, verbosity
-from enforcer.core.settings.common import DEFAULT_SOCKET, kubeconfig, log_format
+from enforcer.core.settings.common import (
+    DEFAULT_SOCKET,
+    DRA_CAPACITY,
+    DRA_DRIVERS,
+    DRA_UUID_ATTRIBUTE,
+    dra_settings,
+    kubeconfig,
+    log_format,
+)
 
 NVML = switch("nvml", "--no-nvml", "skip the NVML check")
 AGENT = switch("agent", "--no-agent", "skip the socket check")
@@ -42,6 +51,9 @@ DECLARED: tuple[Setting[Any], ...] = (
     AGENT_SOCKET,
     KUBECONFIG,
     NAMESPACE,
+    DRA_DRIVERS,
+    DRA_UUID_ATTRIBUTE,
+    DRA_CAPACITY,
     JSON,
     LOG_FORMAT,
     VERBOSE,
@@ -58,6 +70,7 @@ class DoctorSettings:
     agent_socket: str
     kubeconfig: str | None
     namespace: str
+    dra: DraSettings  # what counts as a GPU that DRA can place by memory
     json: bool
 
 
@@ -69,5 +82,6 @@ def doctor_settings(values: Values) -> DoctorSettings:
         agent_socket=values[AGENT_SOCKET],
         kubeconfig=values[KUBECONFIG],
         namespace=values[NAMESPACE],
+        dra=dra_settings(values),
         json=values[JSON],
     )

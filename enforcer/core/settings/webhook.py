@@ -17,6 +17,7 @@ from enforcer.core.parsing import (
 from enforcer.core.settings import Setting, Values, switch, value, verbosity
 from enforcer.core.settings.common import (
     DEFAULT_SOCKET,
+    DRA_CAPACITY,
     RESOURCE_NAME,
     kubeconfig,
     log_format,
@@ -155,6 +156,22 @@ GPU_EXPOSURE = value(
     "on declaring containers (unless set), for clusters where pods request only VRAM and "
     "not `nvidia.com/gpu`. Read [security.md](security.md) first",
 )
+DRA_DEVICE_CLASS = value(
+    "dra_device_class",
+    as_text,
+    "DRA mode: declared VRAM becomes a claim on this DeviceClass, placed per GPU",
+    flag="--dra-device-class",
+    env="VRAM_ENFORCER_DRA_DEVICE_CLASS",
+    metavar="NAME",
+    doc="DRA mode (Kubernetes 1.36+, a DRA driver with consumable capacity): a container's "
+    "`limits: {vram-enforcer.io/vram: 16Gi}` becomes a ResourceClaim of 16Gi of this "
+    "DeviceClass's memory (`gpu.nvidia.com` for NVIDIA's driver), made from the template "
+    "`vram-enforcer-16gi` of the pod's namespace (created when missing), and the extended "
+    "resource is removed, so the scheduler places the pod by GPU. Pods with claims of their "
+    "own get the sidecar too. The sidecars take their limits from the claims (`--limits-from "
+    "dra`). Unset: per-node counting by the extended resource "
+    "(see [install.md](install.md#vram-per-gpu-dra))",
+)
 RUNTIME_CLASS = value(
     "runtime_class",
     as_text,
@@ -189,7 +206,7 @@ AGENT_SOCKET = value(
     metavar="PATH",
     doc="passed to the sidecar; must lie in `/run/vram-enforcer/`, the mounted directory",
 )
-KUBECONFIG = kubeconfig("in-cluster", doc="only for `--sidecar-mode auto`")
+KUBECONFIG = kubeconfig("in-cluster", doc="for `--sidecar-mode auto` and `--dra-device-class`")
 METRICS_PORT = metrics_port(
     "serve Prometheus metrics on this port",
     doc="`vram_enforcer_admission_requests_total{result}`, "
@@ -213,6 +230,8 @@ DECLARED: tuple[Setting[Any], ...] = (
     TOOLKIT_LIMITS,
     SHM_DEFAULT,
     GPU_EXPOSURE,
+    DRA_DEVICE_CLASS,
+    DRA_CAPACITY,
     RUNTIME_CLASS,
     SIDECAR_CPU,
     SIDECAR_MEMORY,
@@ -243,6 +262,11 @@ def webhook_settings(values: Values) -> WebhookSettings:
     runtime_class = values[RUNTIME_CLASS]
     if values[GPU_EXPOSURE] == "none" and runtime_class:
         raise ConfigError("--runtime-class", runtime_class, "needs --gpu-exposure env")
+    if values[DRA_DEVICE_CLASS] and values[GPU_EXPOSURE] == "env":
+        raise ConfigError("--gpu-exposure", "env", (
+            "cannot be combined with --dra-device-class: in DRA mode the DRA driver gives each "
+            "container the GPU it was allocated; use --gpu-exposure none"
+        ))  # fmt: skip
     return WebhookSettings(
         tls_cert_file=values[TLS_CERT_FILE],
         tls_key_file=values[TLS_KEY_FILE],
@@ -261,6 +285,8 @@ def webhook_settings(values: Values) -> WebhookSettings:
             sidecar_cpu=values[SIDECAR_CPU],
             sidecar_memory=values[SIDECAR_MEMORY],
             agent_socket=values[AGENT_SOCKET],
+            dra_class=values[DRA_DEVICE_CLASS] or None,
+            dra_capacity=values[DRA_CAPACITY],
         ),
         kubeconfig=values[KUBECONFIG],
         metrics_port=values[METRICS_PORT],
