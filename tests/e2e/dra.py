@@ -9,13 +9,35 @@ that selects its devices. These are the same objects; nothing of the driver runs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kubernetes import client, utils
 
+from tests.e2e.cluster import ApiServer
+
 DRIVER = "gpu.nvidia.com"
 DEVICE_CLASS = "gpu.nvidia.com"
+
+
+@contextlib.contextmanager
+def cluster() -> Iterator[ApiServer]:
+    """A cluster of its own for DRA: kube-apiserver, kube-controller-manager (it makes each
+    pod's ResourceClaim from its template) without the node lifecycle controller (no
+    kubelet sends heartbeats here), kube-scheduler with its default profile, and the
+    driver's DeviceClass."""
+    server = ApiServer()
+    try:
+        server.start()
+        server.start_controller_manager(without=("node-lifecycle-controller",))
+        server.start_scheduler(
+            {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration"}
+        )
+        device_class(server.client())
+        yield server
+    finally:
+        server.close()
 
 
 def device_class(api: client.ApiClient) -> None:

@@ -30,23 +30,13 @@ NAMESPACE = "vram-demo"
 NODE = "gpu-node"
 GPUS = (("GPU-0a1b2c3d-0000-4000-8000-000000000000", "24Gi"),
         ("GPU-0a1b2c3d-0001-4000-8000-000000000001", "24Gi"))  # fmt: skip
-NO_KUBELET = ("node-lifecycle-controller",)  # see ApiServer.start_controller_manager
 
 
 @pytest.fixture(scope="module")
 def cluster(apiserver: ApiServer) -> Iterator[ApiServer]:
     """`apiserver` (the shared one) only for its skip-or-fail check: this module has its own."""
-    server = ApiServer()
-    try:
-        server.start()
-        server.start_controller_manager(without=NO_KUBELET)
-        server.start_scheduler(
-            {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration"}
-        )
-        dra.device_class(server.client())
+    with dra.cluster() as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture(scope="module")

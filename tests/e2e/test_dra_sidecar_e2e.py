@@ -31,22 +31,13 @@ from tests.helpers import wait_for
 
 NAMESPACE = "dra-team"
 NODE, OTHER_NODE = "gpu-node-1", "gpu-node-2"
-NO_KUBELET = ("node-lifecycle-controller",)  # see ApiServer.start_controller_manager
 
 
 @pytest.fixture(scope="module")
 def cluster(apiserver: ApiServer) -> Iterator[ApiServer]:
     """`apiserver` (the shared one) only for its skip-or-fail check: this module has its own."""
-    server = ApiServer()
-    try:
-        server.start()
-        server.start_controller_manager(without=NO_KUBELET)
-        server.start_scheduler(
-            {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration"}
-        )
+    with dra.cluster() as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +58,6 @@ def api(cluster: ApiServer, node: Node) -> client.ApiClient:
     core = client.CoreV1Api(api)
     add_node(core, NODE, None)
     add_node(core, OTHER_NODE, None)
-    dra.device_class(api)
     dra.publish(api, NODE, [(d["uuid"], "24Gi") for d in node.state.devices])
     dra.publish(api, OTHER_NODE, [(None, "24Gi")])  # a driver that publishes no UUID
     return api
