@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from enforcer.core.admission import Denied, declared_limits
+from enforcer.core.dra import Allocations
 from enforcer.core.model import Device
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import containers_by_id
@@ -55,6 +56,17 @@ def per_gpu(limit_bytes: int, devices: Sequence[Device]) -> dict[str, int]:
     }
 
 
+def on_gpus(gpu_limits: Mapping[str, int], devices: Sequence[Device]) -> dict[str, int]:
+    """Limits given per GPU (DRA: what a claim was allocated there), capped and filtered as
+    `per_gpu` does. A GPU without a limit gets none: the DRA driver shows a container only
+    the GPUs it was allocated, and sampling holds it to 0 on any other."""
+    caps = per_gpu(MAX_BYTES, devices)
+    return {gpu: min(limit, caps[gpu]) for gpu, limit in gpu_limits.items() if gpu in caps}
+
+
+MAX_BYTES = 1 << 62  # above any GPU's memory: per_gpu() caps it to each GPU's total
+
+
 def mig_gpus(devices: Sequence[Device]) -> tuple[str, ...]:
     """The GPUs in MIG mode, which no hard limit covers."""
     return tuple(sorted({d.parent_uuid for d in devices if d.parent_uuid}))
@@ -69,12 +81,49 @@ class PodVram:
     name: str
     limits: Mapping[str, int]  # container name -> bytes, declaring containers only
     ids: Mapping[str, str]  # container name -> container ID, from the pod's status
+    # DRA: container name -> GPU -> bytes, what its claims were allocated (then `limits`
+    # holds each container's sum over GPUs); empty for a declaring pod.
+    gpu_limits: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
         """The pod's cap: the sum of its containers' limits (an upper bound on what they may
         hold together, init containers included)."""
         return sum(self.limits.values())
+
+    @property
+    def gpu_totals(self) -> dict[str, int]:
+        """DRA: the pod's cap on each GPU, the sum of what its claims were allocated there
+        (a claim that containers share counts once)."""
+        return dict(self._gpu_totals)
+
+    _gpu_totals: Mapping[str, int] = field(default_factory=dict)
+
+    def limits_on(self, devices: Sequence[Device]) -> dict[str, int]:
+        """The pod cgroup's hard limit on each GPU."""
+        return (
+            on_gpus(self._gpu_totals, devices) if self.gpu_limits else per_gpu(self.total, devices)
+        )
+
+
+def pod_vram_from_claims(pod: Pod, found: Allocations) -> PodVram | None:
+    """DRA: the pod's GPU allocations as hard limits, or None when it has none. Containers
+    whose GPUs are not proven get none (the sidecar says why)."""
+    meta = pod.get("metadata") or {}
+    uid, namespace, name = meta.get("uid"), meta.get("namespace"), meta.get("name")
+    if not (isinstance(uid, str) and isinstance(namespace, str) and isinstance(name, str)):
+        return None
+    if not found.units:
+        return None
+    per_container: dict[str, dict[str, int]] = {}
+    totals: dict[str, int] = {}
+    for unit in found.units:
+        totals[unit.gpu] = totals.get(unit.gpu, 0) + unit.limit_bytes
+        for container in unit.containers:
+            per_container.setdefault(container, {})[unit.gpu] = unit.limit_bytes
+    ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
+    sums = {c: sum(g.values()) for c, g in per_container.items()}
+    return PodVram(uid, namespace, name, sums, ids, per_container, totals)
 
 
 def pod_vram(pod: Pod, resource: str, unit: int) -> PodVram | None:
@@ -105,6 +154,13 @@ class Target:
     uid: str
     container: str  # "" for the pod as a whole
     limit_bytes: int
+    gpu_limits: tuple[tuple[str, int], ...] = ()  # DRA: per GPU, instead of limit_bytes on all
+
+    def limits_on(self, devices: Sequence[Device]) -> dict[str, int]:
+        """The hard limit on each GPU that can take one."""
+        if self.gpu_limits:
+            return on_gpus(dict(self.gpu_limits), devices)
+        return per_gpu(self.limit_bytes, devices)
 
 
 def targets(
@@ -120,12 +176,14 @@ def targets(
         pod_dir = pod_dirs.get(p.uid)
         if pod_dir is None:
             continue
-        found[pod_dir] = Target(pod_dir, p.namespace, p.name, p.uid, "", p.total)
+        pod_gpus = tuple(sorted(p.gpu_totals.items()))
+        found[pod_dir] = Target(pod_dir, p.namespace, p.name, p.uid, "", p.total, pod_gpus)
         dirs = container_dirs.get(p.uid, {})
         for name, limit in p.limits.items():
             path = dirs.get(p.ids.get(name, ""))
             if path is not None:
-                found[path] = Target(path, p.namespace, p.name, p.uid, name, limit)
+                gpus = tuple(sorted(p.gpu_limits.get(name, {}).items()))
+                found[path] = Target(path, p.namespace, p.name, p.uid, name, limit, gpus)
     return found
 
 
@@ -151,7 +209,7 @@ def plan(
     desired = {
         (t.cgroup, gpu): limit
         for t in wanted.values()
-        for gpu, limit in per_gpu(t.limit_bytes, devices).items()
+        for gpu, limit in t.limits_on(devices).items()
     }
     to_set = tuple(
         (wanted[cgroup], gpu, limit)

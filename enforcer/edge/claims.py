@@ -41,20 +41,20 @@ class DraObjects:
 
 
 class ClaimReader:
-    """Reads a pod's ResourceClaims (namespaced: get) and the ResourceSlices of its node
+    """Reads a pod's ResourceClaims (namespaced: get) and the ResourceSlices of the node
     (cluster-scoped: list, by the `spec.nodeName` field selector)."""
 
-    def __init__(self, api: client.ApiClient, namespace: str, node: str) -> None:
+    def __init__(self, api: client.ApiClient, node: str) -> None:
         self._api = api
-        self._namespace = namespace
         self._node = node
-        self._allocated: dict[str, dict[str, Any]] = {}  # by name: the last allocated copy
+        self._allocated: dict[str, dict[str, Any]] = {}  # by namespace/name: the last allocated
 
     def read(self, pod: Pod) -> DraObjects:
         """Raises KubeError (naming the verb and resource, and Forbidden for RBAC)."""
         claims: dict[str, dict[str, Any]] = {}
+        namespace = str((pod.get("metadata") or {}).get("namespace", ""))
         for name in {n for n in claim_names(pod).values() if n is not None}:
-            claim = self._claim(name)
+            claim = self._claim(namespace, name)
             if claim is not None:
                 claims[name] = claim
         if not self._node:
@@ -65,24 +65,25 @@ class ClaimReader:
         slices = tuple(s for s in items if isinstance(s, dict)) if isinstance(items, list) else ()
         return DraObjects(claims, slices)
 
-    def _claim(self, name: str) -> dict[str, Any] | None:
+    def _claim(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The claim, or None when it does not exist (deleted, or not made yet)."""
+        key = f"{namespace}/{name}"
         try:
-            where = {"namespace": self._namespace, "name": name}
+            where = {"namespace": namespace, "name": name}
             claim: dict[str, Any] = call(
                 self._api, "GET", CLAIM, "resourceclaims", deadline=10.0, params=where
             )
         except NotFound:
-            self._allocated.pop(name, None)
+            self._allocated.pop(key, None)
             return None
         except KubeError:
-            kept = self._allocated.get(name)
+            kept = self._allocated.get(key)
             if kept is None:
                 raise
             return kept  # allocated before: it cannot have changed while the pod holds it
         status = claim.get("status")
         if isinstance(status, dict) and status.get("allocation"):
-            self._allocated[name] = claim
+            self._allocated[key] = claim
         return claim
 
 

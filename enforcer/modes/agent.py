@@ -40,6 +40,8 @@ from enforcer.modes.limiter import HardLimiter
 if TYPE_CHECKING:
     from kubernetes import client
 
+    from enforcer.core.payloads import Pod
+    from enforcer.edge.claims import DraObjects
     from enforcer.edge.kube import EventRecorder, NodeAdvertiser
     from enforcer.edge.node_pods import NodePods
 
@@ -281,8 +283,18 @@ def _hard_limits(
 ) -> tuple[EventRecorder, NodePods, HardLimiter]:
     """The pod watch, the limiter it wakes and the recorder of its Events. The limiter has
     an NVML session of its own (NVML counts initialisations): the sampler's is not shared."""
-    from enforcer.edge.kube import EventRecorder  # noqa: PLC0415 - loaded only when used
+    from enforcer.edge.claims import ClaimReader  # noqa: PLC0415 - loaded only when used
+    from enforcer.edge.kube import EventRecorder, KubeError  # noqa: PLC0415
     from enforcer.edge.node_pods import NodePods  # noqa: PLC0415
+
+    reader = ClaimReader(api, settings.node_name)
+
+    def claims(pod: Pod) -> DraObjects | str:
+        """DRA: the pod's claims and this node's slices, or why they cannot be read."""
+        try:
+            return reader.read(pod)
+        except KubeError as exc:
+            return str(exc)
 
     recorder = EventRecorder(api, settings.node_name, settings.node_name, telemetry.event_failures)
     changed = threading.Event()
@@ -297,6 +309,7 @@ def _hard_limits(
         resource=(settings.resource_name, settings.resource_unit),
         scan_every=settings.cgroup_scan,
         changed=changed,
+        claims=(claims, settings.dra),
     )
     return recorder, pods, limiter
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
+from enforcer.core.dra import DraSettings, allocations, claim_names
 from enforcer.core.hard_limits import (
     Key,
     LimitOutcome,
@@ -31,6 +32,7 @@ from enforcer.core.hard_limits import (
     per_gpu,
     plan,
     pod_vram,
+    pod_vram_from_claims,
     targets,
 )
 from enforcer.core.model import Device, format_bytes
@@ -38,6 +40,7 @@ from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
 from enforcer.core.policy import Reason
 from enforcer.edge import cgroupfs
+from enforcer.edge.claims import DraObjects
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.nvml import Nvml
@@ -65,6 +68,7 @@ class HardLimiter(threading.Thread):
         resource: tuple[str, int],
         scan_every: float,
         changed: threading.Event,
+        claims: tuple[Callable[[Pod], DraObjects | str], DraSettings] | None = None,
     ) -> None:
         super().__init__(name="hard-limiter", daemon=True)
         self._nvml = nvml
@@ -75,6 +79,7 @@ class HardLimiter(threading.Thread):
         self._root = cgroupfs.v2_at(cgroup_root)  # a hybrid host's v2 is below `unified`
         self._scanner = cgroupfs.PodScanner(self._root)
         self._resource = resource
+        self._claims = claims  # DRA: reads a pod's claims and this node's slices
         self._scan_every = scan_every
         self._changed = changed
         self.stop = threading.Event()
@@ -127,13 +132,26 @@ class HardLimiter(threading.Thread):
                 self._tell(p, Reason.SAMPLING_ONLY, messages.sampling_only(why))
 
     def _declared(self, pods: Mapping[str, Pod]) -> list[PodVram]:
-        """What each pod declares, parsed again only when the pod has changed."""
+        """What each pod declares (or, with DRA, was allocated), parsed again only when the
+        pod has changed. A pod whose claims cannot be read now is read again next pass."""
         parsed: dict[str, tuple[str, PodVram | None]] = {}
         for uid, pod in pods.items():
             version = str((pod.get("metadata") or {}).get("resourceVersion") or "")
             known = self._parsed.get(uid)
-            fresh = known if known and version and known[0] == version else None
-            parsed[uid] = fresh or (version, pod_vram(pod, *self._resource))
+            if known and version and known[0] == version:
+                parsed[uid] = known
+                continue
+            found = pod_vram(pod, *self._resource)
+            if found is None and self._claims is not None and claim_names(pod):
+                read, settings = self._claims
+                objects = read(pod)
+                if isinstance(objects, str):
+                    self._say_once(f"the claims of pod {uid} cannot be read ({objects})")
+                    continue
+                found = pod_vram_from_claims(
+                    pod, allocations(pod, objects.claims, objects.slices, settings)
+                )
+            parsed[uid] = (version, found)
         self._parsed = parsed
         return [v for _, v in parsed.values() if v is not None]
 
@@ -189,7 +207,7 @@ class HardLimiter(threading.Thread):
         if rejected:
             why = f"NVML rejected the limit of the pod's cgroup {pod_dir} on {', '.join(rejected)}"
             self._tell(pod, Reason.SAMPLING_ONLY, messages.sampling_only(why))
-        elif limits and set(limits) == set(per_gpu(pod.total, usable)):
+        elif limits and set(limits) == set(pod.limits_on(usable)):
             self._tell(pod, Reason.HARD_LIMIT, messages.hard_limit_in_place("the pod", limits))
 
     def _tell(self, pod: PodVram, reason: Reason, message: str) -> None:

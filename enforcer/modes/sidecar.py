@@ -302,7 +302,7 @@ def run(settings: SidecarSettings) -> int:
     period = 2.0 if settings.sidecar_mode == "container" else 30.0
     claims = None
     if settings.dra is not None:  # the claims are read after each read of the pod
-        claims = ClaimState(ClaimReader(api, settings.namespace, settings.node_name))
+        claims = ClaimState(ClaimReader(api, settings.node_name))
     watcher = PodWatcher(api, settings.namespace, settings.pod_name, period=period,
                          on_read=claims.refresh if claims is not None else None)  # fmt: skip
     recorder = EventRecorder(api, settings.pod_name, settings.node_name, telemetry.event_failures)

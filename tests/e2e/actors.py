@@ -21,7 +21,7 @@ from kubernetes import client, utils
 from enforcer.edge.procfs import ProcFs
 from tests.e2e.cluster import ApiServer, make_ca, make_serving_cert
 from tests.e2e.podsim import SimPod
-from tests.fakenvml import FakeGpuState
+from tests.fakenvml import FakeGpuState, limit_records
 from tests.helpers import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -224,6 +224,26 @@ def doctor(
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert "Traceback" not in out.stderr, out.stderr
     return out.returncode, {c["name"]: c for c in json.loads(out.stdout)}
+
+
+def records(agent: AgentProcess, cgroup: Path) -> dict[str, tuple[int, int]]:
+    """GPU -> (soft, hard) of the last limit the agent set on `cgroup`."""
+    last: dict[str, tuple[int, int]] = {}
+    for r in limit_records(agent.state_file):
+        if r["cgroup"] == str(cgroup) and r["pid"] == agent.proc.pid:
+            last[r["device"]] = (r["soft"], r["hard"])
+    return last
+
+
+def apply_agent_rbac(apiserver: ApiServer, admin: client.ApiClient) -> str:
+    """deploy/rbac/agent.yaml, applied as an operator would; returns a token for its
+    ServiceAccount."""
+    client.CoreV1Api(admin).create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name="vram-enforcer"))
+    )
+    for doc in yaml.safe_load_all((ROOT / "deploy" / "rbac" / "agent.yaml").read_text()):
+        utils.create_from_dict(admin, doc)
+    return apiserver.token_for("vram-enforcer", "vram-enforcer-agent")
 
 
 class AgentProcess:

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
-from kubernetes import client, utils
+from kubernetes import client
 
+from tests.e2e.actors import apply_agent_rbac
 from tests.e2e.cluster import ApiServer, apiserver_binary, etcd_binary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,9 +59,4 @@ def core(admin: client.ApiClient) -> client.CoreV1Api:
 @pytest.fixture(scope="session")
 def agent_rbac(apiserver: ApiServer, admin: client.ApiClient) -> str:
     """The shipped RBAC, applied as an operator would; returns a token for its ServiceAccount."""
-    client.CoreV1Api(admin).create_namespace(
-        client.V1Namespace(metadata=client.V1ObjectMeta(name="vram-enforcer"))
-    )
-    for doc in yaml.safe_load_all((ROOT / "deploy" / "rbac" / "agent.yaml").read_text()):
-        utils.create_from_dict(admin, doc)
-    return apiserver.token_for("vram-enforcer", "vram-enforcer-agent")
+    return apply_agent_rbac(apiserver, admin)

@@ -13,6 +13,7 @@ and the node's slices with the pod's ServiceAccount under deploy/rbac/sidecar.ya
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,16 @@ from kubernetes import client, utils
 
 from enforcer.core.model import GiB, MiB
 from tests.e2e import dra
-from tests.e2e.actors import Node, Sidecar, alive, namespace_with_sidecar_rbac, start_worker
+from tests.e2e.actors import (
+    AgentProcess,
+    Node,
+    Sidecar,
+    alive,
+    apply_agent_rbac,
+    namespace_with_sidecar_rbac,
+    records,
+    start_worker,
+)
 from tests.e2e.cluster import ApiServer
 from tests.e2e.placement import add_node, bound
 from tests.e2e.podsim import SimPod
@@ -196,4 +206,37 @@ def test_a_claim_that_cannot_be_mapped_to_a_gpu_is_reported_and_signals_nothing(
         node.use({trainer: None, sneaky: None})
         assert sidecar.stop() == 0
     finally:
+        pod.close()
+
+
+def test_the_agent_holds_each_claim_to_its_allocation_on_its_gpu(
+    cluster: ApiServer, api: client.ApiClient, token: str, fake_nvml_lib: Path, tmp_path: Path
+) -> None:
+    """Hard limits from DRA: an R615 driver (the fake NVML records each limit), the agent as
+    shipped (deploy/rbac/agent.yaml), the kubelet's cgroup layout named by the pod's UID."""
+    pod = SimPod(client.CoreV1Api(api), NAMESPACE, "dra-hard", ["trainer", "vram-enforcer"],
+                 claims={"trainer": ("vram-8gi", None)},
+                 node_selector={"kubernetes.io/hostname": NODE}, kubelet=True)  # fmt: skip
+    agent = None
+    try:
+        wait_for(lambda: bound(client.CoreV1Api(api), NAMESPACE, pod.name), what="the binding")
+        pod.report_status()
+        state = FakeGpuState.single_gpu(total_bytes=24 * GiB)  # the GPUs of NODE's slice
+        state.add_device(total_bytes=24 * GiB)
+        state.support_memory_limits(True)
+        gpu = state.devices[allocated_gpu(api, pod)]["uuid"]
+        agent = AgentProcess(cluster, apply_agent_rbac(cluster, api), NODE, tmp_path, fake_nvml_lib,
+                             "--no-advertise", "--no-labels", "--cgroup-root", str(pod.root),
+                             "--cgroup-scan", "200ms", state=state)  # fmt: skip
+        eight = (0, 8 * GiB)
+        # the pod's cgroup and the container's: 8Gi on the allocated GPU, none on the other
+        wait_for(lambda: records(agent, pod.pod_slice) == {gpu: eight}, what="the pod's limit")
+        pod.start("trainer", [sys.executable, "-c", "import time; time.sleep(60)"])
+        wait_for(lambda: records(agent, pod.cgroup("trainer")) == {gpu: eight},
+                 what="the container's limit")  # fmt: skip
+        (event,) = wait_for(lambda: events(api, pod.name, "VRAMHardLimit"), what="the Event")
+        assert event.message.startswith(f"hard limit in place: the pod may allocate at most 8.00 GiB on {gpu}")  # fmt: skip
+    finally:
+        if agent is not None:
+            agent.stop()
         pod.close()

@@ -21,7 +21,7 @@ from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
 from enforcer.core.model import GiB
-from tests.e2e.actors import AgentProcess
+from tests.e2e.actors import AgentProcess, records
 from tests.e2e.cluster import ApiServer
 from tests.e2e.podsim import CGROUP2, SimPod
 from tests.fakenvml import LIMIT_MAX, FakeGpuState, limit_records
@@ -70,15 +70,6 @@ def pod(core: client.CoreV1Api, namespace: str) -> Iterator[SimPod]:
                node_name=NODE, kubelet=True)  # fmt: skip
     yield p
     p.close()
-
-
-def records(agent: AgentProcess, cgroup: Path) -> dict[str, tuple[int, int]]:
-    """GPU -> (soft, hard) of the last limit the agent set on `cgroup`."""
-    last: dict[str, tuple[int, int]] = {}
-    for r in limit_records(agent.state_file):
-        if r["cgroup"] == str(cgroup) and r["pid"] == agent.proc.pid:
-            last[r["device"]] = (r["soft"], r["hard"])
-    return last
 
 
 def limited(agent: AgentProcess, cgroup: Path, limit: int) -> bool:

@@ -1,8 +1,19 @@
 """Which cgroup gets which hard limit on which GPU, and what changes when pods come and go."""
 
+import json
+from pathlib import Path
 from typing import Any
 
-from enforcer.core.hard_limits import PodVram, Target, per_gpu, plan, pod_vram, targets
+from enforcer.core.dra import DraSettings, allocations
+from enforcer.core.hard_limits import (
+    PodVram,
+    Target,
+    per_gpu,
+    plan,
+    pod_vram,
+    pod_vram_from_claims,
+    targets,
+)
 from enforcer.core.model import Device, GiB
 
 A, B = "a" * 64, "b" * 64
@@ -81,3 +92,26 @@ def test_plan_sets_what_differs_and_clears_only_its_own_limits() -> None:
     assert plan({"/k/pod": pod_t}, [H100], {}, {"/k/pod"}, rejected).set == ()
     bigger = Target("/k/pod", "ml", "train", UID, "", 10 * GiB)
     assert len(plan({"/k/pod": bigger}, [H100], {}, {"/k/pod"}, rejected).set) == 1
+
+
+def test_dra_claims_become_hard_limits_on_the_allocated_gpu_only() -> None:
+    """A DRA pod (the real scheduler's objects, tests/fixtures/dra): its container gets its
+    claim's 4Gi on gpu-0's GPU, the pod cgroup the same total there, and nothing elsewhere:
+    the DRA driver shows the container that GPU only, and sampling holds it to 0 on others."""
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "dra"
+    dra_pod, claim, slice_ = (json.loads((fixtures / f"{n}.json").read_text())
+                              for n in ("pod", "claim", "slice"))  # fmt: skip
+    dra_pod["status"]["containerStatuses"] = [{"name": "c", "containerID": f"containerd://{A}"}]
+    found = allocations(dra_pod, {claim["metadata"]["name"]: claim}, [slice_], DraSettings())
+    got = pod_vram_from_claims(dra_pod, found)
+    gpu0 = "GPU-00000000-aaaa-bbbb-cccc-000000000000"
+    assert got is not None and got.limits == {"c": 4 * GiB} and got.gpu_totals == {gpu0: 4 * GiB}
+    devices = [Device(0, gpu0, "L4", 24 * GiB, 0), Device(1, "GPU-other", "L4", 24 * GiB, 0)]
+    uid = dra_pod["metadata"]["uid"]
+    wanted = targets([got], {uid: "/pod"}, {uid: {A: "/pod/a"}})
+    assert plan(wanted, devices, {}, {"/pod", "/pod/a"}).set == (
+        (wanted["/pod"], gpu0, 4 * GiB),
+        (wanted["/pod/a"], gpu0, 4 * GiB),
+    )
+    assert got.limits_on(devices) == {gpu0: 4 * GiB}  # what the VRAMHardLimit Event waits for
+    assert pod_vram_from_claims(dra_pod, allocations(dra_pod, {}, [slice_], DraSettings())) is None

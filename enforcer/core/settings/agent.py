@@ -5,11 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from enforcer.core.dra import DraSettings
 from enforcer.core.parsing import ConfigError, as_text, parse_bytes, positive_duration
 from enforcer.core.settings import Setting, Values, switch, value, verbosity
 from enforcer.core.settings.common import (
     DEFAULT_SOCKET,
+    DRA_CAPACITY,
+    DRA_DRIVERS,
+    DRA_UUID_ATTRIBUTE,
     RESOURCE_NAME,
+    dra_settings,
     hard_limits,
     interval,
     kubeconfig,
@@ -141,6 +146,9 @@ DECLARED: tuple[Setting[Any], ...] = (
     HARD_LIMITS,
     CGROUP_ROOT,
     CGROUP_SCAN,
+    DRA_DRIVERS,
+    DRA_UUID_ATTRIBUTE,
+    DRA_CAPACITY,
     LOG_FORMAT,
     VERBOSE,
 )
@@ -166,6 +174,7 @@ class AgentSettings:
     hard_limits: bool
     cgroup_root: str
     cgroup_scan: float
+    dra: DraSettings  # hard limits for pods with DRA claims: which allocations are GPUs
 
     @property
     def uses_api(self) -> bool:
@@ -199,4 +208,5 @@ def agent_settings(values: Values) -> AgentSettings:
         hard_limits=hard,
         cgroup_root=values[CGROUP_ROOT],
         cgroup_scan=values[CGROUP_SCAN],
+        dra=dra_settings(values),
     )
