@@ -21,6 +21,7 @@ from typing import cast
 import jsonpatch
 
 from enforcer.core import shapes
+from enforcer.core.dra import NVIDIA_DRIVER
 from enforcer.core.parsing import (
     ConfigError,
     parse_action,
@@ -91,6 +92,9 @@ class AdmissionSettings:
     # the extended resource), and the device capacity that is GPU memory.
     dra_class: str | None = None
     dra_capacity: str = "memory"
+    # ...and how the sidecars tell a GPU allocation (passed on to them in DRA mode).
+    dra_drivers: tuple[str, ...] = (NVIDIA_DRIVER,)
+    dra_uuid_attribute: str = "uuid"
 
 
 class BadReview(ValueError):
@@ -216,7 +220,12 @@ def mutate(pod: Mapping[str, object], settings: AdmissionSettings) -> list[Patch
     if shm != "off":
         _add_shm(out_spec, shm_limit)
     if settings.dra_class is not None:
-        sidecar_env["VRAM_ENFORCER_LIMITS_FROM"] = "dra"
+        sidecar_env.update({
+            "VRAM_ENFORCER_LIMITS_FROM": "dra",
+            "VRAM_ENFORCER_DRA_DRIVERS": ",".join(settings.dra_drivers),
+            "VRAM_ENFORCER_DRA_UUID_ATTRIBUTE": settings.dra_uuid_attribute,
+            "VRAM_ENFORCER_DRA_CAPACITY": settings.dra_capacity,
+        })  # fmt: skip
     _add_sidecar(out_spec, limits, sidecar_env, metrics_port, settings)
     if settings.gpu_exposure == "env" and settings.runtime_class:
         out_spec.setdefault("runtimeClassName", settings.runtime_class)

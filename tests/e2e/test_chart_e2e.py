@@ -227,6 +227,7 @@ def test_dra_mode_gives_the_webhook_and_the_sidecars_what_they_need(
             .spec.template.spec
         )
         assert "--dra-device-class=gpu.nvidia.com" in spec.containers[0].args
+        assert "--dra-drivers=gpu.nvidia.com" in spec.containers[0].args
         assert spec.automount_service_account_token is True
         webhook = apiserver.client(apiserver.token_for("vram-dra", "vram-enforcer-dra-webhook"))
         for ns in (opted_in, "default"):  # any namespace may be labelled

@@ -414,7 +414,14 @@ def test_dra_mode_turns_the_declaration_into_a_claim_from_the_template_of_its_si
     assert second["resources"] == {"claims": [{"name": "vram-helper"}]}
     assert "resources" not in plain
     assert env_of(first)["VRAM_LIMIT_BYTES"] == str(16 * GiB)
-    assert env_of(sidecar_of(out))["VRAM_ENFORCER_LIMITS_FROM"] == "dra"
+    sidecar = env_of(sidecar_of(out))
+    assert sidecar["VRAM_ENFORCER_LIMITS_FROM"] == "dra"
+    # how the sidecar tells a GPU allocation: the webhook's own settings, passed on
+    assert (sidecar["VRAM_ENFORCER_DRA_DRIVERS"], sidecar["VRAM_ENFORCER_DRA_UUID_ATTRIBUTE"],
+            sidecar["VRAM_ENFORCER_DRA_CAPACITY"]) == ("gpu.nvidia.com", "uuid", "memory")  # fmt: skip
+    other = dataclasses.replace(DRA, dra_drivers=("gpu.example.com", "b.example.com"))
+    out = jsonpatch.apply_patch(trainer_pod := pod(gpu("t", "1Gi")), mutate(trainer_pod, other))
+    assert env_of(sidecar_of(out))["VRAM_ENFORCER_DRA_DRIVERS"] == "gpu.example.com,b.example.com"
 
 
 def test_dra_mode_enforces_pods_with_claims_made_by_hand() -> None:
