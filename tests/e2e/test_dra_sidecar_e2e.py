@@ -108,7 +108,13 @@ def scheduled_pod(api: client.ApiClient, node: str, containers: list[str],
     core = client.CoreV1Api(api)
     pod = SimPod(core, NAMESPACE, f"dra-{next(_numbers)}", containers, claims=claims,
                  node_selector={"kubernetes.io/hostname": node})  # fmt: skip
-    wait_for(lambda: bound(core, NAMESPACE, pod.name), timeout=30, what="the scheduler to bind it")
+    try:
+        wait_for(
+            lambda: bound(core, NAMESPACE, pod.name), timeout=30, what="the scheduler to bind it"
+        )
+    except AssertionError:
+        pod.close()  # its namespaces and cgroups
+        raise
     pod.report_status()  # the status as the kubelet writes it once the pod runs
     return pod
 
