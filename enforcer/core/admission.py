@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
@@ -24,6 +23,7 @@ from enforcer.core import shapes
 from enforcer.core.dra import NVIDIA_DRIVER
 from enforcer.core.parsing import (
     ConfigError,
+    kubernetes_version,
     parse_action,
     parse_bytes,
     parse_duration,
@@ -545,10 +545,10 @@ def format_quantity(n: int) -> str:
 
 def sidecar_mode_for(git_version: str) -> str:
     """native from Kubernetes 1.29 (sidecar containers on by default), else container."""
-    m = re.match(r"v?(\d+)\.(\d+)", git_version)
-    if m is None:
+    version = kubernetes_version(git_version)
+    if version is None:
         raise ValueError(f"cannot read a Kubernetes version from {git_version!r}")
-    return "native" if (int(m[1]), int(m[2])) >= (1, 29) else "container"
+    return "native" if version >= (1, 29) else "container"
 
 
 def _containers(spec: PodSpec) -> Iterator[Container]:

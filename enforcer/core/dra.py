@@ -67,6 +67,11 @@ def unit_containers(name: str) -> tuple[str, ...]:
     return tuple(name.split("@", 1)[0].split("+"))
 
 
+def unit_gpu(name: str) -> str | None:
+    """The GPU of a unit named by `GpuUnit.name`; None for a unit of all GPUs."""
+    return name.split("@", 1)[1] if "@" in name else None
+
+
 @dataclass(frozen=True, slots=True)
 class Allocations:
     """What the pod's claims give its containers on each GPU.

@@ -94,6 +94,12 @@ def parse_bytes(text: str, field: str, unit: int = 1) -> int:
     return int(value)
 
 
+def kubernetes_version(git_version: str) -> tuple[int, int] | None:
+    """(major, minor) of an API server's gitVersion (`v1.37.2`, `v1.31.4-gke.100`)."""
+    m = re.match(r"v?(\d+)\.(\d+)", git_version)
+    return (int(m[1]), int(m[2])) if m else None
+
+
 def parse_duration(text: str, field: str) -> float:
     """A Go-style duration (`100ms`, `1m30s`) in seconds; a bare number is refused."""
     stripped = text.strip() if isinstance(text, str) else ""

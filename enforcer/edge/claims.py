@@ -2,10 +2,10 @@
 ResourceSlices, read from the API as JSON (resource.k8s.io/v1, Kubernetes 1.34+); and the
 ResourceClaimTemplates that the webhook's DRA mode makes claims from.
 
-Both are read again on each call (the sidecar's pod refresh): a claim gets its
-allocation after the pod was first read, and a driver that restarts may publish a new
-generation of slices. A claim once seen allocated is kept through API errors: its
-allocation cannot change while the pod holds it reserved.
+Both are read again on each call (the sidecar's pod refresh, the agent's pod change): a
+claim gets its allocation after the pod was first read, and a driver that restarts may
+publish a new generation of slices. A read that fails fails whole; the caller keeps its
+last good one (`ClaimState`, or the agent's last parse of the pod).
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ class ClaimReader:
     def __init__(self, api: client.ApiClient, node: str) -> None:
         self._api = api
         self._node = node
-        self._allocated: dict[str, dict[str, Any]] = {}  # by namespace/name: the last allocated
 
     def read(self, pod: Pod) -> DraObjects:
         """Raises KubeError (naming the verb and resource, and Forbidden for RBAC)."""
@@ -67,23 +66,13 @@ class ClaimReader:
 
     def _claim(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The claim, or None when it does not exist (deleted, or not made yet)."""
-        key = f"{namespace}/{name}"
         try:
             where = {"namespace": namespace, "name": name}
             claim: dict[str, Any] = call(
                 self._api, "GET", CLAIM, "resourceclaims", deadline=10.0, params=where
             )
         except NotFound:
-            self._allocated.pop(key, None)
             return None
-        except KubeError:
-            kept = self._allocated.get(key)
-            if kept is None:
-                raise
-            return kept  # allocated before: it cannot have changed while the pod holds it
-        status = claim.get("status")
-        if isinstance(status, dict) and status.get("allocation"):
-            self._allocated[key] = claim
         return claim
 
 

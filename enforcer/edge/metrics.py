@@ -21,6 +21,7 @@ from prometheus_client import make_wsgi_app as metrics_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from enforcer.core.dra import unit_containers
 from enforcer.core.model import Device, UnitUsage
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class EnforcerCollector(Collector):
                 used.add_metric(values, unit.used_bytes)
                 limit.add_metric(values, unit.limit_bytes)
             else:  # `a+b@GPU-...`: the containers, and the GPU on a label of its own
-                values = [*base_values, unit.name.split("@", 1)[0]]
+                values = [*base_values, "+".join(unit_containers(unit.name))]
                 gpu_used.add_metric([*values, unit.device_uuid], unit.used_bytes)
                 gpu_limit.add_metric([*values, unit.device_uuid], unit.limit_bytes)
             for p in unit.processes:

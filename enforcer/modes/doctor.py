@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -20,6 +19,7 @@ from enforcer.core import messages
 from enforcer.core.dra import shareable_gpus
 from enforcer.core.hard_limits import LimitOutcome, mig_gpus, per_gpu
 from enforcer.core.model import SourceDown, format_bytes
+from enforcer.core.parsing import kubernetes_version
 from enforcer.core.protocol import Challenge, ProtocolError, decode_reply, encode_request
 from enforcer.core.settings.doctor import DoctorSettings
 from enforcer.edge import cgroupfs
@@ -232,7 +232,8 @@ def check_dra(api: ApiClient, version: str, settings: DoctorSettings) -> Check:
     from enforcer.edge.kube import KubeError, call  # noqa: PLC0415
 
     node_mode = "node-level mode (vram-enforcer.io/vram counted per node) is what this cluster has"
-    minor = _minor(version)
+    known = kubernetes_version(version)
+    minor = known[1] if known is not None and known[0] == 1 else None
     if minor is not None and minor < 34:
         return Check(DRA_MODE, "note", f"Kubernetes {version} has no DRA (1.34+): {node_mode}")
     try:
@@ -261,11 +262,6 @@ def check_dra(api: ApiClient, version: str, settings: DoctorSettings) -> Check:
     shown = ", ".join(gpus[:4]) + (f" and {len(gpus) - 4} more" if len(gpus) > 4 else "")
     return Check(DRA_MODE, "ok", f"{len(gpus)} GPU(s) shareable by memory ({shown}): DRA mode "
                  f"can be used (the chart's webhook.draDeviceClass){gate}")  # fmt: skip
-
-
-def _minor(version: str) -> int | None:
-    match = re.match(r"v?1\.(\d+)", version)
-    return int(match[1]) if match else None
 
 
 def run(settings: DoctorSettings) -> int:

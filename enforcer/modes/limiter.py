@@ -147,6 +147,8 @@ class HardLimiter(threading.Thread):
                 objects = read(pod)
                 if isinstance(objects, str):
                     self._say_once(f"the claims of pod {uid} cannot be read ({objects})")
+                    if known:  # keep its limits meanwhile; its old version makes us read again
+                        parsed[uid] = known
                     continue
                 found = pod_vram_from_claims(
                     pod, allocations(pod, objects.claims, objects.slices, settings)

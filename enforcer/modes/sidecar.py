@@ -22,7 +22,7 @@ from dataclasses import replace
 from enforcer.core import messages
 from enforcer.core.attribution import attribute, attribute_per_gpu, oldest, reported_only
 from enforcer.core.cgroups import container_id
-from enforcer.core.dra import Allocations, DraSettings, allocations, unit_containers
+from enforcer.core.dra import Allocations, DraSettings, allocations, unit_containers, unit_gpu
 from enforcer.core.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import (
@@ -97,6 +97,7 @@ class ContainerAttributor:
         self._claims = claims
         self._problem = problem
         self._problems_said: frozenset[str] = frozenset()
+        self._last: tuple[object, object, Allocations] | None = None  # (pod, objects, result)
 
     def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]:
         pod = self._pod()
@@ -144,7 +145,10 @@ class ContainerAttributor:
         if pod is None or objects is None:
             everyone = frozenset(self._spec_containers) | {r.name for r in by_id.values()}
             return Allocations(unresolved=everyone)
+        if self._last is not None and self._last[0] is pod and self._last[1] is objects:
+            return self._last[2]  # the same reads as the last tick: the same answer
         found = allocations(pod, objects.claims, objects.slices, dra)
+        self._last = (pod, objects, found)
         for text in found.problems:
             if text not in self._problems_said:
                 self._problem(text)
@@ -218,7 +222,8 @@ class ContainerAttributor:
             if len(names) == 1
             else "containers " + " and ".join(repr(n) for n in names)
         )
-        return f"{who} on GPU {unit.split('@', 1)[1]}" if "@" in unit else who
+        gpu = unit_gpu(unit)
+        return who if gpu is None else f"{who} on GPU {gpu}"
 
 
 def _init_of(unit: str, inits: Mapping[str, ProcessTotal]) -> ProcessTotal | None:
