@@ -43,6 +43,20 @@ class Device:
 
 
 @dataclass(frozen=True, slots=True)
+class Activity:
+    """How busy one process kept one GPU in NVML's latest sample period, in percent of the
+    GPU's time: its SMs running the process's kernels, and its memory controller reading or
+    writing for it (a measure of memory bandwidth). What sharing a GPU costs shows here
+    first: memory says whether tenants fit, these say whether they slow each other down."""
+
+    sm_percent: int
+    memory_percent: int
+
+
+IDLE = Activity(0, 0)
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessUsage:
     """GPU memory held by one process on one device, with pids as the reader sees them."""
 
@@ -52,6 +66,8 @@ class ProcessUsage:
     # (PID namespace inode, pid there) from the host's namespace down to the process's own,
     # when the source knows it (the node agent answers each caller from it).
     namespaces: tuple[tuple[int, int], ...] = ()
+    # None when NVML cannot tell on this device (MIG, an old driver, or utilisation off).
+    activity: Activity | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +127,17 @@ class UnitUsage:
     @property
     def has_unknown(self) -> bool:
         return any(p.unknown_devices for p in self.processes)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuShare:
+    """What one unit holds and does on one GPU: its processes' memory there, and their
+    utilisation summed (None when NVML cannot tell on that GPU)."""
+
+    unit: str
+    gpu: str
+    used_bytes: int
+    activity: Activity | None
 
 
 class Action(StrEnum):

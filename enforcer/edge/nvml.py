@@ -19,8 +19,9 @@ from typing import Any, ClassVar
 import pynvml
 
 from enforcer.core.hard_limits import LimitOutcome, LimitResult
-from enforcer.core.model import Device
+from enforcer.core.model import Activity, Device
 from enforcer.edge.backoff import Backoff
+from enforcer.edge.nvml_utilisation import ProcessUtilisation
 
 # NVML returns all-ones for "not available" in 64-bit fields.
 NOT_AVAILABLE_64 = 0xFFFFFFFFFFFFFFFF
@@ -137,11 +138,13 @@ class NvmlQueryError(NvmlError):
 
 @dataclass(frozen=True, slots=True)
 class NvmlProcess:
-    """A process as NVML reports it: host pid, device, bytes (None when not available)."""
+    """A process as NVML reports it: host pid, device, bytes (None when not available), and
+    how busy it keeps the device (None when NVML cannot tell)."""
 
     pid: int
     device_uuid: str
     used_bytes: int | None
+    activity: Activity | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,11 +191,21 @@ def _bytes(value: object) -> int | None:
 
 
 class Nvml:
-    """An NVML session that enumerates devices once and re-initialises itself after loss."""
+    """An NVML session that enumerates devices once and re-initialises itself after loss.
 
-    def __init__(self, backoff: Backoff | None = None, clock: Callable[[], float] = time.monotonic):
+    `utilisation_every`: read per-process utilisation at most this often (seconds); None
+    reads none.
+    """
+
+    def __init__(
+        self,
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        utilisation_every: float | None = None,
+    ):
         self._backoff = backoff or Backoff()
         self._clock = clock
+        self._utilisation = ProcessUtilisation(utilisation_every, clock)
         self._handles: list[_Handle] | None = None
         self.driver_version = ""
         self._lists = [names[0] for names in _PROCESS_LISTS]
@@ -219,6 +232,7 @@ class Nvml:
 
     def _shutdown_quietly(self) -> None:
         self._handles = None
+        self._utilisation.reset()
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
 
@@ -334,7 +348,18 @@ class Nvml:
             for pid, used in self._processes(h.handle):
                 key = (pid, h.uuid)
                 usage[key] = _merge(usage[key], used) if key in usage else used
-        processes = tuple(NvmlProcess(pid, uuid, used) for (pid, uuid), used in usage.items())
+        listed: dict[str, set[int]] = {}
+        for pid, uuid in usage:
+            listed.setdefault(uuid, set()).add(pid)
+        # Whole GPUs only: NVML has no per-process utilisation under MIG.
+        self._utilisation.refresh([
+            (h.uuid, h.handle, frozenset(listed.get(h.uuid, ())))
+            for h in handles if h.query_processes and h.parent_uuid is None
+        ])  # fmt: skip
+        of = self._utilisation.of
+        processes = tuple(
+            NvmlProcess(pid, uuid, used, of(uuid, pid)) for (pid, uuid), used in usage.items()
+        )
         return NvmlSnapshot(tuple(devices), processes)
 
     def _processes(self, handle: Any) -> list[tuple[int, int | None]]:

@@ -153,7 +153,9 @@ class NvmlSource:
             entry = known.get(p.pid)
             if entry is not None and entry.pid is not None:
                 key = ProcessKey(entry.pid, entry.start_time)
-                processes.append(ProcessUsage(key, p.device_uuid, p.used_bytes, entry.chain))
+                processes.append(
+                    ProcessUsage(key, p.device_uuid, p.used_bytes, entry.chain, p.activity)
+                )
         return Sample(time.time(), snap.devices, tuple(processes))
 
     def fileno(self) -> int | None:

@@ -118,6 +118,15 @@ class FakeGpuState:
         procs.append({"pid": pid, "used_bytes": used_bytes})
         self._sync_used(device_index)
 
+    def set_utilization(self, device_index: int, pid: int, sm: int, memory: int) -> None:
+        """Hold a compute process of the device at `sm` % SM and `memory` % memory-controller
+        utilisation: a steady load, as NVML's per-process samples report it."""
+        for p in self.devices[device_index]["compute_processes"]:
+            if p["pid"] == pid:
+                p["sm_util"], p["mem_util"] = sm, memory
+                return
+        raise KeyError(f"no compute process {pid} on device {device_index}")
+
     def remove_process(self, pid: int) -> None:
         for i, device in enumerate(self.devices):
             for kind in ("compute_processes", "graphics_processes"):

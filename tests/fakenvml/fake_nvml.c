@@ -23,6 +23,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
+#include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -292,6 +293,7 @@ static void jget_str(const jv *obj, const char *key, char *out, size_t size, con
 typedef struct {
     unsigned int pid;
     unsigned long long used; /* NVML_VALUE_NOT_AVAILABLE for JSON null */
+    unsigned int sm_util, mem_util; /* percent of the GPU in the last sample period */
 } fproc;
 
 typedef struct {
@@ -314,6 +316,7 @@ typedef struct fdev {
     int ncompute, ngraphics;
     ferror_t *errors;
     int nerrors;
+    unsigned long long util_timestamp; /* fixed sample time (us); 0: the time of the call */
 } fdev;
 
 typedef struct {
@@ -422,6 +425,8 @@ static int load_procs(const jv *arr, fproc **out, int *n) {
         (*out)[*n].pid = (unsigned int)jget_u64(p, "pid", 0);
         (*out)[*n].used = (!used || used->type == J_NULL) ? (unsigned long long)NVML_VALUE_NOT_AVAILABLE
                                                           : jget_u64(p, "used_bytes", 0);
+        (*out)[*n].sm_util = (unsigned int)jget_u64(p, "sm_util", 0);
+        (*out)[*n].mem_util = (unsigned int)jget_u64(p, "mem_util", 0);
         (*n)++;
     }
     return 1;
@@ -436,6 +441,7 @@ static int load_dev(const jv *obj, fdev *d, int index, int is_mig) {
     d->total = jget_u64(obj, "total_bytes", 80ULL << 30);
     d->used = jget_u64(obj, "used_bytes", 0);
     d->minor = (unsigned int)jget_u64(obj, "minor_number", (unsigned long long)index);
+    d->util_timestamp = jget_u64(obj, "utilization_timestamp_us", 0);
     d->is_mig = is_mig;
     d->gpu_instance_id = is_mig ? (unsigned int)jget_u64(obj, "gpu_instance_id", 0) : 0xFFFFFFFFu;
     d->compute_instance_id = is_mig ? (unsigned int)jget_u64(obj, "compute_instance_id", 0) : 0xFFFFFFFFu;
@@ -868,6 +874,76 @@ PROCESS_LIST(nvmlDeviceGetComputeRunningProcesses, 0, nvmlProcessInfo_v1_t, INFO
 PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses_v3, 1, nvmlProcessInfo_t, INFO_V2)
 PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses_v2, 1, nvmlProcessInfo_v2_t, INFO_V2)
 PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses, 1, nvmlProcessInfo_v1_t, INFO_V1)
+
+/* ---------------------------------------------------------------- process utilisation */
+
+/* The driver samples each process's utilisation once per sample period and keeps a buffer
+ * of samples; a query returns those newer than `lastSeenTimeStamp`, one per process with
+ * some non-zero utilisation, and NOT_FOUND when there is none. The fake holds every
+ * compute process at its `sm_util` and `mem_util`: a steady load, sampled at the time of
+ * the call (or at the device's fixed `utilization_timestamp_us`). MIG is NOT_SUPPORTED. */
+typedef enum { UTIL_SAMPLE, UTIL_INFO_V1 } util_kind;
+
+static unsigned long long now_us(void) {
+    struct timeval tv;
+    gettimeofday(&tv, NULL);
+    return (unsigned long long)tv.tv_sec * 1000000ULL + (unsigned long long)tv.tv_usec;
+}
+
+static nvmlReturn_t process_utilization(const char *function, nvmlDevice_t device, void *samples,
+                                        unsigned int *count, unsigned long long last_seen,
+                                        util_kind kind) {
+    fdev *d;
+    nvmlReturn_t r = enter(function);
+    if (r != NVML_SUCCESS) return r;
+    if ((r = resolve(device, function, &d)) != NVML_SUCCESS) return leave(r);
+    if (!count) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (d->is_mig || d->mig_mode) return leave(NVML_ERROR_NOT_SUPPORTED);
+    unsigned long long stamp = d->util_timestamp ? d->util_timestamp : now_us();
+    unsigned int n = 0;
+    for (int i = 0; i < d->ncompute; i++)
+        if (d->compute[i].sm_util || d->compute[i].mem_util) n++;
+    if (n == 0 || stamp <= last_seen) return leave(NVML_ERROR_NOT_FOUND);
+    if (!samples || *count < n) {
+        *count = n;
+        return leave(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    unsigned int j = 0;
+    for (int i = 0; i < d->ncompute; i++) {
+        const fproc *p = &d->compute[i];
+        if (!p->sm_util && !p->mem_util) continue;
+        if (kind == UTIL_SAMPLE) {
+            nvmlProcessUtilizationSample_t *out = (nvmlProcessUtilizationSample_t *)samples + j++;
+            memset(out, 0, sizeof *out);
+            out->pid = p->pid;
+            out->timeStamp = stamp;
+            out->smUtil = p->sm_util;
+            out->memUtil = p->mem_util;
+        } else {
+            nvmlProcessUtilizationInfo_v1_t *out = (nvmlProcessUtilizationInfo_v1_t *)samples + j++;
+            memset(out, 0, sizeof *out);
+            out->pid = p->pid;
+            out->timeStamp = stamp;
+            out->smUtil = p->sm_util;
+            out->memUtil = p->mem_util;
+        }
+    }
+    *count = n;
+    return leave(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
+                                             unsigned int *processSamplesCount, unsigned long long lastSeenTimeStamp) {
+    return process_utilization("nvmlDeviceGetProcessUtilization", device, utilization,
+                               processSamplesCount, lastSeenTimeStamp, UTIL_SAMPLE);
+}
+
+nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device, nvmlProcessesUtilizationInfo_t *info) {
+    if (!info) return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlProcessesUtilizationInfo_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    return process_utilization("nvmlDeviceGetProcessesUtilizationInfo", device, info->procUtilArray,
+                               &info->processSamplesCount, info->lastSeenTimeStamp, UTIL_INFO_V1);
+}
 
 /* ---------------------------------------------------------------- MIG */
 

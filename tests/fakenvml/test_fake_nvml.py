@@ -227,3 +227,41 @@ def test_a_cgroup_made_again_at_the_same_path_starts_without_limits(
             _read_limits(gpu, inner)
     finally:
         pynvml.nvmlShutdown()
+
+
+def test_process_utilization_follows_nvml_h(fake_nvml: FakeNvml) -> None:
+    """Both per-process utilisation calls: the size handshake (pynvml's own), samples only
+    for busy processes and newer than the caller's last timestamp, NOT_FOUND otherwise."""
+    fake_nvml.state.set_process(0, 4242, 3 * GiB)
+    fake_nvml.state.set_process(0, 4243, GiB)
+    fake_nvml.state.set_utilization(0, 4242, sm=87, memory=40)
+    fake_nvml.state.devices[0]["utilization_timestamp_us"] = 1_700_000_000_000_000
+    fake_nvml.write()
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    for call in (
+        pynvml.nvmlDeviceGetProcessesUtilizationInfo,
+        pynvml.nvmlDeviceGetProcessUtilization,
+    ):
+        (sample,) = call(handle, 0)
+        assert (sample.pid, sample.smUtil, sample.memUtil) == (4242, 87, 40)
+        assert sample.timeStamp == 1_700_000_000_000_000
+        with pytest.raises(pynvml.NVMLError_NotFound):
+            call(handle, 1_700_000_000_000_000)
+    fake_nvml.state.set_utilization(0, 4242, sm=0, memory=0)
+    fake_nvml.write()
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        pynvml.nvmlDeviceGetProcessesUtilizationInfo(handle, 0)
+    pynvml.nvmlShutdown()
+
+
+def test_process_utilization_is_not_supported_under_mig(fake_nvml: FakeNvml) -> None:
+    fake_nvml.state.set_process(0, 4242, GiB)
+    fake_nvml.state.set_utilization(0, 4242, sm=50, memory=5)
+    fake_nvml.state.enable_mig(0, [])
+    fake_nvml.write()
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        pynvml.nvmlDeviceGetProcessesUtilizationInfo(handle, 0)
+    pynvml.nvmlShutdown()

@@ -413,3 +413,157 @@ def test_memory_limit_failures_are_values(
     assert outcome.detail
     assert fake_nvml.limit_records() == []
     assert nvml.set_memory_limit("GPU-nope", str(cgroup2), GiB).result is LimitResult.FAILED
+
+
+def _activity(snap: Any) -> dict[tuple[int, str], Any]:
+    return {(p.pid, p.device_uuid): p.activity for p in snap.processes}
+
+
+def test_per_process_utilisation_read_at_most_once_per_interval(fake_nvml: Any) -> None:
+    """Busy processes get NVML's figures, listed idle ones 0, and between reads the last
+    read stands (the driver samples no faster)."""
+    st = fake_nvml.state
+    st.set_process(0, 100, GiB)
+    st.set_process(0, 101, GiB)
+    st.set_utilization(0, 100, sm=87, memory=41)
+    fake_nvml.write()
+    clock = Clock()
+    session = Nvml(clock=clock, utilisation_every=1.0)
+    session.init()
+    try:
+        gpu = session.snapshot().devices[0].uuid
+        first = _activity(session.snapshot())
+        assert (first[(100, gpu)].sm_percent, first[(100, gpu)].memory_percent) == (87, 41)
+        assert (first[(101, gpu)].sm_percent, first[(101, gpu)].memory_percent) == (0, 0)
+        st.set_utilization(0, 100, sm=5, memory=2)
+        st.set_utilization(0, 101, sm=60, memory=70)
+        fake_nvml.write()
+        clock.now += 0.5
+        assert _activity(session.snapshot()) == first  # not read again yet
+        clock.now += 0.6
+        later = _activity(session.snapshot())
+        assert (later[(100, gpu)].sm_percent, later[(101, gpu)].memory_percent) == (5, 70)
+    finally:
+        session.shutdown()
+
+
+def test_no_sample_since_the_last_read_means_idle(fake_nvml: Any) -> None:
+    """NVML answers NOT_FOUND when no process was busy since the timestamp asked for: the
+    second read asks from the first one's newest sample, so a frozen driver buffer is idle."""
+    st = fake_nvml.state
+    st.set_process(0, 100, GiB)
+    st.set_utilization(0, 100, sm=50, memory=10)
+    st.devices[0]["utilization_timestamp_us"] = 1_000_000
+    fake_nvml.write()
+    clock = Clock()
+    session = Nvml(clock=clock, utilisation_every=1.0)
+    session.init()
+    try:
+        (busy,) = session.snapshot().processes
+        assert busy.activity is not None and busy.activity.sm_percent == 50
+        clock.now += 1.0
+        (idle,) = session.snapshot().processes
+        assert idle.activity is not None and (
+            idle.activity.sm_percent,
+            idle.activity.memory_percent,
+        ) == (0, 0)
+        assert idle.used_bytes == GiB  # memory is read as before
+    finally:
+        session.shutdown()
+
+
+@pytest.mark.parametrize("error", ["FUNCTION_NOT_FOUND", "NOT_SUPPORTED"])
+def test_the_older_utilisation_call_serves_when_the_newer_cannot(
+    fake_nvml: Any, error: str
+) -> None:
+    st = fake_nvml.state
+    st.set_process(0, 100, GiB)
+    st.set_utilization(0, 100, sm=33, memory=44)
+    st.inject_error("nvmlDeviceGetProcessesUtilizationInfo", error)
+    fake_nvml.write()
+    session = Nvml(utilisation_every=1.0)
+    session.init()
+    try:
+        (p,) = session.snapshot().processes
+    finally:
+        session.shutdown()
+    assert p.activity is not None and (p.activity.sm_percent, p.activity.memory_percent) == (33, 44)
+
+
+def test_utilisation_unknown_is_none_and_memory_still_counts(fake_nvml: Any) -> None:
+    """Neither call works (an old driver, vGPU), or a read fails: utilisation is unknown,
+    never 0, and the memory pass is untouched. The next read tries again."""
+    st = fake_nvml.state
+    st.set_process(0, 100, 2 * GiB)
+    st.set_utilization(0, 100, sm=70, memory=20)
+    st.inject_error("nvmlDeviceGetProcessesUtilizationInfo", "FUNCTION_NOT_FOUND")
+    st.inject_error("nvmlDeviceGetProcessUtilization", "UNKNOWN")
+    fake_nvml.write()
+    clock = Clock()
+    session = Nvml(clock=clock, utilisation_every=1.0)
+    session.init()
+    try:
+        (p,) = session.snapshot().processes
+        assert (p.used_bytes, p.activity) == (2 * GiB, None)
+        st.clear_errors()
+        fake_nvml.write()
+        clock.now += 1.0
+        (p,) = session.snapshot().processes
+        assert p.activity is not None and p.activity.sm_percent == 70
+        st.inject_error("nvmlDeviceGetProcessesUtilizationInfo", "NOT_SUPPORTED")
+        st.inject_error("nvmlDeviceGetProcessUtilization", "NOT_SUPPORTED")
+        fake_nvml.write()
+        clock.now += 1.0
+        (p,) = session.snapshot().processes
+        assert (p.used_bytes, p.activity) == (2 * GiB, None)
+    finally:
+        session.shutdown()
+
+
+def test_mig_partitions_have_no_utilisation(fake_nvml: Any) -> None:
+    fake_nvml.state.enable_mig(0, [{"uuid": "MIG-1", "name": "MIG 1g.10gb", "total_bytes": 10 * GiB,
+                                    "compute_processes": [{"pid": 7, "used_bytes": GiB, "sm_util": 90}]}])  # fmt: skip
+    fake_nvml.write()
+    session = Nvml(utilisation_every=1.0)
+    session.init()
+    try:
+        (p,) = session.snapshot().processes
+    finally:
+        session.shutdown()
+    assert (p.device_uuid, p.used_bytes, p.activity) == ("MIG-1", GiB, None)
+
+
+def test_utilisation_off_reads_none(fake_nvml: Any) -> None:
+    fake_nvml.state.set_process(0, 100, GiB)
+    fake_nvml.state.set_utilization(0, 100, sm=70, memory=20)
+    fake_nvml.state.inject_error("nvmlDeviceGetProcessesUtilizationInfo", "GPU_IS_LOST")
+    fake_nvml.write()
+    session = Nvml()  # the default: nothing is read, so the injected loss is never met
+    session.init()
+    try:
+        (p,) = session.snapshot().processes
+    finally:
+        session.shutdown()
+    assert (p.used_bytes, p.activity) == (GiB, None)
+
+
+def test_a_process_listed_since_the_last_read_is_not_known_yet(fake_nvml: Any) -> None:
+    fake_nvml.state.set_process(0, 100, GiB)
+    fake_nvml.write()
+    clock = Clock()
+    session = Nvml(clock=clock, utilisation_every=1.0)
+    session.init()
+    try:
+        session.snapshot()
+        fake_nvml.state.set_process(0, 101, GiB)
+        fake_nvml.state.set_utilization(0, 101, sm=90, memory=9)
+        fake_nvml.write()
+        clock.now += 0.5
+        got = _activity(session.snapshot())
+        gpu = next(iter(got))[1]
+        assert got[(100, gpu)] is not None and got[(101, gpu)] is None  # idle; not measured
+        clock.now += 0.5
+        got = _activity(session.snapshot())
+        assert got[(101, gpu)] is not None and got[(101, gpu)].sm_percent == 90
+    finally:
+        session.shutdown()
