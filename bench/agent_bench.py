@@ -7,7 +7,9 @@ and gets its own reply, cut from the shared sample for its namespace, as in prod
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from bench.common import (
     proc_cpu_seconds,
     proc_status_kib,
     release_and_collect,
+    scrape,
 )
 from tests.fakenvml import FakeGpuState
 from tests.helpers import children, free_port, wait_for
@@ -100,3 +103,66 @@ def round_trips(
         "agent_rss_mib": rss,
         "agent_peak_rss_mib": peak,
     }
+
+
+def utilisation_cost(lib_dir: Path, tmp: Path, window: float) -> dict[str, Any]:
+    """The agent's CPU while 110 busy processes on 8 GPUs are sampled every 100 ms, with
+    per-process utilisation read every 1 s (the default), every pass (100 ms), and never;
+    tenants are counted on every pass in all three. No caller asks: this is the pass."""
+    state = FakeGpuState.single_gpu(total_bytes=80 * GiB)
+    for _ in range(7):
+        state.add_device()
+    sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(110)]
+    try:
+        for i, p in enumerate(sleepers):
+            state.set_process(i % 8, p.pid, GiB)
+            state.set_utilization(i % 8, p.pid, sm=1 + i % 90, memory=i % 50)
+        time.sleep(0.05)  # the sleepers start before the agent first lists them
+        shares = {}
+        for every in ("1s", "100ms", "0"):
+            shares[every] = _pass_cpu(lib_dir, tmp / f"util-{every}", state, every, window)
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
+    return {
+        "processes": len(sleepers),
+        "gpus": 8,
+        "interval_ms": 100,
+        "cpu_share_utilization_1s": shares["1s"],
+        "cpu_share_utilization_every_pass": shares["100ms"],
+        "cpu_share_utilization_off": shares["0"],
+    }
+
+
+def _pass_cpu(lib_dir: Path, tmp: Path, state: FakeGpuState, every: str, window: float) -> float:
+    tmp.mkdir()
+    state_file = tmp / "gpu.json"
+    state.write(state_file)
+    sock = tmp / "agent.sock"
+    port = free_port()
+    agent = subprocess.Popen(
+        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--hard-limits", "off",
+         "--socket", str(sock), "--interval", "100ms", "--utilization-interval", every,
+         "--metrics-port", str(port), "--metrics-address", "127.0.0.1"],
+        env={**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)},
+        stderr=(tmp / "agent.log").open("w"), cwd=ROOT,
+    )  # fmt: skip
+    try:
+        wait_for(sock.exists, what="the agent socket")
+        time.sleep(1.5)  # start-up and the first utilisation read are not the steady state
+        tenants = scrape(port).get("vram_enforcer_gpu_tenants")
+        assert tenants == 8, f"the agent did not count its tenants: {tenants}"
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(sock))
+            s.sendall(b'{"v":1,"op":"usage"}\n')
+            reply = json.loads(s.makefile("rb").readline())
+        busy = sum("sm" in p for p in reply["processes"])
+        assert busy == (0 if every == "0" else 110), f"utilisation of {busy} processes"
+        cpu0, t0 = proc_cpu_seconds(agent.pid), time.monotonic()
+        time.sleep(window)
+        cpu1, t1 = proc_cpu_seconds(agent.pid), time.monotonic()
+    finally:
+        agent.terminate()
+        agent.wait(timeout=15)
+    return (cpu1 - cpu0) / (t1 - t0)

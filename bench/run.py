@@ -75,6 +75,7 @@ def main() -> None:
                 agent_bench.round_trips(lib_dir, Path(tmp), 110, seconds),
                 agent_bench.round_trips(lib_dir, Path(tmp), 110, seconds, subscribe=True),
             ]
+            results["agent_utilization"] = agent_bench.utilisation_cost(lib_dir, Path(tmp), window)
         if args.only in (None, "webhook"):
             results["webhook"] = {
                 "in_process": webhook_bench.in_process(trials * 10),
@@ -94,6 +95,13 @@ def main() -> None:
                 print(f"sidecar benchmarks skipped: {reason}")
             else:
                 results["sidecar"] = sidecar_bench.run(lib_dir, trials, window)
+    show(results)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+def show(results: dict[str, Any]) -> None:
+    """One line per figure, as docs/performance.md quotes them."""
     for row in results.get("latency", ()):
         print(
             f"exec detection latency @ {row['interval_ms']:.0f} ms: p50 {row['p50_ms']:.1f} ms, "
@@ -113,6 +121,13 @@ def main() -> None:
             f"p99 {row['p99_ms']:.2f} ms, max {row['max_ms']:.1f} ms ({row['requests']} replies, "
             f"{row['requests_per_second']:.0f}/s); agent CPU {100 * row['agent_cpu_share_of_one_core']:.1f}% "
             f"of a core; RSS {row['agent_rss_mib']:.1f} MiB (peak {row['agent_peak_rss_mib']:.1f})"
+        )
+    if row := results.get("agent_utilization"):
+        print(
+            f"agent pass, {row['processes']} processes / {row['gpus']} GPUs at {row['interval_ms']} ms, no callers: "
+            f"CPU {100 * row['cpu_share_utilization_1s']:.2f}% of a core reading utilisation every 1 s, "
+            f"{100 * row['cpu_share_utilization_every_pass']:.2f}% every pass, "
+            f"{100 * row['cpu_share_utilization_off']:.2f}% never"
         )
     if row := results.get("hard_limits"):
         print(
@@ -145,8 +160,6 @@ def main() -> None:
             f"p99 {remote['p99_ms']:.2f} ms; server CPU {100 * remote['server_cpu_share_of_one_core']:.0f}% of its "
             f"core; RSS {remote['rss_mib']:.1f} MiB"
         )
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,15 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 
 from enforcer.core.dra import Allocations
-from enforcer.core.model import ProcessKey, ProcessTotal, Sample, UnitUsage
+from enforcer.core.model import (
+    IDLE,
+    Activity,
+    GpuShare,
+    ProcessKey,
+    ProcessTotal,
+    Sample,
+    UnitUsage,
+)
 
 
 def attribute(
@@ -100,3 +108,47 @@ def reported_only(
     of a pod whose containers cannot all be proven yet."""
     (unit,) = attribute(sample, dict.fromkeys(members, name), {name: limit_bytes}, cmdlines)
     return UnitUsage(name, unit.limit_bytes, unit.processes, enforceable=False)
+
+
+def gpu_shares(units: Iterable[UnitUsage], sample: Sample) -> tuple[GpuShare, ...]:
+    """Each unit's memory and utilisation per GPU it uses (and on the GPU of its limit, even
+    when idle there), from the processes attribution gave it.
+
+    A GPU where NVML cannot tell a process's utilisation has unknown utilisation for the
+    unit; a GPU the unit has no process on is idle.
+    """
+    activity = {(p.key, p.device_uuid): p.activity for p in sample.processes}
+    shares = []
+    for unit in units:
+        per_gpu: dict[str, tuple[int, list[Activity | None]]] = {}
+        if unit.device_uuid is not None:
+            per_gpu[unit.device_uuid] = (0, [])
+        for process in unit.processes:
+            for gpu, used in process.by_device:
+                total, seen = per_gpu.get(gpu, (0, []))
+                seen.append(activity.get((process.key, gpu)))
+                per_gpu[gpu] = (total + (used or 0), seen)
+        for gpu, (used, seen) in per_gpu.items():
+            shares.append(GpuShare(unit.name, gpu, used, _summed(seen)))
+    return tuple(shares)
+
+
+def _summed(activities: Iterable[Activity | None]) -> Activity | None:
+    total = IDLE
+    for a in activities:
+        if a is None:
+            return None
+        total = Activity(total.sm_percent + a.sm_percent, total.memory_percent + a.memory_percent)
+    return total
+
+
+def tenants_per_gpu(sample: Sample, tenant_of: Mapping[ProcessKey, str]) -> dict[str, int]:
+    """How many tenants (containers, or other cgroups) have a process on each GPU of the
+    sample; a GPU nobody uses counts 0. Processes with no known tenant are left out: they
+    have exited since the sample."""
+    tenants: dict[str, set[str]] = {d.uuid: set() for d in sample.devices}
+    for usage in sample.processes:
+        tenant = tenant_of.get(usage.key)
+        if tenant is not None:
+            tenants.setdefault(usage.device_uuid, set()).add(tenant)
+    return {gpu: len(found) for gpu, found in tenants.items()}

@@ -68,6 +68,17 @@ def container_id(entries: Sequence[CgroupEntry]) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
+def tenant(entries: Sequence[CgroupEntry]) -> str | None:
+    """Who a process runs for, to count a GPU's tenants: its container, or else its cgroup
+    (the v2 line, or the first one) for processes outside containers; None without lines."""
+    cid = container_id(entries)
+    if cid is not None:
+        return f"container:{cid}"
+    v2 = [e.path for e in entries if e.hierarchy_id == 0]
+    paths = v2 or [e.path for e in entries]
+    return f"cgroup:{paths[0]}" if paths else None
+
+
 def status_container_id(value: object) -> str | None:
     """`containerd://<id>` (or `cri-o://`, `docker://`) from a containerStatus, as a bare ID;
     None for anything else, of any type."""

@@ -236,6 +236,20 @@ def actions(*allowed: Action) -> Callable[[str, str], Action]:
     return lambda text, field: parse_action(text, field, allowed)
 
 
+def duration_or_off(minimum: float) -> Callable[[str, str], float | None]:
+    """A parser of durations of at least `minimum` seconds, or `0` (None: turned off)."""
+
+    def parse(text: str, field: str) -> float | None:
+        seconds = parse_duration(text, field)
+        if seconds == 0:
+            return None
+        if seconds < minimum:
+            raise ConfigError(field, text, f"is too short; use at least {minimum:g}s, or 0 for off")
+        return seconds
+
+    return parse
+
+
 def positive_duration(minimum: float) -> Callable[[str, str], float]:
     """A parser of durations of at least `minimum` seconds (intervals, periods)."""
     return lambda text, field: parse_positive_duration(text, field, minimum)

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from enforcer.core.model import Device, ProcessKey, ProcessUsage, Sample, SourceDown
+from enforcer.core.model import Activity, Device, ProcessKey, ProcessUsage, Sample, SourceDown
 
 VERSION = 1
 MAX_REQUEST_BYTES = 4096
@@ -88,14 +88,24 @@ def usage_head(sampled_at: float, devices: Iterable[Device]) -> bytes:
     )  # fmt: skip
 
 
-def usage_process(pid: int, start_time: int, device_json: bytes, used_bytes: int | None) -> bytes:
+def usage_process(
+    pid: int,
+    start_time: int,
+    device_json: bytes,
+    used_bytes: int | None,
+    activity: Activity | None = None,
+) -> bytes:
     """One entry of a usage reply's process list; `device_json` is `json_string(uuid)`.
+    `sm` and `mem` (utilisation, percent) are left out when not known.
 
     Hand-formatted: the agent encodes every process for every namespace on each sample.
     """
     used = b"null" if used_bytes is None else b"%d" % used_bytes
-    return b'{"pid":%d,"start_time":%d,"device_uuid":%s,"used_bytes":%s}' % (
-        pid, start_time, device_json, used
+    busy = b"" if activity is None else b',"sm":%d,"mem":%d' % (
+        activity.sm_percent, activity.memory_percent
+    )  # fmt: skip
+    return b'{"pid":%d,"start_time":%d,"device_uuid":%s,"used_bytes":%s%s}' % (
+        pid, start_time, device_json, used, busy
     )  # fmt: skip
 
 
@@ -141,4 +151,6 @@ def _device(d: dict[str, Any]) -> Device:
 
 def _process(p: dict[str, Any]) -> ProcessUsage:
     key = ProcessKey(int(p["pid"]), int(p["start_time"]))
-    return ProcessUsage(key, str(p["device_uuid"]), _optional_int(p["used_bytes"]))
+    sm, mem = p.get("sm"), p.get("mem")
+    activity = None if sm is None or mem is None else Activity(int(sm), int(mem))
+    return ProcessUsage(key, str(p["device_uuid"]), _optional_int(p["used_bytes"]), (), activity)

@@ -22,7 +22,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from enforcer.core.dra import unit_containers
-from enforcer.core.model import Device, UnitUsage
+from enforcer.core.model import Device, GpuShare, UnitUsage
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class View:
     units: Sequence[UnitUsage] = ()
     devices: Sequence[Device] = ()
     source_up: bool = False
+    shares: Sequence[GpuShare] = ()  # the units' memory and utilisation per GPU
 
 
 class EnforcerCollector(Collector):
@@ -74,7 +75,7 @@ class EnforcerCollector(Collector):
         per_gpu = [*unit_labels, "gpu"]
         gpu_used = GaugeMetricFamily(
             PREFIX + "container_gpu_used_bytes",
-            "GPU memory used by the unit's processes on the one GPU of its limit (DRA)",
+            "GPU memory used by the unit's processes on one GPU",
             labels=per_gpu,
         )
         gpu_limit = GaugeMetricFamily(
@@ -82,25 +83,44 @@ class EnforcerCollector(Collector):
             "The unit's limit on one GPU: what DRA allocated there (0 on a GPU not given)",
             labels=per_gpu,
         )
+        sm = GaugeMetricFamily(
+            PREFIX + "container_gpu_sm_utilization_ratio",
+            "Share of the GPU's time its SMs ran the unit's kernels, in NVML's latest sample "
+            "period (0-1, summed over the unit's processes)",
+            labels=per_gpu,
+        )
+        bandwidth = GaugeMetricFamily(
+            PREFIX + "container_gpu_memory_utilization_ratio",
+            "Share of the GPU's time its memory controller read or wrote for the unit, in "
+            "NVML's latest sample period (0-1, summed over the unit's processes)",
+            labels=per_gpu,
+        )
         proc = GaugeMetricFamily(
             PREFIX + "process_used_bytes",
             "GPU memory used by one process on one device",
             labels=[*unit_labels, "pid", "device"],
         )
+        labelled = {}
         for unit in view.units:
+            # `a+b@GPU-...` (DRA): the containers, and the GPU on a label of its own
+            shown = unit.name if unit.device_uuid is None else "+".join(unit_containers(unit.name))
+            values = labelled[unit.name] = [*base_values, shown]
             if unit.device_uuid is None:
-                values = [*base_values, unit.name]
                 used.add_metric(values, unit.used_bytes)
                 limit.add_metric(values, unit.limit_bytes)
-            else:  # `a+b@GPU-...`: the containers, and the GPU on a label of its own
-                values = [*base_values, "+".join(unit_containers(unit.name))]
-                gpu_used.add_metric([*values, unit.device_uuid], unit.used_bytes)
+            else:
                 gpu_limit.add_metric([*values, unit.device_uuid], unit.limit_bytes)
             for p in unit.processes:
                 for device, bytes_used in p.by_device:
                     if bytes_used is not None:
                         proc.add_metric([*values, str(p.key.pid), device], bytes_used)
-        yield from (used, limit, gpu_used, gpu_limit, proc)
+        for share in view.shares:
+            values = [*labelled.get(share.unit, [*base_values, share.unit]), share.gpu]
+            gpu_used.add_metric(values, share.used_bytes)
+            if share.activity is not None:
+                sm.add_metric(values, share.activity.sm_percent / 100)
+                bandwidth.add_metric(values, share.activity.memory_percent / 100)
+        yield from (used, limit, gpu_used, gpu_limit, sm, bandwidth, proc)
         up = GaugeMetricFamily(
             PREFIX + "source_up", "1 when GPU usage could be read on the last tick"
         )
@@ -109,12 +129,19 @@ class EnforcerCollector(Collector):
         yield from _device_families(view.devices)
 
 
+_DEVICE_LABELS = ["gpu", "uuid", "model", "parent_uuid"]
+
+
+def _device_values(d: Device) -> list[str]:
+    return [str(d.index), d.uuid, d.name, d.parent_uuid or ""]
+
+
 def _device_families(devices: Sequence[Device]) -> Iterator[Metric]:
-    labels = ["gpu", "uuid", "model", "parent_uuid"]
+    labels = _DEVICE_LABELS
     total = GaugeMetricFamily(PREFIX + "gpu_total_bytes", "Total memory of the GPU", labels=labels)
     used = GaugeMetricFamily(PREFIX + "gpu_used_bytes", "Used memory of the GPU", labels=labels)
     for d in devices:
-        values = [str(d.index), d.uuid, d.name, d.parent_uuid or ""]
+        values = _device_values(d)
         if d.total_bytes is not None:
             total.add_metric(values, d.total_bytes)
         if d.used_bytes is not None:
@@ -189,13 +216,24 @@ class NodeCollector(Collector):
         self.devices: Sequence[Device] = ()
         self.source_up = False
         self.advertised_bytes: int | None = None
+        self.tenants: Mapping[str, int] = {}  # GPU uuid -> containers with a process on it
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
         devices, up, advertised = self.devices, self.source_up, self.advertised_bytes
+        tenants = self.tenants
         yield from _device_families(devices)
+        shared = GaugeMetricFamily(
+            PREFIX + "gpu_tenants",
+            "Containers (or, outside containers, cgroups) with a process on the GPU",
+            labels=_DEVICE_LABELS,
+        )
+        for d in devices:
+            if d.uuid in tenants:
+                shared.add_metric(_device_values(d), tenants[d.uuid])
+        yield shared
         gauge = GaugeMetricFamily(PREFIX + "source_up", "1 when the last NVML pass succeeded")
         gauge.add_metric([], 1.0 if up else 0.0)
         yield gauge

@@ -83,7 +83,7 @@ class _Published:
         for p in sample.processes:
             uuid = uuids.get(p.device_uuid) or json_string(p.device_uuid)
             for level, (inode, pid) in enumerate(p.namespaces):
-                entry = usage_process(pid, p.key.start_time, uuid, p.used_bytes)
+                entry = usage_process(pid, p.key.start_time, uuid, p.used_bytes, p.activity)
                 index.setdefault((inode, level), []).append(entry)
         head = usage_head(sample.sampled_at, sample.devices)
         return cls(head=head, by_namespace=index, sampled_at=sample.sampled_at)

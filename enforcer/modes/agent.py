@@ -34,6 +34,7 @@ from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView, PidViewError
+from enforcer.edge.tenants import Tenants
 from enforcer.edge.usage_server import ServerMetrics, SocketInUse, UsageServer
 from enforcer.modes.limiter import HardLimiter
 
@@ -69,9 +70,11 @@ class Sampler(threading.Thread):
         telemetry: AgentTelemetry,
         interval: float,
         devices_changed: threading.Event,
+        tenants: Tenants,
     ) -> None:
         super().__init__(name="nvml-sampler", daemon=True)
         self._source = source
+        self._tenants = tenants
         self._server = server
         self._telemetry = telemetry
         self._interval = interval
@@ -107,6 +110,7 @@ class Sampler(threading.Thread):
         self._telemetry.node.source_up = up
         if isinstance(sample, Sample):
             self._telemetry.node.devices = sample.devices
+            self._telemetry.node.tenants = self._tenants.count(sample)
             if _device_shape(sample.devices) != _device_shape(self.devices):
                 self.devices = sample.devices
                 self._devices_changed.set()
@@ -201,7 +205,7 @@ def run(settings: AgentSettings) -> int:
     # Threads started from here on, libnvidia-ml's included, inherit the mask: only
     # sigwait() below takes the signals, so a SIGTERM always means a clean shutdown.
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    nvml = Nvml()
+    nvml = Nvml(utilisation_every=settings.utilization_interval)
     try:
         nvml.init()
     except NvmlError as exc:  # keep serving errors and retrying: the driver may come later
@@ -235,7 +239,7 @@ def _serve(
         return EXIT_USAGE
     changed = threading.Event()
     source = NvmlSource(nvml, PidView.host(host_proc), gpu_device_prefix())
-    sampler = Sampler(source, server, telemetry, settings.interval, changed)
+    sampler = Sampler(source, server, telemetry, settings.interval, changed, Tenants(host_proc))
     threads: list[Sampler | Advertiser | HardLimiter | NodePods] = [sampler]
     if advertiser is not None:
         threads.append(Advertiser(advertiser, sampler, telemetry, settings.resync, changed))

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 EXIT_USAGE = 2
 POD_UNIT = "(pod)"  # processes whose container cannot be proven, against the pod's total
 ALONE_FOR = 10.0  # container mode, without the API: others gone this long means done
+UTILISATION_EVERY = 1.0  # reading NVML itself: per-process utilisation, read once a second
 
 
 class ContainerAttributor:
@@ -278,7 +279,7 @@ def _source(settings: SidecarSettings) -> UsageSource:
 
     host_proc = ProcFs(settings.host_proc or "/host/proc")
     view = PidView.of_process(host_proc, "self")
-    nvml = Nvml()
+    nvml = Nvml(utilisation_every=UTILISATION_EVERY)
     try:
         nvml.init()
     except NvmlError as exc:  # keep running, reporting the source down, and retry

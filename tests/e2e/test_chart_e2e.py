@@ -28,7 +28,7 @@ from enforcer.edge.kube import access_allowed as allowed
 from tests.e2e.actors import default_service_account
 from tests.e2e.cluster import OLDEST, ApiServer, oldest_apiserver_binary
 from tests.e2e.helm import CHART, helm
-from tests.helpers import free_port, wait_for
+from tests.helpers import configured, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 # Not "vram-enforcer": test_agent_e2e applies deploy/rbac/agent.yaml's ClusterRole of that name.
@@ -168,6 +168,9 @@ def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
     mount = next(m for m in agent.volume_mounts if m.name == spec.volumes[1].name)
     assert (mount.mount_path, mount.read_only) == ("/host/sys/fs/cgroup", True)
     assert "--cgroup-root=/host/sys/fs/cgroup" in agent.args
+    assert "--utilization-interval=1s" in agent.args
+    # The rendered arguments are ones the agent's own command line accepts.
+    assert configured(list(agent.args), {"NODE_NAME": "gpu-node-1"}).utilization_interval == 1.0
     shipped = yaml.safe_load_all((ROOT / "deploy" / "rbac" / "agent.yaml").read_text())
     rules = next(d for d in shipped if d["kind"] == "ClusterRole")["rules"]
     role = client.RbacAuthorizationV1Api(admin).read_cluster_role("vram-enforcer-e2e-agent")
@@ -483,9 +486,10 @@ def test_monitoring_objects_and_the_dashboard(
         )
         assert cm.metadata.labels["grafana_dashboard"] == "1"
         dashboard = json.loads(cm.data["vram-enforcer.json"])
-        exprs = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
+        exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", ()))
         for metric in ("vram_enforcer_container_used_bytes", "vram_enforcer_container_limit_bytes",
-                       "vram_enforcer_actions_total", "vram_enforcer_gpu_total_bytes"):  # fmt: skip
+                       "vram_enforcer_actions_total", "vram_enforcer_gpu_total_bytes",
+                       "vram_enforcer_container_gpu_sm_utilization_ratio", "vram_enforcer_gpu_tenants"):  # fmt: skip
             assert metric in exprs
     finally:
         helm("uninstall", "vram-enforcer-mon", "vram-mon", str(kubeconfig))

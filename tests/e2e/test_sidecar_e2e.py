@@ -156,6 +156,30 @@ def test_metrics_are_labelled_with_namespace_pod_and_container(
     node.use({helper: None, offender: None})
 
 
+def test_utilisation_per_container_and_gpu_from_the_agent(
+    sidecar: Sidecar, pod: SimPod, node: Node, tmp_path: Path
+) -> None:
+    """NVML's per-process utilisation, read by the agent, attributed by the sidecar like
+    memory: summed per container and GPU, beside that container's memory there."""
+    trainer = [start_worker(pod, "trainer", tmp_path) for _ in range(2)]
+    helper = start_worker(pod, "helper", tmp_path)
+    node.use({trainer[0]: GiB, trainer[1]: GiB, helper: GiB})
+    for pid, (sm, mem) in zip([*trainer, helper], [(50, 20), (25, 5), (10, 40)], strict=True):
+        node.state.set_utilization(0, pid, sm=sm, memory=mem)
+    node.state.write(node.state_file)
+    gpu = node.state.devices[0]["uuid"]
+    labels = f'container="trainer",gpu="{gpu}",namespace="{NAMESPACE}",pod="{pod.name}"'
+    body = wait_for(
+        lambda: (m := sidecar.metrics()) and f"sm_utilization_ratio{{{labels}}} 0.75" in m and m,
+        what="the trainer's SM utilisation",
+    )
+    assert f"vram_enforcer_container_gpu_memory_utilization_ratio{{{labels}}} 0.25" in body
+    assert f"vram_enforcer_container_gpu_used_bytes{{{labels}}} 2.147483648e+09" in body
+    helper_labels = labels.replace('"trainer"', '"helper"')
+    assert f"vram_enforcer_container_gpu_sm_utilization_ratio{{{helper_labels}}} 0.1" in body
+    node.use(dict.fromkeys([*trainer, helper]))
+
+
 def test_a_process_of_the_pod_in_no_listed_container_is_never_signalled(
     sidecar: Sidecar, pod: SimPod, node: Node, tmp_path: Path
 ) -> None:

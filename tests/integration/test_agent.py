@@ -26,7 +26,7 @@ from enforcer.core.model import GiB
 from enforcer.edge.peers import PeerError, attest
 from enforcer.edge.procfs import ProcFs
 from tests.fakenvml.plugin import FakeNvml
-from tests.helpers import children, free_port, wait_for
+from tests.helpers import children, free_port, scratch_cgroup, wait_for
 
 POD = Path(__file__).with_name("pod.py")
 HOST = ProcFs()
@@ -300,6 +300,37 @@ def test_metrics_and_a_clean_shutdown(agent: Agent) -> None:
     assert agent.stop() == 0
     assert not agent.socket.exists()
     assert "Traceback" not in agent.stderr()
+
+
+def test_utilisation_reaches_callers_and_tenants_are_counted_per_gpu(
+    agent: Agent, fake_nvml: FakeNvml
+) -> None:
+    """Three GPU processes in two cgroups: each caller gets each process's utilisation with
+    its usage, and the agent counts two tenants on the GPU (a third process of the first
+    cgroup is the same tenant)."""
+    with scratch_cgroup("vram-tenant") as other:
+        sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(3)]
+        try:
+            (other / "cgroup.procs").write_text(str(sleepers[2].pid))
+            for i, p in enumerate(sleepers):
+                fake_nvml.state.set_process(0, p.pid, GiB)
+                fake_nvml.state.set_utilization(0, p.pid, sm=10 * (i + 1), memory=i)
+            fake_nvml.write()
+            reply = wait_for(
+                lambda: (r := agent.ask()) and sum("sm" in p for p in r["processes"]) == 3 and r,
+                what="3 processes with their utilisation",
+            )
+            got = {p["pid"]: (p["sm"], p["mem"]) for p in reply["processes"]}
+            assert got == {p.pid: (10 * (i + 1), i) for i, p in enumerate(sleepers)}
+            tenants = wait_for(
+                lambda: re.search(r"vram_enforcer_gpu_tenants\{[^}]*\} (\S+)", agent.metrics()),
+                what="the tenant count",
+            )
+            assert float(tenants[1]) == 2.0
+        finally:
+            for p in sleepers:
+                p.kill()
+                p.wait()
 
 
 def test_a_stale_socket_is_replaced_but_a_live_one_is_not(

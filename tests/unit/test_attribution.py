@@ -1,5 +1,14 @@
-from enforcer.core.attribution import attribute, reported_only
-from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.attribution import attribute, gpu_shares, reported_only, tenants_per_gpu
+from enforcer.core.model import (
+    Activity,
+    Device,
+    GiB,
+    GpuShare,
+    ProcessKey,
+    ProcessUsage,
+    Sample,
+    UnitUsage,
+)
 
 A, B, C = ProcessKey(10, 100), ProcessKey(11, 110), ProcessKey(12, 120)
 
@@ -47,3 +56,36 @@ def test_a_reported_only_unit_counts_every_member_and_is_never_enforceable() -> 
     assert [p.key for p in u.processes] == [B, A]
     assert u.processes[0].cmdline == "python b.py"
     assert not u.enforceable
+
+
+def test_gpu_shares_sum_memory_and_utilisation_per_unit_and_gpu() -> None:
+    s = sample(
+        ProcessUsage(A, "GPU-0", 3 * GiB, (), Activity(60, 20)),
+        ProcessUsage(B, "GPU-0", 1 * GiB, (), Activity(25, 5)),
+        ProcessUsage(B, "GPU-1", 2 * GiB, (), Activity(0, 0)),
+        ProcessUsage(C, "MIG-2", None, (), None),
+    )
+    units = attribute(
+        s, {A: "trainer", B: "trainer", C: "tools"}, {"trainer": 8 * GiB, "tools": GiB}
+    )
+    assert sorted(gpu_shares(units, s), key=lambda g: (g.unit, g.gpu)) == [
+        GpuShare("tools", "MIG-2", 0, None),  # NVML cannot tell there: unknown, not idle
+        GpuShare("trainer", "GPU-0", 4 * GiB, Activity(85, 25)),
+        GpuShare("trainer", "GPU-1", 2 * GiB, Activity(0, 0)),
+    ]
+
+
+def test_a_gpu_bound_unit_has_a_share_on_its_gpu_even_when_idle() -> None:
+    unit = UnitUsage("a+b@GPU-0", 4 * GiB, (), device_uuid="GPU-0")
+    assert gpu_shares([unit], sample()) == (GpuShare("a+b@GPU-0", "GPU-0", 0, Activity(0, 0)),)
+
+
+def test_tenants_are_counted_per_gpu_once_each() -> None:
+    devices = tuple(Device(i, f"GPU-{i}", "H100", 80 * GiB, 0) for i in range(3))
+    s = Sample(0.0, devices, (
+        ProcessUsage(A, "GPU-0", GiB), ProcessUsage(B, "GPU-0", GiB),  # one container, twice
+        ProcessUsage(C, "GPU-0", GiB), ProcessUsage(C, "GPU-1", GiB),
+        ProcessUsage(ProcessKey(99, 1), "GPU-1", GiB),  # exited: its tenant is not known
+    ))  # fmt: skip
+    tenant_of = {A: "container:x", B: "container:x", C: "container:y"}
+    assert tenants_per_gpu(s, tenant_of) == {"GPU-0": 2, "GPU-1": 1, "GPU-2": 0}

@@ -10,6 +10,7 @@ from enforcer.core.cgroups import (
     parse_cgroup,
     pod_uid_of_dir,
     status_container_id,
+    tenant,
 )
 
 A = "3f2d6b0c5a1e4d9f8b7a6c5d4e3f2a1b0c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f"
@@ -104,3 +105,13 @@ def test_container_directories() -> None:
     assert container_id_of_dir(A[:-1]) is None
     assert is_kubepods_dir("kubepods.slice") and is_kubepods_dir("kubepods")
     assert not is_kubepods_dir("kubepods-burstable.slice")
+
+
+def test_a_tenant_is_a_container_or_else_a_cgroup() -> None:
+    cid = "a" * 64
+    pod = f"0::/kubepods.slice/kubepods-pod1.slice/cri-containerd-{cid}.scope\n"
+    assert tenant(parse_cgroup(pod)) == f"container:{cid}"
+    hybrid = "12:memory:/system.slice/ollama.service\n0::/system.slice/ollama.service\n"
+    assert tenant(parse_cgroup(hybrid)) == "cgroup:/system.slice/ollama.service"
+    assert tenant(parse_cgroup("4:cpu,cpuacct:/user.slice\n")) == "cgroup:/user.slice"
+    assert tenant(()) is None

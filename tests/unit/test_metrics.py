@@ -3,7 +3,15 @@
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from enforcer.core.model import Device, GiB, ProcessKey, ProcessTotal, UnitUsage
+from enforcer.core.model import (
+    Activity,
+    Device,
+    GiB,
+    GpuShare,
+    ProcessKey,
+    ProcessTotal,
+    UnitUsage,
+)
 from enforcer.edge.metrics import Telemetry, View
 
 
@@ -66,3 +74,32 @@ def test_action_and_refusal_counters() -> None:
     got = samples(t)
     assert got[key("vram_enforcer_actions_total", action="terminate")] == 1
     assert got[key("vram_enforcer_signals_refused_total", reason="identity-changed")] == 1
+
+
+def test_per_gpu_memory_and_utilisation_series() -> None:
+    """Each unit's memory and utilisation per GPU: a DRA unit keeps its container label and
+    limit per GPU; utilisation NVML cannot tell has no series rather than a 0."""
+    t = Telemetry({"namespace": "ml", "pod": "p"})
+    units = [
+        UnitUsage("main", 8 * GiB),
+        UnitUsage("a+b@GPU-1", 4 * GiB, (), device_uuid="GPU-1"),
+    ]
+    shares = [
+        GpuShare("main", "GPU-0", 3 * GiB, Activity(85, 25)),
+        GpuShare("main", "MIG-2", GiB, None),
+        GpuShare("a+b@GPU-1", "GPU-1", 0, Activity(0, 0)),
+    ]
+    t.collector.show(View(units, [], True, shares))
+    got = samples(t)
+    main = {"namespace": "ml", "pod": "p", "container": "main"}
+    assert got[key("vram_enforcer_container_gpu_used_bytes", **main, gpu="GPU-0")] == 3 * GiB
+    assert got[key("vram_enforcer_container_gpu_sm_utilization_ratio", **main, gpu="GPU-0")] == 0.85
+    assert (
+        got[key("vram_enforcer_container_gpu_memory_utilization_ratio", **main, gpu="GPU-0")]
+        == 0.25
+    )
+    assert got[key("vram_enforcer_container_gpu_used_bytes", **main, gpu="MIG-2")] == GiB
+    assert key("vram_enforcer_container_gpu_sm_utilization_ratio", **main, gpu="MIG-2") not in got
+    dra = {"namespace": "ml", "pod": "p", "container": "a+b", "gpu": "GPU-1"}
+    assert got[key("vram_enforcer_container_gpu_limit_bytes", **dra)] == 4 * GiB
+    assert got[key("vram_enforcer_container_gpu_sm_utilization_ratio", **dra)] == 0.0

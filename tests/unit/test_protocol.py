@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from enforcer.core.model import Device, ProcessKey, ProcessUsage, Sample, SourceDown
+from enforcer.core.model import Activity, Device, ProcessKey, ProcessUsage, Sample, SourceDown
 from enforcer.core.protocol import (
     USAGE_TAIL,
     ProtocolError,
@@ -26,7 +26,9 @@ def encode_usage(
 ) -> bytes:
     """A usage reply assembled from the pieces, as the agent assembles it."""
     entries = (
-        usage_process(p.key.pid, p.key.start_time, json_string(p.device_uuid), p.used_bytes)
+        usage_process(
+            p.key.pid, p.key.start_time, json_string(p.device_uuid), p.used_bytes, p.activity
+        )
         for p in processes
     )
     return usage_head(sampled_at, devices) + b",".join(entries) + USAGE_TAIL
@@ -73,6 +75,20 @@ def test_usage_reply_round_trip() -> None:
         "used_bytes": 5,
     }
     assert decode_reply(line) == Sample(1700000000.25, devices, procs)
+
+
+def test_utilisation_travels_when_known_and_is_absent_when_not() -> None:
+    """`sm` and `mem` are additions to v1: a sidecar that predates them ignores them, and
+    one that knows them reads their absence as unknown, never as idle."""
+    procs = (
+        ProcessUsage(ProcessKey(7, 123), "GPU-a", 5, (), Activity(87, 0)),
+        ProcessUsage(ProcessKey(8, 124), "GPU-a", 6, (), None),
+    )
+    line = encode_usage(1.0, (Device(0, "GPU-a", "m", 80, 11, None),), procs)
+    doc = json.loads(line)
+    assert (doc["processes"][0]["sm"], doc["processes"][0]["mem"]) == (87, 0)
+    assert "sm" not in doc["processes"][1]
+    assert decode_reply(line) == Sample(1.0, (Device(0, "GPU-a", "m", 80, 11, None),), procs)
 
 
 def test_error_reply_is_a_source_down() -> None:

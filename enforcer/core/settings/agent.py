@@ -6,7 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from enforcer.core.dra import DraSettings
-from enforcer.core.parsing import ConfigError, as_text, parse_bytes, positive_duration
+from enforcer.core.parsing import (
+    ConfigError,
+    as_text,
+    duration_or_off,
+    parse_bytes,
+    positive_duration,
+)
 from enforcer.core.settings import Setting, Values, switch, value, verbosity
 from enforcer.core.settings.common import (
     DEFAULT_SOCKET,
@@ -46,6 +52,17 @@ SOCKET = value(
 )
 INTERVAL = interval(
     "NVML sampling interval", "one NVML pass per interval, shared by every caller (at least `10ms`)"
+)
+UTILIZATION_INTERVAL = value(
+    "utilization_interval",
+    duration_or_off(0.1),
+    "how often per-process GPU utilisation is read (0: never)",
+    flag="--utilization-interval",
+    default="1s",
+    metavar="DURATION",
+    doc="how often each process's SM and memory-bandwidth utilisation is read from NVML "
+    "(at least `100ms`; `0` turns it off). Sidecars get it with the usage and export it per "
+    "container and GPU. Between reads the last one stands: the driver samples no faster",
 )
 RESERVE = value(
     "reserve",
@@ -133,6 +150,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     NODE_NAME,
     SOCKET,
     INTERVAL,
+    UTILIZATION_INTERVAL,
     RESERVE,
     ADVERTISE,
     LABELS,
@@ -161,6 +179,7 @@ class AgentSettings:
     node_name: str
     socket: str
     interval: float
+    utilization_interval: float | None  # None: per-process utilisation is not read
     reserve_bytes: int
     advertise: bool
     labels: bool
@@ -195,6 +214,7 @@ def agent_settings(values: Values) -> AgentSettings:
         node_name=node_name or "",
         socket=values[SOCKET],
         interval=values[INTERVAL],
+        utilization_interval=values[UTILIZATION_INTERVAL],
         reserve_bytes=values[RESERVE],
         advertise=advertise,
         labels=labels,
