@@ -17,6 +17,7 @@ from tests.helpers import children, wait_for
 
 ALLOC = Path(__file__).with_name("alloc.py")
 POD_ALLOC = Path(__file__).with_name("pod_alloc.py")
+BUSY = Path(__file__).with_name("busy.py")
 
 
 def enforce(limit: str, step_mib: int, steps: int, hold: float) -> subprocess.CompletedProcess[str]:
@@ -161,3 +162,44 @@ def test_the_real_driver_is_asked_for_a_hard_limit_and_its_answer_is_reported() 
         assert "no hard limit" not in out.stderr
         assert "out of memory" in out.stderr.lower()  # CUDA's own error, from the driver
         assert "sent SIGTERM" not in out.stderr
+
+
+def test_a_busy_cuda_process_has_sm_utilisation_and_an_idle_one_none() -> None:
+    """Per-process utilisation from the real driver: a matmul loop shows SM activity, and a
+    process that only holds memory shows (close to) none. Prints which NVML call served."""
+    busy = subprocess.Popen([sys.executable, str(BUSY), "20"], stdout=subprocess.PIPE, text=True)
+    idle = subprocess.Popen(
+        [sys.executable, str(ALLOC), "256", "1", "30"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert busy.stdout is not None and idle.stdout is not None
+        assert busy.stdout.readline().startswith("busy")
+        assert idle.stdout.readline().startswith("allocated")
+        nvml = Nvml(utilisation_every=0.5)
+        nvml.init()
+        try:
+
+            def activity() -> dict[int, object]:
+                snap = nvml.snapshot()
+                return {p.pid: p.activity for p in snap.processes if p.pid in (busy.pid, idle.pid)}
+
+            seen = wait_for(
+                lambda: (
+                    (a := activity())
+                    and len(a) == 2
+                    and all(v is not None for v in a.values())
+                    and a[busy.pid].sm_percent > 0
+                    and a
+                ),  # type: ignore[attr-defined]
+                timeout=15,
+                what="utilisation of both processes",
+            )
+        finally:
+            nvml.shutdown()
+        print("utilisation", {pid: seen[pid] for pid in seen}, "driver", nvml.driver_version)
+        assert seen[busy.pid].sm_percent >= 20  # type: ignore[attr-defined]
+        assert seen[idle.pid].sm_percent <= 5  # type: ignore[attr-defined]
+    finally:
+        for p in (busy, idle):
+            p.kill()
+            p.wait()
