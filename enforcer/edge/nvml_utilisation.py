@@ -161,11 +161,7 @@ class ProcessUtilisation:
             if ret != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
                 break
             self._infos = (_Info * (count * 2 + 16))()
-        if ret != pynvml.NVML_SUCCESS:
-            return ret, []
-        buf = self._infos
-        return ret, [(buf[i].timeStamp, buf[i].pid, buf[i].smUtil, buf[i].memUtil)
-                     for i in range(min(count, len(buf)))]  # fmt: skip
+        return ret, _rows(self._infos, count) if ret == pynvml.NVML_SUCCESS else []
 
     def _samples_call(self, fn: Any, handle: Any, last_seen: int) -> tuple[int, list[_Row]]:
         for _ in range(_GROW_ATTEMPTS):
@@ -174,8 +170,10 @@ class ProcessUtilisation:
             if ret != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
                 break
             self._samples = (_Sample * (count.value * 2 + 16))()
-        if ret != pynvml.NVML_SUCCESS:
-            return ret, []
-        buf = self._samples
-        return ret, [(buf[i].timeStamp, buf[i].pid, buf[i].smUtil, buf[i].memUtil)
-                     for i in range(min(count.value, len(buf)))]  # fmt: skip
+        return ret, _rows(self._samples, count.value) if ret == pynvml.NVML_SUCCESS else []
+
+
+def _rows(buffer: Any, count: int) -> list[_Row]:
+    """The first `count` entries of either struct array (their fields share names)."""
+    return [(buffer[i].timeStamp, buffer[i].pid, buffer[i].smUtil, buffer[i].memUtil)
+            for i in range(min(count, len(buffer)))]  # fmt: skip

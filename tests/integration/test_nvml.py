@@ -415,6 +415,17 @@ def test_memory_limit_failures_are_values(
     assert nvml.set_memory_limit("GPU-nope", str(cgroup2), GiB).result is LimitResult.FAILED
 
 
+def only_process(**nvml: Any) -> Any:
+    """The one process of one snapshot, from a fresh session."""
+    session = Nvml(**nvml)
+    session.init()
+    try:
+        (p,) = session.snapshot().processes
+    finally:
+        session.shutdown()
+    return p
+
+
 def _activity(snap: Any) -> dict[tuple[int, str], Any]:
     return {(p.pid, p.device_uuid): p.activity for p in snap.processes}
 
@@ -481,12 +492,7 @@ def test_the_older_utilisation_call_serves_when_the_newer_cannot(
     st.set_utilization(0, 100, sm=33, memory=44)
     st.inject_error("nvmlDeviceGetProcessesUtilizationInfo", error)
     fake_nvml.write()
-    session = Nvml(utilisation_every=1.0)
-    session.init()
-    try:
-        (p,) = session.snapshot().processes
-    finally:
-        session.shutdown()
+    p = only_process(utilisation_every=1.0)
     assert p.activity is not None and (p.activity.sm_percent, p.activity.memory_percent) == (33, 44)
 
 
@@ -524,12 +530,7 @@ def test_mig_partitions_have_no_utilisation(fake_nvml: Any) -> None:
     fake_nvml.state.enable_mig(0, [{"uuid": "MIG-1", "name": "MIG 1g.10gb", "total_bytes": 10 * GiB,
                                     "compute_processes": [{"pid": 7, "used_bytes": GiB, "sm_util": 90}]}])  # fmt: skip
     fake_nvml.write()
-    session = Nvml(utilisation_every=1.0)
-    session.init()
-    try:
-        (p,) = session.snapshot().processes
-    finally:
-        session.shutdown()
+    p = only_process(utilisation_every=1.0)
     assert (p.device_uuid, p.used_bytes, p.activity) == ("MIG-1", GiB, None)
 
 
@@ -538,12 +539,7 @@ def test_utilisation_off_reads_none(fake_nvml: Any) -> None:
     fake_nvml.state.set_utilization(0, 100, sm=70, memory=20)
     fake_nvml.state.inject_error("nvmlDeviceGetProcessesUtilizationInfo", "GPU_IS_LOST")
     fake_nvml.write()
-    session = Nvml()  # the default: nothing is read, so the injected loss is never met
-    session.init()
-    try:
-        (p,) = session.snapshot().processes
-    finally:
-        session.shutdown()
+    p = only_process()  # the default: nothing is read, so the injected loss is never met
     assert (p.used_bytes, p.activity) == (GiB, None)
 
 
