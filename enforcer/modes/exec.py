@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from enforcer.core import messages
 from enforcer.core.attribution import attribute
+from enforcer.core.exec_summary import ExecSummary, SummaryEvent
 from enforcer.core.hard_limits import LimitOutcome, LimitResult, mig_gpus, per_gpu
 from enforcer.core.model import ProcessKey, Sample, UnitUsage, format_bytes
+from enforcer.core.policy import Reason
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge import logs
 from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup
@@ -31,7 +35,7 @@ from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator, signal_children
 from enforcer.edge.sources import PidView, PidViewError
-from enforcer.modes.pipeline import LogReporter, Pipeline
+from enforcer.modes.pipeline import LogReporter, Pipeline, Report
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,10 @@ class TreeAttributor:
         # command line is kept with it. Processes that leave the sample are forgotten, and
         # so is a process whose ancestry could not be read: it is read again next tick.
         self._known: dict[ProcessKey, str | None] = {}
+        # The largest usage of the tree that a sample showed, and how many samples had
+        # data (only those are attributed), for --summary.
+        self.peak_bytes: int | None = None
+        self.samples = 0
 
     def _is_member(self, pid: int) -> bool:
         return self._procfs.is_descendant(pid, self._root) is True
@@ -86,7 +94,10 @@ class TreeAttributor:
                 known[key] = cmdline
         self._known = known
         cmdlines = {key: cmd for key, cmd in known.items() if cmd is not None}
-        return attribute(sample, dict.fromkeys(cmdlines, self._name), self._limits, cmdlines)
+        units = attribute(sample, dict.fromkeys(cmdlines, self._name), self._limits, cmdlines)
+        self.samples += 1
+        self.peak_bytes = max([self.peak_bytes or 0, *(u.used_bytes for u in units)])
+        return units
 
     def membership(self, unit: str) -> Membership:
         return self._is_member
@@ -155,8 +166,73 @@ def _blocked_signals() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+@dataclass(slots=True)
+class _Record:
+    """What --summary tells: the spawn and the exit of the command, the tree's usage, and
+    each report about its limit (as one of the pipeline's reporters)."""
+
+    start: float | None = None
+    started_at: float | None = None
+    end: float | None = None
+    signal: str | None = None
+    hard_limit: bool = False
+    tree: TreeAttributor | None = None
+    events: list[SummaryEvent] = field(default_factory=list)
+
+    def exited(self, code: int) -> None:
+        """The command was reaped; `code` as `os.waitstatus_to_exitcode` gives it."""
+        self.end = time.monotonic()
+        self.signal = signal.Signals(-code).name if code < 0 else None
+
+    def report(self, report: Report) -> None:
+        limit = report.reason in (Reason.LIMIT_EXCEEDED, Reason.ENFORCED)
+        if limit and not report.quiet and self.start is not None:
+            after = time.monotonic() - self.start
+            self.events.append(SummaryEvent(str(report.reason), after, report.message, report.pid))
+
+    def summary(self, settings: ExecSettings, status: int) -> ExecSummary:
+        return ExecSummary(
+            command=settings.command,
+            limit_bytes=settings.limit_bytes,
+            action=settings.policy.action.value,
+            dry_run=settings.policy.dry_run,
+            exit_status=status,
+            started=self.start is not None,
+            signal=self.signal,
+            start_monotonic=self.start,
+            end_monotonic=self.end,
+            started_at=self.started_at,
+            peak_bytes=self.tree.peak_bytes if self.tree else None,
+            samples=self.tree.samples if self.tree else 0,
+            hard_limit=self.hard_limit,
+            events=tuple(self.events),
+        )
+
+
+def _write_summary(path: str, summary: ExecSummary) -> None:
+    """Replace `path` at once, so that a reader never sees half a summary."""
+    tmp = Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(summary.to_json(), indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        log.error("could not write the summary to %s: %s", path, exc.strerror or exc)
+
+
 def run(settings: ExecSettings) -> int:
     """Run the command under enforcement; returns the exit status to exit with."""
+    if settings.summary and not Path(settings.summary).parent.is_dir():
+        log.error("--summary %s: the directory %s does not exist; create it first",
+                  settings.summary, Path(settings.summary).parent)  # fmt: skip
+        return EXIT_USAGE
+    record = _Record()
+    status = _run(settings, record)
+    if settings.summary:
+        _write_summary(settings.summary, record.summary(settings, status))
+    return status
+
+
+def _run(settings: ExecSettings, record: _Record) -> int:
     # Block first: libnvidia-ml may start threads in nvmlInit, and a thread that does not
     # block SIGCHLD would take it, so that sigtimedwait never saw the command exit.
     with _blocked_signals():
@@ -178,7 +254,8 @@ def run(settings: ExecSettings) -> int:
             _set_child_subreaper()
             source = NvmlSource(nvml, view, gpu_device_prefix())
             with _hard_limits(settings, nvml) as placed:
-                return _supervise(settings, source, placed)
+                record.hard_limit = placed is not None
+                return _supervise(settings, source, placed, record)
         except (StartupError, MetricsPortError) as exc:
             log.error("%s", exc, exc_info=logs.detail(exc))
             return EXIT_USAGE
@@ -246,25 +323,25 @@ def _why(outcome: LimitOutcome, nvml: Nvml, cgroup: CommandCgroup, gpu: str | No
     return f"{gpu}: {reason}" if gpu else reason
 
 
-def _supervise(settings: ExecSettings, source: NvmlSource, placed: _Placed | None) -> int:
+def _supervise(
+    settings: ExecSettings, source: NvmlSource, placed: _Placed | None, record: _Record
+) -> int:
     procfs = ProcFs()
     telemetry = Telemetry({}, unit_label="container")
     for gpu, limit in (placed.limits if placed else {}).items():
         telemetry.hard_limits.labels(settings.name, gpu).set(limit)
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
+    record.tree = TreeAttributor(procfs, settings.name, settings.limit_bytes)
     pipeline = Pipeline(
-        source,
-        TreeAttributor(procfs, settings.name, settings.limit_bytes),
-        settings.policy,
-        terminator,
-        [LogReporter()],
-        telemetry,
+        source, record.tree, settings.policy, terminator, [LogReporter(), record], telemetry
     )
     server = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
     try:
         try:
             with placed.cgroup.entered() if placed else contextlib.nullcontext():
+                spawned = time.monotonic(), time.time()
                 child = _spawn(settings.command)
+            record.start, record.started_at = spawned
         except CgroupFsError as exc:
             raise StartupError(str(exc)) from exc
         except _SpawnError as exc:
@@ -277,7 +354,7 @@ def _supervise(settings: ExecSettings, source: NvmlSource, placed: _Placed | Non
             " ".join(settings.command),
             settings.interval * 1000,
         )
-        return _loop(child, pipeline, terminator, procfs, settings.interval)
+        return _loop(child, pipeline, terminator, procfs, settings.interval, record)
     finally:
         terminator.close()
         if server is not None:
@@ -285,7 +362,12 @@ def _supervise(settings: ExecSettings, source: NvmlSource, placed: _Placed | Non
 
 
 def _loop(
-    child: int, pipeline: Pipeline, terminator: Terminator, procfs: ProcFs, interval: float
+    child: int,
+    pipeline: Pipeline,
+    terminator: Terminator,
+    procfs: ProcFs,
+    interval: float,
+    record: _Record,
 ) -> int:
     """Tick, forward signals and reap children until the last descendant has exited.
 
@@ -308,7 +390,7 @@ def _loop(
         if info is not None and info.si_signo != signal.SIGCHLD:
             _forward(info, procfs)
         # Reap on every wake-up: a SIGCHLD taken by a thread we did not start must not hang us.
-        status, children_left = _reap(child, status)
+        status, children_left = _reap(child, status, record)
         pipeline.follow_victims()
         if status is not None and children_left and not announced:
             announced = True
@@ -355,8 +437,9 @@ def _announce_leftovers(status: int, procfs: ProcFs) -> None:
     )  # fmt: skip
 
 
-def _reap(child: int, status: int | None) -> tuple[int | None, bool]:
-    """Collect every exited child (orphans are ours too); remember the command's status.
+def _reap(child: int, status: int | None, record: _Record) -> tuple[int | None, bool]:
+    """Collect every exited child (orphans are ours too); remember the command's status,
+    and when and how it ended.
 
     Returns the status (None while the command runs) and whether any child is left.
     """
@@ -370,3 +453,4 @@ def _reap(child: int, status: int | None) -> tuple[int | None, bool]:
         if pid == child:
             code = os.waitstatus_to_exitcode(wait_status)
             status = 128 - code if code < 0 else code
+            record.exited(code)

@@ -448,6 +448,65 @@ def test_driver_not_loaded_is_explained(fake_nvml: Any, tmp_path: Path) -> None:
     assert "the NVIDIA kernel driver is not loaded" in out.stderr
 
 
+def test_summary_of_a_compliant_run(run: Run) -> None:
+    summary = run.tmp / "summary.json"
+    run.start("--limit", "4Gi", "--summary", str(summary), worker=("--exit", "3"))
+    w = run.worker()
+    run.use(w["pid"], 1 * GiB)
+    run.saw(1 * GiB)
+    run.release()
+    assert run.wait() == 3, run.stderr
+    doc = json.loads(summary.read_text())
+    assert doc["version"] == 1 and doc["started"] is True
+    assert doc["exit_status"] == 3 and doc["signal"] is None
+    assert doc["peak_bytes"] == 1 * GiB and doc["samples"] >= 1
+    assert doc["limit_bytes"] == 4 * GiB and doc["action"] == "terminate"
+    assert doc["events"] == [] and doc["exceeded_after_seconds"] is None
+    assert doc["command"][:2] == [sys.executable, str(WORKER)]
+    assert 0 < doc["wall_seconds"] == doc["end_monotonic"] - doc["start_monotonic"]
+    assert not list(run.tmp.glob(".summary.json.*")), "written in place, atomically"
+
+
+def test_summary_of_an_offender_says_when_and_what_was_done(run: Run) -> None:
+    summary = run.tmp / "summary.json"
+    run.start("--limit", "4Gi", "--summary", str(summary))
+    w = run.worker()
+    run.use(w["pid"], 5 * GiB)
+    assert run.wait() == 128 + signal.SIGTERM
+    doc = json.loads(summary.read_text())
+    assert doc["exit_status"] == 143 and doc["signal"] == "SIGTERM"
+    assert doc["peak_bytes"] == 5 * GiB
+    reasons = [e["reason"] for e in doc["events"]]
+    assert reasons == ["VRAMLimitExceeded", "VRAMEnforced"], doc["events"]
+    assert f"sent SIGTERM to pid {w['pid']}" in doc["events"][1]["message"]
+    assert 0 <= doc["exceeded_after_seconds"] <= doc["wall_seconds"]
+
+
+def test_summary_when_the_command_never_ran(fake_nvml: Any, tmp_path: Path) -> None:
+    summary = tmp_path / "summary.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "enforcer", "exec", "--limit", "1Gi", "--summary", str(summary),
+         "--", "no-such-command-xyz"],
+        env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 127
+    doc = json.loads(summary.read_text())
+    assert doc["started"] is False and doc["exit_status"] == 127
+    assert doc["wall_seconds"] is None and doc["peak_bytes"] is None
+
+
+def test_summary_in_a_missing_directory_refuses_to_start(fake_nvml: Any, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    out = subprocess.run(
+        [sys.executable, "-m", "enforcer", "exec", "--limit", "1Gi", "--summary",
+         str(tmp_path / "nowhere" / "s.json"), "--", "touch", str(marker)],
+        env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "nowhere does not exist; create it first" in out.stderr
+    assert not marker.exists()
+
+
 def test_command_not_found(fake_nvml: Any) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "enforcer", "exec", "--limit", "1Gi", "--", "no-such-command-xyz"],

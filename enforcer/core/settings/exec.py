@@ -84,6 +84,18 @@ HARD_LIMITS = hard_limits(
     "can (R615+, cgroup v2, root), else say why once and enforce by sampling alone. "
     "`required`: refuse to start without them. `off`: sampling alone",
 )
+SUMMARY = value(
+    "summary",
+    as_text,
+    "at exit, write a JSON summary of the run to FILE: exit status, wall time, peak GPU "
+    "memory, enforcement",
+    flag="--summary",
+    metavar="FILE",
+    doc="at exit, write a JSON summary of the run to this file: the command's exit status "
+    "and signal, its wall time from spawn to exit, the peak GPU memory of the command tree "
+    "as sampled, and when it went over the limit and what was done. Its directory must "
+    "exist. The fields are below the table",
+)
 LOG_FORMAT = log_format("text")
 VERBOSE = verbosity("warnings only")
 
@@ -100,6 +112,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     METRICS_ADDRESS,
     HOST_PROC,
     HARD_LIMITS,
+    SUMMARY,
     LOG_FORMAT,
     VERBOSE,
 )
@@ -118,6 +131,7 @@ class ExecSettings:
     metrics_address: str = "127.0.0.1"
     host_proc: str | None = None
     hard_limits: str = "auto"  # auto, off or required
+    summary: str | None = None  # where to write the JSON summary at exit
 
 
 def exec_settings(values: Values, command: list[str]) -> ExecSettings:
@@ -138,4 +152,5 @@ def exec_settings(values: Values, command: list[str]) -> ExecSettings:
         metrics_address=values[METRICS_ADDRESS],
         host_proc=values[HOST_PROC],
         hard_limits=values[HARD_LIMITS],
+        summary=values[SUMMARY],
     )

@@ -1,0 +1,126 @@
+"""What `vram-enforcer exec --summary FILE` writes at exit, and how it is read back.
+
+`exec` writes it; `vram-enforcer interference` reads it for every run it makes. The two
+modes stand alone (neither imports the other), so the format lives here, between them:
+one definition, one version number, and a reader that refuses a document it does not
+understand rather than guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+SUMMARY_VERSION = 1
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryEvent:
+    """A report about the limit (`VRAMLimitExceeded`, `VRAMEnforced`), timed from the spawn."""
+
+    reason: str
+    after_seconds: float
+    message: str
+    pid: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExecSummary:
+    """One `exec` run: how the command ended, how long it ran, and what the limit did.
+
+    Times are `exec`'s own: from the spawn of the command to the moment it was reaped, on
+    CLOCK_MONOTONIC, which every process of the machine shares, so that the runs of two
+    `exec`s can be laid side by side. `peak_bytes` is the largest GPU memory of the
+    command tree that a sample saw (None: never sampled with data).
+    """
+
+    command: tuple[str, ...]
+    limit_bytes: int
+    action: str
+    dry_run: bool
+    exit_status: int  # exec's own exit status
+    started: bool  # False: the command never ran (bad command, no NVML, ...)
+    signal: str | None = None  # the signal that ended the command, when one did
+    start_monotonic: float | None = None
+    end_monotonic: float | None = None
+    started_at: float | None = None  # the spawn, in seconds since the epoch, for people
+    peak_bytes: int | None = None
+    samples: int = 0  # ticks that had data
+    hard_limit: bool = False  # the driver held the command to the limit as well
+    events: tuple[SummaryEvent, ...] = field(default=())
+
+    @property
+    def wall_seconds(self) -> float | None:
+        if self.start_monotonic is None or self.end_monotonic is None:
+            return None
+        return self.end_monotonic - self.start_monotonic
+
+    @property
+    def exceeded_after(self) -> float | None:
+        """When the command tree was first seen over its limit, or None if it never was."""
+        return min((e.after_seconds for e in self.events), default=None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": SUMMARY_VERSION,
+            "command": list(self.command),
+            "limit_bytes": self.limit_bytes,
+            "action": self.action,
+            "dry_run": self.dry_run,
+            "exit_status": self.exit_status,
+            "started": self.started,
+            "signal": self.signal,
+            "wall_seconds": self.wall_seconds,
+            "start_monotonic": self.start_monotonic,
+            "end_monotonic": self.end_monotonic,
+            "started_at": self.started_at,
+            "peak_bytes": self.peak_bytes,
+            "samples": self.samples,
+            "hard_limit": self.hard_limit,
+            "exceeded_after_seconds": self.exceeded_after,
+            "events": [
+                {"reason": e.reason, "after_seconds": e.after_seconds, "pid": e.pid,
+                 "message": e.message}
+                for e in self.events
+            ],
+        }  # fmt: skip
+
+
+def from_json(doc: object) -> ExecSummary:
+    """The summary in `doc` (a decoded JSON document); ValueError if it is not one."""
+    if not isinstance(doc, dict) or doc.get("version") != SUMMARY_VERSION:
+        raise ValueError(f"not an exec summary of version {SUMMARY_VERSION}")
+    try:
+        return ExecSummary(
+            command=tuple(str(part) for part in doc["command"]),
+            limit_bytes=int(doc["limit_bytes"]),
+            action=str(doc["action"]),
+            dry_run=bool(doc["dry_run"]),
+            exit_status=int(doc["exit_status"]),
+            started=bool(doc["started"]),
+            signal=_optional(doc["signal"], str),
+            start_monotonic=_optional(doc["start_monotonic"], float),
+            end_monotonic=_optional(doc["end_monotonic"], float),
+            started_at=_optional(doc["started_at"], float),
+            peak_bytes=_optional(doc["peak_bytes"], int),
+            samples=int(doc["samples"]),
+            hard_limit=bool(doc["hard_limit"]),
+            events=tuple(
+                SummaryEvent(
+                    str(e["reason"]),
+                    float(e["after_seconds"]),
+                    str(e["message"]),
+                    _optional(e["pid"], int),
+                )
+                for e in doc["events"]
+            ),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"a malformed exec summary ({exc!r})") from None
+
+
+def _optional(value: Any, kind: Callable[[Any], T]) -> T | None:
+    return None if value is None else kind(value)

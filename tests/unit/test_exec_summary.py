@@ -1,0 +1,37 @@
+"""What `exec --summary` writes is what `interference` reads back, and nothing else is."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from enforcer.core import exec_summary
+from enforcer.core.exec_summary import ExecSummary, SummaryEvent
+
+
+def test_the_summary_reads_back_what_was_written() -> None:
+    event = SummaryEvent("VRAMEnforced", 1.5, "sent SIGTERM", 7)
+    written = ExecSummary(
+        command=("python", "train.py"), limit_bytes=1024, action="terminate", dry_run=False,
+        exit_status=143, started=True, signal="SIGTERM", start_monotonic=10.0,
+        end_monotonic=12.0, started_at=1.7e9, peak_bytes=2048, samples=3, hard_limit=True,
+        events=(event,),
+    )  # fmt: skip
+    doc = json.loads(json.dumps(written.to_json()))
+    assert doc["wall_seconds"] == 2.0 and doc["exceeded_after_seconds"] == 1.5
+    assert exec_summary.from_json(doc) == written
+
+
+def test_a_command_that_never_ran_has_no_time() -> None:
+    never = ExecSummary(("x",), 1, "terminate", False, exit_status=127, started=False)
+    assert never.wall_seconds is None and never.exceeded_after is None
+    assert exec_summary.from_json(never.to_json()) == never
+
+
+@pytest.mark.parametrize(
+    "doc", [None, [], {"version": 2}, {"version": 1}, {"version": 1, "command": 5}]
+)
+def test_a_document_that_is_not_a_summary_is_refused(doc: object) -> None:
+    with pytest.raises(ValueError, match="summary"):
+        exec_summary.from_json(doc)
