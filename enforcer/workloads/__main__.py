@@ -1,0 +1,95 @@
+"""`python -m enforcer.workloads NAME`: run one built-in workload (see the package)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from enforcer.workloads import (
+    EXIT_NO_DEVICE,
+    EXIT_NO_TORCH,
+    EXIT_OUT_OF_MEMORY,
+    PROFILES,
+    kernels,
+)
+
+PROG = "python -m enforcer.workloads"
+
+STEPS = "\n".join(
+    f"  {p.name:<8}cuda {p.steps['cuda']:>6}   cpu {p.steps['cpu']:>4}" for p in PROFILES.values()
+)
+EPILOG = f"""\
+default steps (estimated: about 10 s on an H100-class GPU, 5-10 s on a CPU):
+{STEPS}
+
+exit status:
+  0 done; 2 bad arguments; {EXIT_OUT_OF_MEMORY} out of memory (one line on stderr says so);
+  {EXIT_NO_TORCH} PyTorch is not installed; {EXIT_NO_DEVICE} --device cuda, but PyTorch sees no GPU.
+"""
+
+
+def _steps(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps, 1 or more")
+    return int(text)
+
+
+def _scale(text: str) -> float:
+    try:
+        factor = float(text)
+    except ValueError:
+        factor = -1.0
+    if not 0 < factor <= 1000:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a factor above 0, such as 0.5 or 2")
+    return factor
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run one built-in workload: a fixed number of steps, then exit.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name", choices=list(PROFILES), help="the workload")
+    amount = p.add_mutually_exclusive_group()
+    amount.add_argument("--steps", type=_steps, help="how many steps [default: by device]")
+    amount.add_argument("--scale", type=_scale, default=1.0,
+                        help="multiply the default steps by this [default: 1]")  # fmt: skip
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="where to compute [default: cuda]")  # fmt: skip
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    began = time.perf_counter()
+    steps = args.steps or max(1, round(PROFILES[args.name].steps[args.device] * args.scale))
+    try:
+        import torch  # noqa: PLC0415 - heavy, and only once the arguments are valid
+    except ImportError as exc:
+        print(f"{PROG} {args.name}: PyTorch is not installed for {sys.executable} ({exc}); "
+              "install it (https://pytorch.org/get-started/locally/), or run with a Python "
+              "that has it", file=sys.stderr)  # fmt: skip
+        return EXIT_NO_TORCH
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"{PROG} {args.name}: PyTorch {torch.__version__} sees no CUDA GPU; use "
+              "--device cpu to run on the CPU", file=sys.stderr)  # fmt: skip
+        return EXIT_NO_DEVICE
+    device = torch.device(args.device)
+    try:
+        ready, done = kernels.run(torch, args.name, device, steps)
+    except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"{PROG} {args.name}: out of memory: {reason}", file=sys.stderr, flush=True)
+        return EXIT_OUT_OF_MEMORY
+    print(f"{args.name}: {steps} steps on {args.device} in {done - ready:.2f} s, after "
+          f"{ready - began:.2f} s of start-up (PyTorch, the device, the data)",
+          flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

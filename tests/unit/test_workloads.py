@@ -1,0 +1,95 @@
+"""The built-in workloads' command line without PyTorch (CI cannot install it): the
+arguments are checked first; no PyTorch, no CUDA GPU and out of memory are each one line
+and a status of its own. A stand-in holds the little of PyTorch that `main` touches; the
+workloads run for real in tests/gpu/test_interference_gpu.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+
+import pytest
+
+from enforcer.workloads import EXIT_NO_DEVICE, EXIT_NO_TORCH, EXIT_OUT_OF_MEMORY, kernels
+from enforcer.workloads.__main__ import main
+
+
+def test_workload_arguments_are_checked_before_pytorch_is_looked_for(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for argv in (["gemm"], ["copy", "--steps", "0"], ["copy", "--steps", "2", "--scale", "2"],
+                 ["copy", "--scale", "-1"], ["copy", "--device", "tpu"]):  # fmt: skip
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2, argv
+    assert "'0' is not a whole number of steps" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="PyTorch is here")
+def test_a_workload_without_pytorch_says_so_with_its_own_status(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["matmul", "--device", "cpu"]) == EXIT_NO_TORCH
+    err = capsys.readouterr().err
+    assert err.startswith("python -m enforcer.workloads matmul: PyTorch is not installed for ")
+    assert "https://pytorch.org/get-started/locally/" in err
+
+
+class _OutOfMemoryError(RuntimeError):
+    """Stands for torch.cuda.OutOfMemoryError."""
+
+
+@pytest.fixture
+def stub_torch(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
+    """The little of PyTorch that `main` and `kernels.run` touch; the workloads themselves
+    are replaced by each test (the real ones run in tests/gpu)."""
+    cuda = types.SimpleNamespace(
+        is_available=lambda: True, synchronize=lambda device: None,
+        OutOfMemoryError=_OutOfMemoryError,
+    )  # fmt: skip
+    torch = types.SimpleNamespace(
+        __version__="2.x", cuda=cuda, manual_seed=lambda seed: None,
+        device=lambda name: types.SimpleNamespace(type=name),
+    )  # fmt: skip
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    return torch
+
+
+def test_a_workload_runs_its_steps_and_says_how_long_they_took(
+    stub_torch: types.SimpleNamespace,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    done: list[int] = []
+    monkeypatch.setitem(kernels.WORKLOADS, "matmul", lambda torch, device: done.append)
+    assert main(["matmul", "--steps", "3"]) == 0
+    assert done == [0, 1, 2]
+    assert capsys.readouterr().out.startswith("matmul: 3 steps on cuda in ")
+    done.clear()
+    assert main(["matmul", "--scale", "0.001", "--device", "cpu"]) == 0
+    assert done == [0]  # never fewer than one step
+
+
+def test_out_of_memory_is_one_line_and_a_status_of_its_own(
+    stub_torch: types.SimpleNamespace,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def allocate(torch: object, device: object) -> None:
+        raise _OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore detail")
+
+    monkeypatch.setitem(kernels.WORKLOADS, "copy", allocate)
+    assert main(["copy"]) == EXIT_OUT_OF_MEMORY
+    assert capsys.readouterr().err == (
+        "python -m enforcer.workloads copy: out of memory: "
+        "CUDA out of memory. Tried to allocate 2.00 GiB.\n"
+    )
+
+
+def test_no_cuda_gpu_is_a_status_of_its_own(
+    stub_torch: types.SimpleNamespace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stub_torch.cuda.is_available = lambda: False
+    assert main(["infer"]) == EXIT_NO_DEVICE
+    assert "PyTorch 2.x sees no CUDA GPU; use --device cpu" in capsys.readouterr().err
