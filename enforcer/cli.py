@@ -13,11 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from enforcer import __version__
+from enforcer.core.interference import BUILTINS
+from enforcer.core.model import format_bytes
 from enforcer.core.parsing import ConfigError
 from enforcer.core.settings import Setting, Values, help_text, resolve
 from enforcer.core.settings import agent as agent_cfg
 from enforcer.core.settings import doctor as doctor_cfg
 from enforcer.core.settings import exec as exec_cfg
+from enforcer.core.settings import interference as interference_cfg
 from enforcer.core.settings import sidecar as sidecar_cfg
 from enforcer.core.settings import webhook as webhook_cfg
 from enforcer.edge import logs
@@ -106,6 +109,49 @@ The certificate and key are re-read when they change on disk (cert-manager rotat
 """
 
 
+BUILTIN_LINES = "\n".join(
+    f"  {b.name:<8}{format_bytes(b.limit_bytes):>9}  {b.profile}" for b in BUILTINS.values()
+)
+INTERFERENCE_EPILOG = f"""\
+examples:
+  vram-enforcer interference --builtin matmul,copy,cnn,infer --gpu 0 --output results/
+  vram-enforcer interference --repeat 5 \\
+      --workload 'trainer:20Gi:python train.py --epochs 1' \\
+      --workload 'server:8Gi:python serve.py --requests 2000'
+  vram-enforcer interference --builtin matmul,copy --builtin-device cpu --builtin-scale 0.2
+
+what it does:
+  Each workload runs alone (--warmup runs first, discarded, then --repeat measured runs),
+  and next to each workload, itself included (a second copy), --repeat times: the two
+  are started together on the same GPU. The repetitions are interleaved: everything
+  once, then everything again. Every run goes through `vram-enforcer exec --limit LIMIT`
+  (the LIMIT of --workload NAME:LIMIT:COMMAND), which times the command from start to
+  exit, samples its peak GPU memory and stops it if it goes over its limit: a pair that
+  does not fit is a cell of the report, not a crash.
+
+the report (stdout; with --output also report.json, report.md, heatmap.png, runs/):
+  One row per workload: its median time alone, then its slowdown next to each neighbour
+  (median time next to it / median time alone) and its own peak GPU memory. OVER: exec
+  stopped it over its limit; OOM: it crashed out of memory; FAIL: it failed otherwise;
+  TIMEOUT: stopped after --timeout; n/m: in n of m runs. * marks a cell whose
+  repetitions spread more than --max-spread ((max - min) / median); ~ a pair where the
+  neighbour finished long before, so that the rest of the run was a run alone.
+
+built-in workloads (--builtin; PyTorch in this Python, python -m enforcer.workloads):
+{BUILTIN_LINES}
+
+signals:
+  SIGINT (^C), SIGTERM and SIGHUP stop the runs in flight (through exec, which passes the
+  signal on) and the report of what was measured so far is printed and written, marked
+  PARTIAL.
+
+exit status:
+  0 the report was made, whatever the workloads did; 1 it could not be written;
+  2 bad input (a workload, a flag, no PyTorch for --builtin);
+  128+N when signal N stopped the measurement.
+"""
+
+
 DOCTOR_EPILOG = """\
 examples:
   vram-enforcer doctor --no-api                      # a workstation, before exec
@@ -156,6 +202,19 @@ MODES = {
         "the mutating admission webhook that injects the sidecar",
         "Serve AdmissionReviews over HTTPS and inject the enforcer into pods that declare VRAM.",
         WEBHOOK_EPILOG,
+    ),
+    "interference": Mode(
+        interference_cfg.DECLARED,
+        lambda values, args: interference_cfg.interference_settings(
+            values, args.workloads, sys.executable
+        ),
+        interference_cfg.LOG_FORMAT, interference_cfg.VERBOSE, logging.INFO,
+        "enforcer.modes.interference",
+        "measure how much workloads slow each other down when they share a GPU",
+        "Run each workload alone, then each pair together on one GPU, each under exec with "
+        "its GPU memory limit, and report each workload's slowdown, its peak GPU memory and "
+        "what crashed.",
+        INTERFERENCE_EPILOG,
     ),
     "doctor": Mode(
         doctor_cfg.DECLARED, lambda values, _: doctor_cfg.doctor_settings(values),
@@ -213,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "exec":
             p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...",
                            help="the command to run")  # fmt: skip
+        elif name == "interference":
+            p.add_argument("--workload", dest="workloads", action="append", default=[],
+                           metavar="NAME:LIMIT:COMMAND",
+                           help="a workload: its name, its GPU memory limit (a quantity) and "
+                           "its command, split as a shell would; once per workload")  # fmt: skip
     return parser
 
 

@@ -16,6 +16,7 @@ MINIMAL = {
                               "VRAM_ENFORCER_LIMITS": "{}"}),
     "webhook": (["webhook", "--tls-cert-file", "c", "--tls-key-file", "k", "--sidecar-image", "i"], {}),
     "doctor": (["doctor"], {}),
+    "interference": (["interference", "--workload", "a:1Gi:true", "--builtin", "matmul"], {}),
 }  # fmt: skip
 
 

@@ -1,0 +1,345 @@
+"""`vram-enforcer interference`: run each workload alone and each pair together on one GPU,
+every run under `vram-enforcer exec` with its declared limit, and report what sharing
+costs.
+
+Each run is a `python -m enforcer exec --limit LIMIT --summary FILE -- CMD` subprocess in
+a session of its own. exec times the command, samples its peak GPU memory and stops it
+if it goes over its limit; its summary says which. The two runs of a pair are started
+together. We wait on their pidfds next to the pipe that our signal handlers write to, so
+an exit, a `--timeout` and a ^C are each seen the moment they happen, without polling.
+On SIGINT, SIGTERM or SIGHUP the runs in flight get the signal (exec passes it on to its
+command), and the report of what was measured so far is still printed and written,
+marked partial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from enforcer.core import exec_summary
+from enforcer.core.exec_summary import ExecSummary
+from enforcer.core.interference import (
+    Outcome,
+    Report,
+    Round,
+    RunResult,
+    RunSpec,
+    Workload,
+    analyse,
+    classify,
+    plan,
+    to_json,
+    to_markdown,
+    to_text,
+)
+from enforcer.core.model import format_bytes
+from enforcer.core.settings.interference import InterferenceSettings
+from enforcer.edge.heatmap import write_heatmap
+
+log = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+EXIT_NOT_WRITTEN = 1  # measured, but the report files could not be written
+KILL_AFTER = 15.0  # from our SIGTERM to exec to SIGKILL: exec's own grace period fits in
+STDERR_TAIL = 64 * 1024  # how much of a run's stderr is read to tell why it failed
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+class _Stop:
+    """The signals that end the measurement early: each is noted by its handler, and the
+    wait loop sees it at once through the wake-up pipe."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._old_fd = -1
+        self._old: dict[signal.Signals, _Handler] = {}
+
+    def __enter__(self) -> _Stop:
+        self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._old = {s: signal.signal(s, self._note) for s in _STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        signal.set_wakeup_fd(self._old_fd)
+        os.close(self._read)
+        os.close(self._write)
+
+    def _note(self, signum: int, _: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def fileno(self) -> int:
+        return self._read
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._read, 4096)
+
+
+@dataclass(slots=True)
+class _Running:
+    """One run in flight: exec's process, held by a pidfd until it is reaped."""
+
+    spec: RunSpec
+    proc: subprocess.Popen[bytes]
+    pidfd: int
+    deadline: float  # --timeout
+    files: Path  # the stem of its files: .stdout, .stderr, .summary.json
+    signalled_at: float | None = None
+    killed: bool = False
+    timed_out: bool = False
+    interrupted: bool = False
+
+    @property
+    def summary(self) -> Path:
+        return _file(self.files, ".summary.json")
+
+    @property
+    def stderr(self) -> Path:
+        return _file(self.files, ".stderr")
+
+    def wake(self) -> float:
+        """When this run next needs us: its timeout, then the SIGKILL after a stop."""
+        if self.signalled_at is None:
+            return self.deadline
+        return self.signalled_at + KILL_AFTER if not self.killed else time.monotonic() + 1.0
+
+
+def run(settings: InterferenceSettings) -> int:
+    """Measure, print the table, write the report files; the exit status to exit with."""
+    if settings.builtins and importlib.util.find_spec("torch") is None:
+        log.error(
+            "--builtin %s: the built-in workloads need PyTorch, and this Python (%s) does "
+            "not have it; install it (pip install torch), or run vram-enforcer from a "
+            "Python that has it",
+            ",".join(settings.builtins), sys.executable,
+        )  # fmt: skip
+        return EXIT_USAGE
+    try:
+        workdir = _workdir(settings.output)
+    except OSError as exc:
+        log.error("--output %s: cannot create it: %s", settings.output, exc.strerror or exc)
+        return EXIT_USAGE
+    names = [w.name for w in settings.workloads]
+    rounds = plan(names, settings.repeat, settings.warmup)
+    planned = sum(len(r.runs) for r in rounds)
+    with workdir as runs_dir, _Stop() as stop:
+        log.info(
+            "measuring %s: %d warm-up round(s), then %d repetition(s) of each alone and "
+            "each pair: %d rounds, %d runs; each run's output is in %s",
+            ", ".join(names), settings.warmup * len(names), settings.repeat, len(rounds),
+            planned, runs_dir,
+        )  # fmt: skip
+        results: list[RunResult] = []
+        for rnd in rounds:
+            if stop.signum is not None:
+                break
+            done = _round(rnd, settings, Path(runs_dir), stop)
+            log.info("[%d/%d] %s: %s", rnd.index, len(rounds), rnd.label,
+                     "; ".join(_said(r) for r in done))  # fmt: skip
+            results += done
+        if stop.signum is not None:
+            made = sum(r.outcome is not Outcome.INTERRUPTED for r in results)
+            log.warning("stopped by %s after %d of %d runs; the report covers those",
+                        signal.Signals(stop.signum).name, made, planned)  # fmt: skip
+        report = analyse(
+            settings.workloads, results, repeat=settings.repeat, warmup=settings.warmup,
+            max_spread=settings.max_spread, planned_runs=planned,
+            partial=stop.signum is not None, gpu=settings.gpu, timeout=settings.timeout,
+        )  # fmt: skip
+        print(to_text(report), end="", flush=True)
+        written = _write_report(report, settings.output) if settings.output else True
+    if stop.signum is not None:
+        return 128 + stop.signum
+    return 0 if written else EXIT_NOT_WRITTEN
+
+
+def _workdir(output: str | None) -> contextlib.AbstractContextManager[str]:
+    """Where each run's output goes: `<output>/runs`, kept; or a directory removed after."""
+    if output is None:
+        return tempfile.TemporaryDirectory(prefix="vram-enforcer-interference-")
+    runs = Path(output) / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(str(runs))
+
+
+def _said(result: RunResult) -> str:
+    took = f"{result.seconds:.2f} s" if result.seconds is not None else "no time"
+    peak = format_bytes(result.peak_bytes) if result.peak_bytes is not None else "peak unknown"
+    tail = f" ({result.detail})" if result.detail else ""
+    return f"{result.spec.label} {took}, {peak}, {result.outcome}{tail}"
+
+
+def _round(
+    rnd: Round, settings: InterferenceSettings, runs_dir: Path, stop: _Stop
+) -> list[RunResult]:
+    """Start the runs of one round together and wait until all have ended."""
+    workloads = {w.name: w for w in settings.workloads}
+    running: list[_Running] = []
+    try:
+        for spec in rnd.runs:
+            running.append(_start(rnd, spec, workloads[spec.workload], settings, runs_dir))
+        _wait(running, stop)
+    finally:
+        _abandon(running)
+    keep = settings.output is not None
+    return [_result(rnd, r, settings.timeout, keep) for r in running]
+
+
+def _start(
+    rnd: Round, spec: RunSpec, workload: Workload, settings: InterferenceSettings, runs_dir: Path
+) -> _Running:
+    neighbour = f"-next-to-{spec.neighbour}" if spec.neighbour else ""
+    copy = "-copy2" if spec.copy == 2 else ""
+    files = runs_dir / f"{rnd.index:03d}-{rnd.phase}-{spec.workload}{neighbour}{copy}"
+    summary = _file(files, ".summary.json")
+    summary.unlink(missing_ok=True)  # a summary left by an earlier measurement is not this run's
+    command = [
+        sys.executable, "-m", "enforcer", "exec", "--limit", str(workload.limit_bytes),
+        "--summary", str(summary), "--name", workload.name, "--", *workload.command,
+    ]  # fmt: skip
+    env = dict(os.environ)
+    if settings.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = env["NVIDIA_VISIBLE_DEVICES"] = settings.gpu
+    with _file(files, ".stdout").open("wb") as out, _file(files, ".stderr").open("wb") as err:
+        # A session of its own: a ^C at the terminal reaches us alone, and we pass it on,
+        # so that every run in flight is stopped the same way and counted as interrupted.
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                env=env, start_new_session=True)  # fmt: skip
+    log.debug("started %s: pid %d: %s", spec.label, proc.pid, " ".join(command))
+    return _Running(spec, proc, os.pidfd_open(proc.pid), time.monotonic() + settings.timeout, files)
+
+
+def _file(stem: Path, suffix: str) -> Path:
+    return stem.with_name(stem.name + suffix)
+
+
+def _wait(running: list[_Running], stop: _Stop) -> None:
+    """Until every run has exited: reap each as it ends, stop them all on a signal, stop
+    one past its timeout; SIGKILL whatever has not gone KILL_AFTER later."""
+    poller = select.poll()
+    poller.register(stop.fileno(), select.POLLIN)
+    waiting = {r.pidfd: r for r in running}
+    for fd in waiting:
+        poller.register(fd, select.POLLIN)
+    while waiting:
+        _escalate(list(waiting.values()), stop.signum)
+        wake = min(r.wake() for r in waiting.values())
+        for fd, _ in poller.poll(math.ceil(max(0.0, wake - time.monotonic()) * 1000)):
+            if fd == stop.fileno():
+                stop.drain()
+            elif (ended := waiting.pop(fd, None)) is not None:
+                poller.unregister(fd)
+                ended.proc.wait()
+
+
+def _escalate(running: list[_Running], stop_signal: int | None) -> None:
+    now = time.monotonic()
+    for r in running:
+        if r.signalled_at is None and stop_signal is not None:
+            r.interrupted = True
+            _signal(r, stop_signal, now)
+        elif r.signalled_at is None and now >= r.deadline:
+            log.warning("%s is still running after --timeout; sending it SIGTERM", r.spec.label)
+            r.timed_out = True
+            _signal(r, signal.SIGTERM, now)
+        elif r.signalled_at is not None and not r.killed and now >= r.signalled_at + KILL_AFTER:
+            log.warning("%s has not exited %.0f s after the signal; sending SIGKILL to its "
+                        "process group", r.spec.label, KILL_AFTER)  # fmt: skip
+            r.killed = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(r.proc.pid, signal.SIGKILL)
+
+
+def _signal(r: _Running, signum: int, now: float) -> None:
+    """Signal exec, which passes it on to the command and its leftovers."""
+    r.signalled_at = now
+    with contextlib.suppress(ProcessLookupError):  # it has exited, and is not reaped yet
+        signal.pidfd_send_signal(r.pidfd, signum)
+
+
+def _abandon(running: list[_Running]) -> None:
+    """Close the pidfds; a run still going (we are leaving on an error) is killed first."""
+    for r in running:
+        if r.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(r.proc.pid, signal.SIGKILL)
+            r.proc.wait()
+        os.close(r.pidfd)
+
+
+def _result(rnd: Round, r: _Running, timeout: float, keep: bool) -> RunResult:
+    summary = _read_summary(r.summary)
+    outcome, detail = classify(
+        summary, r.proc.returncode, _tail(r.stderr),
+        timed_out_after=timeout if r.timed_out else None, interrupted=r.interrupted,
+    )  # fmt: skip
+    return RunResult(
+        round=rnd.index,
+        phase=rnd.phase,
+        repetition=rnd.repetition,
+        spec=r.spec,
+        outcome=outcome,
+        detail=detail,
+        seconds=summary.wall_seconds if summary else None,
+        start=summary.start_monotonic if summary else None,
+        end=summary.end_monotonic if summary else None,
+        peak_bytes=summary.peak_bytes if summary else None,
+        exit_status=summary.exit_status if summary else r.proc.returncode,
+        log=str(r.stderr) if keep else None,
+    )
+
+
+def _read_summary(path: Path) -> ExecSummary | None:
+    try:
+        return exec_summary.from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("%s: not a summary exec wrote (%s)", path, exc)
+        return None
+
+
+def _tail(path: Path) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - STDERR_TAIL))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _write_report(report: Report, output: str) -> bool:
+    """report.json, report.md and heatmap.png in `output`; False if one could not be written."""
+    out = Path(output)
+    try:
+        (out / "report.json").write_text(json.dumps(to_json(report), indent=2) + "\n")
+        (out / "report.md").write_text(to_markdown(report))
+        why_not = write_heatmap(report, out / "heatmap.png")
+    except OSError as exc:
+        log.error("could not write the report to %s: %s", out, exc.strerror or exc)
+        return False
+    if why_not:
+        log.warning("%s", why_not)
+    log.info("wrote the report to %s", out)
+    return True
