@@ -50,8 +50,8 @@ def write_heatmap(report: Report, path: Path) -> str | None:
                     fontsize=8, color="white" if dark else "black")  # fmt: skip
     ax.set_xticks(range(size), [f"next to {n}" for n in names], rotation=30, ha="right")
     ax.set_yticks(range(size), names)
-    ax.set_xlabel(f"* repetitions spread more than {report.max_spread:.0%}    ~ the neighbour "
-                  "ended first    hatched: runs that went wrong", fontsize=7)  # fmt: skip
+    ax.set_xlabel(f"* repetitions spread more than {report.max_spread:.0%}\n~ the neighbour "
+                  "ended first\nhatched: runs that went wrong", fontsize=7)  # fmt: skip
     title = "Slowdown next to a neighbour (time / time alone)"
     ax.set_title(title + (" - PARTIAL" if report.partial else ""), fontsize=10)
     figure.colorbar(image, ax=ax, label="slowdown (x)")
