@@ -21,8 +21,9 @@ from prometheus_client import make_wsgi_app as metrics_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from enforcer.core.attribution import gpu_shares
 from enforcer.core.dra import unit_containers
-from enforcer.core.model import Device, GpuShare, UnitUsage
+from enforcer.core.model import Device, Sample, UnitUsage
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,9 @@ class View:
     units: Sequence[UnitUsage] = ()
     devices: Sequence[Device] = ()
     source_up: bool = False
-    shares: Sequence[GpuShare] = ()  # the units' memory and utilisation per GPU
+    # The tick's sample, for each unit's memory and utilisation per GPU: worked out when
+    # scraped, not on every tick.
+    sample: Sample | None = None
 
 
 class EnforcerCollector(Collector):
@@ -114,7 +117,7 @@ class EnforcerCollector(Collector):
                 for device, bytes_used in p.by_device:
                     if bytes_used is not None:
                         proc.add_metric([*values, str(p.key.pid), device], bytes_used)
-        for share in view.shares:
+        for share in gpu_shares(view.units, view.sample) if view.sample is not None else ():
             values = [*labelled.get(share.unit, [*base_values, share.unit]), share.gpu]
             gpu_used.add_metric(values, share.used_bytes)
             if share.activity is not None:

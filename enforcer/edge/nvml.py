@@ -348,14 +348,15 @@ class Nvml:
             for pid, used in self._processes(h.handle):
                 key = (pid, h.uuid)
                 usage[key] = _merge(usage[key], used) if key in usage else used
-        listed: dict[str, set[int]] = {}
-        for pid, uuid in usage:
-            listed.setdefault(uuid, set()).add(pid)
-        # Whole GPUs only: NVML has no per-process utilisation under MIG.
-        self._utilisation.refresh([
-            (h.uuid, h.handle, frozenset(listed.get(h.uuid, ())))
-            for h in handles if h.query_processes and h.parent_uuid is None
-        ])  # fmt: skip
+        if self._utilisation.due():
+            listed: dict[str, set[int]] = {}
+            for pid, uuid in usage:
+                listed.setdefault(uuid, set()).add(pid)
+            # Whole GPUs only: NVML has no per-process utilisation under MIG.
+            self._utilisation.read([
+                (h.uuid, h.handle, frozenset(listed.get(h.uuid, ())))
+                for h in handles if h.query_processes and h.parent_uuid is None
+            ])  # fmt: skip
         of = self._utilisation.of
         processes = tuple(
             NvmlProcess(pid, uuid, used, of(uuid, pid)) for (pid, uuid), used in usage.items()

@@ -12,7 +12,7 @@ yet.
 `nvmlDeviceGetProcessUtilization`; a GPU that supports neither (MIG, some vGPU) has
 unknown utilisation, never 0. Reads happen at most once per `every` seconds, because the
 figures change no faster than the driver samples and the agent's pass runs ten times a
-second: between reads the last one stands.
+second: between reads the last one stands, and a pass that reads none pays nothing.
 """
 
 from __future__ import annotations
@@ -113,15 +113,15 @@ class ProcessUtilisation:
             return busy[pid]
         return IDLE if pid in self._listed.get(gpu_uuid, ()) else None
 
-    def refresh(self, gpus: Sequence[tuple[str, Any, frozenset[int]]]) -> None:
-        """Read each (uuid, handle, pids NVML lists there now) again, when the last read is
-        `every` seconds old."""
+    def due(self) -> bool:
+        """Whether the last read is `every` seconds old (never, when reads are off)."""
         if self._every is None:
-            return
-        now = self._clock()
-        if self._read_at is not None and now - self._read_at < self._every:
-            return
-        self._read_at = now
+            return False
+        return self._read_at is None or self._clock() - self._read_at >= self._every
+
+    def read(self, gpus: Sequence[tuple[str, Any, frozenset[int]]]) -> None:
+        """Read each (uuid, handle, pids NVML lists there now) again."""
+        self._read_at = self._clock()
         self._current = {uuid: self._read(uuid, handle) for uuid, handle, _ in gpus}
         self._listed = {uuid: pids for uuid, _, pids in gpus}
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from enforcer.core import messages
-from enforcer.core.attribution import gpu_shares
 from enforcer.core.model import Sample, SignalResult, SourceDown, UnitUsage
 from enforcer.core.policy import Decision, PolicyConfig, Reason, UnitState, decide
 from enforcer.edge.guard import LoopGuard
@@ -111,8 +110,7 @@ class Pipeline:
         self._state = dict(decision.state)
         self._act(decision)
         self.last_units = units
-        shares = gpu_shares(units, sample)
-        self._telemetry.collector.show(View(units, sample.devices, True, shares))
+        self._telemetry.collector.show(View(units, sample.devices, True, sample))
 
     def _act(self, decision: Decision) -> None:
         for notice in decision.notices:

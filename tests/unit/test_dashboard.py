@@ -10,13 +10,14 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from enforcer.core.attribution import attribute
 from enforcer.core.model import (
     Activity,
     Device,
     GiB,
-    GpuShare,
     ProcessKey,
-    ProcessTotal,
+    ProcessUsage,
+    Sample,
     UnitUsage,
 )
 from enforcer.edge.metrics import AgentTelemetry, Telemetry, View, WebhookTelemetry
@@ -32,13 +33,11 @@ def exported(registry: CollectorRegistry) -> set[str]:
 def test_every_metric_the_dashboard_queries_is_exported() -> None:
     sidecar = Telemetry({"namespace": "ml", "pod": "p"})
     gpu = Device(0, "GPU-0", "NVIDIA H100", 80 * GiB, GiB)
-    process = ProcessTotal(ProcessKey(7, 1), GiB, (("GPU-0", GiB),))
-    units = [
-        UnitUsage("main", 4 * GiB, (process,)),
-        UnitUsage("b@GPU-0", GiB, (), device_uuid="GPU-0"),
-    ]
-    shares = [GpuShare("main", "GPU-0", GiB, Activity(50, 10))]
-    sidecar.collector.show(View(units, [gpu], True, shares))
+    key = ProcessKey(7, 1)
+    sample = Sample(0.0, (gpu,), (ProcessUsage(key, "GPU-0", GiB, (), Activity(50, 10)),))
+    (main,) = attribute(sample, {key: "main"}, {"main": 4 * GiB})
+    units = [main, UnitUsage("b@GPU-0", GiB, (), device_uuid="GPU-0")]
+    sidecar.collector.show(View(units, [gpu], True, sample))
     sidecar.actions.labels("terminate").inc()
     agent = AgentTelemetry()
     agent.node.devices, agent.node.tenants, agent.node.advertised_bytes = [gpu], {"GPU-0": 2}, GiB

@@ -3,13 +3,15 @@
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from enforcer.core.attribution import attribute
 from enforcer.core.model import (
     Activity,
     Device,
     GiB,
-    GpuShare,
     ProcessKey,
     ProcessTotal,
+    ProcessUsage,
+    Sample,
     UnitUsage,
 )
 from enforcer.edge.metrics import Telemetry, View
@@ -80,16 +82,15 @@ def test_per_gpu_memory_and_utilisation_series() -> None:
     """Each unit's memory and utilisation per GPU: a DRA unit keeps its container label and
     limit per GPU; utilisation NVML cannot tell has no series rather than a 0."""
     t = Telemetry({"namespace": "ml", "pod": "p"})
-    units = [
-        UnitUsage("main", 8 * GiB),
-        UnitUsage("a+b@GPU-1", 4 * GiB, (), device_uuid="GPU-1"),
-    ]
-    shares = [
-        GpuShare("main", "GPU-0", 3 * GiB, Activity(85, 25)),
-        GpuShare("main", "MIG-2", GiB, None),
-        GpuShare("a+b@GPU-1", "GPU-1", 0, Activity(0, 0)),
-    ]
-    t.collector.show(View(units, [], True, shares))
+    a, b, c = ProcessKey(10, 1), ProcessKey(11, 1), ProcessKey(12, 1)
+    sample = Sample(0.0, (), (
+        ProcessUsage(a, "GPU-0", 2 * GiB, (), Activity(60, 20)),
+        ProcessUsage(b, "GPU-0", GiB, (), Activity(25, 5)),
+        ProcessUsage(c, "MIG-2", GiB, (), None),
+    ))  # fmt: skip
+    (main_unit,) = attribute(sample, dict.fromkeys([a, b, c], "main"), {"main": 8 * GiB})
+    units = [main_unit, UnitUsage("a+b@GPU-1", 4 * GiB, (), device_uuid="GPU-1")]
+    t.collector.show(View(units, [], True, sample))
     got = samples(t)
     main = {"namespace": "ml", "pod": "p", "container": "main"}
     assert got[key("vram_enforcer_container_gpu_used_bytes", **main, gpu="GPU-0")] == 3 * GiB
