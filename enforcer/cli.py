@@ -129,6 +129,13 @@ what it does:
   exit, samples its peak GPU memory and stops it if it goes over its limit: a pair that
   does not fit is a cell of the report, not a crash.
 
+timing:
+  A workload may time its work itself, after its start-up, and write the section to the
+  file that $VRAM_ENFORCER_TIMING_FILE names, as {{"start_monotonic": S, "end_monotonic":
+  E}} on CLOCK_MONOTONIC (Python: time.monotonic()); the built-ins do. If every good run
+  of a workload wrote one, its figures are those sections, which its start-up does not
+  dilute; otherwise exec's times of the whole command. See docs/interference.md.
+
 the report (stdout; with --output also report.json, report.md, heatmap.png, runs/):
   One row per workload: its median time alone, then its slowdown next to each neighbour
   (median time next to it / median time alone) and its own peak GPU memory. OVER: exec

@@ -1,12 +1,17 @@
 """`vram-enforcer interference`, the pure part: what is measured, and what it means.
 
 Given the workloads, `plan` says which runs to make (warm-ups, each workload alone, each
-pair together), `classify` turns what `exec` said about one run into its outcome, and
-`analyse` turns every run into the report: per workload and neighbour, the slowdown
-(median time next to the neighbour over median time alone), the peak GPU memory, what
-went wrong, how stable the figures are and how much the two runs of a pair overlapped.
-The report is then text, markdown or a JSON document. The mode
-(`enforcer.modes.interference`) does the running.
+pair together), `classify` turns what `exec` said about one run into its outcome,
+`read_section` checks the section a workload timed itself, and `analyse` turns every run
+into the report: per workload and neighbour, the slowdown (median time next to the
+neighbour over median time alone), the peak GPU memory, what went wrong, how stable the
+figures are and how much the two runs of a pair overlapped. The report is then text,
+markdown or a JSON document. The mode (`enforcer.modes.interference`) does the running.
+
+Whose time: a workload that does its start-up (importing a framework, creating a CUDA
+context, loading data) before its work may time the work itself and write the section to
+the file named by `TIMING_ENV`; its figures are then those sections, which its start-up
+no longer dilutes toward 1.00x. Otherwise they are exec's times of the whole command.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import shlex
 import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -31,6 +36,12 @@ REPORT_VERSION = 1
 OVERLAP_NOTE = 0.9
 
 SPREAD_METRIC = "(max - min) / median"
+
+# Set for every run: where the workload may write the section it timed itself, as
+# {"start_monotonic": S, "end_monotonic": E} on CLOCK_MONOTONIC (Python's time.monotonic()).
+# The built-in workloads do (enforcer.workloads keeps its own copy of the name).
+TIMING_ENV = "VRAM_ENFORCER_TIMING_FILE"
+TIMING_FORM = '{"start_monotonic": S, "end_monotonic": E}, on CLOCK_MONOTONIC'
 
 # ---------------------------------------------------------------------------- workloads
 
@@ -336,6 +347,47 @@ class RunResult:
     peak_bytes: int | None = None
     exit_status: int | None = None
     log: str | None = None  # the run's stderr, when it was kept (--output)
+    section: tuple[float, float] | None = None  # what the workload timed itself (TIMING_ENV)
+    section_problem: str = ""  # why a section it wrote was not taken
+
+    @property
+    def section_seconds(self) -> float | None:
+        return None if self.section is None else self.section[1] - self.section[0]
+
+
+class Timing(StrEnum):
+    """Which time a workload's figures are."""
+
+    SECTION = "section"  # the section it timed itself, in every good run
+    COMMAND = "command"  # exec's time of the whole command, start-up included
+
+
+def read_section(
+    doc: object, start: float | None, end: float | None
+) -> tuple[tuple[float, float] | None, str]:
+    """The section a workload wrote (`doc`, a decoded TIMING_ENV file), checked against
+    exec's own time of the run, `start` to `end`; else None and why it was not taken.
+
+    Both ends must lie inside exec's time: exec reads its clock before it spawns the
+    command and after it reaps it, and the workload reads the same clock in between, so
+    a section outside it is not of this run or not on CLOCK_MONOTONIC.
+    """
+    if not isinstance(doc, dict) or not all(
+        isinstance(doc.get(k), int | float) and not isinstance(doc.get(k), bool)
+        for k in ("start_monotonic", "end_monotonic")
+    ):
+        return None, f"is not {TIMING_FORM}"
+    s, e = float(doc["start_monotonic"]), float(doc["end_monotonic"])
+    if not s < e:
+        return None, f"ends ({e:.3f}) before it starts ({s:.3f})"
+    if start is None or end is None:
+        return None, "cannot be checked: exec did not time the run"
+    if s < start or e > end:
+        return None, (
+            f"runs from {s:.3f} to {e:.3f}, outside the command's own run, {start:.3f} to "
+            f"{end:.3f}; write time.monotonic() (CLOCK_MONOTONIC) from the workload itself"
+        )
+    return (s, e), ""
 
 
 # ---------------------------------------------------------------------------- analysis
@@ -354,12 +406,21 @@ def spread(values: Sequence[float]) -> float | None:
     return (max(values) - min(values)) / middle if middle > 0 else None
 
 
-def overlap(run: RunResult, other: RunResult) -> float | None:
-    """The share of `run`'s time during which `other` ran too."""
-    a0, a1, b0, b1 = run.start, run.end, other.start, other.end
-    if a0 is None or a1 is None or b0 is None or b1 is None or a1 <= a0:
+Window = tuple[float, float]
+
+
+def window(run: RunResult, timing: Timing) -> Window | None:
+    """The span of `run` that its workload's figures measure."""
+    if timing is Timing.SECTION:
+        return run.section
+    return None if run.start is None or run.end is None else (run.start, run.end)
+
+
+def overlap(mine: Window | None, other: Window | None) -> float | None:
+    """The share of `mine` during which `other` ran too."""
+    if mine is None or other is None or mine[1] <= mine[0]:
         return None
-    return max(0.0, min(a1, b1) - max(a0, b0)) / (a1 - a0)
+    return max(0.0, min(mine[1], other[1]) - max(mine[0], other[0])) / (mine[1] - mine[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,6 +476,7 @@ class Report:
     partial: bool = False
     gpu: str | None = None
     timeout: float | None = None
+    timing: Mapping[str, Timing] = field(default_factory=dict)  # by workload
 
     def cell(self, workload: str, neighbour: str | None) -> Cell:
         return next(c for c in self.cells if (c.workload, c.neighbour) == (workload, neighbour))
@@ -451,20 +513,37 @@ def analyse(
 ) -> Report:
     """The report over every run made so far (a partial one after an interruption)."""
     names = [w.name for w in workloads]
-    overlaps = _overlaps(runs)
-    alone = {n: _cell(n, None, [r for r in runs if _in(r, n, None)], {}) for n in names}
+    timing = {n: _timing([r for r in _good(runs) if r.spec.workload == n]) for n in names}
+    overlaps = _overlaps(runs, timing)
+    alone = {n: _cell(n, None, _of(runs, n, None), {}, timing[n]) for n in names}
     cells = list(alone.values())
     for name in names:
         for neighbour in names:
-            mine = [r for r in runs if _in(r, name, neighbour)]
-            cell = _cell(name, neighbour, mine, overlaps)
+            cell = _cell(name, neighbour, _of(runs, name, neighbour), overlaps, timing[name])
             solo = alone[name].median
             slowdown = cell.median / solo if cell.median is not None and solo else None
             cells.append(replace(cell, slowdown=slowdown))
     return Report(
         tuple(workloads), repeat, warmup, max_spread, planned_runs, tuple(runs), tuple(cells),
-        partial, gpu, timeout,
+        partial, gpu, timeout, timing,
     )  # fmt: skip
+
+
+def _good(runs: Iterable[RunResult]) -> list[RunResult]:
+    """The runs that count toward a figure: measured (not warm-ups) and gone well."""
+    return [r for r in runs if r.phase is not Phase.WARMUP and r.outcome is Outcome.OK]
+
+
+def _timing(good: Sequence[RunResult]) -> Timing:
+    """Sections only if every good run of the workload timed one: a ratio of two medians
+    means something only when both are the same kind of time."""
+    if good and all(r.section is not None for r in good):
+        return Timing.SECTION
+    return Timing.COMMAND
+
+
+def _of(runs: Iterable[RunResult], workload: str, neighbour: str | None) -> list[RunResult]:
+    return [r for r in runs if _in(r, workload, neighbour)]
 
 
 def _in(run: RunResult, workload: str, neighbour: str | None) -> bool:
@@ -472,8 +551,11 @@ def _in(run: RunResult, workload: str, neighbour: str | None) -> bool:
     return run.phase is phase and (run.spec.workload, run.spec.neighbour) == (workload, neighbour)
 
 
-def _overlaps(runs: Sequence[RunResult]) -> dict[tuple[int, RunSpec], float]:
-    """Each paired run's overlap with its neighbour, by round and run."""
+def _overlaps(
+    runs: Sequence[RunResult], timing: Mapping[str, Timing]
+) -> dict[tuple[int, RunSpec], float]:
+    """Each paired run's overlap with its neighbour, by round and run: of the span its
+    figures measure, the share during which the neighbour's did too."""
     by_round: dict[int, list[RunResult]] = {}
     for r in runs:
         if r.phase is Phase.PAIR:
@@ -482,7 +564,9 @@ def _overlaps(runs: Sequence[RunResult]) -> dict[tuple[int, RunSpec], float]:
     for pair in by_round.values():
         if len(pair) == 2:
             for run, other in (pair, pair[::-1]):
-                if (share := overlap(run, other)) is not None:
+                mine = window(run, timing.get(run.spec.workload, Timing.COMMAND))
+                theirs = window(other, timing.get(other.spec.workload, Timing.COMMAND))
+                if (share := overlap(mine, theirs)) is not None:
                     found[(run.round, run.spec)] = share
     return found
 
@@ -492,9 +576,11 @@ def _cell(
     neighbour: str | None,
     runs: Sequence[RunResult],
     overlaps: Mapping[tuple[int, RunSpec], float],
+    timing: Timing,
 ) -> Cell:
     counted = [r for r in runs if r.outcome is not Outcome.INTERRUPTED]
-    good = tuple(r.seconds for r in counted if r.outcome is Outcome.OK and r.seconds is not None)
+    times = [r.section_seconds if timing is Timing.SECTION else r.seconds for r in _good(counted)]
+    good = tuple(t for t in times if t is not None)
     outcomes = Counter(r.outcome for r in counted)
     peaks = [r.peak_bytes for r in counted if r.peak_bytes is not None]
     shares = [
@@ -568,18 +654,49 @@ def notes(report: Report) -> list[str]:
             "made before it was (a cell with '-' was not run)."
         )
     out.append(
-        "slowdown = median time next to the neighbour / median time alone (exec's time of "
-        "the whole command, start-up included). GPU memory is the workload's own peak, as "
-        "exec sampled it. OVER: stopped by exec for going over its declared limit; OOM: "
-        "crashed out of memory; FAIL: failed otherwise; TIMEOUT: stopped after --timeout "
-        "(n/m: in n of m runs)."
+        f"slowdown = median time next to the neighbour / median time alone. {_times(report)} "
+        "GPU memory is the workload's own peak, as exec sampled it. OVER: stopped by exec "
+        "for going over its declared limit; OOM: crashed out of memory; FAIL: failed "
+        "otherwise; TIMEOUT: stopped after --timeout (n/m: in n of m runs)."
     )
+    out += [n for n in (_timing_note(report, name) for name in report.names) if n]
     out.append(_stability(report))
     out += [_overlap_note(report, c) for c in report.partly_alone]
     problems = _problems(report)
     if problems:
         out.append("What went wrong:\n" + "\n".join(f"  - {p}" for p in problems))
     return out
+
+
+def _times(report: Report) -> str:
+    """Which time the figures are, by workload."""
+    sections = [n for n in report.names if report.timing.get(n) is Timing.SECTION]
+    commands = [n for n in report.names if n not in sections]
+    section = "the section the workload timed itself (its work, after its start-up)"
+    command = "exec's time of the whole command, start-up included"
+    if not commands:
+        return f"Times are {section}."
+    if not sections:
+        return f"Times are {command}."
+    return f"Times are {section} for {', '.join(sections)}; {command} for {', '.join(commands)}."
+
+
+def _timing_note(report: Report, name: str) -> str | None:
+    """Why a workload that timed sections in some runs is measured by whole commands."""
+    if report.timing.get(name) is not Timing.COMMAND:
+        return None
+    good = [r for r in _good(report.runs) if r.spec.workload == name]
+    timed = sum(r.section is not None for r in good)
+    problems = Counter(r.section_problem for r in report.runs
+                       if r.spec.workload == name and r.section_problem)  # fmt: skip
+    if not timed and not problems:
+        return None
+    why = "".join(f" In {n} run(s), the {TIMING_ENV} file it wrote {p}." for p, n in
+                  problems.most_common())  # fmt: skip
+    return (
+        f"{name}'s figures are exec's times of the whole command, start-up included: it "
+        f"timed its own section in only {timed} of its {len(good)} good run(s).{why}"
+    )
 
 
 def _overlap_note(report: Report, cell: Cell) -> str:
@@ -667,10 +784,7 @@ def to_json(report: Report) -> dict[str, Any]:
         "warmup": report.warmup,
         "gpu": report.gpu,
         "timeout_seconds": report.timeout,
-        "workloads": [
-            {"name": w.name, "limit_bytes": w.limit_bytes, "command": list(w.command)}
-            for w in report.workloads
-        ],
+        "workloads": [_workload_json(w, report.timing.get(w.name)) for w in report.workloads],
         "cells": [_cell_json(c) for c in report.cells],
         "stability": {
             "metric": SPREAD_METRIC,
@@ -679,6 +793,15 @@ def to_json(report: Report) -> dict[str, Any]:
             "unstable": [_where(c) | {"spread": c.spread} for c in report.unstable],
         },
         "runs": [_run_json(r) for r in report.runs],
+    }
+
+
+def _workload_json(w: Workload, timing: Timing | None) -> dict[str, Any]:
+    return {
+        "name": w.name,
+        "limit_bytes": w.limit_bytes,
+        "command": list(w.command),
+        "timing": str(timing or Timing.COMMAND),
     }
 
 
@@ -715,4 +838,8 @@ def _run_json(r: RunResult) -> dict[str, Any]:
         "peak_bytes": r.peak_bytes,
         "exit_status": r.exit_status,
         "log": r.log,
+        "section_start_monotonic": r.section[0] if r.section else None,
+        "section_end_monotonic": r.section[1] if r.section else None,
+        "section_seconds": r.section_seconds,
+        "section_problem": r.section_problem,
     }

@@ -4,7 +4,9 @@ costs.
 
 Each run is a `python -m enforcer exec --limit LIMIT --summary FILE -- CMD` subprocess in
 a session of its own. exec times the command, samples its peak GPU memory and stops it
-if it goes over its limit; its summary says which. The two runs of a pair are started
+if it goes over its limit; its summary says which. Each run is told, in
+VRAM_ENFORCER_TIMING_FILE, where it may write the section of its work it timed itself.
+The two runs of a pair are started
 together. We wait on their pidfds next to the pipe that our signal handlers write to, so
 an exit, a `--timeout` and a ^C are each seen the moment they happen, without polling.
 On SIGINT, SIGTERM or SIGHUP the runs in flight get the signal (exec passes it on to its
@@ -35,6 +37,7 @@ from typing import Any
 from enforcer.core import exec_summary
 from enforcer.core.exec_summary import ExecSummary
 from enforcer.core.interference import (
+    TIMING_ENV,
     Outcome,
     Report,
     Round,
@@ -44,6 +47,7 @@ from enforcer.core.interference import (
     analyse,
     classify,
     plan,
+    read_section,
     to_json,
     to_markdown,
     to_text,
@@ -117,6 +121,10 @@ class _Running:
     @property
     def stderr(self) -> Path:
         return _file(self.files, ".stderr")
+
+    @property
+    def timing(self) -> Path:
+        return _file(self.files, ".timing.json")
 
     def wake(self) -> float:
         """When this run next needs us: its timeout, then the SIGKILL after a stop."""
@@ -212,13 +220,14 @@ def _start(
     neighbour = f"-next-to-{spec.neighbour}" if spec.neighbour else ""
     copy = "-copy2" if spec.copy == 2 else ""
     files = runs_dir / f"{rnd.index:03d}-{rnd.phase}-{spec.workload}{neighbour}{copy}"
-    summary = _file(files, ".summary.json")
-    summary.unlink(missing_ok=True)  # a summary left by an earlier measurement is not this run's
+    summary, timing = _file(files, ".summary.json"), _file(files, ".timing.json")
+    for left in (summary, timing):  # what an earlier measurement left is not this run's
+        left.unlink(missing_ok=True)
     command = [
         sys.executable, "-m", "enforcer", "exec", "--limit", str(workload.limit_bytes),
         "--summary", str(summary), "--name", workload.name, "--", *workload.command,
     ]  # fmt: skip
-    env = dict(os.environ)
+    env = dict(os.environ, **{TIMING_ENV: str(timing)})
     if settings.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = env["NVIDIA_VISIBLE_DEVICES"] = settings.gpu
     with _file(files, ".stdout").open("wb") as out, _file(files, ".stderr").open("wb") as err:
@@ -290,6 +299,7 @@ def _abandon(running: list[_Running]) -> None:
 
 def _result(rnd: Round, r: _Running, timeout: float, keep: bool) -> RunResult:
     summary = _read_summary(r.summary)
+    section, section_problem = _read_section(r.timing, summary)
     outcome, detail = classify(
         summary, r.proc.returncode, _tail(r.stderr),
         timed_out_after=timeout if r.timed_out else None, interrupted=r.interrupted,
@@ -307,6 +317,8 @@ def _result(rnd: Round, r: _Running, timeout: float, keep: bool) -> RunResult:
         peak_bytes=summary.peak_bytes if summary else None,
         exit_status=summary.exit_status if summary else r.proc.returncode,
         log=str(r.stderr) if keep else None,
+        section=section,
+        section_problem=section_problem,
     )
 
 
@@ -318,6 +330,24 @@ def _read_summary(path: Path) -> ExecSummary | None:
     except (OSError, ValueError) as exc:
         log.warning("%s: not a summary exec wrote (%s)", path, exc)
         return None
+
+
+def _read_section(
+    path: Path, summary: ExecSummary | None
+) -> tuple[tuple[float, float] | None, str]:
+    """The section the workload timed itself, if it wrote one (most workloads do not)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, ""
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror or exc})"
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    start, end = (summary.start_monotonic, summary.end_monotonic) if summary else (None, None)
+    return read_section(doc, start, end)
 
 
 def _tail(path: Path) -> str:

@@ -4,10 +4,11 @@ compute-bound (`matmul`), memory-bandwidth-bound (`copy`), a small CNN's trainin
 
 Run one as `python -m enforcer.workloads NAME [--steps N | --scale F] [--device cuda|cpu]`.
 Each does a fixed amount of work (its steps), so that its time is the measure: next to a
-neighbour the same work takes longer. `exec` times the whole process, start-up included,
-so the default steps are sized for runs much longer than the start-up (importing
-PyTorch and creating the CUDA context: a few seconds). PyTorch is imported only once the
-arguments are valid, and nothing else of the enforcer is imported here at all.
+neighbour the same work takes longer. Each times its steps itself, after its start-up
+(importing PyTorch, creating the CUDA context, allocating its data: a few seconds), and
+writes that section to the file `interference` names in TIMING_ENV, so that the start-up
+does not dilute the slowdown. PyTorch is imported only once the arguments are valid, and
+nothing else of the enforcer is imported here at all.
 
 This module is the catalogue: names, default steps per device, GPU memory. The work
 itself is in `kernels.py`.
@@ -17,6 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+# Where `vram-enforcer interference` asks for the section a workload timed itself; the
+# same name as enforcer.core.interference.TIMING_ENV, which this package may not import.
+TIMING_ENV = "VRAM_ENFORCER_TIMING_FILE"
 
 EXIT_OUT_OF_MEMORY = 3
 EXIT_NO_TORCH = 4

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -12,6 +14,7 @@ from enforcer.workloads import (
     EXIT_NO_TORCH,
     EXIT_OUT_OF_MEMORY,
     PROFILES,
+    TIMING_ENV,
     kernels,
 )
 
@@ -23,6 +26,9 @@ STEPS = "\n".join(
 EPILOG = f"""\
 default steps (estimated: about 10 s on an H100-class GPU, 5-10 s on a CPU):
 {STEPS}
+
+timing: the steps are timed after the start-up; run by `vram-enforcer interference`, the
+section is written to the file $VRAM_ENFORCER_TIMING_FILE names, and the report uses it.
 
 exit status:
   0 done; 2 bad arguments; {EXIT_OUT_OF_MEMORY} out of memory (one line on stderr says so);
@@ -65,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    began = time.perf_counter()
+    began = time.monotonic()
     steps = args.steps or max(1, round(PROFILES[args.name].steps[args.device] * args.scale))
     try:
         import torch  # noqa: PLC0415 - heavy, and only once the arguments are valid
@@ -88,7 +94,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{args.name}: {steps} steps on {args.device} in {done - ready:.2f} s, after "
           f"{ready - began:.2f} s of start-up (PyTorch, the device, the data)",
           flush=True)  # fmt: skip
+    _write_section(ready, done)
     return 0
+
+
+def _write_section(start: float, end: float) -> None:
+    """Tell `vram-enforcer interference` which part of the run was the work. The work is
+    done either way: if the file cannot be written, the report times the whole command."""
+    path = os.environ.get(TIMING_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"start_monotonic": start, "end_monotonic": end}, f)
+    except OSError as exc:
+        print(f"{PROG}: cannot write the timed section to {TIMING_ENV}={path}: "
+              f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
 
 
 if __name__ == "__main__":

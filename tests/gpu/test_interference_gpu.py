@@ -65,8 +65,10 @@ def test_the_builtin_set_is_measured_alone_and_in_pairs_on_one_gpu(tmp_path: Pat
     for cell in report["cells"]:
         assert cell["peak_bytes"] > 256 * MiB, cell
         assert cell["neighbour"] is None or cell["slowdown"] > 0.8, cell
+    # Each built-in timed its steps itself, so the start-up does not dilute the figures.
+    assert [w["timing"] for w in report["workloads"]] == ["section"] * len(BUILTINS)
     cells = {(c["workload"], c["neighbour"]): c for c in report["cells"]}
-    # Two compute-bound kernels share the SMs: each takes longer, start-up diluting it.
-    assert cells[("matmul", "matmul")]["slowdown"] > 1.1
+    # Two compute-bound kernels time-sliced on the same SMs: each takes about twice as long.
+    assert cells[("matmul", "matmul")]["slowdown"] > 1.5
     if importlib.util.find_spec("matplotlib"):
         assert (out / "heatmap.png").read_bytes()[:4] == b"\x89PNG"

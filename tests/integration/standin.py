@@ -6,7 +6,9 @@ FILE during each slice, as a time-sliced GPU serves one context at a time: two o
 side by side take about twice as long, while a plain one next to anything does not slow
 down. It can also hold GPU memory on the fake GPU (the FAKE_NVML_STATE file, edited
 under a lock since the runs of a pair edit it at once), fail cold on its first run, crash
-out of memory, or fail; and it tells the tests its pid and the GPU it was given.
+out of memory, or fail; and it tells the tests its pid and the GPU it was given. With
+--startup it sleeps before its slices, as a framework starts, and with --section it
+writes the section of its slices to VRAM_ENFORCER_TIMING_FILE, as the built-ins do.
 """
 
 import argparse
@@ -48,6 +50,9 @@ def main() -> int:
     p.add_argument("--env", type=Path, help="write the GPU variables it was given to FILE")
     p.add_argument("--oom", action="store_true", help="crash as PyTorch does out of memory")
     p.add_argument("--fail", action="store_true", help="exit 3 with a reason")
+    p.add_argument("--startup", type=float, default=0.0, help="seconds before the slices")
+    p.add_argument("--section", action="store_true", help="write the slices' section")
+    p.add_argument("--section-text", help="write this to VRAM_ENFORCER_TIMING_FILE instead")
     args = p.parse_args()
     if args.pids:
         with args.pids.open("a") as f:
@@ -69,6 +74,8 @@ def main() -> int:
         if args.cold and not args.cold.exists():
             args.cold.touch()
             time.sleep(args.cold_extra)
+        time.sleep(args.startup)
+        began = time.monotonic()
         for _ in range(args.slices):
             if args.contend:
                 with args.contend.open("a") as gpu:
@@ -77,6 +84,12 @@ def main() -> int:
                 time.sleep(0.001)  # let a neighbour woken by the unlock take the next slice
             else:
                 time.sleep(args.slice)
+        timing = Path(os.environ["VRAM_ENFORCER_TIMING_FILE"])
+        if args.section:
+            timing.write_text(json.dumps({"start_monotonic": began,
+                                          "end_monotonic": time.monotonic()}))  # fmt: skip
+        elif args.section_text is not None:
+            timing.write_text(args.section_text)
     finally:
         if args.gpu_bytes:
             hold_gpu_memory(0)

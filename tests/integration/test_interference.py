@@ -128,6 +128,43 @@ def test_a_contended_pair_slows_down_independent_ones_do_not_and_warmups_are_lef
         assert (m.output / "heatmap.png").read_bytes()[:8] == PNG
 
 
+def test_a_workload_that_times_its_work_is_measured_without_its_start_up(
+    fake_nvml: Any, tmp_path: Path
+) -> None:
+    """0.5 s of start-up, then 30 slices of the contended 'GPU' (0.6 s alone, about twice
+    that paired). By whole commands, start-up included, its slowdown would be about 1.4x;
+    by the section it timed, about 1.8x. The other writes a section that is not one."""
+    contended = ("--contend", str(tmp_path / "gpu.lock"), "--slices", "30")
+    m = measure(
+        fake_nvml, tmp_path, "--repeat", "1", "--warmup", "0",
+        *standin("timed", "1Gi", *contended, "--startup", "0.5", "--section"),
+        *standin("garbled", "1Gi", "--slices", "5", "--section-text", "0.5 1.2"),
+    )  # fmt: skip
+    assert m.returncode == 0, m.stderr
+    assert [w["timing"] for w in m.report["workloads"]] == ["section", "command"]
+    for run in m.runs("timed"):
+        assert run["section_problem"] == ""
+        assert run["start_monotonic"] + 0.5 <= run["section_start_monotonic"]
+        assert run["section_end_monotonic"] <= run["end_monotonic"]
+    alone, paired = m.cell("timed", None), m.cell("timed", "timed")
+    assert alone["seconds"] == [m.runs("timed")[0]["section_seconds"]]
+    assert paired["slowdown"] > 1.6
+    whole = [r["seconds"] for r in m.runs("timed")]
+    assert paired["slowdown"] > (whole[-1] / whole[0]) + 0.1  # start-up no longer dilutes it
+    assert paired["overlap"] > 0.9  # the two sections, which started together
+    assert (
+        "Times are the section the workload timed itself (its work, after its start-up) "
+        "for timed; exec's time of the whole command, start-up included for garbled." in m.stdout
+    )
+    assert (
+        "garbled's figures are exec's times of the whole command, start-up included: it timed "
+        "its own section in only 0 of its 4 good run(s). In 4 run(s), the "
+        'VRAM_ENFORCER_TIMING_FILE file it wrote is not {"start_monotonic": S, '
+        '"end_monotonic": E}, on CLOCK_MONOTONIC.'
+    ) in m.stdout
+    assert len(list((m.output / "runs").glob("*.timing.json"))) == 8  # every run
+
+
 def test_over_the_limit_out_of_memory_and_failures_are_cells_and_the_rest_is_measured(
     fake_nvml: Any, tmp_path: Path
 ) -> None:

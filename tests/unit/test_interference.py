@@ -18,6 +18,7 @@ from enforcer.core.interference import (
     Report,
     RunResult,
     RunSpec,
+    Timing,
     Workload,
     analyse,
     builtin_workloads,
@@ -28,6 +29,7 @@ from enforcer.core.interference import (
     parse_gpu,
     parse_workload,
     plan,
+    read_section,
     spread,
     to_json,
     to_markdown,
@@ -236,12 +238,41 @@ def test_spread_is_the_range_over_the_median() -> None:
     assert spread([]) is None
 
 
-def test_overlap_is_the_share_of_a_run_its_neighbour_ran_too() -> None:
-    a = run(1, Phase.PAIR, "a", "b", 1.0, start=0.0)
-    b = run(1, Phase.PAIR, "b", "a", 0.25, start=0.5)
-    assert overlap(a, b) == pytest.approx(0.25)
-    assert overlap(b, a) == pytest.approx(1.0)
-    assert overlap(a, run(1, Phase.PAIR, "b", "a", None)) is None
+def test_overlap_is_the_share_of_a_span_its_neighbour_ran_too() -> None:
+    assert overlap((0.0, 1.0), (0.5, 0.75)) == pytest.approx(0.25)
+    assert overlap((0.5, 0.75), (0.0, 1.0)) == pytest.approx(1.0)
+    assert overlap((0.0, 1.0), (2.0, 3.0)) == 0.0
+    assert overlap((0.0, 1.0), None) is None
+    assert overlap((1.0, 1.0), (0.0, 2.0)) is None
+
+
+@pytest.mark.parametrize(
+    ("doc", "problem"),
+    [
+        ({"start_monotonic": 1.5, "end_monotonic": 9}, ""),
+        ({"start_monotonic": 1.0, "end_monotonic": 10.0}, ""),  # the whole run, at most
+        (None, 'is not {"start_monotonic": S, "end_monotonic": E}, on CLOCK_MONOTONIC'),
+        ([1.5, 9.0], "is not {"),
+        ({"start_monotonic": "1.5", "end_monotonic": 9.0}, "is not {"),
+        ({"start_monotonic": True, "end_monotonic": 9.0}, "is not {"),
+        ({"start_monotonic": 1.5}, "is not {"),
+        ({"start_monotonic": 9.0, "end_monotonic": 1.5}, "ends (1.500) before it starts (9.000)"),
+        ({"start_monotonic": 0.5, "end_monotonic": 9.0}, "runs from 0.500 to 9.000, outside "
+         "the command's own run, 1.000 to 10.000; write time.monotonic() (CLOCK_MONOTONIC)"),
+        ({"start_monotonic": 2.0, "end_monotonic": 10.5}, "outside the command's own run"),
+    ],
+)  # fmt: skip
+def test_a_timed_section_is_taken_only_inside_execs_own_time_of_the_run(
+    doc: object, problem: str
+) -> None:
+    section, said = read_section(doc, 1.0, 10.0)
+    assert problem in said if problem else said == ""
+    assert section == (None if problem else (doc["start_monotonic"], doc["end_monotonic"]))  # type: ignore[index]
+
+
+def test_a_section_cannot_be_checked_without_execs_time() -> None:
+    section, said = read_section({"start_monotonic": 1.0, "end_monotonic": 2.0}, None, None)
+    assert section is None and said == "cannot be checked: exec did not time the run"
 
 
 def run(
@@ -256,11 +287,14 @@ def run(
     outcome: Outcome = Outcome.OK,
     peak: int | None = None,
     detail: str = "",
+    section: tuple[float, float] | None = None,
+    section_problem: str = "",
 ) -> RunResult:
     end = None if seconds is None else start + seconds
     return RunResult(
         round, phase, 1, RunSpec(workload, neighbour, copy), outcome, detail, seconds,
-        None if seconds is None else start, end, peak,
+        None if seconds is None else start, end, peak, section=section,
+        section_problem=section_problem,
     )  # fmt: skip
 
 
@@ -348,8 +382,57 @@ def test_the_text_report() -> None:
     assert "~ a next to b ran alongside it for 18% of its time (median): b ended first " in text
     assert "(it was stopped or crashed: see below)" in text
     assert "  - b OOM (next to a 2/2): CUDA out of memory" in text
+    assert "Times are exec's time of the whole command, start-up included." in text
+    assert "timed its own section" not in text
     assert "PARTIAL" not in text
     assert "PARTIAL: the measurement was interrupted" in to_text(report(partial=True))
+
+
+def sectioned(*, b_everywhere: bool = True) -> list[RunResult]:
+    """a: 3 s of start-up, then 2 s of work alone, 4 s next to b (whose work overlaps a's
+    fully, though b's start-up is 1 s shorter); b's work: 6 s alone, 9 s next to a. The
+    whole commands: a 5 s alone and 7 s paired, b 7 s and 10 s."""
+    return [
+        run(1, Phase.SOLO, "a", None, 5.0, start=0.0, section=(3.0, 5.0)),
+        run(2, Phase.SOLO, "b", None, 7.0, start=10.0, section=(11.0, 17.0)),
+        run(3, Phase.PAIR, "a", "b", 7.0, start=20.0, section=(23.0, 27.0)),
+        run(3, Phase.PAIR, "b", "a", 10.0, start=20.0,
+            section=(21.0, 30.0) if b_everywhere else None,
+            section_problem="" if b_everywhere else "is not {...}"),
+    ]  # fmt: skip
+
+
+def test_a_workload_that_times_its_work_is_measured_by_it_not_by_its_start_up() -> None:
+    r = analyse(WORKLOADS, sectioned(), repeat=1, warmup=0, max_spread=0.1, planned_runs=5)
+    assert r.timing == {"a": Timing.SECTION, "b": Timing.SECTION}
+    assert r.cell("a", None).median == 2.0
+    assert r.cell("a", "b").slowdown == pytest.approx(2.0)  # 7 / 5 = 1.4 by whole commands
+    assert r.cell("b", "a").slowdown == pytest.approx(1.5)
+    assert r.cell("a", "b").overlap == pytest.approx(1.0)  # b's work spans a's
+    assert r.cell("b", "a").overlap == pytest.approx(4 / 9)
+    text = to_text(r)
+    assert "Times are the section the workload timed itself (its work, after its start-up)." in text
+    doc = to_json(r)
+    assert [w["timing"] for w in doc["workloads"]] == ["section", "section"]
+    assert doc["runs"][0]["section_seconds"] == 2.0 and doc["runs"][0]["seconds"] == 5.0
+
+
+def test_sections_in_only_some_runs_mean_whole_commands_and_the_report_says_why() -> None:
+    r = analyse(WORKLOADS, sectioned(b_everywhere=False), repeat=1, warmup=0, max_spread=0.1,
+                planned_runs=5)  # fmt: skip
+    assert r.timing == {"a": Timing.SECTION, "b": Timing.COMMAND}
+    assert r.cell("b", "a").slowdown == pytest.approx(10 / 7)  # the same kind of time, both
+    assert r.cell("a", "b").overlap == pytest.approx(1.0)  # against b's whole command
+    text = to_text(r)
+    assert (
+        "Times are the section the workload timed itself (its work, after its start-up) for "
+        "a; exec's time of the whole command, start-up included for b."
+    ) in text
+    assert (
+        "b's figures are exec's times of the whole command, start-up included: it timed its "
+        "own section in only 1 of its 2 good run(s). In 1 run(s), the "
+        "VRAM_ENFORCER_TIMING_FILE file it wrote is not {...}."
+    ) in text
 
 
 def test_stability_unknown_with_one_repetition() -> None:

@@ -6,12 +6,23 @@ workloads run for real in tests/gpu/test_interference_gpu.py."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
+import time
 import types
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from enforcer.workloads import EXIT_NO_DEVICE, EXIT_NO_TORCH, EXIT_OUT_OF_MEMORY, kernels
+from enforcer.core import interference
+from enforcer.workloads import (
+    EXIT_NO_DEVICE,
+    EXIT_NO_TORCH,
+    EXIT_OUT_OF_MEMORY,
+    TIMING_ENV,
+    kernels,
+)
 from enforcer.workloads.__main__ import main
 
 
@@ -69,6 +80,43 @@ def test_a_workload_runs_its_steps_and_says_how_long_they_took(
     done.clear()
     assert main(["matmul", "--scale", "0.001", "--device", "cpu"]) == 0
     assert done == [0]  # never fewer than one step
+
+
+def test_a_workload_writes_the_section_it_timed_for_interference_after_its_start_up(
+    stub_torch: types.SimpleNamespace,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    assert TIMING_ENV == interference.TIMING_ENV  # the package keeps its own copy of the name
+
+    def set_up(torch: object, device: object) -> Callable[[int], None]:
+        time.sleep(0.2)  # the start-up: data, a model
+        return lambda i: time.sleep(0.05)
+
+    monkeypatch.setitem(kernels.WORKLOADS, "matmul", set_up)
+    monkeypatch.setenv(TIMING_ENV, str(tmp_path / "timing.json"))
+    began = time.monotonic()
+    assert main(["matmul", "--steps", "2"]) == 0
+    ended = time.monotonic()
+    doc = json.loads((tmp_path / "timing.json").read_text())
+    section, problem = interference.read_section(doc, began, ended)
+    assert problem == "" and section is not None
+    assert section[0] >= began + 0.2  # after the start-up, whose sleep it does not count
+    assert section[1] - section[0] >= 0.1  # both steps
+
+
+def test_a_section_that_cannot_be_written_is_one_line_and_the_work_still_counts(
+    stub_torch: types.SimpleNamespace,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setitem(kernels.WORKLOADS, "matmul", lambda torch, device: lambda i: None)
+    monkeypatch.setenv(TIMING_ENV, str(tmp_path / "missing" / "timing.json"))
+    assert main(["matmul", "--steps", "1"]) == 0
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("python -m enforcer.workloads: cannot write the timed section to ")
+    assert line.endswith("No such file or directory")
 
 
 def test_out_of_memory_is_one_line_and_a_status_of_its_own(
