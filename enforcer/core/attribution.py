@@ -133,6 +133,14 @@ def gpu_shares(units: Iterable[UnitUsage], sample: Sample) -> tuple[GpuShare, ..
     return tuple(shares)
 
 
+def unit_activity(unit: UnitUsage, sample: Sample) -> Activity | None:
+    """How busy the unit keeps the GPUs, summed over its processes and GPUs; None when it
+    has no process on a GPU, or NVML cannot tell how busy one of them is."""
+    if not unit.processes:
+        return None
+    return _summed(share.activity for share in gpu_shares((unit,), sample))
+
+
 def _summed(activities: Iterable[Activity | None]) -> Activity | None:
     total = IDLE
     for a in activities:

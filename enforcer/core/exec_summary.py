@@ -34,7 +34,10 @@ class ExecSummary:
     Times are `exec`'s own: from the spawn of the command to the moment it was reaped, on
     CLOCK_MONOTONIC, which every process of the machine shares, so that the runs of two
     `exec`s can be laid side by side. `peak_bytes` is the largest GPU memory of the
-    command tree that a sample saw (None: never sampled with data).
+    command tree that a sample saw (None: never sampled with data). `sm_percent` and
+    `memory_percent` are its mean SM and memory-controller utilisation, summed over its
+    processes and GPUs, over the `busy_samples` samples in which it had a process on a
+    GPU and NVML could tell how busy it was (None: no such sample).
     """
 
     command: tuple[str, ...]
@@ -51,6 +54,9 @@ class ExecSummary:
     samples: int = 0  # ticks that had data
     hard_limit: bool = False  # the driver held the command to the limit as well
     events: tuple[SummaryEvent, ...] = field(default=())
+    sm_percent: float | None = None
+    memory_percent: float | None = None
+    busy_samples: int = 0
 
     @property
     def wall_seconds(self) -> float | None:
@@ -81,6 +87,9 @@ class ExecSummary:
             "samples": self.samples,
             "hard_limit": self.hard_limit,
             "exceeded_after_seconds": self.exceeded_after,
+            "sm_percent": self.sm_percent,
+            "memory_percent": self.memory_percent,
+            "busy_samples": self.busy_samples,
             "events": [
                 {"reason": e.reason, "after_seconds": e.after_seconds, "pid": e.pid,
                  "message": e.message}
@@ -117,6 +126,10 @@ def from_json(doc: object) -> ExecSummary:
                 )
                 for e in doc["events"]
             ),
+            # Summaries written before utilisation was read have none.
+            sm_percent=_optional(doc.get("sm_percent"), float),
+            memory_percent=_optional(doc.get("memory_percent"), float),
+            busy_samples=int(doc.get("busy_samples", 0)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"a malformed exec summary ({exc!r})") from None

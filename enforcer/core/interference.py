@@ -349,6 +349,8 @@ class RunResult:
     log: str | None = None  # the run's stderr, when it was kept (--output)
     section: tuple[float, float] | None = None  # what the workload timed itself (TIMING_ENV)
     section_problem: str = ""  # why a section it wrote was not taken
+    sm_percent: float | None = None  # its mean SM utilisation on the GPU, as exec sampled it
+    memory_percent: float | None = None  # and memory-controller utilisation
 
     @property
     def section_seconds(self) -> float | None:
@@ -437,6 +439,8 @@ class Cell:
     slowdown: float | None = None  # median over the median alone
     overlap: float | None = None  # median share of its time next to a running neighbour
     problems: tuple[tuple[Outcome, str, int], ...] = ()  # why runs went wrong, and how often
+    sm_percent: float | None = None  # median over the good runs of their mean SM utilisation
+    memory_percent: float | None = None
 
     @property
     def runs(self) -> int:
@@ -589,6 +593,8 @@ def _cell(
         if r.outcome is Outcome.OK and (r.round, r.spec) in overlaps
     ]
     problems = Counter((r.outcome, r.detail) for r in counted if r.outcome is not Outcome.OK)
+    sm = [r.sm_percent for r in _good(counted) if r.sm_percent is not None]
+    memory = [r.memory_percent for r in _good(counted) if r.memory_percent is not None]
     return Cell(
         workload=workload,
         neighbour=neighbour,
@@ -599,6 +605,8 @@ def _cell(
         spread=spread(good),
         overlap=statistics.median(shares) if shares else None,
         problems=tuple((o, detail, n) for (o, detail), n in problems.most_common()),
+        sm_percent=statistics.median(sm) if sm else None,
+        memory_percent=statistics.median(memory) if memory else None,
     )
 
 
@@ -619,6 +627,8 @@ def cell_text(cell: Cell, max_spread: float) -> str:
     parts += cell.failure_marks
     if cell.peak_bytes is not None:
         parts.append(format_bytes(cell.peak_bytes))
+    if cell.neighbour is None and cell.sm_percent is not None:
+        parts.append(f"SM {cell.sm_percent:.0f}%")
     marks = cell.marks(max_spread)
     return " ".join(parts) + (f" {marks}" if marks else "")
 
@@ -655,7 +665,10 @@ def notes(report: Report) -> list[str]:
         )
     out.append(
         f"slowdown = median time next to the neighbour / median time alone. {_times(report)} "
-        "GPU memory is the workload's own peak, as exec sampled it. OVER: stopped by exec "
+        "GPU memory is the workload's own peak, as exec sampled it; SM, its mean SM "
+        "utilisation alone while it had a process on the GPU (NVML's per-process samples; "
+        "memory-controller utilisation, and both next to each neighbour, are in "
+        "report.json). OVER: stopped by exec "
         "for going over its declared limit; OOM: crashed out of memory; FAIL: failed "
         "otherwise; TIMEOUT: stopped after --timeout (n/m: in n of m runs)."
     )
@@ -818,6 +831,8 @@ def _cell_json(c: Cell) -> dict[str, Any]:
         "peak_bytes": c.peak_bytes,
         "outcomes": {str(o): n for o, n in c.outcomes},
         "overlap": c.overlap,
+        "sm_percent": c.sm_percent,
+        "memory_percent": c.memory_percent,
         "problems": [{"outcome": str(o), "detail": d, "runs": n} for o, d, n in c.problems],
     }
 
@@ -842,4 +857,6 @@ def _run_json(r: RunResult) -> dict[str, Any]:
         "section_end_monotonic": r.section[1] if r.section else None,
         "section_seconds": r.section_seconds,
         "section_problem": r.section_problem,
+        "sm_percent": r.sm_percent,
+        "memory_percent": r.memory_percent,
     }

@@ -49,7 +49,7 @@ def write_heatmap(report: Report, path: Path) -> str | None:
             ax.text(j, i, _label(cell, report.max_spread), ha="center", va="center",
                     fontsize=8, color="white" if dark else "black")  # fmt: skip
     ax.set_xticks(range(size), [f"next to {n}" for n in names], rotation=30, ha="right")
-    ax.set_yticks(range(size), names)
+    ax.set_yticks(range(size), [_row(report.cell(n, None)) for n in names])
     ax.set_xlabel(f"* repetitions spread more than {report.max_spread:.0%}\n~ the neighbour "
                   "ended first\nhatched: runs that went wrong", fontsize=7)  # fmt: skip
     title = "Slowdown next to a neighbour (time / time alone)"
@@ -57,6 +57,14 @@ def write_heatmap(report: Report, path: Path) -> str | None:
     figure.colorbar(image, ax=ax, label="slowdown (x)")
     figure.savefig(path, dpi=120)
     return None
+
+
+def _row(alone: Cell) -> str:
+    """A row's name, with how busy the workload keeps the GPU alone: what it asks of the
+    SMs, next to what a neighbour costs it."""
+    if alone.sm_percent is None:
+        return alone.workload
+    return f"{alone.workload}\nSM {alone.sm_percent:.0f}% alone"
 
 
 def _label(cell: Cell, max_spread: float) -> str:

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from enforcer.core import messages
-from enforcer.core.attribution import attribute
+from enforcer.core.attribution import attribute, unit_activity
 from enforcer.core.exec_summary import ExecSummary, SummaryEvent
 from enforcer.core.hard_limits import LimitOutcome, LimitResult, mig_gpus, per_gpu
-from enforcer.core.model import ProcessKey, Sample, UnitUsage, format_bytes
+from enforcer.core.model import IDLE, Activity, ProcessKey, Sample, UnitUsage, format_bytes
 from enforcer.core.policy import Reason
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge import logs
@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 EXIT_USAGE = 2  # our own failure to start: bad flags, no NVML, wrong namespace
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
+
+# How often per-process utilisation is read from NVML: for the metrics and the summary's
+# mean. Often enough for a run of a few seconds to have samples; a read costs about as
+# much as one pass over memory, so twice a second is nothing next to the 10 passes.
+UTILISATION_EVERY = 0.5
 
 _PR_SET_CHILD_SUBREAPER = 36
 _SI_KERNEL = 0x80  # si_code of signals the kernel generates (the terminal's ^C)
@@ -67,9 +72,12 @@ class TreeAttributor:
         # so is a process whose ancestry could not be read: it is read again next tick.
         self._known: dict[ProcessKey, str | None] = {}
         # The largest usage of the tree that a sample showed, and how many samples had
-        # data (only those are attributed), for --summary.
+        # data (only those are attributed), for --summary; with its utilisation summed
+        # over the samples that could tell it, for the mean.
         self.peak_bytes: int | None = None
         self.samples = 0
+        self.busy = IDLE
+        self.busy_samples = 0
 
     def _is_member(self, pid: int) -> bool:
         return self._procfs.is_descendant(pid, self._root) is True
@@ -97,7 +105,17 @@ class TreeAttributor:
         units = attribute(sample, dict.fromkeys(cmdlines, self._name), self._limits, cmdlines)
         self.samples += 1
         self.peak_bytes = max([self.peak_bytes or 0, *(u.used_bytes for u in units)])
+        for unit in units:
+            if (busy := unit_activity(unit, sample)) is not None:
+                self.busy = Activity(self.busy.sm_percent + busy.sm_percent,
+                                     self.busy.memory_percent + busy.memory_percent)  # fmt: skip
+                self.busy_samples += 1
         return units
+
+    def mean_activity(self) -> tuple[float | None, float | None]:
+        """The tree's mean SM and memory-controller utilisation, in percent."""
+        n = self.busy_samples
+        return (self.busy.sm_percent / n, self.busy.memory_percent / n) if n else (None, None)
 
     def membership(self, unit: str) -> Membership:
         return self._is_member
@@ -191,6 +209,7 @@ class _Record:
             self.events.append(SummaryEvent(str(report.reason), after, report.message, report.pid))
 
     def summary(self, settings: ExecSettings, status: int) -> ExecSummary:
+        sm, memory = self.tree.mean_activity() if self.tree else (None, None)
         return ExecSummary(
             command=settings.command,
             limit_bytes=settings.limit_bytes,
@@ -206,6 +225,9 @@ class _Record:
             samples=self.tree.samples if self.tree else 0,
             hard_limit=self.hard_limit,
             events=tuple(self.events),
+            sm_percent=sm,
+            memory_percent=memory,
+            busy_samples=self.tree.busy_samples if self.tree else 0,
         )
 
 
@@ -238,7 +260,7 @@ def _run(settings: ExecSettings, record: _Record) -> int:
     with _blocked_signals():
         try:
             view = _pid_view(settings)
-            nvml = Nvml()
+            nvml = Nvml(utilisation_every=UTILISATION_EVERY)
             nvml.init()
         except StartupError as exc:
             log.error("%s", exc)

@@ -193,6 +193,8 @@ def _workdir(output: str | None) -> contextlib.AbstractContextManager[str]:
 
 def _said(result: RunResult) -> str:
     took = f"{result.seconds:.2f} s" if result.seconds is not None else "no time"
+    if result.section_seconds is not None:
+        took += f" (timed work {result.section_seconds:.2f} s)"
     peak = format_bytes(result.peak_bytes) if result.peak_bytes is not None else "peak unknown"
     tail = f" ({result.detail})" if result.detail else ""
     return f"{result.spec.label} {took}, {peak}, {result.outcome}{tail}"
@@ -319,6 +321,8 @@ def _result(rnd: Round, r: _Running, timeout: float, keep: bool) -> RunResult:
         log=str(r.stderr) if keep else None,
         section=section,
         section_problem=section_problem,
+        sm_percent=summary.sm_percent if summary else None,
+        memory_percent=summary.memory_percent if summary else None,
     )
 
 

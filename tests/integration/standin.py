@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 
 
-def hold_gpu_memory(used: int) -> None:
-    """Report this process holding `used` bytes on the fake GPU (0: nothing)."""
+def hold_gpu_memory(used: int, sm: int = 0, memory: int = 0) -> None:
+    """Report this process holding `used` bytes on the fake GPU (0: nothing), keeping its
+    SMs `sm` % and its memory controller `memory` % busy."""
     state = Path(os.environ["FAKE_NVML_STATE"])
     with state.with_name(state.name + ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -30,7 +31,8 @@ def hold_gpu_memory(used: int) -> None:
         device = doc["devices"][0]
         procs = [p for p in device["compute_processes"] if p["pid"] != os.getpid()]
         if used:
-            procs.append({"pid": os.getpid(), "used_bytes": used})
+            procs.append({"pid": os.getpid(), "used_bytes": used, "sm_util": sm,
+                          "mem_util": memory})  # fmt: skip
         device["compute_processes"] = procs
         device["used_bytes"] = min(device["total_bytes"], sum(p["used_bytes"] for p in procs))
         tmp = state.with_name(f".{state.name}.{os.getpid()}.tmp")
@@ -38,12 +40,14 @@ def hold_gpu_memory(used: int) -> None:
         os.replace(tmp, state)
 
 
-def main() -> int:
+def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--slices", type=int, default=20)
     p.add_argument("--slice", type=float, default=0.02, help="seconds")
     p.add_argument("--contend", type=Path, help="the shared 'GPU': a file to flock")
     p.add_argument("--gpu-bytes", type=int, default=0)
+    p.add_argument("--sm", type=int, default=0, help="percent SM utilisation, with --gpu-bytes")
+    p.add_argument("--mem", type=int, default=0, help="percent memory-controller utilisation")
     p.add_argument("--cold", type=Path, help="sleep --cold-extra more unless FILE exists")
     p.add_argument("--cold-extra", type=float, default=1.0)
     p.add_argument("--pids", type=Path, help="append this process's pid to FILE")
@@ -53,7 +57,11 @@ def main() -> int:
     p.add_argument("--startup", type=float, default=0.0, help="seconds before the slices")
     p.add_argument("--section", action="store_true", help="write the slices' section")
     p.add_argument("--section-text", help="write this to VRAM_ENFORCER_TIMING_FILE instead")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> int:
+    args = arguments()
     if args.pids:
         with args.pids.open("a") as f:
             f.write(f"{os.getpid()}\n")
@@ -70,7 +78,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         if args.gpu_bytes:
-            hold_gpu_memory(args.gpu_bytes)
+            hold_gpu_memory(args.gpu_bytes, args.sm, args.mem)
         if args.cold and not args.cold.exists():
             args.cold.touch()
             time.sleep(args.cold_extra)

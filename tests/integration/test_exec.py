@@ -452,14 +452,22 @@ def test_summary_of_a_compliant_run(run: Run) -> None:
     summary = run.tmp / "summary.json"
     run.start("--limit", "4Gi", "--summary", str(summary), worker=("--exit", "3"))
     w = run.worker()
-    run.use(w["pid"], 1 * GiB)
+    run.gpu.state.set_process(0, w["pid"], 1 * GiB)
+    run.gpu.state.set_utilization(0, w["pid"], sm=80, memory=30)
+    run.gpu.write()
     run.saw(1 * GiB)
+    busy = f'vram_enforcer_container_gpu_sm_utilization_ratio{{container="{run.name}",'
+    wait_for(lambda: busy in run.metrics(), what="a utilisation read (twice a second)")
     run.release()
     assert run.wait() == 3, run.stderr
     doc = json.loads(summary.read_text())
     assert doc["version"] == 1 and doc["started"] is True
     assert doc["exit_status"] == 3 and doc["signal"] is None
     assert doc["peak_bytes"] == 1 * GiB and doc["samples"] >= 1
+    # The mean over the samples that could tell: the first read after the process appears
+    # does not know it yet, and counts neither as busy nor as idle.
+    assert doc["sm_percent"] == 80 and doc["memory_percent"] == 30
+    assert 1 <= doc["busy_samples"] <= doc["samples"]
     assert doc["limit_bytes"] == 4 * GiB and doc["action"] == "terminate"
     assert doc["events"] == [] and doc["exceeded_after_seconds"] is None
     assert doc["command"][:2] == [sys.executable, str(WORKER)]

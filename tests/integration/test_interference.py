@@ -133,12 +133,15 @@ def test_a_workload_that_times_its_work_is_measured_without_its_start_up(
 ) -> None:
     """0.5 s of start-up, then 30 slices of the contended 'GPU' (0.6 s alone, about twice
     that paired). By whole commands, start-up included, its slowdown would be about 1.4x;
-    by the section it timed, about 1.8x. The other writes a section that is not one."""
+    by the section it timed, about 1.8x. The other writes a section that is not one, and
+    keeps the fake GPU's SMs 40% busy for 2 s: long enough for exec's utilisation reads
+    (twice a second; a process is known from the second read that lists it)."""
     contended = ("--contend", str(tmp_path / "gpu.lock"), "--slices", "30")
     m = measure(
         fake_nvml, tmp_path, "--repeat", "1", "--warmup", "0",
         *standin("timed", "1Gi", *contended, "--startup", "0.5", "--section"),
-        *standin("garbled", "1Gi", "--slices", "5", "--section-text", "0.5 1.2"),
+        *standin("garbled", "1Gi", "--slices", "100", "--section-text", "0.5 1.2",
+                 "--gpu-bytes", str(256 * MiB), "--sm", "40", "--mem", "10"),
     )  # fmt: skip
     assert m.returncode == 0, m.stderr
     assert [w["timing"] for w in m.report["workloads"]] == ["section", "command"]
@@ -163,6 +166,11 @@ def test_a_workload_that_times_its_work_is_measured_without_its_start_up(
         '"end_monotonic": E}, on CLOCK_MONOTONIC.'
     ) in m.stdout
     assert len(list((m.output / "runs").glob("*.timing.json"))) == 8  # every run
+    garbled = m.cell("garbled", None)
+    assert (garbled["sm_percent"], garbled["memory_percent"]) == (40, 10)
+    assert m.cell("timed", None)["sm_percent"] is None  # it holds no GPU memory
+    row = next(line for line in m.stdout.splitlines() if line.startswith("garbled "))
+    assert "256.00 MiB SM 40%" in row
 
 
 def test_over_the_limit_out_of_memory_and_failures_are_cells_and_the_rest_is_measured(

@@ -1,4 +1,10 @@
-from enforcer.core.attribution import attribute, gpu_shares, reported_only, tenants_per_gpu
+from enforcer.core.attribution import (
+    attribute,
+    gpu_shares,
+    reported_only,
+    tenants_per_gpu,
+    unit_activity,
+)
 from enforcer.core.model import (
     Activity,
     Device,
@@ -73,6 +79,20 @@ def test_gpu_shares_sum_memory_and_utilisation_per_unit_and_gpu() -> None:
         GpuShare("trainer", "GPU-0", 4 * GiB, Activity(85, 25)),
         GpuShare("trainer", "GPU-1", 2 * GiB, Activity(0, 0)),
     ]
+
+
+def test_a_units_activity_is_summed_over_its_processes_and_gpus_or_unknown() -> None:
+    s = sample(
+        ProcessUsage(A, "GPU-0", 3 * GiB, (), Activity(60, 20)),
+        ProcessUsage(B, "GPU-0", 1 * GiB, (), Activity(25, 5)),
+        ProcessUsage(B, "GPU-1", 2 * GiB, (), Activity(10, 1)),
+        ProcessUsage(C, "GPU-0", GiB, (), None),  # listed since NVML's last read
+    )
+    limits = {"trainer": 8 * GiB, "tools": GiB, "idle": GiB}
+    units = {u.name: u for u in attribute(s, {A: "trainer", B: "trainer", C: "tools"}, limits)}
+    assert unit_activity(units["trainer"], s) == Activity(95, 26)
+    assert unit_activity(units["tools"], s) is None  # cannot tell: not idle
+    assert unit_activity(units["idle"], s) is None  # on no GPU: nothing to tell
 
 
 def test_a_gpu_bound_unit_has_a_share_on_its_gpu_even_when_idle() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -433,6 +434,24 @@ def test_sections_in_only_some_runs_mean_whole_commands_and_the_report_says_why(
         "own section in only 1 of its 2 good run(s). In 1 run(s), the "
         "VRAM_ENFORCER_TIMING_FILE file it wrote is not {...}."
     ) in text
+
+
+def test_utilisation_is_the_median_of_the_good_runs_and_shown_alone() -> None:
+    runs = [
+        replace(run(1, Phase.SOLO, "a", None, 1.0), sm_percent=90.0, memory_percent=10.0),
+        replace(run(2, Phase.SOLO, "a", None, 1.0), sm_percent=94.0, memory_percent=12.0),
+        replace(run(3, Phase.SOLO, "a", None, 1.0), sm_percent=99.0, outcome=Outcome.FAILED),
+        run(4, Phase.SOLO, "b", None, 1.0),  # no utilisation known
+        replace(run(5, Phase.PAIR, "a", "b", 2.0), sm_percent=48.0),
+        run(5, Phase.PAIR, "b", "a", 2.0),
+    ]
+    r = analyse(WORKLOADS, runs, repeat=2, warmup=0, max_spread=0.5, planned_runs=7)
+    assert (r.cell("a", None).sm_percent, r.cell("a", None).memory_percent) == (92.0, 11.0)
+    assert r.cell("a", "b").sm_percent == 48.0 and r.cell("b", None).sm_percent is None
+    row_a = next(line for line in to_text(r).splitlines() if line.startswith("a "))
+    assert "SM 92%" in row_a and "SM 48%" not in row_a  # the table shows it alone only
+    cell = next(c for c in to_json(r)["cells"] if (c["workload"], c["neighbour"]) == ("a", "b"))
+    assert cell["sm_percent"] == 48.0
 
 
 def test_stability_unknown_with_one_repetition() -> None:
