@@ -36,8 +36,8 @@ class ExecSummary:
     `exec`s can be laid side by side. `peak_bytes` is the largest GPU memory of the
     command tree that a sample saw (None: never sampled with data). `sm_percent` and
     `memory_percent` are its mean SM and memory-controller utilisation, summed over its
-    processes and GPUs, over the `busy_samples` samples in which it had a process on a
-    GPU and NVML could tell how busy it was (None: no such sample).
+    processes and GPUs, over the `busy_samples` times (twice a second) it had a process
+    on a GPU and NVML could tell how busy it was (None: never).
     """
 
     command: tuple[str, ...]
