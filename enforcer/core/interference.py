@@ -663,14 +663,14 @@ def notes(report: Report) -> list[str]:
             "PARTIAL: the measurement was interrupted; these figures cover only the runs "
             "made before it was (a cell with '-' was not run)."
         )
+    sm = any(report.cell(n, None).sm_percent is not None for n in report.names)
     out.append(
         f"slowdown = median time next to the neighbour / median time alone. {_times(report)} "
-        "GPU memory is the workload's own peak, as exec sampled it; SM, its mean SM "
-        "utilisation alone while it had a process on the GPU (NVML's per-process samples; "
-        "memory-controller utilisation, and both next to each neighbour, are in "
-        "report.json). OVER: stopped by exec "
-        "for going over its declared limit; OOM: crashed out of memory; FAIL: failed "
-        "otherwise; TIMEOUT: stopped after --timeout (n/m: in n of m runs)."
+        "GPU memory is the workload's own peak, as exec sampled it"
+        + (SM_LEGEND if sm else "")
+        + ". OVER: stopped by exec for going over its declared limit; OOM: crashed out of "
+        "memory; FAIL: failed otherwise; TIMEOUT: stopped after --timeout (n/m: in n of m "
+        "runs)."
     )
     out += [n for n in (_timing_note(report, name) for name in report.names) if n]
     out.append(_stability(report))
@@ -679,6 +679,13 @@ def notes(report: Report) -> list[str]:
     if problems:
         out.append("What went wrong:\n" + "\n".join(f"  - {p}" for p in problems))
     return out
+
+
+SM_LEGEND = (
+    "; SM, its mean SM utilisation alone while it had a process on the GPU (NVML's "
+    "per-process samples; memory-controller utilisation, and both next to each neighbour, "
+    "are in report.json)"
+)
 
 
 def _times(report: Report) -> str:
@@ -700,8 +707,7 @@ def _timing_note(report: Report, name: str) -> str | None:
         return None
     good = [r for r in _good(report.runs) if r.spec.workload == name]
     timed = sum(r.section is not None for r in good)
-    problems = Counter(r.section_problem for r in report.runs
-                       if r.spec.workload == name and r.section_problem)  # fmt: skip
+    problems = Counter(r.section_problem for r in good if r.section_problem)
     if not timed and not problems:
         return None
     why = "".join(f" In {n} run(s), the {TIMING_ENV} file it wrote {p}." for p, n in

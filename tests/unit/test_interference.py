@@ -384,6 +384,7 @@ def test_the_text_report() -> None:
     assert "(it was stopped or crashed: see below)" in text
     assert "  - b OOM (next to a 2/2): CUDA out of memory" in text
     assert "Times are exec's time of the whole command, start-up included." in text
+    assert "SM, its mean SM utilisation" not in text  # none was known
     assert "timed its own section" not in text
     assert "PARTIAL" not in text
     assert "PARTIAL: the measurement was interrupted" in to_text(report(partial=True))
@@ -450,6 +451,7 @@ def test_utilisation_is_the_median_of_the_good_runs_and_shown_alone() -> None:
     assert r.cell("a", "b").sm_percent == 48.0 and r.cell("b", None).sm_percent is None
     row_a = next(line for line in to_text(r).splitlines() if line.startswith("a "))
     assert "SM 92%" in row_a and "SM 48%" not in row_a  # the table shows it alone only
+    assert "; SM, its mean SM utilisation alone while it had a process" in to_text(r)
     cell = next(c for c in to_json(r)["cells"] if (c["workload"], c["neighbour"]) == ("a", "b"))
     assert cell["sm_percent"] == 48.0
 
