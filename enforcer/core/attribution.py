@@ -146,7 +146,7 @@ def _summed(activities: Iterable[Activity | None]) -> Activity | None:
     for a in activities:
         if a is None:
             return None
-        total = Activity(total.sm_percent + a.sm_percent, total.memory_percent + a.memory_percent)
+        total += a
     return total
 
 

@@ -583,7 +583,8 @@ def _cell(
     timing: Timing,
 ) -> Cell:
     counted = [r for r in runs if r.outcome is not Outcome.INTERRUPTED]
-    times = [r.section_seconds if timing is Timing.SECTION else r.seconds for r in _good(counted)]
+    went_well = _good(counted)
+    times = [r.section_seconds if timing is Timing.SECTION else r.seconds for r in went_well]
     good = tuple(t for t in times if t is not None)
     outcomes = Counter(r.outcome for r in counted)
     peaks = [r.peak_bytes for r in counted if r.peak_bytes is not None]
@@ -593,8 +594,8 @@ def _cell(
         if r.outcome is Outcome.OK and (r.round, r.spec) in overlaps
     ]
     problems = Counter((r.outcome, r.detail) for r in counted if r.outcome is not Outcome.OK)
-    sm = [r.sm_percent for r in _good(counted) if r.sm_percent is not None]
-    memory = [r.memory_percent for r in _good(counted) if r.memory_percent is not None]
+    sm = [r.sm_percent for r in went_well if r.sm_percent is not None]
+    memory = [r.memory_percent for r in went_well if r.memory_percent is not None]
     return Cell(
         workload=workload,
         neighbour=neighbour,

@@ -52,6 +52,12 @@ class Activity:
     sm_percent: int
     memory_percent: int
 
+    def __add__(self, other: Activity) -> Activity:
+        """Two processes' (or one process's on two GPUs) activity together."""
+        return Activity(
+            self.sm_percent + other.sm_percent, self.memory_percent + other.memory_percent
+        )
+
 
 IDLE = Activity(0, 0)
 

@@ -24,7 +24,7 @@ from enforcer.core import messages
 from enforcer.core.attribution import attribute, unit_activity
 from enforcer.core.exec_summary import ExecSummary, SummaryEvent
 from enforcer.core.hard_limits import LimitOutcome, LimitResult, mig_gpus, per_gpu
-from enforcer.core.model import IDLE, Activity, ProcessKey, Sample, UnitUsage, format_bytes
+from enforcer.core.model import IDLE, ProcessKey, Sample, UnitUsage, format_bytes
 from enforcer.core.policy import Reason
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge import logs
@@ -116,8 +116,7 @@ class TreeAttributor:
     def _add_busy(self, units: tuple[UnitUsage, ...], sample: Sample) -> None:
         for unit in units:
             if (busy := unit_activity(unit, sample)) is not None:
-                self.busy = Activity(self.busy.sm_percent + busy.sm_percent,
-                                     self.busy.memory_percent + busy.memory_percent)  # fmt: skip
+                self.busy += busy
                 self.busy_samples += 1
 
     def mean_activity(self) -> tuple[float | None, float | None]:
