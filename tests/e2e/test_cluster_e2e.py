@@ -247,7 +247,8 @@ def test_hard_limits_land_on_the_cgroups_the_real_kubelet_makes(installed: Clust
     assert f"{node.cgroup_root}/kubepods/besteffort/pod{pod.metadata.uid}" in pod_dir
     assert found[pod_dir] == 2 * GiB
     assert found[f"{pod_dir}/{container_id}"] == 2 * GiB
-    assert events(core, "default", "limited", "VRAMHardLimit")
+    wait_for(lambda: events(core, "default", "limited", "VRAMHardLimit"), timeout=30,
+             what="the VRAMHardLimit Event (sent after the limit, from a background thread)")  # fmt: skip
     core.delete_namespaced_pod("limited", "default")
     wait_for(lambda: gone(core, "default", "limited"), timeout=60, what="the pod to be gone")
     assert "Traceback" not in installed.agent.log()
@@ -302,7 +303,8 @@ def test_restart_makes_the_kubelet_restart_the_container(installed: Cluster) -> 
         )  # fmt: skip
     finally:
         installed.use(holder, None)
-    (enforced, *_) = events(core, OPTED_IN, "trainer-1", "VRAMEnforced")
+    (enforced, *_) = wait_for(lambda: events(core, OPTED_IN, "trainer-1", "VRAMEnforced"),
+                              timeout=30, what="the VRAMEnforced Event")  # fmt: skip
     assert enforced.involved_object.field_path == "spec.containers{trainer}"
     core.delete_namespaced_pod("trainer-1", OPTED_IN)
     wait_for(lambda: gone(core, OPTED_IN, "trainer-1"), timeout=60, what="the pod to be gone")

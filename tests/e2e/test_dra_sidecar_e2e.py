@@ -207,8 +207,9 @@ def test_a_claim_that_cannot_be_mapped_to_a_gpu_is_reported_and_signals_nothing(
         assert "container 'trainer' is not enforced on any GPU" in event.message
         assert event.type == "Warning"
         assert alive(trainer)
-        enforced = {e.involved_object.field_path for e in events(api, pod.name, "VRAMEnforced")}
-        assert enforced == {"spec.containers{undeclared}"}
+        # Events go out from a background thread: the kill comes first, its Event after it
+        enforced = wait_for(lambda: events(api, pod.name, "VRAMEnforced"), what="the kill's Event")
+        assert {e.involved_object.field_path for e in enforced} == {"spec.containers{undeclared}"}
         node.use({trainer: None, sneaky: None})
         assert sidecar.stop() == 0
     finally:
