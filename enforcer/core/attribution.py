@@ -138,7 +138,9 @@ def unit_activity(unit: UnitUsage, sample: Sample) -> Activity | None:
     has no process on a GPU, or NVML cannot tell how busy one of them is."""
     if not unit.processes:
         return None
-    return _summed(share.activity for share in gpu_shares((unit,), sample))
+    # The sum of gpu_shares' activities, without building them: exec adds it up every tick.
+    activity = {(p.key, p.device_uuid): p.activity for p in sample.processes}
+    return _summed(activity.get((p.key, gpu)) for p in unit.processes for gpu, _ in p.by_device)
 
 
 def _summed(activities: Iterable[Activity | None]) -> Activity | None:

@@ -36,8 +36,9 @@ class ExecSummary:
     `exec`s can be laid side by side. `peak_bytes` is the largest GPU memory of the
     command tree that a sample saw (None: never sampled with data). `sm_percent` and
     `memory_percent` are its mean SM and memory-controller utilisation, summed over its
-    processes and GPUs, over the `busy_samples` times (twice a second) it had a process
-    on a GPU and NVML could tell how busy it was (None: never).
+    processes and GPUs, over the `busy_samples` samples (one per `--interval`) in which it
+    had a process on a GPU and NVML could tell how busy it was (None: never); each sample
+    carries NVML's latest utilisation read, made twice a second.
     """
 
     command: tuple[str, ...]

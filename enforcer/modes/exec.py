@@ -78,7 +78,6 @@ class TreeAttributor:
         self.samples = 0
         self.busy = IDLE
         self.busy_samples = 0
-        self._next_busy = 0.0
 
     def _is_member(self, pid: int) -> bool:
         return self._procfs.is_descendant(pid, self._root) is True
@@ -106,18 +105,14 @@ class TreeAttributor:
         units = attribute(sample, dict.fromkeys(cmdlines, self._name), self._limits, cmdlines)
         self.samples += 1
         self.peak_bytes = max([self.peak_bytes or 0, *(u.used_bytes for u in units)])
-        if (now := time.monotonic()) >= self._next_busy:
-            # Utilisation changes only when NVML's is read, so it is summed at that pace:
-            # a tick of a large tree would otherwise pay for it ten times a second.
-            self._next_busy = now + UTILISATION_EVERY
-            self._add_busy(units, sample)
-        return units
-
-    def _add_busy(self, units: tuple[UnitUsage, ...], sample: Sample) -> None:
+        # Summed on every tick, so the mean counts every reading the metrics showed. (Summing
+        # on a clock of its own, at NVML's pace, could miss a reading: a short busy spell
+        # was exported but absent from the summary.)
         for unit in units:
             if (busy := unit_activity(unit, sample)) is not None:
                 self.busy += busy
                 self.busy_samples += 1
+        return units
 
     def mean_activity(self) -> tuple[float | None, float | None]:
         """The tree's mean SM and memory-controller utilisation, in percent."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.model import Activity, GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.exec import TreeAttributor
 from enforcer.modes.sidecar import ALONE_FOR, POD_UNIT, AloneDetector, ContainerAttributor
@@ -178,6 +178,30 @@ def test_the_command_tree_forgets_a_process_whose_ancestry_could_not_be_read(
     (unit,) = tree.attribute(usage)
     assert [p.key for p in unit.processes] == [child]
     assert tree.membership("job")(900001)
+
+
+def test_the_command_tree_counts_every_sample_that_knew_how_busy_it_was(tmp_path: Path) -> None:
+    """exec's mean utilisation: a sample that NVML could not yet tell about counts neither as
+    busy nor idle, and the very next one that could is in the mean (it is in the metrics)."""
+    me = os.getpid()
+    proc = tmp_path / "proc"
+    for pid, ppid in ((me, 1), (900001, me)):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "stat").write_text(f"{pid} (x) S {ppid} " + " ".join(["0"] * 30))
+        set_start_time(proc, pid, 4242)
+    tree = TreeAttributor(ProcFs(proc), "job", GiB)
+    child = ProcessKey(900001, 4242)
+
+    def busy(activity: Activity | None) -> Sample:
+        return Sample(0.0, (), (ProcessUsage(child, "GPU-0", GiB, activity=activity),))
+
+    assert tree.mean_activity() == (None, None)
+    tree.attribute(busy(None))  # listed since NVML's last utilisation read
+    assert (tree.samples, tree.busy_samples) == (1, 0)
+    tree.attribute(busy(Activity(80, 30)))
+    tree.attribute(busy(Activity(40, 10)))
+    assert (tree.samples, tree.busy_samples) == (3, 2)
+    assert tree.mean_activity() == (60, 20)
 
 
 def only_the_trainer(proc: Path) -> Path:
