@@ -40,6 +40,7 @@ from enforcer.edge.metrics import MetricsPortError, WebhookTelemetry, serve_metr
 log = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 MAX_BODY = 4 * 1024 * 1024  # the API server's own request limit is 3 MiB
 IO_TIMEOUT = 10.0
 
@@ -320,6 +321,10 @@ def _shut(handler: _Handler) -> None:
 
 
 def run(settings: WebhookSettings) -> int:
+    # Blocked before any thread starts, so every thread inherits the mask and only the
+    # sigwait() below takes the signals. (A handler setting an Event lost a SIGTERM that
+    # the kernel delivered to a connection's thread: the main thread slept on.)
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     admission = settings.admission
     if admission.sidecar_mode == "auto":
         # The kubernetes client (about 40 MiB) is loaded only for this one question.
@@ -365,17 +370,13 @@ def run(settings: WebhookSettings) -> int:
         log.error("%s", exc, exc_info=logs.detail(exc))
         server.server_close()
         return EXIT_USAGE
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: stop.set())
     serving = threading.Thread(target=server.serve_forever, name="webhook", daemon=True)
     serving.start()
     log.info("serving admission reviews on https://%s:%d/mutate (sidecar %s, %s mode)",
              settings.address, server.server_address[1], admission.sidecar_image,
              admission.sidecar_mode)  # fmt: skip
-    while not stop.wait(3600):
-        pass
-    log.info("shutting down: finishing requests in flight")
+    received = signal.sigwait(_STOP_SIGNALS)
+    log.info("%s: shutting down, finishing requests in flight", signal.Signals(received).name)
     server.drain()
     if metrics is not None:
         metrics.close()
