@@ -99,15 +99,18 @@ def test_parse_nspid_prefers_nstgid() -> None:
 
 def test_live_proc_matches_psutil_start_and_tree() -> None:
     """The same readers on the real /proc: our own child, its start time and its parent."""
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    code = "print('up', flush=True); import time; time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
+        # Popen returns once exec has begun; the new command line is set a moment later
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
         live = ProcFs()
         st = live.stat(child.pid)
         assert st is not None
         assert st.ppid == os.getpid()
         assert live.is_descendant(child.pid, os.getpid())
         assert child.pid in live.descendants(os.getpid())
-        assert live.cmdline(child.pid) == f"{sys.executable} -c import time; time.sleep(30)"
+        assert live.cmdline(child.pid) == f"{sys.executable} -c {code}"
         ticks = os.sysconf("SC_CLK_TCK")
         import psutil
 
@@ -116,5 +119,5 @@ def test_live_proc_matches_psutil_start_and_tree() -> None:
         assert live.pid_ns("self") == live.pid_ns(child.pid)
     finally:
         child.kill()
-        child.wait()
+        child.communicate()
     assert ProcFs().stat(child.pid) is None or ProcFs().stat(child.pid).start_time != st.start_time  # type: ignore[union-attr]
