@@ -155,18 +155,23 @@ def test_a_failed_cgroup_read_is_not_remembered(proc: Path) -> None:
     assert [p.key.pid for p in units["trainer"].processes] == [12]
 
 
-def test_the_command_tree_forgets_a_process_whose_ancestry_could_not_be_read(
-    tmp_path: Path,
-) -> None:
-    """exec's attributor: an unreadable /proc entry is read again next tick, not cached as an
-    outsider (our own pid is the tree's root, so the fixture is built around it)."""
+def our_tree(tmp_path: Path) -> tuple[Path, ProcessKey]:
+    """A /proc with our own process (exec's tree is rooted at its own pid) and one child."""
     me = os.getpid()
     proc = tmp_path / "proc"
     for pid, ppid in ((me, 1), (900001, me)):
         (proc / str(pid)).mkdir(parents=True)
         (proc / str(pid) / "stat").write_text(f"{pid} (x) S {ppid} " + " ".join(["0"] * 30))
         set_start_time(proc, pid, 4242)
-    child = ProcessKey(900001, 4242)
+    return proc, ProcessKey(900001, 4242)
+
+
+def test_the_command_tree_forgets_a_process_whose_ancestry_could_not_be_read(
+    tmp_path: Path,
+) -> None:
+    """exec's attributor: an unreadable /proc entry is read again next tick, not cached as an
+    outsider."""
+    proc, child = our_tree(tmp_path)
     stat = proc / "900001" / "stat"
     saved = stat.read_text()
     stat.unlink()
@@ -183,14 +188,8 @@ def test_the_command_tree_forgets_a_process_whose_ancestry_could_not_be_read(
 def test_the_command_tree_counts_every_sample_that_knew_how_busy_it_was(tmp_path: Path) -> None:
     """exec's mean utilisation: a sample that NVML could not yet tell about counts neither as
     busy nor idle, and the very next one that could is in the mean (it is in the metrics)."""
-    me = os.getpid()
-    proc = tmp_path / "proc"
-    for pid, ppid in ((me, 1), (900001, me)):
-        (proc / str(pid)).mkdir(parents=True)
-        (proc / str(pid) / "stat").write_text(f"{pid} (x) S {ppid} " + " ".join(["0"] * 30))
-        set_start_time(proc, pid, 4242)
+    proc, child = our_tree(tmp_path)
     tree = TreeAttributor(ProcFs(proc), "job", GiB)
-    child = ProcessKey(900001, 4242)
 
     def busy(activity: Activity | None) -> Sample:
         return Sample(0.0, (), (ProcessUsage(child, "GPU-0", GiB, activity=activity),))
