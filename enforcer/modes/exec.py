@@ -105,9 +105,8 @@ class TreeAttributor:
         units = attribute(sample, dict.fromkeys(cmdlines, self._name), self._limits, cmdlines)
         self.samples += 1
         self.peak_bytes = max([self.peak_bytes or 0, *(u.used_bytes for u in units)])
-        # Summed on every tick, so the mean counts every reading the metrics showed. (Summing
-        # on a clock of its own, at NVML's pace, could miss a reading: a short busy spell
-        # was exported but absent from the summary.)
+        # Every tick, as the metrics are: a clock of its own could skip the one sample
+        # that carried a reading, and the summary would miss what the metrics showed.
         for unit in units:
             if (busy := unit_activity(unit, sample)) is not None:
                 self.busy += busy
