@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import ROOT, percentile
 from enforcer.edge.nvml import Nvml
-from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix
+from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView
 
@@ -55,7 +55,7 @@ def main() -> None:
             assert w.stdout is not None and w.stdout.readline().startswith("allocated")
         nvml = Nvml()
         nvml.init()
-        source = NvmlSource(nvml, PidView.host(ProcFs()), gpu_device_prefix())
+        source = NvmlSource(nvml, PidView.host(ProcFs()), gpu_device_majors())
         seen = nvml.snapshot()
         result = {
             "driver": nvml.driver_version,

@@ -5,7 +5,6 @@ Apart from `sources.py` so that a sidecar reading from the node agent never load
 
 from __future__ import annotations
 
-import os
 import select
 import time
 from dataclasses import dataclass
@@ -13,15 +12,15 @@ from dataclasses import dataclass
 from enforcer.core.model import ProcessKey, ProcessUsage, Sample, SignalResult, SourceDown
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.pidfd import Pinned
-from enforcer.edge.procfs import NsChain
+from enforcer.edge.procfs import NsChain, ProcFs
 from enforcer.edge.sources import PidView, boot_ticks
 
-NVIDIA_DEVICES = "/dev/nvidia"  # nvidiactl, nvidia0..N, nvidia-uvm, nvidia-caps/...
+NVIDIA_DRIVER_PREFIX = "nvidia"  # /proc/devices: nvidia-frontend (195), nvidia-uvm, nvidia-caps
 
 
-def gpu_device_prefix() -> str | None:
-    """The path prefix a GPU process holds open, when this machine has NVIDIA's device files."""
-    return NVIDIA_DEVICES if os.path.exists(NVIDIA_DEVICES + "ctl") else None
+def gpu_device_majors(procfs: ProcFs | None = None) -> frozenset[int] | None:
+    """The character majors of NVIDIA's devices, when this machine's kernel has them."""
+    return (procfs or ProcFs()).char_majors(NVIDIA_DRIVER_PREFIX) or None
 
 
 @dataclass(slots=True)
@@ -30,6 +29,7 @@ class _Tracked:
     process: Pinned | None  # None when no pidfd could be had: identity is re-read every tick
     chain: NsChain
     pid: int | None  # as the view names it; None when it is not charged (invisible, rejected)
+    proven: bool  # False: its usage is unknown until it is seen holding a GPU device
 
 
 class _ProcessTable:
@@ -42,10 +42,15 @@ class _ProcessTable:
     - The pass in which NVML first listed a pid is remembered for as long as NVML keeps
       listing it. A process that started at or after that pass is not the one NVML meant
       (at: start times count clock ticks, and a start in the same tick is not proven older).
-    - Zombies are dropped: their memory is already released.
-    - Where this machine has NVIDIA's device files, a charged process must hold one open.
-      This covers listings whose age cannot be known, such as those seen at start-up.
-      A process whose descriptors cannot be read is not held to it.
+    - A process has exited when no thread of it is left, as its pidfd says (or, unpinned,
+      `/proc`'s thread count). A leader that ended its own thread reads `Z` while its other
+      threads hold the memory: it is charged.
+    - The listings of the first pass have no known age: a pid may have been reused before
+      we looked. Where this machine has NVIDIA's devices, such a process is charged once
+      it is seen holding one (by device number, whatever the node's name). Until then its
+      usage counts as unknown, never as free, and it is looked at again on every pass: a
+      process can hide its descriptors for a moment (in flight in an `SCM_RIGHTS`
+      message), not for ever.
 
     Once proven, a process is pinned by a pidfd: while the pidfd has not polled readable
     (exited), its pid cannot be reused, so nothing needs reading again. One `poll()` over
@@ -54,10 +59,11 @@ class _ProcessTable:
     re-read every tick instead.
     """
 
-    def __init__(self, view: PidView, device_prefix: str | None) -> None:
+    def __init__(self, view: PidView, gpu_majors: frozenset[int] | None) -> None:
         self._view = view
-        self._device_prefix = device_prefix
+        self._gpu_majors = gpu_majors
         self._pin = view.procfs.names_our_pids()
+        self._first_pass: int | None = None
         self._first_seen: dict[int, int] = {}
         self._entries: dict[int, _Tracked] = {}
         self._by_fd: dict[int, int] = {}
@@ -68,6 +74,8 @@ class _ProcessTable:
 
         `looked_at` is when this NVML pass began, in clock ticks since boot.
         """
+        if self._first_pass is None:
+            self._first_pass = looked_at
         for fd, _ in self._poller.poll(0):
             self._forget(self._by_fd[fd])
         for pid in [p for p in self._first_seen if p not in host_pids]:
@@ -83,15 +91,18 @@ class _ProcessTable:
             if entry is None:
                 entry = self._track(pid, first_seen)
             if entry is not None and entry.pid is not None:
+                if not entry.proven:
+                    entry.proven = self._holds_gpu(pid)
                 found[pid] = entry
         return found
 
     def _unchanged(self, pid: int, entry: _Tracked) -> bool:
         st = self._view.procfs.stat(pid)
-        return st is not None and st.start_time == entry.start_time and st.state != "Z"
+        return st is not None and st.start_time == entry.start_time and not st.exited
 
     def _track(self, pid: int, first_seen: int) -> _Tracked | None:
-        """Prove what `pid` is now; None (and nothing remembered) when it cannot be read."""
+        """Prove what `pid` is now; None (and nothing remembered) when it cannot be read or
+        has exited."""
         opened = Pinned.open(pid) if self._pin else SignalResult.UNVERIFIED
         if opened is SignalResult.GONE:
             return None
@@ -99,14 +110,16 @@ class _ProcessTable:
         procfs = self._view.procfs
         st = procfs.stat(pid)
         chain = None if st is None else procfs.ns_chain(pid)
-        if st is None or chain is None or (process is not None and process.exited()):
+        if st is None or chain is None or (process.exited() if process else st.exited):
             if process is not None:
                 process.close()  # gone, unreadable, or the reads may be of a newcomer
             return None
         seen_as = self._view.sees(chain)
-        if st.start_time >= first_seen or st.state == "Z" or not self._holds_gpu(pid):
+        if st.start_time >= first_seen:
             seen_as = None  # proven not to be the process NVML listed: remembered as such
-        entry = _Tracked(st.start_time, process, chain, seen_as)
+        # Only a listing of the first pass has no known age (see the class).
+        proven = self._gpu_majors is None or first_seen != self._first_pass
+        entry = _Tracked(st.start_time, process, chain, seen_as, proven)
         self._entries[pid] = entry
         if process is not None:
             self._by_fd[process.fileno()] = pid
@@ -114,9 +127,10 @@ class _ProcessTable:
         return entry
 
     def _holds_gpu(self, pid: int) -> bool:
-        if self._device_prefix is None:
-            return True
-        return self._view.procfs.holds_file(pid, self._device_prefix) is not False
+        """Seen holding a GPU device; a process whose descriptors cannot be read is not held
+        to it (an agent without CAP_SYS_PTRACE over it would otherwise charge nobody)."""
+        assert self._gpu_majors is not None  # noqa: S101 - entries are proven without them
+        return self._view.procfs.holds_device(pid, self._gpu_majors) is not False
 
     def _forget(self, pid: int) -> None:
         entry = self._entries.pop(pid, None)
@@ -133,13 +147,13 @@ class _ProcessTable:
 class NvmlSource:
     """Samples NVML directly and keeps the processes that `view` may see.
 
-    `device_prefix` (see `gpu_device_prefix()`): a charged process must hold a file open
-    under it; None turns that check off.
+    `gpu_majors` (see `gpu_device_majors()`): the devices a process NVML listed before we
+    first looked must be seen holding before its usage is known; None turns that check off.
     """
 
-    def __init__(self, nvml: Nvml, view: PidView, device_prefix: str | None = None) -> None:
+    def __init__(self, nvml: Nvml, view: PidView, gpu_majors: frozenset[int] | None = None) -> None:
         self._nvml = nvml
-        self._table = _ProcessTable(view, device_prefix)
+        self._table = _ProcessTable(view, gpu_majors)
 
     def sample(self) -> Sample | SourceDown:
         looked_at = boot_ticks()
@@ -153,9 +167,8 @@ class NvmlSource:
             entry = known.get(p.pid)
             if entry is not None and entry.pid is not None:
                 key = ProcessKey(entry.pid, entry.start_time)
-                processes.append(
-                    ProcessUsage(key, p.device_uuid, p.used_bytes, entry.chain, p.activity)
-                )
+                used, activity = (p.used_bytes, p.activity) if entry.proven else (None, None)
+                processes.append(ProcessUsage(key, p.device_uuid, used, entry.chain, activity))
         return Sample(time.time(), snap.devices, tuple(processes))
 
     def fileno(self) -> int | None:

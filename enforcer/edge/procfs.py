@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISCHR
 
 from enforcer.core.cgroups import CgroupEntry, parse_cgroup
 
@@ -27,6 +28,7 @@ _NS_LINK = re.compile(r"pid:\[(\d+)\]")
 NsChain = tuple[tuple[int, int], ...]
 """(PID namespace inode, pid in it) for each level, from the host's namespace down."""
 _MAX_DEPTH = 4096  # ppid chains longer than this are corrupt or a loop in a fixture
+_MAX_TASKS = 1024  # threads looked at for a device; past this, the answer is "cannot tell"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,14 @@ class ProcStat:
     state: str
     ppid: int
     start_time: int  # field 22: clock ticks after boot
+    threads: int = 1  # field 20
+
+    @property
+    def exited(self) -> bool:
+        """Whether the whole process has exited. A leader that ended its own thread
+        (`SYS_exit`) reads `Z` while its other threads run on, holding its memory and its
+        GPU context: it has exited only when no thread is left but the leader."""
+        return self.state in ("Z", "X") and self.threads <= 1
 
 
 def parse_stat(text: str) -> ProcStat:
@@ -52,7 +62,23 @@ def parse_stat(text: str) -> ProcStat:
         state=fields[0],
         ppid=int(fields[1]),
         start_time=int(fields[19]),
+        threads=int(fields[17]),
     )
+
+
+def parse_char_majors(text: str, driver_prefix: str) -> frozenset[int]:
+    """From `/proc/devices`: the character majors whose driver's name starts with the prefix
+    (NVIDIA's: `nvidia-frontend` or `nvidia` at 195, and dynamic ones such as `nvidia-uvm`)."""
+    majors = set()
+    in_char = False
+    for line in text.splitlines():
+        if line.endswith(":"):
+            in_char = line == "Character devices:"
+            continue
+        major, _, name = line.strip().partition(" ")
+        if in_char and major.isascii() and major.isdigit() and name.startswith(driver_prefix):
+            majors.add(int(major))
+    return frozenset(majors)
 
 
 def parse_nspid(status: str) -> tuple[int, ...] | None:
@@ -126,23 +152,57 @@ class ProcFs:
         st = self.stat(pid)
         return None if st is None else f"[{st.comm}]"
 
-    def holds_file(self, pid: int, prefix: str) -> bool | None:
-        """Whether the process has a file open whose path starts with `prefix` (as it names
-        it, in its own mount namespace); None when its descriptors cannot be read."""
+    def holds_device(self, pid: int, majors: frozenset[int]) -> bool | None:
+        """Whether a thread of the process has a character device of one of `majors` open;
+        None when its descriptors cannot be read.
+
+        Judged by the device number the kernel reports for the open file (`st_rdev`), never
+        by its name: a node made with `mknod` under another name, or a renamed one, is the
+        same device. Every thread's table is looked at: a leader that ended its own thread
+        has none, and a thread may hold a table of its own (`unshare(CLONE_FILES)`).
+        """
+        try:
+            tasks = os.listdir(f"{self._prefix}{pid}/task")
+        except OSError:
+            return None
+        unreadable = False
+        for tid in tasks[:_MAX_TASKS]:
+            found = self._table_holds(f"{self._prefix}{pid}/task/{tid}/fd", majors)
+            if found:
+                return True
+            unreadable = unreadable or found is None
+        return None if unreadable or len(tasks) > _MAX_TASKS else False
+
+    @staticmethod
+    def _table_holds(fd_dir: str, majors: frozenset[int]) -> bool | None:
         unreadable = False
         try:
-            with os.scandir(f"{self._prefix}{pid}/fd") as entries:
+            with os.scandir(fd_dir) as entries:
                 for entry in entries:
                     try:
-                        if os.readlink(entry.path).startswith(prefix):
-                            return True
+                        st = os.stat(entry.path)  # the open file itself, not the link
                     except FileNotFoundError:
                         continue  # closed meanwhile
                     except OSError:
                         unreadable = True
+                        continue
+                    if S_ISCHR(st.st_mode) and os.major(st.st_rdev) in majors:
+                        return True
+        except FileNotFoundError:
+            return False  # the thread has exited: it holds nothing
         except OSError:
             return None
         return None if unreadable else False
+
+    def char_majors(self, driver_prefix: str) -> frozenset[int]:
+        """The majors of the character devices whose driver's name starts with
+        `driver_prefix`, from `devices` (the kernel's list is the same in every namespace)."""
+        try:
+            with open(f"{self._prefix}devices", encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return frozenset()
+        return parse_char_majors(text, driver_prefix)
 
     def pid_ns(self, pid: int | str = "self") -> int | None:
         """The inode of the process's PID namespace, from the `ns/pid` link."""

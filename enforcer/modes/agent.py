@@ -31,7 +31,7 @@ from enforcer.edge import logs
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry, MetricsPortError, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
-from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix
+from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView, PidViewError
 from enforcer.edge.tenants import Tenants
@@ -238,7 +238,7 @@ def _serve(
         log.error("cannot serve on %s: %s", settings.socket, exc)
         return EXIT_USAGE
     changed = threading.Event()
-    source = NvmlSource(nvml, PidView.host(host_proc), gpu_device_prefix())
+    source = NvmlSource(nvml, PidView.host(host_proc), gpu_device_majors(host_proc))
     sampler = Sampler(source, server, telemetry, settings.interval, changed, Tenants(host_proc))
     threads: list[Sampler | Advertiser | HardLimiter | NodePods] = [sampler]
     if advertiser is not None:

@@ -31,7 +31,7 @@ from enforcer.edge import logs
 from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup
 from enforcer.edge.metrics import MetricsPortError, Telemetry, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
-from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix
+from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator, signal_children
 from enforcer.edge.sources import PidView, PidViewError
@@ -275,7 +275,7 @@ def _run(settings: ExecSettings, record: _Record) -> int:
             return EXIT_USAGE
         try:
             _set_child_subreaper()
-            source = NvmlSource(nvml, view, gpu_device_prefix())
+            source = NvmlSource(nvml, view, gpu_device_majors())
             with _hard_limits(settings, nvml) as placed:
                 record.hard_limit = placed is not None
                 return _supervise(settings, source, placed, record)

@@ -275,7 +275,7 @@ def _source(settings: SidecarSettings) -> UsageSource:
         return AgentSource(settings.agent_socket, settings.stale_after)
     # Loaded only here: pynvml is ~2 MiB of the sidecar's memory, in every enforced pod.
     from enforcer.edge.nvml import Nvml, NvmlError  # noqa: PLC0415
-    from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix  # noqa: PLC0415
+    from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors  # noqa: PLC0415
 
     host_proc = ProcFs(settings.host_proc or "/host/proc")
     view = PidView.of_process(host_proc, "self")
@@ -286,7 +286,7 @@ def _source(settings: SidecarSettings) -> UsageSource:
         log.error(
             "cannot initialise NVML yet (%s); retrying with backoff", exc, exc_info=logs.detail(exc)
         )
-    return NvmlSource(nvml, view, gpu_device_prefix())
+    return NvmlSource(nvml, view, gpu_device_majors())
 
 
 def run(settings: SidecarSettings) -> int:

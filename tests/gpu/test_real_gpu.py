@@ -10,7 +10,7 @@ from pathlib import Path
 
 from enforcer.core.model import GiB
 from enforcer.edge.nvml import Nvml
-from enforcer.edge.nvml_source import NvmlSource, gpu_device_prefix
+from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView
 from tests.helpers import children, wait_for
@@ -71,7 +71,7 @@ def test_a_real_cuda_process_is_seen_with_its_start_time() -> None:
         nvml = Nvml()
         nvml.init()
         try:
-            sample = NvmlSource(nvml, PidView.host(ProcFs()), gpu_device_prefix()).sample()
+            sample = NvmlSource(nvml, PidView.host(ProcFs()), gpu_device_majors()).sample()
         finally:
             nvml.shutdown()
         mine = [p for p in sample.processes if p.key.pid == child.pid]  # type: ignore[union-attr]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -337,37 +338,113 @@ def test_a_newcomer_on_a_stale_listed_pid_inherits_nothing(fake_nvml: Any) -> No
     assert out.stdout.split() == ["True", "[]", "[]"], out.stderr
 
 
-def test_where_gpu_device_files_exist_a_charged_process_holds_one(
+def _holding(device: Path) -> subprocess.Popen[str]:
+    """A process that holds `device` open, once it says so."""
+    code = (
+        f"import time; f = open({str(device)!r}, 'rb'); print('ready', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+    return holder
+
+
+def _usage(source: NvmlSource) -> dict[int, int | None]:
+    sample = source.sample()
+    assert isinstance(sample, Sample)
+    return {p.key.pid: p.used_bytes for p in sample.processes}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+def test_a_listing_of_unknown_age_is_charged_once_its_process_holds_a_gpu_device(
     fake_nvml: Any, nvml: Nvml, tmp_path: Path
 ) -> None:
-    """Defence in depth for listings whose age is unknown (an agent that just started): a
-    process that holds no GPU device file is not the process NVML meant."""
-    devices = tmp_path / "dev"
-    devices.mkdir()
-    (devices / "nvidiactl").touch()
-    holds = subprocess.Popen(
-        [sys.executable, "-c", f"import time; f = open({str(devices / 'nvidiactl')!r}); print('ready', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
+    """NVML's first pass has no known age: a pid may have been reused before we looked. Its
+    process is charged once it is seen holding a GPU device, judged by the device number (a
+    node made under another name is the same device); until then its usage is unknown, not
+    free, and it is looked at again on every pass."""
+    alias = tmp_path / "not-nvidia"  # the device of /dev/null, major 1, under another name
+    os.mknod(alias, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    holds = _holding(alias)
+    hides = subprocess.Popen(  # holds no device now (its descriptors parked, say)
+        [sys.executable, "-c", f"import sys, time; sys.stdin.readline(); f = open({str(alias)!r}, 'rb'); print('ready', flush=True); time.sleep(60)"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    bystander = subprocess.Popen(["sleep", "60"])
+    later = None
     try:
-        assert holds.stdout is not None and holds.stdout.readline() == "ready\n"
-        for pid in (holds.pid, bystander.pid):
+        for pid in (holds.pid, hides.pid):
             fake_nvml.state.set_process(0, older_than_a_tick(pid), GiB)
         fake_nvml.write()
         nvml.init()
-        checked = NvmlSource(nvml, PidView.host(ProcFs()), str(devices / "nvidia"))
-        sample = checked.sample()
-        assert isinstance(sample, Sample)
-        assert [p.key.pid for p in sample.processes] == [holds.pid]
-        unchecked = NvmlSource(nvml, PidView.host(ProcFs()), None)  # a machine without them
-        sample = unchecked.sample()
-        assert isinstance(sample, Sample)
-        assert sorted(p.key.pid for p in sample.processes) == sorted([holds.pid, bystander.pid])
+        source = NvmlSource(nvml, PidView.host(ProcFs()), frozenset({1}))
+        assert _usage(source) == {holds.pid: GiB, hides.pid: None}
+        assert _usage(source) == {holds.pid: GiB, hides.pid: None}  # still looked at
+        assert hides.stdin is not None and hides.stdout is not None
+        hides.stdin.write("go\n")
+        hides.stdin.flush()
+        assert hides.stdout.readline() == "ready\n"
+        assert _usage(source) == {holds.pid: GiB, hides.pid: GiB}
+        # A pid first listed after the first pass has a known age: the start time proves it.
+        later = subprocess.Popen(["sleep", "60"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        fake_nvml.state.set_process(0, older_than_a_tick(later.pid), GiB)
+        fake_nvml.write()
+        assert _usage(source)[later.pid] == GiB
+        source.close()
     finally:
-        for child in (holds, bystander):
-            child.kill()
-            child.wait()
+        for child in (holds, hides, later):
+            if child is not None:
+                child.kill()
+                child.wait()
+
+
+def test_without_gpu_devices_every_listing_is_charged(fake_nvml: Any, nvml: Nvml) -> None:
+    bystander = subprocess.Popen(["sleep", "60"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        fake_nvml.state.set_process(0, older_than_a_tick(bystander.pid), GiB)
+        fake_nvml.write()
+        nvml.init()
+        assert _usage(NvmlSource(nvml, PidView.host(ProcFs()), None)) == {bystander.pid: GiB}
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+LEADER_EXITS = textwrap.dedent(
+    """
+    import ctypes, sys, threading
+    def worker():
+        sys.stdin.readline()  # runs on, holding the process's memory, until told to stop
+    threading.Thread(target=worker).start()
+    print("ready", flush=True)
+    ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: only the main thread ends
+    """
+)
+
+
+def test_a_process_whose_main_thread_exited_is_charged_while_another_thread_runs(
+    fake_nvml: Any, nvml: Nvml
+) -> None:
+    """Its leader reads `Z` in /proc, but the process lives and holds its GPU memory."""
+    child = subprocess.Popen([sys.executable, "-c", LEADER_EXITS],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline() == "ready\n"
+        wait_for(lambda: (st := ProcFs().stat(child.pid)) is not None and st.state == "Z",
+                 what="the leader to exit")  # fmt: skip
+        fake_nvml.state.set_process(0, older_than_a_tick(child.pid), GiB)
+        fake_nvml.write()
+        nvml.init()
+        source = NvmlSource(nvml, PidView.host(ProcFs()))
+        assert _usage(source) == {child.pid: GiB}
+        assert _usage(source) == {child.pid: GiB}  # and on later passes
+        child.stdin.write("stop\n")
+        child.stdin.flush()
+        child.wait(timeout=10)
+        assert _usage(source) == {}  # gone for good once its last thread has ended
+        source.close()
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_memory_limits_set_read_and_clear(fake_nvml: Any, nvml: Nvml, cgroup2: Path) -> None:

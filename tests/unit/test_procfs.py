@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from enforcer.core.cgroups import parse_cgroup
-from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs, parse_nspid, parse_stat
+from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs, parse_char_majors, parse_nspid, parse_stat
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "proc" / "host"
 
@@ -121,3 +121,23 @@ def test_live_proc_matches_psutil_start_and_tree() -> None:
         child.kill()
         child.communicate()
     assert ProcFs().stat(child.pid) is None or ProcFs().stat(child.pid).start_time != st.start_time  # type: ignore[union-attr]
+
+
+def test_a_zombie_leader_with_threads_left_has_not_exited() -> None:
+    """Field 20 is the thread count: a leader that ended its own thread reads Z, while the
+    process it leads runs on."""
+    fields = "1 0 7 7 0 -1 0 0 0 0 0 0 0 0 20 0 {threads} 0 42 0 0"
+    leader = parse_stat("7 (python) Z " + fields.format(threads=3))
+    dead = parse_stat("7 (python) Z " + fields.format(threads=1))
+    assert (leader.threads, leader.exited) == (3, False)
+    assert (dead.threads, dead.exited) == (1, True)
+    assert not parse_stat("7 (python) S " + fields.format(threads=1)).exited
+
+
+def test_nvidia_majors_from_proc_devices() -> None:
+    devices = (
+        "Character devices:\n  1 mem\n195 nvidia-frontend\n236 nvidia-uvm\n237 nvidia-caps\n"
+        "  4 tty\n\nBlock devices:\n  7 loop\n199 nvidia-fake-block\n"
+    )
+    assert parse_char_majors(devices, "nvidia") == {195, 236, 237}
+    assert parse_char_majors("Character devices:\n  1 mem\n", "nvidia") == frozenset()
