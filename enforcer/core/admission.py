@@ -23,12 +23,14 @@ from enforcer.core import shapes
 from enforcer.core.dra import NVIDIA_DRIVER
 from enforcer.core.parsing import (
     ConfigError,
+    ascii_int,
     kubernetes_version,
     parse_action,
     parse_bytes,
     parse_duration,
     parse_percent,
     parse_quantity,
+    shown,
 )
 from enforcer.core.payloads import (
     AdmissionRequest,
@@ -97,8 +99,42 @@ class AdmissionSettings:
     dra_uuid_attribute: str = "uuid"
 
 
+# A Pod as the API server sends it nests about 12 levels deep; a body nested far deeper is
+# no Pod, and walking it (copying, diffing, printing) would recurse past Python's limit.
+MAX_DEPTH = 64
+
+
 class BadReview(ValueError):
     """The body is not an AdmissionReview with a request uid: answered with HTTP 400."""
+
+
+def decode(body: bytes) -> object:
+    """The request body as JSON, or BadReview saying why it cannot be one: not UTF-8, not
+    JSON, a number past Python's digit limit, or nested deeper than MAX_DEPTH."""
+    try:
+        doc = json.loads(body)
+    except RecursionError:
+        raise BadReview(f"the body nests deeper than {MAX_DEPTH} levels; no Pod does") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a 5,000-digit number
+        raise BadReview(f"the body is not JSON: {str(exc)[:200]}") from None
+    if _nests_deeper(doc, MAX_DEPTH):
+        raise BadReview(f"the body nests deeper than {MAX_DEPTH} levels; no Pod does")
+    return doc
+
+
+def _nests_deeper(doc: object, limit: int) -> bool:
+    """Whether `doc` has a list or map more than `limit` levels down (without recursing)."""
+    level = [doc]
+    for _ in range(limit + 1):
+        level = [
+            child
+            for item in level
+            if isinstance(item, (dict, list))
+            for child in (item.values() if isinstance(item, dict) else item)
+        ]
+        if not level:
+            return False
+    return True
 
 
 class Denied(Exception):
@@ -304,15 +340,15 @@ def declared_limits(spec: Mapping[str, object], resource: str, unit: int) -> dic
                 raise Denied(
                     f"{where}.requests[{resource!r}] is set but limits is not; "
                     f"extended resources are declared in limits (requests default to them): "
-                    f"set limits[{resource!r}]: {request!r}"
+                    f"set limits[{resource!r}]: {shown(request)}"
                 )
             units = _units(limit, f"{where}.limits[{resource!r}]", unit)
             request_field = f"{where}.requests[{resource!r}]"
             if request is not None and _units(request, request_field, unit) != units:
                 raise Denied(
-                    f"{where}: requests[{resource!r}] {request!r} differs from "
-                    f"limits {limit!r}; VRAM cannot be overcommitted: make them equal, or drop "
-                    "the request"
+                    f"{where}: requests[{resource!r}] {shown(request)} differs from limits "
+                    f"{shown(limit)}; VRAM cannot be overcommitted: make them equal, or drop the "
+                    "request"
                 )
             limits[name] = int(units) * unit
     return limits
@@ -324,9 +360,11 @@ def _units(value: object, field: str, unit: int) -> Decimal:
     except ConfigError as exc:
         raise Denied(str(exc)) from None
     named = "bytes" if unit == 1 else f"{unit}-byte units"
-    if units < 0 or units != units.to_integral_value():
+    if units < 0:
+        raise Denied(f"{field}: {shown(value)} is negative; declare 0 or more {named}")
+    if units != units.to_integral_value():
         raise Denied(
-            f"{field}: {value!r} is not a whole number of {named}; use a whole number, "
+            f"{field}: {shown(value)} is not a whole number of {named}; use a whole number, "
             f"e.g. {max(1, int(units.to_integral_value()))}"
         )
     return units
@@ -381,18 +419,25 @@ def _metrics_port(annotations: Mapping[str, object], spec: PodSpec) -> int:
         for port in c.get("ports") or ()
         if port.get("protocol", "TCP") == "TCP"
     }
-    if METRICS_PORT_ANNOTATION not in annotations:
-        return next(p for p in range(METRICS_PORT_DEFAULT, 65536) if p not in declared)
-    value = str(annotations[METRICS_PORT_ANNOTATION])
     field = f"metadata.annotations[{METRICS_PORT_ANNOTATION!r}]"
-    if not value.isdigit() or not 1 <= int(value) <= 65535:
-        raise Denied(f"{field}: {value!r} is not a TCP port; use 1-65535")
-    if int(value) in declared:
+    if METRICS_PORT_ANNOTATION not in annotations:
+        free = next((p for p in range(METRICS_PORT_DEFAULT, 65536) if p not in declared), None)
+        if free is None:
+            raise Denied(
+                f"{field} is not set, and the containers declare every TCP port from "
+                f"{METRICS_PORT_DEFAULT} up: set it to a port no container declares"
+            )
+        return free
+    value = str(annotations[METRICS_PORT_ANNOTATION])
+    port = ascii_int(value, 5)
+    if port is None or not 1 <= port <= 65535:
+        raise Denied(f"{field}: {shown(value)} is not a TCP port; use 1-65535")
+    if port in declared:
         raise Denied(
-            f"{field}: port {value} is also declared in {declared[int(value)]}; the containers "
+            f"{field}: port {port} is also declared in {declared[port]}; the containers "
             "of a pod share one network namespace: choose another port for the sidecar"
         )
-    return int(value)
+    return port
 
 
 def _shm_limit(value: str, spec: PodSpec) -> int | None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from enforcer.core.exec_summary import ExecSummary
 from enforcer.core.model import GiB, format_bytes
-from enforcer.core.parsing import ConfigError, format_duration, parse_bytes
+from enforcer.core.parsing import ConfigError, ascii_int, format_duration, parse_bytes
 
 REPORT_VERSION = 1
 
@@ -160,9 +160,10 @@ def parse_count(minimum: int) -> Callable[[str, str], int]:
     """A parser of whole numbers of at least `minimum` (repetitions, warm-ups)."""
 
     def parse(text: str, field: str) -> int:
-        if not text.isdigit() or int(text) < minimum:
+        count = ascii_int(text, 9)
+        if count is None or count < minimum:
             raise ConfigError(field, text, f"is not a whole number of at least {minimum}")
-        return int(text)
+        return count
 
     return parse
 
@@ -180,7 +181,7 @@ def parse_scale(text: str, field: str) -> float:
 
 def parse_gpu(text: str, field: str) -> str:
     """A GPU as CUDA_VISIBLE_DEVICES names one: its index, or its UUID (`GPU-...`, `MIG-...`)."""
-    if text.isdigit() or re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]+", text):
+    if (text.isascii() and text.isdigit()) or re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]+", text):
         return text
     raise ConfigError(
         field, text, "is not a GPU; use its index (0, 1, ...) or its UUID (GPU-...), as "

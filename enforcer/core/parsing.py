@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
 from enforcer.core.model import Action
 
@@ -32,6 +32,13 @@ _DECIMAL = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15,
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|ms|s|m|h)")
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
+# Kubernetes stores no quantity above 2^63-1 (apimachinery caps it), and Go's durations end
+# at 2^63-1 ns: past these, a value means nothing the cluster could hold.
+MAX_QUANTITY = 2**63 - 1
+MAX_DURATION = (2**63 - 1) / 1e9
+_HINTED = 32  # a hint repeats the value: only for values a person could have typed
+_MAX_EXPONENT_DIGITS = 4  # 1e9999 is far past MAX_QUANTITY; longer exponents are not parsed
+
 QUANTITY_FORM = "a Kubernetes quantity such as 4Gi, 512Mi, 8G or 4294967296 (bytes)"
 DURATION_FORM = "a duration with a unit, such as 100ms, 5s, 1m30s or 2h"
 PERCENT_FORM = "a percentage above 0% and at most 100%, such as 90%"
@@ -44,8 +51,21 @@ class ConfigError(ValueError):
         self.field = field
         self.value = value
         self.problem = problem
-        shown = f"{field}: {value!r}" if value is not None else field
-        super().__init__(f"{shown} {problem}")
+        where = f"{field}: {shown(value)}" if value is not None else field
+        super().__init__(f"{where} {problem}")
+
+
+def shown(value: object, width: int = 60) -> str:
+    """`repr(value)` for a message, cut short: a value thousands of characters long (or
+    deep) would bury the sentence that says what to fix."""
+    text = repr(value) if not isinstance(value, (dict, list)) else _brief(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _brief(value: dict[object, object] | list[object]) -> str:
+    """A container's repr without walking all of it (it may nest past the recursion limit)."""
+    kind = "a map" if isinstance(value, dict) else "a list"
+    return f"<{kind} of {len(value)}>"
 
 
 def parse_quantity(text: str, field: str) -> Decimal:
@@ -53,25 +73,34 @@ def parse_quantity(text: str, field: str) -> Decimal:
     match = _QUANTITY.fullmatch(text.strip()) if isinstance(text, str) else None
     if match is None or text != text.strip():
         raise ConfigError(field, text, f"is not a quantity; use {QUANTITY_FORM}{_hint(text)}")
-    try:
-        number = Decimal(match["number"])
-    except InvalidOperation:  # pragma: no cover - the regex admits only decimal digits
-        raise ConfigError(field, text, f"is not a quantity; use {QUANTITY_FORM}") from None
+    number = Decimal(match["number"])  # exact, however long: the regex admits only digits
     suffix = match["suffix"] or ""
-    if suffix in _BINARY:
-        return number * (Decimal(1024) ** _BINARY[suffix])
-    if suffix in _DECIMAL:
-        return number.scaleb(_DECIMAL[suffix])
-    if suffix:
-        return number.scaleb(int(suffix[1:]))
-    return number
+    too_large = ConfigError(
+        field, text, "is too large; Kubernetes holds no quantity above 2^63-1 (about 8Ei)"
+    )
+    if suffix[:1] in ("e", "E") and len(suffix.lstrip("eE+-")) > _MAX_EXPONENT_DIGITS:
+        if number == 0:
+            return Decimal(0)
+        raise too_large  # or too small to be anything but 0, which the API server rounds up
+    try:
+        if suffix in _BINARY:
+            value = number * (Decimal(1024) ** _BINARY[suffix])
+        elif suffix in _DECIMAL:
+            value = number.scaleb(_DECIMAL[suffix])
+        else:
+            value = number.scaleb(int(suffix[1:])) if suffix else number
+    except ArithmeticError:  # decimal's Overflow: an exponent past what it can hold
+        raise too_large from None
+    if abs(value) > MAX_QUANTITY:
+        raise too_large
+    return value
 
 
 def _hint(text: object) -> str:
     """Suggest the right suffix for the usual mistakes: `4GB`, `4gb`, `4GiB`, `4 Gi`."""
     m = (
         re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]+)\W*", text)
-        if isinstance(text, str)
+        if isinstance(text, str) and len(text) <= _HINTED
         else None
     )
     if m is None:
@@ -113,9 +142,11 @@ def parse_duration(text: str, field: str) -> float:
         total += float(m[1]) * _DURATION_UNITS[m[2]]
         pos = m.end()
     if not stripped or pos != len(stripped):
-        bare = re.fullmatch(r"[0-9]+(?:\.[0-9]*)?", stripped)
+        bare = len(stripped) <= _HINTED and re.fullmatch(r"[0-9]+(?:\.[0-9]*)?", stripped)
         hint = f" (did you mean {stripped}s?)" if bare else ""
         raise ConfigError(field, text, f"is not a duration; use {DURATION_FORM}{hint}")
+    if not total <= MAX_DURATION:  # also infinity: float("9" * 400) is inf
+        raise ConfigError(field, text, "is too long; a duration is at most 2562047h (292 years)")
     return total
 
 
@@ -180,10 +211,19 @@ def parse_resource_name(text: str, field: str) -> str:
     return text
 
 
+def ascii_int(text: str, max_digits: int) -> int | None:
+    """A whole number written in at most `max_digits` ASCII digits, else None. (`isdigit()`
+    alone admits "²" and Arabic-Indic digits, which `int()` refuses or reads; and a number
+    thousands of digits long is past Python's int-to-string limit.)"""
+    if not (text.isascii() and text.isdigit()) or len(text) > max_digits:
+        return None
+    return int(text)
+
+
 def parse_port(text: str, field: str) -> int:
     """A TCP port; 0 asks the kernel for a free one."""
-    port = int(text) if text.isdigit() else -1
-    if not 0 <= port <= 65535:
+    port = ascii_int(text, 5)
+    if port is None or port > 65535:
         raise ConfigError(field, text, "is not a TCP port; use 1-65535 (0 picks a free one)")
     return port
 

@@ -213,7 +213,7 @@ def retry_after(exc: BaseException | None) -> float | None:
     if not isinstance(exc, ApiException) or exc.status not in (429, 503) or not exc.headers:
         return None
     value = str(exc.headers.get("Retry-After") or "").strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # not "²", which isdigit() admits
         seconds = float(value)
     else:
         try:

@@ -28,11 +28,13 @@ from enforcer.core.admission import (
     AdmissionSettings,
     BadReview,
     Outcome,
+    decode,
     needed_templates,
     refused,
     review,
     sidecar_mode_for,
 )
+from enforcer.core.parsing import ascii_int
 from enforcer.core.settings.webhook import WebhookSettings
 from enforcer.edge import logs
 from enforcer.edge.metrics import MetricsPortError, WebhookTelemetry, serve_metrics
@@ -185,25 +187,23 @@ class _Handler(BaseHTTPRequestHandler):
         telemetry.duration.observe(time.perf_counter() - started)
 
     def _mutate(self) -> str:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        header = self.headers.get("Content-Length")
+        length = None if header is None else ascii_int(header.strip(), 20)
+        if length is None:
             self.close_connection = True
-            self._send(HTTPStatus.LENGTH_REQUIRED, {"error": "a Content-Length is required"})
+            self._send(HTTPStatus.LENGTH_REQUIRED,
+                       {"error": "a Content-Length of ASCII digits is required"})  # fmt: skip
             self._linger()
             return "invalid"
-        if int(length) > MAX_BODY:
+        if length > MAX_BODY:
             self.close_connection = True  # the body is not read: the connection cannot go on
             problem = f"the body is {length} bytes; at most {MAX_BODY} are accepted"
             self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": problem})
             self._linger()
             return "invalid"
-        body = self.rfile.read(int(length))
+        body = self.rfile.read(length)
         try:
-            doc = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            self._send(HTTPStatus.BAD_REQUEST, {"error": f"the body is not JSON: {exc}"})
-            return "invalid"
-        try:
+            doc = decode(body)
             outcome = review(doc, self.server.admission)
             if outcome.result == "patched" and self.server.ensure_template is not None:
                 outcome = self._with_templates(doc, outcome)

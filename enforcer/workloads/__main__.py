@@ -37,7 +37,7 @@ exit status:
 
 
 def _steps(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or len(text) > 9 or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps, 1 or more")
     return int(text)
 

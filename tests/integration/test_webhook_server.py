@@ -185,6 +185,44 @@ def test_nulls_and_wrong_shapes_get_a_patch_or_a_denial_never_a_500(webhook: Web
     assert 'result="error"' not in webhook.metrics()
 
 
+def _annotated(annotations: dict[str, str], ports: int = 0) -> bytes:
+    doc = json.loads(review_body(ports=[{"containerPort": p} for p in range(9477, 9477 + ports)]))
+    doc["request"]["object"]["metadata"]["annotations"] = annotations
+    return json.dumps(doc).encode()
+
+
+def test_hostile_values_get_a_denial_naming_the_field_never_a_500(webhook: Webhook) -> None:
+    """The reproductions of the webhook's 500s and dropped connections: each now gets a
+    well-formed answer that names the field, and the webhook serves on."""
+    shm, port = "vram-enforcer.io/shm-size", "vram-enforcer.io/metrics-port"
+    denied = {
+        _annotated({shm: "1e1000000"}): f"metadata.annotations['{shm}']: '1e1000000' is too large",
+        _annotated({shm: "9" * 5000}): f"metadata.annotations['{shm}']: '9999",
+        _annotated({port: "\u00b2"}): f"metadata.annotations['{port}']: '\u00b2' is not a TCP port",
+        _annotated({port: "\u0661"}): f"metadata.annotations['{port}']: '\u0661' is not a TCP port",
+        _annotated({"vram-enforcer.io/grace-period": "9" * 400 + "s"}): "is too long",
+        _annotated({}, ports=65536 - 9477): "declare every TCP port from 9477 up",
+    }
+    for body, fragment in denied.items():
+        status, doc = webhook.post(body)
+        assert status == 200 and doc["response"]["allowed"] is False, doc
+        assert fragment in doc["response"]["status"]["message"], doc
+        assert len(doc["response"]["status"]["message"]) < 400
+    status, doc = webhook.post(b"[" * 200_000)
+    assert (status, doc) == (400, {"error": "the body nests deeper than 64 levels; no Pod does"})
+    status, doc = webhook.post(b'{"a": ' + b"9" * 5000 + b"}")
+    assert status == 400 and doc["error"].startswith("the body is not JSON: ")
+    for length in ("\u00b2", "9" * 5000):
+        c = webhook.connection()
+        c.putrequest("POST", "/mutate")
+        c.putheader("Content-Length", length)
+        c.endheaders()
+        assert c.getresponse().status == 411
+    assert webhook.post(review_body("after"))[0] == 200
+    assert 'result="error"' not in webhook.metrics()
+    assert "Traceback" not in webhook.log.read_text()
+
+
 def test_health_ready_and_tls_versions(webhook: Webhook) -> None:
     for path in ("/healthz", "/readyz"):
         c = webhook.connection()

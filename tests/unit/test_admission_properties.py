@@ -15,7 +15,7 @@ import jsonpatch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from enforcer.core.admission import AdmissionSettings, BadReview, review
+from enforcer.core.admission import AdmissionSettings, BadReview, decode, review
 
 RES = "vram-enforcer.io/vram"
 SETTINGS = [
@@ -253,3 +253,72 @@ def test_a_second_pass_over_the_webhooks_own_output_yields_no_patch(
     again = review(review_of(mutated), s)
     assert well_formed(again.review, "u-1") == []
     assert again.result == "skipped"
+
+
+# Values a hostile pod author would try: digits that are not ASCII ("²", Arabic-Indic,
+# full-width), numbers past Python's digit limit or decimal's exponent range, durations
+# that overflow to infinity.
+HOSTILE_VALUES = ["\u00b2", "\u0661\u0662", "\uff19\uff14\uff17\uff17", "1e1000000", "1e-1000000",
+                  "0e99999999", "9" * 5000, "9" * 400 + "s", "-0", "-1", "+9477", " 9477", "1_000",
+                  "NaN", "Infinity", "1e308s", "0x10", "9" * 20 + "Ei"]  # fmt: skip
+hostile_text = (
+    st.sampled_from(HOSTILE_VALUES)
+    | st.text(alphabet="0123456789.eE+-sGiMk\u00b2\u0661\uff19 ", max_size=24)
+    | st.builds(
+        lambda d, n, u: d * n + u,
+        st.sampled_from("19"),
+        st.integers(1, 6000),
+        st.sampled_from(["", "s", "Gi", "e9"]),
+    )
+)
+HOSTILE_ANNOTATIONS = [
+    "vram-enforcer.io/shm-size", "vram-enforcer.io/metrics-port", "vram-enforcer.io/grace-period",
+    "vram-enforcer.io/warn-at", "vram-enforcer.io/action",
+]  # fmt: skip
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@st.composite
+def hostile_bodies(draw: st.DrawFn) -> bytes:
+    """An AdmissionReview's bytes with hostile values where a pod author may put them, and
+    some wrapped in deep nesting or replaced by numbers thousands of digits long."""
+    p = draw(pods())
+    meta = p["metadata"].setdefault("annotations", {})
+    for key in draw(st.lists(st.sampled_from(HOSTILE_ANNOTATIONS), max_size=3, unique=True)):
+        meta[key] = draw(hostile_text)
+    c = p["spec"]["containers"][0]
+    if draw(one_in(3)):
+        c.setdefault("resources", {}).setdefault("limits", {})[RES] = draw(hostile_text)
+    if draw(one_in(4)):
+        c["ports"] = [{"containerPort": draw(st.integers(-(2**70), 2**70))}]
+    body = json.dumps(review_of(p))
+    marker = '"generateName": "p-"'
+    if draw(one_in(3)):  # deep nesting, below and above what the decoder allows
+        depth = draw(st.sampled_from([3, 60, 70, 500, 990, 5000]))
+        body = body.replace(marker, f'"extra": {nested(depth)}, {marker}')
+    if draw(one_in(5)):  # a number literal past Python's int-to-string limit
+        body = body.replace(marker, f'"extra": {"7" * draw(st.integers(4000, 6000))}, {marker}')
+    return body.encode()
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=hostile_bodies(), s=st.sampled_from(SETTINGS))
+def test_hostile_bodies_get_a_well_formed_answer_through_the_real_decoding_path(
+    body: bytes, s: AdmissionSettings
+) -> None:
+    """What the webhook's handler runs on every body: `decode`, then `review`. Nothing but
+    BadReview (an HTTP 400) may escape, and a denial is a sentence, not a dump."""
+    try:
+        out = review(decode(body), s)
+    except BadReview as exc:
+        assert str(exc).startswith(("the body", "not an AdmissionReview")), exc
+        event("bad review")
+        return
+    event(out.result)
+    well_formed(out.review, "u-1")
+    if out.result == "denied":
+        message = out.review["response"]["status"]["message"]
+        assert FIELD.search(message) and len(message) < 500, message

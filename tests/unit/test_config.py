@@ -14,6 +14,7 @@ from enforcer.core.parsing import (
     parse_bytes,
     parse_duration,
     parse_percent,
+    parse_port,
     parse_quantity,
 )
 from tests.helpers import configured
@@ -101,9 +102,42 @@ _suffix = st.sampled_from(
 
 @given(_number, _suffix)
 def test_parse_quantity_agrees_with_the_kubernetes_client(number: str, suffix: str) -> None:
-    ours = parse_quantity(number + suffix, field="q")
+    """Up to 2^63-1, the largest quantity the API server stores (it caps larger ones); the
+    client parses past it, we refuse."""
     theirs = k8s_parse_quantity(number + suffix)
-    assert ours == theirs
+    if abs(theirs) > 2**63 - 1:
+        with pytest.raises(ConfigError, match="is too large"):
+            parse_quantity(number + suffix, field="q")
+        return
+    assert parse_quantity(number + suffix, field="q") == theirs
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("1e1000000", "is too large"),
+        ("9" * 5000, "is too large"),
+        ("9223372036854775808", "is too large"),
+        ("1e" + "9" * 5000, "is too large"),
+    ],
+)
+def test_quantities_past_what_kubernetes_holds_are_refused(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment) as info:
+        parse_quantity(text, field="q")
+    assert len(str(info.value)) < 200
+    assert parse_quantity("9223372036854775807", field="q") == 2**63 - 1
+    assert parse_quantity("0e99999", field="q") == 0
+
+
+def test_durations_past_gos_are_refused_and_ports_are_ascii() -> None:
+    with pytest.raises(ConfigError, match="is too long"):
+        parse_duration("9" * 400 + "s", field="d")
+    with pytest.raises(ConfigError, match="is too long"):
+        parse_duration("2562048h", field="d")
+    assert parse_duration("2562047h", field="d") == 2562047 * 3600
+    for text in ("\u00b2", "\u0661", "9" * 5000, "65536", "-1"):
+        with pytest.raises(ConfigError, match="is not a TCP port"):
+            parse_port(text, field="p")
 
 
 @given(st.text(max_size=12))
