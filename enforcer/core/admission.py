@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import json
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import cast
+from typing import Any, cast
 
 import jsonpatch
 
@@ -25,9 +27,7 @@ from enforcer.core.parsing import (
     ConfigError,
     ascii_int,
     kubernetes_version,
-    parse_action,
     parse_bytes,
-    parse_duration,
     parse_percent,
     parse_quantity,
     shown,
@@ -43,7 +43,8 @@ from enforcer.core.payloads import (
     Volume,
     VolumeMount,
 )
-from enforcer.core.settings.sidecar import METRICS_PORT_DEFAULT, SIDECAR_ACTIONS
+from enforcer.core.settings.sidecar import METRICS_PORT_DEFAULT
+from enforcer.core.tenancy import Bounds, Tenancy, check_action, check_grace_period
 
 API_VERSION = "admission.k8s.io/v1"
 INJECT = "vram-enforcer.io/inject"
@@ -97,6 +98,8 @@ class AdmissionSettings:
     # ...and how the sidecars tell a GPU allocation (passed on to them in DRA mode).
     dra_drivers: tuple[str, ...] = (NVIDIA_DRIVER,)
     dra_uuid_attribute: str = "uuid"
+    # What a pod's annotations may loosen, cluster-wide and per namespace.
+    tenancy: Tenancy = dataclasses.field(default_factory=Tenancy)
 
 
 # A Pod as the API server sends it nests about 12 levels deep; a body nested far deeper is
@@ -167,8 +170,9 @@ def review(doc: object, settings: AdmissionSettings) -> Outcome:
     pod = request.get("object")
     if not isinstance(pod, dict):
         return Outcome(_deny(uid, "request.object is not a Pod object", 400), "invalid")
+    namespace = request.get("namespace")
     try:
-        ops = mutate(pod, settings)
+        ops = mutate(pod, settings, namespace if isinstance(namespace, str) else "")
     except Denied as exc:
         return Outcome(_deny(uid, str(exc), 403), "denied")
     return Outcome(_allow(uid, ops), "patched" if ops else "skipped")
@@ -218,29 +222,44 @@ def _deny(uid: str, message: str, code: int) -> AdmissionReview:
     return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
-def mutate(pod: Mapping[str, object], settings: AdmissionSettings) -> list[PatchOperation]:
+def mutate(
+    pod: Mapping[str, object], settings: AdmissionSettings, namespace: str = ""
+) -> list[PatchOperation]:
     """The JSON patch that makes `pod` enforced; [] when it is not ours to touch.
 
     In DRA mode (`settings.dra_class`), a declaration becomes a claim (see `_claim_vram`),
     and a pod with claims made by hand is enforced too: the sidecar takes its limits from
     the claims (`--limits-from dra`).
+
+    Nothing the pod says makes it "already enforced": not an annotation, not a container
+    named like the sidecar. Every part of the mutation is asserted again, in place, on every
+    pass, so a reinvocation over our own output changes nothing, and a pod that forged any
+    part of it (the sidecar, its volumes, `shareProcessNamespace: false`) gets ours back.
     """
     annotations = _map(_map(pod.get("metadata")).get("annotations"))
-    if str(annotations.get(INJECT, "")).lower() == "false" or INJECTED in annotations:
-        return []
-    limits = declared_limits(_map(pod.get("spec")), settings.resource_name, settings.resource_unit)
-    claims_by_hand = settings.dra_class is not None and bool(
-        _list(_map(pod.get("spec")).get("resourceClaims"))
-    )
+    raw_spec = _map(pod.get("spec"))
+    limits = declared_limits(raw_spec, settings.resource_name, settings.resource_unit)
+    claims_by_hand = settings.dra_class is not None and bool(_list(raw_spec.get("resourceClaims")))
     if not limits and not claims_by_hand:
         return []
+    bounds = settings.tenancy.bounds(namespace)
+    if str(annotations.get(INJECT, "")).lower() == "false":
+        if bounds.allow_opt_out:
+            return []
+        raise Denied(
+            f"metadata.annotations[{INJECT!r}]: 'false' is not allowed {_where(namespace)}: a "
+            "pod that declares VRAM is held to it. Remove the annotation (the operator lets "
+            "pods opt out with the webhook's --allow-opt-out or --namespace-bounds)"
+        )
     try:
         checked = shapes.check(pod)  # from here on, every field read has its JSON type
     except shapes.ShapeError as exc:
         raise Denied(str(exc)) from None
     spec = checked.get("spec") or {}
-    _check_pod(spec)
-    sidecar_env = _sidecar_settings(annotations)
+    _check_pod(spec, settings)
+    if settings.dra_class is not None:
+        limits = {**_claimed_limits(spec), **limits}  # our claims, from an earlier pass
+    sidecar_env = _sidecar_settings(annotations, bounds, namespace)
     metrics_port = _metrics_port(annotations, spec)
     shm = str(annotations.get(SHM_SIZE, settings.shm_default))
     shm_limit = None if shm == "off" else _shm_limit(shm, spec)
@@ -270,6 +289,10 @@ def mutate(pod: Mapping[str, object], settings: AdmissionSettings) -> list[Patch
     return cast(list[PatchOperation], jsonpatch.make_patch(dict(pod), out).patch)
 
 
+def _where(namespace: str) -> str:
+    return f"in namespace {namespace!r}" if namespace else "here"
+
+
 def claim_template_name(limit: int) -> str:
     """The ResourceClaimTemplate a declaration of `limit` bytes becomes a claim from, one per
     size and namespace: `vram-enforcer-16gi`."""
@@ -296,15 +319,22 @@ def claim_templates(pod: Mapping[str, object], settings: AdmissionSettings) -> s
     if settings.dra_class is None:
         return set()
     spec = _map(pod.get("spec"))
-    return set(declared_limits(spec, settings.resource_name, settings.resource_unit).values())
+    sizes = set(declared_limits(spec, settings.resource_name, settings.resource_unit).values())
+    return sizes - {0}  # 0 asks for no GPU: no claim, no template
 
 
 def _claim_vram(spec: PodSpec, c: Container, limit: int, settings: AdmissionSettings) -> None:
     """DRA mode: the container's VRAM becomes a claim from the template of its size, which
     the scheduler places on one GPU with that much room; the extended resource goes.
 
+    A declaration of 0 asks for no GPU: it becomes no claim (a claim of 0 bytes would still
+    be given a share of a GPU), and stays as it is (0 of a resource fits any node), so that
+    the sidecar holds the container to 0 on every GPU.
+
     When extended resource names can carry capacity requests (KEP-6406, provisional), the
     scheduler will make this claim itself, and this step can be dropped."""
+    if limit == 0:
+        return
     claim = f"vram-{c['name']}"
     resources = c.setdefault("resources", {})
     for part in ("limits", "requests"):
@@ -313,10 +343,42 @@ def _claim_vram(spec: PodSpec, c: Container, limit: int, settings: AdmissionSett
             listed.pop(settings.resource_name, None)
             if not listed:
                 del resources[part]  # type: ignore[misc]
+    if claim in _claim_names(spec):
+        return  # claimed on an earlier pass
     resources.setdefault("claims", []).append({"name": claim})
     spec.setdefault("resourceClaims", []).append(
         {"name": claim, "resourceClaimTemplateName": claim_template_name(limit)}
     )
+
+
+def _claim_names(spec: PodSpec) -> set[str]:
+    return {str(_map(rc).get("name")) for rc in _list(spec.get("resourceClaims"))}
+
+
+_TEMPLATE_SIZE = re.compile(r"vram-enforcer-([0-9]+)([kmgtpe]i)?")
+
+
+def _claimed_limits(spec: PodSpec) -> dict[str, int]:
+    """DRA mode, on a later pass: each container's limit from the claim an earlier pass made
+    (`vram-<container>` from the template `vram-enforcer-<size>`), since the declaration it
+    came from is gone. Written by hand, that claim is a declaration like any other."""
+    templates = {
+        str(rc.get("name")): str(rc.get("resourceClaimTemplateName") or "")
+        for rc in map(_map, _list(spec.get("resourceClaims")))
+    }
+    found = {}
+    for c in _containers(spec):
+        claim = f"vram-{c['name']}"
+        claims = {_map(rc).get("name") for rc in _list(_map(c.get("resources")).get("claims"))}
+        size = _TEMPLATE_SIZE.fullmatch(templates.get(claim, ""))
+        if claim not in claims or size is None:
+            continue
+        quantity = size[1] + (size[2] or "").capitalize()  # the name is lowercase: 16gi
+        try:
+            found[c["name"]] = parse_bytes(quantity, field="resourceClaimTemplateName")
+        except ConfigError:
+            continue  # past what Kubernetes holds: not a template of ours
+    return found
 
 
 def declared_limits(spec: Mapping[str, object], resource: str, unit: int) -> dict[str, int]:
@@ -370,26 +432,30 @@ def _units(value: object, field: str, unit: int) -> Decimal:
     return units
 
 
-def _check_pod(spec: PodSpec) -> None:
+def _check_pod(spec: PodSpec, settings: AdmissionSettings) -> None:
+    """Deny what the mutation cannot make right. A container named like the sidecar that
+    runs our image, and our volumes beside it, are an earlier pass's (or a forgery of it):
+    they are replaced with ours in place. Anything else under our names is the user's."""
     if spec.get("hostPID") is True:
         raise Denied(
             "spec.hostPID: true cannot be combined with the shared process namespace that VRAM "
-            f'enforcement needs; remove hostPID, or opt the pod out with {INJECT}: "false"'
+            "enforcement needs; remove hostPID"
         )
-    names = {c["name"] for c in _containers(spec)}
+    images = [c.get("image") for c in _containers(spec) if c["name"] == SIDECAR]
+    if any(image != settings.sidecar_image for image in images):
+        raise Denied(f"a container is already named {SIDECAR!r}, the name of the enforcer's "
+                     "sidecar; rename it")  # fmt: skip
     volumes = {str(v.get("name")) for v in spec.get("volumes") or ()}
-    if SIDECAR in names:
-        raise Denied(
-            f"a container is already named {SIDECAR!r}, the name of the enforcer's sidecar; "
-            f'rename it, or opt the pod out with {INJECT}: "false"'
-        )
     taken = volumes & {SOCKET_VOLUME, SHM_VOLUME, TOKEN_VOLUME}
-    if taken:
+    if taken and not images:
         raise Denied(f"spec.volumes: {sorted(taken)[0]!r} is reserved for the enforcer; rename it")
 
 
-def _sidecar_settings(annotations: Mapping[str, object]) -> dict[str, str]:
-    """The sidecar's variables from the pod's annotations, each checked as the sidecar will."""
+def _sidecar_settings(
+    annotations: Mapping[str, object], bounds: Bounds, namespace: str
+) -> dict[str, str]:
+    """The sidecar's variables from the pod's annotations, each checked as the sidecar will,
+    and against what the operator lets this namespace loosen."""
     env: dict[str, str] = {}
     for key, var in _SETTINGS.items():
         if key not in annotations:
@@ -398,9 +464,9 @@ def _sidecar_settings(annotations: Mapping[str, object]) -> dict[str, str]:
         field = f"metadata.annotations[{key!r}]"
         try:
             if var == "VRAM_ENFORCER_ACTION":
-                parse_action(value, field=field, allowed=SIDECAR_ACTIONS)
+                check_action(value, bounds, field, namespace)
             elif var == "VRAM_ENFORCER_GRACE_PERIOD":
-                parse_duration(value, field=field)
+                check_grace_period(value, bounds, field, namespace)
             else:
                 parse_percent(value, field=field)
         except ConfigError as exc:
@@ -416,6 +482,7 @@ def _metrics_port(annotations: Mapping[str, object], spec: PodSpec) -> int:
     declared = {
         port.get("containerPort"): f"{field}[{c['name']!r}].ports"
         for field, c in _containers_where(spec)
+        if c["name"] != SIDECAR  # an earlier pass's
         for port in c.get("ports") or ()
         if port.get("protocol", "TCP") == "TCP"
     }
@@ -445,7 +512,11 @@ def _shm_limit(value: str, spec: PodSpec) -> int | None:
     if value == "auto":
         # The largest container memory limit: tmpfs pages count against the container's
         # memory, so more than that could never be used anyway.
-        known = [m for c in spec.get("containers") or () if (m := _memory_limit(c)) is not None]
+        known = [
+            m
+            for c in spec.get("containers") or ()
+            if c["name"] != SIDECAR and (m := _memory_limit(c)) is not None
+        ]
         return max(known) if known else None
     try:
         return parse_bytes(value, field=f"metadata.annotations[{SHM_SIZE!r}]")
@@ -469,8 +540,8 @@ def _workload_env(c: Container, limit: int, settings: AdmissionSettings) -> None
     ours = {"VRAM_LIMIT_BYTES": str(limit)}
     if settings.toolkit_limits:  # whole MiB, rounded down: never above the declared limit
         ours.update(dict.fromkeys(TOOLKIT_ENV, str(limit // MiB)))
-    env[:] = [e for e in env if e.get("name") not in ours]
-    env.extend({"name": k, "value": v} for k, v in ours.items())
+    for name, value in ours.items():
+        _put(env, {"name": name, "value": value})
     extra = {**(FRAMEWORK_ENV if settings.framework_env else {})}
     if settings.gpu_exposure == "env" and not _requests_gpus(c):
         extra.update(GPU_ENV)  # a container given GPUs by the device plugin keeps those
@@ -490,16 +561,18 @@ def _add_shm(spec: PodSpec, size: int | None) -> None:
     missing = [
         c
         for c in spec.get("containers") or ()
-        if not any(
+        if c["name"] != SIDECAR
+        and not any(
             str(m.get("mountPath", "")).rstrip("/") == SHM_DIR for m in c.get("volumeMounts") or ()
         )
     ]
-    if not missing:
+    ours = any(v.get("name") == SHM_VOLUME for v in spec.get("volumes") or ())
+    if not missing and not ours:
         return
     empty_dir = {"medium": "Memory"}
     if size is not None:
         empty_dir["sizeLimit"] = format_quantity(size)
-    spec.setdefault("volumes", []).append({"name": SHM_VOLUME, "emptyDir": empty_dir})
+    _put(spec.setdefault("volumes", []), {"name": SHM_VOLUME, "emptyDir": empty_dir})
     for c in missing:
         c.setdefault("volumeMounts", []).append({"name": SHM_VOLUME, "mountPath": SHM_DIR})
 
@@ -514,7 +587,7 @@ def _add_sidecar(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping
         {"name": "VRAM_ENFORCER_LIMITS", "value": json.dumps(dict(limits), separators=(",", ":"))},
         {
             "name": "VRAM_ENFORCER_CONTAINERS",
-            "value": ",".join(c["name"] for c in _containers(spec)),
+            "value": ",".join(c["name"] for c in _containers(spec) if c["name"] != SIDECAR),
         },
         *[EnvVar(name=k, value=v) for k, v in settings_env.items()],
         {"name": "VRAM_ENFORCER_AGENT_SOCKET", "value": settings.agent_socket},
@@ -523,12 +596,11 @@ def _add_sidecar(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping
     ]
     mounts: list[VolumeMount] = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR, "readOnly": True}]
     volumes = spec.setdefault("volumes", [])
-    volumes.append(
-        {"name": SOCKET_VOLUME, "hostPath": {"path": SOCKET_DIR, "type": "DirectoryOrCreate"}}
-    )
+    _put(volumes, {"name": SOCKET_VOLUME,
+                   "hostPath": {"path": SOCKET_DIR, "type": "DirectoryOrCreate"}})  # fmt: skip
     if spec.get("automountServiceAccountToken") is False:
         # The pod opted out of the API token; the sidecar still needs one, for itself only.
-        volumes.append(_token_volume())
+        _put(volumes, _token_volume())
         mounts.append({"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
     sidecar: Container = {
         "name": SIDECAR,
@@ -551,11 +623,33 @@ def _add_sidecar(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping
         "volumeMounts": mounts,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    # An earlier pass's sidecar (or a forgery of it) is replaced in place, and leaves the
+    # list it does not belong in.
     if settings.sidecar_mode == "native":
         sidecar["restartPolicy"] = "Always"
-        spec.setdefault("initContainers", []).insert(0, sidecar)
+        _drop_sidecar(spec.get("containers"))
+        inits = spec.setdefault("initContainers", [])
+        if not _put(inits, sidecar):
+            inits.insert(0, inits.pop())  # first: it starts before the workload does
     else:
-        spec.setdefault("containers", []).append(sidecar)
+        _drop_sidecar(spec.get("initContainers"))
+        _put(spec.setdefault("containers", []), sidecar)
+
+
+def _drop_sidecar(listed: list[Container] | None) -> None:
+    if listed and any(c["name"] == SIDECAR for c in listed):
+        listed[:] = [c for c in listed if c["name"] != SIDECAR]
+
+
+def _put(items: list[Any], item: Mapping[str, Any]) -> bool:
+    """Replace the entry of `items` with `item`'s name in place (True), or append it. In
+    place, so that a pass over our own output leaves the order others gave it."""
+    for i, existing in enumerate(items):
+        if existing.get("name") == item["name"]:
+            items[i] = item
+            return True
+    items.append(item)
+    return False
 
 
 def _field_env(name: str, path: str) -> EnvVar:

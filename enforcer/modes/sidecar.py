@@ -119,7 +119,8 @@ class ContainerAttributor:
         if self._dra is not None:
             found = self._allocations(pod, self._dra, by_id)
             held = {r.name for r in by_id.values()} if not self._undeclared_allowed else set()
-            held = (held | found.claiming) - found.unresolved
+            # A container that declared VRAM (0 too: no claim) is held to what its claims give.
+            held = (held | set(self._limits) | found.claiming) - found.unresolved
             units = list(attribute_per_gpu(sample, unit_of, found, held, cmdlines))
             total = sum(u.limit_bytes for u in found.units)
         else:

@@ -113,11 +113,14 @@ def test_the_webhook_objects(installed: Path, admin: client.ApiClient) -> None:
         "Fail",
     )
     assert hook.namespace_selector.match_labels == {"vram-enforcer.io/inject": "enabled"}
-    assert hook.object_selector.match_expressions[0].to_dict() == {
-        "key": "app.kubernetes.io/instance",
+    # The chart's own pods are told by their namespace, which a tenant cannot set; not by a
+    # label of the pod's, which it can.
+    assert hook.namespace_selector.match_expressions[0].to_dict() == {
+        "key": "kubernetes.io/metadata.name",
         "operator": "NotIn",
-        "values": [RELEASE],
+        "values": [NAMESPACE],
     }
+    assert hook.object_selector is None or not hook.object_selector.match_expressions
     assert (hook.client_config.service.name, hook.client_config.service.path) == (
         "vram-enforcer-e2e-webhook",
         "/mutate",
@@ -345,10 +348,49 @@ def assert_mutated(stored: Any) -> None:
     assert stored["spec"]["shareProcessNamespace"] is True
 
 
+def assert_the_sidecar_cannot_be_changed(admin: client.ApiClient) -> None:
+    """The chart's ValidatingAdmissionPolicy: a tenant who may patch its pods cannot swap the
+    sidecar's image of the injected pod trainer-0, nor change our annotations or label; its
+    own container's image it may change."""
+    core = client.CoreV1Api(admin)
+    probe = {"metadata": {"name": "vap-probe"}, "spec": {"containers": [
+        {"name": "app", "image": "a"}, {"name": "vram-enforcer", "image": "enforcer"}]}}  # fmt: skip
+    core.create_namespaced_pod("default", probe)
+    swap = [{"op": "replace", "path": "/spec/containers/1/image", "value": "evil"}]
+
+    def refused() -> bool:  # the API server loads a new policy within a few seconds
+        try:
+            core.patch_namespaced_pod("vap-probe", "default", swap)
+        except client.ApiException as exc:
+            return exc.status == 403
+        swap[0]["value"] += "!"  # still allowed: try again with another image
+        return False
+
+    wait_for(refused, timeout=30, what="the injected-pods policy to be in force")
+    core.delete_namespaced_pod("vap-probe", "default", grace_period_seconds=0)
+    denied = {
+        "the sidecar's image": [{"op": "replace", "path": "/spec/initContainers/0/image", "value": "busybox"}],
+        "an annotation of ours": [{"op": "add", "path": "/metadata/annotations/vram-enforcer.io~1action", "value": "warn"}],
+        "the injected annotation": [{"op": "remove", "path": "/metadata/annotations/vram-enforcer.io~1injected"}],
+        "the enforced label": [{"op": "remove", "path": "/metadata/labels/vram-enforcer.io~1enforced"}],
+    }  # fmt: skip
+    for what, patch in denied.items():
+        with pytest.raises(client.ApiException) as info:
+            core.patch_namespaced_pod("trainer-0", OPTED_IN, patch)
+        assert info.value.status == 403, what
+        assert "of an injected pod cannot change" in json.loads(info.value.body)["message"], what
+    allowed = [{"op": "replace", "path": "/spec/containers/0/image", "value": "pytorch:2"},
+               {"op": "add", "path": "/metadata/annotations/team", "value": "vision"}]  # fmt: skip
+    stored = core.patch_namespaced_pod("trainer-0", OPTED_IN, allowed)
+    assert stored.spec.containers[0].image == "pytorch:2"
+    assert stored.spec.init_containers[0].image == "ghcr.io/vram-enforcer/vram-enforcer:e2e"
+
+
 def test_a_pod_is_mutated_through_the_charts_own_webhook(
     installed: Path, admin: client.ApiClient, tmp_path: Path
 ) -> None:
     assert_mutated(mutate_through_the_chart(admin, installed, tmp_path))
+    assert_the_sidecar_cannot_be_changed(admin)
 
 
 def test_the_oldest_supported_kubernetes_takes_the_chart_and_its_webhook(
@@ -371,6 +413,7 @@ def test_the_oldest_supported_kubernetes_takes_the_chart_and_its_webhook(
         assert client.VersionApi(admin).get_code().git_version == f"v{OLDEST}"
         kubeconfig = install(server, admin, tmp_path)
         assert_mutated(mutate_through_the_chart(admin, kubeconfig, tmp_path))
+        assert_the_sidecar_cannot_be_changed(admin)
 
 
 def test_an_upgrade_keeps_the_self_signed_certificate(

@@ -7,6 +7,7 @@ import base64
 import copy
 import dataclasses
 import json
+import re
 from typing import Any
 
 import jsonpatch
@@ -17,6 +18,7 @@ from enforcer.core.admission import (
     INJECTED,
     AdmissionSettings,
     BadReview,
+    Denied,
     claim_template,
     format_quantity,
     mutate,
@@ -24,6 +26,7 @@ from enforcer.core.admission import (
     review,
     sidecar_mode_for,
 )
+from enforcer.core.tenancy import ALL_ACTIONS, Bounds, Tenancy
 
 GiB = 1024**3
 RES = "vram-enforcer.io/vram"
@@ -172,17 +175,87 @@ def test_several_gpu_containers_each_get_their_own_limit() -> None:
     assert "VRAM_LIMIT_BYTES" not in env_of(out["spec"]["containers"][2])
 
 
+def test_a_pod_that_declares_nothing_is_untouched() -> None:
+    assert mutate(pod({"name": "web", "image": "nginx"}), NATIVE) == []
+
+
+def test_opting_out_is_denied_unless_the_operator_allows_it() -> None:
+    out = pod(gpu("trainer"), annotations={"vram-enforcer.io/inject": "false"})
+    with pytest.raises(
+        Denied,
+        match=r"metadata.annotations\['vram-enforcer.io/inject'\]: 'false' "
+        r"is not allowed in namespace 'ml': a pod that declares VRAM is held to it",
+    ):
+        mutate(out, NATIVE, "ml")
+    research = Tenancy(Bounds(), {"research": Bounds(allow_opt_out=True)})
+    lenient = dataclasses.replace(NATIVE, tenancy=research)
+    assert mutate(out, lenient, "research") == []
+    with pytest.raises(Denied):
+        mutate(out, lenient, "ml")
+    everywhere = dataclasses.replace(NATIVE, tenancy=Tenancy(Bounds(allow_opt_out=True)))
+    assert mutate(out, everywhere, "ml") == []
+
+
 @pytest.mark.parametrize(
-    "p",
+    ("annotation", "value", "message"),
     [
-        pod({"name": "web", "image": "nginx"}),
-        pod(gpu("trainer"), annotations={"vram-enforcer.io/inject": "false"}),
-        pod(gpu("trainer"), annotations={INJECTED: "true"}),
+        ("action", "warn", "'warn' is not allowed in namespace 'ml'; the operator allows: terminate, kill, restart"),
+        ("grace-period", "31s", "'31s' is longer than the 30s allowed in namespace 'ml'; use at most 30s"),
+        ("grace-period", "9" * 400 + "s", "is too long; a duration is at most 2562047h"),
     ],
-    ids=["declares-nothing", "opted-out", "already-injected"],
-)
-def test_untouched(p: dict[str, Any]) -> None:
-    assert mutate(p, NATIVE) == []
+)  # fmt: skip
+def test_a_pod_cannot_loosen_enforcement_past_the_operators_bounds(
+    annotation: str, value: str, message: str
+) -> None:
+    p = pod(gpu("trainer"), annotations={f"vram-enforcer.io/{annotation}": value})
+    with pytest.raises(
+        Denied, match=re.escape(f"metadata.annotations['vram-enforcer.io/{annotation}']")
+    ) as info:
+        mutate(p, NATIVE, "ml")
+    assert message in str(info.value)
+    loose = Tenancy(Bounds(), {"ml": Bounds(actions=ALL_ACTIONS, max_grace_period=60)})
+    if "is too long" not in message:  # within the namespace's own bounds, it is admitted
+        out = jsonpatch.apply_patch(p, mutate(p, dataclasses.replace(NATIVE, tenancy=loose), "ml"))
+        assert (
+            env_of(sidecar_of(out))[f"VRAM_ENFORCER_{annotation.upper().replace('-', '_')}"]
+            == value
+        )
+
+
+def test_an_injected_annotation_does_not_skip_injection() -> None:
+    forged = pod(gpu("trainer"), annotations={INJECTED: "true"})
+    out = applied(forged)
+    assert sidecar_of(out)["image"] == NATIVE.sidecar_image
+
+
+def test_a_forged_sidecar_its_volumes_and_an_unshared_namespace_are_replaced_by_ours() -> None:
+    """Nothing a pod says proves it enforced: every part of the mutation is asserted again,
+    in place. A pod that carries a sidecar of our image but set to warn, in the wrong list,
+    with a socket that is not the agent's and no shared PID namespace, gets ours."""
+    genuine = applied(pod(gpu("trainer")))
+    forged = copy.deepcopy(genuine)
+    side = forged["spec"]["initContainers"].pop(0)
+    side["env"] = [{"name": "VRAM_ENFORCER_ACTION", "value": "warn"}]
+    side["securityContext"] = {"runAsUser": 1000}
+    del side["restartPolicy"]
+    forged["spec"]["containers"].append(side)
+    forged["spec"]["shareProcessNamespace"] = False
+    for volume in forged["spec"]["volumes"]:
+        if volume["name"] == "vram-enforcer-socket":
+            volume.clear()
+            volume.update({"name": "vram-enforcer-socket", "emptyDir": {}})
+    out = applied(forged)
+    assert out["spec"]["shareProcessNamespace"] is True
+    assert sidecar_of(out) == sidecar_of(genuine)
+    assert out["spec"]["initContainers"][0]["name"] == "vram-enforcer"
+    assert [c["name"] for c in out["spec"]["containers"]] == ["trainer"]
+    assert out["spec"]["volumes"] == genuine["spec"]["volumes"]
+    assert mutate(out, NATIVE) == []
+
+
+def test_a_container_named_like_the_sidecar_with_another_image_is_denied() -> None:
+    with pytest.raises(Denied, match="a container is already named 'vram-enforcer'"):
+        mutate(pod(gpu("trainer"), {"name": "vram-enforcer", "image": "evil"}), NATIVE)
 
 
 def test_requests_alone_count_as_declaring() -> None:
@@ -422,6 +495,20 @@ def test_dra_mode_turns_the_declaration_into_a_claim_from_the_template_of_its_si
     other = dataclasses.replace(DRA, dra_drivers=("gpu.example.com", "b.example.com"))
     out = jsonpatch.apply_patch(trainer_pod := pod(gpu("t", "1Gi")), mutate(trainer_pod, other))
     assert env_of(sidecar_of(out))["VRAM_ENFORCER_DRA_DRIVERS"] == "gpu.example.com,b.example.com"
+
+
+def test_dra_mode_turns_a_declaration_of_0_into_no_claim() -> None:
+    """0 asks for no GPU: a claim of 0 bytes would still be given a share of one."""
+    out = applied_dra(pod(gpu("trainer", "16Gi"), gpu("none", "0")))
+    assert out["spec"]["resourceClaims"] == [
+        {"name": "vram-trainer", "resourceClaimTemplateName": "vram-enforcer-16gi"}
+    ]
+    assert out["spec"]["containers"][1]["resources"] == {"limits": {RES: "0"}}  # fits any node
+    assert json.loads(env_of(sidecar_of(out))["VRAM_ENFORCER_LIMITS"]) == {
+        "trainer": 16 * GiB,
+        "none": 0,
+    }
+    assert mutate(out, DRA) == []  # and a second pass, which finds only the claim, agrees
 
 
 def test_dra_mode_enforces_pods_with_claims_made_by_hand() -> None:

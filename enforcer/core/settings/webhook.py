@@ -6,11 +6,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from enforcer.core.admission import AdmissionSettings
+from enforcer.core.model import Action
 from enforcer.core.parsing import (
     ConfigError,
     as_text,
     choice,
+    parse_action,
     parse_bytes,
+    parse_duration,
     parse_port,
     parse_quantity,
 )
@@ -27,6 +30,7 @@ from enforcer.core.settings.common import (
     metrics_port,
     resource_unit,
 )
+from enforcer.core.tenancy import ALL_ACTIONS, Bounds, Tenancy, parse_namespace_bounds
 
 
 def _image(text: str, field: str) -> str:
@@ -48,6 +52,19 @@ def _cpu(text: str, field: str) -> str:
 
 def _memory(text: str, field: str) -> str:
     parse_bytes(text, field)
+    return text
+
+
+def _tenant_actions(text: str, field: str) -> tuple[Action, ...]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ConfigError(field, text, "is empty; list the actions pods may choose, e.g. "
+                          "terminate,kill,restart")  # fmt: skip
+    return tuple(dict.fromkeys(parse_action(name, field, ALL_ACTIONS) for name in names))
+
+
+def _namespace_bounds(text: str, field: str) -> str:
+    parse_namespace_bounds(text, field, Bounds())  # checked here; built with the defaults below
     return text
 
 
@@ -208,6 +225,46 @@ AGENT_SOCKET = value(
     metavar="PATH",
     doc="passed to the sidecar; must lie in `/run/vram-enforcer/`, the mounted directory",
 )
+TENANT_ACTIONS = value(
+    "tenant_actions",
+    _tenant_actions,
+    "the actions a pod may choose with vram-enforcer.io/action (comma-separated)",
+    flag="--tenant-actions",
+    default="terminate,kill,restart",
+    metavar="ACTIONS",
+    doc="the actions a pod may choose with the `vram-enforcer.io/action` annotation; a pod "
+    "that asks for another is denied. `warn` is left out by default: it only reports, so a "
+    "tenant allowed it may stay over its limit",
+)
+MAX_GRACE_PERIOD = value(
+    "max_grace_period",
+    parse_duration,
+    "the longest grace period a pod may ask for with vram-enforcer.io/grace-period",
+    flag="--max-grace-period",
+    default="30s",
+    metavar="DURATION",
+    doc="the longest grace period (SIGTERM to SIGKILL) a pod may ask for with the "
+    "`vram-enforcer.io/grace-period` annotation; a pod that asks for more is denied",
+)
+ALLOW_OPT_OUT = switch(
+    "allow_opt_out",
+    "--allow-opt-out",
+    'honour vram-enforcer.io/inject: "false" on pods that declare VRAM',
+    doc='honour `vram-enforcer.io/inject: "false"` on a pod that declares VRAM (it then runs '
+    "unenforced). Off by default: such a pod is denied, since it is scheduled for VRAM it "
+    "would not be held to",
+)
+NAMESPACE_BOUNDS = value(
+    "namespace_bounds",
+    _namespace_bounds,
+    "per-namespace bounds, JSON: {NAMESPACE: {actions, maxGracePeriod, allowOptOut}}",
+    flag="--namespace-bounds",
+    default="{}",
+    metavar="JSON",
+    doc='per-namespace bounds that replace the three above, e.g. `{"research": {"actions": '
+    '["warn", "terminate"], "maxGracePeriod": "2m", "allowOptOut": true}}`; a key left out '
+    "keeps the cluster-wide value",
+)
 KUBECONFIG = kubeconfig("in-cluster", doc="for `--sidecar-mode auto` and `--dra-device-class`")
 METRICS_PORT = metrics_port(
     "serve Prometheus metrics on this port",
@@ -240,6 +297,10 @@ DECLARED: tuple[Setting[Any], ...] = (
     SIDECAR_CPU,
     SIDECAR_MEMORY,
     AGENT_SOCKET,
+    TENANT_ACTIONS,
+    MAX_GRACE_PERIOD,
+    ALLOW_OPT_OUT,
+    NAMESPACE_BOUNDS,
     KUBECONFIG,
     METRICS_PORT,
     METRICS_ADDRESS,
@@ -271,6 +332,8 @@ def webhook_settings(values: Values) -> WebhookSettings:
             "cannot be combined with --dra-device-class: in DRA mode the DRA driver gives each "
             "container the GPU it was allocated; use --gpu-exposure none"
         ))  # fmt: skip
+    default = Bounds(values[TENANT_ACTIONS], values[MAX_GRACE_PERIOD], values[ALLOW_OPT_OUT])
+    namespaces = parse_namespace_bounds(values[NAMESPACE_BOUNDS], "--namespace-bounds", default)
     return WebhookSettings(
         tls_cert_file=values[TLS_CERT_FILE],
         tls_key_file=values[TLS_KEY_FILE],
@@ -293,6 +356,7 @@ def webhook_settings(values: Values) -> WebhookSettings:
             dra_capacity=values[DRA_CAPACITY],
             dra_drivers=values[DRA_DRIVERS],
             dra_uuid_attribute=values[DRA_UUID_ATTRIBUTE],
+            tenancy=Tenancy(default, namespaces),
         ),
         kubeconfig=values[KUBECONFIG],
         metrics_port=values[METRICS_PORT],
