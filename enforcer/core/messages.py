@@ -81,6 +81,33 @@ def enforcement(e: Enforcement, label: str, result: SignalResult) -> str:
     return head + f"did not signal {process(e.victim)}: {reason}"
 
 
+def whole_unit(
+    e: Enforcement,
+    label: str,
+    targets: Sequence[ProcessTotal],
+    results: Sequence[SignalResult],
+    grace_period: float,
+    restart: bool,
+) -> str:
+    """Why every process of a unit was stopped at once, and what became of each. `restart`:
+    the one target is a container's init, whose end restarts the container."""
+    why = (
+        f"{usage(e.unit, label)}, still over {format_duration(grace_period)} after a victim "
+        "was signalled: its processes are being replaced as fast as they are stopped"
+    )
+    if not targets:
+        return f"{why}; no process of it could be found to stop"
+    stopped = [t for t, r in zip(targets, results, strict=True)
+               if r in (SignalResult.SENT, SignalResult.IN_PROGRESS)]  # fmt: skip
+    left = len(targets) - len(stopped)
+    refused = f" ({left} could not be proven and were left alone)" if left else ""
+    if restart:
+        if stopped:
+            return f"{why}; restarting it: sent SIGKILL to its init process, {process(targets[0])}"
+        return f"{why}; could not restart it: its init process {process(targets[0])} is not proven"
+    return f"{why}; sent SIGKILL to all {len(stopped)} processes of {label}{refused}"
+
+
 def escalated(victim: ProcessTotal, grace_period: float) -> str:
     grace = format_duration(grace_period)
     return f"{process(victim)} did not exit {grace} after SIGTERM; sent SIGKILL"

@@ -2,8 +2,11 @@
 
 Everything that makes enforcement predictable lives here, where it can be tested without
 a GPU, a process or a clock: when a warning is due (once per crossing), how long usage may
-stay over the limit (`over_for`), which process pays for it (the largest), and that nobody
-new is picked while an earlier victim is still on its way out.
+stay over the limit (`over_for`), which process pays for it (the largest), that nobody
+new is picked while an earlier victim is still on its way out, and when one victim at a time
+is not enough: a unit still over its limit one grace period after its first victim was
+signalled loses every process at once (a supervisor that replaces each worker it loses
+would otherwise keep it over its limit for as long as it runs).
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from enforcer.core.model import Action, ProcessKey, ProcessTotal, UnitUsage
 # The near-limit warning re-arms only once usage falls below this share of the warn
 # threshold, so usage hovering around the threshold gives one warning, not one per tick.
 REARM_FRACTION = 0.95
+# With `kill` (no grace period), a victim's exit and its memory's release still take a tick
+# or two to show in NVML: escalate no sooner than this after the first victim.
+ESCALATE_AFTER_AT_LEAST = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +42,10 @@ class UnitState:
     over_since: float | None = None
     exceeded_reported: bool = False
     dry_run_reported: bool = False
+    # This excursion over the limit: when its first victim was signalled, and when the whole
+    # unit last was.
+    signalled_at: float | None = None
+    escalated_at: float | None = None
 
 
 class Reason(StrEnum):
@@ -62,13 +72,15 @@ class Notice:
 
 @dataclass(frozen=True, slots=True)
 class Enforcement:
-    """Signal `victim` because `unit` has been over its limit for long enough."""
+    """Signal `victim` because `unit` has been over its limit for long enough; or, with
+    `whole_unit`, every process of the unit (`victim` is then its largest, for the report)."""
 
     unit: UnitUsage
     victim: ProcessTotal
     action: Action
     grace_period: float
     dry_run: bool = False
+    whole_unit: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +140,11 @@ def _decide_unit(
     notice = None if prev.exceeded_reported else Notice(Reason.LIMIT_EXCEEDED, unit, left)
     if left > 0 or config.action is Action.WARN or not unit.enforceable:
         return state, notice, None
+    if _escalation_due(prev, config, now):
+        largest = choose_victim(unit, frozenset()) or unit.init_process
+        if largest is not None:
+            state = replace(state, escalated_at=now)
+            return state, notice, Enforcement(unit, largest, Action.KILL, 0.0, whole_unit=True)
     in_unit = [p.key for p in unit.processes]
     if unit.init_process is not None:
         in_unit.append(unit.init_process.key)
@@ -140,8 +157,20 @@ def _decide_unit(
         return state, notice, None
     if config.dry_run:
         state = replace(state, dry_run_reported=True)
+    elif state.signalled_at is None:
+        state = replace(state, signalled_at=now)
     enforcement = Enforcement(unit, victim, config.action, config.grace_period, config.dry_run)
     return state, notice, enforcement
+
+
+def _escalation_due(prev: UnitState, config: PolicyConfig, now: float) -> bool:
+    """Still over one grace period after this excursion's first victim was signalled (and
+    after the last escalation): victims are being replaced as fast as they are stopped."""
+    if prev.signalled_at is None:
+        return False
+    wait = max(config.grace_period, ESCALATE_AFTER_AT_LEAST)
+    since = prev.escalated_at if prev.escalated_at is not None else prev.signalled_at
+    return now - since >= wait
 
 
 def _below_limit(unit: UnitUsage, config: PolicyConfig, prev: UnitState) -> UnitState:

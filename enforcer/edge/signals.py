@@ -121,6 +121,9 @@ class Terminator:
         """SIGTERM (then SIGKILL after the grace period) or SIGKILL, as the enforcement says."""
         key = enforcement.victim.key
         if key in self._victims:
+            victim = self._victims[key]
+            if enforcement.action is Action.KILL and victim.kill_at is not None:
+                victim.kill_at = now  # taken with its whole unit: SIGKILL on the next poll
             return SignalResult.IN_PROGRESS
         pinned = self._signaller.verify(key, is_member)
         if isinstance(pinned, SignalResult):

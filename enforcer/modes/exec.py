@@ -24,7 +24,7 @@ from enforcer.core import messages
 from enforcer.core.attribution import attribute, unit_activity
 from enforcer.core.exec_summary import ExecSummary, SummaryEvent
 from enforcer.core.hard_limits import LimitOutcome, LimitResult, mig_gpus, per_gpu
-from enforcer.core.model import IDLE, ProcessKey, Sample, UnitUsage, format_bytes
+from enforcer.core.model import IDLE, ProcessKey, ProcessTotal, Sample, UnitUsage, format_bytes
 from enforcer.core.policy import Reason
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge import logs
@@ -35,7 +35,7 @@ from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator, signal_children
 from enforcer.edge.sources import PidView, PidViewError
-from enforcer.modes.pipeline import LogReporter, Pipeline, Report
+from enforcer.modes.pipeline import LogReporter, Pipeline, Report, WholeUnit
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,18 @@ class TreeAttributor:
 
     def label(self, unit: str) -> str:
         return "the command tree"
+
+    def whole(self, unit: UnitUsage) -> WholeUnit:
+        """Every process below us, GPU or not: the one that replaces its workers too."""
+        held = {p.key: p for p in unit.processes}
+        found = []
+        for pid in sorted(self._procfs.descendants(self._root)):
+            st = self._procfs.stat(pid)
+            if st is None or st.exited:
+                continue
+            key = ProcessKey(pid, st.start_time)
+            found.append(held.get(key) or ProcessTotal(key, 0, (), self._procfs.cmdline(pid) or ""))
+        return WholeUnit(tuple(found))
 
 
 def _set_child_subreaper() -> None:

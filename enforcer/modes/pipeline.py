@@ -11,18 +11,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from enforcer.core import messages
-from enforcer.core.model import Sample, SignalResult, SourceDown, UnitUsage
-from enforcer.core.policy import Decision, PolicyConfig, Reason, UnitState, decide
+from enforcer.core.model import ProcessTotal, Sample, SignalResult, SourceDown, UnitUsage
+from enforcer.core.policy import Decision, Enforcement, PolicyConfig, Reason, UnitState, decide
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import Telemetry, View
 from enforcer.edge.signals import Escalation, EscalationEvent, Membership, Terminator
 from enforcer.edge.sources import UsageSource
 
 log = logging.getLogger(__name__)
+
+WHOLE_UNIT_ROUNDS = 3  # passes over a unit taken whole: a fork in flight shows in the next
 
 
 class Attributor(Protocol):
@@ -33,6 +35,19 @@ class Attributor(Protocol):
     def membership(self, unit: str) -> Membership: ...
 
     def label(self, unit: str) -> str: ...
+
+    def whole(self, unit: UnitUsage) -> WholeUnit:
+        """What to stop when one victim at a time is not enough: `exec`'s whole tree, or a
+        container's init (restart semantics; else each of its GPU processes)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class WholeUnit:
+    """Every process to stop at once; `restart`: the one process is a container's init."""
+
+    processes: tuple[ProcessTotal, ...]
+    restart: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +135,9 @@ class Pipeline:
             self._emit(Report(notice.reason, text, notice.unit.name))
         for enf in decision.enforcements:
             name = enf.unit.name
+            if enf.whole_unit:
+                self._take_whole_unit(enf)
+                continue
             if enf.dry_run:
                 result = SignalResult.SENT
                 self._telemetry.actions.labels("dry-run").inc()
@@ -138,6 +156,34 @@ class Pipeline:
             self._emit(
                 Report(Reason.ENFORCED, text, name, enf.victim.key.pid, normal=gone, quiet=gone)
             )
+
+    def _take_whole_unit(self, enf: Enforcement) -> None:
+        """SIGKILL every process `whole()` names, each proven as any victim is; a victim
+        already on its way out gets its SIGKILL now. Looked for again, a few times, while
+        new ones appear: forks in flight as their parent was being killed."""
+        name = enf.unit.name
+        membership = self._attributor.membership(name)
+        targets: list[ProcessTotal] = []
+        results: list[SignalResult] = []
+        restart = False
+        for _ in range(WHOLE_UNIT_ROUNDS):
+            whole = self._attributor.whole(enf.unit)
+            restart = whole.restart
+            fresh = [t for t in whole.processes if t.key not in {s.key for s in targets}]
+            for target in fresh:
+                result = self._terminator.start(replace(enf, victim=target), membership,
+                                                self._clock())  # fmt: skip
+                targets.append(target)
+                results.append(result)
+                if result is SignalResult.SENT:
+                    self._telemetry.actions.labels("kill").inc()
+                elif result is not SignalResult.IN_PROGRESS:
+                    self._telemetry.refused.labels(str(result)).inc()
+            if not fresh or restart:
+                break
+        label = self._attributor.label(name)
+        text = messages.whole_unit(enf, label, targets, results, self._config.grace_period, restart)
+        self._emit(Report(Reason.ENFORCED, text, name, enf.victim.key.pid))
 
     def _escalation(self, event: EscalationEvent) -> None:
         enf = event.enforcement

@@ -43,7 +43,7 @@ from enforcer.edge.metrics import MetricsPortError, MetricsServer, Telemetry, se
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator
 from enforcer.edge.sources import AgentSource, PidView, PidViewError, UsageSource
-from enforcer.modes.pipeline import LogReporter, Pipeline, Report, Reporter
+from enforcer.modes.pipeline import LogReporter, Pipeline, Report, Reporter, WholeUnit
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +214,15 @@ class ContainerAttributor:
         names = unit_containers(unit)
         ids = {cid for cid, ref in self._by_id.items() if ref.name in names}
         return lambda pid: pid != 1 and _cid(self._procfs, pid) in ids
+
+    def whole(self, unit: UnitUsage) -> WholeUnit:
+        """Restart semantics: the container's init, whose end makes the kubelet restart the
+        container with every process in it; each GPU process when its init is not known."""
+        names = unit_containers(unit.name)
+        init = self._inits(self._by_id).get(names[0]) if len(names) == 1 else None
+        if init is not None:
+            return WholeUnit((init,), restart=True)
+        return WholeUnit(unit.processes)
 
     def label(self, unit: str) -> str:
         if unit == POD_UNIT:

@@ -125,6 +125,20 @@ def test_restart_targets_the_containers_oldest_process_with_parent_0_not_an_exec
     assert units["helper"].init_process is not None and units["helper"].init_process.key == key(50)
 
 
+def test_a_container_taken_whole_is_restarted_by_its_init_else_each_gpu_process(
+    proc: Path,
+) -> None:
+    """Restart semantics when one victim at a time is not enough: the init process, even
+    when the action is not `restart` (its end ends every process of the container)."""
+    a = attributor(proc)  # action terminate: inits are not looked for on every tick
+    units = by_name(a.attribute(sample({12: 5 * GiB})))
+    whole = a.whole(units["trainer"])
+    assert whole.restart and [p.key for p in whole.processes] == [key(7)]
+    set_start_time(proc, 3, START[7])  # an exec shell as old as the init: neither is proven
+    whole = a.whole(units["trainer"])
+    assert not whole.restart and [p.key for p in whole.processes] == [key(12)]
+
+
 def test_no_init_is_chosen_when_two_candidates_started_in_the_same_tick(proc: Path) -> None:
     set_start_time(proc, 3, START[7])  # which one is the init is no longer proven
     units = by_name(attributor(proc, want_init=True).attribute(sample({12: 5 * GiB})))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,11 +21,12 @@ from typing import Any
 import pytest
 from prometheus_client.utils import floatToGoString
 
-from enforcer.core.model import GiB
+from enforcer.core.model import GiB, MiB
 from enforcer.edge.cgroupfs import v2_root
 from tests.helpers import free_port, reuse_pid, wait_for
 
 WORKER = Path(__file__).with_name("worker.py")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -47,8 +49,14 @@ class Run:
         return (self.tmp / "exec.stderr").read_text()
 
     def start(
-        self, *flags: str, worker: tuple[str, ...] = (), prefix: tuple[str, ...] = ()
+        self,
+        *flags: str,
+        worker: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
+        command: tuple[str, ...] = (),
     ) -> None:
+        """exec with `flags` over the stand-in worker (with `worker`'s arguments), or over
+        `command` when one is given."""
         cmd = [
             *prefix,
             sys.executable,
@@ -61,15 +69,11 @@ class Run:
             str(self.port),
             *flags,
             "--",
-            sys.executable,
-            str(WORKER),
-            "--report",
-            str(self.report),
-            *worker,
+            *(command or (sys.executable, str(WORKER), "--report", str(self.report), *worker)),
         ]
         env = {**os.environ, **self.gpu.env(), "PYTHONUNBUFFERED": "1"}
         with (self.tmp / "exec.stderr").open("w") as stderr:
-            self.proc = subprocess.Popen(cmd, env=env, stderr=stderr, text=True)
+            self.proc = subprocess.Popen(cmd, env=env, stderr=stderr, text=True, cwd=ROOT)
 
     def worker(self, role: str = "main") -> dict[str, Any]:
         path = self.report.with_name(f"{self.report.name}.{role}")
@@ -192,6 +196,23 @@ def test_kill_action(run: Run) -> None:
     run.use(w["pid"], 2 * GiB)
     assert run.wait() == 128 + signal.SIGKILL
     assert "sent SIGKILL" in run.stderr
+
+
+def test_workers_replaced_as_fast_as_they_are_stopped_lose_the_whole_tree(run: Run) -> None:
+    """Four workers at 0.6 of the limit, each ignoring SIGTERM, each replaced by their
+    supervisor when killed: one victim at a time would keep the tree over its limit for as
+    long as the supervisor runs. One grace period after the first victim, the whole tree
+    goes."""
+    report = run.tmp / "respawner.json"
+    respawner = (sys.executable, "-m", "tests.integration.respawner", "--workers", "4",
+                 "--bytes", str(600 * MiB), "--report", str(report))  # fmt: skip
+    run.start("--limit", "1Gi", "--grace-period", "300ms", command=respawner)
+    run.saw(4 * 600 * MiB)  # the enforcer saw the whole tree over its limit
+    assert run.wait(timeout=30) == 128 + signal.SIGKILL, run.stderr
+    assert "still over 300ms after a victim was signalled" in run.stderr
+    assert re.search(r"sent SIGKILL to all \d+ processes of the command tree", run.stderr)
+    supervisor = json.loads(report.read_text())
+    assert not alive(supervisor["pid"])
 
 
 def test_a_grandchild_is_counted_and_caught(run: Run) -> None:

@@ -210,3 +210,54 @@ def test_an_unenforceable_unit_is_reported_never_enforced() -> None:
     d = decide([u], PolicyConfig(action=Action.KILL), {}, 0.0)
     assert [n.reason for n in d.notices] == [Reason.LIMIT_EXCEEDED]
     assert d.enforcements == ()
+
+
+def test_a_unit_still_over_one_grace_period_after_its_first_victim_loses_every_process() -> None:
+    """A supervisor that replaces each worker it loses keeps the unit over its limit for as
+    long as one victim at a time is taken: one grace period on, the whole unit goes."""
+    config = PolicyConfig(grace_period=5.0)
+    workers = unit(proc(1, 3 * GiB), proc(2, 3 * GiB, start=5))
+    first = decide([workers], config, {}, 0.0)
+    (victim,) = first.enforcements
+    assert not victim.whole_unit
+    busy = frozenset({victim.victim.key})  # still exiting, and NVML still lists it
+    replaced = unit(*workers.processes, proc(3, 3 * GiB, start=60))  # and a new worker
+    assert decide([replaced], config, first.state, 4.9, busy).enforcements == ()
+    due = decide([replaced], config, first.state, 5.0, busy)  # busy or not
+    (whole,) = due.enforcements
+    assert whole.whole_unit and whole.action is Action.KILL
+    assert whole.victim.key == ProcessKey(3, 60)  # the largest (youngest on a tie), reported
+    # Not again at once (every process is on its way out): the next time only after
+    # another grace period over the limit.
+    everyone = frozenset(p.key for p in replaced.processes)
+    assert decide([replaced], config, due.state, 9.9, everyone).enforcements == ()
+    (again,) = decide([replaced], config, due.state, 10.0, everyone).enforcements
+    assert again.whole_unit
+
+
+def test_leaving_the_limit_ends_the_excursion_and_its_escalation() -> None:
+    config = PolicyConfig(grace_period=5.0)
+    over, under = unit(proc(1, 5 * GiB)), unit(proc(2, 1 * GiB, start=30))
+    d = decide([over], config, {}, 0.0)
+    d = decide([under], config, d.state, 3.0)
+    d = decide([unit(proc(3, 5 * GiB, start=60))], config, d.state, 6.0)
+    (e,) = d.enforcements
+    assert not e.whole_unit  # a new excursion starts with one victim again
+
+
+def test_dry_run_and_warn_never_take_a_whole_unit() -> None:
+    for config in (PolicyConfig(dry_run=True), PolicyConfig(action=Action.WARN)):
+        decisions = run([unit(proc(1, 5 * GiB))], config, [0, 10, 20, 30])
+        assert not any(e.whole_unit for d in decisions for e in d.enforcements)
+
+
+def test_with_kill_a_whole_unit_is_taken_no_sooner_than_a_second_after_its_victim() -> None:
+    """NVML takes a tick or two to show a killed victim's memory released."""
+    config = PolicyConfig(action=Action.KILL, grace_period=0.0)
+    first = decide([unit(proc(1, 5 * GiB))], config, {}, 0.0)
+    assert (
+        decide([unit(proc(2, 5 * GiB))], config, first.state, 0.5).enforcements[0].whole_unit
+        is False
+    )
+    (whole,) = decide([unit(proc(2, 5 * GiB))], config, first.state, 1.0).enforcements
+    assert whole.whole_unit
