@@ -124,6 +124,9 @@ class AgentSource:
         self._sock: socket.socket | None = None
         self._buffer = b""
         self._answered = ""  # the last challenge answered
+        # When the latest sample arrived, on `clock` (monotonic): its own `sampled_at` is the
+        # agent's wall clock, and a step of either clock would make a frozen sample look fresh.
+        self._received = 0.0
         self._latest: Sample | SourceDown = SourceDown(
             "waiting for the first sample from the node agent"
         )
@@ -137,9 +140,9 @@ class AgentSource:
         self._drain()
         latest = self._latest
         if isinstance(latest, Sample):
-            age = time.time() - latest.sampled_at
+            age = self._clock() - self._received
             if age > self._stale_after:
-                return SourceDown(f"the node agent's last sample is {age:.1f}s old")
+                return SourceDown(f"the node agent's last sample arrived {age:.1f}s ago")
         return latest
 
     def _connect(self) -> bool:
@@ -185,7 +188,7 @@ class AgentSource:
                 if isinstance(reply, Challenge):
                     self._answer(reply)
                 else:
-                    self._latest = reply
+                    self._latest, self._received = reply, self._clock()
         except (ProtocolError, OSError) as exc:
             self._lost(str(exc))
 

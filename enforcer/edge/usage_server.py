@@ -70,7 +70,9 @@ class _Published:
     head: bytes = b""
     by_namespace: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
     replies: dict[tuple[int, int], bytes] = field(default_factory=dict)
-    sampled_at: float = 0.0
+    # When it was published, on the monotonic clock: a step of the wall clock (which the
+    # sample's own `sampled_at` is on) must not make it look fresh, or stale.
+    published_at: float = field(default_factory=time.monotonic)
 
     @classmethod
     def of(cls, sample: Sample | SourceDown) -> _Published:
@@ -86,7 +88,7 @@ class _Published:
                 entry = usage_process(pid, p.key.start_time, uuid, p.used_bytes, p.activity)
                 index.setdefault((inode, level), []).append(entry)
         head = usage_head(sample.sampled_at, sample.devices)
-        return cls(head=head, by_namespace=index, sampled_at=sample.sampled_at)
+        return cls(head=head, by_namespace=index)
 
     def reply(self, view: PidView) -> bytes:
         key = (view.ns_inode, view.level)
@@ -202,7 +204,7 @@ class UsageServer:
         published = self._published
         if published.error is not None:
             return published.error
-        age = time.time() - published.sampled_at
+        age = time.monotonic() - published.published_at
         if age > self._stale_after:
             return encode_error(f"GPU usage is stale: the last NVML sample is {age:.1f}s old")
         return published.reply(view)

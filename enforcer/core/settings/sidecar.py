@@ -160,6 +160,8 @@ STALE_AFTER = value(
     flag="--stale-after",
     default="2s",
     metavar="DURATION",
+    doc="usage older than this counts as unknown (measured from when it arrived, on the "
+    "monotonic clock)",
 )
 SIDECAR_MODE = value(
     "sidecar_mode",
