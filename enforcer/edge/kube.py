@@ -17,11 +17,9 @@ import contextlib
 import email.utils
 import json
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import tenacity
@@ -33,7 +31,7 @@ from kubernetes.config.config_exception import ConfigException
 
 from enforcer.core.model import Device
 from enforcer.core.node import capacity_patch, gpu_labels, label_ops, node_vram, to_units
-from enforcer.core.payloads import Event, Node, ObjectReference, PatchOperation, Pod
+from enforcer.core.payloads import Node, PatchOperation, Pod
 from enforcer.edge import logs
 
 log = logging.getLogger(__name__)
@@ -412,114 +410,6 @@ class PodWatcher(threading.Thread):
                 if self._on_read is not None:
                     self._on_read(pod)
             self.stop.wait(self._min_gap)
-
-
-@dataclass(slots=True)
-class _Sent:
-    name: str
-    count: int
-    at: float
-
-
-class EventRecorder(threading.Thread):
-    """Kubernetes Events, aggregated like client-go's recorder, never blocking.
-
-    `record()` only queues. A background thread creates the Event, or, for a repeat (same
-    object, container, reason and type) within ten minutes, patches its count,
-    lastTimestamp and message, so `kubectl describe pod` shows "(x3 over 2m)" with the
-    latest numbers. Failures are retried with backoff, counted, and at worst dropped: an
-    Event is helpful but auxiliary, and must never delay a kill.
-    """
-
-    WINDOW = 600.0
-
-    def __init__(
-        self,
-        api: client.ApiClient,
-        instance: str,
-        host: str,
-        failures: Any,
-        deadline: float = 30.0,
-    ) -> None:
-        super().__init__(name="event-recorder", daemon=True)
-        self._api = api
-        self._instance = instance  # reportingInstance: the sidecar's pod, the agent's node
-        self._host = host
-        self._failures = failures
-        self._deadline = deadline
-        self._queue: queue.Queue[tuple[ObjectReference, str, str, bool] | None] = queue.Queue(
-            maxsize=1000
-        )
-        self._sent: dict[tuple[str, str, str, bool], _Sent] = {}
-        self._forbidden_logged = False
-
-    def record(self, about: ObjectReference, reason: str, message: str, warning: bool) -> None:
-        """Queue an Event about `about` (a pod, with a fieldPath for one of its containers)."""
-        try:
-            self._queue.put_nowait((about, reason, message, warning))
-        except queue.Full:
-            self._failures.labels("dropped").inc()
-
-    def close(self, timeout: float = 2.0) -> None:
-        """Let queued Events go out for up to `timeout`, then stop."""
-        with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(None)
-        self.join(timeout)
-
-    def run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            try:
-                self._send(*item)
-            except Forbidden as exc:
-                self._failures.labels("forbidden").inc()
-                if not self._forbidden_logged:
-                    log.error("cannot post Events: %s", exc, exc_info=logs.detail(exc))
-                    self._forbidden_logged = True
-            except KubeError as exc:
-                self._failures.labels("api").inc()
-                log.warning("an Event was not posted: %s", exc, exc_info=logs.detail(exc))
-
-    def _send(self, about: ObjectReference, reason: str, message: str, warning: bool) -> None:
-        now = time.time()
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
-        namespace = about.get("namespace", "")
-        key = (about.get("uid", ""), about.get("fieldPath", ""), reason, warning)
-        sent = self._sent.get(key)
-        if sent is not None and now - sent.at < self.WINDOW:
-            sent.count += 1
-            ops = [
-                {"op": "replace", "path": "/count", "value": sent.count},
-                {"op": "replace", "path": "/lastTimestamp", "value": stamp},
-                {"op": "replace", "path": "/message", "value": message[:1024]},
-            ]
-            try:
-                call(self._api, "PATCH", EVENTS + "/{name}", "events", body=ops,
-                     params={"namespace": namespace, "name": sent.name},
-                     deadline=self._deadline)  # fmt: skip
-            except KubeError:
-                del self._sent[key]  # the Event is gone (expired, deleted): start a new one
-            else:
-                sent.at = now
-                return
-        body: Event = {
-            "metadata": {
-                "generateName": f"{about.get('name', COMPONENT)}.",
-                "namespace": namespace,
-            },
-            "involvedObject": about,
-            "reason": reason,
-            "message": message[:1024],
-            "type": "Warning" if warning else "Normal",
-            "source": {"component": COMPONENT, "host": self._host},
-            "reportingComponent": COMPONENT,
-            "reportingInstance": self._instance,
-            "firstTimestamp": stamp,
-            "lastTimestamp": stamp,
-            "count": 1,
-        }
-        created: Event = call(self._api, "POST", EVENTS, "events", body=body,
-                              params={"namespace": namespace}, deadline=self._deadline)  # fmt: skip
-        self._sent[key] = _Sent(str((created.get("metadata") or {}).get("name")), 1, now)
 
 
 def server_version(api: client.ApiClient, deadline: float = 30.0) -> str:

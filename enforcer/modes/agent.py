@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 
     from enforcer.core.payloads import Pod
     from enforcer.edge.claims import DraObjects
-    from enforcer.edge.kube import EventRecorder, NodeAdvertiser
+    from enforcer.edge.events import EventRecorder
+    from enforcer.edge.kube import NodeAdvertiser
     from enforcer.edge.node_pods import NodePods
 
 log = logging.getLogger(__name__)
@@ -288,7 +289,8 @@ def _hard_limits(
     """The pod watch, the limiter it wakes and the recorder of its Events. The limiter has
     an NVML session of its own (NVML counts initialisations): the sampler's is not shared."""
     from enforcer.edge.claims import ClaimReader  # noqa: PLC0415 - loaded only when used
-    from enforcer.edge.kube import EventRecorder, KubeError  # noqa: PLC0415
+    from enforcer.edge.events import EventRecorder  # noqa: PLC0415
+    from enforcer.edge.kube import KubeError  # noqa: PLC0415
     from enforcer.edge.node_pods import NodePods  # noqa: PLC0415
 
     reader = ClaimReader(api, settings.node_name)

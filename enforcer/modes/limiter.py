@@ -46,7 +46,7 @@ from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.nvml import Nvml
 
 if TYPE_CHECKING:
-    from enforcer.edge.kube import EventRecorder
+    from enforcer.edge.events import EventRecorder
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,8 @@ class HardLimiter(threading.Thread):
             return
         self._told.add(pod.uid)
         about = pod_reference(pod.namespace, pod.name, pod.uid)
-        self._recorder.record(about, str(reason), message, warning=False)
+        # A lasting fact: a restarted agent finds it said already, and does not repeat it.
+        self._recorder.record(about, str(reason), message, warning=False, once=True)
 
     def _say_once(self, why: str) -> None:
         if why != self._logged:

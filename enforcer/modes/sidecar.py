@@ -38,7 +38,8 @@ from enforcer.core.policy import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.edge import logs
 from enforcer.edge.claims import ClaimReader, ClaimState, DraObjects
-from enforcer.edge.kube import EventRecorder, KubeError, PodWatcher, connect
+from enforcer.edge.events import EventRecorder
+from enforcer.edge.kube import KubeError, PodWatcher, connect
 from enforcer.edge.metrics import MetricsPortError, MetricsServer, Telemetry, serve_metrics
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator

@@ -265,6 +265,7 @@ def test_service_accounts_can_do_what_they_need_and_no_more(
     # Hard limits (on by default): this node's pods by a list and a watch, and their Events.
     assert allowed(agent, "list", "pods") and allowed(agent, "watch", "pods")
     assert allowed(agent, "create", "events", OPTED_IN) and allowed(agent, "patch", "events")
+    assert allowed(agent, "list", "events", OPTED_IN)  # has a restarted agent said it already?
     for verb, resource in (
         ("list", "nodes"),
         ("delete", "nodes"),

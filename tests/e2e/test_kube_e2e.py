@@ -9,8 +9,10 @@ import pytest
 from kubernetes import client
 from prometheus_client import CollectorRegistry, Counter
 
+from enforcer.core.payloads import ObjectReference
 from enforcer.core.policy import Reason
-from enforcer.edge.kube import POD, EventRecorder, KubeError, NotFound, call, request
+from enforcer.edge.events import EventRecorder
+from enforcer.edge.kube import POD, KubeError, NotFound, call, request
 from enforcer.modes.pipeline import Report
 from enforcer.modes.sidecar import POD_UNIT, EventReporter
 from tests.helpers import configured, wait_for
@@ -90,4 +92,68 @@ def test_reports_become_events_on_the_container_that_they_concern(admin: client.
     near = events["warm-up near its limit"]
     assert (near.type, near.involved_object.field_path) == ("Normal", "spec.initContainers{warmup}")
     assert events["the pod as a whole is over"].involved_object.field_path is None
+    assert failures.labels("api")._value.get() == 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _pod_in(core: client.CoreV1Api, namespace: str, name: str) -> ObjectReference:
+    created = core.create_namespaced_pod(namespace, {
+        "metadata": {"name": name}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}})  # fmt: skip
+    return {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": name,
+            "uid": created.metadata.uid}  # fmt: skip
+
+
+def test_one_object_cannot_flood_events_and_what_is_kept_is_pruned(
+    admin: client.ApiClient,
+) -> None:
+    """A hostile pod can make its sidecar report as often as it likes, and an agent posts
+    about every pod its node ever ran: a burst of 25 per object, then the rest counted as
+    spam; and what aggregation keeps is forgotten 10 minutes after its last use."""
+    core = client.CoreV1Api(admin)
+    core.create_namespace({"metadata": {"name": "kube-spam"}})
+    noisy, quiet = _pod_in(core, "kube-spam", "noisy"), _pod_in(core, "kube-spam", "quiet")
+    failures = Counter("failures", "test", ["reason"], registry=CollectorRegistry())
+    clock = Clock()
+    recorder = EventRecorder(admin, "node-1", "node-1", failures, clock=clock)
+    recorder.start()
+    for i in range(40):
+        recorder.record(noisy, "VRAMLimitExceeded", f"over, time {i}", True)
+    recorder.record(quiet, "VRAMLimitExceeded", "over once", True)
+    assert failures.labels("spam")._value.get() == 15
+
+    def counts() -> dict[str, int]:
+        events = core.list_namespaced_event("kube-spam").items
+        return {e.involved_object.name: e.count for e in events}
+
+    wait_for(lambda: counts() == {"noisy": 25, "quiet": 1}, what="25 + 1 Events, aggregated")
+    assert recorder.remembered == 4  # two buckets, two Events being aggregated
+    clock.now += 25 * 300  # long enough for the burst to refill, and past the window
+    recorder.record(quiet, "VRAMNearLimit", "near", False)
+    wait_for(lambda: recorder.remembered == 2, what="the old entries to be forgotten")
+    recorder.close(timeout=30)
+
+
+def test_a_lasting_fact_is_not_said_again_by_a_restarted_agent(admin: client.ApiClient) -> None:
+    core = client.CoreV1Api(admin)
+    core.create_namespace({"metadata": {"name": "kube-once"}})
+    pod = _pod_in(core, "kube-once", "p")
+    failures = Counter("failures", "test", ["reason"], registry=CollectorRegistry())
+    for _ in range(2):  # the agent, then the agent restarted
+        recorder = EventRecorder(admin, "node-1", "node-1", failures)
+        recorder.start()
+        recorder.record(pod, "VRAMHardLimit", "hard limit in place: 4 GiB", False, once=True)
+        recorder.close(timeout=30)
+    recorder = EventRecorder(admin, "node-1", "node-1", failures)
+    recorder.start()
+    recorder.record(pod, "VRAMHardLimit", "hard limit in place: 8 GiB", False, once=True)
+    recorder.close(timeout=30)
+    events = sorted((e.message, e.count) for e in core.list_namespaced_event("kube-once").items)
+    assert events == [("hard limit in place: 4 GiB", 1), ("hard limit in place: 8 GiB", 1)]
     assert failures.labels("api")._value.get() == 0

@@ -15,7 +15,8 @@ PROBE = """
 import json, sys
 from kubernetes import client
 from enforcer.modes import sidecar
-from enforcer.edge.kube import EventRecorder, NodeAdvertiser, PodWatcher
+from enforcer.edge.events import EventRecorder
+from enforcer.edge.kube import NodeAdvertiser, PodWatcher
 
 api = client.ApiClient()
 PodWatcher(api, "ns", "pod")
