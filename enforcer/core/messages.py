@@ -126,6 +126,19 @@ def metrics_unavailable(detail: str) -> str:
     )
 
 
+def gpu_unreadable(gpu: str, index: int | None, why: str) -> str:
+    at = f" (index {index})" if index is not None else ""
+    return (
+        f"GPU {gpu}{at} cannot be read ({why}): its processes are not enforced by sampling, "
+        "the node's other GPUs are. A GPU that fell off the bus (Xid 79) needs a reset: drain "
+        "the node, then reset the GPU (nvidia-smi -r) or reboot"
+    )
+
+
+def gpu_readable(gpu: str) -> str:
+    return f"GPU {gpu} can be read again; its processes are enforced again"
+
+
 def source_up() -> str:
     return "VRAM usage can be observed again; enforcement resumed"
 

@@ -78,11 +78,16 @@ class ProcessUsage:
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """Everything one NVML pass saw, already filtered to the caller's PID namespace."""
+    """Everything one NVML pass saw, already filtered to the caller's PID namespace.
+
+    `failed`: the GPUs that could not be read in this pass, with why (UUID, reason): their
+    processes are not in `processes`, and nothing is decided about their usage. (Only
+    NVML's own reader knows it; the agent's socket does not carry it.)"""
 
     sampled_at: float
     devices: tuple[Device, ...]
     processes: tuple[ProcessUsage, ...]
+    failed: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,7 @@ class Reason(StrEnum):
     HARD_LIMIT = "VRAMHardLimit"  # the agent: the driver holds the pod to its limits
     SAMPLING_ONLY = "VRAMSamplingOnly"  # the agent: no hard limit for the pod, and why
     ALLOCATION_UNKNOWN = "VRAMAllocationUnknown"  # DRA: a container's GPUs are not proven
+    GPU_UNREADABLE = "VRAMGpuUnreadable"  # the agent, on its Node: NVML cannot read a GPU
 
 
 @dataclass(frozen=True, slots=True)

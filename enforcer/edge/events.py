@@ -159,7 +159,7 @@ class EventRecorder(threading.Thread):
         now = self._clock()
         self._forget_old(now)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        namespace = about.get("namespace", "")
+        namespace = about.get("namespace") or "default"
         key = (about.get("uid", ""), about.get("fieldPath", ""), reason, warning)
         sent = self._sent.pop(key, None)
         if once:
@@ -196,10 +196,11 @@ class EventRecorder(threading.Thread):
         stamp: str,
         now: float,
     ) -> _Sent:
+        namespace = about.get("namespace") or "default"  # a Node's Events live in default
         body: Event = {
             "metadata": {
                 "generateName": f"{about.get('name', COMPONENT)}.",
-                "namespace": about.get("namespace", ""),
+                "namespace": namespace,
             },
             "involvedObject": about,
             "reason": reason,
@@ -213,7 +214,7 @@ class EventRecorder(threading.Thread):
             "count": 1,
         }
         created: Event = call(self._api, "POST", EVENTS, "events", body=body,
-                              params={"namespace": about.get("namespace", "")},
+                              params={"namespace": namespace},
                               deadline=self._deadline)  # fmt: skip
         return _Sent(str((created.get("metadata") or {}).get("name")), 1, now, message)
 

@@ -220,14 +220,24 @@ class NodeCollector(Collector):
         self.source_up = False
         self.advertised_bytes: int | None = None
         self.tenants: Mapping[str, int] = {}  # GPU uuid -> containers with a process on it
+        self.failed: Mapping[str, str] = {}  # GPU uuid -> why the last pass could not read it
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
         devices, up, advertised = self.devices, self.source_up, self.advertised_bytes
-        tenants = self.tenants
+        tenants, failed = self.tenants, self.failed
         yield from _device_families(devices)
+        readable = GaugeMetricFamily(
+            PREFIX + "gpu_readable",
+            "1 when the last NVML pass read the GPU; 0 when it could not (a GPU off the bus): "
+            "its processes are not enforced by sampling, the other GPUs' are",
+            labels=_DEVICE_LABELS,
+        )
+        for d in devices if up else ():
+            readable.add_metric(_device_values(d), 0.0 if d.uuid in failed else 1.0)
+        yield readable
         shared = GaugeMetricFamily(
             PREFIX + "gpu_tenants",
             "Containers (or, outside containers, cgroups) with a process on the GPU",

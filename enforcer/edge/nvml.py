@@ -101,6 +101,16 @@ _PROCESS_LISTS = (
     ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2"),
 )
 
+# Errors that concern the whole session, not one GPU: nothing can be read until NVML is
+# initialised again.
+_SESSION_LOST = frozenset(
+    {
+        pynvml.NVML_ERROR_UNINITIALIZED,
+        pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
+        pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+    }
+)
+
 # Errors after which the NVML session or a device handle is no longer usable.
 _LOST = frozenset(
     {
@@ -149,8 +159,12 @@ class NvmlProcess:
 
 @dataclass(frozen=True, slots=True)
 class NvmlSnapshot:
+    """One pass. A GPU that could not be read is in `failed` (UUID, why), and in `devices`
+    with its last known size and no usage; its processes are not in `processes`."""
+
     devices: tuple[Device, ...]
     processes: tuple[NvmlProcess, ...]
+    failed: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +224,7 @@ class Nvml:
         self.driver_version = ""
         self._lists = [names[0] for names in _PROCESS_LISTS]
         self._buffer = (_ProcessInfo * 64)()
+        self._sizes: dict[str, int | None] = {}  # each GPU's total memory when last read
 
     def init(self) -> None:
         """Start the session; raises NvmlUnavailable with a reason a person can act on."""
@@ -336,18 +351,31 @@ class Nvml:
         return found
 
     def _read(self, handles: list[_Handle]) -> NvmlSnapshot:
+        """Every device; one that fails (a GPU off the bus: GPU_IS_LOST, an Xid) is reported
+        in `failed` and the others are read on. Only an error of the whole session, or every
+        device failing, fails the pass."""
         devices = []
         usage: dict[tuple[int, str], int | None] = {}
+        failed: list[tuple[str, str]] = []
+        error: pynvml.NVMLError | None = None
         for h in handles:
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h.handle)
-            devices.append(
-                Device(h.index, h.uuid, h.name, _bytes(mem.total), _bytes(mem.used), h.parent_uuid)
-            )
-            if not h.query_processes:
+            try:
+                device, found = self._read_device(h)
+            except pynvml.NVMLError as exc:
+                if _code(exc) in _SESSION_LOST:
+                    raise
+                error = exc
+                failed.append((h.uuid, str(exc)))
+                total = self._sizes.get(h.uuid)
+                devices.append(Device(h.index, h.uuid, h.name, total, None, h.parent_uuid))
                 continue
-            for pid, used in self._processes(h.handle):
+            devices.append(device)
+            for pid, used in found:
                 key = (pid, h.uuid)
                 usage[key] = _merge(usage[key], used) if key in usage else used
+        if error is not None and len(failed) == len(handles):
+            raise error  # nothing was read: the pass fails, and a lost session re-initialises
+        lost = {uuid for uuid, _ in failed}
         if self._utilisation.due():
             listed: dict[str, set[int]] = {}
             for pid, uuid in usage:
@@ -356,12 +384,19 @@ class Nvml:
             self._utilisation.read([
                 (h.uuid, h.handle, frozenset(listed.get(h.uuid, ())))
                 for h in handles if h.query_processes and h.parent_uuid is None
+                and h.uuid not in lost
             ])  # fmt: skip
         of = self._utilisation.of
         processes = tuple(
             NvmlProcess(pid, uuid, used, of(uuid, pid)) for (pid, uuid), used in usage.items()
         )
-        return NvmlSnapshot(tuple(devices), processes)
+        return NvmlSnapshot(tuple(devices), processes, tuple(failed))
+
+    def _read_device(self, h: _Handle) -> tuple[Device, list[tuple[int, int | None]]]:
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h.handle)
+        total = self._sizes[h.uuid] = _bytes(mem.total)
+        device = Device(h.index, h.uuid, h.name, total, _bytes(mem.used), h.parent_uuid)
+        return device, self._processes(h.handle) if h.query_processes else []
 
     def _processes(self, handle: Any) -> list[tuple[int, int | None]]:
         """(host pid, bytes or None) from both process lists of one device."""

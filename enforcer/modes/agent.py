@@ -25,7 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from enforcer.core import messages
 from enforcer.core.model import Device, Sample, SourceDown
+from enforcer.core.payloads import ObjectReference
+from enforcer.core.policy import Reason
 from enforcer.core.settings.agent import AgentSettings
 from enforcer.edge import logs
 from enforcer.edge.guard import LoopGuard
@@ -61,6 +64,50 @@ def _device_shape(devices: Sequence[Device]) -> tuple[tuple[str, int | None], ..
     return tuple((d.uuid, d.total_bytes) for d in devices)
 
 
+FAULT_PASSES = 3  # passes a GPU must fail (or succeed) in a row before it is said to
+
+
+class GpuFaults:
+    """The GPUs that NVML cannot read, while the others are read on: said in the log, the
+    metrics (`gpu_readable`) and, where the agent has the API, as Events on its Node. A GPU
+    counts as failed after FAULT_PASSES passes in a row, and as back after as many, so that
+    a GPU that fails now and then does not flood either."""
+
+    def __init__(self, telemetry: AgentTelemetry, node_name: str) -> None:
+        self._telemetry = telemetry
+        self._node = node_name
+        self.recorder: EventRecorder | None = None  # set when the agent posts Events
+        self._said: dict[str, str] = {}  # GPU uuid -> why, as last said
+        self._streaks: dict[str, int] = {}  # GPU uuid -> passes in a row against what was said
+
+    def update(self, sample: Sample) -> None:
+        failed = dict(sample.failed)
+        index = {d.uuid: d.index for d in sample.devices}
+        for uuid in {*failed, *self._said}:
+            if (uuid in failed) == (uuid in self._said):
+                self._streaks.pop(uuid, None)
+                continue
+            self._streaks[uuid] = self._streaks.get(uuid, 0) + 1
+            if self._streaks[uuid] < FAULT_PASSES:
+                continue
+            del self._streaks[uuid]
+            if uuid in failed:
+                self._said[uuid] = failed[uuid]
+                self._tell(messages.gpu_unreadable(uuid, index.get(uuid), failed[uuid]), True)
+            else:
+                del self._said[uuid]
+                self._tell(messages.gpu_readable(uuid), False)
+        self._telemetry.node.failed = dict(self._said)
+
+    def _tell(self, text: str, warning: bool) -> None:
+        log.log(logging.ERROR if warning else logging.INFO, "%s", text)
+        if self.recorder is not None and self._node:
+            # As the kubelet names its Node in its own Events: the name is the uid.
+            about: ObjectReference = {"apiVersion": "v1", "kind": "Node", "name": self._node,
+                                      "uid": self._node}  # fmt: skip
+            self.recorder.record(about, str(Reason.GPU_UNREADABLE), text, warning)
+
+
 class Sampler(threading.Thread):
     """One NVML pass per interval, published to the socket and the metrics."""
 
@@ -72,10 +119,12 @@ class Sampler(threading.Thread):
         interval: float,
         devices_changed: threading.Event,
         tenants: Tenants,
+        faults: GpuFaults | None = None,
     ) -> None:
         super().__init__(name="nvml-sampler", daemon=True)
         self._source = source
         self._tenants = tenants
+        self.faults = faults or GpuFaults(telemetry, "")
         self._server = server
         self._telemetry = telemetry
         self._interval = interval
@@ -112,6 +161,7 @@ class Sampler(threading.Thread):
         if isinstance(sample, Sample):
             self._telemetry.node.devices = sample.devices
             self._telemetry.node.tenants = self._tenants.count(sample)
+            self.faults.update(sample)
             if _device_shape(sample.devices) != _device_shape(self.devices):
                 self.devices = sample.devices
                 self._devices_changed.set()
@@ -240,7 +290,10 @@ def _serve(
         return EXIT_USAGE
     changed = threading.Event()
     source = NvmlSource(nvml, PidView.host(host_proc), gpu_device_majors(host_proc))
-    sampler = Sampler(source, server, telemetry, settings.interval, changed, Tenants(host_proc))
+    faults = GpuFaults(telemetry, settings.node_name)
+    sampler = Sampler(
+        source, server, telemetry, settings.interval, changed, Tenants(host_proc), faults
+    )
     threads: list[Sampler | Advertiser | HardLimiter | NodePods] = [sampler]
     if advertiser is not None:
         threads.append(Advertiser(advertiser, sampler, telemetry, settings.resync, changed))
@@ -248,6 +301,7 @@ def _serve(
     if api is not None and settings.hard_limits:
         recorder, pod_watch, limiter = _hard_limits(settings, api, sampler, telemetry)
         threads.extend([pod_watch, limiter])
+        faults.recorder = recorder
     liveness = max(LIVENESS_AFTER, STALE_INTERVALS * settings.interval)
     check = functools.partial(health, sampler, liveness)
     try:

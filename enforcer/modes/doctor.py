@@ -69,12 +69,18 @@ def check_nvml() -> Check:
     gpus = ", ".join(
         f"{d.index}: {d.name} ({format_bytes(d.total_bytes or 0)})" for d in snap.devices
     )
-    return Check(
-        "NVML",
-        "ok",
+    found = (
         f"driver {nvml.driver_version}, {len(snap.devices)} device(s) [{gpus}], "
-        f"{len(snap.processes)} process(es) using them",
+        f"{len(snap.processes)} process(es) using them"
     )
+    if snap.failed:
+        index = {d.uuid: d.index for d in snap.devices}
+        lost = "; ".join(
+            messages.gpu_unreadable(uuid, index.get(uuid), why) for uuid, why in snap.failed
+        )
+        return Check("NVML", "fail", f"{found}; {lost}",
+                     "the other GPUs are enforced; drain the node and reset the GPU")  # fmt: skip
+    return Check("NVML", "ok", found)
 
 
 TIER = "enforcement tier"

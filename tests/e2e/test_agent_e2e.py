@@ -7,6 +7,7 @@ reporting two 80 GiB GPUs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,11 +15,13 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from enforcer.core.model import GiB
+from enforcer.core.model import GiB, Sample
 from enforcer.core.parsing import parse_quantity
+from enforcer.edge.sources import AgentSource
 from tests.e2e.actors import AgentProcess
 from tests.e2e.cluster import ApiServer
-from tests.helpers import wait_for
+from tests.fakenvml import FakeGpuState
+from tests.helpers import older_than_a_tick, wait_for
 
 RESOURCE = "vram-enforcer.io/vram"
 EXPECTED = 2 * (80 * GiB - 1 * GiB)  # two GPUs, --reserve 1Gi each
@@ -177,3 +180,55 @@ def test_forbidden_is_one_clear_error_and_the_socket_keeps_serving(apiserver: Ap
     finally:
         assert agent.stop() == 0
     assert advertised(core, "gpu-node-denied") is None
+
+
+def test_a_gpu_off_the_bus_leaves_the_others_enforced_and_is_told_on_the_node(
+    apiserver: ApiServer, agent_rbac: str, core: client.CoreV1Api, fake_nvml_lib: Path,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """GPU 1 answers GPU_IS_LOST (an Xid 79): GPU 0's processes are still served to their
+    pods, and the node says which GPU is lost (an Event on the Node, a metric, the log)."""
+    make_node(core, "gpu-node-lost")
+    state = FakeGpuState.single_gpu()
+    state.add_device()
+    state.set_process(0, older_than_a_tick(os.getpid()), 3 * GiB)
+    agent = AgentProcess(apiserver, agent_rbac, "gpu-node-lost", tmp_path, fake_nvml_lib,
+                         state=state)  # fmt: skip
+    source = AgentSource(str(tmp_path / "agent.sock"), stale_after=5.0)
+    lost = state.devices[1]["uuid"]
+
+    def node_events(reason: str) -> list[str]:
+        listed = core.list_namespaced_event(
+            "default", field_selector=f"involvedObject.name=gpu-node-lost,reason={reason}"
+        )
+        return [e.message for e in listed.items if e.involved_object.kind == "Node"]
+
+    def served() -> int | None:
+        sample = source.sample()
+        return (
+            sum(p.used_bytes or 0 for p in sample.processes) if isinstance(sample, Sample) else None
+        )
+
+    try:
+        wait_for(lambda: served() == 3 * GiB, timeout=20, what="GPU 0's process, served")
+        state.inject_error("nvmlDeviceGetMemoryInfo", "GPU_IS_LOST", device_index=1)
+        state.write(agent.state_file)
+        (told,) = wait_for(lambda: node_events("VRAMGpuUnreadable"), timeout=20, what="the Event")
+        assert f"GPU {lost} (index 1) cannot be read" in told and "drain the node" in told
+        assert served() == 3 * GiB  # the other GPU is read on, and its pods enforced
+        assert (
+            agent.counter(
+                f'vram_enforcer_gpu_readable{{gpu="1",model="NVIDIA H100 80GB HBM3",parent_uuid="",uuid="{lost}"}}'
+            )
+            == 0
+        )
+        assert agent.counter("vram_enforcer_source_up") == 1
+        assert f"GPU {lost} (index 1) cannot be read" in agent.log()
+        state.clear_errors()
+        state.write(agent.state_file)
+        wait_for(lambda: len(node_events("VRAMGpuUnreadable")) == 2, timeout=20,
+                 what="the Event that it is back")  # fmt: skip
+        assert f"GPU {lost} can be read again" in agent.log()
+    finally:
+        source.close()
+        assert agent.stop() == 0

@@ -74,6 +74,19 @@ def test_the_tier_on_an_r615_driver_is_hard_limits(fake_nvml: Any) -> None:
     assert fake_nvml.limit_records() == []
 
 
+def test_a_lost_gpu_fails_the_nvml_check_and_names_it(fake_nvml: Any) -> None:
+    fake_nvml.state.add_device()
+    fake_nvml.state.inject_error("nvmlDeviceGetMemoryInfo", "GPU_IS_LOST", device_index=1)
+    fake_nvml.write()
+    out = doctor(fake_nvml.env(), "--json", "--no-agent")
+    assert out.returncode == 1
+    (nvml,) = [c for c in json.loads(out.stdout) if c["name"] == "NVML"]
+    assert nvml["status"] == "fail"
+    assert "2 device(s)" in nvml["detail"]
+    assert "GPU GPU-00000001-fake-4000-8000-000000000001 (index 1) cannot be read" in nvml["detail"]
+    assert nvml["fix"] == "the other GPUs are enforced; drain the node and reset the GPU"
+
+
 def test_missing_pieces_fail_with_a_fix_and_exit_1(tmp_path: Path) -> None:
     out = doctor(
         {

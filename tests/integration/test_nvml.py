@@ -139,6 +139,30 @@ def test_gpu_lost_reinitialises_with_backoff_and_recovers(fake_nvml: Any) -> Non
         session.shutdown()
 
 
+def test_one_lost_gpu_leaves_the_others_read(fake_nvml: Any, nvml: Nvml) -> None:
+    """A GPU off the bus fails its own queries; the pass goes on with the others, and says
+    which one failed. Only every GPU failing fails the pass."""
+    st = fake_nvml.state
+    st.add_device()
+    st.set_process(0, 100, GiB)
+    st.set_process(1, 101, 2 * GiB)
+    fake_nvml.write()
+    nvml.init()
+    assert len(nvml.snapshot().processes) == 2
+    lost = st.devices[1]["uuid"]
+    st.inject_error("nvmlDeviceGetComputeRunningProcesses_v3", "GPU_IS_LOST", device_index=1)
+    fake_nvml.write()
+    snap = nvml.snapshot()
+    assert [(p.pid, p.used_bytes) for p in snap.processes] == [(100, GiB)]
+    assert [uuid for uuid, _ in snap.failed] == [lost] and "GPU is lost" in snap.failed[0][1]
+    device = snap.devices[1]
+    assert (device.uuid, device.total_bytes, device.used_bytes) == (lost, 80 * GiB, None)
+    st.inject_error("nvmlDeviceGetMemoryInfo", "GPU_IS_LOST", device_index=0)
+    fake_nvml.write()
+    with pytest.raises(NvmlLost, match="GPU is lost"):
+        nvml.snapshot()
+
+
 def test_a_failed_reinit_backs_off_further(fake_nvml: Any) -> None:
     clock = Clock()
     session = Nvml(clock=clock)
