@@ -20,6 +20,7 @@ from growing without bound or flooding the API server:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -33,6 +34,7 @@ from kubernetes import client
 
 from enforcer.core.payloads import Event, ObjectReference
 from enforcer.edge import logs
+from enforcer.edge.guard import LoopGuard
 from enforcer.edge.kube import COMPONENT, EVENTS, Forbidden, KubeError, call
 
 log = logging.getLogger(__name__)
@@ -141,17 +143,23 @@ class EventRecorder(threading.Thread):
         self.join(timeout)
 
     def run(self) -> None:
+        guard = LoopGuard("event-recorder", self._failures.labels("unexpected"), log)
         while (item := self._queue.get()) is not None:
-            try:
-                self._send(*item)
-            except Forbidden as exc:
-                self._failures.labels("forbidden").inc()
-                if not self._forbidden_logged:
-                    log.error("cannot post Events: %s", exc, exc_info=logs.detail(exc))
-                    self._forbidden_logged = True
-            except KubeError as exc:
-                self._failures.labels("api").inc()
-                log.warning("an Event was not posted: %s", exc, exc_info=logs.detail(exc))
+            guard.run(functools.partial(self._post, item))
+
+    def _post(self, item: _Item) -> None:
+        """One Event; an API failure is counted, a bug is the guard's (counted as
+        `unexpected`), and the next Event goes on either way."""
+        try:
+            self._send(*item)
+        except Forbidden as exc:
+            self._failures.labels("forbidden").inc()
+            if not self._forbidden_logged:
+                log.error("cannot post Events: %s", exc, exc_info=logs.detail(exc))
+                self._forbidden_logged = True
+        except KubeError as exc:
+            self._failures.labels("api").inc()
+            log.warning("an Event was not posted: %s", exc, exc_info=logs.detail(exc))
 
     def _send(
         self, about: ObjectReference, reason: str, message: str, warning: bool, once: bool

@@ -11,17 +11,20 @@ ever happen on data that a step produced without an error.
 from __future__ import annotations
 
 import logging
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 
-class _Counter(Protocol):
+class ErrorCounter(Protocol):
+    """What a guard counts its loop's bugs in: a Prometheus counter (with its labels)."""
+
     def inc(self, amount: float = 1) -> None: ...
 
 
 class LoopGuard:
-    def __init__(self, loop: str, errors: _Counter, log: logging.Logger) -> None:
+    def __init__(self, loop: str, errors: ErrorCounter, log: logging.Logger) -> None:
         self._loop = loop
         self._errors = errors
         self._log = log
@@ -44,6 +47,13 @@ class LoopGuard:
                 )
             return False
         return True
+
+
+def stopped(threads: Iterable[threading.Thread]) -> list[str]:
+    """The names of the helper threads that have stopped. A mode's helpers run for as long
+    as the mode does: one that stops anyway (a bug past its guard) must end the mode, so
+    that it is restarted, rather than leave it half-working."""
+    return [t.name for t in threads if not t.is_alive()]
 
 
 def _origin(exc: BaseException) -> tuple[str, str, int]:

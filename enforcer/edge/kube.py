@@ -33,6 +33,7 @@ from enforcer.core.model import Device
 from enforcer.core.node import capacity_patch, gpu_labels, label_ops, node_vram, to_units
 from enforcer.core.payloads import Node, PatchOperation, Pod
 from enforcer.edge import logs
+from enforcer.edge.guard import ErrorCounter, LoopGuard
 
 log = logging.getLogger(__name__)
 
@@ -275,13 +276,23 @@ def call(
     verb: str | None = None,
 ) -> Any:
     """`request()` under the retry policy. Errors become `KubeError`s that name the RBAC
-    verb (`verb`, else the method's) and `resource`; a 403 becomes `Forbidden`."""
+    verb (`verb`, else the method's) and `resource`; a 403 becomes `Forbidden`. A reply
+    that is not a JSON object (a proxy's error page with a 200, a truncated body) is an
+    error of the API like any other, never an exception that ends the caller's thread."""
     verb = verb or _VERBS[method]
     try:
         for attempt in retrying(deadline):
             with attempt:
-                return request(api, method, path, params=params, query=query, body=body,
-                               timeout=timeout)  # fmt: skip
+                reply = request(api, method, path, params=params, query=query, body=body,
+                                timeout=timeout)  # fmt: skip
+                if not isinstance(reply, dict):
+                    raise KubeError(f"{verb} {resource} failed: the API server's reply is "
+                                    f"{type(reply).__name__}, not a JSON object")  # fmt: skip
+                return reply
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError: a 2xx that is not JSON
+        raise KubeError(
+            f"{verb} {resource} failed: the API server's reply is not JSON ({exc})"
+        ) from exc
     except ApiException as exc:
         if exc.status == 403:
             raise Forbidden(verb, resource, _reason(exc)) from exc
@@ -367,8 +378,11 @@ class PodWatcher(threading.Thread):
         period: float = 30.0,
         min_gap: float = 1.0,
         on_read: Callable[[Pod], None] | None = None,
+        *,
+        unexpected: ErrorCounter,
     ) -> None:
         super().__init__(name="pod-watcher", daemon=True)
+        self._guard = LoopGuard("pod-watcher", unexpected, log)
         self._on_read = on_read  # more to read once the pod is (its ResourceClaims)
         self._api = api
         self._namespace = namespace
@@ -390,26 +404,31 @@ class PodWatcher(threading.Thread):
             self._wanted.clear()
             if self.stop.is_set():
                 return
-            try:
-                pod = call(self._api, "GET", POD, "pods", deadline=10.0,
-                           params={"namespace": self._namespace, "name": self._name})  # fmt: skip
-            except KubeError as exc:
-                if str(exc) != self.error:
-                    log.warning(
-                        "cannot read this pod from the API (%s); attribution uses what is known",
-                        exc,
-                        exc_info=logs.detail(exc),
-                    )
-                self.error = str(exc)
-                self._wanted.set()  # keep trying, at the pace below
-            else:
-                self.pod = pod
-                if self.error:
-                    log.info("reading this pod from the API again")
-                self.error = None
-                if self._on_read is not None:
-                    self._on_read(pod)
+            self._guard.run(self._read)
             self.stop.wait(self._min_gap)
+
+    def _read(self) -> None:
+        """One read of the pod (and what `on_read` reads after it); a bug in it is counted
+        and logged by the guard, and the next read goes on."""
+        try:
+            pod = call(self._api, "GET", POD, "pods", deadline=10.0,
+                       params={"namespace": self._namespace, "name": self._name})  # fmt: skip
+        except KubeError as exc:
+            if str(exc) != self.error:
+                log.warning(
+                    "cannot read this pod from the API (%s); attribution uses what is known",
+                    exc,
+                    exc_info=logs.detail(exc),
+                )
+            self.error = str(exc)
+            self._wanted.set()  # keep trying, at the pace of min_gap
+            return
+        self.pod = pod
+        if self.error:
+            log.info("reading this pod from the API again")
+        self.error = None
+        if self._on_read is not None:
+            self._on_read(pod)
 
 
 def server_version(api: client.ApiClient, deadline: float = 30.0) -> str:

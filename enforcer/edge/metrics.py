@@ -165,7 +165,7 @@ def _unexpected_errors(registry: CollectorRegistry) -> Counter:
 def event_failures(registry: CollectorRegistry) -> Counter:
     return Counter(
         PREFIX + "events_failed",
-        "Kubernetes Events not posted, by reason (api, forbidden, dropped, spam)",
+        "Kubernetes Events not posted, by reason (api, forbidden, dropped, spam, unexpected)",
         ["reason"],
         registry=registry,
     )

@@ -31,7 +31,7 @@ from enforcer.core.payloads import ObjectReference
 from enforcer.core.policy import Reason
 from enforcer.core.settings.agent import AgentSettings
 from enforcer.edge import logs
-from enforcer.edge.guard import LoopGuard
+from enforcer.edge.guard import LoopGuard, stopped
 from enforcer.edge.metrics import AgentTelemetry, MetricsPortError, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
@@ -391,7 +391,7 @@ def watch(threads: Sequence[threading.Thread], poll: float = 1.0) -> int:
         if received is not None:
             log.info("%s: shutting down", signal.Signals(received.si_signo).name)
             return 0
-        dead = [t.name for t in threads if not t.is_alive()]
+        dead = stopped(threads)
         if dead:
             log.error("the %s thread has stopped; exiting with status %d so that the agent is "
                       "restarted", ", ".join(dead), EXIT_THREAD_DIED)  # fmt: skip

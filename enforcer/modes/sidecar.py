@@ -15,8 +15,9 @@ import logging
 import os
 import selectors
 import signal
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from enforcer.core import messages
@@ -39,6 +40,7 @@ from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.edge import logs
 from enforcer.edge.claims import ClaimReader, ClaimState, DraObjects
 from enforcer.edge.events import EventRecorder
+from enforcer.edge.guard import stopped
 from enforcer.edge.kube import KubeError, PodWatcher, connect
 from enforcer.edge.metrics import MetricsPortError, MetricsServer, Telemetry, serve_metrics
 from enforcer.edge.procfs import ProcFs
@@ -49,6 +51,7 @@ from enforcer.modes.pipeline import LogReporter, Pipeline, Report, Reporter, Who
 log = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
+EXIT_HELPER_DIED = 1
 POD_UNIT = "(pod)"  # processes whose container cannot be proven, against the pod's total
 ALONE_FOR = 10.0  # container mode, without the API: others gone this long means done
 UTILISATION_EVERY = 1.0  # reading NVML itself: per-process utilisation, read once a second
@@ -321,7 +324,8 @@ def run(settings: SidecarSettings) -> int:
     if settings.dra is not None:  # the claims are read after each read of the pod
         claims = ClaimState(ClaimReader(api, settings.node_name))
     watcher = PodWatcher(api, settings.namespace, settings.pod_name, period=period,
-                         on_read=claims.refresh if claims is not None else None)  # fmt: skip
+                         on_read=claims.refresh if claims is not None else None,
+                         unexpected=telemetry.unexpected.labels("pod-watcher"))  # fmt: skip
     recorder = EventRecorder(api, settings.pod_name, settings.node_name, telemetry.event_failures)
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
     pipeline = _pipeline(settings, procfs, source, terminator, watcher, claims, recorder, telemetry)
@@ -338,7 +342,7 @@ def run(settings: SidecarSettings) -> int:
         settings.source,
     )
     try:
-        return _loop(settings, source, pipeline, terminator, procfs, watcher)
+        return _loop(settings, source, pipeline, terminator, procfs, watcher, [watcher, recorder])
     finally:
         terminator.close()
         source.close()
@@ -408,8 +412,11 @@ def _loop(
     terminator: Terminator,
     procfs: ProcFs,
     watcher: PodWatcher,
+    helpers: Sequence[threading.Thread],
 ) -> int:
-    """Tick when the agent pushes a sample or the interval is up; stop on SIGTERM/SIGINT."""
+    """Tick when the agent pushes a sample or the interval is up; stop on SIGTERM/SIGINT,
+    or with status 1 if a helper thread (the pod watcher, the Event recorder) has stopped:
+    container IDs would freeze, and a restarted container would go unenforced."""
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     stop: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -448,6 +455,14 @@ def _loop(
             if alone.done(now):
                 log.info("every other container has finished: exiting so that the pod can complete")
                 return 0
+            if dead := stopped(helpers):
+                log.error(
+                    "the %s thread has stopped (a bug); exiting with status %d so that the "
+                    "kubelet restarts the sidecar",
+                    ", ".join(dead),
+                    EXIT_HELPER_DIED,
+                )
+                return EXIT_HELPER_DIED
     finally:
         signal.set_wakeup_fd(-1)
         selector.close()

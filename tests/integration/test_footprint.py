@@ -19,7 +19,7 @@ from enforcer.edge.events import EventRecorder
 from enforcer.edge.kube import NodeAdvertiser, PodWatcher
 
 api = client.ApiClient()
-PodWatcher(api, "ns", "pod")
+PodWatcher(api, "ns", "pod", unexpected=None)
 EventRecorder(api, "pod", "node", failures=None)
 NodeAdvertiser(api, "node", resource_name="vram-enforcer.io/vram", resource_unit=1,
                reserve_bytes=0)

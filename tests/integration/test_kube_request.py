@@ -22,16 +22,19 @@ import pytest
 import tenacity
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from prometheus_client import CollectorRegistry, Counter
 from urllib3 import HTTPHeaderDict
 
 from enforcer.edge.kube import (
     MAX_RETRY_AFTER,
     KubeError,
+    PodWatcher,
     api_client,
     call,
     retrying,
     server_version,
 )
+from tests.helpers import wait_for
 
 
 def test_a_silent_api_server_is_an_error_not_a_hang() -> None:
@@ -147,3 +150,61 @@ def test_retry_after_is_capped_and_read_in_both_forms() -> None:
         throttled({"Retry-After": "3"}, 500),
     ):
         assert 0.2 <= wait(state) <= 0.7
+
+
+class Garbled(http.server.BaseHTTPRequestHandler):
+    """Answers 200 with the next body of `bodies` (a proxy's error page, a truncated reply,
+    JSON that is no object), then with a pod."""
+
+    bodies: ClassVar[list[bytes]] = []
+    pod: ClassVar[bytes] = json.dumps({"kind": "Pod", "metadata": {"name": "p"}}).encode()
+
+    def do_GET(self) -> None:
+        body = self.bodies.pop(0) if self.bodies else self.pod
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def garbled(*bodies: bytes) -> Iterator[client.ApiClient]:
+    Garbled.bodies = list(bodies)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbled)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config = client.Configuration()
+    config.host = f"http://127.0.0.1:{server.server_address[1]}"
+    config.proxy = None
+    try:
+        yield api_client(config)
+    finally:
+        server.shutdown()
+
+
+def test_a_2xx_reply_that_is_not_a_json_object_is_an_api_error() -> None:
+    with garbled(b"<html>upstream proxy</html>", b'{"kind": "Pod", "meta', b"[1, 2]") as api:
+        for expected in ("not JSON", "not JSON", "reply is list, not a JSON object"):
+            with pytest.raises(KubeError, match=expected) as raised:
+                call(api, "GET", "/api/v1/namespaces/ns/pods/p", "pods", deadline=1.0)
+            assert str(raised.value).startswith("get pods failed: the API server's reply is")
+
+
+def test_the_pod_watcher_lives_through_garbled_replies_and_reads_the_pod_after_them() -> None:
+    """Before, a 200 that was not JSON ended the watcher's thread for good: container IDs
+    froze, and a restarted container was never enforced."""
+    unexpected = Counter("unexpected", "test", registry=CollectorRegistry())
+    with garbled(b"<html>upstream proxy</html>", b"[]") as api:
+        watcher = PodWatcher(api, "ns", "p", min_gap=0.05, unexpected=unexpected)
+        watcher.start()
+        try:
+            wait_for(lambda: watcher.pod is not None, what="the pod, after two garbled replies")
+            assert watcher.is_alive() and watcher.error is None
+            assert unexpected._value.get() == 0  # API errors, not bugs
+        finally:
+            watcher.stop.set()
+            watcher.refresh()
+            watcher.join(5)

@@ -1,0 +1,78 @@
+"""The sidecar's helper threads (the pod watcher, the Event recorder) are supervised: one
+that stops ends the sidecar with status 1, so that the kubelet restarts it, instead of
+leaving it enforcing on frozen container IDs."""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from prometheus_client import CollectorRegistry, Counter
+
+from enforcer.edge.events import EventRecorder
+from enforcer.edge.kube import PodWatcher, api_client
+from enforcer.edge.metrics import Telemetry
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.signals import Signaller, Terminator
+from enforcer.edge.sources import AgentSource
+from enforcer.modes import sidecar
+from tests.helpers import configured
+
+
+class NotFound(http.server.BaseHTTPRequestHandler):
+    """An API server that knows of nothing: each call fails at once, and is not retried."""
+
+    def _answer(self) -> None:
+        body = b'{"kind": "Status", "message": "not found"}'
+        self.send_response(404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_PATCH = _answer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_helper_thread_that_stops_ends_the_sidecar_with_status_1(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = configured(["sidecar", "--interval", "50ms"], {
+        "POD_NAME": "p", "POD_NAMESPACE": "ns", "POD_UID": "u", "NODE_NAME": "n",
+        "VRAM_ENFORCER_LIMITS": '{"t": 1}'})  # fmt: skip
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config = client.Configuration()
+    config.host = f"http://127.0.0.1:{server.server_address[1]}"
+    config.proxy = None
+    api = api_client(config)
+    telemetry = Telemetry({"namespace": "ns", "pod": "p"})
+    failures = Counter("failures", "test", ["reason"], registry=CollectorRegistry())
+    watcher = PodWatcher(api, "ns", "p", unexpected=telemetry.unexpected.labels("pod-watcher"))
+    recorder = EventRecorder(api, "p", "n", failures)
+    source = AgentSource(str(tmp_path / "absent.sock"), stale_after=2.0)
+    procfs = ProcFs()
+    terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
+    pipeline = sidecar._pipeline(settings, procfs, source, terminator, watcher, None, recorder,
+                                 telemetry)  # fmt: skip
+    watcher.start()
+    recorder.start()
+    threading.Timer(0.3, recorder.close).start()  # the recorder's thread ends, as by a bug
+    try:
+        with caplog.at_level(logging.ERROR):
+            status = sidecar._loop(settings, source, pipeline, terminator, procfs, watcher,
+                                   [watcher, recorder])  # fmt: skip
+    finally:
+        watcher.stop.set()
+        watcher.refresh()
+        source.close()
+        server.shutdown()
+    assert status == 1
+    assert "the event-recorder thread has stopped (a bug); exiting with status 1" in caplog.text
