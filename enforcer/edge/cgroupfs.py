@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,16 +140,18 @@ class CommandCgroup:
     must not count against the command's limit.
     """
 
-    def __init__(self, parent: Path) -> None:
+    def __init__(self, parent: Path, parent_path: str = "") -> None:
         self.parent = parent
         self.top = parent / f"vram-enforcer-{os.getpid()}"
         self.command = self.top / "command"
         self.enforcer = self.top / "enforcer"
+        # The command's cgroup as /proc/<pid>/cgroup names it (relative to the hierarchy).
+        self.command_path = f"{parent_path.rstrip('/')}/{self.top.name}/command"
 
     @classmethod
     def create(cls) -> CommandCgroup:
         """Make the cgroups below this process's own; raises CgroupFsError."""
-        made = cls(own_dir())
+        made = cls(own_dir(), v2_path() or "/")
         made.remove_stale()
         create(made.top)
         try:
@@ -171,6 +173,20 @@ class CommandCgroup:
             yield
         finally:
             move(os.getpid(), self.enforcer)
+
+    def strays(self, pids: Iterable[int]) -> dict[int, str]:
+        """Which of `pids` have left the command's cgroup (and its subtree), and where they
+        are now. The command runs as the user who owns its cgroup's parent, so it may write
+        itself into any cgroup that user may write: out from under the hard limit."""
+        found = {}
+        for pid in pids:
+            path = v2_path(pid)
+            inside = path is not None and (
+                path == self.command_path or path.startswith(self.command_path + "/")
+            )
+            if path is not None and not inside:
+                found[pid] = path
+        return found
 
     def remove_stale(self) -> None:
         """Remove what an `exec` that was killed (SIGKILL) left behind, once empty: only

@@ -28,7 +28,7 @@ from enforcer.core.model import IDLE, ProcessKey, ProcessTotal, Sample, UnitUsag
 from enforcer.core.policy import Reason
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge import logs
-from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup
+from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup, move
 from enforcer.edge.metrics import MetricsPortError, Telemetry, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
@@ -47,6 +47,9 @@ EXIT_NOT_FOUND = 127
 # mean. Often enough for a run of a few seconds to have samples; a read costs about as
 # much as one pass over memory, so twice a second is nothing next to the 10 passes.
 UTILISATION_EVERY = 0.5
+# How often the command's GPU processes are checked to still be in its cgroup: reading each
+# one's cgroup every tick would cost about 10 us a process; sampling covers the gap.
+KEEP_IN_CGROUP_EVERY = 1.0
 
 _PR_SET_CHILD_SUBREAPER = 36
 _SI_KERNEL = 0x80  # si_code of signals the kernel generates (the terminal's ^C)
@@ -306,6 +309,35 @@ class _Placed:
     limits: dict[str, int]
 
 
+class CgroupKeeper:
+    """Holds the command's GPU processes in its cgroup: once a second, one that wrote itself
+    into another cgroup (its user may, and the hard limit would no longer hold it) is moved
+    back, and said. Sampling counts it either way: the tree is the unit, not the cgroup."""
+
+    def __init__(self, cgroup: CommandCgroup, every: float = KEEP_IN_CGROUP_EVERY) -> None:
+        self._cgroup = cgroup
+        self._every = every
+        self._next = 0.0
+
+    def check(self, units: tuple[UnitUsage, ...], now: float) -> None:
+        if now < self._next:
+            return
+        self._next = now + self._every
+        pids = {p.key.pid for unit in units for p in unit.processes}
+        for pid, where in self._cgroup.strays(pids).items():
+            try:
+                move(pid, self._cgroup.command)
+            except CgroupFsError as exc:
+                log.warning(
+                    "pid %d left the command's cgroup for %s, and could not be moved back (%s): "
+                    "the driver no longer refuses its allocations past the limit; sampling "
+                    "still stops it", pid, where, exc,
+                )  # fmt: skip
+            else:
+                log.warning("pid %d had left the command's cgroup for %s; moved it back under "
+                            "the hard limit", pid, where)  # fmt: skip
+
+
 @contextlib.contextmanager
 def _hard_limits(settings: ExecSettings, nvml: Nvml) -> Iterator[_Placed | None]:
     """A cgroup for the command, held to the limit on every GPU where the driver can, or
@@ -389,7 +421,8 @@ def _supervise(
             " ".join(settings.command),
             settings.interval * 1000,
         )
-        return _loop(child, pipeline, terminator, procfs, settings.interval, record)
+        keeper = CgroupKeeper(placed.cgroup) if placed is not None else None
+        return _loop(child, pipeline, terminator, procfs, settings.interval, record, keeper)
     finally:
         terminator.close()
         if server is not None:
@@ -403,6 +436,7 @@ def _loop(
     procfs: ProcFs,
     interval: float,
     record: _Record,
+    keeper: CgroupKeeper | None = None,
 ) -> int:
     """Tick, forward signals and reap children until the last descendant has exited.
 
@@ -419,6 +453,8 @@ def _loop(
         if now >= next_tick:
             pipeline.tick()
             next_tick = max(next_tick + interval, now)
+            if keeper is not None:
+                keeper.check(pipeline.last_units, now)
         deadline = terminator.next_deadline()
         wake = next_tick if deadline is None else min(next_tick, deadline)
         info = signal.sigtimedwait(_WAITED, max(0.0, wake - time.monotonic()))

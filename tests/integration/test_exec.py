@@ -697,6 +697,27 @@ def test_the_command_starts_in_a_cgroup_already_held_to_the_limit(run: Run) -> N
 
 
 @needs_cgroup2
+def test_a_process_that_leaves_the_commands_cgroup_is_moved_back_under_the_hard_limit(
+    run: Run,
+) -> None:
+    """The command runs as the user who owns the parent of its cgroup, so it may write itself
+    into that parent, and the driver would no longer hold it to the limit."""
+    run.gpu.state.support_memory_limits()
+    run.gpu.write()
+    run.start("--limit", "4Gi", worker=("--leave-cgroup",))
+    w = run.worker()
+    assert w["cgroup"].endswith("/command")
+    wait_for((run.tmp / "worker.json.escaped").exists, what="the worker to leave its cgroup")
+    run.use(w["pid"], 1 * GiB)
+    run.saw(1 * GiB)
+    run.logged(f"pid {w['pid']} had left the command's cgroup for")
+    assert "moved it back under the hard limit" in run.stderr
+    assert Path(f"/proc/{w['pid']}/cgroup").read_text().strip().endswith(w["cgroup"])
+    run.release()
+    assert run.wait() == 0
+
+
+@needs_cgroup2
 def test_a_gpu_in_mig_mode_gets_no_hard_limit_and_says_so(run: Run) -> None:
     run.gpu.state.support_memory_limits()
     mig = run.gpu.state.add_device()

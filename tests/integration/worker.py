@@ -41,6 +41,17 @@ def report(path: Path, role: str, host_proc: str | None) -> None:
     tmp.rename(path.with_name(f"{path.name}.{role}"))
 
 
+def escape() -> None:
+    """Write this process into the parent of exec's cgroups, out from under the limit."""
+    root = next(
+        line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if line.partition(" - ")[2].startswith("cgroup2 ")
+    )  # fmt: skip
+    outside = STARTED_IN[0].rpartition("/vram-enforcer-")[0]
+    Path(root, outside.lstrip("/"), "cgroup.procs").write_text(str(os.getpid()))
+    (Path(sys.argv[sys.argv.index("--report") + 1]).with_name("worker.json.escaped")).touch()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--report", type=Path, required=True)
@@ -51,6 +62,11 @@ def main() -> None:
     p.add_argument("--exit", type=int, default=0)
     p.add_argument(
         "--leave", action="store_true", help="exit (with --exit) at once, not on release"
+    )
+    p.add_argument(
+        "--leave-cgroup",
+        action="store_true",
+        help="once reported, move itself into the cgroup that holds exec's own (as its user may)",
     )
     args = p.parse_args()
     if args.ignore_term:
@@ -74,6 +90,8 @@ def main() -> None:
         orphan = " ".join(f"'{a}'" for a in [*me, "--role", "orphan"])
         subprocess.run(["sh", "-c", f"{orphan} &"], check=True)
     report(args.report, args.role, args.host_proc)
+    if args.leave_cgroup:
+        escape()
     if args.leave:
         sys.exit(args.exit)
     release = args.report.with_name(args.report.name + ".release")

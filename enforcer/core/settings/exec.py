@@ -81,8 +81,9 @@ HOST_PROC = value(
 HARD_LIMITS = hard_limits(
     ("auto", "off", "required"),
     "`auto`: put CMD in a cgroup of its own with the limit on every GPU where the driver "
-    "can (R615+, cgroup v2, root), else say why once and enforce by sampling alone. "
-    "`required`: refuse to start without them. `off`: sampling alone",
+    "can (R615+, cgroup v2, root), else say why once and enforce by sampling alone. A GPU "
+    "process of CMD that writes itself into another cgroup is moved back within a second, "
+    "and said. `required`: refuse to start without them. `off`: sampling alone",
 )
 SUMMARY = value(
     "summary",
