@@ -8,16 +8,11 @@ and the tick histogram are ordinary prometheus_client metrics in the same regist
 from __future__ import annotations
 
 import logging
-import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client import make_wsgi_app as metrics_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -332,83 +327,3 @@ class WebhookTelemetry:
             ["result"],
             registry=self.registry,
         )
-
-
-class MetricsPortError(Exception):
-    """`--metrics-port` cannot be served; the message names the flag, the address and why."""
-
-
-Health = Callable[[], str | None]
-"""None when healthy, else what is wrong (served on /healthz with HTTP 503)."""
-
-
-def serve_metrics(
-    registry: CollectorRegistry, port: int | None, address: str, health: Health | None = None
-) -> MetricsServer | None:
-    """Start the /metrics endpoint when a port is set (every mode shares this start-up rule)."""
-    if port is None:
-        return None
-    try:
-        server = MetricsServer(registry, port, address, health)
-    except OSError as exc:
-        raise MetricsPortError(
-            f"--metrics-port {port}: cannot listen on {address}: {exc.strerror}"
-        ) from exc
-    log.info("serving metrics on http://%s:%d/metrics", address, server.port)
-    return server
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # a scrape every few seconds is not news
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-def _app(registry: CollectorRegistry, health: Health | None) -> Callable[..., Iterable[bytes]]:
-    metrics = metrics_app(registry)
-
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if health is not None and environ.get("PATH_INFO") == "/healthz":
-            problem = health()
-            body = f"{problem or 'ok'}\n".encode()
-            status = "200 OK" if problem is None else "503 Service Unavailable"
-            start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
-                                    ("Content-Length", str(len(body)))])  # fmt: skip
-            return [body]
-        return metrics(environ, start_response)  # type: ignore[no-any-return]
-
-    return app
-
-
-class MetricsServer:
-    """/metrics (and, when given a health check, /healthz), stoppable for a clean shutdown."""
-
-    def __init__(
-        self, registry: CollectorRegistry, port: int, address: str, health: Health | None = None
-    ) -> None:
-        family, _, _, _, sockaddr = socket.getaddrinfo(
-            address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-
-        class Server(_Server):
-            address_family = family
-
-        self._server: WSGIServer = make_server(
-            str(sockaddr[0]), port, _app(registry, health), Server, handler_class=_QuietHandler
-        )
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="metrics", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def port(self) -> int:
-        return int(self._server.server_address[1])
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)

@@ -32,7 +32,8 @@ from enforcer.core.policy import Reason
 from enforcer.core.settings.agent import AgentSettings
 from enforcer.edge import logs
 from enforcer.edge.guard import LoopGuard, stopped
-from enforcer.edge.metrics import AgentTelemetry, MetricsPortError, serve_metrics
+from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.metrics_server import MetricsPortError, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.procfs import ProcFs

@@ -29,7 +29,8 @@ from enforcer.core.policy import Reason
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge import logs
 from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup, move
-from enforcer.edge.metrics import MetricsPortError, Telemetry, serve_metrics
+from enforcer.edge.metrics import Telemetry
+from enforcer.edge.metrics_server import MetricsPortError, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs

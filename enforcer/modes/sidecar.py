@@ -42,7 +42,8 @@ from enforcer.edge.claims import ClaimReader, ClaimState, DraObjects
 from enforcer.edge.events import EventRecorder
 from enforcer.edge.guard import stopped
 from enforcer.edge.kube import KubeError, PodWatcher, connect
-from enforcer.edge.metrics import MetricsPortError, MetricsServer, Telemetry, serve_metrics
+from enforcer.edge.metrics import Telemetry
+from enforcer.edge.metrics_server import MetricsPortError, MetricsServer, serve_metrics
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator
 from enforcer.edge.sources import AgentSource, PidView, PidViewError, UsageSource

@@ -37,7 +37,8 @@ from enforcer.core.admission import (
 from enforcer.core.parsing import ascii_int
 from enforcer.core.settings.webhook import WebhookSettings
 from enforcer.edge import logs
-from enforcer.edge.metrics import MetricsPortError, WebhookTelemetry, serve_metrics
+from enforcer.edge.metrics import WebhookTelemetry
+from enforcer.edge.metrics_server import MetricsPortError, serve_metrics
 
 log = logging.getLogger(__name__)
 

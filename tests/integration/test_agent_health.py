@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from enforcer.edge.metrics import AgentTelemetry, serve_metrics
+from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.metrics_server import serve_metrics
 from enforcer.edge.nvml import Nvml
 from enforcer.edge.nvml_source import NvmlSource
 from enforcer.edge.procfs import ProcFs
