@@ -10,6 +10,7 @@ it can stall the other callers, who share one epoll loop.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import functools
@@ -45,9 +46,14 @@ from enforcer.edge.sources import PidView
 
 log = logging.getLogger(__name__)
 
-IDLE_TIMEOUT = 300.0  # a connection that asks nothing for this long is closed
+IDLE_TIMEOUT = 30.0  # a connection that is not subscribed and asks nothing for this long
 WRITE_TIMEOUT = 5.0  # a reader that leaves replies unread this long is disconnected
 MAX_CONNECTIONS = 2048
+# Per caller, by PID namespace: a pod's sidecar needs one, `doctor` one more. Without it, one
+# process holding MAX_CONNECTIONS locked every other pod of the node out of its usage, and
+# won the race to reconnect after an agent restart.
+PER_NAMESPACE = 8
+ACCEPT_PAUSE = 1.0  # out of file descriptors: stop accepting this long, rather than spin
 _WRITE_BUFFER = 64 * 1024  # past this, stop reading a client's requests until it reads
 
 
@@ -186,6 +192,8 @@ class UsageServer:
         self._listener: socket.socket | None = None
         self._epoll = select.epoll()
         self._connections: dict[int, _Connection] = {}
+        self._per_namespace: collections.Counter[tuple[int, int]] = collections.Counter()
+        self._accepting_at: float | None = None  # paused (out of fds) until then
         self._counters: dict[str, Counter] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.thread = threading.Thread(target=self._run, name="usage-socket", daemon=True)
@@ -279,8 +287,8 @@ class UsageServer:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # e.g. out of file descriptors: keep serving the rest
-                log.warning("cannot accept a connection: %s", exc)
+            except OSError as exc:  # out of file descriptors, or of memory: pause, don't spin
+                self._pause_accepting(exc)
                 return
             sock.setblocking(False)
             if len(self._connections) >= MAX_CONNECTIONS:
@@ -292,6 +300,14 @@ class UsageServer:
                 self._refuse(sock, str(exc))
                 continue
             unproven = peer if isinstance(peer, Unproven) else None
+            namespace = (peer.view.ns_inode, peer.view.level)
+            if self._per_namespace[namespace] >= PER_NAMESPACE:
+                if unproven is not None:
+                    unproven.close()
+                self._refuse(sock, f"too many connections from this PID namespace (at most "
+                                   f"{PER_NAMESPACE}); close one, or retry later")  # fmt: skip
+                continue
+            self._per_namespace[namespace] += 1
             conn = _Connection(sock, peer.view, unproven)
             self._connections[sock.fileno()] = conn
             self._epoll.register(sock.fileno(), select.EPOLLIN)
@@ -395,8 +411,27 @@ class UsageServer:
             conn.blocked_since = None
             self._epoll.modify(conn.sock.fileno(), select.EPOLLIN)
 
+    def _pause_accepting(self, exc: OSError) -> None:
+        """The listener stays readable while the kernel cannot give us the connection's fd:
+        polled on, it would spin the loop. Leave it alone for ACCEPT_PAUSE."""
+        assert self._listener is not None  # noqa: S101
+        if self._accepting_at is None:
+            log.warning("cannot accept connections (%s); pausing for %gs", exc.strerror or exc,
+                        ACCEPT_PAUSE)  # fmt: skip
+            self._epoll.unregister(self._listener.fileno())
+        self._accepting_at = time.monotonic() + ACCEPT_PAUSE
+        self.count("refused")
+
+    def _resume_accepting(self, now: float) -> None:
+        if self._accepting_at is not None and now >= self._accepting_at:
+            assert self._listener is not None  # noqa: S101
+            self._accepting_at = None
+            self._epoll.register(self._listener.fileno(), select.EPOLLIN)
+
     def _sweep(self, now: float) -> None:
-        """Disconnect readers stuck for WRITE_TIMEOUT and connections idle for IDLE_TIMEOUT."""
+        """Disconnect readers stuck for WRITE_TIMEOUT and connections idle for IDLE_TIMEOUT;
+        accept again after a pause."""
+        self._resume_accepting(now)
         for conn in list(self._connections.values()):
             stuck = conn.blocked_since is not None and now - conn.blocked_since > WRITE_TIMEOUT
             idle = not conn.subscribed and now - conn.last_request > IDLE_TIMEOUT
@@ -409,6 +444,10 @@ class UsageServer:
             conn.unproven = None
         fd = conn.sock.fileno()
         if self._connections.pop(fd, None) is not None:
+            namespace = (conn.view.ns_inode, conn.view.level)
+            self._per_namespace[namespace] -= 1
+            if not self._per_namespace[namespace]:
+                del self._per_namespace[namespace]
             with contextlib.suppress(OSError, ValueError):
                 self._epoll.unregister(fd)
         conn.sock.close()

@@ -11,10 +11,13 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,10 +28,12 @@ import pytest
 from enforcer.core.model import GiB
 from enforcer.edge.peers import PeerError, attest
 from enforcer.edge.procfs import ProcFs
+from enforcer.edge.usage_server import PER_NAMESPACE
 from tests.fakenvml.plugin import FakeNvml
 from tests.helpers import children, free_port, scratch_cgroup, wait_for
 
 POD = Path(__file__).with_name("pod.py")
+ROOT = Path(__file__).resolve().parents[2]
 HOST = ProcFs()
 
 pytestmark = pytest.mark.skipif(
@@ -387,3 +392,101 @@ def test_a_subscriber_gets_each_new_sample_pushed(agent: Agent, fake_nvml: FakeN
     finally:
         child.kill()
         child.wait()
+
+
+def test_one_pid_namespace_cannot_take_the_sockets_connections_from_the_others(
+    agent: Agent, pods: list[Pod]
+) -> None:
+    """A process that opens connection after connection holds at most PER_NAMESPACE of them;
+    a pod in another PID namespace is answered all the same."""
+    held = []
+    try:
+        for _ in range(PER_NAMESPACE):
+            s = agent.connect()
+            s.settimeout(10)
+            s.sendall(b'{"v":1,"op":"subscribe"}\n')
+            assert b'"processes"' in s.makefile("rb").readline()
+            held.append(s)
+        with agent.connect() as refused:
+            refused.settimeout(10)
+            line = refused.makefile("rb").readline()
+        assert b"too many connections from this PID namespace" in line
+        other = Pod(agent)
+        pods.append(other)
+        assert "processes" in other.ask()  # another namespace: served
+    finally:
+        for s in held:
+            s.close()
+    assert "processes" in agent.ask()  # its own slots, given back
+
+
+EMFILE_SERVER = textwrap.dedent(
+    """
+    import os, resource, signal, sys, time
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[2])
+    from enforcer.edge.metrics import AgentTelemetry
+    from enforcer.edge.procfs import ProcFs
+    from enforcer.edge.usage_server import ServerMetrics, UsageServer
+    t = AgentTelemetry()
+    server = UsageServer(Path(sys.argv[1]), ProcFs(), ServerMetrics(t.requests, t.connections,
+                         t.unexpected), stale_after=60.0)
+    server.start()
+    in_use = len(list(Path("/proc/self/fd").iterdir()))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 16, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    filler = []
+    try:
+        while True:  # every descriptor taken: accept() can only fail, with EMFILE
+            filler.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    signal.signal(signal.SIGUSR1, lambda *_: [os.close(fd) for fd in filler])
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+def test_out_of_file_descriptors_the_socket_pauses_instead_of_spinning(tmp_path: Path) -> None:
+    """accept() failing with EMFILE leaves the listener readable: polled on at once, the loop
+    would spin a core and flood the log. It pauses, and accepts again once fds are free."""
+    sock, log = tmp_path / "agent.sock", tmp_path / "server.log"
+    server = subprocess.Popen([sys.executable, "-c", EMFILE_SERVER, str(sock), str(ROOT)],
+                              stdout=subprocess.PIPE, stderr=log.open("w"), text=True)  # fmt: skip
+    assert server.stdout is not None and server.stdout.readline() == "ready\n"
+    flood = []
+    try:
+        for _ in range(4):  # they wait in the kernel's backlog: accept() cannot take them
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(sock))
+            flood.append(s)
+        time.sleep(0.5)
+        before = _cpu_ticks(server.pid)
+        time.sleep(2.0)
+        spent = (_cpu_ticks(server.pid) - before) / os.sysconf("SC_CLK_TCK")
+        assert spent < 0.5, f"{spent:.2f}s of CPU in 2s: the accept loop spins"
+        for s in flood:
+            s.close()
+        flood.clear()
+        server.send_signal(signal.SIGUSR1)  # descriptors free again
+
+        def answered() -> bool:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(2)
+                s.connect(str(sock))
+                s.sendall(b'{"v":1,"op":"usage"}\n')
+                return b"v" in s.makefile("rb").readline()
+
+        wait_for(answered, timeout=15, what="the socket to accept again")
+    finally:
+        for s in flood:
+            s.close()
+        server.kill()
+        server.wait()
+    said = log.read_text().count("cannot accept connections")
+    assert 1 <= said <= 3, said  # once per pause, not once per wake-up
