@@ -51,7 +51,7 @@ WRITE_TIMEOUT = 5.0  # a reader that leaves replies unread this long is disconne
 MAX_CONNECTIONS = 2048
 # Per caller, by PID namespace: a pod's sidecar needs one, `doctor` one more. Without it, one
 # process holding MAX_CONNECTIONS locked every other pod of the node out of its usage, and
-# won the race to reconnect after an agent restart.
+# won the race to reconnect after an agent restart. (Not the host's namespace: no pod's.)
 PER_NAMESPACE = 8
 ACCEPT_PAUSE = 1.0  # out of file descriptors: stop accepting this long, rather than spin
 _WRITE_BUFFER = 64 * 1024  # past this, stop reading a client's requests until it reads
@@ -301,7 +301,8 @@ class UsageServer:
                 continue
             unproven = peer if isinstance(peer, Unproven) else None
             namespace = (peer.view.ns_inode, peer.view.level)
-            if self._per_namespace[namespace] >= PER_NAMESPACE:
+            # The host's own namespace (level 0) is the node's, not a pod's: not capped.
+            if peer.view.level > 0 and self._per_namespace[namespace] >= PER_NAMESPACE:
                 if unproven is not None:
                     unproven.close()
                 self._refuse(sock, f"too many connections from this PID namespace (at most "

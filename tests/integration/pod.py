@@ -2,10 +2,12 @@
 
 It starts `--workers` idle processes (and, with --nested, one in a nested PID namespace),
 then, for each line on stdin, asks the agent's socket for usage and prints the reply: the
-caller the agent attests is this process, in this namespace.
+caller the agent attests is this process, in this namespace. `hold N` opens N more
+connections, subscribed, keeps them, and prints their first replies as a JSON list.
 """
 
 import argparse
+import json
 import socket
 import subprocess
 import sys
@@ -25,7 +27,19 @@ print("ready", flush=True)
 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 conn.connect(args.socket)
 replies = conn.makefile("rb")
+held = []
 for line in sys.stdin:
+    if line.startswith("hold "):  # open this many more connections, subscribed, and keep them
+        answers = []
+        for _ in range(int(line.split()[1])):
+            extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            extra.settimeout(10)
+            extra.connect(args.socket)
+            extra.sendall(b'{"v":1,"op":"subscribe"}\n')
+            answers.append(json.loads(extra.makefile("rb").readline()))
+            held.append(extra)
+        print(json.dumps(answers), flush=True)
+        continue
     conn.sendall(line.encode())
     sys.stdout.write(replies.readline().decode())
     sys.stdout.flush()
