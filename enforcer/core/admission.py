@@ -178,22 +178,21 @@ def review(doc: object, settings: AdmissionSettings) -> Outcome:
     return Outcome(_allow(uid, ops), "patched" if ops else "skipped")
 
 
-def needed_templates(doc: object, settings: AdmissionSettings) -> list[dict[str, object]]:
-    """DRA mode: the ResourceClaimTemplates that the patched pod of this review names, to be
-    made before it is admitted; none for a dry run (the webhook is NoneOnDryRun)."""
-    request = _map(_map(doc).get("request"))
-    namespace, pod = request.get("namespace"), request.get("object")
-    if settings.dra_class is None or request.get("dryRun") is True:
+def templates_named(
+    pod: Mapping[str, object], settings: AdmissionSettings
+) -> list[dict[str, object]]:
+    """DRA mode: the ResourceClaimTemplates of ours (`vram-enforcer-<size>`) that a stored pod's
+    claims name, as they should be made in its namespace."""
+    meta, spec = _map(pod.get("metadata")), _map(pod.get("spec"))
+    namespace = meta.get("namespace")
+    if settings.dra_class is None or not isinstance(namespace, str) or not namespace:
         return []
-    if not isinstance(namespace, str) or not isinstance(pod, dict):
-        return []
-    sizes = sorted(claim_templates(pod, settings))
-    return [claim_template(namespace, size, settings) for size in sizes]
-
-
-def refused(doc: object, message: str) -> Outcome:
-    """The review denied after all (the pod was fine, but what it needs could not be made)."""
-    return Outcome(_deny(_request(doc)["uid"], message, 403), "denied")
+    sizes = {
+        size
+        for rc in _list(spec.get("resourceClaims"))
+        if (size := template_size(str(_map(rc).get("resourceClaimTemplateName") or ""))) is not None
+    }
+    return [claim_template(namespace, size, settings) for size in sorted(sizes) if size > 0]
 
 
 def _request(doc: object) -> AdmissionRequest:
@@ -314,15 +313,6 @@ def claim_template(namespace: str, limit: int, settings: AdmissionSettings) -> d
     }  # fmt: skip
 
 
-def claim_templates(pod: Mapping[str, object], settings: AdmissionSettings) -> set[int]:
-    """The sizes whose templates must exist for `mutate(pod)` to be schedulable."""
-    if settings.dra_class is None:
-        return set()
-    spec = _map(pod.get("spec"))
-    sizes = set(declared_limits(spec, settings.resource_name, settings.resource_unit).values())
-    return sizes - {0}  # 0 asks for no GPU: no claim, no template
-
-
 def _claim_vram(spec: PodSpec, c: Container, limit: int, settings: AdmissionSettings) -> None:
     """DRA mode: the container's VRAM becomes a claim from the template of its size, which
     the scheduler places on one GPU with that much room; the extended resource goes.
@@ -358,6 +348,19 @@ def _claim_names(spec: PodSpec) -> set[str]:
 _TEMPLATE_SIZE = re.compile(r"vram-enforcer-([0-9]+)([kmgtpe]i)?")
 
 
+def template_size(name: str) -> int | None:
+    """The bytes a template of ours claims, from its name (`vram-enforcer-16gi`); None for
+    a name that is not one of ours."""
+    size = _TEMPLATE_SIZE.fullmatch(name)
+    if size is None:
+        return None
+    quantity = size[1] + (size[2] or "").capitalize()  # the name is lowercase: 16gi
+    try:
+        return parse_bytes(quantity, field="resourceClaimTemplateName")
+    except ConfigError:
+        return None  # past what Kubernetes holds: not a template of ours
+
+
 def _claimed_limits(spec: PodSpec) -> dict[str, int]:
     """DRA mode, on a later pass: each container's limit from the claim an earlier pass made
     (`vram-<container>` from the template `vram-enforcer-<size>`), since the declaration it
@@ -370,14 +373,9 @@ def _claimed_limits(spec: PodSpec) -> dict[str, int]:
     for c in _containers(spec):
         claim = f"vram-{c['name']}"
         claims = {_map(rc).get("name") for rc in _list(_map(c.get("resources")).get("claims"))}
-        size = _TEMPLATE_SIZE.fullmatch(templates.get(claim, ""))
-        if claim not in claims or size is None:
-            continue
-        quantity = size[1] + (size[2] or "").capitalize()  # the name is lowercase: 16gi
-        try:
-            found[c["name"]] = parse_bytes(quantity, field="resourceClaimTemplateName")
-        except ConfigError:
-            continue  # past what Kubernetes holds: not a template of ours
+        size = template_size(templates.get(claim, ""))
+        if claim in claims and size is not None:
+            found[c["name"]] = size
     return found
 
 

@@ -327,3 +327,4 @@ class WebhookTelemetry:
             ["result"],
             registry=self.registry,
         )
+        self.unexpected = _unexpected_errors(self.registry)

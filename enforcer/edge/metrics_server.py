@@ -16,13 +16,15 @@ import contextlib
 import logging
 import socket
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import make_wsgi_app as metrics_app
+
+from enforcer.edge.connection_bounds import BoundedConnections
 
 log = logging.getLogger(__name__)
 
@@ -62,45 +64,16 @@ class _QuietHandler(WSGIRequestHandler):
         pass  # a scrape every few seconds is not news
 
 
-class _BoundedServer(WSGIServer):
+class _BoundedServer(BoundedConnections, ThreadingMixIn, WSGIServer):
     """A thread per connection, within CONNECTIONS in all and PER_PEER per address."""
 
     connections = CONNECTIONS
     per_peer = PER_PEER
+    daemon_threads = True
     request_queue_size = 128  # a flood is accepted (and closed) rather than left in the kernel
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._open: Counter[str] = Counter()
-        self._lock = threading.Lock()
-        self.refused = 0
-        super().__init__(*args, **kwargs)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        peer = str(client_address[0]) if isinstance(client_address, tuple) else ""
-        with self._lock:
-            full = self._open.total() >= self.connections or self._open[peer] >= self.per_peer
-            if not full:
-                self._open[peer] += 1
-            else:
-                self.refused += 1
-        if full:
-            self.shutdown_request(request)  # closed at once: the flood waits on nothing
-            return
-        worker = threading.Thread(target=self._serve, args=(request, client_address, peer),
-                                  name="metrics-connection", daemon=True)  # fmt: skip
-        worker.start()
-
-    def _serve(self, request: Any, client_address: Any, peer: str) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:
-            log.debug("a metrics connection from %s failed", peer, exc_info=True)
-        finally:
-            self.shutdown_request(request)
-            with self._lock:
-                self._open[peer] -= 1
-                if not self._open[peer]:
-                    del self._open[peer]
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("a metrics connection from %s failed", client_address, exc_info=True)
 
 
 def _app(registry: CollectorRegistry, health: Health | None) -> Callable[..., Iterable[bytes]]:

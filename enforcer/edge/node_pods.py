@@ -1,4 +1,5 @@
-"""The pods bound to this node, kept current by a list and a watch (the node agent's view).
+"""Pods kept current by a list and a watch: the pods bound to this node (the node agent's
+view), or those of a selector (the webhook's pending pods, for their claim templates).
 
 The agent needs each pod's limits the moment its cgroup appears, so it watches rather than
 polls: one list (`fieldSelector=spec.nodeName=<node>`), then a watch from that list's
@@ -30,21 +31,23 @@ PODS = "/api/v1/pods"
 _FAILURES = (KubeError, ApiException, urllib3.exceptions.HTTPError, OSError, ValueError)
 
 
-class NodePods(threading.Thread):
-    """Pod UID -> pod, for the pods bound to `node`; `changed` is set on every change."""
+class WatchedPods(threading.Thread):
+    """Pod UID -> pod, for the pods that `query` selects (a field and a label selector);
+    `changed` is set on every change."""
 
     def __init__(
         self,
         api: client.ApiClient,
-        node: str,
+        query: Mapping[str, str],
         changed: threading.Event,
         *,
+        name: str = "watched-pods",
         watch_seconds: int = 300,
         backoff: Backoff | None = None,
     ) -> None:
-        super().__init__(name="node-pods", daemon=True)
+        super().__init__(name=name, daemon=True)
         self._api = api
-        self._query = {"fieldSelector": f"spec.nodeName={node}"}
+        self._query = dict(query)
         self._changed = changed
         self._watch_seconds = watch_seconds
         self._backoff = backoff or Backoff()
@@ -92,7 +95,7 @@ class NodePods(threading.Thread):
             self._synced = True
         self._changed.set()
         if self.error:
-            log.info("watching this node's pods again (%d pods)", len(pods))
+            log.info("watching %s again (%d pods)", self._what(), len(pods))
             self.error = ""
         self._backoff.succeeded()
         return str((reply.get("metadata") or {}).get("resourceVersion") or "")
@@ -133,12 +136,24 @@ class NodePods(threading.Thread):
             log.debug("the pod watch expired; listing again")
             return 0.0
         delay = self._backoff.failed(0.0)
-        message = f"cannot watch this node's pods: {exc}"
+        message = f"cannot watch {self._what()}: {exc}"
         if message != self.error:
             log.warning("%s; keeping the last view and retrying", message,
                         exc_info=logs.detail(exc))  # fmt: skip
             self.error = message
         return delay
+
+    def _what(self) -> str:
+        return "this node's pods" if self.name == "node-pods" else f"pods ({self._query})"
+
+
+class NodePods(WatchedPods):
+    """The pods bound to `node`: the agent's hard limits."""
+
+    def __init__(self, api: client.ApiClient, node: str, changed: threading.Event,
+                 **options: Any) -> None:  # fmt: skip
+        super().__init__(api, {"fieldSelector": f"spec.nodeName={node}"}, changed,
+                         name="node-pods", **options)  # fmt: skip
 
 
 def _uid(pod: Any) -> str:

@@ -19,7 +19,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -27,16 +27,14 @@ from typing import Any
 from enforcer.core.admission import (
     AdmissionSettings,
     BadReview,
-    Outcome,
     decode,
-    needed_templates,
-    refused,
     review,
     sidecar_mode_for,
 )
 from enforcer.core.parsing import ascii_int
 from enforcer.core.settings.webhook import WebhookSettings
 from enforcer.edge import logs
+from enforcer.edge.connection_bounds import BoundedConnections
 from enforcer.edge.metrics import WebhookTelemetry
 from enforcer.edge.metrics_server import MetricsPortError, serve_metrics
 
@@ -46,6 +44,8 @@ EXIT_USAGE = 2
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 MAX_BODY = 4 * 1024 * 1024  # the API server's own request limit is 3 MiB
 IO_TIMEOUT = 10.0
+MAX_CONNECTIONS = 256
+PER_PEER = 64
 
 
 class CertError(Exception):
@@ -204,10 +204,7 @@ class _Handler(BaseHTTPRequestHandler):
             return "invalid"
         body = self.rfile.read(length)
         try:
-            doc = decode(body)
-            outcome = review(doc, self.server.admission)
-            if outcome.result == "patched" and self.server.ensure_template is not None:
-                outcome = self._with_templates(doc, outcome)
+            outcome = review(decode(body), self.server.admission)
         except BadReview as exc:
             self._send(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
             return "invalid"
@@ -221,18 +218,6 @@ class _Handler(BaseHTTPRequestHandler):
         if outcome.result == "denied":
             log.info("denied: %s", outcome.review["response"]["status"]["message"])
         return outcome.result
-
-    def _with_templates(self, doc: object, outcome: Outcome) -> Outcome:
-        """DRA mode: the claim templates the patched pod names exist before it is admitted,
-        or it is denied, saying why (a pod admitted without them would never start)."""
-        assert self.server.ensure_template is not None  # noqa: S101 - checked by the caller
-        for template in needed_templates(doc, self.server.admission):
-            problem = self.server.ensure_template(template)
-            if problem is not None:
-                log.error("%s", problem)
-                return refused(doc, f"{problem}. Grant the webhook create on "
-                                    "resourceclaimtemplates, or create it")  # fmt: skip
-        return outcome
 
     def _linger(self) -> None:
         """Read and drop what the client still sends (for a second at most) before closing:
@@ -260,19 +245,23 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.client_address[0], format % args)
 
 
-class WebhookServer(ThreadingHTTPServer):
-    """HTTPS with a per-connection, current TLS context, and a shutdown that drains."""
+class WebhookServer(BoundedConnections, ThreadingHTTPServer):
+    """HTTPS with a per-connection, current TLS context, and a shutdown that drains.
+
+    Anyone who reaches the Service may connect (unless a NetworkPolicy says otherwise), and
+    each connection is a thread: at most MAX_CONNECTIONS at once, PER_PEER from one address
+    (the API server keeps a pool of connections, from a few addresses)."""
 
     daemon_threads = False
     block_on_close = True
     allow_reuse_address = True
+    connections = MAX_CONNECTIONS
+    per_peer = PER_PEER
+    request_queue_size = 128
 
     def __init__(self, settings: WebhookSettings, admission: AdmissionSettings,
-                 tls: CertReloader, telemetry: WebhookTelemetry,
-                 ensure_template: Callable[[Mapping[str, Any]], str | None] | None = None,
-                 ) -> None:  # fmt: skip
+                 tls: CertReloader, telemetry: WebhookTelemetry) -> None:  # fmt: skip
         self.admission = admission
-        self.ensure_template = ensure_template  # DRA mode: makes a claim template if missing
         self.tls = tls
         self.telemetry = telemetry
         self.stopping = threading.Event()
@@ -341,22 +330,24 @@ def run(settings: WebhookSettings) -> int:
         admission = dataclasses.replace(admission, sidecar_mode=sidecar_mode_for(version))
         log.info("the API server is %s: sidecars are injected as %s", version,
                  admission.sidecar_mode)  # fmt: skip
-    ensure_template = None
+    telemetry = WebhookTelemetry()
+    templates = None
     if admission.dra_class is not None:
-        from enforcer.edge.claims import TemplateKeeper  # noqa: PLC0415 - the client: DRA only
+        # The client and the template maker are loaded only in DRA mode.
         from enforcer.edge.kube import KubeError, connect  # noqa: PLC0415
+        from enforcer.modes.claim_templates import TemplateMaker  # noqa: PLC0415
 
         try:
-            ensure_template = TemplateKeeper(connect(settings.kubeconfig)).ensure
+            api = connect(settings.kubeconfig)
         except KubeError as exc:
             log.error("--dra-device-class: the webhook makes claim templates, and cannot reach "
                       "the API server (%s)", exc, exc_info=logs.detail(exc))  # fmt: skip
             return EXIT_USAGE
+        templates = TemplateMaker(api, admission, telemetry.unexpected.labels("claim-templates"))
         log.info("DRA mode: declared VRAM becomes claims on DeviceClass %s", admission.dra_class)
-    telemetry = WebhookTelemetry()
     try:
         tls = CertReloader(settings.tls_cert_file, settings.tls_key_file, telemetry)
-        server = WebhookServer(settings, admission, tls, telemetry, ensure_template)
+        server = WebhookServer(settings, admission, tls, telemetry)
     except CertError as exc:
         log.error("%s", exc, exc_info=logs.detail(exc))
         return EXIT_USAGE
@@ -376,9 +367,13 @@ def run(settings: WebhookSettings) -> int:
     log.info("serving admission reviews on https://%s:%d/mutate (sidecar %s, %s mode)",
              settings.address, server.server_address[1], admission.sidecar_image,
              admission.sidecar_mode)  # fmt: skip
+    if templates is not None:
+        templates.start()
     received = signal.sigwait(_STOP_SIGNALS)
     log.info("%s: shutting down, finishing requests in flight", signal.Signals(received).name)
     server.drain()
+    if templates is not None:
+        templates.close()
     if metrics is not None:
         metrics.close()
     log.info("stopped")

@@ -226,7 +226,7 @@ def test_dra_mode_gives_the_webhook_and_the_sidecars_what_they_need(
         config = client.AdmissionregistrationV1Api(admin).read_mutating_webhook_configuration(
             "vram-enforcer-dra"
         )
-        assert config.webhooks[0].side_effects == "NoneOnDryRun"  # it makes claim templates
+        assert config.webhooks[0].side_effects == "None"  # templates are made outside admission
         spec = (
             client.AppsV1Api(admin)
             .read_namespaced_deployment("vram-enforcer-dra-webhook", "vram-dra")
@@ -239,8 +239,11 @@ def test_dra_mode_gives_the_webhook_and_the_sidecars_what_they_need(
         for ns in (opted_in, "default"):  # any namespace may be labelled
             assert allowed(webhook, "create", "resourceclaimtemplates", ns, group="resource.k8s.io")
             assert allowed(webhook, "get", "resourceclaimtemplates", ns, group="resource.k8s.io")
+            # from the pending pods it marked, in namespaces that opted in
+            assert allowed(webhook, "list", "pods", ns) and allowed(webhook, "watch", "pods", ns)
+        assert allowed(webhook, "get", "namespaces")
         for verb, resource in (("delete", "resourceclaimtemplates"), ("get", "resourceclaims"),
-                               ("get", "secrets"), ("get", "pods")):  # fmt: skip
+                               ("get", "secrets"), ("patch", "pods")):  # fmt: skip
             group = "resource.k8s.io" if resource.startswith("resource") else ""
             assert not allowed(webhook, verb, resource, opted_in, group=group), (verb, resource)
         sidecar = apiserver.client(apiserver.token_for(opted_in, "default"))

@@ -11,6 +11,9 @@ place, for the manifests of examples/dra/ as shipped.
 
 from __future__ import annotations
 
+import http.client
+import json
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,10 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client, utils
+from prometheus_client import CollectorRegistry, Counter
 
+from enforcer.core.admission import AdmissionSettings
+from enforcer.modes.claim_templates import MAX_PER_NAMESPACE, TemplateMaker
 from tests.e2e import dra
 from tests.e2e.actors import Webhook, doctor
 from tests.e2e.cluster import ApiServer
@@ -122,7 +128,7 @@ def test_the_one_line_declaration_becomes_a_claim_placed_per_gpu(
         name=namespace, labels={"vram-enforcer.io/inject": "enabled"})))  # fmt: skip
     webhook = Webhook(cluster, tmp_path, "--dra-device-class", dra.DEVICE_CLASS)
     try:
-        webhook.register(admin, side_effects="NoneOnDryRun")
+        webhook.register(admin)
 
         def one_line(name: str, vram: str, **options: str) -> Any:
             return core.create_namespaced_pod(namespace, {
@@ -132,10 +138,8 @@ def test_the_one_line_declaration_becomes_a_claim_placed_per_gpu(
                     "resources": {"limits": {"vram-enforcer.io/vram": vram}}}]},
             }, **options)  # fmt: skip
 
-        # a server-side dry run makes nothing (NoneOnDryRun)
+        # admission writes nothing (a server-side dry run no more than any other)
         one_line("dry", "2Gi", dry_run="All")
-        templates = client.ResourceV1Api(admin).list_namespaced_resource_claim_template(namespace)
-        assert templates.items == []
         names = [one_line(f"p{i}", "16Gi").metadata.name for i in (1, 2, 3)]
         stored = core.read_namespaced_pod("p1", namespace)
         (app,) = stored.spec.containers
@@ -147,9 +151,14 @@ def test_the_one_line_declaration_becomes_a_claim_placed_per_gpu(
         assert {"name": "VRAM_ENFORCER_LIMITS_FROM", "value": "dra"} in [
             {"name": e.name, "value": e.value} for e in sidecar.env
         ]
-        (template,) = (
-            client.ResourceV1Api(admin).list_namespaced_resource_claim_template(namespace).items
-        )  # made by the webhook, once for the three pods
+
+        def made() -> list[Any]:  # by the webhook, from the pods the API holds
+            return (
+                client.ResourceV1Api(admin).list_namespaced_resource_claim_template(namespace).items
+            )  # type: ignore[no-any-return]
+
+        (template,) = wait_for(made, timeout=30, what="the template, once for the three pods")
+        assert template.metadata.name == "vram-enforcer-16gi"  # not the dry run's 2gi
         assert template.metadata.labels == {"app.kubernetes.io/managed-by": "vram-enforcer"}
 
         def settled() -> bool:  # a pod may first wait for its claim to be made: not final
@@ -168,3 +177,67 @@ def test_the_one_line_declaration_becomes_a_claim_placed_per_gpu(
         assert "1 cannot allocate all claims" in message
     finally:
         webhook.close(admin)
+
+
+def test_templates_are_made_only_from_pods_the_api_holds_in_opted_in_namespaces(
+    cluster: ApiServer, tmp_path: Path
+) -> None:
+    """The confused deputy, closed: a review sent straight to the webhook's port (anyone who
+    reaches its Service can) makes nothing, in any namespace; a pending pod marked as ours
+    in a namespace that has not opted in gets no template either; one in an opted-in
+    namespace does."""
+    admin = cluster.client()
+    core, resource = client.CoreV1Api(admin), client.ResourceV1Api(admin)
+    for name, labels in (("vram-deputy-in", {"vram-enforcer.io/inject": "enabled"}),
+                         ("vram-deputy-out", {})):  # fmt: skip
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name,
+                                                                              labels=labels)))  # fmt: skip
+    webhook = Webhook(cluster, tmp_path, "--dra-device-class", dra.DEVICE_CLASS)
+    try:
+        forged = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                  "request": {"uid": "x", "namespace": "vram-deputy-out", "operation": "CREATE",
+                              "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                              "object": {"metadata": {"name": "p"}, "spec": {"containers": [
+                                  {"name": "a", "image": "x", "resources": {"limits": {
+                                      "vram-enforcer.io/vram": "7Gi"}}}]}}}}  # fmt: skip
+        context = ssl.create_default_context(cafile=str(webhook.ca[0]))
+        conn = http.client.HTTPSConnection("127.0.0.1", webhook.port, context=context, timeout=10)
+        conn.request("POST", "/mutate", body=json.dumps(forged),
+                     headers={"Content-Type": "application/json"})  # fmt: skip
+        assert json.loads(conn.getresponse().read())["response"]["allowed"] is True  # patched
+        marked = {"metadata": {"name": "p", "labels": {"vram-enforcer.io/enforced": "true"}},
+                  "spec": {"containers": [{"name": "a", "image": "x", "resources": {"claims": [{"name": "vram-a"}]}}],
+                           "resourceClaims": [{"name": "vram-a", "resourceClaimTemplateName": "vram-enforcer-7gi"}]}}  # fmt: skip
+        for namespace in ("vram-deputy-out", "vram-deputy-in"):
+            core.create_namespaced_pod(namespace, marked)
+        wait_for(lambda: resource.list_namespaced_resource_claim_template("vram-deputy-in").items,
+                 timeout=30, what="the opted-in namespace's template")  # fmt: skip
+        assert resource.list_namespaced_resource_claim_template("vram-deputy-out").items == []
+        assert (
+            "not making ResourceClaimTemplate 'vram-enforcer-7gi' in namespace "
+            "'vram-deputy-out': the namespace has not opted in" in webhook.log.read_text()
+        )
+    finally:
+        webhook.close(admin)
+
+
+def test_a_namespace_gets_a_bounded_number_of_templates(
+    cluster: ApiServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = cluster.client()
+    namespace = "vram-deputy-many"
+    client.CoreV1Api(admin).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
+        name=namespace, labels={"vram-enforcer.io/inject": "enabled"})))  # fmt: skip
+    settings = AdmissionSettings(
+        "img", "native", "vram-enforcer.io/vram", 1, dra_class=dra.DEVICE_CLASS
+    )
+    maker = TemplateMaker(admin, settings, Counter("u", "test", registry=CollectorRegistry()))
+    sizes = range(1, MAX_PER_NAMESPACE + 3)
+    pods = {str(i): {"metadata": {"namespace": namespace, "name": f"p{i}"},
+                     "spec": {"resourceClaims": [{"name": "vram-a", "resourceClaimTemplateName": f"vram-enforcer-{i}gi"}]}}
+            for i in sizes}  # fmt: skip
+    maker.make(pods)
+    maker.make(pods)  # again: what exists is not made twice, what is refused is said once
+    made = client.ResourceV1Api(admin).list_namespaced_resource_claim_template(namespace).items
+    assert len(made) == MAX_PER_NAMESPACE
+    assert caplog.text.count(f"already has {MAX_PER_NAMESPACE} VRAM sizes of ours") == 2

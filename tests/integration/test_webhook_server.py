@@ -3,6 +3,7 @@ rotation without a dropped request, and a graceful shutdown."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import http.client
 import json
@@ -24,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from enforcer.modes.webhook import PER_PEER
 from tests.e2e.cluster import make_ca, make_serving_cert
 from tests.helpers import free_port, wait_for
 
@@ -221,6 +223,40 @@ def test_hostile_values_get_a_denial_naming_the_field_never_a_500(webhook: Webho
     assert webhook.post(review_body("after"))[0] == 200
     assert 'result="error"' not in webhook.metrics()
     assert "Traceback" not in webhook.log.read_text()
+
+
+def test_a_flood_of_idle_connections_from_one_address_leaves_the_api_server_served(
+    webhook: Webhook,
+) -> None:
+    """Any pod can reach the webhook's Service: idle connections from one address hold at
+    most PER_PEER threads, and a review from another address is answered meanwhile."""
+
+    def threads() -> int:
+        return len(os.listdir(f"/proc/{webhook.proc.pid}/task"))
+
+    before, peak, done = threads(), [0], threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], threads())
+
+    sampler = threading.Thread(target=watch)
+    sampler.start()
+    with concurrent.futures.ThreadPoolExecutor(200) as pool:  # all at once, as a flood comes
+        flood = list(pool.map(lambda _: socket.create_connection(("127.0.0.1", webhook.port),
+                                                                 timeout=20), range(200)))  # fmt: skip
+    try:
+        time.sleep(1.0)
+        c = http.client.HTTPSConnection("127.0.0.1", webhook.port, context=webhook.context(),
+                                        timeout=10, source_address=("127.0.0.2", 0))  # fmt: skip
+        status, doc = webhook.post(review_body("other"), c)
+        assert status == 200 and doc["response"]["uid"] == "other"
+    finally:
+        done.set()
+        sampler.join()
+        for s in flood:
+            s.close()
+    assert peak[0] - before <= PER_PEER + 1, peak[0] - before  # + the other address's
 
 
 def test_health_ready_and_tls_versions(webhook: Webhook) -> None:

@@ -22,9 +22,9 @@ from enforcer.core.admission import (
     claim_template,
     format_quantity,
     mutate,
-    needed_templates,
     review,
     sidecar_mode_for,
+    templates_named,
 )
 from enforcer.core.tenancy import ALL_ACTIONS, Bounds, Tenancy
 
@@ -523,16 +523,16 @@ def test_dra_mode_enforces_pods_with_claims_made_by_hand() -> None:
     assert mutate(by_hand, NATIVE) == []  # per-node mode: claims are not ours
 
 
-def test_the_templates_a_review_needs_and_what_they_claim() -> None:
-    doc = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-           "request": {"uid": "u1", "namespace": "ml", "operation": "CREATE",
-                       "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                       "object": pod(gpu("a", "16Gi"), gpu("b", "16Gi"), gpu("c", "1Gi"))}}  # fmt: skip
-    names = [t["metadata"]["name"] for t in needed_templates(doc, DRA)]  # type: ignore[index]
-    assert names == ["vram-enforcer-1gi", "vram-enforcer-16gi"]  # one per size
-    assert needed_templates(doc, NATIVE) == []
-    doc["request"]["dryRun"] = True  # type: ignore[index]
-    assert needed_templates(doc, DRA) == []  # NoneOnDryRun
+def test_the_templates_a_stored_pod_names_and_what_they_claim() -> None:
+    """Made from pods the API holds, never from what an admission request says."""
+    stored = applied_dra(pod(gpu("a", "16Gi"), gpu("b", "16Gi"), gpu("c", "1Gi"), gpu("d", "0")))
+    names = [t["metadata"]["name"] for t in templates_named(stored, DRA)]  # type: ignore[index]
+    assert names == ["vram-enforcer-1gi", "vram-enforcer-16gi"]  # one per size; none for 0
+    assert {t["metadata"]["namespace"] for t in templates_named(stored, DRA)} == {"ml"}  # type: ignore[index]
+    assert templates_named(stored, NATIVE) == []
+    by_hand = pod({"name": "x", "image": "x", "resources": {"claims": [{"name": "g"}]}},
+                  resourceClaims=[{"name": "g", "resourceClaimTemplateName": "mine-16gi"}])  # fmt: skip
+    assert templates_named(by_hand, DRA) == []  # not ours to make
     template = claim_template("ml", 16 * GiB, DRA)
     kubernetes_validate.validate(template, "1.36", strict=True)
     (request,) = template["spec"]["spec"]["devices"]["requests"]  # type: ignore[index]

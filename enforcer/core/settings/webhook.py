@@ -185,8 +185,10 @@ DRA_DEVICE_CLASS = value(
     doc="DRA mode (Kubernetes 1.36+, a DRA driver with consumable capacity): a container's "
     "`limits: {vram-enforcer.io/vram: 16Gi}` becomes a ResourceClaim of 16Gi of this "
     "DeviceClass's memory (`gpu.nvidia.com` for NVIDIA's driver), made from the template "
-    "`vram-enforcer-16gi` of the pod's namespace (created when missing), and the extended "
-    "resource is removed, so the scheduler places the pod by GPU. Pods with claims of their "
+    "`vram-enforcer-16gi` of the pod's namespace, and the extended resource is removed, so "
+    "the scheduler places the pod by GPU. Admission writes nothing: the webhook makes a "
+    "missing template from the pending pods it marked, in namespaces that opted in, at most "
+    "32 sizes per namespace (the pod waits for it a moment). Pods with claims of their "
     "own get the sidecar too. The sidecars take their limits from the claims (`--limits-from "
     "dra`). Unset: per-node counting by the extended resource "
     "(see [install.md](install.md#vram-per-gpu-dra))",

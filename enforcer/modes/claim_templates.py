@@ -1,0 +1,135 @@
+"""The webhook's DRA mode, outside admission: the ResourceClaimTemplates its pods name.
+
+A declaration of 16Gi becomes a claim from the template `vram-enforcer-16gi` of the pod's
+namespace. The webhook used to make that template while it reviewed the pod; but anyone who
+reaches the webhook's Service can send it a review, naming any namespace, and it had a
+cluster-wide `create` grant: a confused deputy. So admission writes nothing, and this
+thread makes the templates from what the API holds instead: the pending pods that the
+webhook marked (`vram-enforcer.io/enforced=true`), in namespaces that opted in
+(`vram-enforcer.io/inject=enabled`, read from the Namespace), at most `MAX_PER_NAMESPACE`
+sizes per namespace. A pod waits for its template for as long as this takes (the
+controller-manager retries the claim); nothing that does not exist in the API makes an
+object.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kubernetes import client
+
+from enforcer.core.admission import ENFORCED, AdmissionSettings, templates_named
+from enforcer.core.payloads import Pod
+from enforcer.edge.claims import TemplateKeeper
+from enforcer.edge.guard import ErrorCounter, LoopGuard
+from enforcer.edge.kube import KubeError, NotFound, call
+from enforcer.edge.node_pods import WatchedPods
+
+log = logging.getLogger(__name__)
+
+OPT_IN = ("vram-enforcer.io/inject", "enabled")
+MAX_PER_NAMESPACE = 32  # distinct VRAM sizes, each a template, per namespace
+RESYNC = 60.0  # look again this often even without a change (a template deleted meanwhile)
+NAMESPACE_TTL = 60.0  # a namespace's opt-in, as read, is trusted this long
+NAMESPACE = "/api/v1/namespaces/{name}"
+PENDING_ENFORCED = {"labelSelector": f"{ENFORCED}=true", "fieldSelector": "status.phase=Pending"}
+
+
+class TemplateMaker(threading.Thread):
+    """Makes the templates that pending enforced pods name, in opted-in namespaces."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        settings: AdmissionSettings,
+        unexpected: ErrorCounter,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(name="claim-templates", daemon=True)
+        self._api = api
+        self._settings = settings
+        self._clock = clock
+        self._keeper = TemplateKeeper(api, deadline=10.0)
+        self.changed = threading.Event()
+        self.pods = WatchedPods(api, PENDING_ENFORCED, self.changed, name="pending-pods")
+        self.stop = threading.Event()
+        self._guard = LoopGuard("claim-templates", unexpected, log)
+        self._opted_in: dict[str, tuple[bool, float]] = {}
+        self._sizes: dict[str, set[str]] = {}  # namespace -> templates of ours known there
+        self._said: set[str] = set()
+
+    def start(self) -> None:
+        self.pods.start()
+        super().start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.changed.set()
+        self.pods.close()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.changed.wait(RESYNC)
+            self.changed.clear()
+            if self.stop.is_set():
+                return
+            pods = self.pods.snapshot()
+            if pods is not None:
+                self._guard.run(functools.partial(self.make, pods))
+
+    def make(self, pods: Mapping[str, Pod]) -> None:
+        """One pass over the pods: each missing template made, or why not said once."""
+        for pod in pods.values():
+            for template in templates_named(pod, self._settings):
+                self._ensure(template)
+
+    def _ensure(self, template: dict[str, Any]) -> None:
+        meta = template["metadata"]
+        namespace, name = str(meta["namespace"]), str(meta["name"])
+        if not self._is_opted_in(namespace):
+            self._say(f"{namespace}/{name}", f"not making ResourceClaimTemplate {name!r} in "
+                      f"namespace {namespace!r}: the namespace has not opted in "
+                      f"({OPT_IN[0]}={OPT_IN[1]})")  # fmt: skip
+            return
+        known = self._sizes.setdefault(namespace, set())
+        if name not in known and len(known) >= MAX_PER_NAMESPACE:
+            self._say(f"{namespace}/{name}", f"not making ResourceClaimTemplate {name!r}: "
+                      f"namespace {namespace!r} already has {MAX_PER_NAMESPACE} VRAM sizes of "
+                      "ours; declare one of the sizes in use there")  # fmt: skip
+            return
+        problem = self._keeper.ensure(template)
+        if problem is not None:
+            self._say(f"{namespace}/{name}", problem)
+            return
+        known.add(name)
+        self._said.discard(f"{namespace}/{name}")
+
+    def _is_opted_in(self, namespace: str) -> bool:
+        now = self._clock()
+        cached = self._opted_in.get(namespace)
+        if cached is not None and now - cached[1] < NAMESPACE_TTL:
+            return cached[0]
+        try:
+            ns = call(self._api, "GET", NAMESPACE, "namespaces", params={"name": namespace},
+                      deadline=10.0)  # fmt: skip
+        except NotFound:
+            opted = False
+        except KubeError as exc:
+            self._say(f"namespace {namespace}", f"cannot read namespace {namespace!r}: {exc}")
+            return False
+        else:
+            labels = (ns.get("metadata") or {}).get("labels") or {}
+            opted = labels.get(OPT_IN[0]) == OPT_IN[1]
+        self._opted_in[namespace] = (opted, now)
+        return opted
+
+    def _say(self, key: str, text: str) -> None:
+        """Each problem once, until it is solved."""
+        if key not in self._said:
+            self._said.add(key)
+            log.warning("%s", text)
