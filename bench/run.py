@@ -25,7 +25,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import agent_bench, exec_bench, hard_limits_bench, sidecar_bench, webhook_bench
+from bench import (
+    agent_bench,
+    exec_bench,
+    flood_bench,
+    hard_limits_bench,
+    sidecar_bench,
+    webhook_bench,
+)
 from bench.common import ROOT
 from tests.fakenvml import build_fake_nvml
 
@@ -37,7 +44,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer trials and shorter windows")
     p.add_argument(
         "--only",
-        choices=("exec", "agent", "sidecar", "webhook", "hard-limits"),
+        choices=("exec", "agent", "sidecar", "webhook", "hard-limits", "flood"),
         help="run one group",
     )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
@@ -95,6 +102,12 @@ def main() -> None:
                 print(f"sidecar benchmarks skipped: {reason}")
             else:
                 results["sidecar"] = sidecar_bench.run(lib_dir, trials, window)
+        if args.only in (None, "flood"):
+            reason = flood_bench.available()
+            if reason:
+                print(f"fuzz and flood benchmark skipped: {reason}")
+            else:
+                results["flood"] = flood_bench.run(lib_dir, trials)
     show(results)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")
@@ -102,6 +115,21 @@ def main() -> None:
 
 def show(results: dict[str, Any]) -> None:
     """One line per figure, as docs/performance.md quotes them."""
+    if row := results.get("flood"):
+        peak = row["peak"]
+        print(
+            f"under fuzz and flood: sidecar detection p50 {row['detection_p50_ms']:.0f} ms, p99 "
+            f"{row['detection_p99_ms']:.0f} ms (target <= {row['target_p99_ms']:.0f}), max "
+            f"{row['detection_max_ms']:.0f} ms over {row['trials']} trials ({row['missed']} "
+            f"missed); a good review p50 "
+            f"{row['review_p50_ms']:.1f} ms, p99 {row['review_p99_ms']:.1f} ms; agent /healthz p99 "
+            f"{row['healthz_p99_ms']:.1f} ms; {row['hostile_reviews']} hostile reviews, "
+            f"{row['hostile_review_5xx']} answered 5xx"
+        )
+        for name in ("sidecar", "agent", "webhook"):
+            print(f"  {name}: RSS {row['rss_before_mib'][name]:.1f} MiB before, peak "
+                  f"{peak[name]['rss_mib']:.1f} MiB and {peak[name]['threads']:.0f} threads "
+                  "during")  # fmt: skip
     for row in results.get("latency", ()):
         print(
             f"exec detection latency @ {row['interval_ms']:.0f} ms: p50 {row['p50_ms']:.1f} ms, "

@@ -86,20 +86,20 @@ class ClaimState:
     def __init__(self, reader: ClaimReader) -> None:
         self._reader = reader
         self.objects: DraObjects | None = None
-        self.error: str | None = None
+        self._outage = logs.Outage(log)
+
+    @property
+    def error(self) -> str | None:
+        return self._outage.error
 
     def refresh(self, pod: Pod) -> None:
         try:
             self.objects = self._reader.read(pod)
         except KubeError as exc:
-            if str(exc) != self.error:
-                what = "cannot read this pod's ResourceClaims or its node's ResourceSlices"
-                log.warning("%s (%s); the last read is kept", what, exc, exc_info=logs.detail(exc))
-            self.error = str(exc)
+            what = "cannot read this pod's ResourceClaims or its node's ResourceSlices"
+            self._outage.failed(f"{what}; the last read is kept", exc)
         else:
-            if self.error is not None:
-                log.info("reading this pod's ResourceClaims again")
-            self.error = None
+            self._outage.ended("reading this pod's ResourceClaims again")
 
 
 class TemplateKeeper:

@@ -392,8 +392,13 @@ class PodWatcher(threading.Thread):
         self._wanted = threading.Event()
         self.stop = threading.Event()
         self.pod: Pod | None = None
-        self.error: str | None = None
+        self._outage = logs.Outage(log)
         self._wanted.set()
+
+    @property
+    def error(self) -> str | None:
+        """Why the last read failed; None once a read succeeds."""
+        return self._outage.error
 
     def refresh(self) -> None:
         self._wanted.set()
@@ -414,19 +419,12 @@ class PodWatcher(threading.Thread):
             pod = call(self._api, "GET", POD, "pods", deadline=10.0,
                        params={"namespace": self._namespace, "name": self._name})  # fmt: skip
         except KubeError as exc:
-            if str(exc) != self.error:
-                log.warning(
-                    "cannot read this pod from the API (%s); attribution uses what is known",
-                    exc,
-                    exc_info=logs.detail(exc),
-                )
-            self.error = str(exc)
+            what = "cannot read this pod from the API; attribution uses what is known"
+            self._outage.failed(what, exc)
             self._wanted.set()  # keep trying, at the pace of min_gap
             return
         self.pod = pod
-        if self.error:
-            log.info("reading this pod from the API again")
-        self.error = None
+        self._outage.ended("reading this pod from the API again")
         if self._on_read is not None:
             self._on_read(pod)
 

@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
@@ -57,3 +58,39 @@ def setup(fmt: str = "text", verbosity: int = 0, *, default_level: int = logging
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+class Outage:
+    """An outage said once, not once per failure: the first failure is logged, a failure
+    that goes on is said again at most every `every` seconds (with how many there were),
+    and the end of it once. Error messages that vary from one try to the next (a server
+    that answers garbage) would otherwise log a line per try."""
+
+    def __init__(
+        self, logger: logging.Logger, every: float = 300.0, clock: Any = time.monotonic
+    ) -> None:
+        self._log = logger
+        self._every = every
+        self._clock = clock
+        self._since: float | None = None
+        self._said_at = 0.0
+        self._count = 0
+        self.error: str | None = None  # the latest failure, while it lasts
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        now = self._clock()
+        self.error = str(exc)
+        self._count += 1
+        if self._since is None:
+            self._since, self._said_at = now, now
+            self._log.warning("%s (%s)", what, exc, exc_info=detail(exc))
+        elif now - self._said_at >= self._every:
+            self._said_at = now
+            since = now - self._since
+            self._log.warning("%s, still (%d failures in %.0fs; the latest: %s)", what,
+                              self._count, since, exc, exc_info=detail(exc))  # fmt: skip
+
+    def ended(self, what: str) -> None:
+        if self._since is not None:
+            self._log.info("%s", what)
+        self._since, self._count, self.error = None, 0, None

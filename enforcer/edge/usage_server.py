@@ -54,6 +54,7 @@ MAX_CONNECTIONS = 2048
 # won the race to reconnect after an agent restart. (Not the host's namespace: no pod's.)
 PER_NAMESPACE = 8
 ACCEPT_PAUSE = 1.0  # out of file descriptors: stop accepting this long, rather than spin
+ACCEPT_BATCH = 64  # connections accepted per wake-up of the loop; the rest wait their turn
 _WRITE_BUFFER = 64 * 1024  # past this, stop reading a client's requests until it reads
 
 
@@ -281,8 +282,11 @@ class UsageServer:
         self._serving = None
 
     def _accept(self) -> None:
+        """Up to ACCEPT_BATCH callers per wake-up: callers that connect as fast as they are
+        refused would otherwise keep this loop accepting, and nothing else (no sample
+        pushed, no request answered) would happen until they stopped."""
         assert self._listener is not None  # noqa: S101
-        while True:
+        for _ in range(ACCEPT_BATCH):
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):

@@ -46,6 +46,11 @@ MAX_BODY = 4 * 1024 * 1024  # the API server's own request limit is 3 MiB
 IO_TIMEOUT = 10.0
 MAX_CONNECTIONS = 256
 PER_PEER = 64
+# Request bodies being decoded and reviewed at once, in bytes: a review of 3 MiB takes
+# several times that in Python objects while it is answered. Pods as the API server sends
+# them are tens of KiB, so hundreds fit; a flood of the largest bodies waits its turn, and
+# the webhook stays inside its memory limit (chart: 128 MiB).
+BODIES_IN_FLIGHT = 8 * 1024 * 1024
 
 
 class CertError(Exception):
@@ -202,7 +207,19 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": problem})
             self._linger()
             return "invalid"
-        body = self.rfile.read(length)
+        if not self.server.bodies.acquire(length, IO_TIMEOUT):
+            self.close_connection = True  # the body is not read: the connection cannot go on
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, {"error": (
+                "too many large reviews are being answered at once; retry"
+            )})  # fmt: skip
+            self._linger()
+            return "invalid"
+        try:
+            return self._answer(self.rfile.read(length))
+        finally:
+            self.server.bodies.release(length)
+
+    def _answer(self, body: bytes) -> str:
         try:
             outcome = review(decode(body), self.server.admission)
         except BadReview as exc:
@@ -245,6 +262,28 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.client_address[0], format % args)
 
 
+class ByteBudget:
+    """Bytes that may be held at once; a request past them waits, for a while."""
+
+    def __init__(self, total: int) -> None:
+        self._total = total
+        self._free = total
+        self._changed = threading.Condition()
+
+    def acquire(self, size: int, timeout: float) -> bool:
+        size = min(size, self._total)  # a body of MAX_BODY still gets its turn, alone
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._free >= size, timeout):
+                return False
+            self._free -= size
+            return True
+
+    def release(self, size: int) -> None:
+        with self._changed:
+            self._free += min(size, self._total)
+            self._changed.notify_all()
+
+
 class WebhookServer(BoundedConnections, ThreadingHTTPServer):
     """HTTPS with a per-connection, current TLS context, and a shutdown that drains.
 
@@ -262,6 +301,7 @@ class WebhookServer(BoundedConnections, ThreadingHTTPServer):
     def __init__(self, settings: WebhookSettings, admission: AdmissionSettings,
                  tls: CertReloader, telemetry: WebhookTelemetry) -> None:  # fmt: skip
         self.admission = admission
+        self.bodies = ByteBudget(BODIES_IN_FLIGHT)
         self.tls = tls
         self.telemetry = telemetry
         self.stopping = threading.Event()

@@ -120,7 +120,8 @@ def enforcer_image(work: Path) -> Path:
         if not dest.exists():
             shutil.copy2(found, dest)
     env = ["PATH=/opt/venv/bin:/usr/local/bin:/usr/bin:/bin", "VIRTUAL_ENV=/opt/venv",
-           "PYTHONDONTWRITEBYTECODE=1", "PYTHONUNBUFFERED=1"]  # fmt: skip
+           "PYTHONDONTWRITEBYTECODE=1", "PYTHONUNBUFFERED=1", "MALLOC_ARENA_MAX=2",
+           "MALLOC_MMAP_THRESHOLD_=131072"]  # fmt: skip
     return image_archive(work / "enforcer.tar", ENFORCER_IMAGE, {"/": root}, ["vram-enforcer"],
                          Env=env, User="65532:65532", Cmd=["--help"])  # fmt: skip
 

@@ -483,3 +483,41 @@ def test_out_of_file_descriptors_the_socket_pauses_instead_of_spinning(tmp_path:
         server.wait()
     said = log.read_text().count("cannot accept connections")
     assert 1 <= said <= 3, said  # once per pause, not once per wake-up
+
+
+HAMMER = textwrap.dedent(
+    """
+    import socket, sys
+    while True:  # connect, and connect again, as fast as the agent refuses
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(sys.argv[1])
+        except OSError:
+            pass
+        s.close()
+    """
+)
+
+
+def test_pods_that_connect_as_fast_as_they_are_refused_do_not_stall_the_others(
+    agent: Agent, pods: list[Pod]
+) -> None:
+    """Once, the loop accepted for as long as connections kept coming: with callers that
+    reconnect in a tight loop, it never got back to pushing samples or answering."""
+    honest = Pod(agent)
+    pods.append(honest)
+    hammer = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable,
+              "-c", HAMMER, str(agent.socket)]  # fmt: skip
+    hammers = [subprocess.Popen(hammer) for _ in range(4)]
+    try:
+        time.sleep(1.0)
+        answered = []
+        answering = threading.Thread(target=lambda: answered.extend(honest.ask() for _ in range(5)))
+        answering.start()
+        answering.join(20)
+        assert not answering.is_alive(), "the agent stopped answering under the hammering"
+        assert all("processes" in reply for reply in answered)
+    finally:
+        for h in hammers:
+            h.kill()
+            h.wait()

@@ -12,6 +12,7 @@ import contextlib
 import email.utils
 import http.server
 import json
+import logging
 import socket
 import threading
 import time
@@ -208,3 +209,23 @@ def test_the_pod_watcher_lives_through_garbled_replies_and_reads_the_pod_after_t
             watcher.stop.set()
             watcher.refresh()
             watcher.join(5)
+
+
+def test_an_outage_whose_errors_vary_is_said_once_not_once_per_try(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server that answers garbage gives a different error each time: still one line for
+    the outage, and one when it ends."""
+    unexpected = Counter("unexpected2", "test", registry=CollectorRegistry())
+    with garbled(*[b"<html>a</html>", b"[1]", b'{"x": ', b"<p>b</p>"] * 3) as api:
+        watcher = PodWatcher(api, "ns", "p", min_gap=0.02, unexpected=unexpected)
+        with caplog.at_level(logging.INFO):
+            watcher.start()
+            try:
+                wait_for(lambda: watcher.pod is not None, what="the pod, after 12 garbled replies")
+            finally:
+                watcher.stop.set()
+                watcher.refresh()
+                watcher.join(5)
+    assert caplog.text.count("cannot read this pod from the API") == 1
+    assert caplog.text.count("reading this pod from the API again") == 1
