@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from enforcer.modes.webhook import PER_PEER
+from enforcer.modes.webhook import PER_PEER, ByteBudget
 from tests.e2e.cluster import make_ca, make_serving_cert
 from tests.helpers import free_port, wait_for
 
@@ -403,3 +403,17 @@ def test_bad_certificate_files_and_a_busy_port_are_clear_errors(tmp_path: Path) 
         "--sidecar-mode: 'sometimes' is not a choice; use one of: native, container, auto"
         in bad.stderr
     )
+
+
+def test_the_bytes_of_bodies_in_flight_are_bounded_and_a_wait_ends() -> None:
+    """A flood of the largest bodies waits its turn instead of being decoded all at once."""
+    budget = ByteBudget(8)
+    assert budget.acquire(5, timeout=0.1)
+    started = time.monotonic()
+    assert not budget.acquire(5, timeout=0.2)  # 3 free: it waits, then gives up
+    assert time.monotonic() - started >= 0.2
+    threading.Timer(0.1, budget.release, (5,)).start()
+    assert budget.acquire(5, timeout=5)  # let in once the first is answered
+    budget.release(5)
+    assert budget.acquire(100, timeout=0.1)  # larger than all of it: its turn comes, alone
+    assert not budget.acquire(1, timeout=0.1)
