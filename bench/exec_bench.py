@@ -150,6 +150,9 @@ def tick_cost(lib_dir: Path, tmp: Path, processes: int, window: float) -> dict[s
     e = Enforcer(lib_dir, tmp, "100ms", 8, SLEEPERS, str(processes))
     try:
         pids = [int(p) for p in e.stdout.readline().split()]
+        # Older than a clock tick when NVML first lists them, as a real GPU process always
+        # is: one born in the tick of that pass is not proven to be the process NVML meant.
+        time.sleep(0.05)
         for i, pid in enumerate(pids):
             e.state.set_process(i % 8, pid, 1024**2)  # 1 MiB each: under the limit
         e.write()
