@@ -44,7 +44,7 @@ from enforcer.core.payloads import (
     VolumeMount,
 )
 from enforcer.core.settings.sidecar import METRICS_PORT_DEFAULT
-from enforcer.core.tenancy import Bounds, Tenancy, check_action, check_grace_period
+from enforcer.core.tenancy import Bounds, Tenancy, check_action, check_grace_period, in_namespace
 
 API_VERSION = "admission.k8s.io/v1"
 INJECT = "vram-enforcer.io/inject"
@@ -246,9 +246,10 @@ def mutate(
         if bounds.allow_opt_out:
             return []
         raise Denied(
-            f"metadata.annotations[{INJECT!r}]: 'false' is not allowed {_where(namespace)}: a "
-            "pod that declares VRAM is held to it. Remove the annotation (the operator lets "
-            "pods opt out with the webhook's --allow-opt-out or --namespace-bounds)"
+            f"metadata.annotations[{INJECT!r}]: 'false' is not allowed "
+            f"{in_namespace(namespace)}: a pod that declares VRAM is held to it. Remove the "
+            "annotation (the operator lets pods opt out with the webhook's --allow-opt-out or "
+            "--namespace-bounds)"
         )
     try:
         checked = shapes.check(pod)  # from here on, every field read has its JSON type
@@ -286,10 +287,6 @@ def mutate(
     out_meta.setdefault("annotations", {})[INJECTED] = "true"
     out_meta.setdefault("labels", {})[ENFORCED] = "true"
     return cast(list[PatchOperation], jsonpatch.make_patch(dict(pod), out).patch)
-
-
-def _where(namespace: str) -> str:
-    return f"in namespace {namespace!r}" if namespace else "here"
 
 
 def claim_template_name(limit: int) -> str:

@@ -49,8 +49,8 @@ def check_action(value: str, bounds: Bounds, where: str, namespace: str) -> Acti
     if action not in bounds.actions:
         allowed = ", ".join(a.value for a in bounds.actions)
         raise ConfigError(
-            where, value, f"is not allowed {_in(namespace)}; the operator allows: {allowed} "
-            "(the webhook's --tenant-actions or --namespace-bounds)",
+            where, value, f"is not allowed {in_namespace(namespace)}; the operator allows: "
+            f"{allowed} (the webhook's --tenant-actions or --namespace-bounds)",
         )  # fmt: skip
     return action
 
@@ -60,13 +60,14 @@ def check_grace_period(value: str, bounds: Bounds, where: str, namespace: str) -
     if seconds > bounds.max_grace_period:
         most = format_duration(bounds.max_grace_period)
         raise ConfigError(
-            where, value, f"is longer than the {most} allowed {_in(namespace)}; use at most "
-            f"{most} (the webhook's --max-grace-period or --namespace-bounds)",
+            where, value, f"is longer than the {most} allowed {in_namespace(namespace)}; use at "
+            f"most {most} (the webhook's --max-grace-period or --namespace-bounds)",
         )  # fmt: skip
     return seconds
 
 
-def _in(namespace: str) -> str:
+def in_namespace(namespace: str) -> str:
+    """`in namespace 'ml'`, for a message that says where a bound holds."""
     return f"in namespace {namespace!r}" if namespace else "here"
 
 

@@ -93,3 +93,36 @@ def test_bad_flags(flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as caught:
         settings(*flags)
     assert message in str(caught.value)
+
+
+def test_tenant_bounds_default_to_no_warn_30s_and_no_opting_out() -> None:
+    from enforcer.core.model import Action
+    from enforcer.core.tenancy import Bounds
+
+    tenancy = settings().admission.tenancy
+    assert tenancy.bounds("any") == Bounds(
+        (Action.TERMINATE, Action.KILL, Action.RESTART), 30.0, False
+    )
+    loose = settings("--tenant-actions", "warn,terminate", "--max-grace-period", "2m", "--allow-opt-out",
+                     "--namespace-bounds", '{"research": {"maxGracePeriod": "5m"}}').admission.tenancy  # fmt: skip
+    assert loose.default == Bounds((Action.WARN, Action.TERMINATE), 120.0, True)
+    # a namespace's bounds start from the cluster-wide ones: what it leaves out stays
+    assert loose.bounds("research") == Bounds((Action.WARN, Action.TERMINATE), 300.0, True)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tenant-actions", "explode"], "--tenant-actions: 'explode' is not an action"),
+        (["--tenant-actions", ","], "--tenant-actions: ',' is empty"),
+        (["--max-grace-period", "5"], "--max-grace-period: '5' is not a duration"),
+        (["--namespace-bounds", "[1]"], "--namespace-bounds: '[1]' is not a JSON object"),
+        (["--namespace-bounds", '{"ml": {"actions": "warn"}}'], "--namespace-bounds 'ml'.actions: 'warn' must be a list"),
+        (["--namespace-bounds", '{"ml": {"maxGracePeriod": "soon"}}'], "--namespace-bounds 'ml'.maxGracePeriod: 'soon' is not a duration"),
+        (["--namespace-bounds", '{"ml": {"allowOptout": true}}'], "must be an object of actions, maxGracePeriod, allowOptOut"),
+    ],
+)  # fmt: skip
+def test_bad_tenant_bounds_name_the_flag_and_the_fix(flags: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        settings(*flags)
+    assert message in str(info.value)
