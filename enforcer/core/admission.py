@@ -597,6 +597,8 @@ def _add_sidecar(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping
         # The pod opted out of the API token; the sidecar still needs one, for itself only.
         _put(volumes, _token_volume())
         mounts.append({"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
+    else:
+        mounts += _service_account_mounts(spec)
     sidecar: Container = {
         "name": SIDECAR,
         "image": settings.sidecar_image,
@@ -629,6 +631,28 @@ def _add_sidecar(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping
     else:
         _drop_sidecar(spec.get("initContainers"))
         _put(spec.setdefault("containers", []), sidecar)
+
+
+def _service_account_mounts(spec: PodSpec) -> list[VolumeMount]:
+    """The token mount that the API server's ServiceAccount admission gave the sidecar of an
+    earlier pass (it runs again after webhooks that changed the pod, and mounts the token
+    into every container): kept, or the sidecar would lose its token when it is asserted
+    again. Nothing else of a sidecar found in the pod is kept: a forged one could mount its
+    own code over ours, or its own "token"."""
+    tokens = {
+        str(v.get("name"))
+        for v in spec.get("volumes") or ()
+        if any(
+            "serviceAccountToken" in _map(s) for s in _list(_map(v.get("projected")).get("sources"))
+        )
+    }
+    found = [c for c in _containers(spec) if c["name"] == SIDECAR]
+    return [
+        m
+        for c in found[:1]
+        for m in c.get("volumeMounts") or ()
+        if m.get("mountPath") == TOKEN_DIR and m.get("name") in tokens
+    ]
 
 
 def _drop_sidecar(listed: list[Container] | None) -> None:

@@ -538,3 +538,40 @@ def test_the_templates_a_stored_pod_names_and_what_they_claim() -> None:
     (request,) = template["spec"]["spec"]["devices"]["requests"]  # type: ignore[index]
     assert request == {"name": "vram", "exactly": {"deviceClassName": "gpu.nvidia.com",
                                                    "capacity": {"requests": {"memory": "16Gi"}}}}  # fmt: skip
+
+
+def service_account_admission(p: dict[str, Any]) -> dict[str, Any]:
+    """What the API server's ServiceAccount admission does, and does again after a webhook
+    changed the pod: a projected token volume, mounted into every container."""
+    out = copy.deepcopy(p)
+    spec = out["spec"]
+    if not any(v["name"].startswith("kube-api-access-") for v in spec.get("volumes", [])):
+        spec.setdefault("volumes", []).append({"name": "kube-api-access-x7k2p", "projected": {"sources": [
+            {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}}]}})  # fmt: skip
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        mounts = c.setdefault("volumeMounts", [])
+        if not any(
+            m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount" for m in mounts
+        ):
+            mounts.append({"name": "kube-api-access-x7k2p", "readOnly": True,
+                           "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"})  # fmt: skip
+    return out
+
+
+def test_the_token_that_service_account_admission_mounts_into_the_sidecar_is_kept() -> None:
+    """The API server runs its own mutating plugins again after a webhook changed the pod,
+    and then reinvokes the webhook: the sidecar, asserted again, keeps its token (found in
+    the real cluster: without it, the sidecar could not read its pod)."""
+    once = service_account_admission(applied(service_account_admission(pod(gpu("t")))))
+    assert mutate(once, NATIVE) == []
+    mounts = sidecar_of(once)["volumeMounts"]
+    assert [m["mountPath"] for m in mounts] == [
+        "/run/vram-enforcer",
+        "/var/run/secrets/kubernetes.io/serviceaccount",
+    ]
+    # ... but nothing a pod adds to the sidecar of its own, such as code mounted over ours
+    forged = copy.deepcopy(once)
+    forged["spec"]["volumes"].append({"name": "mine", "emptyDir": {}})
+    sidecar_of(forged)["volumeMounts"].append({"name": "mine", "mountPath": "/opt/venv"})
+    sidecar_of(forged)["envFrom"] = [{"configMapRef": {"name": "warn-please"}}]
+    assert sidecar_of(applied(forged)) == sidecar_of(once)
