@@ -35,7 +35,10 @@ for line in sys.stdin:
             extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             extra.settimeout(10)
             extra.connect(args.socket)
-            extra.sendall(b'{"v":1,"op":"subscribe"}\n')
+            try:
+                extra.sendall(b'{"v":1,"op":"subscribe"}\n')
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused: the agent wrote its reason and closed before the request came
             answers.append(json.loads(extra.makefile("rb").readline()))
             held.append(extra)
         print(json.dumps(answers), flush=True)
