@@ -7,6 +7,7 @@ connections, subscribed, keeps them, and prints their first replies as a JSON li
 """
 
 import argparse
+import contextlib
 import json
 import socket
 import subprocess
@@ -35,10 +36,9 @@ for line in sys.stdin:
             extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             extra.settimeout(10)
             extra.connect(args.socket)
-            try:
+            # refused, the agent may have written its reason and closed before the request came
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 extra.sendall(b'{"v":1,"op":"subscribe"}\n')
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # refused: the agent wrote its reason and closed before the request came
             answers.append(json.loads(extra.makefile("rb").readline()))
             held.append(extra)
         print(json.dumps(answers), flush=True)
