@@ -142,7 +142,7 @@ def _pass_cpu(lib_dir: Path, tmp: Path, state: FakeGpuState, every: str, window:
     sock = tmp / "agent.sock"
     port = free_port()
     agent = subprocess.Popen(
-        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--hard-limits", "off",
+        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off",
          "--socket", str(sock), "--interval", "100ms", "--utilization-interval", every,
          "--metrics-port", str(port), "--metrics-address", "127.0.0.1"],
         env={**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)},

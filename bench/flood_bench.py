@@ -172,7 +172,7 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int) -> dict[str, 
     env = {**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)}
     agent_metrics, sidecar_metrics = free_port(), free_port()
     agent = subprocess.Popen(
-        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--hard-limits", "off",
+        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off",
          "--socket", str(tmp / "agent.sock"), "--metrics-port", str(agent_metrics)],
         env=env, stderr=(tmp / "agent.log").open("w"),
     )  # fmt: skip
@@ -206,7 +206,7 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int) -> dict[str, 
         (driver_pid,) = pod.host_pids("trainer")
         pod.start(
             "vram-enforcer",
-            [*enforcer_argv("sidecar"), "--kubeconfig", str(kubeconfig), "--interval", "100ms",
+            [*enforcer_argv("sidecar"), "--kubeconfig", str(kubeconfig), "--interval", "100ms", "--pod-source", "api",
              "--log-format", "text", "--metrics-port", str(sidecar_metrics)],
             env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid,
                  "VRAM_ENFORCER_LIMITS": json.dumps({"trainer": GiB}),

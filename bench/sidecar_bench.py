@@ -76,7 +76,7 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float
     state.write(state_file)
     env = {**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)}
     agent = subprocess.Popen(
-        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--hard-limits", "off", "--socket", str(tmp / "agent.sock")],
+        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off", "--socket", str(tmp / "agent.sock")],
         env=env, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     wait_for((tmp / "agent.sock").exists, what="the agent")
@@ -94,7 +94,7 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float
         (driver_pid,) = pod.host_pids("trainer")
         sidecar = pod.start(
             "vram-enforcer",
-            [*enforcer_argv("sidecar"), "--kubeconfig", str(server.kubeconfig(server.admin_token, tmp / "kc")),
+            [*enforcer_argv("sidecar"), "--kubeconfig", str(server.kubeconfig(server.admin_token, tmp / "kc")), "--pod-source", "api",
              "--interval", "100ms", "--log-format", "text"],
             env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid,
                  "VRAM_ENFORCER_LIMITS": json.dumps({"trainer": GiB}), "VRAM_ENFORCER_AGENT_SOCKET": str(tmp / "agent.sock")},

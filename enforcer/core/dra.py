@@ -27,6 +27,15 @@ NVIDIA_DRIVER = "gpu.nvidia.com"
 
 
 @dataclass(frozen=True, slots=True)
+class DraObjects:
+    """What `allocations` needs besides the pod: read from the API by the agent, and sent
+    to each sidecar with its pod."""
+
+    claims: dict[str, dict[str, Any]] = field(default_factory=dict)  # by ResourceClaim name
+    slices: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class DraSettings:
     """Which allocations are GPUs, and how a device names its GPU and its memory."""
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from enforcer.core.dra import DraObjects
 from enforcer.core.model import Activity, Device, ProcessKey, ProcessUsage, Sample, SourceDown
+from enforcer.core.payloads import Pod
 
 VERSION = 1
 MAX_REQUEST_BYTES = 4096
@@ -26,6 +28,7 @@ class ProtocolError(ValueError):
 class Request:
     op: str
     challenge: str | None = None  # the answer to the agent's challenge, when it sent one
+    pod: bool = False  # a subscriber that also wants its own pod, pushed when it changes
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +53,16 @@ def parse_request(line: bytes) -> Request:
     if op not in OPS:
         raise ProtocolError(f"unknown op {op!r}; supported: {', '.join(OPS)}")
     challenge = doc.get("challenge")
-    return Request(op, challenge if isinstance(challenge, str) else None)
+    wants_pod = op == "subscribe" and doc.get("pod") is True
+    return Request(op, challenge if isinstance(challenge, str) else None, wants_pod)
 
 
-def encode_request(op: str = "usage", challenge: str | None = None) -> bytes:
+def encode_request(op: str = "usage", challenge: str | None = None, pod: bool = False) -> bytes:
     doc: dict[str, object] = {"v": VERSION, "op": op}
     if challenge is not None:
         doc["challenge"] = challenge
+    if pod:
+        doc["pod"] = True
     return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 
@@ -116,13 +122,62 @@ def json_string(text: str) -> bytes:
 USAGE_TAIL = b"]}\n"
 
 
-def decode_reply(line: bytes) -> Sample | SourceDown | Challenge:
-    """A reply as the client sees it: a sample, the agent's error as `SourceDown`, or a
-    challenge to answer."""
+@dataclass(frozen=True, slots=True)
+class PodReply:
+    """The caller's own pod, as the agent's watch of its node last saw it.
+
+    `pod` is None while the agent knows of no pod on its node whose status lists the
+    caller's container (a pod just started: the kubelet has not reported it yet), and
+    `problem` says so. `problem` is also set when the pod may be out of date (the agent
+    cannot watch the API just now), with the last pod seen kept. `dra` is the pod's
+    ResourceClaims and its node's ResourceSlices, when it has claims and the agent reads
+    DRA; `dra_problem` says why they could not be read (the last good read is kept)."""
+
+    pod: Pod | None
+    problem: str | None = None
+    dra: DraObjects | None = None
+    dra_problem: str | None = None
+
+
+def encode_pod(reply: PodReply) -> bytes:
+    doc: dict[str, object] = {"v": VERSION, "pod": reply.pod}
+    if reply.problem is not None:
+        doc["pod_problem"] = reply.problem
+    if reply.dra is not None:
+        doc["claims"], doc["slices"] = reply.dra.claims, list(reply.dra.slices)
+    if reply.dra_problem is not None:
+        doc["dra_problem"] = reply.dra_problem
+    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+
+
+def _pod_reply(doc: dict[str, Any]) -> PodReply:
+    pod, claims, slices = doc["pod"], doc.get("claims"), doc.get("slices")
+    if pod is not None and not isinstance(pod, dict):
+        raise TypeError("the pod is not a JSON object")
+    dra = None
+    if isinstance(claims, dict) and isinstance(slices, list):
+        dra = DraObjects(
+            {str(k): v for k, v in claims.items() if isinstance(v, dict)},
+            tuple(s for s in slices if isinstance(s, dict)),
+        )
+    problem, dra_problem = doc.get("pod_problem"), doc.get("dra_problem")
+    return PodReply(
+        cast(Pod | None, pod),
+        None if problem is None else str(problem),
+        dra,
+        None if dra_problem is None else str(dra_problem),
+    )
+
+
+def decode_reply(line: bytes) -> Sample | SourceDown | Challenge | PodReply:
+    """A reply as the client sees it: a sample, the agent's error as `SourceDown`, a
+    challenge to answer, or (to a subscriber that asked for it) its pod."""
     try:
         doc = json.loads(line)
         if doc.get("v") != VERSION:
             raise ProtocolError(f"the agent speaks protocol version {doc.get('v')!r}, not v1")
+        if "pod" in doc:
+            return _pod_reply(doc)
         if isinstance(doc.get("challenge"), str):
             return Challenge(doc["challenge"], str(doc.get("error", "")))
         if "error" in doc:

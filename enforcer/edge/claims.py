@@ -13,14 +13,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kubernetes import client
 
-from enforcer.core.dra import claim_names
+from enforcer.core.dra import DraObjects, claim_names
 from enforcer.core.payloads import Pod
+from enforcer.core.pod_directory import DraRead
 from enforcer.edge import logs
 from enforcer.edge.kube import KubeError, NotFound, call
 
@@ -30,14 +30,6 @@ CLAIM = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 TEMPLATES = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates"
 TEMPLATE = TEMPLATES + "/{name}"
-
-
-@dataclass(frozen=True, slots=True)
-class DraObjects:
-    """What `enforcer.core.dra.allocations` needs besides the pod."""
-
-    claims: dict[str, dict[str, Any]] = field(default_factory=dict)  # by ResourceClaim name
-    slices: tuple[dict[str, Any], ...] = ()
 
 
 class ClaimReader:
@@ -74,6 +66,64 @@ class ClaimReader:
         except NotFound:
             return None
         return claim
+
+
+class ClaimCache:
+    """The agent's one read of each pod's DRA objects per change of the pod, shared by its
+    hard limiter and the pod replies to sidecars. A read that fails keeps the last good
+    one, says why, and is tried again after `retry` seconds; a good one is read again after
+    `refresh` (a driver that restarted may publish new slices), or when the pod changes."""
+
+    def __init__(
+        self,
+        reader: ClaimReader,
+        retry: float = 5.0,
+        refresh: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._reader = reader
+        self._retry = retry
+        self._refresh = refresh
+        self._clock = clock
+        self._lock = threading.Lock()  # the limiter's and the publisher's threads
+        # Pod UID -> (its resourceVersion when read, the read, when to read it again)
+        self._reads: dict[str, tuple[str, DraRead, float]] = {}
+
+    def read(self, pod: Pod) -> DraRead:
+        meta = pod.get("metadata") or {}
+        uid, version = str(meta.get("uid") or ""), str(meta.get("resourceVersion") or "")
+        with self._lock:
+            known = self._reads.get(uid)
+            now = self._clock()
+            if known is not None and known[0] == version and now < known[2]:
+                return known[1]
+            try:
+                found, again = DraRead(self._reader.read(pod)), now + self._refresh
+            except KubeError as exc:
+                last = known[1].objects if known is not None else None
+                found, again = DraRead(last, str(exc)), now + self._retry
+            self._reads[uid] = (version, found, again)
+            return found
+
+    def objects_or_problem(self, pod: Pod) -> DraObjects | str:
+        """The limiter's view: the objects, or why they cannot be read now."""
+        found = self.read(pod)
+        if found.problem is not None or found.objects is None:
+            return found.problem or "not read yet"
+        return found.objects
+
+    def retain(self, uids: Iterable[str]) -> None:
+        """Forget the pods that are gone."""
+        alive = set(uids)
+        with self._lock:
+            for uid in [u for u in self._reads if u not in alive]:
+                del self._reads[uid]
+
+    def next_read(self) -> float | None:
+        """Seconds until a pod's objects are due to be read again (None: no pod's are)."""
+        with self._lock:
+            due = [again for _, _, again in self._reads.values()]
+        return max(0.0, min(due) - self._clock()) if due else None
 
 
 class ClaimState:

@@ -270,7 +270,8 @@ class AgentTelemetry:
         )
         self.requests = Counter(
             PREFIX + "agent_requests",
-            "Requests answered on the usage socket, by result (ok, error, refused)",
+            "Requests answered on the usage socket, by result (ok, error, refused), and "
+            "samples (pushed) and pods (pod) pushed to subscribers",
             ["result"],
             registry=self.registry,
         )

@@ -33,13 +33,13 @@ _FAILURES = (KubeError, ApiException, urllib3.exceptions.HTTPError, OSError, Val
 
 class WatchedPods(threading.Thread):
     """Pod UID -> pod, for the pods that `query` selects (a field and a label selector);
-    `changed` is set on every change."""
+    each of `changed` is set on every change, and when the watch fails or recovers."""
 
     def __init__(
         self,
         api: client.ApiClient,
         query: Mapping[str, str],
-        changed: threading.Event,
+        changed: tuple[threading.Event, ...],
         *,
         name: str = "watched-pods",
         watch_seconds: int = 300,
@@ -57,6 +57,10 @@ class WatchedPods(threading.Thread):
         self._stream: WatchStream | None = None
         self.stop = threading.Event()
         self.error = ""
+
+    def _changed_now(self) -> None:
+        for event in self._changed:
+            event.set()
 
     def snapshot(self) -> Mapping[str, Pod] | None:
         """The pods as last seen, or None before the first list has succeeded."""
@@ -93,7 +97,7 @@ class WatchedPods(threading.Thread):
         with self._lock:
             self._pods = pods
             self._synced = True
-        self._changed.set()
+        self._changed_now()
         if self.error:
             log.info("watching %s again (%d pods)", self._what(), len(pods))
             self.error = ""
@@ -128,7 +132,7 @@ class WatchedPods(threading.Thread):
                 self._pods.pop(uid, None)
             else:
                 self._pods[uid] = pod
-        self._changed.set()
+        self._changed_now()
 
     def _failed(self, exc: Exception) -> float:
         """Log a new failure once; returns the pause before listing again."""
@@ -141,6 +145,7 @@ class WatchedPods(threading.Thread):
             log.warning("%s; keeping the last view and retrying", message,
                         exc_info=logs.detail(exc))  # fmt: skip
             self.error = message
+            self._changed_now()  # those who pass the view on say that it may be out of date
         return delay
 
     def _what(self) -> str:
@@ -148,9 +153,9 @@ class WatchedPods(threading.Thread):
 
 
 class NodePods(WatchedPods):
-    """The pods bound to `node`: the agent's hard limits."""
+    """The pods bound to `node`: the agent's hard limits, and each sidecar's own pod."""
 
-    def __init__(self, api: client.ApiClient, node: str, changed: threading.Event,
+    def __init__(self, api: client.ApiClient, node: str, changed: tuple[threading.Event, ...],
                  **options: Any) -> None:  # fmt: skip
         super().__init__(api, {"fieldSelector": f"spec.nodeName={node}"}, changed,
                          name="node-pods", **options)  # fmt: skip

@@ -1,4 +1,5 @@
-"""Who is on the other end of a Unix socket: the peer's process, and its PID namespace.
+"""Who is on the other end of a Unix socket: the peer's process, its PID namespace, and
+the container it runs in (the ID in its cgroup, which names its pod: `pod_directory`).
 
 The agent answers each caller only about processes in the caller's own PID namespace (or
 below it). The peer is identified by the kernel, not by anything it sends.
@@ -23,6 +24,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from enforcer.core.cgroups import container_id
 from enforcer.core.protocol import Challenge
 from enforcer.edge.pidfd import Pinned
 from enforcer.edge.procfs import ProcFs
@@ -43,13 +45,16 @@ class Peer:
     pid: int  # in the reader's (the agent's) PID namespace
     uid: int
     view: PidView
+    container_id: str | None = None  # from its cgroup, read while it was pinned
 
 
 class Unproven:
     """A caller pinned by its pid alone, until it answers the challenge (see the module)."""
 
-    def __init__(self, pid: int, uid: int, process: Pinned, view: PidView) -> None:
-        self.pid, self.uid, self.view = pid, uid, view
+    def __init__(
+        self, pid: int, uid: int, process: Pinned, view: PidView, container_id: str | None
+    ) -> None:
+        self.pid, self.uid, self.view, self.container_id = pid, uid, view, container_id
         self._process = process
         self.challenge = Challenge(
             secrets.token_hex(16),
@@ -68,7 +73,7 @@ class Unproven:
             )
         if self._process.exited():
             raise PeerError("the caller exited while it was being identified")
-        return Peer(self.pid, self.uid, self.view)
+        return Peer(self.pid, self.uid, self.view, self.container_id)
 
     def close(self) -> None:
         self._process.close()
@@ -94,14 +99,16 @@ def attest(sock: socket.socket, host_proc: ProcFs, peer_pidfd: bool = True) -> P
     except PidViewError as exc:
         process.close()
         raise PeerError(f"cannot read the caller's PID namespace: {exc}") from None
+    entries = host_proc.cgroup(pid)
+    cid = None if entries is None else container_id(entries)
     if process.exited():
         process.close()
         raise PeerError("the caller exited while it was being identified")
     if proven:
         process.close()
-        return Peer(pid, uid, view)
+        return Peer(pid, uid, view, cid)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # stamp what it sends next
-    return Unproven(pid, uid, process, view)
+    return Unproven(pid, uid, process, view, cid)
 
 
 def _peer_pidfd(sock: socket.socket, pid: int) -> Pinned | None:

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from enforcer.core.model import Sample, SourceDown
-from enforcer.core.protocol import Challenge, ProtocolError, decode_reply, encode_request
+from enforcer.core.protocol import (
+    Challenge,
+    PodReply,
+    ProtocolError,
+    decode_reply,
+    encode_request,
+)
 from enforcer.edge.backoff import Backoff
 from enforcer.edge.procfs import INITIAL_PID_NS, NsChain, ProcFs
 
@@ -108,6 +114,10 @@ class AgentSource:
     Never blocks a tick: the socket is read without waiting, the newest complete reply
     wins, and a lost agent is reconnected on a backoff schedule while every tick reports
     the source down. `fileno()` lets a loop wake up as soon as a sample arrives.
+
+    With `pod`, the subscription also brings the caller's own pod (and its DRA objects)
+    each time the agent's watch sees it change: `pod_reply` is the latest, kept while the
+    agent is away, so that enforcement goes on with what was last known.
     """
 
     def __init__(
@@ -116,9 +126,13 @@ class AgentSource:
         stale_after: float,
         backoff: Backoff | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pod: bool = False,
     ) -> None:
         self._path = path
         self._stale_after = stale_after
+        self._wants_pod = pod
+        self.pod_reply: PodReply | None = None  # None until the agent has sent one
+        self.pod_replies = 0  # how many have arrived: a new one is news to the caller
         self._backoff = backoff or Backoff()
         self._clock = clock
         self._sock: socket.socket | None = None
@@ -153,7 +167,7 @@ class AgentSource:
         try:
             sock.settimeout(1.0)
             sock.connect(self._path)
-            sock.sendall(encode_request("subscribe"))
+            sock.sendall(encode_request("subscribe", pod=self._wants_pod))
             select.select([sock], [], [], 1.0)  # the agent answers a subscription at once
             sock.setblocking(False)
         except OSError as exc:
@@ -187,6 +201,9 @@ class AgentSource:
                 reply = decode_reply(line)
                 if isinstance(reply, Challenge):
                     self._answer(reply)
+                elif isinstance(reply, PodReply):
+                    self.pod_reply = reply
+                    self.pod_replies += 1
                 else:
                     self._latest, self._received = reply, self._clock()
         except (ProtocolError, OSError) as exc:
@@ -196,7 +213,7 @@ class AgentSource:
         """A node whose kernel cannot name its callers asks them to prove who they are."""
         if challenge.nonce != self._answered:
             assert self._sock is not None  # noqa: S101 - only called when connected
-            self._sock.sendall(encode_request("subscribe", challenge.nonce))
+            self._sock.sendall(encode_request("subscribe", challenge.nonce, self._wants_pod))
             self._answered = challenge.nonce
 
     def _lost(self, reason: str) -> None:

@@ -27,13 +27,16 @@ from pathlib import Path
 from prometheus_client import Counter, Gauge
 
 from enforcer.core.model import Sample, SourceDown
+from enforcer.core.pod_directory import unknown
 from enforcer.core.protocol import (
     MAX_REQUEST_BYTES,
     USAGE_TAIL,
+    PodReply,
     ProtocolError,
     Request,
     encode_challenge,
     encode_error,
+    encode_pod,
     json_string,
     parse_request,
     usage_head,
@@ -152,12 +155,22 @@ class _Connection:
     sent are collected in `senders`.
     """
 
-    __slots__ = ("blocked_since", "inbox", "last_request", "outbox", "refused", "senders",
-                 "sock", "subscribed", "unproven", "view")  # fmt: skip
+    __slots__ = ("blocked_since", "container_id", "inbox", "last_request", "outbox",
+                 "pod_sent", "refused", "senders", "sock", "subscribed", "unproven", "view",
+                 "wants_pod")  # fmt: skip
 
-    def __init__(self, sock: socket.socket, view: PidView, unproven: Unproven | None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        view: PidView,
+        unproven: Unproven | None,
+        container_id: str | None = None,
+    ) -> None:
         self.sock = sock
         self.view = view
+        self.container_id = container_id  # the caller's, from its cgroup: names its pod
+        self.wants_pod = False
+        self.pod_sent = b""  # the pod reply it was last sent: pushed again only when changed
         self.unproven = unproven
         self.senders: set[int] = set()
         self.refused = False
@@ -190,6 +203,9 @@ class UsageServer:
         self._metrics = metrics
         self._stale_after = stale_after
         self._published = _Published.of(SourceDown("the agent has not sampled NVML yet"))
+        # Container ID -> its pod's reply (pod_directory); None: this agent serves no pods.
+        self._pods: dict[str, bytes] | None = None
+        self.no_pods = "this agent does not serve pods (it has no API access)"
         self._listener: socket.socket | None = None
         self._epoll = select.epoll()
         self._connections: dict[int, _Connection] = {}
@@ -208,6 +224,20 @@ class UsageServer:
         self._published = _Published.of(sample)
         with contextlib.suppress(BlockingIOError):  # a wake-up is already pending
             os.write(self._wake_w, b"p")
+
+    def publish_pods(self, directory: dict[str, bytes]) -> None:
+        """Called by the agent's pod publisher: swap in the node's pods (container ID -> the
+        encoded reply, `pod_directory.directory`) and wake the loop to push what changed."""
+        self._pods = directory
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"o")
+
+    def pod_reply(self, container_id: str | None) -> bytes:
+        pods = self._pods
+        if pods is None:
+            return encode_pod(PodReply(None, self.no_pods))
+        found = pods.get(container_id) if container_id is not None else None
+        return found if found is not None else unknown(container_id)
 
     def reply(self, view: PidView) -> bytes:
         published = self._published
@@ -266,11 +296,15 @@ class UsageServer:
         for fd, events in ready:
             self._serving = None
             if fd == self._wake_r:
+                woken = b""
                 with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 4096)
+                    woken = os.read(self._wake_r, 4096)
                 if self._stopping:
                     return
-                self._push()
+                if b"p" in woken:
+                    self._push()
+                if b"o" in woken:
+                    self._push_pods()
             if fd == self._listener.fileno():
                 self._accept()
             elif (conn := self._connections.get(fd)) is not None:
@@ -313,7 +347,7 @@ class UsageServer:
                                    f"{PER_NAMESPACE}); close one, or retry later")  # fmt: skip
                 continue
             self._per_namespace[namespace] += 1
-            conn = _Connection(sock, peer.view, unproven)
+            conn = _Connection(sock, peer.view, unproven, peer.container_id)
             self._connections[sock.fileno()] = conn
             self._epoll.register(sock.fileno(), select.EPOLLIN)
             self._metrics.connections.set(len(self._connections))
@@ -385,10 +419,14 @@ class UsageServer:
                 conn.refused = True
                 return encode_error(str(exc))
             conn.unproven.close()
-            conn.unproven, conn.view = None, peer.view
+            conn.unproven, conn.view, conn.container_id = None, peer.view, peer.container_id
         self.count("ok")
         if request.op == "subscribe":
             conn.subscribed = True
+            if request.pod:
+                conn.wants_pod = True
+                conn.pod_sent = self.pod_reply(conn.container_id)
+                return self.reply(conn.view) + conn.pod_sent
         return self.reply(conn.view)
 
     def _push(self) -> None:
@@ -397,6 +435,15 @@ class UsageServer:
             if conn.subscribed and not conn.outbox:
                 self.count("pushed")
                 conn.outbox = self.reply(conn.view)
+                self._flush(conn)
+
+    def _push_pods(self) -> None:
+        """Each subscriber that asked for its pod gets it again when it changed."""
+        for conn in list(self._connections.values()):
+            if conn.wants_pod and (reply := self.pod_reply(conn.container_id)) != conn.pod_sent:
+                self.count("pod")
+                conn.pod_sent = reply
+                conn.outbox += reply
                 self._flush(conn)
 
     def _flush(self, conn: _Connection) -> None:

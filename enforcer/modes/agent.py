@@ -41,12 +41,11 @@ from enforcer.edge.sources import PidView, PidViewError
 from enforcer.edge.tenants import Tenants
 from enforcer.edge.usage_server import ServerMetrics, SocketInUse, UsageServer
 from enforcer.modes.limiter import HardLimiter
+from enforcer.modes.pod_publisher import PodPublisher
 
 if TYPE_CHECKING:
     from kubernetes import client
 
-    from enforcer.core.payloads import Pod
-    from enforcer.edge.claims import DraObjects
     from enforcer.edge.events import EventRecorder
     from enforcer.edge.kube import NodeAdvertiser
     from enforcer.edge.node_pods import NodePods
@@ -295,13 +294,13 @@ def _serve(
     sampler = Sampler(
         source, server, telemetry, settings.interval, changed, Tenants(host_proc), faults
     )
-    threads: list[Sampler | Advertiser | HardLimiter | NodePods] = [sampler]
+    threads: list[Sampler | Advertiser | HardLimiter | NodePods | PodPublisher] = [sampler]
     if advertiser is not None:
         threads.append(Advertiser(advertiser, sampler, telemetry, settings.resync, changed))
     recorder, pod_watch = None, None
-    if api is not None and settings.hard_limits:
-        recorder, pod_watch, limiter = _hard_limits(settings, api, sampler, telemetry)
-        threads.extend([pod_watch, limiter])
+    if api is not None and settings.watches_pods:
+        recorder, pod_watch, others = _pod_watch(settings, api, sampler, telemetry, server)
+        threads.extend([pod_watch, *others])
         faults.recorder = recorder
     liveness = max(LIVENESS_AFTER, STALE_INTERVALS * settings.interval)
     check = functools.partial(health, sampler, liveness)
@@ -335,44 +334,46 @@ def _serve(
     return status
 
 
-def _hard_limits(
+def _pod_watch(
     settings: AgentSettings,
     api: client.ApiClient,
     sampler: Sampler,
     telemetry: AgentTelemetry,
-) -> tuple[EventRecorder, NodePods, HardLimiter]:
-    """The pod watch, the limiter it wakes and the recorder of its Events. The limiter has
-    an NVML session of its own (NVML counts initialisations): the sampler's is not shared."""
-    from enforcer.edge.claims import ClaimReader  # noqa: PLC0415 - loaded only when used
+    server: UsageServer,
+) -> tuple[EventRecorder, NodePods, list[HardLimiter | PodPublisher]]:
+    """The one watch of this node's pods, and what it wakes: the hard limiter (with the
+    recorder of its Events) and the pod replies to sidecars. Each pod's DRA objects are read
+    once per change of the pod, for both. The limiter has an NVML session of its own (NVML
+    counts initialisations): the sampler's is not shared."""
+    from enforcer.edge.claims import ClaimCache, ClaimReader  # noqa: PLC0415 - only when used
     from enforcer.edge.events import EventRecorder  # noqa: PLC0415
-    from enforcer.edge.kube import KubeError  # noqa: PLC0415
     from enforcer.edge.node_pods import NodePods  # noqa: PLC0415
 
-    reader = ClaimReader(api, settings.node_name)
-
-    def claims(pod: Pod) -> DraObjects | str:
-        """DRA: the pod's claims and this node's slices, or why they cannot be read."""
-        try:
-            return reader.read(pod)
-        except KubeError as exc:
-            return str(exc)
-
+    claims = ClaimCache(ClaimReader(api, settings.node_name))
     recorder = EventRecorder(api, settings.node_name, settings.node_name, telemetry.event_failures)
-    changed = threading.Event()
-    pods = NodePods(api, settings.node_name, changed)
-    limiter = HardLimiter(
-        Nvml(),
-        pods.snapshot,
-        lambda: sampler.devices,
-        recorder,
-        telemetry,
-        cgroup_root=Path(settings.cgroup_root),
-        resource=(settings.resource_name, settings.resource_unit),
-        scan_every=settings.cgroup_scan,
-        changed=changed,
-        claims=(claims, settings.dra),
-    )
-    return recorder, pods, limiter
+    limiter_woken, publisher_woken = threading.Event(), threading.Event()
+    pods = NodePods(api, settings.node_name, (limiter_woken, publisher_woken))
+    woken: list[HardLimiter | PodPublisher] = []
+    if settings.hard_limits:
+        woken.append(
+            HardLimiter(
+                Nvml(),
+                pods.snapshot,
+                lambda: sampler.devices,
+                recorder,
+                telemetry,
+                cgroup_root=Path(settings.cgroup_root),
+                resource=(settings.resource_name, settings.resource_unit),
+                scan_every=settings.cgroup_scan,
+                changed=limiter_woken,
+                claims=(claims.objects_or_problem, settings.dra),
+            )
+        )
+    if settings.serve_pods:
+        server.no_pods = "the agent has not listed this node's pods yet"
+        dra = claims if settings.dra.drivers else None
+        woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
+    return recorder, pods, woken
 
 
 def health(sampler: Sampler, after: float) -> str | None:

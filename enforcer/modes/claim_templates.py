@@ -56,7 +56,7 @@ class TemplateMaker(threading.Thread):
         self._clock = clock
         self._keeper = TemplateKeeper(api, deadline=10.0)
         self.changed = threading.Event()
-        self.pods = WatchedPods(api, PENDING_ENFORCED, self.changed, name="pending-pods")
+        self.pods = WatchedPods(api, PENDING_ENFORCED, (self.changed,), name="pending-pods")
         self.stop = threading.Event()
         self._guard = LoopGuard("claim-templates", unexpected, log)
         self._opted_in: dict[str, tuple[bool, float]] = {}

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from enforcer.core import messages
 from enforcer.core.dra import shareable_gpus
 from enforcer.core.hard_limits import LimitOutcome, mig_gpus, per_gpu
-from enforcer.core.model import SourceDown, format_bytes
+from enforcer.core.model import Sample, SourceDown, format_bytes
 from enforcer.core.parsing import kubernetes_version
 from enforcer.core.protocol import Challenge, ProtocolError, decode_reply, encode_request
 from enforcer.core.settings.doctor import DoctorSettings
@@ -175,6 +175,13 @@ def check_agent(path: str) -> Check:
     if isinstance(reply, SourceDown):
         return Check("agent socket", "fail", f"the agent answers but {reply.reason}",
                      "the agent cannot read NVML on this node: see its log")  # fmt: skip
+    if not isinstance(reply, Sample):  # a pod, unasked for
+        return Check(
+            "agent socket",
+            "fail",
+            f"{path}: the agent answered a usage request with a pod",
+            "run the agent and this image of the same release",
+        )
     return Check(
         "agent socket",
         "ok",

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
-from enforcer.core.dra import DraSettings, allocations, claim_names
+from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names
 from enforcer.core.hard_limits import (
     Key,
     LimitOutcome,
@@ -40,7 +40,6 @@ from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
 from enforcer.core.policy import Reason
 from enforcer.edge import cgroupfs
-from enforcer.edge.claims import DraObjects
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.nvml import Nvml

@@ -23,7 +23,14 @@ from dataclasses import replace
 from enforcer.core import messages
 from enforcer.core.attribution import attribute, attribute_per_gpu, oldest, reported_only
 from enforcer.core.cgroups import container_id
-from enforcer.core.dra import Allocations, DraSettings, allocations, unit_containers, unit_gpu
+from enforcer.core.dra import (
+    Allocations,
+    DraObjects,
+    DraSettings,
+    allocations,
+    unit_containers,
+    unit_gpu,
+)
 from enforcer.core.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import (
@@ -38,7 +45,7 @@ from enforcer.core.pod import (
 from enforcer.core.policy import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.edge import logs
-from enforcer.edge.claims import ClaimReader, ClaimState, DraObjects
+from enforcer.edge.claims import ClaimReader, ClaimState
 from enforcer.edge.events import EventRecorder
 from enforcer.edge.guard import stopped
 from enforcer.edge.kube import KubeError, PodWatcher, connect
@@ -182,7 +189,7 @@ class ContainerAttributor:
     def _say_once(self, what: str) -> None:
         if what != self._without_api_said:
             self._without_api_said = what
-            log.warning("this pod has not been read from the API yet; %s", what)
+            log.warning("this pod's containers are not known yet; %s", what)
 
     def _read(self, key: ProcessKey) -> tuple[str | None, str] | None:
         """(container ID or None, command line) of a process; None when it cannot be read
@@ -253,6 +260,65 @@ def _cid(procfs: ProcFs, pid: int | str) -> str | None:
     return None if entries is None else container_id(entries)
 
 
+class PodFromAgent:
+    """The pod as the node agent last pushed it with the usage (`--pod-source agent`).
+
+    The agent proves which pod a caller is in from the caller's own cgroup; the sidecar
+    reads nothing from the API. What was last known is kept, and enforced on, while the
+    agent is away or cannot tell (it restarted and has not listed the node's pods yet);
+    `error` then says why the pod may be out of date.
+    """
+
+    def __init__(self, source: AgentSource) -> None:
+        self._source = source
+        self._seen = -1
+        self._pod: Pod | None = None
+        self._objects: DraObjects | None = None
+        self._error: str | None = "the node agent has not sent this pod yet"
+        self._said: str | None = None  # the problems last logged ("": none)
+
+    def _update(self) -> None:
+        if self._source.pod_replies == self._seen:
+            return
+        self._seen = self._source.pod_replies
+        reply = self._source.pod_reply
+        if reply is None:
+            return
+        if reply.pod is not None:
+            self._pod = reply.pod
+        if reply.dra is not None:
+            self._objects = reply.dra
+        self._error = reply.problem
+        problems = "; ".join(p for p in (reply.problem, reply.dra_problem) if p)
+        if problems != self._said:
+            if problems:
+                log.warning("the node agent says: %s; enforcing with what was last known", problems)
+            elif reply.pod is not None:
+                log.info("the node agent sent this pod")
+            self._said = problems
+
+    @property
+    def pod(self) -> Pod | None:
+        self._update()
+        return self._pod
+
+    @property
+    def objects(self) -> DraObjects | None:
+        self._update()
+        return self._objects
+
+    @property
+    def error(self) -> str | None:
+        """Why the pod may be out of date: the agent's word, or the agent is unreachable."""
+        self._update()
+        if self._source.fileno() is None:
+            return "the node agent is not connected"
+        return self._error
+
+    def refresh(self) -> None:
+        """Nothing to ask: the agent pushes every change of the pod."""
+
+
 class EventReporter:
     """Reports as Kubernetes Events on the pod, pointing at the container when there is one."""
 
@@ -287,7 +353,9 @@ def _about(settings: SidecarSettings, container: ContainerRef | None = None) -> 
 
 def _source(settings: SidecarSettings) -> UsageSource:
     if settings.source == "agent":
-        return AgentSource(settings.agent_socket, settings.stale_after)
+        return AgentSource(
+            settings.agent_socket, settings.stale_after, pod=settings.pod_source == "agent"
+        )
     # Loaded only here: pynvml is ~2 MiB of the sidecar's memory, in every enforced pod.
     from enforcer.edge.nvml import Nvml, NvmlError  # noqa: PLC0415
     from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors  # noqa: PLC0415
@@ -319,36 +387,46 @@ def run(settings: SidecarSettings) -> int:
         log.error("%s", exc, exc_info=logs.detail(exc))
         return EXIT_USAGE
     telemetry = Telemetry({"namespace": settings.namespace, "pod": settings.pod_name})
-    # A "container"-mode sidecar watches the other containers' states to know when to exit.
-    period = 2.0 if settings.sidecar_mode == "container" else 30.0
-    claims = None
-    if settings.dra is not None:  # the claims are read after each read of the pod
-        claims = ClaimState(ClaimReader(api, settings.node_name))
-    watcher = PodWatcher(api, settings.namespace, settings.pod_name, period=period,
-                         on_read=claims.refresh if claims is not None else None,
-                         unexpected=telemetry.unexpected.labels("pod-watcher"))  # fmt: skip
+    watcher: PodWatcher | PodFromAgent
+    claims: ClaimState | PodFromAgent | None = None
+    helpers: list[threading.Thread] = []
+    if isinstance(source, AgentSource) and settings.pod_source == "agent":
+        watcher = PodFromAgent(source)
+        claims = watcher if settings.dra is not None else None
+    else:
+        # A "container"-mode sidecar watches the other containers' states to know when to exit.
+        period = 2.0 if settings.sidecar_mode == "container" else 30.0
+        if settings.dra is not None:  # the claims are read after each read of the pod
+            claims = ClaimState(ClaimReader(api, settings.node_name))
+        watcher = PodWatcher(api, settings.namespace, settings.pod_name, period=period,
+                             on_read=claims.refresh if isinstance(claims, ClaimState) else None,
+                             unexpected=telemetry.unexpected.labels("pod-watcher"))  # fmt: skip
+        helpers.append(watcher)
     recorder = EventRecorder(api, settings.pod_name, settings.node_name, telemetry.event_failures)
+    helpers.append(recorder)
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
     pipeline = _pipeline(settings, procfs, source, terminator, watcher, claims, recorder, telemetry)
     server = _metrics(settings, telemetry, recorder)
-    watcher.start()
-    recorder.start()
+    for helper in helpers:
+        helper.start()
     declared = ", ".join(f"{k}={v}" for k, v in settings.limits.items()) or "no declared limits"
     log.info(
-        "enforcing %s on pod %s/%s (action %s, source %s)",
+        "enforcing %s on pod %s/%s (action %s, source %s, pod from the %s)",
         "the limits per GPU of the pod's ResourceClaims" if settings.dra else declared,
         settings.namespace,
         settings.pod_name,
         settings.policy.action,
         settings.source,
+        settings.pod_source,
     )
     try:
-        return _loop(settings, source, pipeline, terminator, procfs, watcher, [watcher, recorder])
+        return _loop(settings, source, pipeline, terminator, procfs, watcher, helpers)
     finally:
         terminator.close()
         source.close()
-        watcher.stop.set()
-        watcher.refresh()
+        if isinstance(watcher, PodWatcher):
+            watcher.stop.set()
+            watcher.refresh()
         recorder.close()
         if server is not None:
             server.close()
@@ -359,8 +437,8 @@ def _pipeline(
     procfs: ProcFs,
     source: UsageSource,
     terminator: Terminator,
-    watcher: PodWatcher,
-    claims: ClaimState | None,
+    watcher: PodWatcher | PodFromAgent,
+    claims: ClaimState | PodFromAgent | None,
     recorder: EventRecorder,
     telemetry: Telemetry,
 ) -> Pipeline:
@@ -412,7 +490,7 @@ def _loop(
     pipeline: Pipeline,
     terminator: Terminator,
     procfs: ProcFs,
-    watcher: PodWatcher,
+    watcher: PodWatcher | PodFromAgent,
     helpers: Sequence[threading.Thread],
 ) -> int:
     """Tick when the agent pushes a sample or the interval is up; stop on SIGTERM/SIGINT,

@@ -46,9 +46,16 @@ class Node:
         self.log = tmp / "agent.log"
         self.agent: subprocess.Popen[bytes] | None = None
 
-    def start_agent(self) -> None:
+    def start_agent(self, kubeconfig: Path | None = None, node: str = "") -> None:
+        """Without `kubeconfig`, an agent without the API; with it, one that serves each
+        sidecar its pod from its watch of `node`'s pods."""
+        pods = (
+            ["--node-name", node, "--kubeconfig", str(kubeconfig)]
+            if kubeconfig
+            else ["--no-serve-pods"]
+        )
         self.agent = subprocess.Popen(
-            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--hard-limits", "off", "--socket", str(self.socket),
+            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", *pods, "--hard-limits", "off", "--socket", str(self.socket),
              "--interval", "50ms", "--log-format", "text"],
             env={**os.environ, **self.nvml_env()},
             stderr=self.log.open("a"),
@@ -85,7 +92,7 @@ class Sidecar:
         kubeconfig = apiserver.kubeconfig(token, tmp / f"kubeconfig-{pod.name}")
         self.proc = pod.start(
             "vram-enforcer",
-            [sys.executable, "-m", "enforcer", "sidecar", "--kubeconfig", str(kubeconfig), "--interval", "50ms",
+            [sys.executable, "-m", "enforcer", "sidecar", "--kubeconfig", str(kubeconfig), "--interval", "50ms", "--pod-source", "api",
              "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1", "--log-format", "text", *flags],
             env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid, "NODE_NAME": "gpu-node-1",
                  "VRAM_ENFORCER_LIMITS": json.dumps(limits), "VRAM_ENFORCER_AGENT_SOCKET": str(node.socket),

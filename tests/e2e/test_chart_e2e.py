@@ -182,9 +182,11 @@ def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
     ] == rules
 
 
-def test_without_hard_limits_the_agent_gets_no_cgroup_mount_no_pod_access_and_no_token(
+def test_without_hard_limits_the_agent_gets_no_cgroup_mount_and_still_watches_pods(
     apiserver: ApiServer, admin: client.ApiClient, tmp_path: Path
 ) -> None:
+    """Hard limits off: no cgroup mount. The agent still watches its node's pods (each
+    sidecar gets its own from it), so it keeps its token and the rules for that."""
     kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp_path / "kubeconfig")
     values = {"agent": {"hardLimits": "off", "advertise": False, "labels": False}}
     helm(
@@ -202,9 +204,11 @@ def test_without_hard_limits_the_agent_gets_no_cgroup_mount_no_pod_access_and_no
         spec = ds.spec.template.spec
         assert [v.host_path.path for v in spec.volumes] == ["/run/vram-enforcer"]
         assert "--hard-limits=off" in spec.containers[0].args
-        assert spec.automount_service_account_token is False
+        assert not any(a.startswith("--cgroup-root") for a in spec.containers[0].args)
+        assert spec.automount_service_account_token is True
         role = client.RbacAuthorizationV1Api(admin).read_cluster_role("vram-enforcer-soft-agent")
-        assert {res for r in role.rules for res in r.resources} == {"nodes", "nodes/status"}
+        assert {res for r in role.rules for res in r.resources} == {
+            "nodes", "nodes/status", "pods", "events", "resourceclaims", "resourceslices"}  # fmt: skip
     finally:
         helm("uninstall", "vram-enforcer-soft", "vram-soft", str(kubeconfig))
 

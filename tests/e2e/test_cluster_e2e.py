@@ -187,9 +187,11 @@ def gone(core: client.CoreV1Api, namespace: str, name: str) -> bool:
     return False
 
 
-def the_holder(node: RealNode, pod: client.V1Pod) -> int:
-    """The host pid of the trainer container's child, the process that "holds VRAM"."""
-    (status,) = pod.status.container_statuses
+def the_holder(node: RealNode, pod: client.V1Pod, container: str | None = None) -> int:
+    """The host pid of the container's child (the only container's, by default), the
+    process that "holds VRAM"."""
+    statuses = pod.status.container_statuses
+    (status,) = [s for s in statuses if s.name == container] if container else statuses
     container_id = status.container_id.split("://")[1]
 
     def child() -> int | None:
@@ -308,6 +310,51 @@ def test_restart_makes_the_kubelet_restart_the_container(installed: Cluster) -> 
     assert enforced.involved_object.field_path == "spec.containers{trainer}"
     core.delete_namespaced_pod("trainer-1", OPTED_IN)
     wait_for(lambda: gone(core, OPTED_IN, "trainer-1"), timeout=60, what="the pod to be gone")
+
+
+def test_the_sidecar_gets_its_pod_from_the_agent_and_reads_none_from_the_api(
+    installed: Cluster,
+) -> None:
+    """The sidecars' ServiceAccounts may no longer read pods: a sidecar still tells the
+    pod's two containers apart (only the agent can have told it their IDs), stops the one
+    over its limit, and learns the new container ID of each restart from the agent."""
+    core, node = installed.core, installed.node
+    rbac = client.RbacAuthorizationV1Api(installed.server.client())
+    role = rbac.read_namespaced_role(f"{RELEASE}-sidecar", OPTED_IN)
+    kept = [r for r in role.rules if "pods" not in r.resources]
+    rbac.patch_namespaced_role(f"{RELEASE}-sidecar", OPTED_IN, {"rules": kept})
+    spec = workload("pair", "1Gi", annotations={"vram-enforcer.io/action": "restart"})
+    idle = {**spec["spec"]["containers"][0], "name": "idle"}
+    spec["spec"]["containers"].append(idle)
+    try:
+        core.create_namespaced_pod(OPTED_IN, spec)
+        pod = wait_for(lambda: running(core, OPTED_IN, "pair"), timeout=90, what="the pod to run")
+        idle_holder = the_holder(node, pod, "idle")
+        installed.use(idle_holder, GiB // 2)
+        for restarts in (1, 2):  # the second is enforced only if the new ID reached the sidecar
+            holder = the_holder(node, pod, "trainer")
+            # The pod's total is over too, but a total is only reported: without the pod's
+            # container IDs, the sidecar could stop nothing.
+            installed.use(holder, 2 * GiB)
+            try:
+                pod = wait_for(lambda n=restarts: (p := core.read_namespaced_pod("pair", OPTED_IN))
+                               and _restarts(p, "trainer") >= n and _restarts(p, "idle") == 0
+                               and running(core, OPTED_IN, "pair") and p, timeout=60,
+                               what=f"restart {restarts} of the trainer, not of idle")  # fmt: skip
+            finally:
+                installed.use(holder, None)
+        enforced = events(core, OPTED_IN, "pair", "VRAMEnforced")
+        assert {e.involved_object.field_path for e in enforced} == {"spec.containers{trainer}"}
+        installed.use(idle_holder, None)
+    finally:
+        rbac.patch_namespaced_role(f"{RELEASE}-sidecar", OPTED_IN, {"rules": role.rules})
+        core.delete_namespaced_pod("pair", OPTED_IN)
+        wait_for(lambda: gone(core, OPTED_IN, "pair"), timeout=60, what="the pod to be gone")
+
+
+def _restarts(pod: client.V1Pod, container: str) -> int:
+    (status,) = [s for s in pod.status.container_statuses or () if s.name == container]
+    return int(status.restart_count)
 
 
 def test_a_job_whose_pod_carries_the_native_sidecar_completes(installed: Cluster) -> None:

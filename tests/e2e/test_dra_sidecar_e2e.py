@@ -6,8 +6,10 @@ kube-scheduler, which allocates each pod's claims by consumable capacity. Node
 (`tests/e2e/dra.py`, the stand-in), with the UUIDs of the fake NVML's two devices;
 `gpu-node-2` has one GPU published by a driver that gives no UUID attribute. Pods are
 `SimPod`s (the tests play the kubelet, as in test_sidecar_e2e.py) that the real
-scheduler binds; the agent serves the fake NVML; the sidecar reads the pod, its claims
-and the node's slices with the pod's ServiceAccount under deploy/rbac/sidecar.yaml.
+scheduler binds; the agent serves the fake NVML and, as deploy/rbac/agent.yaml lets it,
+sends each sidecar its pod, its claims and the node's slices. A sidecar of the pod on the
+other node (which this agent does not watch) reads them itself (`--pod-source api`), with
+the pod's ServiceAccount under deploy/rbac/sidecar.yaml.
 """
 
 from __future__ import annotations
@@ -74,7 +76,19 @@ def api(cluster: ApiServer, node: Node) -> client.ApiClient:
 
 
 @pytest.fixture(scope="module")
-def token(cluster: ApiServer, api: client.ApiClient) -> str:
+def agent_token(cluster: ApiServer, api: client.ApiClient, node: Node, tmp_path_factory: pytest.TempPathFactory) -> str:  # fmt: skip
+    """The RBAC of deploy/rbac/agent.yaml, and the node's agent started again with it: it
+    now watches NODE's pods, and serves each sidecar its own."""
+    token = apply_agent_rbac(cluster, api)
+    node.stop_agent()
+    node.start_agent(
+        cluster.kubeconfig(token, tmp_path_factory.mktemp("agent") / "kubeconfig"), NODE
+    )
+    return token
+
+
+@pytest.fixture(scope="module")
+def token(cluster: ApiServer, api: client.ApiClient, agent_token: str) -> str:
     token = namespace_with_sidecar_rbac(cluster, api, NAMESPACE)
     # trainer 4Gi and helper 2Gi, both of one GPU (the same UUID): neighbours
     utils.create_from_dict(api, {
@@ -138,7 +152,8 @@ def tenants(api: client.ApiClient, token: str) -> Iterator[SimPod]:
 
 @pytest.fixture
 def sidecar(tenants: SimPod, node: Node, cluster: ApiServer, token: str, tmp_path: Path) -> Iterator[Sidecar]:  # fmt: skip
-    s = Sidecar(tenants, node, cluster, token, tmp_path, {}, "--limits-from", "dra")
+    s = Sidecar(tenants, node, cluster, token, tmp_path, {}, "--limits-from", "dra",
+                "--pod-source", "agent")  # fmt: skip
     yield s
     assert s.stop() == 0
 
@@ -158,6 +173,7 @@ def test_over_its_claim_on_its_gpu_is_stopped_and_the_neighbour_within_is_not(
     trainer = start_worker(tenants, "trainer", tmp_path)
     helper = start_worker(tenants, "helper", tmp_path)
     # 6Gi of a 24Gi GPU in all, and the pod's claims are 6Gi: only the split is wrong
+    sidecar.wait_logged("the node agent sent this pod")  # not read from the API
     node.use({trainer: 5 * GiB, helper: 1 * GiB}, device=gpu)
     wait_for(lambda: not alive(trainer), what="the trainer to be terminated")
     assert alive(helper)
@@ -193,7 +209,7 @@ def test_a_claim_that_cannot_be_mapped_to_a_gpu_is_reported_and_signals_nothing(
                         {"trainer": ("vram-8gi", None)})  # fmt: skip
     try:
         sidecar = Sidecar(pod, node, cluster, token, tmp_path, {}, "--limits-from", "dra",
-                          env={"NODE_NAME": OTHER_NODE})  # fmt: skip
+                          "--pod-source", "api", env={"NODE_NAME": OTHER_NODE})  # fmt: skip
         trainer = start_worker(pod, "trainer", tmp_path)
         sneaky = start_worker(pod, "undeclared", tmp_path)
         node.use({trainer: 20 * GiB, sneaky: 1 * MiB})
@@ -217,7 +233,7 @@ def test_a_claim_that_cannot_be_mapped_to_a_gpu_is_reported_and_signals_nothing(
 
 
 def test_the_agent_holds_each_claim_to_its_allocation_on_its_gpu(
-    cluster: ApiServer, api: client.ApiClient, token: str, fake_nvml_lib: Path, tmp_path: Path
+    cluster: ApiServer, api: client.ApiClient, agent_token: str, fake_nvml_lib: Path, tmp_path: Path
 ) -> None:
     """Hard limits from DRA: an R615 driver (the fake NVML records each limit), the agent as
     shipped (deploy/rbac/agent.yaml), the kubelet's cgroup layout named by the pod's UID."""
@@ -232,7 +248,7 @@ def test_the_agent_holds_each_claim_to_its_allocation_on_its_gpu(
         state.add_device(total_bytes=24 * GiB)
         state.support_memory_limits(True)
         gpu = state.devices[allocated_gpu(api, pod)]["uuid"]
-        agent = AgentProcess(cluster, apply_agent_rbac(cluster, api), NODE, tmp_path, fake_nvml_lib,
+        agent = AgentProcess(cluster, agent_token, NODE, tmp_path, fake_nvml_lib,
                              "--no-advertise", "--no-labels", "--cgroup-root", str(pod.root),
                              "--cgroup-scan", "200ms", state=state)  # fmt: skip
         eight = (0, 8 * GiB)

@@ -105,7 +105,7 @@ def test_the_agent_names_a_pods_cuda_process_by_the_pods_own_pid(tmp_path: Path)
     """NVML reports host pids; a caller in a PID namespace must get its own pids back."""
     sock = tmp_path / "agent.sock"
     agent = subprocess.Popen(
-        [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--hard-limits", "off",
+        [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off",
          "--socket", str(sock), "--interval", "50ms", "--log-format", "text"],
         stderr=(tmp_path / "agent.log").open("w"),
     )  # fmt: skip

@@ -48,7 +48,7 @@ class Agent:
         self.log_path = tmp / "agent.log"
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--hard-limits", "off",
+            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off",
              "--socket", str(self.socket), "--interval", "50ms", "--metrics-port", str(self.metrics_port),
              "--log-format", "text"],
             env={**os.environ, **gpu.env()}, stderr=self.log, text=True,
@@ -350,7 +350,7 @@ def test_a_stale_socket_is_replaced_but_a_live_one_is_not(
     try:
         assert "processes" in first.ask()
         second = subprocess.run(
-            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--hard-limits", "off", "--socket", str(first.socket)],
+            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off", "--socket", str(first.socket)],
             env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=30,
         )  # fmt: skip
         assert second.returncode == 2
@@ -365,7 +365,7 @@ def test_the_agent_refuses_to_run_outside_the_host_pid_namespace(
 ) -> None:
     out = subprocess.run(
         ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "enforcer", "agent",
-         "--no-advertise", "--no-labels", "--hard-limits", "off", "--socket", str(tmp_path / "a.sock"), "--log-format", "text"],
+         "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off", "--socket", str(tmp_path / "a.sock"), "--log-format", "text"],
         env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert out.returncode == 2

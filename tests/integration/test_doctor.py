@@ -25,7 +25,7 @@ def doctor(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]
 def agent(fake_nvml: Any, tmp_path: Path) -> Iterator[Path]:
     sock = tmp_path / "agent.sock"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--hard-limits", "off", "--socket", str(sock)],
+        [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off", "--socket", str(sock)],
         env={**os.environ, **fake_nvml.env()}, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     wait_for(sock.exists, what="the agent socket")

@@ -7,12 +7,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from enforcer.core.dra import DraObjects
 from enforcer.core.model import Activity, Device, ProcessKey, ProcessUsage, Sample, SourceDown
 from enforcer.core.protocol import (
     USAGE_TAIL,
+    PodReply,
     ProtocolError,
     decode_reply,
     encode_error,
+    encode_pod,
     encode_request,
     json_string,
     parse_request,
@@ -95,9 +98,29 @@ def test_error_reply_is_a_source_down() -> None:
     assert decode_reply(encode_error("GPU is lost")) == SourceDown("the agent says: GPU is lost")
 
 
+def test_only_a_subscriber_asks_for_its_pod() -> None:
+    assert parse_request(encode_request("subscribe", pod=True)).pod
+    assert not parse_request(encode_request("subscribe")).pod
+    assert not parse_request(b'{"v":1,"op":"usage","pod":true}\n').pod  # nothing to push to
+    assert not parse_request(b'{"v":1,"op":"subscribe","pod":"yes"}\n').pod
+
+
+def test_pod_reply_round_trip() -> None:
+    pod = {"metadata": {"name": "trainer", "uid": "u"}, "status": {}}
+    dra = DraObjects({"c": {"status": {}}}, ({"spec": {"nodeName": "n"}},))
+    reply = PodReply(pod, "the API is slow", dra, "forbidden")  # type: ignore[arg-type]
+    assert decode_reply(encode_pod(reply)) == reply
+    unknown = PodReply(None, "no pod on this node lists container 0123")
+    assert decode_reply(encode_pod(unknown)) == unknown
+    # a usage reply is never read as a pod, nor a pod as usage
+    assert isinstance(decode_reply(encode_pod(PodReply(None, "x"))), PodReply)
+
+
 @pytest.mark.parametrize(
-    "line", [b"", b"{", b"[]", b'{"v":2}', b'{"v":1,"devices":[{}],"processes":[]}']
-)
+    "line",
+    [b"", b"{", b"[]", b'{"v":2}', b'{"v":1,"devices":[{}],"processes":[]}',
+     b'{"v":1,"pod":[]}', b'{"v":1,"pod":"trainer"}'],
+)  # fmt: skip
 def test_malformed_replies_raise_protocol_error(line: bytes) -> None:
     with pytest.raises(ProtocolError):
         decode_reply(line)

@@ -11,7 +11,7 @@ from tests.helpers import configured
 # A command line for each mode with only what it requires, and the environment it needs.
 MINIMAL = {
     "exec": (["exec", "--limit", "1Gi", "--", "true"], {}),
-    "agent": (["agent", "--no-advertise", "--no-labels", "--hard-limits", "off"], {}),
+    "agent": (["agent", "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off"], {}),
     "sidecar": (["sidecar"], {"POD_NAME": "p", "POD_NAMESPACE": "n", "POD_UID": "u",
                               "VRAM_ENFORCER_LIMITS": "{}"}),
     "webhook": (["webhook", "--tls-cert-file", "c", "--tls-key-file", "k", "--sidecar-image", "i"], {}),

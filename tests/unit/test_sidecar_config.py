@@ -31,6 +31,7 @@ def test_defaults_from_the_environment() -> None:
     assert s.interval == pytest.approx(0.1)
     assert s.agent_socket == "/run/vram-enforcer/agent.sock"
     assert s.sidecar_mode == "native"
+    assert s.pod_source == "agent"  # the pod from the agent's watch: no API read of ours
     assert not s.undeclared_allowed
 
 
@@ -76,6 +77,13 @@ def test_the_metrics_port_from_the_webhook_the_flag_or_the_default() -> None:
             "VRAM_ENFORCER_SIDECAR_MODE: 'sidecar' is not a choice; use one of: native, container",
         ),
         ({}, {"source": "nvml"}, "--host-proc is missing"),
+        (
+            {},
+            {"source": "nvml", "host_proc": "/host/proc"},
+            "--pod-source: 'agent' needs --source agent (the pod comes over the agent's "
+            "socket); with --source nvml pass --pod-source api",
+        ),
+        ({"VRAM_ENFORCER_POD_SOURCE": "etcd"}, {}, "VRAM_ENFORCER_POD_SOURCE: 'etcd' is not a"),
         ({}, {"undeclared": "maybe"}, "--undeclared: 'maybe'"),
     ],
 )

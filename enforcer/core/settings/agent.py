@@ -38,7 +38,8 @@ NODE_NAME = value(
     env="NODE_NAME",
     metavar="NAME",
     doc="the Node to advertise on. Set `NODE_NAME` from the Downward API (`spec.nodeName`). "
-    "Not needed with `--no-advertise`, `--no-labels` and `--hard-limits off`",
+    "Not needed with `--no-advertise`, `--no-labels`, `--no-serve-pods` and "
+    "`--hard-limits off`",
 )
 SOCKET = value(
     "socket",
@@ -85,6 +86,16 @@ LABELS = switch(
     "do not write node labels",
     doc="do not write the `vram-enforcer.io/gpu.*` labels",
 )
+SERVE_PODS = switch(
+    "serve_pods",
+    "--no-serve-pods",
+    "do not serve each sidecar its own pod",
+    doc="do not serve each sidecar its own pod (and, with DRA, its claims and this node's "
+    "slices) from the agent's one watch of this node's pods; sidecars of this release then "
+    "enforce each pod's only container, or only check its total. Serving needs "
+    "`--node-name` and RBAC to list and watch pods (and, with DRA, to get ResourceClaims "
+    "and list ResourceSlices)",
+)
 RESOURCE_UNIT = resource_unit(
     "bytes per unit. With `1Gi`, the agent advertises whole GiB, "
     "rounded down, and a limit of `3` means 3 GiB"
@@ -118,9 +129,9 @@ HARD_LIMITS = hard_limits(
     ("auto", "off"),
     "`auto`: hold each pod bound to this node (and each of its containers) to its declared "
     "limit on every GPU, through the driver's per-cgroup limits, where the driver can "
-    "(R615+); one Event per pod says which tier holds. `off`: sampling only, and no pod "
-    "watch. Needs `--node-name`, RBAC to list and watch pods and to create Events, root, "
-    "and the host's cgroup v2 mount at `--cgroup-root`",
+    "(R615+); one Event per pod says which tier holds. `off`: sampling only. Needs "
+    "`--node-name`, RBAC to list and watch pods and to create Events, root, and the host's "
+    "cgroup v2 mount at `--cgroup-root`",
 )
 CGROUP_ROOT = value(
     "cgroup_root",
@@ -154,6 +165,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     RESERVE,
     ADVERTISE,
     LABELS,
+    SERVE_PODS,
     RESOURCE_NAME,
     RESOURCE_UNIT,
     RESYNC,
@@ -183,6 +195,7 @@ class AgentSettings:
     reserve_bytes: int
     advertise: bool
     labels: bool
+    serve_pods: bool  # each sidecar's pod from this agent's watch (sidecars read no API)
     resource_name: str
     resource_unit: int
     resync: float
@@ -197,18 +210,22 @@ class AgentSettings:
 
     @property
     def uses_api(self) -> bool:
-        return self.advertise or self.labels or self.hard_limits
+        return self.advertise or self.labels or self.hard_limits or self.serve_pods
+
+    @property
+    def watches_pods(self) -> bool:
+        return self.hard_limits or self.serve_pods
 
 
 def agent_settings(values: Values) -> AgentSettings:
     advertise, labels, node_name = values[ADVERTISE], values[LABELS], values[NODE_NAME]
     hard = values[HARD_LIMITS] == "auto"
-    if (advertise or labels or hard) and not node_name:
+    if (advertise or labels or hard or values[SERVE_PODS]) and not node_name:
         raise ConfigError(
             "--node-name",
             None,
             "is missing; set it, or NODE_NAME from the Downward API (spec.nodeName), "
-            "or pass --no-advertise, --no-labels and --hard-limits off",
+            "or pass --no-advertise, --no-labels, --no-serve-pods and --hard-limits off",
         )
     return AgentSettings(
         node_name=node_name or "",
@@ -218,6 +235,7 @@ def agent_settings(values: Values) -> AgentSettings:
         reserve_bytes=values[RESERVE],
         advertise=advertise,
         labels=labels,
+        serve_pods=values[SERVE_PODS],
         resource_name=values[RESOURCE_NAME],
         resource_unit=values[RESOURCE_UNIT],
         resync=values[RESYNC],

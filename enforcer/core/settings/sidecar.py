@@ -134,6 +134,20 @@ SOURCE = value(
     metavar="agent|nvml",
     doc="where usage comes from (below)",
 )
+POD_SOURCE = value(
+    "pod_source",
+    choice("agent", "api"),
+    "agent (the node agent's watch) or api",
+    flag="--pod-source",
+    env="VRAM_ENFORCER_POD_SOURCE",
+    default="agent",
+    metavar="agent|api",
+    doc="where the pod's containers (and, with DRA, its claims) come from: `agent`, pushed "
+    "by the node agent over the usage socket on every change, from its one watch of the "
+    "node's pods (the sidecar reads no pod from the API); `api`, read by the sidecar "
+    "itself, every 30 s (2 s in `container` mode), as sidecars of 0.1 did. `agent` needs "
+    "`--source agent`",
+)
 AGENT_SOCKET = value(
     "agent_socket",
     as_text,
@@ -222,6 +236,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     DRY_RUN,
     UNDECLARED_ALLOWED,
     SOURCE,
+    POD_SOURCE,
     AGENT_SOCKET,
     HOST_PROC,
     STALE_AFTER,
@@ -252,6 +267,7 @@ class SidecarSettings:
     policy: PolicyConfig
     interval: float
     source: str
+    pod_source: str  # "agent": the pod comes with the usage, pushed; "api": read by us
     agent_socket: str
     host_proc: str | None
     stale_after: float
@@ -265,6 +281,13 @@ def sidecar_settings(values: Values) -> SidecarSettings:
     if values[SOURCE] == "nvml" and not values[HOST_PROC]:
         raise ConfigError(
             "--host-proc", None, "is missing; --source nvml needs the host's /proc, e.g. /host/proc"
+        )
+    if values[SOURCE] == "nvml" and values[POD_SOURCE] == "agent":
+        raise ConfigError(
+            "--pod-source",
+            "agent",
+            "needs --source agent (the pod comes over the agent's socket); with --source "
+            "nvml pass --pod-source api",
         )
     dra = dra_settings(values) if values[LIMITS_FROM] == "dra" else None
     if dra is None and values[LIMITS] is None:
@@ -284,6 +307,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         policy=POLICY.config(values),
         interval=values[INTERVAL],
         source=values[SOURCE],
+        pod_source=values[POD_SOURCE],
         agent_socket=values[AGENT_SOCKET],
         host_proc=values[HOST_PROC],
         stale_after=values[STALE_AFTER],

@@ -1,0 +1,68 @@
+"""The agent's pod replies: each sidecar's own pod, from the agent's one watch of its node.
+
+Sidecars used to read their pod (and, with DRA, its claims and the node's slices) from the
+API, each on its own timer. The agent already watches the node's pods; on every change
+this thread reads the DRA objects of the pods that claim GPUs (once per change of a pod,
+shared with the hard limiter; again 5 s after a failed read, and every 5 minutes), builds
+the directory of replies by container ID (`pod_directory.directory`, pure) and hands it to
+the socket, which pushes each pod to the sidecars whose replies changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from enforcer.core.dra import claim_names
+from enforcer.core.pod_directory import DraRead, directory
+from enforcer.edge.claims import ClaimCache
+from enforcer.edge.guard import LoopGuard
+from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.node_pods import NodePods
+
+log = logging.getLogger(__name__)
+
+
+class PodPublisher(threading.Thread):
+    """Keeps the socket's pod directory equal to the node's pods, woken by the pod watch."""
+
+    def __init__(
+        self,
+        pods: NodePods,
+        publish: Callable[[dict[str, bytes]], None],
+        claims: ClaimCache | None,
+        changed: threading.Event,
+        telemetry: AgentTelemetry,
+    ) -> None:
+        super().__init__(name="pod-publisher", daemon=True)
+        self._pods = pods
+        self._publish = publish
+        self._claims = claims
+        self._changed = changed
+        self.stop = threading.Event()
+        self._guard = LoopGuard("pod-publisher", telemetry.unexpected.labels("pod-publisher"), log)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            due = self._claims.next_read() if self._claims is not None else None
+            self._changed.wait(due)  # a change, or a pod's claims due to be read again
+            self._changed.clear()
+            if self.stop.is_set():
+                return
+            self._guard.run(self.publish_once)
+
+    def publish_once(self) -> None:
+        pods = self._pods.snapshot()
+        if pods is None:
+            return  # not listed yet: callers are told so
+        dra: dict[str, DraRead] = {}
+        if self._claims is not None:
+            self._claims.retain(pods)
+            for uid, pod in pods.items():
+                if claim_names(pod):
+                    dra[uid] = self._claims.read(pod)
+        problem = self._pods.error or None
+        if problem is not None:
+            problem = f"the agent's view of this node's pods may be out of date: {problem}"
+        self._publish(directory(pods.values(), dra, problem))

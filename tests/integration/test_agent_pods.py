@@ -1,0 +1,202 @@
+"""Each sidecar's own pod, from the agent's socket: who is in which pod is proven by the
+caller's cgroup (a container ID the kubelet reported in that pod's status), never by what
+the caller says.
+
+The callers are real processes, each moved into a cgroup of its own in the v2 hierarchy,
+named as the kubelet names a container's (`.../pod<uid>/<container id>`), and each runs
+the sidecar's real client (`AgentSource`, asking for its pod). The server is the agent's
+real socket server, given the directory that the agent's pod publisher builds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from enforcer.core.payloads import Pod
+from enforcer.core.pod_directory import directory
+from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.usage_server import ServerMetrics, UsageServer
+from tests.helpers import scratch_cgroup
+
+ROOT = Path(__file__).resolve().parents[2]
+A, B, C = ("a" * 64, "b" * 64, "c" * 64)
+# pod UIDs, as the kubelet names pod cgroups after them
+UA, UB, UC, UF = (f"{d * 8}-0000-4000-8000-{d * 12}" for d in "abcf")
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, pidfds)")
+
+CALLER = textwrap.dedent(
+    """
+    import json, selectors, sys
+    sys.path.insert(0, sys.argv[2])
+    from enforcer.edge.sources import AgentSource
+    sys.stdin.readline()  # moved into its container's cgroup by now
+    source = AgentSource(sys.argv[1], 60.0, pod=True)
+    seen = 0
+    while True:
+        source.sample()
+        if source.pod_replies != seen:
+            seen = source.pod_replies
+            reply = source.pod_reply
+            pod = reply.pod
+            name = None if pod is None else pod["metadata"]["name"]
+            print(json.dumps({"pod": name, "problem": reply.problem,
+                              "labels": None if pod is None else pod["metadata"].get("labels"),
+                              "managed": None if pod is None else "managedFields" in pod["metadata"]}),
+                  flush=True)
+        fd = source.fileno()
+        if fd is not None:
+            with selectors.DefaultSelector() as s:
+                s.register(fd, selectors.EVENT_READ)
+                s.select(1.0)
+    """
+)
+
+
+def pod(name: str, uid: str, *container_ids: str, labels: dict[str, str] | None = None) -> Pod:
+    statuses = [{"name": f"c{i}", "containerID": f"containerd://{cid}"}
+                for i, cid in enumerate(container_ids)]  # fmt: skip
+    doc: dict[str, Any] = {
+        "metadata": {"name": name, "namespace": "team", "uid": uid, "labels": labels or {},
+                     "managedFields": [{"manager": "kubectl"}]},
+        "spec": {"containers": [{"name": f"c{i}"} for i in range(len(container_ids))]},
+        "status": {"containerStatuses": statuses},
+    }  # fmt: skip
+    return cast(Pod, doc)
+
+
+class Caller:
+    """A process in container `cid` of pod `uid` (its cgroup says so), asking for its pod."""
+
+    def __init__(self, socket_path: Path, cgroups: Path, uid: str, cid: str | None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", CALLER, str(socket_path), str(ROOT)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        if cid is not None:
+            where = cgroups / f"kubepods/pod{uid}/{cid}"
+            where.mkdir(parents=True, exist_ok=True)
+            (where / "cgroup.procs").write_text(str(self.proc.pid))
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def next(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, "the caller ended"
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+TELEMETRY = AgentTelemetry()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[UsageServer]:
+    t = TELEMETRY
+    metrics = ServerMetrics(t.requests, t.connections, t.unexpected)
+    s = UsageServer(tmp_path / "agent.sock", ProcFs(), metrics, stale_after=60.0)
+    s.start()
+    yield s
+    s.close()
+
+
+def pods_pushed() -> float:
+    found = TELEMETRY.registry.get_sample_value("vram_enforcer_agent_requests_total",
+                                                {"result": "pod"})  # fmt: skip
+    return found or 0.0
+
+
+@pytest.fixture
+def cgroups() -> Iterator[Path]:
+    with scratch_cgroup() as path:
+        yield path
+
+
+def test_each_caller_gets_the_pod_its_cgroup_proves_and_no_other(
+    server: UsageServer, cgroups: Path, tmp_path: Path
+) -> None:
+    """A process in a container that pod-a lists is told about pod-a; one in pod-b's about
+    pod-b; one in a container no pod lists (a pod of another node, or one the kubelet has
+    not reported yet) and one in no container at all get no pod, and say why."""
+    server.publish_pods(directory([pod("pod-a", UA, A), pod("pod-b", UB, B)], {}, None))
+    sock = tmp_path / "agent.sock"
+    callers = [Caller(sock, cgroups, UA, A), Caller(sock, cgroups, UB, B),
+               Caller(sock, cgroups, UC, C), Caller(sock, cgroups, "", None)]  # fmt: skip
+    try:
+        in_a, in_b, unknown, outside = (c.next() for c in callers)
+        assert (in_a["pod"], in_b["pod"]) == ("pod-a", "pod-b")
+        assert in_a["managed"] is False  # trimmed: the largest part of a pod, read by no one
+        assert unknown["pod"] is None and f"container {C[:12]}" in unknown["problem"]
+        assert outside["pod"] is None and "runs in no container" in outside["problem"]
+    finally:
+        for c in callers:
+            c.stop()
+
+
+def test_a_change_of_the_pod_is_pushed_to_its_callers_only(
+    server: UsageServer, cgroups: Path, tmp_path: Path
+) -> None:
+    """The agent pushes a pod when its reply changed (a restart gives the container a new
+    ID in the status); a caller whose pod did not change is sent nothing; a container that
+    appears in a pod's status later (the kubelet's report of a new pod) gets its pod then."""
+    pods = [pod("pod-a", UA, A), pod("pod-b", UB, B)]
+    before = pods_pushed()
+    server.publish_pods(directory(pods, {}, None))
+    sock = tmp_path / "agent.sock"
+    in_a, in_b, late = (Caller(sock, cgroups, UA, A), Caller(sock, cgroups, UB, B),
+                        Caller(sock, cgroups, UA, C))  # fmt: skip
+    try:
+        assert in_a.next()["pod"] == "pod-a" and in_b.next()["pod"] == "pod-b"
+        assert late.next()["pod"] is None
+        restarted = pod("pod-a", UA, A, C, labels={"restarts": "1"})
+        server.publish_pods(directory([restarted, pods[1]], {}, "the API is slow"))
+        assert in_a.next() == {"pod": "pod-a", "problem": "the API is slow",
+                               "labels": {"restarts": "1"}, "managed": False}  # fmt: skip
+        assert late.next()["pod"] == "pod-a"
+        assert in_b.next()["problem"] == "the API is slow"  # its reply changed: the problem
+        server.publish_pods(directory([restarted, pods[1]], {}, "the API is slow"))
+        server.publish_pods(directory([restarted, pods[1]], {}, None))
+        assert in_b.next() == {"pod": "pod-b", "problem": None, "labels": {}, "managed": False}
+        # 3 pushes each for the two publishes that changed replies, none for the one between
+        assert pods_pushed() - before == 6
+    finally:
+        for c in (in_a, in_b, late):
+            c.stop()
+
+
+def test_two_pods_that_list_one_container_tell_neither(
+    server: UsageServer, cgroups: Path, tmp_path: Path
+) -> None:
+    """Only the kubelet writes a pod's status, but a caller must never be told about a pod
+    it is not proven to be in: an ID listed twice proves neither."""
+    server.publish_pods(directory([pod("pod-a", UA, A), pod("forged", UF, A)], {}, None))
+    caller = Caller(tmp_path / "agent.sock", cgroups, UA, A)
+    try:
+        assert caller.next()["pod"] is None
+    finally:
+        caller.stop()
+
+
+def test_an_agent_without_the_api_says_so(
+    server: UsageServer, cgroups: Path, tmp_path: Path
+) -> None:
+    caller = Caller(tmp_path / "agent.sock", cgroups, UA, A)
+    try:
+        reply = caller.next()
+        assert reply["pod"] is None and "does not serve pods" in reply["problem"]
+    finally:
+        caller.stop()
