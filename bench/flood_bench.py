@@ -206,7 +206,7 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int) -> dict[str, 
         (driver_pid,) = pod.host_pids("trainer")
         pod.start(
             "vram-enforcer",
-            [*enforcer_argv("sidecar"), "--kubeconfig", str(kubeconfig), "--interval", "100ms", "--pod-source", "api",
+            [*enforcer_argv("sidecar"), "--kubeconfig", str(kubeconfig), "--interval", "100ms", "--api-access", "direct",
              "--log-format", "text", "--metrics-port", str(sidecar_metrics)],
             env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid,
                  "VRAM_ENFORCER_LIMITS": json.dumps({"trainer": GiB}),

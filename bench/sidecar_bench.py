@@ -94,7 +94,7 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float
         (driver_pid,) = pod.host_pids("trainer")
         sidecar = pod.start(
             "vram-enforcer",
-            [*enforcer_argv("sidecar"), "--kubeconfig", str(server.kubeconfig(server.admin_token, tmp / "kc")), "--pod-source", "api",
+            [*enforcer_argv("sidecar"), "--kubeconfig", str(server.kubeconfig(server.admin_token, tmp / "kc")), "--api-access", "direct",
              "--interval", "100ms", "--log-format", "text"],
             env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid,
                  "VRAM_ENFORCER_LIMITS": json.dumps({"trainer": GiB}), "VRAM_ENFORCER_AGENT_SOCKET": str(tmp / "agent.sock")},

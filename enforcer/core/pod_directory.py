@@ -10,11 +10,18 @@ the node's pods, so a push costs the agent a lookup and a write.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from enforcer.core.dra import DraObjects
-from enforcer.core.payloads import Pod
-from enforcer.core.pod import containers_by_id
+from enforcer.core.payloads import ObjectReference, Pod
+from enforcer.core.pod import (
+    ContainerRef,
+    containers_by_id,
+    json_map,
+    json_maps,
+    pod_reference,
+    spec_field_of,
+)
 from enforcer.core.protocol import PodReply, encode_pod
 
 
@@ -39,16 +46,26 @@ def unknown(container_id: str | None) -> bytes:
     return encode_pod(PodReply(None, why))
 
 
+@dataclass(frozen=True, slots=True)
+class Directory:
+    """By container ID: the encoded pod reply for a process of that container, and the pod
+    (what a caller's Events are posted on)."""
+
+    replies: dict[str, bytes] = field(default_factory=dict)
+    pods: dict[str, Pod] = field(default_factory=dict)
+
+
 def directory(
     pods: Iterable[Pod], dra: Mapping[str, DraRead], watch_problem: str | None
-) -> dict[str, bytes]:
-    """Container ID -> the encoded pod reply for a process of that container.
+) -> Directory:
+    """Container ID -> the pod reply for a process of that container, and the pod.
 
     `dra` is by pod UID; `watch_problem` says that the agent's view may be out of date.
     A container ID that two pods list belongs to neither: only the kubelet writes a pod's
     status, but a caller must never be told about a pod it is not proven to be in.
     """
     found: dict[str, bytes] = {}
+    owners: dict[str, Pod] = {}
     claimed: set[str] = set()
     for pod in pods:
         ids = containers_by_id(pod)
@@ -68,9 +85,31 @@ def directory(
             if cid in found or cid in claimed:
                 claimed.add(cid)
                 found.pop(cid, None)
+                owners.pop(cid, None)
                 continue
-            found[cid] = reply
-    return found
+            found[cid], owners[cid] = reply, pod
+    return Directory(found, owners)
+
+
+def event_about(pod: Pod, container: str | None) -> ObjectReference:
+    """What a caller's Event is about: its own pod, and the container it names when that is
+    one of the pod's (anything else, the pod as a whole)."""
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    declared = {
+        c.get("name")
+        for field_name in ("containers", "initContainers", "ephemeralContainers")
+        for c in json_maps(json_map(spec).get(field_name))
+    }
+    ref = None
+    if container is not None and container in declared:
+        ref = ContainerRef(container, spec_field_of(pod, container))
+    return pod_reference(
+        str(meta.get("namespace") or ""),
+        str(meta.get("name") or ""),
+        str(meta.get("uid") or ""),
+        ref,
+    )
 
 
 def _trimmed(pod: Pod) -> Pod:

@@ -7,6 +7,7 @@ that both sides agree by construction. See docs/agent-protocol.md.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -17,7 +18,9 @@ from enforcer.core.payloads import Pod
 
 VERSION = 1
 MAX_REQUEST_BYTES = 4096
-OPS = ("usage", "subscribe")
+OPS = ("usage", "subscribe", "event")
+_REASON = re.compile(r"VRAM[A-Za-z]{1,60}")
+_CONTAINER = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class ProtocolError(ValueError):
@@ -25,10 +28,23 @@ class ProtocolError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class EventRequest:
+    """A sidecar's report, for the agent to post as an Event on the caller's own pod (about
+    `container` when it is one of that pod's). The agent answers nothing: the request
+    travels on the subscription, whose every reply a client reads as usage or its pod."""
+
+    reason: str
+    message: str
+    warning: bool
+    container: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Request:
     op: str
     challenge: str | None = None  # the answer to the agent's challenge, when it sent one
     pod: bool = False  # a subscriber that also wants its own pod, pushed when it changes
+    event: EventRequest | str | None = None  # op "event": the report, or what is wrong in it
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +70,32 @@ def parse_request(line: bytes) -> Request:
         raise ProtocolError(f"unknown op {op!r}; supported: {', '.join(OPS)}")
     challenge = doc.get("challenge")
     wants_pod = op == "subscribe" and doc.get("pod") is True
-    return Request(op, challenge if isinstance(challenge, str) else None, wants_pod)
+    event = _event(doc) if op == "event" else None
+    return Request(op, challenge if isinstance(challenge, str) else None, wants_pod, event)
+
+
+def _event(doc: dict[str, Any]) -> EventRequest | str:
+    """The report in an event request, or what is wrong with it (never an exception: the
+    agent does not answer event requests, it counts and drops bad ones)."""
+    reason, message = doc.get("reason"), doc.get("message")
+    warning, container = doc.get("warning"), doc.get("container")
+    if not isinstance(reason, str) or not _REASON.fullmatch(reason):
+        return f"reason {reason!r} is not one of vram-enforcer's (VRAM followed by letters)"
+    if not isinstance(message, str) or not message:
+        return "message must be a non-empty string"
+    if not isinstance(warning, bool):
+        return f"warning {warning!r} is not true or false"
+    if container is not None and (
+        not isinstance(container, str) or not _CONTAINER.fullmatch(container)
+    ):
+        return f"container {container!r} is not a container name"
+    return EventRequest(reason, message, warning, container)
+
+
+def encode_event(event: EventRequest) -> bytes:
+    doc = {"v": VERSION, "op": "event", "reason": event.reason, "message": event.message,
+           "warning": event.warning, "container": event.container}  # fmt: skip
+    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 
 def encode_request(op: str = "usage", challenge: str | None = None, pod: bool = False) -> bytes:

@@ -8,26 +8,32 @@ raising, so that a tick without data is an ordinary, reportable state.
 
 from __future__ import annotations
 
+import collections
 import os
 import select
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from enforcer.core.model import Sample, SourceDown
 from enforcer.core.protocol import (
+    MAX_REQUEST_BYTES,
     Challenge,
+    EventRequest,
     PodReply,
     ProtocolError,
     decode_reply,
+    encode_event,
     encode_request,
 )
 from enforcer.edge.backoff import Backoff
 from enforcer.edge.procfs import INITIAL_PID_NS, NsChain, ProcFs
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+EVENT_BACKLOG = 64  # reports kept for the agent while it cannot take them; then the oldest go
+EVENT_MESSAGE_CHARS = 2048  # a message too long for a request is cut to half of this, ...
 
 
 class UsageSource(Protocol):
@@ -117,7 +123,10 @@ class AgentSource:
 
     With `pod`, the subscription also brings the caller's own pod (and its DRA objects)
     each time the agent's watch sees it change: `pod_reply` is the latest, kept while the
-    agent is away, so that enforcement goes on with what was last known.
+    agent is away, so that enforcement goes on with what was last known. `send_event`
+    gives the agent a report to post as an Event on that pod; reports made while the agent
+    cannot take them (away, or not yet sure who we are) wait, up to EVENT_BACKLOG of them,
+    and go once it answers again.
     """
 
     def __init__(
@@ -133,6 +142,9 @@ class AgentSource:
         self._wants_pod = pod
         self.pod_reply: PodReply | None = None  # None until the agent has sent one
         self.pod_replies = 0  # how many have arrived: a new one is news to the caller
+        self._events: collections.deque[bytes] = collections.deque(maxlen=EVENT_BACKLOG)
+        self.events_dropped = 0  # reports pushed out of a full backlog
+        self._answering = False  # the agent has answered on this connection: it knows us
         self._backoff = backoff or Backoff()
         self._clock = clock
         self._sock: socket.socket | None = None
@@ -178,8 +190,39 @@ class AgentSource:
             )
             return False
         self._backoff.succeeded()
-        self._sock, self._buffer = sock, b""
+        self._sock, self._buffer, self._answering = sock, b"", False
         return True
+
+    def send_event(self, event: EventRequest) -> None:
+        """Hand a report to the agent, never waiting: the Event is the agent's to post."""
+        line, keep = encode_event(event), EVENT_MESSAGE_CHARS
+        while len(line) > MAX_REQUEST_BYTES:  # a request is at most 4096 bytes, escapes too
+            keep //= 2
+            line = encode_event(replace(event, message=event.message[:keep] + "…"))
+        if len(self._events) == self._events.maxlen:
+            self.events_dropped += 1
+        self._events.append(line)
+        self._send_events()
+
+    def _send_events(self) -> None:
+        while self._events and self._sock is not None and self._answering:
+            try:
+                sent = self._sock.send(self._events[0])
+            except (BlockingIOError, InterruptedError):
+                return  # the socket's buffer is full: the next tick tries again
+            except OSError as exc:
+                self._lost(f"the connection to the node agent failed: {exc.strerror or exc}")
+                return
+            if sent < len(self._events[0]):  # rare: finish this one, blocking briefly
+                rest = self._events[0][sent:]
+                try:
+                    self._sock.settimeout(1.0)
+                    self._sock.sendall(rest)
+                    self._sock.setblocking(False)
+                except OSError as exc:
+                    self._lost(f"the connection to the node agent failed: {exc.strerror or exc}")
+                    return
+            self._events.popleft()
 
     def _drain(self) -> None:
         assert self._sock is not None  # noqa: S101 - only called when connected
@@ -204,10 +247,14 @@ class AgentSource:
                 elif isinstance(reply, PodReply):
                     self.pod_reply = reply
                     self.pod_replies += 1
+                    self._answering = True
                 else:
                     self._latest, self._received = reply, self._clock()
+                    self._answering = True
         except (ProtocolError, OSError) as exc:
             self._lost(str(exc))
+            return
+        self._send_events()
 
     def _answer(self, challenge: Challenge) -> None:
         """A node whose kernel cannot name its callers asks them to prove who they are."""

@@ -21,16 +21,19 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
 from enforcer.core.model import Sample, SourceDown
-from enforcer.core.pod_directory import unknown
+from enforcer.core.payloads import Pod
+from enforcer.core.pod_directory import Directory, unknown
 from enforcer.core.protocol import (
     MAX_REQUEST_BYTES,
     USAGE_TAIL,
+    EventRequest,
     PodReply,
     ProtocolError,
     Request,
@@ -203,9 +206,12 @@ class UsageServer:
         self._metrics = metrics
         self._stale_after = stale_after
         self._published = _Published.of(SourceDown("the agent has not sampled NVML yet"))
-        # Container ID -> its pod's reply (pod_directory); None: this agent serves no pods.
-        self._pods: dict[str, bytes] | None = None
+        # By container ID, each pod's reply and the pod (pod_directory); None: this agent
+        # serves no pods.
+        self._pods: Directory | None = None
         self.no_pods = "this agent does not serve pods (it has no API access)"
+        # Posts a caller's report as an Event on its pod (set by an agent that serves pods).
+        self.events: Callable[[Pod, EventRequest], None] | None = None
         self._listener: socket.socket | None = None
         self._epoll = select.epoll()
         self._connections: dict[int, _Connection] = {}
@@ -225,9 +231,9 @@ class UsageServer:
         with contextlib.suppress(BlockingIOError):  # a wake-up is already pending
             os.write(self._wake_w, b"p")
 
-    def publish_pods(self, directory: dict[str, bytes]) -> None:
-        """Called by the agent's pod publisher: swap in the node's pods (container ID -> the
-        encoded reply, `pod_directory.directory`) and wake the loop to push what changed."""
+    def publish_pods(self, directory: Directory) -> None:
+        """Called by the agent's pod publisher: swap in the node's pods (by container ID,
+        `pod_directory.directory`) and wake the loop to push what changed."""
         self._pods = directory
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"o")
@@ -236,7 +242,7 @@ class UsageServer:
         pods = self._pods
         if pods is None:
             return encode_pod(PodReply(None, self.no_pods))
-        found = pods.get(container_id) if container_id is not None else None
+        found = pods.replies.get(container_id) if container_id is not None else None
         return found if found is not None else unknown(container_id)
 
     def reply(self, view: PidView) -> bytes:
@@ -420,6 +426,9 @@ class UsageServer:
                 return encode_error(str(exc))
             conn.unproven.close()
             conn.unproven, conn.view, conn.container_id = None, peer.view, peer.container_id
+        if request.op == "event":
+            self._post(conn, request.event)
+            return b""  # never answered: see EventRequest
         self.count("ok")
         if request.op == "subscribe":
             conn.subscribed = True
@@ -436,6 +445,17 @@ class UsageServer:
                 self.count("pushed")
                 conn.outbox = self.reply(conn.view)
                 self._flush(conn)
+
+    def _post(self, conn: _Connection, event: EventRequest | str | None) -> None:
+        """A caller's report, as an Event on the pod its cgroup proves it is in, and no
+        other. Its rate per pod is the recorder's (client-go's spam filter)."""
+        pods = self._pods
+        pod = pods.pods.get(conn.container_id or "") if pods is not None else None
+        if not isinstance(event, EventRequest) or pod is None or self.events is None:
+            self.count("error" if isinstance(event, str) else "refused")
+            return
+        self.count("event")
+        self.events(pod, event)
 
     def _push_pods(self) -> None:
         """Each subscriber that asked for its pod gets it again when it changed."""

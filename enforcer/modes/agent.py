@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from enforcer.core import messages
 from enforcer.core.model import Device, Sample, SourceDown
 from enforcer.core.payloads import ObjectReference
+from enforcer.core.pod_directory import event_about
 from enforcer.core.policy import Reason
 from enforcer.core.settings.agent import AgentSettings
 from enforcer.edge import logs
@@ -46,6 +47,8 @@ from enforcer.modes.pod_publisher import PodPublisher
 if TYPE_CHECKING:
     from kubernetes import client
 
+    from enforcer.core.payloads import Pod
+    from enforcer.core.protocol import EventRequest
     from enforcer.edge.events import EventRecorder
     from enforcer.edge.kube import NodeAdvertiser
     from enforcer.edge.node_pods import NodePods
@@ -371,6 +374,13 @@ def _pod_watch(
         )
     if settings.serve_pods:
         server.no_pods = "the agent has not listed this node's pods yet"
+
+        def post(pod: Pod, event: EventRequest) -> None:
+            """A sidecar's report, on its own pod: sidecars no longer post Events."""
+            about = event_about(pod, event.container)
+            recorder.record(about, event.reason, event.message, event.warning)
+
+        server.events = post
         dra = claims if settings.dra.drivers else None
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
     return recorder, pods, woken

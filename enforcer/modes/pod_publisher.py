@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 
 from enforcer.core.dra import claim_names
-from enforcer.core.pod_directory import DraRead, directory
+from enforcer.core.pod_directory import Directory, DraRead, directory
 from enforcer.edge.claims import ClaimCache
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
@@ -30,7 +30,7 @@ class PodPublisher(threading.Thread):
     def __init__(
         self,
         pods: NodePods,
-        publish: Callable[[dict[str, bytes]], None],
+        publish: Callable[[Directory], None],
         claims: ClaimCache | None,
         changed: threading.Event,
         telemetry: AgentTelemetry,

@@ -32,29 +32,33 @@ from enforcer.core.dra import (
     unit_gpu,
 )
 from enforcer.core.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
-from enforcer.core.payloads import ObjectReference, Pod
+from enforcer.core.payloads import Pod
 from enforcer.core.pod import (
     ContainerRef,
     container_limits,
     containers_by_id,
     others_finished,
-    pod_reference,
     sole_container,
     spec_field_of,
 )
 from enforcer.core.policy import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.edge import logs
-from enforcer.edge.claims import ClaimReader, ClaimState
-from enforcer.edge.events import EventRecorder
 from enforcer.edge.guard import stopped
-from enforcer.edge.kube import KubeError, PodWatcher, connect
 from enforcer.edge.metrics import Telemetry
 from enforcer.edge.metrics_server import MetricsPortError, MetricsServer, serve_metrics
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator
 from enforcer.edge.sources import AgentSource, PidView, PidViewError, UsageSource
 from enforcer.modes.pipeline import LogReporter, Pipeline, Report, Reporter, WholeUnit
+from enforcer.modes.sidecar_access import (
+    EventSink,
+    NoApi,
+    PodAccess,
+    PodView,
+    direct,
+    through_agent,
+)
 
 log = logging.getLogger(__name__)
 
@@ -260,77 +264,16 @@ def _cid(procfs: ProcFs, pid: int | str) -> str | None:
     return None if entries is None else container_id(entries)
 
 
-class PodFromAgent:
-    """The pod as the node agent last pushed it with the usage (`--pod-source agent`).
-
-    The agent proves which pod a caller is in from the caller's own cgroup; the sidecar
-    reads nothing from the API. What was last known is kept, and enforced on, while the
-    agent is away or cannot tell (it restarted and has not listed the node's pods yet);
-    `error` then says why the pod may be out of date.
-    """
-
-    def __init__(self, source: AgentSource) -> None:
-        self._source = source
-        self._seen = -1
-        self._pod: Pod | None = None
-        self._objects: DraObjects | None = None
-        self._error: str | None = "the node agent has not sent this pod yet"
-        self._said: str | None = None  # the problems last logged ("": none)
-
-    def _update(self) -> None:
-        if self._source.pod_replies == self._seen:
-            return
-        self._seen = self._source.pod_replies
-        reply = self._source.pod_reply
-        if reply is None:
-            return
-        if reply.pod is not None:
-            self._pod = reply.pod
-        if reply.dra is not None:
-            self._objects = reply.dra
-        self._error = reply.problem
-        problems = "; ".join(p for p in (reply.problem, reply.dra_problem) if p)
-        if problems != self._said:
-            if problems:
-                log.warning("the node agent says: %s; enforcing with what was last known", problems)
-            elif reply.pod is not None:
-                log.info("the node agent sent this pod")
-            self._said = problems
-
-    @property
-    def pod(self) -> Pod | None:
-        self._update()
-        return self._pod
-
-    @property
-    def objects(self) -> DraObjects | None:
-        self._update()
-        return self._objects
-
-    @property
-    def error(self) -> str | None:
-        """Why the pod may be out of date: the agent's word, or the agent is unreachable."""
-        self._update()
-        if self._source.fileno() is None:
-            return "the node agent is not connected"
-        return self._error
-
-    def refresh(self) -> None:
-        """Nothing to ask: the agent pushes every change of the pod."""
-
-
 class EventReporter:
     """Reports as Kubernetes Events on the pod, pointing at the container when there is one."""
 
     def __init__(
         self,
-        recorder: EventRecorder,
-        settings: SidecarSettings,
+        events: EventSink,
         refs: Callable[[], Mapping[str, ContainerRef]],
         pod: Callable[[], Pod | None],
     ) -> None:
-        self._recorder = recorder
-        self._settings = settings
+        self._events = events
         self._refs = refs
         self._pod = pod
 
@@ -343,18 +286,13 @@ class EventReporter:
             ref = self._refs().get(names[0])
             spec_field = ref.spec_field if ref else spec_field_of(self._pod() or {}, names[0])
             container = ContainerRef(names[0], spec_field)
-        about = _about(self._settings, container)
-        self._recorder.record(about, str(report.reason), report.message, not report.normal)
-
-
-def _about(settings: SidecarSettings, container: ContainerRef | None = None) -> ObjectReference:
-    return pod_reference(settings.namespace, settings.pod_name, settings.pod_uid, container)
+        self._events.post(str(report.reason), report.message, not report.normal, container)
 
 
 def _source(settings: SidecarSettings) -> UsageSource:
     if settings.source == "agent":
         return AgentSource(
-            settings.agent_socket, settings.stale_after, pod=settings.pod_source == "agent"
+            settings.agent_socket, settings.stale_after, pod=settings.api_access == "agent"
         )
     # Loaded only here: pynvml is ~2 MiB of the sidecar's memory, in every enforced pod.
     from enforcer.edge.nvml import Nvml, NvmlError  # noqa: PLC0415
@@ -380,54 +318,37 @@ def run(settings: SidecarSettings) -> int:
             "namespace. Set spec.shareProcessNamespace: true (the webhook does)"
         )
         return EXIT_USAGE
+    telemetry = Telemetry({"namespace": settings.namespace, "pod": settings.pod_name})
     try:
-        api = connect(settings.kubeconfig)
         source = _source(settings)
-    except (KubeError, PidViewError) as exc:
+        if isinstance(source, AgentSource) and settings.api_access == "agent":
+            access = through_agent(source)
+        else:
+            access = direct(settings, telemetry)
+    except (PidViewError, NoApi) as exc:
         log.error("%s", exc, exc_info=logs.detail(exc))
         return EXIT_USAGE
-    telemetry = Telemetry({"namespace": settings.namespace, "pod": settings.pod_name})
-    watcher: PodWatcher | PodFromAgent
-    claims: ClaimState | PodFromAgent | None = None
-    helpers: list[threading.Thread] = []
-    if isinstance(source, AgentSource) and settings.pod_source == "agent":
-        watcher = PodFromAgent(source)
-        claims = watcher if settings.dra is not None else None
-    else:
-        # A "container"-mode sidecar watches the other containers' states to know when to exit.
-        period = 2.0 if settings.sidecar_mode == "container" else 30.0
-        if settings.dra is not None:  # the claims are read after each read of the pod
-            claims = ClaimState(ClaimReader(api, settings.node_name))
-        watcher = PodWatcher(api, settings.namespace, settings.pod_name, period=period,
-                             on_read=claims.refresh if isinstance(claims, ClaimState) else None,
-                             unexpected=telemetry.unexpected.labels("pod-watcher"))  # fmt: skip
-        helpers.append(watcher)
-    recorder = EventRecorder(api, settings.pod_name, settings.node_name, telemetry.event_failures)
-    helpers.append(recorder)
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
-    pipeline = _pipeline(settings, procfs, source, terminator, watcher, claims, recorder, telemetry)
-    server = _metrics(settings, telemetry, recorder)
-    for helper in helpers:
+    pipeline = _pipeline(settings, procfs, source, terminator, access, telemetry)
+    server = _metrics(settings, telemetry, access.events)
+    for helper in access.helpers:
         helper.start()
     declared = ", ".join(f"{k}={v}" for k, v in settings.limits.items()) or "no declared limits"
     log.info(
-        "enforcing %s on pod %s/%s (action %s, source %s, pod from the %s)",
+        "enforcing %s on pod %s/%s (action %s, source %s, API access %s)",
         "the limits per GPU of the pod's ResourceClaims" if settings.dra else declared,
         settings.namespace,
         settings.pod_name,
         settings.policy.action,
         settings.source,
-        settings.pod_source,
+        settings.api_access,
     )
     try:
-        return _loop(settings, source, pipeline, terminator, procfs, watcher, helpers)
+        return _loop(settings, source, pipeline, terminator, procfs, access.pod, access.helpers)
     finally:
         terminator.close()
         source.close()
-        if isinstance(watcher, PodWatcher):
-            watcher.stop.set()
-            watcher.refresh()
-        recorder.close()
+        access.close()
         if server is not None:
             server.close()
 
@@ -437,38 +358,37 @@ def _pipeline(
     procfs: ProcFs,
     source: UsageSource,
     terminator: Terminator,
-    watcher: PodWatcher | PodFromAgent,
-    claims: ClaimState | PodFromAgent | None,
-    recorder: EventRecorder,
+    access: PodAccess,
     telemetry: Telemetry,
 ) -> Pipeline:
     """The tick: usage per container, decided on, enforced, logged and posted as Events."""
+    view = access.pod
 
     def problem(text: str) -> None:  # a container's GPUs are not proven: said once each
         log.warning("%s", text)
-        recorder.record(_about(settings), str(Reason.ALLOCATION_UNKNOWN), text, True)
+        access.events.post(str(Reason.ALLOCATION_UNKNOWN), text, True)
 
     attributor = ContainerAttributor(
         procfs,
-        lambda: watcher.pod,
-        watcher.refresh,
+        lambda: view.pod,
+        view.refresh,
         settings.limits,
         settings.undeclared_allowed,
         want_init=settings.policy.action is Action.RESTART,
         spec_containers=settings.containers,
         dra=settings.dra,
-        claims=lambda: claims.objects if claims is not None else None,
+        claims=access.claims,
         problem=problem,
     )
     reporters: list[Reporter] = [
         LogReporter(),
-        EventReporter(recorder, settings, lambda: attributor.refs, lambda: watcher.pod),
+        EventReporter(access.events, lambda: attributor.refs, lambda: view.pod),
     ]
     return Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry)
 
 
 def _metrics(
-    settings: SidecarSettings, telemetry: Telemetry, recorder: EventRecorder
+    settings: SidecarSettings, telemetry: Telemetry, events: EventSink
 ) -> MetricsServer | None:
     """The /metrics endpoint, or None and an Event saying why not.
 
@@ -480,7 +400,7 @@ def _metrics(
     except MetricsPortError as exc:
         text = messages.metrics_unavailable(str(exc))
         log.error("%s", text)
-        recorder.record(_about(settings), str(Reason.METRICS_UNAVAILABLE), text, True)
+        events.post(str(Reason.METRICS_UNAVAILABLE), text, True)
         return None
 
 
@@ -490,7 +410,7 @@ def _loop(
     pipeline: Pipeline,
     terminator: Terminator,
     procfs: ProcFs,
-    watcher: PodWatcher | PodFromAgent,
+    view: PodView,
     helpers: Sequence[threading.Thread],
 ) -> int:
     """Tick when the agent pushes a sample or the interval is up; stop on SIGTERM/SIGINT,
@@ -509,7 +429,7 @@ def _loop(
         settings.sidecar_mode == "container",
         settings.self_name,
         procfs,
-        lambda: watcher.pod if watcher.error is None else None,
+        lambda: view.pod if view.error is None else None,
     )
     try:
         while not stop:

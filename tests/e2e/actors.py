@@ -92,7 +92,7 @@ class Sidecar:
         kubeconfig = apiserver.kubeconfig(token, tmp / f"kubeconfig-{pod.name}")
         self.proc = pod.start(
             "vram-enforcer",
-            [sys.executable, "-m", "enforcer", "sidecar", "--kubeconfig", str(kubeconfig), "--interval", "50ms", "--pod-source", "api",
+            [sys.executable, "-m", "enforcer", "sidecar", "--kubeconfig", str(kubeconfig), "--interval", "50ms", "--api-access", "direct",
              "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1", "--log-format", "text", *flags],
             env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid, "NODE_NAME": "gpu-node-1",
                  "VRAM_ENFORCER_LIMITS": json.dumps(limits), "VRAM_ENFORCER_AGENT_SOCKET": str(node.socket),

@@ -312,17 +312,17 @@ def test_restart_makes_the_kubelet_restart_the_container(installed: Cluster) -> 
     wait_for(lambda: gone(core, OPTED_IN, "trainer-1"), timeout=60, what="the pod to be gone")
 
 
-def test_the_sidecar_gets_its_pod_from_the_agent_and_reads_none_from_the_api(
+def test_a_sidecar_without_any_rbac_enforces_through_the_agent(
     installed: Cluster,
 ) -> None:
-    """The sidecars' ServiceAccounts may no longer read pods: a sidecar still tells the
-    pod's two containers apart (only the agent can have told it their IDs), stops the one
-    over its limit, and learns the new container ID of each restart from the agent."""
+    """The sidecars' ServiceAccounts lose every right: a sidecar still tells the pod's two
+    containers apart (only the agent can have told it their IDs), stops the one over its
+    limit, learns the new container ID of each restart from the agent, and its Events are
+    posted (by the agent, on this pod)."""
     core, node = installed.core, installed.node
     rbac = client.RbacAuthorizationV1Api(installed.server.client())
     role = rbac.read_namespaced_role(f"{RELEASE}-sidecar", OPTED_IN)
-    kept = [r for r in role.rules if "pods" not in r.resources]
-    rbac.patch_namespaced_role(f"{RELEASE}-sidecar", OPTED_IN, {"rules": kept})
+    rbac.patch_namespaced_role(f"{RELEASE}-sidecar", OPTED_IN, {"rules": []})
     spec = workload("pair", "1Gi", annotations={"vram-enforcer.io/action": "restart"})
     idle = {**spec["spec"]["containers"][0], "name": "idle"}
     spec["spec"]["containers"].append(idle)
@@ -343,8 +343,10 @@ def test_the_sidecar_gets_its_pod_from_the_agent_and_reads_none_from_the_api(
                                what=f"restart {restarts} of the trainer, not of idle")  # fmt: skip
             finally:
                 installed.use(holder, None)
-        enforced = events(core, OPTED_IN, "pair", "VRAMEnforced")
+        enforced = wait_for(lambda: events(core, OPTED_IN, "pair", "VRAMEnforced"),
+                            what="the VRAMEnforced Event, posted by the agent")  # fmt: skip
         assert {e.involved_object.field_path for e in enforced} == {"spec.containers{trainer}"}
+        assert {e.reporting_instance for e in enforced} == {node.name}  # not the pod's
         installed.use(idle_holder, None)
     finally:
         rbac.patch_namespaced_role(f"{RELEASE}-sidecar", OPTED_IN, {"rules": role.rules})

@@ -8,7 +8,7 @@ kube-scheduler, which allocates each pod's claims by consumable capacity. Node
 `SimPod`s (the tests play the kubelet, as in test_sidecar_e2e.py) that the real
 scheduler binds; the agent serves the fake NVML and, as deploy/rbac/agent.yaml lets it,
 sends each sidecar its pod, its claims and the node's slices. A sidecar of the pod on the
-other node (which this agent does not watch) reads them itself (`--pod-source api`), with
+other node (which this agent does not watch) reads them itself (`--api-access direct`), with
 the pod's ServiceAccount under deploy/rbac/sidecar.yaml.
 """
 
@@ -153,7 +153,7 @@ def tenants(api: client.ApiClient, token: str) -> Iterator[SimPod]:
 @pytest.fixture
 def sidecar(tenants: SimPod, node: Node, cluster: ApiServer, token: str, tmp_path: Path) -> Iterator[Sidecar]:  # fmt: skip
     s = Sidecar(tenants, node, cluster, token, tmp_path, {}, "--limits-from", "dra",
-                "--pod-source", "agent")  # fmt: skip
+                "--api-access", "agent")  # fmt: skip
     yield s
     assert s.stop() == 0
 
@@ -209,7 +209,7 @@ def test_a_claim_that_cannot_be_mapped_to_a_gpu_is_reported_and_signals_nothing(
                         {"trainer": ("vram-8gi", None)})  # fmt: skip
     try:
         sidecar = Sidecar(pod, node, cluster, token, tmp_path, {}, "--limits-from", "dra",
-                          "--pod-source", "api", env={"NODE_NAME": OTHER_NODE})  # fmt: skip
+                          "--api-access", "direct", env={"NODE_NAME": OTHER_NODE})  # fmt: skip
         trainer = start_worker(pod, "trainer", tmp_path)
         sneaky = start_worker(pod, "undeclared", tmp_path)
         node.use({trainer: 20 * GiB, sneaky: 1 * MiB})

@@ -15,6 +15,7 @@ from enforcer.edge.events import EventRecorder
 from enforcer.edge.kube import POD, KubeError, NotFound, call, request
 from enforcer.modes.pipeline import Report
 from enforcer.modes.sidecar import POD_UNIT, EventReporter
+from enforcer.modes.sidecar_access import RecordedEvents
 from tests.helpers import configured, wait_for
 
 
@@ -72,7 +73,7 @@ def test_reports_become_events_on_the_container_that_they_concern(admin: client.
     settings = configured(["sidecar"], {"POD_NAME": "p", "POD_NAMESPACE": "kube-events",
                                         "POD_UID": pod["metadata"]["uid"], "NODE_NAME": "node-1",
                                         "VRAM_ENFORCER_LIMITS": "{}"})  # fmt: skip
-    reporter = EventReporter(recorder, settings, lambda: {}, lambda: pod)
+    reporter = EventReporter(RecordedEvents(recorder, settings), lambda: {}, lambda: pod)
     reporter.report(Report(Reason.ENFORCED, "sent SIGTERM to pid 7", "trainer", 7))
     reporter.report(Report(Reason.NEAR_LIMIT, "warm-up near its limit", "warmup", normal=True))
     reporter.report(Report(Reason.LIMIT_EXCEEDED, "the pod as a whole is over", POD_UNIT))

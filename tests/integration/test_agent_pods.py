@@ -21,12 +21,12 @@ from typing import Any, cast
 
 import pytest
 
-from enforcer.core.payloads import Pod
-from enforcer.core.pod_directory import directory
+from enforcer.core.payloads import ObjectReference, Pod
+from enforcer.core.pod_directory import directory, event_about
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
-from tests.helpers import scratch_cgroup
+from tests.helpers import scratch_cgroup, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 A, B, C = ("a" * 64, "b" * 64, "c" * 64)
@@ -37,10 +37,11 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, 
 
 CALLER = textwrap.dedent(
     """
-    import json, selectors, sys
+    import json, os, selectors, sys
     sys.path.insert(0, sys.argv[2])
+    from enforcer.core.protocol import EventRequest
     from enforcer.edge.sources import AgentSource
-    sys.stdin.readline()  # moved into its container's cgroup by now
+    os.read(0, 3)  # "go": moved into its container's cgroup by now
     source = AgentSource(sys.argv[1], 60.0, pod=True)
     seen = 0
     while True:
@@ -54,11 +55,16 @@ CALLER = textwrap.dedent(
                               "labels": None if pod is None else pod["metadata"].get("labels"),
                               "managed": None if pod is None else "managedFields" in pod["metadata"]}),
                   flush=True)
-        fd = source.fileno()
-        if fd is not None:
-            with selectors.DefaultSelector() as s:
+        with selectors.DefaultSelector() as s:
+            s.register(sys.stdin, selectors.EVENT_READ)
+            if (fd := source.fileno()) is not None:
                 s.register(fd, selectors.EVENT_READ)
-                s.select(1.0)
+            for key, _ in s.select(1.0):
+                if key.fileobj is sys.stdin:  # lines of "reason container message": report them
+                    for line in os.read(0, 65536).decode().splitlines():
+                        reason, container, message = line.split(" ", 2)
+                        source.send_event(EventRequest(reason, message, True,
+                                                       None if container == "-" else container))
     """
 )
 
@@ -87,6 +93,11 @@ class Caller:
             (where / "cgroup.procs").write_text(str(self.proc.pid))
         assert self.proc.stdin is not None
         self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def report(self, reason: str, container: str, message: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{reason} {container} {message}\n")
         self.proc.stdin.flush()
 
     def next(self) -> dict[str, Any]:
@@ -200,3 +211,43 @@ def test_an_agent_without_the_api_says_so(
         assert reply["pod"] is None and "does not serve pods" in reply["problem"]
     finally:
         caller.stop()
+
+
+def test_a_report_is_posted_on_the_callers_own_pod_and_nowhere_else(
+    server: UsageServer, cgroups: Path, tmp_path: Path
+) -> None:
+    """Sidecars post no Events: they hand their reports to the agent, which posts each on
+    the pod the caller's cgroup proves, about a container only when it is that pod's. A
+    caller in no pod of the node posts nothing; a malformed report is dropped and the
+    subscription goes on."""
+    posted: list[tuple[str, str, str, str | None]] = []
+    server.events = lambda p, e: posted.append(
+        (p["metadata"]["name"], e.reason, e.message, p_field(event_about(p, e.container)))
+    )
+    pods = [pod("pod-a", UA, A), pod("pod-b", UB, B)]
+    server.publish_pods(directory(pods, {}, None))
+    sock = tmp_path / "agent.sock"
+    in_a, stranger = Caller(sock, cgroups, UA, A), Caller(sock, cgroups, UC, C)
+    try:
+        assert in_a.next()["pod"] == "pod-a" and stranger.next()["pod"] is None
+        in_a.report("VRAMEnforced", "c0", "sent SIGTERM to pid 7")
+        in_a.report("VRAMEnforced", "c9", "about a container pod-a does not have")
+        in_a.report("Killing", "c0", "not one of ours")  # dropped, and counted as an error
+        stranger.report("VRAMEnforced", "-", "from a container no pod lists")
+        in_a.report("VRAMNearLimit", "-", "the pod as a whole")
+        wait_for(lambda: len(posted) == 3, what="three Events")
+        assert posted == [
+            ("pod-a", "VRAMEnforced", "sent SIGTERM to pid 7", "spec.containers{c0}"),
+            ("pod-a", "VRAMEnforced", "about a container pod-a does not have", None),
+            ("pod-a", "VRAMNearLimit", "the pod as a whole", None),
+        ]
+        server.publish_pods(directory([pods[0], pod("pod-b", UB, B, labels={"x": "y"})], {}, None))
+        server.publish_pods(directory(pods, {}, "still subscribed"))
+        assert in_a.next()["problem"] == "still subscribed"  # the bad report cost nothing
+    finally:
+        in_a.stop()
+        stranger.stop()
+
+
+def p_field(ref: ObjectReference) -> str | None:
+    return ref.get("fieldPath")

@@ -11,16 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
-from prometheus_client import CollectorRegistry, Counter
 
 from enforcer.edge.events import EventRecorder
-from enforcer.edge.kube import PodWatcher, api_client
 from enforcer.edge.metrics import Telemetry
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Signaller, Terminator
 from enforcer.edge.sources import AgentSource
-from enforcer.modes import sidecar
+from enforcer.modes import sidecar, sidecar_access
 from tests.helpers import configured
 
 
@@ -44,35 +41,42 @@ class NotFound(http.server.BaseHTTPRequestHandler):
 def test_a_helper_thread_that_stops_ends_the_sidecar_with_status_1(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings = configured(["sidecar", "--interval", "50ms"], {
-        "POD_NAME": "p", "POD_NAMESPACE": "ns", "POD_UID": "u", "NODE_NAME": "n",
-        "VRAM_ENFORCER_LIMITS": '{"t": 1}'})  # fmt: skip
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    config = client.Configuration()
-    config.host = f"http://127.0.0.1:{server.server_address[1]}"
-    config.proxy = None
-    api = api_client(config)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(KUBECONFIG.format(port=server.server_address[1]))
+    settings = configured(["sidecar", "--interval", "50ms", "--api-access", "direct",
+                           "--kubeconfig", str(kubeconfig)], {
+        "POD_NAME": "p", "POD_NAMESPACE": "ns", "POD_UID": "u", "NODE_NAME": "n",
+        "VRAM_ENFORCER_LIMITS": '{"t": 1}'})  # fmt: skip
     telemetry = Telemetry({"namespace": "ns", "pod": "p"})
-    failures = Counter("failures", "test", ["reason"], registry=CollectorRegistry())
-    watcher = PodWatcher(api, "ns", "p", unexpected=telemetry.unexpected.labels("pod-watcher"))
-    recorder = EventRecorder(api, "p", "n", failures)
+    access = sidecar_access.direct(settings, telemetry)
+    _watcher, recorder = access.helpers
+    assert isinstance(recorder, EventRecorder)
     source = AgentSource(str(tmp_path / "absent.sock"), stale_after=2.0)
     procfs = ProcFs()
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
-    pipeline = sidecar._pipeline(settings, procfs, source, terminator, watcher, None, recorder,
-                                 telemetry)  # fmt: skip
-    watcher.start()
-    recorder.start()
+    pipeline = sidecar._pipeline(settings, procfs, source, terminator, access, telemetry)
+    for helper in access.helpers:
+        helper.start()
     threading.Timer(0.3, recorder.close).start()  # the recorder's thread ends, as by a bug
     try:
         with caplog.at_level(logging.ERROR):
-            status = sidecar._loop(settings, source, pipeline, terminator, procfs, watcher,
-                                   [watcher, recorder])  # fmt: skip
+            status = sidecar._loop(settings, source, pipeline, terminator, procfs, access.pod,
+                                   access.helpers)  # fmt: skip
     finally:
-        watcher.stop.set()
-        watcher.refresh()
+        access.close()
         source.close()
         server.shutdown()
     assert status == 1
     assert "the event-recorder thread has stopped (a bug); exiting with status 1" in caplog.text
+
+
+KUBECONFIG = """
+apiVersion: v1
+kind: Config
+clusters: [{{name: c, cluster: {{server: "http://127.0.0.1:{port}"}}}}]
+users: [{{name: u, user: {{token: t}}}}]
+contexts: [{{name: x, context: {{cluster: c, user: u}}}}]
+current-context: x
+"""

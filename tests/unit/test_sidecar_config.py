@@ -31,7 +31,7 @@ def test_defaults_from_the_environment() -> None:
     assert s.interval == pytest.approx(0.1)
     assert s.agent_socket == "/run/vram-enforcer/agent.sock"
     assert s.sidecar_mode == "native"
-    assert s.pod_source == "agent"  # the pod from the agent's watch: no API read of ours
+    assert s.api_access == "agent"  # the pod from the agent's watch: no API read of ours
     assert not s.undeclared_allowed
 
 
@@ -80,10 +80,10 @@ def test_the_metrics_port_from_the_webhook_the_flag_or_the_default() -> None:
         (
             {},
             {"source": "nvml", "host_proc": "/host/proc"},
-            "--pod-source: 'agent' needs --source agent (the pod comes over the agent's "
-            "socket); with --source nvml pass --pod-source api",
+            "--api-access: 'agent' needs --source agent (the pod and the Events go over the "
+            "agent's socket); with --source nvml pass --api-access direct",
         ),
-        ({"VRAM_ENFORCER_POD_SOURCE": "etcd"}, {}, "VRAM_ENFORCER_POD_SOURCE: 'etcd' is not a"),
+        ({"VRAM_ENFORCER_API_ACCESS": "etcd"}, {}, "VRAM_ENFORCER_API_ACCESS: 'etcd' is not a"),
         ({}, {"undeclared": "maybe"}, "--undeclared: 'maybe'"),
     ],
 )

@@ -134,19 +134,20 @@ SOURCE = value(
     metavar="agent|nvml",
     doc="where usage comes from (below)",
 )
-POD_SOURCE = value(
-    "pod_source",
-    choice("agent", "api"),
-    "agent (the node agent's watch) or api",
-    flag="--pod-source",
-    env="VRAM_ENFORCER_POD_SOURCE",
+API_ACCESS = value(
+    "api_access",
+    choice("agent", "direct"),
+    "agent (through the node agent) or direct",
+    flag="--api-access",
+    env="VRAM_ENFORCER_API_ACCESS",
     default="agent",
-    metavar="agent|api",
-    doc="where the pod's containers (and, with DRA, its claims) come from: `agent`, pushed "
-    "by the node agent over the usage socket on every change, from its one watch of the "
-    "node's pods (the sidecar reads no pod from the API); `api`, read by the sidecar "
-    "itself, every 30 s (2 s in `container` mode), as sidecars of 0.1 did. `agent` needs "
-    "`--source agent`",
+    metavar="agent|direct",
+    doc="how the sidecar reaches the Kubernetes API. `agent`: it does not. The node agent "
+    "pushes it its pod (and, with DRA, its claims and this node's slices) with the usage, "
+    "from the agent's one watch of the node's pods, and posts its Events; the pod's "
+    "ServiceAccount needs no rights and the `kubernetes` client is not loaded. `direct`: "
+    "with the pod's ServiceAccount, as sidecars of 0.1 did: it reads its pod every 30 s "
+    "(2 s in `container` mode) and posts its Events. `agent` needs `--source agent`",
 )
 AGENT_SOCKET = value(
     "agent_socket",
@@ -236,7 +237,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     DRY_RUN,
     UNDECLARED_ALLOWED,
     SOURCE,
-    POD_SOURCE,
+    API_ACCESS,
     AGENT_SOCKET,
     HOST_PROC,
     STALE_AFTER,
@@ -267,7 +268,7 @@ class SidecarSettings:
     policy: PolicyConfig
     interval: float
     source: str
-    pod_source: str  # "agent": the pod comes with the usage, pushed; "api": read by us
+    api_access: str  # "agent": the pod comes with the usage and Events go back; "direct"
     agent_socket: str
     host_proc: str | None
     stale_after: float
@@ -282,12 +283,12 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         raise ConfigError(
             "--host-proc", None, "is missing; --source nvml needs the host's /proc, e.g. /host/proc"
         )
-    if values[SOURCE] == "nvml" and values[POD_SOURCE] == "agent":
+    if values[SOURCE] == "nvml" and values[API_ACCESS] == "agent":
         raise ConfigError(
-            "--pod-source",
+            "--api-access",
             "agent",
-            "needs --source agent (the pod comes over the agent's socket); with --source "
-            "nvml pass --pod-source api",
+            "needs --source agent (the pod and the Events go over the agent's socket); with "
+            "--source nvml pass --api-access direct",
         )
     dra = dra_settings(values) if values[LIMITS_FROM] == "dra" else None
     if dra is None and values[LIMITS] is None:
@@ -307,7 +308,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         policy=POLICY.config(values),
         interval=values[INTERVAL],
         source=values[SOURCE],
-        pod_source=values[POD_SOURCE],
+        api_access=values[API_ACCESS],
         agent_socket=values[AGENT_SOCKET],
         host_proc=values[HOST_PROC],
         stale_after=values[STALE_AFTER],
