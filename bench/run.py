@@ -174,7 +174,9 @@ def show(results: dict[str, Any]) -> None:
             f"sidecar end-to-end latency (agent 100 ms + sidecar 100 ms): p50 {row['p50_ms']:.1f} ms, "
             f"p99 {row['p99_ms']:.1f} ms (target <= {row['target_p99_ms']} ms), max {row['max_ms']:.1f} ms over "
             f"{row['trials']} trials; CPU {100 * row['cpu_share_of_one_core']:.2f}% of a core; "
-            f"RSS {row['rss_mib']:.1f} MiB (peak {row['peak_rss_mib']:.1f})"
+            f"RSS {row['rss_mib']:.1f} MiB (peak {row['peak_rss_mib']:.1f}); with --api-access direct: "
+            f"p50 {row['direct']['p50_ms']:.1f} ms, RSS {row['direct']['rss_mib']:.1f} MiB "
+            f"(peak {row['direct']['peak_rss_mib']:.1f})"
         )
     if row := results.get("webhook"):
         local, remote = row["in_process"], row["https"]

@@ -58,29 +58,42 @@ def available() -> str | None:
     return None
 
 
+NODE = "bench-node"
+
+
 def run(lib_dir: Path, trials: int, window: float) -> dict[str, Any]:
+    """The sidecar as injected (its pod and Events through the agent), then as 0.1 ran
+    (`--api-access direct`: the pod read and Events posted with its own API client)."""
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         server = ApiServer(apiserver_binary(), etcd_binary())  # type: ignore[arg-type]
         server.start()
         try:
-            return _run(server, lib_dir, tmp, trials, window)
+            core = client.CoreV1Api(server.client())
+            core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="bench")))
+            found = _run(server, lib_dir, tmp / "agent", trials, window, "agent")
+            found["direct"] = _run(server, lib_dir, tmp / "direct", trials, window, "direct")
+            return found
         finally:
             server.close()
 
 
-def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float) -> dict[str, Any]:
+def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float,
+         access: str) -> dict[str, Any]:  # fmt: skip
+    tmp.mkdir()
     core = client.CoreV1Api(server.client())
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="bench")))
     state_file, state = tmp / "gpu.json", FakeGpuState.single_gpu()
     state.write(state_file)
     env = {**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)}
+    kubeconfig = str(server.kubeconfig(server.admin_token, tmp / "kc"))
     agent = subprocess.Popen(
-        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off", "--socket", str(tmp / "agent.sock")],
-        env=env, stderr=subprocess.DEVNULL,
+        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--hard-limits", "off", "--node-name", NODE,
+         "--kubeconfig", kubeconfig, "--socket", str(tmp / "agent.sock")],
+        env=env, stderr=(tmp / "agent.log").open("w"),
     )  # fmt: skip
     wait_for((tmp / "agent.sock").exists, what="the agent")
-    pod = SimPod(core, "bench", "bench-0", ["trainer", "vram-enforcer"])
+    pod = SimPod(core, "bench", f"bench-{access}", ["trainer", "vram-enforcer"], node_name=NODE)
+    pod.report_status()  # as the kubelet does: the agent finds the sidecar's pod by it
     try:
         driver = pod.start(
             "trainer",
@@ -94,7 +107,7 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float
         (driver_pid,) = pod.host_pids("trainer")
         sidecar = pod.start(
             "vram-enforcer",
-            [*enforcer_argv("sidecar"), "--kubeconfig", str(server.kubeconfig(server.admin_token, tmp / "kc")), "--api-access", "direct",
+            [*enforcer_argv("sidecar"), "--kubeconfig", kubeconfig, "--api-access", access,
              "--interval", "100ms", "--log-format", "text"],
             env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid,
                  "VRAM_ENFORCER_LIMITS": json.dumps({"trainer": GiB}), "VRAM_ENFORCER_AGENT_SOCKET": str(tmp / "agent.sock")},
@@ -141,6 +154,7 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float
         agent.wait(timeout=10)
     ms = sorted(latencies)
     return {
+        "api_access": access,
         "trials": len(ms),
         "p50_ms": statistics.median(ms),
         "p99_ms": percentile(ms, 0.99),
