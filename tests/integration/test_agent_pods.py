@@ -251,3 +251,38 @@ def test_a_report_is_posted_on_the_callers_own_pod_and_nowhere_else(
 
 def p_field(ref: ObjectReference) -> str | None:
     return ref.get("fieldPath")
+
+
+def test_an_agent_restart_keeps_the_pod_and_delivers_the_reports_made_meanwhile(
+    cgroups: Path, tmp_path: Path
+) -> None:
+    """While the agent is away (a rolling upgrade), the sidecar keeps its pod and what it
+    reports waits; the new agent sends the pod again and posts what waited, once."""
+    sock, posted = tmp_path / "agent.sock", []
+    t = TELEMETRY
+
+    def agent() -> UsageServer:
+        s = UsageServer(sock, ProcFs(), ServerMetrics(t.requests, t.connections, t.unexpected),
+                        stale_after=60.0)  # fmt: skip
+        s.events = lambda p, e: posted.append((id(s), e.message))
+        s.start()
+        s.publish_pods(directory([pod("pod-a", UA, A)], {}, None))
+        return s
+
+    first = agent()
+    caller = Caller(sock, cgroups, UA, A)
+    second = None
+    try:
+        assert caller.next()["pod"] == "pod-a"
+        caller.report("VRAMNearLimit", "c0", "before")
+        wait_for(lambda: posted == [(id(first), "before")], what="the first report")
+        first.close()
+        caller.report("VRAMUsageUnknown", "-", "while the agent was away")
+        second = agent()
+        assert caller.next()["pod"] == "pod-a"  # sent again, on the new connection
+        wait_for(lambda: len(posted) == 2, what="the report made meanwhile")
+        assert posted[1] == (id(second), "while the agent was away")
+    finally:
+        caller.stop()
+        if second is not None:
+            second.close()
