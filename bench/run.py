@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import (
     agent_bench,
+    api_load_bench,
     exec_bench,
     flood_bench,
     hard_limits_bench,
@@ -44,7 +45,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer trials and shorter windows")
     p.add_argument(
         "--only",
-        choices=("exec", "agent", "sidecar", "webhook", "hard-limits", "flood"),
+        choices=("exec", "agent", "sidecar", "webhook", "hard-limits", "flood", "api-load"),
         help="run one group",
     )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
@@ -102,6 +103,12 @@ def main() -> None:
                 print(f"sidecar benchmarks skipped: {reason}")
             else:
                 results["sidecar"] = sidecar_bench.run(lib_dir, trials, window)
+        if args.only in (None, "api-load"):
+            reason = api_load_bench.available()
+            if reason:
+                print(f"API load benchmark skipped: {reason}")
+            else:
+                results["api_load"] = api_load_bench.run(lib_dir, 20, 60.0 if args.quick else 180.0)
         if args.only in (None, "flood"):
             reason = flood_bench.available()
             if reason:
@@ -177,6 +184,16 @@ def show(results: dict[str, Any]) -> None:
             f"RSS {row['rss_mib']:.1f} MiB (peak {row['peak_rss_mib']:.1f}); with --api-access direct: "
             f"p50 {row['direct']['p50_ms']:.1f} ms, RSS {row['direct']['rss_mib']:.1f} MiB "
             f"(peak {row['direct']['peak_rss_mib']:.1f})"
+        )
+    if row := results.get("api_load"):
+        print(f"API requests in steady state, {row['pods']} enforced pods on one real node, over "
+              f"{row['window_s']:.0f} s (the API server's audit log):")  # fmt: skip
+        for component, found in row["components"].items():
+            print(f"  {component}: {found['per_second']:.3f}/s {found['by_request']}")
+        fleet = row["at_1000_nodes_of_10_pods"]
+        print(
+            f"  at 1,000 nodes of 10 pods: sidecars {fleet['sidecars_per_second']:.1f}/s, "
+            f"agents {fleet['agents_per_second']:.1f}/s"
         )
     if row := results.get("webhook"):
         local, remote = row["in_process"], row["https"]

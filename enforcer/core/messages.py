@@ -126,6 +126,19 @@ def metrics_unavailable(detail: str) -> str:
     )
 
 
+def sidecar_silent(after: float) -> str:
+    return (
+        f"the vram-enforcer sidecar of this pod has not been connected to the node agent for "
+        f"{after:.0f}s: it was stopped or killed (a process of the pod can signal it), or it "
+        "is crash-looping. The pod's VRAM limits are not enforced by sampling until it is back "
+        "(a driver hard limit still holds, where there is one)"
+    )
+
+
+def sidecar_back() -> str:
+    return "the vram-enforcer sidecar of this pod is connected to the node agent again"
+
+
 def gpu_unreadable(gpu: str, index: int | None, why: str) -> str:
     at = f" (index {index})" if index is not None else ""
     return (

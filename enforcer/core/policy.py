@@ -60,6 +60,7 @@ class Reason(StrEnum):
     SAMPLING_ONLY = "VRAMSamplingOnly"  # the agent: no hard limit for the pod, and why
     ALLOCATION_UNKNOWN = "VRAMAllocationUnknown"  # DRA: a container's GPUs are not proven
     GPU_UNREADABLE = "VRAMGpuUnreadable"  # the agent, on its Node: NVML cannot read a GPU
+    SIDECAR_SILENT = "VRAMSidecarSilent"  # the agent: a pod's sidecar is gone (or back)
 
 
 @dataclass(frozen=True, slots=True)

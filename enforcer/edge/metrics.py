@@ -275,6 +275,12 @@ class AgentTelemetry:
             ["result"],
             registry=self.registry,
         )
+        self.unguarded = Gauge(
+            PREFIX + "pods_unguarded",
+            "Enforced pods of this node whose sidecar has not been connected to the agent for "
+            "10 s (stopped, killed or crash-looping): not enforced by sampling",
+            registry=self.registry,
+        )
         self.connections = Gauge(
             PREFIX + "agent_connections",
             "Open connections on the usage socket",

@@ -61,6 +61,9 @@ MAX_CONNECTIONS = 2048
 PER_NAMESPACE = 8
 ACCEPT_PAUSE = 1.0  # out of file descriptors: stop accepting this long, rather than spin
 ACCEPT_BATCH = 64  # connections accepted per wake-up of the loop; the rest wait their turn
+# What the kernel holds for a reader: a sidecar that stops reading (a workload stopped it)
+# blocks its connection within a few seconds, not after minutes of samples.
+SEND_BUFFER = 32 * 1024
 _WRITE_BUFFER = 64 * 1024  # past this, stop reading a client's requests until it reads
 
 
@@ -217,6 +220,9 @@ class UsageServer:
         self._connections: dict[int, _Connection] = {}
         self._per_namespace: collections.Counter[tuple[int, int]] = collections.Counter()
         self._accepting_at: float | None = None  # paused (out of fds) until then
+        # The container IDs with a subscription that is being read, as of the last sweep (a
+        # second at most): whose sidecars are there (`sidecar_presence`). Swapped whole.
+        self.connected: frozenset[str] = frozenset()
         self._counters: dict[str, Counter] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.thread = threading.Thread(target=self._run, name="usage-socket", daemon=True)
@@ -335,6 +341,8 @@ class UsageServer:
                 self._pause_accepting(exc)
                 return
             sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
             if len(self._connections) >= MAX_CONNECTIONS:
                 self._refuse(sock, "too many connections; retry later")
                 continue
@@ -509,6 +517,11 @@ class UsageServer:
             idle = not conn.subscribed and now - conn.last_request > IDLE_TIMEOUT
             if stuck or idle:
                 self._drop(conn)
+        self.connected = frozenset(
+            conn.container_id
+            for conn in self._connections.values()
+            if conn.subscribed and conn.blocked_since is None and conn.container_id
+        )
 
     def _drop(self, conn: _Connection) -> None:
         if conn.unproven is not None:

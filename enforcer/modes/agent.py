@@ -42,7 +42,6 @@ from enforcer.edge.sources import PidView, PidViewError
 from enforcer.edge.tenants import Tenants
 from enforcer.edge.usage_server import ServerMetrics, SocketInUse, UsageServer
 from enforcer.modes.limiter import HardLimiter
-from enforcer.modes.pod_publisher import PodPublisher
 
 if TYPE_CHECKING:
     from kubernetes import client
@@ -52,6 +51,8 @@ if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
     from enforcer.edge.kube import NodeAdvertiser
     from enforcer.edge.node_pods import NodePods
+    from enforcer.modes.pod_publisher import PodPublisher
+    from enforcer.modes.sidecar_watch import SidecarWatch
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +298,9 @@ def _serve(
     sampler = Sampler(
         source, server, telemetry, settings.interval, changed, Tenants(host_proc), faults
     )
-    threads: list[Sampler | Advertiser | HardLimiter | NodePods | PodPublisher] = [sampler]
+    threads: list[Sampler | Advertiser | HardLimiter | NodePods | PodPublisher | SidecarWatch] = [
+        sampler
+    ]
     if advertiser is not None:
         threads.append(Advertiser(advertiser, sampler, telemetry, settings.resync, changed))
     recorder, pod_watch = None, None
@@ -343,7 +346,7 @@ def _pod_watch(
     sampler: Sampler,
     telemetry: AgentTelemetry,
     server: UsageServer,
-) -> tuple[EventRecorder, NodePods, list[HardLimiter | PodPublisher]]:
+) -> tuple[EventRecorder, NodePods, list[HardLimiter | PodPublisher | SidecarWatch]]:
     """The one watch of this node's pods, and what it wakes: the hard limiter (with the
     recorder of its Events) and the pod replies to sidecars. Each pod's DRA objects are read
     once per change of the pod, for both. The limiter has an NVML session of its own (NVML
@@ -351,12 +354,14 @@ def _pod_watch(
     from enforcer.edge.claims import ClaimCache, ClaimReader  # noqa: PLC0415 - only when used
     from enforcer.edge.events import EventRecorder  # noqa: PLC0415
     from enforcer.edge.node_pods import NodePods  # noqa: PLC0415
+    from enforcer.modes.pod_publisher import PodPublisher  # noqa: PLC0415
+    from enforcer.modes.sidecar_watch import SidecarWatch  # noqa: PLC0415
 
     claims = ClaimCache(ClaimReader(api, settings.node_name))
     recorder = EventRecorder(api, settings.node_name, settings.node_name, telemetry.event_failures)
     limiter_woken, publisher_woken = threading.Event(), threading.Event()
     pods = NodePods(api, settings.node_name, (limiter_woken, publisher_woken))
-    woken: list[HardLimiter | PodPublisher] = []
+    woken: list[HardLimiter | PodPublisher | SidecarWatch] = []
     if settings.hard_limits:
         woken.append(
             HardLimiter(
@@ -383,6 +388,7 @@ def _pod_watch(
         server.events = post
         dra = claims if settings.dra.drivers else None
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
+        woken.append(SidecarWatch(pods.snapshot, lambda: server.connected, recorder, telemetry))
     return recorder, pods, woken
 
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from enforcer.core.dra import claim_names
 from enforcer.core.pod_directory import Directory, DraRead, directory
-from enforcer.edge.claims import ClaimCache
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
-from enforcer.edge.node_pods import NodePods
+
+if TYPE_CHECKING:  # the kubernetes client, loaded only by an agent that uses the API
+    from enforcer.edge.claims import ClaimCache
+    from enforcer.edge.node_pods import NodePods
 
 log = logging.getLogger(__name__)
 

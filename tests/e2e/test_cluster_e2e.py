@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +77,11 @@ class Cluster:
                              capture_output=True, text=True, timeout=60)  # fmt: skip
         assert out.returncode == 0, out.stderr
         return out.stdout
+
+    def agent_metrics(self) -> str:
+        assert self.agent is not None
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.agent.port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
 
     def use(self, pid: int, used: int | None) -> None:
         """What the fake NVML reports for host pid `pid` (None: nothing)."""
@@ -352,6 +359,40 @@ def test_a_sidecar_without_any_rbac_enforces_through_the_agent(
         rbac.patch_namespaced_role(f"{RELEASE}-sidecar", OPTED_IN, {"rules": role.rules})
         core.delete_namespaced_pod("pair", OPTED_IN)
         wait_for(lambda: gone(core, OPTED_IN, "pair"), timeout=60, what="the pod to be gone")
+
+
+def test_a_workload_that_stops_its_sidecar_is_told_on(installed: Cluster) -> None:
+    """The attack from inside the tenant's container: root there, it stops its sidecar
+    (they share a PID namespace). The agent sees that nobody reads the sidecar's
+    connection and says so on the pod; when the sidecar runs again, it says that too."""
+    core = installed.core
+    core.create_namespaced_pod(OPTED_IN, workload("quiet", "1Gi"))
+    pod = wait_for(lambda: running(core, OPTED_IN, "quiet"), timeout=90, what="the pod to run")
+    (side,) = pod.status.init_container_statuses
+    host_pids = installed.node.pids(side.container_id.split("://")[1])
+    sidecar = next(p for p in host_pids if b"sidecar" in Path(f"/proc/{p}/cmdline").read_bytes())
+    in_pod = (
+        Path(f"/proc/{sidecar}/status").read_text().split("NSpid:")[1].split("\n")[0].split()[-1]
+    )
+    try:
+        # as `kubectl exec` would (this API server cannot dial the kubelet by name): in the
+        # workload container's PID and mount namespaces, with its python
+        (trainer,) = pod.status.container_statuses
+        workload_pid = installed.node.pids(trainer.container_id.split("://")[1])[0]
+        python = os.readlink(f"/proc/{workload_pid}/exe")  # the image's, as the container sees it
+        subprocess.run(["nsenter", "-t", str(workload_pid), "--pid", "--mount", "--", python, "-c",
+                        f"import os, signal; os.kill({in_pod}, signal.SIGSTOP)"], check=True)  # fmt: skip
+        assert Path(f"/proc/{sidecar}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+        (silent,) = wait_for(lambda: events(core, OPTED_IN, "quiet", "VRAMSidecarSilent"),
+                             timeout=60, what="the agent to say the sidecar is gone")  # fmt: skip
+        assert silent.type == "Warning" and "not enforced by sampling" in silent.message
+        assert "vram_enforcer_pods_unguarded 1.0" in installed.agent_metrics()
+    finally:
+        os.kill(sidecar, signal.SIGCONT)
+    wait_for(lambda: any(e.type == "Normal" for e in events(core, OPTED_IN, "quiet", "VRAMSidecarSilent")),
+             timeout=60, what="the agent to say the sidecar is back")  # fmt: skip
+    core.delete_namespaced_pod("quiet", OPTED_IN)
+    wait_for(lambda: gone(core, OPTED_IN, "quiet"), timeout=60, what="the pod to be gone")
 
 
 def _restarts(pod: client.V1Pod, container: str) -> int:

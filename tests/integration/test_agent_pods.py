@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
+from enforcer.core.model import SourceDown
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod_directory import directory, event_about
 from enforcer.edge.metrics import AgentTelemetry
@@ -286,3 +289,26 @@ def test_an_agent_restart_keeps_the_pod_and_delivers_the_reports_made_meanwhile(
         caller.stop()
         if second is not None:
             second.close()
+
+
+def test_a_stopped_sidecar_is_no_longer_counted_as_there(
+    server: UsageServer, cgroups: Path, tmp_path: Path
+) -> None:
+    """A workload that stops its sidecar (SIGSTOP) leaves its connection open: the agent
+    must see that nobody reads it. A small send buffer blocks it after a few samples, and
+    a blocked subscription does not count; once it reads again, it counts again."""
+    server.publish_pods(directory([pod("pod-a", UA, A)], {}, None))
+    caller = Caller(tmp_path / "agent.sock", cgroups, UA, A)
+    try:
+        assert caller.next()["pod"] == "pod-a"
+        wait_for(lambda: A in server.connected, what="the sidecar counted as there")
+        os.kill(caller.proc.pid, signal.SIGSTOP)
+        for i in range(400):  # samples, as the sampler publishes them, unread now
+            server.publish(SourceDown(f"sample {i}"))
+            time.sleep(0.002)
+        wait_for(lambda: A not in server.connected, what="the stopped sidecar not counted")
+        os.kill(caller.proc.pid, signal.SIGCONT)
+        wait_for(lambda: A in server.connected, what="the sidecar counted again")
+    finally:
+        os.kill(caller.proc.pid, signal.SIGCONT)
+        caller.stop()

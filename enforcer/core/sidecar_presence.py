@@ -1,0 +1,76 @@
+"""Which enforced pods of the node have no sidecar connected to the agent.
+
+The workload shares its sidecar's PID namespace, and a root workload can stop (SIGSTOP) or
+kill it: enforcement by sampling then ends for that pod. The agent sees every sidecar's
+connection, so it can at least tell: a running enforced pod whose sidecar has had no
+working connection for SILENT_AFTER seconds is said to be unguarded (an Event on the pod,
+a metric, the log), and said to be guarded again once its sidecar is back. (Enforcing
+such a pod from the agent is the next step; until then the driver's hard limit, where
+there is one, still holds.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from dataclasses import dataclass, field
+
+from enforcer.core.cgroups import status_container_id
+from enforcer.core.payloads import Pod
+from enforcer.core.pod import json_map, json_maps
+
+SILENT_AFTER = 10.0  # seconds without a connected sidecar before a pod is said unguarded
+SIDECAR = "vram-enforcer"
+ENFORCED_LABEL = "vram-enforcer.io/enforced"
+
+
+@dataclass(frozen=True, slots=True)
+class Presence:
+    """Per pod UID: since when its sidecar has been missing, and the pods said unguarded."""
+
+    missing_since: Mapping[str, float] = field(default_factory=dict)
+    silent: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    presence: Presence
+    went_silent: tuple[str, ...] = ()  # pod UIDs, newly unguarded
+    came_back: tuple[str, ...] = ()
+
+
+def guarded(pod: Pod) -> bool:
+    """A running pod that the webhook injected (its label, kept by the chart's policy)."""
+    labels = json_map(json_map(pod.get("metadata")).get("labels"))
+    phase = json_map(pod.get("status")).get("phase")
+    return labels.get(ENFORCED_LABEL) == "true" and phase == "Running"
+
+
+def sidecar_id(pod: Pod) -> str | None:
+    """The ID of the pod's sidecar container now (a restart gives it a new one)."""
+    status = json_map(pod.get("status"))
+    for field_name in ("initContainerStatuses", "containerStatuses"):
+        for cs in json_maps(status.get(field_name)):
+            if cs.get("name") == SIDECAR:
+                return status_container_id(cs.get("containerID"))
+    return None
+
+
+def update(previous: Presence, pods: Mapping[str, Pod], connected: Set[str], now: float) -> Change:
+    """`pods` by UID; `connected`: the container IDs with a working subscription now."""
+    missing: dict[str, float] = {}
+    silent = set()
+    went, back = [], []
+    for uid, pod in pods.items():
+        if not guarded(pod):
+            continue
+        if (cid := sidecar_id(pod)) is not None and cid in connected:
+            if uid in previous.silent:
+                back.append(uid)
+            continue
+        since = previous.missing_since.get(uid, now)
+        missing[uid] = since
+        if now - since >= SILENT_AFTER:
+            silent.add(uid)
+            if uid not in previous.silent:
+                went.append(uid)
+    return Change(Presence(missing, frozenset(silent)), tuple(went), tuple(back))
