@@ -1,6 +1,6 @@
 """All benchmarks, one command (from the repository root, after `bash .ci/run`):
 
-    .venv/bin/python bench/run.py            # everything, about 5 minutes
+    .venv/bin/python bench/run.py            # everything, about 10 minutes
     .venv/bin/python bench/run.py --quick    # fewer trials and shorter windows
     .venv/bin/python bench/run.py --only agent
 
