@@ -60,6 +60,7 @@ EXIT_USAGE = 2
 EXIT_THREAD_DIED = 1
 STALE_INTERVALS = 20  # replies turn into errors once the sample is this many intervals old
 LIVENESS_AFTER = 60.0  # /healthz fails when no NVML pass has completed for this long (s)
+JOIN_WITHIN = 5.0  # on SIGTERM, the threads get this long, together, to end
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
@@ -330,8 +331,11 @@ def _serve(
     if pod_watch is not None:
         pod_watch.close()  # ends a read blocked on the watch
     changed.set()
+    # One deadline for all: a thread stuck in an API call's retry pause (the API down) is
+    # left behind, being a daemon, and the others are not kept waiting behind it.
+    deadline = time.monotonic() + JOIN_WITHIN
     for t in threads:
-        t.join(timeout=5)
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
     if recorder is not None:
         recorder.close()
     source.close()

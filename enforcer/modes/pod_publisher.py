@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # the kubernetes client, loaded only by an agent that uses th
 
 log = logging.getLogger(__name__)
 
+STOP_CHECK = 1.0  # seconds
+
 
 class PodPublisher(threading.Thread):
     """Keeps the socket's pod directory equal to the node's pods, woken by the pod watch."""
@@ -49,11 +51,14 @@ class PodPublisher(threading.Thread):
     def run(self) -> None:
         while not self.stop.is_set():
             due = self._claims.next_read() if self._claims is not None else None
-            self._changed.wait(due)  # a change, or a pod's claims due to be read again
-            self._changed.clear()
+            # A change, or a pod's claims due to be read again; at least once a second, to
+            # see `stop` (the agent's shutdown waits for this thread).
+            woken = self._changed.wait(STOP_CHECK if due is None else min(due, STOP_CHECK))
             if self.stop.is_set():
                 return
-            self._guard.run(self.publish_once)
+            if woken or (due is not None and due <= STOP_CHECK):
+                self._changed.clear()
+                self._guard.run(self.publish_once)
 
     def publish_once(self) -> None:
         pods = self._pods.snapshot()

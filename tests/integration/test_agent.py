@@ -29,6 +29,7 @@ from enforcer.core.model import GiB
 from enforcer.edge.peers import PeerError, attest
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.usage_server import PER_NAMESPACE
+from tests.fakenvml import FakeGpuState
 from tests.fakenvml.plugin import FakeNvml
 from tests.helpers import children, free_port, scratch_cgroup, wait_for
 
@@ -521,3 +522,36 @@ def test_pods_that_connect_as_fast_as_they_are_refused_do_not_stall_the_others(
         for h in hammers:
             h.kill()
             h.wait()
+
+
+def test_sigterm_ends_an_agent_whose_api_is_unreachable_promptly(
+    fake_nvml_lib: Path, tmp_path: Path
+) -> None:
+    """The DaemonSet's grace period is 30 s. The threads get 5 s to end, together: the pod
+    list and the advertiser, in their API calls' retry pauses, once took 5 s each, one
+    after the other, and the pod publisher, waiting for a change that never came, 5 s
+    more (15 s). The bound lies between one such wait and two, whatever the load."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: x\n  cluster: {server: "
+        "'https://127.0.0.1:1'}\nusers:\n- name: x\n  user: {token: t}\ncontexts:\n- name: x\n"
+        "  context: {cluster: x, user: x}\ncurrent-context: x\n"
+    )
+    state = FakeGpuState.single_gpu()
+    state.write(tmp_path / "gpu.json")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "enforcer", "agent", "--node-name", "n", "--kubeconfig", str(kubeconfig),
+         "--socket", str(tmp_path / "a.sock"), "--log-format", "text"],
+        env={**os.environ, "LD_LIBRARY_PATH": str(fake_nvml_lib), "FAKE_NVML_STATE": str(tmp_path / "gpu.json")},
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for((tmp_path / "a.sock").exists, what="the agent's socket")
+        time.sleep(2.0)  # its threads in their waits: the pod list failing, the publisher idle
+        started = time.monotonic()
+        agent.terminate()
+        assert agent.wait(timeout=30) == 0
+        assert time.monotonic() - started < 9.5
+    finally:
+        agent.kill()
+        agent.wait()
