@@ -382,7 +382,9 @@ def test_a_workload_that_stops_its_sidecar_is_told_on(installed: Cluster) -> Non
         python = os.readlink(f"/proc/{workload_pid}/exe")  # the image's, as the container sees it
         subprocess.run(["nsenter", "-t", str(workload_pid), "--pid", "--mount", "--", python, "-c",
                         f"import os, signal; os.kill({in_pod}, signal.SIGSTOP)"], check=True)  # fmt: skip
-        assert Path(f"/proc/{sidecar}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+        # a signal is delivered when the process next runs in the kernel: not at once
+        wait_for(lambda: Path(f"/proc/{sidecar}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
+                 timeout=10, what="the sidecar to be stopped")  # fmt: skip
         (silent,) = wait_for(lambda: events(core, OPTED_IN, "quiet", "VRAMSidecarSilent"),
                              timeout=60, what="the agent to say the sidecar is gone")  # fmt: skip
         assert silent.type == "Warning" and "not enforced by sampling" in silent.message
