@@ -146,3 +146,15 @@ def remove_cgroup_tree(path: Path, timeout: float = 10.0) -> None:
     below = sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
     for directory in [*below, path]:
         wait_for(lambda d=directory: remove(d), timeout=timeout, what=f"{directory} removed")
+
+
+def write_kubeconfig(path: Path, server: str) -> Path:
+    """A kubeconfig for `server` with a made-up bearer token, for a component pointed at a
+    stand-in API server (or at none)."""
+    path.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters: [{{name: c, cluster: {{server: '{server}'}}}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n"
+    )
+    return path

@@ -14,13 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 
+from enforcer.core.admission import ENFORCED, SIDECAR
 from enforcer.core.cgroups import status_container_id
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import json_map, json_maps
 
 SILENT_AFTER = 10.0  # seconds without a connected sidecar before a pod is said unguarded
-SIDECAR = "vram-enforcer"
-ENFORCED_LABEL = "vram-enforcer.io/enforced"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +41,7 @@ def guarded(pod: Pod) -> bool:
     """A running pod that the webhook injected (its label, kept by the chart's policy)."""
     labels = json_map(json_map(pod.get("metadata")).get("labels"))
     phase = json_map(pod.get("status")).get("phase")
-    return labels.get(ENFORCED_LABEL) == "true" and phase == "Running"
+    return labels.get(ENFORCED) == "true" and phase == "Running"
 
 
 def sidecar_id(pod: Pod) -> str | None:

@@ -31,7 +31,7 @@ from enforcer.edge.procfs import ProcFs
 from enforcer.edge.usage_server import PER_NAMESPACE
 from tests.fakenvml import FakeGpuState
 from tests.fakenvml.plugin import FakeNvml
-from tests.helpers import children, free_port, scratch_cgroup, wait_for
+from tests.helpers import children, free_port, scratch_cgroup, wait_for, write_kubeconfig
 
 POD = Path(__file__).with_name("pod.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -531,12 +531,7 @@ def test_sigterm_ends_an_agent_whose_api_is_unreachable_promptly(
     list and the advertiser, in their API calls' retry pauses, once took 5 s each, one
     after the other, and the pod publisher, waiting for a change that never came, 5 s
     more (15 s). The bound lies between one such wait and two, whatever the load."""
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: x\n  cluster: {server: "
-        "'https://127.0.0.1:1'}\nusers:\n- name: x\n  user: {token: t}\ncontexts:\n- name: x\n"
-        "  context: {cluster: x, user: x}\ncurrent-context: x\n"
-    )
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", "https://127.0.0.1:1")
     state = FakeGpuState.single_gpu()
     state.write(tmp_path / "gpu.json")
     agent = subprocess.Popen(

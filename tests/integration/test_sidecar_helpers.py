@@ -18,7 +18,7 @@ from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Signaller, Terminator
 from enforcer.edge.sources import AgentSource
 from enforcer.modes import sidecar, sidecar_access
-from tests.helpers import configured
+from tests.helpers import configured, write_kubeconfig
 
 
 class NotFound(http.server.BaseHTTPRequestHandler):
@@ -43,8 +43,9 @@ def test_a_helper_thread_that_stops_ends_the_sidecar_with_status_1(
 ) -> None:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(KUBECONFIG.format(port=server.server_address[1]))
+    kubeconfig = write_kubeconfig(
+        tmp_path / "kubeconfig", f"http://127.0.0.1:{server.server_address[1]}"
+    )
     settings = configured(["sidecar", "--interval", "50ms", "--api-access", "direct",
                            "--kubeconfig", str(kubeconfig)], {
         "POD_NAME": "p", "POD_NAMESPACE": "ns", "POD_UID": "u", "NODE_NAME": "n",
@@ -70,13 +71,3 @@ def test_a_helper_thread_that_stops_ends_the_sidecar_with_status_1(
         server.shutdown()
     assert status == 1
     assert "the event-recorder thread has stopped (a bug); exiting with status 1" in caplog.text
-
-
-KUBECONFIG = """
-apiVersion: v1
-kind: Config
-clusters: [{{name: c, cluster: {{server: "http://127.0.0.1:{port}"}}}}]
-users: [{{name: u, user: {{token: t}}}}]
-contexts: [{{name: x, context: {{cluster: c, user: u}}}}]
-current-context: x
-"""
