@@ -1,10 +1,11 @@
 """The webhook's decision (pure): an AdmissionReview in, an AdmissionReview out.
 
-A pod that declares VRAM gets the sidecar, a shared PID namespace, the agent's socket, its
-limits in the environment and, by default, a real `/dev/shm`. The patch is the difference
-between the pod as submitted and as mutated (`jsonpatch.make_patch`), so it applies to
-exactly the object the API server holds. Everything a user can get wrong is denied with a
-message that names the container, the field, the value and the fix.
+A pod that declares VRAM gets the sidecar (with a socket of its own that the agent connects
+to), a shared PID namespace, its limits in the environment and, by default, a real
+`/dev/shm`. The patch is the difference between the pod as submitted and as mutated
+(`jsonpatch.make_patch`), so it applies to exactly the object the API server holds.
+Everything a user can get wrong is denied with a message that names the container, the
+field, the value and the fix.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from enforcer.core.payloads import (
     Volume,
     VolumeMount,
 )
+from enforcer.core.protocol import SIDECAR_SOCKET, SIDECAR_SOCKET_DIR
 from enforcer.core.settings.sidecar import METRICS_PORT_DEFAULT
 from enforcer.core.tenancy import Bounds, Tenancy, check_action, check_grace_period, in_namespace
 
@@ -56,7 +58,6 @@ SIDECAR = "vram-enforcer"
 SOCKET_VOLUME = "vram-enforcer-socket"
 SHM_VOLUME = "vram-enforcer-shm"
 TOKEN_VOLUME = "vram-enforcer-token"  # noqa: S105 - a volume name, not a secret
-SOCKET_DIR = "/run/vram-enforcer"
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # noqa: S105 - a path
 SHM_DIR = "/dev/shm"  # noqa: S108 - the mount point we provide, not a file we write
 # Annotation -> the sidecar variable it sets, and how it is checked.
@@ -90,7 +91,6 @@ class AdmissionSettings:
     runtime_class: str | None = None
     sidecar_cpu: str = "10m"
     sidecar_memory: str = "96Mi"
-    agent_socket: str = f"{SOCKET_DIR}/agent.sock"
     # DRA: the DeviceClass that a declaration becomes a claim on (None: per-node counting by
     # the extended resource), and the device capacity that is GPU memory.
     dra_class: str | None = None
@@ -585,14 +585,17 @@ def _add_sidecar(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping
             "value": ",".join(c["name"] for c in _containers(spec) if c["name"] != SIDECAR),
         },
         *[EnvVar(name=k, value=v) for k, v in settings_env.items()],
-        {"name": "VRAM_ENFORCER_AGENT_SOCKET", "value": settings.agent_socket},
+        {"name": "VRAM_ENFORCER_LISTEN", "value": SIDECAR_SOCKET},
         {"name": "VRAM_ENFORCER_SIDECAR_MODE", "value": settings.sidecar_mode},
         {"name": "VRAM_ENFORCER_METRICS_PORT", "value": str(metrics_port)},
     ]
-    mounts: list[VolumeMount] = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR, "readOnly": True}]
+    # The sidecar's own socket, which the agent connects to through /proc/<pid>/root: an
+    # emptyDir (which every Pod Security level allows) that no other container mounts. (A
+    # pod copied from one of 0.1 may carry the hostPath of the agent's socket
+    # under this name: it is replaced.)
+    mounts: list[VolumeMount] = [{"name": SOCKET_VOLUME, "mountPath": SIDECAR_SOCKET_DIR}]
     volumes = spec.setdefault("volumes", [])
-    _put(volumes, {"name": SOCKET_VOLUME,
-                   "hostPath": {"path": SOCKET_DIR, "type": "DirectoryOrCreate"}})  # fmt: skip
+    _put(volumes, {"name": SOCKET_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
     if spec.get("automountServiceAccountToken") is False:
         # The pod opted out of the API token; the sidecar still needs one, for itself only.
         _put(volumes, _token_volume())
@@ -619,6 +622,15 @@ def _add_sidecar(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping
         },
         "volumeMounts": mounts,
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        # Started once its socket is there, which it makes after closing itself to the
+        # workload (not dumpable): a native sidecar's workload starts only then, so it
+        # never finds the sidecar open to ptrace in its first second, nor unenforced.
+        "startupProbe": {
+            "exec": {"command": ["python", "-c", _LISTENING]},
+            "periodSeconds": 1,
+            "timeoutSeconds": 5,
+            "failureThreshold": 120,
+        },
     }
     # An earlier pass's sidecar (or a forgery of it) is replaced in place, and leaves the
     # list it does not belong in.
@@ -631,6 +643,9 @@ def _add_sidecar(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping
     else:
         _drop_sidecar(spec.get("initContainers"))
         _put(spec.setdefault("containers", []), sidecar)
+
+
+_LISTENING = f"import os, sys; sys.exit(not os.path.exists({SIDECAR_SOCKET!r}))"
 
 
 def _service_account_mounts(spec: PodSpec) -> list[VolumeMount]:

@@ -72,12 +72,12 @@ class Container(TypedDict, total=False):
     securityContext: dict[str, Any]
     restartPolicy: str
     terminationMessagePolicy: str
+    startupProbe: dict[str, Any]
 
 
 class Volume(TypedDict, total=False):
     name: str
     emptyDir: dict[str, str]
-    hostPath: dict[str, str]
     projected: dict[str, Any]
 
 

@@ -17,6 +17,11 @@ from enforcer.core.model import Activity, Device, ProcessKey, ProcessUsage, Samp
 from enforcer.core.payloads import Pod
 
 VERSION = 1
+# Where the agent finds each sidecar: a socket in the sidecar's own filesystem, which the
+# agent connects to through /proc/<pid>/root (the pod needs no hostPath). Its directory is
+# an emptyDir that only the sidecar mounts.
+SIDECAR_SOCKET_DIR = "/run/vram-enforcer"
+SIDECAR_SOCKET = f"{SIDECAR_SOCKET_DIR}/sidecar.sock"
 MAX_REQUEST_BYTES = 4096
 OPS = ("usage", "subscribe", "event")
 _REASON = re.compile(r"VRAM[A-Za-z]{1,60}")

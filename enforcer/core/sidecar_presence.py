@@ -1,4 +1,9 @@
-"""Which enforced pods of the node have no sidecar connected to the agent.
+"""Which enforced pods of the node have no sidecar connected to the agent, and which
+sidecars the agent should connect to.
+
+The agent connects to each running sidecar (`reachable`) through the socket in the
+sidecar's own filesystem, and tries again on a doubling schedule while it cannot
+(`to_dial`): a sidecar still starting, or one of 0.1 that connects by itself.
 
 The workload shares its sidecar's PID namespace, and a root workload can stop (SIGSTOP) or
 kill it: enforcement by sampling then ends for that pod. The agent sees every sidecar's
@@ -11,7 +16,7 @@ there is one, still holds.)
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
 from enforcer.core.admission import ENFORCED, SIDECAR
@@ -20,6 +25,7 @@ from enforcer.core.payloads import Pod
 from enforcer.core.pod import json_map, json_maps
 
 SILENT_AFTER = 10.0  # seconds without a connected sidecar before a pod is said unguarded
+FIRST_RETRY, LAST_RETRY = 1.0, 30.0  # seconds between attempts to connect to a sidecar
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +58,43 @@ def sidecar_id(pod: Pod) -> str | None:
             if cs.get("name") == SIDECAR:
                 return status_container_id(cs.get("containerID"))
     return None
+
+
+def reachable(pod: Pod) -> str | None:
+    """The container ID of an enforced pod's sidecar while it runs, whatever the pod's phase
+    (a native sidecar runs before the workload does): the one to connect to."""
+    if json_map(json_map(pod.get("metadata")).get("labels")).get(ENFORCED) != "true":
+        return None
+    status = json_map(pod.get("status"))
+    for field_name in ("initContainerStatuses", "containerStatuses"):
+        for cs in json_maps(status.get(field_name)):
+            if cs.get("name") == SIDECAR and "running" in json_map(cs.get("state")):
+                return status_container_id(cs.get("containerID"))
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    at: float
+    wait: float  # until the next one
+
+
+def to_dial(
+    unconnected: Iterable[str], tried: Mapping[str, Attempt], now: float
+) -> tuple[tuple[str, ...], dict[str, Attempt]]:
+    """The sidecars (container IDs) to connect to now, and the attempts to remember: the
+    first at once, then after FIRST_RETRY, doubling up to LAST_RETRY. A sidecar that is
+    connected (not in `unconnected`) is forgotten, so that it is tried at once if lost."""
+    due, kept = [], {}
+    for cid in unconnected:
+        last = tried.get(cid)
+        if last is not None and now < last.at + last.wait:
+            kept[cid] = last
+            continue
+        due.append(cid)
+        wait = FIRST_RETRY if last is None else min(LAST_RETRY, 2 * last.wait)
+        kept[cid] = Attempt(now, wait)
+    return tuple(due), kept
 
 
 def update(previous: Presence, pods: Mapping[str, Pod], connected: Set[str], now: float) -> Change:

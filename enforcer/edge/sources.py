@@ -9,12 +9,15 @@ raising, so that a tick without data is an ordinary, reportable state.
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import os
 import select
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Protocol
 
 from enforcer.core.model import Sample, SourceDown
@@ -29,7 +32,10 @@ from enforcer.core.protocol import (
     encode_request,
 )
 from enforcer.edge.backoff import Backoff
+from enforcer.edge.listening import listen, peer_pid
 from enforcer.edge.procfs import INITIAL_PID_NS, NsChain, ProcFs
+
+log = logging.getLogger(__name__)
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 EVENT_BACKLOG = 64  # reports kept for the agent while it cannot take them; then the oldest go
@@ -114,6 +120,11 @@ def _is_initial_procfs(procfs: ProcFs, pid: int | str) -> bool:
     return False
 
 
+def _listen(path: str) -> socket.socket:
+    # Only the sidecar's user (root) and the agent (root, through /proc/<pid>/root) need it.
+    return listen(Path(path), 0o600, 4, "sidecar", "--listen")
+
+
 class AgentSource:
     """Usage from the node agent's socket, subscribed: each sample arrives once it is taken.
 
@@ -127,6 +138,12 @@ class AgentSource:
     gives the agent a report to post as an Event on that pod; reports made while the agent
     cannot take them (away, or not yet sure who we are) wait, up to EVENT_BACKLOG of them,
     and go once it answers again.
+
+    With `listen`, the sidecar does not connect: it listens on that socket, in its own
+    filesystem, and the agent connects to it through /proc/<pid>/root (the pod needs no
+    hostPath). The conversation is then the same. Only a process outside this PID
+    namespace may connect: one inside it is of this pod, a workload that could feed the
+    sidecar made-up usage, and is refused.
     """
 
     def __init__(
@@ -136,8 +153,12 @@ class AgentSource:
         backoff: Backoff | None = None,
         clock: Callable[[], float] = time.monotonic,
         pod: bool = False,
+        listen: str | None = None,
     ) -> None:
         self._path = path
+        # Raises SocketInUse or OSError: the sidecar cannot start without it.
+        self._listener = None if listen is None else _listen(listen)
+        self._listening_on = listen
         self._stale_after = stale_after
         self._wants_pod = pod
         self.pod_reply: PodReply | None = None  # None until the agent has sent one
@@ -155,12 +176,19 @@ class AgentSource:
         self._received = 0.0
         self._latest: Sample | SourceDown = SourceDown(
             "waiting for the first sample from the node agent"
+            if listen is None
+            else f"waiting for the node agent to connect to {listen} (is an agent of this "
+            "release running on this node?)"
         )
 
     def fileno(self) -> int | None:
-        return None if self._sock is None else self._sock.fileno()
+        if self._sock is not None:
+            return self._sock.fileno()
+        return None if self._listener is None else self._listener.fileno()
 
     def sample(self) -> Sample | SourceDown:
+        if self._listener is not None and self._sock is not None:
+            self._take_newer()
         if self._sock is None and not self._connect():
             return self._latest
         self._drain()
@@ -173,12 +201,19 @@ class AgentSource:
 
     def _connect(self) -> bool:
         now = self._clock()
+        if self._listener is not None:
+            accepted = self._accept()
+            return accepted is not None and self._subscribe(accepted, now)
         if not self._backoff.ready(now):
             return False
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        return self._subscribe(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), now)
+
+    def _subscribe(self, sock: socket.socket, now: float) -> bool:
+        where = self._path if self._listener is None else self._listening_on
         try:
             sock.settimeout(1.0)
-            sock.connect(self._path)
+            if self._listener is None:
+                sock.connect(self._path)
             sock.sendall(encode_request("subscribe", pod=self._wants_pod))
             select.select([sock], [], [], 1.0)  # the agent answers a subscription at once
             sock.setblocking(False)
@@ -186,12 +221,41 @@ class AgentSource:
             sock.close()
             self._backoff.failed(now)
             self._latest = SourceDown(
-                f"cannot reach the node agent at {self._path}: {exc.strerror or exc}"
+                f"cannot reach the node agent at {where}: {exc.strerror or exc}"
             )
             return False
         self._backoff.succeeded()
         self._sock, self._buffer, self._answering = sock, b"", False
         return True
+
+    def _take_newer(self) -> None:
+        """While connected, a newer connection of the agent's (it connects again when it
+        no longer counts the old one) replaces the old; callers of this pod are refused
+        at once, not left waiting."""
+        accepted = self._accept()
+        if accepted is not None:
+            self._hang_up()
+            self._subscribe(accepted, self._clock())
+
+    def _accept(self) -> socket.socket | None:
+        """The agent's connection, if it has connected; a caller from this pod is refused."""
+        assert self._listener is not None  # noqa: S101 - only called when listening
+        for _ in range(8):  # a few refused callers do not keep the agent waiting a tick
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            pid = peer_pid(sock)
+            if pid == 0:  # outside this PID namespace: the agent (see the class)
+                return sock
+            sock.close()
+            log.warning(
+                "refused a connection to %s from pid %d of this pod: only the node agent may "
+                "connect to the sidecar",
+                self._listening_on,
+                pid,
+            )
+        return None
 
     def send_event(self, event: EventRequest) -> None:
         """Hand a report to the agent, never waiting: the Event is the agent's to post."""
@@ -264,11 +328,19 @@ class AgentSource:
             self._answered = challenge.nonce
 
     def _lost(self, reason: str) -> None:
-        self.close()
+        self._hang_up()
         self._backoff.failed(self._clock())
         self._latest = SourceDown(reason)
 
-    def close(self) -> None:
+    def _hang_up(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def close(self) -> None:
+        self._hang_up()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(OSError):
+                os.unlink(str(self._listening_on))

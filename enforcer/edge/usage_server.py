@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import functools
 import logging
 import os
 import select
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +44,7 @@ from enforcer.core.protocol import (
     usage_process,
 )
 from enforcer.edge.guard import LoopGuard
+from enforcer.edge.listening import listen
 from enforcer.edge.peers import CREDENTIALS_SPACE, PeerError, Unproven, attest, sender
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView
@@ -65,10 +64,6 @@ ACCEPT_BATCH = 64  # connections accepted per wake-up of the loop; the rest wait
 # blocks its connection within a few seconds, not after minutes of samples.
 SEND_BUFFER = 32 * 1024
 _WRITE_BUFFER = 64 * 1024  # past this, stop reading a client's requests until it reads
-
-
-class SocketInUse(Exception):
-    """Another process is listening on the socket path, or the path is not a socket."""
 
 
 @dataclass(slots=True)
@@ -113,30 +108,6 @@ class _Published:
             body = b",".join(self.by_namespace.get(key, ()))
             cached = self.replies[key] = self.head + body + USAGE_TAIL
         return cached
-
-
-def prepare_path(path: Path) -> None:
-    """Create the directory; replace a stale socket, but never a live one or a non-socket."""
-    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise SocketInUse(
-            f"{path} exists and is not a socket; remove it or choose another --socket"
-        )
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError as exc:
-        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-            raise
-        path.unlink(missing_ok=True)  # nobody listens: left over from an earlier agent
-        return
-    finally:
-        probe.close()
-    raise SocketInUse(f"another agent is already listening on {path}")
 
 
 def _discard_pending(sock: socket.socket, limit: int = 1 << 20) -> None:
@@ -220,6 +191,9 @@ class UsageServer:
         self._connections: dict[int, _Connection] = {}
         self._per_namespace: collections.Counter[tuple[int, int]] = collections.Counter()
         self._accepting_at: float | None = None  # paused (out of fds) until then
+        # Connections the agent made to sidecars (`adopt`), waiting for the loop to attest
+        # them: (the sidecar's container ID, the socket).
+        self._dialed: collections.deque[tuple[str, socket.socket]] = collections.deque()
         # The container IDs with a subscription that is being read, as of the last sweep (a
         # second at most): whose sidecars are there (`sidecar_presence`). Swapped whole.
         self.connected: frozenset[str] = frozenset()
@@ -244,6 +218,14 @@ class UsageServer:
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"o")
 
+    def adopt(self, container_id: str, sock: socket.socket) -> None:
+        """Called by the thread that connected to a sidecar's own socket (`sidecar_dialer`):
+        the loop serves it as a caller once the process listening on it is proven to be in
+        that container, and closes it unread otherwise."""
+        self._dialed.append((container_id, sock))
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"d")
+
     def pod_reply(self, container_id: str | None) -> bytes:
         pods = self._pods
         if pods is None:
@@ -261,12 +243,8 @@ class UsageServer:
         return published.reply(view)
 
     def start(self) -> None:
-        prepare_path(self._path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
-        listener.bind(str(self._path))
         # Any pod may connect; each one learns only about its own processes.
-        os.chmod(self._path, 0o666)  # noqa: S103
-        listener.listen(512)
+        listener = listen(self._path, 0o666, 512, "agent", "--socket")
         self._listener = listener
         self._epoll.register(listener.fileno(), select.EPOLLIN)
         self._epoll.register(self._wake_r, select.EPOLLIN)
@@ -282,6 +260,8 @@ class UsageServer:
             self.thread.join(timeout=5)
         for conn in list(self._connections.values()):
             self._drop(conn)
+        while self._dialed:
+            self._dialed.popleft()[1].close()
         if self._listener is not None:
             self._listener.close()
             with contextlib.suppress(FileNotFoundError):
@@ -317,6 +297,8 @@ class UsageServer:
                     self._push()
                 if b"o" in woken:
                     self._push_pods()
+                if b"d" in woken:
+                    self._adopt()
             if fd == self._listener.fileno():
                 self._accept()
             elif (conn := self._connections.get(fd)) is not None:
@@ -340,39 +322,61 @@ class UsageServer:
             except OSError as exc:  # out of file descriptors, or of memory: pause, don't spin
                 self._pause_accepting(exc)
                 return
-            sock.setblocking(False)
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
-            if len(self._connections) >= MAX_CONNECTIONS:
-                self._refuse(sock, "too many connections; retry later")
-                continue
-            try:
-                peer = attest(sock, self.host_proc, self._peer_pidfd)
-            except PeerError as exc:
-                self._refuse(sock, str(exc))
-                continue
-            unproven = peer if isinstance(peer, Unproven) else None
-            namespace = (peer.view.ns_inode, peer.view.level)
-            # The host's own namespace (level 0) is the node's, not a pod's: not capped.
-            if peer.view.level > 0 and self._per_namespace[namespace] >= PER_NAMESPACE:
-                if unproven is not None:
-                    unproven.close()
-                self._refuse(sock, f"too many connections from this PID namespace (at most "
-                                   f"{PER_NAMESPACE}); close one, or retry later")  # fmt: skip
-                continue
-            self._per_namespace[namespace] += 1
-            conn = _Connection(sock, peer.view, unproven, peer.container_id)
-            self._connections[sock.fileno()] = conn
-            self._epoll.register(sock.fileno(), select.EPOLLIN)
-            self._metrics.connections.set(len(self._connections))
-            if unproven is not None:
-                conn.outbox = encode_challenge(unproven.challenge)
-                self._flush(conn)
+            self._admit(sock)
 
-    def _refuse(self, sock: socket.socket, message: str) -> None:
-        self.count("refused")
+    def _adopt(self) -> None:
+        while self._dialed:
+            container_id, sock = self._dialed.popleft()
+            self._admit(sock, container_id)
+
+    def _admit(self, sock: socket.socket, dialed: str | None = None) -> None:
+        """Serve a caller once the kernel says who it is. `dialed`: the container ID of the
+        sidecar whose socket the agent connected to; whoever listens there must be in it,
+        or the socket is closed without a word (it may be anyone's)."""
+        sock.setblocking(False)
         with contextlib.suppress(OSError):
-            sock.send(encode_error(message))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+        if len(self._connections) >= MAX_CONNECTIONS:
+            self._refuse(sock, "too many connections; retry later", dialed)
+            return
+        try:
+            peer = attest(sock, self.host_proc, self._peer_pidfd)
+        except PeerError as exc:
+            self._refuse(sock, str(exc), dialed)
+            return
+        unproven = peer if isinstance(peer, Unproven) else None
+        if dialed is not None and peer.container_id != dialed:
+            if unproven is not None:
+                unproven.close()
+            log.warning("the socket found in the sidecar container %s is held by a process of "
+                        "%s: closed unread", dialed[:12],
+                        "container " + peer.container_id[:12] if peer.container_id
+                        else "no container")  # fmt: skip
+            self._refuse(sock, "", dialed)
+            return
+        namespace = (peer.view.ns_inode, peer.view.level)
+        # The host's own namespace (level 0) is the node's, not a pod's: not capped.
+        if peer.view.level > 0 and self._per_namespace[namespace] >= PER_NAMESPACE:
+            if unproven is not None:
+                unproven.close()
+            self._refuse(sock, f"too many connections from this PID namespace (at most "
+                               f"{PER_NAMESPACE}); close one, or retry later", dialed)  # fmt: skip
+            return
+        self._per_namespace[namespace] += 1
+        conn = _Connection(sock, peer.view, unproven, peer.container_id)
+        self._connections[sock.fileno()] = conn
+        self._epoll.register(sock.fileno(), select.EPOLLIN)
+        self._metrics.connections.set(len(self._connections))
+        if unproven is not None:
+            conn.outbox = encode_challenge(unproven.challenge)
+            self._flush(conn)
+
+    def _refuse(self, sock: socket.socket, message: str, dialed: str | None = None) -> None:
+        """Tell a caller why, and hang up; a socket the agent dialed is only hung up on."""
+        self.count("refused")
+        if dialed is None:
+            with contextlib.suppress(OSError):
+                sock.send(encode_error(message))
         sock.close()
 
     def _read(self, conn: _Connection) -> None:

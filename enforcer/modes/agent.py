@@ -33,6 +33,7 @@ from enforcer.core.policy import Reason
 from enforcer.core.settings.agent import AgentSettings
 from enforcer.edge import logs
 from enforcer.edge.guard import LoopGuard, stopped
+from enforcer.edge.listening import SocketInUse
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.metrics_server import MetricsPortError, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
@@ -40,7 +41,7 @@ from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView, PidViewError
 from enforcer.edge.tenants import Tenants
-from enforcer.edge.usage_server import ServerMetrics, SocketInUse, UsageServer
+from enforcer.edge.usage_server import ServerMetrics, UsageServer
 from enforcer.modes.limiter import HardLimiter
 
 if TYPE_CHECKING:
@@ -358,6 +359,7 @@ def _pod_watch(
     from enforcer.edge.claims import ClaimCache, ClaimReader  # noqa: PLC0415 - only when used
     from enforcer.edge.events import EventRecorder  # noqa: PLC0415
     from enforcer.edge.node_pods import NodePods  # noqa: PLC0415
+    from enforcer.edge.sidecar_dialer import dial_sidecars  # noqa: PLC0415
     from enforcer.modes.pod_publisher import PodPublisher  # noqa: PLC0415
     from enforcer.modes.sidecar_watch import SidecarWatch  # noqa: PLC0415
 
@@ -392,7 +394,9 @@ def _pod_watch(
         server.events = post
         dra = claims if settings.dra.drivers else None
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
-        woken.append(SidecarWatch(pods.snapshot, lambda: server.connected, recorder, telemetry))
+        dial = functools.partial(dial_sidecars, server.host_proc)
+        woken.append(SidecarWatch(pods.snapshot, lambda: server.connected, recorder, telemetry,
+                                  dial, server.adopt))  # fmt: skip
     return recorder, pods, woken
 
 

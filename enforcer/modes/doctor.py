@@ -147,7 +147,14 @@ def check_pid_namespace(procfs: ProcFs) -> Check:
     )
 
 
-def check_agent(path: str) -> Check:
+def check_agent(path: str, listen: str | None = None) -> Check:
+    if listen is not None and not os.path.exists(path):
+        return Check(
+            "agent socket", "note",
+            f"this sidecar does not connect to the agent: the agent connects to it, on {listen}",
+            "whether it has: the sidecar's log (`enforcement resumed`, or `waiting for the node "
+            "agent`) and vram_enforcer_source_up on its /metrics",
+        )  # fmt: skip
     if not os.path.exists(path):
         return Check(
             "agent socket", "fail", f"{path} does not exist",
@@ -282,7 +289,7 @@ def run(settings: DoctorSettings) -> int:
     checks = [check_pid_namespace(procfs)]
     steps: list[tuple[bool, Callable[[], list[Check]]]] = [
         (settings.nvml, lambda: [check_nvml(), check_tier()]),
-        (settings.agent, lambda: [check_agent(settings.agent_socket)]),
+        (settings.agent, lambda: [check_agent(settings.agent_socket, settings.listen)]),
         (settings.api, lambda: check_api(settings)),
     ]
     names = ("NVML", "agent socket", "Kubernetes API")

@@ -44,7 +44,9 @@ from enforcer.core.pod import (
 from enforcer.core.policy import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.edge import logs
+from enforcer.edge.dumpable import forbid_inspection
 from enforcer.edge.guard import stopped
+from enforcer.edge.listening import SocketInUse
 from enforcer.edge.metrics import Telemetry
 from enforcer.edge.metrics_server import MetricsPortError, MetricsServer, serve_metrics
 from enforcer.edge.procfs import ProcFs
@@ -292,7 +294,10 @@ class EventReporter:
 def _source(settings: SidecarSettings) -> UsageSource:
     if settings.source == "agent":
         return AgentSource(
-            settings.agent_socket, settings.stale_after, pod=settings.api_access == "agent"
+            settings.agent_socket,
+            settings.stale_after,
+            pod=settings.api_access == "agent",
+            listen=settings.listen,
         )
     # Loaded only here: pynvml is ~2 MiB of the sidecar's memory, in every enforced pod.
     from enforcer.edge.nvml import Nvml, NvmlError  # noqa: PLC0415
@@ -318,6 +323,9 @@ def run(settings: SidecarSettings) -> int:
             "namespace. Set spec.shareProcessNamespace: true (the webhook does)"
         )
         return EXIT_USAGE
+    if (failed := forbid_inspection()) is not None:
+        log.warning("cannot close this process to the workload (prctl: %s): a root workload "
+                    "could ptrace the sidecar or reach its socket", failed)  # fmt: skip
     telemetry = Telemetry({"namespace": settings.namespace, "pod": settings.pod_name})
     try:
         source = _source(settings)
@@ -325,8 +333,11 @@ def run(settings: SidecarSettings) -> int:
             access = through_agent(source)
         else:
             access = direct(settings, telemetry)
-    except (PidViewError, NoApi) as exc:
+    except (PidViewError, NoApi, SocketInUse) as exc:
         log.error("%s", exc, exc_info=logs.detail(exc))
+        return EXIT_USAGE
+    except OSError as exc:  # the socket to listen on
+        log.error("cannot listen on %s: %s", settings.listen, exc.strerror or exc)
         return EXIT_USAGE
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
     pipeline = _pipeline(settings, procfs, source, terminator, access, telemetry)

@@ -47,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RESOURCE = "vram-enforcer.io/vram"
 RELEASE = NAMESPACE = "vram-enforcer"
 OPTED_IN = "ml"
-# Where the webhook tells every sidecar to find the agent (a hostPath): the host's own.
+# The agent's own socket, on the host (the sidecars of this release do not use it: the
+# agent connects to each of theirs).
 SOCKET = Path("/run/vram-enforcer/agent.sock")
 # A workload whose process that "uses VRAM" is a child of the container's first process:
 # `terminate` stops the child only, `restart` the container.
@@ -134,8 +135,11 @@ def installed(cluster: Cluster) -> Cluster:
         return cluster
     core = cluster.core
     if not namespace_exists(core, OPTED_IN):
-        core.create_namespace({"metadata": {"name": OPTED_IN,
-                                            "labels": {"vram-enforcer.io/inject": "enabled"}}})  # fmt: skip
+        # At the `baseline` Pod Security level, as most multi-tenant clusters run tenants:
+        # every test of this file runs its enforced pods there.
+        core.create_namespace({"metadata": {"name": OPTED_IN, "labels": {
+            "vram-enforcer.io/inject": "enabled", "pod-security.kubernetes.io/enforce": "baseline",
+            "pod-security.kubernetes.io/enforce-version": "latest"}}})  # fmt: skip
     values = {
         "image": {"repository": ENFORCER_IMAGE.rsplit(":", 1)[0], "tag": "e2e", "pullPolicy": "Never"},
         "webhook": {"replicas": 1, "logFormat": "text"},
@@ -361,6 +365,88 @@ def test_a_sidecar_without_any_rbac_enforces_through_the_agent(
         wait_for(lambda: gone(core, OPTED_IN, "pair"), timeout=60, what="the pod to be gone")
 
 
+def the_sidecar(node: RealNode, pod: client.V1Pod) -> tuple[int, int]:
+    """The sidecar's process: its pid on the host, and in the pod."""
+    (side,) = pod.status.init_container_statuses
+    host_pids = node.pids(side.container_id.split("://")[1])
+    sidecar = next(p for p in host_pids if b"sidecar" in Path(f"/proc/{p}/cmdline").read_bytes())
+    nspid = Path(f"/proc/{sidecar}/status").read_text().split("NSpid:")[1].split("\n")[0]
+    return sidecar, int(nspid.split()[-1])
+
+
+def in_workload(node: RealNode, pod: client.V1Pod, code: str) -> str:
+    """Run `code` as `kubectl exec` would (this API server cannot dial the kubelet by name):
+    in the workload container's PID and mount namespaces, with its python."""
+    (trainer,) = pod.status.container_statuses
+    workload_pid = node.pids(trainer.container_id.split("://")[1])[0]
+    python = os.readlink(f"/proc/{workload_pid}/exe")  # the image's, as the container sees it
+    done = subprocess.run(["nsenter", "-t", str(workload_pid), "--pid", "--mount", "--", python,
+                           "-c", code], capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+# Root in the tenant's container, with every capability but CAP_SYS_PTRACE (a container's
+# default set has far fewer; no level below `privileged` allows adding CAP_SYS_PTRACE).
+# nsenter needs it to enter the container; this drops it from the process once inside.
+DROP_PTRACE = """
+import ctypes, struct
+libc = ctypes.CDLL(None, use_errno=True)
+head = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+caps = ctypes.create_string_buffer(24)
+assert libc.capget(head, caps) == 0
+eff, prm, inh, *high = struct.unpack("6I", caps.raw)
+assert libc.capset(head, struct.pack("6I", eff & ~(1 << 19), prm & ~(1 << 19), inh, *high)) == 0
+"""
+# ...then connects to the sidecar's socket, as the agent would, with a pod of its making.
+POSE_AS_AGENT = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    s.connect("/proc/{pid}/root/run/vram-enforcer/sidecar.sock")
+except OSError as e:
+    sys.exit(print("denied" if isinstance(e, PermissionError) else repr(e)))
+s.sendall(b'{{"v":1,"pod":{{"metadata":{{"name":"forged"}}}},"pod_problem":null}}\\n')
+s.settimeout(10)
+try:
+    answer = s.recv(100)
+except ConnectionResetError:
+    answer = b""
+print("answered" if answer else "hung up on")
+"""
+
+
+def test_a_baseline_namespace_runs_enforced_pods_and_the_workload_cannot_pose_as_the_agent(
+    installed: Cluster,
+) -> None:
+    """The opted-in namespace enforces Pod Security `baseline` (a hostPath pod is refused
+    there by the API server's own PodSecurity admission), and an enforced pod runs in it:
+    the sidecar has no hostPath, and the agent connects to it (it is enforced: the other
+    tests of this file). From inside the tenant's container, as root with every capability
+    but CAP_SYS_PTRACE (which baseline cannot add), the sidecar's socket is out of reach;
+    with CAP_SYS_PTRACE it is reached, and the sidecar hangs up on a caller of its pod."""
+    core = installed.core
+    host_path = {"metadata": {"name": "host-path"}, "spec": {
+        "containers": [pause("c", volumeMounts=[{"name": "h", "mountPath": "/h"}])],
+        "volumes": [{"name": "h", "hostPath": {"path": "/run"}}]}}  # fmt: skip
+    with pytest.raises(client.ApiException) as refused:
+        core.create_namespaced_pod(OPTED_IN, host_path)
+    assert refused.value.status == 403
+    reason = json.loads(refused.value.body)["message"]
+    assert 'violates PodSecurity "baseline:latest"' in reason and "hostPath volumes" in reason
+    core.create_namespaced_pod(OPTED_IN, workload("locked", "1Gi"))
+    try:
+        pod = wait_for(lambda: running(core, OPTED_IN, "locked"), timeout=90, what="the pod to run")
+        assert not any(v.host_path for v in pod.spec.volumes)
+        _, in_pod = the_sidecar(installed.node, pod)
+        pose = POSE_AS_AGENT.format(pid=in_pod)
+        assert in_workload(installed.node, pod, DROP_PTRACE + pose) == "denied"
+        assert in_workload(installed.node, pod, pose) == "hung up on"
+    finally:
+        core.delete_namespaced_pod("locked", OPTED_IN)
+        wait_for(lambda: gone(core, OPTED_IN, "locked"), timeout=60, what="the pod to be gone")
+
+
 def test_a_workload_that_stops_its_sidecar_is_told_on(installed: Cluster) -> None:
     """The attack from inside the tenant's container: root there, it stops its sidecar
     (they share a PID namespace). The agent sees that nobody reads the sidecar's
@@ -368,20 +454,9 @@ def test_a_workload_that_stops_its_sidecar_is_told_on(installed: Cluster) -> Non
     core = installed.core
     core.create_namespaced_pod(OPTED_IN, workload("quiet", "1Gi"))
     pod = wait_for(lambda: running(core, OPTED_IN, "quiet"), timeout=90, what="the pod to run")
-    (side,) = pod.status.init_container_statuses
-    host_pids = installed.node.pids(side.container_id.split("://")[1])
-    sidecar = next(p for p in host_pids if b"sidecar" in Path(f"/proc/{p}/cmdline").read_bytes())
-    in_pod = (
-        Path(f"/proc/{sidecar}/status").read_text().split("NSpid:")[1].split("\n")[0].split()[-1]
-    )
+    sidecar, in_pod = the_sidecar(installed.node, pod)
     try:
-        # as `kubectl exec` would (this API server cannot dial the kubelet by name): in the
-        # workload container's PID and mount namespaces, with its python
-        (trainer,) = pod.status.container_statuses
-        workload_pid = installed.node.pids(trainer.container_id.split("://")[1])[0]
-        python = os.readlink(f"/proc/{workload_pid}/exe")  # the image's, as the container sees it
-        subprocess.run(["nsenter", "-t", str(workload_pid), "--pid", "--mount", "--", python, "-c",
-                        f"import os, signal; os.kill({in_pod}, signal.SIGSTOP)"], check=True)  # fmt: skip
+        in_workload(installed.node, pod, f"import os, signal; os.kill({in_pod}, signal.SIGSTOP)")
         # a signal is delivered when the process next runs in the kernel: not at once
         wait_for(lambda: Path(f"/proc/{sidecar}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
                  timeout=10, what="the sidecar to be stopped")  # fmt: skip

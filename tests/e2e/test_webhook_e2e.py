@@ -77,7 +77,9 @@ def test_a_pod_that_declares_vram_is_stored_mutated(
     assert trainer_env["VRAM_LIMIT_BYTES"] == str(12 * 1024**3)
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["vram-enforcer-shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
-    assert volumes["vram-enforcer-socket"]["hostPath"]["path"] == "/run/vram-enforcer"
+    # the sidecar's own socket, which the agent connects to: no hostPath
+    assert volumes["vram-enforcer-socket"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Mi"}
+    assert env["VRAM_ENFORCER_LISTEN"]["value"] == "/run/vram-enforcer/sidecar.sock"
     assert pod["metadata"]["labels"]["vram-enforcer.io/enforced"] == "true"
     assert pod["metadata"]["annotations"]["vram-enforcer.io/injected"] == "true"
     assert "the API server is v1.37" in webhook.log.read_text()

@@ -10,9 +10,11 @@ real socket server, given the directory that the agent's pod publisher builds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -26,10 +28,12 @@ import pytest
 from enforcer.core.model import SourceDown
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod_directory import directory, event_about
+from enforcer.core.protocol import SIDECAR_SOCKET, SIDECAR_SOCKET_DIR
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
+from enforcer.edge.sidecar_dialer import dial_sidecars
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
-from tests.helpers import scratch_cgroup, wait_for
+from tests.helpers import children, scratch_cgroup, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 A, B, C = ("a" * 64, "b" * 64, "c" * 64)
@@ -38,14 +42,33 @@ UA, UB, UC, UF = (f"{d * 8}-0000-4000-8000-{d * 12}" for d in "abcf")
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, pidfds)")
 
+# A process of the pod that connects to its sidecar's socket, poses as the agent with a pod of
+# its choosing, and says whether the sidecar hung up on it.
+INTRUDER = textwrap.dedent(
+    """
+    import json, socket, sys
+    sys.path.insert(0, sys.argv[2])
+    from enforcer.core.protocol import PodReply, encode_pod
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sys.argv[1])
+    s.sendall(encode_pod(PodReply({"metadata": {"name": "forged"}}, None)))
+    s.settimeout(10)
+    try:
+        answer = s.recv(100)
+    except ConnectionResetError:  # closed with our line unread
+        answer = b""
+    print(json.dumps({"intruder": "answered" if answer else "hung up on"}), flush=True)
+    """
+)
 CALLER = textwrap.dedent(
     """
-    import json, os, selectors, sys
+    import json, os, selectors, subprocess, sys
     sys.path.insert(0, sys.argv[2])
     from enforcer.core.protocol import EventRequest
     from enforcer.edge.sources import AgentSource
     os.read(0, 3)  # "go": moved into its container's cgroup by now
-    source = AgentSource(sys.argv[1], 60.0, pod=True)
+    mode, where = sys.argv[1].split(":", 1)  # dial:PATH, or listen:PATH (the agent dials it)
+    source = AgentSource(where, 60.0, pod=True, listen=where if mode == "listen" else None)
     seen = 0
     while True:
         source.sample()
@@ -64,12 +87,25 @@ CALLER = textwrap.dedent(
                 s.register(fd, selectors.EVENT_READ)
             for key, _ in s.select(1.0):
                 if key.fileobj is sys.stdin:  # lines of "reason container message": report them
-                    for line in os.read(0, 65536).decode().splitlines():
+                    lines = os.read(0, 65536).decode()
+                    if not lines:
+                        sys.exit(0)  # the test has gone: so does its caller
+                    for line in lines.splitlines():
+                        if line in ("intrude", "spawn"):  # a process beside it, in this pod
+                            code = INTRUDER_CODE if line == "intrude" else "import time; time.sleep(600)"
+                            subprocess.Popen([sys.executable, "-c", code, where, sys.argv[2]])
+                            continue
                         reason, container, message = line.split(" ", 2)
                         source.send_event(EventRequest(reason, message, True,
                                                        None if container == "-" else container))
     """
-)
+).replace("INTRUDER_CODE", repr(INTRUDER))
+
+
+# A sidecar of its own: its own mount namespace (a tmpfs where the emptyDir would be) and
+# its own PID namespace, as in a pod.
+POD_NAMESPACES = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "sh", "-c",
+                  f'mount -t tmpfs tmpfs {SIDECAR_SOCKET_DIR} && exec "$0" "$@"']  # fmt: skip
 
 
 def pod(name: str, uid: str, *container_ids: str, labels: dict[str, str] | None = None) -> Pod:
@@ -85,18 +121,41 @@ def pod(name: str, uid: str, *container_ids: str, labels: dict[str, str] | None 
 
 
 class Caller:
-    """A process in container `cid` of pod `uid` (its cgroup says so), asking for its pod."""
+    """A process in container `cid` of pod `uid` (its cgroup says so), asking for its pod:
+    connecting to the agent's socket, or (`listen`) as a sidecar in a pod's namespaces of
+    its own, waiting on its socket for the agent to connect."""
 
-    def __init__(self, socket_path: Path, cgroups: Path, uid: str, cid: str | None) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", CALLER, str(socket_path), str(ROOT)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    def __init__(
+        self, socket_path: Path, cgroups: Path, uid: str, cid: str | None, listen: bool = False
+    ) -> None:
+        self.cgroups = cgroups
+        command = [sys.executable, "-c", CALLER, f"dial:{socket_path}", str(ROOT)]
+        if listen:
+            Path(SIDECAR_SOCKET_DIR).mkdir(parents=True, exist_ok=True)  # the mount point
+            command = [*POD_NAMESPACES, *command[:3], f"listen:{SIDECAR_SOCKET}", str(ROOT)]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)  # fmt: skip
+        # The sidecar's own process (not unshare's, which stays in the host's namespaces).
+        self.pid = wait_for(lambda: children(self.proc.pid), what="the pod's first process")[0] \
+            if listen else self.proc.pid  # fmt: skip
         if cid is not None:
-            where = cgroups / f"kubepods/pod{uid}/{cid}"
-            where.mkdir(parents=True, exist_ok=True)
-            (where / "cgroup.procs").write_text(str(self.proc.pid))
+            self.move(self.pid, uid, cid)
         assert self.proc.stdin is not None
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
+
+    def move(self, pid: int, uid: str, cid: str) -> None:
+        where = self.cgroups / f"kubepods/pod{uid}/{cid}"
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "cgroup.procs").write_text(str(pid))
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{line}\n")
+        self.proc.stdin.flush()
+
+    def listening(self) -> bool:
+        return Path(f"/proc/{self.pid}/root{SIDECAR_SOCKET}").exists()
 
     def report(self, reason: str, container: str, message: str) -> None:
         assert self.proc.stdin is not None
@@ -111,6 +170,9 @@ class Caller:
         return reply
 
     def stop(self) -> None:
+        if self.pid != self.proc.pid:  # the first process of its PID namespace: all go with it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
         self.proc.kill()
         self.proc.wait()
 
@@ -186,6 +248,8 @@ def test_a_change_of_the_pod_is_pushed_to_its_callers_only(
         server.publish_pods(directory([restarted, pods[1]], {}, None))
         assert in_b.next() == {"pod": "pod-b", "problem": None, "labels": {}, "managed": False}
         # 3 pushes each for the two publishes that changed replies, none for the one between
+        # (counted as each is sent: the last two may follow the one read above)
+        wait_for(lambda: pods_pushed() - before >= 6, what="six pushes")
         assert pods_pushed() - before == 6
     finally:
         for c in (in_a, in_b, late):
@@ -312,3 +376,107 @@ def test_a_stopped_sidecar_is_no_longer_counted_as_there(
     finally:
         os.kill(caller.proc.pid, signal.SIGCONT)
         caller.stop()
+
+
+def refused() -> float:
+    found = TELEMETRY.registry.get_sample_value("vram_enforcer_agent_requests_total",
+                                                {"result": "refused"})  # fmt: skip
+    return found or 0.0
+
+
+def dial(container_id: str) -> socket.socket:
+    found = dial_sidecars(ProcFs(), [container_id])[container_id]
+    assert isinstance(found, socket.socket), found
+    return found
+
+
+def test_the_agent_connects_to_a_sidecar_in_its_own_filesystem_and_again_after_a_restart(
+    cgroups: Path, tmp_path: Path
+) -> None:
+    """No hostPath: the sidecar listens in its own mount namespace, and the agent reaches
+    its socket through /proc/<pid>/root of the process whose cgroup names the sidecar's
+    container. The conversation is the one a sidecar that connects has: its pod, pushed,
+    and its reports posted on it. A new agent (an upgrade, a crash) connects again."""
+    posted: list[str] = []
+    t = TELEMETRY
+
+    def agent() -> UsageServer:
+        s = UsageServer(tmp_path / "agent.sock", ProcFs(),
+                        ServerMetrics(t.requests, t.connections, t.unexpected), stale_after=60.0)  # fmt: skip
+        s.events = lambda p, e: posted.append(f"{p['metadata']['name']}: {e.message}")
+        s.start()
+        s.publish_pods(directory([pod("pod-a", UA, A), pod("pod-b", UB, B)], {}, None))
+        return s
+
+    first = agent()
+    sidecar = Caller(tmp_path / "unused", cgroups, UA, A, listen=True)
+    second = None
+    try:
+        wait_for(sidecar.listening, what="the sidecar to listen")
+        assert dial_sidecars(ProcFs(), [B]) == {B: "no process of it runs on this node"}
+        first.adopt(A, dial(A))
+        assert sidecar.next()["pod"] == "pod-a"
+        wait_for(lambda: A in first.connected, what="the sidecar counted as there")
+        sidecar.report("VRAMEnforced", "c0", "sent SIGTERM to pid 7")
+        wait_for(lambda: posted == ["pod-a: sent SIGTERM to pid 7"], what="the report")
+        first.adopt(A, dial(A))  # the agent connects again (it no longer counted the first)
+        assert sidecar.next()["pod"] == "pod-a"  # sent on the new connection, taken over
+        wait_for(lambda: TELEMETRY.registry.get_sample_value(
+            "vram_enforcer_agent_connections") == 1, what="the old connection closed")  # fmt: skip
+        first.close()
+        second = agent()
+        sidecar.report("VRAMNearLimit", "-", "while no agent was there")
+        second.adopt(A, dial(A))
+        assert sidecar.next()["pod"] == "pod-a"
+        wait_for(lambda: posted[1:] == ["pod-a: while no agent was there"], what="the report")
+    finally:
+        sidecar.stop()
+        (second or first).close()
+
+
+def test_a_process_of_the_pod_cannot_pose_as_the_agent(
+    server: UsageServer, cgroups: Path, tmp_path: Path
+) -> None:
+    """A root workload shares the sidecar's PID namespace (and, here, its filesystem): it
+    connects to the sidecar's socket with a pod of its own making. The sidecar hangs up on
+    it (a caller it can name is in its own PID namespace, so not the agent), and takes its
+    pod from the agent alone."""
+    server.publish_pods(directory([pod("pod-a", UA, A)], {}, None))
+    sidecar = Caller(tmp_path / "unused", cgroups, UA, A, listen=True)
+    try:
+        wait_for(sidecar.listening, what="the sidecar to listen")
+        sidecar.send("intrude")
+        assert sidecar.next() == {"intruder": "hung up on"}
+        server.adopt(A, dial(A))
+        assert sidecar.next()["pod"] == "pod-a"  # the first pod it took: the agent's
+        sidecar.send("intrude")  # again, while the agent is connected
+        assert sidecar.next() == {"intruder": "hung up on"}
+        server.publish_pods(directory([pod("pod-a", UA, A, labels={"x": "y"})], {}, None))
+        assert sidecar.next()["labels"] == {"x": "y"}  # still the agent's connection
+        assert A in server.connected
+    finally:
+        sidecar.stop()
+
+
+def test_a_socket_that_another_container_listens_on_is_closed_unread(
+    server: UsageServer, cgroups: Path, tmp_path: Path
+) -> None:
+    """The agent finds the sidecar by its container's cgroup, then the socket in that
+    process's filesystem. If the socket there is held by a process of another container (a
+    pid reused meanwhile, or a workload's socket in the sidecar's place), the agent closes
+    the connection without a word, and serves the sidecar that is proven."""
+    server.publish_pods(directory([pod("pod-a", UA, A), pod("pod-b", UB, B)], {}, None))
+    listener = Caller(tmp_path / "unused", cgroups, UB, B, listen=True)  # the socket: B's
+    try:
+        wait_for(listener.listening, what="the socket")
+        listener.send("spawn")  # a process of container A, in the same filesystem
+        spawned = wait_for(lambda: children(listener.pid), what="the spawned process")[0]
+        listener.move(spawned, UA, A)
+        before = refused()
+        server.adopt(A, dial(A))
+        wait_for(lambda: refused() == before + 1, what="the connection refused")
+        assert A not in server.connected and B not in server.connected
+        server.adopt(B, dial(B))  # the same socket, for the container that holds it
+        assert listener.next()["pod"] == "pod-b"
+    finally:
+        listener.stop()

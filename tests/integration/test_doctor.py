@@ -111,6 +111,18 @@ def test_a_socket_that_is_not_the_agent(tmp_path: Path) -> None:
     assert f"[FAIL] agent socket: {not_a_socket}: [Errno 111] Connection refused" in out.stdout
 
 
+def test_in_a_sidecar_that_the_agent_connects_to_it_says_where_to_look(tmp_path: Path) -> None:
+    """`kubectl exec POD -c vram-enforcer -- vram-enforcer doctor` in a sidecar of this
+    release: it has no agent socket to try (the agent connects to it), which is no fault."""
+    env = {"VRAM_ENFORCER_AGENT_SOCKET": str(tmp_path / "none.sock"),
+           "VRAM_ENFORCER_LISTEN": "/run/vram-enforcer/sidecar.sock"}  # fmt: skip
+    out = doctor(env, "--no-nvml", "--no-api", "--json")
+    assert out.returncode == 0, out.stdout
+    (check,) = [c for c in json.loads(out.stdout) if c["name"] == "agent socket"]
+    assert check["status"] == "note" and "/run/vram-enforcer/sidecar.sock" in check["detail"]
+    assert "vram_enforcer_source_up" in check["fix"]
+
+
 def test_render() -> None:
     text = render(
         [

@@ -92,14 +92,22 @@ def test_a_bare_pod_gets_the_sidecar_first_among_init_containers() -> None:
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
     assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    # Its own socket, which the agent connects to: no hostPath, which `baseline` forbids.
+    assert env["VRAM_ENFORCER_LISTEN"] == "/run/vram-enforcer/sidecar.sock"
+    assert "VRAM_ENFORCER_AGENT_SOCKET" not in env
     assert side["volumeMounts"] == [
-        {"name": "vram-enforcer-socket", "mountPath": "/run/vram-enforcer", "readOnly": True}
+        {"name": "vram-enforcer-socket", "mountPath": "/run/vram-enforcer"}
     ]
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes["vram-enforcer-socket"]["hostPath"] == {
-        "path": "/run/vram-enforcer",
-        "type": "DirectoryOrCreate",
+    assert volumes["vram-enforcer-socket"] == {
+        "name": "vram-enforcer-socket",
+        "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"},
     }
+    assert not any("hostPath" in v for v in spec["volumes"])
+    # The workload starts once the sidecar listens (it has closed itself to the workload by
+    # then): the probe succeeds only when the socket exists.
+    probe = side["startupProbe"]
+    assert probe["periodSeconds"] == 1 and probe["exec"]["command"][:2] == ["python", "-c"]
     trainer = spec["containers"][0]
     assert env_of(trainer) == {"VRAM_LIMIT_BYTES": str(12 * GiB), "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                                "TF_FORCE_GPU_ALLOW_GROWTH": "true"}  # fmt: skip

@@ -84,6 +84,11 @@ def test_the_metrics_port_from_the_webhook_the_flag_or_the_default() -> None:
             "agent's socket); with --source nvml pass --api-access direct",
         ),
         ({"VRAM_ENFORCER_API_ACCESS": "etcd"}, {}, "VRAM_ENFORCER_API_ACCESS: 'etcd' is not a"),
+        (
+            {"VRAM_ENFORCER_LISTEN": "/run/vram-enforcer/sidecar.sock"},
+            {"source": "nvml", "host_proc": "/host/proc", "api_access": "direct"},
+            "--listen: '/run/vram-enforcer/sidecar.sock' needs --source agent",
+        ),
         ({}, {"undeclared": "maybe"}, "--undeclared: 'maybe'"),
     ],
 )

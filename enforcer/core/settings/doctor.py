@@ -30,6 +30,15 @@ AGENT_SOCKET = value(
     default=DEFAULT_SOCKET,
     metavar="PATH",
 )
+LISTEN = value(
+    "listen",
+    as_text,
+    "in a sidecar that the agent connects to: its socket (set by the webhook)",
+    env="VRAM_ENFORCER_LISTEN",
+    shown_default="unset",
+    doc="set in the sidecars of this release (the agent connects to them): there is no agent "
+    "socket to try from there, and the check says where to look instead",
+)
 KUBECONFIG = kubeconfig("in-cluster config, then `~/.kube/config`")
 NAMESPACE = value(
     "namespace",
@@ -49,6 +58,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     AGENT,
     API,
     AGENT_SOCKET,
+    LISTEN,
     KUBECONFIG,
     NAMESPACE,
     DRA_DRIVERS,
@@ -68,6 +78,7 @@ class DoctorSettings:
     agent: bool
     api: bool
     agent_socket: str
+    listen: str | None  # run in a sidecar that the agent connects to
     kubeconfig: str | None
     namespace: str
     dra: DraSettings  # what counts as a GPU that DRA can place by memory
@@ -80,6 +91,7 @@ def doctor_settings(values: Values) -> DoctorSettings:
         agent=values[AGENT],
         api=values[API],
         agent_socket=values[AGENT_SOCKET],
+        listen=values[LISTEN],
         kubeconfig=values[KUBECONFIG],
         namespace=values[NAMESPACE],
         dra=dra_settings(values),

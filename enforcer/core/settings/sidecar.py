@@ -157,7 +157,21 @@ AGENT_SOCKET = value(
     env="VRAM_ENFORCER_AGENT_SOCKET",
     default=DEFAULT_SOCKET,
     metavar="PATH",
-    doc="the node agent's socket (a hostPath mount)",
+    doc="the node agent's socket, which the sidecar connects to (through a hostPath mount, as "
+    "sidecars of 0.1 did); not used with `--listen`",
+)
+LISTEN = value(
+    "listen",
+    as_text,
+    "wait for the node agent to connect to this socket, rather than connecting to it",
+    flag="--listen",
+    env="VRAM_ENFORCER_LISTEN",
+    metavar="PATH",
+    shown_default="connect to `--agent-socket`",
+    doc="with `--source agent`: listen on this socket, in the sidecar's own filesystem, and "
+    "wait for the node agent to connect to it (through `/proc/<pid>/root`), instead of "
+    "connecting to `--agent-socket`. The pod then needs no hostPath. Only a process outside "
+    "the pod's PID namespace may connect; the webhook sets it to `/run/vram-enforcer/sidecar.sock`",
 )
 HOST_PROC = value(
     "host_proc",
@@ -239,6 +253,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     SOURCE,
     API_ACCESS,
     AGENT_SOCKET,
+    LISTEN,
     HOST_PROC,
     STALE_AFTER,
     SIDECAR_MODE,
@@ -270,6 +285,7 @@ class SidecarSettings:
     source: str
     api_access: str  # "agent": the pod comes with the usage and Events go back; "direct"
     agent_socket: str
+    listen: str | None  # wait for the agent on this socket, rather than connecting to it
     host_proc: str | None
     stale_after: float
     sidecar_mode: str
@@ -289,6 +305,10 @@ def sidecar_settings(values: Values) -> SidecarSettings:
             "agent",
             "needs --source agent (the pod and the Events go over the agent's socket); with "
             "--source nvml pass --api-access direct",
+        )
+    if values[SOURCE] == "nvml" and values[LISTEN]:
+        raise ConfigError(
+            "--listen", values[LISTEN], "needs --source agent (it is where the agent connects)"
         )
     dra = dra_settings(values) if values[LIMITS_FROM] == "dra" else None
     if dra is None and values[LIMITS] is None:
@@ -310,6 +330,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         source=values[SOURCE],
         api_access=values[API_ACCESS],
         agent_socket=values[AGENT_SOCKET],
+        listen=values[LISTEN],
         host_proc=values[HOST_PROC],
         stale_after=values[STALE_AFTER],
         sidecar_mode=values[SIDECAR_MODE],

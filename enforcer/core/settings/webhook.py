@@ -19,7 +19,6 @@ from enforcer.core.parsing import (
 )
 from enforcer.core.settings import Setting, Values, switch, value, verbosity
 from enforcer.core.settings.common import (
-    DEFAULT_SOCKET,
     DRA_CAPACITY,
     DRA_DRIVERS,
     DRA_UUID_ATTRIBUTE,
@@ -65,14 +64,6 @@ def _tenant_actions(text: str, field: str) -> tuple[Action, ...]:
 
 def _namespace_bounds(text: str, field: str) -> str:
     parse_namespace_bounds(text, field, Bounds())  # checked here; built with the defaults below
-    return text
-
-
-def _socket(text: str, field: str) -> str:
-    if not text.startswith("/run/vram-enforcer/"):
-        raise ConfigError(
-            field, text, "must lie in /run/vram-enforcer/, the directory mounted into the sidecar"
-        )
     return text
 
 
@@ -218,15 +209,6 @@ SIDECAR_MEMORY = value(
     metavar="QUANTITY",
     doc="the sidecar's memory request and limit (it uses about 50 MiB, see performance.md)",
 )
-AGENT_SOCKET = value(
-    "agent_socket",
-    _socket,
-    "the agent's socket, passed to the sidecar",
-    flag="--agent-socket",
-    default=DEFAULT_SOCKET,
-    metavar="PATH",
-    doc="passed to the sidecar; must lie in `/run/vram-enforcer/`, the mounted directory",
-)
 TENANT_ACTIONS = value(
     "tenant_actions",
     _tenant_actions,
@@ -298,7 +280,6 @@ DECLARED: tuple[Setting[Any], ...] = (
     RUNTIME_CLASS,
     SIDECAR_CPU,
     SIDECAR_MEMORY,
-    AGENT_SOCKET,
     TENANT_ACTIONS,
     MAX_GRACE_PERIOD,
     ALLOW_OPT_OUT,
@@ -353,7 +334,6 @@ def webhook_settings(values: Values) -> WebhookSettings:
             runtime_class=runtime_class,
             sidecar_cpu=values[SIDECAR_CPU],
             sidecar_memory=values[SIDECAR_MEMORY],
-            agent_socket=values[AGENT_SOCKET],
             dra_class=values[DRA_DEVICE_CLASS] or None,
             dra_capacity=values[DRA_CAPACITY],
             dra_drivers=values[DRA_DRIVERS],

@@ -1,0 +1,66 @@
+"""A Unix socket to listen on (a stale one left by an earlier process is replaced, a live
+one or a file that is not a socket never is), and who connected to it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+import struct
+from pathlib import Path
+
+
+class SocketInUse(Exception):
+    """Another process is listening on the socket path, or the path is not a socket."""
+
+
+def prepare_path(path: Path, whose: str, option: str) -> None:
+    """Create the directory; replace a stale socket, but never a live one or a non-socket.
+    `whose` names the process that would be listening, `option` the setting of the path."""
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise SocketInUse(
+            f"{path} exists and is not a socket; remove it or choose another {option}"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError as exc:
+        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+            raise
+        path.unlink(missing_ok=True)  # nobody listens: left over from an earlier process
+        return
+    finally:
+        probe.close()
+    raise SocketInUse(f"another {whose} is already listening on {path}")
+
+
+def listen(path: Path, mode: int, backlog: int, whose: str, option: str) -> socket.socket:
+    """A non-blocking listener at `path`, with the file's permissions set to `mode`."""
+    prepare_path(path, whose, option)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+    try:
+        listener.bind(str(path))
+        os.chmod(path, mode)
+        listener.listen(backlog)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The pid of the process on the other end, as this process's PID namespace sees it: 0
+    when that process lives outside it (the kernel reports no pid it could not name)."""
+    pid, _uid, _gid = _UCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    )
+    return int(pid)
