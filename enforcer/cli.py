@@ -13,16 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from enforcer import __version__
-from enforcer.core.interference import BUILTINS
 from enforcer.core.model import format_bytes
 from enforcer.core.parsing import ConfigError
 from enforcer.core.settings import Setting, Values, help_text, resolve
-from enforcer.core.settings import agent as agent_cfg
-from enforcer.core.settings import doctor as doctor_cfg
-from enforcer.core.settings import exec as exec_cfg
-from enforcer.core.settings import interference as interference_cfg
-from enforcer.core.settings import sidecar as sidecar_cfg
-from enforcer.core.settings import webhook as webhook_cfg
 from enforcer.edge import logs
 
 EXEC_EPILOG = """\
@@ -109,10 +102,7 @@ The certificate and key are re-read when they change on disk (cert-manager rotat
 """
 
 
-BUILTIN_LINES = "\n".join(
-    f"  {b.name:<8}{format_bytes(b.limit_bytes):>9}  {b.profile}" for b in BUILTINS.values()
-)
-INTERFERENCE_EPILOG = f"""\
+INTERFERENCE_EPILOG = """\
 examples:
   vram-enforcer interference --builtin matmul,copy,cnn,infer --gpu 0 --output results/
   vram-enforcer interference --repeat 5 \\
@@ -145,7 +135,7 @@ the report (stdout; with --output also report.json, report.md, heatmap.png, runs
   neighbour finished long before, so that the rest of the run was a run alone.
 
 built-in workloads (--builtin; PyTorch in this Python, python -m enforcer.workloads):
-{BUILTIN_LINES}
+{builtins}
 
 signals:
   SIGINT (^C), SIGTERM and SIGHUP stop the runs in flight (through exec, which passes the
@@ -167,69 +157,87 @@ examples:
 """
 
 
+def _interference_epilog() -> str:
+    from enforcer.core.interference import BUILTINS  # noqa: PLC0415 - for this --help only
+
+    lines = (
+        f"  {b.name:<8}{format_bytes(b.limit_bytes):>9}  {b.profile}" for b in BUILTINS.values()
+    )
+    return INTERFERENCE_EPILOG.format(builtins="\n".join(lines))
+
+
 @dataclass(frozen=True, slots=True)
 class Mode:
-    """A subcommand: its settings, how they become the mode's settings, and where it runs."""
+    """A subcommand: where its settings are declared, how they become the mode's settings,
+    and where it runs. Both modules are imported for the mode that runs and no other: the
+    sidecar, in every pod, does not load the webhook's settings (with the admission code
+    and jsonpatch) or interference's."""
 
-    declared: tuple[Setting[Any], ...]
-    build: Callable[[Values, argparse.Namespace], object]
-    log_format: Setting[str]
-    verbose: Setting[int]
+    settings: str  # the module that declares them: DECLARED, LOG_FORMAT, VERBOSE
+    build: Callable[[Any, Values, argparse.Namespace], object]  # (that module, values, args)
     level: int  # the log level without -v
     module: str  # imported only to run: --help and bad flags stay fast
     help: str
     description: str
-    epilog: str
+    epilog: Callable[[], str]
+
+    def config(self) -> Any:
+        return importlib.import_module(self.settings)
+
+    @property
+    def declared(self) -> tuple[Setting[Any], ...]:
+        declared: tuple[Setting[Any], ...] = self.config().DECLARED
+        return declared
 
 
 MODES = {
     "exec": Mode(
-        exec_cfg.DECLARED, lambda values, args: exec_cfg.exec_settings(values, args.command),
-        exec_cfg.LOG_FORMAT, exec_cfg.VERBOSE, logging.WARNING, "enforcer.modes.exec",
+        "enforcer.core.settings.exec",
+        lambda cfg, values, args: cfg.exec_settings(values, args.command),
+        logging.WARNING, "enforcer.modes.exec",
         "run a command under a GPU memory limit (no Kubernetes needed)",
         "Run CMD and keep its GPU memory, with all of its descendants, under --limit.",
-        EXEC_EPILOG,
+        lambda: EXEC_EPILOG,
     ),
     "agent": Mode(
-        agent_cfg.DECLARED, lambda values, _: agent_cfg.agent_settings(values),
-        agent_cfg.LOG_FORMAT, agent_cfg.VERBOSE, logging.INFO, "enforcer.modes.agent",
+        "enforcer.core.settings.agent", lambda cfg, values, _: cfg.agent_settings(values),
+        logging.INFO, "enforcer.modes.agent",
         "the node agent (DaemonSet): VRAM capacity, GPU labels, per-pod usage socket",
-        "Run the node agent.", AGENT_EPILOG,
+        "Run the node agent.", lambda: AGENT_EPILOG,
     ),
     "sidecar": Mode(
-        sidecar_cfg.DECLARED, lambda values, _: sidecar_cfg.sidecar_settings(values),
-        sidecar_cfg.LOG_FORMAT, sidecar_cfg.VERBOSE, logging.INFO, "enforcer.modes.sidecar",
+        "enforcer.core.settings.sidecar", lambda cfg, values, _: cfg.sidecar_settings(values),
+        logging.INFO, "enforcer.modes.sidecar",
         "the in-pod enforcer (injected by the webhook)",
         "Enforce each container's declared VRAM limit, from inside the pod.",
-        SIDECAR_NOTES,
+        lambda: SIDECAR_NOTES,
     ),
     "webhook": Mode(
-        webhook_cfg.DECLARED, lambda values, _: webhook_cfg.webhook_settings(values),
-        webhook_cfg.LOG_FORMAT, webhook_cfg.VERBOSE, logging.INFO, "enforcer.modes.webhook",
+        "enforcer.core.settings.webhook", lambda cfg, values, _: cfg.webhook_settings(values),
+        logging.INFO, "enforcer.modes.webhook",
         "the mutating admission webhook that injects the sidecar",
         "Serve AdmissionReviews over HTTPS and inject the enforcer into pods that declare VRAM.",
-        WEBHOOK_EPILOG,
+        lambda: WEBHOOK_EPILOG,
     ),
     "interference": Mode(
-        interference_cfg.DECLARED,
-        lambda values, args: interference_cfg.interference_settings(
+        "enforcer.core.settings.interference",
+        lambda cfg, values, args: cfg.interference_settings(
             values, args.workloads, sys.executable
         ),
-        interference_cfg.LOG_FORMAT, interference_cfg.VERBOSE, logging.INFO,
-        "enforcer.modes.interference",
+        logging.INFO, "enforcer.modes.interference",
         "measure how much workloads slow each other down when they share a GPU",
         "Run each workload alone, then each pair together on one GPU, each under exec with "
         "its GPU memory limit, and report each workload's slowdown, its peak GPU memory and "
         "what crashed.",
-        INTERFERENCE_EPILOG,
+        _interference_epilog,
     ),
     "doctor": Mode(
-        doctor_cfg.DECLARED, lambda values, _: doctor_cfg.doctor_settings(values),
-        doctor_cfg.LOG_FORMAT, doctor_cfg.VERBOSE, logging.WARNING, "enforcer.modes.doctor",
+        "enforcer.core.settings.doctor", lambda cfg, values, _: cfg.doctor_settings(values),
+        logging.WARNING, "enforcer.modes.doctor",
         "check NVML, the PID namespace, the agent socket and the API (RBAC)",
         "Try each thing vram-enforcer depends on, here, and say what to fix. Exits 1 if a "
         "check failed.",
-        DOCTOR_EPILOG,
+        lambda: DOCTOR_EPILOG,
     ),
 }  # fmt: skip
 
@@ -259,7 +267,9 @@ def _add(parser: argparse.ArgumentParser, s: Setting[Any]) -> None:
                             help=help_text(s))  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line. With `only`, the flags of that mode alone are declared, so that no
+    other mode's settings are imported; without it, every mode's (`--help`, tests)."""
     parser = argparse.ArgumentParser(
         prog="vram-enforcer",
         description="Enforce GPU memory (VRAM) limits on processes and Kubernetes containers.",
@@ -267,11 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"vram-enforcer {__version__}")
     sub = parser.add_subparsers(dest="mode", metavar="MODE", required=True)
     for name, mode in MODES.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=mode.help)
+            continue
         p = sub.add_parser(
             name,
             help=mode.help,
             description=mode.description,
-            epilog=_environment(mode.declared) + mode.epilog,
+            epilog=_environment(mode.declared) + mode.epilog(),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         for setting in mode.declared:
@@ -291,19 +304,23 @@ def configure(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[Mod
     """The mode that the command line asks for, its values (flags, then `environ`, then
     defaults) and its validated settings. Raises ConfigError for a bad value."""
     mode = MODES[args.mode]
-    given = {s.key: getattr(args, s.key) for s in mode.declared if s.flag}
-    values = resolve(mode.declared, given, environ)
-    return mode, values, mode.build(values, args)
+    cfg = mode.config()
+    given = {s.key: getattr(args, s.key) for s in cfg.DECLARED if s.flag}
+    values = resolve(cfg.DECLARED, given, environ)
+    return mode, values, mode.build(cfg, values, args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    chosen = words[0] if words and words[0] in MODES else None
+    args = build_parser(chosen).parse_args(words)
     try:
         mode, values, settings = configure(args, os.environ)
     except ConfigError as exc:
         print(f"vram-enforcer {args.mode}: error: {exc}", file=sys.stderr)
         return 2
-    logs.setup(values[mode.log_format], values[mode.verbose], default_level=mode.level)
+    cfg = mode.config()
+    logs.setup(values[cfg.LOG_FORMAT], values[cfg.VERBOSE], default_level=mode.level)
     try:
         return int(importlib.import_module(mode.module).run(settings))
     except KeyboardInterrupt:

@@ -12,36 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from enforcer.core.admission import Denied, declared_limits
 from enforcer.core.dra import Allocations
 from enforcer.core.model import Device
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import containers_by_id
-
-
-class LimitResult(StrEnum):
-    """What became of one limit on one GPU (NVML's return codes, in our terms)."""
-
-    SET = "set"
-    UNSUPPORTED = "unsupported"  # the driver or the GPU has no per-cgroup limits
-    FORBIDDEN = "forbidden"  # NVML's NO_PERMISSION: the caller is not root
-    NO_CGROUP = "no-cgroup"  # the driver cannot open the cgroup (gone, or not cgroup v2)
-    REJECTED = "rejected"  # NVML refused the values themselves
-    FAILED = "failed"  # anything else; worth another try later
-
-
-@dataclass(frozen=True, slots=True)
-class LimitOutcome:
-    result: LimitResult
-    detail: str = ""  # NVML's own words, for the log
-
-    @property
-    def final(self) -> bool:
-        """Whether this GPU (UNSUPPORTED) or this caller (FORBIDDEN) will never get hard
-        limits, so that trying again only repeats the failure until a restart."""
-        return self.result in (LimitResult.UNSUPPORTED, LimitResult.FORBIDDEN)
 
 
 def per_gpu(limit_bytes: int, devices: Sequence[Device]) -> dict[str, int]:

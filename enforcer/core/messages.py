@@ -8,8 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from enforcer.core.hard_limits import LimitOutcome, LimitResult
-from enforcer.core.model import Action, ProcessTotal, SignalResult, UnitUsage, format_bytes
+from enforcer.core.model import (
+    Action,
+    LimitOutcome,
+    LimitResult,
+    ProcessTotal,
+    SignalResult,
+    UnitUsage,
+    format_bytes,
+)
 from enforcer.core.parsing import format_duration
 from enforcer.core.policy import Enforcement, Notice, Reason
 

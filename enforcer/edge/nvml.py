@@ -18,8 +18,7 @@ from typing import Any, ClassVar
 
 import pynvml
 
-from enforcer.core.hard_limits import LimitOutcome, LimitResult
-from enforcer.core.model import Activity, Device
+from enforcer.core.model import Activity, Device, LimitOutcome, LimitResult
 from enforcer.edge.backoff import Backoff
 from enforcer.edge.nvml_utilisation import ProcessUtilisation
 

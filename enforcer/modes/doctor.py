@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from enforcer.core import messages
 from enforcer.core.dra import shareable_gpus
-from enforcer.core.hard_limits import LimitOutcome, mig_gpus, per_gpu
-from enforcer.core.model import Sample, SourceDown, format_bytes
+from enforcer.core.hard_limits import mig_gpus, per_gpu
+from enforcer.core.model import LimitOutcome, Sample, SourceDown, format_bytes
 from enforcer.core.parsing import kubernetes_version
 from enforcer.core.protocol import Challenge, ProtocolError, decode_reply, encode_request
 from enforcer.core.settings.doctor import DoctorSettings

@@ -23,8 +23,17 @@ from pathlib import Path
 from enforcer.core import messages
 from enforcer.core.attribution import attribute, unit_activity
 from enforcer.core.exec_summary import ExecSummary, SummaryEvent
-from enforcer.core.hard_limits import LimitOutcome, LimitResult, mig_gpus, per_gpu
-from enforcer.core.model import IDLE, ProcessKey, ProcessTotal, Sample, UnitUsage, format_bytes
+from enforcer.core.hard_limits import mig_gpus, per_gpu
+from enforcer.core.model import (
+    IDLE,
+    LimitOutcome,
+    LimitResult,
+    ProcessKey,
+    ProcessTotal,
+    Sample,
+    UnitUsage,
+    format_bytes,
+)
 from enforcer.core.policy import Reason
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge import logs

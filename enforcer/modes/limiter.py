@@ -24,8 +24,6 @@ from enforcer.core import messages
 from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names
 from enforcer.core.hard_limits import (
     Key,
-    LimitOutcome,
-    LimitResult,
     PodVram,
     Target,
     mig_gpus,
@@ -35,7 +33,7 @@ from enforcer.core.hard_limits import (
     pod_vram_from_claims,
     targets,
 )
-from enforcer.core.model import Device, format_bytes
+from enforcer.core.model import Device, LimitOutcome, LimitResult, format_bytes
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
 from enforcer.core.policy import Reason

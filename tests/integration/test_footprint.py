@@ -55,3 +55,25 @@ def test_neither_a_sidecar_through_the_agent_nor_an_agent_without_the_api_loads_
         [sys.executable, "-c", AGENT_FREE], capture_output=True, text=True, check=True
     ).stdout
     assert json.loads(out) == []
+
+
+OTHER_MODES = """
+import json, sys
+from enforcer.cli import build_parser, configure
+args = build_parser("sidecar").parse_args(["sidecar"])
+configure(args, {"POD_NAME": "p", "POD_NAMESPACE": "n", "POD_UID": "u", "NODE_NAME": "node",
+                 "VRAM_ENFORCER_LIMITS": '{"c": 1}'})
+from enforcer.modes import sidecar
+print(json.dumps(sorted(m for m in sys.modules if m in ("jsonpatch", "statistics")
+                        or m.startswith(("enforcer.core.admission", "enforcer.core.interference",
+                                         "enforcer.core.settings.webhook")))))
+"""
+
+
+def test_the_sidecar_loads_no_other_modes_settings() -> None:
+    """The command line declares only the chosen mode's settings: the webhook's bring the
+    admission code and jsonpatch, interference's `statistics` (1.5 MiB of the sidecar)."""
+    out = subprocess.run(
+        [sys.executable, "-c", OTHER_MODES], capture_output=True, text=True, check=True
+    ).stdout
+    assert json.loads(out) == []

@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from enforcer.core.hard_limits import LimitOutcome, LimitResult
-from enforcer.core.model import GiB, ProcessKey, Sample, SourceDown
+from enforcer.core.model import GiB, LimitOutcome, LimitResult, ProcessKey, Sample, SourceDown
 from enforcer.edge.nvml import MEMORY_LIMIT_MAX, Nvml, NvmlLost, NvmlQueryError, NvmlUnavailable
 from enforcer.edge.nvml_source import NvmlSource
 from enforcer.edge.procfs import ProcFs
