@@ -133,12 +133,19 @@ def metrics_unavailable(detail: str) -> str:
     )
 
 
-def sidecar_silent(after: float) -> str:
+def sidecar_silent(after: float, unreachable: str | None = None) -> str:
+    """`unreachable`: why the agent could not connect to the sidecar, when it could not."""
+    why = (
+        f"the agent cannot connect to it ({unreachable}): is the sidecar starting, or of 0.1 "
+        "on an agent that does not serve its socket, or does a security profile (AppArmor) "
+        "deny the agent ptrace read access to it?"
+        if unreachable
+        else "it was stopped or killed (a process of the pod can signal it), or it is crash-looping"
+    )
     return (
         f"the vram-enforcer sidecar of this pod has not been connected to the node agent for "
-        f"{after:.0f}s: it was stopped or killed (a process of the pod can signal it), or it "
-        "is crash-looping. The pod's VRAM limits are not enforced by sampling until it is back "
-        "(a driver hard limit still holds, where there is one)"
+        f"{after:.0f}s: {why}. The pod's VRAM limits are not enforced by sampling until it is "
+        "back (a driver hard limit still holds, where there is one)"
     )
 
 

@@ -40,6 +40,9 @@ def dial(host_proc: ProcFs, pid: int) -> socket.socket | str:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
     try:
         sock.connect(path)  # a Unix socket connects at once, or fails (EAGAIN: backlog full)
+    except BlockingIOError:
+        sock.close()
+        return f"{path} has connections waiting: the sidecar does not accept them (stopped?)"
     except OSError as exc:
         sock.close()
         return f"cannot connect to {path}: {exc.strerror or exc}"

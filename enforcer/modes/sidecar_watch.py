@@ -82,7 +82,9 @@ class SidecarWatch(threading.Thread):
         change = update(self._presence, pods, connected, now)
         self._presence = change.presence
         for uid in change.went_silent:
-            self._tell(pods[uid], messages.sidecar_silent(SILENT_AFTER), warning=True)
+            cid = reachable(pods[uid])
+            why = self._failed.get(cid) if cid is not None else None
+            self._tell(pods[uid], messages.sidecar_silent(SILENT_AFTER, why), warning=True)
         for uid in change.came_back:
             self._tell(pods[uid], messages.sidecar_back(), warning=False)
         self._telemetry.unguarded.set(len(change.presence.silent))
@@ -99,6 +101,7 @@ class SidecarWatch(threading.Thread):
                     log.info("sidecar container %s: %s; trying again", cid[:12], found)
                 self._failed[cid] = found
             else:
+                self._failed.pop(cid, None)
                 self._adopt(cid, found)
 
     def _tell(self, pod: Pod, text: str, warning: bool) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -129,6 +130,7 @@ class Caller:
         self, socket_path: Path, cgroups: Path, uid: str, cid: str | None, listen: bool = False
     ) -> None:
         self.cgroups = cgroups
+        self.unread = b""
         command = [sys.executable, "-c", CALLER, f"dial:{socket_path}", str(ROOT)]
         if listen:
             Path(SIDECAR_SOCKET_DIR).mkdir(parents=True, exist_ok=True)  # the mount point
@@ -162,10 +164,18 @@ class Caller:
         self.proc.stdin.write(f"{reason} {container} {message}\n")
         self.proc.stdin.flush()
 
-    def next(self) -> dict[str, Any]:
+    def next(self, timeout: float = 30.0) -> dict[str, Any]:
+        """The caller's next line; a caller that says nothing for `timeout` fails the test
+        rather than hanging it. Read unbuffered, so that a line read ahead is not missed."""
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, "the caller ended"
+        fd, deadline = self.proc.stdout.fileno(), time.monotonic() + timeout
+        while b"\n" not in self.unread:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"the caller said nothing for {timeout}s"
+            chunk = os.read(fd, 65536)
+            assert chunk, "the caller ended"
+            self.unread += chunk
+        line, self.unread = self.unread.split(b"\n", 1)
         reply: dict[str, Any] = json.loads(line)
         return reply
 

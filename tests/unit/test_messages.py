@@ -59,3 +59,13 @@ def test_undeclared_usage_and_unknown_usage() -> None:
 def test_long_command_lines_are_shortened() -> None:
     long = ProcessTotal(ProcessKey(1, 1), 1, (("GPU-0", 1),), "x" * 500)
     assert len(messages.process(long)) < 160
+
+
+def test_a_silent_sidecar_says_why_when_the_agent_could_not_reach_it() -> None:
+    stopped = messages.sidecar_silent(10.0)
+    assert "stopped or killed" in stopped and "not enforced by sampling" in stopped
+    denied = messages.sidecar_silent(10.0, "cannot connect to /proc/7/root/...: Permission denied")
+    assert (
+        "the agent cannot connect to it (cannot connect to /proc/7/root/...: Permission " in denied
+    )
+    assert "AppArmor" in denied and "stopped or killed" not in denied
