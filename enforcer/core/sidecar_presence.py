@@ -43,34 +43,38 @@ class Change:
     came_back: tuple[str, ...] = ()
 
 
-def guarded(pod: Pod) -> bool:
-    """A running pod that the webhook injected (its label, kept by the chart's policy)."""
-    labels = json_map(json_map(pod.get("metadata")).get("labels"))
-    phase = json_map(pod.get("status")).get("phase")
-    return labels.get(ENFORCED) == "true" and phase == "Running"
+def _enforced(pod: Pod) -> bool:
+    """Injected by the webhook (its label, kept by the chart's policy)."""
+    return json_map(json_map(pod.get("metadata")).get("labels")).get(ENFORCED) == "true"
 
 
-def sidecar_id(pod: Pod) -> str | None:
-    """The ID of the pod's sidecar container now (a restart gives it a new one)."""
+def _sidecar_status(pod: Pod) -> Mapping[str, object] | None:
     status = json_map(pod.get("status"))
     for field_name in ("initContainerStatuses", "containerStatuses"):
         for cs in json_maps(status.get(field_name)):
             if cs.get("name") == SIDECAR:
-                return status_container_id(cs.get("containerID"))
+                return cs
     return None
+
+
+def guarded(pod: Pod) -> bool:
+    """A running pod that the webhook injected."""
+    return _enforced(pod) and json_map(pod.get("status")).get("phase") == "Running"
+
+
+def sidecar_id(pod: Pod) -> str | None:
+    """The ID of the pod's sidecar container now (a restart gives it a new one)."""
+    cs = _sidecar_status(pod)
+    return None if cs is None else status_container_id(cs.get("containerID"))
 
 
 def reachable(pod: Pod) -> str | None:
     """The container ID of an enforced pod's sidecar while it runs, whatever the pod's phase
     (a native sidecar runs before the workload does): the one to connect to."""
-    if json_map(json_map(pod.get("metadata")).get("labels")).get(ENFORCED) != "true":
+    cs = _sidecar_status(pod) if _enforced(pod) else None
+    if cs is None or "running" not in json_map(cs.get("state")):
         return None
-    status = json_map(pod.get("status"))
-    for field_name in ("initContainerStatuses", "containerStatuses"):
-        for cs in json_maps(status.get(field_name)):
-            if cs.get("name") == SIDECAR and "running" in json_map(cs.get("state")):
-                return status_container_id(cs.get("containerID"))
-    return None
+    return status_container_id(cs.get("containerID"))
 
 
 @dataclass(frozen=True, slots=True)

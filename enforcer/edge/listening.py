@@ -54,13 +54,15 @@ def listen(path: Path, mode: int, backlog: int, whose: str, option: str) -> sock
     return listener
 
 
-_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (SO_PEERCRED, SCM_CREDENTIALS)
 
 
-def peer_pid(sock: socket.socket) -> int:
-    """The pid of the process on the other end, as this process's PID namespace sees it: 0
-    when that process lives outside it (the kernel reports no pid it could not name)."""
-    pid, _uid, _gid = _UCRED.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process on the other end, as this process's namespaces see
+    it (SO_PEERCRED: the connecting process, or for a connection we made, the listening
+    one). The pid is 0 when that process lives outside this PID namespace: the kernel
+    reports no pid it could not name."""
+    pid, uid, _gid = UCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size)
     )
-    return int(pid)
+    return int(pid), int(uid)

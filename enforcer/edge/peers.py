@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import secrets
 import socket
-import struct
 from dataclasses import dataclass
 
 from enforcer.core.cgroups import container_id
 from enforcer.core.protocol import Challenge
+from enforcer.edge.listening import UCRED, peer_credentials
 from enforcer.edge.pidfd import Pinned
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView, PidViewError
 
 # Not in Python's socket module before 3.13; the value is fixed in the kernel ABI.
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
-_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-CREDENTIALS_SPACE = socket.CMSG_SPACE(_UCRED.size)
+CREDENTIALS_SPACE = socket.CMSG_SPACE(UCRED.size)
 
 
 class PeerError(Exception):
@@ -82,9 +81,7 @@ class Unproven:
 def attest(sock: socket.socket, host_proc: ProcFs, peer_pidfd: bool = True) -> Peer | Unproven:
     """Identify the caller: a `Peer` at once, or, without SO_PEERPIDFD (or with
     `peer_pidfd` False), an `Unproven` caller that still has to answer its challenge."""
-    pid, uid, _gid = _UCRED.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    )
+    pid, uid = peer_credentials(sock)
     if pid <= 0:
         raise PeerError("the kernel reports no process for this connection")
     process = _peer_pidfd(sock, pid) if peer_pidfd else None
@@ -123,5 +120,5 @@ def sender(ancillary: list[tuple[int, int, bytes]]) -> int | None:
     stamp it), None without credentials."""
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-            return int(_UCRED.unpack(data[: _UCRED.size])[0])
+            return int(UCRED.unpack(data[: UCRED.size])[0])
     return None

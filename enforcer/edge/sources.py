@@ -32,7 +32,7 @@ from enforcer.core.protocol import (
     encode_request,
 )
 from enforcer.edge.backoff import Backoff
-from enforcer.edge.listening import listen, peer_pid
+from enforcer.edge.listening import listen, peer_credentials
 from enforcer.edge.procfs import INITIAL_PID_NS, NsChain, ProcFs
 
 log = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ class AgentSource:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 break
-            pid = peer_pid(sock)
+            pid, _uid = peer_credentials(sock)
             if pid == 0:  # outside this PID namespace: the agent (see the class)
                 return sock
             sock.close()

@@ -103,10 +103,10 @@ CALLER = textwrap.dedent(
 ).replace("INTRUDER_CODE", repr(INTRUDER))
 
 
-# A sidecar of its own: its own mount namespace (a tmpfs where the emptyDir would be) and
-# its own PID namespace, as in a pod.
+# A sidecar of its own: its own PID namespace, as in a pod, and its own mount namespace, with
+# a tmpfs over /run in which the emptyDir's directory is made (nothing is left on the host).
 POD_NAMESPACES = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "sh", "-c",
-                  f'mount -t tmpfs tmpfs {SIDECAR_SOCKET_DIR} && exec "$0" "$@"']  # fmt: skip
+                  f'mount -t tmpfs tmpfs /run && mkdir -p {SIDECAR_SOCKET_DIR} && exec "$0" "$@"']  # fmt: skip
 
 
 def pod(name: str, uid: str, *container_ids: str, labels: dict[str, str] | None = None) -> Pod:
@@ -133,7 +133,6 @@ class Caller:
         self.unread = b""
         command = [sys.executable, "-c", CALLER, f"dial:{socket_path}", str(ROOT)]
         if listen:
-            Path(SIDECAR_SOCKET_DIR).mkdir(parents=True, exist_ok=True)  # the mount point
             command = [*POD_NAMESPACES, *command[:3], f"listen:{SIDECAR_SOCKET}", str(ROOT)]
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)  # fmt: skip
