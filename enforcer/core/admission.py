@@ -41,7 +41,6 @@ from enforcer.core.payloads import (
     EnvVar,
     PatchOperation,
     PodSpec,
-    Volume,
     VolumeMount,
 )
 from enforcer.core.protocol import SIDECAR_SOCKET, SIDECAR_SOCKET_DIR
@@ -57,7 +56,7 @@ METRICS_PORT_ANNOTATION = "vram-enforcer.io/metrics-port"
 SIDECAR = "vram-enforcer"
 SOCKET_VOLUME = "vram-enforcer-socket"
 SHM_VOLUME = "vram-enforcer-shm"
-TOKEN_VOLUME = "vram-enforcer-token"  # noqa: S105 - a volume name, not a secret
+NO_TOKEN_VOLUME = "vram-enforcer-no-token"  # noqa: S105 - a volume name, not a secret
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # noqa: S105 - a path
 SHM_DIR = "/dev/shm"  # noqa: S108 - the mount point we provide, not a file we write
 # Annotation -> the sidecar variable it sets, and how it is checked.
@@ -441,7 +440,7 @@ def _check_pod(spec: PodSpec, settings: AdmissionSettings) -> None:
         raise Denied(f"a container is already named {SIDECAR!r}, the name of the enforcer's "
                      "sidecar; rename it")  # fmt: skip
     volumes = {str(v.get("name")) for v in spec.get("volumes") or ()}
-    taken = volumes & {SOCKET_VOLUME, SHM_VOLUME, TOKEN_VOLUME}
+    taken = volumes & {SOCKET_VOLUME, SHM_VOLUME, NO_TOKEN_VOLUME}
     if taken and not images:
         raise Denied(f"spec.volumes: {sorted(taken)[0]!r} is reserved for the enforcer; rename it")
 
@@ -593,15 +592,17 @@ def _add_sidecar(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping
     # emptyDir (which every Pod Security level allows) that no other container mounts. (A
     # pod copied from one of 0.1 may carry the hostPath of the agent's socket
     # under this name: it is replaced.)
-    mounts: list[VolumeMount] = [{"name": SOCKET_VOLUME, "mountPath": SIDECAR_SOCKET_DIR}]
+    # No API token: the sidecar never calls the API (the agent brings its pod and posts its
+    # Events). ServiceAccount admission mounts the pod's token into every container that
+    # has nothing mounted at its path, so an empty one is: and since it then finds nothing
+    # to add after this webhook, the API server does not call the webhook a second time.
+    mounts: list[VolumeMount] = [
+        {"name": SOCKET_VOLUME, "mountPath": SIDECAR_SOCKET_DIR},
+        {"name": NO_TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
+    ]
     volumes = spec.setdefault("volumes", [])
     _put(volumes, {"name": SOCKET_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
-    if spec.get("automountServiceAccountToken") is False:
-        # The pod opted out of the API token; the sidecar still needs one, for itself only.
-        _put(volumes, _token_volume())
-        mounts.append({"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
-    else:
-        mounts += _service_account_mounts(spec)
+    _put(volumes, {"name": NO_TOKEN_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Ki"}})
     sidecar: Container = {
         "name": SIDECAR,
         "image": settings.sidecar_image,
@@ -648,28 +649,6 @@ def _add_sidecar(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping
 _LISTENING = f"import os, sys; sys.exit(not os.path.exists({SIDECAR_SOCKET!r}))"
 
 
-def _service_account_mounts(spec: PodSpec) -> list[VolumeMount]:
-    """The token mount that the API server's ServiceAccount admission gave the sidecar of an
-    earlier pass (it runs again after webhooks that changed the pod, and mounts the token
-    into every container): kept, or the sidecar would lose its token when it is asserted
-    again. Nothing else of a sidecar found in the pod is kept: a forged one could mount its
-    own code over ours, or its own "token"."""
-    tokens = {
-        str(v.get("name"))
-        for v in spec.get("volumes") or ()
-        if any(
-            "serviceAccountToken" in _map(s) for s in _list(_map(v.get("projected")).get("sources"))
-        )
-    }
-    found = [c for c in _containers(spec) if c["name"] == SIDECAR]
-    return [
-        m
-        for c in found[:1]
-        for m in c.get("volumeMounts") or ()
-        if m.get("mountPath") == TOKEN_DIR and m.get("name") in tokens
-    ]
-
-
 def _drop_sidecar(listed: list[Container] | None) -> None:
     if listed and any(c["name"] == SIDECAR for c in listed):
         listed[:] = [c for c in listed if c["name"] != SIDECAR]
@@ -688,21 +667,6 @@ def _put(items: list[Any], item: Mapping[str, Any]) -> bool:
 
 def _field_env(name: str, path: str) -> EnvVar:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-
-
-def _token_volume() -> Volume:
-    return {
-        "name": TOKEN_VOLUME,
-        "projected": {
-            "sources": [
-                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
-                {"configMap": {"name": "kube-root-ca.crt",
-                               "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-                {"downwardAPI": {"items": [{"path": "namespace",
-                                            "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
-            ]
-        },
-    }  # fmt: skip
 
 
 _SUFFIXES = (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10))

@@ -350,25 +350,29 @@ class ApiServer:
 
     def start_scheduler(self, config: Mapping[str, Any], name: str = "scheduler") -> None:
         """The real kube-scheduler with `config` (a KubeSchedulerConfiguration), connected
-        to this server as admin, without leader election; returns once it is ready. It
-        stops with `close()`."""
+        to this server as admin (its `clientConnection` kept but for the kubeconfig), without
+        leader election; returns once it is ready. It stops with `close()`."""
         binary = scheduler_binary()
         if binary is None:
             raise ApiServerError("no kube-scheduler: run tests/e2e/build-kubernetes.sh")
         kubeconfig = self.write_kubeconfig(self.dir / f"{name}.kubeconfig")
-        connected = {**config, "clientConnection": {"kubeconfig": str(kubeconfig)},
+        connection = {**config.get("clientConnection", {}), "kubeconfig": str(kubeconfig)}
+        connected = {**config, "clientConnection": connection,
                      "leaderElection": {"leaderElect": False}}  # fmt: skip
         (self.dir / f"{name}.json").write_text(json.dumps(connected))
         self._start_component(name, [str(binary), f"--config={self.dir / f'{name}.json'}"])
 
     def start_controller_manager(
-        self, name: str = "controller-manager", without: Sequence[str] = ()
+        self,
+        name: str = "controller-manager",
+        without: Sequence[str] = (),
+        extra_args: Sequence[str] = (),
     ) -> None:
         """The real kube-controller-manager with its default controllers (ServiceAccounts
         and their tokens' CA, garbage collection, Deployments, Jobs, DaemonSets, the node
         lifecycle, ResourceClaims from templates, ...) but those named in `without`, each
         controller under its own ServiceAccount as in a real cluster, without leader
-        election; returns once it is running. It stops with `close()`.
+        election, with `extra_args` last; returns once it is running. It stops with `close()`.
 
         Where tests play the kubelet, leave out `node-lifecycle-controller`: a played
         kubelet sends no heartbeats, so the controller would mark its Nodes unreachable
@@ -383,7 +387,7 @@ class ApiServer:
             "--controllers=" + ",".join(["*", *(f"-{c}" for c in without)]),
             f"--service-account-private-key-file={self.dir / 'sa.key'}",
             f"--root-ca-file={self.ca_file}",
-            f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+            f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}", *extra_args,
         ])  # fmt: skip
         self._controller_manager = self._processes[-1]
         self._controllers_caught_up()
@@ -450,7 +454,8 @@ class ApiServer:
             return f"(no {path})"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
-    def _get(self, path: str, timeout: float = 2.0) -> tuple[int, str]:
+    def get(self, path: str, timeout: float = 2.0) -> tuple[int, str]:
+        """An admin GET of `path` on this server: (status, body)."""
         context = ssl.create_default_context(cafile=str(self.ca_file))
         request = urllib.request.Request(
             f"{self.url}{path}", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -464,7 +469,7 @@ class ApiServer:
     def is_ready(self) -> bool:
         """Whether /readyz answers ok (etcd reachable, post-start hooks done)."""
         try:
-            return self._get("/readyz") == (200, "ok")
+            return self.get("/readyz") == (200, "ok")
         except OSError:
             return False
 
@@ -492,7 +497,7 @@ class ApiServer:
         detail = ""
         if name == "apiserver":
             try:
-                detail = "\n/readyz?verbose says:\n" + self._get("/readyz?verbose")[1]
+                detail = "\n/readyz?verbose says:\n" + self.get("/readyz?verbose")[1]
             except OSError as e:
                 detail = f"\n/readyz is unreachable: {e}"
         raise ApiServerError(

@@ -33,7 +33,9 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client
+from prometheus_client.parser import text_string_to_metric_families
 
+from enforcer.core.admission import TOKEN_DIR
 from enforcer.core.model import GiB
 from tests.e2e.actors import AgentProcess
 from tests.e2e.cluster import ApiServer
@@ -326,10 +328,12 @@ def test_restart_makes_the_kubelet_restart_the_container(installed: Cluster) -> 
 def test_a_sidecar_without_any_rbac_enforces_through_the_agent(
     installed: Cluster,
 ) -> None:
-    """The sidecars' ServiceAccounts lose every right: a sidecar still tells the pod's two
-    containers apart (only the agent can have told it their IDs), stops the one over its
-    limit, learns the new container ID of each restart from the agent, and its Events are
-    posted (by the agent, on this pod)."""
+    """The sidecars' ServiceAccounts lose every right, and the sidecar holds no token: it
+    still tells the pod's two containers apart (only the agent can have told it their IDs),
+    stops the one over its limit, learns the new container ID of each restart from the
+    agent, and its Events are posted (by the agent, on this pod). The API server called the
+    webhook once for the pod (ServiceAccount admission, run again after the webhook, found
+    nothing to add to the sidecar)."""
     core, node = installed.core, installed.node
     rbac = client.RbacAuthorizationV1Api(installed.server.client())
     role = rbac.read_namespaced_role(f"{RELEASE}-sidecar", OPTED_IN)
@@ -338,9 +342,13 @@ def test_a_sidecar_without_any_rbac_enforces_through_the_agent(
     idle = {**spec["spec"]["containers"][0], "name": "idle"}
     spec["spec"]["containers"].append(idle)
     try:
+        calls = webhook_calls(installed.server)
         core.create_namespaced_pod(OPTED_IN, spec)
+        assert webhook_calls(installed.server) == calls + 1
         pod = wait_for(lambda: running(core, OPTED_IN, "pair"), timeout=90, what="the pod to run")
         idle_holder = the_holder(node, pod, "idle")
+        assert os.listdir(f"/proc/{the_sidecar(node, pod)[0]}/root{TOKEN_DIR}") == []
+        assert "token" in os.listdir(f"/proc/{idle_holder}/root{TOKEN_DIR}")  # the workload's
         installed.use(idle_holder, GiB // 2)
         for restarts in (1, 2):  # the second is enforced only if the new ID reached the sidecar
             holder = the_holder(node, pod, "trainer")
@@ -363,6 +371,19 @@ def test_a_sidecar_without_any_rbac_enforces_through_the_agent(
         rbac.patch_namespaced_role(f"{RELEASE}-sidecar", OPTED_IN, {"rules": role.rules})
         core.delete_namespaced_pod("pair", OPTED_IN)
         wait_for(lambda: gone(core, OPTED_IN, "pair"), timeout=60, what="the pod to be gone")
+
+
+def webhook_calls(server: ApiServer) -> float:
+    """How many times the API server has called the chart's webhook to admit a pod."""
+    status, text = server.get("/metrics", timeout=10)
+    assert status == 200, text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "apiserver_admission_webhook_admission_duration_seconds_count"
+        and sample.labels.get("name") == "inject.vram-enforcer.io"
+    )
 
 
 def the_sidecar(node: RealNode, pod: client.V1Pod) -> tuple[int, int]:
