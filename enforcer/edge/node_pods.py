@@ -6,13 +6,17 @@ polls: one list (`fieldSelector=spec.nodeName=<node>`), then a watch from that l
 resourceVersion. A watch that ends is resumed from the last version seen; one the server
 has expired (410 Gone) or that failed starts again with a list. Failures back off, are
 logged once each, and never lose what is known: the last good view stays in place.
+
+A selector may match thousands of pods (the webhook's pending pods in a creation storm):
+the list comes in pages, and each pod is kept only as much as its reader needs (`keep`),
+so memory grows with what is read, not with whole pods.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import urllib3.exceptions
@@ -27,6 +31,7 @@ from enforcer.edge.kube import KubeError, WatchStream, call, watch_error
 log = logging.getLogger(__name__)
 
 PODS = "/api/v1/pods"
+PAGE = 500  # pods per page of a list
 # What a list or a watch can fail with: the API's answers, the network, a garbled line.
 _FAILURES = (KubeError, ApiException, urllib3.exceptions.HTTPError, OSError, ValueError)
 
@@ -44,9 +49,15 @@ class WatchedPods(threading.Thread):
         name: str = "watched-pods",
         watch_seconds: int = 300,
         backoff: Backoff | None = None,
+        keep: Callable[[Pod], Pod] | None = None,
+        page: int = PAGE,
     ) -> None:
+        """`keep`: what of each pod to hold (default: all of it); `page`: pods per page of a
+        list."""
         super().__init__(name=name, daemon=True)
         self._api = api
+        self._keep = keep or _whole
+        self._page = str(page)
         self._query = dict(query)
         self._changed = changed
         self._watch_seconds = watch_seconds
@@ -91,9 +102,20 @@ class WatchedPods(threading.Thread):
                 self.stop.wait(self._failed(exc))
 
     def _list(self) -> str:
-        reply = call(self._api, "GET", PODS, "pods", query=self._query, deadline=30.0,
-                     timeout=30.0, verb="list")  # fmt: skip
-        pods = {uid: pod for pod in reply.get("items") or () if (uid := _uid(pod))}
+        """List in pages (one consistent snapshot, followed by its `continue` token); the
+        pods replace the view at once, and the snapshot's version is returned."""
+        pods: dict[str, Pod] = {}
+        page = {"limit": self._page}
+        while True:
+            reply = call(self._api, "GET", PODS, "pods", query={**self._query, **page},
+                         deadline=30.0, timeout=30.0, verb="list")  # fmt: skip
+            for pod in reply.get("items") or ():
+                if uid := _uid(pod):
+                    pods[uid] = self._keep(pod)
+            meta = reply.get("metadata") or {}
+            if not meta.get("continue"):
+                break
+            page = {"limit": self._page, "continue": str(meta["continue"])}
         with self._lock:
             self._pods = pods
             self._synced = True
@@ -102,7 +124,7 @@ class WatchedPods(threading.Thread):
             log.info("watching %s again (%d pods)", self._what(), len(pods))
             self.error = ""
         self._backoff.succeeded()
-        return str((reply.get("metadata") or {}).get("resourceVersion") or "")
+        return str(meta.get("resourceVersion") or "")
 
     def _watch(self, version: str) -> str:
         """Apply events until the watch ends; returns the version to resume from, or ""
@@ -131,7 +153,7 @@ class WatchedPods(threading.Thread):
             if kind == "DELETED":
                 self._pods.pop(uid, None)
             else:
-                self._pods[uid] = pod
+                self._pods[uid] = self._keep(pod)
         self._changed_now()
 
     def _failed(self, exc: Exception) -> float:
@@ -159,6 +181,10 @@ class NodePods(WatchedPods):
                  **options: Any) -> None:  # fmt: skip
         super().__init__(api, {"fieldSelector": f"spec.nodeName={node}"}, changed,
                          name="node-pods", **options)  # fmt: skip
+
+
+def _whole(pod: Pod) -> Pod:
+    return pod
 
 
 def _uid(pod: Any) -> str:

@@ -10,6 +10,11 @@ webhook marked (`vram-enforcer.io/enforced=true`), in namespaces that opted in
 sizes per namespace. A pod waits for its template for as long as this takes (the
 controller-manager retries the claim); nothing that does not exist in the API makes an
 object.
+
+In a creation storm thousands of pods are pending at once, and each changes several times
+(created, bound, started): the pods are held only as their namespace and claims, and a
+pass reads only the pods whose templates were not all there yet, all of them again once
+a minute (`RESYNC`), when a template deleted meanwhile is made again.
 """
 
 from __future__ import annotations
@@ -54,14 +59,16 @@ class TemplateMaker(threading.Thread):
         self._api = api
         self._settings = settings
         self._clock = clock
-        self._keeper = TemplateKeeper(api, deadline=10.0)
+        self._keeper = TemplateKeeper(api, deadline=10.0, clock=clock)
         self.changed = threading.Event()
-        self.pods = WatchedPods(api, PENDING_ENFORCED, (self.changed,), name="pending-pods")
+        self.pods = WatchedPods(api, PENDING_ENFORCED, (self.changed,), name="pending-pods",
+                                keep=claims_of)  # fmt: skip
         self.stop = threading.Event()
         self._guard = LoopGuard("claim-templates", unexpected, log)
         self._opted_in: dict[str, tuple[bool, float]] = {}
         self._sizes: dict[str, set[str]] = {}  # namespace -> templates of ours known there
         self._said: set[str] = set()
+        self._done: set[str] = set()  # UIDs of pods whose templates all exist
 
     def start(self) -> None:
         self.pods.start()
@@ -74,40 +81,48 @@ class TemplateMaker(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            self.changed.wait(RESYNC)
+            everything = not self.changed.wait(RESYNC)
             self.changed.clear()
             if self.stop.is_set():
                 return
             pods = self.pods.snapshot()
             if pods is not None:
-                self._guard.run(functools.partial(self.make, pods))
+                self._guard.run(functools.partial(self.make, pods, everything))
 
-    def make(self, pods: Mapping[str, Pod]) -> None:
-        """One pass over the pods: each missing template made, or why not said once."""
-        for pod in pods.values():
-            for template in templates_named(pod, self._settings):
-                self._ensure(template)
+    def make(self, pods: Mapping[str, Pod], everything: bool = True) -> None:
+        """One pass over the pods (by UID), or over those not yet done: each missing
+        template made, or why not said once."""
+        if everything:
+            self._done.clear()
+        self._done.intersection_update(pods)
+        for uid, pod in pods.items():
+            if uid in self._done:
+                continue
+            if all([self._ensure(t) for t in templates_named(pod, self._settings)]):  # each tried
+                self._done.add(uid)
 
-    def _ensure(self, template: dict[str, Any]) -> None:
+    def _ensure(self, template: dict[str, Any]) -> bool:
+        """Whether the template exists (made now, or known)."""
         meta = template["metadata"]
         namespace, name = str(meta["namespace"]), str(meta["name"])
         if not self._is_opted_in(namespace):
             self._say(f"{namespace}/{name}", f"not making ResourceClaimTemplate {name!r} in "
                       f"namespace {namespace!r}: the namespace has not opted in "
                       f"({OPT_IN[0]}={OPT_IN[1]})")  # fmt: skip
-            return
+            return False
         known = self._sizes.setdefault(namespace, set())
         if name not in known and len(known) >= MAX_PER_NAMESPACE:
             self._say(f"{namespace}/{name}", f"not making ResourceClaimTemplate {name!r}: "
                       f"namespace {namespace!r} already has {MAX_PER_NAMESPACE} VRAM sizes of "
                       "ours; declare one of the sizes in use there")  # fmt: skip
-            return
+            return False
         problem = self._keeper.ensure(template)
         if problem is not None:
             self._say(f"{namespace}/{name}", problem)
-            return
+            return False
         known.add(name)
         self._said.discard(f"{namespace}/{name}")
+        return True
 
     def _is_opted_in(self, namespace: str) -> bool:
         now = self._clock()
@@ -133,3 +148,15 @@ class TemplateMaker(threading.Thread):
         if key not in self._said:
             self._said.add(key)
             log.warning("%s", text)
+
+
+def claims_of(pod: Pod) -> Pod:
+    """What a pass reads of a pending pod: its namespace and the claims that name templates
+    (a pod's claims never change)."""
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    kept: Pod = {"metadata": {}, "spec": {}}
+    if "namespace" in meta:
+        kept["metadata"]["namespace"] = meta["namespace"]
+    if "resourceClaims" in spec:
+        kept["spec"]["resourceClaims"] = spec["resourceClaims"]
+    return kept

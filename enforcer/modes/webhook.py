@@ -44,6 +44,11 @@ EXIT_USAGE = 2
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 MAX_BODY = 4 * 1024 * 1024  # the API server's own request limit is 3 MiB
 IO_TIMEOUT = 10.0
+# How long a kept-alive connection may wait for its next request: longer than the API
+# server keeps an idle connection to a webhook (Go's 90 s). Closed sooner, a connection can
+# close just as the API server sends a review on it, which then fails with EOF (a POST is
+# not retried): found by the creation-storm benchmark.
+IDLE_TIMEOUT = 120.0
 MAX_CONNECTIONS = 256
 PER_PEER = 64
 # Request bodies being decoded and reviewed at once, in bytes: a review of 3 MiB takes
@@ -152,7 +157,9 @@ class _Handler(BaseHTTPRequestHandler):
     def handle_one_request(self) -> None:
         # Between requests the connection is idle; a shutdown may close it then.
         self.server.track(self, busy=False)
+        self.request.settimeout(IDLE_TIMEOUT)
         self.raw_requestline = self.rfile.readline(65537)
+        self.request.settimeout(IO_TIMEOUT)
         self.server.track(self, busy=True)
         if not self.raw_requestline:
             self.close_connection = True

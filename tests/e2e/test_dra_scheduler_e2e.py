@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import ssl
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,13 @@ from kubernetes import client, utils
 from prometheus_client import CollectorRegistry, Counter
 
 from enforcer.core.admission import AdmissionSettings
-from enforcer.modes.claim_templates import MAX_PER_NAMESPACE, TemplateMaker
+from enforcer.edge.node_pods import WatchedPods
+from enforcer.modes.claim_templates import (
+    MAX_PER_NAMESPACE,
+    PENDING_ENFORCED,
+    TemplateMaker,
+    claims_of,
+)
 from tests.e2e import dra
 from tests.e2e.actors import Webhook, doctor
 from tests.e2e.cluster import ApiServer
@@ -241,3 +248,72 @@ def test_a_namespace_gets_a_bounded_number_of_templates(
     made = client.ResourceV1Api(admin).list_namespaced_resource_claim_template(namespace).items
     assert len(made) == MAX_PER_NAMESPACE
     assert caplog.text.count(f"already has {MAX_PER_NAMESPACE} VRAM sizes of ours") == 2
+
+
+def test_pending_pods_are_listed_in_pages_held_as_their_claims_and_read_once_a_resync(
+    cluster: ApiServer,
+) -> None:
+    """A creation storm leaves thousands of pods pending: the webhook's view of them comes
+    in pages and holds only their namespace and claims (whole, they took the webhook past
+    its memory limit), and a pass reads a pod again only at the next resync."""
+    admin = cluster.client()
+    namespace = "vram-storm"
+    core = client.CoreV1Api(admin)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
+        name=namespace, labels={"vram-enforcer.io/inject": "enabled"})))  # fmt: skip
+
+    def marked(i: int) -> dict[str, Any]:
+        return {"metadata": {"name": f"p{i}", "labels": {"vram-enforcer.io/enforced": "true"}},
+                "spec": {"containers": [{"name": "a", "image": "x", "env": [{"name": "BIG", "value": "x" * 1000}],
+                                         "resources": {"claims": [{"name": "vram-a"}]}}],
+                         "resourceClaims": [{"name": "vram-a", "resourceClaimTemplateName": "vram-enforcer-3gi"}]}}  # fmt: skip
+
+    for i in range(5):
+        core.create_namespaced_pod(namespace, marked(i))
+    changed = threading.Event()
+    query = {
+        **PENDING_ENFORCED,
+        "fieldSelector": f"{PENDING_ENFORCED['fieldSelector']},metadata.namespace={namespace}",
+    }
+    pods = WatchedPods(admin, query, (changed,), keep=claims_of, page=2)
+    pods.start()
+    try:
+        seen = wait_for(
+            lambda: (s := pods.snapshot()) is not None and len(s) == 5 and s, what="the list"
+        )
+        core.create_namespaced_pod(namespace, marked(5))  # ... and one the watch brings
+        seen = wait_for(lambda: len(s := pods.snapshot() or {}) == 6 and s, what="the watch")
+        expected = {"metadata": {"namespace": namespace}, "spec": {"resourceClaims": [
+            {"name": "vram-a", "resourceClaimTemplateName": "vram-enforcer-3gi"}]}}  # fmt: skip
+        assert list(seen.values()) == [expected] * 6
+    finally:
+        pods.close()
+    settings = AdmissionSettings(
+        "img", "native", "vram-enforcer.io/vram", 1, dra_class=dra.DEVICE_CLASS
+    )
+    now = [0.0]
+    maker = TemplateMaker(admin, settings, Counter("u2", "test", registry=CollectorRegistry()),
+                          clock=lambda: now[0])  # fmt: skip
+    maker.pods.start()  # the webhook's own view of pending pods holds the same
+    try:
+        wait_for(lambda: [p for p in (maker.pods.snapshot() or {}).values()
+                          if p["metadata"].get("namespace") == namespace] == [expected] * 6,
+                 what="the webhook's view of the pending pods")  # fmt: skip
+    finally:
+        maker.pods.close()
+    resource = client.ResourceV1Api(admin)
+
+    def templates() -> list[str]:
+        return [
+            t.metadata.name
+            for t in resource.list_namespaced_resource_claim_template(namespace).items
+        ]
+
+    maker.make(seen)
+    assert templates() == ["vram-enforcer-3gi"]
+    resource.delete_namespaced_resource_claim_template("vram-enforcer-3gi", namespace)
+    now[0] += 3600  # past every cache of what exists
+    maker.make(seen, everything=False)  # a change: these pods were done, none is read again
+    assert templates() == []
+    maker.make(seen)  # the resync reads them all: the template deleted meanwhile is made again
+    assert templates() == ["vram-enforcer-3gi"]
