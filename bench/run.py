@@ -1,8 +1,9 @@
 """All benchmarks, one command (from the repository root, after `bash .ci/run`):
 
-    .venv/bin/python bench/run.py            # everything, about 10 minutes
+    .venv/bin/python bench/run.py            # everything, about 25 minutes (the creation storm alone 12)
     .venv/bin/python bench/run.py --quick    # fewer trials and shorter windows
     .venv/bin/python bench/run.py --only agent
+    .venv/bin/python bench/run.py --only storm   # 5,000 pods on 500 kwok nodes, twice: 10+ minutes
 
     # the footprint that ships: the components run from a venv without the dev extras
     python3 -m venv /tmp/rt && /tmp/rt/bin/pip install . && .venv/bin/python bench/run.py --runtime /tmp/rt/bin/python
@@ -32,6 +33,7 @@ from bench import (
     flood_bench,
     hard_limits_bench,
     sidecar_bench,
+    storm_bench,
     webhook_bench,
 )
 from bench.common import ROOT
@@ -45,7 +47,16 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer trials and shorter windows")
     p.add_argument(
         "--only",
-        choices=("exec", "agent", "sidecar", "webhook", "hard-limits", "flood", "api-load"),
+        choices=(
+            "exec",
+            "agent",
+            "sidecar",
+            "webhook",
+            "hard-limits",
+            "flood",
+            "api-load",
+            "storm",
+        ),
         help="run one group",
     )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
@@ -103,12 +114,7 @@ def main() -> None:
                 print(f"sidecar benchmarks skipped: {reason}")
             else:
                 results["sidecar"] = sidecar_bench.run(lib_dir, trials, window)
-        if args.only in (None, "api-load"):
-            reason = api_load_bench.available()
-            if reason:
-                print(f"API load benchmark skipped: {reason}")
-            else:
-                results["api_load"] = api_load_bench.run(lib_dir, 20, 60.0 if args.quick else 180.0)
+        results.update(on_a_cluster(args.only, args.quick, lib_dir))
         if args.only in (None, "flood"):
             reason = flood_bench.available()
             if reason:
@@ -118,6 +124,30 @@ def main() -> None:
     show(results)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def on_a_cluster(only: str | None, quick: bool, lib_dir: Path) -> dict[str, Any]:
+    """The benchmarks that run the real control plane: API load in steady state, and the
+    creation storm."""
+    results: dict[str, Any] = {}
+    if only in (None, "api-load"):
+        reason = api_load_bench.available()
+        if reason:
+            print(f"API load benchmark skipped: {reason}")
+        else:
+            results["api_load"] = api_load_bench.run(lib_dir, 20, 60.0 if quick else 180.0)
+    if only in (None, "storm"):
+        reason = storm_bench.available()
+        if reason:
+            print(f"creation storm benchmark skipped: {reason}")
+        else:
+            pods, nodes = (1000, 100) if quick else (5000, 500)
+            results["storm"] = [storm_bench.run(dra, pods, nodes, 8) for dra in (False, True)]
+    return results
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
 
 
 def show(results: dict[str, Any]) -> None:
@@ -194,6 +224,21 @@ def show(results: dict[str, Any]) -> None:
         print(
             f"  at 1,000 nodes of 10 pods: sidecars {fleet['sidecars_per_second']:.1f}/s, "
             f"agents {fleet['agents_per_second']:.1f}/s"
+        )
+    for row in results.get("storm", ()):
+        storm, placed = row["storm"], row["placement"]
+        print(
+            f"creation storm, {row['mode']} mode: {row['pods']} pods onto {row['nodes']} kwok nodes "
+            f"of {row['gpus_per_node']} GPUs from {row['workers']} clients: "
+            f"{row['admissions_per_second']:.0f} admissions/s, {sum(storm['failures'].values())} "
+            f"failed {storm['failures'] or ''}, {storm['throttled_retries']} 429s retried; webhook "
+            f"p50 {_ms(row['webhook_seen_by_apiserver_p50_ms'])}, p99 "
+            f"{_ms(row['webhook_seen_by_apiserver_p99_ms'])} as the API server saw it (coarse "
+            f"buckets), p50 {_ms(row['webhook_own_p50_ms'])}, p99 {_ms(row['webhook_own_p99_ms'])} "
+            f"in the webhook ({row['reviews_per_pod']:.2f} reviews per pod); create p50 "
+            f"{placed['server_create_p50_ms']:.0f} ms, p99 {placed['server_create_p99_ms']:.0f} ms; "
+            f"every pod bound after {placed['all_bound_after_s']:.1f} s, Running after "
+            f"{placed['all_running_after_s']:.1f} s; webhook restarts {row.get('webhook_restarts')}"
         )
     if row := results.get("webhook"):
         local, remote = row["in_process"], row["https"]
