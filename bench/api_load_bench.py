@@ -21,12 +21,12 @@ from typing import Any
 import yaml
 from kubernetes import client
 
-from bench.common import ROOT
+from bench.common import ROOT, cluster_missing
 from tests.e2e.actors import AgentProcess
 from tests.e2e.cluster import ApiServer
-from tests.e2e.helm import CHART, helm, helm_python
+from tests.e2e.helm import CHART, helm
 from tests.e2e.images import ENFORCER_IMAGE, enforcer_image
-from tests.e2e.node import RealNode, missing
+from tests.e2e.node import RealNode
 from tests.fakenvml import FakeGpuState
 from tests.helpers import wait_for
 
@@ -44,11 +44,8 @@ NODES, PODS_PER_NODE = 1000, 10
 
 
 def available() -> str | None:
-    reason = missing()
-    if reason:
+    if reason := cluster_missing():
         return reason
-    if helm_python() is None:
-        return "needs helm-sdkpy: bash .ci/run makes .venv-helm"
     if SOCKET.exists():
         return f"{SOCKET} is in use: is another vram-enforcer agent running here?"
     return None

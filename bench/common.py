@@ -65,3 +65,15 @@ def proc_status_kib(pid: int, key: str) -> int:
 
 def percentile(sorted_values: list[float], fraction: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
+
+
+def cluster_missing() -> str | None:
+    """Why the real control plane with a real node and the chart (Helm) cannot run here."""
+    from tests.e2e.helm import helm_python
+    from tests.e2e.node import missing
+
+    if reason := missing():
+        return reason
+    if helm_python() is None:
+        return "needs helm-sdkpy: bash .ci/run makes .venv-helm"
+    return None

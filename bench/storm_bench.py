@@ -48,12 +48,12 @@ import urllib3
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import ROOT, percentile
+from bench.common import ROOT, cluster_missing, percentile
 from tests.e2e import dra
 from tests.e2e.cluster import CACHE, ApiServer
-from tests.e2e.helm import CHART, helm, helm_python
+from tests.e2e.helm import CHART, helm
 from tests.e2e.images import ENFORCER_IMAGE, enforcer_image
-from tests.e2e.node import RealNode, missing
+from tests.e2e.node import RealNode
 
 NAMESPACE, TENANTS, RELEASE = "vram-enforcer", "ml", "vram-enforcer"
 KWOK = "0.8.0"  # sigs.k8s.io/kwok
@@ -78,11 +78,8 @@ WEBHOOK_RESULTS = "vram_enforcer_admission_requests_total"
 
 
 def available() -> str | None:
-    reason = missing()
-    if reason:
+    if reason := cluster_missing():
         return reason
-    if helm_python() is None:
-        return "needs helm-sdkpy: bash .ci/run makes .venv-helm"
     if not (CACHE / f"kwok-{KWOK}" / "kwok").exists() and shutil.which("go") is None:
         return "needs kwok: bash bench/build-kwok.sh (Go and the Go module proxy)"
     return None
