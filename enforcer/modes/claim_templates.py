@@ -80,14 +80,20 @@ class TemplateMaker(threading.Thread):
         self.pods.close()
 
     def run(self) -> None:
+        read_all_at = self._clock()
         while not self.stop.is_set():
-            everything = not self.changed.wait(RESYNC)
+            self.changed.wait(RESYNC)
             self.changed.clear()
             if self.stop.is_set():
                 return
             pods = self.pods.snapshot()
-            if pods is not None:
-                self._guard.run(functools.partial(self.make, pods, everything))
+            if pods is None:
+                continue
+            # Every pod once a minute, even while changes keep coming faster than that.
+            everything = self._clock() - read_all_at >= RESYNC
+            if everything:
+                read_all_at = self._clock()
+            self._guard.run(functools.partial(self.make, pods, everything))
 
     def make(self, pods: Mapping[str, Pod], everything: bool = True) -> None:
         """One pass over the pods (by UID), or over those not yet done: each missing

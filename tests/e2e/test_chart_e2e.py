@@ -138,6 +138,9 @@ def test_the_webhook_objects(installed: Path, admin: client.ApiClient) -> None:
         == "ghcr.io/vram-enforcer/vram-enforcer:e2e"
     )
     assert deployment.spec.template.spec.affinity.pod_anti_affinity is not None
+    webhook = deployment.spec.template.spec.containers[0]
+    # A busy replica is given as long to answer its probes as the API server gives a review.
+    assert webhook.readiness_probe.timeout_seconds == webhook.liveness_probe.timeout_seconds == 5
     # No API access at all: sidecarMode auto is resolved by the chart, for this 1.37 server.
     assert deployment.spec.template.spec.automount_service_account_token is False
     assert "--sidecar-mode=native" in deployment.spec.template.spec.containers[0].args
