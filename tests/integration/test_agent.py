@@ -141,11 +141,22 @@ def list_on_gpu(gpu: FakeNvml, pids: dict[int, int]) -> None:
     gpu.write()
 
 
-def wait_for_processes(ask: Any, count: int) -> dict[str, Any]:
-    return wait_for(
-        lambda: (r := ask()) and len(r.get("processes", ())) == count and r,
-        what=f"{count} processes",
-    )  # type: ignore[no-any-return]
+def wait_for_processes(ask: Any, count: int, expected: object = None) -> dict[str, Any]:
+    """The first reply that lists `count` processes; on a timeout, the error shows the last
+    reply (this wait once timed out in CI, and nothing said what the agent had answered)."""
+    last: dict[str, Any] = {}
+
+    def listed() -> dict[str, Any] | None:
+        last.clear()
+        last.update(ask())
+        return dict(last) if len(last.get("processes", ())) == count else None
+
+    try:
+        return wait_for(listed, what=f"{count} processes")  # type: ignore[no-any-return]
+    except AssertionError as exc:
+        raise AssertionError(
+            f"{exc}; expected {expected}; the agent's last reply: {last}"
+        ) from None
 
 
 def test_each_pod_sees_only_its_own_processes_with_its_own_pids(
@@ -164,7 +175,7 @@ def test_each_pod_sees_only_its_own_processes_with_its_own_pids(
     assert {(p["pid"], p["start_time"], p["used_bytes"]) for p in reply_a["processes"]} == {
         (chain[1], HOST.start_time(host), everyone[host]) for host, chain in a_pids.items()
     }
-    reply_b = wait_for_processes(b.ask, 4)
+    reply_b = wait_for_processes(b.ask, 4, expected=b_pids)  # host pid -> NSpid chain
     # The nested namespace's process is b's too, named by its pid in b's namespace.
     assert {p["pid"] for p in reply_b["processes"]} == {chain[1] for chain in b_pids.values()}
     assert any(len(chain) == 3 for chain in b_pids.values())
