@@ -72,6 +72,7 @@ rules:
     resources: [{group: "", resources: [pods, pods/binding, pods/status]}]
   - level: None
 """
+WEBHOOK_METRICS_PORT = 9479  # the chart's webhook.metricsPort
 WEBHOOK_SEEN_BY_APISERVER = "apiserver_admission_webhook_admission_duration_seconds"
 WEBHOOK_OWN = "vram_enforcer_admission_duration_seconds"
 WEBHOOK_RESULTS = "vram_enforcer_admission_requests_total"
@@ -319,17 +320,18 @@ def _reason(body: str | None) -> str:
 
 def _scrape(server: ApiServer, core: client.CoreV1Api) -> dict[str, list[Any]]:
     """The API server's metrics and every webhook replica's (through the API server's pod
-    proxy), as parsed families by name."""
+    proxy), as samples by name (a histogram's `_bucket`, a counter's `_total`)."""
     texts = [_get(server, "/metrics")]
     for pod in core.list_namespaced_pod(
         NAMESPACE, label_selector="app.kubernetes.io/component=webhook"
     ).items:
-        texts.append(_get(server, f"/api/v1/namespaces/{NAMESPACE}/pods/{pod.metadata.name}:9479/proxy/metrics"))  # fmt: skip
-    families: dict[str, list[Any]] = {}
+        texts.append(_get(server, f"/api/v1/namespaces/{NAMESPACE}/pods/{pod.metadata.name}:{WEBHOOK_METRICS_PORT}/proxy/metrics"))  # fmt: skip
+    series: dict[str, list[Any]] = {}
     for text in texts:
         for family in text_string_to_metric_families(text):
-            families.setdefault(family.name, []).extend(family.samples)
-    return families
+            for sample in family.samples:
+                series.setdefault(sample.name, []).append(sample)
+    return series
 
 
 def _get(server: ApiServer, path: str) -> str:
@@ -340,14 +342,12 @@ def _get(server: ApiServer, path: str) -> str:
 
 
 def _buckets(
-    families: Mapping[str, list[Any]], name: str, match: Mapping[str, str]
+    series: Mapping[str, list[Any]], name: str, match: Mapping[str, str]
 ) -> dict[float, float]:
     """Cumulative bucket counts of histogram `name` (summed over series whose labels include
     `match`), by upper bound."""
     found: dict[float, float] = {}
-    for sample in families.get(name.removesuffix("_seconds") + "_seconds", ()):
-        if sample.name != name + "_bucket":
-            continue
+    for sample in series.get(name + "_bucket", ()):
         if any(sample.labels.get(k) != v for k, v in match.items()):
             continue
         le = float(sample.labels["le"])
@@ -373,11 +373,10 @@ def _quantile(before: dict[float, float], after: dict[float, float], q: float) -
     return None
 
 
-def _counter(families: Mapping[str, list[Any]], name: str, label: str) -> Counter[str]:
+def _counter(series: Mapping[str, list[Any]], name: str, label: str) -> Counter[str]:
     found: Counter[str] = Counter()
-    for sample in families.get(name.removesuffix("_total"), ()):
-        if sample.name == name:
-            found[sample.labels.get(label, "")] += sample.value
+    for sample in series.get(name, ()):
+        found[sample.labels.get(label, "")] += sample.value
     return found
 
 
