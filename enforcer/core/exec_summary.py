@@ -12,14 +12,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from enforcer.core.policy import Reason
+
 SUMMARY_VERSION = 1
+# The events of an excursion over the limit (a reclaim is not one: it happens under it).
+_OVER_THE_LIMIT = frozenset({str(Reason.LIMIT_EXCEEDED), str(Reason.ENFORCED)})
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
 class SummaryEvent:
-    """A report about the limit (`VRAMLimitExceeded`, `VRAMEnforced`), timed from the spawn."""
+    """A report about the limit (`VRAMLimitExceeded`, `VRAMEnforced`) or about memory
+    borrowed above the request and taken back (`VRAMReclaimed`), timed from the spawn."""
 
     reason: str
     after_seconds: float
@@ -58,6 +63,7 @@ class ExecSummary:
     sm_percent: float | None = None
     memory_percent: float | None = None
     busy_samples: int = 0
+    request_bytes: int | None = None  # None: the limit, no borrowing
 
     @property
     def wall_seconds(self) -> float | None:
@@ -68,13 +74,15 @@ class ExecSummary:
     @property
     def exceeded_after(self) -> float | None:
         """When the command tree was first seen over its limit, or None if it never was."""
-        return min((e.after_seconds for e in self.events), default=None)
+        over = (e.after_seconds for e in self.events if e.reason in _OVER_THE_LIMIT)
+        return min(over, default=None)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "version": SUMMARY_VERSION,
             "command": list(self.command),
             "limit_bytes": self.limit_bytes,
+            "request_bytes": self.request_bytes,
             "action": self.action,
             "dry_run": self.dry_run,
             "exit_status": self.exit_status,
@@ -131,6 +139,7 @@ def from_json(doc: object) -> ExecSummary:
             sm_percent=_optional(doc.get("sm_percent"), float),
             memory_percent=_optional(doc.get("memory_percent"), float),
             busy_samples=int(doc.get("busy_samples", 0)),
+            request_bytes=_optional(doc.get("request_bytes"), int),  # not before requests
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"a malformed exec summary ({exc!r})") from None

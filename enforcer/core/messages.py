@@ -19,6 +19,7 @@ from enforcer.core.model import (
 )
 from enforcer.core.parsing import format_duration
 from enforcer.core.policy import Enforcement, Notice, Reason
+from enforcer.core.reclaim import Reclaim
 
 _SIGNAL_NAME = {Action.TERMINATE: "SIGTERM", Action.KILL: "SIGKILL", Action.RESTART: "SIGTERM"}
 
@@ -64,14 +65,41 @@ def notice(n: Notice, label: str, action: Action, warn_at: float) -> str:
     elif n.over_for_left > 0:
         left = format_duration(n.over_for_left)
         consequence = f"it will be enforced ({action}) if it stays over for {left}"
+    elif n.reclaim is not None:
+        consequence = f"taking back what it lent ({action})"
     else:
         consequence = f"enforcing ({action})"
+    if n.reclaim is not None:
+        return f"{reclaim(n.reclaim, label)}; {consequence}"
     return f"{usage(n.unit, label)}; {consequence}"
+
+
+def reclaim(r: Reclaim, label: str) -> str:
+    """Why memory lent above a request is taken back: the GPU, the victim's usage, request
+    and ceiling there, and whose needs it falls short of."""
+    v = r.victim
+    needs = []
+    if r.owed_to:
+        verb = "is still owed of its request" if len(r.owed_to) == 1 else "are still owed"
+        needs.append(f"what {', '.join(r.owed_to)} {verb}")
+    if r.for_unrequested:
+        needs.append("its other users, which declared no request")
+    return (
+        f"{label} holds {format_bytes(v.used)} on GPU {r.gpu}, {format_bytes(v.lent)} above "
+        f"its {format_bytes(v.request)} request (ceiling {format_bytes(v.ceiling)}); the GPU "
+        f"has {format_bytes(r.free)} free, {format_bytes(r.shortfall)} less than it must keep "
+        f"free for {' and '.join(needs)}"
+    )
 
 
 def enforcement(e: Enforcement, label: str, result: SignalResult) -> str:
     signal = _SIGNAL_NAME.get(e.action, str(e.action))
     head = f"{usage(e.unit, label)}; "
+    if e.reclaim is not None:
+        lent = format_bytes(e.reclaim.victim.lent)
+        head = (
+            f"taking back the {lent} that {label} lent above its request on GPU {e.reclaim.gpu}: "
+        )
     if e.dry_run:
         return head + f"dry run: would send {signal} to {process(e.victim)}"
     if result is SignalResult.SENT:

@@ -6,7 +6,9 @@ stay over the limit (`over_for`), which process pays for it (the largest), that 
 new is picked while an earlier victim is still on its way out, and when one victim at a time
 is not enough: a unit still over its limit one grace period after its first victim was
 signalled loses every process at once (a supervisor that replaces each worker it loses
-would otherwise keep it over its limit for as long as it runs).
+would otherwise keep it over its limit for as long as it runs). A unit whose GPU needs
+back the memory it borrowed above its request (`reclaim.py` says which) is held to its
+request the same way, at once, one victim on that GPU at a time.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from types import MappingProxyType
 
 from enforcer.core.model import Action, ProcessKey, ProcessTotal, UnitUsage
+from enforcer.core.reclaim import Reclaim
 
 # The near-limit warning re-arms only once usage falls below this share of the warn
 # threshold, so usage hovering around the threshold gives one warning, not one per tick.
@@ -46,6 +50,7 @@ class UnitState:
     # unit last was.
     signalled_at: float | None = None
     escalated_at: float | None = None
+    reclaim_reported: bool = False  # this reclaim of memory lent above the request
 
 
 class Reason(StrEnum):
@@ -61,6 +66,7 @@ class Reason(StrEnum):
     ALLOCATION_UNKNOWN = "VRAMAllocationUnknown"  # DRA: a container's GPUs are not proven
     GPU_UNREADABLE = "VRAMGpuUnreadable"  # the agent, on its Node: NVML cannot read a GPU
     SIDECAR_SILENT = "VRAMSidecarSilent"  # the agent: a pod's sidecar is gone (or back)
+    RECLAIMED = "VRAMReclaimed"  # memory lent above a request is taken back
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,7 @@ class Notice:
     reason: Reason
     unit: UnitUsage
     over_for_left: float = 0.0
+    reclaim: Reclaim | None = None  # RECLAIMED: the GPU's shortfall that needs it back
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +90,7 @@ class Enforcement:
     grace_period: float
     dry_run: bool = False
     whole_unit: bool = False
+    reclaim: Reclaim | None = None  # memory lent above the request, taken back
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +100,27 @@ class Decision:
     enforcements: tuple[Enforcement, ...] = ()
 
 
-def choose_victim(unit: UnitUsage, busy: frozenset[ProcessKey]) -> ProcessTotal | None:
-    """The process to signal: the largest known user; the youngest on a tie.
+def choose_victim(
+    unit: UnitUsage, busy: frozenset[ProcessKey], on_gpu: str | None = None
+) -> ProcessTotal | None:
+    """The process to signal: the largest known user (of `on_gpu`, when given); the
+    youngest on a tie.
 
     A process whose usage is unknown everywhere holds no known bytes and is never chosen.
     """
-    candidates = [p for p in unit.processes if p.used_bytes > 0 and p.key not in busy]
+
+    def held(p: ProcessTotal) -> int:
+        if on_gpu is None:
+            return p.used_bytes
+        return sum(used or 0 for uuid, used in p.by_device if uuid == on_gpu)
+
+    candidates = [p for p in unit.processes if held(p) > 0 and p.key not in busy]
     if not candidates:
         return None
-    return max(candidates, key=lambda p: (p.used_bytes, p.key.start_time, p.key.pid))
+    return max(candidates, key=lambda p: (held(p), p.key.start_time, p.key.pid))
+
+
+NO_RECLAIMS: Mapping[str, Reclaim] = MappingProxyType({})
 
 
 def decide(
@@ -109,14 +129,17 @@ def decide(
     state: Mapping[str, UnitState],
     now: float,
     busy: frozenset[ProcessKey] = frozenset(),
+    reclaims: Mapping[str, Reclaim] = NO_RECLAIMS,
 ) -> Decision:
-    """One tick of policy for every unit; `busy` holds victims still being terminated."""
+    """One tick of policy for every unit; `busy` holds victims still being terminated,
+    `reclaims` the units whose GPU needs back what they lent above their requests."""
     new_state: dict[str, UnitState] = {}
     notices: list[Notice] = []
     enforcements: list[Enforcement] = []
     for unit in units:
         prev = state.get(unit.name, UnitState())
-        unit_state, notice, enforcement = _decide_unit(unit, config, prev, now, busy)
+        reclaim = reclaims.get(unit.name)
+        unit_state, notice, enforcement = _decide_unit(unit, config, prev, now, busy, reclaim)
         new_state[unit.name] = unit_state
         if notice is not None:
             notices.append(notice)
@@ -131,8 +154,11 @@ def _decide_unit(
     prev: UnitState,
     now: float,
     busy: frozenset[ProcessKey],
+    reclaim: Reclaim | None = None,
 ) -> tuple[UnitState, Notice | None, Enforcement | None]:
     used, limit = unit.used_bytes, unit.limit_bytes
+    if used <= limit and reclaim is not None:
+        return _reclaim(unit, config, prev, busy, reclaim)
     if used <= limit:
         return _below_limit(unit, config, prev), _near_notice(unit, config, prev), None
 
@@ -147,10 +173,7 @@ def _decide_unit(
         if largest is not None:
             state = replace(state, escalated_at=now)
             return state, notice, Enforcement(unit, largest, Action.KILL, 0.0, whole_unit=True)
-    in_unit = [p.key for p in unit.processes]
-    if unit.init_process is not None:
-        in_unit.append(unit.init_process.key)
-    if any(key in busy for key in in_unit):
+    if _exiting(unit, busy):
         return state, notice, None  # an earlier victim is still exiting: wait for it
     if config.dry_run and prev.dry_run_reported:
         return state, notice, None
@@ -163,6 +186,47 @@ def _decide_unit(
         state = replace(state, signalled_at=now)
     enforcement = Enforcement(unit, victim, config.action, config.grace_period, config.dry_run)
     return state, notice, enforcement
+
+
+def _reclaim(
+    unit: UnitUsage,
+    config: PolicyConfig,
+    prev: UnitState,
+    busy: frozenset[ProcessKey],
+    reclaim: Reclaim,
+) -> tuple[UnitState, Notice | None, Enforcement | None]:
+    """Held to its request while its GPU needs memory back. No tolerance window: the
+    containers it borrowed from are short now. One victim at a time, the largest on that
+    GPU, and no whole-unit escalation: `reclaim.plan` asks again on every tick, and stops
+    asking once the GPU is safe (or while a victim exits, whose memory is coming back)."""
+    state = replace(
+        _below_limit(unit, config, prev),
+        reclaim_reported=True,
+        dry_run_reported=prev.dry_run_reported,
+    )
+    notice = None if prev.reclaim_reported else Notice(Reason.RECLAIMED, unit, reclaim=reclaim)
+    if config.action is Action.WARN or not unit.enforceable:
+        return state, notice, None
+    if _exiting(unit, busy) or (config.dry_run and prev.dry_run_reported):
+        return state, notice, None
+    if config.action is Action.RESTART:
+        victim = unit.init_process
+    else:
+        victim = choose_victim(unit, busy, reclaim.gpu)
+    if victim is None or victim.key in busy:
+        return state, notice, None
+    if config.dry_run:
+        state = replace(state, dry_run_reported=True)
+    enforcement = Enforcement(
+        unit, victim, config.action, config.grace_period, config.dry_run, reclaim=reclaim
+    )
+    return state, notice, enforcement
+
+
+def _exiting(unit: UnitUsage, busy: frozenset[ProcessKey]) -> bool:
+    """Whether a victim of the unit (its init among them) is still on its way out."""
+    init = unit.init_process
+    return any(p.key in busy for p in unit.processes) or (init is not None and init.key in busy)
 
 
 def _escalation_due(prev: UnitState, config: PolicyConfig, now: float) -> bool:

@@ -6,10 +6,14 @@ is how far it may go while the GPU has room (above the ceiling, the ordinary lim
 of `policy.py` applies, with the ceiling as the limit). Memory above a request is lent,
 and lent only while the GPU can still give every container on it what it is owed (its
 request less what it uses) plus a watermark: the growth that may happen before a reclaim
-lands. When it cannot, the `shortfall` is taken back from the containers above their
-requests: lowest pod priority first, then the most bytes over the request, as the kubelet
-ranks evictions under memory pressure. A container at or under its request is never
-chosen.
+lands. Whatever else holds memory on the GPU declared no request (in `exec`, every process
+outside the command; the driver's own reservation) and may grow too, so the watermark is
+kept free for it as well. When the GPU cannot, the
+`shortfall` is taken back from the containers above their requests: lowest pod priority
+first, then the most bytes over the request, as the kubelet ranks evictions under memory
+pressure. A victim is held to its request (its processes stop, the largest first, until it
+is back under it), so what it gives back is what it had lent. A container at or under its
+request is never chosen.
 
 The decision needs the whole GPU, so it is made once per GPU, by the node agent, which
 sees every pod on it; whoever may signal carries it out. Memory that victims already on
@@ -19,10 +23,10 @@ victim while the first exits.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from enforcer.core.model import GiB
+from enforcer.core.model import Device, GiB, UnitUsage
 
 # The default watermark: what a container within its request may still allocate before a
 # reclaim is seen. Sampling every 100 ms sees a crossing within 100 ms at p99 (docs/
@@ -56,24 +60,37 @@ class Share:
 @dataclass(frozen=True, slots=True)
 class Gpu:
     """One GPU as the agent sees it: all its memory, all that is used on it (by any
-    process, a container's or not), and the containers that share it."""
+    process, a container's or not), the containers that share it, and what processes
+    with no request hold on it (`unrequested`)."""
 
     uuid: str
     total: int
     used: int
     shares: tuple[Share, ...]
+    unrequested: int = 0
+
+    @property
+    def free(self) -> int:
+        return max(self.total - self.used, 0)
+
+    @property
+    def requested(self) -> int:
+        return sum(s.request for s in self.shares)
 
 
 @dataclass(frozen=True, slots=True)
 class Reclaim:
-    """Take back what `victim` holds on `gpu`: the GPU lacked `shortfall` bytes to give
-    `owed_to` (the containers still short of their requests) what they are owed, plus the
-    watermark."""
+    """Take back what `victim` lends on `gpu`: the GPU, with `free` bytes free, lacked
+    `shortfall` bytes to give `owed_to` (the containers still short of their requests)
+    what they are owed, plus the watermark kept for them and, with `for_unrequested`, for
+    the processes with no request."""
 
     gpu: str
     victim: Share
     shortfall: int
     owed_to: tuple[str, ...]
+    free: int = 0
+    for_unrequested: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +105,13 @@ class Plan:
 
 def shortfall(gpu: Gpu, watermark: int) -> int:
     """Bytes that the GPU lacks to give every container what it is owed, plus `watermark`
-    (what lenders may still allocate before the next look). Nothing while nobody is owed
-    anything: a GPU filled by lenders alone is lent, not short."""
+    (what may still be allocated before the next look). Nothing while nobody is owed
+    anything and no process without a request is there to grow: a GPU filled by lenders
+    alone is lent, not short."""
     owed = sum(s.owed for s in gpu.shares)
-    if owed == 0:
+    if owed == 0 and gpu.unrequested == 0:
         return 0
-    return max(owed + watermark - (gpu.total - gpu.used), 0)
+    return max(owed + watermark - gpu.free, 0)
 
 
 def rank(shares: Iterable[Share]) -> list[Share]:
@@ -106,11 +124,11 @@ def rank(shares: Iterable[Share]) -> list[Share]:
 
 def plan(gpu: Gpu, watermark: int = DEFAULT_WATERMARK) -> Plan:
     """Who gives memory back on `gpu`: nobody while it can honour every request plus
-    `watermark`; else the ranked lenders, each returning all it holds (its processes
-    stop), until the shortfall is covered. What exiting victims hold is already coming
+    `watermark`; else the ranked lenders, each held to its request (returning what it
+    lent), until the shortfall is covered. What exiting victims lent is already coming
     back."""
     needed = shortfall(gpu, watermark)
-    short = needed - sum(s.used for s in gpu.shares if s.exiting)
+    short = needed - sum(s.lent for s in gpu.shares if s.exiting)
     if short <= 0:
         return Plan()
     owed_to = tuple(s.unit for s in gpu.shares if s.owed > 0)
@@ -118,6 +136,62 @@ def plan(gpu: Gpu, watermark: int = DEFAULT_WATERMARK) -> Plan:
     for share in rank(gpu.shares):
         if short <= 0:
             break
-        reclaims.append(Reclaim(gpu.uuid, share, needed, owed_to))
-        short -= share.used
+        reclaims.append(Reclaim(gpu.uuid, share, needed, owed_to, gpu.free, gpu.unrequested > 0))
+        short -= share.lent
     return Plan(tuple(reclaims), max(short, 0))
+
+
+def views(
+    devices: Sequence[Device],
+    units: Sequence[UnitUsage],
+    requests: Mapping[str, int],
+    exiting: frozenset[str] = frozenset(),
+) -> tuple[Gpu, ...]:
+    """Each GPU as `plan` needs it, from one tick: the units with a request (`requests`,
+    by unit name; the unit's limit is its ceiling), and all else its memory holds as
+    `unrequested`: other units' processes, processes this reader cannot see (another PID
+    namespace's, one too new to be charged) and the driver's own. Unknown is not free. A
+    unit that counts one GPU (DRA) has its request there; a unit
+    whose request covers all its GPUs (`exec`, a declared limit) lends on each GPU what
+    it holds there, up to all it holds above its request, and is owed nothing on any
+    one GPU (which GPU would be a guess). MIG partitions and GPUs in MIG mode are left
+    out, as for hard limits: their memory is split already."""
+    in_mig_mode = {d.parent_uuid for d in devices if d.parent_uuid}
+    gpus = [d for d in devices if d.parent_uuid is None and d.uuid not in in_mig_mode]
+    held: dict[tuple[str, str], int] = {}
+    for unit in units:
+        if unit.name not in requests:
+            continue
+        for p in unit.processes:
+            for uuid, used in p.by_device:
+                if used and (unit.device_uuid is None or unit.device_uuid == uuid):
+                    held[unit.name, uuid] = held.get((unit.name, uuid), 0) + used
+    result = []
+    for d in gpus:
+        if d.total_bytes is None or d.used_bytes is None:
+            continue  # unknown is not free: nothing is lent or reclaimed on it
+        shares = []
+        for unit in units:
+            if unit.name not in requests or unit.device_uuid not in (None, d.uuid):
+                continue
+            used = held.get((unit.name, d.uuid), 0)
+            request = requests[unit.name]
+            if unit.device_uuid is None:  # a request over all its GPUs
+                if used == 0:
+                    continue  # neither lends nor is owed anything here
+                request = used - min(used, max(unit.used_bytes - request, 0))
+            ceiling = max(unit.limit_bytes, request)
+            shares.append(Share(unit.name, request, ceiling, used, 0, unit.name in exiting))
+        others = max(d.used_bytes - sum(s.used for s in shares), 0)
+        result.append(Gpu(d.uuid, d.total_bytes, d.used_bytes, tuple(shares), others))
+    return tuple(result)
+
+
+def reclaims(gpus: Iterable[Gpu], watermark: int = DEFAULT_WATERMARK) -> dict[str, Reclaim]:
+    """The units to hold to their requests now, each with the reclaim that explains it
+    (the first GPU's, by UUID, for a unit reclaimed on more than one)."""
+    chosen: dict[str, Reclaim] = {}
+    for gpu in sorted(gpus, key=lambda g: g.uuid):
+        for reclaim in plan(gpu, watermark).reclaims:
+            chosen.setdefault(reclaim.victim.unit, reclaim)
+    return chosen

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from enforcer.core.attribution import gpu_shares
 from enforcer.core.dra import unit_containers
 from enforcer.core.model import Device, Sample, UnitUsage
+from enforcer.core.reclaim import Gpu
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ class View:
     # The tick's sample, for each unit's memory and utilisation per GPU: worked out when
     # scraped, not on every tick.
     sample: Sample | None = None
+    # Each GPU's requests and what is lent above them (only where units have requests).
+    gpus: Sequence[Gpu] = ()
 
 
 class EnforcerCollector(Collector):
@@ -119,12 +122,41 @@ class EnforcerCollector(Collector):
                 sm.add_metric(values, share.activity.sm_percent / 100)
                 bandwidth.add_metric(values, share.activity.memory_percent / 100)
         yield from (used, limit, gpu_used, gpu_limit, sm, bandwidth, proc)
+        yield from _lending(view.gpus, labelled, base_values, unit_labels)
         up = GaugeMetricFamily(
             PREFIX + "source_up", "1 when GPU usage could be read on the last tick"
         )
         up.add_metric([], 1.0 if view.source_up else 0.0)
         yield up
         yield from _device_families(view.devices)
+
+
+def _lending(
+    gpus: Sequence[Gpu],
+    labelled: Mapping[str, list[str]],
+    base_values: list[str],
+    unit_labels: list[str],
+) -> Iterator[Metric]:
+    """What each unit with a request holds above it, per GPU, and each such GPU's free
+    memory: the two sides of a reclaim."""
+    over = GaugeMetricFamily(
+        PREFIX + "container_gpu_over_request_bytes",
+        "GPU memory the unit holds above its request on one GPU: lent while the GPU can spare "
+        "it, and taken back first when it cannot",
+        labels=[*unit_labels, "gpu"],
+    )
+    free = GaugeMetricFamily(
+        PREFIX + "gpu_free_bytes",
+        "Free memory of a GPU shared by units with requests: what the watermark is kept from",
+        labels=["uuid"],
+    )
+    for gpu in gpus:
+        free.add_metric([gpu.uuid], gpu.free)
+        for share in gpu.shares:
+            values = labelled.get(share.unit, [*base_values, share.unit])
+            over.add_metric([*values, gpu.uuid], share.lent)
+    yield over
+    yield free
 
 
 _DEVICE_LABELS = ["gpu", "uuid", "model", "parent_uuid"]
@@ -188,6 +220,14 @@ class Telemetry:
             PREFIX + "actions",
             "Enforcement actions taken, by action (warn, terminate, kill, dry-run)",
             ["action"],
+            registry=self.registry,
+        )
+        self.reclaims = Counter(
+            PREFIX + "reclaims",
+            "Signals sent to take back GPU memory lent above a request, by whose need "
+            "(requests: a unit short of its request; unrequested: the watermark kept for "
+            "processes that declared no request)",
+            ["needed_by"],
             registry=self.registry,
         )
         self.refused = Counter(

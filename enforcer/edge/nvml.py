@@ -264,10 +264,14 @@ class Nvml:
         self._backoff.succeeded()
         return snap
 
-    def set_memory_limit(self, gpu_uuid: str, cgroup: str, hard_bytes: int) -> LimitOutcome:
+    def set_memory_limit(
+        self, gpu_uuid: str, cgroup: str, hard_bytes: int, soft_bytes: int = 0
+    ) -> LimitOutcome:
         """Hold every process in the cgroup v2 directory `cgroup` (a path as this process
-        sees it) to `hard_bytes` on the GPU: the driver refuses allocations past it."""
-        return self._memory_limits(gpu_uuid, cgroup, 0, hard_bytes)
+        sees it) to `hard_bytes` on the GPU: the driver refuses allocations past it.
+        `soft_bytes` is what nvml.h calls "guaranteed before allocations may fail due to
+        memory pressure": a request."""
+        return self._memory_limits(gpu_uuid, cgroup, soft_bytes, hard_bytes)
 
     def clear_memory_limit(self, gpu_uuid: str, cgroup: str) -> LimitOutcome:
         return self._memory_limits(gpu_uuid, cgroup, 0, MEMORY_LIMIT_MAX)

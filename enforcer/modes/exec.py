@@ -229,7 +229,7 @@ class _Record:
         self.signal = signal.Signals(-code).name if code < 0 else None
 
     def report(self, report: Report) -> None:
-        limit = report.reason in (Reason.LIMIT_EXCEEDED, Reason.ENFORCED)
+        limit = report.reason in (Reason.LIMIT_EXCEEDED, Reason.ENFORCED, Reason.RECLAIMED)
         if limit and not report.quiet and self.start is not None:
             after = time.monotonic() - self.start
             self.events.append(SummaryEvent(str(report.reason), after, report.message, report.pid))
@@ -239,6 +239,7 @@ class _Record:
         return ExecSummary(
             command=settings.command,
             limit_bytes=settings.limit_bytes,
+            request_bytes=settings.request_bytes,
             action=settings.policy.action.value,
             dry_run=settings.policy.dry_run,
             exit_status=status,
@@ -381,8 +382,10 @@ def _place(settings: ExecSettings, nvml: Nvml) -> tuple[_Placed | None, str]:
         cgroup = CommandCgroup.create()
     except CgroupFsError as exc:
         return None, str(exc)
+    request = settings.request_bytes or 0  # the driver's soft limit: guaranteed
     outcomes = {
-        gpu: nvml.set_memory_limit(gpu, str(cgroup.command), b) for gpu, b in wanted.items()
+        gpu: nvml.set_memory_limit(gpu, str(cgroup.command), b, min(request, b))
+        for gpu, b in wanted.items()
     }
     limits = {gpu: wanted[gpu] for gpu, o in outcomes.items() if o.result is LimitResult.SET}
     failed = {gpu: o for gpu, o in outcomes.items() if o.result is not LimitResult.SET}
@@ -409,8 +412,16 @@ def _supervise(
         telemetry.hard_limits.labels(settings.name, gpu).set(limit)
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
     record.tree = TreeAttributor(procfs, settings.name, settings.limit_bytes)
+    requests = None if settings.request_bytes is None else {settings.name: settings.request_bytes}
     pipeline = Pipeline(
-        source, record.tree, settings.policy, terminator, [LogReporter(), record], telemetry
+        source,
+        record.tree,
+        settings.policy,
+        terminator,
+        [LogReporter(), record],
+        telemetry,
+        requests=requests,
+        watermark=settings.reclaim_watermark,
     )
     server = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
     try:
@@ -424,9 +435,11 @@ def _supervise(
         except _SpawnError as exc:
             log.error("%s", exc)
             return exc.status
+        request = settings.request_bytes
         log.info(
-            "enforcing a %s limit on pid %d (%s), every %.0f ms",
+            "enforcing a %s limit%s on pid %d (%s), every %.0f ms",
             format_bytes(settings.limit_bytes),
+            "" if request is None else f" ({format_bytes(request)} guaranteed, the rest lent)",
             child,
             " ".join(settings.command),
             settings.interval * 1000,

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from enforcer.core import messages
 from enforcer.core.model import ProcessTotal, Sample, SignalResult, SourceDown, UnitUsage
 from enforcer.core.policy import Decision, Enforcement, PolicyConfig, Reason, UnitState, decide
+from enforcer.core.reclaim import DEFAULT_WATERMARK, Gpu, reclaims, views
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import Telemetry, View
 from enforcer.edge.signals import Escalation, EscalationEvent, Membership, Terminator
@@ -85,7 +86,11 @@ class Pipeline:
         reporters: Sequence[Reporter],
         telemetry: Telemetry,
         clock: Callable[[], float] = time.monotonic,
+        requests: Mapping[str, int] | None = None,
+        watermark: int = DEFAULT_WATERMARK,
     ) -> None:
+        """`requests`: the units that may borrow above a request (unit name -> bytes) up
+        to their limit, while their GPU can spare it and `watermark` more."""
         self._source = source
         self._attributor = attributor
         self._config = config
@@ -93,6 +98,8 @@ class Pipeline:
         self._reporters = reporters
         self._telemetry = telemetry
         self._clock = clock
+        self._requests = requests or {}
+        self._watermark = watermark
         self._state: dict[str, UnitState] = {}
         self._source_up: bool | None = None
         self._guard = LoopGuard("tick", telemetry.unexpected.labels("tick"), log)
@@ -121,11 +128,17 @@ class Pipeline:
             return
         self._source_changed(True, "")
         units = self._attributor.attribute(sample)
-        decision = decide(units, self._config, self._state, self._clock(), self._terminator.busy())
+        busy = self._terminator.busy()
+        gpus: tuple[Gpu, ...] = ()
+        if self._requests:
+            exiting = frozenset(u.name for u in units if any(p.key in busy for p in u.processes))
+            gpus = views(sample.devices, units, self._requests, exiting)
+        reclaimed = reclaims(gpus, self._watermark)
+        decision = decide(units, self._config, self._state, self._clock(), busy, reclaimed)
         self._state = dict(decision.state)
         self._act(decision)
         self.last_units = units
-        self._telemetry.collector.show(View(units, sample.devices, True, sample))
+        self._telemetry.collector.show(View(units, sample.devices, True, sample, gpus))
 
     def _act(self, decision: Decision) -> None:
         for notice in decision.notices:
@@ -146,6 +159,9 @@ class Pipeline:
                 result = self._terminator.start(enf, membership, self._clock())
                 if result is SignalResult.SENT:
                     self._telemetry.actions.labels(str(enf.action)).inc()
+                    if enf.reclaim is not None:
+                        needed = "requests" if enf.reclaim.owed_to else "unrequested"
+                        self._telemetry.reclaims.labels(needed).inc()
                 else:
                     self._telemetry.refused.labels(str(result)).inc()
             text = messages.enforcement(enf, self._attributor.label(name), result)
@@ -153,9 +169,8 @@ class Pipeline:
             # sample taken before it went) is routine: the log has it, an Event would bury
             # the message that says what was actually done.
             gone = result is SignalResult.GONE
-            self._emit(
-                Report(Reason.ENFORCED, text, name, enf.victim.key.pid, normal=gone, quiet=gone)
-            )
+            reason = _reason(enf)
+            self._emit(Report(reason, text, name, enf.victim.key.pid, normal=gone, quiet=gone))
 
     def _take_whole_unit(self, enf: Enforcement) -> None:
         """SIGKILL every process `whole()` names, each proven as any victim is; a victim
@@ -191,7 +206,7 @@ class Pipeline:
         if event.kind is Escalation.EXITED:
             text = f"{messages.process(victim)} has exited"
             exited = Report(
-                Reason.ENFORCED, text, enf.unit.name, victim.key.pid, normal=True, quiet=True
+                _reason(enf), text, enf.unit.name, victim.key.pid, normal=True, quiet=True
             )
             self._emit(exited)
             return
@@ -204,7 +219,7 @@ class Pipeline:
             text = (
                 f"did not send SIGKILL to {messages.process(victim)}: it could not be re-verified"
             )
-        self._emit(Report(Reason.ENFORCED, text, enf.unit.name, victim.key.pid))
+        self._emit(Report(_reason(enf), text, enf.unit.name, victim.key.pid))
 
     def _source_changed(self, up: bool, reason: str) -> None:
         if self._source_up is up:
@@ -219,3 +234,9 @@ class Pipeline:
     def _emit(self, report: Report) -> None:
         for reporter in self._reporters:
             reporter.report(report)
+
+
+def _reason(enf: Enforcement) -> Reason:
+    """A signal sent to take back borrowed memory is said as a reclaim, so that every
+    reclaim (`VRAMReclaimed`) can be told from limits enforced (`VRAMEnforced`)."""
+    return Reason.RECLAIMED if enf.reclaim is not None else Reason.ENFORCED

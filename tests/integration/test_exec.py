@@ -569,6 +569,66 @@ def test_a_busy_metrics_port_is_a_clear_error_and_nothing_runs(
     assert not marker.exists()
 
 
+def _outsider(run: Run, used: int) -> subprocess.Popen[str]:
+    """A process outside exec's tree that NVML lists on the GPU: someone else's work."""
+    if not run.extra:
+        run.extra.append(subprocess.Popen(["sleep", "600"], text=True))
+    run.gpu.state.set_process(0, run.extra[0].pid, used)
+    return run.extra[0]
+
+
+def test_a_borrower_keeps_what_it_borrows_until_the_others_need_the_room(run: Run) -> None:
+    """--request 2Gi --limit 8Gi: 6 GiB used is 4 GiB borrowed, left alone while the GPU
+    keeps the watermark (4 GiB) free for the process beside it; once that one grows into
+    it, the borrower is stopped, one line saying why, and counted."""
+    summary = run.tmp / "summary.json"
+    run.start("--limit", "8Gi", "--request", "2Gi", "--reclaim-watermark", "4Gi",
+              "--grace-period", "2s", "--summary", str(summary),
+              worker=("--ignore-term",))  # fmt: skip
+    w = run.worker()
+    _outsider(run, 70 * GiB)  # 76 of 80 used: exactly the watermark free
+    run.use(w["pid"], 6 * GiB)
+    run.saw(6 * GiB)
+    over = f'vram_enforcer_container_gpu_over_request_bytes{{container="{run.name}",gpu="'
+    wait_for(lambda: over in run.metrics(), what="the borrowed bytes in the metrics")
+    assert f"{floatToGoString(4 * GiB)}" in run.metrics().split(over, 1)[1].splitlines()[0]
+    assert alive(w["pid"]) and "SIGTERM" not in run.stderr
+    _outsider(run, 72 * GiB)  # 2 GiB free: 2 GiB short of the watermark
+    run.gpu.write()
+    run.logged("sent SIGTERM")
+    lines = run.stderr.splitlines()
+    (why,) = [line for line in lines if "less than it must keep free" in line]
+    assert (
+        "the command tree holds 6.00 GiB on GPU GPU-00000000-fake-4000-8000-000000000000, "
+        "4.00 GiB above its 2.00 GiB request (ceiling 8.00 GiB); the GPU has 2.00 GiB free, "
+        "2.00 GiB less than it must keep free for its other users, which declared no "
+        "request; taking back what it lent (terminate)" in why
+    )
+    (sent,) = [line for line in lines if "sent SIGTERM" in line]
+    assert "that the command tree lent above its request on GPU GPU-0" in sent
+    assert f"sent SIGTERM to pid {w['pid']}" in sent
+    assert 'vram_enforcer_reclaims_total{needed_by="unrequested"} 1.0' in run.metrics()
+    assert run.wait() == 128 + signal.SIGKILL  # it ignored SIGTERM for its grace period
+    assert run.extra[0].poll() is None  # the outsider was never ours to signal
+    written = json.loads(summary.read_text())
+    assert written["request_bytes"] == 2 * GiB and written["exceeded_after_seconds"] is None
+    assert {e["reason"] for e in written["events"]} == {"VRAMReclaimed"}
+    assert len(written["events"]) == 3  # why, the SIGTERM, and the SIGKILL after the grace
+
+
+def test_within_its_request_nothing_is_taken_however_full_the_gpu(run: Run) -> None:
+    run.start("--limit", "8Gi", "--request", "6Gi")
+    w = run.worker()
+    _outsider(run, 74 * GiB)  # the GPU is full
+    run.use(w["pid"], 6 * GiB)
+    run.saw(6 * GiB)
+    free = 'vram_enforcer_gpu_free_bytes{uuid="GPU-00000000-fake-4000-8000-000000000000"} 0.0'
+    wait_for(lambda: free in run.metrics(), what="a tick to see the GPU full")
+    run.use(w["pid"], 6 * GiB + 1)  # one byte borrowed, on a full GPU: taken back
+    run.logged("sent SIGTERM")
+    assert run.wait() == 128 + signal.SIGTERM
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -587,6 +647,20 @@ def test_a_busy_metrics_port_is_a_clear_error_and_nothing_runs(
         (
             ["--limit", "4Gi", "--action", "explode"],
             "--action: 'explode' is not an action; use one of: terminate, kill, warn",
+        ),
+        (
+            ["--limit", "4Gi", "--request", "6Gi"],
+            "--request: '6.00 GiB' is above --limit 4.00 GiB: the request is what the command "
+            "is guaranteed and the limit the most it may borrow up to; give a request of at "
+            "most the limit",
+        ),
+        (
+            ["--limit", "4Gi", "--reclaim-watermark=-1Gi"],
+            "--reclaim-watermark: '-1Gi' is negative; a memory size must be 0 or more",
+        ),
+        (
+            ["--limit", "4Gi", "--request", "lots"],
+            "--request: 'lots' is not a quantity; use a Kubernetes quantity such as 4Gi",
         ),
     ],
 )
@@ -694,6 +768,21 @@ def test_the_command_starts_in_a_cgroup_already_held_to_the_limit(run: Run) -> N
     assert "hard limit in place: the command tree may allocate at most 4.00 GiB on" in run.stderr
     assert "no hard limit" not in run.stderr
     assert not cgroup.parent.exists()  # removed, and the limits with it
+
+
+@needs_cgroup2
+def test_a_request_is_the_drivers_soft_limit_and_the_limit_its_hard_one(run: Run) -> None:
+    """nvml.h: the soft limit is "guaranteed before allocations may fail due to memory
+    pressure", which is what a request is; capped at each GPU's hard limit."""
+    run.gpu.state.support_memory_limits()
+    small = run.gpu.state.add_device(total_bytes=2 * GiB)
+    run.gpu.write()
+    run.start("--limit", "6Gi", "--request", "3Gi")
+    w = run.worker()
+    gpu0 = run.gpu.state.devices[0]["uuid"]
+    cgroup = str(v2_root() / w["cgroup"].lstrip("/"))  # type: ignore[operator]
+    held = {(r["device"], r["soft"], r["hard"]) for r in w["limits"] if r["cgroup"] == cgroup}
+    assert held == {(gpu0, 3 * GiB, 6 * GiB), (small["uuid"], 2 * GiB, 2 * GiB)}
 
 
 @needs_cgroup2

@@ -3,6 +3,7 @@
 from enforcer.core import messages
 from enforcer.core.model import Action, GiB, ProcessKey, ProcessTotal, SignalResult, UnitUsage
 from enforcer.core.policy import Enforcement, Notice, Reason
+from enforcer.core.reclaim import Reclaim, Share
 
 VICTIM = ProcessTotal(
     ProcessKey(4242, 1), int(4.5 * GiB), (("GPU-0", int(4.5 * GiB)),), "python train.py"
@@ -69,3 +70,26 @@ def test_a_silent_sidecar_says_why_when_the_agent_could_not_reach_it() -> None:
         "the agent cannot connect to it (cannot connect to /proc/7/root/...: Permission " in denied
     )
     assert "AppArmor" in denied and "stopped or killed" not in denied
+
+
+def test_a_reclaim_names_the_gpu_usage_request_ceiling_and_whose_need() -> None:
+    lender = Share("ml/a/a", 4 * GiB, 12 * GiB, int(4.5 * GiB))
+    owed = Reclaim("GPU-7", lender, 3 * GiB, ("ml/b/b",), 1 * GiB, for_unrequested=True)
+    text = messages.notice(Notice(Reason.RECLAIMED, UNIT, reclaim=owed), "x", Action.RESTART, 0.9)
+    assert text == (
+        "x holds 4.50 GiB on GPU GPU-7, 512.00 MiB above its 4.00 GiB request (ceiling 12.00 "
+        "GiB); the GPU has 1.00 GiB free, 3.00 GiB less than it must keep free for what "
+        "ml/b/b is still owed of its request and its other users, which declared no request; "
+        "taking back what it lent (restart)"
+    )
+    two = Reclaim("GPU-7", lender, 3 * GiB, ("ml/b/b", "ml/c/c"), 0)
+    assert "for what ml/b/b, ml/c/c are still owed; taking" in messages.notice(
+        Notice(Reason.RECLAIMED, UNIT, reclaim=two), "x", Action.TERMINATE, 0.9
+    )
+    warn = messages.notice(Notice(Reason.RECLAIMED, UNIT, reclaim=two), "x", Action.WARN, 0.9)
+    assert warn.endswith("; the action is warn, so nothing is signalled")
+    e = Enforcement(UNIT, VICTIM, Action.TERMINATE, 5.0, reclaim=two)
+    assert messages.enforcement(e, "x", SignalResult.SENT).startswith(
+        "taking back the 512.00 MiB that x lent above its request on GPU GPU-7: sent SIGTERM "
+        "to pid 4242 (python train.py), which holds 4.50 GiB"
+    )

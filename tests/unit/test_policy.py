@@ -13,6 +13,7 @@ from enforcer.core.policy import (
     choose_victim,
     decide,
 )
+from enforcer.core.reclaim import Reclaim, Share
 
 
 def proc(pid: int, used: int, start: int | None = None, unknown: bool = False) -> ProcessTotal:
@@ -261,3 +262,59 @@ def test_with_kill_a_whole_unit_is_taken_no_sooner_than_a_second_after_its_victi
     )
     (whole,) = decide([unit(proc(2, 5 * GiB))], config, first.state, 1.0).enforcements
     assert whole.whole_unit
+
+
+def lent(victim: str = "main", gpu: str = "GPU-1") -> Reclaim:
+    """A reclaim of `victim` on `gpu` (the numbers only feed the message)."""
+    return Reclaim(gpu, Share(victim, GiB, 8 * GiB, 3 * GiB), GiB, ("other",), GiB)
+
+
+def test_a_reclaim_stops_the_largest_process_on_that_gpu_at_once() -> None:
+    """Under its limit, no tolerance window: the neighbours it borrowed from are short."""
+    on_gpu1 = ProcessTotal(ProcessKey(2, 20), GiB, (("GPU-1", GiB),))
+    burster = unit(proc(1, 2 * GiB), on_gpu1, limit=8 * GiB)
+    config = PolicyConfig(over_for=30.0)
+    d = decide([burster], config, {}, 0.0, reclaims={"main": lent()})
+    assert [n.reason for n in d.notices] == [Reason.RECLAIMED]
+    assert d.notices[0].reclaim == lent()
+    (enf,) = d.enforcements
+    assert enf.victim == on_gpu1 and enf.reclaim == lent() and not enf.whole_unit
+    # Asked again while the victim exits: nothing new, no second notice.
+    again = decide([burster], config, d.state, 1.0, frozenset({on_gpu1.key}), {"main": lent()})
+    assert again.notices == () and again.enforcements == ()
+    # Never the whole unit, however long the GPU stays short: one victim at a time.
+    later = decide([burster], config, again.state, 100.0, reclaims={"main": lent()})
+    assert [e.whole_unit for e in later.enforcements] == [False]
+
+
+def test_a_reclaim_that_ends_rearms_its_report() -> None:
+    burster = unit(proc(1, 3 * GiB), limit=8 * GiB)
+    first = decide([burster], PolicyConfig(), {}, 0.0, reclaims={"main": lent(gpu="GPU-0")})
+    safe = decide([burster], PolicyConfig(), first.state, 1.0)
+    assert safe.notices == () and safe.enforcements == ()
+    second = decide([burster], PolicyConfig(), safe.state, 2.0, reclaims={"main": lent()})
+    assert [n.reason for n in second.notices] == [Reason.RECLAIMED]
+
+
+def test_a_reclaim_with_warn_or_dry_run_signals_nothing() -> None:
+    burster = unit(proc(1, 3 * GiB), limit=8 * GiB)
+    warn = run_reclaim(burster, PolicyConfig(action=Action.WARN))
+    assert [len(d.notices) for d in warn] == [1, 0] and not any(d.enforcements for d in warn)
+    dry = run_reclaim(burster, PolicyConfig(dry_run=True))
+    assert [[e.dry_run for e in d.enforcements] for d in dry] == [[True], []]
+
+
+def test_over_its_ceiling_the_limit_rules_not_the_reclaim() -> None:
+    over = unit(proc(1, 9 * GiB), limit=8 * GiB)
+    d = decide([over], PolicyConfig(over_for=5.0), {}, 0.0, reclaims={"main": lent()})
+    assert [n.reason for n in d.notices] == [Reason.LIMIT_EXCEEDED] and d.enforcements == ()
+
+
+def run_reclaim(u: UnitUsage, config: PolicyConfig) -> list[Decision]:
+    state: dict[str, UnitState] = {}
+    out = []
+    for now in (0.0, 1.0):
+        d = decide([u], config, state, now, reclaims={"main": lent("main", "GPU-0")})
+        state = dict(d.state)
+        out.append(d)
+    return out

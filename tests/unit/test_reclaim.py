@@ -5,8 +5,18 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from enforcer.core.model import GiB
-from enforcer.core.reclaim import DEFAULT_WATERMARK, Gpu, Plan, Share, plan, rank, shortfall
+from enforcer.core.model import Device, GiB, ProcessKey, ProcessTotal, ProcessUsage, UnitUsage
+from enforcer.core.reclaim import (
+    DEFAULT_WATERMARK,
+    Gpu,
+    Plan,
+    Share,
+    plan,
+    rank,
+    reclaims,
+    shortfall,
+    views,
+)
 
 TOTAL = 80 * GiB
 
@@ -63,11 +73,33 @@ def test_what_an_exiting_victim_holds_is_already_coming_back() -> None:
 
 def test_what_no_lender_can_cover_is_said() -> None:
     # 60 GiB held by processes of no container; the grower is owed 30: 24 short, and the
-    # one lender holds 12.
+    # one lender lends 2 (it is held to its request of 10, not stopped whole).
     lender, owed = share("ml/a/a", 10, 12), share("ml/b/b", 30, 0)
     result = plan(gpu(lender, owed, other=60))
     assert [r.victim for r in result.reclaims] == [lender]
-    assert result.uncovered == 12 * GiB
+    assert result.uncovered == 22 * GiB
+
+
+def test_victims_are_taken_until_what_they_lent_covers_the_shortfall() -> None:
+    # 2 free, the grower owed 8, plus 2: 8 short. The first lends 6, the second 4.
+    first, second = share("ml/a/a", 10, 16), share("ml/c/c", 10, 14)
+    grower = share("ml/b/b", 20, 12)
+    used = Gpu("GPU-0", 44 * GiB, 42 * GiB, (first, second, grower))
+    assert [r.victim.unit for r in plan(used).reclaims] == ["ml/a/a", "ml/c/c"]
+
+
+def test_processes_without_a_request_keep_the_watermark_free() -> None:
+    """exec: nobody else declared a request, but the processes beside the command may grow:
+    it borrows only while the watermark stays free for them."""
+    burster = share("ml/a/a", 20, 70)
+    alone = Gpu("GPU-0", TOTAL, 79 * GiB, (burster,))
+    assert plan(alone) == Plan()  # a full GPU that nobody else is on is lent, not short
+    beside = Gpu("GPU-0", TOTAL, 79 * GiB, (burster,), unrequested=9 * GiB)
+    (reclaim,) = plan(beside).reclaims
+    assert reclaim.for_unrequested and reclaim.owed_to == () and reclaim.free == 1 * GiB
+    assert reclaim.shortfall == DEFAULT_WATERMARK - 1 * GiB
+    roomy = Gpu("GPU-0", TOTAL, 72 * GiB, (burster,), unrequested=2 * GiB)
+    assert plan(roomy) == Plan()
 
 
 SIZES = st.integers(min_value=0, max_value=40)
@@ -85,9 +117,74 @@ def test_never_below_request_never_twice_and_no_more_than_needed(
     victims = [r.victim for r in result.reclaims]
     assert all(v.used > v.request and not v.exiting for v in victims)
     assert len({v.unit for v in victims}) == len(victims)
-    short = shortfall(view, DEFAULT_WATERMARK) - sum(s.used for s in shares if s.exiting)
+    short = shortfall(view, DEFAULT_WATERMARK) - sum(s.lent for s in shares if s.exiting)
     if victims:  # the last one was needed: without it, the GPU would still be short
-        assert sum(v.used for v in victims[:-1]) < short
-        assert result.uncovered == max(short - sum(v.used for v in victims), 0)
+        assert sum(v.lent for v in victims[:-1]) < short
+        assert result.uncovered == max(short - sum(v.lent for v in victims), 0)
     else:
         assert short <= 0 or not rank(shares)
+
+
+def device(index: int, used: int | None, *, total: int = 80, parent: str | None = None) -> Device:
+    uuid = f"GPU-{index}"
+    return Device(index, uuid, "H100", total * GiB, None if used is None else used * GiB, parent)
+
+
+def process(pid: int, gpu: str, used: int) -> ProcessUsage:
+    return ProcessUsage(ProcessKey(pid, pid), gpu, used * GiB)
+
+
+def unit(name: str, limit: int, *usages: ProcessUsage, on: str | None = None) -> UnitUsage:
+    totals = [ProcessTotal(u.key, u.used_bytes or 0, ((u.device_uuid, u.used_bytes),))
+              for u in usages]  # fmt: skip
+    return UnitUsage(name, limit * GiB, tuple(totals), device_uuid=on)
+
+
+def test_a_request_over_all_gpus_lends_on_each_what_it_holds_above_it() -> None:
+    """exec: a request of 10 and 14 held over two GPUs; 4 is lent, on either (the view
+    cannot tell which bytes were the borrowed ones), and nothing is owed on either."""
+    a, b = process(10, "GPU-0", 8), process(11, "GPU-1", 6)
+    cmd = unit("cmd", 40, a, b)
+    gpu0, gpu1 = views([device(0, 38), device(1, 6)], [cmd], {"cmd": 10 * GiB})
+    assert gpu0.shares == (Share("cmd", 4 * GiB, 40 * GiB, 8 * GiB),)
+    assert gpu0.unrequested == 30 * GiB and gpu0.used == 38 * GiB
+    assert gpu1.shares == (Share("cmd", 2 * GiB, 40 * GiB, 6 * GiB),)
+    assert gpu1.unrequested == 0
+    # Under its request it lends nothing anywhere; on a GPU it does not use it is absent.
+    (quiet,) = views([device(0, 38), device(2, 0)], [unit("cmd", 40, a)], {"cmd": 10 * GiB})[:1]
+    assert quiet.shares[0].lent == 0 and quiet.shares[0].owed == 0
+    assert views([device(2, 0)], [unit("cmd", 40, a)], {"cmd": GiB})[0].shares == ()
+
+
+def test_a_unit_of_one_gpu_has_its_request_there_and_is_owed_the_rest() -> None:
+    """DRA: a request per GPU, so what a container does not use yet is owed to it."""
+    a, b = process(10, "GPU-0", 30), process(11, "GPU-0", 4)
+    burster, grower = unit("a@GPU-0", 40, a, on="GPU-0"), unit("b@GPU-0", 20, b, on="GPU-0")
+    (gpu,) = views([device(0, 34)], [burster, grower], {"a@GPU-0": 10 * GiB, "b@GPU-0": 20 * GiB})
+    assert gpu.shares == (Share("a@GPU-0", 10 * GiB, 40 * GiB, 30 * GiB),
+                          Share("b@GPU-0", 20 * GiB, 20 * GiB, 4 * GiB))  # fmt: skip
+    assert gpu.unrequested == 0
+
+
+def test_all_else_the_gpu_holds_declared_no_request() -> None:
+    """Other units' processes, processes nobody could attribute, the driver's own: unknown
+    is not free, so it all may grow, and the watermark is kept for it."""
+    a, b = process(10, "GPU-0", 30), process(11, "GPU-0", 4)
+    (gpu,) = views([device(0, 35)], [unit("a", 40, a), unit("(pod)", 0, b)],
+                   {"a": 10 * GiB}, exiting=frozenset({"a"}))  # fmt: skip
+    assert gpu.unrequested == 5 * GiB and gpu.shares[0].exiting
+
+
+def test_gpus_of_unknown_or_split_memory_are_left_out() -> None:
+    """Unknown is not free; MIG's memory is split already."""
+    a = process(10, "GPU-0", 30)
+    devices = [device(0, None), device(1, 10), device(2, 1, parent="GPU-1")]
+    assert views(devices, [unit("a", 40, a)], {"a": GiB}) == ()
+
+
+def test_a_unit_reclaimed_on_two_gpus_is_explained_by_the_first() -> None:
+    burster = share("cmd", 0, 70)
+    gpus = [Gpu(f"GPU-{i}", TOTAL, 79 * GiB, (burster,), unrequested=GiB) for i in (1, 0)]
+    chosen = reclaims(gpus)
+    assert list(chosen) == ["cmd"] and chosen["cmd"].gpu == "GPU-0"
+    assert reclaims([Gpu("GPU-0", TOTAL, 10 * GiB, (burster,), GiB)]) == {}

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
-from enforcer.core.model import Action
+from enforcer.core.model import Action, GiB, format_bytes
 from enforcer.core.parsing import ConfigError, as_text, parse_bytes
 from enforcer.core.policy import PolicyConfig
 from enforcer.core.settings import Setting, Values, value, verbosity
@@ -33,7 +33,34 @@ LIMIT = value(
     flag="--limit",
     metavar="QUANTITY",
     required="give the GPU memory limit, e.g. --limit 4Gi",
-    doc="GPU memory limit for CMD and all of its descendants, summed over all GPUs",
+    doc="GPU memory limit for CMD and all of its descendants, summed over all GPUs. With "
+    "`--request`, the ceiling up to which they may borrow",
+)
+REQUEST = value(
+    "request",
+    parse_bytes,
+    "the GPU memory CMD is guaranteed; above it, up to --limit, it borrows while its GPU "
+    "has room, and is stopped back to it when the GPU's other processes need the memory",
+    flag="--request",
+    metavar="QUANTITY",
+    shown_default="the limit: no borrowing",
+    doc="GPU memory that CMD and its descendants are guaranteed, summed over all GPUs. "
+    "Above it, up to `--limit`, they borrow: while the GPU keeps `--reclaim-watermark` "
+    "free for its other users (other processes, the driver). When it does not, CMD's "
+    "largest process on that GPU is stopped (the `--action`), one at a time, until the "
+    "GPU is safe again or CMD is back at its request. With hard limits, the request is "
+    "also the driver's soft limit",
+)
+RECLAIM_WATERMARK = value(
+    "reclaim_watermark",
+    parse_bytes,
+    "free GPU memory kept for other processes while CMD borrows above --request",
+    flag="--reclaim-watermark",
+    metavar="QUANTITY",
+    default="2Gi",
+    doc="free memory a GPU must keep, while CMD borrows above `--request` on it, for the "
+    "other processes there (which may grow). The default is what a workload allocating "
+    "10 GiB/s takes in twice the p99 time a 100 ms interval needs to see it",
 )
 ACTION = action(
     EXEC_ACTIONS,
@@ -102,6 +129,8 @@ VERBOSE = verbosity("warnings only")
 
 DECLARED: tuple[Setting[Any], ...] = (
     LIMIT,
+    REQUEST,
+    RECLAIM_WATERMARK,
     ACTION,
     GRACE_PERIOD,
     INTERVAL,
@@ -133,6 +162,8 @@ class ExecSettings:
     host_proc: str | None = None
     hard_limits: str = "auto"  # auto, off or required
     summary: str | None = None  # where to write the JSON summary at exit
+    request_bytes: int | None = None  # None: the limit, no borrowing
+    reclaim_watermark: int = 2 * GiB
 
 
 def exec_settings(values: Values, command: list[str]) -> ExecSettings:
@@ -142,6 +173,15 @@ def exec_settings(values: Values, command: list[str]) -> ExecSettings:
     if not command:
         raise ConfigError(
             "CMD", None, "is missing; put the command after --, e.g. -- python train.py"
+        )
+    limit, request = values[LIMIT], values[REQUEST]
+    if request is not None and request > limit:
+        raise ConfigError(
+            "--request",
+            format_bytes(request),
+            f"is above --limit {format_bytes(limit)}: the request is what the command is "
+            "guaranteed and the limit the most it may borrow up to; give a request of at "
+            "most the limit",
         )
     return ExecSettings(
         command=tuple(command),
@@ -154,4 +194,6 @@ def exec_settings(values: Values, command: list[str]) -> ExecSettings:
         host_proc=values[HOST_PROC],
         hard_limits=values[HARD_LIMITS],
         summary=values[SUMMARY],
+        request_bytes=request if request != limit else None,
+        reclaim_watermark=values[RECLAIM_WATERMARK],
     )
