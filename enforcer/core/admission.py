@@ -43,9 +43,17 @@ from enforcer.core.payloads import (
     PodSpec,
     VolumeMount,
 )
+from enforcer.core.pod import CEILINGS_ENV
 from enforcer.core.protocol import SIDECAR_SOCKET, SIDECAR_SOCKET_DIR
 from enforcer.core.settings.sidecar import METRICS_PORT_DEFAULT
-from enforcer.core.tenancy import Bounds, Tenancy, check_action, check_grace_period, in_namespace
+from enforcer.core.tenancy import (
+    Bounds,
+    Tenancy,
+    check_action,
+    check_ceilings,
+    check_grace_period,
+    in_namespace,
+)
 
 API_VERSION = "admission.k8s.io/v1"
 INJECT = "vram-enforcer.io/inject"
@@ -53,6 +61,7 @@ INJECTED = "vram-enforcer.io/injected"
 ENFORCED = "vram-enforcer.io/enforced"
 SHM_SIZE = "vram-enforcer.io/shm-size"
 METRICS_PORT_ANNOTATION = "vram-enforcer.io/metrics-port"
+CEILING = "vram-enforcer.io/vram-ceiling"
 SIDECAR = "vram-enforcer"
 SOCKET_VOLUME = "vram-enforcer-socket"
 SHM_VOLUME = "vram-enforcer-shm"
@@ -259,6 +268,9 @@ def mutate(
     if settings.dra_class is not None:
         limits = {**_claimed_limits(spec), **limits}  # our claims, from an earlier pass
     sidecar_env = _sidecar_settings(annotations, bounds, namespace)
+    ceilings = _ceilings(annotations, limits, bounds, namespace, settings)
+    if ceilings:
+        sidecar_env[CEILINGS_ENV] = json.dumps(ceilings, separators=(",", ":"))
     metrics_port = _metrics_port(annotations, spec)
     shm = str(annotations.get(SHM_SIZE, settings.shm_default))
     shm_limit = None if shm == "off" else _shm_limit(shm, spec)
@@ -268,7 +280,7 @@ def mutate(
     out_spec["shareProcessNamespace"] = True
     for c in _containers(out_spec):
         if c["name"] in limits:
-            _workload_env(c, limits[c["name"]], settings)
+            _workload_env(c, limits[c["name"]], ceilings.get(c["name"]), settings)
             if settings.dra_class is not None:
                 _claim_vram(out_spec, c, limits[c["name"]], settings)
     if shm != "off":
@@ -469,6 +481,30 @@ def _sidecar_settings(
     return env
 
 
+def _ceilings(
+    annotations: Mapping[str, object],
+    limits: Mapping[str, int],
+    bounds: Bounds,
+    namespace: str,
+    settings: AdmissionSettings,
+) -> dict[str, int]:
+    """Container name -> the ceiling it may borrow up to above its request (its declared
+    limit); {} without the annotation. Fixed here, in the sidecar's environment, which no
+    one can change once the pod exists: the annotation itself can be patched later."""
+    if CEILING not in annotations:
+        return {}
+    field = f"metadata.annotations[{CEILING!r}]"
+    if settings.dra_class is not None:
+        raise Denied(
+            f"{field}: borrowing above a request is not available with DRA yet (the webhook "
+            "runs with --dra-device-class); remove the annotation"
+        )
+    try:
+        return check_ceilings(str(annotations[CEILING]), limits, bounds, field, namespace)
+    except ConfigError as exc:
+        raise Denied(str(exc)) from None
+
+
 def _metrics_port(annotations: Mapping[str, object], spec: PodSpec) -> int:
     """The sidecar's metrics port: the annotation's, else the first from 9477 up that no
     container declares. The containers share the pod's network namespace, so a port taken
@@ -528,12 +564,20 @@ def _memory_limit(c: Container) -> int | None:
         return None  # the API server's own validation will say so
 
 
-def _workload_env(c: Container, limit: int, settings: AdmissionSettings) -> None:
+def _workload_env(
+    c: Container, limit: int, ceiling: int | None, settings: AdmissionSettings
+) -> None:
+    """What the workload is told: the most it may use (its ceiling, when it may borrow)
+    and what it is guaranteed."""
     env = c.setdefault("env", [])
     names = {e.get("name") for e in env}
-    ours = {"VRAM_LIMIT_BYTES": str(limit)}
-    if settings.toolkit_limits:  # whole MiB, rounded down: never above the declared limit
-        ours.update(dict.fromkeys(TOOLKIT_ENV, str(limit // MiB)))
+    most = limit if ceiling is None else ceiling
+    ours = {"VRAM_LIMIT_BYTES": str(most)}
+    if ceiling is not None:
+        ours["VRAM_REQUEST_BYTES"] = str(limit)
+    if settings.toolkit_limits:  # whole MiB, rounded down: never above what is declared
+        request_mib, limit_mib = TOOLKIT_ENV
+        ours.update({request_mib: str(limit // MiB), limit_mib: str(most // MiB)})
     for name, value in ours.items():
         _put(env, {"name": name, "value": value})
     extra = {**(FRAMEWORK_ENV if settings.framework_env else {})}

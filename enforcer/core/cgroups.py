@@ -68,12 +68,15 @@ def container_id(entries: Sequence[CgroupEntry]) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
+CONTAINER = "container:"  # a tenant that is a container: its ID follows
+
+
 def tenant(entries: Sequence[CgroupEntry]) -> str | None:
     """Who a process runs for, to count a GPU's tenants: its container, or else its cgroup
     (the v2 line, or the first one) for processes outside containers; None without lines."""
     cid = container_id(entries)
     if cid is not None:
-        return f"container:{cid}"
+        return f"{CONTAINER}{cid}"
     v2 = [e.path for e in entries if e.hierarchy_id == 0]
     paths = v2 or [e.path for e in entries]
     return f"cgroup:{paths[0]}" if paths else None

@@ -61,11 +61,22 @@ class PodVram:
     # holds each container's sum over GPUs); empty for a declaring pod.
     gpu_limits: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
+    # Container name -> its request, where it may borrow above it up to `limits` (its
+    # ceiling): the driver's soft limit, "guaranteed before allocations may fail".
+    requests: Mapping[str, int] = field(default_factory=dict)
+
     @property
     def total(self) -> int:
         """The pod's cap: the sum of its containers' limits (an upper bound on what they may
         hold together, init containers included)."""
         return sum(self.limits.values())
+
+    @property
+    def requested(self) -> int:
+        """The pod's soft limit: its containers' requests, where any may borrow; else 0."""
+        if not self.requests:
+            return 0
+        return sum(self.requests.get(name, limit) for name, limit in self.limits.items())
 
     @property
     def gpu_totals(self) -> dict[str, int]:
@@ -99,12 +110,16 @@ def pod_vram_from_claims(pod: Pod, found: Allocations) -> PodVram | None:
             per_container.setdefault(container, {})[unit.gpu] = unit.limit_bytes
     ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
     sums = {c: sum(g.values()) for c, g in per_container.items()}
-    return PodVram(uid, namespace, name, sums, ids, per_container, totals)
+    return PodVram(uid, namespace, name, sums, ids, per_container, _gpu_totals=totals)
 
 
-def pod_vram(pod: Pod, resource: str, unit: int) -> PodVram | None:
+def pod_vram(
+    pod: Pod, resource: str, unit: int, ceilings: Mapping[str, int] | None = None
+) -> PodVram | None:
     """The pod's declared VRAM, or None when it declares none (or declares it in a way the
-    API server's validation would not have let through)."""
+    API server's validation would not have let through). With `ceilings` (container ->
+    the ceiling it may borrow up to, from its sidecar), a container's limit is its ceiling
+    and its declaration its request."""
     meta = pod.get("metadata") or {}
     uid, namespace, name = meta.get("uid"), meta.get("namespace"), meta.get("name")
     if not (isinstance(uid, str) and isinstance(namespace, str) and isinstance(name, str)):
@@ -116,7 +131,10 @@ def pod_vram(pod: Pod, resource: str, unit: int) -> PodVram | None:
     if not limits:
         return None
     ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
-    return PodVram(uid, namespace, name, limits, ids)
+    borrow = {n: c for n, c in (ceilings or {}).items() if c > limits.get(n, c)}
+    if not borrow:
+        return PodVram(uid, namespace, name, limits, ids)
+    return PodVram(uid, namespace, name, {**limits, **borrow}, ids, requests=limits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +149,7 @@ class Target:
     container: str  # "" for the pod as a whole
     limit_bytes: int
     gpu_limits: tuple[tuple[str, int], ...] = ()  # DRA: per GPU, instead of limit_bytes on all
+    request_bytes: int = 0  # the soft limit (a request below a ceiling), capped per GPU
 
     def limits_on(self, devices: Sequence[Device]) -> dict[str, int]:
         """The hard limit on each GPU that can take one."""
@@ -153,13 +172,15 @@ def targets(
         if pod_dir is None:
             continue
         pod_gpus = tuple(sorted(p.gpu_totals.items()))
-        found[pod_dir] = Target(pod_dir, p.namespace, p.name, p.uid, "", p.total, pod_gpus)
+        found[pod_dir] = Target(pod_dir, p.namespace, p.name, p.uid, "", p.total, pod_gpus,
+                                p.requested)  # fmt: skip
         dirs = container_dirs.get(p.uid, {})
         for name, limit in p.limits.items():
             path = dirs.get(p.ids.get(name, ""))
             if path is not None:
                 gpus = tuple(sorted(p.gpu_limits.get(name, {}).items()))
-                found[path] = Target(path, p.namespace, p.name, p.uid, name, limit, gpus)
+                soft = p.requests.get(name, 0)
+                found[path] = Target(path, p.namespace, p.name, p.uid, name, limit, gpus, soft)
     return found
 
 

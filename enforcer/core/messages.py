@@ -95,11 +95,8 @@ def reclaim(r: Reclaim, label: str) -> str:
 def enforcement(e: Enforcement, label: str, result: SignalResult) -> str:
     signal = _SIGNAL_NAME.get(e.action, str(e.action))
     head = f"{usage(e.unit, label)}; "
-    if e.reclaim is not None:
-        lent = format_bytes(e.reclaim.victim.lent)
-        head = (
-            f"taking back the {lent} that {label} lent above its request on GPU {e.reclaim.gpu}: "
-        )
+    if e.reclaim is not None:  # the why in full: later reports of it replace this Event
+        head = f"{reclaim(e.reclaim, label)}; taking back what it lent: "
     if e.dry_run:
         return head + f"dry run: would send {signal} to {process(e.victim)}"
     if result is SignalResult.SENT:
@@ -146,6 +143,12 @@ def whole_unit(
 def escalated(victim: ProcessTotal, grace_period: float) -> str:
     grace = format_duration(grace_period)
     return f"{process(victim)} did not exit {grace} after SIGTERM; sent SIGKILL"
+
+
+def about(e: Enforcement, label: str) -> str:
+    """What a later report on an enforcement starts with: for a reclaim, its why, which
+    the report (an Event of the same reason) replaces; nothing for a limit."""
+    return "" if e.reclaim is None else f"{reclaim(e.reclaim, label)}; "
 
 
 def source_down(reason: str) -> str:

@@ -204,6 +204,8 @@ def _reclaim(
         reclaim_reported=True,
         dry_run_reported=prev.dry_run_reported,
     )
+    # Said once per reclaim: by the signal's own report (which carries the why), or by a
+    # notice when nothing is signalled (warn, a unit not proven, a victim still exiting).
     notice = None if prev.reclaim_reported else Notice(Reason.RECLAIMED, unit, reclaim=reclaim)
     if config.action is Action.WARN or not unit.enforceable:
         return state, notice, None
@@ -220,7 +222,7 @@ def _reclaim(
     enforcement = Enforcement(
         unit, victim, config.action, config.grace_period, config.dry_run, reclaim=reclaim
     )
-    return state, notice, enforcement
+    return state, None, enforcement
 
 
 def _exiting(unit: UnitUsage, busy: frozenset[ProcessKey]) -> bool:

@@ -15,6 +15,7 @@ from typing import Any, cast
 from enforcer.core.dra import DraObjects
 from enforcer.core.model import Activity, Device, ProcessKey, ProcessUsage, Sample, SourceDown
 from enforcer.core.payloads import Pod
+from enforcer.core.reclaim import Reclaim, Share
 
 VERSION = 1
 # Where the agent finds each sidecar: a socket in the sidecar's own filesystem, which the
@@ -169,6 +170,42 @@ USAGE_TAIL = b"]}\n"
 
 
 @dataclass(frozen=True, slots=True)
+class Usage:
+    """A usage reply: the sample, and the reclaims the agent asks of the caller's pod
+    (container ID -> what to take back where, and why)."""
+
+    sample: Sample
+    reclaims: dict[str, Reclaim]
+
+
+def encode_reclaim(container_id: str, r: Reclaim) -> bytes:
+    """One entry of a usage reply's `reclaims`: a container of the caller's pod is to give
+    back what it lent above its request on a GPU. Ends the reply in place of `USAGE_TAIL`
+    (`usage_tail`)."""
+    v = r.victim
+    return _json({
+        "container_id": container_id, "gpu": r.gpu, "unit": v.unit, "request": v.request,
+        "ceiling": v.ceiling, "used": v.used, "priority": v.priority,
+        "shortfall": r.shortfall, "owed_to": list(r.owed_to), "free": r.free,
+        "for_unrequested": r.for_unrequested,
+    })  # fmt: skip
+
+
+def usage_tail(reclaims: Iterable[bytes]) -> bytes:
+    listed = b",".join(reclaims)
+    return b'],"reclaims":[%s]}\n' % listed if listed else USAGE_TAIL
+
+
+def _reclaim(d: dict[str, Any]) -> tuple[str, Reclaim]:
+    victim = Share(str(d["unit"]), int(d["request"]), int(d["ceiling"]), int(d["used"]),
+                   int(d.get("priority", 0)))  # fmt: skip
+    owed = tuple(str(u) for u in d["owed_to"])
+    reclaim = Reclaim(str(d["gpu"]), victim, int(d["shortfall"]), owed, int(d["free"]),
+                      bool(d["for_unrequested"]))  # fmt: skip
+    return str(d["container_id"]), reclaim
+
+
+@dataclass(frozen=True, slots=True)
 class PodReply:
     """The caller's own pod, as the agent's watch of its node last saw it.
 
@@ -215,9 +252,10 @@ def _pod_reply(doc: dict[str, Any]) -> PodReply:
     )
 
 
-def decode_reply(line: bytes) -> Sample | SourceDown | Challenge | PodReply:
-    """A reply as the client sees it: a sample, the agent's error as `SourceDown`, a
-    challenge to answer, or (to a subscriber that asked for it) its pod."""
+def decode_reply(line: bytes) -> Usage | SourceDown | Challenge | PodReply:
+    """A reply as the client sees it: a sample (with the reclaims asked of the caller's
+    pod), the agent's error as `SourceDown`, a challenge to answer, or (to a subscriber
+    that asked for it) its pod."""
     try:
         doc = json.loads(line)
         if doc.get("v") != VERSION:
@@ -230,7 +268,8 @@ def decode_reply(line: bytes) -> Sample | SourceDown | Challenge | PodReply:
             return SourceDown(f"the agent says: {doc['error']}")
         devices = tuple(_device(d) for d in doc["devices"])
         processes = tuple(_process(p) for p in doc["processes"])
-        return Sample(float(doc["sampled_at"]), devices, processes)
+        reclaims = dict(_reclaim(r) for r in doc.get("reclaims", ()))
+        return Usage(Sample(float(doc["sampled_at"]), devices, processes), reclaims)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ProtocolError(f"malformed reply from the agent: {exc}") from None
 

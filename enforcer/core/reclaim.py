@@ -146,16 +146,19 @@ def views(
     units: Sequence[UnitUsage],
     requests: Mapping[str, int],
     exiting: frozenset[str] = frozenset(),
+    priorities: Mapping[str, int] | None = None,
 ) -> tuple[Gpu, ...]:
     """Each GPU as `plan` needs it, from one tick: the units with a request (`requests`,
     by unit name; the unit's limit is its ceiling), and all else its memory holds as
     `unrequested`: other units' processes, processes this reader cannot see (another PID
     namespace's, one too new to be charged) and the driver's own. Unknown is not free. A
-    unit that counts one GPU (DRA) has its request there; a unit
-    whose request covers all its GPUs (`exec`, a declared limit) lends on each GPU what
-    it holds there, up to all it holds above its request, and is owed nothing on any
-    one GPU (which GPU would be a guess). MIG partitions and GPUs in MIG mode are left
-    out, as for hard limits: their memory is split already."""
+    unit that counts one GPU (DRA), or whose request covers all its GPUs but that uses one
+    GPU only (as NVML shows it), has its request there, and is owed what it does not use
+    of it. One that uses several lends on each what it holds there, up to all it holds
+    above its request, and is owed nothing on any (which GPU would be a guess). A unit
+    that uses no GPU yet is owed nothing anywhere. `priorities`: its pod's priority, by
+    unit. MIG partitions and GPUs in MIG mode are left out, as for hard limits: their
+    memory is split already."""
     in_mig_mode = {d.parent_uuid for d in devices if d.parent_uuid}
     gpus = [d for d in devices if d.parent_uuid is None and d.uuid not in in_mig_mode]
     held: dict[tuple[str, str], int] = {}
@@ -166,6 +169,9 @@ def views(
             for uuid, used in p.by_device:
                 if used and (unit.device_uuid is None or unit.device_uuid == uuid):
                     held[unit.name, uuid] = held.get((unit.name, uuid), 0) + used
+    on_gpus: dict[str, int] = {}
+    for name, _ in held:
+        on_gpus[name] = on_gpus.get(name, 0) + 1
     result = []
     for d in gpus:
         if d.total_bytes is None or d.used_bytes is None:
@@ -176,12 +182,13 @@ def views(
                 continue
             used = held.get((unit.name, d.uuid), 0)
             request = requests[unit.name]
-            if unit.device_uuid is None:  # a request over all its GPUs
-                if used == 0:
-                    continue  # neither lends nor is owed anything here
+            if unit.device_uuid is None and used == 0:
+                continue  # neither lends nor is owed anything here
+            if unit.device_uuid is None and on_gpus.get(unit.name, 0) > 1:
                 request = used - min(used, max(unit.used_bytes - request, 0))
             ceiling = max(unit.limit_bytes, request)
-            shares.append(Share(unit.name, request, ceiling, used, 0, unit.name in exiting))
+            priority = (priorities or {}).get(unit.name, 0)
+            shares.append(Share(unit.name, request, ceiling, used, priority, unit.name in exiting))
         others = max(d.used_bytes - sum(s.used for s in shares), 0)
         result.append(Gpu(d.uuid, d.total_bytes, d.used_bytes, tuple(shares), others))
     return tuple(result)

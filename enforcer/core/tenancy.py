@@ -1,11 +1,12 @@
 """What a pod's author may loosen by annotation, as the operator decides (pure).
 
-A pod's annotations choose how its sidecar enforces: the action, the grace period, and
-whether it is injected at all. The author is the tenant, and the tenant may be hostile:
-`action: warn`, a grace period of a year, or `inject: "false"` on a pod that declares VRAM
-would each switch enforcement off. So the operator bounds them, cluster-wide and per
-namespace, and the webhook denies a pod beyond its bounds, naming the annotation, the value
-and the bound.
+A pod's annotations choose how its sidecar enforces: the action, the grace period, how
+far above its request a container may borrow (its ceiling), and whether it is injected at
+all. The author is the tenant, and the tenant may be hostile: `action: warn`, a grace
+period of a year, a ceiling of a whole GPU, or `inject: "false"` on a pod that declares
+VRAM would each switch enforcement off or loosen it. So the operator bounds them,
+cluster-wide and per namespace, and the webhook denies a pod beyond its bounds, naming the
+annotation, the value and the bound.
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from enforcer.core.model import Action
-from enforcer.core.parsing import ConfigError, format_duration, parse_action, parse_duration
+from enforcer.core.model import Action, format_bytes
+from enforcer.core.parsing import (
+    ConfigError,
+    format_duration,
+    parse_action,
+    parse_bytes,
+    parse_duration,
+)
 
 ALL_ACTIONS = (Action.TERMINATE, Action.KILL, Action.RESTART, Action.WARN)
 # `warn` only reports: a tenant who may choose it may choose to be over its limit.
@@ -30,6 +37,8 @@ class Bounds:
     actions: tuple[Action, ...] = DEFAULT_ACTIONS
     max_grace_period: float = DEFAULT_MAX_GRACE
     allow_opt_out: bool = False
+    # The highest ceiling a container may borrow up to; 0: no borrowing above requests.
+    max_ceiling: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +75,71 @@ def check_grace_period(value: str, bounds: Bounds, where: str, namespace: str) -
     return seconds
 
 
+CEILING_FORM = "20Gi (a pod with one container that declares VRAM) or trainer=20Gi,server=8Gi"
+
+
+def check_ceilings(
+    value: str, requests: Mapping[str, int], bounds: Bounds, where: str, namespace: str
+) -> dict[str, int]:
+    """Container name -> ceiling, from the annotation's `value`: a quantity for the one
+    container that declares VRAM, or `name=quantity` pairs. Each names a container that
+    declares VRAM (`requests`, what its limits declare), is at least that request, and at
+    most what the operator allows; a ceiling equal to the request borrows nothing and is
+    left out."""
+    pairs = [part.strip() for part in value.split(",")] if value.strip() else []
+    if not pairs:
+        raise ConfigError(where, value, f"is empty; use {CEILING_FORM}")
+    if len(pairs) == 1 and "=" not in pairs[0]:
+        if len(requests) != 1:
+            raise ConfigError(
+                where, value, f"names no container, and {len(requests)} containers declare "
+                f"VRAM ({', '.join(sorted(requests))}); use name=quantity pairs, e.g. "
+                f"{CEILING_FORM.split(' or ')[1]}",
+            )  # fmt: skip
+        pairs = [f"{next(iter(requests))}={pairs[0]}"]
+    found: dict[str, int] = {}
+    for pair in pairs:
+        name, sep, quantity = pair.partition("=")
+        name, quantity = name.strip(), quantity.strip()
+        if not sep or not name or name in found:
+            problem = "is given twice" if name in found else "is not name=quantity"
+            raise ConfigError(where, value, f"{pair!r} {problem}; use {CEILING_FORM}")
+        if name not in requests:
+            raise ConfigError(
+                where, value, f"names container {name!r}, which declares no VRAM; a ceiling "
+                f"is for a container that declares it ({', '.join(sorted(requests)) or 'none'})",
+            )  # fmt: skip
+        found[name] = _ceiling(quantity, requests[name], bounds, f"{where} {name!r}", namespace)
+    return {name: c for name, c in found.items() if c > requests[name]}
+
+
+def _ceiling(quantity: str, request: int, bounds: Bounds, where: str, namespace: str) -> int:
+    ceiling = parse_bytes(quantity, where)
+    if ceiling < request:
+        raise ConfigError(
+            where, quantity, f"is below the container's request of {format_bytes(request)} "
+            "(its resources.limits): a ceiling is what it may borrow up to, at least what it "
+            "is guaranteed",
+        )  # fmt: skip
+    if ceiling > request and ceiling > bounds.max_ceiling:
+        allowed = (
+            f"the operator allows ceilings up to {format_bytes(bounds.max_ceiling)}"
+            if bounds.max_ceiling
+            else "the operator allows no borrowing above requests"
+        )
+        raise ConfigError(
+            where, quantity, f"is above what is allowed {in_namespace(namespace)}: {allowed} "
+            "(the webhook's --max-vram-ceiling or --namespace-bounds)",
+        )  # fmt: skip
+    return ceiling
+
+
 def in_namespace(namespace: str) -> str:
     """`in namespace 'ml'`, for a message that says where a bound holds."""
     return f"in namespace {namespace!r}" if namespace else "here"
 
 
-_BOUND_KEYS = ("actions", "maxGracePeriod", "allowOptOut")
+_BOUND_KEYS = ("actions", "maxGracePeriod", "allowOptOut", "maxCeiling")
 
 
 def parse_namespace_bounds(text: str, field: str, default: Bounds) -> dict[str, Bounds]:
@@ -92,7 +160,10 @@ def parse_namespace_bounds(text: str, field: str, default: Bounds) -> dict[str, 
     return found
 
 
-_BOUNDS_FORM = '{"NAMESPACE": {"actions": [...], "maxGracePeriod": "30s", "allowOptOut": false}}'
+_BOUNDS_FORM = (
+    '{"NAMESPACE": {"actions": [...], "maxGracePeriod": "30s", "allowOptOut": false, '
+    '"maxCeiling": "40Gi"}}'
+)
 
 
 def _bounds(given: Mapping[str, object], where: str, default: Bounds) -> Bounds:
@@ -118,4 +189,9 @@ def _bounds(given: Mapping[str, object], where: str, default: Bounds) -> Bounds:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}.allowOptOut", value, "must be true or false")
         bounds = replace(bounds, allow_opt_out=value)
+    if "maxCeiling" in given:
+        value = given["maxCeiling"]
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}.maxCeiling", value, "must be a quantity, e.g. 40Gi")
+        bounds = replace(bounds, max_ceiling=parse_bytes(value, f"{where}.maxCeiling"))
     return bounds

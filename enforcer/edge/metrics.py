@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -145,18 +145,46 @@ def _lending(
         "it, and taken back first when it cannot",
         labels=[*unit_labels, "gpu"],
     )
-    free = GaugeMetricFamily(
-        PREFIX + "gpu_free_bytes",
-        "Free memory of a GPU shared by units with requests: what the watermark is kept from",
-        labels=["uuid"],
-    )
     for gpu in gpus:
-        free.add_metric([gpu.uuid], gpu.free)
         for share in gpu.shares:
             values = labelled.get(share.unit, [*base_values, share.unit])
             over.add_metric([*values, gpu.uuid], share.lent)
     yield over
-    yield free
+    yield _free(gpus)
+
+
+def _free(gpus: Sequence[Gpu]) -> Metric:
+    return _per_gpu(
+        "gpu_free_bytes",
+        "Free memory of a GPU shared by units with requests: what the watermark is kept from",
+        gpus,
+        lambda gpu: gpu.free,
+    )
+
+
+def _gpu_lending(gpus: Sequence[Gpu]) -> Iterator[Metric]:
+    """The agent's view of each GPU where a container may borrow: what its requests keep
+    for them, what is borrowed above them, and what is free."""
+    yield _per_gpu(
+        "gpu_requested_bytes",
+        "The requests of the containers on a GPU where one may borrow: what it keeps for them",
+        gpus,
+        lambda gpu: gpu.requested,
+    )
+    yield _per_gpu(
+        "gpu_lent_bytes",
+        "GPU memory its containers hold above their requests: the first to be taken back",
+        gpus,
+        lambda gpu: sum(s.lent for s in gpu.shares),
+    )
+    yield _free(gpus)
+
+
+def _per_gpu(name: str, help: str, gpus: Sequence[Gpu], value: Callable[[Gpu], int]) -> Metric:
+    family = GaugeMetricFamily(PREFIX + name, help, labels=["uuid"])
+    for gpu in gpus:
+        family.add_metric([gpu.uuid], value(gpu))
+    return family
 
 
 _DEVICE_LABELS = ["gpu", "uuid", "model", "parent_uuid"]
@@ -256,6 +284,7 @@ class NodeCollector(Collector):
         self.advertised_bytes: int | None = None
         self.tenants: Mapping[str, int] = {}  # GPU uuid -> containers with a process on it
         self.failed: Mapping[str, str] = {}  # GPU uuid -> why the last pass could not read it
+        self.lending: Sequence[Gpu] = ()  # the GPUs where containers may borrow, last pass
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -264,6 +293,7 @@ class NodeCollector(Collector):
         devices, up, advertised = self.devices, self.source_up, self.advertised_bytes
         tenants, failed = self.tenants, self.failed
         yield from _device_families(devices)
+        yield from _gpu_lending(self.lending)
         readable = GaugeMetricFamily(
             PREFIX + "gpu_readable",
             "1 when the last NVML pass read the GPU; 0 when it could not (a GPU off the bus): "

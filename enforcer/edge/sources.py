@@ -27,10 +27,12 @@ from enforcer.core.protocol import (
     EventRequest,
     PodReply,
     ProtocolError,
+    Usage,
     decode_reply,
     encode_event,
     encode_request,
 )
+from enforcer.core.reclaim import Reclaim
 from enforcer.edge.backoff import Backoff
 from enforcer.edge.listening import listen, peer_credentials
 from enforcer.edge.procfs import INITIAL_PID_NS, NsChain, ProcFs
@@ -163,6 +165,9 @@ class AgentSource:
         self._wants_pod = pod
         self.pod_reply: PodReply | None = None  # None until the agent has sent one
         self.pod_replies = 0  # how many have arrived: a new one is news to the caller
+        # What the agent asks this pod's containers to give back, by container ID: from the
+        # latest sample, and nothing while the agent is away.
+        self.reclaims: dict[str, Reclaim] = {}
         self._events: collections.deque[bytes] = collections.deque(maxlen=EVENT_BACKLOG)
         self.events_dropped = 0  # reports pushed out of a full backlog
         self._answering = False  # the agent has answered on this connection: it knows us
@@ -312,6 +317,10 @@ class AgentSource:
                     self.pod_reply = reply
                     self.pod_replies += 1
                     self._answering = True
+                elif isinstance(reply, Usage):
+                    self._latest, self._received = reply.sample, self._clock()
+                    self.reclaims = reply.reclaims
+                    self._answering = True
                 else:
                     self._latest, self._received = reply, self._clock()
                     self._answering = True
@@ -329,6 +338,7 @@ class AgentSource:
 
     def _lost(self, reason: str) -> None:
         self._hang_up()
+        self.reclaims = {}
         self._backoff.failed(self._clock())
         self._latest = SourceDown(reason)
 

@@ -7,7 +7,7 @@ once, when NVML first lists it, and forgotten when NVML stops listing it.
 from __future__ import annotations
 
 from enforcer.core.attribution import tenants_per_gpu
-from enforcer.core.cgroups import tenant
+from enforcer.core.cgroups import CONTAINER, tenant
 from enforcer.core.model import ProcessKey, Sample
 from enforcer.edge.procfs import ProcFs
 
@@ -28,3 +28,8 @@ class Tenants:
             if found is not None and self._procfs.start_time(key.pid) == key.start_time:
                 self._known[key] = found
         return tenants_per_gpu(sample, self._known)
+
+    def containers(self) -> dict[ProcessKey, str]:
+        """The container ID of each process of the last sample that runs in one."""
+        return {k: t.removeprefix(CONTAINER) for k, t in self._known.items()
+                if t.startswith(CONTAINER)}  # fmt: skip

@@ -25,12 +25,12 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
-from enforcer.core.model import Sample, SourceDown
+from enforcer.core.lending import Lending
+from enforcer.core.model import ProcessKey, Sample, SourceDown
 from enforcer.core.payloads import Pod
 from enforcer.core.pod_directory import Directory, unknown
 from enforcer.core.protocol import (
     MAX_REQUEST_BYTES,
-    USAGE_TAIL,
     EventRequest,
     PodReply,
     ProtocolError,
@@ -38,10 +38,12 @@ from enforcer.core.protocol import (
     encode_challenge,
     encode_error,
     encode_pod,
+    encode_reclaim,
     json_string,
     parse_request,
     usage_head,
     usage_process,
+    usage_tail,
 )
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.listening import listen
@@ -85,28 +87,43 @@ class _Published:
     # sample's own `sampled_at` is on) must not make it look fresh, or stale.
     published_at: float = field(default_factory=time.monotonic)
 
+    # The reclaims to tell, by the same key: each goes to the namespaces its victim's
+    # processes are in, so that only the victim's own pod (its sidecar) hears of it.
+    reclaims: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
+
     @classmethod
-    def of(cls, sample: Sample | SourceDown) -> _Published:
+    def of(cls, sample: Sample | SourceDown, lending: Lending | None = None) -> _Published:
         if isinstance(sample, SourceDown):
             return cls(
                 error=encode_error(f"GPU usage is unavailable on this node: {sample.reason}")
             )
         index: dict[tuple[int, int], list[bytes]] = {}
         uuids = {d.uuid: json_string(d.uuid) for d in sample.devices}
+        told: dict[ProcessKey, list[bytes]] = {}
+        for cid, reclaim in (lending.reclaims if lending is not None else {}).items():
+            entry = encode_reclaim(cid, reclaim)
+            for key in lending.victims.get(cid, ()) if lending is not None else ():
+                told.setdefault(key, []).append(entry)
+        reclaims: dict[tuple[int, int], list[bytes]] = {}
         for p in sample.processes:
             uuid = uuids.get(p.device_uuid) or json_string(p.device_uuid)
             for level, (inode, pid) in enumerate(p.namespaces):
                 entry = usage_process(pid, p.key.start_time, uuid, p.used_bytes, p.activity)
                 index.setdefault((inode, level), []).append(entry)
+                for line in told.get(p.key, ()):
+                    listed = reclaims.setdefault((inode, level), [])
+                    if line not in listed:
+                        listed.append(line)
         head = usage_head(sample.sampled_at, sample.devices)
-        return cls(head=head, by_namespace=index)
+        return cls(head=head, by_namespace=index, reclaims=reclaims)
 
     def reply(self, view: PidView) -> bytes:
         key = (view.ns_inode, view.level)
         cached = self.replies.get(key)
         if cached is None:
             body = b",".join(self.by_namespace.get(key, ()))
-            cached = self.replies[key] = self.head + body + USAGE_TAIL
+            tail = usage_tail(self.reclaims.get(key, ()))
+            cached = self.replies[key] = self.head + body + tail
         return cached
 
 
@@ -204,10 +221,10 @@ class UsageServer:
         self._guard = LoopGuard("usage-socket", metrics.unexpected.labels("usage-socket"), log)
         self._serving: _Connection | None = None  # the caller being served, for the guard
 
-    def publish(self, sample: Sample | SourceDown) -> None:
-        """Called by the sampler thread: swap in the sample (one reference, no lock needed)
-        and wake the loop to push it to subscribers."""
-        self._published = _Published.of(sample)
+    def publish(self, sample: Sample | SourceDown, lending: Lending | None = None) -> None:
+        """Called by the sampler thread: swap in the sample, with the reclaims decided on
+        it (one reference, no lock needed), and wake the loop to push it to subscribers."""
+        self._published = _Published.of(sample, lending)
         with contextlib.suppress(BlockingIOError):  # a wake-up is already pending
             os.write(self._wake_w, b"p")
 

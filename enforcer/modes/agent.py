@@ -21,12 +21,14 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
-from enforcer.core.model import Device, Sample, SourceDown
+from enforcer.core.admission import SIDECAR
+from enforcer.core.lending import Lending
+from enforcer.core.model import Device, ProcessKey, Sample, SourceDown
 from enforcer.core.payloads import ObjectReference
 from enforcer.core.pod_directory import event_about
 from enforcer.core.policy import Reason
@@ -42,6 +44,7 @@ from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView, PidViewError
 from enforcer.edge.tenants import Tenants
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
+from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
 
 if TYPE_CHECKING:
@@ -136,6 +139,8 @@ class Sampler(threading.Thread):
         self._interval = interval
         self._devices_changed = devices_changed
         self.stop = threading.Event()
+        # The reclaims decided on each pass, once the node's pods are watched (`Lender`).
+        self.lender: Callable[[Sample, Mapping[ProcessKey, str]], Lending | None] | None = None
         self.devices: Sequence[Device] = ()
         self._up: bool | None = None
         self._guard = LoopGuard("sampler", telemetry.unexpected.labels("sampler"), log)
@@ -152,7 +157,12 @@ class Sampler(threading.Thread):
         started = time.perf_counter()
         sample = self._source.sample()
         self._telemetry.tick_duration.observe(time.perf_counter() - started)
-        self._server.publish(sample)
+        lending = None
+        if isinstance(sample, Sample):
+            self._telemetry.node.tenants = self._tenants.count(sample)
+            if self.lender is not None:
+                lending = self.lender(sample, self._tenants.containers())
+        self._server.publish(sample, lending)
         self._record(sample)
 
     def _record(self, sample: Sample | SourceDown) -> None:
@@ -166,7 +176,6 @@ class Sampler(threading.Thread):
         self._telemetry.node.source_up = up
         if isinstance(sample, Sample):
             self._telemetry.node.devices = sample.devices
-            self._telemetry.node.tenants = self._tenants.count(sample)
             self.faults.update(sample)
             if _device_shape(sample.devices) != _device_shape(self.devices):
                 self.devices = sample.devices
@@ -392,6 +401,10 @@ def _pod_watch(
             recorder.record(about, event.reason, event.message, event.warning)
 
         server.events = post
+        resource = (settings.resource_name, settings.resource_unit)
+        sampler.lender = Lender(
+            pods.snapshot, resource, SIDECAR, settings.reclaim_watermark, telemetry
+        )
         dra = claims if settings.dra.drivers else None
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
         dial = functools.partial(dial_sidecars, server.host_proc)

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 from enforcer.core import messages
 from enforcer.core.dra import shareable_gpus
 from enforcer.core.hard_limits import mig_gpus, per_gpu
-from enforcer.core.model import LimitOutcome, Sample, SourceDown, format_bytes
+from enforcer.core.model import LimitOutcome, SourceDown, format_bytes
 from enforcer.core.parsing import kubernetes_version
-from enforcer.core.protocol import Challenge, ProtocolError, decode_reply, encode_request
+from enforcer.core.protocol import Challenge, ProtocolError, Usage, decode_reply, encode_request
 from enforcer.core.settings.doctor import DoctorSettings
 from enforcer.edge import cgroupfs
 from enforcer.edge.nvml import Nvml, NvmlError
@@ -182,7 +182,7 @@ def check_agent(path: str, listen: str | None = None) -> Check:
     if isinstance(reply, SourceDown):
         return Check("agent socket", "fail", f"the agent answers but {reply.reason}",
                      "the agent cannot read NVML on this node: see its log")  # fmt: skip
-    if not isinstance(reply, Sample):  # a pod, unasked for
+    if not isinstance(reply, Usage):  # a pod, unasked for
         return Check(
             "agent socket",
             "fail",
@@ -192,7 +192,8 @@ def check_agent(path: str, listen: str | None = None) -> Check:
     return Check(
         "agent socket",
         "ok",
-        f"{len(reply.devices)} GPU(s); {len(reply.processes)} GPU process(es) visible to this "
+        f"{len(reply.sample.devices)} GPU(s); {len(reply.sample.processes)} GPU process(es) "
+        "visible to this "
         "PID namespace",
     )
 

@@ -45,7 +45,7 @@ from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator, signal_children
 from enforcer.edge.sources import PidView, PidViewError
-from enforcer.modes.pipeline import LogReporter, Pipeline, Report, WholeUnit
+from enforcer.modes.pipeline import LogReporter, Pipeline, Report, WholeUnit, reclaim_here
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +421,7 @@ def _supervise(
         [LogReporter(), record],
         telemetry,
         requests=requests,
-        watermark=settings.reclaim_watermark,
+        reclaimer=reclaim_here(settings.reclaim_watermark),
     )
     server = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
     try:

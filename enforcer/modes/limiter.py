@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
+from enforcer.core.admission import SIDECAR
 from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names
 from enforcer.core.hard_limits import (
     Key,
@@ -35,7 +36,7 @@ from enforcer.core.hard_limits import (
 )
 from enforcer.core.model import Device, LimitOutcome, LimitResult, format_bytes
 from enforcer.core.payloads import Pod
-from enforcer.core.pod import pod_reference
+from enforcer.core.pod import pod_reference, sidecar_ceilings
 from enforcer.core.policy import Reason
 from enforcer.edge import cgroupfs
 from enforcer.edge.guard import LoopGuard
@@ -138,7 +139,7 @@ class HardLimiter(threading.Thread):
             if known and version and known[0] == version:
                 parsed[uid] = known
                 continue
-            found = pod_vram(pod, *self._resource)
+            found = pod_vram(pod, *self._resource, sidecar_ceilings(pod, SIDECAR))
             if found is None and self._claims is not None and claim_names(pod):
                 read, settings = self._claims
                 objects = read(pod)
@@ -169,7 +170,8 @@ class HardLimiter(threading.Thread):
         return "; ".join(dict.fromkeys(reasons)) or "NVML reports no GPU memory to limit"
 
     def _set(self, target: Target, gpu: str, limit: int) -> None:
-        outcome = self._nvml.set_memory_limit(gpu, target.cgroup, limit)
+        soft = min(target.request_bytes, limit)
+        outcome = self._nvml.set_memory_limit(gpu, target.cgroup, limit, soft)
         self._telemetry.hard_limit_calls.labels("set", outcome.result.value).inc()
         key = (target.cgroup, gpu)
         if outcome.result is LimitResult.SET:

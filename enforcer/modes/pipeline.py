@@ -8,6 +8,7 @@ the policy state is kept as it was, and nobody is signalled on stale or missing 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +18,7 @@ from typing import Protocol
 from enforcer.core import messages
 from enforcer.core.model import ProcessTotal, Sample, SignalResult, SourceDown, UnitUsage
 from enforcer.core.policy import Decision, Enforcement, PolicyConfig, Reason, UnitState, decide
-from enforcer.core.reclaim import DEFAULT_WATERMARK, Gpu, reclaims, views
+from enforcer.core.reclaim import DEFAULT_WATERMARK, Gpu, Reclaim, reclaims, views
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import Telemetry, View
 from enforcer.edge.signals import Escalation, EscalationEvent, Membership, Terminator
@@ -26,6 +27,18 @@ from enforcer.edge.sources import UsageSource
 log = logging.getLogger(__name__)
 
 WHOLE_UNIT_ROUNDS = 3  # passes over a unit taken whole: a fork in flight shows in the next
+
+
+class Reclaimer(Protocol):
+    """Each GPU's view of the tick in, the units to hold to their requests out."""
+
+    def __call__(self, gpus: tuple[Gpu, ...], /) -> Mapping[str, Reclaim]: ...
+
+
+def reclaim_here(watermark: int = DEFAULT_WATERMARK) -> Reclaimer:
+    """Decided from this tick's own view (`exec`: its one unit against all else on its
+    GPUs)."""
+    return functools.partial(reclaims, watermark=watermark)
 
 
 class Attributor(Protocol):
@@ -87,10 +100,11 @@ class Pipeline:
         telemetry: Telemetry,
         clock: Callable[[], float] = time.monotonic,
         requests: Mapping[str, int] | None = None,
-        watermark: int = DEFAULT_WATERMARK,
+        reclaimer: Reclaimer | None = None,
     ) -> None:
         """`requests`: the units that may borrow above a request (unit name -> bytes) up
-        to their limit, while their GPU can spare it and `watermark` more."""
+        to their limit; `reclaimer` says, from each GPU's view, which must give back what
+        they borrowed (`exec`: decided here; the sidecar: as the agent asks)."""
         self._source = source
         self._attributor = attributor
         self._config = config
@@ -99,7 +113,7 @@ class Pipeline:
         self._telemetry = telemetry
         self._clock = clock
         self._requests = requests or {}
-        self._watermark = watermark
+        self._reclaimer = reclaimer
         self._state: dict[str, UnitState] = {}
         self._source_up: bool | None = None
         self._guard = LoopGuard("tick", telemetry.unexpected.labels("tick"), log)
@@ -133,7 +147,7 @@ class Pipeline:
         if self._requests:
             exiting = frozenset(u.name for u in units if any(p.key in busy for p in u.processes))
             gpus = views(sample.devices, units, self._requests, exiting)
-        reclaimed = reclaims(gpus, self._watermark)
+        reclaimed = self._reclaimer(gpus) if self._reclaimer is not None else {}
         decision = decide(units, self._config, self._state, self._clock(), busy, reclaimed)
         self._state = dict(decision.state)
         self._act(decision)
@@ -219,7 +233,8 @@ class Pipeline:
             text = (
                 f"did not send SIGKILL to {messages.process(victim)}: it could not be re-verified"
             )
-        self._emit(Report(_reason(enf), text, enf.unit.name, victim.key.pid))
+        about = messages.about(enf, self._attributor.label(enf.unit.name))
+        self._emit(Report(_reason(enf), about + text, enf.unit.name, victim.key.pid))
 
     def _source_changed(self, up: bool, reason: str) -> None:
         if self._source_up is up:

@@ -42,6 +42,7 @@ from enforcer.core.pod import (
     spec_field_of,
 )
 from enforcer.core.policy import Reason
+from enforcer.core.reclaim import Gpu, Reclaim
 from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.edge import logs
 from enforcer.edge.dumpable import forbid_inspection
@@ -242,6 +243,12 @@ class ContainerAttributor:
             return WholeUnit((init,), restart=True)
         return WholeUnit(unit.processes)
 
+    def container(self, container_id: str) -> str | None:
+        """The name of this pod's container that runs as `container_id`, as this tick
+        matched IDs to containers; None for an ID of no container of the pod."""
+        ref = self._by_id.get(container_id)
+        return None if ref is None else ref.name
+
     def label(self, unit: str) -> str:
         if unit == POD_UNIT:
             return "the pod as a whole"
@@ -253,6 +260,27 @@ class ContainerAttributor:
         )
         gpu = unit_gpu(unit)
         return who if gpu is None else f"{who} on GPU {gpu}"
+
+
+class AgentReclaims:
+    """What the node agent asks this pod to give back, as the pipeline's reclaimer. The
+    agent alone sees every pod on a GPU, so it decides; the sidecar, which may signal in
+    its pod, carries it out, and only where its own view of the tick agrees that the
+    container holds more than its request on that GPU (a sample between the two never
+    makes it stop a container at or under its request)."""
+
+    def __init__(self, source: AgentSource, attributor: ContainerAttributor) -> None:
+        self._source = source
+        self._attributor = attributor
+
+    def __call__(self, gpus: tuple[Gpu, ...], /) -> dict[str, Reclaim]:
+        lending = {(s.unit, g.uuid) for g in gpus for s in g.shares if s.lent > 0}
+        asked: dict[str, Reclaim] = {}
+        for cid, reclaim in self._source.reclaims.items():
+            name = self._attributor.container(cid)
+            if name is not None and (name, reclaim.gpu) in lending:
+                asked.setdefault(name, reclaim)
+        return asked
 
 
 def _init_of(unit: str, inits: Mapping[str, ProcessTotal]) -> ProcessTotal | None:
@@ -379,11 +407,14 @@ def _pipeline(
         log.warning("%s", text)
         access.events.post(str(Reason.ALLOCATION_UNKNOWN), text, True)
 
+    # A container with a ceiling is held to it, and to its limit (its request) whenever
+    # the agent asks for the memory it borrowed above that.
+    ceilings = settings.ceilings if isinstance(source, AgentSource) else {}
     attributor = ContainerAttributor(
         procfs,
         lambda: view.pod,
         view.refresh,
-        settings.limits,
+        {**settings.limits, **ceilings},
         settings.undeclared_allowed,
         want_init=settings.policy.action is Action.RESTART,
         spec_containers=settings.containers,
@@ -395,7 +426,12 @@ def _pipeline(
         LogReporter(),
         EventReporter(access.events, lambda: attributor.refs, lambda: view.pod),
     ]
-    return Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry)
+    if not ceilings or not isinstance(source, AgentSource):
+        return Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry)
+    requests = {name: settings.limits[name] for name in ceilings}
+    reclaimer = AgentReclaims(source, attributor)
+    return Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry,
+                    requests=requests, reclaimer=reclaimer)  # fmt: skip
 
 
 def _metrics(

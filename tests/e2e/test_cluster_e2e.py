@@ -34,6 +34,7 @@ import pytest
 import yaml
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
 
 from enforcer.core.admission import TOKEN_DIR
 from enforcer.core.model import GiB
@@ -144,7 +145,7 @@ def installed(cluster: Cluster) -> Cluster:
             "pod-security.kubernetes.io/enforce-version": "latest"}}})  # fmt: skip
     values = {
         "image": {"repository": ENFORCER_IMAGE.rsplit(":", 1)[0], "tag": "e2e", "pullPolicy": "Never"},
-        "webhook": {"replicas": 1, "logFormat": "text"},
+        "webhook": {"replicas": 1, "logFormat": "text", "tenants": {"maxCeiling": "80Gi"}},
         "sidecar": {"namespaces": [OPTED_IN]},
     }  # fmt: skip
     helm("install", RELEASE, str(CHART), NAMESPACE, str(cluster.kubeconfig), json.dumps(values))
@@ -300,6 +301,59 @@ def test_a_pod_over_its_limit_is_mutated_placed_run_and_its_offender_stopped(
     assert pod.status.container_statuses[0].state.running
     core.delete_namespaced_pod("trainer-0", OPTED_IN)
     wait_for(lambda: gone(core, OPTED_IN, "trainer-0"), timeout=60, what="the pod to be gone")
+
+
+def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_has_not(
+    installed: Cluster,
+) -> None:
+    """A container borrows above its request (2Gi, ceiling 8Gi) on the GPU it shares with
+    one owed 14 GiB of its request. The agent, which alone sees both pods, asks the
+    borrower's sidecar for the memory once the GPU can no longer honour that request plus
+    the watermark (2 GiB), and the sidecar stops the borrower's process, saying why on its
+    pod. The other pod is untouched."""
+    core, node = installed.core, installed.node
+    ceiling = {"vram-enforcer.io/vram-ceiling": "8Gi"}
+    core.create_namespaced_pod(OPTED_IN, workload("lender-0", "2Gi", annotations=ceiling))
+    core.create_namespaced_pod(OPTED_IN, workload("owed-0", "16Gi"))
+    lender = wait_for(lambda: running(core, OPTED_IN, "lender-0"), timeout=90, what="the lender")
+    owed = wait_for(lambda: running(core, OPTED_IN, "owed-0"), timeout=90, what="the owed pod")
+    side = {e.name: e.value for e in lender.spec.init_containers[0].env}
+    assert json.loads(side["VRAM_ENFORCER_CEILINGS"]) == {"trainer": 8 * GiB}
+    borrower, grower, other = the_holder(node, lender), the_holder(node, owed), os.getpid()
+    uuid = installed.gpus.devices[0]["uuid"]
+    try:
+        installed.use(borrower, 6 * GiB)  # 4 GiB borrowed
+        installed.use(grower, 2 * GiB)  # 14 GiB still owed
+        installed.use(other, 50 * GiB)  # a process of no pod: 22 GiB free, 16 needed
+        lent = f'vram_enforcer_gpu_lent_bytes{{uuid="{uuid}"}} {floatToGoString(4 * GiB)}'
+        wait_for(lambda: lent in installed.agent_metrics(), timeout=30, what="the agent's view")
+        free = f'vram_enforcer_gpu_free_bytes{{uuid="{uuid}"}} {floatToGoString(22 * GiB)}'
+        assert free in installed.agent_metrics()
+        assert Path(f"/proc/{borrower}").exists()
+        assert not events(core, OPTED_IN, "lender-0", "VRAMReclaimed")
+        installed.use(other, 60 * GiB)  # 12 GiB free: 4 short of 14 owed plus 2
+        reclaimed = wait_for(lambda: events(core, OPTED_IN, "lender-0", "VRAMReclaimed"),
+                             timeout=30, what="the VRAMReclaimed Events")  # fmt: skip
+        wait_for(lambda: not Path(f"/proc/{borrower}").exists(), timeout=15,
+                 what="the borrower to exit")  # fmt: skip
+    finally:
+        for pid in (borrower, grower, other):
+            installed.use(pid, None)
+    text = " | ".join(e.message for e in reclaimed)
+    assert (
+        f"container 'trainer' holds 6.00 GiB on GPU {uuid}, 4.00 GiB above its 2.00 GiB "
+        "request (ceiling 8.00 GiB); the GPU has 12.00 GiB free, 4.00 GiB less than it must "
+        f"keep free for what {OPTED_IN}/owed-0/trainer is still owed of its request" in text
+    )
+    assert "sent SIGTERM to pid" in text
+    assert all(e.involved_object.field_path == "spec.containers{trainer}" for e in reclaimed)
+    assert Path(f"/proc/{grower}").exists()
+    assert not events(core, OPTED_IN, "owed-0", "VRAMReclaimed")
+    assert not events(core, OPTED_IN, "owed-0", "VRAMEnforced")
+    for name in ("lender-0", "owed-0"):
+        core.delete_namespaced_pod(name, OPTED_IN)
+    for name in ("lender-0", "owed-0"):
+        wait_for(lambda name=name: gone(core, OPTED_IN, name), timeout=60, what=f"{name} gone")
 
 
 def test_restart_makes_the_kubelet_restart_the_container(installed: Cluster) -> None:

@@ -587,3 +587,67 @@ def test_service_account_admission_finds_nothing_to_add_after_the_webhook() -> N
     sidecar_of(forged)["volumeMounts"].append({"name": "mine", "mountPath": "/opt/venv"})
     sidecar_of(forged)["envFrom"] = [{"configMapRef": {"name": "warn-please"}}]
     assert sidecar_of(applied(forged)) == sidecar_of(once)
+
+
+BURSTY = dataclasses.replace(NATIVE, tenancy=Tenancy(Bounds(max_ceiling=40 * GiB)))
+CEILING = "vram-enforcer.io/vram-ceiling"
+
+
+def test_a_ceiling_goes_to_the_sidecar_and_tells_the_workload_both_amounts() -> None:
+    s = dataclasses.replace(BURSTY, toolkit_limits=True)
+    out = applied(pod(gpu("trainer", "4Gi"), annotations={CEILING: "16Gi"}), s)
+    side, trainer = env_of(sidecar_of(out)), env_of(out["spec"]["containers"][0])
+    assert json.loads(side["VRAM_ENFORCER_CEILINGS"]) == {"trainer": 16 * GiB}
+    assert json.loads(side["VRAM_ENFORCER_LIMITS"]) == {"trainer": 4 * GiB}  # the request
+    assert trainer["VRAM_LIMIT_BYTES"] == str(16 * GiB)
+    assert trainer["VRAM_REQUEST_BYTES"] == str(4 * GiB)
+    # The container toolkit's hook: soft = the request, hard = the ceiling (MiB).
+    assert (trainer["NVIDIA_GPU_MEMORY_REQUEST"], trainer["NVIDIA_GPU_MEMORY_LIMIT"]) == (
+        "4096", "16384")  # fmt: skip
+    assert mutate(out, s) == []  # a second pass changes nothing
+
+
+def test_ceilings_by_name_and_one_equal_to_the_request_borrows_nothing() -> None:
+    p = pod(gpu("a", "4Gi"), gpu("b", "8Gi"), gpu("cpu", None),
+            annotations={CEILING: "a=10Gi, b=8Gi"})  # fmt: skip
+    side = env_of(sidecar_of(applied(p, BURSTY)))
+    assert json.loads(side["VRAM_ENFORCER_CEILINGS"]) == {"a": 10 * GiB}
+    # No annotation: exactly what a pod got before ceilings existed.
+    plain = applied(pod(gpu("a", "4Gi")), BURSTY)
+    assert "VRAM_ENFORCER_CEILINGS" not in env_of(sidecar_of(plain))
+    assert "VRAM_REQUEST_BYTES" not in env_of(plain["spec"]["containers"][0])
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("2Gi", "'trainer': '2Gi' is below the container's request of 4.00 GiB (its resources.limits)"),
+        ("41Gi", "is above what is allowed in namespace 'ml': the operator allows ceilings up to 40.00 GiB"),
+        ("lots", "'trainer': 'lots' is not a quantity"),
+        ("", "is empty; use 20Gi (a pod with one container that declares VRAM)"),
+        ("server=8Gi", "names container 'server', which declares no VRAM; a ceiling is for a container that declares it (trainer)"),
+        ("trainer=8Gi,trainer=9Gi", "'trainer=9Gi' is given twice"),
+        ("trainer=8Gi,server", "'server' is not name=quantity"),
+    ],
+)  # fmt: skip
+def test_bad_ceilings_are_denied_naming_the_annotation_the_value_and_the_fix(
+    value: str, message: str
+) -> None:
+    with pytest.raises(Denied, match=re.escape(f"metadata.annotations[{CEILING!r}]")) as info:
+        mutate(pod(gpu("trainer", "4Gi"), annotations={CEILING: value}), BURSTY, "ml")
+    assert message in str(info.value)
+
+
+def test_borrowing_is_off_until_the_operator_allows_it_and_one_value_needs_one_container() -> None:
+    with pytest.raises(Denied, match="the operator allows no borrowing above requests"):
+        mutate(pod(gpu("trainer", "4Gi"), annotations={CEILING: "8Gi"}), NATIVE, "ml")
+    two = pod(gpu("a", "4Gi"), gpu("b", "4Gi"), annotations={CEILING: "8Gi"})
+    with pytest.raises(Denied, match=r"names no container, and 2 containers declare VRAM \(a, b\)"):
+        mutate(two, BURSTY, "ml")
+    research = Tenancy(Bounds(), {"research": Bounds(max_ceiling=80 * GiB)})
+    out = mutate(pod(gpu("trainer", "4Gi"), annotations={CEILING: "80Gi"}),
+                 dataclasses.replace(NATIVE, tenancy=research), "research")  # fmt: skip
+    assert out
+    with pytest.raises(Denied, match="not available with DRA yet"):
+        mutate(pod(gpu("trainer", "4Gi"), annotations={CEILING: "8Gi"}),
+               dataclasses.replace(BURSTY, dra_class="gpu.nvidia.com"), "ml")  # fmt: skip

@@ -20,6 +20,7 @@ from enforcer.core.model import (
     Sample,
     UnitUsage,
 )
+from enforcer.core.reclaim import views
 from enforcer.edge.metrics import AgentTelemetry, Telemetry, View, WebhookTelemetry
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm/vram-enforcer/dashboards/vram-enforcer.json"
@@ -37,10 +38,13 @@ def test_every_metric_the_dashboard_queries_is_exported() -> None:
     sample = Sample(0.0, (gpu,), (ProcessUsage(key, "GPU-0", GiB, (), Activity(50, 10)),))
     (main,) = attribute(sample, {key: "main"}, {"main": 4 * GiB})
     units = [main, UnitUsage("b@GPU-0", GiB, (), device_uuid="GPU-0")]
-    sidecar.collector.show(View(units, [gpu], True, sample))
+    lending = views([gpu], [main], {"main": GiB // 2})
+    sidecar.collector.show(View(units, [gpu], True, sample, lending))
     sidecar.actions.labels("terminate").inc()
+    sidecar.reclaims.labels("requests").inc()
     agent = AgentTelemetry()
     agent.node.devices, agent.node.tenants, agent.node.advertised_bytes = [gpu], {"GPU-0": 2}, GiB
+    agent.node.lending = lending
     webhook = WebhookTelemetry()
     webhook.requests.labels("patched").inc()
     names = exported(sidecar.registry) | exported(agent.registry) | exported(webhook.registry)
@@ -50,6 +54,7 @@ def test_every_metric_the_dashboard_queries_is_exported() -> None:
     queries += [v["query"] for v in doc["templating"]["list"] if v["type"] == "query"]
     asked = {m for q in queries for m in re.findall(r"\bvram_enforcer_\w+", q)}
     assert "vram_enforcer_container_gpu_sm_utilization_ratio" in asked
+    assert {"vram_enforcer_gpu_lent_bytes", "vram_enforcer_reclaims_total"} <= asked
     assert asked <= names, f"not exported: {sorted(asked - names)}"
 
 

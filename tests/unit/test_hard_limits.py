@@ -69,6 +69,25 @@ def test_targets_are_the_pod_cgroup_and_the_cgroups_named_by_its_status() -> Non
     assert set(targets([p], {UID: "/k/pod"}, {"other-uid": {A: "/k/x/a"}})) == {"/k/pod"}
 
 
+def test_a_container_that_may_borrow_is_held_to_its_ceiling_with_its_request_as_soft() -> None:
+    """The driver's soft limit is "guaranteed before allocations may fail" (nvml.h): the
+    request. The hard limit is the ceiling, or the driver would refuse what the agent lends."""
+    running = {"containerStatuses": [{"name": "trainer", "containerID": f"containerd://{A}"}]}
+    got = pod_vram(pod(**running), "vram-enforcer.io/vram", 1, {"trainer": 20 * GiB})
+    assert got is not None
+    assert dict(got.limits) == {"fetch": GiB, "trainer": 20 * GiB}
+    assert dict(got.requests) == {"fetch": GiB, "trainer": 8 * GiB}
+    assert (got.total, got.requested) == (21 * GiB, 9 * GiB)
+    found = targets([got], {UID: "/k/pod"}, {UID: {A: "/k/pod/a"}})
+    assert found["/k/pod"].request_bytes == 9 * GiB and found["/k/pod"].limit_bytes == 21 * GiB
+    assert found["/k/pod/a"] == Target("/k/pod/a", "ml", "train", UID, "trainer", 20 * GiB,
+                                       (), 8 * GiB)  # fmt: skip
+    # A ceiling not above the request borrows nothing: exactly what it was before.
+    same = pod_vram(pod(**running), "vram-enforcer.io/vram", 1, {"trainer": 8 * GiB})
+    assert same == pod_vram(pod(**running), "vram-enforcer.io/vram", 1)
+    assert same is not None and same.requested == 0
+
+
 def test_plan_sets_what_differs_and_clears_only_its_own_limits() -> None:
     pod_t = Target("/k/pod", "ml", "train", UID, "", 9 * GiB)
     box = Target("/k/pod/a", "ml", "train", UID, "trainer", 8 * GiB)

@@ -88,8 +88,13 @@ def test_a_reclaim_names_the_gpu_usage_request_ceiling_and_whose_need() -> None:
     )
     warn = messages.notice(Notice(Reason.RECLAIMED, UNIT, reclaim=two), "x", Action.WARN, 0.9)
     assert warn.endswith("; the action is warn, so nothing is signalled")
+    # The signal's report carries the why in full: a later report of the same reason (the
+    # SIGKILL after the grace period) replaces it as the pod's Event, and starts so too.
     e = Enforcement(UNIT, VICTIM, Action.TERMINATE, 5.0, reclaim=two)
-    assert messages.enforcement(e, "x", SignalResult.SENT).startswith(
-        "taking back the 512.00 MiB that x lent above its request on GPU GPU-7: sent SIGTERM "
-        "to pid 4242 (python train.py), which holds 4.50 GiB"
+    why = messages.reclaim(two, "x")
+    assert messages.enforcement(e, "x", SignalResult.SENT) == (
+        f"{why}; taking back what it lent: sent SIGTERM to pid 4242 (python train.py), which "
+        "holds 4.50 GiB; SIGKILL follows in 5s if it has not exited"
     )
+    assert messages.about(e, "x") == f"{why}; "
+    assert messages.about(Enforcement(UNIT, VICTIM, Action.TERMINATE, 5.0), "x") == ""

@@ -13,15 +13,19 @@ from enforcer.core.protocol import (
     USAGE_TAIL,
     PodReply,
     ProtocolError,
+    Usage,
     decode_reply,
     encode_error,
     encode_pod,
+    encode_reclaim,
     encode_request,
     json_string,
     parse_request,
     usage_head,
     usage_process,
+    usage_tail,
 )
+from enforcer.core.reclaim import Reclaim, Share
 
 
 def encode_usage(
@@ -77,7 +81,7 @@ def test_usage_reply_round_trip() -> None:
         "device_uuid": "GPU-a",
         "used_bytes": 5,
     }
-    assert decode_reply(line) == Sample(1700000000.25, devices, procs)
+    assert decode_reply(line) == Usage(Sample(1700000000.25, devices, procs), {})
 
 
 def test_utilisation_travels_when_known_and_is_absent_when_not() -> None:
@@ -91,7 +95,8 @@ def test_utilisation_travels_when_known_and_is_absent_when_not() -> None:
     doc = json.loads(line)
     assert (doc["processes"][0]["sm"], doc["processes"][0]["mem"]) == (87, 0)
     assert "sm" not in doc["processes"][1]
-    assert decode_reply(line) == Sample(1.0, (Device(0, "GPU-a", "m", 80, 11, None),), procs)
+    sample = Sample(1.0, (Device(0, "GPU-a", "m", 80, 11, None),), procs)
+    assert decode_reply(line) == Usage(sample, {})
 
 
 def test_error_reply_is_a_source_down() -> None:
@@ -130,3 +135,16 @@ def test_malformed_replies_raise_protocol_error(line: bytes) -> None:
 def test_parse_request_raises_only_protocol_error(data: bytes) -> None:
     with contextlib.suppress(ProtocolError):
         parse_request(data)
+
+
+def test_reclaims_travel_with_the_sample_they_were_decided_on() -> None:
+    """An addition to v1: a sidecar that predates it ignores the key (and has no ceilings,
+    so is never asked)."""
+    victim = Share("ml/a/trainer", 2 * 1024**3, 8 * 1024**3, 6 * 1024**3, 100)
+    asked = Reclaim("GPU-a", victim, 1024**3, ("ml/b/server",), 1024**2, for_unrequested=True)
+    head = usage_head(1.0, (Device(0, "GPU-a", "m", 80, 11, None),))
+    line = head + usage_tail([encode_reclaim("c" * 64, asked)])
+    assert json.loads(line)["reclaims"][0]["container_id"] == "c" * 64
+    reply = decode_reply(line)
+    assert isinstance(reply, Usage) and reply.reclaims == {"c" * 64: asked}
+    assert usage_tail([]) == USAGE_TAIL

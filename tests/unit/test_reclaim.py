@@ -150,9 +150,10 @@ def test_a_request_over_all_gpus_lends_on_each_what_it_holds_above_it() -> None:
     assert gpu0.unrequested == 30 * GiB and gpu0.used == 38 * GiB
     assert gpu1.shares == (Share("cmd", 2 * GiB, 40 * GiB, 6 * GiB),)
     assert gpu1.unrequested == 0
-    # Under its request it lends nothing anywhere; on a GPU it does not use it is absent.
+    # On one GPU only, its request is there: under it, it lends nothing and is owed the
+    # rest (NVML shows where it runs); on a GPU it does not use, it is absent.
     (quiet,) = views([device(0, 38), device(2, 0)], [unit("cmd", 40, a)], {"cmd": 10 * GiB})[:1]
-    assert quiet.shares[0].lent == 0 and quiet.shares[0].owed == 0
+    assert quiet.shares[0].lent == 0 and quiet.shares[0].owed == 2 * GiB
     assert views([device(2, 0)], [unit("cmd", 40, a)], {"cmd": GiB})[0].shares == ()
 
 

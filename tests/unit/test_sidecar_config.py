@@ -98,3 +98,19 @@ def test_bad_values_name_the_variable_or_flag(
     with pytest.raises(ConfigError) as info:
         settings(env, **flags)
     assert message in str(info.value)
+
+
+def test_ceilings_from_the_webhook_and_only_with_the_agent() -> None:
+    """Borrowing needs the agent: only it sees the whole GPU, and so only it can say when
+    borrowed memory must be given back. A sidecar on NVML alone would be a way out."""
+    ceilings = {"VRAM_ENFORCER_CEILINGS": '{"trainer": 21474836480}'}
+    assert settings(ceilings).ceilings == {"trainer": 20 * 1024**3}
+    assert settings().ceilings == {}
+    same = {"VRAM_ENFORCER_CEILINGS": '{"trainer": 12884901888}'}  # the request: no borrowing
+    assert settings(same).ceilings == {}
+    with pytest.raises(ConfigError, match="needs --source agent: only the node agent sees"):
+        settings(ceilings, source="nvml", host_proc="/host/proc", api_access="direct")
+    with pytest.raises(ConfigError, match="gives container 'trainer' a ceiling below its limit"):
+        settings({"VRAM_ENFORCER_CEILINGS": '{"trainer": 1}'})
+    with pytest.raises(ConfigError, match="gives container 'other' a ceiling but no limit"):
+        settings({"VRAM_ENFORCER_CEILINGS": '{"other": 1}'})

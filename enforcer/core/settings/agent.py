@@ -27,6 +27,7 @@ from enforcer.core.settings.common import (
     log_format,
     metrics_address,
     metrics_port,
+    reclaim_watermark,
     resource_unit,
 )
 
@@ -100,6 +101,13 @@ RESOURCE_UNIT = resource_unit(
     "bytes per unit. With `1Gi`, the agent advertises whole GiB, "
     "rounded down, and a limit of `3` means 3 GiB"
 )
+RECLAIM_WATERMARK = reclaim_watermark(
+    "free GPU memory kept while containers borrow above their requests",
+    "free memory each GPU must keep, beyond what its containers' requests are still owed, "
+    "while any container borrows above its request there (up to the ceiling of its pod's "
+    "`vram-enforcer.io/vram-ceiling`); below it, the agent asks the borrowers' sidecars to "
+    "give memory back",
+)
 RESYNC = value(
     "resync",
     positive_duration(1.0),
@@ -168,6 +176,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     SERVE_PODS,
     RESOURCE_NAME,
     RESOURCE_UNIT,
+    RECLAIM_WATERMARK,
     RESYNC,
     KUBECONFIG,
     METRICS_PORT,
@@ -198,6 +207,7 @@ class AgentSettings:
     serve_pods: bool  # each sidecar's pod from this agent's watch (sidecars read no API)
     resource_name: str
     resource_unit: int
+    reclaim_watermark: int
     resync: float
     kubeconfig: str | None
     metrics_port: int | None
@@ -238,6 +248,7 @@ def agent_settings(values: Values) -> AgentSettings:
         serve_pods=values[SERVE_PODS],
         resource_name=values[RESOURCE_NAME],
         resource_unit=values[RESOURCE_UNIT],
+        reclaim_watermark=values[RECLAIM_WATERMARK],
         resync=values[RESYNC],
         kubeconfig=values[KUBECONFIG],
         metrics_port=values[METRICS_PORT],

@@ -11,6 +11,7 @@ from enforcer.core.parsing import (
     actions,
     as_text,
     choice,
+    parse_bytes,
     parse_duration,
     parse_names,
     parse_percent,
@@ -97,6 +98,21 @@ def resource_unit(doc: str) -> Setting[int]:
         default="1",
         metavar="QUANTITY",
         doc=doc,
+    )
+
+
+def reclaim_watermark(help: str, doc: str) -> Setting[int]:
+    """Free GPU memory kept while anyone borrows above a request: what may be allocated
+    before a reclaim is seen (see core/reclaim.py for the default's reasoning)."""
+    return value(
+        "reclaim_watermark",
+        parse_bytes,
+        help,
+        flag="--reclaim-watermark",
+        metavar="QUANTITY",
+        default="2Gi",
+        doc=doc + ". The default is what a workload allocating 10 GiB/s takes in twice the "
+        "p99 time a 100 ms interval needs to see it",
     )
 
 

@@ -21,6 +21,7 @@ from enforcer.core.settings.common import (
     metrics_address,
     metrics_port,
     over_for,
+    reclaim_watermark,
     warn_at,
 )
 
@@ -51,16 +52,10 @@ REQUEST = value(
     "GPU is safe again or CMD is back at its request. With hard limits, the request is "
     "also the driver's soft limit",
 )
-RECLAIM_WATERMARK = value(
-    "reclaim_watermark",
-    parse_bytes,
+RECLAIM_WATERMARK = reclaim_watermark(
     "free GPU memory kept for other processes while CMD borrows above --request",
-    flag="--reclaim-watermark",
-    metavar="QUANTITY",
-    default="2Gi",
-    doc="free memory a GPU must keep, while CMD borrows above `--request` on it, for the "
-    "other processes there (which may grow). The default is what a workload allocating "
-    "10 GiB/s takes in twice the p99 time a 100 ms interval needs to see it",
+    "free memory a GPU must keep, while CMD borrows above `--request` on it, for its other "
+    "users (other processes, the driver), which may grow",
 )
 ACTION = action(
     EXEC_ACTIONS,

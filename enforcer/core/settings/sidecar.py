@@ -16,6 +16,7 @@ from enforcer.core.parsing import (
     parse_names,
     positive_duration,
 )
+from enforcer.core.pod import CEILINGS_ENV
 from enforcer.core.policy import PolicyConfig
 from enforcer.core.settings import Setting, Values, value, verbosity
 from enforcer.core.settings.common import (
@@ -83,6 +84,20 @@ LIMITS = value(
     shown_default="required unless `--limits-from dra`",
     doc='JSON: container name → limit in bytes, `{"trainer": 12884901888}`. The webhook '
     "writes it from `resources.limits`",
+)
+CEILINGS = value(
+    "ceilings",
+    parse_limits,
+    "container name -> the ceiling it may borrow up to above its limit, in bytes, as JSON",
+    flag="--ceilings",
+    env=CEILINGS_ENV,
+    metavar="JSON",
+    shown_default="none: no borrowing",
+    doc='JSON: container name → ceiling in bytes, `{"trainer": 21474836480}`. The webhook '
+    "writes it from the pod's `vram-enforcer.io/vram-ceiling` annotation. A container may "
+    "hold up to its ceiling while the node agent finds room on its GPU; when the agent "
+    "asks for memory back, the sidecar holds it to its limit (`VRAMReclaimed`). Needs "
+    "`--source agent`",
 )
 LIMITS_FROM = value(
     "limits_from",
@@ -239,6 +254,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     POD_UID,
     NODE_NAME,
     LIMITS,
+    CEILINGS,
     LIMITS_FROM,
     DRA_DRIVERS,
     DRA_UUID_ATTRIBUTE,
@@ -277,6 +293,7 @@ class SidecarSettings:
     node_name: str
     self_name: str
     limits: dict[str, int]
+    ceilings: dict[str, int]  # container -> above its limit, up to which it may borrow
     dra: DraSettings | None  # limits from the pod's ResourceClaims, per GPU; None: `limits`
     containers: tuple[str, ...]  # the pod's other containers, from its spec (may be empty)
     undeclared_allowed: bool
@@ -315,6 +332,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         raise ConfigError(
             "VRAM_ENFORCER_LIMITS", None, f"is missing; use {LIMITS_FORM} (or --limits-from dra)"
         )
+    ceilings = _ceilings(values[CEILINGS] or {}, values[LIMITS] or {}, values[SOURCE], dra)
     return SidecarSettings(
         pod_name=values[POD_NAME],
         namespace=values[POD_NAMESPACE],
@@ -322,6 +340,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         node_name=values[NODE_NAME],
         self_name=values[SELF_NAME],
         limits=values[LIMITS] or {},
+        ceilings=ceilings,
         dra=dra,
         containers=values[CONTAINERS],
         undeclared_allowed=values[UNDECLARED_ALLOWED],
@@ -338,3 +357,26 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         metrics_port=values[METRICS_PORT],
         metrics_address=values[METRICS_ADDRESS],
     )
+
+
+def _ceilings(
+    ceilings: dict[str, int], limits: dict[str, int], source: str, dra: DraSettings | None
+) -> dict[str, int]:
+    """The ceilings above the limits; borrowing needs the agent, which alone sees the whole
+    GPU and so alone can say when to give memory back."""
+    if not ceilings:
+        return {}
+    if source != "agent" or dra is not None:
+        need = "--source agent" if source != "agent" else "--limits-from declared"
+        raise ConfigError(
+            CEILINGS_ENV, ceilings, f"needs {need}: only the node agent sees the whole GPU, "
+            "and so only it can say when borrowed memory must be given back",
+        )  # fmt: skip
+    for name, ceiling in ceilings.items():
+        if name not in limits or ceiling < limits[name]:
+            why = "but no limit" if name not in limits else "below its limit"
+            raise ConfigError(
+                CEILINGS_ENV, ceilings, f"gives container {name!r} a ceiling {why}; a "
+                "ceiling is at least the container's declared limit (its request)",
+            )  # fmt: skip
+    return {name: c for name, c in ceilings.items() if c > limits[name]}

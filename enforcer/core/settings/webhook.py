@@ -238,16 +238,30 @@ ALLOW_OPT_OUT = switch(
     "unenforced). Off by default: such a pod is denied, since it is scheduled for VRAM it "
     "would not be held to",
 )
+MAX_VRAM_CEILING = value(
+    "max_vram_ceiling",
+    parse_bytes,
+    "the highest ceiling a container may borrow up to with vram-enforcer.io/vram-ceiling "
+    "(0: no borrowing above requests)",
+    flag="--max-vram-ceiling",
+    default="0",
+    metavar="QUANTITY",
+    doc="the highest ceiling a container may borrow GPU memory up to, above its request, "
+    "with the `vram-enforcer.io/vram-ceiling` annotation; a pod that asks for more is "
+    "denied. `0` (the default) allows no borrowing. Set it to your GPUs' memory (e.g. "
+    "`80Gi`) to let tenants burst into free memory: the node agent takes it back when a "
+    "neighbour needs it",
+)
 NAMESPACE_BOUNDS = value(
     "namespace_bounds",
     _namespace_bounds,
-    "per-namespace bounds, JSON: {NAMESPACE: {actions, maxGracePeriod, allowOptOut}}",
+    "per-namespace bounds, JSON: {NAMESPACE: {actions, maxGracePeriod, allowOptOut, maxCeiling}}",
     flag="--namespace-bounds",
     default="{}",
     metavar="JSON",
-    doc='per-namespace bounds that replace the three above, e.g. `{"research": {"actions": '
-    '["warn", "terminate"], "maxGracePeriod": "2m", "allowOptOut": true}}`; a key left out '
-    "keeps the cluster-wide value",
+    doc='per-namespace bounds that replace the four above, e.g. `{"research": {"actions": '
+    '["warn", "terminate"], "maxGracePeriod": "2m", "allowOptOut": true, "maxCeiling": '
+    '"40Gi"}}`; a key left out keeps the cluster-wide value',
 )
 KUBECONFIG = kubeconfig("in-cluster", doc="for `--sidecar-mode auto` and `--dra-device-class`")
 METRICS_PORT = metrics_port(
@@ -283,6 +297,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     TENANT_ACTIONS,
     MAX_GRACE_PERIOD,
     ALLOW_OPT_OUT,
+    MAX_VRAM_CEILING,
     NAMESPACE_BOUNDS,
     KUBECONFIG,
     METRICS_PORT,
@@ -315,7 +330,12 @@ def webhook_settings(values: Values) -> WebhookSettings:
             "cannot be combined with --dra-device-class: in DRA mode the DRA driver gives each "
             "container the GPU it was allocated; use --gpu-exposure none"
         ))  # fmt: skip
-    default = Bounds(values[TENANT_ACTIONS], values[MAX_GRACE_PERIOD], values[ALLOW_OPT_OUT])
+    default = Bounds(
+        values[TENANT_ACTIONS],
+        values[MAX_GRACE_PERIOD],
+        values[ALLOW_OPT_OUT],
+        values[MAX_VRAM_CEILING],
+    )
     namespaces = parse_namespace_bounds(values[NAMESPACE_BOUNDS], "--namespace-bounds", default)
     return WebhookSettings(
         tls_cert_file=values[TLS_CERT_FILE],

@@ -1,0 +1,69 @@
+"""The agent's reclaims, on every NVML pass: who borrows above a request on each GPU of the
+node, and which borrowers' sidecars are asked to give memory back (`core/lending.py`
+decides; the socket server tells each victim's own pod, with its sample).
+
+The pods are the agent's one watch of its node. What each declares is read again only
+when the watch replaced a pod object; a pass otherwise costs one fold of the sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+from enforcer.core import messages
+from enforcer.core.lending import Lending, Tenant, decide, tenants
+from enforcer.core.model import ProcessKey, Sample
+from enforcer.core.payloads import Pod
+from enforcer.edge.guard import LoopGuard
+from enforcer.edge.metrics import AgentTelemetry
+
+log = logging.getLogger(__name__)
+
+
+class Lender:
+    def __init__(
+        self,
+        pods: Callable[[], Mapping[str, Pod] | None],
+        resource: tuple[str, int],
+        sidecar: str,
+        watermark: int,
+        telemetry: AgentTelemetry,
+    ) -> None:
+        self._pods = pods
+        self._resource = resource
+        self._sidecar = sidecar
+        self._watermark = watermark
+        self._telemetry = telemetry
+        self._seen: list[Pod] = []  # the pod objects `_tenants` was read from
+        self._tenants: dict[str, Tenant] = {}
+        self._told: frozenset[tuple[str, str]] = frozenset()  # (container ID, GPU) asked
+        self._guard = LoopGuard("lending", telemetry.unexpected.labels("lending"), log)
+
+    def __call__(self, sample: Sample, containers: Mapping[ProcessKey, str]) -> Lending | None:
+        """This pass's decision; None before the pods are known, or on a bug (reported,
+        counted): then nobody is asked for anything."""
+        found: list[Lending | None] = []
+        self._guard.run(lambda: found.append(self._decide(sample, containers)))
+        return found[0] if found else None
+
+    def _decide(self, sample: Sample, containers: Mapping[ProcessKey, str]) -> Lending | None:
+        pods = self._pods()
+        if pods is None:
+            return None
+        listed = list(pods.values())
+        same = len(listed) == len(self._seen) and all(
+            a is b for a, b in zip(listed, self._seen, strict=True)
+        )
+        if not same:
+            name, unit = self._resource
+            self._tenants = tenants(listed, name, unit, self._sidecar)
+            self._seen = listed
+        lending = decide(sample, containers, self._tenants, self._watermark)
+        self._telemetry.node.lending = lending.gpus
+        asked = frozenset((cid, r.gpu) for cid, r in lending.reclaims.items())
+        for cid, reclaim in lending.reclaims.items():
+            if (cid, reclaim.gpu) not in self._told:
+                log.info("%s", messages.reclaim(reclaim, f"container {reclaim.victim.unit}"))
+        self._told = asked
+        return lending
