@@ -8,6 +8,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,14 @@ class Enforcer:
     """`vram-enforcer exec` on a fake GPU, running `script` as its command."""
 
     def __init__(
-        self, lib_dir: Path, tmp: Path, interval: str, gpus: int, script: str, *args: str
+        self,
+        lib_dir: Path,
+        tmp: Path,
+        interval: str,
+        gpus: int,
+        script: str,
+        *args: str,
+        limits: tuple[str, ...] = ("--limit", "1Gi"),
     ) -> None:
         self.state_file = tmp / "gpu.json"
         self.state = FakeGpuState.single_gpu()
@@ -77,8 +85,7 @@ class Enforcer:
         }
         cmd = [
             *enforcer_argv("exec"),
-            "--limit",
-            "1Gi",
+            *limits,
             "--interval",
             interval,
             "--grace-period",
@@ -114,9 +121,27 @@ class Enforcer:
         self.log.close()
 
 
-def latency(lib_dir: Path, tmp: Path, interval: str, trials: int) -> dict[str, Any]:
+Step = Callable[[FakeGpuState, int], None]
+
+
+def _over_the_limit(state: FakeGpuState, pid: int) -> None:
+    state.set_process(0, pid, 2 * GiB)
+
+
+def latency(
+    lib_dir: Path,
+    tmp: Path,
+    interval: str,
+    trials: int,
+    limits: tuple[str, ...] = ("--limit", "1Gi"),
+    arm: Step | None = None,
+    cross: Step = _over_the_limit,
+) -> dict[str, Any]:
+    """From the state write that `cross` makes (by default: the victim over a 1 GiB limit)
+    to the SIGTERM the victim receives. `arm`, when given, sets the scene first, and two
+    intervals pass for it to be seen."""
     seconds = float(interval.removesuffix("ms")) / 1000
-    e = Enforcer(lib_dir, tmp, interval, 1, VICTIM_DRIVER)
+    e = Enforcer(lib_dir, tmp, interval, 1, VICTIM_DRIVER, limits=limits)
     samples = []
     try:
         for _ in range(trials):
@@ -124,8 +149,12 @@ def latency(lib_dir: Path, tmp: Path, interval: str, trials: int) -> dict[str, A
             e.stdin.flush()
             word, pid = e.stdout.readline().split()
             assert word == "ready"
+            if arm is not None:
+                arm(e.state, int(pid))
+                e.write()
+                time.sleep(2 * seconds)
             time.sleep(random.uniform(0, seconds))  # a random phase against the tick
-            e.state.set_process(0, int(pid), 2 * GiB)
+            cross(e.state, int(pid))
             crossed = e.write()
             word, hit_pid, hit_ns = e.stdout.readline().split()
             assert word == "hit" and hit_pid == pid

@@ -4,6 +4,7 @@
     .venv/bin/python bench/run.py --quick    # fewer trials and shorter windows
     .venv/bin/python bench/run.py --only agent
     .venv/bin/python bench/run.py --only storm   # 5,000 pods on 500 kwok nodes, twice: 10+ minutes
+    .venv/bin/python bench/run.py --only reclaim # borrowing above a request: latency, cost, fit
 
     # the footprint that ships: the components run from a venv without the dev extras
     python3 -m venv /tmp/rt && /tmp/rt/bin/pip install . && .venv/bin/python bench/run.py --runtime /tmp/rt/bin/python
@@ -32,6 +33,7 @@ from bench import (
     exec_bench,
     flood_bench,
     hard_limits_bench,
+    reclaim_bench,
     sidecar_bench,
     storm_bench,
     webhook_bench,
@@ -56,6 +58,7 @@ def main() -> None:
             "flood",
             "api-load",
             "storm",
+            "reclaim",
         ),
         help="run one group",
     )
@@ -88,6 +91,12 @@ def main() -> None:
             results["tick_cost"] = [
                 exec_bench.tick_cost(lib_dir, Path(tmp), n, window) for n in (10, 100, 1000)
             ]
+        if args.only in (None, "reclaim"):
+            results["reclaim"] = {
+                "latency": reclaim_bench.latency(lib_dir, Path(tmp), "100ms", trials // 2),
+                "lending_cost": reclaim_bench.lending_cost(window),
+                "fit": reclaim_bench.fit(5000 if args.quick else 20000),
+            }
         if args.only in (None, "agent"):
             results["agent"] = [
                 agent_bench.round_trips(lib_dir, Path(tmp), 1, seconds),
@@ -173,6 +182,31 @@ def show(results: dict[str, Any]) -> None:
             f"p99 {row['p99_ms']:.1f} ms (target <= {row['target_p99_ms']:.0f} ms), "
             f"max {row['max_ms']:.1f} ms over {row['trials']} trials"
         )
+    if reclaim := results.get("reclaim"):
+        row = reclaim["latency"]
+        print(
+            f"reclaim latency, {row['tier']} @ {row['interval_ms']:.0f} ms: p50 "
+            f"{row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, max {row['max_ms']:.1f} ms "
+            f"over {row['trials']} trials"
+        )
+        cost = reclaim["lending_cost"]
+        for label in ("no_ceilings", "half_bursting"):
+            c = cost[label]
+            print(
+                f"agent's reclaim decision, {cost['pods']} pods on {cost['gpus']} GPUs, "
+                f"{label.replace('_', ' ')}: {c['pass_us']:.0f} us per pass "
+                f"({c['core_percent_at_10hz']:.2f}% of a core at 100 ms); pods re-read in "
+                f"{c['tenants_reread_ms']:.1f} ms"
+            )
+        fit = reclaim["fit"]
+        for r in fit["rows"]:
+            print(
+                f"tenants of a {fit['peak_gib']:.0f} GiB peak on an 80 GiB GPU, at their peak "
+                f"{100 * r['burst_share']:.0f}% of the time: {r['at_peak']} with requests at "
+                f"the peak, {r['with_ceilings']} with requests of {fit['request_gib']:.1f} GiB "
+                f"and a ceiling at the peak (reclaims in {100 * r['reclaimed_share']:.2f}% of "
+                "moments)"
+            )
     for row in results.get("tick_cost", ()):
         print(
             f"exec, {row['processes']:>4} processes / 8 GPUs: {row['cpu_ms_per_tick']:.2f} ms CPU per tick "

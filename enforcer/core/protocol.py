@@ -176,6 +176,9 @@ class Usage:
 
     sample: Sample
     reclaims: dict[str, Reclaim]
+    # The agent decides reclaims (a release that lends): only then may a container borrow
+    # above its request, since only then is it ever asked to give the memory back.
+    lending: bool = False
 
 
 def encode_reclaim(container_id: str, r: Reclaim) -> bytes:
@@ -191,9 +194,12 @@ def encode_reclaim(container_id: str, r: Reclaim) -> bytes:
     })  # fmt: skip
 
 
-def usage_tail(reclaims: Iterable[bytes]) -> bytes:
-    listed = b",".join(reclaims)
-    return b'],"reclaims":[%s]}\n' % listed if listed else USAGE_TAIL
+def usage_tail(reclaims: Iterable[bytes], lending: bool = False) -> bytes:
+    """The end of a usage reply: with `lending`, the agent says that it decides reclaims,
+    and lists those of the caller's pod."""
+    if not lending:
+        return USAGE_TAIL
+    return b'],"lending":true,"reclaims":[%s]}\n' % b",".join(reclaims)
 
 
 def _reclaim(d: dict[str, Any]) -> tuple[str, Reclaim]:
@@ -269,7 +275,8 @@ def decode_reply(line: bytes) -> Usage | SourceDown | Challenge | PodReply:
         devices = tuple(_device(d) for d in doc["devices"])
         processes = tuple(_process(p) for p in doc["processes"])
         reclaims = dict(_reclaim(r) for r in doc.get("reclaims", ()))
-        return Usage(Sample(float(doc["sampled_at"]), devices, processes), reclaims)
+        sample = Sample(float(doc["sampled_at"]), devices, processes)
+        return Usage(sample, reclaims, doc.get("lending") is True)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ProtocolError(f"malformed reply from the agent: {exc}") from None
 

@@ -168,6 +168,9 @@ class AgentSource:
         # What the agent asks this pod's containers to give back, by container ID: from the
         # latest sample, and nothing while the agent is away.
         self.reclaims: dict[str, Reclaim] = {}
+        # Whether the agent decides reclaims at all (one of an earlier release does not):
+        # as its latest reply said, kept while it is away.
+        self.lending = False
         self._events: collections.deque[bytes] = collections.deque(maxlen=EVENT_BACKLOG)
         self.events_dropped = 0  # reports pushed out of a full backlog
         self._answering = False  # the agent has answered on this connection: it knows us
@@ -319,7 +322,7 @@ class AgentSource:
                     self._answering = True
                 elif isinstance(reply, Usage):
                     self._latest, self._received = reply.sample, self._clock()
-                    self.reclaims = reply.reclaims
+                    self.reclaims, self.lending = reply.reclaims, reply.lending
                     self._answering = True
                 else:
                     self._latest, self._received = reply, self._clock()

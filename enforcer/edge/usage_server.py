@@ -90,6 +90,7 @@ class _Published:
     # The reclaims to tell, by the same key: each goes to the namespaces its victim's
     # processes are in, so that only the victim's own pod (its sidecar) hears of it.
     reclaims: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
+    lending: bool = False  # the agent decides reclaims: it says so in every reply
 
     @classmethod
     def of(cls, sample: Sample | SourceDown, lending: Lending | None = None) -> _Published:
@@ -115,14 +116,14 @@ class _Published:
                     if line not in listed:
                         listed.append(line)
         head = usage_head(sample.sampled_at, sample.devices)
-        return cls(head=head, by_namespace=index, reclaims=reclaims)
+        return cls(head=head, by_namespace=index, reclaims=reclaims, lending=lending is not None)
 
     def reply(self, view: PidView) -> bytes:
         key = (view.ns_inode, view.level)
         cached = self.replies.get(key)
         if cached is None:
             body = b",".join(self.by_namespace.get(key, ()))
-            tail = usage_tail(self.reclaims.get(key, ()))
+            tail = usage_tail(self.reclaims.get(key, ()), self.lending)
             cached = self.replies[key] = self.head + body + tail
         return cached
 
@@ -223,7 +224,8 @@ class UsageServer:
 
     def publish(self, sample: Sample | SourceDown, lending: Lending | None = None) -> None:
         """Called by the sampler thread: swap in the sample, with the reclaims decided on
-        it (one reference, no lock needed), and wake the loop to push it to subscribers."""
+        it (None: this agent decides none), and wake the loop to push it to subscribers.
+        One reference, no lock needed."""
         self._published = _Published.of(sample, lending)
         with contextlib.suppress(BlockingIOError):  # a wake-up is already pending
             os.write(self._wake_w, b"p")

@@ -160,8 +160,8 @@ class Sampler(threading.Thread):
         lending = None
         if isinstance(sample, Sample):
             self._telemetry.node.tenants = self._tenants.count(sample)
-            if self.lender is not None:
-                lending = self.lender(sample, self._tenants.containers())
+            if self.lender is not None:  # undecided (pods not listed yet): nobody is asked
+                lending = self.lender(sample, self._tenants.containers()) or Lending()
         self._server.publish(sample, lending)
         self._record(sample)
 

@@ -31,7 +31,7 @@ from enforcer.core.dra import (
     unit_containers,
     unit_gpu,
 )
-from enforcer.core.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage
+from enforcer.core.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage, format_bytes
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import (
     ContainerRef,
@@ -96,11 +96,17 @@ class ContainerAttributor:
         dra: DraSettings | None = None,
         claims: Callable[[], DraObjects | None] = lambda: None,
         problem: Callable[[str], None] = lambda text: None,
+        ceilings: Mapping[str, int] | None = None,
+        lending: Callable[[], bool] = lambda: False,
     ) -> None:
         self._procfs = procfs
         self._pod = pod
         self._refresh = refresh
         self._limits = dict(limits)
+        # A container's ceiling is its limit only while the agent decides reclaims.
+        self._ceilings = dict(ceilings or {})
+        self._lending = lending
+        self._borrowing: bool | None = None  # as last said in the log
         self._undeclared_allowed = undeclared_allowed
         self._want_init = want_init
         self._spec_containers = spec_containers
@@ -143,9 +149,10 @@ class ContainerAttributor:
             units = list(attribute_per_gpu(sample, unit_of, found, held, cmdlines))
             total = sum(u.limit_bytes for u in found.units)
         else:
-            limits = container_limits(self._limits, by_id.values(), self._undeclared_allowed)
+            declared = {**self._limits, **self._borrowed()}
+            limits = container_limits(declared, by_id.values(), self._undeclared_allowed)
             units = list(attribute(sample, unit_of, limits, cmdlines))
-            total = sum(self._limits.values())
+            total = sum(declared.values())
         if self._want_init:
             inits = self._inits(by_id)
             units = [replace(u, init_process=_init_of(u.name, inits)) for u in units]
@@ -243,6 +250,23 @@ class ContainerAttributor:
             return WholeUnit((init,), restart=True)
         return WholeUnit(unit.processes)
 
+    def _borrowed(self) -> dict[str, int]:
+        """The ceilings, while the agent decides reclaims; else none, so a container is held
+        to its request (an agent of an earlier release would never ask for memory back)."""
+        if not self._ceilings:
+            return {}
+        lending = self._lending()
+        if lending != self._borrowing:
+            self._borrowing = lending
+            if lending:
+                log.info("the node agent decides reclaims: containers may borrow up to their "
+                         "ceilings (%s)", _listed(self._ceilings))  # fmt: skip
+            else:
+                log.warning("the node agent does not decide reclaims (a release before "
+                            "ceilings?): containers are held to their requests, not their "
+                            "ceilings (%s), until it does", _listed(self._ceilings))  # fmt: skip
+        return self._ceilings if lending else {}
+
     def container(self, container_id: str) -> str | None:
         """The name of this pod's container that runs as `container_id`, as this tick
         matched IDs to containers; None for an ID of no container of the pod."""
@@ -281,6 +305,10 @@ class AgentReclaims:
             if name is not None and (name, reclaim.gpu) in lending:
                 asked.setdefault(name, reclaim)
         return asked
+
+
+def _listed(ceilings: Mapping[str, int]) -> str:
+    return ", ".join(f"{name} {format_bytes(c)}" for name, c in sorted(ceilings.items()))
 
 
 def _init_of(unit: str, inits: Mapping[str, ProcessTotal]) -> ProcessTotal | None:
@@ -409,27 +437,30 @@ def _pipeline(
 
     # A container with a ceiling is held to it, and to its limit (its request) whenever
     # the agent asks for the memory it borrowed above that.
-    ceilings = settings.ceilings if isinstance(source, AgentSource) else {}
+    agent = source if isinstance(source, AgentSource) else None
+    ceilings = settings.ceilings if agent is not None else {}
     attributor = ContainerAttributor(
         procfs,
         lambda: view.pod,
         view.refresh,
-        {**settings.limits, **ceilings},
+        settings.limits,
         settings.undeclared_allowed,
         want_init=settings.policy.action is Action.RESTART,
         spec_containers=settings.containers,
         dra=settings.dra,
         claims=access.claims,
         problem=problem,
+        ceilings=ceilings,
+        lending=lambda: agent is not None and agent.lending,
     )
     reporters: list[Reporter] = [
         LogReporter(),
         EventReporter(access.events, lambda: attributor.refs, lambda: view.pod),
     ]
-    if not ceilings or not isinstance(source, AgentSource):
+    if not ceilings or agent is None:
         return Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry)
     requests = {name: settings.limits[name] for name in ceilings}
-    reclaimer = AgentReclaims(source, attributor)
+    reclaimer = AgentReclaims(agent, attributor)
     return Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry,
                     requests=requests, reclaimer=reclaimer)  # fmt: skip
 

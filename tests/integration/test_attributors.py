@@ -94,6 +94,18 @@ def test_processes_count_for_their_container_and_undeclared_ones_get_a_limit_of_
     assert units["trainer"].processes[0].cmdline == "python -m torch.distributed.run worker"
 
 
+def test_a_ceiling_is_the_limit_only_while_the_agent_decides_reclaims(proc: Path) -> None:
+    """An agent of an earlier release would never ask for borrowed memory back: with it,
+    the container is held to its request, whatever its ceiling."""
+    lending = [False]
+    a = attributor(proc, ceilings={"trainer": 12 * GiB}, lending=lambda: lending[0])
+    assert by_name(a.attribute(sample({12: 3 * GiB})))["trainer"].limit_bytes == 4 * GiB
+    lending[0] = True
+    assert by_name(a.attribute(sample({12: 3 * GiB})))["trainer"].limit_bytes == 12 * GiB
+    # How the agent's asks (by container ID) are matched to this pod's containers.
+    assert a.container(TRAINER) == "trainer" and a.container("f" * 64) is None
+
+
 def test_with_undeclared_allowed_an_undeclared_container_is_not_checked(proc: Path) -> None:
     units = by_name(attributor(proc, undeclared_allowed=True).attribute(sample({50: GiB})))
     assert set(units) == {"trainer"}

@@ -143,8 +143,14 @@ def test_reclaims_travel_with_the_sample_they_were_decided_on() -> None:
     victim = Share("ml/a/trainer", 2 * 1024**3, 8 * 1024**3, 6 * 1024**3, 100)
     asked = Reclaim("GPU-a", victim, 1024**3, ("ml/b/server",), 1024**2, for_unrequested=True)
     head = usage_head(1.0, (Device(0, "GPU-a", "m", 80, 11, None),))
-    line = head + usage_tail([encode_reclaim("c" * 64, asked)])
+    line = head + usage_tail([encode_reclaim("c" * 64, asked)], lending=True)
     assert json.loads(line)["reclaims"][0]["container_id"] == "c" * 64
     reply = decode_reply(line)
-    assert isinstance(reply, Usage) and reply.reclaims == {"c" * 64: asked}
+    assert isinstance(reply, Usage) and reply.reclaims == {"c" * 64: asked} and reply.lending
+    # An agent that lends says so in every reply; one that does not (an earlier release)
+    # says nothing, and its callers' containers are held to their requests.
+    quiet = decode_reply(head + usage_tail([], lending=True))
+    assert isinstance(quiet, Usage) and quiet.lending and quiet.reclaims == {}
     assert usage_tail([]) == USAGE_TAIL
+    older = decode_reply(head + USAGE_TAIL)
+    assert isinstance(older, Usage) and not older.lending
