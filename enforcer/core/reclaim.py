@@ -169,22 +169,26 @@ def views(
             for uuid, used in p.by_device:
                 if used and (unit.device_uuid is None or unit.device_uuid == uuid):
                     held[unit.name, uuid] = held.get((unit.name, uuid), 0) + used
-    on_gpus: dict[str, int] = {}
+    # Who is on each GPU: what they hold there, and (DRA) whose request is there before use.
+    on_gpu: dict[str, dict[str, UnitUsage]] = {}
+    by_name = {u.name: u for u in units if u.name in requests}
+    for name, uuid in held:
+        on_gpu.setdefault(uuid, {})[name] = by_name[name]
+    for unit in by_name.values():
+        if unit.device_uuid is not None:
+            on_gpu.setdefault(unit.device_uuid, {}).setdefault(unit.name, unit)
+    gpus_of: dict[str, int] = {}
     for name, _ in held:
-        on_gpus[name] = on_gpus.get(name, 0) + 1
+        gpus_of[name] = gpus_of.get(name, 0) + 1
     result = []
     for d in gpus:
         if d.total_bytes is None or d.used_bytes is None:
             continue  # unknown is not free: nothing is lent or reclaimed on it
         shares = []
-        for unit in units:
-            if unit.name not in requests or unit.device_uuid not in (None, d.uuid):
-                continue
+        for unit in on_gpu.get(d.uuid, {}).values():
             used = held.get((unit.name, d.uuid), 0)
             request = requests[unit.name]
-            if unit.device_uuid is None and used == 0:
-                continue  # neither lends nor is owed anything here
-            if unit.device_uuid is None and on_gpus.get(unit.name, 0) > 1:
+            if unit.device_uuid is None and gpus_of[unit.name] > 1:
                 request = used - min(used, max(unit.used_bytes - request, 0))
             ceiling = max(unit.limit_bytes, request)
             priority = (priorities or {}).get(unit.name, 0)
