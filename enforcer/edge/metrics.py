@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from enforcer.core.attribution import gpu_shares
 from enforcer.core.dra import unit_containers
-from enforcer.core.model import Device, Sample, UnitUsage
+from enforcer.core.model import Device, Sample, SignalResult, UnitUsage
 from enforcer.core.reclaim import Gpu
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,15 @@ class Telemetry:
             ["reason"],
             registry=self.registry,
         )
+        # Every label value at 0 from the start: a series born at 1 shows no increase in
+        # Prometheus, and the dashboard's first action or reclaim would not show.
+        for action in ("warn", "terminate", "kill", "restart", "dry-run"):
+            self.actions.labels(action)
+        for needed_by in ("requests", "unrequested"):
+            self.reclaims.labels(needed_by)
+        for refused in SignalResult:
+            if refused is not SignalResult.SENT:
+                self.refused.labels(str(refused))
         self.event_failures = event_failures(self.registry)
         self.hard_limits = hard_limit_gauge([unit_label, "gpu"], self.registry)
         self.tick_duration = Histogram(

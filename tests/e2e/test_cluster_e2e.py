@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ from tests.e2e.cluster import ApiServer
 from tests.e2e.helm import CHART, helm
 from tests.e2e.images import ENFORCER_IMAGE, enforcer_image
 from tests.e2e.node import BIN, PAUSE_IMAGE, RealNode, missing
+from tests.e2e.prometheus import Prometheus, dashboard_queries
+from tests.e2e.prometheus import missing as prometheus_missing
 from tests.fakenvml import FakeGpuState, limit_records
 from tests.helpers import wait_for
 
@@ -310,7 +313,10 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
     one owed 14 GiB of its request. The agent, which alone sees both pods, asks the
     borrower's sidecar for the memory once the GPU can no longer honour that request plus
     the watermark (2 GiB), and the sidecar stops the borrower's process, saying why on its
-    pod. The other pod is untouched."""
+    pod. The other pod is untouched. A real Prometheus scrapes the agent, both sidecars and
+    the webhook meanwhile, and every query of the chart's dashboard returns series."""
+    if reason := prometheus_missing():
+        (pytest.fail if os.environ.get("VRAM_ENFORCER_E2E") == "required" else pytest.skip)(reason)
     core, node = installed.core, installed.node
     ceiling = {"vram-enforcer.io/vram-ceiling": "8Gi"}
     core.create_namespaced_pod(OPTED_IN, workload("lender-0", "2Gi", annotations=ceiling))
@@ -321,14 +327,21 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
     assert json.loads(side["VRAM_ENFORCER_CEILINGS"]) == {"trainer": 8 * GiB}
     borrower, grower, other = the_holder(node, lender), the_holder(node, owed), os.getpid()
     uuid = installed.gpus.devices[0]["uuid"]
+    prometheus = scraping(installed, [lender, owed])
     try:
         installed.use(borrower, 6 * GiB)  # 4 GiB borrowed
+        installed.gpus.set_utilization(0, borrower, 60, 20)
         installed.use(grower, 2 * GiB)  # 14 GiB still owed
         installed.use(other, 50 * GiB)  # a process of no pod: 22 GiB free, 16 needed
         lent = f'vram_enforcer_gpu_lent_bytes{{uuid="{uuid}"}} {floatToGoString(4 * GiB)}'
         wait_for(lambda: lent in installed.agent_metrics(), timeout=30, what="the agent's view")
         free = f'vram_enforcer_gpu_free_bytes{{uuid="{uuid}"}} {floatToGoString(22 * GiB)}'
         assert free in installed.agent_metrics()
+        over = 'vram_enforcer_container_gpu_over_request_bytes{pod="lender-0"} > 0'
+        wait_for(lambda: prometheus.series(over), timeout=30, what="Prometheus to see it")
+        wait_for(lambda: prometheus.series("vram_enforcer_container_gpu_sm_utilization_ratio"),
+                 timeout=30, what="utilisation in Prometheus")  # fmt: skip
+        borrowing = time.time()
         assert Path(f"/proc/{borrower}").exists()
         assert not events(core, OPTED_IN, "lender-0", "VRAMReclaimed")
         installed.use(other, 60 * GiB)  # 12 GiB free: 4 short of 14 owed plus 2
@@ -336,7 +349,12 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
                              timeout=30, what="the VRAMReclaimed Events")  # fmt: skip
         wait_for(lambda: not Path(f"/proc/{borrower}").exists(), timeout=15,
                  what="the borrower to exit")  # fmt: skip
+        # As the dashboard shows it: counters start at 0, so the first reclaim is an increase.
+        shown = 'increase(vram_enforcer_reclaims_total{needed_by="requests"}[1m]) > 0'
+        wait_for(lambda: prometheus.series(shown), timeout=30, what="the reclaim in Prometheus")
+        every_dashboard_query_returns_series(prometheus, uuid, (borrowing, time.time()))
     finally:
+        prometheus.close()
         for pid in (borrower, grower, other):
             installed.use(pid, None)
     text = " | ".join(e.message for e in reclaimed)
@@ -354,6 +372,32 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
         core.delete_namespaced_pod(name, OPTED_IN)
     for name in ("lender-0", "owed-0"):
         wait_for(lambda name=name: gone(core, OPTED_IN, name), timeout=60, what=f"{name} gone")
+
+
+def every_dashboard_query_returns_series(
+    prometheus: Prometheus, gpu: str, moments: tuple[float, ...]
+) -> None:
+    """Each panel's query (and each variable's) parses, and returns series at one of the
+    `moments` (a borrower's memory shows while it borrows; a reclaim, after it)."""
+    variables = {"namespace": ".*", "gpu": gpu, "__rate_interval": "1m"}
+    empty = [f"{where}: {expr}" for where, expr in dashboard_queries(variables)
+             if not any(prometheus.series(expr, at) for at in moments)]  # fmt: skip
+    assert not empty, "dashboard queries that returned no series:\n" + "\n".join(empty)
+
+
+def scraping(cluster: Cluster, pods: list[client.V1Pod]) -> Prometheus:
+    """Prometheus over the agent, the pods' sidecars and the chart's webhook, all up."""
+    assert cluster.agent is not None
+    webhook = client.CoreV1Api(cluster.server.client()).list_namespaced_pod(
+        NAMESPACE, label_selector="app.kubernetes.io/component=webhook").items  # fmt: skip
+    targets = {
+        "agent": [f"127.0.0.1:{cluster.agent.port}"],
+        "sidecar": [f"{p.status.pod_ip}:9477" for p in pods],
+        "webhook": [f"{p.status.pod_ip}:9479" for p in webhook],
+    }
+    found = Prometheus(cluster.tmp, targets)
+    wait_for(found.targets_up, timeout=30, what="every target up in Prometheus")
+    return found
 
 
 def test_restart_makes_the_kubelet_restart_the_container(installed: Cluster) -> None:
