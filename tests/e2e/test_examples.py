@@ -26,7 +26,8 @@ import pytest
 import yaml
 from kubernetes import client, utils
 
-from enforcer.core.admission import AdmissionSettings, mutate
+from enforcer.core.admission import AdmissionSettings, Denied, mutate
+from enforcer.core.tenancy import Bounds, Tenancy
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -153,16 +154,18 @@ def test_api_versions_are_ga() -> None:
 # --- what the webhook makes of them (in-process: the pure admission logic) ------------------
 
 
+BASE = AdmissionSettings(
+    sidecar_image="ghcr.io/vram-enforcer/vram-enforcer:0.1.0",
+    sidecar_mode="native",
+    resource_name=RESOURCE,
+    resource_unit=1,
+)
+
+
 def admitted(pod: Doc, **settings: Any) -> Doc:
     """The pod as the webhook would let it through (native sidecar, as from the chart's 1.31)."""
-    base = AdmissionSettings(
-        sidecar_image="ghcr.io/vram-enforcer/vram-enforcer:0.1.0",
-        sidecar_mode="native",
-        resource_name=RESOURCE,
-        resource_unit=1,
-    )
     ops = mutate(
-        pod, dataclasses.replace(base, **settings)
+        pod, dataclasses.replace(BASE, **settings)
     )  # raises Denied if the webhook would refuse the pod
     assert ops, "the webhook would leave this pod alone"
     result: Doc = jsonpatch.apply_patch(pod, ops)
@@ -182,17 +185,37 @@ def sidecar_env(pod: Doc) -> dict[str, str]:
     return env_of(sidecar)
 
 
+# What an operator who lets tenants borrow sets (webhook.tenants.maxCeiling: 80Gi).
+BORROWING = Tenancy(Bounds(max_ceiling=80 * GiB))
+CEILING = "vram-enforcer.io/vram-ceiling"
+
+
 @pytest.mark.parametrize(("name", "pod"), DECLARING, ids=[i for i, _ in DECLARING])
 def test_the_webhook_admits_and_enforces_every_declaring_example_pod(name: str, pod: Doc) -> None:
-    out = admitted(pod)
+    out = admitted(pod, tenancy=BORROWING)
     assert out["spec"]["shareProcessNamespace"] is True
+    ceiling = pod["metadata"].get("annotations", {}).get(CEILING)
     for c in pod["spec"]["containers"]:
         vram = (c.get("resources", {}).get("limits") or {}).get(RESOURCE)
         assert vram is not None, f"{name}: container {c['name']!r} declares no VRAM"
         (after,) = [x for x in out["spec"]["containers"] if x["name"] == c["name"]]
-        assert env_of(after)["VRAM_LIMIT_BYTES"] == str(int(quantity(vram)))
+        most = ceiling if ceiling is not None else vram
+        assert env_of(after)["VRAM_LIMIT_BYTES"] == str(int(quantity(most)))
         assert env_of(after)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
         assert env_of(after)["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+
+
+def test_the_borrowing_example_is_refused_until_allowed_then_told_both_amounts() -> None:
+    """As examples/README.md shows it: the denial (word for word), then the environment."""
+    (pod,) = load("pods/bursting.yaml")
+    with pytest.raises(Denied) as denied:  # the webhook names the review's namespace
+        mutate(pod, dataclasses.replace(BASE, tenancy=Tenancy()), NAMESPACE)
+    assert f"denied the request: {denied.value}" in README.read_text()
+    out = admitted(pod, tenancy=BORROWING)
+    (server,) = out["spec"]["containers"][:1]
+    assert env_of(server)["VRAM_REQUEST_BYTES"] == str(4 * GiB)
+    assert env_of(server)["VRAM_LIMIT_BYTES"] == str(16 * GiB)
+    assert json.loads(sidecar_env(out)["VRAM_ENFORCER_CEILINGS"]) == {"server": 16 * GiB}
 
 
 def test_jax_gets_no_preallocation() -> None:
