@@ -43,16 +43,17 @@ def tenants(pods: Iterable[Pod], resource: str, unit: int, sidecar: str) -> dict
     (a container not started yet has no ID, and no process to charge)."""
     found: dict[str, Tenant] = {}
     for pod in pods:
-        vram = pod_vram(pod, resource, unit)
+        # As the hard limits read it: a container's limit is its ceiling, its declaration
+        # its request (`requests` lists those of a pod where one may borrow).
+        vram = pod_vram(pod, resource, unit, sidecar_ceilings(pod, sidecar))
         if vram is None:
             continue
-        ceilings = sidecar_ceilings(pod, sidecar)
         priority = json_map(pod.get("spec")).get("priority")
         rank = priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
-        for name, request in vram.limits.items():
+        for name, ceiling in vram.limits.items():
             cid = vram.ids.get(name)
             if cid is not None:
-                ceiling = max(ceilings.get(name, request), request)
+                request = vram.requests.get(name, ceiling)
                 unit_name = f"{vram.namespace}/{vram.name}/{name}"
                 found[cid] = Tenant(unit_name, vram.namespace, request, ceiling, rank)
     return found

@@ -6,13 +6,13 @@ pod documents and do not depend on the kubernetes client's generated models.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
 from enforcer.core.cgroups import status_container_id
+from enforcer.core.parsing import ConfigError, parse_limits
 from enforcer.core.payloads import ObjectReference, Pod
 
 # The sidecar's variable that holds each container's ceiling (JSON: name -> bytes), which
@@ -99,16 +99,9 @@ def sidecar_ceilings(pod: Pod, sidecar: str) -> dict[str, int]:
 
 def _ceilings(text: str) -> dict[str, int]:
     try:
-        doc = json.loads(text)
-    except ValueError:
+        return parse_limits(text, CEILINGS_ENV)
+    except ConfigError:
         return {}
-    if not isinstance(doc, dict):
-        return {}
-    return {
-        str(name): value
-        for name, value in doc.items()
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0
-    }
 
 
 def sole_container(

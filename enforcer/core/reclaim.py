@@ -23,6 +23,7 @@ victim while the first exits.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -177,9 +178,7 @@ def views(
     for unit in by_name.values():
         if unit.device_uuid is not None:
             on_gpu.setdefault(unit.device_uuid, {}).setdefault(unit.name, unit)
-    gpus_of: dict[str, int] = {}
-    for name, _ in held:
-        gpus_of[name] = gpus_of.get(name, 0) + 1
+    gpus_of = Counter(name for name, _ in held)
     result = []
     for d in gpus:
         if d.total_bytes is None or d.used_bytes is None:

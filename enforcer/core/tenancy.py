@@ -75,7 +75,8 @@ def check_grace_period(value: str, bounds: Bounds, where: str, namespace: str) -
     return seconds
 
 
-CEILING_FORM = "20Gi (a pod with one container that declares VRAM) or trainer=20Gi,server=8Gi"
+CEILING_BY_NAME = "trainer=20Gi,server=8Gi"
+CEILING_FORM = f"20Gi (a pod with one container that declares VRAM) or {CEILING_BY_NAME}"
 
 
 def check_ceilings(
@@ -94,7 +95,7 @@ def check_ceilings(
             raise ConfigError(
                 where, value, f"names no container, and {len(requests)} containers declare "
                 f"VRAM ({', '.join(sorted(requests))}); use name=quantity pairs, e.g. "
-                f"{CEILING_FORM.split(' or ')[1]}",
+                f"{CEILING_BY_NAME}",
             )  # fmt: skip
         pairs = [f"{next(iter(requests))}={pairs[0]}"]
     found: dict[str, int] = {}

@@ -21,14 +21,14 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
 from enforcer.core.admission import SIDECAR
 from enforcer.core.lending import Lending
-from enforcer.core.model import Device, ProcessKey, Sample, SourceDown
+from enforcer.core.model import Device, Sample, SourceDown
 from enforcer.core.payloads import ObjectReference
 from enforcer.core.pod_directory import event_about
 from enforcer.core.policy import Reason
@@ -140,7 +140,7 @@ class Sampler(threading.Thread):
         self._devices_changed = devices_changed
         self.stop = threading.Event()
         # The reclaims decided on each pass, once the node's pods are watched (`Lender`).
-        self.lender: Callable[[Sample, Mapping[ProcessKey, str]], Lending | None] | None = None
+        self.lender: Lender | None = None
         self.devices: Sequence[Device] = ()
         self._up: bool | None = None
         self._guard = LoopGuard("sampler", telemetry.unexpected.labels("sampler"), log)
@@ -161,7 +161,7 @@ class Sampler(threading.Thread):
         if isinstance(sample, Sample):
             self._telemetry.node.tenants = self._tenants.count(sample)
             if self.lender is not None:  # undecided (pods not listed yet): nobody is asked
-                lending = self.lender(sample, self._tenants.containers()) or Lending()
+                lending = self.lender(sample, self._tenants.containers) or Lending()
         self._server.publish(sample, lending)
         self._record(sample)
 
@@ -375,7 +375,8 @@ def _pod_watch(
     claims = ClaimCache(ClaimReader(api, settings.node_name))
     recorder = EventRecorder(api, settings.node_name, settings.node_name, telemetry.event_failures)
     limiter_woken, publisher_woken = threading.Event(), threading.Event()
-    pods = NodePods(api, settings.node_name, (limiter_woken, publisher_woken))
+    lender_woken = threading.Event()
+    pods = NodePods(api, settings.node_name, (limiter_woken, publisher_woken, lender_woken))
     woken: list[HardLimiter | PodPublisher | SidecarWatch] = []
     if settings.hard_limits:
         woken.append(
@@ -403,7 +404,7 @@ def _pod_watch(
         server.events = post
         resource = (settings.resource_name, settings.resource_unit)
         sampler.lender = Lender(
-            pods.snapshot, resource, SIDECAR, settings.reclaim_watermark, telemetry
+            pods.snapshot, lender_woken, resource, SIDECAR, settings.reclaim_watermark, telemetry
         )
         dra = claims if settings.dra.drivers else None
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))

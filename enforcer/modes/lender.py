@@ -3,12 +3,14 @@ node, and which borrowers' sidecars are asked to give memory back (`core/lending
 decides; the socket server tells each victim's own pod, with its sample).
 
 The pods are the agent's one watch of its node. What each declares is read again only
-when the watch replaced a pod object; a pass otherwise costs one fold of the sample.
+when the watch says they changed (an event of its own); a pass where no container may
+borrow costs nothing more, and one where some may, one fold of the sample.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
 
 from enforcer.core import messages
@@ -25,41 +27,47 @@ class Lender:
     def __init__(
         self,
         pods: Callable[[], Mapping[str, Pod] | None],
+        changed: threading.Event,
         resource: tuple[str, int],
         sidecar: str,
         watermark: int,
         telemetry: AgentTelemetry,
     ) -> None:
+        """`changed`: set by the pod watch on every change of the node's pods."""
         self._pods = pods
+        self._changed = changed
         self._resource = resource
         self._sidecar = sidecar
         self._watermark = watermark
         self._telemetry = telemetry
-        self._seen: list[Pod] = []  # the pod objects `_tenants` was read from
-        self._tenants: dict[str, Tenant] = {}
+        self._tenants: dict[str, Tenant] | None = None  # None: the pods are not known yet
         self._told: frozenset[tuple[str, str]] = frozenset()  # (container ID, GPU) asked
         self._guard = LoopGuard("lending", telemetry.unexpected.labels("lending"), log)
 
-    def __call__(self, sample: Sample, containers: Mapping[ProcessKey, str]) -> Lending | None:
+    def __call__(
+        self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]
+    ) -> Lending | None:
         """This pass's decision; None before the pods are known, or on a bug (reported,
-        counted): then nobody is asked for anything."""
+        counted): then nobody is asked for anything. `containers` (each GPU process's
+        container ID) is asked for only when some container may borrow."""
         found: list[Lending | None] = []
         self._guard.run(lambda: found.append(self._decide(sample, containers)))
         return found[0] if found else None
 
-    def _decide(self, sample: Sample, containers: Mapping[ProcessKey, str]) -> Lending | None:
-        pods = self._pods()
-        if pods is None:
-            return None
-        listed = list(pods.values())
-        same = len(listed) == len(self._seen) and all(
-            a is b for a, b in zip(listed, self._seen, strict=True)
-        )
-        if not same:
+    def _decide(
+        self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]
+    ) -> Lending | None:
+        if self._changed.is_set() or self._tenants is None:
+            self._changed.clear()  # before the read: a change during it is seen next pass
+            pods = self._pods()
+            if pods is None:
+                return None
             name, unit = self._resource
-            self._tenants = tenants(listed, name, unit, self._sidecar)
-            self._seen = listed
-        lending = decide(sample, containers, self._tenants, self._watermark)
+            self._tenants = tenants(pods.values(), name, unit, self._sidecar)
+        if not any(t.ceiling > t.request for t in self._tenants.values()):
+            self._telemetry.node.lending = ()
+            return Lending()  # nobody may borrow: nothing is lent, nothing to decide
+        lending = decide(sample, containers(), self._tenants, self._watermark)
         self._telemetry.node.lending = lending.gpus
         asked = frozenset((cid, r.gpu) for cid, r in lending.reclaims.items())
         for cid, reclaim in lending.reclaims.items():
