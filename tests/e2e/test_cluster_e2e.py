@@ -352,7 +352,7 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
         # As the dashboard shows it: counters start at 0, so the first reclaim is an increase.
         shown = 'increase(vram_enforcer_reclaims_total{needed_by="requests"}[1m]) > 0'
         wait_for(lambda: prometheus.series(shown), timeout=30, what="the reclaim in Prometheus")
-        every_dashboard_query_returns_series(prometheus, uuid, (borrowing, time.time()))
+        every_dashboard_query_returns_series(prometheus, uuid, borrowing)
     finally:
         prometheus.close()
         for pid in (borrower, grower, other):
@@ -375,14 +375,22 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
 
 
 def every_dashboard_query_returns_series(
-    prometheus: Prometheus, gpu: str, moments: tuple[float, ...]
+    prometheus: Prometheus, gpu: str, borrowing: float
 ) -> None:
-    """Each panel's query (and each variable's) parses, and returns series at one of the
-    `moments` (a borrower's memory shows while it borrows; a reclaim, after it)."""
+    """Each panel's query (and each variable's) parses, and returns series while the
+    borrower borrowed or now (a reclaim shows after it). A rate needs two samples of its
+    series: every target is scraped at least three times first, however late it began."""
+    enough = "min(count_over_time(up[1m])) >= 3"
+    wait_for(lambda: prometheus.series(enough), timeout=30, what="three scrapes of each target")
+    moments = (borrowing, time.time())
     variables = {"namespace": ".*", "gpu": gpu, "__rate_interval": "1m"}
     empty = [f"{where}: {expr}" for where, expr in dashboard_queries(variables)
              if not any(prometheus.series(expr, at) for at in moments)]  # fmt: skip
-    assert not empty, "dashboard queries that returned no series:\n" + "\n".join(empty)
+    targets = [(s["metric"]["job"], s["metric"]["instance"], s["value"][1])
+               for s in prometheus.series("up")]  # fmt: skip
+    assert not empty, f"dashboard queries that returned no series (targets: {targets}):\n" + (
+        "\n".join(empty)
+    )
 
 
 def scraping(cluster: Cluster, pods: list[client.V1Pod]) -> Prometheus:
