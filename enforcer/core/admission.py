@@ -17,12 +17,19 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any, cast
 
 import jsonpatch
 
-from enforcer.core import shapes
+from enforcer.core import kai, shapes
+from enforcer.core.declaration import (
+    CEILINGS_ENV,
+    PORTIONS_ENV,
+    Declaration,
+    Undeclarable,
+    declared_limits,
+    encode_portions,
+)
 from enforcer.core.dra import NVIDIA_DRIVER
 from enforcer.core.parsing import (
     ConfigError,
@@ -30,7 +37,6 @@ from enforcer.core.parsing import (
     kubernetes_version,
     parse_bytes,
     parse_percent,
-    parse_quantity,
     shown,
 )
 from enforcer.core.payloads import (
@@ -43,13 +49,13 @@ from enforcer.core.payloads import (
     PodSpec,
     VolumeMount,
 )
-from enforcer.core.pod import CEILINGS_ENV
 from enforcer.core.protocol import SIDECAR_SOCKET, SIDECAR_SOCKET_DIR
 from enforcer.core.settings.sidecar import METRICS_PORT_DEFAULT
 from enforcer.core.tenancy import (
     Bounds,
     Tenancy,
     check_action,
+    check_borrowing,
     check_ceilings,
     check_grace_period,
     in_namespace,
@@ -108,6 +114,8 @@ class AdmissionSettings:
     dra_uuid_attribute: str = "uuid"
     # What a pod's annotations may loosen, cluster-wide and per namespace.
     tenancy: Tenancy = dataclasses.field(default_factory=Tenancy)
+    # Whether KAI Scheduler's annotations (gpu-memory, gpu-fraction, ...) declare VRAM too.
+    kai_annotations: bool = False
 
 
 # A Pod as the API server sends it nests about 12 levels deep; a body nested far deeper is
@@ -245,9 +253,10 @@ def mutate(
     """
     annotations = _map(_map(pod.get("metadata")).get("annotations"))
     raw_spec = _map(pod.get("spec"))
-    limits = declared_limits(raw_spec, settings.resource_name, settings.resource_unit)
+    limits, by_kai = _declares(raw_spec, annotations, settings)
     claims_by_hand = settings.dra_class is not None and bool(_list(raw_spec.get("resourceClaims")))
-    if not limits and not claims_by_hand:
+    if not limits and not claims_by_hand and not by_kai:
+        _check_undeclared(raw_spec)
         return []
     bounds = settings.tenancy.bounds(namespace)
     if str(annotations.get(INJECT, "")).lower() == "false":
@@ -268,7 +277,13 @@ def mutate(
     if settings.dra_class is not None:
         limits = {**_claimed_limits(spec), **limits}  # our claims, from an earlier pass
     sidecar_env = _sidecar_settings(annotations, bounds, namespace)
-    ceilings = _ceilings(annotations, limits, bounds, namespace, settings)
+    if by_kai:
+        declared = _kai(annotations, spec, bounds, namespace)
+    else:
+        declared = Declaration(limits, _ceilings(annotations, limits, bounds, namespace, settings))
+    limits, ceilings = dict(declared.limits), dict(declared.ceilings)
+    if declared.portions:
+        sidecar_env[PORTIONS_ENV] = encode_portions(declared.portions)
     if ceilings:
         sidecar_env[CEILINGS_ENV] = json.dumps(ceilings, separators=(",", ":"))
     metrics_port = _metrics_port(annotations, spec)
@@ -387,57 +402,6 @@ def _claimed_limits(spec: PodSpec) -> dict[str, int]:
     return found
 
 
-def declared_limits(spec: Mapping[str, object], resource: str, unit: int) -> dict[str, int]:
-    """Container name -> limit in bytes, for each container that declares the resource.
-
-    Read before the pod's shape is checked (a pod that declares nothing is not ours to
-    judge), so every field is taken as it comes: a map or list of the wrong type counts as
-    absent.
-    """
-    limits: dict[str, int] = {}
-    for field in shapes.CONTAINER_FIELDS:
-        for item in _list(spec.get(field)):
-            name = _map(item).get("name")
-            resources = _map(_map(item).get("resources"))
-            limit = _map(resources.get("limits")).get(resource)
-            request = _map(resources.get("requests")).get(resource)
-            if not isinstance(name, str) or (limit is None and request is None):
-                continue
-            where = f"spec.{field}[{name!r}].resources"
-            if limit is None:
-                raise Denied(
-                    f"{where}.requests[{resource!r}] is set but limits is not; "
-                    f"extended resources are declared in limits (requests default to them): "
-                    f"set limits[{resource!r}]: {shown(request)}"
-                )
-            units = _units(limit, f"{where}.limits[{resource!r}]", unit)
-            request_field = f"{where}.requests[{resource!r}]"
-            if request is not None and _units(request, request_field, unit) != units:
-                raise Denied(
-                    f"{where}: requests[{resource!r}] {shown(request)} differs from limits "
-                    f"{shown(limit)}; VRAM cannot be overcommitted: make them equal, or drop the "
-                    "request"
-                )
-            limits[name] = int(units) * unit
-    return limits
-
-
-def _units(value: object, field: str, unit: int) -> Decimal:
-    try:
-        units = parse_quantity(str(value), field=field)
-    except ConfigError as exc:
-        raise Denied(str(exc)) from None
-    named = "bytes" if unit == 1 else f"{unit}-byte units"
-    if units < 0:
-        raise Denied(f"{field}: {shown(value)} is negative; declare 0 or more {named}")
-    if units != units.to_integral_value():
-        raise Denied(
-            f"{field}: {shown(value)} is not a whole number of {named}; use a whole number, "
-            f"e.g. {max(1, int(units.to_integral_value()))}"
-        )
-    return units
-
-
 def _check_pod(spec: PodSpec, settings: AdmissionSettings) -> None:
     """Deny what the mutation cannot make right. A container named like the sidecar that
     runs our image, and our volumes beside it, are an earlier pass's (or a forgery of it):
@@ -503,6 +467,60 @@ def _ceilings(
         return check_ceilings(str(annotations[CEILING]), limits, bounds, field, namespace)
     except ConfigError as exc:
         raise Denied(str(exc)) from None
+
+
+def _declares(
+    spec: Mapping[str, object], annotations: Mapping[str, object], settings: AdmissionSettings
+) -> tuple[dict[str, int], bool]:
+    """The containers' declared limits, and whether KAI Scheduler's annotations declare a
+    GPU share instead (where the webhook reads them)."""
+    try:
+        limits = declared_limits(spec, settings.resource_name, settings.resource_unit)
+    except Undeclarable as exc:
+        raise Denied(str(exc)) from None
+    by_kai = settings.kai_annotations and kai.declares(annotations)
+    if limits and by_kai:
+        raise Denied(
+            f"spec: container {next(iter(limits))!r} declares {settings.resource_name} in its "
+            "resources.limits, and KAI Scheduler's annotations declare a GPU share too; "
+            "declare VRAM one way: remove one"
+        )
+    return limits, by_kai
+
+
+def _kai(
+    annotations: Mapping[str, object], spec: PodSpec, bounds: Bounds, namespace: str
+) -> Declaration:
+    """What KAI Scheduler's annotations declare, with its limits above requests within
+    what the operator lets this namespace borrow."""
+    if CEILING in annotations:
+        raise Denied(
+            f"metadata.annotations[{CEILING!r}]: this pod declares its GPU share with KAI "
+            "Scheduler's annotations; give its limit with KAI's (gpu-memory.limit, "
+            "gpu-fraction.limit) and remove this one"
+        )
+
+    def borrowing(ceiling: int | None, request: int, key: str, value: object) -> None:
+        where = f"metadata.annotations[{key!r}]"
+        check_borrowing(ceiling, request, bounds, where, value, namespace)
+
+    names = [c["name"] for c in spec.get("containers") or () if c["name"] != SIDECAR]
+    inits = [c["name"] for c in spec.get("initContainers") or () if c["name"] != SIDECAR]
+    try:
+        return kai.declaration(annotations, names, inits, borrowing)
+    except ConfigError as exc:
+        raise Denied(str(exc)) from None
+
+
+def _check_undeclared(spec: Mapping[str, object]) -> None:
+    """A pod that declares no VRAM carries no container under the sidecar's name: the node
+    agent trusts what the sidecar's environment declares, as the webhook wrote it."""
+    for spec_field in shapes.CONTAINER_FIELDS:
+        if any(_map(c).get("name") == SIDECAR for c in _list(spec.get(spec_field))):
+            raise Denied(
+                f"spec.{spec_field}: a container is named {SIDECAR!r}, the name of the "
+                "enforcer's sidecar, in a pod that declares no VRAM; rename it"
+            )
 
 
 def _metrics_port(annotations: Mapping[str, object], spec: PodSpec) -> int:

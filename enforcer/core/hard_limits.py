@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from enforcer.core.admission import Denied, declared_limits
+from enforcer.core.declaration import Undeclarable, of_pod
 from enforcer.core.dra import Allocations
 from enforcer.core.model import Device
 from enforcer.core.payloads import Pod
@@ -114,24 +114,24 @@ def pod_vram_from_claims(pod: Pod, found: Allocations) -> PodVram | None:
 
 
 def pod_vram(
-    pod: Pod, resource: str, unit: int, ceilings: Mapping[str, int] | None = None
+    pod: Pod, resource: str, unit: int, sidecar: str, basis: int | None = None
 ) -> PodVram | None:
-    """The pod's declared VRAM, or None when it declares none (or declares it in a way the
-    API server's validation would not have let through). With `ceilings` (container ->
-    the ceiling it may borrow up to, from its sidecar), a container's limit is its ceiling
-    and its declaration its request."""
+    """The pod's declared VRAM (`declaration.of_pod`), or None when it declares none (or
+    declares it in a way the API server's validation would not have let through). A
+    container's limit is its ceiling where it may borrow, and its declaration its request;
+    a portion of a GPU counts against `basis`, one GPU's memory, and not at all without
+    one."""
     meta = pod.get("metadata") or {}
     uid, namespace, name = meta.get("uid"), meta.get("namespace"), meta.get("name")
     if not (isinstance(uid, str) and isinstance(namespace, str) and isinstance(name, str)):
         return None
     try:
-        limits = declared_limits(pod.get("spec") or {}, resource, unit)
-    except Denied:
+        limits, borrow = of_pod(pod, resource, unit, sidecar).in_bytes(basis)
+    except Undeclarable:
         return None
     if not limits:
         return None
     ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
-    borrow = {n: c for n, c in (ceilings or {}).items() if c > limits.get(n, c)}
     if not borrow:
         return PodVram(uid, namespace, name, limits, ids)
     return PodVram(uid, namespace, name, {**limits, **borrow}, ids, requests=limits)

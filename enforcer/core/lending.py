@@ -19,7 +19,7 @@ from enforcer.core.attribution import attribute
 from enforcer.core.hard_limits import pod_vram
 from enforcer.core.model import ProcessKey, Sample
 from enforcer.core.payloads import Pod
-from enforcer.core.pod import json_map, sidecar_ceilings
+from enforcer.core.pod import json_map
 from enforcer.core.reclaim import Gpu, Reclaim, reclaims, views
 
 # How a container of another namespace is named in a reclaim's reason: a tenant learns
@@ -38,14 +38,17 @@ class Tenant:
     priority: int
 
 
-def tenants(pods: Iterable[Pod], resource: str, unit: int, sidecar: str) -> dict[str, Tenant]:
+def tenants(
+    pods: Iterable[Pod], resource: str, unit: int, sidecar: str, basis: int | None
+) -> dict[str, Tenant]:
     """Container ID -> tenant, for every running container of the pods that declares VRAM
-    (a container not started yet has no ID, and no process to charge)."""
+    (a container not started yet has no ID, and no process to charge). `basis`: one GPU's
+    memory, for portions of one (`declaration.portion_basis`)."""
     found: dict[str, Tenant] = {}
     for pod in pods:
         # As the hard limits read it: a container's limit is its ceiling, its declaration
         # its request (`requests` lists those of a pod where one may borrow).
-        vram = pod_vram(pod, resource, unit, sidecar_ceilings(pod, sidecar))
+        vram = pod_vram(pod, resource, unit, sidecar, basis)
         if vram is None:
             continue
         priority = json_map(pod.get("spec")).get("priority")

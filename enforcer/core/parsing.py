@@ -231,13 +231,19 @@ def parse_port(text: str, field: str) -> int:
 LIMITS_FORM = 'a JSON object of container name to bytes, e.g. {"trainer": 12884901888}'
 
 
-def parse_limits(text: str, field: str) -> dict[str, int]:
+def json_object(text: str, field: str, form: str) -> dict[str, object]:
+    """A JSON object, or an error that shows `form`, the shape expected."""
     try:
         doc = json.loads(text)
     except ValueError:
-        raise ConfigError(field, text, f"is not valid JSON; use {LIMITS_FORM}") from None
+        raise ConfigError(field, text, f"is not valid JSON; use {form}") from None
     if not isinstance(doc, dict):
-        raise ConfigError(field, text, f"is not a JSON object; use {LIMITS_FORM}")
+        raise ConfigError(field, text, f"is not a JSON object; use {form}")
+    return doc
+
+
+def parse_limits(text: str, field: str) -> dict[str, int]:
+    doc = json_object(text, field, LIMITS_FORM)
     limits: dict[str, int] = {}
     for name, value in doc.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -12,12 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from enforcer.core.cgroups import status_container_id
-from enforcer.core.parsing import ConfigError, parse_limits
 from enforcer.core.payloads import ObjectReference, Pod
-
-# The sidecar's variable that holds each container's ceiling (JSON: name -> bytes), which
-# the webhook writes from the pod's vram-enforcer.io/vram-ceiling annotation at admission.
-CEILINGS_ENV = "VRAM_ENFORCER_CEILINGS"
 
 _STATUS_FIELDS = (
     ("initContainerStatuses", "initContainers"),
@@ -79,29 +74,6 @@ def container_limits(
         for ref in containers:
             limits.setdefault(ref.name, 0)
     return limits
-
-
-def sidecar_ceilings(pod: Pod, sidecar: str) -> dict[str, int]:
-    """Container name -> the ceiling it may borrow up to, as the webhook gave it to the
-    pod's sidecar (`sidecar`, its container's name). Read from the pod's spec, which cannot
-    change once the pod exists, unlike its annotations. Anything malformed gives nothing:
-    no borrowing."""
-    spec = json_map(pod.get("spec"))
-    for field in ("initContainers", "containers"):
-        for c in json_maps(spec.get(field)):
-            if c.get("name") != sidecar:
-                continue
-            for e in json_maps(c.get("env")):
-                if e.get("name") == CEILINGS_ENV and isinstance(e.get("value"), str):
-                    return _ceilings(e["value"])
-    return {}
-
-
-def _ceilings(text: str) -> dict[str, int]:
-    try:
-        return parse_limits(text, CEILINGS_ENV)
-    except ConfigError:
-        return {}
 
 
 def sole_container(

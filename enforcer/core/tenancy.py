@@ -122,17 +122,30 @@ def _ceiling(quantity: str, request: int, bounds: Bounds, where: str, namespace:
             "(its resources.limits): a ceiling is what it may borrow up to, at least what it "
             "is guaranteed",
         )  # fmt: skip
-    if ceiling > request and ceiling > bounds.max_ceiling:
+    check_borrowing(ceiling, request, bounds, where, quantity, namespace)
+    return ceiling
+
+
+def check_borrowing(
+    ceiling: int | None, request: int, bounds: Bounds, where: str, value: object, namespace: str
+) -> None:
+    """Whether the operator lets this namespace borrow up to `ceiling` above `request`. A
+    ceiling not known in bytes yet (a portion of a GPU) passes only where some borrowing
+    is allowed: how much it is depends on the GPU."""
+    if ceiling is None:
+        too_far = not bounds.max_ceiling
+    else:
+        too_far = request < ceiling and bounds.max_ceiling < ceiling
+    if too_far:
         allowed = (
             f"the operator allows ceilings up to {format_bytes(bounds.max_ceiling)}"
             if bounds.max_ceiling
             else "the operator allows no borrowing above requests"
         )
         raise ConfigError(
-            where, quantity, f"is above what is allowed {in_namespace(namespace)}: {allowed} "
+            where, value, f"is above what is allowed {in_namespace(namespace)}: {allowed} "
             "(the webhook's --max-vram-ceiling or --namespace-bounds)",
         )  # fmt: skip
-    return ceiling
 
 
 def in_namespace(namespace: str) -> str:

@@ -412,7 +412,7 @@ def _supervise(
         telemetry.hard_limits.labels(settings.name, gpu).set(limit)
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
     record.tree = TreeAttributor(procfs, settings.name, settings.limit_bytes)
-    requests = None if settings.request_bytes is None else {settings.name: settings.request_bytes}
+    requests = {} if settings.request_bytes is None else {settings.name: settings.request_bytes}
     pipeline = Pipeline(
         source,
         record.tree,
@@ -420,7 +420,7 @@ def _supervise(
         terminator,
         [LogReporter(), record],
         telemetry,
-        requests=requests,
+        requests=lambda: requests,
         reclaimer=reclaim_here(settings.reclaim_watermark),
     )
     server = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)

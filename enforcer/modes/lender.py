@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Mapping
 
 from enforcer.core import messages
+from enforcer.core.declaration import portion_basis
 from enforcer.core.lending import Lending, Tenant, decide, tenants
 from enforcer.core.model import ProcessKey, Sample
 from enforcer.core.payloads import Pod
@@ -41,6 +42,7 @@ class Lender:
         self._watermark = watermark
         self._telemetry = telemetry
         self._tenants: dict[str, Tenant] | None = None  # None: the pods are not known yet
+        self._basis: int | None = None  # one GPU's memory, for portions (KAI's gpu-fraction)
         self._told: frozenset[tuple[str, str]] = frozenset()  # (container ID, GPU) asked
         self._guard = LoopGuard("lending", telemetry.unexpected.labels("lending"), log)
 
@@ -57,13 +59,15 @@ class Lender:
     def _decide(
         self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]
     ) -> Lending | None:
-        if self._changed.is_set() or self._tenants is None:
+        basis = portion_basis(sample.devices)
+        if self._changed.is_set() or self._tenants is None or basis != self._basis:
             self._changed.clear()  # before the read: a change during it is seen next pass
             pods = self._pods()
             if pods is None:
                 return None
             name, unit = self._resource
-            self._tenants = tenants(pods.values(), name, unit, self._sidecar)
+            self._tenants = tenants(pods.values(), name, unit, self._sidecar, basis)
+            self._basis = basis
         if not any(t.ceiling > t.request for t in self._tenants.values()):
             self._telemetry.node.lending = ()
             return Lending()  # nobody may borrow: nothing is lent, nothing to decide

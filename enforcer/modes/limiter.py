@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from enforcer.core import messages
 from enforcer.core.admission import SIDECAR
+from enforcer.core.declaration import portion_basis
 from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names
 from enforcer.core.hard_limits import (
     Key,
@@ -36,7 +37,7 @@ from enforcer.core.hard_limits import (
 )
 from enforcer.core.model import Device, LimitOutcome, LimitResult, format_bytes
 from enforcer.core.payloads import Pod
-from enforcer.core.pod import pod_reference, sidecar_ceilings
+from enforcer.core.pod import pod_reference
 from enforcer.core.policy import Reason
 from enforcer.edge import cgroupfs
 from enforcer.edge.guard import LoopGuard
@@ -101,7 +102,7 @@ class HardLimiter(threading.Thread):
         pods, devices = self._pods(), self._devices()
         if pods is None or not devices:
             return  # no pod list or no NVML pass yet: never act on a guess
-        declared = self._declared(pods)
+        declared = self._declared(pods, portion_basis(devices))
         self._told &= {p.uid for p in declared}
         usable = [d for d in devices if d.uuid not in self._final]
         why = self._node_reason(devices, usable)
@@ -129,17 +130,19 @@ class HardLimiter(threading.Thread):
                 why = f"the pod's cgroup is not below {self._root} (is --cgroup-root the host's?)"
                 self._tell(p, Reason.SAMPLING_ONLY, messages.sampling_only(why))
 
-    def _declared(self, pods: Mapping[str, Pod]) -> list[PodVram]:
+    def _declared(self, pods: Mapping[str, Pod], basis: int | None) -> list[PodVram]:
         """What each pod declares (or, with DRA, was allocated), parsed again only when the
-        pod has changed. A pod whose claims cannot be read now is read again next pass."""
+        pod has changed (or the GPUs that its portions of one count against). A pod whose
+        claims cannot be read now is read again next pass."""
         parsed: dict[str, tuple[str, PodVram | None]] = {}
         for uid, pod in pods.items():
-            version = str((pod.get("metadata") or {}).get("resourceVersion") or "")
+            resource_version = str((pod.get("metadata") or {}).get("resourceVersion") or "")
+            version = f"{resource_version}@{basis}" if resource_version else ""
             known = self._parsed.get(uid)
             if known and version and known[0] == version:
                 parsed[uid] = known
                 continue
-            found = pod_vram(pod, *self._resource, sidecar_ceilings(pod, SIDECAR))
+            found = pod_vram(pod, *self._resource, SIDECAR, basis)
             if found is None and self._claims is not None and claim_names(pod):
                 read, settings = self._claims
                 objects = read(pod)

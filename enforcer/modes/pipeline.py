@@ -99,12 +99,13 @@ class Pipeline:
         reporters: Sequence[Reporter],
         telemetry: Telemetry,
         clock: Callable[[], float] = time.monotonic,
-        requests: Mapping[str, int] | None = None,
+        requests: Callable[[], Mapping[str, int]] | None = None,
         reclaimer: Reclaimer | None = None,
     ) -> None:
         """`requests`: the units that may borrow above a request (unit name -> bytes) up
-        to their limit; `reclaimer` says, from each GPU's view, which must give back what
-        they borrowed (`exec`: decided here; the sidecar: as the agent asks)."""
+        to their limit, as of the tick's attribution; `reclaimer` says, from each GPU's
+        view, which must give back what they borrowed (`exec`: decided here; the sidecar:
+        as the agent asks)."""
         self._source = source
         self._attributor = attributor
         self._config = config
@@ -112,7 +113,7 @@ class Pipeline:
         self._reporters = reporters
         self._telemetry = telemetry
         self._clock = clock
-        self._requests = requests or {}
+        self._requests = requests or dict
         self._reclaimer = reclaimer
         self._state: dict[str, UnitState] = {}
         self._source_up: bool | None = None
@@ -144,9 +145,9 @@ class Pipeline:
         units = self._attributor.attribute(sample)
         busy = self._terminator.busy()
         gpus: tuple[Gpu, ...] = ()
-        if self._requests:
+        if requests := self._requests():
             exiting = frozenset(u.name for u in units if any(p.key in busy for p in u.processes))
-            gpus = views(sample.devices, units, self._requests, exiting)
+            gpus = views(sample.devices, units, requests, exiting)
         reclaimed = self._reclaimer(gpus) if self._reclaimer is not None else {}
         decision = decide(units, self._config, self._state, self._clock(), busy, reclaimed)
         self._state = dict(decision.state)

@@ -23,6 +23,7 @@ from dataclasses import replace
 from enforcer.core import messages
 from enforcer.core.attribution import attribute, attribute_per_gpu, oldest, reported_only
 from enforcer.core.cgroups import container_id
+from enforcer.core.declaration import Declaration, Portion, portion_basis
 from enforcer.core.dra import (
     Allocations,
     DraObjects,
@@ -31,7 +32,15 @@ from enforcer.core.dra import (
     unit_containers,
     unit_gpu,
 )
-from enforcer.core.model import Action, ProcessKey, ProcessTotal, Sample, UnitUsage, format_bytes
+from enforcer.core.model import (
+    Action,
+    Device,
+    ProcessKey,
+    ProcessTotal,
+    Sample,
+    UnitUsage,
+    format_bytes,
+)
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import (
     ContainerRef,
@@ -98,14 +107,18 @@ class ContainerAttributor:
         problem: Callable[[str], None] = lambda text: None,
         ceilings: Mapping[str, int] | None = None,
         lending: Callable[[], bool] = lambda: False,
+        portions: Mapping[str, Portion] | None = None,
     ) -> None:
         self._procfs = procfs
         self._pod = pod
         self._refresh = refresh
         self._limits = dict(limits)
         # A container's ceiling is its limit only while the agent decides reclaims.
-        self._ceilings = dict(ceilings or {})
+        self._declared = Declaration(limits, ceilings or {}, portions or {})
+        self._basis: int | None = None  # the GPU memory the portions were last counted on
         self._lending = lending
+        # Unit -> its request, for those that may borrow above it (as of the last tick).
+        self.requests: dict[str, int] = {}
         self._borrowing: bool | None = None  # as last said in the log
         self._undeclared_allowed = undeclared_allowed
         self._want_init = want_init
@@ -149,8 +162,12 @@ class ContainerAttributor:
             units = list(attribute_per_gpu(sample, unit_of, found, held, cmdlines))
             total = sum(u.limit_bytes for u in found.units)
         else:
-            declared = {**self._limits, **self._borrowed()}
-            limits = container_limits(declared, by_id.values(), self._undeclared_allowed)
+            requests, ceilings = self._in_bytes(sample.devices)
+            self.requests = {name: requests[name] for name in ceilings}
+            declared = {**requests, **self._borrowed(ceilings)}
+            # A portion not counted yet (no GPU's memory known) is not taken as 0.
+            counted = [r for r in by_id.values() if r.name not in self._declared.portions]
+            limits = container_limits(declared, counted, self._undeclared_allowed)
             units = list(attribute(sample, unit_of, limits, cmdlines))
             total = sum(declared.values())
         if self._want_init:
@@ -250,22 +267,39 @@ class ContainerAttributor:
             return WholeUnit((init,), restart=True)
         return WholeUnit(unit.processes)
 
-    def _borrowed(self) -> dict[str, int]:
+    def _in_bytes(self, devices: Sequence[Device]) -> tuple[dict[str, int], dict[str, int]]:
+        """(requests, ceilings above them) in bytes, a portion of a GPU counted against the
+        memory of the node's smallest GPU; said in the log when that changes."""
+        if not self._declared.portions:
+            return dict(self._declared.limits), dict(self._declared.ceilings)
+        basis = portion_basis(devices)
+        if basis != self._basis:
+            self._basis = basis
+            shares = _portions(self._declared.portions)
+            if basis is None:
+                log.warning("NVML shows no whole GPU's memory: the portions of a GPU (%s) are "
+                            "not checked until it does", shares)  # fmt: skip
+            else:
+                log.info("portions of a GPU (%s) count against %s, the memory of the node's "
+                         "smallest GPU", shares, format_bytes(basis))  # fmt: skip
+        return self._declared.in_bytes(basis)
+
+    def _borrowed(self, ceilings: Mapping[str, int]) -> Mapping[str, int]:
         """The ceilings, while the agent decides reclaims; else none, so a container is held
         to its request (an agent of an earlier release would never ask for memory back)."""
-        if not self._ceilings:
+        if not ceilings:
             return {}
         lending = self._lending()
         if lending != self._borrowing:
             self._borrowing = lending
             if lending:
                 log.info("the node agent decides reclaims: containers may borrow up to their "
-                         "ceilings (%s)", _listed(self._ceilings))  # fmt: skip
+                         "ceilings (%s)", _listed(ceilings))  # fmt: skip
             else:
                 log.warning("the node agent does not decide reclaims (a release before "
                             "ceilings?): containers are held to their requests, not their "
-                            "ceilings (%s), until it does", _listed(self._ceilings))  # fmt: skip
-        return self._ceilings if lending else {}
+                            "ceilings (%s), until it does", _listed(ceilings))  # fmt: skip
+        return ceilings if lending else {}
 
     def container(self, container_id: str) -> str | None:
         """The name of this pod's container that runs as `container_id`, as this tick
@@ -309,6 +343,17 @@ class AgentReclaims:
 
 def _listed(ceilings: Mapping[str, int]) -> str:
     return ", ".join(f"{name} {format_bytes(c)}" for name, c in sorted(ceilings.items()))
+
+
+def _portions(portions: Mapping[str, Portion]) -> str:
+    return ", ".join(f"{name} {share}" for name, share in _shares(portions))
+
+
+def _shares(portions: Mapping[str, Portion]) -> list[tuple[str, str]]:
+    return [
+        (name, f"{p.request}" + (f" up to {p.ceiling}" if p.ceiling else ""))
+        for name, p in sorted(portions.items())
+    ]
 
 
 def _init_of(unit: str, inits: Mapping[str, ProcessTotal]) -> ProcessTotal | None:
@@ -400,7 +445,13 @@ def run(settings: SidecarSettings) -> int:
     server = _metrics(settings, telemetry, access.events)
     for helper in access.helpers:
         helper.start()
-    declared = ", ".join(f"{k}={v}" for k, v in settings.limits.items()) or "no declared limits"
+    declared = ", ".join(
+        [
+            *(f"{k}={v}" for k, v in settings.limits.items()),
+            *(f"{k}: {share} of a GPU" for k, share in _shares(settings.portions)),
+        ]
+    )
+    declared = declared or "no declared limits"
     log.info(
         "enforcing %s on pod %s/%s (action %s, source %s, API access %s)",
         "the limits per GPU of the pod's ResourceClaims" if settings.dra else declared,
@@ -439,6 +490,7 @@ def _pipeline(
     # the agent asks for the memory it borrowed above that.
     agent = source if isinstance(source, AgentSource) else None
     ceilings = settings.ceilings if agent is not None else {}
+    portions = settings.portions if agent is not None else _no_ceilings(settings.portions)
     attributor = ContainerAttributor(
         procfs,
         lambda: view.pod,
@@ -452,17 +504,21 @@ def _pipeline(
         problem=problem,
         ceilings=ceilings,
         lending=lambda: agent is not None and agent.lending,
+        portions=portions,
     )
     reporters: list[Reporter] = [
         LogReporter(),
         EventReporter(access.events, lambda: attributor.refs, lambda: view.pod),
     ]
-    if not ceilings or agent is None:
+    if agent is None or not (ceilings or any(p.ceiling for p in portions.values())):
         return Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry)
-    requests = {name: settings.limits[name] for name in ceilings}
     reclaimer = AgentReclaims(agent, attributor)
     return Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry,
-                    requests=requests, reclaimer=reclaimer)  # fmt: skip
+                    requests=lambda: attributor.requests, reclaimer=reclaimer)  # fmt: skip
+
+
+def _no_ceilings(portions: Mapping[str, Portion]) -> dict[str, Portion]:
+    return {name: Portion(p.request) for name, p in portions.items()}
 
 
 def _metrics(

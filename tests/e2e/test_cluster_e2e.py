@@ -148,7 +148,8 @@ def installed(cluster: Cluster) -> Cluster:
             "pod-security.kubernetes.io/enforce-version": "latest"}}})  # fmt: skip
     values = {
         "image": {"repository": ENFORCER_IMAGE.rsplit(":", 1)[0], "tag": "e2e", "pullPolicy": "Never"},
-        "webhook": {"replicas": 1, "logFormat": "text", "tenants": {"maxCeiling": "80Gi"}},
+        "webhook": {"replicas": 1, "logFormat": "text", "tenants": {"maxCeiling": "80Gi"},
+                    "kaiAnnotations": True},
         "sidecar": {"namespaces": [OPTED_IN]},
     }  # fmt: skip
     helm("install", RELEASE, str(CHART), NAMESPACE, str(cluster.kubeconfig), json.dumps(values))
@@ -224,6 +225,21 @@ def the_holder(node: RealNode, pod: client.V1Pod, container: str | None = None) 
     return wait_for(child, timeout=30, what="the workload's child process")
 
 
+def stopped_over(installed: Cluster, name: str, holder: int, used: int) -> Any:
+    """Make the holder of pod `name` (in OPTED_IN) use `used`; its VRAMEnforced Event, once
+    the holder has exited."""
+    installed.use(holder, used)
+    try:
+        (enforced,) = wait_for(lambda: events(installed.core, OPTED_IN, name, "VRAMEnforced"),
+                               timeout=30, what="the VRAMEnforced event")  # fmt: skip
+        wait_for(
+            lambda: not Path(f"/proc/{holder}").exists(), timeout=15, what="the holder to exit"
+        )
+    finally:
+        installed.use(holder, None)
+    return enforced
+
+
 def events(core: client.CoreV1Api, namespace: str, name: str, reason: str) -> list[Any]:
     return [e for e in core.list_namespaced_event(namespace).items
             if e.involved_object.name == name and e.reason == reason]  # fmt: skip
@@ -285,16 +301,7 @@ def test_a_pod_over_its_limit_is_mutated_placed_run_and_its_offender_stopped(
     (side,) = pod.spec.init_containers
     assert side.name == "vram-enforcer" and side.restart_policy == "Always"  # native sidecar
     assert pod.status.init_container_statuses[0].started
-    holder = the_holder(node, pod)
-    installed.use(holder, 3 * GiB)
-    try:
-        (enforced,) = wait_for(lambda: events(core, OPTED_IN, "trainer-0", "VRAMEnforced"),
-                               timeout=30, what="the VRAMEnforced event")  # fmt: skip
-        wait_for(
-            lambda: not Path(f"/proc/{holder}").exists(), timeout=15, what="the holder to exit"
-        )
-    finally:
-        installed.use(holder, None)
+    enforced = stopped_over(installed, "trainer-0", the_holder(node, pod), 3 * GiB)
     assert enforced.involved_object.field_path == "spec.containers{trainer}"
     assert "of its 2.00 GiB VRAM limit" in enforced.message
     described = installed.kubectl("describe", "pod", "trainer-0", "-n", OPTED_IN)
@@ -304,6 +311,46 @@ def test_a_pod_over_its_limit_is_mutated_placed_run_and_its_offender_stopped(
     assert pod.status.container_statuses[0].state.running
     core.delete_namespaced_pod("trainer-0", OPTED_IN)
     wait_for(lambda: gone(core, OPTED_IN, "trainer-0"), timeout=60, what="the pod to be gone")
+
+
+def test_a_kai_pods_share_is_enforced_as_kai_counted_it_and_a_patched_annotation_changes_nothing(
+    installed: Cluster,
+) -> None:
+    """A pod as KAI Scheduler's users write it: no resource of ours, `gpu-fraction: "0.25"`
+    and the container named by `gpu-fraction-container-name`. The webhook freezes the
+    share into the sidecar; the agent counts it against the GPU's 80 GiB for the hard
+    limit, and the sidecar stops the process over 20 GiB. The tenant then patches the
+    annotation to 0.9, which nothing reads again."""
+    core, node = installed.core, installed.node
+    body = workload("kai-0", "0", annotations={"gpu-fraction": "0.25",
+                                               "gpu-fraction-container-name": "trainer"})  # fmt: skip
+    del body["spec"]["containers"][0]["resources"]
+    body["spec"]["containers"].insert(0, pause("first"))  # KAI's default would be this one
+    core.create_namespaced_pod(OPTED_IN, body)
+    pod = wait_for(lambda: running(core, OPTED_IN, "kai-0"), timeout=90, what="the KAI pod to run")
+    (side,) = pod.spec.init_containers
+    frozen = {e.name: e.value for e in side.env if e.value is not None}
+    assert json.loads(frozen["VRAM_ENFORCER_PORTIONS"]) == {"trainer": {"request": "0.25"}}
+    assert json.loads(frozen["VRAM_ENFORCER_LIMITS"]) == {}
+    assert installed.agent is not None
+    trainer_id = next(s.container_id for s in pod.status.container_statuses
+                      if s.name == "trainer").split("://")[1]  # fmt: skip
+
+    def hard() -> dict[str, int]:
+        assert installed.agent is not None
+        return {r["cgroup"]: r["hard"] for r in limit_records(installed.agent.state_file)
+                if r["cgroup"].endswith(trainer_id)}  # fmt: skip
+
+    assert list(wait_for(hard, timeout=30, what="the trainer's hard limit").values()) == [20 * GiB]
+    core.patch_namespaced_pod(
+        "kai-0", OPTED_IN, {"metadata": {"annotations": {"gpu-fraction": "0.9"}}}
+    )
+    enforced = stopped_over(installed, "kai-0", the_holder(node, pod, "trainer"), 21 * GiB)
+    assert enforced.involved_object.field_path == "spec.containers{trainer}"
+    assert "of its 20.00 GiB VRAM limit" in enforced.message
+    assert list(hard().values()) == [20 * GiB]  # the patched annotation lifted nothing
+    core.delete_namespaced_pod("kai-0", OPTED_IN)
+    wait_for(lambda: gone(core, OPTED_IN, "kai-0"), timeout=60, what="the pod to be gone")
 
 
 def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_has_not(

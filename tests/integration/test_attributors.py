@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from enforcer.core.model import Activity, GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.declaration import Portion
+from enforcer.core.model import Activity, Device, GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.exec import TreeAttributor
 from enforcer.modes.sidecar import ALONE_FOR, POD_UNIT, AloneDetector, ContainerAttributor
@@ -104,6 +107,28 @@ def test_a_ceiling_is_the_limit_only_while_the_agent_decides_reclaims(proc: Path
     assert by_name(a.attribute(sample({12: 3 * GiB})))["trainer"].limit_bytes == 12 * GiB
     # How the agent's asks (by container ID) are matched to this pod's containers.
     assert a.container(TRAINER) == "trainer" and a.container("f" * 64) is None
+
+
+def test_a_portion_of_a_gpu_counts_against_the_smallest_gpu_and_not_before_one_is_known(
+    proc: Path,
+) -> None:
+    """KAI's gpu-fraction for the helper: bytes only once NVML shows a whole GPU's memory;
+    until then the helper is not checked at all, never held to 0."""
+    lending = [False]
+    a = attributor(proc, portions={"helper": Portion(Decimal("0.25"), Decimal("0.5"))},
+                   lending=lambda: lending[0])  # fmt: skip
+    usage = {12: 3 * GiB, 50: 30 * GiB}
+    unknown = by_name(a.attribute(sample(usage)))
+    assert "helper" not in unknown and unknown["trainer"].limit_bytes == 4 * GiB
+    h100, l4 = Device(0, "GPU-0", "H100", 80 * GiB, 0), Device(1, "GPU-1", "L4", 24 * GiB, 0)
+    on = replace(sample(usage), devices=(h100,))
+    assert by_name(a.attribute(on))["helper"].limit_bytes == 20 * GiB
+    assert a.requests == {"helper": 20 * GiB}  # what it may borrow above, for the reclaims
+    lending[0] = True
+    assert by_name(a.attribute(on))["helper"].limit_bytes == 40 * GiB
+    # A smaller GPU on the node: the share counts against it, wherever the helper runs.
+    both = replace(sample(usage), devices=(h100, l4))
+    assert by_name(a.attribute(both))["helper"].limit_bytes == 12 * GiB
 
 
 def test_with_undeclared_allowed_an_undeclared_container_is_not_checked(proc: Path) -> None:

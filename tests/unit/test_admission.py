@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import json
 import re
+from decimal import Decimal
 from typing import Any
 
 import jsonpatch
@@ -27,6 +28,7 @@ from enforcer.core.admission import (
     sidecar_mode_for,
     templates_named,
 )
+from enforcer.core.declaration import Portion, parse_portions
 from enforcer.core.tenancy import ALL_ACTIONS, Bounds, Tenancy
 
 GiB = 1024**3
@@ -651,3 +653,91 @@ def test_borrowing_is_off_until_the_operator_allows_it_and_one_value_needs_one_c
     with pytest.raises(Denied, match="not available with DRA yet"):
         mutate(pod(gpu("trainer", "4Gi"), annotations={CEILING: "8Gi"}),
                dataclasses.replace(BURSTY, dra_class="gpu.nvidia.com"), "ml")  # fmt: skip
+
+
+KAI = dataclasses.replace(NATIVE, kai_annotations=True)
+KAI_BURSTY = dataclasses.replace(BURSTY, kai_annotations=True)
+
+
+def test_kais_annotations_declare_when_the_operator_says_so() -> None:
+    """A KAI pod as its users write it: no resource of ours, a share in annotations. The
+    webhook freezes the share into the sidecar's environment (annotations can be patched
+    later) and tells the workload its limit in bytes where it is known."""
+    p = pod(gpu("main", None), gpu("helper", None), annotations={"gpu-memory": "2048"})
+    assert mutate(p, NATIVE) == []  # off (the default): exactly as before
+    out = applied(p, KAI)
+    side = env_of(sidecar_of(out))
+    assert json.loads(side["VRAM_ENFORCER_LIMITS"]) == {"main": 2 * GiB}
+    assert "VRAM_ENFORCER_PORTIONS" not in side and "VRAM_ENFORCER_CEILINGS" not in side
+    assert env_of(out["spec"]["containers"][0])["VRAM_LIMIT_BYTES"] == str(2 * GiB)
+    assert "VRAM_LIMIT_BYTES" not in env_of(out["spec"]["containers"][1])
+    assert out["spec"]["shareProcessNamespace"] is True
+    assert mutate(out, KAI) == []  # a second pass changes nothing
+
+
+def test_a_kai_fraction_is_frozen_as_a_portion_and_its_limit_as_a_ceiling() -> None:
+    annotations = {"gpu-fraction": "0.5", "gpu-fraction.limit": "0.8",
+                   "gpu-fraction-container-name": "helper"}  # fmt: skip
+    p = pod(gpu("main", None), gpu("helper", None), annotations=annotations)
+    with pytest.raises(Denied, match=r"\['gpu-fraction.limit'\]: '0.8' is above what is allowed "
+                       "in namespace 'ml': the operator allows no borrowing"):  # fmt: skip
+        mutate(p, KAI, "ml")
+    out = applied(p, KAI_BURSTY)
+    side = env_of(sidecar_of(out))
+    assert json.loads(side["VRAM_ENFORCER_LIMITS"]) == {}
+    assert json.loads(side["VRAM_ENFORCER_PORTIONS"]) == {
+        "helper": {"request": "0.5", "ceiling": "0.8"}
+    }
+    # Its bytes depend on the GPU it gets: the workload is not told a number here.
+    assert "VRAM_LIMIT_BYTES" not in env_of(out["spec"]["containers"][1])
+    # The sidecar reads back exactly what was frozen.
+    portions = parse_portions(side["VRAM_ENFORCER_PORTIONS"], "VRAM_ENFORCER_PORTIONS")
+    assert portions == {"helper": Portion(Decimal("0.5"), Decimal("0.8"))}
+
+
+def test_kai_limits_in_bytes_are_bounded_as_ceilings_are() -> None:
+    req, lim = (
+        "nvidia.com/container.main.gpu-memory.request",
+        "nvidia.com/container.main.gpu-memory.limit",
+    )
+    p = pod(gpu("main", None), annotations={req: "4Gi", lim: "41Gi"})
+    with pytest.raises(Denied, match=re.escape(f"metadata.annotations[{lim!r}]: '41Gi' is above "
+                                               "what is allowed in namespace 'ml'")):  # fmt: skip
+        mutate(p, KAI_BURSTY, "ml")
+    p["metadata"]["annotations"][lim] = "16Gi"
+    side = env_of(sidecar_of(applied(p, KAI_BURSTY)))
+    assert json.loads(side["VRAM_ENFORCER_LIMITS"]) == {"main": 4 * GiB}
+    assert json.loads(side["VRAM_ENFORCER_CEILINGS"]) == {"main": 16 * GiB}
+
+
+@pytest.mark.parametrize(
+    ("p", "message"),
+    [
+        (pod(gpu("main", "4Gi"), annotations={"gpu-memory": "2048"}),
+         "container 'main' declares vram-enforcer.io/vram in its resources.limits, and KAI "
+         "Scheduler's annotations declare a GPU share too"),
+        (pod(gpu("main", None), annotations={"gpu-memory": "2048", CEILING: "8Gi"}),
+         "give its limit with KAI's (gpu-memory.limit, gpu-fraction.limit)"),
+        (pod(gpu("main", None), annotations={"gpu-fraction": "1.5"}),
+         "metadata.annotations['gpu-fraction']: '1.5' is not a portion of a GPU above 0 and below 1"),
+    ],
+)  # fmt: skip
+def test_kai_declarations_that_cannot_be_enforced_are_denied(
+    p: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(Denied) as info:
+        mutate(p, KAI_BURSTY, "ml")
+    assert message in str(info.value)
+
+
+def test_a_pod_that_declares_nothing_may_not_carry_a_container_named_like_the_sidecar() -> None:
+    """The node agent reads what a KAI pod declares from its sidecar's environment, which
+    only the webhook writes: a pod that declares nothing cannot bring a sidecar of its own."""
+    forged = {"name": "vram-enforcer", "image": NATIVE.sidecar_image,
+              "env": [{"name": "VRAM_ENFORCER_LIMITS", "value": '{"main": 1}'}]}  # fmt: skip
+    message = (r"a container is named 'vram-enforcer', the name of the enforcer's sidecar, in "
+               "a pod that declares no VRAM; rename it")  # fmt: skip
+    with pytest.raises(Denied, match=r"spec.initContainers: " + message):
+        mutate(pod(gpu("main", None), init=[forged]), KAI)
+    with pytest.raises(Denied, match=r"spec.containers: " + message):
+        mutate(pod(gpu("main", None), forged), NATIVE)

@@ -30,14 +30,16 @@ def test_a_limit_is_capped_at_each_gpus_memory_and_mig_gets_none() -> None:
     assert per_gpu(GiB, [Device(3, "GPU-3", "?", None, None)]) == {}  # size unknown
 
 
-def pod(**status: Any) -> dict[str, Any]:
+def pod(ceilings: dict[str, int] | None = None, **status: Any) -> dict[str, Any]:
+    """A pod as the webhook admits it: its sidecar's env carries the ceilings."""
+    env = [{"name": "VRAM_ENFORCER_CEILINGS", "value": json.dumps(ceilings)}] if ceilings else []
     return {
         "metadata": {"uid": UID, "namespace": "ml", "name": "train"},
         "spec": {
             "initContainers": [{"name": "fetch", "resources": {"limits": {"vram-enforcer.io/vram": "1Gi"}}}],
             "containers": [
                 {"name": "trainer", "resources": {"limits": {"vram-enforcer.io/vram": "8Gi"}}},
-                {"name": "vram-enforcer"},
+                {"name": "vram-enforcer", "env": env},
             ],
         },
         "status": status,
@@ -46,11 +48,12 @@ def pod(**status: Any) -> dict[str, Any]:
 
 def test_a_pods_declaration_and_current_container_ids() -> None:
     running = {"containerStatuses": [{"name": "trainer", "containerID": f"containerd://{A}"}]}
-    got = pod_vram(pod(**running), "vram-enforcer.io/vram", 1)
+    got = pod_vram(pod(**running), "vram-enforcer.io/vram", 1, "vram-enforcer")
     assert got == PodVram(UID, "ml", "train", {"fetch": GiB, "trainer": 8 * GiB}, {"trainer": A})
     assert got is not None and got.total == 9 * GiB
-    assert pod_vram(pod(), "example.com/other", 1) is None  # declares nothing of ours
-    assert pod_vram({"spec": pod()["spec"]}, "vram-enforcer.io/vram", 1) is None  # no uid
+    assert pod_vram(pod(), "example.com/other", 1, "vram-enforcer") is None  # nothing of ours
+    no_uid = {"spec": pod()["spec"]}
+    assert pod_vram(no_uid, "vram-enforcer.io/vram", 1, "vram-enforcer") is None
 
 
 def test_targets_are_the_pod_cgroup_and_the_cgroups_named_by_its_status() -> None:
@@ -73,7 +76,9 @@ def test_a_container_that_may_borrow_is_held_to_its_ceiling_with_its_request_as_
     """The driver's soft limit is "guaranteed before allocations may fail" (nvml.h): the
     request. The hard limit is the ceiling, or the driver would refuse what the agent lends."""
     running = {"containerStatuses": [{"name": "trainer", "containerID": f"containerd://{A}"}]}
-    got = pod_vram(pod(**running), "vram-enforcer.io/vram", 1, {"trainer": 20 * GiB})
+    got = pod_vram(
+        pod({"trainer": 20 * GiB}, **running), "vram-enforcer.io/vram", 1, "vram-enforcer"
+    )
     assert got is not None
     assert dict(got.limits) == {"fetch": GiB, "trainer": 20 * GiB}
     assert dict(got.requests) == {"fetch": GiB, "trainer": 8 * GiB}
@@ -83,8 +88,10 @@ def test_a_container_that_may_borrow_is_held_to_its_ceiling_with_its_request_as_
     assert found["/k/pod/a"] == Target("/k/pod/a", "ml", "train", UID, "trainer", 20 * GiB,
                                        (), 8 * GiB)  # fmt: skip
     # A ceiling not above the request borrows nothing: exactly what it was before.
-    same = pod_vram(pod(**running), "vram-enforcer.io/vram", 1, {"trainer": 8 * GiB})
-    assert same == pod_vram(pod(**running), "vram-enforcer.io/vram", 1)
+    same = pod_vram(
+        pod({"trainer": 8 * GiB}, **running), "vram-enforcer.io/vram", 1, "vram-enforcer"
+    )
+    assert same == pod_vram(pod(**running), "vram-enforcer.io/vram", 1, "vram-enforcer")
     assert same is not None and same.requested == 0
 
 

@@ -47,6 +47,7 @@ def test_each_declaring_container_is_a_tenant_with_its_request_ceiling_and_prior
         RES,
         1,
         SIDECAR,
+        None,
     )  # fmt: skip
     assert found == {
         "a" * 64: Tenant("ml/a/c", "ml", 4 * GiB, 16 * GiB, 100),
@@ -117,10 +118,23 @@ def test_a_ceiling_is_read_from_the_sidecars_environment_never_from_an_annotatio
     sidecar's environment cannot: the webhook wrote it there."""
     patched = pod("a", "ml", "4Gi", "a" * 64)
     patched["metadata"]["annotations"] = {"vram-enforcer.io/vram-ceiling": "80Gi"}
-    assert tenants([patched], RES, 1, SIDECAR)["a" * 64].ceiling == 4 * GiB
+    assert tenants([patched], RES, 1, SIDECAR, None)["a" * 64].ceiling == 4 * GiB
     # Only the container named as our sidecar counts, not a look-alike of the workload's.
     other = pod("b", "ml", "4Gi", "b" * 64)
     other["spec"]["containers"][0]["env"] = [
         {"name": "VRAM_ENFORCER_CEILINGS", "value": json.dumps({"c": 80 * GiB})}
     ]
-    assert tenants([other], RES, 1, SIDECAR)["b" * 64].ceiling == 4 * GiB
+    assert tenants([other], RES, 1, SIDECAR, None)["b" * 64].ceiling == 4 * GiB
+
+
+def test_a_kai_fraction_is_a_tenant_once_its_gpus_memory_is_known() -> None:
+    """A pod that declares by KAI's annotations has no resource of ours: its share is what
+    the webhook froze into its sidecar's environment, a portion counted against one GPU."""
+    frozen = [{"name": "VRAM_ENFORCER_LIMITS", "value": "{}"},
+              {"name": "VRAM_ENFORCER_PORTIONS",
+               "value": json.dumps({"c": {"request": "0.25", "ceiling": "0.5"}})}]  # fmt: skip
+    kai = pod("k", "ml", None, "f" * 64, sidecar_env=frozen)
+    assert tenants([kai], RES, 1, SIDECAR, 80 * GiB) == {
+        "f" * 64: Tenant("ml/k/c", "ml", 20 * GiB, 40 * GiB, 0)
+    }
+    assert tenants([kai], RES, 1, SIDECAR, None) == {}  # not counted before a GPU is known

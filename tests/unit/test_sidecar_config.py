@@ -1,5 +1,6 @@
 """The sidecar's settings: environment from the webhook, flags on top, errors that name the variable."""
 
+import re
 from typing import Any
 
 import pytest
@@ -114,3 +115,26 @@ def test_ceilings_from_the_webhook_and_only_with_the_agent() -> None:
         settings({"VRAM_ENFORCER_CEILINGS": '{"trainer": 1}'})
     with pytest.raises(ConfigError, match="gives container 'other' a ceiling but no limit"):
         settings({"VRAM_ENFORCER_CEILINGS": '{"other": 1}'})
+
+
+def test_portions_of_a_gpu_from_the_webhook() -> None:
+    """KAI's gpu-fraction, frozen by the webhook: a portion is not also a limit in bytes,
+    and a ceiling on one needs the agent, as any ceiling does."""
+    from decimal import Decimal
+
+    from enforcer.core.declaration import Portion
+
+    portions = {"VRAM_ENFORCER_LIMITS": "{}",
+                "VRAM_ENFORCER_PORTIONS": '{"main": {"request": "0.5", "ceiling": "0.8"}}'}  # fmt: skip
+    assert settings(portions).portions == {"main": Portion(Decimal("0.5"), Decimal("0.8"))}
+    assert settings().portions == {}
+    with pytest.raises(ConfigError, match="gives a ceiling, which needs --source agent"):
+        settings(portions, source="nvml", host_proc="/host/proc", api_access="direct")
+    twice = {"VRAM_ENFORCER_PORTIONS": '{"trainer": {"request": "0.5"}}'}
+    with pytest.raises(ConfigError, match="gives container 'trainer' a portion, and "
+                       "VRAM_ENFORCER_LIMITS a limit in bytes; give it one of them"):  # fmt: skip
+        settings(twice)
+    with pytest.raises(
+        ConfigError, match=re.escape("VRAM_ENFORCER_PORTIONS: '0.5' is not a JSON object")
+    ):
+        settings({"VRAM_ENFORCER_PORTIONS": "0.5"})

@@ -85,6 +85,8 @@ def test_flags() -> None:
         (["--resource-name", "nvidia.com gpu"], "--resource-name: 'nvidia.com gpu' is not an extended resource name"),
         (["--sidecar-memory", "128MB"], "--sidecar-memory: '128MB' is not a quantity"),
         (["--port", "70000"], "--port: '70000' is not a TCP port"),
+        (["--kai-annotations", "--dra-device-class", "gpu.nvidia.com"],
+         "--kai-annotations cannot be combined with --dra-device-class"),
     ],
 )  # fmt: skip
 def test_bad_flags(flags: list[str], message: str) -> None:

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from enforcer.core.declaration import (
+    CEILINGS_ENV,
+    PORTIONS_ENV,
+    Portion,
+    encode_portions,
+    parse_portions,
+)
 from enforcer.core.dra import DraSettings
 from enforcer.core.model import Action
 from enforcer.core.parsing import (
@@ -16,7 +23,6 @@ from enforcer.core.parsing import (
     parse_names,
     positive_duration,
 )
-from enforcer.core.pod import CEILINGS_ENV
 from enforcer.core.policy import PolicyConfig
 from enforcer.core.settings import Setting, Values, value, verbosity
 from enforcer.core.settings.common import (
@@ -84,6 +90,20 @@ LIMITS = value(
     shown_default="required unless `--limits-from dra`",
     doc='JSON: container name → limit in bytes, `{"trainer": 12884901888}`. The webhook '
     "writes it from `resources.limits`",
+)
+PORTIONS = value(
+    "portions",
+    parse_portions,
+    "container name -> its portion of a GPU's memory, and the ceiling above it, as JSON",
+    flag="--portions",
+    env=PORTIONS_ENV,
+    metavar="JSON",
+    shown_default="none",
+    doc='JSON: container name → `{"request": "0.5", "ceiling": "0.8"}`, portions of one '
+    "GPU's memory (the ceiling is optional). The webhook writes it from KAI Scheduler's "
+    "`gpu-fraction` annotations (`--kai-annotations`). A portion counts against the memory "
+    "of the node's smallest GPU, and is not checked while NVML shows none. A ceiling needs "
+    "`--source agent`, as `--ceilings` does",
 )
 CEILINGS = value(
     "ceilings",
@@ -255,6 +275,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     NODE_NAME,
     LIMITS,
     CEILINGS,
+    PORTIONS,
     LIMITS_FROM,
     DRA_DRIVERS,
     DRA_UUID_ATTRIBUTE,
@@ -294,6 +315,7 @@ class SidecarSettings:
     self_name: str
     limits: dict[str, int]
     ceilings: dict[str, int]  # container -> above its limit, up to which it may borrow
+    portions: dict[str, Portion]  # container -> its portion of a GPU's memory (KAI)
     dra: DraSettings | None  # limits from the pod's ResourceClaims, per GPU; None: `limits`
     containers: tuple[str, ...]  # the pod's other containers, from its spec (may be empty)
     undeclared_allowed: bool
@@ -333,6 +355,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
             "VRAM_ENFORCER_LIMITS", None, f"is missing; use {LIMITS_FORM} (or --limits-from dra)"
         )
     ceilings = _ceilings(values[CEILINGS] or {}, values[LIMITS] or {}, values[SOURCE], dra)
+    portions = _portions(values[PORTIONS] or {}, values[LIMITS] or {}, values[SOURCE], dra)
     return SidecarSettings(
         pod_name=values[POD_NAME],
         namespace=values[POD_NAMESPACE],
@@ -341,6 +364,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         self_name=values[SELF_NAME],
         limits=values[LIMITS] or {},
         ceilings=ceilings,
+        portions=portions,
         dra=dra,
         containers=values[CONTAINERS],
         undeclared_allowed=values[UNDECLARED_ALLOWED],
@@ -357,6 +381,27 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         metrics_port=values[METRICS_PORT],
         metrics_address=values[METRICS_ADDRESS],
     )
+
+
+def _portions(
+    portions: dict[str, Portion], limits: dict[str, int], source: str, dra: DraSettings | None
+) -> dict[str, Portion]:
+    """Portions of a GPU, for containers whose limit is not given in bytes too."""
+    if portions and dra is not None:
+        raise ConfigError(PORTIONS_ENV, encode_portions(portions),
+                          "needs --limits-from declared: DRA gives each claim bytes")  # fmt: skip
+    for name in portions:
+        if name in limits:
+            raise ConfigError(PORTIONS_ENV, encode_portions(portions), (
+                f"gives container {name!r} a portion, and {LIMITS.env} a limit in bytes; "
+                "give it one of them"
+            ))  # fmt: skip
+    if source != "agent" and any(p.ceiling for p in portions.values()):
+        raise ConfigError(PORTIONS_ENV, encode_portions(portions), (
+            "gives a ceiling, which needs --source agent: only the node agent sees the whole "
+            "GPU, and so only it can say when borrowed memory must be given back"
+        ))  # fmt: skip
+    return portions
 
 
 def _ceilings(

@@ -252,6 +252,20 @@ MAX_VRAM_CEILING = value(
     "`80Gi`) to let tenants burst into free memory: the node agent takes it back when a "
     "neighbour needs it",
 )
+KAI_ANNOTATIONS = switch(
+    "kai_annotations",
+    "--kai-annotations",
+    "also enforce what KAI Scheduler's annotations declare (gpu-memory, gpu-fraction, ...)",
+    doc="also enforce the GPU share that KAI Scheduler's annotations declare: `gpu-memory` "
+    "(MiB) or `gpu-fraction`, times `gpu-fraction-num-devices`, on the container "
+    "`gpu-fraction-container-name` names (the first container by default), and the NvFractions "
+    "form `nvidia.com/container.<name>.gpu-memory.request`. Their limits above the request "
+    "(`gpu-memory.limit`, `gpu-fraction.limit`, "
+    "`kai.scheduler/container.<name>.gpu-memory.portion.limit`, "
+    "`nvidia.com/container.<name>.gpu-memory.limit`) are ceilings, within "
+    "`--max-vram-ceiling`. Read at admission only; a fraction counts against the memory of the "
+    "node's smallest GPU. Node mode only (not with `--dra-device-class`)",
+)
 NAMESPACE_BOUNDS = value(
     "namespace_bounds",
     _namespace_bounds,
@@ -298,6 +312,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     MAX_GRACE_PERIOD,
     ALLOW_OPT_OUT,
     MAX_VRAM_CEILING,
+    KAI_ANNOTATIONS,
     NAMESPACE_BOUNDS,
     KUBECONFIG,
     METRICS_PORT,
@@ -330,6 +345,11 @@ def webhook_settings(values: Values) -> WebhookSettings:
             "cannot be combined with --dra-device-class: in DRA mode the DRA driver gives each "
             "container the GPU it was allocated; use --gpu-exposure none"
         ))  # fmt: skip
+    if values[DRA_DEVICE_CLASS] and values[KAI_ANNOTATIONS]:
+        raise ConfigError("--kai-annotations", None, (
+            "cannot be combined with --dra-device-class: a KAI share is counted per node, not "
+            "allocated on one GPU by a claim; leave out one of them"
+        ))  # fmt: skip
     default = Bounds(
         values[TENANT_ACTIONS],
         values[MAX_GRACE_PERIOD],
@@ -359,6 +379,7 @@ def webhook_settings(values: Values) -> WebhookSettings:
             dra_drivers=values[DRA_DRIVERS],
             dra_uuid_attribute=values[DRA_UUID_ATTRIBUTE],
             tenancy=Tenancy(default, namespaces),
+            kai_annotations=values[KAI_ANNOTATIONS],
         ),
         kubeconfig=values[KUBECONFIG],
         metrics_port=values[METRICS_PORT],

@@ -1,0 +1,232 @@
+"""What a pod declares: each container's VRAM request, and the ceiling it may borrow up to
+(pure). One reading for the webhook, the agent's hard limits and reclaims, and the sidecar.
+
+A container declares in `resources.limits[<resource>]` (what the scheduler counts), or, in
+a KAI Scheduler cluster, by KAI's annotations (`enforcer.core.kai`). Annotations can be
+patched once the pod exists, so the webhook reads them at admission only and writes what
+they declare into the sidecar's environment, which nobody can change since; the agent reads
+them there. A KAI `gpu-fraction` is a portion of a GPU's memory: it becomes bytes only
+where the node's GPUs are known (`portion_basis`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+
+from enforcer.core import shapes
+from enforcer.core.model import Device
+from enforcer.core.parsing import ConfigError, json_object, parse_limits, parse_quantity, shown
+from enforcer.core.payloads import Pod
+
+# The sidecar's variables that carry the declaration, as the webhook wrote it at admission.
+LIMITS_ENV = "VRAM_ENFORCER_LIMITS"  # container -> request (its limit, when no ceiling), bytes
+CEILINGS_ENV = "VRAM_ENFORCER_CEILINGS"  # container -> ceiling above its request, bytes
+PORTIONS_ENV = "VRAM_ENFORCER_PORTIONS"  # container -> portions of a GPU's memory (KAI)
+
+PORTIONS_FORM = '{"trainer": {"request": "0.5", "ceiling": "0.8"}} (portions of one GPU)'
+
+
+class Undeclarable(ValueError):
+    """A declaration that the API server's own validation would not have let through."""
+
+
+@dataclass(frozen=True, slots=True)
+class Portion:
+    """A container's share of a GPU's memory, in GPUs' worth (KAI's `gpu-fraction` times its
+    `gpu-fraction-num-devices`), and the ceiling it may borrow up to, if any."""
+
+    request: Decimal
+    ceiling: Decimal | None = None
+
+    def in_bytes(self, basis: int) -> tuple[int, int | None]:
+        """(request, ceiling) in bytes against `basis`, one GPU's memory; rounded down, never
+        above the share."""
+        ceiling = None if self.ceiling is None else int(self.ceiling * basis)
+        return int(self.request * basis), ceiling
+
+
+@dataclass(frozen=True, slots=True)
+class Declaration:
+    """Container name -> what it declares, in bytes or in portions of a GPU."""
+
+    limits: Mapping[str, int] = field(default_factory=dict)  # the requests
+    ceilings: Mapping[str, int] = field(default_factory=dict)  # above the request only
+    portions: Mapping[str, Portion] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.limits or self.portions)
+
+    def in_bytes(self, basis: int | None) -> tuple[dict[str, int], dict[str, int]]:
+        """(requests, ceilings above them) in bytes. Portions count only with a `basis`:
+        without one they are left out, unknown, never taken as 0."""
+        limits, ceilings = dict(self.limits), dict(self.ceilings)
+        if basis is not None:
+            for name, portion in self.portions.items():
+                request, ceiling = portion.in_bytes(basis)
+                limits[name] = request
+                if ceiling is not None and ceiling > request:
+                    ceilings[name] = ceiling
+        return limits, ceilings
+
+
+def portion_basis(devices: Sequence[Device]) -> int | None:
+    """The memory of one GPU, for portions: that of the node's smallest whole GPU (KAI gives
+    a share on one GPU of the node, and the same GPU model across a node pool is the norm).
+    The smallest, so that a share never counts for more than it could be on any GPU here.
+    None when NVML knows no whole GPU's memory (MIG only, or none yet)."""
+    in_mig_mode = {d.parent_uuid for d in devices if d.parent_uuid}
+    sizes = [
+        d.total_bytes
+        for d in devices
+        if d.parent_uuid is None and d.uuid not in in_mig_mode and d.total_bytes
+    ]
+    return min(sizes) if sizes else None
+
+
+def of_pod(pod: Pod, resource: str, unit: int, sidecar: str) -> Declaration:
+    """What the pod declares, as everyone but the webhook reads it: its containers'
+    `resources.limits`, with the ceilings the webhook gave its sidecar; or, for a pod that
+    declares no resource, what the webhook wrote into its sidecar's environment from
+    KAI's annotations. Anything malformed there, which the webhook never writes, declares
+    nothing. Raises Undeclarable for resources the API server would have refused."""
+    env = sidecar_env(pod, sidecar)
+    limits = declared_limits(_map(pod.get("spec")), resource, unit)
+    if limits:
+        ceilings = _limits_or_empty(env.get(CEILINGS_ENV), CEILINGS_ENV)
+        return Declaration(limits, {n: c for n, c in ceilings.items() if c > limits.get(n, c)})
+    if LIMITS_ENV not in env:
+        return Declaration()
+    try:
+        limits = parse_limits(env[LIMITS_ENV], LIMITS_ENV)
+        ceilings = parse_limits(env.get(CEILINGS_ENV, "{}"), CEILINGS_ENV)
+        portions = parse_portions(env.get(PORTIONS_ENV, "{}"), PORTIONS_ENV)
+    except ConfigError:
+        return Declaration()
+    return Declaration(limits, {n: c for n, c in ceilings.items() if c > limits.get(n, c)},
+                       portions)  # fmt: skip
+
+
+def sidecar_env(pod: Pod, sidecar: str) -> dict[str, str]:
+    """The literal variables of the pod's sidecar, read from its spec: fixed at admission,
+    unlike the pod's annotations."""
+    spec = _map(pod.get("spec"))
+    found: dict[str, str] = {}
+    for spec_field in ("initContainers", "containers"):
+        for c in map(_map, _list(spec.get(spec_field))):
+            if c.get("name") == sidecar:
+                for e in map(_map, _list(c.get("env"))):
+                    name, value = e.get("name"), e.get("value")
+                    if isinstance(name, str) and isinstance(value, str):
+                        found[name] = value
+    return found
+
+
+def declared_limits(spec: Mapping[str, object], resource: str, unit: int) -> dict[str, int]:
+    """Container name -> limit in bytes, for each container that declares the resource.
+
+    Read before the pod's shape is checked (a pod that declares nothing is not ours to
+    judge), so every field is taken as it comes: a map or list of the wrong type counts as
+    absent.
+    """
+    limits: dict[str, int] = {}
+    for spec_field in shapes.CONTAINER_FIELDS:
+        for item in _list(spec.get(spec_field)):
+            name = _map(item).get("name")
+            resources = _map(_map(item).get("resources"))
+            limit = _map(resources.get("limits")).get(resource)
+            request = _map(resources.get("requests")).get(resource)
+            if not isinstance(name, str) or (limit is None and request is None):
+                continue
+            where = f"spec.{spec_field}[{name!r}].resources"
+            if limit is None:
+                raise Undeclarable(
+                    f"{where}.requests[{resource!r}] is set but limits is not; "
+                    f"extended resources are declared in limits (requests default to them): "
+                    f"set limits[{resource!r}]: {shown(request)}"
+                )
+            units = _units(limit, f"{where}.limits[{resource!r}]", unit)
+            request_field = f"{where}.requests[{resource!r}]"
+            if request is not None and _units(request, request_field, unit) != units:
+                raise Undeclarable(
+                    f"{where}: requests[{resource!r}] {shown(request)} differs from limits "
+                    f"{shown(limit)}; VRAM cannot be overcommitted: make them equal, or drop the "
+                    "request"
+                )
+            limits[name] = int(units) * unit
+    return limits
+
+
+def _units(value: object, where: str, unit: int) -> Decimal:
+    try:
+        units = parse_quantity(str(value), field=where)
+    except ConfigError as exc:
+        raise Undeclarable(str(exc)) from None
+    named = "bytes" if unit == 1 else f"{unit}-byte units"
+    if units < 0:
+        raise Undeclarable(f"{where}: {shown(value)} is negative; declare 0 or more {named}")
+    if units != units.to_integral_value():
+        raise Undeclarable(
+            f"{where}: {shown(value)} is not a whole number of {named}; use a whole number, "
+            f"e.g. {max(1, int(units.to_integral_value()))}"
+        )
+    return units
+
+
+def encode_portions(portions: Mapping[str, Portion]) -> str:
+    """The sidecar's PORTIONS_ENV: exact decimals, as text."""
+    doc = {
+        name: {"request": str(p.request), **({"ceiling": str(p.ceiling)} if p.ceiling else {})}
+        for name, p in portions.items()
+    }
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def parse_portions(text: str, where: str) -> dict[str, Portion]:
+    """PORTIONS_ENV back: each request above 0, each ceiling above its request."""
+    doc = json_object(text, where, PORTIONS_FORM)
+    found: dict[str, Portion] = {}
+    for name, given in doc.items():
+        if not isinstance(given, dict) or not set(given) <= {"request", "ceiling"}:
+            raise ConfigError(where, text, f"gives container {name!r} {shown(given)}; use "
+                              f"{PORTIONS_FORM}")  # fmt: skip
+        request = _portion(given.get("request"), f"{where} {name!r} request")
+        ceiling = given.get("ceiling")
+        found[name] = Portion(request, None)
+        if ceiling is not None:
+            high = _portion(ceiling, f"{where} {name!r} ceiling")
+            if high <= request:
+                raise ConfigError(where, text, f"gives container {name!r} a ceiling at or "
+                                  "below its request; a ceiling is above it")  # fmt: skip
+            found[name] = Portion(request, high)
+    return found
+
+
+def _portion(value: object, where: str) -> Decimal:
+    try:
+        portion = Decimal(value) if isinstance(value, str) else None
+    except InvalidOperation:
+        portion = None
+    if portion is None or not portion.is_finite() or portion <= 0:
+        raise ConfigError(where, value, "is not a portion of a GPU; use a decimal above 0, "
+                          'as text, e.g. "0.5"')  # fmt: skip
+    return portion
+
+
+def _limits_or_empty(text: str | None, where: str) -> dict[str, int]:
+    if text is None:
+        return {}
+    try:
+        return parse_limits(text, where)
+    except ConfigError:
+        return {}
+
+
+def _map(value: object) -> Mapping[str, object]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: object) -> list[object]:
+    return value if isinstance(value, list) else []

@@ -1,0 +1,99 @@
+"""What a pod declares, as the agent and the sidecar read it: its resources, or what the
+webhook froze into its sidecar's environment; and portions of a GPU in bytes."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from enforcer.core.declaration import (
+    Declaration,
+    Portion,
+    Undeclarable,
+    encode_portions,
+    of_pod,
+    parse_portions,
+    portion_basis,
+)
+from enforcer.core.model import Device, GiB
+from enforcer.core.parsing import ConfigError
+from enforcer.core.payloads import Pod
+
+RES = "vram-enforcer.io/vram"
+SIDECAR = "vram-enforcer"
+H100 = Device(0, "GPU-0", "H100", 80 * GiB, 0)
+A100 = Device(1, "GPU-1", "A100", 40 * GiB, 0)
+IN_MIG = Device(2, "GPU-2", "A100", 40 * GiB, 0)
+MIG = Device(3, "MIG-2a", "1g.5gb", 5 * GiB, 0, parent_uuid="GPU-2")
+
+
+def pod(limit: str | None, **env: str) -> Pod:
+    resources = {"limits": {RES: limit}} if limit else {}
+    sidecar_env = [{"name": k, "value": v} for k, v in env.items()]
+    spec: dict[str, Any] = {
+        "containers": [{"name": "main", "resources": resources}],
+        "initContainers": [{"name": SIDECAR, "env": sidecar_env}],
+    }
+    return {"metadata": {"uid": "u", "namespace": "ml", "name": "p"}, "spec": spec}  # type: ignore[typeddict-item]
+
+
+def test_resources_declare_and_the_sidecars_ceilings_lift_them() -> None:
+    assert of_pod(pod("4Gi"), RES, 1, SIDECAR) == Declaration({"main": 4 * GiB})
+    borrowing = pod("4Gi", VRAM_ENFORCER_CEILINGS=json.dumps({"main": 16 * GiB}))
+    assert of_pod(borrowing, RES, 1, SIDECAR) == Declaration({"main": 4 * GiB}, {"main": 16 * GiB})
+    # Resources are what the scheduler counted: the sidecar's LIMITS never override them.
+    other = pod("4Gi", VRAM_ENFORCER_LIMITS=json.dumps({"main": 80 * GiB}))
+    assert of_pod(other, RES, 1, SIDECAR) == Declaration({"main": 4 * GiB})
+    with pytest.raises(Undeclarable, match="is not a quantity"):
+        of_pod(pod("lots"), RES, 1, SIDECAR)
+
+
+def test_a_pod_declaring_by_kai_is_read_from_its_sidecars_environment() -> None:
+    frozen = pod(
+        None,
+        VRAM_ENFORCER_LIMITS="{}",
+        VRAM_ENFORCER_PORTIONS=encode_portions({"main": Portion(Decimal("0.5"), Decimal("0.8"))}),
+    )
+    got = of_pod(frozen, RES, 1, SIDECAR)
+    assert got == Declaration(portions={"main": Portion(Decimal("0.5"), Decimal("0.8"))})
+    assert got.in_bytes(80 * GiB) == ({"main": 40 * GiB}, {"main": 64 * GiB})
+    assert got.in_bytes(None) == ({}, {})  # not counted at all until a GPU's memory is known
+    bytes_ = pod(None, VRAM_ENFORCER_LIMITS=json.dumps({"main": 2 * GiB}))
+    assert of_pod(bytes_, RES, 1, SIDECAR) == Declaration({"main": 2 * GiB})
+    # Anything malformed (never the webhook's) declares nothing; no env, nothing.
+    assert not of_pod(
+        pod(None, VRAM_ENFORCER_LIMITS="{", VRAM_ENFORCER_PORTIONS="{}"), RES, 1, SIDECAR
+    )
+    assert not of_pod(
+        pod(None, VRAM_ENFORCER_PORTIONS='{"main": {"request": "0.5"}}'), RES, 1, SIDECAR
+    )
+
+
+def test_a_portion_counts_against_the_smallest_whole_gpu() -> None:
+    assert portion_basis([H100, A100]) == 40 * GiB
+    assert portion_basis([H100, IN_MIG, MIG]) == 80 * GiB  # a GPU in MIG mode is no whole GPU
+    assert portion_basis([IN_MIG, MIG]) is None
+    assert portion_basis([Device(0, "GPU-0", "?", None, None)]) is None
+    # Rounded down: a share is never more than its portion.
+    assert Portion(Decimal("0.33333")).in_bytes(3) == (0, None)
+    # A ceiling that rounds down to its request borrows nothing.
+    barely = Declaration(portions={"a": Portion(Decimal("0.5"), Decimal("0.5000001"))})
+    assert barely.in_bytes(1000) == ({"a": 500}, {})
+
+
+def test_portions_round_trip_and_bad_ones_name_the_variable() -> None:
+    given = {"main": Portion(Decimal("1.50")), "b": Portion(Decimal("0.2"), Decimal("0.7"))}
+    assert parse_portions(encode_portions(given), "P") == given
+    for text, problem in [
+        ("[]", "is not a JSON object"),
+        ('{"a": {"request": 0.5}}', "is not a portion of a GPU"),
+        ('{"a": {"request": "-1"}}', "is not a portion of a GPU"),
+        ('{"a": {"request": "0.5", "ceiling": "0.5"}}', "a ceiling at or below its request"),
+        ('{"a": {"request": "0.5", "limit": "0.9"}}', "use {"),
+    ]:
+        with pytest.raises(ConfigError, match=r"^P") as caught:
+            parse_portions(text, "P")
+        assert problem in str(caught.value)
