@@ -74,6 +74,10 @@ def declaration(
         if key in annotations and annotations.get(base) is None:
             raise _error(key, annotations[key], f"is set without {base}; use it beside {base}")
     if nv is not None:
+        if MEMORY_LIMIT in annotations:
+            nv_limit = f"{_NV_LIMIT[0]}{nv[0]}{_NV_LIMIT[1]}"
+            raise _error(MEMORY_LIMIT, annotations[MEMORY_LIMIT], "is set beside NvFractions "
+                         f"annotations; give the limit as {nv_limit}")  # fmt: skip
         return _from_nv(nv, memory, annotations, borrowing)
     if fraction is None and memory is None:
         return Declaration()
@@ -99,8 +103,8 @@ def _target(
     named = _text(annotations, CONTAINER)
     if named is None:
         if not containers:
-            raise _error(FRACTION, annotations.get(FRACTION) or annotations.get(MEMORY),
-                         "is set on a pod with no containers")  # fmt: skip
+            key = FRACTION if FRACTION in annotations else MEMORY
+            raise _error(key, annotations[key], "is set on a pod with no containers")
         return containers[0]
     if named not in (*containers, *init_containers):
         raise _error(CONTAINER, named, f"names no container of the pod ({', '.join(containers)})")

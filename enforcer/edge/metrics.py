@@ -389,6 +389,9 @@ class AgentTelemetry:
         self.unexpected = _unexpected_errors(self.registry)
 
 
+ADMISSION_RESULTS = ("patched", "skipped", "denied", "invalid", "error")
+
+
 class WebhookTelemetry:
     """The admission webhook's registry."""
 
@@ -413,4 +416,9 @@ class WebhookTelemetry:
             ["result"],
             registry=self.registry,
         )
+        # At 0 from the start, as the sidecar's counters: the first denial shows in rate().
+        for result in ADMISSION_RESULTS:
+            self.requests.labels(result)
+        for result in ("ok", "error"):
+            self.cert_reloads.labels(result)
         self.unexpected = _unexpected_errors(self.registry)

@@ -128,6 +128,9 @@ def test_a_review_is_patched_over_a_kept_alive_tls_connection(webhook: Webhook) 
     body = webhook.metrics()
     assert 'vram_enforcer_admission_requests_total{result="patched"} 1.0' in body
     assert 'vram_enforcer_admission_requests_total{result="denied"} 1.0' in body
+    # Every result from the start, at 0: the first of a kind shows in rate().
+    assert 'vram_enforcer_admission_requests_total{result="skipped"} 0.0' in body
+    assert 'vram_enforcer_webhook_certificate_reloads_total{result="error"} 0.0' in body
     assert "vram_enforcer_admission_duration_seconds_count 2.0" in body
 
 
@@ -196,7 +199,7 @@ def test_nulls_and_wrong_shapes_get_a_patch_or_a_denial_never_a_500(webhook: Web
     assert doc["response"]["status"]["message"].startswith(
         "spec.containers['t'].env: 'A=1' is a string, where a list belongs"
     )
-    assert 'result="error"' not in webhook.metrics()
+    assert 'vram_enforcer_admission_requests_total{result="error"} 0.0' in webhook.metrics()
 
 
 def _annotated(annotations: dict[str, str], ports: int = 0) -> bytes:
@@ -233,7 +236,7 @@ def test_hostile_values_get_a_denial_naming_the_field_never_a_500(webhook: Webho
         c.endheaders()
         assert c.getresponse().status == 411
     assert webhook.post(review_body("after"))[0] == 200
-    assert 'result="error"' not in webhook.metrics()
+    assert 'vram_enforcer_admission_requests_total{result="error"} 0.0' in webhook.metrics()
     assert "Traceback" not in webhook.log.read_text()
 
 

@@ -120,6 +120,8 @@ def test_a_limit_the_operator_does_not_allow_is_refused() -> None:
          "differs from the NvFractions request of container 'main'"),
         ({"nvidia.com/container.main.gpu-memory.request": "2Gi", "gpu-fraction": "0.5"},
          "is set beside NvFractions annotations"),
+        ({"nvidia.com/container.main.gpu-memory.request": "2Gi", "gpu-memory": "2048",
+          "gpu-memory.limit": "4Gi"}, "give the limit as nvidia.com/container.main.gpu-memory.limit"),
     ],
 )  # fmt: skip
 def test_what_kai_refuses_is_denied_naming_the_annotation(
