@@ -162,3 +162,16 @@ def tenants_per_gpu(sample: Sample, tenant_of: Mapping[ProcessKey, str]) -> dict
         if tenant is not None:
             tenants.setdefault(usage.device_uuid, set()).add(tenant)
     return {gpu: len(found) for gpu, found in tenants.items()}
+
+
+def usage_by_container(
+    sample: Sample, container_of: Mapping[ProcessKey, str]
+) -> dict[str, dict[str, int]]:
+    """Container ID -> GPU -> what NVML lists for its processes there (unknown counts 0)."""
+    found: dict[str, dict[str, int]] = {}
+    for usage in sample.processes:
+        cid = container_of.get(usage.key)
+        if cid is not None and usage.used_bytes:
+            per_gpu = found.setdefault(cid, {})
+            per_gpu[usage.device_uuid] = per_gpu.get(usage.device_uuid, 0) + usage.used_bytes
+    return found

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from enforcer.core.declaration import Undeclarable, of_pod
 from enforcer.core.dra import Allocations
-from enforcer.core.model import Device
+from enforcer.core.model import Device, MiB
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import containers_by_id
 
@@ -41,6 +41,41 @@ def on_gpus(gpu_limits: Mapping[str, int], devices: Sequence[Device]) -> dict[st
 
 
 MAX_BYTES = 1 << 62  # above any GPU's memory: per_gpu() caps it to each GPU's total
+
+
+# The least a cgroup's processes must hold on a GPU, as NVML lists them, before what the
+# driver charges to the cgroup's limit tells anything: a CUDA context alone is several
+# hundred MiB, so any process that has started computing has passed it.
+EVIDENCE_BYTES = 256 * MiB
+
+
+def charged(listed: int, charged_bytes: int) -> bool | None:
+    """Whether the driver charges a cgroup's processes to its limit: the proof that the
+    limit binds them. NVIDIA documents these limits as MPS v3 memory partitioning, and
+    does not say whether they bind a process that is no MPS client (docs/nvml.md); the
+    driver's own count (`currentUsed`) is the evidence. True when it charges at least half
+    of what NVML lists for them (the two counts differ by what the driver keeps per
+    context); False when it charges nothing; None while they hold too little to tell, or
+    the two disagree otherwise (a process that exited between the two reads)."""
+    if listed < EVIDENCE_BYTES:
+        return None
+    if 2 * charged_bytes >= listed:
+        return True
+    return False if charged_bytes == 0 else None
+
+
+# Reads in a row on which the driver must charge a cgroup nothing before its limit is said
+# not to bind: one could fall between a process's exit and NVML's next listing.
+UNCHARGED_READS = 2
+
+
+def proven(misses: int, verdict: bool | None) -> tuple[int, bool | None]:
+    """One more read of `charged`: (reads in a row that charged nothing, the final answer:
+    True at once, False after UNCHARGED_READS, None until then)."""
+    if verdict is True:
+        return 0, True
+    misses = misses + 1 if verdict is False else 0
+    return misses, (False if misses >= UNCHARGED_READS else None)
 
 
 def mig_gpus(devices: Sequence[Device]) -> tuple[str, ...]:

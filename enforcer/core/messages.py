@@ -232,10 +232,27 @@ def sampling_only(reason: str, interval: float | None = None) -> str:
     )
 
 
-def hard_limit_in_place(label: str, limits: Mapping[str, int]) -> str:
-    """`hard limit in place: the command tree may allocate at most 4.00 GiB on GPU-a, ...`."""
+def hard_limit_in_place(
+    label: str, limits: Mapping[str, int], proof: tuple[str, int, int] | None = None
+) -> str:
+    """`hard limit in place: the command tree may allocate at most 4.00 GiB on GPU-a, ...`,
+    with the driver's proof that it counts the processes, `(gpu, charged, listed)`."""
     per_gpu = ", ".join(f"{format_bytes(b)} on {gpu}" for gpu, b in limits.items())
-    return (
+    text = (
         f"hard limit in place: {label} may allocate at most {per_gpu}; the driver refuses an "
         "allocation past it (out of memory), and sampling checks the sum over GPUs"
+    )
+    if proof is None:
+        return text
+    gpu, charged, listed = proof
+    return (f"{text}. The driver counts its processes: it charges {format_bytes(charged)} on "
+            f"{gpu}, where NVML lists {format_bytes(listed)} for them")  # fmt: skip
+
+
+def not_charged(gpu: str, listed: int, whose: str) -> str:
+    """Why a hard limit that the driver accepted does not hold `whose` processes."""
+    return (
+        f"the driver holds the limit on {gpu} but charges nothing to it, while NVML lists "
+        f"{format_bytes(listed)} for {whose} there: the limit does not bind them (the "
+        "driver's limits may bind MPS clients only; docs/nvml.md)"
     )

@@ -199,6 +199,16 @@ class LimitResult(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class HeldLimit:
+    """What the driver holds for one cgroup on one GPU (R615+): its limits, and the memory
+    it charges to them now, its own account of what the cgroup's processes hold."""
+
+    hard_bytes: int
+    soft_bytes: int
+    charged_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class LimitOutcome:
     result: LimitResult
     detail: str = ""  # NVML's own words, for the log

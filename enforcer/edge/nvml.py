@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import pynvml
 
-from enforcer.core.model import Activity, Device, LimitOutcome, LimitResult
+from enforcer.core.model import Activity, Device, HeldLimit, LimitOutcome, LimitResult
 from enforcer.edge.backoff import Backoff
 from enforcer.edge.nvml_utilisation import ProcessUtilisation
 
@@ -276,13 +276,14 @@ class Nvml:
     def clear_memory_limit(self, gpu_uuid: str, cgroup: str) -> LimitOutcome:
         return self._memory_limits(gpu_uuid, cgroup, 0, MEMORY_LIMIT_MAX)
 
-    def memory_limit(self, gpu_uuid: str, cgroup: str) -> int | LimitOutcome | None:
-        """The hard limit the driver holds for `cgroup` on the GPU, None when there is none,
-        or why it cannot say. Needs no privilege: `doctor` asks it to learn the tier."""
+    def memory_limit(self, gpu_uuid: str, cgroup: str) -> HeldLimit | LimitOutcome | None:
+        """The limits the driver holds for `cgroup` on the GPU and what it charges to them,
+        None when there are none, or why it cannot say. Needs no privilege: `doctor` asks it
+        to learn the tier."""
         limits = _GetMemoryLimits(cgroup.encode(), 0, 0, 0)
         ret = self._limits_call("nvmlDeviceGetMemoryLimits_v1", gpu_uuid, limits)
         if ret == pynvml.NVML_SUCCESS:
-            return int(limits.hardLimit)
+            return HeldLimit(int(limits.hardLimit), int(limits.softLimit), int(limits.currentUsed))
         if ret == pynvml.NVML_ERROR_NOT_FOUND:
             return None
         return ret if isinstance(ret, LimitOutcome) else _limit_outcome(ret)

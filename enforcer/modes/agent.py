@@ -21,12 +21,13 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
 from enforcer.core.admission import SIDECAR
+from enforcer.core.attribution import usage_by_container
 from enforcer.core.lending import Lending
 from enforcer.core.model import Device, Sample, SourceDown
 from enforcer.core.payloads import ObjectReference
@@ -141,6 +142,10 @@ class Sampler(threading.Thread):
         self.stop = threading.Event()
         # The reclaims decided on each pass, once the node's pods are watched (`Lender`).
         self.lender: Lender | None = None
+        # With hard limits: each container's usage per GPU, as of the last pass, for the
+        # proof that the driver charges what it limits (replaced whole: read by another thread).
+        self.keeps_usage = False
+        self.container_usage: Mapping[str, Mapping[str, int]] = {}
         self.devices: Sequence[Device] = ()
         self._up: bool | None = None
         self._guard = LoopGuard("sampler", telemetry.unexpected.labels("sampler"), log)
@@ -162,6 +167,8 @@ class Sampler(threading.Thread):
             self._telemetry.node.tenants = self._tenants.count(sample)
             if self.lender is not None:  # undecided (pods not listed yet): nobody is asked
                 lending = self.lender(sample, self._tenants.containers) or Lending()
+            if self.keeps_usage:
+                self.container_usage = usage_by_container(sample, self._tenants.containers())
         self._server.publish(sample, lending)
         self._record(sample)
 
@@ -379,11 +386,13 @@ def _pod_watch(
     pods = NodePods(api, settings.node_name, (limiter_woken, publisher_woken, lender_woken))
     woken: list[HardLimiter | PodPublisher | SidecarWatch] = []
     if settings.hard_limits:
+        sampler.keeps_usage = True
         woken.append(
             HardLimiter(
                 Nvml(),
                 pods.snapshot,
                 lambda: sampler.devices,
+                lambda: sampler.container_usage,
                 recorder,
                 telemetry,
                 cgroup_root=Path(settings.cgroup_root),

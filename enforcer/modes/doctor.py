@@ -119,7 +119,9 @@ def check_tier() -> Check:
     detail = (
         f"hard limits (driver {nvml.driver_version}, cgroup v2) on {len(able)} GPU(s), "
         f"with sampling as the backstop; the kernel's dmem controller is "
-        f"{'there' if dmem else no_dmem}"
+        f"{'there' if dmem else no_dmem}. Whether the driver charges an ordinary process (not "
+        "an MPS client) to them shows only once one uses memory: the agent says it per pod "
+        "(VRAMHardLimit or VRAMSamplingOnly), exec in its log"
     )
     if os.geteuid() != 0:
         detail += "; setting them needs root (exec falls back to sampling without it)"

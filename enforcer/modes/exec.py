@@ -23,9 +23,10 @@ from pathlib import Path
 from enforcer.core import messages
 from enforcer.core.attribution import attribute, unit_activity
 from enforcer.core.exec_summary import ExecSummary, SummaryEvent
-from enforcer.core.hard_limits import mig_gpus, per_gpu
+from enforcer.core.hard_limits import EVIDENCE_BYTES, charged, mig_gpus, per_gpu, proven
 from enforcer.core.model import (
     IDLE,
+    HeldLimit,
     LimitOutcome,
     LimitResult,
     ProcessKey,
@@ -200,6 +201,47 @@ class _SpawnError(Exception):
         self.status = status
 
 
+class ChargeWatch:
+    """Whether the driver counts the command tree against its hard limit: asked once the
+    tree holds enough on a limited GPU to tell (`hard_limits.charged`), each tick until the
+    driver has said. A limit it does not charge the tree to is said not to bind, and the
+    summary then claims no hard limit."""
+
+    def __init__(self, nvml: Nvml, placed: _Placed, record: _Record, interval: float) -> None:
+        self._nvml = nvml
+        self._placed = placed
+        self._record = record
+        self._interval = interval
+        self._misses: dict[str, int] = {}
+        self.binds: bool | None = None
+
+    def check(self, units: tuple[UnitUsage, ...]) -> None:
+        if self.binds is not None:
+            return
+        listed: dict[str, int] = {}
+        for gpu, used in (pair for unit in units for p in unit.processes for pair in p.by_device):
+            listed[gpu] = listed.get(gpu, 0) + (used or 0)
+        for gpu in self._placed.limits:
+            amount = listed.get(gpu, 0)
+            if amount < EVIDENCE_BYTES:
+                continue
+            held = self._nvml.memory_limit(gpu, str(self._placed.cgroup.command))
+            if not isinstance(held, HeldLimit):
+                continue
+            verdict = charged(amount, held.charged_bytes)
+            self._misses[gpu], self.binds = proven(self._misses.get(gpu, 0), verdict)
+            if self.binds is True:
+                log.info("the driver counts the command tree against its hard limit: it "
+                         "charges %s on %s, where NVML lists %s", format_bytes(held.charged_bytes),
+                         gpu, format_bytes(amount))  # fmt: skip
+                return
+            if self.binds is False:
+                why = messages.not_charged(gpu, amount, "the command tree's processes")
+                log.warning("%s", messages.sampling_only(why, self._interval))
+                self._record.hard_limit = False
+                return
+
+
 @contextlib.contextmanager
 def _blocked_signals() -> Iterator[None]:
     """Hold our signals for `sigtimedwait`; threads started inside inherit the mask."""
@@ -304,7 +346,8 @@ def _run(settings: ExecSettings, record: _Record) -> int:
             source = NvmlSource(nvml, view, gpu_device_majors())
             with _hard_limits(settings, nvml) as placed:
                 record.hard_limit = placed is not None
-                return _supervise(settings, source, placed, record)
+                watch = ChargeWatch(nvml, placed, record, settings.interval) if placed else None
+                return _supervise(settings, source, placed, record, watch)
         except (StartupError, MetricsPortError) as exc:
             log.error("%s", exc, exc_info=logs.detail(exc))
             return EXIT_USAGE
@@ -404,7 +447,11 @@ def _why(outcome: LimitOutcome, nvml: Nvml, cgroup: CommandCgroup, gpu: str | No
 
 
 def _supervise(
-    settings: ExecSettings, source: NvmlSource, placed: _Placed | None, record: _Record
+    settings: ExecSettings,
+    source: NvmlSource,
+    placed: _Placed | None,
+    record: _Record,
+    watch: ChargeWatch | None = None,
 ) -> int:
     procfs = ProcFs()
     telemetry = Telemetry({}, unit_label="container")
@@ -445,7 +492,8 @@ def _supervise(
             settings.interval * 1000,
         )
         keeper = CgroupKeeper(placed.cgroup) if placed is not None else None
-        return _loop(child, pipeline, terminator, procfs, settings.interval, record, keeper)
+        return _loop(child, pipeline, terminator, procfs, settings.interval, record, keeper,
+                     watch)  # fmt: skip
     finally:
         terminator.close()
         if server is not None:
@@ -460,6 +508,7 @@ def _loop(
     interval: float,
     record: _Record,
     keeper: CgroupKeeper | None = None,
+    watch: ChargeWatch | None = None,
 ) -> int:
     """Tick, forward signals and reap children until the last descendant has exited.
 
@@ -478,6 +527,8 @@ def _loop(
             next_tick = max(next_tick + interval, now)
             if keeper is not None:
                 keeper.check(pipeline.last_units, now)
+            if watch is not None:
+                watch.check(pipeline.last_units)
         deadline = terminator.next_deadline()
         wake = next_tick if deadline is None else min(next_tick, deadline)
         info = signal.sigtimedwait(_WAITED, max(0.0, wake - time.monotonic()))

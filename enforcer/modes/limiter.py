@@ -25,17 +25,20 @@ from enforcer.core.admission import SIDECAR
 from enforcer.core.declaration import portion_basis
 from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names
 from enforcer.core.hard_limits import (
+    EVIDENCE_BYTES,
     Key,
     PodVram,
     Target,
+    charged,
     mig_gpus,
     per_gpu,
     plan,
     pod_vram,
     pod_vram_from_claims,
+    proven,
     targets,
 )
-from enforcer.core.model import Device, LimitOutcome, LimitResult, format_bytes
+from enforcer.core.model import Device, HeldLimit, LimitOutcome, LimitResult, format_bytes
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
 from enforcer.core.policy import Reason
@@ -60,6 +63,7 @@ class HardLimiter(threading.Thread):
         nvml: Nvml,
         pods: Callable[[], Mapping[str, Pod] | None],
         devices: Callable[[], Sequence[Device]],
+        usage: Callable[[], Mapping[str, Mapping[str, int]]],
         recorder: EventRecorder,
         telemetry: AgentTelemetry,
         *,
@@ -73,6 +77,7 @@ class HardLimiter(threading.Thread):
         self._nvml = nvml
         self._pods = pods
         self._devices = devices
+        self._usage = usage  # container ID -> GPU -> what NVML lists, as of the last pass
         self._recorder = recorder
         self._telemetry = telemetry
         self._root = cgroupfs.v2_at(cgroup_root)  # a hybrid host's v2 is below `unified`
@@ -88,6 +93,8 @@ class HardLimiter(threading.Thread):
         self._rejected: set[tuple[str, str, int]] = set()
         self._final: dict[str, LimitOutcome] = {}  # GPU -> why it never gets a limit
         self._told: set[str] = set()  # pods whose Event has gone out
+        # (pod UID, GPU) -> passes in a row on which the driver charged the pod nothing.
+        self._uncharged: dict[tuple[str, str], int] = {}
         self._parsed: dict[str, tuple[str, PodVram | None]] = {}  # uid -> (version, parsed)
         self._logged = ""
 
@@ -103,7 +110,9 @@ class HardLimiter(threading.Thread):
         if pods is None or not devices:
             return  # no pod list or no NVML pass yet: never act on a guess
         declared = self._declared(pods, portion_basis(devices))
-        self._told &= {p.uid for p in declared}
+        live = {p.uid for p in declared}
+        self._told &= live
+        self._uncharged = {key: n for key, n in self._uncharged.items() if key[0] in live}
         usable = [d for d in devices if d.uuid not in self._final]
         why = self._node_reason(devices, usable)
         if why:
@@ -212,7 +221,33 @@ class HardLimiter(threading.Thread):
             why = f"NVML rejected the limit of the pod's cgroup {pod_dir} on {', '.join(rejected)}"
             self._tell(pod, Reason.SAMPLING_ONLY, messages.sampling_only(why))
         elif limits and set(limits) == set(pod.limits_on(usable)):
-            self._tell(pod, Reason.HARD_LIMIT, messages.hard_limit_in_place("the pod", limits))
+            self._prove(pod, pod_dir, limits)
+
+    def _prove(self, pod: PodVram, pod_dir: str, limits: Mapping[str, int]) -> None:
+        """The hard tier is claimed for a pod only once the driver shows that it counts the
+        pod's processes against the limit (`charged`); said to bind nothing when, on two
+        passes in a row, it charged nothing while NVML lists enough for them to tell."""
+        if pod.uid in self._told:
+            return
+        usage = self._usage()
+        for gpu in limits:
+            listed = sum(usage.get(cid, {}).get(gpu, 0) for cid in pod.ids.values())
+            held = self._nvml.memory_limit(gpu, pod_dir) if listed >= EVIDENCE_BYTES else None
+            if not isinstance(held, HeldLimit):
+                continue
+            key = (pod.uid, gpu)
+            misses, binds = proven(self._uncharged.get(key, 0), charged(listed, held.charged_bytes))
+            self._uncharged[key] = misses
+            if binds is True:
+                proof = (gpu, held.charged_bytes, listed)
+                text = messages.hard_limit_in_place("the pod", limits, proof)
+                self._tell(pod, Reason.HARD_LIMIT, text)
+                return
+            if binds is False:
+                why = messages.not_charged(gpu, listed, "the pod's processes")
+                log.warning("pod %s/%s: %s", pod.namespace, pod.name, why)
+                self._tell(pod, Reason.SAMPLING_ONLY, messages.sampling_only(why))
+                return
 
     def _tell(self, pod: PodVram, reason: Reason, message: str) -> None:
         if pod.uid in self._told:

@@ -270,6 +270,7 @@ class AgentProcess:
             state = FakeGpuState.single_gpu()
             state.add_device()
         state.write(self.state_file)
+        self.state = state  # change it, then write it to state_file, for what NVML shows next
         self.log_path = tmp / "agent.log"
         self.port = free_port()
         kubeconfig = apiserver.kubeconfig(token, tmp / "kubeconfig")

@@ -282,8 +282,15 @@ def test_hard_limits_land_on_the_cgroups_the_real_kubelet_makes(installed: Clust
     assert f"{node.cgroup_root}/kubepods/besteffort/pod{pod.metadata.uid}" in pod_dir
     assert found[pod_dir] == 2 * GiB
     assert found[f"{pod_dir}/{container_id}"] == 2 * GiB
-    wait_for(lambda: events(core, "default", "limited", "VRAMHardLimit"), timeout=30,
-             what="the VRAMHardLimit Event (sent after the limit, from a background thread)")  # fmt: skip
+    # Claimed once the driver shows it charges the pod's processes: pause "holds" 1 GiB.
+    (pid,) = wait_for(lambda: node.pids(container_id), timeout=30, what="pause's host pid")
+    installed.use(pid, GiB)
+    try:
+        (event,) = wait_for(lambda: events(core, "default", "limited", "VRAMHardLimit"),
+                            timeout=30, what="the VRAMHardLimit Event")  # fmt: skip
+    finally:
+        installed.use(pid, None)
+    assert "it charges 1.00 GiB on GPU-" in event.message
     core.delete_namespaced_pod("limited", "default")
     wait_for(lambda: gone(core, "default", "limited"), timeout=60, what="the pod to be gone")
     assert "Traceback" not in installed.agent.log()

@@ -257,6 +257,10 @@ def test_the_agent_holds_each_claim_to_its_allocation_on_its_gpu(
         pod.start("trainer", [sys.executable, "-c", "import time; time.sleep(60)"])
         wait_for(lambda: records(agent, pod.cgroup("trainer")) == {gpu: eight},
                  what="the container's limit")  # fmt: skip
+        # Claimed once the driver shows that it charges the trainer's memory there.
+        (pid,) = wait_for(lambda: pod.host_pids("trainer"), what="the trainer's process")
+        state.set_process(allocated_gpu(api, pod), pid, GiB)
+        state.write(agent.state_file)
         (event,) = wait_for(lambda: events(api, pod.name, "VRAMHardLimit"), what="the Event")
         assert event.message.startswith(f"hard limit in place: the pod may allocate at most 8.00 GiB on {gpu}")  # fmt: skip
     finally:

@@ -56,10 +56,10 @@ def namespace(core: client.CoreV1Api, request: pytest.FixtureRequest) -> str:
 
 
 def start_agent(apiserver: ApiServer, token: str, tmp: Path, lib: Path, root: Path,
-                supported: bool = True) -> AgentProcess:  # fmt: skip
+                supported: bool = True, charges: bool = True) -> AgentProcess:  # fmt: skip
     state = FakeGpuState.single_gpu()
     state.add_device()
-    state.support_memory_limits(supported)
+    state.support_memory_limits(supported, charges)
     return AgentProcess(apiserver, token, NODE, tmp, lib, "--no-advertise", "--no-labels",
                         "--cgroup-root", str(root), "--cgroup-scan", "200ms", state=state)  # fmt: skip
 
@@ -114,11 +114,17 @@ def test_pod_and_container_limits_follow_the_pod_from_its_first_cgroup_to_its_de
         # The container's own limit, on the cgroup named by its container ID.
         first = pod.cgroup("train")
         wait_for(lambda: limited(agent, first, 12 * GiB), what="the container's hard limit")
+        # The hard tier is claimed once the driver shows it counts the pod's processes:
+        # nothing is said while they hold too little to tell.
+        assert not [e for e in events(core, pod) if e.reason.startswith("VRAM")]
+        uses(agent, pod, "train", 2 * GiB)
         wait_for(lambda: any(e.reason == "VRAMHardLimit" for e in events(core, pod)),
                  what="the VRAMHardLimit Event")  # fmt: skip
         (event,) = [e for e in events(core, pod) if e.reason.startswith("VRAM")]
         assert event.type == "Normal"
         assert "the pod may allocate at most 16.00 GiB on GPU-" in event.message
+        assert "it charges 2.00 GiB on GPU-00000000" in event.message
+        assert "where NVML lists 2.00 GiB for them" in event.message
         gauges = hard_limit_gauges(agent)
         gpus = {
             "GPU-00000000-fake-4000-8000-000000000000",
@@ -142,6 +148,36 @@ def test_pod_and_container_limits_follow_the_pod_from_its_first_cgroup_to_its_de
         # Only what it set: the helper's cgroup, never made, and nothing outside the pod.
         touched = {r["cgroup"] for r in limit_records(agent.state_file)}
         assert touched == {str(pod.pod_slice), str(first), str(pod.cgroup("train"))}
+    finally:
+        assert agent.stop() == 0
+
+
+def uses(agent: AgentProcess, pod: SimPod, container: str, used: int) -> None:
+    """The container's one process holds `used` on the first GPU, as NVML lists it."""
+    (pid,) = wait_for(lambda: pod.host_pids(container), what=f"{container}'s process")
+    agent.state.set_process(0, pid, used)
+    agent.state.write(agent.state_file)
+
+
+def test_a_limit_the_driver_does_not_charge_the_pods_processes_to_is_not_claimed(
+    apiserver: ApiServer, agent_rbac: str, core: client.CoreV1Api, fake_nvml_lib: Path,
+    pod: SimPod, tmp_path: Path,
+) -> None:  # fmt: skip
+    """A driver that takes the limit and charges nothing to it, as one that binds only
+    MPS clients would for an ordinary process: the pod is told that sampling enforces."""
+    agent = start_agent(apiserver, agent_rbac, tmp_path, fake_nvml_lib, pod.root, charges=False)
+    try:
+        pod.start("train", [sys.executable, "-c", "import time; time.sleep(60)"])
+        wait_for(lambda: limited(agent, pod.cgroup("train"), 12 * GiB),
+                 what="the container's hard limit")  # fmt: skip
+        uses(agent, pod, "train", 2 * GiB)
+        wait_for(lambda: any(e.reason == "VRAMSamplingOnly" for e in events(core, pod)),
+                 timeout=20, what="the VRAMSamplingOnly Event")  # fmt: skip
+        (event,) = [e for e in events(core, pod) if e.reason.startswith("VRAM")]
+        assert "the driver holds the limit on GPU-00000000" in event.message
+        assert "charges nothing to it, while NVML lists 2.00 GiB" in event.message
+        assert "enforced by sampling" in event.message
+        assert "Traceback" not in agent.log()
     finally:
         assert agent.stop() == 0
 

@@ -92,9 +92,12 @@ class FakeGpuState:
         return cls({"driver_version": "550.54.15", "errors": {}, "init_error": None,
                     "devices": [_device(0, total_bytes=total_bytes)]})  # fmt: skip
 
-    def support_memory_limits(self, supported: bool = True) -> None:
-        """A driver new enough for per-cgroup limits (R615+), or the default, older one."""
+    def support_memory_limits(self, supported: bool = True, charges: bool = True) -> None:
+        """A driver new enough for per-cgroup limits (R615+), or the default, older one.
+        `charges=False`: a driver that holds the limits but charges no process's memory to
+        them (`currentUsed` 0), as one that binds only MPS clients would for others."""
         self.data["driver_version"] = LIMITS_DRIVER if supported else "550.54.15"
+        self.data["limits_charge"] = int(charges)
 
     def copy(self) -> FakeGpuState:
         return FakeGpuState(copy.deepcopy(self.data))

@@ -325,6 +325,7 @@ typedef struct {
     int cuda_driver_version;
     nvmlReturn_t init_error;
     unsigned int query_delay_ms;
+    int limits_charge; /* 0: a limit is held but no process's memory is charged to it */
     ferror_t *errors;
     int nerrors;
     fdev *devs;
@@ -475,6 +476,7 @@ static fstate *build_state(const jv *root) {
     const jv *ie = jget(root, "init_error");
     s->init_error = (ie && ie->type == J_STR) ? error_code(ie->str) : NVML_SUCCESS;
     s->query_delay_ms = (unsigned int)jget_u64(root, "query_delay_ms", 0);
+    s->limits_charge = (int)jget_u64(root, "limits_charge", 1);
     if (!load_errors(jget(root, "errors"), &s->errors, &s->nerrors)) { free_state(s); return NULL; }
     const jv *devs = jget(root, "devices");
     if (devs && devs->type == J_ARR && devs->n > 0) {
@@ -1154,7 +1156,7 @@ nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, nvmlGetMemoryLimi
     if ((r = cgroup_dir(limits->nameSpace, &st)) != NVML_SUCCESS) return leave(r);
     if (!recorded_limits(d, &st, &limits->softLimit, &limits->hardLimit)) return leave(NVML_ERROR_NOT_FOUND);
     unsigned long long used = 0;
-    for (int i = 0; i < d->ncompute; i++)
+    for (int i = 0; g_state->limits_charge && i < d->ncompute; i++)
         if (d->compute[i].used != (unsigned long long)NVML_VALUE_NOT_AVAILABLE && in_cgroup(limits->nameSpace, d->compute[i].pid, 8))
             used += d->compute[i].used;
     limits->currentUsed = used;

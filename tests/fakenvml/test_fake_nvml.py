@@ -184,6 +184,27 @@ def test_memory_limits_are_recorded_read_back_and_cleared(
         child.wait()
 
 
+def test_a_driver_that_charges_nothing_holds_the_limit_and_reads_0(
+    fake_nvml: FakeNvml, cgroup2: Path
+) -> None:
+    """The stand-in for a driver that binds only MPS clients: the limit is there, and the
+    cgroup's own processes are not charged to it."""
+    fake_nvml.state.support_memory_limits(charges=False)
+    child = subprocess.Popen(["sleep", "60"])
+    (cgroup2 / "cgroup.procs").write_text(str(child.pid))
+    fake_nvml.state.set_process(0, child.pid, 3 * GiB)
+    fake_nvml.write()
+    pynvml.nvmlInit()
+    gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+    try:
+        pynvml.nvmlDeviceSetMemoryLimits_v1(gpu, _limits(cgroup2, 0, 4 * GiB))
+        assert _read_limits(gpu, cgroup2) == (0, 4 * GiB, 0)
+    finally:
+        pynvml.nvmlShutdown()
+        child.kill()
+        child.wait()
+
+
 def test_memory_limits_are_validated_like_the_driver(
     fake_nvml: FakeNvml, cgroup2: Path, tmp_path: Path
 ) -> None:

@@ -806,6 +806,33 @@ def test_a_process_that_leaves_the_commands_cgroup_is_moved_back_under_the_hard_
 
 
 @needs_cgroup2
+@pytest.mark.parametrize("charges", [True, False], ids=["charged", "not-charged"])
+def test_the_hard_limit_is_claimed_only_where_the_driver_charges_the_tree_to_it(
+    run: Run, charges: bool
+) -> None:
+    """NVIDIA documents these limits for MPS clients: a driver that takes the limit but
+    charges the tree's memory nowhere does not hold it, and the summary says so."""
+    run.gpu.state.support_memory_limits(charges=charges)
+    run.gpu.write()
+    summary = run.tmp / "summary.json"
+    run.start("--limit", "4Gi", "-v", "--summary", str(summary))  # -v: the info line too
+    w = run.worker()
+    run.use(w["pid"], GiB)
+    gpu0 = run.gpu.state.devices[0]["uuid"]
+    if charges:
+        run.logged("the driver counts the command tree against its hard limit: it charges "
+                   f"1.00 GiB on {gpu0}, where NVML lists 1.00 GiB")  # fmt: skip
+    else:
+        run.logged(f"no hard limit: the driver holds the limit on {gpu0} but charges nothing "
+                   "to it, while NVML lists 1.00 GiB for the command tree's processes there")  # fmt: skip
+    run.release()
+    assert run.wait() == 0, run.stderr
+    assert json.loads(summary.read_text())["hard_limit"] is charges
+    said = "no hard limit" in run.stderr
+    assert said is not charges  # said once, and only where it does not bind
+
+
+@needs_cgroup2
 def test_a_gpu_in_mig_mode_gets_no_hard_limit_and_says_so(run: Run) -> None:
     run.gpu.state.support_memory_limits()
     mig = run.gpu.state.add_device()

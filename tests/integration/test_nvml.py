@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from enforcer.core.model import GiB, LimitOutcome, LimitResult, ProcessKey, Sample, SourceDown
+from enforcer.core.model import (
+    GiB,
+    HeldLimit,
+    LimitOutcome,
+    LimitResult,
+    ProcessKey,
+    Sample,
+    SourceDown,
+)
 from enforcer.edge.nvml import MEMORY_LIMIT_MAX, Nvml, NvmlLost, NvmlQueryError, NvmlUnavailable
 from enforcer.edge.nvml_source import NvmlSource
 from enforcer.edge.procfs import ProcFs
@@ -476,10 +484,10 @@ def test_memory_limits_set_read_and_clear(fake_nvml: Any, nvml: Nvml, cgroup2: P
     nvml.init()
     gpu = fake_nvml.state.devices[0]["uuid"]
     assert nvml.memory_limit(gpu, str(cgroup2)) is None
-    assert nvml.set_memory_limit(gpu, str(cgroup2), 4 * GiB) == LimitOutcome(LimitResult.SET)
-    assert nvml.memory_limit(gpu, str(cgroup2)) == 4 * GiB
+    assert nvml.set_memory_limit(gpu, str(cgroup2), 4 * GiB, GiB) == LimitOutcome(LimitResult.SET)
+    assert nvml.memory_limit(gpu, str(cgroup2)) == HeldLimit(4 * GiB, GiB, 0)
     assert [(r["cgroup"], r["soft"], r["hard"]) for r in fake_nvml.limit_records()] == [
-        (str(cgroup2), 0, 4 * GiB)
+        (str(cgroup2), GiB, 4 * GiB)
     ]
     assert nvml.clear_memory_limit(gpu, str(cgroup2)).result is LimitResult.SET
     assert nvml.memory_limit(gpu, str(cgroup2)) is None

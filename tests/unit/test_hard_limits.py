@@ -4,17 +4,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+from enforcer.core.attribution import usage_by_container
 from enforcer.core.dra import DraSettings, allocations
 from enforcer.core.hard_limits import (
+    EVIDENCE_BYTES,
     PodVram,
     Target,
+    charged,
     per_gpu,
     plan,
     pod_vram,
     pod_vram_from_claims,
     targets,
 )
-from enforcer.core.model import Device, GiB
+from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
 
 A, B = "a" * 64, "b" * 64
 UID = "6b5ab4a6-3e21-4b5d-9a5f-2b1c9d6e4f7a"
@@ -141,3 +144,24 @@ def test_dra_claims_become_hard_limits_on_the_allocated_gpu_only() -> None:
     )
     assert got.limits_on(devices) == {gpu0: 4 * GiB}  # what the VRAMHardLimit Event waits for
     assert pod_vram_from_claims(dra_pod, allocations(dra_pod, {}, [slice_], DraSettings())) is None
+
+
+def test_a_limit_is_proven_to_bind_only_by_what_the_driver_charges_to_it() -> None:
+    """The driver's own count against what NVML lists for the cgroup's processes: at least
+    half of it proves the limit binds them; nothing, that it does not; too little listed,
+    or a count in between (a process gone between the two reads), proves nothing yet."""
+    assert charged(EVIDENCE_BYTES - 1, 0) is None  # a process without a context yet
+    assert charged(2 * GiB, 2 * GiB + 300 * 2**20) is True  # the driver's own reserve
+    assert charged(2 * GiB, GiB) is True
+    assert charged(2 * GiB, 0) is False
+    assert charged(2 * GiB, GiB - 1) is None
+
+
+def test_usage_by_container_sums_its_processes_per_gpu() -> None:
+    sample = Sample(0.0, (), (
+        ProcessUsage(ProcessKey(1, 1), "GPU-0", GiB), ProcessUsage(ProcessKey(2, 2), "GPU-0", GiB),
+        ProcessUsage(ProcessKey(2, 2), "GPU-1", 3 * GiB), ProcessUsage(ProcessKey(3, 3), "GPU-0", None),
+        ProcessUsage(ProcessKey(4, 4), "GPU-0", GiB),  # in no container
+    ))  # fmt: skip
+    containers = {ProcessKey(1, 1): A, ProcessKey(2, 2): A, ProcessKey(3, 3): B}
+    assert usage_by_container(sample, containers) == {A: {"GPU-0": 2 * GiB, "GPU-1": 3 * GiB}}
