@@ -10,17 +10,20 @@ next to the same agent with --hard-limits off.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kubernetes import client
 
 from bench.common import enforcer_argv, proc_cpu_seconds, proc_status_kib
+from enforcer.core.model import GiB
 from tests.e2e.cluster import ApiServer, apiserver_binary, etcd_binary
 from tests.e2e.podsim import CGROUP2
 from tests.fakenvml import FakeGpuState, limit_records
@@ -46,10 +49,18 @@ def agent_cpu(lib_dir: Path, window: float) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp_name:
             tmp = Path(tmp_name)
             core = client.CoreV1Api(server.client())
-            cgroups = _pods(core, root)
+            dirs = _pods(core, root)
+            cgroups = len(dirs) + PODS
             kubeconfig = server.write_kubeconfig(tmp / "kubeconfig")
             on = _measure(lib_dir, tmp / "on", kubeconfig, root, cgroups, window, "auto")
             off = _measure(lib_dir, tmp / "off", kubeconfig, root, cgroups, window, "off")
+            # Every container's process holding 1 GiB on the first GPU, as NVML lists it:
+            # the agent reads what the driver charges each pod until it has said so.
+            with _holders(dirs) as pids:
+                busy = _measure(lib_dir, tmp / "busy", kubeconfig, root, cgroups, window, "auto",
+                                pids, core)  # fmt: skip
+                idle = _measure(lib_dir, tmp / "busy-off", kubeconfig, root, cgroups, window,
+                                "off", pids)  # fmt: skip
     finally:
         remove_cgroup_tree(root)
         server.close()
@@ -62,14 +73,34 @@ def agent_cpu(lib_dir: Path, window: float) -> dict[str, Any]:
         "agent_cpu_share_of_one_core": on["cpu_share"],
         "agent_cpu_share_without_hard_limits": off["cpu_share"],
         "agent_rss_mib": on["rss_mib"],
+        "with_processes": PODS * 2,
+        "all_proven_after_s": busy["all_proven_after_s"],
+        "agent_cpu_share_with_processes": busy["cpu_share"],
+        "agent_cpu_share_with_processes_without_hard_limits": idle["cpu_share"],
     }
 
 
-def _pods(core: client.CoreV1Api, root: Path) -> int:
-    """110 pods on NODE, each with two declaring containers and their cgroups."""
+@contextlib.contextmanager
+def _holders(dirs: list[Path]) -> Iterator[tuple[int, ...]]:
+    """A sleeping process in each container's cgroup (the v2 hierarchy, ours to use)."""
+    procs = []
+    try:
+        for d in dirs:
+            proc = subprocess.Popen(["sleep", "600"])
+            procs.append(proc)
+            (d / "cgroup.procs").write_text(str(proc.pid))
+        yield tuple(p.pid for p in procs)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _pods(core: client.CoreV1Api, root: Path) -> list[Path]:
+    """110 pods on NODE, each with two declaring containers; their containers' cgroups."""
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="bench")))
     qos = root / "kubepods.slice" / "kubepods-besteffort.slice"
-    made = 0
+    made = []
     for i in range(PODS):
         ids = {c: secrets.token_hex(32) for c in ("train", "helper")}
         spec = [client.V1Container(name=c, image="gpu:1", resources=client.V1ResourceRequirements(
@@ -84,16 +115,20 @@ def _pods(core: client.CoreV1Api, root: Path) -> int:
         pod_dir = qos / f"kubepods-besteffort-pod{pod.metadata.uid.replace('-', '_')}.slice"
         for cid in ids.values():
             (pod_dir / f"cri-containerd-{cid}.scope").mkdir(parents=True)
-        made += 3
+            made.append(pod_dir / f"cri-containerd-{cid}.scope")
     return made
 
 
 def _measure(lib_dir: Path, tmp: Path, kubeconfig: Path, root: Path, cgroups: int, window: float,
-             mode: str) -> dict[str, float]:  # fmt: skip
+             mode: str, pids: tuple[int, ...] = (), core: client.CoreV1Api | None = None,
+             ) -> dict[str, float]:  # fmt: skip
+    """With `core`: also the time until every pod's VRAMHardLimit Event is there."""
     tmp.mkdir()
     state = FakeGpuState.single_gpu()
     state.add_device()
     state.support_memory_limits()
+    for pid in pids:
+        state.set_process(0, pid, GiB)
     state_file = tmp / "gpu.json"
     state.write(state_file)
     started = time.monotonic()
@@ -109,7 +144,10 @@ def _measure(lib_dir: Path, tmp: Path, kubeconfig: Path, root: Path, cgroups: in
             wait_for(lambda: len(limit_records(state_file)) >= 2 * cgroups, timeout=120,
                      what="every limit set")  # fmt: skip
             all_set = time.monotonic() - started
-        else:
+        if core is not None:
+            wait_for(lambda: _proven(core) >= PODS, timeout=120, what="every pod's VRAMHardLimit")
+            proven = time.monotonic() - started
+        if mode != "auto":
             wait_for((tmp / "agent.sock").exists, what="the agent socket")
         time.sleep(2.0)  # past start-up
         cpu0, t0 = proc_cpu_seconds(agent.pid), time.monotonic()
@@ -120,7 +158,13 @@ def _measure(lib_dir: Path, tmp: Path, kubeconfig: Path, root: Path, cgroups: in
     finally:
         agent.terminate()
         agent.wait(timeout=15)
-    return {"all_set_after_s": all_set, "cpu_share": (cpu1 - cpu0) / (t1 - t0), "rss_mib": rss}
+    return {"all_set_after_s": all_set, "cpu_share": (cpu1 - cpu0) / (t1 - t0), "rss_mib": rss,
+            "all_proven_after_s": proven if core is not None else float("nan")}  # fmt: skip
+
+
+def _proven(core: client.CoreV1Api) -> int:
+    events = core.list_namespaced_event("bench", field_selector="reason=VRAMHardLimit").items
+    return len({e.involved_object.uid for e in events})
 
 
 def overshoot(latency_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

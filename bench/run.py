@@ -235,6 +235,12 @@ def show(results: dict[str, Any]) -> None:
             f"of a core (scan every {row['cgroup_scan_s']:.0f} s), against "
             f"{100 * row['agent_cpu_share_without_hard_limits']:.2f}% with --hard-limits off; RSS {row['agent_rss_mib']:.1f} MiB"
         )
+        print(
+            f"agent hard limits with {row['with_processes']} GPU processes of 1 GiB: every pod's VRAMHardLimit "
+            f"(the driver's charge read) {row['all_proven_after_s']:.1f} s after start; steady CPU "
+            f"{100 * row['agent_cpu_share_with_processes']:.2f}% of a core, against "
+            f"{100 * row['agent_cpu_share_with_processes_without_hard_limits']:.2f}% with --hard-limits off"
+        )
     for row in results.get("overshoot", ()):
         print(
             f"overshoot, {row['tier']:>20} at {row['rate_gib_per_s']:>3} GiB/s: p50 {row['p50_gib']:.3f} GiB, "
