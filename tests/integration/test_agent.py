@@ -28,6 +28,7 @@ import pytest
 from enforcer.core.model import GiB
 from enforcer.edge.peers import PeerError, attest
 from enforcer.edge.procfs import ProcFs
+from enforcer.edge.sources import boot_ticks
 from enforcer.edge.usage_server import PER_NAMESPACE
 from tests.fakenvml import FakeGpuState
 from tests.fakenvml.plugin import FakeNvml
@@ -136,6 +137,15 @@ def pods(agent: Agent) -> Iterator[list[Pod]]:
 
 
 def list_on_gpu(gpu: FakeNvml, pids: dict[int, int]) -> None:
+    """List `pids` on the GPU, once the clock has ticked past the youngest one's start.
+
+    The agent never charges a process that started in the clock tick (10 ms) of the pass
+    that first listed its pid, or later: it cannot be told from a newcomer on a pid that
+    NVML still lists. Listed within that tick of their start (as once happened in CI, to
+    the nested namespace's process, started last), the processes would rightly never be
+    charged, and the test would wait for them in vain."""
+    youngest = max((HOST.start_time(pid) or 0 for pid in pids), default=0)
+    wait_for(lambda: boot_ticks() > youngest, what="a clock tick past the processes' start")
     for pid, used in pids.items():
         gpu.state.set_process(0, pid, used)
     gpu.write()
