@@ -175,8 +175,9 @@ def sidecar_silent(after: float, unreachable: str | None = None) -> str:
     )
     return (
         f"the vram-enforcer sidecar of this pod has not been connected to the node agent for "
-        f"{after:.0f}s: {why}. The pod's VRAM limits are not enforced by sampling until it is "
-        "back (a driver hard limit still holds, where there is one)"
+        f"{after:.0f}s: {why}. Until it is back, the node agent enforces the pod's declared "
+        "limits itself, with the pod's action, and holds a container that may borrow to its "
+        "request (limits from DRA claims wait for the sidecar; a driver hard limit still holds)"
     )
 
 

@@ -357,7 +357,12 @@ class AgentTelemetry:
         self.unguarded = Gauge(
             PREFIX + "pods_unguarded",
             "Enforced pods of this node whose sidecar has not been connected to the agent for "
-            "10 s (stopped, killed or crash-looping): not enforced by sampling",
+            "10 s (stopped, killed or crash-looping)",
+            registry=self.registry,
+        )
+        self.held_by_agent = Gauge(
+            PREFIX + "pods_held_by_agent",
+            "Pods whose limits the agent enforces itself while their sidecar is silent",
             registry=self.registry,
         )
         self.connections = Gauge(

@@ -45,6 +45,7 @@ from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView, PidViewError
 from enforcer.edge.tenants import Tenants
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
+from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
 
@@ -142,6 +143,8 @@ class Sampler(threading.Thread):
         self.stop = threading.Event()
         # The reclaims decided on each pass, once the node's pods are watched (`Lender`).
         self.lender: Lender | None = None
+        # The pods whose sidecar is silent, enforced by the agent itself (`Backstop`).
+        self.backstop: Backstop | None = None
         # With hard limits: each container's usage per GPU, as of the last pass, for the
         # proof that the driver charges what it limits (replaced whole: read by another thread).
         self.keeps_usage = False
@@ -167,6 +170,8 @@ class Sampler(threading.Thread):
             self._telemetry.node.tenants = self._tenants.count(sample)
             if self.lender is not None:  # undecided (pods not listed yet): nobody is asked
                 lending = self.lender(sample, self._tenants.containers) or Lending()
+            if self.backstop is not None:
+                self.backstop(sample, self._tenants.containers)
             if self.keeps_usage:
                 self.container_usage = usage_by_container(sample, self._tenants.containers())
         self._server.publish(sample, lending)
@@ -418,8 +423,11 @@ def _pod_watch(
         dra = claims if settings.dra.drivers else None
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
         dial = functools.partial(dial_sidecars, server.host_proc)
-        woken.append(SidecarWatch(pods.snapshot, lambda: server.connected, recorder, telemetry,
-                                  dial, server.adopt))  # fmt: skip
+        sidecars = SidecarWatch(pods.snapshot, lambda: server.connected, recorder, telemetry,
+                                dial, server.adopt)  # fmt: skip
+        woken.append(sidecars)
+        sampler.backstop = Backstop(pods.snapshot, lambda: sidecars.silent, resource, SIDECAR,
+                                    recorder, telemetry, server.host_proc)  # fmt: skip
     return recorder, pods, woken
 
 

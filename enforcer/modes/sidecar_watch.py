@@ -69,6 +69,11 @@ class SidecarWatch(threading.Thread):
         self.stop = threading.Event()
         self._guard = LoopGuard("sidecar-watch", telemetry.unexpected.labels("sidecar-watch"), log)
 
+    @property
+    def silent(self) -> frozenset[str]:
+        """The UIDs of the pods whose sidecar has been silent for SILENT_AFTER."""
+        return self._presence.silent
+
     def run(self) -> None:
         while not self.stop.wait(self._every):
             self._guard.run(self.check)

@@ -628,27 +628,41 @@ def test_a_baseline_namespace_runs_enforced_pods_and_the_workload_cannot_pose_as
         wait_for(lambda: gone(core, OPTED_IN, "locked"), timeout=60, what="the pod to be gone")
 
 
-def test_a_workload_that_stops_its_sidecar_is_told_on(installed: Cluster) -> None:
+def test_a_workload_that_stops_its_sidecar_is_told_on_and_held_by_the_agent(
+    installed: Cluster,
+) -> None:
     """The attack from inside the tenant's container: root there, it stops its sidecar
-    (they share a PID namespace). The agent sees that nobody reads the sidecar's
-    connection and says so on the pod; when the sidecar runs again, it says that too."""
-    core = installed.core
-    core.create_namespaced_pod(OPTED_IN, workload("quiet", "1Gi"))
+    (they share a PID namespace), then takes 2 GiB, above its 1Gi request and under its
+    4Gi ceiling. The agent sees that nobody reads the sidecar's connection, says so on the
+    pod, and enforces the pod itself, holding the borrower to its request (nobody could
+    ask it to give memory back); when the sidecar runs again, it hands the pod back."""
+    core, node = installed.core, installed.node
+    body = workload("quiet", "1Gi", annotations={"vram-enforcer.io/vram-ceiling": "4Gi"})
+    core.create_namespaced_pod(OPTED_IN, body)
     pod = wait_for(lambda: running(core, OPTED_IN, "quiet"), timeout=90, what="the pod to run")
-    sidecar, in_pod = the_sidecar(installed.node, pod)
+    sidecar, in_pod = the_sidecar(node, pod)
+    holder = the_holder(node, pod)
     try:
-        in_workload(installed.node, pod, f"import os, signal; os.kill({in_pod}, signal.SIGSTOP)")
+        in_workload(node, pod, f"import os, signal; os.kill({in_pod}, signal.SIGSTOP)")
         # a signal is delivered when the process next runs in the kernel: not at once
         wait_for(lambda: Path(f"/proc/{sidecar}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
                  timeout=10, what="the sidecar to be stopped")  # fmt: skip
         (silent,) = wait_for(lambda: events(core, OPTED_IN, "quiet", "VRAMSidecarSilent"),
                              timeout=60, what="the agent to say the sidecar is gone")  # fmt: skip
-        assert silent.type == "Warning" and "not enforced by sampling" in silent.message
+        assert silent.type == "Warning" and "the node agent enforces the pod's" in silent.message
         assert "vram_enforcer_pods_unguarded 1.0" in installed.agent_metrics()
+        wait_for(lambda: "vram_enforcer_pods_held_by_agent 1.0" in installed.agent_metrics(),
+                 timeout=10, what="the agent to hold the pod")  # fmt: skip
+        enforced = stopped_over(installed, "quiet", holder, 2 * GiB)
+        assert "held by the node agent while the pod's sidecar is silent" in enforced.message
+        assert "of its 1.00 GiB VRAM limit" in enforced.message  # its request, not its ceiling
+        assert enforced.involved_object.field_path == "spec.containers{trainer}"
     finally:
         os.kill(sidecar, signal.SIGCONT)
     wait_for(lambda: any(e.type == "Normal" for e in events(core, OPTED_IN, "quiet", "VRAMSidecarSilent")),
              timeout=60, what="the agent to say the sidecar is back")  # fmt: skip
+    wait_for(lambda: "vram_enforcer_pods_held_by_agent 0.0" in installed.agent_metrics(),
+             timeout=10, what="the agent to hand the pod back")  # fmt: skip
     core.delete_namespaced_pod("quiet", OPTED_IN)
     wait_for(lambda: gone(core, OPTED_IN, "quiet"), timeout=60, what="the pod to be gone")
 

@@ -64,7 +64,7 @@ def test_long_command_lines_are_shortened() -> None:
 
 def test_a_silent_sidecar_says_why_when_the_agent_could_not_reach_it() -> None:
     stopped = messages.sidecar_silent(10.0)
-    assert "stopped or killed" in stopped and "not enforced by sampling" in stopped
+    assert "stopped or killed" in stopped and "the node agent enforces the pod's" in stopped
     denied = messages.sidecar_silent(10.0, "cannot connect to /proc/7/root/...: Permission denied")
     assert (
         "the agent cannot connect to it (cannot connect to /proc/7/root/...: Permission " in denied

@@ -1,0 +1,245 @@
+"""The node agent enforces a pod itself while the pod's sidecar is silent.
+
+A root workload can stop or kill its own sidecar: they share a PID namespace. The agent,
+which sees every GPU process of its node with its container (by the process's cgroup),
+then runs the sidecar's own tick for that pod from its sampler's pass: the same pipeline
+and policy, with the action, grace period and warning threshold that the webhook wrote
+into the sidecar's environment; the same limits (`declaration.of_pod`), except that a
+container with a ceiling is held to its request, since borrowing needs a sidecar to give
+memory back; the same proof before each signal (a pidfd, the process's start time, and
+its cgroup naming the container's ID in the pod's current status); and Events on the pod.
+It hands the pod back as soon as the sidecar is heard again (`SidecarWatch` says when).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from enforcer.core.attribution import attribute
+from enforcer.core.cgroups import container_id
+from enforcer.core.declaration import portion_basis, sidecar_env
+from enforcer.core.hard_limits import pod_vram
+from enforcer.core.model import (
+    Action,
+    ProcessKey,
+    Sample,
+    SourceDown,
+    UnitUsage,
+    format_bytes,
+)
+from enforcer.core.parsing import ConfigError
+from enforcer.core.payloads import Pod
+from enforcer.core.pod import ContainerRef, container_limits, containers_by_id, pod_reference
+from enforcer.core.policy import PolicyConfig
+from enforcer.core.settings import resolve
+from enforcer.core.settings.sidecar import POLICY
+from enforcer.edge.guard import LoopGuard
+from enforcer.edge.metrics import AgentTelemetry, Telemetry
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.signals import Membership, Signaller, Terminator
+from enforcer.modes.pipeline import LogReporter, Pipeline, Report, Reporter, WholeUnit
+
+if TYPE_CHECKING:
+    from enforcer.edge.events import EventRecorder
+
+log = logging.getLogger(__name__)
+
+
+class Backstop:
+    """Called on every sampler pass: a pipeline per pod whose sidecar is silent."""
+
+    def __init__(
+        self,
+        pods: Callable[[], Mapping[str, Pod] | None],
+        silent: Callable[[], frozenset[str]],
+        resource: tuple[str, int],
+        sidecar: str,
+        recorder: EventRecorder,
+        telemetry: AgentTelemetry,
+        procfs: ProcFs,
+    ) -> None:
+        self._pods = pods
+        self._silent = silent
+        self._resource = resource
+        self._sidecar = sidecar
+        self._recorder = recorder
+        self._telemetry = telemetry
+        self._procfs = procfs
+        self._held: dict[str, _Held] = {}  # pod UID -> its pipeline, while its sidecar is silent
+        self._guard = LoopGuard("backstop", telemetry.unexpected.labels("backstop"), log)
+
+    def __call__(self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]) -> None:
+        self._guard.run(lambda: self._pass(sample, containers))
+
+    def _pass(self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]) -> None:
+        silent, pods = self._silent(), self._pods() or {}
+        for uid in [uid for uid in self._held if uid not in silent or uid not in pods]:
+            self._held.pop(uid).close()
+        self._telemetry.held_by_agent.set(len(self._held))
+        if not silent:
+            return
+        container_of = containers()
+        for uid in silent:
+            pod = pods.get(uid)
+            if pod is None:
+                continue
+            held = self._held.get(uid)
+            if held is None:
+                held = self._hold(pod, sample)
+                if held is None:
+                    continue
+                self._held[uid] = held
+            held.tick(pod, sample, container_of)
+        self._telemetry.held_by_agent.set(len(self._held))
+
+    def _hold(self, pod: Pod, sample: Sample) -> _Held | None:
+        """The pod's pipeline, or None for a pod that declares nothing the agent can hold
+        it to (DRA claims stay with the sidecar: their limits are per GPU)."""
+        name, unit = self._resource
+        vram = pod_vram(pod, name, unit, self._sidecar, portion_basis(sample.devices))
+        if vram is None:
+            return None
+        requests = {n: vram.requests.get(n, limit) for n, limit in vram.limits.items()}
+        policy = policy_of(sidecar_env(pod, self._sidecar))
+        log.warning("pod %s/%s: its sidecar is silent; the agent enforces its limits itself "
+                    "(%s)", vram.namespace, vram.name, _listed(requests))  # fmt: skip
+        return _Held(pod, requests, policy, self._sidecar, self._recorder, self._procfs)
+
+    def close(self) -> None:
+        for held in self._held.values():
+            held.close()
+        self._held.clear()
+
+
+def policy_of(env: Mapping[str, str]) -> PolicyConfig:
+    """The policy the pod's sidecar runs with, from the environment the webhook gave it
+    (validated there); the sidecar's defaults for anything it cannot read. `restart`
+    becomes `terminate`: the agent does not tell which process is a container's init, so
+    it stops the offending process (and escalates to each GPU process, as for any unit)."""
+    declared = (POLICY.action, POLICY.grace_period, POLICY.warn_at, POLICY.over_for,
+                POLICY.dry_run)  # fmt: skip
+    try:
+        config = POLICY.config(resolve(declared, {}, env))
+    except ConfigError:
+        config = POLICY.config(resolve(declared, {}, {}))
+    if config.action is Action.RESTART:
+        return replace(config, action=Action.TERMINATE)
+    return config
+
+
+class _Held:
+    """One silent pod's tick, with its own victims and their escalation."""
+
+    def __init__(
+        self,
+        pod: Pod,
+        requests: Mapping[str, int],
+        policy: PolicyConfig,
+        sidecar: str,
+        recorder: EventRecorder,
+        procfs: ProcFs,
+    ) -> None:
+        meta = pod.get("metadata") or {}
+        self._source = _Given()
+        self._attributor = _PodAttributor(procfs, requests, sidecar)
+        self._terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
+        about = (str(meta.get("namespace") or ""), str(meta.get("name") or ""),
+                 str(meta.get("uid") or ""))  # fmt: skip
+        telemetry = Telemetry({"namespace": about[0], "pod": about[1]})
+        reporters: list[Reporter] = [LogReporter(), _PodEvents(recorder, about, self._attributor)]
+        self._pipeline = Pipeline(
+            self._source, self._attributor, policy, self._terminator, reporters, telemetry
+        )
+
+    def tick(self, pod: Pod, sample: Sample, container_of: Mapping[ProcessKey, str]) -> None:
+        self._source.sample_now = sample
+        self._attributor.update(pod, container_of)
+        self._pipeline.tick()
+
+    def close(self) -> None:
+        self._terminator.close()
+
+
+class _Given:
+    """The sampler's sample of this pass, as the pipeline's source."""
+
+    def __init__(self) -> None:
+        self.sample_now: Sample | SourceDown = SourceDown("no pass yet")
+
+    def sample(self) -> Sample | SourceDown:
+        return self.sample_now
+
+    def fileno(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class _PodAttributor:
+    """A silent pod's containers, each process by the container ID in its cgroup, as the
+    agent reads it for every GPU process of the node; only IDs in the pod's own current
+    status count, and the sidecar's container is never one of its units."""
+
+    def __init__(self, procfs: ProcFs, requests: Mapping[str, int], sidecar: str) -> None:
+        self._procfs = procfs
+        self._requests = dict(requests)
+        self._sidecar = sidecar
+        self._ids: dict[str, str] = {}  # container name -> its container ID now
+        self._refs: dict[str, ContainerRef] = {}
+        self._container_of: Mapping[ProcessKey, str] = {}
+
+    def update(self, pod: Pod, container_of: Mapping[ProcessKey, str]) -> None:
+        by_id = {cid: r for cid, r in containers_by_id(pod).items() if r.name != self._sidecar}
+        self._ids = {ref.name: cid for cid, ref in by_id.items()}
+        self._refs = {ref.name: ref for ref in by_id.values()}
+        self._container_of = container_of
+
+    def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]:
+        name_of = {cid: name for name, cid in self._ids.items()}
+        unit_of = {k: name_of[c] for k, c in self._container_of.items() if c in name_of}
+        limits = container_limits(self._requests, self._refs.values(), undeclared_allowed=False)
+        return attribute(sample, unit_of, limits)
+
+    def membership(self, unit: str) -> Membership:
+        def member(pid: int) -> bool:
+            entries = self._procfs.cgroup(pid)
+            cid = container_id(entries) if entries else None
+            return cid is not None and self._ids.get(unit) == cid
+
+        return member
+
+    def label(self, unit: str) -> str:
+        return f"container {unit!r} (held by the node agent while the pod's sidecar is silent)"
+
+    def whole(self, unit: UnitUsage) -> WholeUnit:
+        """Each of its GPU processes: the agent does not tell a container's init."""
+        return WholeUnit(unit.processes)
+
+    def ref(self, unit: str) -> ContainerRef | None:
+        return self._refs.get(unit)
+
+
+class _PodEvents:
+    """The pipeline's reports as Events on the pod, posted by the agent's recorder."""
+
+    def __init__(
+        self, recorder: EventRecorder, about: tuple[str, str, str], attributor: _PodAttributor
+    ) -> None:
+        self._recorder = recorder
+        self._about = about
+        self._attributor = attributor
+
+    def report(self, report: Report) -> None:
+        if report.quiet:
+            return
+        ref = self._attributor.ref(report.unit) if report.unit else None
+        about = pod_reference(*self._about, ref)
+        self._recorder.record(about, str(report.reason), report.message, not report.normal)
+
+
+def _listed(limits: Mapping[str, int]) -> str:
+    return ", ".join(f"{n} {format_bytes(b)}" for n, b in sorted(limits.items()))
