@@ -18,13 +18,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from enforcer.core.attribution import attribute
+from enforcer.core.attribution import attribute, oldest
 from enforcer.core.cgroups import container_id
 from enforcer.core.declaration import portion_basis, sidecar_env
 from enforcer.core.hard_limits import pod_vram
 from enforcer.core.model import (
     Action,
     ProcessKey,
+    ProcessTotal,
     Sample,
     SourceDown,
     UnitUsage,
@@ -108,26 +109,16 @@ class Backstop:
                     "(%s)", vram.namespace, vram.name, _listed(requests))  # fmt: skip
         return _Held(pod, requests, policy, self._sidecar, self._recorder, self._procfs)
 
-    def close(self) -> None:
-        for held in self._held.values():
-            held.close()
-        self._held.clear()
-
 
 def policy_of(env: Mapping[str, str]) -> PolicyConfig:
     """The policy the pod's sidecar runs with, from the environment the webhook gave it
-    (validated there); the sidecar's defaults for anything it cannot read. `restart`
-    becomes `terminate`: the agent does not tell which process is a container's init, so
-    it stops the offending process (and escalates to each GPU process, as for any unit)."""
+    (validated there); the sidecar's defaults for anything it cannot read."""
     declared = (POLICY.action, POLICY.grace_period, POLICY.warn_at, POLICY.over_for,
                 POLICY.dry_run)  # fmt: skip
     try:
-        config = POLICY.config(resolve(declared, {}, env))
+        return POLICY.config(resolve(declared, {}, env))
     except ConfigError:
-        config = POLICY.config(resolve(declared, {}, {}))
-    if config.action is Action.RESTART:
-        return replace(config, action=Action.TERMINATE)
-    return config
+        return POLICY.config(resolve(declared, {}, {}))
 
 
 class _Held:
@@ -144,7 +135,8 @@ class _Held:
     ) -> None:
         meta = pod.get("metadata") or {}
         self._source = _Given()
-        self._attributor = _PodAttributor(procfs, requests, sidecar)
+        want_init = policy.action is Action.RESTART
+        self._attributor = SilentPodAttributor(procfs, requests, sidecar, want_init)
         self._terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
         about = (str(meta.get("namespace") or ""), str(meta.get("name") or ""),
                  str(meta.get("uid") or ""))  # fmt: skip
@@ -179,15 +171,18 @@ class _Given:
         return None
 
 
-class _PodAttributor:
+class SilentPodAttributor:
     """A silent pod's containers, each process by the container ID in its cgroup, as the
     agent reads it for every GPU process of the node; only IDs in the pod's own current
     status count, and the sidecar's container is never one of its units."""
 
-    def __init__(self, procfs: ProcFs, requests: Mapping[str, int], sidecar: str) -> None:
+    def __init__(
+        self, procfs: ProcFs, requests: Mapping[str, int], sidecar: str, want_init: bool
+    ) -> None:
         self._procfs = procfs
         self._requests = dict(requests)
         self._sidecar = sidecar
+        self._want_init = want_init  # `restart`: each container's init, when one is over
         self._ids: dict[str, str] = {}  # container name -> its container ID now
         self._refs: dict[str, ContainerRef] = {}
         self._container_of: Mapping[ProcessKey, str] = {}
@@ -202,12 +197,34 @@ class _PodAttributor:
         name_of = {cid: name for name, cid in self._ids.items()}
         unit_of = {k: name_of[c] for k, c in self._container_of.items() if c in name_of}
         limits = container_limits(self._requests, self._refs.values(), undeclared_allowed=False)
-        return attribute(sample, unit_of, limits)
+        units = attribute(sample, unit_of, limits)
+        if self._want_init and any(u.used_bytes > u.limit_bytes for u in units):
+            inits = self._inits()  # a scan of the host's /proc: only when one is over
+            units = tuple(replace(u, init_process=inits.get(u.name)) for u in units)
+        return units
+
+    def _inits(self) -> dict[str, ProcessTotal]:
+        """Each container's init, as the host sees it: a process of the container whose
+        parent is not (the runtime's shim). A `kubectl exec` into it is one too, and always
+        younger: the oldest is the init; two of the same clock tick prove none."""
+        name_of = {cid: name for name, cid in self._ids.items()}
+        candidates: dict[str, list[ProcessTotal]] = {}
+        for pid in self._procfs.pids():
+            name = name_of.get(self._cid(pid) or "")
+            st = self._procfs.stat(pid) if name is not None else None
+            if name is None or st is None or self._cid(st.ppid) == self._ids[name]:
+                continue
+            key, cmdline = ProcessKey(pid, st.start_time), self._procfs.cmdline(pid) or ""
+            candidates.setdefault(name, []).append(ProcessTotal(key, 0, (), cmdline))
+        return {name: init for name, found in candidates.items() if (init := oldest(found))}
+
+    def _cid(self, pid: int) -> str | None:
+        entries = self._procfs.cgroup(pid)
+        return container_id(entries) if entries else None
 
     def membership(self, unit: str) -> Membership:
         def member(pid: int) -> bool:
-            entries = self._procfs.cgroup(pid)
-            cid = container_id(entries) if entries else None
+            cid = self._cid(pid)
             return cid is not None and self._ids.get(unit) == cid
 
         return member
@@ -216,7 +233,11 @@ class _PodAttributor:
         return f"container {unit!r} (held by the node agent while the pod's sidecar is silent)"
 
     def whole(self, unit: UnitUsage) -> WholeUnit:
-        """Each of its GPU processes: the agent does not tell a container's init."""
+        """`restart`: the container's init, whose end makes the kubelet restart the
+        container; else (or when its init is not proven) each of its GPU processes."""
+        init = self._inits().get(unit.name) if self._want_init else None
+        if init is not None:
+            return WholeUnit((init,), restart=True)
         return WholeUnit(unit.processes)
 
     def ref(self, unit: str) -> ContainerRef | None:
@@ -227,7 +248,7 @@ class _PodEvents:
     """The pipeline's reports as Events on the pod, posted by the agent's recorder."""
 
     def __init__(
-        self, recorder: EventRecorder, about: tuple[str, str, str], attributor: _PodAttributor
+        self, recorder: EventRecorder, about: tuple[str, str, str], attributor: SilentPodAttributor
     ) -> None:
         self._recorder = recorder
         self._about = about

@@ -667,6 +667,37 @@ def test_a_workload_that_stops_its_sidecar_is_told_on_and_held_by_the_agent(
     wait_for(lambda: gone(core, OPTED_IN, "quiet"), timeout=60, what="the pod to be gone")
 
 
+def test_with_its_sidecar_stopped_restart_still_restarts_the_container(installed: Cluster) -> None:
+    """`restart` from the agent: it stops the container's init as the host sees it (the
+    oldest of its processes whose parent, the runtime's shim, is not in it), and the
+    kubelet restarts the container, as when the sidecar does it."""
+    core, node = installed.core, installed.node
+    core.create_namespaced_pod(OPTED_IN, workload(
+        "held-restart", "1Gi", annotations={"vram-enforcer.io/action": "restart"}))  # fmt: skip
+    pod = wait_for(lambda: running(core, OPTED_IN, "held-restart"), timeout=90,
+                   what="the pod to run")  # fmt: skip
+    sidecar, in_pod = the_sidecar(node, pod)
+    holder = the_holder(node, pod)
+    try:
+        in_workload(node, pod, f"import os, signal; os.kill({in_pod}, signal.SIGSTOP)")
+        wait_for(lambda: events(core, OPTED_IN, "held-restart", "VRAMSidecarSilent"),
+                 timeout=60, what="the agent to say the sidecar is gone")  # fmt: skip
+        installed.use(holder, 2 * GiB)
+        try:
+            wait_for(lambda: _restarts(core.read_namespaced_pod("held-restart", OPTED_IN),
+                                       "trainer") >= 1,
+                     timeout=60, what="the kubelet to restart the container")  # fmt: skip
+        finally:
+            installed.use(holder, None)
+        (enforced, *_) = wait_for(lambda: events(core, OPTED_IN, "held-restart", "VRAMEnforced"),
+                                  timeout=30, what="the VRAMEnforced Event")  # fmt: skip
+        assert "held by the node agent while the pod's sidecar is silent" in enforced.message
+    finally:
+        os.kill(sidecar, signal.SIGCONT)
+    core.delete_namespaced_pod("held-restart", OPTED_IN)
+    wait_for(lambda: gone(core, OPTED_IN, "held-restart"), timeout=60, what="the pod to be gone")
+
+
 def _restarts(pod: client.V1Pod, container: str) -> int:
     (status,) = [s for s in pod.status.container_statuses or () if s.name == container]
     return int(status.restart_count)
