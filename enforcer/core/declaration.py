@@ -20,6 +20,7 @@ from enforcer.core import shapes
 from enforcer.core.model import Device
 from enforcer.core.parsing import ConfigError, json_object, parse_limits, parse_quantity, shown
 from enforcer.core.payloads import Pod
+from enforcer.core.pod import json_map, json_maps
 
 # The sidecar's variables that carry the declaration, as the webhook wrote it at admission.
 LIMITS_ENV = "VRAM_ENFORCER_LIMITS"  # container -> request (its limit, when no ceiling), bytes
@@ -93,10 +94,10 @@ def of_pod(pod: Pod, resource: str, unit: int, sidecar: str) -> Declaration:
     KAI's annotations. Anything malformed there, which the webhook never writes, declares
     nothing. Raises Undeclarable for resources the API server would have refused."""
     env = sidecar_env(pod, sidecar)
-    limits = declared_limits(_map(pod.get("spec")), resource, unit)
+    limits = declared_limits(json_map(pod.get("spec")), resource, unit)
     if limits:
         ceilings = _limits_or_empty(env.get(CEILINGS_ENV), CEILINGS_ENV)
-        return Declaration(limits, {n: c for n, c in ceilings.items() if c > limits.get(n, c)})
+        return Declaration(limits, _above(ceilings, limits))
     if LIMITS_ENV not in env:
         return Declaration()
     try:
@@ -105,19 +106,24 @@ def of_pod(pod: Pod, resource: str, unit: int, sidecar: str) -> Declaration:
         portions = parse_portions(env.get(PORTIONS_ENV, "{}"), PORTIONS_ENV)
     except ConfigError:
         return Declaration()
-    return Declaration(limits, {n: c for n, c in ceilings.items() if c > limits.get(n, c)},
-                       portions)  # fmt: skip
+    return Declaration(limits, _above(ceilings, limits), portions)
+
+
+def _above(ceilings: Mapping[str, int], limits: Mapping[str, int]) -> dict[str, int]:
+    """The ceilings of declaring containers that lie above their request: the others
+    borrow nothing."""
+    return {n: c for n, c in ceilings.items() if c > limits.get(n, c)}
 
 
 def sidecar_env(pod: Pod, sidecar: str) -> dict[str, str]:
     """The literal variables of the pod's sidecar, read from its spec: fixed at admission,
     unlike the pod's annotations."""
-    spec = _map(pod.get("spec"))
+    spec = json_map(pod.get("spec"))
     found: dict[str, str] = {}
     for spec_field in ("initContainers", "containers"):
-        for c in map(_map, _list(spec.get(spec_field))):
+        for c in json_maps(spec.get(spec_field)):
             if c.get("name") == sidecar:
-                for e in map(_map, _list(c.get("env"))):
+                for e in json_maps(c.get("env")):
                     name, value = e.get("name"), e.get("value")
                     if isinstance(name, str) and isinstance(value, str):
                         found[name] = value
@@ -133,11 +139,11 @@ def declared_limits(spec: Mapping[str, object], resource: str, unit: int) -> dic
     """
     limits: dict[str, int] = {}
     for spec_field in shapes.CONTAINER_FIELDS:
-        for item in _list(spec.get(spec_field)):
-            name = _map(item).get("name")
-            resources = _map(_map(item).get("resources"))
-            limit = _map(resources.get("limits")).get(resource)
-            request = _map(resources.get("requests")).get(resource)
+        for item in json_maps(spec.get(spec_field)):
+            name = item.get("name")
+            resources = json_map(item.get("resources"))
+            limit = json_map(resources.get("limits")).get(resource)
+            request = json_map(resources.get("requests")).get(resource)
             if not isinstance(name, str) or (limit is None and request is None):
                 continue
             where = f"spec.{spec_field}[{name!r}].resources"
@@ -222,11 +228,3 @@ def _limits_or_empty(text: str | None, where: str) -> dict[str, int]:
         return parse_limits(text, where)
     except ConfigError:
         return {}
-
-
-def _map(value: object) -> Mapping[str, object]:
-    return value if isinstance(value, dict) else {}
-
-
-def _list(value: object) -> list[object]:
-    return value if isinstance(value, list) else []

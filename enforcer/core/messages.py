@@ -34,6 +34,11 @@ _REFUSED = {
 }
 
 
+def amounts(per_container: Mapping[str, int]) -> str:
+    """`server 4.00 GiB, trainer 16.00 GiB`, by name."""
+    return ", ".join(f"{name} {format_bytes(b)}" for name, b in sorted(per_container.items()))
+
+
 def usage(unit: UnitUsage, label: str) -> str:
     """`the command tree uses 5.10 GiB of its 4.00 GiB VRAM limit (127%)`."""
     used, limit = unit.used_bytes, unit.limit_bytes

@@ -23,7 +23,6 @@ import secrets
 import socket
 from dataclasses import dataclass
 
-from enforcer.core.cgroups import container_id
 from enforcer.core.protocol import Challenge
 from enforcer.edge.listening import UCRED, peer_credentials
 from enforcer.edge.pidfd import Pinned
@@ -96,8 +95,7 @@ def attest(sock: socket.socket, host_proc: ProcFs, peer_pidfd: bool = True) -> P
     except PidViewError as exc:
         process.close()
         raise PeerError(f"cannot read the caller's PID namespace: {exc}") from None
-    entries = host_proc.cgroup(pid)
-    cid = None if entries is None else container_id(entries)
+    cid = host_proc.container_id(pid)
     if process.exited():
         process.close()
         raise PeerError("the caller exited while it was being identified")

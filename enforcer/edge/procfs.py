@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISCHR
 
-from enforcer.core.cgroups import CgroupEntry, parse_cgroup
+from enforcer.core.cgroups import CgroupEntry, container_id, parse_cgroup
 
 # The inode of the initial PID namespace (PROC_PID_INIT_INO in the kernel).
 INITIAL_PID_NS = 4026531836
@@ -140,6 +140,12 @@ class ProcFs:
             return parse_cgroup(text)
         except ValueError:
             return None
+
+    def container_id(self, pid: int | str) -> str | None:
+        """The ID of the container the process runs in, from its cgroup; None when it runs
+        in none, or its cgroup cannot be read."""
+        entries = self.cgroup(pid)
+        return None if entries is None else container_id(entries)
 
     def cmdline(self, pid: int) -> str | None:
         """The command line joined by spaces; `[comm]` when empty (zombies, kernel threads)."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import socket
 from collections.abc import Collection
 
-from enforcer.core.cgroups import container_id
 from enforcer.core.protocol import SIDECAR_SOCKET
 from enforcer.edge.procfs import ProcFs
 
@@ -25,8 +24,7 @@ def processes_of(host_proc: ProcFs, ids: Collection[str]) -> dict[str, int]:
     host's processes."""
     found: dict[str, int] = {}
     for pid in host_proc.pids():
-        entries = host_proc.cgroup(pid)
-        cid = None if entries is None else container_id(entries)
+        cid = host_proc.container_id(pid)
         if cid is not None and cid in ids and cid not in found:
             found[cid] = pid
             if len(found) == len(ids):

@@ -168,12 +168,14 @@ class Sampler(threading.Thread):
         lending = None
         if isinstance(sample, Sample):
             self._telemetry.node.tenants = self._tenants.count(sample)
+            # Each process's container, built once per pass, by the first that needs it.
+            containers = functools.cache(self._tenants.containers)
             if self.lender is not None:  # undecided (pods not listed yet): nobody is asked
-                lending = self.lender(sample, self._tenants.containers) or Lending()
+                lending = self.lender(sample, containers) or Lending()
             if self.backstop is not None:
-                self.backstop(sample, self._tenants.containers)
+                self.backstop(sample, containers)
             if self.keeps_usage:
-                self.container_usage = usage_by_container(sample, self._tenants.containers())
+                self.container_usage = usage_by_container(sample, containers())
         self._server.publish(sample, lending)
         self._record(sample)
 

@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from enforcer.core import messages
 from enforcer.core.attribution import attribute, oldest
-from enforcer.core.cgroups import container_id
 from enforcer.core.declaration import portion_basis, sidecar_env
 from enforcer.core.hard_limits import pod_vram
 from enforcer.core.model import (
@@ -29,7 +29,6 @@ from enforcer.core.model import (
     Sample,
     SourceDown,
     UnitUsage,
-    format_bytes,
 )
 from enforcer.core.parsing import ConfigError
 from enforcer.core.payloads import Pod
@@ -78,22 +77,13 @@ class Backstop:
     def _pass(self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]) -> None:
         silent, pods = self._silent(), self._pods() or {}
         for uid in [uid for uid in self._held if uid not in silent or uid not in pods]:
-            self._held.pop(uid).close()
-        self._telemetry.held_by_agent.set(len(self._held))
-        if not silent:
-            return
-        container_of = containers()
-        for uid in silent:
-            pod = pods.get(uid)
-            if pod is None:
-                continue
-            held = self._held.get(uid)
-            if held is None:
-                held = self._hold(pod, sample)
-                if held is None:
-                    continue
+            self._held.pop(uid).close()  # its sidecar is back, or the pod is gone
+        container_of = containers() if silent else {}
+        for uid in silent & pods.keys():
+            held = self._held.get(uid) or self._hold(pods[uid], sample)
+            if held is not None:
                 self._held[uid] = held
-            held.tick(pod, sample, container_of)
+                held.tick(pods[uid], sample, container_of)
         self._telemetry.held_by_agent.set(len(self._held))
 
     def _hold(self, pod: Pod, sample: Sample) -> _Held | None:
@@ -106,7 +96,7 @@ class Backstop:
         requests = {n: vram.requests.get(n, limit) for n, limit in vram.limits.items()}
         policy = policy_of(sidecar_env(pod, self._sidecar))
         log.warning("pod %s/%s: its sidecar is silent; the agent enforces its limits itself "
-                    "(%s)", vram.namespace, vram.name, _listed(requests))  # fmt: skip
+                    "(%s)", vram.namespace, vram.name, messages.amounts(requests))  # fmt: skip
         return _Held(pod, requests, policy, self._sidecar, self._recorder, self._procfs)
 
 
@@ -210,21 +200,17 @@ class SilentPodAttributor:
         name_of = {cid: name for name, cid in self._ids.items()}
         candidates: dict[str, list[ProcessTotal]] = {}
         for pid in self._procfs.pids():
-            name = name_of.get(self._cid(pid) or "")
+            name = name_of.get(self._procfs.container_id(pid) or "")
             st = self._procfs.stat(pid) if name is not None else None
-            if name is None or st is None or self._cid(st.ppid) == self._ids[name]:
+            if name is None or st is None or self._procfs.container_id(st.ppid) == self._ids[name]:
                 continue
             key, cmdline = ProcessKey(pid, st.start_time), self._procfs.cmdline(pid) or ""
             candidates.setdefault(name, []).append(ProcessTotal(key, 0, (), cmdline))
         return {name: init for name, found in candidates.items() if (init := oldest(found))}
 
-    def _cid(self, pid: int) -> str | None:
-        entries = self._procfs.cgroup(pid)
-        return container_id(entries) if entries else None
-
     def membership(self, unit: str) -> Membership:
         def member(pid: int) -> bool:
-            cid = self._cid(pid)
+            cid = self._procfs.container_id(pid)
             return cid is not None and self._ids.get(unit) == cid
 
         return member
@@ -260,7 +246,3 @@ class _PodEvents:
         ref = self._attributor.ref(report.unit) if report.unit else None
         about = pod_reference(*self._about, ref)
         self._recorder.record(about, str(report.reason), report.message, not report.normal)
-
-
-def _listed(limits: Mapping[str, int]) -> str:
-    return ", ".join(f"{n} {format_bytes(b)}" for n, b in sorted(limits.items()))

@@ -124,7 +124,7 @@ class ContainerAttributor:
         self._want_init = want_init
         self._spec_containers = spec_containers
         self._self = os.getpid()
-        self._self_cid = _cid(procfs, "self")
+        self._self_cid = procfs.container_id("self")
         # (container ID or None, command line) per process, read once per process.
         self._known: dict[ProcessKey, tuple[str | None, str]] = {}
         self._seen_without_api: set[str] = set()
@@ -202,9 +202,9 @@ class ContainerAttributor:
 
     def _without_api(self) -> dict[str, ContainerRef]:
         """Container ID -> container while the pod's status has never been read (see above)."""
-        pause = _cid(self._procfs, 1)
+        pause = self._procfs.container_id(1)
         for pid in self._procfs.pids():
-            cid = _cid(self._procfs, pid)
+            cid = self._procfs.container_id(pid)
             if cid is not None and cid not in (self._self_cid, pause):
                 self._seen_without_api.add(cid)
         by_id = sole_container(self._spec_containers, self._seen_without_api)
@@ -242,7 +242,7 @@ class ContainerAttributor:
             st = self._procfs.stat(pid)
             if st is None or st.ppid != 0 or pid == 1:
                 continue
-            ref = by_id.get(_cid(self._procfs, pid) or "")
+            ref = by_id.get(self._procfs.container_id(pid) or "")
             if ref is not None:
                 cmd = self._procfs.cmdline(pid) or ""
                 found = ProcessTotal(ProcessKey(pid, st.start_time), 0, (), cmd)
@@ -256,7 +256,7 @@ class ContainerAttributor:
             return lambda pid: False
         names = unit_containers(unit)
         ids = {cid for cid, ref in self._by_id.items() if ref.name in names}
-        return lambda pid: pid != 1 and _cid(self._procfs, pid) in ids
+        return lambda pid: pid != 1 and self._procfs.container_id(pid) in ids
 
     def whole(self, unit: UnitUsage) -> WholeUnit:
         """Restart semantics: the container's init, whose end makes the kubelet restart the
@@ -267,11 +267,11 @@ class ContainerAttributor:
             return WholeUnit((init,), restart=True)
         return WholeUnit(unit.processes)
 
-    def _in_bytes(self, devices: Sequence[Device]) -> tuple[dict[str, int], dict[str, int]]:
+    def _in_bytes(self, devices: Sequence[Device]) -> tuple[Mapping[str, int], Mapping[str, int]]:
         """(requests, ceilings above them) in bytes, a portion of a GPU counted against the
         memory of the node's smallest GPU; said in the log when that changes."""
         if not self._declared.portions:
-            return dict(self._declared.limits), dict(self._declared.ceilings)
+            return self._declared.limits, self._declared.ceilings
         basis = portion_basis(devices)
         if basis != self._basis:
             self._basis = basis
@@ -294,11 +294,11 @@ class ContainerAttributor:
             self._borrowing = lending
             if lending:
                 log.info("the node agent decides reclaims: containers may borrow up to their "
-                         "ceilings (%s)", _listed(ceilings))  # fmt: skip
+                         "ceilings (%s)", messages.amounts(ceilings))  # fmt: skip
             else:
                 log.warning("the node agent does not decide reclaims (a release before "
                             "ceilings?): containers are held to their requests, not their "
-                            "ceilings (%s), until it does", _listed(ceilings))  # fmt: skip
+                            "ceilings (%s), until it does", messages.amounts(ceilings))  # fmt: skip
         return ceilings if lending else {}
 
     def container(self, container_id: str) -> str | None:
@@ -341,10 +341,6 @@ class AgentReclaims:
         return asked
 
 
-def _listed(ceilings: Mapping[str, int]) -> str:
-    return ", ".join(f"{name} {format_bytes(c)}" for name, c in sorted(ceilings.items()))
-
-
 def _portions(portions: Mapping[str, Portion]) -> str:
     return ", ".join(f"{name} {share}" for name, share in _shares(portions))
 
@@ -360,11 +356,6 @@ def _init_of(unit: str, inits: Mapping[str, ProcessTotal]) -> ProcessTotal | Non
     """A unit's init process, for `restart`: its container's, when it has one container."""
     names = unit_containers(unit)
     return inits.get(names[0]) if len(names) == 1 else None
-
-
-def _cid(procfs: ProcFs, pid: int | str) -> str | None:
-    entries = procfs.cgroup(pid)
-    return None if entries is None else container_id(entries)
 
 
 class EventReporter:
@@ -489,8 +480,8 @@ def _pipeline(
     # A container with a ceiling is held to it, and to its limit (its request) whenever
     # the agent asks for the memory it borrowed above that.
     agent = source if isinstance(source, AgentSource) else None
-    ceilings = settings.ceilings if agent is not None else {}
-    portions = settings.portions if agent is not None else _no_ceilings(settings.portions)
+    # A ceiling (in bytes or a portion) needs --source agent: the settings refuse it else.
+    ceilings, portions = settings.ceilings, settings.portions
     attributor = ContainerAttributor(
         procfs,
         lambda: view.pod,
@@ -515,10 +506,6 @@ def _pipeline(
     reclaimer = AgentReclaims(agent, attributor)
     return Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry,
                     requests=lambda: attributor.requests, reclaimer=reclaimer)  # fmt: skip
-
-
-def _no_ceilings(portions: Mapping[str, Portion]) -> dict[str, Portion]:
-    return {name: Portion(p.request) for name, p in portions.items()}
 
 
 def _metrics(
@@ -624,7 +611,7 @@ class AloneDetector:
         self._me = me
         self._procfs = procfs
         self._pod = pod
-        self._self_cid = _cid(procfs, "self")
+        self._self_cid = procfs.container_id("self")
         self._seen_others = False
         self._alone_since: float | None = None
         self._next_check = 0.0
@@ -639,7 +626,7 @@ class AloneDetector:
         others = [
             pid
             for pid in self._procfs.pids()
-            if pid not in (1, os.getpid()) and _cid(self._procfs, pid) != self._self_cid
+            if pid not in (1, os.getpid()) and self._procfs.container_id(pid) != self._self_cid
         ]
         if others:
             self._seen_others, self._alone_since = True, None
