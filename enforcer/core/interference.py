@@ -43,6 +43,14 @@ SPREAD_METRIC = "(max - min) / median"
 TIMING_ENV = "VRAM_ENFORCER_TIMING_FILE"
 TIMING_FORM = '{"start_monotonic": S, "end_monotonic": E}, on CLOCK_MONOTONIC'
 
+# The start gate, for the runs of a pair that wait at it (the built-ins; commands of one's
+# own with --start-gate): once set up, a workload creates the file READY_ENV names and waits
+# until the file GO_ENV names exists; the mode creates it once every such run of the pair is
+# ready or gone. The two timed sections then start together, however long each start-up
+# took, instead of the shorter one being over before the longer one has begun.
+READY_ENV = "VRAM_ENFORCER_READY_FILE"
+GO_ENV = "VRAM_ENFORCER_GO_FILE"
+
 # ---------------------------------------------------------------------------- workloads
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
@@ -51,11 +59,13 @@ WORKLOAD_FORM = "NAME:LIMIT:COMMAND, e.g. trainer:4Gi:python train.py --epochs 1
 
 @dataclass(frozen=True, slots=True)
 class Workload:
-    """One workload: its name in the report, the GPU memory it declares, its command."""
+    """One workload: its name in the report, the GPU memory it declares, its command, and
+    whether it waits at the start gate (READY_ENV, GO_ENV) when it runs in a pair."""
 
     name: str
     limit_bytes: int
     command: tuple[str, ...]
+    gated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +142,7 @@ def builtin_workloads(
             name,
             BUILTINS[name].limit_bytes,
             (python, "-m", "enforcer.workloads", name, "--device", device, *extra),
+            gated=True,
         )
         for name in names
     )

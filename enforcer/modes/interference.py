@@ -6,12 +6,13 @@ Each run is a `python -m enforcer exec --limit LIMIT --summary FILE -- CMD` subp
 a session of its own. exec times the command, samples its peak GPU memory and stops it
 if it goes over its limit; its summary says which. Each run is told, in
 VRAM_ENFORCER_TIMING_FILE, where it may write the section of its work it timed itself.
-The two runs of a pair are started
-together. We wait on their pidfds next to the pipe that our signal handlers write to, so
-an exit, a `--timeout` and a ^C are each seen the moment they happen, without polling.
-On SIGINT, SIGTERM or SIGHUP the runs in flight get the signal (exec passes it on to its
-command), and the report of what was measured so far is still printed and written,
-marked partial.
+The two runs of a pair are started together; those that wait at the start gate (the
+built-ins, and commands of one's own with --start-gate) begin their work together too,
+once each is set up, so that a longer start-up does not leave one running alone. We
+wait on their pidfds next to the pipe that our signal handlers write to, so an exit, a
+`--timeout` and a ^C are each seen the moment they happen, without polling. On SIGINT,
+SIGTERM or SIGHUP the runs in flight get the signal (exec passes it on to its command),
+and the report of what was measured so far is still printed and written, marked partial.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from typing import Any
 from enforcer.core import exec_summary
 from enforcer.core.exec_summary import ExecSummary
 from enforcer.core.interference import (
+    GO_ENV,
+    READY_ENV,
     TIMING_ENV,
     Outcome,
     Report,
@@ -61,6 +64,7 @@ log = logging.getLogger(__name__)
 EXIT_USAGE = 2
 EXIT_NOT_WRITTEN = 1  # measured, but the report files could not be written
 KILL_AFTER = 15.0  # from our SIGTERM to exec to SIGKILL: exec's own grace period fits in
+GATE_POLL_MS = 5  # how often the ready files are looked at: the pair starts within this
 STDERR_TAIL = 64 * 1024  # how much of a run's stderr is read to tell why it failed
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
@@ -109,6 +113,7 @@ class _Running:
     pidfd: int
     deadline: float  # --timeout
     files: Path  # the stem of its files: .stdout, .stderr, .summary.json
+    ready: Path | None  # the file it creates once set up, if it waits at the start gate
     signalled_at: float | None = None
     killed: bool = False
     timed_out: bool = False
@@ -205,19 +210,32 @@ def _round(
 ) -> list[RunResult]:
     """Start the runs of one round together and wait until all have ended."""
     workloads = {w.name: w for w in settings.workloads}
+    go = runs_dir / f"{rnd.index:03d}.go" if len(rnd.runs) > 1 else None
     running: list[_Running] = []
     try:
         for spec in rnd.runs:
-            running.append(_start(rnd, spec, workloads[spec.workload], settings, runs_dir))
+            workload = workloads[spec.workload]
+            gate = go if workload.gated else None
+            running.append(_start(rnd, spec, workload, settings, runs_dir, gate))
+        if go is not None:
+            _open_gate(running, go, stop)
         _wait(running, stop)
     finally:
         _abandon(running)
+        for left in [go, *(r.ready for r in running)]:
+            if left is not None:
+                left.unlink(missing_ok=True)
     keep = settings.output is not None
     return [_result(rnd, r, settings.timeout, keep) for r in running]
 
 
 def _start(
-    rnd: Round, spec: RunSpec, workload: Workload, settings: InterferenceSettings, runs_dir: Path
+    rnd: Round,
+    spec: RunSpec,
+    workload: Workload,
+    settings: InterferenceSettings,
+    runs_dir: Path,
+    go: Path | None,
 ) -> _Running:
     neighbour = f"-next-to-{spec.neighbour}" if spec.neighbour else ""
     copy = "-copy2" if spec.copy == 2 else ""
@@ -230,6 +248,11 @@ def _start(
         "--summary", str(summary), "--name", workload.name, "--", *workload.command,
     ]  # fmt: skip
     env = dict(os.environ, **{TIMING_ENV: str(timing)})
+    ready = None
+    if go is not None:
+        ready = _file(files, ".ready")
+        ready.unlink(missing_ok=True)
+        env.update({READY_ENV: str(ready), GO_ENV: str(go)})
     if settings.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = env["NVIDIA_VISIBLE_DEVICES"] = settings.gpu
     with _file(files, ".stdout").open("wb") as out, _file(files, ".stderr").open("wb") as err:
@@ -238,11 +261,33 @@ def _start(
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                 env=env, start_new_session=True)  # fmt: skip
     log.debug("started %s: pid %d: %s", spec.label, proc.pid, " ".join(command))
-    return _Running(spec, proc, os.pidfd_open(proc.pid), time.monotonic() + settings.timeout, files)
+    deadline = time.monotonic() + settings.timeout
+    return _Running(spec, proc, os.pidfd_open(proc.pid), deadline, files, ready)
 
 
 def _file(stem: Path, suffix: str) -> Path:
     return stem.with_name(stem.name + suffix)
+
+
+def _open_gate(running: list[_Running], go: Path, stop: _Stop) -> None:
+    """Create `go` once every run that waits at the gate is set up (has created its ready
+    file) or has exited, or once the first run reaches its --timeout (`_wait` stops it).
+    On a stop signal the gate stays shut: `_wait` passes the signal on."""
+    pending = {r.pidfd: r for r in running if r.ready is not None}
+    poller = select.poll()
+    poller.register(stop.fileno(), select.POLLIN)
+    for fd in pending:
+        poller.register(fd, select.POLLIN)
+    deadline = min(r.deadline for r in running)
+    while pending and time.monotonic() < deadline:
+        for fd, _ in poller.poll(GATE_POLL_MS):
+            if fd == stop.fileno():
+                return
+            pending.pop(fd, None)  # exited: it will not get ready
+            poller.unregister(fd)
+        pending = {fd: r for fd, r in pending.items() if r.ready and not r.ready.exists()}
+    go.touch()
+    log.debug("the start gate of %s is open", go.name)
 
 
 def _wait(running: list[_Running], stop: _Stop) -> None:

@@ -7,8 +7,10 @@ Each does a fixed amount of work (its steps), so that its time is the measure: n
 neighbour the same work takes longer. Each times its steps itself, after its start-up
 (importing PyTorch, creating the CUDA context, allocating its data: a few seconds), and
 writes that section to the file `interference` names in TIMING_ENV, so that the start-up
-does not dilute the slowdown. PyTorch is imported only once the arguments are valid, and
-nothing else of the enforcer is imported here at all.
+does not dilute the slowdown; and in a pair, it starts its steps when its neighbour does
+(the start gate, READY_ENV and GO_ENV), so that the two are timed side by side.
+PyTorch is imported only once the arguments are valid, and nothing else of the enforcer
+is imported here at all.
 
 This module is the catalogue: names, default steps per device, GPU memory. The work
 itself is in `kernels.py`.
@@ -22,6 +24,10 @@ from dataclasses import dataclass
 # Where `vram-enforcer interference` asks for the section a workload timed itself; the
 # same name as enforcer.core.interference.TIMING_ENV, which this package may not import.
 TIMING_ENV = "VRAM_ENFORCER_TIMING_FILE"
+# Its start gate (enforcer.core.interference.READY_ENV, GO_ENV): once set up, create the
+# first file, and start the work when the second exists, with the neighbour's.
+READY_ENV = "VRAM_ENFORCER_READY_FILE"
+GO_ENV = "VRAM_ENFORCER_GO_FILE"
 
 EXIT_OUT_OF_MEMORY = 3
 EXIT_NO_TORCH = 4

@@ -13,12 +13,19 @@ from enforcer.workloads import (
     EXIT_NO_DEVICE,
     EXIT_NO_TORCH,
     EXIT_OUT_OF_MEMORY,
+    GO_ENV,
     PROFILES,
+    READY_ENV,
     TIMING_ENV,
     kernels,
 )
 
 PROG = "python -m enforcer.workloads"
+# How long a workload set up in a pair waits for its neighbour before it starts alone:
+# longer than any start-up (seconds), and it is what lets a workload whose interference
+# was killed end by itself.
+GATE_PATIENCE = 600.0
+GATE_POLL = 0.001  # the pair's two sections start within about this of each other
 
 STEPS = "\n".join(
     f"  {p.name:<8}cuda {p.steps['cuda']:>6}   cpu {p.steps['cpu']:>4}" for p in PROFILES.values()
@@ -29,6 +36,8 @@ default steps (estimated: about 10 s on an H100-class GPU, 5-10 s on a CPU):
 
 timing: the steps are timed after the start-up; run by `vram-enforcer interference`, the
 section is written to the file $VRAM_ENFORCER_TIMING_FILE names, and the report uses it.
+In a pair, once set up it creates $VRAM_ENFORCER_READY_FILE and starts its steps when
+$VRAM_ENFORCER_GO_FILE exists, so that both workloads are timed side by side.
 
 exit status:
   0 done; 2 bad arguments; {EXIT_OUT_OF_MEMORY} out of memory (one line on stderr says so);
@@ -86,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_NO_DEVICE
     device = torch.device(args.device)
     try:
-        ready, done = kernels.run(torch, args.name, device, steps)
+        ready, done = kernels.run(torch, args.name, device, steps, _wait_at_gate)
     except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"{PROG} {args.name}: out of memory: {reason}", file=sys.stderr, flush=True)
@@ -96,6 +105,28 @@ def main(argv: Sequence[str] | None = None) -> int:
           flush=True)  # fmt: skip
     _write_section(ready, done)
     return 0
+
+
+def _wait_at_gate() -> None:
+    """In a pair: say this workload is set up, and wait for `interference` to let both
+    begin (see enforcer.core.interference.READY_ENV). Alone, or outside it: go at once."""
+    ready, go = os.environ.get(READY_ENV), os.environ.get(GO_ENV)
+    if not ready or not go:
+        return
+    try:
+        with open(ready, "x"):
+            pass
+    except OSError as exc:
+        print(f"{PROG}: cannot create {READY_ENV}={ready} ({exc.strerror or exc}); "
+              "starting without waiting for the neighbour", file=sys.stderr)  # fmt: skip
+        return
+    patience = time.monotonic() + GATE_PATIENCE
+    while not os.path.exists(go):
+        if time.monotonic() > patience:
+            print(f"{PROG}: {GO_ENV}={go} did not appear within {GATE_PATIENCE:.0f} s; "
+                  "starting without the neighbour", file=sys.stderr)  # fmt: skip
+            return
+        time.sleep(GATE_POLL)
 
 
 def _write_section(start: float, end: float) -> None:

@@ -17,12 +17,15 @@ from enforcer.workloads import GiB, MiB
 Step = Callable[[int], None]
 
 
-def run(torch: Any, name: str, device: Any, steps: int) -> tuple[float, float]:
-    """Set workload `name` up, then run its steps; (set up, done) on CLOCK_MONOTONIC, the
-    clock `exec` times the whole command with."""
+def run(
+    torch: Any, name: str, device: Any, steps: int, when_set_up: Callable[[], None]
+) -> tuple[float, float]:
+    """Set workload `name` up, call `when_set_up`, then run its steps; (steps began, done)
+    on CLOCK_MONOTONIC, the clock `exec` times the whole command with."""
     torch.manual_seed(0)
     step = WORKLOADS[name](torch, device)
     _finish(torch, device)
+    when_set_up()
     ready = time.monotonic()
     for i in range(steps):
         step(i)

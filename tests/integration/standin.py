@@ -8,7 +8,9 @@ down. It can also hold GPU memory on the fake GPU (the FAKE_NVML_STATE file, edi
 under a lock since the runs of a pair edit it at once), fail cold on its first run, crash
 out of memory, or fail; and it tells the tests its pid and the GPU it was given. With
 --startup it sleeps before its slices, as a framework starts, and with --section it
-writes the section of its slices to VRAM_ENFORCER_TIMING_FILE, as the built-ins do.
+writes the section of its slices to VRAM_ENFORCER_TIMING_FILE, as the built-ins do;
+where it is given a start gate (VRAM_ENFORCER_READY_FILE, VRAM_ENFORCER_GO_FILE), it waits
+at it after its start-up, as they do.
 """
 
 import argparse
@@ -83,6 +85,10 @@ def main() -> int:
             args.cold.touch()
             time.sleep(args.cold_extra)
         time.sleep(args.startup)
+        if gate := os.environ.get("VRAM_ENFORCER_READY_FILE"):
+            Path(gate).touch()
+            while not Path(os.environ["VRAM_ENFORCER_GO_FILE"]).exists():
+                time.sleep(0.001)
         began = time.monotonic()
         for _ in range(args.slices):
             if args.contend:

@@ -186,6 +186,40 @@ def test_a_workload_that_times_its_work_is_measured_without_its_start_up(
     assert "256.00 MiB SM 40%" in row
 
 
+def test_with_the_start_gate_a_pair_starts_its_work_together_whatever_its_start_ups(
+    fake_nvml: Any, tmp_path: Path
+) -> None:
+    """`slow` takes 1.5 s to start up and `quick` none; each then works 0.4 s. Started
+    together, quick's work is over before slow's begins: they never ran side by side.
+    Through the gate, both begin when both are set up. Measured once without the gate
+    first, so that the test shows the gate is what lines them up."""
+    workloads = (*standin("slow", "1Gi", "--startup", "1.5", "--section", "--slices", "20"),
+                 *standin("quick", "1Gi", "--section", "--slices", "20"))  # fmt: skip
+    for gated in (False, True):
+        flags = ("--start-gate",) if gated else ()
+        m = measure(fake_nvml, tmp_path / str(gated), "--repeat", "1", "--warmup", "0",
+                    *flags, *workloads)  # fmt: skip
+        assert m.returncode == 0, m.stderr
+        (quick,) = [r for r in m.runs("quick") if r["neighbour"] == "slow"]
+        (slow,) = [r for r in m.runs("slow") if r["neighbour"] == "quick"]
+        began = quick["section_start_monotonic"], slow["section_start_monotonic"]
+        if not gated:
+            assert m.cell("quick", "slow")["overlap"] == 0, began
+            assert "~ quick next to slow ran alongside it for 0% of its time" in m.stdout
+        else:
+            assert abs(began[0] - began[1]) < 0.1, began
+            assert m.cell("quick", "slow")["overlap"] > 0.9
+            assert m.cell("slow", "quick")["overlap"] > 0.9
+            assert "~" not in m.stdout
+            assert quick["section_start_monotonic"] > quick["start_monotonic"] + 1.5
+        # a run alone is never held: nothing to wait for
+        (alone,) = [r for r in m.runs("quick") if r["neighbour"] is None]
+        assert alone["section_start_monotonic"] < alone["start_monotonic"] + 1.0
+        assert not list((m.output / "runs").glob("*.ready")) + list(
+            (m.output / "runs").glob("*.go")
+        )  # the gate's files are gone with their round
+
+
 def test_over_the_limit_out_of_memory_and_failures_are_cells_and_the_rest_is_measured(
     fake_nvml: Any, tmp_path: Path
 ) -> None:

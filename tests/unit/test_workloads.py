@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -20,10 +21,13 @@ from enforcer.workloads import (
     EXIT_NO_DEVICE,
     EXIT_NO_TORCH,
     EXIT_OUT_OF_MEMORY,
+    GO_ENV,
+    READY_ENV,
     TIMING_ENV,
     kernels,
 )
 from enforcer.workloads.__main__ import main
+from tests.helpers import wait_for
 
 
 def test_workload_arguments_are_checked_before_pytorch_is_looked_for(
@@ -103,6 +107,36 @@ def test_a_workload_writes_the_section_it_timed_for_interference_after_its_start
     assert problem == "" and section is not None
     assert section[0] >= began + 0.2  # after the start-up, whose sleep it does not count
     assert section[1] - section[0] >= 0.1  # both steps
+
+
+def test_in_a_pair_a_workload_says_it_is_set_up_and_starts_its_steps_only_at_the_gate(
+    stub_torch: types.SimpleNamespace,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    assert (READY_ENV, GO_ENV) == (interference.READY_ENV, interference.GO_ENV)
+    ready, go, timing = tmp_path / "run.ready", tmp_path / "round.go", tmp_path / "t.json"
+    seen: dict[str, float] = {}
+
+    def set_up(torch: object, device: object) -> Callable[[int], None]:
+        assert not ready.exists()  # not before its start-up is over
+        return lambda i: seen.setdefault("first step", time.monotonic())
+
+    def open_the_gate() -> None:
+        wait_for(ready.exists, timeout=10, what="the workload to say it is set up")
+        time.sleep(0.3)  # its neighbour's start-up takes longer
+        seen["go"] = time.monotonic()
+        go.touch()
+
+    monkeypatch.setitem(kernels.WORKLOADS, "matmul", set_up)
+    for name, path in ((READY_ENV, ready), (GO_ENV, go), (TIMING_ENV, timing)):
+        monkeypatch.setenv(name, str(path))
+    gatekeeper = threading.Thread(target=open_the_gate)
+    gatekeeper.start()
+    assert main(["matmul", "--steps", "1"]) == 0
+    gatekeeper.join()
+    assert seen["first step"] >= seen["go"]
+    assert json.loads(timing.read_text())["start_monotonic"] >= seen["go"]  # timed from go
 
 
 def test_a_section_that_cannot_be_written_is_one_line_and_the_work_still_counts(

@@ -6,7 +6,7 @@ The workloads themselves come as repeated `--workload NAME:LIMIT:COMMAND` argume
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from enforcer.core.interference import (
@@ -21,7 +21,7 @@ from enforcer.core.interference import (
     parse_workload,
 )
 from enforcer.core.parsing import as_text, choice, parse_percent, positive_duration
-from enforcer.core.settings import Setting, Values, value, verbosity
+from enforcer.core.settings import Setting, Values, switch, value, verbosity
 from enforcer.core.settings.common import log_format
 
 BUILTIN = value(
@@ -114,6 +114,17 @@ GPU = value(
     doc="run every workload on this GPU (index or UUID), through `CUDA_VISIBLE_DEVICES` and "
     "`NVIDIA_VISIBLE_DEVICES`. Without it, the workloads see whatever GPUs they would",
 )
+START_GATE = switch(
+    "start_gate",
+    "--start-gate",
+    "the --workload commands wait at the start gate too, as the built-ins do",
+    doc="the `--workload` commands of a pair wait at the start gate, as the built-ins always "
+    "do: each creates the file `VRAM_ENFORCER_READY_FILE` names once it is set up and waits "
+    "until the file `VRAM_ENFORCER_GO_FILE` names exists, so that the two start their work "
+    "together. Only for commands that do this (see "
+    "[interference.md](interference.md#starting-together)): a command that never creates "
+    "its ready file holds its neighbour at the gate until it exits",
+)
 LOG_FORMAT = log_format("text")
 VERBOSE = verbosity("one line per run")
 
@@ -127,6 +138,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     MAX_SPREAD,
     OUTPUT,
     GPU,
+    START_GATE,
     LOG_FORMAT,
     VERBOSE,
 )
@@ -149,7 +161,8 @@ class InterferenceSettings:
 def interference_settings(values: Values, specs: list[str], python: str) -> InterferenceSettings:
     """The settings, with the `--workload` arguments and the Python that runs built-ins."""
     builtins: tuple[str, ...] = values[BUILTIN] or ()
-    workloads = [parse_workload(spec) for spec in specs] + list(
+    gated = values[START_GATE]
+    workloads = [replace(parse_workload(spec), gated=gated) for spec in specs] + list(
         builtin_workloads(builtins, python, values[BUILTIN_DEVICE], values[BUILTIN_SCALE])
     )
     return InterferenceSettings(
