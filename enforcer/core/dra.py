@@ -76,6 +76,25 @@ def unit_containers(name: str) -> tuple[str, ...]:
     return tuple(name.split("@", 1)[0].split("+"))
 
 
+def single_container(name: str) -> str | None:
+    """The container of a unit that holds one (`trainer`, `trainer@GPU-...`); None for a
+    unit that containers share (`a+b@GPU-...`)."""
+    names = unit_containers(name)
+    return names[0] if len(names) == 1 else None
+
+
+def describe_unit(name: str) -> str:
+    """A unit as log lines and Events name it: `container 'trainer' on GPU GPU-...`."""
+    names = unit_containers(name)
+    who = (
+        f"container {names[0]!r}"
+        if len(names) == 1
+        else "containers " + " and ".join(repr(n) for n in names)
+    )
+    gpu = unit_gpu(name)
+    return who if gpu is None else f"{who} on GPU {gpu}"
+
+
 def unit_gpu(name: str) -> str | None:
     """The GPU of a unit named by `GpuUnit.name`; None for a unit of all GPUs."""
     return name.split("@", 1)[1] if "@" in name else None

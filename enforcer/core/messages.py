@@ -181,8 +181,8 @@ def sidecar_silent(after: float, unreachable: str | None = None) -> str:
     return (
         f"the vram-enforcer sidecar of this pod has not been connected to the node agent for "
         f"{after:.0f}s: {why}. Until it is back, the node agent enforces the pod's declared "
-        "limits itself, with the pod's action, and holds a container that may borrow to its "
-        "request (limits from DRA claims wait for the sidecar; a driver hard limit still holds)"
+        "limits (or its claims' allocations, per GPU) itself, with the pod's action, and holds "
+        "a container that may borrow to its request"
     )
 
 

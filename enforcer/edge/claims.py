@@ -105,6 +105,14 @@ class ClaimCache:
             self._reads[uid] = (version, found, again)
             return found
 
+    def last(self, pod: Pod) -> DraObjects | None:
+        """The pod's objects as last read well, without reading: for a caller that must
+        not wait on the API (the agent's sampler). None before a good read."""
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        with self._lock:
+            known = self._reads.get(uid)
+        return known[1].objects if known is not None else None
+
     def objects_or_problem(self, pod: Pod) -> DraObjects | str:
         """The limiter's view: the objects, or why they cannot be read now."""
         found = self.read(pod)

@@ -429,7 +429,8 @@ def _pod_watch(
                                 dial, server.adopt)  # fmt: skip
         woken.append(sidecars)
         sampler.backstop = Backstop(pods.snapshot, lambda: sidecars.silent, resource, SIDECAR,
-                                    recorder, telemetry, server.host_proc)  # fmt: skip
+                                    recorder, telemetry, server.host_proc,
+                                    (claims.last, settings.dra) if dra else None)  # fmt: skip
     return recorder, pods, woken
 
 

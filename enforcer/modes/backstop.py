@@ -6,7 +6,9 @@ then runs the sidecar's own tick for that pod from its sampler's pass: the same 
 and policy, with the action, grace period and warning threshold that the webhook wrote
 into the sidecar's environment; the same limits (`declaration.of_pod`), except that a
 container with a ceiling is held to its request, since borrowing needs a sidecar to give
-memory back; the same proof before each signal (a pidfd, the process's start time, and
+memory back; with DRA, each claim's allocation on its GPU, from the claims the agent last
+read for the pod's replies (never read here: the sampler does not wait on the API); the
+same proof before each signal (a pidfd, the process's start time, and
 its cgroup naming the container's ID in the pod's current status); and Events on the pod.
 It hands the pod back as soon as the sidecar is heard again (`SidecarWatch` says when).
 """
@@ -19,8 +21,18 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
-from enforcer.core.attribution import attribute, oldest
+from enforcer.core.attribution import attribute, attribute_per_gpu, oldest
 from enforcer.core.declaration import portion_basis, sidecar_env
+from enforcer.core.dra import (
+    Allocations,
+    DraObjects,
+    DraSettings,
+    allocations,
+    claim_names,
+    describe_unit,
+    single_container,
+    unit_containers,
+)
 from enforcer.core.hard_limits import pod_vram
 from enforcer.core.model import (
     Action,
@@ -29,6 +41,7 @@ from enforcer.core.model import (
     Sample,
     SourceDown,
     UnitUsage,
+    format_bytes,
 )
 from enforcer.core.parsing import ConfigError
 from enforcer.core.payloads import Pod
@@ -60,8 +73,11 @@ class Backstop:
         recorder: EventRecorder,
         telemetry: AgentTelemetry,
         procfs: ProcFs,
+        claims: tuple[Callable[[Pod], DraObjects | None], DraSettings] | None = None,
     ) -> None:
         self._pods = pods
+        self._claims = claims  # DRA: the pod's claims and the node's slices, as last read
+        self._unheld: set[str] = set()  # silent pods said to be beyond the agent's hold
         self._silent = silent
         self._resource = resource
         self._sidecar = sidecar
@@ -78,6 +94,7 @@ class Backstop:
         silent, pods = self._silent(), self._pods() or {}
         for uid in [uid for uid in self._held if uid not in silent or uid not in pods]:
             self._held.pop(uid).close()  # its sidecar is back, or the pod is gone
+        self._unheld &= silent
         container_of = containers() if silent else {}
         for uid in silent & pods.keys():
             held = self._held.get(uid) or self._hold(pods[uid], sample)
@@ -88,16 +105,46 @@ class Backstop:
 
     def _hold(self, pod: Pod, sample: Sample) -> _Held | None:
         """The pod's pipeline, or None for a pod that declares nothing the agent can hold
-        it to (DRA claims stay with the sidecar: their limits are per GPU)."""
+        it to (yet: claims not read, or not mapped to a GPU, are looked at again)."""
         name, unit = self._resource
-        vram = pod_vram(pod, name, unit, self._sidecar, portion_basis(sample.devices))
-        if vram is None:
-            return None
-        requests = {n: vram.requests.get(n, limit) for n, limit in vram.limits.items()}
         policy = policy_of(sidecar_env(pod, self._sidecar))
-        log.warning("pod %s/%s: its sidecar is silent; the agent enforces its limits itself "
-                    "(%s)", vram.namespace, vram.name, messages.amounts(requests))  # fmt: skip
-        return _Held(pod, requests, policy, self._sidecar, self._recorder, self._procfs)
+        vram = pod_vram(pod, name, unit, self._sidecar, portion_basis(sample.devices))
+        limits: Mapping[str, int] | Allocations
+        if vram is not None:
+            limits = {n: vram.requests.get(n, limit) for n, limit in vram.limits.items()}
+            held = messages.amounts(limits)
+        elif (found := self._allocations(pod)) is not None:
+            limits = found
+            held = ", ".join(f"{describe_unit(u.name)}: {format_bytes(u.limit_bytes)}"
+                             for u in found.units)  # fmt: skip
+        else:
+            return None
+        log.warning("pod %s: its sidecar is silent; the agent enforces its limits itself (%s)",
+                    _named(pod), held)  # fmt: skip
+        return _Held(pod, limits, policy, self._sidecar, self._recorder, self._procfs)
+
+    def _allocations(self, pod: Pod) -> Allocations | None:
+        """DRA: what the pod's claims give its containers on each GPU, as last read; None
+        (said once) while that is not known."""
+        if self._claims is None or not claim_names(pod):
+            return None
+        last, settings = self._claims
+        objects = last(pod)
+        found = allocations(pod, objects.claims, objects.slices, settings) if objects else None
+        if found is not None and found.units:
+            return found
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        if uid not in self._unheld:
+            self._unheld.add(uid)
+            why = "; ".join(found.problems) if found else "its claims have not been read yet"
+            log.warning("pod %s: its sidecar is silent, and the agent cannot hold it to its "
+                        "claims: %s", _named(pod), why or "they give no GPU")  # fmt: skip
+        return None
+
+
+def _named(pod: Pod) -> str:
+    meta = pod.get("metadata") or {}
+    return f"{meta.get('namespace')}/{meta.get('name')}"
 
 
 def policy_of(env: Mapping[str, str]) -> PolicyConfig:
@@ -117,7 +164,7 @@ class _Held:
     def __init__(
         self,
         pod: Pod,
-        requests: Mapping[str, int],
+        limits: Mapping[str, int] | Allocations,
         policy: PolicyConfig,
         sidecar: str,
         recorder: EventRecorder,
@@ -126,7 +173,7 @@ class _Held:
         meta = pod.get("metadata") or {}
         self._source = _Given()
         want_init = policy.action is Action.RESTART
-        self._attributor = SilentPodAttributor(procfs, requests, sidecar, want_init)
+        self._attributor = SilentPodAttributor(procfs, limits, sidecar, want_init)
         self._terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
         about = (str(meta.get("namespace") or ""), str(meta.get("name") or ""),
                  str(meta.get("uid") or ""))  # fmt: skip
@@ -164,13 +211,19 @@ class _Given:
 class SilentPodAttributor:
     """A silent pod's containers, each process by the container ID in its cgroup, as the
     agent reads it for every GPU process of the node; only IDs in the pod's own current
-    status count, and the sidecar's container is never one of its units."""
+    status count, and the sidecar's container is never one of its units. Its limits are
+    per container (what each declares, any GPU), or, with DRA, what each allocation gives
+    its containers on its GPU (a container's memory on a GPU that none gives it: 0)."""
 
     def __init__(
-        self, procfs: ProcFs, requests: Mapping[str, int], sidecar: str, want_init: bool
+        self,
+        procfs: ProcFs,
+        limits: Mapping[str, int] | Allocations,
+        sidecar: str,
+        want_init: bool,
     ) -> None:
         self._procfs = procfs
-        self._requests = dict(requests)
+        self._limits = limits if isinstance(limits, Allocations) else dict(limits)
         self._sidecar = sidecar
         self._want_init = want_init  # `restart`: each container's init, when one is over
         self._ids: dict[str, str] = {}  # container name -> its container ID now
@@ -186,11 +239,18 @@ class SilentPodAttributor:
     def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]:
         name_of = {cid: name for name, cid in self._ids.items()}
         unit_of = {k: name_of[c] for k, c in self._container_of.items() if c in name_of}
-        limits = container_limits(self._requests, self._refs.values(), undeclared_allowed=False)
-        units = attribute(sample, unit_of, limits)
+        if isinstance(self._limits, Allocations):
+            # As the sidecar holds them: every container, on every GPU it uses.
+            held = set(self._refs) - self._limits.unresolved
+            units = attribute_per_gpu(sample, unit_of, self._limits, held)
+        else:
+            limits = container_limits(self._limits, self._refs.values(), undeclared_allowed=False)
+            units = attribute(sample, unit_of, limits)
         if self._want_init and any(u.used_bytes > u.limit_bytes for u in units):
             inits = self._inits()  # a scan of the host's /proc: only when one is over
-            units = tuple(replace(u, init_process=inits.get(u.name)) for u in units)
+            units = tuple(
+                replace(u, init_process=inits.get(single_container(u.name) or "")) for u in units
+            )
         return units
 
     def _inits(self) -> dict[str, ProcessTotal]:
@@ -209,25 +269,27 @@ class SilentPodAttributor:
         return {name: init for name, found in candidates.items() if (init := oldest(found))}
 
     def membership(self, unit: str) -> Membership:
+        ids = {self._ids[n] for n in unit_containers(unit) if n in self._ids}
+
         def member(pid: int) -> bool:
-            cid = self._procfs.container_id(pid)
-            return cid is not None and self._ids.get(unit) == cid
+            return self._procfs.container_id(pid) in ids
 
         return member
 
     def label(self, unit: str) -> str:
-        return f"container {unit!r} (held by the node agent while the pod's sidecar is silent)"
+        return f"{describe_unit(unit)} (held by the node agent while the pod's sidecar is silent)"
 
     def whole(self, unit: UnitUsage) -> WholeUnit:
         """`restart`: the container's init, whose end makes the kubelet restart the
-        container; else (or when its init is not proven) each of its GPU processes."""
-        init = self._inits().get(unit.name) if self._want_init else None
+        container; else (a unit that containers share, or an init not proven) each of its
+        GPU processes."""
+        init = self._inits().get(single_container(unit.name) or "") if self._want_init else None
         if init is not None:
             return WholeUnit((init,), restart=True)
         return WholeUnit(unit.processes)
 
     def ref(self, unit: str) -> ContainerRef | None:
-        return self._refs.get(unit)
+        return self._refs.get(single_container(unit) or "")
 
 
 class _PodEvents:

@@ -29,8 +29,9 @@ from enforcer.core.dra import (
     DraObjects,
     DraSettings,
     allocations,
+    describe_unit,
+    single_container,
     unit_containers,
-    unit_gpu,
 )
 from enforcer.core.model import (
     Action,
@@ -172,7 +173,9 @@ class ContainerAttributor:
             total = sum(declared.values())
         if self._want_init:
             inits = self._inits(by_id)
-            units = [replace(u, init_process=_init_of(u.name, inits)) for u in units]
+            units = [
+                replace(u, init_process=inits.get(single_container(u.name) or "")) for u in units
+            ]
         unproven = [key for key in known if key not in unit_of]
         if unproven:
             self._refresh()  # a new container (or a restart) the cached pod does not know yet
@@ -261,8 +264,7 @@ class ContainerAttributor:
     def whole(self, unit: UnitUsage) -> WholeUnit:
         """Restart semantics: the container's init, whose end makes the kubelet restart the
         container with every process in it; each GPU process when its init is not known."""
-        names = unit_containers(unit.name)
-        init = self._inits(self._by_id).get(names[0]) if len(names) == 1 else None
+        init = self._inits(self._by_id).get(single_container(unit.name) or "")
         if init is not None:
             return WholeUnit((init,), restart=True)
         return WholeUnit(unit.processes)
@@ -308,16 +310,7 @@ class ContainerAttributor:
         return None if ref is None else ref.name
 
     def label(self, unit: str) -> str:
-        if unit == POD_UNIT:
-            return "the pod as a whole"
-        names = unit_containers(unit)
-        who = (
-            f"container {names[0]!r}"
-            if len(names) == 1
-            else "containers " + " and ".join(repr(n) for n in names)
-        )
-        gpu = unit_gpu(unit)
-        return who if gpu is None else f"{who} on GPU {gpu}"
+        return "the pod as a whole" if unit == POD_UNIT else describe_unit(unit)
 
 
 class AgentReclaims:
@@ -350,12 +343,6 @@ def _shares(portions: Mapping[str, Portion]) -> list[tuple[str, str]]:
         (name, f"{p.request}" + (f" up to {p.ceiling}" if p.ceiling else ""))
         for name, p in sorted(portions.items())
     ]
-
-
-def _init_of(unit: str, inits: Mapping[str, ProcessTotal]) -> ProcessTotal | None:
-    """A unit's init process, for `restart`: its container's, when it has one container."""
-    names = unit_containers(unit)
-    return inits.get(names[0]) if len(names) == 1 else None
 
 
 class EventReporter:

@@ -15,6 +15,8 @@ the pod's ServiceAccount under deploy/rbac/sidecar.yaml.
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +25,7 @@ from typing import Any
 import pytest
 from kubernetes import client, utils
 
+from enforcer.core.admission import ENFORCED
 from enforcer.core.model import GiB, MiB
 from tests.e2e import dra
 from tests.e2e.actors import (
@@ -200,6 +203,45 @@ def test_usage_on_a_gpu_it_was_not_given_is_caught(
     node.use({sneaky: 1 * MiB}, device=other)  # a container with no claim at all
     wait_for(lambda: not alive(sneaky), what="the undeclared container's process to be stopped")
     node.use({helper: None, sneaky: None})
+
+
+def test_with_its_sidecar_stopped_the_agent_holds_each_claim_to_its_allocation_on_its_gpu(
+    api: client.ApiClient, sidecar: Sidecar, tenants: SimPod, node: Node, tmp_path: Path
+) -> None:
+    """The attack from inside a DRA pod: root there, the workload stops its sidecar (they
+    share a PID namespace), then its trainer takes 5Gi of the 4Gi its claim gives it on
+    its GPU. The agent, which read the pod's claims for its replies, holds each claim to
+    its allocation on its GPU itself: the trainer is stopped, the helper within its 2Gi
+    is not, and the Event says who acted."""
+    gpu = allocated_gpu(api, tenants)
+    uuid = node.state.devices[gpu]["uuid"]
+    sidecar.wait_logged("the node agent sent this pod")  # the agent has read the claims
+    # What the webhook and the kubelet would have written: injected, and running.
+    core = client.CoreV1Api(api)
+    core.patch_namespaced_pod(tenants.name, NAMESPACE, {"metadata": {"labels": {ENFORCED: "true"}}})
+    core.patch_namespaced_pod_status(tenants.name, NAMESPACE, {"status": {"phase": "Running"}})
+    trainer = start_worker(tenants, "trainer", tmp_path)
+    helper = start_worker(tenants, "helper", tmp_path)
+    (in_pod,) = tenants.host_pids("vram-enforcer")
+    os.kill(in_pod, signal.SIGSTOP)
+    try:
+        held = (f"pod {NAMESPACE}/{tenants.name}: its sidecar is silent; the agent enforces "
+                f"its limits itself (container 'helper' on GPU {uuid}: 2.00 GiB, container "
+                f"'trainer' on GPU {uuid}: 4.00 GiB)")  # fmt: skip
+        wait_for(lambda: held in node.log.read_text(), timeout=60, what="the agent to hold it")
+        node.use({trainer: 5 * GiB, helper: 1 * GiB}, device=gpu)
+        wait_for(lambda: not alive(trainer), timeout=20, what="the agent to stop the trainer")
+        assert alive(helper)
+        (event,) = wait_for(lambda: events(api, tenants.name, "VRAMEnforced"), what="the Event")
+        assert event.message.startswith(
+            f"container 'trainer' on GPU {uuid} (held by the node agent while the pod's "
+            "sidecar is silent) uses 5.00 GiB of its 4.00 GiB VRAM limit"
+        ), event.message
+        assert event.involved_object.field_path == "spec.containers{trainer}"
+    finally:
+        os.kill(in_pod, signal.SIGCONT)
+        os.kill(sidecar.proc.pid, signal.SIGCONT)  # nsenter, which stops itself with its child
+        node.use({trainer: None, helper: None})
 
 
 def test_a_claim_that_cannot_be_mapped_to_a_gpu_is_reported_and_signals_nothing(

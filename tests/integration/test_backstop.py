@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from enforcer.core.model import GiB, UnitUsage
+from enforcer.core.dra import Allocations, GpuUnit
+from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample, UnitUsage
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.backstop import SilentPodAttributor
 from tests.helpers import wait_for
@@ -64,3 +65,41 @@ def test_the_init_is_the_oldest_process_of_the_container_whose_parent_is_outside
         for proc in started:
             proc.kill()
             proc.wait()
+
+
+def test_with_dra_each_claim_holds_its_containers_on_its_gpu_and_proves_them_there(
+    cgroup2: Path,
+) -> None:
+    """A silent DRA pod: trainer's claim gives it 4Gi on GPU-a, nothing on GPU-b. Its
+    process over 4Gi on GPU-a is the claim's unit; its usage on GPU-b is held to 0; and a
+    signal for either is proven against trainer's container, the sidecar's never."""
+    box = cgroup2 / f"cri-containerd-{CID}.scope"
+    box.mkdir()
+    procfs = ProcFs()
+    worker = in_box(box, SLEEP)
+    try:
+        wait_for(lambda: str(worker.pid) in (box / "cgroup.procs").read_text(), what="the move")
+        st = procfs.stat(worker.pid)
+        assert st is not None
+        key = ProcessKey(worker.pid, st.start_time)
+        pod = {"status": {"containerStatuses": [
+            {"name": "trainer", "containerID": f"containerd://{CID}"},
+            {"name": "vram-enforcer", "containerID": f"containerd://{'cd' * 32}"}]}}  # fmt: skip
+        found = Allocations((GpuUnit("GPU-a", ("trainer",), 4 * GiB, ()),))
+        attributor = SilentPodAttributor(procfs, found, "vram-enforcer", want_init=False)
+        attributor.update(pod, {key: CID})  # type: ignore[arg-type]
+        sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 5 * GiB),
+                                  ProcessUsage(key, "GPU-b", GiB)))  # fmt: skip
+        units = {u.name: (u.used_bytes, u.limit_bytes) for u in attributor.attribute(sample)}
+        assert units == {"trainer@GPU-a": (5 * GiB, 4 * GiB), "trainer@GPU-b": (GiB, 0)}
+        assert attributor.label("trainer@GPU-a") == (
+            "container 'trainer' on GPU GPU-a (held by the node agent while the pod's "
+            "sidecar is silent)"
+        )
+        assert attributor.ref("trainer@GPU-a").name == "trainer"  # type: ignore[union-attr]
+        assert attributor.membership("trainer@GPU-b")(worker.pid)
+        assert not attributor.membership("trainer@GPU-a")(os.getpid())
+        assert not attributor.membership("vram-enforcer@GPU-a")(worker.pid)
+    finally:
+        worker.kill()
+        worker.wait()
