@@ -71,10 +71,15 @@ class NotFound(KubeError):
     """The object does not exist (HTTP 404)."""
 
 
-# Connection errors are retried by urllib3 (three times per request), statuses only by our
-# own policy (`retrying`): urllib3 would otherwise obey a Retry-After of any length, three
-# times, inside one request, and hold the calling thread for as long.
-_URLLIB3_RETRIES = urllib3.util.Retry(total=3, respect_retry_after_header=False)
+# One owner of retries: `call`'s policy (`retrying`), which knows the caller's deadline.
+# urllib3 retries nothing by itself: it would otherwise try a connection up to four times
+# inside one of our tries, each with that try's whole timeout, and obey a Retry-After of
+# any length, holding the calling thread far past its deadline.
+_URLLIB3_RETRIES = False
+
+# The shortest timeout a try is given, however little of its deadline is left (a timeout of
+# 0 is none at all to the client).
+MIN_TRY_TIMEOUT = 0.1
 
 
 def api_client(configuration: client.Configuration) -> client.ApiClient:
@@ -116,9 +121,9 @@ def request(
     and `query` is the query string.
 
     Every PATCH we send is a JSON patch. A status outside 2xx raises the client's
-    `ApiException`, as its typed methods do. `timeout` bounds each of the client's tries
-    (urllib3 makes up to four), so a server that accepts and never answers cannot hold a
-    thread.
+    `ApiException`, as its typed methods do. `timeout` bounds the whole request, connecting
+    and reading (urllib3 makes one try), so a server that accepts and never answers cannot
+    hold a thread.
     """
     headers = {"Accept": "application/json"}
     if body is not None:
@@ -275,16 +280,20 @@ def call(
     timeout: float = 10.0,
     verb: str | None = None,
 ) -> Any:
-    """`request()` under the retry policy. Errors become `KubeError`s that name the RBAC
-    verb (`verb`, else the method's) and `resource`; a 403 becomes `Forbidden`. A reply
-    that is not a JSON object (a proxy's error page with a 200, a truncated body) is an
-    error of the API like any other, never an exception that ends the caller's thread."""
+    """`request()` under the retry policy, within `deadline` seconds in all: each try gets
+    what is left of it (at most `timeout`, at least MIN_TRY_TIMEOUT) as its own timeout, and
+    no pause runs past it. Errors become `KubeError`s that name the RBAC verb (`verb`, else
+    the method's) and `resource`; a 403 becomes `Forbidden`. A reply that is not a JSON
+    object (a proxy's error page with a 200, a truncated body) is an error of the API like
+    any other, never an exception that ends the caller's thread."""
     verb = verb or _VERBS[method]
+    ends = time.monotonic() + deadline
     try:
         for attempt in retrying(deadline):
             with attempt:
+                left = max(MIN_TRY_TIMEOUT, min(timeout, ends - time.monotonic()))
                 reply = request(api, method, path, params=params, query=query, body=body,
-                                timeout=timeout)  # fmt: skip
+                                timeout=left)  # fmt: skip
                 if not isinstance(reply, dict):
                     raise KubeError(f"{verb} {resource} failed: the API server's reply is "
                                     f"{type(reply).__name__}, not a JSON object")  # fmt: skip

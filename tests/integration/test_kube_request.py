@@ -56,9 +56,29 @@ def test_a_silent_api_server_is_an_error_not_a_hang() -> None:
 
         caller = threading.Thread(target=get, daemon=True)
         caller.start()
-        caller.join(30)  # urllib3 makes four tries of 0.2 s each; without a timeout: never
+        caller.join(30)  # without a timeout: never
         assert not caller.is_alive()
         assert len(errors) == 1 and "the API server is unreachable" in errors[0]
+
+
+def test_a_deadline_bounds_the_whole_call_against_a_server_that_never_answers() -> None:
+    """A 2 s deadline with the default 10 s per try, as production calls it, against a
+    server that accepts every connection and never answers: the call gives up after about
+    2 s, however many tries fit. Before each try got the rest of the deadline as its
+    timeout, and before urllib3 was kept from retrying underneath, this took about 40 s
+    (four urllib3 tries of 10 s), past the API server's 5 s timeout for a webhook."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        config = client.Configuration()
+        config.host = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        config.proxy = None
+        api = api_client(config)  # as production configures it
+        began = time.monotonic()
+        with pytest.raises(KubeError, match="the API server is unreachable"):
+            call(api, "GET", "/version", "version", deadline=2.0)
+        took = time.monotonic() - began
+        assert 1.9 <= took < 3.0, took
 
 
 class Throttling(http.server.BaseHTTPRequestHandler):
