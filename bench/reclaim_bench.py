@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from bench import exec_bench
 from bench.common import GiB
-from enforcer.core.admission import SIDECAR
+from enforcer.core.declaration import SIDECAR
 from enforcer.core.lending import decide, tenants
 from enforcer.core.model import Device, ProcessKey, ProcessUsage, Sample
 from enforcer.core.payloads import Pod

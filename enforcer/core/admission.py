@@ -24,7 +24,9 @@ import jsonpatch
 from enforcer.core import kai, shapes
 from enforcer.core.declaration import (
     CEILINGS_ENV,
+    ENFORCED,
     PORTIONS_ENV,
+    SIDECAR,
     Declaration,
     Undeclarable,
     declared_limits,
@@ -64,11 +66,9 @@ from enforcer.core.tenancy import (
 API_VERSION = "admission.k8s.io/v1"
 INJECT = "vram-enforcer.io/inject"
 INJECTED = "vram-enforcer.io/injected"
-ENFORCED = "vram-enforcer.io/enforced"
 SHM_SIZE = "vram-enforcer.io/shm-size"
 METRICS_PORT_ANNOTATION = "vram-enforcer.io/metrics-port"
 CEILING = "vram-enforcer.io/vram-ceiling"
-SIDECAR = "vram-enforcer"
 SOCKET_VOLUME = "vram-enforcer-socket"
 SHM_VOLUME = "vram-enforcer-shm"
 NO_TOKEN_VOLUME = "vram-enforcer-no-token"  # noqa: S105 - a volume name, not a secret

@@ -22,6 +22,11 @@ from enforcer.core.parsing import ConfigError, json_object, parse_limits, parse_
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import json_map, json_maps
 
+# What the webhook writes into every pod it injects, and the agent reads: the sidecar's
+# container name, and the label that marks the pod as enforced.
+SIDECAR = "vram-enforcer"
+ENFORCED = "vram-enforcer.io/enforced"
+
 # The sidecar's variables that carry the declaration, as the webhook wrote it at admission.
 LIMITS_ENV = "VRAM_ENFORCER_LIMITS"  # container -> request (its limit, when no ceiling), bytes
 CEILINGS_ENV = "VRAM_ENFORCER_CEILINGS"  # container -> ceiling above its request, bytes

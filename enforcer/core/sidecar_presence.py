@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
-from enforcer.core.admission import ENFORCED, SIDECAR
 from enforcer.core.cgroups import status_container_id
+from enforcer.core.declaration import ENFORCED, SIDECAR
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import json_map, json_maps
 

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
-from enforcer.core.admission import SIDECAR
 from enforcer.core.attribution import usage_by_container
+from enforcer.core.declaration import SIDECAR
 from enforcer.core.lending import Lending
 from enforcer.core.model import Device, Sample, SourceDown
 from enforcer.core.payloads import ObjectReference

@@ -28,7 +28,8 @@ from typing import Any
 
 from kubernetes import client
 
-from enforcer.core.admission import ENFORCED, AdmissionSettings, templates_named
+from enforcer.core.admission import AdmissionSettings, templates_named
+from enforcer.core.declaration import ENFORCED
 from enforcer.core.payloads import Pod
 from enforcer.edge.claims import TemplateKeeper
 from enforcer.edge.guard import ErrorCounter, LoopGuard

@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
-from enforcer.core.admission import SIDECAR
-from enforcer.core.declaration import portion_basis
+from enforcer.core.declaration import SIDECAR, portion_basis
 from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names
 from enforcer.core.hard_limits import (
     EVIDENCE_BYTES,

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from kubernetes import client, utils
 
-from enforcer.core.admission import ENFORCED
+from enforcer.core.declaration import ENFORCED
 from enforcer.core.model import GiB, MiB
 from tests.e2e import dra
 from tests.e2e.actors import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from enforcer.core.admission import SIDECAR
+from enforcer.core.declaration import SIDECAR
 from enforcer.core.lending import ELSEWHERE, Tenant, decide, tenants
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
