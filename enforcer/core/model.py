@@ -82,12 +82,16 @@ class Sample:
 
     `failed`: the GPUs that could not be read in this pass, with why (UUID, reason): their
     processes are not in `processes`, and nothing is decided about their usage. (Only
-    NVML's own reader knows it; the agent's socket does not carry it.)"""
+    NVML's own reader knows it; the agent's socket does not carry it.) `activity_read_at`:
+    when the processes' utilisation (`ProcessUsage.activity`) was read, on the monotonic
+    clock; a reading is carried by every pass until the next, so a new value is a new
+    reading. None where it is not known."""
 
     sampled_at: float
     devices: tuple[Device, ...]
     processes: tuple[ProcessUsage, ...]
     failed: tuple[tuple[str, str], ...] = ()
+    activity_read_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

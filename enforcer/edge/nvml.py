@@ -164,6 +164,7 @@ class NvmlSnapshot:
     devices: tuple[Device, ...]
     processes: tuple[NvmlProcess, ...]
     failed: tuple[tuple[str, str], ...] = ()
+    activity_read_at: float | None = None  # when the processes' utilisation was read
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,7 +395,7 @@ class Nvml:
         processes = tuple(
             NvmlProcess(pid, uuid, used, of(uuid, pid)) for (pid, uuid), used in usage.items()
         )
-        return NvmlSnapshot(tuple(devices), processes, tuple(failed))
+        return NvmlSnapshot(tuple(devices), processes, tuple(failed), self._utilisation.read_at)
 
     def _read_device(self, h: _Handle) -> tuple[Device, list[tuple[int, int | None]]]:
         mem = pynvml.nvmlDeviceGetMemoryInfo(h.handle)

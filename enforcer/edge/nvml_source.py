@@ -169,7 +169,9 @@ class NvmlSource:
                 key = ProcessKey(entry.pid, entry.start_time)
                 used, activity = (p.used_bytes, p.activity) if entry.proven else (None, None)
                 processes.append(ProcessUsage(key, p.device_uuid, used, entry.chain, activity))
-        return Sample(time.time(), snap.devices, tuple(processes), snap.failed)
+        return Sample(
+            time.time(), snap.devices, tuple(processes), snap.failed, snap.activity_read_at
+        )
 
     def fileno(self) -> int | None:
         return None  # sampled on demand: the loop ticks on its interval

@@ -104,6 +104,11 @@ class ProcessUtilisation:
         self._read_at = None
         self._current, self._listed, self._last_seen, self._call = {}, {}, {}, {}
 
+    @property
+    def read_at(self) -> float | None:
+        """When the last read was made (the clock's time); None before the first."""
+        return self._read_at
+
     def of(self, gpu_uuid: str, pid: int) -> Activity | None:
         """How busy the process kept the GPU at the last read; None when not known."""
         busy = self._current.get(gpu_uuid)

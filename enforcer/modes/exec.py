@@ -87,11 +87,12 @@ class TreeAttributor:
         self._known: dict[ProcessKey, str | None] = {}
         # The largest usage of the tree that a sample showed, and how many samples had
         # data (only those are attributed), for --summary; with its utilisation summed
-        # over the samples that could tell it, for the mean.
+        # over the utilisation reads that could tell it, for the mean.
         self.peak_bytes: int | None = None
         self.samples = 0
         self.busy = IDLE
         self.busy_samples = 0
+        self._summed_read: float | None = None  # the utilisation read last summed
 
     def _is_member(self, pid: int) -> bool:
         return self._procfs.is_descendant(pid, self._root) is True
@@ -119,12 +120,16 @@ class TreeAttributor:
         units = attribute(sample, dict.fromkeys(cmdlines, self._name), self._limits, cmdlines)
         self.samples += 1
         self.peak_bytes = max([self.peak_bytes or 0, *(u.used_bytes for u in units)])
-        # Every tick, as the metrics are: a clock of its own could skip the one sample
-        # that carried a reading, and the summary would miss what the metrics showed.
-        for unit in units:
-            if (busy := unit_activity(unit, sample)) is not None:
-                self.busy += busy
-                self.busy_samples += 1
+        # Once per utilisation read, on the first sample that carries it: every reading the
+        # metrics show is summed, and the ticks between reads (which carry the same one)
+        # cost nothing here.
+        read = sample.activity_read_at
+        if read is not None and read != self._summed_read:
+            self._summed_read = read
+            for unit in units:
+                if (busy := unit_activity(unit, sample)) is not None:
+                    self.busy += busy
+                    self.busy_samples += 1
         return units
 
     def mean_activity(self) -> tuple[float | None, float | None]:

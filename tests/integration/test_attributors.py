@@ -236,21 +236,28 @@ def test_the_command_tree_forgets_a_process_whose_ancestry_could_not_be_read(
     assert tree.membership("job")(900001)
 
 
-def test_the_command_tree_counts_every_sample_that_knew_how_busy_it_was(tmp_path: Path) -> None:
-    """exec's mean utilisation: a sample that NVML could not yet tell about counts neither as
-    busy nor idle, and the very next one that could is in the mean (it is in the metrics)."""
+def test_the_command_tree_counts_every_utilisation_read_that_knew_how_busy_it_was_once(
+    tmp_path: Path,
+) -> None:
+    """exec's mean utilisation, over NVML's utilisation reads: a read that could not yet
+    tell about the process counts neither as busy nor idle, the very next one that could is
+    in the mean (it is in the metrics), and the passes between two reads, which carry the
+    same reading, are not summed again (they cost nothing)."""
     proc, child = our_tree(tmp_path)
     tree = TreeAttributor(ProcFs(proc), "job", GiB)
 
-    def busy(activity: Activity | None) -> Sample:
-        return Sample(0.0, (), (ProcessUsage(child, "GPU-0", GiB, activity=activity),))
+    def busy(activity: Activity | None, read_at: float | None) -> Sample:
+        usage = ProcessUsage(child, "GPU-0", GiB, activity=activity)
+        return Sample(0.0, (), (usage,), activity_read_at=read_at)
 
     assert tree.mean_activity() == (None, None)
-    tree.attribute(busy(None))  # listed since NVML's last utilisation read
+    tree.attribute(busy(None, 1.0))  # listed since NVML's last utilisation read
     assert (tree.samples, tree.busy_samples) == (1, 0)
-    tree.attribute(busy(Activity(80, 30)))
-    tree.attribute(busy(Activity(40, 10)))
-    assert (tree.samples, tree.busy_samples) == (3, 2)
+    tree.attribute(busy(Activity(80, 30), 1.5))
+    tree.attribute(busy(Activity(80, 30), 1.5))  # the same read, on the next pass
+    tree.attribute(busy(Activity(40, 10), 2.0))
+    tree.attribute(busy(Activity(40, 10), None))  # no read known: nothing to sum
+    assert (tree.samples, tree.busy_samples) == (5, 2)
     assert tree.mean_activity() == (60, 20)
 
 
