@@ -158,7 +158,7 @@ examples:
 
 
 def _interference_epilog() -> str:
-    from enforcer.core.interference import BUILTINS  # noqa: PLC0415 - for this --help only
+    from enforcer.core.interference.workloads import BUILTINS  # noqa: PLC0415 - for this --help only
 
     lines = (
         f"  {b.name:<8}{format_bytes(b.limit_bytes):>9}  {b.profile}" for b in BUILTINS.values()

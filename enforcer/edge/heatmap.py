@@ -12,7 +12,7 @@ import logging
 import math
 from pathlib import Path
 
-from enforcer.core.interference import Cell, Report
+from enforcer.core.interference.stats import Cell, Report
 from enforcer.core.model import format_bytes
 
 MISSING = (

@@ -37,24 +37,11 @@ from typing import Any
 
 from enforcer.core import exec_summary
 from enforcer.core.exec_summary import ExecSummary
-from enforcer.core.interference import (
-    GO_ENV,
-    READY_ENV,
-    TIMING_ENV,
-    Outcome,
-    Report,
-    Round,
-    RunResult,
-    RunSpec,
-    Workload,
-    analyse,
-    classify,
-    plan,
-    read_section,
-    to_json,
-    to_markdown,
-    to_text,
-)
+from enforcer.core.interference.outcomes import Outcome, RunResult, classify, read_section
+from enforcer.core.interference.plan import Round, RunSpec, plan
+from enforcer.core.interference.report import to_json, to_markdown, to_text
+from enforcer.core.interference.stats import Report, analyse
+from enforcer.core.interference.workloads import GO_ENV, READY_ENV, TIMING_ENV, Workload
 from enforcer.core.model import format_bytes
 from enforcer.core.settings.interference import InterferenceSettings
 from enforcer.edge.heatmap import write_heatmap

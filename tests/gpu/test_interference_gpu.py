@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from enforcer.core.interference import BUILTINS
+from enforcer.core.interference.workloads import BUILTINS
 from enforcer.core.model import MiB
 from enforcer.workloads import EXIT_OUT_OF_MEMORY
 

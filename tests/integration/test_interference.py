@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from enforcer.core.interference import MARKS, Outcome
+from enforcer.core.interference.outcomes import MARKS, Outcome
 from enforcer.core.model import GiB, MiB
 from tests.helpers import wait_for
 

@@ -12,29 +12,18 @@ from pathlib import Path
 import pytest
 
 from enforcer.core.exec_summary import ExecSummary, SummaryEvent
-from enforcer.core.interference import (
+from enforcer.core.interference.outcomes import Outcome, RunResult, Timing, classify, read_section
+from enforcer.core.interference.plan import Phase, RunSpec, plan
+from enforcer.core.interference.report import to_json, to_markdown, to_text
+from enforcer.core.interference.stats import Report, analyse, overlap, spread
+from enforcer.core.interference.workloads import (
     BUILTINS,
-    Outcome,
-    Phase,
-    Report,
-    RunResult,
-    RunSpec,
-    Timing,
     Workload,
-    analyse,
     builtin_workloads,
     check_workloads,
-    classify,
-    overlap,
     parse_builtins,
     parse_gpu,
     parse_workload,
-    plan,
-    read_section,
-    spread,
-    to_json,
-    to_markdown,
-    to_text,
 )
 from enforcer.core.model import GiB
 from enforcer.core.parsing import ConfigError

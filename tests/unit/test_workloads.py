@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from enforcer.core import interference
+from enforcer.core.interference import outcomes, workloads
 from enforcer.workloads import (
     EXIT_NO_DEVICE,
     EXIT_NO_TORCH,
@@ -91,7 +91,7 @@ def test_a_workload_writes_the_section_it_timed_for_interference_after_its_start
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    assert TIMING_ENV == interference.TIMING_ENV  # the package keeps its own copy of the name
+    assert TIMING_ENV == workloads.TIMING_ENV  # the package keeps its own copy of the name
 
     def set_up(torch: object, device: object) -> Callable[[int], None]:
         time.sleep(0.2)  # the start-up: data, a model
@@ -103,7 +103,7 @@ def test_a_workload_writes_the_section_it_timed_for_interference_after_its_start
     assert main(["matmul", "--steps", "2"]) == 0
     ended = time.monotonic()
     doc = json.loads((tmp_path / "timing.json").read_text())
-    section, problem = interference.read_section(doc, began, ended)
+    section, problem = outcomes.read_section(doc, began, ended)
     assert problem == "" and section is not None
     assert section[0] >= began + 0.2  # after the start-up, whose sleep it does not count
     assert section[1] - section[0] >= 0.1  # both steps
@@ -114,7 +114,7 @@ def test_in_a_pair_a_workload_says_it_is_set_up_and_starts_its_steps_only_at_the
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    assert (READY_ENV, GO_ENV) == (interference.READY_ENV, interference.GO_ENV)
+    assert (READY_ENV, GO_ENV) == (workloads.READY_ENV, workloads.GO_ENV)
     ready, go, timing = tmp_path / "run.ready", tmp_path / "round.go", tmp_path / "t.json"
     seen: dict[str, float] = {}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from enforcer.core.interference import (
+from enforcer.core.interference.workloads import (
     BUILTINS,
     Workload,
     builtin_workloads,
