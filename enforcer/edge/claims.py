@@ -1,6 +1,5 @@
 """The DRA objects behind a pod's GPU limits: its ResourceClaims and its node's
-ResourceSlices, read from the API as JSON (resource.k8s.io/v1, Kubernetes 1.34+); and the
-ResourceClaimTemplates that the webhook's DRA mode makes claims from.
+ResourceSlices, read from the API as JSON (resource.k8s.io/v1, Kubernetes 1.34+).
 
 Both are read again on each call (the sidecar's pod refresh, the agent's pod change): a
 claim gets its allocation after the pod was first read, and a driver that restarts may
@@ -13,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kubernetes import client
@@ -28,8 +27,6 @@ log = logging.getLogger(__name__)
 
 CLAIM = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
-TEMPLATES = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates"
-TEMPLATE = TEMPLATES + "/{name}"
 
 
 class ClaimReader:
@@ -158,60 +155,3 @@ class ClaimState:
             self._outage.failed(f"{what}; the last read is kept", exc)
         else:
             self._outage.ended("reading this pod's ResourceClaims again")
-
-
-class TemplateKeeper:
-    """Makes the ResourceClaimTemplates that the webhook's DRA-mode pods name, when missing.
-
-    One per size and namespace, shared by every pod that declares that size; the claim made
-    from it for each pod is owned by the pod (the controller-manager's doing) and goes with
-    it. A template seen or made is not asked about again for `ttl` seconds: admission must
-    stay fast, and a template deleted meanwhile is made again after that.
-    """
-
-    def __init__(
-        self,
-        api: client.ApiClient,
-        ttl: float = 60.0,
-        deadline: float = 2.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._api = api
-        self._ttl = ttl
-        self._deadline = deadline  # within the API server's timeout for the webhook (5 s)
-        self._clock = clock
-        self._seen: dict[tuple[str, str], float] = {}
-        self._lock = threading.Lock()  # one thread per webhook connection
-
-    def ensure(self, template: Mapping[str, Any]) -> str | None:
-        """None once the template exists; else why it could not be made, for the denial."""
-        meta = template["metadata"]
-        key = (str(meta["namespace"]), str(meta["name"]))
-        with self._lock:
-            if self._clock() - self._seen.get(key, -self._ttl) < self._ttl:
-                return None
-        where = {"namespace": key[0], "name": key[1]}
-        try:
-            if not self._exists(where):
-                try:
-                    call(self._api, "POST", TEMPLATES, "resourceclaimtemplates", body=template,
-                         params={"namespace": key[0]}, deadline=self._deadline)  # fmt: skip
-                except KubeError:
-                    if not self._exists(where):  # else another replica made it meanwhile
-                        raise
-        except KubeError as exc:
-            return (
-                f"the ResourceClaimTemplate {key[1]!r} that this pod's VRAM is claimed from "
-                f"could not be made in namespace {key[0]!r}: {exc}"
-            )
-        with self._lock:
-            self._seen[key] = self._clock()
-        return None
-
-    def _exists(self, where: dict[str, str]) -> bool:
-        try:
-            call(self._api, "GET", TEMPLATE, "resourceclaimtemplates", params=where,
-                 deadline=self._deadline)  # fmt: skip
-        except NotFound:
-            return False
-        return True

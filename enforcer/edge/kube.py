@@ -1,4 +1,4 @@
-"""The Kubernetes API: connecting, advertising a node's VRAM and labels, retry policies.
+"""The Kubernetes API: connecting, one call as JSON, and the one retry policy.
 
 Everything goes through the official client's `ApiClient`: its kubeconfig and in-cluster
 loading, bearer tokens (re-read when the projected token rotates), TLS and proxies. Objects
@@ -17,9 +17,8 @@ import contextlib
 import email.utils
 import json
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import tenacity
@@ -28,12 +27,6 @@ import urllib3.util
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
-
-from enforcer.core.model import Device
-from enforcer.core.node import capacity_patch, gpu_labels, label_ops, node_vram, to_units
-from enforcer.core.payloads import Node, PatchOperation, Pod
-from enforcer.edge import logs
-from enforcer.edge.guard import ErrorCounter, LoopGuard
 
 log = logging.getLogger(__name__)
 
@@ -317,125 +310,6 @@ def _reason(exc: ApiException) -> str:
         return str(json.loads(exc.body or "{}").get("message") or exc.reason)
     except (ValueError, AttributeError):
         return str(exc.reason)
-
-
-class NodeAdvertiser:
-    """Brings a Node's VRAM capacity and GPU labels to what NVML reports, and only then."""
-
-    def __init__(
-        self,
-        api: client.ApiClient,
-        node_name: str,
-        *,
-        resource_name: str,
-        resource_unit: int,
-        reserve_bytes: int,
-        advertise: bool = True,
-        labels: bool = True,
-        deadline: float = 30.0,
-    ) -> None:
-        self._api = api
-        self._node = node_name
-        self._resource = resource_name
-        self._unit = resource_unit
-        self._reserve = reserve_bytes
-        self._advertise = advertise
-        self._labels = labels
-        self._deadline = deadline
-
-    def desired_bytes(self, devices: Sequence[Device]) -> int:
-        return to_units(node_vram(devices, self._reserve), self._unit) * self._unit
-
-    def sync(self, devices: Sequence[Device]) -> tuple[int, int]:
-        """Patch what differs; returns (status ops, label ops) applied. Raises KubeError."""
-        node = self._read()
-        status_ops: list[PatchOperation] = []
-        label_changes: list[PatchOperation] = []
-        if self._advertise:
-            units = to_units(node_vram(devices, self._reserve), self._unit)
-            status_ops = capacity_patch(node.get("status"), self._resource, units)
-        if self._labels:
-            labels = (node.get("metadata") or {}).get("labels")
-            label_changes = label_ops(labels, gpu_labels(devices))
-        if status_ops:
-            call(self._api, "PATCH", NODE + "/status", "nodes/status", body=status_ops,
-                 params={"name": self._node}, deadline=self._deadline)  # fmt: skip
-        if label_changes:
-            call(self._api, "PATCH", NODE, "nodes", body=label_changes,
-                 params={"name": self._node}, deadline=self._deadline)  # fmt: skip
-        return len(status_ops), len(label_changes)
-
-    def _read(self) -> Node:
-        node: Node = call(self._api, "GET", NODE, "nodes", params={"name": self._node},
-                                    deadline=self._deadline)  # fmt: skip
-        return node
-
-
-class PodWatcher(threading.Thread):
-    """The sidecar's own pod, fetched in the background and refreshed on demand.
-
-    Attribution needs the pod's container IDs; a container that restarts gets a new one.
-    Asking for a refresh never blocks: the tick goes on with what is known, and a process
-    of an unknown container is simply not attributed until the refresh lands.
-    """
-
-    def __init__(
-        self,
-        api: client.ApiClient,
-        namespace: str,
-        name: str,
-        period: float = 30.0,
-        min_gap: float = 1.0,
-        on_read: Callable[[Pod], None] | None = None,
-        *,
-        unexpected: ErrorCounter,
-    ) -> None:
-        super().__init__(name="pod-watcher", daemon=True)
-        self._guard = LoopGuard("pod-watcher", unexpected, log)
-        self._on_read = on_read  # more to read once the pod is (its ResourceClaims)
-        self._api = api
-        self._namespace = namespace
-        self._name = name
-        self._period = period
-        self._min_gap = min_gap
-        self._wanted = threading.Event()
-        self.stop = threading.Event()
-        self.pod: Pod | None = None
-        self._outage = logs.Outage(log)
-        self._wanted.set()
-
-    @property
-    def error(self) -> str | None:
-        """Why the last read failed; None once a read succeeds."""
-        return self._outage.error
-
-    def refresh(self) -> None:
-        self._wanted.set()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self._wanted.wait(self._period)  # also re-read now and then: container states
-            self._wanted.clear()
-            if self.stop.is_set():
-                return
-            self._guard.run(self._read)
-            self.stop.wait(self._min_gap)
-
-    def _read(self) -> None:
-        """One read of the pod (and what `on_read` reads after it); a bug in it is counted
-        and logged by the guard, and the next read goes on."""
-        try:
-            pod = call(self._api, "GET", POD, "pods", deadline=10.0,
-                       params={"namespace": self._namespace, "name": self._name})  # fmt: skip
-        except KubeError as exc:
-            what = "cannot read this pod from the API; attribution uses what is known"
-            self._outage.failed(what, exc)
-            self._wanted.set()  # keep trying, at the pace of min_gap
-            return
-        self.pod = pod
-        self._outage.ended("reading this pod from the API again")
-        if self._on_read is not None:
-            self._on_read(pod)
 
 
 def server_version(api: client.ApiClient, deadline: float = 30.0) -> str:

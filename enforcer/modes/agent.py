@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from enforcer.core.payloads import Pod
     from enforcer.core.protocol import EventRequest
     from enforcer.edge.events import EventRecorder
-    from enforcer.edge.kube import NodeAdvertiser
+    from enforcer.edge.node_advertiser import NodeAdvertiser
     from enforcer.edge.node_pods import NodePods
     from enforcer.modes.pod_publisher import PodPublisher
     from enforcer.modes.sidecar_watch import SidecarWatch
@@ -265,7 +265,8 @@ def run(settings: AgentSettings) -> int:
     telemetry = AgentTelemetry()
     advertiser, api = None, None
     if settings.uses_api:
-        from enforcer.edge.kube import KubeError, NodeAdvertiser, connect  # noqa: PLC0415
+        from enforcer.edge.kube import KubeError, connect  # noqa: PLC0415
+        from enforcer.edge.node_advertiser import NodeAdvertiser  # noqa: PLC0415
 
         try:
             api = connect(settings.kubeconfig)

@@ -31,10 +31,10 @@ from kubernetes import client
 from enforcer.core.admission import AdmissionSettings, templates_named
 from enforcer.core.declaration import ENFORCED
 from enforcer.core.payloads import Pod
-from enforcer.edge.claims import TemplateKeeper
 from enforcer.edge.guard import ErrorCounter, LoopGuard
 from enforcer.edge.kube import KubeError, NotFound, call
 from enforcer.edge.node_pods import WatchedPods
+from enforcer.edge.template_keeper import TemplateKeeper
 
 log = logging.getLogger(__name__)
 

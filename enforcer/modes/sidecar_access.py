@@ -159,7 +159,8 @@ class NoApi(Exception):
 def direct(settings: SidecarSettings, telemetry: Telemetry) -> PodAccess:
     from enforcer.edge.claims import ClaimReader, ClaimState  # noqa: PLC0415 - only here
     from enforcer.edge.events import EventRecorder  # noqa: PLC0415
-    from enforcer.edge.kube import KubeError, PodWatcher, connect  # noqa: PLC0415
+    from enforcer.edge.kube import KubeError, connect  # noqa: PLC0415
+    from enforcer.edge.pod_watcher import PodWatcher  # noqa: PLC0415
 
     try:
         api = connect(settings.kubeconfig)

@@ -16,7 +16,8 @@ import json, sys
 from kubernetes import client
 from enforcer.modes import sidecar
 from enforcer.edge.events import EventRecorder
-from enforcer.edge.kube import NodeAdvertiser, PodWatcher
+from enforcer.edge.node_advertiser import NodeAdvertiser
+from enforcer.edge.pod_watcher import PodWatcher
 
 api = client.ApiClient()
 PodWatcher(api, "ns", "pod", unexpected=None)

@@ -29,12 +29,12 @@ from urllib3 import HTTPHeaderDict
 from enforcer.edge.kube import (
     MAX_RETRY_AFTER,
     KubeError,
-    PodWatcher,
     api_client,
     call,
     retrying,
     server_version,
 )
+from enforcer.edge.pod_watcher import PodWatcher
 from tests.helpers import wait_for
 
 

@@ -1,0 +1,83 @@
+"""The sidecar's own pod, read from the API (`--api-access direct`), in the background."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kubernetes import client
+
+from enforcer.core.payloads import Pod
+from enforcer.edge import logs
+from enforcer.edge.guard import ErrorCounter, LoopGuard
+from enforcer.edge.kube import POD, KubeError, call
+
+log = logging.getLogger(__name__)
+
+
+class PodWatcher(threading.Thread):
+    """The sidecar's own pod, fetched in the background and refreshed on demand.
+
+    Attribution needs the pod's container IDs; a container that restarts gets a new one.
+    Asking for a refresh never blocks: the tick goes on with what is known, and a process
+    of an unknown container is simply not attributed until the refresh lands.
+    """
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        namespace: str,
+        name: str,
+        period: float = 30.0,
+        min_gap: float = 1.0,
+        on_read: Callable[[Pod], None] | None = None,
+        *,
+        unexpected: ErrorCounter,
+    ) -> None:
+        super().__init__(name="pod-watcher", daemon=True)
+        self._guard = LoopGuard("pod-watcher", unexpected, log)
+        self._on_read = on_read  # more to read once the pod is (its ResourceClaims)
+        self._api = api
+        self._namespace = namespace
+        self._name = name
+        self._period = period
+        self._min_gap = min_gap
+        self._wanted = threading.Event()
+        self.stop = threading.Event()
+        self.pod: Pod | None = None
+        self._outage = logs.Outage(log)
+        self._wanted.set()
+
+    @property
+    def error(self) -> str | None:
+        """Why the last read failed; None once a read succeeds."""
+        return self._outage.error
+
+    def refresh(self) -> None:
+        self._wanted.set()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self._wanted.wait(self._period)  # also re-read now and then: container states
+            self._wanted.clear()
+            if self.stop.is_set():
+                return
+            self._guard.run(self._read)
+            self.stop.wait(self._min_gap)
+
+    def _read(self) -> None:
+        """One read of the pod (and what `on_read` reads after it); a bug in it is counted
+        and logged by the guard, and the next read goes on."""
+        try:
+            pod = call(self._api, "GET", POD, "pods", deadline=10.0,
+                       params={"namespace": self._namespace, "name": self._name})  # fmt: skip
+        except KubeError as exc:
+            what = "cannot read this pod from the API; attribution uses what is known"
+            self._outage.failed(what, exc)
+            self._wanted.set()  # keep trying, at the pace of min_gap
+            return
+        self.pod = pod
+        self._outage.ended("reading this pod from the API again")
+        if self._on_read is not None:
+            self._on_read(pod)
