@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 CLAIM = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 
+# One read of a claim or of the slices, retries included: it runs in the agent's publisher
+# or limiter thread, or the sidecar's pod watcher, never in a tick or in the sampler.
+READ_DEADLINE = 10.0
+RETRY_AFTER = 5.0  # a read that failed is tried again this much later, the last good one kept
+REFRESH_EVERY = 300.0  # a good read is read again this much later: a restarted DRA driver
+# may publish a new generation of slices without any pod changing
+
 
 class ClaimReader:
     """Reads a pod's ResourceClaims (namespaced: get) and the ResourceSlices of the node
@@ -47,8 +54,9 @@ class ClaimReader:
                 claims[name] = claim
         if not self._node:
             raise KubeError("NODE_NAME is unset: this node's ResourceSlices cannot be listed")
-        listed = call(self._api, "GET", SLICES, "resourceslices", deadline=10.0, verb="list",
-                      query={"fieldSelector": f"spec.nodeName={self._node}"})  # fmt: skip
+        on_this_node = {"fieldSelector": f"spec.nodeName={self._node}"}
+        listed = call(self._api, "GET", SLICES, "resourceslices", deadline=READ_DEADLINE,
+                      verb="list", query=on_this_node)  # fmt: skip
         items = listed.get("items") if isinstance(listed, dict) else None
         slices = tuple(s for s in items if isinstance(s, dict)) if isinstance(items, list) else ()
         return DraObjects(claims, slices)
@@ -58,7 +66,7 @@ class ClaimReader:
         try:
             where = {"namespace": namespace, "name": name}
             claim: dict[str, Any] = call(
-                self._api, "GET", CLAIM, "resourceclaims", deadline=10.0, params=where
+                self._api, "GET", CLAIM, "resourceclaims", deadline=READ_DEADLINE, params=where
             )
         except NotFound:
             return None
@@ -74,8 +82,8 @@ class ClaimCache:
     def __init__(
         self,
         reader: ClaimReader,
-        retry: float = 5.0,
-        refresh: float = 300.0,
+        retry: float = RETRY_AFTER,
+        refresh: float = REFRESH_EVERY,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._reader = reader

@@ -325,6 +325,7 @@ def access_allowed(
     namespace: str | None = None,
     subresource: str | None = None,
     group: str = "",
+    deadline: float = 5.0,
 ) -> bool:
     """Whether this identity may do `verb` on `resource` (of API `group`), as the API
     server's RBAC says."""
@@ -335,5 +336,5 @@ def access_allowed(
                                         "namespace": namespace, "subresource": subresource}},
     }  # fmt: skip
     reply = call(api, "POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
-                 "selfsubjectaccessreviews", body=review, deadline=5.0)  # fmt: skip
+                 "selfsubjectaccessreviews", body=review, deadline=deadline)  # fmt: skip
     return bool(reply["status"]["allowed"])

@@ -31,6 +31,9 @@ from enforcer.edge.kube import KubeError, WatchStream, call, watch_error
 log = logging.getLogger(__name__)
 
 PODS = "/api/v1/pods"
+# One page of the list, retries included: a page of a busy node's pods is large, and this
+# runs in the watch's own thread, whose view stays the last one meanwhile.
+LIST_DEADLINE = 30.0
 PAGE = 500  # pods per page of a list
 # What a list or a watch can fail with: the API's answers, the network, a garbled line.
 _FAILURES = (KubeError, ApiException, urllib3.exceptions.HTTPError, OSError, ValueError)
@@ -108,7 +111,7 @@ class WatchedPods(threading.Thread):
         page = {"limit": self._page}
         while True:
             reply = call(self._api, "GET", PODS, "pods", query={**self._query, **page},
-                         deadline=30.0, timeout=30.0, verb="list")  # fmt: skip
+                         deadline=LIST_DEADLINE, timeout=LIST_DEADLINE, verb="list")  # fmt: skip
             for pod in reply.get("items") or ():
                 if uid := _uid(pod):
                     pods[uid] = self._keep(pod)

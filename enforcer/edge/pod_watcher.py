@@ -15,6 +15,14 @@ from enforcer.edge.kube import POD, KubeError, call
 
 log = logging.getLogger(__name__)
 
+# Read again this often even unasked: container states change without a new container ID
+# (the tick asks at once for an ID it does not know).
+REREAD_EVERY = 30.0
+# At most one read a second, however often the tick asks: a container that crash-loops must
+# not make the sidecar a load on the API server.
+MIN_GAP = 1.0
+READ_DEADLINE = 10.0  # one read, retries included: it runs in this thread, never in a tick
+
 
 class PodWatcher(threading.Thread):
     """The sidecar's own pod, fetched in the background and refreshed on demand.
@@ -29,8 +37,8 @@ class PodWatcher(threading.Thread):
         api: client.ApiClient,
         namespace: str,
         name: str,
-        period: float = 30.0,
-        min_gap: float = 1.0,
+        period: float = REREAD_EVERY,
+        min_gap: float = MIN_GAP,
         on_read: Callable[[Pod], None] | None = None,
         *,
         unexpected: ErrorCounter,
@@ -70,7 +78,7 @@ class PodWatcher(threading.Thread):
         """One read of the pod (and what `on_read` reads after it); a bug in it is counted
         and logged by the guard, and the next read goes on."""
         try:
-            pod = call(self._api, "GET", POD, "pods", deadline=10.0,
+            pod = call(self._api, "GET", POD, "pods", deadline=READ_DEADLINE,
                        params={"namespace": self._namespace, "name": self._name})  # fmt: skip
         except KubeError as exc:
             what = "cannot read this pod from the API; attribution uses what is known"

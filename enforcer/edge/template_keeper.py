@@ -14,6 +14,7 @@ from enforcer.edge.kube import KubeError, NotFound, call
 
 TEMPLATES = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates"
 TEMPLATE = TEMPLATES + "/{name}"
+SEEN_FOR = 60.0  # a template seen or made is not asked about again for this long
 
 
 class TemplateKeeper:
@@ -29,7 +30,7 @@ class TemplateKeeper:
         self,
         api: client.ApiClient,
         deadline: float,
-        ttl: float = 60.0,
+        ttl: float = SEEN_FOR,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._api = api

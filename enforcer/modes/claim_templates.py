@@ -42,6 +42,7 @@ OPT_IN = ("vram-enforcer.io/inject", "enabled")
 MAX_PER_NAMESPACE = 32  # distinct VRAM sizes, each a template, per namespace
 RESYNC = 60.0  # look again this often even without a change (a template deleted meanwhile)
 NAMESPACE_TTL = 60.0  # a namespace's opt-in, as read, is trusted this long
+API_DEADLINE = 10.0  # one call, retries included: this maker runs outside admission
 NAMESPACE = "/api/v1/namespaces/{name}"
 PENDING_ENFORCED = {"labelSelector": f"{ENFORCED}=true", "fieldSelector": "status.phase=Pending"}
 
@@ -60,7 +61,7 @@ class TemplateMaker(threading.Thread):
         self._api = api
         self._settings = settings
         self._clock = clock
-        self._keeper = TemplateKeeper(api, deadline=10.0, clock=clock)
+        self._keeper = TemplateKeeper(api, deadline=API_DEADLINE, clock=clock)
         self.changed = threading.Event()
         self.pods = WatchedPods(api, PENDING_ENFORCED, (self.changed,), name="pending-pods",
                                 keep=claims_of)  # fmt: skip
@@ -138,7 +139,7 @@ class TemplateMaker(threading.Thread):
             return cached[0]
         try:
             ns = call(self._api, "GET", NAMESPACE, "namespaces", params={"name": namespace},
-                      deadline=10.0)  # fmt: skip
+                      deadline=API_DEADLINE)  # fmt: skip
         except NotFound:
             opted = False
         except KubeError as exc:

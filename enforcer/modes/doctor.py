@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from kubernetes.client import ApiClient
 
 EXIT_PROBLEMS = 1
+API_DEADLINE = 5.0  # doctor is run by hand: each API check answers within seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +216,7 @@ def check_api(settings: DoctorSettings) -> list[Check]:
 
     try:
         api = connect(settings.kubeconfig)
-        version = server_version(api, deadline=5.0)
+        version = server_version(api, deadline=API_DEADLINE)
     except KubeError as exc:
         return [Check("Kubernetes API", "fail", str(exc),
                       "check the kubeconfig, or the pod's ServiceAccount token")]  # fmt: skip
@@ -227,7 +228,7 @@ def check_api(settings: DoctorSettings) -> list[Check]:
             ns = settings.namespace if namespaced else None
             what = f"{verb} {resource}{'/' + sub if sub else ''}"
             try:
-                if not access_allowed(api, verb, resource, ns, sub):
+                if not access_allowed(api, verb, resource, ns, sub, deadline=API_DEADLINE):
                     denied.append(what)
             except KubeError as exc:
                 denied.append(f"{what} (cannot ask: {exc})")
@@ -260,7 +261,7 @@ def check_dra(api: ApiClient, version: str, settings: DoctorSettings) -> Check:
     if minor is not None and minor < 34:
         return Check(DRA_MODE, "note", f"Kubernetes {version} has no DRA (1.34+): {node_mode}")
     try:
-        listed = call(api, "GET", SLICES, "resourceslices", deadline=5.0, verb="list")
+        listed = call(api, "GET", SLICES, "resourceslices", deadline=API_DEADLINE, verb="list")
     except KubeError as exc:
         return Check(DRA_MODE, "note", f"cannot list ResourceSlices ({exc}): cannot tell",
                      "the sidecar needs list on resourceslices in DRA mode (the chart grants it "
