@@ -38,14 +38,25 @@ from enforcer.edge.pod_watcher import PodWatcher
 from tests.helpers import wait_for
 
 
-def test_a_silent_api_server_is_an_error_not_a_hang() -> None:
+def client_of(port: int) -> client.ApiClient:
+    """A client of a server on this port, configured as in production."""
+    config = client.Configuration()
+    config.host = f"http://127.0.0.1:{port}"
+    config.proxy = None
+    return api_client(config)
+
+
+@contextlib.contextmanager
+def silent_server() -> Iterator[client.ApiClient]:
+    """A client of a server that accepts every connection and never answers."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
-        silent.listen(8)
-        config = client.Configuration()
-        config.host = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        config.proxy = None
-        api = client.ApiClient(config)
+        silent.listen(64)
+        yield client_of(silent.getsockname()[1])
+
+
+def test_a_silent_api_server_is_an_error_not_a_hang() -> None:
+    with silent_server() as api:
         errors: list[str] = []
 
         def get() -> None:
@@ -67,13 +78,7 @@ def test_a_deadline_bounds_the_whole_call_against_a_server_that_never_answers() 
     2 s, however many tries fit. Before each try got the rest of the deadline as its
     timeout, and before urllib3 was kept from retrying underneath, this took about 40 s
     (four urllib3 tries of 10 s), past the API server's 5 s timeout for a webhook."""
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(64)
-        config = client.Configuration()
-        config.host = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        config.proxy = None
-        api = api_client(config)  # as production configures it
+    with silent_server() as api:
         began = time.monotonic()
         with pytest.raises(KubeError, match="the API server is unreachable"):
             call(api, "GET", "/version", "version", deadline=2.0)
@@ -112,11 +117,8 @@ def throttling(*replies: tuple[int, dict[str, str]]) -> Iterator[client.ApiClien
     Throttling.arrived = []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Throttling)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    config = client.Configuration()
-    config.host = f"http://127.0.0.1:{server.server_address[1]}"
-    config.proxy = None
     try:
-        yield api_client(config)
+        yield client_of(server.server_address[1])
     finally:
         server.shutdown()
 
@@ -197,11 +199,8 @@ def garbled(*bodies: bytes) -> Iterator[client.ApiClient]:
     Garbled.bodies = list(bodies)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbled)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    config = client.Configuration()
-    config.host = f"http://127.0.0.1:{server.server_address[1]}"
-    config.proxy = None
     try:
-        yield api_client(config)
+        yield client_of(server.server_address[1])
     finally:
         server.shutdown()
 
