@@ -25,6 +25,7 @@ from enforcer.core import kai, shapes
 from enforcer.core.declaration import (
     CEILINGS_ENV,
     ENFORCED,
+    LIMITS_FROM_ENV,
     PORTIONS_ENV,
     SIDECAR,
     Declaration,
@@ -302,7 +303,7 @@ def mutate(
         _add_shm(out_spec, shm_limit)
     if settings.dra_class is not None:
         sidecar_env.update({
-            "VRAM_ENFORCER_LIMITS_FROM": "dra",
+            LIMITS_FROM_ENV: "dra",
             "VRAM_ENFORCER_DRA_DRIVERS": ",".join(settings.dra_drivers),
             "VRAM_ENFORCER_DRA_UUID_ATTRIBUTE": settings.dra_uuid_attribute,
             "VRAM_ENFORCER_DRA_CAPACITY": settings.dra_capacity,

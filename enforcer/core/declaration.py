@@ -31,6 +31,7 @@ ENFORCED = "vram-enforcer.io/enforced"
 LIMITS_ENV = "VRAM_ENFORCER_LIMITS"  # container -> request (its limit, when no ceiling), bytes
 CEILINGS_ENV = "VRAM_ENFORCER_CEILINGS"  # container -> ceiling above its request, bytes
 PORTIONS_ENV = "VRAM_ENFORCER_PORTIONS"  # container -> portions of a GPU's memory (KAI)
+LIMITS_FROM_ENV = "VRAM_ENFORCER_LIMITS_FROM"  # "dra": the limits are the pod's claims
 
 PORTIONS_FORM = '{"trainer": {"request": "0.5", "ceiling": "0.8"}} (portions of one GPU)'
 
@@ -96,14 +97,17 @@ def of_pod(pod: Pod, resource: str, unit: int, sidecar: str) -> Declaration:
     """What the pod declares, as everyone but the webhook reads it: its containers'
     `resources.limits`, with the ceilings the webhook gave its sidecar; or, for a pod that
     declares no resource, what the webhook wrote into its sidecar's environment from
-    KAI's annotations. Anything malformed there, which the webhook never writes, declares
-    nothing. Raises Undeclarable for resources the API server would have refused."""
+    KAI's annotations (not in DRA mode, where the claims are the limits). Anything
+    malformed there, which the webhook never writes, declares nothing. Raises Undeclarable
+    for resources the API server would have refused."""
     env = sidecar_env(pod, sidecar)
     limits = declared_limits(json_map(pod.get("spec")), resource, unit)
     if limits:
         ceilings = _limits_or_empty(env.get(CEILINGS_ENV), CEILINGS_ENV)
         return Declaration(limits, _above(ceilings, limits))
-    if LIMITS_ENV not in env:
+    if LIMITS_ENV not in env or env.get(LIMITS_FROM_ENV) == "dra":
+        # DRA mode: what the containers declared became claims, and the limits are what
+        # each claim was allocated on its GPU (`dra.allocations`), not these sums.
         return Declaration()
     try:
         limits = parse_limits(env[LIMITS_ENV], LIMITS_ENV)

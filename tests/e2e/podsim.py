@@ -52,6 +52,7 @@ class SimPod:
         node_selector: dict[str, str] | None = None,
         kubelet: bool = False,
         root: Path | None = None,
+        sidecar_env: dict[str, str] | None = None,
     ) -> None:
         self.core = core
         self.namespace = namespace
@@ -104,7 +105,9 @@ class SimPod:
             client.V1Container(
                 name=c, image="example.com/gpu:1", resources=client.V1ResourceRequirements(
                     limits={"vram-enforcer.io/vram": limits[c]} if c in (limits or {}) else None,
-                    claims=uses.get(c))
+                    claims=uses.get(c)),
+                env=[client.V1EnvVar(name=k, value=v) for k, v in (sidecar_env or {}).items()]
+                if c == "vram-enforcer" else None,
             )
             for c in containers
         ]  # fmt: skip

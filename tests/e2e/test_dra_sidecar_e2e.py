@@ -15,6 +15,7 @@ the pod's ServiceAccount under deploy/rbac/sidecar.yaml.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import sys
@@ -119,12 +120,19 @@ def token(cluster: ApiServer, api: client.ApiClient, agent_token: str) -> str:
 _numbers = itertools.count()
 
 
+# What the webhook's DRA mode tells a sidecar beside the claims: the sums, which the agent
+# must not take for the limits (they are the claims, per GPU).
+AS_THE_WEBHOOK_TELLS = {"VRAM_ENFORCER_LIMITS": json.dumps({"trainer": 4 * GiB, "helper": 2 * GiB}),
+                        "VRAM_ENFORCER_LIMITS_FROM": "dra"}  # fmt: skip
+
+
 def scheduled_pod(api: client.ApiClient, node: str, containers: list[str],
-                  claims: dict[str, tuple[str, str | None]]) -> SimPod:  # fmt: skip
+                  claims: dict[str, tuple[str, str | None]],
+                  sidecar_env: dict[str, str] | None = None) -> SimPod:  # fmt: skip
     """A SimPod that the scheduler binds to `node`, its claims allocated."""
     core = client.CoreV1Api(api)
     pod = SimPod(core, NAMESPACE, f"dra-{next(_numbers)}", containers, claims=claims,
-                 node_selector={"kubernetes.io/hostname": node})  # fmt: skip
+                 node_selector={"kubernetes.io/hostname": node}, sidecar_env=sidecar_env)  # fmt: skip
     try:
         wait_for(
             lambda: bound(core, NAMESPACE, pod.name), timeout=30, what="the scheduler to bind it"
@@ -148,7 +156,8 @@ def allocated_gpu(api: client.ApiClient, pod: SimPod) -> int:
 @pytest.fixture
 def tenants(api: client.ApiClient, token: str) -> Iterator[SimPod]:
     pod = scheduled_pod(api, NODE, ["trainer", "helper", "undeclared", "vram-enforcer"],
-                        {"trainer": ("tenants", "trainer"), "helper": ("tenants", "helper")})  # fmt: skip
+                        {"trainer": ("tenants", "trainer"), "helper": ("tenants", "helper")},
+                        sidecar_env=AS_THE_WEBHOOK_TELLS)  # fmt: skip
     yield pod
     pod.close()
 
@@ -279,8 +288,12 @@ def test_the_agent_holds_each_claim_to_its_allocation_on_its_gpu(
 ) -> None:
     """Hard limits from DRA: an R615 driver (the fake NVML records each limit), the agent as
     shipped (deploy/rbac/agent.yaml), the kubelet's cgroup layout named by the pod's UID."""
+    # As the webhook's DRA mode writes it: the sidecar is told the sums too, and the agent
+    # must still hold the pod to its claim on its GPU alone.
+    told = {"VRAM_ENFORCER_LIMITS": json.dumps({"trainer": 8 * GiB}),
+            "VRAM_ENFORCER_LIMITS_FROM": "dra"}  # fmt: skip
     pod = SimPod(client.CoreV1Api(api), NAMESPACE, "dra-hard", ["trainer", "vram-enforcer"],
-                 claims={"trainer": ("vram-8gi", None)},
+                 claims={"trainer": ("vram-8gi", None)}, sidecar_env=told,
                  node_selector={"kubernetes.io/hostname": NODE}, kubelet=True)  # fmt: skip
     agent = None
     try:

@@ -97,3 +97,13 @@ def test_portions_round_trip_and_bad_ones_name_the_variable() -> None:
         with pytest.raises(ConfigError, match=r"^P") as caught:
             parse_portions(text, "P")
         assert problem in str(caught.value)
+
+
+def test_a_dra_mode_pod_declares_nothing_in_its_sidecars_env_its_claims_are_its_limits() -> None:
+    """The webhook's DRA mode turns each declaration into a claim and still tells the
+    sidecar the sums; the agent must hold the pod to each claim on its GPU, not to a sum
+    on every GPU (its hard limits, its backstop, its reclaims)."""
+    env = {"VRAM_ENFORCER_LIMITS": json.dumps({"main": 8 * GiB})}
+    assert of_pod(pod(None, **env), RES, 1, SIDECAR).limits == {"main": 8 * GiB}  # KAI's way
+    dra = of_pod(pod(None, **env, VRAM_ENFORCER_LIMITS_FROM="dra"), RES, 1, SIDECAR)
+    assert dra == Declaration()
