@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from enforcer.core.parsing import ConfigError, parse_quantity
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import json_map, json_maps
+
+T = TypeVar("T")
 
 NVIDIA_DRIVER = "gpu.nvidia.com"
 
@@ -76,11 +78,12 @@ def unit_containers(name: str) -> tuple[str, ...]:
     return tuple(name.split("@", 1)[0].split("+"))
 
 
-def single_container(name: str) -> str | None:
-    """The container of a unit that holds one (`trainer`, `trainer@GPU-...`); None for a
-    unit that containers share (`a+b@GPU-...`)."""
+def of_sole_container(name: str, by_container: Mapping[str, T]) -> T | None:
+    """What `by_container` holds for the container of a unit that has one (`trainer`,
+    `trainer@GPU-...`); None for a unit that containers share (`a+b@GPU-...`), or for a
+    container it does not hold."""
     names = unit_containers(name)
-    return names[0] if len(names) == 1 else None
+    return by_container.get(names[0]) if len(names) == 1 else None
 
 
 def describe_unit(name: str) -> str:

@@ -30,7 +30,7 @@ from enforcer.core.dra import (
     allocations,
     claim_names,
     describe_unit,
-    single_container,
+    of_sole_container,
     unit_containers,
 )
 from enforcer.core.hard_limits import pod_vram
@@ -248,9 +248,7 @@ class SilentPodAttributor:
             units = attribute(sample, unit_of, limits)
         if self._want_init and any(u.used_bytes > u.limit_bytes for u in units):
             inits = self._inits()  # a scan of the host's /proc: only when one is over
-            units = tuple(
-                replace(u, init_process=inits.get(single_container(u.name) or "")) for u in units
-            )
+            units = tuple(replace(u, init_process=of_sole_container(u.name, inits)) for u in units)
         return units
 
     def _inits(self) -> dict[str, ProcessTotal]:
@@ -283,13 +281,13 @@ class SilentPodAttributor:
         """`restart`: the container's init, whose end makes the kubelet restart the
         container; else (a unit that containers share, or an init not proven) each of its
         GPU processes."""
-        init = self._inits().get(single_container(unit.name) or "") if self._want_init else None
+        init = of_sole_container(unit.name, self._inits()) if self._want_init else None
         if init is not None:
             return WholeUnit((init,), restart=True)
         return WholeUnit(unit.processes)
 
     def ref(self, unit: str) -> ContainerRef | None:
-        return self._refs.get(single_container(unit) or "")
+        return of_sole_container(unit, self._refs)
 
 
 class _PodEvents:

@@ -260,7 +260,7 @@ def _open_gate(running: list[_Running], go: Path, stop: _Stop) -> None:
     """Create `go` once every run that waits at the gate is set up (has created its ready
     file) or has exited, or once the first run reaches its --timeout (`_wait` stops it).
     On a stop signal the gate stays shut: `_wait` passes the signal on."""
-    pending = {r.pidfd: r for r in running if r.ready is not None}
+    pending = {r.pidfd: r.ready for r in running if r.ready is not None}
     poller = select.poll()
     poller.register(stop.fileno(), select.POLLIN)
     for fd in pending:
@@ -272,7 +272,7 @@ def _open_gate(running: list[_Running], go: Path, stop: _Stop) -> None:
                 return
             pending.pop(fd, None)  # exited: it will not get ready
             poller.unregister(fd)
-        pending = {fd: r for fd, r in pending.items() if r.ready and not r.ready.exists()}
+        pending = {fd: ready for fd, ready in pending.items() if not ready.exists()}
     go.touch()
     log.debug("the start gate of %s is open", go.name)
 

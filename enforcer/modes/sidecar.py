@@ -30,7 +30,7 @@ from enforcer.core.dra import (
     DraSettings,
     allocations,
     describe_unit,
-    single_container,
+    of_sole_container,
     unit_containers,
 )
 from enforcer.core.model import (
@@ -173,9 +173,7 @@ class ContainerAttributor:
             total = sum(declared.values())
         if self._want_init:
             inits = self._inits(by_id)
-            units = [
-                replace(u, init_process=inits.get(single_container(u.name) or "")) for u in units
-            ]
+            units = [replace(u, init_process=of_sole_container(u.name, inits)) for u in units]
         unproven = [key for key in known if key not in unit_of]
         if unproven:
             self._refresh()  # a new container (or a restart) the cached pod does not know yet
@@ -264,7 +262,7 @@ class ContainerAttributor:
     def whole(self, unit: UnitUsage) -> WholeUnit:
         """Restart semantics: the container's init, whose end makes the kubelet restart the
         container with every process in it; each GPU process when its init is not known."""
-        init = self._inits(self._by_id).get(single_container(unit.name) or "")
+        init = of_sole_container(unit.name, self._inits(self._by_id))
         if init is not None:
             return WholeUnit((init,), restart=True)
         return WholeUnit(unit.processes)
