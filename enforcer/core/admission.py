@@ -281,7 +281,7 @@ def mutate(
     if by_kai:
         declared = _kai(annotations, spec, bounds, namespace)
     else:
-        declared = Declaration(limits, _ceilings(annotations, limits, bounds, namespace, settings))
+        declared = Declaration(limits, _ceilings(annotations, limits, bounds, namespace))
     limits, ceilings = dict(declared.limits), dict(declared.ceilings)
     if declared.portions:
         sidecar_env[PORTIONS_ENV] = encode_portions(declared.portions)
@@ -451,19 +451,14 @@ def _ceilings(
     limits: Mapping[str, int],
     bounds: Bounds,
     namespace: str,
-    settings: AdmissionSettings,
 ) -> dict[str, int]:
     """Container name -> the ceiling it may borrow up to above its request (its declared
-    limit); {} without the annotation. Fixed here, in the sidecar's environment, which no
+    limit; with DRA, its claim's size, and the ceiling is on that claim's GPU); {} without
+    the annotation. Fixed here, in the sidecar's environment, which no
     one can change once the pod exists: the annotation itself can be patched later."""
     if CEILING not in annotations:
         return {}
     field = f"metadata.annotations[{CEILING!r}]"
-    if settings.dra_class is not None:
-        raise Denied(
-            f"{field}: borrowing above a request is not available with DRA yet (the webhook "
-            "runs with --dra-device-class); remove the annotation"
-        )
     try:
         return check_ceilings(str(annotations[CEILING]), limits, bounds, field, namespace)
     except ConfigError as exc:

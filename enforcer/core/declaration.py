@@ -118,6 +118,17 @@ def of_pod(pod: Pod, resource: str, unit: int, sidecar: str) -> Declaration:
     return Declaration(limits, _above(ceilings, limits), portions)
 
 
+def dra_ceilings(pod: Pod, sidecar: str) -> dict[str, int]:
+    """DRA mode: container name -> the ceiling the webhook gave it above its claim, from the
+    pod's sidecar's environment ({} for a pod not in DRA mode, or for anything malformed
+    there, which the webhook never writes). Each applies on its claim's GPU
+    (`dra.with_ceilings`)."""
+    env = sidecar_env(pod, sidecar)
+    if env.get(LIMITS_FROM_ENV) != "dra":
+        return {}
+    return _limits_or_empty(env.get(CEILINGS_ENV), CEILINGS_ENV)
+
+
 def _above(ceilings: Mapping[str, int], limits: Mapping[str, int]) -> dict[str, int]:
     """The ceilings of declaring containers that lie above their request: the others
     borrow nothing."""

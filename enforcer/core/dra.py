@@ -15,6 +15,7 @@ since a GPU that is theirs but unknown would otherwise count as one they were no
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -125,6 +126,28 @@ class Allocations:
     def claiming(self) -> frozenset[str]:
         """Containers that hold a GPU allocation, resolved or not."""
         return frozenset(c for u in self.units for c in u.containers) | self.unresolved
+
+
+def with_ceilings(
+    found: Allocations, ceilings: Mapping[str, int]
+) -> tuple[Allocations, dict[str, int]]:
+    """The allocations with each unit that may borrow raised to its ceiling, and those
+    units' requests (unit name -> what they were allocated). A unit borrows where it is one
+    container's, that container's only GPU allocation (the webhook's DRA mode gives each
+    declaring container one claim, on one GPU), and its ceiling (`ceilings`, by container)
+    lies above what it was allocated. A container with allocations on several GPUs, or one
+    that containers share, borrows nowhere: which GPU its ceiling is for would be a guess."""
+    gpus_of = Counter(c for u in found.units for c in u.containers)
+    units: list[GpuUnit] = []
+    requests: dict[str, int] = {}
+    for unit in found.units:
+        ceiling = of_sole_container(unit.name, ceilings)
+        if ceiling is not None and ceiling > unit.limit_bytes and gpus_of[unit.containers[0]] == 1:
+            requests[unit.name] = unit.limit_bytes
+            units.append(replace(unit, limit_bytes=ceiling))
+        else:
+            units.append(unit)
+    return replace(found, units=tuple(units)), requests
 
 
 def claim_names(pod: Pod) -> dict[str, str | None]:

@@ -14,7 +14,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from enforcer.core.declaration import Undeclarable, of_pod
-from enforcer.core.dra import Allocations
+from enforcer.core.dra import Allocations, unit_containers, with_ceilings
 from enforcer.core.model import Device, MiB
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import containers_by_id
@@ -128,15 +128,21 @@ class PodVram:
         )
 
 
-def pod_vram_from_claims(pod: Pod, found: Allocations) -> PodVram | None:
+def pod_vram_from_claims(
+    pod: Pod, found: Allocations, ceilings: Mapping[str, int] | None = None
+) -> PodVram | None:
     """DRA: the pod's GPU allocations as hard limits, or None when it has none. Containers
-    whose GPUs are not proven get none (the sidecar says why)."""
+    whose GPUs are not proven get none (the sidecar says why). A container that may borrow
+    above its claim (`ceilings`, by container; `dra.with_ceilings`) gets its ceiling as the
+    hard limit on its claim's GPU, and its allocation as the soft one."""
     meta = pod.get("metadata") or {}
     uid, namespace, name = meta.get("uid"), meta.get("namespace"), meta.get("name")
     if not (isinstance(uid, str) and isinstance(namespace, str) and isinstance(name, str)):
         return None
     if not found.units:
         return None
+    found, allocated = with_ceilings(found, ceilings or {})
+    requests = {unit_containers(u)[0]: size for u, size in allocated.items()}
     per_container: dict[str, dict[str, int]] = {}
     totals: dict[str, int] = {}
     for unit in found.units:
@@ -145,7 +151,7 @@ def pod_vram_from_claims(pod: Pod, found: Allocations) -> PodVram | None:
             per_container.setdefault(container, {})[unit.gpu] = unit.limit_bytes
     ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
     sums = {c: sum(g.values()) for c, g in per_container.items()}
-    return PodVram(uid, namespace, name, sums, ids, per_container, _gpu_totals=totals)
+    return PodVram(uid, namespace, name, sums, ids, per_container, requests, _gpu_totals=totals)
 
 
 def pod_vram(

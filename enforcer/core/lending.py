@@ -12,14 +12,16 @@ carries it out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from enforcer.core.attribution import attribute
+from enforcer.core.declaration import dra_ceilings
+from enforcer.core.dra import Allocations, with_ceilings
 from enforcer.core.hard_limits import pod_vram
-from enforcer.core.model import ProcessKey, Sample
+from enforcer.core.model import ProcessKey, ProcessTotal, Sample, UnitUsage
 from enforcer.core.payloads import Pod
-from enforcer.core.pod import json_map
+from enforcer.core.pod import containers_by_id, json_map
 from enforcer.core.reclaim import Gpu, Reclaim, reclaims, views
 
 # How a container of another namespace is named in a reclaim's reason: a tenant learns
@@ -29,37 +31,71 @@ ELSEWHERE = "a container of another namespace"
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """One container that declares VRAM, as the agent knows it from its pod."""
+    """One container that declares VRAM, as the agent knows it from its pod; with DRA, one
+    allocation on one GPU, of the containers that use it."""
 
-    unit: str  # namespace/pod/container
+    unit: str  # namespace/pod/container; DRA: namespace/pod/<dra unit>, `c@GPU-...`
     namespace: str
     request: int
     ceiling: int
     priority: int
+    ids: frozenset[str] = frozenset()  # the IDs its containers run as now
+    gpu: str | None = None  # DRA: the GPU its request is on, owed there before any use
+
+
+def named(unit: str) -> str:
+    """A tenant's unit as a reason names it, the reclaim naming the GPU: namespace/pod/
+    container (a DRA unit's GPU left out)."""
+    return unit.split("@", 1)[0]
 
 
 def tenants(
-    pods: Iterable[Pod], resource: str, unit: int, sidecar: str, basis: int | None
-) -> dict[str, Tenant]:
-    """Container ID -> tenant, for every running container of the pods that declares VRAM
-    (a container not started yet has no ID, and no process to charge). `basis`: one GPU's
-    memory, for portions of one (`declaration.portion_basis`)."""
-    found: dict[str, Tenant] = {}
+    pods: Iterable[Pod],
+    resource: str,
+    unit: int,
+    sidecar: str,
+    basis: int | None,
+    allocated: Mapping[str, Allocations] | None = None,
+) -> tuple[Tenant, ...]:
+    """Every running container of the pods that declares VRAM (a container not started yet
+    has no ID, and no process to charge), and with DRA (`allocated`, by pod UID: what the
+    pod's claims give it, as last read) every allocation, its containers started or not:
+    its GPU is known, and it is owed there. `basis`: one GPU's memory, for portions of one
+    (`declaration.portion_basis`)."""
+    found: list[Tenant] = []
     for pod in pods:
+        priority = json_map(pod.get("spec")).get("priority")
+        rank = priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
         # As the hard limits read it: a container's limit is its ceiling, its declaration
         # its request (`requests` lists those of a pod where one may borrow).
         vram = pod_vram(pod, resource, unit, sidecar, basis)
-        if vram is None:
+        if vram is not None:
+            for name, ceiling in vram.limits.items():
+                cid = vram.ids.get(name)
+                if cid is not None:
+                    request = vram.requests.get(name, ceiling)
+                    unit_name = f"{vram.namespace}/{vram.name}/{name}"
+                    found.append(Tenant(unit_name, vram.namespace, request, ceiling, rank,
+                                        frozenset({cid})))  # fmt: skip
             continue
-        priority = json_map(pod.get("spec")).get("priority")
-        rank = priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
-        for name, ceiling in vram.limits.items():
-            cid = vram.ids.get(name)
-            if cid is not None:
-                request = vram.requests.get(name, ceiling)
-                unit_name = f"{vram.namespace}/{vram.name}/{name}"
-                found[cid] = Tenant(unit_name, vram.namespace, request, ceiling, rank)
-    return found
+        uid = str(json_map(pod.get("metadata")).get("uid") or "")
+        if allocated and uid in allocated:
+            found.extend(_claim_tenants(pod, allocated[uid], sidecar, rank))
+    return tuple(found)
+
+
+def _claim_tenants(pod: Pod, found: Allocations, sidecar: str, rank: int) -> list[Tenant]:
+    """A DRA pod's allocations, each raised to its container's ceiling where it may borrow
+    (`dra.with_ceilings`, from the ceilings the webhook wrote into the sidecar's env)."""
+    meta = json_map(pod.get("metadata"))
+    namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+    raised, requests = with_ceilings(found, dra_ceilings(pod, sidecar))
+    ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
+    return [
+        Tenant(f"{namespace}/{name}/{u.name}", namespace, requests.get(u.name, u.limit_bytes),
+               u.limit_bytes, rank, frozenset(ids[c] for c in u.containers if c in ids), u.gpu)
+        for u in raised.units
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,34 +112,58 @@ class Lending:
 def decide(
     sample: Sample,
     containers: Mapping[ProcessKey, str],
-    found: Mapping[str, Tenant],
+    found: Sequence[Tenant],
     watermark: int,
 ) -> Lending:
     """`containers`: each GPU process's container ID, as its cgroup says. Only containers
     with a ceiling above their request borrow; every declaring container may be owed its
     request, and all else on a GPU (other pods, the driver) may grow into the watermark."""
-    if not any(t.ceiling > t.request for t in found.values()):
+    if not any(t.ceiling > t.request for t in found):
         return Lending()  # nobody may borrow: nothing is ever lent, nothing to decide
-    unit_of = {key: found[cid].unit for key, cid in containers.items() if cid in found}
-    by_unit = {t.unit: (cid, t) for cid, t in found.items()}
-    units = attribute(sample, unit_of, {t.unit: t.ceiling for t in found.values()})
-    requests = {t.unit: t.request for t in found.values()}
-    priorities = {t.unit: t.priority for t in found.values()}
-    gpus = views(sample.devices, units, requests, priorities=priorities)
+    requests = {t.unit: t.request for t in found}
+    priorities = {t.unit: t.priority for t in found}
+    gpus = views(sample.devices, _usage(sample, containers, found), requests, priorities=priorities)
+    by_unit = {t.unit: t for t in found}
     asked: dict[str, Reclaim] = {}
     victims: dict[str, frozenset[ProcessKey]] = {}
     for unit_name, reclaim in reclaims(gpus, watermark).items():
-        cid, tenant = by_unit[unit_name]
-        asked[cid] = _as_seen_from(reclaim, tenant.namespace, found)
-        victims[cid] = frozenset(k for k, c in containers.items() if c == cid)
+        tenant = by_unit[unit_name]
+        for cid in sorted(tenant.ids):
+            asked.setdefault(cid, _as_seen_from(reclaim, tenant.namespace, found))
+            victims[cid] = frozenset(k for k, c in containers.items() if c == cid)
     return Lending(gpus, asked, victims)
 
 
-def _as_seen_from(reclaim: Reclaim, namespace: str, found: Mapping[str, Tenant]) -> Reclaim:
+def _usage(
+    sample: Sample, containers: Mapping[ProcessKey, str], found: Sequence[Tenant]
+) -> list[UnitUsage]:
+    """Each tenant's usage: a container's over all GPUs, against its ceiling; a DRA
+    allocation's on its GPU alone (what its containers hold elsewhere is no one's request:
+    `views` counts it as unrequested there)."""
+    whole = {cid: t for t in found if t.gpu is None for cid in t.ids}
+    unit_of = {key: whole[cid].unit for key, cid in containers.items() if cid in whole}
+    units = list(attribute(sample, unit_of, {t.unit: t.ceiling for t in whole.values()}))
+    placed = {(cid, t.gpu): t.unit for t in found if t.gpu is not None for cid in t.ids}
+    held: dict[str, dict[ProcessKey, int]] = {}
+    for p in sample.processes:
+        unit_name = placed.get((containers.get(p.key, ""), p.device_uuid))
+        if unit_name is not None and p.used_bytes:
+            on_gpu = held.setdefault(unit_name, {})
+            on_gpu[p.key] = on_gpu.get(p.key, 0) + p.used_bytes
+    for t in found:
+        if t.gpu is not None:
+            processes = tuple(ProcessTotal(key, used, ((t.gpu, used),))
+                              for key, used in held.get(t.unit, {}).items())  # fmt: skip
+            units.append(UnitUsage(t.unit, t.ceiling, processes, device_uuid=t.gpu))
+    return units
+
+
+def _as_seen_from(reclaim: Reclaim, namespace: str, found: Sequence[Tenant]) -> Reclaim:
     """The reclaim with the containers owed memory named only when they are of the
     victim's own namespace."""
-    namespaces = {t.unit: t.namespace for t in found.values()}
+    by_unit = {t.unit: t for t in found}
     owed = tuple(dict.fromkeys(
-        unit if namespaces.get(unit) == namespace else ELSEWHERE for unit in reclaim.owed_to
+        named(unit) if by_unit[unit].namespace == namespace else ELSEWHERE
+        for unit in reclaim.owed_to
     ))  # fmt: skip
     return replace(reclaim, owed_to=owed)

@@ -89,8 +89,9 @@ def reclaim(r: Reclaim, label: str) -> str:
         needs.append(f"what {', '.join(r.owed_to)} {verb}")
     if r.for_unrequested:
         needs.append("its other users, which declared no request")
+    where = "" if label.endswith(f" on GPU {r.gpu}") else f" on GPU {r.gpu}"  # DRA's names it
     return (
-        f"{label} holds {format_bytes(v.used)} on GPU {r.gpu}, {format_bytes(v.lent)} above "
+        f"{label} holds {format_bytes(v.used)}{where}, {format_bytes(v.lent)} above "
         f"its {format_bytes(v.request)} request (ceiling {format_bytes(v.ceiling)}); the GPU "
         f"has {format_bytes(r.free)} free, {format_bytes(r.shortfall)} less than it must keep "
         f"free for {' and '.join(needs)}"

@@ -420,10 +420,10 @@ def _pod_watch(
 
         server.events = post
         resource = (settings.resource_name, settings.resource_unit)
-        sampler.lender = Lender(
-            pods.snapshot, lender_woken, resource, SIDECAR, settings.reclaim_watermark, telemetry
-        )
         dra = claims if settings.dra.drivers else None
+        sampler.lender = Lender(pods.snapshot, lender_woken, resource, SIDECAR,
+                                settings.reclaim_watermark, telemetry,
+                                (claims.last, settings.dra) if dra else None)  # fmt: skip
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
         dial = functools.partial(dial_sidecars, server.host_proc)
         sidecars = SidecarWatch(pods.snapshot, lambda: server.connected, recorder, telemetry,

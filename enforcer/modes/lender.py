@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping
 
 from enforcer.core import messages
 from enforcer.core.declaration import portion_basis
-from enforcer.core.lending import Lending, Tenant, decide, tenants
+from enforcer.core.dra import Allocations, DraObjects, DraSettings, allocations, claim_names
+from enforcer.core.lending import Lending, Tenant, decide, named, tenants
 from enforcer.core.model import ProcessKey, Sample
 from enforcer.core.payloads import Pod
 from enforcer.edge.guard import LoopGuard
@@ -33,15 +34,21 @@ class Lender:
         sidecar: str,
         watermark: int,
         telemetry: AgentTelemetry,
+        claims: tuple[Callable[[Pod], DraObjects | None], DraSettings] | None = None,
     ) -> None:
-        """`changed`: set by the pod watch on every change of the node's pods."""
+        """`changed`: set by the pod watch on every change of the node's pods. `claims`
+        (DRA): a pod's claims and the node's slices as last read, never read here (the
+        sampler does not wait on the API), and which allocations are GPUs."""
         self._pods = pods
+        self._claims = claims
+        # DRA pods: UID -> (the pod, its objects as last read, or None before a read)
+        self._read: dict[str, tuple[Pod, DraObjects | None]] = {}
         self._changed = changed
         self._resource = resource
         self._sidecar = sidecar
         self._watermark = watermark
         self._telemetry = telemetry
-        self._tenants: dict[str, Tenant] | None = None  # None: the pods are not known yet
+        self._tenants: tuple[Tenant, ...] | None = None  # None: the pods are not known yet
         self._basis: int | None = None  # one GPU's memory, for portions (KAI's gpu-fraction)
         self._told: frozenset[tuple[str, str]] = frozenset()  # (container ID, GPU) asked
         self._guard = LoopGuard("lending", telemetry.unexpected.labels("lending"), log)
@@ -60,22 +67,47 @@ class Lender:
         self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]
     ) -> Lending | None:
         basis = portion_basis(sample.devices)
-        if self._changed.is_set() or self._tenants is None or basis != self._basis:
+        stale = self._changed.is_set() or self._tenants is None or basis != self._basis
+        if stale or self._claims_read_again():
             self._changed.clear()  # before the read: a change during it is seen next pass
             pods = self._pods()
             if pods is None:
                 return None
             name, unit = self._resource
-            self._tenants = tenants(pods.values(), name, unit, self._sidecar, basis)
+            allocated = self._allocated(pods)
+            self._tenants = tenants(pods.values(), name, unit, self._sidecar, basis, allocated)
             self._basis = basis
-        if not any(t.ceiling > t.request for t in self._tenants.values()):
+        found = self._tenants
+        if found is None or not any(t.ceiling > t.request for t in found):
             self._telemetry.node.lending = ()
             return Lending()  # nobody may borrow: nothing is lent, nothing to decide
-        lending = decide(sample, containers(), self._tenants, self._watermark)
+        lending = decide(sample, containers(), found, self._watermark)
         self._telemetry.node.lending = lending.gpus
         asked = frozenset((cid, r.gpu) for cid, r in lending.reclaims.items())
         for cid, reclaim in lending.reclaims.items():
             if (cid, reclaim.gpu) not in self._told:
-                log.info("%s", messages.reclaim(reclaim, f"container {reclaim.victim.unit}"))
+                who = f"container {named(reclaim.victim.unit)}"
+                log.info("%s", messages.reclaim(reclaim, who))
         self._told = asked
         return lending
+
+    def _allocated(self, pods: Mapping[str, Pod]) -> dict[str, Allocations]:
+        """DRA: what each pod's claims give it, as last read (a pod whose claims have not
+        been read yet is owed nothing until they are: the next read makes the tenants
+        again)."""
+        if self._claims is None:
+            return {}
+        last, settings = self._claims
+        self._read = {uid: (pod, last(pod)) for uid, pod in pods.items() if claim_names(pod)}
+        return {
+            uid: allocations(pod, objects.claims, objects.slices, settings)
+            for uid, (pod, objects) in self._read.items()
+            if objects is not None
+        }
+
+    def _claims_read_again(self) -> bool:
+        """Whether a DRA pod's claims were read since its tenants were made."""
+        if self._claims is None:
+            return False
+        last = self._claims[0]
+        return any(last(pod) is not objects for pod, objects in self._read.values())

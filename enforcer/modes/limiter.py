@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
-from enforcer.core.declaration import SIDECAR, portion_basis
+from enforcer.core.declaration import SIDECAR, dra_ceilings, portion_basis
 from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names
 from enforcer.core.hard_limits import (
     EVIDENCE_BYTES,
@@ -160,7 +160,9 @@ class HardLimiter(threading.Thread):
                         parsed[uid] = known
                     continue
                 found = pod_vram_from_claims(
-                    pod, allocations(pod, objects.claims, objects.slices, settings)
+                    pod,
+                    allocations(pod, objects.claims, objects.slices, settings),
+                    dra_ceilings(pod, SIDECAR),
                 )
             parsed[uid] = (version, found)
         self._parsed = parsed

@@ -32,6 +32,7 @@ from enforcer.core.dra import (
     describe_unit,
     of_sole_container,
     unit_containers,
+    with_ceilings,
 )
 from enforcer.core.model import (
     Action,
@@ -156,7 +157,8 @@ class ContainerAttributor:
         unit_of = {key: by_id[cid].name for key, (cid, _) in known.items() if cid in by_id}
         cmdlines = {key: cmd for key, (_, cmd) in known.items()}
         if self._dra is not None:
-            found = self._allocations(pod, self._dra, by_id)
+            claimed = self._allocations(pod, self._dra, by_id)
+            found, self.requests = with_ceilings(claimed, self._borrowed(self._declared.ceilings))
             held = {r.name for r in by_id.values()} if not self._undeclared_allowed else set()
             # A container that declared VRAM (0 too: no claim) is held to what its claims give.
             held = (held | set(self._limits) | found.claiming) - found.unresolved
@@ -323,12 +325,16 @@ class AgentReclaims:
         self._attributor = attributor
 
     def __call__(self, gpus: tuple[Gpu, ...], /) -> dict[str, Reclaim]:
-        lending = {(s.unit, g.uuid) for g in gpus for s in g.shares if s.lent > 0}
+        # (the unit's one container, GPU) -> the unit: `trainer`, or with DRA `trainer@GPU-...`
+        lending = {
+            (unit_containers(s.unit), g.uuid): s.unit for g in gpus for s in g.shares if s.lent
+        }
         asked: dict[str, Reclaim] = {}
         for cid, reclaim in self._source.reclaims.items():
             name = self._attributor.container(cid)
-            if name is not None and (name, reclaim.gpu) in lending:
-                asked.setdefault(name, reclaim)
+            unit = lending.get(((name,), reclaim.gpu)) if name is not None else None
+            if unit is not None:
+                asked.setdefault(unit, reclaim)
         return asked
 
 

@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -153,13 +154,20 @@ def allocated_gpu(api: client.ApiClient, pod: SimPod) -> int:
     return int(device.removeprefix("gpu-"))
 
 
+def remove(api: client.ApiClient, pod: SimPod) -> None:
+    """The pod's processes and cgroups, and the pod itself: its claims go with it, and
+    their memory on the GPU is free for the scheduler again."""
+    pod.close()
+    client.CoreV1Api(api).delete_namespaced_pod(pod.name, NAMESPACE, grace_period_seconds=0)
+
+
 @pytest.fixture
 def tenants(api: client.ApiClient, token: str) -> Iterator[SimPod]:
     pod = scheduled_pod(api, NODE, ["trainer", "helper", "undeclared", "vram-enforcer"],
                         {"trainer": ("tenants", "trainer"), "helper": ("tenants", "helper")},
                         sidecar_env=AS_THE_WEBHOOK_TELLS)  # fmt: skip
     yield pod
-    pod.close()
+    remove(api, pod)
 
 
 @pytest.fixture
@@ -283,17 +291,35 @@ def test_a_claim_that_cannot_be_mapped_to_a_gpu_is_reported_and_signals_nothing(
         pod.close()
 
 
+def told(container: str, claim: int, ceiling: int | None = None) -> dict[str, str]:
+    """What the webhook's DRA mode writes into the sidecar of a pod of one declaring
+    container: its declaration, and its ceiling from the annotation."""
+    env = {
+        "VRAM_ENFORCER_LIMITS": json.dumps({container: claim}),
+        "VRAM_ENFORCER_LIMITS_FROM": "dra",
+    }
+    if ceiling is not None:
+        env["VRAM_ENFORCER_CEILINGS"] = json.dumps({container: ceiling})
+    return env
+
+
 def test_the_agent_holds_each_claim_to_its_allocation_on_its_gpu(
-    cluster: ApiServer, api: client.ApiClient, agent_token: str, fake_nvml_lib: Path, tmp_path: Path
-) -> None:
+    cluster: ApiServer,
+    api: client.ApiClient,
+    agent_token: str,
+    token: str,
+    fake_nvml_lib: Path,
+    tmp_path: Path,
+) -> None:  # `token`: the namespace, and its templates
     """Hard limits from DRA: an R615 driver (the fake NVML records each limit), the agent as
-    shipped (deploy/rbac/agent.yaml), the kubelet's cgroup layout named by the pod's UID."""
+    shipped (deploy/rbac/agent.yaml), the kubelet's cgroup layout named by the pod's UID.
+    The trainer's claim is 8Gi and its ceiling 12Gi: the soft limit is the claim, the hard
+    one the ceiling, on the claim's GPU only."""
     # As the webhook's DRA mode writes it: the sidecar is told the sums too, and the agent
     # must still hold the pod to its claim on its GPU alone.
-    told = {"VRAM_ENFORCER_LIMITS": json.dumps({"trainer": 8 * GiB}),
-            "VRAM_ENFORCER_LIMITS_FROM": "dra"}  # fmt: skip
     pod = SimPod(client.CoreV1Api(api), NAMESPACE, "dra-hard", ["trainer", "vram-enforcer"],
-                 claims={"trainer": ("vram-8gi", None)}, sidecar_env=told,
+                 claims={"trainer": ("vram-8gi", None)},
+                 sidecar_env=told("trainer", 8 * GiB, 12 * GiB),
                  node_selector={"kubernetes.io/hostname": NODE}, kubelet=True)  # fmt: skip
     agent = None
     try:
@@ -306,19 +332,92 @@ def test_the_agent_holds_each_claim_to_its_allocation_on_its_gpu(
         agent = AgentProcess(cluster, agent_token, NODE, tmp_path, fake_nvml_lib,
                              "--no-advertise", "--no-labels", "--cgroup-root", str(pod.root),
                              "--cgroup-scan", "200ms", state=state)  # fmt: skip
-        eight = (0, 8 * GiB)
-        # the pod's cgroup and the container's: 8Gi on the allocated GPU, none on the other
-        wait_for(lambda: records(agent, pod.pod_slice) == {gpu: eight}, what="the pod's limit")
+        soft_hard = (8 * GiB, 12 * GiB)
+        # the pod's cgroup and the container's: on the allocated GPU, none on the other
+        wait_for(lambda: records(agent, pod.pod_slice) == {gpu: soft_hard}, what="the pod's limit")
         pod.start("trainer", [sys.executable, "-c", "import time; time.sleep(60)"])
-        wait_for(lambda: records(agent, pod.cgroup("trainer")) == {gpu: eight},
+        wait_for(lambda: records(agent, pod.cgroup("trainer")) == {gpu: soft_hard},
                  what="the container's limit")  # fmt: skip
         # Claimed once the driver shows that it charges the trainer's memory there.
         (pid,) = wait_for(lambda: pod.host_pids("trainer"), what="the trainer's process")
         state.set_process(allocated_gpu(api, pod), pid, GiB)
         state.write(agent.state_file)
         (event,) = wait_for(lambda: events(api, pod.name, "VRAMHardLimit"), what="the Event")
-        assert event.message.startswith(f"hard limit in place: the pod may allocate at most 8.00 GiB on {gpu}")  # fmt: skip
+        assert event.message.startswith(f"hard limit in place: the pod may allocate at most 12.00 GiB on {gpu}")  # fmt: skip
     finally:
         if agent is not None:
             agent.stop()
-        pod.close()
+        remove(api, pod)
+
+
+def pinned_template(api: client.ApiClient, size: str, uuid: str) -> str:
+    """A template of one `size` claim that only the GPU `uuid` can satisfy."""
+    name = f"pinned-{size.lower()}"
+    utils.create_from_dict(api, {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"spec": {"devices": {"requests": [
+            {"name": "vram", "exactly": {
+                "deviceClassName": dra.DEVICE_CLASS,
+                "selectors": [{"cel": {"expression":
+                               f'device.attributes["{dra.DRIVER}"].uuid == "{uuid}"'}}],
+                "capacity": {"requests": {"memory": size}}}}]}}},
+    })  # fmt: skip
+    return name
+
+
+def test_a_borrower_above_its_claim_is_reclaimed_when_the_scheduler_hands_out_what_it_borrowed(
+    api: client.ApiClient, node: Node, cluster: ApiServer, token: str, tmp_path: Path
+) -> None:
+    """On one 24Gi GPU: a borrower's claim is 2Gi with a 16Gi ceiling, and it holds 12Gi; a
+    neighbour's claim is 8Gi, of which it holds 1Gi. 11Gi are free, and the neighbour is
+    owed 7Gi plus the 2Gi watermark: the borrower is left alone. Then the scheduler places
+    a third claim of 4Gi there, from the 14Gi no claim had: 13Gi are now needed, 2 more
+    than are free. The agent, which read every claim on the node, asks the borrower's
+    sidecar for what it lent, and the sidecar stops it, saying why on its pod. The
+    neighbour is untouched."""
+    uuid = node.state.devices[0]["uuid"]
+    lender = scheduled_pod(api, NODE, ["burst", "vram-enforcer"],
+                           {"burst": (pinned_template(api, "2Gi", uuid), None)},
+                           sidecar_env=told("burst", 2 * GiB, 16 * GiB))  # fmt: skip
+    owed = scheduled_pod(api, NODE, ["grow", "vram-enforcer"],
+                         {"grow": (pinned_template(api, "8Gi", uuid), None)},
+                         sidecar_env=told("grow", 8 * GiB))  # fmt: skip
+    newcomer = None
+    sidecar = Sidecar(lender, node, cluster, token, tmp_path, {"burst": 2 * GiB},
+                      "--limits-from", "dra", "--api-access", "agent",
+                      env={"VRAM_ENFORCER_CEILINGS": json.dumps({"burst": 16 * GiB})})  # fmt: skip
+    try:
+        assert (allocated_gpu(api, lender), allocated_gpu(api, owed)) == (0, 0)
+        borrower = start_worker(lender, "burst", tmp_path)
+        grower = start_worker(owed, "grow", tmp_path)
+        sidecar.wait_logged("the node agent decides reclaims: containers may borrow up to "
+                            "their ceilings (burst 16.00 GiB)")  # fmt: skip
+        node.use({borrower: 12 * GiB, grower: 1 * GiB}, device=0)
+        labels = f'container="burst",gpu="{uuid}",namespace="{NAMESPACE}",pod="{lender.name}"'
+        lent = f"vram_enforcer_container_gpu_over_request_bytes{{{labels}}} 1.073741824e+10"
+        wait_for(lambda: lent in sidecar.metrics(), what="the sidecar to see 10Gi lent")
+        limit = f"vram_enforcer_container_gpu_limit_bytes{{{labels}}} 1.7179869184e+10"
+        assert limit in sidecar.metrics()  # held to its ceiling, not its 2Gi claim
+        time.sleep(1.0)  # 20 of the agent's passes, and of the sidecar's ticks
+        assert alive(borrower) and not events(api, lender.name, "VRAMReclaimed")
+        newcomer = scheduled_pod(api, NODE, ["c"], {"c": (pinned_template(api, "4Gi", uuid), None)})
+        (reclaimed, *_) = wait_for(lambda: events(api, lender.name, "VRAMReclaimed"),
+                                   timeout=30, what="the VRAMReclaimed Event")  # fmt: skip
+        wait_for(lambda: not alive(borrower), what="the borrower to be stopped")
+        assert alive(grower)
+        assert not events(api, owed.name, "VRAMReclaimed")
+        assert not events(api, owed.name, "VRAMEnforced")
+        assert reclaimed.message.startswith(
+            f"container 'burst' on GPU {uuid} holds 12.00 GiB, 10.00 GiB above its 2.00 GiB "
+            "request (ceiling 16.00 GiB); the GPU has 11.00 GiB free, 2.00 GiB less than it "
+            f"must keep free for what {NAMESPACE}/{owed.name}/grow, "
+            f"{NAMESPACE}/{newcomer.name}/c are still owed"
+        ), reclaimed.message
+        assert reclaimed.involved_object.field_path == "spec.containers{burst}"
+        node.use({borrower: None, grower: None})
+        assert sidecar.stop() == 0
+    finally:
+        for pod in (lender, owed, newcomer):
+            if pod is not None:
+                remove(api, pod)

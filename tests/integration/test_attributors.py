@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from enforcer.core.declaration import Portion
+from enforcer.core.dra import DraObjects, DraSettings
 from enforcer.core.model import Activity, Device, GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.exec import TreeAttributor
@@ -107,6 +108,32 @@ def test_a_ceiling_is_the_limit_only_while_the_agent_decides_reclaims(proc: Path
     assert by_name(a.attribute(sample({12: 3 * GiB})))["trainer"].limit_bytes == 12 * GiB
     # How the agent's asks (by container ID) are matched to this pod's containers.
     assert a.container(TRAINER) == "trainer" and a.container("f" * 64) is None
+
+
+def test_with_dra_a_ceiling_raises_the_containers_claim_on_its_gpu_while_the_agent_lends(
+    proc: Path,
+) -> None:
+    """The trainer's claim gives it 4Gi on GPU-0, and its ceiling is 12Gi: its unit there
+    is held to 12Gi while the agent decides reclaims, with 4Gi its request; to 4Gi else."""
+    claimed = {**POD, "spec": {
+        "containers": [{"name": "trainer", "resources": {"claims": [{"name": "vram"}]}},
+                       {"name": "helper"}],
+        "resourceClaims": [{"name": "vram", "resourceClaimName": "trainer-vram"}]}}  # fmt: skip
+    result = {"request": "vram", "driver": "gpu.nvidia.com", "pool": "node", "device": "gpu-0",
+              "consumedCapacity": {"memory": "4Gi"}}  # fmt: skip
+    claim = {"metadata": {"name": "trainer-vram"},
+             "status": {"allocation": {"devices": {"results": [result]}}}}  # fmt: skip
+    slice_ = {"spec": {"driver": "gpu.nvidia.com", "pool": {"name": "node", "generation": 1},
+                       "devices": [{"name": "gpu-0", "attributes": {"uuid": {"string": "GPU-0"}}}]}}  # fmt: skip
+    objects = DraObjects({"trainer-vram": claim}, (slice_,))
+    lending = [False]
+    a = attributor(proc, claimed, dra=DraSettings(), claims=lambda: objects,
+                   ceilings={"trainer": 12 * GiB}, lending=lambda: lending[0])  # fmt: skip
+    unit = by_name(a.attribute(sample({12: 3 * GiB})))["trainer@GPU-0"]
+    assert (unit.limit_bytes, unit.used_bytes, a.requests) == (4 * GiB, 3 * GiB, {})
+    lending[0] = True
+    unit = by_name(a.attribute(sample({12: 3 * GiB})))["trainer@GPU-0"]
+    assert (unit.limit_bytes, a.requests) == (12 * GiB, {"trainer@GPU-0": 4 * GiB})
 
 
 def test_a_portion_of_a_gpu_counts_against_the_smallest_gpu_and_not_before_one_is_known(

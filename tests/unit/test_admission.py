@@ -650,9 +650,27 @@ def test_borrowing_is_off_until_the_operator_allows_it_and_one_value_needs_one_c
     out = mutate(pod(gpu("trainer", "4Gi"), annotations={CEILING: "80Gi"}),
                  dataclasses.replace(NATIVE, tenancy=research), "research")  # fmt: skip
     assert out
-    with pytest.raises(Denied, match="not available with DRA yet"):
-        mutate(pod(gpu("trainer", "4Gi"), annotations={CEILING: "8Gi"}),
-               dataclasses.replace(BURSTY, dra_class="gpu.nvidia.com"), "ml")  # fmt: skip
+
+
+def test_in_dra_mode_the_claim_is_the_request_and_the_ceiling_goes_to_the_sidecar() -> None:
+    """The scheduler counts the claim (the request) per GPU; the ceiling, on that GPU, is
+    frozen into the sidecar's environment as in node mode, and bounded the same way."""
+    bursty_dra = dataclasses.replace(BURSTY, dra_class="gpu.nvidia.com")
+    p = pod(gpu("trainer", "4Gi"), annotations={CEILING: "8Gi"})
+    out: dict[str, Any] = jsonpatch.apply_patch(p, mutate(p, bursty_dra, "ml"))
+    assert out["spec"]["resourceClaims"] == [
+        {"name": "vram-trainer", "resourceClaimTemplateName": "vram-enforcer-4gi"}
+    ]
+    side = env_of(sidecar_of(out))
+    assert json.loads(side["VRAM_ENFORCER_CEILINGS"]) == {"trainer": 8 * GiB}
+    assert side["VRAM_ENFORCER_LIMITS_FROM"] == "dra"
+    told = env_of(out["spec"]["containers"][0])
+    assert (told["VRAM_LIMIT_BYTES"], told["VRAM_REQUEST_BYTES"]) == (str(8 * GiB), str(4 * GiB))
+    assert mutate(out, bursty_dra, "ml") == []  # a second pass, from the claim, agrees
+    with pytest.raises(Denied, match=r"is below the container's request of 4\.00 GiB"):
+        mutate(pod(gpu("trainer", "4Gi"), annotations={CEILING: "2Gi"}), bursty_dra, "ml")
+    with pytest.raises(Denied, match="the operator allows no borrowing above requests"):
+        mutate(p, DRA, "ml")
 
 
 KAI = dataclasses.replace(NATIVE, kai_annotations=True)

@@ -17,9 +17,11 @@ from enforcer.core.attribution import attribute_per_gpu
 from enforcer.core.dra import (
     Allocations,
     DraSettings,
+    GpuUnit,
     allocations,
     claim_names,
     shareable_gpus,
+    with_ceilings,
 )
 from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.policy import PolicyConfig, decide
@@ -261,3 +263,20 @@ def test_the_gpus_dra_can_place_by_memory_and_the_sidecar_can_name(slices: list[
     del second["attributes"]["uuid"]  # cannot be matched to an NVML GPU
     assert shareable_gpus(slices, NVIDIA) == []
     assert shareable_gpus(slices, DraSettings(drivers=frozenset({"other"}))) == []
+
+
+def test_a_ceiling_raises_only_a_containers_one_allocation_above_its_size() -> None:
+    """The webhook's DRA mode gives a declaring container one claim on one GPU: its
+    ceiling is there. On two GPUs, or in an allocation containers share, which GPU (or
+    whose) the ceiling is for would be a guess: it raises nothing."""
+    one = GpuUnit("GPU-0", ("a",), 4 * GiB, ())
+    shared = GpuUnit("GPU-0", ("b", "c"), 4 * GiB, ())
+    wide = (GpuUnit("GPU-0", ("d",), 2 * GiB, ()), GpuUnit("GPU-1", ("d",), 2 * GiB, ()))
+    low = GpuUnit("GPU-1", ("e",), 8 * GiB, ())  # allocated more than its ceiling
+    found = Allocations((one, shared, *wide, low), unresolved=frozenset({"f"}))
+    ceilings = {name: 6 * GiB for name in "abcdef"}
+    raised, requests = with_ceilings(found, ceilings)
+    assert raised.units == (GpuUnit("GPU-0", ("a",), 6 * GiB, ()), shared, *wide, low)
+    assert requests == {"a@GPU-0": 4 * GiB}
+    assert raised.unresolved == frozenset({"f"})
+    assert with_ceilings(found, {}) == (found, {})

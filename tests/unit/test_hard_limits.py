@@ -144,6 +144,15 @@ def test_dra_claims_become_hard_limits_on_the_allocated_gpu_only() -> None:
     )
     assert got.limits_on(devices) == {gpu0: 4 * GiB}  # what the VRAMHardLimit Event waits for
     assert pod_vram_from_claims(dra_pod, allocations(dra_pod, {}, [slice_], DraSettings())) is None
+    # With a ceiling (the sidecar's env, by container): the hard limit is the ceiling on the
+    # claim's GPU, the soft limit the claim, for the container and its pod alike.
+    bursting = pod_vram_from_claims(dra_pod, found, {"c": 10 * GiB})
+    assert bursting is not None and bursting.limits_on(devices) == {gpu0: 10 * GiB}
+    wanted = targets([bursting], {uid: "/pod"}, {uid: {A: "/pod/a"}})
+    assert [(t.gpu_limits, t.request_bytes) for t in wanted.values()] == [
+        (((gpu0, 10 * GiB),), 4 * GiB),
+        (((gpu0, 10 * GiB),), 4 * GiB),
+    ]
 
 
 def test_a_limit_is_proven_to_bind_only_by_what_the_driver_charges_to_it() -> None:

@@ -3,10 +3,12 @@ who is asked to give memory back on which GPU (pure)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from enforcer.core.declaration import SIDECAR
+from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.lending import ELSEWHERE, Tenant, decide, tenants
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
@@ -49,12 +51,12 @@ def test_each_declaring_container_is_a_tenant_with_its_request_ceiling_and_prior
         SIDECAR,
         None,
     )  # fmt: skip
-    assert found == {
-        "a" * 64: Tenant("ml/a/c", "ml", 4 * GiB, 16 * GiB, 100),
-        "b" * 64: Tenant("ml/b/c", "ml", 8 * GiB, 8 * GiB, 0),
-        "d" * 64: Tenant("web/d/c", "web", 8 * GiB, 8 * GiB, 0),
-        "e" * 64: Tenant("web/e/c", "web", GiB, GiB, 0),
-    }
+    assert found == (
+        Tenant("ml/a/c", "ml", 4 * GiB, 16 * GiB, 100, frozenset({"a" * 64})),
+        Tenant("ml/b/c", "ml", 8 * GiB, 8 * GiB, 0, frozenset({"b" * 64})),
+        Tenant("web/d/c", "web", 8 * GiB, 8 * GiB, 0, frozenset({"d" * 64})),
+        Tenant("web/e/c", "web", GiB, GiB, 0, frozenset({"e" * 64})),
+    )
 
 
 def usage(pid: int, used: int) -> ProcessUsage:
@@ -67,11 +69,18 @@ def sample(*procs: ProcessUsage, total: int = 40, other: int = 0) -> Sample:
 
 
 BURSTER, GROWER, STRANGER = ("a" * 64, "b" * 64, "s" * 64)
-FOUND = {
-    BURSTER: Tenant("ml/a/c", "ml", 4 * GiB, 24 * GiB, 0),
-    GROWER: Tenant("ml/b/c", "ml", 16 * GiB, 16 * GiB, 0),
-    STRANGER: Tenant("web/s/c", "web", 8 * GiB, 8 * GiB, 0),
-}
+
+
+def tenant(unit: str, request: int, ceiling: int, cid: str, priority: int = 0) -> Tenant:
+    """A running container's tenant, its namespace the unit's first part."""
+    return Tenant(unit, unit.split("/", 1)[0], request, ceiling, priority, frozenset({cid}))
+
+
+FOUND = (
+    tenant("ml/a/c", 4 * GiB, 24 * GiB, BURSTER),
+    tenant("ml/b/c", 16 * GiB, 16 * GiB, GROWER),
+    tenant("web/s/c", 8 * GiB, 8 * GiB, STRANGER),
+)
 CONTAINERS = {ProcessKey(1, 1): BURSTER, ProcessKey(2, 2): GROWER, ProcessKey(3, 3): STRANGER,
               ProcessKey(4, 4): BURSTER}  # fmt: skip
 
@@ -93,21 +102,21 @@ def test_a_burster_is_asked_only_once_the_gpu_cannot_honour_the_others_requests(
 
 
 def test_who_needed_the_memory_is_named_only_within_the_victims_namespace() -> None:
-    stranger = {**FOUND, STRANGER: Tenant("web/s/c", "web", 16 * GiB, 16 * GiB, 0)}
+    stranger = (*FOUND[:2], tenant("web/s/c", 16 * GiB, 16 * GiB, STRANGER))
     short = decide(sample(usage(1, 16), usage(2, 4), usage(3, 4)), CONTAINERS, stranger, 0)
     (asked,) = short.reclaims.values()
     assert asked.owed_to == ("ml/b/c", ELSEWHERE)
 
 
 def test_with_no_ceiling_on_the_node_nothing_is_decided() -> None:
-    plain = {cid: Tenant(t.unit, t.namespace, t.request, t.request, 0) for cid, t in FOUND.items()}
+    plain = tuple(dataclasses.replace(t, ceiling=t.request) for t in FOUND)
     full = decide(sample(usage(1, 30), usage(2, 4), usage(3, 6)), CONTAINERS, plain, 2 * GiB)
     assert full.reclaims == {} and full.gpus == ()
 
 
 def test_the_lowest_priority_borrower_goes_first() -> None:
-    two = {**FOUND, GROWER: Tenant("ml/b/c", "ml", 4 * GiB, 24 * GiB, -5),
-           STRANGER: Tenant("web/s/c", "web", 16 * GiB, 16 * GiB, 0)}  # fmt: skip
+    two = (FOUND[0], tenant("ml/b/c", 4 * GiB, 24 * GiB, GROWER, -5),
+           tenant("web/s/c", 16 * GiB, 16 * GiB, STRANGER))  # fmt: skip
     # Both lend 8; the stranger is owed 6 of 16, 2 are free: 4 short, which one covers.
     short = decide(sample(usage(1, 12), usage(2, 12), usage(3, 10), total=36), CONTAINERS, two, 0)
     assert list(short.reclaims) == [GROWER]
@@ -118,13 +127,13 @@ def test_a_ceiling_is_read_from_the_sidecars_environment_never_from_an_annotatio
     sidecar's environment cannot: the webhook wrote it there."""
     patched = pod("a", "ml", "4Gi", "a" * 64)
     patched["metadata"]["annotations"] = {"vram-enforcer.io/vram-ceiling": "80Gi"}
-    assert tenants([patched], RES, 1, SIDECAR, None)["a" * 64].ceiling == 4 * GiB
+    assert tenants([patched], RES, 1, SIDECAR, None)[0].ceiling == 4 * GiB
     # Only the container named as our sidecar counts, not a look-alike of the workload's.
     other = pod("b", "ml", "4Gi", "b" * 64)
     other["spec"]["containers"][0]["env"] = [
         {"name": "VRAM_ENFORCER_CEILINGS", "value": json.dumps({"c": 80 * GiB})}
     ]
-    assert tenants([other], RES, 1, SIDECAR, None)["b" * 64].ceiling == 4 * GiB
+    assert tenants([other], RES, 1, SIDECAR, None)[0].ceiling == 4 * GiB
 
 
 def test_a_kai_fraction_is_a_tenant_once_its_gpus_memory_is_known() -> None:
@@ -134,7 +143,71 @@ def test_a_kai_fraction_is_a_tenant_once_its_gpus_memory_is_known() -> None:
               {"name": "VRAM_ENFORCER_PORTIONS",
                "value": json.dumps({"c": {"request": "0.25", "ceiling": "0.5"}})}]  # fmt: skip
     kai = pod("k", "ml", None, "f" * 64, sidecar_env=frozen)
-    assert tenants([kai], RES, 1, SIDECAR, 80 * GiB) == {
-        "f" * 64: Tenant("ml/k/c", "ml", 20 * GiB, 40 * GiB, 0)
-    }
-    assert tenants([kai], RES, 1, SIDECAR, None) == {}  # not counted before a GPU is known
+    assert tenants([kai], RES, 1, SIDECAR, 80 * GiB) == (
+        tenant("ml/k/c", 20 * GiB, 40 * GiB, "f" * 64),
+    )
+    assert tenants([kai], RES, 1, SIDECAR, None) == ()  # not counted before a GPU is known
+
+
+# --- DRA: each allocation is a tenant on its GPU -----------------------------------------
+
+DRA_ENV = [{"name": "VRAM_ENFORCER_LIMITS_FROM", "value": "dra"}]
+
+
+def dra_pod(name: str, cid: str | None, ceiling: int | None = None) -> Pod:
+    """A DRA pod of one container `c` (running as `cid`; None: not started), declaring
+    nothing of its own: its claim is its request."""
+    env = [*DRA_ENV]
+    if ceiling is not None:
+        env.append({"name": "VRAM_ENFORCER_CEILINGS", "value": json.dumps({"c": ceiling})})
+    made = pod(name, "ml", None, cid or "", sidecar_env=env)
+    if cid is None:
+        made["status"] = {}
+    return made
+
+
+def on(gpu: str, size: int, *containers: str) -> Allocations:
+    return Allocations((GpuUnit(gpu, containers, size, ()),))
+
+
+def test_each_dra_allocation_is_a_tenant_on_its_gpu_started_or_not() -> None:
+    """The claim is the request; the sidecar's ceiling raises it only where the container
+    has that one allocation. A container not started yet is owed its claim already: DRA
+    says which GPU it is on."""
+    pods = [dra_pod("burst", "a" * 64, ceiling=24 * GiB), dra_pod("new", None),
+            dra_pod("wide", "d" * 64, ceiling=24 * GiB)]  # fmt: skip
+    wide = Allocations((GpuUnit("GPU-0", ("c",), 4 * GiB, ()), GpuUnit("GPU-1", ("c",), 4 * GiB, ())))  # fmt: skip
+    allocated = {"uid-burst": on("GPU-0", 4 * GiB, "c"), "uid-new": on("GPU-0", 16 * GiB, "c"),
+                 "uid-wide": wide}  # fmt: skip
+    assert tenants(pods, RES, 1, SIDECAR, None, allocated) == (
+        Tenant("ml/burst/c@GPU-0", "ml", 4 * GiB, 24 * GiB, 0, frozenset({"a" * 64}), "GPU-0"),
+        Tenant("ml/new/c@GPU-0", "ml", 16 * GiB, 16 * GiB, 0, frozenset(), "GPU-0"),
+        # on two GPUs: which one its ceiling is for would be a guess; it borrows nowhere
+        Tenant("ml/wide/c@GPU-0", "ml", 4 * GiB, 4 * GiB, 0, frozenset({"d" * 64}), "GPU-0"),
+        Tenant("ml/wide/c@GPU-1", "ml", 4 * GiB, 4 * GiB, 0, frozenset({"d" * 64}), "GPU-1"),
+    )
+    assert tenants(pods, RES, 1, SIDECAR, None) == ()  # claims not read yet: nobody
+
+
+def test_a_dra_borrower_is_reclaimed_when_the_scheduler_hands_out_what_it_borrowed() -> None:
+    """40 GiB: the borrower's claim is 4 GiB (ceiling 24) and it holds 20 there (and 2 on
+    another GPU, which is not its claim's); a pod owed 16 GiB is placed before it starts:
+    20 free, 18 needed with the watermark. A second, owed 4 GiB: 22 needed, 2 short."""
+    borrower = Tenant("ml/b/c@GPU-0", "ml", 4 * GiB, 24 * GiB, 0, frozenset({BURSTER}), "GPU-0")
+    first = Tenant("ml/n/c@GPU-0", "ml", 16 * GiB, 16 * GiB, 0, frozenset(), "GPU-0")
+    second = Tenant("web/m/c@GPU-0", "web", 4 * GiB, 4 * GiB, 0, frozenset(), "GPU-0")
+    devices = (Device(0, "GPU-0", "H100", 40 * GiB, 20 * GiB),
+               Device(1, "GPU-1", "H100", 40 * GiB, 2 * GiB))  # fmt: skip
+    seen = Sample(1.0, devices, (usage(1, 20), ProcessUsage(ProcessKey(1, 1), "GPU-1", 2 * GiB)))
+    containers = {ProcessKey(1, 1): BURSTER}
+    roomy = decide(seen, containers, (borrower, first), 2 * GiB)
+    assert roomy.reclaims == {}
+    (gpu,) = [g for g in roomy.gpus if g.uuid == "GPU-0"]
+    assert (gpu.free, gpu.requested, gpu.shares[0].lent) == (20 * GiB, 20 * GiB, 16 * GiB)
+    short = decide(seen, containers, (borrower, first, second), 2 * GiB)
+    (asked,) = short.reclaims.values()
+    assert list(short.reclaims) == [BURSTER] and asked.gpu == "GPU-0"
+    assert (asked.shortfall, asked.victim.lent) == (2 * GiB, 16 * GiB)
+    # The GPU is in the reason already: the owed are named by container, in its namespace.
+    assert asked.owed_to == ("ml/n/c", ELSEWHERE)
+    assert short.victims == {BURSTER: frozenset({ProcessKey(1, 1)})}

@@ -98,3 +98,7 @@ def test_a_reclaim_names_the_gpu_usage_request_ceiling_and_whose_need() -> None:
     )
     assert messages.about(e, "x") == f"{why}; "
     assert messages.about(Enforcement(UNIT, VICTIM, Action.TERMINATE, 5.0), "x") == ""
+    # A DRA unit's label names its GPU already: said once.
+    assert messages.reclaim(two, "container 'a' on GPU GPU-7").startswith(
+        "container 'a' on GPU GPU-7 holds 4.50 GiB, 512.00 MiB above"
+    )

@@ -116,8 +116,10 @@ CEILINGS = value(
     doc='JSON: container name → ceiling in bytes, `{"trainer": 21474836480}`. The webhook '
     "writes it from the pod's `vram-enforcer.io/vram-ceiling` annotation. A container may "
     "hold up to its ceiling while the node agent finds room on its GPU; when the agent "
-    "asks for memory back, the sidecar holds it to its limit (`VRAMReclaimed`). Needs "
-    "`--source agent`",
+    "asks for memory back, the sidecar holds it to its limit (`VRAMReclaimed`). With "
+    "`--limits-from dra`, a ceiling is on the GPU of the container's one claim, above what "
+    "that claim was allocated (a container with claims on several GPUs, or one it shares, "
+    "borrows nowhere). Needs `--source agent`",
 )
 LIMITS_FROM = value(
     "limits_from",
@@ -354,7 +356,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         raise ConfigError(
             "VRAM_ENFORCER_LIMITS", None, f"is missing; use {LIMITS_FORM} (or --limits-from dra)"
         )
-    ceilings = _ceilings(values[CEILINGS] or {}, values[LIMITS] or {}, values[SOURCE], dra)
+    ceilings = _ceilings(values[CEILINGS] or {}, values[LIMITS] or {}, values[SOURCE])
     portions = _portions(values[PORTIONS] or {}, values[LIMITS] or {}, values[SOURCE], dra)
     return SidecarSettings(
         pod_name=values[POD_NAME],
@@ -404,18 +406,16 @@ def _portions(
     return portions
 
 
-def _ceilings(
-    ceilings: dict[str, int], limits: dict[str, int], source: str, dra: DraSettings | None
-) -> dict[str, int]:
-    """The ceilings above the limits; borrowing needs the agent, which alone sees the whole
-    GPU and so alone can say when to give memory back."""
+def _ceilings(ceilings: dict[str, int], limits: dict[str, int], source: str) -> dict[str, int]:
+    """The ceilings above the limits (with DRA, the limits are what the containers declared,
+    their claims' sizes); borrowing needs the agent, which alone sees the whole GPU and so
+    alone can say when to give memory back."""
     if not ceilings:
         return {}
-    if source != "agent" or dra is not None:
-        need = "--source agent" if source != "agent" else "--limits-from declared"
+    if source != "agent":
         raise ConfigError(
-            CEILINGS_ENV, ceilings, f"needs {need}: only the node agent sees the whole GPU, "
-            "and so only it can say when borrowed memory must be given back",
+            CEILINGS_ENV, ceilings, "needs --source agent: only the node agent sees the whole "
+            "GPU, and so only it can say when borrowed memory must be given back",
         )  # fmt: skip
     for name, ceiling in ceilings.items():
         if name not in limits or ceiling < limits[name]:
