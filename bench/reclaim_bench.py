@@ -5,8 +5,9 @@ the node agent, and how many more tenants one GPU holds with it.
   GPU with less free memory than the watermark to the SIGTERM the borrower receives. (The
   sidecar tier rides the same sample push as limits do; the hard tier needs R615.)
 - `lending_cost`: the agent's decision per NVML pass (`lending.decide` over 110 pods, half
-  of them with a ceiling, 8 GPUs), and the re-read of the node's pods after a change
-  (`lending.tenants`), in-process, on this machine's CPU.
+  of them with a ceiling, 8 GPUs; declared, and with DRA, each pod's claim on its GPU),
+  and the re-read of the node's pods after a change (`lending.tenants`), in-process, on
+  this machine's CPU.
 - `fit`: for a described mix, the most tenants an 80 GiB GPU takes with requests at their
   peaks, and with requests at their idle size and a ceiling at their peak, such that the
   decision rule (`reclaim.plan`) takes memory back in at most 1% of moments. A figure of
@@ -24,6 +25,7 @@ from typing import Any, cast
 from bench import exec_bench
 from bench.common import GiB
 from enforcer.core.declaration import SIDECAR
+from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.lending import decide, tenants
 from enforcer.core.model import Device, ProcessKey, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
@@ -51,17 +53,26 @@ def latency(lib_dir: Path, tmp: Path, interval: str, trials: int) -> dict[str, A
     return {"tier": "sampling (exec)", **found}
 
 
-def _pod(i: int, ceiling: int | None) -> Pod:
+def _pod(i: int, ceiling: int | None, dra: bool = False) -> Pod:
+    """Pod `i` of one container declaring 4 GiB; with `dra`, as the webhook's DRA mode
+    makes it: a claim instead of the resource, the sidecar told to read the claims."""
     env = [] if ceiling is None else [
         {"name": "VRAM_ENFORCER_CEILINGS", "value": json.dumps({"c": ceiling})}
     ]  # fmt: skip
+    resources: dict[str, Any] = {"limits": {RES: "4Gi"}}
+    claims: list[dict[str, str]] = []
+    if dra:
+        env.append({"name": "VRAM_ENFORCER_LIMITS_FROM", "value": "dra"})
+        resources = {"claims": [{"name": "vram-c"}]}
+        claims = [{"name": "vram-c", "resourceClaimName": f"p{i}-vram-c"}]
     return cast(
         Pod,
         {
             "metadata": {"name": f"p{i}", "namespace": f"ns{i % 10}", "uid": f"uid-{i}"},
             "spec": {
-                "containers": [{"name": "c", "image": "x", "resources": {"limits": {RES: "4Gi"}}}],
+                "containers": [{"name": "c", "image": "x", "resources": resources}],
                 "initContainers": [{"name": SIDECAR, "image": "y", "env": env}],
+                "resourceClaims": claims,
             },
             "status": {
                 "containerStatuses": [{"name": "c", "containerID": f"containerd://{i:064x}"}]
@@ -74,8 +85,15 @@ def lending_cost(window: float, pods: int = 110, gpus: int = 8) -> dict[str, Any
     """CPU of the agent's decision per pass, and of re-reading the pods after a change."""
     devices = tuple(Device(g, f"GPU-{g}", "H100", TOTAL, 0) for g in range(gpus))
     result: dict[str, Any] = {"pods": pods, "gpus": gpus}
-    for label, bursting in (("no_ceilings", 0), ("half_bursting", pods // 2)):
-        listed = [_pod(i, 16 * GiB if i < bursting else None) for i in range(pods)]
+    cases = (("no_ceilings", 0, False), ("half_bursting", pods // 2, False),
+             ("dra_half_bursting", pods // 2, True))  # fmt: skip
+    for label, bursting, dra in cases:
+        listed = [_pod(i, 16 * GiB if i < bursting else None, dra) for i in range(pods)]
+        # DRA: each pod's claim of 4 GiB, on the GPU its process uses
+        allocated = {
+            f"uid-{i}": Allocations((GpuUnit(f"GPU-{i % gpus}", ("c",), 4 * GiB, ()),))
+            for i in range(pods) if dra
+        }  # fmt: skip
         procs, containers = [], {}
         for i in range(pods):
             key = ProcessKey(1000 + i, 1000 + i)
@@ -88,7 +106,8 @@ def lending_cost(window: float, pods: int = 110, gpus: int = 8) -> dict[str, Any
                                    for d, u in zip(devices, used_per_gpu, strict=True)),
                         tuple(procs))  # fmt: skip
         started, cpu0, passes = time.monotonic(), time.process_time(), 0
-        found = tenants(listed, RES, 1, SIDECAR)
+        found = tenants(listed, RES, 1, SIDECAR, None, allocated)
+        assert len(found.all) == pods and sum(t.ceiling > t.request for t in found.all) == bursting
         reread = time.process_time() - cpu0
         cpu0 = time.process_time()
         while time.monotonic() - started < window:

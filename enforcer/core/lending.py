@@ -12,7 +12,7 @@ carries it out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from enforcer.core.attribution import attribute
@@ -49,6 +49,28 @@ def named(unit: str) -> str:
     return unit.split("@", 1)[0]
 
 
+@dataclass(frozen=True, slots=True)
+class Tenants:
+    """The node's tenants, indexed once per change of its pods rather than on every pass."""
+
+    all: tuple[Tenant, ...] = ()
+    by_unit: Mapping[str, Tenant] = field(default_factory=dict)
+    whole: Mapping[str, Tenant] = field(default_factory=dict)  # container ID -> over all GPUs
+    placed: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (ID, GPU) -> DRA unit
+    borrowing: bool = False  # whether any may borrow above its request
+
+    @classmethod
+    def of(cls, found: Iterable[Tenant]) -> Tenants:
+        listed = tuple(found)
+        return cls(
+            listed,
+            {t.unit: t for t in listed},
+            {cid: t for t in listed if t.gpu is None for cid in t.ids},
+            {(cid, t.gpu): t.unit for t in listed if t.gpu is not None for cid in t.ids},
+            any(t.ceiling > t.request for t in listed),
+        )
+
+
 def tenants(
     pods: Iterable[Pod],
     resource: str,
@@ -56,7 +78,7 @@ def tenants(
     sidecar: str,
     basis: int | None,
     allocated: Mapping[str, Allocations] | None = None,
-) -> tuple[Tenant, ...]:
+) -> Tenants:
     """Every running container of the pods that declares VRAM (a container not started yet
     has no ID, and no process to charge), and with DRA (`allocated`, by pod UID: what the
     pod's claims give it, as last read) every allocation, its containers started or not:
@@ -81,7 +103,7 @@ def tenants(
         uid = str(json_map(pod.get("metadata")).get("uid") or "")
         if allocated and uid in allocated:
             found.extend(_claim_tenants(pod, allocated[uid], sidecar, rank))
-    return tuple(found)
+    return Tenants.of(found)
 
 
 def _claim_tenants(pod: Pod, found: Allocations, sidecar: str, rank: int) -> list[Tenant]:
@@ -112,45 +134,41 @@ class Lending:
 def decide(
     sample: Sample,
     containers: Mapping[ProcessKey, str],
-    found: Sequence[Tenant],
+    found: Tenants,
     watermark: int,
 ) -> Lending:
     """`containers`: each GPU process's container ID, as its cgroup says. Only containers
     with a ceiling above their request borrow; every declaring container may be owed its
     request, and all else on a GPU (other pods, the driver) may grow into the watermark."""
-    if not any(t.ceiling > t.request for t in found):
+    if not found.borrowing:
         return Lending()  # nobody may borrow: nothing is ever lent, nothing to decide
-    requests = {t.unit: t.request for t in found}
-    priorities = {t.unit: t.priority for t in found}
+    requests = {t.unit: t.request for t in found.all}
+    priorities = {t.unit: t.priority for t in found.all}
     gpus = views(sample.devices, _usage(sample, containers, found), requests, priorities=priorities)
-    by_unit = {t.unit: t for t in found}
     asked: dict[str, Reclaim] = {}
     victims: dict[str, frozenset[ProcessKey]] = {}
     for unit_name, reclaim in reclaims(gpus, watermark).items():
-        tenant = by_unit[unit_name]
+        tenant = found.by_unit[unit_name]
         for cid in sorted(tenant.ids):
             asked.setdefault(cid, _as_seen_from(reclaim, tenant.namespace, found))
             victims[cid] = frozenset(k for k, c in containers.items() if c == cid)
     return Lending(gpus, asked, victims)
 
 
-def _usage(
-    sample: Sample, containers: Mapping[ProcessKey, str], found: Sequence[Tenant]
-) -> list[UnitUsage]:
+def _usage(sample: Sample, containers: Mapping[ProcessKey, str], found: Tenants) -> list[UnitUsage]:
     """Each tenant's usage: a container's over all GPUs, against its ceiling; a DRA
     allocation's on its GPU alone (what its containers hold elsewhere is no one's request:
     `views` counts it as unrequested there)."""
-    whole = {cid: t for t in found if t.gpu is None for cid in t.ids}
+    whole, placed = found.whole, found.placed
     unit_of = {key: whole[cid].unit for key, cid in containers.items() if cid in whole}
     units = list(attribute(sample, unit_of, {t.unit: t.ceiling for t in whole.values()}))
-    placed = {(cid, t.gpu): t.unit for t in found if t.gpu is not None for cid in t.ids}
     held: dict[str, dict[ProcessKey, int]] = {}
-    for p in sample.processes:
+    for p in sample.processes if placed else ():
         unit_name = placed.get((containers.get(p.key, ""), p.device_uuid))
         if unit_name is not None and p.used_bytes:
             on_gpu = held.setdefault(unit_name, {})
             on_gpu[p.key] = on_gpu.get(p.key, 0) + p.used_bytes
-    for t in found:
+    for t in found.all if placed else ():
         if t.gpu is not None:
             processes = tuple(ProcessTotal(key, used, ((t.gpu, used),))
                               for key, used in held.get(t.unit, {}).items())  # fmt: skip
@@ -158,12 +176,11 @@ def _usage(
     return units
 
 
-def _as_seen_from(reclaim: Reclaim, namespace: str, found: Sequence[Tenant]) -> Reclaim:
+def _as_seen_from(reclaim: Reclaim, namespace: str, found: Tenants) -> Reclaim:
     """The reclaim with the containers owed memory named only when they are of the
     victim's own namespace."""
-    by_unit = {t.unit: t for t in found}
     owed = tuple(dict.fromkeys(
-        named(unit) if by_unit[unit].namespace == namespace else ELSEWHERE
+        named(unit) if found.by_unit[unit].namespace == namespace else ELSEWHERE
         for unit in reclaim.owed_to
     ))  # fmt: skip
     return replace(reclaim, owed_to=owed)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from enforcer.core import messages
 from enforcer.core.declaration import portion_basis
 from enforcer.core.dra import Allocations, DraObjects, DraSettings, allocations, claim_names
-from enforcer.core.lending import Lending, Tenant, decide, named, tenants
+from enforcer.core.lending import Lending, Tenants, decide, named, tenants
 from enforcer.core.model import ProcessKey, Sample
 from enforcer.core.payloads import Pod
 from enforcer.edge.guard import LoopGuard
@@ -48,7 +48,7 @@ class Lender:
         self._sidecar = sidecar
         self._watermark = watermark
         self._telemetry = telemetry
-        self._tenants: tuple[Tenant, ...] | None = None  # None: the pods are not known yet
+        self._tenants: Tenants | None = None  # None: the pods are not known yet
         self._basis: int | None = None  # one GPU's memory, for portions (KAI's gpu-fraction)
         self._told: frozenset[tuple[str, str]] = frozenset()  # (container ID, GPU) asked
         self._guard = LoopGuard("lending", telemetry.unexpected.labels("lending"), log)
@@ -78,7 +78,7 @@ class Lender:
             self._tenants = tenants(pods.values(), name, unit, self._sidecar, basis, allocated)
             self._basis = basis
         found = self._tenants
-        if found is None or not any(t.ceiling > t.request for t in found):
+        if found is None or not found.borrowing:
             self._telemetry.node.lending = ()
             return Lending()  # nobody may borrow: nothing is lent, nothing to decide
         lending = decide(sample, containers(), found, self._watermark)

@@ -9,7 +9,7 @@ from typing import Any
 
 from enforcer.core.declaration import SIDECAR
 from enforcer.core.dra import Allocations, GpuUnit
-from enforcer.core.lending import ELSEWHERE, Tenant, decide, tenants
+from enforcer.core.lending import ELSEWHERE, Tenant, Tenants, decide, tenants
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
 
@@ -50,7 +50,7 @@ def test_each_declaring_container_is_a_tenant_with_its_request_ceiling_and_prior
         1,
         SIDECAR,
         None,
-    )  # fmt: skip
+    ).all  # fmt: skip
     assert found == (
         Tenant("ml/a/c", "ml", 4 * GiB, 16 * GiB, 100, frozenset({"a" * 64})),
         Tenant("ml/b/c", "ml", 8 * GiB, 8 * GiB, 0, frozenset({"b" * 64})),
@@ -76,11 +76,12 @@ def tenant(unit: str, request: int, ceiling: int, cid: str, priority: int = 0) -
     return Tenant(unit, unit.split("/", 1)[0], request, ceiling, priority, frozenset({cid}))
 
 
-FOUND = (
+LISTED = (
     tenant("ml/a/c", 4 * GiB, 24 * GiB, BURSTER),
     tenant("ml/b/c", 16 * GiB, 16 * GiB, GROWER),
     tenant("web/s/c", 8 * GiB, 8 * GiB, STRANGER),
 )
+FOUND = Tenants.of(LISTED)
 CONTAINERS = {ProcessKey(1, 1): BURSTER, ProcessKey(2, 2): GROWER, ProcessKey(3, 3): STRANGER,
               ProcessKey(4, 4): BURSTER}  # fmt: skip
 
@@ -102,21 +103,21 @@ def test_a_burster_is_asked_only_once_the_gpu_cannot_honour_the_others_requests(
 
 
 def test_who_needed_the_memory_is_named_only_within_the_victims_namespace() -> None:
-    stranger = (*FOUND[:2], tenant("web/s/c", 16 * GiB, 16 * GiB, STRANGER))
+    stranger = Tenants.of((*LISTED[:2], tenant("web/s/c", 16 * GiB, 16 * GiB, STRANGER)))
     short = decide(sample(usage(1, 16), usage(2, 4), usage(3, 4)), CONTAINERS, stranger, 0)
     (asked,) = short.reclaims.values()
     assert asked.owed_to == ("ml/b/c", ELSEWHERE)
 
 
 def test_with_no_ceiling_on_the_node_nothing_is_decided() -> None:
-    plain = tuple(dataclasses.replace(t, ceiling=t.request) for t in FOUND)
+    plain = Tenants.of(dataclasses.replace(t, ceiling=t.request) for t in LISTED)
     full = decide(sample(usage(1, 30), usage(2, 4), usage(3, 6)), CONTAINERS, plain, 2 * GiB)
     assert full.reclaims == {} and full.gpus == ()
 
 
 def test_the_lowest_priority_borrower_goes_first() -> None:
-    two = (FOUND[0], tenant("ml/b/c", 4 * GiB, 24 * GiB, GROWER, -5),
-           tenant("web/s/c", 16 * GiB, 16 * GiB, STRANGER))  # fmt: skip
+    two = Tenants.of((LISTED[0], tenant("ml/b/c", 4 * GiB, 24 * GiB, GROWER, -5),
+                      tenant("web/s/c", 16 * GiB, 16 * GiB, STRANGER)))  # fmt: skip
     # Both lend 8; the stranger is owed 6 of 16, 2 are free: 4 short, which one covers.
     short = decide(sample(usage(1, 12), usage(2, 12), usage(3, 10), total=36), CONTAINERS, two, 0)
     assert list(short.reclaims) == [GROWER]
@@ -127,13 +128,13 @@ def test_a_ceiling_is_read_from_the_sidecars_environment_never_from_an_annotatio
     sidecar's environment cannot: the webhook wrote it there."""
     patched = pod("a", "ml", "4Gi", "a" * 64)
     patched["metadata"]["annotations"] = {"vram-enforcer.io/vram-ceiling": "80Gi"}
-    assert tenants([patched], RES, 1, SIDECAR, None)[0].ceiling == 4 * GiB
+    assert tenants([patched], RES, 1, SIDECAR, None).all[0].ceiling == 4 * GiB
     # Only the container named as our sidecar counts, not a look-alike of the workload's.
     other = pod("b", "ml", "4Gi", "b" * 64)
     other["spec"]["containers"][0]["env"] = [
         {"name": "VRAM_ENFORCER_CEILINGS", "value": json.dumps({"c": 80 * GiB})}
     ]
-    assert tenants([other], RES, 1, SIDECAR, None)[0].ceiling == 4 * GiB
+    assert tenants([other], RES, 1, SIDECAR, None).all[0].ceiling == 4 * GiB
 
 
 def test_a_kai_fraction_is_a_tenant_once_its_gpus_memory_is_known() -> None:
@@ -143,10 +144,10 @@ def test_a_kai_fraction_is_a_tenant_once_its_gpus_memory_is_known() -> None:
               {"name": "VRAM_ENFORCER_PORTIONS",
                "value": json.dumps({"c": {"request": "0.25", "ceiling": "0.5"}})}]  # fmt: skip
     kai = pod("k", "ml", None, "f" * 64, sidecar_env=frozen)
-    assert tenants([kai], RES, 1, SIDECAR, 80 * GiB) == (
+    assert tenants([kai], RES, 1, SIDECAR, 80 * GiB).all == (
         tenant("ml/k/c", 20 * GiB, 40 * GiB, "f" * 64),
     )
-    assert tenants([kai], RES, 1, SIDECAR, None) == ()  # not counted before a GPU is known
+    assert tenants([kai], RES, 1, SIDECAR, None).all == ()  # not counted before a GPU is known
 
 
 # --- DRA: each allocation is a tenant on its GPU -----------------------------------------
@@ -179,14 +180,14 @@ def test_each_dra_allocation_is_a_tenant_on_its_gpu_started_or_not() -> None:
     wide = Allocations((GpuUnit("GPU-0", ("c",), 4 * GiB, ()), GpuUnit("GPU-1", ("c",), 4 * GiB, ())))  # fmt: skip
     allocated = {"uid-burst": on("GPU-0", 4 * GiB, "c"), "uid-new": on("GPU-0", 16 * GiB, "c"),
                  "uid-wide": wide}  # fmt: skip
-    assert tenants(pods, RES, 1, SIDECAR, None, allocated) == (
+    assert tenants(pods, RES, 1, SIDECAR, None, allocated).all == (
         Tenant("ml/burst/c@GPU-0", "ml", 4 * GiB, 24 * GiB, 0, frozenset({"a" * 64}), "GPU-0"),
         Tenant("ml/new/c@GPU-0", "ml", 16 * GiB, 16 * GiB, 0, frozenset(), "GPU-0"),
         # on two GPUs: which one its ceiling is for would be a guess; it borrows nowhere
         Tenant("ml/wide/c@GPU-0", "ml", 4 * GiB, 4 * GiB, 0, frozenset({"d" * 64}), "GPU-0"),
         Tenant("ml/wide/c@GPU-1", "ml", 4 * GiB, 4 * GiB, 0, frozenset({"d" * 64}), "GPU-1"),
     )
-    assert tenants(pods, RES, 1, SIDECAR, None) == ()  # claims not read yet: nobody
+    assert tenants(pods, RES, 1, SIDECAR, None).all == ()  # claims not read yet: nobody
 
 
 def test_a_dra_borrower_is_reclaimed_when_the_scheduler_hands_out_what_it_borrowed() -> None:
@@ -200,11 +201,11 @@ def test_a_dra_borrower_is_reclaimed_when_the_scheduler_hands_out_what_it_borrow
                Device(1, "GPU-1", "H100", 40 * GiB, 2 * GiB))  # fmt: skip
     seen = Sample(1.0, devices, (usage(1, 20), ProcessUsage(ProcessKey(1, 1), "GPU-1", 2 * GiB)))
     containers = {ProcessKey(1, 1): BURSTER}
-    roomy = decide(seen, containers, (borrower, first), 2 * GiB)
+    roomy = decide(seen, containers, Tenants.of((borrower, first)), 2 * GiB)
     assert roomy.reclaims == {}
     (gpu,) = [g for g in roomy.gpus if g.uuid == "GPU-0"]
     assert (gpu.free, gpu.requested, gpu.shares[0].lent) == (20 * GiB, 20 * GiB, 16 * GiB)
-    short = decide(seen, containers, (borrower, first, second), 2 * GiB)
+    short = decide(seen, containers, Tenants.of((borrower, first, second)), 2 * GiB)
     (asked,) = short.reclaims.values()
     assert list(short.reclaims) == [BURSTER] and asked.gpu == "GPU-0"
     assert (asked.shortfall, asked.victim.lent) == (2 * GiB, 16 * GiB)
