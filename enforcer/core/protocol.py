@@ -177,8 +177,10 @@ class Usage:
     sample: Sample
     reclaims: dict[str, Reclaim]
     # The agent decides reclaims (a release that lends): only then may a container borrow
-    # above its request, since only then is it ever asked to give the memory back.
+    # above its request, since only then is it ever asked to give the memory back. With
+    # `lending_dra`, it decides them for DRA allocations too (earlier releases did not).
     lending: bool = False
+    lending_dra: bool = False
 
 
 def encode_reclaim(container_id: str, r: Reclaim) -> bytes:
@@ -196,10 +198,10 @@ def encode_reclaim(container_id: str, r: Reclaim) -> bytes:
 
 def usage_tail(reclaims: Iterable[bytes], lending: bool = False) -> bytes:
     """The end of a usage reply: with `lending`, the agent says that it decides reclaims,
-    and lists those of the caller's pod."""
+    for declared limits and DRA allocations alike, and lists those of the caller's pod."""
     if not lending:
         return USAGE_TAIL
-    return b'],"lending":true,"reclaims":[%s]}\n' % b",".join(reclaims)
+    return b'],"lending":true,"lending_dra":true,"reclaims":[%s]}\n' % b",".join(reclaims)
 
 
 def _reclaim(d: dict[str, Any]) -> tuple[str, Reclaim]:
@@ -276,7 +278,7 @@ def decode_reply(line: bytes) -> Usage | SourceDown | Challenge | PodReply:
         processes = tuple(_process(p) for p in doc["processes"])
         reclaims = dict(_reclaim(r) for r in doc.get("reclaims", ()))
         sample = Sample(float(doc["sampled_at"]), devices, processes)
-        return Usage(sample, reclaims, doc.get("lending") is True)
+        return Usage(sample, reclaims, doc.get("lending") is True, doc.get("lending_dra") is True)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ProtocolError(f"malformed reply from the agent: {exc}") from None
 

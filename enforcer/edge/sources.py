@@ -168,9 +168,10 @@ class AgentSource:
         # What the agent asks this pod's containers to give back, by container ID: from the
         # latest sample, and nothing while the agent is away.
         self.reclaims: dict[str, Reclaim] = {}
-        # Whether the agent decides reclaims at all (one of an earlier release does not):
-        # as its latest reply said, kept while it is away.
+        # Whether the agent decides reclaims at all (one of an earlier release does not),
+        # and for DRA allocations too: as its latest reply said, kept while it is away.
         self.lending = False
+        self.lending_dra = False
         self._events: collections.deque[bytes] = collections.deque(maxlen=EVENT_BACKLOG)
         self.events_dropped = 0  # reports pushed out of a full backlog
         self._answering = False  # the agent has answered on this connection: it knows us
@@ -323,6 +324,7 @@ class AgentSource:
                 elif isinstance(reply, Usage):
                     self._latest, self._received = reply.sample, self._clock()
                     self.reclaims, self.lending = reply.reclaims, reply.lending
+                    self.lending_dra = reply.lending_dra
                     self._answering = True
                 else:
                     self._latest, self._received = reply, self._clock()

@@ -298,9 +298,10 @@ class ContainerAttributor:
                 log.info("the node agent decides reclaims: containers may borrow up to their "
                          "ceilings (%s)", messages.amounts(ceilings))  # fmt: skip
             else:
-                log.warning("the node agent does not decide reclaims (a release before "
-                            "ceilings?): containers are held to their requests, not their "
-                            "ceilings (%s), until it does", messages.amounts(ceilings))  # fmt: skip
+                log.warning("the node agent does not decide reclaims for these containers (a "
+                            "release before ceilings, or before ceilings with DRA?): they are "
+                            "held to their requests, not their ceilings (%s), until it does",
+                            messages.amounts(ceilings))  # fmt: skip
         return ceilings if lending else {}
 
     def container(self, container_id: str) -> str | None:
@@ -485,7 +486,10 @@ def _pipeline(
         claims=access.claims,
         problem=problem,
         ceilings=ceilings,
-        lending=lambda: agent is not None and agent.lending,
+        # With DRA, only an agent that makes tenants of allocations ever asks them back.
+        lending=lambda: (
+            agent is not None and (agent.lending_dra if settings.dra is not None else agent.lending)
+        ),
         portions=portions,
     )
     reporters: list[Reporter] = [

@@ -39,10 +39,10 @@ def test_only_the_victims_namespaces_hear_of_its_reclaim(tmp_path: Path) -> None
     try:
         own, other = PidView(HOST, POD_A, 1), PidView(HOST, POD_B, 1)
         assert b'"reclaims":[{"container_id":"' + VICTIM.encode() in server.reply(own)
-        assert server.reply(other).endswith(b'"lending":true,"reclaims":[]}\n')
+        assert server.reply(other).endswith(b'"lending":true,"lending_dra":true,"reclaims":[]}\n')
         # The next sample without it takes it back: a reclaim is never older than its sample.
         server.publish(sample, Lending())
-        assert server.reply(own).endswith(b'"lending":true,"reclaims":[]}\n')
+        assert server.reply(own).endswith(b'"lending":true,"lending_dra":true,"reclaims":[]}\n')
         server.publish(sample)  # an agent that decides no reclaims says nothing of them
         assert b"lending" not in server.reply(own)
     finally:

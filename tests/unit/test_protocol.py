@@ -151,6 +151,11 @@ def test_reclaims_travel_with_the_sample_they_were_decided_on() -> None:
     # says nothing, and its callers' containers are held to their requests.
     quiet = decode_reply(head + usage_tail([], lending=True))
     assert isinstance(quiet, Usage) and quiet.lending and quiet.reclaims == {}
+    assert quiet.lending_dra  # this release decides for DRA allocations too
     assert usage_tail([]) == USAGE_TAIL
     older = decode_reply(head + USAGE_TAIL)
     assert isinstance(older, Usage) and not older.lending
+    # The release before DRA ceilings lent to declared limits only: its DRA pods' sidecars
+    # must not let a claim borrow, since that agent never asks an allocation back.
+    before_dra = decode_reply(head + b'],"lending":true,"reclaims":[]}\n')
+    assert isinstance(before_dra, Usage) and before_dra.lending and not before_dra.lending_dra
