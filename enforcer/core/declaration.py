@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
 from enforcer.core import shapes
-from enforcer.core.model import Device
+from enforcer.core.model import Device, MiB
 from enforcer.core.parsing import ConfigError, json_object, parse_limits, parse_quantity, shown
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import json_map, json_maps
@@ -49,10 +49,11 @@ class Portion:
     ceiling: Decimal | None = None
 
     def in_bytes(self, basis: int) -> tuple[int, int | None]:
-        """(request, ceiling) in bytes against `basis`, one GPU's memory; rounded down, never
-        above the share."""
-        ceiling = None if self.ceiling is None else int(self.ceiling * basis)
-        return int(self.request * basis), ceiling
+        """(request, ceiling) in bytes against `basis`, one GPU's memory; rounded down to
+        whole MiB, as KAI counts a share (`int64(portion * memory in MiB)`), never above it."""
+        mib = basis // MiB
+        ceiling = None if self.ceiling is None else int(self.ceiling * mib) * MiB
+        return int(self.request * mib) * MiB, ceiling
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +80,25 @@ class Declaration:
         return limits, ceilings
 
 
+# KAI Scheduler counts a fraction against one GPU memory per node, `MemoryOfEveryGpuOnNode`:
+# GPU feature discovery's `nvidia.com/gpu.memory` label (MiB, from NVML), floored to a
+# multiple of 100 MiB "so there will not be 2 jobs that get same bytes".
+KAI_MEMORY_STEP = 100 * MiB
+
+
 def portion_basis(devices: Sequence[Device]) -> int | None:
-    """The memory of one GPU, for portions: that of the node's smallest whole GPU (KAI gives
-    a share on one GPU of the node, and the same GPU model across a node pool is the norm).
-    The smallest, so that a share never counts for more than it could be on any GPU here.
-    None when NVML knows no whole GPU's memory (MIG only, or none yet)."""
+    """The memory of one GPU, for portions, as KAI counts it: that of the node's smallest
+    whole GPU, in whole MiB, floored to a multiple of 100 MiB. KAI assumes one GPU model
+    per node (its count is one value per node); the smallest, so that on a node that mixes
+    models a share never counts for more than it could be on any GPU here. None when NVML
+    knows no whole GPU's memory (MIG only, or none yet)."""
     in_mig_mode = {d.parent_uuid for d in devices if d.parent_uuid}
     sizes = [
         d.total_bytes
         for d in devices
         if d.parent_uuid is None and d.uuid not in in_mig_mode and d.total_bytes
     ]
-    return min(sizes) if sizes else None
+    return min(sizes) // KAI_MEMORY_STEP * KAI_MEMORY_STEP if sizes else None
 
 
 def of_pod(pod: Pod, resource: str, unit: int, sidecar: str) -> Declaration:

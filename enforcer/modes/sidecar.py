@@ -37,11 +37,11 @@ from enforcer.core.dra import (
 from enforcer.core.model import (
     Action,
     Device,
+    MiB,
     ProcessKey,
     ProcessTotal,
     Sample,
     UnitUsage,
-    format_bytes,
 )
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import (
@@ -282,8 +282,8 @@ class ContainerAttributor:
                 log.warning("NVML shows no whole GPU's memory: the portions of a GPU (%s) are "
                             "not checked until it does", shares)  # fmt: skip
             else:
-                log.info("portions of a GPU (%s) count against %s, the memory of the node's "
-                         "smallest GPU", shares, format_bytes(basis))  # fmt: skip
+                log.info("portions of a GPU (%s) count against %d MiB, the memory of the "
+                         "node's smallest GPU as KAI counts it", shares, basis // MiB)  # fmt: skip
         return self._declared.in_bytes(basis)
 
     def _borrowed(self, ceilings: Mapping[str, int]) -> Mapping[str, int]:

@@ -38,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from enforcer.core.admission import TOKEN_DIR
-from enforcer.core.model import GiB
+from enforcer.core.model import GiB, MiB
 from tests.e2e.actors import AgentProcess
 from tests.e2e.cluster import ApiServer
 from tests.e2e.helm import CHART, helm
@@ -325,9 +325,10 @@ def test_a_kai_pods_share_is_enforced_as_kai_counted_it_and_a_patched_annotation
 ) -> None:
     """A pod as KAI Scheduler's users write it: no resource of ours, `gpu-fraction: "0.25"`
     and the container named by `gpu-fraction-container-name`. The webhook freezes the
-    share into the sidecar; the agent counts it against the GPU's 80 GiB for the hard
-    limit, and the sidecar stops the process over 20 GiB. The tenant then patches the
-    annotation to 0.9, which nothing reads again."""
+    share into the sidecar; the agent counts it against the GPU's 80 GiB as KAI does
+    (81900 MiB: a multiple of 100 MiB) for the hard limit, 20475 MiB, and the sidecar stops
+    the process over it. The tenant then patches the annotation to 0.9, which nothing reads
+    again."""
     core, node = installed.core, installed.node
     body = workload("kai-0", "0", annotations={"gpu-fraction": "0.25",
                                                "gpu-fraction-container-name": "trainer"})  # fmt: skip
@@ -348,14 +349,17 @@ def test_a_kai_pods_share_is_enforced_as_kai_counted_it_and_a_patched_annotation
         return {r["cgroup"]: r["hard"] for r in limit_records(installed.agent.state_file)
                 if r["cgroup"].endswith(trainer_id)}  # fmt: skip
 
-    assert list(wait_for(hard, timeout=30, what="the trainer's hard limit").values()) == [20 * GiB]
+    as_kai_counts = 20475 * MiB
+    assert list(wait_for(hard, timeout=30, what="the trainer's hard limit").values()) == [
+        as_kai_counts
+    ]
     core.patch_namespaced_pod(
         "kai-0", OPTED_IN, {"metadata": {"annotations": {"gpu-fraction": "0.9"}}}
     )
     enforced = stopped_over(installed, "kai-0", the_holder(node, pod, "trainer"), 21 * GiB)
     assert enforced.involved_object.field_path == "spec.containers{trainer}"
     assert "of its 20.00 GiB VRAM limit" in enforced.message
-    assert list(hard().values()) == [20 * GiB]  # the patched annotation lifted nothing
+    assert list(hard().values()) == [as_kai_counts]  # the patched annotation lifted nothing
     core.delete_namespaced_pod("kai-0", OPTED_IN)
     wait_for(lambda: gone(core, OPTED_IN, "kai-0"), timeout=60, what="the pod to be gone")
 

@@ -21,7 +21,7 @@ import pytest
 
 from enforcer.core.declaration import Portion
 from enforcer.core.dra import DraObjects, DraSettings
-from enforcer.core.model import Activity, Device, GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.model import Activity, Device, GiB, MiB, ProcessKey, ProcessUsage, Sample
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.exec import TreeAttributor
 from enforcer.modes.sidecar import ALONE_FOR, POD_UNIT, AloneDetector, ContainerAttributor
@@ -147,15 +147,17 @@ def test_a_portion_of_a_gpu_counts_against_the_smallest_gpu_and_not_before_one_i
     usage = {12: 3 * GiB, 50: 30 * GiB}
     unknown = by_name(a.attribute(sample(usage)))
     assert "helper" not in unknown and unknown["trainer"].limit_bytes == 4 * GiB
-    h100, l4 = Device(0, "GPU-0", "H100", 80 * GiB, 0), Device(1, "GPU-1", "L4", 24 * GiB, 0)
+    # As NVML reports them: 81559 and 23034 MiB; KAI counts 81500 and 23000.
+    h100 = Device(0, "GPU-0", "H100", 81559 * MiB, 0)
+    l4 = Device(1, "GPU-1", "L4", 23034 * MiB, 0)
     on = replace(sample(usage), devices=(h100,))
-    assert by_name(a.attribute(on))["helper"].limit_bytes == 20 * GiB
-    assert a.requests == {"helper": 20 * GiB}  # what it may borrow above, for the reclaims
+    assert by_name(a.attribute(on))["helper"].limit_bytes == 20375 * MiB
+    assert a.requests == {"helper": 20375 * MiB}  # what it may borrow above, for reclaims
     lending[0] = True
-    assert by_name(a.attribute(on))["helper"].limit_bytes == 40 * GiB
+    assert by_name(a.attribute(on))["helper"].limit_bytes == 40750 * MiB
     # A smaller GPU on the node: the share counts against it, wherever the helper runs.
     both = replace(sample(usage), devices=(h100, l4))
-    assert by_name(a.attribute(both))["helper"].limit_bytes == 12 * GiB
+    assert by_name(a.attribute(both))["helper"].limit_bytes == 11500 * MiB
 
 
 def test_with_undeclared_allowed_an_undeclared_container_is_not_checked(proc: Path) -> None:

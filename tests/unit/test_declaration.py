@@ -18,7 +18,7 @@ from enforcer.core.declaration import (
     parse_portions,
     portion_basis,
 )
-from enforcer.core.model import Device, GiB
+from enforcer.core.model import Device, GiB, MiB
 from enforcer.core.parsing import ConfigError
 from enforcer.core.payloads import Pod
 
@@ -72,16 +72,22 @@ def test_a_pod_declaring_by_kai_is_read_from_its_sidecars_environment() -> None:
     )
 
 
-def test_a_portion_counts_against_the_smallest_whole_gpu() -> None:
-    assert portion_basis([H100, A100]) == 40 * GiB
-    assert portion_basis([H100, IN_MIG, MIG]) == 80 * GiB  # a GPU in MIG mode is no whole GPU
+def test_a_portion_counts_against_the_smallest_whole_gpu_as_kai_counts_it() -> None:
+    """KAI's `MemoryOfEveryGpuOnNode`: the memory in MiB, floored to a multiple of 100."""
+    assert portion_basis([H100, A100]) == 40900 * MiB
+    assert portion_basis([H100, IN_MIG, MIG]) == 81900 * MiB  # a GPU in MIG mode is no whole GPU
+    # An H100 80GB HBM3 as NVML reports it: 81559 MiB. KAI gives a 0.5 share 40750 MiB.
+    real = portion_basis([Device(0, "GPU-0", "NVIDIA H100 80GB HBM3", 81559 * MiB, 0)])
+    assert real == 81500 * MiB
+    assert Portion(Decimal("0.5"), Decimal("0.7")).in_bytes(real) == (40750 * MiB, 57050 * MiB)
+    assert Portion(Decimal("0.33333")).in_bytes(real)[0] == 27166 * MiB  # whole MiB, down
     assert portion_basis([IN_MIG, MIG]) is None
     assert portion_basis([Device(0, "GPU-0", "?", None, None)]) is None
     # Rounded down: a share is never more than its portion.
-    assert Portion(Decimal("0.33333")).in_bytes(3) == (0, None)
+    assert Portion(Decimal("0.33333")).in_bytes(3 * MiB) == (0, None)
     # A ceiling that rounds down to its request borrows nothing.
     barely = Declaration(portions={"a": Portion(Decimal("0.5"), Decimal("0.5000001"))})
-    assert barely.in_bytes(1000) == ({"a": 500}, {})
+    assert barely.in_bytes(1000 * MiB) == ({"a": 500 * MiB}, {})
 
 
 def test_portions_round_trip_and_bad_ones_name_the_variable() -> None:

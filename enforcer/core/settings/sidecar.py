@@ -102,7 +102,8 @@ PORTIONS = value(
     doc='JSON: container name → `{"request": "0.5", "ceiling": "0.8"}`, portions of one '
     "GPU's memory (the ceiling is optional). The webhook writes it from KAI Scheduler's "
     "`gpu-fraction` annotations (`--kai-annotations`). A portion counts against the memory "
-    "of the node's smallest GPU, and is not checked while NVML shows none. A ceiling needs "
+    "of the node's smallest GPU as KAI counts it (whole MiB, floored to a multiple of 100), "
+    "and is not checked while NVML shows none. A ceiling needs "
     "`--source agent`, as `--ceilings` does",
 )
 CEILINGS = value(

@@ -264,7 +264,8 @@ KAI_ANNOTATIONS = switch(
     "`kai.scheduler/container.<name>.gpu-memory.portion.limit`, "
     "`nvidia.com/container.<name>.gpu-memory.limit`) are ceilings, within "
     "`--max-vram-ceiling`. Read at admission only; a fraction counts against the memory of the "
-    "node's smallest GPU. Node mode only (not with `--dra-device-class`)",
+    "node's smallest GPU as KAI counts it (whole MiB, floored to a multiple of 100). Node mode "
+    "only (not with `--dra-device-class`)",
 )
 NAMESPACE_BOUNDS = value(
     "namespace_bounds",
