@@ -94,6 +94,7 @@ def main() -> None:
         if args.only in (None, "reclaim"):
             results["reclaim"] = {
                 "latency": reclaim_bench.latency(lib_dir, Path(tmp), "100ms", trials // 2),
+                "sidecar_latency": reclaim_bench.sidecar_latency(lib_dir, Path(tmp), trials // 4),
                 "lending_cost": reclaim_bench.lending_cost(window),
                 "fit": reclaim_bench.fit(5000 if args.quick else 20000),
             }

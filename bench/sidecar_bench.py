@@ -9,6 +9,8 @@ until the victim's SIGTERM handler runs (CLOCK_MONOTONIC on both sides).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,66 +81,119 @@ def run(lib_dir: Path, trials: int, window: float) -> dict[str, Any]:
             server.close()
 
 
-def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float,
-         access: str) -> dict[str, Any]:  # fmt: skip
+@contextlib.contextmanager
+def beside_agent(
+    server: ApiServer,
+    lib_dir: Path,
+    tmp: Path,
+    name: str,
+    limits: dict[str, str] | None = None,
+    sidecar_env: dict[str, str] | None = None,
+) -> Iterator[Harness]:
+    """The agent (fake NVML, watching NODE's pods through `server`) and a pod of a driver
+    container and the sidecar's, its status reported as the kubelet would: the agent
+    finds the sidecar's pod by it."""
     tmp.mkdir()
     core = client.CoreV1Api(server.client())
     state_file, state = tmp / "gpu.json", FakeGpuState.single_gpu()
     state.write(state_file)
     env = {**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)}
-    kubeconfig = str(server.kubeconfig(server.admin_token, tmp / "kc"))
+    kubeconfig = server.kubeconfig(server.admin_token, tmp / "kc")
     agent = subprocess.Popen(
         [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--hard-limits", "off", "--node-name", NODE,
-         "--kubeconfig", kubeconfig, "--socket", str(tmp / "agent.sock")],
+         "--kubeconfig", str(kubeconfig), "--socket", str(tmp / "agent.sock")],
         env=env, stderr=(tmp / "agent.log").open("w"),
     )  # fmt: skip
     wait_for((tmp / "agent.sock").exists, what="the agent")
-    pod = SimPod(core, "bench", f"bench-{access}", ["trainer", "vram-enforcer"], node_name=NODE)
-    pod.report_status()  # as the kubelet does: the agent finds the sidecar's pod by it
+    pod = SimPod(core, "bench", name, ["trainer", "vram-enforcer"], node_name=NODE,
+                 limits=limits, sidecar_env=sidecar_env)  # fmt: skip
+    pod.report_status()
     try:
-        driver = pod.start(
-            "trainer",
-            [sys.executable, "-c", DRIVER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        driver = pod.start("trainer", [sys.executable, "-c", DRIVER], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)  # fmt: skip
         assert driver.stdout is not None and driver.stdin is not None
         assert driver.stdout.readline().strip() == "ready"
         (driver_pid,) = pod.host_pids("trainer")
-        sidecar = pod.start(
+        yield Harness(tmp, pod, kubeconfig, state, state_file, driver, driver_pid)
+    finally:
+        pod.close()
+        agent.terminate()
+        agent.wait(timeout=10)
+
+
+@dataclasses.dataclass
+class Harness:
+    tmp: Path
+    pod: SimPod
+    kubeconfig: Path
+    state: FakeGpuState
+    state_file: Path
+    driver: subprocess.Popen[str]
+    driver_pid: int
+
+    def start_sidecar(
+        self, *flags: str, env: dict[str, str]
+    ) -> tuple[subprocess.Popen[bytes], int]:
+        """The sidecar in the pod, talking to the agent; (its process, its host pid) once
+        it enforces."""
+        log = self.tmp / "sidecar.log"
+        sidecar = self.pod.start(
             "vram-enforcer",
-            [*enforcer_argv("sidecar"), "--kubeconfig", kubeconfig, "--api-access", access,
-             "--interval", "100ms", "--log-format", "text"],
-            env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid,
-                 "VRAM_ENFORCER_LIMITS": json.dumps({"trainer": GiB}), "VRAM_ENFORCER_AGENT_SOCKET": str(tmp / "agent.sock")},
-            stderr=(tmp / "sidecar.log").open("w"),
+            [*enforcer_argv("sidecar"), "--kubeconfig", str(self.kubeconfig), "--interval", "100ms",
+             "--log-format", "text", *flags],
+            env={"POD_NAME": self.pod.name, "POD_NAMESPACE": self.pod.namespace, "POD_UID": self.pod.uid,
+                 "VRAM_ENFORCER_AGENT_SOCKET": str(self.tmp / "agent.sock"), **env},
+            stderr=log.open("w"),
         )  # fmt: skip
-        (sidecar_pid,) = wait_for(lambda: pod.host_pids("vram-enforcer"), what="the sidecar")
-        wait_for(
-            lambda: "enforcing" in (tmp / "sidecar.log").read_text(),
-            timeout=20,
-            what="the sidecar to start",
-        )
+        (pid,) = wait_for(lambda: self.pod.host_pids("vram-enforcer"), what="the sidecar")
+        wait_for(lambda: "enforcing" in log.read_text(), timeout=20, what="the sidecar to start")
         time.sleep(1.0)
-        latencies = []
+        return sidecar, pid
+
+    def latencies(
+        self,
+        trials: int,
+        cross: Callable[[int], None],
+        before: Callable[[int], None] | None = None,
+    ) -> list[float]:
+        """Per trial: a fresh victim forked by the driver; `cross(victim)` writes the NVML
+        state that must get it signalled; ms from that write to its SIGTERM handler.
+        `before(victim)`, if given, is written first and held for a second: a state that
+        must not get it signalled (the driver would say so, and the trial fail)."""
+        assert self.driver.stdin is not None and self.driver.stdout is not None
+        found = []
         for _ in range(trials):
-            driver.stdin.write("go\n")
-            driver.stdin.flush()
-            assert driver.stdout.readline().strip() == "forked"
-            (victim,) = set(pod.host_pids("trainer")) - {driver_pid}
+            self.driver.stdin.write("go\n")
+            self.driver.stdin.flush()
+            assert self.driver.stdout.readline().strip() == "forked"
+            (victim,) = set(self.pod.host_pids("trainer")) - {self.driver_pid}
+            if before is not None:
+                before(victim)
+                self.state.write(self.state_file)
+                time.sleep(1.0)
+                assert victim in self.pod.host_pids("trainer"), "signalled before the crossing"
             time.sleep(random.uniform(0, 0.1))  # a random phase against both ticks
-            state.set_process(0, victim, 2 * GiB)
-            state.write(state_file)
+            cross(victim)
+            self.state.write(self.state_file)
             crossed = time.monotonic_ns()
-            word, hit = driver.stdout.readline().split()
+            word, hit = self.driver.stdout.readline().split()
             assert word == "hit"
-            latencies.append((int(hit) - crossed) / 1e6)
-            state.remove_process(victim)
-            state.write(state_file)
+            found.append((int(hit) - crossed) / 1e6)
+            self.state.remove_process(victim)
+            self.state.write(self.state_file)
+        return found
+
+
+def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float,
+         access: str) -> dict[str, Any]:  # fmt: skip
+    with beside_agent(server, lib_dir, tmp, f"bench-{access}") as h:
+        sidecar, sidecar_pid = h.start_sidecar(
+            "--api-access", access, env={"VRAM_ENFORCER_LIMITS": json.dumps({"trainer": GiB})}
+        )
+        latencies = h.latencies(trials, lambda victim: h.state.set_process(0, victim, 2 * GiB))
         # Steady state for the CPU share: one compliant GPU process in the pod.
-        state.set_process(0, driver_pid, GiB // 2)
-        state.write(state_file)
+        h.state.set_process(0, h.driver_pid, GiB // 2)
+        h.state.write(h.state_file)
         time.sleep(2.0)
         cpu0 = proc_cpu_seconds(sidecar_pid)
         time.sleep(window)
@@ -148,10 +204,6 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float
         )
         os.kill(sidecar_pid, 15)
         sidecar.wait(timeout=10)
-    finally:
-        pod.close()
-        agent.terminate()
-        agent.wait(timeout=10)
     ms = sorted(latencies)
     return {
         "api_access": access,

@@ -81,9 +81,9 @@ def tenants(
 ) -> Tenants:
     """Every running container of the pods that declares VRAM (a container not started yet
     has no ID, and no process to charge), and with DRA (`allocated`, by pod UID: what the
-    pod's claims give it, as last read) every allocation, its containers started or not:
-    its GPU is known, and it is owed there. `basis`: one GPU's memory, for portions of one
-    (`declaration.portion_basis`)."""
+    pod's claims give it, as last read) every allocation of a pod that has not finished,
+    its containers started or not: its GPU is known, and it is owed there. `basis`: one
+    GPU's memory, for portions of one (`declaration.portion_basis`)."""
     found: list[Tenant] = []
     for pod in pods:
         priority = json_map(pod.get("spec")).get("priority")
@@ -101,7 +101,9 @@ def tenants(
                                         frozenset({cid})))  # fmt: skip
             continue
         uid = str(json_map(pod.get("metadata")).get("uid") or "")
-        if allocated and uid in allocated:
+        # A pod that has finished is owed nothing: its claims are being released.
+        done = json_map(pod.get("status")).get("phase") in ("Succeeded", "Failed")
+        if allocated and uid in allocated and not done:
             found.extend(_claim_tenants(pod, allocated[uid], sidecar, rank))
     return Tenants.of(found)
 

@@ -188,6 +188,13 @@ def test_each_dra_allocation_is_a_tenant_on_its_gpu_started_or_not() -> None:
         Tenant("ml/wide/c@GPU-1", "ml", 4 * GiB, 4 * GiB, 0, frozenset({"d" * 64}), "GPU-1"),
     )
     assert tenants(pods, RES, 1, SIDECAR, None).all == ()  # claims not read yet: nobody
+    # A pod that has finished is owed nothing, whatever its claims were last read to hold.
+    pods[1]["status"] = {"phase": "Succeeded"}
+    assert [t.unit for t in tenants(pods, RES, 1, SIDECAR, None, allocated).all] == [
+        "ml/burst/c@GPU-0",
+        "ml/wide/c@GPU-0",
+        "ml/wide/c@GPU-1",
+    ]
 
 
 def test_a_dra_borrower_is_reclaimed_when_the_scheduler_hands_out_what_it_borrowed() -> None:
