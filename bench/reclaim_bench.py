@@ -31,8 +31,6 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from kubernetes import client
-
 from bench import exec_bench, sidecar_bench
 from bench.common import GiB, percentile
 from enforcer.core.declaration import SIDECAR
@@ -41,7 +39,6 @@ from enforcer.core.lending import decide, tenants
 from enforcer.core.model import Device, ProcessKey, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
 from enforcer.core.reclaim import DEFAULT_WATERMARK, Gpu, Share, plan
-from tests.e2e.cluster import ApiServer, apiserver_binary, etcd_binary
 from tests.fakenvml import FakeGpuState
 
 TOTAL = 80 * GiB
@@ -70,28 +67,24 @@ def sidecar_latency(lib_dir: Path, tmp: Path, trials: int) -> dict[str, Any] | s
     where the harness cannot run here."""
     if reason := sidecar_bench.available():
         return reason
-    server = ApiServer(apiserver_binary(), etcd_binary())  # type: ignore[arg-type]
-    server.start()
-    try:
-        core = client.CoreV1Api(server.client())
-        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="bench")))
-        ceiling = {"VRAM_ENFORCER_CEILINGS": json.dumps({"trainer": 8 * GiB})}
-        with sidecar_bench.beside_agent(server, lib_dir, tmp / "reclaim", "bench-reclaim",
-                                        {"trainer": "2Gi"}, ceiling) as h:  # fmt: skip
-            h.start_sidecar(
-                "--api-access", "agent",
-                env={"VRAM_ENFORCER_LIMITS": json.dumps({"trainer": 2 * GiB}), **ceiling},
-            )  # fmt: skip
-            others = os.getpid()  # a process of no pod: what the rest of the GPU holds
+    ceiling = {"VRAM_ENFORCER_CEILINGS": json.dumps({"trainer": 8 * GiB})}
+    with (
+        sidecar_bench.bench_server() as server,
+        sidecar_bench.beside_agent(server, lib_dir, tmp / "reclaim", "bench-reclaim",
+                                   {"trainer": "2Gi"}, ceiling) as h,
+    ):  # fmt: skip
+        h.start_sidecar(
+            "--api-access", "agent",
+            env={"VRAM_ENFORCER_LIMITS": json.dumps({"trainer": 2 * GiB}), **ceiling},
+        )  # fmt: skip
+        others = os.getpid()  # a process of no pod: what the rest of the GPU holds
 
-            def borrowing(victim: int) -> None:
-                h.state.set_process(0, victim, 6 * GiB)
-                h.state.set_process(0, others, 70 * GiB)
+        def borrowing(victim: int) -> None:
+            h.state.set_process(0, victim, 6 * GiB)
+            h.state.set_process(0, others, 70 * GiB)
 
-            ms = sorted(h.latencies(trials, lambda _: h.state.set_process(0, others, 73 * GiB),
-                                    before=borrowing))  # fmt: skip
-    finally:
-        server.close()
+        ms = sorted(h.latencies(trials, lambda _: h.state.set_process(0, others, 73 * GiB),
+                                before=borrowing))  # fmt: skip
     return {"tier": "sidecar (agent decides, sidecar signals)", "trials": len(ms),
             "p50_ms": statistics.median(ms), "p99_ms": percentile(ms, 0.99), "max_ms": ms[-1]}  # fmt: skip
 

@@ -5,6 +5,7 @@
     .venv/bin/python bench/run.py --only agent
     .venv/bin/python bench/run.py --only storm   # 5,000 pods on 500 kwok nodes, twice: 10+ minutes
     .venv/bin/python bench/run.py --only reclaim # borrowing above a request: latency, cost, fit
+    .venv/bin/python bench/run.py --only backstop # a stopped sidecar's pod held by the agent
 
     # the footprint that ships: the components run from a venv without the dev extras
     python3 -m venv /tmp/rt && /tmp/rt/bin/pip install . && .venv/bin/python bench/run.py --runtime /tmp/rt/bin/python
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import (
     agent_bench,
     api_load_bench,
+    backstop_bench,
     exec_bench,
     flood_bench,
     hard_limits_bench,
@@ -59,6 +61,7 @@ def main() -> None:
             "api-load",
             "storm",
             "reclaim",
+            "backstop",
         ),
         help="run one group",
     )
@@ -124,6 +127,8 @@ def main() -> None:
                 print(f"sidecar benchmarks skipped: {reason}")
             else:
                 results["sidecar"] = sidecar_bench.run(lib_dir, trials, window)
+        if args.only in (None, "backstop"):  # 12-17 s a trial
+            results["backstop"] = backstop_bench.run(lib_dir, Path(tmp), 3 if args.quick else 5)
         results.update(on_a_cluster(args.only, args.quick, lib_dir))
         if args.only in (None, "flood"):
             reason = flood_bench.available()
@@ -183,6 +188,15 @@ def show(results: dict[str, Any]) -> None:
             f"p99 {row['p99_ms']:.1f} ms (target <= {row['target_p99_ms']:.0f} ms), "
             f"max {row['max_ms']:.1f} ms over {row['trials']} trials"
         )
+    if backstop := results.get("backstop"):
+        if isinstance(backstop, str):
+            print(f"backstop: skipped ({backstop})")
+        else:
+            print(
+                f"backstop, from a stopped sidecar's pod going over its limit to the SIGTERM: "
+                f"p50 {backstop['p50_s']:.2f} s, max {backstop['max_s']:.2f} s over "
+                f"{backstop['trials']} trials"
+            )
     if reclaim := results.get("reclaim"):
         row = reclaim["latency"]
         print(
@@ -190,8 +204,16 @@ def show(results: dict[str, Any]) -> None:
             f"{row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, max {row['max_ms']:.1f} ms "
             f"over {row['trials']} trials"
         )
+        side = reclaim["sidecar_latency"]
+        if isinstance(side, str):
+            print(f"reclaim latency, sidecar tier: skipped ({side})")
+        else:
+            print(
+                f"reclaim latency, {side['tier']} @ 100 ms: p50 {side['p50_ms']:.1f} ms, p99 "
+                f"{side['p99_ms']:.1f} ms, max {side['max_ms']:.1f} ms over {side['trials']} trials"
+            )
         cost = reclaim["lending_cost"]
-        for label in ("no_ceilings", "half_bursting"):
+        for label in ("no_ceilings", "half_bursting", "dra_half_bursting"):
             c = cost[label]
             print(
                 f"agent's reclaim decision, {cost['pods']} pods on {cost['gpus']} GPUs, "

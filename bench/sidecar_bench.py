@@ -67,18 +67,24 @@ NODE = "bench-node"
 def run(lib_dir: Path, trials: int, window: float) -> dict[str, Any]:
     """The sidecar as injected (its pod and Events through the agent), then as 0.1 ran
     (`--api-access direct`: the pod read and Events posted with its own API client)."""
-    with tempfile.TemporaryDirectory() as tmp_name:
+    with tempfile.TemporaryDirectory() as tmp_name, bench_server() as server:
         tmp = Path(tmp_name)
-        server = ApiServer(apiserver_binary(), etcd_binary())  # type: ignore[arg-type]
-        server.start()
-        try:
-            core = client.CoreV1Api(server.client())
-            core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="bench")))
-            found = _run(server, lib_dir, tmp / "agent", trials, window, "agent")
-            found["direct"] = _run(server, lib_dir, tmp / "direct", trials, window, "direct")
-            return found
-        finally:
-            server.close()
+        found = _run(server, lib_dir, tmp / "agent", trials, window, "agent")
+        found["direct"] = _run(server, lib_dir, tmp / "direct", trials, window, "direct")
+        return found
+
+
+@contextlib.contextmanager
+def bench_server() -> Iterator[ApiServer]:
+    """The real kube-apiserver (with etcd), with the namespace `bench`."""
+    server = ApiServer(apiserver_binary(), etcd_binary())  # type: ignore[arg-type]
+    server.start()
+    try:
+        core = client.CoreV1Api(server.client())
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="bench")))
+        yield server
+    finally:
+        server.close()
 
 
 @contextlib.contextmanager
@@ -155,11 +161,13 @@ class Harness:
         trials: int,
         cross: Callable[[int], None],
         before: Callable[[int], None] | None = None,
+        after: Callable[[], None] | None = None,
     ) -> list[float]:
         """Per trial: a fresh victim forked by the driver; `cross(victim)` writes the NVML
         state that must get it signalled; ms from that write to its SIGTERM handler.
         `before(victim)`, if given, is written first and held for a second: a state that
-        must not get it signalled (the driver would say so, and the trial fail)."""
+        must not get it signalled (the driver would say so, and the trial fail). `after()`
+        runs once each trial is over."""
         assert self.driver.stdin is not None and self.driver.stdout is not None
         found = []
         for _ in range(trials):
@@ -181,6 +189,8 @@ class Harness:
             found.append((int(hit) - crossed) / 1e6)
             self.state.remove_process(victim)
             self.state.write(self.state_file)
+            if after is not None:
+                after()
         return found
 
 
