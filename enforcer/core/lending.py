@@ -40,7 +40,13 @@ class Tenant:
     ceiling: int
     priority: int
     ids: frozenset[str] = frozenset()  # the IDs its containers run as now
-    gpu: str | None = None  # DRA: the GPU its request is on, owed there before any use
+    # The GPU its request is on, owed there before any use (DRA's allocation, or the GPU the
+    # kubelet gave the container); None: wherever NVML shows it using one.
+    gpu: str | None = None
+    # Whether what its containers hold on another GPU is not its own (DRA: the sidecar holds
+    # it to 0 there). Else (the kubelet's word: a container may still reach another GPU, by
+    # NVIDIA_VISIBLE_DEVICES), one seen on another GPU is counted as NVML shows it.
+    confined: bool = False
 
 
 def named(unit: str) -> str:
@@ -56,17 +62,22 @@ class Tenants:
     all: tuple[Tenant, ...] = ()
     by_unit: Mapping[str, Tenant] = field(default_factory=dict)
     whole: Mapping[str, Tenant] = field(default_factory=dict)  # container ID -> over all GPUs
-    placed: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (ID, GPU) -> DRA unit
+    placed: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (ID, GPU) -> unit
+    on_gpus: tuple[Tenant, ...] = ()  # those whose request is on a GPU known in advance
+    unconfined: Mapping[str, Tenant] = field(default_factory=dict)  # container ID -> of those
     borrowing: bool = False  # whether any may borrow above its request
 
     @classmethod
     def of(cls, found: Iterable[Tenant]) -> Tenants:
         listed = tuple(found)
+        on_gpus = tuple(t for t in listed if t.gpu is not None)
         return cls(
             listed,
             {t.unit: t for t in listed},
             {cid: t for t in listed if t.gpu is None for cid in t.ids},
-            {(cid, t.gpu): t.unit for t in listed if t.gpu is not None for cid in t.ids},
+            {(cid, t.gpu): t.unit for t in on_gpus if t.gpu is not None for cid in t.ids},
+            on_gpus,
+            {cid: t for t in on_gpus if not t.confined for cid in t.ids},
             any(t.ceiling > t.request for t in listed),
         )
 
@@ -78,12 +89,15 @@ def tenants(
     sidecar: str,
     basis: int | None,
     allocated: Mapping[str, Allocations] | None = None,
+    assigned: Mapping[tuple[str, str, str], str] | None = None,
 ) -> Tenants:
     """Every running container of the pods that declares VRAM (a container not started yet
     has no ID, and no process to charge), and with DRA (`allocated`, by pod UID: what the
     pod's claims give it, as last read) every allocation of a pod that has not finished,
-    its containers started or not: its GPU is known, and it is owed there. `basis`: one
-    GPU's memory, for portions of one (`declaration.portion_basis`)."""
+    its containers started or not: its GPU is known, and it is owed there. So is a
+    declaring container the kubelet gave one GPU (`assigned`: (namespace, pod, container)
+    -> GPU, `pod_resources.assigned_gpus`), from before it starts. `basis`: one GPU's
+    memory, for portions of one (`declaration.portion_basis`)."""
     found: list[Tenant] = []
     for pod in pods:
         priority = json_map(pod.get("spec")).get("priority")
@@ -94,11 +108,13 @@ def tenants(
         if vram is not None:
             for name, ceiling in vram.limits.items():
                 cid = vram.ids.get(name)
-                if cid is not None:
+                gpu = (assigned or {}).get((vram.namespace, vram.name, name))
+                if cid is not None or gpu is not None:
                     request = vram.requests.get(name, ceiling)
                     unit_name = f"{vram.namespace}/{vram.name}/{name}"
-                    found.append(Tenant(unit_name, vram.namespace, request, ceiling, rank,
-                                        frozenset({cid})))  # fmt: skip
+                    ids = frozenset({cid} if cid is not None else ())
+                    found.append(Tenant(unit_name, vram.namespace, request, ceiling, rank, ids,
+                                        gpu))  # fmt: skip
             continue
         uid = str(json_map(pod.get("metadata")).get("uid") or "")
         # A pod that has finished is owed nothing: its claims are being released.
@@ -117,7 +133,8 @@ def _claim_tenants(pod: Pod, found: Allocations, sidecar: str, rank: int) -> lis
     ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
     return [
         Tenant(f"{namespace}/{name}/{u.name}", namespace, requests.get(u.name, u.limit_bytes),
-               u.limit_bytes, rank, frozenset(ids[c] for c in u.containers if c in ids), u.gpu)
+               u.limit_bytes, rank, frozenset(ids[c] for c in u.containers if c in ids), u.gpu,
+               confined=True)
         for u in raised.units
     ]  # fmt: skip
 
@@ -158,23 +175,33 @@ def decide(
 
 
 def _usage(sample: Sample, containers: Mapping[ProcessKey, str], found: Tenants) -> list[UnitUsage]:
-    """Each tenant's usage: a container's over all GPUs, against its ceiling; a DRA
-    allocation's on its GPU alone (what its containers hold elsewhere is no one's request:
-    `views` counts it as unrequested there)."""
-    whole, placed = found.whole, found.placed
+    """Each tenant's usage: a container's over all GPUs, against its ceiling; one whose
+    request is on a known GPU (a DRA allocation, a GPU the kubelet gave), on that GPU alone
+    (what its containers hold elsewhere is no one's request: `views` counts it as
+    unrequested there). A container the kubelet gave one GPU that this sample shows on
+    another is counted as NVML shows it, over all GPUs: owed its request where it was
+    given it, it would otherwise hold memory elsewhere that no reclaim could take back."""
+    strayed = {
+        t.unit
+        for p in (sample.processes if found.unconfined else ())
+        if (t := found.unconfined.get(containers.get(p.key, ""))) is not None
+        and p.used_bytes
+        and p.device_uuid != t.gpu
+    }
+    whole = {**found.whole, **{c: t for c, t in found.unconfined.items() if t.unit in strayed}}
+    placed = found.placed
     unit_of = {key: whole[cid].unit for key, cid in containers.items() if cid in whole}
     units = list(attribute(sample, unit_of, {t.unit: t.ceiling for t in whole.values()}))
     held: dict[str, dict[ProcessKey, int]] = {}
     for p in sample.processes if placed else ():
         unit_name = placed.get((containers.get(p.key, ""), p.device_uuid))
-        if unit_name is not None and p.used_bytes:
+        if unit_name is not None and unit_name not in strayed and p.used_bytes:
             on_gpu = held.setdefault(unit_name, {})
             on_gpu[p.key] = on_gpu.get(p.key, 0) + p.used_bytes
-    for t in found.all if placed else ():
-        if t.gpu is not None:
-            processes = tuple(ProcessTotal(key, used, ((t.gpu, used),))
-                              for key, used in held.get(t.unit, {}).items())  # fmt: skip
-            units.append(UnitUsage(t.unit, t.ceiling, processes, device_uuid=t.gpu))
+    for t in (t for t in found.on_gpus if t.unit not in strayed):
+        processes = tuple(ProcessTotal(key, used, ((t.gpu or "", used),))
+                          for key, used in held.get(t.unit, {}).items())  # fmt: skip
+        units.append(UnitUsage(t.unit, t.ceiling, processes, device_uuid=t.gpu))
     return units
 
 

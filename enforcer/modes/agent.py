@@ -57,8 +57,12 @@ if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
     from enforcer.edge.node_advertiser import NodeAdvertiser
     from enforcer.edge.node_pods import NodePods
+    from enforcer.edge.pod_resources import PodResources
     from enforcer.modes.pod_publisher import PodPublisher
     from enforcer.modes.sidecar_watch import SidecarWatch
+
+    # The threads the pod watch wakes: each stops on its `stop` event.
+    Woken = HardLimiter | PodPublisher | SidecarWatch | PodResources
 
 log = logging.getLogger(__name__)
 
@@ -324,9 +328,7 @@ def _serve(
     sampler = Sampler(
         source, server, telemetry, settings.interval, changed, Tenants(host_proc), faults
     )
-    threads: list[Sampler | Advertiser | HardLimiter | NodePods | PodPublisher | SidecarWatch] = [
-        sampler
-    ]
+    threads: list[Sampler | Advertiser | NodePods | Woken] = [sampler]
     if advertiser is not None:
         threads.append(Advertiser(advertiser, sampler, telemetry, settings.resync, changed))
     recorder, pod_watch = None, None
@@ -375,7 +377,7 @@ def _pod_watch(
     sampler: Sampler,
     telemetry: AgentTelemetry,
     server: UsageServer,
-) -> tuple[EventRecorder, NodePods, list[HardLimiter | PodPublisher | SidecarWatch]]:
+) -> tuple[EventRecorder, NodePods, list[Woken]]:
     """The one watch of this node's pods, and what it wakes: the hard limiter (with the
     recorder of its Events) and the pod replies to sidecars. Each pod's DRA objects are read
     once per change of the pod, for both. The limiter has an NVML session of its own (NVML
@@ -383,6 +385,7 @@ def _pod_watch(
     from enforcer.edge.claims import ClaimCache, ClaimReader  # noqa: PLC0415 - only when used
     from enforcer.edge.events import EventRecorder  # noqa: PLC0415
     from enforcer.edge.node_pods import NodePods  # noqa: PLC0415
+    from enforcer.edge.pod_resources import PodResources  # noqa: PLC0415
     from enforcer.edge.sidecar_dialer import dial_sidecars  # noqa: PLC0415
     from enforcer.modes.pod_publisher import PodPublisher  # noqa: PLC0415
     from enforcer.modes.sidecar_watch import SidecarWatch  # noqa: PLC0415
@@ -390,9 +393,10 @@ def _pod_watch(
     claims = ClaimCache(ClaimReader(api, settings.node_name))
     recorder = EventRecorder(api, settings.node_name, settings.node_name, telemetry.event_failures)
     limiter_woken, publisher_woken = threading.Event(), threading.Event()
-    lender_woken = threading.Event()
-    pods = NodePods(api, settings.node_name, (limiter_woken, publisher_woken, lender_woken))
-    woken: list[HardLimiter | PodPublisher | SidecarWatch] = []
+    lender_woken, resources_woken = threading.Event(), threading.Event()
+    pods = NodePods(api, settings.node_name,
+                    (limiter_woken, publisher_woken, lender_woken, resources_woken))  # fmt: skip
+    woken: list[Woken] = []
     if settings.hard_limits:
         sampler.keeps_usage = True
         woken.append(
@@ -421,9 +425,14 @@ def _pod_watch(
         server.events = post
         resource = (settings.resource_name, settings.resource_unit)
         dra = claims if settings.dra.drivers else None
+        assigned = None
+        if settings.pod_resources_socket:
+            kubelet = PodResources(Path(settings.pod_resources_socket), resources_woken, telemetry)
+            assigned = (lambda: kubelet.last, settings.gpu_resources)
+            woken.append(kubelet)
         sampler.lender = Lender(pods.snapshot, lender_woken, resource, SIDECAR,
                                 settings.reclaim_watermark, telemetry,
-                                (claims.last, settings.dra) if dra else None)  # fmt: skip
+                                (claims.last, settings.dra) if dra else None, assigned)  # fmt: skip
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
         dial = functools.partial(dial_sidecars, server.host_proc)
         sidecars = SidecarWatch(pods.snapshot, lambda: server.connected, recorder, telemetry,

@@ -19,6 +19,7 @@ from enforcer.core.dra import Allocations, DraObjects, DraSettings, allocations,
 from enforcer.core.lending import Lending, Tenants, decide, named, tenants
 from enforcer.core.model import ProcessKey, Sample
 from enforcer.core.payloads import Pod
+from enforcer.core.pod_resources import Assignments, assigned_gpus
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
 
@@ -35,12 +36,17 @@ class Lender:
         watermark: int,
         telemetry: AgentTelemetry,
         claims: tuple[Callable[[Pod], DraObjects | None], DraSettings] | None = None,
+        assigned: tuple[Callable[[], Assignments | None], tuple[str, ...]] | None = None,
     ) -> None:
         """`changed`: set by the pod watch on every change of the node's pods. `claims`
         (DRA): a pod's claims and the node's slices as last read, never read here (the
-        sampler does not wait on the API), and which allocations are GPUs."""
+        sampler does not wait on the API), and which allocations are GPUs. `assigned`: the
+        devices the kubelet gave each container, as last read, and the resources that are
+        GPUs."""
         self._pods = pods
         self._claims = claims
+        self._assigned = assigned
+        self._assignments: Assignments | None = None  # as the tenants were made with
         # DRA pods: UID -> (the pod, its objects as last read, or None before a read)
         self._read: dict[str, tuple[Pod, DraObjects | None]] = {}
         self._changed = changed
@@ -68,15 +74,20 @@ class Lender:
     ) -> Lending | None:
         basis = portion_basis(sample.devices)
         stale = self._changed.is_set() or self._tenants is None or basis != self._basis
-        if stale or self._claims_read_again():
+        assignments = self._assigned[0]() if self._assigned is not None else None
+        if stale or self._claims_read_again() or assignments is not self._assignments:
             self._changed.clear()  # before the read: a change during it is seen next pass
             pods = self._pods()
             if pods is None:
                 return None
             name, unit = self._resource
             allocated = self._allocated(pods)
-            self._tenants = tenants(pods.values(), name, unit, self._sidecar, basis, allocated)
-            self._basis = basis
+            gpus = {}
+            if self._assigned is not None and assignments is not None:
+                gpus = assigned_gpus(assignments, self._assigned[1], sample.devices)
+            self._tenants = tenants(pods.values(), name, unit, self._sidecar, basis, allocated,
+                                    gpus)  # fmt: skip
+            self._basis, self._assignments = basis, assignments
         found = self._tenants
         if found is None or not found.borrowing:
             self._telemetry.node.lending = ()

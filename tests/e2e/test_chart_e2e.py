@@ -88,6 +88,7 @@ def test_bad_values_are_refused_by_the_schema(apiserver: ApiServer, tmp_path: Pa
                           ({"resource": {"unit": "1 GiB"}}, "unit"),
                           ({"agent": {"reserve": "512MB"}}, "reserve"),
                           ({"sidecar": {"namespaces": ["ML_Team"]}}, "namespaces"),
+                          ({"agent": {"podResources": {"path": "var/lib/kubelet"}}}, "path"),
                           ({"webhook": {"replica": 2}}, "replica")):  # fmt: skip
         error = helm(
             "install",
@@ -174,9 +175,16 @@ def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
     mount = next(m for m in agent.volume_mounts if m.name == spec.volumes[1].name)
     assert (mount.mount_path, mount.read_only) == ("/host/sys/fs/cgroup", True)
     assert "--cgroup-root=/host/sys/fs/cgroup" in agent.args
+    # The kubelet's pod-resources directory, read-only: which GPU a device plugin gave whom.
+    assert spec.volumes[2].host_path.path == "/var/lib/kubelet/pod-resources"
+    mount = next(m for m in agent.volume_mounts if m.name == spec.volumes[2].name)
+    assert (mount.mount_path, mount.read_only) == ("/host/pod-resources", True)
+    assert "--pod-resources-socket=/host/pod-resources/kubelet.sock" in agent.args
     assert "--utilization-interval=1s" in agent.args
     # The rendered arguments are ones the agent's own command line accepts.
-    assert configured(list(agent.args), {"NODE_NAME": "gpu-node-1"}).utilization_interval == 1.0
+    rendered = configured(list(agent.args), {"NODE_NAME": "gpu-node-1"})
+    assert rendered.utilization_interval == 1.0
+    assert rendered.gpu_resources == ("nvidia.com/gpu",)
     shipped = yaml.safe_load_all((ROOT / "deploy" / "rbac" / "agent.yaml").read_text())
     rules = next(d for d in shipped if d["kind"] == "ClusterRole")["rules"]
     role = client.RbacAuthorizationV1Api(admin).read_cluster_role("vram-enforcer-e2e-agent")
@@ -188,10 +196,12 @@ def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
 def test_without_hard_limits_the_agent_gets_no_cgroup_mount_and_still_watches_pods(
     apiserver: ApiServer, admin: client.ApiClient, tmp_path: Path
 ) -> None:
-    """Hard limits off: no cgroup mount. The agent still watches its node's pods (each
-    sidecar gets its own from it), so it keeps its token and the rules for that."""
+    """Hard limits off: no cgroup mount; the kubelet's pod resources off: no mount of
+    them. The agent still watches its node's pods (each sidecar gets its own from it), so
+    it keeps its token and the rules for that."""
     kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp_path / "kubeconfig")
-    values = {"agent": {"hardLimits": "off", "advertise": False, "labels": False}}
+    values = {"agent": {"hardLimits": "off", "advertise": False, "labels": False,
+                        "podResources": {"enabled": False}}}  # fmt: skip
     helm(
         "install",
         "vram-enforcer-soft",
@@ -208,6 +218,7 @@ def test_without_hard_limits_the_agent_gets_no_cgroup_mount_and_still_watches_po
         assert [v.host_path.path for v in spec.volumes] == ["/run/vram-enforcer"]
         assert "--hard-limits=off" in spec.containers[0].args
         assert not any(a.startswith("--cgroup-root") for a in spec.containers[0].args)
+        assert "--pod-resources-socket=" in spec.containers[0].args  # not read
         assert spec.automount_service_account_token is True
         role = client.RbacAuthorizationV1Api(admin).read_cluster_role("vram-enforcer-soft-agent")
         assert {res for r in role.rules for res in r.resources} == {

@@ -20,6 +20,7 @@ fake GPUs accept hard limits, as a driver from R615 would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,6 +42,7 @@ from enforcer.core.admission import TOKEN_DIR
 from enforcer.core.model import GiB, MiB
 from tests.e2e.actors import AgentProcess
 from tests.e2e.cluster import ApiServer
+from tests.e2e.deviceplugin import DevicePlugin
 from tests.e2e.helm import CHART, helm
 from tests.e2e.images import ENFORCER_IMAGE, enforcer_image
 from tests.e2e.node import BIN, PAUSE_IMAGE, RealNode, missing
@@ -51,6 +53,7 @@ from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 RESOURCE = "vram-enforcer.io/vram"
+GPU = "nvidia.com/gpu"
 RELEASE = NAMESPACE = "vram-enforcer"
 OPTED_IN = "ml"
 # The agent's own socket, on the host (the sidecars of this release do not use it: the
@@ -89,6 +92,16 @@ class Cluster:
         assert self.agent is not None
         with urllib.request.urlopen(f"http://127.0.0.1:{self.agent.port}/metrics", timeout=5) as r:
             return str(r.read().decode())
+
+    def wait_for_metric(self, line: str, what: str) -> None:
+        """Until the agent's metrics show `line`; on a timeout, what they and its log show."""
+        try:
+            wait_for(lambda: line in self.agent_metrics(), timeout=30, what=what)
+        except AssertionError as exc:
+            assert self.agent is not None
+            shown = [m for m in self.agent_metrics().splitlines() if m.startswith(line[:30])]
+            raise AssertionError(f"{exc}; the agent shows {shown}, and its log ends:\n"
+                                 f"{self.agent.log()[-3000:]}") from None  # fmt: skip
 
     def use(self, pid: int, used: int | None) -> None:
         """What the fake NVML reports for host pid `pid` (None: nothing)."""
@@ -158,9 +171,11 @@ def installed(cluster: Cluster) -> Cluster:
         SOCKET.parent.mkdir()
         cluster.socket_dir_made = True
     token = cluster.server.token_for(NAMESPACE, f"{RELEASE}-agent")
+    pod_resources = cluster.node.dir / "kubelet" / "pod-resources" / "kubelet.sock"
     cluster.agent = AgentProcess(cluster.server, token, cluster.node.name, cluster.tmp, cluster.lib,
                                  "--socket", str(SOCKET), "--cgroup-root", "/sys/fs/cgroup",
-                                 "--cgroup-scan", "500ms", state=cluster.gpus)  # fmt: skip
+                                 "--cgroup-scan", "500ms", "--pod-resources-socket",
+                                 str(pod_resources), state=cluster.gpus)  # fmt: skip
     apps = client.AppsV1Api(cluster.server.client())
     wait_for(lambda: apps.read_namespaced_deployment(f"{RELEASE}-webhook", NAMESPACE).status.available_replicas,
              timeout=120, what="the chart's webhook to be available")  # fmt: skip
@@ -392,7 +407,7 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
         installed.use(grower, 2 * GiB)  # 14 GiB still owed
         installed.use(other, 50 * GiB)  # a process of no pod: 22 GiB free, 16 needed
         lent = f'vram_enforcer_gpu_lent_bytes{{uuid="{uuid}"}} {floatToGoString(4 * GiB)}'
-        wait_for(lambda: lent in installed.agent_metrics(), timeout=30, what="the agent's view")
+        installed.wait_for_metric(lent, "the agent's view")
         free = f'vram_enforcer_gpu_free_bytes{{uuid="{uuid}"}} {floatToGoString(22 * GiB)}'
         assert free in installed.agent_metrics()
         over = 'vram_enforcer_container_gpu_over_request_bytes{pod="lender-0"} > 0'
@@ -430,6 +445,63 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
         core.delete_namespaced_pod(name, OPTED_IN)
     for name in ("lender-0", "owed-0"):
         wait_for(lambda name=name: gone(core, OPTED_IN, name), timeout=60, what=f"{name} gone")
+
+
+def test_a_container_the_device_plugin_gave_a_gpu_is_owed_its_request_there_before_it_uses_it(
+    installed: Cluster,
+) -> None:
+    """Node mode with a device plugin (a stand-in of NVIDIA's, handing out time-sliced
+    replicas of the one GPU): a borrower (2Gi request, 8Gi ceiling) holds 6Gi while a
+    process of no pod holds 58Gi, so 16Gi are free. A pod owed 16Gi starts on the GPU and
+    uses none of it yet: NVML cannot say where it is owed, the kubelet can. The agent reads
+    the kubelet's pod resources, owes the newcomer its request on its replica's GPU (16 plus
+    the 2Gi watermark: 2 short), and asks the borrower back before the newcomer's first
+    allocation could fail."""
+    core, node = installed.core, installed.node
+    uuid = installed.gpus.devices[0]["uuid"]
+    plugin = DevicePlugin([f"{uuid}::{n}" for n in range(4)])
+    names = ("lender-9", "owed-9")
+    borrower = newcomer = other = None
+    try:
+        wait_for(lambda: (core.read_node(node.name).status.allocatable or {}).get(GPU) == "4",
+                 timeout=30, what="the kubelet to count the plugin's GPUs")  # fmt: skip
+        lender = workload("lender-9", "2Gi", annotations={"vram-enforcer.io/vram-ceiling": "8Gi"})
+        owed = workload("owed-9", "16Gi")
+        for body in (lender, owed):
+            body["spec"]["containers"][0]["resources"]["limits"][GPU] = "1"
+        core.create_namespaced_pod(OPTED_IN, lender)
+        running_lender = wait_for(lambda: running(core, OPTED_IN, "lender-9"), timeout=90,
+                                  what="the lender")  # fmt: skip
+        borrower, other = the_holder(node, running_lender), os.getpid()
+        installed.use(borrower, 6 * GiB)
+        installed.use(other, 58 * GiB)
+        lent = f'vram_enforcer_gpu_lent_bytes{{uuid="{uuid}"}} {floatToGoString(4 * GiB)}'
+        installed.wait_for_metric(lent, "the agent's view")
+        core.create_namespaced_pod(OPTED_IN, owed)
+        running_owed = wait_for(lambda: running(core, OPTED_IN, "owed-9"), timeout=90,
+                                what="the newcomer")  # fmt: skip
+        newcomer = the_holder(node, running_owed)  # running, and holding nothing on the GPU
+        (reclaimed, *_) = wait_for(lambda: events(core, OPTED_IN, "lender-9", "VRAMReclaimed"),
+                                   timeout=30, what="the VRAMReclaimed Event")  # fmt: skip
+        wait_for(lambda: not Path(f"/proc/{borrower}").exists(), timeout=15,
+                 what="the borrower to exit")  # fmt: skip
+        assert (
+            f"container 'trainer' holds 6.00 GiB on GPU {uuid}, 4.00 GiB above its 2.00 GiB "
+            "request (ceiling 8.00 GiB); the GPU has 16.00 GiB free, 2.00 GiB less than it must "
+            f"keep free for what {OPTED_IN}/owed-9/trainer is still owed of its request"
+        ) in reclaimed.message, reclaimed.message
+        assert Path(f"/proc/{newcomer}").exists()
+        assert not events(core, OPTED_IN, "owed-9", "VRAMReclaimed")
+    finally:
+        for pid in (borrower, other):
+            if pid is not None:
+                installed.use(pid, None)
+        for name in names:
+            with contextlib.suppress(client.ApiException):  # not made: the test failed before
+                core.delete_namespaced_pod(name, OPTED_IN)
+        for name in names:
+            wait_for(lambda name=name: gone(core, OPTED_IN, name), timeout=60, what=f"{name} gone")
+        plugin.close()
 
 
 def every_dashboard_query_returns_series(

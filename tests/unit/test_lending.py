@@ -181,11 +181,13 @@ def test_each_dra_allocation_is_a_tenant_on_its_gpu_started_or_not() -> None:
     allocated = {"uid-burst": on("GPU-0", 4 * GiB, "c"), "uid-new": on("GPU-0", 16 * GiB, "c"),
                  "uid-wide": wide}  # fmt: skip
     assert tenants(pods, RES, 1, SIDECAR, None, allocated).all == (
-        Tenant("ml/burst/c@GPU-0", "ml", 4 * GiB, 24 * GiB, 0, frozenset({"a" * 64}), "GPU-0"),
-        Tenant("ml/new/c@GPU-0", "ml", 16 * GiB, 16 * GiB, 0, frozenset(), "GPU-0"),
+        Tenant(
+            "ml/burst/c@GPU-0", "ml", 4 * GiB, 24 * GiB, 0, frozenset({"a" * 64}), "GPU-0", True
+        ),
+        Tenant("ml/new/c@GPU-0", "ml", 16 * GiB, 16 * GiB, 0, frozenset(), "GPU-0", True),
         # on two GPUs: which one its ceiling is for would be a guess; it borrows nowhere
-        Tenant("ml/wide/c@GPU-0", "ml", 4 * GiB, 4 * GiB, 0, frozenset({"d" * 64}), "GPU-0"),
-        Tenant("ml/wide/c@GPU-1", "ml", 4 * GiB, 4 * GiB, 0, frozenset({"d" * 64}), "GPU-1"),
+        Tenant("ml/wide/c@GPU-0", "ml", 4 * GiB, 4 * GiB, 0, frozenset({"d" * 64}), "GPU-0", True),
+        Tenant("ml/wide/c@GPU-1", "ml", 4 * GiB, 4 * GiB, 0, frozenset({"d" * 64}), "GPU-1", True),
     )
     assert tenants(pods, RES, 1, SIDECAR, None).all == ()  # claims not read yet: nobody
     # A pod that has finished is owed nothing, whatever its claims were last read to hold.
@@ -201,9 +203,11 @@ def test_a_dra_borrower_is_reclaimed_when_the_scheduler_hands_out_what_it_borrow
     """40 GiB: the borrower's claim is 4 GiB (ceiling 24) and it holds 20 there (and 2 on
     another GPU, which is not its claim's); a pod owed 16 GiB is placed before it starts:
     20 free, 18 needed with the watermark. A second, owed 4 GiB: 22 needed, 2 short."""
-    borrower = Tenant("ml/b/c@GPU-0", "ml", 4 * GiB, 24 * GiB, 0, frozenset({BURSTER}), "GPU-0")
-    first = Tenant("ml/n/c@GPU-0", "ml", 16 * GiB, 16 * GiB, 0, frozenset(), "GPU-0")
-    second = Tenant("web/m/c@GPU-0", "web", 4 * GiB, 4 * GiB, 0, frozenset(), "GPU-0")
+    borrower = Tenant(
+        "ml/b/c@GPU-0", "ml", 4 * GiB, 24 * GiB, 0, frozenset({BURSTER}), "GPU-0", True
+    )
+    first = Tenant("ml/n/c@GPU-0", "ml", 16 * GiB, 16 * GiB, 0, frozenset(), "GPU-0", True)
+    second = Tenant("web/m/c@GPU-0", "web", 4 * GiB, 4 * GiB, 0, frozenset(), "GPU-0", True)
     devices = (Device(0, "GPU-0", "H100", 40 * GiB, 20 * GiB),
                Device(1, "GPU-1", "H100", 40 * GiB, 2 * GiB))  # fmt: skip
     seen = Sample(1.0, devices, (usage(1, 20), ProcessUsage(ProcessKey(1, 1), "GPU-1", 2 * GiB)))
@@ -219,3 +223,50 @@ def test_a_dra_borrower_is_reclaimed_when_the_scheduler_hands_out_what_it_borrow
     # The GPU is in the reason already: the owed are named by container, in its namespace.
     assert asked.owed_to == ("ml/n/c", ELSEWHERE)
     assert short.victims == {BURSTER: frozenset({ProcessKey(1, 1)})}
+
+
+def test_a_container_the_kubelet_gave_a_gpu_is_owed_its_request_there_before_it_starts() -> None:
+    """Node mode, with a device plugin: the kubelet's pod resources say which GPU each
+    container got. A pod owed 16 GiB there, not started yet, makes a borrower give back
+    what the GPU can no longer lend: 40 GiB, the borrower holds 26 of a 4 GiB request, 14
+    are free, and 16 plus the 2 GiB watermark are needed."""
+    borrower = pod("b", "ml", "4Gi", "a" * 64, ceiling=32 * GiB)
+    newcomer = pod("n", "ml", "16Gi", "")
+    newcomer["status"] = {}  # admitted by the kubelet, its container not created yet
+    seen = Sample(1.0, (Device(0, "GPU-0", "H100", 40 * GiB, 26 * GiB),), (usage(1, 26),))
+    containers = {ProcessKey(1, 1): "a" * 64}
+    # Without the kubelet's word, the newcomer uses no GPU yet and is owed nothing anywhere.
+    unknown = tenants([borrower, newcomer], RES, 1, SIDECAR, None)
+    assert [t.unit for t in unknown.all] == ["ml/b/c"]
+    assert decide(seen, containers, unknown, 2 * GiB).reclaims == {}
+    gave = {("ml", "n", "c"): "GPU-0", ("ml", "b", "c"): "GPU-0"}
+    known = tenants([borrower, newcomer], RES, 1, SIDECAR, None, None, gave)
+    assert known.all[1] == Tenant("ml/n/c", "ml", 16 * GiB, 16 * GiB, 0, frozenset(), "GPU-0")
+    (asked,) = decide(seen, containers, known, 2 * GiB).reclaims.values()
+    assert (asked.owed_to, asked.shortfall, asked.victim.lent) == (("ml/n/c",), 4 * GiB, 22 * GiB)
+
+
+def test_a_container_seen_on_another_gpu_than_the_kubelet_gave_is_counted_as_nvml_shows_it() -> (
+    None
+):
+    """A container can still reach another GPU (NVIDIA_VISIBLE_DEVICES in its own spec).
+    Owed its request on the GPU it was given and holding memory elsewhere, it would hold
+    memory no reclaim could take back: once seen elsewhere it counts as NVML shows it, and
+    lends on that GPU what it holds above its request."""
+    sly = Tenant("ml/s/c", "ml", 4 * GiB, 32 * GiB, 0, frozenset({BURSTER}), "GPU-0")
+    owed = Tenant("ml/o/c", "ml", 30 * GiB, 30 * GiB, 0, frozenset({GROWER}), "GPU-1")
+    devices = (
+        Device(0, "GPU-0", "H100", 40 * GiB, 0),
+        Device(1, "GPU-1", "H100", 40 * GiB, 20 * GiB),
+    )
+    on_other = ProcessUsage(ProcessKey(1, 1), "GPU-1", 20 * GiB)
+    seen = Sample(1.0, devices, (on_other,))
+    found = decide(seen, {ProcessKey(1, 1): BURSTER}, Tenants.of((sly, owed)), 2 * GiB)
+    (gpu1,) = [g for g in found.gpus if g.uuid == "GPU-1"]
+    assert {s.unit: s.lent for s in gpu1.shares} == {"ml/s/c": 16 * GiB, "ml/o/c": 0}
+    (asked,) = found.reclaims.values()  # 30 owed + 2 > 20 free
+    assert asked.victim.unit == "ml/s/c" and asked.gpu == "GPU-1"
+    # Confined (DRA: the sidecar holds it to 0 on GPU-1), the same memory is no one's.
+    confined = dataclasses.replace(sly, confined=True)
+    found = decide(seen, {ProcessKey(1, 1): BURSTER}, Tenants.of((confined, owed)), 2 * GiB)
+    assert found.reclaims == {}

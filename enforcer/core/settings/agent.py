@@ -11,8 +11,10 @@ from enforcer.core.parsing import (
     as_text,
     duration_or_off,
     parse_bytes,
+    parse_names,
     positive_duration,
 )
+from enforcer.core.pod_resources import NVIDIA_GPU
 from enforcer.core.settings import Setting, Values, switch, value, verbosity
 from enforcer.core.settings.common import (
     DEFAULT_SOCKET,
@@ -162,6 +164,30 @@ CGROUP_SCAN = value(
     doc="how often the kubelet's pod and container cgroups are scanned for new ones (a pod "
     "change triggers a scan at once). A new cgroup gets its limit within this long",
 )
+POD_RESOURCES_SOCKET = value(
+    "pod_resources_socket",
+    as_text,
+    "the kubelet's pod-resources socket",
+    flag="--pod-resources-socket",
+    default="/var/lib/kubelet/pod-resources/kubelet.sock",
+    metavar="PATH",
+    doc="the kubelet's pod-resources API (gRPC), read for the GPU a device plugin gave each "
+    "container (`--gpu-resources`): a container's request is then owed on that GPU from "
+    "before it starts, not only once NVML shows it there. Read on every change of the "
+    "node's pods, and every 30 s. Needs the pod watch (`--serve-pods`). Empty: not read. "
+    "The chart mounts the kubelet's directory read-only",
+)
+GPU_RESOURCES: Setting[tuple[str, ...]] = value(
+    "gpu_resources",
+    parse_names,
+    "device plugin resources that are GPUs",
+    flag="--gpu-resources",
+    default=NVIDIA_GPU,
+    metavar="NAMES",
+    doc="the device plugins' resources whose devices are GPUs, comma-separated. NVIDIA's "
+    "device plugin names a GPU by its UUID, a time-sliced or MPS replica by `UUID::n`, or "
+    "by its index: a container whose devices all name one GPU is owed its request there",
+)
 LOG_FORMAT = log_format("json")
 VERBOSE = verbosity("info")
 
@@ -188,6 +214,8 @@ DECLARED: tuple[Setting[Any], ...] = (
     DRA_DRIVERS,
     DRA_UUID_ATTRIBUTE,
     DRA_CAPACITY,
+    POD_RESOURCES_SOCKET,
+    GPU_RESOURCES,
     LOG_FORMAT,
     VERBOSE,
 )
@@ -217,6 +245,8 @@ class AgentSettings:
     cgroup_root: str
     cgroup_scan: float
     dra: DraSettings  # hard limits for pods with DRA claims: which allocations are GPUs
+    pod_resources_socket: str  # "": the kubelet's assignments are not read
+    gpu_resources: tuple[str, ...]
 
     @property
     def uses_api(self) -> bool:
@@ -258,4 +288,6 @@ def agent_settings(values: Values) -> AgentSettings:
         cgroup_root=values[CGROUP_ROOT],
         cgroup_scan=values[CGROUP_SCAN],
         dra=dra_settings(values),
+        pod_resources_socket=values[POD_RESOURCES_SOCKET],
+        gpu_resources=values[GPU_RESOURCES],
     )

@@ -1,0 +1,69 @@
+"""The kubelet's pod-resources API, read by the agent: which devices each container of the
+node was given (`core/pod_resources.py` decodes the reply).
+
+Read over gRPC on the kubelet's local socket, once per change of the node's pods (the pod
+watch wakes this thread; a device is given when the kubelet admits a pod, before its
+containers start) and at least every `REFRESH_EVERY`. The last good reply is kept: a
+read that fails (a kubelet restarting, a socket not mounted) is said once and tried again,
+and the reclaims meanwhile use what was last read. Never read in the sampler's pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from enforcer.core.pod_resources import Assignments, WireError, decode_list
+from enforcer.edge import logs
+from enforcer.edge.guard import LoopGuard
+from enforcer.edge.metrics import AgentTelemetry
+
+log = logging.getLogger(__name__)
+
+LIST = "/v1.PodResourcesLister/List"
+DEADLINE = 5.0  # one List on a local socket; a kubelet that does not answer in it is stuck
+REFRESH_EVERY = 30.0  # read again at least this often: a pod watch event can be missed
+STOP_CHECK = 1.0  # seconds: how soon `stop` is seen (the agent's shutdown waits for it)
+
+
+class PodResources(threading.Thread):
+    """`last`: what the kubelet said each container was given, as last read well; None
+    before the first good read."""
+
+    def __init__(self, socket: Path, changed: threading.Event, telemetry: AgentTelemetry) -> None:
+        super().__init__(name="pod-resources", daemon=True)
+        self._socket = socket
+        self._changed = changed
+        self.stop = threading.Event()
+        self._outage = logs.Outage(log)
+        self._guard = LoopGuard("pod-resources", telemetry.unexpected.labels("pod-resources"), log)
+        self.last: Assignments | None = None
+
+    def run(self) -> None:
+        import grpc  # noqa: PLC0415 - only an agent that reads the kubelet loads gRPC
+
+        with grpc.insecure_channel(f"unix:{self._socket}") as channel:
+            listed = channel.unary_unary(
+                LIST, request_serializer=lambda _: b"", response_deserializer=decode_list
+            )
+            due = 0.0
+            while not self.stop.is_set():
+                if self._changed.is_set() or time.monotonic() >= due:
+                    self._changed.clear()  # before the read: a change during it is read again
+                    self._guard.run(lambda: self._read(listed, grpc.RpcError))
+                    due = time.monotonic() + REFRESH_EVERY
+                self._changed.wait(STOP_CHECK)
+
+    def _read(self, listed: Callable[..., Any], rpc_error: type[Exception]) -> None:
+        what = f"cannot read the kubelet's pod resources at {self._socket}"
+        try:
+            found = listed(None, timeout=DEADLINE)
+        except (rpc_error, WireError) as exc:
+            self._outage.failed(what, exc)
+            return
+        self._outage.ended(f"the kubelet's pod resources at {self._socket} are read again")
+        self.last = found
