@@ -1,0 +1,79 @@
+"""The agent's reader of the kubelet's pod-resources API, over a real gRPC socket: a
+kubelet stand-in (the outermost boundary) that answers `List`, then goes away."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.pod_resources import LIST, PodResources
+from tests.helpers import wait_for
+from tests.protowire import field
+
+
+def reply(replica: str) -> bytes:
+    devices = field(2, field(1, "nvidia.com/gpu") + field(2, replica))
+    return field(1, field(1, "serve-0") + field(2, "ml") + field(3, field(1, "server") + devices))
+
+
+class Kubelet:
+    """Answers `List` with `answer`, counting the calls."""
+
+    def __init__(self, socket: Path) -> None:
+        self.answer = reply("GPU-a::0")
+        self.calls = 0
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        service, method = LIST.strip("/").split("/")
+        handler = grpc.unary_unary_rpc_method_handler(
+            self._list, request_deserializer=bytes, response_serializer=bytes
+        )
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, {method: handler}),)
+        )
+        self._server.add_insecure_port(f"unix:{socket}")
+        self._server.start()
+
+    def _list(self, request: bytes, context: object) -> bytes:
+        self.calls += 1
+        return self.answer
+
+    def stop(self) -> None:
+        self._server.stop(grace=None)
+
+
+@pytest.fixture
+def reader(tmp_path: Path) -> Iterator[tuple[PodResources, threading.Event, Path]]:
+    changed = threading.Event()
+    socket = tmp_path / "kubelet.sock"
+    found = PodResources(socket, changed, AgentTelemetry())
+    yield found, changed, socket
+    found.stop.set()
+    found.join(timeout=5)
+
+
+def test_each_pod_change_reads_the_kubelet_again_and_a_failure_keeps_the_last_read(
+    reader: tuple[PodResources, threading.Event, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    found, changed, socket = reader
+    kubelet = Kubelet(socket)
+    found.start()
+    wait_for(lambda: found.last is not None, what="the first read")
+    assert found.last == {("ml", "serve-0", "server"): {"nvidia.com/gpu": ("GPU-a::0",)}}
+    kubelet.answer = reply("GPU-b::3")
+    changed.set()  # the pod watch saw a change
+    wait_for(lambda: found.last == {("ml", "serve-0", "server"): {"nvidia.com/gpu": ("GPU-b::3",)}},
+             what="the read after the change")  # fmt: skip
+    kept = found.last
+    kubelet.stop()  # the kubelet restarts
+    with caplog.at_level(logging.WARNING):
+        changed.set()
+        wait_for(lambda: "cannot read the kubelet's pod resources" in caplog.text,
+                 what="the failure said")  # fmt: skip
+    assert found.last is kept  # the reclaims go on with what was last read
