@@ -13,9 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from enforcer.core.pod_resources import Assignments, WireError, decode_list
 from enforcer.edge import logs
@@ -28,6 +26,26 @@ LIST = "/v1.PodResourcesLister/List"
 DEADLINE = 5.0  # one List on a local socket; a kubelet that does not answer in it is stuck
 REFRESH_EVERY = 30.0  # read again at least this often: a pod watch event can be missed
 STOP_CHECK = 1.0  # seconds: how soon `stop` is seen (the agent's shutdown waits for it)
+
+
+class PodResourcesError(Exception):
+    """The kubelet did not answer, or not with the reply it should."""
+
+
+def list_once(socket: Path, deadline: float = DEADLINE) -> Assignments:
+    """One `List` on the kubelet's socket: each container's devices, by resource."""
+    import grpc  # noqa: PLC0415 - only what reads the kubelet loads gRPC
+
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        listed = channel.unary_unary(
+            LIST, request_serializer=lambda _: b"", response_deserializer=decode_list
+        )
+        try:
+            found: Assignments = listed(None, timeout=deadline)
+        except (grpc.RpcError, WireError) as exc:
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            raise PodResourcesError(details or str(exc)) from None
+        return found
 
 
 class PodResources(threading.Thread):
@@ -44,25 +62,19 @@ class PodResources(threading.Thread):
         self.last: Assignments | None = None
 
     def run(self) -> None:
-        import grpc  # noqa: PLC0415 - only an agent that reads the kubelet loads gRPC
+        due = 0.0
+        while not self.stop.is_set():
+            if self._changed.is_set() or time.monotonic() >= due:
+                self._changed.clear()  # before the read: a change during it is read again
+                self._guard.run(self._read)
+                due = time.monotonic() + REFRESH_EVERY
+            self._changed.wait(STOP_CHECK)
 
-        with grpc.insecure_channel(f"unix:{self._socket}") as channel:
-            listed = channel.unary_unary(
-                LIST, request_serializer=lambda _: b"", response_deserializer=decode_list
-            )
-            due = 0.0
-            while not self.stop.is_set():
-                if self._changed.is_set() or time.monotonic() >= due:
-                    self._changed.clear()  # before the read: a change during it is read again
-                    self._guard.run(lambda: self._read(listed, grpc.RpcError))
-                    due = time.monotonic() + REFRESH_EVERY
-                self._changed.wait(STOP_CHECK)
-
-    def _read(self, listed: Callable[..., Any], rpc_error: type[Exception]) -> None:
+    def _read(self) -> None:
         what = f"cannot read the kubelet's pod resources at {self._socket}"
         try:
-            found = listed(None, timeout=DEADLINE)
-        except (rpc_error, WireError) as exc:
+            found = list_once(self._socket)
+        except PodResourcesError as exc:
             self._outage.failed(what, exc)
             return
         self._outage.ended(f"the kubelet's pod resources at {self._socket} are read again")

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
@@ -24,6 +26,7 @@ from enforcer.core.protocol import Challenge, ProtocolError, Usage, decode_reply
 from enforcer.core.settings.doctor import DoctorSettings
 from enforcer.edge import cgroupfs
 from enforcer.edge.nvml import Nvml, NvmlError
+from enforcer.edge.pod_resources import PodResourcesError, list_once
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
 
 if TYPE_CHECKING:
@@ -288,6 +291,30 @@ def check_dra(api: ApiClient, version: str, settings: DoctorSettings) -> Check:
                  f"can be used (the chart's webhook.draDeviceClass){gate}")  # fmt: skip
 
 
+KUBELET = "kubelet pod resources"
+
+
+def check_pod_resources(socket: str) -> Check:
+    """Whether the kubelet says which devices each container got: then the agent owes a
+    container's request on the GPU a device plugin gave it from before it starts."""
+    where = "owed where NVML shows it using a GPU, once it does"
+    if not socket:
+        return Check(KUBELET, "skip", "--pod-resources-socket is empty")
+    if not os.path.exists(socket):
+        return Check(KUBELET, "note", f"no socket at {socket}: a container's request is {where}",
+                     "on a node, give the kubelet's pod-resources socket (--pod-resources-socket; "
+                     "it is below the kubelet's --root-dir)")  # fmt: skip
+    try:
+        found = list_once(Path(socket))
+    except PodResourcesError as exc:
+        fix = "is the kubelet running, and may this user connect to its socket?"
+        return Check(KUBELET, "fail", f"the kubelet at {socket} does not answer ({exc})", fix)
+    counts = Counter(r for devices in found.values() for r in devices)
+    given = ", ".join(f"{n} with {r}" for r, n in sorted(counts.items())) or "none has a device"
+    owed = "a container's request is owed on the GPU a device plugin gave it before it starts"
+    return Check(KUBELET, "ok", f"answers: of this node's containers, {given}; {owed}")
+
+
 def run(settings: DoctorSettings) -> int:
     procfs = ProcFs()
     checks = [check_pid_namespace(procfs)]
@@ -299,6 +326,7 @@ def run(settings: DoctorSettings) -> int:
     names = ("NVML", "agent socket", "Kubernetes API")
     for (wanted, step), name in zip(steps, names, strict=True):
         checks += step() if wanted else [Check(name, "skip", "not asked for")]
+    checks.append(check_pod_resources(settings.pod_resources_socket))
     if settings.json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:

@@ -14,6 +14,7 @@ import pytest
 
 from enforcer.modes.doctor import Check, render
 from tests.helpers import wait_for
+from tests.kubelet import Kubelet
 
 
 def doctor(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
@@ -121,6 +122,32 @@ def test_in_a_sidecar_that_the_agent_connects_to_it_says_where_to_look(tmp_path:
     (check,) = [c for c in json.loads(out.stdout) if c["name"] == "agent socket"]
     assert check["status"] == "note" and "/run/vram-enforcer/sidecar.sock" in check["detail"]
     assert "vram_enforcer_source_up" in check["fix"]
+
+
+def test_the_kubelets_pod_resources_answer_or_say_why_not(tmp_path: Path) -> None:
+    """Which GPU a device plugin gave each container: the kubelet answers (the stand-in of
+    its gRPC socket), is absent (no socket: a note, not a fault, e.g. in a pod), or a file
+    there is not the kubelet (a fault, with a fix)."""
+    socket = tmp_path / "kubelet.sock"
+    kubelet = Kubelet(socket)
+    try:
+        out = doctor({}, "--no-nvml", "--no-agent", "--pod-resources-socket", str(socket), "--json")
+    finally:
+        kubelet.stop()
+    (check,) = [c for c in json.loads(out.stdout) if c["name"] == "kubelet pod resources"]
+    assert check["status"] == "ok", check
+    assert check["detail"].startswith("answers: of this node's containers, 1 with nvidia.com/gpu;")
+    missing = doctor(
+        {}, "--no-nvml", "--no-agent", "--pod-resources-socket", str(tmp_path / "none.sock")
+    )
+    assert missing.returncode == 0, missing.stdout
+    assert f"[note] kubelet pod resources: no socket at {tmp_path / 'none.sock'}" in missing.stdout
+    not_it = tmp_path / "file"
+    not_it.write_text("")
+    broken = doctor({}, "--no-nvml", "--pod-resources-socket", str(not_it), "--json")
+    (check,) = [c for c in json.loads(broken.stdout) if c["name"] == "kubelet pod resources"]
+    assert check["status"] == "fail" and "is the kubelet running" in check["fix"]
+    assert "Traceback" not in broken.stderr
 
 
 def test_render() -> None:

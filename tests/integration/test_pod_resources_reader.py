@@ -6,46 +6,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import pytest
 
 from enforcer.edge.metrics import AgentTelemetry
-from enforcer.edge.pod_resources import LIST, PodResources
+from enforcer.edge.pod_resources import PodResources
 from tests.helpers import wait_for
-from tests.protowire import field
-
-
-def reply(replica: str) -> bytes:
-    devices = field(2, field(1, "nvidia.com/gpu") + field(2, replica))
-    return field(1, field(1, "serve-0") + field(2, "ml") + field(3, field(1, "server") + devices))
-
-
-class Kubelet:
-    """Answers `List` with `answer`, counting the calls."""
-
-    def __init__(self, socket: Path) -> None:
-        self.answer = reply("GPU-a::0")
-        self.calls = 0
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        service, method = LIST.strip("/").split("/")
-        handler = grpc.unary_unary_rpc_method_handler(
-            self._list, request_deserializer=bytes, response_serializer=bytes
-        )
-        self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(service, {method: handler}),)
-        )
-        self._server.add_insecure_port(f"unix:{socket}")
-        self._server.start()
-
-    def _list(self, request: bytes, context: object) -> bytes:
-        self.calls += 1
-        return self.answer
-
-    def stop(self) -> None:
-        self._server.stop(grace=None)
+from tests.kubelet import Kubelet, reply
 
 
 @pytest.fixture

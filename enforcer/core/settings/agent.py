@@ -21,6 +21,7 @@ from enforcer.core.settings.common import (
     DRA_CAPACITY,
     DRA_DRIVERS,
     DRA_UUID_ATTRIBUTE,
+    POD_RESOURCES_SOCKET,
     RESOURCE_NAME,
     dra_settings,
     hard_limits,
@@ -163,19 +164,6 @@ CGROUP_SCAN = value(
     metavar="DURATION",
     doc="how often the kubelet's pod and container cgroups are scanned for new ones (a pod "
     "change triggers a scan at once). A new cgroup gets its limit within this long",
-)
-POD_RESOURCES_SOCKET = value(
-    "pod_resources_socket",
-    as_text,
-    "the kubelet's pod-resources socket",
-    flag="--pod-resources-socket",
-    default="/var/lib/kubelet/pod-resources/kubelet.sock",
-    metavar="PATH",
-    doc="the kubelet's pod-resources API (gRPC), read for the GPU a device plugin gave each "
-    "container (`--gpu-resources`): a container's request is then owed on that GPU from "
-    "before it starts, not only once NVML shows it there. Read on every change of the "
-    "node's pods, and every 30 s. Needs the pod watch (`--serve-pods`). Empty: not read. "
-    "The chart mounts the kubelet's directory read-only",
 )
 GPU_RESOURCES: Setting[tuple[str, ...]] = value(
     "gpu_resources",

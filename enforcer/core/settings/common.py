@@ -248,3 +248,18 @@ DRA_CAPACITY = value(
 def dra_settings(values: Values) -> DraSettings:
     drivers: tuple[str, ...] = values[DRA_DRIVERS]
     return DraSettings(frozenset(drivers), values[DRA_UUID_ATTRIBUTE], values[DRA_CAPACITY])
+
+
+POD_RESOURCES_SOCKET = value(
+    "pod_resources_socket",
+    as_text,
+    "the kubelet's pod-resources socket",
+    flag="--pod-resources-socket",
+    default="/var/lib/kubelet/pod-resources/kubelet.sock",
+    metavar="PATH",
+    doc="the kubelet's pod-resources API (gRPC): which GPU a device plugin gave each "
+    "container (`--gpu-resources`). The agent reads it on every change of the node's pods, "
+    "and every 30 s (with `--serve-pods`), and owes a container's request on that GPU from "
+    "before it starts, not only once NVML shows it there; `doctor` asks it once. Empty: not "
+    "read. The chart mounts the kubelet's directory read-only",
+)

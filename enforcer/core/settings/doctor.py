@@ -13,6 +13,7 @@ from enforcer.core.settings.common import (
     DRA_CAPACITY,
     DRA_DRIVERS,
     DRA_UUID_ATTRIBUTE,
+    POD_RESOURCES_SOCKET,
     dra_settings,
     kubeconfig,
     log_format,
@@ -64,6 +65,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     DRA_DRIVERS,
     DRA_UUID_ATTRIBUTE,
     DRA_CAPACITY,
+    POD_RESOURCES_SOCKET,
     JSON,
     LOG_FORMAT,
     VERBOSE,
@@ -82,6 +84,7 @@ class DoctorSettings:
     kubeconfig: str | None
     namespace: str
     dra: DraSettings  # what counts as a GPU that DRA can place by memory
+    pod_resources_socket: str  # "": not asked
     json: bool
 
 
@@ -95,5 +98,6 @@ def doctor_settings(values: Values) -> DoctorSettings:
         kubeconfig=values[KUBECONFIG],
         namespace=values[NAMESPACE],
         dra=dra_settings(values),
+        pod_resources_socket=values[POD_RESOURCES_SOCKET],
         json=values[JSON],
     )
