@@ -66,6 +66,8 @@ class Tenants:
     on_gpus: tuple[Tenant, ...] = ()  # those whose request is on a GPU known in advance
     unconfined: Mapping[str, Tenant] = field(default_factory=dict)  # container ID -> of those
     borrowing: bool = False  # whether any may borrow above its request
+    requests: Mapping[str, int] = field(default_factory=dict)  # unit -> its request
+    priorities: Mapping[str, int] = field(default_factory=dict)  # unit -> its pod's priority
 
     @classmethod
     def of(cls, found: Iterable[Tenant]) -> Tenants:
@@ -79,6 +81,8 @@ class Tenants:
             on_gpus,
             {cid: t for t in on_gpus if not t.confined for cid in t.ids},
             any(t.ceiling > t.request for t in listed),
+            {t.unit: t.request for t in listed},
+            {t.unit: t.priority for t in listed},
         )
 
 
@@ -161,9 +165,8 @@ def decide(
     request, and all else on a GPU (other pods, the driver) may grow into the watermark."""
     if not found.borrowing:
         return Lending()  # nobody may borrow: nothing is ever lent, nothing to decide
-    requests = {t.unit: t.request for t in found.all}
-    priorities = {t.unit: t.priority for t in found.all}
-    gpus = views(sample.devices, _usage(sample, containers, found), requests, priorities=priorities)
+    units = _usage(sample, containers, found)
+    gpus = views(sample.devices, units, found.requests, priorities=found.priorities)
     asked: dict[str, Reclaim] = {}
     victims: dict[str, frozenset[ProcessKey]] = {}
     for unit_name, reclaim in reclaims(gpus, watermark).items():

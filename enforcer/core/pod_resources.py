@@ -34,16 +34,16 @@ def decode_list(data: bytes) -> dict[tuple[str, str, str], dict[str, tuple[str, 
     """`ListPodResourcesResponse` -> each container's devices, by resource. Containers
     given no device are left out."""
     found: dict[tuple[str, str, str], dict[str, tuple[str, ...]]] = {}
-    for number, value in _fields(data):
+    for number, value in fields(data):
         if number != 1 or not isinstance(value, bytes):  # pod_resources
             continue
         pod = _strings(value, {1: "name", 2: "namespace"})
-        for c_number, container in _fields(value):
+        for c_number, container in fields(value):
             if c_number != 3 or not isinstance(container, bytes):  # containers
                 continue
             name = _strings(container, {1: "name"}).get("name", "")
             devices: dict[str, list[str]] = {}
-            for d_number, entry in _fields(container):
+            for d_number, entry in fields(container):
                 if d_number == 2 and isinstance(entry, bytes):  # devices: ContainerDevices
                     resource, ids = _devices(entry)
                     devices.setdefault(resource, []).extend(ids)
@@ -83,7 +83,7 @@ def assigned_gpus(
 
 def _devices(data: bytes) -> tuple[str, list[str]]:
     resource, ids = "", []
-    for number, value in _fields(data):
+    for number, value in fields(data):
         if isinstance(value, bytes) and number == 1:  # resource_name
             resource = _text(value)
         elif isinstance(value, bytes) and number == 2:  # device_ids
@@ -94,7 +94,7 @@ def _devices(data: bytes) -> tuple[str, list[str]]:
 def _strings(data: bytes, wanted: Mapping[int, str]) -> dict[str, str]:
     return {
         wanted[number]: _text(value)
-        for number, value in _fields(data)
+        for number, value in fields(data)
         if number in wanted and isinstance(value, bytes)
     }
 
@@ -106,9 +106,10 @@ def _text(value: bytes) -> str:
         raise WireError("a string field is not UTF-8") from None
 
 
-def _fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
-    """(field number, value) of each field: an int for a varint, bytes for a
-    length-delimited field; fixed-size fields are skipped."""
+def fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
+    """(field number, value) of each field of a protobuf message: an int for a varint,
+    bytes for a length-delimited field (a string, or a message to read the same way);
+    fixed-size fields are skipped."""
     at = 0
     while at < len(data):
         key, at = _varint(data, at)

@@ -78,4 +78,5 @@ class PodResources(threading.Thread):
             self._outage.failed(what, exc)
             return
         self._outage.ended(f"the kubelet's pod resources at {self._socket} are read again")
-        self.last = found
+        if found != self.last:  # a new object only for news: the lender rebuilds on one
+            self.last = found

@@ -20,7 +20,8 @@ from typing import Any
 
 import grpc
 
-from tests.protowire import field, fields
+from enforcer.core.pod_resources import fields
+from tests.protowire import field
 
 RESOURCE = "nvidia.com/gpu"
 API = "v1beta1"
