@@ -3,9 +3,10 @@ node was given (`core/pod_resources.py` decodes the reply).
 
 Read over gRPC on the kubelet's local socket, once per change of the node's pods (the pod
 watch wakes this thread; a device is given when the kubelet admits a pod, before its
-containers start) and at least every `REFRESH_EVERY`. The last good reply is kept: a
-read that fails (a kubelet restarting, a socket not mounted) is said once and tried again,
-and the reclaims meanwhile use what was last read. Never read in the sampler's pass.
+containers start), at most once per `MIN_GAP`, and at least every `REFRESH_EVERY`. The
+last good reply is kept: a read that fails (a kubelet restarting, a socket not mounted) is
+said once and tried again, and the reclaims meanwhile use what was last read. Never read
+in the sampler's pass.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ LIST = "/v1.PodResourcesLister/List"
 DEADLINE = 5.0  # one List on a local socket; a kubelet that does not answer in it is stuck
 REFRESH_EVERY = 30.0  # read again at least this often: a pod watch event can be missed
 STOP_CHECK = 1.0  # seconds: how soon `stop` is seen (the agent's shutdown waits for it)
+# Seconds between two reads: a burst of pod changes (a tenant patching its own pods in a
+# loop) costs the kubelet one List a second at most, whatever the node's pods do.
+MIN_GAP = 1.0
 
 
 class PodResourcesError(Exception):
@@ -68,6 +72,7 @@ class PodResources(threading.Thread):
                 self._changed.clear()  # before the read: a change during it is read again
                 self._guard.run(self._read)
                 due = time.monotonic() + REFRESH_EVERY
+                self.stop.wait(MIN_GAP)  # a change meanwhile is read right after it
             self._changed.wait(STOP_CHECK)
 
     def _read(self) -> None:
