@@ -211,10 +211,13 @@ def test_with_the_start_gate_a_pair_starts_its_work_together_whatever_its_start_
             assert m.cell("quick", "slow")["overlap"] > 0.9
             assert m.cell("slow", "quick")["overlap"] > 0.9
             assert "~" not in m.stdout
-            assert quick["section_start_monotonic"] > quick["start_monotonic"] + 1.5
-        # a run alone is never held: nothing to wait for
+            # quick was held until slow was set up: no sooner than 1.5 s after slow's run
+            # began (not quick's: the two runs start a moment apart on a busy machine)
+            assert quick["section_start_monotonic"] > slow["start_monotonic"] + 1.5
+        # a run alone is never held: nothing to wait for (held, it would wait for a gate
+        # nobody opens until its timeout; the bound leaves a loaded machine's start-up room)
         (alone,) = [r for r in m.runs("quick") if r["neighbour"] is None]
-        assert alone["section_start_monotonic"] < alone["start_monotonic"] + 1.0
+        assert alone["section_start_monotonic"] < alone["start_monotonic"] + 5.0
         assert not list((m.output / "runs").glob("*.ready")) + list(
             (m.output / "runs").glob("*.go")
         )  # the gate's files are gone with their round
