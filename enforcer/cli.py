@@ -7,6 +7,7 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any
 from enforcer import __version__
 from enforcer.core.model import format_bytes
 from enforcer.core.parsing import ConfigError
-from enforcer.core.settings import Setting, Values, help_text, resolve
+from enforcer.core.settings import Setting, Values, environment_text, help_text, resolve
 from enforcer.edge import logs
 
 EXEC_EPILOG = """\
@@ -55,6 +56,32 @@ exit status:
   2 if the enforcer could not start (bad flags, no NVML, wrong PID namespace, or no
     hard limit with --hard-limits required);
   126/127 if the command could not be run / was not found.
+"""
+
+
+DEMO_EPILOG = """\
+what it shows:
+  A real command (python -m enforcer.workloads.grower) claims 256 MiB more GPU memory
+  every 0.25 s, up to 1536 MiB, under `vram-enforcer exec`'s own enforcement: a sample
+  every --interval, the command's process tree, the policy, a signal through a verified
+  pidfd, the line that says why, and the command's exit status. Only the GPU is
+  simulated: the command allocates nothing, and writes what it holds where the simulated
+  NVML reads it. No GPU, NVIDIA driver or root is needed, and every line says
+  [simulated GPU]. Nothing can make exec, the agent or the sidecar use a simulated GPU:
+  this subcommand alone runs one.
+
+examples:
+  vram-enforcer demo                  # stopped at 1.25 GiB, over its 1Gi limit: status 143
+  vram-enforcer demo --action kill    # SIGKILL instead of SIGTERM: status 137
+  vram-enforcer demo --limit 2Gi      # it fits: left alone, status 0
+
+on a machine with an NVIDIA GPU, the real thing (see vram-enforcer exec --help):
+  vram-enforcer exec --limit 4Gi -- python train.py
+
+exit status:
+  the command's, as exec gives it: 143 (128 + SIGTERM) when it was stopped over its
+  limit, 137 with --action kill, 0 when it fit (or --action warn left it alone), 130 on
+  ^C; 2 if the demo could not start.
 """
 
 
@@ -143,8 +170,12 @@ signals:
   PARTIAL.
 
 exit status:
-  0 the report was made, whatever the workloads did; 1 it could not be written;
-  2 bad input (a workload, a flag, no PyTorch for --builtin);
+  0 the report was made, and at least one measured run went well, whatever the others
+    did; 1 it could not be written;
+  2 bad input (a workload, a flag, no PyTorch for --builtin), or exec cannot start here
+    (no NVML: it needs the NVIDIA driver, with --builtin-device cpu too); nothing ran;
+  3 not one measured run went well: the report, made all the same, has no figure, and
+    one line says why;
   128+N when signal N stopped the measurement.
 """
 
@@ -199,6 +230,14 @@ MODES = {
         "Run CMD and keep its GPU memory, with all of its descendants, under --limit.",
         lambda: EXEC_EPILOG,
     ),
+    "demo": Mode(
+        "enforcer.core.settings.demo", lambda cfg, values, _: cfg.demo_settings(values),
+        logging.INFO, "enforcer.modes.demo",
+        "see exec stop a command over its limit, on a simulated GPU (no GPU needed)",
+        "Run exec's real enforcement over a command that outgrows its GPU memory limit, "
+        "against a simulated GPU: no NVIDIA GPU or driver is used, and every line says so.",
+        lambda: DEMO_EPILOG,
+    ),
     "agent": Mode(
         "enforcer.core.settings.agent", lambda cfg, values, _: cfg.agent_settings(values),
         logging.INFO, "enforcer.modes.agent",
@@ -242,15 +281,27 @@ MODES = {
 }  # fmt: skip
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, where a word that starts with a dash and a digit (`-4Gi`, `-5s`) is a value,
+    as in Python 3.14's argparse: before 3.14 only a bare number was, so `--limit -4Gi` got
+    "expected one argument" and never reached the check that says what is wrong with it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"-\.?\d")
+
+
 def _environment(declared: Sequence[Setting[Any]]) -> str:
-    """The environment variables a mode reads, for its --help."""
-    lines = [
-        f"  {s.env:<28}{s.help}" + (f" [{s.default}]" if s.default else "")
-        for s in declared
-        if s.env
-    ]
-    head = "environment (a flag, where there is one, wins):\n"
-    return head + "\n".join(lines) + "\n\n" if lines else ""
+    """The environment variables a mode reads, for its --help, laid out by argparse as its
+    flags are: a long name on a line of its own, descriptions wrapped to the terminal."""
+    formatter = argparse.HelpFormatter("vram-enforcer", max_help_position=30)
+    formatter.start_section("environment (a flag, where there is one, wins)")
+    for s in declared:
+        if s.env:
+            formatter.add_argument(argparse.Action([s.env], s.key, 0, help=environment_text(s)))
+    formatter.end_section()
+    shown = formatter.format_help()  # empty without variables
+    return shown + "\n" if shown else ""
 
 
 def _add(parser: argparse.ArgumentParser, s: Setting[Any]) -> None:
@@ -270,7 +321,7 @@ def _add(parser: argparse.ArgumentParser, s: Setting[Any]) -> None:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The command line. With `only`, the flags of that mode alone are declared, so that no
     other mode's settings are imported; without it, every mode's (`--help`, tests)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="vram-enforcer",
         description="Enforce GPU memory (VRAM) limits on processes and Kubernetes containers.",
     )

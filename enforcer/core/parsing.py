@@ -142,12 +142,23 @@ def parse_duration(text: str, field: str) -> float:
         total += float(m[1]) * _DURATION_UNITS[m[2]]
         pos = m.end()
     if not stripped or pos != len(stripped):
+        if stripped.startswith("-") and _reads_as_duration(stripped[1:]):
+            raise ConfigError(field, text, "is negative; a duration is 0 or more, such as 5s")
         bare = len(stripped) <= _HINTED and re.fullmatch(r"[0-9]+(?:\.[0-9]*)?", stripped)
         hint = f" (did you mean {stripped}s?)" if bare else ""
         raise ConfigError(field, text, f"is not a duration; use {DURATION_FORM}{hint}")
     if not total <= MAX_DURATION:  # also infinity: float("9" * 400) is inf
         raise ConfigError(field, text, "is too long; a duration is at most 2562047h (292 years)")
     return total
+
+
+def _reads_as_duration(text: str) -> bool:
+    """Whether `text` reads as a duration: a negative one is then said to be negative."""
+    try:
+        parse_duration(text, field="")
+    except ConfigError:
+        return False
+    return True
 
 
 def parse_percent(text: str, field: str) -> float:

@@ -315,27 +315,48 @@ def _write_summary(path: str, summary: ExecSummary) -> None:
         log.error("could not write the summary to %s: %s", path, exc.strerror or exc)
 
 
-def run(settings: ExecSettings) -> int:
-    """Run the command under enforcement; returns the exit status to exit with."""
+@dataclass(frozen=True, slots=True)
+class Gpus:
+    """Where the command tree's GPU memory is read: a started NVML session, the view that
+    names its pids, and the devices a process listed before the first pass must be seen
+    holding (`NvmlSource`)."""
+
+    nvml: Nvml
+    view: PidView
+    majors: frozenset[int] | None
+
+
+def _nvml_gpus(settings: ExecSettings) -> Gpus:
+    """This machine's GPUs, through NVML: what `exec` reads unless told otherwise in code."""
+    view = _pid_view(settings)
+    nvml = Nvml(utilisation_every=UTILISATION_EVERY)
+    nvml.init()
+    return Gpus(nvml, view, gpu_device_majors())
+
+
+def run(settings: ExecSettings, gpus: Gpus | None = None) -> int:
+    """Run the command under enforcement; returns the exit status to exit with.
+
+    `gpus`: this machine's, through NVML, unless a caller passes others. Only `vram-enforcer
+    demo` does (its simulated GPU); no flag or variable of `exec` can.
+    """
     if settings.summary and not Path(settings.summary).parent.is_dir():
         log.error("--summary %s: the directory %s does not exist; create it first",
                   settings.summary, Path(settings.summary).parent)  # fmt: skip
         return EXIT_USAGE
     record = _Record()
-    status = _run(settings, record)
+    status = _run(settings, record, gpus)
     if settings.summary:
         _write_summary(settings.summary, record.summary(settings, status))
     return status
 
 
-def _run(settings: ExecSettings, record: _Record) -> int:
+def _run(settings: ExecSettings, record: _Record, gpus: Gpus | None) -> int:
     # Block first: libnvidia-ml may start threads in nvmlInit, and a thread that does not
     # block SIGCHLD would take it, so that sigtimedwait never saw the command exit.
     with _blocked_signals():
         try:
-            view = _pid_view(settings)
-            nvml = Nvml(utilisation_every=UTILISATION_EVERY)
-            nvml.init()
+            gpu = gpus if gpus is not None else _nvml_gpus(settings)
         except StartupError as exc:
             log.error("%s", exc)
             return EXIT_USAGE
@@ -348,16 +369,16 @@ def _run(settings: ExecSettings, record: _Record) -> int:
             return EXIT_USAGE
         try:
             _set_child_subreaper()
-            source = NvmlSource(nvml, view, gpu_device_majors())
-            with _hard_limits(settings, nvml) as placed:
+            source = NvmlSource(gpu.nvml, gpu.view, gpu.majors)
+            with _hard_limits(settings, gpu.nvml) as placed:
                 record.hard_limit = placed is not None
-                watch = ChargeWatch(nvml, placed, record, settings.interval) if placed else None
+                watch = ChargeWatch(gpu.nvml, placed, record, settings.interval) if placed else None
                 return _supervise(settings, source, placed, record, watch)
         except (StartupError, MetricsPortError) as exc:
             log.error("%s", exc, exc_info=logs.detail(exc))
             return EXIT_USAGE
         finally:
-            nvml.shutdown()
+            gpu.nvml.shutdown()
 
 
 @dataclass(frozen=True, slots=True)

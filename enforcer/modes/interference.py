@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +39,9 @@ from typing import Any
 from enforcer.core import exec_summary
 from enforcer.core.exec_summary import ExecSummary
 from enforcer.core.interference.outcomes import Outcome, RunResult, classify, read_section
-from enforcer.core.interference.plan import Round, RunSpec, plan
+from enforcer.core.interference.plan import Phase, Round, RunSpec, plan
 from enforcer.core.interference.report import to_json, to_markdown, to_text
-from enforcer.core.interference.stats import Report, analyse
+from enforcer.core.interference.stats import Report, analyse, measured_ok
 from enforcer.core.interference.workloads import GO_ENV, READY_ENV, TIMING_ENV, Workload
 from enforcer.core.model import format_bytes
 from enforcer.core.settings.interference import InterferenceSettings
@@ -48,8 +49,9 @@ from enforcer.edge.heatmap import write_heatmap
 
 log = logging.getLogger(__name__)
 
-EXIT_USAGE = 2
+EXIT_USAGE = 2  # bad input, or exec cannot start here: nothing runs
 EXIT_NOT_WRITTEN = 1  # measured, but the report files could not be written
+EXIT_NOTHING_MEASURED = 3  # not one measured run went well: the report has no figure
 KILL_AFTER = 15.0  # from our SIGTERM to exec to SIGKILL: exec's own grace period fits in
 GATE_POLL_MS = 5  # how often the ready files are looked at: the pair starts within this
 STDERR_TAIL = 64 * 1024  # how much of a run's stderr is read to tell why it failed
@@ -135,6 +137,12 @@ def run(settings: InterferenceSettings) -> int:
             ",".join(settings.builtins), sys.executable,
         )  # fmt: skip
         return EXIT_USAGE
+    if (why := _exec_cannot_start(settings.timeout)) is not None:
+        log.error("every run goes through vram-enforcer exec, which cannot start here: %s. "
+                  "--builtin-device cpu does not avoid it: exec reads GPU memory through NVML "
+                  "whatever the workloads compute on. Without an NVIDIA GPU, vram-enforcer "
+                  "demo shows exec at work on a simulated one", why)  # fmt: skip
+        return EXIT_USAGE
     try:
         workdir = _workdir(settings.output)
     except OSError as exc:
@@ -171,7 +179,40 @@ def run(settings: InterferenceSettings) -> int:
         written = _write_report(report, settings.output) if settings.output else True
     if stop.signum is not None:
         return 128 + stop.signum
+    if (why := _nothing_measured(results)) is not None:
+        log.error("%s", why)
+        return EXIT_NOTHING_MEASURED
     return 0 if written else EXIT_NOT_WRITTEN
+
+
+def _exec_cannot_start(timeout: float) -> str | None:
+    """Why exec cannot start here, in its own words (no NVML, a PID namespace it cannot
+    translate), asked once with a command that does nothing; None when it can. Otherwise
+    every run would fail the same way, and the report would be a table of failures."""
+    probe = [sys.executable, "-m", "enforcer", "exec", "--limit", "1", "--hard-limits", "off",
+             "--", sys.executable, "-c", ""]  # fmt: skip
+    try:
+        out = subprocess.run(probe, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                             timeout=timeout, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"a command that does nothing did not end within --timeout {timeout:g}s"
+    if out.returncode != EXIT_USAGE:
+        return None
+    lines = out.stderr.strip().splitlines() or [f"exit status {out.returncode}"]
+    return lines[-1].removeprefix("vram-enforcer: error: ")
+
+
+def _nothing_measured(results: list[RunResult]) -> str | None:
+    """Why the report has no figure at all (no measured run went well), or None."""
+    if measured_ok(results):
+        return None
+    measured = [r for r in results if r.phase is not Phase.WARMUP]
+    outcomes = Counter(r.outcome for r in measured).most_common()
+    tally = ", ".join(f"{n} {outcome}" for outcome, n in outcomes)
+    first = next((r for r in measured if r.detail), None)
+    said = f"; the first: {first.spec.label} ({first.detail})" if first else ""
+    return (f"not one of the {len(measured)} measured runs went well ({tally}), so the report "
+            f"has no figure{said}")  # fmt: skip
 
 
 def _workdir(output: str | None) -> contextlib.AbstractContextManager[str]:

@@ -367,3 +367,36 @@ def test_without_matplotlib_everything_but_the_heatmap_is_written(
         "vram-enforcer: warning: heatmap.png was not written: matplotlib is not installed; "
         "pip install 'vram-enforcer[report]'"
     ) in m.stderr.splitlines()
+
+
+def test_where_exec_cannot_start_it_refuses_before_any_run_and_says_why(
+    fake_nvml: Any, tmp_path: Path
+) -> None:
+    """Every run goes through exec: without NVML (here, a driver that is not loaded),
+    `--builtin-device cpu` or not, nothing can be measured. One line says why, status 2."""
+    fake_nvml.state.data["init_error"] = "DRIVER_NOT_LOADED"
+    fake_nvml.write()
+    pids = tmp_path / "pids"
+    m = measure(fake_nvml, tmp_path, "--repeat", "1", "--warmup", "0",
+                *standin("a", "1Gi", "--slices", "3", "--pids", str(pids)),
+                *standin("b", "1Gi", "--slices", "3", "--pids", str(pids)))  # fmt: skip
+    assert m.returncode == 2, m.stderr
+    (line,) = m.stderr.splitlines()
+    assert line.startswith("vram-enforcer: error: every run goes through vram-enforcer exec, "
+                           "which cannot start here: ")  # fmt: skip
+    assert "the NVIDIA kernel driver is not loaded" in line
+    assert "vram-enforcer demo" in line  # what shows the enforcement without a GPU
+    assert m.stdout == ""
+    assert not pids.exists()  # no workload ran
+
+
+def test_when_no_run_goes_well_it_says_why_and_exits_3(fake_nvml: Any, tmp_path: Path) -> None:
+    m = measure(fake_nvml, tmp_path, "--repeat", "1", "--warmup", "1",
+                *standin("a", "1Gi", "--fail"), *standin("b", "1Gi", "--fail"))  # fmt: skip
+    assert m.returncode == 3, m.stderr
+    assert m.stdout.startswith("2 workloads")  # the report is still printed, and written
+    assert m.report["cells"]
+    assert m.stderr.splitlines()[-1] == (
+        "vram-enforcer: error: not one of the 8 measured runs went well (8 failed), so the "
+        "report has no figure; the first: a (exit status 3: the input file is missing)"
+    )

@@ -173,7 +173,7 @@ def test_parse_duration(text: str, seconds: float) -> None:
         ("abc", "is not a duration"),
         ("5s5", "is not a duration"),
         ("", "is not a duration"),
-        ("-1s", "is not a duration"),
+        ("-1s", "is negative"),
     ],
 )
 def test_bad_durations(text: str, fragment: str) -> None:

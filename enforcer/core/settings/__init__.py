@@ -135,6 +135,16 @@ def help_text(s: Setting[Any]) -> str:
         where = f"${s.env}, else " if s.env else ""
         default = s.default if s.default is not None else s.shown_default or "none"
         text = f"{s.help} [default: {where}{default}]"
+    return _for_argparse(text)
+
+
+def environment_text(s: Setting[Any]) -> str:
+    """The description of `s.env` in the environment section of `--help`."""
+    return _for_argparse(s.help + (f" [{s.default}]" if s.default else ""))
+
+
+def _for_argparse(text: str) -> str:
+    """Help as argparse shows it: no Markdown backticks, and `%` escaped."""
     return text.replace("`", "").replace("%", "%%")
 
 

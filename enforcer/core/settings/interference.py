@@ -42,8 +42,9 @@ BUILTIN_DEVICE = value(
     flag="--builtin-device",
     default="cuda",
     metavar="cuda|cpu",
-    doc="where the built-in workloads compute. `cpu` tries the tool without a GPU (slowly, "
-    "and with no GPU memory to measure)",
+    doc="where the built-in workloads compute. `cpu` tries the tool with a PyTorch that has "
+    "no CUDA (slowly, and with no GPU memory to measure); every run still goes through "
+    "`exec`, which needs the NVIDIA driver (NVML)",
 )
 BUILTIN_SCALE = value(
     "builtin_scale",

@@ -1,0 +1,126 @@
+"""`vram-enforcer demo`: `exec`'s real enforcement, against a simulated GPU.
+
+What a newcomer without an NVIDIA GPU can run to see the enforcer work. `exec.run` runs
+unchanged (the subreaper, a sample every --interval, the process tree, the policy,
+signals through verified pidfds, its stderr lines and its exit status) over a real child
+process, the grower (`python -m enforcer.workloads.grower`), which claims more simulated
+GPU memory a step at a time. Only NVML is simulated (`edge.simulated_gpu`), and every
+line says so: the enforcer's log lines get the label here, the grower prints it itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from enforcer.core import exec_summary, messages
+from enforcer.core.exec_summary import ExecSummary
+from enforcer.core.model import format_bytes
+from enforcer.core.policy import Reason
+from enforcer.core.settings.demo import DemoSettings
+from enforcer.core.settings.exec import ExecSettings
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.simulated_gpu import LABEL, NO_HARD_LIMITS, SimulatedNvml
+from enforcer.edge.sources import PidView
+from enforcer.modes import exec as exec_mode
+
+log = logging.getLogger(__name__)
+
+GROWER = "enforcer.workloads.grower"
+REAL_THING = "vram-enforcer exec --limit 4Gi -- python train.py"
+EXIT_USAGE = 2
+
+
+def run(settings: DemoSettings) -> int:
+    """Run the grower under `exec` and the simulated GPU; the grower's exit status (exec's)."""
+    with _labelled():
+        try:
+            workdir = tempfile.TemporaryDirectory(prefix="vram-enforcer-demo-")
+        except OSError as exc:
+            log.error("cannot create a directory for the simulated GPU: %s; set TMPDIR to "
+                      "a writable directory", exc)  # fmt: skip
+            return EXIT_USAGE
+        with workdir as tmp:
+            return _demo(settings, Path(tmp))
+
+
+def _demo(settings: DemoSettings, tmp: Path) -> int:
+    gpu = tmp / "gpu"
+    gpu.mkdir()
+    summary = tmp / "summary.json"
+    limit = format_bytes(settings.limit_bytes)
+    log.info("vram-enforcer demo: exec's own enforcement (sampling, the process tree, the "
+             "policy, signals through verified pidfds) runs a command that claims more and "
+             "more GPU memory, under a %s limit. Only the GPU is simulated: no GPU or NVIDIA "
+             "driver is used here", limit)  # fmt: skip
+    log.info("%s", messages.sampling_only(NO_HARD_LIMITS, settings.interval))
+    status = exec_mode.run(
+        ExecSettings(
+            command=(sys.executable, "-m", GROWER, str(gpu)),
+            limit_bytes=settings.limit_bytes,
+            policy=settings.policy,
+            interval=settings.interval,
+            name="grower",
+            hard_limits="off",  # said above: a simulated GPU has none
+            summary=str(summary),
+        ),
+        # Its pids as this /proc names them (the grower writes its own); and no device
+        # files for a process to be seen holding: a simulated GPU has none.
+        exec_mode.Gpus(SimulatedNvml(gpu), PidView.host(ProcFs()), None),
+    )
+    ran = _read(summary)
+    if ran is not None and ran.started:
+        log.info("%s", _outcome(ran))
+    return status
+
+
+def _outcome(ran: ExecSummary) -> str:
+    """The demo's last line: what the limit did to the grower, and what to run for real."""
+    limit = format_bytes(ran.limit_bytes)
+    peak = format_bytes(ran.peak_bytes) if ran.peak_bytes is not None else "nothing"
+    seen = f"exec saw the command tree hold {peak} at most"
+    status = f"exit status {ran.exit_status}" + (f" ({ran.signal})" if ran.signal else "")
+    if any(e.reason == str(Reason.ENFORCED) for e in ran.events):
+        what = f"the grower went over its {limit} limit ({seen}) and was stopped: {status}"
+    elif ran.exit_status != 0:
+        what = f"the grower ended with {status}, and not by the enforcer ({seen})"
+    elif ran.exceeded_after is not None:
+        what = (f"the grower went over its {limit} limit ({seen}); the action is "
+                f"{ran.action}, so it was left alone: {status}")  # fmt: skip
+    else:
+        what = f"the grower stayed within its {limit} limit ({seen}) and was left alone: {status}"
+    return f"{what}. On a machine with an NVIDIA GPU, the same without simulation: {REAL_THING}"
+
+
+def _read(path: Path) -> ExecSummary | None:
+    """What exec's --summary says of the run; None (exec has said why) if it wrote none."""
+    try:
+        return exec_summary.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _label(record: logging.LogRecord) -> bool:
+    """Once per record, whichever handlers it goes to; a JSON line also gets `simulated`."""
+    if not getattr(record, "simulated", False):
+        record.msg, record.args = f"{LABEL} {record.getMessage()}", ()
+        record.simulated = True
+    return True
+
+
+@contextlib.contextmanager
+def _labelled() -> Iterator[None]:
+    """Every log line, the enforcer's own included, says that the GPU is simulated."""
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(_label)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(_label)
