@@ -4,6 +4,12 @@ Each check is tried for real (NVML is initialised, the socket is asked, the API 
 is asked what this identity may do) and answers with one line and, when it fails, a fix.
 Run it inside a pod (`kubectl exec <pod> -c vram-enforcer -- vram-enforcer doctor`), on
 a node, or on a workstation before using `exec`.
+
+A sidecar of 0.2.0 (`--api-access agent`, the default) makes no API request: the node
+agent connects to its socket, brings it its pod and posts its Events. In one, doctor reads
+whether the sidecar listens and the agent is connected, and does not ask the API (the
+sidecar holds no token); elsewhere it checks no RBAC for the sidecar. Only for a sidecar of
+`--api-access direct` (as sidecars of 0.1.0) does it check the Role they need.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -23,6 +30,7 @@ from enforcer.core.hard_limits import mig_gpus, per_gpu
 from enforcer.core.model import LimitOutcome, SourceDown, format_bytes
 from enforcer.core.parsing import kubernetes_version
 from enforcer.core.protocol import Challenge, ProtocolError, Usage, decode_reply, encode_request
+from enforcer.core.settings.common import DEFAULT_SOCKET
 from enforcer.core.settings.doctor import DoctorSettings
 from enforcer.edge import cgroupfs
 from enforcer.edge.nvml import Nvml, NvmlError
@@ -153,19 +161,38 @@ def check_pid_namespace(procfs: ProcFs) -> Check:
     )
 
 
-def check_agent(path: str, listen: str | None = None) -> Check:
-    if listen is not None and not os.path.exists(path):
+AGENT_PODS = "kubectl -n <ns> get pods -l app.kubernetes.io/component=agent -o wide"
+_KINDS = {
+    stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+}  # fmt: skip
+
+
+def agent_expected(settings: DoctorSettings) -> bool:
+    """Whether a missing agent socket is a failure: where the agent belongs (the API is
+    checked, in a pod, beside a kubelet) or a socket other than the default was named.
+    Elsewhere this is a workstation, where exec needs no agent."""
+    return (
+        settings.api
+        or bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+        or os.path.exists(settings.pod_resources_socket)
+        or settings.agent_socket != DEFAULT_SOCKET
+    )
+
+
+def check_agent(path: str, expected: bool = True) -> Check:
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return _no_agent_socket(path, expected)
+    except OSError:  # not ours to look at (a directory's permissions): connecting says why
+        mode = stat.S_IFSOCK
+    if not stat.S_ISSOCK(mode):
         return Check(
-            "agent socket", "note",
-            f"this sidecar does not connect to the agent: the agent connects to it, on {listen}",
-            "whether it has: the sidecar's log (`enforcement resumed`, or `waiting for the node "
-            "agent`) and vram_enforcer_source_up on its /metrics",
-        )  # fmt: skip
-    if not os.path.exists(path):
-        return Check(
-            "agent socket", "fail", f"{path} does not exist",
-            "is the node agent (DaemonSet) running on this node, and is /run/vram-enforcer "
-            "mounted? kubectl -n <ns> get pods -l app.kubernetes.io/component=agent -o wide",
+            "agent socket", "fail",
+            f"{path} is {_KINDS.get(stat.S_IFMT(mode), 'a special file')}, not a socket",
+            f"give the node agent's socket (its --socket; {DEFAULT_SOCKET} by default) with "
+            "--agent-socket or $VRAM_ENFORCER_AGENT_SOCKET",
         )  # fmt: skip
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
@@ -180,6 +207,12 @@ def check_agent(path: str, listen: str | None = None) -> Check:
                     conn.sendall(encode_request("usage", reply.nonce))
                     answered = reply.nonce
                 reply = decode_reply(replies.readline())
+    except ConnectionRefusedError:  # a socket file, but no agent: not started, or died
+        return Check(
+            "agent socket", "fail",
+            f"nothing listens on {path} (connection refused): the node agent is not running, "
+            "or is restarting", f"{AGENT_PODS}; its log says why (kubectl logs)",
+        )  # fmt: skip
     except (OSError, ProtocolError) as exc:
         return Check(
             "agent socket", "fail", f"{path}: {exc}",
@@ -204,16 +237,127 @@ def check_agent(path: str, listen: str | None = None) -> Check:
     )
 
 
+def _no_agent_socket(path: str, expected: bool) -> Check:
+    if not expected:
+        return Check(
+            "agent socket", "note",
+            f"{path} does not exist: no node agent here, and exec needs none (it reads NVML "
+            "itself); taken for a workstation: --no-api, not in a pod, no kubelet",
+            f"on a GPU node of a cluster the agent must be there: {AGENT_PODS}",
+        )  # fmt: skip
+    return Check(
+        "agent socket", "fail", f"{path} does not exist",
+        "is the node agent (DaemonSet) running on this node, and is /run/vram-enforcer "
+        f"mounted? {AGENT_PODS}",
+    )  # fmt: skip
+
+
+SIDECAR_SOCKET = "sidecar socket"
+UNIX_SOCKETS = "/proc/net/unix"
+SIDECAR_LOG = "kubectl logs <pod> -c vram-enforcer"
+_LISTENING = 0x10000  # __SO_ACCEPTCON in /proc/net/unix's Flags
+_CONNECTED = 3  # SS_CONNECTED in its St
+_SOURCE_UP = (
+    "whether it is: the sidecar's log (`enforcement resumed`, or `waiting for the node "
+    "agent`) and vram_enforcer_source_up on its /metrics"
+)
+
+
+def check_sidecar_socket(path: str, table: str = UNIX_SOCKETS) -> Check:
+    """In a sidecar of 0.2.0 the node agent connects to the sidecar's socket, not the
+    sidecar to the agent's. Whether the sidecar listens there and the agent is connected is
+    read from the kernel's table of this network namespace's Unix sockets (the pod's):
+    doctor does not connect, since the sidecar refuses, and logs, any caller of its own pod."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return Check(
+            SIDECAR_SOCKET, "fail",
+            f"{path} does not exist: the sidecar is not listening (it has not started, or "
+            "could not)", f"its log says why: {SIDECAR_LOG}",
+        )  # fmt: skip
+    except OSError:  # not ours to look at: the table below still tells
+        mode = stat.S_IFSOCK
+    if not stat.S_ISSOCK(mode):
+        return Check(
+            SIDECAR_SOCKET, "fail",
+            f"{path} is {_KINDS.get(stat.S_IFMT(mode), 'a special file')}, not a socket",
+            "VRAM_ENFORCER_LISTEN must be the sidecar's --listen (the webhook sets "
+            "/run/vram-enforcer/sidecar.sock)",
+        )  # fmt: skip
+    try:
+        listening, connected = _unix_sockets(Path(table).read_text(errors="replace"), path)
+    except OSError as exc:
+        return Check(
+            SIDECAR_SOCKET, "note",
+            f"{path} is a socket; whether the node agent is connected to it cannot be read "
+            f"({exc})", _SOURCE_UP,
+        )  # fmt: skip
+    if not listening:
+        return Check(
+            SIDECAR_SOCKET, "fail",
+            f"nothing listens on {path}: the sidecar is not running, or is restarting",
+            f"its log says why: {SIDECAR_LOG} (--previous after a restart)",
+        )  # fmt: skip
+    if not connected:
+        return Check(
+            SIDECAR_SOCKET, "fail",
+            f"the sidecar listens on {path}, but the node agent is not connected to it: the "
+            "sidecar has no usage to enforce on",
+            f"is a node agent of 0.2.0 running on this node ({AGENT_PODS}), and may it read "
+            "the sidecar's root with ptrace (AppArmor)? Its log says why it cannot connect",
+        )  # fmt: skip
+    return Check(
+        SIDECAR_SOCKET, "ok",
+        f"the sidecar listens on {path}, and the node agent is connected to it: it brings "
+        "the usage and this pod, and posts the sidecar's Events",
+    )  # fmt: skip
+
+
+def _unix_sockets(table: str, path: str) -> tuple[bool, bool]:
+    """Whether a socket listens at `path`, and whether one of its connections is accepted:
+    from /proc/net/unix (`Num: RefCount Protocol Flags Type St Inode Path`, in hex), where a
+    listener and each connection it accepted show its path. A caller not yet accepted is
+    not connected: a sidecar that is stopped leaves the agent's there."""
+    wanted = os.path.normpath(path)
+    listening = connected = False
+    for line in table.splitlines()[1:]:
+        fields = line.split(None, 7)
+        if len(fields) < 8 or os.path.normpath(fields[7]) != wanted:
+            continue
+        try:
+            flags, state = int(fields[3], 16), int(fields[5], 16)
+        except ValueError:
+            continue
+        listening |= bool(flags & _LISTENING)
+        connected |= not flags & _LISTENING and state == _CONNECTED
+    return listening, connected
+
+
 # What each component asks of the API, as (verb, resource, subresource, namespaced).
+# The sidecar's are those of --api-access direct (the Role of deploy/rbac/sidecar.yaml,
+# which sidecars of 0.1.0 need); the agent's include reading the node's pods and posting
+# Events, which it does for the sidecars of 0.2.0.
 _NEEDS: dict[str, list[tuple[str, str, str | None, bool]]] = {
     "sidecar": [("get", "pods", None, True), ("create", "events", None, True),
                 ("patch", "events", None, True)],
     "agent": [("get", "nodes", None, False), ("patch", "nodes", None, False),
-              ("patch", "nodes", "status", False)],
+              ("patch", "nodes", "status", False), ("list", "pods", None, False),
+              ("watch", "pods", None, False), ("create", "events", None, False),
+              ("patch", "events", None, False), ("list", "events", None, False)],
 }  # fmt: skip
+NO_SIDECAR_RBAC = (
+    "a sidecar of --api-access agent (the default) makes no API request: the node agent "
+    "reads its pod and posts its Events"
+)
 
 
 def check_api(settings: DoctorSettings) -> list[Check]:
+    if settings.listen is not None and settings.api_access == "agent" and not settings.kubeconfig:
+        return [Check("Kubernetes API", "skip",
+                      f"not needed here: {NO_SIDECAR_RBAC}, so this sidecar holds no API "
+                      "token; run doctor in the agent's pod for the API and the agent's "
+                      "RBAC")]  # fmt: skip
     # The kubernetes client is loaded only for this check (about 40 MiB).
     from enforcer.edge.kube import KubeError, access_allowed, connect, server_version  # noqa: PLC0415
 
@@ -226,6 +370,12 @@ def check_api(settings: DoctorSettings) -> list[Check]:
     checks = [Check("Kubernetes API", "ok", f"reachable, {version}"),
               check_dra(api, version, settings)]  # fmt: skip
     for component, needs in _NEEDS.items():
+        if component == "sidecar" and settings.api_access == "agent":
+            checks.append(Check("RBAC for the sidecar", "skip",
+                                f"none needed: {NO_SIDECAR_RBAC} (the agent's RBAC is checked "
+                                "below); --api-access direct checks the Role that sidecars of "
+                                "0.1.0 need"))  # fmt: skip
+            continue
         denied = []
         for verb, resource, sub, namespaced in needs:
             ns = settings.namespace if namespaced else None
@@ -238,7 +388,8 @@ def check_api(settings: DoctorSettings) -> list[Check]:
         scope = f" in namespace {settings.namespace}" if component == "sidecar" else ""
         if denied:
             fix = ("add the namespace to the chart's sidecar.namespaces (or apply "
-                   "deploy/rbac/sidecar.yaml there)" if component == "sidecar"
+                   "deploy/rbac/sidecar.yaml there), or run the sidecar with --api-access "
+                   "agent, which needs none" if component == "sidecar"
                    else "apply deploy/rbac/agent.yaml (or the chart's ClusterRole)")  # fmt: skip
             problem = f"this identity may not {', '.join(denied)}{scope}"
             checks.append(Check(f"RBAC for the {component}", "fail", problem, fix))
@@ -267,8 +418,8 @@ def check_dra(api: ApiClient, version: str, settings: DoctorSettings) -> Check:
         listed = call(api, "GET", SLICES, "resourceslices", deadline=API_DEADLINE, verb="list")
     except KubeError as exc:
         return Check(DRA_MODE, "note", f"cannot list ResourceSlices ({exc}): cannot tell",
-                     "the sidecar needs list on resourceslices in DRA mode (the chart grants it "
-                     "with webhook.draDeviceClass)")  # fmt: skip
+                     "in DRA mode the node agent lists them (deploy/rbac/agent.yaml, the chart's "
+                     "ClusterRole): run doctor in the agent's pod to tell")  # fmt: skip
     items = listed.get("items") if isinstance(listed, dict) else None
     gpus = shareable_gpus(items if isinstance(items, list) else [], settings.dra)
     gate = (
@@ -318,13 +469,20 @@ def check_pod_resources(socket: str) -> Check:
 def run(settings: DoctorSettings) -> int:
     procfs = ProcFs()
     checks = [check_pid_namespace(procfs)]
-    steps: list[tuple[bool, Callable[[], list[Check]]]] = [
-        (settings.nvml, lambda: [check_nvml(), check_tier()]),
-        (settings.agent, lambda: [check_agent(settings.agent_socket, settings.listen)]),
-        (settings.api, lambda: check_api(settings)),
+    listen = settings.listen
+    socket_check: Callable[[], list[Check]]
+    if listen is not None:  # a sidecar of 0.2.0: the agent connects to it
+        socket_name, socket_check = SIDECAR_SOCKET, lambda: [check_sidecar_socket(listen)]
+    else:
+        expected = agent_expected(settings)
+        socket_name = "agent socket"
+        socket_check = lambda: [check_agent(settings.agent_socket, expected)]  # noqa: E731
+    steps: list[tuple[bool, str, Callable[[], list[Check]]]] = [
+        (settings.nvml, "NVML", lambda: [check_nvml(), check_tier()]),
+        (settings.agent, socket_name, socket_check),
+        (settings.api, "Kubernetes API", lambda: check_api(settings)),
     ]
-    names = ("NVML", "agent socket", "Kubernetes API")
-    for (wanted, step), name in zip(steps, names, strict=True):
+    for wanted, name, step in steps:
         checks += step() if wanted else [Check(name, "skip", "not asked for")]
     checks.append(check_pod_resources(settings.pod_resources_socket))
     if settings.json:

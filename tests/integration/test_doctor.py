@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
+from enforcer.core.settings.common import DEFAULT_SOCKET
 from enforcer.modes.doctor import Check, render
 from tests.helpers import wait_for
 from tests.kubelet import Kubelet
 
 
 def doctor(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "enforcer", "doctor", "--no-api", *flags],
+    return with_api(env, "--no-api", *flags)
+
+
+def with_api(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
+    """doctor as run, the API checks included unless `flags` say --no-api."""
+    return subprocess.run([sys.executable, "-m", "enforcer", "doctor", *flags],
                           env={**os.environ, **env}, capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
@@ -104,24 +114,278 @@ def test_missing_pieces_fail_with_a_fix_and_exit_1(tmp_path: Path) -> None:
     assert "Traceback" not in out.stderr
 
 
-def test_a_socket_that_is_not_the_agent(tmp_path: Path) -> None:
-    not_a_socket = tmp_path / "file"
-    not_a_socket.write_text("")
-    out = doctor({}, "--no-nvml", "--agent-socket", str(not_a_socket))
+def test_a_path_that_is_not_a_socket_is_said_to_be_what_it_is(tmp_path: Path) -> None:
+    """A regular file or a directory is a wrong path, not an agent restarting."""
+    (tmp_path / "file").write_text("")
+    for name, what in (("file", "a regular file"), (".", "a directory")):
+        path = tmp_path / name
+        out = doctor({}, "--no-nvml", "--agent-socket", str(path))
+        assert out.returncode == 1
+        assert f"[FAIL] agent socket: {path} is {what}, not a socket\n" in out.stdout
+        assert (
+            "fix: give the node agent's socket (its --socket; /run/vram-enforcer/agent.sock by "
+            "default) with --agent-socket or $VRAM_ENFORCER_AGENT_SOCKET" in out.stdout
+        )
+
+
+def test_a_socket_nobody_listens_on_says_the_agent_is_not_running(tmp_path: Path) -> None:
+    path = tmp_path / "a.sock"
+    with socket.socket(socket.AF_UNIX) as left:
+        left.bind(str(path))  # and never listens: as an agent that died leaves its socket
+    out = doctor({}, "--no-nvml", "--agent-socket", str(path))
     assert out.returncode == 1
-    assert f"[FAIL] agent socket: {not_a_socket}: [Errno 111] Connection refused" in out.stdout
+    assert (
+        f"[FAIL] agent socket: nothing listens on {path} (connection refused): the node agent "
+        "is not running, or is restarting" in out.stdout
+    )
+    assert "get pods -l app.kubernetes.io/component=agent" in out.stdout
 
 
-def test_in_a_sidecar_that_the_agent_connects_to_it_says_where_to_look(tmp_path: Path) -> None:
-    """`kubectl exec POD -c vram-enforcer -- vram-enforcer doctor` in a sidecar of this
-    release: it has no agent socket to try (the agent connects to it), which is no fault."""
-    env = {"VRAM_ENFORCER_AGENT_SOCKET": str(tmp_path / "none.sock"),
-           "VRAM_ENFORCER_LISTEN": "/run/vram-enforcer/sidecar.sock"}  # fmt: skip
-    out = doctor(env, "--no-nvml", "--no-api", "--json")
+def test_on_a_workstation_no_agent_is_a_note(fake_nvml: Any, tmp_path: Path) -> None:
+    """`doctor --no-api`, as --help says for a workstation, outside a pod and with no
+    kubelet: exec needs no agent, so its absence is said and fails nothing."""
+    if os.path.exists(DEFAULT_SOCKET):
+        pytest.skip(f"an agent's socket is at {DEFAULT_SOCKET} here")
+    alone = {**fake_nvml.env(), "KUBERNETES_SERVICE_HOST": ""}
+    no_kubelet = ("--pod-resources-socket", str(tmp_path / "none.sock"))
+    out = doctor(alone, *no_kubelet)
     assert out.returncode == 0, out.stdout
+    assert (
+        f"[note] agent socket: {DEFAULT_SOCKET} does not exist: no node agent here, and exec "
+        "needs none (it reads NVML itself); taken for a workstation: --no-api, not in a pod, "
+        "no kubelet" in out.stdout
+    )
+    assert "fix: on a GPU node of a cluster the agent must be there: kubectl" in out.stdout
+    assert out.stdout.rstrip().endswith("all checks passed")
+
+
+@pytest.mark.parametrize("where", ["pod", "node", "named"])
+def test_where_an_agent_belongs_its_missing_socket_fails(where: str, tmp_path: Path) -> None:
+    """Even with --no-api: in a pod, beside a kubelet, or with a socket named."""
+    if os.path.exists(DEFAULT_SOCKET):
+        pytest.skip(f"an agent's socket is at {DEFAULT_SOCKET} here")
+    kubelet = tmp_path / "kubelet.sock"
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1" if where == "pod" else ""}
+    flags = ["--pod-resources-socket", str(kubelet), "--json", "--no-nvml"]
+    if where == "node":
+        kubelet.write_text("")
+    if where == "named":
+        flags += ["--agent-socket", str(tmp_path / "agent.sock")]
+    out = doctor(env, *flags)
+    assert out.returncode == 1
     (check,) = [c for c in json.loads(out.stdout) if c["name"] == "agent socket"]
-    assert check["status"] == "note" and "/run/vram-enforcer/sidecar.sock" in check["detail"]
-    assert "vram_enforcer_source_up" in check["fix"]
+    assert check["status"] == "fail" and check["detail"].endswith("does not exist"), check
+
+
+@contextlib.contextmanager
+def sidecar_socket(path: Path, listening: bool = True, agent: str = "connected") -> Iterator[None]:
+    """A sidecar's --listen socket, as the kernel shows it: listened on or only left bound
+    (a sidecar that died), with the node agent's connection accepted, waiting to be
+    accepted (`pending`: a sidecar that is stopped), or `none`."""
+    with contextlib.ExitStack() as stack:
+        sidecar = stack.enter_context(socket.socket(socket.AF_UNIX))
+        sidecar.bind(str(path))
+        if listening:
+            sidecar.listen(4)
+        if agent != "none":
+            caller = stack.enter_context(socket.socket(socket.AF_UNIX))
+            caller.connect(str(path))
+            if agent == "connected":
+                stack.enter_context(sidecar.accept()[0])
+        yield
+
+
+def in_a_sidecar(tmp_path: Path) -> dict[str, str]:
+    """The environment the webhook gives a sidecar of 0.2.0 (with its socket under
+    tmp_path), in a pod whose ServiceAccount token is not mounted."""
+    return {
+        "VRAM_ENFORCER_LISTEN": str(tmp_path / "sidecar.sock"),
+        "VRAM_ENFORCER_AGENT_SOCKET": str(tmp_path / "none.sock"),
+        "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+        "KUBERNETES_SERVICE_PORT": "443",
+        "KUBECONFIG": str(tmp_path / "no-kubeconfig"),
+    }
+
+
+def test_in_a_sidecar_of_0_2_0_the_api_is_not_asked_and_the_agents_connection_is(
+    tmp_path: Path,
+) -> None:
+    """`kubectl exec POD -c vram-enforcer -- vram-enforcer doctor --no-nvml` in a sidecar of
+    this release, the API checks not turned off: the sidecar holds no token and needs no
+    RBAC, which is no fault; what it needs is the node agent connected to its socket."""
+    path = tmp_path / "sidecar.sock"
+    no_kubelet = ("--pod-resources-socket", str(tmp_path / "kubelet.sock"))
+    with sidecar_socket(path):
+        out = with_api(in_a_sidecar(tmp_path), "--no-nvml", *no_kubelet)
+    assert out.returncode == 0, out.stdout
+    assert (
+        f"[ok  ] sidecar socket: the sidecar listens on {path}, and the node agent is connected "
+        "to it: it brings the usage and this pod, and posts the sidecar's Events\n" in out.stdout
+    )
+    assert (
+        "[skip] Kubernetes API: not needed here: a sidecar of --api-access agent (the default) "
+        "makes no API request: the node agent reads its pod and posts its Events, so this "
+        "sidecar holds no API token; run doctor in the agent's pod for the API and the agent's "
+        "RBAC\n" in out.stdout
+    )
+    assert "RBAC" not in out.stdout.replace("the agent's RBAC", "")
+    assert "agent socket" not in out.stdout
+    assert out.stdout.rstrip().endswith("all checks passed")
+
+
+@pytest.mark.parametrize(
+    ("state", "detail", "fix"),
+    [
+        ("missing", "{path} does not exist: the sidecar is not listening (it has not started, or "
+         "could not)", "its log says why: kubectl logs <pod> -c vram-enforcer"),
+        ("left", "nothing listens on {path}: the sidecar is not running, or is restarting",
+         "its log says why: kubectl logs <pod> -c vram-enforcer (--previous after a restart)"),
+        ("alone", "the sidecar listens on {path}, but the node agent is not connected to it: "
+         "the sidecar has no usage to enforce on", "is a node agent of 0.2.0 running on this "
+         "node (kubectl -n <ns> get pods -l app.kubernetes.io/component=agent -o wide), and may "
+         "it read the sidecar's root with ptrace (AppArmor)? Its log says why it cannot connect"),
+        ("stopped", "the sidecar listens on {path}, but the node agent is not connected to it: "
+         "the sidecar has no usage to enforce on", "is a node agent of 0.2.0"),
+        ("file", "{path} is a regular file, not a socket", "VRAM_ENFORCER_LISTEN must be the "
+         "sidecar's --listen (the webhook sets /run/vram-enforcer/sidecar.sock)"),
+    ],
+)  # fmt: skip
+def test_in_a_sidecar_whose_agent_is_not_connected_the_socket_check_fails(
+    state: str, detail: str, fix: str, tmp_path: Path
+) -> None:
+    """No socket, a socket that nobody listens on, a sidecar that the agent has not
+    connected to, or one that does not accept the agent's connection (stopped): each is a
+    failure, with a fix, and the agent's own socket (which the sidecar does not use) is
+    not asked for."""
+    path = tmp_path / "sidecar.sock"
+    with contextlib.ExitStack() as stack:
+        if state == "file":
+            path.write_text("")
+        elif state != "missing":
+            agent = "pending" if state == "stopped" else "none"
+            stack.enter_context(sidecar_socket(path, listening=state != "left", agent=agent))
+        out = doctor(in_a_sidecar(tmp_path), "--no-nvml", "--json")
+    assert out.returncode == 1, out.stdout
+    (check,) = [c for c in json.loads(out.stdout) if c["name"] == "sidecar socket"]
+    assert check["status"] == "fail" and check["detail"] == detail.format(path=path), check
+    assert check["fix"].startswith(fix), check
+    assert not [c for c in json.loads(out.stdout) if c["name"] == "agent socket"]
+
+
+def test_in_a_sidecar_an_unreadable_socket_table_is_a_note(tmp_path: Path) -> None:
+    from enforcer.modes.doctor import check_sidecar_socket
+
+    path = tmp_path / "sidecar.sock"
+    with sidecar_socket(path):
+        check = check_sidecar_socket(str(path), table=str(tmp_path / "no-table"))
+    assert check.status == "note" and check.detail.startswith(
+        f"{path} is a socket; whether the node agent is connected to it cannot be read ("
+    ), check
+    assert "vram_enforcer_source_up" in check.fix
+
+
+class FakeApiServer(http.server.BaseHTTPRequestHandler):
+    """The API server as doctor asks it: its version, the ResourceSlices (none), and each
+    SelfSubjectAccessReview, answered from `allowed` and recorded in `asked`."""
+
+    allowed: ClassVar[set[tuple[str, str, str, str]]] = set()
+    asked: ClassVar[list[tuple[str, str, str, str]]] = []
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/version"):
+            self._reply({"major": "1", "minor": "37", "gitVersion": "v1.37.0"})
+        else:
+            self._reply({"kind": "ResourceSliceList", "items": []})
+
+    def do_POST(self) -> None:
+        review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        a = review["spec"]["resourceAttributes"]
+        asked = (a["verb"], a["resource"], a.get("subresource") or "", a.get("namespace") or "")
+        self.asked.append(asked)
+        self._reply({**review, "status": {"allowed": asked in self.allowed}})
+
+    def _reply(self, doc: dict[str, Any]) -> None:
+        body = json.dumps(doc).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+AGENT_NEEDS = [("get", "nodes", "", ""), ("patch", "nodes", "", ""),
+               ("patch", "nodes", "status", ""), ("list", "pods", "", ""),
+               ("watch", "pods", "", ""), ("create", "events", "", ""),
+               ("patch", "events", "", ""), ("list", "events", "", "")]  # fmt: skip
+
+
+@pytest.fixture
+def api_server(tmp_path: Path) -> Iterator[Path]:
+    """A kubeconfig of the fake API server, which allows what the agent needs."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeApiServer)
+    FakeApiServer.allowed, FakeApiServer.asked = set(AGENT_NEEDS), []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+        "users": [{"name": "u", "user": {"token": "x"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))  # fmt: skip
+    yield kubeconfig
+    server.shutdown()
+    server.server_close()
+
+
+def test_for_a_sidecar_of_0_2_0_no_rbac_is_checked_and_the_agents_is(api_server: Path) -> None:
+    """Run for a namespace's sidecars (here by whoever may do all the agent needs): those
+    that 0.2.0 injects need no RBAC, so no Role is asked for in it, and the agent's
+    RBAC covers what it does for them (reading the node's pods, posting their Events)."""
+    out = with_api({}, "--no-nvml", "--no-agent", "--json", "--kubeconfig", str(api_server),
+                   "--namespace", "ml")  # fmt: skip
+    assert out.returncode == 0, out.stdout
+    checks = {c["name"]: c for c in json.loads(out.stdout)}
+    assert checks["Kubernetes API"]["detail"] == "reachable, v1.37.0"
+    assert checks["RBAC for the sidecar"] == {
+        "name": "RBAC for the sidecar", "status": "skip", "fix": "",
+        "detail": "none needed: a sidecar of --api-access agent (the default) makes no API "
+        "request: the node agent reads its pod and posts its Events (the agent's RBAC is "
+        "checked below); --api-access direct checks the Role that sidecars of 0.1.0 need",
+    }  # fmt: skip
+    assert checks["RBAC for the agent"]["status"] == "ok"
+    assert FakeApiServer.asked == AGENT_NEEDS  # nothing in namespace ml
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_for_a_sidecar_of_api_access_direct_the_role_is_checked(how: str, api_server: Path) -> None:
+    """`--api-access direct` (or VRAM_ENFORCER_API_ACCESS, as in such a sidecar): the Role
+    of deploy/rbac/sidecar.yaml, which sidecars of 0.1.0 need too, in the namespace."""
+    flags = ["--api-access", "direct"] if how == "flag" else []
+    env = {"VRAM_ENFORCER_API_ACCESS": "direct"} if how == "environment" else {}
+    out = with_api(env, "--no-nvml", "--no-agent", "--json", "--kubeconfig", str(api_server),
+                   "--namespace", "ml", *flags)  # fmt: skip
+    assert out.returncode == 1, out.stdout
+    sidecar = {c["name"]: c for c in json.loads(out.stdout)}["RBAC for the sidecar"]
+    assert sidecar["status"] == "fail"
+    assert sidecar["detail"] == (
+        "this identity may not get pods, create events, patch events in namespace ml"
+    )
+    assert sidecar["fix"] == (
+        "add the namespace to the chart's sidecar.namespaces (or apply deploy/rbac/sidecar.yaml "
+        "there), or run the sidecar with --api-access agent, which needs none"
+    )
+    assert FakeApiServer.asked[:3] == [("get", "pods", "", "ml"), ("create", "events", "", "ml"),
+                                       ("patch", "events", "", "ml")]  # fmt: skip
+
+
+def test_an_api_access_that_is_not_a_choice_is_refused_with_the_choices() -> None:
+    out = doctor({"VRAM_ENFORCER_API_ACCESS": "etcd"}, "--no-nvml", "--no-agent")
+    assert out.returncode == 2
+    assert "VRAM_ENFORCER_API_ACCESS: 'etcd' is not a choice; use one of: agent, direct" in (
+        out.stderr
+    )
 
 
 def test_the_kubelets_pod_resources_answer_or_say_why_not(tmp_path: Path) -> None:
