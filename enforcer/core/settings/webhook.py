@@ -45,7 +45,10 @@ def _shm_default(text: str, field: str) -> str:
 
 
 def _cpu(text: str, field: str) -> str:
-    parse_quantity(text, field)
+    """A CPU request the API server takes: with a negative one, it would refuse every pod
+    given the sidecar."""
+    if parse_quantity(text, field) < 0:
+        raise ConfigError(field, text, "is negative; a CPU request is 0 or more, such as 10m")
     return text
 
 
@@ -207,7 +210,8 @@ SIDECAR_MEMORY = value(
     flag="--sidecar-memory",
     default="96Mi",
     metavar="QUANTITY",
-    doc="the sidecar's memory request and limit (it uses about 50 MiB, see performance.md)",
+    doc="the sidecar's memory request and limit (what it uses, measured: "
+    "[performance.md](performance.md#sidecar))",
 )
 TENANT_ACTIONS = value(
     "tenant_actions",

@@ -45,6 +45,25 @@ native
 {{- end -}}
 {{- end -}}
 
+{{/*
+The combinations of values the webhook refuses to start with (webhook_settings in
+enforcer/core/settings/webhook.py), refused here by name: a webhook that crash-loops
+with failurePolicy Fail blocks every pod of the opted-in namespaces. Each value alone is
+the schema's. Included at the top of webhook-deployment.yaml.
+*/}}
+{{- define "vram-enforcer.webhookChecks" -}}
+{{- $webhook := .Values.webhook -}}
+{{- if and $webhook.runtimeClassName (ne $webhook.gpuExposure "env") -}}
+{{- fail (printf "webhook.runtimeClassName (%s) needs webhook.gpuExposure: env: the webhook sets a runtimeClassName only on the pods it gives the node's GPUs to. Set gpuExposure: env, or leave runtimeClassName empty" $webhook.runtimeClassName) -}}
+{{- end -}}
+{{- if and $webhook.draDeviceClass (eq $webhook.gpuExposure "env") -}}
+{{- fail (printf "webhook.gpuExposure: env cannot be combined with webhook.draDeviceClass (%s): in DRA mode the DRA driver gives each container the GPU it was allocated. Set gpuExposure: none, or leave draDeviceClass empty" $webhook.draDeviceClass) -}}
+{{- end -}}
+{{- if and $webhook.draDeviceClass $webhook.kaiAnnotations -}}
+{{- fail (printf "webhook.kaiAnnotations: true cannot be combined with webhook.draDeviceClass (%s): a KAI share is counted per node, not allocated on one GPU by a claim. Set kaiAnnotations: false, or leave draDeviceClass empty" $webhook.draDeviceClass) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "vram-enforcer.webhookName" -}}
 {{ include "vram-enforcer.fullname" . }}-webhook
 {{- end -}}

@@ -1,0 +1,182 @@
+"""The chart as Helm renders it (helm-sdkpy's install, against tests/chart/fake_apiserver.py):
+a value its programs refuse fails `helm install` with the value's name, before anything is
+made; the defaults and other valid values render into arguments that the agent and the
+webhook take, as parsed by their own command line (enforcer/cli.py).
+
+Which values: tests/unit/test_chart_schema.py holds the schema to the programs' settings.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from enforcer.cli import build_parser, configure
+from enforcer.core.parsing import ConfigError
+from tests.chart.fake_apiserver import fake_apiserver
+from tests.e2e.helm import CHART, helm
+
+SCHEMA_ERROR = "values don't meet the specifications of the schema"
+# Each value the programs refuse (the brief's three first), and what the error names.
+REFUSED: list[tuple[dict[str, Any], Sequence[str]]] = [
+    ({"agent": {"reserve": "500m"}}, ["/agent/reserve", "'500m'"]),
+    ({"agent": {"interval": "5ms"}}, ["/agent/interval", "'5ms'"]),
+    ({"webhook": {"kaiAnnotations": True, "draDeviceClass": "gpu.nvidia.com"}},
+     ["webhook.kaiAnnotations", "webhook.draDeviceClass (gpu.nvidia.com)"]),
+    ({"agent": {"interval": "10000us5ms"}}, ["/agent/interval"]),
+    ({"agent": {"utilizationInterval": "50ms"}}, ["/agent/utilizationInterval", "'50ms'"]),
+    ({"agent": {"utilizationInterval": "100000us"}}, ["/agent/utilizationInterval"]),
+    ({"agent": {"resync": "500ms"}}, ["/agent/resync", "'500ms'"]),
+    ({"agent": {"resync": "60"}}, ["/agent/resync", "'60'"]),
+    ({"agent": {"reclaimWatermark": "1.5"}}, ["/agent/reclaimWatermark", "'1.5'"]),
+    ({"agent": {"reserve": "0.1Ki"}}, ["/agent/reserve", "'0.1Ki'"]),
+    ({"agent": {"reserve": "9223372036854775808"}}, ["/agent/reserve"]),
+    ({"resource": {"unit": "0"}}, ["/resource/unit", "'0'"]),
+    ({"resource": {"unit": "1GB"}}, ["/resource/unit", "'1GB'"]),
+    ({"resource": {"name": "example.kubernetes.io/vram"}}, ["/resource/name"]),
+    ({"webhook": {"shmDefault": "64MB"}}, ["/webhook/shmDefault", "'64MB'"]),
+    ({"webhook": {"sidecarResources": {"cpu": "-10m"}}},
+     ["/webhook/sidecarResources/cpu", "'-10m'"]),
+    ({"webhook": {"sidecarResources": {"memory": "96m"}}},
+     ["/webhook/sidecarResources/memory", "'96m'"]),
+    ({"webhook": {"tenants": {"maxGracePeriod": "30"}}},
+     ["/webhook/tenants/maxGracePeriod", "'30'"]),
+    ({"webhook": {"tenants": {"maxCeiling": "80GB"}}}, ["/webhook/tenants/maxCeiling"]),
+    ({"webhook": {"tenants": {"namespaces": {"research": {"maxGracePeriod": "2"}}}}},
+     ["/webhook/tenants/namespaces/research/maxGracePeriod", "'2'"]),
+    ({"webhook": {"tenants": {"namespaces": {"research": {"maxCeiling": "40gb"}}}}},
+     ["/webhook/tenants/namespaces/research/maxCeiling", "'40gb'"]),
+    ({"webhook": {"tenants": {"actions": ["explode"]}}}, ["/webhook/tenants/actions/0"]),
+    ({"webhook": {"runtimeClassName": "nvidia"}},
+     ["webhook.runtimeClassName (nvidia)", "webhook.gpuExposure: env"]),
+    ({"webhook": {"gpuExposure": "env", "draDeviceClass": "gpu.nvidia.com"}},
+     ["webhook.gpuExposure: env", "webhook.draDeviceClass (gpu.nvidia.com)"]),
+]  # fmt: skip
+VALID: list[dict[str, Any]] = [
+    {},
+    {
+        "resource": {"unit": "1Gi"},
+        "agent": {"reserve": "512Mi", "reclaimWatermark": "1.5Gi", "interval": "1s",
+                  "utilizationInterval": "0", "resync": "1m30s", "hardLimits": "off"},
+        "webhook": {"shmDefault": "1Gi", "sidecarResources": {"cpu": "0.5", "memory": "128Mi"},
+                    "tenants": {"maxGracePeriod": "0", "maxCeiling": "80Gi", "namespaces": {
+                        "research": {"actions": ["warn"], "maxGracePeriod": "2m",
+                                     "maxCeiling": "40Gi", "allowOptOut": True}}}},
+    },
+    {
+        "agent": {"reserve": "0", "interval": "10ms", "utilizationInterval": "100ms",
+                  "resync": "1s"},
+        "webhook": {"shmDefault": "off", "sidecarMode": "container",
+                    "tenants": {"maxGracePeriod": "100ms"}},
+    },
+]  # fmt: skip
+
+
+def _install(kubeconfig: Path, values: dict[str, Any], fails: bool) -> Any:
+    try:
+        return helm("install", "vram-enforcer", str(CHART), "vram-enforcer", str(kubeconfig),
+                    json.dumps(values), fails=fails)  # fmt: skip
+    except AssertionError as exc:
+        if fails:  # its message would be the whole release
+            raise AssertionError(f"the chart renders {values}, which its program refuses") from None
+        raise AssertionError(f"the chart refuses {values}: {exc}") from None
+
+
+Renders = Callable[[Sequence[tuple[dict[str, Any], bool]]], list[Any]]
+
+
+@pytest.fixture(scope="module")
+def renders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Renders]:
+    """Render several sets of values at once (Helm's client waits between its requests),
+    each expected to fail or not: the errors, or the releases."""
+    with fake_apiserver(tmp_path_factory.mktemp("chart")) as kubeconfig:
+
+        def run(cases: Sequence[tuple[dict[str, Any], bool]]) -> list[Any]:
+            with ThreadPoolExecutor(8) as pool:
+                return list(pool.map(lambda case: _install(kubeconfig, *case), cases))
+
+        yield run
+
+
+def test_a_value_its_program_refuses_fails_the_install_by_name(renders: Renders) -> None:
+    errors = renders([(values, True) for values, _ in REFUSED])
+    for (values, names), error in zip(REFUSED, errors, strict=True):
+        assert all(name in error for name in names), (values, error)
+        assert SCHEMA_ERROR in error or "execution error at" in error, error
+
+
+def _arguments(manifest: str) -> dict[str, list[str]]:
+    """Each container's arguments, by the mode they run (its first argument)."""
+    found = {}
+    for doc in yaml.safe_load_all(manifest):
+        if doc and doc["kind"] in ("Deployment", "DaemonSet"):
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                found[container["args"][0]] = container["args"]
+    return found
+
+
+def _program_refusal(args: list[str]) -> str | None:
+    """What the program says of its arguments at start: None when it takes them. The
+    agent's NODE_NAME comes from the Downward API."""
+    try:
+        configure(build_parser(args[0]).parse_args(args), {"NODE_NAME": "gpu-node-1"})
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_valid_values_render_into_arguments_the_programs_take(renders: Renders) -> None:
+    for values, release in zip(VALID, renders([(v, False) for v in VALID]), strict=True):
+        arguments = _arguments(release["manifest"])
+        assert set(arguments) == {"agent", "webhook"}
+        for args in arguments.values():
+            assert _program_refusal(args) is None, (values, args)
+
+
+WEBHOOK_COMBINATIONS = [
+    {"runtimeClassName": runtime_class, "gpuExposure": exposure,
+     "draDeviceClass": dra_class, "kaiAnnotations": kai}
+    for runtime_class, exposure, dra_class, kai in itertools.product(
+        ["", "nvidia"], ["none", "env"], ["", "gpu.nvidia.com"], [False, True]
+    )
+]  # fmt: skip
+
+
+def _webhook_arguments(values: dict[str, Any]) -> list[str]:
+    """The webhook's arguments for these four values, as webhook-deployment.yaml writes
+    them (the chart may refuse to render them)."""
+    args = ["webhook", "--tls-cert-file=/tls/tls.crt", "--tls-key-file=/tls/tls.key",
+            "--sidecar-image=vram-enforcer:test", f"--gpu-exposure={values['gpuExposure']}"]  # fmt: skip
+    if values["draDeviceClass"]:
+        args.append(f"--dra-device-class={values['draDeviceClass']}")
+    if values["runtimeClassName"]:
+        args.append(f"--runtime-class={values['runtimeClassName']}")
+    if values["kaiAnnotations"]:
+        args.append("--kai-annotations")
+    return args
+
+
+def test_the_chart_renders_the_webhook_values_it_starts_with_and_no_others(
+    renders: Renders,
+) -> None:
+    refusals = [_program_refusal(_webhook_arguments(v)) for v in WEBHOOK_COMBINATIONS]
+    results = renders([
+        ({"webhook": values}, refusal is not None)
+        for values, refusal in zip(WEBHOOK_COMBINATIONS, refusals, strict=True)
+    ])  # fmt: skip
+    assert None in refusals and any(refusals)  # both ways
+    for values, refusal, result in zip(WEBHOOK_COMBINATIONS, refusals, results, strict=True):
+        if refusal is None:
+            assert _program_refusal(_arguments(result["manifest"])["webhook"]) is None, values
+        else:  # the chart names each value the webhook's refusal names
+            flags = {"--runtime-class": "runtimeClassName", "--gpu-exposure": "gpuExposure",
+                     "--kai-annotations": "kaiAnnotations"}  # fmt: skip
+            named = [f"webhook.{value}" for flag, value in flags.items() if flag in refusal]
+            assert named and all(name in result for name in named), (values, refusal, result)
