@@ -1,10 +1,19 @@
 # One image for every mode: the entrypoint is the console script, the mode is the first
 # argument.
 #
-#   docker build -t ghcr.io/vram-enforcer/vram-enforcer:0.1.0 .
-#   docker run --rm ghcr.io/vram-enforcer/vram-enforcer:0.1.0 webhook --help
-#   docker run --rm --gpus all --pid=host ghcr.io/vram-enforcer/vram-enforcer:0.1.0 \
-#       exec --limit 4Gi -- CMD ...
+#   docker build -t "$IMAGE" .
+#   docker run --rm "$IMAGE" webhook --help
+#   docker run --rm --gpus all --pid=host "$IMAGE" exec --limit 4Gi -- CMD ...
+#
+# Behind a TLS-inspecting proxy (a corporate network), pip needs that proxy's CA and may
+# need a pip configuration (an index mirror). Hand them to the build as secrets: they are
+# mounted for the steps that download, and never stored in a layer of the image.
+#
+#   docker build --secret id=ca-bundle,src=/etc/ssl/certs/ca-certificates.crt \
+#                --secret id=pip-conf,src=/etc/pip.conf -t "$IMAGE" .
+#
+# (buildah bud and podman build take the same --secret flags.) Without them, pip uses the
+# base image's CA bundle and no configuration.
 #
 # How each mode runs it (docs/install.md, docs/security.md):
 # - webhook: as the image's user, 65532, non-root, no capabilities.
@@ -33,26 +42,35 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 
 # The runtime dependencies that pyproject.toml lists, pinned to the versions CI tests
-# (`.venv/bin/pip freeze`). Only these six are pinned: their own dependencies (pydantic,
-# urllib3, requests, aiohttp, PyYAML, ...) are resolved by pip at build time. Change a pin
-# here together with the bound in pyproject.toml; `pip check` below fails the build if they
-# disagree, or if pyproject.toml gains a dependency that is not listed here.
+# (`.venv/bin/pip freeze`). Only these are pinned: their own dependencies (urllib3,
+# requests, PyYAML, ...) are resolved by pip at build time. Change a
+# pin here together with the bound in pyproject.toml: tests/unit/test_image.py fails when
+# the two disagree (a name missing on either side, or a pin outside its bound), and
+# `pip check` below fails the build as well.
 # --only-binary: the slim image has no compiler, so a missing wheel (for instance on a new
 # architecture) fails here instead of half-building from source.
+# The secrets: see the top of this file. A RUN step's environment is not kept in the image.
 # This layer comes before the source is copied, so editing the code does not re-download it.
-RUN python -m venv /opt/venv \
+RUN --mount=type=secret,id=ca-bundle --mount=type=secret,id=pip-conf \
+    if [ -f /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
+ && if [ -f /run/secrets/pip-conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip-conf; fi \
+ && python -m venv /opt/venv \
  && /opt/venv/bin/pip install --only-binary=:all: \
         "nvidia-ml-py==13.615.71" \
         "psutil==7.2.2" \
         "kubernetes==37.0.2" \
         "prometheus-client==0.26.0" \
         "tenacity==9.2.1" \
-        "jsonpatch==1.47"
+        "jsonpatch==1.48" \
+        "grpcio==1.85.3"
 
 # The build backend, pinned, in a venv of its own that never reaches the final image.
 # pyproject.toml's build-system asks for setuptools>=77; the wheel is then built without
 # build isolation, so nothing unpinned is fetched for the build either.
-RUN python -m venv /opt/build \
+RUN --mount=type=secret,id=ca-bundle --mount=type=secret,id=pip-conf \
+    if [ -f /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
+ && if [ -f /run/secrets/pip-conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip-conf; fi \
+ && python -m venv /opt/build \
  && /opt/build/bin/pip install "setuptools==84.0.0"
 
 WORKDIR /src
@@ -84,7 +102,7 @@ FROM ${PYTHON_IMAGE}
 # Labels: pass --build-arg REVISION=$(git rev-parse HEAD), and the build time with
 # --label org.opencontainers.image.created=$(date -u +%Y-%m-%dT%H:%M:%SZ).
 ARG PYTHON_IMAGE
-ARG VERSION=0.1.0
+ARG VERSION=0.2.0
 ARG REVISION=unknown
 ARG SOURCE=https://github.com/vram-enforcer/vram-enforcer
 
@@ -115,10 +133,12 @@ ENV VIRTUAL_ENV=/opt/venv \
     MALLOC_ARENA_MAX=2 \
     MALLOC_MMAP_THRESHOLD_=131072
 
-# Smoke test of the copied venv on this base: the console script runs, and every module
-# of the package imports (kubernetes included, without kubernetes.aio). Writes nothing.
+# Smoke test of the copied venv on this base: the console script runs, every module of the
+# package imports (kubernetes included, without kubernetes.aio), and so does grpc, which
+# the agent loads only when it first reads the kubelet (its extension needs libstdc++.so.6
+# from the base: a base without it failed there, at run time, not here). Writes nothing.
 RUN vram-enforcer --version \
- && python -c "import importlib, pkgutil, enforcer; [importlib.import_module(m.name) for m in pkgutil.walk_packages(enforcer.__path__, 'enforcer.')]"
+ && python -c "import grpc, importlib, pkgutil, enforcer; [importlib.import_module(m.name) for m in pkgutil.walk_packages(enforcer.__path__, 'enforcer.')]"
 
 USER 65532:65532
 

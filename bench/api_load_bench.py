@@ -70,7 +70,7 @@ def run(lib_dir: Path, pods: int, window: float, warmup: float = 30.0) -> dict[s
             server.start_scheduler(yaml.safe_load(config.read_text()))
             (tmp / "image").mkdir()
             (tmp / "node").mkdir()
-            image = enforcer_image(tmp / "image")
+            image = enforcer_image()
             node = RealNode(server, tmp / "node", images=[image], kube_proxy=True)
             kubeconfig = server.write_kubeconfig(tmp / "admin.kubeconfig")
             core = node.core
@@ -100,7 +100,7 @@ def run(lib_dir: Path, pods: int, window: float, warmup: float = 30.0) -> dict[s
             time.sleep(window)
             end = time.time()
             counted = _count(audit, start, end)
-            return _report(counted, window, pods)
+            return {**_report(counted, window, pods), "sidecar_memory": _sidecar_memory(node)}
         finally:
             if agent is not None:
                 agent.stop()
@@ -124,6 +124,43 @@ def _pod(name: str) -> dict[str, Any]:
     return {"metadata": {"name": name}, "spec": {"terminationGracePeriodSeconds": 2, "containers": [{
         "name": "trainer", "image": ENFORCER_IMAGE, "imagePullPolicy": "Never",
         "command": ["python", "-c", HOLDER], "resources": {"limits": {"vram-enforcer.io/vram": "1Gi"}}}]}}  # fmt: skip
+
+
+def _sidecar_memory(node: RealNode) -> dict[str, Any]:
+    """Each sidecar's memory as its container's cgroup counts it (the kubelet's and runc's
+    cgroup, the image built from the Dockerfile): anonymous memory now, and the peak of
+    all it was charged (page cache included) since it started; the largest of each, MiB."""
+    anon, peak = [], []
+    for pod in node.core.list_namespaced_pod(TENANTS).items:
+        (side,) = [s for s in pod.status.init_container_statuses or [] if s.name == "vram-enforcer"]
+        found = _container_cgroup(node, pod.metadata.uid, side.container_id.split("://")[1])
+        stat = dict(line.split() for line in (found / "memory.stat").read_text().splitlines())
+        if (found / "memory.current").exists():  # cgroup v2
+            anon.append(int(stat["anon"]))
+            peak.append(int((found / "memory.peak").read_text()))
+        else:
+            anon.append(int(stat["total_rss"]))
+            peak.append(int((found / "memory.max_usage_in_bytes").read_text()))
+    mib = 1024 * 1024
+    return {"sidecars": len(anon), "anon_mib_max": max(anon) / mib,
+            "anon_mib_median": sorted(anon)[len(anon) // 2] / mib, "peak_mib_max": max(peak) / mib}  # fmt: skip
+
+
+def _container_cgroup(node: RealNode, pod_uid: str, container_id: str) -> Path:
+    """The container's memory cgroup below the kubelet's root (cgroupfs driver)."""
+    for hierarchy in (
+        Path("/sys/fs/cgroup/memory"),
+        Path("/sys/fs/cgroup/unified"),
+        Path("/sys/fs/cgroup"),
+    ):
+        kubepods = hierarchy / node.cgroup_root.lstrip("/") / "kubepods"
+        found = [
+            *kubepods.glob(f"pod{pod_uid}/{container_id}"),
+            *kubepods.glob(f"*/pod{pod_uid}/{container_id}"),
+        ]
+        if found and (found[0] / "memory.stat").exists():
+            return found[0]
+    raise FileNotFoundError(f"no memory cgroup for container {container_id} of pod {pod_uid}")
 
 
 def _running(core: client.CoreV1Api) -> int:

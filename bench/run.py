@@ -288,6 +288,12 @@ def show(results: dict[str, Any]) -> None:
             f"  at 1,000 nodes of 10 pods: sidecars {fleet['sidecars_per_second']:.1f}/s, "
             f"agents {fleet['agents_per_second']:.1f}/s"
         )
+        memory = row["sidecar_memory"]
+        print(
+            f"  sidecar memory in its container's cgroup (the Dockerfile's image, {memory['sidecars']} "
+            f"sidecars): anonymous {memory['anon_mib_median']:.1f} MiB median, {memory['anon_mib_max']:.1f} "
+            f"max; peak charged {memory['peak_mib_max']:.1f} MiB"
+        )
     for row in results.get("storm", ()):
         storm, placed = row["storm"], row["placement"]
         print(

@@ -108,7 +108,7 @@ def run(dra_mode: bool, pods: int, nodes: int, gpus: int, workers: int = 32) -> 
                 "clientConnection": {"qps": float(qps), "burst": int(burst)}})  # fmt: skip
             (tmp / "image").mkdir()
             (tmp / "node").mkdir()
-            node = RealNode(server, tmp / "node", images=[enforcer_image(tmp / "image")],
+            node = RealNode(server, tmp / "node", images=[enforcer_image()],
                             kube_proxy=True)  # fmt: skip
             api = server.client()
             core = client.CoreV1Api(api)

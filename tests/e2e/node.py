@@ -88,10 +88,14 @@ class RealNode:
         name: str = "e2e-real-node",
         images: Sequence[Path] = (),
         kube_proxy: bool = False,
+        runtime: Path | None = None,
     ) -> None:
         """`images`: OCI archives to import beside the pause image; `kube_proxy`: route
-        Services (needs `ApiServer(for_pods=True)`)."""
+        Services (needs `ApiServer(for_pods=True)`); `runtime`: the OCI runtime containerd
+        runs every container with, in place of runc (a wrapper around it, such as
+        `nvidia_runtime`)."""
         self.name = name
+        self._runtime = runtime
         self.dir = directory
         self.cgroup_root = own_cgroup_root()
         self.socket = directory / "containerd.sock"
@@ -143,6 +147,7 @@ class RealNode:
                  "ipam": {"type": "host-local", "dataDir": str(d / "ipam"),
                           "ranges": [[{"subnet": "10.88.77.0/24"}]]}},
                 {"type": "loopback"}]}))  # fmt: skip
+        binary = f'\n      BinaryName = "{self._runtime}"' if self._runtime else ""
         (d / "containerd.toml").write_text(f"""version = 3
 root = "{d}/containerd/root"
 state = "{d}/containerd/state"
@@ -159,7 +164,7 @@ state = "{d}/containerd/state"
   [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
     runtime_type = "io.containerd.runc.v2"
     [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
-      SystemdCgroup = false
+      SystemdCgroup = false{binary}
   [plugins."io.containerd.cri.v1.runtime".cni]
     bin_dirs = ["{CNI_BIN}"]
     conf_dir = "{d}/cni"

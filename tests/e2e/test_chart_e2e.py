@@ -164,7 +164,10 @@ def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
     assert agent.env[0].value_from.field_ref.field_path == "spec.nodeName"
     assert spec.node_selector == {"nvidia.com/gpu.present": "true"}
-    assert agent.security_context.capabilities.add == ["SYS_PTRACE"]  # and root: see agent.yaml
+    assert agent.security_context.capabilities.add == [
+        "SYS_PTRACE",
+        "KILL",
+    ]  # and root: see agent.yaml
     assert agent.security_context.capabilities.drop == ["ALL"]
     assert agent.security_context.seccomp_profile.type == "RuntimeDefault"
     liveness = agent.liveness_probe.http_get

@@ -2,11 +2,13 @@
 
 kube-apiserver, kube-controller-manager and kube-scheduler 1.37 (the scheduler with
 examples/scheduler/kube-scheduler-config.yaml as shipped); a node: kubelet, containerd,
-runc and kube-proxy (tests/e2e/node.py); the project's image built here
-(tests/e2e/images.py); the chart installed with Helm, its webhook serving from a pod. The
-node agent runs on the host, as root, because the fake NVML lives there: it is the one part
-played, and it lists the pods' real host pids with the usage each test gives them. Its
-fake GPUs accept hard limits, as a driver from R615 would.
+runc and kube-proxy (tests/e2e/node.py); the image built from the Dockerfile
+(tests/e2e/build-image.sh); the chart installed with Helm: its webhook, its node agent
+(the DaemonSet's pod) and every injected sidecar run from that image. The GPU is the one
+part played: the node is labelled as GPU feature discovery labels GPU nodes, and a
+stand-in of NVIDIA's container runtime hands the agent's container the fake NVML
+(tests/e2e/agent_pod.py), which lists the pods' real host pids with the usage each test
+gives them. Its fake GPUs accept hard limits, as a driver from R615 would.
 
 - A pod with a native sidecar starts the sidecar first and stops with its pod.
 - The agent's hard limits land on the cgroups this kubelet and runc really make.
@@ -23,10 +25,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,12 +42,13 @@ from prometheus_client.utils import floatToGoString
 
 from enforcer.core.admission import TOKEN_DIR
 from enforcer.core.model import GiB, MiB
-from tests.e2e.actors import AgentProcess
+from tests.e2e.agent_pod import AgentPod, label_gpu_node
 from tests.e2e.cluster import ApiServer
 from tests.e2e.deviceplugin import DevicePlugin
 from tests.e2e.helm import CHART, helm
-from tests.e2e.images import ENFORCER_IMAGE, enforcer_image
+from tests.e2e.images import ENFORCER_IMAGE, enforcer_image, image_missing
 from tests.e2e.node import BIN, PAUSE_IMAGE, RealNode, missing
+from tests.e2e.nvidia_runtime import nvidia_runtime
 from tests.e2e.prometheus import Prometheus, dashboard_queries
 from tests.e2e.prometheus import missing as prometheus_missing
 from tests.fakenvml import FakeGpuState, limit_records
@@ -56,8 +59,8 @@ RESOURCE = "vram-enforcer.io/vram"
 GPU = "nvidia.com/gpu"
 RELEASE = NAMESPACE = "vram-enforcer"
 OPTED_IN = "ml"
-# The agent's own socket, on the host (the sidecars of this release do not use it: the
-# agent connects to each of theirs).
+# The agent's own socket, on the host through the chart's hostPath (the sidecars of this
+# release do not use it: the agent connects to each of theirs).
 SOCKET = Path("/run/vram-enforcer/agent.sock")
 # A workload whose process that "uses VRAM" is a child of the container's first process:
 # `terminate` stops the child only, `restart` the container.
@@ -77,9 +80,9 @@ class Cluster:
     core: client.CoreV1Api
     kubeconfig: Path
     tmp: Path
-    lib: Path
+    state_file: Path
     gpus: FakeGpuState = field(default_factory=FakeGpuState.single_gpu)
-    agent: AgentProcess | None = None
+    agent: AgentPod | None = None
     socket_dir_made: bool = False
 
     def kubectl(self, *args: str) -> str:
@@ -90,8 +93,7 @@ class Cluster:
 
     def agent_metrics(self) -> str:
         assert self.agent is not None
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.agent.port}/metrics", timeout=5) as r:
-            return str(r.read().decode())
+        return self.agent.metrics()
 
     def wait_for_metric(self, line: str, what: str) -> None:
         """Until the agent's metrics show `line`; on a timeout, what they and its log show."""
@@ -105,12 +107,11 @@ class Cluster:
 
     def use(self, pid: int, used: int | None) -> None:
         """What the fake NVML reports for host pid `pid` (None: nothing)."""
-        assert self.agent is not None
         if used is None:
             self.gpus.remove_process(pid)
         else:
             self.gpus.set_process(0, pid, used)
-        self.gpus.write(self.agent.state_file)
+        self.gpus.write(self.state_file)
 
 
 @pytest.fixture(scope="module")
@@ -118,33 +119,40 @@ def cluster(
     apiserver: ApiServer, fake_nvml_lib: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     """`apiserver` (the shared one) only for its skip-or-fail check: this cluster is its own."""
-    reason = missing()
+    reason = missing() or image_missing()
     if reason:
         if os.environ.get("VRAM_ENFORCER_E2E") == "required":
             pytest.fail(reason)
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("cluster")
     server = ApiServer(for_pods=True)
-    node = None
+    node = found = None
     try:
         server.start()
         server.start_controller_manager()
         config = ROOT / "examples" / "scheduler" / "kube-scheduler-config.yaml"
         server.start_scheduler(yaml.safe_load(config.read_text()))
-        image = enforcer_image(tmp_path_factory.mktemp("image"))
-        node = RealNode(server, tmp_path_factory.mktemp("node"), images=[image], kube_proxy=True)
+        image = enforcer_image()
+        (tmp / "gpu").mkdir()
+        state_file = tmp / "gpu" / "gpu.json"
+        gpus = FakeGpuState.single_gpu()
+        gpus.support_memory_limits()
+        gpus.write(state_file)
+        runtime = nvidia_runtime(tmp, fake_nvml_lib, state_file)
+        node = RealNode(server, tmp_path_factory.mktemp("node"), images=[image], kube_proxy=True,
+                        runtime=runtime)  # fmt: skip
+        label_gpu_node(node)
         kubeconfig = server.write_kubeconfig(tmp / "admin.kubeconfig")
-        found = Cluster(server, node, node.core, kubeconfig, tmp, fake_nvml_lib)
-        found.gpus.support_memory_limits()
+        found = Cluster(server, node, node.core, kubeconfig, tmp, state_file, gpus)
         yield found
         if found.agent is not None:
-            assert found.agent.stop() == 0, found.agent.log()
-        if found.socket_dir_made:
-            SOCKET.parent.rmdir()
+            assert "Traceback" not in found.agent.log(), found.agent.log()
     finally:
         if node is not None:
             node.close()
         server.close()
+        if found is not None and found.socket_dir_made:
+            shutil.rmtree(SOCKET.parent, ignore_errors=True)
 
 
 @pytest.fixture
@@ -163,19 +171,14 @@ def installed(cluster: Cluster) -> Cluster:
         "image": {"repository": ENFORCER_IMAGE.rsplit(":", 1)[0], "tag": "e2e", "pullPolicy": "Never"},
         "webhook": {"replicas": 1, "logFormat": "text", "tenants": {"maxCeiling": "80Gi"},
                     "kaiAnnotations": True},
+        "agent": {"logFormat": "text", "resync": "1s", "reserve": "1Gi",
+                  "podResources": {"path": str(cluster.node.dir / "kubelet" / "pod-resources")}},
         "sidecar": {"namespaces": [OPTED_IN]},
     }  # fmt: skip
-    helm("install", RELEASE, str(CHART), NAMESPACE, str(cluster.kubeconfig), json.dumps(values))
     assert not SOCKET.exists(), f"{SOCKET} is in use: is another vram-enforcer agent running here?"
-    if not SOCKET.parent.exists():
-        SOCKET.parent.mkdir()
-        cluster.socket_dir_made = True
-    token = cluster.server.token_for(NAMESPACE, f"{RELEASE}-agent")
-    pod_resources = cluster.node.dir / "kubelet" / "pod-resources" / "kubelet.sock"
-    cluster.agent = AgentProcess(cluster.server, token, cluster.node.name, cluster.tmp, cluster.lib,
-                                 "--socket", str(SOCKET), "--cgroup-root", "/sys/fs/cgroup",
-                                 "--cgroup-scan", "500ms", "--pod-resources-socket",
-                                 str(pod_resources), state=cluster.gpus)  # fmt: skip
+    cluster.socket_dir_made = cluster.socket_dir_made or not SOCKET.parent.exists()
+    helm("install", RELEASE, str(CHART), NAMESPACE, str(cluster.kubeconfig), json.dumps(values))
+    cluster.agent = AgentPod(cluster.node, NAMESPACE, cluster.state_file)
     apps = client.AppsV1Api(cluster.server.client())
     wait_for(lambda: apps.read_namespaced_deployment(f"{RELEASE}-webhook", NAMESPACE).status.available_replicas,
              timeout=120, what="the chart's webhook to be available")  # fmt: skip
@@ -288,7 +291,7 @@ def test_hard_limits_land_on_the_cgroups_the_real_kubelet_makes(installed: Clust
 
     def limited() -> dict[str, int]:
         assert installed.agent is not None
-        return {r["cgroup"]: r["hard"] for r in limit_records(installed.agent.state_file)
+        return {r["cgroup"]: r["hard"] for r in limit_records(installed.state_file)
                 if pod.metadata.uid in r["cgroup"]}  # fmt: skip
 
     wait_for(lambda: len(limited()) == 2, timeout=30, what="the pod's and the container's limits")
@@ -361,7 +364,7 @@ def test_a_kai_pods_share_is_enforced_as_kai_counted_it_and_a_patched_annotation
 
     def hard() -> dict[str, int]:
         assert installed.agent is not None
-        return {r["cgroup"]: r["hard"] for r in limit_records(installed.agent.state_file)
+        return {r["cgroup"]: r["hard"] for r in limit_records(installed.state_file)
                 if r["cgroup"].endswith(trainer_id)}  # fmt: skip
 
     as_kai_counts = 20475 * MiB
@@ -529,7 +532,7 @@ def scraping(cluster: Cluster, pods: list[client.V1Pod]) -> Prometheus:
     webhook = client.CoreV1Api(cluster.server.client()).list_namespaced_pod(
         NAMESPACE, label_selector="app.kubernetes.io/component=webhook").items  # fmt: skip
     targets = {
-        "agent": [f"127.0.0.1:{cluster.agent.port}"],
+        "agent": [cluster.agent.address],
         "sidecar": [f"{p.status.pod_ip}:9477" for p in pods],
         "webhook": [f"{p.status.pod_ip}:9479" for p in webhook],
     }
@@ -583,8 +586,8 @@ def test_a_sidecar_without_any_rbac_enforces_through_the_agent(
         assert webhook_calls(installed.server) == calls + 1
         pod = wait_for(lambda: running(core, OPTED_IN, "pair"), timeout=90, what="the pod to run")
         idle_holder = the_holder(node, pod, "idle")
-        assert os.listdir(f"/proc/{the_sidecar(node, pod)[0]}/root{TOKEN_DIR}") == []
-        assert "token" in os.listdir(f"/proc/{idle_holder}/root{TOKEN_DIR}")  # the workload's
+        assert os.listdir(in_container(the_sidecar(node, pod)[0], TOKEN_DIR)) == []
+        assert "token" in os.listdir(in_container(idle_holder, TOKEN_DIR))  # the workload's
         installed.use(idle_holder, GiB // 2)
         for restarts in (1, 2):  # the second is enforced only if the new ID reached the sidecar
             holder = the_holder(node, pod, "trainer")
@@ -607,6 +610,26 @@ def test_a_sidecar_without_any_rbac_enforces_through_the_agent(
         rbac.patch_namespaced_role(f"{RELEASE}-sidecar", OPTED_IN, {"rules": role.rules})
         core.delete_namespaced_pod("pair", OPTED_IN)
         wait_for(lambda: gone(core, OPTED_IN, "pair"), timeout=60, what="the pod to be gone")
+
+
+def in_container(pid: int, path: str) -> Path:
+    """`path` as process `pid` sees it, through /proc/<pid>/root: an absolute symlink of its
+    image (Debian's /var/run -> /run) is followed inside that root, not the host's."""
+    root = Path(f"/proc/{pid}/root")
+    todo, found = [p for p in path.split("/") if p not in ("", ".")], list[str]()
+    for _ in range(64):  # links followed at most, as the kernel's 40 and then some
+        if not todo:
+            return root.joinpath(*found)
+        part = todo.pop(0)
+        if part == "..":
+            found = found[:-1]
+        elif (candidate := root.joinpath(*found, part)).is_symlink():
+            target = os.readlink(candidate)
+            found = [] if target.startswith("/") else found
+            todo = [p for p in target.split("/") if p not in ("", ".")] + todo
+        else:
+            found.append(part)
+    raise OSError(f"too many links in {path} of pid {pid}")
 
 
 def webhook_calls(server: ApiServer) -> float:
@@ -798,8 +821,8 @@ def test_a_job_whose_pod_carries_the_native_sidecar_completes(installed: Cluster
 def test_uninstalling_leaves_nothing_behind(installed: Cluster) -> None:
     server, core = installed.server, installed.core
     assert installed.agent is not None
-    assert installed.agent.stop() == 0  # the operator's agent goes with the chart
-    installed.agent = None
+    assert "Traceback" not in installed.agent.log()
+    installed.agent = None  # the agent goes with the chart
     helm("uninstall", RELEASE, NAMESPACE, str(installed.kubeconfig))
     selector = f"app.kubernetes.io/instance={RELEASE}"
     listings = {

@@ -1,5 +1,6 @@
-"""The image's build-time smoke test runs here too: a renamed module fails CI, not the
-image build (CI has no container engine)."""
+"""What the Dockerfile holds, checked without building it: its import smoke test runs on
+this checkout, and its pins agree with pyproject.toml (the image itself is built from it
+by tests/e2e/build-image.sh in .ci/run, and the e2e cluster runs it)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,3 +27,30 @@ def test_the_dockerfile_smoke_test_passes_on_this_checkout() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""  # nothing ran on import (python -m enforcer's main included)
+
+
+def _dockerfile_pins() -> dict[str, str]:
+    """The runtime pins of the Dockerfile's venv step (name -> version), by canonical name."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    step = re.search(r"python -m venv /opt/venv \\\n(.*?)\n\n", dockerfile, re.S)
+    assert step, "the Dockerfile's runtime dependency step is gone"
+    pins = re.findall(r'"([A-Za-z0-9_.\-]+)==([^"]+)"', step.group(1))
+    return {canonicalize_name(name): version for name, version in pins}
+
+
+def _runtime_requirements() -> dict[str, Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    found = [Requirement(line) for line in project["dependencies"]]
+    return {canonicalize_name(r.name): r for r in found}
+
+
+def test_the_dockerfile_pins_exactly_the_runtime_dependencies_of_pyproject() -> None:
+    """A dependency added to pyproject.toml and not to the Dockerfile broke the image's
+    build once (grpcio) while every test passed: the two lists are compared here."""
+    pins, required = _dockerfile_pins(), _runtime_requirements()
+    assert sorted(pins) == sorted(required), (
+        f"only in the Dockerfile: {sorted(set(pins) - set(required))}; "
+        f"only in pyproject.toml: {sorted(set(required) - set(pins))}"
+    )
+    outside = {name: pins[name] for name, r in required.items() if pins[name] not in r.specifier}
+    assert not outside, f"pins outside pyproject.toml's bounds: {outside} ({required})"
