@@ -97,7 +97,7 @@ def sample_review() -> dict[str, Any]:
 def in_process(trials: int) -> dict[str, Any]:
     body = json.dumps(sample_review()).encode()
     settings = AdmissionSettings(
-        "ghcr.io/vram-enforcer/vram-enforcer:0.1.0", "native", "vram-enforcer.io/vram", 1
+        "ghcr.io/vram-enforcer/vram-enforcer:0.2.0", "native", "vram-enforcer.io/vram", 1
     )
     for _ in range(50):  # warm up
         json.dumps(review(json.loads(body), settings).review)

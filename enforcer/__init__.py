@@ -1,3 +1,3 @@
 """vram-enforcer: per-container GPU memory limits for shared GPUs."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -648,7 +648,7 @@ def _add_sidecar(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping
     ]
     # The sidecar's own socket, which the agent connects to through /proc/<pid>/root: an
     # emptyDir (which every Pod Security level allows) that no other container mounts. (A
-    # pod copied from one of 0.1 may carry the hostPath of the agent's socket
+    # pod copied from one that 0.1.0 injected may carry the hostPath of the agent's socket
     # under this name: it is replaced.)
     # No API token: the sidecar never calls the API (the agent brings its pod and posts its
     # Events). ServiceAccount admission mounts the pod's token into every container that

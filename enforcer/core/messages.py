@@ -173,7 +173,7 @@ def metrics_unavailable(detail: str) -> str:
 def sidecar_silent(after: float, unreachable: str | None = None) -> str:
     """`unreachable`: why the agent could not connect to the sidecar, when it could not."""
     why = (
-        f"the agent cannot connect to it ({unreachable}): is the sidecar starting, or of 0.1 "
+        f"the agent cannot connect to it ({unreachable}): is the sidecar starting, or of 0.1.0 "
         "on an agent that does not serve its socket, or does a security profile (AppArmor) "
         "deny the agent ptrace read access to it?"
         if unreachable

@@ -3,7 +3,7 @@ sidecars the agent should connect to.
 
 The agent connects to each running sidecar (`reachable`) through the socket in the
 sidecar's own filesystem, and tries again on a doubling schedule while it cannot
-(`to_dial`): a sidecar still starting, or one of 0.1 that connects by itself.
+(`to_dial`): a sidecar still starting, or one of 0.1.0 that connects by itself.
 
 The workload shares its sidecar's PID namespace, and a root workload can stop (SIGSTOP) or
 kill it: enforcement by sampling then ends for that pod. The agent sees every sidecar's

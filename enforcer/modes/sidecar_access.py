@@ -5,8 +5,8 @@
   and the node's slices) on every change its one watch of the node sees, proven from the
   sidecar's own cgroup, and posts the sidecar's reports as Events on that pod. The sidecar
   makes no API request, needs no RBAC, and never loads the `kubernetes` client.
-- `direct`: with the pod's ServiceAccount, as sidecars of 0.1 did: a pod watcher thread,
-  the claims read after each read of the pod, and an Event recorder thread. The
+- `direct`: with the pod's ServiceAccount, as sidecars of 0.1.0 did: a pod watcher
+  thread, the claims read after each read of the pod, and an Event recorder thread. The
   `kubernetes` client is imported only here.
 """
 

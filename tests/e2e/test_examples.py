@@ -155,7 +155,7 @@ def test_api_versions_are_ga() -> None:
 
 
 BASE = AdmissionSettings(
-    sidecar_image="ghcr.io/vram-enforcer/vram-enforcer:0.1.0",
+    sidecar_image="ghcr.io/vram-enforcer/vram-enforcer:0.2.0",
     sidecar_mode="native",
     resource_name=RESOURCE,
     resource_unit=1,

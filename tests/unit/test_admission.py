@@ -33,8 +33,8 @@ from enforcer.core.tenancy import ALL_ACTIONS, Bounds, Tenancy
 
 GiB = 1024**3
 RES = "vram-enforcer.io/vram"
-NATIVE = AdmissionSettings("ghcr.io/vram-enforcer/vram-enforcer:0.1.0", "native", RES, 1)
-CONTAINER = AdmissionSettings("ghcr.io/vram-enforcer/vram-enforcer:0.1.0", "container", RES, 1)
+NATIVE = AdmissionSettings("ghcr.io/vram-enforcer/vram-enforcer:0.2.0", "native", RES, 1)
+CONTAINER = AdmissionSettings("ghcr.io/vram-enforcer/vram-enforcer:0.2.0", "container", RES, 1)
 
 
 def gpu(name: str, vram: str | None = "12Gi", **extra: Any) -> dict[str, Any]:

@@ -95,8 +95,11 @@ SERVE_PODS = switch(
     "--no-serve-pods",
     "do not serve each sidecar its own pod",
     doc="do not serve each sidecar its own pod (and, with DRA, its claims and this node's "
-    "slices) from the agent's one watch of this node's pods; sidecars of this release then "
-    "enforce each pod's only container, or only check its total. Serving needs "
+    "slices) from the agent's one watch of this node's pods, and neither connect to the "
+    "sidecars that wait for it (`--listen`, as the webhook injects them: they then get no "
+    "usage and enforce nothing) nor post any sidecar's Events; a sidecar that connects to "
+    "`--socket` itself then enforces its pod's only container, or only checks its total. "
+    "Serving needs "
     "`--node-name` and RBAC to list and watch pods (and, with DRA, to get ResourceClaims "
     "and list ResourceSlices)",
 )

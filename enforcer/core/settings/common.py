@@ -259,7 +259,7 @@ POD_RESOURCES_SOCKET = value(
     metavar="PATH",
     doc="the kubelet's pod-resources API (gRPC): which GPU a device plugin gave each "
     "container (`--gpu-resources`). The agent reads it on every change of the node's pods, "
-    "and every 30 s (with `--serve-pods`), and owes a container's request on that GPU from "
+    "and every 30 s (unless `--no-serve-pods`), and owes a container's request on that GPU from "
     "before it starts, not only once NVML shows it there; `doctor` asks it once. Empty: not "
     "read. The chart mounts the kubelet's directory read-only",
 )

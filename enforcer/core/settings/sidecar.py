@@ -184,7 +184,7 @@ API_ACCESS = value(
     "pushes it its pod (and, with DRA, its claims and this node's slices) with the usage, "
     "from the agent's one watch of the node's pods, and posts its Events; the pod's "
     "ServiceAccount needs no rights and the `kubernetes` client is not loaded. `direct`: "
-    "with the pod's ServiceAccount, as sidecars of 0.1 did: it reads its pod every 30 s "
+    "with the pod's ServiceAccount, as sidecars of 0.1.0 did: it reads its pod every 30 s "
     "(2 s in `container` mode) and posts its Events. `agent` needs `--source agent`",
 )
 AGENT_SOCKET = value(
@@ -196,7 +196,7 @@ AGENT_SOCKET = value(
     default=DEFAULT_SOCKET,
     metavar="PATH",
     doc="the node agent's socket, which the sidecar connects to (through a hostPath mount, as "
-    "sidecars of 0.1 did); not used with `--listen`",
+    "sidecars of 0.1.0 did); not used with `--listen`",
 )
 LISTEN = value(
     "listen",
@@ -265,7 +265,8 @@ METRICS_PORT = metrics_port(
     env="VRAM_ENFORCER_METRICS_PORT",
     default=str(METRICS_PORT_DEFAULT),
     doc="set by the webhook (below). If something else in the pod already listens there, the "
-    "sidecar posts a `VRAMMetricsUnavailable` Event and enforces without metrics",
+    "sidecar reports `VRAMMetricsUnavailable` (an Event on the pod) and enforces without "
+    "metrics",
 )
 METRICS_ADDRESS = metrics_address("0.0.0.0")  # noqa: S104 - scraped from other pods
 LOG_FORMAT = log_format("json")
