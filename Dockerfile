@@ -61,7 +61,6 @@ RUN --mount=type=secret,id=ca-bundle --mount=type=secret,id=pip-conf \
         "kubernetes==37.0.2" \
         "prometheus-client==0.26.0" \
         "tenacity==9.2.1" \
-        "jsonpatch==1.48" \
         "grpcio==1.85.3"
 
 # The build backend, pinned, in a venv of its own that never reaches the final image.

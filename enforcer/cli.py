@@ -201,8 +201,8 @@ def _interference_epilog() -> str:
 class Mode:
     """A subcommand: where its settings are declared, how they become the mode's settings,
     and where it runs. Both modules are imported for the mode that runs and no other: the
-    sidecar, in every pod, does not load the webhook's settings (with the admission code
-    and jsonpatch) or interference's."""
+    sidecar, in every pod, does not load the webhook's settings (with the admission code)
+    or interference's."""
 
     settings: str  # the module that declares them: DECLARED, LOG_FORMAT, VERBOSE
     build: Callable[[Any, Values, argparse.Namespace], object]  # (that module, values, args)

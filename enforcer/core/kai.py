@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 
-from enforcer.core.declaration import Declaration, Portion
+from enforcer.core.declaration import GPUS_DIGITS, PORTION_DIGITS, Declaration, Portion
 from enforcer.core.model import MiB
-from enforcer.core.parsing import ConfigError, parse_bytes
+from enforcer.core.parsing import ConfigError, ascii_int, parse_bytes
 
 FRACTION = "gpu-fraction"
 MEMORY = "gpu-memory"
@@ -117,15 +117,17 @@ def _devices(annotations: Mapping[str, object], share: bool) -> int:
         return 1
     if not share:
         raise _error(NUM_DEVICES, text, f"is set without {FRACTION} or {MEMORY}; use it beside one")
-    if not text.isascii() or not text.isdigit() or int(text) == 0 or len(text) > 4:
+    count = ascii_int(text, GPUS_DIGITS)
+    if not count:
         raise _error(NUM_DEVICES, text, "is not a whole number of GPUs above 0")
-    return int(text)
+    return count
 
 
 def _mib(text: str) -> int:
-    if not text.isascii() or not text.isdigit() or int(text) == 0 or len(text) > 12:
+    mib = ascii_int(text, 12)
+    if not mib:
         raise _error(MEMORY, text, 'is not a whole number of MiB above 0, e.g. "2000"')
-    return int(text) * MiB
+    return mib * MiB
 
 
 def _memory_limit(annotations: Mapping[str, object], request: int) -> int:
@@ -232,6 +234,11 @@ def _fraction(text: str, key: str) -> Decimal:
         value = Decimal("NaN")
     if not value.is_finite() or not 0 < value < 1:
         raise _error(key, text, 'is not a portion of a GPU above 0 and below 1, e.g. "0.5"')
+    exponent = value.as_tuple().exponent
+    if isinstance(exponent, int) and -exponent > PORTION_DIGITS:
+        raise _error(key, text, f"has more than {PORTION_DIGITS} digits after the point; "
+                     f'give a portion above 0 and below 1 with at most {PORTION_DIGITS}, '
+                     'e.g. "0.5"')  # fmt: skip
     return value
 
 

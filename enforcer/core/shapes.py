@@ -3,9 +3,8 @@
 The API server sends pods as it decoded them, but a webhook must answer any body with a
 well-formed AdmissionReview: a list where a map belongs, a string where a list belongs, a
 container without a name. `check()` denies such a pod with the field, what it holds and
-what belongs there. `null` is the one oddity that is accepted: it means "absent", and
-`without_nulls()` drops it from the copy that the webhook then changes, so that the patch
-replaces it.
+what belongs there. `null` is the one oddity that is accepted: it means "absent" (the
+webhook's patch replaces a null it adds to).
 """
 
 from __future__ import annotations
@@ -42,8 +41,9 @@ def check(pod: Mapping[str, object]) -> Pod:
     _expect(meta.get("annotations"), dict, "metadata.annotations")
     _expect(meta.get("labels"), dict, "metadata.labels")
     spec = _expect(pod.get("spec"), dict, "spec")
-    for i, volume in enumerate(_expect(spec.get("volumes"), list, "spec.volumes")):
-        _expect(volume, dict, f"spec.volumes[{i}]", nullable=False)
+    for field in ("volumes", "resourceClaims"):  # DRA mode adds to the second
+        for i, item in enumerate(_expect(spec.get(field), list, f"spec.{field}")):
+            _expect(item, dict, f"spec.{field}[{i}]", nullable=False)
     for field in CONTAINER_FIELDS:
         for i, c in enumerate(_expect(spec.get(field), list, f"spec.{field}")):
             where = f"spec.{field}[{i}]"
@@ -59,29 +59,15 @@ def _container(c: Mapping[str, Any], where: str) -> None:
         if kind is dict:
             for part in ("limits", "requests"):
                 _expect(value.get(part), dict, f"{where}.{field}.{part}")
+            for j, claim in enumerate(
+                _expect(value.get("claims"), list, f"{where}.{field}.claims")
+            ):
+                _expect(claim, dict, f"{where}.{field}.claims[{j}]", nullable=False)
             continue
         key = _ITEM_NAMES[field]
         for j, item in enumerate(value):
             entry = _expect(item, dict, f"{where}.{field}[{j}]", nullable=False)
             _expect(entry.get(key), _ITEM_TYPES[key], f"{where}.{field}[{j}].{key}")
-
-
-def without_nulls(pod: Pod) -> Pod:
-    """`pod` without the nulls in the maps and lists that the webhook adds to (in place)."""
-    _drop_nulls(pod, ("metadata", "spec"))
-    _drop_nulls(pod.get("metadata") or {}, ("annotations", "labels"))
-    spec = pod.get("spec") or {}
-    _drop_nulls(spec, ("volumes", "runtimeClassName", *CONTAINER_FIELDS))
-    for c in [*(spec.get("initContainers") or ()), *(spec.get("containers") or ())]:
-        _drop_nulls(c, tuple(_CONTAINER))
-    return pod
-
-
-def _drop_nulls(doc: Mapping[str, object], keys: tuple[str, ...]) -> None:
-    doc = cast(dict[str, object], doc)  # a TypedDict is a dict: drop the keys it holds null
-    for key in keys:
-        if key in doc and doc[key] is None:
-            del doc[key]
 
 
 def _expect(value: Any, kind: type | tuple[type, ...], field: str, nullable: bool = True) -> Any:

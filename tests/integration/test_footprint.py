@@ -73,7 +73,7 @@ print(json.dumps(sorted(m for m in sys.modules if m in ("jsonpatch", "statistics
 
 def test_the_sidecar_loads_no_other_modes_settings() -> None:
     """The command line declares only the chosen mode's settings: the webhook's bring the
-    admission code and jsonpatch, interference's `statistics` (1.5 MiB of the sidecar)."""
+    admission code, interference's `statistics` (1.5 MiB of the sidecar)."""
     out = subprocess.run(
         [sys.executable, "-c", OTHER_MODES], capture_output=True, text=True, check=True
     ).stdout

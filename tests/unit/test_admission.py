@@ -8,6 +8,8 @@ import copy
 import dataclasses
 import json
 import re
+import time
+from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
@@ -268,6 +270,20 @@ def test_a_forged_sidecar_its_volumes_and_an_unshared_namespace_are_replaced_by_
     assert mutate(out, NATIVE) == []
 
 
+def test_a_sidecar_the_pod_declared_after_its_own_init_containers_is_moved_first() -> None:
+    """A native sidecar runs only once the init containers before it have: a pod that
+    names its own `vram-enforcer` third would run two init containers unwatched."""
+    genuine = applied(pod(gpu("trainer")))
+    forged = copy.deepcopy(genuine)
+    side = forged["spec"]["initContainers"].pop(0)
+    setup = [{"name": n, "image": "x", "resources": {"limits": {RES: "1Gi"}}} for n in ("a", "b")]
+    forged["spec"]["initContainers"] = [*setup, side]
+    out = applied(forged)
+    assert [c["name"] for c in out["spec"]["initContainers"]] == ["vram-enforcer", "a", "b"]
+    assert sidecar_of(out)["image"] == sidecar_of(genuine)["image"]
+    assert mutate(out, NATIVE) == []
+
+
 def test_a_container_named_like_the_sidecar_with_another_image_is_denied() -> None:
     with pytest.raises(Denied, match="a container is already named 'vram-enforcer'"):
         mutate(pod(gpu("trainer"), {"name": "vram-enforcer", "image": "evil"}), NATIVE)
@@ -418,6 +434,91 @@ def test_a_second_pass_changes_nothing() -> None:
     assert mutate(once, NATIVE) == []
 
 
+def test_the_patch_is_made_at_the_paths_it_changes_with_keys_escaped() -> None:
+    """The patch is built as the pod is changed, one operation at each path that changes,
+    never as a diff of the whole pod; a map or list that is absent (or null) is added whole.
+    `/` and `~` in a key are escaped (RFC 6901), and the pod as sent is never written."""
+    p = pod(gpu("trainer", env=None), annotations={"example.com/team": "a"})
+    ops = mutate(p, NATIVE)
+    assert [(op["op"], op["path"]) for op in ops] == [
+        ("add", "/spec/shareProcessNamespace"),
+        ("replace", "/spec/containers/0/env"),  # null: replaced with our variables
+        ("add", "/spec/containers/0/env/1"),
+        ("add", "/spec/containers/0/env/2"),
+        ("add", "/spec/volumes"),
+        ("add", "/spec/containers/0/volumeMounts"),
+        ("add", "/spec/volumes/1"),
+        ("add", "/spec/volumes/2"),
+        ("add", "/spec/initContainers"),
+        ("add", "/metadata/annotations/vram-enforcer.io~1injected"),
+        ("add", "/metadata/labels"),
+    ]
+    assert p == pod(gpu("trainer", env=None), annotations={"example.com/team": "a"})
+    # DRA: the resource leaves the container's limits by its name.
+    odd = dataclasses.replace(DRA, resource_name="example.com/v~ram")
+    c = {
+        "name": "t",
+        "image": "x",
+        "resources": {"limits": {"example.com/v~ram": "1Gi", "cpu": "1"}},
+    }
+    ops = mutate(pod(c), odd)
+    assert {
+        "op": "remove",
+        "path": "/spec/containers/0/resources/limits/example.com~1v~0ram",
+    } in ops
+    assert jsonpatch.apply_patch(pod(c), ops)["spec"]["containers"][0]["resources"] == {
+        "limits": {"cpu": "1"}, "claims": [{"name": "vram-t"}]
+    }  # fmt: skip
+
+
+def test_a_declaring_pod_of_3_mib_costs_a_review_about_what_decoding_it_does() -> None:
+    """A diff of the whole pod (`jsonpatch.make_patch`) took about 20 times the CPU of
+    decoding it: 0.9 s for this pod here, 5 s in the report of issue 35, so a few creates
+    at once starved admission. The review is linear in the pod now, and copies only the
+    maps and lists it changes."""
+    padding = [{"name": f"PAD_{i:06}", "value": "x" * 8} for i in range(69_800)]
+    body = json.dumps(admission_review(pod(gpu("trainer", env=padding)))).encode()
+    assert 3 * 2**20 - 2**16 < len(body) <= 3 * 2**20  # the API server's limit
+    doc = json.loads(body)
+
+    def cpu(work: Callable[[], object]) -> float:
+        spent = []
+        for _ in range(3):
+            started = time.process_time()
+            work()
+            spent.append(time.process_time() - started)
+        return min(spent)
+
+    decoding = cpu(lambda: json.loads(body))
+    reviewing = cpu(lambda: review(doc, NATIVE))
+    assert reviewing < 3 * decoding, f"{reviewing:.3f} s against {decoding:.3f} s to decode"
+    assert review(doc, NATIVE).result == "patched"
+    assert doc == json.loads(body)  # read, never written
+
+
+def test_what_the_webhook_writes_is_read_back_by_the_sidecars_own_parser() -> None:
+    """The sidecar's environment is read with the sidecar's settings parser before the pod
+    is admitted: what the two would disagree on is denied, not a pod whose sidecar refuses
+    to start. (`auto` is resolved when the webhook starts, never written.)"""
+    broken = dataclasses.replace(NATIVE, sidecar_mode="auto")
+    with pytest.raises(Denied, match=re.escape(
+        "the sidecar would refuse its settings as this pod's metadata.annotations and spec "
+        "make them: VRAM_ENFORCER_SIDECAR_MODE: 'auto' is not a choice"
+    )):  # fmt: skip
+        mutate(pod(gpu("t")), broken)
+
+
+def test_two_containers_named_like_the_sidecar_are_denied() -> None:
+    """Never an earlier pass's (a pod's container names are unique), and each would be one
+    more operation in the patch: 40,000 of them, in 3 MiB, made a patch of 2.8 MB."""
+    forged = {"name": "vram-enforcer", "image": NATIVE.sidecar_image}
+    with pytest.raises(Denied, match=re.escape(
+        "spec: 2 containers are named 'vram-enforcer', the name of the enforcer's sidecar; a "
+        "pod's container names are unique: remove them"
+    )):  # fmt: skip
+        mutate(pod(gpu("t"), forged, init=[forged]), NATIVE)
+
+
 def admission_review(obj: Any, operation: str = "CREATE", kind: str = "Pod") -> dict[str, Any]:
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
             "request": {"uid": "705ab4f5-6393-11e8-b7cc-42010a800002", "kind": {"group": "", "version": "v1", "kind": kind},
@@ -536,6 +637,30 @@ def test_dra_mode_enforces_pods_with_claims_made_by_hand() -> None:
     assert env_of(sidecar_of(out))["VRAM_ENFORCER_LIMITS_FROM"] == "dra"
     assert out["spec"]["shareProcessNamespace"] is True
     assert mutate(by_hand, NATIVE) == []  # per-node mode: claims are not ours
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "field"),
+    [
+        ("pod", "x", "spec.resourceClaims"),
+        ("pod", ["x"], "spec.resourceClaims[0]"),
+        ("container", "y", "spec.containers['app'].resources.claims"),
+        ("container", [3], "spec.containers['app'].resources.claims[0]"),
+    ],
+)
+def test_dra_mode_denies_claims_of_the_wrong_shape_naming_the_field(
+    where: str, value: object, field: str
+) -> None:
+    """DRA mode adds to both lists: a string there once crashed the review (HTTP 500, which
+    `failurePolicy: Ignore` admits unenforced)."""
+    app: dict[str, Any] = gpu("app", "4Gi")
+    p = pod(app)
+    if where == "pod":
+        p["spec"]["resourceClaims"] = value
+    else:
+        app["resources"]["claims"] = value
+    with pytest.raises(Denied, match=re.escape(f"{field}: ")):
+        mutate(p, DRA)
 
 
 def test_the_templates_a_stored_pod_names_and_what_they_claim() -> None:
@@ -746,6 +871,30 @@ def test_kai_declarations_that_cannot_be_enforced_are_denied(
     with pytest.raises(Denied) as info:
         mutate(p, KAI_BURSTY, "ml")
     assert message in str(info.value)
+
+
+def test_a_kai_share_the_sidecar_could_not_read_back_exactly_is_denied_naming_it() -> None:
+    """`gpu-fraction: "1e-999999999"` was admitted and written as `0E-1000026` (the share
+    times its GPUs, rounded to decimal's 28 digits), which the sidecar and the agent refuse:
+    a pod that never starts, or runs unenforced. A share has at most 20 digits after the
+    point, so that it is written exactly."""
+    p = pod(gpu("main", None), annotations={"gpu-fraction": "1e-999999999"})
+    with pytest.raises(Denied, match=re.escape(
+        "metadata.annotations['gpu-fraction']: '1e-999999999' has more than 20 digits after "
+        'the point; give a portion above 0 and below 1 with at most 20, e.g. "0.5"'
+    )):  # fmt: skip
+        mutate(p, KAI)
+    # Rounded, this share would reach its limit, which the sidecar refuses too.
+    p["metadata"]["annotations"] = {"gpu-fraction": "0." + "4" * 31, "gpu-fraction.limit": "0.5"}
+    with pytest.raises(Denied, match=r"'gpu-fraction'.* has more than 20 digits after the point"):
+        mutate(p, KAI_BURSTY)
+    # The most digits, on the most GPUs: read back exactly.
+    share = "0." + "4" * 20
+    p["metadata"]["annotations"] = {"gpu-fraction": share, "gpu-fraction.limit": "0.5",
+                                    "gpu-fraction-num-devices": "9999"}  # fmt: skip
+    side = env_of(sidecar_of(applied(p, KAI_BURSTY)))
+    portions = parse_portions(side["VRAM_ENFORCER_PORTIONS"], "VRAM_ENFORCER_PORTIONS")
+    assert portions == {"main": Portion(Decimal(share) * 9999, Decimal("0.5") * 9999)}
 
 
 def test_a_pod_that_declares_nothing_may_not_carry_a_container_named_like_the_sidecar() -> None:

@@ -6,6 +6,7 @@ the strategies to that."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import re
 from collections import Counter
@@ -16,6 +17,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from enforcer.core.admission import AdmissionSettings, BadReview, decode, review
+from enforcer.core.declaration import SIDECAR, of_pod
+from enforcer.core.parsing import MAX_DURATION, MAX_QUANTITY
+from enforcer.core.settings import resolve, sidecar
+from enforcer.core.tenancy import ALL_ACTIONS, Bounds, Tenancy
 
 RES = "vram-enforcer.io/vram"
 SETTINGS = [
@@ -322,3 +327,91 @@ def test_hostile_bodies_get_a_well_formed_answer_through_the_real_decoding_path(
     if out.result == "denied":
         message = out.review["response"]["status"]["message"]
         assert FIELD.search(message) and len(message) < 500, message
+
+
+# What the webhook writes into the sidecar's environment comes from these annotations:
+# values that are right, at the edges of what decimal arithmetic holds, and hostile.
+portions = st.sampled_from(["0.5", "0.25", "5E-1", " 0.75 ", "1e-999999999", "1e-20", "1e-21",
+                            "0." + "4" * 40, "0.4999999999999999999999999999999", "0.3333333333333333"]) | (
+    st.integers(1, 30).flatmap(lambda n: st.decimals(0, 1, places=n)).map(str)
+)  # fmt: skip
+SETTING_VALUES = {
+    "vram-enforcer.io/shm-size": ["1Gi", "off"], "vram-enforcer.io/metrics-port": ["9477", "1"],
+    "vram-enforcer.io/grace-period": ["5s", "0"], "vram-enforcer.io/warn-at": ["100%", "0.5%"],
+    "vram-enforcer.io/action": ["warn", "Kill "],
+}  # fmt: skip
+LOOSE = Tenancy(
+    Bounds(actions=ALL_ACTIONS, max_grace_period=MAX_DURATION, max_ceiling=MAX_QUANTITY)
+)
+WRITING = [dataclasses.replace(s, kai_annotations=True, tenancy=LOOSE) for s in SETTINGS]
+
+
+@st.composite
+def written_pods(draw: st.DrawFn) -> dict[str, Any]:
+    """A pod whose annotations set its sidecar's settings, and declare its VRAM in one of
+    KAI's forms (then with no resource of ours) or carry a ceiling; one value in six is
+    hostile."""
+
+    def value(good: st.SearchStrategy[str]) -> str:
+        return draw(hostile_text) if draw(one_in(6)) else draw(good)
+
+    p = draw(pods())
+    target = p["spec"]["containers"][0]["name"]
+    annotations = p["metadata"].setdefault("annotations", {})
+    form = draw(st.sampled_from(["resources", "fraction", "memory", "nvidia"]))
+    if form == "resources":
+        if draw(st.booleans()):
+            annotations["vram-enforcer.io/vram-ceiling"] = value(
+                st.sampled_from(["20Gi", f"{target}=7Ei", "7Ei"])
+            )
+    else:
+        for c in p["spec"].get("initContainers", []) + p["spec"]["containers"]:
+            for part in c.get("resources", {}).values():
+                part.pop(RES, None)
+    if form == "fraction":
+        annotations["gpu-fraction"] = value(portions)
+        limit = draw(st.sampled_from(["gpu-fraction.limit",
+                                      f"kai.scheduler/container.{target}.gpu-memory.portion.limit", None]))  # fmt: skip
+        if limit:
+            annotations[limit] = value(portions | st.sampled_from(["0.8", "0.50001", "0.5"]))
+    if form == "memory":
+        annotations["gpu-memory"] = value(st.sampled_from(["2000", "1", "999999999999"]))
+        if draw(st.booleans()):
+            annotations["gpu-memory.limit"] = value(st.sampled_from(["8Gi", "1Ei", "9" * 18]))
+    if form in ("fraction", "memory") and draw(st.booleans()):
+        annotations["gpu-fraction-num-devices"] = value(st.sampled_from(["1", "2", "9999"]))
+    if form == "nvidia":
+        key = f"nvidia.com/container.{target}.gpu-memory"
+        annotations[f"{key}.request"] = value(st.sampled_from(["4Gi", "1", "5Ei"]))
+        if draw(st.booleans()):
+            annotations[f"{key}.limit"] = value(st.sampled_from(["8Gi", "7Ei"]))
+    for key, good in SETTING_VALUES.items():
+        if draw(one_in(3)):
+            annotations[key] = value(st.sampled_from(good))
+    return p
+
+
+@settings(max_examples=400, deadline=None)
+@given(p=written_pods(), s=st.sampled_from(WRITING))
+def test_whatever_the_webhook_admits_its_sidecar_and_the_agent_read_back(
+    p: dict[str, Any], s: AdmissionSettings
+) -> None:
+    """The sidecar's environment is read by the sidecar's own settings parser (a pod whose
+    sidecar refuses it never starts, or runs unenforced), and the agent reads the pod as
+    declaring what the sidecar enforces."""
+    out = review(review_of(p), s)
+    event(out.result)
+    ops = well_formed(out.review, "u-1")
+    if not ops:
+        return
+    mutated = jsonpatch.apply_patch(p, ops)
+    environ = {
+        e["name"]: e["value"] if "value" in e else e["valueFrom"]["fieldRef"]["fieldPath"]
+        for c in mutated["spec"].get("initContainers", []) + mutated["spec"]["containers"]
+        if c["name"] == SIDECAR
+        for e in c["env"]
+    }
+    enforced = sidecar.sidecar_settings(resolve(sidecar.DECLARED, {}, environ))
+    declared = of_pod(mutated, RES, s.resource_unit, SIDECAR)
+    assert declared and declared.limits == enforced.limits
+    assert (declared.ceilings, declared.portions) == (enforced.ceilings, enforced.portions)

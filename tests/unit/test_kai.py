@@ -44,6 +44,11 @@ def test_a_fraction_is_a_portion_of_each_gpu_counted_later() -> None:
     assert two == Declaration(portions={"main": Portion(Decimal("0.50"))})
 
 
+def test_a_fraction_of_20_digits_after_the_point_stays_exact_on_the_most_gpus() -> None:
+    got = read({"gpu-fraction": "1e-20", "gpu-fraction-num-devices": "9999"})
+    assert got == Declaration(portions={"main": Portion(Decimal("9.999e-17"))})
+
+
 def test_limits_above_the_request_are_ceilings_within_what_the_operator_allows() -> None:
     got = read({"gpu-memory": "2048", "gpu-memory.limit": "8Gi", "gpu-fraction-num-devices": "2"})
     assert got == Declaration({"main": 4 * GiB}, {"main": 16 * GiB})
@@ -94,8 +99,12 @@ def test_a_limit_the_operator_does_not_allow_is_refused() -> None:
         ({"gpu-fraction": "0"}, "is not a portion of a GPU above 0 and below 1"),
         ({"gpu-fraction": "half"}, "['gpu-fraction']: 'half' is not a portion"),
         ({"gpu-fraction": "NaN"}, "is not a portion"),
+        ({"gpu-fraction": "1e-999999999"}, "['gpu-fraction']: '1e-999999999' has more than 20 digits after the point"),
+        ({"gpu-fraction": "0.5", "gpu-fraction.limit": "0." + "9" * 21}, "['gpu-fraction.limit']: '0.999999999999999999999' has more than 20"),
         ({"gpu-memory": "0"}, "['gpu-memory']: '0' is not a whole number of MiB above 0"),
         ({"gpu-memory": "2Gi"}, "['gpu-memory']: '2Gi' is not a whole number of MiB above 0"),
+        ({"gpu-memory": "9" * 5000}, "is not a whole number of MiB above 0"),  # not int()'s ValueError
+        ({"gpu-memory": "1", "gpu-fraction-num-devices": "9" * 5000}, "is not a whole number of GPUs above 0"),
         ({"gpu-memory": "1", "gpu-fraction": "0.5"}, "is set beside gpu-fraction; KAI takes one or the other"),
         ({"gpu-fraction-num-devices": "2"}, "is set without gpu-fraction or gpu-memory"),
         ({"gpu-memory": "1", "gpu-fraction-num-devices": "0"}, "is not a whole number of GPUs above 0"),
