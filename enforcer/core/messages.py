@@ -23,6 +23,10 @@ from enforcer.core.reclaim import Reclaim
 
 _SIGNAL_NAME = {Action.TERMINATE: "SIGTERM", Action.KILL: "SIGKILL", Action.RESTART: "SIGTERM"}
 
+COMMAND_CHARS = 120  # of a command line in a message
+_MORE = "..."  # what ends a text that was cut
+_SHORT_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
 _REFUSED = {
     SignalResult.GONE: "it had already exited",
     SignalResult.IDENTITY_CHANGED: "its pid now belongs to another process (start time changed)",
@@ -54,10 +58,60 @@ def usage(unit: UnitUsage, label: str) -> str:
 
 
 def process(victim: ProcessTotal) -> str:
-    """`pid 4242 (python train.py), which holds 5.00 GiB`."""
-    cmd = victim.cmdline if len(victim.cmdline) <= 120 else victim.cmdline[:117] + "..."
+    """`pid 4242 (python train.py), which holds 5.00 GiB`: the command line is the
+    process's own to choose, so it is `shown`."""
+    cmd = shown(victim.cmdline, COMMAND_CHARS)
     name = f" ({cmd})" if cmd else ""
     return f"pid {victim.key.pid}{name}, which holds {format_bytes(victim.used_bytes)}"
+
+
+def shown(text: str, most: int) -> str:
+    """Text a tenant chose (a command line) as one line of at most `most` characters that
+    reads one way and cannot drive a terminal: what Python's repr escapes is escaped (`\\n`,
+    `\\x1b`, `\\u202e`), and a backslash; a byte that is not UTF-8 (kept by surrogateescape)
+    reads `\\xff`, so an unprintable character from U+0080 to U+00FF reads `\\u0085`. A
+    longer text is cut where an escape ends, and ends in `...`."""
+    if text.isprintable() and "\\" not in text:  # ordinary text, untouched
+        return _cut(text, most)
+    return _within([_escaped(ch) for ch in text[: most + 1]], most)
+
+
+def one_line(text: str, most: int) -> str:
+    """A sentence on its way out (a log line, an Event) as one line of at most `most`
+    characters. Ours pass as they are, cut if too long: they carry tenant text `shown`.
+    One with a control character (a sidecar's report, which its pod can forge; text logged
+    raw) is `shown` whole."""
+    return _cut(text, most) if text.isprintable() else shown(text, most)
+
+
+def _escaped(ch: str) -> str:
+    if ch.isprintable() and ch != "\\":
+        return ch
+    code = ord(ch)
+    if 0xDC80 <= code <= 0xDCFF:  # the byte that surrogateescape could not decode
+        return f"\\x{code - 0xDC00:02x}"
+    if ch in _SHORT_ESCAPES:
+        return _SHORT_ESCAPES[ch]
+    if code < 0x80:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def _cut(text: str, most: int) -> str:
+    return text if len(text) <= most else text[: most - len(_MORE)] + _MORE
+
+
+def _within(pieces: list[str], most: int) -> str:
+    """The pieces joined if they fit in `most` characters, else those that fit with `...`."""
+    if sum(map(len, pieces)) <= most:
+        return "".join(pieces)
+    kept, size = [], len(_MORE)
+    for piece in pieces:
+        size += len(piece)
+        if size > most:
+            break
+        kept.append(piece)
+    return "".join(kept) + _MORE
 
 
 def notice(n: Notice, label: str, action: Action, warn_at: float) -> str:
@@ -170,18 +224,33 @@ def metrics_unavailable(detail: str) -> str:
     )
 
 
-def sidecar_silent(after: float, unreachable: str | None = None) -> str:
-    """`unreachable`: why the agent could not connect to the sidecar, when it could not."""
-    why = (
-        f"the agent cannot connect to it ({unreachable}): is the sidecar starting, or of 0.1.0 "
-        "on an agent that does not serve its socket, or does a security profile (AppArmor) "
-        "deny the agent ptrace read access to it?"
-        if unreachable
-        else "it was stopped or killed (a process of the pod can signal it), or it is crash-looping"
-    )
+def sidecar_silent(after: float, unreachable: str | None = None, halt: str | None = None) -> str:
+    """`unreachable`: why the agent could not connect to the sidecar, when it could not;
+    `halt`: how it halted ("stopped", "ended"), when the agent saw it halt."""
+    if halt == "stopped":
+        what = (
+            "the vram-enforcer sidecar of this pod is stopped (SIGSTOP, or a tracer holds it; "
+            "a process of the pod can signal it)"
+        )
+    elif halt == "ended":
+        what = (
+            "the vram-enforcer sidecar of this pod ended or hung up its connection to the node "
+            "agent (it was killed: a process of the pod can signal it, or it is crash-looping)"
+        )
+    else:
+        why = (
+            f"the agent cannot connect to it ({unreachable}): is the sidecar starting, or of "
+            "0.1.0 on an agent that does not serve its socket, or does a security profile "
+            "(AppArmor) deny the agent ptrace read access to it?"
+            if unreachable
+            else "it does not read what the agent sends: it may be starved, stuck or crash-looping"
+        )
+        what = (
+            "the vram-enforcer sidecar of this pod has not been connected to the node agent "
+            f"for {after:.0f}s: {why}"
+        )
     return (
-        f"the vram-enforcer sidecar of this pod has not been connected to the node agent for "
-        f"{after:.0f}s: {why}. Until it is back, the node agent enforces the pod's declared "
+        f"{what}. Until it is back, the node agent enforces the pod's declared "
         "limits (or its claims' allocations, per GPU) itself, with the pod's action, and holds "
         "a container that may borrow to its request"
     )

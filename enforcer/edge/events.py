@@ -32,6 +32,7 @@ from typing import Any
 
 from kubernetes import client
 
+from enforcer.core import messages
 from enforcer.core.payloads import Event, ObjectReference
 from enforcer.edge import logs
 from enforcer.edge.guard import LoopGuard
@@ -44,6 +45,7 @@ SPAM_BURST = 25  # client-go's EventSourceObjectSpamFilter: a burst per object, 
 SPAM_REFILL = 300.0  # ... then one Event per this many seconds
 QUEUED = 1000  # Events waiting to be posted; past this, new ones are dropped
 _MAX_OBJECTS = 10_000  # buckets kept; the least recently used full ones go first
+MESSAGE_CHARS = 1024  # of an Event's message: the bound events.k8s.io sets on a note
 
 _Key = tuple[str, str, str, bool]  # object uid, fieldPath, reason, warning
 _Item = tuple[ObjectReference, str, str, bool, bool]
@@ -164,6 +166,7 @@ class EventRecorder(threading.Thread):
     def _send(
         self, about: ObjectReference, reason: str, message: str, warning: bool, once: bool
     ) -> None:
+        message = messages.one_line(message, MESSAGE_CHARS)  # may carry a pod's own text
         now = self._clock()
         self._forget_old(now)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -181,7 +184,7 @@ class EventRecorder(threading.Thread):
             ops = [
                 {"op": "replace", "path": "/count", "value": sent.count},
                 {"op": "replace", "path": "/lastTimestamp", "value": stamp},
-                {"op": "replace", "path": "/message", "value": message[:1024]},
+                {"op": "replace", "path": "/message", "value": message},
             ]
             try:
                 call(self._api, "PATCH", EVENTS + "/{name}", "events", body=ops,
@@ -192,7 +195,7 @@ class EventRecorder(threading.Thread):
             else:
                 sent.at, sent.message = now, message
         if sent is None:
-            sent = self._create(about, reason, message[:1024], warning, stamp, now)
+            sent = self._create(about, reason, message, warning, stamp, now)
         self._sent[key] = sent  # the most recently used, last
 
     def _create(
@@ -240,7 +243,7 @@ class EventRecorder(threading.Thread):
                 self._list_forbidden_logged = True
             return None
         for event in found.get("items") or ():
-            if event.get("message") == message[:1024]:
+            if event.get("message") == message:
                 name = str((event.get("metadata") or {}).get("name"))
                 return _Sent(name, int(event.get("count") or 1), self._clock(), message)
         return None

@@ -14,7 +14,16 @@ import sys
 import time
 from typing import Any
 
+from enforcer.core import messages
+
 _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+LINE_CHARS = 4096  # of a message; our longest sentences take a few hundred
+
+
+def _message(record: logging.LogRecord) -> str:
+    """The record's message as one bounded line, whatever text its arguments carried (a
+    command line, an API's answer)."""
+    return messages.one_line(record.getMessage(), LINE_CHARS)
 
 
 class JsonFormatter(logging.Formatter):
@@ -24,7 +33,7 @@ class JsonFormatter(logging.Formatter):
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": _message(record),
         }
         payload.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD})
         if record.exc_info:
@@ -34,7 +43,7 @@ class JsonFormatter(logging.Formatter):
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        line = f"vram-enforcer: {record.levelname.lower()}: {record.getMessage()}"
+        line = f"vram-enforcer: {record.levelname.lower()}: {_message(record)}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line

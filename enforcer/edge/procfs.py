@@ -11,11 +11,14 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISCHR
 
 from enforcer.core.cgroups import CgroupEntry, container_id, parse_cgroup
+from enforcer.core.model import ProcessKey
 
 # The inode of the initial PID namespace (PROC_PID_INIT_INO in the kernel).
 INITIAL_PID_NS = 4026531836
@@ -29,6 +32,7 @@ NsChain = tuple[tuple[int, int], ...]
 """(PID namespace inode, pid in it) for each level, from the host's namespace down."""
 _MAX_DEPTH = 4096  # ppid chains longer than this are corrupt or a loop in a fixture
 _MAX_TASKS = 1024  # threads looked at for a device; past this, the answer is "cannot tell"
+CMDLINE_BYTES = 4096  # of a command line read; a tenant's may be megabytes long
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +103,10 @@ class ProcFs:
         self._prefix = os.fspath(root).rstrip("/") + "/"
 
     def _read(self, pid: int | str, name: str) -> str | None:
+        data = self._read_bytes(pid, name)
+        return None if data is None else data.decode("utf-8", errors="replace")
+
+    def _read_bytes(self, pid: int | str, name: str, most: int = sys.maxsize) -> bytes | None:
         # os.open/os.read on a formatted path: this runs for every GPU process on every
         # tick, and pathlib plus text I/O cost more than the kernel's work here.
         try:
@@ -107,13 +115,14 @@ class ProcFs:
             return None
         try:
             chunks = []
-            while chunk := os.read(fd, 65536):
+            while most > 0 and (chunk := os.read(fd, min(most, 65536))):
                 chunks.append(chunk)
+                most -= len(chunk)
         except OSError:
             return None
         finally:
             os.close(fd)
-        return b"".join(chunks).decode("utf-8", errors="replace")
+        return b"".join(chunks)
 
     def stat(self, pid: int | str) -> ProcStat | None:
         text = self._read(pid, "stat")
@@ -148,13 +157,17 @@ class ProcFs:
         return None if entries is None else container_id(entries)
 
     def cmdline(self, pid: int) -> str | None:
-        """The command line joined by spaces; `[comm]` when empty (zombies, kernel threads)."""
-        text = self._read(pid, "cmdline")
-        if text is None:
+        """The command line joined by spaces; `[comm]` when empty (zombies, kernel threads).
+
+        The process chose it: only its first CMDLINE_BYTES are read (a page: far more than
+        a message shows), and bytes that are not UTF-8 are kept (surrogateescape) for
+        `messages.shown` to show as they are."""
+        data = self._read_bytes(pid, "cmdline", CMDLINE_BYTES)
+        if data is None:
             return None
-        args = [a for a in text.split("\0") if a]
+        args = [a for a in data.split(b"\0") if a]
         if args:
-            return " ".join(args)
+            return b" ".join(args).decode("utf-8", errors="surrogateescape")
         st = self.stat(pid)
         return None if st is None else f"[{st.comm}]"
 
@@ -302,4 +315,18 @@ class ProcFs:
             if pid not in found:
                 found.add(pid)
                 stack.extend(children.get(pid, ()))
+        return found
+
+    def container_roots(self, ids: Collection[str]) -> dict[str, list[ProcessKey]]:
+        """For each of these containers (by ID), its processes whose parent is not in it,
+        from one pass over `/proc`. Its init is one (the runtime's shim started it); so is
+        a process exec'd into it, or one orphaned there (its parent is then the pod's
+        pause), but those started later: the oldest is the init (`attribution.oldest`)."""
+        found: dict[str, list[ProcessKey]] = {}
+        for pid in self.pids():
+            cid = self.container_id(pid)
+            st = self.stat(pid) if cid is not None and cid in ids else None
+            if cid is None or st is None or self.container_id(st.ppid) == cid:
+                continue
+            found.setdefault(cid, []).append(ProcessKey(pid, st.start_time))
         return found

@@ -598,7 +598,9 @@ def _process_group(pid: int) -> int | None:
 
 def _announce_leftovers(status: int, procfs: ProcFs) -> None:
     leftovers = sorted(procfs.descendants(os.getpid()))
-    shown = ", ".join(f"{pid} ({procfs.cmdline(pid) or '?'})" for pid in leftovers[:5])
+    named = [(pid, messages.shown(procfs.cmdline(pid) or "?", messages.COMMAND_CHARS))
+             for pid in leftovers[:5]]  # fmt: skip
+    shown = ", ".join(f"{pid} ({command})" for pid, command in named)
     more = f" and {len(leftovers) - 5} more" if len(leftovers) > 5 else ""
     log.warning(
         "the command exited with status %d, but %d process(es) it started are still running: "

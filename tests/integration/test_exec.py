@@ -182,6 +182,24 @@ def test_an_offender_is_terminated_with_one_explaining_line(run: Run) -> None:
     assert "uses 5.00 GiB of its 4.00 GiB VRAM limit (125%)" in lines[0]
 
 
+def test_a_command_line_with_a_newline_and_escapes_stays_on_its_one_line(run: Run) -> None:
+    """The command chooses its own argv: it cannot forge a line of exec's, nor reach the
+    terminal with a control sequence."""
+    role = "main\nvram-enforcer: error: forged\r\x1b[31m"
+    worker = str(WORKER.relative_to(ROOT))  # exec runs in ROOT: the role is shown, not cut
+    run.start("--limit", "4Gi",
+              command=(sys.executable, worker, "--role", role, "--report", str(run.report)))  # fmt: skip
+    w = run.worker(role)
+    run.use(w["pid"], 5 * GiB)
+    assert run.wait() == 128 + signal.SIGTERM
+    lines = run.stderr.splitlines()
+    (sent,) = [line for line in lines if "sent SIGTERM" in line]
+    assert f"pid {w['pid']} ({sys.executable} {worker} --role main\\nvram-enforcer" in sent
+    assert sent.endswith("SIGKILL follows in 5s if it has not exited"), run.stderr
+    assert not [line for line in lines if line.startswith("vram-enforcer: error: forged")]
+    assert "\r" not in run.stderr and "\x1b" not in run.stderr
+
+
 def test_one_that_ignores_sigterm_is_killed_after_the_grace_period(run: Run) -> None:
     run.start("--limit", "1Gi", "--grace-period", "300ms", worker=("--ignore-term",))
     w = run.worker()

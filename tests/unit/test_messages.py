@@ -62,14 +62,35 @@ def test_long_command_lines_are_shortened() -> None:
     assert len(messages.process(long)) < 160
 
 
+def test_tenant_text_is_escaped_unambiguously_and_ordinary_text_left_alone() -> None:
+    ordinary = "python train.py --lr 3e-4 --out /data/café/日本 😀"
+    assert messages.shown(ordinary, 120) == ordinary
+    # Each escape reads one way: a backslash is doubled, a byte that is not UTF-8 (kept by
+    # surrogateescape) is \xNN, a character from U+0080 to U+00FF that is not printable is
+    # \u00NN, and the invisible ones that reorder or hide text are escaped too.
+    assert messages.shown("a\\nb a\nb \x00 \t", 120) == "a\\\\nb a\\nb \\x00 \\t"
+    assert messages.shown("\udcff \xff \x85 \u202e \u2028 \U000e0041", 120) == (
+        "\\xff \u00ff \\u0085 \\u202e \\u2028 \\U000e0041"
+    )
+    # Cut where an escape ends, never inside one.
+    assert messages.shown("\x1b" * 100, 20) == "\\x1b" * 4 + "..."
+    assert messages.shown("\x1b" * 5, 20) == "\\x1b" * 5
+    # A sentence of ours is one line already: it passes as it is; one with a control
+    # character in it is escaped whole.
+    assert messages.one_line("pid 7 (a\\nb)", 20) == "pid 7 (a\\nb)"
+    assert messages.one_line("pid 7 (a\\nb)\n", 20) == "pid 7 (a\\\\nb)\\n"
+    assert messages.one_line("x" * 30, 20) == "x" * 17 + "..."
+
+
 def test_a_silent_sidecar_says_why_when_the_agent_could_not_reach_it() -> None:
-    stopped = messages.sidecar_silent(10.0)
-    assert "stopped or killed" in stopped and "the node agent enforces the pod's" in stopped
+    unheard = messages.sidecar_silent(10.0)
+    assert "does not read what the agent sends" in unheard
+    assert "the node agent enforces the pod's" in unheard
     denied = messages.sidecar_silent(10.0, "cannot connect to /proc/7/root/...: Permission denied")
     assert (
         "the agent cannot connect to it (cannot connect to /proc/7/root/...: Permission " in denied
     )
-    assert "AppArmor" in denied and "stopped or killed" not in denied
+    assert "AppArmor" in denied and "does not read" not in denied
 
 
 def test_a_reclaim_names_the_gpu_usage_request_ceiling_and_whose_need() -> None:
