@@ -15,6 +15,10 @@ below it). The peer is identified by the kernel, not by anything it sends.
   the kernel when it was sent) naming the pinned pid. It was sent after we pinned, and the
   pinned process still holds its pid when we check; so the process that sent it is the
   one we pinned, and it holds the connection.
+
+For a connection the agent made (to a sidecar's socket), the kernel names the process
+that listens: the one that called listen(). `prove_listener` holds it to the sidecar's own
+process, the first of its container.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 
+from enforcer.core.model import ProcessKey
 from enforcer.core.protocol import Challenge
 from enforcer.edge.listening import UCRED, peer_credentials
 from enforcer.edge.pidfd import Pinned
@@ -104,6 +109,42 @@ def attest(sock: socket.socket, host_proc: ProcFs, peer_pidfd: bool = True) -> P
         return Peer(pid, uid, view, cid)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # stamp what it sends next
     return Unproven(pid, uid, process, view, cid)
+
+
+def prove_listener(
+    sock: socket.socket, host_proc: ProcFs, init: ProcessKey, container_id: str
+) -> None:
+    """Raise PeerError unless the process listening on the far end of `sock`, a connection
+    the agent made, is `init`: the first process of container `container_id`, which runs
+    the container's command (the sidecar). Any other process of that container (one exec'd
+    into it, a child) passes a check of the container ID, and may have replaced the socket.
+
+    With SO_PEERPIDFD the pidfd is the listener itself. Without it (Linux < 6.5) the pid is
+    the one the listener had, which `init` may have taken since, had the listener exited;
+    the challenge that the agent's server makes on this connection, which only the process
+    holding it can answer, with the kernel's stamp of its pid, proves that one too."""
+    pid, _ = peer_credentials(sock)
+    if pid != init.pid:
+        raise PeerError(
+            f"the process listening on it (pid {pid}) is not the container's first process "
+            f"(pid {init.pid}): another process of the container (exec'd into it?) took the "
+            "sidecar's socket"
+        )
+    process = _peer_pidfd(sock, pid) or Pinned.open(pid)
+    if not isinstance(process, Pinned):
+        raise PeerError("the process listening on it exited before it could be identified")
+    with process:
+        st = host_proc.stat(pid)
+        if (
+            st is None
+            or st.start_time != init.start_time
+            or host_proc.container_id(pid) != container_id
+            or process.exited()
+        ):
+            raise PeerError(
+                f"the container's first process (pid {init.pid}) exited, or left the "
+                "container, while the process listening on its socket was being identified"
+            )
 
 
 def _peer_pidfd(sock: socket.socket, pid: int) -> Pinned | None:

@@ -2,39 +2,63 @@
 
 A sidecar listens on `SIDECAR_SOCKET` in an emptyDir that no other container mounts (the
 pod needs no hostPath). The agent, with the host's PIDs and CAP_SYS_PTRACE, reaches it
-through `/proc/<pid>/root` of a process whose cgroup names the sidecar's container (the ID
-from the pod's status): so the agent chooses whom it talks to. Nothing is sent here: the
-server attests the process that listens on the socket before it says a word
-(`UsageServer.adopt`), so a pid reused meanwhile, or a link planted in the sidecar's
-filesystem, can lead only to a socket of another container, or of the host, and that is
-refused unread.
+through `/proc/<pid>/root` of the sidecar container's init, its first process (the one
+whose parent is not in the container, and the oldest of those: a `kubectl exec` into it
+started later), found by the container's ID from the pod's status: so the agent chooses
+whom it talks to. Nothing is sent here, and a connection is handed on only once the kernel
+names that very init as the process listening on it (`peers.prove_listener`): a process
+exec'd into the sidecar's container (`pods/exec`) or started by it shares its cgroup and
+its filesystem, and could replace the socket. The server then attests the listener's
+container again (`UsageServer.adopt`), so a pid reused meanwhile, or a link planted in the
+sidecar's filesystem, can lead only to a socket of another container, or of the host, and
+that is refused unread.
 """
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Collection
+from dataclasses import dataclass
 
+from enforcer.core.attribution import oldest
+from enforcer.core.model import ProcessKey, ProcessTotal
 from enforcer.core.protocol import SIDECAR_SOCKET
+from enforcer.edge.peers import PeerError, prove_listener
 from enforcer.edge.procfs import ProcFs
 
 
-def processes_of(host_proc: ProcFs, ids: Collection[str]) -> dict[str, int]:
-    """A process of each of these containers (by ID) that runs now, from one pass over the
-    host's processes."""
-    found: dict[str, int] = {}
-    for pid in host_proc.pids():
-        cid = host_proc.container_id(pid)
-        if cid is not None and cid in ids and cid not in found:
-            found[cid] = pid
-            if len(found) == len(ids):
-                break
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A socket was found, but the sidecar's own process does not listen on it: closed
+    unread. Unlike a sidecar that cannot be reached yet, this is someone's doing."""
+
+    why: str
+
+    def __str__(self) -> str:
+        return self.why
+
+
+def inits_of(host_proc: ProcFs, ids: Collection[str]) -> dict[str, ProcessKey | str]:
+    """The init of each of these containers (by ID), from one pass over the host's
+    processes, or why none is named."""
+    roots = host_proc.container_roots(ids)
+    found: dict[str, ProcessKey | str] = {}
+    for cid in ids:
+        init = oldest(ProcessTotal(key, 0, ()) for key in roots.get(cid, ()))
+        if init is not None:
+            found[cid] = init.key
+        elif cid in roots:
+            found[cid] = ("its first process is not proven: two of its processes whose parent "
+                          "is outside it started in the same clock tick")  # fmt: skip
+        else:
+            found[cid] = "no process of it runs on this node"
     return found
 
 
-def dial(host_proc: ProcFs, pid: int) -> socket.socket | str:
-    """A connection to the sidecar socket in the filesystem of `pid`, or why not."""
-    path = f"{host_proc.root}/{pid}/root{SIDECAR_SOCKET}"
+def dial(host_proc: ProcFs, container_id: str, init: ProcessKey) -> socket.socket | Refused | str:
+    """A connection to the sidecar socket in the filesystem of `init`, the container's first
+    process, on which that process listens; or why not."""
+    path = f"{host_proc.root}/{init.pid}/root{SIDECAR_SOCKET}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
     try:
         sock.connect(path)  # a Unix socket connects at once, or fails (EAGAIN: backlog full)
@@ -44,13 +68,19 @@ def dial(host_proc: ProcFs, pid: int) -> socket.socket | str:
     except OSError as exc:
         sock.close()
         return f"cannot connect to {path}: {exc.strerror or exc}"
+    try:
+        prove_listener(sock, host_proc, init, container_id)
+    except PeerError as exc:
+        sock.close()
+        return Refused(f"{path}: {exc}; closed unread")
     return sock
 
 
-def dial_sidecars(host_proc: ProcFs, ids: Collection[str]) -> dict[str, socket.socket | str]:
+def dial_sidecars(
+    host_proc: ProcFs, ids: Collection[str]
+) -> dict[str, socket.socket | Refused | str]:
     """For each sidecar container ID: a connection to its socket, or why there is none."""
-    pids = processes_of(host_proc, ids)
     return {
-        cid: dial(host_proc, pids[cid]) if cid in pids else "no process of it runs on this node"
-        for cid in ids
+        cid: init if isinstance(init, str) else dial(host_proc, cid, init)
+        for cid, init in inits_of(host_proc, ids).items()
     }

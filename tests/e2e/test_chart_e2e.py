@@ -411,11 +411,74 @@ def assert_the_sidecar_cannot_be_changed(admin: client.ApiClient) -> None:
     assert stored.spec.init_containers[0].image == "ghcr.io/vram-enforcer/vram-enforcer:e2e"
 
 
+def entering(api: client.ApiClient, container: str, how: str = "exec") -> tuple[int, str]:
+    """The API server's answer to an exec (or attach) into `container` of trainer-0: its
+    status and message. The pod is on no node, so one that admission lets through fails
+    after it, with 400 ("does not have a host assigned")."""
+    core = client.CoreV1Api(api)
+    try:
+        if how == "attach":
+            core.connect_post_namespaced_pod_attach("trainer-0", OPTED_IN, container=container,
+                                                    stdout=True)  # fmt: skip
+        else:
+            core.connect_post_namespaced_pod_exec("trainer-0", OPTED_IN, command=["true"],
+                                                  container=container, stdout=True)  # fmt: skip
+    except client.ApiException as exc:
+        return exc.status, str(json.loads(exc.body or "{}").get("message", exc.body))
+    return 200, ""
+
+
+def assert_the_sidecar_cannot_be_entered(admin: client.ApiClient) -> None:
+    """The chart's second policy: a tenant who may exec and attach (as Kubernetes' `edit`
+    role allows; granted here by a Role of its own, since `edit` is filled in by the
+    controller manager, which the oldest server runs without) cannot exec or attach into
+    the sidecar's container of the injected pod trainer-0, where a process could take the
+    sidecar's socket; into the pod's own container it may, and so may a cluster
+    administrator (system:masters) into the sidecar. Nobody adds an ephemeral container
+    that targets the sidecar; one that targets the pod's own container is added."""
+    rbac = client.RbacAuthorizationV1Api(admin)
+    rbac.create_namespaced_role(OPTED_IN, {
+        "metadata": {"name": "tenant-exec"},
+        "rules": [{"apiGroups": [""], "resources": ["pods/exec", "pods/attach"],
+                   "verbs": ["create", "get"]}]})  # fmt: skip
+    rbac.create_namespaced_role_binding(OPTED_IN, {
+        "metadata": {"name": "tenant-exec"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tenant-exec"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "tenant"}]})  # fmt: skip
+    tenant = client.ApiClient(admin.configuration)
+    tenant.set_default_header("Impersonate-User", "tenant")
+    wait_for(lambda: entering(tenant, "vram-enforcer")[0] == 403, timeout=30,
+             what="the sidecar-exec policy to be in force")  # fmt: skip
+    for how in ("exec", "attach"):
+        status, message = entering(tenant, "vram-enforcer", how)
+        assert status == 403, (how, message)
+        assert "exec and attach into the vram-enforcer container are refused" in message, how
+        status, message = entering(tenant, "trainer", how)
+        assert status == 400 and "does not have a host assigned" in message, (how, message)
+    status, message = entering(admin, "vram-enforcer")
+    assert status == 400 and "does not have a host assigned" in message, message
+    core = client.CoreV1Api(admin)
+
+    def debug(target: str) -> Any:
+        """Add the pod's first ephemeral container, targeting `target`."""
+        container = {"name": f"debug-{target}", "image": "busybox", "targetContainerName": target}
+        patch = [{"op": "add", "path": "/spec/ephemeralContainers", "value": [container]}]
+        return core.patch_namespaced_pod_ephemeralcontainers("trainer-0", OPTED_IN, patch)
+
+    with pytest.raises(client.ApiException) as info:
+        debug("vram-enforcer")
+    assert info.value.status == 403
+    assert "cannot target the vram-enforcer container" in json.loads(info.value.body)["message"]
+    stored = debug("trainer")
+    assert [e.target_container_name for e in stored.spec.ephemeral_containers] == ["trainer"]
+
+
 def test_a_pod_is_mutated_through_the_charts_own_webhook(
     installed: Path, admin: client.ApiClient, tmp_path: Path
 ) -> None:
     assert_mutated(mutate_through_the_chart(admin, installed, tmp_path))
     assert_the_sidecar_cannot_be_changed(admin)
+    assert_the_sidecar_cannot_be_entered(admin)
 
 
 def test_the_oldest_supported_kubernetes_takes_the_chart_and_its_webhook(
@@ -439,6 +502,7 @@ def test_the_oldest_supported_kubernetes_takes_the_chart_and_its_webhook(
         kubeconfig = install(server, admin, tmp_path)
         assert_mutated(mutate_through_the_chart(admin, kubeconfig, tmp_path))
         assert_the_sidecar_cannot_be_changed(admin)
+        assert_the_sidecar_cannot_be_entered(admin)
 
 
 def test_an_upgrade_keeps_the_self_signed_certificate(

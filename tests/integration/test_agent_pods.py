@@ -11,8 +11,11 @@ real socket server, given the directory that the agent's pod publisher builds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import os
+import secrets
 import select
 import signal
 import socket
@@ -22,22 +25,29 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
+from enforcer.core.declaration import ENFORCED, SIDECAR
 from enforcer.core.model import SourceDown
 from enforcer.core.payloads import ObjectReference, Pod
-from enforcer.core.pod_directory import directory, event_about
+from enforcer.core.pod_directory import directory, event_about, kept
 from enforcer.core.protocol import SIDECAR_SOCKET, SIDECAR_SOCKET_DIR
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sidecar_dialer import dial_sidecars
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
+from enforcer.modes.sidecar_watch import SidecarProcesses, SidecarWatch
 from tests.helpers import children, scratch_cgroup, wait_for
 
+if TYPE_CHECKING:
+    from enforcer.edge.events import EventRecorder
+
 ROOT = Path(__file__).resolve().parents[2]
-A, B, C = ("a" * 64, "b" * 64, "c" * 64)
+# Container IDs of this run's own: the agent looks for a container's processes in the whole
+# host's /proc, where another run of these tests (CI, a neighbour's) may have its own.
+A, B, C = (secrets.token_hex(32) for _ in range(3))
 # pod UIDs, as the kubelet names pod cgroups after them
 UA, UB, UC, UF = (f"{d * 8}-0000-4000-8000-{d * 12}" for d in "abcf")
 
@@ -52,23 +62,42 @@ INTRUDER = textwrap.dedent(
     from enforcer.core.protocol import PodReply, encode_pod
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(sys.argv[1])
-    s.sendall(encode_pod(PodReply({"metadata": {"name": "forged"}}, None)))
     s.settimeout(10)
     try:
+        s.sendall(encode_pod(PodReply({"metadata": {"name": "forged"}}, None)))
         answer = s.recv(100)
-    except ConnectionResetError:  # closed with our line unread
+    except (BrokenPipeError, ConnectionResetError):  # closed before our line, or with it unread
         answer = b""
     print(json.dumps({"intruder": "answered" if answer else "hung up on"}), flush=True)
     """
 )
-CALLER = textwrap.dedent(
+# A process of the sidecar's container (a child of it, or one exec'd into it) that takes its
+# socket: removes it and listens on the path itself, to be served as the sidecar.
+PLANTED = textwrap.dedent(
     """
+    import json, os, socket, sys
+    os.read(0, 3)  # "go": in the sidecar's container (its cgroup) by now
+    os.unlink(sys.argv[1])
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(sys.argv[1])
+    s.listen()
+    print(json.dumps({"planted": os.getpid()}), flush=True)  # its pid in the pod
+    held = []
+    while True:
+        held.append(s.accept()[0])
+    """
+)
+CALLER = (
+    textwrap.dedent(
+        """
     import json, os, selectors, subprocess, sys
     sys.path.insert(0, sys.argv[2])
     from enforcer.core.protocol import EventRequest
     from enforcer.edge.sources import AgentSource
     os.read(0, 3)  # "go": moved into its container's cgroup by now
     mode, where = sys.argv[1].split(":", 1)  # dial:PATH, or listen:PATH (the agent dials it)
+    # What it starts beside it, in its pod (and its container), when told to
+    BESIDE = {"intrude": INTRUDER_CODE, "spawn": "import time; time.sleep(600)", "plant": PLANTED_CODE}
     source = AgentSource(where, 60.0, pod=True, listen=where if mode == "listen" else None)
     seen = 0
     while True:
@@ -92,15 +121,18 @@ CALLER = textwrap.dedent(
                     if not lines:
                         sys.exit(0)  # the test has gone: so does its caller
                     for line in lines.splitlines():
-                        if line in ("intrude", "spawn"):  # a process beside it, in this pod
-                            code = INTRUDER_CODE if line == "intrude" else "import time; time.sleep(600)"
-                            subprocess.Popen([sys.executable, "-c", code, where, sys.argv[2]])
+                        if line in BESIDE:  # a process beside it, in this pod
+                            subprocess.Popen([sys.executable, "-c", BESIDE[line], where, sys.argv[2]],
+                                             stdin=subprocess.DEVNULL)
                             continue
                         reason, container, message = line.split(" ", 2)
                         source.send_event(EventRequest(reason, message, True,
                                                        None if container == "-" else container))
     """
-).replace("INTRUDER_CODE", repr(INTRUDER))
+    )
+    .replace("INTRUDER_CODE", repr(INTRUDER))
+    .replace("PLANTED_CODE", repr(PLANTED))
+)
 
 
 # A sidecar of its own: its own PID namespace, as in a pod, and its own mount namespace, with
@@ -110,6 +142,7 @@ POD_NAMESPACES = ["unshare", "--mount", "--propagation", "private", "--pid", "--
 
 
 def pod(name: str, uid: str, *container_ids: str, labels: dict[str, str] | None = None) -> Pod:
+    """A pod as the agent's watch keeps it (`kept`), from one as the API server sends it."""
     statuses = [{"name": f"c{i}", "containerID": f"containerd://{cid}"}
                 for i, cid in enumerate(container_ids)]  # fmt: skip
     doc: dict[str, Any] = {
@@ -118,7 +151,7 @@ def pod(name: str, uid: str, *container_ids: str, labels: dict[str, str] | None 
         "spec": {"containers": [{"name": f"c{i}"} for i in range(len(container_ids))]},
         "status": {"containerStatuses": statuses},
     }  # fmt: skip
-    return cast(Pod, doc)
+    return kept(cast(Pod, doc))
 
 
 class Caller:
@@ -247,10 +280,10 @@ def test_a_change_of_the_pod_is_pushed_to_its_callers_only(
     try:
         assert in_a.next()["pod"] == "pod-a" and in_b.next()["pod"] == "pod-b"
         assert late.next()["pod"] is None
-        restarted = pod("pod-a", UA, A, C, labels={"restarts": "1"})
+        restarted = pod("pod-a", UA, A, C, labels={ENFORCED: "restarted"})
         server.publish_pods(directory([restarted, pods[1]], {}, "the API is slow"))
         assert in_a.next() == {"pod": "pod-a", "problem": "the API is slow",
-                               "labels": {"restarts": "1"}, "managed": False}  # fmt: skip
+                               "labels": {ENFORCED: "restarted"}, "managed": False}  # fmt: skip
         assert late.next()["pod"] == "pod-a"
         assert in_b.next()["problem"] == "the API is slow"  # its reply changed: the problem
         server.publish_pods(directory([restarted, pods[1]], {}, "the API is slow"))
@@ -317,7 +350,8 @@ def test_a_report_is_posted_on_the_callers_own_pod_and_nowhere_else(
             ("pod-a", "VRAMEnforced", "about a container pod-a does not have", None),
             ("pod-a", "VRAMNearLimit", "the pod as a whole", None),
         ]
-        server.publish_pods(directory([pods[0], pod("pod-b", UB, B, labels={"x": "y"})], {}, None))
+        changed = pod("pod-b", UB, B, labels={ENFORCED: "y"})
+        server.publish_pods(directory([pods[0], changed], {}, None))
         server.publish_pods(directory(pods, {}, "still subscribed"))
         assert in_a.next()["problem"] == "still subscribed"  # the bad report cost nothing
     finally:
@@ -460,8 +494,8 @@ def test_a_process_of_the_pod_cannot_pose_as_the_agent(
         assert sidecar.next()["pod"] == "pod-a"  # the first pod it took: the agent's
         sidecar.send("intrude")  # again, while the agent is connected
         assert sidecar.next() == {"intruder": "hung up on"}
-        server.publish_pods(directory([pod("pod-a", UA, A, labels={"x": "y"})], {}, None))
-        assert sidecar.next()["labels"] == {"x": "y"}  # still the agent's connection
+        server.publish_pods(directory([pod("pod-a", UA, A, labels={ENFORCED: "y"})], {}, None))
+        assert sidecar.next()["labels"] == {ENFORCED: "y"}  # still the agent's connection
         assert A in server.connected
     finally:
         sidecar.stop()
@@ -473,7 +507,9 @@ def test_a_socket_that_another_container_listens_on_is_closed_unread(
     """The agent finds the sidecar by its container's cgroup, then the socket in that
     process's filesystem. If the socket there is held by a process of another container (a
     pid reused meanwhile, or a workload's socket in the sidecar's place), the agent closes
-    the connection without a word, and serves the sidecar that is proven."""
+    the connection without a word, and serves the sidecar that is proven: the dialer, for
+    a listener that is not the container's first process, and the server, for one of
+    another container, whoever connected."""
     server.publish_pods(directory([pod("pod-a", UA, A), pod("pod-b", UB, B)], {}, None))
     listener = Caller(tmp_path / "unused", cgroups, UB, B, listen=True)  # the socket: B's
     try:
@@ -481,11 +517,86 @@ def test_a_socket_that_another_container_listens_on_is_closed_unread(
         listener.send("spawn")  # a process of container A, in the same filesystem
         spawned = wait_for(lambda: children(listener.pid), what="the spawned process")[0]
         listener.move(spawned, UA, A)
+        found = dial_sidecars(ProcFs(), [A])[A]
+        assert not isinstance(found, socket.socket), "a socket of container B served as A's"
+        assert f"(pid {listener.pid}) is not the container's first process" in str(found)
         before = refused()
-        server.adopt(A, dial(A))
+        past_the_dialer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        past_the_dialer.connect(f"/proc/{spawned}/root{SIDECAR_SOCKET}")
+        server.adopt(A, past_the_dialer)
         wait_for(lambda: refused() == before + 1, what="the connection refused")
         assert A not in server.connected and B not in server.connected
         server.adopt(B, dial(B))  # the same socket, for the container that holds it
         assert listener.next()["pod"] == "pod-b"
     finally:
         listener.stop()
+
+
+def injected(uid: str, sidecar: str) -> Pod:
+    """A running pod that the webhook injected, whose sidecar runs in container `sidecar`."""
+    doc = cast(dict[str, Any], pod("pod-a", uid, labels={ENFORCED: "true"}))
+    doc["status"]["initContainerStatuses"] = [
+        {"name": SIDECAR, "containerID": f"containerd://{sidecar}", "state": {"running": {}}}
+    ]
+    return cast(Pod, doc)
+
+
+@pytest.mark.parametrize("planted_by", ["exec", "child"])
+def test_a_process_of_the_sidecars_container_that_takes_its_socket_is_refused(
+    server: UsageServer,
+    cgroups: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    planted_by: str,
+) -> None:
+    """With `pods/exec` (in Kubernetes' default `edit` role) a tenant runs a process in the
+    sidecar's container, whose parent is outside it (`exec`), or a child of the sidecar's
+    (`child`): either shares the sidecar's cgroup and its filesystem. It removes the
+    sidecar's socket and listens on the path itself, to be served the pod's usage and its
+    pod as the sidecar, and to hand the agent reports of its own. The container's ID is the
+    sidecar's, but the listener is not the container's first process: the agent refuses it,
+    on every attempt (counted), and says so once. The sidecar's own listener, before, was
+    taken."""
+    server.publish_pods(directory([pod("pod-a", UA, A)], {}, None))
+    sidecar = Caller(tmp_path / "unused", cgroups, UA, A, listen=True)
+    now = [0.0]
+    # The agent dials A whenever its watch finds it unconnected: here, always (as after an
+    # agent restart, or once the sidecar's connection is gone).
+    watch = SidecarWatch(lambda: {UA: injected(UA, A)}, frozenset, cast("EventRecorder", None),
+                         TELEMETRY, functools.partial(dial_sidecars, ProcFs()), server.adopt,
+                         peers=dict, processes=SidecarProcesses(ProcFs()),
+                         clock=lambda: now[0])  # fmt: skip
+    planter = None
+    try:
+        wait_for(sidecar.listening, what="the sidecar to listen")
+        watch.check()
+        assert sidecar.next()["pod"] == "pod-a"  # its own listener: served
+        if planted_by == "exec":  # as the runtime runs an exec: into its namespaces, then cgroup
+            planter = subprocess.Popen(["nsenter", f"--target={sidecar.pid}", "--mount", "--pid",
+                                        sys.executable, "-c", PLANTED, SIDECAR_SOCKET],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+            planted = wait_for(lambda: children(planter.pid), what="the exec'd process")[0]
+            sidecar.move(planted, UA, A)
+            assert planter.stdin is not None and planter.stdout is not None
+            planter.stdin.write("go\n")
+            planter.stdin.flush()
+            assert "planted" in json.loads(planter.stdout.readline())
+        else:
+            sidecar.send("plant")
+            assert "planted" in sidecar.next()
+            planted = children(sidecar.pid)[0]
+        before = refused()
+        with caplog.at_level(logging.INFO, logger="enforcer.modes.sidecar_watch"):
+            for now[0] in (1.0, 3.0):  # the next two attempts (1 s, then 2 s apart)
+                watch.check()
+        assert refused() == before + 2, "a listener that is not the sidecar was served"
+        (said,) = [r for r in caplog.records if r.name == "enforcer.modes.sidecar_watch"]
+        assert said.levelno == logging.WARNING
+        assert f"(pid {planted}) is not the container's first process (pid {sidecar.pid})" in (
+            said.getMessage()
+        )
+    finally:
+        sidecar.stop()  # the first process of the pod's PID namespace: the planted one goes too
+        if planter is not None:
+            planter.kill()
+            planter.wait()
