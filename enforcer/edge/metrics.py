@@ -356,8 +356,8 @@ class AgentTelemetry:
         )
         self.unguarded = Gauge(
             PREFIX + "pods_unguarded",
-            "Enforced pods of this node whose sidecar has not been connected to the agent for "
-            "10 s (stopped, killed or crash-looping)",
+            "Enforced pods of this node whose sidecar is stopped, has ended or hung up (at "
+            "once), or has not been heard for 10 s while running",
             registry=self.registry,
         )
         self.held_by_agent = Gauge(

@@ -46,20 +46,27 @@ class Signaller:
         pinned = Pinned.open(key.pid)
         if isinstance(pinned, SignalResult):
             return pinned
-        start_time = self._procfs.start_time(key.pid)
-        refusal = None
-        if start_time is None:
-            refusal = SignalResult.GONE if pinned.exited() else SignalResult.UNVERIFIED
-        elif start_time != key.start_time:
-            refusal = SignalResult.IDENTITY_CHANGED
-        elif not is_member(key.pid):
-            refusal = SignalResult.NOT_MEMBER
-        elif pinned.exited():  # last: the reads above were of the pinned process
-            refusal = SignalResult.GONE
+        refusal = self.refusal(pinned, key, is_member)
         if refusal is not None:
             pinned.close()
             return refusal
         return pinned
+
+    def refusal(
+        self, pinned: Pinned, key: ProcessKey, is_member: Membership
+    ) -> SignalResult | None:
+        """Why the pinned process is not proven, now, to be `key` and a member; None when it
+        is. Run again before every later signal to it (the SIGKILL after the grace period)."""
+        start_time = self._procfs.start_time(key.pid)
+        if start_time is None:
+            return SignalResult.GONE if pinned.exited() else SignalResult.UNVERIFIED
+        if start_time != key.start_time:
+            return SignalResult.IDENTITY_CHANGED
+        if not is_member(key.pid):
+            return SignalResult.NOT_MEMBER
+        if pinned.exited():  # last: the reads above were of the pinned process
+            return SignalResult.GONE
+        return None
 
 
 def signal_children(pids: Iterable[int], sig: signal.Signals) -> None:
@@ -157,8 +164,11 @@ class Terminator:
         if victim.kill_at is not None and now >= victim.kill_at:
             victim.kill_at = None
             victim.give_up_at = now + STUCK_AFTER
-            if not victim.is_member(victim.enforcement.victim.key.pid):
-                return Escalation.ABANDONED
+            refusal = self._signaller.refusal(
+                victim.process, victim.enforcement.victim.key, victim.is_member
+            )
+            if refusal is not None:
+                return Escalation.EXITED if refusal is SignalResult.GONE else Escalation.ABANDONED
             sent = victim.process.send(signal.SIGKILL)
             if sent is SignalResult.GONE:
                 return Escalation.EXITED

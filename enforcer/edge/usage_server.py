@@ -19,7 +19,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,7 +150,7 @@ class _Connection:
     sent are collected in `senders`.
     """
 
-    __slots__ = ("blocked_since", "container_id", "inbox", "last_request", "outbox",
+    __slots__ = ("blocked_since", "container_id", "inbox", "last_request", "outbox", "pid",
                  "pod_sent", "refused", "senders", "sock", "subscribed", "unproven", "view",
                  "wants_pod")  # fmt: skip
 
@@ -160,10 +160,12 @@ class _Connection:
         view: PidView,
         unproven: Unproven | None,
         container_id: str | None = None,
+        pid: int = 0,
     ) -> None:
         self.sock = sock
         self.view = view
         self.container_id = container_id  # the caller's, from its cgroup: names its pod
+        self.pid = pid  # the caller's (the listener's, on a connection the agent made), host's
         self.wants_pod = False
         self.pod_sent = b""  # the pod reply it was last sent: pushed again only when changed
         self.unproven = unproven
@@ -215,6 +217,12 @@ class UsageServer:
         # The container IDs with a subscription that is being read, as of the last sweep (a
         # second at most): whose sidecars are there (`sidecar_presence`). Swapped whole.
         self.connected: frozenset[str] = frozenset()
+        # The pid of the process at the other end of each container's latest proven
+        # connection, by container ID: a sidecar's own process. Swapped whole.
+        self.peers: Mapping[str, int] = {}
+        # Told the container ID of a caller that hung up its last connection (a sidecar does
+        # when its process ends, SIGKILL included), on the loop's thread: it must not wait.
+        self.hung_up: Callable[[str], None] | None = None
         self._counters: dict[str, Counter] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.thread = threading.Thread(target=self._run, name="usage-socket", daemon=True)
@@ -382,10 +390,12 @@ class UsageServer:
                                f"{PER_NAMESPACE}); close one, or retry later", dialed)  # fmt: skip
             return
         self._per_namespace[namespace] += 1
-        conn = _Connection(sock, peer.view, unproven, peer.container_id)
+        conn = _Connection(sock, peer.view, unproven, peer.container_id, peer.pid)
         self._connections[sock.fileno()] = conn
         self._epoll.register(sock.fileno(), select.EPOLLIN)
         self._metrics.connections.set(len(self._connections))
+        if unproven is None and peer.container_id:
+            self._peers_changed()
         if unproven is not None:
             conn.outbox = encode_challenge(unproven.challenge)
             self._flush(conn)
@@ -413,7 +423,7 @@ class UsageServer:
         except OSError:
             data = b""
         if not data:
-            self._drop(conn)
+            self._drop(conn, hung_up=True)
             return
         conn.inbox += data
         replies = []
@@ -457,6 +467,7 @@ class UsageServer:
                 return encode_error(str(exc))
             conn.unproven.close()
             conn.unproven, conn.view, conn.container_id = None, peer.view, peer.container_id
+            self._peers_changed()
         if request.op == "event":
             self._post(conn, request.event)
             return b""  # never answered: see EventRequest
@@ -504,7 +515,7 @@ class UsageServer:
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:
-            self._drop(conn)
+            self._drop(conn, hung_up=True)
             return
         conn.outbox = conn.outbox[sent:]
         if conn.outbox and conn.blocked_since is None:
@@ -546,7 +557,9 @@ class UsageServer:
             if conn.subscribed and conn.blocked_since is None and conn.container_id
         )
 
-    def _drop(self, conn: _Connection) -> None:
+    def _drop(self, conn: _Connection, hung_up: bool = False) -> None:
+        """`hung_up`: the caller closed the connection (not the agent)."""
+        proven = conn.unproven is None
         if conn.unproven is not None:
             conn.unproven.close()
             conn.unproven = None
@@ -558,8 +571,19 @@ class UsageServer:
                 del self._per_namespace[namespace]
             with contextlib.suppress(OSError, ValueError):
                 self._epoll.unregister(fd)
+            if proven and conn.container_id:
+                self._peers_changed()
+                if hung_up and conn.container_id not in self.peers and self.hung_up is not None:
+                    self.hung_up(conn.container_id)
         conn.sock.close()
         self._metrics.connections.set(len(self._connections))
+
+    def _peers_changed(self) -> None:
+        self.peers = {
+            conn.container_id: conn.pid
+            for conn in self._connections.values()
+            if conn.container_id and conn.unproven is None
+        }
 
     def count(self, result: str) -> None:
         counter = self._counters.get(result)

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 from enforcer.core import messages
 from enforcer.core.attribution import usage_by_container
 from enforcer.core.declaration import SIDECAR
-from enforcer.core.lending import Lending
 from enforcer.core.model import Device, Sample, SourceDown
 from enforcer.core.payloads import ObjectReference
 from enforcer.core.pod_directory import event_about
@@ -174,8 +173,8 @@ class Sampler(threading.Thread):
             self._telemetry.node.tenants = self._tenants.count(sample)
             # Each process's container, built once per pass, by the first that needs it.
             containers = functools.cache(self._tenants.containers)
-            if self.lender is not None:  # undecided (pods not listed yet): nobody is asked
-                lending = self.lender(sample, containers) or Lending()
+            if self.lender is not None:  # None (its pass failed): no lending is published
+                lending = self.lender(sample, containers)
             if self.backstop is not None:
                 self.backstop(sample, containers)
             if self.keeps_usage:
@@ -388,7 +387,7 @@ def _pod_watch(
     from enforcer.edge.pod_resources import PodResources  # noqa: PLC0415
     from enforcer.edge.sidecar_dialer import dial_sidecars  # noqa: PLC0415
     from enforcer.modes.pod_publisher import PodPublisher  # noqa: PLC0415
-    from enforcer.modes.sidecar_watch import SidecarWatch  # noqa: PLC0415
+    from enforcer.modes.sidecar_watch import SidecarProcesses, SidecarWatch  # noqa: PLC0415
 
     claims = ClaimCache(ClaimReader(api, settings.node_name))
     recorder = EventRecorder(api, settings.node_name, settings.node_name, telemetry.event_failures)
@@ -436,7 +435,9 @@ def _pod_watch(
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
         dial = functools.partial(dial_sidecars, server.host_proc)
         sidecars = SidecarWatch(pods.snapshot, lambda: server.connected, recorder, telemetry,
-                                dial, server.adopt)  # fmt: skip
+                                dial, server.adopt, lambda: server.peers,
+                                SidecarProcesses(server.host_proc))  # fmt: skip
+        server.hung_up = sidecars.hung_up  # a killed sidecar's pod is held at once
         woken.append(sidecars)
         sampler.backstop = Backstop(pods.snapshot, lambda: sidecars.silent, resource, SIDECAR,
                                     recorder, telemetry, server.host_proc,

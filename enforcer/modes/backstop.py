@@ -10,7 +10,10 @@ memory back; with DRA, each claim's allocation on its GPU, from the claims the a
 read for the pod's replies (never read here: the sampler does not wait on the API); the
 same proof before each signal (a pidfd, the process's start time, and
 its cgroup naming the container's ID in the pod's current status); and Events on the pod.
-It hands the pod back as soon as the sidecar is heard again (`SidecarWatch` says when).
+It hands the pod back as soon as the sidecar is heard again (`SidecarWatch` says when), and
+follows the victims it signalled to their end all the same: their SIGKILL comes at the
+deadline, after the same proof, whoever holds the pod by then (held again, a pod takes up
+its own pipeline where it left it).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from enforcer.core import messages
 from enforcer.core.attribution import attribute, attribute_per_gpu, oldest
-from enforcer.core.declaration import portion_basis, sidecar_env
+from enforcer.core.declaration import Undeclared, of_pod, portion_basis, sidecar_env, unreadable
 from enforcer.core.dra import (
     Allocations,
     DraObjects,
@@ -85,6 +88,8 @@ class Backstop:
         self._telemetry = telemetry
         self._procfs = procfs
         self._held: dict[str, _Held] = {}  # pod UID -> its pipeline, while its sidecar is silent
+        # Pipelines of pods handed back (or gone) whose victims have not exited yet.
+        self._releasing: dict[str, _Held] = {}
         self._guard = LoopGuard("backstop", telemetry.unexpected.labels("backstop"), log)
 
     def __call__(self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]) -> None:
@@ -93,14 +98,21 @@ class Backstop:
     def _pass(self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]) -> None:
         silent, pods = self._silent(), self._pods() or {}
         for uid in [uid for uid in self._held if uid not in silent or uid not in pods]:
-            self._held.pop(uid).close()  # its sidecar is back, or the pod is gone
+            # Its sidecar is back, or the pod is gone. The victims already signalled are
+            # followed to their end, SIGKILL included: a tenant that continues its sidecar
+            # before the grace period ends must not cut the escalation short.
+            self._releasing[uid] = self._held.pop(uid)
         self._unheld &= silent
         container_of = containers() if silent else {}
         for uid in silent & pods.keys():
-            held = self._held.get(uid) or self._hold(pods[uid], sample)
+            held = self._held.get(uid) or self._releasing.pop(uid, None)
+            held = held or self._hold(pods[uid], sample)
             if held is not None:
                 self._held[uid] = held
                 held.tick(pods[uid], sample, container_of)
+        for uid, held in list(self._releasing.items()):
+            if not held.follow_victims():
+                del self._releasing[uid]
         self._telemetry.held_by_agent.set(len(self._held))
 
     def _hold(self, pod: Pod, sample: Sample) -> _Held | None:
@@ -108,7 +120,8 @@ class Backstop:
         it to (yet: claims not read, or not mapped to a GPU, are looked at again)."""
         name, unit = self._resource
         policy = policy_of(sidecar_env(pod, self._sidecar))
-        vram = pod_vram(pod, name, unit, self._sidecar, portion_basis(sample.devices))
+        declared = of_pod(pod, name, unit, self._sidecar)
+        vram = pod_vram(pod, declared, portion_basis(sample.devices))
         limits: Mapping[str, int] | Allocations
         if vram is not None:
             limits = {n: vram.requests.get(n, limit) for n, limit in vram.limits.items()}
@@ -118,6 +131,8 @@ class Backstop:
             held = ", ".join(f"{describe_unit(u.name)}: {format_bytes(u.limit_bytes)}"
                              for u in found.units)  # fmt: skip
         else:
+            if isinstance(declared, Undeclared):
+                self._cannot_hold(pod, unreadable(declared))
             return None
         log.warning("pod %s: its sidecar is silent; the agent enforces its limits itself (%s)",
                     _named(pod), held)  # fmt: skip
@@ -133,13 +148,17 @@ class Backstop:
         found = allocations(pod, objects.claims, objects.slices, settings) if objects else None
         if found is not None and found.units:
             return found
+        why = "; ".join(found.problems) if found else "its claims have not been read yet"
+        self._cannot_hold(pod, why or "its claims give no GPU")
+        return None
+
+    def _cannot_hold(self, pod: Pod, why: str) -> None:
+        """Said once while the pod's sidecar stays silent, not on every pass."""
         uid = str((pod.get("metadata") or {}).get("uid") or "")
         if uid not in self._unheld:
             self._unheld.add(uid)
-            why = "; ".join(found.problems) if found else "its claims have not been read yet"
-            log.warning("pod %s: its sidecar is silent, and the agent cannot hold it to its "
-                        "claims: %s", _named(pod), why or "they give no GPU")  # fmt: skip
-        return None
+            log.warning("pod %s: its sidecar is silent, and the agent cannot hold it: %s",
+                        _named(pod), why)  # fmt: skip
 
 
 def _named(pod: Pod) -> str:
@@ -188,8 +207,11 @@ class _Held:
         self._attributor.update(pod, container_of)
         self._pipeline.tick()
 
-    def close(self) -> None:
-        self._terminator.close()
+    def follow_victims(self) -> bool:
+        """Once the pod is handed back: escalate, or forget, the victims already signalled,
+        deciding nothing new; whether any is left to follow."""
+        self._pipeline.follow_victims()
+        return bool(self._terminator.busy())
 
 
 class _Given:
@@ -255,16 +277,13 @@ class SilentPodAttributor:
         """Each container's init, as the host sees it: a process of the container whose
         parent is not (the runtime's shim). A `kubectl exec` into it is one too, and always
         younger: the oldest is the init; two of the same clock tick prove none."""
-        name_of = {cid: name for name, cid in self._ids.items()}
-        candidates: dict[str, list[ProcessTotal]] = {}
-        for pid in self._procfs.pids():
-            name = name_of.get(self._procfs.container_id(pid) or "")
-            st = self._procfs.stat(pid) if name is not None else None
-            if name is None or st is None or self._procfs.container_id(st.ppid) == self._ids[name]:
-                continue
-            key, cmdline = ProcessKey(pid, st.start_time), self._procfs.cmdline(pid) or ""
-            candidates.setdefault(name, []).append(ProcessTotal(key, 0, (), cmdline))
-        return {name: init for name, found in candidates.items() if (init := oldest(found))}
+        roots = self._procfs.container_roots(set(self._ids.values()))
+        inits: dict[str, ProcessTotal] = {}
+        for name, cid in self._ids.items():
+            found = oldest(ProcessTotal(key, 0, (), "") for key in roots.get(cid, ()))
+            if found is not None:  # the command line of the init alone is read
+                inits[name] = replace(found, cmdline=self._procfs.cmdline(found.key.pid) or "")
+        return inits
 
     def membership(self, unit: str) -> Membership:
         ids = {self._ids[n] for n in unit_containers(unit) if n in self._ids}

@@ -4,17 +4,25 @@ is gone.
 Once a second this thread connects to each running sidecar that has no connection to the
 agent (through the socket in the sidecar's own filesystem: `sidecar_dialer`), on the
 schedule of `sidecar_presence.to_dial`, and hands the connection to the agent's server,
-which proves who listens on it before it serves it.
+which attests the listener's container again before it serves it. A socket on which the
+sidecar's own process does not listen (another process of its container took it) is
+refused: a warning, said once, and `vram_enforcer_agent_requests_total{result="refused"}`.
 
 A root workload can stop or kill its own sidecar (they share a PID namespace). This thread
-also compares the node's running enforced pods with the sidecars connected
-to the agent's socket (`sidecar_presence.update`, pure); a pod without one for 10 s gets
-a `VRAMSidecarSilent` Warning, the log says so, and `vram_enforcer_pods_unguarded`
-counts it, until its sidecar is back (a Normal Event of the same reason).
+also says which of the node's enforced pods are unguarded (`sidecar_presence.update`, pure)
+while a container that their sidecar enforces runs, in any phase (a regular init container
+runs while its pod is Pending), from what it sees of each sidecar: whether it reads its
+subscription, whether it hung up (the server tells at once, and the thread looks then), and
+its process's state in the host's /proc. A pod whose sidecar is stopped or has ended is
+unguarded at once, one whose sidecar runs but is not heard after 10 s. It gets a
+`VRAMSidecarSilent` Warning, the log says so, and `vram_enforcer_pods_unguarded` counts it,
+until its sidecar is back (a Normal Event of the same reason); meanwhile the agent's
+backstop holds it.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import socket
 import threading
@@ -23,19 +31,26 @@ from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
+from enforcer.core.model import ProcessKey
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
 from enforcer.core.policy import Reason
 from enforcer.core.sidecar_presence import (
-    SILENT_AFTER,
     Attempt,
     Presence,
+    Sidecar,
+    guarded,
+    halt,
     reachable,
+    sidecar_id,
     to_dial,
     update,
 )
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.pidfd import Pinned
+from enforcer.edge.procfs import ProcFs
+from enforcer.edge.sidecar_dialer import Refused
 
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
@@ -50,8 +65,10 @@ class SidecarWatch(threading.Thread):
         connected: Callable[[], frozenset[str]],
         recorder: EventRecorder,
         telemetry: AgentTelemetry,
-        dial: Callable[[Collection[str]], Mapping[str, socket.socket | str]],
+        dial: Callable[[Collection[str]], Mapping[str, socket.socket | Refused | str]],
         adopt: Callable[[str, socket.socket], None],
+        peers: Callable[[], Mapping[str, int]],
+        processes: SidecarProcesses,
         every: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -66,30 +83,56 @@ class SidecarWatch(threading.Thread):
         self._dial, self._adopt = dial, adopt
         self._tried: dict[str, Attempt] = {}
         self._failed: dict[str, str] = {}  # why each sidecar could not be reached, last time
+        self._peers, self._processes = peers, processes
+        self._watched: frozenset[str] = frozenset()  # the sidecars of the pods looked at
+        self._hung_up: collections.deque[str] = collections.deque()  # from the server's thread
+        self._closed: set[str] = set()  # sidecars that hung up, with no connection since
+        self._woken = threading.Event()
         self.stop = threading.Event()
         self._guard = LoopGuard("sidecar-watch", telemetry.unexpected.labels("sidecar-watch"), log)
 
     @property
     def silent(self) -> frozenset[str]:
-        """The UIDs of the pods whose sidecar has been silent for SILENT_AFTER."""
+        """The UIDs of the pods that are unguarded (`sidecar_presence.update`)."""
         return self._presence.silent
 
+    def hung_up(self, container_id: str) -> None:
+        """The server's: a caller hung up its last connection. A sidecar's is looked at now,
+        not at the next check: a killed sidecar's pod is held at once."""
+        if container_id in self._watched:
+            self._hung_up.append(container_id)
+            self._woken.set()
+
     def run(self) -> None:
-        while not self.stop.wait(self._every):
-            self._guard.run(self.check)
+        while not self.stop.is_set():
+            self._woken.wait(self._every)
+            self._woken.clear()
+            if not self.stop.is_set():
+                self._guard.run(self.check)
 
     def check(self) -> None:
         pods = self._pods()
         if pods is None:
             return  # not listed yet
-        connected, now = self._connected(), self._clock()
+        while self._hung_up:  # before the peers are read: one that connects again counts
+            self._closed.add(self._hung_up.popleft())
+        connected, peers, now = self._connected(), self._peers(), self._clock()
         self._connect(pods, connected, now)
-        change = update(self._presence, pods, connected, now)
+        self._watched = watched = frozenset(
+            cid for pod in pods.values() if guarded(pod) and (cid := sidecar_id(pod))
+        )
+        self._closed = {cid for cid in self._closed if cid in watched and cid not in peers}
+        states = self._processes.states({c: pid for c, pid in peers.items() if c in watched})
+        seen = {c: Sidecar(c in connected, c in self._closed, states.get(c)) for c in watched}
+        change = update(self._presence, pods, seen, now)
         self._presence = change.presence
         for uid in change.went_silent:
             cid = reachable(pods[uid])
             why = self._failed.get(cid) if cid is not None else None
-            self._tell(pods[uid], messages.sidecar_silent(SILENT_AFTER, why), warning=True)
+            unheard = now - change.presence.missing_since[uid]
+            own = sidecar_id(pods[uid])
+            how = halt(seen[own]) if own is not None and own in seen else None
+            self._tell(pods[uid], messages.sidecar_silent(unheard, why, how), warning=True)
         for uid in change.came_back:
             self._tell(pods[uid], messages.sidecar_back(), warning=False)
         self._telemetry.unguarded.set(len(change.presence.silent))
@@ -101,13 +144,17 @@ class SidecarWatch(threading.Thread):
         due, self._tried = to_dial(unconnected, self._tried, now)
         self._failed = {cid: why for cid, why in self._failed.items() if cid in unconnected}
         for cid, found in self._dial(due).items() if due else ():
-            if isinstance(found, str):
-                if self._failed.get(cid) != found:  # said once, not every attempt
-                    log.info("sidecar container %s: %s; trying again", cid[:12], found)
-                self._failed[cid] = found
-            else:
+            if isinstance(found, socket.socket):
                 self._failed.pop(cid, None)
                 self._adopt(cid, found)
+                continue
+            refused = isinstance(found, Refused)
+            if refused:
+                self._telemetry.requests.labels("refused").inc()
+            if self._failed.get(cid) != str(found):  # said once, not every attempt
+                log.log(logging.WARNING if refused else logging.INFO,
+                        "sidecar container %s: %s; trying again", cid[:12], found)  # fmt: skip
+            self._failed[cid] = str(found)
 
     def _tell(self, pod: Pod, text: str, warning: bool) -> None:
         meta = pod.get("metadata") or {}
@@ -117,3 +164,39 @@ class SidecarWatch(threading.Thread):
         )
         about = pod_reference(namespace, name, str(meta.get("uid") or ""))
         self._recorder.record(about, str(Reason.SIDECAR_SILENT), text, warning)
+
+
+class SidecarProcesses:
+    """The state of each sidecar's process, read from the host's /proc. The process is the
+    one at the other end of the sidecar's connection (`UsageServer.peers`: the kernel named
+    it), known by (pid, start time) from the first look, which pins it with a pidfd and
+    proves that its cgroup names the sidecar's container. A state is told only when the
+    start time read with it is that one: a pid reused since names someone else."""
+
+    def __init__(self, host_proc: ProcFs) -> None:
+        self._procfs = host_proc
+        self._known: dict[str, ProcessKey] = {}
+
+    def states(self, peers: Mapping[str, int]) -> dict[str, str]:
+        """By container ID, the state letter of each sidecar process that is proven, of
+        those in `peers` (its pid, by container ID)."""
+        known = {cid: key for cid, key in self._known.items() if peers.get(cid) == key.pid}
+        found = {}
+        for cid, pid in peers.items():
+            st = self._procfs.stat(pid)
+            key = known.get(cid) or self._identify(cid, pid)
+            if st is not None and key is not None and st.start_time == key.start_time:
+                known[cid] = key
+                found[cid] = st.state
+        self._known = known
+        return found
+
+    def _identify(self, container_id: str, pid: int) -> ProcessKey | None:
+        pinned = Pinned.open(pid)
+        if not isinstance(pinned, Pinned):
+            return None
+        with pinned:
+            st = self._procfs.stat(pid)
+            if st is None or self._procfs.container_id(pid) != container_id or pinned.exited():
+                return None  # last: the reads above were of the pinned process
+            return ProcessKey(pid, st.start_time)

@@ -1,29 +1,38 @@
 """The agent's attributor for a pod whose sidecar is silent, over the host's real /proc and
 a real cgroup named as containerd names a container's: which process is the container's
-init (for `restart`), and membership proven again before a signal."""
+init (for `restart`), and membership proven again before a signal; and the escalation of a
+victim the agent signalled, which outlives the pod's hand-back to its sidecar."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample, UnitUsage
+from enforcer.core.payloads import Pod
+from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
-from enforcer.modes.backstop import SilentPodAttributor
+from enforcer.modes.backstop import Backstop, SilentPodAttributor
 from tests.helpers import wait_for
+
+if TYPE_CHECKING:
+    from enforcer.edge.events import EventRecorder
 
 CID = "ab" * 32
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
-def in_box(box: Path, argv: list[str]) -> subprocess.Popen[bytes]:
+def in_box(box: Path, argv: list[str], **options: Any) -> subprocess.Popen[Any]:
     """A child of this process (the runtime's shim, here) that starts inside `box`."""
     return subprocess.Popen(
-        ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(box), *argv]
+        ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(box), *argv], **options
     )
 
 
@@ -103,3 +112,65 @@ def test_with_dra_each_claim_holds_its_containers_on_its_gpu_and_proves_them_the
     finally:
         worker.kill()
         worker.wait()
+
+
+class Recorded:
+    """The agent's recorder, as the backstop's Events reach it."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def record(self, about: object, reason: str, message: str, warning: bool) -> None:
+        self.messages.append(message)
+
+
+def test_a_pod_handed_back_before_the_grace_period_ends_still_gets_its_sigkill(
+    cgroup2: Path,
+) -> None:
+    """A tenant that stops and continues its sidecar hands the pod to the agent and back
+    as often as it likes. The victim the agent sent SIGTERM (and that ignores it) is
+    followed to its end whoever holds the pod: handed back, held again and handed back
+    before the grace period ends, it gets one SIGTERM and its SIGKILL at the deadline."""
+    box = cgroup2 / f"cri-containerd-{CID}.scope"
+    box.mkdir()
+    procfs = ProcFs()
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
+               "print('ready', flush=True); time.sleep(60)"  # fmt: skip
+    victim = in_box(box, [sys.executable, "-c", stubborn], stdout=subprocess.PIPE, text=True)
+    try:
+        assert victim.stdout is not None and victim.stdout.readline().strip() == "ready"
+        st = procfs.stat(victim.pid)
+        assert st is not None
+        key = ProcessKey(victim.pid, st.start_time)
+        sidecar_env = [{"name": "VRAM_ENFORCER_LIMITS", "value": json.dumps({"trainer": GiB})},
+                       {"name": "VRAM_ENFORCER_GRACE_PERIOD", "value": "1s"}]  # fmt: skip
+        pod = cast(Pod, {"metadata": {"uid": "u", "namespace": "team", "name": "p"},
+                         "spec": {"containers": [{"name": "trainer"},
+                                                 {"name": "vram-enforcer", "env": sidecar_env}]},
+                         "status": {"containerStatuses": [
+                             {"name": "trainer", "containerID": f"containerd://{CID}"},
+                             {"name": "vram-enforcer",
+                              "containerID": f"containerd://{'cd' * 32}"}]}})  # fmt: skip
+        silent: set[str] = {"u"}
+        recorder = Recorded()
+        backstop = Backstop(lambda: {"u": pod}, lambda: frozenset(silent),
+                            ("vram-enforcer.io/vram", 1), "vram-enforcer",
+                            cast("EventRecorder", recorder), AgentTelemetry(), procfs)  # fmt: skip
+        sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
+        backstop(sample, lambda: {key: CID})
+        signalled = time.monotonic()
+        assert any("sent SIGTERM" in m for m in recorder.messages), recorder.messages
+        for held in (set(), {"u"}, set()):  # handed back, held again, handed back
+            silent.clear()
+            silent.update(held)
+            backstop(sample, lambda: {key: CID})
+        while victim.poll() is None and time.monotonic() < signalled + 5:
+            backstop(sample, lambda: {key: CID})  # the sampler's passes
+            time.sleep(0.05)
+        assert victim.wait(timeout=1) == -signal.SIGKILL
+        assert 1.0 <= time.monotonic() - signalled < 1.5  # at the deadline, not later
+        assert sum("sent SIGTERM" in m for m in recorder.messages) == 1
+        assert any("sent SIGKILL" in m for m in recorder.messages)
+    finally:
+        victim.kill()
+        victim.wait()
