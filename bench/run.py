@@ -6,6 +6,7 @@
     .venv/bin/python bench/run.py --only storm   # 5,000 pods on 500 kwok nodes, twice: 10+ minutes
     .venv/bin/python bench/run.py --only reclaim # borrowing above a request: latency, cost, fit
     .venv/bin/python bench/run.py --only backstop # a stopped sidecar's pod held by the agent
+    .venv/bin/python bench/run.py --only pod-memory # what a tenant's large pods cost the agent
 
     # the footprint that ships: the components run from a venv without the dev extras
     python3 -m venv /tmp/rt && /tmp/rt/bin/pip install . && .venv/bin/python bench/run.py --runtime /tmp/rt/bin/python
@@ -35,6 +36,7 @@ from bench import (
     exec_bench,
     flood_bench,
     hard_limits_bench,
+    pod_memory_bench,
     reclaim_bench,
     sidecar_bench,
     storm_bench,
@@ -62,6 +64,7 @@ def main() -> None:
             "storm",
             "reclaim",
             "backstop",
+            "pod-memory",
         ),
         help="run one group",
     )
@@ -129,6 +132,10 @@ def main() -> None:
                 results["sidecar"] = sidecar_bench.run(lib_dir, trials, window)
         if args.only in (None, "backstop"):  # 12-17 s a trial
             results["backstop"] = backstop_bench.run(lib_dir, Path(tmp), 3 if args.quick else 5)
+        if args.only in (None, "pod-memory"):  # 50 pods of 1.3 MiB (--quick: 20)
+            results["pod_memory"] = pod_memory_bench.run(
+                lib_dir, Path(tmp), 20 if args.quick else 50
+            )
         results.update(on_a_cluster(args.only, args.quick, lib_dir))
         if args.only in (None, "flood"):
             reason = flood_bench.available()
@@ -188,6 +195,8 @@ def show(results: dict[str, Any]) -> None:
             f"p99 {row['p99_ms']:.1f} ms (target <= {row['target_p99_ms']:.0f} ms), "
             f"max {row['max_ms']:.1f} ms over {row['trials']} trials"
         )
+    if pod_memory := results.get("pod_memory"):
+        pod_memory_bench.show(pod_memory)
     if backstop := results.get("backstop"):
         if isinstance(backstop, str):
             print(f"backstop: skipped ({backstop})")

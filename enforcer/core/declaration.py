@@ -35,6 +35,16 @@ LIMITS_FROM_ENV = "VRAM_ENFORCER_LIMITS_FROM"  # "dra": the limits are the pod's
 
 PORTIONS_FORM = '{"trainer": {"request": "0.5", "ceiling": "0.8"}} (portions of one GPU)'
 
+# A portion as the webhook writes one (`kai`): a share of a GPU below 1, with at most
+# PORTION_DIGITS digits after the point (more than a float prints for a share worth
+# counting), times a number of GPUs of at most GPUS_DIGITS digits: so the product is exact
+# in decimal's 28 digits. Rounded, a share could become 0 (`1e-999999999`) or reach its
+# limit. A reader refuses anything else before counting it: `1E+999999` would overflow.
+PORTION_DIGITS = 20
+GPUS_DIGITS = 4
+_MAX_PORTION = Decimal(10**GPUS_DIGITS)
+_PORTION_TEXT = 40  # characters: what the webhook writes takes at most about 26
+
 
 class Undeclarable(ValueError):
     """A declaration that the API server's own validation would not have let through."""
@@ -63,6 +73,8 @@ class Declaration:
     limits: Mapping[str, int] = field(default_factory=dict)  # the requests
     ceilings: Mapping[str, int] = field(default_factory=dict)  # above the request only
     portions: Mapping[str, Portion] = field(default_factory=dict)
+    claims: bool = False  # DRA: the pod's claims are its limits, the ceilings above them
+    unread: str = ""  # the sidecar's ceilings that could not be read, and why: none count
 
     def __bool__(self) -> bool:
         return bool(self.limits or self.portions)
@@ -78,6 +90,21 @@ class Declaration:
                 if ceiling is not None and ceiling > request:
                     ceilings[name] = ceiling
         return limits, ceilings
+
+
+@dataclass(frozen=True, slots=True)
+class Undeclared:
+    """A pod that declares nothing because what it carries cannot be read: resources the API
+    server would have refused, or a sidecar's environment the webhook never wrote."""
+
+    reason: str
+
+
+def unreadable(declared: Declaration | Undeclared) -> str:
+    """What the agent says once of a pod it could not read whole ("" for one it could)."""
+    if isinstance(declared, Undeclared):
+        return f"declares nothing: {declared.reason}"
+    return f"borrows nothing: {declared.unread}" if declared.unread else ""
 
 
 # KAI Scheduler counts a fraction against one GPU memory per node, `MemoryOfEveryGpuOnNode`:
@@ -101,40 +128,50 @@ def portion_basis(devices: Sequence[Device]) -> int | None:
     return min(sizes) // KAI_MEMORY_STEP * KAI_MEMORY_STEP if sizes else None
 
 
-def of_pod(pod: Pod, resource: str, unit: int, sidecar: str) -> Declaration:
-    """What the pod declares, as everyone but the webhook reads it: its containers'
+def of_pod(pod: Pod, resource: str, unit: int, sidecar: str) -> Declaration | Undeclared:
+    """What the pod declares, as the agent reads every pod of its node: its containers'
     `resources.limits`, with the ceilings the webhook gave its sidecar; or, for a pod that
     declares no resource, what the webhook wrote into its sidecar's environment from
-    KAI's annotations (not in DRA mode, where the claims are the limits). Anything
-    malformed there, which the webhook never writes, declares nothing. Raises Undeclarable
-    for resources the API server would have refused."""
+    KAI's annotations; or, in DRA mode, the ceilings above its claims. Total, since a
+    tenant may write anything there (one pod's garbage must not stop the agent's passes for
+    the node): what cannot be read is the pod's alone. Its ceilings unread, it borrows
+    nothing; its declaration unread, it declares nothing (`Undeclared`, saying why)."""
     env = sidecar_env(pod, sidecar)
-    limits = declared_limits(json_map(pod.get("spec")), resource, unit)
-    if limits:
-        ceilings = _limits_or_empty(env.get(CEILINGS_ENV), CEILINGS_ENV)
-        return Declaration(limits, _above(ceilings, limits))
-    if LIMITS_ENV not in env or env.get(LIMITS_FROM_ENV) == "dra":
+    try:
+        limits = declared_limits(json_map(pod.get("spec")), resource, unit)
+    except Undeclarable as exc:
+        return Undeclared(str(exc))
+    if limits:  # what the scheduler counted: unreadable ceilings take only the borrowing away
+        ceilings, unread = _ceilings(env)
+        return Declaration(limits, _above(ceilings, limits), unread=unread)
+    if env.get(LIMITS_FROM_ENV) == "dra":
         # DRA mode: what the containers declared became claims, and the limits are what
         # each claim was allocated on its GPU (`dra.allocations`), not these sums.
+        ceilings, unread = _ceilings(env)
+        return Declaration(ceilings=ceilings, claims=True, unread=unread)
+    if LIMITS_ENV not in env:
         return Declaration()
     try:
         limits = parse_limits(env[LIMITS_ENV], LIMITS_ENV)
         ceilings = parse_limits(env.get(CEILINGS_ENV, "{}"), CEILINGS_ENV)
         portions = parse_portions(env.get(PORTIONS_ENV, "{}"), PORTIONS_ENV)
-    except ConfigError:
-        return Declaration()
+    except ConfigError as exc:
+        return Undeclared(str(exc))
     return Declaration(limits, _above(ceilings, limits), portions)
 
 
-def dra_ceilings(pod: Pod, sidecar: str) -> dict[str, int]:
-    """DRA mode: container name -> the ceiling the webhook gave it above its claim, from the
-    pod's sidecar's environment ({} for a pod not in DRA mode, or for anything malformed
-    there, which the webhook never writes). Each applies on its claim's GPU
-    (`dra.with_ceilings`)."""
-    env = sidecar_env(pod, sidecar)
-    if env.get(LIMITS_FROM_ENV) != "dra":
-        return {}
-    return _limits_or_empty(env.get(CEILINGS_ENV), CEILINGS_ENV)
+def dra_ceilings(declared: Declaration | Undeclared) -> Mapping[str, int]:
+    """DRA mode: container name -> the ceiling the webhook gave it above its claim ({} for
+    a pod not in DRA mode). Each applies on its claim's GPU (`dra.with_ceilings`)."""
+    return declared.ceilings if isinstance(declared, Declaration) and declared.claims else {}
+
+
+def _ceilings(env: Mapping[str, str]) -> tuple[dict[str, int], str]:
+    """The ceilings the webhook gave the sidecar, or none and why they cannot be read."""
+    try:
+        return parse_limits(env.get(CEILINGS_ENV, "{}"), CEILINGS_ENV), ""
+    except ConfigError as exc:
+        return {}, str(exc)
 
 
 def _above(ceilings: Mapping[str, int], limits: Mapping[str, int]) -> dict[str, int]:
@@ -239,20 +276,17 @@ def parse_portions(text: str, where: str) -> dict[str, Portion]:
 
 
 def _portion(value: object, where: str) -> Decimal:
+    """A portion within the bounds of what the webhook writes, so that counting it in bytes
+    is exact enough and cannot overflow."""
+    readable = isinstance(value, str) and value.isascii() and len(value) <= _PORTION_TEXT
     try:
-        portion = Decimal(value) if isinstance(value, str) else None
+        portion = Decimal(str(value) if readable else "NaN")
     except InvalidOperation:
-        portion = None
-    if portion is None or not portion.is_finite() or portion <= 0:
-        raise ConfigError(where, value, "is not a portion of a GPU; use a decimal above 0, "
-                          'as text, e.g. "0.5"')  # fmt: skip
+        portion = Decimal("NaN")
+    exponent = portion.as_tuple().exponent  # an int for any finite decimal
+    if not (portion.is_finite() and 0 < portion < _MAX_PORTION and isinstance(exponent, int)
+            and -exponent <= PORTION_DIGITS):  # fmt: skip
+        raise ConfigError(where, value, "is not a portion of a GPU; use a decimal above 0 and "
+                          f"below {_MAX_PORTION}, with at most {PORTION_DIGITS} digits after "
+                          'the point, as text, e.g. "0.5"')  # fmt: skip
     return portion
-
-
-def _limits_or_empty(text: str | None, where: str) -> dict[str, int]:
-    if text is None:
-        return {}
-    try:
-        return parse_limits(text, where)
-    except ConfigError:
-        return {}

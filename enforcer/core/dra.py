@@ -11,6 +11,10 @@ Anything that cannot be proven (a claim not read or not allocated yet, a device 
 of this node lists, a consumedCapacity missing or malformed) is a problem, worded for
 `kubectl describe`, and leaves its containers unresolved: they are enforced on no GPU,
 since a GPU that is theirs but unknown would otherwise count as one they were not given.
+
+Pods may share a claim (`status.reservedFor` lists them), but the scheduler placed its
+allocation once: each pod is held to its part of it (`_divided`), so that what the pods
+use together never exceeds what was placed, whoever enforces each pod.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from enforcer.core.model import format_bytes
 from enforcer.core.parsing import ConfigError, parse_quantity
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import json_map, json_maps
@@ -27,6 +32,9 @@ from enforcer.core.pod import json_map, json_maps
 T = TypeVar("T")
 
 NVIDIA_DRIVER = "gpu.nvidia.com"
+
+# (namespace, ResourceClaim name) -> the UIDs of the pods known to use it (`claim_users`).
+ClaimUsers = Mapping[tuple[str, str], frozenset[str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +116,9 @@ def unit_gpu(name: str) -> str | None:
 class Allocations:
     """What the pod's claims give its containers on each GPU.
 
-    `unresolved` containers are enforced on no GPU (see `problems`); the containers that
-    use no GPU claim at all are in none of the units.
+    `unresolved` containers are enforced on no GPU (see `problems`, which also says why a
+    pod is held below a claim that it shares); the containers that use no GPU claim at all
+    are in none of the units.
     """
 
     units: tuple[GpuUnit, ...] = ()
@@ -241,9 +250,11 @@ def allocations(
     claims: Mapping[str, Mapping[str, Any]],
     slices: Iterable[Mapping[str, Any]],
     settings: DraSettings,
+    users: ClaimUsers | None = None,
 ) -> Allocations:
     """The pod's GPU allocations, from its claims as read (`claims`, by ResourceClaim name)
-    and the ResourceSlices of its node."""
+    and the ResourceSlices of its node, each cut to the pod's part of its claim: `users`
+    (`claim_users`, the node's view) adds the pods that the claim's own read may miss."""
     uuids = device_uuids(slices, settings)
     names = claim_names(pod)
     shares: list[Share] = []
@@ -259,7 +270,84 @@ def allocations(
                 unresolved.add(container)
             shares.extend(found)
     resolved = [s for s in shares if not (s.containers & unresolved)]
-    return Allocations(_group(resolved), tuple(dict.fromkeys(problems)), frozenset(unresolved))
+    parts, notes = _divided(pod, resolved, claims, users or {})
+    said = tuple(dict.fromkeys([*problems, *notes]))
+    return Allocations(_group(parts), said, frozenset(unresolved))
+
+
+def finished(pod: Pod) -> bool:
+    """Whether the pod has finished: it uses its claims no more (they are being released)."""
+    return json_map(pod.get("status")).get("phase") in ("Succeeded", "Failed")
+
+
+def reserved_pods(claim: Mapping[str, Any]) -> frozenset[str] | None:
+    """The UIDs of the pods that the claim is reserved for (status.reservedFor); None when
+    it is reserved for anything else (a workload), which does not name the pods that use
+    it."""
+    found: set[str] = set()
+    for ref in json_maps(json_map(claim.get("status")).get("reservedFor")):
+        if ref.get("resource") != "pods" or ref.get("apiGroup") not in (None, ""):
+            return None
+        found.add(str(ref.get("uid") or ""))
+    return frozenset(found)
+
+
+def claim_users(
+    pods: Iterable[Pod], reads: Iterable[DraObjects]
+) -> dict[tuple[str, str], frozenset[str]]:
+    """(namespace, ResourceClaim name) -> the pods known to use it: those that any read of
+    it (`reads`, each pod's last) lists in status.reservedFor, and those of `pods` (the
+    node's) that name it and have not finished. Reads of different ages are joined: a pod
+    that one of them misses still counts, so its part is never handed out twice."""
+    found: dict[tuple[str, str], set[str]] = {}
+    for claim in (c for read in reads for c in read.claims.values()):
+        meta = json_map(claim.get("metadata"))
+        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+        found.setdefault(key, set()).update(reserved_pods(claim) or ())
+    for pod in pods:
+        if finished(pod):
+            continue
+        meta = json_map(pod.get("metadata"))
+        namespace, uid = str(meta.get("namespace") or ""), str(meta.get("uid") or "")
+        for name in claim_names(pod).values():
+            if name is not None:
+                found.setdefault((namespace, name), set()).add(uid)
+    return {key: frozenset(uids) for key, uids in found.items()}
+
+
+def _divided(
+    pod: Pod, shares: list[Share], claims: Mapping[str, Mapping[str, Any]], users: ClaimUsers
+) -> tuple[list[Share], list[str]]:
+    """Each share cut to the pod's part of its claim, and why, for the pod's owner. The
+    scheduler placed a claim's allocation once, however many pods use it: n pods get 1/n
+    each (rounded down: the parts never add up to more), enforceable by each pod's own
+    sidecar and cgroup. A claim reserved for something that names no pods gives 0: how
+    many pods share it is unknown."""
+    meta = json_map(pod.get("metadata"))
+    namespace, uid = str(meta.get("namespace") or ""), str(meta.get("uid") or "")
+    parts: list[Share] = []
+    notes: list[str] = []
+    for s in shares:
+        reserved = reserved_pods(claims[s.claim])
+        if reserved is None:
+            notes.append(
+                f"ResourceClaim {s.claim!r} is reserved for something other than pods "
+                "(status.reservedFor), which does not say how many pods share its allocation: "
+                f"this pod is held to 0 of it on GPU {s.gpu}"
+            )
+            parts.append(replace(s, limit_bytes=0))
+            continue
+        n = len(reserved | users.get((namespace, s.claim), frozenset()) | {uid})
+        part = s.limit_bytes // n
+        if n > 1:
+            notes.append(
+                f"ResourceClaim {s.claim!r} is used by {n} pods (status.reservedFor, and this "
+                "node's pods): the scheduler placed its allocation once, so each pod is held "
+                f"to 1/{n} of it, {format_bytes(part)} of {format_bytes(s.limit_bytes)} on "
+                f"GPU {s.gpu}"
+            )
+        parts.append(replace(s, limit_bytes=part))
+    return parts, notes
 
 
 def _shares_of(

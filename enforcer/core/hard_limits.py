@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from enforcer.core.declaration import Undeclarable, of_pod
+from enforcer.core.declaration import Declaration, Undeclared
 from enforcer.core.dra import Allocations, unit_containers, with_ceilings
 from enforcer.core.model import Device, MiB
 from enforcer.core.payloads import Pod
@@ -155,10 +155,10 @@ def pod_vram_from_claims(
 
 
 def pod_vram(
-    pod: Pod, resource: str, unit: int, sidecar: str, basis: int | None = None
+    pod: Pod, declared: Declaration | Undeclared, basis: int | None = None
 ) -> PodVram | None:
-    """The pod's declared VRAM (`declaration.of_pod`), or None when it declares none (or
-    declares it in a way the API server's validation would not have let through). A
+    """The pod's declared VRAM, as `declaration.of_pod` read it, or None when it declares
+    none in bytes (nothing, nothing readable, or only claims: `pod_vram_from_claims`). A
     container's limit is its ceiling where it may borrow, and its declaration its request;
     a portion of a GPU counts against `basis`, one GPU's memory, and not at all without
     one."""
@@ -166,10 +166,9 @@ def pod_vram(
     uid, namespace, name = meta.get("uid"), meta.get("namespace"), meta.get("name")
     if not (isinstance(uid, str) and isinstance(namespace, str) and isinstance(name, str)):
         return None
-    try:
-        limits, borrow = of_pod(pod, resource, unit, sidecar).in_bytes(basis)
-    except Undeclarable:
+    if isinstance(declared, Undeclared):
         return None
+    limits, borrow = declared.in_bytes(basis)
     if not limits:
         return None
     ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}

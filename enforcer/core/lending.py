@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from enforcer.core.attribution import attribute
-from enforcer.core.declaration import dra_ceilings
-from enforcer.core.dra import Allocations, with_ceilings
+from enforcer.core.declaration import dra_ceilings, of_pod, unreadable
+from enforcer.core.dra import Allocations, finished, with_ceilings
 from enforcer.core.hard_limits import pod_vram
 from enforcer.core.model import ProcessKey, ProcessTotal, Sample, UnitUsage
 from enforcer.core.payloads import Pod
@@ -68,9 +68,11 @@ class Tenants:
     borrowing: bool = False  # whether any may borrow above its request
     requests: Mapping[str, int] = field(default_factory=dict)  # unit -> its request
     priorities: Mapping[str, int] = field(default_factory=dict)  # unit -> its pod's priority
+    # Pod (namespace/name) -> what of its declaration could not be read (`unreadable`).
+    unread: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, found: Iterable[Tenant]) -> Tenants:
+    def of(cls, found: Iterable[Tenant], unread: Mapping[str, str] | None = None) -> Tenants:
         listed = tuple(found)
         on_gpus = tuple(t for t in listed if t.gpu is not None)
         return cls(
@@ -83,6 +85,7 @@ class Tenants:
             any(t.ceiling > t.request for t in listed),
             {t.unit: t.request for t in listed},
             {t.unit: t.priority for t in listed},
+            unread or {},
         )
 
 
@@ -97,18 +100,25 @@ def tenants(
 ) -> Tenants:
     """Every running container of the pods that declares VRAM (a container not started yet
     has no ID, and no process to charge), and with DRA (`allocated`, by pod UID: what the
-    pod's claims give it, as last read) every allocation of a pod that has not finished,
-    its containers started or not: its GPU is known, and it is owed there. So is a
+    pod's claims give it, as last read; a claim that pods share cut to each one's part by
+    `dra.allocations`, so that it is owed once) every allocation of a pod that has not
+    finished, its containers started or not: its GPU is known, and it is owed there. So is a
     declaring container the kubelet gave one GPU (`assigned`: (namespace, pod, container)
     -> GPU, `pod_resources.assigned_gpus`), from before it starts. `basis`: one GPU's
-    memory, for portions of one (`declaration.portion_basis`)."""
+    memory, for portions of one (`declaration.portion_basis`). A pod whose declaration
+    cannot be read whole is left out, or borrows nothing, and said in `unread`."""
     found: list[Tenant] = []
+    unread: dict[str, str] = {}
     for pod in pods:
         priority = json_map(pod.get("spec")).get("priority")
         rank = priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
+        declared = of_pod(pod, resource, unit, sidecar)
+        meta = json_map(pod.get("metadata"))
+        if problem := unreadable(declared):
+            unread[f"{meta.get('namespace')}/{meta.get('name')}"] = problem
         # As the hard limits read it: a container's limit is its ceiling, its declaration
         # its request (`requests` lists those of a pod where one may borrow).
-        vram = pod_vram(pod, resource, unit, sidecar, basis)
+        vram = pod_vram(pod, declared, basis)
         if vram is not None:
             for name, ceiling in vram.limits.items():
                 cid = vram.ids.get(name)
@@ -120,20 +130,21 @@ def tenants(
                     found.append(Tenant(unit_name, vram.namespace, request, ceiling, rank, ids,
                                         gpu))  # fmt: skip
             continue
-        uid = str(json_map(pod.get("metadata")).get("uid") or "")
+        uid = str(meta.get("uid") or "")
         # A pod that has finished is owed nothing: its claims are being released.
-        done = json_map(pod.get("status")).get("phase") in ("Succeeded", "Failed")
-        if allocated and uid in allocated and not done:
-            found.extend(_claim_tenants(pod, allocated[uid], sidecar, rank))
-    return Tenants.of(found)
+        if allocated and uid in allocated and not finished(pod):
+            found.extend(_claim_tenants(pod, allocated[uid], dra_ceilings(declared), rank))
+    return Tenants.of(found, unread)
 
 
-def _claim_tenants(pod: Pod, found: Allocations, sidecar: str, rank: int) -> list[Tenant]:
+def _claim_tenants(
+    pod: Pod, found: Allocations, ceilings: Mapping[str, int], rank: int
+) -> list[Tenant]:
     """A DRA pod's allocations, each raised to its container's ceiling where it may borrow
     (`dra.with_ceilings`, from the ceilings the webhook wrote into the sidecar's env)."""
     meta = json_map(pod.get("metadata"))
     namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
-    raised, requests = with_ceilings(found, dra_ceilings(pod, sidecar))
+    raised, requests = with_ceilings(found, ceilings)
     ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
     return [
         Tenant(f"{namespace}/{name}/{u.name}", namespace, requests.get(u.name, u.limit_bytes),

@@ -15,6 +15,7 @@ tests check this parser against `parse_quantity` instead.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Callable
@@ -241,12 +242,32 @@ def parse_port(text: str, field: str) -> int:
 
 LIMITS_FORM = 'a JSON object of container name to bytes, e.g. {"trainer": 12884901888}'
 
+# The JSON values read here are an object of values, or of objects (portions): nothing
+# nests deeper. A tenant's `[[[...` would take the decoder past Python's recursion limit,
+# so the depth is bounded before decoding.
+MAX_JSON_DEPTH = 8
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]++")
+_LEVEL = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def _nests_deeper(text: str, depth: int) -> bool:
+    """Whether more than `depth` brackets are open at once in `text`, outside its strings:
+    the most levels a decoder goes down before it ends, or fails. Counted in C (the text
+    may be megabytes), up to the first level too deep."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    levels = itertools.accumulate(map(_LEVEL.__getitem__, brackets))
+    return next(filter(depth.__lt__, levels), None) is not None
+
 
 def json_object(text: str, field: str, form: str) -> dict[str, object]:
-    """A JSON object, or an error that shows `form`, the shape expected."""
+    """A JSON object nested at most MAX_JSON_DEPTH deep, or an error that shows `form`,
+    the shape expected."""
+    if _nests_deeper(text, MAX_JSON_DEPTH):
+        raise ConfigError(field, text, f"nests deeper than {MAX_JSON_DEPTH} levels; use {form}")
     try:
         doc = json.loads(text)
-    except ValueError:
+    except ValueError:  # JSONDecodeError, and a number past Python's digit limit
         raise ConfigError(field, text, f"is not valid JSON; use {form}") from None
     if not isinstance(doc, dict):
         raise ConfigError(field, text, f"is not a JSON object; use {form}")
@@ -254,15 +275,13 @@ def json_object(text: str, field: str, form: str) -> dict[str, object]:
 
 
 def parse_limits(text: str, field: str) -> dict[str, int]:
+    """Container name -> bytes, each at most MAX_QUANTITY, as Kubernetes holds them."""
     doc = json_object(text, field, LIMITS_FORM)
     limits: dict[str, int] = {}
     for name, value in doc.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(
-                field,
-                text,
-                f"gives container {name!r} the limit {value!r}; limits are whole bytes >= 0",
-            )
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_QUANTITY:
+            raise ConfigError(field, text, f"gives container {name!r} the limit {shown(value)}; "
+                              "limits are whole bytes from 0 to 2^63-1")  # fmt: skip
         limits[name] = value
     return limits
 

@@ -3,15 +3,22 @@
 The agent watches its node's pods; a sidecar no longer reads the API. A caller is in the
 pod whose status lists the container its process runs in: the container ID in the
 caller's cgroup, which the runtime set and a tenant cannot change, as the kubelet
-reported it. Nothing the caller says counts. The replies are encoded once per change of
-the node's pods, so a push costs the agent a lookup and a write.
+reported it. Nothing the caller says counts. Each reply is encoded once per change of its
+pod, so a push costs the agent a lookup and a write.
+
+Any tenant on the node can make its pods large (a pod may be 1.5 MiB: annotations, labels,
+env, and the managedFields that name each), and the agent holds every pod of its node in a
+160Mi limit. So it keeps of each pod only what it and the sidecars read (`kept`), as the
+pod arrives from the watch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias, cast
 
+from enforcer.core.declaration import ENFORCED, SIDECAR
 from enforcer.core.dra import DraObjects
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import (
@@ -23,6 +30,10 @@ from enforcer.core.pod import (
     spec_field_of,
 )
 from enforcer.core.protocol import PodReply, encode_pod
+
+# What is kept of an object: per field, True for all of it, a shape for what is kept of an
+# object, or a function of the value (a list's objects, each trimmed).
+_Shape: TypeAlias = "Mapping[str, Literal[True] | _Shape | Callable[[object], object]]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,48 +58,68 @@ def unknown(container_id: str | None) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
+class Encoded:
+    """A pod's reply, and what it was encoded from."""
+
+    pod: Pod
+    dra: DraRead | None
+    watch_problem: str | None
+    reply: bytes
+
+    def made_from(self, pod: Pod, dra: DraRead | None, watch_problem: str | None) -> bool:
+        """Whether it is the reply for these: the watch and the claim cache hand on the
+        same objects until they change."""
+        return self.pod is pod and self.dra is dra and self.watch_problem == watch_problem
+
+
+@dataclass(frozen=True, slots=True)
 class Directory:
     """By container ID: the encoded pod reply for a process of that container, and the pod
-    (what a caller's Events are posted on)."""
+    (what a caller's Events are posted on); by pod UID, each reply as it was encoded."""
 
     replies: dict[str, bytes] = field(default_factory=dict)
     pods: dict[str, Pod] = field(default_factory=dict)
+    encoded: dict[str, Encoded] = field(default_factory=dict)
 
 
 def directory(
-    pods: Iterable[Pod], dra: Mapping[str, DraRead], watch_problem: str | None
+    pods: Iterable[Pod],
+    dra: Mapping[str, DraRead],
+    watch_problem: str | None,
+    previous: Directory | None = None,
 ) -> Directory:
     """Container ID -> the pod reply for a process of that container, and the pod.
 
     `dra` is by pod UID; `watch_problem` says that the agent's view may be out of date.
     A container ID that two pods list belongs to neither: only the kubelet writes a pod's
-    status, but a caller must never be told about a pod it is not proven to be in.
+    status, but a caller must never be told about a pod it is not proven to be in. The
+    replies of `previous` are taken again for the pods that have not changed since: a
+    change of one pod encodes that pod, not the node's.
     """
     found: dict[str, bytes] = {}
     owners: dict[str, Pod] = {}
+    encoded: dict[str, Encoded] = {}
     claimed: set[str] = set()
     for pod in pods:
         ids = containers_by_id(pod)
         if not ids:
             continue
-        meta = pod.get("metadata") or {}
-        read = dra.get(str(meta.get("uid") or ""))
-        reply = encode_pod(
-            PodReply(
-                _trimmed(pod),
-                watch_problem,
-                None if read is None else read.objects,
-                None if read is None else read.problem,
-            )
-        )
+        uid = str(json_map(pod.get("metadata")).get("uid") or "")
+        read = dra.get(uid)
+        last = previous.encoded.get(uid) if previous is not None else None
+        if last is None or not last.made_from(pod, read, watch_problem):
+            objects, problem = (None, None) if read is None else (read.objects, read.problem)
+            reply = encode_pod(PodReply(pod, watch_problem, objects, problem))
+            last = Encoded(pod, read, watch_problem, reply)
+        encoded[uid] = last
         for cid in ids:
             if cid in found or cid in claimed:
                 claimed.add(cid)
                 found.pop(cid, None)
                 owners.pop(cid, None)
                 continue
-            found[cid], owners[cid] = reply, pod
-    return Directory(found, owners)
+            found[cid], owners[cid] = last.reply, pod
+    return Directory(found, owners, encoded)
 
 
 def event_about(pod: Pod, container: str | None) -> ObjectReference:
@@ -112,11 +143,94 @@ def event_about(pod: Pod, container: str | None) -> ObjectReference:
     )
 
 
-def _trimmed(pod: Pod) -> Pod:
-    """The pod without its managedFields: the largest part of a pod, and nothing a sidecar
-    reads."""
-    meta = pod.get("metadata")
-    if not isinstance(meta, dict) or "managedFields" not in meta:
-        return pod
-    kept = {k: v for k, v in meta.items() if k != "managedFields"}
-    return {**pod, "metadata": kept}  # type: ignore[typeddict-item]
+def kept(pod: Pod) -> Pod:
+    """What the agent keeps of a pod of its node: exactly the fields that it and the sidecars
+    read (`_KEPT`), whatever else a tenant put in the pod."""
+    return cast(Pod, _trim(pod, _KEPT))
+
+
+def _trim(obj: Mapping[str, Any], shape: _Shape) -> dict[str, Any]:
+    """The fields of `obj` that `shape` names, each trimmed in turn. A field that should be
+    an object and is not is left out: its readers take it as absent either way."""
+    found: dict[str, Any] = {}
+    for name, inner in shape.items():
+        if name not in obj:
+            continue
+        value = obj[name]
+        if inner is True:
+            found[name] = value
+        elif callable(inner):
+            found[name] = inner(value)
+        elif isinstance(value, dict):
+            found[name] = _trim(value, inner)
+    return found
+
+
+def _each(shape: _Shape) -> Callable[[object], object]:
+    """A list's objects, each trimmed to `shape` (anything else in it is read by no one)."""
+    return lambda value: [_trim(item, shape) for item in json_maps(value)]
+
+
+# The variables that the webhook writes into the sidecar: its declaration and its policy,
+# which the agent reads (`declaration.sidecar_env`, the backstop's policy).
+_OURS = "VRAM_ENFORCER_"
+_CONTAINER: _Shape = {
+    "name": True,
+    "resources": {
+        "limits": True,
+        "requests": True,
+        "claims": _each({"name": True, "request": True}),
+    },
+}
+
+
+def _containers(value: object) -> list[dict[str, Any]]:
+    """Each container's name and resources (declared limits, DRA claims); the sidecar's own
+    variables too."""
+    found = []
+    for container in json_maps(value):
+        trimmed = _trim(container, _CONTAINER)
+        if container.get("name") == SIDECAR and "env" in container:
+            trimmed["env"] = [
+                _trim(variable, {"name": True, "value": True})
+                for variable in json_maps(container["env"])
+                if str(variable.get("name")).startswith(_OURS)
+            ]
+        found.append(trimmed)
+    return found
+
+
+_CLAIM = _each({"name": True, "resourceClaimName": True})
+_STATUSES = _each(
+    {"name": True, "containerID": True, "state": {"running": {}, "terminated": {"exitCode": True}}}
+)
+# Who reads what: the container IDs and names in the status, for every reply, Event and
+# signal (`pod.containers_by_id`, `spec_field_of`); the declaration (`declaration.of_pod`);
+# DRA claims (`dra.claim_names`, `container_claims`); the phase and priority (the hard
+# limits and reclaims: `hard_limits`, `lending`); the enforced label and the sidecar's
+# state (`sidecar_presence`); the restart policy and exit codes (the sidecar's
+# `pod.others_finished`); the resourceVersion (what changed: the limiter, the claim cache).
+_KEPT: _Shape = {
+    "metadata": {
+        "name": True,
+        "namespace": True,
+        "uid": True,
+        "resourceVersion": True,
+        "labels": {ENFORCED: True},
+    },
+    "spec": {
+        "initContainers": _containers,
+        "containers": _containers,
+        "ephemeralContainers": _containers,
+        "restartPolicy": True,
+        "priority": True,
+        "resourceClaims": _CLAIM,
+    },
+    "status": {
+        "phase": True,
+        "initContainerStatuses": _STATUSES,
+        "containerStatuses": _STATUSES,
+        "ephemeralContainerStatuses": _STATUSES,
+        "resourceClaimStatuses": _CLAIM,
+    },
+}

@@ -9,7 +9,10 @@ logged once each, and never lose what is known: the last good view stays in plac
 
 A selector may match thousands of pods (the webhook's pending pods in a creation storm):
 the list comes in pages, and each pod is kept only as much as its reader needs (`keep`),
-so memory grows with what is read, not with whole pods.
+so memory grows with what is read, not with whole pods. The agent's pods are few, but any
+tenant on the node can make each one large (1.5 MiB): it keeps what it and the sidecars
+read (`pod_directory.kept`), and lists them a few at a time, since a page is held whole
+until its pods are trimmed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from enforcer.core.payloads import Pod
+from enforcer.core.pod_directory import kept
 from enforcer.edge import logs
 from enforcer.edge.backoff import Backoff
 from enforcer.edge.kube import KubeError, WatchStream, call, watch_error
@@ -35,6 +39,9 @@ PODS = "/api/v1/pods"
 # runs in the watch's own thread, whose view stays the last one meanwhile.
 LIST_DEADLINE = 30.0
 PAGE = 500  # pods per page of a list
+# Pods per page of the node's list: a page is held whole until its pods are trimmed, and a
+# 1.5 MiB pod of short labels takes up to ten times that while it is decoded.
+NODE_PAGE = 5
 # What a list or a watch can fail with: the API's answers, the network, a garbled line.
 _FAILURES = (KubeError, ApiException, urllib3.exceptions.HTTPError, OSError, ValueError)
 
@@ -178,10 +185,12 @@ class WatchedPods(threading.Thread):
 
 
 class NodePods(WatchedPods):
-    """The pods bound to `node`: the agent's hard limits, and each sidecar's own pod."""
+    """The pods bound to `node`, as much of each as the agent and the sidecars read: the
+    agent's hard limits, its reclaims, and each sidecar's own pod."""
 
     def __init__(self, api: client.ApiClient, node: str, changed: tuple[threading.Event, ...],
                  **options: Any) -> None:  # fmt: skip
+        options = {"keep": kept, "page": NODE_PAGE, **options}
         super().__init__(api, {"fieldSelector": f"spec.nodeName={node}"}, changed,
                          name="node-pods", **options)  # fmt: skip
 

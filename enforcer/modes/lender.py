@@ -15,7 +15,14 @@ from collections.abc import Callable, Mapping
 
 from enforcer.core import messages
 from enforcer.core.declaration import portion_basis
-from enforcer.core.dra import Allocations, DraObjects, DraSettings, allocations, claim_names
+from enforcer.core.dra import (
+    Allocations,
+    DraObjects,
+    DraSettings,
+    allocations,
+    claim_names,
+    claim_users,
+)
 from enforcer.core.lending import Lending, Tenants, decide, named, tenants
 from enforcer.core.model import ProcessKey, Sample
 from enforcer.core.payloads import Pod
@@ -57,21 +64,27 @@ class Lender:
         self._tenants: Tenants | None = None  # None: the pods are not known yet
         self._basis: int | None = None  # one GPU's memory, for portions (KAI's gpu-fraction)
         self._told: frozenset[tuple[str, str]] = frozenset()  # (container ID, GPU) asked
+        self._unread: Mapping[str, str] = {}  # pod -> what of it could not be read, as said
         self._guard = LoopGuard("lending", telemetry.unexpected.labels("lending"), log)
 
     def __call__(
         self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]
     ) -> Lending | None:
-        """This pass's decision; None before the pods are known, or on a bug (reported,
-        counted): then nobody is asked for anything. `containers` (each GPU process's
-        container ID) is asked for only when some container may borrow."""
-        found: list[Lending | None] = []
-        self._guard.run(lambda: found.append(self._decide(sample, containers)))
-        return found[0] if found else None
+        """This pass's decision (nobody is asked anything before the pods are known); None
+        when the pass failed (a bug, reported and counted): then no lending is published, so
+        that no sidecar lets its containers borrow on a decision that was not made, and the
+        tenants are made again next pass. `containers` (each GPU process's container ID)
+        is asked for only when some container may borrow."""
+        found: list[Lending] = []
+        if not self._guard.run(lambda: found.append(self._decide(sample, containers))):
+            self._tenants = None
+            self._telemetry.node.lending = ()
+            return None
+        return found[0]
 
     def _decide(
         self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]
-    ) -> Lending | None:
+    ) -> Lending:
         basis = portion_basis(sample.devices)
         stale = self._changed.is_set() or self._tenants is None or basis != self._basis
         assignments = self._assigned[0]() if self._assigned is not None else None
@@ -79,7 +92,7 @@ class Lender:
             self._changed.clear()  # before the read: a change during it is seen next pass
             pods = self._pods()
             if pods is None:
-                return None
+                return Lending()  # not listed yet: nobody is asked
             name, unit = self._resource
             allocated = self._allocated(pods)
             gpus = {}
@@ -88,6 +101,10 @@ class Lender:
             self._tenants = tenants(pods.values(), name, unit, self._sidecar, basis, allocated,
                                     gpus)  # fmt: skip
             self._basis, self._assignments = basis, assignments
+            for pod, problem in self._tenants.unread.items():
+                if self._unread.get(pod) != problem:  # once, not on every change of the pods
+                    log.warning("pod %s %s", pod, problem)
+            self._unread = self._tenants.unread
         found = self._tenants
         if found is None or not found.borrowing:
             self._telemetry.node.lending = ()
@@ -105,13 +122,14 @@ class Lender:
     def _allocated(self, pods: Mapping[str, Pod]) -> dict[str, Allocations]:
         """DRA: what each pod's claims give it, as last read (a pod whose claims have not
         been read yet is owed nothing until they are: the next read makes the tenants
-        again)."""
+        again); a claim that pods share is owed once, each pod its part (`claim_users`)."""
         if self._claims is None:
             return {}
         last, settings = self._claims
         self._read = {uid: (pod, last(pod)) for uid, pod in pods.items() if claim_names(pod)}
+        users = claim_users(pods.values(), (o for _, o in self._read.values() if o is not None))
         return {
-            uid: allocations(pod, objects.claims, objects.slices, settings)
+            uid: allocations(pod, objects.claims, objects.slices, settings, users)
             for uid, (pod, objects) in self._read.items()
             if objects is not None
         }

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
-from enforcer.core.declaration import SIDECAR, dra_ceilings, portion_basis
-from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names
+from enforcer.core.declaration import SIDECAR, dra_ceilings, of_pod, portion_basis, unreadable
+from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names, claim_users
 from enforcer.core.hard_limits import (
     EVIDENCE_BYTES,
     Key,
@@ -41,6 +41,7 @@ from enforcer.core.model import Device, HeldLimit, LimitOutcome, LimitResult, fo
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
 from enforcer.core.policy import Reason
+from enforcer.core.sidecar_presence import running_containers
 from enforcer.edge import cgroupfs
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
@@ -94,7 +95,8 @@ class HardLimiter(threading.Thread):
         self._told: set[str] = set()  # pods whose Event has gone out
         # (pod UID, GPU) -> passes in a row on which the driver charged the pod nothing.
         self._uncharged: dict[tuple[str, str], int] = {}
-        self._parsed: dict[str, tuple[str, PodVram | None]] = {}  # uid -> (version, parsed)
+        # uid -> (version, parsed, what of its declaration could not be read, as said)
+        self._parsed: dict[str, tuple[str, PodVram | None, str]] = {}
         self._logged = ""
 
     def run(self) -> None:
@@ -134,39 +136,51 @@ class HardLimiter(threading.Thread):
         for p in declared:
             if p.uid in pod_dirs:
                 self._announce(p, pod_dirs[p.uid], usable)
-            elif (pods[p.uid].get("status") or {}).get("phase") == "Running":
+            elif running_containers(pods[p.uid]):
                 why = f"the pod's cgroup is not below {self._root} (is --cgroup-root the host's?)"
                 self._tell(p, Reason.SAMPLING_ONLY, messages.sampling_only(why))
 
     def _declared(self, pods: Mapping[str, Pod], basis: int | None) -> list[PodVram]:
         """What each pod declares (or, with DRA, was allocated), parsed again only when the
-        pod has changed (or the GPUs that its portions of one count against). A pod whose
-        claims cannot be read now is read again next pass."""
-        parsed: dict[str, tuple[str, PodVram | None]] = {}
+        pod has changed (or the GPUs that its portions of one count against, or the pods
+        that share its claims: each pod's cgroup gets its part of a shared claim, never the
+        whole). A pod whose claims cannot be read now is read again next pass. What of a
+        pod's declaration cannot be read is said once, not on every read."""
+        reads: dict[str, DraObjects | str] = {}
+        if self._claims is not None:
+            reads = {uid: self._claims[0](pod) for uid, pod in pods.items() if claim_names(pod)}
+        users = claim_users(pods.values(), (o for o in reads.values() if not isinstance(o, str)))
+        parsed: dict[str, tuple[str, PodVram | None, str]] = {}
         for uid, pod in pods.items():
-            resource_version = str((pod.get("metadata") or {}).get("resourceVersion") or "")
-            version = f"{resource_version}@{basis}" if resource_version else ""
+            meta = pod.get("metadata") or {}
+            resource_version = str(meta.get("resourceVersion") or "")
+            sharing = sorted((name, sorted(users.get((str(meta.get("namespace")), name), ())))
+                             for name in claim_names(pod).values() if name)  # fmt: skip
+            version = f"{resource_version}@{basis}@{sharing}" if resource_version else ""
             known = self._parsed.get(uid)
             if known and version and known[0] == version:
                 parsed[uid] = known
                 continue
-            found = pod_vram(pod, *self._resource, SIDECAR, basis)
-            if found is None and self._claims is not None and claim_names(pod):
-                read, settings = self._claims
-                objects = read(pod)
+            declared = of_pod(pod, *self._resource, SIDECAR)
+            problem = unreadable(declared)
+            if problem and problem != (known[2] if known else ""):
+                log.warning("pod %s/%s %s", meta.get("namespace"), meta.get("name"), problem)
+            found = pod_vram(pod, declared, basis)
+            objects = reads.get(uid)
+            if found is None and self._claims is not None and objects is not None:
                 if isinstance(objects, str):
                     self._say_once(f"the claims of pod {uid} cannot be read ({objects})")
-                    if known:  # keep its limits meanwhile; its old version makes us read again
-                        parsed[uid] = known
+                    # Keep its limits meanwhile; its old version makes us read again.
+                    parsed[uid] = (known[0], known[1], problem) if known else ("", None, problem)
                     continue
                 found = pod_vram_from_claims(
                     pod,
-                    allocations(pod, objects.claims, objects.slices, settings),
-                    dra_ceilings(pod, SIDECAR),
+                    allocations(pod, objects.claims, objects.slices, self._claims[1], users),
+                    dra_ceilings(declared),
                 )
-            parsed[uid] = (version, found)
+            parsed[uid] = (version, found, problem)
         self._parsed = parsed
-        return [v for _, v in parsed.values() if v is not None]
+        return [v for _, v, _ in parsed.values() if v is not None]
 
     def _node_reason(self, devices: Sequence[Device], usable: Sequence[Device]) -> str:
         """Why no pod on this node can get a hard limit; "" while some can."""

@@ -4,8 +4,9 @@ Sidecars used to read their pod (and, with DRA, its claims and the node's slices
 API, each on its own timer. The agent already watches the node's pods; on every change
 this thread reads the DRA objects of the pods that claim GPUs (once per change of a pod,
 shared with the hard limiter; again 5 s after a failed read, and every 5 minutes), builds
-the directory of replies by container ID (`pod_directory.directory`, pure) and hands it to
-the socket, which pushes each pod to the sidecars whose replies changed.
+the directory of replies by container ID (`pod_directory.directory`, pure; a pod's reply
+is encoded again only when that pod, its DRA objects or the watch's health changed) and
+hands it to the socket, which pushes each pod to the sidecars whose replies changed.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class PodPublisher(threading.Thread):
         self._publish = publish
         self._claims = claims
         self._changed = changed
+        self._last: Directory | None = None
         self.stop = threading.Event()
         self._guard = LoopGuard("pod-publisher", telemetry.unexpected.labels("pod-publisher"), log)
 
@@ -73,4 +75,5 @@ class PodPublisher(threading.Thread):
         problem = self._pods.error or None
         if problem is not None:
             problem = f"the agent's view of this node's pods may be out of date: {problem}"
-        self._publish(directory(pods.values(), dra, problem))
+        self._last = directory(pods.values(), dra, problem, self._last)
+        self._publish(self._last)

@@ -8,15 +8,19 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from enforcer.core.declaration import (
     Declaration,
     Portion,
-    Undeclarable,
+    Undeclared,
+    dra_ceilings,
     encode_portions,
     of_pod,
     parse_portions,
     portion_basis,
+    unreadable,
 )
 from enforcer.core.model import Device, GiB, MiB
 from enforcer.core.parsing import ConfigError
@@ -47,8 +51,8 @@ def test_resources_declare_and_the_sidecars_ceilings_lift_them() -> None:
     # Resources are what the scheduler counted: the sidecar's LIMITS never override them.
     other = pod("4Gi", VRAM_ENFORCER_LIMITS=json.dumps({"main": 80 * GiB}))
     assert of_pod(other, RES, 1, SIDECAR) == Declaration({"main": 4 * GiB})
-    with pytest.raises(Undeclarable, match="is not a quantity"):
-        of_pod(pod("lots"), RES, 1, SIDECAR)
+    refused = of_pod(pod("lots"), RES, 1, SIDECAR)
+    assert isinstance(refused, Undeclared) and "is not a quantity" in refused.reason
 
 
 def test_a_pod_declaring_by_kai_is_read_from_its_sidecars_environment() -> None:
@@ -63,10 +67,11 @@ def test_a_pod_declaring_by_kai_is_read_from_its_sidecars_environment() -> None:
     assert got.in_bytes(None) == ({}, {})  # not counted at all until a GPU's memory is known
     bytes_ = pod(None, VRAM_ENFORCER_LIMITS=json.dumps({"main": 2 * GiB}))
     assert of_pod(bytes_, RES, 1, SIDECAR) == Declaration({"main": 2 * GiB})
-    # Anything malformed (never the webhook's) declares nothing; no env, nothing.
-    assert not of_pod(
+    # Anything malformed (never the webhook's) declares nothing, saying why; no env, nothing.
+    malformed = of_pod(
         pod(None, VRAM_ENFORCER_LIMITS="{", VRAM_ENFORCER_PORTIONS="{}"), RES, 1, SIDECAR
     )
+    assert isinstance(malformed, Undeclared) and "is not valid JSON" in malformed.reason
     assert not of_pod(
         pod(None, VRAM_ENFORCER_PORTIONS='{"main": {"request": "0.5"}}'), RES, 1, SIDECAR
     )
@@ -112,4 +117,102 @@ def test_a_dra_mode_pod_declares_nothing_in_its_sidecars_env_its_claims_are_its_
     env = {"VRAM_ENFORCER_LIMITS": json.dumps({"main": 8 * GiB})}
     assert of_pod(pod(None, **env), RES, 1, SIDECAR).limits == {"main": 8 * GiB}  # KAI's way
     dra = of_pod(pod(None, **env, VRAM_ENFORCER_LIMITS_FROM="dra"), RES, 1, SIDECAR)
-    assert dra == Declaration()
+    assert dra == Declaration(claims=True) and not dra and dra_ceilings(dra) == {}
+    lifted = pod(None, **env, VRAM_ENFORCER_LIMITS_FROM="dra",
+                 VRAM_ENFORCER_CEILINGS=json.dumps({"main": 12 * GiB}))  # fmt: skip
+    assert dra_ceilings(of_pod(lifted, RES, 1, SIDECAR)) == {"main": 12 * GiB}
+    # The ceilings of a pod that is not in DRA mode lie above its declaration, not claims.
+    assert dra_ceilings(of_pod(pod("4Gi", VRAM_ENFORCER_CEILINGS=json.dumps({"main": 12 * GiB})),
+                               RES, 1, SIDECAR)) == {}  # fmt: skip
+
+
+# What a tenant can write into a container named like the sidecar, in a namespace that the
+# webhook does not mutate (issue 35, item 8): each of these made every pass of the agent's
+# lender, hard limiter and backstop raise, for every pod of the node.
+POISON = {
+    "deep": {"VRAM_ENFORCER_LIMITS": "[" * 100_000},  # RecursionError in json
+    "deep object": {"VRAM_ENFORCER_LIMITS": '{"a":' * 100_000},
+    "overflowing portion": {"VRAM_ENFORCER_LIMITS": "{}",
+                            "VRAM_ENFORCER_PORTIONS": '{"main": {"request": "1E+999999"}}'},
+    "tiny portion": {"VRAM_ENFORCER_LIMITS": "{}",
+                     "VRAM_ENFORCER_PORTIONS": '{"main": {"request": "0E-1000026"}}'},
+    "long portion": {"VRAM_ENFORCER_LIMITS": "{}",
+                     "VRAM_ENFORCER_PORTIONS": json.dumps({"main": {"request": f"0.{'0' * 30}1"}})},
+    "portion of 10,000 GPUs": {"VRAM_ENFORCER_LIMITS": "{}",
+                               "VRAM_ENFORCER_PORTIONS": '{"main": {"request": "10000"}}'},
+    "huge integer": {"VRAM_ENFORCER_LIMITS": json.dumps({"main": 10**4000})},
+    "past 2^63-1": {"VRAM_ENFORCER_LIMITS": json.dumps({"main": 2**63})},
+    "past the digit limit": {"VRAM_ENFORCER_LIMITS": '{"main": ' + "9" * 5000 + "}"},
+    "wrong types": {"VRAM_ENFORCER_LIMITS": '{"main": "8Gi"}'},
+    "wrong portion types": {"VRAM_ENFORCER_LIMITS": "{}",
+                            "VRAM_ENFORCER_PORTIONS": '{"main": {"request": ["0.5"]}}'},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", POISON)
+def test_a_sidecar_environment_the_webhook_never_wrote_declares_nothing_and_says_why(
+    kind: str,
+) -> None:
+    got = of_pod(pod(None, **POISON[kind]), RES, 1, SIDECAR)
+    assert isinstance(got, Undeclared), got
+    assert got.reason.startswith("VRAM_ENFORCER_") and len(got.reason) < 400
+    assert unreadable(got) == f"declares nothing: {got.reason}"
+
+
+def test_the_depth_and_the_digits_are_bounded_before_anything_is_decoded() -> None:
+    deep = of_pod(pod(None, **POISON["deep"]), RES, 1, SIDECAR)
+    assert isinstance(deep, Undeclared) and "nests deeper than 8 levels" in deep.reason
+    # Brackets within strings are no nesting; eight levels are read.
+    assert parse_portions('{"a[[[[[[[[[": {"request": "0.5"}}', "P") == {
+        "a[[[[[[[[[": Portion(Decimal("0.5"))
+    }
+    eight = '{"a": ' + "[" * 7 + "]" * 7 + "}"
+    with pytest.raises(ConfigError, match="gives container 'a' <a list of 1>"):
+        parse_portions(eight, "P")  # read, and refused for its shape
+    with pytest.raises(ConfigError, match="nests deeper than 8 levels"):
+        parse_portions(eight.replace("[", "[[", 1).replace("]", "]]", 1), "P")
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        parse_portions("{" * 8, "P")  # unclosed, and no deeper than 8: the decoder says
+    huge = of_pod(pod(None, **POISON["huge integer"]), RES, 1, SIDECAR)
+    assert isinstance(huge, Undeclared) and "whole bytes from 0 to 2^63-1" in huge.reason
+    # What the webhook writes for a KAI share is read back: at most 20 digits after the
+    # point, times at most 9999 GPUs, in any notation decimal prints.
+    for text in ("0.5", "1E-20", "9998.99999999999999990001", "0.00000012345678901234"):
+        read = parse_portions(json.dumps({"a": {"request": text}}), "P")
+        assert read["a"].request == Decimal(text)
+
+
+def test_unreadable_ceilings_take_away_only_the_borrowing() -> None:
+    """The resources are what the scheduler counted: a pod cannot shed its limit by
+    spoiling its sidecar's environment, only its leave to borrow."""
+    spoiled = of_pod(pod("4Gi", VRAM_ENFORCER_CEILINGS="[" * 100_000), RES, 1, SIDECAR)
+    assert isinstance(spoiled, Declaration)
+    assert (spoiled.limits, spoiled.ceilings) == ({"main": 4 * GiB}, {})
+    assert unreadable(spoiled).startswith("borrows nothing: VRAM_ENFORCER_CEILINGS: ")
+    assert unreadable(of_pod(pod("4Gi"), RES, 1, SIDECAR)) == ""
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                  max_size=3),
+    max_leaves=8,
+)  # fmt: skip
+VALUES = st.text(max_size=40) | JSON.map(json.dumps) | st.builds(
+    lambda name, value: json.dumps({name: value}), st.sampled_from(["main", "x"]), JSON
+) | st.builds(lambda value: json.dumps({"main": {"request": value}}), JSON)  # fmt: skip
+VARIABLES = ["VRAM_ENFORCER_LIMITS", "VRAM_ENFORCER_CEILINGS", "VRAM_ENFORCER_PORTIONS",
+             "VRAM_ENFORCER_LIMITS_FROM"]  # fmt: skip
+
+
+@given(
+    env=st.dictionaries(st.sampled_from(VARIABLES), VALUES), limit=st.sampled_from([None, "4Gi"])
+)
+def test_any_sidecar_environment_gives_a_declaration_or_why_not_never_an_error(
+    env: dict[str, str], limit: str | None
+) -> None:
+    got = of_pod(pod(limit, **env), RES, 1, SIDECAR)
+    if isinstance(got, Declaration):
+        got.in_bytes(80 * GiB)  # counted in bytes without an error, too
+    else:
+        assert got.reason

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from enforcer.core.attribution import usage_by_container
+from enforcer.core.declaration import of_pod
 from enforcer.core.dra import DraSettings, allocations
 from enforcer.core.hard_limits import (
     EVIDENCE_BYTES,
@@ -49,14 +50,18 @@ def pod(ceilings: dict[str, int] | None = None, **status: Any) -> dict[str, Any]
     }  # fmt: skip
 
 
+def vram(p: Any, resource: str = "vram-enforcer.io/vram") -> PodVram | None:
+    """The pod's hard limits, from what it declares as the agent reads it."""
+    return pod_vram(p, of_pod(p, resource, 1, "vram-enforcer"))
+
+
 def test_a_pods_declaration_and_current_container_ids() -> None:
     running = {"containerStatuses": [{"name": "trainer", "containerID": f"containerd://{A}"}]}
-    got = pod_vram(pod(**running), "vram-enforcer.io/vram", 1, "vram-enforcer")
+    got = vram(pod(**running))
     assert got == PodVram(UID, "ml", "train", {"fetch": GiB, "trainer": 8 * GiB}, {"trainer": A})
     assert got is not None and got.total == 9 * GiB
-    assert pod_vram(pod(), "example.com/other", 1, "vram-enforcer") is None  # nothing of ours
-    no_uid = {"spec": pod()["spec"]}
-    assert pod_vram(no_uid, "vram-enforcer.io/vram", 1, "vram-enforcer") is None
+    assert vram(pod(), "example.com/other") is None  # nothing of ours
+    assert vram({"spec": pod()["spec"]}) is None  # no uid
 
 
 def test_targets_are_the_pod_cgroup_and_the_cgroups_named_by_its_status() -> None:
@@ -79,9 +84,7 @@ def test_a_container_that_may_borrow_is_held_to_its_ceiling_with_its_request_as_
     """The driver's soft limit is "guaranteed before allocations may fail" (nvml.h): the
     request. The hard limit is the ceiling, or the driver would refuse what the agent lends."""
     running = {"containerStatuses": [{"name": "trainer", "containerID": f"containerd://{A}"}]}
-    got = pod_vram(
-        pod({"trainer": 20 * GiB}, **running), "vram-enforcer.io/vram", 1, "vram-enforcer"
-    )
+    got = vram(pod({"trainer": 20 * GiB}, **running))
     assert got is not None
     assert dict(got.limits) == {"fetch": GiB, "trainer": 20 * GiB}
     assert dict(got.requests) == {"fetch": GiB, "trainer": 8 * GiB}
@@ -91,10 +94,8 @@ def test_a_container_that_may_borrow_is_held_to_its_ceiling_with_its_request_as_
     assert found["/k/pod/a"] == Target("/k/pod/a", "ml", "train", UID, "trainer", 20 * GiB,
                                        (), 8 * GiB)  # fmt: skip
     # A ceiling not above the request borrows nothing: exactly what it was before.
-    same = pod_vram(
-        pod({"trainer": 8 * GiB}, **running), "vram-enforcer.io/vram", 1, "vram-enforcer"
-    )
-    assert same == pod_vram(pod(**running), "vram-enforcer.io/vram", 1, "vram-enforcer")
+    same = vram(pod({"trainer": 8 * GiB}, **running))
+    assert same == vram(pod(**running))
     assert same is not None and same.requested == 0
 
 

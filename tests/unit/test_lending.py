@@ -150,6 +150,29 @@ def test_a_kai_fraction_is_a_tenant_once_its_gpus_memory_is_known() -> None:
     assert tenants([kai], RES, 1, SIDECAR, None).all == ()  # not counted before a GPU is known
 
 
+def test_a_pod_whose_declaration_cannot_be_read_is_its_own_loss_and_is_said() -> None:
+    """Issue 35, item 8: one pod's sidecar environment that no webhook wrote (`[` nested
+    100,000 deep, a portion past decimal's range) made every pass raise, for the node. It
+    is that pod's alone: it declares nothing, or borrows nothing, and says why."""
+    deep = [{"name": "VRAM_ENFORCER_LIMITS", "value": "[" * 100_000}]
+    huge = [
+        {"name": "VRAM_ENFORCER_LIMITS", "value": "{}"},
+        {"name": "VRAM_ENFORCER_PORTIONS", "value": '{"c": {"request": "1E+999999"}}'},
+    ]
+    spoiled = [{"name": "VRAM_ENFORCER_CEILINGS", "value": "[" * 100_000}]
+    found = tenants([pod("a", "ml", "4Gi", "a" * 64, ceiling=16 * GiB),
+                     pod("deep", "x", None, "d" * 64, sidecar_env=deep),
+                     pod("huge", "x", None, "e" * 64, sidecar_env=huge),
+                     pod("spoiled", "x", "2Gi", "f" * 64, sidecar_env=spoiled)],
+                    RES, 1, SIDECAR, 80 * GiB)  # fmt: skip
+    assert found.all == (tenant("ml/a/c", 4 * GiB, 16 * GiB, "a" * 64),
+                         tenant("x/spoiled/c", 2 * GiB, 2 * GiB, "f" * 64))  # fmt: skip
+    assert sorted(found.unread) == ["x/deep", "x/huge", "x/spoiled"]
+    assert found.unread["x/deep"].startswith("declares nothing: VRAM_ENFORCER_LIMITS: ")
+    assert "is not a portion of a GPU" in found.unread["x/huge"]
+    assert found.unread["x/spoiled"].startswith("borrows nothing: VRAM_ENFORCER_CEILINGS: ")
+
+
 # --- DRA: each allocation is a tenant on its GPU -----------------------------------------
 
 DRA_ENV = [{"name": "VRAM_ENFORCER_LIMITS_FROM", "value": "dra"}]

@@ -1,0 +1,94 @@
+"""A stand-in for the API server's list and watch of pods, on loopback: the list in the
+pages that the client asks for, and the watch's events as the test queues them."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class PodsApi(ThreadingHTTPServer):
+    """Lists `listed` (JSON pods) and streams `events` to each watch, until a None."""
+
+    daemon_threads = True
+
+    def __init__(self, listed: list[bytes]) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.listed = listed
+        self.events: queue.Queue[bytes | None] = queue.Queue()
+        self.pages: list[int] = []  # the number of pods each list request asked for
+        self.watching = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def send(self, kind: str, pod: dict[str, Any]) -> None:
+        """A watch event."""
+        self.events.put(json.dumps({"type": kind, "object": pod}).encode())
+
+
+@contextmanager
+def serving(listed: list[bytes]) -> Iterator[PodsApi]:
+    api = PodsApi(listed)
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    try:
+        yield api
+    finally:
+        api.events.put(None)
+        api.shutdown()
+        api.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: PodsApi
+    protocol_version = "HTTP/1.1"  # the watch's events in chunks, as the API server sends them
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+    def do_GET(self) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        listed = self.server.listed
+        if url.path != "/api/v1/pods":
+            self._send(404, b'{"kind":"Status","code":404}')
+        elif query.get("watch") == "true":
+            self._watch()
+        else:
+            limit = int(query.get("limit") or len(listed))
+            self.server.pages.append(limit)
+            start = int(query.get("continue") or 0)
+            more = f',"continue":"{start + limit}"' if start + limit < len(listed) else ""
+            head = f'{{"kind":"PodList","metadata":{{"resourceVersion":"1"{more}}},"items":['
+            self._send(200, head.encode() + b",".join(listed[start : start + limit]) + b"]}")
+
+    def do_POST(self) -> None:  # Events
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._send(201, b"{}")
+
+    def _send(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _watch(self) -> None:
+        """The queued events, a chunk each."""
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.server.watching.set()
+        while (event := self.server.events.get()) is not None:
+            self.wfile.write(b"%x\r\n%s\n\r\n" % (len(event) + 1, event))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+        self.close_connection = True
