@@ -24,6 +24,7 @@ class PodsApi(ThreadingHTTPServer):
         self.events: queue.Queue[bytes | None] = queue.Queue()
         self.pages: list[int] = []  # the number of pods each list request asked for
         self.watching = threading.Event()
+        self.posts: list[tuple[str, Any]] = []  # each POST's path and JSON body, in order
 
     @property
     def url(self) -> str:
@@ -69,8 +70,9 @@ class _Handler(BaseHTTPRequestHandler):
             head = f'{{"kind":"PodList","metadata":{{"resourceVersion":"1"{more}}},"items":['
             self._send(200, head.encode() + b",".join(listed[start : start + limit]) + b"]}")
 
-    def do_POST(self) -> None:  # Events
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+    def do_POST(self) -> None:  # Events, evictions
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.server.posts.append((self.path, json.loads(body) if body else None))
         self._send(201, b"{}")
 
     def _send(self, code: int, body: bytes) -> None:

@@ -67,6 +67,7 @@ class Reason(StrEnum):
     GPU_UNREADABLE = "VRAMGpuUnreadable"  # the agent, on its Node: NVML cannot read a GPU
     SIDECAR_SILENT = "VRAMSidecarSilent"  # the agent: a pod's sidecar is gone (or back)
     RECLAIMED = "VRAMReclaimed"  # memory lent above a request is taken back
+    EVICTED = "VRAMEvicted"  # the agent: the kernel refused a signal, the pod is evicted
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ COMPONENT = "vram-enforcer"
 NODE = "/api/v1/nodes/{name}"
 POD = "/api/v1/namespaces/{namespace}/pods/{name}"
 EVENTS = "/api/v1/namespaces/{namespace}/events"
+EVICTION = POD + "/eviction"  # policy/v1 Eviction, a subresource of the pod
 
 # Connection problems and the API statuses that a later attempt can fix.
 _RETRYABLE_STATUS = frozenset({409, 429, 500, 502, 503, 504})
@@ -62,6 +63,11 @@ class Forbidden(KubeError):
 
 class NotFound(KubeError):
     """The object does not exist (HTTP 404)."""
+
+
+class TooManyRequests(KubeError):
+    """HTTP 429 after every retry: the API is overloaded, or (an eviction) a
+    PodDisruptionBudget does not allow it now."""
 
 
 # One owner of retries: `call`'s policy (`retrying`), which knows the caller's deadline.
@@ -299,6 +305,8 @@ def call(
         if exc.status == 403:
             raise Forbidden(verb, resource, _reason(exc)) from exc
         failed = f"{verb} {resource} failed: {_short(exc)}: {_reason(exc)}"
+        if exc.status == 429:
+            raise TooManyRequests(failed) from exc
         raise (NotFound(failed) if exc.status == 404 else KubeError(failed)) from exc
     except _NETWORK_ERRORS as exc:
         raise KubeError(f"{verb} {resource} failed: the API server is unreachable ({exc})") from exc
@@ -310,6 +318,27 @@ def _reason(exc: ApiException) -> str:
         return str(json.loads(exc.body or "{}").get("message") or exc.reason)
     except (ValueError, AttributeError):
         return str(exc.reason)
+
+
+def evict(
+    api: client.ApiClient, namespace: str, name: str, uid: str, deadline: float = 10.0
+) -> KubeError | None:
+    """Evict the pod (policy/v1 Eviction), as the kubelet and `kubectl drain` do, only if it
+    is still the pod of `uid` (a precondition: never a newcomer of the same name); None
+    once the API has accepted it, else the error (a PodDisruptionBudget that refuses it
+    now: `TooManyRequests`; the pod already gone: `NotFound`)."""
+    body = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": name, "namespace": namespace},
+        "deleteOptions": {"preconditions": {"uid": uid}},
+    }
+    try:
+        call(api, "POST", EVICTION, "pods/eviction", body=body, deadline=deadline,
+             params={"namespace": namespace, "name": name})  # fmt: skip
+    except KubeError as exc:
+        return exc
+    return None
 
 
 def server_version(api: client.ApiClient, deadline: float = 30.0) -> str:

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from enforcer.core.payloads import Pod
     from enforcer.core.protocol import EventRequest
     from enforcer.edge.events import EventRecorder
+    from enforcer.edge.eviction import Evictor
     from enforcer.edge.node_advertiser import NodeAdvertiser
     from enforcer.edge.node_pods import NodePods
     from enforcer.edge.pod_resources import PodResources
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
     from enforcer.modes.sidecar_watch import SidecarWatch
 
     # The threads the pod watch wakes: each stops on its `stop` event.
-    Woken = HardLimiter | PodPublisher | SidecarWatch | PodResources
+    Woken = HardLimiter | PodPublisher | SidecarWatch | PodResources | Evictor
 
 log = logging.getLogger(__name__)
 
@@ -383,6 +384,7 @@ def _pod_watch(
     counts initialisations): the sampler's is not shared."""
     from enforcer.edge.claims import ClaimCache, ClaimReader  # noqa: PLC0415 - only when used
     from enforcer.edge.events import EventRecorder  # noqa: PLC0415
+    from enforcer.edge.eviction import Evictor  # noqa: PLC0415
     from enforcer.edge.node_pods import NodePods  # noqa: PLC0415
     from enforcer.edge.pod_resources import PodResources  # noqa: PLC0415
     from enforcer.edge.sidecar_dialer import dial_sidecars  # noqa: PLC0415
@@ -439,9 +441,13 @@ def _pod_watch(
                                 SidecarProcesses(server.host_proc))  # fmt: skip
         server.hung_up = sidecars.hung_up  # a killed sidecar's pod is held at once
         woken.append(sidecars)
+        # A pod whose process the kernel will not let the agent signal is evicted instead.
+        evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"))
+        woken.append(evictor)
         sampler.backstop = Backstop(pods.snapshot, lambda: sidecars.silent, resource, SIDECAR,
                                     recorder, telemetry, server.host_proc,
-                                    (claims.last, settings.dra) if dra else None)  # fmt: skip
+                                    (claims.last, settings.dra) if dra else None,
+                                    evictor.evict)  # fmt: skip
     return recorder, pods, woken
 
 

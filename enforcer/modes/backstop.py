@@ -10,6 +10,9 @@ memory back; with DRA, each claim's allocation on its GPU, from the claims the a
 read for the pod's replies (never read here: the sampler does not wait on the API); the
 same proof before each signal (a pidfd, the process's start time, and
 its cgroup naming the container's ID in the pod's current status); and Events on the pod.
+Where the kernel refuses a signal all the same (EPERM: a user-namespaced pod, a security
+module), the pod is evicted through the API instead, once while it is held, as the kubelet
+evicts a pod it cannot hold to its memory (`core.eviction` says when).
 It hands the pod back as soon as the sidecar is heard again (`SidecarWatch` says when), and
 follows the victims it signalled to their end all the same: their SIGKILL comes at the
 deadline, after the same proof, whoever holds the pod by then (held again, a pod takes up
@@ -36,20 +39,22 @@ from enforcer.core.dra import (
     of_sole_container,
     unit_containers,
 )
+from enforcer.core.eviction import evicted, to_evict
 from enforcer.core.hard_limits import pod_vram
 from enforcer.core.model import (
     Action,
     ProcessKey,
     ProcessTotal,
     Sample,
+    SignalResult,
     SourceDown,
     UnitUsage,
     format_bytes,
 )
 from enforcer.core.parsing import ConfigError
-from enforcer.core.payloads import Pod
+from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import ContainerRef, container_limits, containers_by_id, pod_reference
-from enforcer.core.policy import PolicyConfig
+from enforcer.core.policy import Enforcement, PolicyConfig
 from enforcer.core.settings import resolve
 from enforcer.core.settings.sidecar import POLICY
 from enforcer.edge.guard import LoopGuard
@@ -62,6 +67,9 @@ if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
 
 log = logging.getLogger(__name__)
+
+Evict = Callable[[ObjectReference, str], None]
+"""Evict the pod (and container) named, for the reason given; never blocks."""
 
 
 class Backstop:
@@ -77,8 +85,12 @@ class Backstop:
         telemetry: AgentTelemetry,
         procfs: ProcFs,
         claims: tuple[Callable[[Pod], DraObjects | None], DraSettings] | None = None,
+        evict: Evict | None = None,
     ) -> None:
+        """`evict`: what evicts a pod whose signal the kernel refused (None: nothing does,
+        and the refusals are only reported)."""
         self._pods = pods
+        self._evict = evict
         self._claims = claims  # DRA: the pod's claims and the node's slices, as last read
         self._unheld: set[str] = set()  # silent pods said to be beyond the agent's hold
         self._silent = silent
@@ -136,7 +148,8 @@ class Backstop:
             return None
         log.warning("pod %s: its sidecar is silent; the agent enforces its limits itself (%s)",
                     _named(pod), held)  # fmt: skip
-        return _Held(pod, limits, policy, self._sidecar, self._recorder, self._procfs)
+        return _Held(pod, limits, policy, self._sidecar, self._recorder, self._procfs,
+                     self._evict)  # fmt: skip
 
     def _allocations(self, pod: Pod) -> Allocations | None:
         """DRA: what the pod's claims give its containers on each GPU, as last read; None
@@ -188,14 +201,18 @@ class _Held:
         sidecar: str,
         recorder: EventRecorder,
         procfs: ProcFs,
+        evict: Evict | None = None,
     ) -> None:
         meta = pod.get("metadata") or {}
         self._source = _Given()
         want_init = policy.action is Action.RESTART
         self._attributor = SilentPodAttributor(procfs, limits, sidecar, want_init)
-        self._terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
+        self._terminator = _Refusals(Signaller(procfs, protected=frozenset({1})))
         about = (str(meta.get("namespace") or ""), str(meta.get("name") or ""),
                  str(meta.get("uid") or ""))  # fmt: skip
+        self._about = about
+        self._evict = evict
+        self._evicted = False  # once while the pod is held, not on every pass
         telemetry = Telemetry({"namespace": about[0], "pod": about[1]})
         reporters: list[Reporter] = [LogReporter(), _PodEvents(recorder, about, self._attributor)]
         self._pipeline = Pipeline(
@@ -206,12 +223,33 @@ class _Held:
         self._source.sample_now = sample
         self._attributor.update(pod, container_of)
         self._pipeline.tick()
+        if self._evict is None or self._evicted:
+            return
+        unit = to_evict(self._terminator.denied, self._pipeline.last_units)
+        if unit is not None:
+            self._evicted = True
+            about = pod_reference(*self._about, self._attributor.ref(unit.name))
+            self._evict(about, evicted(unit, self._attributor.label(unit.name)))
 
     def follow_victims(self) -> bool:
         """Once the pod is handed back: escalate, or forget, the victims already signalled,
         deciding nothing new; whether any is left to follow."""
         self._pipeline.follow_victims()
         return bool(self._terminator.busy())
+
+
+class _Refusals(Terminator):
+    """The terminator, noting each unit whose victim the kernel refused a signal."""
+
+    def __init__(self, signaller: Signaller) -> None:
+        super().__init__(signaller)
+        self.denied: set[str] = set()
+
+    def start(self, enforcement: Enforcement, is_member: Membership, now: float) -> SignalResult:
+        result = super().start(enforcement, is_member, now)
+        if result is SignalResult.DENIED:
+            self.denied.add(enforcement.unit.name)
+        return result
 
 
 class _Given:

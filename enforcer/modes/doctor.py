@@ -343,7 +343,8 @@ _NEEDS: dict[str, list[tuple[str, str, str | None, bool]]] = {
                 ("patch", "events", None, True)],
     "agent": [("get", "nodes", None, False), ("patch", "nodes", None, False),
               ("patch", "nodes", "status", False), ("list", "pods", None, False),
-              ("watch", "pods", None, False), ("create", "events", None, False),
+              ("watch", "pods", None, False), ("create", "pods", "eviction", False),
+              ("create", "events", None, False),
               ("patch", "events", None, False), ("list", "events", None, False)],
 }  # fmt: skip
 NO_SIDECAR_RBAC = (

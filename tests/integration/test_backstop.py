@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
+
+import pytest
 
 from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample, UnitUsage
@@ -21,6 +24,7 @@ from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.backstop import Backstop, SilentPodAttributor
 from tests.helpers import wait_for
+from tests.pods_api import serving
 
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
@@ -171,6 +175,103 @@ def test_a_pod_handed_back_before_the_grace_period_ends_still_gets_its_sigkill(
         assert 1.0 <= time.monotonic() - signalled < 1.5  # at the deadline, not later
         assert sum("sent SIGTERM" in m for m in recorder.messages) == 1
         assert any("sent SIGKILL" in m for m in recorder.messages)
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+# The agent's side of the test below: the backstop, its recorder and its evictor, as the
+# agent wires them, running as root without CAP_KILL (argv: the API's URL, the victim's
+# pid and start time, the container's ID, the pod).
+EVICTING = """
+import json, sys, time
+from kubernetes import client
+from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.edge.events import EventRecorder
+from enforcer.edge.eviction import Evictor
+from enforcer.edge.kube import api_client
+from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.procfs import ProcFs
+from enforcer.modes.backstop import Backstop
+
+url, pid, start, cid, pod = sys.argv[1:]
+configuration = client.Configuration()
+configuration.host = url
+api = api_client(configuration)
+telemetry = AgentTelemetry()
+recorder = EventRecorder(api, "node-a", "node-a", telemetry.event_failures)
+evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"))
+recorder.start()
+evictor.start()
+backstop = Backstop(lambda: {"u": json.loads(pod)}, lambda: frozenset({"u"}),
+                    ("vram-enforcer.io/vram", 1), "vram-enforcer", recorder, telemetry,
+                    ProcFs(), None, evictor.evict)
+key = ProcessKey(int(pid), int(start))
+sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
+for _ in range(5):  # the sampler's passes: one eviction for all of them
+    backstop(sample, lambda: {key: cid})
+    time.sleep(0.1)
+ends = time.monotonic() + 10
+while evictor.pending and time.monotonic() < ends:
+    time.sleep(0.05)
+evictor.stop.set()
+recorder.close(5)
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv"
+)
+def test_a_pod_whose_signal_the_kernel_refuses_is_evicted_once_with_an_event(
+    cgroup2: Path,
+) -> None:
+    """The victim runs as another uid, and the agent's side has no CAP_KILL: the kernel
+    refuses the SIGTERM (EPERM), as it does for a user-namespaced pod. The pod, still over
+    its limit, is evicted through the API (policy/v1, on the pod's UID), once over several
+    passes, and an Event on its container says why; the victim is left alone."""
+    box = cgroup2 / f"cri-containerd-{CID}.scope"
+    box.mkdir()
+    procfs = ProcFs()
+    victim = in_box(box, ["setpriv", "--reuid", "1000", "--regid", "1000", "--clear-groups",
+                          "sleep", "60"])  # fmt: skip
+    try:
+        wait_for(lambda: procfs.cmdline(victim.pid) == "sleep 60", what="the victim's exec")
+        st = procfs.stat(victim.pid)
+        assert st is not None
+        sidecar_env = [{"name": "VRAM_ENFORCER_LIMITS", "value": json.dumps({"trainer": GiB})}]
+        pod = {"metadata": {"uid": "u", "namespace": "team", "name": "p"},
+               "spec": {"containers": [{"name": "trainer"},
+                                       {"name": "vram-enforcer", "env": sidecar_env}]},
+               "status": {"containerStatuses": [
+                   {"name": "trainer", "containerID": f"containerd://{CID}"},
+                   {"name": "vram-enforcer", "containerID": f"containerd://{'cd' * 32}"}]}}  # fmt: skip
+        with serving([]) as api:
+            agent = subprocess.run(
+                ["setpriv", "--inh-caps", "-all", "--bounding-set", "-kill", sys.executable,
+                 "-c", EVICTING, api.url, str(victim.pid), str(st.start_time), CID,
+                 json.dumps(pod)],
+                cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            assert agent.returncode == 0, agent.stderr
+            posts = list(api.posts)
+        evictions = [body for path, body in posts if path.endswith("/eviction")]
+        assert [path for path, _ in posts if path.endswith("/eviction")] == [
+            "/api/v1/namespaces/team/pods/p/eviction"
+        ]
+        assert evictions == [{"apiVersion": "policy/v1", "kind": "Eviction",
+                              "metadata": {"name": "p", "namespace": "team"},
+                              "deleteOptions": {"preconditions": {"uid": "u"}}}]  # fmt: skip
+        events = [body for path, body in posts if path == "/api/v1/namespaces/team/events"]
+        said = [e for e in events if e["reason"] == "VRAMEvicted"]
+        assert len(said) == 1, events
+        assert said[0]["involvedObject"]["fieldPath"] == "spec.containers{trainer}"
+        message = said[0]["message"]
+        assert "container 'trainer'" in message and "2.00 GiB" in message, message
+        assert "1.00 GiB VRAM limit" in message and "kernel refused the signal" in message
+        assert "evicted instead" in message
+        denied = [e["message"] for e in events if e["reason"] == "VRAMEnforced"]
+        assert any("denied" in m for m in denied), denied
+        assert victim.poll() is None  # the kernel refused: never signalled
     finally:
         victim.kill()
         victim.wait()

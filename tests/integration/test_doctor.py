@@ -318,8 +318,9 @@ class FakeApiServer(http.server.BaseHTTPRequestHandler):
 
 AGENT_NEEDS = [("get", "nodes", "", ""), ("patch", "nodes", "", ""),
                ("patch", "nodes", "status", ""), ("list", "pods", "", ""),
-               ("watch", "pods", "", ""), ("create", "events", "", ""),
-               ("patch", "events", "", ""), ("list", "events", "", "")]  # fmt: skip
+               ("watch", "pods", "", ""), ("create", "pods", "eviction", ""),
+               ("create", "events", "", ""), ("patch", "events", "", ""),
+               ("list", "events", "", "")]  # fmt: skip
 
 
 @pytest.fixture
