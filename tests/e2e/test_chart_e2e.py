@@ -225,7 +225,8 @@ def test_without_hard_limits_the_agent_gets_no_cgroup_mount_and_still_watches_po
         assert spec.automount_service_account_token is True
         role = client.RbacAuthorizationV1Api(admin).read_cluster_role("vram-enforcer-soft-agent")
         assert {res for r in role.rules for res in r.resources} == {
-            "nodes", "nodes/status", "pods", "events", "resourceclaims", "resourceslices"}  # fmt: skip
+            "nodes", "nodes/status", "pods", "pods/eviction", "events", "resourceclaims",
+            "resourceslices"}  # fmt: skip
     finally:
         helm("uninstall", "vram-enforcer-soft", "vram-soft", str(kubeconfig))
 
