@@ -328,7 +328,7 @@ def _divided(
     parts: list[Share] = []
     notes: list[str] = []
     for s in shares:
-        reserved = reserved_pods(claims[s.claim])
+        reserved = reserved_pods(claims.get(s.claim) or {})  # read: _shares_of found it
         if reserved is None:
             notes.append(
                 f"ResourceClaim {s.claim!r} is reserved for something other than pods "

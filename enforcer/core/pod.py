@@ -19,6 +19,7 @@ _STATUS_FIELDS = (
     ("containerStatuses", "containers"),
     ("ephemeralContainerStatuses", "ephemeralContainers"),
 )
+STATUSES = tuple(status for status, _ in _STATUS_FIELDS)  # a pod's container status lists
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,14 +26,13 @@ from enforcer.core.cgroups import status_container_id
 from enforcer.core.declaration import ENFORCED, SIDECAR
 from enforcer.core.dra import finished
 from enforcer.core.payloads import Pod
-from enforcer.core.pod import json_map, json_maps
+from enforcer.core.pod import STATUSES, json_map, json_maps
 
 SILENT_AFTER = 10.0  # seconds a running sidecar may go unheard before its pod is unguarded
 FIRST_RETRY, LAST_RETRY = 1.0, 30.0  # seconds between attempts to connect to a sidecar
 STOPPED = frozenset("Tt")  # stopped by a signal (SIGSTOP), or by a tracer: it runs no code
 ENDED = frozenset("ZX")  # a zombie (its main thread, the sidecar's loop, has ended), or dead
 # The statuses of a pod's containers, init and ephemeral ones too: the sidecar enforces each.
-_STATUSES = ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +89,7 @@ def _enforced(pod: Pod) -> bool:
 
 def _sidecar_status(pod: Pod) -> Mapping[str, object] | None:
     status = json_map(pod.get("status"))
-    for field_name in _STATUSES:
+    for field_name in STATUSES:
         for cs in json_maps(status.get(field_name)):
             if cs.get("name") == SIDECAR:
                 return cs
@@ -107,7 +106,7 @@ def running_containers(pod: Pod) -> frozenset[str]:
     status = json_map(pod.get("status"))
     return frozenset(
         name
-        for field_name in _STATUSES
+        for field_name in STATUSES
         for cs in json_maps(status.get(field_name))
         if isinstance(name := cs.get("name"), str) and _runs(cs)
     )

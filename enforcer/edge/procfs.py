@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISCHR
 
+from enforcer.core.attribution import oldest
 from enforcer.core.cgroups import CgroupEntry, container_id, parse_cgroup
-from enforcer.core.model import ProcessKey
+from enforcer.core.model import ProcessKey, ProcessTotal
 
 # The inode of the initial PID namespace (PROC_PID_INIT_INO in the kernel).
 INITIAL_PID_NS = 4026531836
@@ -315,6 +316,23 @@ class ProcFs:
             if pid not in found:
                 found.add(pid)
                 stack.extend(children.get(pid, ()))
+        return found
+
+    def container_inits(self, ids: Collection[str]) -> dict[str, ProcessKey | str]:
+        """The init of each of these containers (by ID), from one pass over the processes,
+        or why none is named: the oldest of its roots (`container_roots`); two of the same
+        clock tick prove none."""
+        roots = self.container_roots(ids)
+        found: dict[str, ProcessKey | str] = {}
+        for cid in ids:
+            init = oldest(ProcessTotal(key, 0, ()) for key in roots.get(cid, ()))
+            if init is not None:
+                found[cid] = init.key
+            elif cid in roots:
+                found[cid] = ("its first process is not proven: two of its processes whose "
+                              "parent is outside it started in the same clock tick")  # fmt: skip
+            else:
+                found[cid] = "no process of it runs on this node"
         return found
 
     def container_roots(self, ids: Collection[str]) -> dict[str, list[ProcessKey]]:

@@ -20,8 +20,7 @@ import socket
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from enforcer.core.attribution import oldest
-from enforcer.core.model import ProcessKey, ProcessTotal
+from enforcer.core.model import ProcessKey
 from enforcer.core.protocol import SIDECAR_SOCKET
 from enforcer.edge.peers import PeerError, prove_listener
 from enforcer.edge.procfs import ProcFs
@@ -36,23 +35,6 @@ class Refused:
 
     def __str__(self) -> str:
         return self.why
-
-
-def inits_of(host_proc: ProcFs, ids: Collection[str]) -> dict[str, ProcessKey | str]:
-    """The init of each of these containers (by ID), from one pass over the host's
-    processes, or why none is named."""
-    roots = host_proc.container_roots(ids)
-    found: dict[str, ProcessKey | str] = {}
-    for cid in ids:
-        init = oldest(ProcessTotal(key, 0, ()) for key in roots.get(cid, ()))
-        if init is not None:
-            found[cid] = init.key
-        elif cid in roots:
-            found[cid] = ("its first process is not proven: two of its processes whose parent "
-                          "is outside it started in the same clock tick")  # fmt: skip
-        else:
-            found[cid] = "no process of it runs on this node"
-    return found
 
 
 def dial(host_proc: ProcFs, container_id: str, init: ProcessKey) -> socket.socket | Refused | str:
@@ -82,5 +64,5 @@ def dial_sidecars(
     """For each sidecar container ID: a connection to its socket, or why there is none."""
     return {
         cid: init if isinstance(init, str) else dial(host_proc, cid, init)
-        for cid, init in inits_of(host_proc, ids).items()
+        for cid, init in host_proc.container_inits(ids).items()
     }

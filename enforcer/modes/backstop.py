@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
-from enforcer.core.attribution import attribute, attribute_per_gpu, oldest
+from enforcer.core.attribution import attribute, attribute_per_gpu
 from enforcer.core.declaration import Undeclared, of_pod, portion_basis, sidecar_env, unreadable
 from enforcer.core.dra import (
     Allocations,
@@ -286,6 +286,7 @@ class SilentPodAttributor:
         self._limits = limits if isinstance(limits, Allocations) else dict(limits)
         self._sidecar = sidecar
         self._want_init = want_init  # `restart`: each container's init, when one is over
+        self._tick_inits: dict[str, ProcessTotal] | None = None  # this tick's, when scanned
         self._ids: dict[str, str] = {}  # container name -> its container ID now
         self._refs: dict[str, ContainerRef] = {}
         self._container_of: Mapping[ProcessKey, str] = {}
@@ -306,8 +307,9 @@ class SilentPodAttributor:
         else:
             limits = container_limits(self._limits, self._refs.values(), undeclared_allowed=False)
             units = attribute(sample, unit_of, limits)
+        self._tick_inits = None
         if self._want_init and any(u.used_bytes > u.limit_bytes for u in units):
-            inits = self._inits()  # a scan of the host's /proc: only when one is over
+            inits = self._tick_inits = self._inits()  # a scan of /proc: only when one is over
             units = tuple(replace(u, init_process=of_sole_container(u.name, inits)) for u in units)
         return units
 
@@ -315,13 +317,10 @@ class SilentPodAttributor:
         """Each container's init, as the host sees it: a process of the container whose
         parent is not (the runtime's shim). A `kubectl exec` into it is one too, and always
         younger: the oldest is the init; two of the same clock tick prove none."""
-        roots = self._procfs.container_roots(set(self._ids.values()))
-        inits: dict[str, ProcessTotal] = {}
-        for name, cid in self._ids.items():
-            found = oldest(ProcessTotal(key, 0, (), "") for key in roots.get(cid, ()))
-            if found is not None:  # the command line of the init alone is read
-                inits[name] = replace(found, cmdline=self._procfs.cmdline(found.key.pid) or "")
-        return inits
+        found = self._procfs.container_inits(set(self._ids.values()))
+        return {name: ProcessTotal(key, 0, (), self._procfs.cmdline(key.pid) or "")
+                for name, cid in self._ids.items()
+                if isinstance(key := found.get(cid), ProcessKey)}  # fmt: skip
 
     def membership(self, unit: str) -> Membership:
         ids = {self._ids[n] for n in unit_containers(unit) if n in self._ids}
@@ -338,7 +337,10 @@ class SilentPodAttributor:
         """`restart`: the container's init, whose end makes the kubelet restart the
         container; else (a unit that containers share, or an init not proven) each of its
         GPU processes."""
-        init = of_sole_container(unit.name, self._inits()) if self._want_init else None
+        init = None
+        if self._want_init:  # this tick's scan, made when the unit was found over
+            inits = self._tick_inits if self._tick_inits is not None else self._inits()
+            init = of_sole_container(unit.name, inits)
         if init is not None:
             return WholeUnit((init,), restart=True)
         return WholeUnit(unit.processes)

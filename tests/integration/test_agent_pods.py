@@ -34,12 +34,12 @@ from enforcer.core.model import SourceDown
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod_directory import directory, event_about, kept
 from enforcer.core.protocol import SIDECAR_SOCKET, SIDECAR_SOCKET_DIR
-from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sidecar_dialer import dial_sidecars
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
 from enforcer.modes.sidecar_watch import SidecarProcesses, SidecarWatch
 from tests.helpers import children, scratch_cgroup, wait_for
+from tests.integration.conftest import TELEMETRY
 
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
@@ -217,19 +217,6 @@ class Caller:
                 os.kill(self.pid, signal.SIGKILL)
         self.proc.kill()
         self.proc.wait()
-
-
-TELEMETRY = AgentTelemetry()
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[UsageServer]:
-    t = TELEMETRY
-    metrics = ServerMetrics(t.requests, t.connections, t.unexpected)
-    s = UsageServer(tmp_path / "agent.sock", ProcFs(), metrics, stale_after=60.0)
-    s.start()
-    yield s
-    s.close()
 
 
 def pods_pushed() -> float:

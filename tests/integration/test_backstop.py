@@ -40,6 +40,14 @@ def in_box(box: Path, argv: list[str], **options: Any) -> subprocess.Popen[Any]:
     )
 
 
+def moved_in(box: Path, worker: subprocess.Popen[Any]) -> ProcessKey:
+    """`worker`'s identity, once it is in `box`."""
+    wait_for(lambda: str(worker.pid) in (box / "cgroup.procs").read_text(), what="the move")
+    st = ProcFs().stat(worker.pid)
+    assert st is not None
+    return ProcessKey(worker.pid, st.start_time)
+
+
 def children(procfs: ProcFs, parent: int) -> list[int]:
     return [p for p in procfs.pids() if (st := procfs.stat(p)) is not None and st.ppid == parent]
 
@@ -91,10 +99,7 @@ def test_with_dra_each_claim_holds_its_containers_on_its_gpu_and_proves_them_the
     procfs = ProcFs()
     worker = in_box(box, SLEEP)
     try:
-        wait_for(lambda: str(worker.pid) in (box / "cgroup.procs").read_text(), what="the move")
-        st = procfs.stat(worker.pid)
-        assert st is not None
-        key = ProcessKey(worker.pid, st.start_time)
+        key = moved_in(box, worker)
         pod = {"status": {"containerStatuses": [
             {"name": "trainer", "containerID": f"containerd://{CID}"},
             {"name": "vram-enforcer", "containerID": f"containerd://{'cd' * 32}"}]}}  # fmt: skip

@@ -22,22 +22,21 @@ from typing import Any, cast
 import pytest
 
 from enforcer.core.declaration import ENFORCED, LIMITS_ENV
-from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.model import GiB, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
 from enforcer.core.sidecar_presence import SILENT_AFTER
-from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sidecar_dialer import dial_sidecars
-from enforcer.edge.usage_server import ServerMetrics, UsageServer
+from enforcer.edge.usage_server import UsageServer
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.sidecar_watch import SidecarProcesses, SidecarWatch
 from tests.helpers import scratch_cgroup, wait_for
+from tests.integration.conftest import TELEMETRY
 from tests.integration.test_agent_pods import UA, Caller
-from tests.integration.test_backstop import SLEEP, in_box
+from tests.integration.test_backstop import SLEEP, in_box, moved_in
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, pidfds)")
 
-TELEMETRY = AgentTelemetry()
 # Its own container ID: the dialer looks for it among every process of this machine, where
 # other runs of the suite may have sidecars of the IDs that other tests use.
 A = secrets.token_hex(32)
@@ -69,16 +68,6 @@ def sidecar(tmp_path: Path) -> Iterator[Caller]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(found.pid, signal.SIGCONT)
             found.stop()
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[UsageServer]:
-    t = TELEMETRY
-    metrics = ServerMetrics(t.requests, t.connections, t.unexpected)
-    s = UsageServer(tmp_path / "agent.sock", ProcFs(), metrics, stale_after=60.0)
-    s.start()
-    yield s
-    s.close()
 
 
 def watching(server: UsageServer, every: float) -> SidecarWatch:
@@ -147,10 +136,7 @@ def test_a_pending_pods_init_container_is_held_by_the_agent_when_its_sidecar_nev
     procfs = ProcFs()
     worker = in_box(box, SLEEP)
     try:
-        wait_for(lambda: str(worker.pid) in (box / "cgroup.procs").read_text(), what="the move")
-        st = procfs.stat(worker.pid)
-        assert st is not None
-        key = ProcessKey(worker.pid, st.start_time)
+        key = moved_in(box, worker)
         env = [{"name": LIMITS_ENV, "value": json.dumps({"fetch": GiB})}]
         pod = cast(Pod, {
             "metadata": {"uid": "u-init", "namespace": "team", "name": "pod-init",
