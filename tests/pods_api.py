@@ -1,5 +1,6 @@
-"""A stand-in for the API server's list and watch of pods, on loopback: the list in the
-pages that the client asks for, and the watch's events as the test queues them."""
+"""A stand-in for the API server's list and watch of pods (or of namespaces), on loopback:
+the list in the pages that the client asks for, and the watch's events as the test queues
+them."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ from typing import Any
 
 
 class PodsApi(ThreadingHTTPServer):
-    """Lists `listed` (JSON pods) and streams `events` to each watch, until a None."""
+    """Lists `listed` (JSON pods), or `namespaces` (JSON Namespaces), and streams `events`
+    to each watch, until a None."""
 
     daemon_threads = True
 
     def __init__(self, listed: list[bytes]) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.listed = listed
+        self.namespaces: list[bytes] = []
+        self.queries: list[tuple[str, dict[str, str]]] = []  # each GET's path and query
         self.events: queue.Queue[bytes | None] = queue.Queue()
         self.pages: list[int] = []  # the number of pods each list request asked for
         self.watching = threading.Event()
@@ -57,8 +61,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         url = urllib.parse.urlsplit(self.path)
         query = dict(urllib.parse.parse_qsl(url.query))
-        listed = self.server.listed
-        if url.path != "/api/v1/pods":
+        self.server.queries.append((url.path, query))
+        listed = {"/api/v1/pods": self.server.listed,
+                  "/api/v1/namespaces": self.server.namespaces}.get(url.path)  # fmt: skip
+        if listed is None:
             self._send(404, b'{"kind":"Status","code":404}')
         elif query.get("watch") == "true":
             self._watch()
@@ -67,7 +73,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.pages.append(limit)
             start = int(query.get("continue") or 0)
             more = f',"continue":"{start + limit}"' if start + limit < len(listed) else ""
-            head = f'{{"kind":"PodList","metadata":{{"resourceVersion":"1"{more}}},"items":['
+            head = f'{{"kind":"List","metadata":{{"resourceVersion":"1"{more}}},"items":['
             self._send(200, head.encode() + b",".join(listed[start : start + limit]) + b"]}")
 
     def do_POST(self) -> None:  # Events, evictions

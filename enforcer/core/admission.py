@@ -22,6 +22,7 @@ from enforcer.core import kai, shapes
 from enforcer.core.declaration import (
     CEILINGS_ENV,
     ENFORCED,
+    GPUS_ENV,
     LIMITS_FROM_ENV,
     PORTIONS_ENV,
     SIDECAR,
@@ -284,6 +285,8 @@ def mutate(
     limits, ceilings = dict(declared.limits), dict(declared.ceilings)
     if declared.portions:
         sidecar_env[PORTIONS_ENV] = encode_portions(declared.portions)
+    if declared.gpus:
+        sidecar_env[GPUS_ENV] = json.dumps(declared.gpus, separators=(",", ":"))
     if ceilings:
         sidecar_env[CEILINGS_ENV] = json.dumps(ceilings, separators=(",", ":"))
     metrics_port = _metrics_port(annotations, spec)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 
-from enforcer.core.dra import Allocations
+from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.model import (
     IDLE,
     Activity,
@@ -44,6 +44,37 @@ def attribute(
     return tuple(
         UnitUsage(name, limit, tuple(sorted(members[name], key=lambda p: -p.used_bytes)))
         for name, limit in limits.items()
+    )
+
+
+def attribute_declared(
+    sample: Sample,
+    container_of: Mapping[ProcessKey, str],
+    limits: Mapping[str, int],
+    gpus: Mapping[str, int],
+    cmdlines: Mapping[ProcessKey, str] | None = None,
+) -> tuple[UnitUsage, ...]:
+    """`attribute`, with each container of `gpus` held per GPU instead (KAI's
+    `gpu-fraction-num-devices`: one share on each of N GPUs, never N on one): its limit, cut
+    into `gpus[name]` equal shares, on each of the GPUs where it holds most, as units
+    `<container>@<gpu>`; on any further GPU, 0. Its usage on none: no unit yet."""
+    spread = {name: count for name, count in gpus.items() if name in limits}
+    held: dict[str, dict[str, int]] = {}
+    for usage in sample.processes:
+        name = container_of.get(usage.key)
+        if name in spread:
+            on = held.setdefault(name, {})
+            on[usage.device_uuid] = on.get(usage.device_uuid, 0) + (usage.used_bytes or 0)
+    shares = tuple(
+        GpuUnit(gpu, (name,), limits[name] // count, ())
+        for name, count in spread.items()
+        for gpu, _ in sorted(held.get(name, {}).items(), key=lambda g: (-g[1], g[0]))[:count]
+    )
+    whole = {key: name for key, name in container_of.items() if name not in spread}
+    rest = {name: limit for name, limit in limits.items() if name not in spread}
+    return (
+        *attribute(sample, whole, rest, cmdlines),
+        *attribute_per_gpu(sample, container_of, Allocations(shares), set(spread), cmdlines),
     )
 
 

@@ -5,14 +5,17 @@ A container declares in `resources.limits[<resource>]` (what the scheduler count
 a KAI Scheduler cluster, by KAI's annotations (`enforcer.core.kai`). Annotations can be
 patched once the pod exists, so the webhook reads them at admission only and writes what
 they declare into the sidecar's environment, which nobody can change since; the agent reads
-them there. A KAI `gpu-fraction` is a portion of a GPU's memory: it becomes bytes only
-where the node's GPUs are known (`portion_basis`).
+them there, on pods of the namespaces that opted in alone (elsewhere the webhook wrote
+nothing, and a container named like the sidecar is anybody's). A KAI `gpu-fraction` is a
+portion of a GPU's memory: it becomes bytes only where the node's GPUs are known
+(`portion_basis`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
@@ -32,8 +35,18 @@ LIMITS_ENV = "VRAM_ENFORCER_LIMITS"  # container -> request (its limit, when no 
 CEILINGS_ENV = "VRAM_ENFORCER_CEILINGS"  # container -> ceiling above its request, bytes
 PORTIONS_ENV = "VRAM_ENFORCER_PORTIONS"  # container -> portions of a GPU's memory (KAI)
 LIMITS_FROM_ENV = "VRAM_ENFORCER_LIMITS_FROM"  # "dra": the limits are the pod's claims
+GPUS_ENV = "VRAM_ENFORCER_GPUS"  # container -> GPUs its request is spread over, one share each
+
+# The sidecar's variables that declare: on a pod of a namespace that has not opted in, the
+# webhook never wrote them, and none is read (`of_pod`).
+_DECLARING = (LIMITS_ENV, CEILINGS_ENV, PORTIONS_ENV, LIMITS_FROM_ENV)
+
+# The label of the namespaces whose pods the webhook mutates (the chart's namespaceSelector,
+# which leaves out the chart's own namespace by name, whatever its labels).
+OPT_IN = ("vram-enforcer.io/inject", "enabled")
 
 PORTIONS_FORM = '{"trainer": {"request": "0.5", "ceiling": "0.8"}} (portions of one GPU)'
+GPUS_FORM = '{"trainer": 2} (GPUs, each holding one equal share of the container\'s request)'
 
 # A portion as the webhook writes one (`kai`): a share of a GPU below 1, with at most
 # PORTION_DIGITS digits after the point (more than a float prints for a share worth
@@ -42,7 +55,8 @@ PORTIONS_FORM = '{"trainer": {"request": "0.5", "ceiling": "0.8"}} (portions of 
 # limit. A reader refuses anything else before counting it: `1E+999999` would overflow.
 PORTION_DIGITS = 20
 GPUS_DIGITS = 4
-_MAX_PORTION = Decimal(10**GPUS_DIGITS)
+_MAX_GPUS = 10**GPUS_DIGITS
+_MAX_PORTION = Decimal(_MAX_GPUS)
 _PORTION_TEXT = 40  # characters: what the webhook writes takes at most about 26
 
 
@@ -58,12 +72,16 @@ class Portion:
     request: Decimal
     ceiling: Decimal | None = None
 
-    def in_bytes(self, basis: int) -> tuple[int, int | None]:
+    def in_bytes(self, basis: int, gpus: int = 1) -> tuple[int, int | None]:
         """(request, ceiling) in bytes against `basis`, one GPU's memory; rounded down to
-        whole MiB, as KAI counts a share (`int64(portion * memory in MiB)`), never above it."""
+        whole MiB, as KAI counts a share (`int64(portion * memory in MiB)`), never above it.
+        Spread over `gpus` GPUs, each GPU's share is rounded, as KAI gives it on each."""
         mib = basis // MiB
-        ceiling = None if self.ceiling is None else int(self.ceiling * mib) * MiB
-        return int(self.request * mib) * MiB, ceiling
+
+        def counted(portion: Decimal) -> int:
+            return int(portion / gpus * mib) * MiB * gpus  # exact: the webhook's product
+
+        return counted(self.request), None if self.ceiling is None else counted(self.ceiling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +93,9 @@ class Declaration:
     portions: Mapping[str, Portion] = field(default_factory=dict)
     claims: bool = False  # DRA: the pod's claims are its limits, the ceilings above them
     unread: str = ""  # the sidecar's ceilings that could not be read, and why: none count
+    # Container -> the number of GPUs its request and ceiling are spread over, one equal
+    # share held on each (KAI's gpu-fraction-num-devices); absent: a sum over any GPUs.
+    gpus: Mapping[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.limits or self.portions)
@@ -85,7 +106,7 @@ class Declaration:
         limits, ceilings = dict(self.limits), dict(self.ceilings)
         if basis is not None:
             for name, portion in self.portions.items():
-                request, ceiling = portion.in_bytes(basis)
+                request, ceiling = portion.in_bytes(basis, self.gpus.get(name, 1))
                 limits[name] = request
                 if ceiling is not None and ceiling > request:
                     ceilings[name] = ceiling
@@ -128,22 +149,35 @@ def portion_basis(devices: Sequence[Device]) -> int | None:
     return min(sizes) // KAI_MEMORY_STEP * KAI_MEMORY_STEP if sizes else None
 
 
-def of_pod(pod: Pod, resource: str, unit: int, sidecar: str) -> Declaration | Undeclared:
+def of_pod(
+    pod: Pod, resource: str, unit: int, sidecar: str, *, opted_in: AbstractSet[str]
+) -> Declaration | Undeclared:
     """What the pod declares, as the agent reads every pod of its node: its containers'
     `resources.limits`, with the ceilings the webhook gave its sidecar; or, for a pod that
     declares no resource, what the webhook wrote into its sidecar's environment from
     KAI's annotations; or, in DRA mode, the ceilings above its claims. Total, since a
     tenant may write anything there (one pod's garbage must not stop the agent's passes for
     the node): what cannot be read is the pod's alone. Its ceilings unread, it borrows
-    nothing; its declaration unread, it declares nothing (`Undeclared`, saying why)."""
+    nothing; its declaration unread, it declares nothing (`Undeclared`, saying why).
+
+    The sidecar's environment is read only on a pod of a namespace in `opted_in` (those
+    labelled OPT_IN, the agent's own left out): anywhere else the webhook never wrote it,
+    and a container named like the sidecar is its author's. There, what the resources
+    declare counts (the scheduler counted it) and borrows nothing, and a pod that declares
+    through the environment alone declares nothing; either said, as an unread ceiling is."""
     env = sidecar_env(pod, sidecar)
+    distrusted = "" if env_trusted(pod, opted_in) else _distrusted(pod, env)
+    if distrusted:
+        env = {}
     try:
         limits = declared_limits(json_map(pod.get("spec")), resource, unit)
     except Undeclarable as exc:
         return Undeclared(str(exc))
     if limits:  # what the scheduler counted: unreadable ceilings take only the borrowing away
         ceilings, unread = _ceilings(env)
-        return Declaration(limits, _above(ceilings, limits), unread=unread)
+        return Declaration(limits, _above(ceilings, limits), unread=unread or distrusted)
+    if distrusted:
+        return Undeclared(distrusted)
     if env.get(LIMITS_FROM_ENV) == "dra":
         # DRA mode: what the containers declared became claims, and the limits are what
         # each claim was allocated on its GPU (`dra.allocations`), not these sums.
@@ -155,9 +189,34 @@ def of_pod(pod: Pod, resource: str, unit: int, sidecar: str) -> Declaration | Un
         limits = parse_limits(env[LIMITS_ENV], LIMITS_ENV)
         ceilings = parse_limits(env.get(CEILINGS_ENV, "{}"), CEILINGS_ENV)
         portions = parse_portions(env.get(PORTIONS_ENV, "{}"), PORTIONS_ENV)
+        gpus = parse_gpus(env.get(GPUS_ENV, "{}"), GPUS_ENV, {*limits, *portions})
     except ConfigError as exc:
         return Undeclared(str(exc))
-    return Declaration(limits, _above(ceilings, limits), portions)
+    return Declaration(limits, _above(ceilings, limits), portions, gpus=gpus)
+
+
+def env_trusted(pod: Pod, opted_in: AbstractSet[str]) -> bool:
+    """Whether the pod's sidecar environment is the webhook's to have written: the pod is of
+    a namespace in `opted_in`."""
+    return json_map(pod.get("metadata")).get("namespace") in opted_in
+
+
+def opts_in(namespace: Mapping[str, object]) -> bool:
+    """Whether a Namespace, as the API sends it, carries the label OPT_IN."""
+    labels = json_map(json_map(namespace.get("metadata")).get("labels"))
+    return labels.get(OPT_IN[0]) == OPT_IN[1]
+
+
+def _distrusted(pod: Pod, env: Mapping[str, str]) -> str:
+    """Why the declaring variables that the pod's sidecar carries are not read ("" when it
+    carries none: there is nothing to say)."""
+    carried = [name for name in _DECLARING if name in env]
+    if not carried:
+        return ""
+    namespace = json_map(pod.get("metadata")).get("namespace")
+    return (f"namespace {shown(namespace)} is not labelled {OPT_IN[0]}={OPT_IN[1]} (or is the "
+            f"agent's own), so the webhook never wrote its sidecar's environment: "
+            f"{', '.join(carried)} not read")  # fmt: skip
 
 
 def dra_ceilings(declared: Declaration | Undeclared) -> Mapping[str, int]:
@@ -272,6 +331,22 @@ def parse_portions(text: str, where: str) -> dict[str, Portion]:
                 raise ConfigError(where, text, f"gives container {name!r} a ceiling at or "
                                   "below its request; a ceiling is above it")  # fmt: skip
             found[name] = Portion(request, high)
+    return found
+
+
+def parse_gpus(text: str, where: str, declaring: AbstractSet[str] | None = None) -> dict[str, int]:
+    """GPUS_ENV back: a whole number of GPUs from 2 up to GPUS_DIGITS digits (1 is what a
+    container without an entry has), for containers of `declaring` when it is given."""
+    doc = json_object(text, where, GPUS_FORM)
+    found: dict[str, int] = {}
+    for name, count in doc.items():
+        if isinstance(count, bool) or not isinstance(count, int) or not 2 <= count < _MAX_GPUS:
+            raise ConfigError(where, text, f"gives container {name!r} {shown(count)} GPUs; use "
+                              f"a whole number from 2 to {_MAX_GPUS - 1}: {GPUS_FORM}")  # fmt: skip
+        if declaring is not None and name not in declaring:
+            raise ConfigError(where, text, f"names container {name!r}, which declares no "
+                              "request to spread; name a declaring container")  # fmt: skip
+        found[name] = count
     return found
 
 

@@ -4,7 +4,8 @@ which GPU, and what each outcome means (pure).
 With a hard limit in place the driver refuses an allocation that would take the cgroup
 past it, so the offender sees an out-of-memory error it can handle, and its neighbours
 never see the overshoot. Sampling stays on as the backstop everywhere: the driver's limit
-is per GPU while ours is a sum over GPUs, and older drivers, MIG and cgroup v1 have none.
+is per GPU while most of ours are a sum over GPUs (a share spread over N GPUs, as KAI
+places one, is one share on each), and older drivers, MIG and cgroup v1 have none.
 """
 
 from __future__ import annotations
@@ -99,19 +100,29 @@ class PodVram:
     # Container name -> its request, where it may borrow above it up to `limits` (its
     # ceiling): the driver's soft limit, "guaranteed before allocations may fail".
     requests: Mapping[str, int] = field(default_factory=dict)
+    # Container name -> the GPUs its limit and request are spread over, an equal share of
+    # each held on every GPU (KAI's gpu-fraction-num-devices); absent: 1, the whole on each.
+    gpus: Mapping[str, int] = field(default_factory=dict)
+
+    def on_each_gpu(self, name: str) -> tuple[int, int]:
+        """(limit, request: the limit where it may not borrow) of a declaring container on
+        any one GPU."""
+        count, limit = self.gpus.get(name, 1), self.limits[name]
+        return limit // count, self.requests.get(name, limit) // count
 
     @property
     def total(self) -> int:
-        """The pod's cap: the sum of its containers' limits (an upper bound on what they may
-        hold together, init containers included)."""
-        return sum(self.limits.values())
+        """The pod's cap on any one GPU: the sum of its containers' limits there (an upper
+        bound on what they may hold together, init containers included)."""
+        return sum(self.on_each_gpu(name)[0] for name in self.limits)
 
     @property
     def requested(self) -> int:
-        """The pod's soft limit: its containers' requests, where any may borrow; else 0."""
+        """The pod's soft limit on any one GPU: its containers' requests there, where any
+        may borrow; else 0."""
         if not self.requests:
             return 0
-        return sum(self.requests.get(name, limit) for name, limit in self.limits.items())
+        return sum(self.on_each_gpu(name)[1] for name in self.limits)
 
     @property
     def gpu_totals(self) -> dict[str, int]:
@@ -172,9 +183,10 @@ def pod_vram(
     if not limits:
         return None
     ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
+    gpus = dict(declared.gpus)
     if not borrow:
-        return PodVram(uid, namespace, name, limits, ids)
-    return PodVram(uid, namespace, name, {**limits, **borrow}, ids, requests=limits)
+        return PodVram(uid, namespace, name, limits, ids, gpus=gpus)
+    return PodVram(uid, namespace, name, {**limits, **borrow}, ids, requests=limits, gpus=gpus)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,11 +227,12 @@ def targets(
         found[pod_dir] = Target(pod_dir, p.namespace, p.name, p.uid, "", p.total, pod_gpus,
                                 p.requested)  # fmt: skip
         dirs = container_dirs.get(p.uid, {})
-        for name, limit in p.limits.items():
+        for name in p.limits:
             path = dirs.get(p.ids.get(name, ""))
             if path is not None:
                 gpus = tuple(sorted(p.gpu_limits.get(name, {}).items()))
-                soft = p.requests.get(name, 0)
+                limit, request = p.on_each_gpu(name)
+                soft = request if name in p.requests else 0
                 found[path] = Target(path, p.namespace, p.name, p.uid, name, limit, gpus, soft)
     return found
 

@@ -13,7 +13,8 @@ enforces none of it on drivers before R615. The forms, as in KAI's source
 - NvFractions: `nvidia.com/container.<name>.gpu-memory.request` and `.limit`, quantities,
   for one container. (`.gpus.devices` there is the binder's, not a declaration.)
 
-A node-level limit is a sum over GPUs, so a share on N GPUs is declared as N times one.
+A share on N GPUs is declared as N times one, spread over N GPUs (`Declaration.gpus`): it
+is held per GPU, one share on each, as KAI placed it, never the sum on one.
 """
 
 from __future__ import annotations
@@ -82,18 +83,20 @@ def declaration(
     if fraction is None and memory is None:
         return Declaration()
     target = _target(annotations, containers, init_containers)
+    gpus = {target: count} if count > 1 else {}  # one share held on each of them
     if memory is not None:
         each = _mib(memory)
         request, ceiling = each * count, _memory_limit(annotations, each) * count
         if ceiling == request:
-            return Declaration({target: request})
+            return Declaration({target: request}, gpus=gpus)
         borrowing(ceiling, request, MEMORY_LIMIT, annotations[MEMORY_LIMIT])
-        return Declaration({target: request}, {target: ceiling})
+        return Declaration({target: request}, {target: ceiling}, gpus=gpus)
     assert fraction is not None  # noqa: S101 - one of the two is set
     share = _fraction(fraction, FRACTION)
     limit = _fraction_limit(annotations, target, share, borrowing)
     return Declaration(
-        portions={target: Portion(share * count, None if limit is None else limit * count)}
+        portions={target: Portion(share * count, None if limit is None else limit * count)},
+        gpus=gpus,
     )
 
 

@@ -13,6 +13,7 @@ carries it out.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
 from enforcer.core.attribution import attribute
@@ -97,6 +98,8 @@ def tenants(
     basis: int | None,
     allocated: Mapping[str, Allocations] | None = None,
     assigned: Mapping[tuple[str, str, str], str] | None = None,
+    *,
+    opted_in: AbstractSet[str],
 ) -> Tenants:
     """Every running container of the pods that declares VRAM (a container not started yet
     has no ID, and no process to charge), and with DRA (`allocated`, by pod UID: what the
@@ -105,14 +108,15 @@ def tenants(
     finished, its containers started or not: its GPU is known, and it is owed there. So is a
     declaring container the kubelet gave one GPU (`assigned`: (namespace, pod, container)
     -> GPU, `pod_resources.assigned_gpus`), from before it starts. `basis`: one GPU's
-    memory, for portions of one (`declaration.portion_basis`). A pod whose declaration
+    memory, for portions of one (`declaration.portion_basis`). `opted_in`: the namespaces
+    whose pods' sidecar environment is read (`declaration.of_pod`). A pod whose declaration
     cannot be read whole is left out, or borrows nothing, and said in `unread`."""
     found: list[Tenant] = []
     unread: dict[str, str] = {}
     for pod in pods:
         priority = json_map(pod.get("spec")).get("priority")
         rank = priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
-        declared = of_pod(pod, resource, unit, sidecar)
+        declared = of_pod(pod, resource, unit, sidecar, opted_in=opted_in)
         meta = json_map(pod.get("metadata"))
         if problem := unreadable(declared):
             unread[f"{meta.get('namespace')}/{meta.get('name')}"] = problem

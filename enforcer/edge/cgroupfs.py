@@ -282,3 +282,66 @@ def _find(root: str, matches: Callable[[str], bool], depth: int) -> Iterator[tup
                 else:
                     below.append(path)
         level = below
+
+
+class ContainerCgroups:
+    """Each container's processes, from its own cgroup directory under the host's cgroupfs
+    at `root`, as the agent mounts it: the v2 hierarchy (a hybrid host's `unified`), then
+    the v1 ones (`pids`, `memory`, `systemd`). The directory is found by the container's ID
+    in its name (`PodScanner`), not by the path in a process's `/proc/<pid>/cgroup`: in the
+    agent's own cgroup namespace that path is relative (`/../..`). Finding it costs a look
+    at each pod's directory, and only when one asked for is not known yet (or has gone);
+    reading it, the container's own size."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._scanners: list[PodScanner] | None = None
+        self._dirs: dict[str, str] = {}  # container ID -> its directory, as last scanned
+
+    def _hierarchies(self) -> list[PodScanner]:
+        if self._scanners is None:
+            v2 = v2_at(self.root)
+            v1 = [p for n in ("pids", "memory", "systemd") if (p := self.root / n).is_dir()]
+            self._scanners = [PodScanner(p) for p in ([v2] if exists(v2) else []) + v1]
+        return self._scanners
+
+    def dirs(self, ids: Iterable[str]) -> dict[str, str]:
+        """The directory of each of these containers that is found."""
+        wanted = set(ids)
+        known = self._dirs  # threads share this object: each scan replaces it whole
+        if not all(os.path.isdir(known.get(cid, "")) for cid in wanted):
+            known = {}
+            for scanner in self._hierarchies():
+                for by_id in scanner.scan().containers.values():
+                    for cid, path in by_id.items():
+                        known.setdefault(cid, path)
+                if wanted <= known.keys():
+                    break
+            self._dirs = known
+        return {cid: known[cid] for cid in wanted if cid in known}
+
+    @staticmethod
+    def procs(path: str, most: int | None = None) -> list[int] | None:
+        """The pids in the cgroup at `path` and in every cgroup below it (a container may
+        make its own); None when one cannot be read, or when there are more than `most`
+        (directories and pids together). A cgroup below that goes meanwhile held none."""
+        found: list[int] = []
+        level, seen = [path], 0
+        while level:
+            below: list[str] = []
+            for directory in level:
+                try:
+                    with open(f"{directory}/cgroup.procs", "rb") as f:
+                        found.extend(int(p) for p in f.read().split())
+                    with os.scandir(directory) as entries:
+                        below.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
+                except FileNotFoundError:
+                    if directory == path:
+                        return None
+                except (OSError, ValueError):
+                    return None
+                seen += 1
+                if most is not None and seen + len(found) > most:
+                    return None
+            level = below
+        return found

@@ -48,7 +48,10 @@ _FAILURES = (KubeError, ApiException, urllib3.exceptions.HTTPError, OSError, Val
 
 class WatchedPods(threading.Thread):
     """Pod UID -> pod, for the pods that `query` selects (a field and a label selector);
-    each of `changed` is set on every change, and when the watch fails or recovers."""
+    each of `changed` is set on every change, and when the watch fails or recovers. (A
+    subclass may watch other objects of the core group: `path`, `resource`.)"""
+
+    path, resource = PODS, "pods"  # what is listed and watched, and the resource RBAC names
 
     def __init__(
         self,
@@ -117,8 +120,9 @@ class WatchedPods(threading.Thread):
         pods: dict[str, Pod] = {}
         page = {"limit": self._page}
         while True:
-            reply = call(self._api, "GET", PODS, "pods", query={**self._query, **page},
-                         deadline=LIST_DEADLINE, timeout=LIST_DEADLINE, verb="list")  # fmt: skip
+            reply = call(self._api, "GET", self.path, self.resource,
+                         query={**self._query, **page}, deadline=LIST_DEADLINE,
+                         timeout=LIST_DEADLINE, verb="list")  # fmt: skip
             for pod in reply.get("items") or ():
                 if uid := _uid(pod):
                     pods[uid] = self._keep(pod)
@@ -131,7 +135,7 @@ class WatchedPods(threading.Thread):
             self._synced = True
         self._changed_now()
         if self.error:
-            log.info("watching %s again (%d pods)", self._what(), len(pods))
+            log.info("watching %s again (%d %s)", self._what(), len(pods), self.resource)
             self.error = ""
         self._backoff.succeeded()
         return str(meta.get("resourceVersion") or "")
@@ -141,7 +145,8 @@ class WatchedPods(threading.Thread):
         when a new list is needed (the server expired `version`)."""
         query = {**self._query, "resourceVersion": version, "allowWatchBookmarks": "true",
                  "timeoutSeconds": str(self._watch_seconds)}  # fmt: skip
-        self._stream = WatchStream(self._api, PODS, query, timeout=self._watch_seconds + 30.0)
+        self._stream = WatchStream(self._api, self.path, query,
+                                   timeout=self._watch_seconds + 30.0)  # fmt: skip
         try:
             for event in self._stream:
                 kind, obj = event.get("type"), event.get("object") or {}
@@ -169,7 +174,7 @@ class WatchedPods(threading.Thread):
     def _failed(self, exc: Exception) -> float:
         """Log a new failure once; returns the pause before listing again."""
         if isinstance(exc, ApiException) and exc.status == 410:
-            log.debug("the pod watch expired; listing again")
+            log.debug("the watch of %s expired; listing again", self._what())
             return 0.0
         delay = self._backoff.failed(0.0)
         message = f"cannot watch {self._what()}: {exc}"

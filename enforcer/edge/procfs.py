@@ -20,6 +20,7 @@ from stat import S_ISCHR
 from enforcer.core.attribution import oldest
 from enforcer.core.cgroups import CgroupEntry, container_id, parse_cgroup
 from enforcer.core.model import ProcessKey, ProcessTotal
+from enforcer.edge.cgroupfs import ContainerCgroups
 
 # The inode of the initial PID namespace (PROC_PID_INIT_INO in the kernel).
 INITIAL_PID_NS = 4026531836
@@ -99,8 +100,13 @@ def parse_nspid(status: str) -> tuple[int, ...] | None:
 class ProcFs:
     """`/proc` (or a copy of it) with every read tolerant of processes that vanish."""
 
-    def __init__(self, root: str | os.PathLike[str] = "/proc") -> None:
+    def __init__(
+        self, root: str | os.PathLike[str] = "/proc", cgroups: ContainerCgroups | None = None
+    ) -> None:
+        """`cgroups`: the host's cgroupfs, where a container's processes are listed (its
+        pids there must be pids here); without it, they are found by a scan of `root`."""
         self.root = Path(root)
+        self.cgroups = cgroups
         self._prefix = os.fspath(root).rstrip("/") + "/"
 
     def _read(self, pid: int | str, name: str) -> str | None:
@@ -319,10 +325,49 @@ class ProcFs:
         return found
 
     def container_inits(self, ids: Collection[str]) -> dict[str, ProcessKey | str]:
-        """The init of each of these containers (by ID), from one pass over the processes,
-        or why none is named: the oldest of its roots (`container_roots`); two of the same
-        clock tick prove none."""
-        roots = self.container_roots(ids)
+        """The init of each of these containers (by ID), or why none is named: the oldest
+        of its roots (`container_roots`); two of the same clock tick prove none. Each from
+        its own cgroup (`cgroup_inits`), or, where that cannot be read, from one pass over
+        every process: that costs the whole node, so a thread that must not wait on it
+        calls `cgroup_inits` and scans elsewhere."""
+        found = self.cgroup_inits(ids)
+        rest = {cid for cid in ids if cid not in found}
+        return found | (self._inits(self.container_roots(rest), rest) if rest else {})
+
+    def cgroup_inits(
+        self, ids: Collection[str], most: int | None = None
+    ) -> dict[str, ProcessKey | str]:
+        """`container_inits` for each of these containers whose cgroup directory (and those
+        below it) can be read, with at most `most` directories and processes: from the
+        processes listed there, each proven as the scan proves it, and no other process
+        read. The others are left out."""
+        dirs = self.cgroups.dirs(ids) if self.cgroups is not None else {}
+        roots: dict[str, list[ProcessKey]] = {}
+        for cid, path in dirs.items():
+            pids = ContainerCgroups.procs(path, most)
+            if pids is not None:
+                roots[cid] = self._roots_among(cid, pids)
+        return self._inits({cid: keys for cid, keys in roots.items() if keys}, roots.keys())
+
+    def _roots_among(self, cid: str, pids: list[int]) -> list[ProcessKey]:
+        """The container's processes among `pids` (its cgroups') whose parent is not in it.
+        A process whose parent is listed there too is no root; any other is proven one as
+        the scan proves it: its cgroup names the container, read between two reads of its
+        start time (a pid reused meanwhile is not taken), and its parent's does not."""
+        listed = set(pids)
+        found = []
+        for pid in pids:
+            st = self.stat(pid)
+            if st is None or st.ppid in listed or self.container_id(pid) != cid:
+                continue
+            if self.start_time(pid) == st.start_time and self.container_id(st.ppid) != cid:
+                found.append(ProcessKey(pid, st.start_time))
+        return found
+
+    @staticmethod
+    def _inits(
+        roots: dict[str, list[ProcessKey]], ids: Collection[str]
+    ) -> dict[str, ProcessKey | str]:
         found: dict[str, ProcessKey | str] = {}
         for cid in ids:
             init = oldest(ProcessTotal(key, 0, ()) for key in roots.get(cid, ()))

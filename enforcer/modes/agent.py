@@ -6,7 +6,10 @@ Its loops share one process:
 - the advertiser thread keeps the Node's capacity and labels equal to what NVML reports,
   checking every --resync and right after the GPUs change;
 - with --hard-limits auto, a pod watch and the hard limiter (`limiter.py`) keep the
-  driver's per-cgroup limits on this node's pods.
+  driver's per-cgroup limits on this node's pods;
+- with the pod watch, a watch of the namespaces that opted in (`edge/namespaces.py`): a
+  pod's sidecar environment is read only on their pods, and until their first list no
+  pass acts.
 NVML or the API being down degrades one part: the socket answers with an error, the Node
 keeps its last advertisement, and each part recovers on its own. A bug in one step of a
 loop is reported and the loop goes on (`guard.LoopGuard`). A thread that stops anyway ends
@@ -34,6 +37,7 @@ from enforcer.core.pod_directory import event_about
 from enforcer.core.policy import Reason
 from enforcer.core.settings.agent import AgentSettings
 from enforcer.edge import logs
+from enforcer.edge.cgroupfs import ContainerCgroups
 from enforcer.edge.guard import LoopGuard, stopped
 from enforcer.edge.listening import SocketInUse
 from enforcer.edge.metrics import AgentTelemetry
@@ -56,7 +60,7 @@ if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
     from enforcer.edge.eviction import Evictor
     from enforcer.edge.node_advertiser import NodeAdvertiser
-    from enforcer.edge.node_pods import NodePods
+    from enforcer.edge.node_pods import WatchedPods
     from enforcer.edge.pod_resources import PodResources
     from enforcer.modes.pod_publisher import PodPublisher
     from enforcer.modes.sidecar_watch import SidecarWatch
@@ -256,7 +260,9 @@ class Advertiser(threading.Thread):
 
 
 def run(settings: AgentSettings) -> int:
-    host_proc = ProcFs(settings.host_proc)
+    # A container's processes are listed in its cgroup, on the host's cgroupfs where the
+    # chart mounts it: a container's init is found there, not by a scan of every process.
+    host_proc = ProcFs(settings.host_proc, ContainerCgroups(Path(settings.cgroup_root)))
     try:
         PidView.of_process(host_proc, "self")
     except PidViewError:
@@ -328,13 +334,14 @@ def _serve(
     sampler = Sampler(
         source, server, telemetry, settings.interval, changed, Tenants(host_proc), faults
     )
-    threads: list[Sampler | Advertiser | NodePods | Woken] = [sampler]
+    threads: list[Sampler | Advertiser | WatchedPods | Woken] = [sampler]
     if advertiser is not None:
         threads.append(Advertiser(advertiser, sampler, telemetry, settings.resync, changed))
-    recorder, pod_watch = None, None
+    recorder = None
+    watches: tuple[WatchedPods, ...] = ()  # the pods' and the namespaces'
     if api is not None and settings.watches_pods:
-        recorder, pod_watch, others = _pod_watch(settings, api, sampler, telemetry, server)
-        threads.extend([pod_watch, *others])
+        recorder, watches, others = _pod_watch(settings, api, sampler, telemetry, server)
+        threads.extend([*watches, *others])
         faults.recorder = recorder
     liveness = max(LIVENESS_AFTER, STALE_INTERVALS * settings.interval)
     check = functools.partial(health, sampler, liveness)
@@ -355,8 +362,8 @@ def _serve(
     server.close()
     for t in threads:
         t.stop.set()
-    if pod_watch is not None:
-        pod_watch.close()  # ends a read blocked on the watch
+    for each in watches:
+        each.close()  # ends a read blocked on the watch
     changed.set()
     # One deadline for all: a thread stuck in an API call's retry pause (the API down) is
     # left behind, being a daemon, and the others are not kept waiting behind it.
@@ -377,14 +384,17 @@ def _pod_watch(
     sampler: Sampler,
     telemetry: AgentTelemetry,
     server: UsageServer,
-) -> tuple[EventRecorder, NodePods, list[Woken]]:
+) -> tuple[EventRecorder, tuple[WatchedPods, ...], list[Woken]]:
     """The one watch of this node's pods, and what it wakes: the hard limiter (with the
-    recorder of its Events) and the pod replies to sidecars. Each pod's DRA objects are read
-    once per change of the pod, for both. The limiter has an NVML session of its own (NVML
-    counts initialisations): the sampler's is not shared."""
+    recorder of its Events) and the pod replies to sidecars; and the watch of the namespaces
+    that opted in, whose pods' sidecar environment the limiter, the lender and the backstop
+    read (the agent's own never). Each pod's DRA objects are read once per change of the
+    pod, for both. The limiter has an NVML session of its own (NVML counts
+    initialisations): the sampler's is not shared."""
     from enforcer.edge.claims import ClaimCache, ClaimReader  # noqa: PLC0415 - only when used
     from enforcer.edge.events import EventRecorder  # noqa: PLC0415
     from enforcer.edge.eviction import Evictor  # noqa: PLC0415
+    from enforcer.edge.namespaces import OptedInNamespaces  # noqa: PLC0415
     from enforcer.edge.node_pods import NodePods  # noqa: PLC0415
     from enforcer.edge.pod_resources import PodResources  # noqa: PLC0415
     from enforcer.edge.sidecar_dialer import dial_sidecars  # noqa: PLC0415
@@ -397,6 +407,7 @@ def _pod_watch(
     lender_woken, resources_woken = threading.Event(), threading.Event()
     pods = NodePods(api, settings.node_name,
                     (limiter_woken, publisher_woken, lender_woken, resources_woken))  # fmt: skip
+    namespaces = OptedInNamespaces(api, settings.namespace, (limiter_woken, lender_woken))
     woken: list[Woken] = []
     if settings.hard_limits:
         sampler.keeps_usage = True
@@ -413,6 +424,7 @@ def _pod_watch(
                 scan_every=settings.cgroup_scan,
                 changed=limiter_woken,
                 claims=(claims.objects_or_problem, settings.dra),
+                opted_in=namespaces.names,
             )
         )
     if settings.serve_pods:
@@ -433,7 +445,8 @@ def _pod_watch(
             woken.append(kubelet)
         sampler.lender = Lender(pods.snapshot, lender_woken, resource, SIDECAR,
                                 settings.reclaim_watermark, telemetry,
-                                (claims.last, settings.dra) if dra else None, assigned)  # fmt: skip
+                                (claims.last, settings.dra) if dra else None, assigned,
+                                opted_in=namespaces.names)  # fmt: skip
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
         dial = functools.partial(dial_sidecars, server.host_proc)
         sidecars = SidecarWatch(pods.snapshot, lambda: server.connected, recorder, telemetry,
@@ -447,8 +460,8 @@ def _pod_watch(
         sampler.backstop = Backstop(pods.snapshot, lambda: sidecars.silent, resource, SIDECAR,
                                     recorder, telemetry, server.host_proc,
                                     (claims.last, settings.dra) if dra else None,
-                                    evictor.evict)  # fmt: skip
-    return recorder, pods, woken
+                                    evictor.evict, opted_in=namespaces.names)  # fmt: skip
+    return recorder, (pods, namespaces), woken
 
 
 def health(sampler: Sampler, after: float) -> str | None:

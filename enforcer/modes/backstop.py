@@ -4,7 +4,8 @@ A root workload can stop or kill its own sidecar: they share a PID namespace. Th
 which sees every GPU process of its node with its container (by the process's cgroup),
 then runs the sidecar's own tick for that pod from its sampler's pass: the same pipeline
 and policy, with the action, grace period and warning threshold that the webhook wrote
-into the sidecar's environment; the same limits (`declaration.of_pod`), except that a
+into the sidecar's environment (the sidecar's defaults on a pod of a namespace that has not
+opted in, where the webhook wrote none); the same limits (`declaration.of_pod`), except that a
 container with a ceiling is held to its request, since borrowing needs a sidecar to give
 memory back; with DRA, each claim's allocation on its GPU, from the claims the agent last
 read for the pod's replies (never read here: the sampler does not wait on the API); the
@@ -22,13 +23,22 @@ its own pipeline where it left it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping, Set
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
-from enforcer.core.attribution import attribute, attribute_per_gpu
-from enforcer.core.declaration import Undeclared, of_pod, portion_basis, sidecar_env, unreadable
+from enforcer.core.attribution import attribute_declared, attribute_per_gpu
+from enforcer.core.declaration import (
+    Undeclared,
+    env_trusted,
+    of_pod,
+    portion_basis,
+    sidecar_env,
+    unreadable,
+)
 from enforcer.core.dra import (
     Allocations,
     DraObjects,
@@ -40,7 +50,7 @@ from enforcer.core.dra import (
     unit_containers,
 )
 from enforcer.core.eviction import evicted, to_evict
-from enforcer.core.hard_limits import pod_vram
+from enforcer.core.hard_limits import PodVram, pod_vram
 from enforcer.core.model import (
     Action,
     ProcessKey,
@@ -86,10 +96,14 @@ class Backstop:
         procfs: ProcFs,
         claims: tuple[Callable[[Pod], DraObjects | None], DraSettings] | None = None,
         evict: Evict | None = None,
+        *,
+        opted_in: Callable[[], frozenset[str] | None],
     ) -> None:
         """`evict`: what evicts a pod whose signal the kernel refused (None: nothing does,
-        and the refusals are only reported)."""
+        and the refusals are only reported). `opted_in`: the namespaces whose pods' sidecar
+        environment is read, None before they are listed: until then no pod is held."""
         self._pods = pods
+        self._opted_in = opted_in
         self._evict = evict
         self._claims = claims  # DRA: the pod's claims and the node's slices, as last read
         self._unheld: set[str] = set()  # silent pods said to be beyond the agent's hold
@@ -108,6 +122,9 @@ class Backstop:
         self._guard.run(lambda: self._pass(sample, containers))
 
     def _pass(self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]) -> None:
+        trusted = self._opted_in()
+        if trusted is None:
+            return  # which pods' declarations can be read is not known yet: nobody is held
         silent, pods = self._silent(), self._pods() or {}
         for uid in [uid for uid in self._held if uid not in silent or uid not in pods]:
             # Its sidecar is back, or the pod is gone. The victims already signalled are
@@ -118,7 +135,7 @@ class Backstop:
         container_of = containers() if silent else {}
         for uid in silent & pods.keys():
             held = self._held.get(uid) or self._releasing.pop(uid, None)
-            held = held or self._hold(pods[uid], sample)
+            held = held or self._hold(pods[uid], sample, trusted)
             if held is not None:
                 self._held[uid] = held
                 held.tick(pods[uid], sample, container_of)
@@ -127,17 +144,20 @@ class Backstop:
                 del self._releasing[uid]
         self._telemetry.held_by_agent.set(len(self._held))
 
-    def _hold(self, pod: Pod, sample: Sample) -> _Held | None:
+    def _hold(self, pod: Pod, sample: Sample, trusted: frozenset[str]) -> _Held | None:
         """The pod's pipeline, or None for a pod that declares nothing the agent can hold
-        it to (yet: claims not read, or not mapped to a GPU, are looked at again)."""
+        it to (yet: claims not read, or not mapped to a GPU, are looked at again). Its
+        policy is the sidecar's defaults where its sidecar's environment is not read (its
+        namespace has not opted in: a `warn` there is its author's)."""
         name, unit = self._resource
-        policy = policy_of(sidecar_env(pod, self._sidecar))
-        declared = of_pod(pod, name, unit, self._sidecar)
+        env = sidecar_env(pod, self._sidecar) if env_trusted(pod, trusted) else {}
+        policy = policy_of(env)
+        declared = of_pod(pod, name, unit, self._sidecar, opted_in=trusted)
         vram = pod_vram(pod, declared, portion_basis(sample.devices))
-        limits: Mapping[str, int] | Allocations
+        limits: PodVram | Allocations
         if vram is not None:
-            limits = {n: vram.requests.get(n, limit) for n, limit in vram.limits.items()}
-            held = messages.amounts(limits)
+            limits = vram
+            held = messages.amounts(_requests(vram))
         elif (found := self._allocations(pod)) is not None:
             limits = found
             held = ", ".join(f"{describe_unit(u.name)}: {format_bytes(u.limit_bytes)}"
@@ -174,6 +194,11 @@ class Backstop:
                         _named(pod), why)  # fmt: skip
 
 
+def _requests(vram: PodVram) -> dict[str, int]:
+    """Each declaring container's request: its limit, where it may not borrow."""
+    return {name: vram.requests.get(name, limit) for name, limit in vram.limits.items()}
+
+
 def _named(pod: Pod) -> str:
     meta = pod.get("metadata") or {}
     return f"{meta.get('namespace')}/{meta.get('name')}"
@@ -196,7 +221,7 @@ class _Held:
     def __init__(
         self,
         pod: Pod,
-        limits: Mapping[str, int] | Allocations,
+        limits: PodVram | Allocations,
         policy: PolicyConfig,
         sidecar: str,
         recorder: EventRecorder,
@@ -272,21 +297,24 @@ class SilentPodAttributor:
     """A silent pod's containers, each process by the container ID in its cgroup, as the
     agent reads it for every GPU process of the node; only IDs in the pod's own current
     status count, and the sidecar's container is never one of its units. Its limits are
-    per container (what each declares, any GPU), or, with DRA, what each allocation gives
-    its containers on its GPU (a container's memory on a GPU that none gives it: 0)."""
+    per container (what each declares, any GPU, or one share on each of its GPUs: KAI's
+    `gpu-fraction-num-devices`), or, with DRA, what each allocation gives its containers on
+    its GPU (a container's memory on a GPU that none gives it: 0). A container that may
+    borrow is held to its request: the agent that would lend is the one holding it."""
 
     def __init__(
         self,
         procfs: ProcFs,
-        limits: Mapping[str, int] | Allocations,
+        limits: PodVram | Allocations,
         sidecar: str,
         want_init: bool,
     ) -> None:
         self._procfs = procfs
-        self._limits = limits if isinstance(limits, Allocations) else dict(limits)
+        self._finder = InitFinder(procfs)
+        self._limits = limits
         self._sidecar = sidecar
         self._want_init = want_init  # `restart`: each container's init, when one is over
-        self._tick_inits: dict[str, ProcessTotal] | None = None  # this tick's, when scanned
+        self._tick_inits: dict[str, ProcessTotal] | None = None  # this tick's, when looked for
         self._ids: dict[str, str] = {}  # container name -> its container ID now
         self._refs: dict[str, ContainerRef] = {}
         self._container_of: Mapping[ProcessKey, str] = {}
@@ -305,11 +333,12 @@ class SilentPodAttributor:
             held = set(self._refs) - self._limits.unresolved
             units = attribute_per_gpu(sample, unit_of, self._limits, held)
         else:
-            limits = container_limits(self._limits, self._refs.values(), undeclared_allowed=False)
-            units = attribute(sample, unit_of, limits)
+            limits = container_limits(_requests(self._limits), self._refs.values(),
+                                      undeclared_allowed=False)  # fmt: skip
+            units = attribute_declared(sample, unit_of, limits, self._limits.gpus)
         self._tick_inits = None
         if self._want_init and any(u.used_bytes > u.limit_bytes for u in units):
-            inits = self._tick_inits = self._inits()  # a scan of /proc: only when one is over
+            inits = self._tick_inits = self._inits()  # only when one is over
             units = tuple(replace(u, init_process=of_sole_container(u.name, inits)) for u in units)
         return units
 
@@ -317,7 +346,7 @@ class SilentPodAttributor:
         """Each container's init, as the host sees it: a process of the container whose
         parent is not (the runtime's shim). A `kubectl exec` into it is one too, and always
         younger: the oldest is the init; two of the same clock tick prove none."""
-        found = self._procfs.container_inits(set(self._ids.values()))
+        found = self._finder(set(self._ids.values()))
         return {name: ProcessTotal(key, 0, (), self._procfs.cmdline(key.pid) or "")
                 for name, cid in self._ids.items()
                 if isinstance(key := found.get(cid), ProcessKey)}  # fmt: skip
@@ -338,7 +367,7 @@ class SilentPodAttributor:
         container; else (a unit that containers share, or an init not proven) each of its
         GPU processes."""
         init = None
-        if self._want_init:  # this tick's scan, made when the unit was found over
+        if self._want_init:  # this tick's, looked for when the unit was found over
             inits = self._tick_inits if self._tick_inits is not None else self._inits()
             init = of_sole_container(unit.name, inits)
         if init is not None:
@@ -347,6 +376,63 @@ class SilentPodAttributor:
 
     def ref(self, unit: str) -> ContainerRef | None:
         return of_sole_container(unit, self._refs)
+
+
+SAMPLER_MOST = 4096
+"""Of a container's cgroups, at most this many directories and processes are read on the
+sampler's thread (some 15 µs a process: 60 ms for 4,000, once per container); a larger
+one is looked at on a thread of its own."""
+RESCAN_AFTER = 5.0  # s: a look off the sampler's thread that named no init, again no sooner
+
+
+class InitFinder:
+    """Containers' inits (`ProcFs.container_inits`) for the sampler's thread, which must
+    not wait on a scan of the whole node. Each from its own cgroup, at once, where the
+    host's cgroupfs shows it within SAMPLER_MOST; else (no cgroupfs mounted, a container
+    larger than that) on a thread of its own, which reads its cgroup whole or, failing
+    that, every process, and answers on a later call: meanwhile its unit has no init, and
+    `restart` signals nothing. An init found is kept while its start time reads the same:
+    a container's init never changes (its end is the container's, and a container
+    restarted has a new ID), and a process exec'd into it later is younger."""
+
+    def __init__(self, procfs: ProcFs) -> None:
+        self._procfs = procfs
+        self._lock = threading.Lock()
+        self._found: dict[str, ProcessKey | str] = {}  # inits found; why not, off the thread
+        self._looking = False
+        self._looked_at = float("-inf")
+
+    def __call__(self, ids: Set[str]) -> dict[str, ProcessKey | str]:
+        with self._lock:
+            self._found = {cid: v for cid, v in self._found.items() if cid in ids}
+            before, looking = dict(self._found), self._looking
+        found: dict[str, ProcessKey | str] = {
+            cid: key for cid, key in before.items()
+            if isinstance(key, ProcessKey) and self._procfs.start_time(key.pid) == key.start_time
+        }  # fmt: skip
+        found |= self._procfs.cgroup_inits(ids - found.keys(), SAMPLER_MOST)
+        due = ids - found.keys()
+        for cid in due:
+            why = before.get(cid)
+            found[cid] = why if isinstance(why, str) else "being looked for, off the sampler"
+        again = time.monotonic() - self._looked_at >= RESCAN_AFTER
+        with self._lock:
+            self._found.update((c, k) for c, k in found.items() if isinstance(k, ProcessKey))
+            if due and not looking and (again or not due <= before.keys()):
+                self._looking = True
+                threading.Thread(target=self._look, args=(due,), name="init-finder",
+                                 daemon=True).start()  # fmt: skip
+        return found
+
+    def _look(self, ids: set[str]) -> None:
+        try:
+            found = self._procfs.container_inits(ids)
+            with self._lock:
+                self._found.update(found)
+        finally:
+            with self._lock:
+                self._looking = False
+                self._looked_at = time.monotonic()
 
 
 class _PodEvents:

@@ -29,7 +29,7 @@ from typing import Any
 from kubernetes import client
 
 from enforcer.core.admission import AdmissionSettings, templates_named
-from enforcer.core.declaration import ENFORCED
+from enforcer.core.declaration import ENFORCED, OPT_IN, opts_in
 from enforcer.core.payloads import Pod
 from enforcer.edge.guard import ErrorCounter, LoopGuard
 from enforcer.edge.kube import KubeError, NotFound, call
@@ -38,7 +38,6 @@ from enforcer.edge.template_keeper import TemplateKeeper
 
 log = logging.getLogger(__name__)
 
-OPT_IN = ("vram-enforcer.io/inject", "enabled")
 MAX_PER_NAMESPACE = 32  # distinct VRAM sizes, each a template, per namespace
 RESYNC = 60.0  # look again this often even without a change (a template deleted meanwhile)
 NAMESPACE_TTL = 60.0  # a namespace's opt-in, as read, is trusted this long
@@ -146,8 +145,7 @@ class TemplateMaker(threading.Thread):
             self._say(f"namespace {namespace}", f"cannot read namespace {namespace!r}: {exc}")
             return False
         else:
-            labels = (ns.get("metadata") or {}).get("labels") or {}
-            opted = labels.get(OPT_IN[0]) == OPT_IN[1]
+            opted = opts_in(ns)
         self._opted_in[namespace] = (opted, now)
         return opted
 

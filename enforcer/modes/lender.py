@@ -3,8 +3,10 @@ node, and which borrowers' sidecars are asked to give memory back (`core/lending
 decides; the socket server tells each victim's own pod, with its sample).
 
 The pods are the agent's one watch of its node. What each declares is read again only
-when the watch says they changed (an event of its own); a pass where no container may
-borrow costs nothing more, and one where some may, one fold of the sample.
+when the watch says they changed (an event of its own), or the namespaces that opted in
+did (whose pods' sidecar environment is read); a pass where no container may borrow costs
+nothing more, and one where some may, one fold of the sample. Until both are listed,
+nobody is asked anything.
 """
 
 from __future__ import annotations
@@ -44,13 +46,18 @@ class Lender:
         telemetry: AgentTelemetry,
         claims: tuple[Callable[[Pod], DraObjects | None], DraSettings] | None = None,
         assigned: tuple[Callable[[], Assignments | None], tuple[str, ...]] | None = None,
+        *,
+        opted_in: Callable[[], frozenset[str] | None],
     ) -> None:
         """`changed`: set by the pod watch on every change of the node's pods. `claims`
         (DRA): a pod's claims and the node's slices as last read, never read here (the
         sampler does not wait on the API), and which allocations are GPUs. `assigned`: the
         devices the kubelet gave each container, as last read, and the resources that are
-        GPUs."""
+        GPUs. `opted_in`: the namespaces whose pods' sidecar environment is read, None
+        before they are listed (`namespaces.OptedInNamespaces`)."""
         self._pods = pods
+        self._opted_in = opted_in
+        self._trusted: frozenset[str] | None = None  # as the tenants were made with
         self._claims = claims
         self._assigned = assigned
         self._assignments: Assignments | None = None  # as the tenants were made with
@@ -88,19 +95,24 @@ class Lender:
         basis = portion_basis(sample.devices)
         stale = self._changed.is_set() or self._tenants is None or basis != self._basis
         assignments = self._assigned[0]() if self._assigned is not None else None
+        trusted = self._opted_in()
+        stale = stale or trusted != self._trusted
         if stale or self._claims_read_again() or assignments is not self._assignments:
             self._changed.clear()  # before the read: a change during it is seen next pass
             pods = self._pods()
-            if pods is None:
-                return Lending()  # not listed yet: nobody is asked
+            if pods is None or trusted is None:
+                # Not listed yet: nobody is asked (a pod whose declaration is not known yet
+                # is never reclaimed from), and the next pass reads them again.
+                self._tenants = None
+                return Lending()
             name, unit = self._resource
             allocated = self._allocated(pods)
             gpus = {}
             if self._assigned is not None and assignments is not None:
                 gpus = assigned_gpus(assignments, self._assigned[1], sample.devices)
             self._tenants = tenants(pods.values(), name, unit, self._sidecar, basis, allocated,
-                                    gpus)  # fmt: skip
-            self._basis, self._assignments = basis, assignments
+                                    gpus, opted_in=trusted)  # fmt: skip
+            self._basis, self._assignments, self._trusted = basis, assignments, trusted
             for pod, problem in self._tenants.unread.items():
                 if self._unread.get(pod) != problem:  # once, not on every change of the pods
                     log.warning("pod %s %s", pod, problem)

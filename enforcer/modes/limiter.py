@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcer.core import messages
-from enforcer.core.declaration import SIDECAR, dra_ceilings, of_pod, portion_basis, unreadable
+from enforcer.core.declaration import (
+    SIDECAR,
+    dra_ceilings,
+    env_trusted,
+    of_pod,
+    portion_basis,
+    unreadable,
+)
 from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names, claim_users
 from enforcer.core.hard_limits import (
     EVIDENCE_BYTES,
@@ -72,10 +79,14 @@ class HardLimiter(threading.Thread):
         scan_every: float,
         changed: threading.Event,
         claims: tuple[Callable[[Pod], DraObjects | str], DraSettings] | None = None,
+        opted_in: Callable[[], frozenset[str] | None],
     ) -> None:
+        """`opted_in`: the namespaces whose pods' sidecar environment is read, None before
+        they are listed (`namespaces.OptedInNamespaces`)."""
         super().__init__(name="hard-limiter", daemon=True)
         self._nvml = nvml
         self._pods = pods
+        self._opted_in = opted_in
         self._devices = devices
         self._usage = usage  # container ID -> GPU -> what NVML lists, as of the last pass
         self._recorder = recorder
@@ -107,10 +118,10 @@ class HardLimiter(threading.Thread):
                 self._guard.run(self._pass)
 
     def _pass(self) -> None:
-        pods, devices = self._pods(), self._devices()
-        if pods is None or not devices:
-            return  # no pod list or no NVML pass yet: never act on a guess
-        declared = self._declared(pods, portion_basis(devices))
+        pods, devices, trusted = self._pods(), self._devices(), self._opted_in()
+        if pods is None or not devices or trusted is None:
+            return  # no pod or namespace list or no NVML pass yet: never act on a guess
+        declared = self._declared(pods, portion_basis(devices), trusted)
         live = {p.uid for p in declared}
         self._told &= live
         self._uncharged = {key: n for key, n in self._uncharged.items() if key[0] in live}
@@ -140,12 +151,15 @@ class HardLimiter(threading.Thread):
                 why = f"the pod's cgroup is not below {self._root} (is --cgroup-root the host's?)"
                 self._tell(p, Reason.SAMPLING_ONLY, messages.sampling_only(why))
 
-    def _declared(self, pods: Mapping[str, Pod], basis: int | None) -> list[PodVram]:
+    def _declared(
+        self, pods: Mapping[str, Pod], basis: int | None, trusted: frozenset[str]
+    ) -> list[PodVram]:
         """What each pod declares (or, with DRA, was allocated), parsed again only when the
         pod has changed (or the GPUs that its portions of one count against, or the pods
         that share its claims: each pod's cgroup gets its part of a shared claim, never the
-        whole). A pod whose claims cannot be read now is read again next pass. What of a
-        pod's declaration cannot be read is said once, not on every read."""
+        whole; or whether its namespace opted in: `trusted`, `declaration.of_pod`). A pod
+        whose claims cannot be read now is read again next pass. What of a pod's
+        declaration cannot be read is said once, not on every read."""
         reads: dict[str, DraObjects | str] = {}
         if self._claims is not None:
             reads = {uid: self._claims[0](pod) for uid, pod in pods.items() if claim_names(pod)}
@@ -156,12 +170,13 @@ class HardLimiter(threading.Thread):
             resource_version = str(meta.get("resourceVersion") or "")
             sharing = sorted((name, sorted(users.get((str(meta.get("namespace")), name), ())))
                              for name in claim_names(pod).values() if name)  # fmt: skip
-            version = f"{resource_version}@{basis}@{sharing}" if resource_version else ""
+            opted = env_trusted(pod, trusted)
+            version = f"{resource_version}@{basis}@{sharing}@{opted}" if resource_version else ""
             known = self._parsed.get(uid)
             if known and version and known[0] == version:
                 parsed[uid] = known
                 continue
-            declared = of_pod(pod, *self._resource, SIDECAR)
+            declared = of_pod(pod, *self._resource, SIDECAR, opted_in=trusted)
             problem = unreadable(declared)
             if problem and problem != (known[2] if known else ""):
                 log.warning("pod %s/%s %s", meta.get("namespace"), meta.get("name"), problem)

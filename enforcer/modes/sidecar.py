@@ -21,7 +21,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from enforcer.core import messages
-from enforcer.core.attribution import attribute, attribute_per_gpu, oldest, reported_only
+from enforcer.core.attribution import (
+    attribute_declared,
+    attribute_per_gpu,
+    oldest,
+    reported_only,
+)
 from enforcer.core.cgroups import container_id
 from enforcer.core.declaration import Declaration, Portion, portion_basis
 from enforcer.core.dra import (
@@ -100,23 +105,20 @@ class ContainerAttributor:
         procfs: ProcFs,
         pod: Callable[[], Pod | None],
         refresh: Callable[[], None],
-        limits: Mapping[str, int],
+        declared: Declaration,
         undeclared_allowed: bool,
         want_init: bool,
         spec_containers: tuple[str, ...] = (),
         dra: DraSettings | None = None,
         claims: Callable[[], DraObjects | None] = lambda: None,
         problem: Callable[[str], None] = lambda text: None,
-        ceilings: Mapping[str, int] | None = None,
         lending: Callable[[], bool] = lambda: False,
-        portions: Mapping[str, Portion] | None = None,
     ) -> None:
         self._procfs = procfs
         self._pod = pod
         self._refresh = refresh
-        self._limits = dict(limits)
         # A container's ceiling is its limit only while the agent decides reclaims.
-        self._declared = Declaration(limits, ceilings or {}, portions or {})
+        self._declared = declared
         self._basis: int | None = None  # the GPU memory the portions were last counted on
         self._lending = lending
         # Unit -> its request, for those that may borrow above it (as of the last tick).
@@ -161,17 +163,22 @@ class ContainerAttributor:
             found, self.requests = with_ceilings(claimed, self._borrowed(self._declared.ceilings))
             held = {r.name for r in by_id.values()} if not self._undeclared_allowed else set()
             # A container that declared VRAM (0 too: no claim) is held to what its claims give.
-            held = (held | set(self._limits) | found.claiming) - found.unresolved
+            held = (held | set(self._declared.limits) | found.claiming) - found.unresolved
             units = list(attribute_per_gpu(sample, unit_of, found, held, cmdlines))
             total = sum(u.limit_bytes for u in found.units)
         else:
             requests, ceilings = self._in_bytes(sample.devices)
-            self.requests = {name: requests[name] for name in ceilings}
             declared = {**requests, **self._borrowed(ceilings)}
             # A portion not counted yet (no GPU's memory known) is not taken as 0.
             counted = [r for r in by_id.values() if r.name not in self._declared.portions]
             limits = container_limits(declared, counted, self._undeclared_allowed)
-            units = list(attribute(sample, unit_of, limits, cmdlines))
+            gpus = self._declared.gpus
+            units = list(attribute_declared(sample, unit_of, limits, gpus, cmdlines))
+            self.requests = {
+                u.name: requests[name] // gpus.get(name, 1)
+                for u in units
+                if (name := unit_containers(u.name)[0]) in ceilings
+            }
             total = sum(declared.values())
         if self._want_init:
             inits = self._inits(by_id)
@@ -432,6 +439,7 @@ def run(settings: SidecarSettings) -> int:
         [
             *(f"{k}={v}" for k, v in settings.limits.items()),
             *(f"{k}: {share} of a GPU" for k, share in _shares(settings.portions)),
+            *(f"{k} over {n} GPUs, a share on each" for k, n in settings.gpus.items()),
         ]
     )
     declared = declared or "no declared limits"
@@ -478,19 +486,17 @@ def _pipeline(
         procfs,
         lambda: view.pod,
         view.refresh,
-        settings.limits,
+        Declaration(settings.limits, ceilings, portions, gpus=settings.gpus),
         settings.undeclared_allowed,
         want_init=settings.policy.action is Action.RESTART,
         spec_containers=settings.containers,
         dra=settings.dra,
         claims=access.claims,
         problem=problem,
-        ceilings=ceilings,
         # With DRA, only an agent that makes tenants of allocations ever asks them back.
         lending=lambda: (
             agent is not None and (agent.lending_dra if settings.dra is not None else agent.lending)
         ),
-        portions=portions,
     )
     reporters: list[Reporter] = [
         LogReporter(),

@@ -164,11 +164,12 @@ def test_forbidden_is_one_clear_error_and_the_socket_keeps_serving(apiserver: Ap
     make_node(core, "gpu-node-denied")
     agent = AgentProcess(apiserver, token, "gpu-node-denied", tmp_path, fake_nvml_lib)
     try:
-        wait_for(lambda: agent.log().count("RBAC forbids") == 2, timeout=20, what="the RBAC errors")
+        wait_for(lambda: agent.log().count("RBAC forbids") == 3, timeout=20, what="the RBAC errors")
         agent.wait_for_more(API_ERRORS, 3)  # more resyncs fail: still one line each
         log = agent.log()
         assert log.count("RBAC forbids 'get' on 'nodes'") == 1
         assert log.count("RBAC forbids 'list' on 'pods'") == 1  # the hard limits' pod watch
+        assert log.count("RBAC forbids 'list' on 'namespaces'") == 1  # which ones opted in
         assert "deploy/rbac/" in log
         import socket as sk
 

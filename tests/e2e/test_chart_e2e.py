@@ -225,8 +225,8 @@ def test_without_hard_limits_the_agent_gets_no_cgroup_mount_and_still_watches_po
         assert spec.automount_service_account_token is True
         role = client.RbacAuthorizationV1Api(admin).read_cluster_role("vram-enforcer-soft-agent")
         assert {res for r in role.rules for res in r.resources} == {
-            "nodes", "nodes/status", "pods", "pods/eviction", "events", "resourceclaims",
-            "resourceslices"}  # fmt: skip
+            "nodes", "nodes/status", "pods", "pods/eviction", "namespaces", "events",
+            "resourceclaims", "resourceslices"}  # fmt: skip
     finally:
         helm("uninstall", "vram-enforcer-soft", "vram-soft", str(kubeconfig))
 
@@ -291,6 +291,8 @@ def test_service_accounts_can_do_what_they_need_and_no_more(
     assert allowed(agent, "list", "pods") and allowed(agent, "watch", "pods")
     assert allowed(agent, "create", "events", OPTED_IN) and allowed(agent, "patch", "events")
     assert allowed(agent, "list", "events", OPTED_IN)  # has a restarted agent said it already?
+    # Which namespaces opted in: only their pods' sidecar environment is read.
+    assert allowed(agent, "list", "namespaces") and allowed(agent, "watch", "namespaces")
     for verb, resource in (
         ("list", "nodes"),
         ("delete", "nodes"),

@@ -15,7 +15,7 @@ from tests.e2e.cluster import ApiServer
 
 AGENT_NEEDS = (
     "get nodes, patch nodes, patch nodes/status, list pods, watch pods, create pods/eviction, "
-    "create events, patch events, list events"
+    "list namespaces, watch namespaces, create events, patch events, list events"
 )
 NONE_NEEDED = (
     "none needed: a sidecar of --api-access agent (the default) makes no API request: the "

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from kubernetes import client, utils
 
-from enforcer.core.declaration import ENFORCED
+from enforcer.core.declaration import ENFORCED, OPT_IN
 from enforcer.core.model import GiB, MiB
 from tests.e2e import dra
 from tests.e2e.actors import (
@@ -95,6 +95,10 @@ def agent_token(cluster: ApiServer, api: client.ApiClient, node: Node, tmp_path_
 @pytest.fixture(scope="module")
 def token(cluster: ApiServer, api: client.ApiClient, agent_token: str) -> str:
     token = namespace_with_sidecar_rbac(cluster, api, NAMESPACE)
+    # The agent reads a pod's sidecar environment (its DRA mode, its ceilings) only in the
+    # namespaces that opted in, as the webhook's are.
+    opted_in = {"metadata": {"labels": {OPT_IN[0]: OPT_IN[1]}}}
+    client.CoreV1Api(api).patch_namespace(NAMESPACE, opted_in)
     # trainer 4Gi and helper 2Gi, both of one GPU (the same UUID): neighbours
     utils.create_from_dict(api, {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",

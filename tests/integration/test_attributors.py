@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from enforcer.core.declaration import Portion
+from enforcer.core.declaration import Declaration, Portion
 from enforcer.core.dra import DraObjects, DraSettings
 from enforcer.core.model import Activity, Device, GiB, MiB, ProcessKey, ProcessUsage, Sample
 from enforcer.edge.procfs import ProcFs
@@ -81,7 +81,9 @@ def attributor(
     options: dict[str, Any] = {"undeclared_allowed": False, "want_init": False, **kwargs}
     view = pod if isinstance(pod, ApiView) else ApiView(pod)
     refresh = options.pop("refresh", Refreshes())
-    return ContainerAttributor(ProcFs(proc), view, refresh, {"trainer": 4 * GiB}, **options)
+    declared = Declaration({"trainer": 4 * GiB}, options.pop("ceilings", {}),
+                           options.pop("portions", {}), gpus=options.pop("gpus", {}))  # fmt: skip
+    return ContainerAttributor(ProcFs(proc), view, refresh, declared, **options)
 
 
 def by_name(units: Any) -> dict[str, Any]:
@@ -134,6 +136,25 @@ def test_with_dra_a_ceiling_raises_the_containers_claim_on_its_gpu_while_the_age
     lending[0] = True
     unit = by_name(a.attribute(sample({12: 3 * GiB})))["trainer@GPU-0"]
     assert (unit.limit_bytes, a.requests) == (12 * GiB, {"trainer@GPU-0": 4 * GiB})
+
+
+def test_a_limit_spread_over_gpus_is_held_per_gpu_and_a_borrower_asked_back_per_gpu(
+    proc: Path,
+) -> None:
+    """KAI's gpu-fraction-num-devices: 2 for the trainer, 4Gi in all: 2Gi on each GPU it
+    uses, its units named by GPU, as the sidecar's Events and the agent's reclaims say."""
+    lending = [True]
+    a = attributor(proc, gpus={"trainer": 2}, ceilings={"trainer": 8 * GiB},
+                   lending=lambda: lending[0])  # fmt: skip
+    on_two = replace(sample({12: 3 * GiB}), processes=(
+        ProcessUsage(key(12), "GPU-0", 3 * GiB), ProcessUsage(key(12), "GPU-1", GiB)))  # fmt: skip
+    units = by_name(a.attribute(on_two))
+    assert {n: (u.used_bytes, u.limit_bytes) for n, u in units.items() if "@" in n} == {
+        "trainer@GPU-0": (3 * GiB, 4 * GiB), "trainer@GPU-1": (GiB, 4 * GiB)}  # fmt: skip
+    assert a.requests == {"trainer@GPU-0": 2 * GiB, "trainer@GPU-1": 2 * GiB}
+    lending[0] = False  # held to its request: 2Gi on each
+    assert by_name(a.attribute(on_two))["trainer@GPU-0"].limit_bytes == 2 * GiB
+    assert "trainer" not in units and units["helper"].limit_bytes == 0
 
 
 def test_a_portion_of_a_gpu_counts_against_the_smallest_gpu_and_not_before_one_is_known(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 
 from enforcer.core.dra import Allocations, GpuUnit
+from enforcer.core.hard_limits import PodVram
 from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample, UnitUsage
 from enforcer.core.payloads import Pod
 from enforcer.edge.metrics import AgentTelemetry
@@ -72,9 +73,13 @@ def test_the_init_is_the_oldest_process_of_the_container_whose_parent_is_outside
         pod = {"status": {"containerStatuses": [
             {"name": "trainer", "containerID": f"containerd://{CID}"},
             {"name": "vram-enforcer", "containerID": f"containerd://{'cd' * 32}"}]}}  # fmt: skip
-        attributor = SilentPodAttributor(procfs, {"trainer": GiB}, "vram-enforcer", want_init=True)
+        declared = PodVram("uid", "team", "pod", {"trainer": GiB}, {})
+        attributor = SilentPodAttributor(procfs, declared, "vram-enforcer", want_init=True)
         attributor.update(pod, {})  # type: ignore[arg-type]
-        whole = attributor.whole(UnitUsage("trainer", GiB))
+        # No cgroupfs here: the init is found by a scan of /proc on a thread of its own
+        # (tests/integration/test_container_inits.py), for a later look.
+        whole = wait_for(lambda: (w := attributor.whole(UnitUsage("trainer", GiB))).restart and w,
+                         what="the init")  # fmt: skip
         assert whole.restart and [p.key.pid for p in whole.processes] == [init.pid]
         member = attributor.membership("trainer")
         assert member(workers[0]) and member(exec_shell)
@@ -86,6 +91,30 @@ def test_the_init_is_the_oldest_process_of_the_container_whose_parent_is_outside
         for proc in started:
             proc.kill()
             proc.wait()
+
+
+def test_a_share_spread_over_gpus_is_held_on_each_gpu_never_summed_on_one(
+    cgroup2: Path,
+) -> None:
+    """KAI's `gpu-fraction-num-devices: 2` of a silent pod: trainer's 8Gi is 4Gi on each of
+    two GPUs. 6Gi on one GPU and nothing on the other is over, though the sum is under."""
+    box = cgroup2 / f"cri-containerd-{CID}.scope"
+    box.mkdir()
+    worker = in_box(box, SLEEP)
+    try:
+        key = moved_in(box, worker)
+        pod = {"status": {"containerStatuses": [
+            {"name": "trainer", "containerID": f"containerd://{CID}"}]}}  # fmt: skip
+        declared = PodVram("uid", "team", "pod", {"trainer": 8 * GiB}, {}, gpus={"trainer": 2})
+        attributor = SilentPodAttributor(ProcFs(), declared, "vram-enforcer", want_init=False)
+        attributor.update(pod, {key: CID})  # type: ignore[arg-type]
+        on_one = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 6 * GiB),))
+        units = {u.name: (u.used_bytes, u.limit_bytes) for u in attributor.attribute(on_one)}
+        assert units == {"trainer@GPU-a": (6 * GiB, 4 * GiB)}
+        assert attributor.membership("trainer@GPU-a")(worker.pid)
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 def test_with_dra_each_claim_holds_its_containers_on_its_gpu_and_proves_them_there(
@@ -164,7 +193,8 @@ def test_a_pod_handed_back_before_the_grace_period_ends_still_gets_its_sigkill(
         recorder = Recorded()
         backstop = Backstop(lambda: {"u": pod}, lambda: frozenset(silent),
                             ("vram-enforcer.io/vram", 1), "vram-enforcer",
-                            cast("EventRecorder", recorder), AgentTelemetry(), procfs)  # fmt: skip
+                            cast("EventRecorder", recorder), AgentTelemetry(), procfs,
+                            opted_in=lambda: frozenset({"team"}))  # fmt: skip
         sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
         backstop(sample, lambda: {key: CID})
         signalled = time.monotonic()
@@ -210,7 +240,7 @@ recorder.start()
 evictor.start()
 backstop = Backstop(lambda: {"u": json.loads(pod)}, lambda: frozenset({"u"}),
                     ("vram-enforcer.io/vram", 1), "vram-enforcer", recorder, telemetry,
-                    ProcFs(), None, evictor.evict)
+                    ProcFs(), None, evictor.evict, opted_in=lambda: frozenset({"team"}))
 key = ProcessKey(int(pid), int(start))
 sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
 for _ in range(5):  # the sampler's passes: one eviction for all of them

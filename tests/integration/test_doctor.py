@@ -319,6 +319,7 @@ class FakeApiServer(http.server.BaseHTTPRequestHandler):
 AGENT_NEEDS = [("get", "nodes", "", ""), ("patch", "nodes", "", ""),
                ("patch", "nodes", "status", ""), ("list", "pods", "", ""),
                ("watch", "pods", "", ""), ("create", "pods", "eviction", ""),
+               ("list", "namespaces", "", ""), ("watch", "namespaces", "", ""),
                ("create", "events", "", ""), ("patch", "events", "", ""),
                ("list", "events", "", "")]  # fmt: skip
 

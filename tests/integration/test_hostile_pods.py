@@ -5,10 +5,12 @@ an environment no webhook wrote (`[` nested 100,000 deep, a portion past decimal
 agent's lender, hard limiter and backstop raise, for every pod of the node. The agent's
 consumers run as the agent runs them; each still does its work for the good pods and says
 once why each other pod declares nothing; and a lender pass that fails publishes no
-lending, so that no sidecar lets its containers borrow on a decision never made."""
+lending, so that no sidecar lets its containers borrow on a decision never made. Nor is a
+well-formed environment read there (item 8(b)): only in namespaces that opted in."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Mapping
@@ -16,12 +18,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import pytest
+from kubernetes import client
 
 from enforcer.core.declaration import ENFORCED, SIDECAR
+from enforcer.core.lending import Lending
 from enforcer.core.model import Device, GiB, ProcessKey, Sample
 from enforcer.core.model import ProcessUsage as Usage
 from enforcer.core.payloads import Pod
+from enforcer.edge.kube import api_client
 from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.namespaces import OptedInNamespaces
 from enforcer.edge.nvml import Nvml
 from enforcer.edge.nvml_source import NvmlSource
 from enforcer.edge.procfs import ProcFs
@@ -32,8 +38,10 @@ from enforcer.modes.agent import Sampler
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
+from tests.helpers import wait_for
 from tests.integration.test_backstop import Recorded
 from tests.integration.test_shared_claims_agent import RecordingNvml
+from tests.pods_api import serving
 from tests.unit.test_declaration import POISON
 from tests.unit.test_shared_claims import uid
 
@@ -49,6 +57,11 @@ KINDS = ("deep", "overflowing portion", "huge integer", "wrong types")
 SEEN = Sample(1.0, (Device(0, GPU, "H100", 32 * GiB, 22 * GiB),),
               (Usage(ProcessKey(1, 1), GPU, 20 * GiB), Usage(ProcessKey(2, 2), GPU, 2 * GiB)))  # fmt: skip
 CONTAINERS = {ProcessKey(1, 1): BURST, ProcessKey(2, 2): OWED}
+# The namespaces whose pods' sidecar environment the agent reads. The poisoned pods' is
+# among them here, so that what they carry is read, and must be read without an error:
+# the parsers are total wherever they read (a namespace that has not opted in is read not
+# at all: the tests at the end).
+READ = frozenset({"ml", "elsewhere"})
 
 
 def running(name: str, namespace: str, cid: str, limits: Mapping[str, str],
@@ -92,7 +105,8 @@ def said_once(caplog: pytest.LogCaptureFixture, what: str) -> None:
 
 def test_the_lender_still_reclaims_for_the_good_pods(caplog: pytest.LogCaptureFixture) -> None:
     pods, changed = node(), threading.Event()
-    lender = Lender(lambda: pods, changed, (RES, 1), SIDECAR, 2 * GiB, AgentTelemetry())
+    lender = Lender(lambda: pods, changed, (RES, 1), SIDECAR, 2 * GiB, AgentTelemetry(),
+                    opted_in=lambda: READ)  # fmt: skip
     with caplog.at_level(logging.WARNING, "enforcer.modes.lender"):
         for _ in range(3):
             changed.set()  # a change of the node's pods: every pod is read again
@@ -116,6 +130,7 @@ def test_the_hard_limiter_still_sets_the_good_pods_limits(
     limiter = HardLimiter(
         cast(Nvml, nvml), lambda: pods, lambda: devices, dict, cast(Any, None), AgentTelemetry(),
         cgroup_root=tmp_path, resource=(RES, 1), scan_every=60.0, changed=threading.Event(),
+        opted_in=lambda: READ,
     )  # fmt: skip
     with caplog.at_level(logging.WARNING, "enforcer.modes.limiter"):
         for _ in range(3):  # the poisoned pods have no resourceVersion: read on every pass
@@ -133,7 +148,8 @@ def test_the_backstop_still_holds_a_silent_good_pod(caplog: pytest.LogCaptureFix
     pods, telemetry = node(), AgentTelemetry()
     silent = frozenset(each for each in pods if each != uid("burst"))
     backstop = Backstop(lambda: pods, lambda: silent, (RES, 1), SIDECAR,
-                        cast("EventRecorder", Recorded()), telemetry, ProcFs())  # fmt: skip
+                        cast("EventRecorder", Recorded()), telemetry, ProcFs(),
+                        opted_in=lambda: READ)  # fmt: skip
     with caplog.at_level(logging.WARNING, "enforcer.modes.backstop"):
         for _ in range(3):
             backstop(SEEN, lambda: CONTAINERS)
@@ -178,7 +194,8 @@ def test_a_lender_pass_that_fails_publishes_no_lending(tmp_path: Path) -> None:
     changed = threading.Event()
     sampler = Sampler(cast(NvmlSource, _Given()), server, telemetry, 1.0, threading.Event(),
                       cast(Tenants, _Counted()))  # fmt: skip
-    sampler.lender = Lender(listed, changed, (RES, 1), SIDECAR, 2 * GiB, telemetry)
+    sampler.lender = Lender(listed, changed, (RES, 1), SIDECAR, 2 * GiB, telemetry,
+                            opted_in=lambda: READ)  # fmt: skip
     view = PidView(ProcFs(), 4026531001, 1)
 
     def lending() -> bool:
@@ -196,3 +213,188 @@ def test_a_lender_pass_that_fails_publishes_no_lending(tmp_path: Path) -> None:
         assert lending()
     finally:
         server.close()
+
+
+# --- A sidecar's environment is read only in the namespaces that opted in (item 8(b)) ----
+#
+# Well-formed, what a tenant writes into a container named like the sidecar, in a namespace
+# the webhook does not mutate: the forger declares 16 GiB the scheduler never counted
+# (holding 1, it would be owed 15), the greedy pod gives itself a ceiling of 24 GiB above
+# the 2 its resources declare, and a policy of `warn`. 32 GiB: the burster (4 GiB
+# requested, 24 allowed) holds 12; the owed pod holds its 8; 5 are free.
+FORGER, GREEDY = "d" * 64, "e" * 64
+FORGED = Sample(1.0, (Device(0, GPU, "H100", 32 * GiB, 27 * GiB),),
+                (Usage(ProcessKey(1, 1), GPU, 12 * GiB), Usage(ProcessKey(2, 2), GPU, 8 * GiB),
+                 Usage(ProcessKey(3, 3), GPU, 1 * GiB), Usage(ProcessKey(4, 4), GPU, 6 * GiB)))  # fmt: skip
+FORGED_CONTAINERS = {ProcessKey(1, 1): BURST, ProcessKey(2, 2): OWED,
+                     ProcessKey(3, 3): FORGER, ProcessKey(4, 4): GREEDY}  # fmt: skip
+WARN = {"VRAM_ENFORCER_ACTION": "warn"}
+
+
+def forged_node() -> dict[str, Pod]:
+    pods = [
+        running("burst", "ml", BURST, {RES: "4Gi"},
+                {"VRAM_ENFORCER_CEILINGS": f'{{"c": {24 * GiB}}}'}, version="1"),
+        running("owed", "ml", OWED, {RES: "8Gi"}, {}, version="1"),
+        running("forger", "elsewhere", FORGER, {},
+                {"VRAM_ENFORCER_LIMITS": f'{{"c": {16 * GiB}}}', **WARN}, version="1"),
+        running("greedy", "elsewhere", GREEDY, {RES: "2Gi"},
+                {"VRAM_ENFORCER_CEILINGS": f'{{"c": {24 * GiB}}}', **WARN}, version="1"),
+    ]  # fmt: skip
+    return {p["metadata"]["uid"]: p for p in pods}
+
+
+NOT_OPTED_IN = ("namespace 'elsewhere' is not labelled vram-enforcer.io/inject=enabled (or is "
+                "the agent's own), so the webhook never wrote its sidecar's environment")  # fmt: skip
+
+
+def test_a_forged_sidecar_environment_is_read_only_once_its_namespace_opts_in(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not opted in, the forger declares nothing and the greedy pod borrows nothing: nobody
+    is reclaimed from, and each is said once. Once their namespace is labelled (the same
+    pods, unchanged), the forger is owed 15 GiB and the burster is reclaimed for it."""
+    pods, changed = forged_node(), threading.Event()
+    trusted: list[frozenset[str] | None] = [None]
+    lender = Lender(lambda: pods, changed, (RES, 1), SIDECAR, 2 * GiB, AgentTelemetry(),
+                    opted_in=lambda: trusted[0])  # fmt: skip
+    # Before the namespaces are listed, no declaration but the resources' is known: nobody
+    # is asked for memory back, whatever the pods would declare.
+    assert lender(FORGED, lambda: FORGED_CONTAINERS) == Lending()
+    trusted[0] = frozenset({"ml"})
+    with caplog.at_level(logging.WARNING, "enforcer.modes.lender"):
+        for _ in range(3):
+            changed.set()
+            lending = lender(FORGED, lambda: FORGED_CONTAINERS)
+            assert lending is not None and lending.reclaims == {}
+    assert lending is not None
+    (gpu,) = lending.gpus
+    assert {s.unit: (s.request, s.ceiling) for s in gpu.shares} == {
+        "ml/burst/c": (4 * GiB, 24 * GiB), "ml/owed/c": (8 * GiB, 8 * GiB),
+        "elsewhere/greedy/c": (2 * GiB, 2 * GiB)}  # fmt: skip
+    said = [r.getMessage() for r in caplog.records if "elsewhere/" in r.getMessage()]
+    assert said == [
+        f"pod elsewhere/forger declares nothing: {NOT_OPTED_IN}: VRAM_ENFORCER_LIMITS not read",
+        f"pod elsewhere/greedy borrows nothing: {NOT_OPTED_IN}: VRAM_ENFORCER_CEILINGS not read",
+    ], said
+    trusted[0] = frozenset({"ml", "elsewhere"})  # labelled: the next pass reads them
+    lending = lender(FORGED, lambda: FORGED_CONTAINERS)
+    assert lending is not None and BURST in lending.reclaims
+    assert lending.reclaims[BURST].owed_to == ("a container of another namespace",)
+    (gpu,) = lending.gpus
+    assert {s.unit: s.ceiling for s in gpu.shares}["elsewhere/greedy/c"] == 24 * GiB
+
+
+def test_the_hard_limiter_reads_a_sidecar_environment_only_where_its_namespace_opted_in(
+    tmp_path: Path,
+) -> None:
+    """The forger gets no limit (it declares nothing), the greedy pod its resources' 2 GiB,
+    not its forged ceiling; once the namespace opts in, the same pods are read again."""
+    pods = forged_node()
+    (tmp_path / "cgroup.controllers").write_text("memory\n")
+    cgroups = {each: f"kubepods-pod{each.replace('-', '_')}.slice" for each in pods}
+    for each in cgroups.values():
+        (tmp_path / "kubepods.slice" / each).mkdir(parents=True)
+    nvml = RecordingNvml()
+    devices = [Device(0, GPU, "H100", 80 * GiB, 0)]
+    trusted: list[frozenset[str] | None] = [None]
+    limiter = HardLimiter(
+        cast(Nvml, nvml), lambda: pods, lambda: devices, dict, cast(Any, None), AgentTelemetry(),
+        cgroup_root=tmp_path, resource=(RES, 1), scan_every=60.0, changed=threading.Event(),
+        opted_in=lambda: trusted[0],
+    )  # fmt: skip
+
+    def limits() -> dict[str, int]:
+        """Pod name -> the limit on its pod's cgroup."""
+        name = {cgroups[u]: p["metadata"]["name"] for u, p in pods.items()}
+        return {name[cg.rsplit("/", 1)[1]]: limit for (cg, _), limit in nvml.set.items()}
+
+    limiter._pass()
+    assert nvml.set == {}  # the namespaces not listed yet: nothing set (or cleared)
+    trusted[0] = frozenset({"ml"})
+    limiter._pass()
+    assert limits() == {"burst": 24 * GiB, "owed": 8 * GiB, "greedy": 2 * GiB}
+    trusted[0] = frozenset({"ml", "elsewhere"})
+    limiter._pass()
+    assert limits() == {"burst": 24 * GiB, "owed": 8 * GiB, "greedy": 24 * GiB,
+                        "forger": 16 * GiB}  # fmt: skip
+
+
+def test_the_backstop_takes_no_forged_policy_outside_the_namespaces_that_opted_in(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every sidecar is silent. The greedy pod is held to what its resources declare, with
+    the sidecar's defaults (`terminate`), not the `warn` it wrote; the forger, declaring
+    nothing, is said to be beyond the agent's hold. Before the namespaces are listed, nobody
+    is held. (The processes' pids are not theirs: no signal reaches any.)"""
+    pods, telemetry = forged_node(), AgentTelemetry()
+    trusted: list[frozenset[str] | None] = [None]
+    backstop = Backstop(lambda: pods, lambda: frozenset(pods), (RES, 1), SIDECAR,
+                        cast("EventRecorder", Recorded()), telemetry, ProcFs(),
+                        opted_in=lambda: trusted[0])  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        backstop(FORGED, lambda: FORGED_CONTAINERS)
+        assert telemetry.registry.get_sample_value("vram_enforcer_pods_held_by_agent") == 0
+        assert caplog.records == []
+        trusted[0] = frozenset({"ml"})
+        for _ in range(3):
+            backstop(FORGED, lambda: FORGED_CONTAINERS)
+    assert telemetry.registry.get_sample_value("vram_enforcer_pods_held_by_agent") == 3
+    messages = [r.getMessage() for r in caplog.records]
+    greedy = [m for m in messages if "6.00 GiB of its 2.00 GiB" in m]
+    assert greedy[0].endswith("(300%); enforcing (terminate)"), greedy
+    said = sorted(m for m in messages if "elsewhere/" in m)
+    assert said == [
+        "pod elsewhere/forger: its sidecar is silent, and the agent cannot hold it: declares "
+        f"nothing: {NOT_OPTED_IN}: VRAM_ENFORCER_LIMITS not read",
+        "pod elsewhere/greedy: its sidecar is silent; the agent enforces its limits itself "
+        "(c 2.00 GiB)",
+    ], said
+
+
+def namespace(name: str, labelled: bool = True) -> dict[str, Any]:
+    labels = {"kubernetes.io/metadata.name": name}
+    if labelled:
+        labels["vram-enforcer.io/inject"] = "enabled"
+    return {"metadata": {"name": name, "uid": f"ns-{name}", "labels": labels}}
+
+
+def test_the_lender_reads_what_the_agents_watch_of_the_namespaces_lists(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The agent's watch of the namespaces labelled vram-enforcer.io/inject=enabled, against
+    a stand-in API server: before its first list the lender asks nobody anything; the
+    agent's own namespace is never read, labelled or not; a namespace labelled later is
+    read from its event on, and one whose label is taken away is no longer."""
+    pods, changed = forged_node(), threading.Event()
+    with serving([]) as api:
+        api.namespaces = [json.dumps(namespace(n)).encode() for n in ("ml", "vram-enforcer")]
+        config = client.Configuration()
+        config.host, config.proxy = api.url, None
+        watched = OptedInNamespaces(api_client(config), "vram-enforcer", (changed,))
+        lender = Lender(lambda: pods, changed, (RES, 1), SIDECAR, 2 * GiB, AgentTelemetry(),
+                        opted_in=watched.names)  # fmt: skip
+
+        def reclaimed() -> list[str]:
+            lending = lender(FORGED, lambda: FORGED_CONTAINERS)
+            assert lending is not None
+            return list(lending.reclaims)
+
+        assert watched.names() is None and reclaimed() == []
+        watched.start()
+        try:
+            wait_for(lambda: watched.names() == frozenset({"ml"}), what="the list")
+            assert api.queries[0] == ("/api/v1/namespaces", {
+                "labelSelector": "vram-enforcer.io/inject=enabled", "limit": "500"})  # fmt: skip
+            assert reclaimed() == []
+            wait_for(api.watching.is_set, what="the watch")
+            api.send("ADDED", namespace("elsewhere"))
+            wait_for(lambda: watched.names() == frozenset({"ml", "elsewhere"}), what="the label")
+            assert BURST in reclaimed()  # the forger is owed its 16 GiB
+            api.send("MODIFIED", namespace("elsewhere", labelled=False))
+            wait_for(lambda: watched.names() == frozenset({"ml"}), what="the label taken away")
+            assert reclaimed() == []
+        finally:
+            watched.close()
+            watched.join(timeout=10)
+    assert not watched.is_alive()

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, cast
 
-from enforcer.core.declaration import CEILINGS_ENV, LIMITS_ENV
+from enforcer.core.declaration import CEILINGS_ENV, LIMITS_ENV, Declaration
 from enforcer.core.lending import decide, tenants
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
@@ -59,7 +59,9 @@ def test_a_borrowing_init_container_is_a_tenant_and_its_sidecar_applies_its_recl
     # 16Gi: fetch holds 10Gi (6Gi above its request), the neighbour 2Gi of its 8Gi.
     gpu = Device(0, "GPU-0", "H100", 16 * GiB, 12 * GiB)
     usage = (ProcessUsage(FETCHING, "GPU-0", 10 * GiB), ProcessUsage(SERVING, "GPU-0", 2 * GiB))
-    found = tenants([POD, NEIGHBOUR], "vram-enforcer.io/vram", 1, "vram-enforcer", None)
+    found = tenants(
+        [POD, NEIGHBOUR], "vram-enforcer.io/vram", 1, "vram-enforcer", None, opted_in={"ml"}
+    )
     tenant = found.by_unit["ml/train-0/fetch"]
     assert (tenant.request, tenant.ceiling, tenant.ids) == (4 * GiB, 12 * GiB, {FETCH})
     lending = decide(Sample(0.0, (gpu,), usage), {FETCHING: FETCH, SERVING: OTHER}, found, 2 * GiB)
@@ -67,8 +69,8 @@ def test_a_borrowing_init_container_is_a_tenant_and_its_sidecar_applies_its_recl
 
     attributor = ContainerAttributor(
         ProcFs(copy_proc_fixture("pod", tmp_path / "proc")), lambda: POD, lambda: None,
-        {"fetch": 4 * GiB}, undeclared_allowed=False, want_init=False,
-        ceilings={"fetch": 12 * GiB}, lending=lambda: True,
+        Declaration({"fetch": 4 * GiB}, {"fetch": 12 * GiB}), undeclared_allowed=False,
+        want_init=False, lending=lambda: True,
     )  # fmt: skip
     units = attributor.attribute(Sample(0.0, (gpu,), usage[:1]))  # the sidecar sees its own
     assert {u.name: (u.used_bytes, u.limit_bytes) for u in units}["fetch"] == (10 * GiB, 12 * GiB)

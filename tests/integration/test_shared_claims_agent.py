@@ -51,7 +51,8 @@ def test_the_lender_owes_a_shared_claim_once() -> None:
         everyone = {**pods, borrower["metadata"]["uid"]: borrower}
         read = {**dict.fromkeys(pods, objects), borrower["metadata"]["uid"]: own}
         return Lender(lambda: everyone, threading.Event(), (RES, 1), SIDECAR, 2 * GiB,
-                      AgentTelemetry(), (lambda p: read[p["metadata"]["uid"]], DraSettings()))  # fmt: skip
+                      AgentTelemetry(), (lambda p: read[p["metadata"]["uid"]], DraSettings()),
+                      opted_in=lambda: frozenset({"ml"}))  # fmt: skip
 
     lending = lender(10 * GiB)(seen, lambda: {ProcessKey(1, 1): burst})
     assert lending is not None and lending.reclaims == {}
@@ -92,7 +93,7 @@ def test_each_pod_cgroup_gets_its_part_of_a_shared_claim(tmp_path: Path) -> None
         cast(Nvml, nvml), lambda: pods, lambda: devices, lambda: usage,
         cast(Any, None), AgentTelemetry(), cgroup_root=tmp_path, resource=(RES, 1),
         scan_every=60.0, changed=threading.Event(),
-        claims=(lambda p: objects, DraSettings()),
+        claims=(lambda p: objects, DraSettings()), opted_in=lambda: frozenset({"ml"}),
     )  # fmt: skip
     limiter._pass()  # one pass, as its thread runs it on each change of the pods
     assert sorted(nvml.set.values()) == [10 * GiB // 4] * 4

@@ -156,7 +156,7 @@ def test_a_pending_pods_init_container_is_held_by_the_agent_when_its_sidecar_nev
                              clock=lambda: now[0])  # fmt: skip
         backstop = Backstop(lambda: {"u-init": pod}, lambda: watch.silent,
                             ("vram-enforcer.io/vram", 1), "vram-enforcer", recorder,  # type: ignore[arg-type]
-                            TELEMETRY, procfs)  # fmt: skip
+                            TELEMETRY, procfs, opted_in=lambda: frozenset({"team"}))  # fmt: skip
         sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
         for now[0] in (0.0, SILENT_AFTER - 0.1):
             watch.check()

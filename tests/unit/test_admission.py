@@ -895,6 +895,7 @@ def test_a_kai_share_the_sidecar_could_not_read_back_exactly_is_denied_naming_it
     side = env_of(sidecar_of(applied(p, KAI_BURSTY)))
     portions = parse_portions(side["VRAM_ENFORCER_PORTIONS"], "VRAM_ENFORCER_PORTIONS")
     assert portions == {"main": Portion(Decimal(share) * 9999, Decimal("0.5") * 9999)}
+    assert json.loads(side["VRAM_ENFORCER_GPUS"]) == {"main": 9999}  # one share on each
 
 
 def test_a_pod_that_declares_nothing_may_not_carry_a_container_named_like_the_sidecar() -> None:

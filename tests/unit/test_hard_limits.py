@@ -52,7 +52,7 @@ def pod(ceilings: dict[str, int] | None = None, **status: Any) -> dict[str, Any]
 
 def vram(p: Any, resource: str = "vram-enforcer.io/vram") -> PodVram | None:
     """The pod's hard limits, from what it declares as the agent reads it."""
-    return pod_vram(p, of_pod(p, resource, 1, "vram-enforcer"))
+    return pod_vram(p, of_pod(p, resource, 1, "vram-enforcer", opted_in={"ml"}))
 
 
 def test_a_pods_declaration_and_current_container_ids() -> None:
@@ -97,6 +97,22 @@ def test_a_container_that_may_borrow_is_held_to_its_ceiling_with_its_request_as_
     same = vram(pod({"trainer": 8 * GiB}, **running))
     assert same == vram(pod(**running))
     assert same is not None and same.requested == 0
+
+
+def test_a_limit_spread_over_gpus_is_one_share_on_each_gpu_never_the_sum() -> None:
+    """KAI's gpu-fraction-num-devices: 2 gives trainer 4Gi on each of two GPUs (8Gi in
+    all): the driver holds its cgroup to 4Gi on each GPU, and the pod's to 4Gi + 1Gi."""
+    p = PodVram(UID, "ml", "train", {"trainer": 8 * GiB, "fetch": GiB}, {"trainer": A},
+                gpus={"trainer": 2})  # fmt: skip
+    assert (p.total, p.on_each_gpu("trainer")) == (5 * GiB, (4 * GiB, 4 * GiB))
+    found = targets([p], {UID: "/k/pod"}, {UID: {A: "/k/pod/a"}})
+    assert found["/k/pod"].limit_bytes == 5 * GiB
+    assert found["/k/pod/a"] == Target("/k/pod/a", "ml", "train", UID, "trainer", 4 * GiB)
+    borrowing = PodVram(UID, "ml", "train", {"trainer": 16 * GiB}, {"trainer": A},
+                        requests={"trainer": 8 * GiB}, gpus={"trainer": 2})  # fmt: skip
+    soft = targets([borrowing], {UID: "/k/pod"}, {UID: {A: "/k/pod/a"}})
+    assert (soft["/k/pod/a"].limit_bytes, soft["/k/pod/a"].request_bytes) == (8 * GiB, 4 * GiB)
+    assert (soft["/k/pod"].limit_bytes, soft["/k/pod"].request_bytes) == (8 * GiB, 4 * GiB)
 
 
 def test_plan_sets_what_differs_and_clears_only_its_own_limits() -> None:

@@ -30,7 +30,8 @@ def read(annotations: dict[str, str]) -> Declaration:
 def test_gpu_memory_is_mib_on_each_gpu_of_the_first_container() -> None:
     assert read({"gpu-memory": "2000"}) == Declaration({"main": 2000 * MiB})
     assert read({"gpu-memory": "2000", "gpu-fraction-num-devices": "2"}) == Declaration(
-        {"main": 4000 * MiB}
+        {"main": 4000 * MiB},
+        gpus={"main": 2},  # 2000 MiB on each of 2 GPUs, never 4000 on one
     )
     named = {"gpu-memory": "1024", "gpu-fraction-container-name": "helper"}
     assert read(named) == Declaration({"helper": GiB})
@@ -41,17 +42,17 @@ def test_gpu_memory_is_mib_on_each_gpu_of_the_first_container() -> None:
 def test_a_fraction_is_a_portion_of_each_gpu_counted_later() -> None:
     assert read({"gpu-fraction": "0.5"}) == Declaration(portions={"main": Portion(Decimal("0.5"))})
     two = read({"gpu-fraction": "0.25", "gpu-fraction-num-devices": "2"})
-    assert two == Declaration(portions={"main": Portion(Decimal("0.50"))})
+    assert two == Declaration(portions={"main": Portion(Decimal("0.50"))}, gpus={"main": 2})
 
 
 def test_a_fraction_of_20_digits_after_the_point_stays_exact_on_the_most_gpus() -> None:
     got = read({"gpu-fraction": "1e-20", "gpu-fraction-num-devices": "9999"})
-    assert got == Declaration(portions={"main": Portion(Decimal("9.999e-17"))})
+    assert got == Declaration(portions={"main": Portion(Decimal("9.999e-17"))}, gpus={"main": 9999})
 
 
 def test_limits_above_the_request_are_ceilings_within_what_the_operator_allows() -> None:
     got = read({"gpu-memory": "2048", "gpu-memory.limit": "8Gi", "gpu-fraction-num-devices": "2"})
-    assert got == Declaration({"main": 4 * GiB}, {"main": 16 * GiB})
+    assert got == Declaration({"main": 4 * GiB}, {"main": 16 * GiB}, gpus={"main": 2})
     assert asked == [(16 * GiB, 4 * GiB, "gpu-memory.limit", "8Gi")]
     got = read({"gpu-fraction": "0.5", "gpu-fraction.limit": "0.8"})
     assert got == Declaration(portions={"main": Portion(Decimal("0.5"), Decimal("0.8"))})

@@ -180,7 +180,8 @@ def readings(pod: Pod) -> dict[str, object]:
     names = {str(c.get("name")) for k in ("initContainers", "containers", "ephemeralContainers")
              for c in json_maps(spec.get(k))} | {"nobody"}  # fmt: skip
     found = allocations(pod, DRA.claims, DRA.slices, DraSettings())
-    declaration = of_pod(pod, RES, 1, SIDECAR)
+    opted_in = {str(meta.get("namespace"))}  # its sidecar's environment is read
+    declaration = of_pod(pod, RES, 1, SIDECAR, opted_in=opted_in)
     ceilings = dra_ceilings(declaration)
     uid = str(meta.get("uid") or "")
     return {
@@ -197,7 +198,7 @@ def readings(pod: Pod) -> dict[str, object]:
         "policy": policy_of(sidecar_env(pod, SIDECAR)),
         "claims": (claim_names(pod), container_claims(pod), found),
         "from_claims": pod_vram_from_claims(pod, found, ceilings),
-        "tenants": tenants([pod], RES, 1, SIDECAR, BASIS, {uid: found}).all,
+        "tenants": tenants([pod], RES, 1, SIDECAR, BASIS, {uid: found}, opted_in=opted_in).all,
         # the sidecar watch
         "presence": (guarded(pod), sidecar_id(pod), reachable(pod)),
         # read in the modes themselves: what changed (the limiter, the claim cache), whether

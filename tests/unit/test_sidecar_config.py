@@ -138,3 +138,8 @@ def test_portions_of_a_gpu_from_the_webhook() -> None:
         ConfigError, match=re.escape("VRAM_ENFORCER_PORTIONS: '0.5' is not a JSON object")
     ):
         settings({"VRAM_ENFORCER_PORTIONS": "0.5"})
+    # On several GPUs (KAI's gpu-fraction-num-devices): only a declaring container's.
+    spread = {**portions, "VRAM_ENFORCER_GPUS": '{"main": 2}'}
+    assert settings(spread).gpus == {"main": 2} and settings().gpus == {}
+    with pytest.raises(ConfigError, match="names container 'other', which declares no request"):
+        settings({**portions, "VRAM_ENFORCER_GPUS": '{"other": 2}'})

@@ -1,4 +1,5 @@
-"""`vram-enforcer agent`'s settings: flags, and NODE_NAME from the Downward API."""
+"""`vram-enforcer agent`'s settings: flags, and NODE_NAME and POD_NAMESPACE from the Downward
+API."""
 
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ NODE_NAME = value(
     doc="the Node to advertise on. Set `NODE_NAME` from the Downward API (`spec.nodeName`). "
     "Not needed with `--no-advertise`, `--no-labels`, `--no-serve-pods` and "
     "`--hard-limits off`",
+)
+POD_NAMESPACE = value(
+    "namespace",
+    as_text,
+    "the agent's own namespace",
+    flag="--namespace",
+    env="POD_NAMESPACE",
+    metavar="NAME",
+    doc="the agent's own namespace (the chart's; set `POD_NAMESPACE` from the Downward API, "
+    "`metadata.namespace`), which the webhook never mutates: a pod's sidecar environment is "
+    "read only on pods of the namespaces labelled `vram-enforcer.io/inject=enabled`, never "
+    "this one, whatever its labels. Unset: none is left out by name",
 )
 SOCKET = value(
     "socket",
@@ -184,6 +197,7 @@ VERBOSE = verbosity("info")
 
 DECLARED: tuple[Setting[Any], ...] = (
     NODE_NAME,
+    POD_NAMESPACE,
     SOCKET,
     INTERVAL,
     UTILIZATION_INTERVAL,
@@ -217,6 +231,7 @@ class AgentSettings:
     """Everything `vram-enforcer agent` needs, validated."""
 
     node_name: str
+    namespace: str  # the agent's own: no pod's sidecar environment there is read ("": unknown)
     socket: str
     interval: float
     utilization_interval: float | None  # None: per-process utilisation is not read
@@ -260,6 +275,7 @@ def agent_settings(values: Values) -> AgentSettings:
         )
     return AgentSettings(
         node_name=node_name or "",
+        namespace=values[POD_NAMESPACE] or "",
         socket=values[SOCKET],
         interval=values[INTERVAL],
         utilization_interval=values[UTILIZATION_INTERVAL],

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
 from enforcer.core.declaration import (
     CEILINGS_ENV,
+    GPUS_ENV,
     PORTIONS_ENV,
     Portion,
     encode_portions,
+    parse_gpus,
     parse_portions,
 )
 from enforcer.core.dra import DraSettings
@@ -105,6 +109,20 @@ PORTIONS = value(
     "of the node's smallest GPU as KAI counts it (whole MiB, floored to a multiple of 100), "
     "and is not checked while NVML shows none. A ceiling needs "
     "`--source agent`, as `--ceilings` does",
+)
+GPUS = value(
+    "gpus",
+    parse_gpus,
+    "container name -> the number of GPUs its limit is spread over, one share each, as JSON",
+    flag="--gpus",
+    env=GPUS_ENV,
+    metavar="JSON",
+    shown_default="none: a limit is a sum over any GPUs",
+    doc='JSON: container name → a number of GPUs, `{"trainer": 2}`. The container\'s limit '
+    "(in `--limits` or `--portions`), and its ceiling, are cut into that many equal shares, "
+    "one held on each of the GPUs where it holds most, and 0 on any other GPU. The webhook "
+    "writes it from KAI Scheduler's `gpu-fraction-num-devices`, which puts one share on each "
+    "of that many GPUs",
 )
 CEILINGS = value(
     "ceilings",
@@ -280,6 +298,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     LIMITS,
     CEILINGS,
     PORTIONS,
+    GPUS,
     LIMITS_FROM,
     DRA_DRIVERS,
     DRA_UUID_ATTRIBUTE,
@@ -320,6 +339,7 @@ class SidecarSettings:
     limits: dict[str, int]
     ceilings: dict[str, int]  # container -> above its limit, up to which it may borrow
     portions: dict[str, Portion]  # container -> its portion of a GPU's memory (KAI)
+    gpus: dict[str, int]  # container -> the GPUs its limit is spread over (KAI)
     dra: DraSettings | None  # limits from the pod's ResourceClaims, per GPU; None: `limits`
     containers: tuple[str, ...]  # the pod's other containers, from its spec (may be empty)
     undeclared_allowed: bool
@@ -369,6 +389,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         limits=values[LIMITS] or {},
         ceilings=ceilings,
         portions=portions,
+        gpus=_gpus(values[GPUS] or {}, {*(values[LIMITS] or {}), *portions}),
         dra=dra,
         containers=values[CONTAINERS],
         undeclared_allowed=values[UNDECLARED_ALLOWED],
@@ -406,6 +427,13 @@ def _portions(
             "GPU, and so only it can say when borrowed memory must be given back"
         ))  # fmt: skip
     return portions
+
+
+def _gpus(gpus: dict[str, int], declaring: AbstractSet[str]) -> dict[str, int]:
+    """GPU counts only for containers whose limit is given, in bytes or as a portion."""
+    if gpus:
+        parse_gpus(json.dumps(gpus), GPUS_ENV, declaring)
+    return gpus
 
 
 def _ceilings(ceilings: dict[str, int], limits: dict[str, int], source: str) -> dict[str, int]:

@@ -261,7 +261,7 @@ KAI_ANNOTATIONS = switch(
     "--kai-annotations",
     "also enforce what KAI Scheduler's annotations declare (gpu-memory, gpu-fraction, ...)",
     doc="also enforce the GPU share that KAI Scheduler's annotations declare: `gpu-memory` "
-    "(MiB) or `gpu-fraction`, times `gpu-fraction-num-devices`, on the container "
+    "(MiB) or `gpu-fraction`, on each of `gpu-fraction-num-devices` GPUs, on the container "
     "`gpu-fraction-container-name` names (the first container by default), and the NvFractions "
     "form `nvidia.com/container.<name>.gpu-memory.request`. Their limits above the request "
     "(`gpu-memory.limit`, `gpu-fraction.limit`, "
