@@ -3,9 +3,9 @@ memory, their threads and the enforcement latency measured while it lasts.
 
 The attack is what a hostile tenant can do from its pods:
 
-- **the sidecar**: its own workload opens hundreds of idle connections to the sidecar's
-  metrics port and sends it garbage requests; the sidecar's API server answers garbage (a
-  stand-in that replies 200 with non-JSON, JSON that is no object, and 500s);
+- **the sidecar**: its API server answers garbage (a stand-in that replies 200 with
+  non-JSON, JSON that is no object, and 500s). (It has no port for its workload to flood
+  since 0.2.0: the agent serves every pod's metrics.);
 - **the agent**: pods in PID namespaces of their own each open connection after connection
   to its socket, send malformed and oversize lines, and hang up at once; and hundreds of
   idle connections hold its metrics port, where the kubelet asks `/healthz`;
@@ -170,7 +170,7 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int) -> dict[str, 
     state_file, state = tmp / "gpu.json", FakeGpuState.single_gpu()
     state.write(state_file)
     env = {**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)}
-    agent_metrics, sidecar_metrics = free_port(), free_port()
+    agent_metrics = free_port()
     agent = subprocess.Popen(
         [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off",
          "--socket", str(tmp / "agent.sock"), "--metrics-port", str(agent_metrics)],
@@ -207,7 +207,7 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int) -> dict[str, 
         pod.start(
             "vram-enforcer",
             [*enforcer_argv("sidecar"), "--kubeconfig", str(kubeconfig), "--interval", "100ms", "--api-access", "direct",
-             "--log-format", "text", "--metrics-port", str(sidecar_metrics)],
+             "--log-format", "text"],
             env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid,
                  "VRAM_ENFORCER_LIMITS": json.dumps({"trainer": GiB}),
                  "VRAM_ENFORCER_CONTAINERS": "trainer",
@@ -225,7 +225,6 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int) -> dict[str, 
             {"sidecar": sidecar_pid, "agent": agent.pid, "webhook": webhook.pid}, sampling, peaks))  # fmt: skip
         watcher.start()
         # -- the attack --------------------------------------------------------------------
-        flood.idle("127.0.0.1", sidecar_metrics, 500)  # the workload, on its loopback
         flood.idle("127.0.0.1", agent_metrics, 500)  # any pod
         flood.idle("127.0.0.1", hook_port, 300)  # any pod
         for _ in range(10):  # pods of their own, hammering the socket
@@ -259,15 +258,8 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int) -> dict[str, 
                     conn = connect()
             conn.close()
 
-        def garbage_request() -> None:
-            with socket.create_connection(("127.0.0.1", sidecar_metrics), timeout=5,
-                                          source_address=("127.0.0.6", 0)) as s:  # fmt: skip
-                s.sendall(b"\x16\x03\x01garbage\r\n\r\n" + os.urandom(512))
-                s.recv(4096)
-
         for i in range(4):
             flood.loop(functools.partial(hostile_review, f"127.0.1.{i + 1}"))
-        flood.loop(garbage_request)
         time.sleep(2.0)
         # -- measured while it lasts -------------------------------------------------------
         latencies, reviews_ms, healthz_ms, missed = [], [], [], 0

@@ -7,6 +7,8 @@
     .venv/bin/python bench/run.py --only reclaim # borrowing above a request: latency, cost, fit
     .venv/bin/python bench/run.py --only backstop # a stopped sidecar's pod held by the agent
     .venv/bin/python bench/run.py --only pod-memory # what a tenant's large pods cost the agent
+    .venv/bin/python bench/run.py --only scrape # the agent's /metrics for a full node, vs per-pod scrapes
+    .venv/bin/python bench/run.py --only container-init # a container's init: its cgroup vs /proc
 
     # the footprint that ships: the components run from a venv without the dev extras
     python3 -m venv /tmp/rt && /tmp/rt/bin/pip install . && .venv/bin/python bench/run.py --runtime /tmp/rt/bin/python
@@ -33,11 +35,13 @@ from bench import (
     agent_bench,
     api_load_bench,
     backstop_bench,
+    container_init_bench,
     exec_bench,
     flood_bench,
     hard_limits_bench,
     pod_memory_bench,
     reclaim_bench,
+    scrape_bench,
     sidecar_bench,
     storm_bench,
     webhook_bench,
@@ -65,6 +69,8 @@ def main() -> None:
             "reclaim",
             "backstop",
             "pod-memory",
+            "scrape",
+            "container-init",
         ),
         help="run one group",
     )
@@ -130,12 +136,7 @@ def main() -> None:
                 print(f"sidecar benchmarks skipped: {reason}")
             else:
                 results["sidecar"] = sidecar_bench.run(lib_dir, trials, window)
-        if args.only in (None, "backstop"):  # 12-17 s a trial
-            results["backstop"] = backstop_bench.run(lib_dir, Path(tmp), 3 if args.quick else 5)
-        if args.only in (None, "pod-memory"):  # 50 pods of 1.3 MiB (--quick: 20)
-            results["pod_memory"] = pod_memory_bench.run(
-                lib_dir, Path(tmp), 20 if args.quick else 50
-            )
+        results.update(of_the_agent(args.only, args.quick, lib_dir, Path(tmp)))
         results.update(on_a_cluster(args.only, args.quick, lib_dir))
         if args.only in (None, "flood"):
             reason = flood_bench.available()
@@ -146,6 +147,23 @@ def main() -> None:
     show(results)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def of_the_agent(only: str | None, quick: bool, lib_dir: Path, tmp: Path) -> dict[str, Any]:
+    """What the agent's duties cost: holding a silent pod, a tenant's large pods, a scrape."""
+    results: dict[str, Any] = {}
+    if only in (None, "backstop"):  # 12-17 s a trial
+        results["backstop"] = backstop_bench.run(lib_dir, tmp, 3 if quick else 5)
+    if only in (None, "pod-memory"):  # 50 pods of 1.3 MiB (--quick: 20)
+        results["pod_memory"] = pod_memory_bench.run(lib_dir, tmp, 20 if quick else 50)
+    if only in (None, "scrape"):
+        results["scrape"] = scrape_bench.run(110, 5 if quick else 20)
+    if only in (None, "container-init"):  # 2,000 and 20,000 sleepers: about a minute
+        results["container_init"] = container_init_bench.available() or [
+            container_init_bench.run(extra, 110, 5 if quick else 20)
+            for extra in ((2000,) if quick else (2000, 20000))
+        ]
+    return results
 
 
 def on_a_cluster(only: str | None, quick: bool, lib_dir: Path) -> dict[str, Any]:
@@ -166,6 +184,27 @@ def on_a_cluster(only: str | None, quick: bool, lib_dir: Path) -> dict[str, Any]
             pods, nodes = (1000, 100) if quick else (5000, 500)
             results["storm"] = [storm_bench.run(dra, pods, nodes, 8) for dra in (False, True)]
     return results
+
+
+def show_agent(results: dict[str, Any]) -> None:
+    if pod_memory := results.get("pod_memory"):
+        pod_memory_bench.show(pod_memory)
+    if scrape := results.get("scrape"):
+        scrape_bench.show(scrape)
+    if isinstance(inits := results.get("container_init"), str):
+        print(f"container init: skipped ({inits})")
+    elif inits:
+        for row in inits:
+            container_init_bench.show(row)
+    if backstop := results.get("backstop"):
+        if isinstance(backstop, str):
+            print(f"backstop: skipped ({backstop})")
+        else:
+            print(
+                f"backstop, from a stopped sidecar's pod going over its limit to the SIGTERM: "
+                f"p50 {backstop['p50_s']:.2f} s, max {backstop['max_s']:.2f} s over "
+                f"{backstop['trials']} trials"
+            )
 
 
 def _ms(value: float | None) -> str:
@@ -195,17 +234,7 @@ def show(results: dict[str, Any]) -> None:
             f"p99 {row['p99_ms']:.1f} ms (target <= {row['target_p99_ms']:.0f} ms), "
             f"max {row['max_ms']:.1f} ms over {row['trials']} trials"
         )
-    if pod_memory := results.get("pod_memory"):
-        pod_memory_bench.show(pod_memory)
-    if backstop := results.get("backstop"):
-        if isinstance(backstop, str):
-            print(f"backstop: skipped ({backstop})")
-        else:
-            print(
-                f"backstop, from a stopped sidecar's pod going over its limit to the SIGTERM: "
-                f"p50 {backstop['p50_s']:.2f} s, max {backstop['max_s']:.2f} s over "
-                f"{backstop['trials']} trials"
-            )
+    show_agent(results)
     if reclaim := results.get("reclaim"):
         row = reclaim["latency"]
         print(

@@ -121,8 +121,8 @@ namespace, the agent socket, VRAM_LIMIT_BYTES and a /dev/shm. Pod annotations:
   vram-enforcer.io/grace-period: 30s          SIGTERM to SIGKILL
   vram-enforcer.io/warn-at: 80%               warn once at this share of a limit
   vram-enforcer.io/shm-size: auto             auto | off | a quantity such as 8Gi
-  vram-enforcer.io/metrics-port: "9500"       the sidecar's /metrics port [default: 9477,
-                                              or the next one no container declares]
+  vram-enforcer.io/metrics-port               ignored since 0.2.0, with a warning: the sidecar
+                                              serves no metrics (the node agent serves the pod's)
 
 The certificate and key are re-read when they change on disk (cert-manager rotation).
 /healthz and /readyz answer plain GETs. SIGTERM drains requests in flight, then exits.

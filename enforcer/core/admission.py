@@ -34,11 +34,9 @@ from enforcer.core.declaration import (
 from enforcer.core.dra import NVIDIA_DRIVER
 from enforcer.core.parsing import (
     ConfigError,
-    ascii_int,
     kubernetes_version,
     parse_bytes,
     parse_percent,
-    shown,
 )
 from enforcer.core.payloads import (
     AdmissionRequest,
@@ -53,7 +51,7 @@ from enforcer.core.payloads import (
 from enforcer.core.protocol import SIDECAR_SOCKET, SIDECAR_SOCKET_DIR
 from enforcer.core.settings import resolve
 from enforcer.core.settings.sidecar import DECLARED as SIDECAR_SETTINGS
-from enforcer.core.settings.sidecar import METRICS_PORT_DEFAULT, sidecar_settings
+from enforcer.core.settings.sidecar import sidecar_settings
 from enforcer.core.tenancy import (
     Bounds,
     Tenancy,
@@ -105,7 +103,7 @@ class AdmissionSettings:
     toolkit_limits: bool = False  # also set TOOLKIT_ENV for the toolkit's CDI hook
     runtime_class: str | None = None
     sidecar_cpu: str = "10m"
-    sidecar_memory: str = "96Mi"
+    sidecar_memory: str = "48Mi"
     # DRA: the DeviceClass that a declaration becomes a claim on (None: per-node counting by
     # the extended resource), and the device capacity that is GPU memory.
     dra_class: str | None = None
@@ -192,7 +190,19 @@ def review(doc: object, settings: AdmissionSettings) -> Outcome:
         ops = mutate(pod, settings, namespace if isinstance(namespace, str) else "")
     except Denied as exc:
         return Outcome(_deny(uid, str(exc), 403), "denied")
-    return Outcome(_allow(uid, ops), "patched" if ops else "skipped")
+    return Outcome(_allow(uid, ops, _warnings(pod) if ops else []), "patched" if ops else "skipped")
+
+
+def _warnings(pod: Mapping[str, object]) -> list[str]:
+    """What the user is told of an injected pod (kubectl prints "Warning: ..."): the
+    annotations of earlier releases that no longer do anything."""
+    if METRICS_PORT_ANNOTATION not in _map(_map(pod.get("metadata")).get("annotations")):
+        return []
+    return [
+        f"metadata.annotations[{METRICS_PORT_ANNOTATION!r}] is ignored: since 0.2.0 the "
+        "sidecar serves no metrics and takes no port; the node agent serves every enforced "
+        "pod's (docs/operations.md#metrics). Remove the annotation"
+    ]
 
 
 def templates_named(
@@ -221,11 +231,15 @@ def _request(doc: object) -> AdmissionRequest:
     return cast(AdmissionRequest, request)
 
 
-def _allow(uid: str, ops: list[PatchOperation]) -> AdmissionReview:
+def _allow(
+    uid: str, ops: list[PatchOperation], warnings: list[str] | None = None
+) -> AdmissionReview:
     response: AdmissionResponse = {"uid": uid, "allowed": True}
     if ops:
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
+    if warnings:
+        response["warnings"] = warnings
     return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
@@ -289,10 +303,9 @@ def mutate(
         sidecar_env[GPUS_ENV] = json.dumps(declared.gpus, separators=(",", ":"))
     if ceilings:
         sidecar_env[CEILINGS_ENV] = json.dumps(ceilings, separators=(",", ":"))
-    metrics_port = _metrics_port(annotations, spec)
     shm = str(annotations.get(SHM_SIZE, settings.shm_default))
     shm_limit = None if shm == "off" else _shm_limit(shm, spec)
-    env = _sidecar_env(spec, limits, sidecar_env, metrics_port, settings)
+    env = _sidecar_env(spec, limits, sidecar_env, settings)
     _check_sidecar_env(env)
     patch = _Patch(checked)
     patch.set(("spec", "shareProcessNamespace"), True)
@@ -303,7 +316,7 @@ def mutate(
                 _claim_vram(patch, where, limits[c["name"]], settings)
     if shm != "off":
         _add_shm(patch, shm_limit)
-    _add_sidecar(patch, env, metrics_port, settings)
+    _add_sidecar(patch, env, settings)
     runtime_class = settings.runtime_class if settings.gpu_exposure == "env" else None
     if runtime_class and patch.get(("spec", "runtimeClassName")) is None:
         patch.set(("spec", "runtimeClassName"), runtime_class)
@@ -611,38 +624,6 @@ def _check_undeclared(spec: Mapping[str, object]) -> None:
             )
 
 
-def _metrics_port(annotations: Mapping[str, object], spec: PodSpec) -> int:
-    """The sidecar's metrics port: the annotation's, else the first from 9477 up that no
-    container declares. The containers share the pod's network namespace, so a port taken
-    twice would keep the sidecar from serving metrics. Scrapers find it by its name."""
-    declared = {
-        port.get("containerPort"): f"spec.{where[1]}[{c['name']!r}].ports"
-        for where, c in _containers_at(spec)
-        if c["name"] != SIDECAR  # an earlier pass's
-        for port in c.get("ports") or ()
-        if port.get("protocol", "TCP") == "TCP"
-    }
-    field = f"metadata.annotations[{METRICS_PORT_ANNOTATION!r}]"
-    if METRICS_PORT_ANNOTATION not in annotations:
-        free = next((p for p in range(METRICS_PORT_DEFAULT, 65536) if p not in declared), None)
-        if free is None:
-            raise Denied(
-                f"{field} is not set, and the containers declare every TCP port from "
-                f"{METRICS_PORT_DEFAULT} up: set it to a port no container declares"
-            )
-        return free
-    value = str(annotations[METRICS_PORT_ANNOTATION])
-    port = ascii_int(value, 5)
-    if port is None or not 1 <= port <= 65535:
-        raise Denied(f"{field}: {shown(value)} is not a TCP port; use 1-65535")
-    if port in declared:
-        raise Denied(
-            f"{field}: port {port} is also declared in {declared[port]}; the containers "
-            "of a pod share one network namespace: choose another port for the sidecar"
-        )
-    return port
-
-
 def _shm_limit(value: str, spec: PodSpec) -> int | None:
     """The /dev/shm sizeLimit in bytes (None: no limit) for `auto` or a quantity."""
     if value == "auto":
@@ -726,7 +707,7 @@ def _add_shm(patch: _Patch, size: int | None) -> None:
 
 
 def _sidecar_env(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping[str, str],
-                 metrics_port: int, settings: AdmissionSettings) -> list[EnvVar]:  # fmt: skip
+                 settings: AdmissionSettings) -> list[EnvVar]:  # fmt: skip
     return [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
@@ -740,7 +721,6 @@ def _sidecar_env(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping
         *[EnvVar(name=k, value=v) for k, v in {**settings_env, **_dra_env(settings)}.items()],
         {"name": "VRAM_ENFORCER_LISTEN", "value": SIDECAR_SOCKET},
         {"name": "VRAM_ENFORCER_SIDECAR_MODE", "value": settings.sidecar_mode},
-        {"name": "VRAM_ENFORCER_METRICS_PORT", "value": str(metrics_port)},
     ]
 
 
@@ -775,8 +755,7 @@ def _check_sidecar_env(env: list[EnvVar]) -> None:
         ) from None
 
 
-def _add_sidecar(patch: _Patch, env: list[EnvVar], metrics_port: int,
-                 settings: AdmissionSettings) -> None:  # fmt: skip
+def _add_sidecar(patch: _Patch, env: list[EnvVar], settings: AdmissionSettings) -> None:
     # The sidecar's own socket, which the agent connects to through /proc/<pid>/root: an
     # emptyDir (which every Pod Security level allows) that no other container mounts. (A
     # pod copied from one that 0.1.0 injected may carry the hostPath of the agent's socket
@@ -797,7 +776,6 @@ def _add_sidecar(patch: _Patch, env: list[EnvVar], metrics_port: int,
         "image": settings.sidecar_image,
         "command": ["vram-enforcer", "sidecar"],
         "env": env,
-        "ports": [{"name": "vram-metrics", "containerPort": metrics_port, "protocol": "TCP"}],
         "resources": {
             "requests": {"cpu": settings.sidecar_cpu, "memory": settings.sidecar_memory},
             "limits": {"memory": settings.sidecar_memory},

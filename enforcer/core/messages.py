@@ -217,13 +217,6 @@ def source_down(reason: str) -> str:
     )
 
 
-def metrics_unavailable(detail: str) -> str:
-    return (
-        f"metrics are not served ({detail}): another process in the pod listens there. "
-        "Enforcement goes on. Set the pod annotation vram-enforcer.io/metrics-port to a free port"
-    )
-
-
 def sidecar_silent(after: float, unreachable: str | None = None, halt: str | None = None) -> str:
     """`unreachable`: why the agent could not connect to the sidecar, when it could not;
     `halt`: how it halted ("stopped", "ended"), when the agent saw it halt."""

@@ -202,6 +202,7 @@ class AdmissionResponse(TypedDict, total=False):
     patchType: str
     patch: str
     status: Status
+    warnings: list[str]  # kubectl prints each as "Warning: ..."
 
 
 class AdmissionReview(TypedDict, total=False):

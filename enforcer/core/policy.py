@@ -60,7 +60,6 @@ class Reason(StrEnum):
     LIMIT_EXCEEDED = "VRAMLimitExceeded"
     ENFORCED = "VRAMEnforced"
     USAGE_UNKNOWN = "VRAMUsageUnknown"
-    METRICS_UNAVAILABLE = "VRAMMetricsUnavailable"  # the sidecar's port is taken
     HARD_LIMIT = "VRAMHardLimit"  # the agent: the driver holds the pod to its limits
     SAMPLING_ONLY = "VRAMSamplingOnly"  # the agent: no hard limit for the pod, and why
     ALLOCATION_UNKNOWN = "VRAMAllocationUnknown"  # DRA: a container's GPUs are not proven

@@ -16,6 +16,7 @@ from enforcer.core.dra import DraObjects
 from enforcer.core.model import Activity, Device, ProcessKey, ProcessUsage, Sample, SourceDown
 from enforcer.core.payloads import Pod
 from enforcer.core.reclaim import Reclaim, Share
+from enforcer.core.sidecar_report import FAMILIES, SidecarReport, parse_report
 
 VERSION = 1
 # Where the agent finds each sidecar: a socket in the sidecar's own filesystem, which the
@@ -24,7 +25,7 @@ VERSION = 1
 SIDECAR_SOCKET_DIR = "/run/vram-enforcer"
 SIDECAR_SOCKET = f"{SIDECAR_SOCKET_DIR}/sidecar.sock"
 MAX_REQUEST_BYTES = 4096
-OPS = ("usage", "subscribe", "event")
+OPS = ("usage", "subscribe", "event", "report")
 _REASON = re.compile(r"VRAM[A-Za-z]{1,60}")
 _CONTAINER = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
@@ -51,6 +52,7 @@ class Request:
     challenge: str | None = None  # the answer to the agent's challenge, when it sent one
     pod: bool = False  # a subscriber that also wants its own pod, pushed when it changes
     event: EventRequest | str | None = None  # op "event": the report, or what is wrong in it
+    report: SidecarReport | str | None = None  # op "report": the counts, or what is wrong
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +79,9 @@ def parse_request(line: bytes) -> Request:
     challenge = doc.get("challenge")
     wants_pod = op == "subscribe" and doc.get("pod") is True
     event = _event(doc) if op == "event" else None
-    return Request(op, challenge if isinstance(challenge, str) else None, wants_pod, event)
+    report = parse_report(doc) if op == "report" else None
+    return Request(op, challenge if isinstance(challenge, str) else None, wants_pod, event,
+                   report)  # fmt: skip
 
 
 def _event(doc: dict[str, Any]) -> EventRequest | str:
@@ -101,6 +105,15 @@ def _event(doc: dict[str, Any]) -> EventRequest | str:
 def encode_event(event: EventRequest) -> bytes:
     doc = {"v": VERSION, "op": "event", "reason": event.reason, "message": event.message,
            "warning": event.warning, "container": event.container}  # fmt: skip
+    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+
+
+def encode_report(report: SidecarReport) -> bytes:
+    """A sidecar's counts (`core/sidecar_report.py`), which the agent serves as its pod's
+    metrics; never answered, as an event is not."""
+    doc: dict[str, object] = {"v": VERSION, "op": "report"}
+    doc.update({name: dict(report.family(name)) for name in FAMILIES})
+    doc["ticks"], doc["tick_seconds"] = report.ticks, round(report.tick_seconds, 6)
     return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 

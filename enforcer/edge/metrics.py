@@ -10,35 +10,24 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from enforcer.core.attribution import gpu_shares
 from enforcer.core.dra import unit_containers
-from enforcer.core.model import Device, Sample, SignalResult, UnitUsage
+from enforcer.core.model import Device
+from enforcer.core.pod_metrics import ContainerSeries
 from enforcer.core.reclaim import Gpu
+from enforcer.core.sidecar_report import ACTIONS, NEEDED_BY, REFUSED, SidecarReport
+from enforcer.edge.telemetry import View
 
 log = logging.getLogger(__name__)
 
 PREFIX = "vram_enforcer_"
 TICK_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-
-
-@dataclass(frozen=True, slots=True)
-class View:
-    """What the gauges show: the latest tick's units and devices, and whether data is flowing."""
-
-    units: Sequence[UnitUsage] = ()
-    devices: Sequence[Device] = ()
-    source_up: bool = False
-    # The tick's sample, for each unit's memory and utilisation per GPU: worked out when
-    # scraped, not on every tick.
-    sample: Sample | None = None
-    # Each GPU's requests and what is lent above them (only where units have requests).
-    gpus: Sequence[Gpu] = ()
 
 
 class EnforcerCollector(Collector):
@@ -266,13 +255,12 @@ class Telemetry:
         )
         # Every label value at 0 from the start: a series born at 1 shows no increase in
         # Prometheus, and the dashboard's first action or reclaim would not show.
-        for action in ("warn", "terminate", "kill", "restart", "dry-run"):
+        for action in ACTIONS:
             self.actions.labels(action)
-        for needed_by in ("requests", "unrequested"):
+        for needed_by in NEEDED_BY:
             self.reclaims.labels(needed_by)
-        for refused in SignalResult:
-            if refused is not SignalResult.SENT:
-                self.refused.labels(str(refused))
+        for refused in REFUSED:
+            self.refused.labels(refused)
         self.event_failures = event_failures(self.registry)
         self.hard_limits = hard_limit_gauge([unit_label, "gpu"], self.registry)
         self.tick_duration = Histogram(
@@ -333,6 +321,116 @@ class NodeCollector(Collector):
         yield node
 
 
+@dataclass(frozen=True, slots=True)
+class PodsView:
+    """The agent's series of its node's enforced pods, as of a scrape."""
+
+    containers: Sequence[ContainerSeries] = ()
+    # (namespace, pod) -> what its sidecar alone knows, with what the agent's backstop did
+    # there while the sidecar was silent (`core/sidecar_report.py`).
+    reports: Mapping[tuple[str, str], SidecarReport] = field(default_factory=dict)
+
+
+_CONTAINER_LABELS = ["namespace", "pod", "container"]
+_POD_LABELS = ["namespace", "pod"]
+# A sidecar's report: its family, the metric the agent serves it as, the label, the help.
+_REPORTED = (
+    ("actions", "actions", "action",
+     "Enforcement actions taken in the pod, by action (warn, terminate, kill, restart, "
+     "dry-run): by its sidecar, and by the agent while the sidecar was silent"),
+    ("reclaims", "reclaims", "needed_by",
+     "Signals sent in the pod to take back GPU memory lent above a request, by whose need "
+     "(requests: a unit short of its request; unrequested: the watermark kept for "
+     "processes that declared no request)"),
+    ("refused", "signals_refused", "reason",
+     "Signals not sent in the pod because the target could not be verified, by reason"),
+    ("unexpected", "sidecar_unexpected_errors", "loop",
+     "Exceptions that escaped one step of a loop of the pod's sidecar (bugs), by loop"),
+)  # fmt: skip
+
+
+class PodsCollector(Collector):
+    """Every enforced container's series, worked out when scraped (`pod_metrics`), and the
+    counts each sidecar reported; a process's series only with `per_process` (their number
+    grows with pids)."""
+
+    def __init__(self, view: Callable[[], PodsView], per_process: bool = False) -> None:
+        self._view = view
+        self._per_process = per_process
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        view = self._view()
+        yield from _container_families(view.containers, self._per_process)
+        for family, metric, label, help in _REPORTED:
+            counter = CounterMetricFamily(PREFIX + metric, help, labels=[*_POD_LABELS, label])
+            for pod, report in sorted(view.reports.items()):
+                for value, count in sorted(report.family(family).items()):
+                    counter.add_metric([*pod, value], count)
+            yield counter
+        ticks = CounterMetricFamily(PREFIX + "sidecar_ticks", "Enforcement ticks of the pod's "
+                                    "sidecar", labels=_POD_LABELS)  # fmt: skip
+        seconds = CounterMetricFamily(PREFIX + "sidecar_tick_seconds", "Wall time of the pod's "
+                                      "sidecar's ticks, in all (divided by its ticks: the mean "
+                                      "tick)", labels=_POD_LABELS)  # fmt: skip
+        for pod, report in sorted(view.reports.items()):
+            ticks.add_metric(list(pod), report.ticks)
+            seconds.add_metric(list(pod), report.tick_seconds)
+        yield ticks
+        yield seconds
+
+
+def _container_families(
+    containers: Sequence[ContainerSeries], per_process: bool
+) -> Iterator[Metric]:
+    def family(name: str, help: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
+        return GaugeMetricFamily(PREFIX + name, help, labels=[*_CONTAINER_LABELS, *labels])
+
+    used = family("container_used_bytes", "GPU memory the container's processes hold, on all GPUs")
+    limit = family("container_limit_bytes", "The GPU memory the container declared (its "
+                   "request: what the scheduler counted), over all GPUs")  # fmt: skip
+    ceiling = family("container_ceiling_bytes", "What the container may borrow up to above its "
+                     "request while its GPU has room")  # fmt: skip
+    gpu_used = family("container_gpu_used_bytes", "GPU memory the container's processes hold "
+                      "on one GPU", ["gpu"])  # fmt: skip
+    gpu_limit = family("container_gpu_limit_bytes", "The container's limit on one GPU: what "
+                       "DRA allocated there", ["gpu"])  # fmt: skip
+    over = family("container_gpu_over_request_bytes", "GPU memory the container holds above "
+                  "its request on one GPU: lent while the GPU can spare it, and taken back "
+                  "first when it cannot", ["gpu"])  # fmt: skip
+    sm = family("container_gpu_sm_utilization_ratio", "Share of the GPU's time its SMs ran the "
+                "container's kernels, in NVML's latest sample period (0-1, summed over its "
+                "processes)", ["gpu"])  # fmt: skip
+    bandwidth = family("container_gpu_memory_utilization_ratio", "Share of the GPU's time its "
+                       "memory controller read or wrote for the container, in NVML's latest "
+                       "sample period (0-1, summed over its processes)", ["gpu"])  # fmt: skip
+    process = family("process_used_bytes", "GPU memory one process of the container holds on "
+                     "one GPU (its host pid)", ["pid", "gpu"])  # fmt: skip
+    for c in containers:
+        labels = [c.who.namespace, c.who.pod, c.who.container]
+        used.add_metric(labels, c.used)
+        if c.limit is not None:
+            limit.add_metric(labels, c.limit)
+        if c.ceiling is not None:
+            ceiling.add_metric(labels, c.ceiling)
+        for g in c.gpus:
+            gpu_used.add_metric([*labels, g.gpu], g.used)
+            if g.limit is not None:
+                gpu_limit.add_metric([*labels, g.gpu], g.limit)
+            if g.over_request is not None:
+                over.add_metric([*labels, g.gpu], g.over_request)
+            if g.activity is not None:
+                sm.add_metric([*labels, g.gpu], g.activity.sm_percent / 100)
+                bandwidth.add_metric([*labels, g.gpu], g.activity.memory_percent / 100)
+        for pid, gpu, held in c.processes if per_process else ():
+            process.add_metric([*labels, str(pid), gpu], held)
+    yield from (used, limit, ceiling, gpu_used, gpu_limit, over, sm, bandwidth)
+    if per_process:
+        yield process
+
+
 class AgentTelemetry:
     """The node agent's registry."""
 
@@ -349,8 +447,9 @@ class AgentTelemetry:
         )
         self.requests = Counter(
             PREFIX + "agent_requests",
-            "Requests answered on the usage socket, by result (ok, error, refused), and "
-            "samples (pushed) and pods (pod) pushed to subscribers",
+            "Requests answered on the usage socket, by result (ok, error, refused), samples "
+            "(pushed) and pods (pod) pushed to subscribers, and sidecars' Events (event) and "
+            "counts (report) taken",
             ["result"],
             registry=self.registry,
         )

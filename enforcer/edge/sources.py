@@ -30,9 +30,11 @@ from enforcer.core.protocol import (
     Usage,
     decode_reply,
     encode_event,
+    encode_report,
     encode_request,
 )
 from enforcer.core.reclaim import Reclaim
+from enforcer.core.sidecar_report import SidecarReport
 from enforcer.edge.backoff import Backoff
 from enforcer.edge.listening import listen, peer_credentials
 from enforcer.edge.procfs import INITIAL_PID_NS, NsChain, ProcFs
@@ -174,6 +176,10 @@ class AgentSource:
         self.lending_dra = False
         self._events: collections.deque[bytes] = collections.deque(maxlen=EVENT_BACKLOG)
         self.events_dropped = 0  # reports pushed out of a full backlog
+        # This pod's latest counts for the agent (`send_report`), and whether this
+        # connection has had them: only the latest waits, and each new connection gets it.
+        self._report: bytes | None = None
+        self._report_sent = False
         self._answering = False  # the agent has answered on this connection: it knows us
         self._backoff = backoff or Backoff()
         self._clock = clock
@@ -235,6 +241,7 @@ class AgentSource:
             return False
         self._backoff.succeeded()
         self._sock, self._buffer, self._answering = sock, b"", False
+        self._report_sent = False
         return True
 
     def _take_newer(self) -> None:
@@ -277,25 +284,38 @@ class AgentSource:
         self._events.append(line)
         self._send_events()
 
+    def send_report(self, report: SidecarReport) -> None:
+        """Hand the agent this pod's counts, never waiting: it serves them as the pod's
+        metrics. While it is away only the latest waits, and goes to it once it answers."""
+        self._report, self._report_sent = encode_report(report), False
+        self._send_events()
+
     def _send_events(self) -> None:
-        while self._events and self._sock is not None and self._answering:
+        while self._events and self._send(self._events[0]):
+            self._events.popleft()
+        if self._report is not None and not self._report_sent:
+            self._report_sent = self._send(self._report)
+
+    def _send(self, line: bytes) -> bool:
+        """Whether the line went to an agent that answers (it knows who we are)."""
+        if self._sock is None or not self._answering:
+            return False
+        try:
+            sent = self._sock.send(line)
+        except (BlockingIOError, InterruptedError):
+            return False  # the socket's buffer is full: the next tick tries again
+        except OSError as exc:
+            self._lost(f"the connection to the node agent failed: {exc.strerror or exc}")
+            return False
+        if sent < len(line):  # rare: finish this one, blocking briefly
             try:
-                sent = self._sock.send(self._events[0])
-            except (BlockingIOError, InterruptedError):
-                return  # the socket's buffer is full: the next tick tries again
+                self._sock.settimeout(1.0)
+                self._sock.sendall(line[sent:])
+                self._sock.setblocking(False)
             except OSError as exc:
                 self._lost(f"the connection to the node agent failed: {exc.strerror or exc}")
-                return
-            if sent < len(self._events[0]):  # rare: finish this one, blocking briefly
-                rest = self._events[0][sent:]
-                try:
-                    self._sock.settimeout(1.0)
-                    self._sock.sendall(rest)
-                    self._sock.setblocking(False)
-                except OSError as exc:
-                    self._lost(f"the connection to the node agent failed: {exc.strerror or exc}")
-                    return
-            self._events.popleft()
+                return False
+        return True
 
     def _drain(self) -> None:
         assert self._sock is not None  # noqa: S101 - only called when connected

@@ -45,6 +45,7 @@ from enforcer.core.protocol import (
     usage_process,
     usage_tail,
 )
+from enforcer.core.sidecar_report import SidecarReport
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.listening import listen
 from enforcer.edge.peers import CREDENTIALS_SPACE, PeerError, Unproven, attest, sender
@@ -206,6 +207,9 @@ class UsageServer:
         self.no_pods = "this agent does not serve pods (it has no API access)"
         # Posts a caller's report as an Event on its pod (set by an agent that serves pods).
         self.events: Callable[[Pod, EventRequest], None] | None = None
+        # Keeps a caller's counts as its pod's (set by an agent that serves pods): the
+        # pod, the caller's container ID, the report.
+        self.reports: Callable[[Pod, str, SidecarReport], None] | None = None
         self._listener: socket.socket | None = None
         self._epoll = select.epoll()
         self._connections: dict[int, _Connection] = {}
@@ -471,6 +475,9 @@ class UsageServer:
         if request.op == "event":
             self._post(conn, request.event)
             return b""  # never answered: see EventRequest
+        if request.op == "report":
+            self._keep(conn, request.report)
+            return b""  # never answered, as an event is not
         self.count("ok")
         if request.op == "subscribe":
             conn.subscribed = True
@@ -491,13 +498,28 @@ class UsageServer:
     def _post(self, conn: _Connection, event: EventRequest | str | None) -> None:
         """A caller's report, as an Event on the pod its cgroup proves it is in, and no
         other. Its rate per pod is the recorder's (client-go's spam filter)."""
+        pod = self._callers_pod(conn, event, self.events is not None)
+        if pod is not None and isinstance(event, EventRequest) and self.events is not None:
+            self.count("event")
+            self.events(pod, event)
+
+    def _keep(self, conn: _Connection, report: SidecarReport | str | None) -> None:
+        """A caller's counts, kept for the pod its cgroup proves it is in, and no other."""
+        pod = self._callers_pod(conn, report, self.reports is not None)
+        if pod is not None and isinstance(report, SidecarReport) and self.reports is not None:
+            self.count("report")
+            self.reports(pod, conn.container_id or "", report)
+
+    def _callers_pod(self, conn: _Connection, given: object, taken: bool) -> Pod | None:
+        """The pod the caller is proven to be in, for a well-formed request (not what is
+        wrong with it, a str) that this agent takes; else None, counted as an error or a
+        refusal."""
         pods = self._pods
         pod = pods.pods.get(conn.container_id or "") if pods is not None else None
-        if not isinstance(event, EventRequest) or pod is None or self.events is None:
-            self.count("error" if isinstance(event, str) else "refused")
-            return
-        self.count("event")
-        self.events(pod, event)
+        if isinstance(given, str) or given is None or pod is None or not taken:
+            self.count("error" if isinstance(given, str) else "refused")
+            return None
+        return pod
 
     def _push_pods(self) -> None:
         """Each subscriber that asked for its pod gets it again when it changed."""

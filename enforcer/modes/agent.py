@@ -40,7 +40,7 @@ from enforcer.edge import logs
 from enforcer.edge.cgroupfs import ContainerCgroups
 from enforcer.edge.guard import LoopGuard, stopped
 from enforcer.edge.listening import SocketInUse
-from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.metrics import AgentTelemetry, PodsCollector
 from enforcer.edge.metrics_server import MetricsPortError, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
@@ -51,6 +51,7 @@ from enforcer.edge.usage_server import ServerMetrics, UsageServer
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
+from enforcer.modes.pod_metrics import LastPass, PodCounts, pods_view
 
 if TYPE_CHECKING:
     from kubernetes import client
@@ -157,6 +158,7 @@ class Sampler(threading.Thread):
         # proof that the driver charges what it limits (replaced whole: read by another thread).
         self.keeps_usage = False
         self.container_usage: Mapping[str, Mapping[str, int]] = {}
+        self.last: LastPass | None = None  # for the pods' metrics, read when scraped
         self.devices: Sequence[Device] = ()
         self._up: bool | None = None
         self._guard = LoopGuard("sampler", telemetry.unexpected.labels("sampler"), log)
@@ -184,6 +186,7 @@ class Sampler(threading.Thread):
                 self.backstop(sample, containers)
             if self.keeps_usage:
                 self.container_usage = usage_by_container(sample, containers())
+            self.last = (sample, containers)
         self._server.publish(sample, lending)
         self._record(sample)
 
@@ -457,10 +460,19 @@ def _pod_watch(
         # A pod whose process the kernel will not let the agent signal is evicted instead.
         evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"))
         woken.append(evictor)
-        sampler.backstop = Backstop(pods.snapshot, lambda: sidecars.silent, resource, SIDECAR,
-                                    recorder, telemetry, server.host_proc,
-                                    (claims.last, settings.dra) if dra else None,
-                                    evictor.evict, opted_in=namespaces.names)  # fmt: skip
+        backstop = Backstop(pods.snapshot, lambda: sidecars.silent, resource, SIDECAR,
+                            recorder, telemetry, server.host_proc,
+                            (claims.last, settings.dra) if dra else None,
+                            evictor.evict, opted_in=namespaces.names)  # fmt: skip
+        sampler.backstop = backstop
+        # Every enforced pod's series, served here: the sidecars serve none.
+        counts = PodCounts()
+        server.reports = counts.keep
+        lender = sampler.lender
+        view = functools.partial(pods_view, lambda: sampler.last, pods.snapshot,
+                                 lambda: lender.tenants, lambda: telemetry.node.lending, counts,
+                                 lambda: backstop.counts)  # fmt: skip
+        telemetry.registry.register(PodsCollector(view, settings.per_process_metrics))
     return recorder, (pods, namespaces), woken
 
 

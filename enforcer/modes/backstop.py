@@ -68,9 +68,10 @@ from enforcer.core.policy import Enforcement, PolicyConfig
 from enforcer.core.settings import resolve
 from enforcer.core.settings.sidecar import POLICY
 from enforcer.edge.guard import LoopGuard
-from enforcer.edge.metrics import AgentTelemetry, Telemetry
+from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator
+from enforcer.edge.telemetry import SidecarTelemetry
 from enforcer.modes.pipeline import LogReporter, Pipeline, Report, Reporter, WholeUnit
 
 if TYPE_CHECKING:
@@ -114,6 +115,9 @@ class Backstop:
         self._telemetry = telemetry
         self._procfs = procfs
         self._held: dict[str, _Held] = {}  # pod UID -> its pipeline, while its sidecar is silent
+        # Pod UID -> what the agent did in it, served with its sidecar's counts while the pod
+        # is on the node (`pod_metrics`); swapped whole, read by the scrape.
+        self.counts: Mapping[str, SidecarTelemetry] = {}
         # Pipelines of pods handed back (or gone) whose victims have not exited yet.
         self._releasing: dict[str, _Held] = {}
         self._guard = LoopGuard("backstop", telemetry.unexpected.labels("backstop"), log)
@@ -132,6 +136,8 @@ class Backstop:
             # before the grace period ends must not cut the escalation short.
             self._releasing[uid] = self._held.pop(uid)
         self._unheld &= silent
+        if self.counts.keys() - pods.keys():
+            self.counts = {uid: c for uid, c in self.counts.items() if uid in pods}
         container_of = containers() if silent else {}
         for uid in silent & pods.keys():
             held = self._held.get(uid) or self._releasing.pop(uid, None)
@@ -168,7 +174,10 @@ class Backstop:
             return None
         log.warning("pod %s: its sidecar is silent; the agent enforces its limits itself (%s)",
                     _named(pod), held)  # fmt: skip
-        return _Held(pod, limits, policy, self._sidecar, self._recorder, self._procfs,
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        counts = self.counts.get(uid) or SidecarTelemetry()
+        self.counts = {**self.counts, uid: counts}
+        return _Held(pod, limits, policy, self._sidecar, self._recorder, self._procfs, counts,
                      self._evict)  # fmt: skip
 
     def _allocations(self, pod: Pod) -> Allocations | None:
@@ -226,6 +235,7 @@ class _Held:
         sidecar: str,
         recorder: EventRecorder,
         procfs: ProcFs,
+        telemetry: SidecarTelemetry,
         evict: Evict | None = None,
     ) -> None:
         meta = pod.get("metadata") or {}
@@ -238,7 +248,6 @@ class _Held:
         self._about = about
         self._evict = evict
         self._evicted = False  # once while the pod is held, not on every pass
-        telemetry = Telemetry({"namespace": about[0], "pod": about[1]})
         reporters: list[Reporter] = [LogReporter(), _PodEvents(recorder, about, self._attributor)]
         self._pipeline = Pipeline(
             self._source, self._attributor, policy, self._terminator, reporters, telemetry

@@ -74,6 +74,12 @@ class Lender:
         self._unread: Mapping[str, str] = {}  # pod -> what of it could not be read, as said
         self._guard = LoopGuard("lending", telemetry.unexpected.labels("lending"), log)
 
+    @property
+    def tenants(self) -> Tenants | None:
+        """The node's tenants as last made (None before the pods are known), for the pods'
+        metrics: each container's request and ceiling."""
+        return self._tenants
+
     def __call__(
         self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]
     ) -> Lending | None:

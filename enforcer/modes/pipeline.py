@@ -20,9 +20,9 @@ from enforcer.core.model import ProcessTotal, Sample, SignalResult, SourceDown, 
 from enforcer.core.policy import Decision, Enforcement, PolicyConfig, Reason, UnitState, decide
 from enforcer.core.reclaim import DEFAULT_WATERMARK, Gpu, Reclaim, reclaims, views
 from enforcer.edge.guard import LoopGuard
-from enforcer.edge.metrics import Telemetry, View
 from enforcer.edge.signals import Escalation, EscalationEvent, Membership, Terminator
 from enforcer.edge.sources import UsageSource
+from enforcer.edge.telemetry import LoopTelemetry, View
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class Pipeline:
         config: PolicyConfig,
         terminator: Terminator,
         reporters: Sequence[Reporter],
-        telemetry: Telemetry,
+        telemetry: LoopTelemetry,
         clock: Callable[[], float] = time.monotonic,
         requests: Callable[[], Mapping[str, int]] | None = None,
         reclaimer: Reclaimer | None = None,

@@ -60,15 +60,15 @@ from enforcer.core.pod import (
 from enforcer.core.policy import Reason
 from enforcer.core.reclaim import Gpu, Reclaim
 from enforcer.core.settings.sidecar import SidecarSettings
+from enforcer.core.sidecar_report import REPORT_EVERY, SidecarReport
 from enforcer.edge import logs
 from enforcer.edge.dumpable import forbid_inspection
 from enforcer.edge.guard import stopped
 from enforcer.edge.listening import SocketInUse
-from enforcer.edge.metrics import Telemetry
-from enforcer.edge.metrics_server import MetricsPortError, MetricsServer, serve_metrics
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator
 from enforcer.edge.sources import AgentSource, PidView, PidViewError, UsageSource
+from enforcer.edge.telemetry import SidecarTelemetry
 from enforcer.modes.pipeline import LogReporter, Pipeline, Report, Reporter, WholeUnit
 from enforcer.modes.sidecar_access import (
     EventSink,
@@ -417,7 +417,7 @@ def run(settings: SidecarSettings) -> int:
     if (failed := forbid_inspection()) is not None:
         log.warning("cannot close this process to the workload (prctl: %s): a root workload "
                     "could ptrace the sidecar or reach its socket", failed)  # fmt: skip
-    telemetry = Telemetry({"namespace": settings.namespace, "pod": settings.pod_name})
+    telemetry = SidecarTelemetry()  # reported to the agent, which serves the pod's metrics
     try:
         source = _source(settings)
         if isinstance(source, AgentSource) and settings.api_access == "agent":
@@ -432,7 +432,6 @@ def run(settings: SidecarSettings) -> int:
         return EXIT_USAGE
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
     pipeline = _pipeline(settings, procfs, source, terminator, access, telemetry)
-    server = _metrics(settings, telemetry, access.events)
     for helper in access.helpers:
         helper.start()
     declared = ", ".join(
@@ -452,14 +451,14 @@ def run(settings: SidecarSettings) -> int:
         settings.source,
         settings.api_access,
     )
+    counts = _Counts(source, telemetry) if isinstance(source, AgentSource) else None
     try:
-        return _loop(settings, source, pipeline, terminator, procfs, access.pod, access.helpers)
+        return _loop(settings, source, pipeline, terminator, procfs, access.pod, access.helpers,
+                     counts)  # fmt: skip
     finally:
         terminator.close()
         source.close()
         access.close()
-        if server is not None:
-            server.close()
 
 
 def _pipeline(
@@ -468,7 +467,7 @@ def _pipeline(
     source: UsageSource,
     terminator: Terminator,
     access: PodAccess,
-    telemetry: Telemetry,
+    telemetry: SidecarTelemetry,
 ) -> Pipeline:
     """The tick: usage per container, decided on, enforced, logged and posted as Events."""
     view = access.pod
@@ -509,21 +508,22 @@ def _pipeline(
                     requests=lambda: attributor.requests, reclaimer=reclaimer)  # fmt: skip
 
 
-def _metrics(
-    settings: SidecarSettings, telemetry: Telemetry, events: EventSink
-) -> MetricsServer | None:
-    """The /metrics endpoint, or None and an Event saying why not.
+class _Counts:
+    """This pod's counts, sent to the agent at most every REPORT_EVERY seconds when they
+    changed (and by the source again to each new connection): the agent serves them."""
 
-    Enforcement matters more than metrics: exiting would crash-loop the sidecar and leave
-    the pod unenforced because some workload listens on an undeclared port.
-    """
-    try:
-        return serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
-    except MetricsPortError as exc:
-        text = messages.metrics_unavailable(str(exc))
-        log.error("%s", text)
-        events.post(str(Reason.METRICS_UNAVAILABLE), text, True)
-        return None
+    def __init__(self, source: AgentSource, telemetry: SidecarTelemetry) -> None:
+        self._source, self._telemetry = source, telemetry
+        self._sent: SidecarReport | None = None
+        self._at = -REPORT_EVERY
+
+    def tick(self, now: float) -> None:
+        if now - self._at < REPORT_EVERY:
+            return
+        report = self._telemetry.report()
+        if report != self._sent:
+            self._source.send_report(report)
+            self._sent, self._at = report, now
 
 
 def _loop(
@@ -534,6 +534,7 @@ def _loop(
     procfs: ProcFs,
     view: PodView,
     helpers: Sequence[threading.Thread],
+    counts: _Counts | None = None,
 ) -> int:
     """Tick when the agent pushes a sample or the interval is up; stop on SIGTERM/SIGINT,
     or with status 1 if a helper thread (the pod watcher, the Event recorder) has stopped:
@@ -571,6 +572,8 @@ def _loop(
             if now >= next_tick or any(key.fd == waiting_on for key, _ in ready):
                 pipeline.tick()
                 next_tick = now + settings.interval
+                if counts is not None:
+                    counts.tick(now)
             else:
                 pipeline.follow_victims()
             if alone.done(now):

@@ -23,8 +23,8 @@ from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import ContainerRef, pod_reference
 from enforcer.core.protocol import EventRequest
 from enforcer.core.settings.sidecar import SidecarSettings
-from enforcer.edge.metrics import Telemetry
 from enforcer.edge.sources import AgentSource
+from enforcer.edge.telemetry import SidecarTelemetry
 
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
@@ -156,7 +156,7 @@ class NoApi(Exception):
     """The API cannot even be configured (no in-cluster config, a bad kubeconfig)."""
 
 
-def direct(settings: SidecarSettings, telemetry: Telemetry) -> PodAccess:
+def direct(settings: SidecarSettings, telemetry: SidecarTelemetry) -> PodAccess:
     from enforcer.edge.claims import ClaimReader, ClaimState  # noqa: PLC0415 - only here
     from enforcer.edge.events import EventRecorder  # noqa: PLC0415
     from enforcer.edge.kube import KubeError, connect  # noqa: PLC0415

@@ -180,3 +180,17 @@ def test_the_chart_renders_the_webhook_values_it_starts_with_and_no_others(
                      "--kai-annotations": "kaiAnnotations"}  # fmt: skip
             named = [f"webhook.{value}" for flag, value in flags.items() if flag in refusal]
             assert named and all(name in result for name in named), (values, refusal, result)
+
+
+def test_the_sidecar_pod_monitor_of_0_1_0_fails_the_install_naming_what_replaces_it(
+    renders: Renders,
+) -> None:
+    """0.1.0's monitoring.podMonitor scraped the sidecars, which serve no metrics since
+    0.2.0 (each node's agent serves its pods'): values that still enable it fail the
+    install, naming the fix; disabled, they render, with no PodMonitor."""
+    refused, rendered = renders([({"monitoring": {"podMonitor": {"enabled": True}}}, True),
+                                 ({"monitoring": {"podMonitor": {"enabled": False}}}, False)])  # fmt: skip
+    assert "execution error at" in refused and "monitoring.podMonitor is gone" in refused, refused
+    assert "monitoring.legacySidecarPodMonitor.enabled=true" in refused, refused
+    kinds = {doc["kind"] for doc in yaml.safe_load_all(rendered["manifest"]) if doc}
+    assert "PodMonitor" not in kinds and "Deployment" in kinds

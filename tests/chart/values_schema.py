@@ -122,6 +122,7 @@ CHART_FLAGS: tuple[ChartFlag, ...] = (
     ChartFlag("resource.unit", "webhook", "--resource-unit", form=Quantity(minimum=1)),
     ChartFlag("agent.advertise", "agent", "--no-advertise", "switch"),
     ChartFlag("agent.labels", "agent", "--no-labels", "switch"),
+    ChartFlag("agent.perProcessMetrics", "agent", "--per-process-metrics", "switch"),
     ChartFlag("agent.hardLimits", "agent", "--hard-limits"),
     ChartFlag("agent.gpuResources", "agent", "--gpu-resources", "join"),
     ChartFlag("dra.drivers", "agent", "--dra-drivers", "join"),

@@ -45,6 +45,7 @@ class Node:
         self.lib = lib
         self.log = tmp / "agent.log"
         self.agent: subprocess.Popen[bytes] | None = None
+        self.metrics_port = 0  # where the agent serves its /metrics, once started
 
     def start_agent(self, kubeconfig: Path | None = None, node: str = "") -> None:
         """Without `kubeconfig`, an agent without the API; with it, one that serves each
@@ -54,13 +55,22 @@ class Node:
             if kubeconfig
             else ["--no-serve-pods"]
         )
+        self.metrics_port = free_port()
         self.agent = subprocess.Popen(
             [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", *pods, "--hard-limits", "off", "--socket", str(self.socket),
-             "--interval", "50ms", "--log-format", "text"],
+             "--interval", "50ms", "--log-format", "text", "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1"],
             env={**os.environ, **self.nvml_env()},
             stderr=self.log.open("a"),
         )  # fmt: skip
         wait_for(self.socket.exists, what="the agent socket")
+
+    def metrics(self) -> str:
+        """The agent's /metrics: with the API, every enforced pod's series of its node (the
+        sidecars serve none)."""
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
+        ) as r:
+            return str(r.read().decode())
 
     def nvml_env(self) -> dict[str, str]:
         """What a process needs to see this node's NVML."""
@@ -85,15 +95,14 @@ class Node:
 
 class Sidecar:
     def __init__(self, pod: SimPod, node: Node, apiserver: ApiServer, token: str, tmp: Path, limits: dict[str, int],
-                 *flags: str, env: dict[str, str] | None = None, metrics_port: int | None = None) -> None:  # fmt: skip
+                 *flags: str, env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.pod = pod
         self.log = tmp / f"sidecar-{pod.name}.log"
-        self.metrics_port = metrics_port or free_port()
         kubeconfig = apiserver.kubeconfig(token, tmp / f"kubeconfig-{pod.name}")
         self.proc = pod.start(
             "vram-enforcer",
             [sys.executable, "-m", "enforcer", "sidecar", "--kubeconfig", str(kubeconfig), "--interval", "50ms", "--api-access", "direct",
-             "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1", "--log-format", "text", *flags],
+             "--log-format", "text", *flags],
             env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid, "NODE_NAME": "gpu-node-1",
                  "VRAM_ENFORCER_LIMITS": json.dumps(limits), "VRAM_ENFORCER_AGENT_SOCKET": str(node.socket),
                  "VRAM_ENFORCER_GRACE_PERIOD": "1s", **(env or {})},
@@ -111,15 +120,13 @@ class Sidecar:
 
     def stop(self) -> int:
         """SIGTERM to the sidecar itself (not to nsenter, which does not forward it)."""
-        (pid,) = self.pod.host_pids("vram-enforcer")
-        os.kill(pid, signal.SIGTERM)
+        os.kill(self.pid(), signal.SIGTERM)
         return self.proc.wait(timeout=10)
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(
-            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
-        ) as r:
-            return str(r.read().decode())
+    def pid(self) -> int:
+        """The sidecar's host pid (not nsenter's)."""
+        (pid,) = self.pod.host_pids("vram-enforcer")
+        return pid
 
 
 def start_worker(pod: SimPod, container: str, tmp: Path, *extra: str) -> int:

@@ -8,11 +8,12 @@ import shutil
 import subprocess
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import free_port, wait_for
 
@@ -26,16 +27,23 @@ def missing() -> str | None:
 
 
 class Prometheus:
-    """Scrapes `targets` (job -> host:port) every second; answers PromQL over HTTP."""
+    """Scrapes `targets` (job -> host:port) every second; answers PromQL over HTTP. A job's
+    `labels` are put on its targets, as the Prometheus Operator puts a ServiceMonitor's
+    target's namespace, pod and container; its series' own labels win in the jobs of
+    `honor_labels` (the chart's ServiceMonitor sets `honorLabels: true`: the agent's
+    series name the pods they are about, not the agent's)."""
 
-    def __init__(self, tmp: Path, targets: Mapping[str, Sequence[str]]) -> None:
+    def __init__(self, tmp: Path, targets: Mapping[str, Sequence[str]],
+                 labels: Mapping[str, Mapping[str, str]] | None = None,
+                 honor_labels: Collection[str] = ()) -> None:  # fmt: skip
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": list(hosts)}]}
+                {"job_name": job, "honor_labels": job in honor_labels,
+                 "static_configs": [{"targets": list(hosts), "labels": dict((labels or {}).get(job, {}))}]}
                 for job, hosts in targets.items()
             ],
-        }
+        }  # fmt: skip
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.port = free_port()
         self._log = (tmp / "prometheus.log").open("w")
@@ -79,6 +87,16 @@ class Prometheus:
             self._proc.kill()
             self._proc.wait()
         self._log.close()
+
+
+def exported(text: str, name: str, **labels: str) -> float | None:
+    """The value of the sample `name` with exactly `labels` in a /metrics page (a counter's
+    sample is `..._total`), whatever the order its labels are written in; None: not there."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
 
 
 def dashboard_queries(variables: Mapping[str, str]) -> list[tuple[str, str]]:

@@ -597,7 +597,8 @@ def test_monitoring_objects_and_the_dashboard(
     )
     kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp_path / "kubeconfig")
     values = {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
-                             "podMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
+                             "legacySidecarPodMonitor": {"enabled": True},
+                             "grafanaDashboard": {"enabled": True}},
               "webhook": {"failurePolicy": "Ignore"}}  # fmt: skip
     helm(
         "install", "vram-enforcer-mon", str(CHART), "vram-mon", str(kubeconfig), json.dumps(values)
@@ -608,14 +609,21 @@ def test_monitoring_objects_and_the_dashboard(
             "monitoring.coreos.com", "v1", "vram-mon", "servicemonitors", "vram-enforcer-mon"
         )
         assert sm["metadata"]["labels"]["release"] == "prometheus"
-        assert sm["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s"}]
-        pm = custom.get_namespaced_custom_object(
-            "monitoring.coreos.com", "v1", "vram-mon", "podmonitors", "vram-enforcer-mon-sidecars"
-        )
+        # Each agent serves every enforced pod of its node: the series' namespace, pod and
+        # container are theirs, not the agent's target's.
+        assert sm["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s", "honorLabels": True}]  # fmt: skip
+        monitors = custom.list_namespaced_custom_object(
+            "monitoring.coreos.com", "v1", "vram-mon", "podmonitors"
+        )["items"]
+        (pm,) = monitors  # the sidecars of 0.1.0's only, while an upgrade replaces them
+        assert pm["metadata"]["name"] == "vram-enforcer-mon-legacy-sidecars"
         assert pm["spec"]["selector"] == {"matchLabels": {"vram-enforcer.io/enforced": "true"}}
-        assert (
-            pm["spec"]["podMetricsEndpoints"][0]["port"] == "vram-metrics"
-        )  # the injected sidecar's port name
+        (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+        assert endpoint["port"] == "vram-metrics"  # the port name 0.1.0 injected
+        # Only the counters that no agent serves for those pods: nothing counted twice.
+        assert endpoint["metricRelabelings"] == [{
+            "sourceLabels": ["__name__"], "action": "keep",
+            "regex": "vram_enforcer_(actions|reclaims|signals_refused)_total"}]  # fmt: skip
         cm = client.CoreV1Api(admin).read_namespaced_config_map(
             "vram-enforcer-mon-dashboard", "vram-mon"
         )
@@ -624,7 +632,8 @@ def test_monitoring_objects_and_the_dashboard(
         exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", ()))
         for metric in ("vram_enforcer_container_used_bytes", "vram_enforcer_container_limit_bytes",
                        "vram_enforcer_actions_total", "vram_enforcer_gpu_total_bytes",
-                       "vram_enforcer_container_gpu_sm_utilization_ratio", "vram_enforcer_gpu_tenants"):  # fmt: skip
+                       "vram_enforcer_container_gpu_sm_utilization_ratio", "vram_enforcer_gpu_tenants",
+                       "vram_enforcer_pods_unguarded"):  # fmt: skip
             assert metric in exprs
     finally:
         helm("uninstall", "vram-enforcer-mon", "vram-mon", str(kubeconfig))

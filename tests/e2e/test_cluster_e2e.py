@@ -49,7 +49,7 @@ from tests.e2e.helm import CHART, helm
 from tests.e2e.images import ENFORCER_IMAGE, enforcer_image, image_missing
 from tests.e2e.node import BIN, PAUSE_IMAGE, RealNode, missing
 from tests.e2e.nvidia_runtime import nvidia_runtime
-from tests.e2e.prometheus import Prometheus, dashboard_queries
+from tests.e2e.prometheus import Prometheus, dashboard_queries, exported
 from tests.e2e.prometheus import missing as prometheus_missing
 from tests.fakenvml import FakeGpuState, limit_records
 from tests.helpers import wait_for
@@ -94,6 +94,10 @@ class Cluster:
     def agent_metrics(self) -> str:
         assert self.agent is not None
         return self.agent.metrics()
+
+    def served(self, name: str, **labels: str) -> float | None:
+        """A sample of the agent's /metrics (None: not there)."""
+        return exported(self.agent_metrics(), name, **labels)
 
     def wait_for_metric(self, line: str, what: str) -> None:
         """Until the agent's metrics show `line`; on a timeout, what they and its log show."""
@@ -325,10 +329,21 @@ def test_a_pod_over_its_limit_is_mutated_placed_run_and_its_offender_stopped(
     assert pod.spec.share_process_namespace is True
     (side,) = pod.spec.init_containers
     assert side.name == "vram-enforcer" and side.restart_policy == "Always"  # native sidecar
+    assert not side.ports  # it serves no metrics: the node's agent serves the pod's
     assert pod.status.init_container_statuses[0].started
     enforced = stopped_over(installed, "trainer-0", the_holder(node, pod), 3 * GiB)
     assert enforced.involved_object.field_path == "spec.containers{trainer}"
     assert "of its 2.00 GiB VRAM limit" in enforced.message
+    # The pod's series, on its node's agent (one scrape target per node): the action, from
+    # the sidecar's report to the agent, and the container's usage and request, which the
+    # agent works out itself.
+    trainer = {"namespace": OPTED_IN, "pod": "trainer-0", "container": "trainer"}
+    terminated = {"namespace": OPTED_IN, "pod": "trainer-0", "action": "terminate"}
+    wait_for(lambda: installed.served("vram_enforcer_actions_total", **terminated) == 1,
+             timeout=30, what="the sidecar's action on the agent's /metrics")  # fmt: skip
+    assert installed.served("vram_enforcer_container_used_bytes", **trainer) is not None
+    assert installed.served("vram_enforcer_container_limit_bytes", **trainer) == 2 * GiB
+    assert 'container="vram-enforcer"' not in installed.agent_metrics()
     described = installed.kubectl("describe", "pod", "trainer-0", "-n", OPTED_IN)
     assert "VRAMEnforced" in described and "of its 2.00 GiB VRAM limit" in described
     pod = core.read_namespaced_pod("trainer-0", OPTED_IN)
@@ -389,8 +404,9 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
     one owed 14 GiB of its request. The agent, which alone sees both pods, asks the
     borrower's sidecar for the memory once the GPU can no longer honour that request plus
     the watermark (2 GiB), and the sidecar stops the borrower's process, saying why on its
-    pod. The other pod is untouched. A real Prometheus scrapes the agent, both sidecars and
-    the webhook meanwhile, and every query of the chart's dashboard returns series."""
+    pod. The other pod is untouched. A real Prometheus scrapes the agent (which serves both
+    pods' series: the sidecars serve none) and the webhook meanwhile, and every query of
+    the chart's dashboard returns series."""
     if reason := prometheus_missing():
         (pytest.fail if os.environ.get("VRAM_ENFORCER_E2E") == "required" else pytest.skip)(reason)
     core, node = installed.core, installed.node
@@ -403,7 +419,7 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
     assert json.loads(side["VRAM_ENFORCER_CEILINGS"]) == {"trainer": 8 * GiB}
     borrower, grower, other = the_holder(node, lender), the_holder(node, owed), os.getpid()
     uuid = installed.gpus.devices[0]["uuid"]
-    prometheus = scraping(installed, [lender, owed])
+    prometheus = scraping(installed)
     try:
         installed.use(borrower, 6 * GiB)  # 4 GiB borrowed
         installed.gpus.set_utilization(0, borrower, 60, 20)
@@ -526,17 +542,23 @@ def every_dashboard_query_returns_series(
     )
 
 
-def scraping(cluster: Cluster, pods: list[client.V1Pod]) -> Prometheus:
-    """Prometheus over the agent, the pods' sidecars and the chart's webhook, all up."""
+def scraping(cluster: Cluster) -> Prometheus:
+    """Prometheus over the agent and the chart's webhook, all up (the sidecars serve no
+    metrics). As the chart's ServiceMonitor has it scraped: the agent's target carries its
+    own pod's namespace, pod and container, and the labels of its series win over them
+    (`honorLabels: true`), naming the pods they are about."""
     assert cluster.agent is not None
+    agent = cluster.agent.pod()
+    assert agent is not None
     webhook = client.CoreV1Api(cluster.server.client()).list_namespaced_pod(
         NAMESPACE, label_selector="app.kubernetes.io/component=webhook").items  # fmt: skip
     targets = {
         "agent": [cluster.agent.address],
-        "sidecar": [f"{p.status.pod_ip}:9477" for p in pods],
         "webhook": [f"{p.status.pod_ip}:9479" for p in webhook],
     }
-    found = Prometheus(cluster.tmp, targets)
+    as_the_operator_labels = {"namespace": NAMESPACE, "pod": agent.metadata.name, "container": "agent"}  # fmt: skip
+    found = Prometheus(cluster.tmp, targets, labels={"agent": as_the_operator_labels},
+                       honor_labels=("agent",))  # fmt: skip
     wait_for(found.targets_up, timeout=30, what="every target up in Prometheus")
     return found
 

@@ -43,6 +43,7 @@ from tests.e2e.actors import (
 from tests.e2e.cluster import ApiServer
 from tests.e2e.placement import add_node, bound
 from tests.e2e.podsim import SimPod
+from tests.e2e.prometheus import exported
 from tests.fakenvml import FakeGpuState
 from tests.helpers import wait_for
 
@@ -182,6 +183,18 @@ def sidecar(tenants: SimPod, node: Node, cluster: ApiServer, token: str, tmp_pat
     assert s.stop() == 0
 
 
+def as_injected(api: client.ApiClient, pod: SimPod) -> None:
+    """The label the webhook puts on a pod it injects: the node's agent serves the series of
+    such pods only (the sidecar serves none)."""
+    body = {"metadata": {"labels": {ENFORCED: "true"}}}
+    client.CoreV1Api(api).patch_namespaced_pod(pod.name, NAMESPACE, body)
+
+
+def served(node: Node, name: str, **labels: str) -> float | None:
+    """A sample of the agent's /metrics (None: not there)."""
+    return exported(node.metrics(), name, **labels)
+
+
 def events(api: client.ApiClient, pod: str, reason: str) -> list[Any]:
     listed = client.CoreV1Api(api).list_namespaced_event(
         NAMESPACE, field_selector=f"involvedObject.name={pod},reason={reason}"
@@ -194,6 +207,7 @@ def test_over_its_claim_on_its_gpu_is_stopped_and_the_neighbour_within_is_not(
 ) -> None:
     gpu = allocated_gpu(api, tenants)
     uuid = node.state.devices[gpu]["uuid"]
+    as_injected(api, tenants)
     trainer = start_worker(tenants, "trainer", tmp_path)
     helper = start_worker(tenants, "helper", tmp_path)
     # 6Gi of a 24Gi GPU in all, and the pod's claims are 6Gi: only the split is wrong
@@ -205,11 +219,46 @@ def test_over_its_claim_on_its_gpu_is_stopped_and_the_neighbour_within_is_not(
     sidecar.wait_logged(said, "sent SIGTERM to pid")
     (event,) = wait_for(lambda: events(api, tenants.name, "VRAMEnforced"), what="the Event")
     assert event.message.startswith(said) and event.involved_object.field_path == "spec.containers{trainer}"  # fmt: skip
-    metrics = sidecar.metrics()
-    labels = f'container="helper",gpu="{uuid}",namespace="{NAMESPACE}",pod="{tenants.name}"'
-    assert f"vram_enforcer_container_gpu_limit_bytes{{{labels}}} 2.147483648e+09" in metrics
-    assert f"vram_enforcer_container_gpu_used_bytes{{{labels}}} 1.073741824e+09" in metrics
+    # The pod's series, on its node's agent: what the claim gave the helper on its GPU, and
+    # what it holds there; and the sidecar's action, from its report to the agent.
+    pod = {"namespace": NAMESPACE, "pod": tenants.name}
+    helper_there = {**pod, "container": "helper", "gpu": uuid}
+    wait_for(lambda: served(node, "vram_enforcer_container_gpu_used_bytes", **helper_there) == GiB,
+             what="the helper's usage on the agent's /metrics")  # fmt: skip
+    assert served(node, "vram_enforcer_container_gpu_limit_bytes", **helper_there) == 2 * GiB
+    assert served(node, "vram_enforcer_container_used_bytes", **pod, container="helper") == GiB
+    wait_for(lambda: served(node, "vram_enforcer_actions_total", **pod, action="terminate") == 1,
+             what="the sidecar's action, reported to the agent")  # fmt: skip
+    assert served(node, "vram_enforcer_sidecar_ticks_total", **pod)
+    assert 'container="vram-enforcer"' not in node.metrics()  # never the sidecar's own
     node.use({trainer: None, helper: None})
+
+
+def test_utilisation_per_container_and_gpu_on_the_agents_metrics(
+    api: client.ApiClient, sidecar: Sidecar, tenants: SimPod, node: Node, tmp_path: Path
+) -> None:
+    """NVML's per-process utilisation, attributed by the agent like memory: summed per
+    container and GPU, beside that container's memory there."""
+    as_injected(api, tenants)
+    gpu = allocated_gpu(api, tenants)
+    uuid = node.state.devices[gpu]["uuid"]
+    trainer = [start_worker(tenants, "trainer", tmp_path) for _ in range(2)]
+    helper = start_worker(tenants, "helper", tmp_path)
+    node.use({trainer[0]: GiB, trainer[1]: GiB, helper: GiB}, device=gpu)
+    for pid, (sm, mem) in zip([*trainer, helper], [(50, 20), (25, 5), (10, 40)], strict=True):
+        node.state.set_utilization(gpu, pid, sm=sm, memory=mem)
+    node.state.write(node.state_file)
+    there = {"namespace": NAMESPACE, "pod": tenants.name, "container": "trainer", "gpu": uuid}
+    sm = "vram_enforcer_container_gpu_sm_utilization_ratio"
+    wait_for(lambda: served(node, sm, **there) == 0.75, what="the trainer's SM utilisation")
+    metrics = node.metrics()
+    assert (
+        exported(metrics, "vram_enforcer_container_gpu_memory_utilization_ratio", **there) == 0.25
+    )
+    assert exported(metrics, "vram_enforcer_container_gpu_used_bytes", **there) == 2 * GiB
+    assert exported(metrics, sm, **{**there, "container": "helper"}) == 0.1
+    assert all(alive(pid) for pid in [*trainer, helper])  # each within its claim
+    node.use(dict.fromkeys([*trainer, helper]))
 
 
 def test_usage_on_a_gpu_it_was_not_given_is_caught(
@@ -388,6 +437,7 @@ def test_a_borrower_above_its_claim_is_reclaimed_when_the_scheduler_hands_out_wh
                          {"grow": (pinned_template(api, "8Gi", uuid), None)},
                          sidecar_env=told("grow", 8 * GiB))  # fmt: skip
     newcomer = None
+    as_injected(api, lender)  # its series, on the agent's /metrics
     sidecar = Sidecar(lender, node, cluster, token, tmp_path, {"burst": 2 * GiB},
                       "--limits-from", "dra", "--api-access", "agent",
                       env={"VRAM_ENFORCER_CEILINGS": json.dumps({"burst": 16 * GiB})})  # fmt: skip
@@ -398,11 +448,15 @@ def test_a_borrower_above_its_claim_is_reclaimed_when_the_scheduler_hands_out_wh
         sidecar.wait_logged("the node agent decides reclaims: containers may borrow up to "
                             "their ceilings (burst 16.00 GiB)")  # fmt: skip
         node.use({borrower: 12 * GiB, grower: 1 * GiB}, device=0)
-        labels = f'container="burst",gpu="{uuid}",namespace="{NAMESPACE}",pod="{lender.name}"'
-        lent = f"vram_enforcer_container_gpu_over_request_bytes{{{labels}}} 1.073741824e+10"
-        wait_for(lambda: lent in sidecar.metrics(), what="the sidecar to see 10Gi lent")
-        limit = f"vram_enforcer_container_gpu_limit_bytes{{{labels}}} 1.7179869184e+10"
-        assert limit in sidecar.metrics()  # held to its ceiling, not its 2Gi claim
+        there = {"namespace": NAMESPACE, "pod": lender.name, "container": "burst", "gpu": uuid}
+        over = "vram_enforcer_container_gpu_over_request_bytes"
+        wait_for(
+            lambda: served(node, over, **there) == 10 * GiB, what="the agent to show 10Gi lent"
+        )
+        # what its claim was allocated there: it borrows the rest, up to its ceiling
+        assert served(node, "vram_enforcer_container_gpu_limit_bytes", **there) == 2 * GiB
+        del there["gpu"]  # its ceiling is above its one claim, on that claim's GPU
+        assert served(node, "vram_enforcer_container_ceiling_bytes", **there) == 16 * GiB
         time.sleep(1.0)  # 20 of the agent's passes, and of the sidecar's ticks
         assert alive(borrower) and not events(api, lender.name, "VRAMReclaimed")
         newcomer = scheduled_pod(api, NODE, ["c"], {"c": (pinned_template(api, "4Gi", uuid), None)})
@@ -419,6 +473,9 @@ def test_a_borrower_above_its_claim_is_reclaimed_when_the_scheduler_hands_out_wh
             f"{NAMESPACE}/{newcomer.name}/c are still owed"
         ), reclaimed.message
         assert reclaimed.involved_object.field_path == "spec.containers{burst}"
+        reclaims = {"namespace": NAMESPACE, "pod": lender.name, "needed_by": "requests"}
+        wait_for(lambda: (served(node, "vram_enforcer_reclaims_total", **reclaims) or 0) >= 1,
+                 what="the sidecar's reclaim, reported to the agent")  # fmt: skip
         node.use({borrower: None, grower: None})
         assert sidecar.stop() == 0
     finally:

@@ -9,6 +9,7 @@ the Role in deploy/rbac/sidecar.yaml.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -133,53 +134,6 @@ def test_events_are_posted_on_the_pod_and_aggregated(sidecar: Sidecar, pod: SimP
     assert "6.00 GiB" in aggregated.message
 
 
-def test_metrics_are_labelled_with_namespace_pod_and_container(
-    sidecar: Sidecar, pod: SimPod, node: Node, tmp_path: Path
-) -> None:
-    helper = start_worker(pod, "helper", tmp_path)
-    offender = start_worker(pod, "trainer", tmp_path)
-    node.use({helper: 1 * GiB, offender: 5 * GiB})
-    wait_for(lambda: not alive(offender), what="the offender to be terminated")
-    body = wait_for(
-        lambda: (m := sidecar.metrics()) and 'action="terminate"' in m and m, what="metrics"
-    )
-    assert (
-        f'vram_enforcer_container_used_bytes{{container="helper",namespace="{NAMESPACE}",pod="{pod.name}"}} 1.073741824e+09'
-        in body
-    )
-    assert (
-        f'vram_enforcer_container_limit_bytes{{container="trainer",namespace="{NAMESPACE}",pod="{pod.name}"}} 4.294967296e+09'
-        in body
-    )
-    assert 'vram_enforcer_actions_total{action="terminate"} 1.0' in body
-    assert "vram_enforcer_source_up 1.0" in body
-    node.use({helper: None, offender: None})
-
-
-def test_utilisation_per_container_and_gpu_from_the_agent(
-    sidecar: Sidecar, pod: SimPod, node: Node, tmp_path: Path
-) -> None:
-    """NVML's per-process utilisation, read by the agent, attributed by the sidecar like
-    memory: summed per container and GPU, beside that container's memory there."""
-    trainer = [start_worker(pod, "trainer", tmp_path) for _ in range(2)]
-    helper = start_worker(pod, "helper", tmp_path)
-    node.use({trainer[0]: GiB, trainer[1]: GiB, helper: GiB})
-    for pid, (sm, mem) in zip([*trainer, helper], [(50, 20), (25, 5), (10, 40)], strict=True):
-        node.state.set_utilization(0, pid, sm=sm, memory=mem)
-    node.state.write(node.state_file)
-    gpu = node.state.devices[0]["uuid"]
-    labels = f'container="trainer",gpu="{gpu}",namespace="{NAMESPACE}",pod="{pod.name}"'
-    body = wait_for(
-        lambda: (m := sidecar.metrics()) and f"sm_utilization_ratio{{{labels}}} 0.75" in m and m,
-        what="the trainer's SM utilisation",
-    )
-    assert f"vram_enforcer_container_gpu_memory_utilization_ratio{{{labels}}} 0.25" in body
-    assert f"vram_enforcer_container_gpu_used_bytes{{{labels}}} 2.147483648e+09" in body
-    helper_labels = labels.replace('"trainer"', '"helper"')
-    assert f"vram_enforcer_container_gpu_sm_utilization_ratio{{{helper_labels}}} 0.1" in body
-    node.use(dict.fromkeys([*trainer, helper]))
-
-
 def test_a_process_of_the_pod_in_no_listed_container_is_never_signalled(
     sidecar: Sidecar, pod: SimPod, node: Node, tmp_path: Path
 ) -> None:
@@ -204,7 +158,6 @@ def test_agent_loss_is_reported_and_enforcement_resumes(sidecar: Sidecar, pod: S
         lambda: any(e.reason == "VRAMUsageUnknown" for e in events(core, pod.name)),
         what="VRAMUsageUnknown",
     )
-    assert "vram_enforcer_source_up 0.0" in sidecar.metrics()
     node.start_agent()
     wait_for(lambda: "enforcement resumed" in sidecar.text(), what="the sidecar to reconnect")
     offender = start_worker(pod, "trainer", tmp_path)
@@ -384,39 +337,43 @@ def test_container_mode_exits_once_the_other_containers_are_done(node: Node, api
         job.close()
 
 
-def test_a_taken_metrics_port_is_reported_and_enforcement_goes_on(node: Node, apiserver: ApiServer, token: str,
-                                                                   core: client.CoreV1Api, tmp_path: Path) -> None:  # fmt: skip
-    """A workload listening on the sidecar's port (undeclared, so the webhook could not
-    move it) must not crash-loop the sidecar and leave the pod unenforced."""
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        taken = SimPod(core, NAMESPACE, "busy-port-0", ["trainer", "vram-enforcer"])
-        try:
-            side = Sidecar(taken, node, apiserver, token, tmp_path, {"trainer": 1 * GiB},
-                           metrics_port=busy.getsockname()[1])  # fmt: skip
-            offender = start_worker(taken, "trainer", tmp_path)
-            node.use({offender: 2 * GiB})
-            wait_for(lambda: not alive(offender), what="the offender to be terminated")
-            node.use({offender: None})
-            (event,) = wait_for(
-                lambda: [
-                    e for e in events(core, "busy-port-0") if e.reason == "VRAMMetricsUnavailable"
-                ],
-                what="the VRAMMetricsUnavailable Event",
-            )
-            assert event.type == "Warning"
-            assert (
-                f"--metrics-port {busy.getsockname()[1]}: cannot listen on 127.0.0.1"
-                in event.message
-            )
-            assert (
-                "Set the pod annotation vram-enforcer.io/metrics-port to a free port"
-                in event.message
-            )
-            assert side.stop() == 0
-        finally:
-            taken.close()
+def listening(pid: int) -> list[str]:
+    """The TCP sockets of process `pid` that listen, and its UDP sockets that take
+    datagrams from anyone (bound, unconnected), as "tcp6 [::]:9477": those of its network
+    namespace's tables (/proc/<pid>/net) whose inodes are among its open files."""
+    mine = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if (target := os.readlink(fd)).startswith("socket:["):
+                mine.add(target.removeprefix("socket:[").removesuffix("]"))
+    found = []
+    for table in ("tcp", "tcp6", "udp", "udp6"):
+        rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        for local, remote, state, inode in ((r[1], r[2], r[3], r[9]) for r in map(str.split, rows)):
+            unconnected = set(remote.split(":")[0]) == {"0"} and remote.endswith(":0000")
+            if inode in mine and (state == "0A" if table.startswith("tcp") else unconnected):
+                found.append(f"{table} {local}")
+    return found
+
+
+def test_the_sidecar_listens_on_no_port(sidecar: Sidecar, pod: SimPod, node: Node, tmp_path: Path) -> None:  # fmt: skip
+    """It serves no metrics (its agent serves the pod's): not a TCP or UDP port of the pod's
+    network namespace is taken, so none can clash with one of the workload's, nor be
+    scraped, while it enforces."""
+    with socket.socket() as tcp, socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as udp:
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen()
+        udp.bind(("::1", 0))
+        ours = listening(os.getpid())  # what a listener looks like, seen
+        for kind, bound in (("tcp", tcp), ("udp6", udp)):
+            assert any(f.startswith(f"{kind} ") and f.endswith(f":{bound.getsockname()[1]:04X}")
+                       for f in ours), ours  # fmt: skip
+    offender = start_worker(pod, "trainer", tmp_path)
+    node.use({offender: 5 * GiB})
+    wait_for(lambda: not alive(offender), what="the offender to be terminated")
+    node.use({offender: None})
+    sidecar.wait_logged("sent SIGTERM to pid")
+    assert listening(sidecar.pid()) == []
 
 
 def test_bad_environment_is_a_clear_error(tmp_path: Path) -> None:

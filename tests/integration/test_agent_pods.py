@@ -23,7 +23,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -37,6 +37,7 @@ from enforcer.core.protocol import SIDECAR_SOCKET, SIDECAR_SOCKET_DIR
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sidecar_dialer import dial_sidecars
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
+from enforcer.modes.pod_metrics import PodCounts
 from enforcer.modes.sidecar_watch import SidecarProcesses, SidecarWatch
 from tests.helpers import children, scratch_cgroup, wait_for
 from tests.integration.conftest import TELEMETRY
@@ -93,6 +94,7 @@ CALLER = (
     import json, os, selectors, subprocess, sys
     sys.path.insert(0, sys.argv[2])
     from enforcer.core.protocol import EventRequest
+    from enforcer.core.sidecar_report import SidecarReport
     from enforcer.edge.sources import AgentSource
     os.read(0, 3)  # "go": moved into its container's cgroup by now
     mode, where = sys.argv[1].split(":", 1)  # dial:PATH, or listen:PATH (the agent dials it)
@@ -121,6 +123,9 @@ CALLER = (
                     if not lines:
                         sys.exit(0)  # the test has gone: so does its caller
                     for line in lines.splitlines():
+                        if line.startswith("kills "):  # its counts: so many SIGKILLs
+                            source.send_report(SidecarReport(actions={"kill": int(line[6:])}))
+                            continue
                         if line in BESIDE:  # a process beside it, in this pod
                             subprocess.Popen([sys.executable, "-c", BESIDE[line], where, sys.argv[2]],
                                              stdin=subprocess.DEVNULL)
@@ -141,14 +146,22 @@ POD_NAMESPACES = ["unshare", "--mount", "--propagation", "private", "--pid", "--
                   f'mount -t tmpfs tmpfs /run && mkdir -p {SIDECAR_SOCKET_DIR} && exec "$0" "$@"']  # fmt: skip
 
 
-def pod(name: str, uid: str, *container_ids: str, labels: dict[str, str] | None = None) -> Pod:
-    """A pod as the agent's watch keeps it (`kept`), from one as the API server sends it."""
-    statuses = [{"name": f"c{i}", "containerID": f"containerd://{cid}"}
-                for i, cid in enumerate(container_ids)]  # fmt: skip
+def pod(
+    name: str,
+    uid: str,
+    *container_ids: str,
+    labels: dict[str, str] | None = None,
+    names: tuple[str, ...] = (),
+) -> Pod:
+    """A pod as the agent's watch keeps it (`kept`), from one as the API server sends it;
+    its containers are named `names`, else c0, c1, ..."""
+    names = names or tuple(f"c{i}" for i in range(len(container_ids)))
+    statuses = [{"name": n, "containerID": f"containerd://{cid}"}
+                for n, cid in zip(names, container_ids, strict=True)]  # fmt: skip
     doc: dict[str, Any] = {
         "metadata": {"name": name, "namespace": "team", "uid": uid, "labels": labels or {},
                      "managedFields": [{"manager": "kubectl"}]},
-        "spec": {"containers": [{"name": f"c{i}"} for i in range(len(container_ids))]},
+        "spec": {"containers": [{"name": n} for n in names]},
         "status": {"containerStatuses": statuses},
     }  # fmt: skip
     return kept(cast(Pod, doc))
@@ -381,6 +394,55 @@ def test_an_agent_restart_keeps_the_pod_and_delivers_the_reports_made_meanwhile(
         assert posted[1] == (id(second), "while the agent was away")
     finally:
         caller.stop()
+        if second is not None:
+            second.close()
+
+
+def test_a_sidecars_counts_are_kept_for_its_own_pod_and_sent_again_to_a_new_agent(
+    cgroups: Path, tmp_path: Path
+) -> None:
+    """The agent serves every pod's metrics, the sidecar none: it sends its counts over its
+    connection, and the agent keeps them for the pod the caller's cgroup proves, only from
+    that pod's sidecar container (the workload beside it, or a process of no pod, speaks
+    for no pod). While the agent is away only the latest counts wait; the new agent gets
+    them on the new connection, whether or not they changed since."""
+    sock, t = tmp_path / "agent.sock", TELEMETRY
+    pods = {UA: pod("pod-a", UA, A, B, names=(SIDECAR, "trainer"))}
+
+    def agent() -> tuple[UsageServer, PodCounts]:
+        counts = PodCounts()
+        s = UsageServer(sock, ProcFs(), ServerMetrics(t.requests, t.connections, t.unexpected),
+                        stale_after=60.0)  # fmt: skip
+        s.reports = counts.keep
+        s.start()
+        s.publish_pods(directory(list(pods.values()), {}, None))
+        return s, counts
+
+    def kills(counts: PodCounts) -> dict[tuple[str, str], Mapping[str, int]]:
+        return {key: report.actions for key, report in counts.of(pods).values()}
+
+    first, counts = agent()
+    sidecar, workload = Caller(sock, cgroups, UA, A), Caller(sock, cgroups, UA, B)
+    stranger, second = Caller(sock, cgroups, UC, C), None
+    try:
+        for caller in (sidecar, workload, stranger):
+            caller.next()
+        workload.send("kills 99")
+        stranger.send("kills 98")
+        sidecar.send("kills 1")
+        wait_for(lambda: kills(counts) == {("team", "pod-a"): {"kill": 1}}, what="the counts")
+        time.sleep(0.5)  # the workload's and the stranger's were read, and not kept
+        assert kills(counts) == {("team", "pod-a"): {"kill": 1}}
+        first.close()
+        sidecar.send("kills 2")
+        sidecar.send("kills 3")  # the latest is what waits
+        second, counts = agent()
+        assert sidecar.next()["pod"] == "pod-a"
+        wait_for(lambda: kills(counts) == {("team", "pod-a"): {"kill": 3}}, what="the new counts")
+        assert counts.of({}) == {}  # a pod gone from the node: its counts go too
+    finally:
+        for caller in (sidecar, workload, stranger):
+            caller.stop()
         if second is not None:
             second.close()
 

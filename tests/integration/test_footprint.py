@@ -78,3 +78,30 @@ def test_the_sidecar_loads_no_other_modes_settings() -> None:
         [sys.executable, "-c", OTHER_MODES], capture_output=True, text=True, check=True
     ).stdout
     assert json.loads(out) == []
+
+
+NO_EXPOSITION = """
+import json, sys
+from enforcer.cli import build_parser, configure
+args = build_parser("sidecar").parse_args(["sidecar"])
+configure(args, {"POD_NAME": "p", "POD_NAMESPACE": "n", "POD_UID": "u", "NODE_NAME": "node",
+                 "VRAM_ENFORCER_LIMITS": '{"c": 1}'})
+from enforcer.modes import sidecar, sidecar_access
+from enforcer.edge.sources import AgentSource
+from enforcer.edge.telemetry import SidecarTelemetry
+sidecar_access.through_agent(AgentSource("/nonexistent.sock", 2.0, pod=True))
+SidecarTelemetry().report()
+print(json.dumps(sorted(m for m in sys.modules
+                        if m.split(".")[0] in ("prometheus_client", "ssl", "wsgiref", "email")
+                        or m.startswith("http."))))
+"""
+
+
+def test_the_sidecar_loads_no_metrics_exposition() -> None:
+    """The agent serves every pod's metrics (issue 36): the sidecar has no listener, and
+    prometheus_client's exposition (with the ssl, http.server and email it imports) was
+    about 12 MiB of its 27."""
+    out = subprocess.run(
+        [sys.executable, "-c", NO_EXPOSITION], capture_output=True, text=True, check=True
+    ).stdout
+    assert json.loads(out) == []

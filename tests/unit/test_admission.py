@@ -326,16 +326,10 @@ def test_resource_unit_scales_the_limit_and_refuses_fractions() -> None:
         ({"limit": "12GB"}, "'12GB' is not a quantity; use a Kubernetes quantity such as 4Gi, 512Mi, 8G or 4294967296 (bytes) (did you mean 12Gi"),
         ({"limit": "0.5"}, "is not a whole number of bytes"),
         ({"second": "vram-enforcer"}, "a container is already named 'vram-enforcer'"),
-        ({"annotations": {"vram-enforcer.io/metrics-port": "http"}},
-         "metadata.annotations['vram-enforcer.io/metrics-port']: 'http' is not a TCP port; use 1-65535"),
-        ({"annotations": {"vram-enforcer.io/metrics-port": "8080"}, "port": 8080},
-         "metadata.annotations['vram-enforcer.io/metrics-port']: port 8080 is also declared in spec.containers['trainer'].ports; the containers of a pod share one network namespace: choose another port for the sidecar"),
     ],
 )  # fmt: skip
 def test_denials_name_the_field_the_value_and_the_fix(change: dict[str, Any], message: str) -> None:
     c = gpu("trainer", change.get("limit", "12Gi"))
-    if "port" in change:
-        c["ports"] = [{"containerPort": change["port"]}]
     if "requests" in change:
         c["resources"]["requests"] = {RES: change["requests"]}
     containers = [c] + ([{"name": change["second"], "image": "x"}] if "second" in change else [])
@@ -360,21 +354,26 @@ def test_annotations_become_the_sidecars_settings() -> None:
     assert shm["emptyDir"]["sizeLimit"] == "2Gi"
 
 
-def test_the_metrics_port_moves_off_ports_the_containers_declare() -> None:
-    def port_of(out: dict[str, Any]) -> tuple[int, str]:
-        side = sidecar_of(out)
-        (port,) = side["ports"]
-        assert port["name"] == "vram-metrics"  # what the chart's PodMonitor scrapes by
-        return port["containerPort"], env_of(side)["VRAM_ENFORCER_METRICS_PORT"]
-
-    assert port_of(applied(pod(gpu("t")))) == (9477, "9477")
-    busy = gpu("t", ports=[{"containerPort": 9477}, {"containerPort": 9478, "protocol": "UDP"}])
-    assert port_of(
-        applied(pod(busy, {"name": "exporter", "ports": [{"containerPort": 9478}]}))
-    ) == (9479, "9479")
-    assert port_of(applied(pod(busy))) == (9478, "9478")  # a UDP port does not take TCP's
-    chosen = pod(gpu("t"), annotations={"vram-enforcer.io/metrics-port": "9100"})
-    assert port_of(applied(chosen)) == (9100, "9100")
+def test_the_sidecar_takes_no_port_and_the_metrics_port_annotation_is_ignored_with_a_warning() -> (
+    None
+):
+    """The agent serves every pod's metrics: the sidecar listens on no port, so a pod that
+    declares every port from 9477 is admitted, and 0.1.0's annotation is said to do nothing
+    (kubectl prints the warning), never denied."""
+    busy = gpu("t", ports=[{"containerPort": p} for p in range(9477, 9490)])
+    side = sidecar_of(applied(pod(busy)))
+    assert "ports" not in side and "VRAM_ENFORCER_METRICS_PORT" not in env_of(side)
+    assert "warnings" not in review(admission_review(pod(busy)), NATIVE).review["response"]
+    for value in ("9100", "http"):
+        annotated = pod(gpu("t"), annotations={"vram-enforcer.io/metrics-port": value})
+        out = review(admission_review(annotated), NATIVE)
+        assert out.result == "patched" and "ports" not in sidecar_of(applied(annotated))
+        (warning,) = out.review["response"]["warnings"]
+        assert warning.startswith("metadata.annotations['vram-enforcer.io/metrics-port'] is "
+                                  "ignored: since 0.2.0 the sidecar serves no metrics")  # fmt: skip
+    # A pod the webhook leaves alone is told nothing.
+    plain = pod({"name": "t", "image": "x"}, annotations={"vram-enforcer.io/metrics-port": "1"})
+    assert "warnings" not in review(admission_review(plain), NATIVE).review["response"]
 
 
 def test_shm_off_and_no_framework_env() -> None:

@@ -104,3 +104,37 @@ def test_per_gpu_memory_and_utilisation_series() -> None:
     dra = {"namespace": "ml", "pod": "p", "container": "a+b", "gpu": "GPU-1"}
     assert got[key("vram_enforcer_container_gpu_limit_bytes", **dra)] == 4 * GiB
     assert got[key("vram_enforcer_container_gpu_sm_utilization_ratio", **dra)] == 0.0
+
+
+def test_the_agent_serves_each_enforced_containers_series_and_each_pods_counts() -> None:
+    """One scrape target per node: the agent's registry carries every enforced pod's series,
+    labelled by namespace, pod and container, and what each pod's sidecar counted; a
+    process's series only when asked for (they grow with pids)."""
+    from enforcer.core.pod_metrics import ContainerSeries, Named, OnGpu
+    from enforcer.core.sidecar_report import SidecarReport
+    from enforcer.edge.metrics import AgentTelemetry, PodsCollector, PodsView
+
+    trainer = ContainerSeries(Named("ml", "train-0", "trainer"), 6 * GiB, 4 * GiB, 12 * GiB,
+                              (OnGpu("GPU-a", 6 * GiB, Activity(50, 25), None, 2 * GiB),),
+                              ((4242, "GPU-a", 6 * GiB),))  # fmt: skip
+    view = PodsView((trainer,), {("ml", "train-0"): SidecarReport({"kill": 1}, ticks=10,
+                                                                    tick_seconds=0.5)})  # fmt: skip
+    for per_process in (False, True):
+        t = AgentTelemetry()
+        t.registry.register(PodsCollector(lambda: view, per_process))
+        got = samples(t)  # type: ignore[arg-type]
+        labels = {"namespace": "ml", "pod": "train-0", "container": "trainer"}
+        on_gpu = {**labels, "gpu": "GPU-a"}
+        assert got[key("vram_enforcer_container_used_bytes", **labels)] == 6 * GiB
+        assert got[key("vram_enforcer_container_limit_bytes", **labels)] == 4 * GiB
+        assert got[key("vram_enforcer_container_ceiling_bytes", **labels)] == 12 * GiB
+        assert got[key("vram_enforcer_container_gpu_used_bytes", **on_gpu)] == 6 * GiB
+        assert got[key("vram_enforcer_container_gpu_over_request_bytes", **on_gpu)] == 2 * GiB
+        assert got[key("vram_enforcer_container_gpu_sm_utilization_ratio", **on_gpu)] == 0.5
+        assert key("vram_enforcer_container_gpu_limit_bytes", **on_gpu) not in got  # not DRA
+        pod = {"namespace": "ml", "pod": "train-0"}
+        assert got[key("vram_enforcer_actions_total", **pod, action="kill")] == 1
+        assert got[key("vram_enforcer_sidecar_ticks_total", **pod)] == 10
+        assert got[key("vram_enforcer_sidecar_tick_seconds_total", **pod)] == 0.5
+        process = key("vram_enforcer_process_used_bytes", **on_gpu, pid="4242")
+        assert (process in got) is per_process

@@ -43,16 +43,12 @@ def test_flags_override_the_environment() -> None:
     assert settings({"VRAM_ENFORCER_GRACE_PERIOD": "30s"}).policy.grace_period == 30.0
 
 
-def test_the_metrics_port_from_the_webhook_the_flag_or_the_default() -> None:
-    assert settings().metrics_port == 9477
-    assert settings({"VRAM_ENFORCER_METRICS_PORT": "9478"}).metrics_port == 9478
-    assert (
-        settings({"VRAM_ENFORCER_METRICS_PORT": "9478"}, metrics_port="9500").metrics_port == 9500
-    )
-    with pytest.raises(ConfigError, match=r"VRAM_ENFORCER_METRICS_PORT: '94a' is not a TCP port"):
-        settings({"VRAM_ENFORCER_METRICS_PORT": "94a"})
-    with pytest.raises(ConfigError, match=r"--metrics-port: '70000' is not a TCP port"):
-        settings(metrics_port="70000")
+def test_the_sidecar_has_no_metrics_port_and_0_1_0s_variable_changes_nothing() -> None:
+    """0.1.0's webhook set VRAM_ENFORCER_METRICS_PORT: such a pod, restarted on a newer
+    image, still starts; there is no flag for a port to serve."""
+    assert settings({"VRAM_ENFORCER_METRICS_PORT": "9477"}) == settings()
+    with pytest.raises(SystemExit):
+        settings(metrics_port="9500")
 
 
 @pytest.mark.parametrize(

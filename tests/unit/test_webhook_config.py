@@ -48,7 +48,7 @@ def test_defaults() -> None:
     )
     assert (s.admission.sidecar_cpu, s.admission.sidecar_memory, s.metrics_port) == (
         "10m",
-        "96Mi",
+        "48Mi",
         None,
     )
 

@@ -143,6 +143,14 @@ METRICS_PORT = metrics_port(
     doc="serve Prometheus metrics, and `/healthz` (503 once no NVML pass has completed for 60 s)",
 )
 METRICS_ADDRESS = metrics_address("0.0.0.0")  # noqa: S104 - scraped from other pods
+PER_PROCESS_METRICS = switch(
+    "per_process_metrics",
+    "--per-process-metrics",
+    "also serve each GPU process's memory (a series per pid)",
+    doc="also serve `vram_enforcer_process_used_bytes`, each GPU process's memory on each GPU "
+    "(labelled by its host pid). Off by default: the number of series grows with pids, and "
+    "each restart of a process leaves a series behind in Prometheus",
+)
 HOST_PROC = value(
     "host_proc",
     as_text,
@@ -212,6 +220,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     KUBECONFIG,
     METRICS_PORT,
     METRICS_ADDRESS,
+    PER_PROCESS_METRICS,
     HOST_PROC,
     HARD_LIMITS,
     CGROUP_ROOT,
@@ -246,6 +255,7 @@ class AgentSettings:
     kubeconfig: str | None
     metrics_port: int | None
     metrics_address: str
+    per_process_metrics: bool
     host_proc: str
     hard_limits: bool
     cgroup_root: str
@@ -290,6 +300,7 @@ def agent_settings(values: Values) -> AgentSettings:
         kubeconfig=values[KUBECONFIG],
         metrics_port=values[METRICS_PORT],
         metrics_address=values[METRICS_ADDRESS],
+        per_process_metrics=values[PER_PROCESS_METRICS],
         host_proc=values[HOST_PROC],
         hard_limits=hard,
         cgroup_root=values[CGROUP_ROOT],

@@ -42,14 +42,11 @@ from enforcer.core.settings.common import (
     interval,
     kubeconfig,
     log_format,
-    metrics_address,
-    metrics_port,
     over_for,
     warn_at,
 )
 
 SIDECAR_ACTIONS = (Action.TERMINATE, Action.KILL, Action.RESTART, Action.WARN)
-METRICS_PORT_DEFAULT = 9477  # the webhook moves it when a container declares it
 _DOWNWARD = "set it from the Downward API (the webhook does)"
 
 POD_NAME = value(
@@ -278,15 +275,6 @@ CONTAINERS = value(
     "one of them (see [architecture.md](architecture.md#the-sidecar))",
 )
 KUBECONFIG = kubeconfig("in-cluster")
-METRICS_PORT = metrics_port(
-    "serve Prometheus metrics on this port",
-    env="VRAM_ENFORCER_METRICS_PORT",
-    default=str(METRICS_PORT_DEFAULT),
-    doc="set by the webhook (below). If something else in the pod already listens there, the "
-    "sidecar reports `VRAMMetricsUnavailable` (an Event on the pod) and enforces without "
-    "metrics",
-)
-METRICS_ADDRESS = metrics_address("0.0.0.0")  # noqa: S104 - scraped from other pods
 LOG_FORMAT = log_format("json")
 VERBOSE = verbosity("info")
 
@@ -320,8 +308,6 @@ DECLARED: tuple[Setting[Any], ...] = (
     SELF_NAME,
     CONTAINERS,
     KUBECONFIG,
-    METRICS_PORT,
-    METRICS_ADDRESS,
     LOG_FORMAT,
     VERBOSE,
 )
@@ -353,8 +339,6 @@ class SidecarSettings:
     stale_after: float
     sidecar_mode: str
     kubeconfig: str | None
-    metrics_port: int | None
-    metrics_address: str
 
 
 def sidecar_settings(values: Values) -> SidecarSettings:
@@ -403,8 +387,6 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         stale_after=values[STALE_AFTER],
         sidecar_mode=values[SIDECAR_MODE],
         kubeconfig=values[KUBECONFIG],
-        metrics_port=values[METRICS_PORT],
-        metrics_address=values[METRICS_ADDRESS],
     )
 
 

@@ -208,7 +208,7 @@ SIDECAR_MEMORY = value(
     _memory,
     "the sidecar's memory request and limit",
     flag="--sidecar-memory",
-    default="96Mi",
+    default="48Mi",
     metavar="QUANTITY",
     doc="the sidecar's memory request and limit (what it uses, measured: "
     "[performance.md](performance.md#sidecar))",

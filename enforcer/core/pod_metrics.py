@@ -1,0 +1,119 @@
+"""The series the agent serves for each enforced container of its node (pure).
+
+One scrape target per node: the agent knows every GPU process (NVML), its container (its
+cgroup), every pod of the node and what each declares (`lending.Tenants`), and what each
+borrows above its request (the lender's view of each GPU), so it works out each
+container's series itself, whatever its sidecar says. A container is named by its pod's
+status (namespace, pod, container); only containers of pods the webhook enforced count,
+never their sidecar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from enforcer.core.attribution import attribute, gpu_shares
+from enforcer.core.declaration import ENFORCED
+from enforcer.core.lending import Tenants
+from enforcer.core.model import Activity, ProcessKey, Sample
+from enforcer.core.payloads import Pod
+from enforcer.core.pod import containers_by_id, json_map
+from enforcer.core.reclaim import Gpu
+
+
+@dataclass(frozen=True, slots=True)
+class Named:
+    """A container of an enforced pod, as its labels name it."""
+
+    namespace: str
+    pod: str
+    container: str
+
+
+@dataclass(frozen=True, slots=True)
+class OnGpu:
+    """A container's part of one GPU."""
+
+    gpu: str
+    used: int
+    activity: Activity | None  # its processes' utilisation summed; None: not known
+    limit: int | None = None  # DRA: what its claim was allocated there
+    over_request: int | None = None  # what it holds above its request there (borrowers)
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerSeries:
+    who: Named
+    used: int
+    limit: int | None  # its request over all GPUs; None: it declares none, or per GPU (DRA)
+    ceiling: int | None  # what it may borrow up to, where above its request
+    gpus: tuple[OnGpu, ...]
+    processes: tuple[tuple[int, str, int], ...]  # (host pid, GPU, bytes), largest first
+
+
+def enforced_containers(pods: Iterable[Pod], sidecar: str) -> dict[str, Named]:
+    """Container ID -> its name, for every container of the pods the webhook marked
+    enforced, their sidecar's aside (a container not created yet has no ID)."""
+    found: dict[str, Named] = {}
+    for pod in pods:
+        meta = json_map(pod.get("metadata"))
+        if json_map(meta.get("labels")).get(ENFORCED) != "true":
+            continue
+        namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+        for cid, ref in containers_by_id(pod).items():
+            if ref.name != sidecar:
+                found[cid] = Named(namespace, name, ref.name)
+    return found
+
+
+def container_series(
+    sample: Sample,
+    containers: Mapping[ProcessKey, str],
+    named: Mapping[str, Named],
+    owed: Tenants | None,
+    lent: Sequence[Gpu] = (),
+) -> tuple[ContainerSeries, ...]:
+    """Each named container's series: its usage over all and per GPU (from the processes
+    its cgroup holds, `containers`: each process's container ID), with the request and
+    ceiling it declared (`owed`: the lender's tenants, None before they are known), and
+    what it holds above its request on each GPU where some may borrow (`lent`)."""
+    unit_of = {key: cid for key, cid in containers.items() if cid in named}
+    usage = {u.name: u for u in attribute(sample, unit_of, dict.fromkeys(named, 0))}
+    held: dict[str, list[tuple[str, int, Activity | None]]] = {}
+    for part in gpu_shares(usage.values(), sample):
+        held.setdefault(part.unit, []).append((part.gpu, part.used_bytes, part.activity))
+    request: dict[str, int] = {}
+    ceiling: dict[str, int] = {}
+    on_gpu: dict[tuple[str, str], int] = {}  # DRA: (container ID, GPU) -> its allocation
+    for tenant in owed.all if owed is not None else ():
+        for cid in tenant.ids:
+            if tenant.confined and tenant.gpu is not None:
+                on_gpu[cid, tenant.gpu] = tenant.request
+            else:
+                request[cid] = tenant.request
+            if tenant.ceiling > tenant.request:  # DRA: above its one claim, on that GPU
+                ceiling[cid] = tenant.ceiling
+    over: dict[tuple[str, str], int] = {}
+    for view in lent:
+        for share in view.shares:
+            borrower = owed.by_unit.get(share.unit) if owed is not None else None
+            for cid in borrower.ids if borrower is not None else ():
+                over[cid, view.uuid] = over.get((cid, view.uuid), 0) + share.lent
+    found = []
+    for cid, who in sorted(named.items(), key=lambda n: (n[1].namespace, n[1].pod, n[1].container)):
+        unit = usage[cid]
+        gpus = {gpu: OnGpu(gpu, used, activity, on_gpu.get((cid, gpu)), over.get((cid, gpu)))
+                for gpu, used, activity in held.get(cid, ())}  # fmt: skip
+        for (of, gpu), limit in on_gpu.items():  # an allocation is shown where still unused
+            if of == cid and gpu not in gpus:
+                gpus[gpu] = OnGpu(gpu, 0, None, limit, over.get((cid, gpu)))
+        processes = tuple(
+            (p.key.pid, gpu, used)
+            for p in unit.processes
+            for gpu, used in p.by_device
+            if used is not None
+        )
+        found.append(ContainerSeries(who, unit.used_bytes, request.get(cid), ceiling.get(cid),
+                                     tuple(gpus[g] for g in sorted(gpus)), processes))  # fmt: skip
+    return tuple(found)

@@ -1,0 +1,84 @@
+"""The agent's series of its node's enforced pods, assembled when Prometheus scrapes: the
+sampler's last pass, the pods, the lender's tenants, and each pod's counts from its sidecar
+and from the agent's backstop (`core/pod_metrics.py` works them out)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+
+from enforcer.core.declaration import SIDECAR
+from enforcer.core.lending import Tenants
+from enforcer.core.model import ProcessKey, Sample
+from enforcer.core.payloads import Pod
+from enforcer.core.pod import containers_by_id, json_map
+from enforcer.core.pod_metrics import ContainerSeries, container_series, enforced_containers
+from enforcer.core.reclaim import Gpu
+from enforcer.core.sidecar_report import SidecarReport
+from enforcer.edge.metrics import PodsView
+from enforcer.edge.telemetry import SidecarTelemetry
+
+PodKey = tuple[str, str]  # (namespace, pod): the labels of its series
+
+
+def pod_key(pod: Pod) -> tuple[str, PodKey]:
+    """(UID, (namespace, name)) of a pod."""
+    meta = json_map(pod.get("metadata"))
+    key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+    return str(meta.get("uid") or ""), key
+
+
+class PodCounts:
+    """Each pod's latest counts from its sidecar, by pod UID, for as long as the pod is on
+    the node (a sidecar that hangs up keeps its series); only the pod's own sidecar speaks
+    for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_uid: dict[str, tuple[PodKey, SidecarReport]] = {}
+
+    def keep(self, pod: Pod, container_id: str, report: SidecarReport) -> None:
+        """Kept only from the pod's sidecar container: another of its containers that
+        reaches the agent's socket does not speak for the pod."""
+        ref = containers_by_id(pod).get(container_id)
+        if ref is None or ref.name != SIDECAR:
+            return
+        uid, key = pod_key(pod)
+        with self._lock:
+            self._by_uid[uid] = (key, report)
+
+    def of(self, pods: Mapping[str, Pod]) -> dict[str, tuple[PodKey, SidecarReport]]:
+        """Those of the pods still on the node (by UID); the others are forgotten."""
+        with self._lock:
+            self._by_uid = {uid: kept for uid, kept in self._by_uid.items() if uid in pods}
+            return dict(self._by_uid)
+
+
+# The sampler's last pass: its sample, and a reader of each process's container ID.
+LastPass = tuple[Sample, Callable[[], Mapping[ProcessKey, str]]]
+
+
+def pods_view(
+    last: Callable[[], LastPass | None],
+    pods: Callable[[], Mapping[str, Pod] | None],
+    tenants: Callable[[], Tenants | None],
+    lending: Callable[[], Sequence[Gpu]],
+    sidecars: PodCounts,
+    backstop: Callable[[], Mapping[str, SidecarTelemetry]],
+) -> PodsView:
+    """The series as of now: every enforced container of the pods on the node, and each
+    pod's counts, its sidecar's and the backstop's added up."""
+    now, passed = pods() or {}, last()
+    series: tuple[ContainerSeries, ...] = ()
+    if passed is not None:
+        sample, containers = passed
+        named = enforced_containers(now.values(), SIDECAR)
+        series = container_series(sample, containers(), named, tenants(), lending())
+    reports: dict[PodKey, SidecarReport] = {key: r for key, r in sidecars.of(now).values()}
+    for uid, counts in backstop().items():
+        if uid in now:
+            key = pod_key(now[uid])[1]
+            done = replace(counts.report(), ticks=0, tick_seconds=0.0)  # not a sidecar's ticks
+            reports[key] = reports.get(key, SidecarReport()) + done
+    return PodsView(series, reports)
