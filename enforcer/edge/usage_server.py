@@ -20,13 +20,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
 from enforcer.core.lending import Lending
-from enforcer.core.model import ProcessKey, Sample, SourceDown
+from enforcer.core.model import Sample, SourceDown
 from enforcer.core.payloads import Pod
 from enforcer.core.pod_directory import Directory, unknown
 from enforcer.core.protocol import (
@@ -38,12 +38,7 @@ from enforcer.core.protocol import (
     encode_challenge,
     encode_error,
     encode_pod,
-    encode_reclaim,
-    json_string,
     parse_request,
-    usage_head,
-    usage_process,
-    usage_tail,
 )
 from enforcer.core.sidecar_report import SidecarReport
 from enforcer.edge.guard import LoopGuard
@@ -51,6 +46,7 @@ from enforcer.edge.listening import listen
 from enforcer.edge.peers import CREDENTIALS_SPACE, PeerError, Unproven, attest, sender
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView
+from enforcer.edge.usage_replies import Published
 
 log = logging.getLogger(__name__)
 
@@ -74,59 +70,6 @@ class ServerMetrics:
     requests: Counter
     connections: Gauge
     unexpected: Counter  # labelled by loop
-
-
-@dataclass(slots=True)
-class _Published:
-    """One sample, indexed by (namespace inode, level) with its JSON pre-encoded."""
-
-    error: bytes | None = None
-    head: bytes = b""
-    by_namespace: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
-    replies: dict[tuple[int, int], bytes] = field(default_factory=dict)
-    # When it was published, on the monotonic clock: a step of the wall clock (which the
-    # sample's own `sampled_at` is on) must not make it look fresh, or stale.
-    published_at: float = field(default_factory=time.monotonic)
-
-    # The reclaims to tell, by the same key: each goes to the namespaces its victim's
-    # processes are in, so that only the victim's own pod (its sidecar) hears of it.
-    reclaims: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
-    lending: bool = False  # the agent decides reclaims: it says so in every reply
-
-    @classmethod
-    def of(cls, sample: Sample | SourceDown, lending: Lending | None = None) -> _Published:
-        if isinstance(sample, SourceDown):
-            return cls(
-                error=encode_error(f"GPU usage is unavailable on this node: {sample.reason}")
-            )
-        index: dict[tuple[int, int], list[bytes]] = {}
-        uuids = {d.uuid: json_string(d.uuid) for d in sample.devices}
-        told: dict[ProcessKey, list[bytes]] = {}
-        for cid, reclaim in (lending.reclaims if lending is not None else {}).items():
-            entry = encode_reclaim(cid, reclaim)
-            for key in lending.victims.get(cid, ()) if lending is not None else ():
-                told.setdefault(key, []).append(entry)
-        reclaims: dict[tuple[int, int], list[bytes]] = {}
-        for p in sample.processes:
-            uuid = uuids.get(p.device_uuid) or json_string(p.device_uuid)
-            for level, (inode, pid) in enumerate(p.namespaces):
-                entry = usage_process(pid, p.key.start_time, uuid, p.used_bytes, p.activity)
-                index.setdefault((inode, level), []).append(entry)
-                for line in told.get(p.key, ()):
-                    listed = reclaims.setdefault((inode, level), [])
-                    if line not in listed:
-                        listed.append(line)
-        head = usage_head(sample.sampled_at, sample.devices)
-        return cls(head=head, by_namespace=index, reclaims=reclaims, lending=lending is not None)
-
-    def reply(self, view: PidView) -> bytes:
-        key = (view.ns_inode, view.level)
-        cached = self.replies.get(key)
-        if cached is None:
-            body = b",".join(self.by_namespace.get(key, ()))
-            tail = usage_tail(self.reclaims.get(key, ()), self.lending)
-            cached = self.replies[key] = self.head + body + tail
-        return cached
 
 
 def _discard_pending(sock: socket.socket, limit: int = 1 << 20) -> None:
@@ -200,7 +143,7 @@ class UsageServer:
         self._path = path
         self._metrics = metrics
         self._stale_after = stale_after
-        self._published = _Published.of(SourceDown("the agent has not sampled NVML yet"))
+        self._published = Published.of(SourceDown("the agent has not sampled NVML yet"))
         # By container ID, each pod's reply and the pod (pod_directory); None: this agent
         # serves no pods.
         self._pods: Directory | None = None
@@ -238,7 +181,7 @@ class UsageServer:
         """Called by the sampler thread: swap in the sample, with the reclaims decided on
         it (None: this agent decides none), and wake the loop to push it to subscribers.
         One reference, no lock needed."""
-        self._published = _Published.of(sample, lending)
+        self._published = Published.of(sample, lending)
         with contextlib.suppress(BlockingIOError):  # a wake-up is already pending
             os.write(self._wake_w, b"p")
 

@@ -1,15 +1,11 @@
 """`vram-enforcer agent`: the node's one NVML reader, capacity advertiser and PID translator.
 
-Its loops share one process:
-- the sampler thread reads NVML once per --interval and publishes the sample;
-- the usage socket (an epoll thread) answers each pod about its own processes;
-- the advertiser thread keeps the Node's capacity and labels equal to what NVML reports,
-  checking every --resync and right after the GPUs change;
-- with --hard-limits auto, a pod watch and the hard limiter (`limiter.py`) keep the
-  driver's per-cgroup limits on this node's pods;
-- with the pod watch, a watch of the namespaces that opted in (`edge/namespaces.py`): a
-  pod's sidecar environment is read only on their pods, and until their first list no
-  pass acts.
+Its loops share one process, a thread each (docs/architecture.md lists them, by name): the
+NVML sampler (with, on each pass, the lending and the backstop), the usage socket, the
+metrics server (each pod's series worked out when scraped), the Node's advertiser, the
+watches of the node's pods and of the namespaces that opted in, the hard limiter, the
+kubelet's pod-resources reader, the pod publisher, the sidecar watch, the evictor and the
+Event recorder.
 NVML or the API being down degrades one part: the socket answers with an error, the Node
 keeps its last advertisement, and each part recovers on its own. A bug in one step of a
 loop is reported and the loop goes on (`guard.LoopGuard`). A thread that stops anyway ends

@@ -23,12 +23,8 @@ from pathlib import Path
 from enforcer.core import messages
 from enforcer.core.attribution import attribute, unit_activity
 from enforcer.core.exec_summary import ExecSummary, SummaryEvent
-from enforcer.core.hard_limits import EVIDENCE_BYTES, charged, mig_gpus, per_gpu, proven
 from enforcer.core.model import (
     IDLE,
-    HeldLimit,
-    LimitOutcome,
-    LimitResult,
     ProcessKey,
     ProcessTotal,
     Sample,
@@ -38,7 +34,7 @@ from enforcer.core.model import (
 from enforcer.core.policy import Reason
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge import logs
-from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup, move
+from enforcer.edge.cgroupfs import CgroupFsError
 from enforcer.edge.metrics import Telemetry
 from enforcer.edge.metrics_server import MetricsPortError, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
@@ -46,6 +42,7 @@ from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator, signal_children
 from enforcer.edge.sources import PidView, PidViewError
+from enforcer.modes.exec_limits import CgroupKeeper, ChargeWatch, Placed, place
 from enforcer.modes.pipeline import LogReporter, Pipeline, Report, WholeUnit, reclaim_here
 
 log = logging.getLogger(__name__)
@@ -58,9 +55,6 @@ EXIT_NOT_FOUND = 127
 # mean. Often enough for a run of a few seconds to have samples; a read costs about as
 # much as one pass over memory, so twice a second is nothing next to the 10 passes.
 UTILISATION_EVERY = 0.5
-# How often the command's GPU processes are checked to still be in its cgroup: reading each
-# one's cgroup every tick would cost about 10 us a process; sampling covers the gap.
-KEEP_IN_CGROUP_EVERY = 1.0
 
 _PR_SET_CHILD_SUBREAPER = 36
 _SI_KERNEL = 0x80  # si_code of signals the kernel generates (the terminal's ^C)
@@ -206,47 +200,6 @@ class _SpawnError(Exception):
         self.status = status
 
 
-class ChargeWatch:
-    """Whether the driver counts the command tree against its hard limit: asked once the
-    tree holds enough on a limited GPU to tell (`hard_limits.charged`), each tick until the
-    driver has said. A limit it does not charge the tree to is said not to bind, and the
-    summary then claims no hard limit."""
-
-    def __init__(self, nvml: Nvml, placed: _Placed, record: _Record, interval: float) -> None:
-        self._nvml = nvml
-        self._placed = placed
-        self._record = record
-        self._interval = interval
-        self._misses: dict[str, int] = {}
-        self.binds: bool | None = None
-
-    def check(self, units: tuple[UnitUsage, ...]) -> None:
-        if self.binds is not None:
-            return
-        listed: dict[str, int] = {}
-        for gpu, used in (pair for unit in units for p in unit.processes for pair in p.by_device):
-            listed[gpu] = listed.get(gpu, 0) + (used or 0)
-        for gpu in self._placed.limits:
-            amount = listed.get(gpu, 0)
-            if amount < EVIDENCE_BYTES:
-                continue
-            held = self._nvml.memory_limit(gpu, str(self._placed.cgroup.command))
-            if not isinstance(held, HeldLimit):
-                continue
-            verdict = charged(amount, held.charged_bytes)
-            self._misses[gpu], self.binds = proven(self._misses.get(gpu, 0), verdict)
-            if self.binds is True:
-                log.info("the driver counts the command tree against its hard limit: it "
-                         "charges %s on %s, where NVML lists %s", format_bytes(held.charged_bytes),
-                         gpu, format_bytes(amount))  # fmt: skip
-                return
-            if self.binds is False:
-                why = messages.not_charged(gpu, amount, "the command tree's processes")
-                log.warning("%s", messages.sampling_only(why, self._interval))
-                self._record.hard_limit = False
-                return
-
-
 @contextlib.contextmanager
 def _blocked_signals() -> Iterator[None]:
     """Hold our signals for `sigtimedwait`; threads started inside inherit the mask."""
@@ -274,6 +227,10 @@ class _Record:
         """The command was reaped; `code` as `os.waitstatus_to_exitcode` gives it."""
         self.end = time.monotonic()
         self.signal = signal.Signals(-code).name if code < 0 else None
+
+    def unbound(self) -> None:
+        """The driver does not charge the tree to its hard limit: the summary claims none."""
+        self.hard_limit = False
 
     def report(self, report: Report) -> None:
         limit = report.reason in (Reason.LIMIT_EXCEEDED, Reason.ENFORCED, Reason.RECLAIMED)
@@ -372,7 +329,8 @@ def _run(settings: ExecSettings, record: _Record, gpus: Gpus | None) -> int:
             source = NvmlSource(gpu.nvml, gpu.view, gpu.majors)
             with _hard_limits(settings, gpu.nvml) as placed:
                 record.hard_limit = placed is not None
-                watch = ChargeWatch(gpu.nvml, placed, record, settings.interval) if placed else None
+                watch = ChargeWatch(gpu.nvml, placed, settings.interval, record.unbound) \
+                    if placed else None  # fmt: skip
                 return _supervise(settings, source, placed, record, watch)
         except (StartupError, MetricsPortError) as exc:
             log.error("%s", exc, exc_info=logs.detail(exc))
@@ -381,48 +339,11 @@ def _run(settings: ExecSettings, record: _Record, gpus: Gpus | None) -> int:
             gpu.nvml.shutdown()
 
 
-@dataclass(frozen=True, slots=True)
-class _Placed:
-    """The command's cgroup, and the hard limit the driver holds it to on each GPU."""
-
-    cgroup: CommandCgroup
-    limits: dict[str, int]
-
-
-class CgroupKeeper:
-    """Holds the command's GPU processes in its cgroup: once a second, one that wrote itself
-    into another cgroup (its user may, and the hard limit would no longer hold it) is moved
-    back, and said. Sampling counts it either way: the tree is the unit, not the cgroup."""
-
-    def __init__(self, cgroup: CommandCgroup, every: float = KEEP_IN_CGROUP_EVERY) -> None:
-        self._cgroup = cgroup
-        self._every = every
-        self._next = 0.0
-
-    def check(self, units: tuple[UnitUsage, ...], now: float) -> None:
-        if now < self._next:
-            return
-        self._next = now + self._every
-        pids = {p.key.pid for unit in units for p in unit.processes}
-        for pid, where in self._cgroup.strays(pids).items():
-            try:
-                move(pid, self._cgroup.command)
-            except CgroupFsError as exc:
-                log.warning(
-                    "pid %d left the command's cgroup for %s, and could not be moved back (%s): "
-                    "the driver no longer refuses its allocations past the limit; sampling "
-                    "still stops it", pid, where, exc,
-                )  # fmt: skip
-            else:
-                log.warning("pid %d had left the command's cgroup for %s; moved it back under "
-                            "the hard limit", pid, where)  # fmt: skip
-
-
 @contextlib.contextmanager
-def _hard_limits(settings: ExecSettings, nvml: Nvml) -> Iterator[_Placed | None]:
+def _hard_limits(settings: ExecSettings, nvml: Nvml) -> Iterator[Placed | None]:
     """A cgroup for the command, held to the limit on every GPU where the driver can, or
     None where it cannot (said once, unless --hard-limits off); removed afterwards."""
-    placed, missing = (None, "") if settings.hard_limits == "off" else _place(settings, nvml)
+    placed, missing = (None, "") if settings.hard_limits == "off" else place(settings, nvml)
     if missing and settings.hard_limits == "required":
         if placed is not None:
             placed.cgroup.close()
@@ -437,45 +358,10 @@ def _hard_limits(settings: ExecSettings, nvml: Nvml) -> Iterator[_Placed | None]
                         placed.cgroup.command)  # fmt: skip
 
 
-def _place(settings: ExecSettings, nvml: Nvml) -> tuple[_Placed | None, str]:
-    """The command's cgroup and its limits, and why some or all GPUs have none ("")."""
-    try:
-        devices = nvml.snapshot().devices
-    except NvmlError as exc:
-        return None, f"the GPUs could not be listed ({exc})"
-    wanted = per_gpu(settings.limit_bytes, devices)
-    mig = messages.mig_without_hard_limit(mig_gpus(devices)) if mig_gpus(devices) else ""
-    if not wanted:
-        return None, mig or "NVML reports no GPU memory to limit"
-    try:
-        cgroup = CommandCgroup.create()
-    except CgroupFsError as exc:
-        return None, str(exc)
-    request = settings.request_bytes or 0  # the driver's soft limit: guaranteed
-    outcomes = {
-        gpu: nvml.set_memory_limit(gpu, str(cgroup.command), b, min(request, b))
-        for gpu, b in wanted.items()
-    }
-    limits = {gpu: wanted[gpu] for gpu, o in outcomes.items() if o.result is LimitResult.SET}
-    failed = {gpu: o for gpu, o in outcomes.items() if o.result is not LimitResult.SET}
-    why = [_why(o, nvml, cgroup, gpu if limits else None) for gpu, o in failed.items()]
-    missing = "; ".join(dict.fromkeys([*why, mig] if mig else why))
-    if not limits:
-        cgroup.close()
-        return None, missing
-    log.info("%s", messages.hard_limit_in_place("the command tree", limits))
-    return _Placed(cgroup, limits), missing
-
-
-def _why(outcome: LimitOutcome, nvml: Nvml, cgroup: CommandCgroup, gpu: str | None) -> str:
-    reason = messages.no_hard_limit(outcome, nvml.driver_version, str(cgroup.command))
-    return f"{gpu}: {reason}" if gpu else reason
-
-
 def _supervise(
     settings: ExecSettings,
     source: NvmlSource,
-    placed: _Placed | None,
+    placed: Placed | None,
     record: _Record,
     watch: ChargeWatch | None = None,
 ) -> int:

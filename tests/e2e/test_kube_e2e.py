@@ -14,8 +14,9 @@ from enforcer.core.policy import Reason
 from enforcer.edge.events import EventRecorder
 from enforcer.edge.kube import POD, KubeError, NotFound, call, request
 from enforcer.modes.pipeline import Report
-from enforcer.modes.sidecar import POD_UNIT, EventReporter
+from enforcer.modes.sidecar import EventReporter
 from enforcer.modes.sidecar_access import RecordedEvents
+from enforcer.modes.sidecar_units import POD_UNIT
 from tests.helpers import configured, wait_for
 
 

@@ -24,7 +24,8 @@ from enforcer.core.dra import DraObjects, DraSettings
 from enforcer.core.model import Activity, Device, GiB, MiB, ProcessKey, ProcessUsage, Sample
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.exec import TreeAttributor
-from enforcer.modes.sidecar import ALONE_FOR, POD_UNIT, AloneDetector, ContainerAttributor
+from enforcer.modes.sidecar import ALONE_FOR, AloneDetector
+from enforcer.modes.sidecar_units import POD_UNIT, ContainerAttributor
 from tests.helpers import copy_proc_fixture, set_start_time
 
 TRAINER, HELPER, SIDECAR = "7" * 64, "4" * 64, "5" * 64

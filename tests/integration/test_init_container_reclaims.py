@@ -19,7 +19,7 @@ from enforcer.core.payloads import Pod
 from enforcer.core.reclaim import views
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import AgentSource
-from enforcer.modes.sidecar import AgentReclaims, ContainerAttributor
+from enforcer.modes.sidecar_units import AgentReclaims, ContainerAttributor
 from tests.helpers import copy_proc_fixture
 
 FETCH, OTHER = "4" * 64, "9" * 64

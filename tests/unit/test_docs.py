@@ -52,10 +52,11 @@ PACKAGES = {"core", "edge", "modes", "settings", "workloads"}
 
 
 def _module_names() -> dict[str, set[str]]:
-    """Module name (its file's stem) -> the names it defines or imports at top level."""
+    """Module name (its file's stem; a package's, its folder's) -> the names it defines or
+    imports at top level."""
     found: dict[str, set[str]] = {}
     for path in (ROOT / "enforcer").rglob("*.py"):
-        names = found.setdefault(path.stem, set())
+        names = found.setdefault(path.parent.name if path.stem == "__init__" else path.stem, set())
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.FunctionDef | ast.ClassDef):
                 names.add(node.name)
@@ -104,3 +105,17 @@ def test_every_module_file_and_function_the_docs_name_exists_where_they_say() ->
             if outside and not link.startswith(("http://", "https://", "mailto:")):
                 wrong.append(f"{doc.name}: a link out of the repository: {link}")
     assert wrong == []
+
+
+def test_every_thread_the_code_starts_is_named_in_architecture_md() -> None:
+    """A thread's name (what `ps -L`, py-spy and a LoopGuard's log line show) is listed where
+    its mode's threads are described, so that the list cannot go stale again."""
+    started = set()
+    for path in (ROOT / "enforcer").rglob("*.py"):
+        text = path.read_text()
+        for call in re.findall(r"(?:super\(\).__init__|threading.Thread)\((.*?)\)", text, re.S):
+            started |= set(re.findall(r'name="([a-z-]+)"', call))
+        started |= set(re.findall(r'name="([a-z-]+)", \*\*options', text))  # WatchedPods'
+    assert "nvml-sampler" in started and "opted-in-namespaces" in started
+    described = (ROOT / "docs" / "architecture.md").read_text()
+    assert sorted(n for n in started if f"`{n}`" not in described) == []

@@ -1,0 +1,144 @@
+"""exec's hard limit: the command's cgroup, the driver's limit on each GPU where it can hold
+one (`place`), the command's GPU processes kept in that cgroup (`CgroupKeeper`), and the
+proof that the driver charges the tree to it (`ChargeWatch`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from enforcer.core import messages
+from enforcer.core.hard_limits import EVIDENCE_BYTES, charged, mig_gpus, per_gpu, proven
+from enforcer.core.model import (
+    HeldLimit,
+    LimitOutcome,
+    LimitResult,
+    UnitUsage,
+    format_bytes,
+)
+from enforcer.core.settings.exec import ExecSettings
+from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup, move
+from enforcer.edge.nvml import Nvml, NvmlError
+
+log = logging.getLogger(__name__)
+
+# How often the command's GPU processes are checked to still be in its cgroup: reading each
+# one's cgroup every tick would cost about 10 us a process; sampling covers the gap.
+KEEP_IN_CGROUP_EVERY = 1.0
+
+
+class ChargeWatch:
+    """Whether the driver counts the command tree against its hard limit: asked once the
+    tree holds enough on a limited GPU to tell (`hard_limits.charged`), each tick until the
+    driver has said. A limit it does not charge the tree to is said not to bind, and the
+    summary then claims no hard limit."""
+
+    def __init__(
+        self, nvml: Nvml, placed: Placed, interval: float, unbound: Callable[[], None]
+    ) -> None:
+        """`unbound`: told once the driver is shown not to charge the tree."""
+        self._nvml = nvml
+        self._placed = placed
+        self._unbound = unbound
+        self._interval = interval
+        self._misses: dict[str, int] = {}
+        self.binds: bool | None = None
+
+    def check(self, units: tuple[UnitUsage, ...]) -> None:
+        if self.binds is not None:
+            return
+        listed: dict[str, int] = {}
+        for gpu, used in (pair for unit in units for p in unit.processes for pair in p.by_device):
+            listed[gpu] = listed.get(gpu, 0) + (used or 0)
+        for gpu in self._placed.limits:
+            amount = listed.get(gpu, 0)
+            if amount < EVIDENCE_BYTES:
+                continue
+            held = self._nvml.memory_limit(gpu, str(self._placed.cgroup.command))
+            if not isinstance(held, HeldLimit):
+                continue
+            verdict = charged(amount, held.charged_bytes)
+            self._misses[gpu], self.binds = proven(self._misses.get(gpu, 0), verdict)
+            if self.binds is True:
+                log.info("the driver counts the command tree against its hard limit: it "
+                         "charges %s on %s, where NVML lists %s", format_bytes(held.charged_bytes),
+                         gpu, format_bytes(amount))  # fmt: skip
+                return
+            if self.binds is False:
+                why = messages.not_charged(gpu, amount, "the command tree's processes")
+                log.warning("%s", messages.sampling_only(why, self._interval))
+                self._unbound()
+                return
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """The command's cgroup, and the hard limit the driver holds it to on each GPU."""
+
+    cgroup: CommandCgroup
+    limits: dict[str, int]
+
+
+class CgroupKeeper:
+    """Holds the command's GPU processes in its cgroup: once a second, one that wrote itself
+    into another cgroup (its user may, and the hard limit would no longer hold it) is moved
+    back, and said. Sampling counts it either way: the tree is the unit, not the cgroup."""
+
+    def __init__(self, cgroup: CommandCgroup, every: float = KEEP_IN_CGROUP_EVERY) -> None:
+        self._cgroup = cgroup
+        self._every = every
+        self._next = 0.0
+
+    def check(self, units: tuple[UnitUsage, ...], now: float) -> None:
+        if now < self._next:
+            return
+        self._next = now + self._every
+        pids = {p.key.pid for unit in units for p in unit.processes}
+        for pid, where in self._cgroup.strays(pids).items():
+            try:
+                move(pid, self._cgroup.command)
+            except CgroupFsError as exc:
+                log.warning(
+                    "pid %d left the command's cgroup for %s, and could not be moved back (%s): "
+                    "the driver no longer refuses its allocations past the limit; sampling "
+                    "still stops it", pid, where, exc,
+                )  # fmt: skip
+            else:
+                log.warning("pid %d had left the command's cgroup for %s; moved it back under "
+                            "the hard limit", pid, where)  # fmt: skip
+
+
+def place(settings: ExecSettings, nvml: Nvml) -> tuple[Placed | None, str]:
+    """The command's cgroup and its limits, and why some or all GPUs have none ("")."""
+    try:
+        devices = nvml.snapshot().devices
+    except NvmlError as exc:
+        return None, f"the GPUs could not be listed ({exc})"
+    wanted = per_gpu(settings.limit_bytes, devices)
+    mig = messages.mig_without_hard_limit(mig_gpus(devices)) if mig_gpus(devices) else ""
+    if not wanted:
+        return None, mig or "NVML reports no GPU memory to limit"
+    try:
+        cgroup = CommandCgroup.create()
+    except CgroupFsError as exc:
+        return None, str(exc)
+    request = settings.request_bytes or 0  # the driver's soft limit: guaranteed
+    outcomes = {
+        gpu: nvml.set_memory_limit(gpu, str(cgroup.command), b, min(request, b))
+        for gpu, b in wanted.items()
+    }
+    limits = {gpu: wanted[gpu] for gpu, o in outcomes.items() if o.result is LimitResult.SET}
+    failed = {gpu: o for gpu, o in outcomes.items() if o.result is not LimitResult.SET}
+    why = [_why(o, nvml, cgroup, gpu if limits else None) for gpu, o in failed.items()]
+    missing = "; ".join(dict.fromkeys([*why, mig] if mig else why))
+    if not limits:
+        cgroup.close()
+        return None, missing
+    log.info("%s", messages.hard_limit_in_place("the command tree", limits))
+    return Placed(cgroup, limits), missing
+
+
+def _why(outcome: LimitOutcome, nvml: Nvml, cgroup: CommandCgroup, gpu: str | None) -> str:
+    reason = messages.no_hard_limit(outcome, nvml.driver_version, str(cgroup.command))
+    return f"{gpu}: {reason}" if gpu else reason
