@@ -88,7 +88,7 @@ class Portion:
 class Declaration:
     """Container name -> what it declares, in bytes or in portions of a GPU."""
 
-    limits: Mapping[str, int] = field(default_factory=dict)  # the requests
+    requests: Mapping[str, int] = field(default_factory=dict)  # bytes, declared
     ceilings: Mapping[str, int] = field(default_factory=dict)  # above the request only
     portions: Mapping[str, Portion] = field(default_factory=dict)
     claims: bool = False  # DRA: the pod's claims are its limits, the ceilings above them
@@ -98,12 +98,12 @@ class Declaration:
     gpus: Mapping[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.limits or self.portions)
+        return bool(self.requests or self.portions)
 
     def in_bytes(self, basis: int | None) -> tuple[dict[str, int], dict[str, int]]:
         """(requests, ceilings above them) in bytes. Portions count only with a `basis`:
         without one they are left out, unknown, never taken as 0."""
-        limits, ceilings = dict(self.limits), dict(self.ceilings)
+        limits, ceilings = dict(self.requests), dict(self.ceilings)
         if basis is not None:
             for name, portion in self.portions.items():
                 request, ceiling = portion.in_bytes(basis, self.gpus.get(name, 1))

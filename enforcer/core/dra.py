@@ -56,7 +56,7 @@ class DraSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class Share:
+class ClaimShare:
     """GPU memory that a claim's allocation gives to some containers of the pod."""
 
     gpu: str  # the GPU's UUID, as NVML names it
@@ -74,7 +74,7 @@ class GpuUnit:
     gpu: str
     containers: tuple[str, ...]  # sorted
     limit_bytes: int
-    shares: tuple[Share, ...]
+    shares: tuple[ClaimShare, ...]
 
     @property
     def name(self) -> str:
@@ -257,7 +257,7 @@ def allocations(
     (`claim_users`, the node's view) adds the pods that the claim's own read may miss."""
     uuids = device_uuids(slices, settings)
     names = claim_names(pod)
-    shares: list[Share] = []
+    shares: list[ClaimShare] = []
     problems: list[str] = []
     unresolved: set[str] = set()
     for container, refs in container_claims(pod).items():
@@ -316,8 +316,8 @@ def claim_users(
 
 
 def _divided(
-    pod: Pod, shares: list[Share], claims: Mapping[str, Mapping[str, Any]], users: ClaimUsers
-) -> tuple[list[Share], list[str]]:
+    pod: Pod, shares: list[ClaimShare], claims: Mapping[str, Mapping[str, Any]], users: ClaimUsers
+) -> tuple[list[ClaimShare], list[str]]:
     """Each share cut to the pod's part of its claim, and why, for the pod's owner. The
     scheduler placed a claim's allocation once, however many pods use it: n pods get 1/n
     each (rounded down: the parts never add up to more), enforceable by each pod's own
@@ -325,7 +325,7 @@ def _divided(
     many pods share it is unknown."""
     meta = json_map(pod.get("metadata"))
     namespace, uid = str(meta.get("namespace") or ""), str(meta.get("uid") or "")
-    parts: list[Share] = []
+    parts: list[ClaimShare] = []
     notes: list[str] = []
     for s in shares:
         reserved = reserved_pods(claims.get(s.claim) or {})  # read: _shares_of found it
@@ -358,7 +358,7 @@ def _shares_of(
     claims: Mapping[str, Mapping[str, Any]],
     uuids: Mapping[tuple[str, str, str], str],
     settings: DraSettings,
-) -> tuple[list[Share], str | None]:
+) -> tuple[list[ClaimShare], str | None]:
     """The GPU shares one container reference gives, or the problem that stops it."""
     name = names.get(pod_claim)
     if name is None:
@@ -383,7 +383,7 @@ def _shares_of(
             f"ResourceClaim {name!r} of container {container!r} has no allocation "
             "(status.allocation.devices.results): not enforced on any GPU until it has one"
         )
-    shares: list[Share] = []
+    shares: list[ClaimShare] = []
     for index, result in enumerate(results):
         made_for = str(result.get("request", ""))  # "<request>/<subrequest>" for firstAvailable
         if request is not None and made_for != request and not made_for.startswith(f"{request}/"):
@@ -406,7 +406,7 @@ def _shares_of(
             limit = _bytes(consumed, f"{field}.consumedCapacity.{settings.capacity}")
         except ConfigError as exc:
             return [], f"{exc}: container {container!r} is not enforced on any GPU"
-        shares.append(Share(uuid, limit, frozenset({container}), name, index, where))
+        shares.append(ClaimShare(uuid, limit, frozenset({container}), name, index, where))
     return shares, None
 
 
@@ -425,16 +425,16 @@ def _bytes(value: object, field: str) -> int:
     return int(amount)
 
 
-def _group(shares: list[Share]) -> tuple[GpuUnit, ...]:
+def _group(shares: list[ClaimShare]) -> tuple[GpuUnit, ...]:
     """One unit per GPU and set of containers that share an allocation there: the same
     claim result (a claim used by two containers) counts once, against all of them."""
-    by_key: dict[tuple[str, int], Share] = {}
+    by_key: dict[tuple[str, int], ClaimShare] = {}
     for s in shares:
         seen = by_key.get((s.claim, s.result))
         by_key[(s.claim, s.result)] = (
             s if seen is None else replace(s, containers=seen.containers | s.containers)
         )
-    units: list[tuple[str, set[str], list[Share]]] = []
+    units: list[tuple[str, set[str], list[ClaimShare]]] = []
     for s in by_key.values():
         joined = [u for u in units if u[0] == s.gpu and u[1] & s.containers]
         merged_containers, merged = set(s.containers), [s]

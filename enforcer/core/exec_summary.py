@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from enforcer.core.policy import Reason
+from enforcer.core.reasons import Reason
 
 SUMMARY_VERSION = 1
 # The events of an excursion over the limit (a reclaim is not one: it happens under it).

@@ -241,7 +241,7 @@ Key = tuple[str, str]  # (cgroup path, GPU UUID)
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class LimitChanges:
     set: tuple[tuple[Target, str, int], ...]  # (target, GPU, bytes) to set
     clear: tuple[Key, ...]  # ours, no longer wanted, the cgroup still there
     forget: tuple[Key, ...]  # ours, but the cgroup is gone and the limit with it
@@ -253,7 +253,7 @@ def plan(
     applied: Mapping[Key, int],
     existing: AbstractSet[str],
     rejected: AbstractSet[tuple[str, str, int]] = frozenset(),
-) -> Plan:
+) -> LimitChanges:
     """What to change so that exactly the wanted limits hold, touching only limits that we
     set ourselves (`applied`). A value NVML rejected is not tried again until it changes."""
     desired = {
@@ -267,7 +267,7 @@ def plan(
         if applied.get((cgroup, gpu)) != limit and (cgroup, gpu, limit) not in rejected
     )
     gone = [key for key in applied if key not in desired]
-    return Plan(
+    return LimitChanges(
         to_set,
         tuple(key for key in gone if key[0] in existing),
         tuple(key for key in gone if key[0] not in existing),

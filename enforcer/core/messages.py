@@ -18,7 +18,8 @@ from enforcer.core.model import (
     format_bytes,
 )
 from enforcer.core.parsing import format_duration
-from enforcer.core.policy import Enforcement, Notice, Reason
+from enforcer.core.policy import Enforcement, Notice
+from enforcer.core.reasons import Reason
 from enforcer.core.reclaim import Reclaim
 
 _SIGNAL_NAME = {Action.TERMINATE: "SIGTERM", Action.KILL: "SIGKILL", Action.RESTART: "SIGTERM"}
@@ -145,7 +146,7 @@ def reclaim(r: Reclaim, label: str) -> str:
         needs.append("its other users, which declared no request")
     where = "" if label.endswith(f" on GPU {r.gpu}") else f" on GPU {r.gpu}"  # DRA's names it
     return (
-        f"{label} holds {format_bytes(v.used)}{where}, {format_bytes(v.lent)} above "
+        f"{label} holds {format_bytes(v.used)}{where}, {format_bytes(v.borrowed)} above "
         f"its {format_bytes(v.request)} request (ceiling {format_bytes(v.ceiling)}); the GPU "
         f"has {format_bytes(r.free)} free, {format_bytes(r.shortfall)} less than it must keep "
         f"free for {' and '.join(needs)}"

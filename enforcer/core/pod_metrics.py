@@ -99,7 +99,7 @@ def container_series(
         for share in view.shares:
             borrower = owed.by_unit.get(share.unit) if owed is not None else None
             for cid in borrower.ids if borrower is not None else ():
-                over[cid, view.uuid] = over.get((cid, view.uuid), 0) + share.lent
+                over[cid, view.uuid] = over.get((cid, view.uuid), 0) + share.borrowed
     found = []
     for cid, who in sorted(named.items(), key=lambda n: (n[1].namespace, n[1].pod, n[1].container)):
         unit = usage[cid]

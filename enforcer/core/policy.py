@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from enum import StrEnum
 from types import MappingProxyType
 
 from enforcer.core.model import Action, ProcessKey, ProcessTotal, UnitUsage
+from enforcer.core.reasons import Reason
 from enforcer.core.reclaim import Reclaim
 
 # The near-limit warning re-arms only once usage falls below this share of the warn
@@ -51,22 +51,6 @@ class UnitState:
     signalled_at: float | None = None
     escalated_at: float | None = None
     reclaim_reported: bool = False  # this reclaim of memory lent above the request
-
-
-class Reason(StrEnum):
-    """Why a unit is reported; the values are the Kubernetes Event reasons."""
-
-    NEAR_LIMIT = "VRAMNearLimit"
-    LIMIT_EXCEEDED = "VRAMLimitExceeded"
-    ENFORCED = "VRAMEnforced"
-    USAGE_UNKNOWN = "VRAMUsageUnknown"
-    HARD_LIMIT = "VRAMHardLimit"  # the agent: the driver holds the pod to its limits
-    SAMPLING_ONLY = "VRAMSamplingOnly"  # the agent: no hard limit for the pod, and why
-    ALLOCATION_UNKNOWN = "VRAMAllocationUnknown"  # DRA: a container's GPUs are not proven
-    GPU_UNREADABLE = "VRAMGpuUnreadable"  # the agent, on its Node: NVML cannot read a GPU
-    SIDECAR_SILENT = "VRAMSidecarSilent"  # the agent: a pod's sidecar is gone (or back)
-    RECLAIMED = "VRAMReclaimed"  # memory lent above a request is taken back
-    EVICTED = "VRAMEvicted"  # the agent: the kernel refused a signal, the pod is evicted
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,13 +42,13 @@ class Share:
 
     unit: str  # the container, as the policy names it (namespace/pod/container)
     request: int  # bytes it is guaranteed
-    ceiling: int  # bytes it may reach while the GPU has room (the request: no bursting)
+    ceiling: int  # bytes it may reach while the GPU has room (the request: no borrowing)
     used: int  # bytes it holds on this GPU now
     priority: int = 0  # its pod's priority (spec.priority)
     exiting: bool = False  # signalled by an earlier reclaim and not gone yet
 
     @property
-    def lent(self) -> int:
+    def borrowed(self) -> int:
         """Bytes held above the request."""
         return max(self.used - self.request, 0)
 
@@ -107,7 +107,7 @@ class Plan:
 def shortfall(gpu: Gpu, watermark: int) -> int:
     """Bytes that the GPU lacks to give every container what it is owed, plus `watermark`
     (what may still be allocated before the next look). Nothing while nobody is owed
-    anything and no process without a request is there to grow: a GPU filled by lenders
+    anything and no process without a request is there to grow: a GPU filled by borrowers
     alone is lent, not short."""
     owed = sum(s.owed for s in gpu.shares)
     if owed == 0 and gpu.unrequested == 0:
@@ -117,19 +117,19 @@ def shortfall(gpu: Gpu, watermark: int) -> int:
 
 def rank(shares: Iterable[Share]) -> list[Share]:
     """The containers that may be reclaimed, first to go first: above their request and not
-    already exiting; lowest priority, then most bytes lent, then by name (the same order on
+    already exiting; lowest priority, then most bytes borrowed, then by name (the same order on
     every pass)."""
-    lending = [s for s in shares if s.lent > 0 and not s.exiting]
-    return sorted(lending, key=lambda s: (s.priority, -s.lent, s.unit))
+    borrowers = [s for s in shares if s.borrowed > 0 and not s.exiting]
+    return sorted(borrowers, key=lambda s: (s.priority, -s.borrowed, s.unit))
 
 
 def plan(gpu: Gpu, watermark: int = DEFAULT_WATERMARK) -> Plan:
     """Who gives memory back on `gpu`: nobody while it can honour every request plus
-    `watermark`; else the ranked lenders, each held to its request (returning what it
-    lent), until the shortfall is covered. What exiting victims lent is already coming
-    back."""
+    `watermark`; else the ranked borrowers, each held to its request (returning what it
+    borrowed), until the shortfall is covered. What exiting victims borrowed is already
+    coming back."""
     needed = shortfall(gpu, watermark)
-    short = needed - sum(s.lent for s in gpu.shares if s.exiting)
+    short = needed - sum(s.borrowed for s in gpu.shares if s.exiting)
     if short <= 0:
         return Plan()
     owed_to = tuple(s.unit for s in gpu.shares if s.owed > 0)
@@ -138,7 +138,7 @@ def plan(gpu: Gpu, watermark: int = DEFAULT_WATERMARK) -> Plan:
         if short <= 0:
             break
         reclaims.append(Reclaim(gpu.uuid, share, needed, owed_to, gpu.free, gpu.unrequested > 0))
-        short -= share.lent
+        short -= share.borrowed
     return Plan(tuple(reclaims), max(short, 0))
 
 

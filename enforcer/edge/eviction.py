@@ -23,7 +23,7 @@ from kubernetes import client
 
 from enforcer.core import eviction
 from enforcer.core.payloads import ObjectReference
-from enforcer.core.policy import Reason
+from enforcer.core.reasons import Reason
 from enforcer.edge import logs
 from enforcer.edge.backoff import Backoff
 from enforcer.edge.guard import ErrorCounter, LoopGuard

@@ -137,7 +137,7 @@ def _lending(
     for gpu in gpus:
         for share in gpu.shares:
             values = labelled.get(share.unit, [*base_values, share.unit])
-            over.add_metric([*values, gpu.uuid], share.lent)
+            over.add_metric([*values, gpu.uuid], share.borrowed)
     yield over
     yield _free(gpus)
 
@@ -164,7 +164,7 @@ def _gpu_lending(gpus: Sequence[Gpu]) -> Iterator[Metric]:
         "gpu_lent_bytes",
         "GPU memory its containers hold above their requests: the first to be taken back",
         gpus,
-        lambda gpu: sum(s.lent for s in gpu.shares),
+        lambda gpu: sum(s.borrowed for s in gpu.shares),
     )
     yield _free(gpus)
 

@@ -12,7 +12,7 @@ from enforcer.core.model import ProcessKey, Sample
 from enforcer.edge.procfs import ProcFs
 
 
-class Tenants:
+class TenantCache:
     def __init__(self, procfs: ProcFs) -> None:
         self._procfs = procfs
         self._known: dict[ProcessKey, str] = {}

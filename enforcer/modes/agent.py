@@ -30,7 +30,7 @@ from enforcer.core.declaration import SIDECAR
 from enforcer.core.model import Device, Sample, SourceDown
 from enforcer.core.payloads import ObjectReference
 from enforcer.core.pod_directory import event_about
-from enforcer.core.policy import Reason
+from enforcer.core.reasons import Reason
 from enforcer.core.settings.agent import AgentSettings
 from enforcer.edge import logs
 from enforcer.edge.cgroupfs import ContainerCgroups
@@ -42,11 +42,12 @@ from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView, PidViewError
-from enforcer.edge.tenants import Tenants
+from enforcer.edge.tenants import TenantCache
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
+from enforcer.modes.node_view import NodeView
 from enforcer.modes.pod_metrics import LastPass, PodCounts, pods_view
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ class Sampler(threading.Thread):
         telemetry: AgentTelemetry,
         interval: float,
         devices_changed: threading.Event,
-        tenants: Tenants,
+        tenants: TenantCache,
         faults: GpuFaults | None = None,
     ) -> None:
         super().__init__(name="nvml-sampler", daemon=True)
@@ -331,7 +332,7 @@ def _serve(
     source = NvmlSource(nvml, PidView.host(host_proc), gpu_device_majors(host_proc))
     faults = GpuFaults(telemetry, settings.node_name)
     sampler = Sampler(
-        source, server, telemetry, settings.interval, changed, Tenants(host_proc), faults
+        source, server, telemetry, settings.interval, changed, TenantCache(host_proc), faults
     )
     threads: list[Sampler | Advertiser | WatchedPods | Woken] = [sampler]
     if advertiser is not None:
@@ -407,23 +408,21 @@ def _pod_watch(
     pods = NodePods(api, settings.node_name,
                     (limiter_woken, publisher_woken, lender_woken, resources_woken))  # fmt: skip
     namespaces = OptedInNamespaces(api, settings.namespace, (limiter_woken, lender_woken))
+    node = NodeView(pods.snapshot, namespaces.names,
+                    (settings.resource_name, settings.resource_unit))  # fmt: skip
     woken: list[Woken] = []
     if settings.hard_limits:
         sampler.keeps_usage = True
         woken.append(
             HardLimiter(
                 Nvml(),
-                pods.snapshot,
-                lambda: sampler.devices,
-                lambda: sampler.container_usage,
+                node,
+                sampler,
                 recorder,
                 telemetry,
-                cgroup_root=Path(settings.cgroup_root),
-                resource=(settings.resource_name, settings.resource_unit),
-                scan_every=settings.cgroup_scan,
+                cgroups=(Path(settings.cgroup_root), settings.cgroup_scan),
                 changed=limiter_woken,
                 claims=(claims.objects_or_problem, settings.dra),
-                opted_in=namespaces.names,
             )
         )
     if settings.serve_pods:
@@ -435,31 +434,27 @@ def _pod_watch(
             recorder.record(about, event.reason, event.message, event.warning)
 
         server.events = post
-        resource = (settings.resource_name, settings.resource_unit)
         dra = claims if settings.dra.drivers else None
         assigned = None
         if settings.pod_resources_socket:
             kubelet = PodResources(Path(settings.pod_resources_socket), resources_woken, telemetry)
             assigned = (lambda: kubelet.last, settings.gpu_resources)
             woken.append(kubelet)
-        sampler.lender = Lender(pods.snapshot, lender_woken, resource, SIDECAR,
-                                settings.reclaim_watermark, telemetry,
-                                (claims.last, settings.dra) if dra else None, assigned,
-                                opted_in=namespaces.names)  # fmt: skip
+        sampler.lender = Lender(node, lender_woken, SIDECAR, settings.reclaim_watermark,
+                                telemetry, (claims.last, settings.dra) if dra else None,
+                                assigned)  # fmt: skip
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
         dial = functools.partial(dial_sidecars, server.host_proc)
-        sidecars = SidecarWatch(pods.snapshot, lambda: server.connected, recorder, telemetry,
-                                dial, server.adopt, lambda: server.peers,
+        sidecars = SidecarWatch(pods.snapshot, server, recorder, telemetry, dial,
                                 SidecarProcesses(server.host_proc))  # fmt: skip
         server.hung_up = sidecars.hung_up  # a killed sidecar's pod is held at once
         woken.append(sidecars)
         # A pod whose process the kernel will not let the agent signal is evicted instead.
         evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"))
         woken.append(evictor)
-        backstop = Backstop(pods.snapshot, lambda: sidecars.silent, resource, SIDECAR,
-                            recorder, telemetry, server.host_proc,
-                            (claims.last, settings.dra) if dra else None,
-                            evictor.evict, opted_in=namespaces.names)  # fmt: skip
+        backstop = Backstop(node, lambda: sidecars.silent, SIDECAR, recorder, telemetry,
+                            server.host_proc, (claims.last, settings.dra) if dra else None,
+                            evictor.evict)  # fmt: skip
         sampler.backstop = backstop
         # Every enforced pod's series, served here: the sidecars serve none.
         counts = PodCounts()

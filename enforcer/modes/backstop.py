@@ -72,6 +72,7 @@ from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator
 from enforcer.edge.telemetry import SidecarTelemetry
+from enforcer.modes.node_view import NodeView
 from enforcer.modes.pipeline import LogReporter, Pipeline, Report, Reporter, WholeUnit
 
 if TYPE_CHECKING:
@@ -88,28 +89,25 @@ class Backstop:
 
     def __init__(
         self,
-        pods: Callable[[], Mapping[str, Pod] | None],
+        node: NodeView,
         silent: Callable[[], frozenset[str]],
-        resource: tuple[str, int],
         sidecar: str,
         recorder: EventRecorder,
         telemetry: AgentTelemetry,
         procfs: ProcFs,
         claims: tuple[Callable[[Pod], DraObjects | None], DraSettings] | None = None,
         evict: Evict | None = None,
-        *,
-        opted_in: Callable[[], frozenset[str] | None],
     ) -> None:
         """`evict`: what evicts a pod whose signal the kernel refused (None: nothing does,
-        and the refusals are only reported). `opted_in`: the namespaces whose pods' sidecar
-        environment is read, None before they are listed: until then no pod is held."""
-        self._pods = pods
-        self._opted_in = opted_in
+        and the refusals are only reported). Until the node's namespaces that opted in are
+        listed, no pod is held."""
+        self._pods = node.pods
+        self._opted_in = node.opted_in
         self._evict = evict
         self._claims = claims  # DRA: the pod's claims and the node's slices, as last read
         self._unheld: set[str] = set()  # silent pods said to be beyond the agent's hold
         self._silent = silent
-        self._resource = resource
+        self._resource = node.resource
         self._sidecar = sidecar
         self._recorder = recorder
         self._telemetry = telemetry

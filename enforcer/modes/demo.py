@@ -21,7 +21,7 @@ from pathlib import Path
 from enforcer.core import exec_summary, messages
 from enforcer.core.exec_summary import ExecSummary
 from enforcer.core.model import format_bytes
-from enforcer.core.policy import Reason
+from enforcer.core.reasons import Reason
 from enforcer.core.settings.demo import DemoSettings
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge.procfs import ProcFs

@@ -31,7 +31,7 @@ from enforcer.core.model import (
     UnitUsage,
     format_bytes,
 )
-from enforcer.core.policy import Reason
+from enforcer.core.reasons import Reason
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge import logs
 from enforcer.edge.cgroupfs import CgroupFsError

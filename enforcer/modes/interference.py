@@ -41,7 +41,7 @@ from enforcer.core.exec_summary import ExecSummary
 from enforcer.core.interference.outcomes import Outcome, RunResult, classify, read_section
 from enforcer.core.interference.plan import Phase, Round, RunSpec, plan
 from enforcer.core.interference.report import to_json, to_markdown, to_text
-from enforcer.core.interference.stats import Report, analyse, measured_ok
+from enforcer.core.interference.stats import Method, Report, analyse, measured_ok
 from enforcer.core.interference.workloads import GO_ENV, READY_ENV, TIMING_ENV, Workload
 from enforcer.core.model import format_bytes
 from enforcer.core.settings.interference import InterferenceSettings
@@ -170,11 +170,9 @@ def run(settings: InterferenceSettings) -> int:
             made = sum(r.outcome is not Outcome.INTERRUPTED for r in results)
             log.warning("stopped by %s after %d of %d runs; the report covers those",
                         signal.Signals(stop.signum).name, made, planned)  # fmt: skip
-        report = analyse(
-            settings.workloads, results, repeat=settings.repeat, warmup=settings.warmup,
-            max_spread=settings.max_spread, planned_runs=planned,
-            partial=stop.signum is not None, gpu=settings.gpu, timeout=settings.timeout,
-        )  # fmt: skip
+        how = Method(settings.repeat, settings.warmup, settings.max_spread, planned,
+                     stop.signum is not None, settings.gpu, settings.timeout)  # fmt: skip
+        report = analyse(settings.workloads, results, how)
         print(to_text(report), end="", flush=True)
         written = _write_report(report, settings.output) if settings.output else True
     if stop.signum is not None:

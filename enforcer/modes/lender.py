@@ -31,6 +31,7 @@ from enforcer.core.payloads import Pod
 from enforcer.core.pod_resources import Assignments, assigned_gpus
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
+from enforcer.modes.node_view import NodeView
 
 log = logging.getLogger(__name__)
 
@@ -38,25 +39,21 @@ log = logging.getLogger(__name__)
 class Lender:
     def __init__(
         self,
-        pods: Callable[[], Mapping[str, Pod] | None],
+        node: NodeView,
         changed: threading.Event,
-        resource: tuple[str, int],
         sidecar: str,
         watermark: int,
         telemetry: AgentTelemetry,
         claims: tuple[Callable[[Pod], DraObjects | None], DraSettings] | None = None,
         assigned: tuple[Callable[[], Assignments | None], tuple[str, ...]] | None = None,
-        *,
-        opted_in: Callable[[], frozenset[str] | None],
     ) -> None:
         """`changed`: set by the pod watch on every change of the node's pods. `claims`
         (DRA): a pod's claims and the node's slices as last read, never read here (the
         sampler does not wait on the API), and which allocations are GPUs. `assigned`: the
         devices the kubelet gave each container, as last read, and the resources that are
-        GPUs. `opted_in`: the namespaces whose pods' sidecar environment is read, None
-        before they are listed (`namespaces.OptedInNamespaces`)."""
-        self._pods = pods
-        self._opted_in = opted_in
+        GPUs."""
+        self._pods = node.pods
+        self._opted_in = node.opted_in
         self._trusted: frozenset[str] | None = None  # as the tenants were made with
         self._claims = claims
         self._assigned = assigned
@@ -64,7 +61,7 @@ class Lender:
         # DRA pods: UID -> (the pod, its objects as last read, or None before a read)
         self._read: dict[str, tuple[Pod, DraObjects | None]] = {}
         self._changed = changed
-        self._resource = resource
+        self._resource = node.resource
         self._sidecar = sidecar
         self._watermark = watermark
         self._telemetry = telemetry

@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from enforcer.core import messages
 from enforcer.core.declaration import (
@@ -47,12 +47,13 @@ from enforcer.core.hard_limits import (
 from enforcer.core.model import Device, HeldLimit, LimitOutcome, LimitResult, format_bytes
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
-from enforcer.core.policy import Reason
+from enforcer.core.reasons import Reason
 from enforcer.core.sidecar_presence import running_containers
 from enforcer.edge import cgroupfs
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.nvml import Nvml
+from enforcer.modes.node_view import NodeView
 
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
@@ -62,38 +63,45 @@ log = logging.getLogger(__name__)
 POD_LABEL = "(pod)"  # the `container` label of a pod's own limit, as the sidecar names it
 
 
+class Sampled(Protocol):
+    """The sampler's last pass, as the hard limiter reads it (each attribute swapped whole)."""
+
+    @property
+    def devices(self) -> Sequence[Device]: ...
+
+    @property
+    def container_usage(self) -> Mapping[str, Mapping[str, int]]:
+        """Container ID -> GPU -> what NVML lists for its processes."""
+        ...
+
+
 class HardLimiter(threading.Thread):
     """Keeps the driver's per-cgroup limits equal to what this node's pods declare."""
 
     def __init__(
         self,
         nvml: Nvml,
-        pods: Callable[[], Mapping[str, Pod] | None],
-        devices: Callable[[], Sequence[Device]],
-        usage: Callable[[], Mapping[str, Mapping[str, int]]],
+        node: NodeView,
+        sampled: Sampled,
         recorder: EventRecorder,
         telemetry: AgentTelemetry,
         *,
-        cgroup_root: Path,
-        resource: tuple[str, int],
-        scan_every: float,
+        cgroups: tuple[Path, float],
         changed: threading.Event,
         claims: tuple[Callable[[Pod], DraObjects | str], DraSettings] | None = None,
-        opted_in: Callable[[], frozenset[str] | None],
     ) -> None:
-        """`opted_in`: the namespaces whose pods' sidecar environment is read, None before
-        they are listed (`namespaces.OptedInNamespaces`)."""
+        """`cgroups`: the host's cgroupfs, and how often its pods' cgroups are scanned."""
         super().__init__(name="hard-limiter", daemon=True)
+        cgroup_root, scan_every = cgroups
         self._nvml = nvml
-        self._pods = pods
-        self._opted_in = opted_in
-        self._devices = devices
-        self._usage = usage  # container ID -> GPU -> what NVML lists, as of the last pass
+        self._pods = node.pods
+        self._opted_in = node.opted_in
+        self._sampled = sampled
         self._recorder = recorder
         self._telemetry = telemetry
         self._root = cgroupfs.v2_at(cgroup_root)  # a hybrid host's v2 is below `unified`
         self._scanner = cgroupfs.PodScanner(self._root)
-        self._resource = resource
+        self._resource = node.resource
         self._claims = claims  # DRA: reads a pod's claims and this node's slices
         self._scan_every = scan_every
         self._changed = changed
@@ -118,7 +126,7 @@ class HardLimiter(threading.Thread):
                 self._guard.run(self._pass)
 
     def _pass(self) -> None:
-        pods, devices, trusted = self._pods(), self._devices(), self._opted_in()
+        pods, devices, trusted = self._pods(), self._sampled.devices, self._opted_in()
         if pods is None or not devices or trusted is None:
             return  # no pod or namespace list or no NVML pass yet: never act on a guess
         declared = self._declared(pods, portion_basis(devices), trusted)
@@ -259,7 +267,7 @@ class HardLimiter(threading.Thread):
         passes in a row, it charged nothing while NVML lists enough for them to tell."""
         if pod.uid in self._told:
             return
-        usage = self._usage()
+        usage = self._sampled.container_usage
         for gpu in limits:
             listed = sum(usage.get(cid, {}).get(gpu, 0) for cid in pod.ids.values())
             held = self._nvml.memory_limit(gpu, pod_dir) if listed >= EVIDENCE_BYTES else None

@@ -17,7 +17,8 @@ from typing import Protocol
 
 from enforcer.core import messages
 from enforcer.core.model import ProcessTotal, Sample, SignalResult, SourceDown, UnitUsage
-from enforcer.core.policy import Decision, Enforcement, PolicyConfig, Reason, UnitState, decide
+from enforcer.core.policy import Decision, Enforcement, PolicyConfig, UnitState, decide
+from enforcer.core.reasons import Reason
 from enforcer.core.reclaim import DEFAULT_WATERMARK, Gpu, Reclaim, reclaims, views
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.signals import Escalation, EscalationEvent, Membership, Terminator
@@ -98,7 +99,6 @@ class Pipeline:
         terminator: Terminator,
         reporters: Sequence[Reporter],
         telemetry: LoopTelemetry,
-        clock: Callable[[], float] = time.monotonic,
         requests: Callable[[], Mapping[str, int]] | None = None,
         reclaimer: Reclaimer | None = None,
     ) -> None:
@@ -112,7 +112,6 @@ class Pipeline:
         self._terminator = terminator
         self._reporters = reporters
         self._telemetry = telemetry
-        self._clock = clock
         self._requests = requests or dict
         self._reclaimer = reclaimer
         self._state: dict[str, UnitState] = {}
@@ -131,7 +130,7 @@ class Pipeline:
         self._guard.run(self._follow_victims)
 
     def _follow_victims(self) -> None:
-        for event in self._terminator.poll(self._clock()):
+        for event in self._terminator.poll(time.monotonic()):
             self._escalation(event)
 
     def _tick(self) -> None:
@@ -149,7 +148,7 @@ class Pipeline:
             exiting = frozenset(u.name for u in units if any(p.key in busy for p in u.processes))
             gpus = views(sample.devices, units, requests, exiting)
         reclaimed = self._reclaimer(gpus) if self._reclaimer is not None else {}
-        decision = decide(units, self._config, self._state, self._clock(), busy, reclaimed)
+        decision = decide(units, self._config, self._state, time.monotonic(), busy, reclaimed)
         self._state = dict(decision.state)
         self._act(decision)
         self.last_units = units
@@ -171,7 +170,7 @@ class Pipeline:
                 self._telemetry.actions.labels("dry-run").inc()
             else:
                 membership = self._attributor.membership(name)
-                result = self._terminator.start(enf, membership, self._clock())
+                result = self._terminator.start(enf, membership, time.monotonic())
                 if result is SignalResult.SENT:
                     self._telemetry.actions.labels(str(enf.action)).inc()
                     if enf.reclaim is not None:
@@ -202,7 +201,7 @@ class Pipeline:
             fresh = [t for t in whole.processes if t.key not in {s.key for s in targets}]
             for target in fresh:
                 result = self._terminator.start(replace(enf, victim=target), membership,
-                                                self._clock())  # fmt: skip
+                                                time.monotonic())  # fmt: skip
                 targets.append(target)
                 results.append(result)
                 if result is SignalResult.SENT:

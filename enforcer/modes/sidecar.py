@@ -32,7 +32,7 @@ from enforcer.core.pod import (
     others_finished,
     spec_field_of,
 )
-from enforcer.core.policy import Reason
+from enforcer.core.reasons import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.core.sidecar_report import REPORT_EVERY, SidecarReport
 from enforcer.edge import logs
@@ -52,7 +52,13 @@ from enforcer.modes.sidecar_access import (
     direct,
     through_agent,
 )
-from enforcer.modes.sidecar_units import POD_UNIT, AgentReclaims, ContainerAttributor, shares
+from enforcer.modes.sidecar_units import (
+    POD_UNIT,
+    AgentReclaims,
+    ContainerAttributor,
+    DraReads,
+    shares,
+)
 
 log = logging.getLogger(__name__)
 
@@ -188,15 +194,12 @@ def _pipeline(
     ceilings, portions = settings.ceilings, settings.portions
     attributor = ContainerAttributor(
         procfs,
-        lambda: view.pod,
-        view.refresh,
+        view,
         Declaration(settings.limits, ceilings, portions, gpus=settings.gpus),
         settings.undeclared_allowed,
         want_init=settings.policy.action is Action.RESTART,
         spec_containers=settings.containers,
-        dra=settings.dra,
-        claims=access.claims,
-        problem=problem,
+        dra=DraReads(settings.dra, access.claims, problem) if settings.dra else None,
         # With DRA, only an agent that makes tenants of allocations ever asks them back.
         lending=lambda: (
             agent is not None and (agent.lending_dra if settings.dra is not None else agent.lending)

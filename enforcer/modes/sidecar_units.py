@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from enforcer.core import messages
 from enforcer.core.attribution import (
@@ -48,10 +48,21 @@ from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Membership
 from enforcer.edge.sources import AgentSource
 from enforcer.modes.pipeline import WholeUnit
+from enforcer.modes.sidecar_access import PodView
 
 log = logging.getLogger(__name__)
 
 POD_UNIT = "(pod)"  # processes whose container cannot be proven, against the pod's total
+
+
+@dataclass(frozen=True, slots=True)
+class DraReads:
+    """DRA: which allocations are GPUs, the pod's claims and its node's slices as last read
+    (None before they are), and where each new problem with them is said."""
+
+    settings: DraSettings
+    claims: Callable[[], DraObjects | None]
+    problem: Callable[[str], None]
 
 
 class ContainerAttributor:
@@ -69,20 +80,18 @@ class ContainerAttributor:
     def __init__(
         self,
         procfs: ProcFs,
-        pod: Callable[[], Pod | None],
-        refresh: Callable[[], None],
+        view: PodView,
         declared: Declaration,
         undeclared_allowed: bool,
         want_init: bool,
         spec_containers: tuple[str, ...] = (),
-        dra: DraSettings | None = None,
-        claims: Callable[[], DraObjects | None] = lambda: None,
-        problem: Callable[[str], None] = lambda text: None,
+        dra: DraReads | None = None,
         lending: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`view`: the pod as last known, asked again for a container it does not list yet;
+        `dra`: with DRA, the limits per GPU come from the pod's claims (None: declared)."""
         self._procfs = procfs
-        self._pod = pod
-        self._refresh = refresh
+        self._view = view
         # A container's ceiling is its limit only while the agent decides reclaims.
         self._declared = declared
         self._basis: int | None = None  # the GPU memory the portions were last counted on
@@ -101,15 +110,12 @@ class ContainerAttributor:
         self._without_api_said = ""
         self._by_id: dict[str, ContainerRef] = {}
         self.refs: dict[str, ContainerRef] = {}
-        # DRA (limits per GPU from the pod's claims): None when the limits are declared.
         self._dra = dra
-        self._claims = claims
-        self._problem = problem
         self._problems_said: frozenset[str] = frozenset()
         self._last: tuple[object, object, Allocations] | None = None  # (pod, objects, result)
 
     def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]:
-        pod = self._pod()
+        pod = self._view.pod
         by_id = containers_by_id(pod) if pod is not None else self._without_api()
         self._by_id = by_id
         self.refs = {ref.name: ref for ref in by_id.values()}
@@ -129,7 +135,7 @@ class ContainerAttributor:
             found, self.requests = with_ceilings(claimed, self._borrowed(self._declared.ceilings))
             held = {r.name for r in by_id.values()} if not self._undeclared_allowed else set()
             # A container that declared VRAM (0 too: no claim) is held to what its claims give.
-            held = (held | set(self._declared.limits) | found.claiming) - found.unresolved
+            held = (held | set(self._declared.requests) | found.claiming) - found.unresolved
             units = list(attribute_per_gpu(sample, unit_of, found, held, cmdlines))
             total = sum(u.limit_bytes for u in found.units)
         else:
@@ -151,28 +157,28 @@ class ContainerAttributor:
             units = [replace(u, init_process=of_sole_container(u.name, inits)) for u in units]
         unproven = [key for key in known if key not in unit_of]
         if unproven:
-            self._refresh()  # a new container (or a restart) the cached pod does not know yet
+            self._view.refresh()  # a new container (or a restart) the cached pod does not know yet
             units.append(reported_only(POD_UNIT, sample, known, total, cmdlines))
         return tuple(units)
 
     def _allocations(
-        self, pod: Pod | None, dra: DraSettings, by_id: Mapping[str, ContainerRef]
+        self, pod: Pod | None, dra: DraReads, by_id: Mapping[str, ContainerRef]
     ) -> Allocations:
         """What the pod's claims give each container per GPU; each new problem said once.
 
         Until the claims have been read (the pod watcher logs why not), no container is
         enforced on any GPU."""
-        objects = self._claims()
+        objects = dra.claims()
         if pod is None or objects is None:
             everyone = frozenset(self._spec_containers) | {r.name for r in by_id.values()}
             return Allocations(unresolved=everyone)
         if self._last is not None and self._last[0] is pod and self._last[1] is objects:
             return self._last[2]  # the same reads as the last tick: the same answer
-        found = allocations(pod, objects.claims, objects.slices, dra)
+        found = allocations(pod, objects.claims, objects.slices, dra.settings)
         self._last = (pod, objects, found)
         for text in found.problems:
             if text not in self._problems_said:
-                self._problem(text)
+                dra.problem(text)
         self._problems_said = frozenset(found.problems)
         return found
 
@@ -246,7 +252,7 @@ class ContainerAttributor:
         """(requests, ceilings above them) in bytes, a portion of a GPU counted against the
         memory of the node's smallest GPU; said in the log when that changes."""
         if not self._declared.portions:
-            return self._declared.limits, self._declared.ceilings
+            return self._declared.requests, self._declared.ceilings
         basis = portion_basis(devices)
         if basis != self._basis:
             self._basis = basis
@@ -301,7 +307,7 @@ class AgentReclaims:
     def __call__(self, gpus: tuple[Gpu, ...], /) -> dict[str, Reclaim]:
         # (the unit's one container, GPU) -> the unit: `trainer`, or with DRA `trainer@GPU-...`
         lending = {
-            (unit_containers(s.unit), g.uuid): s.unit for g in gpus for s in g.shares if s.lent
+            (unit_containers(s.unit), g.uuid): s.unit for g in gpus for s in g.shares if s.borrowed
         }
         asked: dict[str, Reclaim] = {}
         for cid, reclaim in self._source.reclaims.items():

@@ -28,13 +28,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from enforcer.core import messages
 from enforcer.core.model import ProcessKey
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
-from enforcer.core.policy import Reason
+from enforcer.core.reasons import Reason
 from enforcer.core.sidecar_presence import (
     Attempt,
     Presence,
@@ -58,32 +58,47 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class Connections(Protocol):
+    """The agent's usage socket, as the sidecar watch reads it (the `UsageServer`)."""
+
+    @property
+    def connected(self) -> frozenset[str]:
+        """The container IDs with a subscription being read."""
+        ...
+
+    @property
+    def peers(self) -> Mapping[str, int]:
+        """Container ID -> the pid at the other end of its proven connection."""
+        ...
+
+    def adopt(self, container_id: str, sock: socket.socket) -> None:
+        """Take a connection the agent made to a sidecar."""
+
+
 class SidecarWatch(threading.Thread):
     def __init__(
         self,
         pods: Callable[[], Mapping[str, Pod] | None],
-        connected: Callable[[], frozenset[str]],
+        server: Connections,
         recorder: EventRecorder,
         telemetry: AgentTelemetry,
         dial: Callable[[Collection[str]], Mapping[str, socket.socket | Refused | str]],
-        adopt: Callable[[str, socket.socket], None],
-        peers: Callable[[], Mapping[str, int]],
         processes: SidecarProcesses,
         every: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(name="sidecar-watch", daemon=True)
         self._pods = pods
-        self._connected = connected
+        self._server = server
         self._recorder = recorder
         self._telemetry = telemetry
         self._every = every
         self._clock = clock
         self._presence = Presence()
-        self._dial, self._adopt = dial, adopt
+        self._dial = dial
         self._tried: dict[str, Attempt] = {}
         self._failed: dict[str, str] = {}  # why each sidecar could not be reached, last time
-        self._peers, self._processes = peers, processes
+        self._processes = processes
         self._watched: frozenset[str] = frozenset()  # the sidecars of the pods looked at
         self._hung_up: collections.deque[str] = collections.deque()  # from the server's thread
         self._closed: set[str] = set()  # sidecars that hung up, with no connection since
@@ -116,7 +131,7 @@ class SidecarWatch(threading.Thread):
             return  # not listed yet
         while self._hung_up:  # before the peers are read: one that connects again counts
             self._closed.add(self._hung_up.popleft())
-        connected, peers, now = self._connected(), self._peers(), self._clock()
+        connected, peers, now = self._server.connected, self._server.peers, self._clock()
         self._connect(pods, connected, now)
         self._watched = watched = frozenset(
             cid for pod in pods.values() if guarded(pod) and (cid := sidecar_id(pod))
@@ -146,7 +161,7 @@ class SidecarWatch(threading.Thread):
         for cid, found in self._dial(due).items() if due else ():
             if isinstance(found, socket.socket):
                 self._failed.pop(cid, None)
-                self._adopt(cid, found)
+                self._server.adopt(cid, found)
                 continue
             refused = isinstance(found, Refused)
             if refused:

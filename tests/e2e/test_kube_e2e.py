@@ -10,7 +10,7 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry, Counter
 
 from enforcer.core.payloads import ObjectReference
-from enforcer.core.policy import Reason
+from enforcer.core.reasons import Reason
 from enforcer.edge.events import EventRecorder
 from enforcer.edge.kube import POD, KubeError, NotFound, call, request
 from enforcer.modes.pipeline import Report

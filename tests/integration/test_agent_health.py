@@ -19,7 +19,7 @@ from enforcer.edge.nvml import Nvml
 from enforcer.edge.nvml_source import NvmlSource
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView
-from enforcer.edge.tenants import Tenants
+from enforcer.edge.tenants import TenantCache
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
 from enforcer.modes.agent import EXIT_THREAD_DIED, Sampler, health, watch
 from tests.helpers import wait_for
@@ -69,7 +69,7 @@ def sampler(fake_nvml: Any, tmp_path: Path) -> Iterator[Sampler]:
     nvml = Nvml()
     nvml.init()
     source = NvmlSource(nvml, PidView.host(ProcFs()))
-    s = Sampler(source, server, telemetry, 0.02, threading.Event(), Tenants(ProcFs()))
+    s = Sampler(source, server, telemetry, 0.02, threading.Event(), TenantCache(ProcFs()))
     yield s
     s.stop.set()
     if s.is_alive():

@@ -25,6 +25,7 @@ import textwrap
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
 import pytest
@@ -611,10 +612,10 @@ def test_a_process_of_the_sidecars_container_that_takes_its_socket_is_refused(
     now = [0.0]
     # The agent dials A whenever its watch finds it unconnected: here, always (as after an
     # agent restart, or once the sidecar's connection is gone).
-    watch = SidecarWatch(lambda: {UA: injected(UA, A)}, frozenset, cast("EventRecorder", None),
-                         TELEMETRY, functools.partial(dial_sidecars, ProcFs()), server.adopt,
-                         peers=dict, processes=SidecarProcesses(ProcFs()),
-                         clock=lambda: now[0])  # fmt: skip
+    links = SimpleNamespace(connected=frozenset(), peers={}, adopt=server.adopt)
+    watch = SidecarWatch(lambda: {UA: injected(UA, A)}, cast(Any, links), cast("EventRecorder", None),
+                         TELEMETRY, functools.partial(dial_sidecars, ProcFs()),
+                         processes=SidecarProcesses(ProcFs()), clock=lambda: now[0])  # fmt: skip
     planter = None
     try:
         wait_for(sidecar.listening, what="the sidecar to listen")

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -25,7 +26,7 @@ from enforcer.core.model import Activity, Device, GiB, MiB, ProcessKey, ProcessU
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.exec import TreeAttributor
 from enforcer.modes.sidecar import ALONE_FOR, AloneDetector
-from enforcer.modes.sidecar_units import POD_UNIT, ContainerAttributor
+from enforcer.modes.sidecar_units import POD_UNIT, ContainerAttributor, DraReads
 from tests.helpers import copy_proc_fixture, set_start_time
 
 TRAINER, HELPER, SIDECAR = "7" * 64, "4" * 64, "5" * 64
@@ -76,15 +77,29 @@ class ApiView:
         return self.pod
 
 
+class Viewed:
+    """The pod as the sidecar's view gives it: the API's last answer, each refresh counted."""
+
+    def __init__(self, api: ApiView, refresh: Callable[[], None]) -> None:
+        self._api, self.refresh, self.error = api, refresh, None
+
+    @property
+    def pod(self) -> dict[str, Any] | None:
+        return self._api()
+
+
 def attributor(
     proc: Path, pod: dict[str, Any] | ApiView | None = POD, **kwargs: Any
 ) -> ContainerAttributor:
     options: dict[str, Any] = {"undeclared_allowed": False, "want_init": False, **kwargs}
-    view = pod if isinstance(pod, ApiView) else ApiView(pod)
-    refresh = options.pop("refresh", Refreshes())
+    api = pod if isinstance(pod, ApiView) else ApiView(pod)
+    view = Viewed(api, options.pop("refresh", Refreshes()))
     declared = Declaration({"trainer": 4 * GiB}, options.pop("ceilings", {}),
                            options.pop("portions", {}), gpus=options.pop("gpus", {}))  # fmt: skip
-    return ContainerAttributor(ProcFs(proc), view, refresh, declared, **options)
+    if "dra" in options:
+        options["dra"] = DraReads(options.pop("dra"), options.pop("claims", lambda: None),
+                                  options.pop("problem", lambda text: None))  # fmt: skip
+    return ContainerAttributor(ProcFs(proc), cast(Any, view), declared, **options)
 
 
 def by_name(units: Any) -> dict[str, Any]:

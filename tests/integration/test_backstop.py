@@ -24,6 +24,7 @@ from enforcer.core.payloads import Pod
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.backstop import Backstop, SilentPodAttributor
+from enforcer.modes.node_view import NodeView
 from tests.helpers import wait_for
 from tests.pods_api import serving
 
@@ -191,10 +192,14 @@ def test_a_pod_handed_back_before_the_grace_period_ends_still_gets_its_sigkill(
                               "containerID": f"containerd://{'cd' * 32}"}]}})  # fmt: skip
         silent: set[str] = {"u"}
         recorder = Recorded()
-        backstop = Backstop(lambda: {"u": pod}, lambda: frozenset(silent),
-                            ("vram-enforcer.io/vram", 1), "vram-enforcer",
-                            cast("EventRecorder", recorder), AgentTelemetry(), procfs,
-                            opted_in=lambda: frozenset({"team"}))  # fmt: skip
+        backstop = Backstop(
+            NodeView(lambda: {"u": pod}, lambda: frozenset({"team"}), ("vram-enforcer.io/vram", 1)),
+            lambda: frozenset(silent),
+            "vram-enforcer",
+            cast("EventRecorder", recorder),
+            AgentTelemetry(),
+            procfs,
+        )
         sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
         backstop(sample, lambda: {key: CID})
         signalled = time.monotonic()
@@ -228,6 +233,7 @@ from enforcer.edge.kube import api_client
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.backstop import Backstop
+from enforcer.modes.node_view import NodeView
 
 url, pid, start, cid, pod = sys.argv[1:]
 configuration = client.Configuration()
@@ -238,9 +244,10 @@ recorder = EventRecorder(api, "node-a", "node-a", telemetry.event_failures)
 evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"))
 recorder.start()
 evictor.start()
-backstop = Backstop(lambda: {"u": json.loads(pod)}, lambda: frozenset({"u"}),
-                    ("vram-enforcer.io/vram", 1), "vram-enforcer", recorder, telemetry,
-                    ProcFs(), None, evictor.evict, opted_in=lambda: frozenset({"team"}))
+node = NodeView(lambda: {"u": json.loads(pod)}, lambda: frozenset({"team"}),
+                ("vram-enforcer.io/vram", 1))
+backstop = Backstop(node, lambda: frozenset({"u"}), "vram-enforcer", recorder, telemetry,
+                    ProcFs(), None, evictor.evict)
 key = ProcessKey(int(pid), int(start))
 sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
 for _ in range(5):  # the sampler's passes: one eviction for all of them

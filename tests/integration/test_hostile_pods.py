@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
 import pytest
@@ -32,12 +33,13 @@ from enforcer.edge.nvml import Nvml
 from enforcer.edge.nvml_source import NvmlSource
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sources import PidView
-from enforcer.edge.tenants import Tenants
+from enforcer.edge.tenants import TenantCache
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
 from enforcer.modes.agent import Sampler
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
+from enforcer.modes.node_view import NodeView
 from tests.helpers import wait_for
 from tests.integration.test_backstop import Recorded
 from tests.integration.test_shared_claims_agent import RecordingNvml
@@ -52,8 +54,8 @@ RES = "vram-enforcer.io/vram"
 GPU = "GPU-0"
 BURST, OWED = "b" * 64, "c" * 64
 KINDS = ("deep", "overflowing portion", "huge integer", "wrong types")
-# 32 GiB: the burster (4 GiB requested, 24 allowed) holds 20; the other pod is owed 14 of
-# its 16 and holds 2, so 6 are short with the 2 GiB watermark: the burster gives them back.
+# 32 GiB: the borrower (4 GiB requested, 24 allowed) holds 20; the other pod is owed 14 of
+# its 16 and holds 2, so 6 are short with the 2 GiB watermark: the borrower gives them back.
 SEEN = Sample(1.0, (Device(0, GPU, "H100", 32 * GiB, 22 * GiB),),
               (Usage(ProcessKey(1, 1), GPU, 20 * GiB), Usage(ProcessKey(2, 2), GPU, 2 * GiB)))  # fmt: skip
 CONTAINERS = {ProcessKey(1, 1): BURST, ProcessKey(2, 2): OWED}
@@ -105,8 +107,9 @@ def said_once(caplog: pytest.LogCaptureFixture, what: str) -> None:
 
 def test_the_lender_still_reclaims_for_the_good_pods(caplog: pytest.LogCaptureFixture) -> None:
     pods, changed = node(), threading.Event()
-    lender = Lender(lambda: pods, changed, (RES, 1), SIDECAR, 2 * GiB, AgentTelemetry(),
-                    opted_in=lambda: READ)  # fmt: skip
+    lender = Lender(
+        NodeView(lambda: pods, lambda: READ, (RES, 1)), changed, SIDECAR, 2 * GiB, AgentTelemetry()
+    )
     with caplog.at_level(logging.WARNING, "enforcer.modes.lender"):
         for _ in range(3):
             changed.set()  # a change of the node's pods: every pod is read again
@@ -128,14 +131,18 @@ def test_the_hard_limiter_still_sets_the_good_pods_limits(
     nvml = RecordingNvml()
     devices = [Device(0, GPU, "H100", 80 * GiB, 0)]
     limiter = HardLimiter(
-        cast(Nvml, nvml), lambda: pods, lambda: devices, dict, cast(Any, None), AgentTelemetry(),
-        cgroup_root=tmp_path, resource=(RES, 1), scan_every=60.0, changed=threading.Event(),
-        opted_in=lambda: READ,
-    )  # fmt: skip
+        cast(Nvml, nvml),
+        NodeView(lambda: pods, lambda: READ, (RES, 1)),
+        cast(Any, SimpleNamespace(devices=devices, container_usage=dict())),
+        cast(Any, None),
+        AgentTelemetry(),
+        cgroups=(tmp_path, 60.0),
+        changed=threading.Event(),
+    )
     with caplog.at_level(logging.WARNING, "enforcer.modes.limiter"):
         for _ in range(3):  # the poisoned pods have no resourceVersion: read on every pass
             limiter._pass()
-    # Each good pod's cgroup, held to its ceiling (the burster) or its limit.
+    # Each good pod's cgroup, held to its ceiling (the borrower) or its limit.
     assert sorted(nvml.set.values()) == [16 * GiB, 24 * GiB]
     assert {cgroup.rsplit("-pod", 1)[1].replace("_", "-") for cgroup, _ in nvml.set} == {
         f"{uid('burst')}.slice", f"{uid('owed')}.slice"}  # fmt: skip
@@ -143,13 +150,18 @@ def test_the_hard_limiter_still_sets_the_good_pods_limits(
 
 
 def test_the_backstop_still_holds_a_silent_good_pod(caplog: pytest.LogCaptureFixture) -> None:
-    """Every sidecar but the burster's is silent: the good pod among them is held (within its
+    """Every sidecar but the borrower's is silent: the good pod among them is held (within its
     limit: nobody is signalled), and each poisoned one is said to be beyond the agent."""
     pods, telemetry = node(), AgentTelemetry()
     silent = frozenset(each for each in pods if each != uid("burst"))
-    backstop = Backstop(lambda: pods, lambda: silent, (RES, 1), SIDECAR,
-                        cast("EventRecorder", Recorded()), telemetry, ProcFs(),
-                        opted_in=lambda: READ)  # fmt: skip
+    backstop = Backstop(
+        NodeView(lambda: pods, lambda: READ, (RES, 1)),
+        lambda: silent,
+        SIDECAR,
+        cast("EventRecorder", Recorded()),
+        telemetry,
+        ProcFs(),
+    )
     with caplog.at_level(logging.WARNING, "enforcer.modes.backstop"):
         for _ in range(3):
             backstop(SEEN, lambda: CONTAINERS)
@@ -193,9 +205,10 @@ def test_a_lender_pass_that_fails_publishes_no_lending(tmp_path: Path) -> None:
 
     changed = threading.Event()
     sampler = Sampler(cast(NvmlSource, _Given()), server, telemetry, 1.0, threading.Event(),
-                      cast(Tenants, _Counted()))  # fmt: skip
-    sampler.lender = Lender(listed, changed, (RES, 1), SIDECAR, 2 * GiB, telemetry,
-                            opted_in=lambda: READ)  # fmt: skip
+                      cast(TenantCache, _Counted()))  # fmt: skip
+    sampler.lender = Lender(
+        NodeView(listed, lambda: READ, (RES, 1)), changed, SIDECAR, 2 * GiB, telemetry
+    )
     view = PidView(ProcFs(), 4026531001, 1)
 
     def lending() -> bool:
@@ -220,7 +233,7 @@ def test_a_lender_pass_that_fails_publishes_no_lending(tmp_path: Path) -> None:
 # Well-formed, what a tenant writes into a container named like the sidecar, in a namespace
 # the webhook does not mutate: the forger declares 16 GiB the scheduler never counted
 # (holding 1, it would be owed 15), the greedy pod gives itself a ceiling of 24 GiB above
-# the 2 its resources declare, and a policy of `warn`. 32 GiB: the burster (4 GiB
+# the 2 its resources declare, and a policy of `warn`. 32 GiB: the borrower (4 GiB
 # requested, 24 allowed) holds 12; the owed pod holds its 8; 5 are free.
 FORGER, GREEDY = "d" * 64, "e" * 64
 FORGED = Sample(1.0, (Device(0, GPU, "H100", 32 * GiB, 27 * GiB),),
@@ -253,11 +266,16 @@ def test_a_forged_sidecar_environment_is_read_only_once_its_namespace_opts_in(
 ) -> None:
     """Not opted in, the forger declares nothing and the greedy pod borrows nothing: nobody
     is reclaimed from, and each is said once. Once their namespace is labelled (the same
-    pods, unchanged), the forger is owed 15 GiB and the burster is reclaimed for it."""
+    pods, unchanged), the forger is owed 15 GiB and the borrower is reclaimed for it."""
     pods, changed = forged_node(), threading.Event()
     trusted: list[frozenset[str] | None] = [None]
-    lender = Lender(lambda: pods, changed, (RES, 1), SIDECAR, 2 * GiB, AgentTelemetry(),
-                    opted_in=lambda: trusted[0])  # fmt: skip
+    lender = Lender(
+        NodeView(lambda: pods, lambda: trusted[0], (RES, 1)),
+        changed,
+        SIDECAR,
+        2 * GiB,
+        AgentTelemetry(),
+    )
     # Before the namespaces are listed, no declaration but the resources' is known: nobody
     # is asked for memory back, whatever the pods would declare.
     assert lender(FORGED, lambda: FORGED_CONTAINERS) == Lending()
@@ -299,10 +317,14 @@ def test_the_hard_limiter_reads_a_sidecar_environment_only_where_its_namespace_o
     devices = [Device(0, GPU, "H100", 80 * GiB, 0)]
     trusted: list[frozenset[str] | None] = [None]
     limiter = HardLimiter(
-        cast(Nvml, nvml), lambda: pods, lambda: devices, dict, cast(Any, None), AgentTelemetry(),
-        cgroup_root=tmp_path, resource=(RES, 1), scan_every=60.0, changed=threading.Event(),
-        opted_in=lambda: trusted[0],
-    )  # fmt: skip
+        cast(Nvml, nvml),
+        NodeView(lambda: pods, lambda: trusted[0], (RES, 1)),
+        cast(Any, SimpleNamespace(devices=devices, container_usage=dict())),
+        cast(Any, None),
+        AgentTelemetry(),
+        cgroups=(tmp_path, 60.0),
+        changed=threading.Event(),
+    )
 
     def limits() -> dict[str, int]:
         """Pod name -> the limit on its pod's cgroup."""
@@ -329,9 +351,14 @@ def test_the_backstop_takes_no_forged_policy_outside_the_namespaces_that_opted_i
     is held. (The processes' pids are not theirs: no signal reaches any.)"""
     pods, telemetry = forged_node(), AgentTelemetry()
     trusted: list[frozenset[str] | None] = [None]
-    backstop = Backstop(lambda: pods, lambda: frozenset(pods), (RES, 1), SIDECAR,
-                        cast("EventRecorder", Recorded()), telemetry, ProcFs(),
-                        opted_in=lambda: trusted[0])  # fmt: skip
+    backstop = Backstop(
+        NodeView(lambda: pods, lambda: trusted[0], (RES, 1)),
+        lambda: frozenset(pods),
+        SIDECAR,
+        cast("EventRecorder", Recorded()),
+        telemetry,
+        ProcFs(),
+    )
     with caplog.at_level(logging.WARNING):
         backstop(FORGED, lambda: FORGED_CONTAINERS)
         assert telemetry.registry.get_sample_value("vram_enforcer_pods_held_by_agent") == 0
@@ -372,8 +399,13 @@ def test_the_lender_reads_what_the_agents_watch_of_the_namespaces_lists(
         config = client.Configuration()
         config.host, config.proxy = api.url, None
         watched = OptedInNamespaces(api_client(config), "vram-enforcer", (changed,))
-        lender = Lender(lambda: pods, changed, (RES, 1), SIDECAR, 2 * GiB, AgentTelemetry(),
-                        opted_in=watched.names)  # fmt: skip
+        lender = Lender(
+            NodeView(lambda: pods, watched.names, (RES, 1)),
+            changed,
+            SIDECAR,
+            2 * GiB,
+            AgentTelemetry(),
+        )
 
         def reclaimed() -> list[str]:
             lending = lender(FORGED, lambda: FORGED_CONTAINERS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 from enforcer.core.declaration import CEILINGS_ENV, LIMITS_ENV, Declaration
@@ -68,7 +69,8 @@ def test_a_borrowing_init_container_is_a_tenant_and_its_sidecar_applies_its_recl
     assert set(lending.reclaims) == {FETCH}  # asked of the init container, by its ID
 
     attributor = ContainerAttributor(
-        ProcFs(copy_proc_fixture("pod", tmp_path / "proc")), lambda: POD, lambda: None,
+        ProcFs(copy_proc_fixture("pod", tmp_path / "proc")),
+        cast(Any, SimpleNamespace(pod=POD, error=None, refresh=lambda: None)),
         Declaration({"fetch": 4 * GiB}, {"fetch": 12 * GiB}), undeclared_allowed=False,
         want_init=False, lending=lambda: True,
     )  # fmt: skip

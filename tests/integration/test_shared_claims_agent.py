@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 from enforcer.core.declaration import SIDECAR
@@ -19,6 +20,7 @@ from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.nvml import Nvml
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
+from enforcer.modes.node_view import NodeView
 from tests.unit.test_shared_claims import GPUS, RES, SLICE, cid, claim, pod
 
 GPU0 = GPUS["gpu-0"]
@@ -50,9 +52,14 @@ def test_the_lender_owes_a_shared_claim_once() -> None:
         pods, objects = shared(size)
         everyone = {**pods, borrower["metadata"]["uid"]: borrower}
         read = {**dict.fromkeys(pods, objects), borrower["metadata"]["uid"]: own}
-        return Lender(lambda: everyone, threading.Event(), (RES, 1), SIDECAR, 2 * GiB,
-                      AgentTelemetry(), (lambda p: read[p["metadata"]["uid"]], DraSettings()),
-                      opted_in=lambda: frozenset({"ml"}))  # fmt: skip
+        return Lender(
+            NodeView(lambda: everyone, lambda: frozenset({"ml"}), (RES, 1)),
+            threading.Event(),
+            SIDECAR,
+            2 * GiB,
+            AgentTelemetry(),
+            (lambda p: read[p["metadata"]["uid"]], DraSettings()),
+        )
 
     lending = lender(10 * GiB)(seen, lambda: {ProcessKey(1, 1): burst})
     assert lending is not None and lending.reclaims == {}
@@ -90,11 +97,15 @@ def test_each_pod_cgroup_gets_its_part_of_a_shared_claim(tmp_path: Path) -> None
     devices = [Device(0, GPU0, "L4", 24 * GiB, 0)]
     usage: Mapping[str, Mapping[str, int]] = {}
     limiter = HardLimiter(
-        cast(Nvml, nvml), lambda: pods, lambda: devices, lambda: usage,
-        cast(Any, None), AgentTelemetry(), cgroup_root=tmp_path, resource=(RES, 1),
-        scan_every=60.0, changed=threading.Event(),
-        claims=(lambda p: objects, DraSettings()), opted_in=lambda: frozenset({"ml"}),
-    )  # fmt: skip
+        cast(Nvml, nvml),
+        NodeView(lambda: pods, lambda: frozenset({"ml"}), (RES, 1)),
+        cast(Any, SimpleNamespace(devices=devices, container_usage=usage)),
+        cast(Any, None),
+        AgentTelemetry(),
+        cgroups=(tmp_path, 60.0),
+        changed=threading.Event(),
+        claims=(lambda p: objects, DraSettings()),
+    )
     limiter._pass()  # one pass, as its thread runs it on each change of the pods
     assert sorted(nvml.set.values()) == [10 * GiB // 4] * 4
     assert {gpu for _, gpu in nvml.set} == {GPU0}

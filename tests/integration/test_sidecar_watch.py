@@ -17,6 +17,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -29,6 +30,7 @@ from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sidecar_dialer import dial_sidecars
 from enforcer.edge.usage_server import UsageServer
 from enforcer.modes.backstop import Backstop
+from enforcer.modes.node_view import NodeView
 from enforcer.modes.sidecar_watch import SidecarProcesses, SidecarWatch
 from tests.helpers import scratch_cgroup, wait_for
 from tests.integration.conftest import TELEMETRY
@@ -72,9 +74,9 @@ def sidecar(tmp_path: Path) -> Iterator[Caller]:
 
 def watching(server: UsageServer, every: float) -> SidecarWatch:
     """The agent's watch over POD's sidecar, wired to the server as the agent wires it."""
-    watch = SidecarWatch(lambda: {UA: POD}, lambda: server.connected, Recorded(), TELEMETRY,  # type: ignore[arg-type]
-                         functools.partial(dial_sidecars, ProcFs()), server.adopt,
-                         lambda: server.peers, SidecarProcesses(ProcFs()), every=every)  # fmt: skip
+    watch = SidecarWatch(lambda: {UA: POD}, server, Recorded(), TELEMETRY,  # type: ignore[arg-type]
+                         functools.partial(dial_sidecars, ProcFs()), SidecarProcesses(ProcFs()),
+                         every=every)  # fmt: skip
     server.hung_up = watch.hung_up
     return watch
 
@@ -150,13 +152,21 @@ def test_a_pending_pods_init_container_is_held_by_the_agent_when_its_sidecar_nev
                 "containerStatuses": [{"name": "trainer", "state": {"waiting": {}}}]},
         })  # fmt: skip
         now, recorder = [0.0], Recorded()
-        watch = SidecarWatch(lambda: {"u-init": pod}, frozenset, recorder, TELEMETRY,  # type: ignore[arg-type]
+        links = SimpleNamespace(connected=frozenset(), peers={}, adopt=lambda cid, conn: None)
+        watch = SidecarWatch(lambda: {"u-init": pod}, links, recorder, TELEMETRY,  # type: ignore[arg-type]
                              lambda due: dict.fromkeys(due, "nothing listens"),
-                             lambda cid, conn: None, dict, SidecarProcesses(procfs),
+                             SidecarProcesses(procfs),
                              clock=lambda: now[0])  # fmt: skip
-        backstop = Backstop(lambda: {"u-init": pod}, lambda: watch.silent,
-                            ("vram-enforcer.io/vram", 1), "vram-enforcer", recorder,  # type: ignore[arg-type]
-                            TELEMETRY, procfs, opted_in=lambda: frozenset({"team"}))  # fmt: skip
+        backstop = Backstop(
+            NodeView(
+                lambda: {"u-init": pod}, lambda: frozenset({"team"}), ("vram-enforcer.io/vram", 1)
+            ),
+            lambda: watch.silent,
+            "vram-enforcer",
+            recorder,
+            TELEMETRY,
+            procfs,
+        )
         sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
         for now[0] in (0.0, SILENT_AFTER - 0.1):
             watch.check()

@@ -413,5 +413,5 @@ def test_whatever_the_webhook_admits_its_sidecar_and_the_agent_read_back(
     }
     enforced = sidecar.sidecar_settings(resolve(sidecar.DECLARED, {}, environ))
     declared = of_pod(mutated, RES, s.resource_unit, SIDECAR, opted_in={"ml"})  # its own
-    assert declared and declared.limits == enforced.limits
+    assert declared and declared.requests == enforced.limits
     assert (declared.ceilings, declared.portions) == (enforced.ceilings, enforced.portions)

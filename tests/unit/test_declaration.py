@@ -145,7 +145,7 @@ def test_a_dra_mode_pod_declares_nothing_in_its_sidecars_env_its_claims_are_its_
     on every GPU (its hard limits, its backstop, its reclaims)."""
     env = {"VRAM_ENFORCER_LIMITS": json.dumps({"main": 8 * GiB})}
     kai = of_pod(pod(None, **env), RES, 1, SIDECAR, opted_in=ML)
-    assert isinstance(kai, Declaration) and kai.limits == {"main": 8 * GiB}  # KAI's way
+    assert isinstance(kai, Declaration) and kai.requests == {"main": 8 * GiB}  # KAI's way
     dra = of_pod(pod(None, **env, VRAM_ENFORCER_LIMITS_FROM="dra"), RES, 1, SIDECAR, opted_in=ML)
     assert dra == Declaration(claims=True) and not dra and dra_ceilings(dra) == {}
     lifted = pod(None, **env, VRAM_ENFORCER_LIMITS_FROM="dra",
@@ -217,7 +217,7 @@ def test_unreadable_ceilings_take_away_only_the_borrowing() -> None:
     spoiling its sidecar's environment, only its leave to borrow."""
     spoiled = of_pod(pod("4Gi", VRAM_ENFORCER_CEILINGS="[" * 100_000), RES, 1, SIDECAR, opted_in=ML)
     assert isinstance(spoiled, Declaration)
-    assert (spoiled.limits, spoiled.ceilings) == ({"main": 4 * GiB}, {})
+    assert (spoiled.requests, spoiled.ceilings) == ({"main": 4 * GiB}, {})
     assert unreadable(spoiled).startswith("borrows nothing: VRAM_ENFORCER_CEILINGS: ")
     assert unreadable(of_pod(pod("4Gi"), RES, 1, SIDECAR, opted_in=ML)) == ""
 
@@ -232,7 +232,7 @@ def test_a_sidecar_environment_outside_the_namespaces_that_opted_in_is_not_read(
     ceilings = {"VRAM_ENFORCER_CEILINGS": json.dumps({"main": 16 * GiB})}
     borrower = of_pod(pod("4Gi", **ceilings), RES, 1, SIDECAR, opted_in=elsewhere)
     assert isinstance(borrower, Declaration)
-    assert (borrower.limits, borrower.ceilings) == ({"main": 4 * GiB}, {})
+    assert (borrower.requests, borrower.ceilings) == ({"main": 4 * GiB}, {})
     why = ("namespace 'ml' is not labelled vram-enforcer.io/inject=enabled (or is the agent's "
            "own), so the webhook never wrote its sidecar's environment")  # fmt: skip
     assert unreadable(borrower) == f"borrows nothing: {why}: VRAM_ENFORCER_CEILINGS not read"

@@ -15,7 +15,7 @@ from enforcer.core.exec_summary import ExecSummary, SummaryEvent
 from enforcer.core.interference.outcomes import Outcome, RunResult, Timing, classify, read_section
 from enforcer.core.interference.plan import Phase, RunSpec, plan
 from enforcer.core.interference.report import to_json, to_markdown, to_text
-from enforcer.core.interference.stats import Report, analyse, overlap, spread
+from enforcer.core.interference.stats import Method, Report, analyse, overlap, spread
 from enforcer.core.interference.workloads import (
     BUILTINS,
     Workload,
@@ -315,8 +315,7 @@ def measured() -> list[RunResult]:
 
 
 def report(max_spread: float = 0.1, partial: bool = False) -> Report:
-    return analyse(WORKLOADS, measured(), repeat=2, warmup=1, max_spread=max_spread,
-                   planned_runs=17, partial=partial)  # fmt: skip
+    return analyse(WORKLOADS, measured(), Method(2, 1, max_spread, 17, partial))
 
 
 def test_slowdown_is_the_median_paired_time_over_the_median_time_alone() -> None:
@@ -394,7 +393,7 @@ def sectioned(*, b_everywhere: bool = True) -> list[RunResult]:
 
 
 def test_a_workload_that_times_its_work_is_measured_by_it_not_by_its_start_up() -> None:
-    r = analyse(WORKLOADS, sectioned(), repeat=1, warmup=0, max_spread=0.1, planned_runs=5)
+    r = analyse(WORKLOADS, sectioned(), Method(1, 0, 0.1, 5))
     assert r.timing == {"a": Timing.SECTION, "b": Timing.SECTION}
     assert r.cell("a", None).median == 2.0
     assert r.cell("a", "b").slowdown == pytest.approx(2.0)  # 7 / 5 = 1.4 by whole commands
@@ -409,8 +408,7 @@ def test_a_workload_that_times_its_work_is_measured_by_it_not_by_its_start_up() 
 
 
 def test_sections_in_only_some_runs_mean_whole_commands_and_the_report_says_why() -> None:
-    r = analyse(WORKLOADS, sectioned(b_everywhere=False), repeat=1, warmup=0, max_spread=0.1,
-                planned_runs=5)  # fmt: skip
+    r = analyse(WORKLOADS, sectioned(b_everywhere=False), Method(1, 0, 0.1, 5))
     assert r.timing == {"a": Timing.SECTION, "b": Timing.COMMAND}
     assert r.cell("b", "a").slowdown == pytest.approx(10 / 7)  # the same kind of time, both
     assert r.cell("a", "b").overlap == pytest.approx(1.0)  # against b's whole command
@@ -435,7 +433,7 @@ def test_utilisation_is_the_median_of_the_good_runs_and_shown_alone() -> None:
         replace(run(5, Phase.PAIR, "a", "b", 2.0), sm_percent=48.0),
         run(5, Phase.PAIR, "b", "a", 2.0),
     ]
-    r = analyse(WORKLOADS, runs, repeat=2, warmup=0, max_spread=0.5, planned_runs=7)
+    r = analyse(WORKLOADS, runs, Method(2, 0, 0.5, 7))
     assert (r.cell("a", None).sm_percent, r.cell("a", None).memory_percent) == (92.0, 11.0)
     assert r.cell("a", "b").sm_percent == 48.0 and r.cell("b", None).sm_percent is None
     row_a = next(line for line in to_text(r).splitlines() if line.startswith("a "))
@@ -447,7 +445,7 @@ def test_utilisation_is_the_median_of_the_good_runs_and_shown_alone() -> None:
 
 def test_stability_unknown_with_one_repetition() -> None:
     runs = [run(1, Phase.SOLO, "a", None, 1.0), run(2, Phase.SOLO, "b", None, 1.0)]
-    r = analyse(WORKLOADS, runs, repeat=1, warmup=0, max_spread=0.1, planned_runs=5)
+    r = analyse(WORKLOADS, runs, Method(1, 0, 0.1, 5))
     assert "Stability unknown" in to_text(r)
     assert "use --repeat 3 or more" in to_text(r)
     assert "| - |" in to_markdown(r)  # pairs not run

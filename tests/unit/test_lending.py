@@ -90,8 +90,8 @@ CONTAINERS = {ProcessKey(1, 1): BURSTER, ProcessKey(2, 2): GROWER, ProcessKey(3,
               ProcessKey(4, 4): BURSTER}  # fmt: skip
 
 
-def test_a_burster_is_asked_only_once_the_gpu_cannot_honour_the_others_requests() -> None:
-    # 40 GiB: the burster holds 16 (12 lent), the grower 4 of its 16, the stranger 8 of 8:
+def test_a_borrower_is_asked_only_once_the_gpu_cannot_honour_the_others_requests() -> None:
+    # 40 GiB: the borrower holds 16 (12 lent), the grower 4 of its 16, the stranger 8 of 8:
     # 12 free, the grower is owed 12 -> with a 2 GiB watermark, 2 short.
     roomy = decide(sample(usage(1, 10), usage(2, 4), usage(3, 8), usage(4, 2)), CONTAINERS,
                    FOUND, 0)  # fmt: skip
@@ -100,7 +100,7 @@ def test_a_burster_is_asked_only_once_the_gpu_cannot_honour_the_others_requests(
                    FOUND, 2 * GiB)  # fmt: skip
     (asked,) = short.reclaims.values()
     assert list(short.reclaims) == [BURSTER]
-    assert asked.victim.unit == "ml/a/c" and asked.victim.lent == 12 * GiB
+    assert asked.victim.unit == "ml/a/c" and asked.victim.borrowed == 12 * GiB
     assert asked.shortfall == 2 * GiB and asked.owed_to == ("ml/b/c",)
     # Told to the pod of its processes, and no other.
     assert short.victims == {BURSTER: frozenset({ProcessKey(1, 1), ProcessKey(4, 4)})}
@@ -245,11 +245,11 @@ def test_a_dra_borrower_is_reclaimed_when_the_scheduler_hands_out_what_it_borrow
     roomy = decide(seen, containers, Tenants.of((borrower, first)), 2 * GiB)
     assert roomy.reclaims == {}
     (gpu,) = [g for g in roomy.gpus if g.uuid == "GPU-0"]
-    assert (gpu.free, gpu.requested, gpu.shares[0].lent) == (20 * GiB, 20 * GiB, 16 * GiB)
+    assert (gpu.free, gpu.requested, gpu.shares[0].borrowed) == (20 * GiB, 20 * GiB, 16 * GiB)
     short = decide(seen, containers, Tenants.of((borrower, first, second)), 2 * GiB)
     (asked,) = short.reclaims.values()
     assert list(short.reclaims) == [BURSTER] and asked.gpu == "GPU-0"
-    assert (asked.shortfall, asked.victim.lent) == (2 * GiB, 16 * GiB)
+    assert (asked.shortfall, asked.victim.borrowed) == (2 * GiB, 16 * GiB)
     # The GPU is in the reason already: the owed are named by container, in its namespace.
     assert asked.owed_to == ("ml/n/c", ELSEWHERE)
     assert short.victims == {BURSTER: frozenset({ProcessKey(1, 1)})}
@@ -273,7 +273,11 @@ def test_a_container_the_kubelet_gave_a_gpu_is_owed_its_request_there_before_it_
     known = tenants([borrower, newcomer], RES, 1, SIDECAR, None, None, gave, opted_in=OPTED_IN)
     assert known.all[1] == Tenant("ml/n/c", "ml", 16 * GiB, 16 * GiB, 0, frozenset(), "GPU-0")
     (asked,) = decide(seen, containers, known, 2 * GiB).reclaims.values()
-    assert (asked.owed_to, asked.shortfall, asked.victim.lent) == (("ml/n/c",), 4 * GiB, 22 * GiB)
+    assert (asked.owed_to, asked.shortfall, asked.victim.borrowed) == (
+        ("ml/n/c",),
+        4 * GiB,
+        22 * GiB,
+    )
 
 
 def test_a_container_seen_on_another_gpu_than_the_kubelet_gave_is_counted_as_nvml_shows_it() -> (
@@ -293,7 +297,7 @@ def test_a_container_seen_on_another_gpu_than_the_kubelet_gave_is_counted_as_nvm
     seen = Sample(1.0, devices, (on_other,))
     found = decide(seen, {ProcessKey(1, 1): BURSTER}, Tenants.of((sly, owed)), 2 * GiB)
     (gpu1,) = [g for g in found.gpus if g.uuid == "GPU-1"]
-    assert {s.unit: s.lent for s in gpu1.shares} == {"ml/s/c": 16 * GiB, "ml/o/c": 0}
+    assert {s.unit: s.borrowed for s in gpu1.shares} == {"ml/s/c": 16 * GiB, "ml/o/c": 0}
     (asked,) = found.reclaims.values()  # 30 owed + 2 > 20 free
     assert asked.victim.unit == "ml/s/c" and asked.gpu == "GPU-1"
     # Confined (DRA: the sidecar holds it to 0 on GPU-1), the same memory is no one's.

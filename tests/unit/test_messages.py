@@ -2,7 +2,8 @@
 
 from enforcer.core import messages
 from enforcer.core.model import Action, GiB, ProcessKey, ProcessTotal, SignalResult, UnitUsage
-from enforcer.core.policy import Enforcement, Notice, Reason
+from enforcer.core.policy import Enforcement, Notice
+from enforcer.core.reasons import Reason
 from enforcer.core.reclaim import Reclaim, Share
 
 VICTIM = ProcessTotal(

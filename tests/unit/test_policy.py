@@ -8,11 +8,11 @@ from enforcer.core.policy import (
     REARM_FRACTION,
     Decision,
     PolicyConfig,
-    Reason,
     UnitState,
     choose_victim,
     decide,
 )
+from enforcer.core.reasons import Reason
 from enforcer.core.reclaim import Reclaim, Share
 
 
@@ -272,42 +272,44 @@ def lent(victim: str = "main", gpu: str = "GPU-1") -> Reclaim:
 def test_a_reclaim_stops_the_largest_process_on_that_gpu_at_once() -> None:
     """Under its limit, no tolerance window: the neighbours it borrowed from are short."""
     on_gpu1 = ProcessTotal(ProcessKey(2, 20), GiB, (("GPU-1", GiB),))
-    burster = unit(proc(1, 2 * GiB), on_gpu1, limit=8 * GiB)
+    borrower = unit(proc(1, 2 * GiB), on_gpu1, limit=8 * GiB)
     config = PolicyConfig(over_for=30.0)
-    d = decide([burster], config, {}, 0.0, reclaims={"main": lent()})
+    d = decide([borrower], config, {}, 0.0, reclaims={"main": lent()})
     assert d.notices == ()  # the signal's report says why
     (enf,) = d.enforcements
     assert enf.victim == on_gpu1 and enf.reclaim == lent() and not enf.whole_unit
     # Asked again while the victim exits: nothing new, no second notice.
-    again = decide([burster], config, d.state, 1.0, frozenset({on_gpu1.key}), {"main": lent()})
+    again = decide([borrower], config, d.state, 1.0, frozenset({on_gpu1.key}), {"main": lent()})
     assert again.notices == () and again.enforcements == ()
     # Never the whole unit, however long the GPU stays short: one victim at a time.
-    later = decide([burster], config, again.state, 100.0, reclaims={"main": lent()})
+    later = decide([borrower], config, again.state, 100.0, reclaims={"main": lent()})
     assert [e.whole_unit for e in later.enforcements] == [False]
 
 
 def test_a_reclaim_that_ends_rearms_its_report() -> None:
-    burster = unit(proc(1, 3 * GiB), limit=8 * GiB)
-    first = decide([burster], PolicyConfig(), {}, 0.0, reclaims={"main": lent(gpu="GPU-0")})
-    safe = decide([burster], PolicyConfig(), first.state, 1.0)
+    borrower = unit(proc(1, 3 * GiB), limit=8 * GiB)
+    first = decide([borrower], PolicyConfig(), {}, 0.0, reclaims={"main": lent(gpu="GPU-0")})
+    safe = decide([borrower], PolicyConfig(), first.state, 1.0)
     assert safe.notices == () and safe.enforcements == ()
     second = decide(
-        [burster], PolicyConfig(), safe.state, 2.0, reclaims={"main": lent(gpu="GPU-0")}
+        [borrower], PolicyConfig(), safe.state, 2.0, reclaims={"main": lent(gpu="GPU-0")}
     )
     assert [e.reclaim for e in second.enforcements] == [lent(gpu="GPU-0")]
     # Nothing to signal (the victim still exiting, from an earlier tick): one notice says it.
-    busy = frozenset({burster.processes[0].key})
-    waiting = decide([burster], PolicyConfig(), safe.state, 2.0, busy, {"main": lent(gpu="GPU-0")})
+    busy = frozenset({borrower.processes[0].key})
+    waiting = decide([borrower], PolicyConfig(), safe.state, 2.0, busy, {"main": lent(gpu="GPU-0")})
     assert [n.reason for n in waiting.notices] == [Reason.RECLAIMED] and not waiting.enforcements
-    again = decide([burster], PolicyConfig(), waiting.state, 3.0, busy, {"main": lent(gpu="GPU-0")})
+    again = decide(
+        [borrower], PolicyConfig(), waiting.state, 3.0, busy, {"main": lent(gpu="GPU-0")}
+    )
     assert again.notices == ()
 
 
 def test_a_reclaim_with_warn_or_dry_run_signals_nothing() -> None:
-    burster = unit(proc(1, 3 * GiB), limit=8 * GiB)
-    warn = run_reclaim(burster, PolicyConfig(action=Action.WARN))
+    borrower = unit(proc(1, 3 * GiB), limit=8 * GiB)
+    warn = run_reclaim(borrower, PolicyConfig(action=Action.WARN))
     assert [len(d.notices) for d in warn] == [1, 0] and not any(d.enforcements for d in warn)
-    dry = run_reclaim(burster, PolicyConfig(dry_run=True))
+    dry = run_reclaim(borrower, PolicyConfig(dry_run=True))
     assert [[e.dry_run for e in d.enforcements] for d in dry] == [[True], []]
 
 

@@ -31,22 +31,22 @@ def share(unit: str, request: int, used: int, *, ceiling: int | None = None, pri
     return Share(unit, request * GiB, (ceiling or 80) * GiB, used * GiB, priority, exiting)
 
 
-def test_a_burster_is_left_alone_while_the_gpu_can_honour_every_request() -> None:
+def test_a_borrower_is_left_alone_while_the_gpu_can_honour_every_request() -> None:
     # 20 GiB free: the other container is owed 16 of its 20, plus the watermark.
-    burster, owed = share("ml/a/a", 20, 40), share("ml/b/b", 20, 4)
-    assert plan(gpu(burster, owed)) == Plan()
+    borrower, owed = share("ml/a/a", 20, 40), share("ml/b/b", 20, 4)
+    assert plan(gpu(borrower, owed)) == Plan()
     # 16 free, exactly what is owed: the watermark is what is short.
-    burster = share("ml/a/a", 20, 60)
-    assert shortfall(gpu(burster, owed), 0) == 0
-    assert shortfall(gpu(burster, owed), DEFAULT_WATERMARK) == DEFAULT_WATERMARK
-    assert [r.victim for r in plan(gpu(burster, owed)).reclaims] == [burster]
+    borrower = share("ml/a/a", 20, 60)
+    assert shortfall(gpu(borrower, owed), 0) == 0
+    assert shortfall(gpu(borrower, owed), DEFAULT_WATERMARK) == DEFAULT_WATERMARK
+    assert [r.victim for r in plan(gpu(borrower, owed)).reclaims] == [borrower]
 
 
-def test_the_burster_is_reclaimed_when_a_neighbour_grows_within_its_request() -> None:
-    burster, grower = share("ml/a/a", 20, 60), share("ml/b/b", 20, 12)
+def test_the_borrower_is_reclaimed_when_a_neighbour_grows_within_its_request() -> None:
+    borrower, grower = share("ml/a/a", 20, 60), share("ml/b/b", 20, 12)
     # 8 GiB free; the grower is owed 8, plus the watermark: 2 GiB short.
-    (reclaim,) = plan(gpu(burster, grower)).reclaims
-    assert reclaim.victim == burster and reclaim.gpu == "GPU-0"
+    (reclaim,) = plan(gpu(borrower, grower)).reclaims
+    assert reclaim.victim == borrower and reclaim.gpu == "GPU-0"
     assert reclaim.shortfall == 2 * GiB and reclaim.owed_to == ("ml/b/b",)
 
 
@@ -62,9 +62,9 @@ def test_lowest_priority_goes_first_then_the_most_lent_then_the_name() -> None:
 
 
 def test_what_an_exiting_victim_holds_is_already_coming_back() -> None:
-    burster, other = share("ml/a/a", 10, 50), share("ml/c/c", 10, 20)
+    borrower, other = share("ml/a/a", 10, 50), share("ml/c/c", 10, 20)
     grower = share("ml/b/b", 20, 8)
-    first = plan(gpu(burster, other, grower))  # 2 free, 12 owed + 2: short by 12
+    first = plan(gpu(borrower, other, grower))  # 2 free, 12 owed + 2: short by 12
     assert [r.victim.unit for r in first.reclaims] == ["ml/a/a"]
     # The next tick, before it is gone: nobody else is picked for the same shortfall.
     exiting = share("ml/a/a", 10, 50, exiting=True)
@@ -91,14 +91,14 @@ def test_victims_are_taken_until_what_they_lent_covers_the_shortfall() -> None:
 def test_processes_without_a_request_keep_the_watermark_free() -> None:
     """exec: nobody else declared a request, but the processes beside the command may grow:
     it borrows only while the watermark stays free for them."""
-    burster = share("ml/a/a", 20, 70)
-    alone = Gpu("GPU-0", TOTAL, 79 * GiB, (burster,))
+    borrower = share("ml/a/a", 20, 70)
+    alone = Gpu("GPU-0", TOTAL, 79 * GiB, (borrower,))
     assert plan(alone) == Plan()  # a full GPU that nobody else is on is lent, not short
-    beside = Gpu("GPU-0", TOTAL, 79 * GiB, (burster,), unrequested=9 * GiB)
+    beside = Gpu("GPU-0", TOTAL, 79 * GiB, (borrower,), unrequested=9 * GiB)
     (reclaim,) = plan(beside).reclaims
     assert reclaim.for_unrequested and reclaim.owed_to == () and reclaim.free == 1 * GiB
     assert reclaim.shortfall == DEFAULT_WATERMARK - 1 * GiB
-    roomy = Gpu("GPU-0", TOTAL, 72 * GiB, (burster,), unrequested=2 * GiB)
+    roomy = Gpu("GPU-0", TOTAL, 72 * GiB, (borrower,), unrequested=2 * GiB)
     assert plan(roomy) == Plan()
 
 
@@ -117,10 +117,10 @@ def test_never_below_request_never_twice_and_no_more_than_needed(
     victims = [r.victim for r in result.reclaims]
     assert all(v.used > v.request and not v.exiting for v in victims)
     assert len({v.unit for v in victims}) == len(victims)
-    short = shortfall(view, DEFAULT_WATERMARK) - sum(s.lent for s in shares if s.exiting)
+    short = shortfall(view, DEFAULT_WATERMARK) - sum(s.borrowed for s in shares if s.exiting)
     if victims:  # the last one was needed: without it, the GPU would still be short
-        assert sum(v.lent for v in victims[:-1]) < short
-        assert result.uncovered == max(short - sum(v.lent for v in victims), 0)
+        assert sum(v.borrowed for v in victims[:-1]) < short
+        assert result.uncovered == max(short - sum(v.borrowed for v in victims), 0)
     else:
         assert short <= 0 or not rank(shares)
 
@@ -153,15 +153,15 @@ def test_a_request_over_all_gpus_lends_on_each_what_it_holds_above_it() -> None:
     # On one GPU only, its request is there: under it, it lends nothing and is owed the
     # rest (NVML shows where it runs); on a GPU it does not use, it is absent.
     (quiet,) = views([device(0, 38), device(2, 0)], [unit("cmd", 40, a)], {"cmd": 10 * GiB})[:1]
-    assert quiet.shares[0].lent == 0 and quiet.shares[0].owed == 2 * GiB
+    assert quiet.shares[0].borrowed == 0 and quiet.shares[0].owed == 2 * GiB
     assert views([device(2, 0)], [unit("cmd", 40, a)], {"cmd": GiB})[0].shares == ()
 
 
 def test_a_unit_of_one_gpu_has_its_request_there_and_is_owed_the_rest() -> None:
     """DRA: a request per GPU, so what a container does not use yet is owed to it."""
     a, b = process(10, "GPU-0", 30), process(11, "GPU-0", 4)
-    burster, grower = unit("a@GPU-0", 40, a, on="GPU-0"), unit("b@GPU-0", 20, b, on="GPU-0")
-    (gpu,) = views([device(0, 34)], [burster, grower], {"a@GPU-0": 10 * GiB, "b@GPU-0": 20 * GiB})
+    borrower, grower = unit("a@GPU-0", 40, a, on="GPU-0"), unit("b@GPU-0", 20, b, on="GPU-0")
+    (gpu,) = views([device(0, 34)], [borrower, grower], {"a@GPU-0": 10 * GiB, "b@GPU-0": 20 * GiB})
     assert gpu.shares == (Share("a@GPU-0", 10 * GiB, 40 * GiB, 30 * GiB),
                           Share("b@GPU-0", 20 * GiB, 20 * GiB, 4 * GiB))  # fmt: skip
     assert gpu.unrequested == 0
@@ -184,8 +184,8 @@ def test_gpus_of_unknown_or_split_memory_are_left_out() -> None:
 
 
 def test_a_unit_reclaimed_on_two_gpus_is_explained_by_the_first() -> None:
-    burster = share("cmd", 0, 70)
-    gpus = [Gpu(f"GPU-{i}", TOTAL, 79 * GiB, (burster,), unrequested=GiB) for i in (1, 0)]
+    borrower = share("cmd", 0, 70)
+    gpus = [Gpu(f"GPU-{i}", TOTAL, 79 * GiB, (borrower,), unrequested=GiB) for i in (1, 0)]
     chosen = reclaims(gpus)
     assert list(chosen) == ["cmd"] and chosen["cmd"].gpu == "GPU-0"
-    assert reclaims([Gpu("GPU-0", TOTAL, 10 * GiB, (burster,), GiB)]) == {}
+    assert reclaims([Gpu("GPU-0", TOTAL, 10 * GiB, (borrower,), GiB)]) == {}

@@ -59,6 +59,7 @@ from enforcer.core.payloads import (
     PatchOperation,
     PodSpec,
 )
+from enforcer.core.settings import sidecar as declared
 from enforcer.core.tenancy import (
     Bounds,
     check_action,
@@ -73,9 +74,9 @@ API_VERSION = "admission.k8s.io/v1"
 
 # Annotation -> the sidecar variable it sets, and how it is checked.
 _SETTINGS = {
-    "vram-enforcer.io/action": "VRAM_ENFORCER_ACTION",
-    "vram-enforcer.io/grace-period": "VRAM_ENFORCER_GRACE_PERIOD",
-    "vram-enforcer.io/warn-at": "VRAM_ENFORCER_WARN_AT",
+    "vram-enforcer.io/action": declared.ACTION.variable,
+    "vram-enforcer.io/grace-period": declared.GRACE_PERIOD.variable,
+    "vram-enforcer.io/warn-at": declared.WARN_AT.variable,
 }
 
 
@@ -257,7 +258,7 @@ def mutate(
         declared = _kai(annotations, spec, bounds, namespace)
     else:
         declared = Declaration(limits, _ceilings(annotations, limits, bounds, namespace))
-    limits, ceilings = dict(declared.limits), dict(declared.ceilings)
+    limits, ceilings = dict(declared.requests), dict(declared.ceilings)
     if declared.portions:
         sidecar_env[PORTIONS_ENV] = encode_portions(declared.portions)
     if declared.gpus:
@@ -322,9 +323,9 @@ def _sidecar_settings(
         value = str(annotations[key])
         field = f"metadata.annotations[{key!r}]"
         try:
-            if var == "VRAM_ENFORCER_ACTION":
+            if var == declared.ACTION.variable:
                 check_action(value, bounds, field, namespace)
-            elif var == "VRAM_ENFORCER_GRACE_PERIOD":
+            elif var == declared.GRACE_PERIOD.variable:
                 check_grace_period(value, bounds, field, namespace)
             else:
                 parse_percent(value, field=field)

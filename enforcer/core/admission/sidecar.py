@@ -19,6 +19,7 @@ from enforcer.core.admission.common import (
 )
 from enforcer.core.admission.patch import Patch, put
 from enforcer.core.declaration import (
+    LIMITS_ENV,
     LIMITS_FROM_ENV,
     SIDECAR,
 )
@@ -34,6 +35,8 @@ from enforcer.core.payloads import (
 )
 from enforcer.core.protocol import SIDECAR_SOCKET, SIDECAR_SOCKET_DIR
 from enforcer.core.settings import resolve
+from enforcer.core.settings import sidecar as declared
+from enforcer.core.settings.common import DRA_CAPACITY, DRA_DRIVERS, DRA_UUID_ATTRIBUTE
 from enforcer.core.settings.sidecar import DECLARED as SIDECAR_SETTINGS
 from enforcer.core.settings.sidecar import sidecar_settings
 
@@ -150,18 +153,18 @@ def add_shm(patch: Patch, size: int | None) -> None:
 def sidecar_variables(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping[str, str],
                  settings: AdmissionSettings) -> list[EnvVar]:  # fmt: skip
     return [
-        _field_env("POD_NAME", "metadata.name"),
-        _field_env("POD_NAMESPACE", "metadata.namespace"),
-        _field_env("POD_UID", "metadata.uid"),
-        _field_env("NODE_NAME", "spec.nodeName"),
-        {"name": "VRAM_ENFORCER_LIMITS", "value": json.dumps(dict(limits), separators=(",", ":"))},
+        _field_env(declared.POD_NAME.variable, "metadata.name"),
+        _field_env(declared.POD_NAMESPACE.variable, "metadata.namespace"),
+        _field_env(declared.POD_UID.variable, "metadata.uid"),
+        _field_env(declared.NODE_NAME.variable, "spec.nodeName"),
+        {"name": LIMITS_ENV, "value": json.dumps(dict(limits), separators=(",", ":"))},
         {
-            "name": "VRAM_ENFORCER_CONTAINERS",
+            "name": declared.CONTAINERS.variable,
             "value": ",".join(c["name"] for c in containers(spec) if c["name"] != SIDECAR),
         },
         *[EnvVar(name=k, value=v) for k, v in {**settings_env, **dra_env(settings)}.items()],
-        {"name": "VRAM_ENFORCER_LISTEN", "value": SIDECAR_SOCKET},
-        {"name": "VRAM_ENFORCER_SIDECAR_MODE", "value": settings.sidecar_mode},
+        {"name": declared.LISTEN.variable, "value": SIDECAR_SOCKET},
+        {"name": declared.SIDECAR_MODE.variable, "value": settings.sidecar_mode},
     ]
 
 
@@ -172,9 +175,9 @@ def dra_env(settings: AdmissionSettings) -> dict[str, str]:
         return {}
     return {
         LIMITS_FROM_ENV: "dra",
-        "VRAM_ENFORCER_DRA_DRIVERS": ",".join(settings.dra_drivers),
-        "VRAM_ENFORCER_DRA_UUID_ATTRIBUTE": settings.dra_uuid_attribute,
-        "VRAM_ENFORCER_DRA_CAPACITY": settings.dra_capacity,
+        DRA_DRIVERS.variable: ",".join(settings.dra_drivers),
+        DRA_UUID_ATTRIBUTE.variable: settings.dra_uuid_attribute,
+        DRA_CAPACITY.variable: settings.dra_capacity,
     }
 
 

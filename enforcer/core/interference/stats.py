@@ -126,18 +126,22 @@ class Report:
         return tuple(c for c in self.cells if c.overlap is not None and c.overlap < OVERLAP_NOTE)
 
 
-def analyse(
-    workloads: Sequence[Workload],
-    runs: Sequence[RunResult],
-    *,
-    repeat: int,
-    warmup: int,
-    max_spread: float,
-    planned_runs: int,
-    partial: bool = False,
-    gpu: str | None = None,
-    timeout: float | None = None,
-) -> Report:
+@dataclass(frozen=True, slots=True)
+class Method:
+    """How the runs were made, as the report says it: runs per cell, warm-ups, the spread
+    above which a cell is unstable, the runs planned; whether they were interrupted, on
+    which GPU, with which timeout per run."""
+
+    repeat: int
+    warmup: int
+    max_spread: float
+    planned_runs: int
+    partial: bool = False
+    gpu: str | None = None
+    timeout: float | None = None
+
+
+def analyse(workloads: Sequence[Workload], runs: Sequence[RunResult], how: Method) -> Report:
     """The report over every run made so far (a partial one after an interruption)."""
     names = [w.name for w in workloads]
     timing = {n: _timing([r for r in measured_ok(runs) if r.spec.workload == n]) for n in names}
@@ -151,8 +155,8 @@ def analyse(
             slowdown = cell.median / solo if cell.median is not None and solo else None
             cells.append(replace(cell, slowdown=slowdown))
     return Report(
-        tuple(workloads), repeat, warmup, max_spread, planned_runs, tuple(runs), tuple(cells),
-        partial, gpu, timeout, timing,
+        tuple(workloads), how.repeat, how.warmup, how.max_spread, how.planned_runs, tuple(runs),
+        tuple(cells), how.partial, how.gpu, how.timeout, timing,
     )  # fmt: skip
 
 

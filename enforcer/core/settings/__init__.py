@@ -43,6 +43,13 @@ class Setting(Generic[T]):
     doc: str | None = None
     shown_default: str | None = None  # the docs' default, when `default` does not say it
 
+    @property
+    def variable(self) -> str:
+        """Its environment variable, for what writes it (the webhook, the sidecar's)."""
+        if self.env is None:
+            raise ValueError(f"the setting {self.key!r} has no environment variable")
+        return self.env
+
 
 def value(
     key: str,

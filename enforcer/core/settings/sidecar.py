@@ -10,6 +10,8 @@ from typing import Any
 from enforcer.core.declaration import (
     CEILINGS_ENV,
     GPUS_ENV,
+    LIMITS_ENV,
+    LIMITS_FROM_ENV,
     PORTIONS_ENV,
     Portion,
     encode_portions,
@@ -86,7 +88,7 @@ LIMITS = value(
     parse_limits,
     "container name -> limit in bytes, as JSON",
     flag="--limits",
-    env="VRAM_ENFORCER_LIMITS",
+    env=LIMITS_ENV,
     metavar="JSON",
     shown_default="required unless `--limits-from dra`",
     doc='JSON: container name → limit in bytes, `{"trainer": 12884901888}`. The webhook '
@@ -142,7 +144,7 @@ LIMITS_FROM = value(
     choice("declared", "dra"),
     "declared (--limits) or dra (the pod's ResourceClaims, per GPU)",
     flag="--limits-from",
-    env="VRAM_ENFORCER_LIMITS_FROM",
+    env=LIMITS_FROM_ENV,
     default="declared",
     metavar="declared|dra",
     doc="`declared`: each container's limit is `--limits`, over all GPUs. `dra`: a limit per "
@@ -360,7 +362,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
     dra = dra_settings(values) if values[LIMITS_FROM] == "dra" else None
     if dra is None and values[LIMITS] is None:
         raise ConfigError(
-            "VRAM_ENFORCER_LIMITS", None, f"is missing; use {LIMITS_FORM} (or --limits-from dra)"
+            LIMITS_ENV, None, f"is missing; use {LIMITS_FORM} (or --limits-from dra)"
         )
     ceilings = _ceilings(values[CEILINGS] or {}, values[LIMITS] or {}, values[SOURCE])
     portions = _portions(values[PORTIONS] or {}, values[LIMITS] or {}, values[SOURCE], dra)

@@ -1,0 +1,22 @@
+"""The reason of each Kubernetes Event we post (pure): why a unit, a pod or a node is
+reported. The log says the same sentence; `kubectl describe` shows the reason."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    """Why a unit is reported; the values are the Kubernetes Event reasons."""
+
+    NEAR_LIMIT = "VRAMNearLimit"
+    LIMIT_EXCEEDED = "VRAMLimitExceeded"
+    ENFORCED = "VRAMEnforced"
+    USAGE_UNKNOWN = "VRAMUsageUnknown"
+    HARD_LIMIT = "VRAMHardLimit"  # the agent: the driver holds the pod to its limits
+    SAMPLING_ONLY = "VRAMSamplingOnly"  # the agent: no hard limit for the pod, and why
+    ALLOCATION_UNKNOWN = "VRAMAllocationUnknown"  # DRA: a container's GPUs are not proven
+    GPU_UNREADABLE = "VRAMGpuUnreadable"  # the agent, on its Node: NVML cannot read a GPU
+    SIDECAR_SILENT = "VRAMSidecarSilent"  # the agent: a pod's sidecar is gone (or back)
+    RECLAIMED = "VRAMReclaimed"  # memory lent above a request is taken back
+    EVICTED = "VRAMEvicted"  # the agent: the kernel refused a signal, the pod is evicted
