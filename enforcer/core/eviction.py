@@ -1,5 +1,5 @@
 """When the node agent evicts a pod instead of signalling it: the kernel refused a signal
-to one of its victims (EPERM, e.g. a user-namespaced pod or a security module), and the
+to one of its victims (EPERM: a security module, an agent without CAP_KILL), and the
 victim's unit is still over its limit. The kubelet does the same for a pod it cannot hold
 to its memory: it asks the API to evict it (policy/v1 Eviction), which a
 PodDisruptionBudget may refuse for a while."""
@@ -25,7 +25,7 @@ def evicted(unit: UnitUsage, label: str) -> str:
     """The Event that says why the pod is evicted."""
     return (
         f"{messages.usage(unit, label)}; the kernel refused the signal to its process "
-        "(EPERM: a user-namespaced pod, or a security module), so the pod is evicted instead"
+        "(EPERM: a security module, or the agent lacks CAP_KILL), so the pod is evicted instead"
     )
 
 

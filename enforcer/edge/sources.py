@@ -124,9 +124,18 @@ def _is_initial_procfs(procfs: ProcFs, pid: int | str) -> bool:
     return False
 
 
+# The sidecar's socket: its owner, and others may write (connect). The agent connects as the
+# host's root, which in a user-namespaced pod (`hostUsers: false`) is none of the pod's
+# users, and has no CAP_DAC_OVERRIDE: with 0600 it was refused (EACCES), and every such pod
+# was held by the agent from its start. Who else could connect is bounded elsewhere: the
+# directory is an emptyDir only the sidecar mounts, the sidecar is not dumpable (another
+# container reaches /proc/<pid>/root only with CAP_SYS_PTRACE), and a caller inside the
+# pod's PID namespace is refused at accept (`AgentSource._accept`).
+SOCKET_MODE = 0o602
+
+
 def _listen(path: str) -> socket.socket:
-    # Only the sidecar's user (root) and the agent (root, through /proc/<pid>/root) need it.
-    return listen(Path(path), 0o600, 4, "sidecar", "--listen")
+    return listen(Path(path), SOCKET_MODE, 4, "sidecar", "--listen")
 
 
 class AgentSource:

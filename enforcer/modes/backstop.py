@@ -11,8 +11,9 @@ memory back; with DRA, each claim's allocation on its GPU, from the claims the a
 read for the pod's replies (never read here: the sampler does not wait on the API); the
 same proof before each signal (a pidfd, the process's start time, and
 its cgroup naming the container's ID in the pod's current status); and Events on the pod.
-Where the kernel refuses a signal all the same (EPERM: a user-namespaced pod, a security
-module), the pod is evicted through the API instead, once while it is held, as the kubelet
+Where the kernel refuses a signal all the same (EPERM: a security module, or an agent
+without CAP_KILL; not a user-namespaced pod, whose namespace is a child of the agent's), the
+pod is evicted through the API instead, once while it is held, as the kubelet
 evicts a pod it cannot hold to its memory (`core.eviction` says when).
 It hands the pod back as soon as the sidecar is heard again (`SidecarWatch` says when), and
 follows the victims it signalled to their end all the same: their SIGKILL comes at the

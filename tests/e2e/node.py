@@ -1,4 +1,5 @@
-"""A real Kubernetes node on this machine: kubelet 1.37 and containerd 2.x with Debian's runc.
+"""A real Kubernetes node on this machine: kubelet 1.37 and containerd 2.x with runc: the one
+tests/e2e/build-runc.sh caches (1.3, which runs user-namespaced pods), else Debian's (1.1).
 
 Every cgroup the kubelet and the runtime create stays inside the cgroup the tests run in
 (`cgroupRoot` below this process's memory cgroup on a v1 host, or its v2 cgroup): the
@@ -25,6 +26,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -40,6 +42,8 @@ PAUSE_IMAGE = "localhost/pause:e2e"
 BRIDGE = "vram-e2e0"
 NETNS = Path("/var/run/netns")  # where containerd makes each sandbox's network namespace
 CNI_CACHE = Path("/var/lib/cni/results")  # libcni's cache of results, which containerd fixes
+RUNC_VERSION = "1.3.7"  # tests/e2e/build-runc.sh's
+BUILT_RUNC = CACHE / f"runc-{RUNC_VERSION}" / "runc"
 
 
 def missing() -> str | None:
@@ -49,12 +53,24 @@ def missing() -> str | None:
     for path in (BIN / "kubelet", BIN / "kube-proxy", BIN / "containerd", BIN / "pause"):
         if not path.exists():
             return f"no {path}: run tests/e2e/build-kubernetes.sh"
-    if (
-        shutil.which("runc") is None
-        or shutil.which("nft") is None
-        or not (CNI_BIN / "bridge").exists()
-    ):
+    if runc() is None or shutil.which("nft") is None or not (CNI_BIN / "bridge").exists():
         return "needs runc, nft and the CNI plugins: apt-get install runc nftables containernetworking-plugins"
+    return None
+
+
+def runc() -> str | None:
+    """The runc containers run with: tests/e2e/build-runc.sh's when it is built, else the
+    system's (Debian 12's 1.1.5, too old for user namespaces); None if neither."""
+    if BUILT_RUNC.is_file() and os.access(BUILT_RUNC, os.X_OK):
+        return str(BUILT_RUNC)
+    return shutil.which("runc")
+
+
+def userns_missing() -> str | None:
+    """Why this node cannot run a user-namespaced pod (`hostUsers: false`), or None:
+    containerd needs a runc with idmapped mounts (>= 1.2)."""
+    if runc() != str(BUILT_RUNC):
+        return f"no {BUILT_RUNC} (user namespaces need runc >= 1.2): run tests/e2e/build-runc.sh"
     return None
 
 
@@ -97,6 +113,12 @@ class RealNode:
         self.name = name
         self._runtime = runtime
         self.dir = directory
+        # containerd's state (the containers' bundles and root filesystems) where the root of
+        # a user-namespaced pod, a high host uid, can reach it: the pytest directories are
+        # 0700 ("remount-private dst=.../rootfs: permission denied" from runc otherwise), as
+        # containerd's own /run/containerd is 0711.
+        self.state = Path(tempfile.mkdtemp(prefix="vram-e2e-containerd-", dir="/run"))
+        self.state.chmod(0o711)
         self.cgroup_root = own_cgroup_root()
         self.socket = directory / "containerd.sock"
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -147,10 +169,10 @@ class RealNode:
                  "ipam": {"type": "host-local", "dataDir": str(d / "ipam"),
                           "ranges": [[{"subnet": "10.88.77.0/24"}]]}},
                 {"type": "loopback"}]}))  # fmt: skip
-        binary = f'\n      BinaryName = "{self._runtime}"' if self._runtime else ""
+        binary = f'\n      BinaryName = "{self._runtime or runc()}"'
         (d / "containerd.toml").write_text(f"""version = 3
 root = "{d}/containerd/root"
-state = "{d}/containerd/state"
+state = "{self.state}"
 [grpc]
   address = "{self.socket}"
 [ttrpc]
@@ -267,9 +289,12 @@ state = "{d}/containerd/state"
             _kill(int(pid))
         mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
         for mount in sorted(
-            (m for m in mounts if m.startswith(str(self.dir))), key=len, reverse=True
+            (m for m in mounts if m.startswith((str(self.dir), str(self.state)))),
+            key=len,
+            reverse=True,
         ):
             subprocess.run(["umount", "-l", mount], check=False)
+        shutil.rmtree(self.state, ignore_errors=True)
         self._remove_cgroups()
         if self._kube_proxy:
             subprocess.run([str(BIN / "kube-proxy"), *self._kube_proxy, "--cleanup"],

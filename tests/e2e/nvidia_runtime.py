@@ -12,10 +12,10 @@ Every other container reaches runc unchanged.
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
+from tests.e2e.node import runc as node_runc
 from tests.fakenvml import LIBRARY
 
 # Where Debian (the image's base) and NVIDIA's runtime put the driver's libnvidia-ml.
@@ -68,9 +68,9 @@ def nvidia_runtime(directory: Path, lib_dir: Path, state_file: Path) -> Path:
     """The wrapper, written in `directory`, that containerd's runc runtime is to run
     (`BinaryName`): the fake NVML from `lib_dir`, its state in `state_file`."""
     wrapper = directory / "nvidia-container-runtime"
-    runc = shutil.which("runc")
+    runc = node_runc()  # tests/e2e/build-runc.sh's when it is built
     if runc is None:
-        raise FileNotFoundError("no runc: apt-get install runc")
+        raise FileNotFoundError("no runc: apt-get install runc, or run tests/e2e/build-runc.sh")
     wrapper.write_text(_WRAPPER.format(python=sys.executable, library=str(lib_dir / LIBRARY),
                                        state=str(state_file), runc=runc, driver=DRIVER_LIBRARY))  # fmt: skip
     wrapper.chmod(0o755)

@@ -47,7 +47,7 @@ from tests.e2e.cluster import ApiServer
 from tests.e2e.deviceplugin import DevicePlugin
 from tests.e2e.helm import CHART, helm
 from tests.e2e.images import ENFORCER_IMAGE, enforcer_image, image_missing
-from tests.e2e.node import BIN, PAUSE_IMAGE, RealNode, missing
+from tests.e2e.node import BIN, PAUSE_IMAGE, RealNode, missing, userns_missing
 from tests.e2e.nvidia_runtime import nvidia_runtime
 from tests.e2e.prometheus import Prometheus, dashboard_queries, exported
 from tests.e2e.prometheus import missing as prometheus_missing
@@ -678,12 +678,14 @@ def the_sidecar(node: RealNode, pod: client.V1Pod) -> tuple[int, int]:
 
 def in_workload(node: RealNode, pod: client.V1Pod, code: str) -> str:
     """Run `code` as `kubectl exec` would (this API server cannot dial the kubelet by name):
-    in the workload container's PID and mount namespaces, with its python."""
+    in the workload container's PID and mount namespaces, with its python; in a
+    user-namespaced pod, as root of its user namespace (what `kubectl exec` gets there)."""
     (trainer,) = pod.status.container_statuses
     workload_pid = node.pids(trainer.container_id.split("://")[1])[0]
     python = os.readlink(f"/proc/{workload_pid}/exe")  # the image's, as the container sees it
-    done = subprocess.run(["nsenter", "-t", str(workload_pid), "--pid", "--mount", "--", python,
-                           "-c", code], capture_output=True, text=True)  # fmt: skip
+    user = ["--user"] if pod.spec.host_users is False else []
+    done = subprocess.run(["nsenter", "-t", str(workload_pid), *user, "--pid", "--mount", "--",
+                           python, "-c", code], capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -786,6 +788,86 @@ def test_a_workload_that_stops_its_sidecar_is_told_on_and_held_by_the_agent(
              timeout=10, what="the agent to hand the pod back")  # fmt: skip
     core.delete_namespaced_pod("quiet", OPTED_IN)
     wait_for(lambda: gone(core, OPTED_IN, "quiet"), timeout=60, what="the pod to be gone")
+
+
+def test_a_user_namespaced_pod_that_stops_its_sidecar_is_still_signalled_by_the_agent(
+    installed: Cluster,
+) -> None:
+    """`hostUsers: false`: the pod gets a user namespace of its own, its uids a range of the
+    host's far from 0 (the worker, the image's non-root uid 65532, is that range's start +
+    65532 on the host), and root in the tenant's container is root of that namespace only.
+    It stops its sidecar, then takes 2 GiB over its 1Gi limit: the agent, whose CAP_KILL is
+    in the host's user namespace, an ancestor of the pod's, holds the pod and signals the
+    worker's process itself. The kernel allows it: the process dies of the agent's SIGTERM
+    (its parent, the container's first process, says so) and the pod is not evicted."""
+    core, node = installed.core, installed.node
+    userns_pod(installed, "userns")
+    pod = wait_for(lambda: running(core, OPTED_IN, "userns"), timeout=90, what="the pod to run")
+    sidecar, in_pod = the_sidecar(node, pod)
+    holder = the_holder(node, pod)
+    inside, outside, _ = Path(f"/proc/{holder}/uid_map").read_text().split()
+    assert inside == "0" and int(outside) >= 65536  # not the host's uids
+    uids = Path(f"/proc/{holder}/status").read_text().split("Uid:")[1].split()[:4]
+    assert uids == [str(int(outside) + 65532)] * 4  # the image's uid, 65532, in the pod's range
+    try:
+        in_workload(node, pod, f"import os, signal; os.kill({in_pod}, signal.SIGSTOP)")
+        wait_for(lambda: Path(f"/proc/{sidecar}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
+                 timeout=10, what="the sidecar to be stopped")  # fmt: skip
+        (silent,) = wait_for(lambda: events(core, OPTED_IN, "userns", "VRAMSidecarSilent"),
+                             timeout=60, what="the agent to say the sidecar is gone")  # fmt: skip
+        assert silent.type == "Warning" and "the node agent enforces the pod's" in silent.message
+        wait_for(lambda: "vram_enforcer_pods_held_by_agent 1.0" in installed.agent_metrics(),
+                 timeout=10, what="the agent to hold the pod")  # fmt: skip
+        enforced = stopped_over(installed, "userns", holder, 2 * GiB)
+        assert "held by the node agent while the pod's sidecar is silent" in enforced.message
+        assert "of its 1.00 GiB VRAM limit" in enforced.message
+        assert "sent SIGTERM to pid" in enforced.message
+        assert enforced.involved_object.field_path == "spec.containers{trainer}"
+        wait_for(lambda: "the child exited with -15" in container_log(node, pod, "trainer"),
+                 timeout=10, what="the worker's parent to see its SIGTERM")  # fmt: skip
+        assert not events(core, OPTED_IN, "userns", "VRAMEvicted")  # the signal was not refused
+        assert running(core, OPTED_IN, "userns")
+    finally:
+        os.kill(sidecar, signal.SIGCONT)
+    core.delete_namespaced_pod("userns", OPTED_IN)
+    wait_for(lambda: gone(core, OPTED_IN, "userns"), timeout=60, what="the pod to be gone")
+    wait_for(lambda: "vram_enforcer_pods_held_by_agent 0.0" in installed.agent_metrics(),
+             timeout=10, what="the agent to let the pod go")  # fmt: skip
+
+
+def test_the_agent_connects_to_the_sidecar_of_a_user_namespaced_pod(installed: Cluster) -> None:
+    """The agent connects to its sidecar as the host's root, none of the pod's users, without
+    CAP_DAC_OVERRIDE: the socket lets others connect (0602). With 0600 it was refused
+    (EACCES, found by the test above), and the pod was held by the agent from its start
+    (VRAMSidecarSilent 10 s after it ran) with its sidecar's enforcement paused."""
+    core = installed.core
+    userns_pod(installed, "userns-dial")
+    try:
+        wait_for(lambda: running(core, OPTED_IN, "userns-dial"), timeout=90, what="the pod to run")
+        with contextlib.suppress(AssertionError):  # an unreachable sidecar is said after 10 s
+            wait_for(lambda: events(core, OPTED_IN, "userns-dial", "VRAMSidecarSilent"),
+                     timeout=20, what="the agent to say it cannot reach the sidecar")  # fmt: skip
+        assert not events(core, OPTED_IN, "userns-dial", "VRAMSidecarSilent")
+        assert "vram_enforcer_pods_held_by_agent 0.0" in installed.agent_metrics()
+    finally:
+        core.delete_namespaced_pod("userns-dial", OPTED_IN)
+        wait_for(lambda: gone(core, OPTED_IN, "userns-dial"), timeout=60, what="the pod to be gone")
+
+
+def userns_pod(installed: Cluster, name: str) -> None:
+    """An enforced pod of its own user namespace (`hostUsers: false`), limited to 1Gi."""
+    if reason := userns_missing():
+        (pytest.fail if os.environ.get("VRAM_ENFORCER_E2E") == "required" else pytest.skip)(reason)
+    installed.core.create_namespaced_pod(OPTED_IN, workload(name, "1Gi", hostUsers=False))
+
+
+def container_log(node: RealNode, pod: client.V1Pod, container: str) -> str:
+    """What a container wrote, from the kubelet's log files (CRI lines: time, stream,
+    F(ull) or P(artial), then the text)."""
+    found = node.dir / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}_{pod.metadata.uid}"
+    lines = [line.split(" ", 3) for run in sorted((found / container).glob("*.log"))
+             for line in run.read_text().splitlines()]  # fmt: skip
+    return "".join(p[3] + ("\n" if p[2] == "F" else "") for p in lines if len(p) == 4)
 
 
 def test_with_its_sidecar_stopped_restart_still_restarts_the_container(installed: Cluster) -> None:

@@ -361,9 +361,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         )
     dra = dra_settings(values) if values[LIMITS_FROM] == "dra" else None
     if dra is None and values[LIMITS] is None:
-        raise ConfigError(
-            LIMITS_ENV, None, f"is missing; use {LIMITS_FORM} (or --limits-from dra)"
-        )
+        raise ConfigError(LIMITS_ENV, None, f"is missing; use {LIMITS_FORM} (or --limits-from dra)")
     ceilings = _ceilings(values[CEILINGS] or {}, values[LIMITS] or {}, values[SOURCE])
     portions = _portions(values[PORTIONS] or {}, values[LIMITS] or {}, values[SOURCE], dra)
     return SidecarSettings(
