@@ -766,13 +766,7 @@ def test_a_workload_that_stops_its_sidecar_is_told_on_and_held_by_the_agent(
     sidecar, in_pod = the_sidecar(node, pod)
     holder = the_holder(node, pod)
     try:
-        in_workload(node, pod, f"import os, signal; os.kill({in_pod}, signal.SIGSTOP)")
-        # a signal is delivered when the process next runs in the kernel: not at once
-        wait_for(lambda: Path(f"/proc/{sidecar}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
-                 timeout=10, what="the sidecar to be stopped")  # fmt: skip
-        (silent,) = wait_for(lambda: events(core, OPTED_IN, "quiet", "VRAMSidecarSilent"),
-                             timeout=60, what="the agent to say the sidecar is gone")  # fmt: skip
-        assert silent.type == "Warning" and "the node agent enforces the pod's" in silent.message
+        stop_sidecar(installed, pod, sidecar, in_pod)
         assert "vram_enforcer_pods_unguarded 1.0" in installed.agent_metrics()
         wait_for(lambda: "vram_enforcer_pods_held_by_agent 1.0" in installed.agent_metrics(),
                  timeout=10, what="the agent to hold the pod")  # fmt: skip
@@ -810,12 +804,7 @@ def test_a_user_namespaced_pod_that_stops_its_sidecar_is_still_signalled_by_the_
     uids = Path(f"/proc/{holder}/status").read_text().split("Uid:")[1].split()[:4]
     assert uids == [str(int(outside) + 65532)] * 4  # the image's uid, 65532, in the pod's range
     try:
-        in_workload(node, pod, f"import os, signal; os.kill({in_pod}, signal.SIGSTOP)")
-        wait_for(lambda: Path(f"/proc/{sidecar}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
-                 timeout=10, what="the sidecar to be stopped")  # fmt: skip
-        (silent,) = wait_for(lambda: events(core, OPTED_IN, "userns", "VRAMSidecarSilent"),
-                             timeout=60, what="the agent to say the sidecar is gone")  # fmt: skip
-        assert silent.type == "Warning" and "the node agent enforces the pod's" in silent.message
+        stop_sidecar(installed, pod, sidecar, in_pod)
         wait_for(lambda: "vram_enforcer_pods_held_by_agent 1.0" in installed.agent_metrics(),
                  timeout=10, what="the agent to hold the pod")  # fmt: skip
         enforced = stopped_over(installed, "userns", holder, 2 * GiB)
@@ -854,6 +843,19 @@ def test_the_agent_connects_to_the_sidecar_of_a_user_namespaced_pod(installed: C
         wait_for(lambda: gone(core, OPTED_IN, "userns-dial"), timeout=60, what="the pod to be gone")
 
 
+def stop_sidecar(installed: Cluster, pod: client.V1Pod, sidecar: int, in_pod: int) -> None:
+    """The tenant stops its sidecar from inside its pod (SIGSTOP, `in_pod` its pid there), and
+    the agent says so: a `VRAMSidecarSilent` Warning on the pod."""
+    in_workload(installed.node, pod, f"import os, signal; os.kill({in_pod}, signal.SIGSTOP)")
+    # a signal is delivered when the process next runs in the kernel: not at once
+    wait_for(lambda: Path(f"/proc/{sidecar}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
+             timeout=10, what="the sidecar to be stopped")  # fmt: skip
+    name = pod.metadata.name
+    (silent,) = wait_for(lambda: events(installed.core, OPTED_IN, name, "VRAMSidecarSilent"),
+                         timeout=60, what="the agent to say the sidecar is gone")  # fmt: skip
+    assert silent.type == "Warning" and "the node agent enforces the pod's" in silent.message
+
+
 def userns_pod(installed: Cluster, name: str) -> None:
     """An enforced pod of its own user namespace (`hostUsers: false`), limited to 1Gi."""
     if reason := userns_missing():
@@ -882,9 +884,7 @@ def test_with_its_sidecar_stopped_restart_still_restarts_the_container(installed
     sidecar, in_pod = the_sidecar(node, pod)
     holder = the_holder(node, pod)
     try:
-        in_workload(node, pod, f"import os, signal; os.kill({in_pod}, signal.SIGSTOP)")
-        wait_for(lambda: events(core, OPTED_IN, "held-restart", "VRAMSidecarSilent"),
-                 timeout=60, what="the agent to say the sidecar is gone")  # fmt: skip
+        stop_sidecar(installed, pod, sidecar, in_pod)
         installed.use(holder, 2 * GiB)
         try:
             wait_for(lambda: _restarts(core.read_namespaced_pod("held-restart", OPTED_IN),
