@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from enforcer.core import messages
 from enforcer.core.attribution import usage_by_container
 from enforcer.core.declaration import SIDECAR
+from enforcer.core.gpu_faults import Faults, passed
 from enforcer.core.model import Device, Sample, SourceDown
 from enforcer.core.payloads import ObjectReference
 from enforcer.core.pod_directory import event_about
@@ -81,40 +82,27 @@ def _device_shape(devices: Sequence[Device]) -> tuple[tuple[str, int | None], ..
     return tuple((d.uuid, d.total_bytes) for d in devices)
 
 
-FAULT_PASSES = 3  # passes a GPU must fail (or succeed) in a row before it is said to
-
-
 class GpuFaults:
-    """The GPUs that NVML cannot read, while the others are read on: said in the log, the
-    metrics (`gpu_readable`) and, where the agent has the API, as Events on its Node. A GPU
-    counts as failed after FAULT_PASSES passes in a row, and as back after as many, so that
-    a GPU that fails now and then does not flood either."""
+    """The GPUs that NVML cannot read, while the others are read on (`core/gpu_faults.py`
+    decides when to say so): said in the log, the metrics (`gpu_readable`) and, where the
+    agent has the API, as Events on its Node."""
 
     def __init__(self, telemetry: AgentTelemetry, node_name: str) -> None:
         self._telemetry = telemetry
         self._node = node_name
         self.recorder: EventRecorder | None = None  # set when the agent posts Events
-        self._said: dict[str, str] = {}  # GPU uuid -> why, as last said
-        self._streaks: dict[str, int] = {}  # GPU uuid -> passes in a row against what was said
+        self._faults = Faults()
 
     def update(self, sample: Sample) -> None:
-        failed = dict(sample.failed)
         index = {d.uuid: d.index for d in sample.devices}
-        for uuid in {*failed, *self._said}:
-            if (uuid in failed) == (uuid in self._said):
-                self._streaks.pop(uuid, None)
-                continue
-            self._streaks[uuid] = self._streaks.get(uuid, 0) + 1
-            if self._streaks[uuid] < FAULT_PASSES:
-                continue
-            del self._streaks[uuid]
-            if uuid in failed:
-                self._said[uuid] = failed[uuid]
-                self._tell(messages.gpu_unreadable(uuid, index.get(uuid), failed[uuid]), True)
+        self._faults, changes = passed(self._faults, dict(sample.failed))
+        for change in changes:
+            if change.why is not None:
+                self._tell(messages.gpu_unreadable(change.gpu, index.get(change.gpu), change.why),
+                           True)  # fmt: skip
             else:
-                del self._said[uuid]
-                self._tell(messages.gpu_readable(uuid), False)
-        self._telemetry.node.failed = dict(self._said)
+                self._tell(messages.gpu_readable(change.gpu), False)
+        self._telemetry.node.failed = dict(self._faults.said)
 
     def _tell(self, text: str, warning: bool) -> None:
         log.log(logging.ERROR if warning else logging.INFO, "%s", text)
