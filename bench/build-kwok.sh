@@ -24,25 +24,18 @@ cached() {
     for s in "${STAGES[@]}"; do [ -s "$OUT/stages/$(basename "$s")" ] || return 1; done
 }
 
-if cached; then
-    echo "$OUT"
-    exit 0
-fi
-command -v go >/dev/null || { echo "build-kwok: needs Go and the Go module proxy" >&2; exit 1; }
-mkdir -p "$CACHE"
-exec 9>"$CACHE/.build-kwok.lock"
-flock 9
-if cached; then
-    echo "$OUT"
-    exit 0
-fi
-mkdir -p "$OUT/stages"
-export GOFLAGS=-mod=mod CGO_ENABLED=0 GOTOOLCHAIN=local
-echo "build-kwok: go install sigs.k8s.io/kwok/cmd/kwok@v$KWOK" >&2
-GOBIN="$OUT" go install "sigs.k8s.io/kwok/cmd/kwok@v$KWOK"
-source=$(go env GOMODCACHE)/sigs.k8s.io/kwok@v$KWOK/kustomize/stage
-for s in "${STAGES[@]}"; do
-    install -m 0644 "$source/$s" "$OUT/stages/$(basename "$s")"
-done
-cached || { echo "build-kwok: $OUT/kwok does not report version $KWOK" >&2; exit 1; }
-echo "$OUT"
+build() {
+    local source s
+    mkdir -p "$OUT/stages"
+    export GOFLAGS=-mod=mod CGO_ENABLED=0 GOTOOLCHAIN=local
+    echo "build-kwok: go install sigs.k8s.io/kwok/cmd/kwok@v$KWOK" >&2
+    GOBIN="$OUT" go install "sigs.k8s.io/kwok/cmd/kwok@v$KWOK"
+    source=$(go env GOMODCACHE)/sigs.k8s.io/kwok@v$KWOK/kustomize/stage
+    for s in "${STAGES[@]}"; do
+        install -m 0644 "$source/$s" "$OUT/stages/$(basename "$s")"
+    done
+}
+
+# shellcheck source=tests/e2e/go-tool.sh
+source "$(dirname "$0")/../tests/e2e/go-tool.sh"
+go_tool kwok "$OUT" "a kwok that reports version $KWOK, and its stages"

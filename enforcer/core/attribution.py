@@ -59,6 +59,8 @@ def attribute_declared(
     into `gpus[name]` equal shares, on each of the GPUs where it holds most, as units
     `<container>@<gpu>`; on any further GPU, 0. Its usage on none: no unit yet."""
     spread = {name: count for name, count in gpus.items() if name in limits}
+    if not spread:  # every tick of almost every pod: nothing else to fold
+        return attribute(sample, container_of, limits, cmdlines)
     held: dict[str, dict[str, int]] = {}
     for usage in sample.processes:
         name = container_of.get(usage.key)

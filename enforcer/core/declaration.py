@@ -189,7 +189,8 @@ def of_pod(
         limits = parse_limits(env[LIMITS_ENV], LIMITS_ENV)
         ceilings = parse_limits(env.get(CEILINGS_ENV, "{}"), CEILINGS_ENV)
         portions = parse_portions(env.get(PORTIONS_ENV, "{}"), PORTIONS_ENV)
-        gpus = parse_gpus(env.get(GPUS_ENV, "{}"), GPUS_ENV, {*limits, *portions})
+        gpus = spread_over(parse_gpus(env.get(GPUS_ENV, "{}"), GPUS_ENV), {*limits, *portions},
+                           GPUS_ENV)  # fmt: skip
     except ConfigError as exc:
         return Undeclared(str(exc))
     return Declaration(limits, _above(ceilings, limits), portions, gpus=gpus)
@@ -334,20 +335,27 @@ def parse_portions(text: str, where: str) -> dict[str, Portion]:
     return found
 
 
-def parse_gpus(text: str, where: str, declaring: AbstractSet[str] | None = None) -> dict[str, int]:
+def parse_gpus(text: str, where: str) -> dict[str, int]:
     """GPUS_ENV back: a whole number of GPUs from 2 up to GPUS_DIGITS digits (1 is what a
-    container without an entry has), for containers of `declaring` when it is given."""
+    container without an entry has)."""
     doc = json_object(text, where, GPUS_FORM)
     found: dict[str, int] = {}
     for name, count in doc.items():
         if isinstance(count, bool) or not isinstance(count, int) or not 2 <= count < _MAX_GPUS:
             raise ConfigError(where, text, f"gives container {name!r} {shown(count)} GPUs; use "
                               f"a whole number from 2 to {_MAX_GPUS - 1}: {GPUS_FORM}")  # fmt: skip
-        if declaring is not None and name not in declaring:
-            raise ConfigError(where, text, f"names container {name!r}, which declares no "
-                              "request to spread; name a declaring container")  # fmt: skip
         found[name] = count
     return found
+
+
+def spread_over(gpus: dict[str, int], declaring: AbstractSet[str], where: str) -> dict[str, int]:
+    """`gpus`, when each names a container of `declaring`: only a request can be spread."""
+    for name in gpus:
+        if name not in declaring:
+            raise ConfigError(where, json.dumps(gpus), f"names container {name!r}, which "
+                              "declares no request to spread; name a declaring "
+                              "container")  # fmt: skip
+    return gpus
 
 
 def _portion(value: object, where: str) -> Decimal:

@@ -21,20 +21,14 @@ cached() {
     grep -Eq "^v${HELM//./\\.}(\+|\$)" <<<"$out"
 }
 
-if cached; then
-    echo "$OUT/helm"
-    exit 0
-fi
-command -v go >/dev/null || { echo "build-helm: needs Go and the Go module proxy" >&2; exit 1; }
-mkdir -p "$CACHE"
-exec 9>"$CACHE/.build-helm.lock"
-flock 9
-if ! cached; then
+build() {
     echo "build-helm: building helm v$HELM" >&2
     # The version stamp, as helm's own release build sets it.
     GOBIN="$OUT" CGO_ENABLED=0 GOTOOLCHAIN=local go install -trimpath \
         -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=v$HELM" \
         "helm.sh/helm/v3/cmd/helm@v$HELM"
-    cached || { echo "build-helm: $OUT/helm does not report v$HELM" >&2; exit 1; }
-fi
-echo "$OUT/helm"
+}
+
+# shellcheck source=tests/e2e/go-tool.sh
+source "$(dirname "$0")/go-tool.sh"
+go_tool helm "$OUT/helm" "a helm that reports v$HELM"

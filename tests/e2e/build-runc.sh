@@ -24,19 +24,13 @@ cached() {
     grep -Eq "^runc version ${RUNC//./\\.}\$" <<<"$out" && grep -q "^libseccomp: " <<<"$out"
 }
 
-if cached; then
-    echo "$OUT/runc"
-    exit 0
-fi
-command -v go >/dev/null || { echo "build-runc: needs Go and the Go module proxy" >&2; exit 1; }
-mkdir -p "$CACHE"
-exec 9>"$CACHE/.build-runc.lock"
-flock 9
-if ! cached; then
+build() {
     echo "build-runc: building runc v$RUNC" >&2
     # The version stamp, as runc's Makefile sets it (main.version).
     GOBIN="$OUT" CGO_ENABLED=1 GOTOOLCHAIN=local go install -trimpath -tags seccomp \
         -ldflags "-s -w -X main.version=$RUNC" "github.com/opencontainers/runc@v$RUNC"
-    cached || { echo "build-runc: $OUT/runc does not report $RUNC with libseccomp" >&2; exit 1; }
-fi
-echo "$OUT/runc"
+}
+
+# shellcheck source=tests/e2e/go-tool.sh
+source "$(dirname "$0")/go-tool.sh"
+go_tool runc "$OUT/runc" "a runc that reports $RUNC with libseccomp"

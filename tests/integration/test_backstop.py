@@ -25,7 +25,7 @@ from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.backstop import Backstop, SilentPodAttributor
 from enforcer.modes.node_view import NodeView
-from tests.helpers import wait_for
+from tests.helpers import children, wait_for
 from tests.pods_api import serving
 
 if TYPE_CHECKING:
@@ -50,8 +50,13 @@ def moved_in(box: Path, worker: subprocess.Popen[Any]) -> ProcessKey:
     return ProcessKey(worker.pid, st.start_time)
 
 
-def children(procfs: ProcFs, parent: int) -> list[int]:
-    return [p for p in procfs.pids() if (st := procfs.stat(p)) is not None and st.ppid == parent]
+def ended(workers: list[int], started: list[subprocess.Popen[Any]]) -> None:
+    """Kill a test's processes: the workers its processes started, then those."""
+    for pid in workers:
+        os.kill(pid, 9)
+    for proc in started:
+        proc.kill()
+        proc.wait()
 
 
 def test_the_init_is_the_oldest_process_of_the_container_whose_parent_is_outside_it(
@@ -65,7 +70,7 @@ def test_the_init_is_the_oldest_process_of_the_container_whose_parent_is_outside
     started = [init]
     workers: list[int] = []
     try:
-        workers = wait_for(lambda: children(procfs, init.pid), what="the init's worker")
+        workers = wait_for(lambda: children(init.pid), what="the init's worker")
         time.sleep(0.03)  # a later clock tick: an exec into the container is younger
         started.append(in_box(box, SLEEP))
         exec_shell = started[-1].pid
@@ -87,11 +92,7 @@ def test_the_init_is_the_oldest_process_of_the_container_whose_parent_is_outside
         assert not member(os.getpid())  # outside the container
         assert not attributor.membership("vram-enforcer")(init.pid)  # never one of its units
     finally:
-        for pid in workers:
-            os.kill(pid, 9)
-        for proc in started:
-            proc.kill()
-            proc.wait()
+        ended(workers, started)
 
 
 def test_a_share_spread_over_gpus_is_held_on_each_gpu_never_summed_on_one(

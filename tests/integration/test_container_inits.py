@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import os
 import secrets
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -22,10 +20,10 @@ from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.edge.cgroupfs import ContainerCgroups
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.backstop import SilentPodAttributor
-from tests.helpers import wait_for
+from tests.helpers import children, wait_for
+from tests.integration.test_backstop import SLEEP, ended, in_box
 
 UID = "0a1b2c3d-0000-4000-8000-00000000abcd"
-SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 SPAWN = "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(60)"
 
 
@@ -48,22 +46,10 @@ class Counted(ProcFs):
         return super().pids()
 
 
-def in_cgroup(cgroup: Path, argv: list[str]) -> subprocess.Popen[Any]:
-    """A child of this process (the runtime's shim, here) that starts inside `cgroup`."""
-    return subprocess.Popen(
-        ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroup), *argv]
-    )
-
-
 def key_of(pid: int) -> ProcessKey:
     st = ProcFs().stat(pid)
     assert st is not None
     return ProcessKey(pid, st.start_time)
-
-
-def children(parent: int) -> list[int]:
-    procfs = ProcFs()
-    return [p for p in procfs.pids() if (st := procfs.stat(p)) is not None and st.ppid == parent]
 
 
 Container = tuple[str, Path, ProcessKey, list[int]]
@@ -83,24 +69,20 @@ def container(cgroup2: Path) -> Iterator[Container]:
     box, other = pod / f"cri-containerd-{cid}.scope", pod / f"cri-containerd-{other_id}.scope"
     (box / "payload").mkdir(parents=True)
     other.mkdir()
-    started = [in_cgroup(box / "payload", [sys.executable, "-c", SPAWN, *SLEEP])]
+    started = [in_box(box / "payload", [sys.executable, "-c", SPAWN, *SLEEP])]
     workers: list[int] = []
     try:
         workers = wait_for(lambda: children(started[0].pid), what="the init's worker")
-        started.append(in_cgroup(other, SLEEP))  # a neighbour, never read
+        started.append(in_box(other, SLEEP))  # a neighbour, never read
         time.sleep(0.03)  # a later clock tick: the exec is younger than the init
-        started.append(in_cgroup(box, SLEEP))
+        started.append(in_box(box, SLEEP))
         wait_for(lambda: str(started[-1].pid) in (box / "cgroup.procs").read_text(),
                  what="the exec in the container")  # fmt: skip
         wait_for(lambda: str(started[1].pid) in (other / "cgroup.procs").read_text(),
                  what="the neighbour in its container")  # fmt: skip
         yield cid, box, key_of(started[0].pid), [started[0].pid, *workers, started[-1].pid]
     finally:
-        for pid in workers:
-            os.kill(pid, 9)
-        for proc in started:
-            proc.kill()
-            proc.wait()
+        ended(workers, started)
 
 
 def test_the_init_is_found_from_its_containers_cgroups_without_reading_any_other_process(

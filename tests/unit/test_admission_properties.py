@@ -241,17 +241,22 @@ def test_most_generated_pods_reach_the_mutation() -> None:
     assert corrupted["patched"] > 0 and corrupted["denied"] > 0, corrupted
 
 
+def admitted(p: dict[str, Any], s: AdmissionSettings) -> dict[str, Any] | None:
+    """The pod as the webhook's well-formed patch makes it; None where it changes nothing."""
+    out = review(review_of(p), s)
+    event(out.result)
+    ops = well_formed(out.review, "u-1")
+    return jsonpatch.apply_patch(p, ops) if ops else None
+
+
 @settings(max_examples=400)
 @given(p=pods(), s=st.sampled_from(SETTINGS))
 def test_a_second_pass_over_the_webhooks_own_output_yields_no_patch(
     p: dict[str, Any], s: AdmissionSettings
 ) -> None:
-    out = review(review_of(p), s)
-    event(out.result)
-    ops = well_formed(out.review, "u-1")
-    if not ops:
+    mutated = admitted(p, s)
+    if mutated is None:
         return
-    mutated = jsonpatch.apply_patch(p, ops)
     declared = json.loads(next(e["value"] for c in mutated["spec"].get("initContainers", []) + mutated["spec"]["containers"]
                                if c["name"] == "vram-enforcer" for e in c["env"] if e["name"] == "VRAM_ENFORCER_LIMITS"))  # fmt: skip
     assert declared and all(isinstance(v, int) and v >= 0 for v in declared.values())
@@ -399,12 +404,9 @@ def test_whatever_the_webhook_admits_its_sidecar_and_the_agent_read_back(
     """The sidecar's environment is read by the sidecar's own settings parser (a pod whose
     sidecar refuses it never starts, or runs unenforced), and the agent reads the pod as
     declaring what the sidecar enforces."""
-    out = review(review_of(p), s)
-    event(out.result)
-    ops = well_formed(out.review, "u-1")
-    if not ops:
+    mutated = admitted(p, s)
+    if mutated is None:
         return
-    mutated = jsonpatch.apply_patch(p, ops)
     environ = {
         e["name"]: e["value"] if "value" in e else e["valueFrom"]["fieldRef"]["fieldPath"]
         for c in mutated["spec"].get("initContainers", []) + mutated["spec"]["containers"]

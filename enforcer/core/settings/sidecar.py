@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +15,7 @@ from enforcer.core.declaration import (
     encode_portions,
     parse_gpus,
     parse_portions,
+    spread_over,
 )
 from enforcer.core.dra import DraSettings
 from enforcer.core.model import Action
@@ -373,7 +372,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         limits=values[LIMITS] or {},
         ceilings=ceilings,
         portions=portions,
-        gpus=_gpus(values[GPUS] or {}, {*(values[LIMITS] or {}), *portions}),
+        gpus=spread_over(values[GPUS] or {}, {*(values[LIMITS] or {}), *portions}, GPUS_ENV),
         dra=dra,
         containers=values[CONTAINERS],
         undeclared_allowed=values[UNDECLARED_ALLOWED],
@@ -409,13 +408,6 @@ def _portions(
             "GPU, and so only it can say when borrowed memory must be given back"
         ))  # fmt: skip
     return portions
-
-
-def _gpus(gpus: dict[str, int], declaring: AbstractSet[str]) -> dict[str, int]:
-    """GPU counts only for containers whose limit is given, in bytes or as a portion."""
-    if gpus:
-        parse_gpus(json.dumps(gpus), GPUS_ENV, declaring)
-    return gpus
 
 
 def _ceilings(ceilings: dict[str, int], limits: dict[str, int], source: str) -> dict[str, int]:
