@@ -48,11 +48,21 @@ def _start_agent(
         "contexts:\n- name: x\n  context: {cluster: x, user: x}\ncurrent-context: x\n"
     )
     agent = subprocess.Popen(
-        [*enforcer_argv("agent"), "--node-name", "bench", "--kubeconfig", str(kubeconfig),
-         "--socket", str(sock), "--interval", "100ms"],
+        [
+            *enforcer_argv("agent"),
+            "--node-name",
+            "bench",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--socket",
+            str(sock),
+            "--interval",
+            "100ms",
+        ],
         env={**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)},
-        stderr=(tmp / "agent.log").open("w"), cwd=ROOT,
-    )  # fmt: skip
+        stderr=(tmp / "agent.log").open("w"),
+        cwd=ROOT,
+    )
     wait_for(sock.exists, what="the agent socket")
     return agent, state_file
 
@@ -65,12 +75,27 @@ def round_trips(
     pods = []
     try:
         for _ in range(callers):
-            pods.append(subprocess.Popen(
-                ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, str(CALLER),
-                 "--socket", str(tmp / "agent.sock"), "--seconds", str(seconds),
-                 *(["--subscribe"] if subscribe else [])],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            ))  # fmt: skip
+            pods.append(
+                subprocess.Popen(
+                    [
+                        "unshare",
+                        "--pid",
+                        "--fork",
+                        "--mount-proc",
+                        "--kill-child",
+                        sys.executable,
+                        str(CALLER),
+                        "--socket",
+                        str(tmp / "agent.sock"),
+                        "--seconds",
+                        str(seconds),
+                        *(["--subscribe"] if subscribe else []),
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
         for pod in pods:
             assert pod.stdout is not None
             assert pod.stdout.readline().startswith("ready")
@@ -142,12 +167,28 @@ def _pass_cpu(lib_dir: Path, tmp: Path, state: FakeGpuState, every: str, window:
     sock = tmp / "agent.sock"
     port = free_port()
     agent = subprocess.Popen(
-        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off",
-         "--socket", str(sock), "--interval", "100ms", "--utilization-interval", every,
-         "--metrics-port", str(port), "--metrics-address", "127.0.0.1"],
+        [
+            *enforcer_argv("agent"),
+            "--no-advertise",
+            "--no-labels",
+            "--no-serve-pods",
+            "--hard-limits",
+            "off",
+            "--socket",
+            str(sock),
+            "--interval",
+            "100ms",
+            "--utilization-interval",
+            every,
+            "--metrics-port",
+            str(port),
+            "--metrics-address",
+            "127.0.0.1",
+        ],
         env={**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)},
-        stderr=(tmp / "agent.log").open("w"), cwd=ROOT,
-    )  # fmt: skip
+        stderr=(tmp / "agent.log").open("w"),
+        cwd=ROOT,
+    )
     try:
         wait_for(sock.exists, what="the agent socket")
         time.sleep(1.5)  # start-up and the first utilisation read are not the steady state

@@ -57,9 +57,15 @@ def run(lib_dir: Path, pods: int, window: float, warmup: float = 30.0) -> dict[s
         policy = tmp / "audit-policy.yaml"
         policy.write_text(POLICY)
         audit = tmp / "audit.log"
-        server = ApiServer(for_pods=True, extra_args=[
-            f"--audit-policy-file={policy}", f"--audit-log-path={audit}",
-            "--audit-log-maxsize=0", "--audit-log-format=json"])  # fmt: skip
+        server = ApiServer(
+            for_pods=True,
+            extra_args=[
+                f"--audit-policy-file={policy}",
+                f"--audit-log-path={audit}",
+                "--audit-log-maxsize=0",
+                "--audit-log-format=json",
+            ],
+        )
         node = None
         made_dir = False
         agent = None
@@ -74,8 +80,9 @@ def run(lib_dir: Path, pods: int, window: float, warmup: float = 30.0) -> dict[s
             node = RealNode(server, tmp / "node", images=[image], kube_proxy=True)
             kubeconfig = server.write_kubeconfig(tmp / "admin.kubeconfig")
             core = node.core
-            core.create_namespace({"metadata": {"name": TENANTS,
-                                                "labels": {"vram-enforcer.io/inject": "enabled"}}})  # fmt: skip
+            core.create_namespace(
+                {"metadata": {"name": TENANTS, "labels": {"vram-enforcer.io/inject": "enabled"}}}
+            )
             _install(kubeconfig)
             if not SOCKET.parent.exists():
                 SOCKET.parent.mkdir()
@@ -86,10 +93,22 @@ def run(lib_dir: Path, pods: int, window: float, warmup: float = 30.0) -> dict[s
             flags = ["--socket", str(SOCKET), "--cgroup-root", "/sys/fs/cgroup", "--resync", "60s"]
             agent = AgentProcess(server, token, node.name, tmp, lib_dir, *flags, state=gpus)
             apps = client.AppsV1Api(server.client())
-            wait_for(lambda: apps.read_namespaced_deployment(f"{NAMESPACE}-webhook", NAMESPACE).status.available_replicas,
-                     timeout=180, what="the webhook")  # fmt: skip
-            wait_for(lambda: "vram-enforcer.io/vram" in (core.read_node(node.name).status.allocatable or {}),
-                     timeout=60, what="the agent to advertise VRAM")  # fmt: skip
+            wait_for(
+                lambda: (
+                    apps.read_namespaced_deployment(
+                        f"{NAMESPACE}-webhook", NAMESPACE
+                    ).status.available_replicas
+                ),
+                timeout=180,
+                what="the webhook",
+            )
+            wait_for(
+                lambda: (
+                    "vram-enforcer.io/vram" in (core.read_node(node.name).status.allocatable or {})
+                ),
+                timeout=60,
+                what="the agent to advertise VRAM",
+            )
             for i in range(pods):
                 core.create_namespaced_pod(TENANTS, _pod(f"trainer-{i}"))
             wait_for(
@@ -113,17 +132,33 @@ def run(lib_dir: Path, pods: int, window: float, warmup: float = 30.0) -> dict[s
 
 def _install(kubeconfig: Path) -> None:
     values = {
-        "image": {"repository": ENFORCER_IMAGE.rsplit(":", 1)[0], "tag": "e2e", "pullPolicy": "Never"},
+        "image": {
+            "repository": ENFORCER_IMAGE.rsplit(":", 1)[0],
+            "tag": "e2e",
+            "pullPolicy": "Never",
+        },
         "webhook": {"replicas": 1},
         "sidecar": {"namespaces": [TENANTS]},
-    }  # fmt: skip
+    }
     helm("install", NAMESPACE, str(CHART), NAMESPACE, str(kubeconfig), json.dumps(values))
 
 
 def _pod(name: str) -> dict[str, Any]:
-    return {"metadata": {"name": name}, "spec": {"terminationGracePeriodSeconds": 2, "containers": [{
-        "name": "trainer", "image": ENFORCER_IMAGE, "imagePullPolicy": "Never",
-        "command": ["python", "-c", HOLDER], "resources": {"limits": {"vram-enforcer.io/vram": "1Gi"}}}]}}  # fmt: skip
+    return {
+        "metadata": {"name": name},
+        "spec": {
+            "terminationGracePeriodSeconds": 2,
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": ENFORCER_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["python", "-c", HOLDER],
+                    "resources": {"limits": {"vram-enforcer.io/vram": "1Gi"}},
+                }
+            ],
+        },
+    }
 
 
 def _sidecar_memory(node: RealNode) -> dict[str, Any]:
@@ -142,8 +177,12 @@ def _sidecar_memory(node: RealNode) -> dict[str, Any]:
             anon.append(int(stat["total_rss"]))
             peak.append(int((found / "memory.max_usage_in_bytes").read_text()))
     mib = 1024 * 1024
-    return {"sidecars": len(anon), "anon_mib_max": max(anon) / mib,
-            "anon_mib_median": sorted(anon)[len(anon) // 2] / mib, "peak_mib_max": max(peak) / mib}  # fmt: skip
+    return {
+        "sidecars": len(anon),
+        "anon_mib_max": max(anon) / mib,
+        "anon_mib_median": sorted(anon)[len(anon) // 2] / mib,
+        "peak_mib_max": max(peak) / mib,
+    }
 
 
 def _container_cgroup(node: RealNode, pod_uid: str, container_id: str) -> Path:
@@ -178,7 +217,9 @@ def _component(user: str) -> str:
         # The harness runs the kubelet, kube-proxy and this benchmark as its admin user.
         return "kubelet, kube-proxy and the benchmark (the harness's admin)"
     if user.startswith("system:serviceaccount:kube-system:") or user in (
-        "system:kube-controller-manager", "system:kube-scheduler"):  # fmt: skip
+        "system:kube-controller-manager",
+        "system:kube-scheduler",
+    ):
         return "control plane"
     return "others (the benchmark, the API server itself)"
 
@@ -212,8 +253,11 @@ def _report(counted: dict[str, Counter[str]], window: float, pods: int) -> dict[
     rows = {}
     for component, by_what in sorted(counted.items()):
         total = sum(by_what.values())
-        rows[component] = {"requests": total, "per_second": total / window,
-                           "by_request": dict(by_what.most_common())}  # fmt: skip
+        rows[component] = {
+            "requests": total,
+            "per_second": total / window,
+            "by_request": dict(by_what.most_common()),
+        }
     sidecars = rows.get("sidecars (tenant ServiceAccounts)", {}).get("per_second", 0.0)
     agent = rows.get("agent", {}).get("per_second", 0.0)
     return {

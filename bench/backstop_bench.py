@@ -38,8 +38,9 @@ def run(lib_dir: Path, tmp: Path, trials: int) -> dict[str, Any] | str:
         return reason
     with sidecar_bench.bench_server() as server:
         core = client.CoreV1Api(server.client())
-        with sidecar_bench.beside_agent(server, lib_dir, tmp / "backstop", "bench-backstop",
-                                        {"trainer": "1Gi"}) as h:  # fmt: skip
+        with sidecar_bench.beside_agent(
+            server, lib_dir, tmp / "backstop", "bench-backstop", {"trainer": "1Gi"}
+        ) as h:
             core.patch_namespaced_pod(
                 h.pod.name, "bench", {"metadata": {"labels": {ENFORCED: "true"}}}
             )
@@ -55,8 +56,11 @@ def run(lib_dir: Path, tmp: Path, trials: int) -> dict[str, Any] | str:
             def back_after(resume: Callable[[], None]) -> None:
                 back = agent_log.read_text().count(sidecar_back())
                 resume()
-                wait_for(lambda: agent_log.read_text().count(sidecar_back()) > back, timeout=30,
-                         what="the agent to see the sidecar back")  # fmt: skip
+                wait_for(
+                    lambda: agent_log.read_text().count(sidecar_back()) > back,
+                    timeout=30,
+                    what="the agent to see the sidecar back",
+                )
 
             def continued() -> None:
                 os.kill(pid, signal.SIGCONT)
@@ -71,14 +75,20 @@ def run(lib_dir: Path, tmp: Path, trials: int) -> dict[str, Any] | str:
                 os.kill(pid, sig)
                 h.state.set_process(0, victim, 2 * GiB)
 
-            stopped = h.latencies(trials, lambda v: exceed(v, signal.SIGSTOP),
-                                  after=lambda: back_after(continued))  # fmt: skip
-            killed = h.latencies(trials, lambda v: exceed(v, signal.SIGKILL),
-                                 after=lambda: back_after(restarted))  # fmt: skip
+            stopped = h.latencies(
+                trials, lambda v: exceed(v, signal.SIGSTOP), after=lambda: back_after(continued)
+            )
+            killed = h.latencies(
+                trials, lambda v: exceed(v, signal.SIGKILL), after=lambda: back_after(restarted)
+            )
     return {**_figures(stopped), "killed": _figures(killed)}
 
 
 def _figures(ms: list[float]) -> dict[str, Any]:
     ms = sorted(ms)
-    return {"trials": len(ms), "p50_s": statistics.median(ms) / 1000, "max_s": ms[-1] / 1000,
-            "all_s": [round(m / 1000, 2) for m in ms]}  # fmt: skip
+    return {
+        "trials": len(ms),
+        "p50_s": statistics.median(ms) / 1000,
+        "max_s": ms[-1] / 1000,
+        "all_s": [round(m / 1000, 2) for m in ms],
+    }

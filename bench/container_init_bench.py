@@ -65,8 +65,10 @@ def run(extra: int = 2000, pods: int = 110, repeats: int = 20, size: int = 5) ->
     top = root / f"vram-bench-{secrets.token_hex(4)}"
     kubepods = top / "kubepods.slice"
     cid = secrets.token_hex(32)
-    boxes = [_pod_dir(kubepods, i) / f"cri-containerd-{secrets.token_hex(32)}.scope"
-             for i in range(1, pods)]  # fmt: skip
+    boxes = [
+        _pod_dir(kubepods, i) / f"cri-containerd-{secrets.token_hex(32)}.scope"
+        for i in range(1, pods)
+    ]
     box = _pod_dir(kubepods, 0) / f"cri-containerd-{cid}.scope"
     started: list[subprocess.Popen[bytes]] = []
     try:
@@ -74,16 +76,18 @@ def run(extra: int = 2000, pods: int = 110, repeats: int = 20, size: int = 5) ->
             path.mkdir(parents=True)
         script = 'echo $$ > "$0/cgroup.procs" && exec "$@"'
         started.append(subprocess.Popen(["sh", "-c", script, str(box), *_container(size)]))
-        wait_for(lambda: len((box / "cgroup.procs").read_text().split()) == size, timeout=120,
-                 what="the container")  # fmt: skip
+        wait_for(
+            lambda: len((box / "cgroup.procs").read_text().split()) == size,
+            timeout=120,
+            what="the container",
+        )
         started += [subprocess.Popen(["sleep", "600"]) for _ in range(extra)]
         scan, cgroups = ProcFs(), ProcFs(cgroups=ContainerCgroups(top))
         expected = scan.container_inits({cid})
         assert expected == cgroups.container_inits({cid}), expected
         scanned = _timed(lambda: scan.container_inits({cid}), repeats)
         warm = _timed(lambda: cgroups.container_inits({cid}), repeats)
-        cold = _timed(lambda: ProcFs(cgroups=ContainerCgroups(top)).container_inits({cid}),
-                      repeats)  # fmt: skip
+        cold = _timed(lambda: ProcFs(cgroups=ContainerCgroups(top)).container_inits({cid}), repeats)
         return {
             "node_processes": len(scan.pids()),
             "extra_processes": extra,

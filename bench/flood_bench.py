@@ -67,11 +67,13 @@ HOSTILE_BODIES = [
 def _hostile_reviews() -> list[bytes]:
     base = sample_review()
     out = list(HOSTILE_BODIES)
-    for key, value in (("vram-enforcer.io/shm-size", "1e1000000"),
-                       ("vram-enforcer.io/shm-size", "9" * 5000),
-                       ("vram-enforcer.io/metrics-port", "\u00b2"),
-                       ("vram-enforcer.io/grace-period", "9" * 400 + "s"),
-                       ("vram-enforcer.io/action", "warn")):  # fmt: skip
+    for key, value in (
+        ("vram-enforcer.io/shm-size", "1e1000000"),
+        ("vram-enforcer.io/shm-size", "9" * 5000),
+        ("vram-enforcer.io/metrics-port", "\u00b2"),
+        ("vram-enforcer.io/grace-period", "9" * 400 + "s"),
+        ("vram-enforcer.io/action", "warn"),
+    ):
         doc = json.loads(json.dumps(base))
         doc["request"]["object"]["metadata"]["annotations"] = {key: value}
         out.append(json.dumps(doc).encode())
@@ -85,9 +87,11 @@ class _Garbage(http.server.BaseHTTPRequestHandler):
     """An API server that answers nothing well."""
 
     replies: ClassVar[list[tuple[int, bytes]]] = [
-        (200, b"<html>upstream proxy</html>"), (200, b"[1, 2, 3]"), (500, b"{}"),
+        (200, b"<html>upstream proxy</html>"),
+        (200, b"[1, 2, 3]"),
+        (500, b"{}"),
         (200, b'{"kind": "Pod", "metadata": '),
-    ]  # fmt: skip
+    ]
 
     def _answer(self) -> None:
         status, body = random.choice(self.replies)
@@ -172,67 +176,148 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int) -> dict[str, 
     env = {**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)}
     agent_metrics = free_port()
     agent = subprocess.Popen(
-        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off",
-         "--socket", str(tmp / "agent.sock"), "--metrics-port", str(agent_metrics)],
-        env=env, stderr=(tmp / "agent.log").open("w"),
-    )  # fmt: skip
+        [
+            *enforcer_argv("agent"),
+            "--no-advertise",
+            "--no-labels",
+            "--no-serve-pods",
+            "--hard-limits",
+            "off",
+            "--socket",
+            str(tmp / "agent.sock"),
+            "--metrics-port",
+            str(agent_metrics),
+        ],
+        env=env,
+        stderr=(tmp / "agent.log").open("w"),
+    )
     wait_for((tmp / "agent.sock").exists, what="the agent")
     garbage = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Garbage)
     threading.Thread(target=garbage.serve_forever, daemon=True).start()
     kubeconfig = tmp / "garbage-kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "g",
-        "clusters": [{"name": "g", "cluster": {"server": f"http://127.0.0.1:{garbage.server_address[1]}"}}],
-        "users": [{"name": "g", "user": {"token": "x"}}],
-        "contexts": [{"name": "g", "context": {"cluster": "g", "user": "g"}}]}))  # fmt: skip
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "g",
+                "clusters": [
+                    {
+                        "name": "g",
+                        "cluster": {"server": f"http://127.0.0.1:{garbage.server_address[1]}"},
+                    }
+                ],
+                "users": [{"name": "g", "user": {"token": "x"}}],
+                "contexts": [{"name": "g", "context": {"cluster": "g", "user": "g"}}],
+            }
+        )
+    )
     ca = make_ca(tmp)
     cert, key = make_serving_cert(tmp, ca, "webhook")
     hook_port = free_port()
     webhook = subprocess.Popen(
-        [*enforcer_argv("webhook"), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-         "--port", str(hook_port), "--address", "127.0.0.1", "--sidecar-image", "img:1",
-         "--sidecar-mode", "native", "--log-format", "text"],
-        stderr=(tmp / "webhook.log").open("w"), env={**os.environ, **IMAGE_ENV},
-    )  # fmt: skip
+        [
+            *enforcer_argv("webhook"),
+            "--tls-cert-file",
+            str(cert),
+            "--tls-key-file",
+            str(key),
+            "--port",
+            str(hook_port),
+            "--address",
+            "127.0.0.1",
+            "--sidecar-image",
+            "img:1",
+            "--sidecar-mode",
+            "native",
+            "--log-format",
+            "text",
+        ],
+        stderr=(tmp / "webhook.log").open("w"),
+        env={**os.environ, **IMAGE_ENV},
+    )
     wait_for(lambda: "serving admission" in (tmp / "webhook.log").read_text(), what="webhook")
     pod = SimPod(core, "flood", "flood-0", ["trainer", "vram-enforcer"])
     flood, peaks, pods = _Flood(), {}, []  # type: ignore[var-annotated]
     sampling = threading.Event()
     try:
-        driver = pod.start("trainer", [sys.executable, "-c", DRIVER], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True)  # fmt: skip
+        driver = pod.start(
+            "trainer",
+            [sys.executable, "-c", DRIVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert driver.stdout is not None and driver.stdin is not None
         assert driver.stdout.readline().strip() == "ready"
         (driver_pid,) = pod.host_pids("trainer")
         pod.start(
             "vram-enforcer",
-            [*enforcer_argv("sidecar"), "--kubeconfig", str(kubeconfig), "--interval", "100ms", "--api-access", "direct",
-             "--log-format", "text"],
-            env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid,
-                 "VRAM_ENFORCER_LIMITS": json.dumps({"trainer": GiB}),
-                 "VRAM_ENFORCER_CONTAINERS": "trainer",
-                 "VRAM_ENFORCER_AGENT_SOCKET": str(tmp / "agent.sock")},
+            [
+                *enforcer_argv("sidecar"),
+                "--kubeconfig",
+                str(kubeconfig),
+                "--interval",
+                "100ms",
+                "--api-access",
+                "direct",
+                "--log-format",
+                "text",
+            ],
+            env={
+                "POD_NAME": pod.name,
+                "POD_NAMESPACE": pod.namespace,
+                "POD_UID": pod.uid,
+                "VRAM_ENFORCER_LIMITS": json.dumps({"trainer": GiB}),
+                "VRAM_ENFORCER_CONTAINERS": "trainer",
+                "VRAM_ENFORCER_AGENT_SOCKET": str(tmp / "agent.sock"),
+            },
             stderr=(tmp / "sidecar.log").open("w"),
-        )  # fmt: skip
+        )
         (sidecar_pid,) = wait_for(lambda: pod.host_pids("vram-enforcer"), what="the sidecar")
-        wait_for(lambda: "enforcing" in (tmp / "sidecar.log").read_text(), timeout=20,
-                 what="the sidecar to start")  # fmt: skip
+        wait_for(
+            lambda: "enforcing" in (tmp / "sidecar.log").read_text(),
+            timeout=20,
+            what="the sidecar to start",
+        )
         time.sleep(1.0)
-        before = {name: proc_status_kib(pid, "VmRSS") / 1024
-                  for name, pid in (("sidecar", sidecar_pid), ("agent", agent.pid),
-                                    ("webhook", webhook.pid))}  # fmt: skip
-        watcher = threading.Thread(target=_peak, args=(
-            {"sidecar": sidecar_pid, "agent": agent.pid, "webhook": webhook.pid}, sampling, peaks))  # fmt: skip
+        before = {
+            name: proc_status_kib(pid, "VmRSS") / 1024
+            for name, pid in (
+                ("sidecar", sidecar_pid),
+                ("agent", agent.pid),
+                ("webhook", webhook.pid),
+            )
+        }
+        watcher = threading.Thread(
+            target=_peak,
+            args=(
+                {"sidecar": sidecar_pid, "agent": agent.pid, "webhook": webhook.pid},
+                sampling,
+                peaks,
+            ),
+        )
         watcher.start()
         # -- the attack --------------------------------------------------------------------
         flood.idle("127.0.0.1", agent_metrics, 500)  # any pod
         flood.idle("127.0.0.1", hook_port, 300)  # any pod
         for _ in range(10):  # pods of their own, hammering the socket
             p = subprocess.Popen(
-                ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable,
-                 "-c", SOCKET_HAMMER, str(tmp / "agent.sock")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+                [
+                    "unshare",
+                    "--pid",
+                    "--fork",
+                    "--mount-proc",
+                    "--kill-child",
+                    sys.executable,
+                    "-c",
+                    SOCKET_HAMMER,
+                    str(tmp / "agent.sock"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             pods.append(p)
         reviews = _hostile_reviews()
         statuses: dict[int, int] = {}
@@ -242,8 +327,9 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int) -> dict[str, 
             """From an address of its own: the idle flood holds 127.0.0.1's share."""
 
             def connect() -> http.client.HTTPSConnection:
-                return http.client.HTTPSConnection("127.0.0.1", hook_port, context=context,
-                                                   timeout=30, source_address=(source, 0))  # fmt: skip
+                return http.client.HTTPSConnection(
+                    "127.0.0.1", hook_port, context=context, timeout=30, source_address=(source, 0)
+                )
 
             conn = connect()
             for body in random.sample(reviews, len(reviews)):
@@ -264,8 +350,9 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int) -> dict[str, 
         # -- measured while it lasts -------------------------------------------------------
         latencies, reviews_ms, healthz_ms, missed = [], [], [], 0
         good = json.dumps(sample_review()).encode()
-        review_conn = http.client.HTTPSConnection("127.0.0.1", hook_port, context=context,
-                                                  timeout=30, source_address=("127.0.0.2", 0))  # fmt: skip
+        review_conn = http.client.HTTPSConnection(
+            "127.0.0.1", hook_port, context=context, timeout=30, source_address=("127.0.0.2", 0)
+        )
         for _ in range(trials):
             driver.stdin.write("go\n")
             driver.stdin.flush()
@@ -282,8 +369,9 @@ def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int) -> dict[str, 
             assert b'"allowed":true' in review_conn.getresponse().read()
             reviews_ms.append((time.perf_counter() - t0) * 1000)
             t0 = time.perf_counter()
-            with socket.create_connection(("127.0.0.1", agent_metrics), timeout=5,
-                                          source_address=("127.0.0.3", 0)) as probe:  # fmt: skip
+            with socket.create_connection(
+                ("127.0.0.1", agent_metrics), timeout=5, source_address=("127.0.0.3", 0)
+            ) as probe:
                 probe.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
                 assert b"200 OK" in probe.recv(4096)
             healthz_ms.append((time.perf_counter() - t0) * 1000)

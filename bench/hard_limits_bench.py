@@ -57,10 +57,12 @@ def agent_cpu(lib_dir: Path, window: float) -> dict[str, Any]:
             # Every container's process holding 1 GiB on the first GPU, as NVML lists it:
             # the agent reads what the driver charges each pod until it has said so.
             with _holders(dirs) as pids:
-                busy = _measure(lib_dir, tmp / "busy", kubeconfig, root, cgroups, window, "auto",
-                                pids, core)  # fmt: skip
-                idle = _measure(lib_dir, tmp / "busy-off", kubeconfig, root, cgroups, window,
-                                "off", pids)  # fmt: skip
+                busy = _measure(
+                    lib_dir, tmp / "busy", kubeconfig, root, cgroups, window, "auto", pids, core
+                )
+                idle = _measure(
+                    lib_dir, tmp / "busy-off", kubeconfig, root, cgroups, window, "off", pids
+                )
     finally:
         remove_cgroup_tree(root)
         server.close()
@@ -103,15 +105,38 @@ def _pods(core: client.CoreV1Api, root: Path) -> list[Path]:
     made = []
     for i in range(PODS):
         ids = {c: secrets.token_hex(32) for c in ("train", "helper")}
-        spec = [client.V1Container(name=c, image="gpu:1", resources=client.V1ResourceRequirements(
-            limits={"vram-enforcer.io/vram": "4Gi"})) for c in ids]  # fmt: skip
-        pod = core.create_namespaced_pod("bench", client.V1Pod(
-            metadata=client.V1ObjectMeta(name=f"p{i}"),
-            spec=client.V1PodSpec(containers=spec, node_name=NODE)))  # fmt: skip
-        statuses = [{"name": c, "containerID": f"containerd://{cid}", "image": "gpu:1", "imageID": "",
-                     "ready": True, "restartCount": 0, "state": {"running": {}}} for c, cid in ids.items()]  # fmt: skip
-        core.patch_namespaced_pod_status(f"p{i}", "bench", [
-            {"op": "add", "path": "/status/containerStatuses", "value": statuses}])  # fmt: skip
+        spec = [
+            client.V1Container(
+                name=c,
+                image="gpu:1",
+                resources=client.V1ResourceRequirements(limits={"vram-enforcer.io/vram": "4Gi"}),
+            )
+            for c in ids
+        ]
+        pod = core.create_namespaced_pod(
+            "bench",
+            client.V1Pod(
+                metadata=client.V1ObjectMeta(name=f"p{i}"),
+                spec=client.V1PodSpec(containers=spec, node_name=NODE),
+            ),
+        )
+        statuses = [
+            {
+                "name": c,
+                "containerID": f"containerd://{cid}",
+                "image": "gpu:1",
+                "imageID": "",
+                "ready": True,
+                "restartCount": 0,
+                "state": {"running": {}},
+            }
+            for c, cid in ids.items()
+        ]
+        core.patch_namespaced_pod_status(
+            f"p{i}",
+            "bench",
+            [{"op": "add", "path": "/status/containerStatuses", "value": statuses}],
+        )
         pod_dir = qos / f"kubepods-besteffort-pod{pod.metadata.uid.replace('-', '_')}.slice"
         for cid in ids.values():
             (pod_dir / f"cri-containerd-{cid}.scope").mkdir(parents=True)
@@ -119,9 +144,17 @@ def _pods(core: client.CoreV1Api, root: Path) -> list[Path]:
     return made
 
 
-def _measure(lib_dir: Path, tmp: Path, kubeconfig: Path, root: Path, cgroups: int, window: float,
-             mode: str, pids: tuple[int, ...] = (), core: client.CoreV1Api | None = None,
-             ) -> dict[str, float]:  # fmt: skip
+def _measure(
+    lib_dir: Path,
+    tmp: Path,
+    kubeconfig: Path,
+    root: Path,
+    cgroups: int,
+    window: float,
+    mode: str,
+    pids: tuple[int, ...] = (),
+    core: client.CoreV1Api | None = None,
+) -> dict[str, float]:
     """With `core`: also the time until every pod's VRAMHardLimit Event is there."""
     tmp.mkdir()
     state = FakeGpuState.single_gpu()
@@ -133,16 +166,32 @@ def _measure(lib_dir: Path, tmp: Path, kubeconfig: Path, root: Path, cgroups: in
     state.write(state_file)
     started = time.monotonic()
     agent = subprocess.Popen(
-        [*enforcer_argv("agent"), "--node-name", NODE, "--kubeconfig", str(kubeconfig), "--no-advertise",
-         "--no-labels", "--hard-limits", mode, "--cgroup-root", str(root), "--socket", str(tmp / "agent.sock")],
+        [
+            *enforcer_argv("agent"),
+            "--node-name",
+            NODE,
+            "--kubeconfig",
+            str(kubeconfig),
+            "--no-advertise",
+            "--no-labels",
+            "--hard-limits",
+            mode,
+            "--cgroup-root",
+            str(root),
+            "--socket",
+            str(tmp / "agent.sock"),
+        ],
         env={**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)},
         stderr=(tmp / "agent.log").open("w"),
-    )  # fmt: skip
+    )
     try:
         all_set = float("nan")
         if mode == "auto":
-            wait_for(lambda: len(limit_records(state_file)) >= 2 * cgroups, timeout=120,
-                     what="every limit set")  # fmt: skip
+            wait_for(
+                lambda: len(limit_records(state_file)) >= 2 * cgroups,
+                timeout=120,
+                what="every limit set",
+            )
             all_set = time.monotonic() - started
         if core is not None:
             wait_for(lambda: _proven(core) >= PODS, timeout=120, what="every pod's VRAMHardLimit")
@@ -158,8 +207,12 @@ def _measure(lib_dir: Path, tmp: Path, kubeconfig: Path, root: Path, cgroups: in
     finally:
         agent.terminate()
         agent.wait(timeout=15)
-    return {"all_set_after_s": all_set, "cpu_share": (cpu1 - cpu0) / (t1 - t0), "rss_mib": rss,
-            "all_proven_after_s": proven if core is not None else float("nan")}  # fmt: skip
+    return {
+        "all_set_after_s": all_set,
+        "cpu_share": (cpu1 - cpu0) / (t1 - t0),
+        "rss_mib": rss,
+        "all_proven_after_s": proven if core is not None else float("nan"),
+    }
 
 
 def _proven(core: client.CoreV1Api) -> int:
@@ -174,12 +227,20 @@ def overshoot(latency_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for rate_gib_s in (1, 10, 100):
         for lat in latency_rows:
-            rows.append({
-                "tier": f"sampling @ {lat['interval_ms']:.0f} ms",
+            rows.append(
+                {
+                    "tier": f"sampling @ {lat['interval_ms']:.0f} ms",
+                    "rate_gib_per_s": rate_gib_s,
+                    "p50_gib": rate_gib_s * lat["p50_ms"] / 1000,
+                    "p99_gib": rate_gib_s * lat["p99_ms"] / 1000,
+                }
+            )
+        rows.append(
+            {
+                "tier": "hard limit (R615+)",
                 "rate_gib_per_s": rate_gib_s,
-                "p50_gib": rate_gib_s * lat["p50_ms"] / 1000,
-                "p99_gib": rate_gib_s * lat["p99_ms"] / 1000,
-            })  # fmt: skip
-        rows.append({"tier": "hard limit (R615+)", "rate_gib_per_s": rate_gib_s, "p50_gib": 0.0,
-                     "p99_gib": 0.0})  # fmt: skip
+                "p50_gib": 0.0,
+                "p99_gib": 0.0,
+            }
+        )
     return rows

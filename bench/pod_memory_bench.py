@@ -54,22 +54,42 @@ def hostile_pod(index: int, annotations: int = MiB, version: int = 1) -> dict[st
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": f"big-{index}", "namespace": "tenant", "uid": f"uid-{index}",
-            "resourceVersion": f"{version}{index:06}", "annotations": dict.fromkeys(keys, value),
-            "managedFields": [{"manager": "kubectl", "operation": "Update", "apiVersion": "v1",
-                               "fieldsType": "FieldsV1", "fieldsV1": managed}],
+            "name": f"big-{index}",
+            "namespace": "tenant",
+            "uid": f"uid-{index}",
+            "resourceVersion": f"{version}{index:06}",
+            "annotations": dict.fromkeys(keys, value),
+            "managedFields": [
+                {
+                    "manager": "kubectl",
+                    "operation": "Update",
+                    "apiVersion": "v1",
+                    "fieldsType": "FieldsV1",
+                    "fieldsV1": managed,
+                }
+            ],
         },
         "spec": {
             "nodeName": NODE,
-            "containers": [{"name": "work", "image": "busybox",
-                            "resources": {"limits": {"vram-enforcer.io/vram": "4Gi"}}}],
+            "containers": [
+                {
+                    "name": "work",
+                    "image": "busybox",
+                    "resources": {"limits": {"vram-enforcer.io/vram": "4Gi"}},
+                }
+            ],
         },
         "status": {
             "phase": "Running",
-            "containerStatuses": [{"name": "work", "containerID": f"containerd://{index:064x}",
-                                   "state": {"running": {"startedAt": "2026-11-26T00:00:00Z"}}}],
+            "containerStatuses": [
+                {
+                    "name": "work",
+                    "containerID": f"containerd://{index:064x}",
+                    "state": {"running": {"startedAt": "2026-11-26T00:00:00Z"}},
+                }
+            ],
         },
-    }  # fmt: skip
+    }
 
 
 @contextmanager
@@ -86,13 +106,32 @@ def _agent(
         f"'{api.url}'}}\nusers:\n- name: x\n  user: {{token: t}}\n"
         "contexts:\n- name: x\n  context: {cluster: x, user: x}\ncurrent-context: x\n"
     )
-    argv = enforcer_argv("agent", "--node-name", NODE, "--kubeconfig", str(kubeconfig),
-                         "--socket", str(tmp / "agent.sock"), "--no-advertise", "--no-labels",
-                         "--hard-limits", "off", "--pod-resources-socket", "",
-                         "--metrics-port", str(free_port()),
-                         "--metrics-address", "127.0.0.1")  # fmt: skip
-    env = {**os.environ, **IMAGE_ENV, "LD_LIBRARY_PATH": str(lib_dir),
-           "FAKE_NVML_STATE": str(state_file), "PYTHONPATH": str(source)}  # fmt: skip
+    argv = enforcer_argv(
+        "agent",
+        "--node-name",
+        NODE,
+        "--kubeconfig",
+        str(kubeconfig),
+        "--socket",
+        str(tmp / "agent.sock"),
+        "--no-advertise",
+        "--no-labels",
+        "--hard-limits",
+        "off",
+        "--pod-resources-socket",
+        "",
+        "--metrics-port",
+        str(free_port()),
+        "--metrics-address",
+        "127.0.0.1",
+    )
+    env = {
+        **os.environ,
+        **IMAGE_ENV,
+        "LD_LIBRARY_PATH": str(lib_dir),
+        "FAKE_NVML_STATE": str(state_file),
+        "PYTHONPATH": str(source),
+    }
     with (tmp / "agent.log").open("w") as log:
         agent = subprocess.Popen(argv, env=env, stderr=log, cwd=tmp)
     try:

@@ -47,9 +47,11 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=500)
     args = p.parse_args()
     workers = [
-        subprocess.Popen([sys.executable, str(ALLOC), "256", "1", "600"], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, str(ALLOC), "256", "1", "600"], stdout=subprocess.PIPE, text=True
+        )
         for _ in range(args.processes)
-    ]  # fmt: skip
+    ]
     try:
         for w in workers:
             assert w.stdout is not None and w.stdout.readline().startswith("allocated")

@@ -70,31 +70,43 @@ def sidecar_latency(lib_dir: Path, tmp: Path, trials: int) -> dict[str, Any] | s
     ceiling = {"VRAM_ENFORCER_CEILINGS": json.dumps({"trainer": 8 * GiB})}
     with (
         sidecar_bench.bench_server() as server,
-        sidecar_bench.beside_agent(server, lib_dir, tmp / "reclaim", "bench-reclaim",
-                                   {"trainer": "2Gi"}, ceiling) as h,
-    ):  # fmt: skip
+        sidecar_bench.beside_agent(
+            server, lib_dir, tmp / "reclaim", "bench-reclaim", {"trainer": "2Gi"}, ceiling
+        ) as h,
+    ):
         h.start_sidecar(
-            "--api-access", "agent",
+            "--api-access",
+            "agent",
             env={"VRAM_ENFORCER_LIMITS": json.dumps({"trainer": 2 * GiB}), **ceiling},
-        )  # fmt: skip
+        )
         others = os.getpid()  # a process of no pod: what the rest of the GPU holds
 
         def borrowing(victim: int) -> None:
             h.state.set_process(0, victim, 6 * GiB)
             h.state.set_process(0, others, 70 * GiB)
 
-        ms = sorted(h.latencies(trials, lambda _: h.state.set_process(0, others, 73 * GiB),
-                                before=borrowing))  # fmt: skip
-    return {"tier": "sidecar (agent decides, sidecar signals)", "trials": len(ms),
-            "p50_ms": statistics.median(ms), "p99_ms": percentile(ms, 0.99), "max_ms": ms[-1]}  # fmt: skip
+        ms = sorted(
+            h.latencies(
+                trials, lambda _: h.state.set_process(0, others, 73 * GiB), before=borrowing
+            )
+        )
+    return {
+        "tier": "sidecar (agent decides, sidecar signals)",
+        "trials": len(ms),
+        "p50_ms": statistics.median(ms),
+        "p99_ms": percentile(ms, 0.99),
+        "max_ms": ms[-1],
+    }
 
 
 def _pod(i: int, ceiling: int | None, dra: bool = False) -> Pod:
     """Pod `i` of one container declaring 4 GiB; with `dra`, as the webhook's DRA mode
     makes it: a claim instead of the resource, the sidecar told to read the claims."""
-    env = [] if ceiling is None else [
-        {"name": "VRAM_ENFORCER_CEILINGS", "value": json.dumps({"c": ceiling})}
-    ]  # fmt: skip
+    env = (
+        []
+        if ceiling is None
+        else [{"name": "VRAM_ENFORCER_CEILINGS", "value": json.dumps({"c": ceiling})}]
+    )
     resources: dict[str, Any] = {"limits": {RES: "4Gi"}}
     claims: list[dict[str, str]] = []
     if dra:
@@ -121,26 +133,36 @@ def lending_cost(window: float, pods: int = 110, gpus: int = 8) -> dict[str, Any
     """CPU of the agent's decision per pass, and of re-reading the pods after a change."""
     devices = tuple(Device(g, f"GPU-{g}", "H100", TOTAL, 0) for g in range(gpus))
     result: dict[str, Any] = {"pods": pods, "gpus": gpus}
-    cases = (("no_ceilings", 0, False), ("half_bursting", pods // 2, False),
-             ("dra_half_bursting", pods // 2, True))  # fmt: skip
+    cases = (
+        ("no_ceilings", 0, False),
+        ("half_bursting", pods // 2, False),
+        ("dra_half_bursting", pods // 2, True),
+    )
     for label, bursting, dra in cases:
         listed = [_pod(i, 16 * GiB if i < bursting else None, dra) for i in range(pods)]
         # DRA: each pod's claim of 4 GiB, on the GPU its process uses
         allocated = {
             f"uid-{i}": Allocations((GpuUnit(f"GPU-{i % gpus}", ("c",), 4 * GiB, ()),))
-            for i in range(pods) if dra
-        }  # fmt: skip
+            for i in range(pods)
+            if dra
+        }
         procs, containers = [], {}
         for i in range(pods):
             key = ProcessKey(1000 + i, 1000 + i)
             used = (6 if i < bursting else 3) * GiB  # the bursting half above its 4 GiB
             procs.append(ProcessUsage(key, f"GPU-{i % gpus}", used))
             containers[key] = f"{i:064x}"
-        used_per_gpu = [sum(p.used_bytes or 0 for p in procs if p.device_uuid == d.uuid)
-                        for d in devices]  # fmt: skip
-        sample = Sample(0.0, tuple(Device(d.index, d.uuid, d.name, d.total_bytes, u)
-                                   for d, u in zip(devices, used_per_gpu, strict=True)),
-                        tuple(procs))  # fmt: skip
+        used_per_gpu = [
+            sum(p.used_bytes or 0 for p in procs if p.device_uuid == d.uuid) for d in devices
+        ]
+        sample = Sample(
+            0.0,
+            tuple(
+                Device(d.index, d.uuid, d.name, d.total_bytes, u)
+                for d, u in zip(devices, used_per_gpu, strict=True)
+            ),
+            tuple(procs),
+        )
         started, cpu0, passes = time.monotonic(), time.process_time(), 0
         opted_in = {f"ns{i}" for i in range(10)}  # every pod's namespace: its env is read
         found = tenants(listed, RES, 1, SIDECAR, None, allocated, opted_in=opted_in)
@@ -186,10 +208,12 @@ def fit(draws: int = 20000, peak: int = 16 * GiB, at_most: float = 0.01) -> dict
         n = TOTAL // peak
         while _reclaimed(n + 1, peak, request, burst, draws, seed=n) <= at_most:
             n += 1
-        rows.append({
-            "burst_share": burst,
-            "at_peak": TOTAL // peak,
-            "with_ceilings": n,
-            "reclaimed_share": _reclaimed(n, peak, request, burst, draws, seed=n),
-        })  # fmt: skip
+        rows.append(
+            {
+                "burst_share": burst,
+                "at_peak": TOTAL // peak,
+                "with_ceilings": n,
+                "reclaimed_share": _reclaimed(n, peak, request, burst, draws, seed=n),
+            }
+        )
     return {"peak_gib": peak / GiB, "request_gib": request / GiB, "draws": draws, "rows": rows}

@@ -225,9 +225,11 @@ def show(results: dict[str, Any]) -> None:
             f"{row['hostile_review_5xx']} answered 5xx"
         )
         for name in ("sidecar", "agent", "webhook"):
-            print(f"  {name}: RSS {row['rss_before_mib'][name]:.1f} MiB before, peak "
-                  f"{peak[name]['rss_mib']:.1f} MiB and {peak[name]['threads']:.0f} threads "
-                  "during")  # fmt: skip
+            print(
+                f"  {name}: RSS {row['rss_before_mib'][name]:.1f} MiB before, peak "
+                f"{peak[name]['rss_mib']:.1f} MiB and {peak[name]['threads']:.0f} threads "
+                "during"
+            )
     for row in results.get("latency", ()):
         print(
             f"exec detection latency @ {row['interval_ms']:.0f} ms: p50 {row['p50_ms']:.1f} ms, "
@@ -317,8 +319,10 @@ def show(results: dict[str, Any]) -> None:
             f"(peak {row['direct']['peak_rss_mib']:.1f})"
         )
     if row := results.get("api_load"):
-        print(f"API requests in steady state, {row['pods']} enforced pods on one real node, over "
-              f"{row['window_s']:.0f} s (the API server's audit log):")  # fmt: skip
+        print(
+            f"API requests in steady state, {row['pods']} enforced pods on one real node, over "
+            f"{row['window_s']:.0f} s (the API server's audit log):"
+        )
         for component, found in row["components"].items():
             print(f"  {component}: {found['per_second']:.3f}/s {found['by_request']}")
         fleet = row["at_1000_nodes_of_10_pods"]

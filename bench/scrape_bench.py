@@ -64,24 +64,42 @@ def node(pods: int) -> tuple[Sample, dict[ProcessKey, str], list[Pod]]:
             for g in range(GPUS):
                 used = (p % 7 + 1) * 64 * 1024**2 * (c + 1)
                 processes.append(ProcessUsage(key, f"GPU-{g}", used, (), Activity(p % 50, p % 20)))
-        spec = {"containers": [
-            {"name": "trainer", "resources": {"limits": {RES: str(4 * GiB)}}},
-            {"name": "helper", "resources": {"limits": {RES: str(2 * GiB)}}},
-            {"name": SIDECAR, "env": [{"name": CEILINGS_ENV, "value": json.dumps({"trainer": 8 * GiB})}]},
-        ]}  # fmt: skip
-        listed.append(Pod(  # type: ignore[typeddict-item]
-            metadata={"namespace": "ml", "name": f"train-{p}", "uid": f"uid-{p}",
-                      "labels": {ENFORCED: "true"}},
-            spec=spec, status={"phase": "Running", "containerStatuses": statuses},
-        ))  # fmt: skip
+        spec = {
+            "containers": [
+                {"name": "trainer", "resources": {"limits": {RES: str(4 * GiB)}}},
+                {"name": "helper", "resources": {"limits": {RES: str(2 * GiB)}}},
+                {
+                    "name": SIDECAR,
+                    "env": [{"name": CEILINGS_ENV, "value": json.dumps({"trainer": 8 * GiB})}],
+                },
+            ]
+        }
+        listed.append(
+            Pod(  # type: ignore[typeddict-item]
+                metadata={
+                    "namespace": "ml",
+                    "name": f"train-{p}",
+                    "uid": f"uid-{p}",
+                    "labels": {ENFORCED: "true"},
+                },
+                spec=spec,
+                status={"phase": "Running", "containerStatuses": statuses},
+            )
+        )
     used = sum(u.used_bytes or 0 for u in processes) // GPUS
     devices = tuple(Device(d.index, d.uuid, d.name, d.total_bytes, used) for d in devices)
     return Sample(time.time(), devices, tuple(processes)), containers, listed
 
 
 def report() -> SidecarReport:
-    return SidecarReport(dict.fromkeys(ACTIONS, 3), dict.fromkeys(NEEDED_BY, 1),
-                         dict.fromkeys(REFUSED, 0), {"tick": 0}, 86_400, 120.0)  # fmt: skip
+    return SidecarReport(
+        dict.fromkeys(ACTIONS, 3),
+        dict.fromkeys(NEEDED_BY, 1),
+        dict.fromkeys(REFUSED, 0),
+        {"tick": 0},
+        86_400,
+        120.0,
+    )
 
 
 def timed(render: Any, rounds: int) -> dict[str, Any]:
@@ -97,8 +115,12 @@ def timed(render: Any, rounds: int) -> dict[str, Any]:
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     series = sum(len(f.samples) for f in text_string_to_metric_families(body.decode()))
-    return {"cpu_ms": statistics.median(cpu) * 1000, "bytes": len(body), "series": series,
-            "peak_alloc_mib": peak / 1024**2}  # fmt: skip
+    return {
+        "cpu_ms": statistics.median(cpu) * 1000,
+        "bytes": len(body),
+        "series": series,
+        "peak_alloc_mib": peak / 1024**2,
+    }
 
 
 def run(pods: int = 110, rounds: int = 20) -> dict[str, Any]:
@@ -111,8 +133,17 @@ def run(pods: int = 110, rounds: int = 20) -> dict[str, Any]:
         sidecar_id = pod["status"]["containerStatuses"][2]["containerID"].split("//")[1]  # type: ignore[typeddict-item]
         counts.keep(pod, sidecar_id, report())
     agent = AgentTelemetry()
-    view = lambda: pods_view(lambda: (sample, lambda: containers), lambda: by_uid,  # noqa: E731
-                             lambda: found, lambda: lending.gpus, counts, dict)  # fmt: skip
+
+    def view() -> Any:
+        return pods_view(
+            lambda: (sample, lambda: containers),
+            lambda: by_uid,
+            lambda: found,
+            lambda: lending.gpus,
+            counts,
+            dict,
+        )
+
     agent.registry.register(PodsCollector(view))
     one = timed(lambda: generate_latest(agent.registry), rounds)
 
@@ -124,8 +155,11 @@ def run(pods: int = 110, rounds: int = 20) -> dict[str, Any]:
             s["containerID"].split("//")[1]: s["name"] for s in pod["status"]["containerStatuses"]
         }  # type: ignore[typeddict-item]
         unit_of = {k: ids[c] for k, c in containers.items() if c in ids}
-        mine = Sample(sample.sampled_at, sample.devices,
-                      tuple(p for p in sample.processes if p.key in unit_of))  # fmt: skip
+        mine = Sample(
+            sample.sampled_at,
+            sample.devices,
+            tuple(p for p in sample.processes if p.key in unit_of),
+        )
         units = attribute(mine, unit_of, {"trainer": 8 * GiB, "helper": 2 * GiB})
         t = Telemetry({"namespace": str(ns), "pod": str(name)})
         t.collector.show(View(units, sample.devices, True, mine, ()))
@@ -138,8 +172,13 @@ def run(pods: int = 110, rounds: int = 20) -> dict[str, Any]:
         "series": sum(e["series"] for e in each),
         "peak_alloc_mib": max(e["peak_alloc_mib"] for e in each),
     }
-    return {"pods": pods, "containers": 2 * pods, "gpus": GPUS, "agent": {**one, "targets": 1},
-            "sidecars": before}  # fmt: skip
+    return {
+        "pods": pods,
+        "containers": 2 * pods,
+        "gpus": GPUS,
+        "agent": {**one, "targets": 1},
+        "sidecars": before,
+    }
 
 
 def show(row: dict[str, Any]) -> None:

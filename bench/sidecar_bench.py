@@ -106,17 +106,41 @@ def beside_agent(
     env = {**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)}
     kubeconfig = server.kubeconfig(server.admin_token, tmp / "kc")
     agent = subprocess.Popen(
-        [*enforcer_argv("agent"), "--no-advertise", "--no-labels", "--hard-limits", "off", "--node-name", NODE,
-         "--kubeconfig", str(kubeconfig), "--socket", str(tmp / "agent.sock")],
-        env=env, stderr=(tmp / "agent.log").open("w"),
-    )  # fmt: skip
+        [
+            *enforcer_argv("agent"),
+            "--no-advertise",
+            "--no-labels",
+            "--hard-limits",
+            "off",
+            "--node-name",
+            NODE,
+            "--kubeconfig",
+            str(kubeconfig),
+            "--socket",
+            str(tmp / "agent.sock"),
+        ],
+        env=env,
+        stderr=(tmp / "agent.log").open("w"),
+    )
     wait_for((tmp / "agent.sock").exists, what="the agent")
-    pod = SimPod(core, "bench", name, ["trainer", "vram-enforcer"], node_name=NODE,
-                 limits=limits, sidecar_env=sidecar_env)  # fmt: skip
+    pod = SimPod(
+        core,
+        "bench",
+        name,
+        ["trainer", "vram-enforcer"],
+        node_name=NODE,
+        limits=limits,
+        sidecar_env=sidecar_env,
+    )
     pod.report_status()
     try:
-        driver = pod.start("trainer", [sys.executable, "-c", DRIVER], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True)  # fmt: skip
+        driver = pod.start(
+            "trainer",
+            [sys.executable, "-c", DRIVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert driver.stdout is not None and driver.stdin is not None
         assert driver.stdout.readline().strip() == "ready"
         (driver_pid,) = pod.host_pids("trainer")
@@ -145,12 +169,25 @@ class Harness:
         log = self.tmp / "sidecar.log"
         sidecar = self.pod.start(
             "vram-enforcer",
-            [*enforcer_argv("sidecar"), "--kubeconfig", str(self.kubeconfig), "--interval", "100ms",
-             "--log-format", "text", *flags],
-            env={"POD_NAME": self.pod.name, "POD_NAMESPACE": self.pod.namespace, "POD_UID": self.pod.uid,
-                 "VRAM_ENFORCER_AGENT_SOCKET": str(self.tmp / "agent.sock"), **env},
+            [
+                *enforcer_argv("sidecar"),
+                "--kubeconfig",
+                str(self.kubeconfig),
+                "--interval",
+                "100ms",
+                "--log-format",
+                "text",
+                *flags,
+            ],
+            env={
+                "POD_NAME": self.pod.name,
+                "POD_NAMESPACE": self.pod.namespace,
+                "POD_UID": self.pod.uid,
+                "VRAM_ENFORCER_AGENT_SOCKET": str(self.tmp / "agent.sock"),
+                **env,
+            },
             stderr=log.open("w"),
-        )  # fmt: skip
+        )
         (pid,) = wait_for(lambda: self.pod.host_pids("vram-enforcer"), what="the sidecar")
         wait_for(lambda: "enforcing" in log.read_text(), timeout=20, what="the sidecar to start")
         time.sleep(1.0)
@@ -194,8 +231,9 @@ class Harness:
         return found
 
 
-def _run(server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float,
-         access: str) -> dict[str, Any]:  # fmt: skip
+def _run(
+    server: ApiServer, lib_dir: Path, tmp: Path, trials: int, window: float, access: str
+) -> dict[str, Any]:
     with beside_agent(server, lib_dir, tmp, f"bench-{access}") as h:
         sidecar, sidecar_pid = h.start_sidecar(
             "--api-access", access, env={"VRAM_ENFORCER_LIMITS": json.dumps({"trainer": GiB})}

@@ -92,9 +92,15 @@ def run(dra_mode: bool, pods: int, nodes: int, gpus: int, workers: int = 32) -> 
         tmp = Path(tmp_name)
         (tmp / "audit-policy.yaml").write_text(POLICY)
         audit = tmp / "audit.log"
-        server = ApiServer(for_pods=True, extra_args=[
-            f"--audit-policy-file={tmp / 'audit-policy.yaml'}", f"--audit-log-path={audit}",
-            "--audit-log-maxsize=0", "--audit-log-format=json"])  # fmt: skip
+        server = ApiServer(
+            for_pods=True,
+            extra_args=[
+                f"--audit-policy-file={tmp / 'audit-policy.yaml'}",
+                f"--audit-log-path={audit}",
+                "--audit-log-maxsize=0",
+                "--audit-log-format=json",
+            ],
+        )
         node: RealNode | None = None
         kwok_process: subprocess.Popen[bytes] | None = None
         try:
@@ -103,32 +109,48 @@ def run(dra_mode: bool, pods: int, nodes: int, gpus: int, workers: int = 32) -> 
             server.start_controller_manager(
                 extra_args=[f"--kube-api-qps={qps}", f"--kube-api-burst={burst}"]
             )
-            server.start_scheduler({
-                "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
-                "clientConnection": {"qps": float(qps), "burst": int(burst)}})  # fmt: skip
+            server.start_scheduler(
+                {
+                    "apiVersion": "kubescheduler.config.k8s.io/v1",
+                    "kind": "KubeSchedulerConfiguration",
+                    "clientConnection": {"qps": float(qps), "burst": int(burst)},
+                }
+            )
             (tmp / "image").mkdir()
             (tmp / "node").mkdir()
-            node = RealNode(server, tmp / "node", images=[enforcer_image()],
-                            kube_proxy=True)  # fmt: skip
+            node = RealNode(server, tmp / "node", images=[enforcer_image()], kube_proxy=True)
             api = server.client()
             core = client.CoreV1Api(api)
-            core.create_namespace({"metadata": {"name": TENANTS,
-                                                "labels": {"vram-enforcer.io/inject": "enabled"}}})  # fmt: skip
+            core.create_namespace(
+                {"metadata": {"name": TENANTS, "labels": {"vram-enforcer.io/inject": "enabled"}}}
+            )
             if dra_mode:
                 dra.device_class(api)
             kubeconfig = server.write_kubeconfig(tmp / "admin.kubeconfig")
             _install(kubeconfig, dra_mode)
             apps = client.AppsV1Api(api)
-            _until(lambda: apps.read_namespaced_deployment(f"{RELEASE}-webhook", NAMESPACE)
-                   .status.available_replicas == 2, 180, "the webhook's two replicas")  # fmt: skip
-            _until(lambda: core.read_namespaced_service_account("default", TENANTS), 60,
-                   "the tenants' ServiceAccount")  # fmt: skip
+            _until(
+                lambda: (
+                    apps.read_namespaced_deployment(
+                        f"{RELEASE}-webhook", NAMESPACE
+                    ).status.available_replicas
+                    == 2
+                ),
+                180,
+                "the webhook's two replicas",
+            )
+            _until(
+                lambda: core.read_namespaced_service_account("default", TENANTS),
+                60,
+                "the tenants' ServiceAccount",
+            )
             names = [f"kwok-{i:04d}" for i in range(nodes)]
             for name in names:
                 core.create_node(_node(name, gpus, dra_mode))
                 if dra_mode:
-                    dra.publish(api, name, [(f"GPU-{name}-{g}", f"{GPU_MEMORY_GI}Gi")
-                                            for g in range(gpus)])  # fmt: skip
+                    dra.publish(
+                        api, name, [(f"GPU-{name}-{g}", f"{GPU_MEMORY_GI}Gi") for g in range(gpus)]
+                    )
             kwok_process = _start_kwok(kwok, kubeconfig, tmp)
             _until(lambda: _ready_nodes(core) >= nodes + 1, 300, f"{nodes} kwok nodes Ready")
             before = _scrape(server, core)
@@ -136,8 +158,9 @@ def run(dra_mode: bool, pods: int, nodes: int, gpus: int, workers: int = 32) -> 
             _until(lambda: _count(core, "spec.nodeName=") == 0, 1800, "every pod bound")
             _until(lambda: _count(core, "status.phase!=Running") == 0, 600, "every pod Running")
             after = _scrape(server, core)
-            report = _report(dra_mode, pods, nodes, gpus, workers, storm, before, after,
-                             _placement(audit))  # fmt: skip
+            report = _report(
+                dra_mode, pods, nodes, gpus, workers, storm, before, after, _placement(audit)
+            )
             return {**report, "webhook_restarts": _restarts(core), "webhook_events": _said(core)}
         except TimeoutError:
             if node is not None:
@@ -154,16 +177,25 @@ def run(dra_mode: bool, pods: int, nodes: int, gpus: int, workers: int = 32) -> 
 
 def _kwok() -> Path:
     """kwok's directory (the binary and its stages), built on first use."""
-    out = subprocess.run(["bash", str(ROOT / "bench" / "build-kwok.sh")], capture_output=True,
-                         text=True, check=True, env={**os.environ, "VRAM_ENFORCER_KWOK_VERSION": KWOK})  # fmt: skip
+    out = subprocess.run(
+        ["bash", str(ROOT / "bench" / "build-kwok.sh")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "VRAM_ENFORCER_KWOK_VERSION": KWOK},
+    )
     return Path(out.stdout.strip())
 
 
 def _install(kubeconfig: Path, dra_mode: bool) -> None:
     values: dict[str, Any] = {
-        "image": {"repository": ENFORCER_IMAGE.rsplit(":", 1)[0], "tag": "e2e", "pullPolicy": "Never"},
+        "image": {
+            "repository": ENFORCER_IMAGE.rsplit(":", 1)[0],
+            "tag": "e2e",
+            "pullPolicy": "Never",
+        },
         "agent": {"enabled": False},
-    }  # fmt: skip
+    }
     if dra_mode:
         values["webhook"] = {"draDeviceClass": dra.DEVICE_CLASS}
     helm("install", RELEASE, str(CHART), NAMESPACE, str(kubeconfig), json.dumps(values))
@@ -177,31 +209,49 @@ def _node(name: str, gpus: int, dra_mode: bool) -> dict[str, Any]:
     if not dra_mode:
         capacity["vram-enforcer.io/vram"] = f"{gpus * GPU_MEMORY_GI}Gi"
     return {
-        "metadata": {"name": name, "annotations": {KWOK_NODE: "fake"},
-                     "labels": {"kubernetes.io/hostname": name, "type": "kwok"}},
+        "metadata": {
+            "name": name,
+            "annotations": {KWOK_NODE: "fake"},
+            "labels": {"kubernetes.io/hostname": name, "type": "kwok"},
+        },
         "spec": {"taints": [{"key": KWOK_NODE, "value": "fake", "effect": "NoSchedule"}]},
         "status": {"capacity": capacity, "allocatable": capacity},
-    }  # fmt: skip
+    }
 
 
 def _start_kwok(kwok: Path, kubeconfig: Path, tmp: Path) -> subprocess.Popen[bytes]:
     stages = sorted((kwok / "stages").glob("*.yaml"))
     log = (tmp / "kwok.log").open("wb")
     return subprocess.Popen(
-        [str(kwok / "kwok"), f"--kubeconfig={kubeconfig}",
-         f"--manage-nodes-with-annotation-selector={KWOK_NODE}=fake",
-         "--cidr=10.128.0.0/14", "--node-ip=10.127.0.1", "--node-lease-duration-seconds=40", *(f"--config={s}" for s in stages)],
-        stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        [
+            str(kwok / "kwok"),
+            f"--kubeconfig={kubeconfig}",
+            f"--manage-nodes-with-annotation-selector={KWOK_NODE}=fake",
+            "--cidr=10.128.0.0/14",
+            "--node-ip=10.127.0.1",
+            "--node-lease-duration-seconds=40",
+            *(f"--config={s}" for s in stages),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _diagnosis(node: RealNode) -> str:
     """What the real node's pods are doing, and the kubelet's last words: why a wait ended."""
     assert node.core is not None
-    lines = [f"{p.metadata.namespace}/{p.metadata.name}: {p.status.phase} "
-             f"{[(c.name, c.state.to_dict()) for c in p.status.container_statuses or ()]}"
-             for p in node.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node.name}").items]  # fmt: skip
-    events = [f"{e.involved_object.kind}/{e.involved_object.name}: {e.reason} {e.message}"
-              for e in node.core.list_event_for_all_namespaces().items if e.type == "Warning"]  # fmt: skip
+    lines = [
+        f"{p.metadata.namespace}/{p.metadata.name}: {p.status.phase} "
+        f"{[(c.name, c.state.to_dict()) for c in p.status.container_statuses or ()]}"
+        for p in node.core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node.name}"
+        ).items
+    ]
+    events = [
+        f"{e.involved_object.kind}/{e.involved_object.name}: {e.reason} {e.message}"
+        for e in node.core.list_event_for_all_namespaces().items
+        if e.type == "Warning"
+    ]
     return "\n".join([*lines, *events[-20:], node.log()[-2000:]])
 
 
@@ -214,7 +264,8 @@ def _restarts(core: client.CoreV1Api) -> dict[str, str]:
         for status in pod.status.container_statuses or ():
             ended = status.last_state.terminated if status.last_state else None
             found[pod.metadata.name] = f"{status.restart_count}" + (
-                f" (last: {ended.reason}, exit code {ended.exit_code})" if ended else "")  # fmt: skip
+                f" (last: {ended.reason}, exit code {ended.exit_code})" if ended else ""
+            )
     return found
 
 
@@ -238,8 +289,9 @@ def _ready_nodes(core: client.CoreV1Api) -> int:
 
 def _count(core: client.CoreV1Api, field_selector: str) -> int:
     """Pods of the storm that match `field_selector`, counted from a list of names only."""
-    listed = core.list_namespaced_pod(TENANTS, field_selector=field_selector,
-                                      _preload_content=False, _request_timeout=60)  # fmt: skip
+    listed = core.list_namespaced_pod(
+        TENANTS, field_selector=field_selector, _preload_content=False, _request_timeout=60
+    )
     return len(json.loads(listed.data)["items"])
 
 
@@ -259,11 +311,20 @@ def _quietly(predicate: Any) -> bool:
 
 
 def _pod(i: int) -> dict[str, Any]:
-    return {"metadata": {"name": f"storm-{i:05d}"}, "spec": {
-        "tolerations": [{"key": KWOK_NODE, "operator": "Exists", "effect": "NoSchedule"}],
-        "terminationGracePeriodSeconds": 2,
-        "containers": [{"name": "trainer", "image": "registry.example/trainer:1",
-                        "resources": {"limits": {"vram-enforcer.io/vram": SIZES[i % len(SIZES)]}}}]}}  # fmt: skip
+    return {
+        "metadata": {"name": f"storm-{i:05d}"},
+        "spec": {
+            "tolerations": [{"key": KWOK_NODE, "operator": "Exists", "effect": "NoSchedule"}],
+            "terminationGracePeriodSeconds": 2,
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": "registry.example/trainer:1",
+                    "resources": {"limits": {"vram-enforcer.io/vram": SIZES[i % len(SIZES)]}},
+                }
+            ],
+        },
+    }
 
 
 def _storm(server: ApiServer, pods: int, workers: int) -> dict[str, Any]:
@@ -282,8 +343,9 @@ def _storm(server: ApiServer, pods: int, workers: int) -> dict[str, Any]:
         while True:
             started = time.monotonic()
             try:
-                local.core.create_namespaced_pod(TENANTS, _pod(i), _preload_content=False,
-                                                 _request_timeout=60)  # fmt: skip
+                local.core.create_namespaced_pod(
+                    TENANTS, _pod(i), _preload_content=False, _request_timeout=60
+                )
             except client.ApiException as e:
                 if e.status == 429:
                     with lock:
@@ -306,9 +368,14 @@ def _storm(server: ApiServer, pods: int, workers: int) -> dict[str, Any]:
         list(pool.map(create, range(pods)))
     elapsed = time.monotonic() - start
     round_trips.sort()
-    return {"created": len(round_trips), "seconds": elapsed, "throttled_retries": throttled,
-            "failures": dict(failures), "round_trip_p50_ms": 1000 * percentile(round_trips, 0.5),
-            "round_trip_p99_ms": 1000 * percentile(round_trips, 0.99)}  # fmt: skip
+    return {
+        "created": len(round_trips),
+        "seconds": elapsed,
+        "throttled_retries": throttled,
+        "failures": dict(failures),
+        "round_trip_p50_ms": 1000 * percentile(round_trips, 0.5),
+        "round_trip_p99_ms": 1000 * percentile(round_trips, 0.99),
+    }
 
 
 def _reason(body: str | None) -> str:
@@ -325,7 +392,12 @@ def _scrape(server: ApiServer, core: client.CoreV1Api) -> dict[str, list[Any]]:
     for pod in core.list_namespaced_pod(
         NAMESPACE, label_selector="app.kubernetes.io/component=webhook"
     ).items:
-        texts.append(_get(server, f"/api/v1/namespaces/{NAMESPACE}/pods/{pod.metadata.name}:{WEBHOOK_METRICS_PORT}/proxy/metrics"))  # fmt: skip
+        texts.append(
+            _get(
+                server,
+                f"/api/v1/namespaces/{NAMESPACE}/pods/{pod.metadata.name}:{WEBHOOK_METRICS_PORT}/proxy/metrics",
+            )
+        )
     series: dict[str, list[Any]] = {}
     for text in texts:
         for family in text_string_to_metric_families(text):
@@ -428,12 +500,21 @@ def _at(timestamp: str) -> float:
 
 
 def _report(
-    dra_mode: bool, pods: int, nodes: int, gpus: int, workers: int, storm: dict[str, Any],
-    before: dict[str, list[Any]], after: dict[str, list[Any]], placement: dict[str, Any],
-) -> dict[str, Any]:  # fmt: skip
+    dra_mode: bool,
+    pods: int,
+    nodes: int,
+    gpus: int,
+    workers: int,
+    storm: dict[str, Any],
+    before: dict[str, list[Any]],
+    after: dict[str, list[Any]],
+    placement: dict[str, Any],
+) -> dict[str, Any]:
     webhook_name = {"operation": "CREATE", "type": "admit"}
-    seen = (_buckets(before, WEBHOOK_SEEN_BY_APISERVER, webhook_name),
-            _buckets(after, WEBHOOK_SEEN_BY_APISERVER, webhook_name))  # fmt: skip
+    seen = (
+        _buckets(before, WEBHOOK_SEEN_BY_APISERVER, webhook_name),
+        _buckets(after, WEBHOOK_SEEN_BY_APISERVER, webhook_name),
+    )
     own = _buckets(before, WEBHOOK_OWN, {}), _buckets(after, WEBHOOK_OWN, {})
     results = _counter(after, WEBHOOK_RESULTS, "result") - _counter(
         before, WEBHOOK_RESULTS, "result"
@@ -444,7 +525,10 @@ def _report(
 
     return {
         "mode": "dra" if dra_mode else "node",
-        "pods": pods, "nodes": nodes, "gpus_per_node": gpus, "workers": workers,
+        "pods": pods,
+        "nodes": nodes,
+        "gpus_per_node": gpus,
+        "workers": workers,
         "admissions_per_second": storm["created"] / storm["seconds"],
         "storm": storm,
         "webhook_seen_by_apiserver_p50_ms": ms(_quantile(*seen, 0.5)),
@@ -455,4 +539,4 @@ def _report(
         # The API server calls the webhook again when a later plugin changed the pod.
         "reviews_per_pod": sum(results.values()) / max(storm["created"], 1),
         "placement": placement,
-    }  # fmt: skip
+    }

@@ -68,30 +68,76 @@ def sample_review() -> dict[str, Any]:
         "terminationMessagePolicy": "File",
     }
     pod = {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"generateName": "vllm-7d9f8c6b5-", "namespace": "inference",
-                     "labels": {"app": "vllm", "pod-template-hash": "7d9f8c6b5"},
-                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "vllm-7d9f8c6b5",
-                                          "uid": "0b6f2c1e-4b7d-4c9a-9e1f-2d3c4b5a6f70", "controller": True,
-                                          "blockOwnerDeletion": True}]},
-        "spec": {"containers": [container], "restartPolicy": "Always", "dnsPolicy": "ClusterFirst",
-                 "serviceAccountName": "default", "schedulerName": "default-scheduler", "priority": 0,
-                 "terminationGracePeriodSeconds": 30, "securityContext": {}, "enableServiceLinks": True,
-                 "tolerations": [{"key": "node.kubernetes.io/not-ready", "operator": "Exists",
-                                  "effect": "NoExecute", "tolerationSeconds": 300}],
-                 "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}},
-                             {"name": "kube-api-access-x7k2p", "projected": {"defaultMode": 420, "sources": [
-                                 {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
-                                 {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]}}]},
-    }  # fmt: skip
-    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-            "request": {"uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
-                        "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                        "resource": {"group": "", "version": "v1", "resource": "pods"},
-                        "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
-                        "namespace": "inference", "operation": "CREATE",
-                        "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
-                        "object": pod, "dryRun": False}}  # fmt: skip
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "generateName": "vllm-7d9f8c6b5-",
+            "namespace": "inference",
+            "labels": {"app": "vllm", "pod-template-hash": "7d9f8c6b5"},
+            "ownerReferences": [
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "ReplicaSet",
+                    "name": "vllm-7d9f8c6b5",
+                    "uid": "0b6f2c1e-4b7d-4c9a-9e1f-2d3c4b5a6f70",
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "containers": [container],
+            "restartPolicy": "Always",
+            "dnsPolicy": "ClusterFirst",
+            "serviceAccountName": "default",
+            "schedulerName": "default-scheduler",
+            "priority": 0,
+            "terminationGracePeriodSeconds": 30,
+            "securityContext": {},
+            "enableServiceLinks": True,
+            "tolerations": [
+                {
+                    "key": "node.kubernetes.io/not-ready",
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": 300,
+                }
+            ],
+            "volumes": [
+                {"name": "models", "persistentVolumeClaim": {"claimName": "models"}},
+                {
+                    "name": "kube-api-access-x7k2p",
+                    "projected": {
+                        "defaultMode": 420,
+                        "sources": [
+                            {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+                            {
+                                "configMap": {
+                                    "name": "kube-root-ca.crt",
+                                    "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                                }
+                            },
+                        ],
+                    },
+                },
+            ],
+        },
+    }
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "namespace": "inference",
+            "operation": "CREATE",
+            "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
+            "object": pod,
+            "dryRun": False,
+        },
+    }
 
 
 def largest_review() -> dict[str, Any]:
@@ -125,9 +171,15 @@ def in_process(trials: int) -> dict[str, Any]:
         t0 = time.process_time()
         assert review(doc, settings).result == "patched"
         seconds.append(time.process_time() - t0)
-    return {"trials": trials, "body_bytes": len(body), "p50_ms": percentile(micros, 0.5) / 1000,
-            "p99_ms": percentile(micros, 0.99) / 1000, "target_p99_ms": 5.0,
-            "largest_body_bytes": len(largest), "largest_cpu_ms": max(seconds) * 1000}  # fmt: skip
+    return {
+        "trials": trials,
+        "body_bytes": len(body),
+        "p50_ms": percentile(micros, 0.5) / 1000,
+        "p99_ms": percentile(micros, 0.99) / 1000,
+        "target_p99_ms": 5.0,
+        "largest_body_bytes": len(largest),
+        "largest_cpu_ms": max(seconds) * 1000,
+    }
 
 
 def over_https(seconds: float, clients: int = 4) -> dict[str, Any]:
@@ -143,20 +195,50 @@ def over_https(seconds: float, clients: int = 4) -> dict[str, Any]:
         port = free_port()
         log = tmp / "webhook.log"
         server = subprocess.Popen(
-            ["taskset", "-c", str(server_cpu), *enforcer_argv("webhook"), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-             "--port", str(port), "--address", "127.0.0.1", "--sidecar-image", "img:1", "--sidecar-mode", "native",
-             "--log-format", "text"],
+            [
+                "taskset",
+                "-c",
+                str(server_cpu),
+                *enforcer_argv("webhook"),
+                "--tls-cert-file",
+                str(cert),
+                "--tls-key-file",
+                str(key),
+                "--port",
+                str(port),
+                "--address",
+                "127.0.0.1",
+                "--sidecar-image",
+                "img:1",
+                "--sidecar-mode",
+                "native",
+                "--log-format",
+                "text",
+            ],
             stderr=log.open("w"),
-        )  # fmt: skip
+        )
         procs = []
         try:
             wait_for(lambda: "serving admission reviews" in log.read_text(), what="the webhook")
             for _ in range(clients):
-                procs.append(subprocess.Popen(
-                    ["taskset", "-c", client_cpus, sys.executable, str(CLIENT), str(port), str(ca[0]),
-                     str(seconds), str(body_file)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                ))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            "taskset",
+                            "-c",
+                            client_cpus,
+                            sys.executable,
+                            str(CLIENT),
+                            str(port),
+                            str(ca[0]),
+                            str(seconds),
+                            str(body_file),
+                        ],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                )
             for p in procs:
                 assert p.stdout is not None and p.stdout.readline().strip() == "ready"
             cpu0, t0 = proc_cpu_seconds(server.pid), time.monotonic()
@@ -171,7 +253,14 @@ def over_https(seconds: float, clients: int = 4) -> dict[str, Any]:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=20)
     micros.sort()
-    return {"clients": clients, "seconds": round(elapsed, 1), "reviews": len(micros),
-            "reviews_per_second": len(micros) / elapsed, "server_cpu_share_of_one_core": cpu / elapsed,
-            "p50_ms": percentile(micros, 0.5) / 1000, "p99_ms": percentile(micros, 0.99) / 1000,
-            "rss_mib": rss, "target_reviews_per_second": 300}  # fmt: skip
+    return {
+        "clients": clients,
+        "seconds": round(elapsed, 1),
+        "reviews": len(micros),
+        "reviews_per_second": len(micros) / elapsed,
+        "server_cpu_share_of_one_core": cpu / elapsed,
+        "p50_ms": percentile(micros, 0.5) / 1000,
+        "p99_ms": percentile(micros, 0.99) / 1000,
+        "rss_mib": rss,
+        "target_reviews_per_second": 300,
+    }

@@ -225,45 +225,54 @@ MODES = {
     "exec": Mode(
         "enforcer.core.settings.exec",
         lambda cfg, values, args: cfg.exec_settings(values, args.command),
-        logging.WARNING, "enforcer.modes.exec",
+        logging.WARNING,
+        "enforcer.modes.exec",
         "run a command under a GPU memory limit (no Kubernetes needed)",
         "Run CMD and keep its GPU memory, with all of its descendants, under --limit.",
         lambda: EXEC_EPILOG,
     ),
     "demo": Mode(
-        "enforcer.core.settings.demo", lambda cfg, values, _: cfg.demo_settings(values),
-        logging.INFO, "enforcer.modes.demo",
+        "enforcer.core.settings.demo",
+        lambda cfg, values, _: cfg.demo_settings(values),
+        logging.INFO,
+        "enforcer.modes.demo",
         "see exec stop a command over its limit, on a simulated GPU (no GPU needed)",
         "Run exec's real enforcement over a command that outgrows its GPU memory limit, "
         "against a simulated GPU: no NVIDIA GPU or driver is used, and every line says so.",
         lambda: DEMO_EPILOG,
     ),
     "agent": Mode(
-        "enforcer.core.settings.agent", lambda cfg, values, _: cfg.agent_settings(values),
-        logging.INFO, "enforcer.modes.agent",
+        "enforcer.core.settings.agent",
+        lambda cfg, values, _: cfg.agent_settings(values),
+        logging.INFO,
+        "enforcer.modes.agent",
         "the node agent (DaemonSet): VRAM capacity, GPU labels, per-pod usage socket",
-        "Run the node agent.", lambda: AGENT_EPILOG,
+        "Run the node agent.",
+        lambda: AGENT_EPILOG,
     ),
     "sidecar": Mode(
-        "enforcer.core.settings.sidecar", lambda cfg, values, _: cfg.sidecar_settings(values),
-        logging.INFO, "enforcer.modes.sidecar",
+        "enforcer.core.settings.sidecar",
+        lambda cfg, values, _: cfg.sidecar_settings(values),
+        logging.INFO,
+        "enforcer.modes.sidecar",
         "the in-pod enforcer (injected by the webhook)",
         "Enforce each container's declared VRAM limit, from inside the pod.",
         lambda: SIDECAR_NOTES,
     ),
     "webhook": Mode(
-        "enforcer.core.settings.webhook", lambda cfg, values, _: cfg.webhook_settings(values),
-        logging.INFO, "enforcer.modes.webhook",
+        "enforcer.core.settings.webhook",
+        lambda cfg, values, _: cfg.webhook_settings(values),
+        logging.INFO,
+        "enforcer.modes.webhook",
         "the mutating admission webhook that injects the sidecar",
         "Serve AdmissionReviews over HTTPS and inject the enforcer into pods that declare VRAM.",
         lambda: WEBHOOK_EPILOG,
     ),
     "interference": Mode(
         "enforcer.core.settings.interference",
-        lambda cfg, values, args: cfg.interference_settings(
-            values, args.workloads, sys.executable
-        ),
-        logging.INFO, "enforcer.modes.interference",
+        lambda cfg, values, args: cfg.interference_settings(values, args.workloads, sys.executable),
+        logging.INFO,
+        "enforcer.modes.interference",
         "measure how much workloads slow each other down when they share a GPU",
         "Run each workload alone, then each pair together on one GPU, each under exec with "
         "its GPU memory limit, and report each workload's slowdown, its peak GPU memory and "
@@ -271,14 +280,16 @@ MODES = {
         _interference_epilog,
     ),
     "doctor": Mode(
-        "enforcer.core.settings.doctor", lambda cfg, values, _: cfg.doctor_settings(values),
-        logging.WARNING, "enforcer.modes.doctor",
+        "enforcer.core.settings.doctor",
+        lambda cfg, values, _: cfg.doctor_settings(values),
+        logging.WARNING,
+        "enforcer.modes.doctor",
         "check NVML, the PID namespace, the agent socket and the API (RBAC)",
         "Try each thing vram-enforcer depends on, here, and say what to fix. Exits 1 if a "
         "check failed.",
         lambda: DOCTOR_EPILOG,
     ),
-}  # fmt: skip
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -308,14 +319,15 @@ def _add(parser: argparse.ArgumentParser, s: Setting[Any]) -> None:
     if not s.flag:
         return
     if s.kind == "switch":
-        parser.add_argument(s.flag, dest=s.key, action="store_true", default=None,
-                            help=help_text(s))  # fmt: skip
+        parser.add_argument(
+            s.flag, dest=s.key, action="store_true", default=None, help=help_text(s)
+        )
     elif s.kind == "count":
-        parser.add_argument(s.flag, "--verbose", dest=s.key, action="count", default=0,
-                            help=help_text(s))  # fmt: skip
+        parser.add_argument(
+            s.flag, "--verbose", dest=s.key, action="count", default=0, help=help_text(s)
+        )
     else:
-        parser.add_argument(s.flag, dest=s.key, metavar=s.metavar, default=None,
-                            help=help_text(s))  # fmt: skip
+        parser.add_argument(s.flag, dest=s.key, metavar=s.metavar, default=None, help=help_text(s))
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -341,13 +353,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         for setting in mode.declared:
             _add(p, setting)
         if name == "exec":
-            p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...",
-                           help="the command to run")  # fmt: skip
+            p.add_argument(
+                "command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to run"
+            )
         elif name == "interference":
-            p.add_argument("--workload", dest="workloads", action="append", default=[],
-                           metavar="NAME:LIMIT:COMMAND",
-                           help="a workload: its name, its GPU memory limit (a quantity) and "
-                           "its command, split as a shell would; once per workload")  # fmt: skip
+            p.add_argument(
+                "--workload",
+                dest="workloads",
+                action="append",
+                default=[],
+                metavar="NAME:LIMIT:COMMAND",
+                help="a workload: its name, its GPU memory limit (a quantity) and "
+                "its command, split as a shell would; once per workload",
+            )
     return parser
 
 

@@ -62,8 +62,10 @@ class _Handler(BaseHTTPRequestHandler):
         url = urllib.parse.urlsplit(self.path)
         query = dict(urllib.parse.parse_qsl(url.query))
         self.server.queries.append((url.path, query))
-        listed = {"/api/v1/pods": self.server.listed,
-                  "/api/v1/namespaces": self.server.namespaces}.get(url.path)  # fmt: skip
+        listed = {
+            "/api/v1/pods": self.server.listed,
+            "/api/v1/namespaces": self.server.namespaces,
+        }.get(url.path)
         if listed is None:
             self._send(404, b'{"kind":"Status","code":404}')
         elif query.get("watch") == "true":

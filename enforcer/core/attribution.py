@@ -112,10 +112,14 @@ def attribute_per_gpu(
     units = []
     for name, (limit, gpu) in limits.items():
         processes = [
-            ProcessTotal(key, sum(b for _, b in per if b is not None), tuple(per),
-                         (cmdlines or {}).get(key, ""))
+            ProcessTotal(
+                key,
+                sum(b for _, b in per if b is not None),
+                tuple(per),
+                (cmdlines or {}).get(key, ""),
+            )
             for key, per in members.get(name, {}).items()
-        ]  # fmt: skip
+        ]
         processes.sort(key=lambda p: -p.used_bytes)
         units.append(UnitUsage(name, limit, tuple(processes), device_uuid=gpu))
     return tuple(units)

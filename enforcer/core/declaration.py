@@ -189,8 +189,9 @@ def of_pod(
         limits = parse_limits(env[LIMITS_ENV], LIMITS_ENV)
         ceilings = parse_limits(env.get(CEILINGS_ENV, "{}"), CEILINGS_ENV)
         portions = parse_portions(env.get(PORTIONS_ENV, "{}"), PORTIONS_ENV)
-        gpus = spread_over(parse_gpus(env.get(GPUS_ENV, "{}"), GPUS_ENV), {*limits, *portions},
-                           GPUS_ENV)  # fmt: skip
+        gpus = spread_over(
+            parse_gpus(env.get(GPUS_ENV, "{}"), GPUS_ENV), {*limits, *portions}, GPUS_ENV
+        )
     except ConfigError as exc:
         return Undeclared(str(exc))
     return Declaration(limits, _above(ceilings, limits), portions, gpus=gpus)
@@ -215,9 +216,11 @@ def _distrusted(pod: Pod, env: Mapping[str, str]) -> str:
     if not carried:
         return ""
     namespace = json_map(pod.get("metadata")).get("namespace")
-    return (f"namespace {shown(namespace)} is not labelled {OPT_IN[0]}={OPT_IN[1]} (or is the "
-            f"agent's own), so the webhook never wrote its sidecar's environment: "
-            f"{', '.join(carried)} not read")  # fmt: skip
+    return (
+        f"namespace {shown(namespace)} is not labelled {OPT_IN[0]}={OPT_IN[1]} (or is the "
+        f"agent's own), so the webhook never wrote its sidecar's environment: "
+        f"{', '.join(carried)} not read"
+    )
 
 
 def dra_ceilings(declared: Declaration | Undeclared) -> Mapping[str, int]:
@@ -321,16 +324,21 @@ def parse_portions(text: str, where: str) -> dict[str, Portion]:
     found: dict[str, Portion] = {}
     for name, given in doc.items():
         if not isinstance(given, dict) or not set(given) <= {"request", "ceiling"}:
-            raise ConfigError(where, text, f"gives container {name!r} {shown(given)}; use "
-                              f"{PORTIONS_FORM}")  # fmt: skip
+            raise ConfigError(
+                where, text, f"gives container {name!r} {shown(given)}; use {PORTIONS_FORM}"
+            )
         request = _portion(given.get("request"), f"{where} {name!r} request")
         ceiling = given.get("ceiling")
         found[name] = Portion(request, None)
         if ceiling is not None:
             high = _portion(ceiling, f"{where} {name!r} ceiling")
             if high <= request:
-                raise ConfigError(where, text, f"gives container {name!r} a ceiling at or "
-                                  "below its request; a ceiling is above it")  # fmt: skip
+                raise ConfigError(
+                    where,
+                    text,
+                    f"gives container {name!r} a ceiling at or "
+                    "below its request; a ceiling is above it",
+                )
             found[name] = Portion(request, high)
     return found
 
@@ -342,8 +350,12 @@ def parse_gpus(text: str, where: str) -> dict[str, int]:
     found: dict[str, int] = {}
     for name, count in doc.items():
         if isinstance(count, bool) or not isinstance(count, int) or not 2 <= count < _MAX_GPUS:
-            raise ConfigError(where, text, f"gives container {name!r} {shown(count)} GPUs; use "
-                              f"a whole number from 2 to {_MAX_GPUS - 1}: {GPUS_FORM}")  # fmt: skip
+            raise ConfigError(
+                where,
+                text,
+                f"gives container {name!r} {shown(count)} GPUs; use "
+                f"a whole number from 2 to {_MAX_GPUS - 1}: {GPUS_FORM}",
+            )
         found[name] = count
     return found
 
@@ -352,9 +364,13 @@ def spread_over(gpus: dict[str, int], declaring: AbstractSet[str], where: str) -
     """`gpus`, when each names a container of `declaring`: only a request can be spread."""
     for name in gpus:
         if name not in declaring:
-            raise ConfigError(where, json.dumps(gpus), f"names container {name!r}, which "
-                              "declares no request to spread; name a declaring "
-                              "container")  # fmt: skip
+            raise ConfigError(
+                where,
+                json.dumps(gpus),
+                f"names container {name!r}, which "
+                "declares no request to spread; name a declaring "
+                "container",
+            )
     return gpus
 
 
@@ -367,9 +383,17 @@ def _portion(value: object, where: str) -> Decimal:
     except InvalidOperation:
         portion = Decimal("NaN")
     exponent = portion.as_tuple().exponent  # an int for any finite decimal
-    if not (portion.is_finite() and 0 < portion < _MAX_PORTION and isinstance(exponent, int)
-            and -exponent <= PORTION_DIGITS):  # fmt: skip
-        raise ConfigError(where, value, "is not a portion of a GPU; use a decimal above 0 and "
-                          f"below {_MAX_PORTION}, with at most {PORTION_DIGITS} digits after "
-                          'the point, as text, e.g. "0.5"')  # fmt: skip
+    if not (
+        portion.is_finite()
+        and 0 < portion < _MAX_PORTION
+        and isinstance(exponent, int)
+        and -exponent <= PORTION_DIGITS
+    ):
+        raise ConfigError(
+            where,
+            value,
+            "is not a portion of a GPU; use a decimal above 0 and "
+            f"below {_MAX_PORTION}, with at most {PORTION_DIGITS} digits after "
+            'the point, as text, e.g. "0.5"',
+        )
     return portion

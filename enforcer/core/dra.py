@@ -412,11 +412,15 @@ def _shares_of(
 
 def _bytes(value: object, field: str) -> int:
     if value is None:
-        raise ConfigError(field, None, (
-            "is missing: the device was not allocated by consumable capacity (is it published "
-            "with allowMultipleAllocations and a memory capacity, and is the "
-            "DRAConsumableCapacity feature on?)"
-        ))  # fmt: skip
+        raise ConfigError(
+            field,
+            None,
+            (
+                "is missing: the device was not allocated by consumable capacity (is it published "
+                "with allowMultipleAllocations and a memory capacity, and is the "
+                "DRAConsumableCapacity feature on?)"
+            ),
+        )
     if not isinstance(value, str):
         raise ConfigError(field, value, "is not a quantity (a string such as 16Gi)")
     amount = parse_quantity(value, field)
@@ -445,8 +449,10 @@ def _group(shares: list[ClaimShare]) -> tuple[GpuUnit, ...]:
         units.append((s.gpu, merged_containers, merged))
     return tuple(
         sorted(
-            (GpuUnit(gpu, tuple(sorted(cs)), sum(s.limit_bytes for s in ss), tuple(ss))
-             for gpu, cs, ss in units),
+            (
+                GpuUnit(gpu, tuple(sorted(cs)), sum(s.limit_bytes for s in ss), tuple(ss))
+                for gpu, cs, ss in units
+            ),
             key=lambda u: (u.gpu, u.containers),
         )
-    )  # fmt: skip
+    )

@@ -100,11 +100,15 @@ class ExecSummary:
             "memory_percent": self.memory_percent,
             "busy_samples": self.busy_samples,
             "events": [
-                {"reason": e.reason, "after_seconds": e.after_seconds, "pid": e.pid,
-                 "message": e.message}
+                {
+                    "reason": e.reason,
+                    "after_seconds": e.after_seconds,
+                    "pid": e.pid,
+                    "message": e.message,
+                }
                 for e in self.events
             ],
-        }  # fmt: skip
+        }
 
 
 def from_json(doc: object) -> ExecSummary:

@@ -224,8 +224,9 @@ def targets(
         if pod_dir is None:
             continue
         pod_gpus = tuple(sorted(p.gpu_totals.items()))
-        found[pod_dir] = Target(pod_dir, p.namespace, p.name, p.uid, "", p.total, pod_gpus,
-                                p.requested)  # fmt: skip
+        found[pod_dir] = Target(
+            pod_dir, p.namespace, p.name, p.uid, "", p.total, pod_gpus, p.requested
+        )
         dirs = container_dirs.get(p.uid, {})
         for name in p.limits:
             path = dirs.get(p.ids.get(name, ""))

@@ -41,9 +41,11 @@ _MAX_DECIMALS = 5  # KAI refuses portion limits with more digits after the point
 def declares(annotations: Mapping[str, object]) -> bool:
     """Whether the pod declares a GPU share in any of KAI's forms."""
     return any(
-        key in (FRACTION, MEMORY) or _container_of(key, _NV_REQUEST) or
-        _container_of(key, _NV_LIMIT) for key in annotations
-    )  # fmt: skip
+        key in (FRACTION, MEMORY)
+        or _container_of(key, _NV_REQUEST)
+        or _container_of(key, _NV_LIMIT)
+        for key in annotations
+    )
 
 
 # Checks a limit above the request: (ceiling in bytes, or None for a portion of a GPU;
@@ -64,11 +66,16 @@ def declaration(
     fraction = _text(annotations, FRACTION)
     memory = _text(annotations, MEMORY)
     if fraction is not None and memory is not None:
-        raise _error(MEMORY, memory, f"is set beside {FRACTION}; KAI takes one or the other: "
-                     "remove one")  # fmt: skip
+        raise _error(
+            MEMORY, memory, f"is set beside {FRACTION}; KAI takes one or the other: remove one"
+        )
     if nv is not None and fraction is not None:
-        raise _error(FRACTION, fraction, "is set beside NvFractions annotations "
-                     f"({nv[0]!r}); KAI takes one or the other: remove one")  # fmt: skip
+        raise _error(
+            FRACTION,
+            fraction,
+            "is set beside NvFractions annotations "
+            f"({nv[0]!r}); KAI takes one or the other: remove one",
+        )
     count = _devices(annotations, fraction is not None or memory is not None)
     for key in (FRACTION_LIMIT, MEMORY_LIMIT):
         base = FRACTION if key == FRACTION_LIMIT else MEMORY
@@ -77,8 +84,11 @@ def declaration(
     if nv is not None:
         if MEMORY_LIMIT in annotations:
             nv_limit = f"{_NV_LIMIT[0]}{nv[0]}{_NV_LIMIT[1]}"
-            raise _error(MEMORY_LIMIT, annotations[MEMORY_LIMIT], "is set beside NvFractions "
-                         f"annotations; give the limit as {nv_limit}")  # fmt: skip
+            raise _error(
+                MEMORY_LIMIT,
+                annotations[MEMORY_LIMIT],
+                f"is set beside NvFractions annotations; give the limit as {nv_limit}",
+            )
         return _from_nv(nv, memory, annotations, borrowing)
     if fraction is None and memory is None:
         return Declaration()
@@ -141,8 +151,11 @@ def _memory_limit(annotations: Mapping[str, object], request: int) -> int:
         raise _error(MEMORY_LIMIT, text, 'has no unit; KAI takes a quantity with one, e.g. "8Gi"')
     limit = _quantity(MEMORY_LIMIT, text)
     if limit < request:
-        raise _error(MEMORY_LIMIT, text, f"is below {MEMORY} ({request // MiB} MiB); a limit is "
-                     "at least the request")  # fmt: skip
+        raise _error(
+            MEMORY_LIMIT,
+            text,
+            f"is below {MEMORY} ({request // MiB} MiB); a limit is at least the request",
+        )
     return limit
 
 
@@ -157,8 +170,11 @@ def _fraction_limit(
     given = [(FRACTION_LIMIT, annotations[FRACTION_LIMIT])] if FRACTION_LIMIT in annotations else []
     for name, (key, value) in per_container.items():
         if name != target:
-            raise _error(key, value, f"names container {name!r}, but {FRACTION} is for "
-                         f"{target!r}; name that container")  # fmt: skip
+            raise _error(
+                key,
+                value,
+                f"names container {name!r}, but {FRACTION} is for {target!r}; name that container",
+            )
         given.append((key, value))
     if len(given) > 1:
         raise _error(given[1][0], given[1][1], f"is set beside {given[0][0]}; use one")
@@ -170,8 +186,7 @@ def _fraction_limit(
     if len(decimals) > _MAX_DECIMALS:
         raise _error(key, value, f"has more than {_MAX_DECIMALS} digits after the point")
     if limit <= share:
-        raise _error(key, value, f"is not above {FRACTION} ({share}); a limit is above the "
-                     "request")  # fmt: skip
+        raise _error(key, value, f"is not above {FRACTION} ({share}); a limit is above the request")
     borrowing(None, 0, key, value)
     return limit
 
@@ -187,16 +202,20 @@ def _nv_fractions(
     every = {**requests, **limits}
     if len(every) > 1:
         key, value = every[sorted(every)[1]]
-        raise _error(key, value, "names a second container; KAI gives a GPU share to one "
-                     "container per pod")  # fmt: skip
+        raise _error(
+            key, value, "names a second container; KAI gives a GPU share to one container per pod"
+        )
     (name,) = every
     if name not in names:
         key, value = every[name]
         raise _error(key, value, f"names container {name!r}, which the pod does not have")
     if name not in requests:
         key, value = limits[name]
-        raise _error(key, value, f"is set without {_NV_REQUEST[0]}{name}{_NV_REQUEST[1]}; "
-                     "a limit needs a request")  # fmt: skip
+        raise _error(
+            key,
+            value,
+            f"is set without {_NV_REQUEST[0]}{name}{_NV_REQUEST[1]}; a limit needs a request",
+        )
     request = _quantity(*requests[name])
     if request == 0:
         raise _error(*requests[name], "is 0; a request is above 0")
@@ -214,8 +233,11 @@ def _from_nv(
 ) -> Declaration:
     name, request, limit = nv
     if memory is not None and _mib(memory) != request:
-        raise _error(MEMORY, memory, f"differs from the NvFractions request of container "
-                     f"{name!r}; KAI needs them equal")  # fmt: skip
+        raise _error(
+            MEMORY,
+            memory,
+            f"differs from the NvFractions request of container {name!r}; KAI needs them equal",
+        )
     if limit is None or limit == request:
         return Declaration({name: request})
     key = f"{_NV_LIMIT[0]}{name}{_NV_LIMIT[1]}"
@@ -239,9 +261,13 @@ def _fraction(text: str, key: str) -> Decimal:
         raise _error(key, text, 'is not a portion of a GPU above 0 and below 1, e.g. "0.5"')
     exponent = value.as_tuple().exponent
     if isinstance(exponent, int) and -exponent > PORTION_DIGITS:
-        raise _error(key, text, f"has more than {PORTION_DIGITS} digits after the point; "
-                     f'give a portion above 0 and below 1 with at most {PORTION_DIGITS}, '
-                     'e.g. "0.5"')  # fmt: skip
+        raise _error(
+            key,
+            text,
+            f"has more than {PORTION_DIGITS} digits after the point; "
+            f"give a portion above 0 and below 1 with at most {PORTION_DIGITS}, "
+            'e.g. "0.5"',
+        )
     return value
 
 

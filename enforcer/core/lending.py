@@ -131,8 +131,9 @@ def tenants(
                     request = vram.requests.get(name, ceiling)
                     unit_name = f"{vram.namespace}/{vram.name}/{name}"
                     ids = frozenset({cid} if cid is not None else ())
-                    found.append(Tenant(unit_name, vram.namespace, request, ceiling, rank, ids,
-                                        gpu))  # fmt: skip
+                    found.append(
+                        Tenant(unit_name, vram.namespace, request, ceiling, rank, ids, gpu)
+                    )
             continue
         uid = str(meta.get("uid") or "")
         # A pod that has finished is owed nothing: its claims are being released.
@@ -151,11 +152,18 @@ def _claim_tenants(
     raised, requests = with_ceilings(found, ceilings)
     ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
     return [
-        Tenant(f"{namespace}/{name}/{u.name}", namespace, requests.get(u.name, u.limit_bytes),
-               u.limit_bytes, rank, frozenset(ids[c] for c in u.containers if c in ids), u.gpu,
-               confined=True)
+        Tenant(
+            f"{namespace}/{name}/{u.name}",
+            namespace,
+            requests.get(u.name, u.limit_bytes),
+            u.limit_bytes,
+            rank,
+            frozenset(ids[c] for c in u.containers if c in ids),
+            u.gpu,
+            confined=True,
+        )
         for u in raised.units
-    ]  # fmt: skip
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,8 +225,10 @@ def _usage(sample: Sample, containers: Mapping[ProcessKey, str], found: Tenants)
             on_gpu = held.setdefault(unit_name, {})
             on_gpu[p.key] = on_gpu.get(p.key, 0) + p.used_bytes
     for t in (t for t in found.on_gpus if t.unit not in strayed):
-        processes = tuple(ProcessTotal(key, used, ((t.gpu or "", used),))
-                          for key, used in held.get(t.unit, {}).items())  # fmt: skip
+        processes = tuple(
+            ProcessTotal(key, used, ((t.gpu or "", used),))
+            for key, used in held.get(t.unit, {}).items()
+        )
         units.append(UnitUsage(t.unit, t.ceiling, processes, device_uuid=t.gpu))
     return units
 
@@ -226,8 +236,10 @@ def _usage(sample: Sample, containers: Mapping[ProcessKey, str], found: Tenants)
 def _as_seen_from(reclaim: Reclaim, namespace: str, found: Tenants) -> Reclaim:
     """The reclaim with the containers owed memory named only when they are of the
     victim's own namespace."""
-    owed = tuple(dict.fromkeys(
-        named(unit) if found.by_unit[unit].namespace == namespace else ELSEWHERE
-        for unit in reclaim.owed_to
-    ))  # fmt: skip
+    owed = tuple(
+        dict.fromkeys(
+            named(unit) if found.by_unit[unit].namespace == namespace else ELSEWHERE
+            for unit in reclaim.owed_to
+        )
+    )
     return replace(reclaim, owed_to=owed)

@@ -190,8 +190,11 @@ def whole_unit(
     )
     if not targets:
         return f"{why}; no process of it could be found to stop"
-    stopped = [t for t, r in zip(targets, results, strict=True)
-               if r in (SignalResult.SENT, SignalResult.IN_PROGRESS)]  # fmt: skip
+    stopped = [
+        t
+        for t, r in zip(targets, results, strict=True)
+        if r in (SignalResult.SENT, SignalResult.IN_PROGRESS)
+    ]
     left = len(targets) - len(stopped)
     refused = f" ({left} could not be proven and were left alone)" if left else ""
     if restart:
@@ -315,8 +318,10 @@ def hard_limit_in_place(
     if proof is None:
         return text
     gpu, charged, listed = proof
-    return (f"{text}. The driver counts its processes: it charges {format_bytes(charged)} on "
-            f"{gpu}, where NVML lists {format_bytes(listed)} for them")  # fmt: skip
+    return (
+        f"{text}. The driver counts its processes: it charges {format_bytes(charged)} on "
+        f"{gpu}, where NVML lists {format_bytes(listed)} for them"
+    )
 
 
 def not_charged(gpu: str, listed: int, whose: str) -> str:

@@ -80,8 +80,10 @@ def capacity_patch(status: NodeStatus | None, resource: str, value: int) -> list
     ops: list[PatchOperation] = []
     pointer = _pointer(resource)
     status = status or {}
-    for field, current in (("capacity", status.get("capacity")),
-                           ("allocatable", status.get("allocatable"))):  # fmt: skip
+    for field, current in (
+        ("capacity", status.get("capacity")),
+        ("allocatable", status.get("allocatable")),
+    ):
         if current is None:
             ops.append({"op": "add", "path": f"/status/{field}", "value": {resource: str(value)}})
         elif not _same_quantity(current.get(resource), value):

@@ -280,8 +280,12 @@ def parse_limits(text: str, field: str) -> dict[str, int]:
     limits: dict[str, int] = {}
     for name, value in doc.items():
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_QUANTITY:
-            raise ConfigError(field, text, f"gives container {name!r} the limit {shown(value)}; "
-                              "limits are whole bytes from 0 to 2^63-1")  # fmt: skip
+            raise ConfigError(
+                field,
+                text,
+                f"gives container {name!r} the limit {shown(value)}; "
+                "limits are whole bytes from 0 to 2^63-1",
+            )
         limits[name] = value
     return limits
 

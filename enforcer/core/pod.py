@@ -39,8 +39,12 @@ def pod_reference(
 ) -> ObjectReference:
     """What an Event is about: the pod, or one of its containers (fieldPath)."""
     ref: ObjectReference = {
-        "apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": name, "uid": uid,
-    }  # fmt: skip
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "namespace": namespace,
+        "name": name,
+        "uid": uid,
+    }
     if container is not None:
         ref["fieldPath"] = container.field_path
     return ref

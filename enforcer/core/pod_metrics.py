@@ -103,8 +103,10 @@ def container_series(
     found = []
     for cid, who in sorted(named.items(), key=lambda n: (n[1].namespace, n[1].pod, n[1].container)):
         unit = usage[cid]
-        gpus = {gpu: OnGpu(gpu, used, activity, on_gpu.get((cid, gpu)), over.get((cid, gpu)))
-                for gpu, used, activity in held.get(cid, ())}  # fmt: skip
+        gpus = {
+            gpu: OnGpu(gpu, used, activity, on_gpu.get((cid, gpu)), over.get((cid, gpu)))
+            for gpu, used, activity in held.get(cid, ())
+        }
         for (of, gpu), limit in on_gpu.items():  # an allocation is shown where still unused
             if of == cid and gpu not in gpus:
                 gpus[gpu] = OnGpu(gpu, 0, None, limit, over.get((cid, gpu)))
@@ -114,6 +116,14 @@ def container_series(
             for gpu, used in p.by_device
             if used is not None
         )
-        found.append(ContainerSeries(who, unit.used_bytes, request.get(cid), ceiling.get(cid),
-                                     tuple(gpus[g] for g in sorted(gpus)), processes))  # fmt: skip
+        found.append(
+            ContainerSeries(
+                who,
+                unit.used_bytes,
+                request.get(cid),
+                ceiling.get(cid),
+                tuple(gpus[g] for g in sorted(gpus)),
+                processes,
+            )
+        )
     return tuple(found)

@@ -80,8 +80,7 @@ def parse_request(line: bytes) -> Request:
     wants_pod = op == "subscribe" and doc.get("pod") is True
     event = _event(doc) if op == "event" else None
     report = parse_report(doc) if op == "report" else None
-    return Request(op, challenge if isinstance(challenge, str) else None, wants_pod, event,
-                   report)  # fmt: skip
+    return Request(op, challenge if isinstance(challenge, str) else None, wants_pod, event, report)
 
 
 def _event(doc: dict[str, Any]) -> EventRequest | str:
@@ -103,8 +102,14 @@ def _event(doc: dict[str, Any]) -> EventRequest | str:
 
 
 def encode_event(event: EventRequest) -> bytes:
-    doc = {"v": VERSION, "op": "event", "reason": event.reason, "message": event.message,
-           "warning": event.warning, "container": event.container}  # fmt: skip
+    doc = {
+        "v": VERSION,
+        "op": "event",
+        "reason": event.reason,
+        "message": event.message,
+        "warning": event.warning,
+        "container": event.container,
+    }
     return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 
@@ -145,13 +150,21 @@ def usage_head(sampled_at: float, devices: Iterable[Device]) -> bytes:
     """A usage reply up to its process list. The agent assembles a reply from the pieces
     (head, one `usage_process` per process, `USAGE_TAIL`) once per sample and namespace."""
     listed = [
-        {"index": d.index, "uuid": d.uuid, "name": d.name, "total_bytes": d.total_bytes,
-         "used_bytes": d.used_bytes, "parent_uuid": d.parent_uuid}
+        {
+            "index": d.index,
+            "uuid": d.uuid,
+            "name": d.name,
+            "total_bytes": d.total_bytes,
+            "used_bytes": d.used_bytes,
+            "parent_uuid": d.parent_uuid,
+        }
         for d in devices
-    ]  # fmt: skip
+    ]
     return b'{"v":%d,"sampled_at":%s,"devices":%s,"processes":[' % (
-        VERSION, _json(sampled_at), _json(listed)
-    )  # fmt: skip
+        VERSION,
+        _json(sampled_at),
+        _json(listed),
+    )
 
 
 def usage_process(
@@ -167,12 +180,18 @@ def usage_process(
     Hand-formatted: the agent encodes every process for every namespace on each sample.
     """
     used = b"null" if used_bytes is None else b"%d" % used_bytes
-    busy = b"" if activity is None else b',"sm":%d,"mem":%d' % (
-        activity.sm_percent, activity.memory_percent
-    )  # fmt: skip
+    busy = (
+        b""
+        if activity is None
+        else b',"sm":%d,"mem":%d' % (activity.sm_percent, activity.memory_percent)
+    )
     return b'{"pid":%d,"start_time":%d,"device_uuid":%s,"used_bytes":%s%s}' % (
-        pid, start_time, device_json, used, busy
-    )  # fmt: skip
+        pid,
+        start_time,
+        device_json,
+        used,
+        busy,
+    )
 
 
 def json_string(text: str) -> bytes:
@@ -201,12 +220,21 @@ def encode_reclaim(container_id: str, r: Reclaim) -> bytes:
     back what it lent above its request on a GPU. Ends the reply in place of `USAGE_TAIL`
     (`usage_tail`)."""
     v = r.victim
-    return _json({
-        "container_id": container_id, "gpu": r.gpu, "unit": v.unit, "request": v.request,
-        "ceiling": v.ceiling, "used": v.used, "priority": v.priority,
-        "shortfall": r.shortfall, "owed_to": list(r.owed_to), "free": r.free,
-        "for_unrequested": r.for_unrequested,
-    })  # fmt: skip
+    return _json(
+        {
+            "container_id": container_id,
+            "gpu": r.gpu,
+            "unit": v.unit,
+            "request": v.request,
+            "ceiling": v.ceiling,
+            "used": v.used,
+            "priority": v.priority,
+            "shortfall": r.shortfall,
+            "owed_to": list(r.owed_to),
+            "free": r.free,
+            "for_unrequested": r.for_unrequested,
+        }
+    )
 
 
 def usage_tail(reclaims: Iterable[bytes], lending: bool = False) -> bytes:
@@ -218,11 +246,17 @@ def usage_tail(reclaims: Iterable[bytes], lending: bool = False) -> bytes:
 
 
 def _reclaim(d: dict[str, Any]) -> tuple[str, Reclaim]:
-    victim = Share(str(d["unit"]), int(d["request"]), int(d["ceiling"]), int(d["used"]),
-                   int(d.get("priority", 0)))  # fmt: skip
+    victim = Share(
+        str(d["unit"]),
+        int(d["request"]),
+        int(d["ceiling"]),
+        int(d["used"]),
+        int(d.get("priority", 0)),
+    )
     owed = tuple(str(u) for u in d["owed_to"])
-    reclaim = Reclaim(str(d["gpu"]), victim, int(d["shortfall"]), owed, int(d["free"]),
-                      bool(d["for_unrequested"]))  # fmt: skip
+    reclaim = Reclaim(
+        str(d["gpu"]), victim, int(d["shortfall"]), owed, int(d["free"]), bool(d["for_unrequested"])
+    )
     return str(d["container_id"]), reclaim
 
 

@@ -18,8 +18,11 @@ CONTAINER_FIELDS = ("initContainers", "containers")
 # Per container: the fields the webhook reads or writes, and what each holds.
 _CONTAINER = {"env": list, "volumeMounts": list, "ports": list, "resources": dict}
 _ITEM_NAMES = {"env": "name", "volumeMounts": "mountPath", "ports": "containerPort"}
-_ITEM_TYPES: dict[str, type | tuple[type, ...]] = {"name": str, "mountPath": str,
-                                                   "containerPort": int}  # fmt: skip
+_ITEM_TYPES: dict[str, type | tuple[type, ...]] = {
+    "name": str,
+    "mountPath": str,
+    "containerPort": int,
+}
 
 
 class ShapeError(ValueError):
@@ -81,8 +84,15 @@ def _expect(value: Any, kind: type | tuple[type, ...], field: str, nullable: boo
     return value
 
 
-_NAMES = {dict: "a map", list: "a list", str: "a string", int: "a whole number",
-          float: "a number", bool: "true or false", type(None): "null"}  # fmt: skip
+_NAMES = {
+    dict: "a map",
+    list: "a list",
+    str: "a string",
+    int: "a whole number",
+    float: "a number",
+    bool: "true or false",
+    type(None): "null",
+}
 
 
 def _kind(value: object) -> str:

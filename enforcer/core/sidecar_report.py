@@ -59,9 +59,14 @@ class SidecarReport:
             mine, theirs = self.family(name), other.family(name)
             return {k: mine.get(k, 0) + theirs.get(k, 0) for k in {*mine, *theirs}}
 
-        return SidecarReport(added("actions"), added("reclaims"), added("refused"),
-                             added("unexpected"), self.ticks + other.ticks,
-                             self.tick_seconds + other.tick_seconds)  # fmt: skip
+        return SidecarReport(
+            added("actions"),
+            added("reclaims"),
+            added("refused"),
+            added("unexpected"),
+            self.ticks + other.ticks,
+            self.tick_seconds + other.tick_seconds,
+        )
 
 
 def parse_report(doc: Mapping[str, object]) -> SidecarReport | str:
@@ -91,8 +96,14 @@ def parse_report(doc: Mapping[str, object]) -> SidecarReport | str:
         or not (math.isfinite(seconds) and 0 <= seconds <= MAX_COUNT)
     ):
         return f"tick_seconds is {seconds!r}, not a number of seconds from 0"
-    return SidecarReport(families["actions"], families["reclaims"], families["refused"],
-                         families["unexpected"], ticks, float(seconds))  # fmt: skip
+    return SidecarReport(
+        families["actions"],
+        families["reclaims"],
+        families["refused"],
+        families["unexpected"],
+        ticks,
+        float(seconds),
+    )
 
 
 def _count(value: object) -> TypeGuard[int]:

@@ -58,9 +58,11 @@ def check_action(value: str, bounds: Bounds, where: str, namespace: str) -> Acti
     if action not in bounds.actions:
         allowed = ", ".join(a.value for a in bounds.actions)
         raise ConfigError(
-            where, value, f"is not allowed {in_namespace(namespace)}; the operator allows: "
+            where,
+            value,
+            f"is not allowed {in_namespace(namespace)}; the operator allows: "
             f"{allowed} (the webhook's --tenant-actions or --namespace-bounds)",
-        )  # fmt: skip
+        )
     return action
 
 
@@ -69,9 +71,11 @@ def check_grace_period(value: str, bounds: Bounds, where: str, namespace: str) -
     if seconds > bounds.max_grace_period:
         most = format_duration(bounds.max_grace_period)
         raise ConfigError(
-            where, value, f"is longer than the {most} allowed {in_namespace(namespace)}; use at "
+            where,
+            value,
+            f"is longer than the {most} allowed {in_namespace(namespace)}; use at "
             f"most {most} (the webhook's --max-grace-period or --namespace-bounds)",
-        )  # fmt: skip
+        )
     return seconds
 
 
@@ -93,10 +97,12 @@ def check_ceilings(
     if len(pairs) == 1 and "=" not in pairs[0]:
         if len(requests) != 1:
             raise ConfigError(
-                where, value, f"names no container, and {len(requests)} containers declare "
+                where,
+                value,
+                f"names no container, and {len(requests)} containers declare "
                 f"VRAM ({', '.join(sorted(requests))}); use name=quantity pairs, e.g. "
                 f"{CEILING_BY_NAME}",
-            )  # fmt: skip
+            )
         pairs = [f"{next(iter(requests))}={pairs[0]}"]
     found: dict[str, int] = {}
     for pair in pairs:
@@ -107,9 +113,11 @@ def check_ceilings(
             raise ConfigError(where, value, f"{pair!r} {problem}; use {CEILING_FORM}")
         if name not in requests:
             raise ConfigError(
-                where, value, f"names container {name!r}, which declares no VRAM; a ceiling "
+                where,
+                value,
+                f"names container {name!r}, which declares no VRAM; a ceiling "
                 f"is for a container that declares it ({', '.join(sorted(requests)) or 'none'})",
-            )  # fmt: skip
+            )
         found[name] = _ceiling(quantity, requests[name], bounds, f"{where} {name!r}", namespace)
     return {name: c for name, c in found.items() if c > requests[name]}
 
@@ -118,10 +126,12 @@ def _ceiling(quantity: str, request: int, bounds: Bounds, where: str, namespace:
     ceiling = parse_bytes(quantity, where)
     if ceiling < request:
         raise ConfigError(
-            where, quantity, f"is below the container's request of {format_bytes(request)} "
+            where,
+            quantity,
+            f"is below the container's request of {format_bytes(request)} "
             "(its resources.limits): a ceiling is what it may borrow up to, at least what it "
             "is guaranteed",
-        )  # fmt: skip
+        )
     check_borrowing(ceiling, request, bounds, where, quantity, namespace)
     return ceiling
 
@@ -143,9 +153,11 @@ def check_borrowing(
             else "the operator allows no borrowing above requests"
         )
         raise ConfigError(
-            where, value, f"is above what is allowed {in_namespace(namespace)}: {allowed} "
+            where,
+            value,
+            f"is above what is allowed {in_namespace(namespace)}: {allowed} "
             "(the webhook's --max-vram-ceiling or --namespace-bounds)",
-        )  # fmt: skip
+        )
 
 
 def in_namespace(namespace: str) -> str:

@@ -55,8 +55,15 @@ class ClaimReader:
         if not self._node:
             raise KubeError("NODE_NAME is unset: this node's ResourceSlices cannot be listed")
         on_this_node = {"fieldSelector": f"spec.nodeName={self._node}"}
-        listed = call(self._api, "GET", SLICES, "resourceslices", deadline=READ_DEADLINE,
-                      verb="list", query=on_this_node)  # fmt: skip
+        listed = call(
+            self._api,
+            "GET",
+            SLICES,
+            "resourceslices",
+            deadline=READ_DEADLINE,
+            verb="list",
+            query=on_this_node,
+        )
         items = listed.get("items") if isinstance(listed, dict) else None
         slices = tuple(s for s in items if isinstance(s, dict)) if isinstance(items, list) else ()
         return DraObjects(claims, slices)

@@ -187,9 +187,15 @@ class EventRecorder(threading.Thread):
                 {"op": "replace", "path": "/message", "value": message},
             ]
             try:
-                call(self._api, "PATCH", EVENTS + "/{name}", "events", body=ops,
-                     params={"namespace": namespace, "name": sent.name},
-                     deadline=self._deadline)  # fmt: skip
+                call(
+                    self._api,
+                    "PATCH",
+                    EVENTS + "/{name}",
+                    "events",
+                    body=ops,
+                    params={"namespace": namespace, "name": sent.name},
+                    deadline=self._deadline,
+                )
             except KubeError:
                 sent = None  # the Event is gone (expired, deleted): start a new one
             else:
@@ -224,22 +230,37 @@ class EventRecorder(threading.Thread):
             "lastTimestamp": stamp,
             "count": 1,
         }
-        created: Event = call(self._api, "POST", EVENTS, "events", body=body,
-                              params={"namespace": namespace},
-                              deadline=self._deadline)  # fmt: skip
+        created: Event = call(
+            self._api,
+            "POST",
+            EVENTS,
+            "events",
+            body=body,
+            params={"namespace": namespace},
+            deadline=self._deadline,
+        )
         return _Sent(str((created.get("metadata") or {}).get("name")), 1, now, message)
 
     def _existing(self, about: ObjectReference, reason: str, message: str) -> _Sent | None:
         """The API's Event of ours that already says `message` about the object, if any."""
         selector = f"involvedObject.uid={about.get('uid', '')},reason={reason},source={COMPONENT}"
         try:
-            found = call(self._api, "GET", EVENTS, "events", deadline=self._deadline,
-                         params={"namespace": about.get("namespace", "")},
-                         query={"fieldSelector": selector})  # fmt: skip
+            found = call(
+                self._api,
+                "GET",
+                EVENTS,
+                "events",
+                deadline=self._deadline,
+                params={"namespace": about.get("namespace", "")},
+                query={"fieldSelector": selector},
+            )
         except Forbidden as exc:  # RBAC of an older release: say it, rather than not at all
             if not self._list_forbidden_logged:
-                log.warning("cannot tell whether an Event was already posted: %s", exc,
-                            exc_info=logs.detail(exc))  # fmt: skip
+                log.warning(
+                    "cannot tell whether an Event was already posted: %s",
+                    exc,
+                    exc_info=logs.detail(exc),
+                )
                 self._list_forbidden_logged = True
             return None
         for event in found.get("items") or ():

@@ -113,8 +113,9 @@ class Evictor(threading.Thread):
         """One request; whether the pod's eviction is done with (accepted, or the pod gone)."""
         about = pending.about
         named = f"{about.get('namespace')}/{about.get('name')}"
-        error = self._request(self._api, about.get("namespace", ""), about.get("name", ""),
-                              about.get("uid", ""))  # fmt: skip
+        error = self._request(
+            self._api, about.get("namespace", ""), about.get("name", ""), about.get("uid", "")
+        )
         if error is None:
             log.warning("pod %s: evicted: %s", named, pending.message)
             self._recorder.record(about, str(Reason.EVICTED), pending.message, True)
@@ -132,6 +133,11 @@ class Evictor(threading.Thread):
                 log.error("cannot evict pods: %s", error, exc_info=logs.detail(error))
                 self._forbidden_logged = True
         else:
-            log.warning("pod %s: the eviction failed (%s); retrying in %.0fs", named, error,
-                        retry_in, exc_info=logs.detail(error))  # fmt: skip
+            log.warning(
+                "pod %s: the eviction failed (%s); retrying in %.0fs",
+                named,
+                error,
+                retry_in,
+                exc_info=logs.detail(error),
+            )
         return False

@@ -42,16 +42,35 @@ def write_heatmap(report: Report, path: Path) -> str | None:
     for i, row in enumerate(cells):
         for j, cell in enumerate(row):
             if cell.failures:  # a cell with runs that went wrong is hatched
-                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//",
-                                       edgecolor="#555555", linewidth=0))  # fmt: skip
+                ax.add_patch(
+                    Rectangle(
+                        (j - 0.5, i - 0.5),
+                        1,
+                        1,
+                        fill=False,
+                        hatch="//",
+                        edgecolor="#555555",
+                        linewidth=0,
+                    )
+                )
             red, green, blue, _ = cmap((values[i][j] - 1.0) / (top - 1.0))
             dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5
-            ax.text(j, i, _label(cell, report.max_spread), ha="center", va="center",
-                    fontsize=8, color="white" if dark else "black")  # fmt: skip
+            ax.text(
+                j,
+                i,
+                _label(cell, report.max_spread),
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white" if dark else "black",
+            )
     ax.set_xticks(range(size), [f"next to {n}" for n in names], rotation=30, ha="right")
     ax.set_yticks(range(size), [_row(report.cell(n, None)) for n in names])
-    ax.set_xlabel(f"* repetitions spread more than {report.max_spread:.0%}\n~ the neighbour "
-                  "ended first\nhatched: runs that went wrong", fontsize=7)  # fmt: skip
+    ax.set_xlabel(
+        f"* repetitions spread more than {report.max_spread:.0%}\n~ the neighbour "
+        "ended first\nhatched: runs that went wrong",
+        fontsize=7,
+    )
     title = "Slowdown next to a neighbour (time / time alone)"
     ax.set_title(title + (" - PARTIAL" if report.partial else ""), fontsize=10)
     figure.colorbar(image, ax=ax, label="slowdown (x)")

@@ -176,8 +176,9 @@ class WatchStream:
 
     def __init__(self, api: client.ApiClient, path: str, query: dict[str, str], timeout: float):
         headers = {"Accept": "application/json"}
-        response = _send(api, "GET", path, None, {**query, "watch": "true"}, headers, None,
-                         (10.0, timeout))  # fmt: skip
+        response = _send(
+            api, "GET", path, None, {**query, "watch": "true"}, headers, None, (10.0, timeout)
+        )
         if not 200 <= response.status <= 299:
             data = response.read()
             raise ApiException.from_response(
@@ -293,11 +294,14 @@ def call(  # noqa: PLR0913
         for attempt in retrying(deadline):
             with attempt:
                 left = max(MIN_TRY_TIMEOUT, min(timeout, ends - time.monotonic()))
-                reply = request(api, method, path, params=params, query=query, body=body,
-                                timeout=left)  # fmt: skip
+                reply = request(
+                    api, method, path, params=params, query=query, body=body, timeout=left
+                )
                 if not isinstance(reply, dict):
-                    raise KubeError(f"{verb} {resource} failed: the API server's reply is "
-                                    f"{type(reply).__name__}, not a JSON object")  # fmt: skip
+                    raise KubeError(
+                        f"{verb} {resource} failed: the API server's reply is "
+                        f"{type(reply).__name__}, not a JSON object"
+                    )
                 return reply
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError: a 2xx that is not JSON
         raise KubeError(
@@ -336,8 +340,15 @@ def evict(
         "deleteOptions": {"preconditions": {"uid": uid}},
     }
     try:
-        call(api, "POST", EVICTION, "pods/eviction", body=body, deadline=deadline,
-             params={"namespace": namespace, "name": name})  # fmt: skip
+        call(
+            api,
+            "POST",
+            EVICTION,
+            "pods/eviction",
+            body=body,
+            deadline=deadline,
+            params={"namespace": namespace, "name": name},
+        )
     except KubeError as exc:
         return exc
     return None
@@ -363,9 +374,22 @@ def access_allowed(
     review = {
         "apiVersion": "authorization.k8s.io/v1",
         "kind": "SelfSubjectAccessReview",
-        "spec": {"resourceAttributes": {"verb": verb, "resource": resource, "group": group,
-                                        "namespace": namespace, "subresource": subresource}},
-    }  # fmt: skip
-    reply = call(api, "POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
-                 "selfsubjectaccessreviews", body=review, deadline=deadline)  # fmt: skip
+        "spec": {
+            "resourceAttributes": {
+                "verb": verb,
+                "resource": resource,
+                "group": group,
+                "namespace": namespace,
+                "subresource": subresource,
+            }
+        },
+    }
+    reply = call(
+        api,
+        "POST",
+        "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+        "selfsubjectaccessreviews",
+        body=review,
+        deadline=deadline,
+    )
     return bool(reply["status"]["allowed"])

@@ -96,8 +96,14 @@ class Outage:
         elif now - self._said_at >= self._every:
             self._said_at = now
             since = now - self._since
-            self._log.warning("%s, still (%d failures in %.0fs; the latest: %s)", what,
-                              self._count, since, exc, exc_info=detail(exc))  # fmt: skip
+            self._log.warning(
+                "%s, still (%d failures in %.0fs; the latest: %s)",
+                what,
+                self._count,
+                since,
+                exc,
+                exc_info=detail(exc),
+            )
 
     def ended(self, what: str) -> None:
         if self._since is not None:

@@ -335,18 +335,34 @@ _CONTAINER_LABELS = ["namespace", "pod", "container"]
 _POD_LABELS = ["namespace", "pod"]
 # A sidecar's report: its family, the metric the agent serves it as, the label, the help.
 _REPORTED = (
-    ("actions", "actions", "action",
-     "Enforcement actions taken in the pod, by action (warn, terminate, kill, restart, "
-     "dry-run): by its sidecar, and by the agent while the sidecar was silent"),
-    ("reclaims", "reclaims", "needed_by",
-     "Signals sent in the pod to take back GPU memory lent above a request, by whose need "
-     "(requests: a unit short of its request; unrequested: the watermark kept for "
-     "processes that declared no request)"),
-    ("refused", "signals_refused", "reason",
-     "Signals not sent in the pod because the target could not be verified, by reason"),
-    ("unexpected", "sidecar_unexpected_errors", "loop",
-     "Exceptions that escaped one step of a loop of the pod's sidecar (bugs), by loop"),
-)  # fmt: skip
+    (
+        "actions",
+        "actions",
+        "action",
+        "Enforcement actions taken in the pod, by action (warn, terminate, kill, restart, "
+        "dry-run): by its sidecar, and by the agent while the sidecar was silent",
+    ),
+    (
+        "reclaims",
+        "reclaims",
+        "needed_by",
+        "Signals sent in the pod to take back GPU memory lent above a request, by whose need "
+        "(requests: a unit short of its request; unrequested: the watermark kept for "
+        "processes that declared no request)",
+    ),
+    (
+        "refused",
+        "signals_refused",
+        "reason",
+        "Signals not sent in the pod because the target could not be verified, by reason",
+    ),
+    (
+        "unexpected",
+        "sidecar_unexpected_errors",
+        "loop",
+        "Exceptions that escaped one step of a loop of the pod's sidecar (bugs), by loop",
+    ),
+)
 
 
 class PodsCollector(Collector):
@@ -370,11 +386,14 @@ class PodsCollector(Collector):
                 for value, count in sorted(report.family(family).items()):
                     counter.add_metric([*pod, value], count)
             yield counter
-        ticks = CounterMetricFamily(PREFIX + "sidecar_ticks", "Enforcement ticks of the pod's "
-                                    "sidecar", labels=_POD_LABELS)  # fmt: skip
-        seconds = CounterMetricFamily(PREFIX + "sidecar_tick_seconds", "Wall time of the pod's "
-                                      "sidecar's ticks, in all (divided by its ticks: the mean "
-                                      "tick)", labels=_POD_LABELS)  # fmt: skip
+        ticks = CounterMetricFamily(
+            PREFIX + "sidecar_ticks", "Enforcement ticks of the pod's sidecar", labels=_POD_LABELS
+        )
+        seconds = CounterMetricFamily(
+            PREFIX + "sidecar_tick_seconds",
+            "Wall time of the pod's sidecar's ticks, in all (divided by its ticks: the mean tick)",
+            labels=_POD_LABELS,
+        )
         for pod, report in sorted(view.reports.items()):
             ticks.add_metric(list(pod), report.ticks)
             seconds.add_metric(list(pod), report.tick_seconds)
@@ -389,25 +408,49 @@ def _container_families(
         return GaugeMetricFamily(PREFIX + name, help, labels=[*_CONTAINER_LABELS, *labels])
 
     used = family("container_used_bytes", "GPU memory the container's processes hold, on all GPUs")
-    limit = family("container_limit_bytes", "The GPU memory the container declared (its "
-                   "request: what the scheduler counted), over all GPUs")  # fmt: skip
-    ceiling = family("container_ceiling_bytes", "What the container may borrow up to above its "
-                     "request while its GPU has room")  # fmt: skip
-    gpu_used = family("container_gpu_used_bytes", "GPU memory the container's processes hold "
-                      "on one GPU", ["gpu"])  # fmt: skip
-    gpu_limit = family("container_gpu_limit_bytes", "The container's limit on one GPU: what "
-                       "DRA allocated there", ["gpu"])  # fmt: skip
-    over = family("container_gpu_over_request_bytes", "GPU memory the container holds above "
-                  "its request on one GPU: lent while the GPU can spare it, and taken back "
-                  "first when it cannot", ["gpu"])  # fmt: skip
-    sm = family("container_gpu_sm_utilization_ratio", "Share of the GPU's time its SMs ran the "
-                "container's kernels, in NVML's latest sample period (0-1, summed over its "
-                "processes)", ["gpu"])  # fmt: skip
-    bandwidth = family("container_gpu_memory_utilization_ratio", "Share of the GPU's time its "
-                       "memory controller read or wrote for the container, in NVML's latest "
-                       "sample period (0-1, summed over its processes)", ["gpu"])  # fmt: skip
-    process = family("process_used_bytes", "GPU memory one process of the container holds on "
-                     "one GPU (its host pid)", ["pid", "gpu"])  # fmt: skip
+    limit = family(
+        "container_limit_bytes",
+        "The GPU memory the container declared (its "
+        "request: what the scheduler counted), over all GPUs",
+    )
+    ceiling = family(
+        "container_ceiling_bytes",
+        "What the container may borrow up to above its request while its GPU has room",
+    )
+    gpu_used = family(
+        "container_gpu_used_bytes", "GPU memory the container's processes hold on one GPU", ["gpu"]
+    )
+    gpu_limit = family(
+        "container_gpu_limit_bytes",
+        "The container's limit on one GPU: what DRA allocated there",
+        ["gpu"],
+    )
+    over = family(
+        "container_gpu_over_request_bytes",
+        "GPU memory the container holds above "
+        "its request on one GPU: lent while the GPU can spare it, and taken back "
+        "first when it cannot",
+        ["gpu"],
+    )
+    sm = family(
+        "container_gpu_sm_utilization_ratio",
+        "Share of the GPU's time its SMs ran the "
+        "container's kernels, in NVML's latest sample period (0-1, summed over its "
+        "processes)",
+        ["gpu"],
+    )
+    bandwidth = family(
+        "container_gpu_memory_utilization_ratio",
+        "Share of the GPU's time its "
+        "memory controller read or wrote for the container, in NVML's latest "
+        "sample period (0-1, summed over its processes)",
+        ["gpu"],
+    )
+    process = family(
+        "process_used_bytes",
+        "GPU memory one process of the container holds on one GPU (its host pid)",
+        ["pid", "gpu"],
+    )
     for c in containers:
         labels = [c.who.namespace, c.who.pod, c.who.container]
         used.add_metric(labels, c.used)

@@ -84,8 +84,10 @@ def _app(registry: CollectorRegistry, health: Health | None) -> Callable[..., It
             problem = health()
             body = f"{problem or 'ok'}\n".encode()
             status = "200 OK" if problem is None else "503 Service Unavailable"
-            start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
-                                    ("Content-Length", str(len(body)))])  # fmt: skip
+            start_response(
+                status,
+                [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))],
+            )
             return [body]
         return metrics(environ, start_response)  # type: ignore[no-any-return]
 

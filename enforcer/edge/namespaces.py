@@ -31,13 +31,19 @@ class OptedInNamespaces(WatchedPods):
 
     path, resource = NAMESPACES, "namespaces"
 
-    def __init__(self, api: client.ApiClient, own: str, changed: tuple[threading.Event, ...],
-                 **options: Any) -> None:  # fmt: skip
+    def __init__(
+        self, api: client.ApiClient, own: str, changed: tuple[threading.Event, ...], **options: Any
+    ) -> None:
         """`own`: the agent's namespace ("" when it is not known: then none is left out by
         name); each of `changed` is set on every change of the namespaces."""
         options = {"keep": _opt_in_of, **options}
-        super().__init__(api, {"labelSelector": f"{OPT_IN[0]}={OPT_IN[1]}"}, changed,
-                         name="opted-in-namespaces", **options)  # fmt: skip
+        super().__init__(
+            api,
+            {"labelSelector": f"{OPT_IN[0]}={OPT_IN[1]}"},
+            changed,
+            name="opted-in-namespaces",
+            **options,
+        )
         self._own = own
 
     def names(self) -> frozenset[str] | None:

@@ -51,14 +51,29 @@ class NodeAdvertiser:
             labels = (node.get("metadata") or {}).get("labels")
             label_changes = label_ops(labels, gpu_labels(devices))
         if status_ops:
-            call(self._api, "PATCH", NODE + "/status", "nodes/status", body=status_ops,
-                 params={"name": self._node}, deadline=self._deadline)  # fmt: skip
+            call(
+                self._api,
+                "PATCH",
+                NODE + "/status",
+                "nodes/status",
+                body=status_ops,
+                params={"name": self._node},
+                deadline=self._deadline,
+            )
         if label_changes:
-            call(self._api, "PATCH", NODE, "nodes", body=label_changes,
-                 params={"name": self._node}, deadline=self._deadline)  # fmt: skip
+            call(
+                self._api,
+                "PATCH",
+                NODE,
+                "nodes",
+                body=label_changes,
+                params={"name": self._node},
+                deadline=self._deadline,
+            )
         return len(status_ops), len(label_changes)
 
     def _read(self) -> Node:
-        node: Node = call(self._api, "GET", NODE, "nodes", params={"name": self._node},
-                                    deadline=self._deadline)  # fmt: skip
+        node: Node = call(
+            self._api, "GET", NODE, "nodes", params={"name": self._node}, deadline=self._deadline
+        )
         return node

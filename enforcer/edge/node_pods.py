@@ -120,9 +120,16 @@ class WatchedPods(threading.Thread):
         pods: dict[str, Pod] = {}
         page = {"limit": self._page}
         while True:
-            reply = call(self._api, "GET", self.path, self.resource,
-                         query={**self._query, **page}, deadline=LIST_DEADLINE,
-                         timeout=LIST_DEADLINE, verb="list")  # fmt: skip
+            reply = call(
+                self._api,
+                "GET",
+                self.path,
+                self.resource,
+                query={**self._query, **page},
+                deadline=LIST_DEADLINE,
+                timeout=LIST_DEADLINE,
+                verb="list",
+            )
             for pod in reply.get("items") or ():
                 if uid := _uid(pod):
                     pods[uid] = self._keep(pod)
@@ -143,10 +150,13 @@ class WatchedPods(threading.Thread):
     def _watch(self, version: str) -> str:
         """Apply events until the watch ends; returns the version to resume from, or ""
         when a new list is needed (the server expired `version`)."""
-        query = {**self._query, "resourceVersion": version, "allowWatchBookmarks": "true",
-                 "timeoutSeconds": str(self._watch_seconds)}  # fmt: skip
-        self._stream = WatchStream(self._api, self.path, query,
-                                   timeout=self._watch_seconds + 30.0)  # fmt: skip
+        query = {
+            **self._query,
+            "resourceVersion": version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(self._watch_seconds),
+        }
+        self._stream = WatchStream(self._api, self.path, query, timeout=self._watch_seconds + 30.0)
         try:
             for event in self._stream:
                 kind, obj = event.get("type"), event.get("object") or {}
@@ -179,8 +189,9 @@ class WatchedPods(threading.Thread):
         delay = self._backoff.failed(0.0)
         message = f"cannot watch {self._what()}: {exc}"
         if message != self.error:
-            log.warning("%s; keeping the last view and retrying", message,
-                        exc_info=logs.detail(exc))  # fmt: skip
+            log.warning(
+                "%s; keeping the last view and retrying", message, exc_info=logs.detail(exc)
+            )
             self.error = message
             self._changed_now()  # those who pass the view on say that it may be out of date
         return delay
@@ -193,11 +204,13 @@ class NodePods(WatchedPods):
     """The pods bound to `node`, as much of each as the agent and the sidecars read: the
     agent's hard limits, its reclaims, and each sidecar's own pod."""
 
-    def __init__(self, api: client.ApiClient, node: str, changed: tuple[threading.Event, ...],
-                 **options: Any) -> None:  # fmt: skip
+    def __init__(
+        self, api: client.ApiClient, node: str, changed: tuple[threading.Event, ...], **options: Any
+    ) -> None:
         options = {"keep": kept, "page": NODE_PAGE, **options}
-        super().__init__(api, {"fieldSelector": f"spec.nodeName={node}"}, changed,
-                         name="node-pods", **options)  # fmt: skip
+        super().__init__(
+            api, {"fieldSelector": f"spec.nodeName={node}"}, changed, name="node-pods", **options
+        )
 
 
 def _whole(pod: Pod) -> Pod:

@@ -386,11 +386,13 @@ class Nvml:
             for pid, uuid in usage:
                 listed.setdefault(uuid, set()).add(pid)
             # Whole GPUs only: NVML has no per-process utilisation under MIG.
-            self._utilisation.read([
-                (h.uuid, h.handle, frozenset(listed.get(h.uuid, ())))
-                for h in handles if h.query_processes and h.parent_uuid is None
-                and h.uuid not in lost
-            ])  # fmt: skip
+            self._utilisation.read(
+                [
+                    (h.uuid, h.handle, frozenset(listed.get(h.uuid, ())))
+                    for h in handles
+                    if h.query_processes and h.parent_uuid is None and h.uuid not in lost
+                ]
+            )
         of = self._utilisation.of
         processes = tuple(
             NvmlProcess(pid, uuid, used, of(uuid, pid)) for (pid, uuid), used in usage.items()

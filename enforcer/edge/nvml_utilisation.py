@@ -180,5 +180,7 @@ class ProcessUtilisation:
 
 def _rows(buffer: Any, count: int) -> list[_Row]:
     """The first `count` entries of either struct array (their fields share names)."""
-    return [(buffer[i].timeStamp, buffer[i].pid, buffer[i].smUtil, buffer[i].memUtil)
-            for i in range(min(count, len(buffer)))]  # fmt: skip
+    return [
+        (buffer[i].timeStamp, buffer[i].pid, buffer[i].smUtil, buffer[i].memUtil)
+        for i in range(min(count, len(buffer)))
+    ]

@@ -78,8 +78,14 @@ class PodWatcher(threading.Thread):
         """One read of the pod (and what `on_read` reads after it); a bug in it is counted
         and logged by the guard, and the next read goes on."""
         try:
-            pod = call(self._api, "GET", POD, "pods", deadline=READ_DEADLINE,
-                       params={"namespace": self._namespace, "name": self._name})  # fmt: skip
+            pod = call(
+                self._api,
+                "GET",
+                POD,
+                "pods",
+                deadline=READ_DEADLINE,
+                params={"namespace": self._namespace, "name": self._name},
+            )
         except KubeError as exc:
             what = "cannot read this pod from the API; attribution uses what is known"
             self._outage.failed(what, exc)

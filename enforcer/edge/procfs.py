@@ -374,8 +374,10 @@ class ProcFs:
             if init is not None:
                 found[cid] = init.key
             elif cid in roots:
-                found[cid] = ("its first process is not proven: two of its processes whose "
-                              "parent is outside it started in the same clock tick")  # fmt: skip
+                found[cid] = (
+                    "its first process is not proven: two of its processes whose "
+                    "parent is outside it started in the same clock tick"
+                )
             else:
                 found[cid] = "no process of it runs on this node"
         return found

@@ -51,8 +51,15 @@ class TemplateKeeper:
         try:
             if not self._exists(where):
                 try:
-                    call(self._api, "POST", TEMPLATES, "resourceclaimtemplates", body=template,
-                         params={"namespace": key[0]}, deadline=self._deadline)  # fmt: skip
+                    call(
+                        self._api,
+                        "POST",
+                        TEMPLATES,
+                        "resourceclaimtemplates",
+                        body=template,
+                        params={"namespace": key[0]},
+                        deadline=self._deadline,
+                    )
                 except KubeError:
                     if not self._exists(where):  # else another replica made it meanwhile
                         raise
@@ -67,8 +74,14 @@ class TemplateKeeper:
 
     def _exists(self, where: dict[str, str]) -> bool:
         try:
-            call(self._api, "GET", TEMPLATE, "resourceclaimtemplates", params=where,
-                 deadline=self._deadline)  # fmt: skip
+            call(
+                self._api,
+                "GET",
+                TEMPLATE,
+                "resourceclaimtemplates",
+                params=where,
+                deadline=self._deadline,
+            )
         except NotFound:
             return False
         return True

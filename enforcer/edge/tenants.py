@@ -31,5 +31,6 @@ class TenantCache:
 
     def containers(self) -> dict[ProcessKey, str]:
         """The container ID of each process of the last sample that runs in one."""
-        return {k: t.removeprefix(CONTAINER) for k, t in self._known.items()
-                if t.startswith(CONTAINER)}  # fmt: skip
+        return {
+            k: t.removeprefix(CONTAINER) for k, t in self._known.items() if t.startswith(CONTAINER)
+        }

@@ -94,9 +94,22 @@ class _Connection:
     sent are collected in `senders`.
     """
 
-    __slots__ = ("blocked_since", "container_id", "inbox", "last_request", "outbox", "pid",
-                 "pod_sent", "refused", "senders", "sock", "subscribed", "unproven", "view",
-                 "wants_pod")  # fmt: skip
+    __slots__ = (
+        "blocked_since",
+        "container_id",
+        "inbox",
+        "last_request",
+        "outbox",
+        "pid",
+        "pod_sent",
+        "refused",
+        "senders",
+        "sock",
+        "subscribed",
+        "unproven",
+        "view",
+        "wants_pod",
+    )
 
     def __init__(
         self,
@@ -322,10 +335,12 @@ class UsageServer:
         if dialed is not None and peer.container_id != dialed:
             if unproven is not None:
                 unproven.close()
-            log.warning("the socket found in the sidecar container %s is held by a process of "
-                        "%s: closed unread", dialed[:12],
-                        "container " + peer.container_id[:12] if peer.container_id
-                        else "no container")  # fmt: skip
+            log.warning(
+                "the socket found in the sidecar container %s is held by a process of "
+                "%s: closed unread",
+                dialed[:12],
+                "container " + peer.container_id[:12] if peer.container_id else "no container",
+            )
             self._refuse(sock, "", dialed)
             return
         namespace = (peer.view.ns_inode, peer.view.level)
@@ -333,8 +348,12 @@ class UsageServer:
         if peer.view.level > 0 and self._per_namespace[namespace] >= PER_NAMESPACE:
             if unproven is not None:
                 unproven.close()
-            self._refuse(sock, f"too many connections from this PID namespace (at most "
-                               f"{PER_NAMESPACE}); close one, or retry later", dialed)  # fmt: skip
+            self._refuse(
+                sock,
+                f"too many connections from this PID namespace (at most "
+                f"{PER_NAMESPACE}); close one, or retry later",
+                dialed,
+            )
             return
         self._per_namespace[namespace] += 1
         conn = _Connection(sock, peer.view, unproven, peer.container_id, peer.pid)
@@ -495,8 +514,9 @@ class UsageServer:
         polled on, it would spin the loop. Leave it alone for ACCEPT_PAUSE."""
         assert self._listener is not None  # noqa: S101
         if self._accepting_at is None:
-            log.warning("cannot accept connections (%s); pausing for %gs", exc.strerror or exc,
-                        ACCEPT_PAUSE)  # fmt: skip
+            log.warning(
+                "cannot accept connections (%s); pausing for %gs", exc.strerror or exc, ACCEPT_PAUSE
+            )
             self._epoll.unregister(self._listener.fileno())
         self._accepting_at = time.monotonic() + ACCEPT_PAUSE
         self.count("refused")

@@ -98,8 +98,9 @@ class GpuFaults:
         self._faults, changes = passed(self._faults, dict(sample.failed))
         for change in changes:
             if change.why is not None:
-                self._tell(messages.gpu_unreadable(change.gpu, index.get(change.gpu), change.why),
-                           True)  # fmt: skip
+                self._tell(
+                    messages.gpu_unreadable(change.gpu, index.get(change.gpu), change.why), True
+                )
             else:
                 self._tell(messages.gpu_readable(change.gpu), False)
         self._telemetry.node.failed = dict(self._faults.said)
@@ -108,8 +109,12 @@ class GpuFaults:
         log.log(logging.ERROR if warning else logging.INFO, "%s", text)
         if self.recorder is not None and self._node:
             # As the kubelet names its Node in its own Events: the name is the uid.
-            about: ObjectReference = {"apiVersion": "v1", "kind": "Node", "name": self._node,
-                                      "uid": self._node}  # fmt: skip
+            about: ObjectReference = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "name": self._node,
+                "uid": self._node,
+            }
             self.recorder.record(about, str(Reason.GPU_UNREADABLE), text, warning)
 
 
@@ -393,11 +398,13 @@ def _pod_watch(
     recorder = EventRecorder(api, settings.node_name, settings.node_name, telemetry.event_failures)
     limiter_woken, publisher_woken = threading.Event(), threading.Event()
     lender_woken, resources_woken = threading.Event(), threading.Event()
-    pods = NodePods(api, settings.node_name,
-                    (limiter_woken, publisher_woken, lender_woken, resources_woken))  # fmt: skip
+    pods = NodePods(
+        api, settings.node_name, (limiter_woken, publisher_woken, lender_woken, resources_woken)
+    )
     namespaces = OptedInNamespaces(api, settings.namespace, (limiter_woken, lender_woken))
-    node = NodeView(pods.snapshot, namespaces.names,
-                    (settings.resource_name, settings.resource_unit))  # fmt: skip
+    node = NodeView(
+        pods.snapshot, namespaces.names, (settings.resource_name, settings.resource_unit)
+    )
     woken: list[Woken] = []
     if settings.hard_limits:
         sampler.keeps_usage = True
@@ -428,29 +435,49 @@ def _pod_watch(
             kubelet = PodResources(Path(settings.pod_resources_socket), resources_woken, telemetry)
             assigned = (lambda: kubelet.last, settings.gpu_resources)
             woken.append(kubelet)
-        sampler.lender = Lender(node, lender_woken, SIDECAR, settings.reclaim_watermark,
-                                telemetry, (claims.last, settings.dra) if dra else None,
-                                assigned)  # fmt: skip
+        sampler.lender = Lender(
+            node,
+            lender_woken,
+            SIDECAR,
+            settings.reclaim_watermark,
+            telemetry,
+            (claims.last, settings.dra) if dra else None,
+            assigned,
+        )
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
         dial = functools.partial(dial_sidecars, server.host_proc)
-        sidecars = SidecarWatch(pods.snapshot, server, recorder, telemetry, dial,
-                                SidecarProcesses(server.host_proc))  # fmt: skip
+        sidecars = SidecarWatch(
+            pods.snapshot, server, recorder, telemetry, dial, SidecarProcesses(server.host_proc)
+        )
         server.hung_up = sidecars.hung_up  # a killed sidecar's pod is held at once
         woken.append(sidecars)
         # A pod whose process the kernel will not let the agent signal is evicted instead.
         evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"))
         woken.append(evictor)
-        backstop = Backstop(node, lambda: sidecars.silent, SIDECAR, recorder, telemetry,
-                            server.host_proc, (claims.last, settings.dra) if dra else None,
-                            evictor.evict)  # fmt: skip
+        backstop = Backstop(
+            node,
+            lambda: sidecars.silent,
+            SIDECAR,
+            recorder,
+            telemetry,
+            server.host_proc,
+            (claims.last, settings.dra) if dra else None,
+            evictor.evict,
+        )
         sampler.backstop = backstop
         # Every enforced pod's series, served here: the sidecars serve none.
         counts = PodCounts()
         server.reports = counts.keep
         lender = sampler.lender
-        view = functools.partial(pods_view, lambda: sampler.last, pods.snapshot,
-                                 lambda: lender.tenants, lambda: telemetry.node.lending, counts,
-                                 lambda: backstop.counts)  # fmt: skip
+        view = functools.partial(
+            pods_view,
+            lambda: sampler.last,
+            pods.snapshot,
+            lambda: lender.tenants,
+            lambda: telemetry.node.lending,
+            counts,
+            lambda: backstop.counts,
+        )
         telemetry.registry.register(PodsCollector(view, settings.per_process_metrics))
     return recorder, (pods, namespaces), woken
 
@@ -474,6 +501,9 @@ def watch(threads: Sequence[threading.Thread], poll: float = 1.0) -> int:
             return 0
         dead = stopped(threads)
         if dead:
-            log.error("the %s thread has stopped; exiting with status %d so that the agent is "
-                      "restarted", ", ".join(dead), EXIT_THREAD_DIED)  # fmt: skip
+            log.error(
+                "the %s thread has stopped; exiting with status %d so that the agent is restarted",
+                ", ".join(dead),
+                EXIT_THREAD_DIED,
+            )
             return EXIT_THREAD_DIED

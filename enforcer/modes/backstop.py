@@ -165,19 +165,24 @@ class Backstop:
             held = messages.amounts(_requests(vram))
         elif (found := self._allocations(pod)) is not None:
             limits = found
-            held = ", ".join(f"{describe_unit(u.name)}: {format_bytes(u.limit_bytes)}"
-                             for u in found.units)  # fmt: skip
+            held = ", ".join(
+                f"{describe_unit(u.name)}: {format_bytes(u.limit_bytes)}" for u in found.units
+            )
         else:
             if isinstance(declared, Undeclared):
                 self._cannot_hold(pod, unreadable(declared))
             return None
-        log.warning("pod %s: its sidecar is silent; the agent enforces its limits itself (%s)",
-                    _named(pod), held)  # fmt: skip
+        log.warning(
+            "pod %s: its sidecar is silent; the agent enforces its limits itself (%s)",
+            _named(pod),
+            held,
+        )
         uid = str((pod.get("metadata") or {}).get("uid") or "")
         counts = self.counts.get(uid) or SidecarTelemetry()
         self.counts = {**self.counts, uid: counts}
-        return _Held(pod, limits, policy, self._sidecar, self._recorder, self._procfs, counts,
-                     self._evict)  # fmt: skip
+        return _Held(
+            pod, limits, policy, self._sidecar, self._recorder, self._procfs, counts, self._evict
+        )
 
     def _allocations(self, pod: Pod) -> Allocations | None:
         """DRA: what the pod's claims give its containers on each GPU, as last read; None
@@ -198,8 +203,9 @@ class Backstop:
         uid = str((pod.get("metadata") or {}).get("uid") or "")
         if uid not in self._unheld:
             self._unheld.add(uid)
-            log.warning("pod %s: its sidecar is silent, and the agent cannot hold it: %s",
-                        _named(pod), why)  # fmt: skip
+            log.warning(
+                "pod %s: its sidecar is silent, and the agent cannot hold it: %s", _named(pod), why
+            )
 
 
 def _requests(vram: PodVram) -> dict[str, int]:
@@ -215,8 +221,7 @@ def _named(pod: Pod) -> str:
 def policy_of(env: Mapping[str, str]) -> PolicyConfig:
     """The policy the pod's sidecar runs with, from the environment the webhook gave it
     (validated there); the sidecar's defaults for anything it cannot read."""
-    declared = (POLICY.action, POLICY.grace_period, POLICY.warn_at, POLICY.over_for,
-                POLICY.dry_run)  # fmt: skip
+    declared = (POLICY.action, POLICY.grace_period, POLICY.warn_at, POLICY.over_for, POLICY.dry_run)
     try:
         return POLICY.config(resolve(declared, {}, env))
     except ConfigError:
@@ -242,8 +247,11 @@ class _Held:
         want_init = policy.action is Action.RESTART
         self._attributor = SilentPodAttributor(procfs, limits, sidecar, want_init)
         self._terminator = _Refusals(Signaller(procfs, protected=frozenset({1})))
-        about = (str(meta.get("namespace") or ""), str(meta.get("name") or ""),
-                 str(meta.get("uid") or ""))  # fmt: skip
+        about = (
+            str(meta.get("namespace") or ""),
+            str(meta.get("name") or ""),
+            str(meta.get("uid") or ""),
+        )
         self._about = about
         self._evict = evict
         self._evicted = False  # once while the pod is held, not on every pass
@@ -341,8 +349,9 @@ class SilentPodAttributor:
             held = set(self._refs) - self._limits.unresolved
             units = attribute_per_gpu(sample, unit_of, self._limits, held)
         else:
-            limits = container_limits(_requests(self._limits), self._refs.values(),
-                                      undeclared_allowed=False)  # fmt: skip
+            limits = container_limits(
+                _requests(self._limits), self._refs.values(), undeclared_allowed=False
+            )
             units = attribute_declared(sample, unit_of, limits, self._limits.gpus)
         self._tick_inits = None
         if self._want_init and any(u.used_bytes > u.limit_bytes for u in units):
@@ -355,9 +364,11 @@ class SilentPodAttributor:
         parent is not (the runtime's shim). A `kubectl exec` into it is one too, and always
         younger: the oldest is the init; two of the same clock tick prove none."""
         found = self._finder(set(self._ids.values()))
-        return {name: ProcessTotal(key, 0, (), self._procfs.cmdline(key.pid) or "")
-                for name, cid in self._ids.items()
-                if isinstance(key := found.get(cid), ProcessKey)}  # fmt: skip
+        return {
+            name: ProcessTotal(key, 0, (), self._procfs.cmdline(key.pid) or "")
+            for name, cid in self._ids.items()
+            if isinstance(key := found.get(cid), ProcessKey)
+        }
 
     def membership(self, unit: str) -> Membership:
         ids = {self._ids[n] for n in unit_containers(unit) if n in self._ids}
@@ -415,9 +426,10 @@ class InitFinder:
             self._found = {cid: v for cid, v in self._found.items() if cid in ids}
             before, looking = dict(self._found), self._looking
         found: dict[str, ProcessKey | str] = {
-            cid: key for cid, key in before.items()
+            cid: key
+            for cid, key in before.items()
             if isinstance(key, ProcessKey) and self._procfs.start_time(key.pid) == key.start_time
-        }  # fmt: skip
+        }
         found |= self._procfs.cgroup_inits(ids - found.keys(), SAMPLER_MOST)
         due = ids - found.keys()
         for cid in due:
@@ -428,8 +440,9 @@ class InitFinder:
             self._found.update((c, k) for c, k in found.items() if isinstance(k, ProcessKey))
             if due and not looking and (again or not due <= before.keys()):
                 self._looking = True
-                threading.Thread(target=self._look, args=(due,), name="init-finder",
-                                 daemon=True).start()  # fmt: skip
+                threading.Thread(
+                    target=self._look, args=(due,), name="init-finder", daemon=True
+                ).start()
         return found
 
     def _look(self, ids: set[str]) -> None:

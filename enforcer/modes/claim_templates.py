@@ -62,8 +62,9 @@ class TemplateMaker(threading.Thread):
         self._clock = clock
         self._keeper = TemplateKeeper(api, deadline=API_DEADLINE, clock=clock)
         self.changed = threading.Event()
-        self.pods = WatchedPods(api, PENDING_ENFORCED, (self.changed,), name="pending-pods",
-                                keep=claims_of)  # fmt: skip
+        self.pods = WatchedPods(
+            api, PENDING_ENFORCED, (self.changed,), name="pending-pods", keep=claims_of
+        )
         self.stop = threading.Event()
         self._guard = LoopGuard("claim-templates", unexpected, log)
         self._opted_in: dict[str, tuple[bool, float]] = {}
@@ -113,15 +114,21 @@ class TemplateMaker(threading.Thread):
         meta = template["metadata"]
         namespace, name = str(meta["namespace"]), str(meta["name"])
         if not self._is_opted_in(namespace):
-            self._say(f"{namespace}/{name}", f"not making ResourceClaimTemplate {name!r} in "
-                      f"namespace {namespace!r}: the namespace has not opted in "
-                      f"({OPT_IN[0]}={OPT_IN[1]})")  # fmt: skip
+            self._say(
+                f"{namespace}/{name}",
+                f"not making ResourceClaimTemplate {name!r} in "
+                f"namespace {namespace!r}: the namespace has not opted in "
+                f"({OPT_IN[0]}={OPT_IN[1]})",
+            )
             return False
         known = self._sizes.setdefault(namespace, set())
         if name not in known and len(known) >= MAX_PER_NAMESPACE:
-            self._say(f"{namespace}/{name}", f"not making ResourceClaimTemplate {name!r}: "
-                      f"namespace {namespace!r} already has {MAX_PER_NAMESPACE} VRAM sizes of "
-                      "ours; declare one of the sizes in use there")  # fmt: skip
+            self._say(
+                f"{namespace}/{name}",
+                f"not making ResourceClaimTemplate {name!r}: "
+                f"namespace {namespace!r} already has {MAX_PER_NAMESPACE} VRAM sizes of "
+                "ours; declare one of the sizes in use there",
+            )
             return False
         problem = self._keeper.ensure(template)
         if problem is not None:
@@ -137,8 +144,14 @@ class TemplateMaker(threading.Thread):
         if cached is not None and now - cached[1] < NAMESPACE_TTL:
             return cached[0]
         try:
-            ns = call(self._api, "GET", NAMESPACE, "namespaces", params={"name": namespace},
-                      deadline=API_DEADLINE)  # fmt: skip
+            ns = call(
+                self._api,
+                "GET",
+                NAMESPACE,
+                "namespaces",
+                params={"name": namespace},
+                deadline=API_DEADLINE,
+            )
         except NotFound:
             opted = False
         except KubeError as exc:

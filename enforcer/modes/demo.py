@@ -42,8 +42,11 @@ def run(settings: DemoSettings) -> int:
         try:
             workdir = tempfile.TemporaryDirectory(prefix="vram-enforcer-demo-")
         except OSError as exc:
-            log.error("cannot create a directory for the simulated GPU: %s; set TMPDIR to "
-                      "a writable directory", exc)  # fmt: skip
+            log.error(
+                "cannot create a directory for the simulated GPU: %s; set TMPDIR to "
+                "a writable directory",
+                exc,
+            )
             return EXIT_USAGE
         with workdir as tmp:
             return _demo(settings, Path(tmp))
@@ -54,10 +57,13 @@ def _demo(settings: DemoSettings, tmp: Path) -> int:
     gpu.mkdir()
     summary = tmp / "summary.json"
     limit = format_bytes(settings.limit_bytes)
-    log.info("vram-enforcer demo: exec's own enforcement (sampling, the process tree, the "
-             "policy, signals through verified pidfds) runs a command that claims more and "
-             "more GPU memory, under a %s limit. Only the GPU is simulated: no GPU or NVIDIA "
-             "driver is used here", limit)  # fmt: skip
+    log.info(
+        "vram-enforcer demo: exec's own enforcement (sampling, the process tree, the "
+        "policy, signals through verified pidfds) runs a command that claims more and "
+        "more GPU memory, under a %s limit. Only the GPU is simulated: no GPU or NVIDIA "
+        "driver is used here",
+        limit,
+    )
     log.info("%s", messages.sampling_only(NO_HARD_LIMITS, settings.interval))
     status = exec_mode.run(
         ExecSettings(
@@ -90,8 +96,10 @@ def _outcome(ran: ExecSummary) -> str:
     elif ran.exit_status != 0:
         what = f"the grower ended with {status}, and not by the enforcer ({seen})"
     elif ran.exceeded_after is not None:
-        what = (f"the grower went over its {limit} limit ({seen}); the action is "
-                f"{ran.action}, so it was left alone: {status}")  # fmt: skip
+        what = (
+            f"the grower went over its {limit} limit ({seen}); the action is "
+            f"{ran.action}, so it was left alone: {status}"
+        )
     else:
         what = f"the grower stayed within its {limit} limit ({seen}) and was left alone: {status}"
     return f"{what}. On a machine with an NVIDIA GPU, the same without simulation: {REAL_THING}"

@@ -72,10 +72,12 @@ def check_nvml() -> Check:
         snap = nvml.snapshot()
     except NvmlError as exc:
         return Check(
-            "NVML", "fail", str(exc),
+            "NVML",
+            "fail",
+            str(exc),
             "needed by the agent and by exec; the sidecar reads usage from the agent "
             "and needs no NVML",
-        )  # fmt: skip
+        )
     finally:
         nvml.shutdown()
     gpus = ", ".join(
@@ -90,8 +92,12 @@ def check_nvml() -> Check:
         lost = "; ".join(
             messages.gpu_unreadable(uuid, index.get(uuid), why) for uuid, why in snap.failed
         )
-        return Check("NVML", "fail", f"{found}; {lost}",
-                     "the other GPUs are enforced; drain the node and reset the GPU")  # fmt: skip
+        return Check(
+            "NVML",
+            "fail",
+            f"{found}; {lost}",
+            "the other GPUs are enforced; drain the node and reset the GPU",
+        )
     return Check("NVML", "ok", found)
 
 
@@ -142,10 +148,12 @@ def check_tier() -> Check:
 
 def _sampling_only(why: str) -> Check:
     return Check(
-        TIER, "note", f"sampling only: {why}",
+        TIER,
+        "note",
+        f"sampling only: {why}",
         "allocations past a limit succeed and the offender is stopped within one "
         "interval; for the driver to refuse them: NVIDIA R615+, cgroup v2, a GPU not in MIG mode",
-    )  # fmt: skip
+    )
 
 
 def check_pid_namespace(procfs: ProcFs) -> Check:
@@ -163,9 +171,12 @@ def check_pid_namespace(procfs: ProcFs) -> Check:
 
 AGENT_PODS = "kubectl -n <ns> get pods -l app.kubernetes.io/component=agent -o wide"
 _KINDS = {
-    stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO",
-    stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-}  # fmt: skip
+    stat.S_IFREG: "a regular file",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
 
 
 def agent_expected(settings: DoctorSettings) -> bool:
@@ -189,11 +200,12 @@ def check_agent(path: str, expected: bool = True) -> Check:
         mode = stat.S_IFSOCK
     if not stat.S_ISSOCK(mode):
         return Check(
-            "agent socket", "fail",
+            "agent socket",
+            "fail",
             f"{path} is {_KINDS.get(stat.S_IFMT(mode), 'a special file')}, not a socket",
             f"give the node agent's socket (its --socket; {DEFAULT_SOCKET} by default) with "
             "--agent-socket or $VRAM_ENFORCER_AGENT_SOCKET",
-        )  # fmt: skip
+        )
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(5)
@@ -209,18 +221,26 @@ def check_agent(path: str, expected: bool = True) -> Check:
                 reply = decode_reply(replies.readline())
     except ConnectionRefusedError:  # a socket file, but no agent: not started, or died
         return Check(
-            "agent socket", "fail",
+            "agent socket",
+            "fail",
             f"nothing listens on {path} (connection refused): the node agent is not running, "
-            "or is restarting", f"{AGENT_PODS}; its log says why (kubectl logs)",
-        )  # fmt: skip
+            "or is restarting",
+            f"{AGENT_PODS}; its log says why (kubectl logs)",
+        )
     except (OSError, ProtocolError) as exc:
         return Check(
-            "agent socket", "fail", f"{path}: {exc}",
+            "agent socket",
+            "fail",
+            f"{path}: {exc}",
             "the agent may be restarting; its log says why (kubectl logs)",
-        )  # fmt: skip
+        )
     if isinstance(reply, SourceDown):
-        return Check("agent socket", "fail", f"the agent answers but {reply.reason}",
-                     "the agent cannot read NVML on this node: see its log")  # fmt: skip
+        return Check(
+            "agent socket",
+            "fail",
+            f"the agent answers but {reply.reason}",
+            "the agent cannot read NVML on this node: see its log",
+        )
     if not isinstance(reply, Usage):  # a pod, unasked for
         return Check(
             "agent socket",
@@ -240,16 +260,19 @@ def check_agent(path: str, expected: bool = True) -> Check:
 def _no_agent_socket(path: str, expected: bool) -> Check:
     if not expected:
         return Check(
-            "agent socket", "note",
+            "agent socket",
+            "note",
             f"{path} does not exist: no node agent here, and exec needs none (it reads NVML "
             "itself); taken for a workstation: --no-api, not in a pod, no kubelet",
             f"on a GPU node of a cluster the agent must be there: {AGENT_PODS}",
-        )  # fmt: skip
+        )
     return Check(
-        "agent socket", "fail", f"{path} does not exist",
+        "agent socket",
+        "fail",
+        f"{path} does not exist",
         "is the node agent (DaemonSet) running on this node, and is /run/vram-enforcer "
         f"mounted? {AGENT_PODS}",
-    )  # fmt: skip
+    )
 
 
 SIDECAR_SOCKET = "sidecar socket"
@@ -272,46 +295,53 @@ def check_sidecar_socket(path: str, table: str = UNIX_SOCKETS) -> Check:
         mode = os.stat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
         return Check(
-            SIDECAR_SOCKET, "fail",
+            SIDECAR_SOCKET,
+            "fail",
             f"{path} does not exist: the sidecar is not listening (it has not started, or "
-            "could not)", f"its log says why: {SIDECAR_LOG}",
-        )  # fmt: skip
+            "could not)",
+            f"its log says why: {SIDECAR_LOG}",
+        )
     except OSError:  # not ours to look at: the table below still tells
         mode = stat.S_IFSOCK
     if not stat.S_ISSOCK(mode):
         return Check(
-            SIDECAR_SOCKET, "fail",
+            SIDECAR_SOCKET,
+            "fail",
             f"{path} is {_KINDS.get(stat.S_IFMT(mode), 'a special file')}, not a socket",
             "VRAM_ENFORCER_LISTEN must be the sidecar's --listen (the webhook sets "
             "/run/vram-enforcer/sidecar.sock)",
-        )  # fmt: skip
+        )
     try:
         listening, connected = _unix_sockets(Path(table).read_text(errors="replace"), path)
     except OSError as exc:
         return Check(
-            SIDECAR_SOCKET, "note",
-            f"{path} is a socket; whether the node agent is connected to it cannot be read "
-            f"({exc})", _SOURCE_UP,
-        )  # fmt: skip
+            SIDECAR_SOCKET,
+            "note",
+            f"{path} is a socket; whether the node agent is connected to it cannot be read ({exc})",
+            _SOURCE_UP,
+        )
     if not listening:
         return Check(
-            SIDECAR_SOCKET, "fail",
+            SIDECAR_SOCKET,
+            "fail",
             f"nothing listens on {path}: the sidecar is not running, or is restarting",
             f"its log says why: {SIDECAR_LOG} (--previous after a restart)",
-        )  # fmt: skip
+        )
     if not connected:
         return Check(
-            SIDECAR_SOCKET, "fail",
+            SIDECAR_SOCKET,
+            "fail",
             f"the sidecar listens on {path}, but the node agent is not connected to it: the "
             "sidecar has no usage to enforce on",
             f"is a node agent of 0.2.0 running on this node ({AGENT_PODS}), and may it read "
             "the sidecar's root with ptrace (AppArmor)? Its log says why it cannot connect",
-        )  # fmt: skip
+        )
     return Check(
-        SIDECAR_SOCKET, "ok",
+        SIDECAR_SOCKET,
+        "ok",
         f"the sidecar listens on {path}, and the node agent is connected to it: it brings "
         "the usage and this pod, and posts the sidecar's Events",
-    )  # fmt: skip
+    )
 
 
 def _unix_sockets(table: str, path: str) -> tuple[bool, bool]:
@@ -339,15 +369,25 @@ def _unix_sockets(table: str, path: str) -> tuple[bool, bool]:
 # which sidecars of 0.1.0 need); the agent's include reading the node's pods and posting
 # Events, which it does for the sidecars of 0.2.0, and reading which namespaces opted in.
 _NEEDS: dict[str, list[tuple[str, str, str | None, bool]]] = {
-    "sidecar": [("get", "pods", None, True), ("create", "events", None, True),
-                ("patch", "events", None, True)],
-    "agent": [("get", "nodes", None, False), ("patch", "nodes", None, False),
-              ("patch", "nodes", "status", False), ("list", "pods", None, False),
-              ("watch", "pods", None, False), ("create", "pods", "eviction", False),
-              ("list", "namespaces", None, False), ("watch", "namespaces", None, False),
-              ("create", "events", None, False),
-              ("patch", "events", None, False), ("list", "events", None, False)],
-}  # fmt: skip
+    "sidecar": [
+        ("get", "pods", None, True),
+        ("create", "events", None, True),
+        ("patch", "events", None, True),
+    ],
+    "agent": [
+        ("get", "nodes", None, False),
+        ("patch", "nodes", None, False),
+        ("patch", "nodes", "status", False),
+        ("list", "pods", None, False),
+        ("watch", "pods", None, False),
+        ("create", "pods", "eviction", False),
+        ("list", "namespaces", None, False),
+        ("watch", "namespaces", None, False),
+        ("create", "events", None, False),
+        ("patch", "events", None, False),
+        ("list", "events", None, False),
+    ],
+}
 NO_SIDECAR_RBAC = (
     "a sidecar of --api-access agent (the default) makes no API request: the node agent "
     "reads its pod and posts its Events"
@@ -356,10 +396,15 @@ NO_SIDECAR_RBAC = (
 
 def check_api(settings: DoctorSettings) -> list[Check]:
     if settings.listen is not None and settings.api_access == "agent" and not settings.kubeconfig:
-        return [Check("Kubernetes API", "skip",
-                      f"not needed here: {NO_SIDECAR_RBAC}, so this sidecar holds no API "
-                      "token; run doctor in the agent's pod for the API and the agent's "
-                      "RBAC")]  # fmt: skip
+        return [
+            Check(
+                "Kubernetes API",
+                "skip",
+                f"not needed here: {NO_SIDECAR_RBAC}, so this sidecar holds no API "
+                "token; run doctor in the agent's pod for the API and the agent's "
+                "RBAC",
+            )
+        ]
     # The kubernetes client is loaded only for this check (about 40 MiB).
     from enforcer.edge.kube import KubeError, access_allowed, connect, server_version  # noqa: PLC0415
 
@@ -367,16 +412,29 @@ def check_api(settings: DoctorSettings) -> list[Check]:
         api = connect(settings.kubeconfig)
         version = server_version(api, deadline=API_DEADLINE)
     except KubeError as exc:
-        return [Check("Kubernetes API", "fail", str(exc),
-                      "check the kubeconfig, or the pod's ServiceAccount token")]  # fmt: skip
-    checks = [Check("Kubernetes API", "ok", f"reachable, {version}"),
-              check_dra(api, version, settings)]  # fmt: skip
+        return [
+            Check(
+                "Kubernetes API",
+                "fail",
+                str(exc),
+                "check the kubeconfig, or the pod's ServiceAccount token",
+            )
+        ]
+    checks = [
+        Check("Kubernetes API", "ok", f"reachable, {version}"),
+        check_dra(api, version, settings),
+    ]
     for component, needs in _NEEDS.items():
         if component == "sidecar" and settings.api_access == "agent":
-            checks.append(Check("RBAC for the sidecar", "skip",
-                                f"none needed: {NO_SIDECAR_RBAC} (the agent's RBAC is checked "
-                                "below); --api-access direct checks the Role that sidecars of "
-                                "0.1.0 need"))  # fmt: skip
+            checks.append(
+                Check(
+                    "RBAC for the sidecar",
+                    "skip",
+                    f"none needed: {NO_SIDECAR_RBAC} (the agent's RBAC is checked "
+                    "below); --api-access direct checks the Role that sidecars of "
+                    "0.1.0 need",
+                )
+            )
             continue
         denied = []
         for verb, resource, sub, namespaced in needs:
@@ -389,10 +447,13 @@ def check_api(settings: DoctorSettings) -> list[Check]:
                 denied.append(f"{what} (cannot ask: {exc})")
         scope = f" in namespace {settings.namespace}" if component == "sidecar" else ""
         if denied:
-            fix = ("add the namespace to the chart's sidecar.namespaces (or apply "
-                   "deploy/rbac/sidecar.yaml there), or run the sidecar with --api-access "
-                   "agent, which needs none" if component == "sidecar"
-                   else "apply deploy/rbac/agent.yaml (or the chart's ClusterRole)")  # fmt: skip
+            fix = (
+                "add the namespace to the chart's sidecar.namespaces (or apply "
+                "deploy/rbac/sidecar.yaml there), or run the sidecar with --api-access "
+                "agent, which needs none"
+                if component == "sidecar"
+                else "apply deploy/rbac/agent.yaml (or the chart's ClusterRole)"
+            )
             problem = f"this identity may not {', '.join(denied)}{scope}"
             checks.append(Check(f"RBAC for the {component}", "fail", problem, fix))
         else:
@@ -419,9 +480,13 @@ def check_dra(api: ApiClient, version: str, settings: DoctorSettings) -> Check:
     try:
         listed = call(api, "GET", SLICES, "resourceslices", deadline=API_DEADLINE, verb="list")
     except KubeError as exc:
-        return Check(DRA_MODE, "note", f"cannot list ResourceSlices ({exc}): cannot tell",
-                     "in DRA mode the node agent lists them (deploy/rbac/agent.yaml, the chart's "
-                     "ClusterRole): run doctor in the agent's pod to tell")  # fmt: skip
+        return Check(
+            DRA_MODE,
+            "note",
+            f"cannot list ResourceSlices ({exc}): cannot tell",
+            "in DRA mode the node agent lists them (deploy/rbac/agent.yaml, the chart's "
+            "ClusterRole): run doctor in the agent's pod to tell",
+        )
     items = listed.get("items") if isinstance(listed, dict) else None
     gpus = shareable_gpus(items if isinstance(items, list) else [], settings.dra)
     gate = (
@@ -434,14 +499,21 @@ def check_dra(api: ApiClient, version: str, settings: DoctorSettings) -> Check:
     )
     if not gpus:
         drivers = ", ".join(sorted(settings.dra.drivers))
-        return Check(DRA_MODE, "note",
-                     f"no ResourceSlice of {drivers} publishes a GPU shareable by memory with a "
-                     f"{settings.dra.uuid_attribute!r} attribute: {node_mode}{gate}",
-                     "for DRA mode, run NVIDIA's DRA driver with its ConsumableShares gate and "
-                     "--consumable-shares=memory (see docs/install.md)")  # fmt: skip
+        return Check(
+            DRA_MODE,
+            "note",
+            f"no ResourceSlice of {drivers} publishes a GPU shareable by memory with a "
+            f"{settings.dra.uuid_attribute!r} attribute: {node_mode}{gate}",
+            "for DRA mode, run NVIDIA's DRA driver with its ConsumableShares gate and "
+            "--consumable-shares=memory (see docs/install.md)",
+        )
     shown = ", ".join(gpus[:4]) + (f" and {len(gpus) - 4} more" if len(gpus) > 4 else "")
-    return Check(DRA_MODE, "ok", f"{len(gpus)} GPU(s) shareable by memory ({shown}): DRA mode "
-                 f"can be used (the chart's webhook.draDeviceClass){gate}")  # fmt: skip
+    return Check(
+        DRA_MODE,
+        "ok",
+        f"{len(gpus)} GPU(s) shareable by memory ({shown}): DRA mode "
+        f"can be used (the chart's webhook.draDeviceClass){gate}",
+    )
 
 
 KUBELET = "kubelet pod resources"
@@ -454,9 +526,13 @@ def check_pod_resources(socket: str) -> Check:
     if not socket:
         return Check(KUBELET, "skip", "--pod-resources-socket is empty")
     if not os.path.exists(socket):
-        return Check(KUBELET, "note", f"no socket at {socket}: a container's request is {where}",
-                     "on a node, give the kubelet's pod-resources socket (--pod-resources-socket; "
-                     "it is below the kubelet's --root-dir)")  # fmt: skip
+        return Check(
+            KUBELET,
+            "note",
+            f"no socket at {socket}: a container's request is {where}",
+            "on a node, give the kubelet's pod-resources socket (--pod-resources-socket; "
+            "it is below the kubelet's --root-dir)",
+        )
     try:
         found = list_once(Path(socket))
     except PodResourcesError as exc:

@@ -298,8 +298,11 @@ def run(settings: ExecSettings, gpus: Gpus | None = None) -> int:
     demo` does (its simulated GPU); no flag or variable of `exec` can.
     """
     if settings.summary and not Path(settings.summary).parent.is_dir():
-        log.error("--summary %s: the directory %s does not exist; create it first",
-                  settings.summary, Path(settings.summary).parent)  # fmt: skip
+        log.error(
+            "--summary %s: the directory %s does not exist; create it first",
+            settings.summary,
+            Path(settings.summary).parent,
+        )
         return EXIT_USAGE
     record = _Record()
     status = _run(settings, record, gpus)
@@ -329,8 +332,11 @@ def _run(settings: ExecSettings, record: _Record, gpus: Gpus | None) -> int:
             source = NvmlSource(gpu.nvml, gpu.view, gpu.majors)
             with _hard_limits(settings, gpu.nvml) as placed:
                 record.hard_limit = placed is not None
-                watch = ChargeWatch(gpu.nvml, placed, settings.interval, record.unbound) \
-                    if placed else None  # fmt: skip
+                watch = (
+                    ChargeWatch(gpu.nvml, placed, settings.interval, record.unbound)
+                    if placed
+                    else None
+                )
                 return _supervise(settings, source, placed, record, watch)
         except (StartupError, MetricsPortError) as exc:
             log.error("%s", exc, exc_info=logs.detail(exc))
@@ -354,8 +360,10 @@ def _hard_limits(settings: ExecSettings, nvml: Nvml) -> Iterator[Placed | None]:
         yield placed
     finally:
         if placed is not None and not placed.cgroup.close():
-            log.warning("left the cgroup %s in place: it still holds processes of the command",
-                        placed.cgroup.command)  # fmt: skip
+            log.warning(
+                "left the cgroup %s in place: it still holds processes of the command",
+                placed.cgroup.command,
+            )
 
 
 def _supervise(
@@ -404,8 +412,7 @@ def _supervise(
             settings.interval * 1000,
         )
         keeper = CgroupKeeper(placed.cgroup) if placed is not None else None
-        return _loop(child, pipeline, terminator, procfs, settings.interval, record, keeper,
-                     watch)  # fmt: skip
+        return _loop(child, pipeline, terminator, procfs, settings.interval, record, keeper, watch)
     finally:
         terminator.close()
         if server is not None:
@@ -484,16 +491,22 @@ def _process_group(pid: int) -> int | None:
 
 def _announce_leftovers(status: int, procfs: ProcFs) -> None:
     leftovers = sorted(procfs.descendants(os.getpid()))
-    named = [(pid, messages.shown(procfs.cmdline(pid) or "?", messages.COMMAND_CHARS))
-             for pid in leftovers[:5]]  # fmt: skip
+    named = [
+        (pid, messages.shown(procfs.cmdline(pid) or "?", messages.COMMAND_CHARS))
+        for pid in leftovers[:5]
+    ]
     shown = ", ".join(f"{pid} ({command})" for pid, command in named)
     more = f" and {len(leftovers) - 5} more" if len(leftovers) > 5 else ""
     log.warning(
         "the command exited with status %d, but %d process(es) it started are still running: "
         "%s%s. They stay under the limit until they exit; vram-enforcer then exits with the "
         "command's status. To end them now, send SIGTERM to vram-enforcer (pid %d)",
-        status, len(leftovers), shown, more, os.getpid(),
-    )  # fmt: skip
+        status,
+        len(leftovers),
+        shown,
+        more,
+        os.getpid(),
+    )
 
 
 def _reap(child: int, status: int | None, record: _Record) -> tuple[int | None, bool]:

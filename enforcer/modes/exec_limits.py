@@ -61,9 +61,13 @@ class ChargeWatch:
             verdict = charged(amount, held.charged_bytes)
             self._misses[gpu], self.binds = proven(self._misses.get(gpu, 0), verdict)
             if self.binds is True:
-                log.info("the driver counts the command tree against its hard limit: it "
-                         "charges %s on %s, where NVML lists %s", format_bytes(held.charged_bytes),
-                         gpu, format_bytes(amount))  # fmt: skip
+                log.info(
+                    "the driver counts the command tree against its hard limit: it "
+                    "charges %s on %s, where NVML lists %s",
+                    format_bytes(held.charged_bytes),
+                    gpu,
+                    format_bytes(amount),
+                )
                 return
             if self.binds is False:
                 why = messages.not_charged(gpu, amount, "the command tree's processes")
@@ -102,11 +106,18 @@ class CgroupKeeper:
                 log.warning(
                     "pid %d left the command's cgroup for %s, and could not be moved back (%s): "
                     "the driver no longer refuses its allocations past the limit; sampling "
-                    "still stops it", pid, where, exc,
-                )  # fmt: skip
+                    "still stops it",
+                    pid,
+                    where,
+                    exc,
+                )
             else:
-                log.warning("pid %d had left the command's cgroup for %s; moved it back under "
-                            "the hard limit", pid, where)  # fmt: skip
+                log.warning(
+                    "pid %d had left the command's cgroup for %s; moved it back under "
+                    "the hard limit",
+                    pid,
+                    where,
+                )
 
 
 def place(settings: ExecSettings, nvml: Nvml) -> tuple[Placed | None, str]:

@@ -134,14 +134,18 @@ def run(settings: InterferenceSettings) -> int:
             "--builtin %s: the built-in workloads need PyTorch, and this Python (%s) does "
             "not have it; install it (pip install torch), or run vram-enforcer from a "
             "Python that has it",
-            ",".join(settings.builtins), sys.executable,
-        )  # fmt: skip
+            ",".join(settings.builtins),
+            sys.executable,
+        )
         return EXIT_USAGE
     if (why := _exec_cannot_start(settings.timeout)) is not None:
-        log.error("every run goes through vram-enforcer exec, which cannot start here: %s. "
-                  "--builtin-device cpu does not avoid it: exec reads GPU memory through NVML "
-                  "whatever the workloads compute on. Without an NVIDIA GPU, vram-enforcer "
-                  "demo shows exec at work on a simulated one", why)  # fmt: skip
+        log.error(
+            "every run goes through vram-enforcer exec, which cannot start here: %s. "
+            "--builtin-device cpu does not avoid it: exec reads GPU memory through NVML "
+            "whatever the workloads compute on. Without an NVIDIA GPU, vram-enforcer "
+            "demo shows exec at work on a simulated one",
+            why,
+        )
         return EXIT_USAGE
     try:
         workdir = _workdir(settings.output)
@@ -155,23 +159,43 @@ def run(settings: InterferenceSettings) -> int:
         log.info(
             "measuring %s: %d warm-up round(s), then %d repetition(s) of each alone and "
             "each pair: %d rounds, %d runs; each run's output is in %s",
-            ", ".join(names), settings.warmup * len(names), settings.repeat, len(rounds),
-            planned, runs_dir,
-        )  # fmt: skip
+            ", ".join(names),
+            settings.warmup * len(names),
+            settings.repeat,
+            len(rounds),
+            planned,
+            runs_dir,
+        )
         results: list[RunResult] = []
         for rnd in rounds:
             if stop.signum is not None:
                 break
             done = _round(rnd, settings, Path(runs_dir), stop)
-            log.info("[%d/%d] %s: %s", rnd.index, len(rounds), rnd.label,
-                     "; ".join(_said(r) for r in done))  # fmt: skip
+            log.info(
+                "[%d/%d] %s: %s",
+                rnd.index,
+                len(rounds),
+                rnd.label,
+                "; ".join(_said(r) for r in done),
+            )
             results += done
         if stop.signum is not None:
             made = sum(r.outcome is not Outcome.INTERRUPTED for r in results)
-            log.warning("stopped by %s after %d of %d runs; the report covers those",
-                        signal.Signals(stop.signum).name, made, planned)  # fmt: skip
-        how = Method(settings.repeat, settings.warmup, settings.max_spread, planned,
-                     stop.signum is not None, settings.gpu, settings.timeout)  # fmt: skip
+            log.warning(
+                "stopped by %s after %d of %d runs; the report covers those",
+                signal.Signals(stop.signum).name,
+                made,
+                planned,
+            )
+        how = Method(
+            settings.repeat,
+            settings.warmup,
+            settings.max_spread,
+            planned,
+            stop.signum is not None,
+            settings.gpu,
+            settings.timeout,
+        )
         report = analyse(settings.workloads, results, how)
         print(to_text(report), end="", flush=True)
         written = _write_report(report, settings.output) if settings.output else True
@@ -187,11 +211,29 @@ def _exec_cannot_start(timeout: float) -> str | None:
     """Why exec cannot start here, in its own words (no NVML, a PID namespace it cannot
     translate), asked once with a command that does nothing; None when it can. Otherwise
     every run would fail the same way, and the report would be a table of failures."""
-    probe = [sys.executable, "-m", "enforcer", "exec", "--limit", "1", "--hard-limits", "off",
-             "--", sys.executable, "-c", ""]  # fmt: skip
+    probe = [
+        sys.executable,
+        "-m",
+        "enforcer",
+        "exec",
+        "--limit",
+        "1",
+        "--hard-limits",
+        "off",
+        "--",
+        sys.executable,
+        "-c",
+        "",
+    ]
     try:
-        out = subprocess.run(probe, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                             timeout=timeout, check=False)  # fmt: skip
+        out = subprocess.run(
+            probe,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return f"a command that does nothing did not end within --timeout {timeout:g}s"
     if out.returncode != EXIT_USAGE:
@@ -209,8 +251,10 @@ def _nothing_measured(results: list[RunResult]) -> str | None:
     tally = ", ".join(f"{n} {outcome}" for outcome, n in outcomes)
     first = next((r for r in measured if r.detail), None)
     said = f"; the first: {first.spec.label} ({first.detail})" if first else ""
-    return (f"not one of the {len(measured)} measured runs went well ({tally}), so the report "
-            f"has no figure{said}")  # fmt: skip
+    return (
+        f"not one of the {len(measured)} measured runs went well ({tally}), so the report "
+        f"has no figure{said}"
+    )
 
 
 def _workdir(output: str | None) -> contextlib.AbstractContextManager[str]:
@@ -270,9 +314,19 @@ def _start(
     for left in (summary, timing):  # what an earlier measurement left is not this run's
         left.unlink(missing_ok=True)
     command = [
-        sys.executable, "-m", "enforcer", "exec", "--limit", str(workload.limit_bytes),
-        "--summary", str(summary), "--name", workload.name, "--", *workload.command,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "enforcer",
+        "exec",
+        "--limit",
+        str(workload.limit_bytes),
+        "--summary",
+        str(summary),
+        "--name",
+        workload.name,
+        "--",
+        *workload.command,
+    ]
     env = dict(os.environ, **{TIMING_ENV: str(timing)})
     ready = None
     if go is not None:
@@ -284,8 +338,14 @@ def _start(
     with _file(files, ".stdout").open("wb") as out, _file(files, ".stderr").open("wb") as err:
         # A session of its own: a ^C at the terminal reaches us alone, and we pass it on,
         # so that every run in flight is stopped the same way and counted as interrupted.
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                env=env, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            env=env,
+            start_new_session=True,
+        )
     log.debug("started %s: pid %d: %s", spec.label, proc.pid, " ".join(command))
     deadline = time.monotonic() + settings.timeout
     return _Running(spec, proc, os.pidfd_open(proc.pid), deadline, files, ready)
@@ -346,8 +406,11 @@ def _escalate(running: list[_Running], stop_signal: int | None) -> None:
             r.timed_out = True
             _signal(r, signal.SIGTERM, now)
         elif r.signalled_at is not None and not r.killed and now >= r.signalled_at + KILL_AFTER:
-            log.warning("%s has not exited %.0f s after the signal; sending SIGKILL to its "
-                        "process group", r.spec.label, KILL_AFTER)  # fmt: skip
+            log.warning(
+                "%s has not exited %.0f s after the signal; sending SIGKILL to its process group",
+                r.spec.label,
+                KILL_AFTER,
+            )
             r.killed = True
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(r.proc.pid, signal.SIGKILL)
@@ -374,9 +437,12 @@ def _result(rnd: Round, r: _Running, timeout: float, keep: bool) -> RunResult:
     summary = _read_summary(r.summary)
     section, section_problem = _read_section(r.timing, summary)
     outcome, detail = classify(
-        summary, r.proc.returncode, _tail(r.stderr),
-        timed_out_after=timeout if r.timed_out else None, interrupted=r.interrupted,
-    )  # fmt: skip
+        summary,
+        r.proc.returncode,
+        _tail(r.stderr),
+        timed_out_after=timeout if r.timed_out else None,
+        interrupted=r.interrupted,
+    )
     return RunResult(
         round=rnd.index,
         phase=rnd.phase,

@@ -113,8 +113,9 @@ class Lender:
             gpus = {}
             if self._assigned is not None and assignments is not None:
                 gpus = assigned_gpus(assignments, self._assigned[1], sample.devices)
-            self._tenants = tenants(pods.values(), name, unit, self._sidecar, basis, allocated,
-                                    gpus, opted_in=trusted)  # fmt: skip
+            self._tenants = tenants(
+                pods.values(), name, unit, self._sidecar, basis, allocated, gpus, opted_in=trusted
+            )
             self._basis, self._assignments, self._trusted = basis, assignments, trusted
             for pod, problem in self._tenants.unread.items():
                 if self._unread.get(pod) != problem:  # once, not on every change of the pods

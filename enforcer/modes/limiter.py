@@ -176,8 +176,11 @@ class HardLimiter(threading.Thread):
         for uid, pod in pods.items():
             meta = pod.get("metadata") or {}
             resource_version = str(meta.get("resourceVersion") or "")
-            sharing = sorted((name, sorted(users.get((str(meta.get("namespace")), name), ())))
-                             for name in claim_names(pod).values() if name)  # fmt: skip
+            sharing = sorted(
+                (name, sorted(users.get((str(meta.get("namespace")), name), ())))
+                for name in claim_names(pod).values()
+                if name
+            )
             opted = env_trusted(pod, trusted)
             version = f"{resource_version}@{basis}@{sharing}@{opted}" if resource_version else ""
             known = self._parsed.get(uid)
@@ -227,8 +230,13 @@ class HardLimiter(threading.Thread):
         if outcome.result is LimitResult.SET:
             self._applied[key] = (target, limit)
             self._telemetry.hard_limits.labels(*_labels(target), gpu).set(limit)
-            log.info("hard limit of %s on %s for %s: %s", format_bytes(limit), gpu,
-                     _name(target), target.cgroup)  # fmt: skip
+            log.info(
+                "hard limit of %s on %s for %s: %s",
+                format_bytes(limit),
+                gpu,
+                _name(target),
+                target.cgroup,
+            )
         elif outcome.final:
             self._final[gpu] = outcome  # said once, as this node's reason
         elif outcome.result is LimitResult.REJECTED:
@@ -244,8 +252,12 @@ class HardLimiter(threading.Thread):
             log.info("hard limit on %s for %s cleared", key[1], key[0])
             self._drop(key)
         else:
-            log.warning("clearing the hard limit on %s for %s: %s", key[1], key[0],
-                        messages.no_hard_limit(outcome, "", key[0]))  # fmt: skip
+            log.warning(
+                "clearing the hard limit on %s for %s: %s",
+                key[1],
+                key[0],
+                messages.no_hard_limit(outcome, "", key[0]),
+            )
 
     def _drop(self, key: Key) -> None:
         target, _ = self._applied.pop(key)

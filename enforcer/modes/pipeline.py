@@ -200,8 +200,9 @@ class Pipeline:
             restart = whole.restart
             fresh = [t for t in whole.processes if t.key not in {s.key for s in targets}]
             for target in fresh:
-                result = self._terminator.start(replace(enf, victim=target), membership,
-                                                time.monotonic())  # fmt: skip
+                result = self._terminator.start(
+                    replace(enf, victim=target), membership, time.monotonic()
+                )
                 targets.append(target)
                 results.append(result)
                 if result is SignalResult.SENT:

@@ -126,8 +126,11 @@ def run(settings: SidecarSettings) -> int:
         )
         return EXIT_USAGE
     if (failed := forbid_inspection()) is not None:
-        log.warning("cannot close this process to the workload (prctl: %s): a root workload "
-                    "could ptrace the sidecar or reach its socket", failed)  # fmt: skip
+        log.warning(
+            "cannot close this process to the workload (prctl: %s): a root workload "
+            "could ptrace the sidecar or reach its socket",
+            failed,
+        )
     telemetry = SidecarTelemetry()  # reported to the agent, which serves the pod's metrics
     try:
         source = _source(settings)
@@ -164,8 +167,9 @@ def run(settings: SidecarSettings) -> int:
     )
     counts = _Counts(source, telemetry) if isinstance(source, AgentSource) else None
     try:
-        return _loop(settings, source, pipeline, terminator, procfs, access.pod, access.helpers,
-                     counts)  # fmt: skip
+        return _loop(
+            settings, source, pipeline, terminator, procfs, access.pod, access.helpers, counts
+        )
     finally:
         terminator.close()
         source.close()
@@ -212,8 +216,16 @@ def _pipeline(
     if agent is None or not (ceilings or any(p.ceiling for p in portions.values())):
         return Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry)
     reclaimer = AgentReclaims(agent, attributor)
-    return Pipeline(source, attributor, settings.policy, terminator, reporters, telemetry,
-                    requests=lambda: attributor.requests, reclaimer=reclaimer)  # fmt: skip
+    return Pipeline(
+        source,
+        attributor,
+        settings.policy,
+        terminator,
+        reporters,
+        telemetry,
+        requests=lambda: attributor.requests,
+        reclaimer=reclaimer,
+    )
 
 
 class _Counts:

@@ -171,9 +171,14 @@ def direct(settings: SidecarSettings, telemetry: SidecarTelemetry) -> PodAccess:
         claims = ClaimState(ClaimReader(api, settings.node_name))
     # A "container"-mode sidecar watches the other containers' states to know when to exit.
     period = 2.0 if settings.sidecar_mode == "container" else 30.0
-    watcher = PodWatcher(api, settings.namespace, settings.pod_name, period=period,
-                         on_read=claims.refresh if claims is not None else None,
-                         unexpected=telemetry.unexpected.labels("pod-watcher"))  # fmt: skip
+    watcher = PodWatcher(
+        api,
+        settings.namespace,
+        settings.pod_name,
+        period=period,
+        on_read=claims.refresh if claims is not None else None,
+        unexpected=telemetry.unexpected.labels("pod-watcher"),
+    )
     recorder = EventRecorder(api, settings.pod_name, settings.node_name, telemetry.event_failures)
 
     def close() -> None:

@@ -258,11 +258,18 @@ class ContainerAttributor:
             self._basis = basis
             shares = portions_text(self._declared.portions)
             if basis is None:
-                log.warning("NVML shows no whole GPU's memory: the portions of a GPU (%s) are "
-                            "not checked until it does", shares)  # fmt: skip
+                log.warning(
+                    "NVML shows no whole GPU's memory: the portions of a GPU (%s) are "
+                    "not checked until it does",
+                    shares,
+                )
             else:
-                log.info("portions of a GPU (%s) count against %d MiB, the memory of the "
-                         "node's smallest GPU as KAI counts it", shares, basis // MiB)  # fmt: skip
+                log.info(
+                    "portions of a GPU (%s) count against %d MiB, the memory of the "
+                    "node's smallest GPU as KAI counts it",
+                    shares,
+                    basis // MiB,
+                )
         return self._declared.in_bytes(basis)
 
     def _borrowed(self, ceilings: Mapping[str, int]) -> Mapping[str, int]:
@@ -274,13 +281,18 @@ class ContainerAttributor:
         if lending != self._borrowing:
             self._borrowing = lending
             if lending:
-                log.info("the node agent decides reclaims: containers may borrow up to their "
-                         "ceilings (%s)", messages.amounts(ceilings))  # fmt: skip
+                log.info(
+                    "the node agent decides reclaims: containers may borrow up to their "
+                    "ceilings (%s)",
+                    messages.amounts(ceilings),
+                )
             else:
-                log.warning("the node agent does not decide reclaims for these containers (a "
-                            "release before ceilings, or before ceilings with DRA?): they are "
-                            "held to their requests, not their ceilings (%s), until it does",
-                            messages.amounts(ceilings))  # fmt: skip
+                log.warning(
+                    "the node agent does not decide reclaims for these containers (a "
+                    "release before ceilings, or before ceilings with DRA?): they are "
+                    "held to their requests, not their ceilings (%s), until it does",
+                    messages.amounts(ceilings),
+                )
         return ceilings if lending else {}
 
     def container(self, container_id: str) -> str | None:

@@ -167,8 +167,12 @@ class SidecarWatch(threading.Thread):
             if refused:
                 self._telemetry.requests.labels("refused").inc()
             if self._failed.get(cid) != str(found):  # said once, not every attempt
-                log.log(logging.WARNING if refused else logging.INFO,
-                        "sidecar container %s: %s; trying again", cid[:12], found)  # fmt: skip
+                log.log(
+                    logging.WARNING if refused else logging.INFO,
+                    "sidecar container %s: %s; trying again",
+                    cid[:12],
+                    found,
+                )
             self._failed[cid] = str(found)
 
     def _tell(self, pod: Pod, text: str, warning: bool) -> None:

@@ -180,8 +180,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.OK, {"status": "ok"})
         elif self.path == "/readyz":
             ready = not self.server.stopping.is_set()
-            self._send(HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE,
-                       {"status": "ok" if ready else "shutting down"})  # fmt: skip
+            self._send(
+                HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE,
+                {"status": "ok" if ready else "shutting down"},
+            )
         elif self.path.partition("?")[0] == "/mutate":
             self._send(
                 HTTPStatus.METHOD_NOT_ALLOWED, {"error": "POST an AdmissionReview to /mutate"}
@@ -204,8 +206,10 @@ class _Handler(BaseHTTPRequestHandler):
         length = None if header is None else ascii_int(header.strip(), 20)
         if length is None:
             self.close_connection = True
-            self._send(HTTPStatus.LENGTH_REQUIRED,
-                       {"error": "a Content-Length of ASCII digits is required"})  # fmt: skip
+            self._send(
+                HTTPStatus.LENGTH_REQUIRED,
+                {"error": "a Content-Length of ASCII digits is required"},
+            )
             self._linger()
             return "invalid"
         if length > MAX_BODY:
@@ -216,9 +220,10 @@ class _Handler(BaseHTTPRequestHandler):
             return "invalid"
         if not self.server.bodies.acquire(length, IO_TIMEOUT):
             self.close_connection = True  # the body is not read: the connection cannot go on
-            self._send(HTTPStatus.SERVICE_UNAVAILABLE, {"error": (
-                "too many large reviews are being answered at once; retry"
-            )})  # fmt: skip
+            self._send(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                {"error": ("too many large reviews are being answered at once; retry")},
+            )
             self._linger()
             return "invalid"
         try:
@@ -305,8 +310,13 @@ class WebhookServer(BoundedConnections, ThreadingHTTPServer):
     per_peer = PER_PEER
     request_queue_size = 128
 
-    def __init__(self, settings: WebhookSettings, admission: AdmissionSettings,
-                 tls: CertReloader, telemetry: WebhookTelemetry) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: WebhookSettings,
+        admission: AdmissionSettings,
+        tls: CertReloader,
+        telemetry: WebhookTelemetry,
+    ) -> None:
         self.admission = admission
         self.bodies = ByteBudget(BODIES_IN_FLIGHT)
         self.tls = tls
@@ -370,13 +380,17 @@ def run(settings: WebhookSettings) -> int:
         try:
             version = server_version(connect(settings.kubeconfig))
         except KubeError as exc:
-            log.error("--sidecar-mode auto: cannot read the API server's version (%s); "
-                      "set --sidecar-mode native or container", exc,
-                      exc_info=logs.detail(exc))  # fmt: skip
+            log.error(
+                "--sidecar-mode auto: cannot read the API server's version (%s); "
+                "set --sidecar-mode native or container",
+                exc,
+                exc_info=logs.detail(exc),
+            )
             return EXIT_USAGE
         admission = dataclasses.replace(admission, sidecar_mode=sidecar_mode_for(version))
-        log.info("the API server is %s: sidecars are injected as %s", version,
-                 admission.sidecar_mode)  # fmt: skip
+        log.info(
+            "the API server is %s: sidecars are injected as %s", version, admission.sidecar_mode
+        )
     telemetry = WebhookTelemetry()
     templates = None
     if admission.dra_class is not None:
@@ -387,8 +401,12 @@ def run(settings: WebhookSettings) -> int:
         try:
             api = connect(settings.kubeconfig)
         except KubeError as exc:
-            log.error("--dra-device-class: the webhook makes claim templates, and cannot reach "
-                      "the API server (%s)", exc, exc_info=logs.detail(exc))  # fmt: skip
+            log.error(
+                "--dra-device-class: the webhook makes claim templates, and cannot reach "
+                "the API server (%s)",
+                exc,
+                exc_info=logs.detail(exc),
+            )
             return EXIT_USAGE
         templates = TemplateMaker(api, admission, telemetry.unexpected.labels("claim-templates"))
         log.info("DRA mode: declared VRAM becomes claims on DeviceClass %s", admission.dra_class)
@@ -411,9 +429,13 @@ def run(settings: WebhookSettings) -> int:
         return EXIT_USAGE
     serving = threading.Thread(target=server.serve_forever, name="webhook", daemon=True)
     serving.start()
-    log.info("serving admission reviews on https://%s:%d/mutate (sidecar %s, %s mode)",
-             settings.address, server.server_address[1], admission.sidecar_image,
-             admission.sidecar_mode)  # fmt: skip
+    log.info(
+        "serving admission reviews on https://%s:%d/mutate (sidecar %s, %s mode)",
+        settings.address,
+        server.server_address[1],
+        admission.sidecar_image,
+        admission.sidecar_mode,
+    )
     if templates is not None:
         templates.start()
     received = signal.sigwait(_STOP_SIGNALS)

@@ -71,10 +71,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=list(PROFILES), help="the workload")
     amount = p.add_mutually_exclusive_group()
     amount.add_argument("--steps", type=_steps, help="how many steps [default: by device]")
-    amount.add_argument("--scale", type=_scale, default=1.0,
-                        help="multiply the default steps by this [default: 1]")  # fmt: skip
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="where to compute [default: cuda]")  # fmt: skip
+    amount.add_argument(
+        "--scale", type=_scale, default=1.0, help="multiply the default steps by this [default: 1]"
+    )
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="where to compute [default: cuda]"
+    )
     return p
 
 
@@ -85,13 +87,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import torch  # noqa: PLC0415 - heavy, and only once the arguments are valid
     except ImportError as exc:
-        print(f"{PROG} {args.name}: PyTorch is not installed for {sys.executable} ({exc}); "
-              "install it (https://pytorch.org/get-started/locally/), or run with a Python "
-              "that has it", file=sys.stderr)  # fmt: skip
+        print(
+            f"{PROG} {args.name}: PyTorch is not installed for {sys.executable} ({exc}); "
+            "install it (https://pytorch.org/get-started/locally/), or run with a Python "
+            "that has it",
+            file=sys.stderr,
+        )
         return EXIT_NO_TORCH
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"{PROG} {args.name}: PyTorch {torch.__version__} sees no CUDA GPU; use "
-              "--device cpu to run on the CPU", file=sys.stderr)  # fmt: skip
+        print(
+            f"{PROG} {args.name}: PyTorch {torch.__version__} sees no CUDA GPU; use "
+            "--device cpu to run on the CPU",
+            file=sys.stderr,
+        )
         return EXIT_NO_DEVICE
     device = torch.device(args.device)
     try:
@@ -100,9 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"{PROG} {args.name}: out of memory: {reason}", file=sys.stderr, flush=True)
         return EXIT_OUT_OF_MEMORY
-    print(f"{args.name}: {steps} steps on {args.device} in {done - ready:.2f} s, after "
-          f"{ready - began:.2f} s of start-up (PyTorch, the device, the data)",
-          flush=True)  # fmt: skip
+    print(
+        f"{args.name}: {steps} steps on {args.device} in {done - ready:.2f} s, after "
+        f"{ready - began:.2f} s of start-up (PyTorch, the device, the data)",
+        flush=True,
+    )
     _write_section(ready, done)
     return 0
 
@@ -117,14 +127,20 @@ def _wait_at_gate() -> None:
         with open(ready, "x"):
             pass
     except OSError as exc:
-        print(f"{PROG}: cannot create {READY_ENV}={ready} ({exc.strerror or exc}); "
-              "starting without waiting for the neighbour", file=sys.stderr)  # fmt: skip
+        print(
+            f"{PROG}: cannot create {READY_ENV}={ready} ({exc.strerror or exc}); "
+            "starting without waiting for the neighbour",
+            file=sys.stderr,
+        )
         return
     patience = time.monotonic() + GATE_PATIENCE
     while not os.path.exists(go):
         if time.monotonic() > patience:
-            print(f"{PROG}: {GO_ENV}={go} did not appear within {GATE_PATIENCE:.0f} s; "
-                  "starting without the neighbour", file=sys.stderr)  # fmt: skip
+            print(
+                f"{PROG}: {GO_ENV}={go} did not appear within {GATE_PATIENCE:.0f} s; "
+                "starting without the neighbour",
+                file=sys.stderr,
+            )
             return
         time.sleep(GATE_POLL)
 
@@ -139,8 +155,10 @@ def _write_section(start: float, end: float) -> None:
         with open(path, "w") as f:
             json.dump({"start_monotonic": start, "end_monotonic": end}, f)
     except OSError as exc:
-        print(f"{PROG}: cannot write the timed section to {TIMING_ENV}={path}: "
-              f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
+        print(
+            f"{PROG}: cannot write the timed section to {TIMING_ENV}={path}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

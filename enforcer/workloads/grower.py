@@ -36,8 +36,12 @@ def parser() -> argparse.ArgumentParser:
         f"up to {PEAK // MiB} MiB, hold it {HOLD:g} s, and exit. Nothing is allocated: "
         "the amount is written to DIR/<pid> for vram-enforcer demo's simulated GPU.",
     )
-    p.add_argument("directory", type=Path, metavar="DIR",
-                   help="where the simulated GPU reads what each process holds")  # fmt: skip
+    p.add_argument(
+        "directory",
+        type=Path,
+        metavar="DIR",
+        help="where the simulated GPU reads what each process holds",
+    )
     return p
 
 
@@ -52,12 +56,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             _claim(args.directory, pid, held)
         except OSError as exc:
-            print(f"{PROG}: cannot write to {args.directory} ({exc.strerror or exc}): give the "
-                  "directory the simulated GPU reads (vram-enforcer demo makes one)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"{PROG}: cannot write to {args.directory} ({exc.strerror or exc}): give the "
+                "directory the simulated GPU reads (vram-enforcer demo makes one)",
+                file=sys.stderr,
+            )
             return 2
-        print(f"{LABEL} grower (pid {pid}): holds {held // MiB} MiB of simulated GPU memory",
-              flush=True)  # fmt: skip
+        print(
+            f"{LABEL} grower (pid {pid}): holds {held // MiB} MiB of simulated GPU memory",
+            flush=True,
+        )
         if held >= PEAK:
             break
         time.sleep(EVERY)

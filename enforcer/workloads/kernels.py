@@ -90,10 +90,16 @@ def cnn(torch: Any, device: Any) -> Step:
 
     batch = 256 if device.type == "cuda" else 16
     model = nn.Sequential(
-        nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
-        Block(64, 64, 1), Block(64, 128, 2), Block(128, 256, 2),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, 10),
-    ).to(device)  # fmt: skip
+        nn.Conv2d(3, 64, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        Block(64, 64, 1),
+        Block(64, 128, 2),
+        Block(128, 256, 2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(256, 10),
+    ).to(device)
     optimiser = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss = nn.CrossEntropyLoss()
     images = torch.randn(batch, 3, 32, 32, device=device)

@@ -59,11 +59,16 @@ def _resource_list(group_version: str) -> dict[str, Any]:
         "apiVersion": "v1",
         "groupVersion": group_version,
         "resources": [
-            {"name": plural, "singularName": kind.lower(), "namespaced": namespaced,
-             "kind": kind, "verbs": ["create", "delete", "get", "list", "patch", "update"]}
+            {
+                "name": plural,
+                "singularName": kind.lower(),
+                "namespaced": namespaced,
+                "kind": kind,
+                "verbs": ["create", "delete", "get", "list", "patch", "update"],
+            }
             for kind, plural, namespaced in RESOURCES[group_version]
         ],
-    }  # fmt: skip
+    }
 
 
 def _prefixed(group_version: str) -> str:
@@ -75,12 +80,18 @@ def _openapi(group_version: str) -> dict[str, Any]:
     client then leaves validation to the server (this one, which accepts everything)."""
     group, _, version = group_version.rpartition("/")
     paths = {
-        f"/{plural}": {"patch": {
-            "x-kubernetes-group-version-kind": {"group": group, "version": version, "kind": kind},
-            "parameters": [{"name": "fieldValidation", "in": "query"}],
-        }}
+        f"/{plural}": {
+            "patch": {
+                "x-kubernetes-group-version-kind": {
+                    "group": group,
+                    "version": version,
+                    "kind": kind,
+                },
+                "parameters": [{"name": "fieldValidation", "in": "query"}],
+            }
+        }
         for kind, plural, _ in RESOURCES[group_version]
-    }  # fmt: skip
+    }
     return {"openapi": "3.0.0", "info": {"title": "fake", "version": "v1"}, "paths": paths}
 
 
@@ -126,13 +137,29 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/api/v1" or path.removeprefix("/apis/") in RESOURCES:
             self._send(200, _resource_list(path.removeprefix("/api/").removeprefix("/apis/")))
         elif path == "/openapi/v3":
-            self._send(200, {"paths": {_prefixed(gv): {"serverRelativeURL": f"/openapi/v3/{_prefixed(gv)}"}
-                                       for gv in RESOURCES}})  # fmt: skip
+            self._send(
+                200,
+                {
+                    "paths": {
+                        _prefixed(gv): {"serverRelativeURL": f"/openapi/v3/{_prefixed(gv)}"}
+                        for gv in RESOURCES
+                    }
+                },
+            )
         elif path.startswith("/openapi/v3/"):
             self._send(200, _openapi(path.removeprefix("/openapi/v3/").split("/", 1)[1]))
         elif _NAMED.fullmatch(path):  # no object exists: Helm creates each one
-            self._send(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                             "reason": "NotFound", "code": 404, "message": f"{path} not found"})  # fmt: skip
+            self._send(
+                404,
+                {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "status": "Failure",
+                    "reason": "NotFound",
+                    "code": 404,
+                    "message": f"{path} not found",
+                },
+            )
         else:  # a list (Helm's release history): empty
             self._send(200, {"kind": "List", "apiVersion": "v1", "metadata": {}, "items": []})
 
@@ -152,12 +179,23 @@ def fake_apiserver(directory: Path) -> Iterator[Path]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     kubeconfig = directory / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
-        "users": [{"name": "fake", "user": {}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
-    }))  # fmt: skip
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "fake",
+                "clusters": [
+                    {
+                        "name": "fake",
+                        "cluster": {"server": f"http://127.0.0.1:{server.server_port}"},
+                    }
+                ],
+                "users": [{"name": "fake", "user": {}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+            }
+        )
+    )
     try:
         yield kubeconfig
     finally:

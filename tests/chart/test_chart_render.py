@@ -28,8 +28,10 @@ SCHEMA_ERROR = "values don't meet the specifications of the schema"
 REFUSED: list[tuple[dict[str, Any], Sequence[str]]] = [
     ({"agent": {"reserve": "500m"}}, ["/agent/reserve", "'500m'"]),
     ({"agent": {"interval": "5ms"}}, ["/agent/interval", "'5ms'"]),
-    ({"webhook": {"kaiAnnotations": True, "draDeviceClass": "gpu.nvidia.com"}},
-     ["webhook.kaiAnnotations", "webhook.draDeviceClass (gpu.nvidia.com)"]),
+    (
+        {"webhook": {"kaiAnnotations": True, "draDeviceClass": "gpu.nvidia.com"}},
+        ["webhook.kaiAnnotations", "webhook.draDeviceClass (gpu.nvidia.com)"],
+    ),
     ({"agent": {"interval": "10000us5ms"}}, ["/agent/interval"]),
     ({"agent": {"utilizationInterval": "50ms"}}, ["/agent/utilizationInterval", "'50ms'"]),
     ({"agent": {"utilizationInterval": "100000us"}}, ["/agent/utilizationInterval"]),
@@ -42,47 +44,93 @@ REFUSED: list[tuple[dict[str, Any], Sequence[str]]] = [
     ({"resource": {"unit": "1GB"}}, ["/resource/unit", "'1GB'"]),
     ({"resource": {"name": "example.kubernetes.io/vram"}}, ["/resource/name"]),
     ({"webhook": {"shmDefault": "64MB"}}, ["/webhook/shmDefault", "'64MB'"]),
-    ({"webhook": {"sidecarResources": {"cpu": "-10m"}}},
-     ["/webhook/sidecarResources/cpu", "'-10m'"]),
-    ({"webhook": {"sidecarResources": {"memory": "96m"}}},
-     ["/webhook/sidecarResources/memory", "'96m'"]),
-    ({"webhook": {"tenants": {"maxGracePeriod": "30"}}},
-     ["/webhook/tenants/maxGracePeriod", "'30'"]),
+    (
+        {"webhook": {"sidecarResources": {"cpu": "-10m"}}},
+        ["/webhook/sidecarResources/cpu", "'-10m'"],
+    ),
+    (
+        {"webhook": {"sidecarResources": {"memory": "96m"}}},
+        ["/webhook/sidecarResources/memory", "'96m'"],
+    ),
+    (
+        {"webhook": {"tenants": {"maxGracePeriod": "30"}}},
+        ["/webhook/tenants/maxGracePeriod", "'30'"],
+    ),
     ({"webhook": {"tenants": {"maxCeiling": "80GB"}}}, ["/webhook/tenants/maxCeiling"]),
-    ({"webhook": {"tenants": {"namespaces": {"research": {"maxGracePeriod": "2"}}}}},
-     ["/webhook/tenants/namespaces/research/maxGracePeriod", "'2'"]),
-    ({"webhook": {"tenants": {"namespaces": {"research": {"maxCeiling": "40gb"}}}}},
-     ["/webhook/tenants/namespaces/research/maxCeiling", "'40gb'"]),
+    (
+        {"webhook": {"tenants": {"namespaces": {"research": {"maxGracePeriod": "2"}}}}},
+        ["/webhook/tenants/namespaces/research/maxGracePeriod", "'2'"],
+    ),
+    (
+        {"webhook": {"tenants": {"namespaces": {"research": {"maxCeiling": "40gb"}}}}},
+        ["/webhook/tenants/namespaces/research/maxCeiling", "'40gb'"],
+    ),
     ({"webhook": {"tenants": {"actions": ["explode"]}}}, ["/webhook/tenants/actions/0"]),
-    ({"webhook": {"runtimeClassName": "nvidia"}},
-     ["webhook.runtimeClassName (nvidia)", "webhook.gpuExposure: env"]),
-    ({"webhook": {"gpuExposure": "env", "draDeviceClass": "gpu.nvidia.com"}},
-     ["webhook.gpuExposure: env", "webhook.draDeviceClass (gpu.nvidia.com)"]),
-]  # fmt: skip
+    (
+        {"webhook": {"runtimeClassName": "nvidia"}},
+        ["webhook.runtimeClassName (nvidia)", "webhook.gpuExposure: env"],
+    ),
+    (
+        {"webhook": {"gpuExposure": "env", "draDeviceClass": "gpu.nvidia.com"}},
+        ["webhook.gpuExposure: env", "webhook.draDeviceClass (gpu.nvidia.com)"],
+    ),
+]
 VALID: list[dict[str, Any]] = [
     {},
     {
         "resource": {"unit": "1Gi"},
-        "agent": {"reserve": "512Mi", "reclaimWatermark": "1.5Gi", "interval": "1s",
-                  "utilizationInterval": "0", "resync": "1m30s", "hardLimits": "off"},
-        "webhook": {"shmDefault": "1Gi", "sidecarResources": {"cpu": "0.5", "memory": "128Mi"},
-                    "tenants": {"maxGracePeriod": "0", "maxCeiling": "80Gi", "namespaces": {
-                        "research": {"actions": ["warn"], "maxGracePeriod": "2m",
-                                     "maxCeiling": "40Gi", "allowOptOut": True}}}},
+        "agent": {
+            "reserve": "512Mi",
+            "reclaimWatermark": "1.5Gi",
+            "interval": "1s",
+            "utilizationInterval": "0",
+            "resync": "1m30s",
+            "hardLimits": "off",
+        },
+        "webhook": {
+            "shmDefault": "1Gi",
+            "sidecarResources": {"cpu": "0.5", "memory": "128Mi"},
+            "tenants": {
+                "maxGracePeriod": "0",
+                "maxCeiling": "80Gi",
+                "namespaces": {
+                    "research": {
+                        "actions": ["warn"],
+                        "maxGracePeriod": "2m",
+                        "maxCeiling": "40Gi",
+                        "allowOptOut": True,
+                    }
+                },
+            },
+        },
     },
     {
-        "agent": {"reserve": "0", "interval": "10ms", "utilizationInterval": "100ms",
-                  "resync": "1s"},
-        "webhook": {"shmDefault": "off", "sidecarMode": "container",
-                    "tenants": {"maxGracePeriod": "100ms"}},
+        "agent": {
+            "reserve": "0",
+            "interval": "10ms",
+            "utilizationInterval": "100ms",
+            "resync": "1s",
+        },
+        "webhook": {
+            "shmDefault": "off",
+            "sidecarMode": "container",
+            "tenants": {"maxGracePeriod": "100ms"},
+        },
     },
-]  # fmt: skip
+]
 
 
 def _install(kubeconfig: Path, values: dict[str, Any], fails: bool) -> Any:
     try:
-        return helm("install", "vram-enforcer", str(CHART), "vram-enforcer", str(kubeconfig),
-                    json.dumps(values), fails=fails)  # fmt: skip
+        return helm(
+            "install",
+            "vram-enforcer",
+            str(CHART),
+            "vram-enforcer",
+            str(kubeconfig),
+            json.dumps(values),
+            fails=fails,
+        )
     except AssertionError as exc:
         if fails:  # its message would be the whole release
             raise AssertionError(f"the chart renders {values}, which its program refuses") from None
@@ -141,19 +189,28 @@ def test_valid_values_render_into_arguments_the_programs_take(renders: Renders) 
 
 
 WEBHOOK_COMBINATIONS = [
-    {"runtimeClassName": runtime_class, "gpuExposure": exposure,
-     "draDeviceClass": dra_class, "kaiAnnotations": kai}
+    {
+        "runtimeClassName": runtime_class,
+        "gpuExposure": exposure,
+        "draDeviceClass": dra_class,
+        "kaiAnnotations": kai,
+    }
     for runtime_class, exposure, dra_class, kai in itertools.product(
         ["", "nvidia"], ["none", "env"], ["", "gpu.nvidia.com"], [False, True]
     )
-]  # fmt: skip
+]
 
 
 def _webhook_arguments(values: dict[str, Any]) -> list[str]:
     """The webhook's arguments for these four values, as webhook-deployment.yaml writes
     them (the chart may refuse to render them)."""
-    args = ["webhook", "--tls-cert-file=/tls/tls.crt", "--tls-key-file=/tls/tls.key",
-            "--sidecar-image=vram-enforcer:test", f"--gpu-exposure={values['gpuExposure']}"]  # fmt: skip
+    args = [
+        "webhook",
+        "--tls-cert-file=/tls/tls.crt",
+        "--tls-key-file=/tls/tls.key",
+        "--sidecar-image=vram-enforcer:test",
+        f"--gpu-exposure={values['gpuExposure']}",
+    ]
     if values["draDeviceClass"]:
         args.append(f"--dra-device-class={values['draDeviceClass']}")
     if values["runtimeClassName"]:
@@ -167,17 +224,22 @@ def test_the_chart_renders_the_webhook_values_it_starts_with_and_no_others(
     renders: Renders,
 ) -> None:
     refusals = [_program_refusal(_webhook_arguments(v)) for v in WEBHOOK_COMBINATIONS]
-    results = renders([
-        ({"webhook": values}, refusal is not None)
-        for values, refusal in zip(WEBHOOK_COMBINATIONS, refusals, strict=True)
-    ])  # fmt: skip
+    results = renders(
+        [
+            ({"webhook": values}, refusal is not None)
+            for values, refusal in zip(WEBHOOK_COMBINATIONS, refusals, strict=True)
+        ]
+    )
     assert None in refusals and any(refusals)  # both ways
     for values, refusal, result in zip(WEBHOOK_COMBINATIONS, refusals, results, strict=True):
         if refusal is None:
             assert _program_refusal(_arguments(result["manifest"])["webhook"]) is None, values
         else:  # the chart names each value the webhook's refusal names
-            flags = {"--runtime-class": "runtimeClassName", "--gpu-exposure": "gpuExposure",
-                     "--kai-annotations": "kaiAnnotations"}  # fmt: skip
+            flags = {
+                "--runtime-class": "runtimeClassName",
+                "--gpu-exposure": "gpuExposure",
+                "--kai-annotations": "kaiAnnotations",
+            }
             named = [f"webhook.{value}" for flag, value in flags.items() if flag in refusal]
             assert named and all(name in result for name in named), (values, refusal, result)
 
@@ -188,8 +250,12 @@ def test_the_sidecar_pod_monitor_of_0_1_0_fails_the_install_naming_what_replaces
     """0.1.0's monitoring.podMonitor scraped the sidecars, which serve no metrics since
     0.2.0 (each node's agent serves its pods'): values that still enable it fail the
     install, naming the fix; disabled, they render, with no PodMonitor."""
-    refused, rendered = renders([({"monitoring": {"podMonitor": {"enabled": True}}}, True),
-                                 ({"monitoring": {"podMonitor": {"enabled": False}}}, False)])  # fmt: skip
+    refused, rendered = renders(
+        [
+            ({"monitoring": {"podMonitor": {"enabled": True}}}, True),
+            ({"monitoring": {"podMonitor": {"enabled": False}}}, False),
+        ]
+    )
     assert "execution error at" in refused and "monitoring.podMonitor is gone" in refused, refused
     assert "monitoring.legacySidecarPodMonitor.enabled=true" in refused, refused
     kinds = {doc["kind"] for doc in yaml.safe_load_all(rendered["manifest"]) if doc}

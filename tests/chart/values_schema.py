@@ -314,15 +314,21 @@ def _ref(name: str) -> dict[str, str]:
 def _definitions(form: Form) -> dict[str, dict[str, Any]]:
     if isinstance(form, Quantity):
         if not form.bytes:
-            return {"cpu": {
-                "description": "a CPU quantity, 0 or more: 10m, 0.5, 2",
-                "type": "string", "pattern": _quantity(whole_bytes=False),
-            }}  # fmt: skip
-        found: dict[str, dict[str, Any]] = {"bytes": {
-            "description": "a whole number of bytes, as a Kubernetes quantity: 512Mi, "
-            "1.5Gi, 80Gi, 0; no milli (500m), no more decimals than the suffix makes whole",
-            "type": "string", "pattern": _quantity(whole_bytes=True),
-        }}  # fmt: skip
+            return {
+                "cpu": {
+                    "description": "a CPU quantity, 0 or more: 10m, 0.5, 2",
+                    "type": "string",
+                    "pattern": _quantity(whole_bytes=False),
+                }
+            }
+        found: dict[str, dict[str, Any]] = {
+            "bytes": {
+                "description": "a whole number of bytes, as a Kubernetes quantity: 512Mi, "
+                "1.5Gi, 80Gi, 0; no milli (500m), no more decimals than the suffix makes whole",
+                "type": "string",
+                "pattern": _quantity(whole_bytes=True),
+            }
+        }
         if form.minimum:
             found["bytesFrom1"] = {
                 "description": "a whole number of bytes, at least 1: 1, 1Gi",
@@ -330,11 +336,15 @@ def _definitions(form: Form) -> dict[str, dict[str, Any]]:
             }
         return found
     hours = 10 ** duration_part_digits(DURATION_UNITS[0][1])
-    found = {"duration": {
-        "description": "a duration: parts in the order h, m, s, ms, us, ns (100ms, 1m30s, "
-        f"2h), or 0; under {hours}h",
-        "type": "string", "minLength": 1, "pattern": _duration(None),
-    }}  # fmt: skip
+    found = {
+        "duration": {
+            "description": "a duration: parts in the order h, m, s, ms, us, ns (100ms, 1m30s, "
+            f"2h), or 0; under {hours}h",
+            "type": "string",
+            "minLength": 1,
+            "pattern": _duration(None),
+        }
+    }
     if not form.minimum:
         return found
     at_least = format_duration(float(form.minimum))
@@ -346,9 +356,10 @@ def _definitions(form: Form) -> dict[str, dict[str, Any]]:
     if form.off:
         found["durationZero"] = {
             "description": "0, or a duration whose parts are all 0 (0s): off",
-            "type": "string", "minLength": 1,
+            "type": "string",
+            "minLength": 1,
             "pattern": _duration("(?:0+(?:\\.0*)?|\\.0+)"),
-        }  # fmt: skip
+        }
         found[form.name] = {
             "description": f"0 (off), or a duration of at least {at_least}",
             "anyOf": [_ref("durationZero"), _ref(reaching)],

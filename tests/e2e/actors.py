@@ -57,11 +57,30 @@ class Node:
         )
         self.metrics_port = free_port()
         self.agent = subprocess.Popen(
-            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", *pods, "--hard-limits", "off", "--socket", str(self.socket),
-             "--interval", "50ms", "--log-format", "text", "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1"],
+            [
+                sys.executable,
+                "-m",
+                "enforcer",
+                "agent",
+                "--no-advertise",
+                "--no-labels",
+                *pods,
+                "--hard-limits",
+                "off",
+                "--socket",
+                str(self.socket),
+                "--interval",
+                "50ms",
+                "--log-format",
+                "text",
+                "--metrics-port",
+                str(self.metrics_port),
+                "--metrics-address",
+                "127.0.0.1",
+            ],
             env={**os.environ, **self.nvml_env()},
             stderr=self.log.open("a"),
-        )  # fmt: skip
+        )
         wait_for(self.socket.exists, what="the agent socket")
 
     def metrics(self) -> str:
@@ -94,20 +113,49 @@ class Node:
 
 
 class Sidecar:
-    def __init__(self, pod: SimPod, node: Node, apiserver: ApiServer, token: str, tmp: Path, limits: dict[str, int],
-                 *flags: str, env: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pod: SimPod,
+        node: Node,
+        apiserver: ApiServer,
+        token: str,
+        tmp: Path,
+        limits: dict[str, int],
+        *flags: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.pod = pod
         self.log = tmp / f"sidecar-{pod.name}.log"
         kubeconfig = apiserver.kubeconfig(token, tmp / f"kubeconfig-{pod.name}")
         self.proc = pod.start(
             "vram-enforcer",
-            [sys.executable, "-m", "enforcer", "sidecar", "--kubeconfig", str(kubeconfig), "--interval", "50ms", "--api-access", "direct",
-             "--log-format", "text", *flags],
-            env={"POD_NAME": pod.name, "POD_NAMESPACE": pod.namespace, "POD_UID": pod.uid, "NODE_NAME": "gpu-node-1",
-                 "VRAM_ENFORCER_LIMITS": json.dumps(limits), "VRAM_ENFORCER_AGENT_SOCKET": str(node.socket),
-                 "VRAM_ENFORCER_GRACE_PERIOD": "1s", **(env or {})},
+            [
+                sys.executable,
+                "-m",
+                "enforcer",
+                "sidecar",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--interval",
+                "50ms",
+                "--api-access",
+                "direct",
+                "--log-format",
+                "text",
+                *flags,
+            ],
+            env={
+                "POD_NAME": pod.name,
+                "POD_NAMESPACE": pod.namespace,
+                "POD_UID": pod.uid,
+                "NODE_NAME": "gpu-node-1",
+                "VRAM_ENFORCER_LIMITS": json.dumps(limits),
+                "VRAM_ENFORCER_AGENT_SOCKET": str(node.socket),
+                "VRAM_ENFORCER_GRACE_PERIOD": "1s",
+                **(env or {}),
+            },
             stderr=self.log.open("w"),
-        )  # fmt: skip
+        )
         wait_for(lambda: "enforcing" in self.text(), timeout=20, what="the sidecar to start")
 
     def text(self) -> str:
@@ -134,8 +182,14 @@ def start_worker(pod: SimPod, container: str, tmp: Path, *extra: str) -> int:
     before = set(pod.host_pids(container))
     report = tmp / f"{container}-{time.monotonic_ns()}.json"
     pod.start(container, [sys.executable, str(WORKER), "--report", str(report), *extra])
-    (pid,) = wait_for(lambda: set(pod.host_pids(container)) - before if report.with_name(report.name + ".main").exists() else None,
-                      what=f"a process in {container}")  # fmt: skip
+    (pid,) = wait_for(
+        lambda: (
+            set(pod.host_pids(container)) - before
+            if report.with_name(report.name + ".main").exists()
+            else None
+        ),
+        what=f"a process in {container}",
+    )
     return pid
 
 
@@ -185,11 +239,31 @@ class Webhook:
         self.log = tmp / "webhook.log"
         kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp / "kubeconfig")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "enforcer", "webhook", "--tls-cert-file", str(self.cert), "--tls-key-file", str(self.key),
-             "--port", str(self.port), "--address", "127.0.0.1", "--sidecar-image", "ghcr.io/vram-enforcer/vram-enforcer:e2e",
-             "--sidecar-mode", "auto", "--kubeconfig", str(kubeconfig), "--log-format", "text", *flags],
+            [
+                sys.executable,
+                "-m",
+                "enforcer",
+                "webhook",
+                "--tls-cert-file",
+                str(self.cert),
+                "--tls-key-file",
+                str(self.key),
+                "--port",
+                str(self.port),
+                "--address",
+                "127.0.0.1",
+                "--sidecar-image",
+                "ghcr.io/vram-enforcer/vram-enforcer:e2e",
+                "--sidecar-mode",
+                "auto",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--log-format",
+                "text",
+                *flags,
+            ],
             stderr=self.log.open("w"),
-        )  # fmt: skip
+        )
         wait_for(
             lambda: "serving admission reviews" in self.log.read_text(),
             timeout=30,
@@ -207,18 +281,33 @@ class Webhook:
 
     def register(self, admin: client.ApiClient, side_effects: str = "None") -> None:
         config = {
-            "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingWebhookConfiguration",
             "metadata": {"name": "vram-enforcer"},
-            "webhooks": [{
-                "name": "inject.vram-enforcer.io",
-                "clientConfig": {"url": f"https://127.0.0.1:{self.port}/mutate",
-                                 "caBundle": base64.b64encode(self.ca[0].read_bytes()).decode()},
-                "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}],
-                "namespaceSelector": {"matchLabels": {"vram-enforcer.io/inject": "enabled"}},
-                "admissionReviewVersions": ["v1"], "sideEffects": side_effects, "failurePolicy": "Fail",
-                "reinvocationPolicy": "IfNeeded", "timeoutSeconds": 5,
-            }],
-        }  # fmt: skip
+            "webhooks": [
+                {
+                    "name": "inject.vram-enforcer.io",
+                    "clientConfig": {
+                        "url": f"https://127.0.0.1:{self.port}/mutate",
+                        "caBundle": base64.b64encode(self.ca[0].read_bytes()).decode(),
+                    },
+                    "rules": [
+                        {
+                            "operations": ["CREATE"],
+                            "apiGroups": [""],
+                            "apiVersions": ["v1"],
+                            "resources": ["pods"],
+                        }
+                    ],
+                    "namespaceSelector": {"matchLabels": {"vram-enforcer.io/inject": "enabled"}},
+                    "admissionReviewVersions": ["v1"],
+                    "sideEffects": side_effects,
+                    "failurePolicy": "Fail",
+                    "reinvocationPolicy": "IfNeeded",
+                    "timeoutSeconds": 5,
+                }
+            ],
+        }
         client.AdmissionregistrationV1Api(admin).create_mutating_webhook_configuration(config)
 
     def close(self, admin: client.ApiClient) -> None:
@@ -233,9 +322,24 @@ def doctor(
     apiserver: ApiServer, token: str, namespace: str, tmp: Path
 ) -> tuple[int, dict[str, Any]]:
     kubeconfig = apiserver.kubeconfig(token, tmp / f"kubeconfig-{namespace}")
-    out = subprocess.run([sys.executable, "-m", "enforcer", "doctor", "--no-nvml", "--no-agent", "--json",
-                          "--kubeconfig", str(kubeconfig), "--namespace", namespace],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "enforcer",
+            "doctor",
+            "--no-nvml",
+            "--no-agent",
+            "--json",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--namespace",
+            namespace,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "Traceback" not in out.stderr, out.stderr
     return out.returncode, {c["name"]: c for c in json.loads(out.stdout)}
 
@@ -282,12 +386,36 @@ class AgentProcess:
         self.port = free_port()
         kubeconfig = apiserver.kubeconfig(token, tmp / "kubeconfig")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "enforcer", "agent", "--node-name", node, "--kubeconfig", str(kubeconfig),
-             "--socket", str(tmp / "agent.sock"), "--resync", "1s", "--reserve", "1Gi", "--log-format", "text",
-             "--metrics-port", str(self.port), "--metrics-address", "127.0.0.1", *flags],
-            env={**os.environ, "LD_LIBRARY_PATH": str(lib), "FAKE_NVML_STATE": str(self.state_file)},
+            [
+                sys.executable,
+                "-m",
+                "enforcer",
+                "agent",
+                "--node-name",
+                node,
+                "--kubeconfig",
+                str(kubeconfig),
+                "--socket",
+                str(tmp / "agent.sock"),
+                "--resync",
+                "1s",
+                "--reserve",
+                "1Gi",
+                "--log-format",
+                "text",
+                "--metrics-port",
+                str(self.port),
+                "--metrics-address",
+                "127.0.0.1",
+                *flags,
+            ],
+            env={
+                **os.environ,
+                "LD_LIBRARY_PATH": str(lib),
+                "FAKE_NVML_STATE": str(self.state_file),
+            },
             stderr=self.log_path.open("w"),
-        )  # fmt: skip
+        )
 
     def log(self) -> str:
         return self.log_path.read_text()
@@ -305,8 +433,11 @@ class AgentProcess:
     def wait_for_more(self, series: str, more: int, timeout: float = 30.0) -> None:
         """Wait until `series` has grown by `more`: proof that the agent did that much."""
         start = self.counter(series)
-        wait_for(lambda: self.counter(series) >= start + more, timeout=timeout,
-                 what=f"{more} more of {series}")  # fmt: skip
+        wait_for(
+            lambda: self.counter(series) >= start + more,
+            timeout=timeout,
+            what=f"{more} more of {series}",
+        )
 
     def stop(self) -> int:
         self.proc.terminate()

@@ -111,10 +111,26 @@ def openssl(*args: str, cwd: Path) -> None:
 
 def make_ca(directory: Path, name: str = "ca") -> tuple[Path, Path]:
     """A self-signed CA in `directory`: (certificate, key)."""
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-            "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.crt",
-            "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=directory)  # fmt: skip
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.crt",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=directory,
+    )
     return directory / f"{name}.crt", directory / f"{name}.key"
 
 
@@ -124,11 +140,37 @@ def make_serving_cert(
     """A serving certificate signed by `ca` for `sans`: (certificate, key)."""
     ext = directory / f"{name}.ext"
     ext.write_text(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\n")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-            "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=directory)  # fmt: skip
-    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", str(ca[0]), "-CAkey", str(ca[1]),
-            "-CAcreateserial", "-days", "2", "-extfile", ext.name, "-out", f"{name}.crt",
-            cwd=directory)  # fmt: skip
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        cwd=directory,
+    )
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        str(ca[0]),
+        "-CAkey",
+        str(ca[1]),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        ext.name,
+        "-out",
+        f"{name}.crt",
+        cwd=directory,
+    )
     return directory / f"{name}.crt", directory / f"{name}.key"
 
 
@@ -266,37 +308,58 @@ class ApiServer:
         if self.for_pods:
             network = ["--bind-address=0.0.0.0", f"--advertise-address={node_ip()}"]
         else:
-            network = ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
-                       "--disable-admission-plugins=ServiceAccount", "--endpoint-reconciler-type=none"]  # fmt: skip
+            network = [
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                "--disable-admission-plugins=ServiceAccount",
+                "--endpoint-reconciler-type=none",
+            ]
         return [
             str(self._apiserver_bin),
             f"--etcd-servers={self.etcd_url}",
-            f"--secure-port={self.port}", *network,
+            f"--secure-port={self.port}",
+            *network,
             f"--cert-dir={d / 'certs'}",
-            f"--tls-cert-file={self._tls[0]}", f"--tls-private-key-file={self._tls[1]}",
+            f"--tls-cert-file={self._tls[0]}",
+            f"--tls-private-key-file={self._tls[1]}",
             f"--client-ca-file={self.ca_file}",
             f"--token-auth-file={d / 'tokens.csv'}",
             "--authorization-mode=Node,RBAC",
-            f"--service-account-issuer={ISSUER}", f"--api-audiences={ISSUER}",
+            f"--service-account-issuer={ISSUER}",
+            f"--api-audiences={ISSUER}",
             f"--service-account-key-file={d / 'sa.pub'}",
             f"--service-account-signing-key-file={d / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
-            "--allow-privileged=true", "--profiling=false",
+            "--allow-privileged=true",
+            "--profiling=false",
             # Webhook Services resolve to their Endpoints (no kube-proxy here): the chart
             # test points its webhook Service at a process on this machine.
             "--enable-aggregator-routing=true",
             *self._extra_args,
-        ]  # fmt: skip
+        ]
 
     def etcd_args(self) -> list[str]:
         """The etcd command line."""
         peer = f"http://127.0.0.1:{self._etcd_peer_port}"
         return [
-            str(self._etcd_bin), "--name", "e2e", "--data-dir", str(self.dir / "etcd"),
-            "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"e2e={peer}", "--log-level", "warn",
-        ]  # fmt: skip
+            str(self._etcd_bin),
+            "--name",
+            "e2e",
+            "--data-dir",
+            str(self.dir / "etcd"),
+            "--listen-client-urls",
+            self.etcd_url,
+            "--advertise-client-urls",
+            self.etcd_url,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"e2e={peer}",
+            "--log-level",
+            "warn",
+        ]
 
     @property
     def running(self) -> bool:
@@ -357,8 +420,11 @@ class ApiServer:
             raise ApiServerError("no kube-scheduler: run tests/e2e/build-kubernetes.sh")
         kubeconfig = self.write_kubeconfig(self.dir / f"{name}.kubeconfig")
         connection = {**config.get("clientConnection", {}), "kubeconfig": str(kubeconfig)}
-        connected = {**config, "clientConnection": connection,
-                     "leaderElection": {"leaderElect": False}}  # fmt: skip
+        connected = {
+            **config,
+            "clientConnection": connection,
+            "leaderElection": {"leaderElect": False},
+        }
         (self.dir / f"{name}.json").write_text(json.dumps(connected))
         self._start_component(name, [str(binary), f"--config={self.dir / f'{name}.json'}"])
 
@@ -381,14 +447,20 @@ class ApiServer:
         if binary is None:
             raise ApiServerError("no kube-controller-manager: run tests/e2e/build-kubernetes.sh")
         kubeconfig = self.write_kubeconfig(self.dir / f"{name}.kubeconfig")
-        self._start_component(name, [
-            str(binary), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
-            "--use-service-account-credentials=true",
-            "--controllers=" + ",".join(["*", *(f"-{c}" for c in without)]),
-            f"--service-account-private-key-file={self.dir / 'sa.key'}",
-            f"--root-ca-file={self.ca_file}",
-            f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}", *extra_args,
-        ])  # fmt: skip
+        self._start_component(
+            name,
+            [
+                str(binary),
+                f"--kubeconfig={kubeconfig}",
+                "--leader-elect=false",
+                "--use-service-account-credentials=true",
+                "--controllers=" + ",".join(["*", *(f"-{c}" for c in without)]),
+                f"--service-account-private-key-file={self.dir / 'sa.key'}",
+                f"--root-ca-file={self.ca_file}",
+                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+                *extra_args,
+            ],
+        )
         self._controller_manager = self._processes[-1]
         self._controllers_caught_up()
 
@@ -423,17 +495,24 @@ class ApiServer:
         server, on a free loopback port, and wait for its /healthz."""
         kubeconfig = self.dir / f"{name}.kubeconfig"
         port = free_port()
-        process = self._spawn(name, [
-            *argv, "--bind-address=127.0.0.1", f"--secure-port={port}",
-            f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
-        ])  # fmt: skip
+        process = self._spawn(
+            name,
+            [
+                *argv,
+                "--bind-address=127.0.0.1",
+                f"--secure-port={port}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+            ],
+        )
         insecure = ssl.create_default_context()
         insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE  # its own cert
 
         def healthy() -> bool:
             try:
-                with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=insecure,
-                                            timeout=2) as r:  # fmt: skip
+                with urllib.request.urlopen(
+                    f"https://127.0.0.1:{port}/healthz", context=insecure, timeout=2
+                ) as r:
                     return int(r.status) == 200
             except OSError:
                 return False

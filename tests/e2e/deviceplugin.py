@@ -59,9 +59,10 @@ class DevicePlugin:
         self._server.start()
         with grpc.insecure_channel(f"unix:{plugins / 'kubelet.sock'}") as channel:
             register = channel.unary_unary(
-                f"/{API}.Registration/Register", request_serializer=bytes,
+                f"/{API}.Registration/Register",
+                request_serializer=bytes,
                 response_deserializer=bytes,
-            )  # fmt: skip
+            )
             register(field(1, API) + field(2, self.socket.name) + field(3, RESOURCE), timeout=10)
 
     def _list_and_watch(self, request: bytes, context: Any) -> Iterator[bytes]:

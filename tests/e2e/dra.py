@@ -42,11 +42,15 @@ def cluster() -> Iterator[ApiServer]:
 
 def device_class(api: client.ApiClient) -> None:
     """The DeviceClass the driver's chart installs (once per cluster)."""
-    utils.create_from_dict(api, {
-        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
-        "metadata": {"name": DEVICE_CLASS},
-        "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{DRIVER}'"}}]},
-    })  # fmt: skip
+    utils.create_from_dict(
+        api,
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": DEVICE_CLASS},
+            "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{DRIVER}'"}}]},
+        },
+    )
 
 
 def gpu_device(
@@ -83,13 +87,20 @@ def gpu_device(
 def publish(api: client.ApiClient, node: str, gpus: Sequence[tuple[str | None, str]]) -> None:
     """The node's ResourceSlice: one device per (uuid, memory) in `gpus`, in index order."""
     devices = [gpu_device(i, uuid, memory) for i, (uuid, memory) in enumerate(gpus)]
-    utils.create_from_dict(api, {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-        "metadata": {"name": f"{node}-{DRIVER}"},
-        "spec": {"driver": DRIVER, "nodeName": node,
-                 "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
-                 "devices": devices},
-    })  # fmt: skip
+    utils.create_from_dict(
+        api,
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": f"{node}-{DRIVER}"},
+            "spec": {
+                "driver": DRIVER,
+                "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                "devices": devices,
+            },
+        },
+    )
 
 
 def claims(api: client.ApiClient, namespace: str) -> dict[str, dict[str, Any]]:

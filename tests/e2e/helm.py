@@ -31,8 +31,12 @@ def helm(*args: str, fails: bool = False) -> Any:
         if os.environ.get("VRAM_ENFORCER_E2E") == "required":
             pytest.fail(reason)
         pytest.skip(reason)
-    out = subprocess.run([str(python), str(ROOT / "tests" / "chart" / "helm_driver.py"), *args],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [str(python), str(ROOT / "tests" / "chart" / "helm_driver.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if fails:
         assert out.returncode != 0, out.stdout
         return out.stderr

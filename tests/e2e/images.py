@@ -46,21 +46,47 @@ def image_archive(
         return f"sha256:{digest}", len(data)
 
     layer_digest, layer_size = blob(layer.getvalue())
-    image = {"architecture": "amd64", "os": "linux", "config": {"Entrypoint": entrypoint, **config},
-             "rootfs": {"type": "layers", "diff_ids": [layer_digest]}}  # fmt: skip
+    image = {
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {"Entrypoint": entrypoint, **config},
+        "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
+    }
     config_digest, config_size = blob(json.dumps(image).encode())
     manifest = {
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config_size},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_digest, "size": layer_size}],
-    }  # fmt: skip
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": config_digest,
+            "size": config_size,
+        },
+        "layers": [
+            {
+                "mediaType": "application/vnd.oci.image.layer.v1.tar",
+                "digest": layer_digest,
+                "size": layer_size,
+            }
+        ],
+    }
     manifest_digest, manifest_size = blob(json.dumps(manifest).encode())
-    index = {"schemaVersion": 2, "manifests": [{
-        "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": manifest_digest,
-        "size": manifest_size, "annotations": {"io.containerd.image.name": ref}}]}  # fmt: skip
+    index = {
+        "schemaVersion": 2,
+        "manifests": [
+            {
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "digest": manifest_digest,
+                "size": manifest_size,
+                "annotations": {"io.containerd.image.name": ref},
+            }
+        ],
+    }
     with tarfile.open(path, "w") as t:
-        entries = {"oci-layout": b'{"imageLayoutVersion": "1.0.0"}', "index.json": json.dumps(index).encode(),
-                   **{f"blobs/sha256/{d}": data for d, data in blobs.items()}}  # fmt: skip
+        entries = {
+            "oci-layout": b'{"imageLayoutVersion": "1.0.0"}',
+            "index.json": json.dumps(index).encode(),
+            **{f"blobs/sha256/{d}": data for d, data in blobs.items()},
+        }
         for name, data in entries.items():
             info = tarfile.TarInfo(name)
             info.size, info.mtime = len(data), int(time.time())
@@ -75,8 +101,12 @@ def enforcer_image() -> Path:
     given = os.environ.get("VRAM_ENFORCER_IMAGE_ARCHIVE")
     if given:
         return Path(given)
-    done = subprocess.run(["bash", str(ROOT / "tests" / "e2e" / "build-image.sh")],
-                          capture_output=True, text=True, env={**os.environ, "VRAM_ENFORCER_IMAGE": ENFORCER_IMAGE})  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(ROOT / "tests" / "e2e" / "build-image.sh")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "VRAM_ENFORCER_IMAGE": ENFORCER_IMAGE},
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the image did not build:\n{done.stderr[-4000:]}")
     return Path(done.stdout.strip())

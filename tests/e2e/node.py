@@ -129,8 +129,15 @@ class RealNode:
             (hierarchy / self.cgroup_root.lstrip("/")).mkdir(parents=True, exist_ok=True)
         try:
             self._start_containerd()
-            self.ctr("images", "import", str(image_archive(directory / "pause.tar", PAUSE_IMAGE,
-                                                            {"/pause": BIN / "pause"}, ["/pause"])))  # fmt: skip
+            self.ctr(
+                "images",
+                "import",
+                str(
+                    image_archive(
+                        directory / "pause.tar", PAUSE_IMAGE, {"/pause": BIN / "pause"}, ["/pause"]
+                    )
+                ),
+            )
             for archive in images:
                 self.ctr("images", "import", str(archive))
             self._start_kubelet(apiserver)
@@ -143,8 +150,12 @@ class RealNode:
             raise
 
     def ctr(self, *args: str) -> str:
-        out = subprocess.run([str(BIN / "ctr"), "--address", str(self.socket), "-n", "k8s.io", *args],
-                             capture_output=True, text=True, check=True)  # fmt: skip
+        out = subprocess.run(
+            [str(BIN / "ctr"), "--address", str(self.socket), "-n", "k8s.io", *args],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return out.stdout
 
     def _ready(self) -> bool:
@@ -157,18 +168,36 @@ class RealNode:
     def _spawn(self, name: str, argv: list[str]) -> None:
         env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
         log = (self.dir / f"{name}.log").open("ab")
-        self._procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            cwd=self.dir))  # fmt: skip
+        self._procs.append(
+            subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.dir)
+        )
 
     def _start_containerd(self) -> None:
         d = self.dir
         (d / "cni").mkdir()
-        (d / "cni" / "10-e2e.conflist").write_text(json.dumps({
-            "cniVersion": "1.0.0", "name": "vram-e2e", "plugins": [
-                {"type": "bridge", "bridge": BRIDGE, "isGateway": True, "isDefaultGateway": True, "ipMasq": False,
-                 "ipam": {"type": "host-local", "dataDir": str(d / "ipam"),
-                          "ranges": [[{"subnet": "10.88.77.0/24"}]]}},
-                {"type": "loopback"}]}))  # fmt: skip
+        (d / "cni" / "10-e2e.conflist").write_text(
+            json.dumps(
+                {
+                    "cniVersion": "1.0.0",
+                    "name": "vram-e2e",
+                    "plugins": [
+                        {
+                            "type": "bridge",
+                            "bridge": BRIDGE,
+                            "isGateway": True,
+                            "isDefaultGateway": True,
+                            "ipMasq": False,
+                            "ipam": {
+                                "type": "host-local",
+                                "dataDir": str(d / "ipam"),
+                                "ranges": [[{"subnet": "10.88.77.0/24"}]],
+                            },
+                        },
+                        {"type": "loopback"},
+                    ],
+                }
+            )
+        )
         binary = f'\n      BinaryName = "{self._runtime or runc()}"'
         (d / "containerd.toml").write_text(f"""version = 3
 root = "{d}/containerd/root"
@@ -198,41 +227,67 @@ state = "{self.state}"
         d = self.dir
         kubeconfig = apiserver.write_kubeconfig(d / "kubelet.kubeconfig")
         config = {
-            "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
             "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": False}},
             "authorization": {"mode": "AlwaysAllow"},
-            "cgroupDriver": "cgroupfs", "cgroupRoot": self.cgroup_root, "cgroupsPerQOS": True,
-            "enforceNodeAllocatable": [], "failSwapOn": False, "failCgroupV1": False,
+            "cgroupDriver": "cgroupfs",
+            "cgroupRoot": self.cgroup_root,
+            "cgroupsPerQOS": True,
+            "enforceNodeAllocatable": [],
+            "failSwapOn": False,
+            "failCgroupV1": False,
             "containerRuntimeEndpoint": f"unix://{self.socket}",
-            "address": "127.0.0.1", "port": free_port(), "readOnlyPort": 0,
-            "healthzBindAddress": "127.0.0.1", "healthzPort": free_port(),
-            "evictionHard": {}, "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
-            "protectKernelDefaults": False, "makeIPTablesUtilChains": False,
-            "localStorageCapacityIsolation": False, "resolvConf": "/etc/resolv.conf",
+            "address": "127.0.0.1",
+            "port": free_port(),
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": free_port(),
+            "evictionHard": {},
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "protectKernelDefaults": False,
+            "makeIPTablesUtilChains": False,
+            "localStorageCapacityIsolation": False,
+            "resolvConf": "/etc/resolv.conf",
             "podLogsDir": str(d / "pods"),
-        }  # fmt: skip
+        }
         (d / "kubelet.json").write_text(json.dumps(config))
-        self._spawn("kubelet", [
-            str(BIN / "kubelet"), f"--config={d / 'kubelet.json'}", f"--kubeconfig={kubeconfig}",
-            f"--root-dir={d / 'kubelet'}", f"--cert-dir={d / 'pki'}", f"--hostname-override={self.name}",
-            f"--node-ip={node_ip()}",
-        ])  # fmt: skip
+        self._spawn(
+            "kubelet",
+            [
+                str(BIN / "kubelet"),
+                f"--config={d / 'kubelet.json'}",
+                f"--kubeconfig={kubeconfig}",
+                f"--root-dir={d / 'kubelet'}",
+                f"--cert-dir={d / 'pki'}",
+                f"--hostname-override={self.name}",
+                f"--node-ip={node_ip()}",
+            ],
+        )
 
     def _start_kube_proxy(self, apiserver: ApiServer) -> None:
         """kube-proxy in nftables mode; conntrack sysctls are left as they are (0)."""
         kubeconfig = apiserver.write_kubeconfig(self.dir / "kube-proxy.kubeconfig")
         self._kube_proxy = [f"--kubeconfig={kubeconfig}", "--proxy-mode=nftables"]
-        self._spawn("kube-proxy", [
-            str(BIN / "kube-proxy"), *self._kube_proxy, f"--hostname-override={self.name}",
-            "--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0",
-            "--conntrack-tcp-timeout-close-wait=0",
-            f"--healthz-bind-address=127.0.0.1:{free_port()}",
-            f"--metrics-bind-address=127.0.0.1:{free_port()}",
-        ])  # fmt: skip
+        self._spawn(
+            "kube-proxy",
+            [
+                str(BIN / "kube-proxy"),
+                *self._kube_proxy,
+                f"--hostname-override={self.name}",
+                "--conntrack-max-per-core=0",
+                "--conntrack-tcp-timeout-established=0",
+                "--conntrack-tcp-timeout-close-wait=0",
+                f"--healthz-bind-address=127.0.0.1:{free_port()}",
+                f"--metrics-bind-address=127.0.0.1:{free_port()}",
+            ],
+        )
 
         def routed() -> bool:
-            rules = subprocess.run(["nft", "list", "table", "ip", "kube-proxy"],
-                                   capture_output=True, text=True).stdout  # fmt: skip
+            rules = subprocess.run(
+                ["nft", "list", "table", "ip", "kube-proxy"], capture_output=True, text=True
+            ).stdout
             return KUBERNETES_SERVICE_IP in rules
 
         wait_for(routed, timeout=30, what="kube-proxy's rule for the kubernetes Service")
@@ -263,8 +318,9 @@ state = "{self.state}"
             )
             for pod in pods.items:
                 with contextlib.suppress(client.ApiException):
-                    self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace,
-                                                    grace_period_seconds=0)  # fmt: skip
+                    self.core.delete_namespaced_pod(
+                        pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0
+                    )
         except OSError:
             return  # the API server is gone: the forced cleanup in close() does it all
         with contextlib.suppress(AssertionError):
@@ -283,8 +339,11 @@ state = "{self.state}"
                 proc.kill()
                 proc.wait()
         self._kill_cgroup_tree()
-        shims = subprocess.run(["pgrep", "-f", f"containerd-shim-runc-v2.*{self.socket}"],
-                               capture_output=True, text=True).stdout.split()  # fmt: skip
+        shims = subprocess.run(
+            ["pgrep", "-f", f"containerd-shim-runc-v2.*{self.socket}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
         for pid in shims:
             _kill(int(pid))
         mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
@@ -297,8 +356,11 @@ state = "{self.state}"
         shutil.rmtree(self.state, ignore_errors=True)
         self._remove_cgroups()
         if self._kube_proxy:
-            subprocess.run([str(BIN / "kube-proxy"), *self._kube_proxy, "--cleanup"],
-                           capture_output=True, check=False)  # fmt: skip
+            subprocess.run(
+                [str(BIN / "kube-proxy"), *self._kube_proxy, "--cleanup"],
+                capture_output=True,
+                check=False,
+            )
         leftover = self._our_netns()
         for netns in leftover:  # with it go the pod's end of each veth, and the host's
             subprocess.run(["ip", "netns", "delete", netns.name], capture_output=True, check=False)

@@ -71,7 +71,14 @@ def nvidia_runtime(directory: Path, lib_dir: Path, state_file: Path) -> Path:
     runc = node_runc()  # tests/e2e/build-runc.sh's when it is built
     if runc is None:
         raise FileNotFoundError("no runc: apt-get install runc, or run tests/e2e/build-runc.sh")
-    wrapper.write_text(_WRAPPER.format(python=sys.executable, library=str(lib_dir / LIBRARY),
-                                       state=str(state_file), runc=runc, driver=DRIVER_LIBRARY))  # fmt: skip
+    wrapper.write_text(
+        _WRAPPER.format(
+            python=sys.executable,
+            library=str(lib_dir / LIBRARY),
+            state=str(state_file),
+            runc=runc,
+            driver=DRIVER_LIBRARY,
+        )
+    )
     wrapper.chmod(0o755)
     return wrapper

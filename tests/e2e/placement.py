@@ -15,12 +15,18 @@ def add_node(core: client.CoreV1Api, name: str, vram: str | None, **labels: str)
     The API server taints every new Node not-ready (TaintNodesByCondition); the node
     lifecycle controller lifts it once kubelet reports Ready. No kubelet runs here, so the
     test does both (a merge patch: the controller, where it runs, may have lifted it)."""
-    core.create_node(client.V1Node(metadata=client.V1ObjectMeta(
-        name=name, labels={"kubernetes.io/hostname": name, **labels})))  # fmt: skip
+    core.create_node(
+        client.V1Node(
+            metadata=client.V1ObjectMeta(
+                name=name, labels={"kubernetes.io/hostname": name, **labels}
+            )
+        )
+    )
     resources = {"cpu": "8", "memory": "32Gi", "pods": "110", **({RESOURCE: vram} if vram else {})}
     ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "e2e"}
-    core.patch_node_status(name, {"status": {"capacity": resources, "allocatable": resources,
-                                             "conditions": [ready]}})  # fmt: skip
+    core.patch_node_status(
+        name, {"status": {"capacity": resources, "allocatable": resources, "conditions": [ready]}}
+    )
     core.patch_node(name, {"spec": {"taints": None}})
 
 

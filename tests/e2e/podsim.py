@@ -103,19 +103,33 @@ class SimPod:
         }
         spec = [
             client.V1Container(
-                name=c, image="example.com/gpu:1", resources=client.V1ResourceRequirements(
+                name=c,
+                image="example.com/gpu:1",
+                resources=client.V1ResourceRequirements(
                     limits={"vram-enforcer.io/vram": limits[c]} if c in (limits or {}) else None,
-                    claims=uses.get(c)),
+                    claims=uses.get(c),
+                ),
                 env=[client.V1EnvVar(name=k, value=v) for k, v in (sidecar_env or {}).items()]
-                if c == "vram-enforcer" else None,
+                if c == "vram-enforcer"
+                else None,
             )
             for c in containers
-        ]  # fmt: skip
-        body = client.V1Pod(metadata=client.V1ObjectMeta(name=name), spec=client.V1PodSpec(containers=spec,
-                            share_process_namespace=True, restart_policy="Never", node_name=node_name,
-                            node_selector=node_selector,
-                            resource_claims=[client.V1PodResourceClaim(name=t, resource_claim_template_name=t)
-                                             for t in templates] or None))  # fmt: skip
+        ]
+        body = client.V1Pod(
+            metadata=client.V1ObjectMeta(name=name),
+            spec=client.V1PodSpec(
+                containers=spec,
+                share_process_namespace=True,
+                restart_policy="Never",
+                node_name=node_name,
+                node_selector=node_selector,
+                resource_claims=[
+                    client.V1PodResourceClaim(name=t, resource_claim_template_name=t)
+                    for t in templates
+                ]
+                or None,
+            ),
+        )
         created = core.create_namespaced_pod(namespace, body)
         self.uid = str(created.metadata.uid)
         if kubelet:
@@ -128,10 +142,18 @@ class SimPod:
     def report_status(self, states: dict[str, dict[str, Any]] | None = None) -> None:
         """Write status.containerStatuses, as kubelet would."""
         statuses = [
-            {"name": c, "containerID": f"containerd://{cid}", "image": "example.com/gpu:1", "imageID": "",
-             "ready": True, "restartCount": 0, "state": (states or {}).get(c, {"running": {"startedAt": "2026-11-22T00:00:00Z"}})}
-            for c, cid in self.ids.items() if c not in self.unlisted
-        ]  # fmt: skip
+            {
+                "name": c,
+                "containerID": f"containerd://{cid}",
+                "image": "example.com/gpu:1",
+                "imageID": "",
+                "ready": True,
+                "restartCount": 0,
+                "state": (states or {}).get(c, {"running": {"startedAt": "2026-11-22T00:00:00Z"}}),
+            }
+            for c, cid in self.ids.items()
+            if c not in self.unlisted
+        ]
         self.core.patch_namespaced_pod_status(
             self.name,
             self.namespace,
@@ -148,10 +170,22 @@ class SimPod:
         cg = self.cgroup(container)
         cg.mkdir(exist_ok=True)
         proc = subprocess.Popen(
-            ["nsenter", "-t", str(self.pause), "-p", "-m", "--",
-             "sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cg), *argv],
-            env={**os.environ, **(env or {})}, **kwargs,
-        )  # fmt: skip
+            [
+                "nsenter",
+                "-t",
+                str(self.pause),
+                "-p",
+                "-m",
+                "--",
+                "sh",
+                "-c",
+                'echo $$ > "$0/cgroup.procs" && exec "$@"',
+                str(cg),
+                *argv,
+            ],
+            env={**os.environ, **(env or {})},
+            **kwargs,
+        )
         self.processes.append(proc)
         return proc
 

@@ -33,25 +33,39 @@ class Prometheus:
     `honor_labels` (the chart's ServiceMonitor sets `honorLabels: true`: the agent's
     series name the pods they are about, not the agent's)."""
 
-    def __init__(self, tmp: Path, targets: Mapping[str, Sequence[str]],
-                 labels: Mapping[str, Mapping[str, str]] | None = None,
-                 honor_labels: Collection[str] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tmp: Path,
+        targets: Mapping[str, Sequence[str]],
+        labels: Mapping[str, Mapping[str, str]] | None = None,
+        honor_labels: Collection[str] = (),
+    ) -> None:
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "scrape_configs": [
-                {"job_name": job, "honor_labels": job in honor_labels,
-                 "static_configs": [{"targets": list(hosts), "labels": dict((labels or {}).get(job, {}))}]}
+                {
+                    "job_name": job,
+                    "honor_labels": job in honor_labels,
+                    "static_configs": [
+                        {"targets": list(hosts), "labels": dict((labels or {}).get(job, {}))}
+                    ],
+                }
                 for job, hosts in targets.items()
             ],
-        }  # fmt: skip
+        }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.port = free_port()
         self._log = (tmp / "prometheus.log").open("w")
         self._proc = subprocess.Popen(
-            ["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
-             f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                "prometheus",
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         wait_for(self._ready, timeout=30, what="Prometheus to be ready")
 
     def _ready(self) -> bool:
@@ -103,8 +117,9 @@ def dashboard_queries(variables: Mapping[str, str]) -> list[tuple[str, str]]:
     """(where, PromQL) for every panel target and every query variable of the dashboard,
     with Grafana's variables filled in (`label_values(EXPR, label)` becomes EXPR)."""
     doc = json.loads(DASHBOARD.read_text())
-    found = [(f"panel {p['title']!r}", t["expr"]) for p in doc["panels"]
-             for t in p.get("targets", ())]  # fmt: skip
+    found = [
+        (f"panel {p['title']!r}", t["expr"]) for p in doc["panels"] for t in p.get("targets", ())
+    ]
     for v in doc["templating"]["list"]:
         if v["type"] == "query":
             inner = v["query"].removeprefix("label_values(").rpartition(",")[0]

@@ -44,8 +44,13 @@ def advertised(core: client.CoreV1Api, node: str, field: str = "capacity") -> in
 
 
 @pytest.fixture(scope="module")
-def running(apiserver: ApiServer, admin: client.ApiClient, agent_rbac: str, fake_nvml_lib: Path,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:  # fmt: skip
+def running(
+    apiserver: ApiServer,
+    admin: client.ApiClient,
+    agent_rbac: str,
+    fake_nvml_lib: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[AgentProcess]:
     make_node(client.CoreV1Api(admin), "gpu-node-1")
     agent = AgentProcess(
         apiserver, agent_rbac, "gpu-node-1", tmp_path_factory.mktemp("agent"), fake_nvml_lib
@@ -88,10 +93,13 @@ def test_a_kubelet_reset_is_undone_within_a_resync(
 ) -> None:
     wait_for(lambda: advertised(core, "gpu-node-1") == EXPECTED, timeout=20, what="capacity")
     pointer = RESOURCE.replace("/", "~1")
-    core.patch_node_status("gpu-node-1", [
-        {"op": "remove", "path": f"/status/capacity/{pointer}"},
-        {"op": "remove", "path": f"/status/allocatable/{pointer}"},
-    ])  # fmt: skip
+    core.patch_node_status(
+        "gpu-node-1",
+        [
+            {"op": "remove", "path": f"/status/capacity/{pointer}"},
+            {"op": "remove", "path": f"/status/allocatable/{pointer}"},
+        ],
+    )
     core.patch_node(
         "gpu-node-1", [{"op": "remove", "path": "/metadata/labels/vram-enforcer.io~1gpu.count"}]
     )
@@ -103,8 +111,13 @@ def test_a_kubelet_reset_is_undone_within_a_resync(
         timeout=5,
         what="allocatable",
     )
-    wait_for(lambda: core.read_node("gpu-node-1").metadata.labels.get("vram-enforcer.io/gpu.count") == "2",
-             timeout=5, what="label restored")  # fmt: skip
+    wait_for(
+        lambda: (
+            core.read_node("gpu-node-1").metadata.labels.get("vram-enforcer.io/gpu.count") == "2"
+        ),
+        timeout=5,
+        what="label restored",
+    )
 
 
 def test_an_api_server_outage_is_ridden_out(
@@ -129,19 +142,35 @@ def test_an_api_server_outage_is_ridden_out(
 
 def test_the_minimal_role_allows_nothing_else(apiserver: ApiServer, agent_rbac: str) -> None:
     as_agent = client.CoreV1Api(apiserver.client(agent_rbac))
-    for forbidden in (as_agent.list_node, lambda: as_agent.read_namespaced_pod("p", "default"),
-                      lambda: as_agent.delete_node("gpu-node-1"),
-                      lambda: as_agent.list_namespaced_secret("vram-enforcer")):  # fmt: skip
+    for forbidden in (
+        as_agent.list_node,
+        lambda: as_agent.read_namespaced_pod("p", "default"),
+        lambda: as_agent.delete_node("gpu-node-1"),
+        lambda: as_agent.list_namespaced_secret("vram-enforcer"),
+    ):
         with pytest.raises(ApiException) as info:
             forbidden()
         assert info.value.status == 403
 
 
-def test_resource_unit_and_switches(apiserver: ApiServer, agent_rbac: str, core: client.CoreV1Api,
-                                    fake_nvml_lib: Path, tmp_path: Path) -> None:  # fmt: skip
+def test_resource_unit_and_switches(
+    apiserver: ApiServer,
+    agent_rbac: str,
+    core: client.CoreV1Api,
+    fake_nvml_lib: Path,
+    tmp_path: Path,
+) -> None:
     make_node(core, "gpu-node-units")
-    agent = AgentProcess(apiserver, agent_rbac, "gpu-node-units", tmp_path, fake_nvml_lib,
-                         "--resource-unit", "1Gi", "--no-labels")  # fmt: skip
+    agent = AgentProcess(
+        apiserver,
+        agent_rbac,
+        "gpu-node-units",
+        tmp_path,
+        fake_nvml_lib,
+        "--resource-unit",
+        "1Gi",
+        "--no-labels",
+    )
     try:
         wait_for(
             lambda: advertised(core, "gpu-node-units") == 158, timeout=20, what="capacity in GiB"
@@ -155,8 +184,9 @@ def test_resource_unit_and_switches(apiserver: ApiServer, agent_rbac: str, core:
         assert agent.stop() == 0
 
 
-def test_forbidden_is_one_clear_error_and_the_socket_keeps_serving(apiserver: ApiServer, core: client.CoreV1Api,
-                                                                    fake_nvml_lib: Path, tmp_path: Path) -> None:  # fmt: skip
+def test_forbidden_is_one_clear_error_and_the_socket_keeps_serving(
+    apiserver: ApiServer, core: client.CoreV1Api, fake_nvml_lib: Path, tmp_path: Path
+) -> None:
     core.create_namespaced_service_account(
         "vram-enforcer", client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="nobody"))
     )
@@ -184,17 +214,21 @@ def test_forbidden_is_one_clear_error_and_the_socket_keeps_serving(apiserver: Ap
 
 
 def test_a_gpu_off_the_bus_leaves_the_others_enforced_and_is_told_on_the_node(
-    apiserver: ApiServer, agent_rbac: str, core: client.CoreV1Api, fake_nvml_lib: Path,
+    apiserver: ApiServer,
+    agent_rbac: str,
+    core: client.CoreV1Api,
+    fake_nvml_lib: Path,
     tmp_path: Path,
-) -> None:  # fmt: skip
+) -> None:
     """GPU 1 answers GPU_IS_LOST (an Xid 79): GPU 0's processes are still served to their
     pods, and the node says which GPU is lost (an Event on the Node, a metric, the log)."""
     make_node(core, "gpu-node-lost")
     state = FakeGpuState.single_gpu()
     state.add_device()
     state.set_process(0, older_than_a_tick(os.getpid()), 3 * GiB)
-    agent = AgentProcess(apiserver, agent_rbac, "gpu-node-lost", tmp_path, fake_nvml_lib,
-                         state=state)  # fmt: skip
+    agent = AgentProcess(
+        apiserver, agent_rbac, "gpu-node-lost", tmp_path, fake_nvml_lib, state=state
+    )
     source = AgentSource(str(tmp_path / "agent.sock"), stale_after=5.0)
     lost = state.devices[1]["uuid"]
 
@@ -227,8 +261,11 @@ def test_a_gpu_off_the_bus_leaves_the_others_enforced_and_is_told_on_the_node(
         assert f"GPU {lost} (index 1) cannot be read" in agent.log()
         state.clear_errors()
         state.write(agent.state_file)
-        wait_for(lambda: len(node_events("VRAMGpuUnreadable")) == 2, timeout=20,
-                 what="the Event that it is back")  # fmt: skip
+        wait_for(
+            lambda: len(node_events("VRAMGpuUnreadable")) == 2,
+            timeout=20,
+            what="the Event that it is back",
+        )
         assert f"GPU {lost} can be read again" in agent.log()
     finally:
         source.close()

@@ -52,8 +52,13 @@ def install(apiserver: ApiServer, admin: client.ApiClient, tmp: Path) -> Path:
     (the rendered manifest is left beside it, as manifest.yaml)."""
     kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp / "kubeconfig")
     core = client.CoreV1Api(admin)
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
-        name=OPTED_IN, labels={"vram-enforcer.io/inject": "enabled"})))  # fmt: skip
+    core.create_namespace(
+        client.V1Namespace(
+            metadata=client.V1ObjectMeta(
+                name=OPTED_IN, labels={"vram-enforcer.io/inject": "enabled"}
+            )
+        )
+    )
     values = {
         "image": {"tag": "e2e"},
         "sidecar": {"namespaces": [OPTED_IN]},
@@ -84,12 +89,14 @@ def test_the_chart_lints_clean() -> None:
 
 def test_bad_values_are_refused_by_the_schema(apiserver: ApiServer, tmp_path: Path) -> None:
     kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp_path / "kubeconfig")
-    for values, field in (({"webhook": {"failurePolicy": "Sometimes"}}, "failurePolicy"),
-                          ({"resource": {"unit": "1 GiB"}}, "unit"),
-                          ({"agent": {"reserve": "512MB"}}, "reserve"),
-                          ({"sidecar": {"namespaces": ["ML_Team"]}}, "namespaces"),
-                          ({"agent": {"podResources": {"path": "var/lib/kubelet"}}}, "path"),
-                          ({"webhook": {"replica": 2}}, "replica")):  # fmt: skip
+    for values, field in (
+        ({"webhook": {"failurePolicy": "Sometimes"}}, "failurePolicy"),
+        ({"resource": {"unit": "1 GiB"}}, "unit"),
+        ({"agent": {"reserve": "512MB"}}, "reserve"),
+        ({"sidecar": {"namespaces": ["ML_Team"]}}, "namespaces"),
+        ({"agent": {"podResources": {"path": "var/lib/kubelet"}}}, "path"),
+        ({"webhook": {"replica": 2}}, "replica"),
+    ):
         error = helm(
             "install",
             "bad",
@@ -129,8 +136,14 @@ def test_the_webhook_objects(installed: Path, admin: client.ApiClient) -> None:
     secret = client.CoreV1Api(admin).read_namespaced_secret(
         "vram-enforcer-e2e-webhook-tls", NAMESPACE
     )
-    assert base64.b64encode(hook.client_config.ca_bundle if isinstance(hook.client_config.ca_bundle, bytes)
-                            else base64.b64decode(hook.client_config.ca_bundle)).decode() == secret.data["ca.crt"]  # fmt: skip
+    assert (
+        base64.b64encode(
+            hook.client_config.ca_bundle
+            if isinstance(hook.client_config.ca_bundle, bytes)
+            else base64.b64decode(hook.client_config.ca_bundle)
+        ).decode()
+        == secret.data["ca.crt"]
+    )
     apps = client.AppsV1Api(admin)
     deployment = apps.read_namespaced_deployment("vram-enforcer-e2e-webhook", NAMESPACE)
     assert deployment.spec.replicas == 2
@@ -203,8 +216,14 @@ def test_without_hard_limits_the_agent_gets_no_cgroup_mount_and_still_watches_po
     them. The agent still watches its node's pods (each sidecar gets its own from it), so
     it keeps its token and the rules for that."""
     kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp_path / "kubeconfig")
-    values = {"agent": {"hardLimits": "off", "advertise": False, "labels": False,
-                        "podResources": {"enabled": False}}}  # fmt: skip
+    values = {
+        "agent": {
+            "hardLimits": "off",
+            "advertise": False,
+            "labels": False,
+            "podResources": {"enabled": False},
+        }
+    }
     helm(
         "install",
         "vram-enforcer-soft",
@@ -225,8 +244,15 @@ def test_without_hard_limits_the_agent_gets_no_cgroup_mount_and_still_watches_po
         assert spec.automount_service_account_token is True
         role = client.RbacAuthorizationV1Api(admin).read_cluster_role("vram-enforcer-soft-agent")
         assert {res for r in role.rules for res in r.resources} == {
-            "nodes", "nodes/status", "pods", "pods/eviction", "namespaces", "events",
-            "resourceclaims", "resourceslices"}  # fmt: skip
+            "nodes",
+            "nodes/status",
+            "pods",
+            "pods/eviction",
+            "namespaces",
+            "events",
+            "resourceclaims",
+            "resourceslices",
+        }
     finally:
         helm("uninstall", "vram-enforcer-soft", "vram-soft", str(kubeconfig))
 
@@ -239,8 +265,11 @@ def test_dra_mode_gives_the_webhook_and_the_sidecars_what_they_need(
     core = client.CoreV1Api(admin)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=opted_in)))
     default_service_account(core, opted_in)
-    values = {"webhook": {"draDeviceClass": "gpu.nvidia.com"}, "sidecar": {"namespaces": [opted_in]},
-              "agent": {"enabled": False}}  # fmt: skip
+    values = {
+        "webhook": {"draDeviceClass": "gpu.nvidia.com"},
+        "sidecar": {"namespaces": [opted_in]},
+        "agent": {"enabled": False},
+    }
     helm(
         "install", "vram-enforcer-dra", str(CHART), "vram-dra", str(kubeconfig), json.dumps(values)
     )
@@ -264,8 +293,12 @@ def test_dra_mode_gives_the_webhook_and_the_sidecars_what_they_need(
             # from the pending pods it marked, in namespaces that opted in
             assert allowed(webhook, "list", "pods", ns) and allowed(webhook, "watch", "pods", ns)
         assert allowed(webhook, "get", "namespaces")
-        for verb, resource in (("delete", "resourceclaimtemplates"), ("get", "resourceclaims"),
-                               ("get", "secrets"), ("patch", "pods")):  # fmt: skip
+        for verb, resource in (
+            ("delete", "resourceclaimtemplates"),
+            ("get", "resourceclaims"),
+            ("get", "secrets"),
+            ("patch", "pods"),
+        ):
             group = "resource.k8s.io" if resource.startswith("resource") else ""
             assert not allowed(webhook, verb, resource, opted_in, group=group), (verb, resource)
         sidecar = apiserver.client(apiserver.token_for(opted_in, "default"))
@@ -309,8 +342,14 @@ def test_service_accounts_can_do_what_they_need_and_no_more(
     assert allowed(sidecar, "create", "events", OPTED_IN) and allowed(
         sidecar, "patch", "events", OPTED_IN
     )
-    for verb, resource, ns in (("list", "pods", OPTED_IN), ("delete", "pods", OPTED_IN), ("get", "secrets", OPTED_IN),
-                               ("get", "pods", NAMESPACE), ("create", "events", "default"), ("get", "nodes", None)):  # fmt: skip
+    for verb, resource, ns in (
+        ("list", "pods", OPTED_IN),
+        ("delete", "pods", OPTED_IN),
+        ("get", "secrets", OPTED_IN),
+        ("get", "pods", NAMESPACE),
+        ("create", "events", "default"),
+        ("get", "nodes", None),
+    ):
         assert not allowed(sidecar, verb, resource, ns), (verb, resource, ns)
     webhook = apiserver.client(apiserver.token_for(NAMESPACE, "vram-enforcer-e2e-webhook"))
     assert not allowed(webhook, "get", "pods", OPTED_IN) and not allowed(
@@ -333,11 +372,24 @@ def mutate_through_the_chart(admin: client.ApiClient, kubeconfig: Path, tmp: Pat
         "vram-enforcer-e2e-webhook", NAMESPACE
     )
     port = free_port()
-    args = [a.replace("/tls/", f"{tmp}/") for a in deployment.spec.template.spec.containers[0].args
-            if not a.startswith(("--port=", "--metrics-port="))]  # fmt: skip
+    args = [
+        a.replace("/tls/", f"{tmp}/")
+        for a in deployment.spec.template.spec.containers[0].args
+        if not a.startswith(("--port=", "--metrics-port="))
+    ]
     log = tmp / "webhook.log"
-    proc = subprocess.Popen([sys.executable, "-m", "enforcer", *args, f"--port={port}", f"--address={ip}",
-                             f"--kubeconfig={kubeconfig}"], stderr=log.open("w"))  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "enforcer",
+            *args,
+            f"--port={port}",
+            f"--address={ip}",
+            f"--kubeconfig={kubeconfig}",
+        ],
+        stderr=log.open("w"),
+    )
     try:
         wait_for(
             lambda: "serving admission reviews" in log.read_text(), timeout=30, what="the webhook"
@@ -347,17 +399,41 @@ def mutate_through_the_chart(admin: client.ApiClient, kubeconfig: Path, tmp: Pat
         # or before that Endpoints.
         minor = int(client.VersionApi(admin).get_code().minor.rstrip("+"))
         if minor >= 33:
-            client.DiscoveryV1Api(core.api_client).create_namespaced_endpoint_slice(NAMESPACE, {
-                "metadata": {"name": "vram-enforcer-e2e-webhook-local",
-                             "labels": {"kubernetes.io/service-name": "vram-enforcer-e2e-webhook"}},
-                "addressType": "IPv4", "endpoints": [{"addresses": [ip], "conditions": {"ready": True}}],
-                "ports": [{"name": "https", "port": port, "protocol": "TCP"}]})  # fmt: skip
+            client.DiscoveryV1Api(core.api_client).create_namespaced_endpoint_slice(
+                NAMESPACE,
+                {
+                    "metadata": {
+                        "name": "vram-enforcer-e2e-webhook-local",
+                        "labels": {"kubernetes.io/service-name": "vram-enforcer-e2e-webhook"},
+                    },
+                    "addressType": "IPv4",
+                    "endpoints": [{"addresses": [ip], "conditions": {"ready": True}}],
+                    "ports": [{"name": "https", "port": port, "protocol": "TCP"}],
+                },
+            )
         else:
-            core.create_namespaced_endpoints(NAMESPACE, {
-                "metadata": {"name": "vram-enforcer-e2e-webhook"},
-                "subsets": [{"addresses": [{"ip": ip}], "ports": [{"name": "https", "port": port}]}]})  # fmt: skip
-        pod = {"metadata": {"name": "trainer-0"}, "spec": {"restartPolicy": "Never", "containers": [
-            {"name": "trainer", "image": "pytorch", "resources": {"limits": {"vram-enforcer.io/vram": "6Gi"}}}]}}  # fmt: skip
+            core.create_namespaced_endpoints(
+                NAMESPACE,
+                {
+                    "metadata": {"name": "vram-enforcer-e2e-webhook"},
+                    "subsets": [
+                        {"addresses": [{"ip": ip}], "ports": [{"name": "https", "port": port}]}
+                    ],
+                },
+            )
+        pod = {
+            "metadata": {"name": "trainer-0"},
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "image": "pytorch",
+                        "resources": {"limits": {"vram-enforcer.io/vram": "6Gi"}},
+                    }
+                ],
+            },
+        }
         core.create_namespaced_pod(OPTED_IN, pod)
         return json.loads(
             core.read_namespaced_pod("trainer-0", OPTED_IN, _preload_content=False).data
@@ -381,8 +457,15 @@ def assert_the_sidecar_cannot_be_changed(admin: client.ApiClient) -> None:
     sidecar's image of the injected pod trainer-0, nor change our annotations or label; its
     own container's image it may change."""
     core = client.CoreV1Api(admin)
-    probe = {"metadata": {"name": "vap-probe"}, "spec": {"containers": [
-        {"name": "app", "image": "a"}, {"name": "vram-enforcer", "image": "enforcer"}]}}  # fmt: skip
+    probe = {
+        "metadata": {"name": "vap-probe"},
+        "spec": {
+            "containers": [
+                {"name": "app", "image": "a"},
+                {"name": "vram-enforcer", "image": "enforcer"},
+            ]
+        },
+    }
     core.create_namespaced_pod("default", probe)
     swap = [{"op": "replace", "path": "/spec/containers/1/image", "value": "evil"}]
 
@@ -397,18 +480,28 @@ def assert_the_sidecar_cannot_be_changed(admin: client.ApiClient) -> None:
     wait_for(refused, timeout=30, what="the injected-pods policy to be in force")
     core.delete_namespaced_pod("vap-probe", "default", grace_period_seconds=0)
     denied = {
-        "the sidecar's image": [{"op": "replace", "path": "/spec/initContainers/0/image", "value": "busybox"}],
-        "an annotation of ours": [{"op": "add", "path": "/metadata/annotations/vram-enforcer.io~1action", "value": "warn"}],
-        "the injected annotation": [{"op": "remove", "path": "/metadata/annotations/vram-enforcer.io~1injected"}],
-        "the enforced label": [{"op": "remove", "path": "/metadata/labels/vram-enforcer.io~1enforced"}],
-    }  # fmt: skip
+        "the sidecar's image": [
+            {"op": "replace", "path": "/spec/initContainers/0/image", "value": "busybox"}
+        ],
+        "an annotation of ours": [
+            {"op": "add", "path": "/metadata/annotations/vram-enforcer.io~1action", "value": "warn"}
+        ],
+        "the injected annotation": [
+            {"op": "remove", "path": "/metadata/annotations/vram-enforcer.io~1injected"}
+        ],
+        "the enforced label": [
+            {"op": "remove", "path": "/metadata/labels/vram-enforcer.io~1enforced"}
+        ],
+    }
     for what, patch in denied.items():
         with pytest.raises(client.ApiException) as info:
             core.patch_namespaced_pod("trainer-0", OPTED_IN, patch)
         assert info.value.status == 403, what
         assert "of an injected pod cannot change" in json.loads(info.value.body)["message"], what
-    allowed = [{"op": "replace", "path": "/spec/containers/0/image", "value": "pytorch:2"},
-               {"op": "add", "path": "/metadata/annotations/team", "value": "vision"}]  # fmt: skip
+    allowed = [
+        {"op": "replace", "path": "/spec/containers/0/image", "value": "pytorch:2"},
+        {"op": "add", "path": "/metadata/annotations/team", "value": "vision"},
+    ]
     stored = core.patch_namespaced_pod("trainer-0", OPTED_IN, allowed)
     assert stored.spec.containers[0].image == "pytorch:2"
     assert stored.spec.init_containers[0].image == "ghcr.io/vram-enforcer/vram-enforcer:e2e"
@@ -421,11 +514,13 @@ def entering(api: client.ApiClient, container: str, how: str = "exec") -> tuple[
     core = client.CoreV1Api(api)
     try:
         if how == "attach":
-            core.connect_post_namespaced_pod_attach("trainer-0", OPTED_IN, container=container,
-                                                    stdout=True)  # fmt: skip
+            core.connect_post_namespaced_pod_attach(
+                "trainer-0", OPTED_IN, container=container, stdout=True
+            )
         else:
-            core.connect_post_namespaced_pod_exec("trainer-0", OPTED_IN, command=["true"],
-                                                  container=container, stdout=True)  # fmt: skip
+            core.connect_post_namespaced_pod_exec(
+                "trainer-0", OPTED_IN, command=["true"], container=container, stdout=True
+            )
     except client.ApiException as exc:
         return exc.status, str(json.loads(exc.body or "{}").get("message", exc.body))
     return 200, ""
@@ -440,18 +535,40 @@ def assert_the_sidecar_cannot_be_entered(admin: client.ApiClient) -> None:
     administrator (system:masters) into the sidecar. Nobody adds an ephemeral container
     that targets the sidecar; one that targets the pod's own container is added."""
     rbac = client.RbacAuthorizationV1Api(admin)
-    rbac.create_namespaced_role(OPTED_IN, {
-        "metadata": {"name": "tenant-exec"},
-        "rules": [{"apiGroups": [""], "resources": ["pods/exec", "pods/attach"],
-                   "verbs": ["create", "get"]}]})  # fmt: skip
-    rbac.create_namespaced_role_binding(OPTED_IN, {
-        "metadata": {"name": "tenant-exec"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tenant-exec"},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "tenant"}]})  # fmt: skip
+    rbac.create_namespaced_role(
+        OPTED_IN,
+        {
+            "metadata": {"name": "tenant-exec"},
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["pods/exec", "pods/attach"],
+                    "verbs": ["create", "get"],
+                }
+            ],
+        },
+    )
+    rbac.create_namespaced_role_binding(
+        OPTED_IN,
+        {
+            "metadata": {"name": "tenant-exec"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
+                "name": "tenant-exec",
+            },
+            "subjects": [
+                {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "tenant"}
+            ],
+        },
+    )
     tenant = client.ApiClient(admin.configuration)
     tenant.set_default_header("Impersonate-User", "tenant")
-    wait_for(lambda: entering(tenant, "vram-enforcer")[0] == 403, timeout=30,
-             what="the sidecar-exec policy to be in force")  # fmt: skip
+    wait_for(
+        lambda: entering(tenant, "vram-enforcer")[0] == 403,
+        timeout=30,
+        what="the sidecar-exec policy to be in force",
+    )
     for how in ("exec", "attach"):
         status, message = entering(tenant, "vram-enforcer", how)
         assert status == 403, (how, message)
@@ -575,13 +692,31 @@ def test_cert_manager_mode_renders_an_issuer_a_certificate_and_the_ca_injection(
 def stand_in_crds(admin: client.ApiClient, group: str, kinds: list[tuple[str, str]]) -> None:
     """CRDs that accept any object of these kinds: their operators do not run here."""
     for plural, kind in kinds:
-        client.ApiextensionsV1Api(admin).create_custom_resource_definition({
-            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "metadata": {"name": f"{plural}.{group}"},
-            "spec": {"group": group, "scope": "Namespaced",
-                     "names": {"plural": plural, "singular": kind.lower(), "kind": kind},
-                     "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                         "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}})  # fmt: skip
+        client.ApiextensionsV1Api(admin).create_custom_resource_definition(
+            {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{plural}.{group}"},
+                "spec": {
+                    "group": group,
+                    "scope": "Namespaced",
+                    "names": {"plural": plural, "singular": kind.lower(), "kind": kind},
+                    "versions": [
+                        {
+                            "name": "v1",
+                            "served": True,
+                            "storage": True,
+                            "schema": {
+                                "openAPIV3Schema": {
+                                    "type": "object",
+                                    "x-kubernetes-preserve-unknown-fields": True,
+                                }
+                            },
+                        }
+                    ],
+                },
+            }
+        )
     wait_for(
         lambda: all(_served(admin, group, plural) for plural, _ in kinds), what=f"the {group} CRDs"
     )
@@ -596,10 +731,14 @@ def test_monitoring_objects_and_the_dashboard(
         [("servicemonitors", "ServiceMonitor"), ("podmonitors", "PodMonitor")],
     )
     kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp_path / "kubeconfig")
-    values = {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
-                             "legacySidecarPodMonitor": {"enabled": True},
-                             "grafanaDashboard": {"enabled": True}},
-              "webhook": {"failurePolicy": "Ignore"}}  # fmt: skip
+    values = {
+        "monitoring": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+            "legacySidecarPodMonitor": {"enabled": True},
+            "grafanaDashboard": {"enabled": True},
+        },
+        "webhook": {"failurePolicy": "Ignore"},
+    }
     helm(
         "install", "vram-enforcer-mon", str(CHART), "vram-mon", str(kubeconfig), json.dumps(values)
     )
@@ -611,7 +750,9 @@ def test_monitoring_objects_and_the_dashboard(
         assert sm["metadata"]["labels"]["release"] == "prometheus"
         # Each agent serves every enforced pod of its node: the series' namespace, pod and
         # container are theirs, not the agent's target's.
-        assert sm["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s", "honorLabels": True}]  # fmt: skip
+        assert sm["spec"]["endpoints"] == [
+            {"port": "metrics", "interval": "30s", "honorLabels": True}
+        ]
         monitors = custom.list_namespaced_custom_object(
             "monitoring.coreos.com", "v1", "vram-mon", "podmonitors"
         )["items"]
@@ -621,19 +762,28 @@ def test_monitoring_objects_and_the_dashboard(
         (endpoint,) = pm["spec"]["podMetricsEndpoints"]
         assert endpoint["port"] == "vram-metrics"  # the port name 0.1.0 injected
         # Only the counters that no agent serves for those pods: nothing counted twice.
-        assert endpoint["metricRelabelings"] == [{
-            "sourceLabels": ["__name__"], "action": "keep",
-            "regex": "vram_enforcer_(actions|reclaims|signals_refused)_total"}]  # fmt: skip
+        assert endpoint["metricRelabelings"] == [
+            {
+                "sourceLabels": ["__name__"],
+                "action": "keep",
+                "regex": "vram_enforcer_(actions|reclaims|signals_refused)_total",
+            }
+        ]
         cm = client.CoreV1Api(admin).read_namespaced_config_map(
             "vram-enforcer-mon-dashboard", "vram-mon"
         )
         assert cm.metadata.labels["grafana_dashboard"] == "1"
         dashboard = json.loads(cm.data["vram-enforcer.json"])
         exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", ()))
-        for metric in ("vram_enforcer_container_used_bytes", "vram_enforcer_container_limit_bytes",
-                       "vram_enforcer_actions_total", "vram_enforcer_gpu_total_bytes",
-                       "vram_enforcer_container_gpu_sm_utilization_ratio", "vram_enforcer_gpu_tenants",
-                       "vram_enforcer_pods_unguarded"):  # fmt: skip
+        for metric in (
+            "vram_enforcer_container_used_bytes",
+            "vram_enforcer_container_limit_bytes",
+            "vram_enforcer_actions_total",
+            "vram_enforcer_gpu_total_bytes",
+            "vram_enforcer_container_gpu_sm_utilization_ratio",
+            "vram_enforcer_gpu_tenants",
+            "vram_enforcer_pods_unguarded",
+        ):
             assert metric in exprs
     finally:
         helm("uninstall", "vram-enforcer-mon", "vram-mon", str(kubeconfig))
@@ -655,8 +805,22 @@ def checkov_findings(manifest: Path) -> set[tuple[str, str]]:
         if os.environ.get("VRAM_ENFORCER_E2E") == "required":
             pytest.fail(reason)
         pytest.skip(reason)
-    out = subprocess.run([str(checkov), "-f", str(manifest), "--framework", "kubernetes", "--quiet",
-                          "--compact", "-o", "json"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [
+            str(checkov),
+            "-f",
+            str(manifest),
+            "--framework",
+            "kubernetes",
+            "--quiet",
+            "--compact",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     report = json.loads(out.stdout)
     report = report[0] if isinstance(report, list) else report
     found = set()
@@ -688,8 +852,11 @@ def test_with_network_policies_and_a_digest_only_the_intrinsic_findings_stay(
     apiserver: ApiServer, admin: client.ApiClient, tmp_path: Path
 ) -> None:
     kubeconfig = apiserver.kubeconfig(apiserver.admin_token, tmp_path / "kubeconfig")
-    values = {"image": {"digest": "sha256:" + "0" * 64}, "networkPolicy": {"enabled": True},
-              "webhook": {"sidecarMode": "native"}}  # fmt: skip
+    values = {
+        "image": {"digest": "sha256:" + "0" * 64},
+        "networkPolicy": {"enabled": True},
+        "webhook": {"sidecarMode": "native"},
+    }
     release = helm(
         "install", "hardened", str(CHART), "vram-hardened", str(kubeconfig), json.dumps(values)
     )

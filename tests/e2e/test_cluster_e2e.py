@@ -86,8 +86,12 @@ class Cluster:
     socket_dir_made: bool = False
 
     def kubectl(self, *args: str) -> str:
-        out = subprocess.run([str(BIN / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            [str(BIN / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         return out.stdout
 
@@ -106,8 +110,9 @@ class Cluster:
         except AssertionError as exc:
             assert self.agent is not None
             shown = [m for m in self.agent_metrics().splitlines() if m.startswith(line[:30])]
-            raise AssertionError(f"{exc}; the agent shows {shown}, and its log ends:\n"
-                                 f"{self.agent.log()[-3000:]}") from None  # fmt: skip
+            raise AssertionError(
+                f"{exc}; the agent shows {shown}, and its log ends:\n{self.agent.log()[-3000:]}"
+            ) from None
 
     def use(self, pid: int, used: int | None) -> None:
         """What the fake NVML reports for host pid `pid` (None: nothing)."""
@@ -143,8 +148,13 @@ def cluster(
         gpus.support_memory_limits()
         gpus.write(state_file)
         runtime = nvidia_runtime(tmp, fake_nvml_lib, state_file)
-        node = RealNode(server, tmp_path_factory.mktemp("node"), images=[image], kube_proxy=True,
-                        runtime=runtime)  # fmt: skip
+        node = RealNode(
+            server,
+            tmp_path_factory.mktemp("node"),
+            images=[image],
+            kube_proxy=True,
+            runtime=runtime,
+        )
         label_gpu_node(node)
         kubeconfig = server.write_kubeconfig(tmp / "admin.kubeconfig")
         found = Cluster(server, node, node.core, kubeconfig, tmp, state_file, gpus)
@@ -168,26 +178,57 @@ def installed(cluster: Cluster) -> Cluster:
     if not namespace_exists(core, OPTED_IN):
         # At the `baseline` Pod Security level, as most multi-tenant clusters run tenants:
         # every test of this file runs its enforced pods there.
-        core.create_namespace({"metadata": {"name": OPTED_IN, "labels": {
-            "vram-enforcer.io/inject": "enabled", "pod-security.kubernetes.io/enforce": "baseline",
-            "pod-security.kubernetes.io/enforce-version": "latest"}}})  # fmt: skip
+        core.create_namespace(
+            {
+                "metadata": {
+                    "name": OPTED_IN,
+                    "labels": {
+                        "vram-enforcer.io/inject": "enabled",
+                        "pod-security.kubernetes.io/enforce": "baseline",
+                        "pod-security.kubernetes.io/enforce-version": "latest",
+                    },
+                }
+            }
+        )
     values = {
-        "image": {"repository": ENFORCER_IMAGE.rsplit(":", 1)[0], "tag": "e2e", "pullPolicy": "Never"},
-        "webhook": {"replicas": 1, "logFormat": "text", "tenants": {"maxCeiling": "80Gi"},
-                    "kaiAnnotations": True},
-        "agent": {"logFormat": "text", "resync": "1s", "reserve": "1Gi",
-                  "podResources": {"path": str(cluster.node.dir / "kubelet" / "pod-resources")}},
+        "image": {
+            "repository": ENFORCER_IMAGE.rsplit(":", 1)[0],
+            "tag": "e2e",
+            "pullPolicy": "Never",
+        },
+        "webhook": {
+            "replicas": 1,
+            "logFormat": "text",
+            "tenants": {"maxCeiling": "80Gi"},
+            "kaiAnnotations": True,
+        },
+        "agent": {
+            "logFormat": "text",
+            "resync": "1s",
+            "reserve": "1Gi",
+            "podResources": {"path": str(cluster.node.dir / "kubelet" / "pod-resources")},
+        },
         "sidecar": {"namespaces": [OPTED_IN]},
-    }  # fmt: skip
+    }
     assert not SOCKET.exists(), f"{SOCKET} is in use: is another vram-enforcer agent running here?"
     cluster.socket_dir_made = cluster.socket_dir_made or not SOCKET.parent.exists()
     helm("install", RELEASE, str(CHART), NAMESPACE, str(cluster.kubeconfig), json.dumps(values))
     cluster.agent = AgentPod(cluster.node, NAMESPACE, cluster.state_file)
     apps = client.AppsV1Api(cluster.server.client())
-    wait_for(lambda: apps.read_namespaced_deployment(f"{RELEASE}-webhook", NAMESPACE).status.available_replicas,
-             timeout=120, what="the chart's webhook to be available")  # fmt: skip
-    wait_for(lambda: RESOURCE in (core.read_node(cluster.node.name).status.allocatable or {}),
-             timeout=30, what="the agent to advertise VRAM")  # fmt: skip
+    wait_for(
+        lambda: (
+            apps.read_namespaced_deployment(
+                f"{RELEASE}-webhook", NAMESPACE
+            ).status.available_replicas
+        ),
+        timeout=120,
+        what="the chart's webhook to be available",
+    )
+    wait_for(
+        lambda: RESOURCE in (core.read_node(cluster.node.name).status.allocatable or {}),
+        timeout=30,
+        what="the agent to advertise VRAM",
+    )
     return cluster
 
 
@@ -208,10 +249,22 @@ def pause(name: str, **extra: Any) -> dict[str, Any]:
 def workload(name: str, limit: str, **spec: Any) -> dict[str, Any]:
     """A pod of one container, `trainer`, that declares `limit` and runs HOLDER."""
     annotations = spec.pop("annotations", {})
-    return {"metadata": {"name": name, "annotations": annotations}, "spec": {
-        "terminationGracePeriodSeconds": 2, **spec,
-        "containers": [{"name": "trainer", "image": ENFORCER_IMAGE, "imagePullPolicy": "Never",
-                        "command": ["python", "-c", HOLDER], "resources": {"limits": {RESOURCE: limit}}}]}}  # fmt: skip
+    return {
+        "metadata": {"name": name, "annotations": annotations},
+        "spec": {
+            "terminationGracePeriodSeconds": 2,
+            **spec,
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": ENFORCER_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["python", "-c", HOLDER],
+                    "resources": {"limits": {RESOURCE: limit}},
+                }
+            ],
+        },
+    }
 
 
 def running(core: client.CoreV1Api, namespace: str, name: str) -> client.V1Pod | None:
@@ -252,8 +305,11 @@ def stopped_over(installed: Cluster, name: str, holder: int, used: int) -> Any:
     the holder has exited."""
     installed.use(holder, used)
     try:
-        (enforced,) = wait_for(lambda: events(installed.core, OPTED_IN, name, "VRAMEnforced"),
-                               timeout=30, what="the VRAMEnforced event")  # fmt: skip
+        (enforced,) = wait_for(
+            lambda: events(installed.core, OPTED_IN, name, "VRAMEnforced"),
+            timeout=30,
+            what="the VRAMEnforced event",
+        )
         wait_for(
             lambda: not Path(f"/proc/{holder}").exists(), timeout=15, what="the holder to exit"
         )
@@ -263,18 +319,32 @@ def stopped_over(installed: Cluster, name: str, holder: int, used: int) -> Any:
 
 
 def events(core: client.CoreV1Api, namespace: str, name: str, reason: str) -> list[Any]:
-    return [e for e in core.list_namespaced_event(namespace).items
-            if e.involved_object.name == name and e.reason == reason]  # fmt: skip
+    return [
+        e
+        for e in core.list_namespaced_event(namespace).items
+        if e.involved_object.name == name and e.reason == reason
+    ]
 
 
 def test_a_native_sidecar_runs_beside_the_workload_and_stops_with_it(cluster: Cluster) -> None:
     core = cluster.core
-    core.create_namespaced_pod("default", {"metadata": {"name": "native"}, "spec": {
-        "nodeName": cluster.node.name, "terminationGracePeriodSeconds": 1,
-        "initContainers": [pause("vram-enforcer", restartPolicy="Always")],
-        "containers": [pause("trainer")]}})  # fmt: skip
-    pod = wait_for(lambda: running(core, "default", "native"), timeout=60,
-                   what="the pod to run on the real node")  # fmt: skip
+    core.create_namespaced_pod(
+        "default",
+        {
+            "metadata": {"name": "native"},
+            "spec": {
+                "nodeName": cluster.node.name,
+                "terminationGracePeriodSeconds": 1,
+                "initContainers": [pause("vram-enforcer", restartPolicy="Always")],
+                "containers": [pause("trainer")],
+            },
+        },
+    )
+    pod = wait_for(
+        lambda: running(core, "default", "native"),
+        timeout=60,
+        what="the pod to run on the real node",
+    )
     (side,) = pod.status.init_container_statuses
     (main,) = pod.status.container_statuses
     assert side.name == "vram-enforcer" and side.started and side.state.running
@@ -286,17 +356,27 @@ def test_a_native_sidecar_runs_beside_the_workload_and_stops_with_it(cluster: Cl
 
 def test_hard_limits_land_on_the_cgroups_the_real_kubelet_makes(installed: Cluster) -> None:
     core, node = installed.core, installed.node
-    core.create_namespaced_pod("default", {"metadata": {"name": "limited"}, "spec": {
-        "terminationGracePeriodSeconds": 1,
-        "containers": [pause("trainer", resources={"limits": {RESOURCE: "2Gi"}})]}})  # fmt: skip
+    core.create_namespaced_pod(
+        "default",
+        {
+            "metadata": {"name": "limited"},
+            "spec": {
+                "terminationGracePeriodSeconds": 1,
+                "containers": [pause("trainer", resources={"limits": {RESOURCE: "2Gi"}})],
+            },
+        },
+    )
     pod = wait_for(lambda: running(core, "default", "limited"), timeout=60, what="the pod to run")
     container_id = pod.status.container_statuses[0].container_id.split("://")[1]
     assert installed.agent is not None
 
     def limited() -> dict[str, int]:
         assert installed.agent is not None
-        return {r["cgroup"]: r["hard"] for r in limit_records(installed.state_file)
-                if pod.metadata.uid in r["cgroup"]}  # fmt: skip
+        return {
+            r["cgroup"]: r["hard"]
+            for r in limit_records(installed.state_file)
+            if pod.metadata.uid in r["cgroup"]
+        }
 
     wait_for(lambda: len(limited()) == 2, timeout=30, what="the pod's and the container's limits")
     found = limited()
@@ -308,8 +388,11 @@ def test_hard_limits_land_on_the_cgroups_the_real_kubelet_makes(installed: Clust
     (pid,) = wait_for(lambda: node.pids(container_id), timeout=30, what="pause's host pid")
     installed.use(pid, GiB)
     try:
-        (event,) = wait_for(lambda: events(core, "default", "limited", "VRAMHardLimit"),
-                            timeout=30, what="the VRAMHardLimit Event")  # fmt: skip
+        (event,) = wait_for(
+            lambda: events(core, "default", "limited", "VRAMHardLimit"),
+            timeout=30,
+            what="the VRAMHardLimit Event",
+        )
     finally:
         installed.use(pid, None)
     assert "it charges 1.00 GiB on GPU-" in event.message
@@ -323,8 +406,9 @@ def test_a_pod_over_its_limit_is_mutated_placed_run_and_its_offender_stopped(
 ) -> None:
     core, node = installed.core, installed.node
     core.create_namespaced_pod(OPTED_IN, workload("trainer-0", "2Gi"))
-    pod = wait_for(lambda: running(core, OPTED_IN, "trainer-0"), timeout=90,
-                   what="the mutated pod to run")  # fmt: skip
+    pod = wait_for(
+        lambda: running(core, OPTED_IN, "trainer-0"), timeout=90, what="the mutated pod to run"
+    )
     assert pod.spec.node_name == node.name  # placed by the scheduler: no nodeName was given
     assert pod.spec.share_process_namespace is True
     (side,) = pod.spec.init_containers
@@ -339,8 +423,11 @@ def test_a_pod_over_its_limit_is_mutated_placed_run_and_its_offender_stopped(
     # agent works out itself.
     trainer = {"namespace": OPTED_IN, "pod": "trainer-0", "container": "trainer"}
     terminated = {"namespace": OPTED_IN, "pod": "trainer-0", "action": "terminate"}
-    wait_for(lambda: installed.served("vram_enforcer_actions_total", **terminated) == 1,
-             timeout=30, what="the sidecar's action on the agent's /metrics")  # fmt: skip
+    wait_for(
+        lambda: installed.served("vram_enforcer_actions_total", **terminated) == 1,
+        timeout=30,
+        what="the sidecar's action on the agent's /metrics",
+    )
     assert installed.served("vram_enforcer_container_used_bytes", **trainer) is not None
     assert installed.served("vram_enforcer_container_limit_bytes", **trainer) == 2 * GiB
     assert 'container="vram-enforcer"' not in installed.agent_metrics()
@@ -363,8 +450,9 @@ def test_a_kai_pods_share_is_enforced_as_kai_counted_it_and_a_patched_annotation
     the process over it. The tenant then patches the annotation to 0.9, which nothing reads
     again."""
     core, node = installed.core, installed.node
-    body = workload("kai-0", "0", annotations={"gpu-fraction": "0.25",
-                                               "gpu-fraction-container-name": "trainer"})  # fmt: skip
+    body = workload(
+        "kai-0", "0", annotations={"gpu-fraction": "0.25", "gpu-fraction-container-name": "trainer"}
+    )
     del body["spec"]["containers"][0]["resources"]
     body["spec"]["containers"].insert(0, pause("first"))  # KAI's default would be this one
     core.create_namespaced_pod(OPTED_IN, body)
@@ -374,13 +462,17 @@ def test_a_kai_pods_share_is_enforced_as_kai_counted_it_and_a_patched_annotation
     assert json.loads(frozen["VRAM_ENFORCER_PORTIONS"]) == {"trainer": {"request": "0.25"}}
     assert json.loads(frozen["VRAM_ENFORCER_LIMITS"]) == {}
     assert installed.agent is not None
-    trainer_id = next(s.container_id for s in pod.status.container_statuses
-                      if s.name == "trainer").split("://")[1]  # fmt: skip
+    trainer_id = next(
+        s.container_id for s in pod.status.container_statuses if s.name == "trainer"
+    ).split("://")[1]
 
     def hard() -> dict[str, int]:
         assert installed.agent is not None
-        return {r["cgroup"]: r["hard"] for r in limit_records(installed.state_file)
-                if r["cgroup"].endswith(trainer_id)}  # fmt: skip
+        return {
+            r["cgroup"]: r["hard"]
+            for r in limit_records(installed.state_file)
+            if r["cgroup"].endswith(trainer_id)
+        }
 
     as_kai_counts = 20475 * MiB
     assert list(wait_for(hard, timeout=30, what="the trainer's hard limit").values()) == [
@@ -431,16 +523,23 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
         assert free in installed.agent_metrics()
         over = 'vram_enforcer_container_gpu_over_request_bytes{pod="lender-0"} > 0'
         wait_for(lambda: prometheus.series(over), timeout=30, what="Prometheus to see it")
-        wait_for(lambda: prometheus.series("vram_enforcer_container_gpu_sm_utilization_ratio"),
-                 timeout=30, what="utilisation in Prometheus")  # fmt: skip
+        wait_for(
+            lambda: prometheus.series("vram_enforcer_container_gpu_sm_utilization_ratio"),
+            timeout=30,
+            what="utilisation in Prometheus",
+        )
         borrowing = time.time()
         assert Path(f"/proc/{borrower}").exists()
         assert not events(core, OPTED_IN, "lender-0", "VRAMReclaimed")
         installed.use(other, 60 * GiB)  # 12 GiB free: 4 short of 14 owed plus 2
-        reclaimed = wait_for(lambda: events(core, OPTED_IN, "lender-0", "VRAMReclaimed"),
-                             timeout=30, what="the VRAMReclaimed Events")  # fmt: skip
-        wait_for(lambda: not Path(f"/proc/{borrower}").exists(), timeout=15,
-                 what="the borrower to exit")  # fmt: skip
+        reclaimed = wait_for(
+            lambda: events(core, OPTED_IN, "lender-0", "VRAMReclaimed"),
+            timeout=30,
+            what="the VRAMReclaimed Events",
+        )
+        wait_for(
+            lambda: not Path(f"/proc/{borrower}").exists(), timeout=15, what="the borrower to exit"
+        )
         # As the dashboard shows it: counters start at 0, so the first reclaim is an increase.
         shown = 'increase(vram_enforcer_reclaims_total{needed_by="requests"}[1m]) > 0'
         wait_for(lambda: prometheus.series(shown), timeout=30, what="the reclaim in Prometheus")
@@ -482,28 +581,37 @@ def test_a_container_the_device_plugin_gave_a_gpu_is_owed_its_request_there_befo
     names = ("lender-9", "owed-9")
     borrower = newcomer = other = None
     try:
-        wait_for(lambda: (core.read_node(node.name).status.allocatable or {}).get(GPU) == "4",
-                 timeout=30, what="the kubelet to count the plugin's GPUs")  # fmt: skip
+        wait_for(
+            lambda: (core.read_node(node.name).status.allocatable or {}).get(GPU) == "4",
+            timeout=30,
+            what="the kubelet to count the plugin's GPUs",
+        )
         lender = workload("lender-9", "2Gi", annotations={"vram-enforcer.io/vram-ceiling": "8Gi"})
         owed = workload("owed-9", "16Gi")
         for body in (lender, owed):
             body["spec"]["containers"][0]["resources"]["limits"][GPU] = "1"
         core.create_namespaced_pod(OPTED_IN, lender)
-        running_lender = wait_for(lambda: running(core, OPTED_IN, "lender-9"), timeout=90,
-                                  what="the lender")  # fmt: skip
+        running_lender = wait_for(
+            lambda: running(core, OPTED_IN, "lender-9"), timeout=90, what="the lender"
+        )
         borrower, other = the_holder(node, running_lender), os.getpid()
         installed.use(borrower, 6 * GiB)
         installed.use(other, 58 * GiB)
         lent = f'vram_enforcer_gpu_lent_bytes{{uuid="{uuid}"}} {floatToGoString(4 * GiB)}'
         installed.wait_for_metric(lent, "the agent's view")
         core.create_namespaced_pod(OPTED_IN, owed)
-        running_owed = wait_for(lambda: running(core, OPTED_IN, "owed-9"), timeout=90,
-                                what="the newcomer")  # fmt: skip
+        running_owed = wait_for(
+            lambda: running(core, OPTED_IN, "owed-9"), timeout=90, what="the newcomer"
+        )
         newcomer = the_holder(node, running_owed)  # running, and holding nothing on the GPU
-        (reclaimed, *_) = wait_for(lambda: events(core, OPTED_IN, "lender-9", "VRAMReclaimed"),
-                                   timeout=30, what="the VRAMReclaimed Event")  # fmt: skip
-        wait_for(lambda: not Path(f"/proc/{borrower}").exists(), timeout=15,
-                 what="the borrower to exit")  # fmt: skip
+        (reclaimed, *_) = wait_for(
+            lambda: events(core, OPTED_IN, "lender-9", "VRAMReclaimed"),
+            timeout=30,
+            what="the VRAMReclaimed Event",
+        )
+        wait_for(
+            lambda: not Path(f"/proc/{borrower}").exists(), timeout=15, what="the borrower to exit"
+        )
         assert (
             f"container 'trainer' holds 6.00 GiB on GPU {uuid}, 4.00 GiB above its 2.00 GiB "
             "request (ceiling 8.00 GiB); the GPU has 16.00 GiB free, 2.00 GiB less than it must "
@@ -533,10 +641,15 @@ def every_dashboard_query_returns_series(
     wait_for(lambda: prometheus.series(enough), timeout=30, what="three scrapes of each target")
     moments = (borrowing, time.time())
     variables = {"namespace": ".*", "gpu": gpu, "__rate_interval": "1m"}
-    empty = [f"{where}: {expr}" for where, expr in dashboard_queries(variables)
-             if not any(prometheus.series(expr, at) for at in moments)]  # fmt: skip
-    targets = [(s["metric"]["job"], s["metric"]["instance"], s["value"][1])
-               for s in prometheus.series("up")]  # fmt: skip
+    empty = [
+        f"{where}: {expr}"
+        for where, expr in dashboard_queries(variables)
+        if not any(prometheus.series(expr, at) for at in moments)
+    ]
+    targets = [
+        (s["metric"]["job"], s["metric"]["instance"], s["value"][1])
+        for s in prometheus.series("up")
+    ]
     assert not empty, f"dashboard queries that returned no series (targets: {targets}):\n" + (
         "\n".join(empty)
     )
@@ -550,37 +663,60 @@ def scraping(cluster: Cluster) -> Prometheus:
     assert cluster.agent is not None
     agent = cluster.agent.pod()
     assert agent is not None
-    webhook = client.CoreV1Api(cluster.server.client()).list_namespaced_pod(
-        NAMESPACE, label_selector="app.kubernetes.io/component=webhook").items  # fmt: skip
+    webhook = (
+        client.CoreV1Api(cluster.server.client())
+        .list_namespaced_pod(NAMESPACE, label_selector="app.kubernetes.io/component=webhook")
+        .items
+    )
     targets = {
         "agent": [cluster.agent.address],
         "webhook": [f"{p.status.pod_ip}:9479" for p in webhook],
     }
-    as_the_operator_labels = {"namespace": NAMESPACE, "pod": agent.metadata.name, "container": "agent"}  # fmt: skip
-    found = Prometheus(cluster.tmp, targets, labels={"agent": as_the_operator_labels},
-                       honor_labels=("agent",))  # fmt: skip
+    as_the_operator_labels = {
+        "namespace": NAMESPACE,
+        "pod": agent.metadata.name,
+        "container": "agent",
+    }
+    found = Prometheus(
+        cluster.tmp, targets, labels={"agent": as_the_operator_labels}, honor_labels=("agent",)
+    )
     wait_for(found.targets_up, timeout=30, what="every target up in Prometheus")
     return found
 
 
 def test_restart_makes_the_kubelet_restart_the_container(installed: Cluster) -> None:
     core, node = installed.core, installed.node
-    core.create_namespaced_pod(OPTED_IN, workload(
-        "trainer-1", "1Gi", annotations={"vram-enforcer.io/action": "restart"},
-        schedulerName="vram-binpack"))  # fmt: skip
+    core.create_namespaced_pod(
+        OPTED_IN,
+        workload(
+            "trainer-1",
+            "1Gi",
+            annotations={"vram-enforcer.io/action": "restart"},
+            schedulerName="vram-binpack",
+        ),
+    )
     pod = wait_for(lambda: running(core, OPTED_IN, "trainer-1"), timeout=90, what="the pod to run")
     assert pod.spec.node_name == node.name
     holder = the_holder(node, pod)
     installed.use(holder, 2 * GiB)
     try:
         wait_for(
-            lambda: core.read_namespaced_pod("trainer-1", OPTED_IN).status.container_statuses[0].restart_count >= 1,
-            timeout=60, what="the kubelet to restart the container",
-        )  # fmt: skip
+            lambda: (
+                core.read_namespaced_pod("trainer-1", OPTED_IN)
+                .status.container_statuses[0]
+                .restart_count
+                >= 1
+            ),
+            timeout=60,
+            what="the kubelet to restart the container",
+        )
     finally:
         installed.use(holder, None)
-    (enforced, *_) = wait_for(lambda: events(core, OPTED_IN, "trainer-1", "VRAMEnforced"),
-                              timeout=30, what="the VRAMEnforced Event")  # fmt: skip
+    (enforced, *_) = wait_for(
+        lambda: events(core, OPTED_IN, "trainer-1", "VRAMEnforced"),
+        timeout=30,
+        what="the VRAMEnforced Event",
+    )
     assert enforced.involved_object.field_path == "spec.containers{trainer}"
     core.delete_namespaced_pod("trainer-1", OPTED_IN)
     wait_for(lambda: gone(core, OPTED_IN, "trainer-1"), timeout=60, what="the pod to be gone")
@@ -617,14 +753,23 @@ def test_a_sidecar_without_any_rbac_enforces_through_the_agent(
             # container IDs, the sidecar could stop nothing.
             installed.use(holder, 2 * GiB)
             try:
-                pod = wait_for(lambda n=restarts: (p := core.read_namespaced_pod("pair", OPTED_IN))
-                               and _restarts(p, "trainer") >= n and _restarts(p, "idle") == 0
-                               and running(core, OPTED_IN, "pair") and p, timeout=60,
-                               what=f"restart {restarts} of the trainer, not of idle")  # fmt: skip
+                pod = wait_for(
+                    lambda n=restarts: (
+                        (p := core.read_namespaced_pod("pair", OPTED_IN))
+                        and _restarts(p, "trainer") >= n
+                        and _restarts(p, "idle") == 0
+                        and running(core, OPTED_IN, "pair")
+                        and p
+                    ),
+                    timeout=60,
+                    what=f"restart {restarts} of the trainer, not of idle",
+                )
             finally:
                 installed.use(holder, None)
-        enforced = wait_for(lambda: events(core, OPTED_IN, "pair", "VRAMEnforced"),
-                            what="the VRAMEnforced Event, posted by the agent")  # fmt: skip
+        enforced = wait_for(
+            lambda: events(core, OPTED_IN, "pair", "VRAMEnforced"),
+            what="the VRAMEnforced Event, posted by the agent",
+        )
         assert {e.involved_object.field_path for e in enforced} == {"spec.containers{trainer}"}
         assert {e.reporting_instance for e in enforced} == {node.name}  # not the pod's
         installed.use(idle_holder, None)
@@ -684,8 +829,11 @@ def in_workload(node: RealNode, pod: client.V1Pod, code: str) -> str:
     workload_pid = node.pids(trainer.container_id.split("://")[1])[0]
     python = os.readlink(f"/proc/{workload_pid}/exe")  # the image's, as the container sees it
     user = ["--user"] if pod.spec.host_users is False else []
-    done = subprocess.run(["nsenter", "-t", str(workload_pid), *user, "--pid", "--mount", "--",
-                           python, "-c", code], capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        ["nsenter", "-t", str(workload_pid), *user, "--pid", "--mount", "--", python, "-c", code],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -730,9 +878,13 @@ def test_a_baseline_namespace_runs_enforced_pods_and_the_workload_cannot_pose_as
     but CAP_SYS_PTRACE (which baseline cannot add), the sidecar's socket is out of reach;
     with CAP_SYS_PTRACE it is reached, and the sidecar hangs up on a caller of its pod."""
     core = installed.core
-    host_path = {"metadata": {"name": "host-path"}, "spec": {
-        "containers": [pause("c", volumeMounts=[{"name": "h", "mountPath": "/h"}])],
-        "volumes": [{"name": "h", "hostPath": {"path": "/run"}}]}}  # fmt: skip
+    host_path = {
+        "metadata": {"name": "host-path"},
+        "spec": {
+            "containers": [pause("c", volumeMounts=[{"name": "h", "mountPath": "/h"}])],
+            "volumes": [{"name": "h", "hostPath": {"path": "/run"}}],
+        },
+    }
     with pytest.raises(client.ApiException) as refused:
         core.create_namespaced_pod(OPTED_IN, host_path)
     assert refused.value.status == 403
@@ -768,18 +920,29 @@ def test_a_workload_that_stops_its_sidecar_is_told_on_and_held_by_the_agent(
     try:
         stop_sidecar(installed, pod, sidecar, in_pod)
         assert "vram_enforcer_pods_unguarded 1.0" in installed.agent_metrics()
-        wait_for(lambda: "vram_enforcer_pods_held_by_agent 1.0" in installed.agent_metrics(),
-                 timeout=10, what="the agent to hold the pod")  # fmt: skip
+        wait_for(
+            lambda: "vram_enforcer_pods_held_by_agent 1.0" in installed.agent_metrics(),
+            timeout=10,
+            what="the agent to hold the pod",
+        )
         enforced = stopped_over(installed, "quiet", holder, 2 * GiB)
         assert "held by the node agent while the pod's sidecar is silent" in enforced.message
         assert "of its 1.00 GiB VRAM limit" in enforced.message  # its request, not its ceiling
         assert enforced.involved_object.field_path == "spec.containers{trainer}"
     finally:
         os.kill(sidecar, signal.SIGCONT)
-    wait_for(lambda: any(e.type == "Normal" for e in events(core, OPTED_IN, "quiet", "VRAMSidecarSilent")),
-             timeout=60, what="the agent to say the sidecar is back")  # fmt: skip
-    wait_for(lambda: "vram_enforcer_pods_held_by_agent 0.0" in installed.agent_metrics(),
-             timeout=10, what="the agent to hand the pod back")  # fmt: skip
+    wait_for(
+        lambda: any(
+            e.type == "Normal" for e in events(core, OPTED_IN, "quiet", "VRAMSidecarSilent")
+        ),
+        timeout=60,
+        what="the agent to say the sidecar is back",
+    )
+    wait_for(
+        lambda: "vram_enforcer_pods_held_by_agent 0.0" in installed.agent_metrics(),
+        timeout=10,
+        what="the agent to hand the pod back",
+    )
     core.delete_namespaced_pod("quiet", OPTED_IN)
     wait_for(lambda: gone(core, OPTED_IN, "quiet"), timeout=60, what="the pod to be gone")
 
@@ -805,23 +968,32 @@ def test_a_user_namespaced_pod_that_stops_its_sidecar_is_still_signalled_by_the_
     assert uids == [str(int(outside) + 65532)] * 4  # the image's uid, 65532, in the pod's range
     try:
         stop_sidecar(installed, pod, sidecar, in_pod)
-        wait_for(lambda: "vram_enforcer_pods_held_by_agent 1.0" in installed.agent_metrics(),
-                 timeout=10, what="the agent to hold the pod")  # fmt: skip
+        wait_for(
+            lambda: "vram_enforcer_pods_held_by_agent 1.0" in installed.agent_metrics(),
+            timeout=10,
+            what="the agent to hold the pod",
+        )
         enforced = stopped_over(installed, "userns", holder, 2 * GiB)
         assert "held by the node agent while the pod's sidecar is silent" in enforced.message
         assert "of its 1.00 GiB VRAM limit" in enforced.message
         assert "sent SIGTERM to pid" in enforced.message
         assert enforced.involved_object.field_path == "spec.containers{trainer}"
-        wait_for(lambda: "the child exited with -15" in container_log(node, pod, "trainer"),
-                 timeout=10, what="the worker's parent to see its SIGTERM")  # fmt: skip
+        wait_for(
+            lambda: "the child exited with -15" in container_log(node, pod, "trainer"),
+            timeout=10,
+            what="the worker's parent to see its SIGTERM",
+        )
         assert not events(core, OPTED_IN, "userns", "VRAMEvicted")  # the signal was not refused
         assert running(core, OPTED_IN, "userns")
     finally:
         os.kill(sidecar, signal.SIGCONT)
     core.delete_namespaced_pod("userns", OPTED_IN)
     wait_for(lambda: gone(core, OPTED_IN, "userns"), timeout=60, what="the pod to be gone")
-    wait_for(lambda: "vram_enforcer_pods_held_by_agent 0.0" in installed.agent_metrics(),
-             timeout=10, what="the agent to let the pod go")  # fmt: skip
+    wait_for(
+        lambda: "vram_enforcer_pods_held_by_agent 0.0" in installed.agent_metrics(),
+        timeout=10,
+        what="the agent to let the pod go",
+    )
 
 
 def test_the_agent_connects_to_the_sidecar_of_a_user_namespaced_pod(installed: Cluster) -> None:
@@ -834,8 +1006,11 @@ def test_the_agent_connects_to_the_sidecar_of_a_user_namespaced_pod(installed: C
     try:
         wait_for(lambda: running(core, OPTED_IN, "userns-dial"), timeout=90, what="the pod to run")
         with contextlib.suppress(AssertionError):  # an unreachable sidecar is said after 10 s
-            wait_for(lambda: events(core, OPTED_IN, "userns-dial", "VRAMSidecarSilent"),
-                     timeout=20, what="the agent to say it cannot reach the sidecar")  # fmt: skip
+            wait_for(
+                lambda: events(core, OPTED_IN, "userns-dial", "VRAMSidecarSilent"),
+                timeout=20,
+                what="the agent to say it cannot reach the sidecar",
+            )
         assert not events(core, OPTED_IN, "userns-dial", "VRAMSidecarSilent")
         assert "vram_enforcer_pods_held_by_agent 0.0" in installed.agent_metrics()
     finally:
@@ -848,11 +1023,17 @@ def stop_sidecar(installed: Cluster, pod: client.V1Pod, sidecar: int, in_pod: in
     the agent says so: a `VRAMSidecarSilent` Warning on the pod."""
     in_workload(installed.node, pod, f"import os, signal; os.kill({in_pod}, signal.SIGSTOP)")
     # a signal is delivered when the process next runs in the kernel: not at once
-    wait_for(lambda: Path(f"/proc/{sidecar}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
-             timeout=10, what="the sidecar to be stopped")  # fmt: skip
+    wait_for(
+        lambda: Path(f"/proc/{sidecar}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
+        timeout=10,
+        what="the sidecar to be stopped",
+    )
     name = pod.metadata.name
-    (silent,) = wait_for(lambda: events(installed.core, OPTED_IN, name, "VRAMSidecarSilent"),
-                         timeout=60, what="the agent to say the sidecar is gone")  # fmt: skip
+    (silent,) = wait_for(
+        lambda: events(installed.core, OPTED_IN, name, "VRAMSidecarSilent"),
+        timeout=60,
+        what="the agent to say the sidecar is gone",
+    )
     assert silent.type == "Warning" and "the node agent enforces the pod's" in silent.message
 
 
@@ -867,8 +1048,11 @@ def container_log(node: RealNode, pod: client.V1Pod, container: str) -> str:
     """What a container wrote, from the kubelet's log files (CRI lines: time, stream,
     F(ull) or P(artial), then the text)."""
     found = node.dir / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}_{pod.metadata.uid}"
-    lines = [line.split(" ", 3) for run in sorted((found / container).glob("*.log"))
-             for line in run.read_text().splitlines()]  # fmt: skip
+    lines = [
+        line.split(" ", 3)
+        for run in sorted((found / container).glob("*.log"))
+        for line in run.read_text().splitlines()
+    ]
     return "".join(p[3] + ("\n" if p[2] == "F" else "") for p in lines if len(p) == 4)
 
 
@@ -877,23 +1061,33 @@ def test_with_its_sidecar_stopped_restart_still_restarts_the_container(installed
     oldest of its processes whose parent, the runtime's shim, is not in it), and the
     kubelet restarts the container, as when the sidecar does it."""
     core, node = installed.core, installed.node
-    core.create_namespaced_pod(OPTED_IN, workload(
-        "held-restart", "1Gi", annotations={"vram-enforcer.io/action": "restart"}))  # fmt: skip
-    pod = wait_for(lambda: running(core, OPTED_IN, "held-restart"), timeout=90,
-                   what="the pod to run")  # fmt: skip
+    core.create_namespaced_pod(
+        OPTED_IN,
+        workload("held-restart", "1Gi", annotations={"vram-enforcer.io/action": "restart"}),
+    )
+    pod = wait_for(
+        lambda: running(core, OPTED_IN, "held-restart"), timeout=90, what="the pod to run"
+    )
     sidecar, in_pod = the_sidecar(node, pod)
     holder = the_holder(node, pod)
     try:
         stop_sidecar(installed, pod, sidecar, in_pod)
         installed.use(holder, 2 * GiB)
         try:
-            wait_for(lambda: _restarts(core.read_namespaced_pod("held-restart", OPTED_IN),
-                                       "trainer") >= 1,
-                     timeout=60, what="the kubelet to restart the container")  # fmt: skip
+            wait_for(
+                lambda: (
+                    _restarts(core.read_namespaced_pod("held-restart", OPTED_IN), "trainer") >= 1
+                ),
+                timeout=60,
+                what="the kubelet to restart the container",
+            )
         finally:
             installed.use(holder, None)
-        (enforced, *_) = wait_for(lambda: events(core, OPTED_IN, "held-restart", "VRAMEnforced"),
-                                  timeout=30, what="the VRAMEnforced Event")  # fmt: skip
+        (enforced, *_) = wait_for(
+            lambda: events(core, OPTED_IN, "held-restart", "VRAMEnforced"),
+            timeout=30,
+            what="the VRAMEnforced Event",
+        )
         assert "held by the node agent while the pod's sidecar is silent" in enforced.message
     finally:
         os.kill(sidecar, signal.SIGCONT)
@@ -908,13 +1102,34 @@ def _restarts(pod: client.V1Pod, container: str) -> int:
 
 def test_a_job_whose_pod_carries_the_native_sidecar_completes(installed: Cluster) -> None:
     batch = client.BatchV1Api(installed.server.client())
-    batch.create_namespaced_job(OPTED_IN, {"metadata": {"name": "step"}, "spec": {
-        "backoffLimit": 0, "template": {"spec": {"restartPolicy": "Never", "containers": [{
-            "name": "step", "image": ENFORCER_IMAGE, "imagePullPolicy": "Never",
-            "command": ["python", "-c", "print('done')"],
-            "resources": {"limits": {RESOURCE: "1Gi"}}}]}}}})  # fmt: skip
-    job = wait_for(lambda: (j := batch.read_namespaced_job("step", OPTED_IN)).status.succeeded and j,
-                   timeout=90, what="the Job to complete")  # fmt: skip
+    batch.create_namespaced_job(
+        OPTED_IN,
+        {
+            "metadata": {"name": "step"},
+            "spec": {
+                "backoffLimit": 0,
+                "template": {
+                    "spec": {
+                        "restartPolicy": "Never",
+                        "containers": [
+                            {
+                                "name": "step",
+                                "image": ENFORCER_IMAGE,
+                                "imagePullPolicy": "Never",
+                                "command": ["python", "-c", "print('done')"],
+                                "resources": {"limits": {RESOURCE: "1Gi"}},
+                            }
+                        ],
+                    }
+                },
+            },
+        },
+    )
+    job = wait_for(
+        lambda: (j := batch.read_namespaced_job("step", OPTED_IN)).status.succeeded and j,
+        timeout=90,
+        what="the Job to complete",
+    )
     assert any(c.type == "Complete" and c.status == "True" for c in job.status.conditions)
     (pod,) = installed.core.list_namespaced_pod(OPTED_IN, label_selector="job-name=step").items
     assert [c.name for c in pod.spec.init_containers] == ["vram-enforcer"]
@@ -930,31 +1145,61 @@ def test_uninstalling_leaves_nothing_behind(installed: Cluster) -> None:
     helm("uninstall", RELEASE, NAMESPACE, str(installed.kubeconfig))
     selector = f"app.kubernetes.io/instance={RELEASE}"
     listings = {
-        "mutating webhook configurations": lambda: client.AdmissionregistrationV1Api(
-            server.client()).list_mutating_webhook_configuration(label_selector=selector).items,
-        "cluster roles": lambda: client.RbacAuthorizationV1Api(server.client()).list_cluster_role(
-            label_selector=selector).items,
-        "cluster role bindings": lambda: client.RbacAuthorizationV1Api(
-            server.client()).list_cluster_role_binding(label_selector=selector).items,
-        "roles": lambda: client.RbacAuthorizationV1Api(
-            server.client()).list_role_for_all_namespaces(label_selector=selector).items,
-        "role bindings": lambda: client.RbacAuthorizationV1Api(
-            server.client()).list_role_binding_for_all_namespaces(label_selector=selector).items,
-        "deployments": lambda: client.AppsV1Api(server.client()).list_deployment_for_all_namespaces(
-            label_selector=selector).items,
-        "daemon sets": lambda: client.AppsV1Api(server.client()).list_daemon_set_for_all_namespaces(
-            label_selector=selector).items,
+        "mutating webhook configurations": lambda: (
+            client.AdmissionregistrationV1Api(server.client())
+            .list_mutating_webhook_configuration(label_selector=selector)
+            .items
+        ),
+        "cluster roles": lambda: (
+            client.RbacAuthorizationV1Api(server.client())
+            .list_cluster_role(label_selector=selector)
+            .items
+        ),
+        "cluster role bindings": lambda: (
+            client.RbacAuthorizationV1Api(server.client())
+            .list_cluster_role_binding(label_selector=selector)
+            .items
+        ),
+        "roles": lambda: (
+            client.RbacAuthorizationV1Api(server.client())
+            .list_role_for_all_namespaces(label_selector=selector)
+            .items
+        ),
+        "role bindings": lambda: (
+            client.RbacAuthorizationV1Api(server.client())
+            .list_role_binding_for_all_namespaces(label_selector=selector)
+            .items
+        ),
+        "deployments": lambda: (
+            client.AppsV1Api(server.client())
+            .list_deployment_for_all_namespaces(label_selector=selector)
+            .items
+        ),
+        "daemon sets": lambda: (
+            client.AppsV1Api(server.client())
+            .list_daemon_set_for_all_namespaces(label_selector=selector)
+            .items
+        ),
         "pods": lambda: core.list_pod_for_all_namespaces(label_selector=selector).items,
         "services": lambda: core.list_service_for_all_namespaces(label_selector=selector).items,
         "secrets": lambda: core.list_secret_for_all_namespaces(label_selector=selector).items,
-        "service accounts": lambda: core.list_service_account_for_all_namespaces(
-            label_selector=selector).items,
-    }  # fmt: skip
-    wait_for(lambda: not any(list_() for list_ in listings.values()), timeout=90,
-             what="every object of the release to be gone")  # fmt: skip
+        "service accounts": lambda: (
+            core.list_service_account_for_all_namespaces(label_selector=selector).items
+        ),
+    }
+    wait_for(
+        lambda: not any(list_() for list_ in listings.values()),
+        timeout=90,
+        what="every object of the release to be gone",
+    )
     # No webhook is left to call: a pod that declares VRAM is admitted as it was sent.
-    core.create_namespaced_pod(OPTED_IN, {"metadata": {"name": "after"}, "spec": {
-        "containers": [pause("trainer", resources={"limits": {RESOURCE: "1Gi"}})]}})  # fmt: skip
+    core.create_namespaced_pod(
+        OPTED_IN,
+        {
+            "metadata": {"name": "after"},
+            "spec": {"containers": [pause("trainer", resources={"limits": {RESOURCE: "1Gi"}})]},
+        },
+    )
     after = core.read_namespaced_pod("after", OPTED_IN)
     assert not after.spec.init_containers and not after.spec.share_process_namespace
     core.delete_namespaced_pod("after", OPTED_IN, grace_period_seconds=0)

@@ -38,8 +38,12 @@ def test_the_agents_own_rbac_is_all_it_needs_and_the_sidecars_need_none(
     asks of the API (its Node, the node's pods, the sidecars' Events) is allowed, and the
     sidecars of 0.2.0 need nothing."""
     code, checks = doctor(apiserver, agent_rbac, "vram-enforcer", tmp_path)
-    assert checks["RBAC for the agent"] == {"name": "RBAC for the agent", "status": "ok",
-                                            "detail": "all it needs is allowed", "fix": ""}  # fmt: skip
+    assert checks["RBAC for the agent"] == {
+        "name": "RBAC for the agent",
+        "status": "ok",
+        "detail": "all it needs is allowed",
+        "fix": "",
+    }
     assert checks["RBAC for the sidecar"]["status"] == "skip"
     assert checks["RBAC for the sidecar"]["detail"] == NONE_NEEDED
     assert code == 0, checks
@@ -53,8 +57,12 @@ def test_a_namespace_with_the_sidecar_role(
     assert (
         checks["Kubernetes API"]["status"] == "ok" and "v1.37" in checks["Kubernetes API"]["detail"]
     )
-    assert checks["RBAC for the sidecar"] == {"name": "RBAC for the sidecar", "status": "ok",
-                                              "detail": "all it needs is allowed in namespace doctor-ok", "fix": ""}  # fmt: skip
+    assert checks["RBAC for the sidecar"] == {
+        "name": "RBAC for the sidecar",
+        "status": "ok",
+        "detail": "all it needs is allowed in namespace doctor-ok",
+        "fix": "",
+    }
     # The pod's ServiceAccount is not the agent: it may not patch Nodes, and doctor says so.
     agent = checks["RBAC for the agent"]
     assert agent["status"] == "fail" and agent["detail"] == f"this identity may not {AGENT_NEEDS}"
@@ -98,13 +106,41 @@ def test_a_namespace_without_it(
 
 def test_an_unreachable_api_server(tmp_path: Path) -> None:
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1", "insecure-skip-tls-verify": True}}],
-        "users": [{"name": "u", "user": {"token": "x"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))  # fmt: skip
-    out = subprocess.run([sys.executable, "-m", "enforcer", "doctor", "--no-nvml", "--no-agent", "--kubeconfig", str(kubeconfig)],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [
+                    {
+                        "name": "c",
+                        "cluster": {
+                            "server": "https://127.0.0.1:1",
+                            "insecure-skip-tls-verify": True,
+                        },
+                    }
+                ],
+                "users": [{"name": "u", "user": {"token": "x"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            }
+        )
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "enforcer",
+            "doctor",
+            "--no-nvml",
+            "--no-agent",
+            "--kubeconfig",
+            str(kubeconfig),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1
     assert "[FAIL] Kubernetes API: get version failed: the API server is unreachable" in out.stdout
     assert "Traceback" not in out.stderr

@@ -41,8 +41,10 @@ from tests.helpers import wait_for
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NAMESPACE = "vram-demo"
 NODE = "gpu-node"
-GPUS = (("GPU-0a1b2c3d-0000-4000-8000-000000000000", "24Gi"),
-        ("GPU-0a1b2c3d-0001-4000-8000-000000000001", "24Gi"))  # fmt: skip
+GPUS = (
+    ("GPU-0a1b2c3d-0000-4000-8000-000000000000", "24Gi"),
+    ("GPU-0a1b2c3d-0001-4000-8000-000000000001", "24Gi"),
+)
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +115,15 @@ def test_two_16gi_pods_on_different_gpus_and_a_third_pending_then_4gi_fits(
     wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, what="the pods to be gone")
 
 
-def test_doctor_says_dra_mode_can_be_used(cluster: ApiServer, api: client.ApiClient, tmp_path: Path) -> None:  # fmt: skip
+def test_doctor_says_dra_mode_can_be_used(
+    cluster: ApiServer, api: client.ApiClient, tmp_path: Path
+) -> None:
     code, checks = doctor(cluster, cluster.admin_token, "default", tmp_path)
     dra_mode = checks["VRAM per GPU (DRA)"]
     assert dra_mode["status"] == "ok", dra_mode
-    assert dra_mode["detail"].startswith("2 GPU(s) shareable by memory (gpu.nvidia.com/gpu-node/gpu-0, gpu.nvidia.com/gpu-node/gpu-1): DRA mode can be used")  # fmt: skip
+    assert dra_mode["detail"].startswith(
+        "2 GPU(s) shareable by memory (gpu.nvidia.com/gpu-node/gpu-0, gpu.nvidia.com/gpu-node/gpu-1): DRA mode can be used"
+    )
     assert code == 0
 
 
@@ -131,19 +137,38 @@ def test_the_one_line_declaration_becomes_a_claim_placed_per_gpu(
     node, namespace = "gpu-node-oneline", "vram-oneline"
     add_node(core, node, None)
     dra.publish(admin, node, [(u.replace("0a1b", "1a1b"), m) for u, m in GPUS])
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
-        name=namespace, labels={"vram-enforcer.io/inject": "enabled"})))  # fmt: skip
+    core.create_namespace(
+        client.V1Namespace(
+            metadata=client.V1ObjectMeta(
+                name=namespace, labels={"vram-enforcer.io/inject": "enabled"}
+            )
+        )
+    )
     webhook = Webhook(cluster, tmp_path, "--dra-device-class", dra.DEVICE_CLASS)
     try:
         webhook.register(admin)
 
         def one_line(name: str, vram: str, **options: str) -> Any:
-            return core.create_namespaced_pod(namespace, {
-                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-                "spec": {"nodeSelector": {"kubernetes.io/hostname": node}, "containers": [{
-                    "name": "app", "image": "busybox:1.36", "command": ["sleep", "3600"],
-                    "resources": {"limits": {"vram-enforcer.io/vram": vram}}}]},
-            }, **options)  # fmt: skip
+            return core.create_namespaced_pod(
+                namespace,
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": name},
+                    "spec": {
+                        "nodeSelector": {"kubernetes.io/hostname": node},
+                        "containers": [
+                            {
+                                "name": "app",
+                                "image": "busybox:1.36",
+                                "command": ["sleep", "3600"],
+                                "resources": {"limits": {"vram-enforcer.io/vram": vram}},
+                            }
+                        ],
+                    },
+                },
+                **options,
+            )
 
         # admission writes nothing (a server-side dry run no more than any other)
         one_line("dry", "2Gi", dry_run="All")
@@ -195,30 +220,61 @@ def test_templates_are_made_only_from_pods_the_api_holds_in_opted_in_namespaces(
     namespace does."""
     admin = cluster.client()
     core, resource = client.CoreV1Api(admin), client.ResourceV1Api(admin)
-    for name, labels in (("vram-deputy-in", {"vram-enforcer.io/inject": "enabled"}),
-                         ("vram-deputy-out", {})):  # fmt: skip
-        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name,
-                                                                              labels=labels)))  # fmt: skip
+    for name, labels in (
+        ("vram-deputy-in", {"vram-enforcer.io/inject": "enabled"}),
+        ("vram-deputy-out", {}),
+    ):
+        core.create_namespace(
+            client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels))
+        )
     webhook = Webhook(cluster, tmp_path, "--dra-device-class", dra.DEVICE_CLASS)
     try:
-        forged = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-                  "request": {"uid": "x", "namespace": "vram-deputy-out", "operation": "CREATE",
-                              "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                              "object": {"metadata": {"name": "p"}, "spec": {"containers": [
-                                  {"name": "a", "image": "x", "resources": {"limits": {
-                                      "vram-enforcer.io/vram": "7Gi"}}}]}}}}  # fmt: skip
+        forged = {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": "x",
+                "namespace": "vram-deputy-out",
+                "operation": "CREATE",
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "object": {
+                    "metadata": {"name": "p"},
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": "a",
+                                "image": "x",
+                                "resources": {"limits": {"vram-enforcer.io/vram": "7Gi"}},
+                            }
+                        ]
+                    },
+                },
+            },
+        }
         context = ssl.create_default_context(cafile=str(webhook.ca[0]))
         conn = http.client.HTTPSConnection("127.0.0.1", webhook.port, context=context, timeout=10)
-        conn.request("POST", "/mutate", body=json.dumps(forged),
-                     headers={"Content-Type": "application/json"})  # fmt: skip
+        conn.request(
+            "POST", "/mutate", body=json.dumps(forged), headers={"Content-Type": "application/json"}
+        )
         assert json.loads(conn.getresponse().read())["response"]["allowed"] is True  # patched
-        marked = {"metadata": {"name": "p", "labels": {"vram-enforcer.io/enforced": "true"}},
-                  "spec": {"containers": [{"name": "a", "image": "x", "resources": {"claims": [{"name": "vram-a"}]}}],
-                           "resourceClaims": [{"name": "vram-a", "resourceClaimTemplateName": "vram-enforcer-7gi"}]}}  # fmt: skip
+        marked = {
+            "metadata": {"name": "p", "labels": {"vram-enforcer.io/enforced": "true"}},
+            "spec": {
+                "containers": [
+                    {"name": "a", "image": "x", "resources": {"claims": [{"name": "vram-a"}]}}
+                ],
+                "resourceClaims": [
+                    {"name": "vram-a", "resourceClaimTemplateName": "vram-enforcer-7gi"}
+                ],
+            },
+        }
         for namespace in ("vram-deputy-out", "vram-deputy-in"):
             core.create_namespaced_pod(namespace, marked)
-        wait_for(lambda: resource.list_namespaced_resource_claim_template("vram-deputy-in").items,
-                 timeout=30, what="the opted-in namespace's template")  # fmt: skip
+        wait_for(
+            lambda: resource.list_namespaced_resource_claim_template("vram-deputy-in").items,
+            timeout=30,
+            what="the opted-in namespace's template",
+        )
         assert resource.list_namespaced_resource_claim_template("vram-deputy-out").items == []
         assert (
             "not making ResourceClaimTemplate 'vram-enforcer-7gi' in namespace "
@@ -233,16 +289,29 @@ def test_a_namespace_gets_a_bounded_number_of_templates(
 ) -> None:
     admin = cluster.client()
     namespace = "vram-deputy-many"
-    client.CoreV1Api(admin).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
-        name=namespace, labels={"vram-enforcer.io/inject": "enabled"})))  # fmt: skip
+    client.CoreV1Api(admin).create_namespace(
+        client.V1Namespace(
+            metadata=client.V1ObjectMeta(
+                name=namespace, labels={"vram-enforcer.io/inject": "enabled"}
+            )
+        )
+    )
     settings = AdmissionSettings(
         "img", "native", "vram-enforcer.io/vram", 1, dra_class=dra.DEVICE_CLASS
     )
     maker = TemplateMaker(admin, settings, Counter("u", "test", registry=CollectorRegistry()))
     sizes = range(1, MAX_PER_NAMESPACE + 3)
-    pods = {str(i): {"metadata": {"namespace": namespace, "name": f"p{i}"},
-                     "spec": {"resourceClaims": [{"name": "vram-a", "resourceClaimTemplateName": f"vram-enforcer-{i}gi"}]}}
-            for i in sizes}  # fmt: skip
+    pods = {
+        str(i): {
+            "metadata": {"namespace": namespace, "name": f"p{i}"},
+            "spec": {
+                "resourceClaims": [
+                    {"name": "vram-a", "resourceClaimTemplateName": f"vram-enforcer-{i}gi"}
+                ]
+            },
+        }
+        for i in sizes
+    }
     maker.make(pods)
     maker.make(pods)  # again: what exists is not made twice, what is refused is said once
     made = client.ResourceV1Api(admin).list_namespaced_resource_claim_template(namespace).items
@@ -259,14 +328,31 @@ def test_pending_pods_are_listed_in_pages_held_as_their_claims_and_read_once_a_r
     admin = cluster.client()
     namespace = "vram-storm"
     core = client.CoreV1Api(admin)
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
-        name=namespace, labels={"vram-enforcer.io/inject": "enabled"})))  # fmt: skip
+    core.create_namespace(
+        client.V1Namespace(
+            metadata=client.V1ObjectMeta(
+                name=namespace, labels={"vram-enforcer.io/inject": "enabled"}
+            )
+        )
+    )
 
     def marked(i: int) -> dict[str, Any]:
-        return {"metadata": {"name": f"p{i}", "labels": {"vram-enforcer.io/enforced": "true"}},
-                "spec": {"containers": [{"name": "a", "image": "x", "env": [{"name": "BIG", "value": "x" * 1000}],
-                                         "resources": {"claims": [{"name": "vram-a"}]}}],
-                         "resourceClaims": [{"name": "vram-a", "resourceClaimTemplateName": "vram-enforcer-3gi"}]}}  # fmt: skip
+        return {
+            "metadata": {"name": f"p{i}", "labels": {"vram-enforcer.io/enforced": "true"}},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "a",
+                        "image": "x",
+                        "env": [{"name": "BIG", "value": "x" * 1000}],
+                        "resources": {"claims": [{"name": "vram-a"}]},
+                    }
+                ],
+                "resourceClaims": [
+                    {"name": "vram-a", "resourceClaimTemplateName": "vram-enforcer-3gi"}
+                ],
+            },
+        }
 
     for i in range(5):
         core.create_namespaced_pod(namespace, marked(i))
@@ -283,8 +369,14 @@ def test_pending_pods_are_listed_in_pages_held_as_their_claims_and_read_once_a_r
         )
         core.create_namespaced_pod(namespace, marked(5))  # ... and one the watch brings
         seen = wait_for(lambda: len(s := pods.snapshot() or {}) == 6 and s, what="the watch")
-        expected = {"metadata": {"namespace": namespace}, "spec": {"resourceClaims": [
-            {"name": "vram-a", "resourceClaimTemplateName": "vram-enforcer-3gi"}]}}  # fmt: skip
+        expected = {
+            "metadata": {"namespace": namespace},
+            "spec": {
+                "resourceClaims": [
+                    {"name": "vram-a", "resourceClaimTemplateName": "vram-enforcer-3gi"}
+                ]
+            },
+        }
         assert list(seen.values()) == [expected] * 6
     finally:
         pods.close()
@@ -292,13 +384,22 @@ def test_pending_pods_are_listed_in_pages_held_as_their_claims_and_read_once_a_r
         "img", "native", "vram-enforcer.io/vram", 1, dra_class=dra.DEVICE_CLASS
     )
     now = [0.0]
-    maker = TemplateMaker(admin, settings, Counter("u2", "test", registry=CollectorRegistry()),
-                          clock=lambda: now[0])  # fmt: skip
+    maker = TemplateMaker(
+        admin, settings, Counter("u2", "test", registry=CollectorRegistry()), clock=lambda: now[0]
+    )
     maker.pods.start()  # the webhook's own view of pending pods holds the same
     try:
-        wait_for(lambda: [p for p in (maker.pods.snapshot() or {}).values()
-                          if p["metadata"].get("namespace") == namespace] == [expected] * 6,
-                 what="the webhook's view of the pending pods")  # fmt: skip
+        wait_for(
+            lambda: (
+                [
+                    p
+                    for p in (maker.pods.snapshot() or {}).values()
+                    if p["metadata"].get("namespace") == namespace
+                ]
+                == [expected] * 6
+            ),
+            what="the webhook's view of the pending pods",
+        )
     finally:
         maker.pods.close()
     resource = client.ResourceV1Api(admin)

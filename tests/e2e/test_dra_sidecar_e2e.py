@@ -82,7 +82,9 @@ def api(cluster: ApiServer, node: Node) -> client.ApiClient:
 
 
 @pytest.fixture(scope="module")
-def agent_token(cluster: ApiServer, api: client.ApiClient, node: Node, tmp_path_factory: pytest.TempPathFactory) -> str:  # fmt: skip
+def agent_token(
+    cluster: ApiServer, api: client.ApiClient, node: Node, tmp_path_factory: pytest.TempPathFactory
+) -> str:
     """The RBAC of deploy/rbac/agent.yaml, and the node's agent started again with it: it
     now watches NODE's pods, and serves each sidecar its own."""
     token = apply_agent_rbac(cluster, api)
@@ -101,25 +103,59 @@ def token(cluster: ApiServer, api: client.ApiClient, agent_token: str) -> str:
     opted_in = {"metadata": {"labels": {OPT_IN[0]: OPT_IN[1]}}}
     client.CoreV1Api(api).patch_namespace(NAMESPACE, opted_in)
     # trainer 4Gi and helper 2Gi, both of one GPU (the same UUID): neighbours
-    utils.create_from_dict(api, {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-        "metadata": {"name": "tenants", "namespace": NAMESPACE},
-        "spec": {"spec": {"devices": {
-            "requests": [
-                {"name": name, "exactly": {"deviceClassName": dra.DEVICE_CLASS,
-                                           "capacity": {"requests": {"memory": size}}}}
-                for name, size in (("trainer", "4Gi"), ("helper", "2Gi"))],
-            "constraints": [{"requests": ["trainer", "helper"],
-                             "matchAttribute": f"{dra.DRIVER}/uuid"}],
-        }}},
-    })  # fmt: skip
-    utils.create_from_dict(api, {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-        "metadata": {"name": "vram-8gi", "namespace": NAMESPACE},
-        "spec": {"spec": {"devices": {"requests": [
-            {"name": "vram", "exactly": {"deviceClassName": dra.DEVICE_CLASS,
-                                         "capacity": {"requests": {"memory": "8Gi"}}}}]}}},
-    })  # fmt: skip
+    utils.create_from_dict(
+        api,
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "tenants", "namespace": NAMESPACE},
+            "spec": {
+                "spec": {
+                    "devices": {
+                        "requests": [
+                            {
+                                "name": name,
+                                "exactly": {
+                                    "deviceClassName": dra.DEVICE_CLASS,
+                                    "capacity": {"requests": {"memory": size}},
+                                },
+                            }
+                            for name, size in (("trainer", "4Gi"), ("helper", "2Gi"))
+                        ],
+                        "constraints": [
+                            {
+                                "requests": ["trainer", "helper"],
+                                "matchAttribute": f"{dra.DRIVER}/uuid",
+                            }
+                        ],
+                    }
+                }
+            },
+        },
+    )
+    utils.create_from_dict(
+        api,
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "vram-8gi", "namespace": NAMESPACE},
+            "spec": {
+                "spec": {
+                    "devices": {
+                        "requests": [
+                            {
+                                "name": "vram",
+                                "exactly": {
+                                    "deviceClassName": dra.DEVICE_CLASS,
+                                    "capacity": {"requests": {"memory": "8Gi"}},
+                                },
+                            }
+                        ]
+                    }
+                }
+            },
+        },
+    )
     return token
 
 
@@ -128,17 +164,30 @@ _numbers = itertools.count()
 
 # What the webhook's DRA mode tells a sidecar beside the claims: the sums, which the agent
 # must not take for the limits (they are the claims, per GPU).
-AS_THE_WEBHOOK_TELLS = {"VRAM_ENFORCER_LIMITS": json.dumps({"trainer": 4 * GiB, "helper": 2 * GiB}),
-                        "VRAM_ENFORCER_LIMITS_FROM": "dra"}  # fmt: skip
+AS_THE_WEBHOOK_TELLS = {
+    "VRAM_ENFORCER_LIMITS": json.dumps({"trainer": 4 * GiB, "helper": 2 * GiB}),
+    "VRAM_ENFORCER_LIMITS_FROM": "dra",
+}
 
 
-def scheduled_pod(api: client.ApiClient, node: str, containers: list[str],
-                  claims: dict[str, tuple[str, str | None]],
-                  sidecar_env: dict[str, str] | None = None) -> SimPod:  # fmt: skip
+def scheduled_pod(
+    api: client.ApiClient,
+    node: str,
+    containers: list[str],
+    claims: dict[str, tuple[str, str | None]],
+    sidecar_env: dict[str, str] | None = None,
+) -> SimPod:
     """A SimPod that the scheduler binds to `node`, its claims allocated."""
     core = client.CoreV1Api(api)
-    pod = SimPod(core, NAMESPACE, f"dra-{next(_numbers)}", containers, claims=claims,
-                 node_selector={"kubernetes.io/hostname": node}, sidecar_env=sidecar_env)  # fmt: skip
+    pod = SimPod(
+        core,
+        NAMESPACE,
+        f"dra-{next(_numbers)}",
+        containers,
+        claims=claims,
+        node_selector={"kubernetes.io/hostname": node},
+        sidecar_env=sidecar_env,
+    )
     try:
         wait_for(
             lambda: bound(core, NAMESPACE, pod.name), timeout=30, what="the scheduler to bind it"
@@ -168,17 +217,24 @@ def remove(api: client.ApiClient, pod: SimPod) -> None:
 
 @pytest.fixture
 def tenants(api: client.ApiClient, token: str) -> Iterator[SimPod]:
-    pod = scheduled_pod(api, NODE, ["trainer", "helper", "undeclared", "vram-enforcer"],
-                        {"trainer": ("tenants", "trainer"), "helper": ("tenants", "helper")},
-                        sidecar_env=AS_THE_WEBHOOK_TELLS)  # fmt: skip
+    pod = scheduled_pod(
+        api,
+        NODE,
+        ["trainer", "helper", "undeclared", "vram-enforcer"],
+        {"trainer": ("tenants", "trainer"), "helper": ("tenants", "helper")},
+        sidecar_env=AS_THE_WEBHOOK_TELLS,
+    )
     yield pod
     remove(api, pod)
 
 
 @pytest.fixture
-def sidecar(tenants: SimPod, node: Node, cluster: ApiServer, token: str, tmp_path: Path) -> Iterator[Sidecar]:  # fmt: skip
-    s = Sidecar(tenants, node, cluster, token, tmp_path, {}, "--limits-from", "dra",
-                "--api-access", "agent")  # fmt: skip
+def sidecar(
+    tenants: SimPod, node: Node, cluster: ApiServer, token: str, tmp_path: Path
+) -> Iterator[Sidecar]:
+    s = Sidecar(
+        tenants, node, cluster, token, tmp_path, {}, "--limits-from", "dra", "--api-access", "agent"
+    )
     yield s
     assert s.stop() == 0
 
@@ -218,17 +274,24 @@ def test_over_its_claim_on_its_gpu_is_stopped_and_the_neighbour_within_is_not(
     said = f"container 'trainer' on GPU {uuid} uses 5.00 GiB of its 4.00 GiB VRAM limit (125%)"
     sidecar.wait_logged(said, "sent SIGTERM to pid")
     (event,) = wait_for(lambda: events(api, tenants.name, "VRAMEnforced"), what="the Event")
-    assert event.message.startswith(said) and event.involved_object.field_path == "spec.containers{trainer}"  # fmt: skip
+    assert (
+        event.message.startswith(said)
+        and event.involved_object.field_path == "spec.containers{trainer}"
+    )
     # The pod's series, on its node's agent: what the claim gave the helper on its GPU, and
     # what it holds there; and the sidecar's action, from its report to the agent.
     pod = {"namespace": NAMESPACE, "pod": tenants.name}
     helper_there = {**pod, "container": "helper", "gpu": uuid}
-    wait_for(lambda: served(node, "vram_enforcer_container_gpu_used_bytes", **helper_there) == GiB,
-             what="the helper's usage on the agent's /metrics")  # fmt: skip
+    wait_for(
+        lambda: served(node, "vram_enforcer_container_gpu_used_bytes", **helper_there) == GiB,
+        what="the helper's usage on the agent's /metrics",
+    )
     assert served(node, "vram_enforcer_container_gpu_limit_bytes", **helper_there) == 2 * GiB
     assert served(node, "vram_enforcer_container_used_bytes", **pod, container="helper") == GiB
-    wait_for(lambda: served(node, "vram_enforcer_actions_total", **pod, action="terminate") == 1,
-             what="the sidecar's action, reported to the agent")  # fmt: skip
+    wait_for(
+        lambda: served(node, "vram_enforcer_actions_total", **pod, action="terminate") == 1,
+        what="the sidecar's action, reported to the agent",
+    )
     assert served(node, "vram_enforcer_sidecar_ticks_total", **pod)
     assert 'container="vram-enforcer"' not in node.metrics()  # never the sidecar's own
     node.use({trainer: None, helper: None})
@@ -266,10 +329,15 @@ def test_usage_on_a_gpu_it_was_not_given_is_caught(
 ) -> None:
     other = 1 - allocated_gpu(api, tenants)
     uuid = node.state.devices[other]["uuid"]
-    helper, sneaky = start_worker(tenants, "helper", tmp_path), start_worker(tenants, "undeclared", tmp_path)  # fmt: skip
+    helper, sneaky = (
+        start_worker(tenants, "helper", tmp_path),
+        start_worker(tenants, "undeclared", tmp_path),
+    )
     node.use({helper: 1 * MiB}, device=other)
     wait_for(lambda: not alive(helper), what="the helper's process on the other GPU to be stopped")
-    sidecar.wait_logged(f"container 'helper' on GPU {uuid} uses 1.00 MiB of VRAM but was allocated none there")  # fmt: skip
+    sidecar.wait_logged(
+        f"container 'helper' on GPU {uuid} uses 1.00 MiB of VRAM but was allocated none there"
+    )
     node.use({sneaky: 1 * MiB}, device=other)  # a container with no claim at all
     wait_for(lambda: not alive(sneaky), what="the undeclared container's process to be stopped")
     node.use({helper: None, sneaky: None})
@@ -295,9 +363,11 @@ def test_with_its_sidecar_stopped_the_agent_holds_each_claim_to_its_allocation_o
     (in_pod,) = tenants.host_pids("vram-enforcer")
     os.kill(in_pod, signal.SIGSTOP)
     try:
-        held = (f"pod {NAMESPACE}/{tenants.name}: its sidecar is silent; the agent enforces "
-                f"its limits itself (container 'helper' on GPU {uuid}: 2.00 GiB, container "
-                f"'trainer' on GPU {uuid}: 4.00 GiB)")  # fmt: skip
+        held = (
+            f"pod {NAMESPACE}/{tenants.name}: its sidecar is silent; the agent enforces "
+            f"its limits itself (container 'helper' on GPU {uuid}: 2.00 GiB, container "
+            f"'trainer' on GPU {uuid}: 4.00 GiB)"
+        )
         wait_for(lambda: held in node.log.read_text(), timeout=60, what="the agent to hold it")
         node.use({trainer: 5 * GiB, helper: 1 * GiB}, device=gpu)
         wait_for(lambda: not alive(trainer), timeout=20, what="the agent to stop the trainer")
@@ -317,11 +387,23 @@ def test_with_its_sidecar_stopped_the_agent_holds_each_claim_to_its_allocation_o
 def test_a_claim_that_cannot_be_mapped_to_a_gpu_is_reported_and_signals_nothing(
     api: client.ApiClient, node: Node, cluster: ApiServer, token: str, tmp_path: Path
 ) -> None:
-    pod = scheduled_pod(api, OTHER_NODE, ["trainer", "undeclared", "vram-enforcer"],
-                        {"trainer": ("vram-8gi", None)})  # fmt: skip
+    pod = scheduled_pod(
+        api, OTHER_NODE, ["trainer", "undeclared", "vram-enforcer"], {"trainer": ("vram-8gi", None)}
+    )
     try:
-        sidecar = Sidecar(pod, node, cluster, token, tmp_path, {}, "--limits-from", "dra",
-                          "--api-access", "direct", env={"NODE_NAME": OTHER_NODE})  # fmt: skip
+        sidecar = Sidecar(
+            pod,
+            node,
+            cluster,
+            token,
+            tmp_path,
+            {},
+            "--limits-from",
+            "dra",
+            "--api-access",
+            "direct",
+            env={"NODE_NAME": OTHER_NODE},
+        )
         trainer = start_worker(pod, "trainer", tmp_path)
         sneaky = start_worker(pod, "undeclared", tmp_path)
         node.use({trainer: 20 * GiB, sneaky: 1 * MiB})
@@ -331,7 +413,10 @@ def test_a_claim_that_cannot_be_mapped_to_a_gpu_is_reported_and_signals_nothing(
         (event,) = wait_for(
             lambda: events(api, pod.name, "VRAMAllocationUnknown"), what="the Event"
         )
-        assert "names device gpu.nvidia.com/gpu-node-2/gpu-0, which no ResourceSlice of this node lists with a 'uuid' attribute" in event.message  # fmt: skip
+        assert (
+            "names device gpu.nvidia.com/gpu-node-2/gpu-0, which no ResourceSlice of this node lists with a 'uuid' attribute"
+            in event.message
+        )
         assert "container 'trainer' is not enforced on any GPU" in event.message
         assert event.type == "Warning"
         assert alive(trainer)
@@ -370,10 +455,16 @@ def test_the_agent_holds_each_claim_to_its_allocation_on_its_gpu(
     one the ceiling, on the claim's GPU only."""
     # As the webhook's DRA mode writes it: the sidecar is told the sums too, and the agent
     # must still hold the pod to its claim on its GPU alone.
-    pod = SimPod(client.CoreV1Api(api), NAMESPACE, "dra-hard", ["trainer", "vram-enforcer"],
-                 claims={"trainer": ("vram-8gi", None)},
-                 sidecar_env=told("trainer", 8 * GiB, 12 * GiB),
-                 node_selector={"kubernetes.io/hostname": NODE}, kubelet=True)  # fmt: skip
+    pod = SimPod(
+        client.CoreV1Api(api),
+        NAMESPACE,
+        "dra-hard",
+        ["trainer", "vram-enforcer"],
+        claims={"trainer": ("vram-8gi", None)},
+        sidecar_env=told("trainer", 8 * GiB, 12 * GiB),
+        node_selector={"kubernetes.io/hostname": NODE},
+        kubelet=True,
+    )
     agent = None
     try:
         wait_for(lambda: bound(client.CoreV1Api(api), NAMESPACE, pod.name), what="the binding")
@@ -382,21 +473,36 @@ def test_the_agent_holds_each_claim_to_its_allocation_on_its_gpu(
         state.add_device(total_bytes=24 * GiB)
         state.support_memory_limits(True)
         gpu = state.devices[allocated_gpu(api, pod)]["uuid"]
-        agent = AgentProcess(cluster, agent_token, NODE, tmp_path, fake_nvml_lib,
-                             "--no-advertise", "--no-labels", "--cgroup-root", str(pod.root),
-                             "--cgroup-scan", "200ms", state=state)  # fmt: skip
+        agent = AgentProcess(
+            cluster,
+            agent_token,
+            NODE,
+            tmp_path,
+            fake_nvml_lib,
+            "--no-advertise",
+            "--no-labels",
+            "--cgroup-root",
+            str(pod.root),
+            "--cgroup-scan",
+            "200ms",
+            state=state,
+        )
         soft_hard = (8 * GiB, 12 * GiB)
         # the pod's cgroup and the container's: on the allocated GPU, none on the other
         wait_for(lambda: records(agent, pod.pod_slice) == {gpu: soft_hard}, what="the pod's limit")
         pod.start("trainer", [sys.executable, "-c", "import time; time.sleep(60)"])
-        wait_for(lambda: records(agent, pod.cgroup("trainer")) == {gpu: soft_hard},
-                 what="the container's limit")  # fmt: skip
+        wait_for(
+            lambda: records(agent, pod.cgroup("trainer")) == {gpu: soft_hard},
+            what="the container's limit",
+        )
         # Claimed once the driver shows that it charges the trainer's memory there.
         (pid,) = wait_for(lambda: pod.host_pids("trainer"), what="the trainer's process")
         state.set_process(allocated_gpu(api, pod), pid, GiB)
         state.write(agent.state_file)
         (event,) = wait_for(lambda: events(api, pod.name, "VRAMHardLimit"), what="the Event")
-        assert event.message.startswith(f"hard limit in place: the pod may allocate at most 12.00 GiB on {gpu}")  # fmt: skip
+        assert event.message.startswith(
+            f"hard limit in place: the pod may allocate at most 12.00 GiB on {gpu}"
+        )
     finally:
         if agent is not None:
             agent.stop()
@@ -406,16 +512,36 @@ def test_the_agent_holds_each_claim_to_its_allocation_on_its_gpu(
 def pinned_template(api: client.ApiClient, size: str, uuid: str) -> str:
     """A template of one `size` claim that only the GPU `uuid` can satisfy."""
     name = f"pinned-{size.lower()}"
-    utils.create_from_dict(api, {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {"spec": {"devices": {"requests": [
-            {"name": "vram", "exactly": {
-                "deviceClassName": dra.DEVICE_CLASS,
-                "selectors": [{"cel": {"expression":
-                               f'device.attributes["{dra.DRIVER}"].uuid == "{uuid}"'}}],
-                "capacity": {"requests": {"memory": size}}}}]}}},
-    })  # fmt: skip
+    utils.create_from_dict(
+        api,
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {
+                "spec": {
+                    "devices": {
+                        "requests": [
+                            {
+                                "name": "vram",
+                                "exactly": {
+                                    "deviceClassName": dra.DEVICE_CLASS,
+                                    "selectors": [
+                                        {
+                                            "cel": {
+                                                "expression": f'device.attributes["{dra.DRIVER}"].uuid == "{uuid}"'
+                                            }
+                                        }
+                                    ],
+                                    "capacity": {"requests": {"memory": size}},
+                                },
+                            }
+                        ]
+                    }
+                }
+            },
+        },
+    )
     return name
 
 
@@ -430,23 +556,43 @@ def test_a_borrower_above_its_claim_is_reclaimed_when_the_scheduler_hands_out_wh
     sidecar for what it lent, and the sidecar stops it, saying why on its pod. The
     neighbour is untouched."""
     uuid = node.state.devices[0]["uuid"]
-    lender = scheduled_pod(api, NODE, ["burst", "vram-enforcer"],
-                           {"burst": (pinned_template(api, "2Gi", uuid), None)},
-                           sidecar_env=told("burst", 2 * GiB, 16 * GiB))  # fmt: skip
-    owed = scheduled_pod(api, NODE, ["grow", "vram-enforcer"],
-                         {"grow": (pinned_template(api, "8Gi", uuid), None)},
-                         sidecar_env=told("grow", 8 * GiB))  # fmt: skip
+    lender = scheduled_pod(
+        api,
+        NODE,
+        ["burst", "vram-enforcer"],
+        {"burst": (pinned_template(api, "2Gi", uuid), None)},
+        sidecar_env=told("burst", 2 * GiB, 16 * GiB),
+    )
+    owed = scheduled_pod(
+        api,
+        NODE,
+        ["grow", "vram-enforcer"],
+        {"grow": (pinned_template(api, "8Gi", uuid), None)},
+        sidecar_env=told("grow", 8 * GiB),
+    )
     newcomer = None
     as_injected(api, lender)  # its series, on the agent's /metrics
-    sidecar = Sidecar(lender, node, cluster, token, tmp_path, {"burst": 2 * GiB},
-                      "--limits-from", "dra", "--api-access", "agent",
-                      env={"VRAM_ENFORCER_CEILINGS": json.dumps({"burst": 16 * GiB})})  # fmt: skip
+    sidecar = Sidecar(
+        lender,
+        node,
+        cluster,
+        token,
+        tmp_path,
+        {"burst": 2 * GiB},
+        "--limits-from",
+        "dra",
+        "--api-access",
+        "agent",
+        env={"VRAM_ENFORCER_CEILINGS": json.dumps({"burst": 16 * GiB})},
+    )
     try:
         assert (allocated_gpu(api, lender), allocated_gpu(api, owed)) == (0, 0)
         borrower = start_worker(lender, "burst", tmp_path)
         grower = start_worker(owed, "grow", tmp_path)
-        sidecar.wait_logged("the node agent decides reclaims: containers may borrow up to "
-                            "their ceilings (burst 16.00 GiB)")  # fmt: skip
+        sidecar.wait_logged(
+            "the node agent decides reclaims: containers may borrow up to "
+            "their ceilings (burst 16.00 GiB)"
+        )
         node.use({borrower: 12 * GiB, grower: 1 * GiB}, device=0)
         there = {"namespace": NAMESPACE, "pod": lender.name, "container": "burst", "gpu": uuid}
         over = "vram_enforcer_container_gpu_over_request_bytes"
@@ -460,8 +606,11 @@ def test_a_borrower_above_its_claim_is_reclaimed_when_the_scheduler_hands_out_wh
         time.sleep(1.0)  # 20 of the agent's passes, and of the sidecar's ticks
         assert alive(borrower) and not events(api, lender.name, "VRAMReclaimed")
         newcomer = scheduled_pod(api, NODE, ["c"], {"c": (pinned_template(api, "4Gi", uuid), None)})
-        (reclaimed, *_) = wait_for(lambda: events(api, lender.name, "VRAMReclaimed"),
-                                   timeout=30, what="the VRAMReclaimed Event")  # fmt: skip
+        (reclaimed, *_) = wait_for(
+            lambda: events(api, lender.name, "VRAMReclaimed"),
+            timeout=30,
+            what="the VRAMReclaimed Event",
+        )
         wait_for(lambda: not alive(borrower), what="the borrower to be stopped")
         assert alive(grower)
         assert not events(api, owed.name, "VRAMReclaimed")
@@ -474,8 +623,10 @@ def test_a_borrower_above_its_claim_is_reclaimed_when_the_scheduler_hands_out_wh
         ), reclaimed.message
         assert reclaimed.involved_object.field_path == "spec.containers{burst}"
         reclaims = {"namespace": NAMESPACE, "pod": lender.name, "needed_by": "requests"}
-        wait_for(lambda: (served(node, "vram_enforcer_reclaims_total", **reclaims) or 0) >= 1,
-                 what="the sidecar's reclaim, reported to the agent")  # fmt: skip
+        wait_for(
+            lambda: (served(node, "vram_enforcer_reclaims_total", **reclaims) or 0) >= 1,
+            what="the sidecar's reclaim, reported to the agent",
+        )
         node.use({borrower: None, grower: None})
         assert sidecar.stop() == 0
     finally:

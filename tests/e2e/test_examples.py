@@ -73,7 +73,9 @@ def pod_templates() -> list[tuple[str, Doc]]:
         if doc["kind"] == "Pod":
             pods.append((object_id(item), doc))
         elif doc["kind"] in {"Job", "Deployment"}:
-            pods.append((object_id(item), {"apiVersion": "v1", "kind": "Pod", **doc["spec"]["template"]}))  # fmt: skip
+            pods.append(
+                (object_id(item), {"apiVersion": "v1", "kind": "Pod", **doc["spec"]["template"]})
+            )
     return pods
 
 
@@ -287,14 +289,39 @@ def test_every_inline_python_script_compiles() -> None:
 
 # --- the scheduler profiles -------------------------------------------------------------------
 
-CONFIG_FIELDS = {"apiVersion", "kind", "parallelism", "leaderElection", "clientConnection",
-                 "healthzBindAddress", "metricsBindAddress", "enableProfiling",
-                 "enableContentionProfiling", "percentageOfNodesToScore",
-                 "podInitialBackoffSeconds", "podMaxBackoffSeconds", "profiles", "extenders",
-                 "delayCacheUntilActive"}  # fmt: skip
+CONFIG_FIELDS = {
+    "apiVersion",
+    "kind",
+    "parallelism",
+    "leaderElection",
+    "clientConnection",
+    "healthzBindAddress",
+    "metricsBindAddress",
+    "enableProfiling",
+    "enableContentionProfiling",
+    "percentageOfNodesToScore",
+    "podInitialBackoffSeconds",
+    "podMaxBackoffSeconds",
+    "profiles",
+    "extenders",
+    "delayCacheUntilActive",
+}
 PROFILE_FIELDS = {"schedulerName", "percentageOfNodesToScore", "plugins", "pluginConfig"}
-EXTENSION_POINTS = {"preEnqueue", "queueSort", "preFilter", "filter", "postFilter", "preScore",
-                    "score", "reserve", "permit", "preBind", "bind", "postBind", "multiPoint"}  # fmt: skip
+EXTENSION_POINTS = {
+    "preEnqueue",
+    "queueSort",
+    "preFilter",
+    "filter",
+    "postFilter",
+    "preScore",
+    "score",
+    "reserve",
+    "permit",
+    "preBind",
+    "bind",
+    "postBind",
+    "multiPoint",
+}
 
 
 def test_there_is_a_scheduler_configuration() -> None:
@@ -334,7 +361,9 @@ def test_the_scheduler_profiles_weigh_vram(item: tuple[str, Doc]) -> None:
 
 def test_workloads_name_profiles_that_exist() -> None:
     profiles = {p["schedulerName"] for _, c in SCHEDULER_CONFIGS for p in c["profiles"]}
-    used = {pod["spec"]["schedulerName"] for _, pod in POD_TEMPLATES if "schedulerName" in pod["spec"]}  # fmt: skip
+    used = {
+        pod["spec"]["schedulerName"] for _, pod in POD_TEMPLATES if "schedulerName" in pod["spec"]
+    }
     assert used == {"vram-binpack", "vram-spread"}
     assert used <= profiles
 
@@ -361,7 +390,9 @@ def created(admin: client.ApiClient) -> dict[str, Doc]:
         for h in hooks
         if any(selects(w, namespace["metadata"]["labels"]) for w in h.webhooks or [])
     ]
-    assert not leaked, f"webhook configurations left by another module would mutate {NAMESPACE}: {leaked}"  # fmt: skip
+    assert not leaked, (
+        f"webhook configurations left by another module would mutate {NAMESPACE}: {leaked}"
+    )
     ordered = sorted(API_OBJECTS, key=lambda item: item[1]["kind"] != "Namespace")
     stored = {}
     for item in ordered:

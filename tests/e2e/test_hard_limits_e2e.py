@@ -55,19 +55,45 @@ def namespace(core: client.CoreV1Api, request: pytest.FixtureRequest) -> str:
     return name
 
 
-def start_agent(apiserver: ApiServer, token: str, tmp: Path, lib: Path, root: Path,
-                supported: bool = True, charges: bool = True) -> AgentProcess:  # fmt: skip
+def start_agent(
+    apiserver: ApiServer,
+    token: str,
+    tmp: Path,
+    lib: Path,
+    root: Path,
+    supported: bool = True,
+    charges: bool = True,
+) -> AgentProcess:
     state = FakeGpuState.single_gpu()
     state.add_device()
     state.support_memory_limits(supported, charges)
-    return AgentProcess(apiserver, token, NODE, tmp, lib, "--no-advertise", "--no-labels",
-                        "--cgroup-root", str(root), "--cgroup-scan", "200ms", state=state)  # fmt: skip
+    return AgentProcess(
+        apiserver,
+        token,
+        NODE,
+        tmp,
+        lib,
+        "--no-advertise",
+        "--no-labels",
+        "--cgroup-root",
+        str(root),
+        "--cgroup-scan",
+        "200ms",
+        state=state,
+    )
 
 
 @pytest.fixture
 def pod(core: client.CoreV1Api, namespace: str) -> Iterator[SimPod]:
-    p = SimPod(core, namespace, "trainer", ["train", "helper"], limits={"train": "12Gi", "helper": "4Gi"},
-               node_name=NODE, kubelet=True)  # fmt: skip
+    p = SimPod(
+        core,
+        namespace,
+        "trainer",
+        ["train", "helper"],
+        limits={"train": "12Gi", "helper": "4Gi"},
+        node_name=NODE,
+        kubelet=True,
+    )
     yield p
     p.close()
 
@@ -78,8 +104,11 @@ def limited(agent: AgentProcess, cgroup: Path, limit: int) -> bool:
 
 
 def events(core: client.CoreV1Api, pod: SimPod) -> list[Any]:
-    return [e for e in core.list_namespaced_event(pod.namespace).items
-            if e.involved_object.uid == pod.uid]  # fmt: skip
+    return [
+        e
+        for e in core.list_namespaced_event(pod.namespace).items
+        if e.involved_object.uid == pod.uid
+    ]
 
 
 def hard_limit_gauges(agent: AgentProcess) -> dict[tuple[str, str, str, str], float]:
@@ -95,22 +124,32 @@ def hard_limit_gauges(agent: AgentProcess) -> dict[tuple[str, str, str, str], fl
 
 
 def test_pod_and_container_limits_follow_the_pod_from_its_first_cgroup_to_its_deletion(
-    apiserver: ApiServer, agent_rbac: str, core: client.CoreV1Api, fake_nvml_lib: Path,
-    pod: SimPod, tmp_path: Path,
-) -> None:  # fmt: skip
+    apiserver: ApiServer,
+    agent_rbac: str,
+    core: client.CoreV1Api,
+    fake_nvml_lib: Path,
+    pod: SimPod,
+    tmp_path: Path,
+) -> None:
     agent = start_agent(apiserver, agent_rbac, tmp_path, fake_nvml_lib, pod.root)
     try:
         # The pod's total on the pod's cgroup, before any container of it has started.
-        wait_for(lambda: limited(agent, pod.pod_slice, 16 * GiB), timeout=20,
-                 what="the pod's hard limit")  # fmt: skip
+        wait_for(
+            lambda: limited(agent, pod.pod_slice, 16 * GiB), timeout=20, what="the pod's hard limit"
+        )
         # A container's first instruction runs under the pod's limit already.
         report = tmp_path / "train.json"
-        pod.start("train", [sys.executable, str(WORKER), "--report", str(report)],
-                  env={"FAKE_NVML_STATE": str(agent.state_file)})  # fmt: skip
-        started = json.loads(wait_for(lambda: _read(report.with_name("train.json.main")),
-                                      what="the worker's report"))  # fmt: skip
-        assert any(r["cgroup"] == str(pod.pod_slice) and r["hard"] == 16 * GiB
-                   for r in started["limits"])  # fmt: skip
+        pod.start(
+            "train",
+            [sys.executable, str(WORKER), "--report", str(report)],
+            env={"FAKE_NVML_STATE": str(agent.state_file)},
+        )
+        started = json.loads(
+            wait_for(lambda: _read(report.with_name("train.json.main")), what="the worker's report")
+        )
+        assert any(
+            r["cgroup"] == str(pod.pod_slice) and r["hard"] == 16 * GiB for r in started["limits"]
+        )
         # The container's own limit, on the cgroup named by its container ID.
         first = pod.cgroup("train")
         wait_for(lambda: limited(agent, first, 12 * GiB), what="the container's hard limit")
@@ -118,8 +157,10 @@ def test_pod_and_container_limits_follow_the_pod_from_its_first_cgroup_to_its_de
         # nothing is said while they hold too little to tell.
         assert not [e for e in events(core, pod) if e.reason.startswith("VRAM")]
         uses(agent, pod, "train", 2 * GiB)
-        wait_for(lambda: any(e.reason == "VRAMHardLimit" for e in events(core, pod)),
-                 what="the VRAMHardLimit Event")  # fmt: skip
+        wait_for(
+            lambda: any(e.reason == "VRAMHardLimit" for e in events(core, pod)),
+            what="the VRAMHardLimit Event",
+        )
         (event,) = [e for e in events(core, pod) if e.reason.startswith("VRAM")]
         assert event.type == "Normal"
         assert "the pod may allocate at most 16.00 GiB on GPU-" in event.message
@@ -130,19 +171,25 @@ def test_pod_and_container_limits_follow_the_pod_from_its_first_cgroup_to_its_de
             "GPU-00000000-fake-4000-8000-000000000000",
             "GPU-00000001-fake-4000-8000-000000000001",
         }
-        assert gauges == {**{(pod.namespace, "trainer", "train", g): 12 * GiB for g in gpus},
-                          **{(pod.namespace, "trainer", "(pod)", g): 16 * GiB for g in gpus}}  # fmt: skip
+        assert gauges == {
+            **{(pod.namespace, "trainer", "train", g): 12 * GiB for g in gpus},
+            **{(pod.namespace, "trainer", "(pod)", g): 16 * GiB for g in gpus},
+        }
         # A restart: a new container ID, a new cgroup; the limit follows.
         pod.restart("train")
         pod.start("train", [sys.executable, "-c", "import time; time.sleep(60)"])
-        wait_for(lambda: limited(agent, pod.cgroup("train"), 12 * GiB),
-                 what="the restarted container's hard limit")  # fmt: skip
+        wait_for(
+            lambda: limited(agent, pod.cgroup("train"), 12 * GiB),
+            what="the restarted container's hard limit",
+        )
         assert pod.cgroup("train") != first
         # The pod goes while its cgroups are still there: the agent clears what it set.
         core.delete_namespaced_pod(pod.name, pod.namespace, grace_period_seconds=0)
         for cgroup in (pod.pod_slice, pod.cgroup("train")):
-            wait_for(lambda cgroup=cgroup: limited(agent, cgroup, LIMIT_MAX),
-                     what=f"the limit on {cgroup} cleared")  # fmt: skip
+            wait_for(
+                lambda cgroup=cgroup: limited(agent, cgroup, LIMIT_MAX),
+                what=f"the limit on {cgroup} cleared",
+            )
         wait_for(lambda: not hard_limit_gauges(agent), what="the gauges to go with the pod")
         assert "Traceback" not in agent.log()
         # Only what it set: the helper's cgroup, never made, and nothing outside the pod.
@@ -160,19 +207,27 @@ def uses(agent: AgentProcess, pod: SimPod, container: str, used: int) -> None:
 
 
 def test_a_limit_the_driver_does_not_charge_the_pods_processes_to_is_not_claimed(
-    apiserver: ApiServer, agent_rbac: str, core: client.CoreV1Api, fake_nvml_lib: Path,
-    pod: SimPod, tmp_path: Path,
-) -> None:  # fmt: skip
+    apiserver: ApiServer,
+    agent_rbac: str,
+    core: client.CoreV1Api,
+    fake_nvml_lib: Path,
+    pod: SimPod,
+    tmp_path: Path,
+) -> None:
     """A driver that takes the limit and charges nothing to it, as one that binds only
     MPS clients would for an ordinary process: the pod is told that sampling enforces."""
     agent = start_agent(apiserver, agent_rbac, tmp_path, fake_nvml_lib, pod.root, charges=False)
     try:
         pod.start("train", [sys.executable, "-c", "import time; time.sleep(60)"])
-        wait_for(lambda: limited(agent, pod.cgroup("train"), 12 * GiB),
-                 what="the container's hard limit")  # fmt: skip
+        wait_for(
+            lambda: limited(agent, pod.cgroup("train"), 12 * GiB), what="the container's hard limit"
+        )
         uses(agent, pod, "train", 2 * GiB)
-        wait_for(lambda: any(e.reason == "VRAMSamplingOnly" for e in events(core, pod)),
-                 timeout=20, what="the VRAMSamplingOnly Event")  # fmt: skip
+        wait_for(
+            lambda: any(e.reason == "VRAMSamplingOnly" for e in events(core, pod)),
+            timeout=20,
+            what="the VRAMSamplingOnly Event",
+        )
         (event,) = [e for e in events(core, pod) if e.reason.startswith("VRAM")]
         assert "the driver holds the limit on GPU-00000000" in event.message
         assert "charges nothing to it, while NVML lists 2.00 GiB" in event.message
@@ -183,13 +238,20 @@ def test_a_limit_the_driver_does_not_charge_the_pods_processes_to_is_not_claimed
 
 
 def test_on_an_older_driver_each_pod_is_told_that_sampling_alone_enforces(
-    apiserver: ApiServer, agent_rbac: str, core: client.CoreV1Api, fake_nvml_lib: Path,
-    pod: SimPod, tmp_path: Path,
-) -> None:  # fmt: skip
+    apiserver: ApiServer,
+    agent_rbac: str,
+    core: client.CoreV1Api,
+    fake_nvml_lib: Path,
+    pod: SimPod,
+    tmp_path: Path,
+) -> None:
     agent = start_agent(apiserver, agent_rbac, tmp_path, fake_nvml_lib, pod.root, supported=False)
     try:
-        wait_for(lambda: any(e.reason == "VRAMSamplingOnly" for e in events(core, pod)),
-                 timeout=20, what="the VRAMSamplingOnly Event")  # fmt: skip
+        wait_for(
+            lambda: any(e.reason == "VRAMSamplingOnly" for e in events(core, pod)),
+            timeout=20,
+            what="the VRAMSamplingOnly Event",
+        )
         (event,) = [e for e in events(core, pod) if e.reason.startswith("VRAM")]
         assert (
             "the NVIDIA driver 550.54.15 cannot hold a cgroup to a GPU memory limit"
@@ -205,19 +267,38 @@ def test_on_an_older_driver_each_pod_is_told_that_sampling_alone_enforces(
 
 
 def test_the_pod_watch_rides_out_an_api_server_restart(
-    apiserver: ApiServer, agent_rbac: str, core: client.CoreV1Api, fake_nvml_lib: Path,
-    pod: SimPod, namespace: str, tmp_path: Path,
-) -> None:  # fmt: skip
+    apiserver: ApiServer,
+    agent_rbac: str,
+    core: client.CoreV1Api,
+    fake_nvml_lib: Path,
+    pod: SimPod,
+    namespace: str,
+    tmp_path: Path,
+) -> None:
     agent = start_agent(apiserver, agent_rbac, tmp_path, fake_nvml_lib, pod.root)
     try:
-        wait_for(lambda: limited(agent, pod.pod_slice, 16 * GiB), timeout=20,
-                 what="the first pod's limit")  # fmt: skip
+        wait_for(
+            lambda: limited(agent, pod.pod_slice, 16 * GiB),
+            timeout=20,
+            what="the first pod's limit",
+        )
         apiserver.restart()
-        late = SimPod(core, namespace, "late", ["train"], limits={"train": "8Gi"}, node_name=NODE,
-                      kubelet=True, root=pod.root)  # fmt: skip
+        late = SimPod(
+            core,
+            namespace,
+            "late",
+            ["train"],
+            limits={"train": "8Gi"},
+            node_name=NODE,
+            kubelet=True,
+            root=pod.root,
+        )
         try:
-            wait_for(lambda: limited(agent, late.pod_slice, 8 * GiB), timeout=60,
-                     what="the late pod's limit")  # fmt: skip
+            wait_for(
+                lambda: limited(agent, late.pod_slice, 8 * GiB),
+                timeout=60,
+                what="the late pod's limit",
+            )
         finally:
             late.close()
         assert agent.proc.poll() is None

@@ -24,9 +24,13 @@ from tests.helpers import configured, wait_for
 def pod(admin: client.ApiClient) -> dict[str, str]:
     core = client.CoreV1Api(admin)
     core.create_namespace({"metadata": {"name": "kube-request"}})
-    core.create_namespaced_pod("kube-request", {
-        "metadata": {"name": "p", "labels": {"app": "x"}},
-        "spec": {"containers": [{"name": "c", "image": "busybox"}]}})  # fmt: skip
+    core.create_namespaced_pod(
+        "kube-request",
+        {
+            "metadata": {"name": "p", "labels": {"app": "x"}},
+            "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+        },
+    )
     return {"namespace": "kube-request", "name": "p"}
 
 
@@ -52,8 +56,7 @@ def test_a_missing_object_is_an_error_that_names_it(
     admin: client.ApiClient, pod: dict[str, str]
 ) -> None:
     with pytest.raises(KubeError) as raised:
-        call(admin, "GET", POD, "pods",
-             params={**pod, "name": "absent"}, deadline=1.0)  # fmt: skip
+        call(admin, "GET", POD, "pods", params={**pod, "name": "absent"}, deadline=1.0)
     assert str(raised.value) == 'get pods failed: HTTP 404 Not Found: pods "absent" not found'
     assert isinstance(raised.value, NotFound)  # which a caller may expect (a claim not made yet)
 
@@ -63,17 +66,30 @@ def test_reports_become_events_on_the_container_that_they_concern(admin: client.
     makes, pointed at which container, and which reports make none."""
     core = client.CoreV1Api(admin)
     core.create_namespace({"metadata": {"name": "kube-events"}})
-    created = core.create_namespaced_pod("kube-events", {
-        "metadata": {"name": "p"},
-        "spec": {"initContainers": [{"name": "warmup", "image": "busybox"}],
-                 "containers": [{"name": "trainer", "image": "busybox"}]}})  # fmt: skip
+    created = core.create_namespaced_pod(
+        "kube-events",
+        {
+            "metadata": {"name": "p"},
+            "spec": {
+                "initContainers": [{"name": "warmup", "image": "busybox"}],
+                "containers": [{"name": "trainer", "image": "busybox"}],
+            },
+        },
+    )
     pod = admin.sanitize_for_serialization(created)
     failures = Counter("failures", "test", ["reason"], registry=CollectorRegistry())
     recorder = EventRecorder(admin, "p", "node-1", failures)
     recorder.start()
-    settings = configured(["sidecar"], {"POD_NAME": "p", "POD_NAMESPACE": "kube-events",
-                                        "POD_UID": pod["metadata"]["uid"], "NODE_NAME": "node-1",
-                                        "VRAM_ENFORCER_LIMITS": "{}"})  # fmt: skip
+    settings = configured(
+        ["sidecar"],
+        {
+            "POD_NAME": "p",
+            "POD_NAMESPACE": "kube-events",
+            "POD_UID": pod["metadata"]["uid"],
+            "NODE_NAME": "node-1",
+            "VRAM_ENFORCER_LIMITS": "{}",
+        },
+    )
     reporter = EventReporter(RecordedEvents(recorder, settings), lambda: {}, lambda: pod)
     reporter.report(Report(Reason.ENFORCED, "sent SIGTERM to pid 7", "trainer", 7))
     reporter.report(Report(Reason.NEAR_LIMIT, "warm-up near its limit", "warmup", normal=True))
@@ -106,10 +122,17 @@ class Clock:
 
 
 def _pod_in(core: client.CoreV1Api, namespace: str, name: str) -> ObjectReference:
-    created = core.create_namespaced_pod(namespace, {
-        "metadata": {"name": name}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}})  # fmt: skip
-    return {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": name,
-            "uid": created.metadata.uid}  # fmt: skip
+    created = core.create_namespaced_pod(
+        namespace,
+        {"metadata": {"name": name}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}},
+    )
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "namespace": namespace,
+        "name": name,
+        "uid": created.metadata.uid,
+    }
 
 
 def test_one_object_cannot_flood_events_and_what_is_kept_is_pruned(

@@ -89,8 +89,12 @@ def quick_start() -> list[str]:
 
 def the_image_name(commands: list[str]) -> str:
     (assignment,) = [c for c in commands if c.startswith("IMAGE=")]
-    out = subprocess.run(["bash", "-c", f'{assignment}\nprintf %s "$IMAGE"'], capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        ["bash", "-c", f'{assignment}\nprintf %s "$IMAGE"'],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout
 
 
@@ -100,21 +104,43 @@ def standin_torch_image(base: Path, work: Path) -> Path:
     (work / "torch" / "__init__.py").write_text(STANDIN_TORCH)
     bah = ["buildah", "--storage-driver", "vfs"]
     name = "localhost/vram-enforcer-e2e:pytorch-standin"
-    container = subprocess.run([*bah, "from", "--quiet", f"docker-archive:{base}"],
-                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    container = subprocess.run(
+        [*bah, "from", "--quiet", f"docker-archive:{base}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     try:
-        subprocess.run([*bah, "copy", container, str(work / "torch"), "/opt/standin/torch"],
-                       check=True, capture_output=True)  # fmt: skip
-        subprocess.run([*bah, "config", "--user", "0:0", "--env", "PYTHONPATH=/opt/standin",
-                        "--entrypoint", "[]", "--cmd", "python", container], check=True)  # fmt: skip
+        subprocess.run(
+            [*bah, "copy", container, str(work / "torch"), "/opt/standin/torch"],
+            check=True,
+            capture_output=True,
+        )
+        subprocess.run(
+            [
+                *bah,
+                "config",
+                "--user",
+                "0:0",
+                "--env",
+                "PYTHONPATH=/opt/standin",
+                "--entrypoint",
+                "[]",
+                "--cmd",
+                "python",
+                container,
+            ],
+            check=True,
+        )
         subprocess.run(
             [*bah, "commit", "--quiet", container, name], check=True, capture_output=True
         )
     finally:
         subprocess.run([*bah, "rm", container], capture_output=True)
     archive = work / "pytorch.tar"
-    subprocess.run([*bah, "push", "--quiet", name, f"docker-archive:{archive}:{TORCH_IMAGE}"],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [*bah, "push", "--quiet", name, f"docker-archive:{archive}:{TORCH_IMAGE}"], check=True
+    )
     subprocess.run([*bah, "rmi", name], capture_output=True)
     return archive
 
@@ -135,10 +161,14 @@ def fresh(
     """A cluster of its own, with nothing of the project in it: the image only, in the
     node's containerd under the README's name. `apiserver` (the shared one) only for its
     skip-or-fail check."""
-    helm = subprocess.run(["bash", str(ROOT / "tests" / "e2e" / "build-helm.sh")],
-                          capture_output=True, text=True)  # fmt: skip
-    reason = missing() or image_missing() or (
-        None if helm.returncode == 0 else f"no helm: {helm.stderr[-500:]}")  # fmt: skip
+    helm = subprocess.run(
+        ["bash", str(ROOT / "tests" / "e2e" / "build-helm.sh")], capture_output=True, text=True
+    )
+    reason = (
+        missing()
+        or image_missing()
+        or (None if helm.returncode == 0 else f"no helm: {helm.stderr[-500:]}")
+    )
     if reason:
         if os.environ.get("VRAM_ENFORCER_E2E") == "required":
             pytest.fail(reason)
@@ -152,25 +182,35 @@ def fresh(
     try:
         server.start()
         server.start_controller_manager()
-        server.start_scheduler({"apiVersion": "kubescheduler.config.k8s.io/v1",
-                                "kind": "KubeSchedulerConfiguration"})  # fmt: skip
+        server.start_scheduler(
+            {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration"}
+        )
         built = enforcer_image()
         torch = standin_torch_image(built, tmp / "standin")
         (tmp / "gpu").mkdir()
         state_file, gpus = tmp / "gpu" / "gpu.json", FakeGpuState.single_gpu()
         gpus.write(state_file)
-        node = RealNode(server, tmp_path_factory.mktemp("node"), images=[built, torch],
-                        kube_proxy=True, runtime=nvidia_runtime(tmp, fake_nvml_lib, state_file))  # fmt: skip
+        node = RealNode(
+            server,
+            tmp_path_factory.mktemp("node"),
+            images=[built, torch],
+            kube_proxy=True,
+            runtime=nvidia_runtime(tmp, fake_nvml_lib, state_file),
+        )
         label_gpu_node(node)
         node.ctr("images", "tag", ENFORCER_IMAGE, image)
         tools = tmp / "bin"
         tools.mkdir()
         for tool in (BIN / "kubectl", Path(helm.stdout.strip())):
             (tools / tool.name).symlink_to(tool)
-        env = {**os.environ, "PATH": f"{tools}:{os.environ['PATH']}",
-               "KUBECONFIG": str(server.write_kubeconfig(tmp / "admin.kubeconfig")),
-               "HELM_CACHE_HOME": str(tmp / "helm"), "HELM_CONFIG_HOME": str(tmp / "helm"),
-               "HELM_DATA_HOME": str(tmp / "helm")}  # fmt: skip
+        env = {
+            **os.environ,
+            "PATH": f"{tools}:{os.environ['PATH']}",
+            "KUBECONFIG": str(server.write_kubeconfig(tmp / "admin.kubeconfig")),
+            "HELM_CACHE_HOME": str(tmp / "helm"),
+            "HELM_CONFIG_HOME": str(tmp / "helm"),
+            "HELM_DATA_HOME": str(tmp / "helm"),
+        }
         yield Fresh(server, node, env, gpus, state_file)
     finally:
         if node is not None:
@@ -184,8 +224,14 @@ def run(fresh: Fresh, command: str, timeout: float = 360) -> str:
     """One command of the README, as bash runs it in the repository, after the README's
     own `IMAGE=` line."""
     (assignment,) = [c for c in quick_start() if c.startswith("IMAGE=")]
-    done = subprocess.run(["bash", "-c", f"set -euo pipefail\n{assignment}\n{command}"], cwd=ROOT,
-                          env=fresh.env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    done = subprocess.run(
+        ["bash", "-c", f"set -euo pipefail\n{assignment}\n{command}"],
+        cwd=ROOT,
+        env=fresh.env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, (
         f"{command}\nexited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     )
@@ -248,8 +294,9 @@ def test_the_readme_quick_start_runs_as_written(fresh: Fresh) -> None:
         assert driver.seen, "the example's process never showed on the played GPU"
         described = outputs[-1]
         assert "VRAMEnforced" in described, described
-        assert re.search(r"container 'trainer' uses \d+\.\d\d GiB of its 4\.00 GiB VRAM limit",
-                         described), described  # fmt: skip
+        assert re.search(
+            r"container 'trainer' uses \d+\.\d\d GiB of its 4\.00 GiB VRAM limit", described
+        ), described
     finally:
         driver.stop()
         plugin.close()

@@ -70,8 +70,11 @@ def test_three_of_the_four_pods_fit_on_the_4gi_and_8gi_nodes(core: client.CoreV1
         events = core.list_namespaced_event(
             "vram-demo", field_selector="reason=FailedScheduling"
         ).items
-        return any(e.message.startswith(first) and "default-scheduler" in (e.reporting_component, e.source.component)
-                   for e in events)  # fmt: skip
+        return any(
+            e.message.startswith(first)
+            and "default-scheduler" in (e.reporting_component, e.source.component)
+            for e in events
+        )
 
     wait_for(reported, what="the FailedScheduling Event")
 
@@ -87,10 +90,22 @@ def test_the_example_profiles_pack_or_spread_by_vram(
         add_node(core, f"{pool}-{side}", "16Gi", pool=pool)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=pool)))
     for i in (1, 2):
-        core.create_namespaced_pod(pool, client.V1Pod(
-            metadata=client.V1ObjectMeta(name=f"p{i}"),
-            spec=client.V1PodSpec(scheduler_name=profile, node_selector={"pool": pool}, containers=[
-                client.V1Container(name="c", image="gpu:1", resources=client.V1ResourceRequirements(
-                    limits={RESOURCE: "6Gi"}))])))  # fmt: skip
+        core.create_namespaced_pod(
+            pool,
+            client.V1Pod(
+                metadata=client.V1ObjectMeta(name=f"p{i}"),
+                spec=client.V1PodSpec(
+                    scheduler_name=profile,
+                    node_selector={"pool": pool},
+                    containers=[
+                        client.V1Container(
+                            name="c",
+                            image="gpu:1",
+                            resources=client.V1ResourceRequirements(limits={RESOURCE: "6Gi"}),
+                        )
+                    ],
+                ),
+            ),
+        )
         wait_for(lambda i=i: bound(core, pool, f"p{i}"), timeout=30, what=f"{profile} to bind p{i}")
     assert (bound(core, pool, "p1") == bound(core, pool, "p2")) is same_node

@@ -62,14 +62,21 @@ _pod_numbers = itertools.count()
 @pytest.fixture
 def pod(core: client.CoreV1Api, token: str) -> Iterator[SimPod]:
     """A fresh pod for each test: nothing one test does is seen by the next."""
-    p = SimPod(core, NAMESPACE, f"trainer-{next(_pod_numbers)}",
-               ["trainer", "helper", "undeclared", "vram-enforcer"], unlisted=("ghost",))  # fmt: skip
+    p = SimPod(
+        core,
+        NAMESPACE,
+        f"trainer-{next(_pod_numbers)}",
+        ["trainer", "helper", "undeclared", "vram-enforcer"],
+        unlisted=("ghost",),
+    )
     yield p
     p.close()
 
 
 @pytest.fixture
-def sidecar(pod: SimPod, node: Node, apiserver: ApiServer, token: str, tmp_path: Path) -> Iterator[Sidecar]:  # fmt: skip
+def sidecar(
+    pod: SimPod, node: Node, apiserver: ApiServer, token: str, tmp_path: Path
+) -> Iterator[Sidecar]:
     s = Sidecar(pod, node, apiserver, token, tmp_path, {"trainer": 4 * GiB, "helper": 2 * GiB})
     yield s
     assert s.stop() == 0
@@ -106,11 +113,17 @@ def test_a_container_without_declared_vram_is_caught(
     node.use({sneaky: None})
 
 
-def test_events_are_posted_on_the_pod_and_aggregated(sidecar: Sidecar, pod: SimPod, node: Node, core: client.CoreV1Api,
-                                                     tmp_path: Path) -> None:  # fmt: skip
+def test_events_are_posted_on_the_pod_and_aggregated(
+    sidecar: Sidecar, pod: SimPod, node: Node, core: client.CoreV1Api, tmp_path: Path
+) -> None:
     def enforced() -> list[Any]:
-        return [e for e in events(core, pod.name) if e.reason == "VRAMEnforced"
-                and e.involved_object.field_path == "spec.containers{trainer}" and "sent SIGTERM" in e.message]  # fmt: skip
+        return [
+            e
+            for e in events(core, pod.name)
+            if e.reason == "VRAMEnforced"
+            and e.involved_object.field_path == "spec.containers{trainer}"
+            and "sent SIGTERM" in e.message
+        ]
 
     first_offender = start_worker(pod, "trainer", tmp_path)
     node.use({first_offender: 5 * GiB})
@@ -148,8 +161,9 @@ def test_a_process_of_the_pod_in_no_listed_container_is_never_signalled(
     node.use({ghost: None})
 
 
-def test_agent_loss_is_reported_and_enforcement_resumes(sidecar: Sidecar, pod: SimPod, node: Node, core: client.CoreV1Api,
-                                                        tmp_path: Path) -> None:  # fmt: skip
+def test_agent_loss_is_reported_and_enforcement_resumes(
+    sidecar: Sidecar, pod: SimPod, node: Node, core: client.CoreV1Api, tmp_path: Path
+) -> None:
     node.stop_agent()
     wait_for(
         lambda: "VRAM usage cannot be observed" in sidecar.text(), what="the loss to be reported"
@@ -166,8 +180,9 @@ def test_agent_loss_is_reported_and_enforcement_resumes(sidecar: Sidecar, pod: S
     node.use({offender: None})
 
 
-def test_enforcement_goes_on_while_the_api_server_is_down(sidecar: Sidecar, pod: SimPod, node: Node, apiserver: ApiServer,
-                                                          tmp_path: Path) -> None:  # fmt: skip
+def test_enforcement_goes_on_while_the_api_server_is_down(
+    sidecar: Sidecar, pod: SimPod, node: Node, apiserver: ApiServer, tmp_path: Path
+) -> None:
     """Once the sidecar has read its pod, the API is no longer needed to enforce."""
     before = start_worker(pod, "trainer", tmp_path)
     node.use({before: 5 * GiB})
@@ -191,8 +206,15 @@ def test_without_the_api_from_the_start_a_pod_with_one_container_is_enforced(
     solo = SimPod(core, NAMESPACE, "solo-0", ["trainer", "vram-enforcer"])
     apiserver.stop()
     try:
-        side = Sidecar(solo, node, apiserver, token, tmp_path, {"trainer": 1 * GiB},
-                       env={"VRAM_ENFORCER_CONTAINERS": "trainer"})  # fmt: skip
+        side = Sidecar(
+            solo,
+            node,
+            apiserver,
+            token,
+            tmp_path,
+            {"trainer": 1 * GiB},
+            env={"VRAM_ENFORCER_CONTAINERS": "trainer"},
+        )
         offender = start_worker(solo, "trainer", tmp_path)
         node.use({offender: 2 * GiB})
         wait_for(lambda: not alive(offender), what="the offender to be terminated without the API")
@@ -213,8 +235,15 @@ def test_without_the_api_two_containers_are_reported_then_enforced_once_it_answe
     duo = SimPod(core, NAMESPACE, "duo-0", ["trainer", "helper", "vram-enforcer"])
     apiserver.stop()
     try:
-        side = Sidecar(duo, node, apiserver, token, tmp_path, {"trainer": 1 * GiB, "helper": 1 * GiB},
-                       env={"VRAM_ENFORCER_CONTAINERS": "trainer,helper"})  # fmt: skip
+        side = Sidecar(
+            duo,
+            node,
+            apiserver,
+            token,
+            tmp_path,
+            {"trainer": 1 * GiB, "helper": 1 * GiB},
+            env={"VRAM_ENFORCER_CONTAINERS": "trainer,helper"},
+        )
         offender = start_worker(duo, "trainer", tmp_path)
         node.use({offender: 3 * GiB})
         side.wait_logged("the pod as a whole uses 3.00 GiB")  # it saw the usage, and then:
@@ -284,8 +313,20 @@ def exec_into(pod: SimPod, container: str, pid: int) -> int:
     """Like `kubectl exec`: a process of the container with parent 0, given `pid` (a free pid
     in the pod's namespace) through the namespace's ns_last_pid."""
     for _ in range(20):
-        subprocess.run(["nsenter", "-t", str(pod.pause), "-p", "-m", "--", "sh", "-c",
-                        f"echo {pid - 1} > /proc/sys/kernel/ns_last_pid"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                "nsenter",
+                "-t",
+                str(pod.pause),
+                "-p",
+                "-m",
+                "--",
+                "sh",
+                "-c",
+                f"echo {pid - 1} > /proc/sys/kernel/ns_last_pid",
+            ],
+            check=True,
+        )
         shell = start_in(pod, container, ["sleep", "600"])
         if pod_pid(shell) == pid:
             return shell
@@ -293,8 +334,9 @@ def exec_into(pod: SimPod, container: str, pid: int) -> int:
     raise AssertionError(f"pid {pid} could not be had")
 
 
-def test_direct_nvml_through_the_host_proc(node: Node, apiserver: ApiServer, token: str, admin: client.ApiClient,
-                                           tmp_path: Path) -> None:  # fmt: skip
+def test_direct_nvml_through_the_host_proc(
+    node: Node, apiserver: ApiServer, token: str, admin: client.ApiClient, tmp_path: Path
+) -> None:
     """--source nvml: no agent; NVML's host pids translated through a read-only host /proc."""
     host_proc = tmp_path / "host-proc"
     direct = SimPod(
@@ -305,9 +347,19 @@ def test_direct_nvml_through_the_host_proc(node: Node, apiserver: ApiServer, tok
         host_proc=host_proc,
     )
     try:
-        side = Sidecar(direct, node, apiserver, token, tmp_path, {"trainer": 1 * GiB}, "--source", "nvml",
-                       "--host-proc", str(host_proc),
-                       env=node.nvml_env())  # fmt: skip
+        side = Sidecar(
+            direct,
+            node,
+            apiserver,
+            token,
+            tmp_path,
+            {"trainer": 1 * GiB},
+            "--source",
+            "nvml",
+            "--host-proc",
+            str(host_proc),
+            env=node.nvml_env(),
+        )
         offender = start_worker(direct, "trainer", tmp_path)
         node.use({offender: 2 * GiB})
         wait_for(lambda: not alive(offender), what="the offender to be terminated")
@@ -318,13 +370,21 @@ def test_direct_nvml_through_the_host_proc(node: Node, apiserver: ApiServer, tok
         direct.close()
 
 
-def test_container_mode_exits_once_the_other_containers_are_done(node: Node, apiserver: ApiServer, token: str,
-                                                                  admin: client.ApiClient, tmp_path: Path) -> None:  # fmt: skip
+def test_container_mode_exits_once_the_other_containers_are_done(
+    node: Node, apiserver: ApiServer, token: str, admin: client.ApiClient, tmp_path: Path
+) -> None:
     """The legacy sidecar (a regular container) must exit by itself, or the Job never completes."""
     job = SimPod(client.CoreV1Api(admin), NAMESPACE, "job-0", ["trainer", "vram-enforcer"])
     try:
-        side = Sidecar(job, node, apiserver, token, tmp_path, {"trainer": 1 * GiB},
-                       env={"VRAM_ENFORCER_SIDECAR_MODE": "container"})  # fmt: skip
+        side = Sidecar(
+            job,
+            node,
+            apiserver,
+            token,
+            tmp_path,
+            {"trainer": 1 * GiB},
+            env={"VRAM_ENFORCER_SIDECAR_MODE": "container"},
+        )
         offender = start_worker(job, "trainer", tmp_path)  # the pod was read, and enforced
         node.use({offender: 2 * GiB})
         wait_for(lambda: not alive(offender), what="the offender to be terminated")
@@ -356,7 +416,9 @@ def listening(pid: int) -> list[str]:
     return found
 
 
-def test_the_sidecar_listens_on_no_port(sidecar: Sidecar, pod: SimPod, node: Node, tmp_path: Path) -> None:  # fmt: skip
+def test_the_sidecar_listens_on_no_port(
+    sidecar: Sidecar, pod: SimPod, node: Node, tmp_path: Path
+) -> None:
     """It serves no metrics (its agent serves the pod's): not a TCP or UDP port of the pod's
     network namespace is taken, so none can clash with one of the workload's, nor be
     scraped, while it enforces."""
@@ -366,8 +428,10 @@ def test_the_sidecar_listens_on_no_port(sidecar: Sidecar, pod: SimPod, node: Nod
         udp.bind(("::1", 0))
         ours = listening(os.getpid())  # what a listener looks like, seen
         for kind, bound in (("tcp", tcp), ("udp6", udp)):
-            assert any(f.startswith(f"{kind} ") and f.endswith(f":{bound.getsockname()[1]:04X}")
-                       for f in ours), ours  # fmt: skip
+            assert any(
+                f.startswith(f"{kind} ") and f.endswith(f":{bound.getsockname()[1]:04X}")
+                for f in ours
+            ), ours
     offender = start_worker(pod, "trainer", tmp_path)
     node.use({offender: 5 * GiB})
     wait_for(lambda: not alive(offender), what="the offender to be terminated")
@@ -379,9 +443,17 @@ def test_the_sidecar_listens_on_no_port(sidecar: Sidecar, pod: SimPod, node: Nod
 def test_bad_environment_is_a_clear_error(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "enforcer", "sidecar"],
-        env={**os.environ, "POD_NAME": "p", "POD_NAMESPACE": "n", "POD_UID": "u", "VRAM_ENFORCER_LIMITS": "trainer=4Gi"},
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        env={
+            **os.environ,
+            "POD_NAME": "p",
+            "POD_NAMESPACE": "n",
+            "POD_UID": "u",
+            "VRAM_ENFORCER_LIMITS": "trainer=4Gi",
+        },
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2
     assert "VRAM_ENFORCER_LIMITS: 'trainer=4Gi' is not valid JSON" in out.stderr
     assert "Traceback" not in out.stderr

@@ -41,15 +41,18 @@ def test_a_real_cuda_process_over_its_containers_limit_is_caught(
     core = client.CoreV1Api(admin)
     pod = SimPod(core, NAMESPACE, "llm-0", ["trainer", "server", "vram-enforcer"])
     try:
-        side = Sidecar(pod, node, apiserver, token, tmp_path,
-                       {"trainer": 2 * GiB, "server": 4 * GiB})  # fmt: skip
+        side = Sidecar(
+            pod, node, apiserver, token, tmp_path, {"trainer": 2 * GiB, "server": 4 * GiB}
+        )
         trainer_log, server_log = tmp_path / "trainer.out", tmp_path / "server.out"
         # The server stays at 1 GiB (plus its CUDA context); the trainer grows to 6 GiB.
-        server = pod.start("server", [sys.executable, str(ALLOC), "256", "4", "120"],
-                           stdout=server_log.open("w"))  # fmt: skip
+        server = pod.start(
+            "server", [sys.executable, str(ALLOC), "256", "4", "120"], stdout=server_log.open("w")
+        )
         wait_for(lambda: "allocated 1024" in server_log.read_text(), timeout=60, what="server")
-        trainer = pod.start("trainer", [sys.executable, str(ALLOC), "256", "24", "60"],
-                            stdout=trainer_log.open("w"))  # fmt: skip
+        trainer = pod.start(
+            "trainer", [sys.executable, str(ALLOC), "256", "24", "60"], stdout=trainer_log.open("w")
+        )
         assert trainer.wait(timeout=90) != 0, "the trainer was never stopped"
         allocated = [
             ln for ln in trainer_log.read_text().splitlines() if ln.startswith("allocated")
@@ -61,10 +64,11 @@ def test_a_real_cuda_process_over_its_containers_limit_is_caught(
         )
         assert server.poll() is None and all(alive(p) for p in pod.host_pids("server"))
         enforced = wait_for(
-            lambda: [e for e in core.list_namespaced_event(NAMESPACE).items
-                     if e.reason == "VRAMEnforced"],
+            lambda: [
+                e for e in core.list_namespaced_event(NAMESPACE).items if e.reason == "VRAMEnforced"
+            ],
             what="the VRAMEnforced event",
-        )  # fmt: skip
+        )
         assert enforced[0].involved_object.field_path == "spec.containers{trainer}"
         assert side.stop() == 0
     finally:

@@ -46,10 +46,21 @@ def webhook(
 def gpu_pod(
     name: str, vram: str = "12Gi", annotations: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "annotations": annotations or {}},
-            "spec": {"restartPolicy": "Never", "containers": [
-                {"name": "trainer", "image": "nvcr.io/nvidia/pytorch:24.05-py3",
-                 "resources": {"limits": {RES: vram, "memory": "16Gi"}}}]}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": annotations or {}},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": "nvcr.io/nvidia/pytorch:24.05-py3",
+                    "resources": {"limits": {RES: vram, "memory": "16Gi"}},
+                }
+            ],
+        },
+    }
 
 
 def stored(core: client.CoreV1Api, namespace: str, name: str) -> dict[str, Any]:
@@ -103,8 +114,12 @@ def test_pods_elsewhere_or_without_vram_are_untouched(
     assert [c["name"] for c in stored(core, "plain", "outside-0")["spec"]["containers"]] == [
         "trainer"
     ]
-    web = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web-0"},
-           "spec": {"containers": [{"name": "web", "image": "nginx"}]}}  # fmt: skip
+    web = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "web-0"},
+        "spec": {"containers": [{"name": "web", "image": "nginx"}]},
+    }
     core.create_namespaced_pod("ml", web)
     pod = stored(core, "ml", "web-0")
     assert [c["name"] for c in pod["spec"]["containers"]] == ["web"]
@@ -114,8 +129,10 @@ def test_pods_elsewhere_or_without_vram_are_untouched(
 def served_certificate(webhook: Webhook) -> bytes:
     """The certificate a new TLS connection to the webhook is shown."""
     context = ssl.create_default_context(cafile=str(webhook.ca[0]))
-    with socket.create_connection(("127.0.0.1", webhook.port), timeout=5) as raw, \
-            context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:  # fmt: skip
+    with (
+        socket.create_connection(("127.0.0.1", webhook.port), timeout=5) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
         return tls.getpeercert(binary_form=True) or b""
 
 

@@ -56,9 +56,21 @@ def build_fake_nvml(build_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=build_dir, prefix=".build-", suffix=".so")
     os.close(fd)
     cmd = [
-        "gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-std=c11", "-pthread",
-        f"-Wl,-soname,{LIBRARY}", f"-I{nvml_header_dir()}", "-o", tmp, str(SOURCE),
-    ]  # fmt: skip
+        "gcc",
+        "-shared",
+        "-fPIC",
+        "-O2",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-std=c11",
+        "-pthread",
+        f"-Wl,-soname,{LIBRARY}",
+        f"-I{nvml_header_dir()}",
+        "-o",
+        tmp,
+        str(SOURCE),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         os.unlink(tmp)
@@ -89,8 +101,14 @@ class FakeGpuState:
 
     @classmethod
     def single_gpu(cls, total_bytes: int = 80 * GiB) -> FakeGpuState:
-        return cls({"driver_version": "550.54.15", "errors": {}, "init_error": None,
-                    "devices": [_device(0, total_bytes=total_bytes)]})  # fmt: skip
+        return cls(
+            {
+                "driver_version": "550.54.15",
+                "errors": {},
+                "init_error": None,
+                "devices": [_device(0, total_bytes=total_bytes)],
+            }
+        )
 
     def support_memory_limits(self, supported: bool = True, charges: bool = True) -> None:
         """A driver new enough for per-cgroup limits (R615+), or the default, older one.

@@ -71,9 +71,19 @@ def test_a_vanished_gpu_handle_reports_gpu_lost(fake_nvml: FakeNvml) -> None:
 
 
 def test_mig_handles(fake_nvml: FakeNvml) -> None:
-    fake_nvml.state.enable_mig(0, [{"uuid": "MIG-1", "name": "MIG 1g.10gb", "total_bytes": 10 * GiB,
-                                    "gpu_instance_id": 9, "compute_instance_id": 0,
-                                    "compute_processes": [{"pid": 7, "used_bytes": GiB}]}])  # fmt: skip
+    fake_nvml.state.enable_mig(
+        0,
+        [
+            {
+                "uuid": "MIG-1",
+                "name": "MIG 1g.10gb",
+                "total_bytes": 10 * GiB,
+                "gpu_instance_id": 9,
+                "compute_instance_id": 0,
+                "compute_processes": [{"pid": 7, "used_bytes": GiB}],
+            }
+        ],
+    )
     fake_nvml.write()
     pynvml.nvmlInit()
     gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
@@ -103,8 +113,14 @@ def test_unparseable_state_fails_init_and_says_why(fake_nvml: FakeNvml, tmp_path
     bad = tmp_path / "bad.json"
     bad.write_text('{"devices": [}')
     code = "import pynvml\ntry:\n    pynvml.nvmlInit()\nexcept pynvml.NVMLError as e:\n    print(type(e).__name__)"
-    out = subprocess.run([sys.executable, "-c", code], env={**fake_nvml.env(), "FAKE_NVML_STATE": str(bad)},
-                         capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**fake_nvml.env(), "FAKE_NVML_STATE": str(bad)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     assert out.stdout.strip() == "NVMLError_Unknown"
     assert "fake-nvml: cannot use" in out.stderr and "at byte" in out.stderr
 
@@ -170,9 +186,14 @@ def test_memory_limits_are_recorded_read_back_and_cleared(
         pynvml.nvmlDeviceSetMemoryLimits_v1(gpu, _limits(cgroup2, 0, 4 * GiB))
         assert _read_limits(gpu, cgroup2) == (0, 4 * GiB, 3 * GiB)
         (record,) = fake_nvml.limit_records()
-        assert record == {"device": fake_nvml.state.devices[0]["uuid"], "cgroup": str(cgroup2),
-                          "inode": cgroup2.stat().st_ino, "soft": 0, "hard": 4 * GiB,
-                          "pid": os.getpid()}  # fmt: skip
+        assert record == {
+            "device": fake_nvml.state.devices[0]["uuid"],
+            "cgroup": str(cgroup2),
+            "inode": cgroup2.stat().st_ino,
+            "soft": 0,
+            "hard": 4 * GiB,
+            "pid": os.getpid(),
+        }
         pynvml.nvmlDeviceSetMemoryLimits_v1(
             gpu, _limits(cgroup2, 0, pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX)
         )

@@ -22,14 +22,34 @@ def test_each_builtin_runs_on_the_gpu_within_its_declared_limit(tmp_path: Path) 
     for name, builtin in BUILTINS.items():
         summary = tmp_path / f"{name}.json"
         done = subprocess.run(
-            [sys.executable, "-m", "enforcer", "exec", "--limit", str(builtin.limit_bytes),
-             "--interval", "50ms", "--summary", str(summary), "--",
-             sys.executable, "-m", "enforcer.workloads", name, "--scale", "0.1"],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "enforcer",
+                "exec",
+                "--limit",
+                str(builtin.limit_bytes),
+                "--interval",
+                "50ms",
+                "--summary",
+                str(summary),
+                "--",
+                sys.executable,
+                "-m",
+                "enforcer.workloads",
+                name,
+                "--scale",
+                "0.1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         doc = json.loads(summary.read_text())
-        print(f"{name}: {done.stdout.strip()}; exec: {doc['wall_seconds']:.2f} s, "
-              f"peak {doc['peak_bytes'] / MiB:.0f} MiB of {builtin.limit_bytes / MiB:.0f}")  # fmt: skip
+        print(
+            f"{name}: {done.stdout.strip()}; exec: {doc['wall_seconds']:.2f} s, "
+            f"peak {doc['peak_bytes'] / MiB:.0f} MiB of {builtin.limit_bytes / MiB:.0f}"
+        )
         assert done.returncode == 0, done.stderr
         assert doc["events"] == [], doc["events"]  # never over its declared limit
         assert doc["peak_bytes"] > 256 * MiB  # at least a CUDA context: the GPU was used
@@ -42,8 +62,9 @@ def test_a_real_cuda_out_of_memory_is_one_line_and_status_3() -> None:
         "kernels.WORKLOADS['copy'] = lambda torch, device: torch.empty(2**50, device=device); "
         "sys.exit(main(['copy', '--steps', '1']))"
     )
-    done = subprocess.run([sys.executable, "-c", asks_too_much], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", asks_too_much], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == EXIT_OUT_OF_MEMORY, done.stderr
     (line,) = done.stderr.splitlines()
     assert line.startswith("python -m enforcer.workloads copy: out of memory: CUDA out of memory")
@@ -52,11 +73,28 @@ def test_a_real_cuda_out_of_memory_is_one_line_and_status_3() -> None:
 def test_the_builtin_set_is_measured_alone_and_in_pairs_on_one_gpu(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "enforcer", "interference", "--builtin", ",".join(BUILTINS),
-         "--builtin-scale", "0.25", "--repeat", "2", "--warmup", "1", "--gpu", "0",
-         "--output", str(out)],
-        capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "enforcer",
+            "interference",
+            "--builtin",
+            ",".join(BUILTINS),
+            "--builtin-scale",
+            "0.25",
+            "--repeat",
+            "2",
+            "--warmup",
+            "1",
+            "--gpu",
+            "0",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     print(done.stdout)
     print(done.stderr)
     assert done.returncode == 0, done.stderr

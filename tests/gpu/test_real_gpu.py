@@ -105,18 +105,44 @@ def test_the_agent_names_a_pods_cuda_process_by_the_pods_own_pid(tmp_path: Path)
     """NVML reports host pids; a caller in a PID namespace must get its own pids back."""
     sock = tmp_path / "agent.sock"
     agent = subprocess.Popen(
-        [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off",
-         "--socket", str(sock), "--interval", "50ms", "--log-format", "text"],
+        [
+            sys.executable,
+            "-m",
+            "enforcer",
+            "agent",
+            "--no-advertise",
+            "--no-labels",
+            "--no-serve-pods",
+            "--hard-limits",
+            "off",
+            "--socket",
+            str(sock),
+            "--interval",
+            "50ms",
+            "--log-format",
+            "text",
+        ],
         stderr=(tmp_path / "agent.log").open("w"),
-    )  # fmt: skip
+    )
     pod = None
     try:
         wait_for(sock.exists, what="the agent socket")
         pod = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
-             sys.executable, str(POD_ALLOC), str(sock), "768"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "--kill-child",
+                sys.executable,
+                str(POD_ALLOC),
+                str(sock),
+                "768",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert pod.stdout is not None
         seen = json.loads(pod.stdout.readline())
         print("the pod saw", seen)
@@ -151,10 +177,26 @@ def test_the_real_driver_is_asked_for_a_hard_limit_and_its_answer_is_reported() 
         assert f"no hard limit: the NVIDIA driver {driver}" in out.stderr
         assert out.returncode == 128 + signal.SIGTERM  # sampling still holds the limit
         refused = subprocess.run(
-            [sys.executable, "-m", "enforcer", "exec", "--limit", "2Gi", "--hard-limits",
-             "required", "--", sys.executable, str(ALLOC), "256", "1", "0"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "enforcer",
+                "exec",
+                "--limit",
+                "2Gi",
+                "--hard-limits",
+                "required",
+                "--",
+                sys.executable,
+                str(ALLOC),
+                "256",
+                "1",
+                "0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         print(refused.stderr)
         assert refused.returncode == 2 and "--hard-limits required" in refused.stderr
         assert "allocated" not in refused.stdout  # the command never ran

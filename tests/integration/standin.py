@@ -33,8 +33,9 @@ def hold_gpu_memory(used: int, sm: int = 0, memory: int = 0) -> None:
         device = doc["devices"][0]
         procs = [p for p in device["compute_processes"] if p["pid"] != os.getpid()]
         if used:
-            procs.append({"pid": os.getpid(), "used_bytes": used, "sm_util": sm,
-                          "mem_util": memory})  # fmt: skip
+            procs.append(
+                {"pid": os.getpid(), "used_bytes": used, "sm_util": sm, "mem_util": memory}
+            )
         device["compute_processes"] = procs
         device["used_bytes"] = min(device["total_bytes"], sum(p["used_bytes"] for p in procs))
         tmp = state.with_name(f".{state.name}.{os.getpid()}.tmp")
@@ -71,8 +72,10 @@ def main() -> int:
         names = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
         args.env.write_text(json.dumps({n: os.environ.get(n) for n in names}))
     if args.oom:
-        print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+            file=sys.stderr,
+        )
         return 1
     if args.fail:
         print("the input file is missing", file=sys.stderr)
@@ -100,8 +103,9 @@ def main() -> int:
                 time.sleep(args.slice)
         timing = Path(os.environ["VRAM_ENFORCER_TIMING_FILE"])
         if args.section:
-            timing.write_text(json.dumps({"start_monotonic": began,
-                                          "end_monotonic": time.monotonic()}))  # fmt: skip
+            timing.write_text(
+                json.dumps({"start_monotonic": began, "end_monotonic": time.monotonic()})
+            )
         elif args.section_text is not None:
             timing.write_text(args.section_text)
     finally:

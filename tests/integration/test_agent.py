@@ -50,11 +50,29 @@ class Agent:
         self.log_path = tmp / "agent.log"
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off",
-             "--socket", str(self.socket), "--interval", "50ms", "--metrics-port", str(self.metrics_port),
-             "--log-format", "text"],
-            env={**os.environ, **gpu.env()}, stderr=self.log, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "enforcer",
+                "agent",
+                "--no-advertise",
+                "--no-labels",
+                "--no-serve-pods",
+                "--hard-limits",
+                "off",
+                "--socket",
+                str(self.socket),
+                "--interval",
+                "50ms",
+                "--metrics-port",
+                str(self.metrics_port),
+                "--log-format",
+                "text",
+            ],
+            env={**os.environ, **gpu.env()},
+            stderr=self.log,
+            text=True,
+        )
         wait_for(self._answers, what="the agent socket")
 
     def _answers(self) -> bool:
@@ -92,10 +110,22 @@ class Agent:
 class Pod:
     def __init__(self, agent: Agent, *extra: str) -> None:
         self.proc = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
-             sys.executable, str(POD), "--socket", str(agent.socket), *extra],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "--kill-child",
+                sys.executable,
+                str(POD),
+                "--socket",
+                str(agent.socket),
+                *extra,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None and self.proc.stdin is not None
         assert self.proc.stdout.readline().strip() == "ready"
         (self.init_pid,) = wait_for(lambda: children(self.proc.pid), what="pod init")
@@ -372,9 +402,24 @@ def test_a_stale_socket_is_replaced_but_a_live_one_is_not(
     try:
         assert "processes" in first.ask()
         second = subprocess.run(
-            [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off", "--socket", str(first.socket)],
-            env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "enforcer",
+                "agent",
+                "--no-advertise",
+                "--no-labels",
+                "--no-serve-pods",
+                "--hard-limits",
+                "off",
+                "--socket",
+                str(first.socket),
+            ],
+            env={**os.environ, **fake_nvml.env()},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert second.returncode == 2
         assert "another agent is already listening" in second.stderr
         assert "processes" in first.ask()
@@ -386,10 +431,30 @@ def test_the_agent_refuses_to_run_outside_the_host_pid_namespace(
     fake_nvml: FakeNvml, tmp_path: Path
 ) -> None:
     out = subprocess.run(
-        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "enforcer", "agent",
-         "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off", "--socket", str(tmp_path / "a.sock"), "--log-format", "text"],
-        env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            sys.executable,
+            "-m",
+            "enforcer",
+            "agent",
+            "--no-advertise",
+            "--no-labels",
+            "--no-serve-pods",
+            "--hard-limits",
+            "off",
+            "--socket",
+            str(tmp_path / "a.sock"),
+            "--log-format",
+            "text",
+        ],
+        env={**os.environ, **fake_nvml.env()},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2
     assert "hostPID: true" in out.stderr
 
@@ -471,8 +536,12 @@ def test_out_of_file_descriptors_the_socket_pauses_instead_of_spinning(tmp_path:
     """accept() failing with EMFILE leaves the listener readable: polled on at once, the loop
     would spin a core and flood the log. It pauses, and accepts again once fds are free."""
     sock, log = tmp_path / "agent.sock", tmp_path / "server.log"
-    server = subprocess.Popen([sys.executable, "-c", EMFILE_SERVER, str(sock), str(ROOT)],
-                              stdout=subprocess.PIPE, stderr=log.open("w"), text=True)  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-c", EMFILE_SERVER, str(sock), str(ROOT)],
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+    )
     assert server.stdout is not None and server.stdout.readline() == "ready\n"
     flood = []
     try:
@@ -528,8 +597,17 @@ def test_pods_that_connect_as_fast_as_they_are_refused_do_not_stall_the_others(
     reconnect in a tight loop, it never got back to pushing samples or answering."""
     honest = Pod(agent)
     pods.append(honest)
-    hammer = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable,
-              "-c", HAMMER, str(agent.socket)]  # fmt: skip
+    hammer = [
+        "unshare",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "--kill-child",
+        sys.executable,
+        "-c",
+        HAMMER,
+        str(agent.socket),
+    ]
     hammers = [subprocess.Popen(hammer) for _ in range(4)]
     try:
         time.sleep(1.0)
@@ -556,11 +634,27 @@ def test_sigterm_ends_an_agent_whose_api_is_unreachable_promptly(
     state = FakeGpuState.single_gpu()
     state.write(tmp_path / "gpu.json")
     agent = subprocess.Popen(
-        [sys.executable, "-m", "enforcer", "agent", "--node-name", "n", "--kubeconfig", str(kubeconfig),
-         "--socket", str(tmp_path / "a.sock"), "--log-format", "text"],
-        env={**os.environ, "LD_LIBRARY_PATH": str(fake_nvml_lib), "FAKE_NVML_STATE": str(tmp_path / "gpu.json")},
+        [
+            sys.executable,
+            "-m",
+            "enforcer",
+            "agent",
+            "--node-name",
+            "n",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--socket",
+            str(tmp_path / "a.sock"),
+            "--log-format",
+            "text",
+        ],
+        env={
+            **os.environ,
+            "LD_LIBRARY_PATH": str(fake_nvml_lib),
+            "FAKE_NVML_STATE": str(tmp_path / "gpu.json"),
+        },
         stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     try:
         wait_for((tmp_path / "a.sock").exists, what="the agent's socket")
         time.sleep(2.0)  # its threads in their waits: the pod list failing, the publisher idle

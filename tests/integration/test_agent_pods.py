@@ -143,8 +143,17 @@ CALLER = (
 
 # A sidecar of its own: its own PID namespace, as in a pod, and its own mount namespace, with
 # a tmpfs over /run in which the emptyDir's directory is made (nothing is left on the host).
-POD_NAMESPACES = ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "sh", "-c",
-                  f'mount -t tmpfs tmpfs /run && mkdir -p {SIDECAR_SOCKET_DIR} && exec "$0" "$@"']  # fmt: skip
+POD_NAMESPACES = [
+    "unshare",
+    "--mount",
+    "--propagation",
+    "private",
+    "--pid",
+    "--fork",
+    "sh",
+    "-c",
+    f'mount -t tmpfs tmpfs /run && mkdir -p {SIDECAR_SOCKET_DIR} && exec "$0" "$@"',
+]
 
 
 def pod(
@@ -157,14 +166,21 @@ def pod(
     """A pod as the agent's watch keeps it (`kept`), from one as the API server sends it;
     its containers are named `names`, else c0, c1, ..."""
     names = names or tuple(f"c{i}" for i in range(len(container_ids)))
-    statuses = [{"name": n, "containerID": f"containerd://{cid}"}
-                for n, cid in zip(names, container_ids, strict=True)]  # fmt: skip
+    statuses = [
+        {"name": n, "containerID": f"containerd://{cid}"}
+        for n, cid in zip(names, container_ids, strict=True)
+    ]
     doc: dict[str, Any] = {
-        "metadata": {"name": name, "namespace": "team", "uid": uid, "labels": labels or {},
-                     "managedFields": [{"manager": "kubectl"}]},
+        "metadata": {
+            "name": name,
+            "namespace": "team",
+            "uid": uid,
+            "labels": labels or {},
+            "managedFields": [{"manager": "kubectl"}],
+        },
         "spec": {"containers": [{"name": n} for n in names]},
         "status": {"containerStatuses": statuses},
-    }  # fmt: skip
+    }
     return kept(cast(Pod, doc))
 
 
@@ -181,11 +197,15 @@ class Caller:
         command = [sys.executable, "-c", CALLER, f"dial:{socket_path}", str(ROOT)]
         if listen:
             command = [*POD_NAMESPACES, *command[:3], f"listen:{SIDECAR_SOCKET}", str(ROOT)]
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         # The sidecar's own process (not unshare's, which stays in the host's namespaces).
-        self.pid = wait_for(lambda: children(self.proc.pid), what="the pod's first process")[0] \
-            if listen else self.proc.pid  # fmt: skip
+        self.pid = (
+            wait_for(lambda: children(self.proc.pid), what="the pod's first process")[0]
+            if listen
+            else self.proc.pid
+        )
         if cid is not None:
             self.move(self.pid, uid, cid)
         assert self.proc.stdin is not None
@@ -234,8 +254,9 @@ class Caller:
 
 
 def pods_pushed() -> float:
-    found = TELEMETRY.registry.get_sample_value("vram_enforcer_agent_requests_total",
-                                                {"result": "pod"})  # fmt: skip
+    found = TELEMETRY.registry.get_sample_value(
+        "vram_enforcer_agent_requests_total", {"result": "pod"}
+    )
     return found or 0.0
 
 
@@ -253,8 +274,12 @@ def test_each_caller_gets_the_pod_its_cgroup_proves_and_no_other(
     not reported yet) and one in no container at all get no pod, and say why."""
     server.publish_pods(directory([pod("pod-a", UA, A), pod("pod-b", UB, B)], {}, None))
     sock = tmp_path / "agent.sock"
-    callers = [Caller(sock, cgroups, UA, A), Caller(sock, cgroups, UB, B),
-               Caller(sock, cgroups, UC, C), Caller(sock, cgroups, "", None)]  # fmt: skip
+    callers = [
+        Caller(sock, cgroups, UA, A),
+        Caller(sock, cgroups, UB, B),
+        Caller(sock, cgroups, UC, C),
+        Caller(sock, cgroups, "", None),
+    ]
     try:
         in_a, in_b, unknown, outside = (c.next() for c in callers)
         assert (in_a["pod"], in_b["pod"]) == ("pod-a", "pod-b")
@@ -276,15 +301,22 @@ def test_a_change_of_the_pod_is_pushed_to_its_callers_only(
     before = pods_pushed()
     server.publish_pods(directory(pods, {}, None))
     sock = tmp_path / "agent.sock"
-    in_a, in_b, late = (Caller(sock, cgroups, UA, A), Caller(sock, cgroups, UB, B),
-                        Caller(sock, cgroups, UA, C))  # fmt: skip
+    in_a, in_b, late = (
+        Caller(sock, cgroups, UA, A),
+        Caller(sock, cgroups, UB, B),
+        Caller(sock, cgroups, UA, C),
+    )
     try:
         assert in_a.next()["pod"] == "pod-a" and in_b.next()["pod"] == "pod-b"
         assert late.next()["pod"] is None
         restarted = pod("pod-a", UA, A, C, labels={ENFORCED: "restarted"})
         server.publish_pods(directory([restarted, pods[1]], {}, "the API is slow"))
-        assert in_a.next() == {"pod": "pod-a", "problem": "the API is slow",
-                               "labels": {ENFORCED: "restarted"}, "managed": False}  # fmt: skip
+        assert in_a.next() == {
+            "pod": "pod-a",
+            "problem": "the API is slow",
+            "labels": {ENFORCED: "restarted"},
+            "managed": False,
+        }
         assert late.next()["pod"] == "pod-a"
         assert in_b.next()["problem"] == "the API is slow"  # its reply changed: the problem
         server.publish_pods(directory([restarted, pods[1]], {}, "the API is slow"))
@@ -373,8 +405,9 @@ def test_an_agent_restart_keeps_the_pod_and_delivers_the_reports_made_meanwhile(
     t = TELEMETRY
 
     def agent() -> UsageServer:
-        s = UsageServer(sock, ProcFs(), ServerMetrics(t.requests, t.connections, t.unexpected),
-                        stale_after=60.0)  # fmt: skip
+        s = UsageServer(
+            sock, ProcFs(), ServerMetrics(t.requests, t.connections, t.unexpected), stale_after=60.0
+        )
         s.events = lambda p, e: posted.append((id(s), e.message))
         s.start()
         s.publish_pods(directory([pod("pod-a", UA, A)], {}, None))
@@ -412,8 +445,9 @@ def test_a_sidecars_counts_are_kept_for_its_own_pod_and_sent_again_to_a_new_agen
 
     def agent() -> tuple[UsageServer, PodCounts]:
         counts = PodCounts()
-        s = UsageServer(sock, ProcFs(), ServerMetrics(t.requests, t.connections, t.unexpected),
-                        stale_after=60.0)  # fmt: skip
+        s = UsageServer(
+            sock, ProcFs(), ServerMetrics(t.requests, t.connections, t.unexpected), stale_after=60.0
+        )
         s.reports = counts.keep
         s.start()
         s.publish_pods(directory(list(pods.values()), {}, None))
@@ -472,8 +506,9 @@ def test_a_stopped_sidecar_is_no_longer_counted_as_there(
 
 
 def refused() -> float:
-    found = TELEMETRY.registry.get_sample_value("vram_enforcer_agent_requests_total",
-                                                {"result": "refused"})  # fmt: skip
+    found = TELEMETRY.registry.get_sample_value(
+        "vram_enforcer_agent_requests_total", {"result": "refused"}
+    )
     return found or 0.0
 
 
@@ -494,8 +529,12 @@ def test_the_agent_connects_to_a_sidecar_in_its_own_filesystem_and_again_after_a
     t = TELEMETRY
 
     def agent() -> UsageServer:
-        s = UsageServer(tmp_path / "agent.sock", ProcFs(),
-                        ServerMetrics(t.requests, t.connections, t.unexpected), stale_after=60.0)  # fmt: skip
+        s = UsageServer(
+            tmp_path / "agent.sock",
+            ProcFs(),
+            ServerMetrics(t.requests, t.connections, t.unexpected),
+            stale_after=60.0,
+        )
         s.events = lambda p, e: posted.append(f"{p['metadata']['name']}: {e.message}")
         s.start()
         s.publish_pods(directory([pod("pod-a", UA, A), pod("pod-b", UB, B)], {}, None))
@@ -514,8 +553,10 @@ def test_the_agent_connects_to_a_sidecar_in_its_own_filesystem_and_again_after_a
         wait_for(lambda: posted == ["pod-a: sent SIGTERM to pid 7"], what="the report")
         first.adopt(A, dial(A))  # the agent connects again (it no longer counted the first)
         assert sidecar.next()["pod"] == "pod-a"  # sent on the new connection, taken over
-        wait_for(lambda: TELEMETRY.registry.get_sample_value(
-            "vram_enforcer_agent_connections") == 1, what="the old connection closed")  # fmt: skip
+        wait_for(
+            lambda: TELEMETRY.registry.get_sample_value("vram_enforcer_agent_connections") == 1,
+            what="the old connection closed",
+        )
         first.close()
         second = agent()
         sidecar.report("VRAMNearLimit", "-", "while no agent was there")
@@ -613,18 +654,36 @@ def test_a_process_of_the_sidecars_container_that_takes_its_socket_is_refused(
     # The agent dials A whenever its watch finds it unconnected: here, always (as after an
     # agent restart, or once the sidecar's connection is gone).
     links = SimpleNamespace(connected=frozenset(), peers={}, adopt=server.adopt)
-    watch = SidecarWatch(lambda: {UA: injected(UA, A)}, cast(Any, links), cast("EventRecorder", None),
-                         TELEMETRY, functools.partial(dial_sidecars, ProcFs()),
-                         processes=SidecarProcesses(ProcFs()), clock=lambda: now[0])  # fmt: skip
+    watch = SidecarWatch(
+        lambda: {UA: injected(UA, A)},
+        cast(Any, links),
+        cast("EventRecorder", None),
+        TELEMETRY,
+        functools.partial(dial_sidecars, ProcFs()),
+        processes=SidecarProcesses(ProcFs()),
+        clock=lambda: now[0],
+    )
     planter = None
     try:
         wait_for(sidecar.listening, what="the sidecar to listen")
         watch.check()
         assert sidecar.next()["pod"] == "pod-a"  # its own listener: served
         if planted_by == "exec":  # as the runtime runs an exec: into its namespaces, then cgroup
-            planter = subprocess.Popen(["nsenter", f"--target={sidecar.pid}", "--mount", "--pid",
-                                        sys.executable, "-c", PLANTED, SIDECAR_SOCKET],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+            planter = subprocess.Popen(
+                [
+                    "nsenter",
+                    f"--target={sidecar.pid}",
+                    "--mount",
+                    "--pid",
+                    sys.executable,
+                    "-c",
+                    PLANTED,
+                    SIDECAR_SOCKET,
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             planted = wait_for(lambda: children(planter.pid), what="the exec'd process")[0]
             sidecar.move(planted, UA, A)
             assert planter.stdin is not None and planter.stdout is not None

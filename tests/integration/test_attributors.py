@@ -34,13 +34,15 @@ POD = {
     "metadata": {"name": "trainer-0"},
     "spec": {"containers": [{"name": "trainer"}, {"name": "helper"}]},
     "status": {
-        "initContainerStatuses": [{"name": "vram-enforcer", "containerID": f"containerd://{SIDECAR}"}],
+        "initContainerStatuses": [
+            {"name": "vram-enforcer", "containerID": f"containerd://{SIDECAR}"}
+        ],
         "containerStatuses": [
             {"name": "trainer", "containerID": f"containerd://{TRAINER}"},
             {"name": "helper", "containerID": f"containerd://{HELPER}"},
         ],
     },
-}  # fmt: skip
+}
 START = {1: 400000, 7: 500000, 12: 500100, 40: 450000, 50: 500050, 60: 500060}
 
 
@@ -94,11 +96,18 @@ def attributor(
     options: dict[str, Any] = {"undeclared_allowed": False, "want_init": False, **kwargs}
     api = pod if isinstance(pod, ApiView) else ApiView(pod)
     view = Viewed(api, options.pop("refresh", Refreshes()))
-    declared = Declaration({"trainer": 4 * GiB}, options.pop("ceilings", {}),
-                           options.pop("portions", {}), gpus=options.pop("gpus", {}))  # fmt: skip
+    declared = Declaration(
+        {"trainer": 4 * GiB},
+        options.pop("ceilings", {}),
+        options.pop("portions", {}),
+        gpus=options.pop("gpus", {}),
+    )
     if "dra" in options:
-        options["dra"] = DraReads(options.pop("dra"), options.pop("claims", lambda: None),
-                                  options.pop("problem", lambda text: None))  # fmt: skip
+        options["dra"] = DraReads(
+            options.pop("dra"),
+            options.pop("claims", lambda: None),
+            options.pop("problem", lambda text: None),
+        )
     return ContainerAttributor(ProcFs(proc), cast(Any, view), declared, **options)
 
 
@@ -133,20 +142,44 @@ def test_with_dra_a_ceiling_raises_the_containers_claim_on_its_gpu_while_the_age
 ) -> None:
     """The trainer's claim gives it 4Gi on GPU-0, and its ceiling is 12Gi: its unit there
     is held to 12Gi while the agent decides reclaims, with 4Gi its request; to 4Gi else."""
-    claimed = {**POD, "spec": {
-        "containers": [{"name": "trainer", "resources": {"claims": [{"name": "vram"}]}},
-                       {"name": "helper"}],
-        "resourceClaims": [{"name": "vram", "resourceClaimName": "trainer-vram"}]}}  # fmt: skip
-    result = {"request": "vram", "driver": "gpu.nvidia.com", "pool": "node", "device": "gpu-0",
-              "consumedCapacity": {"memory": "4Gi"}}  # fmt: skip
-    claim = {"metadata": {"name": "trainer-vram"},
-             "status": {"allocation": {"devices": {"results": [result]}}}}  # fmt: skip
-    slice_ = {"spec": {"driver": "gpu.nvidia.com", "pool": {"name": "node", "generation": 1},
-                       "devices": [{"name": "gpu-0", "attributes": {"uuid": {"string": "GPU-0"}}}]}}  # fmt: skip
+    claimed = {
+        **POD,
+        "spec": {
+            "containers": [
+                {"name": "trainer", "resources": {"claims": [{"name": "vram"}]}},
+                {"name": "helper"},
+            ],
+            "resourceClaims": [{"name": "vram", "resourceClaimName": "trainer-vram"}],
+        },
+    }
+    result = {
+        "request": "vram",
+        "driver": "gpu.nvidia.com",
+        "pool": "node",
+        "device": "gpu-0",
+        "consumedCapacity": {"memory": "4Gi"},
+    }
+    claim = {
+        "metadata": {"name": "trainer-vram"},
+        "status": {"allocation": {"devices": {"results": [result]}}},
+    }
+    slice_ = {
+        "spec": {
+            "driver": "gpu.nvidia.com",
+            "pool": {"name": "node", "generation": 1},
+            "devices": [{"name": "gpu-0", "attributes": {"uuid": {"string": "GPU-0"}}}],
+        }
+    }
     objects = DraObjects({"trainer-vram": claim}, (slice_,))
     lending = [False]
-    a = attributor(proc, claimed, dra=DraSettings(), claims=lambda: objects,
-                   ceilings={"trainer": 12 * GiB}, lending=lambda: lending[0])  # fmt: skip
+    a = attributor(
+        proc,
+        claimed,
+        dra=DraSettings(),
+        claims=lambda: objects,
+        ceilings={"trainer": 12 * GiB},
+        lending=lambda: lending[0],
+    )
     unit = by_name(a.attribute(sample({12: 3 * GiB})))["trainer@GPU-0"]
     assert (unit.limit_bytes, unit.used_bytes, a.requests) == (4 * GiB, 3 * GiB, {})
     lending[0] = True
@@ -160,13 +193,18 @@ def test_a_limit_spread_over_gpus_is_held_per_gpu_and_a_borrower_asked_back_per_
     """KAI's gpu-fraction-num-devices: 2 for the trainer, 4Gi in all: 2Gi on each GPU it
     uses, its units named by GPU, as the sidecar's Events and the agent's reclaims say."""
     lending = [True]
-    a = attributor(proc, gpus={"trainer": 2}, ceilings={"trainer": 8 * GiB},
-                   lending=lambda: lending[0])  # fmt: skip
-    on_two = replace(sample({12: 3 * GiB}), processes=(
-        ProcessUsage(key(12), "GPU-0", 3 * GiB), ProcessUsage(key(12), "GPU-1", GiB)))  # fmt: skip
+    a = attributor(
+        proc, gpus={"trainer": 2}, ceilings={"trainer": 8 * GiB}, lending=lambda: lending[0]
+    )
+    on_two = replace(
+        sample({12: 3 * GiB}),
+        processes=(ProcessUsage(key(12), "GPU-0", 3 * GiB), ProcessUsage(key(12), "GPU-1", GiB)),
+    )
     units = by_name(a.attribute(on_two))
     assert {n: (u.used_bytes, u.limit_bytes) for n, u in units.items() if "@" in n} == {
-        "trainer@GPU-0": (3 * GiB, 4 * GiB), "trainer@GPU-1": (GiB, 4 * GiB)}  # fmt: skip
+        "trainer@GPU-0": (3 * GiB, 4 * GiB),
+        "trainer@GPU-1": (GiB, 4 * GiB),
+    }
     assert a.requests == {"trainer@GPU-0": 2 * GiB, "trainer@GPU-1": 2 * GiB}
     lending[0] = False  # held to its request: 2Gi on each
     assert by_name(a.attribute(on_two))["trainer@GPU-0"].limit_bytes == 2 * GiB
@@ -179,8 +217,11 @@ def test_a_portion_of_a_gpu_counts_against_the_smallest_gpu_and_not_before_one_i
     """KAI's gpu-fraction for the helper: bytes only once NVML shows a whole GPU's memory;
     until then the helper is not checked at all, never held to 0."""
     lending = [False]
-    a = attributor(proc, portions={"helper": Portion(Decimal("0.25"), Decimal("0.5"))},
-                   lending=lambda: lending[0])  # fmt: skip
+    a = attributor(
+        proc,
+        portions={"helper": Portion(Decimal("0.25"), Decimal("0.5"))},
+        lending=lambda: lending[0],
+    )
     usage = {12: 3 * GiB, 50: 30 * GiB}
     unknown = by_name(a.attribute(sample(usage)))
     assert "helper" not in unknown and unknown["trainer"].limit_bytes == 4 * GiB

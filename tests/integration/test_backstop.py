@@ -74,18 +74,27 @@ def test_the_init_is_the_oldest_process_of_the_container_whose_parent_is_outside
         time.sleep(0.03)  # a later clock tick: an exec into the container is younger
         started.append(in_box(box, SLEEP))
         exec_shell = started[-1].pid
-        wait_for(lambda: str(exec_shell) in (box / "cgroup.procs").read_text(),
-                 what="the exec in the container")  # fmt: skip
-        pod = {"status": {"containerStatuses": [
-            {"name": "trainer", "containerID": f"containerd://{CID}"},
-            {"name": "vram-enforcer", "containerID": f"containerd://{'cd' * 32}"}]}}  # fmt: skip
+        wait_for(
+            lambda: str(exec_shell) in (box / "cgroup.procs").read_text(),
+            what="the exec in the container",
+        )
+        pod = {
+            "status": {
+                "containerStatuses": [
+                    {"name": "trainer", "containerID": f"containerd://{CID}"},
+                    {"name": "vram-enforcer", "containerID": f"containerd://{'cd' * 32}"},
+                ]
+            }
+        }
         declared = PodVram("uid", "team", "pod", {"trainer": GiB}, {})
         attributor = SilentPodAttributor(procfs, declared, "vram-enforcer", want_init=True)
         attributor.update(pod, {})  # type: ignore[arg-type]
         # No cgroupfs here: the init is found by a scan of /proc on a thread of its own
         # (tests/integration/test_container_inits.py), for a later look.
-        whole = wait_for(lambda: (w := attributor.whole(UnitUsage("trainer", GiB))).restart and w,
-                         what="the init")  # fmt: skip
+        whole = wait_for(
+            lambda: (w := attributor.whole(UnitUsage("trainer", GiB))).restart and w,
+            what="the init",
+        )
         assert whole.restart and [p.key.pid for p in whole.processes] == [init.pid]
         member = attributor.membership("trainer")
         assert member(workers[0]) and member(exec_shell)
@@ -105,8 +114,11 @@ def test_a_share_spread_over_gpus_is_held_on_each_gpu_never_summed_on_one(
     worker = in_box(box, SLEEP)
     try:
         key = moved_in(box, worker)
-        pod = {"status": {"containerStatuses": [
-            {"name": "trainer", "containerID": f"containerd://{CID}"}]}}  # fmt: skip
+        pod = {
+            "status": {
+                "containerStatuses": [{"name": "trainer", "containerID": f"containerd://{CID}"}]
+            }
+        }
         declared = PodVram("uid", "team", "pod", {"trainer": 8 * GiB}, {}, gpus={"trainer": 2})
         attributor = SilentPodAttributor(ProcFs(), declared, "vram-enforcer", want_init=False)
         attributor.update(pod, {key: CID})  # type: ignore[arg-type]
@@ -131,14 +143,20 @@ def test_with_dra_each_claim_holds_its_containers_on_its_gpu_and_proves_them_the
     worker = in_box(box, SLEEP)
     try:
         key = moved_in(box, worker)
-        pod = {"status": {"containerStatuses": [
-            {"name": "trainer", "containerID": f"containerd://{CID}"},
-            {"name": "vram-enforcer", "containerID": f"containerd://{'cd' * 32}"}]}}  # fmt: skip
+        pod = {
+            "status": {
+                "containerStatuses": [
+                    {"name": "trainer", "containerID": f"containerd://{CID}"},
+                    {"name": "vram-enforcer", "containerID": f"containerd://{'cd' * 32}"},
+                ]
+            }
+        }
         found = Allocations((GpuUnit("GPU-a", ("trainer",), 4 * GiB, ()),))
         attributor = SilentPodAttributor(procfs, found, "vram-enforcer", want_init=False)
         attributor.update(pod, {key: CID})  # type: ignore[arg-type]
-        sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 5 * GiB),
-                                  ProcessUsage(key, "GPU-b", GiB)))  # fmt: skip
+        sample = Sample(
+            0.0, (), (ProcessUsage(key, "GPU-a", 5 * GiB), ProcessUsage(key, "GPU-b", GiB))
+        )
         units = {u.name: (u.used_bytes, u.limit_bytes) for u in attributor.attribute(sample)}
         assert units == {"trainer@GPU-a": (5 * GiB, 4 * GiB), "trainer@GPU-b": (GiB, 0)}
         assert attributor.label("trainer@GPU-a") == (
@@ -174,23 +192,38 @@ def test_a_pod_handed_back_before_the_grace_period_ends_still_gets_its_sigkill(
     box = cgroup2 / f"cri-containerd-{CID}.scope"
     box.mkdir()
     procfs = ProcFs()
-    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
-               "print('ready', flush=True); time.sleep(60)"  # fmt: skip
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
     victim = in_box(box, [sys.executable, "-c", stubborn], stdout=subprocess.PIPE, text=True)
     try:
         assert victim.stdout is not None and victim.stdout.readline().strip() == "ready"
         st = procfs.stat(victim.pid)
         assert st is not None
         key = ProcessKey(victim.pid, st.start_time)
-        sidecar_env = [{"name": "VRAM_ENFORCER_LIMITS", "value": json.dumps({"trainer": GiB})},
-                       {"name": "VRAM_ENFORCER_GRACE_PERIOD", "value": "1s"}]  # fmt: skip
-        pod = cast(Pod, {"metadata": {"uid": "u", "namespace": "team", "name": "p"},
-                         "spec": {"containers": [{"name": "trainer"},
-                                                 {"name": "vram-enforcer", "env": sidecar_env}]},
-                         "status": {"containerStatuses": [
-                             {"name": "trainer", "containerID": f"containerd://{CID}"},
-                             {"name": "vram-enforcer",
-                              "containerID": f"containerd://{'cd' * 32}"}]}})  # fmt: skip
+        sidecar_env = [
+            {"name": "VRAM_ENFORCER_LIMITS", "value": json.dumps({"trainer": GiB})},
+            {"name": "VRAM_ENFORCER_GRACE_PERIOD", "value": "1s"},
+        ]
+        pod = cast(
+            Pod,
+            {
+                "metadata": {"uid": "u", "namespace": "team", "name": "p"},
+                "spec": {
+                    "containers": [
+                        {"name": "trainer"},
+                        {"name": "vram-enforcer", "env": sidecar_env},
+                    ]
+                },
+                "status": {
+                    "containerStatuses": [
+                        {"name": "trainer", "containerID": f"containerd://{CID}"},
+                        {"name": "vram-enforcer", "containerID": f"containerd://{'cd' * 32}"},
+                    ]
+                },
+            },
+        )
         silent: set[str] = {"u"}
         recorder = Recorded()
         backstop = Backstop(
@@ -275,35 +308,62 @@ def test_a_pod_whose_signal_the_kernel_refuses_is_evicted_once_with_an_event(
     box = cgroup2 / f"cri-containerd-{CID}.scope"
     box.mkdir()
     procfs = ProcFs()
-    victim = in_box(box, ["setpriv", "--reuid", "1000", "--regid", "1000", "--clear-groups",
-                          "sleep", "60"])  # fmt: skip
+    victim = in_box(
+        box, ["setpriv", "--reuid", "1000", "--regid", "1000", "--clear-groups", "sleep", "60"]
+    )
     try:
         wait_for(lambda: procfs.cmdline(victim.pid) == "sleep 60", what="the victim's exec")
         st = procfs.stat(victim.pid)
         assert st is not None
         sidecar_env = [{"name": "VRAM_ENFORCER_LIMITS", "value": json.dumps({"trainer": GiB})}]
-        pod = {"metadata": {"uid": "u", "namespace": "team", "name": "p"},
-               "spec": {"containers": [{"name": "trainer"},
-                                       {"name": "vram-enforcer", "env": sidecar_env}]},
-               "status": {"containerStatuses": [
-                   {"name": "trainer", "containerID": f"containerd://{CID}"},
-                   {"name": "vram-enforcer", "containerID": f"containerd://{'cd' * 32}"}]}}  # fmt: skip
+        pod = {
+            "metadata": {"uid": "u", "namespace": "team", "name": "p"},
+            "spec": {
+                "containers": [{"name": "trainer"}, {"name": "vram-enforcer", "env": sidecar_env}]
+            },
+            "status": {
+                "containerStatuses": [
+                    {"name": "trainer", "containerID": f"containerd://{CID}"},
+                    {"name": "vram-enforcer", "containerID": f"containerd://{'cd' * 32}"},
+                ]
+            },
+        }
         with serving([]) as api:
             agent = subprocess.run(
-                ["setpriv", "--inh-caps", "-all", "--bounding-set", "-kill", sys.executable,
-                 "-c", EVICTING, api.url, str(victim.pid), str(st.start_time), CID,
-                 json.dumps(pod)],
-                cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=30,
-            )  # fmt: skip
+                [
+                    "setpriv",
+                    "--inh-caps",
+                    "-all",
+                    "--bounding-set",
+                    "-kill",
+                    sys.executable,
+                    "-c",
+                    EVICTING,
+                    api.url,
+                    str(victim.pid),
+                    str(st.start_time),
+                    CID,
+                    json.dumps(pod),
+                ],
+                cwd=Path(__file__).parents[2],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             assert agent.returncode == 0, agent.stderr
             posts = list(api.posts)
         evictions = [body for path, body in posts if path.endswith("/eviction")]
         assert [path for path, _ in posts if path.endswith("/eviction")] == [
             "/api/v1/namespaces/team/pods/p/eviction"
         ]
-        assert evictions == [{"apiVersion": "policy/v1", "kind": "Eviction",
-                              "metadata": {"name": "p", "namespace": "team"},
-                              "deleteOptions": {"preconditions": {"uid": "u"}}}]  # fmt: skip
+        assert evictions == [
+            {
+                "apiVersion": "policy/v1",
+                "kind": "Eviction",
+                "metadata": {"name": "p", "namespace": "team"},
+                "deleteOptions": {"preconditions": {"uid": "u"}},
+            }
+        ]
         events = [body for path, body in posts if path == "/api/v1/namespaces/team/events"]
         said = [e for e in events if e["reason"] == "VRAMEvicted"]
         assert len(said) == 1, events

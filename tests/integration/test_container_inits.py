@@ -76,10 +76,14 @@ def container(cgroup2: Path) -> Iterator[Container]:
         started.append(in_box(other, SLEEP))  # a neighbour, never read
         time.sleep(0.03)  # a later clock tick: the exec is younger than the init
         started.append(in_box(box, SLEEP))
-        wait_for(lambda: str(started[-1].pid) in (box / "cgroup.procs").read_text(),
-                 what="the exec in the container")  # fmt: skip
-        wait_for(lambda: str(started[1].pid) in (other / "cgroup.procs").read_text(),
-                 what="the neighbour in its container")  # fmt: skip
+        wait_for(
+            lambda: str(started[-1].pid) in (box / "cgroup.procs").read_text(),
+            what="the exec in the container",
+        )
+        wait_for(
+            lambda: str(started[1].pid) in (other / "cgroup.procs").read_text(),
+            what="the neighbour in its container",
+        )
         yield cid, box, key_of(started[0].pid), [started[0].pid, *workers, started[-1].pid]
     finally:
         ended(workers, started)
@@ -119,9 +123,14 @@ def test_where_the_containers_cgroup_cannot_be_read_the_init_is_found_by_a_scan(
 
 def _over(procfs: ProcFs, cid: str, members: list[int]) -> tuple[SilentPodAttributor, Sample]:
     """The silent pod's attributor for `restart`, and a sample where its worker is over."""
-    pod = {"status": {"containerStatuses": [
-        {"name": "trainer", "containerID": f"containerd://{cid}"},
-        {"name": "vram-enforcer", "containerID": f"containerd://{'cd' * 32}"}]}}  # fmt: skip
+    pod = {
+        "status": {
+            "containerStatuses": [
+                {"name": "trainer", "containerID": f"containerd://{cid}"},
+                {"name": "vram-enforcer", "containerID": f"containerd://{'cd' * 32}"},
+            ]
+        }
+    }
     held = Allocations((GpuUnit("GPU-a", ("trainer",), GiB, ()),))
     attributor = SilentPodAttributor(procfs, held, "vram-enforcer", want_init=True)
     worker = key_of(members[1])

@@ -45,8 +45,14 @@ class Demo:
 
 def run_demo(*flags: str) -> Demo:
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-    out = subprocess.run([sys.executable, "-m", "enforcer", "demo", "--interval", "20ms", *flags],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "enforcer", "demo", "--interval", "20ms", *flags],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return Demo(out.returncode, out.stdout, out.stderr)
 
 
@@ -57,8 +63,9 @@ def gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize(("action", "signum"), [("terminate", signal.SIGTERM),
-                                                ("kill", signal.SIGKILL)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("action", "signum"), [("terminate", signal.SIGTERM), ("kill", signal.SIGKILL)]
+)
 def test_the_grower_is_stopped_over_its_limit_and_every_line_says_simulated(
     action: str, signum: signal.Signals
 ) -> None:
@@ -69,8 +76,11 @@ def test_the_grower_is_stopped_over_its_limit_and_every_line_says_simulated(
     assert gone(pid)
     assert "done" not in d.stdout  # stopped before it reached its peak and exited by itself
     (enforced,) = [line for line in d.stderr.splitlines() if f"sent {signum.name}" in line]
-    assert re.search(r"the command tree uses (1\.25|1\.50) GiB of its 1\.00 GiB VRAM limit "
-                     r"\(1[25]\d%\); sent SIG\w+ to pid (\d+) ", enforced)[2] == str(pid)  # type: ignore[index]  # fmt: skip
+    assert re.search(
+        r"the command tree uses (1\.25|1\.50) GiB of its 1\.00 GiB VRAM limit "
+        r"\(1[25]\d%\); sent SIG\w+ to pid (\d+) ",
+        enforced,
+    )[2] == str(pid)  # type: ignore[index]
     assert enforced.startswith(f"vram-enforcer: warning: {LABEL} the command tree uses")
     assert "enforcing a 1.00 GiB limit on pid" in d.stderr  # exec's own start line
     last = d.stderr.splitlines()[-1]
@@ -84,18 +94,27 @@ def test_a_grower_within_its_limit_is_left_alone_after_the_enforcer_saw_its_usag
     assert d.returncode == 0, d.stderr
     assert all(LABEL in line for line in d.lines), d.lines
     # The enforcer saw it at its peak: the warning at 90% of the limit says so.
-    assert (f"{LABEL} the command tree uses 1.50 GiB of its 1.50 GiB VRAM limit (100%), above "
-            "the 90% warning threshold") in d.stderr  # fmt: skip
+    assert (
+        f"{LABEL} the command tree uses 1.50 GiB of its 1.50 GiB VRAM limit (100%), above "
+        "the 90% warning threshold"
+    ) in d.stderr
     assert "sent SIG" not in d.stderr
     assert "done, exiting with 1536 MiB" in d.stdout  # it ran to its own end
     last = d.stderr.splitlines()[-1]
-    assert ("the grower stayed within its 1.50 GiB limit (exec saw the command tree hold "
-            "1.50 GiB at most) and was left alone: exit status 0") in last  # fmt: skip
+    assert (
+        "the grower stayed within its 1.50 GiB limit (exec saw the command tree hold "
+        "1.50 GiB at most) and was left alone: exit status 0"
+    ) in last
 
 
 def test_the_help_says_it_is_simulated_and_what_to_run_on_a_gpu() -> None:
-    out = subprocess.run([sys.executable, "-m", "enforcer", "demo", "--help"], cwd=ROOT,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "enforcer", "demo", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "simulated GPU" in out.stdout
     assert "vram-enforcer exec --limit 4Gi -- python train.py" in out.stdout
     assert "exit status" in out.stdout
@@ -109,8 +128,12 @@ def test_the_limits_help_names_the_growers_peak() -> None:
 def test_the_simulated_gpu_lists_live_processes_and_frees_those_that_exited(
     tmp_path: Path,
 ) -> None:
-    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                            capture_output=True, text=True, check=True)  # fmt: skip
+    exited = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     (tmp_path / str(os.getpid())).write_text(f"{GiB}\n")
     (tmp_path / exited.stdout.strip()).write_text(f"{2 * GiB}\n")
     (tmp_path / f".{os.getpid()}.tmp").write_text("half a numb")
@@ -126,17 +149,21 @@ def test_the_simulated_gpu_has_no_hard_limits_and_says_so_when_unreadable(tmp_pa
     gpu = SimulatedNvml(tmp_path / "missing")
     with pytest.raises(NvmlQueryError, match="simulated GPU"):
         gpu.snapshot()
-    for outcome in (gpu.set_memory_limit(UUID, "/sys/fs/cgroup/x", GiB),
-                    gpu.clear_memory_limit(UUID, "/sys/fs/cgroup/x"),
-                    gpu.memory_limit(UUID, "/sys/fs/cgroup/x")):  # fmt: skip
+    for outcome in (
+        gpu.set_memory_limit(UUID, "/sys/fs/cgroup/x", GiB),
+        gpu.clear_memory_limit(UUID, "/sys/fs/cgroup/x"),
+        gpu.memory_limit(UUID, "/sys/fs/cgroup/x"),
+    ):
         assert getattr(outcome, "result", None) is LimitResult.UNSUPPORTED
 
 
 def test_the_grower_without_its_directory_says_so_in_one_line(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "enforcer.workloads.grower", str(tmp_path / "missing")],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2
     assert len(out.stderr.splitlines()) == 1
     assert f"cannot write to {tmp_path / 'missing'}" in out.stderr

@@ -28,17 +28,35 @@ def doctor(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]
 
 def with_api(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
     """doctor as run, the API checks included unless `flags` say --no-api."""
-    return subprocess.run([sys.executable, "-m", "enforcer", "doctor", *flags],
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "enforcer", "doctor", *flags],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.fixture
 def agent(fake_nvml: Any, tmp_path: Path) -> Iterator[Path]:
     sock = tmp_path / "agent.sock"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "enforcer", "agent", "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off", "--socket", str(sock)],
-        env={**os.environ, **fake_nvml.env()}, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "enforcer",
+            "agent",
+            "--no-advertise",
+            "--no-labels",
+            "--no-serve-pods",
+            "--hard-limits",
+            "off",
+            "--socket",
+            str(sock),
+        ],
+        env={**os.environ, **fake_nvml.env()},
+        stderr=subprocess.DEVNULL,
+    )
     wait_for(sock.exists, what="the agent socket")
     yield sock
     proc.terminate()
@@ -236,20 +254,39 @@ def test_in_a_sidecar_of_0_2_0_the_api_is_not_asked_and_the_agents_connection_is
 @pytest.mark.parametrize(
     ("state", "detail", "fix"),
     [
-        ("missing", "{path} does not exist: the sidecar is not listening (it has not started, or "
-         "could not)", "its log says why: kubectl logs <pod> -c vram-enforcer"),
-        ("left", "nothing listens on {path}: the sidecar is not running, or is restarting",
-         "its log says why: kubectl logs <pod> -c vram-enforcer (--previous after a restart)"),
-        ("alone", "the sidecar listens on {path}, but the node agent is not connected to it: "
-         "the sidecar has no usage to enforce on", "is a node agent of 0.2.0 running on this "
-         "node (kubectl -n <ns> get pods -l app.kubernetes.io/component=agent -o wide), and may "
-         "it read the sidecar's root with ptrace (AppArmor)? Its log says why it cannot connect"),
-        ("stopped", "the sidecar listens on {path}, but the node agent is not connected to it: "
-         "the sidecar has no usage to enforce on", "is a node agent of 0.2.0"),
-        ("file", "{path} is a regular file, not a socket", "VRAM_ENFORCER_LISTEN must be the "
-         "sidecar's --listen (the webhook sets /run/vram-enforcer/sidecar.sock)"),
+        (
+            "missing",
+            "{path} does not exist: the sidecar is not listening (it has not started, or "
+            "could not)",
+            "its log says why: kubectl logs <pod> -c vram-enforcer",
+        ),
+        (
+            "left",
+            "nothing listens on {path}: the sidecar is not running, or is restarting",
+            "its log says why: kubectl logs <pod> -c vram-enforcer (--previous after a restart)",
+        ),
+        (
+            "alone",
+            "the sidecar listens on {path}, but the node agent is not connected to it: "
+            "the sidecar has no usage to enforce on",
+            "is a node agent of 0.2.0 running on this "
+            "node (kubectl -n <ns> get pods -l app.kubernetes.io/component=agent -o wide), and may "
+            "it read the sidecar's root with ptrace (AppArmor)? Its log says why it cannot connect",
+        ),
+        (
+            "stopped",
+            "the sidecar listens on {path}, but the node agent is not connected to it: "
+            "the sidecar has no usage to enforce on",
+            "is a node agent of 0.2.0",
+        ),
+        (
+            "file",
+            "{path} is a regular file, not a socket",
+            "VRAM_ENFORCER_LISTEN must be the "
+            "sidecar's --listen (the webhook sets /run/vram-enforcer/sidecar.sock)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_in_a_sidecar_whose_agent_is_not_connected_the_socket_check_fails(
     state: str, detail: str, fix: str, tmp_path: Path
 ) -> None:
@@ -316,12 +353,19 @@ class FakeApiServer(http.server.BaseHTTPRequestHandler):
         pass
 
 
-AGENT_NEEDS = [("get", "nodes", "", ""), ("patch", "nodes", "", ""),
-               ("patch", "nodes", "status", ""), ("list", "pods", "", ""),
-               ("watch", "pods", "", ""), ("create", "pods", "eviction", ""),
-               ("list", "namespaces", "", ""), ("watch", "namespaces", "", ""),
-               ("create", "events", "", ""), ("patch", "events", "", ""),
-               ("list", "events", "", "")]  # fmt: skip
+AGENT_NEEDS = [
+    ("get", "nodes", "", ""),
+    ("patch", "nodes", "", ""),
+    ("patch", "nodes", "status", ""),
+    ("list", "pods", "", ""),
+    ("watch", "pods", "", ""),
+    ("create", "pods", "eviction", ""),
+    ("list", "namespaces", "", ""),
+    ("watch", "namespaces", "", ""),
+    ("create", "events", "", ""),
+    ("patch", "events", "", ""),
+    ("list", "events", "", ""),
+]
 
 
 @pytest.fixture
@@ -331,11 +375,20 @@ def api_server(tmp_path: Path) -> Iterator[Path]:
     FakeApiServer.allowed, FakeApiServer.asked = set(AGENT_NEEDS), []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
-        "users": [{"name": "u", "user": {"token": "x"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))  # fmt: skip
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [
+                    {"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}
+                ],
+                "users": [{"name": "u", "user": {"token": "x"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            }
+        )
+    )
     yield kubeconfig
     server.shutdown()
     server.server_close()
@@ -345,17 +398,27 @@ def test_for_a_sidecar_of_0_2_0_no_rbac_is_checked_and_the_agents_is(api_server:
     """Run for a namespace's sidecars (here by whoever may do all the agent needs): those
     that 0.2.0 injects need no RBAC, so no Role is asked for in it, and the agent's
     RBAC covers what it does for them (reading the node's pods, posting their Events)."""
-    out = with_api({}, "--no-nvml", "--no-agent", "--json", "--kubeconfig", str(api_server),
-                   "--namespace", "ml")  # fmt: skip
+    out = with_api(
+        {},
+        "--no-nvml",
+        "--no-agent",
+        "--json",
+        "--kubeconfig",
+        str(api_server),
+        "--namespace",
+        "ml",
+    )
     assert out.returncode == 0, out.stdout
     checks = {c["name"]: c for c in json.loads(out.stdout)}
     assert checks["Kubernetes API"]["detail"] == "reachable, v1.37.0"
     assert checks["RBAC for the sidecar"] == {
-        "name": "RBAC for the sidecar", "status": "skip", "fix": "",
+        "name": "RBAC for the sidecar",
+        "status": "skip",
+        "fix": "",
         "detail": "none needed: a sidecar of --api-access agent (the default) makes no API "
         "request: the node agent reads its pod and posts its Events (the agent's RBAC is "
         "checked below); --api-access direct checks the Role that sidecars of 0.1.0 need",
-    }  # fmt: skip
+    }
     assert checks["RBAC for the agent"]["status"] == "ok"
     assert FakeApiServer.asked == AGENT_NEEDS  # nothing in namespace ml
 
@@ -366,8 +429,17 @@ def test_for_a_sidecar_of_api_access_direct_the_role_is_checked(how: str, api_se
     of deploy/rbac/sidecar.yaml, which sidecars of 0.1.0 need too, in the namespace."""
     flags = ["--api-access", "direct"] if how == "flag" else []
     env = {"VRAM_ENFORCER_API_ACCESS": "direct"} if how == "environment" else {}
-    out = with_api(env, "--no-nvml", "--no-agent", "--json", "--kubeconfig", str(api_server),
-                   "--namespace", "ml", *flags)  # fmt: skip
+    out = with_api(
+        env,
+        "--no-nvml",
+        "--no-agent",
+        "--json",
+        "--kubeconfig",
+        str(api_server),
+        "--namespace",
+        "ml",
+        *flags,
+    )
     assert out.returncode == 1, out.stdout
     sidecar = {c["name"]: c for c in json.loads(out.stdout)}["RBAC for the sidecar"]
     assert sidecar["status"] == "fail"
@@ -378,8 +450,11 @@ def test_for_a_sidecar_of_api_access_direct_the_role_is_checked(how: str, api_se
         "add the namespace to the chart's sidecar.namespaces (or apply deploy/rbac/sidecar.yaml "
         "there), or run the sidecar with --api-access agent, which needs none"
     )
-    assert FakeApiServer.asked[:3] == [("get", "pods", "", "ml"), ("create", "events", "", "ml"),
-                                       ("patch", "events", "", "ml")]  # fmt: skip
+    assert FakeApiServer.asked[:3] == [
+        ("get", "pods", "", "ml"),
+        ("create", "events", "", "ml"),
+        ("patch", "events", "", "ml"),
+    ]
 
 
 def test_an_api_access_that_is_not_a_choice_is_refused_with_the_choices() -> None:
@@ -424,5 +499,10 @@ def test_render() -> None:
             Check("C", "skip", "not asked"),
         ]
     )
-    assert text.splitlines() == ["[ok  ] A: fine", "[FAIL] B: broken", "       fix: do this", "[skip] C: not asked",
-                                 "1 check(s) failed"]  # fmt: skip
+    assert text.splitlines() == [
+        "[ok  ] A: fine",
+        "[FAIL] B: broken",
+        "       fix: do this",
+        "[skip] C: not asked",
+        "1 check(s) failed",
+    ]

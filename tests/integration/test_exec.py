@@ -187,8 +187,11 @@ def test_a_command_line_with_a_newline_and_escapes_stays_on_its_one_line(run: Ru
     terminal with a control sequence."""
     role = "main\nvram-enforcer: error: forged\r\x1b[31m"
     worker = str(WORKER.relative_to(ROOT))  # exec runs in ROOT: the role is shown, not cut
-    run.start("--limit", "4Gi",
-              command=(sys.executable, worker, "--role", role, "--report", str(run.report)))  # fmt: skip
+    run.start(
+        "--limit",
+        "4Gi",
+        command=(sys.executable, worker, "--role", role, "--report", str(run.report)),
+    )
     w = run.worker(role)
     run.use(w["pid"], 5 * GiB)
     assert run.wait() == 128 + signal.SIGTERM
@@ -222,8 +225,17 @@ def test_workers_replaced_as_fast_as_they_are_stopped_lose_the_whole_tree(run: R
     long as the supervisor runs. One grace period after the first victim, the whole tree
     goes."""
     report = run.tmp / "respawner.json"
-    respawner = (sys.executable, "-m", "tests.integration.respawner", "--workers", "4",
-                 "--bytes", str(600 * MiB), "--report", str(report))  # fmt: skip
+    respawner = (
+        sys.executable,
+        "-m",
+        "tests.integration.respawner",
+        "--workers",
+        "4",
+        "--bytes",
+        str(600 * MiB),
+        "--report",
+        str(report),
+    )
     run.start("--limit", "1Gi", "--grace-period", "300ms", command=respawner)
     run.saw(4 * 600 * MiB)  # the enforcer saw the whole tree over its limit
     assert run.wait(timeout=30) == 128 + signal.SIGKILL, run.stderr
@@ -532,10 +544,23 @@ def test_summary_of_an_offender_says_when_and_what_was_done(run: Run) -> None:
 def test_summary_when_the_command_never_ran(fake_nvml: Any, tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
     out = subprocess.run(
-        [sys.executable, "-m", "enforcer", "exec", "--limit", "1Gi", "--summary", str(summary),
-         "--", "no-such-command-xyz"],
-        env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "enforcer",
+            "exec",
+            "--limit",
+            "1Gi",
+            "--summary",
+            str(summary),
+            "--",
+            "no-such-command-xyz",
+        ],
+        env={**os.environ, **fake_nvml.env()},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 127
     doc = json.loads(summary.read_text())
     assert doc["started"] is False and doc["exit_status"] == 127
@@ -545,10 +570,24 @@ def test_summary_when_the_command_never_ran(fake_nvml: Any, tmp_path: Path) -> N
 def test_summary_in_a_missing_directory_refuses_to_start(fake_nvml: Any, tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     out = subprocess.run(
-        [sys.executable, "-m", "enforcer", "exec", "--limit", "1Gi", "--summary",
-         str(tmp_path / "nowhere" / "s.json"), "--", "touch", str(marker)],
-        env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "enforcer",
+            "exec",
+            "--limit",
+            "1Gi",
+            "--summary",
+            str(tmp_path / "nowhere" / "s.json"),
+            "--",
+            "touch",
+            str(marker),
+        ],
+        env={**os.environ, **fake_nvml.env()},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2
     assert "nowhere does not exist; create it first" in out.stderr
     assert not marker.exists()
@@ -575,10 +614,26 @@ def test_a_busy_metrics_port_is_a_clear_error_and_nothing_runs(
         taken.listen()
         port = taken.getsockname()[1]
         out = subprocess.run(
-            [sys.executable, "-m", "enforcer", "exec", "--limit", "1Gi", "--metrics-port", str(port),
-             "--metrics-address", "127.0.0.1", "--", "touch", str(marker)],
-            env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "enforcer",
+                "exec",
+                "--limit",
+                "1Gi",
+                "--metrics-port",
+                str(port),
+                "--metrics-address",
+                "127.0.0.1",
+                "--",
+                "touch",
+                str(marker),
+            ],
+            env={**os.environ, **fake_nvml.env()},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     assert out.returncode == 2
     assert (
         f"--metrics-port {port}: cannot listen on 127.0.0.1: Address already in use" in out.stderr
@@ -600,9 +655,19 @@ def test_a_borrower_keeps_what_it_borrows_until_the_others_need_the_room(run: Ru
     keeps the watermark (4 GiB) free for the process beside it; once that one grows into
     it, the borrower is stopped, one line saying why, and counted."""
     summary = run.tmp / "summary.json"
-    run.start("--limit", "8Gi", "--request", "2Gi", "--reclaim-watermark", "4Gi",
-              "--grace-period", "2s", "--summary", str(summary),
-              worker=("--ignore-term",))  # fmt: skip
+    run.start(
+        "--limit",
+        "8Gi",
+        "--request",
+        "2Gi",
+        "--reclaim-watermark",
+        "4Gi",
+        "--grace-period",
+        "2s",
+        "--summary",
+        str(summary),
+        worker=("--ignore-term",),
+    )
     w = run.worker()
     _outsider(run, 70 * GiB)  # 76 of 80 used: exactly the watermark free
     run.use(w["pid"], 6 * GiB)
@@ -768,8 +833,11 @@ def test_the_command_starts_in_a_cgroup_already_held_to_the_limit(run: Run) -> N
     assert w["cgroup"].endswith(f"/vram-enforcer-{run.proc.pid}/command")
     cgroup = v2_root() / w["cgroup"].lstrip("/")  # type: ignore[operator]
     # The worker read the fake driver's records as its first step: the limits were there.
-    held = {(r["device"], r["hard"]) for r in w["limits"]
-            if r["cgroup"] == str(cgroup) and r["inode"] == cgroup.stat().st_ino}  # fmt: skip
+    held = {
+        (r["device"], r["hard"])
+        for r in w["limits"]
+        if r["cgroup"] == str(cgroup) and r["inode"] == cgroup.stat().st_ino
+    }
     gpu0 = run.gpu.state.devices[0]["uuid"]
     assert held == {(gpu0, 4 * GiB), (small["uuid"], 2 * GiB)}  # capped at the GPU's memory
     assert run.worker("orphan")["cgroup"] == w["cgroup"]  # a double fork stays in it too
@@ -838,11 +906,15 @@ def test_the_hard_limit_is_claimed_only_where_the_driver_charges_the_tree_to_it(
     run.use(w["pid"], GiB)
     gpu0 = run.gpu.state.devices[0]["uuid"]
     if charges:
-        run.logged("the driver counts the command tree against its hard limit: it charges "
-                   f"1.00 GiB on {gpu0}, where NVML lists 1.00 GiB")  # fmt: skip
+        run.logged(
+            "the driver counts the command tree against its hard limit: it charges "
+            f"1.00 GiB on {gpu0}, where NVML lists 1.00 GiB"
+        )
     else:
-        run.logged(f"no hard limit: the driver holds the limit on {gpu0} but charges nothing "
-                   "to it, while NVML lists 1.00 GiB for the command tree's processes there")  # fmt: skip
+        run.logged(
+            f"no hard limit: the driver holds the limit on {gpu0} but charges nothing "
+            "to it, while NVML lists 1.00 GiB for the command tree's processes there"
+        )
     run.release()
     assert run.wait() == 0, run.stderr
     assert json.loads(summary.read_text())["hard_limit"] is charges

@@ -50,8 +50,10 @@ def test_a_frozen_sample_goes_stale_however_the_wall_clock_stepped(socket_path: 
         server.publish(sample_stamped(time.time() + HOUR))
         first = wait_for(lambda: isinstance(s := source.sample(), Sample) and s, what="a sample")
         assert [p.used_bytes for p in first.processes] == [GiB]  # it was seen, and fresh
-        down = wait_for(lambda: isinstance(s := source.sample(), SourceDown) and s,
-                        what="the frozen sample to go stale")  # fmt: skip
+        down = wait_for(
+            lambda: isinstance(s := source.sample(), SourceDown) and s,
+            what="the frozen sample to go stale",
+        )
         assert "the node agent's last sample arrived" in down.reason
     finally:
         source.close()

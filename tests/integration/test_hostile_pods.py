@@ -56,8 +56,11 @@ BURST, OWED = "b" * 64, "c" * 64
 KINDS = ("deep", "overflowing portion", "huge integer", "wrong types")
 # 32 GiB: the borrower (4 GiB requested, 24 allowed) holds 20; the other pod is owed 14 of
 # its 16 and holds 2, so 6 are short with the 2 GiB watermark: the borrower gives them back.
-SEEN = Sample(1.0, (Device(0, GPU, "H100", 32 * GiB, 22 * GiB),),
-              (Usage(ProcessKey(1, 1), GPU, 20 * GiB), Usage(ProcessKey(2, 2), GPU, 2 * GiB)))  # fmt: skip
+SEEN = Sample(
+    1.0,
+    (Device(0, GPU, "H100", 32 * GiB, 22 * GiB),),
+    (Usage(ProcessKey(1, 1), GPU, 20 * GiB), Usage(ProcessKey(2, 2), GPU, 2 * GiB)),
+)
 CONTAINERS = {ProcessKey(1, 1): BURST, ProcessKey(2, 2): OWED}
 # The namespaces whose pods' sidecar environment the agent reads. The poisoned pods' is
 # among them here, so that what they carry is read, and must be read without an error:
@@ -66,19 +69,33 @@ CONTAINERS = {ProcessKey(1, 1): BURST, ProcessKey(2, 2): OWED}
 READ = frozenset({"ml", "elsewhere"})
 
 
-def running(name: str, namespace: str, cid: str, limits: Mapping[str, str],
-            env: Mapping[str, str], version: str = "") -> Pod:  # fmt: skip
+def running(
+    name: str,
+    namespace: str,
+    cid: str,
+    limits: Mapping[str, str],
+    env: Mapping[str, str],
+    version: str = "",
+) -> Pod:
     """A running pod of one container `c` (ID `cid`) and a container named like the sidecar."""
-    meta: dict[str, Any] = {"name": name, "namespace": namespace, "uid": uid(name),
-                            "labels": {ENFORCED: "true"}}  # fmt: skip
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "uid": uid(name),
+        "labels": {ENFORCED: "true"},
+    }
     if version:
         meta["resourceVersion"] = version
-    spec = {"containers": [
-        {"name": "c", "resources": {"limits": dict(limits)}},
-        {"name": SIDECAR, "env": [{"name": k, "value": v} for k, v in env.items()]},
-    ]}  # fmt: skip
-    status = {"phase": "Running",
-              "containerStatuses": [{"name": "c", "containerID": f"containerd://{cid}"}]}  # fmt: skip
+    spec = {
+        "containers": [
+            {"name": "c", "resources": {"limits": dict(limits)}},
+            {"name": SIDECAR, "env": [{"name": k, "value": v} for k, v in env.items()]},
+        ]
+    }
+    status = {
+        "phase": "Running",
+        "containerStatuses": [{"name": "c", "containerID": f"containerd://{cid}"}],
+    }
     return cast(Pod, {"metadata": meta, "spec": spec, "status": status})
 
 
@@ -89,18 +106,27 @@ def poisoned(kind: str) -> Pod:
 
 def node() -> dict[str, Pod]:
     good = [
-        running("burst", "ml", BURST, {RES: "4Gi"},
-                {"VRAM_ENFORCER_CEILINGS": f'{{"c": {24 * GiB}}}'}, version="1"),
+        running(
+            "burst",
+            "ml",
+            BURST,
+            {RES: "4Gi"},
+            {"VRAM_ENFORCER_CEILINGS": f'{{"c": {24 * GiB}}}'},
+            version="1",
+        ),
         running("owed", "ml", OWED, {RES: "16Gi"}, {}, version="1"),
-    ]  # fmt: skip
+    ]
     return {p["metadata"]["uid"]: p for p in [*good, *map(poisoned, KINDS)]}
 
 
 def said_once(caplog: pytest.LogCaptureFixture, what: str) -> None:
     """Each poisoned pod said once, with its reason, however many passes went by."""
     for kind in KINDS:
-        lines = [r.getMessage() for r in caplog.records
-                 if f"elsewhere/{kind.replace(' ', '-')}" in r.getMessage()]  # fmt: skip
+        lines = [
+            r.getMessage()
+            for r in caplog.records
+            if f"elsewhere/{kind.replace(' ', '-')}" in r.getMessage()
+        ]
         assert len(lines) == 1, lines
         assert f"{what}declares nothing: VRAM_ENFORCER_" in lines[0], lines[0]
 
@@ -145,7 +171,9 @@ def test_the_hard_limiter_still_sets_the_good_pods_limits(
     # Each good pod's cgroup, held to its ceiling (the borrower) or its limit.
     assert sorted(nvml.set.values()) == [16 * GiB, 24 * GiB]
     assert {cgroup.rsplit("-pod", 1)[1].replace("_", "-") for cgroup, _ in nvml.set} == {
-        f"{uid('burst')}.slice", f"{uid('owed')}.slice"}  # fmt: skip
+        f"{uid('burst')}.slice",
+        f"{uid('owed')}.slice",
+    }
     said_once(caplog, "")
 
 
@@ -166,9 +194,12 @@ def test_the_backstop_still_holds_a_silent_good_pod(caplog: pytest.LogCaptureFix
         for _ in range(3):
             backstop(SEEN, lambda: CONTAINERS)
     assert telemetry.registry.get_sample_value("vram_enforcer_pods_held_by_agent") == 1
-    assert any("elsewhere" not in r.getMessage() and "ml/owed: its sidecar is silent; the agent "
-               "enforces its limits itself (c 16.00 GiB)" in r.getMessage()
-               for r in caplog.records), caplog.text  # fmt: skip
+    assert any(
+        "elsewhere" not in r.getMessage()
+        and "ml/owed: its sidecar is silent; the agent enforces its limits itself (c 16.00 GiB)"
+        in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
     said_once(caplog, "its sidecar is silent, and the agent cannot hold it: ")
 
 
@@ -204,8 +235,14 @@ def test_a_lender_pass_that_fails_publishes_no_lending(tmp_path: Path) -> None:
         return pods
 
     changed = threading.Event()
-    sampler = Sampler(cast(NvmlSource, _Given()), server, telemetry, 1.0, threading.Event(),
-                      cast(TenantCache, _Counted()))  # fmt: skip
+    sampler = Sampler(
+        cast(NvmlSource, _Given()),
+        server,
+        telemetry,
+        1.0,
+        threading.Event(),
+        cast(TenantCache, _Counted()),
+    )
     sampler.lender = Lender(
         NodeView(listed, lambda: READ, (RES, 1)), changed, SIDECAR, 2 * GiB, telemetry
     )
@@ -236,29 +273,60 @@ def test_a_lender_pass_that_fails_publishes_no_lending(tmp_path: Path) -> None:
 # the 2 its resources declare, and a policy of `warn`. 32 GiB: the borrower (4 GiB
 # requested, 24 allowed) holds 12; the owed pod holds its 8; 5 are free.
 FORGER, GREEDY = "d" * 64, "e" * 64
-FORGED = Sample(1.0, (Device(0, GPU, "H100", 32 * GiB, 27 * GiB),),
-                (Usage(ProcessKey(1, 1), GPU, 12 * GiB), Usage(ProcessKey(2, 2), GPU, 8 * GiB),
-                 Usage(ProcessKey(3, 3), GPU, 1 * GiB), Usage(ProcessKey(4, 4), GPU, 6 * GiB)))  # fmt: skip
-FORGED_CONTAINERS = {ProcessKey(1, 1): BURST, ProcessKey(2, 2): OWED,
-                     ProcessKey(3, 3): FORGER, ProcessKey(4, 4): GREEDY}  # fmt: skip
+FORGED = Sample(
+    1.0,
+    (Device(0, GPU, "H100", 32 * GiB, 27 * GiB),),
+    (
+        Usage(ProcessKey(1, 1), GPU, 12 * GiB),
+        Usage(ProcessKey(2, 2), GPU, 8 * GiB),
+        Usage(ProcessKey(3, 3), GPU, 1 * GiB),
+        Usage(ProcessKey(4, 4), GPU, 6 * GiB),
+    ),
+)
+FORGED_CONTAINERS = {
+    ProcessKey(1, 1): BURST,
+    ProcessKey(2, 2): OWED,
+    ProcessKey(3, 3): FORGER,
+    ProcessKey(4, 4): GREEDY,
+}
 WARN = {"VRAM_ENFORCER_ACTION": "warn"}
 
 
 def forged_node() -> dict[str, Pod]:
     pods = [
-        running("burst", "ml", BURST, {RES: "4Gi"},
-                {"VRAM_ENFORCER_CEILINGS": f'{{"c": {24 * GiB}}}'}, version="1"),
+        running(
+            "burst",
+            "ml",
+            BURST,
+            {RES: "4Gi"},
+            {"VRAM_ENFORCER_CEILINGS": f'{{"c": {24 * GiB}}}'},
+            version="1",
+        ),
         running("owed", "ml", OWED, {RES: "8Gi"}, {}, version="1"),
-        running("forger", "elsewhere", FORGER, {},
-                {"VRAM_ENFORCER_LIMITS": f'{{"c": {16 * GiB}}}', **WARN}, version="1"),
-        running("greedy", "elsewhere", GREEDY, {RES: "2Gi"},
-                {"VRAM_ENFORCER_CEILINGS": f'{{"c": {24 * GiB}}}', **WARN}, version="1"),
-    ]  # fmt: skip
+        running(
+            "forger",
+            "elsewhere",
+            FORGER,
+            {},
+            {"VRAM_ENFORCER_LIMITS": f'{{"c": {16 * GiB}}}', **WARN},
+            version="1",
+        ),
+        running(
+            "greedy",
+            "elsewhere",
+            GREEDY,
+            {RES: "2Gi"},
+            {"VRAM_ENFORCER_CEILINGS": f'{{"c": {24 * GiB}}}', **WARN},
+            version="1",
+        ),
+    ]
     return {p["metadata"]["uid"]: p for p in pods}
 
 
-NOT_OPTED_IN = ("namespace 'elsewhere' is not labelled vram-enforcer.io/inject=enabled (or is "
-                "the agent's own), so the webhook never wrote its sidecar's environment")  # fmt: skip
+NOT_OPTED_IN = (
+    "namespace 'elsewhere' is not labelled vram-enforcer.io/inject=enabled (or is "
+    "the agent's own), so the webhook never wrote its sidecar's environment"
+)
 
 
 def test_a_forged_sidecar_environment_is_read_only_once_its_namespace_opts_in(
@@ -288,8 +356,10 @@ def test_a_forged_sidecar_environment_is_read_only_once_its_namespace_opts_in(
     assert lending is not None
     (gpu,) = lending.gpus
     assert {s.unit: (s.request, s.ceiling) for s in gpu.shares} == {
-        "ml/burst/c": (4 * GiB, 24 * GiB), "ml/owed/c": (8 * GiB, 8 * GiB),
-        "elsewhere/greedy/c": (2 * GiB, 2 * GiB)}  # fmt: skip
+        "ml/burst/c": (4 * GiB, 24 * GiB),
+        "ml/owed/c": (8 * GiB, 8 * GiB),
+        "elsewhere/greedy/c": (2 * GiB, 2 * GiB),
+    }
     said = [r.getMessage() for r in caplog.records if "elsewhere/" in r.getMessage()]
     assert said == [
         f"pod elsewhere/forger declares nothing: {NOT_OPTED_IN}: VRAM_ENFORCER_LIMITS not read",
@@ -338,8 +408,7 @@ def test_the_hard_limiter_reads_a_sidecar_environment_only_where_its_namespace_o
     assert limits() == {"burst": 24 * GiB, "owed": 8 * GiB, "greedy": 2 * GiB}
     trusted[0] = frozenset({"ml", "elsewhere"})
     limiter._pass()
-    assert limits() == {"burst": 24 * GiB, "owed": 8 * GiB, "greedy": 24 * GiB,
-                        "forger": 16 * GiB}  # fmt: skip
+    assert limits() == {"burst": 24 * GiB, "owed": 8 * GiB, "greedy": 24 * GiB, "forger": 16 * GiB}
 
 
 def test_the_backstop_takes_no_forged_policy_outside_the_namespaces_that_opted_in(
@@ -416,8 +485,10 @@ def test_the_lender_reads_what_the_agents_watch_of_the_namespaces_lists(
         watched.start()
         try:
             wait_for(lambda: watched.names() == frozenset({"ml"}), what="the list")
-            assert api.queries[0] == ("/api/v1/namespaces", {
-                "labelSelector": "vram-enforcer.io/inject=enabled", "limit": "500"})  # fmt: skip
+            assert api.queries[0] == (
+                "/api/v1/namespaces",
+                {"labelSelector": "vram-enforcer.io/inject=enabled", "limit": "500"},
+            )
             assert reclaimed() == []
             wait_for(api.watching.is_set, what="the watch")
             api.send("ADDED", namespace("elsewhere"))

@@ -24,26 +24,54 @@ from enforcer.modes.sidecar_units import AgentReclaims, ContainerAttributor
 from tests.helpers import copy_proc_fixture
 
 FETCH, OTHER = "4" * 64, "9" * 64
-ENV = [{"name": LIMITS_ENV, "value": json.dumps({"fetch": 4 * GiB, "trainer": 4 * GiB})},
-       {"name": CEILINGS_ENV, "value": json.dumps({"fetch": 12 * GiB})}]  # fmt: skip
-POD = cast(Pod, {
-    "metadata": {"uid": "u-fetch", "namespace": "ml", "name": "train-0"},
-    "spec": {"initContainers": [{"name": "vram-enforcer", "env": ENV}, {"name": "fetch"}],
-             "containers": [{"name": "trainer"}]},
-    "status": {"phase": "Pending", "initContainerStatuses": [
-        {"name": "vram-enforcer", "containerID": f"containerd://{'5' * 64}", "state": {"running": {}}},
-        {"name": "fetch", "containerID": f"containerd://{FETCH}", "state": {"running": {}}}],
-        "containerStatuses": [{"name": "trainer", "state": {"waiting": {}}}]},
-})  # fmt: skip
+ENV = [
+    {"name": LIMITS_ENV, "value": json.dumps({"fetch": 4 * GiB, "trainer": 4 * GiB})},
+    {"name": CEILINGS_ENV, "value": json.dumps({"fetch": 12 * GiB})},
+]
+POD = cast(
+    Pod,
+    {
+        "metadata": {"uid": "u-fetch", "namespace": "ml", "name": "train-0"},
+        "spec": {
+            "initContainers": [{"name": "vram-enforcer", "env": ENV}, {"name": "fetch"}],
+            "containers": [{"name": "trainer"}],
+        },
+        "status": {
+            "phase": "Pending",
+            "initContainerStatuses": [
+                {
+                    "name": "vram-enforcer",
+                    "containerID": f"containerd://{'5' * 64}",
+                    "state": {"running": {}},
+                },
+                {"name": "fetch", "containerID": f"containerd://{FETCH}", "state": {"running": {}}},
+            ],
+            "containerStatuses": [{"name": "trainer", "state": {"waiting": {}}}],
+        },
+    },
+)
 # A neighbour on the same GPU, owed 6Gi of its 8Gi request.
-NEIGHBOUR = cast(Pod, {
-    "metadata": {"uid": "u-other", "namespace": "ml", "name": "serve-0"},
-    "spec": {"initContainers": [{"name": "vram-enforcer", "env": [
-        {"name": LIMITS_ENV, "value": json.dumps({"serve": 8 * GiB})}]}],
-             "containers": [{"name": "serve"}]},
-    "status": {"phase": "Running", "containerStatuses": [
-        {"name": "serve", "containerID": f"containerd://{OTHER}", "state": {"running": {}}}]},
-})  # fmt: skip
+NEIGHBOUR = cast(
+    Pod,
+    {
+        "metadata": {"uid": "u-other", "namespace": "ml", "name": "serve-0"},
+        "spec": {
+            "initContainers": [
+                {
+                    "name": "vram-enforcer",
+                    "env": [{"name": LIMITS_ENV, "value": json.dumps({"serve": 8 * GiB})}],
+                }
+            ],
+            "containers": [{"name": "serve"}],
+        },
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {"name": "serve", "containerID": f"containerd://{OTHER}", "state": {"running": {}}}
+            ],
+        },
+    },
+)
 FETCHING, SERVING = ProcessKey(50, 500050), ProcessKey(70, 500070)
 
 
@@ -71,9 +99,11 @@ def test_a_borrowing_init_container_is_a_tenant_and_its_sidecar_applies_its_recl
     attributor = ContainerAttributor(
         ProcFs(copy_proc_fixture("pod", tmp_path / "proc")),
         cast(Any, SimpleNamespace(pod=POD, error=None, refresh=lambda: None)),
-        Declaration({"fetch": 4 * GiB}, {"fetch": 12 * GiB}), undeclared_allowed=False,
-        want_init=False, lending=lambda: True,
-    )  # fmt: skip
+        Declaration({"fetch": 4 * GiB}, {"fetch": 12 * GiB}),
+        undeclared_allowed=False,
+        want_init=False,
+        lending=lambda: True,
+    )
     units = attributor.attribute(Sample(0.0, (gpu,), usage[:1]))  # the sidecar sees its own
     assert {u.name: (u.used_bytes, u.limit_bytes) for u in units}["fetch"] == (10 * GiB, 12 * GiB)
     gpus = views((gpu,), units, attributor.requests)

@@ -91,12 +91,26 @@ def test_a_contended_pair_slows_down_independent_ones_do_not_and_warmups_are_lef
 ) -> None:
     contended = ("--contend", str(tmp_path / "gpu.lock"), "--slices", "50")
     m = measure(
-        fake_nvml, tmp_path, "--repeat", "2", "--warmup", "1",
+        fake_nvml,
+        tmp_path,
+        "--repeat",
+        "2",
+        "--warmup",
+        "1",
         # Its first run is 1 s slower (a cold start), which the warm-up must absorb.
-        *standin("contended", "1Gi", *contended, "--gpu-bytes", str(512 * MiB),
-                 "--cold", str(tmp_path / "warm"), "--cold-extra", "1"),
+        *standin(
+            "contended",
+            "1Gi",
+            *contended,
+            "--gpu-bytes",
+            str(512 * MiB),
+            "--cold",
+            str(tmp_path / "warm"),
+            "--cold-extra",
+            "1",
+        ),
         *standin("independent", "1Gi", "--slices", "30"),
-    )  # fmt: skip
+    )
     assert m.returncode == 0, m.stderr
     runs = m.report["runs"]
     assert Counter(r["phase"] for r in runs) == {"warmup": 2, "solo": 4, "pair": 12}
@@ -108,8 +122,11 @@ def test_a_contended_pair_slows_down_independent_ones_do_not_and_warmups_are_lef
 
     assert m.cell("contended", "contended")["slowdown"] > 1.4
     assert len(m.cell("contended", "contended")["seconds"]) == 4  # both copies, twice
-    for workload, neighbour in [("contended", "independent"), ("independent", "contended"),
-                                ("independent", "independent")]:  # fmt: skip
+    for workload, neighbour in [
+        ("contended", "independent"),
+        ("independent", "contended"),
+        ("independent", "independent"),
+    ]:
         assert m.cell(workload, neighbour)["slowdown"] < 1.3, (workload, neighbour)
     assert alone["peak_bytes"] == 512 * MiB  # as exec sampled it, through the fake NVML
     assert m.cell("contended", "independent")["peak_bytes"] == 512 * MiB
@@ -144,11 +161,28 @@ def test_a_workload_that_times_its_work_is_measured_without_its_start_up(
     (twice a second; a process is known from the second read that lists it)."""
     contended = ("--contend", str(tmp_path / "gpu.lock"), "--slices", "30")
     m = measure(
-        fake_nvml, tmp_path, "--repeat", "1", "--warmup", "0",
+        fake_nvml,
+        tmp_path,
+        "--repeat",
+        "1",
+        "--warmup",
+        "0",
         *standin("timed", "1Gi", *contended, "--startup", "0.5", "--section"),
-        *standin("garbled", "1Gi", "--slices", "100", "--section-text", "0.5 1.2",
-                 "--gpu-bytes", str(256 * MiB), "--sm", "40", "--mem", "10"),
-    )  # fmt: skip
+        *standin(
+            "garbled",
+            "1Gi",
+            "--slices",
+            "100",
+            "--section-text",
+            "0.5 1.2",
+            "--gpu-bytes",
+            str(256 * MiB),
+            "--sm",
+            "40",
+            "--mem",
+            "10",
+        ),
+    )
     assert m.returncode == 0, m.stderr
     assert [w["timing"] for w in m.report["workloads"]] == ["section", "command"]
     for run in m.runs("timed"):
@@ -164,8 +198,11 @@ def test_a_workload_that_times_its_work_is_measured_without_its_start_up(
     assert len(both) == 2
     assert paired["slowdown"] > statistics.median(both) / solo + 0.1
     # overlap is between the two copies' sections (their start-ups differ under load)
-    a, b = [(r["section_start_monotonic"], r["section_end_monotonic"])
-            for r in m.runs("timed") if r["neighbour"] == "timed"]  # fmt: skip
+    a, b = [
+        (r["section_start_monotonic"], r["section_end_monotonic"])
+        for r in m.runs("timed")
+        if r["neighbour"] == "timed"
+    ]
     assert paired["overlap"] == pytest.approx(statistics.median([shared(a, b), shared(b, a)]))
     assert paired["overlap"] > 0.5  # the lock kept them running side by side
     assert (
@@ -193,12 +230,15 @@ def test_with_the_start_gate_a_pair_starts_its_work_together_whatever_its_start_
     together, quick's work is over before slow's begins: they never ran side by side.
     Through the gate, both begin when both are set up. Measured once without the gate
     first, so that the test shows the gate is what lines them up."""
-    workloads = (*standin("slow", "1Gi", "--startup", "1.5", "--section", "--slices", "20"),
-                 *standin("quick", "1Gi", "--section", "--slices", "20"))  # fmt: skip
+    workloads = (
+        *standin("slow", "1Gi", "--startup", "1.5", "--section", "--slices", "20"),
+        *standin("quick", "1Gi", "--section", "--slices", "20"),
+    )
     for gated in (False, True):
         flags = ("--start-gate",) if gated else ()
-        m = measure(fake_nvml, tmp_path / str(gated), "--repeat", "1", "--warmup", "0",
-                    *flags, *workloads)  # fmt: skip
+        m = measure(
+            fake_nvml, tmp_path / str(gated), "--repeat", "1", "--warmup", "0", *flags, *workloads
+        )
         assert m.returncode == 0, m.stderr
         (quick,) = [r for r in m.runs("quick") if r["neighbour"] == "slow"]
         (slow,) = [r for r in m.runs("slow") if r["neighbour"] == "quick"]
@@ -228,13 +268,20 @@ def test_over_the_limit_out_of_memory_and_failures_are_cells_and_the_rest_is_mea
 ) -> None:
     env = tmp_path / "env.json"
     m = measure(
-        fake_nvml, tmp_path, "--repeat", "1", "--warmup", "0", "--gpu", "1",
+        fake_nvml,
+        tmp_path,
+        "--repeat",
+        "1",
+        "--warmup",
+        "0",
+        "--gpu",
+        "1",
         *standin("fine", "1Gi", "--slices", "10", "--env", str(env)),
         # 3 GiB on the fake GPU against a 1 GiB limit; it would sleep 4 s if left alone.
         *standin("greedy", "1Gi", "--slices", "200", "--gpu-bytes", str(3 * GiB)),
         *standin("crash", "2Gi", "--oom"),
         *standin("broken", "1Gi", "--fail"),
-    )  # fmt: skip
+    )
     assert m.returncode == 0, m.stderr
     assert json.loads(env.read_text()) == {
         "CUDA_VISIBLE_DEVICES": "1",
@@ -268,10 +315,17 @@ def test_over_the_limit_out_of_memory_and_failures_are_cells_and_the_rest_is_mea
 def test_a_run_past_its_timeout_is_stopped_and_reported(fake_nvml: Any, tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     m = measure(
-        fake_nvml, tmp_path, "--repeat", "1", "--warmup", "0", "--timeout", "1s",
+        fake_nvml,
+        tmp_path,
+        "--repeat",
+        "1",
+        "--warmup",
+        "0",
+        "--timeout",
+        "1s",
         *standin("quick", "1Gi", "--slices", "5"),
         *standin("stuck", "1Gi", "--slices", "3000", "--pids", str(pids)),
-    )  # fmt: skip
+    )
     assert m.returncode == 0, m.stderr
     for neighbour in (None, "quick", "stuck"):
         assert set(m.cell("stuck", neighbour)["outcomes"]) == {"timeout"}
@@ -289,11 +343,20 @@ def test_an_interrupt_stops_the_runs_and_writes_what_was_measured_marked_partial
     pids, stderr = tmp_path / "pids", tmp_path / "stderr"
     with stderr.open("w") as err:
         proc = subprocess.Popen(
-            command(tmp_path / "out", "--repeat", "2", "--warmup", "0",
-                    *standin("quick", "1Gi", "--slices", "3"),
-                    *standin("slow", "1Gi", "--slices", "1000", "--pids", str(pids))),
-            env={**os.environ, **fake_nvml.env()}, stdout=subprocess.PIPE, stderr=err, text=True,
-        )  # fmt: skip
+            command(
+                tmp_path / "out",
+                "--repeat",
+                "2",
+                "--warmup",
+                "0",
+                *standin("quick", "1Gi", "--slices", "3"),
+                *standin("slow", "1Gi", "--slices", "1000", "--pids", str(pids)),
+            ),
+            env={**os.environ, **fake_nvml.env()},
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     try:
         wait_for(lambda: "[1/10] quick alone" in stderr.read_text(), what="the first round")
         slow = int(wait_for(lambda: pids.exists() and pids.read_text().strip(), what="slow"))
@@ -308,8 +371,9 @@ def test_an_interrupt_stops_the_runs_and_writes_what_was_measured_marked_partial
     doc = json.loads((tmp_path / "out" / "report.json").read_text())
     assert doc["partial"] is True
     assert [(r["workload"], r["outcome"]) for r in doc["runs"]] == [
-        ("quick", "ok"), ("slow", "interrupted"),
-    ]  # fmt: skip
+        ("quick", "ok"),
+        ("slow", "interrupted"),
+    ]
     quick = next(c for c in doc["cells"] if (c["workload"], c["neighbour"]) == ("quick", None))
     assert quick["median_seconds"] is not None
 
@@ -317,22 +381,33 @@ def test_an_interrupt_stops_the_runs_and_writes_what_was_measured_marked_partial
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--workload", "a:4GB:true", "--workload", "b:1Gi:true"],
-         "--workload a: LIMIT: '4GB' is not a quantity; use a Kubernetes quantity"),
-        (["--workload", "a:1Gi:true", "--workload", "a:2Gi:false"],
-         "--workload: 'a' is the name of two workloads; give each its own name"),
+        (
+            ["--workload", "a:4GB:true", "--workload", "b:1Gi:true"],
+            "--workload a: LIMIT: '4GB' is not a quantity; use a Kubernetes quantity",
+        ),
+        (
+            ["--workload", "a:1Gi:true", "--workload", "a:2Gi:false"],
+            "--workload: 'a' is the name of two workloads; give each its own name",
+        ),
         (["--workload", "a:1Gi:true"], "gives 1 workload(s), and a pair needs two"),
         (["--workload", "a b:1Gi:true", "--workload", "c:1Gi:true"], "has the name 'a b'"),
-        (["--builtin", "matmul,gemm"], "--builtin: 'matmul,gemm' names 'gemm', which is not built in"),
+        (
+            ["--builtin", "matmul,gemm"],
+            "--builtin: 'matmul,gemm' names 'gemm', which is not built in",
+        ),
         (["--builtin", "matmul,copy", "--repeat", "0"], "--repeat: '0' is not a whole number"),
-        (["--builtin", "matmul,copy", "--max-spread", "0.1"], "--max-spread: '0.1' is not a percentage"),
+        (
+            ["--builtin", "matmul,copy", "--max-spread", "0.1"],
+            "--max-spread: '0.1' is not a percentage",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_one_line_that_names_the_fix_and_status_2(
     tmp_path: Path, flags: list[str], message: str
 ) -> None:
-    out = subprocess.run(command(tmp_path / "out", *flags), capture_output=True, text=True,
-                         timeout=30)  # fmt: skip
+    out = subprocess.run(
+        command(tmp_path / "out", *flags), capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 2
     (line,) = out.stderr.splitlines()
     assert line.startswith("vram-enforcer interference: error: ") and message in line, line
@@ -341,8 +416,12 @@ def test_bad_input_is_one_line_that_names_the_fix_and_status_2(
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="PyTorch is here")
 def test_builtins_without_pytorch_refuse_before_running_anything(tmp_path: Path) -> None:
-    out = subprocess.run(command(tmp_path / "out", "--builtin", "matmul,copy"),
-                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    out = subprocess.run(
+        command(tmp_path / "out", "--builtin", "matmul,copy"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2
     assert "--builtin matmul,copy: the built-in workloads need PyTorch" in out.stderr
     assert "pip install torch" in out.stderr
@@ -356,10 +435,16 @@ def test_without_matplotlib_everything_but_the_heatmap_is_written(
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
     m = measure(
-        fake_nvml, tmp_path, "--repeat", "1", "--warmup", "0",
-        *standin("a", "1Gi", "--slices", "3"), *standin("b", "1Gi", "--slices", "3"),
+        fake_nvml,
+        tmp_path,
+        "--repeat",
+        "1",
+        "--warmup",
+        "0",
+        *standin("a", "1Gi", "--slices", "3"),
+        *standin("b", "1Gi", "--slices", "3"),
         env={"PYTHONPATH": os.pathsep.join([str(hidden.parent), os.environ.get("PYTHONPATH", "")])},
-    )  # fmt: skip
+    )
     assert m.returncode == 0, m.stderr
     assert m.report["cells"] and (m.output / "report.md").exists()
     assert not (m.output / "heatmap.png").exists()
@@ -377,13 +462,21 @@ def test_where_exec_cannot_start_it_refuses_before_any_run_and_says_why(
     fake_nvml.state.data["init_error"] = "DRIVER_NOT_LOADED"
     fake_nvml.write()
     pids = tmp_path / "pids"
-    m = measure(fake_nvml, tmp_path, "--repeat", "1", "--warmup", "0",
-                *standin("a", "1Gi", "--slices", "3", "--pids", str(pids)),
-                *standin("b", "1Gi", "--slices", "3", "--pids", str(pids)))  # fmt: skip
+    m = measure(
+        fake_nvml,
+        tmp_path,
+        "--repeat",
+        "1",
+        "--warmup",
+        "0",
+        *standin("a", "1Gi", "--slices", "3", "--pids", str(pids)),
+        *standin("b", "1Gi", "--slices", "3", "--pids", str(pids)),
+    )
     assert m.returncode == 2, m.stderr
     (line,) = m.stderr.splitlines()
-    assert line.startswith("vram-enforcer: error: every run goes through vram-enforcer exec, "
-                           "which cannot start here: ")  # fmt: skip
+    assert line.startswith(
+        "vram-enforcer: error: every run goes through vram-enforcer exec, which cannot start here: "
+    )
     assert "the NVIDIA kernel driver is not loaded" in line
     assert "vram-enforcer demo" in line  # what shows the enforcement without a GPU
     assert m.stdout == ""
@@ -391,8 +484,16 @@ def test_where_exec_cannot_start_it_refuses_before_any_run_and_says_why(
 
 
 def test_when_no_run_goes_well_it_says_why_and_exits_3(fake_nvml: Any, tmp_path: Path) -> None:
-    m = measure(fake_nvml, tmp_path, "--repeat", "1", "--warmup", "1",
-                *standin("a", "1Gi", "--fail"), *standin("b", "1Gi", "--fail"))  # fmt: skip
+    m = measure(
+        fake_nvml,
+        tmp_path,
+        "--repeat",
+        "1",
+        "--warmup",
+        "1",
+        *standin("a", "1Gi", "--fail"),
+        *standin("b", "1Gi", "--fail"),
+    )
     assert m.returncode == 3, m.stderr
     assert m.stdout.startswith("2 workloads")  # the report is still printed, and written
     assert m.report["cells"]

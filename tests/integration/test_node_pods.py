@@ -23,13 +23,19 @@ def large(index: int, cid: str) -> dict[str, Any]:
     """A tenant's running pod with 1 MiB of annotations, and the managedFields naming them."""
     keys = [f"tenant.example/a{i:05}" for i in range(MiB // 128)]
     return {
-        "metadata": {"name": f"big-{index}", "namespace": "tenant", "uid": f"uid-{index}",
-                     "annotations": dict.fromkeys(keys, "x" * 100),
-                     "managedFields": [{"fieldsV1": {f"f:{k}": {} for k in keys}}]},
+        "metadata": {
+            "name": f"big-{index}",
+            "namespace": "tenant",
+            "uid": f"uid-{index}",
+            "annotations": dict.fromkeys(keys, "x" * 100),
+            "managedFields": [{"fieldsV1": {f"f:{k}": {} for k in keys}}],
+        },
         "spec": {"containers": [{"name": "work", "image": "busybox", "env": [{"name": "E"}]}]},
-        "status": {"phase": "Running",
-                   "containerStatuses": [{"name": "work", "containerID": f"containerd://{cid}"}]},
-    }  # fmt: skip
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [{"name": "work", "containerID": f"containerd://{cid}"}],
+        },
+    }
 
 
 def test_the_agent_keeps_only_what_is_read_of_the_pods_it_lists_and_watches() -> None:
@@ -47,8 +53,10 @@ def test_the_agent_keeps_only_what_is_read_of_the_pods_it_lists_and_watches() ->
             wait_for(api.watching.is_set, what="the watch")
             restarted = large(0, "f" * 64)
             api.send("MODIFIED", restarted)
-            wait_for(lambda: (watched.snapshot() or {}).get("uid-0") == kept(cast(Pod, restarted)),
-                     what="the change")  # fmt: skip
+            wait_for(
+                lambda: (watched.snapshot() or {}).get("uid-0") == kept(cast(Pod, restarted)),
+                what="the change",
+            )
             held = (watched.snapshot() or {})["uid-0"]
             assert "annotations" not in held["metadata"] and len(json.dumps(held)) < 512
         finally:

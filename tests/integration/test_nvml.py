@@ -363,9 +363,22 @@ def test_a_newcomer_on_a_stale_listed_pid_inherits_nothing(fake_nvml: Any) -> No
     """Real pid reuse in a fresh PID namespace (ns_last_pid), while NVML still lists the pid."""
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
-        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", STALE_LISTING, str(root)],
-        env={**os.environ, **fake_nvml.env()}, capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            sys.executable,
+            "-c",
+            STALE_LISTING,
+            str(root),
+        ],
+        env={**os.environ, **fake_nvml.env()},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert out.stdout.split() == ["True", "[]", "[]"], out.stderr
 
 
@@ -397,9 +410,15 @@ def test_a_listing_of_unknown_age_is_charged_once_its_process_holds_a_gpu_device
     os.mknod(alias, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
     holds = _holding(alias)
     hides = subprocess.Popen(  # holds no device now (its descriptors parked, say)
-        [sys.executable, "-c", f"import sys, time; sys.stdin.readline(); f = open({str(alias)!r}, 'rb'); print('ready', flush=True); time.sleep(60)"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            f"import sys, time; sys.stdin.readline(); f = open({str(alias)!r}, 'rb'); print('ready', flush=True); time.sleep(60)",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     later = None
     try:
         for pid in (holds.pid, hides.pid):
@@ -455,13 +474,19 @@ def test_a_process_whose_main_thread_exited_is_charged_while_another_thread_runs
     fake_nvml: Any, nvml: Nvml
 ) -> None:
     """Its leader reads `Z` in /proc, but the process lives and holds its GPU memory."""
-    child = subprocess.Popen([sys.executable, "-c", LEADER_EXITS],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", LEADER_EXITS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdin is not None and child.stdout is not None
     try:
         assert child.stdout.readline() == "ready\n"
-        wait_for(lambda: (st := ProcFs().stat(child.pid)) is not None and st.state == "Z",
-                 what="the leader to exit")  # fmt: skip
+        wait_for(
+            lambda: (st := ProcFs().stat(child.pid)) is not None and st.state == "Z",
+            what="the leader to exit",
+        )
         fake_nvml.state.set_process(0, older_than_a_tick(child.pid), GiB)
         fake_nvml.write()
         nvml.init()
@@ -506,9 +531,14 @@ def test_memory_limits_set_read_and_clear(fake_nvml: Any, nvml: Nvml, cgroup2: P
     ],
 )
 def test_memory_limit_failures_are_values(
-    fake_nvml: Any, nvml: Nvml, cgroup2: Path, driver_new: bool, inject: str | None,
-    target: str, expected: LimitResult,
-) -> None:  # fmt: skip
+    fake_nvml: Any,
+    nvml: Nvml,
+    cgroup2: Path,
+    driver_new: bool,
+    inject: str | None,
+    target: str,
+    expected: LimitResult,
+) -> None:
     fake_nvml.state.support_memory_limits(driver_new)
     if inject:
         fake_nvml.state.inject_error("nvmlDeviceSetMemoryLimits_v1", inject)
@@ -635,8 +665,17 @@ def test_utilisation_unknown_is_none_and_memory_still_counts(fake_nvml: Any) -> 
 
 
 def test_mig_partitions_have_no_utilisation(fake_nvml: Any) -> None:
-    fake_nvml.state.enable_mig(0, [{"uuid": "MIG-1", "name": "MIG 1g.10gb", "total_bytes": 10 * GiB,
-                                    "compute_processes": [{"pid": 7, "used_bytes": GiB, "sm_util": 90}]}])  # fmt: skip
+    fake_nvml.state.enable_mig(
+        0,
+        [
+            {
+                "uuid": "MIG-1",
+                "name": "MIG 1g.10gb",
+                "total_bytes": 10 * GiB,
+                "compute_processes": [{"pid": 7, "used_bytes": GiB, "sm_util": 90}],
+            }
+        ],
+    )
     fake_nvml.write()
     p = only_process(utilisation_every=1.0)
     assert (p.device_uuid, p.used_bytes, p.activity) == ("MIG-1", GiB, None)

@@ -110,8 +110,9 @@ def test_a_reused_pid_is_not_answered_for_the_caller_that_left(tmp_path: Path) -
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(path))
     listener.listen()
-    caller = subprocess.Popen([sys.executable, "-c", ACCOMPLICE, str(path), str(ROOT)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    caller = subprocess.Popen(
+        [sys.executable, "-c", ACCOMPLICE, str(path), str(ROOT)], stdout=subprocess.PIPE, text=True
+    )
     assert caller.stdout is not None
     accomplice = int(caller.stdout.readline())
     caller.wait()

@@ -36,12 +36,16 @@ def test_each_pod_change_reads_the_kubelet_again_and_a_failure_keeps_the_last_re
     assert found.last == {("ml", "serve-0", "server"): {"nvidia.com/gpu": ("GPU-a::0",)}}
     kubelet.answer = reply("GPU-b::3")
     changed.set()  # the pod watch saw a change
-    wait_for(lambda: found.last == {("ml", "serve-0", "server"): {"nvidia.com/gpu": ("GPU-b::3",)}},
-             what="the read after the change")  # fmt: skip
+    wait_for(
+        lambda: found.last == {("ml", "serve-0", "server"): {"nvidia.com/gpu": ("GPU-b::3",)}},
+        what="the read after the change",
+    )
     kept = found.last
     kubelet.stop()  # the kubelet restarts
     with caplog.at_level(logging.WARNING):
         changed.set()
-        wait_for(lambda: "cannot read the kubelet's pod resources" in caplog.text,
-                 what="the failure said")  # fmt: skip
+        wait_for(
+            lambda: "cannot read the kubelet's pod resources" in caplog.text,
+            what="the failure said",
+        )
     assert found.last is kept  # the reclaims go on with what was last read

@@ -23,14 +23,13 @@ VICTIM, NEIGHBOUR = "a" * 64, "b" * 64
 
 
 def test_only_the_victims_namespaces_hear_of_its_reclaim(tmp_path: Path) -> None:
-    borrower = ProcessUsage(ProcessKey(100, 1), "GPU-0", 6 * GiB,
-                            ((HOST_NS, 100), (POD_A, 7)))  # fmt: skip
-    neighbour = ProcessUsage(ProcessKey(200, 2), "GPU-0", 2 * GiB,
-                             ((HOST_NS, 200), (POD_B, 7)))  # fmt: skip
+    borrower = ProcessUsage(ProcessKey(100, 1), "GPU-0", 6 * GiB, ((HOST_NS, 100), (POD_A, 7)))
+    neighbour = ProcessUsage(ProcessKey(200, 2), "GPU-0", 2 * GiB, ((HOST_NS, 200), (POD_B, 7)))
     gpu = Device(0, "GPU-0", "NVIDIA H100 80GB HBM3", 80 * GiB, 68 * GiB)
     sample = Sample(time.time(), (gpu,), (borrower, neighbour))
-    asked = Reclaim("GPU-0", Share("ml/a/c", 2 * GiB, 8 * GiB, 6 * GiB), 4 * GiB, ("ml/b/c",),
-                    12 * GiB)  # fmt: skip
+    asked = Reclaim(
+        "GPU-0", Share("ml/a/c", 2 * GiB, 8 * GiB, 6 * GiB), 4 * GiB, ("ml/b/c",), 12 * GiB
+    )
     lending = Lending((), {VICTIM: asked}, {VICTIM: frozenset({borrower.key})})
     telemetry = AgentTelemetry()
     metrics = ServerMetrics(telemetry.requests, telemetry.connections, telemetry.unexpected)
@@ -66,8 +65,10 @@ def test_the_sidecars_client_keeps_the_latest_and_forgets_it_with_the_agent(
         mine = ProcessUsage(me, "GPU-0", GiB, ((HOST.pid_ns(pid) or 0, pid),))
         gpu = Device(0, "GPU-0", "NVIDIA H100 80GB HBM3", 80 * GiB, GiB)
         asked = Reclaim("GPU-0", Share("ml/a/c", 0, 8 * GiB, GiB), GiB, (), 0, True)
-        server.publish(Sample(time.time(), (gpu,), (mine,)),
-                       Lending((), {VICTIM: asked}, {VICTIM: frozenset({me})}))  # fmt: skip
+        server.publish(
+            Sample(time.time(), (gpu,), (mine,)),
+            Lending((), {VICTIM: asked}, {VICTIM: frozenset({me})}),
+        )
         wait_for(lambda: source.sample() and source.reclaims, what="the ask to arrive")
         assert source.reclaims == {VICTIM: asked} and source.lending
     finally:

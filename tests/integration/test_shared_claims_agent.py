@@ -45,8 +45,11 @@ def test_the_lender_owes_a_shared_claim_once() -> None:
     env.append({"name": "VRAM_ENFORCER_CEILINGS", "value": '{"c": 25769803776}'})
     burst = cid("burst")
     own = DraObjects({"own": claim("own", 4 * GiB, "burst")}, (SLICE,))
-    seen = Sample(1.0, (Device(0, GPU0, "H100", 40 * GiB, 20 * GiB),),
-                  (Usage(ProcessKey(1, 1), GPU0, 20 * GiB),))  # fmt: skip
+    seen = Sample(
+        1.0,
+        (Device(0, GPU0, "H100", 40 * GiB, 20 * GiB),),
+        (Usage(ProcessKey(1, 1), GPU0, 20 * GiB),),
+    )
 
     def lender(size: int) -> Lender:
         pods, objects = shared(size)

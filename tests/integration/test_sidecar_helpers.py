@@ -46,10 +46,24 @@ def test_a_helper_thread_that_stops_ends_the_sidecar_with_status_1(
     kubeconfig = write_kubeconfig(
         tmp_path / "kubeconfig", f"http://127.0.0.1:{server.server_address[1]}"
     )
-    settings = configured(["sidecar", "--interval", "50ms", "--api-access", "direct",
-                           "--kubeconfig", str(kubeconfig)], {
-        "POD_NAME": "p", "POD_NAMESPACE": "ns", "POD_UID": "u", "NODE_NAME": "n",
-        "VRAM_ENFORCER_LIMITS": '{"t": 1}'})  # fmt: skip
+    settings = configured(
+        [
+            "sidecar",
+            "--interval",
+            "50ms",
+            "--api-access",
+            "direct",
+            "--kubeconfig",
+            str(kubeconfig),
+        ],
+        {
+            "POD_NAME": "p",
+            "POD_NAMESPACE": "ns",
+            "POD_UID": "u",
+            "NODE_NAME": "n",
+            "VRAM_ENFORCER_LIMITS": '{"t": 1}',
+        },
+    )
     telemetry = Telemetry({"namespace": "ns", "pod": "p"})
     access = sidecar_access.direct(settings, telemetry)
     _watcher, recorder = access.helpers
@@ -63,8 +77,9 @@ def test_a_helper_thread_that_stops_ends_the_sidecar_with_status_1(
     threading.Timer(0.3, recorder.close).start()  # the recorder's thread ends, as by a bug
     try:
         with caplog.at_level(logging.ERROR):
-            status = sidecar._loop(settings, source, pipeline, terminator, procfs, access.pod,
-                                   access.helpers)  # fmt: skip
+            status = sidecar._loop(
+                settings, source, pipeline, terminator, procfs, access.pod, access.helpers
+            )
     finally:
         access.close()
         source.close()

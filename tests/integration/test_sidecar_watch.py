@@ -42,13 +42,32 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, 
 # Its own container ID: the dialer looks for it among every process of this machine, where
 # other runs of the suite may have sidecars of the IDs that other tests use.
 A = secrets.token_hex(32)
-POD = cast(Pod, {
-    "metadata": {"uid": UA, "namespace": "team", "name": "pod-a",
-                 "labels": {"vram-enforcer.io/enforced": "true"}},
-    "status": {"phase": "Running", "containerStatuses": [
-        {"name": "vram-enforcer", "containerID": f"containerd://{A}", "state": {"running": {}}},
-        {"name": "trainer", "containerID": f"containerd://{'7' * 64}", "state": {"running": {}}}]},
-})  # fmt: skip
+POD = cast(
+    Pod,
+    {
+        "metadata": {
+            "uid": UA,
+            "namespace": "team",
+            "name": "pod-a",
+            "labels": {"vram-enforcer.io/enforced": "true"},
+        },
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {
+                    "name": "vram-enforcer",
+                    "containerID": f"containerd://{A}",
+                    "state": {"running": {}},
+                },
+                {
+                    "name": "trainer",
+                    "containerID": f"containerd://{'7' * 64}",
+                    "state": {"running": {}},
+                },
+            ],
+        },
+    },
+)
 
 
 class Recorded:
@@ -74,9 +93,15 @@ def sidecar(tmp_path: Path) -> Iterator[Caller]:
 
 def watching(server: UsageServer, every: float) -> SidecarWatch:
     """The agent's watch over POD's sidecar, wired to the server as the agent wires it."""
-    watch = SidecarWatch(lambda: {UA: POD}, server, Recorded(), TELEMETRY,  # type: ignore[arg-type]
-                         functools.partial(dial_sidecars, ProcFs()), SidecarProcesses(ProcFs()),
-                         every=every)  # fmt: skip
+    watch = SidecarWatch(
+        lambda: {UA: POD},
+        server,
+        Recorded(),
+        TELEMETRY,  # type: ignore[arg-type]
+        functools.partial(dial_sidecars, ProcFs()),
+        SidecarProcesses(ProcFs()),
+        every=every,
+    )
     server.hung_up = watch.hung_up
     return watch
 
@@ -140,23 +165,48 @@ def test_a_pending_pods_init_container_is_held_by_the_agent_when_its_sidecar_nev
     try:
         key = moved_in(box, worker)
         env = [{"name": LIMITS_ENV, "value": json.dumps({"fetch": GiB})}]
-        pod = cast(Pod, {
-            "metadata": {"uid": "u-init", "namespace": "team", "name": "pod-init",
-                         "labels": {ENFORCED: "true"}},
-            "spec": {"initContainers": [{"name": "vram-enforcer", "env": env}, {"name": "fetch"}],
-                     "containers": [{"name": "trainer"}]},
-            "status": {"phase": "Pending", "initContainerStatuses": [
-                {"name": "vram-enforcer", "containerID": f"containerd://{side}",
-                 "state": {"running": {}}},
-                {"name": "fetch", "containerID": f"containerd://{fetch}", "state": {"running": {}}}],
-                "containerStatuses": [{"name": "trainer", "state": {"waiting": {}}}]},
-        })  # fmt: skip
+        pod = cast(
+            Pod,
+            {
+                "metadata": {
+                    "uid": "u-init",
+                    "namespace": "team",
+                    "name": "pod-init",
+                    "labels": {ENFORCED: "true"},
+                },
+                "spec": {
+                    "initContainers": [{"name": "vram-enforcer", "env": env}, {"name": "fetch"}],
+                    "containers": [{"name": "trainer"}],
+                },
+                "status": {
+                    "phase": "Pending",
+                    "initContainerStatuses": [
+                        {
+                            "name": "vram-enforcer",
+                            "containerID": f"containerd://{side}",
+                            "state": {"running": {}},
+                        },
+                        {
+                            "name": "fetch",
+                            "containerID": f"containerd://{fetch}",
+                            "state": {"running": {}},
+                        },
+                    ],
+                    "containerStatuses": [{"name": "trainer", "state": {"waiting": {}}}],
+                },
+            },
+        )
         now, recorder = [0.0], Recorded()
         links = SimpleNamespace(connected=frozenset(), peers={}, adopt=lambda cid, conn: None)
-        watch = SidecarWatch(lambda: {"u-init": pod}, links, recorder, TELEMETRY,  # type: ignore[arg-type]
-                             lambda due: dict.fromkeys(due, "nothing listens"),
-                             SidecarProcesses(procfs),
-                             clock=lambda: now[0])  # fmt: skip
+        watch = SidecarWatch(
+            lambda: {"u-init": pod},
+            links,
+            recorder,
+            TELEMETRY,  # type: ignore[arg-type]
+            lambda due: dict.fromkeys(due, "nothing listens"),
+            SidecarProcesses(procfs),
+            clock=lambda: now[0],
+        )
         backstop = Backstop(
             NodeView(
                 lambda: {"u-init": pod}, lambda: frozenset({"team"}), ("vram-enforcer.io/vram", 1)

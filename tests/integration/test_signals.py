@@ -160,8 +160,13 @@ OUT_OF_FDS = IMPORTS + textwrap.dedent(
 
 def test_out_of_file_descriptors_is_not_proven_and_nothing_raises() -> None:
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", OUT_OF_FDS, str(root)],
-                         capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", OUT_OF_FDS, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     assert out.stdout.split() == ["None", "unverified", "True"], out.stderr
 
 

@@ -46,9 +46,18 @@ def review_body(uid: str = "u-1", vram: str = "4Gi", **container: Any) -> bytes:
             ]
         },
     }
-    return json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-                       "request": {"uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                                   "operation": "CREATE", "object": pod}}).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": uid,
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "operation": "CREATE",
+                "object": pod,
+            },
+        }
+    ).encode()
 
 
 class Webhook:
@@ -59,11 +68,32 @@ class Webhook:
         self.port, self.metrics_port = free_port(), free_port()
         self.log = tmp / "webhook.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "enforcer", "webhook", "--tls-cert-file", str(self.cert), "--tls-key-file", str(self.key),
-             "--port", str(self.port), "--address", "127.0.0.1", "--sidecar-image", "img:1", "--sidecar-mode", "container",
-             "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1", "--log-format", "text"],
+            [
+                sys.executable,
+                "-m",
+                "enforcer",
+                "webhook",
+                "--tls-cert-file",
+                str(self.cert),
+                "--tls-key-file",
+                str(self.key),
+                "--port",
+                str(self.port),
+                "--address",
+                "127.0.0.1",
+                "--sidecar-image",
+                "img:1",
+                "--sidecar-mode",
+                "container",
+                "--metrics-port",
+                str(self.metrics_port),
+                "--metrics-address",
+                "127.0.0.1",
+                "--log-format",
+                "text",
+            ],
             stderr=self.log.open("w"),
-        )  # fmt: skip
+        )
         wait_for(lambda: "serving admission reviews" in self.log.read_text(), what="the webhook")
 
     def context(self) -> ssl.SSLContext:
@@ -74,8 +104,12 @@ class Webhook:
             "127.0.0.1", self.port, context=self.context(), timeout=10
         )
 
-    def post(self, body: bytes, conn: http.client.HTTPSConnection | None = None,
-             headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:  # fmt: skip
+    def post(
+        self,
+        body: bytes,
+        conn: http.client.HTTPSConnection | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, Any]]:
         c = conn or self.connection()
         c.request(
             "POST",
@@ -262,12 +296,21 @@ def test_a_flood_of_idle_connections_from_one_address_leaves_the_api_server_serv
     sampler = threading.Thread(target=watch)
     sampler.start()
     with concurrent.futures.ThreadPoolExecutor(200) as pool:  # all at once, as a flood comes
-        flood = list(pool.map(lambda _: socket.create_connection(("127.0.0.1", webhook.port),
-                                                                 timeout=20), range(200)))  # fmt: skip
+        flood = list(
+            pool.map(
+                lambda _: socket.create_connection(("127.0.0.1", webhook.port), timeout=20),
+                range(200),
+            )
+        )
     try:
         time.sleep(1.0)
-        c = http.client.HTTPSConnection("127.0.0.1", webhook.port, context=webhook.context(),
-                                        timeout=10, source_address=("127.0.0.2", 0))  # fmt: skip
+        c = http.client.HTTPSConnection(
+            "127.0.0.1",
+            webhook.port,
+            context=webhook.context(),
+            timeout=10,
+            source_address=("127.0.0.2", 0),
+        )
         status, doc = webhook.post(review_body("other"), c)
         assert status == 200 and doc["response"]["uid"] == "other"
     finally:
@@ -391,19 +434,50 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(webhook: Webhook) -> 
 
 def test_bad_certificate_files_and_a_busy_port_are_clear_errors(tmp_path: Path) -> None:
     missing = subprocess.run(
-        [sys.executable, "-m", "enforcer", "webhook", "--tls-cert-file", str(tmp_path / "no.crt"), "--tls-key-file",
-         str(tmp_path / "no.key"), "--sidecar-image", "img", "--sidecar-mode", "native", "--port", "0"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "enforcer",
+            "webhook",
+            "--tls-cert-file",
+            str(tmp_path / "no.crt"),
+            "--tls-key-file",
+            str(tmp_path / "no.key"),
+            "--sidecar-image",
+            "img",
+            "--sidecar-mode",
+            "native",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert missing.returncode == 2
     assert (
         f"--tls-cert-file {tmp_path / 'no.crt'} / --tls-key-file {tmp_path / 'no.key'}: cannot load"
         in missing.stderr
     )
     assert "Traceback" not in missing.stderr
-    text = [sys.executable, "-m", "enforcer", "webhook", "--tls-cert-file", str(tmp_path / "no.crt"),
-            "--tls-key-file", str(tmp_path / "no.key"), "--sidecar-image", "img", "--sidecar-mode", "native",
-            "--port", "0", "--log-format", "text"]  # fmt: skip
+    text = [
+        sys.executable,
+        "-m",
+        "enforcer",
+        "webhook",
+        "--tls-cert-file",
+        str(tmp_path / "no.crt"),
+        "--tls-key-file",
+        str(tmp_path / "no.key"),
+        "--sidecar-image",
+        "img",
+        "--sidecar-mode",
+        "native",
+        "--port",
+        "0",
+        "--log-format",
+        "text",
+    ]
     plain = subprocess.run(text, capture_output=True, text=True, timeout=30)
     assert plain.stderr.startswith("vram-enforcer: error: --tls-cert-file "), plain.stderr
     assert "Traceback" not in plain.stderr
@@ -413,10 +487,24 @@ def test_bad_certificate_files_and_a_busy_port_are_clear_errors(tmp_path: Path) 
     assert "FileNotFoundError" in debug.stderr  # the cause, shown at debug verbosity
     assert "direct cause of the following exception" in debug.stderr
     bad = subprocess.run(
-        [sys.executable, "-m", "enforcer", "webhook", "--tls-cert-file", "c", "--tls-key-file", "k",
-         "--sidecar-image", "img", "--sidecar-mode", "sometimes"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "enforcer",
+            "webhook",
+            "--tls-cert-file",
+            "c",
+            "--tls-key-file",
+            "k",
+            "--sidecar-image",
+            "img",
+            "--sidecar-mode",
+            "sometimes",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert bad.returncode == 2
     assert (
         "--sidecar-mode: 'sometimes' is not a choice; use one of: native, container, auto"

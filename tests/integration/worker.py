@@ -20,9 +20,13 @@ def limits_at_start() -> tuple[str, list[dict[str, object]]]:
     """This process's cgroup v2 path, and the per-cgroup limits the fake NVML holds as its
     first instruction runs: a hard limit set "before the command runs" is already here."""
     cgroup = next(
-        (line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines()
-         if line.startswith("0::")), "",
-    )  # fmt: skip
+        (
+            line[3:]
+            for line in Path("/proc/self/cgroup").read_text().splitlines()
+            if line.startswith("0::")
+        ),
+        "",
+    )
     records = Path(os.environ.get("FAKE_NVML_STATE", "/nonexistent") + ".limits.jsonl")
     found = records.read_text().splitlines() if records.exists() else []
     return cgroup, [json.loads(line) for line in found]
@@ -32,8 +36,13 @@ STARTED_IN = limits_at_start()
 
 
 def report(path: Path, role: str, host_proc: str | None) -> None:
-    entry = {"role": role, "pid": os.getpid(), "ppid": os.getppid(), "cgroup": STARTED_IN[0],
-             "limits": STARTED_IN[1]}  # fmt: skip
+    entry = {
+        "role": role,
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "cgroup": STARTED_IN[0],
+        "limits": STARTED_IN[1],
+    }
     if host_proc:
         entry["host_pid"] = int(os.readlink(f"{host_proc}/self"))
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -44,9 +53,10 @@ def report(path: Path, role: str, host_proc: str | None) -> None:
 def escape() -> None:
     """Write this process into the parent of exec's cgroups, out from under the limit."""
     root = next(
-        line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        line.split()[4]
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
         if line.partition(" - ")[2].startswith("cgroup2 ")
-    )  # fmt: skip
+    )
     outside = STARTED_IN[0].rpartition("/vram-enforcer-")[0]
     Path(root, outside.lstrip("/"), "cgroup.procs").write_text(str(os.getpid()))
     (Path(sys.argv[sys.argv.index("--report") + 1]).with_name("worker.json.escaped")).touch()

@@ -46,8 +46,13 @@ def gpu(name: str, vram: str | None = "12Gi", **extra: Any) -> dict[str, Any]:
     return c
 
 
-def pod(*containers: dict[str, Any], init: list[dict[str, Any]] | None = None, name: str | None = "trainer-0",
-        annotations: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:  # fmt: skip
+def pod(
+    *containers: dict[str, Any],
+    init: list[dict[str, Any]] | None = None,
+    name: str | None = "trainer-0",
+    annotations: dict[str, str] | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
     meta: dict[str, Any] = {"namespace": "ml"}
     if name:
         meta["name"] = name
@@ -103,9 +108,12 @@ def test_a_bare_pod_gets_the_sidecar_first_among_init_containers() -> None:
     # ... and no API token: an empty directory where ServiceAccount admission would mount one.
     assert side["volumeMounts"] == [
         {"name": "vram-enforcer-socket", "mountPath": "/run/vram-enforcer"},
-        {"name": "vram-enforcer-no-token", "readOnly": True,
-         "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"},
-    ]  # fmt: skip
+        {
+            "name": "vram-enforcer-no-token",
+            "readOnly": True,
+            "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+        },
+    ]
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["vram-enforcer-socket"] == {
         "name": "vram-enforcer-socket",
@@ -118,8 +126,11 @@ def test_a_bare_pod_gets_the_sidecar_first_among_init_containers() -> None:
     probe = side["startupProbe"]
     assert probe["periodSeconds"] == 1 and probe["exec"]["command"][:2] == ["python", "-c"]
     trainer = spec["containers"][0]
-    assert env_of(trainer) == {"VRAM_LIMIT_BYTES": str(12 * GiB), "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-                               "TF_FORCE_GPU_ALLOW_GROWTH": "true"}  # fmt: skip
+    assert env_of(trainer) == {
+        "VRAM_LIMIT_BYTES": str(12 * GiB),
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+    }
     assert {"name": "vram-enforcer-shm", "mountPath": "/dev/shm"} in trainer["volumeMounts"]
     assert volumes["vram-enforcer-shm"]["emptyDir"] == {"medium": "Memory"}  # no memory limit: none
     assert out["metadata"]["annotations"][INJECTED] == "true"
@@ -127,12 +138,28 @@ def test_a_bare_pod_gets_the_sidecar_first_among_init_containers() -> None:
 
 
 def test_a_deployments_pod_with_generate_name_and_no_name() -> None:
-    p = pod(gpu("server", "8Gi", resources={"limits": {RES: "8Gi", "memory": "32Gi", "cpu": "4"},
-                                            "requests": {RES: "8Gi", "memory": "32Gi", "cpu": "4"}}), name=None)  # fmt: skip
+    p = pod(
+        gpu(
+            "server",
+            "8Gi",
+            resources={
+                "limits": {RES: "8Gi", "memory": "32Gi", "cpu": "4"},
+                "requests": {RES: "8Gi", "memory": "32Gi", "cpu": "4"},
+            },
+        ),
+        name=None,
+    )
     p["metadata"]["generateName"] = "vllm-7d9f8c6b5-"
     p["metadata"]["labels"] = {"app": "vllm", "pod-template-hash": "7d9f8c6b5"}
-    p["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "vllm-7d9f8c6b5",
-                                         "uid": "2d1c3b4a-0000-4000-8000-000000000001", "controller": True}]  # fmt: skip
+    p["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "ReplicaSet",
+            "name": "vllm-7d9f8c6b5",
+            "uid": "2d1c3b4a-0000-4000-8000-000000000001",
+            "controller": True,
+        }
+    ]
     out = applied(p)
     assert out["metadata"]["labels"]["app"] == "vllm"
     assert env_of(sidecar_of(out))["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
@@ -161,16 +188,30 @@ def test_init_containers_that_declare_vram_are_limited_too() -> None:
 
 
 def test_existing_volumes_env_and_shm_mounts_are_kept() -> None:
-    trainer = gpu("trainer", env=[{"name": "XLA_PYTHON_CLIENT_PREALLOCATE", "value": "true"},
-                                  {"name": "VRAM_LIMIT_BYTES", "value": "1"}],
-                  volumeMounts=[{"name": "dshm", "mountPath": "/dev/shm/"}, {"name": "data", "mountPath": "/data"}])  # fmt: skip
+    trainer = gpu(
+        "trainer",
+        env=[
+            {"name": "XLA_PYTHON_CLIENT_PREALLOCATE", "value": "true"},
+            {"name": "VRAM_LIMIT_BYTES", "value": "1"},
+        ],
+        volumeMounts=[
+            {"name": "dshm", "mountPath": "/dev/shm/"},
+            {"name": "data", "mountPath": "/data"},
+        ],
+    )
     helper = {
         "name": "logger",
         "image": "busybox",
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
     }
-    p = pod(trainer, helper, volumes=[{"name": "dshm", "emptyDir": {"medium": "Memory"}},
-                                      {"name": "data", "persistentVolumeClaim": {"claimName": "data"}}])  # fmt: skip
+    p = pod(
+        trainer,
+        helper,
+        volumes=[
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            {"name": "data", "persistentVolumeClaim": {"claimName": "data"}},
+        ],
+    )
     out = applied(p)
     t, h = out["spec"]["containers"]
     env = env_of(t)
@@ -216,11 +257,19 @@ def test_opting_out_is_denied_unless_the_operator_allows_it() -> None:
 @pytest.mark.parametrize(
     ("annotation", "value", "message"),
     [
-        ("action", "warn", "'warn' is not allowed in namespace 'ml'; the operator allows: terminate, kill, restart"),
-        ("grace-period", "31s", "'31s' is longer than the 30s allowed in namespace 'ml'; use at most 30s"),
+        (
+            "action",
+            "warn",
+            "'warn' is not allowed in namespace 'ml'; the operator allows: terminate, kill, restart",
+        ),
+        (
+            "grace-period",
+            "31s",
+            "'31s' is longer than the 30s allowed in namespace 'ml'; use at most 30s",
+        ),
         ("grace-period", "9" * 400 + "s", "is too long; a duration is at most 2562047h"),
     ],
-)  # fmt: skip
+)
 def test_a_pod_cannot_loosen_enforcement_past_the_operators_bounds(
     annotation: str, value: str, message: str
 ) -> None:
@@ -313,21 +362,38 @@ def test_resource_unit_scales_the_limit_and_refuses_fractions() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"spec": {"hostPID": True}}, "spec.hostPID: true cannot be combined with the shared process namespace"),
-        ({"annotations": {"vram-enforcer.io/action": "explode"}},
-         "metadata.annotations['vram-enforcer.io/action']: 'explode' is not an action; use one of: terminate, kill, restart, warn"),
-        ({"annotations": {"vram-enforcer.io/grace-period": "5"}},
-         "metadata.annotations['vram-enforcer.io/grace-period']: '5' is not a duration; use a duration with a unit, such as 100ms, 5s, 1m30s or 2h (did you mean 5s?)"),
-        ({"annotations": {"vram-enforcer.io/warn-at": "0.9"}},
-         "metadata.annotations['vram-enforcer.io/warn-at']: '0.9' is not a percentage"),
-        ({"annotations": {"vram-enforcer.io/shm-size": "lots"}},
-         "metadata.annotations['vram-enforcer.io/shm-size']: 'lots' is not a quantity"),
-        ({"requests": "8Gi"}, "spec.containers['trainer'].resources: requests['vram-enforcer.io/vram'] '8Gi' differs from limits '12Gi'"),
-        ({"limit": "12GB"}, "'12GB' is not a quantity; use a Kubernetes quantity such as 4Gi, 512Mi, 8G or 4294967296 (bytes) (did you mean 12Gi"),
+        (
+            {"spec": {"hostPID": True}},
+            "spec.hostPID: true cannot be combined with the shared process namespace",
+        ),
+        (
+            {"annotations": {"vram-enforcer.io/action": "explode"}},
+            "metadata.annotations['vram-enforcer.io/action']: 'explode' is not an action; use one of: terminate, kill, restart, warn",
+        ),
+        (
+            {"annotations": {"vram-enforcer.io/grace-period": "5"}},
+            "metadata.annotations['vram-enforcer.io/grace-period']: '5' is not a duration; use a duration with a unit, such as 100ms, 5s, 1m30s or 2h (did you mean 5s?)",
+        ),
+        (
+            {"annotations": {"vram-enforcer.io/warn-at": "0.9"}},
+            "metadata.annotations['vram-enforcer.io/warn-at']: '0.9' is not a percentage",
+        ),
+        (
+            {"annotations": {"vram-enforcer.io/shm-size": "lots"}},
+            "metadata.annotations['vram-enforcer.io/shm-size']: 'lots' is not a quantity",
+        ),
+        (
+            {"requests": "8Gi"},
+            "spec.containers['trainer'].resources: requests['vram-enforcer.io/vram'] '8Gi' differs from limits '12Gi'",
+        ),
+        (
+            {"limit": "12GB"},
+            "'12GB' is not a quantity; use a Kubernetes quantity such as 4Gi, 512Mi, 8G or 4294967296 (bytes) (did you mean 12Gi",
+        ),
         ({"limit": "0.5"}, "is not a whole number of bytes"),
         ({"second": "vram-enforcer"}, "a container is already named 'vram-enforcer'"),
     ],
-)  # fmt: skip
+)
 def test_denials_name_the_field_the_value_and_the_fix(change: dict[str, Any], message: str) -> None:
     c = gpu("trainer", change.get("limit", "12Gi"))
     if "requests" in change:
@@ -342,8 +408,17 @@ def test_denials_name_the_field_the_value_and_the_fix(change: dict[str, Any], me
 
 
 def test_annotations_become_the_sidecars_settings() -> None:
-    out = applied(pod(gpu("t"), annotations={"vram-enforcer.io/action": "restart", "vram-enforcer.io/grace-period": "30s",
-                                             "vram-enforcer.io/warn-at": "80%", "vram-enforcer.io/shm-size": "2Gi"}))  # fmt: skip
+    out = applied(
+        pod(
+            gpu("t"),
+            annotations={
+                "vram-enforcer.io/action": "restart",
+                "vram-enforcer.io/grace-period": "30s",
+                "vram-enforcer.io/warn-at": "80%",
+                "vram-enforcer.io/shm-size": "2Gi",
+            },
+        )
+    )
     env = env_of(sidecar_of(out))
     assert (
         env["VRAM_ENFORCER_ACTION"],
@@ -369,8 +444,10 @@ def test_the_sidecar_takes_no_port_and_the_metrics_port_annotation_is_ignored_wi
         out = review(admission_review(annotated), NATIVE)
         assert out.result == "patched" and "ports" not in sidecar_of(applied(annotated))
         (warning,) = out.review["response"]["warnings"]
-        assert warning.startswith("metadata.annotations['vram-enforcer.io/metrics-port'] is "
-                                  "ignored: since 0.2.0 the sidecar serves no metrics")  # fmt: skip
+        assert warning.startswith(
+            "metadata.annotations['vram-enforcer.io/metrics-port'] is "
+            "ignored: since 0.2.0 the sidecar serves no metrics"
+        )
     # A pod the webhook leaves alone is told nothing.
     plain = pod({"name": "t", "image": "x"}, annotations={"vram-enforcer.io/metrics-port": "1"})
     assert "warnings" not in review(admission_review(plain), NATIVE).review["response"]
@@ -422,8 +499,10 @@ def test_the_sidecar_gets_no_token_whether_or_not_the_pod_mounts_one() -> None:
         )
         (mount,) = [m for m in sidecar_of(out)["volumeMounts"] if m["mountPath"] == TOKEN_DIR]
         assert mount["name"] == "vram-enforcer-no-token", automount
-        assert not any("projected" in v and v["name"].startswith("vram-enforcer")
-                       for v in out["spec"]["volumes"])  # fmt: skip
+        assert not any(
+            "projected" in v and v["name"].startswith("vram-enforcer")
+            for v in out["spec"]["volumes"]
+        )
         workload = {m["mountPath"]: m["name"] for m in out["spec"]["containers"][0]["volumeMounts"]}
         assert workload.get(TOKEN_DIR) == ("kube-api-access-x7k2p" if automount else None)
 
@@ -466,8 +545,9 @@ def test_the_patch_is_made_at_the_paths_it_changes_with_keys_escaped() -> None:
         "path": "/spec/containers/0/resources/limits/example.com~1v~0ram",
     } in ops
     assert jsonpatch.apply_patch(pod(c), ops)["spec"]["containers"][0]["resources"] == {
-        "limits": {"cpu": "1"}, "claims": [{"name": "vram-t"}]
-    }  # fmt: skip
+        "limits": {"cpu": "1"},
+        "claims": [{"name": "vram-t"}],
+    }
 
 
 def test_a_declaring_pod_of_3_mib_costs_a_review_about_what_decoding_it_does() -> None:
@@ -500,10 +580,13 @@ def test_what_the_webhook_writes_is_read_back_by_the_sidecars_own_parser() -> No
     is admitted: what the two would disagree on is denied, not a pod whose sidecar refuses
     to start. (`auto` is resolved when the webhook starts, never written.)"""
     broken = dataclasses.replace(NATIVE, sidecar_mode="auto")
-    with pytest.raises(Denied, match=re.escape(
-        "the sidecar would refuse its settings as this pod's metadata.annotations and spec "
-        "make them: VRAM_ENFORCER_SIDECAR_MODE: 'auto' is not a choice"
-    )):  # fmt: skip
+    with pytest.raises(
+        Denied,
+        match=re.escape(
+            "the sidecar would refuse its settings as this pod's metadata.annotations and spec "
+            "make them: VRAM_ENFORCER_SIDECAR_MODE: 'auto' is not a choice"
+        ),
+    ):
         mutate(pod(gpu("t")), broken)
 
 
@@ -511,18 +594,29 @@ def test_two_containers_named_like_the_sidecar_are_denied() -> None:
     """Never an earlier pass's (a pod's container names are unique), and each would be one
     more operation in the patch: 40,000 of them, in 3 MiB, made a patch of 2.8 MB."""
     forged = {"name": "vram-enforcer", "image": NATIVE.sidecar_image}
-    with pytest.raises(Denied, match=re.escape(
-        "spec: 2 containers are named 'vram-enforcer', the name of the enforcer's sidecar; a "
-        "pod's container names are unique: remove them"
-    )):  # fmt: skip
+    with pytest.raises(
+        Denied,
+        match=re.escape(
+            "spec: 2 containers are named 'vram-enforcer', the name of the enforcer's sidecar; a "
+            "pod's container names are unique: remove them"
+        ),
+    ):
         mutate(pod(gpu("t"), forged, init=[forged]), NATIVE)
 
 
 def admission_review(obj: Any, operation: str = "CREATE", kind: str = "Pod") -> dict[str, Any]:
-    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-            "request": {"uid": "705ab4f5-6393-11e8-b7cc-42010a800002", "kind": {"group": "", "version": "v1", "kind": kind},
-                        "resource": {"group": "", "version": "v1", "resource": "pods"}, "operation": operation,
-                        "namespace": "ml", "object": obj}}  # fmt: skip
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+            "kind": {"group": "", "version": "v1", "kind": kind},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "operation": operation,
+            "namespace": "ml",
+            "object": obj,
+        },
+    }
 
 
 def test_a_review_carries_a_base64_json_patch() -> None:
@@ -597,16 +691,22 @@ def test_dra_mode_turns_the_declaration_into_a_claim_from_the_template_of_its_si
     ]
     first, second, plain = spec["containers"]
     # the extended resource is gone (the scheduler places by the claim); the rest stays
-    assert first["resources"] == {"limits": {"cpu": "2"}, "requests": {"cpu": "1"},
-                                  "claims": [{"name": "vram-trainer"}]}  # fmt: skip
+    assert first["resources"] == {
+        "limits": {"cpu": "2"},
+        "requests": {"cpu": "1"},
+        "claims": [{"name": "vram-trainer"}],
+    }
     assert second["resources"] == {"claims": [{"name": "vram-helper"}]}
     assert "resources" not in plain
     assert env_of(first)["VRAM_LIMIT_BYTES"] == str(16 * GiB)
     sidecar = env_of(sidecar_of(out))
     assert sidecar["VRAM_ENFORCER_LIMITS_FROM"] == "dra"
     # how the sidecar tells a GPU allocation: the webhook's own settings, passed on
-    assert (sidecar["VRAM_ENFORCER_DRA_DRIVERS"], sidecar["VRAM_ENFORCER_DRA_UUID_ATTRIBUTE"],
-            sidecar["VRAM_ENFORCER_DRA_CAPACITY"]) == ("gpu.nvidia.com", "uuid", "memory")  # fmt: skip
+    assert (
+        sidecar["VRAM_ENFORCER_DRA_DRIVERS"],
+        sidecar["VRAM_ENFORCER_DRA_UUID_ATTRIBUTE"],
+        sidecar["VRAM_ENFORCER_DRA_CAPACITY"],
+    ) == ("gpu.nvidia.com", "uuid", "memory")
     other = dataclasses.replace(DRA, dra_drivers=("gpu.example.com", "b.example.com"))
     out = jsonpatch.apply_patch(trainer_pod := pod(gpu("t", "1Gi")), mutate(trainer_pod, other))
     assert env_of(sidecar_of(out))["VRAM_ENFORCER_DRA_DRIVERS"] == "gpu.example.com,b.example.com"
@@ -669,14 +769,21 @@ def test_the_templates_a_stored_pod_names_and_what_they_claim() -> None:
     assert names == ["vram-enforcer-1gi", "vram-enforcer-16gi"]  # one per size; none for 0
     assert {t["metadata"]["namespace"] for t in templates_named(stored, DRA)} == {"ml"}  # type: ignore[index]
     assert templates_named(stored, NATIVE) == []
-    by_hand = pod({"name": "x", "image": "x", "resources": {"claims": [{"name": "g"}]}},
-                  resourceClaims=[{"name": "g", "resourceClaimTemplateName": "mine-16gi"}])  # fmt: skip
+    by_hand = pod(
+        {"name": "x", "image": "x", "resources": {"claims": [{"name": "g"}]}},
+        resourceClaims=[{"name": "g", "resourceClaimTemplateName": "mine-16gi"}],
+    )
     assert templates_named(by_hand, DRA) == []  # not ours to make
     template = claim_template("ml", 16 * GiB, DRA)
     kubernetes_validate.validate(template, "1.36", strict=True)
     (request,) = template["spec"]["spec"]["devices"]["requests"]  # type: ignore[index]
-    assert request == {"name": "vram", "exactly": {"deviceClassName": "gpu.nvidia.com",
-                                                   "capacity": {"requests": {"memory": "16Gi"}}}}  # fmt: skip
+    assert request == {
+        "name": "vram",
+        "exactly": {
+            "deviceClassName": "gpu.nvidia.com",
+            "capacity": {"requests": {"memory": "16Gi"}},
+        },
+    }
 
 
 def service_account_admission(p: dict[str, Any]) -> dict[str, Any]:
@@ -687,15 +794,28 @@ def service_account_admission(p: dict[str, Any]) -> dict[str, Any]:
     if spec.get("automountServiceAccountToken") is False:
         return out
     if not any(v["name"].startswith("kube-api-access-") for v in spec.get("volumes", [])):
-        spec.setdefault("volumes", []).append({"name": "kube-api-access-x7k2p", "projected": {"sources": [
-            {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}}]}})  # fmt: skip
+        spec.setdefault("volumes", []).append(
+            {
+                "name": "kube-api-access-x7k2p",
+                "projected": {
+                    "sources": [
+                        {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}}
+                    ]
+                },
+            }
+        )
     for c in spec.get("initContainers", []) + spec["containers"]:
         mounts = c.setdefault("volumeMounts", [])
         if not any(
             m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount" for m in mounts
         ):
-            mounts.append({"name": "kube-api-access-x7k2p", "readOnly": True,
-                           "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"})  # fmt: skip
+            mounts.append(
+                {
+                    "name": "kube-api-access-x7k2p",
+                    "readOnly": True,
+                    "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+                }
+            )
     return out
 
 
@@ -729,13 +849,16 @@ def test_a_ceiling_goes_to_the_sidecar_and_tells_the_workload_both_amounts() -> 
     assert trainer["VRAM_REQUEST_BYTES"] == str(4 * GiB)
     # The container toolkit's hook: soft = the request, hard = the ceiling (MiB).
     assert (trainer["NVIDIA_GPU_MEMORY_REQUEST"], trainer["NVIDIA_GPU_MEMORY_LIMIT"]) == (
-        "4096", "16384")  # fmt: skip
+        "4096",
+        "16384",
+    )
     assert mutate(out, s) == []  # a second pass changes nothing
 
 
 def test_ceilings_by_name_and_one_equal_to_the_request_borrows_nothing() -> None:
-    p = pod(gpu("a", "4Gi"), gpu("b", "8Gi"), gpu("cpu", None),
-            annotations={CEILING: "a=10Gi, b=8Gi"})  # fmt: skip
+    p = pod(
+        gpu("a", "4Gi"), gpu("b", "8Gi"), gpu("cpu", None), annotations={CEILING: "a=10Gi, b=8Gi"}
+    )
     side = env_of(sidecar_of(applied(p, BURSTY)))
     assert json.loads(side["VRAM_ENFORCER_CEILINGS"]) == {"a": 10 * GiB}
     # No annotation: exactly what a pod got before ceilings existed.
@@ -747,15 +870,24 @@ def test_ceilings_by_name_and_one_equal_to_the_request_borrows_nothing() -> None
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("2Gi", "'trainer': '2Gi' is below the container's request of 4.00 GiB (its resources.limits)"),
-        ("41Gi", "is above what is allowed in namespace 'ml': the operator allows ceilings up to 40.00 GiB"),
+        (
+            "2Gi",
+            "'trainer': '2Gi' is below the container's request of 4.00 GiB (its resources.limits)",
+        ),
+        (
+            "41Gi",
+            "is above what is allowed in namespace 'ml': the operator allows ceilings up to 40.00 GiB",
+        ),
         ("lots", "'trainer': 'lots' is not a quantity"),
         ("", "is empty; use 20Gi (a pod with one container that declares VRAM)"),
-        ("server=8Gi", "names container 'server', which declares no VRAM; a ceiling is for a container that declares it (trainer)"),
+        (
+            "server=8Gi",
+            "names container 'server', which declares no VRAM; a ceiling is for a container that declares it (trainer)",
+        ),
         ("trainer=8Gi,trainer=9Gi", "'trainer=9Gi' is given twice"),
         ("trainer=8Gi,server", "'server' is not name=quantity"),
     ],
-)  # fmt: skip
+)
 def test_bad_ceilings_are_denied_naming_the_annotation_the_value_and_the_fix(
     value: str, message: str
 ) -> None:
@@ -771,8 +903,11 @@ def test_borrowing_is_off_until_the_operator_allows_it_and_one_value_needs_one_c
     with pytest.raises(Denied, match=r"names no container, and 2 containers declare VRAM \(a, b\)"):
         mutate(two, BURSTY, "ml")
     research = Tenancy(Bounds(), {"research": Bounds(max_ceiling=80 * GiB)})
-    out = mutate(pod(gpu("trainer", "4Gi"), annotations={CEILING: "80Gi"}),
-                 dataclasses.replace(NATIVE, tenancy=research), "research")  # fmt: skip
+    out = mutate(
+        pod(gpu("trainer", "4Gi"), annotations={CEILING: "80Gi"}),
+        dataclasses.replace(NATIVE, tenancy=research),
+        "research",
+    )
     assert out
 
 
@@ -818,11 +953,17 @@ def test_kais_annotations_declare_when_the_operator_says_so() -> None:
 
 
 def test_a_kai_fraction_is_frozen_as_a_portion_and_its_limit_as_a_ceiling() -> None:
-    annotations = {"gpu-fraction": "0.5", "gpu-fraction.limit": "0.8",
-                   "gpu-fraction-container-name": "helper"}  # fmt: skip
+    annotations = {
+        "gpu-fraction": "0.5",
+        "gpu-fraction.limit": "0.8",
+        "gpu-fraction-container-name": "helper",
+    }
     p = pod(gpu("main", None), gpu("helper", None), annotations=annotations)
-    with pytest.raises(Denied, match=r"\['gpu-fraction.limit'\]: '0.8' is above what is allowed "
-                       "in namespace 'ml': the operator allows no borrowing"):  # fmt: skip
+    with pytest.raises(
+        Denied,
+        match=r"\['gpu-fraction.limit'\]: '0.8' is above what is allowed "
+        "in namespace 'ml': the operator allows no borrowing",
+    ):
         mutate(p, KAI, "ml")
     out = applied(p, KAI_BURSTY)
     side = env_of(sidecar_of(out))
@@ -843,8 +984,12 @@ def test_kai_limits_in_bytes_are_bounded_as_ceilings_are() -> None:
         "nvidia.com/container.main.gpu-memory.limit",
     )
     p = pod(gpu("main", None), annotations={req: "4Gi", lim: "41Gi"})
-    with pytest.raises(Denied, match=re.escape(f"metadata.annotations[{lim!r}]: '41Gi' is above "
-                                               "what is allowed in namespace 'ml'")):  # fmt: skip
+    with pytest.raises(
+        Denied,
+        match=re.escape(
+            f"metadata.annotations[{lim!r}]: '41Gi' is above what is allowed in namespace 'ml'"
+        ),
+    ):
         mutate(p, KAI_BURSTY, "ml")
     p["metadata"]["annotations"][lim] = "16Gi"
     side = env_of(sidecar_of(applied(p, KAI_BURSTY)))
@@ -855,15 +1000,21 @@ def test_kai_limits_in_bytes_are_bounded_as_ceilings_are() -> None:
 @pytest.mark.parametrize(
     ("p", "message"),
     [
-        (pod(gpu("main", "4Gi"), annotations={"gpu-memory": "2048"}),
-         "container 'main' declares vram-enforcer.io/vram in its resources.limits, and KAI "
-         "Scheduler's annotations declare a GPU share too"),
-        (pod(gpu("main", None), annotations={"gpu-memory": "2048", CEILING: "8Gi"}),
-         "give its limit with KAI's (gpu-memory.limit, gpu-fraction.limit)"),
-        (pod(gpu("main", None), annotations={"gpu-fraction": "1.5"}),
-         "metadata.annotations['gpu-fraction']: '1.5' is not a portion of a GPU above 0 and below 1"),
+        (
+            pod(gpu("main", "4Gi"), annotations={"gpu-memory": "2048"}),
+            "container 'main' declares vram-enforcer.io/vram in its resources.limits, and KAI "
+            "Scheduler's annotations declare a GPU share too",
+        ),
+        (
+            pod(gpu("main", None), annotations={"gpu-memory": "2048", CEILING: "8Gi"}),
+            "give its limit with KAI's (gpu-memory.limit, gpu-fraction.limit)",
+        ),
+        (
+            pod(gpu("main", None), annotations={"gpu-fraction": "1.5"}),
+            "metadata.annotations['gpu-fraction']: '1.5' is not a portion of a GPU above 0 and below 1",
+        ),
     ],
-)  # fmt: skip
+)
 def test_kai_declarations_that_cannot_be_enforced_are_denied(
     p: dict[str, Any], message: str
 ) -> None:
@@ -878,10 +1029,13 @@ def test_a_kai_share_the_sidecar_could_not_read_back_exactly_is_denied_naming_it
     a pod that never starts, or runs unenforced. A share has at most 20 digits after the
     point, so that it is written exactly."""
     p = pod(gpu("main", None), annotations={"gpu-fraction": "1e-999999999"})
-    with pytest.raises(Denied, match=re.escape(
-        "metadata.annotations['gpu-fraction']: '1e-999999999' has more than 20 digits after "
-        'the point; give a portion above 0 and below 1 with at most 20, e.g. "0.5"'
-    )):  # fmt: skip
+    with pytest.raises(
+        Denied,
+        match=re.escape(
+            "metadata.annotations['gpu-fraction']: '1e-999999999' has more than 20 digits after "
+            'the point; give a portion above 0 and below 1 with at most 20, e.g. "0.5"'
+        ),
+    ):
         mutate(p, KAI)
     # Rounded, this share would reach its limit, which the sidecar refuses too.
     p["metadata"]["annotations"] = {"gpu-fraction": "0." + "4" * 31, "gpu-fraction.limit": "0.5"}
@@ -889,8 +1043,11 @@ def test_a_kai_share_the_sidecar_could_not_read_back_exactly_is_denied_naming_it
         mutate(p, KAI_BURSTY)
     # The most digits, on the most GPUs: read back exactly.
     share = "0." + "4" * 20
-    p["metadata"]["annotations"] = {"gpu-fraction": share, "gpu-fraction.limit": "0.5",
-                                    "gpu-fraction-num-devices": "9999"}  # fmt: skip
+    p["metadata"]["annotations"] = {
+        "gpu-fraction": share,
+        "gpu-fraction.limit": "0.5",
+        "gpu-fraction-num-devices": "9999",
+    }
     side = env_of(sidecar_of(applied(p, KAI_BURSTY)))
     portions = parse_portions(side["VRAM_ENFORCER_PORTIONS"], "VRAM_ENFORCER_PORTIONS")
     assert portions == {"main": Portion(Decimal(share) * 9999, Decimal("0.5") * 9999)}
@@ -900,10 +1057,15 @@ def test_a_kai_share_the_sidecar_could_not_read_back_exactly_is_denied_naming_it
 def test_a_pod_that_declares_nothing_may_not_carry_a_container_named_like_the_sidecar() -> None:
     """The node agent reads what a KAI pod declares from its sidecar's environment, which
     only the webhook writes: a pod that declares nothing cannot bring a sidecar of its own."""
-    forged = {"name": "vram-enforcer", "image": NATIVE.sidecar_image,
-              "env": [{"name": "VRAM_ENFORCER_LIMITS", "value": '{"main": 1}'}]}  # fmt: skip
-    message = (r"a container is named 'vram-enforcer', the name of the enforcer's sidecar, in "
-               "a pod that declares no VRAM; rename it")  # fmt: skip
+    forged = {
+        "name": "vram-enforcer",
+        "image": NATIVE.sidecar_image,
+        "env": [{"name": "VRAM_ENFORCER_LIMITS", "value": '{"main": 1}'}],
+    }
+    message = (
+        r"a container is named 'vram-enforcer', the name of the enforcer's sidecar, in "
+        "a pod that declares no VRAM; rename it"
+    )
     with pytest.raises(Denied, match=r"spec.initContainers: " + message):
         mutate(pod(gpu("main", None), init=[forged]), KAI)
     with pytest.raises(Denied, match=r"spec.containers: " + message):

@@ -25,9 +25,17 @@ from enforcer.core.tenancy import ALL_ACTIONS, Bounds, Tenancy
 RES = "vram-enforcer.io/vram"
 SETTINGS = [
     AdmissionSettings("img:1", "native", RES, 1),
-    AdmissionSettings("img:1", "container", RES, 1024**3, framework_env=False, shm_default="1Gi",
-                      gpu_exposure="env", runtime_class="nvidia"),
-]  # fmt: skip
+    AdmissionSettings(
+        "img:1",
+        "container",
+        RES,
+        1024**3,
+        framework_env=False,
+        shm_default="1Gi",
+        gpu_exposure="env",
+        runtime_class="nvidia",
+    ),
+]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
@@ -146,8 +154,13 @@ def well_formed(answer: dict[str, Any], uid: str) -> list[dict[str, Any]]:
 
 def review_of(obj: Any, uid: str = "u-1", **request: Any) -> dict[str, Any]:
     """An AdmissionReview of a pod CREATE, with `request` fields replaced as given."""
-    fields = {"uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
-              "operation": "CREATE", "object": obj, **request}  # fmt: skip
+    fields = {
+        "uid": uid,
+        "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "operation": "CREATE",
+        "object": obj,
+        **request,
+    }
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": fields}
 
 
@@ -257,8 +270,15 @@ def test_a_second_pass_over_the_webhooks_own_output_yields_no_patch(
     mutated = admitted(p, s)
     if mutated is None:
         return
-    declared = json.loads(next(e["value"] for c in mutated["spec"].get("initContainers", []) + mutated["spec"]["containers"]
-                               if c["name"] == "vram-enforcer" for e in c["env"] if e["name"] == "VRAM_ENFORCER_LIMITS"))  # fmt: skip
+    declared = json.loads(
+        next(
+            e["value"]
+            for c in mutated["spec"].get("initContainers", []) + mutated["spec"]["containers"]
+            if c["name"] == "vram-enforcer"
+            for e in c["env"]
+            if e["name"] == "VRAM_ENFORCER_LIMITS"
+        )
+    )
     assert declared and all(isinstance(v, int) and v >= 0 for v in declared.values())
     again = review(review_of(mutated), s)
     assert well_formed(again.review, "u-1") == []
@@ -268,9 +288,26 @@ def test_a_second_pass_over_the_webhooks_own_output_yields_no_patch(
 # Values a hostile pod author would try: digits that are not ASCII ("²", Arabic-Indic,
 # full-width), numbers past Python's digit limit or decimal's exponent range, durations
 # that overflow to infinity.
-HOSTILE_VALUES = ["\u00b2", "\u0661\u0662", "\uff19\uff14\uff17\uff17", "1e1000000", "1e-1000000",
-                  "0e99999999", "9" * 5000, "9" * 400 + "s", "-0", "-1", "+9477", " 9477", "1_000",
-                  "NaN", "Infinity", "1e308s", "0x10", "9" * 20 + "Ei"]  # fmt: skip
+HOSTILE_VALUES = [
+    "\u00b2",
+    "\u0661\u0662",
+    "\uff19\uff14\uff17\uff17",
+    "1e1000000",
+    "1e-1000000",
+    "0e99999999",
+    "9" * 5000,
+    "9" * 400 + "s",
+    "-0",
+    "-1",
+    "+9477",
+    " 9477",
+    "1_000",
+    "NaN",
+    "Infinity",
+    "1e308s",
+    "0x10",
+    "9" * 20 + "Ei",
+]
 hostile_text = (
     st.sampled_from(HOSTILE_VALUES)
     | st.text(alphabet="0123456789.eE+-sGiMk\u00b2\u0661\uff19 ", max_size=24)
@@ -282,9 +319,12 @@ hostile_text = (
     )
 )
 HOSTILE_ANNOTATIONS = [
-    "vram-enforcer.io/shm-size", "vram-enforcer.io/metrics-port", "vram-enforcer.io/grace-period",
-    "vram-enforcer.io/warn-at", "vram-enforcer.io/action",
-]  # fmt: skip
+    "vram-enforcer.io/shm-size",
+    "vram-enforcer.io/metrics-port",
+    "vram-enforcer.io/grace-period",
+    "vram-enforcer.io/warn-at",
+    "vram-enforcer.io/action",
+]
 
 
 def nested(depth: int) -> str:
@@ -336,15 +376,27 @@ def test_hostile_bodies_get_a_well_formed_answer_through_the_real_decoding_path(
 
 # What the webhook writes into the sidecar's environment comes from these annotations:
 # values that are right, at the edges of what decimal arithmetic holds, and hostile.
-portions = st.sampled_from(["0.5", "0.25", "5E-1", " 0.75 ", "1e-999999999", "1e-20", "1e-21",
-                            "0." + "4" * 40, "0.4999999999999999999999999999999", "0.3333333333333333"]) | (
-    st.integers(1, 30).flatmap(lambda n: st.decimals(0, 1, places=n)).map(str)
-)  # fmt: skip
+portions = st.sampled_from(
+    [
+        "0.5",
+        "0.25",
+        "5E-1",
+        " 0.75 ",
+        "1e-999999999",
+        "1e-20",
+        "1e-21",
+        "0." + "4" * 40,
+        "0.4999999999999999999999999999999",
+        "0.3333333333333333",
+    ]
+) | (st.integers(1, 30).flatmap(lambda n: st.decimals(0, 1, places=n)).map(str))
 SETTING_VALUES = {
-    "vram-enforcer.io/shm-size": ["1Gi", "off"], "vram-enforcer.io/metrics-port": ["9477", "1"],
-    "vram-enforcer.io/grace-period": ["5s", "0"], "vram-enforcer.io/warn-at": ["100%", "0.5%"],
+    "vram-enforcer.io/shm-size": ["1Gi", "off"],
+    "vram-enforcer.io/metrics-port": ["9477", "1"],
+    "vram-enforcer.io/grace-period": ["5s", "0"],
+    "vram-enforcer.io/warn-at": ["100%", "0.5%"],
     "vram-enforcer.io/action": ["warn", "Kill "],
-}  # fmt: skip
+}
 LOOSE = Tenancy(
     Bounds(actions=ALL_ACTIONS, max_grace_period=MAX_DURATION, max_ceiling=MAX_QUANTITY)
 )
@@ -375,8 +427,15 @@ def written_pods(draw: st.DrawFn) -> dict[str, Any]:
                 part.pop(RES, None)
     if form == "fraction":
         annotations["gpu-fraction"] = value(portions)
-        limit = draw(st.sampled_from(["gpu-fraction.limit",
-                                      f"kai.scheduler/container.{target}.gpu-memory.portion.limit", None]))  # fmt: skip
+        limit = draw(
+            st.sampled_from(
+                [
+                    "gpu-fraction.limit",
+                    f"kai.scheduler/container.{target}.gpu-memory.portion.limit",
+                    None,
+                ]
+            )
+        )
         if limit:
             annotations[limit] = value(portions | st.sampled_from(["0.8", "0.50001", "0.5"]))
     if form == "memory":

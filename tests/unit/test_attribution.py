@@ -103,11 +103,17 @@ def test_a_gpu_bound_unit_has_a_share_on_its_gpu_even_when_idle() -> None:
 
 def test_tenants_are_counted_per_gpu_once_each() -> None:
     devices = tuple(Device(i, f"GPU-{i}", "H100", 80 * GiB, 0) for i in range(3))
-    s = Sample(0.0, devices, (
-        ProcessUsage(A, "GPU-0", GiB), ProcessUsage(B, "GPU-0", GiB),  # one container, twice
-        ProcessUsage(C, "GPU-0", GiB), ProcessUsage(C, "GPU-1", GiB),
-        ProcessUsage(ProcessKey(99, 1), "GPU-1", GiB),  # exited: its tenant is not known
-    ))  # fmt: skip
+    s = Sample(
+        0.0,
+        devices,
+        (
+            ProcessUsage(A, "GPU-0", GiB),
+            ProcessUsage(B, "GPU-0", GiB),  # one container, twice
+            ProcessUsage(C, "GPU-0", GiB),
+            ProcessUsage(C, "GPU-1", GiB),
+            ProcessUsage(ProcessKey(99, 1), "GPU-1", GiB),  # exited: its tenant is not known
+        ),
+    )
     tenant_of = {A: "container:x", B: "container:x", C: "container:y"}
     assert tenants_per_gpu(s, tenant_of) == {"GPU-0": 2, "GPU-1": 1, "GPU-2": 0}
 

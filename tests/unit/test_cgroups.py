@@ -88,9 +88,16 @@ def test_a_pod_directory_names_its_pod(name: str) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["kubepods-burstable.slice", "kubepods.slice", f"cri-containerd-{A}.scope", f"pod{UID}x",
-     f"xpod{UID}", "pod", f"kubepods-burstable-pod{UID_SYSTEMD}.scope"],
-)  # fmt: skip
+    [
+        "kubepods-burstable.slice",
+        "kubepods.slice",
+        f"cri-containerd-{A}.scope",
+        f"pod{UID}x",
+        f"xpod{UID}",
+        "pod",
+        f"kubepods-burstable-pod{UID_SYSTEMD}.scope",
+    ],
+)
 def test_other_directories_name_no_pod(name: str) -> None:
     assert pod_uid_of_dir(name) is None
 

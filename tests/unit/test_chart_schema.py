@@ -52,47 +52,217 @@ NOT_A_VALUE = {
 }
 
 DURATIONS = [
-    "0", "0s", "00", "0.0s", "0h0m", "1ns", "1us", "1µs", "1ms", "5ms", "9ms", "9.999ms",
-    "10ms", "10.00ms", "0.01s", ".01s", "10000us", "10000µs", "10000000ns", "10.5ms",
-    "11ms", "20ms", "50ms", "99ms", "99.9ms", "100ms", "0.1s", "100000us", "100000000ns",
-    "101ms", "200ms", "500ms", "999ms", "1s", "1000ms", "1.5s", "2s", "5s", "30s", "31s",
-    "60s", "1m", "2m", "1m30s", "1h", "1h30m", "2h45m30s", "1s500ms", "0.5h", "1.h",
-    "0.0001h", "0.0002m", "99999h", "100000h", "2562047h", "2562048h",
-    "5", "0.5", "5 s", " 5s", "5s ", "5s\n", "-1s", "+1s", "1d", "1S", "1.5.5s", "ms",
-    "s", "", "1e3s", "5ms5ms", "50ms50ms", "30s1m", "1m1m",
-]  # fmt: skip
+    "0",
+    "0s",
+    "00",
+    "0.0s",
+    "0h0m",
+    "1ns",
+    "1us",
+    "1µs",
+    "1ms",
+    "5ms",
+    "9ms",
+    "9.999ms",
+    "10ms",
+    "10.00ms",
+    "0.01s",
+    ".01s",
+    "10000us",
+    "10000µs",
+    "10000000ns",
+    "10.5ms",
+    "11ms",
+    "20ms",
+    "50ms",
+    "99ms",
+    "99.9ms",
+    "100ms",
+    "0.1s",
+    "100000us",
+    "100000000ns",
+    "101ms",
+    "200ms",
+    "500ms",
+    "999ms",
+    "1s",
+    "1000ms",
+    "1.5s",
+    "2s",
+    "5s",
+    "30s",
+    "31s",
+    "60s",
+    "1m",
+    "2m",
+    "1m30s",
+    "1h",
+    "1h30m",
+    "2h45m30s",
+    "1s500ms",
+    "0.5h",
+    "1.h",
+    "0.0001h",
+    "0.0002m",
+    "99999h",
+    "100000h",
+    "2562047h",
+    "2562048h",
+    "5",
+    "0.5",
+    "5 s",
+    " 5s",
+    "5s ",
+    "5s\n",
+    "-1s",
+    "+1s",
+    "1d",
+    "1S",
+    "1.5.5s",
+    "ms",
+    "s",
+    "",
+    "1e3s",
+    "5ms5ms",
+    "50ms50ms",
+    "30s1m",
+    "1m1m",
+]
 QUANTITIES = [
-    "0", "00", "0.0", "1", "+1", "-1", "-0", "512", "1.5", "1.0", "1.", ".5", "500m",
-    "1000m", "0m", "100u", "1n", "1000000000n", "1k", "1.5k", "1.0005k", "1.234k",
-    "512Mi", "1Gi", "1.5Gi", "1.25Gi", "1.125Gi", "1.0625Gi", "1.3Gi", "0.1Ki", ".5Ki",
-    "1.Gi", ".Gi", "2Gi", "80Gi", "8191Pi", "1Ei", "7Ei", "8Ei", "0.5Ei", "9E", "10E",
-    "9e18", "1e9", "1E3", "1e19", "1e-3", "1e+3", "0e5", "4GB", "4gb", "4G", "4 Gi",
-    " 4Gi", "4Gi ", "4Gi\n", "NaN", "inf", "1e", "Gi", "", "9223372036854775807",
-    "9223372036854775808", "999999999999999999", "1000000000000000000", "10m", "0.5",
-    "2", "250m", "0.001",
-]  # fmt: skip
+    "0",
+    "00",
+    "0.0",
+    "1",
+    "+1",
+    "-1",
+    "-0",
+    "512",
+    "1.5",
+    "1.0",
+    "1.",
+    ".5",
+    "500m",
+    "1000m",
+    "0m",
+    "100u",
+    "1n",
+    "1000000000n",
+    "1k",
+    "1.5k",
+    "1.0005k",
+    "1.234k",
+    "512Mi",
+    "1Gi",
+    "1.5Gi",
+    "1.25Gi",
+    "1.125Gi",
+    "1.0625Gi",
+    "1.3Gi",
+    "0.1Ki",
+    ".5Ki",
+    "1.Gi",
+    ".Gi",
+    "2Gi",
+    "80Gi",
+    "8191Pi",
+    "1Ei",
+    "7Ei",
+    "8Ei",
+    "0.5Ei",
+    "9E",
+    "10E",
+    "9e18",
+    "1e9",
+    "1E3",
+    "1e19",
+    "1e-3",
+    "1e+3",
+    "0e5",
+    "4GB",
+    "4gb",
+    "4G",
+    "4 Gi",
+    " 4Gi",
+    "4Gi ",
+    "4Gi\n",
+    "NaN",
+    "inf",
+    "1e",
+    "Gi",
+    "",
+    "9223372036854775807",
+    "9223372036854775808",
+    "999999999999999999",
+    "1000000000000000000",
+    "10m",
+    "0.5",
+    "2",
+    "250m",
+    "0.001",
+]
 WORDS = [
-    "auto", "off", "Auto", "none", "env", "native", "container", "json", "text", "JSON",
-    "required", "gpu.nvidia.com", "vram-enforcer.io/vram", "kubernetes.io/vram",
-    "x.kubernetes.io/vram", "example.com/VRAM_1", "example.com/vram\n", "-bad/x", "a/b",
-    "a/b/c", f"{'a' * 250}.io/vram", "nvidia", "a,b", "", " ", "a\nb", "é", "uuid",
+    "auto",
+    "off",
+    "Auto",
+    "none",
+    "env",
+    "native",
+    "container",
+    "json",
+    "text",
+    "JSON",
+    "required",
+    "gpu.nvidia.com",
+    "vram-enforcer.io/vram",
+    "kubernetes.io/vram",
+    "x.kubernetes.io/vram",
+    "example.com/VRAM_1",
+    "example.com/vram\n",
+    "-bad/x",
+    "a/b",
+    "a/b/c",
+    f"{'a' * 250}.io/vram",
+    "nvidia",
+    "a,b",
+    "",
+    " ",
+    "a\nb",
+    "é",
+    "uuid",
     "memory",
-]  # fmt: skip
+]
 PORTS = [-1, 0, 1, 80, 8443, 9477, 65535, 65536]
 LISTS: list[list[str]] = [
-    [], [""], ["gpu.nvidia.com"], ["nvidia.com/gpu", "amd.com/gpu"], ["a,b"], ["terminate"],
-    ["terminate", "kill", "restart", "warn"], ["Warn"], [" kill"], ["kill", "kill"],
-    ["explode"], ["warn", ""],
-]  # fmt: skip
+    [],
+    [""],
+    ["gpu.nvidia.com"],
+    ["nvidia.com/gpu", "amd.com/gpu"],
+    ["a,b"],
+    ["terminate"],
+    ["terminate", "kill", "restart", "warn"],
+    ["Warn"],
+    [" kill"],
+    ["kill", "kill"],
+    ["explode"],
+    ["warn", ""],
+]
 BOUNDS: list[dict[str, Any]] = [
-    {}, {"research": {}}, {"research": {"actions": ["warn", "terminate"]}},
-    {"research": {"actions": []}}, {"research": {"actions": ["explode"]}},
-    {"research": {"maxGracePeriod": "2m"}}, {"research": {"maxGracePeriod": "2"}},
-    {"research": {"maxGracePeriod": 120}}, {"research": {"allowOptOut": True}},
-    {"research": {"allowOptOut": "yes"}}, {"research": {"maxCeiling": "40Gi"}},
-    {"research": {"maxCeiling": "500m"}}, {"research": {"maxCeiling": 40}},
-    {"research": {"burst": True}}, {"research": []},
-]  # fmt: skip
+    {},
+    {"research": {}},
+    {"research": {"actions": ["warn", "terminate"]}},
+    {"research": {"actions": []}},
+    {"research": {"actions": ["explode"]}},
+    {"research": {"maxGracePeriod": "2m"}},
+    {"research": {"maxGracePeriod": "2"}},
+    {"research": {"maxGracePeriod": 120}},
+    {"research": {"allowOptOut": True}},
+    {"research": {"allowOptOut": "yes"}},
+    {"research": {"maxCeiling": "40Gi"}},
+    {"research": {"maxCeiling": "500m"}},
+    {"research": {"maxCeiling": 40}},
+    {"research": {"burst": True}},
+    {"research": []},
+]
 
 # Where the chart refuses, on purpose, what the program takes: why -> samples (a list as
 # its JSON). Each is one for some flag (test_each_stricter_sample_is_one).
@@ -105,13 +275,18 @@ STRICTER: dict[str, set[object]] = {
     "no milli or nano of a byte, even where whole": {"0m", "1000m", "1000000000n"},
     "at most three decimals before a binary suffix": {"1.0625Gi"},
     "no more digits than keep any number of that suffix under 2^63-1": {
-        "1000000000000000000", "9223372036854775807", "8191Pi", "1Ei", "7Ei", "9E",
+        "1000000000000000000",
+        "9223372036854775807",
+        "8191Pi",
+        "1Ei",
+        "7Ei",
+        "9E",
     },
     "an exponent of 0 to 18": {"1e-3"},
     "port 0 (a free one) is no port a Service or a probe can name": {0},
     "names are not empty": {"", '[""]', '["warn", ""]', "[]"},
     "actions as the programs print them, once each": {'[" kill"]', '["Warn"]', '["kill", "kill"]'},
-}  # fmt: skip
+}
 
 
 def _re2(pattern: str) -> str:
@@ -300,8 +475,9 @@ def test_each_stricter_sample_is_one() -> None:
     assert listed <= found, f"no longer stricter: {listed - found}"
 
 
-@pytest.mark.parametrize("flag", [f for f in CHART_FLAGS if f.how == "switch"],
-                         ids=lambda f: f.path)  # fmt: skip
+@pytest.mark.parametrize(
+    "flag", [f for f in CHART_FLAGS if f.how == "switch"], ids=lambda f: f.path
+)
 def test_a_switch_is_a_boolean(flag: ChartFlag) -> None:
     schema = _schema()
     for key in flag.path.split("."):
@@ -340,15 +516,47 @@ NUMBERS = st.one_of(
     st.sampled_from(["0", "1", "10", "100", "1000", "9", "0.5", "0.01", "0.1", "10000"]),
 )
 SUFFIXES = st.sampled_from(
-    ["", "k", "M", "G", "T", "P", "E", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "m", "u", "n",
-     "e3", "e18", "e19", "E-3", "e+2", "ns", "us", "µs", "ms", "s", "h", " ", "+", "."]
-)  # fmt: skip
+    [
+        "",
+        "k",
+        "M",
+        "G",
+        "T",
+        "P",
+        "E",
+        "Ki",
+        "Mi",
+        "Gi",
+        "Ti",
+        "Pi",
+        "Ei",
+        "m",
+        "u",
+        "n",
+        "e3",
+        "e18",
+        "e19",
+        "E-3",
+        "e+2",
+        "ns",
+        "us",
+        "µs",
+        "ms",
+        "s",
+        "h",
+        " ",
+        "+",
+        ".",
+    ]
+)
 ANY_TEXT = st.one_of(
-    st.builds(lambda sign, parts: sign + "".join(n + s for n, s in parts),
-              st.sampled_from(["", "", "+", "-"]), st.lists(st.tuples(NUMBERS, SUFFIXES),
-                                                             min_size=1, max_size=7)),
+    st.builds(
+        lambda sign, parts: sign + "".join(n + s for n, s in parts),
+        st.sampled_from(["", "", "+", "-"]),
+        st.lists(st.tuples(NUMBERS, SUFFIXES), min_size=1, max_size=7),
+    ),
     st.text("0123456789.+-eEkKMGTPimunsµh ", max_size=12),
-)  # fmt: skip
+)
 
 
 def _written(value: Fraction, decimals: int = 30) -> str:
@@ -368,25 +576,42 @@ def _edges(form: Form) -> st.SearchStrategy[str]:
     if isinstance(form, Duration):
         units = [(u.replace("(?:us|µs)", "µs"), size) for u, size in DURATION_UNITS]
         units.append(("us", Fraction(1, 10**6)))
-        edges = [(u, size, e) for u, size in units for e in (
-            form.minimum / size, Fraction(10) ** duration_part_digits(size), MAX_DURATION / size
-        ) if e]  # fmt: skip
+        edges = [
+            (u, size, e)
+            for u, size in units
+            for e in (
+                form.minimum / size,
+                Fraction(10) ** duration_part_digits(size),
+                MAX_DURATION / size,
+            )
+            if e
+        ]
     else:
         units = [("", Fraction(1))] + [
             (s, Fraction(base) ** p)
             for table, base in ((DECIMAL_SUFFIXES, 1000), (BINARY_SUFFIXES, 1024))
             for s, p in table.items()
         ]
-        edges = [(u, size, e) for u, size in units for e in (
-            Fraction(1), Fraction(1, 8), Fraction(1, 16), Fraction(10) ** whole_digits(size),
-            MAX_QUANTITY / size,
-        )]  # fmt: skip
+        edges = [
+            (u, size, e)
+            for u, size in units
+            for e in (
+                Fraction(1),
+                Fraction(1, 8),
+                Fraction(1, 16),
+                Fraction(10) ** whole_digits(size),
+                MAX_QUANTITY / size,
+            )
+        ]
     part = st.builds(
         lambda edge, power, sign: (
-            edge[1], _written(max(edge[2] + sign * Fraction(10) ** power, Fraction(0))) + edge[0]
+            edge[1],
+            _written(max(edge[2] + sign * Fraction(10) ** power, Fraction(0))) + edge[0],
         ),
-        st.sampled_from(edges), st.integers(-20, 3), st.sampled_from([-1, 0, 0, 1]),
-    )  # fmt: skip
+        st.sampled_from(edges),
+        st.integers(-20, 3),
+        st.sampled_from([-1, 0, 0, 1]),
+    )
     parts = st.lists(part, min_size=1, max_size=3)
     return st.one_of(
         part.map(lambda p: p[1]),
@@ -405,8 +630,10 @@ def test_whatever_the_chart_takes_its_program_takes(form: Form, data: st.DataObj
 
 def _plain_number(digits: int) -> st.SearchStrategy[str]:
     whole = st.integers(0, 10**digits - 1).map(str)
-    return st.one_of(whole, st.builds(lambda w, d: f"{w}.{d}", whole,
-                                      st.text("0123456789", min_size=1, max_size=3)))  # fmt: skip
+    return st.one_of(
+        whole,
+        st.builds(lambda w, d: f"{w}.{d}", whole, st.text("0123456789", min_size=1, max_size=3)),
+    )
 
 
 def _plain(form: Form) -> st.SearchStrategy[str]:

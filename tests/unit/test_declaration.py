@@ -148,12 +148,26 @@ def test_a_dra_mode_pod_declares_nothing_in_its_sidecars_env_its_claims_are_its_
     assert isinstance(kai, Declaration) and kai.requests == {"main": 8 * GiB}  # KAI's way
     dra = of_pod(pod(None, **env, VRAM_ENFORCER_LIMITS_FROM="dra"), RES, 1, SIDECAR, opted_in=ML)
     assert dra == Declaration(claims=True) and not dra and dra_ceilings(dra) == {}
-    lifted = pod(None, **env, VRAM_ENFORCER_LIMITS_FROM="dra",
-                 VRAM_ENFORCER_CEILINGS=json.dumps({"main": 12 * GiB}))  # fmt: skip
+    lifted = pod(
+        None,
+        **env,
+        VRAM_ENFORCER_LIMITS_FROM="dra",
+        VRAM_ENFORCER_CEILINGS=json.dumps({"main": 12 * GiB}),
+    )
     assert dra_ceilings(of_pod(lifted, RES, 1, SIDECAR, opted_in=ML)) == {"main": 12 * GiB}
     # The ceilings of a pod that is not in DRA mode lie above its declaration, not claims.
-    assert dra_ceilings(of_pod(pod("4Gi", VRAM_ENFORCER_CEILINGS=json.dumps({"main": 12 * GiB})),
-                               RES, 1, SIDECAR, opted_in=ML)) == {}  # fmt: skip
+    assert (
+        dra_ceilings(
+            of_pod(
+                pod("4Gi", VRAM_ENFORCER_CEILINGS=json.dumps({"main": 12 * GiB})),
+                RES,
+                1,
+                SIDECAR,
+                opted_in=ML,
+            )
+        )
+        == {}
+    )
 
 
 # What a tenant can write into a container named like the sidecar, in a namespace that the
@@ -162,21 +176,31 @@ def test_a_dra_mode_pod_declares_nothing_in_its_sidecars_env_its_claims_are_its_
 POISON = {
     "deep": {"VRAM_ENFORCER_LIMITS": "[" * 100_000},  # RecursionError in json
     "deep object": {"VRAM_ENFORCER_LIMITS": '{"a":' * 100_000},
-    "overflowing portion": {"VRAM_ENFORCER_LIMITS": "{}",
-                            "VRAM_ENFORCER_PORTIONS": '{"main": {"request": "1E+999999"}}'},
-    "tiny portion": {"VRAM_ENFORCER_LIMITS": "{}",
-                     "VRAM_ENFORCER_PORTIONS": '{"main": {"request": "0E-1000026"}}'},
-    "long portion": {"VRAM_ENFORCER_LIMITS": "{}",
-                     "VRAM_ENFORCER_PORTIONS": json.dumps({"main": {"request": f"0.{'0' * 30}1"}})},
-    "portion of 10,000 GPUs": {"VRAM_ENFORCER_LIMITS": "{}",
-                               "VRAM_ENFORCER_PORTIONS": '{"main": {"request": "10000"}}'},
+    "overflowing portion": {
+        "VRAM_ENFORCER_LIMITS": "{}",
+        "VRAM_ENFORCER_PORTIONS": '{"main": {"request": "1E+999999"}}',
+    },
+    "tiny portion": {
+        "VRAM_ENFORCER_LIMITS": "{}",
+        "VRAM_ENFORCER_PORTIONS": '{"main": {"request": "0E-1000026"}}',
+    },
+    "long portion": {
+        "VRAM_ENFORCER_LIMITS": "{}",
+        "VRAM_ENFORCER_PORTIONS": json.dumps({"main": {"request": f"0.{'0' * 30}1"}}),
+    },
+    "portion of 10,000 GPUs": {
+        "VRAM_ENFORCER_LIMITS": "{}",
+        "VRAM_ENFORCER_PORTIONS": '{"main": {"request": "10000"}}',
+    },
     "huge integer": {"VRAM_ENFORCER_LIMITS": json.dumps({"main": 10**4000})},
     "past 2^63-1": {"VRAM_ENFORCER_LIMITS": json.dumps({"main": 2**63})},
     "past the digit limit": {"VRAM_ENFORCER_LIMITS": '{"main": ' + "9" * 5000 + "}"},
     "wrong types": {"VRAM_ENFORCER_LIMITS": '{"main": "8Gi"}'},
-    "wrong portion types": {"VRAM_ENFORCER_LIMITS": "{}",
-                            "VRAM_ENFORCER_PORTIONS": '{"main": {"request": ["0.5"]}}'},
-}  # fmt: skip
+    "wrong portion types": {
+        "VRAM_ENFORCER_LIMITS": "{}",
+        "VRAM_ENFORCER_PORTIONS": '{"main": {"request": ["0.5"]}}',
+    },
+}
 
 
 @pytest.mark.parametrize("kind", POISON)
@@ -233,12 +257,16 @@ def test_a_sidecar_environment_outside_the_namespaces_that_opted_in_is_not_read(
     borrower = of_pod(pod("4Gi", **ceilings), RES, 1, SIDECAR, opted_in=elsewhere)
     assert isinstance(borrower, Declaration)
     assert (borrower.requests, borrower.ceilings) == ({"main": 4 * GiB}, {})
-    why = ("namespace 'ml' is not labelled vram-enforcer.io/inject=enabled (or is the agent's "
-           "own), so the webhook never wrote its sidecar's environment")  # fmt: skip
+    why = (
+        "namespace 'ml' is not labelled vram-enforcer.io/inject=enabled (or is the agent's "
+        "own), so the webhook never wrote its sidecar's environment"
+    )
     assert unreadable(borrower) == f"borrows nothing: {why}: VRAM_ENFORCER_CEILINGS not read"
     limits = {"VRAM_ENFORCER_LIMITS": json.dumps({"main": 8 * GiB})}
-    portions = {"VRAM_ENFORCER_LIMITS": "{}",
-                "VRAM_ENFORCER_PORTIONS": encode_portions({"main": Portion(Decimal("0.5"))})}  # fmt: skip
+    portions = {
+        "VRAM_ENFORCER_LIMITS": "{}",
+        "VRAM_ENFORCER_PORTIONS": encode_portions({"main": Portion(Decimal("0.5"))}),
+    }
     dra = {**limits, **ceilings, "VRAM_ENFORCER_LIMITS_FROM": "dra"}
     for env in (limits, portions, dra):
         forged = of_pod(pod(None, **env), RES, 1, SIDECAR, opted_in=elsewhere)
@@ -256,15 +284,23 @@ def test_a_sidecar_environment_outside_the_namespaces_that_opted_in_is_not_read(
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
-                                                                  max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
     max_leaves=8,
-)  # fmt: skip
-VALUES = st.text(max_size=40) | JSON.map(json.dumps) | st.builds(
-    lambda name, value: json.dumps({name: value}), st.sampled_from(["main", "x"]), JSON
-) | st.builds(lambda value: json.dumps({"main": {"request": value}}), JSON)  # fmt: skip
-VARIABLES = ["VRAM_ENFORCER_LIMITS", "VRAM_ENFORCER_CEILINGS", "VRAM_ENFORCER_PORTIONS",
-             "VRAM_ENFORCER_LIMITS_FROM"]  # fmt: skip
+)
+VALUES = (
+    st.text(max_size=40)
+    | JSON.map(json.dumps)
+    | st.builds(lambda name, value: json.dumps({name: value}), st.sampled_from(["main", "x"]), JSON)
+    | st.builds(lambda value: json.dumps({"main": {"request": value}}), JSON)
+)
+VARIABLES = [
+    "VRAM_ENFORCER_LIMITS",
+    "VRAM_ENFORCER_CEILINGS",
+    "VRAM_ENFORCER_PORTIONS",
+    "VRAM_ENFORCER_LIMITS_FROM",
+]
 
 
 @given(

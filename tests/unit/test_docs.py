@@ -20,8 +20,11 @@ def test_every_test_that_security_md_names_exists() -> None:
         r"`(tests/[\w/]+\.py)::(test_\w+)`", (ROOT / "docs" / "security.md").read_text()
     )
     assert len(named) >= 30  # the table of guarantees is there
-    missing = [f"{path}::{name}" for path, name in named
-               if not (ROOT / path).exists() or name not in defined_tests(ROOT / path)]  # fmt: skip
+    missing = [
+        f"{path}::{name}"
+        for path, name in named
+        if not (ROOT / path).exists() or name not in defined_tests(ROOT / path)
+    ]
     assert missing == []
 
 
@@ -42,9 +45,10 @@ def test_the_tree_in_architecture_md_lists_every_module_and_no_other() -> None:
             listed.add("/".join(["enforcer", *folders, name]))
     package = ROOT / "enforcer"
     present = {
-        str(path.relative_to(ROOT)) for path in package.rglob("*.py")
+        str(path.relative_to(ROOT))
+        for path in package.rglob("*.py")
         if not (path.name == "__init__.py" and path.parent != package / "core" / "settings")
-    }  # fmt: skip
+    }
     assert listed == present
 
 
@@ -85,8 +89,11 @@ def test_every_module_file_and_function_the_docs_name_exists_where_they_say() ->
     for doc in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]:
         text = doc.read_text()
         for path in re.findall(r"`([\w/.-]+\.py)(?:::\w+)?`", text):
-            if not ((ROOT / path).exists() or (ROOT / "enforcer" / path).exists()
-                    or any(ROOT.glob(f"*/**/{path}"))):  # fmt: skip
+            if not (
+                (ROOT / path).exists()
+                or (ROOT / "enforcer" / path).exists()
+                or any(ROOT.glob(f"*/**/{path}"))
+            ):
                 wrong.append(f"{doc.name}: no file {path}")
         for module, name in re.findall(r"`(\w+)\.(\w+)[\w.]*(?:\([^`]*\))?`", text):
             if name == "py":

@@ -75,7 +75,9 @@ def test_the_schedulers_allocation_is_the_containers_limit_on_that_gpu(
 
 
 def test_claim_names_come_from_the_spec_or_the_status(pod: Doc) -> None:
-    assert claim_names(pod) == {"vram": pod["status"]["resourceClaimStatuses"][0]["resourceClaimName"]}  # fmt: skip
+    assert claim_names(pod) == {
+        "vram": pod["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+    }
     pod["spec"]["resourceClaims"].append({"name": "mine", "resourceClaimName": "shared-claim"})
     del pod["status"]["resourceClaimStatuses"]
     assert claim_names(pod) == {"vram": None, "mine": "shared-claim"}
@@ -118,7 +120,10 @@ def test_other_drivers_allocations_are_not_ours(pod: Doc, claim: Doc, slices: li
     assert got == Allocations()
     # ...unless that driver is configured, and then its slices must name the GPU too
     other = DraSettings(drivers=frozenset({"nic.example.com"}))
-    assert "cannot be matched to an NVML GPU" in allocations(pod, by_name(claim), slices, other).problems[0]  # fmt: skip
+    assert (
+        "cannot be matched to an NVML GPU"
+        in allocations(pod, by_name(claim), slices, other).problems[0]
+    )
 
 
 def test_a_domain_qualified_uuid_attribute_counts(pod: Doc, claim: Doc, slices: list[Doc]) -> None:
@@ -172,8 +177,11 @@ def test_a_consumed_capacity_missing_or_malformed(
 
 def test_a_device_no_slice_of_the_node_lists(pod: Doc, claim: Doc, slices: list[Doc]) -> None:
     result(claim)["device"] = "gpu-7"
-    unresolved(allocations(pod, by_name(claim), slices, NVIDIA),
-               "gpu.nvidia.com/gpu-node/gpu-7", "cannot be matched to an NVML GPU")  # fmt: skip
+    unresolved(
+        allocations(pod, by_name(claim), slices, NVIDIA),
+        "gpu.nvidia.com/gpu-node/gpu-7",
+        "cannot be matched to an NVML GPU",
+    )
     del slices[0]["spec"]["devices"][0]["attributes"]["uuid"]
     result(claim)["device"] = "gpu-0"
     unresolved(allocations(pod, by_name(claim), slices, NVIDIA), "'uuid' attribute")
@@ -205,8 +213,11 @@ def two_tenants(pod: Doc, claim: Doc) -> tuple[Doc, dict[str, Doc]]:
 
 
 def sample(*usage: tuple[int, str, int]) -> Sample:
-    return Sample(0.0, (), tuple(ProcessUsage(ProcessKey(pid, pid * 10), gpu, used)
-                                 for pid, gpu, used in usage))  # fmt: skip
+    return Sample(
+        0.0,
+        (),
+        tuple(ProcessUsage(ProcessKey(pid, pid * 10), gpu, used) for pid, gpu, used in usage),
+    )
 
 
 def test_over_its_claim_on_its_gpu_is_stopped_and_the_neighbour_within_is_not(

@@ -12,8 +12,13 @@ from enforcer.edge.metrics import AgentTelemetry
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
 
-POD: ObjectReference = {"apiVersion": "v1", "kind": "Pod", "namespace": "team", "name": "p",
-                        "uid": "u"}  # fmt: skip
+POD: ObjectReference = {
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "namespace": "team",
+    "name": "p",
+    "uid": "u",
+}
 
 
 class Api:
@@ -37,9 +42,13 @@ class Recorded:
 
 
 def evictor(api: Api, recorder: Recorded, now: list[float]) -> Evictor:
-    return Evictor(cast(Any, None), cast("EventRecorder", recorder),
-                   AgentTelemetry().unexpected.labels("evictor"), lambda: now[0],
-                   api)  # fmt: skip
+    return Evictor(
+        cast(Any, None),
+        cast("EventRecorder", recorder),
+        AgentTelemetry().unexpected.labels("evictor"),
+        lambda: now[0],
+        api,
+    )
 
 
 def test_a_refused_eviction_is_said_and_retried_after_a_backoff_not_at_once() -> None:

@@ -14,12 +14,25 @@ def test_the_summary_reads_back_what_was_written() -> None:
     reclaim = SummaryEvent("VRAMReclaimed", 0.5, "taking back the 1.00 KiB", 7)
     event = SummaryEvent("VRAMEnforced", 1.5, "sent SIGTERM", 7)
     written = ExecSummary(
-        command=("python", "train.py"), limit_bytes=1024, action="terminate", dry_run=False,
-        exit_status=143, started=True, signal="SIGTERM", start_monotonic=10.0,
-        end_monotonic=12.0, started_at=1.7e9, peak_bytes=2048, samples=3, hard_limit=True,
-        events=(reclaim, event), sm_percent=87.5, memory_percent=12.25, busy_samples=2,
+        command=("python", "train.py"),
+        limit_bytes=1024,
+        action="terminate",
+        dry_run=False,
+        exit_status=143,
+        started=True,
+        signal="SIGTERM",
+        start_monotonic=10.0,
+        end_monotonic=12.0,
+        started_at=1.7e9,
+        peak_bytes=2048,
+        samples=3,
+        hard_limit=True,
+        events=(reclaim, event),
+        sm_percent=87.5,
+        memory_percent=12.25,
+        busy_samples=2,
         request_bytes=512,
-    )  # fmt: skip
+    )
     doc = json.loads(json.dumps(written.to_json()))
     # A reclaim happens under the limit: the excursion over it began with the later event.
     assert doc["wall_seconds"] == 2.0 and doc["exceeded_after_seconds"] == 1.5

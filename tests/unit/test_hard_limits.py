@@ -40,14 +40,16 @@ def pod(ceilings: dict[str, int] | None = None, **status: Any) -> dict[str, Any]
     return {
         "metadata": {"uid": UID, "namespace": "ml", "name": "train"},
         "spec": {
-            "initContainers": [{"name": "fetch", "resources": {"limits": {"vram-enforcer.io/vram": "1Gi"}}}],
+            "initContainers": [
+                {"name": "fetch", "resources": {"limits": {"vram-enforcer.io/vram": "1Gi"}}}
+            ],
             "containers": [
                 {"name": "trainer", "resources": {"limits": {"vram-enforcer.io/vram": "8Gi"}}},
                 {"name": "vram-enforcer", "env": env},
             ],
         },
         "status": status,
-    }  # fmt: skip
+    }
 
 
 def vram(p: Any, resource: str = "vram-enforcer.io/vram") -> PodVram | None:
@@ -91,8 +93,9 @@ def test_a_container_that_may_borrow_is_held_to_its_ceiling_with_its_request_as_
     assert (got.total, got.requested) == (21 * GiB, 9 * GiB)
     found = targets([got], {UID: "/k/pod"}, {UID: {A: "/k/pod/a"}})
     assert found["/k/pod"].request_bytes == 9 * GiB and found["/k/pod"].limit_bytes == 21 * GiB
-    assert found["/k/pod/a"] == Target("/k/pod/a", "ml", "train", UID, "trainer", 20 * GiB,
-                                       (), 8 * GiB)  # fmt: skip
+    assert found["/k/pod/a"] == Target(
+        "/k/pod/a", "ml", "train", UID, "trainer", 20 * GiB, (), 8 * GiB
+    )
     # A ceiling not above the request borrows nothing: exactly what it was before.
     same = vram(pod({"trainer": 8 * GiB}, **running))
     assert same == vram(pod(**running))
@@ -102,14 +105,22 @@ def test_a_container_that_may_borrow_is_held_to_its_ceiling_with_its_request_as_
 def test_a_limit_spread_over_gpus_is_one_share_on_each_gpu_never_the_sum() -> None:
     """KAI's gpu-fraction-num-devices: 2 gives trainer 4Gi on each of two GPUs (8Gi in
     all): the driver holds its cgroup to 4Gi on each GPU, and the pod's to 4Gi + 1Gi."""
-    p = PodVram(UID, "ml", "train", {"trainer": 8 * GiB, "fetch": GiB}, {"trainer": A},
-                gpus={"trainer": 2})  # fmt: skip
+    p = PodVram(
+        UID, "ml", "train", {"trainer": 8 * GiB, "fetch": GiB}, {"trainer": A}, gpus={"trainer": 2}
+    )
     assert (p.total, p.on_each_gpu("trainer")) == (5 * GiB, (4 * GiB, 4 * GiB))
     found = targets([p], {UID: "/k/pod"}, {UID: {A: "/k/pod/a"}})
     assert found["/k/pod"].limit_bytes == 5 * GiB
     assert found["/k/pod/a"] == Target("/k/pod/a", "ml", "train", UID, "trainer", 4 * GiB)
-    borrowing = PodVram(UID, "ml", "train", {"trainer": 16 * GiB}, {"trainer": A},
-                        requests={"trainer": 8 * GiB}, gpus={"trainer": 2})  # fmt: skip
+    borrowing = PodVram(
+        UID,
+        "ml",
+        "train",
+        {"trainer": 16 * GiB},
+        {"trainer": A},
+        requests={"trainer": 8 * GiB},
+        gpus={"trainer": 2},
+    )
     soft = targets([borrowing], {UID: "/k/pod"}, {UID: {A: "/k/pod/a"}})
     assert (soft["/k/pod/a"].limit_bytes, soft["/k/pod/a"].request_bytes) == (8 * GiB, 4 * GiB)
     assert (soft["/k/pod"].limit_bytes, soft["/k/pod"].request_bytes) == (8 * GiB, 4 * GiB)
@@ -121,9 +132,11 @@ def test_plan_sets_what_differs_and_clears_only_its_own_limits() -> None:
     wanted = {t.cgroup: t for t in (pod_t, box)}
     first = plan(wanted, [H100, L4], {}, {"/k/pod", "/k/pod/a"})
     assert sorted((t.cgroup, gpu, b) for t, gpu, b in first.set) == [
-        ("/k/pod", "GPU-0", 9 * GiB), ("/k/pod", "GPU-1", 9 * GiB),
-        ("/k/pod/a", "GPU-0", 8 * GiB), ("/k/pod/a", "GPU-1", 8 * GiB),
-    ]  # fmt: skip
+        ("/k/pod", "GPU-0", 9 * GiB),
+        ("/k/pod", "GPU-1", 9 * GiB),
+        ("/k/pod/a", "GPU-0", 8 * GiB),
+        ("/k/pod/a", "GPU-1", 8 * GiB),
+    ]
     applied = {(t.cgroup, gpu): b for t, gpu, b in first.set}
     assert plan(wanted, [H100, L4], applied, {"/k/pod", "/k/pod/a"}).set == ()
     # The container restarted: its old cgroup is gone (forget), the pod went on (nothing).
@@ -145,8 +158,9 @@ def test_dra_claims_become_hard_limits_on_the_allocated_gpu_only() -> None:
     claim's 4Gi on gpu-0's GPU, the pod cgroup the same total there, and nothing elsewhere:
     the DRA driver shows the container that GPU only, and sampling holds it to 0 on others."""
     fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "dra"
-    dra_pod, claim, slice_ = (json.loads((fixtures / f"{n}.json").read_text())
-                              for n in ("pod", "claim", "slice"))  # fmt: skip
+    dra_pod, claim, slice_ = (
+        json.loads((fixtures / f"{n}.json").read_text()) for n in ("pod", "claim", "slice")
+    )
     dra_pod["status"]["containerStatuses"] = [{"name": "c", "containerID": f"containerd://{A}"}]
     found = allocations(dra_pod, {claim["metadata"]["name"]: claim}, [slice_], DraSettings())
     got = pod_vram_from_claims(dra_pod, found)
@@ -184,10 +198,16 @@ def test_a_limit_is_proven_to_bind_only_by_what_the_driver_charges_to_it() -> No
 
 
 def test_usage_by_container_sums_its_processes_per_gpu() -> None:
-    sample = Sample(0.0, (), (
-        ProcessUsage(ProcessKey(1, 1), "GPU-0", GiB), ProcessUsage(ProcessKey(2, 2), "GPU-0", GiB),
-        ProcessUsage(ProcessKey(2, 2), "GPU-1", 3 * GiB), ProcessUsage(ProcessKey(3, 3), "GPU-0", None),
-        ProcessUsage(ProcessKey(4, 4), "GPU-0", GiB),  # in no container
-    ))  # fmt: skip
+    sample = Sample(
+        0.0,
+        (),
+        (
+            ProcessUsage(ProcessKey(1, 1), "GPU-0", GiB),
+            ProcessUsage(ProcessKey(2, 2), "GPU-0", GiB),
+            ProcessUsage(ProcessKey(2, 2), "GPU-1", 3 * GiB),
+            ProcessUsage(ProcessKey(3, 3), "GPU-0", None),
+            ProcessUsage(ProcessKey(4, 4), "GPU-0", GiB),  # in no container
+        ),
+    )
     containers = {ProcessKey(1, 1): A, ProcessKey(2, 2): A, ProcessKey(3, 3): B}
     assert usage_by_container(sample, containers) == {A: {"GPU-0": 2 * GiB, "GPU-1": 3 * GiB}}

@@ -144,10 +144,16 @@ def test_no_warmup() -> None:
 
 def summary(**fields: object) -> ExecSummary:
     base: dict[str, object] = {
-        "command": ("x",), "limit_bytes": GiB, "action": "terminate", "dry_run": False,
-        "exit_status": 0, "started": True, "start_monotonic": 10.0, "end_monotonic": 12.0,
+        "command": ("x",),
+        "limit_bytes": GiB,
+        "action": "terminate",
+        "dry_run": False,
+        "exit_status": 0,
+        "started": True,
+        "start_monotonic": 10.0,
+        "end_monotonic": 12.0,
         "peak_bytes": 100,
-    }  # fmt: skip
+    }
     return ExecSummary(**(base | fields))  # type: ignore[arg-type]
 
 
@@ -247,11 +253,14 @@ def test_overlap_is_the_share_of_a_span_its_neighbour_ran_too() -> None:
         ({"start_monotonic": True, "end_monotonic": 9.0}, "is not {"),
         ({"start_monotonic": 1.5}, "is not {"),
         ({"start_monotonic": 9.0, "end_monotonic": 1.5}, "ends (1.500) before it starts (9.000)"),
-        ({"start_monotonic": 0.5, "end_monotonic": 9.0}, "runs from 0.500 to 9.000, outside "
-         "the command's own run, 1.000 to 10.000; write time.monotonic() (CLOCK_MONOTONIC)"),
+        (
+            {"start_monotonic": 0.5, "end_monotonic": 9.0},
+            "runs from 0.500 to 9.000, outside "
+            "the command's own run, 1.000 to 10.000; write time.monotonic() (CLOCK_MONOTONIC)",
+        ),
         ({"start_monotonic": 2.0, "end_monotonic": 10.5}, "outside the command's own run"),
     ],
-)  # fmt: skip
+)
 def test_a_timed_section_is_taken_only_inside_execs_own_time_of_the_run(
     doc: object, problem: str
 ) -> None:
@@ -282,10 +291,19 @@ def run(
 ) -> RunResult:
     end = None if seconds is None else start + seconds
     return RunResult(
-        round, phase, 1, RunSpec(workload, neighbour, copy), outcome, detail, seconds,
-        None if seconds is None else start, end, peak, section=section,
+        round,
+        phase,
+        1,
+        RunSpec(workload, neighbour, copy),
+        outcome,
+        detail,
+        seconds,
+        None if seconds is None else start,
+        end,
+        peak,
+        section=section,
         section_problem=section_problem,
-    )  # fmt: skip
+    )
 
 
 WORKLOADS = (Workload("a", GiB, ("a",)), Workload("b", 2 * GiB, ("b",)))
@@ -386,10 +404,17 @@ def sectioned(*, b_everywhere: bool = True) -> list[RunResult]:
         run(1, Phase.SOLO, "a", None, 5.0, start=0.0, section=(3.0, 5.0)),
         run(2, Phase.SOLO, "b", None, 7.0, start=10.0, section=(11.0, 17.0)),
         run(3, Phase.PAIR, "a", "b", 7.0, start=20.0, section=(23.0, 27.0)),
-        run(3, Phase.PAIR, "b", "a", 10.0, start=20.0,
+        run(
+            3,
+            Phase.PAIR,
+            "b",
+            "a",
+            10.0,
+            start=20.0,
             section=(21.0, 30.0) if b_everywhere else None,
-            section_problem="" if b_everywhere else "is not {...}"),
-    ]  # fmt: skip
+            section_problem="" if b_everywhere else "is not {...}",
+        ),
+    ]
 
 
 def test_a_workload_that_times_its_work_is_measured_by_it_not_by_its_start_up() -> None:

@@ -96,44 +96,105 @@ def test_a_limit_the_operator_does_not_allow_is_refused() -> None:
 @pytest.mark.parametrize(
     ("annotations", "message"),
     [
-        ({"gpu-fraction": "1"}, "['gpu-fraction']: '1' is not a portion of a GPU above 0 and below 1"),
+        (
+            {"gpu-fraction": "1"},
+            "['gpu-fraction']: '1' is not a portion of a GPU above 0 and below 1",
+        ),
         ({"gpu-fraction": "0"}, "is not a portion of a GPU above 0 and below 1"),
         ({"gpu-fraction": "half"}, "['gpu-fraction']: 'half' is not a portion"),
         ({"gpu-fraction": "NaN"}, "is not a portion"),
-        ({"gpu-fraction": "1e-999999999"}, "['gpu-fraction']: '1e-999999999' has more than 20 digits after the point"),
-        ({"gpu-fraction": "0.5", "gpu-fraction.limit": "0." + "9" * 21}, "['gpu-fraction.limit']: '0.999999999999999999999' has more than 20"),
+        (
+            {"gpu-fraction": "1e-999999999"},
+            "['gpu-fraction']: '1e-999999999' has more than 20 digits after the point",
+        ),
+        (
+            {"gpu-fraction": "0.5", "gpu-fraction.limit": "0." + "9" * 21},
+            "['gpu-fraction.limit']: '0.999999999999999999999' has more than 20",
+        ),
         ({"gpu-memory": "0"}, "['gpu-memory']: '0' is not a whole number of MiB above 0"),
         ({"gpu-memory": "2Gi"}, "['gpu-memory']: '2Gi' is not a whole number of MiB above 0"),
-        ({"gpu-memory": "9" * 5000}, "is not a whole number of MiB above 0"),  # not int()'s ValueError
-        ({"gpu-memory": "1", "gpu-fraction-num-devices": "9" * 5000}, "is not a whole number of GPUs above 0"),
-        ({"gpu-memory": "1", "gpu-fraction": "0.5"}, "is set beside gpu-fraction; KAI takes one or the other"),
+        (
+            {"gpu-memory": "9" * 5000},
+            "is not a whole number of MiB above 0",
+        ),  # not int()'s ValueError
+        (
+            {"gpu-memory": "1", "gpu-fraction-num-devices": "9" * 5000},
+            "is not a whole number of GPUs above 0",
+        ),
+        (
+            {"gpu-memory": "1", "gpu-fraction": "0.5"},
+            "is set beside gpu-fraction; KAI takes one or the other",
+        ),
         ({"gpu-fraction-num-devices": "2"}, "is set without gpu-fraction or gpu-memory"),
-        ({"gpu-memory": "1", "gpu-fraction-num-devices": "0"}, "is not a whole number of GPUs above 0"),
-        ({"gpu-memory": "1", "gpu-fraction-container-name": "nope"}, "'nope' names no container of the pod"),
+        (
+            {"gpu-memory": "1", "gpu-fraction-num-devices": "0"},
+            "is not a whole number of GPUs above 0",
+        ),
+        (
+            {"gpu-memory": "1", "gpu-fraction-container-name": "nope"},
+            "'nope' names no container of the pod",
+        ),
         ({"gpu-memory": "2048", "gpu-memory.limit": "1Gi"}, "is below gpu-memory (2048 MiB)"),
         ({"gpu-memory": "2048", "gpu-memory.limit": "4096"}, "has no unit; KAI takes a quantity"),
         ({"gpu-memory.limit": "4Gi"}, "is set without gpu-memory"),
         ({"gpu-fraction": "0.5", "gpu-fraction.limit": "0.5"}, "is not above gpu-fraction (0.5)"),
-        ({"gpu-fraction": "0.5", "gpu-fraction.limit": "0.8000001"}, "more than 5 digits after the point"),
-        ({"gpu-fraction": "0.5", "kai.scheduler/container.helper.gpu-memory.portion.limit": "0.8"},
-         "names container 'helper', but gpu-fraction is for 'main'"),
-        ({"gpu-fraction": "0.5", "gpu-fraction.limit": "0.8",
-          "kai.scheduler/container.main.gpu-memory.portion.limit": "0.9"}, "is set beside gpu-fraction.limit; use one"),
+        (
+            {"gpu-fraction": "0.5", "gpu-fraction.limit": "0.8000001"},
+            "more than 5 digits after the point",
+        ),
+        (
+            {
+                "gpu-fraction": "0.5",
+                "kai.scheduler/container.helper.gpu-memory.portion.limit": "0.8",
+            },
+            "names container 'helper', but gpu-fraction is for 'main'",
+        ),
+        (
+            {
+                "gpu-fraction": "0.5",
+                "gpu-fraction.limit": "0.8",
+                "kai.scheduler/container.main.gpu-memory.portion.limit": "0.9",
+            },
+            "is set beside gpu-fraction.limit; use one",
+        ),
         ({"nvidia.com/container.main.gpu-memory.limit": "4Gi"}, "a limit needs a request"),
-        ({"nvidia.com/container.x.gpu-memory.request": "4Gi"}, "names container 'x', which the pod does not have"),
-        ({"nvidia.com/container.main.gpu-memory.request": "4Gi",
-          "nvidia.com/container.helper.gpu-memory.request": "4Gi"}, "names a second container"),
-        ({"nvidia.com/container.main.gpu-memory.request": "8Gi",
-          "nvidia.com/container.main.gpu-memory.limit": "4Gi"}, "is below the container's request"),
+        (
+            {"nvidia.com/container.x.gpu-memory.request": "4Gi"},
+            "names container 'x', which the pod does not have",
+        ),
+        (
+            {
+                "nvidia.com/container.main.gpu-memory.request": "4Gi",
+                "nvidia.com/container.helper.gpu-memory.request": "4Gi",
+            },
+            "names a second container",
+        ),
+        (
+            {
+                "nvidia.com/container.main.gpu-memory.request": "8Gi",
+                "nvidia.com/container.main.gpu-memory.limit": "4Gi",
+            },
+            "is below the container's request",
+        ),
         ({"nvidia.com/container.main.gpu-memory.request": "lots"}, "is not a quantity"),
-        ({"nvidia.com/container.main.gpu-memory.request": "2Gi", "gpu-memory": "1000"},
-         "differs from the NvFractions request of container 'main'"),
-        ({"nvidia.com/container.main.gpu-memory.request": "2Gi", "gpu-fraction": "0.5"},
-         "is set beside NvFractions annotations"),
-        ({"nvidia.com/container.main.gpu-memory.request": "2Gi", "gpu-memory": "2048",
-          "gpu-memory.limit": "4Gi"}, "give the limit as nvidia.com/container.main.gpu-memory.limit"),
+        (
+            {"nvidia.com/container.main.gpu-memory.request": "2Gi", "gpu-memory": "1000"},
+            "differs from the NvFractions request of container 'main'",
+        ),
+        (
+            {"nvidia.com/container.main.gpu-memory.request": "2Gi", "gpu-fraction": "0.5"},
+            "is set beside NvFractions annotations",
+        ),
+        (
+            {
+                "nvidia.com/container.main.gpu-memory.request": "2Gi",
+                "gpu-memory": "2048",
+                "gpu-memory.limit": "4Gi",
+            },
+            "give the limit as nvidia.com/container.main.gpu-memory.limit",
+        ),
     ],
-)  # fmt: skip
+)
 def test_what_kai_refuses_is_denied_naming_the_annotation(
     annotations: dict[str, str], message: str
 ) -> None:

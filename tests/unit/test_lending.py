@@ -19,8 +19,15 @@ RES = "vram-enforcer.io/vram"
 OPTED_IN = frozenset({"ml", "web", "x"})
 
 
-def pod(name: str, namespace: str, request: str | None, cid: str, ceiling: int | None = None,
-        priority: int | None = None, sidecar_env: list[dict[str, Any]] | None = None) -> Pod:  # fmt: skip
+def pod(
+    name: str,
+    namespace: str,
+    request: str | None,
+    cid: str,
+    ceiling: int | None = None,
+    priority: int | None = None,
+    sidecar_env: list[dict[str, Any]] | None = None,
+) -> Pod:
     """A running pod of one container `c` (ID `cid`), with our sidecar, as the API has it."""
     limits = {} if request is None else {RES: request}
     env = sidecar_env or []
@@ -46,15 +53,20 @@ def test_each_declaring_container_is_a_tenant_with_its_request_ceiling_and_prior
             # A ceiling below the request (not the webhook's) lends nothing.
             pod("d", "web", "8Gi", "d" * 64, ceiling=GiB),
             # Malformed: no borrowing, never an error.
-            pod("e", "web", "1Gi", "e" * 64,
-                sidecar_env=[{"name": "VRAM_ENFORCER_CEILINGS", "value": "{oops"}]),
+            pod(
+                "e",
+                "web",
+                "1Gi",
+                "e" * 64,
+                sidecar_env=[{"name": "VRAM_ENFORCER_CEILINGS", "value": "{oops"}],
+            ),
         ],
         RES,
         1,
         SIDECAR,
         None,
         opted_in=OPTED_IN,
-    ).all  # fmt: skip
+    ).all
     assert found == (
         Tenant("ml/a/c", "ml", 4 * GiB, 16 * GiB, 100, frozenset({"a" * 64})),
         Tenant("ml/b/c", "ml", 8 * GiB, 8 * GiB, 0, frozenset({"b" * 64})),
@@ -86,18 +98,24 @@ LISTED = (
     tenant("web/s/c", 8 * GiB, 8 * GiB, STRANGER),
 )
 FOUND = Tenants.of(LISTED)
-CONTAINERS = {ProcessKey(1, 1): BURSTER, ProcessKey(2, 2): GROWER, ProcessKey(3, 3): STRANGER,
-              ProcessKey(4, 4): BURSTER}  # fmt: skip
+CONTAINERS = {
+    ProcessKey(1, 1): BURSTER,
+    ProcessKey(2, 2): GROWER,
+    ProcessKey(3, 3): STRANGER,
+    ProcessKey(4, 4): BURSTER,
+}
 
 
 def test_a_borrower_is_asked_only_once_the_gpu_cannot_honour_the_others_requests() -> None:
     # 40 GiB: the borrower holds 16 (12 lent), the grower 4 of its 16, the stranger 8 of 8:
     # 12 free, the grower is owed 12 -> with a 2 GiB watermark, 2 short.
-    roomy = decide(sample(usage(1, 10), usage(2, 4), usage(3, 8), usage(4, 2)), CONTAINERS,
-                   FOUND, 0)  # fmt: skip
+    roomy = decide(
+        sample(usage(1, 10), usage(2, 4), usage(3, 8), usage(4, 2)), CONTAINERS, FOUND, 0
+    )
     assert roomy.reclaims == {} and roomy.gpus[0].free == 16 * GiB
-    short = decide(sample(usage(1, 12), usage(2, 4), usage(3, 8), usage(4, 4)), CONTAINERS,
-                   FOUND, 2 * GiB)  # fmt: skip
+    short = decide(
+        sample(usage(1, 12), usage(2, 4), usage(3, 8), usage(4, 4)), CONTAINERS, FOUND, 2 * GiB
+    )
     (asked,) = short.reclaims.values()
     assert list(short.reclaims) == [BURSTER]
     assert asked.victim.unit == "ml/a/c" and asked.victim.borrowed == 12 * GiB
@@ -120,8 +138,13 @@ def test_with_no_ceiling_on_the_node_nothing_is_decided() -> None:
 
 
 def test_the_lowest_priority_borrower_goes_first() -> None:
-    two = Tenants.of((LISTED[0], tenant("ml/b/c", 4 * GiB, 24 * GiB, GROWER, -5),
-                      tenant("web/s/c", 16 * GiB, 16 * GiB, STRANGER)))  # fmt: skip
+    two = Tenants.of(
+        (
+            LISTED[0],
+            tenant("ml/b/c", 4 * GiB, 24 * GiB, GROWER, -5),
+            tenant("web/s/c", 16 * GiB, 16 * GiB, STRANGER),
+        )
+    )
     # Both lend 8; the stranger is owed 6 of 16, 2 are free: 4 short, which one covers.
     short = decide(sample(usage(1, 12), usage(2, 12), usage(3, 10), total=36), CONTAINERS, two, 0)
     assert list(short.reclaims) == [GROWER]
@@ -144,9 +167,13 @@ def test_a_ceiling_is_read_from_the_sidecars_environment_never_from_an_annotatio
 def test_a_kai_fraction_is_a_tenant_once_its_gpus_memory_is_known() -> None:
     """A pod that declares by KAI's annotations has no resource of ours: its share is what
     the webhook froze into its sidecar's environment, a portion counted against one GPU."""
-    frozen = [{"name": "VRAM_ENFORCER_LIMITS", "value": "{}"},
-              {"name": "VRAM_ENFORCER_PORTIONS",
-               "value": json.dumps({"c": {"request": "0.25", "ceiling": "0.5"}})}]  # fmt: skip
+    frozen = [
+        {"name": "VRAM_ENFORCER_LIMITS", "value": "{}"},
+        {
+            "name": "VRAM_ENFORCER_PORTIONS",
+            "value": json.dumps({"c": {"request": "0.25", "ceiling": "0.5"}}),
+        },
+    ]
     kai = pod("k", "ml", None, "f" * 64, sidecar_env=frozen)
     assert tenants([kai], RES, 1, SIDECAR, 80 * GiB, opted_in=OPTED_IN).all == (
         tenant("ml/k/c", 20 * GiB, 40 * GiB, "f" * 64),
@@ -165,13 +192,23 @@ def test_a_pod_whose_declaration_cannot_be_read_is_its_own_loss_and_is_said() ->
         {"name": "VRAM_ENFORCER_PORTIONS", "value": '{"c": {"request": "1E+999999"}}'},
     ]
     spoiled = [{"name": "VRAM_ENFORCER_CEILINGS", "value": "[" * 100_000}]
-    found = tenants([pod("a", "ml", "4Gi", "a" * 64, ceiling=16 * GiB),
-                     pod("deep", "x", None, "d" * 64, sidecar_env=deep),
-                     pod("huge", "x", None, "e" * 64, sidecar_env=huge),
-                     pod("spoiled", "x", "2Gi", "f" * 64, sidecar_env=spoiled)],
-                    RES, 1, SIDECAR, 80 * GiB, opted_in=OPTED_IN)  # fmt: skip
-    assert found.all == (tenant("ml/a/c", 4 * GiB, 16 * GiB, "a" * 64),
-                         tenant("x/spoiled/c", 2 * GiB, 2 * GiB, "f" * 64))  # fmt: skip
+    found = tenants(
+        [
+            pod("a", "ml", "4Gi", "a" * 64, ceiling=16 * GiB),
+            pod("deep", "x", None, "d" * 64, sidecar_env=deep),
+            pod("huge", "x", None, "e" * 64, sidecar_env=huge),
+            pod("spoiled", "x", "2Gi", "f" * 64, sidecar_env=spoiled),
+        ],
+        RES,
+        1,
+        SIDECAR,
+        80 * GiB,
+        opted_in=OPTED_IN,
+    )
+    assert found.all == (
+        tenant("ml/a/c", 4 * GiB, 16 * GiB, "a" * 64),
+        tenant("x/spoiled/c", 2 * GiB, 2 * GiB, "f" * 64),
+    )
     assert sorted(found.unread) == ["x/deep", "x/huge", "x/spoiled"]
     assert found.unread["x/deep"].startswith("declares nothing: VRAM_ENFORCER_LIMITS: ")
     assert "is not a portion of a GPU" in found.unread["x/huge"]
@@ -203,11 +240,19 @@ def test_each_dra_allocation_is_a_tenant_on_its_gpu_started_or_not() -> None:
     """The claim is the request; the sidecar's ceiling raises it only where the container
     has that one allocation. A container not started yet is owed its claim already: DRA
     says which GPU it is on."""
-    pods = [dra_pod("burst", "a" * 64, ceiling=24 * GiB), dra_pod("new", None),
-            dra_pod("wide", "d" * 64, ceiling=24 * GiB)]  # fmt: skip
-    wide = Allocations((GpuUnit("GPU-0", ("c",), 4 * GiB, ()), GpuUnit("GPU-1", ("c",), 4 * GiB, ())))  # fmt: skip
-    allocated = {"uid-burst": on("GPU-0", 4 * GiB, "c"), "uid-new": on("GPU-0", 16 * GiB, "c"),
-                 "uid-wide": wide}  # fmt: skip
+    pods = [
+        dra_pod("burst", "a" * 64, ceiling=24 * GiB),
+        dra_pod("new", None),
+        dra_pod("wide", "d" * 64, ceiling=24 * GiB),
+    ]
+    wide = Allocations(
+        (GpuUnit("GPU-0", ("c",), 4 * GiB, ()), GpuUnit("GPU-1", ("c",), 4 * GiB, ()))
+    )
+    allocated = {
+        "uid-burst": on("GPU-0", 4 * GiB, "c"),
+        "uid-new": on("GPU-0", 16 * GiB, "c"),
+        "uid-wide": wide,
+    }
     assert tenants(pods, RES, 1, SIDECAR, None, allocated, opted_in=OPTED_IN).all == (
         Tenant(
             "ml/burst/c@GPU-0", "ml", 4 * GiB, 24 * GiB, 0, frozenset({"a" * 64}), "GPU-0", True
@@ -238,8 +283,10 @@ def test_a_dra_borrower_is_reclaimed_when_the_scheduler_hands_out_what_it_borrow
     )
     first = Tenant("ml/n/c@GPU-0", "ml", 16 * GiB, 16 * GiB, 0, frozenset(), "GPU-0", True)
     second = Tenant("web/m/c@GPU-0", "web", 4 * GiB, 4 * GiB, 0, frozenset(), "GPU-0", True)
-    devices = (Device(0, "GPU-0", "H100", 40 * GiB, 20 * GiB),
-               Device(1, "GPU-1", "H100", 40 * GiB, 2 * GiB))  # fmt: skip
+    devices = (
+        Device(0, "GPU-0", "H100", 40 * GiB, 20 * GiB),
+        Device(1, "GPU-1", "H100", 40 * GiB, 2 * GiB),
+    )
     seen = Sample(1.0, devices, (usage(1, 20), ProcessUsage(ProcessKey(1, 1), "GPU-1", 2 * GiB)))
     containers = {ProcessKey(1, 1): BURSTER}
     roomy = decide(seen, containers, Tenants.of((borrower, first)), 2 * GiB)

@@ -83,11 +83,15 @@ def test_per_gpu_memory_and_utilisation_series() -> None:
     limit per GPU; utilisation NVML cannot tell has no series rather than a 0."""
     t = Telemetry({"namespace": "ml", "pod": "p"})
     a, b, c = ProcessKey(10, 1), ProcessKey(11, 1), ProcessKey(12, 1)
-    sample = Sample(0.0, (), (
-        ProcessUsage(a, "GPU-0", 2 * GiB, (), Activity(60, 20)),
-        ProcessUsage(b, "GPU-0", GiB, (), Activity(25, 5)),
-        ProcessUsage(c, "MIG-2", GiB, (), None),
-    ))  # fmt: skip
+    sample = Sample(
+        0.0,
+        (),
+        (
+            ProcessUsage(a, "GPU-0", 2 * GiB, (), Activity(60, 20)),
+            ProcessUsage(b, "GPU-0", GiB, (), Activity(25, 5)),
+            ProcessUsage(c, "MIG-2", GiB, (), None),
+        ),
+    )
     (main_unit,) = attribute(sample, dict.fromkeys([a, b, c], "main"), {"main": 8 * GiB})
     units = [main_unit, UnitUsage("a+b@GPU-1", 4 * GiB, (), device_uuid="GPU-1")]
     t.collector.show(View(units, [], True, sample))
@@ -114,11 +118,17 @@ def test_the_agent_serves_each_enforced_containers_series_and_each_pods_counts()
     from enforcer.core.sidecar_report import SidecarReport
     from enforcer.edge.metrics import AgentTelemetry, PodsCollector, PodsView
 
-    trainer = ContainerSeries(Named("ml", "train-0", "trainer"), 6 * GiB, 4 * GiB, 12 * GiB,
-                              (OnGpu("GPU-a", 6 * GiB, Activity(50, 25), None, 2 * GiB),),
-                              ((4242, "GPU-a", 6 * GiB),))  # fmt: skip
-    view = PodsView((trainer,), {("ml", "train-0"): SidecarReport({"kill": 1}, ticks=10,
-                                                                    tick_seconds=0.5)})  # fmt: skip
+    trainer = ContainerSeries(
+        Named("ml", "train-0", "trainer"),
+        6 * GiB,
+        4 * GiB,
+        12 * GiB,
+        (OnGpu("GPU-a", 6 * GiB, Activity(50, 25), None, 2 * GiB),),
+        ((4242, "GPU-a", 6 * GiB),),
+    )
+    view = PodsView(
+        (trainer,), {("ml", "train-0"): SidecarReport({"kill": 1}, ticks=10, tick_seconds=0.5)}
+    )
     for per_process in (False, True):
         t = AgentTelemetry()
         t.registry.register(PodsCollector(lambda: view, per_process))

@@ -18,17 +18,37 @@ A, B, C = "a" * 64, "b" * 64, "c" * 64
 def pod(policy: str = "Never", states: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     states = states or {}
     return {
-        "spec": {"restartPolicy": policy, "containers": [{"name": "trainer"}, {"name": "vram-enforcer"}],
-                 "initContainers": [{"name": "fetch"}]},
+        "spec": {
+            "restartPolicy": policy,
+            "containers": [{"name": "trainer"}, {"name": "vram-enforcer"}],
+            "initContainers": [{"name": "fetch"}],
+        },
         "status": {
-            "initContainerStatuses": [{"name": "fetch", "containerID": f"containerd://{C}", "state": {"terminated": {"exitCode": 0}}}],
+            "initContainerStatuses": [
+                {
+                    "name": "fetch",
+                    "containerID": f"containerd://{C}",
+                    "state": {"terminated": {"exitCode": 0}},
+                }
+            ],
             "containerStatuses": [
-                {"name": "trainer", "containerID": f"containerd://{A}", "state": states.get("trainer", {"running": {}})},
-                {"name": "vram-enforcer", "containerID": f"containerd://{B}", "state": {"running": {}}},
-                {"name": "waiting", "state": states.get("waiting", {"waiting": {"reason": "ContainerCreating"}})},
+                {
+                    "name": "trainer",
+                    "containerID": f"containerd://{A}",
+                    "state": states.get("trainer", {"running": {}}),
+                },
+                {
+                    "name": "vram-enforcer",
+                    "containerID": f"containerd://{B}",
+                    "state": {"running": {}},
+                },
+                {
+                    "name": "waiting",
+                    "state": states.get("waiting", {"waiting": {"reason": "ContainerCreating"}}),
+                },
             ],
         },
-    }  # fmt: skip
+    }
 
 
 def test_containers_by_id_covers_init_containers_and_skips_uncreated_ones() -> None:
@@ -83,11 +103,30 @@ def test_others_finished_follows_the_restart_policy() -> None:
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(
-        ["status", "spec", "containerStatuses", "initContainers", "name", "containerID", "state",
-         "terminated", "exitCode", "restartPolicy", "x"]), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "status",
+                    "spec",
+                    "containerStatuses",
+                    "initContainers",
+                    "name",
+                    "containerID",
+                    "state",
+                    "terminated",
+                    "exitCode",
+                    "restartPolicy",
+                    "x",
+                ]
+            ),
+            inner,
+            max_size=4,
+        )
+    ),
     max_leaves=25,
-)  # fmt: skip
+)
 
 
 @given(pod=st.dictionaries(st.sampled_from(["spec", "status", "metadata"]), json_values))

@@ -53,9 +53,16 @@ DRA = DraObjects({CLAIM["metadata"]["name"]: CLAIM}, (load("slice"),))
 
 
 def status(name: str, cid: str, **state: Any) -> Doc:
-    return {"name": name, "containerID": f"containerd://{cid}", "ready": True, "restartCount": 2,
-            "image": "registry/x:1", "imageID": "sha256:...", "lastState": {},
-            "state": state or {"running": {"startedAt": "2026-11-26T10:00:00Z"}}}  # fmt: skip
+    return {
+        "name": name,
+        "containerID": f"containerd://{cid}",
+        "ready": True,
+        "restartCount": 2,
+        "image": "registry/x:1",
+        "imageID": "sha256:...",
+        "lastState": {},
+        "state": state or {"running": {"startedAt": "2026-11-26T10:00:00Z"}},
+    }
 
 
 def variable(name: str, value: object) -> Doc:
@@ -65,49 +72,85 @@ def variable(name: str, value: object) -> Doc:
 def sidecar(*env: Doc) -> Doc:
     """The injected sidecar, with the webhook's variables and the Downward API's."""
     downward = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
-    return {"name": SIDECAR, "image": "vram-enforcer:0.2.0", "restartPolicy": "Always",
-            "env": [downward, *env, variable("HTTP_PROXY", "http://proxy:3128")],
-            "resources": {"limits": {"cpu": "100m", "memory": "96Mi"}},
-            "volumeMounts": [{"name": "vram-enforcer-socket", "mountPath": "/run/vram-enforcer"}],
-            "securityContext": {"capabilities": {"add": ["KILL"]}}}  # fmt: skip
+    return {
+        "name": SIDECAR,
+        "image": "vram-enforcer:0.2.0",
+        "restartPolicy": "Always",
+        "env": [downward, *env, variable("HTTP_PROXY", "http://proxy:3128")],
+        "resources": {"limits": {"cpu": "100m", "memory": "96Mi"}},
+        "volumeMounts": [{"name": "vram-enforcer-socket", "mountPath": "/run/vram-enforcer"}],
+        "securityContext": {"capabilities": {"add": ["KILL"]}},
+    }
 
 
 def as_sent(pod: Doc, name: str, namespace: str, labels: Doc) -> Doc:
     """What the API server adds to a pod: metadata, managedFields, spec defaults, status."""
     pod["apiVersion"], pod["kind"] = "v1", "Pod"
     pod["metadata"] = {
-        "name": name, "namespace": namespace, "uid": f"uid-{name}", "resourceVersion": "4242",
-        "generation": 1, "creationTimestamp": "2026-11-26T10:00:00Z",
+        "name": name,
+        "namespace": namespace,
+        "uid": f"uid-{name}",
+        "resourceVersion": "4242",
+        "generation": 1,
+        "creationTimestamp": "2026-11-26T10:00:00Z",
         "labels": {ENFORCED: "true", **labels},
-        "annotations": {"vram-enforcer.io/injected": "true",
-                        "kubectl.kubernetes.io/last-applied-configuration": json.dumps(pod)},
+        "annotations": {
+            "vram-enforcer.io/injected": "true",
+            "kubectl.kubernetes.io/last-applied-configuration": json.dumps(pod),
+        },
         "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": "j"}],
-        "managedFields": [{"manager": "kubectl", "operation": "Update", "fieldsType": "FieldsV1",
-                           "fieldsV1": {"f:spec": {"f:containers": {}}}}],
-    }  # fmt: skip
-    pod["spec"].update({"nodeName": "gpu-1", "shareProcessNamespace": True,
-                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
-                        "volumes": [{"name": "vram-enforcer-socket", "emptyDir": {}}]})  # fmt: skip
-    pod["status"].update({"qosClass": "Burstable", "podIP": "10.0.0.5", "hostIP": "192.168.0.7",
-                          "conditions": [{"type": "Ready", "status": "True"}],
-                          "startTime": "2026-11-26T10:00:00Z"})  # fmt: skip
+        "managedFields": [
+            {
+                "manager": "kubectl",
+                "operation": "Update",
+                "fieldsType": "FieldsV1",
+                "fieldsV1": {"f:spec": {"f:containers": {}}},
+            }
+        ],
+    }
+    pod["spec"].update(
+        {
+            "nodeName": "gpu-1",
+            "shareProcessNamespace": True,
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+            "volumes": [{"name": "vram-enforcer-socket", "emptyDir": {}}],
+        }
+    )
+    pod["status"].update(
+        {
+            "qosClass": "Burstable",
+            "podIP": "10.0.0.5",
+            "hostIP": "192.168.0.7",
+            "conditions": [{"type": "Ready", "status": "True"}],
+            "startTime": "2026-11-26T10:00:00Z",
+        }
+    )
     return pod
 
 
 def declared() -> Doc:
     """Limits in resources (one container may borrow up to a ceiling), the policy in the
     sidecar's environment, a helper that has finished, a debugging ephemeral container."""
-    trainer = {"name": "trainer", "image": "pytorch", "command": ["python", "train.py"],
-               "args": ["--epochs", "10"], "env": [variable("VRAM_ENFORCER_ACTION", "warn")],
-               "resources": {"limits": {RES: "8Gi", "cpu": "4"},
-                             "requests": {RES: "8Gi"}}}  # fmt: skip
+    trainer = {
+        "name": "trainer",
+        "image": "pytorch",
+        "command": ["python", "train.py"],
+        "args": ["--epochs", "10"],
+        "env": [variable("VRAM_ENFORCER_ACTION", "warn")],
+        "resources": {"limits": {RES: "8Gi", "cpu": "4"}, "requests": {RES: "8Gi"}},
+    }
     pod = {
         "spec": {
-            "restartPolicy": "OnFailure", "priority": 100,
-            "initContainers": [sidecar(variable("VRAM_ENFORCER_CEILINGS", {"trainer": 16 * GiB}),
-                                       variable("VRAM_ENFORCER_ACTION", "kill"),
-                                       variable("VRAM_ENFORCER_GRACE_PERIOD", "5s"),
-                                       variable("VRAM_ENFORCER_WARN_AT", "80%"))],
+            "restartPolicy": "OnFailure",
+            "priority": 100,
+            "initContainers": [
+                sidecar(
+                    variable("VRAM_ENFORCER_CEILINGS", {"trainer": 16 * GiB}),
+                    variable("VRAM_ENFORCER_ACTION", "kill"),
+                    variable("VRAM_ENFORCER_GRACE_PERIOD", "5s"),
+                    variable("VRAM_ENFORCER_WARN_AT", "80%"),
+                )
+            ],
             "containers": [trainer, {"name": "helper", "image": "busybox", "resources": {}}],
             "ephemeralContainers": [{"name": "debug", "image": "busybox", "stdin": True}],
         },
@@ -116,12 +159,15 @@ def declared() -> Doc:
             "initContainerStatuses": [status(SIDECAR, A)],
             "containerStatuses": [
                 status("trainer", B),
-                status("helper", C, terminated={"exitCode": 0, "reason": "Completed",
-                                                "message": "done " * 800}),
+                status(
+                    "helper",
+                    C,
+                    terminated={"exitCode": 0, "reason": "Completed", "message": "done " * 800},
+                ),
             ],
             "ephemeralContainerStatuses": [status("debug", D, waiting={"reason": "Pulling"})],
         },
-    }  # fmt: skip
+    }
     return as_sent(pod, "train", "ml", {"app": "train"})
 
 
@@ -134,17 +180,21 @@ def kai() -> Doc:
             "restartPolicy": "Never",
             "containers": [
                 {"name": "trainer", "image": "pytorch"},
-                sidecar(variable("VRAM_ENFORCER_LIMITS", {}),
-                        variable("VRAM_ENFORCER_PORTIONS", portions),
-                        variable("VRAM_ENFORCER_SIDECAR_MODE", "container")),
+                sidecar(
+                    variable("VRAM_ENFORCER_LIMITS", {}),
+                    variable("VRAM_ENFORCER_PORTIONS", portions),
+                    variable("VRAM_ENFORCER_SIDECAR_MODE", "container"),
+                ),
             ],
         },
         "status": {
             "phase": "Running",
-            "containerStatuses": [status(SIDECAR, A),
-                                  status("trainer", B, terminated={"exitCode": 1})],
+            "containerStatuses": [
+                status(SIDECAR, A),
+                status("trainer", B, terminated={"exitCode": 1}),
+            ],
         },
-    }  # fmt: skip
+    }
     return as_sent(pod, "kai", "ml", {"runai/queue": "a"})
 
 
@@ -155,8 +205,11 @@ def dra() -> Doc:
     pod["spec"]["initContainers"] = [
         sidecar(variable("VRAM_ENFORCER_LIMITS_FROM", "dra"), ceilings)
     ]
-    pod["status"].update(phase="Running", containerStatuses=[status("c", E)],
-                         initContainerStatuses=[status(SIDECAR, F)])  # fmt: skip
+    pod["status"].update(
+        phase="Running",
+        containerStatuses=[status("c", E)],
+        initContainerStatuses=[status(SIDECAR, F)],
+    )
     pod["metadata"]["labels"] = {ENFORCED: "true"}
     return pod
 
@@ -170,15 +223,21 @@ def refused() -> Doc:
 
 
 POD_KINDS: dict[str, Callable[[], Doc]] = {
-    "declared": declared, "kai": kai, "dra": dra, "refused": refused,
-}  # fmt: skip
+    "declared": declared,
+    "kai": kai,
+    "dra": dra,
+    "refused": refused,
+}
 
 
 def readings(pod: Pod) -> dict[str, object]:
     """What every reader of a pod in the agent and in the sidecar makes of it."""
     spec, status_, meta = (json_map(pod.get(k)) for k in ("spec", "status", "metadata"))
-    names = {str(c.get("name")) for k in ("initContainers", "containers", "ephemeralContainers")
-             for c in json_maps(spec.get(k))} | {"nobody"}  # fmt: skip
+    names = {
+        str(c.get("name"))
+        for k in ("initContainers", "containers", "ephemeralContainers")
+        for c in json_maps(spec.get(k))
+    } | {"nobody"}
     found = allocations(pod, DRA.claims, DRA.slices, DraSettings())
     opted_in = {str(meta.get("namespace"))}  # its sidecar's environment is read
     declaration = of_pod(pod, RES, 1, SIDECAR, opted_in=opted_in)
@@ -227,10 +286,18 @@ def test_the_pods_reach_every_reader() -> None:
     """The comparison above means something only where the readers find something."""
     got = {kind: readings(cast(Pod, make())) for kind, make in POD_KINDS.items()}
     assert [r.name for r in cast(dict[str, Any], got["declared"]["containers"]).values()] == [
-        SIDECAR, "trainer", "helper", "debug"]  # fmt: skip
+        SIDECAR,
+        "trainer",
+        "helper",
+        "debug",
+    ]
     assert got["declared"]["spec_fields"] == {
-        SIDECAR: "initContainers", "debug": "ephemeralContainers", "helper": "containers",
-        "nobody": "containers", "trainer": "containers"}  # fmt: skip
+        SIDECAR: "initContainers",
+        "debug": "ephemeralContainers",
+        "helper": "containers",
+        "nobody": "containers",
+        "trainer": "containers",
+    }
     assert got["declared"]["presence"] == (True, A, A)
     assert cast(PolicyConfig, got["declared"]["policy"]).action is Action.KILL
     units = [t.unit for t in cast(tuple[Any, ...], got["declared"]["tenants"])]

@@ -29,10 +29,13 @@ def pod(namespace: str, name: str, *containers: bytes) -> bytes:
 
 
 def test_each_containers_devices_are_read_by_resource_and_other_fields_skipped() -> None:
-    reply = pod("ml", "serve-0",
-                container("server", ("nvidia.com/gpu", ["GPU-aaaa::3"]), cpus=(2, 3)),
-                container("sidecar"),  # no device: left out
-                container("nic", ("example.com/rdma", ["0", "1"])))  # fmt: skip
+    reply = pod(
+        "ml",
+        "serve-0",
+        container("server", ("nvidia.com/gpu", ["GPU-aaaa::3"]), cpus=(2, 3)),
+        container("sidecar"),  # no device: left out
+        container("nic", ("example.com/rdma", ["0", "1"])),
+    )
     reply += pod("web", "job-1", container("c", ("nvidia.com/gpu", ["GPU-bbbb", "GPU-aaaa"])))
     assert decode_list(reply) == {
         ("ml", "serve-0", "server"): {"nvidia.com/gpu": ("GPU-aaaa::3",)},
@@ -56,6 +59,8 @@ def test_the_gpu_a_containers_devices_name() -> None:
     assert gpu_of(["GPU-aaaa", "GPU-bbbb"], devices) is None  # two GPUs: owed where, unknown
     assert gpu_of(["GPU-zzzz"], devices) is None  # one NVML does not show
     assert gpu_of(["MIG-cccc"], devices) is None  # a MIG device: its memory is split already
-    found = {("ml", "a", "c"): {"nvidia.com/gpu": ("GPU-bbbb::1",)},
-             ("ml", "b", "c"): {"example.com/rdma": ("0",)}}  # fmt: skip
+    found = {
+        ("ml", "a", "c"): {"nvidia.com/gpu": ("GPU-bbbb::1",)},
+        ("ml", "b", "c"): {"example.com/rdma": ("0",)},
+    }
     assert assigned_gpus(found, ("nvidia.com/gpu",), devices) == {("ml", "a", "c"): "GPU-bbbb"}

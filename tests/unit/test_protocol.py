@@ -123,9 +123,16 @@ def test_pod_reply_round_trip() -> None:
 
 @pytest.mark.parametrize(
     "line",
-    [b"", b"{", b"[]", b'{"v":2}', b'{"v":1,"devices":[{}],"processes":[]}',
-     b'{"v":1,"pod":[]}', b'{"v":1,"pod":"trainer"}'],
-)  # fmt: skip
+    [
+        b"",
+        b"{",
+        b"[]",
+        b'{"v":2}',
+        b'{"v":1,"devices":[{}],"processes":[]}',
+        b'{"v":1,"pod":[]}',
+        b'{"v":1,"pod":"trainer"}',
+    ],
+)
 def test_malformed_replies_raise_protocol_error(line: bytes) -> None:
     with pytest.raises(ProtocolError):
         decode_reply(line)

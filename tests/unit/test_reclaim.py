@@ -26,8 +26,15 @@ def gpu(*shares: Share, other: int = 0) -> Gpu:
     return Gpu("GPU-0", TOTAL, sum(s.used for s in shares) + other * GiB, shares)
 
 
-def share(unit: str, request: int, used: int, *, ceiling: int | None = None, priority: int = 0,
-          exiting: bool = False) -> Share:  # fmt: skip
+def share(
+    unit: str,
+    request: int,
+    used: int,
+    *,
+    ceiling: int | None = None,
+    priority: int = 0,
+    exiting: bool = False,
+) -> Share:
     return Share(unit, request * GiB, (ceiling or 80) * GiB, used * GiB, priority, exiting)
 
 
@@ -55,9 +62,14 @@ def test_a_full_gpu_that_nobody_is_owed_memory_on_is_lent_not_short() -> None:
 
 
 def test_lowest_priority_goes_first_then_the_most_lent_then_the_name() -> None:
-    shares = [share("ml/big/c", 10, 40, priority=100), share("ml/small/c", 10, 12),
-              share("ml/mid-b/c", 10, 20, priority=100), share("ml/mid-a/c", 10, 20, priority=100),
-              share("ml/within/c", 10, 10), share("ml/gone/c", 10, 30, exiting=True)]  # fmt: skip
+    shares = [
+        share("ml/big/c", 10, 40, priority=100),
+        share("ml/small/c", 10, 12),
+        share("ml/mid-b/c", 10, 20, priority=100),
+        share("ml/mid-a/c", 10, 20, priority=100),
+        share("ml/within/c", 10, 10),
+        share("ml/gone/c", 10, 30, exiting=True),
+    ]
     assert [s.unit for s in rank(shares)] == ["ml/small/c", "ml/big/c", "ml/mid-a/c", "ml/mid-b/c"]
 
 
@@ -103,9 +115,18 @@ def test_processes_without_a_request_keep_the_watermark_free() -> None:
 
 
 SIZES = st.integers(min_value=0, max_value=40)
-SHARES = st.lists(st.builds(share, st.sampled_from("abcdefgh").map(lambda c: f"ml/{c}/c"), SIZES, SIZES,
-                            priority=st.integers(0, 3), exiting=st.booleans()),
-                  max_size=6, unique_by=lambda s: s.unit)  # fmt: skip
+SHARES = st.lists(
+    st.builds(
+        share,
+        st.sampled_from("abcdefgh").map(lambda c: f"ml/{c}/c"),
+        SIZES,
+        SIZES,
+        priority=st.integers(0, 3),
+        exiting=st.booleans(),
+    ),
+    max_size=6,
+    unique_by=lambda s: s.unit,
+)
 
 
 @given(SHARES, st.integers(min_value=0, max_value=20))
@@ -135,8 +156,9 @@ def process(pid: int, gpu: str, used: int) -> ProcessUsage:
 
 
 def unit(name: str, limit: int, *usages: ProcessUsage, on: str | None = None) -> UnitUsage:
-    totals = [ProcessTotal(u.key, u.used_bytes or 0, ((u.device_uuid, u.used_bytes),))
-              for u in usages]  # fmt: skip
+    totals = [
+        ProcessTotal(u.key, u.used_bytes or 0, ((u.device_uuid, u.used_bytes),)) for u in usages
+    ]
     return UnitUsage(name, limit * GiB, tuple(totals), device_uuid=on)
 
 
@@ -162,8 +184,10 @@ def test_a_unit_of_one_gpu_has_its_request_there_and_is_owed_the_rest() -> None:
     a, b = process(10, "GPU-0", 30), process(11, "GPU-0", 4)
     borrower, grower = unit("a@GPU-0", 40, a, on="GPU-0"), unit("b@GPU-0", 20, b, on="GPU-0")
     (gpu,) = views([device(0, 34)], [borrower, grower], {"a@GPU-0": 10 * GiB, "b@GPU-0": 20 * GiB})
-    assert gpu.shares == (Share("a@GPU-0", 10 * GiB, 40 * GiB, 30 * GiB),
-                          Share("b@GPU-0", 20 * GiB, 20 * GiB, 4 * GiB))  # fmt: skip
+    assert gpu.shares == (
+        Share("a@GPU-0", 10 * GiB, 40 * GiB, 30 * GiB),
+        Share("b@GPU-0", 20 * GiB, 20 * GiB, 4 * GiB),
+    )
     assert gpu.unrequested == 0
 
 
@@ -171,8 +195,12 @@ def test_all_else_the_gpu_holds_declared_no_request() -> None:
     """Other units' processes, processes nobody could attribute, the driver's own: unknown
     is not free, so it all may grow, and the watermark is kept for it."""
     a, b = process(10, "GPU-0", 30), process(11, "GPU-0", 4)
-    (gpu,) = views([device(0, 35)], [unit("a", 40, a), unit("(pod)", 0, b)],
-                   {"a": 10 * GiB}, exiting=frozenset({"a"}))  # fmt: skip
+    (gpu,) = views(
+        [device(0, 35)],
+        [unit("a", 40, a), unit("(pod)", 0, b)],
+        {"a": 10 * GiB},
+        exiting=frozenset({"a"}),
+    )
     assert gpu.unrequested == 5 * GiB and gpu.shares[0].exiting
 
 

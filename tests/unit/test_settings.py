@@ -13,13 +13,21 @@ from tests.helpers import configured
 MINIMAL = {
     "exec": (["exec", "--limit", "1Gi", "--", "true"], {}),
     "demo": (["demo"], {}),
-    "agent": (["agent", "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off"], {}),
-    "sidecar": (["sidecar"], {"POD_NAME": "p", "POD_NAMESPACE": "n", "POD_UID": "u",
-                              "VRAM_ENFORCER_LIMITS": "{}"}),
-    "webhook": (["webhook", "--tls-cert-file", "c", "--tls-key-file", "k", "--sidecar-image", "i"], {}),
+    "agent": (
+        ["agent", "--no-advertise", "--no-labels", "--no-serve-pods", "--hard-limits", "off"],
+        {},
+    ),
+    "sidecar": (
+        ["sidecar"],
+        {"POD_NAME": "p", "POD_NAMESPACE": "n", "POD_UID": "u", "VRAM_ENFORCER_LIMITS": "{}"},
+    ),
+    "webhook": (
+        ["webhook", "--tls-cert-file", "c", "--tls-key-file", "k", "--sidecar-image", "i"],
+        {},
+    ),
     "doctor": (["doctor"], {}),
     "interference": (["interference", "--workload", "a:1Gi:true", "--builtin", "matmul"], {}),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(MODES))

@@ -22,8 +22,10 @@ from enforcer.core.payloads import Pod
 SLICE = json.loads(
     (Path(__file__).resolve().parents[1] / "fixtures" / "dra" / "slice.json").read_text()
 )
-GPUS = {"gpu-0": "GPU-00000000-aaaa-bbbb-cccc-000000000000",
-        "gpu-1": "GPU-00000001-aaaa-bbbb-cccc-000000000000"}  # fmt: skip
+GPUS = {
+    "gpu-0": "GPU-00000000-aaaa-bbbb-cccc-000000000000",
+    "gpu-1": "GPU-00000001-aaaa-bbbb-cccc-000000000000",
+}
 NVIDIA = DraSettings()
 RES = "vram-enforcer.io/vram"
 
@@ -42,8 +44,13 @@ def cid(name: str) -> str:
 
 def claim(name: str, size: int, *reserved: str, device: str = "gpu-0") -> Doc:
     """A claim of `size` bytes on `device`, reserved for the pods named `reserved`."""
-    result = {"request": "vram", "driver": "gpu.nvidia.com", "pool": "gpu-node",
-              "device": device, "consumedCapacity": {"memory": str(size)}}  # fmt: skip
+    result = {
+        "request": "vram",
+        "driver": "gpu.nvidia.com",
+        "pool": "gpu-node",
+        "device": device,
+        "consumedCapacity": {"memory": str(size)},
+    }
     return {
         "metadata": {"name": name, "namespace": "ml"},
         "status": {
@@ -61,8 +68,10 @@ def pod(name: str, claim_name: str, phase: str = "Running") -> Pod:
         "containers": [{"name": "c", "resources": {"claims": [{"name": "vram"}]}}],
         "initContainers": [sidecar],
     }
-    status = {"phase": phase,
-              "containerStatuses": [{"name": "c", "containerID": f"containerd://{cid(name)}"}]}  # fmt: skip
+    status = {
+        "phase": phase,
+        "containerStatuses": [{"name": "c", "containerID": f"containerd://{cid(name)}"}],
+    }
     meta = {"name": name, "namespace": "ml", "uid": uid(name), "resourceVersion": "1"}
     return {"metadata": meta, "spec": spec, "status": status}  # type: ignore[typeddict-item]
 
@@ -135,8 +144,11 @@ def test_the_node_joins_reads_of_different_ages_and_its_own_pods() -> None:
     node's view joins every read and the pods that name the claim (c, not in any read
     yet), so a is not left holding the whole allocation."""
     pods = [pod("a", "shared"), pod("b", "shared"), pod("c", "shared")]
-    reads = {"a": [claim("shared", 9 * GiB, "a")], "b": [claim("shared", 9 * GiB, "a", "b")],
-             "c": [claim("shared", 9 * GiB, "a", "b")]}  # fmt: skip
+    reads = {
+        "a": [claim("shared", 9 * GiB, "a")],
+        "b": [claim("shared", 9 * GiB, "a", "b")],
+        "c": [claim("shared", 9 * GiB, "a", "b")],
+    }
     assert [limits(f) for f in node(pods, reads).values()] == [[3 * GiB]] * 3
     # A pod that has finished uses the claim no more, unless its reservation is still there.
     done = [*pods[:2], pod("c", "shared", phase="Succeeded")]
@@ -148,8 +160,9 @@ def test_the_node_joins_reads_of_different_ages_and_its_own_pods() -> None:
 def test_a_claim_reserved_for_something_other_than_pods_is_held_to_zero() -> None:
     """A workload reservation names no pods: how many share the allocation is unknown."""
     odd = claim("odd", 10 * GiB)
-    odd["status"]["reservedFor"] = [{"apiGroup": "scheduling.k8s.io", "resource": "workloads",
-                                     "name": "w", "uid": "w1"}]  # fmt: skip
+    odd["status"]["reservedFor"] = [
+        {"apiGroup": "scheduling.k8s.io", "resource": "workloads", "name": "w", "uid": "w1"}
+    ]
     found = allocations(pod("a", "odd"), {"odd": odd}, [SLICE], NVIDIA)
     assert limits(found) == [0] and found.unresolved == frozenset()
     assert "reserved for something other than pods" in found.problems[0]

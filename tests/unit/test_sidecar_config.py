@@ -120,15 +120,20 @@ def test_portions_of_a_gpu_from_the_webhook() -> None:
 
     from enforcer.core.declaration import Portion
 
-    portions = {"VRAM_ENFORCER_LIMITS": "{}",
-                "VRAM_ENFORCER_PORTIONS": '{"main": {"request": "0.5", "ceiling": "0.8"}}'}  # fmt: skip
+    portions = {
+        "VRAM_ENFORCER_LIMITS": "{}",
+        "VRAM_ENFORCER_PORTIONS": '{"main": {"request": "0.5", "ceiling": "0.8"}}',
+    }
     assert settings(portions).portions == {"main": Portion(Decimal("0.5"), Decimal("0.8"))}
     assert settings().portions == {}
     with pytest.raises(ConfigError, match="gives a ceiling, which needs --source agent"):
         settings(portions, source="nvml", host_proc="/host/proc", api_access="direct")
     twice = {"VRAM_ENFORCER_PORTIONS": '{"trainer": {"request": "0.5"}}'}
-    with pytest.raises(ConfigError, match="gives container 'trainer' a portion, and "
-                       "VRAM_ENFORCER_LIMITS a limit in bytes; give it one of them"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="gives container 'trainer' a portion, and "
+        "VRAM_ENFORCER_LIMITS a limit in bytes; give it one of them",
+    ):
         settings(twice)
     with pytest.raises(
         ConfigError, match=re.escape("VRAM_ENFORCER_PORTIONS: '0.5' is not a JSON object")

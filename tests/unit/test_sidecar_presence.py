@@ -36,16 +36,25 @@ def pod(
     phase: str = "Running",
     state: str = "running",
 ) -> Pod:
-    statuses = [{"name": "trainer", "containerID": f"containerd://{OTHER}",
-                 "state": {"running": {}}}]  # fmt: skip
+    statuses = [
+        {"name": "trainer", "containerID": f"containerd://{OTHER}", "state": {"running": {}}}
+    ]
     if sidecar_id is not None:
-        statuses.append({"name": "vram-enforcer", "containerID": f"containerd://{sidecar_id}",
-                         "state": {state: {}}})  # fmt: skip
+        statuses.append(
+            {
+                "name": "vram-enforcer",
+                "containerID": f"containerd://{sidecar_id}",
+                "state": {state: {}},
+            }
+        )
     doc: dict[str, Any] = {
         "metadata": {"labels": {"vram-enforcer.io/enforced": "true"} if enforced else {}},
-        "status": {"phase": phase, "initContainerStatuses": statuses[1:],
-                   "containerStatuses": statuses[:1]},
-    }  # fmt: skip
+        "status": {
+            "phase": phase,
+            "initContainerStatuses": statuses[1:],
+            "containerStatuses": statuses[:1],
+        },
+    }
     return cast(Pod, doc)
 
 
@@ -79,8 +88,9 @@ def test_a_restarted_sidecar_counts_by_its_new_id_and_a_killed_one_by_none() -> 
     assert update(Presence(), pods, heard(SIDE), 0.0).presence.missing_since == {"u": 0.0}
     assert not update(Presence(), pods, heard("c" * 64), 0.0).presence.missing_since
     crashed = {"u": pod(None)}  # in back-off: no container ID in the status
-    state = update(update(Presence(), crashed, heard(SIDE), 0.0).presence, crashed, heard(SIDE),
-                   SILENT_AFTER)  # fmt: skip
+    state = update(
+        update(Presence(), crashed, heard(SIDE), 0.0).presence, crashed, heard(SIDE), SILENT_AFTER
+    )
     assert state.went_silent == ("u",)
 
 
@@ -99,8 +109,12 @@ def test_an_ended_sidecar_or_one_that_hung_up_leaves_its_pod_unguarded_at_once()
     """A zombie (Z) or a dead process (X), or a sidecar that closed its connection (a
     SIGKILL does), though the last look said it was read."""
     pods = {"u": pod()}
-    for seen in (Sidecar(heard=True, state="Z"), Sidecar(state="X"), Sidecar(closed=True),
-                 Sidecar(heard=True, closed=True, state="R")):  # fmt: skip
+    for seen in (
+        Sidecar(heard=True, state="Z"),
+        Sidecar(state="X"),
+        Sidecar(closed=True),
+        Sidecar(heard=True, closed=True, state="R"),
+    ):
         assert update(Presence(), pods, {SIDE: seen}, 0.0).went_silent == ("u",), seen
 
 
@@ -139,17 +153,24 @@ def staged(phase: str, native: bool = True, **states: str) -> Pod:
 
     def statuses(of: list[str]) -> list[dict[str, Any]]:
         """A container not created yet (waiting) has no ID."""
-        return [{"name": n, "state": {states.get(n, "waiting"): {}}}
-                | ({"containerID": f"containerd://{ids[n]}"} if n in states else {})
-                for n in of]  # fmt: skip
+        return [
+            {"name": n, "state": {states.get(n, "waiting"): {}}}
+            | ({"containerID": f"containerd://{ids[n]}"} if n in states else {})
+            for n in of
+        ]
 
     doc = {
         "metadata": {"labels": {"vram-enforcer.io/enforced": "true"}},
-        "spec": {"initContainers": [{"name": n} for n in inits],
-                 "containers": [{"name": n} for n in containers]},
-        "status": {"phase": phase, "initContainerStatuses": statuses(inits),
-                   "containerStatuses": statuses(containers)},
-    }  # fmt: skip
+        "spec": {
+            "initContainers": [{"name": n} for n in inits],
+            "containers": [{"name": n} for n in containers],
+        },
+        "status": {
+            "phase": phase,
+            "initContainerStatuses": statuses(inits),
+            "containerStatuses": statuses(containers),
+        },
+    }
     return cast(Pod, doc)
 
 
@@ -157,8 +178,11 @@ def test_a_pending_pod_whose_init_container_runs_is_unguarded_once_its_sidecar_i
     """Issue 35: a GPU job in a regular init container runs while the pod is Pending, once
     its native sidecar has started. A sidecar that never connects leaves it unguarded after
     SILENT_AFTER, as it would a Running pod's: the backstop then holds it."""
-    pods = {"u": staged("Pending", **{"vram-enforcer": "running", "warm": "terminated",
-                                     "fetch": "running"})}  # fmt: skip
+    pods = {
+        "u": staged(
+            "Pending", **{"vram-enforcer": "running", "warm": "terminated", "fetch": "running"}
+        )
+    }
     assert reachable(pods["u"]) == SIDE  # dialled, but never answers
     state = update(Presence(), pods, {}, 0.0)
     assert not update(state.presence, pods, {}, SILENT_AFTER - 0.1).went_silent

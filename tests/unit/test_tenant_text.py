@@ -24,20 +24,32 @@ FORGED = "a\nvram-enforcer: error: forged\r\x1b[2J"  # a second line, a carriage
 @pytest.mark.parametrize(
     ("raw", "shown"),
     [
-        pytest.param(b"python\0train.py\0--name\0a\nvram-enforcer: error: forged\0",
-                     "python train.py --name a\\nvram-enforcer: error: forged", id="newline"),
-        pytest.param(b"python\0train.py\rpython harmless.py\0",
-                     "python train.py\\rpython harmless.py", id="carriage-return"),
-        pytest.param(b"\x1b[31mpython\x1b[0m\0train.py\0",
-                     "\\x1b[31mpython\\x1b[0m train.py", id="ansi"),
-        pytest.param(b"python\0\0-c\0import os;\tos.kill(1, 9)\0\0",
-                     "python -c import os;\\tos.kill(1, 9)", id="nul-separated-argv"),
-        pytest.param(b"python\0caf\xc3\xa9\0\xff\xfe.py\0", "python caf\u00e9 \\xff\\xfe.py",
-                     id="not-utf-8"),
-        pytest.param(b"python\0" + b"A" * 6_000_000, "python " + "A" * 110 + "...",
-                     id="6-MB-argument"),
+        pytest.param(
+            b"python\0train.py\0--name\0a\nvram-enforcer: error: forged\0",
+            "python train.py --name a\\nvram-enforcer: error: forged",
+            id="newline",
+        ),
+        pytest.param(
+            b"python\0train.py\rpython harmless.py\0",
+            "python train.py\\rpython harmless.py",
+            id="carriage-return",
+        ),
+        pytest.param(
+            b"\x1b[31mpython\x1b[0m\0train.py\0", "\\x1b[31mpython\\x1b[0m train.py", id="ansi"
+        ),
+        pytest.param(
+            b"python\0\0-c\0import os;\tos.kill(1, 9)\0\0",
+            "python -c import os;\\tos.kill(1, 9)",
+            id="nul-separated-argv",
+        ),
+        pytest.param(
+            b"python\0caf\xc3\xa9\0\xff\xfe.py\0", "python caf\u00e9 \\xff\\xfe.py", id="not-utf-8"
+        ),
+        pytest.param(
+            b"python\0" + b"A" * 6_000_000, "python " + "A" * 110 + "...", id="6-MB-argument"
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_command_line_reaches_a_message_as_one_bounded_line_with_visible_escapes(
     raw: bytes, shown: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

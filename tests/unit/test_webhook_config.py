@@ -54,8 +54,21 @@ def test_defaults() -> None:
 
 
 def test_flags() -> None:
-    s = settings("--port", "0", "--sidecar-mode", "container", "--resource-unit", "1Gi", "--no-framework-env",
-                 "--shm-default", "8Gi", "--gpu-exposure", "env", "--runtime-class", "nvidia")  # fmt: skip
+    s = settings(
+        "--port",
+        "0",
+        "--sidecar-mode",
+        "container",
+        "--resource-unit",
+        "1Gi",
+        "--no-framework-env",
+        "--shm-default",
+        "8Gi",
+        "--gpu-exposure",
+        "env",
+        "--runtime-class",
+        "nvidia",
+    )
     assert (
         s.port,
         s.admission.sidecar_mode,
@@ -77,18 +90,26 @@ def test_flags() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--sidecar-mode", "sidecar"], "--sidecar-mode: 'sidecar' is not a choice; use one of: native, container, auto"),
+        (
+            ["--sidecar-mode", "sidecar"],
+            "--sidecar-mode: 'sidecar' is not a choice; use one of: native, container, auto",
+        ),
         (["--gpu-exposure", "all"], "--gpu-exposure: 'all' is not a choice; use one of: none, env"),
         (["--runtime-class", "nvidia"], "--runtime-class: 'nvidia' needs --gpu-exposure env"),
         (["--shm-default", "big"], "--shm-default: 'big' is not a quantity"),
         (["--resource-unit", "0"], "--resource-unit: '0' must be at least 1 byte"),
-        (["--resource-name", "nvidia.com gpu"], "--resource-name: 'nvidia.com gpu' is not an extended resource name"),
+        (
+            ["--resource-name", "nvidia.com gpu"],
+            "--resource-name: 'nvidia.com gpu' is not an extended resource name",
+        ),
         (["--sidecar-memory", "128MB"], "--sidecar-memory: '128MB' is not a quantity"),
         (["--port", "70000"], "--port: '70000' is not a TCP port"),
-        (["--kai-annotations", "--dra-device-class", "gpu.nvidia.com"],
-         "--kai-annotations cannot be combined with --dra-device-class"),
+        (
+            ["--kai-annotations", "--dra-device-class", "gpu.nvidia.com"],
+            "--kai-annotations cannot be combined with --dra-device-class",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_flags(flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as caught:
         settings(*flags)
@@ -103,8 +124,15 @@ def test_tenant_bounds_default_to_no_warn_30s_and_no_opting_out() -> None:
     assert tenancy.bounds("any") == Bounds(
         (Action.TERMINATE, Action.KILL, Action.RESTART), 30.0, False
     )
-    loose = settings("--tenant-actions", "warn,terminate", "--max-grace-period", "2m", "--allow-opt-out",
-                     "--namespace-bounds", '{"research": {"maxGracePeriod": "5m"}}').admission.tenancy  # fmt: skip
+    loose = settings(
+        "--tenant-actions",
+        "warn,terminate",
+        "--max-grace-period",
+        "2m",
+        "--allow-opt-out",
+        "--namespace-bounds",
+        '{"research": {"maxGracePeriod": "5m"}}',
+    ).admission.tenancy
     assert loose.default == Bounds((Action.WARN, Action.TERMINATE), 120.0, True)
     # a namespace's bounds start from the cluster-wide ones: what it leaves out stays
     assert loose.bounds("research") == Bounds((Action.WARN, Action.TERMINATE), 300.0, True)
@@ -117,11 +145,20 @@ def test_tenant_bounds_default_to_no_warn_30s_and_no_opting_out() -> None:
         (["--tenant-actions", ","], "--tenant-actions: ',' is empty"),
         (["--max-grace-period", "5"], "--max-grace-period: '5' is not a duration"),
         (["--namespace-bounds", "[1]"], "--namespace-bounds: '[1]' is not a JSON object"),
-        (["--namespace-bounds", '{"ml": {"actions": "warn"}}'], "--namespace-bounds 'ml'.actions: 'warn' must be a list"),
-        (["--namespace-bounds", '{"ml": {"maxGracePeriod": "soon"}}'], "--namespace-bounds 'ml'.maxGracePeriod: 'soon' is not a duration"),
-        (["--namespace-bounds", '{"ml": {"allowOptout": true}}'], "must be an object of actions, maxGracePeriod, allowOptOut"),
+        (
+            ["--namespace-bounds", '{"ml": {"actions": "warn"}}'],
+            "--namespace-bounds 'ml'.actions: 'warn' must be a list",
+        ),
+        (
+            ["--namespace-bounds", '{"ml": {"maxGracePeriod": "soon"}}'],
+            "--namespace-bounds 'ml'.maxGracePeriod: 'soon' is not a duration",
+        ),
+        (
+            ["--namespace-bounds", '{"ml": {"allowOptout": true}}'],
+            "must be an object of actions, maxGracePeriod, allowOptOut",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_tenant_bounds_name_the_flag_and_the_fix(flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         settings(*flags)

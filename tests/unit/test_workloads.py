@@ -33,8 +33,13 @@ from tests.helpers import wait_for
 def test_workload_arguments_are_checked_before_pytorch_is_looked_for(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    for argv in (["gemm"], ["copy", "--steps", "0"], ["copy", "--steps", "2", "--scale", "2"],
-                 ["copy", "--scale", "-1"], ["copy", "--device", "tpu"]):  # fmt: skip
+    for argv in (
+        ["gemm"],
+        ["copy", "--steps", "0"],
+        ["copy", "--steps", "2", "--scale", "2"],
+        ["copy", "--scale", "-1"],
+        ["copy", "--device", "tpu"],
+    ):
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == 2, argv
@@ -60,13 +65,16 @@ def stub_torch(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     """The little of PyTorch that `main` and `kernels.run` touch; the workloads themselves
     are replaced by each test (the real ones run in tests/gpu)."""
     cuda = types.SimpleNamespace(
-        is_available=lambda: True, synchronize=lambda device: None,
+        is_available=lambda: True,
+        synchronize=lambda device: None,
         OutOfMemoryError=_OutOfMemoryError,
-    )  # fmt: skip
+    )
     torch = types.SimpleNamespace(
-        __version__="2.x", cuda=cuda, manual_seed=lambda seed: None,
+        __version__="2.x",
+        cuda=cuda,
+        manual_seed=lambda seed: None,
         device=lambda name: types.SimpleNamespace(type=name),
-    )  # fmt: skip
+    )
     monkeypatch.setitem(sys.modules, "torch", torch)
     return torch
 

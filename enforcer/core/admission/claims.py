@@ -37,11 +37,15 @@ def claim_template(namespace: str, limit: int, settings: AdmissionSettings) -> d
         "capacity": {"requests": {settings.dra_capacity: format_quantity(limit)}},
     }
     return {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-        "metadata": {"name": claim_template_name(limit), "namespace": namespace,
-                     "labels": {"app.kubernetes.io/managed-by": "vram-enforcer"}},
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {
+            "name": claim_template_name(limit),
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/managed-by": "vram-enforcer"},
+        },
         "spec": {"spec": {"devices": {"requests": [{"name": "vram", "exactly": exactly}]}}},
-    }  # fmt: skip
+    }
 
 
 def claim_vram(patch: Patch, where: Path, limit: int, settings: AdmissionSettings) -> None:

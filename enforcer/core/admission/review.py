@@ -298,8 +298,10 @@ def _check_pod(spec: PodSpec, settings: AdmissionSettings) -> None:
         )
     images = [c.get("image") for c in containers(spec) if c["name"] == SIDECAR]
     if any(image != settings.sidecar_image for image in images):
-        raise Denied(f"a container is already named {SIDECAR!r}, the name of the enforcer's "
-                     "sidecar; rename it")  # fmt: skip
+        raise Denied(
+            f"a container is already named {SIDECAR!r}, the name of the enforcer's "
+            "sidecar; rename it"
+        )
     if len(images) > 1:  # never an earlier pass's, and each would be one more operation
         raise Denied(
             f"spec: {len(images)} containers are named {SIDECAR!r}, the name of the enforcer's "

@@ -150,8 +150,12 @@ def add_shm(patch: Patch, size: int | None) -> None:
         patch.append((*where, "volumeMounts"), {"name": SHM_VOLUME, "mountPath": SHM_DIR})
 
 
-def sidecar_variables(spec: PodSpec, limits: Mapping[str, int], settings_env: Mapping[str, str],
-                 settings: AdmissionSettings) -> list[EnvVar]:  # fmt: skip
+def sidecar_variables(
+    spec: PodSpec,
+    limits: Mapping[str, int],
+    settings_env: Mapping[str, str],
+    settings: AdmissionSettings,
+) -> list[EnvVar]:
     return [
         _field_env(declared.POD_NAME.variable, "metadata.name"),
         _field_env(declared.POD_NAMESPACE.variable, "metadata.namespace"),

@@ -111,8 +111,9 @@ def _timing_note(report: Report, name: str) -> str | None:
     problems = Counter(r.section_problem for r in good if r.section_problem)
     if not timed and not problems:
         return None
-    why = "".join(f" In {n} run(s), the {TIMING_ENV} file it wrote {p}." for p, n in
-                  problems.most_common())  # fmt: skip
+    why = "".join(
+        f" In {n} run(s), the {TIMING_ENV} file it wrote {p}." for p, n in problems.most_common()
+    )
     return (
         f"{name}'s figures are exec's times of the whole command, start-up included: it "
         f"timed its own section in only {timed} of its {len(good)} good run(s).{why}"
@@ -169,8 +170,10 @@ def _stability(report: Report) -> str:
 def to_text(report: Report) -> str:
     rows = matrix(report)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-             for row in rows]  # fmt: skip
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
     return "\n\n".join([_headline(report), "\n".join(lines), *notes(report)]) + "\n"
 
 
@@ -178,15 +181,23 @@ def to_markdown(report: Report) -> str:
     rows = matrix(report)
     table = ["| " + " | ".join(_md(c) for c in row) + " |" for row in rows]
     table.insert(1, "|" + "---|" * len(rows[0]))
-    commands = [f"| {w.name} | {format_bytes(w.limit_bytes)} | `{shlex.join(w.command)}` |"
-                for w in report.workloads]  # fmt: skip
-    return "\n\n".join([
-        "# Interference on a shared GPU",
-        _headline(report),
-        "\n".join(table),
-        *notes(report),
-        "## Workloads\n\n| workload | limit | command |\n|---|---|---|\n" + "\n".join(commands),
-    ]) + "\n"  # fmt: skip
+    commands = [
+        f"| {w.name} | {format_bytes(w.limit_bytes)} | `{shlex.join(w.command)}` |"
+        for w in report.workloads
+    ]
+    return (
+        "\n\n".join(
+            [
+                "# Interference on a shared GPU",
+                _headline(report),
+                "\n".join(table),
+                *notes(report),
+                "## Workloads\n\n| workload | limit | command |\n|---|---|---|\n"
+                + "\n".join(commands),
+            ]
+        )
+        + "\n"
+    )
 
 
 def _md(text: str) -> str:

@@ -155,9 +155,18 @@ def analyse(workloads: Sequence[Workload], runs: Sequence[RunResult], how: Metho
             slowdown = cell.median / solo if cell.median is not None and solo else None
             cells.append(replace(cell, slowdown=slowdown))
     return Report(
-        tuple(workloads), how.repeat, how.warmup, how.max_spread, how.planned_runs, tuple(runs),
-        tuple(cells), how.partial, how.gpu, how.timeout, timing,
-    )  # fmt: skip
+        tuple(workloads),
+        how.repeat,
+        how.warmup,
+        how.max_spread,
+        how.planned_runs,
+        tuple(runs),
+        tuple(cells),
+        how.partial,
+        how.gpu,
+        how.timeout,
+        timing,
+    )
 
 
 def measured_ok(runs: Iterable[RunResult]) -> list[RunResult]:

@@ -168,6 +168,8 @@ def parse_gpu(text: str, field: str) -> str:
     if (text.isascii() and text.isdigit()) or re.fullmatch(r"(GPU|MIG)-[0-9A-Za-z-]+", text):
         return text
     raise ConfigError(
-        field, text, "is not a GPU; use its index (0, 1, ...) or its UUID (GPU-...), as "
+        field,
+        text,
+        "is not a GPU; use its index (0, 1, ...) or its UUID (GPU-...), as "
         "nvidia-smi -L lists them",
-    )  # fmt: skip
+    )

@@ -43,14 +43,19 @@ def interval(help: str, doc: str, **options: Any) -> Setting[float]:
 def metrics_port(help: str, **options: Any) -> Setting[int | None]:
     if "default" not in options:
         options["shown_default"] = "off"
-    return value("metrics_port", parse_port, help, flag="--metrics-port", metavar="PORT",
-                 **options)  # fmt: skip
+    return value("metrics_port", parse_port, help, flag="--metrics-port", metavar="PORT", **options)
 
 
 def metrics_address(default: str) -> Setting[str]:
-    return value("metrics_address", as_text, "the address that --metrics-port listens on",
-                 flag="--metrics-address", default=default, metavar="ADDR",
-                 doc="the address that `--metrics-port` listens on")  # fmt: skip
+    return value(
+        "metrics_address",
+        as_text,
+        "the address that --metrics-port listens on",
+        flag="--metrics-address",
+        default=default,
+        metavar="ADDR",
+        doc="the address that `--metrics-port` listens on",
+    )
 
 
 def log_format(default: str) -> Setting[str]:

@@ -394,19 +394,30 @@ def _portions(
 ) -> dict[str, Portion]:
     """Portions of a GPU, for containers whose limit is not given in bytes too."""
     if portions and dra is not None:
-        raise ConfigError(PORTIONS_ENV, encode_portions(portions),
-                          "needs --limits-from declared: DRA gives each claim bytes")  # fmt: skip
+        raise ConfigError(
+            PORTIONS_ENV,
+            encode_portions(portions),
+            "needs --limits-from declared: DRA gives each claim bytes",
+        )
     for name in portions:
         if name in limits:
-            raise ConfigError(PORTIONS_ENV, encode_portions(portions), (
-                f"gives container {name!r} a portion, and {LIMITS.env} a limit in bytes; "
-                "give it one of them"
-            ))  # fmt: skip
+            raise ConfigError(
+                PORTIONS_ENV,
+                encode_portions(portions),
+                (
+                    f"gives container {name!r} a portion, and {LIMITS.env} a limit in bytes; "
+                    "give it one of them"
+                ),
+            )
     if source != "agent" and any(p.ceiling for p in portions.values()):
-        raise ConfigError(PORTIONS_ENV, encode_portions(portions), (
-            "gives a ceiling, which needs --source agent: only the node agent sees the whole "
-            "GPU, and so only it can say when borrowed memory must be given back"
-        ))  # fmt: skip
+        raise ConfigError(
+            PORTIONS_ENV,
+            encode_portions(portions),
+            (
+                "gives a ceiling, which needs --source agent: only the node agent sees the whole "
+                "GPU, and so only it can say when borrowed memory must be given back"
+            ),
+        )
     return portions
 
 
@@ -418,14 +429,18 @@ def _ceilings(ceilings: dict[str, int], limits: dict[str, int], source: str) -> 
         return {}
     if source != "agent":
         raise ConfigError(
-            CEILINGS_ENV, ceilings, "needs --source agent: only the node agent sees the whole "
+            CEILINGS_ENV,
+            ceilings,
+            "needs --source agent: only the node agent sees the whole "
             "GPU, and so only it can say when borrowed memory must be given back",
-        )  # fmt: skip
+        )
     for name, ceiling in ceilings.items():
         if name not in limits or ceiling < limits[name]:
             why = "but no limit" if name not in limits else "below its limit"
             raise ConfigError(
-                CEILINGS_ENV, ceilings, f"gives container {name!r} a ceiling {why}; a "
+                CEILINGS_ENV,
+                ceilings,
+                f"gives container {name!r} a ceiling {why}; a "
                 "ceiling is at least the container's declared limit (its request)",
-            )  # fmt: skip
+            )
     return {name: c for name, c in ceilings.items() if c > limits[name]}

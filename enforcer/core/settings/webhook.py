@@ -60,8 +60,9 @@ def _memory(text: str, field: str) -> str:
 def _tenant_actions(text: str, field: str) -> tuple[Action, ...]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
-        raise ConfigError(field, text, "is empty; list the actions pods may choose, e.g. "
-                          "terminate,kill,restart")  # fmt: skip
+        raise ConfigError(
+            field, text, "is empty; list the actions pods may choose, e.g. terminate,kill,restart"
+        )
     return tuple(dict.fromkeys(parse_action(name, field, ALL_ACTIONS) for name in names))
 
 
@@ -346,15 +347,23 @@ def webhook_settings(values: Values) -> WebhookSettings:
     if values[GPU_EXPOSURE] == "none" and runtime_class:
         raise ConfigError("--runtime-class", runtime_class, "needs --gpu-exposure env")
     if values[DRA_DEVICE_CLASS] and values[GPU_EXPOSURE] == "env":
-        raise ConfigError("--gpu-exposure", "env", (
-            "cannot be combined with --dra-device-class: in DRA mode the DRA driver gives each "
-            "container the GPU it was allocated; use --gpu-exposure none"
-        ))  # fmt: skip
+        raise ConfigError(
+            "--gpu-exposure",
+            "env",
+            (
+                "cannot be combined with --dra-device-class: in DRA mode the DRA driver gives each "
+                "container the GPU it was allocated; use --gpu-exposure none"
+            ),
+        )
     if values[DRA_DEVICE_CLASS] and values[KAI_ANNOTATIONS]:
-        raise ConfigError("--kai-annotations", None, (
-            "cannot be combined with --dra-device-class: a KAI share is counted per node, not "
-            "allocated on one GPU by a claim; leave out one of them"
-        ))  # fmt: skip
+        raise ConfigError(
+            "--kai-annotations",
+            None,
+            (
+                "cannot be combined with --dra-device-class: a KAI share is counted per node, not "
+                "allocated on one GPU by a claim; leave out one of them"
+            ),
+        )
     default = Bounds(
         values[TENANT_ACTIONS],
         values[MAX_GRACE_PERIOD],
