@@ -33,7 +33,7 @@ from typing import Any, cast
 
 from bench import exec_bench, sidecar_bench
 from bench.common import GiB, percentile
-from enforcer.core.declaration import SIDECAR
+from enforcer.core.declaration import SIDECAR, Declares
 from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.lending import decide, tenants
 from enforcer.core.model import Device, ProcessKey, ProcessUsage, Sample
@@ -165,7 +165,7 @@ def lending_cost(window: float, pods: int = 110, gpus: int = 8) -> dict[str, Any
         )
         started, cpu0, passes = time.monotonic(), time.process_time(), 0
         opted_in = {f"ns{i}" for i in range(10)}  # every pod's namespace: its env is read
-        found = tenants(listed, RES, 1, SIDECAR, None, allocated, opted_in=opted_in)
+        found = tenants(listed, Declares(RES), None, allocated, opted_in=opted_in)
         assert len(found.all) == pods and sum(t.ceiling > t.request for t in found.all) == bursting
         reread = time.process_time() - cpu0
         cpu0 = time.process_time()

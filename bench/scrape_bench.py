@@ -31,7 +31,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from enforcer.core.attribution import attribute
-from enforcer.core.declaration import CEILINGS_ENV, ENFORCED, SIDECAR
+from enforcer.core.declaration import CEILINGS_ENV, ENFORCED, SIDECAR, Declares
 from enforcer.core.lending import decide, tenants
 from enforcer.core.model import Activity, Device, GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
@@ -125,7 +125,7 @@ def timed(render: Any, rounds: int) -> dict[str, Any]:
 
 def run(pods: int = 110, rounds: int = 20) -> dict[str, Any]:
     sample, containers, listed = node(pods)
-    found = tenants(listed, RES, 1, SIDECAR, None, opted_in=frozenset({"ml"}))
+    found = tenants(listed, Declares(RES), None, opted_in=frozenset({"ml"}))
     lending = decide(sample, containers, found, 2 * GiB)
     counts = PodCounts()
     by_uid = {str(p["metadata"]["uid"]): p for p in listed}

@@ -149,9 +149,18 @@ def portion_basis(devices: Sequence[Device]) -> int | None:
     return min(sizes) // KAI_MEMORY_STEP * KAI_MEMORY_STEP if sizes else None
 
 
-def of_pod(
-    pod: Pod, resource: str, unit: int, sidecar: str, *, opted_in: AbstractSet[str]
-) -> Declaration | Undeclared:
+@dataclass(frozen=True, slots=True)
+class Declares:
+    """Where the pods of a cluster declare VRAM: the extended resource (its name, and the
+    bytes of one unit of it), and the container the webhook injects, whose environment
+    carries what the webhook read at admission."""
+
+    resource: str
+    unit: int = 1
+    sidecar: str = SIDECAR
+
+
+def of_pod(pod: Pod, declares: Declares, *, opted_in: AbstractSet[str]) -> Declaration | Undeclared:
     """What the pod declares, as the agent reads every pod of its node: its containers'
     `resources.limits`, with the ceilings the webhook gave its sidecar; or, for a pod that
     declares no resource, what the webhook wrote into its sidecar's environment from
@@ -165,12 +174,12 @@ def of_pod(
     and a container named like the sidecar is its author's. There, what the resources
     declare counts (the scheduler counted it) and borrows nothing, and a pod that declares
     through the environment alone declares nothing; either said, as an unread ceiling is."""
-    env = sidecar_env(pod, sidecar)
+    env = sidecar_env(pod, declares.sidecar)
     distrusted = "" if env_trusted(pod, opted_in) else _distrusted(pod, env)
     if distrusted:
         env = {}
     try:
-        limits = declared_limits(json_map(pod.get("spec")), resource, unit)
+        limits = declared_limits(json_map(pod.get("spec")), declares.resource, declares.unit)
     except Undeclarable as exc:
         return Undeclared(str(exc))
     if limits:  # what the scheduler counted: unreadable ceilings take only the borrowing away

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from enforcer.core.declaration import Declaration, Undeclared
-from enforcer.core.dra import Allocations, unit_containers, with_ceilings
 from enforcer.core.model import Device, MiB
-from enforcer.core.payloads import Pod
-from enforcer.core.pod import containers_by_id
+from enforcer.core.owed import PodVram
 
 
 def per_gpu(limit_bytes: int, devices: Sequence[Device]) -> dict[str, int]:
@@ -42,6 +39,11 @@ def on_gpus(gpu_limits: Mapping[str, int], devices: Sequence[Device]) -> dict[st
 
 
 MAX_BYTES = 1 << 62  # above any GPU's memory: per_gpu() caps it to each GPU's total
+
+
+def pod_limits(pod: PodVram, devices: Sequence[Device]) -> dict[str, int]:
+    """The pod cgroup's hard limit on each GPU."""
+    return on_gpus(pod.gpu_totals, devices) if pod.gpu_limits else per_gpu(pod.total, devices)
 
 
 # The least a cgroup's processes must hold on a GPU, as NVML lists them, before what the
@@ -82,111 +84,6 @@ def proven(misses: int, verdict: bool | None) -> tuple[int, bool | None]:
 def mig_gpus(devices: Sequence[Device]) -> tuple[str, ...]:
     """The GPUs in MIG mode, which no hard limit covers."""
     return tuple(sorted({d.parent_uuid for d in devices if d.parent_uuid}))
-
-
-@dataclass(frozen=True, slots=True)
-class PodVram:
-    """What a pod declares, and which container ID each of its containers runs as now."""
-
-    uid: str
-    namespace: str
-    name: str
-    limits: Mapping[str, int]  # container name -> bytes, declaring containers only
-    ids: Mapping[str, str]  # container name -> container ID, from the pod's status
-    # DRA: container name -> GPU -> bytes, what its claims were allocated (then `limits`
-    # holds each container's sum over GPUs); empty for a declaring pod.
-    gpu_limits: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
-
-    # Container name -> its request, where it may borrow above it up to `limits` (its
-    # ceiling): the driver's soft limit, "guaranteed before allocations may fail".
-    requests: Mapping[str, int] = field(default_factory=dict)
-    # Container name -> the GPUs its limit and request are spread over, an equal share of
-    # each held on every GPU (KAI's gpu-fraction-num-devices); absent: 1, the whole on each.
-    gpus: Mapping[str, int] = field(default_factory=dict)
-
-    def on_each_gpu(self, name: str) -> tuple[int, int]:
-        """(limit, request: the limit where it may not borrow) of a declaring container on
-        any one GPU."""
-        count, limit = self.gpus.get(name, 1), self.limits[name]
-        return limit // count, self.requests.get(name, limit) // count
-
-    @property
-    def total(self) -> int:
-        """The pod's cap on any one GPU: the sum of its containers' limits there (an upper
-        bound on what they may hold together, init containers included)."""
-        return sum(self.on_each_gpu(name)[0] for name in self.limits)
-
-    @property
-    def requested(self) -> int:
-        """The pod's soft limit on any one GPU: its containers' requests there, where any
-        may borrow; else 0."""
-        if not self.requests:
-            return 0
-        return sum(self.on_each_gpu(name)[1] for name in self.limits)
-
-    @property
-    def gpu_totals(self) -> dict[str, int]:
-        """DRA: the pod's cap on each GPU, the sum of what its claims were allocated there
-        (a claim that containers share counts once)."""
-        return dict(self._gpu_totals)
-
-    _gpu_totals: Mapping[str, int] = field(default_factory=dict)
-
-    def limits_on(self, devices: Sequence[Device]) -> dict[str, int]:
-        """The pod cgroup's hard limit on each GPU."""
-        return (
-            on_gpus(self._gpu_totals, devices) if self.gpu_limits else per_gpu(self.total, devices)
-        )
-
-
-def pod_vram_from_claims(
-    pod: Pod, found: Allocations, ceilings: Mapping[str, int] | None = None
-) -> PodVram | None:
-    """DRA: the pod's GPU allocations as hard limits, or None when it has none. Containers
-    whose GPUs are not proven get none (the sidecar says why). A container that may borrow
-    above its claim (`ceilings`, by container; `dra.with_ceilings`) gets its ceiling as the
-    hard limit on its claim's GPU, and its allocation as the soft one."""
-    meta = pod.get("metadata") or {}
-    uid, namespace, name = meta.get("uid"), meta.get("namespace"), meta.get("name")
-    if not (isinstance(uid, str) and isinstance(namespace, str) and isinstance(name, str)):
-        return None
-    if not found.units:
-        return None
-    found, allocated = with_ceilings(found, ceilings or {})
-    requests = {unit_containers(u)[0]: size for u, size in allocated.items()}
-    per_container: dict[str, dict[str, int]] = {}
-    totals: dict[str, int] = {}
-    for unit in found.units:
-        totals[unit.gpu] = totals.get(unit.gpu, 0) + unit.limit_bytes
-        for container in unit.containers:
-            per_container.setdefault(container, {})[unit.gpu] = unit.limit_bytes
-    ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
-    sums = {c: sum(g.values()) for c, g in per_container.items()}
-    return PodVram(uid, namespace, name, sums, ids, per_container, requests, _gpu_totals=totals)
-
-
-def pod_vram(
-    pod: Pod, declared: Declaration | Undeclared, basis: int | None = None
-) -> PodVram | None:
-    """The pod's declared VRAM, as `declaration.of_pod` read it, or None when it declares
-    none in bytes (nothing, nothing readable, or only claims: `pod_vram_from_claims`). A
-    container's limit is its ceiling where it may borrow, and its declaration its request;
-    a portion of a GPU counts against `basis`, one GPU's memory, and not at all without
-    one."""
-    meta = pod.get("metadata") or {}
-    uid, namespace, name = meta.get("uid"), meta.get("namespace"), meta.get("name")
-    if not (isinstance(uid, str) and isinstance(namespace, str) and isinstance(name, str)):
-        return None
-    if isinstance(declared, Undeclared):
-        return None
-    limits, borrow = declared.in_bytes(basis)
-    if not limits:
-        return None
-    ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
-    gpus = dict(declared.gpus)
-    if not borrow:
-        return PodVram(uid, namespace, name, limits, ids, gpus=gpus)
-    return PodVram(uid, namespace, name, {**limits, **borrow}, ids, requests=limits, gpus=gpus)
 
 
 @dataclass(frozen=True, slots=True)

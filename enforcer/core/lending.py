@@ -17,10 +17,10 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
 from enforcer.core.attribution import attribute
-from enforcer.core.declaration import dra_ceilings, of_pod, unreadable
+from enforcer.core.declaration import Declares, dra_ceilings, unreadable
 from enforcer.core.dra import Allocations, finished, with_ceilings
-from enforcer.core.hard_limits import pod_vram
 from enforcer.core.model import ProcessKey, ProcessTotal, Sample, UnitUsage
+from enforcer.core.owed import owed
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import containers_by_id, json_map
 from enforcer.core.reclaim import Gpu, Reclaim, reclaims, views
@@ -92,9 +92,7 @@ class Tenants:
 
 def tenants(
     pods: Iterable[Pod],
-    resource: str,
-    unit: int,
-    sidecar: str,
+    declares: Declares,
     basis: int | None,
     allocated: Mapping[str, Allocations] | None = None,
     assigned: Mapping[tuple[str, str, str], str] | None = None,
@@ -116,13 +114,13 @@ def tenants(
     for pod in pods:
         priority = json_map(pod.get("spec")).get("priority")
         rank = priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
-        declared = of_pod(pod, resource, unit, sidecar, opted_in=opted_in)
+        pod_owed = owed(pod, declares, opted_in=opted_in, basis=basis)
         meta = json_map(pod.get("metadata"))
-        if problem := unreadable(declared):
+        if problem := unreadable(pod_owed.declared):
             unread[f"{meta.get('namespace')}/{meta.get('name')}"] = problem
         # As the hard limits read it: a container's limit is its ceiling, its declaration
         # its request (`requests` lists those of a pod where one may borrow).
-        vram = pod_vram(pod, declared, basis)
+        vram = pod_owed.vram
         if vram is not None:
             for name, ceiling in vram.limits.items():
                 cid = vram.ids.get(name)
@@ -138,7 +136,7 @@ def tenants(
         uid = str(meta.get("uid") or "")
         # A pod that has finished is owed nothing: its claims are being released.
         if allocated and uid in allocated and not finished(pod):
-            found.extend(_claim_tenants(pod, allocated[uid], dra_ceilings(declared), rank))
+            found.extend(_claim_tenants(pod, allocated[uid], dra_ceilings(pod_owed.declared), rank))
     return Tenants.of(found, unread)
 
 

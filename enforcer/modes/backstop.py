@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 from enforcer.core import messages
 from enforcer.core.attribution import attribute_declared, attribute_per_gpu
 from enforcer.core.declaration import (
+    Declares,
     Undeclared,
     env_trusted,
-    of_pod,
     portion_basis,
     sidecar_env,
     unreadable,
@@ -44,14 +44,12 @@ from enforcer.core.dra import (
     Allocations,
     DraObjects,
     DraSettings,
-    allocations,
     claim_names,
     describe_unit,
     of_sole_container,
     unit_containers,
 )
 from enforcer.core.eviction import evicted, to_evict
-from enforcer.core.hard_limits import PodVram, pod_vram
 from enforcer.core.model import (
     Action,
     ProcessKey,
@@ -62,6 +60,7 @@ from enforcer.core.model import (
     UnitUsage,
     format_bytes,
 )
+from enforcer.core.owed import PodVram, owed
 from enforcer.core.parsing import ConfigError
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import ContainerRef, container_limits, containers_by_id, pod_reference
@@ -108,8 +107,7 @@ class Backstop:
         self._claims = claims  # DRA: the pod's claims and the node's slices, as last read
         self._unheld: set[str] = set()  # silent pods said to be beyond the agent's hold
         self._silent = silent
-        self._resource = node.resource
-        self._sidecar = sidecar
+        self._declares = Declares(*node.resource, sidecar)
         self._recorder = recorder
         self._telemetry = telemetry
         self._procfs = procfs
@@ -154,23 +152,29 @@ class Backstop:
         it to (yet: claims not read, or not mapped to a GPU, are looked at again). Its
         policy is the sidecar's defaults where its sidecar's environment is not read (its
         namespace has not opted in: a `warn` there is its author's)."""
-        name, unit = self._resource
-        env = sidecar_env(pod, self._sidecar) if env_trusted(pod, trusted) else {}
+        env = sidecar_env(pod, self._declares.sidecar) if env_trusted(pod, trusted) else {}
         policy = policy_of(env)
-        declared = of_pod(pod, name, unit, self._sidecar, opted_in=trusted)
-        vram = pod_vram(pod, declared, portion_basis(sample.devices))
+        claimed = self._claims is not None and bool(claim_names(pod))
+        objects = self._claims[0](pod) if self._claims is not None and claimed else None
+        read = (objects, self._claims[1]) if self._claims is not None and objects else None
+        basis = portion_basis(sample.devices)
+        pod_owed = owed(pod, self._declares, opted_in=trusted, basis=basis, claims=read)
+        found = pod_owed.allocations
         limits: PodVram | Allocations
-        if vram is not None:
-            limits = vram
-            held = messages.amounts(_requests(vram))
-        elif (found := self._allocations(pod)) is not None:
+        if found is None and pod_owed.vram is not None:
+            limits = pod_owed.vram
+            held = messages.amounts(_requests(pod_owed.vram))
+        elif found is not None and found.units:
             limits = found
             held = ", ".join(
                 f"{describe_unit(u.name)}: {format_bytes(u.limit_bytes)}" for u in found.units
             )
         else:
-            if isinstance(declared, Undeclared):
-                self._cannot_hold(pod, unreadable(declared))
+            if claimed:  # DRA: what the pod's claims give it is not known, or is no GPU
+                why = "; ".join(found.problems) if found else "its claims have not been read yet"
+                self._cannot_hold(pod, why or "its claims give no GPU")
+            elif isinstance(pod_owed.declared, Undeclared):
+                self._cannot_hold(pod, unreadable(pod_owed.declared))
             return None
         log.warning(
             "pod %s: its sidecar is silent; the agent enforces its limits itself (%s)",
@@ -181,22 +185,15 @@ class Backstop:
         counts = self.counts.get(uid) or SidecarTelemetry()
         self.counts = {**self.counts, uid: counts}
         return _Held(
-            pod, limits, policy, self._sidecar, self._recorder, self._procfs, counts, self._evict
+            pod,
+            limits,
+            policy,
+            self._declares.sidecar,
+            self._recorder,
+            self._procfs,
+            counts,
+            self._evict,
         )
-
-    def _allocations(self, pod: Pod) -> Allocations | None:
-        """DRA: what the pod's claims give its containers on each GPU, as last read; None
-        (said once) while that is not known."""
-        if self._claims is None or not claim_names(pod):
-            return None
-        last, settings = self._claims
-        objects = last(pod)
-        found = allocations(pod, objects.claims, objects.slices, settings) if objects else None
-        if found is not None and found.units:
-            return found
-        why = "; ".join(found.problems) if found else "its claims have not been read yet"
-        self._cannot_hold(pod, why or "its claims give no GPU")
-        return None
 
     def _cannot_hold(self, pod: Pod, why: str) -> None:
         """Said once while the pod's sidecar stays silent, not on every pass."""

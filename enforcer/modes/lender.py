@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Mapping
 
 from enforcer.core import messages
-from enforcer.core.declaration import portion_basis
+from enforcer.core.declaration import Declares, portion_basis
 from enforcer.core.dra import (
     Allocations,
     DraObjects,
@@ -61,8 +61,7 @@ class Lender:
         # DRA pods: UID -> (the pod, its objects as last read, or None before a read)
         self._read: dict[str, tuple[Pod, DraObjects | None]] = {}
         self._changed = changed
-        self._resource = node.resource
-        self._sidecar = sidecar
+        self._declares = Declares(*node.resource, sidecar)
         self._watermark = watermark
         self._telemetry = telemetry
         self._tenants: Tenants | None = None  # None: the pods are not known yet
@@ -108,13 +107,12 @@ class Lender:
                 # is never reclaimed from), and the next pass reads them again.
                 self._tenants = None
                 return Lending()
-            name, unit = self._resource
             allocated = self._allocated(pods)
             gpus = {}
             if self._assigned is not None and assignments is not None:
                 gpus = assigned_gpus(assignments, self._assigned[1], sample.devices)
             self._tenants = tenants(
-                pods.values(), name, unit, self._sidecar, basis, allocated, gpus, opted_in=trusted
+                pods.values(), self._declares, basis, allocated, gpus, opted_in=trusted
             )
             self._basis, self._assignments, self._trusted = basis, assignments, trusted
             for pod, problem in self._tenants.unread.items():

@@ -21,30 +21,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from enforcer.core import messages
-from enforcer.core.declaration import (
-    SIDECAR,
-    dra_ceilings,
-    env_trusted,
-    of_pod,
-    portion_basis,
-    unreadable,
-)
-from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names, claim_users
+from enforcer.core.declaration import Declares, env_trusted, portion_basis, unreadable
+from enforcer.core.dra import DraObjects, DraSettings, claim_names, claim_users
 from enforcer.core.hard_limits import (
     EVIDENCE_BYTES,
     Key,
-    PodVram,
     Target,
     charged,
     mig_gpus,
     per_gpu,
     plan,
-    pod_vram,
-    pod_vram_from_claims,
+    pod_limits,
     proven,
     targets,
 )
 from enforcer.core.model import Device, HeldLimit, LimitOutcome, LimitResult, format_bytes
+from enforcer.core.owed import PodVram, owed
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
 from enforcer.core.reasons import Reason
@@ -101,7 +93,7 @@ class HardLimiter(threading.Thread):
         self._telemetry = telemetry
         self._root = cgroupfs.v2_at(cgroup_root)  # a hybrid host's v2 is below `unified`
         self._scanner = cgroupfs.PodScanner(self._root)
-        self._resource = node.resource
+        self._declares = Declares(*node.resource)
         self._claims = claims  # DRA: reads a pod's claims and this node's slices
         self._scan_every = scan_every
         self._changed = changed
@@ -187,24 +179,22 @@ class HardLimiter(threading.Thread):
             if known and version and known[0] == version:
                 parsed[uid] = known
                 continue
-            declared = of_pod(pod, *self._resource, SIDECAR, opted_in=trusted)
-            problem = unreadable(declared)
+            objects = reads.get(uid)
+            read = None
+            if self._claims is not None and isinstance(objects, DraObjects):
+                read = (objects, self._claims[1])
+            pod_owed = owed(
+                pod, self._declares, opted_in=trusted, basis=basis, claims=read, users=users
+            )
+            problem = unreadable(pod_owed.declared)
             if problem and problem != (known[2] if known else ""):
                 log.warning("pod %s/%s %s", meta.get("namespace"), meta.get("name"), problem)
-            found = pod_vram(pod, declared, basis)
-            objects = reads.get(uid)
-            if found is None and self._claims is not None and objects is not None:
-                if isinstance(objects, str):
-                    self._say_once(f"the claims of pod {uid} cannot be read ({objects})")
-                    # Keep its limits meanwhile; its old version makes us read again.
-                    parsed[uid] = (known[0], known[1], problem) if known else ("", None, problem)
-                    continue
-                found = pod_vram_from_claims(
-                    pod,
-                    allocations(pod, objects.claims, objects.slices, self._claims[1], users),
-                    dra_ceilings(declared),
-                )
-            parsed[uid] = (version, found, problem)
+            if pod_owed.vram is None and isinstance(objects, str):
+                self._say_once(f"the claims of pod {uid} cannot be read ({objects})")
+                # Keep its limits meanwhile; its old version makes us read again.
+                parsed[uid] = (known[0], known[1], problem) if known else ("", None, problem)
+                continue
+            parsed[uid] = (version, pod_owed.vram, problem)
         self._parsed = parsed
         return [v for _, v, _ in parsed.values() if v is not None]
 
@@ -270,7 +260,7 @@ class HardLimiter(threading.Thread):
         if rejected:
             why = f"NVML rejected the limit of the pod's cgroup {pod_dir} on {', '.join(rejected)}"
             self._tell(pod, Reason.SAMPLING_ONLY, messages.sampling_only(why))
-        elif limits and set(limits) == set(pod.limits_on(usable)):
+        elif limits and set(limits) == set(pod_limits(pod, usable)):
             self._prove(pod, pod_dir, limits)
 
     def _prove(self, pod: PodVram, pod_dir: str, limits: Mapping[str, int]) -> None:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 
 from enforcer.core.dra import Allocations, GpuUnit
-from enforcer.core.hard_limits import PodVram
 from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample, UnitUsage
+from enforcer.core.owed import PodVram
 from enforcer.core.payloads import Pod
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs

@@ -17,7 +17,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from enforcer.core.admission import AdmissionSettings, BadReview, decode, review
-from enforcer.core.declaration import SIDECAR, of_pod
+from enforcer.core.declaration import SIDECAR, Declares, of_pod
 from enforcer.core.parsing import MAX_DURATION, MAX_QUANTITY
 from enforcer.core.settings import resolve, sidecar
 from enforcer.core.tenancy import ALL_ACTIONS, Bounds, Tenancy
@@ -473,6 +473,6 @@ def test_whatever_the_webhook_admits_its_sidecar_and_the_agent_read_back(
         for e in c["env"]
     }
     enforced = sidecar.sidecar_settings(resolve(sidecar.DECLARED, {}, environ))
-    declared = of_pod(mutated, RES, s.resource_unit, SIDECAR, opted_in={"ml"})  # its own
+    declared = of_pod(mutated, Declares(RES, s.resource_unit, SIDECAR), opted_in={"ml"})  # its own
     assert declared and declared.requests == enforced.limits
     assert (declared.ceilings, declared.portions) == (enforced.ceilings, enforced.portions)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from enforcer.core.declaration import (
     Declaration,
+    Declares,
     Portion,
     Undeclared,
     dra_ceilings,
@@ -46,14 +47,14 @@ def pod(limit: str | None, **env: str) -> Pod:
 
 
 def test_resources_declare_and_the_sidecars_ceilings_lift_them() -> None:
-    assert of_pod(pod("4Gi"), RES, 1, SIDECAR, opted_in=ML) == Declaration({"main": 4 * GiB})
+    assert of_pod(pod("4Gi"), Declares(RES), opted_in=ML) == Declaration({"main": 4 * GiB})
     borrowing = pod("4Gi", VRAM_ENFORCER_CEILINGS=json.dumps({"main": 16 * GiB}))
     lifted = Declaration({"main": 4 * GiB}, {"main": 16 * GiB})
-    assert of_pod(borrowing, RES, 1, SIDECAR, opted_in=ML) == lifted
+    assert of_pod(borrowing, Declares(RES), opted_in=ML) == lifted
     # Resources are what the scheduler counted: the sidecar's LIMITS never override them.
     other = pod("4Gi", VRAM_ENFORCER_LIMITS=json.dumps({"main": 80 * GiB}))
-    assert of_pod(other, RES, 1, SIDECAR, opted_in=ML) == Declaration({"main": 4 * GiB})
-    refused = of_pod(pod("lots"), RES, 1, SIDECAR, opted_in=ML)
+    assert of_pod(other, Declares(RES), opted_in=ML) == Declaration({"main": 4 * GiB})
+    refused = of_pod(pod("lots"), Declares(RES), opted_in=ML)
     assert isinstance(refused, Undeclared) and "is not a quantity" in refused.reason
 
 
@@ -63,18 +64,18 @@ def test_a_pod_declaring_by_kai_is_read_from_its_sidecars_environment() -> None:
         VRAM_ENFORCER_LIMITS="{}",
         VRAM_ENFORCER_PORTIONS=encode_portions({"main": Portion(Decimal("0.5"), Decimal("0.8"))}),
     )
-    got = of_pod(frozen, RES, 1, SIDECAR, opted_in=ML)
+    got = of_pod(frozen, Declares(RES), opted_in=ML)
     assert got == Declaration(portions={"main": Portion(Decimal("0.5"), Decimal("0.8"))})
     assert got.in_bytes(80 * GiB) == ({"main": 40 * GiB}, {"main": 64 * GiB})
     assert got.in_bytes(None) == ({}, {})  # not counted at all until a GPU's memory is known
     bytes_ = pod(None, VRAM_ENFORCER_LIMITS=json.dumps({"main": 2 * GiB}))
-    assert of_pod(bytes_, RES, 1, SIDECAR, opted_in=ML) == Declaration({"main": 2 * GiB})
+    assert of_pod(bytes_, Declares(RES), opted_in=ML) == Declaration({"main": 2 * GiB})
     # Anything malformed (never the webhook's) declares nothing, saying why; no env, nothing.
     garbled = pod(None, VRAM_ENFORCER_LIMITS="{", VRAM_ENFORCER_PORTIONS="{}")
-    malformed = of_pod(garbled, RES, 1, SIDECAR, opted_in=ML)
+    malformed = of_pod(garbled, Declares(RES), opted_in=ML)
     assert isinstance(malformed, Undeclared) and "is not valid JSON" in malformed.reason
     no_limits = pod(None, VRAM_ENFORCER_PORTIONS='{"main": {"request": "0.5"}}')
-    assert not of_pod(no_limits, RES, 1, SIDECAR, opted_in=ML)
+    assert not of_pod(no_limits, Declares(RES), opted_in=ML)
 
 
 def test_a_portion_counts_against_the_smallest_whole_gpu_as_kai_counts_it() -> None:
@@ -105,11 +106,11 @@ def test_a_share_spread_over_gpus_is_read_with_its_gpus_and_counted_per_gpu() ->
         VRAM_ENFORCER_PORTIONS=encode_portions({"main": Portion(Decimal("0.66666"))}),
         VRAM_ENFORCER_GPUS='{"main": 2}',
     )
-    got = of_pod(spread, RES, 1, SIDECAR, opted_in=ML)
+    got = of_pod(spread, Declares(RES), opted_in=ML)
     assert got == Declaration(portions={"main": Portion(Decimal("0.66666"))}, gpus={"main": 2})
     assert got.in_bytes(81500 * MiB) == ({"main": 2 * 27166 * MiB}, {})
     in_bytes = pod(None, VRAM_ENFORCER_LIMITS='{"main": 8}', VRAM_ENFORCER_GPUS='{"main": 2}')
-    assert of_pod(in_bytes, RES, 1, SIDECAR, opted_in=ML) == Declaration(
+    assert of_pod(in_bytes, Declares(RES), opted_in=ML) == Declaration(
         {"main": 8}, gpus={"main": 2}
     )
     for text, problem in [
@@ -119,7 +120,7 @@ def test_a_share_spread_over_gpus_is_read_with_its_gpus_and_counted_per_gpu() ->
         ('{"other": 2}', "names container 'other', which declares no request to spread"),
     ]:
         bad = pod(None, VRAM_ENFORCER_LIMITS='{"main": 8}', VRAM_ENFORCER_GPUS=text)
-        refused = of_pod(bad, RES, 1, SIDECAR, opted_in=ML)
+        refused = of_pod(bad, Declares(RES), opted_in=ML)
         assert isinstance(refused, Undeclared), text
         assert refused.reason.startswith("VRAM_ENFORCER_GPUS") and problem in refused.reason
 
@@ -144,9 +145,9 @@ def test_a_dra_mode_pod_declares_nothing_in_its_sidecars_env_its_claims_are_its_
     sidecar the sums; the agent must hold the pod to each claim on its GPU, not to a sum
     on every GPU (its hard limits, its backstop, its reclaims)."""
     env = {"VRAM_ENFORCER_LIMITS": json.dumps({"main": 8 * GiB})}
-    kai = of_pod(pod(None, **env), RES, 1, SIDECAR, opted_in=ML)
+    kai = of_pod(pod(None, **env), Declares(RES), opted_in=ML)
     assert isinstance(kai, Declaration) and kai.requests == {"main": 8 * GiB}  # KAI's way
-    dra = of_pod(pod(None, **env, VRAM_ENFORCER_LIMITS_FROM="dra"), RES, 1, SIDECAR, opted_in=ML)
+    dra = of_pod(pod(None, **env, VRAM_ENFORCER_LIMITS_FROM="dra"), Declares(RES), opted_in=ML)
     assert dra == Declaration(claims=True) and not dra and dra_ceilings(dra) == {}
     lifted = pod(
         None,
@@ -154,15 +155,13 @@ def test_a_dra_mode_pod_declares_nothing_in_its_sidecars_env_its_claims_are_its_
         VRAM_ENFORCER_LIMITS_FROM="dra",
         VRAM_ENFORCER_CEILINGS=json.dumps({"main": 12 * GiB}),
     )
-    assert dra_ceilings(of_pod(lifted, RES, 1, SIDECAR, opted_in=ML)) == {"main": 12 * GiB}
+    assert dra_ceilings(of_pod(lifted, Declares(RES), opted_in=ML)) == {"main": 12 * GiB}
     # The ceilings of a pod that is not in DRA mode lie above its declaration, not claims.
     assert (
         dra_ceilings(
             of_pod(
                 pod("4Gi", VRAM_ENFORCER_CEILINGS=json.dumps({"main": 12 * GiB})),
-                RES,
-                1,
-                SIDECAR,
+                Declares(RES),
                 opted_in=ML,
             )
         )
@@ -207,14 +206,14 @@ POISON = {
 def test_a_sidecar_environment_the_webhook_never_wrote_declares_nothing_and_says_why(
     kind: str,
 ) -> None:
-    got = of_pod(pod(None, **POISON[kind]), RES, 1, SIDECAR, opted_in=ML)
+    got = of_pod(pod(None, **POISON[kind]), Declares(RES), opted_in=ML)
     assert isinstance(got, Undeclared), got
     assert got.reason.startswith("VRAM_ENFORCER_") and len(got.reason) < 400
     assert unreadable(got) == f"declares nothing: {got.reason}"
 
 
 def test_the_depth_and_the_digits_are_bounded_before_anything_is_decoded() -> None:
-    deep = of_pod(pod(None, **POISON["deep"]), RES, 1, SIDECAR, opted_in=ML)
+    deep = of_pod(pod(None, **POISON["deep"]), Declares(RES), opted_in=ML)
     assert isinstance(deep, Undeclared) and "nests deeper than 8 levels" in deep.reason
     # Brackets within strings are no nesting; eight levels are read.
     assert parse_portions('{"a[[[[[[[[[": {"request": "0.5"}}', "P") == {
@@ -227,7 +226,7 @@ def test_the_depth_and_the_digits_are_bounded_before_anything_is_decoded() -> No
         parse_portions(eight.replace("[", "[[", 1).replace("]", "]]", 1), "P")
     with pytest.raises(ConfigError, match="is not valid JSON"):
         parse_portions("{" * 8, "P")  # unclosed, and no deeper than 8: the decoder says
-    huge = of_pod(pod(None, **POISON["huge integer"]), RES, 1, SIDECAR, opted_in=ML)
+    huge = of_pod(pod(None, **POISON["huge integer"]), Declares(RES), opted_in=ML)
     assert isinstance(huge, Undeclared) and "whole bytes from 0 to 2^63-1" in huge.reason
     # What the webhook writes for a KAI share is read back: at most 20 digits after the
     # point, times at most 9999 GPUs, in any notation decimal prints.
@@ -239,11 +238,11 @@ def test_the_depth_and_the_digits_are_bounded_before_anything_is_decoded() -> No
 def test_unreadable_ceilings_take_away_only_the_borrowing() -> None:
     """The resources are what the scheduler counted: a pod cannot shed its limit by
     spoiling its sidecar's environment, only its leave to borrow."""
-    spoiled = of_pod(pod("4Gi", VRAM_ENFORCER_CEILINGS="[" * 100_000), RES, 1, SIDECAR, opted_in=ML)
+    spoiled = of_pod(pod("4Gi", VRAM_ENFORCER_CEILINGS="[" * 100_000), Declares(RES), opted_in=ML)
     assert isinstance(spoiled, Declaration)
     assert (spoiled.requests, spoiled.ceilings) == ({"main": 4 * GiB}, {})
     assert unreadable(spoiled).startswith("borrows nothing: VRAM_ENFORCER_CEILINGS: ")
-    assert unreadable(of_pod(pod("4Gi"), RES, 1, SIDECAR, opted_in=ML)) == ""
+    assert unreadable(of_pod(pod("4Gi"), Declares(RES), opted_in=ML)) == ""
 
 
 def test_a_sidecar_environment_outside_the_namespaces_that_opted_in_is_not_read() -> None:
@@ -254,7 +253,7 @@ def test_a_sidecar_environment_outside_the_namespaces_that_opted_in_is_not_read(
     resources declare still counts, as the scheduler counted it; and it is said why."""
     elsewhere = frozenset({"other"})  # "ml", the pods' namespace, has not opted in
     ceilings = {"VRAM_ENFORCER_CEILINGS": json.dumps({"main": 16 * GiB})}
-    borrower = of_pod(pod("4Gi", **ceilings), RES, 1, SIDECAR, opted_in=elsewhere)
+    borrower = of_pod(pod("4Gi", **ceilings), Declares(RES), opted_in=elsewhere)
     assert isinstance(borrower, Declaration)
     assert (borrower.requests, borrower.ceilings) == ({"main": 4 * GiB}, {})
     why = (
@@ -269,16 +268,16 @@ def test_a_sidecar_environment_outside_the_namespaces_that_opted_in_is_not_read(
     }
     dra = {**limits, **ceilings, "VRAM_ENFORCER_LIMITS_FROM": "dra"}
     for env in (limits, portions, dra):
-        forged = of_pod(pod(None, **env), RES, 1, SIDECAR, opted_in=elsewhere)
+        forged = of_pod(pod(None, **env), Declares(RES), opted_in=elsewhere)
         assert isinstance(forged, Undeclared) and dra_ceilings(forged) == {}, forged
         assert forged.reason == f"{why}: {', '.join(env)} not read"
         assert unreadable(forged) == f"declares nothing: {forged.reason}"
-        trusted = of_pod(pod(None, **env), RES, 1, SIDECAR, opted_in=ML)
+        trusted = of_pod(pod(None, **env), Declares(RES), opted_in=ML)
         assert trusted or dra_ceilings(trusted), trusted  # read where its namespace opted in
     # A pod that carries no such variable is read as it is, with nothing to say.
-    plain = of_pod(pod("4Gi", VRAM_ENFORCER_ACTION="warn"), RES, 1, SIDECAR, opted_in=elsewhere)
+    plain = of_pod(pod("4Gi", VRAM_ENFORCER_ACTION="warn"), Declares(RES), opted_in=elsewhere)
     assert plain == Declaration({"main": 4 * GiB}) and unreadable(plain) == ""
-    read = of_pod(pod("4Gi", **ceilings), RES, 1, SIDECAR, opted_in=ML)
+    read = of_pod(pod("4Gi", **ceilings), Declares(RES), opted_in=ML)
     assert isinstance(read, Declaration) and read.ceilings == {"main": 16 * GiB}
 
 
@@ -309,7 +308,7 @@ VARIABLES = [
 def test_any_sidecar_environment_gives_a_declaration_or_why_not_never_an_error(
     env: dict[str, str], limit: str | None
 ) -> None:
-    got = of_pod(pod(limit, **env), RES, 1, SIDECAR, opted_in=ML)
+    got = of_pod(pod(limit, **env), Declares(RES), opted_in=ML)
     if isinstance(got, Declaration):
         got.in_bytes(80 * GiB)  # counted in bytes without an error, too
     else:

@@ -5,20 +5,19 @@ from pathlib import Path
 from typing import Any
 
 from enforcer.core.attribution import usage_by_container
-from enforcer.core.declaration import of_pod
+from enforcer.core.declaration import Declares, of_pod
 from enforcer.core.dra import DraSettings, allocations
 from enforcer.core.hard_limits import (
     EVIDENCE_BYTES,
-    PodVram,
     Target,
     charged,
     per_gpu,
     plan,
-    pod_vram,
-    pod_vram_from_claims,
+    pod_limits,
     targets,
 )
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.owed import PodVram, pod_vram, pod_vram_from_claims
 
 A, B = "a" * 64, "b" * 64
 UID = "6b5ab4a6-3e21-4b5d-9a5f-2b1c9d6e4f7a"
@@ -54,7 +53,7 @@ def pod(ceilings: dict[str, int] | None = None, **status: Any) -> dict[str, Any]
 
 def vram(p: Any, resource: str = "vram-enforcer.io/vram") -> PodVram | None:
     """The pod's hard limits, from what it declares as the agent reads it."""
-    return pod_vram(p, of_pod(p, resource, 1, "vram-enforcer", opted_in={"ml"}))
+    return pod_vram(p, of_pod(p, Declares(resource, 1, "vram-enforcer"), opted_in={"ml"}))
 
 
 def test_a_pods_declaration_and_current_container_ids() -> None:
@@ -173,12 +172,12 @@ def test_dra_claims_become_hard_limits_on_the_allocated_gpu_only() -> None:
         (wanted["/pod"], gpu0, 4 * GiB),
         (wanted["/pod/a"], gpu0, 4 * GiB),
     )
-    assert got.limits_on(devices) == {gpu0: 4 * GiB}  # what the VRAMHardLimit Event waits for
+    assert pod_limits(got, devices) == {gpu0: 4 * GiB}  # what the VRAMHardLimit Event waits for
     assert pod_vram_from_claims(dra_pod, allocations(dra_pod, {}, [slice_], DraSettings())) is None
     # With a ceiling (the sidecar's env, by container): the hard limit is the ceiling on the
     # claim's GPU, the soft limit the claim, for the container and its pod alike.
     bursting = pod_vram_from_claims(dra_pod, found, {"c": 10 * GiB})
-    assert bursting is not None and bursting.limits_on(devices) == {gpu0: 10 * GiB}
+    assert bursting is not None and pod_limits(bursting, devices) == {gpu0: 10 * GiB}
     wanted = targets([bursting], {uid: "/pod"}, {uid: {A: "/pod/a"}})
     assert [(t.gpu_limits, t.request_bytes) for t in wanted.values()] == [
         (((gpu0, 10 * GiB),), 4 * GiB),

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
-from enforcer.core.declaration import SIDECAR
+from enforcer.core.declaration import SIDECAR, Declares
 from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.lending import ELSEWHERE, Tenant, Tenants, decide, tenants
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
@@ -61,9 +61,7 @@ def test_each_declaring_container_is_a_tenant_with_its_request_ceiling_and_prior
                 sidecar_env=[{"name": "VRAM_ENFORCER_CEILINGS", "value": "{oops"}],
             ),
         ],
-        RES,
-        1,
-        SIDECAR,
+        Declares(RES),
         None,
         opted_in=OPTED_IN,
     ).all
@@ -155,13 +153,13 @@ def test_a_ceiling_is_read_from_the_sidecars_environment_never_from_an_annotatio
     sidecar's environment cannot: the webhook wrote it there."""
     patched = pod("a", "ml", "4Gi", "a" * 64)
     patched["metadata"]["annotations"] = {"vram-enforcer.io/vram-ceiling": "80Gi"}
-    assert tenants([patched], RES, 1, SIDECAR, None, opted_in=OPTED_IN).all[0].ceiling == 4 * GiB
+    assert tenants([patched], Declares(RES), None, opted_in=OPTED_IN).all[0].ceiling == 4 * GiB
     # Only the container named as our sidecar counts, not a look-alike of the workload's.
     other = pod("b", "ml", "4Gi", "b" * 64)
     other["spec"]["containers"][0]["env"] = [
         {"name": "VRAM_ENFORCER_CEILINGS", "value": json.dumps({"c": 80 * GiB})}
     ]
-    assert tenants([other], RES, 1, SIDECAR, None, opted_in=OPTED_IN).all[0].ceiling == 4 * GiB
+    assert tenants([other], Declares(RES), None, opted_in=OPTED_IN).all[0].ceiling == 4 * GiB
 
 
 def test_a_kai_fraction_is_a_tenant_once_its_gpus_memory_is_known() -> None:
@@ -175,11 +173,11 @@ def test_a_kai_fraction_is_a_tenant_once_its_gpus_memory_is_known() -> None:
         },
     ]
     kai = pod("k", "ml", None, "f" * 64, sidecar_env=frozen)
-    assert tenants([kai], RES, 1, SIDECAR, 80 * GiB, opted_in=OPTED_IN).all == (
+    assert tenants([kai], Declares(RES), 80 * GiB, opted_in=OPTED_IN).all == (
         tenant("ml/k/c", 20 * GiB, 40 * GiB, "f" * 64),
     )
     # Not counted before a GPU is known.
-    assert tenants([kai], RES, 1, SIDECAR, None, opted_in=OPTED_IN).all == ()
+    assert tenants([kai], Declares(RES), None, opted_in=OPTED_IN).all == ()
 
 
 def test_a_pod_whose_declaration_cannot_be_read_is_its_own_loss_and_is_said() -> None:
@@ -199,9 +197,7 @@ def test_a_pod_whose_declaration_cannot_be_read_is_its_own_loss_and_is_said() ->
             pod("huge", "x", None, "e" * 64, sidecar_env=huge),
             pod("spoiled", "x", "2Gi", "f" * 64, sidecar_env=spoiled),
         ],
-        RES,
-        1,
-        SIDECAR,
+        Declares(RES),
         80 * GiB,
         opted_in=OPTED_IN,
     )
@@ -253,7 +249,7 @@ def test_each_dra_allocation_is_a_tenant_on_its_gpu_started_or_not() -> None:
         "uid-new": on("GPU-0", 16 * GiB, "c"),
         "uid-wide": wide,
     }
-    assert tenants(pods, RES, 1, SIDECAR, None, allocated, opted_in=OPTED_IN).all == (
+    assert tenants(pods, Declares(RES), None, allocated, opted_in=OPTED_IN).all == (
         Tenant(
             "ml/burst/c@GPU-0", "ml", 4 * GiB, 24 * GiB, 0, frozenset({"a" * 64}), "GPU-0", True
         ),
@@ -263,10 +259,10 @@ def test_each_dra_allocation_is_a_tenant_on_its_gpu_started_or_not() -> None:
         Tenant("ml/wide/c@GPU-1", "ml", 4 * GiB, 4 * GiB, 0, frozenset({"d" * 64}), "GPU-1", True),
     )
     # Claims not read yet: nobody.
-    assert tenants(pods, RES, 1, SIDECAR, None, opted_in=OPTED_IN).all == ()
+    assert tenants(pods, Declares(RES), None, opted_in=OPTED_IN).all == ()
     # A pod that has finished is owed nothing, whatever its claims were last read to hold.
     pods[1]["status"] = {"phase": "Succeeded"}
-    found = tenants(pods, RES, 1, SIDECAR, None, allocated, opted_in=OPTED_IN)
+    found = tenants(pods, Declares(RES), None, allocated, opted_in=OPTED_IN)
     assert [t.unit for t in found.all] == [
         "ml/burst/c@GPU-0",
         "ml/wide/c@GPU-0",
@@ -313,11 +309,11 @@ def test_a_container_the_kubelet_gave_a_gpu_is_owed_its_request_there_before_it_
     seen = Sample(1.0, (Device(0, "GPU-0", "H100", 40 * GiB, 26 * GiB),), (usage(1, 26),))
     containers = {ProcessKey(1, 1): "a" * 64}
     # Without the kubelet's word, the newcomer uses no GPU yet and is owed nothing anywhere.
-    unknown = tenants([borrower, newcomer], RES, 1, SIDECAR, None, opted_in=OPTED_IN)
+    unknown = tenants([borrower, newcomer], Declares(RES), None, opted_in=OPTED_IN)
     assert [t.unit for t in unknown.all] == ["ml/b/c"]
     assert decide(seen, containers, unknown, 2 * GiB).reclaims == {}
     gave = {("ml", "n", "c"): "GPU-0", ("ml", "b", "c"): "GPU-0"}
-    known = tenants([borrower, newcomer], RES, 1, SIDECAR, None, None, gave, opted_in=OPTED_IN)
+    known = tenants([borrower, newcomer], Declares(RES), None, None, gave, opted_in=OPTED_IN)
     assert known.all[1] == Tenant("ml/n/c", "ml", 16 * GiB, 16 * GiB, 0, frozenset(), "GPU-0")
     (asked,) = decide(seen, containers, known, 2 * GiB).reclaims.values()
     assert (asked.owed_to, asked.shortfall, asked.victim.borrowed) == (

@@ -19,14 +19,15 @@ import pytest
 from enforcer.core.declaration import (
     ENFORCED,
     SIDECAR,
+    Declares,
     dra_ceilings,
     of_pod,
     sidecar_env,
 )
 from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names, container_claims
-from enforcer.core.hard_limits import pod_vram, pod_vram_from_claims
 from enforcer.core.lending import tenants
 from enforcer.core.model import Action, GiB, MiB
+from enforcer.core.owed import pod_vram, pod_vram_from_claims
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import containers_by_id, json_map, json_maps, others_finished, spec_field_of
 from enforcer.core.pod_directory import DraRead, directory, event_about, kept
@@ -240,7 +241,7 @@ def readings(pod: Pod) -> dict[str, object]:
     } | {"nobody"}
     found = allocations(pod, DRA.claims, DRA.slices, DraSettings())
     opted_in = {str(meta.get("namespace"))}  # its sidecar's environment is read
-    declaration = of_pod(pod, RES, 1, SIDECAR, opted_in=opted_in)
+    declaration = of_pod(pod, Declares(RES), opted_in=opted_in)
     ceilings = dra_ceilings(declaration)
     uid = str(meta.get("uid") or "")
     return {
@@ -257,7 +258,7 @@ def readings(pod: Pod) -> dict[str, object]:
         "policy": policy_of(sidecar_env(pod, SIDECAR)),
         "claims": (claim_names(pod), container_claims(pod), found),
         "from_claims": pod_vram_from_claims(pod, found, ceilings),
-        "tenants": tenants([pod], RES, 1, SIDECAR, BASIS, {uid: found}, opted_in=opted_in).all,
+        "tenants": tenants([pod], Declares(RES), BASIS, {uid: found}, opted_in=opted_in).all,
         # the sidecar watch
         "presence": (guarded(pod), sidecar_id(pod), reachable(pod)),
         # read in the modes themselves: what changed (the limiter, the claim cache), whether

@@ -12,11 +12,12 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from enforcer.core.declaration import SIDECAR
+from enforcer.core.declaration import SIDECAR, Declares
 from enforcer.core.dra import Allocations, DraObjects, DraSettings, allocations, claim_users
-from enforcer.core.hard_limits import pod_vram_from_claims, targets
+from enforcer.core.hard_limits import targets
 from enforcer.core.lending import tenants
 from enforcer.core.model import GiB
+from enforcer.core.owed import pod_vram_from_claims
 from enforcer.core.payloads import Pod
 
 SLICE = json.loads(
@@ -103,7 +104,7 @@ def test_four_pods_that_reserve_one_claim_are_owed_its_allocation_once() -> None
     shared = claim("shared", 10 * GiB, *names)
     pods = [pod(n, "shared") for n in names]
     found = node(pods, {n: [shared] for n in names})
-    owed = tenants(pods, RES, 1, SIDECAR, None, found, opted_in={"ml"}).all
+    owed = tenants(pods, Declares(RES), None, found, opted_in={"ml"}).all
     assert [t.request for t in owed] == [10 * GiB // 4] * 4
     assert sum(t.request for t in owed) == 10 * GiB
     cgroups = [pod_vram_from_claims(p, found[p["metadata"]["uid"]]) for p in pods]
@@ -135,7 +136,7 @@ def test_pods_of_the_claim_that_are_not_on_this_node_still_count() -> None:
     pods = [pod("a", "shared"), pod("b", "shared")]
     found = node(pods, {"a": [shared], "b": [shared]})
     assert [limits(f) for f in found.values()] == [[2 * GiB], [2 * GiB]]
-    owed = tenants(pods, RES, 1, SIDECAR, None, found, opted_in={"ml"}).all
+    owed = tenants(pods, Declares(RES), None, found, opted_in={"ml"}).all
     assert sum(t.request for t in owed) == 4 * GiB
 
 
@@ -201,7 +202,7 @@ def test_what_a_node_owes_on_a_gpu_never_exceeds_what_was_placed_there(
     pods, reads, placed = drawn
     found = node(pods, reads)
     owed: dict[str, int] = {}
-    for t in tenants(pods, RES, 1, SIDECAR, None, found, opted_in={"ml"}).all:
+    for t in tenants(pods, Declares(RES), None, found, opted_in={"ml"}).all:
         assert t.gpu is not None
         owed[t.gpu] = owed.get(t.gpu, 0) + t.request
     assert all(owed[gpu] <= placed[gpu] for gpu in owed)
