@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import ROOT, percentile
 from enforcer.edge.nvml import Nvml
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
+from enforcer.edge.pid_view import PidView
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.sources import PidView
 
 ALLOC = ROOT / "tests" / "gpu" / "alloc.py"
 

@@ -23,6 +23,7 @@ import sys
 import time
 import tracemalloc
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -138,10 +139,10 @@ def run(pods: int = 110, rounds: int = 20) -> dict[str, Any]:
         return pods_view(
             lambda: (sample, lambda: containers),
             lambda: by_uid,
-            lambda: found,
-            lambda: lending.gpus,
+            SimpleNamespace(tenants=found),
+            SimpleNamespace(lending=lending.gpus),
             counts,
-            dict,
+            SimpleNamespace(counts={}),
         )
 
     agent.registry.register(PodsCollector(view))

@@ -84,8 +84,8 @@ def older_than_a_tick(pid: int) -> int:
     far longer), and the enforcer refuses a process that started in the tick in which NVML
     first listed its pid: it cannot be proven to be the one NVML meant.
     """
+    from enforcer.edge.pid_view import boot_ticks
     from enforcer.edge.procfs import ProcFs
-    from enforcer.edge.sources import boot_ticks
 
     start = ProcFs().start_time(pid)
     assert start is not None, f"no process {pid}"

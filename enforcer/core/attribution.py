@@ -1,15 +1,24 @@
 """Pure attribution: per-process, per-device usage folded into the units that carry limits.
 
 Which unit a process belongs to is a fact the imperative shell establishes (`exec` walks
-the process tree, the sidecar reads cgroups); given those facts, the folding is here.
+the process tree, the sidecar reads cgroups); given those facts, the folding is here, and
+so is what a pod's units are held to (`declared_units`, `claimed_units`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field, replace
 
-from enforcer.core.dra import Allocations, GpuUnit
+from enforcer.core.declaration import Declaration
+from enforcer.core.dra import (
+    Allocations,
+    GpuUnit,
+    of_sole_container,
+    unit_containers,
+    with_ceilings,
+)
 from enforcer.core.model import (
     IDLE,
     Activity,
@@ -19,6 +28,9 @@ from enforcer.core.model import (
     Sample,
     UnitUsage,
 )
+from enforcer.core.pod import ContainerRef, container_limits
+
+POD_UNIT = "(pod)"  # processes whose container cannot be proven, against the pod's total
 
 
 def attribute(
@@ -212,3 +224,127 @@ def usage_by_container(
             per_gpu = found.setdefault(cid, {})
             per_gpu[usage.device_uuid] = per_gpu.get(usage.device_uuid, 0) + usage.used_bytes
     return found
+
+
+@dataclass(frozen=True, slots=True)
+class PodTerms:
+    """What a sidecar is told of its pod for its whole life: what each container declares,
+    whether one that declares nothing may use a GPU unchecked, and the containers of the
+    pod's spec besides the sidecar (the webhook's list; empty when not given)."""
+
+    declared: Declaration
+    undeclared_allowed: bool = False
+    spec_containers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PodProcesses:
+    """A tick's GPU processes of one pod, as its shell read them: `cmdlines` holds every one
+    (the sidecar's own and pause's left out), `container_of` those that a container ID in
+    the pod's status proves; `containers` are the pod's as the tick knows them, `inits`
+    their init processes (when they were looked for)."""
+
+    cmdlines: Mapping[ProcessKey, str]
+    container_of: Mapping[ProcessKey, str]
+    containers: tuple[ContainerRef, ...]
+    inits: Mapping[str, ProcessTotal] = field(default_factory=dict)
+
+    @property
+    def unproven(self) -> bool:
+        """Whether a process is in no container the pod is known to have (yet)."""
+        return any(key not in self.container_of for key in self.cmdlines)
+
+
+def pod_processes(
+    read: Mapping[ProcessKey, tuple[str | None, str]],
+    by_id: Mapping[str, ContainerRef],
+    inits: Mapping[str, ProcessTotal],
+) -> PodProcesses:
+    """From each process's (container ID or None, command line) and the pod's containers by
+    ID: a process is a container's only when its ID is that container's."""
+    return PodProcesses(
+        {key: cmdline for key, (_, cmdline) in read.items()},
+        {
+            key: by_id[cid].name
+            for key, (cid, _) in read.items()
+            if cid is not None and cid in by_id
+        },
+        tuple(by_id.values()),
+        inits,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PodUnits:
+    """A tick's units of one pod, and each borrower's request (unit -> the bytes a reclaim
+    takes it back to), for the units that may borrow above it."""
+
+    units: tuple[UnitUsage, ...]
+    requests: dict[str, int]
+
+
+def declared_units(
+    sample: Sample,
+    pod: PodProcesses,
+    terms: PodTerms,
+    requests: Mapping[str, int],
+    ceilings: Mapping[str, int],
+    lending: bool,
+) -> PodUnits:
+    """Each container held to what it declares (`requests` and the `ceilings` above them,
+    in bytes on this tick's GPUs: `Declaration.in_bytes`): to its ceiling while the agent
+    decides reclaims (`lending`), else to its request. A container that declares nothing
+    is held to 0, unless undeclared containers are allowed; one whose portion of a GPU is
+    not counted yet (no GPU's memory known) is not checked at all. A container spread over
+    GPUs (`Declaration.gpus`) is held per GPU, as its request is owed there."""
+    held = {**requests, **(ceilings if lending else {})}
+    counted = [ref for ref in pod.containers if ref.name not in terms.declared.portions]
+    limits = container_limits(held, counted, terms.undeclared_allowed)
+    gpus = terms.declared.gpus
+    units = attribute_declared(sample, pod.container_of, limits, gpus, pod.cmdlines)
+    borrowers = {
+        unit.name: requests[name] // gpus.get(name, 1)
+        for unit in units
+        if (name := unit_containers(unit.name)[0]) in ceilings
+    }
+    return _of_pod(sample, pod, units, borrowers, sum(held.values()))
+
+
+def claimed_units(
+    sample: Sample,
+    pod: PodProcesses,
+    terms: PodTerms,
+    claimed: Allocations | None,
+    lending: bool,
+) -> PodUnits:
+    """DRA: each container held on each GPU to what the pod's claims give it there, raised
+    to its ceiling while the agent decides reclaims (`lending`; `dra.with_ceilings`). On a
+    GPU that no claim gives it, a container is held to 0; where undeclared containers are
+    allowed, only one that declared VRAM (0 too) or holds a claim is. Until the claims have
+    been read (`claimed` None), no container is enforced on any GPU."""
+    if claimed is None:
+        everyone = frozenset(terms.spec_containers) | {ref.name for ref in pod.containers}
+        claimed = Allocations(unresolved=everyone)
+    found, requests = with_ceilings(claimed, terms.declared.ceilings if lending else {})
+    held: set[str] = set() if terms.undeclared_allowed else {r.name for r in pod.containers}
+    held = (held | set(terms.declared.requests) | found.claiming) - found.unresolved
+    units = attribute_per_gpu(sample, pod.container_of, found, held, pod.cmdlines)
+    return _of_pod(sample, pod, units, requests, sum(u.limit_bytes for u in found.units))
+
+
+def _of_pod(
+    sample: Sample,
+    pod: PodProcesses,
+    units: Iterable[UnitUsage],
+    requests: dict[str, int],
+    total: int,
+) -> PodUnits:
+    """The units with their containers' inits; and, while a process is not proven to be in
+    a container, the pod's unit (POD_UNIT): every process, against the pod's `total`,
+    reported on and never signalled."""
+    found = list(units)
+    if pod.inits:
+        found = [replace(u, init_process=of_sole_container(u.name, pod.inits)) for u in found]
+    if pod.unproven:
+        found.append(reported_only(POD_UNIT, sample, pod.cmdlines, total, pod.cmdlines))
+    return PodUnits(tuple(found), requests)

@@ -1,6 +1,6 @@
 """The agent's usage protocol, version 1: newline-delimited JSON over a Unix socket.
 
-Pure encoding and decoding, shared by the agent (server) and `AgentSource` (client), so
+Pure encoding and decoding, shared by the agent (server) and `AgentLink` (client), so
 that both sides agree by construction. See docs/agent-protocol.md.
 """
 

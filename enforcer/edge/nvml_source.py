@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from enforcer.core.model import ProcessKey, ProcessUsage, Sample, SignalResult, SourceDown
 from enforcer.edge.nvml import Nvml, NvmlError
+from enforcer.edge.pid_view import PidView, boot_ticks
 from enforcer.edge.pidfd import Pinned
 from enforcer.edge.procfs import NsChain, ProcFs
-from enforcer.edge.sources import PidView, boot_ticks
 
 NVIDIA_DRIVER_PREFIX = "nvidia"  # /proc/devices: nvidia-frontend (195), nvidia-uvm, nvidia-caps
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from enforcer.core.model import ProcessKey
 from enforcer.core.protocol import Challenge
 from enforcer.edge.listening import UCRED, peer_credentials
+from enforcer.edge.pid_view import PidView, PidViewError
 from enforcer.edge.pidfd import Pinned
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.sources import PidView, PidViewError
 
 # Not in Python's socket module before 3.13; the value is fixed in the kernel ABI.
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)

@@ -17,7 +17,7 @@ from enforcer.core.protocol import (
     usage_process,
     usage_tail,
 )
-from enforcer.edge.sources import PidView
+from enforcer.edge.pid_view import PidView
 
 
 @dataclass(slots=True)

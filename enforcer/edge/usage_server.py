@@ -44,8 +44,8 @@ from enforcer.core.sidecar_report import SidecarReport
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.listening import listen
 from enforcer.edge.peers import CREDENTIALS_SPACE, PeerError, Unproven, attest, sender
+from enforcer.edge.pid_view import PidView
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.sources import PidView
 from enforcer.edge.usage_replies import Published
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,21 @@ class ServerMetrics:
     requests: Counter
     connections: Gauge
     unexpected: Counter  # labelled by loop
+
+
+@dataclass(frozen=True, slots=True)
+class ServerHooks:
+    """What the server does with its callers, for an agent that serves pods (nothing, by
+    default). `events` posts a caller's report as an Event on its pod; `reports` keeps a
+    caller's counts as its pod's (the pod, the caller's container ID, the report); `hung_up`
+    is told the container ID of a caller that hung up its last connection (a sidecar does
+    when its process ends, SIGKILL included), on the loop's thread: it must not wait.
+    `no_pods`: what a caller that asks for its pod is told while there are no pods."""
+
+    events: Callable[[Pod, EventRequest], None] | None = None
+    reports: Callable[[Pod, str, SidecarReport], None] | None = None
+    hung_up: Callable[[str], None] | None = None
+    no_pods: str = "this agent does not serve pods (it has no API access)"
 
 
 def _discard_pending(sock: socket.socket, limit: int = 1 << 20) -> None:
@@ -149,9 +164,11 @@ class UsageServer:
         host_proc: ProcFs,
         metrics: ServerMetrics,
         stale_after: float,
+        hooks: ServerHooks | None = None,
         peer_pidfd: bool = True,
     ) -> None:
         self.host_proc = host_proc
+        self._hooks = hooks or ServerHooks()
         self._peer_pidfd = peer_pidfd  # False: identify callers as on kernels < 6.5
         self._path = path
         self._metrics = metrics
@@ -160,12 +177,6 @@ class UsageServer:
         # By container ID, each pod's reply and the pod (pod_directory); None: this agent
         # serves no pods.
         self._pods: Directory | None = None
-        self.no_pods = "this agent does not serve pods (it has no API access)"
-        # Posts a caller's report as an Event on its pod (set by an agent that serves pods).
-        self.events: Callable[[Pod, EventRequest], None] | None = None
-        # Keeps a caller's counts as its pod's (set by an agent that serves pods): the
-        # pod, the caller's container ID, the report.
-        self.reports: Callable[[Pod, str, SidecarReport], None] | None = None
         self._listener: socket.socket | None = None
         self._epoll = select.epoll()
         self._connections: dict[int, _Connection] = {}
@@ -180,9 +191,6 @@ class UsageServer:
         # The pid of the process at the other end of each container's latest proven
         # connection, by container ID: a sidecar's own process. Swapped whole.
         self.peers: Mapping[str, int] = {}
-        # Told the container ID of a caller that hung up its last connection (a sidecar does
-        # when its process ends, SIGKILL included), on the loop's thread: it must not wait.
-        self.hung_up: Callable[[str], None] | None = None
         self._counters: dict[str, Counter] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.thread = threading.Thread(target=self._run, name="usage-socket", daemon=True)
@@ -216,7 +224,7 @@ class UsageServer:
     def pod_reply(self, container_id: str | None) -> bytes:
         pods = self._pods
         if pods is None:
-            return encode_pod(PodReply(None, self.no_pods))
+            return encode_pod(PodReply(None, self._hooks.no_pods))
         found = pods.replies.get(container_id) if container_id is not None else None
         return found if found is not None else unknown(container_id)
 
@@ -460,17 +468,19 @@ class UsageServer:
     def _post(self, conn: _Connection, event: EventRequest | str | None) -> None:
         """A caller's report, as an Event on the pod its cgroup proves it is in, and no
         other. Its rate per pod is the recorder's (client-go's spam filter)."""
-        pod = self._callers_pod(conn, event, self.events is not None)
-        if pod is not None and isinstance(event, EventRequest) and self.events is not None:
+        events = self._hooks.events
+        pod = self._callers_pod(conn, event, events is not None)
+        if pod is not None and isinstance(event, EventRequest) and events is not None:
             self.count("event")
-            self.events(pod, event)
+            events(pod, event)
 
     def _keep(self, conn: _Connection, report: SidecarReport | str | None) -> None:
         """A caller's counts, kept for the pod its cgroup proves it is in, and no other."""
-        pod = self._callers_pod(conn, report, self.reports is not None)
-        if pod is not None and isinstance(report, SidecarReport) and self.reports is not None:
+        reports = self._hooks.reports
+        pod = self._callers_pod(conn, report, reports is not None)
+        if pod is not None and isinstance(report, SidecarReport) and reports is not None:
             self.count("report")
-            self.reports(pod, conn.container_id or "", report)
+            reports(pod, conn.container_id or "", report)
 
     def _callers_pod(self, conn: _Connection, given: object, taken: bool) -> Pod | None:
         """The pod the caller is proven to be in, for a well-formed request (not what is
@@ -558,8 +568,9 @@ class UsageServer:
                 self._epoll.unregister(fd)
             if proven and conn.container_id:
                 self._peers_changed()
-                if hung_up and conn.container_id not in self.peers and self.hung_up is not None:
-                    self.hung_up(conn.container_id)
+                told = self._hooks.hung_up
+                if hung_up and conn.container_id not in self.peers and told is not None:
+                    told(conn.container_id)
         conn.sock.close()
         self._metrics.connections.set(len(self._connections))
 

@@ -5,7 +5,8 @@ NVML sampler (with, on each pass, the lending and the backstop), the usage socke
 metrics server (each pod's series worked out when scraped), the Node's advertiser, the
 watches of the node's pods and of the namespaces that opted in, the hard limiter, the
 kubelet's pod-resources reader, the pod publisher, the sidecar watch, the evictor and the
-Event recorder.
+Event recorder. Every part is built first, handed what it reads of the others as it is
+made (what the sampler's passes leave is `Passes`, the latest of each), and then all start.
 NVML or the API being down degrades one part: the socket answers with an error, the Node
 keeps its last advertisement, and each part recovers on its own. A bug in one step of a
 loop is reported and the loop goes on (`guard.LoopGuard`). A thread that stops anyway ends
@@ -21,6 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,15 +38,16 @@ from enforcer.core.settings.agent import AgentSettings
 from enforcer.edge import logs
 from enforcer.edge.cgroupfs import ContainerCgroups
 from enforcer.edge.guard import LoopGuard, stopped
+from enforcer.edge.latest import Latest
 from enforcer.edge.listening import SocketInUse
 from enforcer.edge.metrics import AgentTelemetry, PodsCollector
 from enforcer.edge.metrics_server import MetricsPortError, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
+from enforcer.edge.pid_view import PidView, PidViewError
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.sources import PidView, PidViewError
 from enforcer.edge.tenants import TenantCache
-from enforcer.edge.usage_server import ServerMetrics, UsageServer
+from enforcer.edge.usage_server import ServerHooks, ServerMetrics, UsageServer
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
@@ -62,7 +65,7 @@ if TYPE_CHECKING:
     from enforcer.edge.node_pods import WatchedPods
     from enforcer.edge.pod_resources import PodResources
     from enforcer.modes.pod_publisher import PodPublisher
-    from enforcer.modes.sidecar_watch import SidecarWatch
+    from enforcer.modes.sidecar_watch import HangUps, SidecarWatch
 
     # The threads the pod watch wakes: each stops on its `stop` event.
     Woken = HardLimiter | PodPublisher | SidecarWatch | PodResources | Evictor
@@ -85,12 +88,14 @@ def _device_shape(devices: Sequence[Device]) -> tuple[tuple[str, int | None], ..
 class GpuFaults:
     """The GPUs that NVML cannot read, while the others are read on (`core/gpu_faults.py`
     decides when to say so): said in the log, the metrics (`gpu_readable`) and, where the
-    agent has the API, as Events on its Node."""
+    agent has the API, as Events on its Node (`recorder`: None where it posts none)."""
 
-    def __init__(self, telemetry: AgentTelemetry, node_name: str) -> None:
+    def __init__(
+        self, telemetry: AgentTelemetry, node_name: str, recorder: EventRecorder | None
+    ) -> None:
         self._telemetry = telemetry
         self._node = node_name
-        self.recorder: EventRecorder | None = None  # set when the agent posts Events
+        self._recorder = recorder
         self._faults = Faults()
 
     def update(self, sample: Sample) -> None:
@@ -107,7 +112,7 @@ class GpuFaults:
 
     def _tell(self, text: str, warning: bool) -> None:
         log.log(logging.ERROR if warning else logging.INFO, "%s", text)
-        if self.recorder is not None and self._node:
+        if self._recorder is not None and self._node:
             # As the kubelet names its Node in its own Events: the name is the uid.
             about: ObjectReference = {
                 "apiVersion": "v1",
@@ -115,11 +120,38 @@ class GpuFaults:
                 "name": self._node,
                 "uid": self._node,
             }
-            self.recorder.record(about, str(Reason.GPU_UNREADABLE), text, warning)
+            self._recorder.record(about, str(Reason.GPU_UNREADABLE), text, warning)
+
+
+class Passes:
+    """What the sampler's passes leave for the other threads, the latest of each. Made
+    before the sampler and its readers, it is handed to each as it is built."""
+
+    __slots__ = ("container_usage", "devices", "last")
+
+    def __init__(self) -> None:
+        # Set when the set or size of the GPUs changes: the advertiser waits on it.
+        self.devices: Latest[Sequence[Device]] = Latest(())
+        # The sample and each process's container, for the pods' metrics, read when scraped.
+        self.last: Latest[LastPass | None] = Latest(None)
+        # With hard limits: each container's usage per GPU, for the hard limiter's proof that
+        # the driver charges what it limits.
+        self.container_usage: Latest[Mapping[str, Mapping[str, int]]] = Latest({})
+
+
+@dataclass(frozen=True, slots=True)
+class PodSteps:
+    """What each pass also does with the pod watch: the reclaims (`Lender`), the pods whose
+    sidecar is silent enforced by the agent itself (`Backstop`), and each container's usage
+    kept (`Passes.container_usage`, with hard limits)."""
+
+    lender: Lender | None = None
+    backstop: Backstop | None = None
+    keeps_usage: bool = False
 
 
 class Sampler(threading.Thread):
-    """One NVML pass per interval, published to the socket and the metrics."""
+    """One NVML pass per interval, published to the socket, the metrics and `passes`."""
 
     def __init__(
         self,
@@ -127,29 +159,22 @@ class Sampler(threading.Thread):
         server: UsageServer,
         telemetry: AgentTelemetry,
         interval: float,
-        devices_changed: threading.Event,
+        passes: Passes,
         tenants: TenantCache,
         faults: GpuFaults | None = None,
+        steps: PodSteps | None = None,
     ) -> None:
+        """`steps`: None without the pod watch."""
         super().__init__(name="nvml-sampler", daemon=True)
         self._source = source
         self._tenants = tenants
-        self.faults = faults or GpuFaults(telemetry, "")
+        self._faults = faults or GpuFaults(telemetry, "", None)
         self._server = server
         self._telemetry = telemetry
         self._interval = interval
-        self._devices_changed = devices_changed
+        self._passes = passes
+        self._steps = steps or PodSteps()
         self.stop = threading.Event()
-        # The reclaims decided on each pass, once the node's pods are watched (`Lender`).
-        self.lender: Lender | None = None
-        # The pods whose sidecar is silent, enforced by the agent itself (`Backstop`).
-        self.backstop: Backstop | None = None
-        # With hard limits: each container's usage per GPU, as of the last pass, for the
-        # proof that the driver charges what it limits (replaced whole: read by another thread).
-        self.keeps_usage = False
-        self.container_usage: Mapping[str, Mapping[str, int]] = {}
-        self.last: LastPass | None = None  # for the pods' metrics, read when scraped
-        self.devices: Sequence[Device] = ()
         self._up: bool | None = None
         self._guard = LoopGuard("sampler", telemetry.unexpected.labels("sampler"), log)
         self.last_pass = time.monotonic()  # when the last pass completed without a bug
@@ -170,13 +195,14 @@ class Sampler(threading.Thread):
             self._telemetry.node.tenants = self._tenants.count(sample)
             # Each process's container, built once per pass, by the first that needs it.
             containers = functools.cache(self._tenants.containers)
-            if self.lender is not None:  # None (its pass failed): no lending is published
-                lending = self.lender(sample, containers)
-            if self.backstop is not None:
-                self.backstop(sample, containers)
-            if self.keeps_usage:
-                self.container_usage = usage_by_container(sample, containers())
-            self.last = (sample, containers)
+            steps = self._steps
+            if steps.lender is not None:  # None (its pass failed): no lending is published
+                lending = steps.lender(sample, containers)
+            if steps.backstop is not None:
+                steps.backstop(sample, containers)
+            if steps.keeps_usage:
+                self._passes.container_usage.set(usage_by_container(sample, containers()))
+            self._passes.last.set((sample, containers))
         self._server.publish(sample, lending)
         self._record(sample)
 
@@ -191,10 +217,9 @@ class Sampler(threading.Thread):
         self._telemetry.node.source_up = up
         if isinstance(sample, Sample):
             self._telemetry.node.devices = sample.devices
-            self.faults.update(sample)
-            if _device_shape(sample.devices) != _device_shape(self.devices):
-                self.devices = sample.devices
-                self._devices_changed.set()
+            self._faults.update(sample)
+            if _device_shape(sample.devices) != _device_shape(self._passes.devices.get()):
+                self._passes.devices.set(sample.devices)
 
 
 class Advertiser(threading.Thread):
@@ -203,26 +228,23 @@ class Advertiser(threading.Thread):
     def __init__(
         self,
         advertiser: NodeAdvertiser,
-        sampler: Sampler,
+        devices: Latest[Sequence[Device]],
         telemetry: AgentTelemetry,
         resync: float,
-        devices_changed: threading.Event,
     ) -> None:
+        """`devices`: the sampler's, set when the set or size of the GPUs changes."""
         super().__init__(name="node-advertiser", daemon=True)
         self._advertiser = advertiser
-        self._sampler = sampler
+        self._devices = devices
         self._telemetry = telemetry
         self._resync = resync
-        self._devices_changed = devices_changed
         self.stop = threading.Event()
         self._last_error = ""
         self._guard = LoopGuard("advertiser", telemetry.unexpected.labels("advertiser"), log)
 
     def run(self) -> None:
         while not self.stop.is_set():
-            self._devices_changed.wait(self._resync)
-            self._devices_changed.clear()
-            devices = self._sampler.devices
+            devices = self._devices.wait(self._resync)
             if self.stop.is_set() or not devices:
                 continue  # no successful NVML pass yet: never advertise a guess
             self._guard.run(functools.partial(self._sync, devices))
@@ -310,32 +332,52 @@ def _serve(
     advertiser: NodeAdvertiser | None,
     api: client.ApiClient | None,
 ) -> int:
+    """Every part is built first, each handed what it needs as it is made; then they all
+    start together, and end together."""
+    recorder = None  # Events: the agent's own and the sidecars', with the pod watch
+    if api is not None and settings.watches_pods:
+        from enforcer.edge.events import EventRecorder  # noqa: PLC0415 - loaded only when used
+
+        recorder = EventRecorder(
+            api, settings.node_name, settings.node_name, telemetry.event_failures
+        )
+    served = _served(recorder) if recorder is not None and settings.serve_pods else None
     server = UsageServer(
         Path(settings.socket),
         host_proc,
         ServerMetrics(telemetry.requests, telemetry.connections, telemetry.unexpected),
         stale_after=max(2.0, STALE_INTERVALS * settings.interval),
+        hooks=served.hooks if served is not None else None,
     )
     try:
         server.start()
     except (SocketInUse, OSError) as exc:
         log.error("cannot serve on %s: %s", settings.socket, exc)
         return EXIT_USAGE
-    changed = threading.Event()
     source = NvmlSource(nvml, PidView.host(host_proc), gpu_device_majors(host_proc))
-    faults = GpuFaults(telemetry, settings.node_name)
+    passes = Passes()
+    watches: tuple[WatchedPods, ...] = ()  # the pods' and the namespaces'
+    others: list[Woken] = []
+    steps = None
+    if api is not None and recorder is not None:
+        watches, others, steps = _pod_watch(
+            settings, api, recorder, telemetry, server, passes, served
+        )
+    faults = GpuFaults(telemetry, settings.node_name, recorder)
     sampler = Sampler(
-        source, server, telemetry, settings.interval, changed, TenantCache(host_proc), faults
+        source,
+        server,
+        telemetry,
+        settings.interval,
+        passes,
+        TenantCache(host_proc),
+        faults,
+        steps,
     )
     threads: list[Sampler | Advertiser | WatchedPods | Woken] = [sampler]
     if advertiser is not None:
-        threads.append(Advertiser(advertiser, sampler, telemetry, settings.resync, changed))
-    recorder = None
-    watches: tuple[WatchedPods, ...] = ()  # the pods' and the namespaces'
-    if api is not None and settings.watches_pods:
-        recorder, watches, others = _pod_watch(settings, api, sampler, telemetry, server)
-        threads.extend([*watches, *others])
-        faults.recorder = recorder
+        threads.append(Advertiser(advertiser, passes.devices, telemetry, settings.resync))
+    threads.extend([*watches, *others])
     liveness = max(LIVENESS_AFTER, STALE_INTERVALS * settings.interval)
     check = functools.partial(health, sampler, liveness)
     try:
@@ -357,7 +399,7 @@ def _serve(
         t.stop.set()
     for each in watches:
         each.close()  # ends a read blocked on the watch
-    changed.set()
+    passes.devices.wake()  # the advertiser, to see its stop
     # One deadline for all: a thread stuck in an API call's retry pause (the API down) is
     # left behind, being a daemon, and the others are not kept waiting behind it.
     deadline = time.monotonic() + JOIN_WITHIN
@@ -371,21 +413,52 @@ def _serve(
     return status
 
 
+@dataclass(frozen=True, slots=True)
+class _Served:
+    """What an agent that serves pods makes before its server: the server's hooks, and what
+    they feed, each pod's counts from its sidecar and the sidecar watch's hang-ups."""
+
+    hooks: ServerHooks
+    counts: PodCounts
+    hang_ups: HangUps
+
+
+def _served(recorder: EventRecorder) -> _Served:
+    from enforcer.modes.sidecar_watch import HangUps  # noqa: PLC0415 - only when used
+
+    def post(pod: Pod, event: EventRequest) -> None:
+        """A sidecar's report, on its own pod: sidecars no longer post Events."""
+        about = event_about(pod, event.container)
+        recorder.record(about, event.reason, event.message, event.warning)
+
+    # Every enforced pod's series, served here: the sidecars serve none.
+    counts = PodCounts()
+    # The sidecar watch reads the server's connections, and the server tells the watch of
+    # a sidecar that hung up (its pod is held at once): made first, the hang-ups are what
+    # both are built with.
+    hang_ups = HangUps()
+    no_pods = "the agent has not listed this node's pods yet"
+    return _Served(ServerHooks(post, counts.keep, hang_ups, no_pods), counts, hang_ups)
+
+
 def _pod_watch(
     settings: AgentSettings,
     api: client.ApiClient,
-    sampler: Sampler,
+    recorder: EventRecorder,
     telemetry: AgentTelemetry,
     server: UsageServer,
-) -> tuple[EventRecorder, tuple[WatchedPods, ...], list[Woken]]:
+    passes: Passes,
+    served: _Served | None,
+) -> tuple[tuple[WatchedPods, ...], list[Woken], PodSteps]:
     """The one watch of this node's pods, and what it wakes: the hard limiter (with the
     recorder of its Events) and the pod replies to sidecars; and the watch of the namespaces
     that opted in, whose pods' sidecar environment the limiter, the lender and the backstop
     read (the agent's own never). Each pod's DRA objects are read once per change of the
     pod, for both. The limiter has an NVML session of its own (NVML counts
-    initialisations): the sampler's is not shared."""
+    initialisations): the sampler's is not shared. `served`: where the agent serves pods,
+    what its server's hooks feed. Returned with them: what each sampler pass does with the
+    pods (`PodSteps`)."""
     from enforcer.edge.claims import ClaimCache, ClaimReader  # noqa: PLC0415 - only when used
-    from enforcer.edge.events import EventRecorder  # noqa: PLC0415
     from enforcer.edge.eviction import Evictor  # noqa: PLC0415
     from enforcer.edge.namespaces import OptedInNamespaces  # noqa: PLC0415
     from enforcer.edge.node_pods import NodePods  # noqa: PLC0415
@@ -395,7 +468,6 @@ def _pod_watch(
     from enforcer.modes.sidecar_watch import SidecarProcesses, SidecarWatch  # noqa: PLC0415
 
     claims = ClaimCache(ClaimReader(api, settings.node_name))
-    recorder = EventRecorder(api, settings.node_name, settings.node_name, telemetry.event_failures)
     limiter_woken, publisher_woken = threading.Event(), threading.Event()
     lender_woken, resources_woken = threading.Event(), threading.Event()
     pods = NodePods(
@@ -407,12 +479,11 @@ def _pod_watch(
     )
     woken: list[Woken] = []
     if settings.hard_limits:
-        sampler.keeps_usage = True
         woken.append(
             HardLimiter(
                 Nvml(),
                 node,
-                sampler,
+                passes,
                 recorder,
                 telemetry,
                 cgroups=(Path(settings.cgroup_root), settings.cgroup_scan),
@@ -420,22 +491,15 @@ def _pod_watch(
                 claims=(claims.objects_or_problem, settings.dra),
             )
         )
-    if settings.serve_pods:
-        server.no_pods = "the agent has not listed this node's pods yet"
-
-        def post(pod: Pod, event: EventRequest) -> None:
-            """A sidecar's report, on its own pod: sidecars no longer post Events."""
-            about = event_about(pod, event.container)
-            recorder.record(about, event.reason, event.message, event.warning)
-
-        server.events = post
+    lender, backstop = None, None
+    if served is not None:
         dra = claims if settings.dra.drivers else None
         assigned = None
         if settings.pod_resources_socket:
             kubelet = PodResources(Path(settings.pod_resources_socket), resources_woken, telemetry)
             assigned = (lambda: kubelet.last, settings.gpu_resources)
             woken.append(kubelet)
-        sampler.lender = Lender(
+        lender = Lender(
             node,
             lender_woken,
             SIDECAR,
@@ -445,11 +509,9 @@ def _pod_watch(
             assigned,
         )
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
-        dial = functools.partial(dial_sidecars, server.host_proc)
-        sidecars = SidecarWatch(
-            pods.snapshot, server, recorder, telemetry, dial, SidecarProcesses(server.host_proc)
-        )
-        server.hung_up = sidecars.hung_up  # a killed sidecar's pod is held at once
+        host_proc = server.host_proc
+        reach = (functools.partial(dial_sidecars, host_proc), SidecarProcesses(host_proc))
+        sidecars = SidecarWatch(pods.snapshot, server, served.hang_ups, recorder, telemetry, reach)
         woken.append(sidecars)
         # A pod whose process the kernel will not let the agent signal is evicted instead.
         evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"))
@@ -460,26 +522,21 @@ def _pod_watch(
             SIDECAR,
             recorder,
             telemetry,
-            server.host_proc,
+            host_proc,
             (claims.last, settings.dra) if dra else None,
             evictor.evict,
         )
-        sampler.backstop = backstop
-        # Every enforced pod's series, served here: the sidecars serve none.
-        counts = PodCounts()
-        server.reports = counts.keep
-        lender = sampler.lender
         view = functools.partial(
             pods_view,
-            lambda: sampler.last,
+            passes.last.get,
             pods.snapshot,
-            lambda: lender.tenants,
-            lambda: telemetry.node.lending,
-            counts,
-            lambda: backstop.counts,
+            lender,
+            telemetry.node,
+            served.counts,
+            backstop,
         )
         telemetry.registry.register(PodsCollector(view, settings.per_process_metrics))
-    return recorder, (pods, namespaces), woken
+    return (pods, namespaces), woken, PodSteps(lender, backstop, settings.hard_limits)
 
 
 def health(sampler: Sampler, after: float) -> str | None:

@@ -24,9 +24,9 @@ from enforcer.core.model import format_bytes
 from enforcer.core.reasons import Reason
 from enforcer.core.settings.demo import DemoSettings
 from enforcer.core.settings.exec import ExecSettings
+from enforcer.edge.pid_view import PidView
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.simulated_gpu import LABEL, NO_HARD_LIMITS, SimulatedNvml
-from enforcer.edge.sources import PidView
 from enforcer.modes import exec as exec_mode
 
 log = logging.getLogger(__name__)

@@ -39,9 +39,9 @@ from enforcer.edge.metrics import Telemetry
 from enforcer.edge.metrics_server import MetricsPortError, serve_metrics
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
+from enforcer.edge.pid_view import PidView, PidViewError
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator, signal_children
-from enforcer.edge.sources import PidView, PidViewError
 from enforcer.modes.exec_limits import CgroupKeeper, ChargeWatch, Placed, place
 from enforcer.modes.pipeline import LogReporter, Pipeline, Report, WholeUnit, reclaim_here
 

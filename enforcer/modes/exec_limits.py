@@ -9,9 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from enforcer.core import messages
-from enforcer.core.hard_limits import EVIDENCE_BYTES, charged, mig_gpus, per_gpu, proven
+from enforcer.core.hard_limits import mig_gpus, per_gpu
 from enforcer.core.model import (
-    HeldLimit,
     LimitOutcome,
     LimitResult,
     UnitUsage,
@@ -19,6 +18,7 @@ from enforcer.core.model import (
 )
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup, move
+from enforcer.edge.charge_proof import ChargeProof
 from enforcer.edge.nvml import Nvml, NvmlError
 
 log = logging.getLogger(__name__)
@@ -38,11 +38,10 @@ class ChargeWatch:
         self, nvml: Nvml, placed: Placed, interval: float, unbound: Callable[[], None]
     ) -> None:
         """`unbound`: told once the driver is shown not to charge the tree."""
-        self._nvml = nvml
+        self._proof = ChargeProof(nvml)
         self._placed = placed
         self._unbound = unbound
         self._interval = interval
-        self._misses: dict[str, int] = {}
         self.binds: bool | None = None
 
     def check(self, units: tuple[UnitUsage, ...]) -> None:
@@ -51,29 +50,25 @@ class ChargeWatch:
         listed: dict[str, int] = {}
         for gpu, used in (pair for unit in units for p in unit.processes for pair in p.by_device):
             listed[gpu] = listed.get(gpu, 0) + (used or 0)
-        for gpu in self._placed.limits:
-            amount = listed.get(gpu, 0)
-            if amount < EVIDENCE_BYTES:
-                continue
-            held = self._nvml.memory_limit(gpu, str(self._placed.cgroup.command))
-            if not isinstance(held, HeldLimit):
-                continue
-            verdict = charged(amount, held.charged_bytes)
-            self._misses[gpu], self.binds = proven(self._misses.get(gpu, 0), verdict)
-            if self.binds is True:
-                log.info(
-                    "the driver counts the command tree against its hard limit: it "
-                    "charges %s on %s, where NVML lists %s",
-                    format_bytes(held.charged_bytes),
-                    gpu,
-                    format_bytes(amount),
-                )
-                return
-            if self.binds is False:
-                why = messages.not_charged(gpu, amount, "the command tree's processes")
-                log.warning("%s", messages.sampling_only(why, self._interval))
-                self._unbound()
-                return
+        on_limits = {gpu: listed.get(gpu, 0) for gpu in self._placed.limits}
+        proof = self._proof.read(str(self._placed.cgroup.command), on_limits)
+        if proof is None:
+            return
+        self.binds = proof.binds
+        if proof.binds:
+            log.info(
+                "the driver counts the command tree against its hard limit: it "
+                "charges %s on %s, where NVML lists %s",
+                format_bytes(proof.charged_bytes),
+                proof.gpu,
+                format_bytes(proof.listed_bytes),
+            )
+        else:
+            why = messages.not_charged(
+                proof.gpu, proof.listed_bytes, "the command tree's processes"
+            )
+            log.warning("%s", messages.sampling_only(why, self._interval))
+            self._unbound()
 
 
 @dataclass(frozen=True, slots=True)

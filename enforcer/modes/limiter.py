@@ -24,24 +24,22 @@ from enforcer.core import messages
 from enforcer.core.declaration import Declares, env_trusted, portion_basis, unreadable
 from enforcer.core.dra import DraObjects, DraSettings, claim_names, claim_users
 from enforcer.core.hard_limits import (
-    EVIDENCE_BYTES,
     Key,
     Target,
-    charged,
     mig_gpus,
     per_gpu,
     plan,
     pod_limits,
-    proven,
     targets,
 )
-from enforcer.core.model import Device, HeldLimit, LimitOutcome, LimitResult, format_bytes
+from enforcer.core.model import Device, LimitOutcome, LimitResult, format_bytes
 from enforcer.core.owed import PodVram, owed
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
 from enforcer.core.reasons import Reason
 from enforcer.core.sidecar_presence import running_containers
 from enforcer.edge import cgroupfs
+from enforcer.edge.charge_proof import ChargeProof
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.nvml import Nvml
@@ -49,6 +47,7 @@ from enforcer.modes.node_view import NodeView
 
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
+    from enforcer.edge.latest import Latest
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +55,13 @@ POD_LABEL = "(pod)"  # the `container` label of a pod's own limit, as the sideca
 
 
 class Sampled(Protocol):
-    """The sampler's last pass, as the hard limiter reads it (each attribute swapped whole)."""
+    """The sampler's last pass, as the hard limiter reads it (each value swapped whole)."""
 
     @property
-    def devices(self) -> Sequence[Device]: ...
+    def devices(self) -> Latest[Sequence[Device]]: ...
 
     @property
-    def container_usage(self) -> Mapping[str, Mapping[str, int]]:
+    def container_usage(self) -> Latest[Mapping[str, Mapping[str, int]]]:
         """Container ID -> GPU -> what NVML lists for its processes."""
         ...
 
@@ -104,8 +103,7 @@ class HardLimiter(threading.Thread):
         self._rejected: set[tuple[str, str, int]] = set()
         self._final: dict[str, LimitOutcome] = {}  # GPU -> why it never gets a limit
         self._told: set[str] = set()  # pods whose Event has gone out
-        # (pod UID, GPU) -> passes in a row on which the driver charged the pod nothing.
-        self._uncharged: dict[tuple[str, str], int] = {}
+        self._proof = ChargeProof(nvml)  # whether the driver charges each pod's processes
         # uid -> (version, parsed, what of its declaration could not be read, as said)
         self._parsed: dict[str, tuple[str, PodVram | None, str]] = {}
         self._logged = ""
@@ -118,13 +116,12 @@ class HardLimiter(threading.Thread):
                 self._guard.run(self._pass)
 
     def _pass(self) -> None:
-        pods, devices, trusted = self._pods(), self._sampled.devices, self._opted_in()
+        pods, devices, trusted = self._pods(), self._sampled.devices.get(), self._opted_in()
         if pods is None or not devices or trusted is None:
             return  # no pod or namespace list or no NVML pass yet: never act on a guess
         declared = self._declared(pods, portion_basis(devices), trusted)
         live = {p.uid for p in declared}
         self._told &= live
-        self._uncharged = {key: n for key, n in self._uncharged.items() if key[0] in live}
         usable = [d for d in devices if d.uuid not in self._final]
         why = self._node_reason(devices, usable)
         if why:
@@ -134,6 +131,7 @@ class HardLimiter(threading.Thread):
             return
         found = self._scanner.scan()
         pod_dirs, existing = found.pods, found.paths()
+        self._proof.keep({pod_dirs[uid] for uid in live - self._told if uid in pod_dirs})
         self._rejected = {r for r in self._rejected if r[0] in existing}  # gone with the cgroup
         wanted = targets(declared, pod_dirs, found.containers)
         limits = {key: limit for key, (_, limit) in self._applied.items()}
@@ -269,25 +267,21 @@ class HardLimiter(threading.Thread):
         passes in a row, it charged nothing while NVML lists enough for them to tell."""
         if pod.uid in self._told:
             return
-        usage = self._sampled.container_usage
-        for gpu in limits:
-            listed = sum(usage.get(cid, {}).get(gpu, 0) for cid in pod.ids.values())
-            held = self._nvml.memory_limit(gpu, pod_dir) if listed >= EVIDENCE_BYTES else None
-            if not isinstance(held, HeldLimit):
-                continue
-            key = (pod.uid, gpu)
-            misses, binds = proven(self._uncharged.get(key, 0), charged(listed, held.charged_bytes))
-            self._uncharged[key] = misses
-            if binds is True:
-                proof = (gpu, held.charged_bytes, listed)
-                text = messages.hard_limit_in_place("the pod", limits, proof)
-                self._tell(pod, Reason.HARD_LIMIT, text)
-                return
-            if binds is False:
-                why = messages.not_charged(gpu, listed, "the pod's processes")
-                log.warning("pod %s/%s: %s", pod.namespace, pod.name, why)
-                self._tell(pod, Reason.SAMPLING_ONLY, messages.sampling_only(why))
-                return
+        usage = self._sampled.container_usage.get()
+        listed = {
+            gpu: sum(usage.get(cid, {}).get(gpu, 0) for cid in pod.ids.values()) for gpu in limits
+        }
+        proof = self._proof.read(pod_dir, listed)
+        if proof is None:
+            return
+        if proof.binds:
+            said = (proof.gpu, proof.charged_bytes, proof.listed_bytes)
+            text = messages.hard_limit_in_place("the pod", limits, said)
+            self._tell(pod, Reason.HARD_LIMIT, text)
+        else:
+            why = messages.not_charged(proof.gpu, proof.listed_bytes, "the pod's processes")
+            log.warning("pod %s/%s: %s", pod.namespace, pod.name, why)
+            self._tell(pod, Reason.SAMPLING_ONLY, messages.sampling_only(why))
 
     def _tell(self, pod: PodVram, reason: Reason, message: str) -> None:
         if pod.uid in self._told:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 from enforcer.core.declaration import SIDECAR
 from enforcer.core.lending import Tenants
@@ -59,24 +60,47 @@ class PodCounts:
 LastPass = tuple[Sample, Callable[[], Mapping[ProcessKey, str]]]
 
 
+class HasTenants(Protocol):
+    """The lender, as the series read it: the node's tenants as last made."""
+
+    @property
+    def tenants(self) -> Tenants | None: ...
+
+
+class HasLending(Protocol):
+    """The node's metrics, as the series read them: the GPUs where containers may borrow,
+    as of the lender's last pass."""
+
+    @property
+    def lending(self) -> Sequence[Gpu]: ...
+
+
+class HasCounts(Protocol):
+    """The backstop, as the series read it: by pod UID, what the agent did in the pod."""
+
+    @property
+    def counts(self) -> Mapping[str, SidecarTelemetry]: ...
+
+
 def pods_view(
     last: Callable[[], LastPass | None],
     pods: Callable[[], Mapping[str, Pod] | None],
-    tenants: Callable[[], Tenants | None],
-    lending: Callable[[], Sequence[Gpu]],
+    lender: HasTenants,
+    node: HasLending,
     sidecars: PodCounts,
-    backstop: Callable[[], Mapping[str, SidecarTelemetry]],
+    backstop: HasCounts,
 ) -> PodsView:
     """The series as of now: every enforced container of the pods on the node, and each
-    pod's counts, its sidecar's and the backstop's added up."""
+    pod's counts, its sidecar's and the backstop's added up. Each part is read as it is
+    now (each value is swapped whole by its own thread)."""
     now, passed = pods() or {}, last()
     series: tuple[ContainerSeries, ...] = ()
     if passed is not None:
         sample, containers = passed
         named = enforced_containers(now.values(), SIDECAR)
-        series = container_series(sample, containers(), named, tenants(), lending())
+        series = container_series(sample, containers(), named, lender.tenants, node.lending)
     reports: dict[PodKey, SidecarReport] = {key: r for key, r in sidecars.of(now).values()}
-    for uid, counts in backstop().items():
+    for uid, counts in backstop.counts.items():
         if uid in now:
             key = pod_key(now[uid])[1]
             done = replace(counts.report(), ticks=0, tick_seconds=0.0)  # not a sidecar's ticks

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from enforcer.core.attribution import POD_UNIT, PodTerms
 from enforcer.core.declaration import Declaration
 from enforcer.core.dra import (
     unit_containers,
@@ -36,12 +37,14 @@ from enforcer.core.reasons import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.core.sidecar_report import REPORT_EVERY, SidecarReport
 from enforcer.edge import logs
+from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.dumpable import forbid_inspection
 from enforcer.edge.guard import stopped
 from enforcer.edge.listening import SocketInUse
+from enforcer.edge.pid_view import PidView, PidViewError
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Signaller, Terminator
-from enforcer.edge.sources import AgentSource, PidView, PidViewError, UsageSource
+from enforcer.edge.sources import UsageSource
 from enforcer.edge.telemetry import SidecarTelemetry
 from enforcer.modes.pipeline import LogReporter, Pipeline, Report, Reporter
 from enforcer.modes.sidecar_access import (
@@ -53,7 +56,6 @@ from enforcer.modes.sidecar_access import (
     through_agent,
 )
 from enforcer.modes.sidecar_units import (
-    POD_UNIT,
     AgentReclaims,
     ContainerAttributor,
     DraReads,
@@ -95,7 +97,7 @@ class EventReporter:
 
 def _source(settings: SidecarSettings) -> UsageSource:
     if settings.source == "agent":
-        return AgentSource(
+        return AgentLink(
             settings.agent_socket,
             settings.stale_after,
             pod=settings.api_access == "agent",
@@ -134,7 +136,7 @@ def run(settings: SidecarSettings) -> int:
     telemetry = SidecarTelemetry()  # reported to the agent, which serves the pod's metrics
     try:
         source = _source(settings)
-        if isinstance(source, AgentSource) and settings.api_access == "agent":
+        if isinstance(source, AgentLink) and settings.api_access == "agent":
             access = through_agent(source)
         else:
             access = direct(settings, telemetry)
@@ -165,7 +167,7 @@ def run(settings: SidecarSettings) -> int:
         settings.source,
         settings.api_access,
     )
-    counts = _Counts(source, telemetry) if isinstance(source, AgentSource) else None
+    counts = _Counts(source, telemetry) if isinstance(source, AgentLink) else None
     try:
         return _loop(
             settings, source, pipeline, terminator, procfs, access.pod, access.helpers, counts
@@ -193,16 +195,18 @@ def _pipeline(
 
     # A container with a ceiling is held to it, and to its limit (its request) whenever
     # the agent asks for the memory it borrowed above that.
-    agent = source if isinstance(source, AgentSource) else None
+    agent = source if isinstance(source, AgentLink) else None
     # A ceiling (in bytes or a portion) needs --source agent: the settings refuse it else.
     ceilings, portions = settings.ceilings, settings.portions
     attributor = ContainerAttributor(
         procfs,
         view,
-        Declaration(settings.limits, ceilings, portions, gpus=settings.gpus),
-        settings.undeclared_allowed,
+        PodTerms(
+            Declaration(settings.limits, ceilings, portions, gpus=settings.gpus),
+            settings.undeclared_allowed,
+            settings.containers,
+        ),
         want_init=settings.policy.action is Action.RESTART,
-        spec_containers=settings.containers,
         dra=DraReads(settings.dra, access.claims, problem) if settings.dra else None,
         # With DRA, only an agent that makes tenants of allocations ever asks them back.
         lending=lambda: (
@@ -230,10 +234,10 @@ def _pipeline(
 
 class _Counts:
     """This pod's counts, sent to the agent at most every REPORT_EVERY seconds when they
-    changed (and by the source again to each new connection): the agent serves them."""
+    changed (and by the link again to each new connection): the agent serves them."""
 
-    def __init__(self, source: AgentSource, telemetry: SidecarTelemetry) -> None:
-        self._source, self._telemetry = source, telemetry
+    def __init__(self, link: AgentLink, telemetry: SidecarTelemetry) -> None:
+        self._link, self._telemetry = link, telemetry
         self._sent: SidecarReport | None = None
         self._at = -REPORT_EVERY
 
@@ -242,7 +246,7 @@ class _Counts:
             return
         report = self._telemetry.report()
         if report != self._sent:
-            self._source.send_report(report)
+            self._link.send_report(report)
             self._sent, self._at = report, now
 
 

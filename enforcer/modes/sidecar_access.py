@@ -23,7 +23,7 @@ from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import ContainerRef, pod_reference
 from enforcer.core.protocol import EventRequest
 from enforcer.core.settings.sidecar import SidecarSettings
-from enforcer.edge.sources import AgentSource
+from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.telemetry import SidecarTelemetry
 
 if TYPE_CHECKING:
@@ -68,8 +68,8 @@ class PodFromAgent:
     (it restarted and has not listed the node's pods yet); `error` then says why.
     """
 
-    def __init__(self, source: AgentSource) -> None:
-        self._source = source
+    def __init__(self, link: AgentLink) -> None:
+        self._link = link
         self._seen = -1
         self._pod: Pod | None = None
         self._objects: DraObjects | None = None
@@ -77,10 +77,10 @@ class PodFromAgent:
         self._said: str | None = None  # the problems last logged ("": none)
 
     def _update(self) -> None:
-        if self._source.pod_replies == self._seen:
+        if self._link.pod_replies == self._seen:
             return
-        self._seen = self._source.pod_replies
-        reply = self._source.pod_reply
+        self._seen = self._link.pod_replies
+        reply = self._link.pod_reply
         if reply is None:
             return
         if reply.pod is not None:
@@ -109,7 +109,7 @@ class PodFromAgent:
     @property
     def error(self) -> str | None:
         self._update()
-        if self._source.fileno() is None:
+        if self._link.fileno() is None:
             return "the node agent is not connected"
         return self._error
 
@@ -120,19 +120,19 @@ class PodFromAgent:
 class AgentEvents:
     """Reports handed to the agent, which posts them on the pod it proved is ours."""
 
-    def __init__(self, source: AgentSource) -> None:
-        self._source = source
+    def __init__(self, link: AgentLink) -> None:
+        self._link = link
 
     def post(
         self, reason: str, message: str, warning: bool, container: ContainerRef | None = None
     ) -> None:
         name = container.name if container is not None else None
-        self._source.send_event(EventRequest(reason, message, warning, name))
+        self._link.send_event(EventRequest(reason, message, warning, name))
 
 
-def through_agent(source: AgentSource) -> PodAccess:
-    view = PodFromAgent(source)
-    return PodAccess(view, lambda: view.objects, AgentEvents(source))
+def through_agent(link: AgentLink) -> PodAccess:
+    view = PodFromAgent(link)
+    return PodAccess(view, lambda: view.objects, AgentEvents(link))
 
 
 def about(settings: SidecarSettings, container: ContainerRef | None = None) -> ObjectReference:

@@ -7,17 +7,19 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from enforcer.core import messages
 from enforcer.core.attribution import (
-    attribute_declared,
-    attribute_per_gpu,
+    POD_UNIT,
+    PodTerms,
+    claimed_units,
+    declared_units,
     oldest,
-    reported_only,
+    pod_processes,
 )
 from enforcer.core.cgroups import container_id
-from enforcer.core.declaration import Declaration, Portion, portion_basis
+from enforcer.core.declaration import Portion, portion_basis
 from enforcer.core.dra import (
     Allocations,
     DraObjects,
@@ -26,7 +28,6 @@ from enforcer.core.dra import (
     describe_unit,
     of_sole_container,
     unit_containers,
-    with_ceilings,
 )
 from enforcer.core.model import (
     Device,
@@ -39,20 +40,17 @@ from enforcer.core.model import (
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import (
     ContainerRef,
-    container_limits,
     containers_by_id,
     sole_container,
 )
 from enforcer.core.reclaim import Gpu, Reclaim
+from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Membership
-from enforcer.edge.sources import AgentSource
 from enforcer.modes.pipeline import WholeUnit
 from enforcer.modes.sidecar_access import PodView
 
 log = logging.getLogger(__name__)
-
-POD_UNIT = "(pod)"  # processes whose container cannot be proven, against the pod's total
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,40 +66,40 @@ class DraReads:
 class ContainerAttributor:
     """Units are the pod's containers, proven by container ID; the sidecar and pid 1 are out.
 
+    The shell of `attribution.declared_units` and `attribution.claimed_units`, which decide
+    what each unit is held to: it reads each process's cgroup and command line, the pod,
+    its claims, and whether the agent lends, and says in the log what changed.
+
     Container IDs are matched to names through the pod's status. Before the API has ever
     answered, that is possible in one case only: the pod has a single container besides
-    the sidecar (`spec_containers`, from the webhook) and, among all of the pod's processes,
-    exactly one container ID other than the sidecar's and pause's has been seen since the
-    sidecar started. Then that ID is the container. A second ID (an ephemeral container, or
-    a restart) makes it ambiguous, and only the pod's total is reported until the API
-    answers.
+    the sidecar (`PodTerms.spec_containers`, from the webhook) and, among all of the pod's
+    processes, exactly one container ID other than the sidecar's and pause's has been seen
+    since the sidecar started. Then that ID is the container. A second ID (an ephemeral
+    container, or a restart) makes it ambiguous, and only the pod's total is reported until
+    the API answers.
     """
 
     def __init__(
         self,
         procfs: ProcFs,
         view: PodView,
-        declared: Declaration,
-        undeclared_allowed: bool,
+        terms: PodTerms,
         want_init: bool,
-        spec_containers: tuple[str, ...] = (),
         dra: DraReads | None = None,
         lending: Callable[[], bool] = lambda: False,
     ) -> None:
         """`view`: the pod as last known, asked again for a container it does not list yet;
-        `dra`: with DRA, the limits per GPU come from the pod's claims (None: declared)."""
+        `dra`: with DRA, the limits per GPU come from the pod's claims (None: declared);
+        `lending`: whether the agent decides reclaims (a ceiling is a limit only then)."""
         self._procfs = procfs
         self._view = view
-        # A container's ceiling is its limit only while the agent decides reclaims.
-        self._declared = declared
+        self._terms = terms
         self._basis: int | None = None  # the GPU memory the portions were last counted on
         self._lending = lending
         # Unit -> its request, for those that may borrow above it (as of the last tick).
         self.requests: dict[str, int] = {}
         self._borrowing: bool | None = None  # as last said in the log
-        self._undeclared_allowed = undeclared_allowed
         self._want_init = want_init
-        self._spec_containers = spec_containers
         self._self = os.getpid()
         self._self_cid = procfs.container_id("self")
         # (container ID or None, command line) per process, read once per process.
@@ -128,50 +126,26 @@ class ContainerAttributor:
                 continue
             known[key] = info
         self._known = known
-        unit_of = {key: by_id[cid].name for key, (cid, _) in known.items() if cid in by_id}
-        cmdlines = {key: cmd for key, (_, cmd) in known.items()}
+        seen = pod_processes(known, by_id, self._inits(by_id) if self._want_init else {})
         if self._dra is not None:
-            claimed = self._allocations(pod, self._dra, by_id)
-            found, self.requests = with_ceilings(claimed, self._borrowed(self._declared.ceilings))
-            held = {r.name for r in by_id.values()} if not self._undeclared_allowed else set()
-            # A container that declared VRAM (0 too: no claim) is held to what its claims give.
-            held = (held | set(self._declared.requests) | found.claiming) - found.unresolved
-            units = list(attribute_per_gpu(sample, unit_of, found, held, cmdlines))
-            total = sum(u.limit_bytes for u in found.units)
+            claimed = self._allocations(pod, self._dra)
+            lending = self._lends(self._terms.declared.ceilings)
+            found = claimed_units(sample, seen, self._terms, claimed, lending)
         else:
             requests, ceilings = self._in_bytes(sample.devices)
-            declared = {**requests, **self._borrowed(ceilings)}
-            # A portion not counted yet (no GPU's memory known) is not taken as 0.
-            counted = [r for r in by_id.values() if r.name not in self._declared.portions]
-            limits = container_limits(declared, counted, self._undeclared_allowed)
-            gpus = self._declared.gpus
-            units = list(attribute_declared(sample, unit_of, limits, gpus, cmdlines))
-            self.requests = {
-                u.name: requests[name] // gpus.get(name, 1)
-                for u in units
-                if (name := unit_containers(u.name)[0]) in ceilings
-            }
-            total = sum(declared.values())
-        if self._want_init:
-            inits = self._inits(by_id)
-            units = [replace(u, init_process=of_sole_container(u.name, inits)) for u in units]
-        unproven = [key for key in known if key not in unit_of]
-        if unproven:
+            lending = self._lends(ceilings)
+            found = declared_units(sample, seen, self._terms, requests, ceilings, lending)
+        self.requests = found.requests
+        if seen.unproven:
             self._view.refresh()  # a new container (or a restart) the cached pod does not know yet
-            units.append(reported_only(POD_UNIT, sample, known, total, cmdlines))
-        return tuple(units)
+        return found.units
 
-    def _allocations(
-        self, pod: Pod | None, dra: DraReads, by_id: Mapping[str, ContainerRef]
-    ) -> Allocations:
-        """What the pod's claims give each container per GPU; each new problem said once.
-
-        Until the claims have been read (the pod watcher logs why not), no container is
-        enforced on any GPU."""
+    def _allocations(self, pod: Pod | None, dra: DraReads) -> Allocations | None:
+        """What the pod's claims give each container per GPU, None until they have been read
+        (the pod watcher logs why not); each new problem with them said once."""
         objects = dra.claims()
         if pod is None or objects is None:
-            everyone = frozenset(self._spec_containers) | {r.name for r in by_id.values()}
-            return Allocations(unresolved=everyone)
+            return None
         if self._last is not None and self._last[0] is pod and self._last[1] is objects:
             return self._last[2]  # the same reads as the last tick: the same answer
         found = allocations(pod, objects.claims, objects.slices, dra.settings)
@@ -189,7 +163,7 @@ class ContainerAttributor:
             cid = self._procfs.container_id(pid)
             if cid is not None and cid not in (self._self_cid, pause):
                 self._seen_without_api.add(cid)
-        by_id = sole_container(self._spec_containers, self._seen_without_api)
+        by_id = sole_container(self._terms.spec_containers, self._seen_without_api)
         for ref in by_id.values():
             self._say_once(f"enforcing container {ref.name!r}, the pod's only one, by its ID")
         if not by_id:
@@ -251,12 +225,13 @@ class ContainerAttributor:
     def _in_bytes(self, devices: Sequence[Device]) -> tuple[Mapping[str, int], Mapping[str, int]]:
         """(requests, ceilings above them) in bytes, a portion of a GPU counted against the
         memory of the node's smallest GPU; said in the log when that changes."""
-        if not self._declared.portions:
-            return self._declared.requests, self._declared.ceilings
+        declared = self._terms.declared
+        if not declared.portions:
+            return declared.requests, declared.ceilings
         basis = portion_basis(devices)
         if basis != self._basis:
             self._basis = basis
-            shares = portions_text(self._declared.portions)
+            shares = portions_text(declared.portions)
             if basis is None:
                 log.warning(
                     "NVML shows no whole GPU's memory: the portions of a GPU (%s) are "
@@ -270,13 +245,14 @@ class ContainerAttributor:
                     shares,
                     basis // MiB,
                 )
-        return self._declared.in_bytes(basis)
+        return declared.in_bytes(basis)
 
-    def _borrowed(self, ceilings: Mapping[str, int]) -> Mapping[str, int]:
-        """The ceilings, while the agent decides reclaims; else none, so a container is held
-        to its request (an agent of an earlier release would never ask for memory back)."""
+    def _lends(self, ceilings: Mapping[str, int]) -> bool:
+        """Whether the agent decides reclaims, for containers with these ceilings; when it
+        does not, a container is held to its request (an agent of an earlier release would
+        never ask for memory back). Said in the log when that changes."""
         if not ceilings:
-            return {}
+            return False
         lending = self._lending()
         if lending != self._borrowing:
             self._borrowing = lending
@@ -293,7 +269,7 @@ class ContainerAttributor:
                     "held to their requests, not their ceilings (%s), until it does",
                     messages.amounts(ceilings),
                 )
-        return ceilings if lending else {}
+        return lending
 
     def container(self, container_id: str) -> str | None:
         """The name of this pod's container that runs as `container_id`, as this tick
@@ -312,8 +288,8 @@ class AgentReclaims:
     container holds more than its request on that GPU (a sample between the two never
     makes it stop a container at or under its request)."""
 
-    def __init__(self, source: AgentSource, attributor: ContainerAttributor) -> None:
-        self._source = source
+    def __init__(self, link: AgentLink, attributor: ContainerAttributor) -> None:
+        self._link = link
         self._attributor = attributor
 
     def __call__(self, gpus: tuple[Gpu, ...], /) -> dict[str, Reclaim]:
@@ -322,7 +298,7 @@ class AgentReclaims:
             (unit_containers(s.unit), g.uuid): s.unit for g in gpus for s in g.shares if s.borrowed
         }
         asked: dict[str, Reclaim] = {}
-        for cid, reclaim in self._source.reclaims.items():
+        for cid, reclaim in self._link.reclaims.items():
             name = self._attributor.container(cid)
             unit = lending.get(((name,), reclaim.gpu)) if name is not None else None
             if unit is not None:

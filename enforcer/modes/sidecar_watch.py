@@ -75,34 +75,63 @@ class Connections(Protocol):
         """Take a connection the agent made to a sidecar."""
 
 
+# Connects to the sidecars of these container IDs: a socket, or why not.
+Dial = Callable[[Collection[str]], Mapping[str, socket.socket | Refused | str]]
+
+
+class HangUps:
+    """The sidecars that hung up their last connection, told by the server on its loop's
+    thread (it must not wait) and taken by the sidecar watch. Made before both, as each
+    needs the other: the watch reads the server's connections, and the server tells the
+    watch (its `ServerHooks.hung_up`)."""
+
+    def __init__(self) -> None:
+        self.watched: frozenset[str] = frozenset()  # the watch's sidecars: no other is told
+        self.woken = threading.Event()
+        self._told: collections.deque[str] = collections.deque()
+
+    def __call__(self, container_id: str) -> None:
+        """A caller hung up its last connection. A sidecar's is looked at now, not at the
+        next check: a killed sidecar's pod is held at once."""
+        if container_id in self.watched:
+            self._told.append(container_id)
+            self.woken.set()
+
+    def taken(self) -> set[str]:
+        """Those told since the last time."""
+        found = set()
+        while self._told:
+            found.add(self._told.popleft())
+        return found
+
+
 class SidecarWatch(threading.Thread):
     def __init__(
         self,
         pods: Callable[[], Mapping[str, Pod] | None],
         server: Connections,
+        hang_ups: HangUps,
         recorder: EventRecorder,
         telemetry: AgentTelemetry,
-        dial: Callable[[Collection[str]], Mapping[str, socket.socket | Refused | str]],
-        processes: SidecarProcesses,
+        reach: tuple[Dial, SidecarProcesses],
         every: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`reach`: how the host shows the sidecars, their sockets (to connect) and their
+        processes (`SidecarProcesses`)."""
         super().__init__(name="sidecar-watch", daemon=True)
         self._pods = pods
         self._server = server
+        self._hang_ups = hang_ups
         self._recorder = recorder
         self._telemetry = telemetry
         self._every = every
         self._clock = clock
         self._presence = Presence()
-        self._dial = dial
+        self._dial, self._processes = reach
         self._tried: dict[str, Attempt] = {}
         self._failed: dict[str, str] = {}  # why each sidecar could not be reached, last time
-        self._processes = processes
-        self._watched: frozenset[str] = frozenset()  # the sidecars of the pods looked at
-        self._hung_up: collections.deque[str] = collections.deque()  # from the server's thread
         self._closed: set[str] = set()  # sidecars that hung up, with no connection since
-        self._woken = threading.Event()
         self.stop = threading.Event()
         self._guard = LoopGuard("sidecar-watch", telemetry.unexpected.labels("sidecar-watch"), log)
 
@@ -111,17 +140,10 @@ class SidecarWatch(threading.Thread):
         """The UIDs of the pods that are unguarded (`sidecar_presence.update`)."""
         return self._presence.silent
 
-    def hung_up(self, container_id: str) -> None:
-        """The server's: a caller hung up its last connection. A sidecar's is looked at now,
-        not at the next check: a killed sidecar's pod is held at once."""
-        if container_id in self._watched:
-            self._hung_up.append(container_id)
-            self._woken.set()
-
     def run(self) -> None:
         while not self.stop.is_set():
-            self._woken.wait(self._every)
-            self._woken.clear()
+            self._hang_ups.woken.wait(self._every)
+            self._hang_ups.woken.clear()
             if not self.stop.is_set():
                 self._guard.run(self.check)
 
@@ -129,11 +151,11 @@ class SidecarWatch(threading.Thread):
         pods = self._pods()
         if pods is None:
             return  # not listed yet
-        while self._hung_up:  # before the peers are read: one that connects again counts
-            self._closed.add(self._hung_up.popleft())
+        # Before the peers are read: one that connects again counts.
+        self._closed |= self._hang_ups.taken()
         connected, peers, now = self._server.connected, self._server.peers, self._clock()
         self._connect(pods, connected, now)
-        self._watched = watched = frozenset(
+        self._hang_ups.watched = watched = frozenset(
             cid for pod in pods.values() if guarded(pod) and (cid := sidecar_id(pod))
         )
         self._closed = {cid for cid in self._closed if cid in watched and cid not in peers}

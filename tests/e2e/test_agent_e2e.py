@@ -17,7 +17,7 @@ from kubernetes.client.exceptions import ApiException
 
 from enforcer.core.model import GiB, Sample
 from enforcer.core.parsing import parse_quantity
-from enforcer.edge.sources import AgentSource
+from enforcer.edge.agent_link import AgentLink
 from tests.e2e.actors import AgentProcess
 from tests.e2e.cluster import ApiServer
 from tests.fakenvml import FakeGpuState
@@ -229,7 +229,7 @@ def test_a_gpu_off_the_bus_leaves_the_others_enforced_and_is_told_on_the_node(
     agent = AgentProcess(
         apiserver, agent_rbac, "gpu-node-lost", tmp_path, fake_nvml_lib, state=state
     )
-    source = AgentSource(str(tmp_path / "agent.sock"), stale_after=5.0)
+    source = AgentLink(str(tmp_path / "agent.sock"), stale_after=5.0)
     lost = state.devices[1]["uuid"]
 
     def node_events(reason: str) -> list[str]:

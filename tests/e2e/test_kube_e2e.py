@@ -9,6 +9,7 @@ import pytest
 from kubernetes import client
 from prometheus_client import CollectorRegistry, Counter
 
+from enforcer.core.attribution import POD_UNIT
 from enforcer.core.payloads import ObjectReference
 from enforcer.core.reasons import Reason
 from enforcer.edge.events import EventRecorder
@@ -16,7 +17,6 @@ from enforcer.edge.kube import POD, KubeError, NotFound, call, request
 from enforcer.modes.pipeline import Report
 from enforcer.modes.sidecar import EventReporter
 from enforcer.modes.sidecar_access import RecordedEvents
-from enforcer.modes.sidecar_units import POD_UNIT
 from tests.helpers import configured, wait_for
 
 

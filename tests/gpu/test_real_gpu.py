@@ -11,8 +11,8 @@ from pathlib import Path
 from enforcer.core.model import GiB
 from enforcer.edge.nvml import Nvml
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
+from enforcer.edge.pid_view import PidView
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.sources import PidView
 from tests.helpers import children, wait_for
 
 ALLOC = Path(__file__).with_name("alloc.py")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,18 +10,28 @@ import pytest
 
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.usage_server import ServerMetrics, UsageServer
+from enforcer.edge.usage_server import ServerHooks, ServerMetrics, UsageServer
 
 # One registry for the session: its counters are read before and after what a test does.
 TELEMETRY = AgentTelemetry()
 
 
+@contextlib.contextmanager
+def serving(path: Path, hooks: ServerHooks | None = None) -> Iterator[UsageServer]:
+    """The agent's usage server on `path`, started, with `hooks` (as an agent that serves
+    pods builds it)."""
+    t = TELEMETRY
+    metrics = ServerMetrics(t.requests, t.connections, t.unexpected)
+    s = UsageServer(path, ProcFs(), metrics, stale_after=60.0, hooks=hooks)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[UsageServer]:
     """The agent's usage server on a socket of the test's own."""
-    t = TELEMETRY
-    metrics = ServerMetrics(t.requests, t.connections, t.unexpected)
-    s = UsageServer(tmp_path / "agent.sock", ProcFs(), metrics, stale_after=60.0)
-    s.start()
-    yield s
-    s.close()
+    with serving(tmp_path / "agent.sock") as s:
+        yield s

@@ -27,8 +27,8 @@ import pytest
 
 from enforcer.core.model import GiB
 from enforcer.edge.peers import PeerError, attest
+from enforcer.edge.pid_view import boot_ticks
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.sources import boot_ticks
 from enforcer.edge.usage_server import PER_NAMESPACE
 from tests.fakenvml import FakeGpuState
 from tests.fakenvml.plugin import FakeNvml

@@ -17,11 +17,11 @@ from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.metrics_server import serve_metrics
 from enforcer.edge.nvml import Nvml
 from enforcer.edge.nvml_source import NvmlSource
+from enforcer.edge.pid_view import PidView
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.sources import PidView
 from enforcer.edge.tenants import TenantCache
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
-from enforcer.modes.agent import EXIT_THREAD_DIED, Sampler, health, watch
+from enforcer.modes.agent import EXIT_THREAD_DIED, Passes, Sampler, health, watch
 from tests.helpers import wait_for
 
 
@@ -69,7 +69,7 @@ def sampler(fake_nvml: Any, tmp_path: Path) -> Iterator[Sampler]:
     nvml = Nvml()
     nvml.init()
     source = NvmlSource(nvml, PidView.host(ProcFs()))
-    s = Sampler(source, server, telemetry, 0.02, threading.Event(), TenantCache(ProcFs()))
+    s = Sampler(source, server, telemetry, 0.02, Passes(), TenantCache(ProcFs()))
     yield s
     s.stop.set()
     if s.is_alive():

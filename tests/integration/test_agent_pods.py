@@ -4,7 +4,7 @@ the caller says.
 
 The callers are real processes, each moved into a cgroup of its own in the v2 hierarchy,
 named as the kubelet names a container's (`.../pod<uid>/<container id>`), and each runs
-the sidecar's real client (`AgentSource`, asking for its pod). The server is the agent's
+the sidecar's real client (`AgentLink`, asking for its pod). The server is the agent's
 real socket server, given the directory that the agent's pod publisher builds.
 """
 
@@ -37,11 +37,11 @@ from enforcer.core.pod_directory import directory, event_about, kept
 from enforcer.core.protocol import SIDECAR_SOCKET, SIDECAR_SOCKET_DIR
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sidecar_dialer import dial_sidecars
-from enforcer.edge.usage_server import ServerMetrics, UsageServer
+from enforcer.edge.usage_server import ServerHooks, ServerMetrics, UsageServer
 from enforcer.modes.pod_metrics import PodCounts
-from enforcer.modes.sidecar_watch import SidecarProcesses, SidecarWatch
+from enforcer.modes.sidecar_watch import HangUps, SidecarProcesses, SidecarWatch
 from tests.helpers import children, scratch_cgroup, wait_for
-from tests.integration.conftest import TELEMETRY
+from tests.integration.conftest import TELEMETRY, serving
 
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
@@ -96,12 +96,12 @@ CALLER = (
     sys.path.insert(0, sys.argv[2])
     from enforcer.core.protocol import EventRequest
     from enforcer.core.sidecar_report import SidecarReport
-    from enforcer.edge.sources import AgentSource
+    from enforcer.edge.agent_link import AgentLink
     os.read(0, 3)  # "go": moved into its container's cgroup by now
     mode, where = sys.argv[1].split(":", 1)  # dial:PATH, or listen:PATH (the agent dials it)
     # What it starts beside it, in its pod (and its container), when told to
     BESIDE = {"intrude": INTRUDER_CODE, "spawn": "import time; time.sleep(600)", "plant": PLANTED_CODE}
-    source = AgentSource(where, 60.0, pod=True, listen=where if mode == "listen" else None)
+    source = AgentLink(where, 60.0, pod=True, listen=where if mode == "listen" else None)
     seen = 0
     while True:
         source.sample()
@@ -356,40 +356,43 @@ def test_an_agent_without_the_api_says_so(
 
 
 def test_a_report_is_posted_on_the_callers_own_pod_and_nowhere_else(
-    server: UsageServer, cgroups: Path, tmp_path: Path
+    cgroups: Path, tmp_path: Path
 ) -> None:
     """Sidecars post no Events: they hand their reports to the agent, which posts each on
     the pod the caller's cgroup proves, about a container only when it is that pod's. A
     caller in no pod of the node posts nothing; a malformed report is dropped and the
     subscription goes on."""
     posted: list[tuple[str, str, str, str | None]] = []
-    server.events = lambda p, e: posted.append(
-        (p["metadata"]["name"], e.reason, e.message, p_field(event_about(p, e.container)))
+    events = ServerHooks(
+        events=lambda p, e: posted.append(
+            (p["metadata"]["name"], e.reason, e.message, p_field(event_about(p, e.container)))
+        )
     )
-    pods = [pod("pod-a", UA, A), pod("pod-b", UB, B)]
-    server.publish_pods(directory(pods, {}, None))
-    sock = tmp_path / "agent.sock"
-    in_a, stranger = Caller(sock, cgroups, UA, A), Caller(sock, cgroups, UC, C)
-    try:
-        assert in_a.next()["pod"] == "pod-a" and stranger.next()["pod"] is None
-        in_a.report("VRAMEnforced", "c0", "sent SIGTERM to pid 7")
-        in_a.report("VRAMEnforced", "c9", "about a container pod-a does not have")
-        in_a.report("Killing", "c0", "not one of ours")  # dropped, and counted as an error
-        stranger.report("VRAMEnforced", "-", "from a container no pod lists")
-        in_a.report("VRAMNearLimit", "-", "the pod as a whole")
-        wait_for(lambda: len(posted) == 3, what="three Events")
-        assert posted == [
-            ("pod-a", "VRAMEnforced", "sent SIGTERM to pid 7", "spec.containers{c0}"),
-            ("pod-a", "VRAMEnforced", "about a container pod-a does not have", None),
-            ("pod-a", "VRAMNearLimit", "the pod as a whole", None),
-        ]
-        changed = pod("pod-b", UB, B, labels={ENFORCED: "y"})
-        server.publish_pods(directory([pods[0], changed], {}, None))
-        server.publish_pods(directory(pods, {}, "still subscribed"))
-        assert in_a.next()["problem"] == "still subscribed"  # the bad report cost nothing
-    finally:
-        in_a.stop()
-        stranger.stop()
+    with serving(tmp_path / "agent.sock", events) as server:
+        pods = [pod("pod-a", UA, A), pod("pod-b", UB, B)]
+        server.publish_pods(directory(pods, {}, None))
+        sock = tmp_path / "agent.sock"
+        in_a, stranger = Caller(sock, cgroups, UA, A), Caller(sock, cgroups, UC, C)
+        try:
+            assert in_a.next()["pod"] == "pod-a" and stranger.next()["pod"] is None
+            in_a.report("VRAMEnforced", "c0", "sent SIGTERM to pid 7")
+            in_a.report("VRAMEnforced", "c9", "about a container pod-a does not have")
+            in_a.report("Killing", "c0", "not one of ours")  # dropped, and counted as an error
+            stranger.report("VRAMEnforced", "-", "from a container no pod lists")
+            in_a.report("VRAMNearLimit", "-", "the pod as a whole")
+            wait_for(lambda: len(posted) == 3, what="three Events")
+            assert posted == [
+                ("pod-a", "VRAMEnforced", "sent SIGTERM to pid 7", "spec.containers{c0}"),
+                ("pod-a", "VRAMEnforced", "about a container pod-a does not have", None),
+                ("pod-a", "VRAMNearLimit", "the pod as a whole", None),
+            ]
+            changed = pod("pod-b", UB, B, labels={ENFORCED: "y"})
+            server.publish_pods(directory([pods[0], changed], {}, None))
+            server.publish_pods(directory(pods, {}, "still subscribed"))
+            assert in_a.next()["problem"] == "still subscribed"  # the bad report cost nothing
+        finally:
+            in_a.stop()
+            stranger.stop()
 
 
 def p_field(ref: ObjectReference) -> str | None:
@@ -406,9 +409,12 @@ def test_an_agent_restart_keeps_the_pod_and_delivers_the_reports_made_meanwhile(
 
     def agent() -> UsageServer:
         s = UsageServer(
-            sock, ProcFs(), ServerMetrics(t.requests, t.connections, t.unexpected), stale_after=60.0
+            sock,
+            ProcFs(),
+            ServerMetrics(t.requests, t.connections, t.unexpected),
+            stale_after=60.0,
+            hooks=ServerHooks(events=lambda p, e: posted.append((id(s), e.message))),
         )
-        s.events = lambda p, e: posted.append((id(s), e.message))
         s.start()
         s.publish_pods(directory([pod("pod-a", UA, A)], {}, None))
         return s
@@ -446,9 +452,12 @@ def test_a_sidecars_counts_are_kept_for_its_own_pod_and_sent_again_to_a_new_agen
     def agent() -> tuple[UsageServer, PodCounts]:
         counts = PodCounts()
         s = UsageServer(
-            sock, ProcFs(), ServerMetrics(t.requests, t.connections, t.unexpected), stale_after=60.0
+            sock,
+            ProcFs(),
+            ServerMetrics(t.requests, t.connections, t.unexpected),
+            stale_after=60.0,
+            hooks=ServerHooks(reports=counts.keep),
         )
-        s.reports = counts.keep
         s.start()
         s.publish_pods(directory(list(pods.values()), {}, None))
         return s, counts
@@ -534,8 +543,10 @@ def test_the_agent_connects_to_a_sidecar_in_its_own_filesystem_and_again_after_a
             ProcFs(),
             ServerMetrics(t.requests, t.connections, t.unexpected),
             stale_after=60.0,
+            hooks=ServerHooks(
+                events=lambda p, e: posted.append(f"{p['metadata']['name']}: {e.message}")
+            ),
         )
-        s.events = lambda p, e: posted.append(f"{p['metadata']['name']}: {e.message}")
         s.start()
         s.publish_pods(directory([pod("pod-a", UA, A), pod("pod-b", UB, B)], {}, None))
         return s
@@ -657,10 +668,10 @@ def test_a_process_of_the_sidecars_container_that_takes_its_socket_is_refused(
     watch = SidecarWatch(
         lambda: {UA: injected(UA, A)},
         cast(Any, links),
+        HangUps(),
         cast("EventRecorder", None),
         TELEMETRY,
-        functools.partial(dial_sidecars, ProcFs()),
-        processes=SidecarProcesses(ProcFs()),
+        (functools.partial(dial_sidecars, ProcFs()), SidecarProcesses(ProcFs())),
         clock=lambda: now[0],
     )
     planter = None

@@ -20,13 +20,14 @@ from typing import Any, cast
 
 import pytest
 
+from enforcer.core.attribution import POD_UNIT, PodTerms
 from enforcer.core.declaration import Declaration, Portion
 from enforcer.core.dra import DraObjects, DraSettings
 from enforcer.core.model import Activity, Device, GiB, MiB, ProcessKey, ProcessUsage, Sample
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.exec import TreeAttributor
 from enforcer.modes.sidecar import ALONE_FOR, AloneDetector
-from enforcer.modes.sidecar_units import POD_UNIT, ContainerAttributor, DraReads
+from enforcer.modes.sidecar_units import ContainerAttributor, DraReads
 from tests.helpers import copy_proc_fixture, set_start_time
 
 TRAINER, HELPER, SIDECAR = "7" * 64, "4" * 64, "5" * 64
@@ -93,7 +94,7 @@ class Viewed:
 def attributor(
     proc: Path, pod: dict[str, Any] | ApiView | None = POD, **kwargs: Any
 ) -> ContainerAttributor:
-    options: dict[str, Any] = {"undeclared_allowed": False, "want_init": False, **kwargs}
+    options: dict[str, Any] = {"want_init": False, **kwargs}
     api = pod if isinstance(pod, ApiView) else ApiView(pod)
     view = Viewed(api, options.pop("refresh", Refreshes()))
     declared = Declaration(
@@ -102,13 +103,18 @@ def attributor(
         options.pop("portions", {}),
         gpus=options.pop("gpus", {}),
     )
+    terms = PodTerms(
+        declared,
+        options.pop("undeclared_allowed", False),
+        options.pop("spec_containers", ()),
+    )
     if "dra" in options:
         options["dra"] = DraReads(
             options.pop("dra"),
             options.pop("claims", lambda: None),
             options.pop("problem", lambda text: None),
         )
-    return ContainerAttributor(ProcFs(proc), cast(Any, view), declared, **options)
+    return ContainerAttributor(ProcFs(proc), cast(Any, view), terms, **options)
 
 
 def by_name(units: Any) -> dict[str, Any]:

@@ -39,9 +39,9 @@ def test_the_sidecar_loads_neither_pynvml_nor_the_typed_api_classes() -> None:
 AGENT_FREE = """
 import json, sys
 from enforcer.modes import agent, sidecar, sidecar_access
-from enforcer.edge.sources import AgentSource
+from enforcer.edge.agent_link import AgentLink
 
-sidecar_access.through_agent(AgentSource("/nonexistent.sock", 2.0, pod=True))
+sidecar_access.through_agent(AgentLink("/nonexistent.sock", 2.0, pod=True))
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("kubernetes", "urllib3"))))
 """
 
@@ -87,9 +87,9 @@ args = build_parser("sidecar").parse_args(["sidecar"])
 configure(args, {"POD_NAME": "p", "POD_NAMESPACE": "n", "POD_UID": "u", "NODE_NAME": "node",
                  "VRAM_ENFORCER_LIMITS": '{"c": 1}'})
 from enforcer.modes import sidecar, sidecar_access
-from enforcer.edge.sources import AgentSource
+from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.telemetry import SidecarTelemetry
-sidecar_access.through_agent(AgentSource("/nonexistent.sock", 2.0, pod=True))
+sidecar_access.through_agent(AgentLink("/nonexistent.sock", 2.0, pod=True))
 SidecarTelemetry().report()
 print(json.dumps(sorted(m for m in sys.modules
                         if m.split(".")[0] in ("prometheus_client", "ssl", "wsgiref", "email")

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample, SourceDown
+from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
-from enforcer.edge.sources import AgentSource
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
 from tests.helpers import wait_for
 
@@ -45,7 +45,7 @@ def test_a_frozen_sample_goes_stale_however_the_wall_clock_stepped(socket_path: 
     """The agent's last sample carries a wall-clock time an hour ahead (the sidecar's clock
     stepped back): it is still stale once it stops being renewed."""
     server = serve(socket_path, stale_after=60.0)
-    source = AgentSource(str(socket_path), stale_after=0.5)
+    source = AgentLink(str(socket_path), stale_after=0.5)
     try:
         server.publish(sample_stamped(time.time() + HOUR))
         first = wait_for(lambda: isinstance(s := source.sample(), Sample) and s, what="a sample")
@@ -64,7 +64,7 @@ def test_the_agent_judges_its_own_samples_by_when_it_published_them(socket_path:
     """A sample stamped an hour ago (the agent's clock stepped forward) is fresh when just
     published; one published longer ago than the limit is stale whatever it is stamped."""
     server = serve(socket_path, stale_after=0.5)
-    source = AgentSource(str(socket_path), stale_after=60.0)
+    source = AgentLink(str(socket_path), stale_after=60.0)
     try:
         server.publish(sample_stamped(time.time() - HOUR))
         fresh = wait_for(lambda: isinstance(s := source.sample(), Sample) and s, what="a sample")
@@ -72,7 +72,7 @@ def test_the_agent_judges_its_own_samples_by_when_it_published_them(socket_path:
         source.close()
         server.publish(sample_stamped(time.time() + HOUR))
         time.sleep(0.6)
-        late = AgentSource(str(socket_path), stale_after=60.0)
+        late = AgentLink(str(socket_path), stale_after=60.0)
         try:
 
             def stale() -> str | None:

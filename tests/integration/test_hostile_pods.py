@@ -27,15 +27,16 @@ from enforcer.core.model import Device, GiB, ProcessKey, Sample
 from enforcer.core.model import ProcessUsage as Usage
 from enforcer.core.payloads import Pod
 from enforcer.edge.kube import api_client
+from enforcer.edge.latest import Latest
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.namespaces import OptedInNamespaces
 from enforcer.edge.nvml import Nvml
 from enforcer.edge.nvml_source import NvmlSource
+from enforcer.edge.pid_view import PidView
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.sources import PidView
 from enforcer.edge.tenants import TenantCache
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
-from enforcer.modes.agent import Sampler
+from enforcer.modes.agent import Passes, PodSteps, Sampler
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
@@ -159,7 +160,7 @@ def test_the_hard_limiter_still_sets_the_good_pods_limits(
     limiter = HardLimiter(
         cast(Nvml, nvml),
         NodeView(lambda: pods, lambda: READ, (RES, 1)),
-        cast(Any, SimpleNamespace(devices=devices, container_usage=dict())),
+        cast(Any, SimpleNamespace(devices=Latest(devices), container_usage=Latest({}))),
         cast(Any, None),
         AgentTelemetry(),
         cgroups=(tmp_path, 60.0),
@@ -235,16 +236,15 @@ def test_a_lender_pass_that_fails_publishes_no_lending(tmp_path: Path) -> None:
         return pods
 
     changed = threading.Event()
+    lender = Lender(NodeView(listed, lambda: READ, (RES, 1)), changed, SIDECAR, 2 * GiB, telemetry)
     sampler = Sampler(
         cast(NvmlSource, _Given()),
         server,
         telemetry,
         1.0,
-        threading.Event(),
+        Passes(),
         cast(TenantCache, _Counted()),
-    )
-    sampler.lender = Lender(
-        NodeView(listed, lambda: READ, (RES, 1)), changed, SIDECAR, 2 * GiB, telemetry
+        steps=PodSteps(lender),
     )
     view = PidView(ProcFs(), 4026531001, 1)
 
@@ -389,7 +389,7 @@ def test_the_hard_limiter_reads_a_sidecar_environment_only_where_its_namespace_o
     limiter = HardLimiter(
         cast(Nvml, nvml),
         NodeView(lambda: pods, lambda: trusted[0], (RES, 1)),
-        cast(Any, SimpleNamespace(devices=devices, container_usage=dict())),
+        cast(Any, SimpleNamespace(devices=Latest(devices), container_usage=Latest({}))),
         cast(Any, None),
         AgentTelemetry(),
         cgroups=(tmp_path, 60.0),

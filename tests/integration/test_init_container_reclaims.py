@@ -13,13 +13,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
+from enforcer.core.attribution import PodTerms
 from enforcer.core.declaration import CEILINGS_ENV, LIMITS_ENV, Declaration, Declares
 from enforcer.core.lending import decide, tenants
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
 from enforcer.core.reclaim import views
+from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.sources import AgentSource
 from enforcer.modes.sidecar_units import AgentReclaims, ContainerAttributor
 from tests.helpers import copy_proc_fixture
 
@@ -97,13 +98,12 @@ def test_a_borrowing_init_container_is_a_tenant_and_its_sidecar_applies_its_recl
     attributor = ContainerAttributor(
         ProcFs(copy_proc_fixture("pod", tmp_path / "proc")),
         cast(Any, SimpleNamespace(pod=POD, error=None, refresh=lambda: None)),
-        Declaration({"fetch": 4 * GiB}, {"fetch": 12 * GiB}),
-        undeclared_allowed=False,
+        PodTerms(Declaration({"fetch": 4 * GiB}, {"fetch": 12 * GiB})),
         want_init=False,
         lending=lambda: True,
     )
     units = attributor.attribute(Sample(0.0, (gpu,), usage[:1]))  # the sidecar sees its own
     assert {u.name: (u.used_bytes, u.limit_bytes) for u in units}["fetch"] == (10 * GiB, 12 * GiB)
     gpus = views((gpu,), units, attributor.requests)
-    asked = AgentReclaims(cast(AgentSource, Asked(dict(lending.reclaims))), attributor)(gpus)
+    asked = AgentReclaims(cast(AgentLink, Asked(dict(lending.reclaims))), attributor)(gpus)
     assert asked == {"fetch": lending.reclaims[FETCH]}

@@ -24,8 +24,8 @@ from enforcer.core.model import (
 )
 from enforcer.edge.nvml import MEMORY_LIMIT_MAX, Nvml, NvmlLost, NvmlQueryError, NvmlUnavailable
 from enforcer.edge.nvml_source import NvmlSource
+from enforcer.edge.pid_view import PidView, boot_ticks
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.sources import PidView, boot_ticks
 from tests.helpers import copy_proc_fixture, older_than_a_tick, set_start_time, wait_for
 
 
@@ -329,7 +329,7 @@ STALE_LISTING = textwrap.dedent(
     from enforcer.edge.nvml import Nvml
     from enforcer.edge.nvml_source import NvmlSource
     from enforcer.edge.procfs import ProcFs
-    from enforcer.edge.sources import PidView, boot_ticks
+    from enforcer.edge.pid_view import PidView, boot_ticks
     from tests.fakenvml import FakeGpuState
     from tests.helpers import older_than_a_tick
 

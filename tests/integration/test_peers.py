@@ -23,10 +23,10 @@ import pytest
 
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.protocol import encode_challenge
+from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.peers import CREDENTIALS_SPACE, Peer, PeerError, Unproven, attest, sender
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
-from enforcer.edge.sources import AgentSource
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
 from tests.helpers import reuse_pid, wait_for
 
@@ -52,7 +52,7 @@ def server(tmp_path: Path) -> Iterator[UsageServer]:
 def test_an_honest_caller_answers_the_challenge_and_gets_its_usage(
     server: UsageServer, tmp_path: Path
 ) -> None:
-    source = AgentSource(str(tmp_path / "agent.sock"), stale_after=60.0)
+    source = AgentLink(str(tmp_path / "agent.sock"), stale_after=60.0)
     try:
         sample = wait_for(lambda: isinstance(r := source.sample(), Sample) and r, what="a sample")
         assert [p.key.pid for p in sample.processes] == [os.getpid()]

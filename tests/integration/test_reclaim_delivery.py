@@ -10,9 +10,10 @@ from pathlib import Path
 from enforcer.core.lending import Lending
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.reclaim import Reclaim, Share
+from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.pid_view import PidView
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.sources import AgentSource, PidView
 from enforcer.edge.usage_server import ServerMetrics, UsageServer
 from tests.helpers import wait_for
 
@@ -58,7 +59,7 @@ def test_the_sidecars_client_keeps_the_latest_and_forgets_it_with_the_agent(
     metrics = ServerMetrics(telemetry.requests, telemetry.connections, telemetry.unexpected)
     server = UsageServer(path, HOST, metrics, stale_after=60.0)
     server.start()
-    source = AgentSource(str(path), stale_after=5.0)
+    source = AgentLink(str(path), stale_after=5.0)
     try:
         pid = os.getpid()
         me = ProcessKey(pid, HOST.start_time(pid) or 0)

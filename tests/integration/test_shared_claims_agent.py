@@ -16,6 +16,7 @@ from enforcer.core.dra import DraObjects, DraSettings
 from enforcer.core.model import Device, GiB, LimitOutcome, LimitResult, ProcessKey, Sample
 from enforcer.core.model import ProcessUsage as Usage
 from enforcer.core.payloads import Pod
+from enforcer.edge.latest import Latest
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.nvml import Nvml
 from enforcer.modes.lender import Lender
@@ -102,7 +103,7 @@ def test_each_pod_cgroup_gets_its_part_of_a_shared_claim(tmp_path: Path) -> None
     limiter = HardLimiter(
         cast(Nvml, nvml),
         NodeView(lambda: pods, lambda: frozenset({"ml"}), (RES, 1)),
-        cast(Any, SimpleNamespace(devices=devices, container_usage=usage)),
+        cast(Any, SimpleNamespace(devices=Latest(devices), container_usage=Latest(usage))),
         cast(Any, None),
         AgentTelemetry(),
         cgroups=(tmp_path, 60.0),

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.events import EventRecorder
 from enforcer.edge.metrics import Telemetry
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Signaller, Terminator
-from enforcer.edge.sources import AgentSource
 from enforcer.modes import sidecar, sidecar_access
 from tests.helpers import configured, write_kubeconfig
 
@@ -68,7 +68,7 @@ def test_a_helper_thread_that_stops_ends_the_sidecar_with_status_1(
     access = sidecar_access.direct(settings, telemetry)
     _watcher, recorder = access.helpers
     assert isinstance(recorder, EventRecorder)
-    source = AgentSource(str(tmp_path / "absent.sock"), stale_after=2.0)
+    source = AgentLink(str(tmp_path / "absent.sock"), stale_after=2.0)
     procfs = ProcFs()
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
     pipeline = sidecar._pipeline(settings, procfs, source, terminator, access, telemetry)

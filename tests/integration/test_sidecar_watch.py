@@ -28,12 +28,12 @@ from enforcer.core.payloads import Pod
 from enforcer.core.sidecar_presence import SILENT_AFTER
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sidecar_dialer import dial_sidecars
-from enforcer.edge.usage_server import UsageServer
+from enforcer.edge.usage_server import ServerHooks, UsageServer
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.node_view import NodeView
-from enforcer.modes.sidecar_watch import SidecarProcesses, SidecarWatch
+from enforcer.modes.sidecar_watch import HangUps, SidecarProcesses, SidecarWatch
 from tests.helpers import scratch_cgroup, wait_for
-from tests.integration.conftest import TELEMETRY
+from tests.integration.conftest import TELEMETRY, serving
 from tests.integration.test_agent_pods import UA, Caller
 from tests.integration.test_backstop import SLEEP, in_box, moved_in
 
@@ -91,19 +91,30 @@ def sidecar(tmp_path: Path) -> Iterator[Caller]:
             found.stop()
 
 
-def watching(server: UsageServer, every: float) -> SidecarWatch:
+@pytest.fixture
+def hang_ups() -> HangUps:
+    return HangUps()
+
+
+@pytest.fixture
+def server(tmp_path: Path, hang_ups: HangUps) -> Iterator[UsageServer]:
+    """The agent's usage server, which tells `hang_ups` of a caller that hung up, as the
+    agent's tells its sidecar watch."""
+    with serving(tmp_path / "agent.sock", ServerHooks(hung_up=hang_ups)) as s:
+        yield s
+
+
+def watching(server: UsageServer, hang_ups: HangUps, every: float) -> SidecarWatch:
     """The agent's watch over POD's sidecar, wired to the server as the agent wires it."""
-    watch = SidecarWatch(
+    return SidecarWatch(
         lambda: {UA: POD},
         server,
-        Recorded(),
-        TELEMETRY,  # type: ignore[arg-type]
-        functools.partial(dial_sidecars, ProcFs()),
-        SidecarProcesses(ProcFs()),
+        hang_ups,
+        Recorded(),  # type: ignore[arg-type]
+        TELEMETRY,
+        (functools.partial(dial_sidecars, ProcFs()), SidecarProcesses(ProcFs())),
         every=every,
     )
-    server.hung_up = watch.hung_up
-    return watch
 
 
 def connected(watch: SidecarWatch, server: UsageServer) -> Any:
@@ -112,12 +123,12 @@ def connected(watch: SidecarWatch, server: UsageServer) -> Any:
 
 
 def test_a_stopped_sidecar_leaves_its_pod_unguarded_within_one_check(
-    server: UsageServer, sidecar: Caller
+    server: UsageServer, hang_ups: HangUps, sidecar: Caller
 ) -> None:
     """SIGSTOP leaves the sidecar's connection open, and read for a while (nothing fills
     it here): only its state in /proc (T) tells. Within one check, not SILENT_AFTER."""
     every = 0.5
-    watch = watching(server, every)
+    watch = watching(server, hang_ups, every)
     wait_for(lambda: connected(watch, server), what="the sidecar connected")
     watch.start()
     try:
@@ -134,11 +145,11 @@ def test_a_stopped_sidecar_leaves_its_pod_unguarded_within_one_check(
 
 
 def test_a_killed_sidecar_leaves_its_pod_unguarded_as_soon_as_its_connection_closes(
-    server: UsageServer, sidecar: Caller
+    server: UsageServer, hang_ups: HangUps, sidecar: Caller
 ) -> None:
     """A SIGKILL closes the sidecar's connection: the server tells the watch, which looks at
     once rather than at its next check (30 s away here)."""
-    watch = watching(server, every=30.0)
+    watch = watching(server, hang_ups, every=30.0)
     wait_for(lambda: connected(watch, server), what="the sidecar connected")
     watch.start()
     try:
@@ -201,10 +212,10 @@ def test_a_pending_pods_init_container_is_held_by_the_agent_when_its_sidecar_nev
         watch = SidecarWatch(
             lambda: {"u-init": pod},
             links,
-            recorder,
-            TELEMETRY,  # type: ignore[arg-type]
-            lambda due: dict.fromkeys(due, "nothing listens"),
-            SidecarProcesses(procfs),
+            HangUps(),
+            recorder,  # type: ignore[arg-type]
+            TELEMETRY,
+            (lambda due: dict.fromkeys(due, "nothing listens"), SidecarProcesses(procfs)),
             clock=lambda: now[0],
         )
         backstop = Backstop(

@@ -1,4 +1,4 @@
-"""Protocol v1: what the agent sends is what AgentSource reads back."""
+"""Protocol v1: what the agent sends is what AgentLink reads back."""
 
 import contextlib
 import json
