@@ -15,8 +15,6 @@ from enforcer.core.declaration import Declaration
 from enforcer.core.dra import (
     Allocations,
     GpuUnit,
-    of_sole_container,
-    unit_containers,
     with_ceilings,
 )
 from enforcer.core.model import (
@@ -29,8 +27,7 @@ from enforcer.core.model import (
     UnitUsage,
 )
 from enforcer.core.pod import ContainerRef, container_limits
-
-POD_UNIT = "(pod)"  # processes whose container cannot be proven, against the pod's total
+from enforcer.core.units import POD_UNIT, Unit, of_sole_container
 
 
 def attribute(
@@ -115,7 +112,7 @@ def attribute_per_gpu(
         if unit is not None:
             name = unit.name
         elif container in held_to_zero:
-            name = f"{container}@{usage.device_uuid}"
+            name = str(Unit((container,), usage.device_uuid))
             limits.setdefault(name, (0, usage.device_uuid))
         else:
             continue
@@ -305,7 +302,7 @@ def declared_units(
     borrowers = {
         unit.name: requests[name] // gpus.get(name, 1)
         for unit in units
-        if (name := unit_containers(unit.name)[0]) in ceilings
+        if (name := Unit.of(unit.name).containers[0]) in ceilings
     }
     return _of_pod(sample, pod, units, borrowers, sum(held.values()))
 
@@ -340,7 +337,7 @@ def _of_pod(
     total: int,
 ) -> PodUnits:
     """The units with their containers' inits; and, while a process is not proven to be in
-    a container, the pod's unit (POD_UNIT): every process, against the pod's `total`,
+    a container, the pod's unit (`units.POD_UNIT`): every process, against the pod's `total`,
     reported on and never signalled."""
     found = list(units)
     if pod.inits:

@@ -28,6 +28,7 @@ from enforcer.core.model import format_bytes
 from enforcer.core.parsing import ConfigError, parse_quantity
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import json_map, json_maps
+from enforcer.core.units import Unit, of_sole_container
 
 T = TypeVar("T")
 
@@ -78,38 +79,7 @@ class GpuUnit:
 
     @property
     def name(self) -> str:
-        return f"{'+'.join(self.containers)}@{self.gpu}"
-
-
-def unit_containers(name: str) -> tuple[str, ...]:
-    """The containers of a unit named by `GpuUnit.name` (`a+b@GPU-...`), or of a container's
-    own unit. Container names are DNS labels: they hold neither `+` nor `@`."""
-    return tuple(name.split("@", 1)[0].split("+"))
-
-
-def of_sole_container(name: str, by_container: Mapping[str, T]) -> T | None:
-    """What `by_container` holds for the container of a unit that has one (`trainer`,
-    `trainer@GPU-...`); None for a unit that containers share (`a+b@GPU-...`), or for a
-    container it does not hold."""
-    names = unit_containers(name)
-    return by_container.get(names[0]) if len(names) == 1 else None
-
-
-def describe_unit(name: str) -> str:
-    """A unit as log lines and Events name it: `container 'trainer' on GPU GPU-...`."""
-    names = unit_containers(name)
-    who = (
-        f"container {names[0]!r}"
-        if len(names) == 1
-        else "containers " + " and ".join(repr(n) for n in names)
-    )
-    gpu = unit_gpu(name)
-    return who if gpu is None else f"{who} on GPU {gpu}"
-
-
-def unit_gpu(name: str) -> str | None:
-    """The GPU of a unit named by `GpuUnit.name`; None for a unit of all GPUs."""
-    return name.split("@", 1)[1] if "@" in name else None
+        return str(Unit(self.containers, self.gpu))
 
 
 @dataclass(frozen=True, slots=True)

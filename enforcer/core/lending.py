@@ -24,6 +24,7 @@ from enforcer.core.owed import owed
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import containers_by_id, json_map
 from enforcer.core.reclaim import Gpu, Reclaim, reclaims, views
+from enforcer.core.units import Unit
 
 # How a container of another namespace is named in a reclaim's reason: a tenant learns
 # that a neighbour needed the memory, not who its neighbours are.
@@ -48,12 +49,6 @@ class Tenant:
     # it to 0 there). Else (the kubelet's word: a container may still reach another GPU, by
     # NVIDIA_VISIBLE_DEVICES), one seen on another GPU is counted as NVML shows it.
     confined: bool = False
-
-
-def named(unit: str) -> str:
-    """A tenant's unit as a reason names it, the reclaim naming the GPU: namespace/pod/
-    container (a DRA unit's GPU left out)."""
-    return unit.split("@", 1)[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +122,7 @@ def tenants(
                 gpu = (assigned or {}).get((vram.namespace, vram.name, name))
                 if cid is not None or gpu is not None:
                     request = vram.requests.get(name, ceiling)
-                    unit_name = f"{vram.namespace}/{vram.name}/{name}"
+                    unit_name = str(Unit((name,), pod=f"{vram.namespace}/{vram.name}"))
                     ids = frozenset({cid} if cid is not None else ())
                     found.append(
                         Tenant(unit_name, vram.namespace, request, ceiling, rank, ids, gpu)
@@ -151,7 +146,7 @@ def _claim_tenants(
     ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
     return [
         Tenant(
-            f"{namespace}/{name}/{u.name}",
+            str(Unit(u.containers, u.gpu, f"{namespace}/{name}")),
             namespace,
             requests.get(u.name, u.limit_bytes),
             u.limit_bytes,
@@ -236,7 +231,9 @@ def _as_seen_from(reclaim: Reclaim, namespace: str, found: Tenants) -> Reclaim:
     victim's own namespace."""
     owed = tuple(
         dict.fromkeys(
-            named(unit) if found.by_unit[unit].namespace == namespace else ELSEWHERE
+            str(Unit.of(unit).on_all_gpus)
+            if found.by_unit[unit].namespace == namespace
+            else ELSEWHERE
             for unit in reclaim.owed_to
         )
     )

@@ -17,11 +17,11 @@ from enforcer.core.dra import (
     DraObjects,
     DraSettings,
     allocations,
-    unit_containers,
     with_ceilings,
 )
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import containers_by_id
+from enforcer.core.units import Unit
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +87,7 @@ def pod_vram_from_claims(
     if not found.units:
         return None
     found, allocated = with_ceilings(found, ceilings or {})
-    requests = {unit_containers(u)[0]: size for u, size in allocated.items()}
+    requests = {Unit.of(u).containers[0]: size for u, size in allocated.items()}
     per_container: dict[str, dict[str, int]] = {}
     totals: dict[str, int] = {}
     for unit in found.units:

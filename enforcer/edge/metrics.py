@@ -17,11 +17,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from enforcer.core.attribution import gpu_shares
-from enforcer.core.dra import unit_containers
 from enforcer.core.model import Device
 from enforcer.core.pod_metrics import ContainerSeries
 from enforcer.core.reclaim import Gpu
 from enforcer.core.sidecar_report import ACTIONS, NEEDED_BY, REFUSED, SidecarReport
+from enforcer.core.units import Unit
 from enforcer.edge.telemetry import View
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,9 @@ class EnforcerCollector(Collector):
         labelled = {}
         for unit in view.units:
             # `a+b@GPU-...` (DRA): the containers, and the GPU on a label of its own
-            shown = unit.name if unit.device_uuid is None else "+".join(unit_containers(unit.name))
+            shown = (
+                unit.name if unit.device_uuid is None else "+".join(Unit.of(unit.name).containers)
+            )
             values = labelled[unit.name] = [*base_values, shown]
             if unit.device_uuid is None:
                 used.add_metric(values, unit.used_bytes)

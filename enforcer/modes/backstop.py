@@ -45,9 +45,6 @@ from enforcer.core.dra import (
     DraObjects,
     DraSettings,
     claim_names,
-    describe_unit,
-    of_sole_container,
-    unit_containers,
 )
 from enforcer.core.eviction import evicted, to_evict
 from enforcer.core.model import (
@@ -67,6 +64,7 @@ from enforcer.core.pod import ContainerRef, container_limits, containers_by_id, 
 from enforcer.core.policy import Enforcement, PolicyConfig
 from enforcer.core.settings import resolve
 from enforcer.core.settings.sidecar import POLICY
+from enforcer.core.units import Unit, of_sole_container
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
@@ -167,7 +165,7 @@ class Backstop:
         elif found is not None and found.units:
             limits = found
             held = ", ".join(
-                f"{describe_unit(u.name)}: {format_bytes(u.limit_bytes)}" for u in found.units
+                f"{Unit.of(u.name).described()}: {format_bytes(u.limit_bytes)}" for u in found.units
             )
         else:
             if claimed:  # DRA: what the pod's claims give it is not known, or is no GPU
@@ -368,7 +366,7 @@ class SilentPodAttributor:
         }
 
     def membership(self, unit: str) -> Membership:
-        ids = {self._ids[n] for n in unit_containers(unit) if n in self._ids}
+        ids = {self._ids[n] for n in Unit.of(unit).containers if n in self._ids}
 
         def member(pid: int) -> bool:
             return self._procfs.container_id(pid) in ids
@@ -376,7 +374,8 @@ class SilentPodAttributor:
         return member
 
     def label(self, unit: str) -> str:
-        return f"{describe_unit(unit)} (held by the node agent while the pod's sidecar is silent)"
+        held = "held by the node agent while the pod's sidecar is silent"
+        return f"{Unit.of(unit).described()} ({held})"
 
     def whole(self, unit: UnitUsage) -> WholeUnit:
         """`restart`: the container's init, whose end makes the kubelet restart the

@@ -25,10 +25,11 @@ from enforcer.core.dra import (
     claim_names,
     claim_users,
 )
-from enforcer.core.lending import Lending, Tenants, decide, named, tenants
+from enforcer.core.lending import Lending, Tenants, decide, tenants
 from enforcer.core.model import ProcessKey, Sample
 from enforcer.core.payloads import Pod
 from enforcer.core.pod_resources import Assignments, assigned_gpus
+from enforcer.core.units import Unit
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.modes.node_view import NodeView
@@ -128,7 +129,7 @@ class Lender:
         asked = frozenset((cid, r.gpu) for cid, r in lending.reclaims.items())
         for cid, reclaim in lending.reclaims.items():
             if (cid, reclaim.gpu) not in self._told:
-                who = f"container {named(reclaim.victim.unit)}"
+                who = f"container {Unit.of(reclaim.victim.unit).on_all_gpus}"
                 log.info("%s", messages.reclaim(reclaim, who))
         self._told = asked
         return lending

@@ -38,6 +38,7 @@ from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
 from enforcer.core.reasons import Reason
 from enforcer.core.sidecar_presence import running_containers
+from enforcer.core.units import POD_UNIT
 from enforcer.edge import cgroupfs
 from enforcer.edge.charge_proof import ChargeProof
 from enforcer.edge.guard import LoopGuard
@@ -50,8 +51,6 @@ if TYPE_CHECKING:
     from enforcer.edge.latest import Latest
 
 log = logging.getLogger(__name__)
-
-POD_LABEL = "(pod)"  # the `container` label of a pod's own limit, as the sidecar names it
 
 
 class Sampled(Protocol):
@@ -303,4 +302,8 @@ def _name(target: Target) -> str:
 
 
 def _labels(target: Target) -> tuple[str, str, str]:
-    return target.namespace, target.pod, target.container or POD_LABEL
+    return (
+        target.namespace,
+        target.pod,
+        target.container or POD_UNIT,
+    )  # a pod's own limit, as the sidecar names it

@@ -19,11 +19,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from enforcer.core.attribution import POD_UNIT, PodTerms
+from enforcer.core.attribution import PodTerms
 from enforcer.core.declaration import Declaration
-from enforcer.core.dra import (
-    unit_containers,
-)
 from enforcer.core.model import (
     Action,
 )
@@ -36,6 +33,7 @@ from enforcer.core.pod import (
 from enforcer.core.reasons import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.core.sidecar_report import REPORT_EVERY, SidecarReport
+from enforcer.core.units import Unit
 from enforcer.edge import logs
 from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.dumpable import forbid_inspection
@@ -87,7 +85,7 @@ class EventReporter:
         if report.quiet:
             return  # routine news (a victim has exited) belongs in the log, not in Events
         container = None
-        names = unit_containers(report.unit) if report.unit and report.unit != POD_UNIT else ()
+        names = Unit.of(report.unit).containers if report.unit else ()
         if len(names) == 1:  # the Event points at the container (not when a claim is shared)
             ref = self._refs().get(names[0])
             spec_field = ref.spec_field if ref else spec_field_of(self._pod() or {}, names[0])

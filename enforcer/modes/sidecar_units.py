@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from enforcer.core import messages
 from enforcer.core.attribution import (
-    POD_UNIT,
     PodTerms,
     claimed_units,
     declared_units,
@@ -25,9 +24,6 @@ from enforcer.core.dra import (
     DraObjects,
     DraSettings,
     allocations,
-    describe_unit,
-    of_sole_container,
-    unit_containers,
 )
 from enforcer.core.model import (
     Device,
@@ -44,6 +40,7 @@ from enforcer.core.pod import (
     sole_container,
 )
 from enforcer.core.reclaim import Gpu, Reclaim
+from enforcer.core.units import Unit, of_sole_container
 from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Membership
@@ -208,9 +205,9 @@ class ContainerAttributor:
     def membership(self, unit: str) -> Membership:
         """Re-proven before every signal: the pid's cgroup still names one of the IDs of the
         unit's containers (as this tick matched IDs to containers)."""
-        if unit == POD_UNIT:
+        names = Unit.of(unit).containers
+        if not names:  # the pod's own unit: what is in no proven container is never signalled
             return lambda pid: False
-        names = unit_containers(unit)
         ids = {cid for cid, ref in self._by_id.items() if ref.name in names}
         return lambda pid: pid != 1 and self._procfs.container_id(pid) in ids
 
@@ -278,7 +275,7 @@ class ContainerAttributor:
         return None if ref is None else ref.name
 
     def label(self, unit: str) -> str:
-        return "the pod as a whole" if unit == POD_UNIT else describe_unit(unit)
+        return Unit.of(unit).described()
 
 
 class AgentReclaims:
@@ -295,7 +292,10 @@ class AgentReclaims:
     def __call__(self, gpus: tuple[Gpu, ...], /) -> dict[str, Reclaim]:
         # (the unit's one container, GPU) -> the unit: `trainer`, or with DRA `trainer@GPU-...`
         lending = {
-            (unit_containers(s.unit), g.uuid): s.unit for g in gpus for s in g.shares if s.borrowed
+            (Unit.of(s.unit).containers, g.uuid): s.unit
+            for g in gpus
+            for s in g.shares
+            if s.borrowed
         }
         asked: dict[str, Reclaim] = {}
         for cid, reclaim in self._link.reclaims.items():

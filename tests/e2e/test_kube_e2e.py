@@ -9,9 +9,9 @@ import pytest
 from kubernetes import client
 from prometheus_client import CollectorRegistry, Counter
 
-from enforcer.core.attribution import POD_UNIT
 from enforcer.core.payloads import ObjectReference
 from enforcer.core.reasons import Reason
+from enforcer.core.units import POD_UNIT
 from enforcer.edge.events import EventRecorder
 from enforcer.edge.kube import POD, KubeError, NotFound, call, request
 from enforcer.modes.pipeline import Report

@@ -20,10 +20,11 @@ from typing import Any, cast
 
 import pytest
 
-from enforcer.core.attribution import POD_UNIT, PodTerms
+from enforcer.core.attribution import PodTerms
 from enforcer.core.declaration import Declaration, Portion
 from enforcer.core.dra import DraObjects, DraSettings
 from enforcer.core.model import Activity, Device, GiB, MiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.units import POD_UNIT
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.exec import TreeAttributor
 from enforcer.modes.sidecar import ALONE_FOR, AloneDetector

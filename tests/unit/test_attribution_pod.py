@@ -4,7 +4,6 @@ as pure functions of what its shell read on one tick."""
 from decimal import Decimal
 
 from enforcer.core.attribution import (
-    POD_UNIT,
     PodProcesses,
     PodTerms,
     PodUnits,
@@ -16,6 +15,7 @@ from enforcer.core.declaration import Declaration, Portion
 from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.model import GiB, ProcessKey, ProcessTotal, ProcessUsage, Sample
 from enforcer.core.pod import ContainerRef
+from enforcer.core.units import POD_UNIT
 
 TRAINER, HELPER, STRANGER = ProcessKey(12, 120), ProcessKey(50, 500), ProcessKey(60, 600)
 CONTAINERS = (ContainerRef("trainer", "containers"), ContainerRef("helper", "containers"))
