@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from enforcer.core import messages
 from enforcer.core.attribution import usage_by_container
-from enforcer.core.declaration import SIDECAR
+from enforcer.core.declaration import SIDECAR, Declares
 from enforcer.core.gpu_faults import Faults, passed
 from enforcer.core.model import Device, Sample, SourceDown
 from enforcer.core.payloads import ObjectReference
@@ -51,7 +51,7 @@ from enforcer.edge.usage_server import ServerHooks, ServerMetrics, UsageServer
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
-from enforcer.modes.node_view import NodeView
+from enforcer.modes.node_view import ClaimReads, NodeView
 from enforcer.modes.pod_metrics import LastPass, PodCounts, pods_view
 
 if TYPE_CHECKING:
@@ -474,8 +474,13 @@ def _pod_watch(
         api, settings.node_name, (limiter_woken, publisher_woken, lender_woken, resources_woken)
     )
     namespaces = OptedInNamespaces(api, settings.namespace, (limiter_woken, lender_woken))
+    # No DRA driver's allocations are GPUs (`--dra-drivers` empty): no claim is read.
+    reads = ClaimReads(claims.last, claims.objects_or_problem, settings.dra)
     node = NodeView(
-        pods.snapshot, namespaces.names, (settings.resource_name, settings.resource_unit)
+        pods.snapshot,
+        namespaces.names,
+        Declares(settings.resource_name, settings.resource_unit, SIDECAR),
+        reads if settings.dra.drivers else None,
     )
     woken: list[Woken] = []
     if settings.hard_limits:
@@ -488,7 +493,6 @@ def _pod_watch(
                 telemetry,
                 cgroups=(Path(settings.cgroup_root), settings.cgroup_scan),
                 changed=limiter_woken,
-                claims=(claims.objects_or_problem, settings.dra),
             )
         )
     lender, backstop = None, None
@@ -499,15 +503,7 @@ def _pod_watch(
             kubelet = PodResources(Path(settings.pod_resources_socket), resources_woken, telemetry)
             assigned = (lambda: kubelet.last, settings.gpu_resources)
             woken.append(kubelet)
-        lender = Lender(
-            node,
-            lender_woken,
-            SIDECAR,
-            settings.reclaim_watermark,
-            telemetry,
-            (claims.last, settings.dra) if dra else None,
-            assigned,
-        )
+        lender = Lender(node, lender_woken, settings.reclaim_watermark, telemetry, assigned)
         woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
         host_proc = server.host_proc
         reach = (functools.partial(dial_sidecars, host_proc), SidecarProcesses(host_proc))
@@ -517,14 +513,7 @@ def _pod_watch(
         evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"))
         woken.append(evictor)
         backstop = Backstop(
-            node,
-            lambda: sidecars.silent,
-            SIDECAR,
-            recorder,
-            telemetry,
-            host_proc,
-            (claims.last, settings.dra) if dra else None,
-            evictor.evict,
+            node, lambda: sidecars.silent, recorder, telemetry, host_proc, evictor.evict
         )
         view = functools.partial(
             pods_view,

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 from enforcer.core import messages
 from enforcer.core.attribution import attribute_declared, attribute_per_gpu
 from enforcer.core.declaration import (
-    Declares,
     Undeclared,
     env_trusted,
     portion_basis,
@@ -42,8 +41,6 @@ from enforcer.core.declaration import (
 )
 from enforcer.core.dra import (
     Allocations,
-    DraObjects,
-    DraSettings,
     claim_names,
 )
 from enforcer.core.eviction import evicted, to_evict
@@ -89,11 +86,9 @@ class Backstop:
         self,
         node: NodeView,
         silent: Callable[[], frozenset[str]],
-        sidecar: str,
         recorder: EventRecorder,
         telemetry: AgentTelemetry,
         procfs: ProcFs,
-        claims: tuple[Callable[[Pod], DraObjects | None], DraSettings] | None = None,
         evict: Evict | None = None,
     ) -> None:
         """`evict`: what evicts a pod whose signal the kernel refused (None: nothing does,
@@ -102,10 +97,10 @@ class Backstop:
         self._pods = node.pods
         self._opted_in = node.opted_in
         self._evict = evict
-        self._claims = claims  # DRA: the pod's claims and the node's slices, as last read
+        self._claims = node.claims  # DRA: the pod's claims and the node's slices, as last read
         self._unheld: set[str] = set()  # silent pods said to be beyond the agent's hold
         self._silent = silent
-        self._declares = Declares(*node.resource, sidecar)
+        self._declares = node.declares
         self._recorder = recorder
         self._telemetry = telemetry
         self._procfs = procfs
@@ -153,8 +148,8 @@ class Backstop:
         env = sidecar_env(pod, self._declares.sidecar) if env_trusted(pod, trusted) else {}
         policy = policy_of(env)
         claimed = self._claims is not None and bool(claim_names(pod))
-        objects = self._claims[0](pod) if self._claims is not None and claimed else None
-        read = (objects, self._claims[1]) if self._claims is not None and objects else None
+        objects = self._claims.last(pod) if self._claims is not None and claimed else None
+        read = (objects, self._claims.settings) if self._claims is not None and objects else None
         basis = portion_basis(sample.devices)
         pod_owed = owed(pod, self._declares, opted_in=trusted, basis=basis, claims=read)
         found = pod_owed.allocations

@@ -16,11 +16,10 @@ import threading
 from collections.abc import Callable, Mapping
 
 from enforcer.core import messages
-from enforcer.core.declaration import Declares, portion_basis
+from enforcer.core.declaration import portion_basis
 from enforcer.core.dra import (
     Allocations,
     DraObjects,
-    DraSettings,
     allocations,
     claim_names,
     claim_users,
@@ -42,27 +41,24 @@ class Lender:
         self,
         node: NodeView,
         changed: threading.Event,
-        sidecar: str,
         watermark: int,
         telemetry: AgentTelemetry,
-        claims: tuple[Callable[[Pod], DraObjects | None], DraSettings] | None = None,
         assigned: tuple[Callable[[], Assignments | None], tuple[str, ...]] | None = None,
     ) -> None:
-        """`changed`: set by the pod watch on every change of the node's pods. `claims`
-        (DRA): a pod's claims and the node's slices as last read, never read here (the
-        sampler does not wait on the API), and which allocations are GPUs. `assigned`: the
-        devices the kubelet gave each container, as last read, and the resources that are
-        GPUs."""
+        """`changed`: set by the pod watch on every change of the node's pods. The pods'
+        claims (DRA) are taken as last read (`ClaimReads.last`), never read here: the
+        sampler does not wait on the API. `assigned`: the devices the kubelet gave each
+        container, as last read, and the resources that are GPUs."""
         self._pods = node.pods
         self._opted_in = node.opted_in
         self._trusted: frozenset[str] | None = None  # as the tenants were made with
-        self._claims = claims
+        self._claims = node.claims
         self._assigned = assigned
         self._assignments: Assignments | None = None  # as the tenants were made with
         # DRA pods: UID -> (the pod, its objects as last read, or None before a read)
         self._read: dict[str, tuple[Pod, DraObjects | None]] = {}
         self._changed = changed
-        self._declares = Declares(*node.resource, sidecar)
+        self._declares = node.declares
         self._watermark = watermark
         self._telemetry = telemetry
         self._tenants: Tenants | None = None  # None: the pods are not known yet
@@ -140,7 +136,7 @@ class Lender:
         again); a claim that pods share is owed once, each pod its part (`claim_users`)."""
         if self._claims is None:
             return {}
-        last, settings = self._claims
+        last, settings = self._claims.last, self._claims.settings
         self._read = {uid: (pod, last(pod)) for uid, pod in pods.items() if claim_names(pod)}
         users = claim_users(pods.values(), (o for _, o in self._read.values() if o is not None))
         return {
@@ -153,5 +149,5 @@ class Lender:
         """Whether a DRA pod's claims were read since its tenants were made."""
         if self._claims is None:
             return False
-        last = self._claims[0]
+        last = self._claims.last
         return any(last(pod) is not objects for pod, objects in self._read.values())

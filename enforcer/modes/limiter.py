@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from enforcer.core import messages
-from enforcer.core.declaration import Declares, env_trusted, portion_basis, unreadable
-from enforcer.core.dra import DraObjects, DraSettings, claim_names, claim_users
+from enforcer.core.declaration import env_trusted, portion_basis, unreadable
+from enforcer.core.dra import DraObjects, claim_names, claim_users
 from enforcer.core.hard_limits import (
     Key,
     Target,
@@ -78,7 +78,6 @@ class HardLimiter(threading.Thread):
         *,
         cgroups: tuple[Path, float],
         changed: threading.Event,
-        claims: tuple[Callable[[Pod], DraObjects | str], DraSettings] | None = None,
     ) -> None:
         """`cgroups`: the host's cgroupfs, and how often its pods' cgroups are scanned."""
         super().__init__(name="hard-limiter", daemon=True)
@@ -91,8 +90,8 @@ class HardLimiter(threading.Thread):
         self._telemetry = telemetry
         self._root = cgroupfs.v2_at(cgroup_root)  # a hybrid host's v2 is below `unified`
         self._scanner = cgroupfs.PodScanner(self._root)
-        self._declares = Declares(*node.resource)
-        self._claims = claims  # DRA: reads a pod's claims and this node's slices
+        self._declares = node.declares
+        self._claims = node.claims  # DRA: reads a pod's claims and this node's slices
         self._scan_every = scan_every
         self._changed = changed
         self.stop = threading.Event()
@@ -159,7 +158,7 @@ class HardLimiter(threading.Thread):
         declaration cannot be read is said once, not on every read."""
         reads: dict[str, DraObjects | str] = {}
         if self._claims is not None:
-            reads = {uid: self._claims[0](pod) for uid, pod in pods.items() if claim_names(pod)}
+            reads = {uid: self._claims.now(pod) for uid, pod in pods.items() if claim_names(pod)}
         users = claim_users(pods.values(), (o for o in reads.values() if not isinstance(o, str)))
         parsed: dict[str, tuple[str, PodVram | None, str]] = {}
         for uid, pod in pods.items():
@@ -179,7 +178,7 @@ class HardLimiter(threading.Thread):
             objects = reads.get(uid)
             read = None
             if self._claims is not None and isinstance(objects, DraObjects):
-                read = (objects, self._claims[1])
+                read = (objects, self._claims.settings)
             pod_owed = owed(
                 pod, self._declares, opted_in=trusted, basis=basis, claims=read, users=users
             )

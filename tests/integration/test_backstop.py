@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
+from enforcer.core.declaration import Declares
 from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample, UnitUsage
 from enforcer.core.owed import PodVram
@@ -227,9 +228,10 @@ def test_a_pod_handed_back_before_the_grace_period_ends_still_gets_its_sigkill(
         silent: set[str] = {"u"}
         recorder = Recorded()
         backstop = Backstop(
-            NodeView(lambda: {"u": pod}, lambda: frozenset({"team"}), ("vram-enforcer.io/vram", 1)),
+            NodeView(
+                lambda: {"u": pod}, lambda: frozenset({"team"}), Declares("vram-enforcer.io/vram")
+            ),
             lambda: frozenset(silent),
-            "vram-enforcer",
             cast("EventRecorder", recorder),
             AgentTelemetry(),
             procfs,
@@ -260,6 +262,7 @@ def test_a_pod_handed_back_before_the_grace_period_ends_still_gets_its_sigkill(
 EVICTING = """
 import json, sys, time
 from kubernetes import client
+from enforcer.core.declaration import Declares
 from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.edge.events import EventRecorder
 from enforcer.edge.eviction import Evictor
@@ -279,9 +282,8 @@ evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"))
 recorder.start()
 evictor.start()
 node = NodeView(lambda: {"u": json.loads(pod)}, lambda: frozenset({"team"}),
-                ("vram-enforcer.io/vram", 1))
-backstop = Backstop(node, lambda: frozenset({"u"}), "vram-enforcer", recorder, telemetry,
-                    ProcFs(), None, evictor.evict)
+                Declares("vram-enforcer.io/vram"))
+backstop = Backstop(node, lambda: frozenset({"u"}), recorder, telemetry, ProcFs(), evictor.evict)
 key = ProcessKey(int(pid), int(start))
 sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
 for _ in range(5):  # the sampler's passes: one eviction for all of them

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 from kubernetes import client
 
-from enforcer.core.declaration import ENFORCED, SIDECAR
+from enforcer.core.declaration import ENFORCED, SIDECAR, Declares
 from enforcer.core.lending import Lending
 from enforcer.core.model import Device, GiB, ProcessKey, Sample
 from enforcer.core.model import ProcessUsage as Usage
@@ -135,7 +135,7 @@ def said_once(caplog: pytest.LogCaptureFixture, what: str) -> None:
 def test_the_lender_still_reclaims_for_the_good_pods(caplog: pytest.LogCaptureFixture) -> None:
     pods, changed = node(), threading.Event()
     lender = Lender(
-        NodeView(lambda: pods, lambda: READ, (RES, 1)), changed, SIDECAR, 2 * GiB, AgentTelemetry()
+        NodeView(lambda: pods, lambda: READ, Declares(RES)), changed, 2 * GiB, AgentTelemetry()
     )
     with caplog.at_level(logging.WARNING, "enforcer.modes.lender"):
         for _ in range(3):
@@ -159,7 +159,7 @@ def test_the_hard_limiter_still_sets_the_good_pods_limits(
     devices = [Device(0, GPU, "H100", 80 * GiB, 0)]
     limiter = HardLimiter(
         cast(Nvml, nvml),
-        NodeView(lambda: pods, lambda: READ, (RES, 1)),
+        NodeView(lambda: pods, lambda: READ, Declares(RES)),
         cast(Any, SimpleNamespace(devices=Latest(devices), container_usage=Latest({}))),
         cast(Any, None),
         AgentTelemetry(),
@@ -184,9 +184,8 @@ def test_the_backstop_still_holds_a_silent_good_pod(caplog: pytest.LogCaptureFix
     pods, telemetry = node(), AgentTelemetry()
     silent = frozenset(each for each in pods if each != uid("burst"))
     backstop = Backstop(
-        NodeView(lambda: pods, lambda: READ, (RES, 1)),
+        NodeView(lambda: pods, lambda: READ, Declares(RES)),
         lambda: silent,
-        SIDECAR,
         cast("EventRecorder", Recorded()),
         telemetry,
         ProcFs(),
@@ -236,7 +235,7 @@ def test_a_lender_pass_that_fails_publishes_no_lending(tmp_path: Path) -> None:
         return pods
 
     changed = threading.Event()
-    lender = Lender(NodeView(listed, lambda: READ, (RES, 1)), changed, SIDECAR, 2 * GiB, telemetry)
+    lender = Lender(NodeView(listed, lambda: READ, Declares(RES)), changed, 2 * GiB, telemetry)
     sampler = Sampler(
         cast(NvmlSource, _Given()),
         server,
@@ -338,9 +337,8 @@ def test_a_forged_sidecar_environment_is_read_only_once_its_namespace_opts_in(
     pods, changed = forged_node(), threading.Event()
     trusted: list[frozenset[str] | None] = [None]
     lender = Lender(
-        NodeView(lambda: pods, lambda: trusted[0], (RES, 1)),
+        NodeView(lambda: pods, lambda: trusted[0], Declares(RES)),
         changed,
-        SIDECAR,
         2 * GiB,
         AgentTelemetry(),
     )
@@ -388,7 +386,7 @@ def test_the_hard_limiter_reads_a_sidecar_environment_only_where_its_namespace_o
     trusted: list[frozenset[str] | None] = [None]
     limiter = HardLimiter(
         cast(Nvml, nvml),
-        NodeView(lambda: pods, lambda: trusted[0], (RES, 1)),
+        NodeView(lambda: pods, lambda: trusted[0], Declares(RES)),
         cast(Any, SimpleNamespace(devices=Latest(devices), container_usage=Latest({}))),
         cast(Any, None),
         AgentTelemetry(),
@@ -421,9 +419,8 @@ def test_the_backstop_takes_no_forged_policy_outside_the_namespaces_that_opted_i
     pods, telemetry = forged_node(), AgentTelemetry()
     trusted: list[frozenset[str] | None] = [None]
     backstop = Backstop(
-        NodeView(lambda: pods, lambda: trusted[0], (RES, 1)),
+        NodeView(lambda: pods, lambda: trusted[0], Declares(RES)),
         lambda: frozenset(pods),
-        SIDECAR,
         cast("EventRecorder", Recorded()),
         telemetry,
         ProcFs(),
@@ -469,9 +466,8 @@ def test_the_lender_reads_what_the_agents_watch_of_the_namespaces_lists(
         config.host, config.proxy = api.url, None
         watched = OptedInNamespaces(api_client(config), "vram-enforcer", (changed,))
         lender = Lender(
-            NodeView(lambda: pods, watched.names, (RES, 1)),
+            NodeView(lambda: pods, watched.names, Declares(RES)),
             changed,
-            SIDECAR,
             2 * GiB,
             AgentTelemetry(),
         )

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-from enforcer.core.declaration import SIDECAR
+from enforcer.core.declaration import Declares
 from enforcer.core.dra import DraObjects, DraSettings
 from enforcer.core.model import Device, GiB, LimitOutcome, LimitResult, ProcessKey, Sample
 from enforcer.core.model import ProcessUsage as Usage
@@ -21,11 +21,17 @@ from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.nvml import Nvml
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
-from enforcer.modes.node_view import NodeView
+from enforcer.modes.node_view import ClaimReads, NodeView
 from tests.unit.test_shared_claims import GPUS, RES, SLICE, cid, claim, pod
 
 GPU0 = GPUS["gpu-0"]
 SHARING = ["a", "b", "c", "d"]
+
+
+def never(pod: Any) -> Any:
+    """A read of claims that the part under test must not make (the lender takes them as
+    last read; the hard limiter reads them again)."""
+    raise AssertionError("not read here")
 
 
 def shared(size: int) -> tuple[dict[str, Pod], DraObjects]:
@@ -57,12 +63,15 @@ def test_the_lender_owes_a_shared_claim_once() -> None:
         everyone = {**pods, borrower["metadata"]["uid"]: borrower}
         read = {**dict.fromkeys(pods, objects), borrower["metadata"]["uid"]: own}
         return Lender(
-            NodeView(lambda: everyone, lambda: frozenset({"ml"}), (RES, 1)),
+            NodeView(
+                lambda: everyone,
+                lambda: frozenset({"ml"}),
+                Declares(RES),
+                ClaimReads(lambda p: read[p["metadata"]["uid"]], never, DraSettings()),
+            ),
             threading.Event(),
-            SIDECAR,
             2 * GiB,
             AgentTelemetry(),
-            (lambda p: read[p["metadata"]["uid"]], DraSettings()),
         )
 
     lending = lender(10 * GiB)(seen, lambda: {ProcessKey(1, 1): burst})
@@ -102,13 +111,17 @@ def test_each_pod_cgroup_gets_its_part_of_a_shared_claim(tmp_path: Path) -> None
     usage: Mapping[str, Mapping[str, int]] = {}
     limiter = HardLimiter(
         cast(Nvml, nvml),
-        NodeView(lambda: pods, lambda: frozenset({"ml"}), (RES, 1)),
+        NodeView(
+            lambda: pods,
+            lambda: frozenset({"ml"}),
+            Declares(RES),
+            ClaimReads(never, lambda p: objects, DraSettings()),
+        ),
         cast(Any, SimpleNamespace(devices=Latest(devices), container_usage=Latest(usage))),
         cast(Any, None),
         AgentTelemetry(),
         cgroups=(tmp_path, 60.0),
         changed=threading.Event(),
-        claims=(lambda p: objects, DraSettings()),
     )
     limiter._pass()  # one pass, as its thread runs it on each change of the pods
     assert sorted(nvml.set.values()) == [10 * GiB // 4] * 4

@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import pytest
 
-from enforcer.core.declaration import ENFORCED, LIMITS_ENV
+from enforcer.core.declaration import ENFORCED, LIMITS_ENV, Declares
 from enforcer.core.model import GiB, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
 from enforcer.core.sidecar_presence import SILENT_AFTER
@@ -220,10 +220,11 @@ def test_a_pending_pods_init_container_is_held_by_the_agent_when_its_sidecar_nev
         )
         backstop = Backstop(
             NodeView(
-                lambda: {"u-init": pod}, lambda: frozenset({"team"}), ("vram-enforcer.io/vram", 1)
+                lambda: {"u-init": pod},
+                lambda: frozenset({"team"}),
+                Declares("vram-enforcer.io/vram"),
             ),
             lambda: watch.silent,
-            "vram-enforcer",
             recorder,
             TELEMETRY,
             procfs,
