@@ -120,6 +120,7 @@ class HardLimiter(threading.Thread):
         declared = self._declared(pods, portion_basis(devices), trusted)
         live = {p.uid for p in declared}
         self._told &= live
+        self._proof.keep(live)
         usable = [d for d in devices if d.uuid not in self._final]
         why = self._node_reason(devices, usable)
         if why:
@@ -129,7 +130,6 @@ class HardLimiter(threading.Thread):
             return
         found = self._scanner.scan()
         pod_dirs, existing = found.pods, found.paths()
-        self._proof.keep({pod_dirs[uid] for uid in live - self._told if uid in pod_dirs})
         self._rejected = {r for r in self._rejected if r[0] in existing}  # gone with the cgroup
         wanted = targets(declared, pod_dirs, found.containers)
         limits = {key: limit for key, (_, limit) in self._applied.items()}
@@ -269,7 +269,7 @@ class HardLimiter(threading.Thread):
         listed = {
             gpu: sum(usage.get(cid, {}).get(gpu, 0) for cid in pod.ids.values()) for gpu in limits
         }
-        proof = self._proof.read(pod_dir, listed)
+        proof = self._proof.read(pod_dir, listed, pod.uid)
         if proof is None:
             return
         if proof.binds:
