@@ -8,6 +8,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,25 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "c
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def standalone_agent(socket_path: Path, *flags: str) -> list[str]:
+    """`vram-enforcer agent` alone on this machine: no API (nothing advertised, labelled or
+    served to pods), no hard limits, its socket at `socket_path`; `flags` added."""
+    return [
+        sys.executable,
+        "-m",
+        "enforcer",
+        "agent",
+        "--no-advertise",
+        "--no-labels",
+        "--no-serve-pods",
+        "--hard-limits",
+        "off",
+        "--socket",
+        str(socket_path),
+        *flags,
+    ]
 
 
 def free_port() -> int:

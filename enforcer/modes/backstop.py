@@ -147,9 +147,9 @@ class Backstop:
         namespace has not opted in: a `warn` there is its author's)."""
         env = sidecar_env(pod, self._declares.sidecar) if env_trusted(pod, trusted) else {}
         policy = policy_of(env)
-        claimed = self._claims is not None and bool(claim_names(pod))
-        objects = self._claims.last(pod) if self._claims is not None and claimed else None
-        read = (objects, self._claims.settings) if self._claims is not None and objects else None
+        claims = self._claims if claim_names(pod) else None  # DRA, and the pod claims
+        objects = claims.last(pod) if claims is not None else None
+        read = (objects, claims.settings) if claims is not None and objects is not None else None
         basis = portion_basis(sample.devices)
         pod_owed = owed(pod, self._declares, opted_in=trusted, basis=basis, claims=read)
         found = pod_owed.allocations
@@ -163,7 +163,7 @@ class Backstop:
                 f"{Unit.of(u.name).described()}: {format_bytes(u.limit_bytes)}" for u in found.units
             )
         else:
-            if claimed:  # DRA: what the pod's claims give it is not known, or is no GPU
+            if claims is not None:  # what the pod's claims give it is not known, or no GPU
                 why = "; ".join(found.problems) if found else "its claims have not been read yet"
                 self._cannot_hold(pod, why or "its claims give no GPU")
             elif isinstance(pod_owed.declared, Undeclared):

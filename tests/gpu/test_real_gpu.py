@@ -13,7 +13,7 @@ from enforcer.edge.nvml import Nvml
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.pid_view import PidView
 from enforcer.edge.procfs import ProcFs
-from tests.helpers import children, wait_for
+from tests.helpers import children, standalone_agent, wait_for
 
 ALLOC = Path(__file__).with_name("alloc.py")
 POD_ALLOC = Path(__file__).with_name("pod_alloc.py")
@@ -105,23 +105,7 @@ def test_the_agent_names_a_pods_cuda_process_by_the_pods_own_pid(tmp_path: Path)
     """NVML reports host pids; a caller in a PID namespace must get its own pids back."""
     sock = tmp_path / "agent.sock"
     agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "enforcer",
-            "agent",
-            "--no-advertise",
-            "--no-labels",
-            "--no-serve-pods",
-            "--hard-limits",
-            "off",
-            "--socket",
-            str(sock),
-            "--interval",
-            "50ms",
-            "--log-format",
-            "text",
-        ],
+        standalone_agent(sock, "--interval", "50ms", "--log-format", "text"),
         stderr=(tmp_path / "agent.log").open("w"),
     )
     pod = None

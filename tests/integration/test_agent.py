@@ -32,7 +32,14 @@ from enforcer.edge.procfs import ProcFs
 from enforcer.edge.usage_server import PER_NAMESPACE
 from tests.fakenvml import FakeGpuState
 from tests.fakenvml.plugin import FakeNvml
-from tests.helpers import children, free_port, scratch_cgroup, wait_for, write_kubeconfig
+from tests.helpers import (
+    children,
+    free_port,
+    scratch_cgroup,
+    standalone_agent,
+    wait_for,
+    write_kubeconfig,
+)
 
 POD = Path(__file__).with_name("pod.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,25 +57,15 @@ class Agent:
         self.log_path = tmp / "agent.log"
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "enforcer",
-                "agent",
-                "--no-advertise",
-                "--no-labels",
-                "--no-serve-pods",
-                "--hard-limits",
-                "off",
-                "--socket",
-                str(self.socket),
+            standalone_agent(
+                self.socket,
                 "--interval",
                 "50ms",
                 "--metrics-port",
                 str(self.metrics_port),
                 "--log-format",
                 "text",
-            ],
+            ),
             env={**os.environ, **gpu.env()},
             stderr=self.log,
             text=True,
@@ -402,19 +399,7 @@ def test_a_stale_socket_is_replaced_but_a_live_one_is_not(
     try:
         assert "processes" in first.ask()
         second = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "enforcer",
-                "agent",
-                "--no-advertise",
-                "--no-labels",
-                "--no-serve-pods",
-                "--hard-limits",
-                "off",
-                "--socket",
-                str(first.socket),
-            ],
+            standalone_agent(first.socket),
             env={**os.environ, **fake_nvml.env()},
             capture_output=True,
             text=True,
@@ -436,19 +421,7 @@ def test_the_agent_refuses_to_run_outside_the_host_pid_namespace(
             "--pid",
             "--fork",
             "--mount-proc",
-            sys.executable,
-            "-m",
-            "enforcer",
-            "agent",
-            "--no-advertise",
-            "--no-labels",
-            "--no-serve-pods",
-            "--hard-limits",
-            "off",
-            "--socket",
-            str(tmp_path / "a.sock"),
-            "--log-format",
-            "text",
+            *standalone_agent(tmp_path / "a.sock", "--log-format", "text"),
         ],
         env={**os.environ, **fake_nvml.env()},
         capture_output=True,

@@ -18,7 +18,7 @@ import pytest
 
 from enforcer.core.settings.common import DEFAULT_SOCKET
 from enforcer.modes.doctor import Check, render
-from tests.helpers import wait_for
+from tests.helpers import standalone_agent, wait_for
 from tests.kubelet import Kubelet
 
 
@@ -41,19 +41,7 @@ def with_api(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[st
 def agent(fake_nvml: Any, tmp_path: Path) -> Iterator[Path]:
     sock = tmp_path / "agent.sock"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "enforcer",
-            "agent",
-            "--no-advertise",
-            "--no-labels",
-            "--no-serve-pods",
-            "--hard-limits",
-            "off",
-            "--socket",
-            str(sock),
-        ],
+        standalone_agent(sock),
         env={**os.environ, **fake_nvml.env()},
         stderr=subprocess.DEVNULL,
     )
