@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from enforcer.core.payloads import Pod
 
-CONTAINER_FIELDS = ("initContainers", "containers")
+CONTAINER_FIELDS = ("initContainers", "containers", "ephemeralContainers")
 # Per container: the fields the webhook reads or writes, and what each holds.
 _CONTAINER = {"env": list, "volumeMounts": list, "ports": list, "resources": dict}
 _ITEM_NAMES = {"env": "name", "volumeMounts": "mountPath", "ports": "containerPort"}

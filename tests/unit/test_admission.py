@@ -1070,3 +1070,37 @@ def test_a_pod_that_declares_nothing_may_not_carry_a_container_named_like_the_si
         mutate(pod(gpu("main", None), init=[forged]), KAI)
     with pytest.raises(Denied, match=r"spec.containers: " + message):
         mutate(pod(gpu("main", None), forged), NATIVE)
+
+
+def test_a_pod_that_opts_out_may_not_carry_a_container_named_like_the_sidecar() -> None:
+    """Issue 42, item 2: where the operator lets pods opt out, a declaring pod that does is
+    admitted as it is, and the node agent reads a container named like the sidecar as the
+    webhook's own (in an opted-in namespace): its own `vram-enforcer` declared a 1 TiB
+    ceiling. The opt-out stands; the name does not."""
+    forged = {
+        "name": "vram-enforcer",
+        "image": NATIVE.sidecar_image,
+        "env": [{"name": "VRAM_ENFORCER_CEILINGS", "value": '{"trainer": 1099511627776}'}],
+    }
+    lenient = dataclasses.replace(NATIVE, tenancy=Tenancy(Bounds(allow_opt_out=True)))
+    opted_out = {"vram-enforcer.io/inject": "false"}
+    message = (
+        "a container is named 'vram-enforcer', the name of the enforcer's sidecar, in a pod "
+        "that opts out of it (metadata.annotations['vram-enforcer.io/inject']: 'false'); "
+        "rename it"
+    )
+    for field, p in (
+        ("containers", pod(gpu("trainer"), forged, annotations=opted_out)),
+        ("initContainers", pod(gpu("trainer"), init=[forged], annotations=opted_out)),
+    ):
+        with pytest.raises(Denied, match=re.escape(f"spec.{field}: {message}")):
+            mutate(p, lenient, "ml")
+    assert mutate(pod(gpu("trainer"), annotations=opted_out), lenient, "ml") == []
+
+
+def test_no_ephemeral_container_is_named_like_the_sidecar_in_a_pod_the_webhook_admits() -> None:
+    """The API server refuses ephemeral containers in a create; the webhook does not rely
+    on it for the one name the node agent trusts."""
+    forged = {"name": "vram-enforcer", "image": NATIVE.sidecar_image}
+    with pytest.raises(Denied, match=r"spec.ephemeralContainers: a container is named"):
+        mutate(pod({"name": "web", "image": "nginx"}, ephemeralContainers=[forged]), NATIVE)

@@ -7,6 +7,8 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+from enforcer.core import shapes
+from enforcer.core.declaration import SIDECAR
 from enforcer.core.dra import NVIDIA_DRIVER
 from enforcer.core.payloads import (
     Container,
@@ -49,6 +51,19 @@ class AdmissionSettings:
 
 class Denied(Exception):
     """The pod cannot be admitted; the message tells the user what to change."""
+
+
+def deny_sidecar_name(spec: Mapping[str, object], pod_that: str) -> None:
+    """Deny a container under the sidecar's name in a pod that the webhook admits without
+    injecting it (one that `pod_that` says why): the node agent reads the sidecar's
+    environment, in an opted-in namespace, as the webhook wrote it. Read before the pod's
+    shape is checked: such a pod is not ours to judge otherwise."""
+    for spec_field in shapes.CONTAINER_FIELDS:
+        if any(as_map(c).get("name") == SIDECAR for c in as_list(spec.get(spec_field))):
+            raise Denied(
+                f"spec.{spec_field}: a container is named {SIDECAR!r}, the name of the "
+                f"enforcer's sidecar, in a pod that {pod_that}; rename it"
+            )
 
 
 def containers(spec: PodSpec) -> Iterator[Container]:

@@ -23,6 +23,7 @@ from enforcer.core.admission.common import (
     as_map,
     containers,
     containers_at,
+    deny_sidecar_name,
 )
 from enforcer.core.admission.patch import Patch
 from enforcer.core.admission.sidecar import (
@@ -233,11 +234,14 @@ def mutate(
         as_list(raw_spec.get("resourceClaims"))
     )
     if not limits and not claims_by_hand and not by_kai:
-        _check_undeclared(raw_spec)
+        deny_sidecar_name(raw_spec, "declares no VRAM")
         return []
     bounds = settings.tenancy.bounds(namespace)
     if str(annotations.get(INJECT, "")).lower() == "false":
         if bounds.allow_opt_out:
+            deny_sidecar_name(
+                raw_spec, f"opts out of it (metadata.annotations[{INJECT!r}]: 'false')"
+            )
             return []
         raise Denied(
             f"metadata.annotations[{INJECT!r}]: 'false' is not allowed "
@@ -397,17 +401,6 @@ def _kai(
         return kai.declaration(annotations, names, inits, borrowing)
     except ConfigError as exc:
         raise Denied(str(exc)) from None
-
-
-def _check_undeclared(spec: Mapping[str, object]) -> None:
-    """A pod that declares no VRAM carries no container under the sidecar's name: the node
-    agent trusts what the sidecar's environment declares, as the webhook wrote it."""
-    for spec_field in shapes.CONTAINER_FIELDS:
-        if any(as_map(c).get("name") == SIDECAR for c in as_list(spec.get(spec_field))):
-            raise Denied(
-                f"spec.{spec_field}: a container is named {SIDECAR!r}, the name of the "
-                "enforcer's sidecar, in a pod that declares no VRAM; rename it"
-            )
 
 
 def sidecar_mode_for(git_version: str) -> str:
