@@ -87,6 +87,7 @@ class PodSpec(TypedDict, total=False):
     ephemeralContainers: list[Container]
     volumes: list[Volume]
     hostPID: bool
+    securityContext: dict[str, Any]
     shareProcessNamespace: bool
     automountServiceAccountToken: bool
     runtimeClassName: str

@@ -16,7 +16,21 @@ from enforcer.core.payloads import Pod
 
 CONTAINER_FIELDS = ("initContainers", "containers", "ephemeralContainers")
 # Per container: the fields the webhook reads or writes, and what each holds.
-_CONTAINER = {"env": list, "volumeMounts": list, "ports": list, "resources": dict}
+_CONTAINER = {
+    "env": list,
+    "volumeMounts": list,
+    "ports": list,
+    "resources": dict,
+    "securityContext": dict,
+}
+# In a securityContext (the pod's, or a container's): the maps the webhook reads, and the
+# values each holds (`_SECURITY_VALUES`; capabilities hold lists of them).
+_SECURITY_MAPS = ("appArmorProfile", "seLinuxOptions", "capabilities")
+_SECURITY_VALUES: dict[str, type | tuple[type, ...]] = {
+    "appArmorProfile": str,
+    "seLinuxOptions": str,
+    "capabilities": list,
+}
 _ITEM_NAMES = {"env": "name", "volumeMounts": "mountPath", "ports": "containerPort"}
 _ITEM_TYPES: dict[str, type | tuple[type, ...]] = {
     "name": str,
@@ -44,6 +58,7 @@ def check(pod: Mapping[str, object]) -> Pod:
     _expect(meta.get("annotations"), dict, "metadata.annotations")
     _expect(meta.get("labels"), dict, "metadata.labels")
     spec = _expect(pod.get("spec"), dict, "spec")
+    _security(_expect(spec.get("securityContext"), dict, "spec.securityContext"), "spec")
     for field in ("volumes", "resourceClaims"):  # DRA mode adds to the second
         for i, item in enumerate(_expect(spec.get(field), list, f"spec.{field}")):
             _expect(item, dict, f"spec.{field}[{i}]", nullable=False)
@@ -57,20 +72,36 @@ def check(pod: Mapping[str, object]) -> Pod:
 
 
 def _container(c: Mapping[str, Any], where: str) -> None:
+    _expect(c.get("targetContainerName"), str, f"{where}.targetContainerName")
     for field, kind in _CONTAINER.items():
         value = _expect(c.get(field), kind, f"{where}.{field}")
-        if kind is dict:
+        if field == "resources":
             for part in ("limits", "requests"):
                 _expect(value.get(part), dict, f"{where}.{field}.{part}")
             for j, claim in enumerate(
                 _expect(value.get("claims"), list, f"{where}.{field}.claims")
             ):
                 _expect(claim, dict, f"{where}.{field}.claims[{j}]", nullable=False)
-            continue
-        key = _ITEM_NAMES[field]
-        for j, item in enumerate(value):
-            entry = _expect(item, dict, f"{where}.{field}[{j}]", nullable=False)
-            _expect(entry.get(key), _ITEM_TYPES[key], f"{where}.{field}[{j}].{key}")
+        elif field == "securityContext":
+            _expect(value.get("privileged"), bool, f"{where}.{field}.privileged")
+            _security(value, where)
+        else:
+            key = _ITEM_NAMES[field]
+            for j, item in enumerate(value):
+                entry = _expect(item, dict, f"{where}.{field}[{j}]", nullable=False)
+                _expect(entry.get(key), _ITEM_TYPES[key], f"{where}.{field}[{j}].{key}")
+
+
+def _security(sc: Mapping[str, Any], where: str) -> None:
+    """A securityContext's maps that the webhook reads: each value a string, and the
+    capabilities lists of strings."""
+    for field in _SECURITY_MAPS:
+        part = f"{where}.securityContext.{field}"
+        for key, value in _expect(sc.get(field), dict, part).items():
+            held = _expect(value, _SECURITY_VALUES[field], f"{part}.{key}")
+            if field == "capabilities":
+                for j, item in enumerate(held):
+                    _expect(item, str, f"{part}.{key}[{j}]", nullable=False)
 
 
 def _expect(value: Any, kind: type | tuple[type, ...], field: str, nullable: bool = True) -> Any:

@@ -5,7 +5,9 @@ capabilities that cover the sidecar's: the kernel would let it ptrace the sideca
 memory, or walk into its filesystem through `/proc/<pid>/root` and reach the socket that
 the agent connects to. A process that is not dumpable lets only holders of CAP_SYS_PTRACE
 do any of that, which no pod below the `privileged` Pod Security level can add (the agent
-has it). A signal is another matter: see the agent's `sidecar_presence`.
+has it). Until this runs, at each start, the webhook keeps the workload out another way:
+it holds none of the sidecar's capabilities (`core/admission/isolation.py`). A signal is
+another matter: see the agent's `sidecar_presence`.
 """
 
 from __future__ import annotations

@@ -297,7 +297,13 @@ class Webhook:
                             "apiGroups": [""],
                             "apiVersions": ["v1"],
                             "resources": ["pods"],
-                        }
+                        },
+                        {  # as the chart's: `kubectl debug` on an injected pod
+                            "operations": ["UPDATE"],
+                            "apiGroups": [""],
+                            "apiVersions": ["v1"],
+                            "resources": ["pods/ephemeralcontainers"],
+                        },
                     ],
                     "namespaceSelector": {"matchLabels": {"vram-enforcer.io/inject": "enabled"}},
                     "admissionReviewVersions": ["v1"],

@@ -591,6 +591,9 @@ def assert_the_sidecar_cannot_be_entered(admin: client.ApiClient) -> None:
     assert "cannot target the vram-enforcer container" in json.loads(info.value.body)["message"]
     stored = debug("trainer")
     assert [e.target_container_name for e in stored.spec.ephemeral_containers] == ["trainer"]
+    # The chart's webhook is asked for ephemeral containers too: this one drops KILL.
+    (debugger,) = stored.spec.ephemeral_containers
+    assert debugger.security_context.capabilities.drop == ["KILL"]
 
 
 def test_a_pod_is_mutated_through_the_charts_own_webhook(

@@ -126,6 +126,56 @@ def test_pods_elsewhere_or_without_vram_are_untouched(
     assert "vram-enforcer.io/injected" not in (pod["metadata"].get("annotations") or {})
 
 
+def debug(core: client.CoreV1Api, pod: str, name: str, **context: Any) -> dict[str, Any]:
+    """Add an ephemeral container to `pod` in `ml`, as `kubectl debug` does (an UPDATE of its
+    ephemeralcontainers subresource); the pod as stored after."""
+    container: dict[str, Any] = {"name": name, "image": "busybox", "targetContainerName": "web"}
+    if context:
+        container["securityContext"] = context
+    present = "ephemeralContainers" in stored(core, "ml", pod)["spec"]
+    patch = [
+        {"op": "add", "path": "/spec/ephemeralContainers/-", "value": container}
+        if present
+        else {"op": "add", "path": "/spec/ephemeralContainers", "value": [container]}
+    ]
+    core.patch_namespaced_pod_ephemeralcontainers(pod, "ml", patch)
+    return stored(core, "ml", pod)
+
+
+def test_an_ephemeral_container_of_an_injected_pod_drops_kill_and_cannot_reach_the_sidecar(
+    webhook: Webhook, core: client.CoreV1Api
+) -> None:
+    """`kubectl debug` goes through pods/ephemeralcontainers, which the API server sends to
+    the webhook as an UPDATE (issue 42, item 5): on an injected pod, the debugger is stored
+    dropping KILL (with it, a root debugger could open the sidecar's memory while it
+    restarts), and a privileged one is denied with the webhook's message. On a pod the
+    webhook did not inject, the debugger is stored as sent."""
+    web = {"name": "web", "image": "nginx", "resources": {"limits": {RES: "1Gi"}}}
+    body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "debugged-0"}}
+    core.create_namespaced_pod("ml", {**body, "spec": {"containers": [web]}})
+    pod = debug(core, "debugged-0", "debugger")
+    (debugger,) = pod["spec"]["ephemeralContainers"]
+    assert debugger["securityContext"] == {"capabilities": {"drop": ["KILL"]}}
+    pod = debug(core, "debugged-0", "careful", capabilities={"drop": ["ALL"]})
+    assert pod["spec"]["ephemeralContainers"][0] == debugger  # the earlier one as it was
+    assert pod["spec"]["ephemeralContainers"][1]["securityContext"] == {
+        "capabilities": {"drop": ["ALL"]}
+    }
+    with pytest.raises(ApiException) as caught:
+        debug(core, "debugged-0", "root", privileged=True)
+    assert caught.value.status == 403
+    message = json.loads(caught.value.body)["message"]
+    assert 'admission webhook "inject.vram-enforcer.io" denied the request' in message
+    assert (
+        "spec.ephemeralContainers['root'].securityContext.privileged: true gives this "
+        "container every capability" in message
+    )
+    plain = {**body, "metadata": {"name": "plain-0"}}
+    core.create_namespaced_pod("ml", {**plain, "spec": {"containers": [{**web, "resources": {}}]}})
+    (as_sent,) = debug(core, "plain-0", "root", privileged=True)["spec"]["ephemeralContainers"]
+    assert as_sent["securityContext"] == {"privileged": True}
+
+
 def served_certificate(webhook: Webhook) -> bytes:
     """The certificate a new TLS connection to the webhook is shown."""
     context = ssl.create_default_context(cafile=str(webhook.ca[0]))

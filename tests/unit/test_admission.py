@@ -520,6 +520,7 @@ def test_the_patch_is_made_at_the_paths_it_changes_with_keys_escaped() -> None:
     ops = mutate(p, NATIVE)
     assert [(op["op"], op["path"]) for op in ops] == [
         ("add", "/spec/shareProcessNamespace"),
+        ("add", "/spec/containers/0/securityContext"),  # {"capabilities": {"drop": ["KILL"]}}
         ("replace", "/spec/containers/0/env"),  # null: replaced with our variables
         ("add", "/spec/containers/0/env/1"),
         ("add", "/spec/containers/0/env/2"),
@@ -1104,3 +1105,301 @@ def test_no_ephemeral_container_is_named_like_the_sidecar_in_a_pod_the_webhook_a
     forged = {"name": "vram-enforcer", "image": NATIVE.sidecar_image}
     with pytest.raises(Denied, match=r"spec.ephemeralContainers: a container is named"):
         mutate(pod({"name": "web", "image": "nginx"}, ephemeralContainers=[forged]), NATIVE)
+
+
+# --- The workload kept out of its sidecar, and under its label (issue 42, items 4 and 5) ----
+
+
+def security(c: dict[str, Any], **context: Any) -> dict[str, Any]:
+    return {**c, "securityContext": context}
+
+
+def test_every_other_container_drops_kill_keeping_what_it_drops_and_adds() -> None:
+    """The sidecar holds KILL alone, and the kernel lets a process of its uid ptrace it
+    (open its memory read-write) only while it holds every capability the sidecar holds
+    (`cap_ptrace_access_check`): the sidecar is not dumpable only ~100 ms after it starts,
+    so without this a root workload could take it over at each restart."""
+    p = pod(
+        gpu("trainer"),
+        security(gpu("server", None), capabilities={"drop": ["NET_RAW"], "add": ["NET_ADMIN"]}),
+        security(gpu("hardened", None), runAsUser=1000, capabilities={"drop": ["all"]}),
+        security(gpu("careful", None), capabilities={"drop": ["kill"]}),
+        init=[gpu("setup", None), {**gpu("proxy", None), "restartPolicy": "Always"}],
+    )
+    out = applied(p)
+    capabilities = {
+        c["name"]: c.get("securityContext", {}).get("capabilities")
+        for c in out["spec"]["initContainers"] + out["spec"]["containers"]
+    }
+    assert capabilities == {
+        "vram-enforcer": {"drop": ["ALL"], "add": ["KILL"]},
+        "setup": {"drop": ["KILL"]},
+        "proxy": {"drop": ["KILL"]},
+        "trainer": {"drop": ["KILL"]},
+        "server": {"drop": ["NET_RAW", "KILL"], "add": ["NET_ADMIN"]},
+        "hardened": {"drop": ["all"]},
+        "careful": {"drop": ["kill"]},
+    }
+    hardened = next(c for c in out["spec"]["containers"] if c["name"] == "hardened")
+    assert hardened["securityContext"]["runAsUser"] == 1000
+    assert mutate(out, NATIVE) == []  # a second pass changes nothing
+    # In container mode, the sidecar beside them keeps its own.
+    side = sidecar_of(applied(p, CONTAINER))
+    assert side["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
+
+
+@pytest.mark.parametrize(
+    ("context", "message"),
+    [
+        (
+            {"privileged": True},
+            "spec.containers['trainer'].securityContext.privileged: true gives this container "
+            "every capability, CAP_SYS_PTRACE among them",
+        ),
+        (
+            {"capabilities": {"add": ["NET_ADMIN", "SYS_PTRACE"]}},
+            "spec.containers['trainer'].securityContext.capabilities.add: 'SYS_PTRACE' would "
+            "let this container read and write the memory of the vram-enforcer sidecar",
+        ),
+        ({"capabilities": {"add": ["cap_sys_ptrace"]}}, "add: 'cap_sys_ptrace' would let"),
+        (
+            {"capabilities": {"add": ["ALL"]}},
+            "add: 'ALL' adds every capability, CAP_SYS_PTRACE among them",
+        ),
+        ({"capabilities": {"add": ["all"]}}, "add: 'all' adds every capability"),
+        (
+            {"capabilities": {"add": ["KILL"], "drop": ["ALL"]}},
+            "add: 'KILL' is the one capability that the vram-enforcer sidecar holds: the kernel "
+            "lets a process of the sidecar's uid read and write its memory when it holds every "
+            "capability the sidecar holds",
+        ),
+        ({"capabilities": {"add": ["Cap_Kill"]}}, "add: 'Cap_Kill' is the one capability"),
+    ],
+)
+def test_what_would_let_a_container_ptrace_the_sidecar_is_denied_naming_the_field(
+    context: dict[str, Any], message: str
+) -> None:
+    for p in (
+        pod(security(gpu("trainer"), **context)),
+        pod(gpu("main"), init=[security(gpu("trainer", None), **context)]),
+    ):
+        with pytest.raises(Denied) as info:
+            mutate(p, NATIVE)
+        text = str(info.value).replace("spec.initContainers", "spec.containers")
+        assert message in text and text.endswith(("Remove it", "unprivileged)")), text
+
+
+def test_privileged_false_and_harmless_capabilities_are_admitted() -> None:
+    c = security(gpu("trainer"), privileged=False, capabilities={"add": ["IPC_LOCK", "SYS_NICE"]})
+    out = applied(pod(c))
+    assert out["spec"]["containers"][0]["securityContext"] == {
+        "privileged": False,
+        "capabilities": {"add": ["IPC_LOCK", "SYS_NICE"], "drop": ["KILL"]},
+    }
+
+
+LOCALHOST = {"type": "Localhost", "localhostProfile": "lsb_release"}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"container": {"appArmorProfile": LOCALHOST}},
+            "spec.containers['trainer'].securityContext.appArmorProfile.type: 'Localhost' puts "
+            "this container under another AppArmor profile than the runtime's default; the "
+            "vram-enforcer sidecar signals the pod's processes under the runtime's default "
+            "profile, which another profile may refuse (EPERM), and VRAM enforcement would "
+            "stop there. Remove it (or use type RuntimeDefault)",
+        ),
+        (
+            {"container": {"appArmorProfile": {"type": "Unconfined"}}},
+            "appArmorProfile.type: 'Unconfined' puts this container under another",
+        ),
+        (
+            {"pod": {"appArmorProfile": LOCALHOST}},
+            "spec.securityContext.appArmorProfile.type: 'Localhost' puts every container of "
+            "the pod, the sidecar too, under another AppArmor profile",
+        ),
+        (
+            {
+                "annotations": {
+                    "container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"
+                }
+            },
+            "metadata.annotations['container.apparmor.security.beta.kubernetes.io/trainer']: "
+            "'unconfined' puts container 'trainer' under another AppArmor profile than the "
+            "runtime's default",
+        ),
+        (
+            {
+                "annotations": {
+                    "container.apparmor.security.beta.kubernetes.io/vram-enforcer": "localhost/x"
+                }
+            },
+            "'localhost/x' puts container 'vram-enforcer' under another AppArmor profile",
+        ),
+        (
+            {"container": {"seLinuxOptions": {"level": "s0:c1,c2"}}},
+            "spec.containers['trainer'].securityContext.seLinuxOptions: level 's0:c1,c2' are "
+            "not the pod's (none, spec.securityContext.seLinuxOptions): the runtime would run "
+            "this container under an SELinux label of its own",
+        ),
+        (
+            {
+                "pod": {"seLinuxOptions": {"level": "s0:c1,c2", "type": "container_t"}},
+                "container": {"seLinuxOptions": {"type": "container_t"}},
+            },
+            "seLinuxOptions: type 'container_t' are not the pod's (level 's0:c1,c2', type "
+            "'container_t', spec.securityContext.seLinuxOptions)",
+        ),
+        (
+            {"pod": {"seLinuxOptions": {"type": "container_t", "level": ""}}},
+            "spec.securityContext.seLinuxOptions: type 'container_t' names no level: the "
+            "runtime then gives each container a level of its own",
+        ),
+    ],
+)
+def test_another_security_label_than_the_sidecars_is_denied_naming_the_field(
+    change: dict[str, Any], message: str
+) -> None:
+    """The runtime's default AppArmor profile signals and reads only peers under itself, and
+    SELinux keeps a level from signalling another: a container under another label than its
+    sidecar's would be out of its reach (issue 42, item 4)."""
+    p = pod(
+        security(gpu("trainer"), **change.get("container", {})),
+        annotations=change.get("annotations"),
+        securityContext=change.get("pod", {}),
+    )
+    with pytest.raises(Denied) as info:
+        mutate(p, NATIVE)
+    assert message in str(info.value)
+
+
+def test_the_sidecars_own_labels_are_admitted_and_the_sidecar_names_none() -> None:
+    """RuntimeDefault, named or not, and the pod's SELinux options repeated; /proc unmasked
+    opens no way into the sidecar (the kernel's ptrace checks do not read the mount). The
+    sidecar names no AppArmor profile: the kubelet refuses a pod that names one, even
+    RuntimeDefault, on a node without AppArmor."""
+    options = {"level": "s0:c123,c456", "type": "container_t"}
+    p = pod(
+        security(
+            gpu("trainer"),
+            appArmorProfile={"type": "RuntimeDefault"},
+            seLinuxOptions=options,
+            procMount="Unmasked",
+        ),
+        security(gpu("server", None), seLinuxOptions={"user": ""}),
+        annotations={"container.apparmor.security.beta.kubernetes.io/server": "runtime/default"},
+        securityContext={"appArmorProfile": {"type": "RuntimeDefault"}, "seLinuxOptions": options},
+        hostUsers=False,
+    )
+    out = jsonpatch.apply_patch(p, mutate(p, NATIVE))
+    kubernetes_validate.validate(out, "1.31", strict=True)  # appArmorProfile: 1.30 on
+    side = sidecar_of(out)["securityContext"]
+    assert "appArmorProfile" not in side and "seLinuxOptions" not in side
+
+
+# An injected pod, as stored, to which `kubectl debug` adds ephemeral containers.
+INJECTED_POD = applied(
+    pod(gpu("trainer"), securityContext={"seLinuxOptions": {"level": "s0:c1,c2"}})
+)
+
+
+def ephemeral_review(stored: dict[str, Any], *added: dict[str, Any]) -> dict[str, Any]:
+    """The AdmissionReview of an UPDATE of `stored`'s ephemeralcontainers subresource."""
+    updated = copy.deepcopy(stored)
+    updated["spec"].setdefault("ephemeralContainers", []).extend(added)
+    doc = admission_review(updated, operation="UPDATE")
+    doc["request"].update(subResource="ephemeralcontainers", oldObject=stored)
+    return doc
+
+
+def debugger(name: str = "debugger", **context: Any) -> dict[str, Any]:
+    c = {"name": name, "image": "busybox", "targetContainerName": "trainer"}
+    return security(c, **context) if context else c
+
+
+def test_an_ephemeral_container_added_to_an_injected_pod_drops_kill() -> None:
+    """`kubectl debug` adds a container to a running pod through a subresource of its own,
+    which the webhook skipped: a root debugger with KILL could take over the sidecar at
+    its next restart. Ones added before are left as they are (the API server refuses any
+    change to them, so an upgrade must not make one)."""
+    earlier = copy.deepcopy(INJECTED_POD)
+    earlier["spec"]["ephemeralContainers"] = [debugger("before")]
+    doc = ephemeral_review(earlier, debugger(), debugger("careful", capabilities={"drop": ["ALL"]}))
+    out = review(doc, NATIVE)
+    assert out.result == "patched"
+    ops = json.loads(base64.b64decode(out.review["response"]["patch"]))
+    assert ops == [
+        {
+            "op": "add",
+            "path": "/spec/ephemeralContainers/1/securityContext",
+            "value": {"capabilities": {"drop": ["KILL"]}},
+        }
+    ]
+    again = jsonpatch.apply_patch(doc["request"]["object"], ops)
+    assert (
+        review(ephemeral_review(earlier, *again["spec"]["ephemeralContainers"][1:]), NATIVE).result
+        == "skipped"
+    )
+
+
+@pytest.mark.parametrize(
+    ("added", "message"),
+    [
+        (
+            debugger(privileged=True),
+            "spec.ephemeralContainers['debugger'].securityContext.privileged: true gives this "
+            "container every capability",
+        ),
+        (
+            debugger(capabilities={"add": ["SYS_PTRACE"]}),
+            "spec.ephemeralContainers['debugger'].securityContext.capabilities.add: "
+            "'SYS_PTRACE' would let this container read and write the memory",
+        ),
+        (debugger(capabilities={"add": ["KILL"]}), "add: 'KILL' is the one capability"),
+        (
+            debugger(appArmorProfile={"type": "Unconfined"}),
+            "spec.ephemeralContainers['debugger'].securityContext.appArmorProfile.type: "
+            "'Unconfined' puts this container under another AppArmor profile",
+        ),
+        (
+            debugger(seLinuxOptions={"level": "s0:c3,c4"}),
+            "seLinuxOptions: level 's0:c3,c4' are not the pod's (level 's0:c1,c2', "
+            "spec.securityContext.seLinuxOptions)",
+        ),
+        (
+            {**debugger(), "targetContainerName": "vram-enforcer"},
+            "spec.ephemeralContainers['debugger'].targetContainerName: 'vram-enforcer' is the "
+            "enforcer's sidecar",
+        ),
+        (
+            debugger("vram-enforcer"),
+            "spec.ephemeralContainers['vram-enforcer']: 'vram-enforcer' is the name of the "
+            "enforcer's sidecar; name the ephemeral container otherwise",
+        ),
+    ],
+)
+def test_an_ephemeral_container_that_could_reach_into_the_sidecar_is_denied(
+    added: dict[str, Any], message: str
+) -> None:
+    out = review(ephemeral_review(INJECTED_POD, added), NATIVE)
+    assert out.result == "denied"
+    assert message in out.review["response"]["status"]["message"]
+
+
+def test_ephemeral_containers_of_pods_the_webhook_did_not_inject_are_left_alone() -> None:
+    """Judged by the pod as stored: the request's own copy of the rest of the pod is the
+    requester's to write (the API server keeps only its ephemeral containers)."""
+    plain = pod({"name": "web", "image": "nginx"})
+    assert review(ephemeral_review(plain, debugger(privileged=True)), NATIVE).result == "skipped"
+    # ... but none may be named like the sidecar, which the agent would trust.
+    assert review(ephemeral_review(plain, debugger("vram-enforcer")), NATIVE).result == "denied"
+    # A request that hides the sidecar in its copy of the pod changes nothing.
+    doc = ephemeral_review(INJECTED_POD, debugger(privileged=True))
+    doc["request"]["object"]["spec"]["initContainers"] = []
+    assert review(doc, NATIVE).result == "denied"
+    # Without the stored pod, nothing can be judged.
+    del doc["request"]["oldObject"]
+    assert review(doc, NATIVE).result == "invalid"

@@ -6,6 +6,7 @@ the strategies to that."""
 from __future__ import annotations
 
 import base64
+import copy
 import dataclasses
 import json
 import re
@@ -97,7 +98,62 @@ def containers(draw: st.DrawFn, name: str) -> dict[str, Any]:
         c["volumeMounts"] = [
             {"name": "dshm", "mountPath": draw(st.sampled_from(["/dev/shm", "/data"]))}
         ]
+    if draw(one_in(3)):
+        c["securityContext"] = draw(security_contexts())
     return c
+
+
+def opened(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    """In one pod of 20, a container's securityContext opens the sidecar to it: denied."""
+    if draw(one_in(20)):
+        c = draw(st.sampled_from(spec.get("initContainers", []) + spec["containers"]))
+        c["securityContext"] = draw(security_contexts(opening=True))
+
+
+# Capabilities a container may drop and add, as users spell them.
+DROPPED = st.sampled_from(["NET_RAW", "ALL", "all", "KILL", "kill", "CAP_KILL", "CHOWN"])
+ADDED = st.sampled_from(["IPC_LOCK", "SYS_NICE", "NET_ADMIN", "sys_resource"])
+# What would open the sidecar to the container, or put it under another label: denied.
+OPENING: list[dict[str, Any]] = [
+    {"privileged": True},
+    {"capabilities": {"add": ["SYS_PTRACE"]}},
+    {"capabilities": {"add": ["cap_kill"]}},
+    {"capabilities": {"add": ["All"]}},
+    {"appArmorProfile": {"type": "Unconfined"}},
+    {"appArmorProfile": {"type": "Localhost", "localhostProfile": "p"}},
+    {"seLinuxOptions": {"level": "s0:c1,c2"}},
+]
+
+
+@st.composite
+def security_contexts(draw: st.DrawFn, opening: bool = False) -> dict[str, Any]:
+    """A container's securityContext: what a workload sets (its uid, capabilities it drops
+    and adds, the runtime's default AppArmor profile), and if `opening`, what would let it
+    ptrace the sidecar or put it under another label."""
+    sc: dict[str, Any] = {}
+    if draw(st.booleans()):
+        sc["runAsUser"] = draw(st.sampled_from([0, 1000, 65532]))
+    capabilities: dict[str, list[str]] = {}
+    if draw(st.booleans()):
+        capabilities["drop"] = draw(st.lists(DROPPED, max_size=3, unique=True))
+    if draw(st.booleans()):
+        capabilities["add"] = draw(st.lists(ADDED, max_size=2, unique=True))
+    if capabilities:
+        sc["capabilities"] = capabilities
+    if draw(one_in(4)):
+        sc["privileged"] = False
+    if draw(one_in(4)):
+        sc["appArmorProfile"] = {"type": "RuntimeDefault"}
+    if opening:
+        sc.update(copy.deepcopy(draw(st.sampled_from(OPENING))))
+    return sc
+
+
+def drops_kill(c: dict[str, Any]) -> bool:
+    """Whether the runtimes drop KILL from a container (any case; a CAP_ prefix is not
+    read by containerd)."""
+    dropped = ((c.get("securityContext") or {}).get("capabilities") or {}).get("drop") or ()
+    return any(d.upper() in ("ALL", "KILL") for d in dropped)
 
 
 @st.composite
@@ -114,6 +170,7 @@ def pods(draw: st.DrawFn) -> dict[str, Any]:
     spec: dict[str, Any] = {"containers": [draw(containers(n)) for n in names[split:]]}
     if split:
         spec["initContainers"] = [draw(containers(n)) for n in names[:split]]
+    opened(draw, spec)
     if draw(one_in(20)):
         spec["hostPID"] = draw(st.booleans())
     if draw(st.booleans()):
@@ -202,6 +259,9 @@ def check(p: dict[str, Any], s: AdmissionSettings) -> str:
         assert FIELD.search(out.review["response"]["status"]["message"]), out.review
     if ops:
         mutated = jsonpatch.apply_patch(p, ops)
+        spec = mutated["spec"]
+        others = (spec.get("initContainers") or []) + (spec.get("containers") or [])
+        assert all(drops_kill(c) for c in others if c["name"] != SIDECAR), others
         again = review(review_of(mutated), s)
         assert well_formed(again.review, "u-1") == [] and again.result == "skipped"
     return out.result
@@ -283,6 +343,62 @@ def test_a_second_pass_over_the_webhooks_own_output_yields_no_patch(
     again = review(review_of(mutated), s)
     assert well_formed(again.review, "u-1") == []
     assert again.result == "skipped"
+
+
+INJECTABLE = {
+    "metadata": {"name": "p", "namespace": "ml"},
+    "spec": {"containers": [{"name": "a", "image": "img", "resources": {"limits": {RES: "1"}}}]},
+}
+
+
+@st.composite
+def ephemeral_reviews(draw: st.DrawFn) -> tuple[dict[str, Any], AdmissionSettings]:
+    """An UPDATE of an injected pod's ephemeralcontainers subresource that adds one to three
+    containers, their securityContexts drawn as the pod's own containers' are, one value in
+    five replaced by arbitrary JSON."""
+    s = draw(st.sampled_from(SETTINGS))
+    stored = admitted(INJECTABLE, s)
+    assert stored is not None
+    added = [
+        {
+            "name": f"debug-{i}",
+            "image": "busybox",
+            "securityContext": draw(security_contexts(opening=draw(one_in(5)))),
+        }
+        for i in range(draw(st.integers(1, 3)))
+    ]
+    if draw(one_in(5)):
+        path = draw(st.sampled_from(paths_into(added)))
+        parent: Any = added
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = draw(st.none() | json_values)
+    updated = json.loads(json.dumps(stored))
+    updated["spec"]["ephemeralContainers"] = added
+    doc = review_of(updated, operation="UPDATE", subResource="ephemeralcontainers")
+    doc["request"]["oldObject"] = stored
+    return doc, s
+
+
+@settings(max_examples=200, deadline=None)
+@given(drawn=ephemeral_reviews())
+def test_an_ephemeral_container_is_denied_naming_the_field_or_drops_kill(
+    drawn: tuple[dict[str, Any], AdmissionSettings],
+) -> None:
+    """Whatever `kubectl debug` adds to an injected pod: a denial that names the field, or a
+    patch after which every container it adds drops KILL, and which a second pass leaves
+    alone."""
+    doc, s = drawn
+    out = review(doc, s)
+    event(out.result)
+    ops = well_formed(out.review, "u-1")
+    if out.result == "denied":
+        assert FIELD.search(out.review["response"]["status"]["message"]), out.review
+        return
+    updated = jsonpatch.apply_patch(doc["request"]["object"], ops)
+    assert all(drops_kill(e) for e in updated["spec"]["ephemeralContainers"])
+    doc["request"]["object"] = updated
+    assert well_formed(review(doc, s).review, "u-1") == []
 
 
 # Values a hostile pod author would try: digits that are not ASCII ("²", Arabic-Indic,

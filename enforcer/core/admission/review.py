@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from enforcer.core import kai, shapes
+from enforcer.core.admission import isolation
 from enforcer.core.admission.claims import claim_template, claim_vram, claimed_limits, template_size
 from enforcer.core.admission.common import (
     CEILING,
@@ -25,6 +26,7 @@ from enforcer.core.admission.common import (
     containers_at,
     deny_sidecar_name,
 )
+from enforcer.core.admission.ephemeral import EPHEMERAL, mutate_ephemeral
 from enforcer.core.admission.patch import Patch
 from enforcer.core.admission.sidecar import (
     NO_TOKEN_VOLUME,
@@ -136,21 +138,31 @@ def review(doc: object, settings: AdmissionSettings) -> Outcome:
         problem = f"expected apiVersion {API_VERSION}, kind AdmissionReview"
         return Outcome(_deny(uid, f"unsupported review: {problem}", 400), "invalid")
     kind = as_map(request.get("kind"))
-    if (
-        request.get("operation") != "CREATE"
-        or (kind.get("group"), kind.get("kind")) != ("", "Pod")
-        or request.get("subResource")
-    ):
+    what = (request.get("operation"), request.get("subResource") or None)
+    if (kind.get("group"), kind.get("kind")) != ("", "Pod") or what not in _REVIEWED:
         return Outcome(_allow(uid, []), "skipped")
     pod = request.get("object")
     if not isinstance(pod, dict):
         return Outcome(_deny(uid, "request.object is not a Pod object", 400), "invalid")
+    stored = request.get("oldObject")
+    if what == _EPHEMERAL and not isinstance(stored, dict):
+        return Outcome(_deny(uid, "request.oldObject is not a Pod object", 400), "invalid")
     namespace = request.get("namespace")
     try:
-        ops = mutate(pod, settings, namespace if isinstance(namespace, str) else "")
+        if what == _EPHEMERAL:
+            ops = mutate_ephemeral(pod, as_map(stored))
+        else:
+            ops = mutate(pod, settings, namespace if isinstance(namespace, str) else "")
     except Denied as exc:
         return Outcome(_deny(uid, str(exc), 403), "denied")
-    return Outcome(_allow(uid, ops, _warnings(pod) if ops else []), "patched" if ops else "skipped")
+    warnings = _warnings(pod) if ops and what == _CREATE else []
+    return Outcome(_allow(uid, ops, warnings), "patched" if ops else "skipped")
+
+
+# What the webhook reviews: pods created, and ephemeral containers added to a pod.
+_CREATE = ("CREATE", None)
+_EPHEMERAL = ("UPDATE", EPHEMERAL)
+_REVIEWED = (_CREATE, _EPHEMERAL)
 
 
 def _warnings(pod: Mapping[str, object]) -> list[str]:
@@ -237,24 +249,14 @@ def mutate(
         deny_sidecar_name(raw_spec, "declares no VRAM")
         return []
     bounds = settings.tenancy.bounds(namespace)
-    if str(annotations.get(INJECT, "")).lower() == "false":
-        if bounds.allow_opt_out:
-            deny_sidecar_name(
-                raw_spec, f"opts out of it (metadata.annotations[{INJECT!r}]: 'false')"
-            )
-            return []
-        raise Denied(
-            f"metadata.annotations[{INJECT!r}]: 'false' is not allowed "
-            f"{in_namespace(namespace)}: a pod that declares VRAM is held to it. Remove the "
-            "annotation (the operator lets pods opt out with the webhook's --allow-opt-out or "
-            "--namespace-bounds)"
-        )
+    if _opts_out(raw_spec, annotations, bounds, namespace):
+        return []
     try:
         checked = shapes.check(pod)  # from here on, every field read has its JSON type
     except shapes.ShapeError as exc:
         raise Denied(str(exc)) from None
     spec = checked.get("spec") or {}
-    _check_pod(spec, settings)
+    _check_pod(spec, annotations, settings)
     if settings.dra_class is not None:
         limits = {**claimed_limits(spec), **limits}  # our claims, from an earlier pass
     sidecar_env = _sidecar_settings(annotations, bounds, namespace)
@@ -275,6 +277,7 @@ def mutate(
     check_sidecar_env(env)
     patch = Patch(checked)
     patch.set(("spec", "shareProcessNamespace"), True)
+    isolation.drop_kill_beside_the_sidecar(patch)
     for where, c in containers_at(spec):
         if c["name"] in limits:
             workload_env(patch, where, limits[c["name"]], ceilings.get(c["name"]), settings)
@@ -291,10 +294,31 @@ def mutate(
     return patch.ops
 
 
-def _check_pod(spec: PodSpec, settings: AdmissionSettings) -> None:
+def _opts_out(
+    spec: Mapping[str, object], annotations: Mapping[str, object], bounds: Bounds, namespace: str
+) -> bool:
+    """Whether a declaring pod opts out of injection (`inject: "false"`), where the operator
+    lets it; denied elsewhere. Admitted as it is, it may not carry the sidecar's name."""
+    if str(annotations.get(INJECT, "")).lower() != "false":
+        return False
+    if not bounds.allow_opt_out:
+        raise Denied(
+            f"metadata.annotations[{INJECT!r}]: 'false' is not allowed "
+            f"{in_namespace(namespace)}: a pod that declares VRAM is held to it. Remove the "
+            "annotation (the operator lets pods opt out with the webhook's --allow-opt-out or "
+            "--namespace-bounds)"
+        )
+    deny_sidecar_name(spec, f"opts out of it (metadata.annotations[{INJECT!r}]: 'false')")
+    return True
+
+
+def _check_pod(
+    spec: PodSpec, annotations: Mapping[str, object], settings: AdmissionSettings
+) -> None:
     """Deny what the mutation cannot make right. A container named like the sidecar that
     runs our image, and our volumes beside it, are an earlier pass's (or a forgery of it):
-    they are replaced with ours in place. Anything else under our names is the user's."""
+    they are replaced with ours in place. Anything else under our names is the user's. Nor
+    may the other containers reach into the sidecar, or out of its reach (`isolation`)."""
     if spec.get("hostPID") is True:
         raise Denied(
             "spec.hostPID: true cannot be combined with the shared process namespace that VRAM "
@@ -315,6 +339,7 @@ def _check_pod(spec: PodSpec, settings: AdmissionSettings) -> None:
     taken = volumes & {SOCKET_VOLUME, SHM_VOLUME, NO_TOKEN_VOLUME}
     if taken and not images:
         raise Denied(f"spec.volumes: {sorted(taken)[0]!r} is reserved for the enforcer; rename it")
+    isolation.check_pod(spec, annotations)
 
 
 def _sidecar_settings(
