@@ -183,6 +183,9 @@ def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
     ]  # and root: see agent.yaml
     assert agent.security_context.capabilities.drop == ["ALL"]
     assert agent.security_context.seccomp_profile.type == "RuntimeDefault"
+    # Reads and signals every peer, whatever its AppArmor profile or SELinux level.
+    assert agent.security_context.app_armor_profile.type == "Unconfined"
+    assert agent.security_context.se_linux_options.type == "spc_t"
     liveness = agent.liveness_probe.http_get
     assert (liveness.path, liveness.port) == ("/healthz", "metrics")
     assert spec.volumes[0].host_path.path == "/run/vram-enforcer"
