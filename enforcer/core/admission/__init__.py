@@ -8,6 +8,9 @@ container, the field, the value and the fix. The parts:
 - `review`: which pods are ours, the checks and denials, the mutation put together;
 - `sidecar`: what is injected (the sidecar and its environment, `/dev/shm`, the workload's
   environment);
+- `isolation`: the other containers kept out of the sidecar (KILL dropped, nothing that
+  could ptrace it) and under its AppArmor and SELinux labels;
+- `ephemeral`: ephemeral containers added to an injected pod, held as its other containers;
 - `claims`: DRA mode's claims from ResourceClaimTemplates of ours;
 - `patch`: the JSON patch, built at the paths the mutation changes;
 - `common`: the settings, the denial, our annotations, how a pod's containers are walked.
