@@ -821,6 +821,12 @@ def the_sidecar(node: RealNode, pod: client.V1Pod) -> tuple[int, int]:
     return sidecar, int(nspid.split()[-1])
 
 
+def capabilities(pid: int, which: str) -> int:
+    """A process's capability set `which` (CapBnd, CapPrm, ...), as a mask."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split(f"{which}:")[1].split()[0], 16)
+
+
 def in_workload(node: RealNode, pod: client.V1Pod, code: str) -> str:
     """Run `code` as `kubectl exec` would (this API server cannot dial the kubelet by name):
     in the workload container's PID and mount namespaces, with its python; in a
@@ -876,7 +882,8 @@ def test_a_baseline_namespace_runs_enforced_pods_and_the_workload_cannot_pose_as
     the sidecar has no hostPath, and the agent connects to it (it is enforced: the other
     tests of this file). From inside the tenant's container, as root with every capability
     but CAP_SYS_PTRACE (which baseline cannot add), the sidecar's socket is out of reach;
-    with CAP_SYS_PTRACE it is reached, and the sidecar hangs up on a caller of its pod."""
+    with CAP_SYS_PTRACE it is reached, and the sidecar hangs up on a caller of its pod. The
+    workload's own process holds no CAP_KILL, the sidecar's one capability."""
     core = installed.core
     host_path = {
         "metadata": {"name": "host-path"},
@@ -894,7 +901,13 @@ def test_a_baseline_namespace_runs_enforced_pods_and_the_workload_cannot_pose_as
     try:
         pod = wait_for(lambda: running(core, OPTED_IN, "locked"), timeout=90, what="the pod to run")
         assert not any(v.host_path for v in pod.spec.volumes)
-        _, in_pod = the_sidecar(installed.node, pod)
+        sidecar, in_pod = the_sidecar(installed.node, pod)
+        # The runtime applied the webhook's drop (issue 42, item 5): the sidecar holds KILL
+        # alone, and the workload's process none of it, so none can ptrace the sidecar.
+        (trainer,) = pod.status.container_statuses
+        workload_pid = installed.node.pids(trainer.container_id.split("://")[1])[0]
+        assert capabilities(sidecar, "CapPrm") == 1 << 5
+        assert not capabilities(workload_pid, "CapBnd") & 1 << 5
         pose = POSE_AS_AGENT.format(pid=in_pod)
         assert in_workload(installed.node, pod, DROP_PTRACE + pose) == "denied"
         assert in_workload(installed.node, pod, pose) == "hung up on"
