@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from enforcer.core.cgroups import container_id_of_dir, is_kubepods_dir, pod_uid_of_dir
+from enforcer.core.mounts import first_of_type, parse_mountinfo
 
 MOUNTINFO = Path("/proc/self/mountinfo")
 _CONTROLLERS = "cgroup.controllers"  # a file of cgroup v2 directories only
@@ -34,12 +35,8 @@ def v2_root(mountinfo: Path = MOUNTINFO) -> Path | None:
         text = mountinfo.read_text()
     except OSError:
         return None
-    for line in text.splitlines():
-        head, sep, tail = line.partition(" - ")
-        fields = head.split()
-        if sep and tail.split()[:1] == ["cgroup2"] and len(fields) > 4:
-            return Path(fields[4].replace("\\040", " "))
-    return None
+    found = first_of_type(parse_mountinfo(text), "cgroup2")
+    return None if found is None else Path(found.point)
 
 
 def v2_path(pid: int | str = "self", proc: Path = Path("/proc")) -> str | None:

@@ -35,6 +35,7 @@ NsChain = tuple[tuple[int, int], ...]
 _MAX_DEPTH = 4096  # ppid chains longer than this are corrupt or a loop in a fixture
 _MAX_TASKS = 1024  # threads looked at for a device; past this, the answer is "cannot tell"
 CMDLINE_BYTES = 4096  # of a command line read; a tenant's may be megabytes long
+MOUNTINFO_BYTES = 1 << 20  # of a mountinfo read: a container lists tens of mounts, not thousands
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +163,12 @@ class ProcFs:
         in none, or its cgroup cannot be read."""
         entries = self.cgroup(pid)
         return None if entries is None else container_id(entries)
+
+    def mountinfo(self, pid: int) -> str | None:
+        """The process's mounts (`core.mounts.parse_mountinfo` reads them): the runtime's
+        doing, and read without asking any filesystem. At most MOUNTINFO_BYTES."""
+        data = self._read_bytes(pid, "mountinfo", MOUNTINFO_BYTES)
+        return None if data is None else data.decode("utf-8", errors="replace")
 
     def cmdline(self, pid: int) -> str | None:
         """The command line joined by spaces; `[comm]` when empty (zombies, kernel threads).
