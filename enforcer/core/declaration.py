@@ -212,6 +212,34 @@ def env_trusted(pod: Pod, opted_in: AbstractSet[str]) -> bool:
     return json_map(pod.get("metadata")).get("namespace") in opted_in
 
 
+def injected(pod: Pod, opted_in: AbstractSet[str]) -> bool:
+    """Whether the webhook injected the pod, the only pods the agent dials, serves and holds:
+    of a namespace in `opted_in` (where the webhook mutates every pod, and admits no
+    container under the sidecar's name but its own), labelled enforced, with the sidecar
+    among its containers. A label or a container name alone proves nothing: a pod of a
+    namespace the webhook does not mutate may carry both."""
+    if not env_trusted(pod, opted_in):
+        return False
+    if json_map(json_map(pod.get("metadata")).get("labels")).get(ENFORCED) != "true":
+        return False
+    spec = json_map(pod.get("spec"))
+    return any(
+        c.get("name") == SIDECAR
+        for spec_field in ("initContainers", "containers")
+        for c in json_maps(spec.get(spec_field))
+    )
+
+
+def injected_pods(
+    pods: Mapping[str, Pod] | None, opted_in: AbstractSet[str] | None
+) -> dict[str, Pod] | None:
+    """Those of `pods` (by UID) that the webhook injected; None while either the pods or the
+    namespaces that opted in are not listed yet."""
+    if pods is None or opted_in is None:
+        return None
+    return {uid: pod for uid, pod in pods.items() if injected(pod, opted_in)}
+
+
 def opts_in(namespace: Mapping[str, object]) -> bool:
     """Whether a Namespace, as the API sends it, carries the label OPT_IN."""
     labels = json_map(json_map(namespace.get("metadata")).get("labels"))

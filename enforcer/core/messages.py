@@ -223,7 +223,7 @@ def source_down(reason: str) -> str:
 
 def sidecar_silent(after: float, unreachable: str | None = None, halt: str | None = None) -> str:
     """`unreachable`: why the agent could not connect to the sidecar, when it could not;
-    `halt`: how it halted ("stopped", "ended"), when the agent saw it halt."""
+    `halt`: how it halted ("stopped", "ended", "refused"), when the agent saw it halt."""
     if halt == "stopped":
         what = (
             "the vram-enforcer sidecar of this pod is stopped (SIGSTOP, or a tracer holds it; "
@@ -233,6 +233,11 @@ def sidecar_silent(after: float, unreachable: str | None = None, halt: str | Non
         what = (
             "the vram-enforcer sidecar of this pod ended or hung up its connection to the node "
             "agent (it was killed: a process of the pod can signal it, or it is crash-looping)"
+        )
+    elif halt == "refused":
+        what = (
+            "the kernel refuses the signals of this pod's vram-enforcer sidecar (EPERM: a "
+            "security module, AppArmor or SELinux, labels the pod's processes apart from it)"
         )
     else:
         why = (

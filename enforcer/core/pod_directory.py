@@ -6,6 +6,10 @@ caller's cgroup, which the runtime set and a tenant cannot change, as the kubele
 reported it. Nothing the caller says counts. Each reply is encoded once per change of its
 pod, so a push costs the agent a lookup and a write.
 
+Only the sidecar of a pod the webhook injected is served (`declaration.injected`): its pod,
+its usage, its Events and its counts. Any other container, of such a pod or of a pod that
+merely carries the label and a container under the sidecar's name, is told why not.
+
 Any tenant on the node can make its pods large (a pod may be 1.5 MiB: annotations, labels,
 env, and the managedFields that name each), and the agent holds every pod of its node in a
 160Mi limit. So it keeps of each pod only what it and the sidecars read (`kept`), as the
@@ -15,10 +19,11 @@ pod arrives from the watch.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, cast
 
-from enforcer.core.declaration import ENFORCED, SIDECAR
+from enforcer.core.declaration import ENFORCED, OPT_IN, SIDECAR, injected
 from enforcer.core.dra import DraObjects
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import (
@@ -45,18 +50,6 @@ class DraRead:
     problem: str | None = None
 
 
-def unknown(container_id: str | None) -> bytes:
-    """What a caller whose container is in no pod of the node is told (yet)."""
-    if container_id is None:
-        why = "the caller runs in no container (its cgroup names none)"
-    else:
-        why = (
-            f"no pod on this node lists container {container_id[:12]} in its status yet "
-            "(the kubelet reports a new container within seconds)"
-        )
-    return encode_pod(PodReply(None, why))
-
-
 @dataclass(frozen=True, slots=True)
 class Encoded:
     """A pod's reply, and what it was encoded from."""
@@ -74,12 +67,26 @@ class Encoded:
 
 @dataclass(frozen=True, slots=True)
 class Directory:
-    """By container ID: the encoded pod reply for a process of that container, and the pod
-    (what a caller's Events are posted on); by pod UID, each reply as it was encoded."""
+    """By the container ID of each injected pod's sidecar: its encoded pod reply, and the
+    pod (what its Events are posted on, its counts kept for); by the ID of any other
+    container of the node's pods, why a caller there is not served; by pod UID, each reply
+    as it was encoded."""
 
     replies: dict[str, bytes] = field(default_factory=dict)
     pods: dict[str, Pod] = field(default_factory=dict)
+    refusals: dict[str, str] = field(default_factory=dict)
     encoded: dict[str, Encoded] = field(default_factory=dict)
+
+    def refusal(self, container_id: str | None) -> str | None:
+        """Why a caller in this container is not served; None when it is."""
+        if container_id is None:
+            return "the caller runs in no container (its cgroup names none)"
+        if container_id in self.replies:
+            return None
+        return self.refusals.get(container_id) or (
+            f"no pod on this node lists container {container_id[:12]} in its status yet "
+            "(the kubelet reports a new container within seconds)"
+        )
 
 
 def directory(
@@ -87,8 +94,12 @@ def directory(
     dra: Mapping[str, DraRead],
     watch_problem: str | None,
     previous: Directory | None = None,
+    *,
+    opted_in: AbstractSet[str],
 ) -> Directory:
-    """Container ID -> the pod reply for a process of that container, and the pod.
+    """The sidecar of each pod the webhook injected (`declaration.injected`, in the
+    namespaces of `opted_in`) -> its pod reply, and its pod; every other container -> why
+    it is not served.
 
     `dra` is by pod UID; `watch_problem` says that the agent's view may be out of date.
     A container ID that two pods list belongs to neither: only the kubelet writes a pod's
@@ -98,13 +109,30 @@ def directory(
     """
     found: dict[str, bytes] = {}
     owners: dict[str, Pod] = {}
+    refusals: dict[str, str] = {}
     encoded: dict[str, Encoded] = {}
-    claimed: set[str] = set()
+    listed: set[str] = set()
     for pod in pods:
         ids = containers_by_id(pod)
         if not ids:
             continue
-        uid = str(json_map(pod.get("metadata")).get("uid") or "")
+        meta = json_map(pod.get("metadata"))
+        named = f"{meta.get('namespace')}/{meta.get('name')}"
+        clashes = ids.keys() & listed
+        listed |= ids.keys()
+        for cid in clashes:
+            found.pop(cid, None)
+            owners.pop(cid, None)
+            refusals[cid] = f"container {cid[:12]} is listed by two pods: it is in neither"
+        if not injected(pod, opted_in):
+            for cid in ids.keys() - clashes:
+                refusals[cid] = (
+                    f"pod {named} was not injected by vram-enforcer's webhook (not of a "
+                    f"namespace labelled {OPT_IN[0]}={OPT_IN[1]}, or not labelled enforced): "
+                    "the agent serves only the sidecars of the pods the webhook injected"
+                )
+            continue
+        uid = str(meta.get("uid") or "")
         read = dra.get(uid)
         last = previous.encoded.get(uid) if previous is not None else None
         if last is None or not last.made_from(pod, read, watch_problem):
@@ -112,14 +140,17 @@ def directory(
             reply = encode_pod(PodReply(pod, watch_problem, objects, problem))
             last = Encoded(pod, read, watch_problem, reply)
         encoded[uid] = last
-        for cid in ids:
-            if cid in found or cid in claimed:
-                claimed.add(cid)
-                found.pop(cid, None)
-                owners.pop(cid, None)
+        for cid, ref in ids.items():
+            if cid in clashes:
+                continue
+            if ref.name != SIDECAR:
+                refusals[cid] = (
+                    f"container {ref.name!r} of pod {named} is not its vram-enforcer sidecar: "
+                    "the agent serves only the sidecar"
+                )
                 continue
             found[cid], owners[cid] = last.reply, pod
-    return Directory(found, owners, encoded)
+    return Directory(found, owners, refusals, encoded)
 
 
 def event_about(pod: Pod, container: str | None) -> ObjectReference:

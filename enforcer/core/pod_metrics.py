@@ -4,17 +4,18 @@ One scrape target per node: the agent knows every GPU process (NVML), its contai
 cgroup), every pod of the node and what each declares (`lending.Tenants`), and what each
 borrows above its request (the lender's view of each GPU), so it works out each
 container's series itself, whatever its sidecar says. A container is named by its pod's
-status (namespace, pod, container); only containers of pods the webhook enforced count,
+status (namespace, pod, container); only containers of pods the webhook injected count,
 never their sidecar.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from enforcer.core.attribution import attribute, gpu_shares
-from enforcer.core.declaration import ENFORCED
+from enforcer.core.declaration import SIDECAR, injected
 from enforcer.core.lending import Tenants
 from enforcer.core.model import Activity, ProcessKey, Sample
 from enforcer.core.payloads import Pod
@@ -52,17 +53,18 @@ class ContainerSeries:
     processes: tuple[tuple[int, str, int], ...]  # (host pid, GPU, bytes), largest first
 
 
-def enforced_containers(pods: Iterable[Pod], sidecar: str) -> dict[str, Named]:
-    """Container ID -> its name, for every container of the pods the webhook marked
-    enforced, their sidecar's aside (a container not created yet has no ID)."""
+def enforced_containers(pods: Iterable[Pod], opted_in: AbstractSet[str]) -> dict[str, Named]:
+    """Container ID -> its name, for every container of the pods the webhook injected
+    (`declaration.injected`, in the namespaces of `opted_in`), their sidecar's aside (a
+    container not created yet has no ID): a label alone names no pod's series."""
     found: dict[str, Named] = {}
     for pod in pods:
-        meta = json_map(pod.get("metadata"))
-        if json_map(meta.get("labels")).get(ENFORCED) != "true":
+        if not injected(pod, opted_in):
             continue
+        meta = json_map(pod.get("metadata"))
         namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
         for cid, ref in containers_by_id(pod).items():
-            if ref.name != sidecar:
+            if ref.name != SIDECAR:
                 found[cid] = Named(namespace, name, ref.name)
     return found
 

@@ -5,14 +5,19 @@ The agent connects to each running sidecar (`reachable`) through the socket in t
 sidecar's own filesystem, and tries again on a doubling schedule while it cannot
 (`to_dial`): a sidecar still starting, or one of 0.1.0 that connects by itself.
 
+Only pods the webhook injected are looked at (`declaration.injected`: the caller keeps to
+them).
+
 The workload shares its sidecar's PID namespace, and a root workload can stop (SIGSTOP) or
 kill it: enforcement by sampling then ends for that pod, and the agent enforces the pod
 itself (`modes/backstop.py`) while it is said to be unguarded (an Event on the pod, a
 metric, the log), until its sidecar is heard again. The rule (`unguarded`) is over what the
 agent sees of each sidecar (`Sidecar`): one whose process is stopped or has ended, or that
-hung up its connection (a killed one does), is unguarded at once; one that runs but is not
-heard (merely slow, starting, or not reached yet) only after SILENT_AFTER seconds, so that
-the agent does not take over from a sidecar that is still there. A pod is watched while a
+hung up its connection (a killed one does), or whose signals the kernel refused within
+REFUSED_FOR seconds (it decides, but cannot act: a security module labels the workload
+apart), is unguarded at once; one that runs but is not heard (merely slow, starting, or
+not reached yet) only after SILENT_AFTER seconds, so that the agent does not take over
+from a sidecar that is still there. A pod is watched while a
 container that its sidecar enforces runs (`guarded`), not by its phase: a GPU job in a
 regular init container runs while the pod is still Pending.
 """
@@ -23,12 +28,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from enforcer.core.cgroups import status_container_id
-from enforcer.core.declaration import ENFORCED, SIDECAR
+from enforcer.core.declaration import SIDECAR
 from enforcer.core.dra import finished
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import STATUSES, json_map, json_maps
 
 SILENT_AFTER = 10.0  # seconds a running sidecar may go unheard before its pod is unguarded
+REFUSED_FOR = 30.0  # seconds a pod is held by the agent after its sidecar's last refused signal
 FIRST_RETRY, LAST_RETRY = 1.0, 30.0  # seconds between attempts to connect to a sidecar
 STOPPED = frozenset("Tt")  # stopped by a signal (SIGSTOP), or by a tracer: it runs no code
 ENDED = frozenset("ZX")  # a zombie (its main thread, the sidecar's loop, has ended), or dead
@@ -42,6 +48,7 @@ class Sidecar:
     heard: bool = False  # it reads its subscription: the agent's replies do not wait unread
     closed: bool = False  # it hung up its connection to the agent, and has opened none since
     state: str | None = None  # its process's state in /proc/<pid>/stat; None: not read
+    refused: bool = False  # the kernel refused one of its signals within REFUSED_FOR
 
 
 UNSEEN = Sidecar()  # none of it known: not reached yet, or no container of it (back-off)
@@ -49,16 +56,27 @@ UNSEEN = Sidecar()  # none of it known: not reached yet, or no container of it (
 
 def halted(sidecar: Sidecar) -> bool:
     """It cannot be enforcing, and waiting would only lengthen the episode: its process is
-    stopped or has ended, or it hung up (its process was killed, or is ending)."""
-    return sidecar.closed or (sidecar.state is not None and sidecar.state in STOPPED | ENDED)
+    stopped or has ended, or it hung up (its process was killed, or is ending), or the
+    kernel refuses its signals."""
+    stopped_or_ended = sidecar.state is not None and sidecar.state in STOPPED | ENDED
+    return sidecar.closed or stopped_or_ended or sidecar.refused
 
 
 def halt(sidecar: Sidecar) -> str | None:
     """How a halted sidecar halted, for the pod's Event: "stopped" (a signal or a tracer
-    holds it), "ended" (its process ended, or it hung up); None when it has not halted."""
+    holds it), "ended" (its process ended, or it hung up), "refused" (the kernel refuses
+    its signals); None when it has not halted."""
     if sidecar.state is not None and sidecar.state in STOPPED:
         return "stopped"
-    return "ended" if halted(sidecar) else None
+    if sidecar.closed or (sidecar.state is not None and sidecar.state in ENDED):
+        return "ended"
+    return "refused" if sidecar.refused else None
+
+
+def refusing(last_refused: float | None, now: float) -> bool:
+    """Whether a sidecar whose signal the kernel last refused at `last_refused` still
+    leaves its pod to the agent."""
+    return last_refused is not None and now - last_refused < REFUSED_FOR
 
 
 def unguarded(sidecar: Sidecar, last_heard: float, now: float) -> bool:
@@ -80,11 +98,6 @@ class Change:
     presence: Presence
     went_silent: tuple[str, ...] = ()  # pod UIDs, newly unguarded
     came_back: tuple[str, ...] = ()
-
-
-def _enforced(pod: Pod) -> bool:
-    """Injected by the webhook (its label, kept by the chart's policy)."""
-    return json_map(json_map(pod.get("metadata")).get("labels")).get(ENFORCED) == "true"
 
 
 def _sidecar_status(pod: Pod) -> Mapping[str, object] | None:
@@ -125,12 +138,13 @@ def _before_sidecar(pod: Pod) -> set[str]:
 
 
 def guarded(pod: Pod) -> bool:
-    """An injected pod while a container that its sidecar enforces runs, Pending or Running:
-    any but the sidecar, init containers included (a regular one runs while its pod is
-    Pending). Its silence is judged then, and only then: a pod that runs nothing yet, or has
-    finished (the kubelet stops its containers, and so its sidecar), needs no sidecar."""
+    """An injected pod (`declaration.injected`: the caller keeps to those) while a container
+    that its sidecar enforces runs, Pending or Running: any but the sidecar, init containers
+    included (a regular one runs while its pod is Pending). Its silence is judged then, and
+    only then: a pod that runs nothing yet, or has finished (the kubelet stops its
+    containers, and so its sidecar), needs no sidecar."""
     held = running_containers(pod) - _before_sidecar(pod) - {SIDECAR}
-    return _enforced(pod) and bool(held) and not finished(pod)
+    return bool(held) and not finished(pod)
 
 
 def sidecar_id(pod: Pod) -> str | None:
@@ -140,9 +154,9 @@ def sidecar_id(pod: Pod) -> str | None:
 
 
 def reachable(pod: Pod) -> str | None:
-    """The container ID of an enforced pod's sidecar while it runs, whatever the pod's phase
+    """The container ID of an injected pod's sidecar while it runs, whatever the pod's phase
     (a native sidecar runs before the workload does): the one to connect to."""
-    cs = _sidecar_status(pod) if _enforced(pod) else None
+    cs = _sidecar_status(pod)
     if cs is None or not _runs(cs):
         return None
     return status_container_id(cs.get("containerID"))

@@ -12,7 +12,6 @@ of a known few, and every count is bounded, before the agent keeps it.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeGuard
@@ -22,17 +21,19 @@ from enforcer.core.model import SignalResult
 ACTIONS = ("warn", "terminate", "kill", "restart", "dry-run")
 NEEDED_BY = ("requests", "unrequested")
 REFUSED = tuple(str(r) for r in SignalResult if r is not SignalResult.SENT)
-_LOOP = re.compile(r"[a-z][a-z-]{0,31}")  # a loop's name, as the guards name them
-MAX_LOOPS = 16
+# The sidecar's loops, as its guards name them (`LoopGuard`): the tick, and with
+# `--api-access direct` the pod watcher. No other name is taken from a report.
+TICK_LOOP, POD_WATCHER_LOOP = "tick", "pod-watcher"
+LOOPS = (TICK_LOOP, POD_WATCHER_LOOP)
 MAX_COUNT = 2**53  # exact in JSON's numbers, and more than any sidecar will count
 REPORT_EVERY = 5.0  # seconds: a report that changed waits at most this long
 
-# The report's families, and the label values each may hold (None: a loop's name).
-FAMILIES: Mapping[str, tuple[str, ...] | None] = {
+# The report's families, and the label values each may hold.
+FAMILIES: Mapping[str, tuple[str, ...]] = {
     "actions": ACTIONS,
     "reclaims": NEEDED_BY,
     "refused": REFUSED,
-    "unexpected": None,
+    "unexpected": LOOPS,
 }
 
 
@@ -77,11 +78,9 @@ def parse_report(doc: Mapping[str, object]) -> SidecarReport | str:
         given = doc.get(name, {})
         if not isinstance(given, dict):
             return f"{name} is not a JSON object"
-        if allowed is None and len(given) > MAX_LOOPS:
-            return f"{name} names more than {MAX_LOOPS} loops"
         counts: dict[str, int] = {}
         for label, count in given.items():
-            if (label not in allowed) if allowed is not None else not _LOOP.fullmatch(label):
+            if label not in allowed:
                 return f"{name} has {label!r}, which is not one of vram-enforcer's"
             if not _count(count):
                 return f"{name}[{label!r}] is {count!r}, not a count from 0 to 2^53"
@@ -108,3 +107,12 @@ def parse_report(doc: Mapping[str, object]) -> SidecarReport | str:
 
 def _count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+
+
+def newly_denied(before: SidecarReport | None, after: SidecarReport) -> bool:
+    """Whether the kernel refused a signal of the sidecar's (EPERM) since its last report:
+    it decides, but cannot act. A sidecar's counts start again at 0 when it restarts
+    (fewer ticks than before)."""
+    denied = str(SignalResult.DENIED)
+    was = 0 if before is None or after.ticks < before.ticks else before.refused.get(denied, 0)
+    return after.refused.get(denied, 0) > was

@@ -142,7 +142,9 @@ class AgentLink:
     it answers again.
 
     With `listen`, the sidecar does not connect: it listens on that socket
-    (`SidecarSocket`), and the agent connects to it. The conversation is then the same.
+    (`SidecarSocket`), and the agent connects to it. The conversation is then the same. A
+    newer connection of the agent's is tried beside the live one, which it replaces only
+    once the agent has answered on it (`_take_newer`).
 
     One class, not a source and a sender: the usage, the pod and the reports share one
     connection, and whether the agent answers on it (it knows who we are) decides both
@@ -177,6 +179,9 @@ class AgentLink:
         self._clock = clock
         self._sock: socket.socket | None = None
         self._buffer = b""
+        # A newer connection of the agent's, not yet answered on, and what it sent so far.
+        self._candidate: socket.socket | None = None
+        self._candidate_buffer = b""
         self._answered = ""  # the last challenge answered
         # When the latest sample arrived, on `clock` (monotonic): its own `sampled_at` is the
         # agent's wall clock, and a step of either clock would make a frozen sample look fresh.
@@ -208,6 +213,12 @@ class AgentLink:
 
     def _connect(self) -> bool:
         now = self._clock()
+        if self._listener is not None and self._candidate is not None:
+            # The live link is gone: the newer connection, subscribed already, is the link.
+            self._sock, self._buffer = self._candidate, self._candidate_buffer
+            self._candidate, self._candidate_buffer, self._answering = None, b"", False
+            self._outbox.reconnected()
+            return True
         if self._listener is not None:
             accepted = self._listener.accept()
             return accepted is not None and self._subscribe(accepted, now)
@@ -238,12 +249,64 @@ class AgentLink:
 
     def _take_newer(self, listener: SidecarSocket) -> None:
         """While connected, a newer connection of the agent's (it connects again when it
-        no longer counts the old one) replaces the old; callers of this pod are refused
-        at once, not left waiting."""
+        no longer counts the old one) is subscribed beside the live one, and replaces it
+        only once the agent answers on it (a sample, or this pod): a connection that
+        delivers nothing, say one the agent made to a socket it then found was not the one
+        it meant and closed unread, never costs the pod its live link (the agent would take
+        the hang-up for a killed sidecar). Callers of this pod are refused at once, not
+        left waiting."""
         accepted = listener.accept()
         if accepted is not None:
-            self._hang_up()
-            self._subscribe(accepted, self._clock())
+            self._drop_candidate()
+            try:
+                accepted.setblocking(False)
+                accepted.send(encode_request("subscribe", pod=self._wants_pod))  # fits
+            except OSError:
+                accepted.close()
+                return
+            self._candidate, self._candidate_buffer = accepted, b""
+        if self._candidate is not None:
+            self._try_candidate(self._candidate)
+
+    def _try_candidate(self, candidate: socket.socket) -> None:
+        """Read the newer connection; once it answers, it is the link."""
+        while True:
+            try:
+                chunk = candidate.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._drop_candidate()  # closed before it answered: the live link stays
+                return
+            self._candidate_buffer += chunk
+        *lines, rest = self._candidate_buffer.split(b"\n")
+        for i, line in enumerate(lines):
+            try:
+                reply = decode_reply(line)
+            except ProtocolError:
+                self._drop_candidate()
+                return
+            if isinstance(reply, Challenge):
+                try:
+                    self._answer(reply, candidate)
+                except OSError:
+                    self._drop_candidate()
+                    return
+            elif isinstance(reply, (Usage, PodReply)):  # the agent, answering: take it
+                self._hang_up()
+                self._sock, self._candidate = candidate, None
+                self._buffer = b"\n".join([*lines[i:], rest])
+                self._answering = False
+                self._outbox.reconnected()
+                return
+        self._candidate_buffer = rest
+
+    def _drop_candidate(self) -> None:
+        if self._candidate is not None:
+            self._candidate.close()
+            self._candidate, self._candidate_buffer = None, b""
 
     def send_event(self, event: EventRequest) -> None:
         """Hand a report to the agent, never waiting: the Event is the agent's to post."""
@@ -296,7 +359,7 @@ class AgentLink:
             for line in lines:  # usually one: a sample per wake-up
                 reply = decode_reply(line)
                 if isinstance(reply, Challenge):
-                    self._answer(reply)
+                    self._answer(reply, self._sock)
                 elif isinstance(reply, PodReply):
                     self.pod_reply = reply
                     self.pod_replies += 1
@@ -314,11 +377,10 @@ class AgentLink:
             return
         self._outbox.flush(self._send)
 
-    def _answer(self, challenge: Challenge) -> None:
+    def _answer(self, challenge: Challenge, sock: socket.socket) -> None:
         """A node whose kernel cannot name its callers asks them to prove who they are."""
         if challenge.nonce != self._answered:
-            assert self._sock is not None  # noqa: S101 - only called when connected
-            self._sock.sendall(encode_request("subscribe", challenge.nonce, self._wants_pod))
+            sock.sendall(encode_request("subscribe", challenge.nonce, self._wants_pod))
             self._answered = challenge.nonce
 
     def _lost(self, reason: str) -> None:
@@ -334,6 +396,7 @@ class AgentLink:
 
     def close(self) -> None:
         self._hang_up()
+        self._drop_candidate()
         if self._listener is not None:
             self._listener.close()
             self._listener = None

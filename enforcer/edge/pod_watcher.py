@@ -9,6 +9,7 @@ from collections.abc import Callable
 from kubernetes import client
 
 from enforcer.core.payloads import Pod
+from enforcer.core.sidecar_report import POD_WATCHER_LOOP
 from enforcer.edge import logs
 from enforcer.edge.guard import ErrorCounter, LoopGuard
 from enforcer.edge.kube import POD, KubeError, call
@@ -44,7 +45,7 @@ class PodWatcher(threading.Thread):
         unexpected: ErrorCounter,
     ) -> None:
         super().__init__(name="pod-watcher", daemon=True)
-        self._guard = LoopGuard("pod-watcher", unexpected, log)
+        self._guard = LoopGuard(POD_WATCHER_LOOP, unexpected, log)
         self._on_read = on_read  # more to read once the pod is (its ResourceClaims)
         self._api = api
         self._namespace = namespace

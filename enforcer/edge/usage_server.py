@@ -4,8 +4,15 @@ One NVML pass per interval is shared by every caller. When the sampler publishes
 sample, it is indexed once by PID namespace (each process under every namespace on its
 chain, with the pid that namespace knows it by) and its JSON is pre-encoded, so a request
 costs a dictionary lookup and a write. Bad input gets an error line; a line longer than
-the limit, a reader that stops reading and a silent connection are disconnected; none of
-it can stall the other callers, who share one epoll loop.
+the limit, a reader that stops reading and a silent connection are disconnected; a caller
+that sends more than LINES_PER_SECOND lines is not read until the next second (its lines
+wait in the kernel, costing the loop nothing); none of it can stall the other callers, who
+share one epoll loop.
+
+An agent that serves pods serves only the sidecars of the pods the webhook injected
+(`pod_directory`), and the node's own processes (in no container, in the host's PID
+namespace); any other caller is told why not, once, and each request of it is counted as
+`refused`.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from prometheus_client import Counter, Gauge
 from enforcer.core.lending import Lending
 from enforcer.core.model import Sample, SourceDown
 from enforcer.core.payloads import Pod
-from enforcer.core.pod_directory import Directory, unknown
+from enforcer.core.pod_directory import Directory
 from enforcer.core.protocol import (
     MAX_REQUEST_BYTES,
     EventRequest,
@@ -63,6 +70,10 @@ ACCEPT_BATCH = 64  # connections accepted per wake-up of the loop; the rest wait
 # blocks its connection within a few seconds, not after minutes of samples.
 SEND_BUFFER = 32 * 1024
 _WRITE_BUFFER = 64 * 1024  # past this, stop reading a client's requests until it reads
+# Lines read from one connection in a second (the sweep's). A sidecar sends a subscription,
+# its Events (at most EVENT_BACKLOG after a reconnection) and its counts every few seconds;
+# a taken-over one sent 44,000 a second, each parsed on this loop's thread.
+LINES_PER_SECOND = 64
 
 
 @dataclass(slots=True)
@@ -79,12 +90,15 @@ class ServerHooks:
     caller's counts as its pod's (the pod, the caller's container ID, the report); `hung_up`
     is told the container ID of a caller that hung up its last connection (a sidecar does
     when its process ends, SIGKILL included), on the loop's thread: it must not wait.
-    `no_pods`: what a caller that asks for its pod is told while there are no pods."""
+    `no_pods`: what a caller that asks for its pod is told while there are no pods.
+    `sidecars_only`: an agent that serves pods serves only their sidecars (see the module);
+    one that does not tells each caller about its own processes alone, whoever it is."""
 
     events: Callable[[Pod, EventRequest], None] | None = None
     reports: Callable[[Pod, str, SidecarReport], None] | None = None
     hung_up: Callable[[str], None] | None = None
     no_pods: str = "this agent does not serve pods (it has no API access)"
+    sidecars_only: bool = False
 
 
 def _discard_pending(sock: socket.socket, limit: int = 1 << 20) -> None:
@@ -114,9 +128,12 @@ class _Connection:
         "container_id",
         "inbox",
         "last_request",
+        "lines",
         "outbox",
+        "paused",
         "pid",
         "pod_sent",
+        "refusal",
         "refused",
         "senders",
         "sock",
@@ -148,6 +165,10 @@ class _Connection:
         self.last_request = time.monotonic()
         self.blocked_since: float | None = None
         self.subscribed = False
+        self.lines = 0  # read in this second
+        self.paused = False  # past LINES_PER_SECOND: not read until the next second
+        # Why the caller is not served, as of the latest directory (None: it is served).
+        self.refusal: str | None = None
 
 
 class UsageServer:
@@ -186,7 +207,8 @@ class UsageServer:
         # them: (the sidecar's container ID, the socket).
         self._dialed: collections.deque[tuple[str, socket.socket]] = collections.deque()
         # The container IDs with a subscription that is being read, as of the last sweep (a
-        # second at most): whose sidecars are there (`sidecar_presence`). Swapped whole.
+        # second at most) or subscription: whose sidecars are there (`sidecar_presence`).
+        # Swapped whole.
         self.connected: frozenset[str] = frozenset()
         # The pid of the process at the other end of each container's latest proven
         # connection, by container ID: a sidecar's own process. Swapped whole.
@@ -221,12 +243,30 @@ class UsageServer:
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"d")
 
-    def pod_reply(self, container_id: str | None) -> bytes:
+    def pod_reply(self, conn: _Connection) -> bytes:
         pods = self._pods
         if pods is None:
             return encode_pod(PodReply(None, self._hooks.no_pods))
-        found = pods.replies.get(container_id) if container_id is not None else None
-        return found if found is not None else unknown(container_id)
+        found = pods.replies.get(conn.container_id or "")
+        if found is not None:
+            return found
+        return encode_pod(PodReply(None, pods.refusal(conn.container_id)))
+
+    def _refusal(self, conn: _Connection) -> str | None:
+        """Why this caller is not served, or None (see the module)."""
+        if not self._hooks.sidecars_only or conn.unproven is not None:
+            return None  # an unproven caller gets nothing but its challenge anyway
+        if conn.container_id is None and conn.view.level == 0:
+            return None  # the node's own: an administrator, `doctor` on the host
+        if self._pods is None:
+            return self._hooks.no_pods
+        return self._pods.refusal(conn.container_id)
+
+    def usage(self, conn: _Connection) -> bytes:
+        """The caller's usage, or why it is not served."""
+        if conn.refusal is not None:
+            return encode_error(conn.refusal)
+        return self.reply(conn.view)
 
     def reply(self, view: PidView) -> bytes:
         published = self._published
@@ -365,6 +405,7 @@ class UsageServer:
             return
         self._per_namespace[namespace] += 1
         conn = _Connection(sock, peer.view, unproven, peer.container_id, peer.pid)
+        conn.refusal = self._refusal(conn)
         self._connections[sock.fileno()] = conn
         self._epoll.register(sock.fileno(), select.EPOLLIN)
         self._metrics.connections.set(len(self._connections))
@@ -383,6 +424,9 @@ class UsageServer:
         sock.close()
 
     def _read(self, conn: _Connection) -> None:
+        if conn.paused:  # not polled for input: woken by a hang-up or an error
+            self._drop(conn, hung_up=True)
+            return
         try:
             if conn.unproven is None:
                 data = conn.sock.recv(65536)
@@ -400,9 +444,15 @@ class UsageServer:
             self._drop(conn, hung_up=True)
             return
         conn.inbox += data
+        self._take_lines(conn)
+
+    def _take_lines(self, conn: _Connection) -> None:
+        """Answer the complete lines read, up to LINES_PER_SECOND in this second; past that,
+        stop reading the connection until the sweep's next second."""
         replies = []
-        while (end := conn.inbox.find(b"\n")) >= 0:
+        while conn.lines < LINES_PER_SECOND and (end := conn.inbox.find(b"\n")) >= 0:
             line, conn.inbox = conn.inbox[: end + 1], conn.inbox[end + 1 :]
+            conn.lines += 1
             replies.append(self._answer(line, conn))
             if conn.refused:
                 with contextlib.suppress(OSError):
@@ -410,7 +460,12 @@ class UsageServer:
                 _discard_pending(conn.sock)
                 self._drop(conn)
                 return
-        if len(conn.inbox) > MAX_REQUEST_BYTES:  # the stream cannot resync: hang up
+        if b"\n" in conn.inbox:  # past its lines for this second
+            if not conn.paused:
+                conn.paused = True
+                self.count("limited")
+                self._interest(conn)
+        elif len(conn.inbox) > MAX_REQUEST_BYTES:  # the stream cannot resync: hang up
             self.count("error")
             with contextlib.suppress(OSError):
                 conn.sock.send(
@@ -441,6 +496,7 @@ class UsageServer:
                 return encode_error(str(exc))
             conn.unproven.close()
             conn.unproven, conn.view, conn.container_id = None, peer.view, peer.container_id
+            conn.refusal = self._refusal(conn)
             self._peers_changed()
         if request.op == "event":
             self._post(conn, request.event)
@@ -448,21 +504,23 @@ class UsageServer:
         if request.op == "report":
             self._keep(conn, request.report)
             return b""  # never answered, as an event is not
-        self.count("ok")
+        self.count("ok" if conn.refusal is None else "refused")
         if request.op == "subscribe":
             conn.subscribed = True
+            self._connected_changed()
             if request.pod:
                 conn.wants_pod = True
-                conn.pod_sent = self.pod_reply(conn.container_id)
-                return self.reply(conn.view) + conn.pod_sent
-        return self.reply(conn.view)
+                conn.pod_sent = self.pod_reply(conn)
+                return self.usage(conn) + conn.pod_sent
+        return self.usage(conn)
 
     def _push(self) -> None:
-        """Each new sample to every subscriber; one still reading the last gets only the next."""
+        """Each new sample to every subscriber that is served; one still reading the last gets
+        only the next. One that is not served was told why, once."""
         for conn in list(self._connections.values()):
-            if conn.subscribed and not conn.outbox:
+            if conn.subscribed and not conn.outbox and conn.refusal is None:
                 self.count("pushed")
-                conn.outbox = self.reply(conn.view)
+                conn.outbox = self.usage(conn)
                 self._flush(conn)
 
     def _post(self, conn: _Connection, event: EventRequest | str | None) -> None:
@@ -483,23 +541,36 @@ class UsageServer:
             reports(pod, conn.container_id or "", report)
 
     def _callers_pod(self, conn: _Connection, given: object, taken: bool) -> Pod | None:
-        """The pod the caller is proven to be in, for a well-formed request (not what is
-        wrong with it, a str) that this agent takes; else None, counted as an error or a
-        refusal."""
+        """The pod whose sidecar the caller is proven to be, for a well-formed request (not
+        what is wrong with it, a str) that this agent takes; else None, counted as an error
+        or a refusal."""
         pods = self._pods
         pod = pods.pods.get(conn.container_id or "") if pods is not None else None
-        if isinstance(given, str) or given is None or pod is None or not taken:
-            self.count("error" if isinstance(given, str) else "refused")
+        if conn.refusal is not None or pod is None or not taken:
+            self.count("refused")
+            return None
+        if isinstance(given, str) or given is None:
+            self.count("error")
             return None
         return pod
 
     def _push_pods(self) -> None:
-        """Each subscriber that asked for its pod gets it again when it changed."""
+        """The node's pods changed: each caller is served, or not, as they say now (one
+        that became served gets its usage, one that no longer is gets why); each
+        subscriber that asked for its pod gets it again when it changed."""
         for conn in list(self._connections.values()):
-            if conn.wants_pod and (reply := self.pod_reply(conn.container_id)) != conn.pod_sent:
+            refusal = self._refusal(conn)
+            changed, conn.refusal = refusal != conn.refusal, refusal
+            if changed:
+                self._peers_changed()
+                self._connected_changed()
+                if conn.subscribed:
+                    conn.outbox += self.usage(conn)
+            if conn.wants_pod and (reply := self.pod_reply(conn)) != conn.pod_sent:
                 self.count("pod")
                 conn.pod_sent = reply
                 conn.outbox += reply
+            if conn.outbox:
                 self._flush(conn)
 
     def _flush(self, conn: _Connection) -> None:
@@ -514,10 +585,19 @@ class UsageServer:
         conn.outbox = conn.outbox[sent:]
         if conn.outbox and conn.blocked_since is None:
             conn.blocked_since = time.monotonic()
-            self._epoll.modify(conn.sock.fileno(), select.EPOLLOUT)
+            self._interest(conn)
         elif not conn.outbox and conn.blocked_since is not None:
             conn.blocked_since = None
-            self._epoll.modify(conn.sock.fileno(), select.EPOLLIN)
+            self._interest(conn)
+
+    def _interest(self, conn: _Connection) -> None:
+        """What the loop waits for on a connection: its replies to be taken while they wait
+        (it is not read meanwhile), else its requests, unless it is past its lines."""
+        if conn.blocked_since is not None:
+            events = select.EPOLLOUT
+        else:
+            events = 0 if conn.paused else select.EPOLLIN
+        self._epoll.modify(conn.sock.fileno(), events)
 
     def _pause_accepting(self, exc: OSError) -> None:
         """The listener stays readable while the kernel cannot give us the connection's fd:
@@ -546,10 +626,24 @@ class UsageServer:
             idle = not conn.subscribed and now - conn.last_request > IDLE_TIMEOUT
             if stuck or idle:
                 self._drop(conn)
+                continue
+            conn.lines = 0  # a new second
+            if conn.paused:
+                conn.paused = False
+                self._interest(conn)
+                self._take_lines(conn)  # those read and waiting first
+        self._connected_changed()
+
+    def _connected_changed(self) -> None:
+        """`connected`, as of now: on every sweep (a reader that stopped reading drops out
+        within WRITE_TIMEOUT), and as soon as a caller subscribes or leaves."""
         self.connected = frozenset(
             conn.container_id
             for conn in self._connections.values()
-            if conn.subscribed and conn.blocked_since is None and conn.container_id
+            if conn.subscribed
+            and conn.blocked_since is None
+            and conn.container_id
+            and conn.refusal is None
         )
 
     def _drop(self, conn: _Connection, hung_up: bool = False) -> None:
@@ -568,6 +662,7 @@ class UsageServer:
                 self._epoll.unregister(fd)
             if proven and conn.container_id:
                 self._peers_changed()
+                self._connected_changed()
                 told = self._hooks.hung_up
                 if hung_up and conn.container_id not in self.peers and told is not None:
                     told(conn.container_id)
@@ -578,7 +673,7 @@ class UsageServer:
         self.peers = {
             conn.container_id: conn.pid
             for conn in self._connections.values()
-            if conn.container_id and conn.unproven is None
+            if conn.container_id and conn.unproven is None and conn.refusal is None
         }
 
     def count(self, result: str) -> None:

@@ -11,7 +11,8 @@ NVML or the API being down degrades one part: the socket answers with an error, 
 keeps its last advertisement, and each part recovers on its own. A bug in one step of a
 loop is reported and the loop goes on (`guard.LoopGuard`). A thread that stops anyway ends
 the process with status 1, so that the DaemonSet restarts it, and `/healthz` (on the
-metrics port) fails once no NVML pass has completed for `LIVENESS_AFTER`.
+metrics port) fails once no NVML pass, or no check of the sidecar watch, has completed for
+`LIVENESS_AFTER`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from enforcer.core.payloads import ObjectReference
 from enforcer.core.pod_directory import event_about
 from enforcer.core.reasons import Reason
 from enforcer.core.settings.agent import AgentSettings
+from enforcer.core.sidecar_report import SidecarReport, newly_denied
 from enforcer.edge import logs
 from enforcer.edge.cgroupfs import ContainerCgroups
 from enforcer.edge.guard import LoopGuard, stopped
@@ -65,7 +67,7 @@ if TYPE_CHECKING:
     from enforcer.edge.node_pods import WatchedPods
     from enforcer.edge.pod_resources import PodResources
     from enforcer.modes.pod_publisher import PodPublisher
-    from enforcer.modes.sidecar_watch import HangUps, SidecarWatch
+    from enforcer.modes.sidecar_watch import SidecarNews, SidecarWatch
 
     # The threads the pod watch wakes: each stops on its `stop` event.
     Woken = HardLimiter | PodPublisher | SidecarWatch | PodResources | Evictor
@@ -75,7 +77,9 @@ log = logging.getLogger(__name__)
 EXIT_USAGE = 2
 EXIT_THREAD_DIED = 1
 STALE_INTERVALS = 20  # replies turn into errors once the sample is this many intervals old
-LIVENESS_AFTER = 60.0  # /healthz fails when no NVML pass has completed for this long (s)
+LIVENESS_AFTER = (
+    60.0  # /healthz fails when no pass (NVML's, the watch's) completed for this long (s)
+)
 JOIN_WITHIN = 5.0  # on SIGTERM, the threads get this long, together, to end
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
@@ -379,7 +383,8 @@ def _serve(
         threads.append(Advertiser(advertiser, passes.devices, telemetry, settings.resync))
     threads.extend([*watches, *others])
     liveness = max(LIVENESS_AFTER, STALE_INTERVALS * settings.interval)
-    check = functools.partial(health, sampler, liveness)
+    sidecars = served.watch if served is not None else None
+    check = functools.partial(health, sampler, liveness, sidecars)
     try:
         metrics = serve_metrics(
             telemetry.registry, settings.metrics_port, settings.metrics_address, check
@@ -413,32 +418,42 @@ def _serve(
     return status
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Served:
     """What an agent that serves pods makes before its server: the server's hooks, and what
-    they feed, each pod's counts from its sidecar and the sidecar watch's hang-ups."""
+    they feed: each pod's counts from its sidecar, and what the sidecar watch is told (the
+    sidecars that hung up, and those whose signals the kernel refused). The watch itself,
+    once made (`_pod_watch`), for the agent's health."""
 
     hooks: ServerHooks
     counts: PodCounts
-    hang_ups: HangUps
+    news: SidecarNews
+    watch: SidecarWatch | None = None
 
 
 def _served(recorder: EventRecorder) -> _Served:
-    from enforcer.modes.sidecar_watch import HangUps  # noqa: PLC0415 - only when used
+    from enforcer.modes.sidecar_watch import SidecarNews  # noqa: PLC0415 - only when used
 
     def post(pod: Pod, event: EventRequest) -> None:
         """A sidecar's report, on its own pod: sidecars no longer post Events."""
         about = event_about(pod, event.container)
         recorder.record(about, event.reason, event.message, event.warning)
 
+    def keep(pod: Pod, container_id: str, report: SidecarReport) -> None:
+        """A sidecar's counts, kept for its pod's series; one whose signals the kernel
+        refused since its last leaves its pod to the agent (the watch is told)."""
+        if newly_denied(counts.keep(pod, container_id, report), report):
+            news.refused(container_id)
+
     # Every enforced pod's series, served here: the sidecars serve none.
     counts = PodCounts()
     # The sidecar watch reads the server's connections, and the server tells the watch of
-    # a sidecar that hung up (its pod is held at once): made first, the hang-ups are what
-    # both are built with.
-    hang_ups = HangUps()
+    # a sidecar that hung up (its pod is held at once) or whose signals were refused: made
+    # first, the news is what both are built with.
+    news = SidecarNews()
     no_pods = "the agent has not listed this node's pods yet"
-    return _Served(ServerHooks(post, counts.keep, hang_ups, no_pods), counts, hang_ups)
+    hooks = ServerHooks(post, keep, news.hung_up, no_pods, sidecars_only=True)
+    return _Served(hooks, counts, news)
 
 
 def _pod_watch(
@@ -463,7 +478,7 @@ def _pod_watch(
     from enforcer.edge.namespaces import OptedInNamespaces  # noqa: PLC0415
     from enforcer.edge.node_pods import NodePods  # noqa: PLC0415
     from enforcer.edge.pod_resources import PodResources  # noqa: PLC0415
-    from enforcer.edge.sidecar_dialer import dial_sidecars  # noqa: PLC0415
+    from enforcer.edge.sidecar_dialer import Dialer, dial_container  # noqa: PLC0415
     from enforcer.modes.pod_publisher import PodPublisher  # noqa: PLC0415
     from enforcer.modes.sidecar_watch import SidecarProcesses, SidecarWatch  # noqa: PLC0415
 
@@ -473,7 +488,9 @@ def _pod_watch(
     pods = NodePods(
         api, settings.node_name, (limiter_woken, publisher_woken, lender_woken, resources_woken)
     )
-    namespaces = OptedInNamespaces(api, settings.namespace, (limiter_woken, lender_woken))
+    namespaces = OptedInNamespaces(
+        api, settings.namespace, (limiter_woken, lender_woken, publisher_woken)
+    )
     # No DRA driver's allocations are GPUs (`--dra-drivers` empty): no claim is read.
     reads = ClaimReads(claims.last, claims.objects_or_problem, settings.dra)
     node = NodeView(
@@ -504,10 +521,31 @@ def _pod_watch(
             assigned = (lambda: kubelet.last, settings.gpu_resources)
             woken.append(kubelet)
         lender = Lender(node, lender_woken, settings.reclaim_watermark, telemetry, assigned)
-        woken.append(PodPublisher(pods, server.publish_pods, dra, publisher_woken, telemetry))
+        woken.append(
+            PodPublisher(
+                pods,
+                server.publish_pods,
+                dra,
+                publisher_woken,
+                telemetry,
+                opted_in=namespaces.names,
+            )
+        )
         host_proc = server.host_proc
-        reach = (functools.partial(dial_sidecars, host_proc), SidecarProcesses(host_proc))
-        sidecars = SidecarWatch(pods.snapshot, server, served.hang_ups, recorder, telemetry, reach)
+        dialer = Dialer(
+            functools.partial(dial_container, host_proc),
+            served.news.woken.set,
+            telemetry.unexpected.labels("sidecar-dial"),
+        )
+        sidecars = SidecarWatch(
+            node.injected,
+            server,
+            served.news,
+            recorder,
+            telemetry,
+            (dialer, SidecarProcesses(host_proc)),
+        )
+        served.watch = sidecars
         woken.append(sidecars)
         # A pod whose process the kernel will not let the agent signal is evicted instead.
         evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"))
@@ -523,16 +561,24 @@ def _pod_watch(
             telemetry.node,
             served.counts,
             backstop,
+            namespaces.names,
         )
         telemetry.registry.register(PodsCollector(view, settings.per_process_metrics))
     return (pods, namespaces), woken, PodSteps(lender, backstop, settings.hard_limits)
 
 
-def health(sampler: Sampler, after: float) -> str | None:
-    """What /healthz says: the sampler must have completed a pass within `after` seconds."""
-    age = time.monotonic() - sampler.last_pass
+def health(sampler: Sampler, after: float, sidecars: SidecarWatch | None = None) -> str | None:
+    """What /healthz says: the sampler must have completed a pass, and the sidecar watch (if
+    it runs) a check, within `after` seconds: one stuck in the kernel is not alive."""
+    now = time.monotonic()
+    age = now - sampler.last_pass
     if not sampler.is_alive() or age > after:
         return f"no NVML pass has completed for {age:.0f}s (the limit is {after:.0f}s)"
+    if sidecars is not None and (age := now - sidecars.last_check) > after:
+        return (
+            f"no check of the sidecar watch has completed for {age:.0f}s "
+            f"(the limit is {after:.0f}s)"
+        )
     return None
 
 

@@ -239,7 +239,9 @@ def check_agent(path: str, expected: bool = True) -> Check:
             "agent socket",
             "fail",
             f"the agent answers but {reply.reason}",
-            "the agent cannot read NVML on this node: see its log",
+            "the agent serves the sidecars of injected pods and the node itself: run doctor "
+            "there (kubectl exec -c vram-enforcer, or on the node); else it cannot read NVML "
+            "on this node: see its log",
         )
     if not isinstance(reply, Usage):  # a pod, unasked for
         return Check(

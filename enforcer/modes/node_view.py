@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from enforcer.core.declaration import Declares
+from enforcer.core.declaration import Declares, injected_pods
 from enforcer.core.dra import DraObjects, DraSettings
 from enforcer.core.payloads import Pod
 
@@ -33,3 +33,8 @@ class NodeView:
     opted_in: Callable[[], frozenset[str] | None]
     declares: Declares
     claims: ClaimReads | None = None
+
+    def injected(self) -> dict[str, Pod] | None:
+        """The node's pods that the webhook injected, by UID (`declaration.injected`); None
+        before the pods and the namespaces are listed."""
+        return injected_pods(self.pods(), self.opted_in())

@@ -20,6 +20,7 @@ from enforcer.core.model import ProcessTotal, Sample, SignalResult, SourceDown, 
 from enforcer.core.policy import Decision, Enforcement, PolicyConfig, UnitState, decide
 from enforcer.core.reasons import Reason
 from enforcer.core.reclaim import DEFAULT_WATERMARK, Gpu, Reclaim, reclaims, views
+from enforcer.core.sidecar_report import TICK_LOOP
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.signals import Escalation, EscalationEvent, Membership, Terminator
 from enforcer.edge.sources import UsageSource
@@ -116,7 +117,7 @@ class Pipeline:
         self._reclaimer = reclaimer
         self._state: dict[str, UnitState] = {}
         self._source_up: bool | None = None
-        self._guard = LoopGuard("tick", telemetry.unexpected.labels("tick"), log)
+        self._guard = LoopGuard(TICK_LOOP, telemetry.unexpected.labels(TICK_LOOP), log)
         self.last_units: tuple[UnitUsage, ...] = ()
 
     def tick(self) -> None:

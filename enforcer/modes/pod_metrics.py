@@ -39,15 +39,18 @@ class PodCounts:
         self._lock = threading.Lock()
         self._by_uid: dict[str, tuple[PodKey, SidecarReport]] = {}
 
-    def keep(self, pod: Pod, container_id: str, report: SidecarReport) -> None:
+    def keep(self, pod: Pod, container_id: str, report: SidecarReport) -> SidecarReport | None:
         """Kept only from the pod's sidecar container: another of its containers that
-        reaches the agent's socket does not speak for the pod."""
+        reaches the agent's socket does not speak for the pod. The report it replaces, if
+        it was kept and there was one."""
         ref = containers_by_id(pod).get(container_id)
         if ref is None or ref.name != SIDECAR:
-            return
+            return None
         uid, key = pod_key(pod)
         with self._lock:
+            before = self._by_uid.get(uid)
             self._by_uid[uid] = (key, report)
+        return None if before is None else before[1]
 
     def of(self, pods: Mapping[str, Pod]) -> dict[str, tuple[PodKey, SidecarReport]]:
         """Those of the pods still on the node (by UID); the others are forgotten."""
@@ -89,15 +92,17 @@ def pods_view(
     node: HasLending,
     sidecars: PodCounts,
     backstop: HasCounts,
+    opted_in: Callable[[], frozenset[str] | None],
 ) -> PodsView:
-    """The series as of now: every enforced container of the pods on the node, and each
-    pod's counts, its sidecar's and the backstop's added up. Each part is read as it is
-    now (each value is swapped whole by its own thread)."""
+    """The series as of now: every container of the pods on the node that the webhook
+    injected (in the namespaces `opted_in`), and each pod's counts, its sidecar's and the
+    backstop's added up. Each part is read as it is now (each value is swapped whole by
+    its own thread)."""
     now, passed = pods() or {}, last()
     series: tuple[ContainerSeries, ...] = ()
     if passed is not None:
         sample, containers = passed
-        named = enforced_containers(now.values(), SIDECAR)
+        named = enforced_containers(now.values(), opted_in() or frozenset())
         series = container_series(sample, containers(), named, lender.tenants, node.lending)
     reports: dict[PodKey, SidecarReport] = {key: r for key, r in sidecars.of(now).values()}
     for uid, counts in backstop.counts.items():

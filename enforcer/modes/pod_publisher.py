@@ -40,9 +40,14 @@ class PodPublisher(threading.Thread):
         claims: ClaimCache | None,
         changed: threading.Event,
         telemetry: AgentTelemetry,
+        *,
+        opted_in: Callable[[], frozenset[str] | None],
     ) -> None:
+        """`changed`: set by the watches of the pods and of the namespaces that opted in
+        (`opted_in`: only their pods the webhook injected are served)."""
         super().__init__(name="pod-publisher", daemon=True)
         self._pods = pods
+        self._opted_in = opted_in
         self._publish = publish
         self._claims = claims
         self._changed = changed
@@ -63,8 +68,8 @@ class PodPublisher(threading.Thread):
                 self._guard.run(self.publish_once)
 
     def publish_once(self) -> None:
-        pods = self._pods.snapshot()
-        if pods is None:
+        pods, opted_in = self._pods.snapshot(), self._opted_in()
+        if pods is None or opted_in is None:
             return  # not listed yet: callers are told so
         dra: dict[str, DraRead] = {}
         if self._claims is not None:
@@ -75,5 +80,5 @@ class PodPublisher(threading.Thread):
         problem = self._pods.error or None
         if problem is not None:
             problem = f"the agent's view of this node's pods may be out of date: {problem}"
-        self._last = directory(pods.values(), dra, problem, self._last)
+        self._last = directory(pods.values(), dra, problem, self._last, opted_in=opted_in)
         self._publish(self._last)

@@ -32,7 +32,7 @@ from enforcer.core.pod import (
 )
 from enforcer.core.reasons import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
-from enforcer.core.sidecar_report import REPORT_EVERY, SidecarReport
+from enforcer.core.sidecar_report import REPORT_EVERY, SidecarReport, newly_denied
 from enforcer.core.units import Unit
 from enforcer.edge import logs
 from enforcer.edge.agent_link import AgentLink
@@ -232,7 +232,9 @@ def _pipeline(
 
 class _Counts:
     """This pod's counts, sent to the agent at most every REPORT_EVERY seconds when they
-    changed (and by the link again to each new connection): the agent serves them."""
+    changed (and by the link again to each new connection): the agent serves them. A
+    signal the kernel refused goes at once: the agent then holds the pod itself (its
+    signals are the agent's, which no security module of the pod's labels refuses)."""
 
     def __init__(self, link: AgentLink, telemetry: SidecarTelemetry) -> None:
         self._link, self._telemetry = link, telemetry
@@ -240,10 +242,9 @@ class _Counts:
         self._at = -REPORT_EVERY
 
     def tick(self, now: float) -> None:
-        if now - self._at < REPORT_EVERY:
-            return
         report = self._telemetry.report()
-        if report != self._sent:
+        due = now - self._at >= REPORT_EVERY or newly_denied(self._sent, report)
+        if due and report != self._sent:
             self._link.send_report(report)
             self._sent, self._at = report, now
 

@@ -23,6 +23,7 @@ from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import ContainerRef, pod_reference
 from enforcer.core.protocol import EventRequest
 from enforcer.core.settings.sidecar import SidecarSettings
+from enforcer.core.sidecar_report import POD_WATCHER_LOOP
 from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.telemetry import SidecarTelemetry
 
@@ -177,7 +178,7 @@ def direct(settings: SidecarSettings, telemetry: SidecarTelemetry) -> PodAccess:
         settings.pod_name,
         period=period,
         on_read=claims.refresh if claims is not None else None,
-        unexpected=telemetry.unexpected.labels("pod-watcher"),
+        unexpected=telemetry.unexpected.labels(POD_WATCHER_LOOP),
     )
     recorder = EventRecorder(api, settings.pod_name, settings.node_name, telemetry.event_failures)
 

@@ -1031,6 +1031,83 @@ def test_the_agent_connects_to_the_sidecar_of_a_user_namespaced_pod(installed: C
         wait_for(lambda: gone(core, OPTED_IN, "userns-dial"), timeout=60, what="the pod to be gone")
 
 
+def test_a_forged_sidecar_in_a_namespace_that_did_not_opt_in_is_neither_dialled_nor_served(
+    installed: Cluster,
+) -> None:
+    """Issue 42, items 1 and 11, on the real kubelet. A tenant's pod in a namespace the
+    webhook does not mutate carries the enforced label and a container named like the
+    sidecar, whose socket's path is a link to a real sidecar's socket (through the victim's
+    /proc/<pid>/root, as the agent, with the host's PIDs, would follow it); its workload
+    holds GPU memory, which the agent sees. The agent never dials it (the forged container's
+    ID is nowhere in its log), serves it nothing (no series, no Event), and the victim's
+    sidecar stays connected and heard (no VRAMSidecarSilent, nobody unguarded)."""
+    core, node = installed.core, installed.node
+    elsewhere = "not-opted-in"
+    if not namespace_exists(core, elsewhere):
+        core.create_namespace({"metadata": {"name": elsewhere}})
+    core.create_namespaced_pod(OPTED_IN, workload("victim", "1Gi"))
+    try:
+        victim = wait_for(lambda: running(core, OPTED_IN, "victim"), timeout=90, what="victim")
+        victim_sidecar, _ = the_sidecar(node, victim)
+        link = f"/proc/{victim_sidecar}/root/run/vram-enforcer/sidecar.sock"
+        plant = f"mkdir -p /run/vram-enforcer && ln -s {link} /run/vram-enforcer/sidecar.sock"
+        forged = workload("forged", "1Gi")
+        forged["metadata"]["labels"] = {"vram-enforcer.io/enforced": "true"}
+        forged["spec"]["containers"].append(
+            {
+                "name": "vram-enforcer",
+                "image": ENFORCER_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["sh", "-c", f"{plant} && exec sleep 3600"],
+            }
+        )
+        core.create_namespaced_pod(elsewhere, forged)
+        pod = wait_for(lambda: running(core, elsewhere, "forged"), timeout=90, what="forged")
+        (side,) = [s for s in pod.status.container_statuses if s.name == "vram-enforcer"]
+        forged_id = side.container_id.split("://")[1]
+        holder = the_holder(node, pod, "trainer")
+        installed.use(holder, 2 * GiB)
+        # The agent sees the forged workload's memory: the GPU has its container as a tenant.
+        wait_for(
+            lambda: gpu_tenants(installed.agent_metrics()) == 1,
+            timeout=30,
+            what="the agent to see the forged pod's GPU process",
+        )
+        time.sleep(8)  # the agent's dials of a new sidecar: at once, then 1 s, 2 s, 4 s later
+        assert forged_id[:12] not in installed.agent.log()  # type: ignore[union-attr]
+        metrics = installed.agent_metrics()
+        assert f'namespace="{elsewhere}"' not in metrics
+        assert "vram_enforcer_pods_unguarded 0.0" in metrics
+        for name, namespace in (("forged", elsewhere), ("victim", OPTED_IN)):
+            assert not [
+                e
+                for e in core.list_namespaced_event(namespace).items
+                if e.involved_object.name == name and e.reason.startswith("VRAM")
+            ], name
+        installed.use(holder, None)
+    finally:
+        for name, namespace in (("forged", elsewhere), ("victim", OPTED_IN)):
+            with contextlib.suppress(client.ApiException):
+                core.delete_namespaced_pod(name, namespace)
+        for name, namespace in (("forged", elsewhere), ("victim", OPTED_IN)):
+            wait_for(
+                lambda n=name, ns=namespace: gone(core, ns, n), timeout=60, what=f"{name} gone"
+            )
+
+
+def gpu_tenants(metrics: str) -> float:
+    """The containers the agent sees holding memory on the GPU (one GPU here)."""
+    return max(
+        (
+            s.value
+            for f in text_string_to_metric_families(metrics)
+            for s in f.samples
+            if s.name == "vram_enforcer_gpu_tenants"
+        ),
+        default=0.0,
+    )
+
+
 def stop_sidecar(installed: Cluster, pod: client.V1Pod, sidecar: int, in_pod: int) -> None:
     """The tenant stops its sidecar from inside its pod (SIGSTOP, `in_pod` its pid there), and
     the agent says so: a `VRAMSidecarSilent` Warning on the pod."""

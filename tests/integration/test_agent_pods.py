@@ -11,7 +11,6 @@ real socket server, given the directory that the agent's pod publisher builds.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -33,15 +32,21 @@ import pytest
 from enforcer.core.declaration import ENFORCED, SIDECAR
 from enforcer.core.model import SourceDown
 from enforcer.core.payloads import ObjectReference, Pod
-from enforcer.core.pod_directory import directory, event_about, kept
+from enforcer.core.pod_directory import Directory, directory, event_about, kept
 from enforcer.core.protocol import SIDECAR_SOCKET, SIDECAR_SOCKET_DIR
+from enforcer.core.sidecar_presence import FIRST_RETRY
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.sidecar_dialer import dial_sidecars
-from enforcer.edge.usage_server import ServerHooks, ServerMetrics, UsageServer
+from enforcer.edge.sidecar_dialer import dial_container
+from enforcer.edge.usage_server import (
+    LINES_PER_SECOND,
+    ServerHooks,
+    ServerMetrics,
+    UsageServer,
+)
 from enforcer.modes.pod_metrics import PodCounts
-from enforcer.modes.sidecar_watch import HangUps, SidecarProcesses, SidecarWatch
+from enforcer.modes.sidecar_watch import HANDED_FOR, SidecarNews, SidecarProcesses, SidecarWatch
 from tests.helpers import children, scratch_cgroup, wait_for
-from tests.integration.conftest import TELEMETRY, serving
+from tests.integration.conftest import TELEMETRY, check_and_dial, dialer, serving
 
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
@@ -111,7 +116,7 @@ CALLER = (
             pod = reply.pod
             name = None if pod is None else pod["metadata"]["name"]
             print(json.dumps({"pod": name, "problem": reply.problem,
-                              "labels": None if pod is None else pod["metadata"].get("labels"),
+                              "phase": None if pod is None else pod["status"].get("phase"),
                               "managed": None if pod is None else "managedFields" in pod["metadata"]}),
                   flush=True)
         with selectors.DefaultSelector() as s:
@@ -126,6 +131,13 @@ CALLER = (
                     for line in lines.splitlines():
                         if line.startswith("kills "):  # its counts: so many SIGKILLs
                             source.send_report(SidecarReport(actions={"kill": int(line[6:])}))
+                            continue
+                        if line.startswith("denied "):  # its counts: so many signals refused
+                            source.send_report(SidecarReport(refused={"denied": int(line[7:])}))
+                            continue
+                        if line.startswith("burst "):  # so many reports at once
+                            for i in range(int(line[6:])):
+                                source.send_event(EventRequest("VRAMNearLimit", f"{i}", True))
                             continue
                         if line in BESIDE:  # a process beside it, in this pod
                             subprocess.Popen([sys.executable, "-c", BESIDE[line], where, sys.argv[2]],
@@ -156,16 +168,24 @@ POD_NAMESPACES = [
 ]
 
 
+TEAM = frozenset({"team"})  # the namespace that opted in
+
+
 def pod(
     name: str,
     uid: str,
     *container_ids: str,
     labels: dict[str, str] | None = None,
     names: tuple[str, ...] = (),
+    namespace: str = "team",
+    phase: str = "Running",
 ) -> Pod:
-    """A pod as the agent's watch keeps it (`kept`), from one as the API server sends it;
-    its containers are named `names`, else c0, c1, ..."""
-    names = names or tuple(f"c{i}" for i in range(len(container_ids)))
+    """A pod that the webhook injected (labelled enforced, of a namespace of TEAM, with its
+    sidecar), as the agent's watch keeps it (`kept`), from one as the API server sends it;
+    its containers of `container_ids` are named `names`, else the first is the sidecar and
+    the others c1, c2, ...; a container `trainer` is in its spec too."""
+    if not names and container_ids:
+        names = (SIDECAR, *(f"c{i}" for i in range(1, len(container_ids))))
     statuses = [
         {"name": n, "containerID": f"containerd://{cid}"}
         for n, cid in zip(names, container_ids, strict=True)
@@ -173,15 +193,20 @@ def pod(
     doc: dict[str, Any] = {
         "metadata": {
             "name": name,
-            "namespace": "team",
+            "namespace": namespace,
             "uid": uid,
-            "labels": labels or {},
+            "labels": {ENFORCED: "true", **(labels or {})},
             "managedFields": [{"manager": "kubectl"}],
         },
-        "spec": {"containers": [{"name": n} for n in names]},
-        "status": {"containerStatuses": statuses},
+        "spec": {"containers": [{"name": n} for n in dict.fromkeys((*names, "trainer"))]},
+        "status": {"phase": phase, "containerStatuses": statuses},
     }
     return kept(cast(Pod, doc))
+
+
+def node(pods: list[Pod], problem: str | None = None) -> Directory:
+    """The directory of replies the agent's pod publisher makes of these pods."""
+    return directory(pods, {}, problem, opted_in=TEAM)
 
 
 class Caller:
@@ -266,13 +291,20 @@ def cgroups() -> Iterator[Path]:
         yield path
 
 
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[UsageServer]:
+    """The usage server of an agent that serves pods: their sidecars alone."""
+    with serving(tmp_path / "agent.sock", ServerHooks(sidecars_only=True)) as s:
+        yield s
+
+
 def test_each_caller_gets_the_pod_its_cgroup_proves_and_no_other(
     server: UsageServer, cgroups: Path, tmp_path: Path
 ) -> None:
     """A process in a container that pod-a lists is told about pod-a; one in pod-b's about
     pod-b; one in a container no pod lists (a pod of another node, or one the kubelet has
     not reported yet) and one in no container at all get no pod, and say why."""
-    server.publish_pods(directory([pod("pod-a", UA, A), pod("pod-b", UB, B)], {}, None))
+    server.publish_pods(node([pod("pod-a", UA, A), pod("pod-b", UB, B)]))
     sock = tmp_path / "agent.sock"
     callers = [
         Caller(sock, cgroups, UA, A),
@@ -299,7 +331,7 @@ def test_a_change_of_the_pod_is_pushed_to_its_callers_only(
     appears in a pod's status later (the kubelet's report of a new pod) gets its pod then."""
     pods = [pod("pod-a", UA, A), pod("pod-b", UB, B)]
     before = pods_pushed()
-    server.publish_pods(directory(pods, {}, None))
+    server.publish_pods(node(pods))
     sock = tmp_path / "agent.sock"
     in_a, in_b, late = (
         Caller(sock, cgroups, UA, A),
@@ -309,19 +341,24 @@ def test_a_change_of_the_pod_is_pushed_to_its_callers_only(
     try:
         assert in_a.next()["pod"] == "pod-a" and in_b.next()["pod"] == "pod-b"
         assert late.next()["pod"] is None
-        restarted = pod("pod-a", UA, A, C, labels={ENFORCED: "restarted"})
-        server.publish_pods(directory([restarted, pods[1]], {}, "the API is slow"))
+        restarted = pod("pod-a", UA, A, C, names=(SIDECAR, SIDECAR), phase="Pending")
+        server.publish_pods(node([restarted, pods[1]], "the API is slow"))
         assert in_a.next() == {
             "pod": "pod-a",
             "problem": "the API is slow",
-            "labels": {ENFORCED: "restarted"},
+            "phase": "Pending",
             "managed": False,
         }
         assert late.next()["pod"] == "pod-a"
         assert in_b.next()["problem"] == "the API is slow"  # its reply changed: the problem
-        server.publish_pods(directory([restarted, pods[1]], {}, "the API is slow"))
-        server.publish_pods(directory([restarted, pods[1]], {}, None))
-        assert in_b.next() == {"pod": "pod-b", "problem": None, "labels": {}, "managed": False}
+        server.publish_pods(node([restarted, pods[1]], "the API is slow"))
+        server.publish_pods(node([restarted, pods[1]]))
+        assert in_b.next() == {
+            "pod": "pod-b",
+            "problem": None,
+            "phase": "Running",
+            "managed": False,
+        }
         # 3 pushes each for the two publishes that changed replies, none for the one between
         # (counted as each is sent: the last two may follow the one read above)
         wait_for(lambda: pods_pushed() - before >= 6, what="six pushes")
@@ -336,7 +373,7 @@ def test_two_pods_that_list_one_container_tell_neither(
 ) -> None:
     """Only the kubelet writes a pod's status, but a caller must never be told about a pod
     it is not proven to be in: an ID listed twice proves neither."""
-    server.publish_pods(directory([pod("pod-a", UA, A), pod("forged", UF, A)], {}, None))
+    server.publish_pods(node([pod("pod-a", UA, A), pod("forged", UF, A)]))
     caller = Caller(tmp_path / "agent.sock", cgroups, UA, A)
     try:
         assert caller.next()["pod"] is None
@@ -370,29 +407,112 @@ def test_a_report_is_posted_on_the_callers_own_pod_and_nowhere_else(
     )
     with serving(tmp_path / "agent.sock", events) as server:
         pods = [pod("pod-a", UA, A), pod("pod-b", UB, B)]
-        server.publish_pods(directory(pods, {}, None))
+        server.publish_pods(node(pods))
         sock = tmp_path / "agent.sock"
         in_a, stranger = Caller(sock, cgroups, UA, A), Caller(sock, cgroups, UC, C)
         try:
             assert in_a.next()["pod"] == "pod-a" and stranger.next()["pod"] is None
-            in_a.report("VRAMEnforced", "c0", "sent SIGTERM to pid 7")
+            in_a.report("VRAMEnforced", "trainer", "sent SIGTERM to pid 7")
             in_a.report("VRAMEnforced", "c9", "about a container pod-a does not have")
-            in_a.report("Killing", "c0", "not one of ours")  # dropped, and counted as an error
+            in_a.report("Killing", "trainer", "not one of ours")  # dropped, counted as an error
             stranger.report("VRAMEnforced", "-", "from a container no pod lists")
             in_a.report("VRAMNearLimit", "-", "the pod as a whole")
             wait_for(lambda: len(posted) == 3, what="three Events")
             assert posted == [
-                ("pod-a", "VRAMEnforced", "sent SIGTERM to pid 7", "spec.containers{c0}"),
+                ("pod-a", "VRAMEnforced", "sent SIGTERM to pid 7", "spec.containers{trainer}"),
                 ("pod-a", "VRAMEnforced", "about a container pod-a does not have", None),
                 ("pod-a", "VRAMNearLimit", "the pod as a whole", None),
             ]
-            changed = pod("pod-b", UB, B, labels={ENFORCED: "y"})
-            server.publish_pods(directory([pods[0], changed], {}, None))
-            server.publish_pods(directory(pods, {}, "still subscribed"))
+            changed = pod("pod-b", UB, B, phase="Pending")
+            server.publish_pods(node([pods[0], changed]))
+            server.publish_pods(node(pods, "still subscribed"))
             assert in_a.next()["problem"] == "still subscribed"  # the bad report cost nothing
         finally:
             in_a.stop()
             stranger.stop()
+
+
+def requests(result: str) -> float:
+    found = TELEMETRY.registry.get_sample_value(
+        "vram_enforcer_agent_requests_total", {"result": result}
+    )
+    return found or 0.0
+
+
+def test_only_the_sidecar_of_a_pod_the_webhook_injected_is_served(
+    cgroups: Path, tmp_path: Path
+) -> None:
+    """Issue 42, items 10 and 11. Three callers subscribe: pod-a's sidecar, the workload
+    beside it, and the container named like the sidecar of a pod that carries the enforced
+    label in a namespace that did not opt in (the webhook never saw it). Only the sidecar
+    gets its pod, counts as connected, and has its Event posted and its counts kept; the
+    others are told why, and each of their requests is counted as refused."""
+    posted: list[tuple[str, str]] = []
+    counts = PodCounts()
+    hooks = ServerHooks(
+        events=lambda p, e: posted.append((p["metadata"]["name"], e.message)),
+        reports=counts.keep,
+        sidecars_only=True,
+    )
+    pods = [
+        pod("pod-a", UA, A, B, names=(SIDECAR, "trainer")),
+        pod("forged", UF, C, namespace="elsewhere"),
+    ]
+    with serving(tmp_path / "agent.sock", hooks) as server:
+        server.publish_pods(node(pods))
+        sock = tmp_path / "agent.sock"
+        sidecar, workload = Caller(sock, cgroups, UA, A), Caller(sock, cgroups, UA, B)
+        stranger = Caller(sock, cgroups, UF, C)
+        try:
+            assert sidecar.next()["pod"] == "pod-a"
+            said = workload.next()
+            assert said["pod"] is None
+            assert "'trainer' of pod team/pod-a is not its vram-enforcer sidecar" in said["problem"]
+            said = stranger.next()
+            assert (
+                said["pod"] is None and "pod elsewhere/forged was not injected" in said["problem"]
+            )
+            wait_for(lambda: A in server.connected, what="the sidecar counted as there")
+            before = requests("refused")
+            for caller in (workload, stranger):
+                caller.report("VRAMEnforced", "-", "forged")
+                caller.send("kills 9")
+            wait_for(lambda: requests("refused") == before + 4, what="four requests refused")
+            sidecar.report("VRAMEnforced", "-", "real")
+            sidecar.send("kills 1")
+            wait_for(lambda: posted == [("pod-a", "real")], what="the sidecar's Event")
+            wanted = {("team", "pod-a"): {"kill": 1}}
+            by_uid = {p["metadata"]["uid"]: p for p in pods}
+            wait_for(
+                lambda: {k: r.actions for k, r in counts.of(by_uid).values()} == wanted,
+                what="the sidecar's counts",
+            )
+            assert server.connected == {A} and set(server.peers) == {A}
+        finally:
+            for caller in (sidecar, workload, stranger):
+                caller.stop()
+
+
+def test_a_caller_that_floods_is_read_a_second_at_a_time_and_loses_nothing(
+    cgroups: Path, tmp_path: Path
+) -> None:
+    """Issue 42, item 10: a sidecar taken over sent 44,000 lines a second, each parsed on the
+    socket's one thread. Past LINES_PER_SECOND in a second a connection is not read until
+    the next (its lines wait in the kernel), and every line is answered in the end."""
+    posted: list[str] = []
+    hooks = ServerHooks(events=lambda p, e: posted.append(e.message), sidecars_only=True)
+    with serving(tmp_path / "agent.sock", hooks) as server:
+        server.publish_pods(node([pod("pod-a", UA, A)]))
+        caller = Caller(tmp_path / "agent.sock", cgroups, UA, A)
+        try:
+            assert caller.next()["pod"] == "pod-a"
+            before = requests("limited")
+            caller.send(f"burst {3 * LINES_PER_SECOND}")
+            wait_for(lambda: requests("limited") > before, what="the caller to be held back")
+            wait_for(lambda: len(posted) == 3 * LINES_PER_SECOND, what="every line answered")
+            assert posted == [str(i) for i in range(3 * LINES_PER_SECOND)]  # in order
+        finally:
+            caller.stop()
 
 
 def p_field(ref: ObjectReference) -> str | None:
@@ -416,7 +536,7 @@ def test_an_agent_restart_keeps_the_pod_and_delivers_the_reports_made_meanwhile(
             hooks=ServerHooks(events=lambda p, e: posted.append((id(s), e.message))),
         )
         s.start()
-        s.publish_pods(directory([pod("pod-a", UA, A)], {}, None))
+        s.publish_pods(node([pod("pod-a", UA, A)]))
         return s
 
     first = agent()
@@ -424,7 +544,7 @@ def test_an_agent_restart_keeps_the_pod_and_delivers_the_reports_made_meanwhile(
     second = None
     try:
         assert caller.next()["pod"] == "pod-a"
-        caller.report("VRAMNearLimit", "c0", "before")
+        caller.report("VRAMNearLimit", "trainer", "before")
         wait_for(lambda: posted == [(id(first), "before")], what="the first report")
         first.close()
         caller.report("VRAMUsageUnknown", "-", "while the agent was away")
@@ -459,7 +579,7 @@ def test_a_sidecars_counts_are_kept_for_its_own_pod_and_sent_again_to_a_new_agen
             hooks=ServerHooks(reports=counts.keep),
         )
         s.start()
-        s.publish_pods(directory(list(pods.values()), {}, None))
+        s.publish_pods(node(list(pods.values())))
         return s, counts
 
     def kills(counts: PodCounts) -> dict[tuple[str, str], Mapping[str, int]]:
@@ -497,7 +617,7 @@ def test_a_stopped_sidecar_is_no_longer_counted_as_there(
     """A workload that stops its sidecar (SIGSTOP) leaves its connection open: the agent
     must see that nobody reads it. A small send buffer blocks it after a few samples, and
     a blocked subscription does not count; once it reads again, it counts again."""
-    server.publish_pods(directory([pod("pod-a", UA, A)], {}, None))
+    server.publish_pods(node([pod("pod-a", UA, A)]))
     caller = Caller(tmp_path / "agent.sock", cgroups, UA, A)
     try:
         assert caller.next()["pod"] == "pod-a"
@@ -522,7 +642,7 @@ def refused() -> float:
 
 
 def dial(container_id: str) -> socket.socket:
-    found = dial_sidecars(ProcFs(), [container_id])[container_id]
+    found = dial_container(ProcFs(), container_id)
     assert isinstance(found, socket.socket), found
     return found
 
@@ -548,7 +668,7 @@ def test_the_agent_connects_to_a_sidecar_in_its_own_filesystem_and_again_after_a
             ),
         )
         s.start()
-        s.publish_pods(directory([pod("pod-a", UA, A), pod("pod-b", UB, B)], {}, None))
+        s.publish_pods(node([pod("pod-a", UA, A), pod("pod-b", UB, B)]))
         return s
 
     first = agent()
@@ -556,11 +676,11 @@ def test_the_agent_connects_to_a_sidecar_in_its_own_filesystem_and_again_after_a
     second = None
     try:
         wait_for(sidecar.listening, what="the sidecar to listen")
-        assert dial_sidecars(ProcFs(), [B]) == {B: "no process of it runs on this node"}
+        assert dial_container(ProcFs(), B) == "no process of it runs on this node"
         first.adopt(A, dial(A))
         assert sidecar.next()["pod"] == "pod-a"
         wait_for(lambda: A in first.connected, what="the sidecar counted as there")
-        sidecar.report("VRAMEnforced", "c0", "sent SIGTERM to pid 7")
+        sidecar.report("VRAMEnforced", "trainer", "sent SIGTERM to pid 7")
         wait_for(lambda: posted == ["pod-a: sent SIGTERM to pid 7"], what="the report")
         first.adopt(A, dial(A))  # the agent connects again (it no longer counted the first)
         assert sidecar.next()["pod"] == "pod-a"  # sent on the new connection, taken over
@@ -586,7 +706,7 @@ def test_a_process_of_the_pod_cannot_pose_as_the_agent(
     connects to the sidecar's socket with a pod of its own making. The sidecar hangs up on
     it (a caller it can name is in its own PID namespace, so not the agent), and takes its
     pod from the agent alone."""
-    server.publish_pods(directory([pod("pod-a", UA, A)], {}, None))
+    server.publish_pods(node([pod("pod-a", UA, A)]))
     sidecar = Caller(tmp_path / "unused", cgroups, UA, A, listen=True)
     try:
         wait_for(sidecar.listening, what="the sidecar to listen")
@@ -596,8 +716,8 @@ def test_a_process_of_the_pod_cannot_pose_as_the_agent(
         assert sidecar.next()["pod"] == "pod-a"  # the first pod it took: the agent's
         sidecar.send("intrude")  # again, while the agent is connected
         assert sidecar.next() == {"intruder": "hung up on"}
-        server.publish_pods(directory([pod("pod-a", UA, A, labels={ENFORCED: "y"})], {}, None))
-        assert sidecar.next()["labels"] == {ENFORCED: "y"}  # still the agent's connection
+        server.publish_pods(node([pod("pod-a", UA, A, phase="Pending")]))
+        assert sidecar.next()["phase"] == "Pending"  # still the agent's connection
         assert A in server.connected
     finally:
         sidecar.stop()
@@ -612,14 +732,14 @@ def test_a_socket_that_another_container_listens_on_is_closed_unread(
     the connection without a word, and serves the sidecar that is proven: the dialer, for
     a listener that is not the container's first process, and the server, for one of
     another container, whoever connected."""
-    server.publish_pods(directory([pod("pod-a", UA, A), pod("pod-b", UB, B)], {}, None))
+    server.publish_pods(node([pod("pod-a", UA, A), pod("pod-b", UB, B)]))
     listener = Caller(tmp_path / "unused", cgroups, UB, B, listen=True)  # the socket: B's
     try:
         wait_for(listener.listening, what="the socket")
         listener.send("spawn")  # a process of container A, in the same filesystem
         spawned = wait_for(lambda: children(listener.pid), what="the spawned process")[0]
         listener.move(spawned, UA, A)
-        found = dial_sidecars(ProcFs(), [A])[A]
+        found = dial_container(ProcFs(), A)
         assert not isinstance(found, socket.socket), "a socket of container B served as A's"
         assert f"(pid {listener.pid}) is not the container's first process" in str(found)
         before = refused()
@@ -636,7 +756,8 @@ def test_a_socket_that_another_container_listens_on_is_closed_unread(
 
 def injected(uid: str, sidecar: str) -> Pod:
     """A running pod that the webhook injected, whose sidecar runs in container `sidecar`."""
-    doc = cast(dict[str, Any], pod("pod-a", uid, labels={ENFORCED: "true"}))
+    doc = cast(dict[str, Any], pod("pod-a", uid))
+    doc["spec"]["initContainers"] = [{"name": SIDECAR}]
     doc["status"]["initContainerStatuses"] = [
         {"name": SIDECAR, "containerID": f"containerd://{sidecar}", "state": {"running": {}}}
     ]
@@ -659,25 +780,26 @@ def test_a_process_of_the_sidecars_container_that_takes_its_socket_is_refused(
     sidecar's, but the listener is not the container's first process: the agent refuses it,
     on every attempt (counted), and says so once. The sidecar's own listener, before, was
     taken."""
-    server.publish_pods(directory([pod("pod-a", UA, A)], {}, None))
+    server.publish_pods(node([pod("pod-a", UA, A)]))
     sidecar = Caller(tmp_path / "unused", cgroups, UA, A, listen=True)
     now = [0.0]
     # The agent dials A whenever its watch finds it unconnected: here, always (as after an
     # agent restart, or once the sidecar's connection is gone).
     links = SimpleNamespace(connected=frozenset(), peers={}, adopt=server.adopt)
+    dials = dialer()
     watch = SidecarWatch(
         lambda: {UA: injected(UA, A)},
         cast(Any, links),
-        HangUps(),
+        SidecarNews(),
         cast("EventRecorder", None),
         TELEMETRY,
-        (functools.partial(dial_sidecars, ProcFs()), SidecarProcesses(ProcFs())),
+        (dials, SidecarProcesses(ProcFs())),
         clock=lambda: now[0],
     )
     planter = None
     try:
         wait_for(sidecar.listening, what="the sidecar to listen")
-        watch.check()
+        check_and_dial(watch, dials)
         assert sidecar.next()["pod"] == "pod-a"  # its own listener: served
         if planted_by == "exec":  # as the runtime runs an exec: into its namespaces, then cgroup
             planter = subprocess.Popen(
@@ -707,8 +829,11 @@ def test_a_process_of_the_sidecars_container_that_takes_its_socket_is_refused(
             planted = children(sidecar.pid)[0]
         before = refused()
         with caplog.at_level(logging.INFO, logger="enforcer.modes.sidecar_watch"):
-            for now[0] in (1.0, 3.0):  # the next two attempts (1 s, then 2 s apart)
-                watch.check()
+            # The next two attempts, once the connection handed to the server has had its
+            # time to be taken on (HANDED_FOR), then twice FIRST_RETRY later (the wait after
+            # the first attempt, at 0, has doubled).
+            for now[0] in (HANDED_FOR, HANDED_FOR + 2 * FIRST_RETRY):
+                check_and_dial(watch, dials)
         assert refused() == before + 2, "a listener that is not the sidecar was served"
         (said,) = [r for r in caplog.records if r.name == "enforcer.modes.sidecar_watch"]
         assert said.levelno == logging.WARNING

@@ -9,7 +9,6 @@ named as the kubelet names the sidecar's container, and runs the sidecar's real 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import secrets
@@ -25,15 +24,16 @@ import pytest
 from enforcer.core.declaration import ENFORCED, LIMITS_ENV, Declares
 from enforcer.core.model import GiB, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
+from enforcer.core.pod_directory import directory
 from enforcer.core.sidecar_presence import SILENT_AFTER
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.sidecar_dialer import dial_sidecars
 from enforcer.edge.usage_server import ServerHooks, UsageServer
+from enforcer.modes.agent import _served
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.node_view import NodeView
-from enforcer.modes.sidecar_watch import HangUps, SidecarProcesses, SidecarWatch
+from enforcer.modes.sidecar_watch import SidecarNews, SidecarProcesses, SidecarWatch
 from tests.helpers import scratch_cgroup, wait_for
-from tests.integration.conftest import TELEMETRY, serving
+from tests.integration.conftest import TELEMETRY, dialer, serving
 from tests.integration.test_agent_pods import UA, Caller
 from tests.integration.test_backstop import SLEEP, in_box, moved_in
 
@@ -51,6 +51,7 @@ POD = cast(
             "name": "pod-a",
             "labels": {"vram-enforcer.io/enforced": "true"},
         },
+        "spec": {"containers": [{"name": "vram-enforcer"}, {"name": "trainer"}]},
         "status": {
             "phase": "Running",
             "containerStatuses": [
@@ -92,27 +93,27 @@ def sidecar(tmp_path: Path) -> Iterator[Caller]:
 
 
 @pytest.fixture
-def hang_ups() -> HangUps:
-    return HangUps()
+def news() -> SidecarNews:
+    return SidecarNews()
 
 
 @pytest.fixture
-def server(tmp_path: Path, hang_ups: HangUps) -> Iterator[UsageServer]:
-    """The agent's usage server, which tells `hang_ups` of a caller that hung up, as the
+def server(tmp_path: Path, news: SidecarNews) -> Iterator[UsageServer]:
+    """The agent's usage server, which tells `news` of a caller that hung up, as the
     agent's tells its sidecar watch."""
-    with serving(tmp_path / "agent.sock", ServerHooks(hung_up=hang_ups)) as s:
+    with serving(tmp_path / "agent.sock", ServerHooks(hung_up=news.hung_up)) as s:
         yield s
 
 
-def watching(server: UsageServer, hang_ups: HangUps, every: float) -> SidecarWatch:
+def watching(server: UsageServer, news: SidecarNews, every: float) -> SidecarWatch:
     """The agent's watch over POD's sidecar, wired to the server as the agent wires it."""
     return SidecarWatch(
         lambda: {UA: POD},
         server,
-        hang_ups,
+        news,
         Recorded(),  # type: ignore[arg-type]
         TELEMETRY,
-        (functools.partial(dial_sidecars, ProcFs()), SidecarProcesses(ProcFs())),
+        (dialer(), SidecarProcesses(ProcFs())),
         every=every,
     )
 
@@ -123,12 +124,12 @@ def connected(watch: SidecarWatch, server: UsageServer) -> Any:
 
 
 def test_a_stopped_sidecar_leaves_its_pod_unguarded_within_one_check(
-    server: UsageServer, hang_ups: HangUps, sidecar: Caller
+    server: UsageServer, news: SidecarNews, sidecar: Caller
 ) -> None:
     """SIGSTOP leaves the sidecar's connection open, and read for a while (nothing fills
     it here): only its state in /proc (T) tells. Within one check, not SILENT_AFTER."""
     every = 0.5
-    watch = watching(server, hang_ups, every)
+    watch = watching(server, news, every)
     wait_for(lambda: connected(watch, server), what="the sidecar connected")
     watch.start()
     try:
@@ -145,11 +146,11 @@ def test_a_stopped_sidecar_leaves_its_pod_unguarded_within_one_check(
 
 
 def test_a_killed_sidecar_leaves_its_pod_unguarded_as_soon_as_its_connection_closes(
-    server: UsageServer, hang_ups: HangUps, sidecar: Caller
+    server: UsageServer, news: SidecarNews, sidecar: Caller
 ) -> None:
     """A SIGKILL closes the sidecar's connection: the server tells the watch, which looks at
     once rather than at its next check (30 s away here)."""
-    watch = watching(server, hang_ups, every=30.0)
+    watch = watching(server, news, every=30.0)
     wait_for(lambda: connected(watch, server), what="the sidecar connected")
     watch.start()
     try:
@@ -159,6 +160,32 @@ def test_a_killed_sidecar_leaves_its_pod_unguarded_as_soon_as_its_connection_clo
         assert time.monotonic() - killed < 0.5
     finally:
         watch.stop.set()  # a daemon thread: it ends when it wakes up next
+
+
+def test_a_sidecar_whose_signal_the_kernel_refused_leaves_its_pod_to_the_agent(
+    tmp_path: Path, sidecar: Caller
+) -> None:
+    """Issue 42, item 4: the workload runs under another security label than its sidecar's,
+    and the kernel refuses the sidecar's signal (EPERM). The sidecar's report says so at
+    once, and the agent, wired as it wires itself (`agent._served`), holds the pod: the
+    watch says it is unguarded, naming why, though the sidecar runs and is heard."""
+    recorder = Recorded()
+    served = _served(recorder)  # type: ignore[arg-type]
+    with serving(tmp_path / "agent.sock", served.hooks) as server:
+        server.publish_pods(directory([POD], {}, None, opted_in=frozenset({"team"})))
+        watch = SidecarWatch(
+            lambda: {UA: POD},
+            server,
+            served.news,
+            recorder,  # type: ignore[arg-type]
+            TELEMETRY,
+            (dialer(), SidecarProcesses(ProcFs())),
+        )
+        wait_for(lambda: connected(watch, server), what="the sidecar connected")
+        sidecar.send("denied 1")
+        wait_for(lambda: (watch.check(), UA in watch.silent)[1], what="the pod held")
+        assert A in server.connected  # heard all the same: the refusal told
+        assert any("the kernel refuses the signals" in m for m in recorder.messages)
 
 
 def test_a_pending_pods_init_container_is_held_by_the_agent_when_its_sidecar_never_answers(
@@ -212,10 +239,10 @@ def test_a_pending_pods_init_container_is_held_by_the_agent_when_its_sidecar_nev
         watch = SidecarWatch(
             lambda: {"u-init": pod},
             links,
-            HangUps(),
+            SidecarNews(),
             recorder,  # type: ignore[arg-type]
             TELEMETRY,
-            (lambda due: dict.fromkeys(due, "nothing listens"), SidecarProcesses(procfs)),
+            (dialer(), SidecarProcesses(procfs)),
             clock=lambda: now[0],
         )
         backstop = Backstop(

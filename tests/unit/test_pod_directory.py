@@ -336,23 +336,53 @@ def test_a_tenants_pod_of_megabytes_is_kept_in_a_few_kilobytes() -> None:
     assert readings(trimmed) == readings(pod)
 
 
+OPTED_IN = frozenset({"ml", "dra"})  # the namespaces of declared() and dra()
+
+
 def test_a_reply_is_encoded_again_only_when_its_pod_changed() -> None:
     """A change of one pod encodes that pod's reply, not the node's: the others are the
-    same bytes as before (what the socket compares before it pushes)."""
+    same bytes as before (what the socket compares before it pushes). A and F: the
+    sidecars of declared() and dra()."""
     one, two = kept(cast(Pod, declared())), kept(cast(Pod, dra()))
     read = {two["metadata"]["uid"]: DraRead(DRA)}
-    first = directory([one, two], read, None)
-    again = directory([one, two], read, None, first)
+    first = directory([one, two], read, None, opted_in=OPTED_IN)
+    again = directory([one, two], read, None, first, opted_in=OPTED_IN)
     assert again.replies == first.replies
-    assert again.replies[B] is first.replies[B] and again.replies[E] is first.replies[E]
+    assert again.replies[A] is first.replies[A] and again.replies[F] is first.replies[F]
     changed = kept(cast(Pod, declared()))
     changed["status"]["phase"] = "Succeeded"
-    after = directory([changed, two], read, None, again)
-    assert after.replies[E] is first.replies[E]
-    assert after.replies[B] == directory([changed], {}, None).replies[B] != first.replies[B]
+    after = directory([changed, two], read, None, again, opted_in=OPTED_IN)
+    assert after.replies[F] is first.replies[F]
+    alone = directory([changed], {}, None, opted_in=OPTED_IN)
+    assert after.replies[A] == alone.replies[A] != first.replies[A]
     # The claims read again, or the watch's health: the replies that carry them change.
     failed = {two["metadata"]["uid"]: DraRead(DRA, "forbidden")}
-    reread = directory([changed, two], failed, None, after)
-    assert reread.replies[B] is after.replies[B] and b"forbidden" in reread.replies[E]
-    outage = directory([changed, two], failed, "the API is away", reread)
+    reread = directory([changed, two], failed, None, after, opted_in=OPTED_IN)
+    assert reread.replies[A] is after.replies[A] and b"forbidden" in reread.replies[F]
+    outage = directory([changed, two], failed, "the API is away", reread, opted_in=OPTED_IN)
     assert all(b"the API is away" in reply for reply in outage.replies.values())
+
+
+def test_only_the_sidecar_of_an_injected_pod_is_served() -> None:
+    """Issue 42, items 10 and 11: the pod's other containers (B, C, D) are told why not; so
+    is every container of a pod that carries the label and a container under the sidecar's
+    name in a namespace that did not opt in; a container ID that two pods list is neither's.
+    """
+    one = kept(cast(Pod, declared()))
+    forged = kept(cast(Pod, as_sent(declared(), "forged", "elsewhere", {})))
+    for field in ("initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses"):
+        for i, cs in enumerate(forged["status"][field]):  # its own containers: E, 0..., 1...
+            cs["containerID"] = f"containerd://{E if cs['name'] == SIDECAR else str(i) * 64}"
+    found = directory([one, forged], {}, None, opted_in=OPTED_IN)
+    assert found.replies.keys() == found.pods.keys() == {A}
+    assert found.refusal(A) is None
+    assert "'trainer' of pod ml/train is not its vram-enforcer sidecar" in str(found.refusal(B))
+    assert found.refusal(D) == found.refusals[D]  # the ephemeral container, named in the status
+    assert "pod elsewhere/forged was not injected" in str(found.refusal(E))
+    assert "no pod on this node lists container" in str(found.refusal("9" * 64))
+    assert "in no container" in str(found.refusal(None))
+    # The forged pod lists the real sidecar's ID too (it cannot: only the kubelet writes a
+    # status; the rule holds all the same): neither pod's.
+    forged["status"]["initContainerStatuses"][0]["containerID"] = f"containerd://{A}"
+    clash = directory([one, forged], {}, None, opted_in=OPTED_IN)
+    assert A not in clash.replies and "listed by two pods" in str(clash.refusal(A))

@@ -17,26 +17,30 @@ TRAINER, HELPER, SIDE, OTHER = "a" * 64, "b" * 64, "c" * 64, "d" * 64
 P1, P2, P3, P4 = (ProcessKey(pid, pid * 10) for pid in (101, 102, 103, 104))
 
 
-def pod(name: str, enforced: bool, **containers: str) -> Pod:
+def pod(name: str, enforced: bool, namespace: str = "ml", **containers: str) -> Pod:
     statuses = [{"name": n, "containerID": f"containerd://{cid}"} for n, cid in containers.items()]
     doc: dict[str, Any] = {
         "metadata": {
-            "namespace": "ml",
+            "namespace": namespace,
             "name": name,
             "uid": name,
             "labels": {ENFORCED: "true"} if enforced else {},
         },
+        "spec": {"containers": [{"name": n} for n in containers]},
         "status": {"containerStatuses": statuses},
     }
     return cast(Pod, doc)
 
 
-def test_only_the_containers_of_enforced_pods_are_named_never_their_sidecar() -> None:
+def test_only_the_containers_of_injected_pods_are_named_never_their_sidecar() -> None:
+    """A pod of a namespace the webhook does not mutate that carries the label and a
+    container under the sidecar's name names no series (issue 42, item 11)."""
     pods = [
         pod("train", True, trainer=TRAINER, helper=HELPER, **{SIDECAR: SIDE}),
         pod("plain", False, web=OTHER),
+        pod("forged", True, "elsewhere", web="e" * 64, **{SIDECAR: "f" * 64}),
     ]
-    assert enforced_containers(pods, SIDECAR) == {
+    assert enforced_containers(pods, frozenset({"ml"})) == {
         TRAINER: Named("ml", "train", "trainer"),
         HELPER: Named("ml", "train", "helper"),
     }

@@ -1,5 +1,7 @@
-"""Which enforced pods have lost their sidecar: at once when it is stopped, has ended or hung
-up, after SILENT_AFTER when it runs but is not heard; said once, and again when back."""
+"""Which injected pods have lost their sidecar: at once when it is stopped, has ended or hung
+up, or the kernel refuses its signals, after SILENT_AFTER when it runs but is not heard;
+said once, and again when back. (Which pods are injected at all: `declaration.injected`,
+tests/unit/test_declaration.py; the watch keeps to those.)"""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from enforcer.core.payloads import Pod
 from enforcer.core.sidecar_presence import (
     FIRST_RETRY,
     LAST_RETRY,
+    REFUSED_FOR,
     SILENT_AFTER,
     UNSEEN,
     Presence,
@@ -17,6 +20,7 @@ from enforcer.core.sidecar_presence import (
     guarded,
     halt,
     reachable,
+    refusing,
     sidecar_id,
     to_dial,
     update,
@@ -30,12 +34,7 @@ def heard(*cids: str) -> dict[str, Sidecar]:
     return {cid: Sidecar(heard=True) for cid in cids}
 
 
-def pod(
-    sidecar_id: str | None = SIDE,
-    enforced: bool = True,
-    phase: str = "Running",
-    state: str = "running",
-) -> Pod:
+def pod(sidecar_id: str | None = SIDE, phase: str = "Running", state: str = "running") -> Pod:
     statuses = [
         {"name": "trainer", "containerID": f"containerd://{OTHER}", "state": {"running": {}}}
     ]
@@ -48,7 +47,7 @@ def pod(
             }
         )
     doc: dict[str, Any] = {
-        "metadata": {"labels": {"vram-enforcer.io/enforced": "true"} if enforced else {}},
+        "metadata": {"labels": {"vram-enforcer.io/enforced": "true"}},
         "status": {
             "phase": phase,
             "initContainerStatuses": statuses[1:],
@@ -116,6 +115,23 @@ def test_an_ended_sidecar_or_one_that_hung_up_leaves_its_pod_unguarded_at_once()
         Sidecar(heard=True, closed=True, state="R"),
     ):
         assert update(Presence(), pods, {SIDE: seen}, 0.0).went_silent == ("u",), seen
+
+
+def test_a_sidecar_whose_signals_the_kernel_refuses_leaves_its_pod_to_the_agent() -> None:
+    """Heard, running, but its last signal was refused (EPERM: the workload runs under
+    another security label): it decides and cannot act, so the agent holds the pod at once,
+    for REFUSED_FOR after the last refusal, and hands it back then."""
+    pods = {"u": pod()}
+    state = update(Presence(), pods, heard(SIDE), 0.0)
+    assert not state.went_silent
+    assert refusing(10.0, 10.0) and refusing(10.0, 10.0 + REFUSED_FOR - 0.1)
+    assert not refusing(10.0, 10.0 + REFUSED_FOR) and not refusing(None, 10.0)
+    refused = {SIDE: Sidecar(heard=True, state="S", refused=refusing(10.0, 10.5))}
+    state = update(state.presence, pods, refused, 10.5)
+    assert state.went_silent == ("u",) and halt(refused[SIDE]) == "refused"
+    assert not update(state.presence, pods, refused, 20.0).came_back
+    later = {SIDE: Sidecar(heard=True, state="S", refused=refusing(10.0, 10.0 + REFUSED_FOR))}
+    assert update(state.presence, pods, later, 10.0 + REFUSED_FOR).came_back == ("u",)
 
 
 def test_a_sidecar_that_runs_but_is_not_heard_is_given_the_delay() -> None:
@@ -218,7 +234,6 @@ def test_a_pod_is_watched_while_a_container_that_its_sidecar_enforces_runs() -> 
     }
     ended = {n: "terminated" for n in ("warm", "fetch", "trainer", "vram-enforcer")}
     unwatched = {
-        "plain": pod(enforced=False),
         "succeeded": staged("Succeeded", **ended),
         "failed": staged("Failed", **ended),
         "failing": staged("Failed", trainer="running"),  # the kubelet stops it, sidecar too
@@ -232,14 +247,13 @@ def test_a_pod_is_watched_while_a_container_that_its_sidecar_enforces_runs() -> 
     assert not state.went_silent and not state.presence.missing_since
 
 
-def test_the_agent_connects_to_running_sidecars_of_enforced_pods_in_any_phase() -> None:
+def test_the_agent_connects_to_running_sidecars_of_injected_pods_in_any_phase() -> None:
     """A native sidecar runs while the pod is still Pending (its workload starting): it is
     connected to then. A sidecar that waits (crash loop) or has ended is not."""
     assert reachable(pod(phase="Pending")) == SIDE
     assert reachable(pod()) == SIDE
     assert reachable(pod(state="waiting")) is None
     assert reachable(pod(state="terminated")) is None
-    assert reachable(pod(enforced=False)) is None
     assert reachable(pod(None)) is None
 
 
@@ -273,4 +287,5 @@ def test_the_event_names_how_a_halted_sidecar_halted() -> None:
     assert stopped.startswith("the vram-enforcer sidecar of this pod is stopped (SIGSTOP")
     assert " for 0s" not in stopped
     assert "ended or hung up" in messages.sidecar_silent(0.0, None, "ended")
+    assert "the kernel refuses the signals" in messages.sidecar_silent(0.0, None, "refused")
     assert "for 12s: it does not read" in messages.sidecar_silent(12.0)
