@@ -9,6 +9,7 @@
     .venv/bin/python bench/run.py --only pod-memory # what a tenant's large pods cost the agent
     .venv/bin/python bench/run.py --only scrape # the agent's /metrics for a full node, vs per-pod scrapes
     .venv/bin/python bench/run.py --only container-init # a container's init: its cgroup vs /proc
+    .venv/bin/python bench/run.py --only dial # a sidecar's dial, and the watch with dials hung
 
     # the footprint that ships: the components run from a venv without the dev extras
     python3 -m venv /tmp/rt && /tmp/rt/bin/pip install . && .venv/bin/python bench/run.py --runtime /tmp/rt/bin/python
@@ -36,6 +37,7 @@ from bench import (
     api_load_bench,
     backstop_bench,
     container_init_bench,
+    dial_bench,
     exec_bench,
     flood_bench,
     hard_limits_bench,
@@ -71,6 +73,7 @@ def main() -> None:
             "pod-memory",
             "scrape",
             "container-init",
+            "dial",
         ),
         help="run one group",
     )
@@ -163,6 +166,10 @@ def of_the_agent(only: str | None, quick: bool, lib_dir: Path, tmp: Path) -> dic
             container_init_bench.run(extra, 110, 5 if quick else 20)
             for extra in ((2000,) if quick else (2000, 20000))
         ]
+    if only in (None, "dial"):  # 15 s a watch, twice (--quick: 5 s)
+        results["dial"] = dial_bench.available() or dial_bench.run(
+            50 if quick else 200, 20, 5.0 if quick else 15.0
+        )
     return results
 
 
@@ -191,6 +198,10 @@ def show_agent(results: dict[str, Any]) -> None:
         pod_memory_bench.show(pod_memory)
     if scrape := results.get("scrape"):
         scrape_bench.show(scrape)
+    if isinstance(dialled := results.get("dial"), str):
+        print(f"dial: skipped ({dialled})")
+    elif dialled:
+        dial_bench.show(dialled)
     if isinstance(inits := results.get("container_init"), str):
         print(f"container init: skipped ({inits})")
     elif inits:
