@@ -28,6 +28,7 @@ import os
 import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -37,6 +38,7 @@ from enforcer.core.declaration import SIDECAR, Declares
 from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.lending import decide, tenants
 from enforcer.core.model import Device, ProcessKey, ProcessUsage, Sample
+from enforcer.core.owed import PodOwed, owed, pod_owed
 from enforcer.core.payloads import Pod
 from enforcer.core.reclaim import DEFAULT_WATERMARK, Gpu, Share, plan
 from tests.fakenvml import FakeGpuState
@@ -129,6 +131,21 @@ def _pod(i: int, ceiling: int | None, dra: bool = False) -> Pod:
     )
 
 
+def _read(
+    pods: list[Pod], opted_in: set[str], allocated: dict[str, Allocations]
+) -> list[tuple[Pod, PodOwed]]:
+    """Each pod and what it is owed, as the lender reads them (`owed.pod_owed`); with DRA,
+    what each pod's claims give it (`allocated`, by UID) stands for the claims' read."""
+    found = []
+    for pod in pods:
+        read = pod_owed(pod, Declares(RES), opted_in=opted_in, basis=None, claims=None)
+        given = allocated.get(pod["metadata"]["uid"])
+        if given is not None:
+            read = replace(read, owed=owed(read.declared, given, None))
+        found.append((pod, read))
+    return found
+
+
 def lending_cost(window: float, pods: int = 110, gpus: int = 8) -> dict[str, Any]:
     """CPU of the agent's decision per pass, and of re-reading the pods after a change."""
     devices = tuple(Device(g, f"GPU-{g}", "H100", TOTAL, 0) for g in range(gpus))
@@ -165,7 +182,7 @@ def lending_cost(window: float, pods: int = 110, gpus: int = 8) -> dict[str, Any
         )
         started, cpu0, passes = time.monotonic(), time.process_time(), 0
         opted_in = {f"ns{i}" for i in range(10)}  # every pod's namespace: its env is read
-        found = tenants(listed, Declares(RES), None, allocated, opted_in=opted_in)
+        found = tenants(_read(listed, opted_in, allocated), {})
         assert len(found.all) == pods and sum(t.ceiling > t.request for t in found.all) == bursting
         reread = time.process_time() - cpu0
         cpu0 = time.process_time()

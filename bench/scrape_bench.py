@@ -35,6 +35,7 @@ from enforcer.core.attribution import attribute
 from enforcer.core.declaration import CEILINGS_ENV, ENFORCED, SIDECAR, Declares
 from enforcer.core.lending import decide, tenants
 from enforcer.core.model import Activity, Device, GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.owed import pod_owed
 from enforcer.core.payloads import Pod
 from enforcer.core.sidecar_report import ACTIONS, NEEDED_BY, REFUSED, SidecarReport
 from enforcer.edge.metrics import AgentTelemetry, PodsCollector, Telemetry
@@ -126,7 +127,10 @@ def timed(render: Any, rounds: int) -> dict[str, Any]:
 
 def run(pods: int = 110, rounds: int = 20) -> dict[str, Any]:
     sample, containers, listed = node(pods)
-    found = tenants(listed, Declares(RES), None, opted_in=frozenset({"ml"}))
+    ml = frozenset({"ml"})
+    found = tenants(
+        [(p, pod_owed(p, Declares(RES), opted_in=ml, basis=None, claims=None)) for p in listed], {}
+    )
     lending = decide(sample, containers, found, 2 * GiB)
     counts = PodCounts()
     by_uid = {str(p["metadata"]["uid"]): p for p in listed}

@@ -2,21 +2,15 @@
 
 Which unit a process belongs to is a fact the imperative shell establishes (`exec` walks
 the process tree, the sidecar reads cgroups); given those facts, the folding is here, and
-so is what a pod's units are held to (`declared_units`, `claimed_units`).
+so is what a pod's units are held to, from what each is owed (`pod_units`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
 from enforcer.core.declaration import Declaration
-from enforcer.core.dra import (
-    Allocations,
-    GpuUnit,
-    with_ceilings,
-)
 from enforcer.core.model import (
     IDLE,
     Activity,
@@ -26,7 +20,8 @@ from enforcer.core.model import (
     Sample,
     UnitUsage,
 )
-from enforcer.core.pod import ContainerRef, container_limits
+from enforcer.core.owed import Owed, Owing, holdings
+from enforcer.core.pod import ContainerRef
 from enforcer.core.units import POD_UNIT, Unit, of_sole_container
 
 
@@ -54,84 +49,6 @@ def attribute(
         UnitUsage(name, limit, tuple(sorted(members[name], key=lambda p: -p.used_bytes)))
         for name, limit in limits.items()
     )
-
-
-def attribute_declared(
-    sample: Sample,
-    container_of: Mapping[ProcessKey, str],
-    limits: Mapping[str, int],
-    gpus: Mapping[str, int],
-    cmdlines: Mapping[ProcessKey, str] | None = None,
-) -> tuple[UnitUsage, ...]:
-    """`attribute`, with each container of `gpus` held per GPU instead (KAI's
-    `gpu-fraction-num-devices`: one share on each of N GPUs, never N on one): its limit, cut
-    into `gpus[name]` equal shares, on each of the GPUs where it holds most, as units
-    `<container>@<gpu>`; on any further GPU, 0. Its usage on none: no unit yet."""
-    spread = {name: count for name, count in gpus.items() if name in limits}
-    if not spread:  # every tick of almost every pod: nothing else to fold
-        return attribute(sample, container_of, limits, cmdlines)
-    held: dict[str, dict[str, int]] = {}
-    for usage in sample.processes:
-        name = container_of.get(usage.key)
-        if name in spread:
-            on = held.setdefault(name, {})
-            on[usage.device_uuid] = on.get(usage.device_uuid, 0) + (usage.used_bytes or 0)
-    shares = tuple(
-        GpuUnit(gpu, (name,), limits[name] // count, ())
-        for name, count in spread.items()
-        for gpu, _ in sorted(held.get(name, {}).items(), key=lambda g: (-g[1], g[0]))[:count]
-    )
-    whole = {key: name for key, name in container_of.items() if name not in spread}
-    rest = {name: limit for name, limit in limits.items() if name not in spread}
-    return (
-        *attribute(sample, whole, rest, cmdlines),
-        *attribute_per_gpu(sample, container_of, Allocations(shares), set(spread), cmdlines),
-    )
-
-
-def attribute_per_gpu(
-    sample: Sample,
-    container_of: Mapping[ProcessKey, str],
-    allocations: Allocations,
-    held_to_zero: AbstractSet[str],
-    cmdlines: Mapping[ProcessKey, str] | None = None,
-) -> tuple[UnitUsage, ...]:
-    """Units of one GPU each (DRA): every allocation's unit, with its containers' usage on
-    that GPU; and, for a container of `held_to_zero`, its usage on any GPU that no
-    allocation gives it, as a unit `<container>@<gpu>` with a limit of 0.
-
-    Containers in `allocations.unresolved` are left out: which GPUs are theirs is unknown.
-    """
-    limits = {u.name: (u.limit_bytes, u.gpu) for u in allocations.units}
-    members: dict[str, dict[ProcessKey, list[tuple[str, int | None]]]] = {n: {} for n in limits}
-    for usage in sample.processes:
-        container = container_of.get(usage.key)
-        if container is None or container in allocations.unresolved:
-            continue
-        unit = allocations.unit_for(container, usage.device_uuid)
-        if unit is not None:
-            name = unit.name
-        elif container in held_to_zero:
-            name = str(Unit((container,), usage.device_uuid))
-            limits.setdefault(name, (0, usage.device_uuid))
-        else:
-            continue
-        per_device = members.setdefault(name, {}).setdefault(usage.key, [])
-        per_device.append((usage.device_uuid, usage.used_bytes))
-    units = []
-    for name, (limit, gpu) in limits.items():
-        processes = [
-            ProcessTotal(
-                key,
-                sum(b for _, b in per if b is not None),
-                tuple(per),
-                (cmdlines or {}).get(key, ""),
-            )
-            for key, per in members.get(name, {}).items()
-        ]
-        processes.sort(key=lambda p: -p.used_bytes)
-        units.append(UnitUsage(name, limit, tuple(processes), device_uuid=gpu))
-    return tuple(units)
 
 
 def oldest(processes: Iterable[ProcessTotal]) -> ProcessTotal | None:
@@ -280,53 +197,85 @@ class PodUnits:
     requests: dict[str, int]
 
 
-def declared_units(
+def pod_units(
     sample: Sample,
     pod: PodProcesses,
-    terms: PodTerms,
-    requests: Mapping[str, int],
-    ceilings: Mapping[str, int],
+    owed: Owed,
+    undeclared_allowed: bool,
     lending: bool,
 ) -> PodUnits:
-    """Each container held to what it declares (`requests` and the `ceilings` above them,
-    in bytes on this tick's GPUs: `Declaration.in_bytes`): to its ceiling while the agent
-    decides reclaims (`lending`), else to its request. A container that declares nothing
-    is held to 0, unless undeclared containers are allowed; one whose portion of a GPU is
-    not counted yet (no GPU's memory known) is not checked at all. A container spread over
-    GPUs (`Declaration.gpus`) is held per GPU, as its request is owed there."""
-    held = {**requests, **(ceilings if lending else {})}
-    counted = [ref for ref in pod.containers if ref.name not in terms.declared.portions]
-    limits = container_limits(held, counted, terms.undeclared_allowed)
-    gpus = terms.declared.gpus
-    units = attribute_declared(sample, pod.container_of, limits, gpus, pod.cmdlines)
-    borrowers = {
-        unit.name: requests[name] // gpus.get(name, 1)
-        for unit in units
-        if (name := Unit.of(unit.name).containers[0]) in ceilings
-    }
-    return _of_pod(sample, pod, units, borrowers, sum(held.values()))
+    """Each unit of the pod held to what it is owed (`owed.owed`): its ceiling while the agent
+    decides reclaims (`lending`), else its request; a container spread over GPUs on each of
+    the GPUs its shares fall on (`Owing.placed`). A container is held to 0 where it is owed
+    nothing: one that declares nothing (unless undeclared containers are allowed) over all
+    its GPUs; a spread one, and with DRA any that may be (one that holds a claim; all, unless
+    undeclared ones are allowed), on each GPU no unit of it covers. A container whose portion
+    of a GPU is not counted yet, or whose claims' GPUs are not proven, is not checked."""
+    per_gpu = owed.claimed or any(o.gpus > 1 for o in owed.units)
+    held = holdings(sample, pod.container_of) if per_gpu else {}
+    units: list[Owing] = []
+    confined: set[str] = set()
+    for owing in owed.units:
+        if owing.gpus > 1:
+            confined.add(owing.unit.containers[0])
+            units.extend(owing.placed(held.get(owing.unit.containers[0], {})))
+        else:
+            units.append(owing)
+    everyone = () if undeclared_allowed else tuple(ref.name for ref in pod.containers)
+    if owed.claimed:
+        confined |= (set(everyone) | owed.claiming) - owed.unresolved
+    else:
+        declaring = {c for owing in owed.units for c in owing.unit.containers}
+        idle = (n for n in everyone if n not in declaring and n not in owed.uncounted)
+        units.extend(Owing(Unit((name,)), 0, 0) for name in idle)
+    if confined:
+        covered = {(c, o.unit.gpu) for o in units if o.unit.gpu for c in o.unit.containers}
+        for container in sorted(confined):
+            for gpu in held.get(container, {}):
+                if (container, gpu) not in covered:
+                    units.append(Owing(Unit((container,), gpu), 0, 0))
+    names = [str(o.unit) for o in units]
+    limits = {n: o.ceiling if lending else o.request for n, o in zip(names, units, strict=True)}
+    if per_gpu:
+        found = _per_gpu(sample, pod, units, names, limits)
+    else:  # every tick of almost every pod: each unit is a container, over all its GPUs
+        found = attribute(sample, pod.container_of, limits, pod.cmdlines)
+    requests = {n: o.request for n, o in zip(names, units, strict=True) if o.borrows}
+    return _of_pod(sample, pod, found, requests, owed.total(lending))
 
 
-def claimed_units(
+def _per_gpu(
     sample: Sample,
     pod: PodProcesses,
-    terms: PodTerms,
-    claimed: Allocations | None,
-    lending: bool,
-) -> PodUnits:
-    """DRA: each container held on each GPU to what the pod's claims give it there, raised
-    to its ceiling while the agent decides reclaims (`lending`; `dra.with_ceilings`). On a
-    GPU that no claim gives it, a container is held to 0; where undeclared containers are
-    allowed, only one that declared VRAM (0 too) or holds a claim is. Until the claims have
-    been read (`claimed` None), no container is enforced on any GPU."""
-    if claimed is None:
-        everyone = frozenset(terms.spec_containers) | {ref.name for ref in pod.containers}
-        claimed = Allocations(unresolved=everyone)
-    found, requests = with_ceilings(claimed, terms.declared.ceilings if lending else {})
-    held: set[str] = set() if terms.undeclared_allowed else {r.name for r in pod.containers}
-    held = (held | set(terms.declared.requests) | found.claiming) - found.unresolved
-    units = attribute_per_gpu(sample, pod.container_of, found, held, pod.cmdlines)
-    return _of_pod(sample, pod, units, requests, sum(u.limit_bytes for u in found.units))
+    units: list[Owing],
+    names: list[str],
+    limits: Mapping[str, int],
+) -> tuple[UnitUsage, ...]:
+    """Each unit with its processes (on its GPU alone, where it has one), largest first."""
+    on_gpu: dict[tuple[str, str | None], str] = {}
+    for owing, name in zip(units, names, strict=True):
+        for of in owing.unit.containers:
+            on_gpu[of, owing.unit.gpu] = name
+    members: dict[str, dict[ProcessKey, list[tuple[str, int | None]]]] = {}
+    for usage in sample.processes:
+        container = pod.container_of.get(usage.key)
+        if container is None:
+            continue
+        unit = on_gpu.get((container, usage.device_uuid)) or on_gpu.get((container, None))
+        if unit is not None:
+            per_device = members.setdefault(unit, {}).setdefault(usage.key, [])
+            per_device.append((usage.device_uuid, usage.used_bytes))
+    found = []
+    for owing, name in zip(units, names, strict=True):
+        processes = [
+            ProcessTotal(
+                key, sum(b for _, b in per if b is not None), tuple(per), pod.cmdlines.get(key, "")
+            )
+            for key, per in members.get(name, {}).items()
+        ]
+        processes.sort(key=lambda p: -p.used_bytes)
+        found.append(UnitUsage(name, limits[name], tuple(processes), device_uuid=owing.unit.gpu))
+    return tuple(found)
 
 
 def _of_pod(

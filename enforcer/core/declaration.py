@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal, InvalidOperation
 
 from enforcer.core import shapes
@@ -188,10 +188,8 @@ def of_pod(pod: Pod, declares: Declares, *, opted_in: AbstractSet[str]) -> Decla
     if distrusted:
         return Undeclared(distrusted)
     if env.get(LIMITS_FROM_ENV) == "dra":
-        # DRA mode: what the containers declared became claims, and the limits are what
-        # each claim was allocated on its GPU (`dra.allocations`), not these sums.
         ceilings, unread = _ceilings(env)
-        return Declaration(ceilings=ceilings, claims=True, unread=unread)
+        return replace(of_sidecar({}, ceilings, {}, {}, claims=True), unread=unread)
     if LIMITS_ENV not in env:
         return Declaration()
     try:
@@ -203,7 +201,25 @@ def of_pod(pod: Pod, declares: Declares, *, opted_in: AbstractSet[str]) -> Decla
         )
     except ConfigError as exc:
         return Undeclared(str(exc))
-    return Declaration(limits, _above(ceilings, limits), portions, gpus=gpus)
+    return of_sidecar(limits, ceilings, portions, gpus, claims=False)
+
+
+def of_sidecar(
+    limits: Mapping[str, int],
+    ceilings: Mapping[str, int],
+    portions: Mapping[str, Portion],
+    gpus: Mapping[str, int],
+    *,
+    claims: bool,
+) -> Declaration:
+    """What the sidecar's variables declare, once parsed: read so by the sidecar from its
+    own settings and by the agent from the pod's spec (`of_pod`), so that the two cannot
+    differ. In DRA mode (`claims`) what the containers declared became claims, and the
+    limits are what each claim was allocated on its GPU (`dra.allocations`), not these sums:
+    only the ceilings above the claims count."""
+    if claims:
+        return Declaration(ceilings=dict(ceilings), claims=True)
+    return Declaration(dict(limits), _above(ceilings, limits), dict(portions), gpus=dict(gpus))
 
 
 def env_trusted(pod: Pod, opted_in: AbstractSet[str]) -> bool:

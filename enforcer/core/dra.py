@@ -220,11 +220,12 @@ def allocations(
     claims: Mapping[str, Mapping[str, Any]],
     slices: Iterable[Mapping[str, Any]],
     settings: DraSettings,
-    users: ClaimUsers | None = None,
+    users: ClaimUsers,
 ) -> Allocations:
     """The pod's GPU allocations, from its claims as read (`claims`, by ResourceClaim name)
     and the ResourceSlices of its node, each cut to the pod's part of its claim: `users`
-    (`claim_users`, the node's view) adds the pods that the claim's own read may miss."""
+    (`claim_users`: the node's view in the agent, the pod's own read in its sidecar) adds the
+    pods that the claim's own read may miss."""
     uuids = device_uuids(slices, settings)
     names = claim_names(pod)
     shares: list[ClaimShare] = []
@@ -240,7 +241,7 @@ def allocations(
                 unresolved.add(container)
             shares.extend(found)
     resolved = [s for s in shares if not (s.containers & unresolved)]
-    parts, notes = _divided(pod, resolved, claims, users or {})
+    parts, notes = _divided(pod, resolved, claims, users)
     said = tuple(dict.fromkeys([*problems, *notes]))
     return Allocations(_group(parts), said, frozenset(unresolved))
 

@@ -15,7 +15,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from enforcer.core.model import Device, MiB
-from enforcer.core.owed import PodVram
+from enforcer.core.owed import Owing, PodOwed
 
 
 def per_gpu(limit_bytes: int, devices: Sequence[Device]) -> dict[str, int]:
@@ -41,9 +41,9 @@ def on_gpus(gpu_limits: Mapping[str, int], devices: Sequence[Device]) -> dict[st
 MAX_BYTES = 1 << 62  # above any GPU's memory: per_gpu() caps it to each GPU's total
 
 
-def pod_limits(pod: PodVram, devices: Sequence[Device]) -> dict[str, int]:
+def pod_limits(pod: PodOwed, devices: Sequence[Device]) -> dict[str, int]:
     """The pod cgroup's hard limit on each GPU."""
-    return on_gpus(pod.gpu_totals, devices) if pod.gpu_limits else per_gpu(pod.total, devices)
+    return pod_target(pod, "").limits_on(devices)
 
 
 # The least a cgroup's processes must hold on a GPU, as NVML lists them, before what the
@@ -108,31 +108,56 @@ class Target:
 
 
 def targets(
-    pods: Iterable[PodVram],
+    pods: Iterable[PodOwed],
     pod_dirs: Mapping[str, str],
     container_dirs: Mapping[str, Mapping[str, str]],
 ) -> dict[str, Target]:
     """Cgroup path -> target: each pod's total on its pod cgroup as soon as that exists (it
-    does before any container starts), and each declaring container's limit on the
-    cgroup named after its current container ID, below that pod's cgroup."""
+    does before any container starts), and each container's units on the cgroup named after
+    its current container ID, below that pod's cgroup. What each is held to is what it is
+    owed (`owed.owed`): its ceiling, the driver's hard limit, on each GPU it may use (one
+    share on each, for a container spread over GPUs: the driver's limit is per GPU; with
+    DRA, on its allocations' GPUs alone), and its request as the soft limit where a unit
+    of the pod may borrow."""
     found: dict[str, Target] = {}
     for p in pods:
         pod_dir = pod_dirs.get(p.uid)
-        if pod_dir is None:
+        if pod_dir is None or not p.owed.units:
             continue
-        pod_gpus = tuple(sorted(p.gpu_totals.items()))
-        found[pod_dir] = Target(
-            pod_dir, p.namespace, p.name, p.uid, "", p.total, pod_gpus, p.requested
-        )
+        found[pod_dir] = pod_target(p, pod_dir)
         dirs = container_dirs.get(p.uid, {})
-        for name in p.limits:
+        containers = dict.fromkeys(c for o in p.owed.units for c in o.unit.containers)
+        for name in containers:
             path = dirs.get(p.ids.get(name, ""))
             if path is not None:
-                gpus = tuple(sorted(p.gpu_limits.get(name, {}).items()))
-                limit, request = p.on_each_gpu(name)
-                soft = request if name in p.requests else 0
-                found[path] = Target(path, p.namespace, p.name, p.uid, name, limit, gpus, soft)
+                of = [o for o in p.owed.units if name in o.unit.containers]
+                found[path] = _target(path, p, name, of)
     return found
+
+
+def pod_target(pod: PodOwed, cgroup: str) -> Target:
+    """The pod cgroup's: what all its units may hold on a GPU (with DRA, on each GPU of
+    theirs), a unit that containers share counted once."""
+    return _target(cgroup, pod, "", pod.owed.units)
+
+
+def _target(cgroup: str, pod: PodOwed, container: str, units: Sequence[Owing]) -> Target:
+    gpus: dict[str, int] = {}
+    for o in units:
+        if o.unit.gpu is not None:
+            gpus[o.unit.gpu] = gpus.get(o.unit.gpu, 0) + o.ceiling
+    soft = sum(o.request for o in units) if pod.owed.borrowing else 0
+    limit = sum(o.ceiling for o in units)
+    return Target(
+        cgroup,
+        pod.namespace,
+        pod.name,
+        pod.uid,
+        container,
+        limit,
+        tuple(sorted(gpus.items())),
+        soft,
+    )
 
 
 Key = tuple[str, str]  # (cgroup path, GPU UUID)

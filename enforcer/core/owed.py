@@ -1,12 +1,22 @@
-"""What a pod is owed on its GPUs (pure): its declaration in bytes, each container's request
-and ceiling; or, with DRA, what its claims were allocated on each GPU, raised to the
-ceilings the webhook wrote. One reading for the hard limits, the lender and the backstop,
-so that the three never disagree about a pod.
+"""What a pod's containers are owed on its GPUs (pure): one answer for the sidecar, the
+agent's backstop, its lender and its hard limiter, so that no two of them can disagree
+about a pod.
+
+`owed()` takes what a pod declares and, with DRA, what its claims were allocated, and says
+what each of its units is owed (`Owing`): its request (what it always gets) and its ceiling
+(how far it may borrow above, while its GPU has room). A unit is a container over any of
+its GPUs; a container's share on each of N GPUs (KAI's `gpu-fraction-num-devices`); or, with
+DRA, the containers of an allocation on one GPU. Where a share falls is decided by where the
+container runs (`Owing.placed`): on the N GPUs where it holds most, never N shares on one.
+Every input is required: a portion of a GPU counts only against a known GPU size (`basis`),
+and a claim that pods share comes already cut to this pod's part (`dra.allocations` takes
+who uses it). What a consumer holds a unit to (its ceiling while the agent lends, else its
+request) is the consumer's to say; what it is owed is said here alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -17,144 +27,189 @@ from enforcer.core.dra import (
     DraObjects,
     DraSettings,
     allocations,
+    claim_users,
     with_ceilings,
 )
+from enforcer.core.model import ProcessKey, Sample
 from enforcer.core.payloads import Pod
-from enforcer.core.pod import containers_by_id
+from enforcer.core.pod import containers_by_id, json_map
 from enforcer.core.units import Unit
 
 
 @dataclass(frozen=True, slots=True)
-class PodVram:
-    """What a pod declares, and which container ID each of its containers runs as now."""
+class Owing:
+    """What one unit is owed, in bytes: its request, and its ceiling (the request where it
+    may not borrow). With `gpus` above 1, a container's share on each of that many GPUs."""
 
-    uid: str
-    namespace: str
-    name: str
-    limits: Mapping[str, int]  # container name -> bytes, declaring containers only
-    ids: Mapping[str, str]  # container name -> container ID, from the pod's status
-    # DRA: container name -> GPU -> bytes, what its claims were allocated (then `limits`
-    # holds each container's sum over GPUs); empty for a declaring pod.
-    gpu_limits: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
-
-    # Container name -> its request, where it may borrow above it up to `limits` (its
-    # ceiling): the driver's soft limit, "guaranteed before allocations may fail".
-    requests: Mapping[str, int] = field(default_factory=dict)
-    # Container name -> the GPUs its limit and request are spread over, an equal share of
-    # each held on every GPU (KAI's gpu-fraction-num-devices); absent: 1, the whole on each.
-    gpus: Mapping[str, int] = field(default_factory=dict)
-
-    def on_each_gpu(self, name: str) -> tuple[int, int]:
-        """(limit, request: the limit where it may not borrow) of a declaring container on
-        any one GPU."""
-        count, limit = self.gpus.get(name, 1), self.limits[name]
-        return limit // count, self.requests.get(name, limit) // count
+    unit: Unit  # its containers; its GPU where that is known (DRA), else wherever it runs
+    request: int
+    ceiling: int
+    gpus: int = 1
 
     @property
-    def total(self) -> int:
-        """The pod's cap on any one GPU: the sum of its containers' limits there (an upper
-        bound on what they may hold together, init containers included)."""
-        return sum(self.on_each_gpu(name)[0] for name in self.limits)
+    def borrows(self) -> bool:
+        """Whether it may hold more than its request (up to its ceiling)."""
+        return self.ceiling > self.request
 
-    @property
-    def requested(self) -> int:
-        """The pod's soft limit on any one GPU: its containers' requests there, where any
-        may borrow; else 0."""
-        if not self.requests:
-            return 0
-        return sum(self.on_each_gpu(name)[1] for name in self.limits)
-
-    @property
-    def gpu_totals(self) -> dict[str, int]:
-        """DRA: the pod's cap on each GPU, the sum of what its claims were allocated there
-        (a claim that containers share counts once)."""
-        return dict(self._gpu_totals)
-
-    _gpu_totals: Mapping[str, int] = field(default_factory=dict)
-
-
-def pod_vram_from_claims(
-    pod: Pod, found: Allocations, ceilings: Mapping[str, int] | None = None
-) -> PodVram | None:
-    """DRA: the pod's GPU allocations as hard limits, or None when it has none. Containers
-    whose GPUs are not proven get none (the sidecar says why). A container that may borrow
-    above its claim (`ceilings`, by container; `dra.with_ceilings`) gets its ceiling as the
-    hard limit on its claim's GPU, and its allocation as the soft one."""
-    meta = pod.get("metadata") or {}
-    uid, namespace, name = meta.get("uid"), meta.get("namespace"), meta.get("name")
-    if not (isinstance(uid, str) and isinstance(namespace, str) and isinstance(name, str)):
-        return None
-    if not found.units:
-        return None
-    found, allocated = with_ceilings(found, ceilings or {})
-    requests = {Unit.of(u).containers[0]: size for u, size in allocated.items()}
-    per_container: dict[str, dict[str, int]] = {}
-    totals: dict[str, int] = {}
-    for unit in found.units:
-        totals[unit.gpu] = totals.get(unit.gpu, 0) + unit.limit_bytes
-        for container in unit.containers:
-            per_container.setdefault(container, {})[unit.gpu] = unit.limit_bytes
-    ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
-    sums = {c: sum(g.values()) for c, g in per_container.items()}
-    return PodVram(uid, namespace, name, sums, ids, per_container, requests, _gpu_totals=totals)
-
-
-def pod_vram(
-    pod: Pod, declared: Declaration | Undeclared, basis: int | None = None
-) -> PodVram | None:
-    """The pod's declared VRAM, as `declaration.of_pod` read it, or None when it declares
-    none in bytes (nothing, nothing readable, or only claims: `pod_vram_from_claims`). A
-    container's limit is its ceiling where it may borrow, and its declaration its request;
-    a portion of a GPU counts against `basis`, one GPU's memory, and not at all without
-    one."""
-    meta = pod.get("metadata") or {}
-    uid, namespace, name = meta.get("uid"), meta.get("namespace"), meta.get("name")
-    if not (isinstance(uid, str) and isinstance(namespace, str) and isinstance(name, str)):
-        return None
-    if isinstance(declared, Undeclared):
-        return None
-    limits, borrow = declared.in_bytes(basis)
-    if not limits:
-        return None
-    ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
-    gpus = dict(declared.gpus)
-    if not borrow:
-        return PodVram(uid, namespace, name, limits, ids, gpus=gpus)
-    return PodVram(uid, namespace, name, {**limits, **borrow}, ids, requests=limits, gpus=gpus)
+    def placed(self, held: Mapping[str, int]) -> tuple[Owing, ...]:
+        """Where it is owed, given what its container holds on each GPU now (`held`, as
+        `holdings` counts it): a unit that is owed on one GPU, or over any, as it is; a share
+        spread over N GPUs on each of the N GPUs where its container holds most (the first
+        by UUID among equals), each its own unit (`trainer@GPU-…`). On any other GPU it is
+        owed nothing; holding on none, it is owed nowhere yet."""
+        if self.gpus == 1:
+            return (self,)
+        ranked = sorted(held.items(), key=lambda g: (-g[1], g[0]))[: self.gpus]
+        on = self.unit.containers, self.unit.pod
+        return tuple(
+            Owing(Unit(on[0], gpu, on[1]), self.request, self.ceiling) for gpu, _ in ranked
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class Owed:
-    """A pod as the agent's loops read it: what it declares (or why nothing can be read),
-    and what that makes it owed."""
+    """What a pod's units are owed (`owed`), and which of its containers are owed nothing
+    anywhere it has no unit."""
 
-    declared: Declaration | Undeclared
-    # In bytes per container: its declaration, or (DRA) its claims' allocations; None when
-    # it is owed nothing that can be counted (yet: claims not read, a portion of an unknown GPU).
-    vram: PodVram | None
-    # DRA, where the pod declares no bytes: its claims' units, containers that share an
-    # allocation held together (None: no claims read).
-    allocations: Allocations | None = None
+    units: tuple[Owing, ...] = ()
+    # Containers whose portion of a GPU is not counted yet (no GPU's memory is known): they
+    # are not checked at all, never held to 0.
+    uncounted: frozenset[str] = frozenset()
+    # DRA: the units are what the pod's claims give on each GPU; a container is owed
+    # nothing on a GPU no unit gives it, and nothing can be said of `unresolved` ones (their
+    # GPUs are not proven: they are enforced on none). `claiming`: every container that holds
+    # a GPU allocation, resolved or not; `problems`: why any is not, or is held below a
+    # claim it shares.
+    claimed: bool = False
+    unresolved: frozenset[str] = frozenset()
+    claiming: frozenset[str] = frozenset()
+    problems: tuple[str, ...] = ()
+
+    @property
+    def borrowing(self) -> bool:
+        """Whether any of its units may borrow above its request."""
+        return any(o.borrows for o in self.units)
+
+    def total(self, lending: bool) -> int:
+        """What its units may hold together: their ceilings while the agent lends, else
+        their requests (a spread share counted on each of its GPUs)."""
+        return sum((o.ceiling if lending else o.request) * o.gpus for o in self.units)
 
 
 def owed(
+    declared: Declaration | Undeclared, claimed: Allocations | None, basis: int | None
+) -> Owed:
+    """What each unit of a pod is owed. `declared`: what it declares (`declaration.of_pod`,
+    or the sidecar's own environment, `declaration.of_sidecar`); in bytes its requests and
+    the ceilings above them, a portion of a GPU counted against `basis` (one GPU's memory,
+    `declaration.portion_basis`; None: not known, and the portion is not counted, never
+    taken as 0), a request spread over N GPUs one share on each. Where it declares no bytes:
+    `claimed`, what its claims give it on each GPU (`dra.allocations`, None where they are
+    not read), each allocation raised to the ceiling the webhook wrote above it where it is
+    one container's only one (`dra.with_ceilings`)."""
+    if isinstance(declared, Declaration) and not declared.claims:
+        requests, ceilings = declared.in_bytes(basis)
+        portions = declared.portions
+        uncounted = frozenset(portions).difference(requests) if portions else frozenset()
+        if requests or claimed is None:
+            units = tuple(
+                _declared(name, request, ceilings.get(name, request), declared.gpus.get(name, 1))
+                for name, request in requests.items()
+            )
+            return Owed(units, uncounted)
+    if claimed is None:
+        return Owed()
+    raised, requests = with_ceilings(claimed, dra_ceilings(declared))
+    units = tuple(
+        Owing(Unit(u.containers, u.gpu), requests.get(u.name, u.limit_bytes), u.limit_bytes)
+        for u in raised.units
+    )
+    return Owed(
+        units,
+        claimed=True,
+        unresolved=claimed.unresolved,
+        claiming=claimed.claiming,
+        problems=claimed.problems,
+    )
+
+
+def _declared(name: str, request: int, ceiling: int, gpus: int) -> Owing:
+    """A declaring container's unit: over any GPUs, or one share on each of `gpus`."""
+    return Owing(Unit((name,)), request // gpus, ceiling // gpus, gpus)
+
+
+def holdings(sample: Sample, container_of: Mapping[ProcessKey, str]) -> dict[str, dict[str, int]]:
+    """Container -> GPU -> the bytes its processes hold there, as `Owing.placed` weighs
+    them: a GPU where it has a process counts, its unknown usage as 0."""
+    found: dict[str, dict[str, int]] = {}
+    for usage in sample.processes:
+        container = container_of.get(usage.key)
+        if container is not None:
+            on = found.setdefault(container, {})
+            on[usage.device_uuid] = on.get(usage.device_uuid, 0) + (usage.used_bytes or 0)
+    return found
+
+
+# --- the agent's reading of its node's pods ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Claims:
+    """DRA: a pod's claims and its node's slices as read, which allocations are GPUs, and
+    who uses each claim (`dra.claim_users`): so that a claim pods share is always cut to
+    this pod's part, whichever of the agent's loops reads it."""
+
+    objects: DraObjects
+    settings: DraSettings
+    users: ClaimUsers
+
+
+def node_claims(
+    pods: Iterable[Pod], reads: Mapping[str, DraObjects], settings: DraSettings
+) -> dict[str, Claims]:
+    """Pod UID -> its claims as read (`reads`, each pod's last read), with every pod of the
+    node that uses each claim (the reads joined with the node's pods)."""
+    users = claim_users(pods, reads.values())
+    return {uid: Claims(objects, settings, users) for uid, objects in reads.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class PodOwed:
+    """A pod as the agent's loops read it: who it is, what it declares (or why nothing can
+    be read), and what that makes each of its units owed."""
+
+    uid: str
+    namespace: str
+    name: str
+    ids: Mapping[str, str]  # container name -> the container ID it runs as now
+    declared: Declaration | Undeclared
+    owed: Owed = field(default_factory=Owed)
+
+
+def pod_owed(
     pod: Pod,
     declares: Declares,
     *,
     opted_in: AbstractSet[str],
     basis: int | None,
-    claims: tuple[DraObjects, DraSettings] | None = None,
-    users: ClaimUsers | None = None,
-) -> Owed:
-    """What `pod` is owed: its declaration (`declaration.of_pod`, its sidecar's environment
-    read only in a namespace of `opted_in`), in bytes against `basis` (one GPU's memory, for
-    portions); or, where it declares no bytes and its claims were read (`claims`: the pod's
-    claims and the node's slices, with the DRA settings), what they were allocated, a claim
-    that pods share (`users`, `dra.claim_users`) cut to this pod's part."""
+    claims: Claims | None,
+) -> PodOwed:
+    """What the agent owes `pod`: its declaration (`declaration.of_pod`, its sidecar's
+    environment read only in a namespace of `opted_in`), and with its claims (`claims`: as
+    read, with their users; None where the pod claims nothing, or nothing is read) what
+    they give it, through `owed`."""
     declared = of_pod(pod, declares, opted_in=opted_in)
-    vram = pod_vram(pod, declared, basis)
-    if vram is not None or claims is None:
-        return Owed(declared, vram)
-    objects, settings = claims
-    found = allocations(pod, objects.claims, objects.slices, settings, users)
-    return Owed(declared, pod_vram_from_claims(pod, found, dra_ceilings(declared)), found)
+    claimed = None
+    if claims is not None:
+        objects = claims.objects
+        claimed = allocations(pod, objects.claims, objects.slices, claims.settings, claims.users)
+    meta = json_map(pod.get("metadata"))
+    ids = {ref.name: cid for cid, ref in containers_by_id(pod).items()}
+    return PodOwed(
+        str(meta.get("uid") or ""),
+        str(meta.get("namespace") or ""),
+        str(meta.get("name") or ""),
+        ids,
+        declared,
+        owed(declared, claimed, basis),
+    )

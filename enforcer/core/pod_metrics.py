@@ -92,14 +92,14 @@ def container_series(
         for cid in tenant.ids:
             if tenant.confined and tenant.gpu is not None:
                 on_gpu[cid, tenant.gpu] = tenant.request
-            else:
-                request[cid] = tenant.request
+            else:  # over all its GPUs (a share on each of N, N times)
+                request[cid] = tenant.request * tenant.gpus
             if tenant.ceiling > tenant.request:  # DRA: above its one claim, on that GPU
-                ceiling[cid] = tenant.ceiling
+                ceiling[cid] = tenant.ceiling * tenant.gpus
     over: dict[tuple[str, str], int] = {}
     for view in lent:
         for share in view.shares:
-            borrower = owed.by_unit.get(share.unit) if owed is not None else None
+            borrower = owed.owner(share.unit) if owed is not None else None
             for cid in borrower.ids if borrower is not None else ():
                 over[cid, view.uuid] = over.get((cid, view.uuid), 0) + share.borrowed
     found = []

@@ -5,11 +5,11 @@ which sees every GPU process of its node with its container (by the process's cg
 then runs the sidecar's own tick for that pod from its sampler's pass: the same pipeline
 and policy, with the action, grace period and warning threshold that the webhook wrote
 into the sidecar's environment (the sidecar's defaults on a pod of a namespace that has not
-opted in, where the webhook wrote none); the same limits (`declaration.of_pod`), except that a
-container with a ceiling is held to its request, since borrowing needs a sidecar to give
-memory back; with DRA, each claim's allocation on its GPU, from the claims the agent last
-read for the pod's replies (never read here: the sampler does not wait on the API); the
-same proof before each signal (a pidfd, the process's start time, and
+opted in, where the webhook wrote none); the same units, owed what the sidecar's are
+(`owed.owed`, `attribution.pod_units`: with DRA from the claims the agent last read for the
+pod's replies, never read here, since the sampler does not wait on the API), except that a
+container that may borrow is held to its request, since borrowing needs a sidecar to give
+memory back; the same proof before each signal (a pidfd, the process's start time, and
 its cgroup naming the container's ID in the pod's current status); and Events on the pod.
 Where the kernel refuses a signal all the same (EPERM: a security module, or an agent
 without CAP_KILL; not a user-namespaced pod, whose namespace is a child of the agent's), the
@@ -30,8 +30,7 @@ from collections.abc import Callable, Mapping, Set
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from enforcer.core import messages
-from enforcer.core.attribution import attribute_declared, attribute_per_gpu
+from enforcer.core.attribution import PodProcesses, pod_units
 from enforcer.core.declaration import (
     Undeclared,
     env_trusted,
@@ -39,10 +38,7 @@ from enforcer.core.declaration import (
     sidecar_env,
     unreadable,
 )
-from enforcer.core.dra import (
-    Allocations,
-    claim_names,
-)
+from enforcer.core.dra import claim_names
 from enforcer.core.eviction import evicted, to_evict
 from enforcer.core.model import (
     Action,
@@ -54,10 +50,10 @@ from enforcer.core.model import (
     UnitUsage,
     format_bytes,
 )
-from enforcer.core.owed import PodVram, owed
+from enforcer.core.owed import Owed, node_claims, pod_owed
 from enforcer.core.parsing import ConfigError
 from enforcer.core.payloads import ObjectReference, Pod
-from enforcer.core.pod import ContainerRef, container_limits, containers_by_id, pod_reference
+from enforcer.core.pod import ContainerRef, containers_by_id, pod_reference
 from enforcer.core.policy import Enforcement, PolicyConfig
 from enforcer.core.settings import resolve
 from enforcer.core.settings.sidecar import POLICY
@@ -131,7 +127,7 @@ class Backstop:
         container_of = containers() if silent else {}
         for uid in silent & pods.keys():
             held = self._held.get(uid) or self._releasing.pop(uid, None)
-            held = held or self._hold(pods[uid], sample, trusted)
+            held = held or self._hold(pods, uid, sample, trusted)
             if held is not None:
                 self._held[uid] = held
                 held.tick(pods[uid], sample, container_of)
@@ -140,46 +136,42 @@ class Backstop:
                 del self._releasing[uid]
         self._telemetry.held_by_agent.set(len(self._held))
 
-    def _hold(self, pod: Pod, sample: Sample, trusted: frozenset[str]) -> _Held | None:
-        """The pod's pipeline, or None for a pod that declares nothing the agent can hold
-        it to (yet: claims not read, or not mapped to a GPU, are looked at again). Its
-        policy is the sidecar's defaults where its sidecar's environment is not read (its
+    def _hold(
+        self, pods: Mapping[str, Pod], uid: str, sample: Sample, trusted: frozenset[str]
+    ) -> _Held | None:
+        """The pod's pipeline, or None for a pod that is owed nothing the agent can hold it
+        to (yet: claims not read, or not mapped to a GPU, are looked at again). Its policy
+        is the sidecar's defaults where its sidecar's environment is not read (its
         namespace has not opted in: a `warn` there is its author's)."""
+        pod = pods[uid]
         env = sidecar_env(pod, self._declares.sidecar) if env_trusted(pod, trusted) else {}
         policy = policy_of(env)
-        claims = self._claims if claim_names(pod) else None  # DRA, and the pod claims
-        objects = claims.last(pod) if claims is not None else None
-        read = (objects, claims.settings) if claims is not None and objects is not None else None
+        reads = self._claims if claim_names(pod) else None  # DRA, and the pod claims
+        claims = None
+        if reads is not None:  # with who uses each claim on the node: cut to its part
+            last = {u: reads.last(p) for u, p in pods.items() if claim_names(p)}
+            known = {u: objects for u, objects in last.items() if objects is not None}
+            claims = node_claims(pods.values(), known, reads.settings).get(uid)
         basis = portion_basis(sample.devices)
-        pod_owed = owed(pod, self._declares, opted_in=trusted, basis=basis, claims=read)
-        found = pod_owed.allocations
-        limits: PodVram | Allocations
-        if found is None and pod_owed.vram is not None:
-            limits = pod_owed.vram
-            held = messages.amounts(_requests(pod_owed.vram))
-        elif found is not None and found.units:
-            limits = found
-            held = ", ".join(
-                f"{Unit.of(u.name).described()}: {format_bytes(u.limit_bytes)}" for u in found.units
-            )
-        else:
-            if claims is not None:  # what the pod's claims give it is not known, or no GPU
-                why = "; ".join(found.problems) if found else "its claims have not been read yet"
+        read = pod_owed(pod, self._declares, opted_in=trusted, basis=basis, claims=claims)
+        owed = read.owed
+        if not owed.units:
+            if reads is not None:  # what the pod's claims give it is not known, or no GPU
+                why = "; ".join(owed.problems) if claims else "its claims have not been read yet"
                 self._cannot_hold(pod, why or "its claims give no GPU")
-            elif isinstance(pod_owed.declared, Undeclared):
-                self._cannot_hold(pod, unreadable(pod_owed.declared))
+            elif isinstance(read.declared, Undeclared):
+                self._cannot_hold(pod, unreadable(read.declared))
             return None
         log.warning(
             "pod %s: its sidecar is silent; the agent enforces its limits itself (%s)",
             _named(pod),
-            held,
+            _said(owed),
         )
-        uid = str((pod.get("metadata") or {}).get("uid") or "")
         counts = self.counts.get(uid) or SidecarTelemetry()
         self.counts = {**self.counts, uid: counts}
         return _Held(
             pod,
-            limits,
+            owed,
             policy,
             self._declares.sidecar,
             self._recorder,
@@ -198,9 +190,21 @@ class Backstop:
             )
 
 
-def _requests(vram: PodVram) -> dict[str, int]:
-    """Each declaring container's request: its limit, where it may not borrow."""
-    return {name: vram.requests.get(name, limit) for name, limit in vram.limits.items()}
+def _said(owed: Owed) -> str:
+    """What each unit is owed, as the log says it: a container's request (and the ceiling
+    it may borrow up to while the agent lends); with DRA, each allocation on its GPU."""
+    if owed.claimed:
+        return ", ".join(
+            f"{o.unit.described()}: {format_bytes(o.request)}"
+            + (f" up to {format_bytes(o.ceiling)}" if o.borrows else "")
+            for o in owed.units
+        )
+    return ", ".join(
+        f"{o.unit.containers[0]} {format_bytes(o.request * o.gpus)}"
+        + (f" up to {format_bytes(o.ceiling * o.gpus)}" if o.borrows else "")
+        + (f", one share on each of {o.gpus} GPUs" if o.gpus > 1 else "")
+        for o in sorted(owed.units, key=lambda o: o.unit.containers)
+    )
 
 
 def _named(pod: Pod) -> str:
@@ -224,7 +228,7 @@ class _Held:
     def __init__(
         self,
         pod: Pod,
-        limits: PodVram | Allocations,
+        owed: Owed,
         policy: PolicyConfig,
         sidecar: str,
         recorder: EventRecorder,
@@ -235,7 +239,7 @@ class _Held:
         meta = pod.get("metadata") or {}
         self._source = _Given()
         want_init = policy.action is Action.RESTART
-        self._attributor = SilentPodAttributor(procfs, limits, sidecar, want_init)
+        self._attributor = SilentPodAttributor(procfs, owed, sidecar, want_init)
         self._terminator = _Refusals(Signaller(procfs, protected=frozenset({1})))
         about = (
             str(meta.get("namespace") or ""),
@@ -302,28 +306,29 @@ class _Given:
 class SilentPodAttributor:
     """A silent pod's containers, each process by the container ID in its cgroup, as the
     agent reads it for every GPU process of the node; only IDs in the pod's own current
-    status count, and the sidecar's container is never one of its units. Its limits are
-    per container (what each declares, any GPU, or one share on each of its GPUs: KAI's
-    `gpu-fraction-num-devices`), or, with DRA, what each allocation gives its containers on
-    its GPU (a container's memory on a GPU that none gives it: 0). A container that may
-    borrow is held to its request: the agent that would lend is the one holding it."""
+    status count, and the sidecar's container is never one of its units. Its units, and
+    what each is held to, are its sidecar's (`attribution.pod_units` over what the pod is
+    owed: a container that declares nothing held to 0), except that a unit that may borrow
+    is held to its request: the agent that would lend is the one holding it."""
 
     def __init__(
         self,
         procfs: ProcFs,
-        limits: PodVram | Allocations,
+        owed: Owed,
         sidecar: str,
         want_init: bool,
     ) -> None:
         self._procfs = procfs
         self._finder = InitFinder(procfs)
-        self._limits = limits
+        self._owed = owed
         self._sidecar = sidecar
         self._want_init = want_init  # `restart`: each container's init, when one is over
         self._tick_inits: dict[str, ProcessTotal] | None = None  # this tick's, when looked for
         self._ids: dict[str, str] = {}  # container name -> its container ID now
         self._refs: dict[str, ContainerRef] = {}
         self._container_of: Mapping[ProcessKey, str] = {}
+        # Unit -> its request, for those that may borrow above it (as of the last tick).
+        self.requests: dict[str, int] = {}
 
     def update(self, pod: Pod, container_of: Mapping[ProcessKey, str]) -> None:
         by_id = {cid: r for cid, r in containers_by_id(pod).items() if r.name != self._sidecar}
@@ -334,15 +339,9 @@ class SilentPodAttributor:
     def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]:
         name_of = {cid: name for name, cid in self._ids.items()}
         unit_of = {k: name_of[c] for k, c in self._container_of.items() if c in name_of}
-        if isinstance(self._limits, Allocations):
-            # As the sidecar holds them: every container, on every GPU it uses.
-            held = set(self._refs) - self._limits.unresolved
-            units = attribute_per_gpu(sample, unit_of, self._limits, held)
-        else:
-            limits = container_limits(
-                _requests(self._limits), self._refs.values(), undeclared_allowed=False
-            )
-            units = attribute_declared(sample, unit_of, limits, self._limits.gpus)
+        seen = PodProcesses(dict.fromkeys(unit_of, ""), unit_of, tuple(self._refs.values()))
+        found = pod_units(sample, seen, self._owed, False, lending=False)
+        units, self.requests = found.units, found.requests
         self._tick_inits = None
         if self._want_init and any(u.used_bytes > u.limit_bytes for u in units):
             inits = self._tick_inits = self._inits()  # only when one is over

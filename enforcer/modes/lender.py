@@ -17,15 +17,10 @@ from collections.abc import Callable, Mapping
 
 from enforcer.core import messages
 from enforcer.core.declaration import portion_basis
-from enforcer.core.dra import (
-    Allocations,
-    DraObjects,
-    allocations,
-    claim_names,
-    claim_users,
-)
+from enforcer.core.dra import DraObjects, claim_names
 from enforcer.core.lending import Lending, Tenants, decide, tenants
 from enforcer.core.model import ProcessKey, Sample
+from enforcer.core.owed import Claims, node_claims, pod_owed
 from enforcer.core.payloads import Pod
 from enforcer.core.pod_resources import Assignments, assigned_gpus
 from enforcer.core.units import Unit
@@ -104,17 +99,20 @@ class Lender:
                 # is never reclaimed from), and the next pass reads them again.
                 self._tenants = None
                 return Lending()
-            allocated = self._allocated(pods)
+            claims = self._claims_of(pods)
             gpus = {}
             if self._assigned is not None and assignments is not None:
                 gpus = assigned_gpus(assignments, self._assigned[1], sample.devices)
-            self._tenants = tenants(
-                pods.values(), self._declares, basis, allocated, gpus, opted_in=trusted
-            )
+            read = []
+            for uid, pod in pods.items():
+                mine = claims.get(uid)
+                owed = pod_owed(pod, self._declares, opted_in=trusted, basis=basis, claims=mine)
+                read.append((pod, owed))
+            self._tenants = tenants(read, gpus)
             self._basis, self._assignments, self._trusted = basis, assignments, trusted
-            for pod, problem in self._tenants.unread.items():
-                if self._unread.get(pod) != problem:  # once, not on every change of the pods
-                    log.warning("pod %s %s", pod, problem)
+            for who, problem in self._tenants.unread.items():
+                if self._unread.get(who) != problem:  # once, not on every change of the pods
+                    log.warning("pod %s %s", who, problem)
             self._unread = self._tenants.unread
         found = self._tenants
         if found is None or not found.borrowing:
@@ -130,20 +128,16 @@ class Lender:
         self._told = asked
         return lending
 
-    def _allocated(self, pods: Mapping[str, Pod]) -> dict[str, Allocations]:
-        """DRA: what each pod's claims give it, as last read (a pod whose claims have not
-        been read yet is owed nothing until they are: the next read makes the tenants
-        again); a claim that pods share is owed once, each pod its part (`claim_users`)."""
+    def _claims_of(self, pods: Mapping[str, Pod]) -> dict[str, Claims]:
+        """DRA: each pod's claims as last read (a pod whose claims have not been read yet is
+        owed nothing until they are: the next read makes the tenants again), with who uses
+        each on the node, so that a claim that pods share is owed once."""
         if self._claims is None:
             return {}
-        last, settings = self._claims.last, self._claims.settings
+        last = self._claims.last
         self._read = {uid: (pod, last(pod)) for uid, pod in pods.items() if claim_names(pod)}
-        users = claim_users(pods.values(), (o for _, o in self._read.values() if o is not None))
-        return {
-            uid: allocations(pod, objects.claims, objects.slices, settings, users)
-            for uid, (pod, objects) in self._read.items()
-            if objects is not None
-        }
+        reads = {uid: objects for uid, (_, objects) in self._read.items() if objects is not None}
+        return node_claims(pods.values(), reads, self._claims.settings)
 
     def _claims_read_again(self) -> bool:
         """Whether a DRA pod's claims were read since its tenants were made."""

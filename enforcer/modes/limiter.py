@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from enforcer.core import messages
 from enforcer.core.declaration import env_trusted, portion_basis, unreadable
-from enforcer.core.dra import DraObjects, claim_names, claim_users
+from enforcer.core.dra import DraObjects, claim_names
 from enforcer.core.hard_limits import (
     Key,
     Target,
@@ -33,7 +33,7 @@ from enforcer.core.hard_limits import (
     targets,
 )
 from enforcer.core.model import Device, LimitOutcome, LimitResult, format_bytes
-from enforcer.core.owed import PodVram, owed
+from enforcer.core.owed import Claims, PodOwed, node_claims, pod_owed
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
 from enforcer.core.reasons import Reason
@@ -103,7 +103,7 @@ class HardLimiter(threading.Thread):
         self._told: set[str] = set()  # pods whose Event has gone out
         self._proof = ChargeProof(nvml)  # whether the driver charges each pod's processes
         # uid -> (version, parsed, what of its declaration could not be read, as said)
-        self._parsed: dict[str, tuple[str, PodVram | None, str]] = {}
+        self._parsed: dict[str, tuple[str, PodOwed | None, str]] = {}
         self._logged = ""
 
     def run(self) -> None:
@@ -149,7 +149,7 @@ class HardLimiter(threading.Thread):
 
     def _declared(
         self, pods: Mapping[str, Pod], basis: int | None, trusted: frozenset[str]
-    ) -> list[PodVram]:
+    ) -> list[PodOwed]:
         """What each pod declares (or, with DRA, was allocated), parsed again only when the
         pod has changed (or the GPUs that its portions of one count against, or the pods
         that share its claims: each pod's cgroup gets its part of a shared claim, never the
@@ -157,13 +157,17 @@ class HardLimiter(threading.Thread):
         whose claims cannot be read now is read again next pass. What of a pod's
         declaration cannot be read is said once, not on every read."""
         reads: dict[str, DraObjects | str] = {}
+        claims: dict[str, Claims] = {}
         if self._claims is not None:
             reads = {uid: self._claims.now(pod) for uid, pod in pods.items() if claim_names(pod)}
-        users = claim_users(pods.values(), (o for o in reads.values() if not isinstance(o, str)))
-        parsed: dict[str, tuple[str, PodVram | None, str]] = {}
+            read = {uid: o for uid, o in reads.items() if isinstance(o, DraObjects)}
+            claims = node_claims(pods.values(), read, self._claims.settings)
+        parsed: dict[str, tuple[str, PodOwed | None, str]] = {}
         for uid, pod in pods.items():
             meta = pod.get("metadata") or {}
             resource_version = str(meta.get("resourceVersion") or "")
+            mine = claims.get(uid)
+            users = mine.users if mine is not None else {}
             sharing = sorted(
                 (name, sorted(users.get((str(meta.get("namespace")), name), ())))
                 for name in claim_names(pod).values()
@@ -176,21 +180,16 @@ class HardLimiter(threading.Thread):
                 parsed[uid] = known
                 continue
             objects = reads.get(uid)
-            read = None
-            if self._claims is not None and isinstance(objects, DraObjects):
-                read = (objects, self._claims.settings)
-            pod_owed = owed(
-                pod, self._declares, opted_in=trusted, basis=basis, claims=read, users=users
-            )
-            problem = unreadable(pod_owed.declared)
+            read_now = pod_owed(pod, self._declares, opted_in=trusted, basis=basis, claims=mine)
+            problem = unreadable(read_now.declared)
             if problem and problem != (known[2] if known else ""):
                 log.warning("pod %s/%s %s", meta.get("namespace"), meta.get("name"), problem)
-            if pod_owed.vram is None and isinstance(objects, str):
+            if not read_now.owed.units and isinstance(objects, str):
                 self._say_once(f"the claims of pod {uid} cannot be read ({objects})")
                 # Keep its limits meanwhile; its old version makes us read again.
                 parsed[uid] = (known[0], known[1], problem) if known else ("", None, problem)
                 continue
-            parsed[uid] = (version, pod_owed.vram, problem)
+            parsed[uid] = (version, read_now if read_now.owed.units else None, problem)
         self._parsed = parsed
         return [v for _, v, _ in parsed.values() if v is not None]
 
@@ -249,7 +248,7 @@ class HardLimiter(threading.Thread):
         target, _ = self._applied.pop(key)
         self._telemetry.hard_limits.remove(*_labels(target), key[1])
 
-    def _announce(self, pod: PodVram, pod_dir: str, usable: Sequence[Device]) -> None:
+    def _announce(self, pod: PodOwed, pod_dir: str, usable: Sequence[Device]) -> None:
         """The pod's Event, once its own cgroup has its limit on every GPU that can."""
         limits = {gpu: b for (cg, gpu), (_, b) in self._applied.items() if cg == pod_dir}
         rejected = [gpu for cg, gpu, _ in self._rejected if cg == pod_dir]
@@ -259,7 +258,7 @@ class HardLimiter(threading.Thread):
         elif limits and set(limits) == set(pod_limits(pod, usable)):
             self._prove(pod, pod_dir, limits)
 
-    def _prove(self, pod: PodVram, pod_dir: str, limits: Mapping[str, int]) -> None:
+    def _prove(self, pod: PodOwed, pod_dir: str, limits: Mapping[str, int]) -> None:
         """The hard tier is claimed for a pod only once the driver shows that it counts the
         pod's processes against the limit (`charged`); said to bind nothing when, on two
         passes in a row, it charged nothing while NVML lists enough for them to tell."""
@@ -281,7 +280,7 @@ class HardLimiter(threading.Thread):
             log.warning("pod %s/%s: %s", pod.namespace, pod.name, why)
             self._tell(pod, Reason.SAMPLING_ONLY, messages.sampling_only(why))
 
-    def _tell(self, pod: PodVram, reason: Reason, message: str) -> None:
+    def _tell(self, pod: PodOwed, reason: Reason, message: str) -> None:
         if pod.uid in self._told:
             return
         self._told.add(pod.uid)

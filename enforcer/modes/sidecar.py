@@ -19,8 +19,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from enforcer.core.attribution import PodTerms
-from enforcer.core.declaration import Declaration
 from enforcer.core.model import (
     Action,
 )
@@ -57,6 +55,7 @@ from enforcer.modes.sidecar_units import (
     AgentReclaims,
     ContainerAttributor,
     DraReads,
+    pod_terms,
     shares,
 )
 
@@ -199,11 +198,7 @@ def _pipeline(
     attributor = ContainerAttributor(
         procfs,
         view,
-        PodTerms(
-            Declaration(settings.limits, ceilings, portions, gpus=settings.gpus),
-            settings.undeclared_allowed,
-            settings.containers,
-        ),
+        pod_terms(settings),
         want_init=settings.policy.action is Action.RESTART,
         dra=DraReads(settings.dra, access.claims, problem) if settings.dra else None,
         # With DRA, only an agent that makes tenants of allocations ever asks them back.

@@ -10,20 +10,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from enforcer.core import messages
-from enforcer.core.attribution import (
-    PodTerms,
-    claimed_units,
-    declared_units,
-    oldest,
-    pod_processes,
-)
+from enforcer.core.attribution import PodTerms, oldest, pod_processes, pod_units
 from enforcer.core.cgroups import container_id
-from enforcer.core.declaration import Portion, portion_basis
+from enforcer.core.declaration import Portion, of_sidecar, portion_basis
 from enforcer.core.dra import (
     Allocations,
     DraObjects,
     DraSettings,
     allocations,
+    claim_users,
 )
 from enforcer.core.model import (
     Device,
@@ -33,6 +28,7 @@ from enforcer.core.model import (
     Sample,
     UnitUsage,
 )
+from enforcer.core.owed import Owed, owed
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import (
     ContainerRef,
@@ -40,6 +36,7 @@ from enforcer.core.pod import (
     sole_container,
 )
 from enforcer.core.reclaim import Gpu, Reclaim
+from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.core.units import Unit, of_sole_container
 from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.procfs import ProcFs
@@ -48,6 +45,20 @@ from enforcer.modes.pipeline import WholeUnit
 from enforcer.modes.sidecar_access import PodView
 
 log = logging.getLogger(__name__)
+
+
+def pod_terms(settings: SidecarSettings) -> PodTerms:
+    """What the sidecar holds its pod's containers to for its whole life: what its settings
+    (the environment the webhook wrote) declare, read as the agent reads the same variables
+    from the pod's spec (`declaration.of_sidecar`)."""
+    declared = of_sidecar(
+        settings.limits,
+        settings.ceilings,
+        settings.portions,
+        settings.gpus,
+        claims=settings.dra is not None,
+    )
+    return PodTerms(declared, settings.undeclared_allowed, settings.containers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +74,9 @@ class DraReads:
 class ContainerAttributor:
     """Units are the pod's containers, proven by container ID; the sidecar and pid 1 are out.
 
-    The shell of `attribution.declared_units` and `attribution.claimed_units`, which decide
-    what each unit is held to: it reads each process's cgroup and command line, the pod,
-    its claims, and whether the agent lends, and says in the log what changed.
+    The shell of `owed.owed` and `attribution.pod_units`, which decide what each unit is
+    owed and held to: it reads each process's cgroup and command line, the pod, its claims,
+    and whether the agent lends, and says in the log what changed.
 
     Container IDs are matched to names through the pod's status. Before the API has ever
     answered, that is possible in one case only: the pod has a single container besides
@@ -91,7 +102,7 @@ class ContainerAttributor:
         self._procfs = procfs
         self._view = view
         self._terms = terms
-        self._basis: int | None = None  # the GPU memory the portions were last counted on
+        self._basis_said: int | None = None  # the GPU memory the portions were last counted on
         self._lending = lending
         # Unit -> its request, for those that may borrow above it (as of the last tick).
         self.requests: dict[str, int] = {}
@@ -108,6 +119,7 @@ class ContainerAttributor:
         self._dra = dra
         self._problems_said: frozenset[str] = frozenset()
         self._last: tuple[object, object, Allocations] | None = None  # (pod, objects, result)
+        self._owed: tuple[tuple[Allocations | None, int | None], Owed] | None = None
 
     def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]:
         pod = self._view.pod
@@ -124,18 +136,31 @@ class ContainerAttributor:
             known[key] = info
         self._known = known
         seen = pod_processes(known, by_id, self._inits(by_id) if self._want_init else {})
-        if self._dra is not None:
-            claimed = self._allocations(pod, self._dra)
-            lending = self._lends(self._terms.declared.ceilings)
-            found = claimed_units(sample, seen, self._terms, claimed, lending)
-        else:
-            requests, ceilings = self._in_bytes(sample.devices)
-            lending = self._lends(ceilings)
-            found = declared_units(sample, seen, self._terms, requests, ceilings, lending)
+        owing = self._owed_now(pod, by_id, sample.devices)
+        lending = self._lends(owing)
+        found = pod_units(sample, seen, owing, self._terms.undeclared_allowed, lending)
         self.requests = found.requests
         if seen.unproven:
             self._view.refresh()  # a new container (or a restart) the cached pod does not know yet
         return found.units
+
+    def _owed_now(
+        self, pod: Pod | None, by_id: Mapping[str, ContainerRef], devices: Sequence[Device]
+    ) -> Owed:
+        """What each unit is owed (`owed.owed`), worked out again only when its inputs
+        change: the pod's claims as read (DRA; until they are, no container is enforced on
+        any GPU), or the GPU memory its portions count against."""
+        claimed, basis = None, None
+        if self._dra is not None:
+            claimed = self._allocations(pod, self._dra)
+            if claimed is None:
+                everyone = {*self._terms.spec_containers, *(r.name for r in by_id.values())}
+                claimed = Allocations(unresolved=frozenset(everyone))
+        else:
+            basis = self._basis(devices)
+        if self._owed is None or self._owed[0] != (claimed, basis):
+            self._owed = ((claimed, basis), owed(self._terms.declared, claimed, basis))
+        return self._owed[1]
 
     def _allocations(self, pod: Pod | None, dra: DraReads) -> Allocations | None:
         """What the pod's claims give each container per GPU, None until they have been read
@@ -145,7 +170,9 @@ class ContainerAttributor:
             return None
         if self._last is not None and self._last[0] is pod and self._last[1] is objects:
             return self._last[2]  # the same reads as the last tick: the same answer
-        found = allocations(pod, objects.claims, objects.slices, dra.settings)
+        # Its own pod's read of a claim is all it knows of who shares it (reservedFor).
+        users = claim_users((pod,), (objects,))
+        found = allocations(pod, objects.claims, objects.slices, dra.settings, users)
         self._last = (pod, objects, found)
         for text in found.problems:
             if text not in self._problems_said:
@@ -219,15 +246,15 @@ class ContainerAttributor:
             return WholeUnit((init,), restart=True)
         return WholeUnit(unit.processes)
 
-    def _in_bytes(self, devices: Sequence[Device]) -> tuple[Mapping[str, int], Mapping[str, int]]:
-        """(requests, ceilings above them) in bytes, a portion of a GPU counted against the
-        memory of the node's smallest GPU; said in the log when that changes."""
+    def _basis(self, devices: Sequence[Device]) -> int | None:
+        """The memory of the node's smallest GPU, where a container declares a portion of
+        one (else None: nothing counts against it); said in the log when it changes."""
         declared = self._terms.declared
         if not declared.portions:
-            return declared.requests, declared.ceilings
+            return None
         basis = portion_basis(devices)
-        if basis != self._basis:
-            self._basis = basis
+        if basis != self._basis_said:
+            self._basis_said = basis
             shares = portions_text(declared.portions)
             if basis is None:
                 log.warning(
@@ -242,17 +269,18 @@ class ContainerAttributor:
                     shares,
                     basis // MiB,
                 )
-        return declared.in_bytes(basis)
+        return basis
 
-    def _lends(self, ceilings: Mapping[str, int]) -> bool:
-        """Whether the agent decides reclaims, for containers with these ceilings; when it
-        does not, a container is held to its request (an agent of an earlier release would
-        never ask for memory back). Said in the log when that changes."""
-        if not ceilings:
+    def _lends(self, owing: Owed) -> bool:
+        """Whether the agent decides reclaims, for the units that may borrow; when it does
+        not, a unit is held to its request (an agent of an earlier release would never ask
+        for memory back). Said in the log when that changes."""
+        if not owing.borrowing:
             return False
         lending = self._lending()
         if lending != self._borrowing:
             self._borrowing = lending
+            ceilings = {o.unit.containers[0]: o.ceiling * o.gpus for o in owing.units if o.borrows}
             if lending:
                 log.info(
                     "the node agent decides reclaims: containers may borrow up to their "

@@ -21,7 +21,7 @@ from typing import Any, cast
 import pytest
 
 from enforcer.core.attribution import PodTerms
-from enforcer.core.declaration import Declaration, Portion
+from enforcer.core.declaration import Portion, of_sidecar
 from enforcer.core.dra import DraObjects, DraSettings
 from enforcer.core.model import Activity, Device, GiB, MiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.units import POD_UNIT
@@ -98,11 +98,12 @@ def attributor(
     options: dict[str, Any] = {"want_init": False, **kwargs}
     api = pod if isinstance(pod, ApiView) else ApiView(pod)
     view = Viewed(api, options.pop("refresh", Refreshes()))
-    declared = Declaration(
+    declared = of_sidecar(  # as `vram-enforcer sidecar` reads its settings
         {"trainer": 4 * GiB},
         options.pop("ceilings", {}),
         options.pop("portions", {}),
-        gpus=options.pop("gpus", {}),
+        options.pop("gpus", {}),
+        claims="dra" in options,
     )
     terms = PodTerms(
         declared,
@@ -188,7 +189,9 @@ def test_with_dra_a_ceiling_raises_the_containers_claim_on_its_gpu_while_the_age
         lending=lambda: lending[0],
     )
     unit = by_name(a.attribute(sample({12: 3 * GiB})))["trainer@GPU-0"]
-    assert (unit.limit_bytes, unit.used_bytes, a.requests) == (4 * GiB, 3 * GiB, {})
+    # Held to its claim while the agent does not lend; still a borrower, as declared ones are.
+    assert (unit.limit_bytes, unit.used_bytes) == (4 * GiB, 3 * GiB)
+    assert a.requests == {"trainer@GPU-0": 4 * GiB}
     lending[0] = True
     unit = by_name(a.attribute(sample({12: 3 * GiB})))["trainer@GPU-0"]
     assert (unit.limit_bytes, a.requests) == (12 * GiB, {"trainer@GPU-0": 4 * GiB})

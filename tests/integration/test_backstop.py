@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
-from enforcer.core.declaration import Declares
+from enforcer.core.declaration import Declaration, Declares
 from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample, UnitUsage
-from enforcer.core.owed import PodVram
+from enforcer.core.owed import owed
 from enforcer.core.payloads import Pod
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
@@ -87,7 +87,7 @@ def test_the_init_is_the_oldest_process_of_the_container_whose_parent_is_outside
                 ]
             }
         }
-        declared = PodVram("uid", "team", "pod", {"trainer": GiB}, {})
+        declared = owed(Declaration({"trainer": GiB}), None, None)
         attributor = SilentPodAttributor(procfs, declared, "vram-enforcer", want_init=True)
         attributor.update(pod, {})  # type: ignore[arg-type]
         # No cgroupfs here: the init is found by a scan of /proc on a thread of its own
@@ -120,7 +120,7 @@ def test_a_share_spread_over_gpus_is_held_on_each_gpu_never_summed_on_one(
                 "containerStatuses": [{"name": "trainer", "containerID": f"containerd://{CID}"}]
             }
         }
-        declared = PodVram("uid", "team", "pod", {"trainer": 8 * GiB}, {}, gpus={"trainer": 2})
+        declared = owed(Declaration({"trainer": 8 * GiB}, gpus={"trainer": 2}), None, None)
         attributor = SilentPodAttributor(ProcFs(), declared, "vram-enforcer", want_init=False)
         attributor.update(pod, {key: CID})  # type: ignore[arg-type]
         on_one = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 6 * GiB),))
@@ -153,7 +153,8 @@ def test_with_dra_each_claim_holds_its_containers_on_its_gpu_and_proves_them_the
             }
         }
         found = Allocations((GpuUnit("GPU-a", ("trainer",), 4 * GiB, ()),))
-        attributor = SilentPodAttributor(procfs, found, "vram-enforcer", want_init=False)
+        claimed = owed(Declaration(claims=True), found, None)
+        attributor = SilentPodAttributor(procfs, claimed, "vram-enforcer", want_init=False)
         attributor.update(pod, {key: CID})  # type: ignore[arg-type]
         sample = Sample(
             0.0, (), (ProcessUsage(key, "GPU-a", 5 * GiB), ProcessUsage(key, "GPU-b", GiB))

@@ -17,6 +17,7 @@ from enforcer.core.attribution import PodTerms
 from enforcer.core.declaration import CEILINGS_ENV, LIMITS_ENV, Declaration, Declares
 from enforcer.core.lending import decide, tenants
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.owed import pod_owed
 from enforcer.core.payloads import Pod
 from enforcer.core.reclaim import views
 from enforcer.edge.agent_link import AgentLink
@@ -89,7 +90,14 @@ def test_a_borrowing_init_container_is_a_tenant_and_its_sidecar_applies_its_recl
     # 16Gi: fetch holds 10Gi (6Gi above its request), the neighbour 2Gi of its 8Gi.
     gpu = Device(0, "GPU-0", "H100", 16 * GiB, 12 * GiB)
     usage = (ProcessUsage(FETCHING, "GPU-0", 10 * GiB), ProcessUsage(SERVING, "GPU-0", 2 * GiB))
-    found = tenants([POD, NEIGHBOUR], Declares("vram-enforcer.io/vram"), None, opted_in={"ml"})
+    declares = Declares("vram-enforcer.io/vram")
+    found = tenants(
+        [
+            (p, pod_owed(p, declares, opted_in={"ml"}, basis=None, claims=None))
+            for p in (POD, NEIGHBOUR)
+        ],
+        {},
+    )
     tenant = found.by_unit["ml/train-0/fetch"]
     assert (tenant.request, tenant.ceiling, tenant.ids) == (4 * GiB, 12 * GiB, {FETCH})
     lending = decide(Sample(0.0, (gpu,), usage), {FETCHING: FETCH, SERVING: OTHER}, found, 2 * GiB)

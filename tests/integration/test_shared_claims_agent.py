@@ -89,9 +89,10 @@ class RecordingNvml:
 
     def __init__(self) -> None:
         self.set: dict[tuple[str, str], int] = {}
+        self.soft: dict[tuple[str, str], int] = {}
 
     def set_memory_limit(self, gpu: str, cgroup: str, hard: int, soft: int = 0) -> LimitOutcome:
-        self.set[(cgroup, gpu)] = hard
+        self.set[(cgroup, gpu)], self.soft[(cgroup, gpu)] = hard, soft
         return LimitOutcome(LimitResult.SET)
 
     def memory_limit(self, gpu: str, cgroup: str) -> None:

@@ -1,6 +1,5 @@
 from enforcer.core.attribution import (
     attribute,
-    attribute_declared,
     gpu_shares,
     reported_only,
     tenants_per_gpu,
@@ -116,28 +115,3 @@ def test_tenants_are_counted_per_gpu_once_each() -> None:
     )
     tenant_of = {A: "container:x", B: "container:x", C: "container:y"}
     assert tenants_per_gpu(s, tenant_of) == {"GPU-0": 2, "GPU-1": 1, "GPU-2": 0}
-
-
-def test_a_container_spread_over_gpus_is_held_to_one_share_on_each_never_the_sum_on_one() -> None:
-    """KAI's gpu-fraction-num-devices: 2 gives `main` 4Gi on each of two GPUs. 6Gi on one
-    GPU is over its share there, though under the 8Gi sum; a third GPU is held to 0 (the
-    two where it holds most keep a share); the other containers keep their sums."""
-    s = sample(
-        ProcessUsage(A, "GPU-0", 6 * GiB),
-        ProcessUsage(B, "GPU-1", 1 * GiB),
-        ProcessUsage(B, "GPU-2", 2 * GiB),
-        ProcessUsage(C, "GPU-0", 3 * GiB),
-        ProcessUsage(C, "GPU-1", 3 * GiB),
-    )
-    owners = {A: "main", B: "main", C: "helper"}
-    units = attribute_declared(s, owners, {"main": 8 * GiB, "helper": 8 * GiB}, {"main": 2})
-    got = {u.name: (u.used_bytes, u.limit_bytes, u.device_uuid) for u in units}
-    assert got == {
-        "helper": (6 * GiB, 8 * GiB, None),
-        "main@GPU-0": (6 * GiB, 4 * GiB, "GPU-0"),
-        "main@GPU-2": (2 * GiB, 4 * GiB, "GPU-2"),
-        "main@GPU-1": (1 * GiB, 0, "GPU-1"),
-    }
-    # Without a GPU count, the same usage is one unit, the sum over its GPUs.
-    (summed, _) = attribute_declared(s, owners, {"main": 8 * GiB, "helper": 8 * GiB}, {})
-    assert (summed.name, summed.used_bytes) == ("main", 9 * GiB)

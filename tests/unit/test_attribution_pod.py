@@ -1,19 +1,18 @@
-"""What a pod's units are held to (`declared_units`, `claimed_units`): the sidecar's rules,
-as pure functions of what its shell read on one tick."""
+"""What a pod's units are held to (`pod_units`, over what `owed` says each is owed): the
+sidecar's rules, as pure functions of what its shell read on one tick."""
 
 from decimal import Decimal
 
 from enforcer.core.attribution import (
     PodProcesses,
-    PodTerms,
     PodUnits,
-    claimed_units,
-    declared_units,
     pod_processes,
+    pod_units,
 )
 from enforcer.core.declaration import Declaration, Portion
 from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.model import GiB, ProcessKey, ProcessTotal, ProcessUsage, Sample
+from enforcer.core.owed import owed
 from enforcer.core.pod import ContainerRef
 from enforcer.core.units import POD_UNIT
 
@@ -35,8 +34,21 @@ def seen(*stranger: ProcessKey, inits: dict[str, ProcessTotal] | None = None) ->
     )
 
 
-def terms(**ceilings: int) -> PodTerms:
-    return PodTerms(Declaration({"trainer": 4 * GiB}, ceilings))
+def declared(**ceilings: int) -> Declaration:
+    return Declaration({"trainer": 4 * GiB}, ceilings)
+
+
+def held(
+    usage: Sample,
+    what: Declaration,
+    *,
+    lending: bool,
+    pod: PodProcesses | None = None,
+    claimed: Allocations | None = None,
+    allowed: bool = False,
+) -> PodUnits:
+    """The tick's units, as the sidecar (or the backstop) makes them."""
+    return pod_units(usage, pod or seen(), owed(what, claimed, None), allowed, lending)
 
 
 def limits(found: PodUnits) -> dict[str, int]:
@@ -45,15 +57,7 @@ def limits(found: PodUnits) -> dict[str, int]:
 
 def borrower(lending: bool) -> PodUnits:
     """A trainer that requests 4Gi and may borrow up to 12Gi, holding 3Gi."""
-    usage = sample((TRAINER, "GPU-0", 3 * GiB))
-    return declared_units(
-        usage,
-        seen(),
-        terms(trainer=12 * GiB),
-        {"trainer": 4 * GiB},
-        {"trainer": 12 * GiB},
-        lending=lending,
-    )
+    return held(sample((TRAINER, "GPU-0", 3 * GiB)), declared(trainer=12 * GiB), lending=lending)
 
 
 def test_a_container_that_may_borrow_is_held_to_its_ceiling_while_the_agent_lends() -> None:
@@ -63,84 +67,74 @@ def test_a_container_that_may_borrow_is_held_to_its_ceiling_while_the_agent_lend
 
 
 def test_a_container_that_may_borrow_is_held_to_its_request_while_the_agent_does_not_lend() -> None:
-    held = borrower(lending=False)
-    assert limits(held)["trainer"] == 4 * GiB
-    assert held.requests == {"trainer": 4 * GiB}  # still a borrower: a ceiling is declared
+    kept = borrower(lending=False)
+    assert limits(kept)["trainer"] == 4 * GiB
+    assert kept.requests == {"trainer": 4 * GiB}  # still a borrower: a ceiling is declared
 
 
 def test_a_container_that_declares_nothing_is_held_to_0_unless_undeclared_ones_are_allowed() -> (
     None
 ):
     usage = sample((HELPER, "GPU-0", GiB))
-    strict = declared_units(usage, seen(), terms(), {"trainer": 4 * GiB}, {}, lending=False)
+    strict = held(usage, declared(), lending=False)
     assert limits(strict) == {"trainer": 4 * GiB, "helper": 0}
-    allowed = PodTerms(Declaration({"trainer": 4 * GiB}), undeclared_allowed=True)
-    lax = declared_units(usage, seen(), allowed, {"trainer": 4 * GiB}, {}, lending=False)
+    lax = held(usage, declared(), lending=False, allowed=True)
     assert limits(lax) == {"trainer": 4 * GiB}
 
 
 def test_a_portion_not_counted_yet_is_not_checked_rather_than_held_to_0() -> None:
-    portion = PodTerms(
-        Declaration({"trainer": 4 * GiB}, portions={"helper": Portion(Decimal("0.5"))})
-    )
-    found = declared_units(
-        sample((HELPER, "GPU-0", 30 * GiB)),
-        seen(),
-        portion,
-        {"trainer": 4 * GiB},
-        {},
-        lending=False,
-    )
+    portion = Declaration({"trainer": 4 * GiB}, portions={"helper": Portion(Decimal("0.5"))})
+    found = held(sample((HELPER, "GPU-0", 30 * GiB)), portion, lending=False)
     assert "helper" not in limits(found)
 
 
 def test_a_container_spread_over_gpus_is_held_and_owed_per_gpu() -> None:
-    spread = PodTerms(Declaration({"trainer": 4 * GiB}, {"trainer": 8 * GiB}, gpus={"trainer": 2}))
-    usage = sample((TRAINER, "GPU-0", 3 * GiB), (TRAINER, "GPU-1", GiB))
-    found = declared_units(
-        usage, seen(), spread, {"trainer": 4 * GiB}, {"trainer": 8 * GiB}, lending=True
+    """KAI's gpu-fraction-num-devices: 2 gives the trainer one share (2Gi, up to 4Gi) on each
+    of the two GPUs where it holds most, never the sum on one; on a third GPU it is owed
+    nothing, and held to 0. The helper, not spread, keeps its sum over GPUs."""
+    spread = Declaration(
+        {"trainer": 4 * GiB, "helper": 8 * GiB}, {"trainer": 8 * GiB}, gpus={"trainer": 2}
     )
-    assert {n: b for n, b in limits(found).items() if "@" in n} == {
-        "trainer@GPU-0": 4 * GiB,
-        "trainer@GPU-1": 4 * GiB,
+    usage = sample(
+        (TRAINER, "GPU-0", 3 * GiB),
+        (TRAINER, "GPU-1", GiB),
+        (TRAINER, "GPU-2", 512 * 2**20),
+        (HELPER, "GPU-0", 3 * GiB),
+        (HELPER, "GPU-1", 3 * GiB),
+    )
+    found = held(usage, spread, lending=True)
+    assert {u.name: (u.used_bytes, u.limit_bytes, u.device_uuid) for u in found.units} == {
+        "trainer@GPU-0": (3 * GiB, 4 * GiB, "GPU-0"),
+        "trainer@GPU-1": (GiB, 4 * GiB, "GPU-1"),
+        "trainer@GPU-2": (512 * 2**20, 0, "GPU-2"),
+        "helper": (6 * GiB, 8 * GiB, None),
     }
     assert found.requests == {"trainer@GPU-0": 2 * GiB, "trainer@GPU-1": 2 * GiB}
+    # Held to its request while the agent does not lend: 2Gi on each, and 3Gi on one is over.
+    assert limits(held(usage, spread, lending=False))["trainer@GPU-0"] == 2 * GiB
 
 
 def test_an_unproven_process_puts_the_whole_pod_in_a_unit_that_is_never_signalled() -> None:
     usage = sample((TRAINER, "GPU-0", GiB), (STRANGER, "GPU-0", 2 * GiB))
-    found = declared_units(usage, seen(STRANGER), terms(), {"trainer": 4 * GiB}, {}, False)
+    found = held(usage, declared(), lending=False, pod=seen(STRANGER))
     pod = {u.name: u for u in found.units}[POD_UNIT]
     assert not pod.enforceable
     assert {p.key for p in pod.processes} == {TRAINER, STRANGER}
     assert pod.limit_bytes == 4 * GiB  # the sum of what the pod's containers are held to
-    proven = declared_units(usage, seen(), terms(), {"trainer": 4 * GiB}, {}, False)
+    proven = held(usage, declared(), lending=False)
     assert POD_UNIT not in limits(proven)
 
 
 def test_the_pods_unit_counts_the_ceilings_while_the_agent_lends() -> None:
     usage = sample((STRANGER, "GPU-0", GiB))
-    found = declared_units(
-        usage,
-        seen(STRANGER),
-        terms(trainer=12 * GiB),
-        {"trainer": 4 * GiB},
-        {"trainer": 12 * GiB},
-        lending=True,
-    )
+    found = held(usage, declared(trainer=12 * GiB), lending=True, pod=seen(STRANGER))
     assert limits(found)[POD_UNIT] == 12 * GiB
 
 
 def test_a_containers_init_is_named_on_its_unit() -> None:
     init = ProcessTotal(ProcessKey(7, 70), 0, (), "python train.py")
-    found = declared_units(
-        sample((TRAINER, "GPU-0", GiB)),
-        seen(inits={"trainer": init}),
-        terms(),
-        {"trainer": 4 * GiB},
-        {},
-        lending=False,
-    )
+    usage = sample((TRAINER, "GPU-0", GiB))
+    found = held(usage, declared(), lending=False, pod=seen(inits={"trainer": init}))
     units = {u.name: u for u in found.units}
     assert units["trainer"].init_process == init and units["helper"].init_process is None
 
@@ -149,28 +143,33 @@ def claim(limit: int, gpu: str = "GPU-0", *containers: str) -> Allocations:
     return Allocations((GpuUnit(gpu, containers or ("trainer",), limit, ()),))
 
 
+def in_dra_mode(**ceilings: int) -> Declaration:
+    """What a DRA pod's sidecar declares: the ceilings above its claims."""
+    return Declaration(ceilings=ceilings, claims=True)
+
+
 def test_with_dra_a_claim_is_raised_to_the_ceiling_only_while_the_agent_lends() -> None:
     usage = sample((TRAINER, "GPU-0", 3 * GiB))
-    lent = claimed_units(usage, seen(), terms(trainer=12 * GiB), claim(4 * GiB), lending=True)
+    lent = held(usage, in_dra_mode(trainer=12 * GiB), lending=True, claimed=claim(4 * GiB))
     assert limits(lent)["trainer@GPU-0"] == 12 * GiB
     assert lent.requests == {"trainer@GPU-0": 4 * GiB}
-    held = claimed_units(usage, seen(), terms(trainer=12 * GiB), claim(4 * GiB), lending=False)
-    assert (limits(held)["trainer@GPU-0"], held.requests) == (4 * GiB, {})
+    kept = held(usage, in_dra_mode(trainer=12 * GiB), lending=False, claimed=claim(4 * GiB))
+    assert (limits(kept)["trainer@GPU-0"], kept.requests) == (4 * GiB, {"trainer@GPU-0": 4 * GiB})
 
 
 def test_with_dra_usage_on_a_gpu_no_claim_gives_is_held_to_0() -> None:
     usage = sample((TRAINER, "GPU-1", GiB), (HELPER, "GPU-0", GiB))
-    found = claimed_units(usage, seen(), terms(), claim(4 * GiB), lending=False)
+    found = held(usage, in_dra_mode(), lending=False, claimed=claim(4 * GiB))
     assert limits(found) == {"trainer@GPU-0": 4 * GiB, "trainer@GPU-1": 0, "helper@GPU-0": 0}
-    allowed = PodTerms(Declaration({"trainer": 4 * GiB}), undeclared_allowed=True)
-    lax = claimed_units(usage, seen(), allowed, claim(4 * GiB), lending=False)
-    assert limits(lax) == {"trainer@GPU-0": 4 * GiB, "trainer@GPU-1": 0}  # trainer declared
+    lax = held(usage, in_dra_mode(), lending=False, claimed=claim(4 * GiB), allowed=True)
+    assert limits(lax) == {"trainer@GPU-0": 4 * GiB, "trainer@GPU-1": 0}  # trainer claims
 
 
 def test_with_dra_no_container_is_enforced_until_the_claims_are_read() -> None:
+    """Until then the sidecar has every container unresolved (`ContainerAttributor`)."""
     usage = sample((TRAINER, "GPU-0", 9 * GiB), (HELPER, "GPU-0", GiB))
-    everyone = PodTerms(Declaration({"trainer": 4 * GiB}), spec_containers=("trainer", "helper"))
-    found = claimed_units(usage, seen(), everyone, None, lending=True)
+    unread = Allocations(unresolved=frozenset({"trainer", "helper"}))
+    found = held(usage, in_dra_mode(), lending=True, claimed=unread)
     assert found.units == () and found.requests == {}
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 from typing import Any
 
 from enforcer.core.attribution import usage_by_container
-from enforcer.core.declaration import Declares, of_pod
-from enforcer.core.dra import DraSettings, allocations
+from enforcer.core.declaration import Declaration, Declares
+from enforcer.core.dra import DraObjects, DraSettings
 from enforcer.core.hard_limits import (
     EVIDENCE_BYTES,
     Target,
@@ -17,7 +17,7 @@ from enforcer.core.hard_limits import (
     targets,
 )
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
-from enforcer.core.owed import PodVram, pod_vram, pod_vram_from_claims
+from enforcer.core.owed import Claims, PodOwed, owed, pod_owed
 
 A, B = "a" * 64, "b" * 64
 UID = "6b5ab4a6-3e21-4b5d-9a5f-2b1c9d6e4f7a"
@@ -51,22 +51,39 @@ def pod(ceilings: dict[str, int] | None = None, **status: Any) -> dict[str, Any]
     }
 
 
-def vram(p: Any, resource: str = "vram-enforcer.io/vram") -> PodVram | None:
-    """The pod's hard limits, from what it declares as the agent reads it."""
-    return pod_vram(p, of_pod(p, Declares(resource, 1, "vram-enforcer"), opted_in={"ml"}))
+def vram(p: Any, resource: str = "vram-enforcer.io/vram") -> PodOwed:
+    """The pod as the agent's hard limiter reads it."""
+    return pod_owed(
+        p, Declares(resource, 1, "vram-enforcer"), opted_in={"ml"}, basis=None, claims=None
+    )
+
+
+def declared(
+    limits: dict[str, int],
+    ids: dict[str, str],
+    ceilings: dict[str, int] | None = None,
+    gpus: dict[str, int] | None = None,
+) -> PodOwed:
+    """A pod that declares `limits` (its requests), with the ceilings above them."""
+    what = Declaration(limits, ceilings or {}, gpus=gpus or {})
+    return PodOwed(UID, "ml", "train", ids, what, owed(what, None, None))
 
 
 def test_a_pods_declaration_and_current_container_ids() -> None:
     running = {"containerStatuses": [{"name": "trainer", "containerID": f"containerd://{A}"}]}
     got = vram(pod(**running))
-    assert got == PodVram(UID, "ml", "train", {"fetch": GiB, "trainer": 8 * GiB}, {"trainer": A})
-    assert got is not None and got.total == 9 * GiB
-    assert vram(pod(), "example.com/other") is None  # nothing of ours
-    assert vram({"spec": pod()["spec"]}) is None  # no uid
+    assert (got.uid, got.namespace, got.name, dict(got.ids)) == (UID, "ml", "train", {"trainer": A})
+    assert {str(o.unit): (o.request, o.ceiling) for o in got.owed.units} == {
+        "fetch": (GiB, GiB),
+        "trainer": (8 * GiB, 8 * GiB),
+    }
+    assert pod_limits(got, [H100]) == {"GPU-0": 9 * GiB}
+    assert vram(pod(), "example.com/other").owed.units == ()  # nothing of ours
+    assert targets([vram({"spec": pod()["spec"]})], {UID: "/k/pod"}, {}) == {}  # no uid
 
 
 def test_targets_are_the_pod_cgroup_and_the_cgroups_named_by_its_status() -> None:
-    p = PodVram(UID, "ml", "train", {"trainer": 8 * GiB, "fetch": GiB}, {"trainer": A})
+    p = declared({"trainer": 8 * GiB, "fetch": GiB}, {"trainer": A})
     # Before the pod's cgroup exists, nothing; then the pod's total at once.
     assert targets([p], {}, {}) == {}
     assert targets([p], {UID: "/k/pod"}, {}) == {
@@ -86,10 +103,10 @@ def test_a_container_that_may_borrow_is_held_to_its_ceiling_with_its_request_as_
     request. The hard limit is the ceiling, or the driver would refuse what the agent lends."""
     running = {"containerStatuses": [{"name": "trainer", "containerID": f"containerd://{A}"}]}
     got = vram(pod({"trainer": 20 * GiB}, **running))
-    assert got is not None
-    assert dict(got.limits) == {"fetch": GiB, "trainer": 20 * GiB}
-    assert dict(got.requests) == {"fetch": GiB, "trainer": 8 * GiB}
-    assert (got.total, got.requested) == (21 * GiB, 9 * GiB)
+    assert {str(o.unit): (o.request, o.ceiling) for o in got.owed.units} == {
+        "fetch": (GiB, GiB),
+        "trainer": (8 * GiB, 20 * GiB),
+    }
     found = targets([got], {UID: "/k/pod"}, {UID: {A: "/k/pod/a"}})
     assert found["/k/pod"].request_bytes == 9 * GiB and found["/k/pod"].limit_bytes == 21 * GiB
     assert found["/k/pod/a"] == Target(
@@ -98,27 +115,18 @@ def test_a_container_that_may_borrow_is_held_to_its_ceiling_with_its_request_as_
     # A ceiling not above the request borrows nothing: exactly what it was before.
     same = vram(pod({"trainer": 8 * GiB}, **running))
     assert same == vram(pod(**running))
-    assert same is not None and same.requested == 0
+    assert targets([same], {UID: "/k/pod"}, {})["/k/pod"].request_bytes == 0
 
 
 def test_a_limit_spread_over_gpus_is_one_share_on_each_gpu_never_the_sum() -> None:
     """KAI's gpu-fraction-num-devices: 2 gives trainer 4Gi on each of two GPUs (8Gi in
     all): the driver holds its cgroup to 4Gi on each GPU, and the pod's to 4Gi + 1Gi."""
-    p = PodVram(
-        UID, "ml", "train", {"trainer": 8 * GiB, "fetch": GiB}, {"trainer": A}, gpus={"trainer": 2}
-    )
-    assert (p.total, p.on_each_gpu("trainer")) == (5 * GiB, (4 * GiB, 4 * GiB))
+    p = declared({"trainer": 8 * GiB, "fetch": GiB}, {"trainer": A}, gpus={"trainer": 2})
     found = targets([p], {UID: "/k/pod"}, {UID: {A: "/k/pod/a"}})
     assert found["/k/pod"].limit_bytes == 5 * GiB
     assert found["/k/pod/a"] == Target("/k/pod/a", "ml", "train", UID, "trainer", 4 * GiB)
-    borrowing = PodVram(
-        UID,
-        "ml",
-        "train",
-        {"trainer": 16 * GiB},
-        {"trainer": A},
-        requests={"trainer": 8 * GiB},
-        gpus={"trainer": 2},
+    borrowing = declared(
+        {"trainer": 8 * GiB}, {"trainer": A}, {"trainer": 16 * GiB}, {"trainer": 2}
     )
     soft = targets([borrowing], {UID: "/k/pod"}, {UID: {A: "/k/pod/a"}})
     assert (soft["/k/pod/a"].limit_bytes, soft["/k/pod/a"].request_bytes) == (8 * GiB, 4 * GiB)
@@ -161,10 +169,22 @@ def test_dra_claims_become_hard_limits_on_the_allocated_gpu_only() -> None:
         json.loads((fixtures / f"{n}.json").read_text()) for n in ("pod", "claim", "slice")
     )
     dra_pod["status"]["containerStatuses"] = [{"name": "c", "containerID": f"containerd://{A}"}]
-    found = allocations(dra_pod, {claim["metadata"]["name"]: claim}, [slice_], DraSettings())
-    got = pod_vram_from_claims(dra_pod, found)
+    objects = DraObjects({claim["metadata"]["name"]: claim}, (slice_,))
+    dra = Declares("vram-enforcer.io/vram")
+
+    def read(ceilings: dict[str, int] | None = None, found: DraObjects = objects) -> PodOwed:
+        """The pod as the hard limiter reads it, the webhook's ceilings in its sidecar."""
+        env = [{"name": "VRAM_ENFORCER_LIMITS_FROM", "value": "dra"}]
+        if ceilings:
+            env.append({"name": "VRAM_ENFORCER_CEILINGS", "value": json.dumps(ceilings)})
+        dra_pod["spec"]["initContainers"] = [{"name": "vram-enforcer", "env": env}]
+        namespace = {dra_pod["metadata"]["namespace"]}
+        claims = Claims(found, DraSettings(), {})
+        return pod_owed(dra_pod, dra, opted_in=namespace, basis=None, claims=claims)
+
+    got = read()
     gpu0 = "GPU-00000000-aaaa-bbbb-cccc-000000000000"
-    assert got is not None and got.limits == {"c": 4 * GiB} and got.gpu_totals == {gpu0: 4 * GiB}
+    assert [(o.unit.gpu, o.ceiling) for o in got.owed.units] == [(gpu0, 4 * GiB)]
     devices = [Device(0, gpu0, "L4", 24 * GiB, 0), Device(1, "GPU-other", "L4", 24 * GiB, 0)]
     uid = dra_pod["metadata"]["uid"]
     wanted = targets([got], {uid: "/pod"}, {uid: {A: "/pod/a"}})
@@ -173,11 +193,11 @@ def test_dra_claims_become_hard_limits_on_the_allocated_gpu_only() -> None:
         (wanted["/pod/a"], gpu0, 4 * GiB),
     )
     assert pod_limits(got, devices) == {gpu0: 4 * GiB}  # what the VRAMHardLimit Event waits for
-    assert pod_vram_from_claims(dra_pod, allocations(dra_pod, {}, [slice_], DraSettings())) is None
+    assert read(found=DraObjects({}, (slice_,))).owed.units == ()  # its claim not read
     # With a ceiling (the sidecar's env, by container): the hard limit is the ceiling on the
     # claim's GPU, the soft limit the claim, for the container and its pod alike.
-    bursting = pod_vram_from_claims(dra_pod, found, {"c": 10 * GiB})
-    assert bursting is not None and pod_limits(bursting, devices) == {gpu0: 10 * GiB}
+    bursting = read({"c": 10 * GiB})
+    assert pod_limits(bursting, devices) == {gpu0: 10 * GiB}
     wanted = targets([bursting], {uid: "/pod"}, {uid: {A: "/pod/a"}})
     assert [(t.gpu_limits, t.request_bytes) for t in wanted.values()] == [
         (((gpu0, 10 * GiB),), 4 * GiB),

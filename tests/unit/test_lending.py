@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from enforcer.core.declaration import SIDECAR, Declares
 from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.lending import ELSEWHERE, Tenant, Tenants, decide, tenants
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.owed import PodOwed, owed, pod_owed
 from enforcer.core.payloads import Pod
 
 RES = "vram-enforcer.io/vram"
@@ -44,26 +46,43 @@ def pod(
     return {"metadata": meta, "spec": spec, "status": status}  # type: ignore[typeddict-item]
 
 
+def read(
+    pods: Iterable[Pod],
+    basis: int | None = None,
+    allocated: Mapping[str, Allocations] | None = None,
+) -> list[tuple[Pod, PodOwed]]:
+    """Each pod and what it is owed, as the lender reads them; with DRA, `allocated`: what
+    each pod's claims give it (by UID), as `dra.allocations` would have read them."""
+    found = []
+    for p in pods:
+        mine = pod_owed(p, Declares(RES), opted_in=OPTED_IN, basis=basis, claims=None)
+        given = (allocated or {}).get(p["metadata"]["uid"])
+        if given is not None:
+            mine = dataclasses.replace(mine, owed=owed(mine.declared, given, basis))
+        found.append((p, mine))
+    return found
+
+
 def test_each_declaring_container_is_a_tenant_with_its_request_ceiling_and_priority() -> None:
     found = tenants(
-        [
-            pod("a", "ml", "4Gi", "a" * 64, ceiling=16 * GiB, priority=100),
-            pod("b", "ml", "8Gi", "b" * 64),
-            pod("cpu", "ml", None, "c" * 64),  # declares nothing: not a tenant
-            # A ceiling below the request (not the webhook's) lends nothing.
-            pod("d", "web", "8Gi", "d" * 64, ceiling=GiB),
-            # Malformed: no borrowing, never an error.
-            pod(
-                "e",
-                "web",
-                "1Gi",
-                "e" * 64,
-                sidecar_env=[{"name": "VRAM_ENFORCER_CEILINGS", "value": "{oops"}],
-            ),
-        ],
-        Declares(RES),
-        None,
-        opted_in=OPTED_IN,
+        read(
+            [
+                pod("a", "ml", "4Gi", "a" * 64, ceiling=16 * GiB, priority=100),
+                pod("b", "ml", "8Gi", "b" * 64),
+                pod("cpu", "ml", None, "c" * 64),  # declares nothing: not a tenant
+                # A ceiling below the request (not the webhook's) lends nothing.
+                pod("d", "web", "8Gi", "d" * 64, ceiling=GiB),
+                # Malformed: no borrowing, never an error.
+                pod(
+                    "e",
+                    "web",
+                    "1Gi",
+                    "e" * 64,
+                    sidecar_env=[{"name": "VRAM_ENFORCER_CEILINGS", "value": "{oops"}],
+                ),
+            ]
+        ),
+        {},
     ).all
     assert found == (
         Tenant("ml/a/c", "ml", 4 * GiB, 16 * GiB, 100, frozenset({"a" * 64})),
@@ -153,13 +172,13 @@ def test_a_ceiling_is_read_from_the_sidecars_environment_never_from_an_annotatio
     sidecar's environment cannot: the webhook wrote it there."""
     patched = pod("a", "ml", "4Gi", "a" * 64)
     patched["metadata"]["annotations"] = {"vram-enforcer.io/vram-ceiling": "80Gi"}
-    assert tenants([patched], Declares(RES), None, opted_in=OPTED_IN).all[0].ceiling == 4 * GiB
+    assert tenants(read([patched]), {}).all[0].ceiling == 4 * GiB
     # Only the container named as our sidecar counts, not a look-alike of the workload's.
     other = pod("b", "ml", "4Gi", "b" * 64)
     other["spec"]["containers"][0]["env"] = [
         {"name": "VRAM_ENFORCER_CEILINGS", "value": json.dumps({"c": 80 * GiB})}
     ]
-    assert tenants([other], Declares(RES), None, opted_in=OPTED_IN).all[0].ceiling == 4 * GiB
+    assert tenants(read([other]), {}).all[0].ceiling == 4 * GiB
 
 
 def test_a_kai_fraction_is_a_tenant_once_its_gpus_memory_is_known() -> None:
@@ -173,11 +192,11 @@ def test_a_kai_fraction_is_a_tenant_once_its_gpus_memory_is_known() -> None:
         },
     ]
     kai = pod("k", "ml", None, "f" * 64, sidecar_env=frozen)
-    assert tenants([kai], Declares(RES), 80 * GiB, opted_in=OPTED_IN).all == (
+    assert tenants(read([kai], 80 * GiB), {}).all == (
         tenant("ml/k/c", 20 * GiB, 40 * GiB, "f" * 64),
     )
     # Not counted before a GPU is known.
-    assert tenants([kai], Declares(RES), None, opted_in=OPTED_IN).all == ()
+    assert tenants(read([kai]), {}).all == ()
 
 
 def test_a_pod_whose_declaration_cannot_be_read_is_its_own_loss_and_is_said() -> None:
@@ -191,15 +210,16 @@ def test_a_pod_whose_declaration_cannot_be_read_is_its_own_loss_and_is_said() ->
     ]
     spoiled = [{"name": "VRAM_ENFORCER_CEILINGS", "value": "[" * 100_000}]
     found = tenants(
-        [
-            pod("a", "ml", "4Gi", "a" * 64, ceiling=16 * GiB),
-            pod("deep", "x", None, "d" * 64, sidecar_env=deep),
-            pod("huge", "x", None, "e" * 64, sidecar_env=huge),
-            pod("spoiled", "x", "2Gi", "f" * 64, sidecar_env=spoiled),
-        ],
-        Declares(RES),
-        80 * GiB,
-        opted_in=OPTED_IN,
+        read(
+            [
+                pod("a", "ml", "4Gi", "a" * 64, ceiling=16 * GiB),
+                pod("deep", "x", None, "d" * 64, sidecar_env=deep),
+                pod("huge", "x", None, "e" * 64, sidecar_env=huge),
+                pod("spoiled", "x", "2Gi", "f" * 64, sidecar_env=spoiled),
+            ],
+            80 * GiB,
+        ),
+        {},
     )
     assert found.all == (
         tenant("ml/a/c", 4 * GiB, 16 * GiB, "a" * 64),
@@ -249,7 +269,7 @@ def test_each_dra_allocation_is_a_tenant_on_its_gpu_started_or_not() -> None:
         "uid-new": on("GPU-0", 16 * GiB, "c"),
         "uid-wide": wide,
     }
-    assert tenants(pods, Declares(RES), None, allocated, opted_in=OPTED_IN).all == (
+    assert tenants(read(pods, None, allocated), {}).all == (
         Tenant(
             "ml/burst/c@GPU-0", "ml", 4 * GiB, 24 * GiB, 0, frozenset({"a" * 64}), "GPU-0", True
         ),
@@ -259,10 +279,10 @@ def test_each_dra_allocation_is_a_tenant_on_its_gpu_started_or_not() -> None:
         Tenant("ml/wide/c@GPU-1", "ml", 4 * GiB, 4 * GiB, 0, frozenset({"d" * 64}), "GPU-1", True),
     )
     # Claims not read yet: nobody.
-    assert tenants(pods, Declares(RES), None, opted_in=OPTED_IN).all == ()
+    assert tenants(read(pods), {}).all == ()
     # A pod that has finished is owed nothing, whatever its claims were last read to hold.
     pods[1]["status"] = {"phase": "Succeeded"}
-    found = tenants(pods, Declares(RES), None, allocated, opted_in=OPTED_IN)
+    found = tenants(read(pods, None, allocated), {})
     assert [t.unit for t in found.all] == [
         "ml/burst/c@GPU-0",
         "ml/wide/c@GPU-0",
@@ -309,11 +329,11 @@ def test_a_container_the_kubelet_gave_a_gpu_is_owed_its_request_there_before_it_
     seen = Sample(1.0, (Device(0, "GPU-0", "H100", 40 * GiB, 26 * GiB),), (usage(1, 26),))
     containers = {ProcessKey(1, 1): "a" * 64}
     # Without the kubelet's word, the newcomer uses no GPU yet and is owed nothing anywhere.
-    unknown = tenants([borrower, newcomer], Declares(RES), None, opted_in=OPTED_IN)
+    unknown = tenants(read([borrower, newcomer]), {})
     assert [t.unit for t in unknown.all] == ["ml/b/c"]
     assert decide(seen, containers, unknown, 2 * GiB).reclaims == {}
     gave = {("ml", "n", "c"): "GPU-0", ("ml", "b", "c"): "GPU-0"}
-    known = tenants([borrower, newcomer], Declares(RES), None, None, gave, opted_in=OPTED_IN)
+    known = tenants(read([borrower, newcomer]), gave)
     assert known.all[1] == Tenant("ml/n/c", "ml", 16 * GiB, 16 * GiB, 0, frozenset(), "GPU-0")
     (asked,) = decide(seen, containers, known, 2 * GiB).reclaims.values()
     assert (asked.owed_to, asked.shortfall, asked.victim.borrowed) == (

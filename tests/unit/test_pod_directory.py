@@ -27,7 +27,7 @@ from enforcer.core.declaration import (
 from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names, container_claims
 from enforcer.core.lending import tenants
 from enforcer.core.model import Action, GiB, MiB
-from enforcer.core.owed import pod_vram, pod_vram_from_claims
+from enforcer.core.owed import Claims, pod_owed
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import containers_by_id, json_map, json_maps, others_finished, spec_field_of
 from enforcer.core.pod_directory import DraRead, directory, event_about, kept
@@ -239,11 +239,13 @@ def readings(pod: Pod) -> dict[str, object]:
         for k in ("initContainers", "containers", "ephemeralContainers")
         for c in json_maps(spec.get(k))
     } | {"nobody"}
-    found = allocations(pod, DRA.claims, DRA.slices, DraSettings())
+    found = allocations(pod, DRA.claims, DRA.slices, DraSettings(), {})
     opted_in = {str(meta.get("namespace"))}  # its sidecar's environment is read
     declaration = of_pod(pod, Declares(RES), opted_in=opted_in)
     ceilings = dra_ceilings(declaration)
-    uid = str(meta.get("uid") or "")
+    claims = Claims(DRA, DraSettings(), {})
+    owed = pod_owed(pod, Declares(RES), opted_in=opted_in, basis=BASIS, claims=None)
+    from_claims = pod_owed(pod, Declares(RES), opted_in=opted_in, basis=BASIS, claims=claims)
     return {
         # every reply, Event and signal: which container a process is in, and where it is
         "containers": containers_by_id(pod),
@@ -253,12 +255,12 @@ def readings(pod: Pod) -> dict[str, object]:
         "finished": {n: others_finished(pod, n) for n in sorted(names)},
         # the limits: the hard limiter, the lender, the backstop (with its policy)
         "declaration": declaration,
-        "vram": pod_vram(pod, declaration, BASIS),
+        "vram": owed,
         "dra_ceilings": ceilings,
         "policy": policy_of(sidecar_env(pod, SIDECAR)),
         "claims": (claim_names(pod), container_claims(pod), found),
-        "from_claims": pod_vram_from_claims(pod, found, ceilings),
-        "tenants": tenants([pod], Declares(RES), BASIS, {uid: found}, opted_in=opted_in).all,
+        "from_claims": from_claims,
+        "tenants": tenants([(pod, from_claims)], {}).all,
         # the sidecar watch
         "presence": (guarded(pod), sidecar_id(pod), reachable(pod)),
         # read in the modes themselves: what changed (the limiter, the claim cache), whether
@@ -303,11 +305,13 @@ def test_the_pods_reach_every_reader() -> None:
     assert cast(PolicyConfig, got["declared"]["policy"]).action is Action.KILL
     units = [t.unit for t in cast(tuple[Any, ...], got["declared"]["tenants"])]
     assert units == ["ml/train/trainer"]
-    assert cast(Any, got["declared"]["vram"]).requests == {"trainer": 8 * GiB}
+    (trainer,) = cast(Any, got["declared"]["vram"]).owed.units
+    assert (str(trainer.unit), trainer.request) == ("trainer", 8 * GiB)
     assert got["kai"]["finished"] == {SIDECAR: True, "nobody": False, "trainer": False}
-    assert cast(Any, got["kai"]["vram"]).limits == {"trainer": int(0.8 * BASIS // MiB) * MiB}
+    (kai,) = cast(Any, got["kai"]["vram"]).owed.units
+    assert kai.ceiling == int(0.8 * BASIS // MiB) * MiB
     assert cast(Any, got["dra"]["claims"])[2].units and got["dra"]["dra_ceilings"] == {"c": 8 * GiB}
-    assert cast(Any, got["dra"]["from_claims"]).gpu_totals
+    assert cast(Any, got["dra"]["from_claims"]).owed.claimed
     assert "differs from limits" in str(got["refused"]["declaration"])
 
 

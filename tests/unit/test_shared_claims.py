@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from enforcer.core.declaration import SIDECAR, Declares
 from enforcer.core.dra import Allocations, DraObjects, DraSettings, allocations, claim_users
 from enforcer.core.hard_limits import targets
-from enforcer.core.lending import tenants
+from enforcer.core.lending import Tenant, tenants
 from enforcer.core.model import GiB
-from enforcer.core.owed import pod_vram_from_claims
+from enforcer.core.owed import PodOwed, node_claims, pod_owed
 from enforcer.core.payloads import Pod
 
 SLICE = json.loads(
@@ -81,20 +81,28 @@ def by_name(*claims: Doc) -> dict[str, Doc]:
     return {c["metadata"]["name"]: c for c in claims}
 
 
-def node(pods: list[Pod], reads: dict[str, list[Doc]]) -> dict[str, Allocations]:
-    """What the agent makes of its node: each pod's allocations (by UID), from each pod's
-    own read of its claims (`reads`, by pod name) and the node's pods."""
-    objects = {name: DraObjects(by_name(*read), (SLICE,)) for name, read in reads.items()}
-    users = claim_users(pods, objects.values())
-    found = {}
-    for p in pods:
-        read = objects[p["metadata"]["name"]]
-        found[p["metadata"]["uid"]] = allocations(p, read.claims, read.slices, NVIDIA, users)
-    return found
+def node(pods: list[Pod], reads: dict[str, list[Doc]]) -> dict[str, PodOwed]:
+    """What the agent makes of its node: what each pod is owed (by UID), from each pod's own
+    read of its claims (`reads`, by pod name) and the node's pods."""
+    objects = {uid(name): DraObjects(by_name(*read), (SLICE,)) for name, read in reads.items()}
+    claims = node_claims(pods, objects, NVIDIA)
+    return {
+        p["metadata"]["uid"]: pod_owed(
+            p, Declares(RES), opted_in={"ml"}, basis=None, claims=claims[p["metadata"]["uid"]]
+        )
+        for p in pods
+    }
 
 
-def limits(found: Allocations) -> list[int]:
+def limits(found: Allocations | PodOwed) -> list[int]:
+    if isinstance(found, PodOwed):
+        return [o.ceiling for o in found.owed.units]
     return [u.limit_bytes for u in found.units]
+
+
+def lent(pods: list[Pod], found: dict[str, PodOwed]) -> tuple[Tenant, ...]:
+    """The lender's tenants of the node."""
+    return tenants([(p, found[p["metadata"]["uid"]]) for p in pods], {}).all
 
 
 def test_four_pods_that_reserve_one_claim_are_owed_its_allocation_once() -> None:
@@ -104,16 +112,15 @@ def test_four_pods_that_reserve_one_claim_are_owed_its_allocation_once() -> None
     shared = claim("shared", 10 * GiB, *names)
     pods = [pod(n, "shared") for n in names]
     found = node(pods, {n: [shared] for n in names})
-    owed = tenants(pods, Declares(RES), None, found, opted_in={"ml"}).all
+    owed = lent(pods, found)
     assert [t.request for t in owed] == [10 * GiB // 4] * 4
     assert sum(t.request for t in owed) == 10 * GiB
-    cgroups = [pod_vram_from_claims(p, found[p["metadata"]["uid"]]) for p in pods]
-    assert [v.gpu_totals for v in cgroups if v is not None] == [{GPUS["gpu-0"]: 10 * GiB // 4}] * 4
     dirs = {uid(n): f"/k/pod-{n}" for n in names}
-    each = targets([v for v in cgroups if v is not None], dirs, {})
+    each = targets(found.values(), dirs, {})
+    assert [t.gpu_limits for t in each.values()] == [((GPUS["gpu-0"], 10 * GiB // 4),)] * 4
     assert sum(limit for t in each.values() for _, limit in t.gpu_limits) == 10 * GiB
     # The sidecar reads its own pod's claim alone: reservedFor is enough to say the same.
-    alone = allocations(pods[0], by_name(shared), [SLICE], NVIDIA)
+    alone = allocations(pods[0], by_name(shared), [SLICE], NVIDIA, {})
     assert limits(alone) == [10 * GiB // 4]
     (why,) = alone.problems
     assert "'shared' is used by 4 pods" in why and "1/4 of it, 2.50 GiB of 10.00 GiB" in why
@@ -122,9 +129,9 @@ def test_four_pods_that_reserve_one_claim_are_owed_its_allocation_once() -> None
 def test_a_claim_reserved_by_one_pod_is_unchanged() -> None:
     mine = claim("mine", 10 * GiB, "a")
     found = node([pod("a", "mine")], {"a": [mine]})[uid("a")]
-    assert limits(found) == [10 * GiB] and found.problems == ()
+    assert limits(found) == [10 * GiB] and found.owed.problems == ()
     # A read made before its reservation (the pod is not listed yet) counts the pod too.
-    early = allocations(pod("a", "mine"), by_name(claim("mine", GiB)), [SLICE], NVIDIA)
+    early = allocations(pod("a", "mine"), by_name(claim("mine", GiB)), [SLICE], NVIDIA, {})
     assert limits(early) == [GiB]
 
 
@@ -136,8 +143,7 @@ def test_pods_of_the_claim_that_are_not_on_this_node_still_count() -> None:
     pods = [pod("a", "shared"), pod("b", "shared")]
     found = node(pods, {"a": [shared], "b": [shared]})
     assert [limits(f) for f in found.values()] == [[2 * GiB], [2 * GiB]]
-    owed = tenants(pods, Declares(RES), None, found, opted_in={"ml"}).all
-    assert sum(t.request for t in owed) == 4 * GiB
+    assert sum(t.request for t in lent(pods, found)) == 4 * GiB
 
 
 def test_the_node_joins_reads_of_different_ages_and_its_own_pods() -> None:
@@ -164,7 +170,7 @@ def test_a_claim_reserved_for_something_other_than_pods_is_held_to_zero() -> Non
     odd["status"]["reservedFor"] = [
         {"apiGroup": "scheduling.k8s.io", "resource": "workloads", "name": "w", "uid": "w1"}
     ]
-    found = allocations(pod("a", "odd"), {"odd": odd}, [SLICE], NVIDIA)
+    found = allocations(pod("a", "odd"), {"odd": odd}, [SLICE], NVIDIA, {})
     assert limits(found) == [0] and found.unresolved == frozenset()
     assert "reserved for something other than pods" in found.problems[0]
 
@@ -202,16 +208,16 @@ def test_what_a_node_owes_on_a_gpu_never_exceeds_what_was_placed_there(
     pods, reads, placed = drawn
     found = node(pods, reads)
     owed: dict[str, int] = {}
-    for t in tenants(pods, Declares(RES), None, found, opted_in={"ml"}).all:
+    for t in lent(pods, found):
         assert t.gpu is not None
         owed[t.gpu] = owed.get(t.gpu, 0) + t.request
     assert all(owed[gpu] <= placed[gpu] for gpu in owed)
     # The pod cgroups' hard limits, of the pods that may still run (a finished one holds
     # nothing, and no longer counts as a user unless its reservation is still there).
     held: dict[str, int] = {}
-    for p in pods:
-        vram = pod_vram_from_claims(p, found[p["metadata"]["uid"]])
-        if vram is not None and p["status"]["phase"] != "Succeeded":
-            for gpu, limit in vram.gpu_totals.items():
-                held[gpu] = held.get(gpu, 0) + limit
+    running = [found[p["metadata"]["uid"]] for p in pods if p["status"]["phase"] != "Succeeded"]
+    dirs = {p.uid: f"/k/pod-{p.name}" for p in running}
+    for target in targets(running, dirs, {}).values():
+        for gpu, limit in target.gpu_limits:
+            held[gpu] = held.get(gpu, 0) + limit
     assert all(held[gpu] <= placed[gpu] for gpu in held)
