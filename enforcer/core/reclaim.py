@@ -24,10 +24,11 @@ victim while the first exits.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from enforcer.core.model import Device, GiB, UnitUsage
+from enforcer.core.units import Unit
 
 # The default watermark: what a container within its request may still allocate before a
 # reclaim is seen. Sampling every 100 ms sees a crossing within 100 ms at p99 (docs/
@@ -205,3 +206,24 @@ def reclaims(gpus: Iterable[Gpu], watermark: int = DEFAULT_WATERMARK) -> dict[st
         for reclaim in plan(gpu, watermark).reclaims:
             chosen.setdefault(reclaim.victim.unit, reclaim)
     return chosen
+
+
+def asked(
+    gpus: Iterable[Gpu], reclaims: Mapping[str, Reclaim], container: Callable[[str], str | None]
+) -> dict[str, Reclaim]:
+    """What the agent asks of one pod's units: each of its reclaims (by the ID of the
+    victim's container; `container` names the pod's container of an ID, None for none of
+    its own) for the unit of that container that, in the pod's own view of the tick
+    (`gpus`), holds more than its request on the reclaim's GPU. Whoever carries it out (the
+    pod's sidecar, or the agent's backstop while it is silent) acts only where its own view
+    agrees: a sample between the two never makes a unit at or under its request stop."""
+    lending = {
+        (Unit.of(s.unit).containers, g.uuid): s.unit for g in gpus for s in g.shares if s.borrowed
+    }
+    found: dict[str, Reclaim] = {}
+    for cid, reclaim in reclaims.items():
+        name = container(cid)
+        unit = lending.get(((name,), reclaim.gpu)) if name is not None else None
+        if unit is not None:
+            found.setdefault(unit, reclaim)
+    return found

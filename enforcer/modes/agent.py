@@ -200,10 +200,10 @@ class Sampler(threading.Thread):
             # Each process's container, built once per pass, by the first that needs it.
             containers = functools.cache(self._tenants.containers)
             steps = self._steps
-            if steps.lender is not None:  # None (its pass failed): no lending is published
+            if steps.lender is not None:  # None: no lending is published (`Lender`)
                 lending = steps.lender(sample, containers)
-            if steps.backstop is not None:
-                steps.backstop(sample, containers)
+            if steps.backstop is not None:  # a silent pod's borrowers, held as told its sidecar
+                steps.backstop(sample, containers, lending)
             if steps.keeps_usage:
                 self._passes.container_usage.set(usage_by_container(sample, containers()))
             self._passes.last.set((sample, containers))

@@ -5,12 +5,15 @@ which sees every GPU process of its node with its container (by the process's cg
 then runs the sidecar's own tick for that pod from its sampler's pass: the same pipeline
 and policy, with the action, grace period and warning threshold that the webhook wrote
 into the sidecar's environment (the sidecar's defaults on a pod of a namespace that has not
-opted in, where the webhook wrote none); the same units, owed what the sidecar's are
+opted in, where the webhook wrote none); the same units, held as the sidecar holds them
 (`owed.owed`, `attribution.pod_units`: with DRA from the claims the agent last read for the
-pod's replies, never read here, since the sampler does not wait on the API), except that a
-container that may borrow is held to its request, since borrowing needs a sidecar to give
-memory back; the same proof before each signal (a pidfd, the process's start time, and
-its cgroup naming the container's ID in the pod's current status); and Events on the pod.
+pod's replies, never read here, since the sampler does not wait on the API): a container
+that may borrow to its ceiling while the agent lends, and to its request on a GPU only
+where this pass's lending asks it to give back there (`reclaim.asked`), its largest process
+there stopped as its sidecar would, a `VRAMReclaimed`; so a sidecar that hangs up costs its
+borrowers nothing while their GPU has room. The same proof before each signal (a pidfd,
+the process's start time, and its cgroup naming the container's ID in the pod's current
+status); and Events on the pod.
 Where the kernel refuses a signal all the same (EPERM: a security module, or an agent
 without CAP_KILL; not a user-namespaced pod, whose namespace is a child of the agent's), the
 pod is evicted through the API instead, once while it is held, as the kubelet
@@ -40,6 +43,7 @@ from enforcer.core.declaration import (
 )
 from enforcer.core.dra import claim_names
 from enforcer.core.eviction import evicted, to_evict
+from enforcer.core.lending import Lending
 from enforcer.core.model import (
     Action,
     ProcessKey,
@@ -55,6 +59,7 @@ from enforcer.core.parsing import ConfigError
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import ContainerRef, containers_by_id, pod_reference
 from enforcer.core.policy import Enforcement, PolicyConfig
+from enforcer.core.reclaim import Gpu, Reclaim, asked
 from enforcer.core.settings import resolve
 from enforcer.core.settings.sidecar import POLICY
 from enforcer.core.units import Unit, of_sole_container
@@ -108,10 +113,22 @@ class Backstop:
         self._releasing: dict[str, _Held] = {}
         self._guard = LoopGuard("backstop", telemetry.unexpected.labels("backstop"), log)
 
-    def __call__(self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]) -> None:
-        self._guard.run(lambda: self._pass(sample, containers))
+    def __call__(
+        self,
+        sample: Sample,
+        containers: Callable[[], Mapping[ProcessKey, str]],
+        lending: Lending | None,
+    ) -> None:
+        """`lending`: this pass's, as the sidecars are told it (None: the agent does not
+        lend, and a container that may borrow is held to its request)."""
+        self._guard.run(lambda: self._pass(sample, containers, lending))
 
-    def _pass(self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]) -> None:
+    def _pass(
+        self,
+        sample: Sample,
+        containers: Callable[[], Mapping[ProcessKey, str]],
+        lending: Lending | None,
+    ) -> None:
         trusted = self._opted_in()
         if trusted is None:
             return  # which pods' declarations can be read is not known yet: nobody is held
@@ -130,7 +147,7 @@ class Backstop:
             held = held or self._hold(pods, uid, sample, trusted)
             if held is not None:
                 self._held[uid] = held
-                held.tick(pods[uid], sample, container_of)
+                held.tick(pods[uid], sample, container_of, lending)
         for uid, held in list(self._releasing.items()):
             if not held.follow_victims():
                 del self._releasing[uid]
@@ -249,14 +266,29 @@ class _Held:
         self._about = about
         self._evict = evict
         self._evicted = False  # once while the pod is held, not on every pass
+        self._asked: Mapping[str, Reclaim] = {}  # this pass's reclaims, by container ID
         reporters: list[Reporter] = [LogReporter(), _PodEvents(recorder, about, self._attributor)]
         self._pipeline = Pipeline(
-            self._source, self._attributor, policy, self._terminator, reporters, telemetry
+            self._source,
+            self._attributor,
+            policy,
+            self._terminator,
+            reporters,
+            telemetry,
+            requests=lambda: self._attributor.requests,
+            reclaimer=self._reclaims,
         )
 
-    def tick(self, pod: Pod, sample: Sample, container_of: Mapping[ProcessKey, str]) -> None:
+    def tick(
+        self,
+        pod: Pod,
+        sample: Sample,
+        container_of: Mapping[ProcessKey, str],
+        lending: Lending | None,
+    ) -> None:
         self._source.sample_now = sample
-        self._attributor.update(pod, container_of)
+        self._asked = lending.reclaims if lending is not None else {}
+        self._attributor.update(pod, container_of, lending is not None)
         self._pipeline.tick()
         if self._evict is None or self._evicted:
             return
@@ -265,6 +297,10 @@ class _Held:
             self._evicted = True
             about = pod_reference(*self._about, self._attributor.ref(unit.name))
             self._evict(about, evicted(unit, self._attributor.label(unit.name)))
+
+    def _reclaims(self, gpus: tuple[Gpu, ...], /) -> dict[str, Reclaim]:
+        """What this pass's lending asks of the pod's units, as its sidecar would take it."""
+        return asked(gpus, self._asked, self._attributor.container)
 
     def follow_victims(self) -> bool:
         """Once the pod is handed back: escalate, or forget, the victims already signalled,
@@ -308,8 +344,8 @@ class SilentPodAttributor:
     agent reads it for every GPU process of the node; only IDs in the pod's own current
     status count, and the sidecar's container is never one of its units. Its units, and
     what each is held to, are its sidecar's (`attribution.pod_units` over what the pod is
-    owed: a container that declares nothing held to 0), except that a unit that may borrow
-    is held to its request: the agent that would lend is the one holding it."""
+    owed): a container that declares nothing held to 0; a unit that may borrow held to its
+    ceiling while the agent lends (`lends`), else to its request."""
 
     def __init__(
         self,
@@ -327,26 +363,33 @@ class SilentPodAttributor:
         self._ids: dict[str, str] = {}  # container name -> its container ID now
         self._refs: dict[str, ContainerRef] = {}
         self._container_of: Mapping[ProcessKey, str] = {}
+        self._lends = False
         # Unit -> its request, for those that may borrow above it (as of the last tick).
         self.requests: dict[str, int] = {}
 
-    def update(self, pod: Pod, container_of: Mapping[ProcessKey, str]) -> None:
+    def update(self, pod: Pod, container_of: Mapping[ProcessKey, str], lends: bool) -> None:
+        """This pass's pod, each GPU process's container ID, and whether the agent lends."""
         by_id = {cid: r for cid, r in containers_by_id(pod).items() if r.name != self._sidecar}
         self._ids = {ref.name: cid for cid, ref in by_id.items()}
         self._refs = {ref.name: ref for ref in by_id.values()}
         self._container_of = container_of
+        self._lends = lends
 
     def attribute(self, sample: Sample) -> tuple[UnitUsage, ...]:
         name_of = {cid: name for name, cid in self._ids.items()}
         unit_of = {k: name_of[c] for k, c in self._container_of.items() if c in name_of}
         seen = PodProcesses(dict.fromkeys(unit_of, ""), unit_of, tuple(self._refs.values()))
-        found = pod_units(sample, seen, self._owed, False, lending=False)
+        found = pod_units(sample, seen, self._owed, False, self._lends)
         units, self.requests = found.units, found.requests
         self._tick_inits = None
         if self._want_init and any(u.used_bytes > u.limit_bytes for u in units):
             inits = self._tick_inits = self._inits()  # only when one is over
             units = tuple(replace(u, init_process=of_sole_container(u.name, inits)) for u in units)
         return units
+
+    def container(self, container_id: str) -> str | None:
+        """The pod's container that runs as `container_id` now; None for none of its own."""
+        return next((name for name, cid in self._ids.items() if cid == container_id), None)
 
     def _inits(self) -> dict[str, ProcessTotal]:
         """Each container's init, as the host sees it: a process of the container whose

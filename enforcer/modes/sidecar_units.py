@@ -35,7 +35,7 @@ from enforcer.core.pod import (
     containers_by_id,
     sole_container,
 )
-from enforcer.core.reclaim import Gpu, Reclaim
+from enforcer.core.reclaim import Gpu, Reclaim, asked
 from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.core.units import Unit, of_sole_container
 from enforcer.edge.agent_link import AgentLink
@@ -307,31 +307,16 @@ class ContainerAttributor:
 
 
 class AgentReclaims:
-    """What the node agent asks this pod to give back, as the pipeline's reclaimer. The
-    agent alone sees every pod on a GPU, so it decides; the sidecar, which may signal in
-    its pod, carries it out, and only where its own view of the tick agrees that the
-    container holds more than its request on that GPU (a sample between the two never
-    makes it stop a container at or under its request)."""
+    """What the node agent asks this pod to give back, as the pipeline's reclaimer
+    (`reclaim.asked`). The agent alone sees every pod on a GPU, so it decides; the sidecar,
+    which may signal in its pod, carries it out."""
 
     def __init__(self, link: AgentLink, attributor: ContainerAttributor) -> None:
         self._link = link
         self._attributor = attributor
 
     def __call__(self, gpus: tuple[Gpu, ...], /) -> dict[str, Reclaim]:
-        # (the unit's one container, GPU) -> the unit: `trainer`, or with DRA `trainer@GPU-...`
-        lending = {
-            (Unit.of(s.unit).containers, g.uuid): s.unit
-            for g in gpus
-            for s in g.shares
-            if s.borrowed
-        }
-        asked: dict[str, Reclaim] = {}
-        for cid, reclaim in self._link.reclaims.items():
-            name = self._attributor.container(cid)
-            unit = lending.get(((name,), reclaim.gpu)) if name is not None else None
-            if unit is not None:
-                asked.setdefault(unit, reclaim)
-        return asked
+        return asked(gpus, self._link.reclaims, self._attributor.container)
 
 
 def portions_text(portions: Mapping[str, Portion]) -> str:

@@ -11,20 +11,28 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
 from enforcer.core.declaration import Declaration, Declares
 from enforcer.core.dra import Allocations, GpuUnit
-from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample, UnitUsage
+from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample, UnitUsage
 from enforcer.core.owed import owed
 from enforcer.core.payloads import Pod
 from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.nvml_source import NvmlSource
 from enforcer.edge.procfs import ProcFs
+from enforcer.edge.tenants import TenantCache
+from enforcer.edge.usage_server import ServerMetrics, UsageServer
+from enforcer.modes.agent import Passes, PodSteps, Sampler
 from enforcer.modes.backstop import Backstop, SilentPodAttributor
+from enforcer.modes.lender import Lender
 from enforcer.modes.node_view import NodeView
 from tests.helpers import children, wait_for
 from tests.pods_api import serving
@@ -89,7 +97,7 @@ def test_the_init_is_the_oldest_process_of_the_container_whose_parent_is_outside
         }
         declared = owed(Declaration({"trainer": GiB}), None, None)
         attributor = SilentPodAttributor(procfs, declared, "vram-enforcer", want_init=True)
-        attributor.update(pod, {})  # type: ignore[arg-type]
+        attributor.update(pod, {}, lends=False)  # type: ignore[arg-type]
         # No cgroupfs here: the init is found by a scan of /proc on a thread of its own
         # (tests/integration/test_container_inits.py), for a later look.
         whole = wait_for(
@@ -122,7 +130,7 @@ def test_a_share_spread_over_gpus_is_held_on_each_gpu_never_summed_on_one(
         }
         declared = owed(Declaration({"trainer": 8 * GiB}, gpus={"trainer": 2}), None, None)
         attributor = SilentPodAttributor(ProcFs(), declared, "vram-enforcer", want_init=False)
-        attributor.update(pod, {key: CID})  # type: ignore[arg-type]
+        attributor.update(pod, {key: CID}, lends=False)  # type: ignore[arg-type]
         on_one = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 6 * GiB),))
         units = {u.name: (u.used_bytes, u.limit_bytes) for u in attributor.attribute(on_one)}
         assert units == {"trainer@GPU-a": (6 * GiB, 4 * GiB)}
@@ -155,7 +163,7 @@ def test_with_dra_each_claim_holds_its_containers_on_its_gpu_and_proves_them_the
         found = Allocations((GpuUnit("GPU-a", ("trainer",), 4 * GiB, ()),))
         claimed = owed(Declaration(claims=True), found, None)
         attributor = SilentPodAttributor(procfs, claimed, "vram-enforcer", want_init=False)
-        attributor.update(pod, {key: CID})  # type: ignore[arg-type]
+        attributor.update(pod, {key: CID}, lends=False)  # type: ignore[arg-type]
         sample = Sample(
             0.0, (), (ProcessUsage(key, "GPU-a", 5 * GiB), ProcessUsage(key, "GPU-b", GiB))
         )
@@ -179,9 +187,11 @@ class Recorded:
 
     def __init__(self) -> None:
         self.messages: list[str] = []
+        self.reasons: list[str] = []
 
     def record(self, about: object, reason: str, message: str, warning: bool) -> None:
         self.messages.append(message)
+        self.reasons.append(reason)
 
 
 def test_a_pod_handed_back_before_the_grace_period_ends_still_gets_its_sigkill(
@@ -238,15 +248,15 @@ def test_a_pod_handed_back_before_the_grace_period_ends_still_gets_its_sigkill(
             procfs,
         )
         sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
-        backstop(sample, lambda: {key: CID})
+        backstop(sample, lambda: {key: CID}, None)
         signalled = time.monotonic()
         assert any("sent SIGTERM" in m for m in recorder.messages), recorder.messages
         for held in (set(), {"u"}, set()):  # handed back, held again, handed back
             silent.clear()
             silent.update(held)
-            backstop(sample, lambda: {key: CID})
+            backstop(sample, lambda: {key: CID}, None)
         while victim.poll() is None and time.monotonic() < signalled + 5:
-            backstop(sample, lambda: {key: CID})  # the sampler's passes
+            backstop(sample, lambda: {key: CID}, None)  # the sampler's passes
             time.sleep(0.05)
         assert victim.wait(timeout=1) == -signal.SIGKILL
         assert 1.0 <= time.monotonic() - signalled < 1.5  # at the deadline, not later
@@ -288,7 +298,7 @@ backstop = Backstop(node, lambda: frozenset({"u"}), recorder, telemetry, ProcFs(
 key = ProcessKey(int(pid), int(start))
 sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
 for _ in range(5):  # the sampler's passes: one eviction for all of them
-    backstop(sample, lambda: {key: cid})
+    backstop(sample, lambda: {key: cid}, None)
     time.sleep(0.1)
 ends = time.monotonic() + 10
 while evictor.pending and time.monotonic() < ends:
@@ -381,3 +391,113 @@ def test_a_pod_whose_signal_the_kernel_refuses_is_evicted_once_with_an_event(
     finally:
         victim.kill()
         victim.wait()
+
+
+# --- a borrower whose sidecar hung up (issue 42, item 1) -----------------------------------
+
+NEIGHBOUR_ID = "cd" * 32
+
+
+def declaring(uid: str, name: str, container: str, cid: str, env: dict[str, int]) -> Pod:
+    """A pod of one container, declared in its sidecar's environment as the webhook writes
+    it (`env`: variable -> {container: bytes})."""
+    variables = [{"name": k, "value": json.dumps({container: v})} for k, v in env.items()]
+    return cast(
+        Pod,
+        {
+            "metadata": {"uid": uid, "namespace": "team", "name": name},
+            "spec": {
+                "containers": [{"name": container}, {"name": "vram-enforcer", "env": variables}]
+            },
+            "status": {
+                "phase": "Running",
+                "containerStatuses": [{"name": container, "containerID": f"containerd://{cid}"}],
+            },
+        },
+    )
+
+
+def sampling(
+    source: object,
+    server: UsageServer,
+    telemetry: AgentTelemetry,
+    containers: Callable[[], Mapping[ProcessKey, str]],
+    steps: PodSteps,
+) -> Sampler:
+    """The agent's sampler, whose passes (`_pass`, as its thread runs each) read `source` as
+    their NVML pass and `containers` as each GPU process's container ID."""
+    tenants = cast(TenantCache, SimpleNamespace(count=lambda sample: {}, containers=containers))
+    return Sampler(cast(NvmlSource, source), server, telemetry, 1.0, Passes(), tenants, steps=steps)
+
+
+class _Source:
+    """The sampler's NVML source: what the test sets, as a new sample on each pass."""
+
+    def __init__(self) -> None:
+        self.now: Sample = Sample(0.0, (), ())
+
+    def sample(self) -> Sample:
+        return self.now
+
+
+def test_a_borrower_whose_sidecar_hung_up_is_held_to_its_ceiling_and_reclaimed_when_needed(
+    cgroup2: Path, tmp_path: Path
+) -> None:
+    """The borrower requests 1 GiB and may borrow up to 4; it holds 3 on a 16 GiB GPU where
+    a neighbour is owed 7 more of its 8. Its sidecar hangs up: the agent's backstop holds the
+    pod, as its sidecar would have, to its ceiling while the GPU has room (it was held to
+    its request at once: SIGTERM for the memory it had borrowed legitimately). Once 6 GiB
+    more are taken by a process of no pod, the neighbour's request cannot be met: the
+    lender asks the borrower back on that GPU in the same pass, and the backstop stops its
+    largest process there, a reclaim. Run as the agent's sampler runs both on each pass."""
+    box = cgroup2 / f"cri-containerd-{CID}.scope"
+    box.mkdir()
+    worker = in_box(box, SLEEP)
+    source = _Source()
+    telemetry = AgentTelemetry()
+    metrics = ServerMetrics(telemetry.requests, telemetry.connections, telemetry.unexpected)
+    server = UsageServer(tmp_path / "agent.sock", ProcFs(), metrics, stale_after=60.0)
+    try:
+        key = moved_in(box, worker)
+        neighbour = ProcessKey(1, 1)  # not signalled by anyone: its pod's sidecar is heard
+        borrowing = {"VRAM_ENFORCER_LIMITS": GiB, "VRAM_ENFORCER_CEILINGS": 4 * GiB}
+        pods = {
+            "u": declaring("u", "borrower", "trainer", CID, borrowing),
+            "n": declaring("n", "serve", "server", NEIGHBOUR_ID, {"VRAM_ENFORCER_LIMITS": 8 * GiB}),
+        }
+        node = NodeView(
+            lambda: pods, lambda: frozenset({"team"}), Declares("vram-enforcer.io/vram")
+        )
+        recorder = Recorded()
+        backstop = Backstop(
+            node, lambda: frozenset({"u"}), cast("EventRecorder", recorder), telemetry, ProcFs()
+        )
+        lender = Lender(node, threading.Event(), 2 * GiB, telemetry)
+        containers = {key: CID, neighbour: NEIGHBOUR_ID}
+        sampler = sampling(
+            source, server, telemetry, lambda: containers, PodSteps(lender, backstop)
+        )
+
+        def gpu(others: int) -> Sample:
+            used = 3 * GiB + GiB + others
+            return Sample(
+                0.0,
+                (Device(0, "GPU-a", "H100", 16 * GiB, used),),
+                (ProcessUsage(key, "GPU-a", 3 * GiB), ProcessUsage(neighbour, "GPU-a", GiB)),
+            )
+
+        source.now = gpu(0)  # 12 GiB free: the neighbour's 7, and 2 of watermark, fit
+        for _ in range(3):
+            sampler._pass()  # one NVML pass, as the sampler's thread runs it
+        (unit,) = backstop._held["u"]._pipeline.last_units  # the backstop saw its usage
+        assert (unit.name, unit.used_bytes, unit.limit_bytes) == ("trainer", 3 * GiB, 4 * GiB)
+        assert worker.poll() is None and recorder.messages == []
+        source.now = gpu(6 * GiB)  # 6 GiB free: 3 short of what the neighbour is owed
+        sampler._pass()
+        assert worker.wait(timeout=5) == -signal.SIGTERM
+        assert recorder.reasons == ["VRAMReclaimed"], recorder.messages
+        assert "sent SIGTERM" in recorder.messages[0], recorder.messages
+    finally:
+        server.close()
+        worker.kill()
+        worker.wait()

@@ -192,7 +192,7 @@ def test_the_backstop_still_holds_a_silent_good_pod(caplog: pytest.LogCaptureFix
     )
     with caplog.at_level(logging.WARNING, "enforcer.modes.backstop"):
         for _ in range(3):
-            backstop(SEEN, lambda: CONTAINERS)
+            backstop(SEEN, lambda: CONTAINERS, None)
     assert telemetry.registry.get_sample_value("vram_enforcer_pods_held_by_agent") == 1
     assert any(
         "elsewhere" not in r.getMessage()
@@ -426,12 +426,12 @@ def test_the_backstop_takes_no_forged_policy_outside_the_namespaces_that_opted_i
         ProcFs(),
     )
     with caplog.at_level(logging.WARNING):
-        backstop(FORGED, lambda: FORGED_CONTAINERS)
+        backstop(FORGED, lambda: FORGED_CONTAINERS, None)
         assert telemetry.registry.get_sample_value("vram_enforcer_pods_held_by_agent") == 0
         assert caplog.records == []
         trusted[0] = frozenset({"ml"})
         for _ in range(3):
-            backstop(FORGED, lambda: FORGED_CONTAINERS)
+            backstop(FORGED, lambda: FORGED_CONTAINERS, None)
     assert telemetry.registry.get_sample_value("vram_enforcer_pods_held_by_agent") == 3
     messages = [r.getMessage() for r in caplog.records]
     greedy = [m for m in messages if "6.00 GiB of its 2.00 GiB" in m]

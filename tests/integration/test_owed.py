@@ -19,6 +19,7 @@ import pytest
 
 from enforcer.core.declaration import SIDECAR, Declares, portion_basis
 from enforcer.core.dra import DraObjects, DraSettings
+from enforcer.core.lending import Lending
 from enforcer.core.model import Device, GiB, MiB, ProcessKey, Sample, UnitUsage
 from enforcer.core.model import ProcessUsage as Usage
 from enforcer.core.payloads import Pod
@@ -153,8 +154,8 @@ def node(reads: ClaimReads) -> NodeView:
     return NodeView(lambda: PODS, lambda: READ, Declares(RES), reads)
 
 
-def lent() -> Owed:
-    """What each GPU's view of the lender's pass over the node owes each container."""
+def lent() -> tuple[Lending, Owed]:
+    """The lender's pass over the node, and what each GPU's view owes each container."""
     lender = Lender(
         node(ClaimReads(lambda p: CLAIMS[p["metadata"]["uid"]], never, DraSettings())),
         threading.Event(),
@@ -163,11 +164,12 @@ def lent() -> Owed:
     )
     lending = lender(SAMPLE, lambda: CONTAINERS)
     assert lending is not None and lending.reclaims == {}  # the node has room for everyone
-    return {
+    found = {
         (Unit.of(s.unit).pod.split("/")[1], g.uuid): (s.request, s.ceiling)
         for g in lending.gpus
         for s in g.shares
     }
+    return lending, found
 
 
 def held_as(units: tuple[UnitUsage, ...], requests: Mapping[str, int], pod: str) -> Owed:
@@ -208,8 +210,8 @@ def sidecars(tmp_path: Path) -> Owed:
     return found
 
 
-def backstop() -> Owed:
-    """The agent's backstop holding every pod (each sidecar silent)."""
+def backstop(lending: Lending) -> Owed:
+    """The agent's backstop holding every pod (each sidecar silent), on the lender's pass."""
     held = Backstop(
         node(ClaimReads(lambda p: CLAIMS[p["metadata"]["uid"]], never, DraSettings())),
         lambda: frozenset(PODS),
@@ -217,7 +219,7 @@ def backstop() -> Owed:
         AgentTelemetry(),
         ProcFs(),
     )
-    held(SAMPLE, lambda: CONTAINERS)
+    held(SAMPLE, lambda: CONTAINERS, lending)
     found: Owed = {}
     for name, (pod, _, _) in TABLE.items():
         pipeline = held._held[pod["metadata"]["uid"]]  # each pod's, as its tick left it
@@ -261,11 +263,10 @@ def test_the_lender_the_hard_limiter_the_backstop_and_the_sidecar_owe_each_conta
 ) -> None:
     assert portion_basis(DEVICES) == 81900 * MiB
     owed: Owed = {(name, gpu): at for name, (_, _, on) in TABLE.items() for gpu, at in on.items()}
-    assert lent() == owed
+    lending, by_lender = lent()
+    assert by_lender == owed
     assert sidecars(tmp_path / "sidecars") == owed
-    # The backstop holds a container that may borrow to its request: nobody could ask it
-    # to give back.
-    assert backstop() == {where: (request, request) for where, (request, _) in owed.items()}
+    assert backstop(lending) == owed
     assert hard_limits(tmp_path / "cgroups") == owed
 
 

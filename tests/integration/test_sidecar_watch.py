@@ -259,12 +259,12 @@ def test_a_pending_pods_init_container_is_held_by_the_agent_when_its_sidecar_nev
         sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
         for now[0] in (0.0, SILENT_AFTER - 0.1):
             watch.check()
-            backstop(sample, lambda: {key: fetch})
+            backstop(sample, lambda: {key: fetch}, None)
         assert not watch.silent and worker.poll() is None  # its sidecar is given the delay
         now[0] = SILENT_AFTER
         watch.check()
         assert watch.silent == {"u-init"}
-        backstop(sample, lambda: {key: fetch})
+        backstop(sample, lambda: {key: fetch}, None)
         assert worker.wait(timeout=5) == -signal.SIGTERM
         assert any("sent SIGTERM" in m for m in recorder.messages), recorder.messages
     finally:
