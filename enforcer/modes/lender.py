@@ -7,12 +7,21 @@ when the watch says they changed (an event of its own), or the namespaces that o
 did (whose pods' sidecar environment is read); a pass where no container may borrow costs
 nothing more, and one where some may, one fold of the sample. Until both are listed,
 nobody is asked anything.
+
+A pass that fails (a bug, in any pod's data or in the lender) kills nobody: for up to
+`LENDING_HOLD` after the last pass that did not, the agent still says that it lends, and
+asks nothing new (each sidecar holds its borrowers to their ceilings, as it did); only once
+the passes have failed that long is lending withdrawn, so that no neighbour's request goes
+unmet for longer while nothing can decide (each sidecar then holds its borrowers to their
+requests, as with an agent that never lent). Each is said once in the log, each failed
+pass counted (`vram_enforcer_unexpected_errors_total{loop="lending"}`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 
 from enforcer.core import messages
@@ -30,6 +39,11 @@ from enforcer.modes.node_view import NodeView
 
 log = logging.getLogger(__name__)
 
+# How long the lender's passes may fail before it withdraws lending: a transient fault (a
+# pod's data that trips a bug until the pod changes) costs no borrower anything, and a
+# neighbour whose request the borrowers' memory blocks waits at most this long for it.
+LENDING_HOLD = 30.0  # s
+
 
 class Lender:
     def __init__(
@@ -39,11 +53,13 @@ class Lender:
         watermark: int,
         telemetry: AgentTelemetry,
         assigned: tuple[Callable[[], Assignments | None], tuple[str, ...]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`changed`: set by the pod watch on every change of the node's pods. The pods'
         claims (DRA) are taken as last read (`ClaimReads.last`), never read here: the
         sampler does not wait on the API. `assigned`: the devices the kubelet gave each
-        container, as last read, and the resources that are GPUs."""
+        container, as last read, and the resources that are GPUs. `clock`: what the hold
+        after a failed pass is timed on (monotonic)."""
         self._pods = node.pods
         self._opted_in = node.opted_in
         self._trusted: frozenset[str] | None = None  # as the tenants were made with
@@ -61,6 +77,9 @@ class Lender:
         self._told: frozenset[tuple[str, str]] = frozenset()  # (container ID, GPU) asked
         self._unread: Mapping[str, str] = {}  # pod -> what of it could not be read, as said
         self._guard = LoopGuard("lending", telemetry.unexpected.labels("lending"), log)
+        self._clock = clock
+        self._good = clock()  # the last pass that did not fail (before any, the start)
+        self._failing = ""  # "held", "withdrawn": as said in the log ("" while passes succeed)
 
     @property
     def tenants(self) -> Tenants | None:
@@ -71,17 +90,44 @@ class Lender:
     def __call__(
         self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]
     ) -> Lending | None:
-        """This pass's decision (nobody is asked anything before the pods are known); None
-        when the pass failed (a bug, reported and counted): then no lending is published, so
-        that no sidecar lets its containers borrow on a decision that was not made, and the
-        tenants are made again next pass. `containers` (each GPU process's container ID)
-        is asked for only when some container may borrow."""
+        """This pass's decision (nobody is asked anything before the pods are known). When
+        the pass fails (a bug, reported and counted): nothing new is asked, and the agent
+        still lends until the passes have failed for LENDING_HOLD; then None, no lending, so
+        that borrowers are held to their requests until a pass succeeds. The tenants are
+        made again on the next pass. `containers` (each GPU process's container ID) is
+        asked for only when some container may borrow."""
         found: list[Lending] = []
-        if not self._guard.run(lambda: found.append(self._decide(sample, containers))):
-            self._tenants = None
-            self._telemetry.node.lending = ()
-            return None
-        return found[0]
+        if self._guard.run(lambda: found.append(self._decide(sample, containers))):
+            if self._failing:
+                log.info("the lender's passes succeed again: reclaims are decided again")
+            self._good, self._failing = self._clock(), ""
+            return found[0]
+        self._tenants = None
+        self._telemetry.node.lending = ()
+        return self._held()
+
+    def _held(self) -> Lending | None:
+        """After a failed pass: lending kept, with nothing asked, within LENDING_HOLD of the
+        last pass that did not fail; else withdrawn. Each said once."""
+        if self._clock() - self._good < LENDING_HOLD:
+            if not self._failing:
+                self._failing = "held"
+                log.warning(
+                    "a pass of the lender failed (a bug, counted in vram_enforcer_unexpected_"
+                    'errors_total{loop="lending"}): containers keep borrowing up to their '
+                    "ceilings and nothing new is asked back, for at most %.0f s while its "
+                    "passes fail",
+                    LENDING_HOLD,
+                )
+            return Lending()
+        if self._failing != "withdrawn":
+            self._failing = "withdrawn"
+            log.error(
+                "the lender's passes have failed for %.0f s: lending is withdrawn, and "
+                "containers that may borrow are held to their requests until a pass succeeds",
+                LENDING_HOLD,
+            )
+        return None
 
     def _decide(
         self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]
