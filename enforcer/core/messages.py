@@ -253,8 +253,9 @@ def sidecar_silent(after: float, unreachable: str | None = None, halt: str | Non
         )
     return (
         f"{what}. Until it is back, the node agent enforces the pod's declared "
-        "limits (or its claims' allocations, per GPU) itself, with the pod's action, and holds "
-        "a container that may borrow to its request"
+        "limits (or its claims' allocations, per GPU) itself, with the pod's action; a "
+        "container that may borrow keeps its ceiling while the node lends, and gives back "
+        "what it borrowed when a neighbour needs it"
     )
 
 
