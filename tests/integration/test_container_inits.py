@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from enforcer.core.declaration import Declaration
 from enforcer.core.dra import Allocations, GpuUnit
 from enforcer.core.model import GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.owed import owed
 from enforcer.edge.cgroupfs import ContainerCgroups
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.backstop import SilentPodAttributor
@@ -131,10 +133,10 @@ def _over(procfs: ProcFs, cid: str, members: list[int]) -> tuple[SilentPodAttrib
             ]
         }
     }
-    held = Allocations((GpuUnit("GPU-a", ("trainer",), GiB, ()),))
+    held = owed(Declaration(), Allocations((GpuUnit("GPU-a", ("trainer",), GiB, ()),)), None)
     attributor = SilentPodAttributor(procfs, held, "vram-enforcer", want_init=True)
     worker = key_of(members[1])
-    attributor.update(pod, {worker: cid})  # type: ignore[arg-type]
+    attributor.update(pod, {worker: cid}, lends=False)  # type: ignore[arg-type]
     return attributor, Sample(0.0, (), (ProcessUsage(worker, "GPU-a", 2 * GiB),))
 
 
