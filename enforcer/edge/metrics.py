@@ -208,6 +208,18 @@ def _unexpected_errors(registry: CollectorRegistry) -> Counter:
     )
 
 
+def http_closed(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        PREFIX + "http_connections_closed",
+        "Connections a server of ours closed, by server (metrics, webhook) and reason "
+        "(deadline: a request not whole in time, or a TLS handshake; unread: an answer not "
+        "taken in time; made-way: for a newcomer, its peer holding the most; tls: a failed "
+        "handshake)",
+        ["server", "reason"],
+        registry=registry,
+    )
+
+
 def event_failures(registry: CollectorRegistry) -> Counter:
     return Counter(
         PREFIX + "events_failed",
@@ -272,6 +284,7 @@ class Telemetry:
             registry=self.registry,
         )
         self.unexpected = _unexpected_errors(self.registry)
+        self.http_closed = http_closed(self.registry)
 
 
 class NodeCollector(Collector):
@@ -536,6 +549,7 @@ class AgentTelemetry:
             registry=self.registry,
         )
         self.unexpected = _unexpected_errors(self.registry)
+        self.http_closed = http_closed(self.registry)
 
 
 ADMISSION_RESULTS = ("patched", "skipped", "denied", "invalid", "error")
@@ -571,3 +585,4 @@ class WebhookTelemetry:
         for result in ("ok", "error"):
             self.cert_reloads.labels(result)
         self.unexpected = _unexpected_errors(self.registry)
+        self.http_closed = http_closed(self.registry)

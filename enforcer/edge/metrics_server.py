@@ -1,40 +1,60 @@
-"""The /metrics (and /healthz) endpoint of every mode, bounded against floods.
+"""The /metrics (and /healthz) endpoint of every mode: the agent's, `exec --metrics-port`'s
+and the webhook's metrics port.
 
-Whoever can reach the port may connect: Prometheus, the kubelet's probes, and also the
-workload beside a sidecar (on its loopback) or any pod of the cluster (the agent's port,
-without a NetworkPolicy). One thread per connection, unbounded and without a timeout, let
-500 idle connections make 502 threads: enough to get a sidecar with a 96 MiB limit
-OOM-killed by its own workload, or the agent's liveness probe starved until the kubelet
-restarted it. So each connection has `TIMEOUT` seconds per read, a peer address holds at
-most `PER_PEER` connections at once and the server `CONNECTIONS`; a connection past
-either is closed at once, so a flood from one address costs the others nothing.
+Whoever reaches the port may connect: Prometheus, the kubelet's probes, and any pod of the
+cluster (the agent's pod IP, without a NetworkPolicy). So it is served by
+`http_server.HttpServer`: a request whole within `REQUEST_WITHIN` of its first byte, an
+answer taken within `ANSWER_WITHIN`, and when it is full the peer holding the most makes
+way (issue 42, item 6: eight pods dripping a byte every 4 s took all 32 threads of the
+thread-per-connection server before, and the kubelet, its liveness probe starved,
+restarted the agents). `/healthz` is answered at once, on the server's own thread; a
+render of /metrics (about 76 ms of CPU for a node of 110 pods) at most once per pass of
+the loop, and shared by every scrape waiting for the same one, so a probe waits for one
+render at most however many scrapes come.
 """
 
 from __future__ import annotations
 
-import contextlib
+import gzip
 import logging
-import socket
-import threading
-from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Protocol
+from urllib.parse import parse_qs
 
 from prometheus_client import CollectorRegistry
-from prometheus_client import make_wsgi_app as metrics_app
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
-from enforcer.edge.connection_bounds import BoundedConnections
+from enforcer.core.fairness import Bounds
+from enforcer.core.http_exchange import Answer, Head, Later, Limits, Request
+from enforcer.edge.http_connection import listen_tcp
+from enforcer.edge.http_server import Counts, HttpServer
 
 log = logging.getLogger(__name__)
 
-CONNECTIONS = 32  # at once, from everyone: scrapers and probes need a few
-PER_PEER = 4  # at once, from one address (a scraper, a probe, or a flood)
-TIMEOUT = 5.0  # seconds a connection may stay silent while its request is read or sent
+CONNECTIONS = 256  # at once, from everyone; each costs a socket, no thread
+PER_PEER = 8  # at once, from one address (a scraper, the kubelet's two probes)
+REQUEST_WITHIN = 5.0  # a request's head, from its first byte (from accept, for a new one)
+ANSWER_WITHIN = 10.0  # a whole /metrics body taken by the scraper
+# The kernel's for what a connection sends (it doubles it): a body of 1 MiB leaves without
+# waiting on the scraper's delayed ACKs (16 KiB tripled a scrape's time on loopback).
+SEND_BUFFER = 64 * 1024
+# Bytes of answers not yet taken, at once: each /metrics body of a full node is about 1 MiB.
+ANSWERS_IN_FLIGHT = 16 * 1024 * 1024
+LIMITS = Limits(
+    Bounds(CONNECTIONS, PER_PEER), REQUEST_WITHIN, ANSWER_WITHIN, 0.0, 0, 0, ANSWERS_IN_FLIGHT
+)
 
 
 class MetricsPortError(Exception):
     """`--metrics-port` cannot be served; the message names the flag, the address and why."""
+
+
+class Served(Counts, Protocol):
+    """A mode's telemetry: its registry, and where its servers count."""
+
+    @property
+    def registry(self) -> CollectorRegistry: ...
 
 
 Health = Callable[[], str | None]
@@ -42,90 +62,63 @@ Health = Callable[[], str | None]
 
 
 def serve_metrics(
-    registry: CollectorRegistry, port: int | None, address: str, health: Health | None = None
-) -> MetricsServer | None:
-    """Start the /metrics endpoint when a port is set (every mode shares this start-up rule)."""
+    telemetry: Served, port: int | None, address: str, health: Health | None = None
+) -> HttpServer | None:
+    """Start the /metrics endpoint when a port is set (every mode shares this start-up rule);
+    its thread is `metrics`."""
     if port is None:
         return None
     try:
-        server = MetricsServer(registry, port, address, health)
+        listener = listen_tcp(address, port, SEND_BUFFER)
     except OSError as exc:
         raise MetricsPortError(
             f"--metrics-port {port}: cannot listen on {address}: {exc.strerror}"
         ) from exc
+    server = HttpServer(
+        listener, LIMITS, _app(telemetry.registry, health), _refusal, telemetry, "metrics"
+    )
+    server.start()
     log.info("serving metrics on http://%s:%d/metrics", address, server.port)
     return server
 
 
-class _QuietHandler(WSGIRequestHandler):
-    timeout = TIMEOUT  # set on the connection in setup(): no read or write waits longer
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # a scrape every few seconds is not news
+def _text(status: HTTPStatus, text: str, fields: tuple[tuple[str, str], ...] = ()) -> Answer:
+    return Answer(status, f"{text}\n".encode(), fields=fields)
 
 
-class _BoundedServer(BoundedConnections, ThreadingMixIn, WSGIServer):
-    """A thread per connection, within CONNECTIONS in all and PER_PEER per address."""
-
-    connections = CONNECTIONS
-    per_peer = PER_PEER
-    daemon_threads = True
-    request_queue_size = 128  # a flood is accepted (and closed) rather than left in the kernel
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.debug("a metrics connection from %s failed", client_address, exc_info=True)
+def _refusal(head: Head | None, status: HTTPStatus, why: str) -> Answer:
+    return _text(status, why)
 
 
-def _app(registry: CollectorRegistry, health: Health | None) -> Callable[..., Iterable[bytes]]:
-    metrics = metrics_app(registry)
-
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if health is not None and environ.get("PATH_INFO") == "/healthz":
+def _app(registry: CollectorRegistry, health: Health | None) -> Callable[[Request], Answer | Later]:
+    def app(request: Request) -> Answer | Later:
+        if request.method not in ("GET", "HEAD"):
+            allowed = (("Allow", "GET, HEAD"),)
+            return _text(HTTPStatus.METHOD_NOT_ALLOWED, f"{request.method} is not served", allowed)
+        if request.path == "/healthz" and health is not None:
             problem = health()
-            body = f"{problem or 'ok'}\n".encode()
-            status = "200 OK" if problem is None else "503 Service Unavailable"
-            start_response(
-                status,
-                [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))],
+            return _text(
+                HTTPStatus.OK if problem is None else HTTPStatus.SERVICE_UNAVAILABLE,
+                problem or "ok",
             )
-            return [body]
-        return metrics(environ, start_response)  # type: ignore[no-any-return]
+        if request.path != "/metrics":
+            return _text(HTTPStatus.NOT_FOUND, f"no such path {request.path!r}; GET /metrics")
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        gzipped = gzip_accepted(request.headers.get("accept-encoding", ""))
+        names = tuple(sorted(parse_qs(request.target.partition("?")[2]).get("name[]", [])))
+
+        def render() -> Answer:
+            chosen = registry.restricted_registry(names) if names else registry
+            body = encoder(chosen)
+            if gzipped:
+                return Answer(
+                    HTTPStatus.OK,
+                    gzip.compress(body),
+                    content_type,
+                    (("Content-Encoding", "gzip"),),
+                )
+            return Answer(HTTPStatus.OK, body, content_type)
+
+        return Later(render, (content_type, gzipped, names))
 
     return app
-
-
-class MetricsServer:
-    """/metrics (and, when given a health check, /healthz), stoppable for a clean shutdown."""
-
-    def __init__(
-        self, registry: CollectorRegistry, port: int, address: str, health: Health | None = None
-    ) -> None:
-        family, _, _, _, sockaddr = socket.getaddrinfo(
-            address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-
-        class Server(_BoundedServer):
-            address_family = family
-
-        self._server: _BoundedServer = make_server(
-            str(sockaddr[0]), port, _app(registry, health), Server, handler_class=_QuietHandler
-        )
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="metrics", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def port(self) -> int:
-        return int(self._server.server_address[1])
-
-    @property
-    def refused(self) -> int:
-        """Connections closed at once, past a bound: how hard someone is knocking."""
-        return self._server.refused
-
-    def close(self) -> None:
-        self._server.shutdown()
-        with contextlib.suppress(OSError):
-            self._server.server_close()
-        self._thread.join(timeout=5)

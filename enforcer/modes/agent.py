@@ -386,9 +386,7 @@ def _serve(
     sidecars = served.watch if served is not None else None
     check = functools.partial(health, sampler, liveness, sidecars)
     try:
-        metrics = serve_metrics(
-            telemetry.registry, settings.metrics_port, settings.metrics_address, check
-        )
+        metrics = serve_metrics(telemetry, settings.metrics_port, settings.metrics_address, check)
     except MetricsPortError as exc:
         log.error("%s", exc)
         server.close()
@@ -398,7 +396,7 @@ def _serve(
     if recorder is not None:
         recorder.start()
     log.info("agent running on node %r", settings.node_name or "(no API)")
-    status = watch([*threads, server.thread])
+    status = watch([*threads, server.thread, *([metrics.thread] if metrics else [])])
     server.close()
     for t in threads:
         t.stop.set()

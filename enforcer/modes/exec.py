@@ -390,7 +390,7 @@ def _supervise(
         requests=lambda: requests,
         reclaimer=reclaim_here(settings.reclaim_watermark),
     )
-    server = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
+    server = serve_metrics(telemetry, settings.metrics_port, settings.metrics_address)
     try:
         try:
             with placed.cgroup.entered() if placed else contextlib.nullcontext():

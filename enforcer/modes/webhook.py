@@ -1,28 +1,28 @@
 """`vram-enforcer webhook`: AdmissionReview over HTTPS, with certificate reload.
 
-One thread per connection (the API server keeps a few connections alive and reuses them).
-TLS is wrapped per accepted connection with the *current* context, so a rotated certificate
-is used for new connections while those in flight finish on the old one: nothing drops.
-The handshake happens in the connection's thread, with a timeout, so a slow or broken
-client never holds up `accept`.
+Served by `http_server.HttpServer` on one thread: the API server keeps a few connections
+alive and reuses them, and whoever else reaches the Service may connect too, so each request
+has a whole-request deadline (TLS handshake, head and body within `REQUEST_WITHIN`), each
+answer `ANSWER_WITHIN`, and when the server is full the peer holding the most makes way:
+the API server and the kubelet's probes are served through a flood of slow connections
+(issue 42, item 6). TLS is wrapped per accepted connection with the *current* context, so a
+rotated certificate is used for new connections while those in flight finish on the old one:
+nothing drops. Reviews are made one at a time between the loop's reads and writes; /healthz
+and /readyz at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import signal
-import socket
 import ssl
 import threading
 import time
 from collections.abc import Mapping
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 from enforcer.core.admission import (
     AdmissionSettings,
@@ -31,10 +31,12 @@ from enforcer.core.admission import (
     review,
     sidecar_mode_for,
 )
-from enforcer.core.parsing import ascii_int
+from enforcer.core.fairness import Bounds
+from enforcer.core.http_exchange import Answer, Head, Later, Limits, Request
 from enforcer.core.settings.webhook import WebhookSettings
 from enforcer.edge import logs
-from enforcer.edge.connection_bounds import BoundedConnections
+from enforcer.edge.http_connection import listen_tcp
+from enforcer.edge.http_server import HttpServer
 from enforcer.edge.metrics import WebhookTelemetry
 from enforcer.edge.metrics_server import MetricsPortError, serve_metrics
 
@@ -43,19 +45,36 @@ log = logging.getLogger(__name__)
 EXIT_USAGE = 2
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 MAX_BODY = 4 * 1024 * 1024  # the API server's own request limit is 3 MiB
-IO_TIMEOUT = 10.0
+# A request, its TLS handshake (on a new connection), head and body, from its first byte;
+# the API server waits at most 30 s for a review (10 s by default).
+REQUEST_WITHIN = 10.0
+ANSWER_WITHIN = 10.0  # from a request's last byte to its answer's, taken by the client
 # How long a kept-alive connection may wait for its next request: longer than the API
 # server keeps an idle connection to a webhook (Go's 90 s). Closed sooner, a connection can
 # close just as the API server sends a review on it, which then fails with EOF (a POST is
 # not retried): found by the creation-storm benchmark.
 IDLE_TIMEOUT = 120.0
+# At once: each connection costs a socket, its TLS state (about 17 KiB), its head (16 KiB at
+# most) and 32 KiB of the kernel's each way, no thread: at most about 25 MiB for all of
+# them, with 16 MiB of bodies and answers beside, within the 128 MiB limit. The API server
+# opens up to PER_PEER from one address at the height of a creation storm.
 MAX_CONNECTIONS = 256
 PER_PEER = 64
-# Request bodies being decoded and reviewed at once, in bytes: a review of 3 MiB takes
-# several times that in Python objects while it is answered. Pods as the API server sends
-# them are tens of KiB, so hundreds fit; a flood of the largest bodies waits its turn, and
-# the webhook stays inside its memory limit (chart: 128 MiB).
+SEND_BUFFER = 16 * 1024  # the kernel's for what a connection sends: an answer is a few KiB
+# Request bodies held at once, in bytes: a review of 3 MiB takes several times that in
+# Python objects while it is answered. Pods as the API server sends them are tens of KiB,
+# so hundreds fit; a flood of the largest bodies waits its turn, and the webhook stays
+# inside its memory limit (chart: 128 MiB).
 BODIES_IN_FLIGHT = 8 * 1024 * 1024
+LIMITS = Limits(
+    Bounds(MAX_CONNECTIONS, PER_PEER),
+    REQUEST_WITHIN,
+    ANSWER_WITHIN,
+    IDLE_TIMEOUT,
+    MAX_BODY,
+    BODIES_IN_FLIGHT,
+    BODIES_IN_FLIGHT,  # answers: a review's is its uid and a patch, a few KiB
+)
 
 
 class CertError(Exception):
@@ -124,247 +143,73 @@ class CertReloader:
             return self._context
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: the API server reuses its connections
-    server: WebhookServer
-    timeout = IO_TIMEOUT
-    # Buffered, flushed once per answer: headers and body leave in one TLS record. Written
-    # apart, Nagle on our side and delayed ACK on the client's cost 40 ms per review.
-    wbufsize = 64 * 1024
+def _json(status: HTTPStatus, doc: Mapping[str, object], close: bool = False) -> Answer:
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return Answer(status, body, "application/json", close=close)
 
-    def setup(self) -> None:
-        self.handshake_failed = False
-        conn: ssl.SSLSocket = self.request
-        conn.settimeout(IO_TIMEOUT)
-        try:
-            conn.do_handshake()
-        except (ssl.SSLError, OSError) as exc:
-            log.debug("TLS handshake with %s failed: %s", self.client_address[0], exc)
-            self.handshake_failed = True
-        super().setup()
 
-    def handle(self) -> None:
-        if self.handshake_failed:
-            return
-        self.server.track(self, busy=False)
-        try:
-            super().handle()
-        except (ssl.SSLError, OSError) as exc:
-            log.debug("connection from %s ended: %s", self.client_address[0], exc)
-        finally:
-            self.server.untrack(self)
+class Reviews:
+    """The webhook's answers: a review on POST /mutate, /healthz, /readyz; and the server's
+    own refusals as JSON, counted as `invalid` reviews when they answer one."""
 
-    def handle_one_request(self) -> None:
-        # Between requests the connection is idle; a shutdown may close it then.
-        self.server.track(self, busy=False)
-        self.request.settimeout(IDLE_TIMEOUT)
-        self.raw_requestline = self.rfile.readline(65537)
-        self.request.settimeout(IO_TIMEOUT)
-        self.server.track(self, busy=True)
-        if not self.raw_requestline:
-            self.close_connection = True
-            return
-        if len(self.raw_requestline) > 65536 or not self.parse_request():
-            return
-        method = getattr(self, f"do_{self.command}", None)
-        if method is None:
-            self._send(HTTPStatus.METHOD_NOT_ALLOWED, {"error": f"{self.command} is not supported"})
-        else:
-            method()
-        self.wfile.flush()
-        if self.server.stopping.is_set():
-            self.close_connection = True
+    def __init__(self, admission: AdmissionSettings, telemetry: WebhookTelemetry) -> None:
+        self.admission = admission
+        self.telemetry = telemetry
+        self.stopping = threading.Event()
 
-    def do_GET(self) -> None:
-        if self.path == "/healthz":
-            self._send(HTTPStatus.OK, {"status": "ok"})
-        elif self.path == "/readyz":
-            ready = not self.server.stopping.is_set()
-            self._send(
+    def __call__(self, request: Request) -> Answer | Later:
+        path = request.path
+        if request.method == "POST":
+            if path != "/mutate":
+                return _json(
+                    HTTPStatus.NOT_FOUND, {"error": f"no such path {path!r}; POST /mutate"}
+                )
+            if "content-length" not in request.headers:
+                self.telemetry.requests.labels("invalid").inc()
+                problem = {"error": "a Content-Length of ASCII digits is required"}
+                return _json(HTTPStatus.LENGTH_REQUIRED, problem, close=True)
+            return Later(lambda: self._review(request))
+        if request.method != "GET":
+            return _json(
+                HTTPStatus.METHOD_NOT_ALLOWED, {"error": f"{request.method} is not supported"}
+            )
+        if path == "/healthz":
+            return _json(HTTPStatus.OK, {"status": "ok"})
+        if path == "/readyz":
+            ready = not self.stopping.is_set()
+            return _json(
                 HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE,
                 {"status": "ok" if ready else "shutting down"},
             )
-        elif self.path.partition("?")[0] == "/mutate":
-            self._send(
+        if path == "/mutate":
+            return _json(
                 HTTPStatus.METHOD_NOT_ALLOWED, {"error": "POST an AdmissionReview to /mutate"}
             )
-        else:
-            self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path!r}"})
+        return _json(HTTPStatus.NOT_FOUND, {"error": f"no such path {request.target!r}"})
 
-    def do_POST(self) -> None:
-        if self.path.partition("?")[0] != "/mutate":
-            self._send(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path!r}; POST /mutate"})
-            return
-        started = time.perf_counter()
-        result = self._mutate()
-        telemetry = self.server.telemetry
-        telemetry.requests.labels(result).inc()
-        telemetry.duration.observe(time.perf_counter() - started)
+    def refuse(self, head: Head | None, status: HTTPStatus, why: str) -> Answer:
+        if head is not None and head.method == "POST" and head.path == "/mutate":
+            self.telemetry.requests.labels("invalid").inc()
+        return _json(status, {"error": why}, close=True)
 
-    def _mutate(self) -> str:
-        header = self.headers.get("Content-Length")
-        length = None if header is None else ascii_int(header.strip(), 20)
-        if length is None:
-            self.close_connection = True
-            self._send(
-                HTTPStatus.LENGTH_REQUIRED,
-                {"error": "a Content-Length of ASCII digits is required"},
-            )
-            self._linger()
-            return "invalid"
-        if length > MAX_BODY:
-            self.close_connection = True  # the body is not read: the connection cannot go on
-            problem = f"the body is {length} bytes; at most {MAX_BODY} are accepted"
-            self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": problem})
-            self._linger()
-            return "invalid"
-        if not self.server.bodies.acquire(length, IO_TIMEOUT):
-            self.close_connection = True  # the body is not read: the connection cannot go on
-            self._send(
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                {"error": ("too many large reviews are being answered at once; retry")},
-            )
-            self._linger()
-            return "invalid"
+    def _review(self, request: Request) -> Answer:
+        result, answer = self._answer(request.body)
+        self.telemetry.requests.labels(result).inc()
+        self.telemetry.duration.observe(time.monotonic() - request.started)
+        return answer
+
+    def _answer(self, body: bytes) -> tuple[str, Answer]:
         try:
-            return self._answer(self.rfile.read(length))
-        finally:
-            self.server.bodies.release(length)
-
-    def _answer(self, body: bytes) -> str:
-        try:
-            outcome = review(decode(body), self.server.admission)
+            outcome = review(decode(body), self.admission)
         except BadReview as exc:
-            self._send(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
-            return "invalid"
+            return "invalid", _json(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
         except Exception:  # a bug: answer, log it once with its traceback, keep serving
             log.exception("unexpected error while reviewing a pod")
-            self._send(
-                HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error; see the webhook's log"}
-            )
-            return "error"
-        self._send(HTTPStatus.OK, outcome.review)
+            problem = {"error": "internal error; see the webhook's log"}
+            return "error", _json(HTTPStatus.INTERNAL_SERVER_ERROR, problem)
         if outcome.result == "denied":
             log.info("denied: %s", outcome.review["response"]["status"]["message"])
-        return outcome.result
-
-    def _linger(self) -> None:
-        """Read and drop what the client still sends (for a second at most) before closing:
-        closing on unread data resets the connection, and the client loses our answer."""
-        self.wfile.flush()
-        self.request.settimeout(0.2)
-        deadline = time.monotonic() + 1.0
-        with contextlib.suppress(OSError):
-            while time.monotonic() < deadline and self.rfile.read1(65536):
-                pass
-
-    def _send(self, status: HTTPStatus, doc: Mapping[str, object]) -> None:
-        payload = json.dumps(doc, separators=(",", ":")).encode()
-        if self.server.stopping.is_set():
-            self.close_connection = True  # shutting down: this is the connection's last answer
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.client_address[0], format % args)
-
-
-class ByteBudget:
-    """Bytes that may be held at once; a request past them waits, for a while."""
-
-    def __init__(self, total: int) -> None:
-        self._total = total
-        self._free = total
-        self._changed = threading.Condition()
-
-    def acquire(self, size: int, timeout: float) -> bool:
-        size = min(size, self._total)  # a body of MAX_BODY still gets its turn, alone
-        with self._changed:
-            if not self._changed.wait_for(lambda: self._free >= size, timeout):
-                return False
-            self._free -= size
-            return True
-
-    def release(self, size: int) -> None:
-        with self._changed:
-            self._free += min(size, self._total)
-            self._changed.notify_all()
-
-
-class WebhookServer(BoundedConnections, ThreadingHTTPServer):
-    """HTTPS with a per-connection, current TLS context, and a shutdown that drains.
-
-    Anyone who reaches the Service may connect (unless a NetworkPolicy says otherwise), and
-    each connection is a thread: at most MAX_CONNECTIONS at once, PER_PEER from one address
-    (the API server keeps a pool of connections, from a few addresses)."""
-
-    daemon_threads = False
-    block_on_close = True
-    allow_reuse_address = True
-    connections = MAX_CONNECTIONS
-    per_peer = PER_PEER
-    request_queue_size = 128
-
-    def __init__(
-        self,
-        settings: WebhookSettings,
-        admission: AdmissionSettings,
-        tls: CertReloader,
-        telemetry: WebhookTelemetry,
-    ) -> None:
-        self.admission = admission
-        self.bodies = ByteBudget(BODIES_IN_FLIGHT)
-        self.tls = tls
-        self.telemetry = telemetry
-        self.stopping = threading.Event()
-        self._connections: dict[_Handler, bool] = {}
-        self._lock = threading.Lock()
-        family = socket.AF_INET6 if ":" in settings.address else socket.AF_INET
-        self.address_family = family
-        super().__init__((settings.address, settings.port), _Handler)
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        conn, addr = self.socket.accept()
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            wrapped = self.tls.context().wrap_socket(
-                conn, server_side=True, do_handshake_on_connect=False
-            )
-        except (ssl.SSLError, OSError):
-            conn.close()
-            raise
-        return wrapped, addr
-
-    def track(self, handler: _Handler, busy: bool) -> None:
-        with self._lock:
-            self._connections[handler] = busy
-            idle_while_stopping = self.stopping.is_set() and not busy
-        if idle_while_stopping:
-            _shut(handler)
-
-    def untrack(self, handler: _Handler) -> None:
-        with self._lock:
-            self._connections.pop(handler, None)
-
-    def drain(self) -> None:
-        """Stop accepting; idle keep-alive connections close, busy ones finish first."""
-        self.stopping.set()
-        self.shutdown()
-        with self._lock:
-            idle = [h for h, busy in self._connections.items() if not busy]
-        for handler in idle:
-            _shut(handler)
-        self.server_close()  # joins the connection threads (block_on_close)
-
-
-def _shut(handler: _Handler) -> None:
-    with contextlib.suppress(OSError):
-        handler.request.shutdown(socket.SHUT_RDWR)
+        return outcome.result, _json(HTTPStatus.OK, outcome.review)
 
 
 def run(settings: WebhookSettings) -> int:
@@ -410,9 +255,10 @@ def run(settings: WebhookSettings) -> int:
             return EXIT_USAGE
         templates = TemplateMaker(api, admission, telemetry.unexpected.labels("claim-templates"))
         log.info("DRA mode: declared VRAM becomes claims on DeviceClass %s", admission.dra_class)
+    reviews = Reviews(admission, telemetry)
     try:
         tls = CertReloader(settings.tls_cert_file, settings.tls_key_file, telemetry)
-        server = WebhookServer(settings, admission, tls, telemetry)
+        listener = listen_tcp(settings.address, settings.port, SEND_BUFFER)
     except CertError as exc:
         log.error("%s", exc, exc_info=logs.detail(exc))
         return EXIT_USAGE
@@ -421,18 +267,20 @@ def run(settings: WebhookSettings) -> int:
             "--port %d: cannot listen on %s: %s", settings.port, settings.address, exc.strerror
         )
         return EXIT_USAGE
+    server = HttpServer(
+        listener, LIMITS, reviews, reviews.refuse, telemetry, "webhook", tls.context
+    )
     try:
-        metrics = serve_metrics(telemetry.registry, settings.metrics_port, settings.metrics_address)
+        metrics = serve_metrics(telemetry, settings.metrics_port, settings.metrics_address)
     except MetricsPortError as exc:
         log.error("%s", exc, exc_info=logs.detail(exc))
-        server.server_close()
+        server.close()
         return EXIT_USAGE
-    serving = threading.Thread(target=server.serve_forever, name="webhook", daemon=True)
-    serving.start()
+    server.start()
     log.info(
         "serving admission reviews on https://%s:%d/mutate (sidecar %s, %s mode)",
         settings.address,
-        server.server_address[1],
+        server.port,
         admission.sidecar_image,
         admission.sidecar_mode,
     )
@@ -440,6 +288,7 @@ def run(settings: WebhookSettings) -> int:
         templates.start()
     received = signal.sigwait(_STOP_SIGNALS)
     log.info("%s: shutting down, finishing requests in flight", signal.Signals(received).name)
+    reviews.stopping.set()
     server.drain()
     if templates is not None:
         templates.close()

@@ -260,3 +260,53 @@ def test_the_sidecar_pod_monitor_of_0_1_0_fails_the_install_naming_what_replaces
     assert "monitoring.legacySidecarPodMonitor.enabled=true" in refused, refused
     kinds = {doc["kind"] for doc in yaml.safe_load_all(rendered["manifest"]) if doc}
     assert "PodMonitor" not in kinds and "Deployment" in kinds
+
+
+def _containers(manifest: str) -> dict[str, dict[str, Any]]:
+    """Each workload's first container, by its component (agent, webhook)."""
+    return {
+        doc["metadata"]["labels"]["app.kubernetes.io/component"]: doc["spec"]["template"]["spec"][
+            "containers"
+        ][0]
+        for doc in yaml.safe_load_all(manifest)
+        if doc and doc["kind"] in ("DaemonSet", "Deployment")
+    }
+
+
+def test_the_probes_ask_what_no_pod_can_keep_from_answering_and_the_policy_is_opt_in(
+    renders: Renders,
+) -> None:
+    """Issue 42, item 6: any pod can reach these ports. The probes ask /healthz (/readyz),
+    which the servers answer at once whoever else holds connections; the NetworkPolicy stays
+    off unless asked for (values.yaml says why), and NOTES say what that leaves open."""
+    default, enabled = renders([({}, False), ({"networkPolicy": {"enabled": True}}, False)])
+    agent = _containers(default["manifest"])["agent"]
+    for probe in (agent["readinessProbe"], agent["livenessProbe"]):
+        assert probe["httpGet"] == {"path": "/healthz", "port": "metrics"}
+        assert probe["timeoutSeconds"] == 5
+    webhook = _containers(default["manifest"])["webhook"]
+    assert webhook["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert webhook["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    policies = [
+        doc
+        for doc in yaml.safe_load_all(enabled["manifest"])
+        if doc and doc["kind"] == "NetworkPolicy"
+    ]
+    assert not any(
+        doc and doc["kind"] == "NetworkPolicy" for doc in yaml.safe_load_all(default["manifest"])
+    )
+    assert "networkPolicy.enabled is false" in default["info"]["notes"]
+    assert "networkPolicy.enabled is false" not in enabled["info"]["notes"]
+    (agent_policy,) = [p for p in policies if p["metadata"]["name"].endswith("agent")]
+    assert agent_policy["spec"]["ingress"] == [
+        {
+            "ports": [{"port": "metrics", "protocol": "TCP"}],
+            "from": [
+                {
+                    "namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}
+                    }
+                }
+            ],
+        }
+    ]

@@ -91,7 +91,7 @@ def test_healthz_fails_once_nvml_passes_stop_completing(sampler: Sampler, fake_n
 
 def test_healthz_is_served_next_to_the_metrics(sampler: Sampler) -> None:
     problem: list[str | None] = [None]
-    server = serve_metrics(AgentTelemetry().registry, 0, "127.0.0.1", lambda: problem[0])
+    server = serve_metrics(AgentTelemetry(), 0, "127.0.0.1", lambda: problem[0])
     assert server is not None
     url = f"http://127.0.0.1:{server.port}"
     try:

@@ -3,7 +3,6 @@ rotation without a dropped request, and a graceful shutdown."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import http.client
 import json
@@ -25,7 +24,14 @@ from typing import Any
 
 import pytest
 
-from enforcer.modes.webhook import IDLE_TIMEOUT, IO_TIMEOUT, PER_PEER, ByteBudget
+from enforcer.modes.webhook import (
+    ANSWER_WITHIN,
+    BODIES_IN_FLIGHT,
+    IDLE_TIMEOUT,
+    MAX_CONNECTIONS,
+    PER_PEER,
+    REQUEST_WITHIN,
+)
 from tests.e2e.cluster import make_ca, make_serving_cert
 from tests.helpers import free_port, wait_for
 
@@ -99,9 +105,14 @@ class Webhook:
     def context(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.ca[0]))
 
-    def connection(self) -> http.client.HTTPSConnection:
+    def connection(self, source: str = "127.0.0.1") -> http.client.HTTPSConnection:
+        """From the local address `source` (loopback holds all of 127/8)."""
         return http.client.HTTPSConnection(
-            "127.0.0.1", self.port, context=self.context(), timeout=10
+            "127.0.0.1",
+            self.port,
+            context=self.context(),
+            timeout=30,
+            source_address=(source, 0),
         )
 
     def post(
@@ -174,7 +185,7 @@ def test_a_kept_alive_connection_idle_past_the_io_timeout_still_serves(webhook: 
     benchmark saw it). A request in progress still has IO_TIMEOUT."""
     conn = webhook.connection()
     assert webhook.post(review_body("a"), conn)[0] == 200
-    time.sleep(IO_TIMEOUT + 1)
+    time.sleep(REQUEST_WITHIN + 1)
     status, doc = webhook.post(review_body("b"), conn)  # the same connection, not a new one
     assert status == 200 and doc["response"]["uid"] == "b"
     assert IDLE_TIMEOUT > 90
@@ -278,47 +289,145 @@ def test_hostile_values_get_a_denial_naming_the_field_never_a_500(webhook: Webho
     assert "Traceback" not in webhook.log.read_text()
 
 
-def test_a_flood_of_idle_connections_from_one_address_leaves_the_api_server_served(
+def closed(webhook: Webhook, reason: str) -> float:
+    line = f'vram_enforcer_http_connections_closed_total{{reason="{reason}",server="webhook"}} '
+    (value,) = [x for x in webhook.metrics().splitlines() if x.startswith(line)]
+    return float(value.split()[-1])
+
+
+def test_slow_connections_from_many_addresses_leave_reviews_and_probes_served(
     webhook: Webhook,
 ) -> None:
-    """Any pod can reach the webhook's Service: idle connections from one address hold at
-    most PER_PEER threads, and a review from another address is answered meanwhile."""
+    """Any pod can reach the webhook's Service. Pods that fill every place with handshakes
+    and requests they never finish (four addresses held all 256 threads before, and the API
+    server's reviews waited) cost no thread, and make way for the API server and the
+    kubelet, who hold fewer."""
 
     def threads() -> int:
         return len(os.listdir(f"/proc/{webhook.proc.pid}/task"))
 
-    before, peak, done = threads(), [0], threading.Event()
-
-    def watch() -> None:
-        while not done.wait(0.005):
-            peak[0] = max(peak[0], threads())
-
-    sampler = threading.Thread(target=watch)
-    sampler.start()
-    with concurrent.futures.ThreadPoolExecutor(200) as pool:  # all at once, as a flood comes
-        flood = list(
-            pool.map(
-                lambda _: socket.create_connection(("127.0.0.1", webhook.port), timeout=20),
-                range(200),
-            )
-        )
+    before = threads()
+    addresses = MAX_CONNECTIONS // PER_PEER + 1
+    flood = []
     try:
-        time.sleep(1.0)
-        c = http.client.HTTPSConnection(
-            "127.0.0.1",
-            webhook.port,
-            context=webhook.context(),
-            timeout=10,
-            source_address=("127.0.0.2", 0),
-        )
-        status, doc = webhook.post(review_body("other"), c)
+        for i in range(addresses):
+            for n in range(PER_PEER):
+                s = socket.create_connection(
+                    ("127.0.0.1", webhook.port), timeout=30, source_address=(f"127.0.2.{i}", 0)
+                )
+                if n % 2:
+                    s.sendall(b"\x16\x03\x01")  # a handshake begun, never finished
+                flood.append(s)
+        over = addresses * PER_PEER - MAX_CONNECTIONS
+        wait_for(lambda: closed(webhook, "made-way") >= over, what="every place to be held")
+        assert threads() == before  # not a thread per connection
+        api_server = webhook.connection("127.0.0.2")
+        status, doc = webhook.post(review_body("other"), api_server)
         assert status == 200 and doc["response"]["uid"] == "other"
+        kubelet = webhook.connection("127.0.0.3")
+        kubelet.request("GET", "/healthz")
+        assert kubelet.getresponse().status == 200
+        status, doc = webhook.post(review_body("again"), api_server)  # kept alive
+        assert status == 200 and doc["response"]["uid"] == "again"
     finally:
-        done.set()
-        sampler.join()
         for s in flood:
             s.close()
-    assert peak[0] - before <= PER_PEER + 1, peak[0] - before  # + the other address's
+
+
+def test_a_request_that_drips_past_its_deadline_gets_408_and_a_stalled_handshake_is_closed(
+    webhook: Webhook,
+) -> None:
+    """A byte every half second kept the read of a request line (10 s per read, 120 s on a
+    kept-alive connection) from ever timing out: the deadline is the whole request's, from
+    accept (the handshake included) or from a kept-alive request's first byte."""
+    stalled = socket.create_connection(("127.0.0.1", webhook.port), timeout=60)
+    stalled.sendall(b"\x16\x03\x01\x02")  # a ClientHello that never ends
+    drip = webhook.context().wrap_socket(
+        socket.create_connection(("127.0.0.1", webhook.port), timeout=60),
+        server_hostname="127.0.0.1",
+    )
+    drip.sendall(b"POST /mutate HTTP/1.1\r\nX-Drip: ")
+    drip.settimeout(0.5)
+    got = b""
+    with drip, stalled:
+        for _ in range(8 * int(REQUEST_WITHIN)):  # four deadlines' worth of dripping
+            try:
+                drip.sendall(b"x")
+                if not (chunk := drip.recv(65536)):
+                    break
+                got += chunk
+            except TimeoutError:
+                continue
+            except OSError:  # closed by the server after its answer
+                break
+        stalled.settimeout(60)
+        assert stalled.recv(1024) == b""  # closed, without a word: it speaks no HTTP yet
+    assert got.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), got
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1]) == {
+        "error": f"the request did not arrive whole within {REQUEST_WITHIN:g}s"
+    }
+    assert closed(webhook, "deadline") == 2
+    assert webhook.post(review_body())[0] == 200
+
+
+def test_an_answer_taken_too_slowly_is_dropped_at_its_deadline(webhook: Webhook) -> None:
+    """A client that reads a byte now and then kept a thread writing its answer for as long
+    as it liked (each write had its own timeout). An answer has ANSWER_WITHIN to be taken."""
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.settimeout(60)
+    raw.connect(("127.0.0.1", webhook.port))
+    conn = webhook.context().wrap_socket(raw, server_hostname="127.0.0.1")
+    body = review_body("u" * (3 << 20))  # its uid comes back in the answer: 3 MiB of it
+    conn.sendall(b"POST /mutate HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    taken, ended = 0, False
+    with conn:
+        for _ in range(int(8 * ANSWER_WITHIN)):  # four deadlines' worth of trickling
+            time.sleep(0.5)
+            try:
+                chunk = socket.socket.recv(conn, 1024)  # the TLS records, undecoded
+            except OSError:
+                ended = True
+                break
+            if not chunk:
+                ended = True
+                break
+            taken += len(chunk)
+    assert ended and taken < len(body)
+    assert closed(webhook, "unread") == 1
+
+
+def test_a_body_waits_its_turn_past_the_bytes_in_flight_and_a_wait_ends(
+    webhook: Webhook,
+) -> None:
+    """Bodies of 4 MiB from many connections at once were decoded at once, and the webhook
+    neared its memory limit: past BODIES_IN_FLIGHT a body waits, within its deadline."""
+
+    def begin(length: int) -> ssl.SSLSocket:
+        c = webhook.context().wrap_socket(
+            socket.create_connection(("127.0.0.1", webhook.port), timeout=60),
+            server_hostname="127.0.0.1",
+        )
+        c.sendall(b"POST /mutate HTTP/1.1\r\nContent-Length: %d\r\n\r\n{" % length)
+        return c
+
+    half = BODIES_IN_FLIGHT // 2
+    first, second = begin(half), begin(half)  # all of the bytes in flight
+    body = review_body("waits")
+    small = begin(len(body))  # its turn comes after theirs
+    small.sendall(body[1:])
+    small.settimeout(1.0)
+    with pytest.raises(TimeoutError):
+        small.recv(1)  # not answered while it waits
+    first.sendall(b"x" * (half - 1))  # answered (not JSON): its bytes are free again
+    assert first.recv(65536).startswith(b"HTTP/1.1 400 ")
+    small.settimeout(60)
+    assert json.loads(small.recv(65536).split(b"\r\n\r\n", 1)[1])["response"]["uid"] == "waits"
+    # The second never sends its body: answered 408 at its deadline, its bytes free again.
+    second.settimeout(60)
+    assert second.recv(65536).startswith(b"HTTP/1.1 408 ")
+    for c in (first, second, small):
+        c.close()
 
 
 def test_health_ready_and_tls_versions(webhook: Webhook) -> None:
@@ -510,17 +619,3 @@ def test_bad_certificate_files_and_a_busy_port_are_clear_errors(tmp_path: Path) 
         "--sidecar-mode: 'sometimes' is not a choice; use one of: native, container, auto"
         in bad.stderr
     )
-
-
-def test_the_bytes_of_bodies_in_flight_are_bounded_and_a_wait_ends() -> None:
-    """A flood of the largest bodies waits its turn instead of being decoded all at once."""
-    budget = ByteBudget(8)
-    assert budget.acquire(5, timeout=0.1)
-    started = time.monotonic()
-    assert not budget.acquire(5, timeout=0.2)  # 3 free: it waits, then gives up
-    assert time.monotonic() - started >= 0.2
-    threading.Timer(0.1, budget.release, (5,)).start()
-    assert budget.acquire(5, timeout=5)  # let in once the first is answered
-    budget.release(5)
-    assert budget.acquire(100, timeout=0.1)  # larger than all of it: its turn comes, alone
-    assert not budget.acquire(1, timeout=0.1)
