@@ -10,6 +10,7 @@
     .venv/bin/python bench/run.py --only scrape # the agent's /metrics for a full node, vs per-pod scrapes
     .venv/bin/python bench/run.py --only container-init # a container's init: its cgroup vs /proc
     .venv/bin/python bench/run.py --only dial # a sidecar's dial, and the watch with dials hung
+    .venv/bin/python bench/run.py --only slow-flood # /healthz and reviews while pods drip into every place
 
     # the footprint that ships: the components run from a venv without the dev extras
     python3 -m venv /tmp/rt && /tmp/rt/bin/pip install . && .venv/bin/python bench/run.py --runtime /tmp/rt/bin/python
@@ -45,6 +46,7 @@ from bench import (
     reclaim_bench,
     scrape_bench,
     sidecar_bench,
+    slow_flood_bench,
     storm_bench,
     webhook_bench,
 )
@@ -74,6 +76,7 @@ def main() -> None:
             "scrape",
             "container-init",
             "dial",
+            "slow-flood",
         ),
         help="run one group",
     )
@@ -141,6 +144,8 @@ def main() -> None:
                 results["sidecar"] = sidecar_bench.run(lib_dir, trials, window)
         results.update(of_the_agent(args.only, args.quick, lib_dir, Path(tmp)))
         results.update(on_a_cluster(args.only, args.quick, lib_dir))
+        if args.only in (None, "slow-flood"):
+            results["slow_flood"] = slow_flood_bench.run(lib_dir, 10.0 if args.quick else 30.0)
         if args.only in (None, "flood"):
             reason = flood_bench.available()
             if reason:
@@ -161,6 +166,7 @@ def of_the_agent(only: str | None, quick: bool, lib_dir: Path, tmp: Path) -> dic
         results["pod_memory"] = pod_memory_bench.run(lib_dir, tmp, 20 if quick else 50)
     if only in (None, "scrape"):
         results["scrape"] = scrape_bench.run(110, 5 if quick else 20)
+        results["scrape"]["served"] = scrape_bench.served(110, 10 if quick else 40)
     if only in (None, "container-init"):  # 2,000 and 20,000 sleepers: about a minute
         results["container_init"] = container_init_bench.available() or [
             container_init_bench.run(extra, 110, 5 if quick else 20)
@@ -224,6 +230,8 @@ def _ms(value: float | None) -> str:
 
 def show(results: dict[str, Any]) -> None:
     """One line per figure, as docs/performance.md quotes them."""
+    if row := results.get("slow_flood"):
+        slow_flood_bench.show(row)
     if row := results.get("flood"):
         peak = row["peak"]
         print(

@@ -12,13 +12,22 @@ by default), rendered once per pod. Both render with prometheus_client's
 `generate_latest`, as the HTTP handler does; CPU is this process's, memory the peak that
 tracemalloc sees during one scrape.
 
+`served()` asks the agent's registry for /metrics over HTTP, from a client in a process of
+its own, through the metrics server that the repository's `serve_metrics` starts: the CPU
+this process spent per scrape (the render and the server around it). Run against the
+commit before to compare servers (issue 42, item 6: the event loop against a thread per
+connection), e.g. in turn, with the file copied into a checkout of that commit:
+
     .venv/bin/python bench/scrape_bench.py
+    .venv/bin/python bench/scrape_bench.py --served 40
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -125,7 +134,8 @@ def timed(render: Any, rounds: int) -> dict[str, Any]:
     }
 
 
-def run(pods: int = 110, rounds: int = 20) -> dict[str, Any]:
+def agent_telemetry(pods: int) -> tuple[AgentTelemetry, Sample, dict[ProcessKey, str], list[Pod]]:
+    """The agent's registry with every pod's series, as the agent registers it."""
     sample, containers, listed = node(pods)
     ml = frozenset({"ml"})
     found = tenants(
@@ -150,6 +160,59 @@ def run(pods: int = 110, rounds: int = 20) -> dict[str, Any]:
         )
 
     agent.registry.register(PodsCollector(view))
+    return agent, sample, containers, listed
+
+
+CLIENT = """
+import socket, sys
+port, path, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+for _ in range(n):
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"GET {path} HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n".encode())
+        while s.recv(1 << 16):
+            pass
+"""
+
+
+def served(pods: int = 110, scrapes: int = 40, probes: int = 2000) -> dict[str, Any]:
+    """CPU of this process per /metrics scrape and per /healthz probe over HTTP, from a
+    client of its own (a new connection each, as Prometheus' and the kubelet's)."""
+    from enforcer.edge.metrics_server import serve_metrics
+
+    agent = agent_telemetry(pods)[0]
+    # The commit before took the registry; since issue 42, the mode's telemetry.
+    first = next(iter(inspect.signature(serve_metrics).parameters))
+    server = serve_metrics(
+        agent.registry if first == "registry" else agent,  # type: ignore[arg-type]
+        0,
+        "127.0.0.1",
+        lambda: None,
+    )
+    assert server is not None
+
+    def cost(path: str, n: int) -> tuple[float, float]:
+        client = [sys.executable, "-c", CLIENT, str(server.port), path]
+        subprocess.run([*client, "2"], check=True)  # warm
+        cpu, wall = time.process_time(), time.perf_counter()
+        subprocess.run([*client, str(n)], check=True)
+        return (time.process_time() - cpu) / n, (time.perf_counter() - wall) / n
+
+    try:
+        cpu, wall = cost("/metrics", scrapes)
+        probe_cpu, _ = cost("/healthz", probes)
+    finally:
+        server.close()
+    return {
+        "scrapes": scrapes,
+        "cpu_ms": cpu * 1000,
+        "wall_ms": wall * 1000,
+        "probes": probes,
+        "healthz_cpu_us": probe_cpu * 1e6,
+    }
+
+
+def run(pods: int = 110, rounds: int = 20) -> dict[str, Any]:
+    agent, sample, containers, listed = agent_telemetry(pods)
     one = timed(lambda: generate_latest(agent.registry), rounds)
 
     # Before: each sidecar's own registry, its units as its tick attributed them.
@@ -194,9 +257,18 @@ def show(row: dict[str, Any]) -> None:
         f"allocation {a['peak_alloc_mib']:.1f} MiB; before, {s['targets']} sidecar scrapes: "
         f"{s['cpu_ms']:.1f} ms CPU in all, {s['bytes'] / 1024:.0f} KiB, {s['series']} series"
     )
+    if served := row.get("served"):
+        print(
+            f"the same over HTTP, from a client of its own: {served['cpu_ms']:.1f} ms CPU and "
+            f"{served['wall_ms']:.1f} ms a scrape ({served['scrapes']} scrapes); a /healthz "
+            f"probe {served['healthz_cpu_us']:.0f} us of CPU ({served['probes']} probes)"
+        )
 
 
 if __name__ == "__main__":
-    result = run()
-    show(result)
-    print(json.dumps(result, indent=2))
+    if sys.argv[1:2] == ["--served"]:
+        print(json.dumps(served(scrapes=int(sys.argv[2]))))
+    else:
+        result = run()
+        show(result)
+        print(json.dumps(result, indent=2))
