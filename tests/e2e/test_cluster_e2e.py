@@ -1088,14 +1088,12 @@ def test_a_forged_sidecar_in_a_namespace_that_did_not_opt_in_is_neither_dialled_
         assert named <= {"vram_enforcer_hard_limit_bytes"}, named
         assert "vram_enforcer_pods_unguarded 0.0" in metrics
         # Nor an Event, but the hard limiter's on its limit (VRAMHardLimit, or
-        # VRAMSamplingOnly where the driver takes none), as on any declaring pod.
-        for name, namespace in (("forged", elsewhere), ("victim", OPTED_IN)):
-            said = {
-                e.reason
-                for e in core.list_namespaced_event(namespace).items
-                if e.involved_object.name == name and e.reason.startswith("VRAM")
-            }
-            assert said <= {"VRAMHardLimit", "VRAMSamplingOnly"}, (name, said)
+        # VRAMSamplingOnly where the driver takes none), as on any declaring pod; and the
+        # victim's sidecar was never said silent, nor anything enforced in its pod.
+        limiter = {"VRAMHardLimit", "VRAMSamplingOnly"}
+        assert vram_events(core, elsewhere, "forged") <= limiter
+        said = vram_events(core, OPTED_IN, "victim")
+        assert not said & {"VRAMSidecarSilent", "VRAMEnforced", "VRAMReclaimed"}, said
         installed.use(holder, None)
     finally:
         for name, namespace in (("forged", elsewhere), ("victim", OPTED_IN)):
@@ -1105,6 +1103,15 @@ def test_a_forged_sidecar_in_a_namespace_that_did_not_opt_in_is_neither_dialled_
             wait_for(
                 lambda n=name, ns=namespace: gone(core, ns, n), timeout=60, what=f"{name} gone"
             )
+
+
+def vram_events(core: client.CoreV1Api, namespace: str, name: str) -> set[str]:
+    """The reasons of the Events of ours on a pod."""
+    return {
+        e.reason
+        for e in core.list_namespaced_event(namespace).items
+        if e.involved_object.name == name and e.reason.startswith("VRAM")
+    }
 
 
 def gpu_tenants(metrics: str) -> float:
