@@ -15,6 +15,7 @@ from enforcer.core.model import (
     ProcessTotal,
     SignalResult,
     UnitUsage,
+    Unplaced,
     format_bytes,
 )
 from enforcer.core.parsing import format_duration
@@ -274,6 +275,24 @@ def gpu_unreadable(gpu: str, index: int | None, why: str) -> str:
 
 def gpu_readable(gpu: str) -> str:
     return f"GPU {gpu} can be read again; its processes are enforced again"
+
+
+def unplaced(pid: int, held: Sequence[Unplaced]) -> str:
+    """Said once per listing of a process NVML lists but whose PID namespace cannot be
+    read: `held` is what NVML lists for it, a GPU each."""
+    on = ", ".join(
+        f"{format_bytes(u.used_bytes) if u.used_bytes is not None else 'an unknown amount'} "
+        f"on {u.device_uuid}"
+        for u in held
+    )
+    why = held[0].why if held else ""
+    return (
+        f"pid {pid} holds {on}, but its PID namespace cannot be read ({why}): a security "
+        "module (AppArmor, SELinux) refuses the agent, so it cannot be placed in a pod. Its "
+        "memory is counted as unplaced (vram_enforcer_gpu_unplaced_bytes), never charged to "
+        "a container, and it is never signalled; run the agent under a profile that may "
+        "read every process (docs/security.md)"
+    )
 
 
 def source_up() -> str:

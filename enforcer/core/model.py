@@ -77,6 +77,19 @@ class ProcessUsage:
 
 
 @dataclass(frozen=True, slots=True)
+class Unplaced:
+    """GPU memory NVML lists for a live process that the reader cannot place: its `/proc`
+    entries that name its PID namespace are refused (a security module: AppArmor lets a
+    profile read only its peers). Which pod it is in is not known, so it is charged to no
+    unit and never signalled; it is counted, never dropped."""
+
+    pid: int  # as the reader's /proc names it
+    device_uuid: str
+    used_bytes: int | None
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
 class Sample:
     """Everything one NVML pass saw, already filtered to the caller's PID namespace.
 
@@ -85,13 +98,15 @@ class Sample:
     NVML's own reader knows it; the agent's socket does not carry it.) `activity_read_at`:
     when the processes' utilisation (`ProcessUsage.activity`) was read, on the monotonic
     clock; a reading is carried by every pass until the next, so a new value is a new
-    reading. None where it is not known."""
+    reading. None where it is not known. `unplaced`: what NVML lists for processes the
+    reader cannot place in a PID namespace (NVML's own reader alone knows it)."""
 
     sampled_at: float
     devices: tuple[Device, ...]
     processes: tuple[ProcessUsage, ...]
     failed: tuple[tuple[str, str], ...] = ()
     activity_read_at: float | None = None
+    unplaced: tuple[Unplaced, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

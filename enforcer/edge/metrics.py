@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from enforcer.core.attribution import gpu_shares
-from enforcer.core.model import Device
+from enforcer.core.model import Device, Unplaced
 from enforcer.core.pod_metrics import ContainerSeries
 from enforcer.core.reclaim import Gpu
 from enforcer.core.sidecar_report import ACTIONS, NEEDED_BY, REFUSED, SidecarReport
@@ -297,6 +297,7 @@ class NodeCollector(Collector):
         self.tenants: Mapping[str, int] = {}  # GPU uuid -> containers with a process on it
         self.failed: Mapping[str, str] = {}  # GPU uuid -> why the last pass could not read it
         self.lending: Sequence[Gpu] = ()  # the GPUs where containers may borrow, last pass
+        self.unplaced: Sequence[Unplaced] = ()  # what the last pass could not place in a pod
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -324,6 +325,7 @@ class NodeCollector(Collector):
             if d.uuid in tenants:
                 shared.add_metric(_device_values(d), tenants[d.uuid])
         yield shared
+        yield from _unplaced(devices, self.unplaced)
         gauge = GaugeMetricFamily(PREFIX + "source_up", "1 when the last NVML pass succeeded")
         gauge.add_metric([], 1.0 if up else 0.0)
         yield gauge
@@ -334,6 +336,33 @@ class NodeCollector(Collector):
         if advertised is not None:
             node.add_metric([], advertised)
         yield node
+
+
+def _unplaced(devices: Sequence[Device], unplaced: Sequence[Unplaced]) -> Iterator[Metric]:
+    """Per GPU, what processes that cannot be placed in a pod hold, and how many they are:
+    on every GPU, 0 included, so that an alert can read it."""
+    held: dict[str, int] = {}
+    pids: dict[str, set[int]] = {}
+    for u in unplaced:
+        held[u.device_uuid] = held.get(u.device_uuid, 0) + (u.used_bytes or 0)
+        pids.setdefault(u.device_uuid, set()).add(u.pid)
+    amount = GaugeMetricFamily(
+        PREFIX + "gpu_unplaced_bytes",
+        "GPU memory (bytes, as far as NVML reports it) of processes whose PID namespace the "
+        "agent cannot read (a security module refuses it), so that no pod is charged for it; "
+        "never signalled, and never free to lend",
+        labels=_DEVICE_LABELS,
+    )
+    count = GaugeMetricFamily(
+        PREFIX + "gpu_unplaced_processes",
+        "Processes on the GPU whose PID namespace the agent cannot read",
+        labels=_DEVICE_LABELS,
+    )
+    for d in devices:
+        amount.add_metric(_device_values(d), held.get(d.uuid, 0))
+        count.add_metric(_device_values(d), len(pids.get(d.uuid, ())))
+    yield amount
+    yield count
 
 
 @dataclass(frozen=True, slots=True)

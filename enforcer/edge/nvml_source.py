@@ -5,15 +5,26 @@ Apart from `sources.py` so that a sidecar reading from the node agent never load
 
 from __future__ import annotations
 
+import logging
 import select
 import time
 from dataclasses import dataclass
 
-from enforcer.core.model import ProcessKey, ProcessUsage, Sample, SignalResult, SourceDown
+from enforcer.core import messages
+from enforcer.core.model import (
+    ProcessKey,
+    ProcessUsage,
+    Sample,
+    SignalResult,
+    SourceDown,
+    Unplaced,
+)
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.pid_view import PidView, boot_ticks
 from enforcer.edge.pidfd import Pinned
 from enforcer.edge.procfs import NsChain, ProcFs
+
+log = logging.getLogger(__name__)
 
 NVIDIA_DRIVER_PREFIX = "nvidia"  # /proc/devices: nvidia-frontend (195), nvidia-uvm, nvidia-caps
 
@@ -51,6 +62,10 @@ class _ProcessTable:
       usage counts as unknown, never as free, and it is looked at again on every pass: a
       process can hide its descriptors for a moment (in flight in an `SCM_RIGHTS`
       message), not for ever.
+    - A process that its pidfd shows alive but whose PID namespace cannot be read (a
+      security module refuses `ns/pid`) is unplaced, not dropped: what NVML lists for it is
+      carried as `Unplaced` (counted, charged to nobody, never signalled), and it is read
+      again on the next pass. Only an exit drops a listing.
 
     Once proven, a process is pinned by a pidfd: while the pidfd has not polled readable
     (exited), its pid cannot be reused, so nothing needs reading again. One `poll()` over
@@ -69,8 +84,9 @@ class _ProcessTable:
         self._by_fd: dict[int, int] = {}
         self._poller = select.poll()
 
-    def resolve(self, host_pids: set[int], looked_at: int) -> dict[int, _Tracked]:
-        """Host pid -> what we know of it, for every listed process the view may see.
+    def resolve(self, host_pids: set[int], looked_at: int) -> dict[int, _Tracked | str]:
+        """Host pid -> what we know of it, for every listed process the view may see; or,
+        for a live one that cannot be placed in a PID namespace, why (`Unplaced`).
 
         `looked_at` is when this NVML pass began, in clock ticks since boot.
         """
@@ -81,28 +97,30 @@ class _ProcessTable:
         for pid in [p for p in self._first_seen if p not in host_pids]:
             del self._first_seen[pid]
             self._forget(pid)
-        found = {}
+        found: dict[int, _Tracked | str] = {}
         for pid in host_pids:
             first_seen = self._first_seen.setdefault(pid, looked_at)
             entry = self._entries.get(pid)
             if entry is not None and entry.process is None and not self._unchanged(pid, entry):
                 self._forget(pid)
                 entry = None
-            if entry is None:
-                entry = self._track(pid, first_seen)
-            if entry is not None and entry.pid is not None:
-                if not entry.proven:
-                    entry.proven = self._holds_gpu(pid)
-                found[pid] = entry
+            tracked = entry or self._track(pid, first_seen)
+            if isinstance(tracked, str):
+                found[pid] = tracked  # not remembered: it is read again on the next pass
+            elif tracked is not None and tracked.pid is not None:
+                if not tracked.proven:
+                    tracked.proven = self._holds_gpu(pid)
+                found[pid] = tracked
         return found
 
     def _unchanged(self, pid: int, entry: _Tracked) -> bool:
         st = self._view.procfs.stat(pid)
         return st is not None and st.start_time == entry.start_time and not st.exited
 
-    def _track(self, pid: int, first_seen: int) -> _Tracked | None:
-        """Prove what `pid` is now; None (and nothing remembered) when it cannot be read or
-        has exited."""
+    def _track(self, pid: int, first_seen: int) -> _Tracked | str | None:
+        """Prove what `pid` is now; None (and nothing remembered) when it has exited, or
+        cannot be read and is not pinned (it may have exited); why not, for a process that
+        its pidfd shows alive but whose PID namespace cannot be read (unplaced)."""
         opened = Pinned.open(pid) if self._pin else SignalResult.UNVERIFIED
         if opened is SignalResult.GONE:
             return None
@@ -111,9 +129,13 @@ class _ProcessTable:
         st = procfs.stat(pid)
         chain = None if st is None else procfs.ns_chain(pid)
         if st is None or chain is None or (process.exited() if process else st.exited):
+            # Alive as its pidfd says, unless proven a newcomer on the listed pid.
+            alive = process is not None and not process.exited()
+            listed = alive and (st is None or st.start_time < first_seen)
+            why = procfs.refusal(pid) if listed else ""
             if process is not None:
                 process.close()  # gone, unreadable, or the reads may be of a newcomer
-            return None
+            return why or None
         seen_as = self._view.sees(chain)
         if st.start_time >= first_seen:
             seen_as = None  # proven not to be the process NVML listed: remembered as such
@@ -154,6 +176,7 @@ class NvmlSource:
     def __init__(self, nvml: Nvml, view: PidView, gpu_majors: frozenset[int] | None = None) -> None:
         self._nvml = nvml
         self._table = _ProcessTable(view, gpu_majors)
+        self._said: set[int] = set()  # the pids said to be unplaced, while they stay so
 
     def sample(self) -> Sample | SourceDown:
         looked_at = boot_ticks()
@@ -162,16 +185,34 @@ class NvmlSource:
         except NvmlError as exc:
             return SourceDown(str(exc))
         known = self._table.resolve({p.pid for p in snap.processes}, looked_at)
-        processes = []
+        processes, unplaced = [], []
         for p in snap.processes:
             entry = known.get(p.pid)
-            if entry is not None and entry.pid is not None:
+            if isinstance(entry, str):
+                unplaced.append(Unplaced(p.pid, p.device_uuid, p.used_bytes, entry))
+            elif entry is not None and entry.pid is not None:
                 key = ProcessKey(entry.pid, entry.start_time)
                 used, activity = (p.used_bytes, p.activity) if entry.proven else (None, None)
                 processes.append(ProcessUsage(key, p.device_uuid, used, entry.chain, activity))
+        self._say_unplaced(unplaced)
         return Sample(
-            time.time(), snap.devices, tuple(processes), snap.failed, snap.activity_read_at
+            time.time(),
+            snap.devices,
+            tuple(processes),
+            snap.failed,
+            snap.activity_read_at,
+            tuple(unplaced),
         )
+
+    def _say_unplaced(self, unplaced: list[Unplaced]) -> None:
+        """Each process that cannot be placed, said once while NVML lists it."""
+        by_pid: dict[int, list[Unplaced]] = {}
+        for u in unplaced:
+            by_pid.setdefault(u.pid, []).append(u)
+        for pid, held in by_pid.items():
+            if pid not in self._said:
+                log.warning("%s", messages.unplaced(pid, held))
+        self._said = set(by_pid)
 
     def fileno(self) -> int | None:
         return None  # sampled on demand: the loop ticks on its interval

@@ -293,6 +293,21 @@ class ProcFs:
             inodes.append(inode)
         return tuple(zip(inodes, nspid, strict=True))
 
+    def refusal(self, pid: int) -> str:
+        """Why `ns_chain` (or `stat`) cannot read the process, for a person: the first of
+        its entries that the kernel refuses, with the error (`ns/pid` needs ptrace access,
+        which a security module may deny); "" when they read now."""
+        for name in ("stat", "status", "ns/pid"):
+            path = f"{self._prefix}{pid}/{name}"
+            try:
+                if name == "ns/pid":
+                    os.readlink(path)
+                else:
+                    os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError as exc:
+                return f"{path}: {exc.strerror or exc}"
+        return ""
+
     def pids(self) -> list[int]:
         try:
             names = os.listdir(self.root)

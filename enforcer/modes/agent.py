@@ -221,6 +221,7 @@ class Sampler(threading.Thread):
         self._telemetry.node.source_up = up
         if isinstance(sample, Sample):
             self._telemetry.node.devices = sample.devices
+            self._telemetry.node.unplaced = sample.unplaced
             self._faults.update(sample)
             if _device_shape(sample.devices) != _device_shape(self._passes.devices.get()):
                 self._passes.devices.set(sample.devices)

@@ -50,22 +50,37 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+# Root without CAP_SYS_PTRACE: the kernel lets such a process read another's `ns/pid` only
+# where the other's capabilities are a subset of its own (commoncap's ptrace check).
+NO_PTRACE = ["setpriv", "--inh-caps", "-all", "--bounding-set", "-sys_ptrace"]
+ASK = (  # a request (argv[2]) to the socket (argv[1]); its reply's line on stdout
+    "import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+    "s.sendall(sys.argv[2].encode()); print(s.makefile().readline())"
+)
+
+
 class Agent:
-    def __init__(self, gpu: FakeNvml, tmp: Path) -> None:
+    def __init__(self, gpu: FakeNvml, tmp: Path, *wrapper: str) -> None:
+        """`wrapper`: what runs the agent's command (`setpriv`, to take a capability away),
+        and `ask`'s requests (the agent reads its callers as it reads any process)."""
+        self.wrapper = wrapper
         self.socket = tmp / "run" / "agent.sock"
         self.metrics_port = free_port()
         self.log_path = tmp / "agent.log"
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen(
-            standalone_agent(
-                self.socket,
-                "--interval",
-                "50ms",
-                "--metrics-port",
-                str(self.metrics_port),
-                "--log-format",
-                "text",
-            ),
+            [
+                *wrapper,
+                *standalone_agent(
+                    self.socket,
+                    "--interval",
+                    "50ms",
+                    "--metrics-port",
+                    str(self.metrics_port),
+                    "--log-format",
+                    "text",
+                ),
+            ],
             env={**os.environ, **gpu.env()},
             stderr=self.log,
             text=True,
@@ -85,6 +100,12 @@ class Agent:
         return s
 
     def ask(self, request: bytes = b'{"v":1,"op":"usage"}\n') -> dict[str, Any]:
+        if self.wrapper:
+            asking = [*self.wrapper, sys.executable, "-c", ASK, str(self.socket), request.decode()]
+            done = subprocess.run(asking, capture_output=True, text=True, check=False)
+            if done.returncode:  # not listening yet, say
+                raise OSError(done.stderr)
+            return json.loads(done.stdout)  # type: ignore[no-any-return]
         with self.connect() as s:
             s.sendall(request)
             return json.loads(s.makefile("rb").readline())  # type: ignore[no-any-return]
@@ -385,6 +406,53 @@ def test_utilisation_reaches_callers_and_tenants_are_counted_per_gpu(
             for p in sleepers:
                 p.kill()
                 p.wait()
+
+
+def _unplaced(metrics: str) -> tuple[float, float] | None:
+    """GPU 0's unplaced bytes and processes, as the agent serves them."""
+    amount = re.search(r'vram_enforcer_gpu_unplaced_bytes\{gpu="0"[^}]*\} (\S+)', metrics)
+    count = re.search(r'vram_enforcer_gpu_unplaced_processes\{gpu="0"[^}]*\} (\S+)', metrics)
+    return (float(amount[1]), float(count[1])) if amount and count else None
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
+def test_a_process_whose_namespace_cannot_be_read_is_counted_unplaced_never_dropped(
+    fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    """The agent runs without CAP_SYS_PTRACE, so the kernel refuses it `ns/pid` of a process
+    that holds capabilities it lacks (one of this test's, in a PID namespace of its own, as
+    a pod's are), as a security module refuses it a process under another profile. That
+    process's memory is counted per GPU as unplaced and said once in the log, with its pid
+    and why; a process it can read is served as before; once the unplaced process exits,
+    nothing is left of it."""
+    readable = subprocess.Popen([*NO_PTRACE, "sleep", "600"])
+    boxed = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "sleep", "600"])
+    agent = None
+    try:
+        wait_for(lambda: HOST.cmdline(readable.pid) == "sleep 600", what="the readable's exec")
+        (hidden,) = wait_for(lambda: children(boxed.pid), what="the boxed sleep")
+        wait_for(lambda: HOST.cmdline(hidden) == "sleep 600", what="the boxed one's exec")
+        list_on_gpu(fake_nvml, {readable.pid: GiB, hidden: 3 * GiB})
+        agent = Agent(fake_nvml, tmp_path, *NO_PTRACE)
+        wait_for(lambda: _unplaced(agent.metrics()) == (3 * GiB, 1), what="3 GiB unplaced")
+        for _ in range(3):  # later passes: said once, not on every pass
+            reply = agent.ask()
+            assert [p["pid"] for p in reply["processes"]] == [readable.pid], reply
+        said = [line for line in agent.stderr().splitlines() if "cannot be placed" in line]
+        assert len(said) == 1, said
+        assert f"pid {hidden} holds 3.00 GiB on " in said[0]
+        assert f"/proc/{hidden}/ns/pid: Permission denied" in said[0]
+        boxed.kill()  # and its child with it (--kill-child)
+        boxed.wait()
+        wait_for(lambda: _unplaced(agent.metrics()) == (0, 0), what="the exit to drop it")
+        assert agent.stop() == 0
+        assert "Traceback" not in agent.stderr()
+    finally:
+        for child in (readable, boxed):
+            child.kill()
+            child.wait()
+        if agent is not None and agent.proc.poll() is None:
+            agent.stop()
 
 
 def test_a_stale_socket_is_replaced_but_a_live_one_is_not(

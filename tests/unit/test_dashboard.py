@@ -55,6 +55,7 @@ def test_every_metric_the_dashboard_queries_is_exported() -> None:
     asked = {m for q in queries for m in re.findall(r"\bvram_enforcer_\w+", q)}
     assert "vram_enforcer_container_gpu_sm_utilization_ratio" in asked
     assert {"vram_enforcer_gpu_lent_bytes", "vram_enforcer_reclaims_total"} <= asked
+    assert "vram_enforcer_gpu_unplaced_bytes" in asked
     assert asked <= names, f"not exported: {sorted(asked - names)}"
 
 
