@@ -44,6 +44,7 @@ from bench import (
     hard_limits_bench,
     pod_memory_bench,
     reclaim_bench,
+    sampler_bench,
     scrape_bench,
     sidecar_bench,
     slow_flood_bench,
@@ -123,6 +124,7 @@ def main() -> None:
                 agent_bench.round_trips(lib_dir, Path(tmp), 110, seconds, subscribe=True),
             ]
             results["agent_utilization"] = agent_bench.utilisation_cost(lib_dir, Path(tmp), window)
+            results["sampler"] = sampler_bench.run(lib_dir, Path(tmp), trials * 10)
         if args.only in (None, "webhook"):
             results["webhook"] = {
                 "in_process": webhook_bench.in_process(trials * 10),
@@ -303,6 +305,8 @@ def show(results: dict[str, Any]) -> None:
             f"{row['requests_per_second']:.0f}/s); agent CPU {100 * row['agent_cpu_share_of_one_core']:.1f}% "
             f"of a core; RSS {row['agent_rss_mib']:.1f} MiB (peak {row['agent_peak_rss_mib']:.1f})"
         )
+    if row := results.get("sampler"):
+        sampler_bench.show(row)
     if row := results.get("agent_utilization"):
         print(
             f"agent pass, {row['processes']} processes / {row['gpus']} GPUs at {row['interval_ms']} ms, no callers: "

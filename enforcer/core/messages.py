@@ -295,6 +295,24 @@ def unplaced(pid: int, held: Sequence[Unplaced]) -> str:
     )
 
 
+def device_look_stuck(pid: int, after: float) -> str:
+    return (
+        f"pid {pid}: a look at its open files has not come back after "
+        f"{format_duration(round(after, 1))}: a file of it is on a filesystem that does not "
+        "answer (a hung FUSE daemon, a hard NFS mount whose server is gone). Its GPU usage "
+        "stays unknown until the look comes back; the other processes are looked at on "
+        "another thread"
+    )
+
+
+def device_looks_wait(stuck: int) -> str:
+    return (
+        f"{stuck} looks at processes' open files have not come back (hung filesystems): no "
+        "other listing of unknown age is proven until one does, and their GPU usage stays "
+        "unknown, never free. Find the hung mounts (processes in state D)"
+    )
+
+
 def source_up() -> str:
     return "VRAM usage can be observed again; enforcement resumed"
 

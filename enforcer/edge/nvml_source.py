@@ -19,6 +19,7 @@ from enforcer.core.model import (
     SourceDown,
     Unplaced,
 )
+from enforcer.edge.device_proofs import DeviceProofs
 from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.pid_view import PidView, boot_ticks
 from enforcer.edge.pidfd import Pinned
@@ -61,7 +62,9 @@ class _ProcessTable:
       it is seen holding one (by device number, whatever the node's name). Until then its
       usage counts as unknown, never as free, and it is looked at again on every pass: a
       process can hide its descriptors for a moment (in flight in an `SCM_RIGHTS`
-      message), not for ever.
+      message), not for ever. The looks run off this thread (`DeviceProofs`): a file on a
+      hung mount costs that process its proof, not the pass; a pass takes the answers of
+      the looks that came back since the one before.
     - A process that its pidfd shows alive but whose PID namespace cannot be read (a
       security module refuses `ns/pid`) is unplaced, not dropped: what NVML lists for it is
       carried as `Unplaced` (counted, charged to nobody, never signalled), and it is read
@@ -83,6 +86,7 @@ class _ProcessTable:
         self._entries: dict[int, _Tracked] = {}
         self._by_fd: dict[int, int] = {}
         self._poller = select.poll()
+        self._proofs = DeviceProofs(self._holds_gpu) if gpu_majors is not None else None
 
     def resolve(self, host_pids: set[int], looked_at: int) -> dict[int, _Tracked | str]:
         """Host pid -> what we know of it, for every listed process the view may see; or,
@@ -108,9 +112,15 @@ class _ProcessTable:
             if isinstance(tracked, str):
                 found[pid] = tracked  # not remembered: it is read again on the next pass
             elif tracked is not None and tracked.pid is not None:
-                if not tracked.proven:
-                    tracked.proven = self._holds_gpu(pid)
                 found[pid] = tracked
+        if self._proofs is not None:  # the looks that came back, since the last pass
+            unproven = {
+                ProcessKey(pid, t.start_time): t
+                for pid, t in found.items()
+                if isinstance(t, _Tracked) and not t.proven
+            }
+            for key in self._proofs.proven(unproven.keys()):
+                unproven[key].proven = True
         return found
 
     def _unchanged(self, pid: int, entry: _Tracked) -> bool:
@@ -148,11 +158,15 @@ class _ProcessTable:
             self._poller.register(process.fileno(), select.POLLIN)
         return entry
 
-    def _holds_gpu(self, pid: int) -> bool:
-        """Seen holding a GPU device; a process whose descriptors cannot be read is not held
-        to it (an agent without CAP_SYS_PTRACE over it would otherwise charge nobody)."""
+    def _holds_gpu(self, key: ProcessKey) -> bool:
+        """Seen holding a GPU device (on a `device-proof` thread); a process whose
+        descriptors cannot be read is not held to it (an agent without CAP_SYS_PTRACE over
+        it would otherwise charge nobody). The pid still names the process after the look:
+        its start time reads the same."""
         assert self._gpu_majors is not None  # noqa: S101 - entries are proven without them
-        return self._view.procfs.holds_device(pid, self._gpu_majors) is not False
+        procfs = self._view.procfs
+        held = procfs.holds_device(key.pid, self._gpu_majors)
+        return held is not False and procfs.start_time(key.pid) == key.start_time
 
     def _forget(self, pid: int) -> None:
         entry = self._entries.pop(pid, None)

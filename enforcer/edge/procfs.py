@@ -88,6 +88,91 @@ def parse_char_majors(text: str, driver_prefix: str) -> frozenset[int]:
     return frozenset(majors)
 
 
+# Filesystems whose metadata a stat reads from this machine's memory or its own disks, never
+# from another party that may not answer: not FUSE (a daemon), NFS, CIFS, 9p, Ceph and other
+# network filesystems. A container's /dev (tmpfs, or the host's devtmpfs bound in) and its
+# root (overlay on a local disk) are among them.
+LOCAL_FILESYSTEMS = frozenset(
+    {
+        "devtmpfs",
+        "tmpfs",
+        "ramfs",
+        "devpts",
+        "mqueue",
+        "hugetlbfs",
+        "proc",
+        "sysfs",
+        "cgroup",
+        "cgroup2",
+        "overlay",
+        "ext2",
+        "ext3",
+        "ext4",
+        "xfs",
+        "btrfs",
+        "vfat",
+        "squashfs",
+        "erofs",
+    }
+)
+
+
+def parse_local_mounts(mountinfo: str) -> frozenset[int]:
+    """From `/proc/<pid>/mountinfo`: the IDs of the mounts of `LOCAL_FILESYSTEMS`. Each
+    line is `ID PARENT MAJ:MIN ROOT POINT OPTIONS [TAGS...] - TYPE SOURCE OPTIONS`; paths
+    have their spaces escaped (`\\040`), so ` - ` only ever ends the tags."""
+    found = set()
+    for line in mountinfo.splitlines():
+        head, _, tail = line.partition(" - ")
+        ident = head.partition(" ")[0]
+        if tail.partition(" ")[0] in LOCAL_FILESYSTEMS and ident.isascii() and ident.isdigit():
+            found.add(int(ident))
+    return frozenset(found)
+
+
+def parse_mount_id(fdinfo: str) -> int | None:
+    """From `/proc/<pid>/fdinfo/<fd>`: the ID of the mount the open file is on."""
+    for line in fdinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key == "mnt_id":
+            value = value.strip()
+            return int(value) if value.isascii() and value.isdigit() else None
+    return None
+
+
+def _mount_id(fdinfo_path: str) -> int | None:
+    fd = os.open(fdinfo_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return parse_mount_id(os.read(fd, 256).decode("ascii", errors="replace"))
+    finally:
+        os.close(fd)
+
+
+def _device_major(fd_path: str, fdinfo_path: str, local: frozenset[int]) -> int | None:
+    """The major of the character device that the descriptor `fd_path` (a
+    `/proc/<pid>/task/<tid>/fd/<n>` link to a path: `readlink` wrote it from memory, and
+    a socket, a pipe or an anonymous inode, `socket:[…]`, `pipe:[…]`, `anon_inode:…`, has
+    none) holds open, if it holds one on a mount in `local`; None for anything else, or
+    for a file elsewhere, which is not followed.
+
+    - Its mount first (`mnt_id` in its fdinfo): only a file on a local mount is followed.
+    - The walk to it takes the file itself, pinned (`O_PATH`: neither the filesystem nor a
+      driver opens anything, and closing it flushes nothing), and the pinned file's own
+      mount is checked again before its metadata is read: a descriptor replaced meanwhile
+      by a file elsewhere is not judged.
+    """
+    if _mount_id(fdinfo_path) not in local:
+        return None
+    fd = os.open(fd_path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        if _mount_id(f"/proc/self/fdinfo/{fd}") not in local:
+            return None
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return os.major(st.st_rdev) if S_ISCHR(st.st_mode) else None
+
+
 def parse_nspid(status: str) -> tuple[int, ...] | None:
     """The pid of the process in each nested PID namespace, outermost first."""
     found: dict[str, tuple[int, ...]] = {}
@@ -185,6 +270,13 @@ class ProcFs:
         st = self.stat(pid)
         return None if st is None else f"[{st.comm}]"
 
+    def comm(self, pid: int) -> str | None:
+        """The process's name (`comm`, at most 15 characters, its own to choose), from
+        `stat`: read without the process's memory, where `cmdline` and `environ` take its
+        memory map's lock, which its own threads can hold while they wait on a hung mount."""
+        st = self.stat(pid)
+        return None if st is None else st.comm
+
     def holds_device(self, pid: int, majors: frozenset[int]) -> bool | None:
         """Whether a thread of the process has a character device of one of `majors` open;
         None when its descriptors cannot be read.
@@ -193,39 +285,72 @@ class ProcFs:
         by its name: a node made with `mknod` under another name, or a renamed one, is the
         same device. Every thread's table is looked at: a leader that ended its own thread
         has none, and a thread may hold a table of its own (`unshare(CLONE_FILES)`).
+
+        The process chose what it holds open, and following a descriptor to its file asks
+        the file's filesystem (a FUSE daemon, an NFS server) about it, which may never
+        answer. So only files on the process's mounts of `LOCAL_FILESYSTEMS` are followed
+        (`_device_major`); one elsewhere is not judged, and cannot prove anything. That
+        leaves a race (the descriptor replaced between the checks and the walk to its
+        file), which is why the caller looks from a thread of its own (`DeviceProofs`).
         """
         try:
             tasks = os.listdir(f"{self._prefix}{pid}/task")
         except OSError:
             return None
+        local = self.local_mounts(pid)
+        if local is None:
+            return None
         unreadable = False
         for tid in tasks[:_MAX_TASKS]:
-            found = self._table_holds(f"{self._prefix}{pid}/task/{tid}/fd", majors)
+            found = self._table_holds(f"{self._prefix}{pid}/task/{tid}", majors, local)
             if found:
                 return True
             unreadable = unreadable or found is None
         return None if unreadable or len(tasks) > _MAX_TASKS else False
 
     @staticmethod
-    def _table_holds(fd_dir: str, majors: frozenset[int]) -> bool | None:
+    def _table_holds(task: str, majors: frozenset[int], local: frozenset[int]) -> bool | None:
+        """One thread's table: every descriptor's link read first (a socket, a pipe or an
+        anonymous inode is never a device node, and is not followed); those whose path is
+        under /dev are judged first, as that is where device nodes are made (a name only
+        orders the looks, it proves nothing: the others are judged too)."""
         unreadable = False
+        paths = []
         try:
-            with os.scandir(fd_dir) as entries:
+            with os.scandir(f"{task}/fd") as entries:
                 for entry in entries:
                     try:
-                        st = os.stat(entry.path)  # the open file itself, not the link
+                        link = os.readlink(entry.path)
                     except FileNotFoundError:
                         continue  # closed meanwhile
                     except OSError:
                         unreadable = True
                         continue
-                    if S_ISCHR(st.st_mode) and os.major(st.st_rdev) in majors:
-                        return True
+                    if link.startswith("/"):
+                        paths.append((not link.startswith("/dev/"), entry.name))
         except FileNotFoundError:
             return False  # the thread has exited: it holds nothing
         except OSError:
             return None
+        for _, fd in sorted(paths):
+            try:
+                major = _device_major(f"{task}/fd/{fd}", f"{task}/fdinfo/{fd}", local)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                unreadable = True
+                continue
+            if major in majors:
+                return True
         return None if unreadable else False
+
+    def local_mounts(self, pid: int) -> frozenset[int] | None:
+        """The IDs of the process's mounts of `LOCAL_FILESYSTEMS`, from its `mountinfo`
+        (which the kernel writes from memory, asking no filesystem)."""
+        data = self._read_bytes(pid, "mountinfo")
+        if data is None:
+            return None
+        return parse_local_mounts(data.decode("utf-8", errors="replace"))
 
     def char_majors(self, driver_prefix: str) -> frozenset[int]:
         """The majors of the character devices whose driver's name starts with

@@ -394,10 +394,11 @@ class SilentPodAttributor:
     def _inits(self) -> dict[str, ProcessTotal]:
         """Each container's init, as the host sees it: a process of the container whose
         parent is not (the runtime's shim). A `kubectl exec` into it is one too, and always
-        younger: the oldest is the init; two of the same clock tick prove none."""
+        younger: the oldest is the init; two of the same clock tick prove none. Named by its
+        `comm`, not its command line: this runs on the sampler's thread (`ProcFs.comm`)."""
         found = self._finder(set(self._ids.values()))
         return {
-            name: ProcessTotal(key, 0, (), self._procfs.cmdline(key.pid) or "")
+            name: ProcessTotal(key, 0, (), self._procfs.comm(key.pid) or "")
             for name, cid in self._ids.items()
             if isinstance(key := found.get(cid), ProcessKey)
         }

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from enforcer.core.model import GiB
+from enforcer.core.model import GiB, ProcessUsage, Sample
 from enforcer.edge.nvml import Nvml
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.pid_view import PidView
@@ -70,12 +70,17 @@ def test_a_real_cuda_process_is_seen_with_its_start_time() -> None:
         assert child.stdout.readline().startswith("allocated")
         nvml = Nvml()
         nvml.init()
-        try:
-            sample = NvmlSource(nvml, PidView.host(ProcFs()), gpu_device_majors()).sample()
+        source = NvmlSource(nvml, PidView.host(ProcFs()), gpu_device_majors())
+        try:  # listed when the source first looked: charged once seen holding a GPU device
+
+            def proven() -> list[ProcessUsage]:
+                sample = source.sample()
+                assert isinstance(sample, Sample), sample
+                return [p for p in sample.processes if p.key.pid == child.pid and p.used_bytes]
+
+            mine = wait_for(proven, what=f"pid {child.pid} listed by NVML, with its usage")
         finally:
-            nvml.shutdown()
-        mine = [p for p in sample.processes if p.key.pid == child.pid]  # type: ignore[union-attr]
-        assert mine, f"NVML did not report pid {child.pid}: {sample}"
+            source.close()
         assert mine[0].key.start_time == ProcFs().start_time(child.pid)
         assert mine[0].used_bytes is not None and mine[0].used_bytes >= 512 * 1024**2
         print("NVML sees", mine)

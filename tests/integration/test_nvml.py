@@ -8,8 +8,10 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -27,6 +29,9 @@ from enforcer.edge.nvml_source import NvmlSource
 from enforcer.edge.pid_view import PidView, boot_ticks
 from enforcer.edge.procfs import ProcFs
 from tests.helpers import copy_proc_fixture, older_than_a_tick, set_start_time, wait_for
+from tests.hung_fuse import hung_fuse
+
+T = TypeVar("T")
 
 
 class Clock:
@@ -405,7 +410,8 @@ def test_a_listing_of_unknown_age_is_charged_once_its_process_holds_a_gpu_device
     """NVML's first pass has no known age: a pid may have been reused before we looked. Its
     process is charged once it is seen holding a GPU device, judged by the device number (a
     node made under another name is the same device); until then its usage is unknown, not
-    free, and it is looked at again on every pass."""
+    free, and it is looked at again on every pass. The looks run off the sampler's thread:
+    a pass takes the answers that came back since the pass before."""
     alias = tmp_path / "not-nvidia"  # the device of /dev/null, major 1, under another name
     os.mknod(alias, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
     holds = _holding(alias)
@@ -426,13 +432,16 @@ def test_a_listing_of_unknown_age_is_charged_once_its_process_holds_a_gpu_device
         fake_nvml.write()
         nvml.init()
         source = NvmlSource(nvml, PidView.host(ProcFs()), frozenset({1}))
-        assert _usage(source) == {holds.pid: GiB, hides.pid: None}
-        assert _usage(source) == {holds.pid: GiB, hides.pid: None}  # still looked at
+        assert _usage(source) == {holds.pid: None, hides.pid: None}  # looked at meanwhile
+        expected = {holds.pid: GiB, hides.pid: None}
+        wait_for(lambda: _usage(source) == expected, what="the holder's proof")
+        assert _usage(source) == expected  # and the other still looked at
         assert hides.stdin is not None and hides.stdout is not None
         hides.stdin.write("go\n")
         hides.stdin.flush()
         assert hides.stdout.readline() == "ready\n"
-        assert _usage(source) == {holds.pid: GiB, hides.pid: GiB}
+        expected = {holds.pid: GiB, hides.pid: GiB}
+        wait_for(lambda: _usage(source) == expected, what="the other's proof")
         # A pid first listed after the first pass has a known age: the start time proves it.
         later = subprocess.Popen(["sleep", "60"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         fake_nvml.state.set_process(0, older_than_a_tick(later.pid), GiB)
@@ -444,6 +453,86 @@ def test_a_listing_of_unknown_age_is_charged_once_its_process_holds_a_gpu_device
             if child is not None:
                 child.kill()
                 child.wait()
+
+
+HOLDING = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    held = [open(path, "rb") for path in sys.argv[1:]]  # in this order: fds 3, 4, ...
+    held += [socket.socket(), *os.pipe(), os.eventfd(0)]  # a socket, a pipe, an anon inode
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def _holding_in_order(*paths: Path) -> subprocess.Popen[str]:
+    """A process that holds `paths` open (the first at the lowest descriptor), a socket, a
+    pipe and an eventfd, once it says so."""
+    holder = subprocess.Popen(  # not the test's stdin: /dev/null is the device of major 1
+        [sys.executable, "-c", HOLDING, *map(str, paths)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+    return holder
+
+
+def _within(seconds: float, call: Callable[[], T]) -> T:
+    """`call()`'s result, made on a thread of its own; fails if it has not returned within
+    `seconds` (a call stuck in the kernel is left behind until the mount goes)."""
+    result: list[T] = []
+    worker = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert result, f"still waiting after {seconds}s: stuck in the kernel?"
+    return result[0]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"
+)
+def test_a_file_on_a_hung_mount_costs_the_sampler_nothing(
+    fake_nvml: Any, nvml: Nvml, tmp_path: Path
+) -> None:
+    """A listing of unknown age whose process holds a file on a FUSE mount that no longer
+    answers (`stat` of it waits in the kernel for ever), before the GPU device: every pass
+    returns at once, and the process is proven by its device, its file on the hung mount
+    never followed. One that holds nothing but such a file is never proven: its usage
+    stays unknown, and every pass still returns at once."""
+    alias = tmp_path / "not-nvidia"  # the device of /dev/null, major 1, under another name
+    os.mknod(alias, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    holders: list[subprocess.Popen[str]] = []
+    try:
+        with hung_fuse(tmp_path / "mnt") as fuse:
+            holds = _holding_in_order(fuse.file, alias)
+            only = _holding_in_order(fuse.file)
+            holders += [holds, only]
+            fuse.hang()
+            for pid in (holds.pid, only.pid):
+                fake_nvml.state.set_process(0, older_than_a_tick(pid), GiB)
+            fake_nvml.write()
+            nvml.init()
+            source = NvmlSource(nvml, PidView.host(ProcFs()), frozenset({1}))
+            expected = {holds.pid: GiB, only.pid: None}
+            wait_for(
+                lambda: _within(5, lambda: _usage(source)) == expected,
+                what="the holder's proof by its device",
+            )
+            for _ in range(5):
+                assert _within(5, lambda: _usage(source)) == expected
+            # The decision alone, on the real /proc: the device is found, the hung file and
+            # the socket, pipe and eventfd are not followed, so none of it waits.
+            assert _within(5, lambda: ProcFs().holds_device(holds.pid, frozenset({1}))) is True
+            assert _within(5, lambda: ProcFs().holds_device(only.pid, frozenset({1}))) is False
+            source.close()
+            for child in holders:
+                child.kill()  # its exit flushes its file there: it waits for the mount to go
+    finally:
+        for child in holders:
+            child.kill()
+            child.wait()
 
 
 def test_without_gpu_devices_every_listing_is_charged(fake_nvml: Any, nvml: Nvml) -> None:
