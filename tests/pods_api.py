@@ -29,6 +29,10 @@ class PodsApi(ThreadingHTTPServer):
         self.pages: list[int] = []  # the number of pods each list request asked for
         self.watching = threading.Event()
         self.posts: list[tuple[str, Any]] = []  # each POST's path and JSON body, in order
+        self.deletes: list[tuple[str, Any]] = []  # each DELETE's path and JSON body, in order
+        # Evictions answered as a PodDisruptionBudget that allows no disruption answers them
+        # (429), with a Retry-After past any caller's deadline, so that each is one request.
+        self.refuse_evictions = False
 
     @property
     def url(self) -> str:
@@ -81,10 +85,22 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # Events, evictions
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.server.posts.append((self.path, json.loads(body) if body else None))
-        self._send(201, b"{}")
+        if self.server.refuse_evictions and self.path.endswith("/eviction"):
+            refusal = b'{"kind":"Status","code":429,"reason":"TooManyRequests","message":'
+            refusal += b'"Cannot evict pod as it would violate the pod\'s disruption budget."}'
+            self._send(429, refusal, {"Retry-After": "3600"})
+        else:
+            self._send(201, b"{}")
 
-    def _send(self, code: int, body: bytes) -> None:
+    def do_DELETE(self) -> None:  # pods
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.server.deletes.append((self.path, json.loads(body) if body else None))
+        self._send(200, b'{"kind":"Pod","apiVersion":"v1","metadata":{}}')
+
+    def _send(self, code: int, body: bytes, headers: dict[str, str] | None = None) -> None:
         self.send_response(code)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()

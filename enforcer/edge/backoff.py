@@ -27,11 +27,14 @@ class Backoff:
     def ready(self, now: float) -> bool:
         return now >= self.next_attempt
 
-    def failed(self, now: float) -> float:
-        """Record a failure at `now`; returns the pause before the next attempt."""
+    def failed(self, now: float, most: float | None = None) -> float:
+        """Record a failure at `now`; returns the pause before the next attempt, at most
+        `most` (something else is due then)."""
         self.failures += 1
         self._state.attempt_number = self.failures
         delay = float(self._wait(self._state))
+        if most is not None:
+            delay = min(delay, most)
         self.next_attempt = now + delay
         return delay
 

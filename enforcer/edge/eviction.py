@@ -1,12 +1,17 @@
 """The node agent's evictions: a pod over its VRAM limit that the kernel will not let the
-agent signal (EPERM) is evicted through the API, as the kubelet evicts a pod it cannot
-hold to its memory (policy/v1 Eviction, so that a PodDisruptionBudget is obeyed).
+agent signal (EPERM) is made to leave through the API (`core.eviction` says how).
 
 `evict()` only queues, and never blocks the sampler's pass that asks for it; this thread
 makes the requests. A pod is asked for once: a repeat while its eviction is pending is
-ignored. A refusal (HTTP 429: a PodDisruptionBudget does not allow it now) is said in an
-Event on the pod and tried again after a backoff that grows to RETRY_MAX, never in a busy
-loop; so is any other failure of the API. The pod gone (404) ends it.
+ignored. First a policy/v1 Eviction, with the pod's UID as a precondition and the grace
+period of its policy. A refusal (HTTP 429: a PodDisruptionBudget does not allow it now; a
+500: two budgets select the pod) is said in an Event on the pod and tried again after a
+backoff that grows to RETRY_MAX, never in a busy loop; so is any other failure of the API.
+Once the eviction has been refused for `timeout` since it was first asked for, the pod is
+deleted instead (the same precondition and grace period), whatever its budgets, as the
+kubelet's node-pressure eviction stops a pod: a tenant writes its own budgets, and one
+that never allows a disruption would keep the pod over its limit for ever. The pod gone
+(404, or 409: a newcomer has its name) ends it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,15 @@ from enforcer.core.reasons import Reason
 from enforcer.edge import logs
 from enforcer.edge.backoff import Backoff
 from enforcer.edge.guard import ErrorCounter, LoopGuard
-from enforcer.edge.kube import Forbidden, KubeError, NotFound, TooManyRequests, evict
+from enforcer.edge.kube import (
+    Conflict,
+    Forbidden,
+    KubeError,
+    NotFound,
+    TooManyRequests,
+    delete_pod,
+    evict,
+)
 
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
@@ -37,7 +50,8 @@ log = logging.getLogger(__name__)
 RETRY_FIRST = 5.0  # seconds before the first retry of a refused eviction, doubling ...
 RETRY_MAX = 300.0  # ... up to this
 STOP_CHECK = 1.0  # seconds: how soon `stop` is seen
-Evict = Callable[[client.ApiClient, str, str, str], KubeError | None]
+Request = Callable[[client.ApiClient, str, str, str, int], KubeError | None]
+"""An eviction or a deletion of the pod (namespace, name, UID), with a grace period."""
 
 
 def _backoff() -> Backoff:
@@ -48,41 +62,49 @@ def _backoff() -> Backoff:
 @dataclass(slots=True)
 class _Pending:
     about: ObjectReference  # the pod (and the container it is evicted for)
-    message: str
+    why: str  # `eviction.cause`: said in the Event once the API accepts
+    grace: int  # seconds its containers get to stop
+    since: float | None = None  # when the eviction was first asked for
+    refusal: str | None = None  # the last refusal, while the eviction is refused
     backoff: Backoff = field(default_factory=_backoff)
 
 
 class Evictor(threading.Thread):
-    """Evicts the pods it is asked to, in the background, each until the API accepts it."""
+    """Makes the pods it is asked to leave, in the background, each until the API accepts:
+    an eviction, refused for at most `timeout` (0: none is asked for), then a deletion."""
 
     def __init__(
         self,
         api: client.ApiClient,
         recorder: EventRecorder,
         unexpected: ErrorCounter,
+        timeout: float,
         clock: Callable[[], float] = time.monotonic,
-        request: Evict = evict,
+        requests: tuple[Request, Request] = (evict, delete_pod),
     ) -> None:
+        """`requests`: the eviction's and the deletion's."""
         super().__init__(name="evictor", daemon=True)
         self.stop = threading.Event()
         self._api = api
         self._recorder = recorder
+        self._timeout = timeout
         self._clock = clock
-        self._request = request
+        self._evict, self._delete = requests
         self._pending: dict[str, _Pending] = {}  # pod UID -> its eviction, until done
         self._lock = threading.Lock()
         self._woken = threading.Event()
         self._guard = LoopGuard("evictor", unexpected, log)
-        self._forbidden_logged = False
+        self._forbidden_logged: set[str] = set()  # the verbs RBAC refused, said once each
 
-    def evict(self, about: ObjectReference, message: str) -> None:
-        """Evict the pod `about` names (its namespace, name and UID); `message` says why,
-        in the Event on it once the API accepts. Never blocks."""
+    def evict(self, about: ObjectReference, why: str, grace: int) -> None:
+        """Make the pod `about` names (its namespace, name and UID) leave, its containers
+        given `grace` seconds; `why` (`eviction.cause`) is said in the Event on it once the
+        API accepts. Never blocks."""
         uid = about.get("uid", "")
         with self._lock:
             if not uid or uid in self._pending:
                 return
-            self._pending[uid] = _Pending(about, message)
+            self._pending[uid] = _Pending(about, why, grace)
         self._woken.set()
 
     @property
@@ -110,34 +132,79 @@ class Evictor(threading.Thread):
                     self._pending.pop(uid, None)
 
     def _attempt(self, pending: _Pending) -> bool:
-        """One request; whether the pod's eviction is done with (accepted, or the pod gone)."""
-        about = pending.about
-        named = f"{about.get('namespace')}/{about.get('name')}"
-        error = self._request(
-            self._api, about.get("namespace", ""), about.get("name", ""), about.get("uid", "")
-        )
+        """One request; whether the pod is done with (accepted, or the pod gone)."""
+        if pending.since is None:
+            pending.since = self._clock()
+        if self._clock() - pending.since >= self._timeout:
+            return self._deleted(pending)
+        error = self._request(self._evict, pending)
         if error is None:
-            log.warning("pod %s: evicted: %s", named, pending.message)
-            self._recorder.record(about, str(Reason.EVICTED), pending.message, True)
+            self._say(pending, "evicted", eviction.evicted(pending.why, pending.grace))
             return True
-        if isinstance(error, NotFound):
-            log.info("pod %s: not evicted, it is gone already", named)
-            return True
-        retry_in = pending.backoff.failed(self._clock())
+        if isinstance(error, (NotFound, Conflict)):
+            return self._gone(pending)
+        pending.refusal = str(error)
+        now = self._clock()
+        deleted_in = pending.since + self._timeout - now
+        if deleted_in <= 0:  # refused for long enough, the last try included
+            return self._deleted(pending)
+        retry_in = pending.backoff.failed(now, most=deleted_in)  # the deletion is not put off
         if isinstance(error, TooManyRequests):
-            text = eviction.refused(str(error), retry_in)
-            log.warning("pod %s: %s", named, text)
-            self._recorder.record(about, str(Reason.EVICTED), text, True)
-        elif isinstance(error, Forbidden):
-            if not self._forbidden_logged:
-                log.error("cannot evict pods: %s", error, exc_info=logs.detail(error))
-                self._forbidden_logged = True
+            text = eviction.refused(str(error), retry_in, deleted_in)
+            log.warning("pod %s: %s", _named(pending), text)
+            self._recorder.record(pending.about, str(Reason.EVICTED), text, True)
         else:
-            log.warning(
-                "pod %s: the eviction failed (%s); retrying in %.0fs",
-                named,
-                error,
-                retry_in,
-                exc_info=logs.detail(error),
-            )
+            self._failed(pending, error, retry_in)
         return False
+
+    def _deleted(self, pending: _Pending) -> bool:
+        """The pod deleted, whatever its budgets; whether it is done with."""
+        error = self._request(self._delete, pending)
+        if error is None:
+            since = pending.since if pending.since is not None else self._clock()
+            refused_for = self._clock() - since
+            refusal = pending.refusal if self._timeout > 0 else None
+            text = eviction.deleted(pending.why, refusal, refused_for, pending.grace)
+            self._say(pending, "deleted", text)
+            return True
+        if isinstance(error, (NotFound, Conflict)):
+            return self._gone(pending)
+        self._failed(pending, error, pending.backoff.failed(self._clock()))
+        return False
+
+    def _request(self, request: Request, pending: _Pending) -> KubeError | None:
+        about = pending.about
+        return request(
+            self._api,
+            about.get("namespace", ""),
+            about.get("name", ""),
+            about.get("uid", ""),
+            pending.grace,
+        )
+
+    def _say(self, pending: _Pending, done: str, text: str) -> None:
+        log.warning("pod %s: %s: %s", _named(pending), done, text)
+        self._recorder.record(pending.about, str(Reason.EVICTED), text, True)
+
+    @staticmethod
+    def _gone(pending: _Pending) -> bool:
+        log.info("pod %s: not evicted, it is gone already", _named(pending))
+        return True
+
+    def _failed(self, pending: _Pending, error: KubeError, retry_in: float) -> None:
+        if isinstance(error, Forbidden):
+            if error.verb not in self._forbidden_logged:
+                log.error("cannot make pods leave: %s", error, exc_info=logs.detail(error))
+                self._forbidden_logged.add(error.verb)
+            return
+        log.warning(
+            "pod %s: the request failed (%s); retrying in %.0fs",
+            _named(pending),
+            error,
+            retry_in,
+            exc_info=logs.detail(error),
+        )
+
+
+def _named(pending: _Pending) -> str:
+    return f"{pending.about.get('namespace')}/{pending.about.get('name')}"

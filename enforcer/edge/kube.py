@@ -70,6 +70,11 @@ class TooManyRequests(KubeError):
     PodDisruptionBudget does not allow it now."""
 
 
+class Conflict(KubeError):
+    """HTTP 409 after every retry: a precondition failed (a pod of that name now has
+    another UID), or the object changed under every try."""
+
+
 # One owner of retries: `call`'s policy (`retrying`), which knows the caller's deadline.
 # urllib3 retries nothing by itself: it would otherwise try a connection up to four times
 # inside one of our tries, each with that try's whole timeout, and obey a Retry-After of
@@ -264,7 +269,7 @@ def _short(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-_VERBS = {"GET": "get", "PATCH": "patch", "POST": "create"}
+_VERBS = {"GET": "get", "PATCH": "patch", "POST": "create", "DELETE": "delete"}
 
 
 # Its keyword arguments are the parts of one request, each optional: a type to group them
@@ -313,6 +318,8 @@ def call(  # noqa: PLR0913
         failed = f"{verb} {resource} failed: {_short(exc)}: {_reason(exc)}"
         if exc.status == 429:
             raise TooManyRequests(failed) from exc
+        if exc.status == 409:
+            raise Conflict(failed) from exc
         raise (NotFound(failed) if exc.status == 404 else KubeError(failed)) from exc
     except _NETWORK_ERRORS as exc:
         raise KubeError(f"{verb} {resource} failed: the API server is unreachable ({exc})") from exc
@@ -327,17 +334,19 @@ def _reason(exc: ApiException) -> str:
 
 
 def evict(
-    api: client.ApiClient, namespace: str, name: str, uid: str, deadline: float = 10.0
+    api: client.ApiClient, namespace: str, name: str, uid: str, grace: int, deadline: float = 10.0
 ) -> KubeError | None:
-    """Evict the pod (policy/v1 Eviction), as the kubelet and `kubectl drain` do, only if it
-    is still the pod of `uid` (a precondition: never a newcomer of the same name); None
-    once the API has accepted it, else the error (a PodDisruptionBudget that refuses it
-    now: `TooManyRequests`; the pod already gone: `NotFound`)."""
+    """Evict the pod (policy/v1 Eviction), as `kubectl drain` does, only if it is still the
+    pod of `uid` (a precondition: never a newcomer of the same name), with `grace` seconds
+    for its containers to stop (its own `terminationGracePeriodSeconds` otherwise, which
+    its author chose); None once the API has accepted it, else the error (a
+    PodDisruptionBudget that refuses it now: `TooManyRequests`; the pod gone: `NotFound`,
+    or `Conflict` where a newcomer has its name)."""
     body = {
         "apiVersion": "policy/v1",
         "kind": "Eviction",
         "metadata": {"name": name, "namespace": namespace},
-        "deleteOptions": {"preconditions": {"uid": uid}},
+        "deleteOptions": {"gracePeriodSeconds": grace, "preconditions": {"uid": uid}},
     }
     try:
         call(
@@ -345,6 +354,34 @@ def evict(
             "POST",
             EVICTION,
             "pods/eviction",
+            body=body,
+            deadline=deadline,
+            params={"namespace": namespace, "name": name},
+        )
+    except KubeError as exc:
+        return exc
+    return None
+
+
+def delete_pod(
+    api: client.ApiClient, namespace: str, name: str, uid: str, grace: int, deadline: float = 10.0
+) -> KubeError | None:
+    """Delete the pod, whatever its PodDisruptionBudgets, as the kubelet's node-pressure
+    eviction stops a pod; only if it is still the pod of `uid`, with `grace` seconds for its
+    containers to stop. None once the API has accepted it, else the error (`NotFound`, or
+    `Conflict` where a newcomer has its name: either way, that pod is gone)."""
+    body = {
+        "apiVersion": "v1",
+        "kind": "DeleteOptions",
+        "gracePeriodSeconds": grace,
+        "preconditions": {"uid": uid},
+    }
+    try:
+        call(
+            api,
+            "DELETE",
+            POD,
+            "pods",
             body=body,
             deadline=deadline,
             params={"namespace": namespace, "name": name},

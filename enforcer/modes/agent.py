@@ -547,7 +547,9 @@ def _pod_watch(
         served.watch = sidecars
         woken.append(sidecars)
         # A pod whose process the kernel will not let the agent signal is evicted instead.
-        evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"))
+        evictor = Evictor(
+            api, recorder, telemetry.unexpected.labels("evictor"), settings.eviction_timeout
+        )
         woken.append(evictor)
         backstop = Backstop(
             node, lambda: sidecars.silent, recorder, telemetry, host_proc, evictor.evict

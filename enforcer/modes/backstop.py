@@ -16,8 +16,10 @@ the process's start time, and its cgroup naming the container's ID in the pod's 
 status); and Events on the pod.
 Where the kernel refuses a signal all the same (EPERM: a security module, or an agent
 without CAP_KILL; not a user-namespaced pod, whose namespace is a child of the agent's), the
-pod is evicted through the API instead, once while it is held, as the kubelet
-evicts a pod it cannot hold to its memory (`core.eviction` says when).
+pod is made to leave through the API instead, once while it is held, with its policy's grace
+period: evicted, or, once its PodDisruptionBudgets have refused that for
+`--eviction-timeout`, deleted, as the kubelet's node-pressure eviction stops a pod it cannot
+hold to its memory (`core.eviction`).
 It hands the pod back as soon as the sidecar is heard again (`SidecarWatch` says when), and
 follows the victims it signalled to their end all the same: their SIGKILL comes at the
 deadline, after the same proof, whoever holds the pod by then (held again, a pod takes up
@@ -42,7 +44,7 @@ from enforcer.core.declaration import (
     unreadable,
 )
 from enforcer.core.dra import claim_names
-from enforcer.core.eviction import evicted, to_evict
+from enforcer.core.eviction import cause, grace_seconds, to_evict
 from enforcer.core.lending import Lending
 from enforcer.core.model import (
     Action,
@@ -76,8 +78,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Evict = Callable[[ObjectReference, str], None]
-"""Evict the pod (and container) named, for the reason given; never blocks."""
+Evict = Callable[[ObjectReference, str, int], None]
+"""Evict the pod (and container) named, for the reason given, with a grace period (s);
+never blocks."""
 
 
 class Backstop:
@@ -265,6 +268,7 @@ class _Held:
         )
         self._about = about
         self._evict = evict
+        self._grace = grace_seconds(policy)  # the policy's, not the pod's own
         self._evicted = False  # once while the pod is held, not on every pass
         self._asked: Mapping[str, Reclaim] = {}  # this pass's reclaims, by container ID
         reporters: list[Reporter] = [LogReporter(), _PodEvents(recorder, about, self._attributor)]
@@ -296,7 +300,7 @@ class _Held:
         if unit is not None:
             self._evicted = True
             about = pod_reference(*self._about, self._attributor.ref(unit.name))
-            self._evict(about, evicted(unit, self._attributor.label(unit.name)))
+            self._evict(about, cause(unit, self._attributor.label(unit.name)), self._grace)
 
     def _reclaims(self, gpus: tuple[Gpu, ...], /) -> dict[str, Reclaim]:
         """What this pass's lending asks of the pod's units, as its sidecar would take it."""

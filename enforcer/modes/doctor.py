@@ -382,6 +382,7 @@ _NEEDS: dict[str, list[tuple[str, str, str | None, bool]]] = {
         ("patch", "nodes", "status", False),
         ("list", "pods", None, False),
         ("watch", "pods", None, False),
+        ("delete", "pods", None, False),
         ("create", "pods", "eviction", False),
         ("list", "namespaces", None, False),
         ("watch", "namespaces", None, False),

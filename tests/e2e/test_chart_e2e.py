@@ -26,7 +26,7 @@ from kubernetes import client
 
 from enforcer.edge.kube import access_allowed as allowed
 from tests.e2e.actors import default_service_account
-from tests.e2e.cluster import OLDEST, ApiServer, oldest_apiserver_binary
+from tests.e2e.cluster import ISSUER, OLDEST, ApiServer, oldest_apiserver_binary
 from tests.e2e.helm import CHART, helm
 from tests.helpers import configured, free_port, wait_for
 
@@ -329,12 +329,15 @@ def test_service_accounts_can_do_what_they_need_and_no_more(
     assert allowed(agent, "list", "events", OPTED_IN)  # has a restarted agent said it already?
     # Which namespaces opted in: only their pods' sidecar environment is read.
     assert allowed(agent, "list", "namespaces") and allowed(agent, "watch", "namespaces")
+    # A pod whose budgets refuse its eviction for long is deleted (the chart's policy holds
+    # the agent to its own node's enforced pods: the test below).
+    assert allowed(agent, "delete", "pods", OPTED_IN)
     for verb, resource in (
         ("list", "nodes"),
         ("delete", "nodes"),
         ("get", "secrets"),
         ("get", "pods"),
-        ("delete", "pods"),
+        ("deletecollection", "pods"),
         ("delete", "events"),
     ):
         assert not allowed(
@@ -358,6 +361,88 @@ def test_service_accounts_can_do_what_they_need_and_no_more(
     assert not allowed(webhook, "get", "pods", OPTED_IN) and not allowed(
         webhook, "get", "secrets", NAMESPACE
     )
+
+
+def test_the_agent_may_delete_only_the_enforced_pods_of_its_own_node(
+    installed: Path, admin: client.ApiClient, apiserver: ApiServer
+) -> None:
+    """The agent may delete pods (the backstop's last resort, once a pod's budgets have
+    refused its eviction for --eviction-timeout), and RBAC cannot hold a DaemonSet to its
+    own node: the chart's ValidatingAdmissionPolicy does, from the node that the agent's
+    token names. Its token is bound to its pod, as the kubelet mounts it, and the API server
+    names the pod's node in it (on by default from 1.30). Another node's pod, a pod not
+    labelled enforced, and a token bound to no pod: refused."""
+    core = client.CoreV1Api(admin)
+    agent_sa = f"{RELEASE}-agent"
+
+    def pod(name: str, node: str, enforced: bool = True) -> dict[str, Any]:
+        labels = {"vram-enforcer.io/enforced": "true"} if enforced else {}
+        spec = {"nodeName": node, "containers": [{"name": "c", "image": "x"}]}
+        return {"metadata": {"name": name, "labels": labels}, "spec": spec}
+
+    for node in ("vap-gpu-a", "vap-gpu-b"):
+        core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=node)))
+    agent_pod = core.create_namespaced_pod(
+        NAMESPACE,
+        {
+            "metadata": {"name": "vap-agent"},
+            "spec": {
+                "nodeName": "vap-gpu-a",
+                "serviceAccountName": agent_sa,
+                "containers": [{"name": "agent", "image": "x"}],
+            },
+        },
+    )
+    request = client.AuthenticationV1TokenRequest(
+        spec=client.V1TokenRequestSpec(
+            audiences=[ISSUER],
+            bound_object_ref=client.V1BoundObjectReference(
+                kind="Pod", api_version="v1", name="vap-agent", uid=agent_pod.metadata.uid
+            ),
+        )
+    )
+    bound = core.create_namespaced_service_account_token(agent_sa, NAMESPACE, request)
+    agent = client.CoreV1Api(apiserver.client(bound.status.token))
+    unbound = client.CoreV1Api(apiserver.client(apiserver.token_for(NAMESPACE, agent_sa)))
+    tries = iter(range(1000))
+
+    def refused() -> bool:  # the API server loads a new policy within a few seconds
+        probe = f"vap-probe-{next(tries)}"
+        core.create_namespaced_pod("default", pod(probe, "vap-gpu-b"))
+        try:
+            agent.delete_namespaced_pod(probe, "default", grace_period_seconds=0)
+        except client.ApiException as exc:
+            return exc.status == 403
+        return False
+
+    try:
+        wait_for(refused, timeout=30, what="the agent's delete policy to be in force")
+        for name, node, enforced in (
+            ("vap-mine", "vap-gpu-a", True),
+            ("vap-theirs", "vap-gpu-b", True),
+            ("vap-unlabelled", "vap-gpu-a", False),
+        ):
+            core.create_namespaced_pod("default", pod(name, node, enforced))
+        for name, api, names in (
+            ("vap-theirs", agent, "its token names node vap-gpu-a"),
+            ("vap-unlabelled", agent, "its token names node vap-gpu-a"),
+            ("vap-mine", unbound, "its token names no node"),
+        ):
+            with pytest.raises(client.ApiException) as info:
+                api.delete_namespaced_pod(name, "default", grace_period_seconds=30)
+            assert info.value.status == 403, name
+            message = json.loads(info.value.body)["message"]
+            assert "may delete only the enforced pods of its own node" in message, message
+            assert names in message, message
+        deleting = agent.delete_namespaced_pod("vap-mine", "default", grace_period_seconds=30)
+        assert deleting.metadata.deletion_grace_period_seconds == 30  # no kubelet: it stays
+    finally:
+        for stale in core.list_namespaced_pod("default").items:
+            if stale.metadata.name.startswith("vap-"):
+                core.delete_namespaced_pod(stale.metadata.name, "default", grace_period_seconds=0)
+        core.delete_namespaced_pod("vap-agent", NAMESPACE, grace_period_seconds=0)
+        for node in ("vap-gpu-a", "vap-gpu-b"):
+            core.delete_node(node)
 
 
 def mutate_through_the_chart(admin: client.ApiClient, kubeconfig: Path, tmp: Path) -> Any:

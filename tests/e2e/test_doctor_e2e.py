@@ -14,8 +14,9 @@ from tests.e2e.actors import default_service_account, doctor, namespace_with_sid
 from tests.e2e.cluster import ApiServer
 
 AGENT_NEEDS = (
-    "get nodes, patch nodes, patch nodes/status, list pods, watch pods, create pods/eviction, "
-    "list namespaces, watch namespaces, create events, patch events, list events"
+    "get nodes, patch nodes, patch nodes/status, list pods, watch pods, delete pods, "
+    "create pods/eviction, list namespaces, watch namespaces, create events, patch events, "
+    "list events"
 )
 NONE_NEEDED = (
     "none needed: a sidecar of --api-access agent (the default) makes no API request: the "

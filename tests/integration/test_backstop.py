@@ -35,7 +35,7 @@ from enforcer.modes.backstop import Backstop, SilentPodAttributor
 from enforcer.modes.lender import Lender
 from enforcer.modes.node_view import NodeView
 from tests.helpers import children, wait_for
-from tests.pods_api import serving
+from tests.pods_api import PodsApi, serving
 
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
@@ -267,9 +267,9 @@ def test_a_pod_handed_back_before_the_grace_period_ends_still_gets_its_sigkill(
         victim.wait()
 
 
-# The agent's side of the test below: the backstop, its recorder and its evictor, as the
+# The agent's side of the tests below: the backstop, its recorder and its evictor, as the
 # agent wires them, running as root without CAP_KILL (argv: the API's URL, the victim's
-# pid and start time, the container's ID, the pod).
+# pid and start time, the container's ID, the pod, --eviction-timeout in seconds).
 EVICTING = """
 import json, sys, time
 from kubernetes import client
@@ -283,13 +283,13 @@ from enforcer.edge.procfs import ProcFs
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.node_view import NodeView
 
-url, pid, start, cid, pod = sys.argv[1:]
+url, pid, start, cid, pod, timeout = sys.argv[1:]
 configuration = client.Configuration()
 configuration.host = url
 api = api_client(configuration)
 telemetry = AgentTelemetry()
 recorder = EventRecorder(api, "node-a", "node-a", telemetry.event_failures)
-evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"))
+evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"), float(timeout))
 recorder.start()
 evictor.start()
 node = NodeView(lambda: {"u": json.loads(pod)}, lambda: frozenset({"team"}),
@@ -308,16 +308,14 @@ recorder.close(5)
 """
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv"
-)
-def test_a_pod_whose_signal_the_kernel_refuses_is_evicted_once_with_an_event(
-    cgroup2: Path,
-) -> None:
-    """The victim runs as another uid, and the agent's side has no CAP_KILL: the kernel
-    refuses the SIGTERM (EPERM), as it does for a user-namespaced pod. The pod, still over
-    its limit, is evicted through the API (policy/v1, on the pod's UID), once over several
-    passes, and an Event on its container says why; the victim is left alone."""
+def _refused_signal(
+    cgroup2: Path, api: PodsApi, timeout: str, pod_spec: dict[str, Any] | None = None
+) -> list[tuple[str, Any]]:
+    """The victim runs as another uid in the pod's container, over its limit, and the
+    agent's side (`EVICTING`, with `--eviction-timeout` `timeout`) has no CAP_KILL: the
+    kernel refuses its SIGTERM (EPERM), as a security module does. What the agent asked of
+    `api`, its POSTs (Events, evictions) then its DELETEs; the victim is never signalled.
+    The pod's sidecar environment gives it a grace period of 7s."""
     box = cgroup2 / f"cri-containerd-{CID}.scope"
     box.mkdir()
     procfs = ProcFs()
@@ -328,11 +326,15 @@ def test_a_pod_whose_signal_the_kernel_refuses_is_evicted_once_with_an_event(
         wait_for(lambda: procfs.cmdline(victim.pid) == "sleep 60", what="the victim's exec")
         st = procfs.stat(victim.pid)
         assert st is not None
-        sidecar_env = [{"name": "VRAM_ENFORCER_LIMITS", "value": json.dumps({"trainer": GiB})}]
+        sidecar_env = [
+            {"name": "VRAM_ENFORCER_LIMITS", "value": json.dumps({"trainer": GiB})},
+            {"name": "VRAM_ENFORCER_GRACE_PERIOD", "value": "7s"},
+        ]
         pod = {
             "metadata": {"uid": "u", "namespace": "team", "name": "p"},
             "spec": {
-                "containers": [{"name": "trainer"}, {"name": "vram-enforcer", "env": sidecar_env}]
+                **(pod_spec or {}),
+                "containers": [{"name": "trainer"}, {"name": "vram-enforcer", "env": sidecar_env}],
             },
             "status": {
                 "containerStatuses": [
@@ -341,53 +343,31 @@ def test_a_pod_whose_signal_the_kernel_refuses_is_evicted_once_with_an_event(
                 ]
             },
         }
-        with serving([]) as api:
-            agent = subprocess.run(
-                [
-                    "setpriv",
-                    "--inh-caps",
-                    "-all",
-                    "--bounding-set",
-                    "-kill",
-                    sys.executable,
-                    "-c",
-                    EVICTING,
-                    api.url,
-                    str(victim.pid),
-                    str(st.start_time),
-                    CID,
-                    json.dumps(pod),
-                ],
-                cwd=Path(__file__).parents[2],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-            assert agent.returncode == 0, agent.stderr
-            posts = list(api.posts)
-        evictions = [body for path, body in posts if path.endswith("/eviction")]
-        assert [path for path, _ in posts if path.endswith("/eviction")] == [
-            "/api/v1/namespaces/team/pods/p/eviction"
-        ]
-        assert evictions == [
-            {
-                "apiVersion": "policy/v1",
-                "kind": "Eviction",
-                "metadata": {"name": "p", "namespace": "team"},
-                "deleteOptions": {"preconditions": {"uid": "u"}},
-            }
-        ]
-        events = [body for path, body in posts if path == "/api/v1/namespaces/team/events"]
-        said = [e for e in events if e["reason"] == "VRAMEvicted"]
-        assert len(said) == 1, events
-        assert said[0]["involvedObject"]["fieldPath"] == "spec.containers{trainer}"
-        message = said[0]["message"]
-        assert "container 'trainer'" in message and "2.00 GiB" in message, message
-        assert "1.00 GiB VRAM limit" in message and "kernel refused the signal" in message
-        assert "evicted instead" in message
-        denied = [e["message"] for e in events if e["reason"] == "VRAMEnforced"]
-        assert any("denied" in m for m in denied), denied
+        agent = subprocess.run(
+            [
+                "setpriv",
+                "--inh-caps",
+                "-all",
+                "--bounding-set",
+                "-kill",
+                sys.executable,
+                "-c",
+                EVICTING,
+                api.url,
+                str(victim.pid),
+                str(st.start_time),
+                CID,
+                json.dumps(pod),
+                timeout,
+            ],
+            cwd=Path(__file__).parents[2],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert agent.returncode == 0, agent.stderr
         assert victim.poll() is None  # the kernel refused: never signalled
+        return [*api.posts, *api.deletes]
     finally:
         victim.kill()
         victim.wait()
@@ -501,3 +481,77 @@ def test_a_borrower_whose_sidecar_hung_up_is_held_to_its_ceiling_and_reclaimed_w
         server.close()
         worker.kill()
         worker.wait()
+
+
+def _evicted_events(asked: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    events = [body for path, body in asked if path == "/api/v1/namespaces/team/events"]
+    denied = [e["message"] for e in events if e["reason"] == "VRAMEnforced"]
+    assert any("denied" in m for m in denied), denied  # the signal was refused first
+    return [e for e in events if e["reason"] == "VRAMEvicted"]
+
+
+EVICTION = {
+    "apiVersion": "policy/v1",
+    "kind": "Eviction",
+    "metadata": {"name": "p", "namespace": "team"},
+    "deleteOptions": {"gracePeriodSeconds": 7, "preconditions": {"uid": "u"}},
+}
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv"
+)
+def test_a_pod_whose_signal_the_kernel_refuses_is_evicted_once_with_an_event(
+    cgroup2: Path,
+) -> None:
+    """The pod, still over its limit, is evicted through the API (policy/v1, on the pod's
+    UID, with its policy's grace period, not the hour its spec asks), once over several
+    passes, and an Event on its container says why."""
+    with serving([]) as api:
+        asked = _refused_signal(cgroup2, api, "60", {"terminationGracePeriodSeconds": 3600})
+    assert [(path, body) for path, body in asked if path.endswith("/eviction")] == [
+        ("/api/v1/namespaces/team/pods/p/eviction", EVICTION)
+    ]
+    assert api.deletes == []
+    said = _evicted_events(asked)
+    assert len(said) == 1, said
+    assert said[0]["involvedObject"]["fieldPath"] == "spec.containers{trainer}"
+    message = said[0]["message"]
+    assert "container 'trainer'" in message and "2.00 GiB" in message, message
+    assert "1.00 GiB VRAM limit" in message and "kernel refused the signal" in message
+    assert "evicted instead, with a grace period of 7s" in message
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv"
+)
+def test_a_pod_whose_budget_refuses_its_eviction_for_ever_is_deleted_with_its_policys_grace(
+    cgroup2: Path,
+) -> None:
+    """A PodDisruptionBudget of the tenant's that allows no disruption refuses the eviction
+    (429) for ever. The refusal is said, and once it has lasted `--eviction-timeout` (2s
+    here), the pod is deleted as the kubelet's node-pressure eviction stops a pod, whatever
+    its budgets: on its UID, with its policy's grace period; an Event says so (issue 42,
+    item 9)."""
+    with serving([]) as api:
+        api.refuse_evictions = True
+        asked = _refused_signal(cgroup2, api, "2", {"terminationGracePeriodSeconds": 3600})
+    evictions = [body for path, body in asked if path.endswith("/eviction")]
+    assert evictions and all(body == EVICTION for body in evictions), evictions
+    assert api.deletes == [
+        (
+            "/api/v1/namespaces/team/pods/p",
+            {
+                "apiVersion": "v1",
+                "kind": "DeleteOptions",
+                "gracePeriodSeconds": 7,
+                "preconditions": {"uid": "u"},
+            },
+        )
+    ]
+    said = [e["message"] for e in _evicted_events(asked)]
+    assert any("refused for now" in m and "disruption budget" in m for m in said), said
+    (deleted,) = [m for m in said if "deleted instead" in m]
+    assert "container 'trainer'" in deleted and "kernel refused the signal" in deleted
+    assert "after its eviction was refused for 2s" in deleted, deleted
+    assert "whatever its PodDisruptionBudgets" in deleted and "grace period of 7s" in deleted

@@ -347,6 +347,7 @@ AGENT_NEEDS = [
     ("patch", "nodes", "status", ""),
     ("list", "pods", "", ""),
     ("watch", "pods", "", ""),
+    ("delete", "pods", "", ""),
     ("create", "pods", "eviction", ""),
     ("list", "namespaces", "", ""),
     ("watch", "namespaces", "", ""),

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from enforcer.core.eviction import evicted, refused, to_evict
-from enforcer.core.model import GiB, ProcessKey, ProcessTotal, UnitUsage
+from enforcer.core.eviction import cause, deleted, evicted, grace_seconds, refused, to_evict
+from enforcer.core.model import Action, GiB, ProcessKey, ProcessTotal, UnitUsage
+from enforcer.core.policy import PolicyConfig
 
 
 def unit(name: str, used: int, limit: int) -> UnitUsage:
@@ -31,8 +32,24 @@ def test_of_several_refused_units_the_one_most_over_is_named() -> None:
 
 
 def test_the_events_say_which_container_its_usage_and_limit_and_why() -> None:
-    text = evicted(unit("trainer", 5 * GiB, 4 * GiB), "container 'trainer'")
-    assert text.startswith("container 'trainer' uses 5.00 GiB of its 4.00 GiB VRAM limit")
-    assert "kernel refused the signal" in text and "pod is evicted instead" in text
-    later = refused("a PodDisruptionBudget", 5.0)
+    why = cause(unit("trainer", 5 * GiB, 4 * GiB), "container 'trainer'")
+    assert why.startswith("container 'trainer' uses 5.00 GiB of its 4.00 GiB VRAM limit")
+    assert "kernel refused the signal" in why
+    assert evicted(why, 30).endswith("so the pod is evicted instead, with a grace period of 30s")
+    later = refused("a PodDisruptionBudget", 5.0, 55.2)
     assert "refused for now (a PodDisruptionBudget)" in later and "retrying in 5s" in later
+    assert "still refused in 55s, the pod is deleted whatever its PodDisruptionBudgets" in later
+    gone = deleted(why, "HTTP 429", 60.3, 30)
+    assert gone.startswith(why) and "refused for 60s (HTTP 429)" in gone
+    assert "as the kubelet's node-pressure eviction stops a pod" in gone
+    assert gone.endswith("with a grace period of 30s")
+
+
+def test_the_pod_gets_its_policys_grace_period_never_its_own_nor_0() -> None:
+    """Not the pod's `terminationGracePeriodSeconds`, which its author chose (unbounded);
+    `kill` gets the kubelet's 1 s of a hard eviction; 0 would be a force delete."""
+    assert grace_seconds(PolicyConfig(grace_period=30.0)) == 30
+    assert grace_seconds(PolicyConfig(grace_period=2.5)) == 3
+    assert grace_seconds(PolicyConfig(grace_period=0.0)) == 1
+    assert grace_seconds(PolicyConfig(Action.RESTART, grace_period=10.0)) == 10
+    assert grace_seconds(PolicyConfig(Action.KILL, grace_period=30.0)) == 1

@@ -1,4 +1,6 @@
-"""The agent's evictions: each pod asked for once, a refusal said and retried with backoff."""
+"""The agent's evictions: each pod asked for once, with its policy's grace period; a refusal
+said and retried with backoff; a refusal that lasts `--eviction-timeout` ends in a deletion
+of the pod, whatever its budgets."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from enforcer.core.payloads import ObjectReference
 from enforcer.edge.eviction import RETRY_FIRST, Evictor
-from enforcer.edge.kube import KubeError, NotFound, TooManyRequests
+from enforcer.edge.kube import Conflict, KubeError, NotFound, TooManyRequests
 from enforcer.edge.metrics import AgentTelemetry
 
 if TYPE_CHECKING:
@@ -19,18 +21,33 @@ POD: ObjectReference = {
     "name": "p",
     "uid": "u",
 }
+PDB = TooManyRequests("HTTP 429: Cannot evict pod as it would violate the pod's disruption budget")
 
 
 class Api:
-    """The eviction requests, answered in turn by `replies`."""
+    """The eviction and deletion requests, answered in turn by `evicting` and `deleting`
+    (the last answer of each, again and again)."""
 
-    def __init__(self, *replies: KubeError | None) -> None:
-        self.replies = list(replies)
-        self.asked: list[tuple[str, str, str]] = []
+    def __init__(
+        self, evicting: list[KubeError | None], deleting: list[KubeError | None] | None = None
+    ) -> None:
+        self.replies = {"evict": evicting, "delete": deleting or [None]}
+        self.asked: list[tuple[str, str, str, str, int]] = []
 
-    def __call__(self, api: Any, namespace: str, name: str, uid: str) -> KubeError | None:
-        self.asked.append((namespace, name, uid))
-        return self.replies.pop(0)
+    def _answer(self, verb: str, namespace: str, name: str, uid: str, grace: int) -> Any:
+        self.asked.append((verb, namespace, name, uid, grace))
+        replies = self.replies[verb]
+        return replies.pop(0) if len(replies) > 1 else replies[0]
+
+    def evict(self, api: Any, namespace: str, name: str, uid: str, grace: int) -> KubeError | None:
+        return self._answer("evict", namespace, name, uid, grace)  # type: ignore[no-any-return]
+
+    def delete(self, api: Any, namespace: str, name: str, uid: str, grace: int) -> KubeError | None:
+        return self._answer("delete", namespace, name, uid, grace)  # type: ignore[no-any-return]
+
+    @property
+    def verbs(self) -> list[str]:
+        return [verb for verb, *_ in self.asked]
 
 
 class Recorded:
@@ -41,24 +58,27 @@ class Recorded:
         self.events.append((reason, message))
 
 
-def evictor(api: Api, recorder: Recorded, now: list[float]) -> Evictor:
+def evictor(api: Api, recorder: Recorded, now: list[float], timeout: float = 60.0) -> Evictor:
     return Evictor(
         cast(Any, None),
         cast("EventRecorder", recorder),
         AgentTelemetry().unexpected.labels("evictor"),
+        timeout,
         lambda: now[0],
-        api,
+        (api.evict, api.delete),
     )
 
 
 def test_a_refused_eviction_is_said_and_retried_after_a_backoff_not_at_once() -> None:
-    api, recorder, now = Api(TooManyRequests("HTTP 429: PDB"), None), Recorded(), [100.0]
+    api, recorder, now = Api([PDB, None]), Recorded(), [100.0]
     agent = evictor(api, recorder, now)
-    agent.evict(POD, "why")
-    agent.evict(POD, "why")  # asked again meanwhile: one eviction
+    agent.evict(POD, "why", 30)
+    agent.evict(POD, "why", 30)  # asked again meanwhile: one eviction
     agent._attempt_due()
-    assert api.asked == [("team", "p", "u")] and agent.pending == 1
-    assert recorder.events[0][0] == "VRAMEvicted" and "HTTP 429: PDB" in recorder.events[0][1]
+    assert api.asked == [("evict", "team", "p", "u", 30)] and agent.pending == 1
+    reason, text = recorder.events[0]
+    assert reason == "VRAMEvicted" and "disruption budget" in text
+    assert "retrying in 5s" in text and "deleted whatever its PodDisruptionBudgets" in text
     for _ in range(10):
         agent._attempt_due()  # not due yet: nothing asked
     now[0] += RETRY_FIRST - 0.01
@@ -66,13 +86,54 @@ def test_a_refused_eviction_is_said_and_retried_after_a_backoff_not_at_once() ->
     assert len(api.asked) == 1
     now[0] += 2
     agent._attempt_due()
-    assert len(api.asked) == 2 and agent.pending == 0
-    assert recorder.events[-1] == ("VRAMEvicted", "why")
+    assert api.verbs == ["evict", "evict"] and agent.pending == 0
+    assert recorder.events[-1] == (
+        "VRAMEvicted",
+        "why, so the pod is evicted instead, with a grace period of 30s",
+    )
 
 
-def test_a_pod_already_gone_is_not_asked_for_again() -> None:
-    api, recorder, now = Api(NotFound("gone")), Recorded(), [0.0]
-    agent = evictor(api, recorder, now)
-    agent.evict(POD, "why")
+def test_an_eviction_refused_for_the_timeout_ends_in_a_deletion_the_backoff_does_not_delay() -> (
+    None
+):
+    """A budget that allows no disruption refuses for ever: the retries back off (5, 10,
+    20 s ...), but the pod is deleted once the refusal has lasted the timeout, not at the
+    next retry after it, with the same grace period; the Event says so."""
+    api, recorder, now = Api([PDB]), Recorded(), [0.0]
+    agent = evictor(api, recorder, now, timeout=30.0)
+    agent.evict(POD, "container 'trainer' uses 5.00 GiB of its 4.00 GiB VRAM limit", 7)
+    while agent.pending:
+        agent._attempt_due()
+        now[0] += 0.5
+    assert api.verbs[-1] == "delete" and api.verbs.count("delete") == 1
+    assert set(api.verbs[:-1]) == {"evict"} and 2 <= len(api.verbs[:-1]) <= 4
+    assert api.asked[-1] == ("delete", "team", "p", "u", 7)
+    assert 30.0 <= now[0] <= 31.0  # deleted at the timeout, not a backoff later
+    reason, text = recorder.events[-1]
+    assert reason == "VRAMEvicted" and text.startswith("container 'trainer' uses 5.00 GiB")
+    assert "deleted instead, after its eviction was refused for 30s" in text
+    assert "(HTTP 429: Cannot evict pod" in text and "grace period of 7s" in text
+    assert "as the kubelet's node-pressure eviction stops a pod" in text
+
+
+def test_with_a_timeout_of_0_the_pod_is_deleted_at_once() -> None:
+    api, recorder, now = Api([PDB]), Recorded(), [0.0]
+    agent = evictor(api, recorder, now, timeout=0.0)
+    agent.evict(POD, "why", 1)
     agent._attempt_due()
-    assert agent.pending == 0 and recorder.events == []
+    assert api.asked == [("delete", "team", "p", "u", 1)] and agent.pending == 0
+    assert "without an eviction asked for first (--eviction-timeout 0)" in recorder.events[0][1]
+
+
+def test_a_pod_already_gone_or_replaced_under_its_name_is_not_asked_for_again() -> None:
+    for gone in (NotFound("gone"), Conflict("HTTP 409: Precondition failed: UID")):
+        api, recorder, now = Api([gone]), Recorded(), [0.0]
+        agent = evictor(api, recorder, now)
+        agent.evict(POD, "why", 5)
+        agent._attempt_due()
+        assert agent.pending == 0 and recorder.events == []
+    api, recorder, now = Api([PDB], [NotFound("gone")]), Recorded(), [0.0]
+    agent = evictor(api, recorder, now, timeout=0.0)
+    agent.evict(POD, "why", 5)
+    agent._attempt_due()
+    assert api.verbs == ["delete"] and agent.pending == 0 and recorder.events == []

@@ -12,6 +12,7 @@ from enforcer.core.parsing import (
     as_text,
     duration_or_off,
     parse_bytes,
+    parse_duration,
     parse_names,
     positive_duration,
 )
@@ -189,6 +190,21 @@ CGROUP_SCAN = value(
     doc="how often the kubelet's pod and container cgroups are scanned for new ones (a pod "
     "change triggers a scan at once). A new cgroup gets its limit within this long",
 )
+EVICTION_TIMEOUT = value(
+    "eviction_timeout",
+    parse_duration,
+    "how long a pod's eviction may be refused before it is deleted",
+    flag="--eviction-timeout",
+    default="1m",
+    metavar="DURATION",
+    doc="a pod over its limit whose process the kernel will not let the agent signal (a "
+    "security module refuses it) is evicted through the API (policy/v1 `Eviction`), which "
+    "its PodDisruptionBudgets may refuse, for ever if one allows no disruption. Once the "
+    "eviction has been refused this long, the pod is deleted instead, whatever its budgets, "
+    "as the kubelet's node-pressure eviction stops a pod (a `VRAMEvicted` Event says so). "
+    "Its containers get the grace period of the pod's policy either way. `0`: delete at "
+    "once. Needs RBAC to create `pods/eviction` and to delete `pods`",
+)
 GPU_RESOURCES: Setting[tuple[str, ...]] = value(
     "gpu_resources",
     parse_names,
@@ -230,6 +246,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     DRA_CAPACITY,
     POD_RESOURCES_SOCKET,
     GPU_RESOURCES,
+    EVICTION_TIMEOUT,
     LOG_FORMAT,
     VERBOSE,
 )
@@ -263,6 +280,7 @@ class AgentSettings:
     dra: DraSettings  # hard limits for pods with DRA claims: which allocations are GPUs
     pod_resources_socket: str  # "": the kubelet's assignments are not read
     gpu_resources: tuple[str, ...]
+    eviction_timeout: float  # s: how long an eviction may be refused before the pod is deleted
 
     @property
     def uses_api(self) -> bool:
@@ -308,4 +326,5 @@ def agent_settings(values: Values) -> AgentSettings:
         dra=dra_settings(values),
         pod_resources_socket=values[POD_RESOURCES_SOCKET],
         gpu_resources=values[GPU_RESOURCES],
+        eviction_timeout=values[EVICTION_TIMEOUT],
     )
