@@ -346,21 +346,9 @@ def evict(
         "apiVersion": "policy/v1",
         "kind": "Eviction",
         "metadata": {"name": name, "namespace": namespace},
-        "deleteOptions": {"gracePeriodSeconds": grace, "preconditions": {"uid": uid}},
+        "deleteOptions": _delete_options(uid, grace),
     }
-    try:
-        call(
-            api,
-            "POST",
-            EVICTION,
-            "pods/eviction",
-            body=body,
-            deadline=deadline,
-            params={"namespace": namespace, "name": name},
-        )
-    except KubeError as exc:
-        return exc
-    return None
+    return _leave(api, "POST", EVICTION, "pods/eviction", namespace, name, body, deadline)
 
 
 def delete_pod(
@@ -370,18 +358,31 @@ def delete_pod(
     eviction stops a pod; only if it is still the pod of `uid`, with `grace` seconds for its
     containers to stop. None once the API has accepted it, else the error (`NotFound`, or
     `Conflict` where a newcomer has its name: either way, that pod is gone)."""
-    body = {
-        "apiVersion": "v1",
-        "kind": "DeleteOptions",
-        "gracePeriodSeconds": grace,
-        "preconditions": {"uid": uid},
-    }
+    body = {"apiVersion": "v1", "kind": "DeleteOptions", **_delete_options(uid, grace)}
+    return _leave(api, "DELETE", POD, "pods", namespace, name, body, deadline)
+
+
+def _delete_options(uid: str, grace: int) -> dict[str, Any]:
+    return {"gracePeriodSeconds": grace, "preconditions": {"uid": uid}}
+
+
+def _leave(
+    api: client.ApiClient,
+    method: str,
+    path: str,
+    resource: str,
+    namespace: str,
+    name: str,
+    body: dict[str, Any],
+    deadline: float,
+) -> KubeError | None:
+    """One request that makes the pod `namespace/name` leave: None once accepted."""
     try:
         call(
             api,
-            "DELETE",
-            POD,
-            "pods",
+            method,
+            path,
+            resource,
             body=body,
             deadline=deadline,
             params={"namespace": namespace, "name": name},
