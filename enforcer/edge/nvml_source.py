@@ -5,12 +5,10 @@ Apart from `sources.py` so that a sidecar reading from the node agent never load
 
 from __future__ import annotations
 
-import logging
 import select
 import time
 from dataclasses import dataclass
 
-from enforcer.core import messages
 from enforcer.core.model import (
     ProcessKey,
     ProcessUsage,
@@ -24,8 +22,6 @@ from enforcer.edge.nvml import Nvml, NvmlError
 from enforcer.edge.pid_view import PidView, boot_ticks
 from enforcer.edge.pidfd import Pinned
 from enforcer.edge.procfs import NsChain, ProcFs
-
-log = logging.getLogger(__name__)
 
 NVIDIA_DRIVER_PREFIX = "nvidia"  # /proc/devices: nvidia-frontend (195), nvidia-uvm, nvidia-caps
 
@@ -190,7 +186,6 @@ class NvmlSource:
     def __init__(self, nvml: Nvml, view: PidView, gpu_majors: frozenset[int] | None = None) -> None:
         self._nvml = nvml
         self._table = _ProcessTable(view, gpu_majors)
-        self._said: set[int] = set()  # the pids said to be unplaced, while they stay so
 
     def sample(self) -> Sample | SourceDown:
         looked_at = boot_ticks()
@@ -208,7 +203,6 @@ class NvmlSource:
                 key = ProcessKey(entry.pid, entry.start_time)
                 used, activity = (p.used_bytes, p.activity) if entry.proven else (None, None)
                 processes.append(ProcessUsage(key, p.device_uuid, used, entry.chain, activity))
-        self._say_unplaced(unplaced)
         return Sample(
             time.time(),
             snap.devices,
@@ -217,16 +211,6 @@ class NvmlSource:
             snap.activity_read_at,
             tuple(unplaced),
         )
-
-    def _say_unplaced(self, unplaced: list[Unplaced]) -> None:
-        """Each process that cannot be placed, said once while NVML lists it."""
-        by_pid: dict[int, list[Unplaced]] = {}
-        for u in unplaced:
-            by_pid.setdefault(u.pid, []).append(u)
-        for pid, held in by_pid.items():
-            if pid not in self._said:
-                log.warning("%s", messages.unplaced(pid, held))
-        self._said = set(by_pid)
 
     def fileno(self) -> int | None:
         return None  # sampled on demand: the loop ticks on its interval

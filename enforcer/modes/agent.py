@@ -31,7 +31,7 @@ from enforcer.core import messages
 from enforcer.core.attribution import usage_by_container
 from enforcer.core.declaration import SIDECAR, Declares
 from enforcer.core.gpu_faults import Faults, passed
-from enforcer.core.model import Device, Sample, SourceDown
+from enforcer.core.model import Device, Sample, SourceDown, Unplaced
 from enforcer.core.payloads import ObjectReference
 from enforcer.core.pod_directory import event_about
 from enforcer.core.reasons import Reason
@@ -180,6 +180,7 @@ class Sampler(threading.Thread):
         self._steps = steps or PodSteps()
         self.stop = threading.Event()
         self._up: bool | None = None
+        self._unplaced_said: set[int] = set()  # pids, while they stay unplaced
         self._guard = LoopGuard("sampler", telemetry.unexpected.labels("sampler"), log)
         self.last_pass = time.monotonic()  # when the last pass completed without a bug
 
@@ -222,9 +223,19 @@ class Sampler(threading.Thread):
         if isinstance(sample, Sample):
             self._telemetry.node.devices = sample.devices
             self._telemetry.node.unplaced = sample.unplaced
+            self._say_unplaced(sample.unplaced)
             self._faults.update(sample)
             if _device_shape(sample.devices) != _device_shape(self._passes.devices.get()):
                 self._passes.devices.set(sample.devices)
+
+    def _say_unplaced(self, unplaced: Sequence[Unplaced]) -> None:
+        """Each process that cannot be placed in a pod, said once while it stays so."""
+        held: dict[int, list[Unplaced]] = {}
+        for u in unplaced:
+            held.setdefault(u.pid, []).append(u)
+        for pid in sorted(held.keys() - self._unplaced_said):
+            log.warning("%s", messages.unplaced(pid, held[pid]))
+        self._unplaced_said = set(held)
 
 
 class Advertiser(threading.Thread):
