@@ -116,6 +116,7 @@ CHART_FLAGS: tuple[ChartFlag, ...] = (
     ChartFlag("agent.reserve", "agent", "--reserve", form=Quantity()),
     ChartFlag("agent.reclaimWatermark", "agent", "--reclaim-watermark", form=Quantity()),
     ChartFlag("agent.resync", "agent", "--resync", form=Duration(Fraction(1))),
+    ChartFlag("agent.evictionTimeout", "agent", "--eviction-timeout", form=Duration()),
     ChartFlag("resource.name", "agent", "--resource-name"),
     ChartFlag("resource.name", "webhook", "--resource-name"),
     ChartFlag("resource.unit", "agent", "--resource-unit", form=Quantity(minimum=1)),
