@@ -47,12 +47,9 @@ from enforcer.edge.sidecar_dialer import Dialer, dial, dial_container
 from enforcer.edge.usage_server import ServerHooks, ServerMetrics, UsageServer
 from enforcer.modes.sidecar_watch import SidecarNews, SidecarProcesses, SidecarWatch
 from tests.helpers import remove_cgroup_tree, wait_for
+from tests.hung_fuse import hung_fuse_at
 from tests.integration.test_agent_pods import Caller
-from tests.integration.test_forged_sidecars import (
-    hung_fuse_at,
-    in_its_own_namespaces,
-    injected_pod,
-)
+from tests.integration.test_forged_sidecars import in_its_own_namespaces, injected_pod
 
 
 def available() -> str | None:

@@ -6,6 +6,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -178,3 +179,12 @@ def write_kubeconfig(path: Path, server: str) -> Path:
         "contexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n"
     )
     return path
+
+
+def end_namespace(proc: subprocess.Popen[str], pid: int | None) -> None:
+    """The pod's first process (all of its PID namespace goes with it), then unshare."""
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.kill()
+    proc.wait()

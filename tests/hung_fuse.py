@@ -5,6 +5,10 @@ libfuse. While it answers, it serves one regular file, `file`, whose attributes 
 cached (`attr_valid` 0), so that every `stat` of it asks the daemon; once `hang()` is
 called, every request is read and left unanswered, and the caller's `stat` waits in the
 kernel until the mount goes (`close()` aborts the connection: whatever waits gets ENOTCONN).
+
+`hung_fuse_at` is the other kind: a mount that never answered at all (its daemon never reads
+/dev/fuse), in the mount namespace of a process of its own, where a sidecar's socket would
+be: whatever looks inside waits from its first lookup.
 """
 
 from __future__ import annotations
@@ -16,10 +20,18 @@ import os
 import select
 import stat
 import struct
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
+
+from enforcer.core.protocol import SIDECAR_SOCKET_DIR
+from tests.helpers import children, end_namespace, wait_for
 
 _IN_HEADER = struct.Struct("<IIQQIIIHH")  # len, opcode, unique, nodeid, uid, gid, pid, ...
 _OUT_HEADER = struct.Struct("<IiQ")  # len, error, unique
@@ -116,3 +128,50 @@ def hung_fuse(mountpoint: Path) -> Iterator[HungFuse]:
         yield fuse
     finally:
         fuse.close()
+
+
+# A FUSE filesystem whose server never answers: /dev/fuse opened, mounted, and never read.
+# Every lookup in it waits in the kernel (for the INIT reply) until the server's descriptor
+# is closed: a hard NFS mount whose server is gone, as a pod of `baseline` may mount one.
+HUNG_FUSE = textwrap.dedent(
+    """
+    import ctypes, os, sys, time
+    fd = os.open("/dev/fuse", os.O_RDWR)
+    options = f"fd={fd},rootmode=40000,user_id=0,group_id=0".encode()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"hung", sys.argv[1].encode(), b"fuse", 0, options) != 0:
+        sys.exit(f"mount: {os.strerror(ctypes.get_errno())}")
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@contextmanager
+def hung_fuse_at(where: str) -> Iterator[int]:
+    """A process in namespaces of its own (as `in_its_own_namespaces`) with a FUSE mount
+    that never answers at `where`; yields its pid. Ending it unblocks every lookup."""
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse here")
+    command = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "--pid",
+        "--fork",
+        "sh",
+        "-c",
+        f"mount -t tmpfs tmpfs /run && mkdir -p {SIDECAR_SOCKET_DIR} && "
+        f'exec {sys.executable} -c "$0" "$1"',
+        HUNG_FUSE,
+        where,
+    ]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        pid = wait_for(lambda: children(proc.pid), what="the pod's first process")[0]
+        yield pid
+    finally:
+        end_namespace(proc, pid)

@@ -22,12 +22,9 @@ import contextlib
 import os
 import secrets
 import select
-import signal
 import socket
 import stat
 import subprocess
-import sys
-import textwrap
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,7 +44,8 @@ from enforcer.edge.usage_server import ServerHooks, UsageServer
 from enforcer.modes.node_view import NodeView
 from enforcer.modes.pod_metrics import PodCounts
 from enforcer.modes.sidecar_watch import SidecarNews, SidecarProcesses, SidecarWatch
-from tests.helpers import children, scratch_cgroup, wait_for
+from tests.helpers import children, end_namespace, scratch_cgroup, wait_for
+from tests.hung_fuse import hung_fuse_at
 from tests.integration.conftest import TELEMETRY, serving
 from tests.integration.test_agent_pods import Caller
 from tests.integration.test_sidecar_watch import Recorded
@@ -128,16 +126,7 @@ def in_its_own_namespaces(
             (cgroup / "cgroup.procs").write_text(str(pid))
         yield pid
     finally:
-        ended(proc, pid)
-
-
-def ended(proc: subprocess.Popen[str], pid: int | None) -> None:
-    """The pod's first process (all of its PID namespace goes with it), then unshare."""
-    if pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.kill()
-    proc.wait()
+        end_namespace(proc, pid)
 
 
 @pytest.fixture
@@ -287,53 +276,6 @@ def test_a_sidecar_keeps_its_live_link_through_a_connection_that_delivers_nothin
     victim.send("kills 1")  # a report: on the live link, which the agent still holds
     wait_for(lambda: requests("report") > before, what="the report on the live link")
     assert not news.hang_ups() and server.connected == {VICTIM}
-
-
-# A FUSE filesystem whose server never answers: /dev/fuse opened, mounted, and never read.
-# Every lookup in it waits in the kernel (for the INIT reply) until the server's descriptor
-# is closed: a hard NFS mount whose server is gone, as a pod of `baseline` may mount one.
-HUNG_FUSE = textwrap.dedent(
-    """
-    import ctypes, os, sys, time
-    fd = os.open("/dev/fuse", os.O_RDWR)
-    options = f"fd={fd},rootmode=40000,user_id=0,group_id=0".encode()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"hung", sys.argv[1].encode(), b"fuse", 0, options) != 0:
-        sys.exit(f"mount: {os.strerror(ctypes.get_errno())}")
-    print("ready", flush=True)
-    time.sleep(600)
-    """
-)
-
-
-@contextlib.contextmanager
-def hung_fuse_at(where: str) -> Iterator[int]:
-    """A process in namespaces of its own (as `in_its_own_namespaces`) with a FUSE mount
-    that never answers at `where`; yields its pid. Ending it unblocks every lookup."""
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse here")
-    command = [
-        "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "--pid",
-        "--fork",
-        "sh",
-        "-c",
-        f"mount -t tmpfs tmpfs /run && mkdir -p {SIDECAR_SOCKET_DIR} && "
-        f'exec {sys.executable} -c "$0" "$1"',
-        HUNG_FUSE,
-        where,
-    ]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    pid = None
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        pid = wait_for(lambda: children(proc.pid), what="the pod's first process")[0]
-        yield pid
-    finally:
-        ended(proc, pid)
 
 
 def said_hung(watch: SidecarWatch) -> bool:
