@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from enforcer.core.protocol import SIDECAR_SOCKET_DIR
+
 PROC_FIXTURES = Path(__file__).parent / "fixtures" / "proc"
 
 
@@ -188,3 +190,19 @@ def end_namespace(proc: subprocess.Popen[str], pid: int | None) -> None:
             os.kill(pid, signal.SIGKILL)
     proc.kill()
     proc.wait()
+
+
+# A pod of its own: its own PID namespace, and its own mount namespace, with a tmpfs over
+# /run in which the sidecar's emptyDir directory is made (nothing is left on the host); the
+# command that follows runs there, as its first process.
+POD_NAMESPACES = [
+    "unshare",
+    "--mount",
+    "--propagation",
+    "private",
+    "--pid",
+    "--fork",
+    "sh",
+    "-c",
+    f'mount -t tmpfs tmpfs /run && mkdir -p {SIDECAR_SOCKET_DIR} && exec "$0" "$@"',
+]

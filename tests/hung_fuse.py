@@ -30,8 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from enforcer.core.protocol import SIDECAR_SOCKET_DIR
-from tests.helpers import children, end_namespace, wait_for
+from tests.helpers import POD_NAMESPACES, children, end_namespace, wait_for
 
 _IN_HEADER = struct.Struct("<IIQQIIIHH")  # len, opcode, unique, nodeid, uid, gid, pid, ...
 _OUT_HEADER = struct.Struct("<IiQ")  # len, error, unique
@@ -153,20 +152,7 @@ def hung_fuse_at(where: str) -> Iterator[int]:
     that never answers at `where`; yields its pid. Ending it unblocks every lookup."""
     if not os.path.exists("/dev/fuse"):
         pytest.skip("no /dev/fuse here")
-    command = [
-        "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "--pid",
-        "--fork",
-        "sh",
-        "-c",
-        f"mount -t tmpfs tmpfs /run && mkdir -p {SIDECAR_SOCKET_DIR} && "
-        f'exec {sys.executable} -c "$0" "$1"',
-        HUNG_FUSE,
-        where,
-    ]
+    command = [*POD_NAMESPACES, sys.executable, "-c", HUNG_FUSE, where]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     pid = None
     try:

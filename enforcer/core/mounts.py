@@ -12,15 +12,24 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# Lookups answered in memory (tmpfs: an emptyDir of medium Memory; ramfs; devtmpfs;
-# overlay over them) or from a local block device: none waits on a server. FUSE (and
-# virtiofs, which is FUSE), NFS, CIFS, 9p, Ceph and the like are left out: each waits on a
-# server, whoever runs it.
+# Filesystems whose lookups and metadata are answered from this machine's memory or its own
+# disks: tmpfs (an emptyDir of medium Memory; a container's /dev), devtmpfs, the kernel's
+# own (proc, sysfs, cgroup, devpts, mqueue, hugetlbfs), overlay (a container's root) and
+# local disks' filesystems. FUSE (a daemon; virtiofs is FUSE too), NFS, CIFS, 9p, Ceph and
+# other network filesystems are left out: each waits on another party, which may never
+# answer.
 LOCAL_FILESYSTEMS = frozenset(
     {
         "tmpfs",
         "ramfs",
         "devtmpfs",
+        "devpts",
+        "mqueue",
+        "hugetlbfs",
+        "proc",
+        "sysfs",
+        "cgroup",
+        "cgroup2",
         "overlay",
         "ext2",
         "ext3",
@@ -29,6 +38,7 @@ LOCAL_FILESYSTEMS = frozenset(
         "btrfs",
         "zfs",
         "f2fs",
+        "vfat",
         "squashfs",
         "erofs",
     }
@@ -60,6 +70,22 @@ def parse_mountinfo(text: str) -> dict[int, Mount]:
         point = _ESCAPED.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
         found[int(fields[0])] = Mount(point, rest[0])
     return found
+
+
+def local_mounts(mounts: dict[int, Mount]) -> frozenset[int]:
+    """The IDs of those of `mounts` that are `local`."""
+    return frozenset(ident for ident, mount in mounts.items() if mount.local)
+
+
+def parse_mount_id(fdinfo: str) -> int | None:
+    """From `/proc/<pid>/fdinfo/<fd>`: the ID of the mount the open file is on (`mnt_id`,
+    Linux 3.15+), as the kernel keeps it, asking the file's filesystem nothing."""
+    for line in fdinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key == "mnt_id":
+            value = value.strip()
+            return int(value) if value.isascii() and value.isdigit() else None
+    return None
 
 
 def first_of_type(mounts: dict[int, Mount], fstype: str) -> Mount | None:

@@ -20,6 +20,7 @@ from stat import S_ISCHR
 from enforcer.core.attribution import oldest
 from enforcer.core.cgroups import CgroupEntry, container_id, parse_cgroup
 from enforcer.core.model import ProcessKey, ProcessTotal
+from enforcer.core.mounts import local_mounts, parse_mount_id, parse_mountinfo
 from enforcer.edge.cgroupfs import ContainerCgroups
 
 # The inode of the initial PID namespace (PROC_PID_INIT_INO in the kernel).
@@ -88,59 +89,8 @@ def parse_char_majors(text: str, driver_prefix: str) -> frozenset[int]:
     return frozenset(majors)
 
 
-# Filesystems whose metadata a stat reads from this machine's memory or its own disks, never
-# from another party that may not answer: not FUSE (a daemon), NFS, CIFS, 9p, Ceph and other
-# network filesystems. A container's /dev (tmpfs, or the host's devtmpfs bound in) and its
-# root (overlay on a local disk) are among them.
-LOCAL_FILESYSTEMS = frozenset(
-    {
-        "devtmpfs",
-        "tmpfs",
-        "ramfs",
-        "devpts",
-        "mqueue",
-        "hugetlbfs",
-        "proc",
-        "sysfs",
-        "cgroup",
-        "cgroup2",
-        "overlay",
-        "ext2",
-        "ext3",
-        "ext4",
-        "xfs",
-        "btrfs",
-        "vfat",
-        "squashfs",
-        "erofs",
-    }
-)
-
-
-def parse_local_mounts(mountinfo: str) -> frozenset[int]:
-    """From `/proc/<pid>/mountinfo`: the IDs of the mounts of `LOCAL_FILESYSTEMS`. Each
-    line is `ID PARENT MAJ:MIN ROOT POINT OPTIONS [TAGS...] - TYPE SOURCE OPTIONS`; paths
-    have their spaces escaped (`\\040`), so ` - ` only ever ends the tags."""
-    found = set()
-    for line in mountinfo.splitlines():
-        head, _, tail = line.partition(" - ")
-        ident = head.partition(" ")[0]
-        if tail.partition(" ")[0] in LOCAL_FILESYSTEMS and ident.isascii() and ident.isdigit():
-            found.add(int(ident))
-    return frozenset(found)
-
-
-def parse_mount_id(fdinfo: str) -> int | None:
-    """From `/proc/<pid>/fdinfo/<fd>`: the ID of the mount the open file is on."""
-    for line in fdinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key == "mnt_id":
-            value = value.strip()
-            return int(value) if value.isascii() and value.isdigit() else None
-    return None
-
-
-def _mount_id(fdinfo_path: str) -> int | None:
+def mount_of(fdinfo_path: str) -> int | None:
+    """The ID of the mount an open file is on, from its fdinfo (`mounts.parse_mount_id`)."""
     fd = os.open(fdinfo_path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         return parse_mount_id(os.read(fd, 256).decode("ascii", errors="replace"))
@@ -161,11 +111,11 @@ def _device_major(fd_path: str, fdinfo_path: str, local: frozenset[int]) -> int 
       mount is checked again before its metadata is read: a descriptor replaced meanwhile
       by a file elsewhere is not judged.
     """
-    if _mount_id(fdinfo_path) not in local:
+    if mount_of(fdinfo_path) not in local:
         return None
     fd = os.open(fd_path, os.O_PATH | os.O_CLOEXEC)
     try:
-        if _mount_id(f"/proc/self/fdinfo/{fd}") not in local:
+        if mount_of(f"/proc/self/fdinfo/{fd}") not in local:
             return None
         st = os.fstat(fd)
     finally:
@@ -288,7 +238,7 @@ class ProcFs:
 
         The process chose what it holds open, and following a descriptor to its file asks
         the file's filesystem (a FUSE daemon, an NFS server) about it, which may never
-        answer. So only files on the process's mounts of `LOCAL_FILESYSTEMS` are followed
+        answer. So only files on the process's mounts of `mounts.LOCAL_FILESYSTEMS` are followed
         (`_device_major`); one elsewhere is not judged, and cannot prove anything. That
         leaves a race (the descriptor replaced between the checks and the walk to its
         file), which is why the caller looks from a thread of its own (`DeviceProofs`).
@@ -345,12 +295,10 @@ class ProcFs:
         return None if unreadable else False
 
     def local_mounts(self, pid: int) -> frozenset[int] | None:
-        """The IDs of the process's mounts of `LOCAL_FILESYSTEMS`, from its `mountinfo`
-        (which the kernel writes from memory, asking no filesystem)."""
-        data = self._read_bytes(pid, "mountinfo")
-        if data is None:
-            return None
-        return parse_local_mounts(data.decode("utf-8", errors="replace"))
+        """The IDs of the process's mounts of `mounts.LOCAL_FILESYSTEMS`, from its
+        `mountinfo` (which the kernel writes from memory, asking no filesystem)."""
+        text = self.mountinfo(pid)
+        return None if text is None else local_mounts(parse_mountinfo(text))
 
     def char_majors(self, driver_prefix: str) -> frozenset[int]:
         """The majors of the character devices whose driver's name starts with

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from enforcer.core.mounts import Mount, parse_mountinfo
 from enforcer.edge.pidfd import Pinned
-from enforcer.edge.procfs import ProcFs
+from enforcer.edge.procfs import ProcFs, mount_of
 
 SYS_OPENAT2 = 437  # the same on every architecture (new system calls share one table)
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -86,7 +86,7 @@ def open_in(host_proc: ProcFs, process: Pinned, path: str, kind: int) -> int | P
         if mountinfo is None:
             return f"cannot read the mounts of process {pid}"
         mounts = parse_mountinfo(mountinfo)
-        here = _mount_of(root)
+        here = mount_of(f"/proc/self/fdinfo/{root}")
         if here is None:
             return f"cannot read which mount the root of process {pid} is on"
         if (problem := _unless_local(mounts, here, "/")) is not None:
@@ -100,7 +100,7 @@ def open_in(host_proc: ProcFs, process: Pinned, path: str, kind: int) -> int | P
             except OSError as exc:
                 return _why(exc, walked)
             opened.append(fd)
-            mount = _mount_of(fd)
+            mount = mount_of(f"/proc/self/fdinfo/{fd}")
             if mount is None:
                 return f"cannot read which mount {walked} is on"
             if mount != here:
@@ -146,19 +146,6 @@ def _why(exc: OSError, walked: str) -> Planted | str:
     if exc.errno == errno.EXDEV:
         return Planted(f"{walked} leads out of the container's root: not followed")
     return f"{walked}: {exc.strerror or exc}"
-
-
-def _mount_of(fd: int) -> int | None:
-    """The ID of the mount the descriptor is on (`mnt_id`, Linux 3.15+), as this process's
-    fdinfo says: read from the kernel's own record, not from the filesystem."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("mnt_id:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
 
 
 def _unless_local(mounts: dict[int, Mount], mount_id: int, where: str) -> Planted | None:

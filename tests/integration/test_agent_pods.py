@@ -33,7 +33,7 @@ from enforcer.core.declaration import ENFORCED, SIDECAR
 from enforcer.core.model import SourceDown
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod_directory import Directory, directory, event_about, kept
-from enforcer.core.protocol import SIDECAR_SOCKET, SIDECAR_SOCKET_DIR
+from enforcer.core.protocol import SIDECAR_SOCKET
 from enforcer.core.sidecar_presence import FIRST_RETRY
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sidecar_dialer import dial_container
@@ -45,7 +45,7 @@ from enforcer.edge.usage_server import (
 )
 from enforcer.modes.pod_metrics import PodCounts
 from enforcer.modes.sidecar_watch import HANDED_FOR, SidecarNews, SidecarProcesses, SidecarWatch
-from tests.helpers import children, scratch_cgroup, wait_for
+from tests.helpers import POD_NAMESPACES, children, scratch_cgroup, wait_for
 from tests.integration.conftest import TELEMETRY, check_and_dial, dialer, serving
 
 if TYPE_CHECKING:
@@ -151,21 +151,6 @@ CALLER = (
     .replace("INTRUDER_CODE", repr(INTRUDER))
     .replace("PLANTED_CODE", repr(PLANTED))
 )
-
-
-# A sidecar of its own: its own PID namespace, as in a pod, and its own mount namespace, with
-# a tmpfs over /run in which the emptyDir's directory is made (nothing is left on the host).
-POD_NAMESPACES = [
-    "unshare",
-    "--mount",
-    "--propagation",
-    "private",
-    "--pid",
-    "--fork",
-    "sh",
-    "-c",
-    f'mount -t tmpfs tmpfs /run && mkdir -p {SIDECAR_SOCKET_DIR} && exec "$0" "$@"',
-]
 
 
 TEAM = frozenset({"team"})  # the namespace that opted in

@@ -44,7 +44,7 @@ from enforcer.edge.usage_server import ServerHooks, UsageServer
 from enforcer.modes.node_view import NodeView
 from enforcer.modes.pod_metrics import PodCounts
 from enforcer.modes.sidecar_watch import SidecarNews, SidecarProcesses, SidecarWatch
-from tests.helpers import children, end_namespace, scratch_cgroup, wait_for
+from tests.helpers import POD_NAMESPACES, children, end_namespace, scratch_cgroup, wait_for
 from tests.hung_fuse import hung_fuse_at
 from tests.integration.conftest import TELEMETRY, serving
 from tests.integration.test_agent_pods import Caller
@@ -104,18 +104,7 @@ def in_its_own_namespaces(
     """A process in a mount and PID namespace of its own, with a tmpfs over /run and the
     emptyDir's directory made, that runs `script` (sh) there and `then` (it sleeps); moved
     into `cgroup` (a container's, as the kubelet names it). Yields its pid."""
-    command = [
-        "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "--pid",
-        "--fork",
-        "sh",
-        "-c",
-        f"mount -t tmpfs tmpfs /run && mkdir -p {SIDECAR_SOCKET_DIR} && {script} && "
-        f"echo ready && {then}",
-    ]
+    command = [*POD_NAMESPACES, "sh", "-c", f"{script} && echo ready && {then}"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     pid = None
     try:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from enforcer.core.mounts import Mount, first_of_type, parse_mountinfo
+from enforcer.core.mounts import (
+    Mount,
+    first_of_type,
+    local_mounts,
+    parse_mount_id,
+    parse_mountinfo,
+)
 
 # As the kernel writes it (proc(5)): optional fields before " - ", a space in a mount
 # point escaped as \\040, and a line that is not one (ignored).
@@ -31,4 +37,11 @@ def test_only_filesystems_that_answer_without_a_server_are_entered() -> None:
     """A FUSE mount whose server stops answering, or a hard NFS mount whose server is gone,
     holds every lookup inside it for as long: never entered (issue 42, item 7)."""
     mounts = parse_mountinfo(MOUNTINFO)
-    assert {m.point for m in mounts.values() if m.local} == {"/", "/run/vram-enforcer"}
+    assert {m.point for m in mounts.values() if not m.local} == {"/data set", "/models"}
+    assert local_mounts(mounts) == {2069, 2070, 2091, 2094}
+
+
+def test_an_open_files_mount_is_read_from_its_fdinfo() -> None:
+    assert parse_mount_id("pos:\t0\nflags:\t012000000\nmnt_id:\t2091\nino:\t7\n") == 2091
+    assert parse_mount_id("pos:\t0\nflags:\t02\n") is None  # before Linux 3.15
+    assert parse_mount_id("mnt_id:\t²\n") is None
