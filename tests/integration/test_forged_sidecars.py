@@ -26,9 +26,10 @@ import socket
 import stat
 import subprocess
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
@@ -49,6 +50,9 @@ from tests.hung_fuse import hung_fuse_at
 from tests.integration.conftest import TELEMETRY, serving
 from tests.integration.test_agent_pods import Caller
 from tests.integration.test_sidecar_watch import Recorded
+
+if TYPE_CHECKING:
+    from enforcer.edge.events import EventRecorder
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, namespaces)")
 
@@ -166,6 +170,20 @@ def recording(dialled: list[str]) -> Dialer:
     return Dialer(dial, lambda: None, TELEMETRY.unexpected.labels("sidecar-dial"))
 
 
+def watching(
+    pods: Callable[[], Mapping[str, Pod] | None],
+    server: UsageServer,
+    news: SidecarNews,
+    dials: Dialer,
+    clock: Callable[[], float] = time.monotonic,
+) -> SidecarWatch:
+    """The agent's sidecar watch over `pods`, wired to `server` as the agent wires it."""
+    recorder = cast("EventRecorder", Recorded())
+    return SidecarWatch(
+        pods, server, news, recorder, TELEMETRY, (dials, SidecarProcesses(ProcFs())), clock=clock
+    )
+
+
 def served(watch: SidecarWatch, server: UsageServer) -> bool:
     """One more check of the watch (which takes the dials that ended), and whether the
     victim's sidecar is connected."""
@@ -195,14 +213,7 @@ def test_a_forged_sidecar_elsewhere_is_never_dialled(
     server.publish_pods(directory_of(pods))
     dialled: list[str] = []
     dials = recording(dialled)
-    watch = SidecarWatch(
-        node.injected,
-        server,
-        news,
-        Recorded(),  # type: ignore[arg-type]
-        TELEMETRY,
-        (dials, SidecarProcesses(ProcFs())),
-    )
+    watch = watching(node.injected, server, news, dials)
     with in_its_own_namespaces(link_to(victim), cgroups / f"kubepods/pod{UF}/{FORGED}"):
         wait_for(lambda: served(watch, server), what="the victim served")
         assert victim.next()["pod"] == "victim"
@@ -243,14 +254,7 @@ def test_a_sidecar_keeps_its_live_link_through_a_connection_that_delivers_nothin
     for it: the agent would take that for a killed sidecar, and hold its pod at once."""
     pods = {UV: injected_pod("victim", UV, "team", VICTIM)}
     server.publish_pods(directory_of(pods))
-    watch = SidecarWatch(
-        lambda: pods,
-        server,
-        news,
-        Recorded(),  # type: ignore[arg-type]
-        TELEMETRY,
-        (recording([]), SidecarProcesses(ProcFs())),
-    )
+    watch = watching(lambda: pods, server, news, recording([]))
     wait_for(lambda: served(watch, server), what="the victim served")
     assert victim.next()["pod"] == "victim"
     assert news.watched == {VICTIM}
@@ -319,15 +323,7 @@ def test_a_dial_that_hangs_in_the_kernel_costs_the_watch_nothing(
         server.publish_pods(directory_of(pods))
         now = [0.0]
         dials = Dialer(dial, lambda: None, TELEMETRY.unexpected.labels("sidecar-dial"), 1.0)
-        watch = SidecarWatch(
-            lambda: pods,
-            server,
-            news,
-            Recorded(),  # type: ignore[arg-type]
-            TELEMETRY,
-            (dials, SidecarProcesses(ProcFs())),
-            clock=lambda: now[0],
-        )
+        watch = watching(lambda: pods, server, news, dials, clock=lambda: now[0])
         assert in_thread(lambda: served(watch, server)) is False  # a check ends; dials started
         wait_for(lambda: in_thread(lambda: served(watch, server)), what="the victim served")
         assert FORGED in dials.in_flight
