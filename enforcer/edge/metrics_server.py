@@ -90,6 +90,16 @@ def _refusal(head: Head | None, status: HTTPStatus, why: str) -> Answer:
     return _text(status, why)
 
 
+def _encoder(accept: str) -> tuple[Callable[[CollectorRegistry], bytes], str]:
+    """The format the scraper asks for (`Accept`), or the text format, Prometheus' first,
+    when it asks for one that cannot be read: prometheus_client raises on a version it
+    cannot parse (`text/plain; version=x.y`), and whoever reaches the port chooses it."""
+    try:
+        return choose_encoder(accept)
+    except (TypeError, ValueError):
+        return choose_encoder("")
+
+
 def _app(registry: CollectorRegistry, health: Health | None) -> Callable[[Request], Answer | Later]:
     def app(request: Request) -> Answer | Later:
         if request.method not in ("GET", "HEAD"):
@@ -103,7 +113,7 @@ def _app(registry: CollectorRegistry, health: Health | None) -> Callable[[Reques
             )
         if request.path != "/metrics":
             return _text(HTTPStatus.NOT_FOUND, f"no such path {request.path!r}; GET /metrics")
-        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        encoder, content_type = _encoder(request.headers.get("accept", ""))
         gzipped = gzip_accepted(request.headers.get("accept-encoding", ""))
         names = tuple(sorted(parse_qs(request.target.partition("?")[2]).get("name[]", [])))
 

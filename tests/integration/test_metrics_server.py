@@ -261,3 +261,23 @@ def test_a_client_that_closes_its_side_after_its_request_is_still_answered(
         s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
         s.shutdown(socket.SHUT_WR)
         assert answer(s).endswith(b"\r\n\r\nok\n")
+
+
+@pytest.mark.parametrize(
+    "accept", ["text/plain; version=x.y", "application/openmetrics-text; version=garbage"]
+)
+def test_a_format_that_cannot_be_read_gets_the_text_format_not_a_500(
+    serve: Any, monkeypatch: pytest.MonkeyPatch, telemetry: AgentTelemetry, accept: str
+) -> None:
+    """Whoever reaches the port chooses its `Accept`: prometheus_client raised on a version it
+    could not parse, the scraper got a 500 and the agent counted a bug in its `metrics` loop,
+    which operators alert on (issue 42's review)."""
+    server = serve(monkeypatch)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(f"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: {accept}\r\n\r\n".encode())
+        got = answer(s)
+    assert got.startswith(b"HTTP/1.1 200 ") and b"vram_enforcer_probe 1.0" in got, got[:200]
+    bugs = telemetry.registry.get_sample_value(
+        "vram_enforcer_unexpected_errors_total", {"loop": "metrics"}
+    )
+    assert not bugs
