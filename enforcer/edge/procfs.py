@@ -199,7 +199,7 @@ class ProcFs:
         entries = self.cgroup(pid)
         return None if entries is None else container_id(entries)
 
-    def mountinfo(self, pid: int) -> str | None:
+    def mountinfo(self, pid: int | str) -> str | None:
         """The process's mounts (`core.mounts.parse_mountinfo` reads them): the runtime's
         doing, and read without asking any filesystem. At most MOUNTINFO_BYTES."""
         data = self._read_bytes(pid, "mountinfo", MOUNTINFO_BYTES)
@@ -247,7 +247,10 @@ class ProcFs:
             tasks = os.listdir(f"{self._prefix}{pid}/task")
         except OSError:
             return None
-        local = self.local_mounts(pid)
+        # A thread's own view (a leader that ended its thread has none to read: EINVAL):
+        # the threads of a process share one mount namespace.
+        views = (self.local_mounts(f"{pid}/task/{tid}") for tid in tasks[:_MAX_TASKS])
+        local = next((found for found in views if found is not None), None)
         if local is None:
             return None
         unreadable = False
@@ -294,7 +297,7 @@ class ProcFs:
                 return True
         return None if unreadable else False
 
-    def local_mounts(self, pid: int) -> frozenset[int] | None:
+    def local_mounts(self, pid: int | str) -> frozenset[int] | None:
         """The IDs of the process's mounts of `mounts.LOCAL_FILESYSTEMS`, from its
         `mountinfo` (which the kernel writes from memory, asking no filesystem)."""
         text = self.mountinfo(pid)

@@ -592,6 +592,41 @@ def test_a_process_whose_main_thread_exited_is_charged_while_another_thread_runs
         child.wait()
 
 
+def test_a_process_whose_main_thread_exited_is_judged_by_a_thread_that_runs(
+    tmp_path: Path,
+) -> None:
+    """The device proof reads a process's mounts from a live thread: its leader's own
+    mountinfo reads EINVAL once it has exited, and the proof said "cannot tell" (None),
+    which the sampler takes as proven, for a process holding no device at all (found by
+    review of issue 42's change)."""
+    alias = tmp_path / "held"
+    os.mknod(alias, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    holding = f"f = open({str(alias)!r}, 'rb')\n"
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", opens + LEADER_EXITS],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for opens in ("", holding)
+    ]
+    try:
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline() == "ready\n"
+            wait_for(
+                lambda c=child: (st := ProcFs().stat(c.pid)) is not None and st.state == "Z",
+                what="the leader to exit",
+            )
+        bare, holds = children
+        assert ProcFs().holds_device(bare.pid, frozenset({1})) is False
+        assert ProcFs().holds_device(holds.pid, frozenset({1})) is True
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
 def test_memory_limits_set_read_and_clear(fake_nvml: Any, nvml: Nvml, cgroup2: Path) -> None:
     fake_nvml.state.support_memory_limits()
     fake_nvml.write()
