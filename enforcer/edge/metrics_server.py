@@ -90,7 +90,7 @@ def _refusal(head: Head | None, status: HTTPStatus, why: str) -> Answer:
     return _text(status, why)
 
 
-def _encoder(accept: str) -> tuple[Callable[[CollectorRegistry], bytes], str]:
+def _encoder(accept: str) -> tuple[Callable[..., bytes], str]:
     """The format the scraper asks for (`Accept`), or the text format, Prometheus' first,
     when it asks for one that cannot be read: prometheus_client raises on a version it
     cannot parse (`text/plain; version=x.y`), and whoever reaches the port chooses it."""
