@@ -234,8 +234,12 @@ def injected(pod: Pod, opted_in: AbstractSet[str]) -> bool:
     container under the sidecar's name but its own), labelled enforced, with the sidecar
     among its containers. A label or a container name alone proves nothing: a pod of a
     namespace the webhook does not mutate may carry both."""
-    if not env_trusted(pod, opted_in):
-        return False
+    return env_trusted(pod, opted_in) and marked(pod)
+
+
+def marked(pod: Pod) -> bool:
+    """Whether the pod carries the webhook's marks, the enforced label and the sidecar among
+    its containers, whatever its namespace (`injected` says whether they count)."""
     if json_map(json_map(pod.get("metadata")).get("labels")).get(ENFORCED) != "true":
         return False
     spec = json_map(pod.get("spec"))

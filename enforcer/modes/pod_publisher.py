@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from enforcer.core.declaration import ENFORCED, OPT_IN, SIDECAR, injected, marked
 from enforcer.core.dra import claim_names
+from enforcer.core.payloads import Pod
 from enforcer.core.pod_directory import Directory, DraRead, directory
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
@@ -48,6 +50,8 @@ class PodPublisher(threading.Thread):
         super().__init__(name="pod-publisher", daemon=True)
         self._pods = pods
         self._opted_in = opted_in
+        # Pods said to carry the webhook's marks outside the namespaces that opted in.
+        self._said: frozenset[str] = frozenset()
         self._publish = publish
         self._claims = claims
         self._changed = changed
@@ -82,3 +86,27 @@ class PodPublisher(threading.Thread):
             problem = f"the agent's view of this node's pods may be out of date: {problem}"
         self._last = directory(pods.values(), dra, problem, self._last, opted_in=opted_in)
         self._publish(self._last)
+        self._say_unserved(pods, opted_in)
+
+    def _say_unserved(self, pods: Mapping[str, Pod], opted_in: frozenset[str]) -> None:
+        """Once per pod: one that carries the webhook's marks in a namespace that does not
+        opt in (now) is neither served nor held, so nothing enforces it by sampling. Its
+        namespace's label was taken away, or the pod was made to look injected."""
+        unserved = frozenset(
+            uid for uid, pod in pods.items() if marked(pod) and not injected(pod, opted_in)
+        )
+        for uid in unserved - self._said:
+            meta = pods[uid].get("metadata") or {}
+            log.warning(
+                "pod %s/%s carries the marks of a pod that vram-enforcer's webhook injected "
+                "(the %s label, a container named %s), but its namespace is not labelled "
+                "%s=%s: its sidecar is not served and the pod is not enforced by sampling (its "
+                "namespace's label was taken away, or the pod was made to look injected). "
+                "Recreate it in a namespace that opted in",
+                meta.get("namespace"),
+                meta.get("name"),
+                ENFORCED,
+                SIDECAR,
+                *OPT_IN,
+            )
+        self._said = unserved

@@ -1040,9 +1040,11 @@ def test_a_forged_sidecar_in_a_namespace_that_did_not_opt_in_is_neither_dialled_
     webhook does not mutate carries the enforced label and a container named like the
     sidecar, whose socket's path is a link to a real sidecar's socket (through the victim's
     /proc/<pid>/root, as the agent, with the host's PIDs, would follow it); its workload
-    holds GPU memory, which the agent sees. The agent never dials it (the forged container's
-    ID is nowhere in its log), serves it nothing (no series, no Event), and the victim's
-    sidecar stays connected and heard (no VRAMSidecarSilent, nobody unguarded)."""
+    holds GPU memory, which the agent sees. The chart's policy refuses such a pod; made with
+    the policy away (`webhook.protectInjectedPods: false`, or before the chart), the agent
+    never dials it (the forged container's ID is nowhere in its log), serves it nothing (no
+    series, no Event), and the victim's sidecar stays connected and heard (no
+    VRAMSidecarSilent, nobody unguarded)."""
     core, node = installed.core, installed.node
     elsewhere = "not-opted-in"
     if not namespace_exists(core, elsewhere):
@@ -1063,7 +1065,12 @@ def test_a_forged_sidecar_in_a_namespace_that_did_not_opt_in_is_neither_dialled_
                 "command": ["sh", "-c", f"{plant} && exec sleep 3600"],
             }
         )
-        core.create_namespaced_pod(elsewhere, forged)
+        with pytest.raises(client.ApiException) as refused:
+            core.create_namespaced_pod(elsewhere, forged)
+        assert refused.value.status == 403
+        assert "marks the pods that vram-enforcer's webhook" in refused.value.body
+        with policy_away(installed, f"{RELEASE}-injected-marks"):
+            wait_for(lambda: created(core, elsewhere, forged), timeout=30, what="the policy gone")
         pod = wait_for(lambda: running(core, elsewhere, "forged"), timeout=90, what="forged")
         (side,) = [s for s in pod.status.container_statuses if s.name == "vram-enforcer"]
         forged_id = side.container_id.split("://")[1]
@@ -1103,6 +1110,31 @@ def test_a_forged_sidecar_in_a_namespace_that_did_not_opt_in_is_neither_dialled_
             wait_for(
                 lambda n=name, ns=namespace: gone(core, ns, n), timeout=60, what=f"{name} gone"
             )
+
+
+@contextlib.contextmanager
+def policy_away(installed: Cluster, binding: str) -> Iterator[None]:
+    """The chart's ValidatingAdmissionPolicyBinding `binding` taken away meanwhile, then put
+    back as it was."""
+    api = client.AdmissionregistrationV1Api(installed.server.client())
+    kept = api.read_validating_admission_policy_binding(binding)
+    api.delete_validating_admission_policy_binding(binding)
+    try:
+        yield
+    finally:
+        kept.metadata = client.V1ObjectMeta(name=binding, labels=kept.metadata.labels)
+        api.create_validating_admission_policy_binding(kept)
+
+
+def created(core: client.CoreV1Api, namespace: str, body: dict[str, Any]) -> bool:
+    """Whether the pod could be created (the API server drops a policy within seconds)."""
+    try:
+        core.create_namespaced_pod(namespace, body)
+    except client.ApiException as exc:
+        if exc.status == 403:
+            return False
+        raise
+    return True
 
 
 def vram_events(core: client.CoreV1Api, namespace: str, name: str) -> set[str]:

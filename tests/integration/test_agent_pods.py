@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -44,6 +45,7 @@ from enforcer.edge.usage_server import (
     UsageServer,
 )
 from enforcer.modes.pod_metrics import PodCounts
+from enforcer.modes.pod_publisher import PodPublisher
 from enforcer.modes.sidecar_watch import HANDED_FOR, SidecarNews, SidecarProcesses, SidecarWatch
 from tests.helpers import POD_NAMESPACES, children, scratch_cgroup, wait_for
 from tests.integration.conftest import TELEMETRY, check_and_dial, dialer, serving
@@ -830,3 +832,30 @@ def test_a_process_of_the_sidecars_container_that_takes_its_socket_is_refused(
         if planter is not None:
             planter.kill()
             planter.wait()
+
+
+def test_a_pod_with_the_webhooks_marks_outside_the_opted_in_namespaces_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Such a pod is neither served nor held (its namespace's label was taken away, or it
+    was made to look injected before its namespace opted in): nothing enforces it by
+    sampling, and the agent's log says so, once, naming it; the pod publisher serves the
+    other pods' sidecars as before."""
+    pods = {UA: pod("pod-a", UA, A), UF: pod("forged", UF, C, namespace="elsewhere")}
+    published: list[Directory] = []
+    watch = SimpleNamespace(snapshot=lambda: pods, error="")
+    publisher = PodPublisher(
+        cast(Any, watch),
+        published.append,
+        None,
+        threading.Event(),
+        TELEMETRY,
+        opted_in=lambda: TEAM,
+    )
+    with caplog.at_level(logging.WARNING, logger="enforcer.modes.pod_publisher"):
+        publisher.publish_once()
+        publisher.publish_once()
+    (said,) = caplog.records
+    assert "pod elsewhere/forged carries the marks" in said.getMessage()
+    assert "Recreate it in a namespace that opted in" in said.getMessage()
+    assert set(published[-1].replies) == {A}
