@@ -1403,3 +1403,22 @@ def test_ephemeral_containers_of_pods_the_webhook_did_not_inject_are_left_alone(
     # Without the stored pod, nothing can be judged.
     del doc["request"]["oldObject"]
     assert review(doc, NATIVE).result == "invalid"
+
+
+@pytest.mark.parametrize("volume", ["vram-enforcer-socket", "vram-enforcer-no-token"])
+def test_no_container_but_the_sidecar_mounts_its_volumes(volume: str) -> None:
+    """The sidecar's socket is in an emptyDir no other container mounts: a workload that
+    mounted it by name (it validates: the API server validates after the mutation) could
+    take the socket away or flood it with connections; an ephemeral container the same
+    (found by review of issue 42's change)."""
+    mounting = {"name": volume, "mountPath": "/x"}
+    with pytest.raises(Denied) as denied:
+        mutate(pod(gpu("trainer", volumeMounts=[mounting])), NATIVE)
+    assert str(denied.value).startswith(
+        f"spec.containers['trainer'].volumeMounts[0].name: {volume!r} is the vram-enforcer "
+        "sidecar's own volume"
+    )
+    out = review(ephemeral_review(INJECTED_POD, {**debugger(), "volumeMounts": [mounting]}), NATIVE)
+    assert out.result == "denied"
+    message = out.review["response"]["status"]["message"]
+    assert message.startswith("spec.ephemeralContainers['debugger'].volumeMounts[0].name:")

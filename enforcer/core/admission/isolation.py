@@ -39,11 +39,15 @@ from collections.abc import Mapping
 
 from enforcer.core.admission.common import Denied, Path, as_list, as_map, containers_at
 from enforcer.core.admission.patch import Patch
+from enforcer.core.admission.sidecar import NO_TOKEN_VOLUME, SOCKET_VOLUME
 from enforcer.core.declaration import SIDECAR
 from enforcer.core.parsing import shown
 from enforcer.core.payloads import Container, PodSpec
 
 KILL = "KILL"
+# The sidecar's volumes, which no other container mounts: its socket, and the empty
+# directory over its token (`sidecar.add_sidecar`).
+SIDECARS_OWN = (SOCKET_VOLUME, NO_TOKEN_VOLUME)
 # What a container may not add, normalised as the runtimes read it (any case, CAP_ or not).
 _OPENS_THE_SIDECAR = {
     "SYS_PTRACE": "would let this container read and write the memory of the vram-enforcer "
@@ -92,8 +96,18 @@ def check_pod(spec: PodSpec, annotations: Mapping[str, object]) -> None:
 
 
 def check_container(c: Container, where: str, pod: Mapping[str, object]) -> None:
-    """Deny what would let one container of a declaring pod ptrace the sidecar, or run
-    under another label than the sidecar's (`pod`: the pod's securityContext)."""
+    """Deny what would let one container of a declaring pod ptrace the sidecar, mount its
+    volumes, or run under another label than the sidecar's (`pod`: the pod's
+    securityContext)."""
+    for i, mount in enumerate(as_list(c.get("volumeMounts"))):
+        name = as_map(mount).get("name")
+        if name in SIDECARS_OWN:
+            raise Denied(
+                f"{where}.volumeMounts[{i}].name: {shown(name)} is the vram-enforcer "
+                "sidecar's own volume (its socket, where the node agent reaches it): another "
+                "container may not mount it, or it could take the socket away or flood it. "
+                "Remove the mount"
+            )
     sc = c.get("securityContext") or {}
     if sc.get("privileged") is True:
         raise Denied(
