@@ -77,6 +77,17 @@ def deleted(why: str, refusal: str | None, refused_for: float, grace: int) -> st
     )
 
 
+def forbidden(why: str, retry_in: float) -> str:
+    """The Event that says the agent may not make this pod leave (RBAC, or the chart's
+    policy, refused it: `why`), and that it tries again."""
+    return (
+        f"this pod, over its VRAM limit and out of reach of signals, cannot be made to leave: "
+        f"the agent may not ({why}); retrying in {_seconds(retry_in)}. Give the agent's "
+        "ClusterRole create on pods/eviction and delete on pods (the chart's, or "
+        "deploy/rbac/agent.yaml)"
+    )
+
+
 def _seconds(seconds: float) -> str:
     """A wait or an age, in whole seconds (at least 1)."""
     return format_duration(max(1, round(seconds)))

@@ -66,6 +66,7 @@ class _Pending:
     grace: int  # seconds its containers get to stop
     since: float | None = None  # when the eviction was first asked for
     refusal: str | None = None  # the last refusal, while the eviction is refused
+    forbidden: bool = False  # a refusal by RBAC or a policy, said on the pod once
     backoff: Backoff = field(default_factory=_backoff)
 
 
@@ -141,8 +142,11 @@ class Evictor(threading.Thread):
         if error is None:
             self._say(pending, "evicted", eviction.evicted(pending.why, pending.grace))
             return True
-        if isinstance(error, (NotFound, Conflict)):
+        if isinstance(error, NotFound):
             return self._gone(pending)
+        # A 409 from an eviction is not proof that a newcomer has the name: the eviction
+        # also answers it when its budget's status kept changing under it. It is retried as
+        # any refusal; the deletion, at the timeout, tells (its UID precondition).
         pending.refusal = str(error)
         now = self._clock()
         deleted_in = pending.since + self._timeout - now
@@ -196,6 +200,10 @@ class Evictor(threading.Thread):
             if error.verb not in self._forbidden_logged:
                 log.error("cannot make pods leave: %s", error, exc_info=logs.detail(error))
                 self._forbidden_logged.add(error.verb)
+            if not pending.forbidden:  # said on the pod once: it stays out of reach
+                pending.forbidden = True
+                text = eviction.forbidden(str(error), retry_in)
+                self._recorder.record(pending.about, str(Reason.EVICTED), text, True)
             return
         log.warning(
             "pod %s: the request failed (%s); retrying in %.0fs",
