@@ -112,8 +112,12 @@ def dial_container(host_proc: ProcFs, container_id: str) -> Dialled:
 
 
 DIAL_DEADLINE = 5.0  # seconds a dial may take before it is said to hang
-MOST_IN_FLIGHT = 64  # dials at once, hung ones included: past this, the rest wait their turn
+MOST_IN_FLIGHT = 64  # dials at once that have not passed their deadline: the rest wait
 MOST_HUNG_PER_NAMESPACE = 4  # a namespace with this many hung dials gets no new one
+# Hung dials on the node past which only a namespace with none hung gets a new dial: one
+# namespace's hung paths never stop the others' dials, and hung threads stay bounded by
+# MOST_HUNG_PER_NAMESPACE times the namespaces that have any.
+MOST_HUNG = 64
 
 
 class Dialer:
@@ -158,12 +162,16 @@ class Dialer:
             hung = collections.Counter(
                 ns for at, ns in self._started.values() if now - at >= self._deadline
             )
+            live = len(self._started) - hung.total()
             for cid, namespace in due.items():
-                if len(self._started) >= MOST_IN_FLIGHT:
+                if live >= MOST_IN_FLIGHT:
                     break
                 if cid in self._started or hung[namespace] >= MOST_HUNG_PER_NAMESPACE:
                     continue
+                if hung.total() >= MOST_HUNG and hung[namespace]:
+                    continue
                 self._started[cid] = (now, namespace)
+                live += 1
                 threading.Thread(
                     target=self._run, args=(cid,), name="sidecar-dial", daemon=True
                 ).start()
