@@ -19,6 +19,7 @@ pass counted (`vram_enforcer_unexpected_errors_total{loop="lending"}`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -29,7 +30,7 @@ from enforcer.core.declaration import portion_basis
 from enforcer.core.dra import DraObjects, claim_names
 from enforcer.core.lending import Lending, Tenants, decide, tenants
 from enforcer.core.model import ProcessKey, Sample
-from enforcer.core.owed import Claims, node_claims, pod_owed
+from enforcer.core.owed import Claims, PodOwed, node_claims, pod_owed
 from enforcer.core.payloads import Pod
 from enforcer.core.pod_resources import Assignments, assigned_gpus
 from enforcer.core.units import Unit
@@ -76,6 +77,7 @@ class Lender:
         self._basis: int | None = None  # one GPU's memory, for portions (KAI's gpu-fraction)
         self._told: frozenset[tuple[str, str]] = frozenset()  # (container ID, GPU) asked
         self._unread: Mapping[str, str] = {}  # pod -> what of it could not be read, as said
+        self._left_out: frozenset[str] = frozenset()  # pod UIDs whose read raised, as said
         self._guard = LoopGuard("lending", telemetry.unexpected.labels("lending"), log)
         self._clock = clock
         self._good = clock()  # the last pass that did not fail (before any, the start)
@@ -149,11 +151,14 @@ class Lender:
             gpus = {}
             if self._assigned is not None and assignments is not None:
                 gpus = assigned_gpus(assignments, self._assigned[1], sample.devices)
-            read = []
+            read, left_out = [], set()
             for uid, pod in pods.items():
-                mine = claims.get(uid)
-                owed = pod_owed(pod, self._declares, opted_in=trusted, basis=basis, claims=mine)
-                read.append((pod, owed))
+                owed = self._owed_of(pod, trusted, basis, claims.get(uid))
+                if owed is None:
+                    left_out.add(uid)
+                else:
+                    read.append((pod, owed))
+            self._say_left_out(pods, left_out)
             self._tenants = tenants(read, gpus)
             self._basis, self._assignments, self._trusted = basis, assignments, trusted
             for who, problem in self._tenants.unread.items():
@@ -173,6 +178,31 @@ class Lender:
                 log.info("%s", messages.reclaim(reclaim, who))
         self._told = asked
         return lending
+
+    def _owed_of(
+        self, pod: Pod, opted_in: frozenset[str], basis: int | None, claims: Claims | None
+    ) -> PodOwed | None:
+        """What the pod is owed (`owed.pod_owed`, total over any data); None should reading
+        it raise all the same (a bug that one pod's data trips, counted as the loop's): that
+        pod alone is left out of the pass, which lends and reclaims for the node's others."""
+        found: list[PodOwed] = []
+        read = functools.partial(
+            pod_owed, pod, self._declares, opted_in=opted_in, basis=basis, claims=claims
+        )
+        return found[0] if self._guard.run(lambda: found.append(read())) else None
+
+    def _say_left_out(self, pods: Mapping[str, Pod], left_out: set[str]) -> None:
+        """Each pod left out (`_owed_of`), said once while it is."""
+        for uid in left_out - self._left_out:
+            meta = pods[uid].get("metadata") or {}
+            log.error(
+                "pod %s/%s: reading what it is owed failed (a bug, counted in "
+                'vram_enforcer_unexpected_errors_total{loop="lending"}): it is left out of '
+                "lending, its memory counted as no one's request, until it reads again",
+                meta.get("namespace"),
+                meta.get("name"),
+            )
+        self._left_out = frozenset(left_out)
 
     def _claims_of(self, pods: Mapping[str, Pod]) -> dict[str, Claims]:
         """DRA: each pod's claims as last read (a pod whose claims have not been read yet is

@@ -224,6 +224,7 @@ def tenants(api: client.ApiClient, token: str) -> Iterator[SimPod]:
         {"trainer": ("tenants", "trainer"), "helper": ("tenants", "helper")},
         sidecar_env=AS_THE_WEBHOOK_TELLS,
     )
+    as_injected(api, pod)  # the agent serves only the sidecars of pods the webhook injected
     yield pod
     remove(api, pod)
 
@@ -240,8 +241,8 @@ def sidecar(
 
 
 def as_injected(api: client.ApiClient, pod: SimPod) -> None:
-    """The label the webhook puts on a pod it injects: the node's agent serves the series of
-    such pods only (the sidecar serves none)."""
+    """The label the webhook puts on a pod it injects: the node's agent serves such a pod's
+    sidecar (of a namespace that opted in, NAMESPACE here) and its series, no other."""
     body = {"metadata": {"labels": {ENFORCED: "true"}}}
     client.CoreV1Api(api).patch_namespaced_pod(pod.name, NAMESPACE, body)
 
