@@ -90,7 +90,7 @@ class Evictor(threading.Thread):
         self._recorder = recorder
         self._timeout = timeout
         self._clock = clock
-        self._evict, self._delete = requests
+        self._eviction, self._deletion = requests
         self._pending: dict[str, _Pending] = {}  # pod UID -> its eviction, until done
         self._lock = threading.Lock()
         self._woken = threading.Event()
@@ -138,7 +138,7 @@ class Evictor(threading.Thread):
             pending.since = self._clock()
         if self._clock() - pending.since >= self._timeout:
             return self._deleted(pending)
-        error = self._request(self._evict, pending)
+        error = self._request(self._eviction, pending)
         if error is None:
             self._say(pending, "evicted", eviction.evicted(pending.why, pending.grace))
             return True
@@ -163,7 +163,7 @@ class Evictor(threading.Thread):
 
     def _deleted(self, pending: _Pending) -> bool:
         """The pod deleted, whatever its budgets; whether it is done with."""
-        error = self._request(self._delete, pending)
+        error = self._request(self._deletion, pending)
         if error is None:
             since = pending.since if pending.since is not None else self._clock()
             refused_for = self._clock() - since

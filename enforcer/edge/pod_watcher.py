@@ -49,7 +49,7 @@ class PodWatcher(threading.Thread):
         self._on_read = on_read  # more to read once the pod is (its ResourceClaims)
         self._api = api
         self._namespace = namespace
-        self._name = name
+        self._pod = name
         self._period = period
         self._min_gap = min_gap
         self._wanted = threading.Event()
@@ -85,7 +85,7 @@ class PodWatcher(threading.Thread):
                 POD,
                 "pods",
                 deadline=READ_DEADLINE,
-                params={"namespace": self._namespace, "name": self._name},
+                params={"namespace": self._namespace, "name": self._pod},
             )
         except KubeError as exc:
             what = "cannot read this pod from the API; attribution uses what is known"

@@ -223,6 +223,7 @@ def test_the_pod_watcher_lives_through_garbled_replies_and_reads_the_pod_after_t
         try:
             wait_for(lambda: watcher.pod is not None, what="the pod, after two garbled replies")
             assert watcher.is_alive() and watcher.error is None
+            assert watcher.name == "pod-watcher"  # its log lines name the loop, not the pod
             assert unexpected._value.get() == 0  # API errors, not bugs
         finally:
             watcher.stop.set()

@@ -5,7 +5,12 @@ of the pod, whatever its budgets."""
 from __future__ import annotations
 
 import re
+import sys
+import threading
+import time
 from typing import TYPE_CHECKING, Any, cast
+
+import pytest
 
 from enforcer.core.payloads import ObjectReference
 from enforcer.edge.eviction import RETRY_FIRST, Evictor
@@ -174,3 +179,29 @@ def test_a_pod_the_agent_may_not_make_leave_is_told_so_once_and_tried_again() ->
     assert len([t for t in said if "cannot be made to leave" in t]) == 1, said
     assert "RBAC forbids 'create' on 'pods/eviction'" in said[0]
     assert said[-1].endswith("evicted instead, with a grace period of 5s")
+
+
+def test_the_evictors_thread_evicts_and_ends_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its own loop, not `_attempt_due` called by hand: before, the evictor kept its
+    deletion request in `_delete`, which `threading.Thread` calls as the thread ends, and
+    every agent's evictor died with a TypeError at shutdown."""
+    raised: list[object] = []  # in its run, or (as `_delete` did) after it
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    monkeypatch.setattr(sys, "unraisablehook", lambda args: raised.append(args.exc_value))
+    api, recorder = Api([None]), Recorded()
+    agent = Evictor(
+        cast(Any, None),
+        cast("EventRecorder", recorder),
+        AgentTelemetry().unexpected.labels("evictor"),
+        60.0,
+        requests=(api.evict, api.delete),
+    )
+    agent.start()
+    agent.evict(POD, "why", 5)
+    deadline = time.monotonic() + 10
+    while agent.pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    agent.stop.set()
+    agent.join(10)
+    assert api.verbs == ["evict"] and not agent.is_alive()
+    assert not raised, raised
