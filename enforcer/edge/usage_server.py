@@ -215,6 +215,8 @@ class UsageServer:
         self.peers: Mapping[str, int] = {}
         self._counters: dict[str, Counter] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_lock = threading.Lock()
+        self._closed = False
         self.thread = threading.Thread(target=self._run, name="usage-socket", daemon=True)
         self._stopping = False
         self._guard = LoopGuard("usage-socket", metrics.unexpected.labels("usage-socket"), log)
@@ -225,23 +227,32 @@ class UsageServer:
         it (None: this agent decides none), and wake the loop to push it to subscribers.
         One reference, no lock needed."""
         self._published = Published.of(sample, lending)
-        with contextlib.suppress(BlockingIOError):  # a wake-up is already pending
-            os.write(self._wake_w, b"p")
+        self._wake(b"p")
 
     def publish_pods(self, directory: Directory) -> None:
         """Called by the agent's pod publisher: swap in the node's pods (by container ID,
         `pod_directory.directory`) and wake the loop to push what changed."""
         self._pods = directory
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"o")
+        self._wake(b"o")
 
     def adopt(self, container_id: str, sock: socket.socket) -> None:
         """Called by the thread that connected to a sidecar's own socket (`sidecar_dialer`):
         the loop serves it as a caller once the process listening on it is proven to be in
         that container, and closes it unread otherwise."""
         self._dialed.append((container_id, sock))
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"d")
+        if not self._wake(b"d"):
+            sock.close()  # the server closed: nobody will read it
+
+    def _wake(self, why: bytes) -> bool:
+        """Wake the loop; whether the server is still open. Its feeders (the sampler, the
+        pod publisher, dials) may outlive it by a moment at shutdown: a write to the closed
+        pipe's number, which the process may have given to any file since, is not made."""
+        with self._wake_lock:
+            if self._closed:
+                return False
+            with contextlib.suppress(BlockingIOError):  # a wake-up is already pending
+                os.write(self._wake_w, why)
+            return True
 
     def pod_reply(self, conn: _Connection) -> bytes:
         pods = self._pods
@@ -290,20 +301,22 @@ class UsageServer:
         """Stop accepting, end every conversation, remove the socket."""
         if self.thread.is_alive():
             self._stopping = True
-            with contextlib.suppress(BlockingIOError):
-                os.write(self._wake_w, b"x")
+            self._wake(b"x")
             self.thread.join(timeout=5)
         for conn in list(self._connections.values()):
             self._drop(conn)
-        while self._dialed:
-            self._dialed.popleft()[1].close()
         if self._listener is not None:
             self._listener.close()
             with contextlib.suppress(FileNotFoundError):
                 self._path.unlink()
         self._epoll.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._wake_lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+        while self._dialed:  # dialed, and not served
+            self._dialed.popleft()[1].close()
 
     def _run(self) -> None:
         next_sweep = time.monotonic() + 1.0

@@ -409,7 +409,7 @@ def _serve(
         recorder.start()
     log.info("agent running on node %r", settings.node_name or "(no API)")
     status = watch([*threads, server.thread, *([metrics.thread] if metrics else [])])
-    server.close()
+    # The threads that feed the server stop first: it serves until they have.
     for t in threads:
         t.stop.set()
     for each in watches:
@@ -420,6 +420,7 @@ def _serve(
     deadline = time.monotonic() + JOIN_WITHIN
     for t in threads:
         t.join(timeout=max(0.0, deadline - time.monotonic()))
+    server.close()
     if recorder is not None:
         recorder.close()
     source.close()

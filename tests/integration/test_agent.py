@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from enforcer.core.model import GiB
+from enforcer.core.model import GiB, SourceDown
+from enforcer.core.pod_directory import directory
 from enforcer.edge.peers import PeerError, attest
 from enforcer.edge.pid_view import boot_ticks
 from enforcer.edge.procfs import ProcFs
@@ -40,6 +41,7 @@ from tests.helpers import (
     wait_for,
     write_kubeconfig,
 )
+from tests.integration.conftest import serving
 
 POD = Path(__file__).with_name("pod.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -375,6 +377,31 @@ def test_metrics_and_a_clean_shutdown(agent: Agent) -> None:
     assert agent.stop() == 0
     assert not agent.socket.exists()
     assert "Traceback" not in agent.stderr()
+
+
+def test_what_reaches_a_closed_server_is_dropped_not_written_to_a_reused_descriptor(
+    tmp_path: Path,
+) -> None:
+    """The sampler, the pod publisher and dials may outlive the server by a moment at the
+    agent's shutdown. Before, each wrote its wake-up to the pipe's old descriptor number:
+    EBADF tracebacks in the agent's log, or a byte in whatever file had been given that
+    number since."""
+    with serving(tmp_path / "agent.sock") as server:
+        pass
+    r, w = os.pipe()  # the lowest free numbers: the wake pipe's, just closed
+    try:
+        server.publish(SourceDown("late"))
+        server.publish_pods(directory((), {}, None, opted_in=frozenset()))
+        ours, theirs = socket.socketpair()
+        server.adopt("c" * 64, ours)
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)  # nothing written into it
+        assert ours.fileno() == -1  # closed, not kept unread
+        theirs.close()
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def test_utilisation_reaches_callers_and_tenants_are_counted_per_gpu(
