@@ -386,11 +386,21 @@ def test_with_its_sidecar_stopped_the_agent_holds_each_claim_to_its_allocation_o
 
 
 def test_a_claim_that_cannot_be_mapped_to_a_gpu_is_reported_and_signals_nothing(
-    api: client.ApiClient, node: Node, cluster: ApiServer, token: str, tmp_path: Path
+    api: client.ApiClient,
+    node: Node,
+    cluster: ApiServer,
+    token: str,
+    agent_token: str,
+    tmp_path: Path,
 ) -> None:
+    """The pod is OTHER_NODE's, whose agent this node's is not: it serves only its own
+    node's pods' sidecars, so the sidecar here is served by an agent without the API."""
     pod = scheduled_pod(
         api, OTHER_NODE, ["trainer", "undeclared", "vram-enforcer"], {"trainer": ("vram-8gi", None)}
     )
+    node.stop_agent()
+    node.start_agent()
+    used: dict[int, int | None] = {}
     try:
         sidecar = Sidecar(
             pod,
@@ -407,7 +417,8 @@ def test_a_claim_that_cannot_be_mapped_to_a_gpu_is_reported_and_signals_nothing(
         )
         trainer = start_worker(pod, "trainer", tmp_path)
         sneaky = start_worker(pod, "undeclared", tmp_path)
-        node.use({trainer: 20 * GiB, sneaky: 1 * MiB})
+        used.update({trainer: 20 * GiB, sneaky: 1 * MiB})
+        node.use(used)
         # the sidecar sees the usage and enforces: the container with no claim is stopped...
         wait_for(lambda: not alive(sneaky), what="the undeclared container's process to be stopped")
         # ...but the one whose GPU cannot be proven is not, and the pod says why
@@ -424,10 +435,12 @@ def test_a_claim_that_cannot_be_mapped_to_a_gpu_is_reported_and_signals_nothing(
         # Events go out from a background thread: the kill comes first, its Event after it
         enforced = wait_for(lambda: events(api, pod.name, "VRAMEnforced"), what="the kill's Event")
         assert {e.involved_object.field_path for e in enforced} == {"spec.containers{undeclared}"}
-        node.use({trainer: None, sneaky: None})
         assert sidecar.stop() == 0
     finally:
+        node.use(dict.fromkeys(used))
         pod.close()
+        node.stop_agent()
+        node.start_agent(cluster.kubeconfig(agent_token, tmp_path / "kubeconfig"), NODE)
 
 
 def told(container: str, claim: int, ceiling: int | None = None) -> dict[str, str]:
