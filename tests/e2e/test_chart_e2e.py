@@ -10,6 +10,7 @@ test_cluster_e2e.py.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -533,10 +534,12 @@ def test_the_agent_may_delete_and_evict_only_the_enforced_pods_of_its_own_node(
             core.delete_node(node)
 
 
-def mutate_through_the_chart(admin: client.ApiClient, kubeconfig: Path, tmp: Path) -> Any:
+@contextlib.contextmanager
+def mutate_through_the_chart(admin: client.ApiClient, kubeconfig: Path, tmp: Path) -> Iterator[Any]:
     """Serve the chart's webhook here, with the chart's own arguments and certificate, point
     the chart's Service at it, and create a pod that declares VRAM in OPTED_IN; the pod as
-    stored (JSON)."""
+    stored (JSON), while the webhook serves (the API server asks it about the pod's
+    ephemeral containers too, and refuses what it cannot ask about)."""
     ip = host_ip()
     if ip is None:
         pytest.skip("no non-loopback IPv4 address for the webhook's Endpoints")
@@ -611,7 +614,7 @@ def mutate_through_the_chart(admin: client.ApiClient, kubeconfig: Path, tmp: Pat
             },
         }
         core.create_namespaced_pod(OPTED_IN, pod)
-        return json.loads(
+        yield json.loads(
             core.read_namespaced_pod("trainer-0", OPTED_IN, _preload_content=False).data
         )
     finally:
@@ -751,8 +754,11 @@ def assert_the_sidecar_cannot_be_entered(admin: client.ApiClient) -> None:
 
     with pytest.raises(client.ApiException) as info:
         debug("vram-enforcer")
-    assert info.value.status == 403
-    assert "cannot target the vram-enforcer container" in json.loads(info.value.body)["message"]
+    assert info.value.status == 403, info.value.body
+    # The webhook's denial: the API server asks it first (the chart's policy, its second
+    # guard, says the same where the webhook is not asked, `failurePolicy: Ignore`)
+    message = json.loads(info.value.body)["message"]
+    assert "targetContainerName: 'vram-enforcer' is the enforcer's sidecar" in message, message
     stored = debug("trainer")
     assert [e.target_container_name for e in stored.spec.ephemeral_containers] == ["trainer"]
     # The chart's webhook is asked for ephemeral containers too: this one drops KILL.
@@ -760,12 +766,52 @@ def assert_the_sidecar_cannot_be_entered(admin: client.ApiClient) -> None:
     assert debugger.security_context.capabilities.drop == ["KILL"]
 
 
+def assert_the_policy_guards_ephemeral_containers_without_the_webhook(
+    admin: client.ApiClient,
+) -> None:
+    """With the webhook passed by (down, `failurePolicy: Ignore`), the chart's policy is
+    the second guard of trainer-0: an ephemeral container that targets the sidecar, or
+    keeps KILL, is refused all the same."""
+    hooks = client.AdmissionregistrationV1Api(admin)
+    core = client.CoreV1Api(admin)
+    ignore = [{"op": "replace", "path": "/webhooks/0/failurePolicy", "value": "Ignore"}]
+    fail = [{"op": "replace", "path": "/webhooks/0/failurePolicy", "value": "Fail"}]
+    hooks.patch_mutating_webhook_configuration(RELEASE, ignore)
+    try:
+        refused = {
+            "the sidecar targeted": {"targetContainerName": "vram-enforcer"},
+            "KILL kept": {"targetContainerName": "trainer"},
+        }
+        for i, (what, fields) in enumerate(refused.items()):
+            container = {"name": f"unguarded-{i}", "image": "busybox", **fields}
+            patch = [{"op": "add", "path": "/spec/ephemeralContainers/-", "value": container}]
+
+            def message(patch: list[dict[str, Any]] = patch, what: str = what) -> str | None:
+                # the API server reads the webhook's new failurePolicy within moments
+                try:
+                    core.patch_namespaced_pod_ephemeralcontainers("trainer-0", OPTED_IN, patch)
+                except client.ApiException as exc:
+                    if exc.status == 403:
+                        return str(json.loads(exc.body)["message"])
+                    return None
+                pytest.fail(f"{what}: the ephemeral container was added")
+
+            said = wait_for(message, timeout=30, what=f"{what}: the policy's refusal")
+            assert "ValidatingAdmissionPolicy" in said, (what, said)
+            expected = "cannot target the vram-enforcer" if i == 0 else "must drop KILL"
+            assert expected in said, (what, said)
+    finally:
+        hooks.patch_mutating_webhook_configuration(RELEASE, fail)
+
+
 def test_a_pod_is_mutated_through_the_charts_own_webhook(
     installed: Path, admin: client.ApiClient, tmp_path: Path
 ) -> None:
-    assert_mutated(mutate_through_the_chart(admin, installed, tmp_path))
-    assert_the_sidecar_cannot_be_changed(admin)
-    assert_the_sidecar_cannot_be_entered(admin)
+    with mutate_through_the_chart(admin, installed, tmp_path) as stored:
+        assert_mutated(stored)
+        assert_the_sidecar_cannot_be_changed(admin)
+        assert_the_sidecar_cannot_be_entered(admin)
+    assert_the_policy_guards_ephemeral_containers_without_the_webhook(admin)
 
 
 def test_the_oldest_supported_kubernetes_takes_the_chart_and_its_webhook(
@@ -787,9 +833,10 @@ def test_the_oldest_supported_kubernetes_takes_the_chart_and_its_webhook(
         admin = server.client()
         assert client.VersionApi(admin).get_code().git_version == f"v{OLDEST}"
         kubeconfig = install(server, admin, tmp_path)
-        assert_mutated(mutate_through_the_chart(admin, kubeconfig, tmp_path))
-        assert_the_sidecar_cannot_be_changed(admin)
-        assert_the_sidecar_cannot_be_entered(admin)
+        with mutate_through_the_chart(admin, kubeconfig, tmp_path) as stored:
+            assert_mutated(stored)
+            assert_the_sidecar_cannot_be_changed(admin)
+            assert_the_sidecar_cannot_be_entered(admin)
 
 
 def test_an_upgrade_keeps_the_self_signed_certificate(
