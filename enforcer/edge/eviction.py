@@ -16,6 +16,7 @@ that never allows a disruption would keep the pod over its limit for ever. The p
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -124,13 +125,22 @@ class Evictor(threading.Thread):
                 self._woken.wait(pause)
 
     def _attempt_due(self) -> None:
+        """Each due pod's attempt guarded on its own: a bug one pod trips is counted, and
+        that pod tried again after a backoff, while the others are tried as ever (with
+        one guard for all, its attempt stayed due, the loop spun on it, and the pods after
+        it were never tried)."""
         now = self._clock()
         with self._lock:
             due = [(uid, p) for uid, p in self._pending.items() if p.backoff.ready(now)]
         for uid, pending in due:
-            if self._attempt(pending):
-                with self._lock:
-                    self._pending.pop(uid, None)
+            if not self._guard.run(functools.partial(self._settle, uid, pending)):
+                pending.backoff.failed(self._clock())
+
+    def _settle(self, uid: str, pending: _Pending) -> None:
+        """One attempt; the pod forgotten once it is done with."""
+        if self._attempt(pending):
+            with self._lock:
+                self._pending.pop(uid, None)
 
     def _attempt(self, pending: _Pending) -> bool:
         """One request; whether the pod is done with (accepted, or the pod gone)."""

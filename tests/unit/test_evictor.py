@@ -205,3 +205,33 @@ def test_the_evictors_thread_evicts_and_ends_cleanly(monkeypatch: pytest.MonkeyP
     agent.join(10)
     assert api.verbs == ["evict"] and not agent.is_alive()
     assert not raised, raised
+
+
+def test_a_bug_one_pod_trips_is_retried_after_a_backoff_and_the_others_are_evicted() -> None:
+    """Before, one guard covered every due pod: the pod whose request raised stayed due,
+    the loop tried it again at once, for ever, and the pods after it were never tried."""
+    api, recorder, now = Api([None]), Recorded(), [0.0]
+    tried: list[str] = []
+
+    def evict(api_: Any, namespace: str, name: str, uid: str, grace: int) -> KubeError | None:
+        tried.append(uid)
+        if uid == "bad":
+            raise ValueError("a bug in this pod's request")
+        return api.evict(api_, namespace, name, uid, grace)
+
+    agent = Evictor(
+        cast(Any, None),
+        cast("EventRecorder", recorder),
+        AgentTelemetry().unexpected.labels("evictor"),
+        60.0,
+        lambda: now[0],
+        (evict, api.delete),
+    )
+    agent.evict({**POD, "uid": "bad"}, "why", 5)
+    agent.evict(POD, "why", 5)
+    agent._attempt_due()
+    agent._attempt_due()  # at the same moment: the bad pod is not due again yet
+    assert tried == ["bad", "u"] and agent.pending == 1
+    now[0] += RETRY_FIRST * 2
+    agent._attempt_due()
+    assert tried == ["bad", "u", "bad"]
