@@ -14,7 +14,9 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class ErrorCounter(Protocol):
@@ -47,6 +49,13 @@ class LoopGuard:
                 )
             return False
         return True
+
+    def result(self, step: Callable[[], T]) -> T | None:
+        """What one step returns; None if it raised (reported as `run` does). For steps
+        that return a value, such as one object's read, so that a bug one object trips
+        leaves that object out and the loop goes on with the others."""
+        found: list[T] = []
+        return found[0] if self.run(lambda: found.append(step())) else None
 
 
 def stopped(threads: Iterable[threading.Thread]) -> list[str]:

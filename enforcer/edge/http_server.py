@@ -436,12 +436,12 @@ class HttpServer:
     def _made(self, make: Callable[[], Answer | Later], head: Head) -> Answer | Later:
         """What `make` answers; a bug in it is a 500 (logged once, counted), never a
         dropped connection."""
-        made: list[Answer | Later] = []
-        if not self._guard.run(lambda: made.append(make())):
+        made = self._guard.result(make)
+        if made is None:
             return self._refuse(
                 head, HTTPStatus.INTERNAL_SERVER_ERROR, "internal error; see the log"
             )
-        return made[0]
+        return made
 
     def _make_later(self) -> None:
         """One costly answer per pass, for every request waiting for the same one."""

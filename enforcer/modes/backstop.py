@@ -28,6 +28,7 @@ its own pipeline where it left it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -70,6 +71,7 @@ from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator
 from enforcer.edge.telemetry import SidecarTelemetry
+from enforcer.modes.left_out import LeftOut
 from enforcer.modes.node_view import NodeView
 from enforcer.modes.pipeline import LogReporter, Pipeline, Report, Reporter, WholeUnit
 
@@ -115,6 +117,9 @@ class Backstop:
         # Pipelines of pods handed back (or gone) whose victims have not exited yet.
         self._releasing: dict[str, _Held] = {}
         self._guard = LoopGuard("backstop", telemetry.unexpected.labels("backstop"), log)
+        self._left_out = LeftOut(
+            log, "backstop", "holding it", "the agent does not enforce its limits while this lasts"
+        )
 
     def __call__(
         self,
@@ -145,16 +150,35 @@ class Backstop:
         if self.counts.keys() - pods.keys():
             self.counts = {uid: c for uid, c in self.counts.items() if uid in pods}
         container_of = containers() if silent else {}
-        for uid in silent & pods.keys():
-            held = self._held.get(uid) or self._releasing.pop(uid, None)
-            held = held or self._hold(pods, uid, sample, trusted)
-            if held is not None:
-                self._held[uid] = held
-                held.tick(pods[uid], sample, container_of, lending)
+        left_out = {
+            uid
+            for uid in silent & pods.keys()
+            if not self._guard.run(
+                functools.partial(self._keep, pods, uid, sample, trusted, container_of, lending)
+            )
+        }
+        self._left_out.say(pods, left_out)
         for uid, held in list(self._releasing.items()):
             if not held.follow_victims():
                 del self._releasing[uid]
         self._telemetry.held_by_agent.set(len(self._held))
+
+    def _keep(
+        self,
+        pods: Mapping[str, Pod],
+        uid: str,
+        sample: Sample,
+        trusted: frozenset[str],
+        container_of: Mapping[ProcessKey, str],
+        lending: Lending | None,
+    ) -> None:
+        """One silent pod's step, guarded on its own: a bug its data trips leaves the
+        node's other silent pods held."""
+        held = self._held.get(uid) or self._releasing.pop(uid, None)
+        held = held or self._hold(pods, uid, sample, trusted)
+        if held is not None:
+            self._held[uid] = held
+            held.tick(pods[uid], sample, container_of, lending)
 
     def _hold(
         self, pods: Mapping[str, Pod], uid: str, sample: Sample, trusted: frozenset[str]

@@ -36,6 +36,7 @@ from enforcer.core.pod_resources import Assignments, assigned_gpus
 from enforcer.core.units import Unit
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
+from enforcer.modes.left_out import LeftOut
 from enforcer.modes.node_view import NodeView
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,13 @@ class Lender:
         self._basis: int | None = None  # one GPU's memory, for portions (KAI's gpu-fraction)
         self._told: frozenset[tuple[str, str]] = frozenset()  # (container ID, GPU) asked
         self._unread: Mapping[str, str] = {}  # pod -> what of it could not be read, as said
-        self._left_out: frozenset[str] = frozenset()  # pod UIDs whose read raised, as said
+        self._left_out = LeftOut(
+            log,
+            "lending",
+            "reading what it is owed",
+            "it is left out of lending, its memory counted as no one's request, until it "
+            "reads again",
+        )
         self._guard = LoopGuard("lending", telemetry.unexpected.labels("lending"), log)
         self._clock = clock
         self._good = clock()  # the last pass that did not fail (before any, the start)
@@ -158,7 +165,7 @@ class Lender:
                     left_out.add(uid)
                 else:
                     read.append((pod, owed))
-            self._say_left_out(pods, left_out)
+            self._left_out.say(pods, left_out)
             self._tenants = tenants(read, gpus)
             self._basis, self._assignments, self._trusted = basis, assignments, trusted
             for who, problem in self._tenants.unread.items():
@@ -185,24 +192,11 @@ class Lender:
         """What the pod is owed (`owed.pod_owed`, total over any data); None should reading
         it raise all the same (a bug that one pod's data trips, counted as the loop's): that
         pod alone is left out of the pass, which lends and reclaims for the node's others."""
-        found: list[PodOwed] = []
-        read = functools.partial(
-            pod_owed, pod, self._declares, opted_in=opted_in, basis=basis, claims=claims
-        )
-        return found[0] if self._guard.run(lambda: found.append(read())) else None
-
-    def _say_left_out(self, pods: Mapping[str, Pod], left_out: set[str]) -> None:
-        """Each pod left out (`_owed_of`), said once while it is."""
-        for uid in left_out - self._left_out:
-            meta = pods[uid].get("metadata") or {}
-            log.error(
-                "pod %s/%s: reading what it is owed failed (a bug, counted in "
-                'vram_enforcer_unexpected_errors_total{loop="lending"}): it is left out of '
-                "lending, its memory counted as no one's request, until it reads again",
-                meta.get("namespace"),
-                meta.get("name"),
+        return self._guard.result(
+            functools.partial(
+                pod_owed, pod, self._declares, opted_in=opted_in, basis=basis, claims=claims
             )
-        self._left_out = frozenset(left_out)
+        )
 
     def _claims_of(self, pods: Mapping[str, Pod]) -> dict[str, Claims]:
         """DRA: each pod's claims as last read (a pod whose claims have not been read yet is

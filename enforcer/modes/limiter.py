@@ -14,6 +14,7 @@ place and tries again on the next pass.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -44,6 +45,7 @@ from enforcer.edge.charge_proof import ChargeProof
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.nvml import Nvml
+from enforcer.modes.left_out import LeftOut
 from enforcer.modes.node_view import NodeView
 
 if TYPE_CHECKING:
@@ -105,6 +107,12 @@ class HardLimiter(threading.Thread):
         # uid -> (version, parsed, what of its declaration could not be read, as said)
         self._parsed: dict[str, tuple[str, PodOwed | None, str]] = {}
         self._logged = ""
+        self._left_out = LeftOut(
+            log,
+            "hard-limiter",
+            "reading what it is owed",
+            "its limits stay as they were until it reads again",
+        )
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -163,35 +171,52 @@ class HardLimiter(threading.Thread):
             read = {uid: o for uid, o in reads.items() if isinstance(o, DraObjects)}
             claims = node_claims(pods.values(), read, self._claims.settings)
         parsed: dict[str, tuple[str, PodOwed | None, str]] = {}
+        left_out: set[str] = set()
         for uid, pod in pods.items():
-            meta = pod.get("metadata") or {}
-            resource_version = str(meta.get("resourceVersion") or "")
-            mine = claims.get(uid)
-            users = mine.users if mine is not None else {}
-            sharing = sorted(
-                (name, sorted(users.get((str(meta.get("namespace")), name), ())))
-                for name in claim_names(pod).values()
-                if name
+            step = functools.partial(
+                self._read, uid, pod, reads.get(uid), claims.get(uid), basis, trusted
             )
-            opted = env_trusted(pod, trusted)
-            version = f"{resource_version}@{basis}@{sharing}@{opted}" if resource_version else ""
-            known = self._parsed.get(uid)
-            if known and version and known[0] == version:
-                parsed[uid] = known
-                continue
-            objects = reads.get(uid)
-            read_now = pod_owed(pod, self._declares, opted_in=trusted, basis=basis, claims=mine)
-            problem = unreadable(read_now.declared)
-            if problem and problem != (known[2] if known else ""):
-                log.warning("pod %s/%s %s", meta.get("namespace"), meta.get("name"), problem)
-            if not read_now.owed.units and isinstance(objects, str):
-                self._say_once(f"the claims of pod {uid} cannot be read ({objects})")
-                # Keep its limits meanwhile; its old version makes us read again.
-                parsed[uid] = (known[0], known[1], problem) if known else ("", None, problem)
-                continue
-            parsed[uid] = (version, read_now if read_now.owed.units else None, problem)
+            found = self._guard.result(step)
+            if found is None:  # a bug its data trips (counted): the others are limited
+                left_out.add(uid)
+                found = self._parsed.get(uid) or ("", None, "")  # not its version: read again
+            parsed[uid] = found
         self._parsed = parsed
+        self._left_out.say(pods, left_out)
         return [v for _, v, _ in parsed.values() if v is not None]
+
+    def _read(
+        self,
+        uid: str,
+        pod: Pod,
+        objects: DraObjects | str | None,
+        mine: Claims | None,
+        basis: int | None,
+        trusted: frozenset[str],
+    ) -> tuple[str, PodOwed | None, str]:
+        """One pod's (version, what it is owed or None, what of it cannot be read)."""
+        meta = pod.get("metadata") or {}
+        resource_version = str(meta.get("resourceVersion") or "")
+        users = mine.users if mine is not None else {}
+        sharing = sorted(
+            (name, sorted(users.get((str(meta.get("namespace")), name), ())))
+            for name in claim_names(pod).values()
+            if name
+        )
+        opted = env_trusted(pod, trusted)
+        version = f"{resource_version}@{basis}@{sharing}@{opted}" if resource_version else ""
+        known = self._parsed.get(uid)
+        if known and version and known[0] == version:
+            return known
+        read_now = pod_owed(pod, self._declares, opted_in=trusted, basis=basis, claims=mine)
+        problem = unreadable(read_now.declared)
+        if problem and problem != (known[2] if known else ""):
+            log.warning("pod %s/%s %s", meta.get("namespace"), meta.get("name"), problem)
+        if not read_now.owed.units and isinstance(objects, str):
+            self._say_once(f"the claims of pod {uid} cannot be read ({objects})")
+            # Keep its limits meanwhile; its old version makes us read again.
+            return (known[0], known[1], problem) if known else ("", None, problem)
+        return (version, read_now if read_now.owed.units else None, problem)
 
     def _node_reason(self, devices: Sequence[Device], usable: Sequence[Device]) -> str:
         """Why no pod on this node can get a hard limit; "" while some can."""

@@ -149,10 +149,11 @@ def test_the_lender_still_reclaims_for_the_good_pods(caplog: pytest.LogCaptureFi
     said_once(caplog, "")
 
 
-def test_the_hard_limiter_still_sets_the_good_pods_limits(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    pods = node()
+def hard_limiter(
+    pods: dict[str, Pod], tmp_path: Path, telemetry: AgentTelemetry
+) -> tuple[HardLimiter, RecordingNvml]:
+    """The agent's hard limiter of `pods` (each with its cgroup under `tmp_path`), on one
+    GPU, and what it set there."""
     (tmp_path / "cgroup.controllers").write_text("memory\n")
     for each in pods:
         (tmp_path / "kubepods.slice" / f"kubepods-pod{each.replace('-', '_')}.slice").mkdir(
@@ -165,10 +166,18 @@ def test_the_hard_limiter_still_sets_the_good_pods_limits(
         NodeView(lambda: pods, lambda: READ, Declares(RES)),
         cast(Any, SimpleNamespace(devices=Latest(devices), container_usage=Latest({}))),
         cast(Any, None),
-        AgentTelemetry(),
+        telemetry,
         cgroups=(tmp_path, 60.0),
         changed=threading.Event(),
     )
+    return limiter, nvml
+
+
+def test_the_hard_limiter_still_sets_the_good_pods_limits(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pods = node()
+    limiter, nvml = hard_limiter(pods, tmp_path, AgentTelemetry())
     with caplog.at_level(logging.WARNING, "enforcer.modes.limiter"):
         for _ in range(3):  # the poisoned pods have no resourceVersion: read on every pass
             limiter._pass()
@@ -245,6 +254,40 @@ def test_a_pod_whose_data_trips_a_bug_in_the_lender_is_left_out_and_the_others_l
         r.getMessage() for r in caplog.records if "reading what it is owed failed" in r.getMessage()
     ]
     assert len(said) == 1 and said[0].startswith("pod ml/tripping:"), said
+
+
+def test_a_pod_whose_data_trips_a_bug_in_the_hard_limiter_or_the_backstop_is_left_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lender's test above, for the agent's two other loops over the node's pods
+    (found reading issue 42's change: one guard covered the limiter's whole pass, and the
+    backstop's silent pods, so one pod's bug left every pod unlimited, or every silent pod
+    after it unheld): that pod alone is left out, counted and said once."""
+    pods, telemetry = node(), AgentTelemetry()
+    pods[uid("tripping")] = cast(Pod, _Tripping(running("tripping", "ml", "f" * 64, {}, {})))
+    limiter, nvml = hard_limiter(pods, tmp_path, telemetry)
+    silent = frozenset(each for each in pods if each != uid("burst"))
+    backstop = Backstop(
+        NodeView(lambda: pods, lambda: READ, Declares(RES)),
+        lambda: silent,
+        cast("EventRecorder", Recorded()),
+        telemetry,
+        ProcFs(),
+    )
+    with caplog.at_level(logging.ERROR):
+        for _ in range(3):
+            limiter._pass()
+            backstop(SEEN, lambda: CONTAINERS, None)
+    assert sorted(nvml.set.values()) == [16 * GiB, 24 * GiB]  # the good pods' limits
+    assert telemetry.registry.get_sample_value("vram_enforcer_pods_held_by_agent") == 1
+    for loop in ("hard-limiter", "backstop"):
+        assert telemetry.unexpected.labels(loop)._value.get() == 3, loop
+        said = [
+            r.getMessage()
+            for r in caplog.records
+            if r.getMessage().startswith("pod ml/tripping:") and f'loop="{loop}"' in r.getMessage()
+        ]
+        assert len(said) == 1, (loop, said)
 
 
 class _Fresh:
