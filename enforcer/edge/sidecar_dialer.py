@@ -79,7 +79,12 @@ def dial(host_proc: ProcFs, container_id: str, init: ProcessKey) -> socket.socke
         return Refused(f"{where}: {found}; not connected to")
     if isinstance(found, str):
         return f"cannot reach {where}: {found}"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+    try:
+        # A socket that cannot be made (EMFILE) must not leak the walk's descriptor.
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+    except OSError as exc:
+        os.close(found)
+        return f"cannot connect to {where}: {exc.strerror or exc}"
     try:
         # Through the descriptor: the walk above is what decided which socket this is. A
         # Unix socket connects at once, or fails (EAGAIN: its backlog is full).

@@ -11,6 +11,7 @@ real socket server, given the directory that the agent's pod publisher builds.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod_directory import Directory, directory, event_about, kept
 from enforcer.core.protocol import SIDECAR_SOCKET
 from enforcer.core.sidecar_presence import FIRST_RETRY
+from enforcer.edge import sidecar_dialer
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sidecar_dialer import dial_container
 from enforcer.edge.usage_server import (
@@ -684,6 +686,33 @@ def test_the_agent_connects_to_a_sidecar_in_its_own_filesystem_and_again_after_a
     finally:
         sidecar.stop()
         (second or first).close()
+
+
+def test_a_dial_that_cannot_make_its_socket_leaks_no_descriptor(
+    cgroups: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of descriptors (EMFILE) when the socket is made, after the walk opened the
+    sidecar's: the dial says why and closes the walk's descriptor; an agent that leaked one
+    per dial on a full node would run out for good."""
+    sidecar = Caller(tmp_path / "unused", cgroups, UA, A, listen=True)
+    try:
+        wait_for(sidecar.listening, what="the sidecar to listen")
+        dial(A).close()  # the walk and the socket work: the failure below is the socket's
+        before = sorted(os.listdir("/proc/self/fd"))
+
+        def no_descriptors(*args: object) -> socket.socket:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+        monkeypatch.setattr(sidecar_dialer.socket, "socket", no_descriptors)
+        found = dial_container(ProcFs(), A)
+        monkeypatch.undo()
+        assert found == (
+            f"cannot connect to {SIDECAR_SOCKET} of the sidecar (pid {sidecar.pid}): "
+            "Too many open files"
+        )
+        assert sorted(os.listdir("/proc/self/fd")) == before
+    finally:
+        sidecar.stop()
 
 
 def test_a_process_of_the_pod_cannot_pose_as_the_agent(
