@@ -19,7 +19,9 @@ What stands in, at the outermost boundary only:
 
 The example's script, its Job, its annotations and the commands that watch it are the
 README's and examples/'s own; the test checks what the README promises: the Job fails,
-and `kubectl describe pod` shows the VRAMEnforced Event.
+`kubectl describe pod` shows the VRAMEnforced Event, and the README's last line, its check,
+passes. The Job fails whether or not it was stopped, so the check must fail where nothing
+was: `test_the_check_fails_when_nothing_was_enforced` runs it against such a namespace.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from kubernetes import client
 
 from tests.e2e.agent_pod import AgentPod, label_gpu_node
 from tests.e2e.cluster import ApiServer
@@ -220,18 +224,25 @@ def fresh(
             shutil.rmtree(SOCKET.parent, ignore_errors=True)
 
 
-def run(fresh: Fresh, command: str, timeout: float = 360) -> str:
+def bash(
+    command: str, env: dict[str, str], timeout: float = 360
+) -> subprocess.CompletedProcess[str]:
     """One command of the README, as bash runs it in the repository, after the README's
     own `IMAGE=` line."""
     (assignment,) = [c for c in quick_start() if c.startswith("IMAGE=")]
-    done = subprocess.run(
+    return subprocess.run(
         ["bash", "-c", f"set -euo pipefail\n{assignment}\n{command}"],
         cwd=ROOT,
-        env=fresh.env,
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def run(fresh: Fresh, command: str) -> str:
+    """`bash`, which must succeed; its output."""
+    done = bash(command, fresh.env)
     assert done.returncode == 0, (
         f"{command}\nexited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     )
@@ -290,9 +301,10 @@ def test_the_readme_quick_start_runs_as_written(fresh: Fresh) -> None:
     try:
         run(fresh, commands[2])  # helm install --wait: the agent's pod is ready too
         agent = AgentPod(fresh.node, "vram-enforcer", fresh.state_file)
-        outputs = [run(fresh, command) for command in commands[3:]]
+        outputs = [run(fresh, command) for command in commands[3:]]  # the check's, last
         assert driver.seen, "the example's process never showed on the played GPU"
-        described = outputs[-1]
+        assert "condition met" in outputs[-1], outputs[-1]
+        (described,) = [o for c, o in zip(commands[3:], outputs, strict=True) if "describe" in c]
         assert "VRAMEnforced" in described, described
         assert re.search(
             r"container 'trainer' uses \d+\.\d\d GiB of its 4\.00 GiB VRAM limit", described
@@ -302,3 +314,85 @@ def test_the_readme_quick_start_runs_as_written(fresh: Fresh) -> None:
         plugin.close()
         if agent is not None:
             assert "Traceback" not in agent.log(), agent.log()
+
+
+def test_the_check_fails_when_nothing_was_enforced(apiserver: ApiServer, tmp_path: Path) -> None:
+    """The README's Kubernetes commands where the example's Job failed and nothing was
+    enforced: every one passes but the last, the check, which passes once the pod has its
+    VRAMEnforced Event. The wait for the Job cannot be the check: the Job fails either way
+    (its script exits 1 once it has allocated 16 GiB unchecked).
+
+    Nothing enforced, as the namespace shows it: the Job failed, its pod said what comes
+    before a stop or instead of one (VRAMNearLimit; VRAMLimitExceeded, all that `action: warn`
+    says; VRAMWouldEnforce, a dry run's), and another namespace's pod was stopped. On an API
+    server of its own, where nothing posts Events but this test and the test plays the Job
+    controller (`apiserver` only for its skip-or-fail check), with the real kubectl."""
+    commands = quick_start()
+    (apply,) = [n for n, c in enumerate(commands) if c.startswith("kubectl apply -f examples/")]
+    with ApiServer() as server:
+        server.start()
+        env = {
+            **os.environ,
+            "PATH": f"{BIN}:{os.environ['PATH']}",
+            "KUBECONFIG": str(server.write_kubeconfig(tmp_path / "admin.kubeconfig")),
+        }
+        api = server.client()
+        core = client.CoreV1Api(api)
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="elsewhere")))
+        for command in commands[3 : apply + 1]:  # create and label the namespace, apply
+            done = bash(command, env)
+            assert done.returncode == 0, f"{command}\n{done.stderr}"
+        fail_the_job(client.BatchV1Api(api))
+
+        def say(reason: str, namespace: str = "vram-demo") -> None:
+            pod = "pytorch-overrun-x7k2p"
+            core.create_namespaced_event(
+                namespace,
+                client.CoreV1Event(
+                    metadata=client.V1ObjectMeta(generate_name=f"{pod}."),
+                    involved_object=client.V1ObjectReference(
+                        kind="Pod", namespace=namespace, name=pod
+                    ),
+                    reason=reason,
+                    message=f"{reason}, as the test says it",
+                    type="Warning",
+                ),
+            )
+
+        for reason in ("VRAMNearLimit", "VRAMLimitExceeded", "VRAMWouldEnforce"):
+            say(reason)
+        say("VRAMEnforced", "elsewhere")
+
+        for command in commands[apply + 1 : -1]:  # the wait for the Job, describe
+            done = bash(command, env)
+            assert done.returncode == 0, f"{command}\n{done.stderr}"
+        unenforced = bash(commands[-1], env)
+        assert unenforced.returncode != 0, unenforced.stdout
+        assert "timed out waiting for the condition" in unenforced.stderr, unenforced.stderr
+
+        say("VRAMEnforced")
+        enforced = bash(commands[-1], env)
+        assert enforced.returncode == 0, enforced.stderr
+        assert "condition met" in enforced.stdout, enforced.stdout
+
+
+def fail_the_job(batch: client.BatchV1Api) -> None:
+    """The example's Job failed, as the Job controller fails it (BackoffLimitExceeded)."""
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    failed = {
+        "status": "True",
+        "reason": "BackoffLimitExceeded",
+        "message": "Job has reached the specified backoff limit",
+        "lastTransitionTime": now,
+    }
+    batch.patch_namespaced_job_status(
+        "pytorch-overrun",
+        "vram-demo",
+        {
+            "status": {
+                "startTime": now,
+                "failed": 1,
+                "conditions": [{"type": "FailureTarget", **failed}, {"type": "Failed", **failed}],
+            }
+        },
+    )
