@@ -73,8 +73,9 @@ RUN --mount=type=secret,id=ca-bundle --mount=type=secret,id=pip-conf \
  && /opt/build/bin/pip install "setuptools==84.0.0"
 
 WORKDIR /src
-# Only what the wheel is built from: the package and the metadata (readme = README.md).
-COPY pyproject.toml README.md ./
+# Only what the wheel is built from: the package and the metadata (readme = README.md,
+# license-files = LICENSE, which the wheel and so the image carry).
+COPY pyproject.toml README.md LICENSE ./
 COPY enforcer/ ./enforcer/
 
 # 1. Build the wheel and install it without its dependencies, which are already there.

@@ -54,3 +54,23 @@ def test_the_dockerfile_pins_exactly_the_runtime_dependencies_of_pyproject() -> 
     )
     outside = {name: pins[name] for name, r in required.items() if pins[name] not in r.specifier}
     assert not outside, f"pins outside pyproject.toml's bounds: {outside} ({required})"
+
+
+def test_the_dockerfile_copies_every_file_the_wheel_is_built_from() -> None:
+    """The readme and the license files that pyproject.toml names are built into the wheel,
+    and setuptools refuses to build without them: a file named there and not copied breaks
+    the image's build while every other test passes."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    named = [project["readme"]] + [
+        str(path.relative_to(ROOT))
+        for pattern in project["license-files"]
+        for path in sorted(ROOT.glob(pattern)) or [ROOT / pattern]
+    ]
+    copied = {
+        source.rstrip("/")
+        for line in re.findall(r"^COPY (?!--)(.+) \S+$", (ROOT / "Dockerfile").read_text(), re.M)
+        for source in line.split()
+    }
+    assert {"pyproject.toml", "enforcer"} <= copied, copied
+    missing = [name for name in named if not (ROOT / name).is_file() or name not in copied]
+    assert not missing, f"named by pyproject.toml, not in the checkout or not copied: {missing}"
