@@ -1,0 +1,172 @@
+"""The names an operator types or reads (Event reasons, metrics, annotation and label keys)
+are the same in the docs and in the code: each one the docs, the chart or the code's own
+messages name is one the code defines, and each one the code defines is in docs/. A name
+removed or renamed in the code fails here until its docs follow, and a new one until it
+is documented. Nothing here lists today's names: they come from the code."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from enforcer.core.reasons import Reason
+from enforcer.edge.metrics import (
+    AgentTelemetry,
+    PodsCollector,
+    PodsView,
+    Telemetry,
+    WebhookTelemetry,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "vram-enforcer"
+DOCS = ROOT / "docs"
+
+REASON = re.compile(r"\bVRAM[A-Z]\w+")
+METRIC = re.compile(r"\bvram_enforcer_\w+")
+KEY = re.compile(r"\bvram-enforcer\.io/([\w.-]*\w)(\.\*)?")  # `gpu.*`: all keys under it
+
+# The names a family is read by, by its type: a histogram by its own too (`_created` is
+# nobody's to read).
+SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("", "_bucket", "_count", "_sum"),
+    "gauge": ("",),
+}
+ANY_TYPE = tuple(sorted({s for suffixes in SUFFIXES.values() for s in suffixes}))
+
+# The example alerts of operations.md are named by us, after what they watch for; an alert
+# is no Event, whatever its name (`- alert: VRAMEnforcerBlind`).
+ALERT = re.compile(r"alert: *VRAM\w+")
+
+
+def _readers() -> list[Path]:
+    """Where the names are read by operators: the docs, the examples, the chart's README,
+    values and templates (NOTES.txt, comments), its dashboards."""
+    return [
+        *sorted(DOCS.glob("*.md")),
+        ROOT / "README.md",
+        *sorted(p for p in (ROOT / "examples").rglob("*") if p.is_file()),
+        *sorted(p for p in CHART.rglob("*") if p.is_file()),
+    ]
+
+
+def _code() -> list[Path]:
+    return sorted((ROOT / "enforcer").rglob("*.py"))
+
+
+def _literals(path: Path) -> Iterator[str]:
+    """A module's string constants, as Python joins them: a name split over two lines of
+    adjacent literals is whole here."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.value
+
+
+def _texts() -> Iterator[tuple[str, str]]:
+    """(where, text) of every file that names what an operator reads."""
+    for path in _readers():
+        yield str(path.relative_to(ROOT)), path.read_text()
+    for path in _code():
+        for text in [*_literals(path), path.read_text()]:  # the text: its comments
+            yield str(path.relative_to(ROOT)), text
+
+
+def _metric_families() -> dict[str, set[str]]:
+    """Each metric family the code serves -> the names a scrape shows it by. From the
+    registries themselves (a family named through a helper, `family("...")`), and from every
+    `PREFIX + "..."` and whole `"vram_enforcer_..."` literal (a collector built elsewhere)."""
+    families: dict[str, set[str]] = {}
+    agent = AgentTelemetry()
+    agent.registry.register(PodsCollector(PodsView))
+    registries: list[CollectorRegistry] = [
+        agent.registry,
+        WebhookTelemetry().registry,
+        Telemetry({}).registry,
+    ]
+    for registry in registries:
+        for family in registry.collect():
+            if family.name.startswith("vram_enforcer_"):
+                names = {family.name + s for s in SUFFIXES.get(family.type, ("",))}
+                families.setdefault(family.name, set()).update(names)
+    for path in _code():
+        literals = [s for s in _literals(path) if re.fullmatch(r"vram_enforcer_\w*[^\W_]", s)]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.BinOp)
+                and isinstance(node.left, ast.Name)
+                and node.left.id == "PREFIX"
+                and isinstance(node.right, ast.Constant)
+            ):
+                literals.append("vram_enforcer_" + str(node.right.value))
+        for literal in literals:
+            families.setdefault(literal, {literal + s for s in ANY_TYPE})
+    return families
+
+
+def _keys() -> set[str]:
+    """Every `vram-enforcer.io/...` key the code reads or writes (a whole literal), and every
+    one the chart's templates write."""
+    keys = {m[1] for path in _code() for s in _literals(path) if (m := KEY.fullmatch(s))}
+    for path in (CHART / "templates").glob("*.yaml"):
+        keys |= {m[1] for m in KEY.finditer(path.read_text())}
+    return keys
+
+
+def test_the_code_defines_names_of_each_kind() -> None:
+    """The readers of the code below work: they find what is there today."""
+    assert len(Reason) >= 10
+    assert {"vram_enforcer_container_used_bytes", "vram_enforcer_admission_requests"} <= set(
+        _metric_families()
+    )
+    assert {"inject", "vram", "action", "gpu.memory"} <= _keys()
+
+
+def test_every_event_reason_named_is_one_the_code_posts() -> None:
+    posted = {r.value for r in Reason}
+    named = {
+        (where, name) for where, text in _texts() for name in REASON.findall(ALERT.sub("", text))
+    }
+    assert sorted((w, n) for w, n in named if n not in posted) == []
+
+
+def test_every_event_reason_the_code_posts_is_in_the_docs() -> None:
+    documented = {n for p in DOCS.glob("*.md") for n in REASON.findall(p.read_text())}
+    assert sorted(r.value for r in Reason if r.value not in documented) == []
+
+
+def test_every_metric_named_is_one_the_code_serves() -> None:
+    served = set().union(*_metric_families().values())
+    named = {
+        (where, name)
+        for where, text in _texts()
+        for name in METRIC.findall(text)
+        if not name.endswith("_")  # the first half of a name split over two literals
+    }
+    assert sorted((w, n) for w, n in named if n not in served) == []
+
+
+def test_every_metric_the_code_serves_is_in_the_docs() -> None:
+    documented = {n for p in DOCS.glob("*.md") for n in METRIC.findall(p.read_text())}
+    missing = [family for family, names in _metric_families().items() if not names & documented]
+    assert sorted(missing) == []
+
+
+def test_every_annotation_and_label_key_named_is_one_the_code_knows() -> None:
+    known = _keys()
+    wrong = []
+    for where, text in _texts():
+        for key, every in KEY.findall(text):
+            found = any(k.startswith(key + ".") for k in known) if every else key in known
+            if not found:
+                wrong.append((where, key))
+    assert sorted(set(wrong)) == []
+
+
+def test_every_annotation_and_label_key_of_the_code_is_in_the_docs() -> None:
+    documented = {m[0] for p in DOCS.glob("*.md") for m in KEY.findall(p.read_text())}
+    assert sorted(_keys() - documented) == []
