@@ -6,6 +6,7 @@ is documented. Nothing here lists today's names: they come from the code."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from enforcer.cli import MODES, build_parser
 from enforcer.core.reasons import Reason
 from enforcer.edge.metrics import (
     AgentTelemetry,
@@ -170,3 +172,66 @@ def test_every_annotation_and_label_key_named_is_one_the_code_knows() -> None:
 def test_every_annotation_and_label_key_of_the_code_is_in_the_docs() -> None:
     documented = {m[0] for p in DOCS.glob("*.md") for m in KEY.findall(p.read_text())}
     assert sorted(_keys() - documented) == []
+
+
+def _flags() -> dict[str, set[str]]:
+    """Each mode -> the flags its parser takes (`--help` included)."""
+    parser = build_parser()
+    (modes,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {name: set(p._option_string_actions) for name, p in modes.choices.items()}
+
+
+# `vram-enforcer MODE ...` up to where its own words end: a ` -- ` (exec's command), a shell
+# comment, pipe or chain, a backtick (inline code), or the end of the (joined) line. Not
+# the namespace or the container of that name (`kubectl -n vram-enforcer exec ...`).
+COMMAND = re.compile(
+    r"(?<![\w/.=-])(?<!-n )(?<!-c )(?<!namespace )vram-enforcer "
+    rf"({'|'.join(MODES)})\b((?:\\\n|[^`#|;&\n])*)"
+)
+# The docs' short forms: `exec --request 2Gi` (inline code), the agent's `--interval`.
+SHORT = re.compile(rf"`({'|'.join(MODES)})( --[^`]*)`|\b({'|'.join(MODES)})'s `(--[\w-]+)")
+QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")  # a --workload's command, a value
+
+# Deliberate: (mode, flag) the docs name that the mode does not take, each with why.
+NOT_A_FLAG = {
+    ("webhook", "--agent-socket"): "install.md's upgrade notes: gone since 0.2.0",
+}
+
+
+def _commands(text: str) -> Iterator[tuple[str, str]]:
+    """(mode, the words after it) of each `vram-enforcer MODE` command line in `text`, and
+    of each short form."""
+    for mode, words in COMMAND.findall(text):
+        yield mode, QUOTED.sub("", words.replace("\\\n", " ")).split(" -- ")[0]
+    for inline, words, owner, flag in SHORT.findall(text):
+        yield inline or owner, words or flag
+
+
+def test_every_flag_a_command_line_gives_is_one_of_that_command() -> None:
+    """`vram-enforcer MODE ... --flag` in the docs, the examples, the chart, and each mode's
+    own --help (its epilog: a flag of its own, or of the command line it shows)."""
+    flags = _flags()
+    texts = [(where, text) for where, text in _texts() if not where.endswith(".py")]
+    texts += [(f"{name} --help", mode.epilog()) for name, mode in MODES.items()]
+    wrong = set()
+    for where, text in texts:
+        for mode, words in _commands(text):
+            if mode in flags:
+                named = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", words))
+                wrong |= {
+                    (where, mode, flag)
+                    for flag in named - flags[mode]
+                    if (mode, flag) not in NOT_A_FLAG
+                }
+    assert sorted(wrong) == []
+
+
+def test_every_flag_a_modes_help_names_is_its_own() -> None:
+    """Outside the command lines it shows, a mode's --help names its own flags only."""
+    flags = _flags()
+    wrong = set()
+    for name, mode in MODES.items():
+        prose = COMMAND.sub("", QUOTED.sub("", mode.epilog()))
+        named = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", prose))
+        wrong |= {(name, flag) for flag in named - flags[name]}
+    assert sorted(wrong) == []
