@@ -116,13 +116,19 @@ The API server calls POST /mutate for each pod CREATE in namespaces labelled
 vram-enforcer.io/inject=enabled (see the chart's MutatingWebhookConfiguration). A pod
 that declares --resource-name in a container's limits gets the sidecar, a shared process
 namespace, the agent socket, VRAM_LIMIT_BYTES and a /dev/shm. Pod annotations:
-  vram-enforcer.io/inject: "false"            leave this pod alone
-  vram-enforcer.io/action: kill               warn | terminate | kill | restart
-  vram-enforcer.io/grace-period: 30s          SIGTERM to SIGKILL
+  vram-enforcer.io/inject: "false"            leave this pod alone (it runs unenforced): only
+                                              with --allow-opt-out, else it is denied
+  vram-enforcer.io/action: kill               terminate | kill | restart | warn: only those in
+                                              --tenant-actions (not warn, by default), else
+                                              it is denied
+  vram-enforcer.io/grace-period: 30s          SIGTERM to SIGKILL, at most --max-grace-period
+  vram-enforcer.io/vram-ceiling: 16Gi         borrow above the request while the GPU has
+                                              room, up to --max-vram-ceiling (0: none)
   vram-enforcer.io/warn-at: 80%               warn once at this share of a limit
   vram-enforcer.io/shm-size: auto             auto | off | a quantity such as 8Gi
   vram-enforcer.io/metrics-port               ignored since 0.2.0, with a warning: the sidecar
                                               serves no metrics (the node agent serves the pod's)
+The flags named bound what a pod may ask; --namespace-bounds sets them per namespace.
 
 The certificate and key are re-read when they change on disk (cert-manager rotation).
 /healthz and /readyz answer plain GETs. SIGTERM drains requests in flight, then exits.

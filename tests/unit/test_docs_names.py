@@ -235,3 +235,27 @@ def test_every_flag_a_modes_help_names_is_its_own() -> None:
         named = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", prose))
         wrong |= {(name, flag) for flag in named - flags[name]}
     assert sorted(wrong) == []
+
+
+def test_each_annotation_the_webhook_bounds_is_said_with_its_bound_in_its_help() -> None:
+    """A webhook setting that bounds what an annotation may ask (its help names the
+    annotation) is named beside that annotation in `webhook --help`: a tenant reading it
+    learns that the annotation alone may be denied (`inject: "false"`, `action: warn`)."""
+    lines: dict[str, str] = {}
+    key = ""
+    for line in MODES["webhook"].epilog().splitlines():
+        if match := re.match(r"  vram-enforcer\.io/([\w.-]+)", line):
+            key = match[1]
+            lines[key] = line
+        elif key and line.startswith(" " * 20):
+            lines[key] += line
+        else:
+            key = ""
+    bounds = [
+        (m[0], s.flag)
+        for s in MODES["webhook"].declared
+        for m in KEY.findall(s.help)
+        if s.flag and m[0] != "vram"  # the resource, not an annotation
+    ]
+    assert len(bounds) >= 3
+    assert sorted((k, f) for k, f in bounds if f not in lines.get(k, "")) == []
