@@ -1,9 +1,9 @@
 """The slowdown matrix of an interference report as a PNG heatmap.
 
-matplotlib is optional (`pip install 'vram-enforcer[report]'`) and heavy, so it is
-imported only here and only when a heatmap is drawn; without it the caller gets one line
-that names the fix, and writes the rest of the report as usual. The figure is made
-without pyplot: no global state, no display needed.
+matplotlib is optional (the `report` extra: `pip install '.[report]'` in a checkout) and
+heavy, so it is imported only here and only when a heatmap is drawn; without it the
+caller gets one line that names the fix, and writes the rest of the report as usual. The
+figure is made without pyplot: no global state, no display needed.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from enforcer.core.interference.stats import Cell, Report
 from enforcer.core.model import format_bytes
 
 MISSING = (
-    "heatmap.png was not written: matplotlib is not installed; pip install 'vram-enforcer[report]'"
+    "heatmap.png was not written: matplotlib is not installed; pip install matplotlib (or, "
+    "in the vram-enforcer checkout this was installed from, pip install '.[report]')"
 )
 
 

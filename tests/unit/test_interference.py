@@ -497,8 +497,8 @@ def test_without_matplotlib_the_heatmap_says_how_to_get_it(
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert heatmap.write_heatmap(report(), tmp_path / "h.png") == (
-        "heatmap.png was not written: matplotlib is not installed; "
-        "pip install 'vram-enforcer[report]'"
+        "heatmap.png was not written: matplotlib is not installed; pip install matplotlib "
+        "(or, in the vram-enforcer checkout this was installed from, pip install '.[report]')"
     )
     assert not (tmp_path / "h.png").exists()
 
