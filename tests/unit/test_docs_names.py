@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -23,6 +25,7 @@ from enforcer.edge.metrics import (
     Telemetry,
     WebhookTelemetry,
 )
+from tests.unit.test_docs import _module_names
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "vram-enforcer"
@@ -31,6 +34,7 @@ DOCS = ROOT / "docs"
 REASON = re.compile(r"\bVRAM[A-Z]\w+")
 METRIC = re.compile(r"\bvram_enforcer_\w+")
 KEY = re.compile(r"\bvram-enforcer\.io/([\w.-]*\w)(\.\*)?")  # `gpu.*`: all keys under it
+ENV = re.compile(r"\bVRAM_[A-Z_]*[A-Z]\b")
 
 # The names a family is read by, by its type: a histogram by its own too (`_created` is
 # nobody's to read).
@@ -259,3 +263,57 @@ def test_each_annotation_the_webhook_bounds_is_said_with_its_bound_in_its_help()
     ]
     assert len(bounds) >= 3
     assert sorted((k, f) for k, f in bounds if f not in lines.get(k, "")) == []
+
+
+def _environment() -> set[str]:
+    """The environment variables the code reads or writes: each setting's, the workload's."""
+    return {s for path in _code() for s in _literals(path) if ENV.fullmatch(s)}
+
+
+def test_every_environment_variable_named_is_one_the_code_reads_or_writes() -> None:
+    known = _environment()
+    assert "VRAM_LIMIT_BYTES" in known and "VRAM_ENFORCER_ACTION" in known
+    named = {(where, name) for where, text in _texts() for name in ENV.findall(text)}
+    assert sorted((w, n) for w, n in named if n not in known) == []
+    documented = {n for p in DOCS.glob("*.md") for n in ENV.findall(p.read_text())}
+    assert sorted(known - documented) == []
+
+
+def _value_paths(schema: dict[str, Any], at: str = "") -> Iterator[str]:
+    """Every chart value the schema takes, as a dotted path; `*` where the keys are the
+    user's (`webhook.tenants.namespaces.*.actions`)."""
+    for key, sub in schema.get("properties", {}).items():
+        yield at + key
+        yield from _value_paths(sub, f"{at}{key}.")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield at + "*"
+        yield from _value_paths(schema["additionalProperties"], f"{at}*.")
+
+
+# Names written like a chart value that are files (`agent.yaml`) or API groups
+# (`resource.k8s.io`).
+NOT_VALUES = (".py", ".yaml", ".sock", ".io", ".com")
+# A chart value in the docs: `agent.hardLimits`, `webhook.tenants.maxCeiling: "0"`, or
+# `--set agent.reserve=0` (in a command).
+VALUE = r"((?:{top})(?:\.[A-Za-z]\w*)+)"
+
+
+def test_every_chart_value_named_is_one_the_chart_takes() -> None:
+    """What the docs call a chart value is one values.schema.json takes: a value renamed in
+    the chart fails here until the docs follow. A module's name written like a value
+    (`agent.Passes`, `dra.allocations`) is test_docs.py's to check, a file's is not one."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    paths = [re.compile(re.escape(p).replace(r"\*", r"[^.]+")) for p in _value_paths(schema)]
+    modules = _module_names()
+    value = VALUE.format(top="|".join(schema["properties"]))
+    shown = re.compile(rf"`{value}(?:[=:][^`]*)?`|--set(?:-string)? {value}=")
+    wrong = set()
+    for where, text in _texts():
+        if where.endswith((".md", "values.yaml")):
+            for name in {a or b for a, b in shown.findall(text)}:
+                first, second = name.split(".")[:2]
+                if second in modules.get(first, ()) or name.endswith(NOT_VALUES):
+                    continue
+                if not any(p.fullmatch(name) for p in paths):
+                    wrong.add((where, name))
+    assert sorted(wrong) == []
