@@ -44,6 +44,7 @@ SUFFIXES = {
     "gauge": ("",),
 }
 ANY_TYPE = tuple(sorted({s for suffixes in SUFFIXES.values() for s in suffixes}))
+SAMPLE = re.compile(r"_(?:total|bucket|count|sum)$")  # a sample's name -> its family's
 
 # The example alerts of operations.md are named by us, after what they watch for; an alert
 # is no Event, whatever its name (`- alert: VRAMEnforcerBlind`).
@@ -317,3 +318,41 @@ def test_every_chart_value_named_is_one_the_chart_takes() -> None:
                 if not any(p.fullmatch(name) for p in paths):
                     wrong.add((where, name))
     assert sorted(wrong) == []
+
+
+def _served_by() -> dict[str, dict[str, str]]:
+    """Each component that serves metrics -> its families -> their type."""
+    agent = AgentTelemetry()
+    agent.registry.register(PodsCollector(PodsView, per_process=True))
+    registries = {
+        "agent": agent.registry,
+        "webhook": WebhookTelemetry().registry,
+        "exec": Telemetry({}).registry,
+    }
+    return {
+        who: {m.name: m.type for m in registry.collect() if m.name.startswith("vram_enforcer_")}
+        for who, registry in registries.items()
+    }
+
+
+def test_each_metric_of_operations_md_is_served_by_its_component_with_its_type() -> None:
+    """A row of a component's table (`### exec`, `### The webhook`, the agent's two) names
+    series that component serves, of the type the row says: a metric moved, gone from one
+    component or made a counter fails here."""
+    served = _served_by()
+    metrics = (DOCS / "operations.md").read_text().split("\n## Metrics", 1)[1]
+    metrics = metrics.split("\n## ", 1)[0]
+    wrong, checked = [], set()
+    for section in metrics.split("\n### ")[1:]:
+        title = section.splitlines()[0]
+        (who,) = [w for w in served if w in title] or [None]
+        if who is None:
+            continue
+        checked.add(who)
+        for names, kind in re.findall(r"^\| (`vram_enforcer_[^|]*) \| (\w+) \|", section, re.M):
+            for name in re.findall(r"`(vram_enforcer_\w+)`", names):
+                family = next((f for f in (name, re.sub(SAMPLE, "", name)) if f in served[who]), "")
+                if served[who].get(family) != kind:
+                    wrong.append((title, name, kind, served[who].get(family)))
+    assert checked == set(served)
+    assert wrong == []
