@@ -88,16 +88,19 @@ exit status:
 AGENT_EPILOG = """\
 what it does:
   - reads NVML once per --interval for every GPU of the node;
-  - serves each pod's sidecar the GPU usage of that pod's own processes on --socket,
-    with PIDs translated into the pod's PID namespace (the caller is identified by the
-    kernel: SO_PEERPIDFD, or SO_PEERCRED and a challenge on Linux < 6.5);
+  - connects to the sidecar of each pod the webhook injected (its socket, in the pod's
+    own filesystem) and sends it the GPU usage of that pod's own processes, with PIDs
+    translated into the pod's PID namespace, and its pod; sidecars of 0.1.0, doctor and
+    other callers connect to --socket instead (the caller is identified by the kernel:
+    SO_PEERPIDFD, or SO_PEERCRED and a challenge on Linux < 6.5);
   - writes the node's VRAM (sum over GPUs or MIG partitions of total minus --reserve) to
     status.capacity and status.allocatable under --resource-name, and the labels
     vram-enforcer.io/gpu.product, gpu.count and gpu.memory (MiB of the smallest device),
     re-checking every --resync and patching only what differs.
 
-health: with --metrics-port, /healthz answers 503 once no NVML pass has completed for 60s
-(a liveness probe restarts a hung agent). A thread that stops ends the agent with status 1.
+health: with --metrics-port, /healthz answers 503 once no NVML pass (or no check of the
+sidecars) has completed for 60s (a liveness probe restarts a hung agent). A thread that
+stops ends the agent with status 1.
 
 It must run with hostPID: true (NVML reports host PIDs) and as root.
 """
