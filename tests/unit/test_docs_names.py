@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-from prometheus_client import CollectorRegistry
 
 from enforcer.cli import MODES, build_parser
 from enforcer.core.reasons import Reason
@@ -66,21 +65,43 @@ def _code() -> list[Path]:
     return sorted((ROOT / "enforcer").rglob("*.py"))
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def _literals(path: Path) -> Iterator[str]:
     """A module's string constants, as Python joins them: a name split over two lines of
     adjacent literals is whole here."""
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             yield node.value
 
 
-def _texts() -> Iterator[tuple[str, str]]:
+@functools.cache
+def _texts() -> tuple[tuple[str, str], ...]:
     """(where, text) of every file that names what an operator reads."""
-    for path in _readers():
-        yield str(path.relative_to(ROOT)), path.read_text()
+    found = [(str(p.relative_to(ROOT)), p.read_text()) for p in _readers()]
     for path in _code():
         for text in [*_literals(path), path.read_text()]:  # the text: its comments
-            yield str(path.relative_to(ROOT)), text
+            found.append((str(path.relative_to(ROOT)), text))
+    return tuple(found)
+
+
+@functools.cache
+def _served_by() -> dict[str, dict[str, str]]:
+    """Each component that serves metrics -> its families -> their type."""
+    agent = AgentTelemetry()
+    agent.registry.register(PodsCollector(PodsView, per_process=True))
+    registries = {
+        "agent": agent.registry,
+        "webhook": WebhookTelemetry().registry,
+        "exec": Telemetry({}).registry,
+    }
+    return {
+        who: {m.name: m.type for m in registry.collect() if m.name.startswith("vram_enforcer_")}
+        for who, registry in registries.items()
+    }
 
 
 def _metric_families() -> dict[str, set[str]]:
@@ -88,21 +109,12 @@ def _metric_families() -> dict[str, set[str]]:
     registries themselves (a family named through a helper, `family("...")`), and from every
     `PREFIX + "..."` and whole `"vram_enforcer_..."` literal (a collector built elsewhere)."""
     families: dict[str, set[str]] = {}
-    agent = AgentTelemetry()
-    agent.registry.register(PodsCollector(PodsView))
-    registries: list[CollectorRegistry] = [
-        agent.registry,
-        WebhookTelemetry().registry,
-        Telemetry({}).registry,
-    ]
-    for registry in registries:
-        for family in registry.collect():
-            if family.name.startswith("vram_enforcer_"):
-                names = {family.name + s for s in SUFFIXES.get(family.type, ("",))}
-                families.setdefault(family.name, set()).update(names)
+    for served in _served_by().values():
+        for name, kind in served.items():
+            families.setdefault(name, set()).update(name + s for s in SUFFIXES.get(kind, ("",)))
     for path in _code():
         literals = [s for s in _literals(path) if re.fullmatch(r"vram_enforcer_\w*[^\W_]", s)]
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if (
                 isinstance(node, ast.BinOp)
                 and isinstance(node.left, ast.Name)
@@ -320,21 +332,6 @@ def test_every_chart_value_named_is_one_the_chart_takes() -> None:
     assert sorted(wrong) == []
 
 
-def _served_by() -> dict[str, dict[str, str]]:
-    """Each component that serves metrics -> its families -> their type."""
-    agent = AgentTelemetry()
-    agent.registry.register(PodsCollector(PodsView, per_process=True))
-    registries = {
-        "agent": agent.registry,
-        "webhook": WebhookTelemetry().registry,
-        "exec": Telemetry({}).registry,
-    }
-    return {
-        who: {m.name: m.type for m in registry.collect() if m.name.startswith("vram_enforcer_")}
-        for who, registry in registries.items()
-    }
-
-
 def test_each_metric_of_operations_md_is_served_by_its_component_with_its_type() -> None:
     """A row of a component's table (`### exec`, `### The webhook`, the agent's two) names
     series that component serves, of the type the row says: a metric moved, gone from one
@@ -345,14 +342,19 @@ def test_each_metric_of_operations_md_is_served_by_its_component_with_its_type()
     wrong, checked = [], set()
     for section in metrics.split("\n### ")[1:]:
         title = section.splitlines()[0]
-        (who,) = [w for w in served if w in title] or [None]
-        if who is None:
-            continue
-        checked.add(who)
-        for names, kind in re.findall(r"^\| (`vram_enforcer_[^|]*) \| (\w+) \|", section, re.M):
-            for name in re.findall(r"`(vram_enforcer_\w+)`", names):
-                family = next((f for f in (name, re.sub(SAMPLE, "", name)) if f in served[who]), "")
-                if served[who].get(family) != kind:
-                    wrong.append((title, name, kind, served[who].get(family)))
+        for who in [w for w in served if w in title]:  # the table of one component
+            checked.add(who)
+            wrong += [(title, *row) for row in _rows_not_served(section, served[who])]
     assert checked == set(served)
     assert wrong == []
+
+
+def _rows_not_served(section: str, served: dict[str, str]) -> list[tuple[str, str, str | None]]:
+    """(name, the type its row says, the type served) of each name wrong in `section`."""
+    wrong = []
+    for names, kind in re.findall(r"^\| (`vram_enforcer_[^|]*) \| (\w+) \|", section, re.M):
+        for name in re.findall(r"`(vram_enforcer_\w+)`", names):
+            family = next((f for f in (name, SAMPLE.sub("", name)) if f in served), name)
+            if served.get(family) != kind:
+                wrong.append((name, kind, served.get(family)))
+    return wrong
