@@ -450,7 +450,8 @@ def test_without_matplotlib_everything_but_the_heatmap_is_written(
     assert not (m.output / "heatmap.png").exists()
     assert (
         "vram-enforcer: warning: heatmap.png was not written: matplotlib is not installed; "
-        "pip install 'vram-enforcer[report]'"
+        "pip install matplotlib (or, in the vram-enforcer checkout this was installed from, "
+        "pip install '.[report]')"
     ) in m.stderr.splitlines()
 
 
