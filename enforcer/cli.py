@@ -71,17 +71,18 @@ what it shows:
   this subcommand alone runs one.
 
 examples:
-  vram-enforcer demo                  # stopped at 1.25 GiB, over its 1Gi limit: status 143
-  vram-enforcer demo --action kill    # SIGKILL instead of SIGTERM: status 137
-  vram-enforcer demo --limit 2Gi      # it fits: left alone, status 0
+  vram-enforcer demo                  # stopped at 1.25 GiB, over its 1Gi limit (SIGTERM)
+  vram-enforcer demo --action kill    # SIGKILL instead of SIGTERM
+  vram-enforcer demo --limit 2Gi      # it fits: seen, and left alone
 
 on a machine with an NVIDIA GPU, the real thing (see vram-enforcer exec --help):
   vram-enforcer exec --limit 4Gi -- python train.py
 
 exit status:
-  the command's, as exec gives it: 143 (128 + SIGTERM) when it was stopped over its
-  limit, 137 with --action kill, 0 when it fit (or --action warn left it alone), 130 on
-  ^C; 2 if the demo could not start.
+  0 when the demo showed what its settings are for: the command stopped over its limit
+  (the command's own status, 143 after SIGTERM or 137 after SIGKILL, is on the last line),
+  or seen and left alone where it fits or with --action warn; 1, with a line that says so,
+  when it did not (nothing was enforced); 130 on ^C; 2 if the demo could not start.
 """
 
 
