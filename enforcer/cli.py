@@ -192,7 +192,7 @@ exit status:
 
 DOCTOR_EPILOG = """\
 examples:
-  vram-enforcer doctor --no-api                      # a workstation, before exec
+  vram-enforcer doctor                               # a workstation, before exec
   kubectl exec POD -c vram-enforcer -- vram-enforcer doctor --no-nvml
   kubectl -n vram-enforcer exec AGENT_POD -- vram-enforcer doctor
 """

@@ -44,6 +44,33 @@ _UNAVAILABLE_HELP = {
         "was upgraded without a reboot; reload the nvidia kernel modules or reboot"
     ),
 }
+# What to do about each, for `doctor`'s fix line (the help above says what is wrong).
+_UNAVAILABLE_FIX = {
+    pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: (
+        "install the NVIDIA driver, whose user-space part ships libnvidia-ml.so.1 (Debian: "
+        "nvidia-driver; Ubuntu: nvidia-driver-<version>; or NVIDIA's installer), then check "
+        "that `nvidia-smi` lists the GPUs; in a container, the NVIDIA container runtime mounts "
+        "it. Without an NVIDIA GPU, `vram-enforcer demo` shows enforcement on a simulated one, "
+        "and `doctor --no-nvml` skips this check"
+    ),
+    pynvml.NVML_ERROR_DRIVER_NOT_LOADED: (
+        "load the driver (`modprobe nvidia` as root, or reboot after installing it) and check "
+        "that `nvidia-smi` lists the GPUs; `dmesg | grep -i nvrm` says why it did not load"
+    ),
+    pynvml.NVML_ERROR_NO_PERMISSION: (
+        "run as root, or as a user that may open /dev/nvidiactl and /dev/nvidia* for reading "
+        "and writing (`ls -l /dev/nvidia*`); in a container, the NVIDIA container runtime "
+        "gives them"
+    ),
+    pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH: (
+        "reboot, or unload and reload the nvidia kernel modules, so that the loaded driver "
+        "matches its library; `nvidia-smi` says `Driver/library version mismatch` until then"
+    ),
+}
+_CHECK_DRIVER = (
+    "check the driver with `nvidia-smi`, which fails the same way where the driver is the "
+    "cause; `dmesg | grep -i -e nvrm -e xid` shows the kernel's side"
+)
 
 
 class _ProcessInfo(ctypes.Structure):
@@ -143,6 +170,14 @@ class NvmlLost(NvmlError):
 
 class NvmlQueryError(NvmlError):
     """One query failed for a reason that does not invalidate the session."""
+
+
+def unavailable_fix(error: NvmlError) -> str:
+    """What a person does about NVML failing to start (`init`'s error): install, load or
+    reload the driver, or get access to its devices; else how to check the driver."""
+    if error.code is None:
+        return _CHECK_DRIVER
+    return _UNAVAILABLE_FIX.get(error.code, _CHECK_DRIVER)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,9 @@
 Each check is tried for real (NVML is initialised, the socket is asked, the API server
 is asked what this identity may do) and answers with one line and, when it fails, a fix.
 Run it inside a pod (`kubectl exec <pod> -c vram-enforcer -- vram-enforcer doctor`), on
-a node, or on a workstation before using `exec`.
+a node, or on a workstation before using `exec`. A check that does not apply where it runs
+is a skip that says why, never a failure: on a workstation (not in a pod, no kubelet, no
+kubeconfig) there is no agent, kubelet or API to ask, and `exec` needs none of them.
 
 A sidecar of 0.2.0 (`--api-access agent`, the default) makes no API request: the node
 agent connects to its socket, brings it its pod and posts its Events. In one, doctor reads
@@ -33,7 +35,7 @@ from enforcer.core.protocol import Challenge, ProtocolError, Usage, decode_reply
 from enforcer.core.settings.common import DEFAULT_SOCKET
 from enforcer.core.settings.doctor import DoctorSettings
 from enforcer.edge import cgroupfs
-from enforcer.edge.nvml import Nvml, NvmlError
+from enforcer.edge.nvml import Nvml, NvmlError, unavailable_fix
 from enforcer.edge.pod_resources import PodResourcesError, list_once
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
 
@@ -71,13 +73,8 @@ def check_nvml() -> Check:
         nvml.init()
         snap = nvml.snapshot()
     except NvmlError as exc:
-        return Check(
-            "NVML",
-            "fail",
-            str(exc),
-            "needed by the agent and by exec; the sidecar reads usage from the agent "
-            "and needs no NVML",
-        )
+        needs = "the agent and exec need NVML; a sidecar needs none: --no-nvml there"
+        return Check("NVML", "fail", str(exc), f"{unavailable_fix(exc)}. {needs}")
     finally:
         nvml.shutdown()
     gpus = ", ".join(
@@ -117,8 +114,8 @@ def check_tier() -> Check:
         nvml.init()
         devices = nvml.snapshot().devices
         answers = {gpu: nvml.memory_limit(gpu, str(own)) for gpu in per_gpu(1, devices)}
-    except NvmlError as exc:
-        return Check(TIER, "skip", f"NVML is not available ({exc})")
+    except NvmlError:
+        return Check(TIER, "skip", "NVML is not available: the NVML check says why")
     finally:
         nvml.shutdown()
     why = [
@@ -179,16 +176,46 @@ _KINDS = {
 }
 
 
-def agent_expected(settings: DoctorSettings) -> bool:
-    """Whether a missing agent socket is a failure: where the agent belongs (the API is
-    checked, in a pod, beside a kubelet) or a socket other than the default was named.
-    Elsewhere this is a workstation, where exec needs no agent."""
-    return (
-        settings.api
-        or bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
-        or os.path.exists(settings.pod_resources_socket)
-        or settings.agent_socket != DEFAULT_SOCKET
+WORKSTATION = "not in a pod, no kubelet"
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where doctor runs, as far as a check depends on it: in a pod, beside a kubelet, and
+    whether a kubeconfig is there to reach an API server from outside a pod."""
+
+    in_pod: bool
+    kubelet: bool
+    kubeconfig: bool
+
+    @property
+    def workstation(self) -> bool:
+        """Not in a pod and no kubelet: exec needs no agent, kubelet or API here."""
+        return not self.in_pod and not self.kubelet
+
+
+def place(settings: DoctorSettings) -> Place:
+    """Read from the environment the kubelet gives every container, the kubelet's socket,
+    and where the Kubernetes client looks for a kubeconfig (`--kubeconfig`, `$KUBECONFIG`,
+    `~/.kube/config`)."""
+    kubeconfig = (
+        bool(settings.kubeconfig)
+        or bool(os.environ.get("KUBECONFIG"))
+        or os.path.exists(os.path.expanduser("~/.kube/config"))
     )
+    return Place(
+        in_pod=bool(os.environ.get("KUBERNETES_SERVICE_HOST")),
+        kubelet=bool(settings.pod_resources_socket)
+        and os.path.exists(settings.pod_resources_socket),
+        kubeconfig=kubeconfig,
+    )
+
+
+def agent_expected(settings: DoctorSettings, where: Place) -> bool:
+    """Whether a missing agent socket is a failure: where the agent belongs (in a pod,
+    beside a kubelet) or a socket other than the default was named. Elsewhere this is a
+    workstation, where exec needs no agent."""
+    return not where.workstation or settings.agent_socket != DEFAULT_SOCKET
 
 
 def check_agent(path: str, expected: bool = True) -> Check:
@@ -263,10 +290,10 @@ def _no_agent_socket(path: str, expected: bool) -> Check:
     if not expected:
         return Check(
             "agent socket",
-            "note",
-            f"{path} does not exist: no node agent here, and exec needs none (it reads NVML "
-            "itself); taken for a workstation: --no-api, not in a pod, no kubelet",
-            f"on a GPU node of a cluster the agent must be there: {AGENT_PODS}",
+            "skip",
+            f"does not apply: {path} does not exist, and this is taken for a workstation "
+            f"({WORKSTATION}), where exec needs no agent (it reads NVML itself). On a GPU "
+            f"node of a cluster the agent must be there: {AGENT_PODS}",
         )
     return Check(
         "agent socket",
@@ -397,7 +424,17 @@ NO_SIDECAR_RBAC = (
 )
 
 
-def check_api(settings: DoctorSettings) -> list[Check]:
+def check_api(settings: DoctorSettings, where: Place) -> list[Check]:
+    if not where.in_pod and not where.kubeconfig:
+        return [
+            Check(
+                "Kubernetes API",
+                "skip",
+                "does not apply: not in a pod, and no kubeconfig (--kubeconfig, $KUBECONFIG, "
+                "~/.kube/config), so there is no API server to ask; exec needs none. To "
+                "check a cluster's RBAC from here, give --kubeconfig",
+            )
+        ]
     if settings.listen is not None and settings.api_access == "agent" and not settings.kubeconfig:
         return [
             Check(
@@ -522,12 +559,19 @@ def check_dra(api: ApiClient, version: str, settings: DoctorSettings) -> Check:
 KUBELET = "kubelet pod resources"
 
 
-def check_pod_resources(socket: str) -> Check:
+def check_pod_resources(socket: str, workstation: bool = False) -> Check:
     """Whether the kubelet says which devices each container got: then the agent owes a
     container's request on the GPU a device plugin gave it from before it starts."""
     where = "owed where NVML shows it using a GPU, once it does"
     if not socket:
         return Check(KUBELET, "skip", "--pod-resources-socket is empty")
+    if not os.path.exists(socket) and workstation:
+        return Check(
+            KUBELET,
+            "skip",
+            f"does not apply: no socket at {socket}, and this is taken for a workstation "
+            f"({WORKSTATION}), where exec needs no kubelet",
+        )
     if not os.path.exists(socket):
         return Check(
             KUBELET,
@@ -549,23 +593,24 @@ def check_pod_resources(socket: str) -> Check:
 
 def run(settings: DoctorSettings) -> int:
     procfs = ProcFs()
+    where = place(settings)
     checks = [check_pid_namespace(procfs)]
     listen = settings.listen
     socket_check: Callable[[], list[Check]]
     if listen is not None:  # a sidecar of 0.2.0: the agent connects to it
         socket_name, socket_check = SIDECAR_SOCKET, lambda: [check_sidecar_socket(listen)]
     else:
-        expected = agent_expected(settings)
+        expected = agent_expected(settings, where)
         socket_name = "agent socket"
         socket_check = lambda: [check_agent(settings.agent_socket, expected)]  # noqa: E731
     steps: list[tuple[bool, str, Callable[[], list[Check]]]] = [
         (settings.nvml, "NVML", lambda: [check_nvml(), check_tier()]),
         (settings.agent, socket_name, socket_check),
-        (settings.api, "Kubernetes API", lambda: check_api(settings)),
+        (settings.api, "Kubernetes API", lambda: check_api(settings, where)),
     ]
     for wanted, name, step in steps:
         checks += step() if wanted else [Check(name, "skip", "not asked for")]
-    checks.append(check_pod_resources(settings.pod_resources_socket))
+    checks.append(check_pod_resources(settings.pod_resources_socket, where.workstation))
     if settings.json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:

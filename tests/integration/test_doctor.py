@@ -147,22 +147,67 @@ def test_a_socket_nobody_listens_on_says_the_agent_is_not_running(tmp_path: Path
     assert "get pods -l app.kubernetes.io/component=agent" in out.stdout
 
 
-def test_on_a_workstation_no_agent_is_a_note(fake_nvml: Any, tmp_path: Path) -> None:
-    """`doctor --no-api`, as --help says for a workstation, outside a pod and with no
-    kubelet: exec needs no agent, so its absence is said and fails nothing."""
+def on_a_workstation(tmp_path: Path) -> tuple[dict[str, str], tuple[str, ...]]:
+    """The environment and flags of doctor run as `vram-enforcer doctor` on a workstation:
+    not in a pod, no kubelet, no kubeconfig (a HOME without ~/.kube)."""
+    env = {"KUBERNETES_SERVICE_HOST": "", "KUBECONFIG": "", "HOME": str(tmp_path)}
+    return env, ("--pod-resources-socket", str(tmp_path / "none.sock"))
+
+
+def test_on_a_workstation_what_does_not_apply_is_skipped_with_why(
+    fake_nvml: Any, tmp_path: Path
+) -> None:
+    """Plain `vram-enforcer doctor`, the API checks included: no agent, kubelet or API
+    server is there to ask and exec needs none, so each is a skip that says why, and
+    doctor passes where NVML works."""
     if os.path.exists(DEFAULT_SOCKET):
         pytest.skip(f"an agent's socket is at {DEFAULT_SOCKET} here")
-    alone = {**fake_nvml.env(), "KUBERNETES_SERVICE_HOST": ""}
-    no_kubelet = ("--pod-resources-socket", str(tmp_path / "none.sock"))
-    out = doctor(alone, *no_kubelet)
+    env, flags = on_a_workstation(tmp_path)
+    out = with_api({**fake_nvml.env(), **env}, *flags)
     assert out.returncode == 0, out.stdout
-    assert (
-        f"[note] agent socket: {DEFAULT_SOCKET} does not exist: no node agent here, and exec "
-        "needs none (it reads NVML itself); taken for a workstation: --no-api, not in a pod, "
-        "no kubelet" in out.stdout
-    )
-    assert "fix: on a GPU node of a cluster the agent must be there: kubectl" in out.stdout
+    assert "[ok  ] NVML: driver 550.54.15" in out.stdout  # what applies was checked
+    skipped = [line for line in out.stdout.splitlines() if line.startswith("[skip]")]
+    assert skipped == [
+        f"[skip] agent socket: does not apply: {DEFAULT_SOCKET} does not exist, and this is "
+        "taken for a workstation (not in a pod, no kubelet), where exec needs no agent (it "
+        "reads NVML itself). On a GPU node of a cluster the agent must be there: kubectl -n "
+        "<ns> get pods -l app.kubernetes.io/component=agent -o wide",
+        "[skip] Kubernetes API: does not apply: not in a pod, and no kubeconfig "
+        "(--kubeconfig, $KUBECONFIG, ~/.kube/config), so there is no API server to ask; "
+        "exec needs none. To check a cluster's RBAC from here, give --kubeconfig",
+        f"[skip] kubelet pod resources: does not apply: no socket at {tmp_path / 'none.sock'}, "
+        "and this is taken for a workstation (not in a pod, no kubelet), where exec needs no "
+        "kubelet",
+    ]
     assert out.stdout.rstrip().endswith("all checks passed")
+
+
+def test_on_a_workstation_without_the_driver_nvml_alone_fails_with_a_fix(tmp_path: Path) -> None:
+    """No libnvidia-ml.so.1: the one failure that applies, and its fix says what to install,
+    how to check the driver, and what to run without an NVIDIA GPU."""
+    env, flags = on_a_workstation(tmp_path)
+    empty = tmp_path / "lib"
+    empty.mkdir()
+    out = with_api({**env, "LD_LIBRARY_PATH": str(empty)}, "--json", *flags)
+    assert out.returncode == 1, out.stdout
+    checks = {c["name"]: c for c in json.loads(out.stdout)}
+    assert [n for n, c in checks.items() if c["status"] == "fail"] == ["NVML"], checks
+    fix = checks["NVML"]["fix"]
+    assert fix.startswith("install the NVIDIA driver, whose user-space part ships")
+    assert "check that `nvidia-smi` lists the GPUs" in fix
+    assert "`vram-enforcer demo`" in fix and "`doctor --no-nvml` skips this check" in fix
+    assert checks["enforcement tier"]["status"] == "skip"
+    assert "Traceback" not in out.stderr
+
+
+def test_on_a_workstation_with_a_kubeconfig_the_api_is_asked(tmp_path: Path) -> None:
+    """A kubeconfig is there to reach a cluster from outside it: its API check applies."""
+    env, flags = on_a_workstation(tmp_path)
+    missing = tmp_path / "kubeconfig"  # named, and not there: the check runs and fails
+    out = with_api({**env, "KUBECONFIG": str(missing)}, "--no-nvml", "--json", *flags)
+    checks = {c["name"]: c for c in json.loads(out.stdout)}
+    assert checks["Kubernetes API"]["status"] == "fail", checks
+    assert out.returncode == 1
 
 
 @pytest.mark.parametrize("where", ["pod", "node", "named"])
@@ -467,8 +512,9 @@ def test_the_kubelets_pod_resources_answer_or_say_why_not(tmp_path: Path) -> Non
     (check,) = [c for c in json.loads(out.stdout) if c["name"] == "kubelet pod resources"]
     assert check["status"] == "ok", check
     assert check["detail"].startswith("answers: of this node's containers, 1 with nvidia.com/gpu;")
+    in_a_pod = {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}  # on a workstation: a skip (above)
     missing = doctor(
-        {}, "--no-nvml", "--no-agent", "--pod-resources-socket", str(tmp_path / "none.sock")
+        in_a_pod, "--no-nvml", "--no-agent", "--pod-resources-socket", str(tmp_path / "none.sock")
     )
     assert missing.returncode == 0, missing.stdout
     assert f"[note] kubelet pod resources: no socket at {tmp_path / 'none.sock'}" in missing.stdout
