@@ -23,8 +23,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class SummaryEvent:
-    """A report about the limit (`VRAMLimitExceeded`, `VRAMEnforced`) or about memory
-    borrowed above the request and taken back (`VRAMReclaimed`), timed from the spawn."""
+    """A report about the limit (`VRAMLimitExceeded`, `VRAMEnforced`, a dry run's
+    `VRAMWouldEnforce`) or about memory borrowed above the request and taken back
+    (`VRAMReclaimed`), timed from the spawn."""
 
     reason: str
     after_seconds: float

@@ -116,13 +116,19 @@ def _within(pieces: list[str], most: int) -> str:
     return "".join(kept) + _MORE
 
 
-def notice(n: Notice, label: str, action: Action, warn_at: float) -> str:
+def notice(n: Notice, label: str, action: Action, warn_at: float, dry_run: bool = False) -> str:
     if n.reason is Reason.NEAR_LIMIT:
         return f"{usage(n.unit, label)}, above the {100 * warn_at:g}% warning threshold"
     if action is Action.WARN:
         consequence = "the action is warn, so nothing is signalled"
     elif not n.unit.enforceable:
         consequence = "not enforced: the containers of some processes cannot be proven yet"
+    elif dry_run and n.over_for_left > 0:
+        left = format_duration(n.over_for_left)
+        consequence = f"dry run: it would be enforced ({action}) if it stayed over for {left}"
+    elif dry_run:
+        what = "made to give back what it lent" if n.reclaim is not None else "enforced"
+        consequence = f"dry run: it would be {what} ({action}); nothing is signalled"
     elif n.over_for_left > 0:
         left = format_duration(n.over_for_left)
         consequence = f"it will be enforced ({action}) if it stays over for {left}"
@@ -159,8 +165,6 @@ def enforcement(e: Enforcement, label: str, result: SignalResult) -> str:
     head = f"{usage(e.unit, label)}; "
     if e.reclaim is not None:  # the why in full: later reports of it replace this Event
         head = f"{reclaim(e.reclaim, label)}; taking back what it lent: "
-    if e.dry_run:
-        return head + f"dry run: would send {signal} to {process(e.victim)}"
     if result is SignalResult.SENT:
         tail = ""
         if e.action is not Action.KILL:
@@ -173,6 +177,27 @@ def enforcement(e: Enforcement, label: str, result: SignalResult) -> str:
         return head + f"sent {signal} to {process(e.victim)}{tail}"
     reason = _REFUSED[result].format(label=label)
     return head + f"did not signal {process(e.victim)}: {reason}"
+
+
+def would_enforce(e: Enforcement, label: str) -> str:
+    """A dry run's report of what it would have signalled, and that nothing was: the usage,
+    the most the unit held since it went over and its limit (or, for a reclaim, what it
+    borrowed and why the GPU needs it back), the victim and its signals."""
+    signal = _SIGNAL_NAME.get(e.action, str(e.action))
+    target = process(e.victim)
+    if e.action is Action.RESTART:
+        target = f"its init process, {target}"
+    then = ""
+    if e.action is not Action.KILL:
+        then = f", then SIGKILL after {format_duration(e.grace_period)} had it not exited"
+    done = f"{signal} to {target}{then}"
+    peak = format_bytes(max(e.peak_bytes, e.unit.used_bytes))
+    why, would = f"{usage(e.unit, label)}, {peak} at most since it went over", f"sent {done}"
+    if e.reclaim is not None:
+        why, would = reclaim(e.reclaim, label), f"taken back what it lent, sending {done}"
+    elif e.action is Action.RESTART:
+        would = f"restarted it, sending {done}"
+    return f"{why}; dry run, so nothing was signalled: would have {would}"
 
 
 def whole_unit(

@@ -51,6 +51,7 @@ class UnitState:
     signalled_at: float | None = None
     escalated_at: float | None = None
     reclaim_reported: bool = False  # this reclaim of memory lent above the request
+    over_peak: int = 0  # the most the unit held in this excursion over its limit, as sampled
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,7 @@ class Enforcement:
     dry_run: bool = False
     whole_unit: bool = False
     reclaim: Reclaim | None = None  # memory lent above the request, taken back
+    peak_bytes: int = 0  # the most the unit held in this excursion over its limit, so far
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +149,10 @@ def _decide_unit(
         return _below_limit(unit, config, prev), _near_notice(unit, config, prev), None
 
     over_since = prev.over_since if prev.over_since is not None else now
-    state = replace(prev, near_warned=True, over_since=over_since, exceeded_reported=True)
+    peak = max(prev.over_peak, used)
+    state = replace(
+        prev, near_warned=True, over_since=over_since, exceeded_reported=True, over_peak=peak
+    )
     left = max(0.0, config.over_for - (now - over_since))
     notice = None if prev.exceeded_reported else Notice(Reason.LIMIT_EXCEEDED, unit, left)
     if left > 0 or config.action is Action.WARN or not unit.enforceable:
@@ -168,7 +173,9 @@ def _decide_unit(
         state = replace(state, dry_run_reported=True)
     elif state.signalled_at is None:
         state = replace(state, signalled_at=now)
-    enforcement = Enforcement(unit, victim, config.action, config.grace_period, config.dry_run)
+    enforcement = Enforcement(
+        unit, victim, config.action, config.grace_period, config.dry_run, peak_bytes=peak
+    )
     return state, notice, enforcement
 
 

@@ -20,3 +20,4 @@ class Reason(StrEnum):
     SIDECAR_SILENT = "VRAMSidecarSilent"  # the agent: a pod's sidecar is gone (or back)
     RECLAIMED = "VRAMReclaimed"  # memory lent above a request is taken back
     EVICTED = "VRAMEvicted"  # the agent: the kernel refused a signal, the pod is evicted
+    WOULD_ENFORCE = "VRAMWouldEnforce"  # dry run: what would have been signalled; nothing was

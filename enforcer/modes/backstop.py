@@ -20,6 +20,8 @@ pod is made to leave through the API instead, once while it is held, with its po
 period: evicted, or, once its PodDisruptionBudgets have refused that for
 `--eviction-timeout`, deleted, as the kubelet's node-pressure eviction stops a pod it cannot
 hold to its memory (`core.eviction`).
+A pod in a dry run is decided for as ever and never signalled nor evicted: what would have
+been done is reported (`VRAMWouldEnforce`), as its sidecar would report it.
 It hands the pod back as soon as the sidecar is heard again (`SidecarWatch` says when), and
 follows the victims it signalled to their end all the same: their SIGKILL comes at the
 deadline, after the same proof, whoever holds the pod by then (held again, a pod takes up
@@ -37,13 +39,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from enforcer.core.attribution import PodProcesses, pod_units
-from enforcer.core.declaration import (
-    Undeclared,
-    env_trusted,
-    portion_basis,
-    sidecar_env,
-    unreadable,
-)
+from enforcer.core.declaration import Undeclared, portion_basis, unreadable
 from enforcer.core.dra import claim_names
 from enforcer.core.eviction import cause, grace_seconds, to_evict
 from enforcer.core.lending import Lending
@@ -58,13 +54,11 @@ from enforcer.core.model import (
     format_bytes,
 )
 from enforcer.core.owed import Owed, node_claims, pod_owed
-from enforcer.core.parsing import ConfigError
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import ContainerRef, containers_by_id, pod_reference
 from enforcer.core.policy import Enforcement, PolicyConfig
 from enforcer.core.reclaim import Gpu, Reclaim, asked
-from enforcer.core.settings import resolve
-from enforcer.core.settings.sidecar import POLICY
+from enforcer.core.settings.sidecar import pod_policy
 from enforcer.core.units import Unit, of_sole_container
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
@@ -188,8 +182,7 @@ class Backstop:
         is the sidecar's defaults where its sidecar's environment is not read (its
         namespace has not opted in: a `warn` there is its author's)."""
         pod = pods[uid]
-        env = sidecar_env(pod, self._declares.sidecar) if env_trusted(pod, trusted) else {}
-        policy = policy_of(env)
+        policy = pod_policy(pod, self._declares.sidecar, trusted)
         reads = self._claims if claim_names(pod) else None  # DRA, and the pod claims
         claims = None
         if reads is not None:  # with who uses each claim on the node: cut to its part
@@ -254,16 +247,6 @@ def _said(owed: Owed) -> str:
 def _named(pod: Pod) -> str:
     meta = pod.get("metadata") or {}
     return f"{meta.get('namespace')}/{meta.get('name')}"
-
-
-def policy_of(env: Mapping[str, str]) -> PolicyConfig:
-    """The policy the pod's sidecar runs with, from the environment the webhook gave it
-    (validated there); the sidecar's defaults for anything it cannot read."""
-    declared = (POLICY.action, POLICY.grace_period, POLICY.warn_at, POLICY.over_for, POLICY.dry_run)
-    try:
-        return POLICY.config(resolve(declared, {}, env))
-    except ConfigError:
-        return POLICY.config(resolve(declared, {}, {}))
 
 
 class _Held:

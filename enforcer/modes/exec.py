@@ -233,7 +233,12 @@ class _Record:
         self.hard_limit = False
 
     def report(self, report: Report) -> None:
-        limit = report.reason in (Reason.LIMIT_EXCEEDED, Reason.ENFORCED, Reason.RECLAIMED)
+        limit = report.reason in (
+            Reason.LIMIT_EXCEEDED,
+            Reason.ENFORCED,
+            Reason.WOULD_ENFORCE,
+            Reason.RECLAIMED,
+        )
         if limit and not report.quiet and self.start is not None:
             after = time.monotonic() - self.start
             self.events.append(SummaryEvent(str(report.reason), after, report.message, report.pid))

@@ -8,8 +8,9 @@ before any container; a container's limit on the cgroup named by its current con
 so a restart (a new ID, a new cgroup) moves it. Only limits this agent set are cleared.
 
 Where the driver cannot (an older driver, MIG, no root, no cgroup v2), each pod is told
-once, and the sidecar's sampling enforces alone. NVML failing mid-way keeps what is in
-place and tries again on the next pass.
+once, and the sidecar's sampling enforces alone. A pod in a dry run gets none: the
+driver's refusal of an allocation would enforce what a dry run only reports. NVML failing
+mid-way keeps what is in place and tries again on the next pass.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from enforcer.core.owed import Claims, PodOwed, node_claims, pod_owed
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
 from enforcer.core.reasons import Reason
+from enforcer.core.settings.sidecar import pod_policy
 from enforcer.core.sidecar_presence import running_containers
 from enforcer.core.units import POD_UNIT
 from enforcer.edge import cgroupfs
@@ -208,6 +210,11 @@ class HardLimiter(threading.Thread):
         known = self._parsed.get(uid)
         if known and version and known[0] == version:
             return known
+        if pod_policy(pod, self._declares.sidecar, trusted).dry_run:
+            # The driver would refuse its allocations past the limit: enforcement, which a
+            # dry run only reports. Limits set before are cleared.
+            log.info("pod %s/%s: a dry run: no hard limit", meta.get("namespace"), meta.get("name"))
+            return (version, None, "")
         read_now = pod_owed(pod, self._declares, opted_in=trusted, basis=basis, claims=mine)
         problem = unreadable(read_now.declared)
         if problem and problem != (known[2] if known else ""):

@@ -158,7 +158,8 @@ class Pipeline:
     def _act(self, decision: Decision) -> None:
         for notice in decision.notices:
             label = self._attributor.label(notice.unit.name)
-            text = messages.notice(notice, label, self._config.action, self._config.warn_at)
+            config = self._config
+            text = messages.notice(notice, label, config.action, config.warn_at, config.dry_run)
             self._telemetry.actions.labels("warn").inc()
             self._emit(Report(notice.reason, text, notice.unit.name))
         for enf in decision.enforcements:
@@ -166,19 +167,20 @@ class Pipeline:
             if enf.whole_unit:
                 self._take_whole_unit(enf)
                 continue
-            if enf.dry_run:
-                result = SignalResult.SENT
+            if enf.dry_run:  # a reclaim too: nothing is taken back, so it is no VRAMReclaimed
                 self._telemetry.actions.labels("dry-run").inc()
+                text = messages.would_enforce(enf, self._attributor.label(name))
+                self._emit(Report(Reason.WOULD_ENFORCE, text, name, enf.victim.key.pid))
+                continue
+            membership = self._attributor.membership(name)
+            result = self._terminator.start(enf, membership, time.monotonic())
+            if result is SignalResult.SENT:
+                self._telemetry.actions.labels(str(enf.action)).inc()
+                if enf.reclaim is not None:
+                    needed = "requests" if enf.reclaim.owed_to else "unrequested"
+                    self._telemetry.reclaims.labels(needed).inc()
             else:
-                membership = self._attributor.membership(name)
-                result = self._terminator.start(enf, membership, time.monotonic())
-                if result is SignalResult.SENT:
-                    self._telemetry.actions.labels(str(enf.action)).inc()
-                    if enf.reclaim is not None:
-                        needed = "requests" if enf.reclaim.owed_to else "unrequested"
-                        self._telemetry.reclaims.labels(needed).inc()
-                else:
-                    self._telemetry.refused.labels(str(result)).inc()
+                self._telemetry.refused.labels(str(result)).inc()
             text = messages.enforcement(enf, self._attributor.label(name), result)
             # A victim that exited before the signal (often the previous victim, still in a
             # sample taken before it went) is routine: the log has it, an Event would bury

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,49 @@ def test_events_are_posted_on_the_pod_and_aggregated(
     )
     assert aggregated.metadata.name == first.metadata.name
     assert "6.00 GiB" in aggregated.message
+
+
+def test_a_pod_in_a_dry_run_gets_a_would_be_event_and_nothing_is_signalled(
+    pod: SimPod,
+    node: Node,
+    apiserver: ApiServer,
+    token: str,
+    core: client.CoreV1Api,
+    tmp_path: Path,
+) -> None:
+    """`VRAM_ENFORCER_DRY_RUN=true`, as the webhook writes it for the action `dry-run`: the
+    container over its limit gets a `VRAMWouldEnforce` Event on the pod, with the usage, the
+    peak and the limit and the SIGTERM that would have been sent, and keeps running past
+    the grace period a SIGKILL would have followed (issue 43, item 3)."""
+    dry = Sidecar(
+        pod, node, apiserver, token, tmp_path, {"trainer": 4 * GiB},
+        env={"VRAM_ENFORCER_DRY_RUN": "true"},
+    )  # fmt: skip
+    try:
+        trainer = start_worker(pod, "trainer", tmp_path)
+        node.use({trainer: 5 * GiB})
+
+        def would() -> list[Any]:
+            return [e for e in events(core, pod.name) if e.reason == "VRAMWouldEnforce"]
+
+        (event,) = wait_for(would, timeout=20, what="the VRAMWouldEnforce event")
+        assert event.type == "Warning"
+        assert event.involved_object.field_path == "spec.containers{trainer}"
+        assert event.message.startswith(
+            "container 'trainer' uses 5.00 GiB of its 4.00 GiB VRAM limit (125%), 5.00 GiB at "
+            "most since it went over; dry run, so nothing was signalled: would have sent "
+            "SIGTERM to pid "
+        ), event.message
+        assert event.message.endswith("then SIGKILL after 1s had it not exited")
+        dry.wait_logged("would have sent SIGTERM")
+        deadline = time.monotonic() + 2  # past the grace period (1s) of a real enforcement
+        while time.monotonic() < deadline:
+            assert alive(trainer)
+            time.sleep(0.1)
+        assert not [e for e in events(core, pod.name) if e.reason == "VRAMEnforced"]
+        node.use({trainer: None})
+    finally:
+        assert dry.stop() == 0
 
 
 def test_a_process_of_the_pod_in_no_listed_container_is_never_signalled(

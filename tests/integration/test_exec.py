@@ -345,15 +345,28 @@ def test_warn_only_kills_nothing(run: Run) -> None:
 
 
 def test_dry_run_kills_nothing_and_says_what_it_would_do(run: Run) -> None:
-    run.start("--limit", "1Gi", "--dry-run")
+    """Its own reason (`VRAMWouldEnforce`, in the summary and in a JSON log line's
+    `reason`), with the usage, the peak since it went over and the limit."""
+    summary = run.tmp / "summary.json"
+    run.start("--limit", "1Gi", "--dry-run", "--log-format", "json", "--summary", str(summary))
     w = run.worker()
     run.use(w["pid"], 3 * GiB)
-    run.logged("dry run: would send SIGTERM")
+    run.logged("would have sent SIGTERM")
     run.saw(3 * GiB)
     assert alive(w["pid"])
     run.release()
     assert run.wait() == 0
-    assert f"dry run: would send SIGTERM to pid {w['pid']}" in run.stderr
+    lines = [json.loads(line) for line in run.stderr.splitlines()]
+    (would,) = [line for line in lines if line.get("reason") == "VRAMWouldEnforce"]
+    assert would["pid"] == w["pid"]
+    assert (
+        "uses 3.00 GiB of its 1.00 GiB VRAM limit (300%), 3.00 GiB at most since it went over; "
+        f"dry run, so nothing was signalled: would have sent SIGTERM to pid {w['pid']} ("
+    ) in would["msg"]
+    assert not any(line.get("reason") == "VRAMEnforced" for line in lines)
+    doc = json.loads(summary.read_text())
+    reasons = [e["reason"] for e in doc["events"]]
+    assert reasons == ["VRAMLimitExceeded", "VRAMWouldEnforce"], doc["events"]
 
 
 def test_near_limit_warning(run: Run) -> None:
@@ -951,6 +964,29 @@ def test_hard_limits_off_is_silent_and_required_refuses_without_them(run: Run) -
         in run.stderr
     )
     assert not run.report.with_name(run.report.name + ".main").exists()  # never started
+
+
+@needs_cgroup2
+def test_a_dry_run_sets_no_hard_limit_and_refuses_to_require_one(run: Run) -> None:
+    """Where the driver could hold the command to its limit, a dry run does not ask it to:
+    the driver would refuse the allocation a dry run only reports. Sampling sees it over."""
+    run.gpu.state.support_memory_limits()
+    run.gpu.write()
+    run.start("--limit", "1Gi", "--dry-run")
+    w = run.worker()
+    assert "/vram-enforcer-" not in w["cgroup"], w["cgroup"]  # no cgroup of its own
+    assert w["limits"] == [], w["limits"]  # the driver's records, as the command starts
+    run.use(w["pid"], 3 * GiB)
+    run.logged("would have sent SIGTERM")
+    run.release()
+    assert run.wait() == 0
+    run.report.with_name(run.report.name + ".main").unlink()
+    run.start("--limit", "1Gi", "--dry-run", "--hard-limits", "required")
+    assert run.wait() == 2
+    assert (
+        "--hard-limits: 'required' cannot go with --dry-run: under a hard limit the driver "
+        "refuses allocations past it" in run.stderr
+    )
 
 
 @needs_cgroup2

@@ -1,5 +1,7 @@
 """The sentences people read: who, how much of what limit, and what was done."""
 
+from dataclasses import replace
+
 from enforcer.core import messages
 from enforcer.core.model import Action, GiB, ProcessKey, ProcessTotal, SignalResult, UnitUsage
 from enforcer.core.policy import Enforcement, Notice
@@ -31,10 +33,39 @@ def test_refusal_says_why() -> None:
     )
 
 
-def test_dry_run_says_what_would_happen() -> None:
-    e = Enforcement(UNIT, VICTIM, Action.KILL, 5.0, dry_run=True)
-    assert "dry run: would send SIGKILL to pid 4242" in messages.enforcement(
-        e, "x", SignalResult.SENT
+def test_a_dry_run_says_the_usage_peak_and_limit_what_it_would_have_done_and_that_nothing_was() -> (
+    None
+):
+    e = Enforcement(UNIT, VICTIM, Action.TERMINATE, 5.0, dry_run=True, peak_bytes=5 * GiB)
+    assert messages.would_enforce(e, "container 'trainer'") == (
+        "container 'trainer' uses 4.50 GiB of its 4.00 GiB VRAM limit (112%), 5.00 GiB at most "
+        "since it went over; dry run, so nothing was signalled: would have sent SIGTERM to pid "
+        "4242 (python train.py), which holds 4.50 GiB, then SIGKILL after 5s had it not exited"
+    )
+    killed = messages.would_enforce(replace(e, action=Action.KILL, peak_bytes=0), "x")
+    assert killed.endswith(
+        "4.50 GiB at most since it went over; dry run, so nothing was "
+        "signalled: would have sent SIGKILL to pid 4242 (python train.py), "
+        "which holds 4.50 GiB"
+    )
+    restarted = messages.would_enforce(replace(e, action=Action.RESTART), "x")
+    assert "would have restarted it, sending SIGTERM to its init process, pid 4242" in restarted
+    lent = Reclaim("GPU-0", Share("main", GiB, 8 * GiB, 3 * GiB), GiB, ("b",), GiB)
+    taken = messages.would_enforce(replace(e, reclaim=lent), "x")
+    assert taken.startswith("x holds 3.00 GiB on GPU GPU-0, 2.00 GiB above its 1.00 GiB request")
+    assert "; dry run, so nothing was signalled: would have taken back what it lent, sending " in (
+        taken
+    )
+
+
+def test_a_dry_runs_notices_say_what_would_be_done() -> None:
+    over = Notice(Reason.LIMIT_EXCEEDED, UNIT)
+    assert messages.notice(over, "x", Action.TERMINATE, 0.9, dry_run=True).endswith(
+        "(112%); dry run: it would be enforced (terminate); nothing is signalled"
+    )
+    later = Notice(Reason.LIMIT_EXCEEDED, UNIT, over_for_left=30.0)
+    assert messages.notice(later, "x", Action.KILL, 0.9, dry_run=True).endswith(
+        "dry run: it would be enforced (kill) if it stayed over for 30s"
     )
 
 

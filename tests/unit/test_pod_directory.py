@@ -22,7 +22,6 @@ from enforcer.core.declaration import (
     Declares,
     dra_ceilings,
     of_pod,
-    sidecar_env,
 )
 from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names, container_claims
 from enforcer.core.lending import tenants
@@ -33,8 +32,8 @@ from enforcer.core.pod import containers_by_id, json_map, json_maps, others_fini
 from enforcer.core.pod_directory import DraRead, directory, event_about, kept
 from enforcer.core.policy import PolicyConfig
 from enforcer.core.protocol import PodReply, decode_reply, encode_pod
+from enforcer.core.settings.sidecar import pod_policy
 from enforcer.core.sidecar_presence import guarded, reachable, sidecar_id
-from enforcer.modes.backstop import policy_of
 
 RES = "vram-enforcer.io/vram"
 BASIS = 80 * GiB  # one GPU's memory, for KAI's portions
@@ -257,7 +256,7 @@ def readings(pod: Pod) -> dict[str, object]:
         "declaration": declaration,
         "vram": owed,
         "dra_ceilings": ceilings,
-        "policy": policy_of(sidecar_env(pod, SIDECAR)),
+        "policy": pod_policy(pod, SIDECAR, opted_in),
         "claims": (claim_names(pod), container_claims(pod), found),
         "from_claims": from_claims,
         "tenants": tenants([(pod, from_claims)], {}).all,

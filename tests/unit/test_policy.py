@@ -156,6 +156,20 @@ def test_dry_run_reports_the_would_be_victim_once() -> None:
     assert decisions[0].enforcements[0].dry_run
 
 
+def test_a_dry_run_reports_the_most_the_unit_held_since_it_went_over() -> None:
+    """The peak of this excursion, as sampled, up to when the action would have come: past
+    the tolerance window the unit holds less than it did in it. A dip under the limit
+    starts another excursion, with its own peak."""
+    config = PolicyConfig(dry_run=True, over_for=2.0)
+    state: dict[str, UnitState] = {}
+    reported = []
+    for now, used in ((0, 5), (1, 7), (2, 6), (3, 3), (4, 5), (6, 5)):
+        d = decide([unit(proc(1, used * GiB))], config, state, float(now))
+        state = dict(d.state)
+        reported += [(now, e.peak_bytes // GiB, e.dry_run) for e in d.enforcements]
+    assert reported == [(2, 7, True), (6, 5, True)]
+
+
 def test_kill_action_is_passed_through() -> None:
     (e,) = decide([unit(proc(1, 5 * GiB))], PolicyConfig(action=Action.KILL), {}, 0).enforcements
     assert e.action is Action.KILL

@@ -107,7 +107,7 @@ def resolve(declared: Sequence[Setting[Any]], given: Given, environ: Mapping[str
     parsed: dict[str, object] = {}
     for s in declared:
         if s.kind == "switch":
-            parsed[s.key] = not given.get(s.key) if switched_off(s) else bool(given.get(s.key))
+            parsed[s.key] = _switch(s, given, environ)
             continue
         if s.kind == "count":
             parsed[s.key] = int(given.get(s.key) or 0)
@@ -121,6 +121,19 @@ def resolve(declared: Sequence[Setting[Any]], given: Given, environ: Mapping[str
         assert s.parse is not None  # noqa: S101 - every value setting has a parser
         parsed[s.key] = s.parse(text, field)
     return Values(parsed)
+
+
+def _switch(s: Setting[Any], given: Given, environ: Mapping[str, str]) -> bool:
+    """A switch given on the command line, else its variable (`true` or `false`: what the
+    webhook writes into a sidecar's environment), else off."""
+    if given.get(s.key):
+        return not switched_off(s)
+    text = environ.get(s.env) if s.env else None
+    if not text:
+        return switched_off(s)
+    if text.strip().lower() not in ("true", "false"):
+        raise ConfigError(s.env or s.key, text, "is not a switch; use true or false")
+    return text.strip().lower() == "true"
 
 
 def _source(s: Setting[Any], given: Given, environ: Mapping[str, str]) -> tuple[str | None, str]:

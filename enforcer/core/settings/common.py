@@ -175,9 +175,13 @@ def over_for(doc: str) -> Setting[float]:
     )
 
 
-def dry_run(doc: str) -> Setting[bool]:
+def dry_run(doc: str, **options: Any) -> Setting[bool]:
     return switch(
-        "dry_run", "--dry-run", "decide as usual but only report what would be signalled", doc=doc
+        "dry_run",
+        "--dry-run",
+        "decide as usual but only report what would be signalled",
+        doc=doc,
+        **options,
     )
 
 

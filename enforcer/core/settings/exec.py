@@ -73,7 +73,8 @@ OVER_FOR = over_for(
     "under the limit restarts the window"
 )
 DRY_RUN = dry_run(
-    "decide as usual, but only report what would be signalled (once per excursion over the limit)"
+    "decide as usual, but only report what would be signalled (once per excursion over the "
+    "limit), and set no hard limit (the driver would refuse allocations past it)"
 )
 POLICY = PolicySettings(ACTION, GRACE_PERIOD, WARN_AT, OVER_FOR, DRY_RUN)
 NAME = value(
@@ -178,16 +179,24 @@ def exec_settings(values: Values, command: list[str]) -> ExecSettings:
             "guaranteed and the limit the most it may borrow up to; give a request of at "
             "most the limit",
         )
+    policy, hard = POLICY.config(values), values[HARD_LIMITS]
+    if policy.dry_run and hard == "required":
+        raise ConfigError(
+            "--hard-limits",
+            hard,
+            "cannot go with --dry-run: under a hard limit the driver refuses allocations past "
+            "it, which enforces the limit; leave out one of the two",
+        )
     return ExecSettings(
         command=tuple(command),
         limit_bytes=values[LIMIT],
-        policy=POLICY.config(values),
+        policy=policy,
         interval=values[INTERVAL],
         name=values[NAME] or PurePath(command[0]).name,
         metrics_port=values[METRICS_PORT],
         metrics_address=values[METRICS_ADDRESS],
         host_proc=values[HOST_PROC],
-        hard_limits=values[HARD_LIMITS],
+        hard_limits="off" if policy.dry_run else hard,  # a dry run refuses no allocation
         summary=values[SUMMARY],
         request_bytes=request if request != limit else None,
         reclaim_watermark=values[RECLAIM_WATERMARK],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,8 +14,10 @@ from enforcer.core.declaration import (
     PORTIONS_ENV,
     Portion,
     encode_portions,
+    env_trusted,
     parse_gpus,
     parse_portions,
+    sidecar_env,
     spread_over,
 )
 from enforcer.core.dra import DraSettings
@@ -28,8 +31,9 @@ from enforcer.core.parsing import (
     parse_names,
     positive_duration,
 )
+from enforcer.core.payloads import Pod
 from enforcer.core.policy import PolicyConfig
-from enforcer.core.settings import Setting, Values, value, verbosity
+from enforcer.core.settings import Setting, Values, resolve, value, verbosity
 from enforcer.core.settings.common import (
     DEFAULT_SOCKET,
     DRA_CAPACITY,
@@ -167,7 +171,11 @@ INTERVAL = interval(
 )
 WARN_AT = warn_at("one `VRAMNearLimit` per crossing", env="VRAM_ENFORCER_WARN_AT")
 OVER_FOR = over_for("how long a container may stay over its limit before it is enforced")
-DRY_RUN = dry_run("report what would be signalled, signal nothing")
+DRY_RUN = dry_run(
+    "report what would be signalled, signal nothing. The webhook sets `true` for the action "
+    "`dry-run` (with `VRAM_ENFORCER_ACTION` the would-be action, `terminate`)",
+    env="VRAM_ENFORCER_DRY_RUN",
+)
 POLICY = PolicySettings(ACTION, GRACE_PERIOD, WARN_AT, OVER_FOR, DRY_RUN)
 UNDECLARED_ALLOWED = value(
     "undeclared_allowed",
@@ -444,3 +452,16 @@ def _ceilings(ceilings: dict[str, int], limits: dict[str, int], source: str) -> 
                 "ceiling is at least the container's declared limit (its request)",
             )
     return {name: c for name, c in ceilings.items() if c > limits[name]}
+
+
+def pod_policy(pod: Pod, sidecar: str, opted_in: AbstractSet[str]) -> PolicyConfig:
+    """The policy a pod's sidecar runs with, as the agent reads it from the environment the
+    webhook gave the sidecar (validated there), in a namespace that opted in (`env_trusted`);
+    the sidecar's defaults for anything it cannot read, and in any other namespace (a `warn`
+    or a dry run written there is its author's, not the operator's)."""
+    env = sidecar_env(pod, sidecar) if env_trusted(pod, opted_in) else {}
+    declared = (POLICY.action, POLICY.grace_period, POLICY.warn_at, POLICY.over_for, POLICY.dry_run)
+    try:
+        return POLICY.config(resolve(declared, {}, env))
+    except ConfigError:
+        return POLICY.config(resolve(declared, {}, {}))
