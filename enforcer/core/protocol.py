@@ -15,6 +15,7 @@ from typing import Any, cast
 from enforcer.core.dra import DraObjects
 from enforcer.core.model import Activity, Device, ProcessKey, ProcessUsage, Sample, SourceDown
 from enforcer.core.payloads import Pod
+from enforcer.core.reasons import FROM_SIDECAR
 from enforcer.core.reclaim import Reclaim, Share
 from enforcer.core.sidecar_report import FAMILIES, SidecarReport, parse_report
 
@@ -26,7 +27,6 @@ SIDECAR_SOCKET_DIR = "/run/vram-enforcer"
 SIDECAR_SOCKET = f"{SIDECAR_SOCKET_DIR}/sidecar.sock"
 MAX_REQUEST_BYTES = 4096
 OPS = ("usage", "subscribe", "event", "report")
-_REASON = re.compile(r"VRAM[A-Za-z]{1,60}")
 _CONTAINER = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
@@ -88,8 +88,9 @@ def _event(doc: dict[str, Any]) -> EventRequest | str:
     agent does not answer event requests, it counts and drops bad ones)."""
     reason, message = doc.get("reason"), doc.get("message")
     warning, container = doc.get("warning"), doc.get("container")
-    if not isinstance(reason, str) or not _REASON.fullmatch(reason):
-        return f"reason {reason!r} is not one of vram-enforcer's (VRAM followed by letters)"
+    if not isinstance(reason, str) or reason not in FROM_SIDECAR:
+        known = ", ".join(sorted(FROM_SIDECAR))
+        return f"reason {reason!r} is not one a sidecar reports ({known})"
     if not isinstance(message, str) or not message:
         return "message must be a non-empty string"
     if not isinstance(warning, bool):

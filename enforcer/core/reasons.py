@@ -21,3 +21,20 @@ class Reason(StrEnum):
     RECLAIMED = "VRAMReclaimed"  # memory lent above a request is taken back
     EVICTED = "VRAMEvicted"  # the agent: the kernel refused a signal, the pod is evicted
     WOULD_ENFORCE = "VRAMWouldEnforce"  # dry run: what would have been signalled; nothing was
+
+
+# What a sidecar reports, for the agent to post on the sidecar's own pod (`protocol`): its
+# pipeline's reasons and what it says of its allocation. The agent's own are not among them,
+# so that no process of a pod can post, on its pod, what reads as the agent's word (a hard
+# limit in place, a sidecar silent, an eviction).
+FROM_SIDECAR = frozenset(
+    {
+        Reason.NEAR_LIMIT,
+        Reason.LIMIT_EXCEEDED,
+        Reason.ENFORCED,
+        Reason.WOULD_ENFORCE,
+        Reason.RECLAIMED,
+        Reason.USAGE_UNKNOWN,
+        Reason.ALLOCATION_UNKNOWN,
+    }
+)

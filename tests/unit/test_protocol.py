@@ -25,6 +25,7 @@ from enforcer.core.protocol import (
     usage_process,
     usage_tail,
 )
+from enforcer.core.reasons import Reason
 from enforcer.core.reclaim import Reclaim, Share
 
 
@@ -61,6 +62,22 @@ def test_request_round_trip() -> None:
 def test_bad_requests(line: bytes, message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
         parse_request(line)
+
+
+def test_a_sidecar_may_report_its_own_reasons_and_no_other() -> None:
+    """A dry run's would-be enforcement is one of a sidecar's reports; the agent's own
+    reasons, and anything else, are not: a process of the pod could forge them."""
+
+    def event(reason: object) -> object:
+        line = json.dumps({"v": 1, "op": "event", "reason": reason, "message": "m"})
+        return parse_request(line.replace('"m"}', '"m", "warning": true}').encode()).event
+
+    for ours in ("VRAMWouldEnforce", "VRAMEnforced", "VRAMReclaimed", "VRAMAllocationUnknown"):
+        assert getattr(event(ours), "reason", None) == ours
+    agents = (Reason.SIDECAR_SILENT, Reason.EVICTED, Reason.HARD_LIMIT, Reason.SAMPLING_ONLY)
+    for theirs in (*map(str, agents), "VRAMSomethingElse", "Killing", ["VRAMEnforced"], None):
+        refused = event(theirs)
+        assert isinstance(refused, str) and "is not one a sidecar reports" in refused, refused
 
 
 def test_usage_reply_round_trip() -> None:
