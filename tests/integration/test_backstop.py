@@ -5,6 +5,7 @@ victim the agent signalled, which outlives the pod's hand-back to its sidecar.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,7 +14,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
@@ -420,6 +422,51 @@ class _Source:
         return self.now
 
 
+NEIGHBOUR = ProcessKey(1, 1)  # not signalled by anyone: its pod's sidecar is heard
+BORROWING = {"VRAM_ENFORCER_LIMITS": GiB, "VRAM_ENFORCER_CEILINGS": 4 * GiB}
+
+
+@dataclass
+class LendingNode:
+    """A node's agent as its sampler runs it: each pass (`sampler._pass()`) reads `source`,
+    then lends, and holds the pods whose sidecars are silent (`backstop`, whose Events
+    `recorder` has)."""
+
+    source: _Source
+    backstop: Backstop
+    recorder: Recorded
+    sampler: Sampler
+
+
+@contextlib.contextmanager
+def lending_node(borrower: Pod, key: ProcessKey, tmp_path: Path) -> Iterator[LendingNode]:
+    """`borrower` (pod `u`, its sidecar silent, its process `key` in container ID CID) and a
+    neighbour owed 8 GiB (its process NEIGHBOUR, its sidecar heard), on one GPU."""
+    source = _Source()
+    telemetry = AgentTelemetry()
+    metrics = ServerMetrics(telemetry.requests, telemetry.connections, telemetry.unexpected)
+    server = UsageServer(tmp_path / "agent.sock", ProcFs(), metrics, stale_after=60.0)
+    try:
+        pods = {
+            "u": borrower,
+            "n": declaring("n", "serve", "server", NEIGHBOUR_ID, {"VRAM_ENFORCER_LIMITS": 8 * GiB}),
+        }
+        node = NodeView(
+            lambda: pods, lambda: frozenset({"team"}), Declares("vram-enforcer.io/vram")
+        )
+        recorder = Recorded()
+        backstop = Backstop(
+            node, lambda: frozenset({"u"}), cast("EventRecorder", recorder), telemetry, ProcFs()
+        )
+        lender = Lender(node, threading.Event(), 2 * GiB, telemetry)
+        containers = {key: CID, NEIGHBOUR: NEIGHBOUR_ID}
+        steps = PodSteps(lender, backstop)
+        sampler = sampling(source, server, telemetry, lambda: containers, steps)
+        yield LendingNode(source, backstop, recorder, sampler)
+    finally:
+        server.close()
+
+
 def test_a_borrower_whose_sidecar_hung_up_is_held_to_its_ceiling_and_reclaimed_when_needed(
     cgroup2: Path, tmp_path: Path
 ) -> None:
@@ -433,54 +480,35 @@ def test_a_borrower_whose_sidecar_hung_up_is_held_to_its_ceiling_and_reclaimed_w
     box = cgroup2 / f"cri-containerd-{CID}.scope"
     box.mkdir()
     worker = in_box(box, SLEEP)
-    source = _Source()
-    telemetry = AgentTelemetry()
-    metrics = ServerMetrics(telemetry.requests, telemetry.connections, telemetry.unexpected)
-    server = UsageServer(tmp_path / "agent.sock", ProcFs(), metrics, stale_after=60.0)
     try:
         key = moved_in(box, worker)
-        neighbour = ProcessKey(1, 1)  # not signalled by anyone: its pod's sidecar is heard
-        borrowing = {"VRAM_ENFORCER_LIMITS": GiB, "VRAM_ENFORCER_CEILINGS": 4 * GiB}
-        pods = {
-            "u": declaring("u", "borrower", "trainer", CID, borrowing),
-            "n": declaring("n", "serve", "server", NEIGHBOUR_ID, {"VRAM_ENFORCER_LIMITS": 8 * GiB}),
-        }
-        node = NodeView(
-            lambda: pods, lambda: frozenset({"team"}), Declares("vram-enforcer.io/vram")
-        )
-        recorder = Recorded()
-        backstop = Backstop(
-            node, lambda: frozenset({"u"}), cast("EventRecorder", recorder), telemetry, ProcFs()
-        )
-        lender = Lender(node, threading.Event(), 2 * GiB, telemetry)
-        containers = {key: CID, neighbour: NEIGHBOUR_ID}
-        sampler = sampling(
-            source, server, telemetry, lambda: containers, PodSteps(lender, backstop)
-        )
-
-        def gpu(others: int) -> Sample:
-            used = 3 * GiB + GiB + others
-            return Sample(
-                0.0,
-                (Device(0, "GPU-a", "H100", 16 * GiB, used),),
-                (ProcessUsage(key, "GPU-a", 3 * GiB), ProcessUsage(neighbour, "GPU-a", GiB)),
-            )
-
-        source.now = gpu(0)  # 12 GiB free: the neighbour's 7, and 2 of watermark, fit
-        for _ in range(3):
-            sampler._pass()  # one NVML pass, as the sampler's thread runs it
-        (unit,) = backstop._held["u"]._pipeline.last_units  # the backstop saw its usage
-        assert (unit.name, unit.used_bytes, unit.limit_bytes) == ("trainer", 3 * GiB, 4 * GiB)
-        assert worker.poll() is None and recorder.messages == []
-        source.now = gpu(6 * GiB)  # 6 GiB free: 3 short of what the neighbour is owed
-        sampler._pass()
-        assert worker.wait(timeout=5) == -signal.SIGTERM
-        assert recorder.reasons == ["VRAMReclaimed"], recorder.messages
-        assert "sent SIGTERM" in recorder.messages[0], recorder.messages
+        borrower = declaring("u", "borrower", "trainer", CID, BORROWING)
+        with lending_node(borrower, key, tmp_path) as agent:
+            agent.source.now = gpu(key, 0)  # 12 GiB free: the neighbour's 7, and 2 of watermark
+            for _ in range(3):
+                agent.sampler._pass()  # one NVML pass, as the sampler's thread runs it
+            (unit,) = agent.backstop._held["u"]._pipeline.last_units  # it saw its usage
+            assert (unit.name, unit.used_bytes, unit.limit_bytes) == ("trainer", 3 * GiB, 4 * GiB)
+            assert worker.poll() is None and agent.recorder.messages == []
+            agent.source.now = gpu(key, 6 * GiB)  # 6 GiB free: 3 short of the neighbour's due
+            agent.sampler._pass()
+            assert worker.wait(timeout=5) == -signal.SIGTERM
+            assert agent.recorder.reasons == ["VRAMReclaimed"], agent.recorder.messages
+            assert "sent SIGTERM" in agent.recorder.messages[0], agent.recorder.messages
     finally:
-        server.close()
         worker.kill()
         worker.wait()
+
+
+def gpu(key: ProcessKey, others: int) -> Sample:
+    """A 16 GiB GPU where the borrower's `key` holds 3 GiB, the neighbour 1, and processes
+    of no pod `others`."""
+    used = 3 * GiB + GiB + others
+    return Sample(
+        0.0,
+        (Device(0, "GPU-a", "H100", 16 * GiB, used),),
+        (ProcessUsage(key, "GPU-a", 3 * GiB), ProcessUsage(NEIGHBOUR, "GPU-a", GiB)),
+    )
 
 
 def _evicted_events(asked: list[tuple[str, Any]]) -> list[dict[str, Any]]:

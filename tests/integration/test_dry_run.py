@@ -25,23 +25,21 @@ from enforcer.edge.latest import Latest
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.nvml import Nvml
 from enforcer.edge.procfs import ProcFs
-from enforcer.edge.usage_server import ServerMetrics, UsageServer
-from enforcer.modes.agent import PodSteps
 from enforcer.modes.backstop import Backstop
-from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
 from enforcer.modes.node_view import NodeView
 from tests.helpers import wait_for
 from tests.integration.test_backstop import (
+    BORROWING,
     CID,
     NEIGHBOUR_ID,
     SLEEP,
     Recorded,
-    _Source,
     declaring,
+    gpu,
     in_box,
+    lending_node,
     moved_in,
-    sampling,
 )
 from tests.integration.test_shared_claims_agent import RecordingNvml
 from tests.unit.test_shared_claims import uid
@@ -133,46 +131,24 @@ def test_a_borrower_in_a_dry_run_is_not_made_to_give_back_what_it_borrowed(
     box = cgroup2 / f"cri-containerd-{CID}.scope"
     box.mkdir()
     worker, key = started(box)
-    source = _Source()
-    telemetry = AgentTelemetry()
-    metrics = ServerMetrics(telemetry.requests, telemetry.connections, telemetry.unexpected)
-    server = UsageServer(tmp_path / "agent.sock", ProcFs(), metrics, stale_after=60.0)
     try:
-        neighbour = ProcessKey(1, 1)
-        borrowing = {"VRAM_ENFORCER_LIMITS": GiB, "VRAM_ENFORCER_CEILINGS": 4 * GiB}
-        pods = {
-            "u": dry_pod("u", borrowing),
-            "n": declaring("n", "serve", "server", NEIGHBOUR_ID, {"VRAM_ENFORCER_LIMITS": 8 * GiB}),
-        }
-        node = NodeView(lambda: pods, lambda: frozenset({"team"}), Declares(RES))
-        recorder = Recorded()
-        backstop = Backstop(
-            node, lambda: frozenset({"u"}), cast("EventRecorder", recorder), telemetry, ProcFs()
-        )
-        lender = Lender(node, threading.Event(), 2 * GiB, telemetry)
-        containers = {key: CID, neighbour: NEIGHBOUR_ID}
-        sampler = sampling(
-            source, server, telemetry, lambda: containers, PodSteps(lender, backstop)
-        )
-        used = (ProcessUsage(key, "GPU-a", 3 * GiB), ProcessUsage(neighbour, "GPU-a", GiB))
-        # 6 GiB free: 3 short of the 7 the neighbour is still owed, with the watermark.
-        source.now = Sample(0.0, (Device(0, "GPU-a", "H100", 16 * GiB, 10 * GiB),), used)
-        for _ in range(3):
-            sampler._pass()  # one NVML pass, as the sampler's thread runs it
-        (unit,) = backstop._held["u"]._pipeline.last_units  # the backstop saw its usage
-        assert (unit.name, unit.used_bytes) == ("trainer", 3 * GiB)
-        assert recorder.reasons == ["VRAMWouldEnforce"], recorder.messages
-        (would,) = recorder.messages
-        assert "2.00 GiB above its 1.00 GiB request" in would, would
-        assert (
-            "; dry run, so nothing was signalled: would have taken back what it lent, sending "
-            f"SIGTERM to pid {key.pid}"
-        ) in would
-        time.sleep(0.2)  # a SIGTERM sent would have ended it by now
-        assert worker.poll() is None
-        assert not any(backstop.counts["u"].reclaims.counts().values())
+        with lending_node(dry_pod("u", BORROWING), key, tmp_path) as agent:
+            agent.source.now = gpu(key, 6 * GiB)  # 6 GiB free: 3 short of the neighbour's due
+            for _ in range(3):
+                agent.sampler._pass()  # one NVML pass, as the sampler's thread runs it
+            (unit,) = agent.backstop._held["u"]._pipeline.last_units  # it saw its usage
+            assert (unit.name, unit.used_bytes) == ("trainer", 3 * GiB)
+            assert agent.recorder.reasons == ["VRAMWouldEnforce"], agent.recorder.messages
+            (would,) = agent.recorder.messages
+            assert "2.00 GiB above its 1.00 GiB request" in would, would
+            assert (
+                "; dry run, so nothing was signalled: would have taken back what it lent, "
+                f"sending SIGTERM to pid {key.pid}"
+            ) in would
+            time.sleep(0.2)  # a SIGTERM sent would have ended it by now
+            assert worker.poll() is None
+            assert not any(agent.backstop.counts["u"].reclaims.counts().values())
     finally:
-        server.close()
         worker.kill()
         worker.wait()
     assert worker.returncode == -signal.SIGKILL  # ours, at the end
