@@ -1,12 +1,17 @@
-"""The chart values that become the programs' flags, and the parts of values.schema.json
-made for them from the bounds the programs hold those flags to.
+"""The chart values that become the programs' flags, and the forms they are checked in,
+made from the bounds the programs hold those flags to: forms.json (the patterns, read by
+templates/_helpers.tpl's "vram-enforcer.inForm") and values.schema.json's definitions
+(each form's type: a text, or a number, read as its digits).
 
 A value the chart accepts and its program refuses is a pod that crash-loops, and for the
 webhook, with `failurePolicy: Fail`, every pod of every opted-in namespace refused. So the
-schema must take no value its program refuses. JSON schema knows no durations or
-quantities, only regular expressions (Go's RE2 in Helm, Python's `re` in the tests: the
-patterns use what both read alike), so each form is a pattern of a part of what the parsers
-of enforcer/core/parsing.py take, sized so that every value it matches parses:
+chart must take no value its program refuses. The forms are checked by the templates, not
+by the schema, because Helm's schema errors print the whole pattern that failed (a
+kilobyte of regular expression) where the template names the value, the form and an
+example (issue 43, item 12). Durations and quantities are regular expressions (Go's RE2 in
+Helm, Python's `re` in the tests: the patterns use what both read alike), so each form is a
+pattern of a part of what the parsers of enforcer/core/parsing.py take, sized so that
+every value it matches parses:
 
 - a duration is Go-style parts in the order h, m, s, ms, us, ns (`100ms`, `1m30s`), each
   under 10^5 hours, 10^7 minutes, ...: no sum of them reaches parsing.MAX_DURATION. A
@@ -18,10 +23,10 @@ of enforcer/core/parsing.py take, sized so that every value it matches parses:
   it has zeros, a binary one at most three (`1.5Gi`, `0.125Ti`).
 
 `CHART_FLAGS` lists every value the chart passes as a flag; tests/unit/test_chart_schema.py
-holds it to the templates, values.schema.json to `generate`, and every form to its
-setting's own parser. After a change of a form or a bound:
+holds it to the templates, values.schema.json and forms.json to `generate` and `forms`, and
+every form to its setting's own parser. After a change of a form or a bound:
 
-    .venv/bin/python -m tests.chart.values_schema    # rewrites values.schema.json
+    .venv/bin/python -m tests.chart.values_schema    # rewrites values.schema.json, forms.json
 """
 
 from __future__ import annotations
@@ -35,7 +40,10 @@ from typing import Any, Literal
 
 from enforcer.core.parsing import MAX_QUANTITY, format_duration
 
-SCHEMA = Path(__file__).resolve().parents[2] / "helm" / "vram-enforcer" / "values.schema.json"
+CHART = Path(__file__).resolve().parents[2] / "helm" / "vram-enforcer"
+SCHEMA = CHART / "values.schema.json"
+# The patterns each form's values are held to, read by the templates (_helpers.tpl).
+FORMS_FILE = CHART / "forms.json"
 
 # parsing.MAX_DURATION, exactly: Go's last duration, 2^63-1 ns.
 MAX_DURATION = Fraction(2**63 - 1, 10**9)
@@ -95,14 +103,16 @@ How = Literal["text", "join", "json", "switch", "sidecar-mode"]
 class ChartFlag:
     """A chart value that becomes a flag: `how` it is written there (as it is; a list
     joined with commas; a map as JSON; a boolean that gives the flag or not; the sidecar
-    mode, which the chart resolves), and the form generated for it (None: the schema is
-    written by hand, and the tests hold it to the flag's parser all the same)."""
+    mode, which the chart resolves), the form the chart checks it in (None: the schema is
+    written by hand, and the tests hold it to the flag's parser all the same), and `words`
+    it takes besides its form."""
 
     path: str
     mode: Literal["agent", "webhook"]
     flag: str
     how: How = "text"
     form: Form | None = None
+    words: tuple[str, ...] = ()
 
 
 CHART_FLAGS: tuple[ChartFlag, ...] = (
@@ -136,7 +146,9 @@ CHART_FLAGS: tuple[ChartFlag, ...] = (
     ChartFlag("agent.logFormat", "agent", "--log-format"),
     ChartFlag("webhook.port", "webhook", "--port"),
     ChartFlag("webhook.sidecarMode", "webhook", "--sidecar-mode", "sidecar-mode"),
-    ChartFlag("webhook.shmDefault", "webhook", "--shm-default"),
+    ChartFlag(
+        "webhook.shmDefault", "webhook", "--shm-default", form=Quantity(), words=("auto", "off")
+    ),
     ChartFlag("webhook.gpuExposure", "webhook", "--gpu-exposure"),
     ChartFlag("webhook.draDeviceClass", "webhook", "--dra-device-class"),
     ChartFlag("webhook.runtimeClassName", "webhook", "--runtime-class"),
@@ -296,76 +308,84 @@ def _quantity(whole_bytes: bool) -> str:
     return f"^\\+?(?:{'|'.join(numbers)})$"
 
 
-# The schema.
+# The forms, as the chart checks them (templates/_helpers.tpl, "vram-enforcer.inForm"), and
+# the schema's definitions, which hold a value's type only: Helm's schema errors print the
+# whole pattern that failed (a kilobyte of regular expression) and nothing of what it means,
+# where the template names the value, the form and an example.
+
+
+def _forms_of_flags() -> list[Form]:
+    return [f.form for f in CHART_FLAGS if f.form] + list(NAMESPACE_BOUNDS.values())
+
+
+def forms() -> dict[str, dict[str, Any]]:
+    """Each form by its name: what it takes (`want`, `example`), and the `patterns` a
+    value's text must all match (forms.json)."""
+    return dict(sorted((form.name, _form(form)) for form in _forms_of_flags()))
+
+
+def _form(form: Form) -> dict[str, Any]:
+    if isinstance(form, Quantity):
+        if not form.bytes:
+            return {
+                "want": "a CPU quantity, 0 or more",
+                "example": "10m, 0.5 or 2",
+                "patterns": [_quantity(whole_bytes=False)],
+            }
+        if form.minimum:
+            return {
+                "want": "a whole number of bytes, at least 1, as a Kubernetes quantity",
+                "example": "1 or 1Gi",
+                "patterns": [_quantity(whole_bytes=True), "^\\+?[.0]*[1-9]"],
+            }
+        return {
+            "want": "a whole number of bytes as a Kubernetes quantity (no milli, as in 500m; "
+            "no more decimals than its suffix makes whole)",
+            "example": "512Mi, 1.5Gi, 80Gi or 0",
+            "patterns": [_quantity(whole_bytes=True)],
+        }
+    hours = 10 ** duration_part_digits(DURATION_UNITS[0][1])
+    # "." : not empty (the duration's pattern takes the empty string).
+    duration = [_duration(None), "."]
+    if not form.minimum:
+        return {
+            "want": f"a duration (parts in the order h, m, s, ms, us, ns; under {hours}h) or 0",
+            "example": "100ms, 1m30s, 2h or 0",
+            "patterns": duration,
+        }
+    at_least = format_duration(float(form.minimum))
+    reaching = _reaching(form.minimum)
+    if form.off:
+        zero = _duration("(?:0+(?:\\.0*)?|\\.0+)")
+        return {
+            "want": f"0 (off), or a duration of at least {at_least} in one of its parts",
+            "example": f"0, {at_least} or 1s",
+            "patterns": [*duration, f"{zero}|{reaching}"],
+        }
+    return {
+        "want": f"a duration of at least {at_least} in one of its parts (not 5ms5ms)",
+        "example": f"{at_least}, {format_duration(float(form.minimum * 10))} or 1m30s",
+        "patterns": [*duration, reaching],
+    }
 
 
 def definitions() -> dict[str, dict[str, Any]]:
-    """Every form's definition, by its name."""
-    found: dict[str, dict[str, Any]] = {}
-    forms = [f.form for f in CHART_FLAGS if f.form] + list(NAMESPACE_BOUNDS.values())
-    for form in forms:
-        found.update(_definitions(form))
+    """Every form's definition in the schema, by its name: its type. A number is a text
+    of its digits (`--set agent.reserve=0`, `maxCeiling: 85899345920`): a CPU's may have
+    decimals."""
+    found = {}
+    for form in _forms_of_flags():
+        made = _form(form)
+        number = "number" if isinstance(form, Quantity) and not form.bytes else "integer"
+        found[form.name] = {
+            "description": f"{made['want']}; e.g. {made['example']}",
+            "type": ["string", number],
+        }
     return dict(sorted(found.items()))
 
 
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/definitions/{name}"}
-
-
-def _definitions(form: Form) -> dict[str, dict[str, Any]]:
-    if isinstance(form, Quantity):
-        if not form.bytes:
-            return {
-                "cpu": {
-                    "description": "a CPU quantity, 0 or more: 10m, 0.5, 2",
-                    "type": "string",
-                    "pattern": _quantity(whole_bytes=False),
-                }
-            }
-        found: dict[str, dict[str, Any]] = {
-            "bytes": {
-                "description": "a whole number of bytes, as a Kubernetes quantity: 512Mi, "
-                "1.5Gi, 80Gi, 0; no milli (500m), no more decimals than the suffix makes whole",
-                "type": "string",
-                "pattern": _quantity(whole_bytes=True),
-            }
-        }
-        if form.minimum:
-            found["bytesFrom1"] = {
-                "description": "a whole number of bytes, at least 1: 1, 1Gi",
-                "allOf": [_ref("bytes"), {"pattern": "^\\+?[.0]*[1-9]"}],
-            }
-        return found
-    hours = 10 ** duration_part_digits(DURATION_UNITS[0][1])
-    found = {
-        "duration": {
-            "description": "a duration: parts in the order h, m, s, ms, us, ns (100ms, 1m30s, "
-            f"2h), or 0; under {hours}h",
-            "type": "string",
-            "minLength": 1,
-            "pattern": _duration(None),
-        }
-    }
-    if not form.minimum:
-        return found
-    at_least = format_duration(float(form.minimum))
-    reaching = Duration(form.minimum).name
-    found[reaching] = {
-        "description": f"a duration of at least {at_least}, in one part of it (not 5ms5ms)",
-        "allOf": [_ref("duration"), {"pattern": _reaching(form.minimum)}],
-    }
-    if form.off:
-        found["durationZero"] = {
-            "description": "0, or a duration whose parts are all 0 (0s): off",
-            "type": "string",
-            "minLength": 1,
-            "pattern": _duration("(?:0+(?:\\.0*)?|\\.0+)"),
-        }
-        found[form.name] = {
-            "description": f"0 (off), or a duration of at least {at_least}",
-            "anyOf": [_ref("durationZero"), _ref(reaching)],
-        }
-    return found
 
 
 def _at(schema: dict[str, Any], path: str) -> dict[str, Any]:
@@ -382,7 +402,9 @@ def generate(schema: dict[str, Any]) -> dict[str, Any]:
     made["definitions"] = definitions()
     for flag in CHART_FLAGS:
         if flag.form is not None:
-            _replace(_at(made, flag.path), _ref(flag.form.name))
+            ref = _ref(flag.form.name)
+            words = {"anyOf": [{"enum": list(flag.words)}, ref]}
+            _replace(_at(made, flag.path), words if flag.words else ref)
     bounds = _at(made, "webhook.tenants.namespaces")["additionalProperties"]["properties"]
     for key, form in NAMESPACE_BOUNDS.items():
         _replace(bounds[key], _ref(form.name))
@@ -400,6 +422,7 @@ def render(schema: dict[str, Any]) -> str:
 
 def main() -> None:
     SCHEMA.write_text(render(generate(json.loads(SCHEMA.read_text()))))
+    FORMS_FILE.write_text(render(forms()))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from tests.chart.values_schema import (
     CHART_FLAGS,
     DECIMAL_SUFFIXES,
     DURATION_UNITS,
+    FORMS_FILE,
     MAX_DURATION,
     NAMESPACE_BOUNDS,
     SCHEMA,
@@ -39,6 +40,7 @@ from tests.chart.values_schema import (
     Duration,
     Form,
     duration_part_digits,
+    forms,
     generate,
     whole_digits,
 )
@@ -232,6 +234,9 @@ WORDS = [
     "memory",
 ]
 PORTS = [-1, 0, 1, 80, 8443, 9477, 65535, 65536]
+# A form's value as a number (`--set agent.reserve=0`; a values file's 1073741824, which
+# reaches the templates as a float).
+AS_NUMBERS: list[object] = [0, 1, 60, -1, 1073741824, 1073741824.0, 2**63, 0.5, 1e-05, 2.5e9]
 LISTS: list[list[str]] = [
     [],
     [""],
@@ -260,6 +265,8 @@ BOUNDS: list[dict[str, Any]] = [
     {"research": {"maxCeiling": "40Gi"}},
     {"research": {"maxCeiling": "500m"}},
     {"research": {"maxCeiling": 40}},
+    {"research": {"maxCeiling": 0, "maxGracePeriod": 0}},
+    {"research": {"maxCeiling": 42949672960.0}},
     {"research": {"burst": True}},
     {"research": []},
 ]
@@ -282,7 +289,7 @@ STRICTER: dict[str, set[object]] = {
         "7Ei",
         "9E",
     },
-    "an exponent of 0 to 18": {"1e-3"},
+    "an exponent of 0 to 18": {"1e-3", 1e-05},
     "port 0 (a free one) is no port a Service or a probe can name": {0},
     "names are not empty": {"", '[""]', '["warn", ""]', "[]"},
     "actions as the programs print them, once each": {'[" kill"]', '["Warn"]', '["kill", "kill"]'},
@@ -328,8 +335,47 @@ def _with(path: str, value: object) -> dict[str, Any]:
     return values
 
 
+@cache
+def _forms() -> dict[str, dict[str, Any]]:
+    doc: dict[str, dict[str, Any]] = json.loads(FORMS_FILE.read_text())
+    return doc
+
+
+def _text(value: object) -> str:
+    """`value` as the templates write it (_helpers.tpl, "vram-enforcer.text"): a whole
+    float (a values file's number) as its digits."""
+    if isinstance(value, float) and value.is_integer():
+        return f"{value:.0f}"
+    if isinstance(value, float):
+        return f"{value:g}"  # as Go's %v: 0.5, 1e-05
+    return str(value)
+
+
+def _in_form(name: str, text: str, words: tuple[str, ...] = ()) -> bool:
+    """Whether the templates take `text` in the form `name` ("vram-enforcer.inForm")."""
+    return text in words or all(re.search(_re2(p), text) for p in _forms()[name]["patterns"])
+
+
+def _bounds_in_form(bounds: object) -> bool:
+    if not isinstance(bounds, dict):
+        return True  # the schema's to refuse
+    return all(
+        _in_form(form.name, _text(given[key]))
+        for given in bounds.values()
+        if isinstance(given, dict)
+        for key, form in NAMESPACE_BOUNDS.items()
+        if key in given
+    )
+
+
 def _chart_takes(path: str, value: object) -> bool:
-    return bool(Validator(_schema()).is_valid(_with(path, value)))
+    """The schema's verdict, then the templates' on the value's form."""
+    if not Validator(_schema()).is_valid(_with(path, value)):
+        return False
+    for flag in CHART_FLAGS:
+        if flag.path == path and flag.form is not None:
+            return _in_form(flag.form.name, _text(value), flag.words)
+    return path != "webhook.tenants.namespaces" or _bounds_in_form(value)
 
 
 def _setting(flag: ChartFlag) -> Setting[Any]:
@@ -343,10 +389,19 @@ def _as_flag(flag: ChartFlag, value: object) -> str:
         assert isinstance(value, list)
         return ",".join(str(v) for v in value)
     if flag.how == "json":
+        if isinstance(value, dict):  # the templates write each bound as text
+            value = {
+                namespace: {
+                    key: _text(v) if key in NAMESPACE_BOUNDS else v for key, v in given.items()
+                }
+                if isinstance(given, dict)
+                else given
+                for namespace, given in value.items()
+            }
         return json.dumps(value)
     if flag.how == "sidecar-mode" and value == "auto":
         return "native"  # the chart resolves it (helpers.tpl)
-    return str(value)
+    return _text(value)
 
 
 def _program_takes(setting: Setting[Any], text: str) -> bool:
@@ -369,7 +424,7 @@ def _samples(flag: ChartFlag) -> list[Any]:
         return BOUNDS
     if isinstance(default, int):
         return PORTS
-    return DURATIONS + QUANTITIES + WORDS
+    return DURATIONS + QUANTITIES + WORDS + (AS_NUMBERS if flag.form else [])
 
 
 def _key(sample: object) -> object:
@@ -404,6 +459,7 @@ def _flags_in_templates() -> set[tuple[str, str, str]]:
             if not match:
                 continue
             paths = re.findall(r"\.Values\.([\w.]+)", match[3])
+            paths += re.findall(r'"path" "([\w.]+)"', match[3])
             for helper in re.findall(r'include "([\w.-]+)"', match[3]):
                 body = helpers.split(f'define "{helper}"', 1)[1].split("{{- end -}}\n\n", 1)[0]
                 paths += re.findall(r"\.Values\.([\w.]+)", body)
@@ -430,9 +486,25 @@ def test_each_flag_is_a_setting_of_its_program(flag: ChartFlag) -> None:
 
 
 def test_the_schema_is_made_from_the_forms() -> None:
-    assert generate(_schema()) == _schema(), (
-        "values.schema.json differs from its forms: .venv/bin/python -m tests.chart.values_schema"
+    assert generate(_schema()) == _schema() and forms() == _forms(), (
+        "values.schema.json or forms.json differs from its forms: "
+        ".venv/bin/python -m tests.chart.values_schema"
     )
+
+
+def test_the_templates_check_each_value_in_its_form() -> None:
+    """Each flag of a form is written through "vram-enforcer.formed" with that form (and
+    words): the schema holds its type alone."""
+    written = {}
+    for name in ("agent.yaml", "webhook-deployment.yaml"):
+        for line in (CHART / "templates" / name).read_text().splitlines():
+            found = re.search(r'- (--[\w-]+)=.*"path" "([\w.]+)" "form" "(\w+)"', line)
+            if found:
+                listed = line.split("(list", 1)[1] if "(list" in line else ""
+                written[found[1], found[2]] = (found[3], tuple(re.findall(r'"(\w+)"', listed)))
+    assert written == {
+        (f.flag, f.path): (f.form.name, f.words) for f in CHART_FLAGS if f.form is not None
+    }
 
 
 # The same samples, for the chart and for the program.
@@ -495,12 +567,6 @@ def test_the_bounds_of_a_namespace_have_the_forms_of_the_cluster_wide_ones() -> 
 
 # Generated values: whatever the chart takes, the program takes; and it takes the
 # ordinary forms the program takes.
-
-
-def _form_validator(form: Form) -> Any:
-    return Validator(
-        {"$ref": f"#/definitions/{form.name}", "definitions": _schema()["definitions"]}
-    )
 
 
 def _parser_of(form: Form) -> Setting[Any]:
@@ -624,7 +690,7 @@ def _edges(form: Form) -> st.SearchStrategy[str]:
 @given(data=st.data())
 def test_whatever_the_chart_takes_its_program_takes(form: Form, data: st.DataObject) -> None:
     text = data.draw(st.one_of(ANY_TEXT, _plain(form), _edges(form)))
-    if _form_validator(form).is_valid(text):
+    if _in_form(form.name, text):
         assert _program_takes(_parser_of(form), text), text
 
 
@@ -669,4 +735,4 @@ def test_the_chart_takes_the_plain_forms_its_program_takes(form: Form, data: st.
         return
     if isinstance(form, Duration) and not _alone_reaches(form, text):
         return  # 50ms50ms reaches 100ms only together: the chart asks for one part
-    assert _form_validator(form).is_valid(text), text
+    assert _in_form(form.name, text), text

@@ -28,7 +28,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .Values.image.digest -}}
 {{ .Values.image.repository }}@{{ .Values.image.digest }}
 {{- else -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{ .Values.image.repository }}:{{ include "vram-enforcer.text" (.Values.image.tag | default .Chart.AppVersion) }}
 {{- end -}}
 {{- end -}}
 
@@ -46,6 +46,83 @@ native
 {{- end -}}
 
 {{/*
+Refuse the values with this message (naming the value, what it takes and the fix): `fail`
+for install, upgrade and template. Under `helm lint`, Helm's `fail` only logs and lets the
+chart pass (helm/helm#8973, #11957), so a value the install refuses would lint clean: there
+the template goes on, and the message is raised as the name of a template that does not
+exist, an error lint reports (".. no template "<message>" associated with ..").
+*/}}
+{{- define "vram-enforcer.refuse" -}}
+{{- fail . -}}
+{{- include . dict -}}
+{{- end -}}
+
+{{/*
+A value as text: a number as its digits. A values file's numbers reach the templates as
+float64, which print as 1e+06 (--set's are int64); a whole one is written whole.
+*/}}
+{{- define "vram-enforcer.text" -}}
+{{- if and (kindIs "float64" .) (eq (floor .) .) -}}
+{{- printf "%.0f" . -}}
+{{- else -}}
+{{- toString . -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The text of a value in its form (forms.json: a quantity, a duration, ...), or the values
+refused naming the value, the form and an example. dict: root, name (the value's path),
+value, form. The forms are checked here, not by values.schema.json (which holds their
+types): Helm's schema errors print the whole pattern that failed, a kilobyte of regular
+expression, and nothing of what it means. forms.json is made with the schema by
+tests/chart/values_schema.py, from the programs' own parsers' bounds.
+*/}}
+{{- define "vram-enforcer.inForm" -}}
+{{- $text := include "vram-enforcer.text" .value -}}
+{{- $form := index (.root.Files.Get "forms.json" | fromJson) .form -}}
+{{- $words := .words | default list -}}
+{{- if not (has $text $words) -}}
+{{- range $form.patterns -}}
+{{- if not (regexMatch . $text) -}}
+{{- include "vram-enforcer.refuse" (printf "%s: %s is not %s%s; e.g. %s" $.name (quote $text) (ternary "" (printf "%s, or " (join ", " $words)) (empty $words)) $form.want $form.example) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $text -}}
+{{- end -}}
+
+{{/*
+vram-enforcer.inForm of the value at path (dotted, under .Values). dict: root, path, form,
+and words it takes besides (optional).
+*/}}
+{{- define "vram-enforcer.formed" -}}
+{{- $value := .root.Values -}}
+{{- range splitList "." .path -}}
+{{- $value = index $value . -}}
+{{- end -}}
+{{- include "vram-enforcer.inForm" (dict "root" .root "name" .path "value" $value "form" .form "words" .words) -}}
+{{- end -}}
+
+{{/*
+webhook.tenants.namespaces as the webhook's --namespace-bounds JSON: each namespace's
+maxGracePeriod and maxCeiling in their forms, as text.
+*/}}
+{{- define "vram-enforcer.namespaceBounds" -}}
+{{- $bounds := dict -}}
+{{- range $namespace, $given := .Values.webhook.tenants.namespaces -}}
+{{- $made := deepCopy $given -}}
+{{- range $key, $form := dict "maxGracePeriod" "duration" "maxCeiling" "bytes" -}}
+{{- if hasKey $given $key -}}
+{{- $name := printf "webhook.tenants.namespaces.%s.%s" $namespace $key -}}
+{{- $_ := set $made $key (include "vram-enforcer.inForm" (dict "root" $ "name" $name "value" (index $given $key) "form" $form)) -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $bounds $namespace $made -}}
+{{- end -}}
+{{- toJson $bounds -}}
+{{- end -}}
+
+{{/*
 The combinations of values the webhook refuses to start with (webhook_settings in
 enforcer/core/settings/webhook.py), refused here by name: a webhook that crash-loops
 with failurePolicy Fail blocks every pod of the opted-in namespaces. Each value alone is
@@ -54,13 +131,13 @@ the schema's. Included at the top of webhook-deployment.yaml.
 {{- define "vram-enforcer.webhookChecks" -}}
 {{- $webhook := .Values.webhook -}}
 {{- if and $webhook.runtimeClassName (ne $webhook.gpuExposure "env") -}}
-{{- fail (printf "webhook.runtimeClassName (%s) needs webhook.gpuExposure: env: the webhook sets a runtimeClassName only on the pods it gives the node's GPUs to. Set gpuExposure: env, or leave runtimeClassName empty" $webhook.runtimeClassName) -}}
+{{- include "vram-enforcer.refuse" (printf "webhook.runtimeClassName (%s) needs webhook.gpuExposure: env: the webhook sets a runtimeClassName only on the pods it gives the node's GPUs to. Set gpuExposure: env, or leave runtimeClassName empty" $webhook.runtimeClassName) -}}
 {{- end -}}
 {{- if and $webhook.draDeviceClass (eq $webhook.gpuExposure "env") -}}
-{{- fail (printf "webhook.gpuExposure: env cannot be combined with webhook.draDeviceClass (%s): in DRA mode the DRA driver gives each container the GPU it was allocated. Set gpuExposure: none, or leave draDeviceClass empty" $webhook.draDeviceClass) -}}
+{{- include "vram-enforcer.refuse" (printf "webhook.gpuExposure: env cannot be combined with webhook.draDeviceClass (%s): in DRA mode the DRA driver gives each container the GPU it was allocated. Set gpuExposure: none, or leave draDeviceClass empty" $webhook.draDeviceClass) -}}
 {{- end -}}
 {{- if and $webhook.draDeviceClass $webhook.kaiAnnotations -}}
-{{- fail (printf "webhook.kaiAnnotations: true cannot be combined with webhook.draDeviceClass (%s): a KAI share is counted per node, not allocated on one GPU by a claim. Set kaiAnnotations: false, or leave draDeviceClass empty" $webhook.draDeviceClass) -}}
+{{- include "vram-enforcer.refuse" (printf "webhook.kaiAnnotations: true cannot be combined with webhook.draDeviceClass (%s): a KAI share is counted per node, not allocated on one GPU by a claim. Set kaiAnnotations: false, or leave draDeviceClass empty" $webhook.draDeviceClass) -}}
 {{- end -}}
 {{- end -}}
 
