@@ -24,7 +24,8 @@ from tests.chart.fake_apiserver import fake_apiserver
 from tests.e2e.helm import CHART, helm
 
 SCHEMA_ERROR = "values don't meet the specifications of the schema"
-# Each value the programs refuse (the brief's three first), and what the error names.
+# Each value the programs refuse (the brief's three first), or the cluster could not live with (a
+# budget that blocks every drain), and what the error names.
 REFUSED: list[tuple[dict[str, Any], Sequence[str]]] = [
     ({"agent": {"reserve": "500m"}}, ["agent.reserve", '"500m"']),
     ({"agent": {"interval": "5ms"}}, ["agent.interval", '"5ms"']),
@@ -66,6 +67,14 @@ REFUSED: list[tuple[dict[str, Any], Sequence[str]]] = [
         ["webhook.tenants.namespaces.research.maxCeiling", '"40gb"'],
     ),
     ({"webhook": {"tenants": {"actions": ["explode"]}}}, ["/webhook/tenants/actions/0"]),
+    (
+        {"webhook": {"podDisruptionBudget": {"minAvailable": 3}}},
+        ["webhook.podDisruptionBudget.minAvailable (3)", "webhook.replicas", "e.g. 1"],
+    ),
+    (
+        {"webhook": {"replicas": 3, "podDisruptionBudget": {"minAvailable": "100%"}}},
+        ["webhook.podDisruptionBudget.minAvailable (100%)", "keeps 3 of the webhook's 3"],
+    ),
     (
         {"webhook": {"runtimeClassName": "nvidia"}},
         ["webhook.runtimeClassName (nvidia)", "webhook.gpuExposure: env"],
@@ -327,3 +336,29 @@ def test_the_probes_ask_what_no_pod_can_keep_from_answering_and_the_policy_is_op
             ],
         }
     ]
+
+
+def _kinds(manifest: str) -> list[str]:
+    return [doc["kind"] for doc in yaml.safe_load_all(manifest) if doc]
+
+
+def test_the_webhook_budget_lets_a_node_drain(renders: Renders) -> None:
+    """Issue 43, item 7: one replica gets no PodDisruptionBudget (minAvailable: 1 of 1
+    blocked every drain of its node); with more, the budget keeps fewer than all (a count,
+    a count as text, or a percentage); a budget that keeps all is refused (REFUSED)."""
+    one, three, as_text, percent = renders(
+        [
+            ({"webhook": {"replicas": 1}}, False),
+            ({"webhook": {"replicas": 3, "podDisruptionBudget": {"minAvailable": 2}}}, False),
+            ({"webhook": {"podDisruptionBudget": {"minAvailable": "1"}}}, False),
+            ({"webhook": {"replicas": 3, "podDisruptionBudget": {"minAvailable": "50%"}}}, False),
+        ]
+    )
+    assert "PodDisruptionBudget" not in _kinds(one["manifest"])
+    for release, kept in ((three, 2), (as_text, 1), (percent, "50%")):
+        (budget,) = [
+            doc
+            for doc in yaml.safe_load_all(release["manifest"])
+            if doc and doc["kind"] == "PodDisruptionBudget"
+        ]
+        assert budget["spec"]["minAvailable"] == kept

@@ -141,6 +141,27 @@ the schema's. Included at the top of webhook-deployment.yaml.
 {{- end -}}
 {{- end -}}
 
+{{/*
+The webhook's PodDisruptionBudget's minAvailable (a count, or a percentage of the replicas
+rounded up, as the disruption controller counts it), or the values refused where it keeps
+every replica: a budget that can never allow a disruption blocks every drain of the nodes
+the webhook runs on. Rendered only with two replicas or more (webhook-deployment.yaml).
+*/}}
+{{- define "vram-enforcer.webhookMinAvailable" -}}
+{{- $replicas := int .Values.webhook.replicas -}}
+{{- $text := include "vram-enforcer.text" .Values.webhook.podDisruptionBudget.minAvailable -}}
+{{- $kept := 0 -}}
+{{- if hasSuffix "%" $text -}}
+{{- $kept = div (add (mul (trimSuffix "%" $text | int) $replicas) 99) 100 -}}
+{{- else -}}
+{{- $kept = int $text -}}
+{{- end -}}
+{{- if ge $kept $replicas -}}
+{{- include "vram-enforcer.refuse" (printf "webhook.podDisruptionBudget.minAvailable (%s) keeps %d of the webhook's %d replicas (webhook.replicas) available: no node they run on could ever be drained. Set minAvailable below webhook.replicas (e.g. %d), or raise webhook.replicas" $text $kept $replicas (sub $replicas 1)) -}}
+{{- end -}}
+{{- if hasSuffix "%" $text }}{{ quote $text }}{{ else }}{{ $kept }}{{ end -}}
+{{- end -}}
+
 {{- define "vram-enforcer.webhookName" -}}
 {{ include "vram-enforcer.fullname" . }}-webhook
 {{- end -}}
