@@ -134,3 +134,27 @@ def test_lint_refuses_what_the_install_refuses(helm_cli: Path, tmp_path: Path) -
         out = _run(helm_cli, "lint", str(CHART), "-f", str(given))
         assert out.returncode != 0, (values, out.stdout)
         assert all(name in out.stdout.replace('\\"', '"') for name in names), (values, out.stdout)
+
+
+def test_label_values_given_as_booleans_or_numbers_are_text(helm_cli: Path) -> None:
+    """A nodeSelector's and the monitoring objects' labels are strings to Kubernetes, which
+    refuses `gpu: true`: `--set agent.nodeSelector.gpu=true` is written "true"."""
+    out = _template(
+        helm_cli,
+        *_sets(
+            {
+                "agent.nodeSelector.gpu": "true",
+                "webhook.nodeSelector.zone": 1,
+                "monitoring.serviceMonitor.enabled": "true",
+                "monitoring.serviceMonitor.labels.release": 1,
+            }
+        ),
+    )
+    assert out.returncode == 0, out.stderr
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(out.stdout) if doc}
+    assert docs["DaemonSet"]["spec"]["template"]["spec"]["nodeSelector"] == {
+        "gpu": "true",
+        "nvidia.com/gpu.present": "true",
+    }
+    assert docs["Deployment"]["spec"]["template"]["spec"]["nodeSelector"] == {"zone": "1"}
+    assert docs["ServiceMonitor"]["metadata"]["labels"]["release"] == "1"

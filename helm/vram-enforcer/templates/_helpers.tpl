@@ -92,6 +92,19 @@ tests/chart/values_schema.py, from the programs' own parsers' bounds.
 {{- end -}}
 
 {{/*
+A map of label values (a nodeSelector, labels) as YAML, each value as text: Kubernetes
+takes only strings there, where `--set agent.nodeSelector.gpu=true` gives a boolean and
+`--set ...labels.release=1` a number.
+*/}}
+{{- define "vram-enforcer.labelValues" -}}
+{{- $texts := dict -}}
+{{- range $key, $value := . -}}
+{{- $_ := set $texts $key (include "vram-enforcer.text" $value) -}}
+{{- end -}}
+{{- toYaml $texts -}}
+{{- end -}}
+
+{{/*
 vram-enforcer.inForm of the value at path (dotted, under .Values). dict: root, path, form,
 and words it takes besides (optional).
 */}}
