@@ -158,3 +158,18 @@ def test_label_values_given_as_booleans_or_numbers_are_text(helm_cli: Path) -> N
     }
     assert docs["Deployment"]["spec"]["template"]["spec"]["nodeSelector"] == {"zone": "1"}
     assert docs["ServiceMonitor"]["metadata"]["labels"]["release"] == "1"
+
+
+def test_the_services_of_the_longest_release_name_are_dns_labels(helm_cli: Path) -> None:
+    """Helm takes release names of up to 53 characters; with the chart's name after it, the
+    webhook's Service was named 71 (the API server refuses over 63, helm lint does not)."""
+    release = "gpu-pool-production-eu-west-1-" + "a" * 23
+    assert len(release) == 53
+    out = _run(helm_cli, "template", release, str(CHART), "--kube-version", "1.37.0")
+    assert out.returncode == 0, out.stderr
+    services = [
+        doc["metadata"]["name"]
+        for doc in yaml.safe_load_all(out.stdout)
+        if doc and doc["kind"] == "Service"
+    ]
+    assert len(services) == 2 and all(len(name) <= 63 for name in services), services

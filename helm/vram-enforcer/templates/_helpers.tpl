@@ -175,12 +175,17 @@ the webhook runs on. Rendered only with two replicas or more (webhook-deployment
 {{- if hasSuffix "%" $text }}{{ quote $text }}{{ else }}{{ $kept }}{{ end -}}
 {{- end -}}
 
+{{/*
+The webhook's and the agent's names, which their Services bear: a DNS label of at most 63
+characters, which a fullname of 63 with -webhook was not (a release name of 50 characters
+installed nowhere, and linted clean).
+*/}}
 {{- define "vram-enforcer.webhookName" -}}
-{{ include "vram-enforcer.fullname" . }}-webhook
+{{ include "vram-enforcer.fullname" . | trunc 55 | trimSuffix "-" }}-webhook
 {{- end -}}
 
 {{- define "vram-enforcer.agentName" -}}
-{{ include "vram-enforcer.fullname" . }}-agent
+{{ include "vram-enforcer.fullname" . | trunc 57 | trimSuffix "-" }}-agent
 {{- end -}}
 
 {{- define "vram-enforcer.tlsSecret" -}}
