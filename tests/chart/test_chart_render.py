@@ -76,6 +76,11 @@ REFUSED: list[tuple[dict[str, Any], Sequence[str]]] = [
         ["webhook.podDisruptionBudget.minAvailable (100%)", "keeps 3 of the webhook's 3"],
     ),
     (
+        {"webhook": {"port": 9479}},
+        ["webhook.port and webhook.metricsPort are both 9479", "Set different ones"],
+    ),
+    ({"webhook": {"metricsPort": 443}}, ["webhook.metricsPort is 443", "Set another"]),
+    (
         {"webhook": {"runtimeClassName": "nvidia"}},
         ["webhook.runtimeClassName (nvidia)", "webhook.gpuExposure: env"],
     ),

@@ -137,9 +137,10 @@ maxGracePeriod and maxCeiling in their forms, as text.
 
 {{/*
 The combinations of values the webhook refuses to start with (webhook_settings in
-enforcer/core/settings/webhook.py), refused here by name: a webhook that crash-loops
+enforcer/core/settings/webhook.py), or could not serve with (one port for both servers; a
+metrics port its Service has already), refused here by name: a webhook that crash-loops
 with failurePolicy Fail blocks every pod of the opted-in namespaces. Each value alone is
-the schema's. Included at the top of webhook-deployment.yaml.
+the schema's and the forms'. Included at the top of webhook-deployment.yaml.
 */}}
 {{- define "vram-enforcer.webhookChecks" -}}
 {{- $webhook := .Values.webhook -}}
@@ -148,6 +149,12 @@ the schema's. Included at the top of webhook-deployment.yaml.
 {{- end -}}
 {{- if and $webhook.draDeviceClass (eq $webhook.gpuExposure "env") -}}
 {{- include "vram-enforcer.refuse" (printf "webhook.gpuExposure: env cannot be combined with webhook.draDeviceClass (%s): in DRA mode the DRA driver gives each container the GPU it was allocated. Set gpuExposure: none, or leave draDeviceClass empty" $webhook.draDeviceClass) -}}
+{{- end -}}
+{{- if eq (int $webhook.port) (int $webhook.metricsPort) -}}
+{{- include "vram-enforcer.refuse" (printf "webhook.port and webhook.metricsPort are both %d: the webhook serves reviews and metrics on two ports, and would not start. Set different ones (the defaults: 8443, 9479)" (int $webhook.port)) -}}
+{{- end -}}
+{{- if eq (int $webhook.metricsPort) 443 -}}
+{{- include "vram-enforcer.refuse" "webhook.metricsPort is 443, the port of the webhook Service's https (the API server calls it there), which a Service cannot have twice. Set another (the default: 9479)" -}}
 {{- end -}}
 {{- if and $webhook.draDeviceClass $webhook.kaiAnnotations -}}
 {{- include "vram-enforcer.refuse" (printf "webhook.kaiAnnotations: true cannot be combined with webhook.draDeviceClass (%s): a KAI share is counted per node, not allocated on one GPU by a claim. Set kaiAnnotations: false, or leave draDeviceClass empty" $webhook.draDeviceClass) -}}
