@@ -492,6 +492,25 @@ def test_the_schema_is_made_from_the_forms() -> None:
     )
 
 
+def _patterns(schema: object) -> Iterator[str]:
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            if key == "pattern" and isinstance(value, str):
+                yield value
+            else:
+                yield from _patterns(value)
+    elif isinstance(schema, list):
+        for item in schema:
+            yield from _patterns(item)
+
+
+def test_a_schema_error_is_short_enough_to_read() -> None:
+    """Helm prints the whole pattern a value failed and nothing else of the schema (issue
+    43, item 12: errors of 1-2 kB): the schema keeps short ones, the forms' are the
+    templates'."""
+    assert max(len(p) for p in _patterns(_schema())) <= 80
+
+
 def test_the_templates_check_each_value_in_its_form() -> None:
     """Each flag of a form is written through "vram-enforcer.formed" with that form (and
     words): the schema holds its type alone."""
