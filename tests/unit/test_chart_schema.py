@@ -524,6 +524,11 @@ def test_the_templates_check_each_value_in_its_form() -> None:
     assert written == {
         (f.flag, f.path): (f.form.name, f.words) for f in CHART_FLAGS if f.form is not None
     }
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    bounds = helpers.split('define "vram-enforcer.namespaceBounds"', 1)[1]
+    (listed,) = re.findall(r"range \$key, \$form := dict ((?:\"\w+\" ?)+)", bounds)
+    pairs = re.findall(r'"(\w+)" "(\w+)"', listed)
+    assert dict(pairs) == {key: form.name for key, form in NAMESPACE_BOUNDS.items()}
 
 
 # The same samples, for the chart and for the program.
