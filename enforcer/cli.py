@@ -119,12 +119,17 @@ WEBHOOK_EPILOG = """\
 The API server calls POST /mutate for each pod CREATE in namespaces labelled
 vram-enforcer.io/inject=enabled (see the chart's MutatingWebhookConfiguration). A pod
 that declares --resource-name in a container's limits gets the sidecar, a shared process
-namespace, the agent socket, VRAM_LIMIT_BYTES and a /dev/shm. Pod annotations:
+namespace, the agent socket, VRAM_LIMIT_BYTES and a /dev/shm. A container that asks for
+a GPU (--gpu-resources) and declares no VRAM is denied, declared with --default-vram, or
+admitted as it is, as --undeclared-gpu (or its namespace's undeclaredGpu) says. Pod
+annotations:
   vram-enforcer.io/inject: "false"            leave this pod alone (it runs unenforced): only
                                               with --allow-opt-out, else it is denied
-  vram-enforcer.io/action: kill               terminate | kill | restart | warn: only those in
-                                              --tenant-actions (not warn, by default), else
-                                              it is denied
+  vram-enforcer.io/action: kill               terminate | kill | restart, or warn | dry-run
+                                              (report only): only those in --tenant-actions
+                                              (not warn, by default), else it is denied;
+                                              without it: --default-action (or the
+                                              namespace's defaultAction)
   vram-enforcer.io/grace-period: 30s          SIGTERM to SIGKILL, at most --max-grace-period
   vram-enforcer.io/vram-ceiling: 16Gi         borrow above the request while the GPU has
                                               room, up to --max-vram-ceiling (0: none)

@@ -7,6 +7,10 @@ period of a year, a ceiling of a whole GPU, or `inject: "false"` on a pod that d
 VRAM would each switch enforcement off or loosen it. So the operator bounds them,
 cluster-wide and per namespace, and the webhook denies a pod beyond its bounds, naming the
 annotation, the value and the bound.
+
+The operator also says what a pod gets without asking: its action (`dry-run` or `warn`
+while a namespace is rolled out, an enforcing one after), and what becomes of a container
+that asks for a GPU and declares no VRAM (`UNDECLARED_GPU`).
 """
 
 from __future__ import annotations
@@ -19,26 +23,47 @@ from enforcer.core.model import Action, format_bytes
 from enforcer.core.parsing import (
     ConfigError,
     format_duration,
-    parse_action,
     parse_bytes,
     parse_duration,
 )
 
-ALL_ACTIONS = (Action.TERMINATE, Action.KILL, Action.RESTART, Action.WARN)
-# `warn` only reports: a tenant who may choose it may choose to be over its limit.
-DEFAULT_ACTIONS = (Action.TERMINATE, Action.KILL, Action.RESTART)
+# The webhook's actions: the sidecar's, and `dry-run`, the sidecar's dry run of `terminate`.
+DRY_RUN = "dry-run"
+ALL_ACTIONS: tuple[str, ...] = (
+    Action.TERMINATE.value,
+    Action.KILL.value,
+    Action.RESTART.value,
+    Action.WARN.value,
+    DRY_RUN,
+)
+# Strictness has two levels: these signal nothing (a pod may stay over its limit), every
+# other action enforces. A tenant who may choose one of these may choose to be over its limit.
+REPORT_ONLY = (Action.WARN.value, DRY_RUN)
+DEFAULT_ACTIONS = tuple(a for a in ALL_ACTIONS if a not in REPORT_ONLY)
 DEFAULT_MAX_GRACE = 30.0  # Kubernetes' own default terminationGracePeriodSeconds
+
+# What becomes of a container that asks for a GPU resource and declares no VRAM: denied,
+# given `default_vram` as a LimitRange gives a default, or admitted as it is (the node agent
+# accounts for the memory it holds).
+DENY, OBSERVE, DEFAULT = "deny", "observe", "default"
+UNDECLARED_GPU = (DENY, OBSERVE, DEFAULT)
 
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """What the pods of one namespace may ask for."""
+    """What the pods of one namespace may ask for, and what they get without asking."""
 
-    actions: tuple[Action, ...] = DEFAULT_ACTIONS
+    actions: tuple[str, ...] = DEFAULT_ACTIONS
     max_grace_period: float = DEFAULT_MAX_GRACE
     allow_opt_out: bool = False
     # The highest ceiling a container may borrow up to; 0: no borrowing above requests.
     max_ceiling: int = 0
+    # The action of a pod without the action annotation.
+    default_action: str = Action.TERMINATE.value
+    # A container that asks for a GPU and declares no VRAM: DENY, OBSERVE, or DEFAULT (it is
+    # declared with `default_vram` bytes; 0: none).
+    undeclared_gpu: str = DENY
+    default_vram: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +77,19 @@ class Tenancy:
         return self.namespaces.get(namespace, self.default)
 
 
-def check_action(value: str, bounds: Bounds, where: str, namespace: str) -> Action:
+def parse_action_name(text: str, where: str) -> str:
+    """One of the webhook's actions (`ALL_ACTIONS`), as given in any case."""
+    action = text.strip().lower()
+    if action not in ALL_ACTIONS:
+        raise ConfigError(where, text, f"is not an action; use one of: {', '.join(ALL_ACTIONS)}")
+    return action
+
+
+def check_action(value: str, bounds: Bounds, where: str, namespace: str) -> str:
     """The annotation's action, if the operator lets this namespace choose it."""
-    action = parse_action(value, where, ALL_ACTIONS)
+    action = parse_action_name(value, where)
     if action not in bounds.actions:
-        allowed = ", ".join(a.value for a in bounds.actions)
+        allowed = ", ".join(bounds.actions)
         raise ConfigError(
             where,
             value,
@@ -165,12 +198,21 @@ def in_namespace(namespace: str) -> str:
     return f"in namespace {namespace!r}" if namespace else "here"
 
 
-_BOUND_KEYS = ("actions", "maxGracePeriod", "allowOptOut", "maxCeiling")
+_BOUND_KEYS = (
+    "actions",
+    "maxGracePeriod",
+    "allowOptOut",
+    "maxCeiling",
+    "defaultAction",
+    "undeclaredGpu",
+    "defaultVram",
+)
 
 
 def parse_namespace_bounds(text: str, field: str, default: Bounds) -> dict[str, Bounds]:
     """`{"research": {"actions": ["warn", "terminate"], "maxGracePeriod": "2m",
-    "allowOptOut": true}}`: each namespace's bounds; a key left out keeps the default."""
+    "allowOptOut": true, "defaultAction": "dry-run"}}`: each namespace's bounds; a key left
+    out keeps the default. See `check_defaults` for what holds only with the defaults known."""
     try:
         doc = json.loads(text) if text.strip() else {}
     except ValueError:
@@ -188,7 +230,8 @@ def parse_namespace_bounds(text: str, field: str, default: Bounds) -> dict[str, 
 
 _BOUNDS_FORM = (
     '{"NAMESPACE": {"actions": [...], "maxGracePeriod": "30s", "allowOptOut": false, '
-    '"maxCeiling": "40Gi"}}'
+    '"maxCeiling": "40Gi", "defaultAction": "dry-run", "undeclaredGpu": "default", '
+    '"defaultVram": "8Gi"}}'
 )
 
 
@@ -202,7 +245,7 @@ def _bounds(given: Mapping[str, object], where: str, default: Bounds) -> Bounds:
             or not all(isinstance(a, str) for a in actions)
         ):
             raise ConfigError(f"{where}.actions", actions, "must be a list of action names")
-        parsed = tuple(parse_action(a, f"{where}.actions", ALL_ACTIONS) for a in actions)
+        parsed = tuple(parse_action_name(a, f"{where}.actions") for a in actions)
         bounds = replace(bounds, actions=parsed)
     if "maxGracePeriod" in given:
         value = given["maxGracePeriod"]
@@ -220,4 +263,48 @@ def _bounds(given: Mapping[str, object], where: str, default: Bounds) -> Bounds:
         if not isinstance(value, str):
             raise ConfigError(f"{where}.maxCeiling", value, "must be a quantity, e.g. 40Gi")
         bounds = replace(bounds, max_ceiling=parse_bytes(value, f"{where}.maxCeiling"))
+    if "defaultAction" in given:
+        value = given["defaultAction"]
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}.defaultAction", value, "must be an action, e.g. dry-run")
+        bounds = replace(bounds, default_action=parse_action_name(value, f"{where}.defaultAction"))
+    if "undeclaredGpu" in given:
+        value = given["undeclaredGpu"]
+        if value not in UNDECLARED_GPU:
+            raise ConfigError(
+                f"{where}.undeclaredGpu", value, f"must be one of: {', '.join(UNDECLARED_GPU)}"
+            )
+        bounds = replace(bounds, undeclared_gpu=str(value))
+    if "defaultVram" in given:
+        value = given["defaultVram"]
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}.defaultVram", value, "must be a quantity, e.g. 8Gi")
+        bounds = replace(bounds, default_vram=parse_bytes(value, f"{where}.defaultVram"))
     return bounds
+
+
+def check_defaults(bounds: Bounds, namespace: str | None, unit: int) -> None:
+    """What holds once a namespace's bounds are complete (None: the cluster-wide ones):
+    `default` has a size to give, and that size is a whole number of the resource's units
+    (it is written into the pod as a declaration)."""
+    mode, vram = ("--undeclared-gpu", "--default-vram")
+    if namespace is not None:
+        mode, vram = (f"--namespace-bounds {namespace!r}.{key}" for key in _DEFAULT_KEYS)
+    if bounds.undeclared_gpu == DEFAULT and not bounds.default_vram:
+        raise ConfigError(
+            mode,
+            DEFAULT,
+            "declares a default VRAM for each container that asks for a GPU and declares "
+            "none, and no default is set; set the webhook's --default-vram (or the "
+            "namespace's defaultVram), e.g. 8Gi",
+        )
+    if bounds.default_vram % unit:
+        raise ConfigError(
+            vram,
+            bounds.default_vram,
+            f"(bytes) is not a whole number of {unit}-byte units (--resource-unit); give a "
+            "multiple of it",
+        )
+
+
+_DEFAULT_KEYS = ("undeclaredGpu", "defaultVram")

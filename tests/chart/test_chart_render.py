@@ -88,6 +88,18 @@ REFUSED: list[tuple[dict[str, Any], Sequence[str]]] = [
         {"webhook": {"gpuExposure": "env", "draDeviceClass": "gpu.nvidia.com"}},
         ["webhook.gpuExposure: env", "webhook.draDeviceClass (gpu.nvidia.com)"],
     ),
+    ({"webhook": {"undeclaredGpu": "allow"}}, ["/webhook/undeclaredGpu", "deny"]),
+    ({"webhook": {"defaultAction": "audit"}}, ["/webhook/defaultAction", "dry-run"]),
+    ({"webhook": {"gpuResources": ["gpu"]}}, ["/webhook/gpuResources/0", "'gpu'"]),
+    ({"webhook": {"defaultVram": "8GB"}}, ["/webhook/defaultVram", "'8GB'"]),
+    (  # the webhook refuses to start: default with nothing to give
+        {"webhook": {"undeclaredGpu": "default"}},
+        ["webhook: undeclaredGpu: default", "Set webhook.defaultVram"],
+    ),
+    (
+        {"webhook": {"tenants": {"namespaces": {"team-a": {"undeclaredGpu": "default"}}}}},
+        ["webhook.tenants.namespaces.team-a: undeclaredGpu: default", "defaultVram"],
+    ),
 ]
 VALID: list[dict[str, Any]] = [
     {},
@@ -145,6 +157,21 @@ VALID: list[dict[str, Any]] = [
             "tenants": {"maxGracePeriod": "100ms"},
         },
     },
+    {
+        "webhook": {
+            "defaultAction": "dry-run",
+            "gpuResources": ["nvidia.com/gpu", "nvidia.com/mig-1g.10gb.shared"],
+            "undeclaredGpu": "observe",
+            "tenants": {
+                "actions": ["terminate", "dry-run"],
+                "namespaces": {
+                    "team-a": {"undeclaredGpu": "default", "defaultVram": "8Gi"},
+                    "prod": {"defaultAction": "kill", "undeclaredGpu": "deny"},
+                },
+            },
+        },
+    },
+    {"webhook": {"undeclaredGpu": "default", "defaultVram": "16Gi"}},
 ]
 
 

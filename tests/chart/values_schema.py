@@ -160,6 +160,10 @@ CHART_FLAGS: tuple[ChartFlag, ...] = (
     ChartFlag("webhook.tenants.maxCeiling", "webhook", "--max-vram-ceiling", form=Quantity()),
     ChartFlag("webhook.tenants.allowOptOut", "webhook", "--allow-opt-out", "switch"),
     ChartFlag("webhook.tenants.namespaces", "webhook", "--namespace-bounds", "json"),
+    ChartFlag("webhook.defaultAction", "webhook", "--default-action"),
+    ChartFlag("webhook.gpuResources", "webhook", "--gpu-resources", "join"),
+    ChartFlag("webhook.undeclaredGpu", "webhook", "--undeclared-gpu"),
+    ChartFlag("webhook.defaultVram", "webhook", "--default-vram", form=Quantity()),
     ChartFlag(
         "webhook.sidecarResources.cpu", "webhook", "--sidecar-cpu", form=Quantity(bytes=False)
     ),
@@ -168,7 +172,11 @@ CHART_FLAGS: tuple[ChartFlag, ...] = (
     ChartFlag("webhook.logFormat", "webhook", "--log-format"),
 )
 # Values inside --namespace-bounds' JSON, each in the form of the cluster-wide bound.
-NAMESPACE_BOUNDS: dict[str, Form] = {"maxGracePeriod": Duration(), "maxCeiling": Quantity()}
+NAMESPACE_BOUNDS: dict[str, Form] = {
+    "maxGracePeriod": Duration(),
+    "maxCeiling": Quantity(),
+    "defaultVram": Quantity(),
+}
 
 
 # Numbers, as the parsers read them: digits with an optional fraction, or a fraction alone.

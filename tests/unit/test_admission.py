@@ -64,8 +64,10 @@ def pod(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": body}
 
 
-def applied(p: dict[str, Any], settings: AdmissionSettings = NATIVE) -> dict[str, Any]:
-    ops = mutate(p, settings)
+def applied(
+    p: dict[str, Any], settings: AdmissionSettings = NATIVE, namespace: str = ""
+) -> dict[str, Any]:
+    ops = mutate(p, settings, namespace)
     out: dict[str, Any] = jsonpatch.apply_patch(p, ops)
     kubernetes_validate.validate(out, "1.29", strict=True)
     return out
@@ -1422,3 +1424,169 @@ def test_no_container_but_the_sidecar_mounts_its_volumes(volume: str) -> None:
     assert out.result == "denied"
     message = out.review["response"]["status"]["message"]
     assert message.startswith("spec.ephemeralContainers['debugger'].volumeMounts[0].name:")
+
+
+# A container that asks for a GPU and declares no VRAM (issue 43, item 1).
+
+
+def on_gpu(name: str, resource: str = "nvidia.com/gpu", part: str = "limits") -> dict[str, Any]:
+    """A container as users write one for a time-sliced GPU: a GPU, and no VRAM declared."""
+    return gpu(name, None, resources={part: {resource: "1"}})
+
+
+def undeclared(mode: str, **bounds: Any) -> AdmissionSettings:
+    """The pod's namespace 'ml' handles such containers as `mode` says; elsewhere: deny."""
+    ml = Bounds(undeclared_gpu=mode, **bounds)
+    return dataclasses.replace(NATIVE, tenancy=Tenancy(Bounds(), {"ml": ml}))
+
+
+@pytest.mark.parametrize(
+    ("p", "field"),
+    [
+        (pod(on_gpu("trainer")), "spec.containers['trainer'].resources.limits['nvidia.com/gpu']"),
+        (  # time-slicing's renamed resource, asked for in requests only
+            pod(on_gpu("trainer", "nvidia.com/gpu.shared", "requests")),
+            "spec.containers['trainer'].resources.requests['nvidia.com/gpu.shared']",
+        ),
+        (  # beside a container that declares: it would be held to 0 and killed on first use
+            pod(gpu("server"), init=[on_gpu("warmup")]),
+            "spec.initContainers['warmup'].resources.limits['nvidia.com/gpu']",
+        ),
+    ],
+)
+def test_a_gpu_container_that_declares_no_vram_is_denied_by_default(
+    p: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(Denied) as info:
+        mutate(p, NATIVE, "ml")
+    name = field.split("'")[1]
+    assert str(info.value) == (
+        f"{field}: '1' asks for a GPU, and container {name!r} declares no VRAM, which is not "
+        "allowed in namespace 'ml': a GPU shared with other pods needs each one's limit. "
+        "Declare the most GPU memory it may use in its resources.limits, e.g. "
+        "vram-enforcer.io/vram: 8Gi (the operator chooses with the webhook's --undeclared-gpu "
+        "or --namespace-bounds)"
+    )
+    units = dataclasses.replace(NATIVE, resource_unit=GiB)  # the example in units
+    with pytest.raises(Denied, match=r"e\.g\. vram-enforcer\.io/vram: 8 \("):
+        mutate(p, units, "ml")
+
+
+def test_what_is_no_gpu_and_pods_left_alone_are_not_denied() -> None:
+    assert mutate(pod({"name": "web", "image": "nginx"}), NATIVE, "ml") == []
+    assert mutate(pod(on_gpu("t", "amd.com/gpu")), NATIVE, "ml") == []  # not in the list
+    amd = dataclasses.replace(NATIVE, gpu_resources=("amd.com/gpu",))
+    with pytest.raises(Denied, match=r"amd\.com/gpu"):
+        mutate(pod(on_gpu("t", "amd.com/gpu")), amd, "ml")
+    # where the operator lets pods opt out, one that does is left alone
+    p = pod(on_gpu("t"), annotations={"vram-enforcer.io/inject": "false"})
+    assert mutate(p, undeclared("deny", allow_opt_out=True), "ml") == []
+    with pytest.raises(Denied, match="declares no VRAM"):
+        mutate(p, NATIVE, "ml")
+
+
+def test_observe_admits_such_a_pod_as_before() -> None:
+    observe = undeclared("observe")
+    assert mutate(pod(on_gpu("trainer")), observe, "ml") == []
+    # beside a container that declares, it is held as any container that declares nothing
+    out = jsonpatch.apply_patch(p := pod(gpu("server"), on_gpu("helper")), mutate(p, observe, "ml"))
+    assert json.loads(env_of(sidecar_of(out))["VRAM_ENFORCER_LIMITS"]) == {"server": 12 * GiB}
+    assert "VRAM_LIMIT_BYTES" not in env_of(out["spec"]["containers"][1])
+    with pytest.raises(Denied):  # the namespace's choice, not the cluster's
+        mutate(pod(on_gpu("trainer")), observe, "research")
+
+
+def test_default_declares_each_such_container_as_a_limit_range_would() -> None:
+    settings = undeclared("default", default_vram=8 * GiB)
+    p = pod(gpu("server"), on_gpu("trainer"), init=[on_gpu("warmup", part="requests")])
+    out = applied(p, settings, "ml")
+    spec = out["spec"]
+    server, trainer = spec["containers"][:2]
+    warmup = next(c for c in spec["initContainers"] if c["name"] == "warmup")
+    # written where the scheduler counts it, beside the GPU it asked for
+    assert trainer["resources"]["limits"] == {"nvidia.com/gpu": "1", RES: "8Gi"}
+    assert warmup["resources"] == {"requests": {"nvidia.com/gpu": "1"}, "limits": {RES: "8Gi"}}
+    assert server["resources"]["limits"] == {RES: "12Gi"}  # its own declaration kept
+    assert json.loads(env_of(sidecar_of(out))["VRAM_ENFORCER_LIMITS"]) == {
+        "warmup": 8 * GiB,
+        "server": 12 * GiB,
+        "trainer": 8 * GiB,
+    }
+    assert env_of(trainer)["VRAM_LIMIT_BYTES"] == str(8 * GiB)
+    assert mutate(out, settings, "ml") == []  # a second pass changes nothing
+    units = dataclasses.replace(settings, resource_unit=GiB)
+    trainer = applied(pod(on_gpu("trainer")), units, "ml")["spec"]["containers"][0]
+    assert trainer["resources"]["limits"][RES] == "8"  # a count of the resource's units
+
+
+def test_default_in_dra_mode_is_a_claim_and_kai_shares_are_left_to_kai() -> None:
+    dra = dataclasses.replace(DRA, tenancy=undeclared("default", default_vram=8 * GiB).tenancy)
+    p = pod(on_gpu("trainer"))
+    out: dict[str, Any] = jsonpatch.apply_patch(p, mutate(p, dra, "ml"))
+    assert out["spec"]["resourceClaims"] == [
+        {"name": "vram-trainer", "resourceClaimTemplateName": "vram-enforcer-8gi"}
+    ]
+    trainer = out["spec"]["containers"][0]
+    assert trainer["resources"] == {
+        "limits": {"nvidia.com/gpu": "1"},
+        "claims": [{"name": "vram-trainer"}],
+    }
+    assert mutate(out, dra, "ml") == []  # the claim declares it on a later pass
+    # A pod whose GPU share KAI's annotations declare is held to that share.
+    kai_pod = pod(on_gpu("main"), annotations={"gpu-memory": "2048"})
+    side = env_of(sidecar_of(jsonpatch.apply_patch(kai_pod, mutate(kai_pod, KAI, "ml"))))
+    assert json.loads(side["VRAM_ENFORCER_LIMITS"]) == {"main": 2 * GiB}
+
+
+# The action a pod gets without asking (issue 43, item 3).
+
+
+def in_ml(**bounds: Any) -> AdmissionSettings:
+    return dataclasses.replace(NATIVE, tenancy=Tenancy(Bounds(), {"ml": Bounds(**bounds)}))
+
+
+def sidecar_policy(p: dict[str, Any], settings: AdmissionSettings) -> tuple[str, bool]:
+    """The action and dry run that the sidecar reads from what the webhook wrote (with the
+    sidecar's own settings parser, as the node agent's backstop reads it)."""
+    from enforcer.core.settings import resolve
+    from enforcer.core.settings.sidecar import POLICY
+
+    env = env_of(sidecar_of(applied(p, settings, "ml")))
+    environ = {k: v for k, v in env.items() if isinstance(v, str)}
+    declared = (POLICY.action, POLICY.grace_period, POLICY.warn_at, POLICY.over_for, POLICY.dry_run)
+    policy = POLICY.config(resolve(declared, {}, environ))
+    return policy.action.value, policy.dry_run
+
+
+def test_a_namespace_in_dry_run_decides_as_terminate_and_signals_nothing() -> None:
+    dry = in_ml(default_action="dry-run")
+    assert sidecar_policy(pod(gpu("t")), dry) == ("terminate", True)
+    env = env_of(sidecar_of(applied(pod(gpu("t")), dry, "ml")))
+    assert (env["VRAM_ENFORCER_ACTION"], env["VRAM_ENFORCER_DRY_RUN"]) == ("terminate", "true")
+    # a pod may be stricter, within the bounds: it is enforced now
+    strict = pod(gpu("t"), annotations={"vram-enforcer.io/action": "kill"})
+    assert sidecar_policy(strict, dry) == ("kill", False)
+    # ... but not laxer than it may be: warn is not in the bounds
+    lax = pod(gpu("t"), annotations={"vram-enforcer.io/action": "warn"})
+    with pytest.raises(Denied, match="'warn' is not allowed in namespace 'ml'"):
+        mutate(lax, dry, "ml")
+    # elsewhere, and with the default terminate, nothing is written: as before
+    assert "VRAM_ENFORCER_ACTION" not in env_of(sidecar_of(applied(pod(gpu("t")), NATIVE)))
+    assert sidecar_policy(pod(gpu("t")), in_ml(default_action="warn")) == ("warn", False)
+    assert sidecar_policy(pod(gpu("t")), in_ml(default_action="kill")) == ("kill", False)
+
+
+def test_dry_run_may_be_asked_for_only_where_allowed_and_sets_no_toolkit_limit() -> None:
+    asks = pod(gpu("t"), annotations={"vram-enforcer.io/action": "DRY-RUN"})
+    with pytest.raises(Denied, match="'DRY-RUN' is not allowed in namespace 'ml'"):
+        mutate(asks, NATIVE, "ml")
+    allowed = in_ml(actions=ALL_ACTIONS)
+    assert sidecar_policy(asks, allowed) == ("terminate", True)
+    with pytest.raises(Denied, match=r"'explode' is not an action; use one of: .*, dry-run"):
+        mutate(pod(gpu("t"), annotations={"vram-enforcer.io/action": "explode"}), NATIVE, "ml")
+    # The toolkit's hook refuses allocations past the limit: not for a pod only reported on.
+    toolkit = dataclasses.replace(allowed, toolkit_limits=True)
+    for action, hard in (("dry-run", False), ("warn", False), ("terminate", True)):
+        p = pod(gpu("t"), annotations={"vram-enforcer.io/action": action})
+        env = env_of(applied(p, toolkit, "ml")["spec"]["containers"][0])
+        assert ("NVIDIA_GPU_MEMORY_LIMIT" in env) is hard, action

@@ -144,3 +144,17 @@ def test_portions_of_a_gpu_from_the_webhook() -> None:
     assert settings(spread).gpus == {"main": 2} and settings().gpus == {}
     with pytest.raises(ConfigError, match="names container 'other', which declares no request"):
         settings({**portions, "VRAM_ENFORCER_GPUS": '{"other": 2}'})
+
+
+def test_dry_run_from_the_environment_as_the_webhook_writes_it() -> None:
+    """The webhook's action `dry-run` is `VRAM_ENFORCER_DRY_RUN=true` beside the would-be
+    action; the node agent's backstop reads the same variables with the same parsers."""
+    from enforcer.modes.backstop import policy_of
+
+    written = {"VRAM_ENFORCER_ACTION": "terminate", "VRAM_ENFORCER_DRY_RUN": "true"}
+    assert settings(written).policy.dry_run is True
+    assert policy_of({**ENV, **written}).dry_run is True
+    assert settings({"VRAM_ENFORCER_DRY_RUN": "False"}).policy.dry_run is False
+    assert settings().policy.dry_run is False
+    with pytest.raises(ConfigError, match="VRAM_ENFORCER_DRY_RUN: 'yes' is not a switch; use"):
+        settings({"VRAM_ENFORCER_DRY_RUN": "yes"})

@@ -163,3 +163,87 @@ def test_bad_tenant_bounds_name_the_flag_and_the_fix(flags: list[str], message: 
     with pytest.raises(ConfigError) as info:
         settings(*flags)
     assert message in str(info.value)
+
+
+def test_undeclared_gpus_are_denied_and_pods_terminated_unless_the_operator_says_otherwise() -> (
+    None
+):
+    from enforcer.core.tenancy import Bounds
+
+    admission = settings().admission
+    assert admission.gpu_resources == ("nvidia.com/gpu", "nvidia.com/gpu.shared")
+    default = admission.tenancy.default
+    assert (default.undeclared_gpu, default.default_vram, default.default_action) == (
+        "deny",
+        0,
+        "terminate",
+    )
+    tenancy = settings(
+        "--gpu-resources",
+        "nvidia.com/gpu, nvidia.com/mig-1g.10gb.shared",
+        "--undeclared-gpu",
+        "default",
+        "--default-vram",
+        "8Gi",
+        "--default-action",
+        "dry-run",
+        "--namespace-bounds",
+        '{"prod": {"defaultAction": "terminate", "undeclaredGpu": "deny"},'
+        ' "lab": {"undeclaredGpu": "observe"}, "ml": {"defaultVram": "16Gi"}}',
+    ).admission.tenancy
+    on = Bounds(default_action="dry-run", undeclared_gpu="default", default_vram=8 * 1024**3)
+    assert tenancy.default == on
+    assert tenancy.bounds("prod") == Bounds(default_vram=8 * 1024**3)
+    assert tenancy.bounds("lab").undeclared_gpu == "observe"
+    assert tenancy.bounds("ml").default_vram == 16 * 1024**3
+    # a namespace may give the default where the cluster denies
+    ml = settings(
+        "--namespace-bounds", '{"ml": {"undeclaredGpu": "default", "defaultVram": "4Gi"}}'
+    )
+    assert ml.admission.tenancy.bounds("ml").undeclared_gpu == "default"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--undeclared-gpu", "default"],
+            "--undeclared-gpu: 'default' declares a default VRAM for each container that asks "
+            "for a GPU and declares none, and no default is set; set the webhook's "
+            "--default-vram (or the namespace's defaultVram), e.g. 8Gi",
+        ),
+        (
+            ["--namespace-bounds", '{"ml": {"undeclaredGpu": "default"}}'],
+            "--namespace-bounds 'ml'.undeclaredGpu: 'default' declares a default VRAM",
+        ),
+        (
+            ["--undeclared-gpu", "allow"],
+            "--undeclared-gpu: 'allow' is not a choice; use one of: deny, observe, default",
+        ),
+        (
+            ["--namespace-bounds", '{"ml": {"undeclaredGpu": "allow"}}'],
+            "--namespace-bounds 'ml'.undeclaredGpu: 'allow' must be one of: deny, observe, default",
+        ),
+        (
+            ["--undeclared-gpu", "default", "--default-vram", "0"],
+            "--undeclared-gpu: 'default' declares a default VRAM",
+        ),
+        (
+            ["--default-vram", "1500Mi", "--resource-unit", "1Gi"],
+            "--default-vram: 1572864000 (bytes) is not a whole number of 1073741824-byte units",
+        ),
+        (["--default-action", "off"], "--default-action: 'off' is not an action; use one of: "),
+        (
+            ["--namespace-bounds", '{"ml": {"defaultAction": "observe"}}'],
+            "--namespace-bounds 'ml'.defaultAction: 'observe' is not an action",
+        ),
+        (["--gpu-resources", ","], "--gpu-resources: ',' is empty; list the GPU resources"),
+        (["--gpu-resources", "gpu"], "--gpu-resources: 'gpu' is not an extended resource name"),
+    ],
+)
+def test_bad_undeclared_gpu_and_default_action_settings_name_the_fix(
+    flags: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        settings(*flags)
+    assert message in str(info.value)

@@ -11,6 +11,8 @@ container, the field, the value and the fix. The parts:
 - `isolation`: the other containers kept out of the sidecar (KILL dropped, nothing that
   could ptrace it) and under its AppArmor and SELinux labels;
 - `ephemeral`: ephemeral containers added to an injected pod, held as its other containers;
+- `undeclared`: a container that asks for a GPU and declares no VRAM, denied, given the
+  operator's default, or observed, as its namespace says;
 - `claims`: DRA mode's claims from ResourceClaimTemplates of ours;
 - `patch`: the JSON patch, built at the paths the mutation changes;
 - `common`: the settings, the denial, our annotations, how a pod's containers are walked.

@@ -14,11 +14,16 @@ from enforcer.core.payloads import (
     Container,
     PodSpec,
 )
+from enforcer.core.pod_resources import NVIDIA_GPU
 from enforcer.core.tenancy import (
     Tenancy,
 )
 
 MiB = 1024 * 1024
+
+# The extended resources that give a container a GPU: NVIDIA's device plugin's, and the name
+# it gives time-sliced replicas with `renameByDefault: true`.
+GPU_RESOURCES = (NVIDIA_GPU, f"{NVIDIA_GPU}.shared")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +52,8 @@ class AdmissionSettings:
     tenancy: Tenancy = dataclasses.field(default_factory=Tenancy)
     # Whether KAI Scheduler's annotations (gpu-memory, gpu-fraction, ...) declare VRAM too.
     kai_annotations: bool = False
+    # The extended resources that give a container a GPU (`undeclared` reads them).
+    gpu_resources: tuple[str, ...] = GPU_RESOURCES
 
 
 class Denied(Exception):

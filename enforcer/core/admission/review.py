@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from enforcer.core import kai, shapes
-from enforcer.core.admission import isolation
+from enforcer.core.admission import isolation, undeclared
 from enforcer.core.admission.claims import claim_template, claim_vram, claimed_limits, template_size
 from enforcer.core.admission.common import (
     CEILING,
@@ -32,6 +32,7 @@ from enforcer.core.admission.sidecar import (
     NO_TOKEN_VOLUME,
     SHM_VOLUME,
     SOCKET_VOLUME,
+    action_env,
     add_shm,
     add_sidecar,
     check_sidecar_env,
@@ -64,6 +65,7 @@ from enforcer.core.payloads import (
 )
 from enforcer.core.settings import sidecar as declared
 from enforcer.core.tenancy import (
+    REPORT_ONLY,
     Bounds,
     check_action,
     check_borrowing,
@@ -75,9 +77,9 @@ from enforcer.core.tenancy import (
 API_VERSION = "admission.k8s.io/v1"
 
 
-# Annotation -> the sidecar variable it sets, and how it is checked.
+ACTION = "vram-enforcer.io/action"
+# Annotation -> the sidecar variable it sets, and how it is checked (the action: `_action`).
 _SETTINGS = {
-    "vram-enforcer.io/action": declared.ACTION.variable,
     "vram-enforcer.io/grace-period": declared.GRACE_PERIOD.variable,
     "vram-enforcer.io/warn-at": declared.WARN_AT.variable,
 }
@@ -245,10 +247,15 @@ def mutate(
     claims_by_hand = settings.dra_class is not None and bool(
         as_list(raw_spec.get("resourceClaims"))
     )
-    if not limits and not claims_by_hand and not by_kai:
+    bounds = settings.tenancy.bounds(namespace)
+    defaults = (
+        {}  # KAI's annotations declare the pod's share; or the pod is left alone
+        if by_kai or _may_opt_out(annotations, bounds)
+        else undeclared.defaults(raw_spec, limits, bounds, settings, namespace)
+    )
+    if not limits and not defaults and not claims_by_hand and not by_kai:
         deny_sidecar_name(raw_spec, "declares no VRAM")
         return []
-    bounds = settings.tenancy.bounds(namespace)
     if _opts_out(raw_spec, annotations, bounds, namespace):
         return []
     try:
@@ -259,7 +266,9 @@ def mutate(
     _check_pod(spec, annotations, settings)
     if settings.dra_class is not None:
         limits = {**claimed_limits(spec), **limits}  # our claims, from an earlier pass
-    sidecar_env = _sidecar_settings(annotations, bounds, namespace)
+    limits = undeclared.with_defaults(spec, limits, defaults)
+    action = _action(annotations, bounds, namespace)
+    sidecar_env = _sidecar_settings(annotations, bounds, namespace, action)
     if by_kai:
         declared = _kai(annotations, spec, bounds, namespace)
     else:
@@ -278,11 +287,7 @@ def mutate(
     patch = Patch(checked)
     patch.set(("spec", "shareProcessNamespace"), True)
     isolation.drop_kill_beside_the_sidecar(patch)
-    for where, c in containers_at(spec):
-        if c["name"] in limits:
-            workload_env(patch, where, limits[c["name"]], ceilings.get(c["name"]), settings)
-            if settings.dra_class is not None:
-                claim_vram(patch, where, limits[c["name"]], settings)
+    _declaring_containers(patch, limits, ceilings, defaults, settings, action)
     if shm != "off":
         add_shm(patch, shm_limit)
     add_sidecar(patch, env, settings)
@@ -294,12 +299,44 @@ def mutate(
     return patch.ops
 
 
+def _declaring_containers(
+    patch: Patch,
+    limits: Mapping[str, int],
+    ceilings: Mapping[str, int],
+    defaults: Mapping[str, int],
+    settings: AdmissionSettings,
+    action: str,
+) -> None:
+    """Each declaring container: the declaration it is given by default (in DRA mode, the
+    claim made from it is the declaration), its environment, and in DRA mode its claim."""
+    # The toolkit's limit refuses allocations: not where the pod is only reported on.
+    toolkit = settings.toolkit_limits and action not in REPORT_ONLY
+    for where, c in containers_at(patch.get(("spec",))):
+        name = c["name"]
+        if name in defaults and settings.dra_class is None:
+            quantity = undeclared.declared_quantity(defaults[name], settings)
+            patch.set((*where, "resources", "limits", settings.resource_name), quantity)
+        if name in limits:
+            workload_env(patch, where, limits[name], ceilings.get(name), settings, toolkit)
+            if settings.dra_class is not None:
+                claim_vram(patch, where, limits[name], settings)
+
+
+def _may_opt_out(annotations: Mapping[str, object], bounds: Bounds) -> bool:
+    """Whether the pod opts out of injection (`inject: "false"`) where the operator lets it."""
+    return bounds.allow_opt_out and _opting_out(annotations)
+
+
+def _opting_out(annotations: Mapping[str, object]) -> bool:
+    return str(annotations.get(INJECT, "")).lower() == "false"
+
+
 def _opts_out(
     spec: Mapping[str, object], annotations: Mapping[str, object], bounds: Bounds, namespace: str
 ) -> bool:
     """Whether a declaring pod opts out of injection (`inject: "false"`), where the operator
     lets it; denied elsewhere. Admitted as it is, it may not carry the sidecar's name."""
-    if str(annotations.get(INJECT, "")).lower() != "false":
+    if not _opting_out(annotations):
         return False
     if not bounds.allow_opt_out:
         raise Denied(
@@ -343,20 +380,21 @@ def _check_pod(
 
 
 def _sidecar_settings(
-    annotations: Mapping[str, object], bounds: Bounds, namespace: str
+    annotations: Mapping[str, object], bounds: Bounds, namespace: str, action: str
 ) -> dict[str, str]:
     """The sidecar's variables from the pod's annotations, each checked as the sidecar will,
-    and against what the operator lets this namespace loosen."""
+    and against what the operator lets this namespace loosen; and its action (`_action`),
+    unless that is the sidecar's own default, given by no one."""
     env: dict[str, str] = {}
+    if ACTION in annotations or action != declared.ACTION.default:
+        env.update(action_env(action))
     for key, var in _SETTINGS.items():
         if key not in annotations:
             continue
         value = str(annotations[key])
         field = f"metadata.annotations[{key!r}]"
         try:
-            if var == declared.ACTION.variable:
-                check_action(value, bounds, field, namespace)
-            elif var == declared.GRACE_PERIOD.variable:
+            if var == declared.GRACE_PERIOD.variable:
                 check_grace_period(value, bounds, field, namespace)
             else:
                 parse_percent(value, field=field)
@@ -364,6 +402,19 @@ def _sidecar_settings(
             raise Denied(str(exc)) from None
         env[var] = value
     return env
+
+
+def _action(annotations: Mapping[str, object], bounds: Bounds, namespace: str) -> str:
+    """The pod's action: its annotation's, where the operator lets this namespace choose it
+    (`Bounds.actions`, enforcing ones only by default: a pod may be stricter than a
+    report-only default, not laxer), else the namespace's default."""
+    if ACTION not in annotations:
+        return bounds.default_action
+    field = f"metadata.annotations[{ACTION!r}]"
+    try:
+        return check_action(str(annotations[ACTION]), bounds, field, namespace)
+    except ConfigError as exc:
+        raise Denied(str(exc)) from None
 
 
 def _ceilings(

@@ -23,6 +23,7 @@ from enforcer.core.declaration import (
     LIMITS_FROM_ENV,
     SIDECAR,
 )
+from enforcer.core.model import Action
 from enforcer.core.parsing import (
     ConfigError,
     parse_bytes,
@@ -39,6 +40,7 @@ from enforcer.core.settings import sidecar as declared
 from enforcer.core.settings.common import DRA_CAPACITY, DRA_DRIVERS, DRA_UUID_ATTRIBUTE
 from enforcer.core.settings.sidecar import DECLARED as SIDECAR_SETTINGS
 from enforcer.core.settings.sidecar import sidecar_settings
+from enforcer.core.tenancy import DRY_RUN
 
 SOCKET_VOLUME = "vram-enforcer-socket"
 
@@ -96,17 +98,22 @@ def _memory_limit(c: Container) -> int | None:
 
 
 def workload_env(
-    patch: Patch, where: Path, limit: int, ceiling: int | None, settings: AdmissionSettings
+    patch: Patch,
+    where: Path,
+    limit: int,
+    ceiling: int | None,
+    settings: AdmissionSettings,
+    toolkit: bool,
 ) -> None:
     """What the workload is told: the most it may use (its ceiling, when it may borrow)
-    and what it is guaranteed."""
+    and what it is guaranteed; with `toolkit`, what the NVIDIA toolkit's hook holds it to."""
     env = (*where, "env")
     names = {e.get("name") for e in patch.get(env) or ()}
     most = limit if ceiling is None else ceiling
     ours = {"VRAM_LIMIT_BYTES": str(most)}
     if ceiling is not None:
         ours["VRAM_REQUEST_BYTES"] = str(limit)
-    if settings.toolkit_limits:  # whole MiB, rounded down: never above what is declared
+    if toolkit:  # whole MiB, rounded down: never above what is declared
         request_mib, limit_mib = TOOLKIT_ENV
         ours.update({request_mib: str(limit // MiB), limit_mib: str(most // MiB)})
     for name, value in ours.items():
@@ -170,6 +177,14 @@ def sidecar_variables(
         {"name": declared.LISTEN.variable, "value": SIDECAR_SOCKET},
         {"name": declared.SIDECAR_MODE.variable, "value": settings.sidecar_mode},
     ]
+
+
+def action_env(action: str) -> dict[str, str]:
+    """The sidecar's variables for one of the webhook's actions: `dry-run` is the sidecar's
+    dry run of `terminate`, so that it and the node agent decide as they would for it."""
+    if action == DRY_RUN:
+        return {declared.ACTION.variable: Action.TERMINATE.value, declared.DRY_RUN.variable: "true"}
+    return {declared.ACTION.variable: action}
 
 
 def dra_env(settings: AdmissionSettings) -> dict[str, str]:

@@ -6,16 +6,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from enforcer.core.admission import AdmissionSettings
-from enforcer.core.model import Action
+from enforcer.core.admission.common import GPU_RESOURCES as DEFAULT_GPU_RESOURCES
 from enforcer.core.parsing import (
     ConfigError,
     as_text,
     choice,
-    parse_action,
     parse_bytes,
     parse_duration,
+    parse_names,
     parse_port,
     parse_quantity,
+    parse_resource_name,
 )
 from enforcer.core.settings import Setting, Values, switch, value, verbosity
 from enforcer.core.settings.common import (
@@ -29,7 +30,15 @@ from enforcer.core.settings.common import (
     metrics_port,
     resource_unit,
 )
-from enforcer.core.tenancy import ALL_ACTIONS, Bounds, Tenancy, parse_namespace_bounds
+from enforcer.core.tenancy import (
+    DENY,
+    UNDECLARED_GPU,
+    Bounds,
+    Tenancy,
+    check_defaults,
+    parse_action_name,
+    parse_namespace_bounds,
+)
 
 
 def _image(text: str, field: str) -> str:
@@ -57,13 +66,21 @@ def _memory(text: str, field: str) -> str:
     return text
 
 
-def _tenant_actions(text: str, field: str) -> tuple[Action, ...]:
+def _tenant_actions(text: str, field: str) -> tuple[str, ...]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
         raise ConfigError(
             field, text, "is empty; list the actions pods may choose, e.g. terminate,kill,restart"
         )
-    return tuple(dict.fromkeys(parse_action(name, field, ALL_ACTIONS) for name in names))
+    return tuple(dict.fromkeys(parse_action_name(name, field) for name in names))
+
+
+def _gpu_resources(text: str, field: str) -> tuple[str, ...]:
+    names = parse_names(text.replace(" ", ""), field)
+    if not names:
+        example = ",".join(DEFAULT_GPU_RESOURCES)
+        raise ConfigError(field, text, f"is empty; list the GPU resources, e.g. {example}")
+    return tuple(dict.fromkeys(parse_resource_name(name, field) for name in names))
 
 
 def _namespace_bounds(text: str, field: str) -> str:
@@ -272,16 +289,79 @@ KAI_ANNOTATIONS = switch(
     "node's smallest GPU as KAI counts it (whole MiB, floored to a multiple of 100). Node mode "
     "only (not with `--dra-device-class`)",
 )
+DEFAULT_ACTION = value(
+    "default_action",
+    parse_action_name,
+    "the action of a pod without vram-enforcer.io/action: terminate, kill, restart, warn or "
+    "dry-run",
+    flag="--default-action",
+    default="terminate",
+    metavar="ACTION",
+    doc="the action of a pod without the `vram-enforcer.io/action` annotation. `dry-run`: the "
+    "sidecar and the node agent decide as they would for `terminate` and signal nothing, "
+    "only report what they would have done (the sidecar's `VRAM_ENFORCER_DRY_RUN`); `warn` "
+    "reports the excursion. A pod's annotation may still choose another action within "
+    "`--tenant-actions` (by default only enforcing ones: a pod can be stricter than a "
+    "report-only default, never laxer). How to roll a namespace out with it: "
+    "[install.md](install.md#rolling-out-observe-then-enforce)",
+)
+GPU_RESOURCES = value(
+    "gpu_resources",
+    _gpu_resources,
+    "the extended resources that give a container a GPU (comma-separated)",
+    flag="--gpu-resources",
+    default=",".join(DEFAULT_GPU_RESOURCES),
+    metavar="NAMES",
+    doc="the extended resources that give a container a GPU, comma-separated: NVIDIA's device "
+    "plugin's, and the name it gives time-sliced replicas with `renameByDefault` "
+    "(`nvidia.com/gpu.shared`). Add your MIG profiles' `.shared` names where MIG slices are "
+    "time-sliced. A container that asks for one of them and declares no VRAM is handled as "
+    "`--undeclared-gpu` says",
+)
+UNDECLARED = value(
+    "undeclared_gpu",
+    choice(*UNDECLARED_GPU),
+    "a container that asks for a GPU (--gpu-resources) and declares no VRAM: deny, observe, "
+    "or default (declared with --default-vram)",
+    flag="--undeclared-gpu",
+    default=DENY,
+    metavar="|".join(UNDECLARED_GPU),
+    doc="what becomes of a container (init containers too) that asks for one of "
+    "`--gpu-resources` and declares no VRAM. `deny`: the pod is denied, the message names the "
+    "container and the fix. `default`: it is declared with `--default-vram`, written into its "
+    "`resources.limits` as a LimitRange writes a default (so the scheduler counts it), and "
+    "enforced as any declaring container. `observe`: admitted as it is (as before 0.3): the "
+    "node agent accounts for the memory it holds. `deny` is the default: on a shared GPU such "
+    "a container would run unlimited beside pods that are held to their limits. Admission "
+    "sees pods when they are created: running pods are not touched. See "
+    "[install.md](install.md#upgrading) before upgrading",
+)
+DEFAULT_VRAM = value(
+    "default_vram",
+    parse_bytes,
+    "with --undeclared-gpu default: the VRAM a container that asks for a GPU is declared "
+    "with (0: none)",
+    flag="--default-vram",
+    default="0",
+    metavar="QUANTITY",
+    doc="with `--undeclared-gpu default` (cluster-wide or in a namespace's bounds): the VRAM "
+    "each container that asks for a GPU and declares none is declared with, e.g. `8Gi`; a "
+    "whole number of `--resource-unit`s. `0`: none (then `default` cannot be chosen)",
+)
 NAMESPACE_BOUNDS = value(
     "namespace_bounds",
     _namespace_bounds,
-    "per-namespace bounds, JSON: {NAMESPACE: {actions, maxGracePeriod, allowOptOut, maxCeiling}}",
+    "per-namespace settings, JSON: {NAMESPACE: {actions, maxGracePeriod, allowOptOut, "
+    "maxCeiling, defaultAction, undeclaredGpu, defaultVram}}",
     flag="--namespace-bounds",
     default="{}",
     metavar="JSON",
-    doc='per-namespace bounds that replace the four above, e.g. `{"research": {"actions": '
-    '["warn", "terminate"], "maxGracePeriod": "2m", "allowOptOut": true, "maxCeiling": '
-    '"40Gi"}}`; a key left out keeps the cluster-wide value',
+    doc='per-namespace settings that replace the cluster-wide ones, e.g. `{"research": '
+    '{"actions": ["warn", "terminate"], "maxGracePeriod": "2m", "allowOptOut": true, '
+    '"maxCeiling": "40Gi", "defaultAction": "dry-run", "undeclaredGpu": "default", '
+    '"defaultVram": "8Gi"}}`; the keys stand for `--tenant-actions`, `--max-grace-period`, '
+    "`--allow-opt-out`, `--max-vram-ceiling`, `--default-action`, `--undeclared-gpu` and "
+    "`--default-vram`, and a key left out keeps the cluster-wide value",
 )
 KUBECONFIG = kubeconfig("in-cluster", doc="for `--sidecar-mode auto` and `--dra-device-class`")
 METRICS_PORT = metrics_port(
@@ -319,6 +399,10 @@ DECLARED: tuple[Setting[Any], ...] = (
     ALLOW_OPT_OUT,
     MAX_VRAM_CEILING,
     KAI_ANNOTATIONS,
+    DEFAULT_ACTION,
+    GPU_RESOURCES,
+    UNDECLARED,
+    DEFAULT_VRAM,
     NAMESPACE_BOUNDS,
     KUBECONFIG,
     METRICS_PORT,
@@ -369,8 +453,14 @@ def webhook_settings(values: Values) -> WebhookSettings:
         values[MAX_GRACE_PERIOD],
         values[ALLOW_OPT_OUT],
         values[MAX_VRAM_CEILING],
+        values[DEFAULT_ACTION],
+        values[UNDECLARED],
+        values[DEFAULT_VRAM],
     )
     namespaces = parse_namespace_bounds(values[NAMESPACE_BOUNDS], "--namespace-bounds", default)
+    check_defaults(default, None, values[RESOURCE_UNIT])
+    for namespace, bounds in namespaces.items():
+        check_defaults(bounds, namespace, values[RESOURCE_UNIT])
     return WebhookSettings(
         tls_cert_file=values[TLS_CERT_FILE],
         tls_key_file=values[TLS_KEY_FILE],
@@ -394,6 +484,7 @@ def webhook_settings(values: Values) -> WebhookSettings:
             dra_uuid_attribute=values[DRA_UUID_ATTRIBUTE],
             tenancy=Tenancy(default, namespaces),
             kai_annotations=values[KAI_ANNOTATIONS],
+            gpu_resources=values[GPU_RESOURCES],
         ),
         kubeconfig=values[KUBECONFIG],
         metrics_port=values[METRICS_PORT],

@@ -124,7 +124,7 @@ maxGracePeriod and maxCeiling in their forms, as text.
 {{- $bounds := dict -}}
 {{- range $namespace, $given := .Values.webhook.tenants.namespaces -}}
 {{- $made := deepCopy $given -}}
-{{- range $key, $form := dict "maxGracePeriod" "duration" "maxCeiling" "bytes" -}}
+{{- range $key, $form := dict "maxGracePeriod" "duration" "maxCeiling" "bytes" "defaultVram" "bytes" -}}
 {{- if hasKey $given $key -}}
 {{- $name := printf "webhook.tenants.namespaces.%s.%s" $namespace $key -}}
 {{- $_ := set $made $key (include "vram-enforcer.inForm" (dict "root" $ "name" $name "value" (index $given $key) "form" $form)) -}}
@@ -158,6 +158,14 @@ the schema's and the forms'. Included at the top of webhook-deployment.yaml.
 {{- end -}}
 {{- if and $webhook.draDeviceClass $webhook.kaiAnnotations -}}
 {{- include "vram-enforcer.refuse" (printf "webhook.kaiAnnotations: true cannot be combined with webhook.draDeviceClass (%s): a KAI share is counted per node, not allocated on one GPU by a claim. Set kaiAnnotations: false, or leave draDeviceClass empty" $webhook.draDeviceClass) -}}
+{{- end -}}
+{{- range $namespace, $bounds := merge (dict "" (dict)) $webhook.tenants.namespaces -}}
+{{- $undeclared := get $bounds "undeclaredGpu" | default $webhook.undeclaredGpu -}}
+{{- $vram := get $bounds "defaultVram" | default $webhook.defaultVram | toString -}}
+{{- if and (eq $undeclared "default") (eq $vram "0") -}}
+{{- $where := ternary "webhook" (printf "webhook.tenants.namespaces.%s" $namespace) (eq $namespace "") -}}
+{{- fail (printf "%s: undeclaredGpu: default declares a default VRAM on each container that asks for a GPU and declares none, and no defaultVram is set (0). Set webhook.defaultVram (or the namespace's defaultVram), e.g. 8Gi, or use undeclaredGpu: deny or observe" $where) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
