@@ -150,10 +150,13 @@ def test_the_lender_still_reclaims_for_the_good_pods(caplog: pytest.LogCaptureFi
 
 
 def hard_limiter(
-    pods: dict[str, Pod], tmp_path: Path, telemetry: AgentTelemetry
+    pods: dict[str, Pod],
+    tmp_path: Path,
+    telemetry: AgentTelemetry,
+    trusted: frozenset[str] = READ,
 ) -> tuple[HardLimiter, RecordingNvml]:
     """The agent's hard limiter of `pods` (each with its cgroup under `tmp_path`), on one
-    GPU, and what it set there."""
+    GPU, with the namespaces that opted in, and what it set there."""
     (tmp_path / "cgroup.controllers").write_text("memory\n")
     for each in pods:
         (tmp_path / "kubepods.slice" / f"kubepods-pod{each.replace('-', '_')}.slice").mkdir(
@@ -163,7 +166,7 @@ def hard_limiter(
     devices = [Device(0, GPU, "H100", 80 * GiB, 0)]
     limiter = HardLimiter(
         cast(Nvml, nvml),
-        NodeView(lambda: pods, lambda: READ, Declares(RES)),
+        NodeView(lambda: pods, lambda: trusted, Declares(RES)),
         cast(Any, SimpleNamespace(devices=Latest(devices), container_usage=Latest({}))),
         cast(Any, None),
         telemetry,
@@ -523,6 +526,29 @@ def test_the_hard_limiter_reads_a_sidecar_environment_only_where_its_namespace_o
     trusted[0] = frozenset({"ml", "elsewhere"})
     limiter._pass()
     assert limits() == {"burst": 24 * GiB, "owed": 8 * GiB, "greedy": 24 * GiB, "forger": 16 * GiB}
+
+
+def test_a_pod_in_dry_run_gets_no_hard_limit_where_the_webhook_wrote_it(tmp_path: Path) -> None:
+    """A pod rolled out in dry-run (the webhook's `VRAM_ENFORCER_DRY_RUN=true`) is only
+    reported on: a driver's limit would refuse its allocations, and no excursion would ever
+    be seen. Where the webhook never wrote it (a namespace not opted in), the same variable
+    is not believed: its resources' limit holds."""
+    rehearsal = {"VRAM_ENFORCER_ACTION": "terminate", "VRAM_ENFORCER_DRY_RUN": "true"}
+    pods = {
+        p["metadata"]["uid"]: p
+        for p in (
+            running("owed", "ml", OWED, {RES: "8Gi"}, {}, version="1"),
+            running("rollout", "ml", BURST, {RES: "4Gi"}, rehearsal, version="1"),
+            running("forged", "elsewhere", GREEDY, {RES: "2Gi"}, rehearsal, version="1"),
+        )
+    }
+    limiter, nvml = hard_limiter(pods, tmp_path, AgentTelemetry(), frozenset({"ml"}))
+    limiter._pass()
+    cgroup = {f"kubepods-pod{u.replace('-', '_')}.slice": p for u, p in pods.items()}
+    limits = {
+        cgroup[cg.rsplit("/", 1)[1]]["metadata"]["name"]: v for (cg, _), v in nvml.set.items()
+    }
+    assert limits == {"owed": 8 * GiB, "forged": 2 * GiB}
 
 
 def test_the_backstop_takes_no_forged_policy_outside_the_namespaces_that_opted_in(
