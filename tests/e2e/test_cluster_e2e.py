@@ -42,6 +42,7 @@ from prometheus_client.utils import floatToGoString
 
 from enforcer.core.admission import TOKEN_DIR
 from enforcer.core.model import GiB, MiB
+from tests.e2e.actors import default_service_account
 from tests.e2e.agent_pod import AgentPod, label_gpu_node
 from tests.e2e.cluster import ApiServer
 from tests.e2e.deviceplugin import DevicePlugin
@@ -59,6 +60,15 @@ RESOURCE = "vram-enforcer.io/vram"
 GPU = "nvidia.com/gpu"
 RELEASE = NAMESPACE = "vram-enforcer"
 OPTED_IN = "ml"
+# Namespaces that opted in with settings of their own (the chart's
+# webhook.tenants.namespaces): what becomes of a GPU pod that declares no VRAM (issue 43,
+# item 1: the cluster-wide `deny` in the first), and a namespace rolled out in dry-run.
+UNDECLARED = {
+    "gpu-deny": {},
+    "gpu-default": {"undeclaredGpu": "default", "defaultVram": "2Gi"},
+    "gpu-observe": {"undeclaredGpu": "observe"},
+}
+DRY_RUN = "rollout"
 # The agent's own socket, on the host through the chart's hostPath (the sidecars of this
 # release do not use it: the agent connects to each of theirs).
 SOCKET = Path("/run/vram-enforcer/agent.sock")
@@ -199,7 +209,10 @@ def installed(cluster: Cluster) -> Cluster:
         "webhook": {
             "replicas": 1,
             "logFormat": "text",
-            "tenants": {"maxCeiling": "80Gi"},
+            "tenants": {
+                "maxCeiling": "80Gi",
+                "namespaces": {**UNDECLARED, DRY_RUN: {"defaultAction": "dry-run"}},
+            },
             "kaiAnnotations": True,
         },
         "agent": {
@@ -682,6 +695,143 @@ def scraping(cluster: Cluster) -> Prometheus:
     )
     wait_for(found.targets_up, timeout=30, what="every target up in Prometheus")
     return found
+
+
+def opted_in(core: client.CoreV1Api, name: str) -> None:
+    """A namespace labelled for injection (made once), with its default ServiceAccount."""
+    if not namespace_exists(core, name):
+        labels = {"vram-enforcer.io/inject": "enabled"}
+        core.create_namespace({"metadata": {"name": name, "labels": labels}})
+    default_service_account(core, name)
+
+
+def test_a_gpu_pod_without_a_declaration_is_handled_as_its_namespace_says(
+    installed: Cluster,
+) -> None:
+    """The same pod, a container that asks for a GPU from the device plugin (a time-sliced
+    replica) and declares no VRAM, in three namespaces that opted in: denied where the
+    cluster-wide default holds, naming the fix; declared with the namespace's default
+    (2Gi, written into its limits as a LimitRange would) and run under the sidecar; and
+    admitted as it was sent where the namespace observes."""
+    core, node = installed.core, installed.node
+    uuid = installed.gpus.devices[0]["uuid"]
+    plugin = DevicePlugin([f"{uuid}::{n}" for n in range(4)])
+    for namespace in UNDECLARED:
+        opted_in(core, namespace)
+    body = {
+        "metadata": {"name": "undeclared"},
+        "spec": {
+            "terminationGracePeriodSeconds": 2,
+            "containers": [pause("trainer", resources={"limits": {GPU: "1"}})],
+        },
+    }
+    try:
+        with pytest.raises(client.ApiException) as denied:
+            core.create_namespaced_pod("gpu-deny", body)
+        assert denied.value.status == 403
+        assert (
+            "spec.containers['trainer'].resources.limits['nvidia.com/gpu']: '1' asks for a GPU, "
+            "and container 'trainer' declares no VRAM, which is not allowed in namespace "
+            "'gpu-deny'"
+        ) in str(denied.value.body), denied.value.body
+        assert f"e.g. {RESOURCE}: 8Gi" in str(denied.value.body)
+
+        core.create_namespaced_pod("gpu-observe", body)
+        observed = core.read_namespaced_pod("undeclared", "gpu-observe")
+        assert not observed.spec.init_containers and not observed.spec.share_process_namespace
+        assert observed.spec.containers[0].resources.limits == {GPU: "1"}
+
+        wait_for(
+            lambda: (core.read_node(node.name).status.allocatable or {}).get(GPU) == "4",
+            timeout=30,
+            what="the kubelet to count the plugin's GPUs",
+        )
+        core.create_namespaced_pod("gpu-default", body)
+        pod = wait_for(
+            lambda: running(core, "gpu-default", "undeclared"),
+            timeout=90,
+            what="the pod given the default to run",
+        )
+        (trainer,) = pod.spec.containers
+        assert trainer.resources.limits == {GPU: "1", RESOURCE: "2Gi"}  # counted by the scheduler
+        (side,) = pod.spec.init_containers
+        env = {e.name: e.value for e in side.env}
+        assert json.loads(env["VRAM_ENFORCER_LIMITS"]) == {"trainer": 2 * GiB}
+        labels = {"namespace": "gpu-default", "pod": "undeclared", "container": "trainer"}
+        wait_for(
+            lambda: installed.served("vram_enforcer_container_limit_bytes", **labels) == 2 * GiB,
+            timeout=30,
+            what="the agent to serve the limit it was given",
+        )
+    finally:
+        for namespace in ("gpu-default", "gpu-observe"):
+            with contextlib.suppress(client.ApiException):  # not made: the test failed before
+                core.delete_namespaced_pod("undeclared", namespace)
+        for namespace in ("gpu-default", "gpu-observe"):
+            wait_for(
+                lambda namespace=namespace: gone(core, namespace, "undeclared"),
+                timeout=60,
+                what=f"{namespace}/undeclared gone",
+            )
+        plugin.close()
+
+
+def test_a_namespace_in_dry_run_reports_what_it_would_do_and_signals_nothing(
+    installed: Cluster,
+) -> None:
+    """A namespace rolled out in dry-run (its defaultAction): a pod over its limit is
+    decided on as for terminate, reported with the would-be signal, counted, and its
+    process keeps running. (Issue 43's VRAMWouldEnforce reason, the sidecar's, is asserted
+    where it is made; here, whatever the reason, no report says a signal was sent.)"""
+    core, node = installed.core, installed.node
+    opted_in(core, DRY_RUN)
+    core.create_namespaced_pod(DRY_RUN, workload("dry-0", "2Gi"))
+    holder = None
+    try:
+        pod = wait_for(lambda: running(core, DRY_RUN, "dry-0"), timeout=90, what="the pod to run")
+        (side,) = pod.spec.init_containers
+        env = {e.name: e.value for e in side.env}
+        assert (env["VRAM_ENFORCER_ACTION"], env["VRAM_ENFORCER_DRY_RUN"]) == ("terminate", "true")
+        holder = the_holder(node, pod)
+        installed.use(holder, 3 * GiB)
+
+        def reported() -> list[Any]:
+            return [
+                e
+                for e in core.list_namespaced_event(DRY_RUN).items
+                if e.involved_object.name == "dry-0" and "would send SIGTERM" in (e.message or "")
+            ]
+
+        (would,) = wait_for(reported, timeout=30, what="the would-be enforcement's Event")
+        assert "of its 2.00 GiB VRAM limit" in would.message, would.message
+        assert f"dry run: would send SIGTERM to pid {holder}" in would.message, would.message
+        actions = {"namespace": DRY_RUN, "pod": "dry-0"}
+        wait_for(
+            lambda: (
+                installed.served("vram_enforcer_actions_total", **actions, action="dry-run") == 1
+            ),
+            timeout=30,
+            what="the dry run counted on the agent's /metrics",
+        )
+        assert installed.served("vram_enforcer_actions_total", **actions, action="terminate") == 0
+        # Decided on, reported and counted (a signal would have been sent before the report,
+        # and its counter read by the agent after it): its process still runs, unsignalled,
+        # the container too, and no report says a signal was sent.
+        state = Path(f"/proc/{holder}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state in ("S", "R"), state
+        status = core.read_namespaced_pod("dry-0", DRY_RUN).status.container_statuses[0]
+        assert status.restart_count == 0 and status.state.running
+        messages = [
+            e.message or ""
+            for e in core.list_namespaced_event(DRY_RUN).items
+            if e.involved_object.name == "dry-0"
+        ]
+        assert not [m for m in messages if "sent SIGTERM" in m or "sent SIGKILL" in m], messages
+    finally:
+        if holder is not None:
+            installed.use(holder, None)
+        core.delete_namespaced_pod("dry-0", DRY_RUN)
+        wait_for(lambda: gone(core, DRY_RUN, "dry-0"), timeout=60, what="the pod to be gone")
 
 
 def test_restart_makes_the_kubelet_restart_the_container(installed: Cluster) -> None:

@@ -157,6 +157,39 @@ def test_tenant_bounds_default_to_no_warn_30s_and_no_opting_out() -> None:
             ["--namespace-bounds", '{"ml": {"allowOptout": true}}'],
             "must be an object of actions, maxGracePeriod, allowOptOut",
         ),
+        (
+            ["--undeclared-gpu", "default"],
+            "--undeclared-gpu: 'default' declares a default VRAM for each container that asks "
+            "for a GPU and declares none, and no default is set; set the webhook's "
+            "--default-vram (or the namespace's defaultVram), e.g. 8Gi",
+        ),
+        (
+            ["--namespace-bounds", '{"ml": {"undeclaredGpu": "default"}}'],
+            "--namespace-bounds 'ml'.undeclaredGpu: 'default' declares a default VRAM",
+        ),
+        (
+            ["--undeclared-gpu", "allow"],
+            "--undeclared-gpu: 'allow' is not a choice; use one of: deny, observe, default",
+        ),
+        (
+            ["--namespace-bounds", '{"ml": {"undeclaredGpu": "allow"}}'],
+            "--namespace-bounds 'ml'.undeclaredGpu: 'allow' must be one of: deny, observe, default",
+        ),
+        (
+            ["--undeclared-gpu", "default", "--default-vram", "0"],
+            "--undeclared-gpu: 'default' declares a default VRAM",
+        ),
+        (
+            ["--default-vram", "1500Mi", "--resource-unit", "1Gi"],
+            "--default-vram: 1572864000 (bytes) is not a whole number of 1073741824-byte units",
+        ),
+        (["--default-action", "off"], "--default-action: 'off' is not an action; use one of: "),
+        (
+            ["--namespace-bounds", '{"ml": {"defaultAction": "observe"}}'],
+            "--namespace-bounds 'ml'.defaultAction: 'observe' is not an action",
+        ),
+        (["--gpu-resources", ","], "--gpu-resources: ',' is empty; list the GPU resources"),
+        (["--gpu-resources", "gpu"], "--gpu-resources: 'gpu' is not an extended resource name"),
     ],
 )
 def test_bad_tenant_bounds_name_the_flag_and_the_fix(flags: list[str], message: str) -> None:
@@ -201,49 +234,3 @@ def test_undeclared_gpus_are_denied_and_pods_terminated_unless_the_operator_says
         "--namespace-bounds", '{"ml": {"undeclaredGpu": "default", "defaultVram": "4Gi"}}'
     )
     assert ml.admission.tenancy.bounds("ml").undeclared_gpu == "default"
-
-
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (
-            ["--undeclared-gpu", "default"],
-            "--undeclared-gpu: 'default' declares a default VRAM for each container that asks "
-            "for a GPU and declares none, and no default is set; set the webhook's "
-            "--default-vram (or the namespace's defaultVram), e.g. 8Gi",
-        ),
-        (
-            ["--namespace-bounds", '{"ml": {"undeclaredGpu": "default"}}'],
-            "--namespace-bounds 'ml'.undeclaredGpu: 'default' declares a default VRAM",
-        ),
-        (
-            ["--undeclared-gpu", "allow"],
-            "--undeclared-gpu: 'allow' is not a choice; use one of: deny, observe, default",
-        ),
-        (
-            ["--namespace-bounds", '{"ml": {"undeclaredGpu": "allow"}}'],
-            "--namespace-bounds 'ml'.undeclaredGpu: 'allow' must be one of: deny, observe, default",
-        ),
-        (
-            ["--undeclared-gpu", "default", "--default-vram", "0"],
-            "--undeclared-gpu: 'default' declares a default VRAM",
-        ),
-        (
-            ["--default-vram", "1500Mi", "--resource-unit", "1Gi"],
-            "--default-vram: 1572864000 (bytes) is not a whole number of 1073741824-byte units",
-        ),
-        (["--default-action", "off"], "--default-action: 'off' is not an action; use one of: "),
-        (
-            ["--namespace-bounds", '{"ml": {"defaultAction": "observe"}}'],
-            "--namespace-bounds 'ml'.defaultAction: 'observe' is not an action",
-        ),
-        (["--gpu-resources", ","], "--gpu-resources: ',' is empty; list the GPU resources"),
-        (["--gpu-resources", "gpu"], "--gpu-resources: 'gpu' is not an extended resource name"),
-    ],
-)
-def test_bad_undeclared_gpu_and_default_action_settings_name_the_fix(
-    flags: list[str], message: str
-) -> None:
-    with pytest.raises(ConfigError) as info:
-        settings(*flags)
-    assert message in str(info.value)
