@@ -1475,6 +1475,8 @@ def test_a_gpu_container_that_declares_no_vram_is_denied_by_default(
 def test_what_is_no_gpu_and_pods_left_alone_are_not_denied() -> None:
     assert mutate(pod({"name": "web", "image": "nginx"}), NATIVE, "ml") == []
     assert mutate(pod(on_gpu("t", "amd.com/gpu")), NATIVE, "ml") == []  # not in the list
+    none = gpu("t", None, resources={"limits": {"nvidia.com/gpu": "0"}})
+    assert mutate(pod(none), NATIVE, "ml") == []  # 0 asks for no GPU
     amd = dataclasses.replace(NATIVE, gpu_resources=("amd.com/gpu",))
     with pytest.raises(Denied, match=r"amd\.com/gpu"):
         mutate(pod(on_gpu("t", "amd.com/gpu")), amd, "ml")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from enforcer.core.admission.claims import format_quantity
 from enforcer.core.admission.common import AdmissionSettings, Denied, containers
-from enforcer.core.parsing import shown
+from enforcer.core.parsing import ConfigError, parse_quantity, shown
 from enforcer.core.payloads import PodSpec
 from enforcer.core.pod import json_map, json_maps
 from enforcer.core.tenancy import DEFAULT, DENY, Bounds, in_namespace
@@ -55,12 +55,23 @@ def asking(
             resources = json_map(c.get("resources"))
             for part in ("limits", "requests"):
                 listed = json_map(resources.get(part))
-                resource = next((r for r in settings.gpu_resources if r in listed), None)
+                resource = next((r for r in settings.gpu_resources if _asks(listed.get(r))), None)
                 if resource is not None:
                     where = f"spec.{spec_field}[{name!r}].resources.{part}[{resource!r}]"
                     found.append(Asking(name, where, listed[resource]))
                     break
     return found
+
+
+def _asks(value: object) -> bool:
+    """Whether a resource's value asks for some of it: `0` asks for none. A value that is
+    no quantity is the API server's to refuse; until then it counts as asking."""
+    if value is None:
+        return False
+    try:
+        return parse_quantity(str(value), "") != 0
+    except ConfigError:
+        return True
 
 
 def declaring(
