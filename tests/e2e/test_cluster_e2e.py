@@ -804,7 +804,9 @@ def test_a_namespace_in_dry_run_reports_what_it_would_do_and_signals_nothing(
 
         (would,) = wait_for(reported, timeout=30, what="the would-be enforcement's Event")
         assert "of its 2.00 GiB VRAM limit" in would.message, would.message
-        assert f"dry run: would send SIGTERM to pid {holder}" in would.message, would.message
+        # the holder, by its pid as the pod sees it (the sidecar shares its PID namespace)
+        assert "dry run: would send SIGTERM to pid " in would.message, would.message
+        assert f" -c {CHILD}), which holds 3.00 GiB" in would.message, would.message
         actions = {"namespace": DRY_RUN, "pod": "dry-0"}
         wait_for(
             lambda: (
