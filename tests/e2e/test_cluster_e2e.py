@@ -781,8 +781,7 @@ def test_a_namespace_in_dry_run_reports_what_it_would_do_and_signals_nothing(
 ) -> None:
     """A namespace rolled out in dry-run (its defaultAction): a pod over its limit is
     decided on as for terminate, reported with the would-be signal, counted, and its
-    process keeps running. (Issue 43's VRAMWouldEnforce reason, the sidecar's, is asserted
-    where it is made; here, whatever the reason, no report says a signal was sent.)"""
+    process keeps running: a VRAMWouldEnforce Event, and no report that a signal was sent."""
     core, node = installed.core, installed.node
     opted_in(core, DRY_RUN)
     core.create_namespaced_pod(DRY_RUN, workload("dry-0", "2Gi"))
@@ -799,13 +798,15 @@ def test_a_namespace_in_dry_run_reports_what_it_would_do_and_signals_nothing(
             return [
                 e
                 for e in core.list_namespaced_event(DRY_RUN).items
-                if e.involved_object.name == "dry-0" and "would send SIGTERM" in (e.message or "")
+                if e.involved_object.name == "dry-0" and e.reason == "VRAMWouldEnforce"
             ]
 
         (would,) = wait_for(reported, timeout=30, what="the would-be enforcement's Event")
         assert "of its 2.00 GiB VRAM limit" in would.message, would.message
         # the holder, by its pid as the pod sees it (the sidecar shares its PID namespace)
-        assert "dry run: would send SIGTERM to pid " in would.message, would.message
+        assert "dry run, so nothing was signalled: would have sent SIGTERM to pid " in (
+            would.message
+        ), would.message
         assert f" -c {CHILD}), which holds 3.00 GiB" in would.message, would.message
         actions = {"namespace": DRY_RUN, "pod": "dry-0"}
         wait_for(
@@ -826,7 +827,7 @@ def test_a_namespace_in_dry_run_reports_what_it_would_do_and_signals_nothing(
         messages = [
             e.message or ""
             for e in core.list_namespaced_event(DRY_RUN).items
-            if e.involved_object.name == "dry-0"
+            if e.involved_object.name == "dry-0" and e.reason != "VRAMWouldEnforce"
         ]
         assert not [m for m in messages if "sent SIGTERM" in m or "sent SIGKILL" in m], messages
     finally:
