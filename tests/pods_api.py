@@ -16,7 +16,8 @@ from typing import Any
 
 class PodsApi(ThreadingHTTPServer):
     """Lists `listed` (JSON pods), or `namespaces` (JSON Namespaces), and streams `events`
-    to each watch, until a None."""
+    to a watch of pods (`namespace_events` to one of namespaces), until a None; takes
+    Events, and lists those posted to a namespace."""
 
     daemon_threads = True
 
@@ -25,7 +26,8 @@ class PodsApi(ThreadingHTTPServer):
         self.listed = listed
         self.namespaces: list[bytes] = []
         self.queries: list[tuple[str, dict[str, str]]] = []  # each GET's path and query
-        self.events: queue.Queue[bytes | None] = queue.Queue()
+        self.events: queue.Queue[bytes | None] = queue.Queue()  # the pods' watch events
+        self.namespace_events: queue.Queue[bytes | None] = queue.Queue()  # the namespaces'
         self.pages: list[int] = []  # the number of pods each list request asked for
         self.watching = threading.Event()
         self.posts: list[tuple[str, Any]] = []  # each POST's path and JSON body, in order
@@ -38,9 +40,11 @@ class PodsApi(ThreadingHTTPServer):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
 
-    def send(self, kind: str, pod: dict[str, Any]) -> None:
-        """A watch event."""
-        self.events.put(json.dumps({"type": kind, "object": pod}).encode())
+    def send(self, kind: str, obj: dict[str, Any]) -> None:
+        """A watch event: to the pods' watch, or, for a Namespace (cluster-scoped: no
+        `metadata.namespace`), to the namespaces'."""
+        watch = self.events if "namespace" in obj.get("metadata", {}) else self.namespace_events
+        watch.put(json.dumps({"type": kind, "object": obj}).encode())
 
 
 @contextmanager
@@ -51,6 +55,7 @@ def serving(listed: list[bytes]) -> Iterator[PodsApi]:
         yield api
     finally:
         api.events.put(None)
+        api.namespace_events.put(None)
         api.shutdown()
         api.server_close()
 
@@ -70,10 +75,14 @@ class _Handler(BaseHTTPRequestHandler):
             "/api/v1/pods": self.server.listed,
             "/api/v1/namespaces": self.server.namespaces,
         }.get(url.path)
-        if listed is None:
+        if listed is None and url.path.endswith("/events"):  # those posted there, as listed
+            posted = [body for path, body in self.server.posts if path == url.path]
+            self._send(200, json.dumps({"kind": "EventList", "items": posted}).encode())
+        elif listed is None:
             self._send(404, b'{"kind":"Status","code":404}')
         elif query.get("watch") == "true":
-            self._watch()
+            pods = url.path == "/api/v1/pods"
+            self._watch(self.server.events if pods else self.server.namespace_events)
         else:
             limit = int(query.get("limit") or len(listed))
             self.server.pages.append(limit)
@@ -106,14 +115,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _watch(self) -> None:
-        """The queued events, a chunk each."""
+    def _watch(self, events: queue.Queue[bytes | None]) -> None:
+        """`events`, a chunk each."""
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         self.server.watching.set()
-        while (event := self.server.events.get()) is not None:
+        while (event := events.get()) is not None:
             self.wfile.write(b"%x\r\n%s\n\r\n" % (len(event) + 1, event))
             self.wfile.flush()
         self.wfile.write(b"0\r\n\r\n")

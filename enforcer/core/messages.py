@@ -22,6 +22,7 @@ from enforcer.core.parsing import format_duration
 from enforcer.core.policy import Enforcement, Notice
 from enforcer.core.reasons import Reason
 from enforcer.core.reclaim import Reclaim
+from enforcer.core.unaccounted import UndeclaredContainer
 
 _SIGNAL_NAME = {Action.TERMINATE: "SIGTERM", Action.KILL: "SIGKILL", Action.RESTART: "SIGTERM"}
 
@@ -317,6 +318,29 @@ def unplaced(pid: int, held: Sequence[Unplaced]) -> str:
         "memory is counted as unplaced (vram_enforcer_gpu_unplaced_bytes), never charged to "
         "a container, and it is never signalled; run the agent under a profile that may "
         "read every process (docs/security.md)"
+    )
+
+
+def undeclared(c: UndeclaredContainer) -> str:
+    """Said once on a container of a pod the webhook did not inject that holds GPU memory
+    and declares none (or less than it holds)."""
+    held = " and ".join(f"{format_bytes(used)} of {gpu}" for gpu, used in c.gpus)
+    what = (
+        " and declares no VRAM"
+        if c.declared == 0
+        else f", more than the {format_bytes(c.declared)} it declares, and no sidecar holds it "
+        "to that"
+    )
+    why = (
+        'the webhook did not inject its pod (it opted out with vram-enforcer.io/inject: "false", '
+        "or was created while the webhook was not called)"
+        if c.opted_in
+        else f"its namespace {c.namespace!r} has not opted in (label vram-enforcer.io/inject="
+        "enabled)"
+    )
+    return (
+        f"container {c.container.name!r} holds {held}{what}: {why}. Nothing limits it; its "
+        "memory is counted as undeclared (vram_enforcer_undeclared_used_bytes)"
     )
 
 

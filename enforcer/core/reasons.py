@@ -21,6 +21,7 @@ class Reason(StrEnum):
     RECLAIMED = "VRAMReclaimed"  # memory lent above a request is taken back
     EVICTED = "VRAMEvicted"  # the agent: the kernel refused a signal, the pod is evicted
     WOULD_ENFORCE = "VRAMWouldEnforce"  # dry run: what would have been signalled; nothing was
+    UNDECLARED = "VRAMUndeclared"  # the agent: a pod it does not enforce holds GPU memory
 
 
 # What a sidecar reports, for the agent to post on the sidecar's own pod (`protocol`): its

@@ -21,6 +21,7 @@ from enforcer.core.model import Device, Unplaced
 from enforcer.core.pod_metrics import ContainerSeries
 from enforcer.core.reclaim import Gpu
 from enforcer.core.sidecar_report import ACTIONS, NEEDED_BY, REFUSED, SidecarReport
+from enforcer.core.unaccounted import Unaccounted
 from enforcer.core.units import Unit
 from enforcer.edge.telemetry import View
 
@@ -298,6 +299,8 @@ class NodeCollector(Collector):
         self.failed: Mapping[str, str] = {}  # GPU uuid -> why the last pass could not read it
         self.lending: Sequence[Gpu] = ()  # the GPUs where containers may borrow, last pass
         self.unplaced: Sequence[Unplaced] = ()  # what the last pass could not place in a pod
+        # What no declaration accounts for, as of the last pass (None: the pods not listed).
+        self.unaccounted: Unaccounted | None = None
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -326,6 +329,7 @@ class NodeCollector(Collector):
                 shared.add_metric(_device_values(d), tenants[d.uuid])
         yield shared
         yield from _unplaced(devices, self.unplaced)
+        yield from _unaccounted(devices, self.unaccounted)
         gauge = GaugeMetricFamily(PREFIX + "source_up", "1 when the last NVML pass succeeded")
         gauge.add_metric([], 1.0 if up else 0.0)
         yield gauge
@@ -363,6 +367,32 @@ def _unplaced(devices: Sequence[Device], unplaced: Sequence[Unplaced]) -> Iterat
         count.add_metric(_device_values(d), len(pids.get(d.uuid, ())))
     yield amount
     yield count
+
+
+def _unaccounted(devices: Sequence[Device], unaccounted: Unaccounted | None) -> Iterator[Metric]:
+    """What each container of a pod the agent does not enforce holds on each GPU where it
+    declares no VRAM (or holds more than it declares), and per GPU (0 included, so that an
+    alert can read it) what processes in no pod hold; neither before the pods are listed."""
+    undeclared = GaugeMetricFamily(
+        PREFIX + "undeclared_used_bytes",
+        "GPU memory a container holds on one GPU while its pod declares no VRAM for it (or "
+        "less than it holds) and the webhook did not inject it: nothing limits it",
+        labels=[*_CONTAINER_LABELS, "gpu"],
+    )
+    outside = GaugeMetricFamily(
+        PREFIX + "gpu_outside_pods_bytes",
+        "GPU memory of processes in no pod of the node (host processes, containers the kubelet "
+        "did not start): nothing limits them",
+        labels=_DEVICE_LABELS,
+    )
+    if unaccounted is not None:
+        for c in unaccounted.undeclared:
+            for gpu, used in c.gpus:
+                undeclared.add_metric([c.namespace, c.pod, c.container.name, gpu], used)
+        for d in devices:
+            outside.add_metric(_device_values(d), unaccounted.outside_pods.get(d.uuid, 0))
+    yield undeclared
+    yield outside
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from enforcer.edge.pod_resources import PodResources
     from enforcer.modes.pod_publisher import PodPublisher
     from enforcer.modes.sidecar_watch import SidecarNews, SidecarWatch
+    from enforcer.modes.unaccounted import UnaccountedStep
 
     # The threads the pod watch wakes: each stops on its `stop` event.
     Woken = HardLimiter | PodPublisher | SidecarWatch | PodResources | Evictor
@@ -146,12 +147,14 @@ class Passes:
 @dataclass(frozen=True, slots=True)
 class PodSteps:
     """What each pass also does with the pod watch: the reclaims (`Lender`), the pods whose
-    sidecar is silent enforced by the agent itself (`Backstop`), and each container's usage
-    kept (`Passes.container_usage`, with hard limits)."""
+    sidecar is silent enforced by the agent itself (`Backstop`), each container's usage
+    kept (`Passes.container_usage`, with hard limits), and the memory that no declaration
+    accounts for shown and said (`UnaccountedStep`)."""
 
     lender: Lender | None = None
     backstop: Backstop | None = None
     keeps_usage: bool = False
+    unaccounted: UnaccountedStep | None = None
 
 
 class Sampler(threading.Thread):
@@ -182,6 +185,10 @@ class Sampler(threading.Thread):
         self._up: bool | None = None
         self._unplaced_said: set[int] = set()  # pids, while they stay unplaced
         self._guard = LoopGuard("sampler", telemetry.unexpected.labels("sampler"), log)
+        # A bug in what is only shown and said leaves the pass, and the enforcement, whole.
+        self._unaccounted_guard = LoopGuard(
+            "unaccounted", telemetry.unexpected.labels("unaccounted"), log
+        )
         self.last_pass = time.monotonic()  # when the last pass completed without a bug
 
     def run(self) -> None:
@@ -210,6 +217,11 @@ class Sampler(threading.Thread):
             self._passes.last.set((sample, containers))
         self._server.publish(sample, lending)
         self._record(sample)
+        if isinstance(sample, Sample) and self._steps.unaccounted is not None:
+            # Last: what is only shown and said never delays the usage the sidecars read.
+            self._unaccounted_guard.run(
+                functools.partial(self._steps.unaccounted, sample, containers)
+            )
 
     def _record(self, sample: Sample | SourceDown) -> None:
         up = isinstance(sample, Sample)
@@ -492,6 +504,7 @@ def _pod_watch(
     from enforcer.edge.sidecar_dialer import Dialer, dial_container  # noqa: PLC0415
     from enforcer.modes.pod_publisher import PodPublisher  # noqa: PLC0415
     from enforcer.modes.sidecar_watch import SidecarProcesses, SidecarWatch  # noqa: PLC0415
+    from enforcer.modes.unaccounted import UnaccountedStep  # noqa: PLC0415
 
     claims = ClaimCache(ClaimReader(api, settings.node_name))
     limiter_woken, publisher_woken = threading.Event(), threading.Event()
@@ -577,7 +590,8 @@ def _pod_watch(
             namespaces.names,
         )
         telemetry.registry.register(PodsCollector(view, settings.per_process_metrics))
-    return (pods, namespaces), woken, PodSteps(lender, backstop, settings.hard_limits)
+    shown = UnaccountedStep(node, telemetry.node, recorder, settings.namespace)
+    return (pods, namespaces), woken, PodSteps(lender, backstop, settings.hard_limits, shown)
 
 
 def health(sampler: Sampler, after: float, sidecars: SidecarWatch | None = None) -> str | None:

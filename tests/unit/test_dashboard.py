@@ -20,7 +20,9 @@ from enforcer.core.model import (
     Sample,
     UnitUsage,
 )
+from enforcer.core.pod import ContainerRef
 from enforcer.core.reclaim import views
+from enforcer.core.unaccounted import Unaccounted, UndeclaredContainer
 from enforcer.edge.metrics import AgentTelemetry, Telemetry, View, WebhookTelemetry
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm/vram-enforcer/dashboards/vram-enforcer.json"
@@ -45,6 +47,9 @@ def test_every_metric_the_dashboard_queries_is_exported() -> None:
     agent = AgentTelemetry()
     agent.node.devices, agent.node.tenants, agent.node.advertised_bytes = [gpu], {"GPU-0": 2}, GiB
     agent.node.lending = lending
+    held = (("GPU-0", GiB),)
+    undeclared = UndeclaredContainer("r", "p", "u", ContainerRef("c", "containers"), 0, held, False)
+    agent.node.unaccounted = Unaccounted((undeclared,), {"GPU-0": GiB})
     webhook = WebhookTelemetry()
     webhook.requests.labels("patched").inc()
     names = exported(sidecar.registry) | exported(agent.registry) | exported(webhook.registry)
@@ -56,6 +61,7 @@ def test_every_metric_the_dashboard_queries_is_exported() -> None:
     assert "vram_enforcer_container_gpu_sm_utilization_ratio" in asked
     assert {"vram_enforcer_gpu_lent_bytes", "vram_enforcer_reclaims_total"} <= asked
     assert "vram_enforcer_gpu_unplaced_bytes" in asked
+    assert {"vram_enforcer_undeclared_used_bytes", "vram_enforcer_gpu_outside_pods_bytes"} <= asked
     assert asked <= names, f"not exported: {sorted(asked - names)}"
 
 

@@ -1,0 +1,59 @@
+"""Each NVML pass, the node's GPU memory that no declaration accounts for
+(`core/unaccounted.py`): left for its series, and each container of a pod the webhook did
+not inject that holds some said once on its pod (`VRAMUndeclared`), while the pod lives.
+
+The Events are bounded: one per container while its pod is on the node (and, through the
+recorder's `once`, not again after an agent restart), each for a container that holds GPU
+memory (a CUDA context each: NVML's list bounds them), at most `PER_PASS` a pass (the
+rest wait for the next), and none about a pod of the agent's own namespace (the
+operator's, which the webhook never mutates), as none of the agent's are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from enforcer.core import messages
+from enforcer.core.model import ProcessKey, Sample
+from enforcer.core.pod import pod_reference
+from enforcer.core.reasons import Reason
+from enforcer.core.unaccounted import unaccounted
+from enforcer.modes.node_view import NodeView
+
+if TYPE_CHECKING:
+    from enforcer.edge.events import EventRecorder
+    from enforcer.edge.metrics import NodeCollector
+
+PER_PASS = 5  # VRAMUndeclared Events one pass may post; the others wait for the next
+
+
+class UnaccountedStep:
+    """Called on each sampler pass with its sample and each process's container ID."""
+
+    def __init__(
+        self, node: NodeView, shown: NodeCollector, recorder: EventRecorder, own_namespace: str
+    ) -> None:
+        self._node = node
+        self._shown = shown
+        self._recorder = recorder
+        self._own = own_namespace
+        self._said: set[tuple[str, str]] = set()  # (pod UID, container), while the pod lives
+
+    def __call__(self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]) -> None:
+        pods = self._node.pods()
+        found = unaccounted(sample, containers(), pods, self._node.opted_in(), self._node.declares)
+        self._shown.unaccounted = found
+        if found is None or pods is None:
+            return
+        self._said = {said for said in self._said if said[0] in pods}
+        due = [
+            c
+            for c in found.undeclared
+            if (c.uid, c.container.name) not in self._said and c.namespace != self._own
+        ]
+        for c in due[:PER_PASS]:
+            about = pod_reference(c.namespace, c.pod, c.uid, c.container)
+            text = messages.undeclared(c)
+            self._recorder.record(about, str(Reason.UNDECLARED), text, True, once=True)
+            self._said.add((c.uid, c.container.name))
