@@ -17,6 +17,8 @@ gives them. Its fake GPUs accept hard limits, as a driver from R615 would.
   the sidecar stops the process over the limit and posts the Event that
   `kubectl describe pod` shows. With `restart`, the kubelet restarts the container.
 - A Job whose pod carries the native sidecar completes.
+- A GPU pod that declares nothing, in a namespace that did not opt in, is shown in the
+  agent's series and told once on its pod (VRAMUndeclared).
 - Uninstalling the chart leaves nothing behind.
 """
 
@@ -69,6 +71,7 @@ UNDECLARED = {
     "gpu-observe": {"undeclaredGpu": "observe"},
 }
 DRY_RUN = "rollout"
+ELSEWHERE = "not-opted-in"  # a namespace that did not opt in
 # The agent's own socket, on the host through the chart's hostPath (the sidecars of this
 # release do not use it: the agent connects to each of theirs).
 SOCKET = Path("/run/vram-enforcer/agent.sock")
@@ -523,13 +526,15 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
     side = {e.name: e.value for e in lender.spec.init_containers[0].env}
     assert json.loads(side["VRAM_ENFORCER_CEILINGS"]) == {"trainer": 8 * GiB}
     borrower, grower, other = the_holder(node, lender), the_holder(node, owed), os.getpid()
+    undeclared = the_holder(node, started_undeclared(core, "undeclared-0"))  # no GPU asked
     uuid = installed.gpus.devices[0]["uuid"]
     prometheus = scraping(installed)
     try:
         installed.use(borrower, 6 * GiB)  # 4 GiB borrowed
         installed.gpus.set_utilization(0, borrower, 60, 20)
         installed.use(grower, 2 * GiB)  # 14 GiB still owed
-        installed.use(other, 50 * GiB)  # a process of no pod: 22 GiB free, 16 needed
+        for pid, used in ((undeclared, GiB), (other, 49 * GiB)):  # no request covers them:
+            installed.use(pid, used)  # a pod that declares nothing, a process of no pod
         lent = f'vram_enforcer_gpu_lent_bytes{{uuid="{uuid}"}} {floatToGoString(4 * GiB)}'
         installed.wait_for_metric(lent, "the agent's view")
         free = f'vram_enforcer_gpu_free_bytes{{uuid="{uuid}"}} {floatToGoString(22 * GiB)}'
@@ -544,7 +549,7 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
         borrowing = time.time()
         assert Path(f"/proc/{borrower}").exists()
         assert not events(core, OPTED_IN, "lender-0", "VRAMReclaimed")
-        installed.use(other, 60 * GiB)  # 12 GiB free: 4 short of 14 owed plus 2
+        installed.use(other, 59 * GiB)  # 12 GiB free: 4 short of 14 owed plus 2
         reclaimed = wait_for(
             lambda: events(core, OPTED_IN, "lender-0", "VRAMReclaimed"),
             timeout=30,
@@ -559,8 +564,9 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
         every_dashboard_query_returns_series(prometheus, uuid, borrowing)
     finally:
         prometheus.close()
-        for pid in (borrower, grower, other):
+        for pid in (borrower, grower, other, undeclared):
             installed.use(pid, None)
+        ended_undeclared(core, "undeclared-0")
     text = " | ".join(e.message for e in reclaimed)
     assert (
         f"container 'trainer' holds 6.00 GiB on GPU {uuid}, 4.00 GiB above its 2.00 GiB "
@@ -641,6 +647,96 @@ def test_a_container_the_device_plugin_gave_a_gpu_is_owed_its_request_there_befo
                 core.delete_namespaced_pod(name, OPTED_IN)
         for name in names:
             wait_for(lambda name=name: gone(core, OPTED_IN, name), timeout=60, what=f"{name} gone")
+        plugin.close()
+
+
+def started_undeclared(core: client.CoreV1Api, name: str, **limits: str) -> client.V1Pod:
+    """A pod in ELSEWHERE (a namespace that did not opt in) that runs HOLDER and declares no
+    VRAM (`limits`: its other resources, a GPU say), once it runs."""
+    if not namespace_exists(core, ELSEWHERE):
+        core.create_namespace({"metadata": {"name": ELSEWHERE}})
+    body = workload(name, "1Gi")
+    body["spec"]["containers"][0]["resources"] = {"limits": limits}
+    core.create_namespaced_pod(ELSEWHERE, body)
+    return wait_for(lambda: running(core, ELSEWHERE, name), timeout=90, what=name)
+
+
+def ended_undeclared(core: client.CoreV1Api, name: str) -> None:
+    """Pod `name` of ELSEWHERE deleted (if it was made), and gone."""
+    with contextlib.suppress(client.ApiException):  # not made: the test failed before
+        core.delete_namespaced_pod(name, ELSEWHERE)
+    wait_for(lambda: gone(core, ELSEWHERE, name), timeout=60, what=f"{name} gone")
+
+
+def outside_pods(metrics: str, uuid: str) -> float | None:
+    """What the agent counts on GPU `uuid` for processes in no pod."""
+    return next(
+        (
+            s.value
+            for f in text_string_to_metric_families(metrics)
+            for s in f.samples
+            if s.name == "vram_enforcer_gpu_outside_pods_bytes" and s.labels.get("uuid") == uuid
+        ),
+        None,
+    )
+
+
+def test_a_gpu_pod_that_declares_nothing_in_a_namespace_not_opted_in_is_shown_and_told_once(
+    installed: Cluster,
+) -> None:
+    """Issue 43, item 2, on the real kubelet: a pod given a GPU by the device plugin (a
+    stand-in of NVIDIA's) in a namespace that did not opt in declares no VRAM, and its
+    workload holds 3 GiB. The webhook leaves it alone; the agent names its container on the
+    GPU (`vram_enforcer_undeclared_used_bytes`) and says so once on it (VRAMUndeclared),
+    however many passes go by; a process in no pod (this test's own) is counted apart."""
+    core, node = installed.core, installed.node
+    uuid = installed.gpus.devices[0]["uuid"]
+    plugin = DevicePlugin([f"{uuid}::{n}" for n in range(4)])
+    holder = other = None
+    try:
+        wait_for(
+            lambda: (core.read_node(node.name).status.allocatable or {}).get(GPU) == "4",
+            timeout=30,
+            what="the kubelet to count the plugin's GPUs",
+        )
+        pod = started_undeclared(core, "undeclared", **{GPU: "1"})
+        every = [*(pod.spec.init_containers or ()), *pod.spec.containers]
+        assert [c.name for c in every] == ["trainer"]  # not injected
+        holder, other = the_holder(node, pod), os.getpid()
+        installed.use(holder, 3 * GiB)
+        installed.use(other, GiB)
+        shown = (
+            f'vram_enforcer_undeclared_used_bytes{{container="trainer",gpu="{uuid}",'
+            f'namespace="{ELSEWHERE}",pod="undeclared"}} {floatToGoString(3 * GiB)}'
+        )
+        installed.wait_for_metric(shown, "the undeclared container's series")
+        assert outside_pods(installed.agent_metrics(), uuid) == GiB
+        (told,) = wait_for(
+            lambda: events(core, ELSEWHERE, "undeclared", "VRAMUndeclared"),
+            timeout=30,
+            what="the VRAMUndeclared Event",
+        )
+        assert told.type == "Warning"
+        assert told.involved_object.field_path == "spec.containers{trainer}"
+        assert told.message.startswith(
+            f"container 'trainer' holds 3.00 GiB of {uuid} and declares no VRAM: its "
+            f"namespace '{ELSEWHERE}' has not opted in (label vram-enforcer.io/inject=enabled)"
+        ), told.message
+        passes = installed.served("vram_enforcer_tick_duration_seconds_count") or 0.0
+        wait_for(
+            lambda: (
+                (installed.served("vram_enforcer_tick_duration_seconds_count") or 0) > passes + 10
+            ),
+            timeout=30,
+            what="ten NVML passes more",
+        )
+        (again,) = events(core, ELSEWHERE, "undeclared", "VRAMUndeclared")
+        assert (again.count or 1) == 1, again
+    finally:
+        for pid in (holder, other):
+            if pid is not None:
+                installed.use(pid, None)
+        ended_undeclared(core, "undeclared")
         plugin.close()
 
 
@@ -1196,10 +1292,11 @@ def test_a_forged_sidecar_in_a_namespace_that_did_not_opt_in_is_neither_dialled_
     holds GPU memory, which the agent sees. The chart's policy refuses such a pod; made with
     the policy away (`webhook.protectInjectedPods: false`, or before the chart), the agent
     never dials it (the forged container's ID is nowhere in its log), serves it nothing (no
-    series, no Event), and the victim's sidecar stays connected and heard (no
-    VRAMSidecarSilent, nobody unguarded)."""
+    series or Event, but those that say its memory is undeclared: issue 43, item 2), and
+    the victim's sidecar stays connected and heard (no VRAMSidecarSilent, nobody
+    unguarded)."""
     core, node = installed.core, installed.node
-    elsewhere = "not-opted-in"
+    elsewhere = ELSEWHERE
     if not namespace_exists(core, elsewhere):
         core.create_namespace({"metadata": {"name": elsewhere}})
     core.create_namespaced_pod(OPTED_IN, workload("victim", "1Gi"))
@@ -1228,6 +1325,7 @@ def test_a_forged_sidecar_in_a_namespace_that_did_not_opt_in_is_neither_dialled_
         (side,) = [s for s in pod.status.container_statuses if s.name == "vram-enforcer"]
         forged_id = side.container_id.split("://")[1]
         holder = the_holder(node, pod, "trainer")
+        uuid = installed.gpus.devices[0]["uuid"]
         installed.use(holder, 2 * GiB)
         # The agent sees the forged workload's memory: the GPU has its container as a tenant.
         wait_for(
@@ -1237,21 +1335,34 @@ def test_a_forged_sidecar_in_a_namespace_that_did_not_opt_in_is_neither_dialled_
         )
         time.sleep(8)  # the agent's dials of a new sidecar: at once, then 1 s, 2 s, 4 s later
         assert forged_id[:12] not in installed.agent.log()  # type: ignore[union-attr]
-        metrics = installed.agent_metrics()
         # Its resources declare 1Gi, which the scheduler counted: the driver's limit is set
-        # on it as on any declaring pod (`hard_limit_bytes`). Nothing else names it.
+        # on it as on any declaring pod (`hard_limit_bytes`). It holds 2 GiB, more than it
+        # declares, and no sidecar holds it to that: it is shown as undeclared, its marks
+        # notwithstanding (issue 43, item 2). Nothing else names it.
+        undeclared = (
+            f'vram_enforcer_undeclared_used_bytes{{container="trainer",gpu="{uuid}",'
+            f'namespace="{elsewhere}",pod="forged"}} {floatToGoString(2 * GiB)}'
+        )
+        installed.wait_for_metric(undeclared, "the forged pod's memory shown undeclared")
+        metrics = installed.agent_metrics()
         named = {
             line.split("{")[0]
             for line in metrics.splitlines()
             if f'namespace="{elsewhere}"' in line
         }
-        assert named <= {"vram_enforcer_hard_limit_bytes"}, named
+        assert named <= {"vram_enforcer_hard_limit_bytes", "vram_enforcer_undeclared_used_bytes"}
         assert "vram_enforcer_pods_unguarded 0.0" in metrics
         # Nor an Event, but the hard limiter's on its limit (VRAMHardLimit, or
-        # VRAMSamplingOnly where the driver takes none), as on any declaring pod; and the
-        # victim's sidecar was never said silent, nor anything enforced in its pod.
+        # VRAMSamplingOnly where the driver takes none), as on any declaring pod, and the
+        # one that says its memory is undeclared; and the victim's sidecar was never said
+        # silent, nor anything enforced in its pod.
         limiter = {"VRAMHardLimit", "VRAMSamplingOnly"}
-        assert vram_events(core, elsewhere, "forged") <= limiter
+        wait_for(
+            lambda: events(core, elsewhere, "forged", "VRAMUndeclared"),
+            timeout=30,
+            what="the VRAMUndeclared Event",
+        )
+        assert vram_events(core, elsewhere, "forged") <= limiter | {"VRAMUndeclared"}
         said = vram_events(core, OPTED_IN, "victim")
         assert not said & {"VRAMSidecarSilent", "VRAMEnforced", "VRAMReclaimed"}, said
         installed.use(holder, None)
