@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import ROOT, enforcer_argv, proc_cpu_seconds, proc_status_kib
 from bench.flood_bench import IMAGE_ENV
 from tests.fakenvml import FakeGpuState, build_fake_nvml
-from tests.helpers import free_port, wait_for
+from tests.helpers import api_agent_flags, free_port, wait_for
 from tests.pods_api import PodsApi, serving
 
 MiB = 1024**2
@@ -108,18 +108,7 @@ def _agent(
     )
     argv = enforcer_argv(
         "agent",
-        "--node-name",
-        NODE,
-        "--kubeconfig",
-        str(kubeconfig),
-        "--socket",
-        str(tmp / "agent.sock"),
-        "--no-advertise",
-        "--no-labels",
-        "--hard-limits",
-        "off",
-        "--pod-resources-socket",
-        "",
+        *api_agent_flags(NODE, kubeconfig, tmp / "agent.sock"),
         "--metrics-port",
         str(free_port()),
         "--metrics-address",

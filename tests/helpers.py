@@ -50,6 +50,26 @@ def standalone_agent(socket_path: Path, *flags: str) -> list[str]:
     ]
 
 
+def api_agent_flags(node: str, kubeconfig: Path, socket_path: Path) -> list[str]:
+    """The flags of `vram-enforcer agent` for node `node` against a stand-in API server
+    (`kubeconfig`): pods served (the default), nothing advertised or labelled, no hard
+    limits, no kubelet to read, its socket at `socket_path`."""
+    return [
+        "--node-name",
+        node,
+        "--kubeconfig",
+        str(kubeconfig),
+        "--socket",
+        str(socket_path),
+        "--no-advertise",
+        "--no-labels",
+        "--hard-limits",
+        "off",
+        "--pod-resources-socket",
+        "",
+    ]
+
+
 def free_port() -> int:
     """A TCP port that nobody uses right now, below the kernel's ephemeral range.
 

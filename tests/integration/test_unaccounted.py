@@ -24,7 +24,7 @@ import pytest
 
 from enforcer.core.model import GiB
 from tests.fakenvml.plugin import FakeNvml
-from tests.helpers import free_port, wait_for, write_kubeconfig
+from tests.helpers import api_agent_flags, free_port, wait_for, write_kubeconfig
 from tests.integration.test_agent import list_on_gpu
 from tests.integration.test_backstop import in_box, moved_in
 from tests.pods_api import PodsApi, serving
@@ -50,28 +50,16 @@ def plain(name: str, namespace: str, cid: str) -> dict[str, Any]:
 
 
 def agent(api: PodsApi, tmp: Path, fake_nvml: FakeNvml, port: int) -> subprocess.Popen[str]:
-    """`vram-enforcer agent` for node gpu-node, with the stand-in API: pods served (the
-    default), nothing advertised, no hard limits, no kubelet to read."""
+    """`vram-enforcer agent` for node gpu-node, with the stand-in API, in namespace OWN."""
     kubeconfig = write_kubeconfig(tmp / "kubeconfig", api.url)
     argv = [
         sys.executable,
         "-m",
         "enforcer",
         "agent",
-        "--kubeconfig",
-        str(kubeconfig),
-        "--node-name",
-        "gpu-node",
+        *api_agent_flags("gpu-node", kubeconfig, tmp / "run" / "agent.sock"),
         "--namespace",
         OWN,
-        "--no-advertise",
-        "--no-labels",
-        "--hard-limits",
-        "off",
-        "--pod-resources-socket",
-        "",
-        "--socket",
-        str(tmp / "run" / "agent.sock"),
         "--interval",
         "50ms",
         "--metrics-port",
