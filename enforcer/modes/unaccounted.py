@@ -1,16 +1,19 @@
 """Each NVML pass, the node's GPU memory that no declaration accounts for
 (`core/unaccounted.py`): left for its series, and each container of a pod the webhook did
-not inject that holds some said once on its pod (`VRAMUndeclared`), while the pod lives.
+not inject that holds some said once, in the log and on its pod (`VRAMUndeclared`), while
+the pod lives.
 
-The Events are bounded: one per container while its pod is on the node (and, through the
-recorder's `once`, not again after an agent restart), each for a container that holds GPU
-memory (a CUDA context each: NVML's list bounds them), at most `PER_PASS` a pass (the
-rest wait for the next), and none about a pod of the agent's own namespace (the
-operator's, which the webhook never mutates), as none of the agent's are.
+The Events are bounded: one per container while its pod is on the node (a restarted agent
+updates the Event it finds, through the recorder's `once`), each for a container that
+holds GPU memory (a CUDA context each: NVML's list bounds them), at most `PER_PASS` a pass
+(the rest wait for the next), and none about a pod of the agent's own namespace (the
+operator's, which the webhook never mutates; as none of the agent's Events are): that is
+said in the log alone.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -24,6 +27,8 @@ from enforcer.modes.node_view import NodeView
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
     from enforcer.edge.metrics import NodeCollector
+
+log = logging.getLogger(__name__)
 
 PER_PASS = 5  # VRAMUndeclared Events one pass may post; the others wait for the next
 
@@ -47,13 +52,11 @@ class UnaccountedStep:
         if found is None or pods is None:
             return
         self._said = {said for said in self._said if said[0] in pods}
-        due = [
-            c
-            for c in found.undeclared
-            if (c.uid, c.container.name) not in self._said and c.namespace != self._own
-        ]
+        due = [c for c in found.undeclared if (c.uid, c.container.name) not in self._said]
         for c in due[:PER_PASS]:
-            about = pod_reference(c.namespace, c.pod, c.uid, c.container)
             text = messages.undeclared(c)
-            self._recorder.record(about, str(Reason.UNDECLARED), text, True, once=True)
+            log.warning("pod %s/%s: %s", c.namespace, c.pod, text)
+            if c.namespace != self._own:
+                about = pod_reference(c.namespace, c.pod, c.uid, c.container)
+                self._recorder.record(about, str(Reason.UNDECLARED), text, True, once=True)
             self._said.add((c.uid, c.container.name))

@@ -5,9 +5,11 @@ writes in its pod moves its memory out of sight."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+import pytest
 from prometheus_client import generate_latest
 
 from enforcer.core import messages
@@ -221,10 +223,13 @@ class Recorded:
         self.said.append((about["name"], about.get("fieldPath", ""), reason, warning))
 
 
-def test_each_undeclared_container_is_told_once_while_its_pod_lives_a_few_a_pass() -> None:
+def test_each_undeclared_container_is_told_once_while_its_pod_lives_a_few_a_pass(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Seven pods hold memory undeclared, one of them in the agent's own namespace: over
-    passes, each other pod's container is told once, at most PER_PASS a pass; a pod that
-    leaves and comes back (a new UID) is told again; the agent's namespace never."""
+    passes, each container is said once in the log, at most PER_PASS a pass, and each but
+    the agent's namespace's told on its pod; a pod that leaves and comes back is told
+    again."""
     pods = {f"uid-p{n}": pod(f"p{n}", "research", {"c": cid(n)}) for n in range(1, 7)} | {
         "uid-own": pod("own", "vram-enforcer", {"c": cid(7)})
     }
@@ -233,11 +238,14 @@ def test_each_undeclared_container_is_told_once_while_its_pod_lives_a_few_a_pass
     recorder, node = Recorded(), AgentTelemetry().node
     view = NodeView(lambda: pods, lambda: OPTED_IN, DECLARES)
     step = UnaccountedStep(view, node, cast("EventRecorder", recorder), "vram-enforcer")
-    step(seen, lambda: keys)
-    assert len(recorder.said) == PER_PASS == 5
-    assert node.unaccounted is not None and len(node.unaccounted.undeclared) == 7
-    for _ in range(3):
+    with caplog.at_level(logging.WARNING, "enforcer.modes.unaccounted"):
         step(seen, lambda: keys)
+        assert len(caplog.records) == PER_PASS == 5
+        for _ in range(3):
+            step(seen, lambda: keys)
+    said = sorted(r.getMessage().split(":")[0] for r in caplog.records)
+    assert said == [*(f"pod research/p{n}" for n in range(1, 7)), "pod vram-enforcer/own"]
+    assert node.unaccounted is not None and len(node.unaccounted.undeclared) == 7
     assert sorted(name for name, *_ in recorder.said) == [f"p{n}" for n in range(1, 7)]
     assert set(recorder.said) == {
         (f"p{n}", "spec.containers{c}", "VRAMUndeclared", True) for n in range(1, 7)
