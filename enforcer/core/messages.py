@@ -22,7 +22,7 @@ from enforcer.core.parsing import format_duration
 from enforcer.core.policy import Enforcement, Notice
 from enforcer.core.reasons import Reason
 from enforcer.core.reclaim import Reclaim
-from enforcer.core.unaccounted import UndeclaredContainer
+from enforcer.core.unaccounted import InNoPod, UndeclaredContainer
 
 _SIGNAL_NAME = {Action.TERMINATE: "SIGTERM", Action.KILL: "SIGKILL", Action.RESTART: "SIGTERM"}
 
@@ -341,6 +341,23 @@ def undeclared(c: UndeclaredContainer) -> str:
     return (
         f"container {c.container.name!r} holds {held}{what}: {why}. Nothing limits it; its "
         "memory is counted as undeclared (vram_enforcer_undeclared_used_bytes)"
+    )
+
+
+def in_no_pod(pid: int, held: Sequence[InNoPod]) -> str:
+    """Said once of a process that stays in no pod of the node: `held`, what it holds on
+    each GPU."""
+    on = ", ".join(f"{format_bytes(h.usage.used_bytes)} on {h.usage.device_uuid}" for h in held)
+    container = held[0].container if held else None
+    where = (
+        "it runs in no container (a host process)"
+        if container is None
+        else f"its container {container[:12]} is in no pod's status (started outside the "
+        "kubelet: docker run, nerdctl)"
+    )
+    return (
+        f"pid {pid} holds {on} and is in no pod of this node: {where}. Nothing limits it; its "
+        "memory is counted as in no pod (vram_enforcer_gpu_outside_pods_bytes)"
     )
 
 

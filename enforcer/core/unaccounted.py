@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from enforcer.core.attribution import usage_by_container
 from enforcer.core.declaration import Declares, Undeclarable, declared_limits, injected
-from enforcer.core.model import ProcessKey, Sample
+from enforcer.core.model import ProcessKey, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import ContainerRef, containers_by_id, json_map
 
@@ -45,11 +45,29 @@ class UndeclaredContainer:
 
 
 @dataclass(frozen=True, slots=True)
+class InNoPod:
+    """What a process in no pod of the node holds on one GPU, and its container ID (None:
+    it runs in no container, a host process)."""
+
+    usage: ProcessUsage
+    container: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Unaccounted:
     """The node's GPU memory that no declaration accounts for, as of one NVML pass."""
 
     undeclared: tuple[UndeclaredContainer, ...]  # by namespace, pod and container
-    outside_pods: Mapping[str, int]  # GPU UUID -> what processes in no pod of the node hold
+    in_no_pod: tuple[InNoPod, ...] = ()
+
+    @property
+    def outside_pods(self) -> dict[str, int]:
+        """GPU UUID -> what processes in no pod of the node hold there."""
+        held: dict[str, int] = {}
+        for each in self.in_no_pod:
+            gpu = each.usage.device_uuid
+            held[gpu] = held.get(gpu, 0) + (each.usage.used_bytes or 0)
+        return held
 
 
 def unaccounted(
@@ -97,10 +115,11 @@ def unaccounted(
             )
     found.sort(key=lambda c: (c.namespace, c.pod, c.container.name))
     in_pods = accounted | {cid for cid, claimed in owners.items() if len(claimed) == 1}
-    outside: dict[str, int] = {}
-    for usage in sample.processes:
-        if usage.used_bytes and containers.get(usage.key) not in in_pods:
-            outside[usage.device_uuid] = outside.get(usage.device_uuid, 0) + usage.used_bytes
+    outside = tuple(
+        InNoPod(usage, containers.get(usage.key))
+        for usage in sample.processes
+        if usage.used_bytes and containers.get(usage.key) not in in_pods
+    )
     return Unaccounted(tuple(found), outside)
 
 

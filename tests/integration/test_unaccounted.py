@@ -100,11 +100,18 @@ def undeclared_events(api: PodsApi) -> list[dict[str, Any]]:
     ]
 
 
+def said(tmp: Path, text: str) -> list[str]:
+    """The lines of the agent's log that say `text`."""
+    return [line for line in (tmp / "agent.log").read_text().splitlines() if text in line]
+
+
 def test_a_pod_that_declares_nothing_is_shown_and_told_once_and_a_host_process_apart(
     cgroup2: Path, fake_nvml: FakeNvml, tmp_path: Path
 ) -> None:
-    """Beside them, a pod of the agent's own namespace holds memory undeclared: shown, but
-    never told (none of the agent's Events are about that namespace)."""
+    """A pod of a namespace that did not opt in holds 12 GiB undeclared: shown, and told once
+    on its container. A pod of the agent's own namespace holds 1 GiB undeclared: shown, and
+    said in the log alone (none of the agent's Events are about that namespace). A host
+    process holds 2 GiB: counted as in no pod, and said once in the log with its pid."""
     box, own_box = cgroup2 / f"cri-containerd-{CID}.scope", cgroup2 / f"docker-{OWN_CID}.scope"
     box.mkdir()
     own_box.mkdir()
@@ -141,8 +148,10 @@ def test_a_pod_that_declares_nothing_is_shown_and_told_once_and_a_host_process_a
             later = passes(port) + 20
             wait_for(lambda: passes(port) >= later, what="20 passes more")
             assert len(undeclared_events(api)) == 1, undeclared_events(api)
-            assert told["type"] == "Warning"
-            assert told["involvedObject"]["uid"] == "uid-plain"
+            (host_said,) = said(tmp_path, "and is in no pod of this node")  # with its pid, once
+            assert f"pid {host.pid} holds 2.00 GiB on {uuid} and is in no pod" in host_said
+            assert len(said(tmp_path, f"pod {OWN}/mine: ")) == 1  # there alone: no Event
+            assert (told["type"], told["involvedObject"]["uid"]) == ("Warning", "uid-plain")
             assert told["involvedObject"]["fieldPath"] == "spec.containers{trainer}"
             assert told["message"].startswith(
                 f"container 'trainer' holds 12.00 GiB of {uuid} and declares no VRAM: its "

@@ -22,7 +22,7 @@ from enforcer.core.model import (
 )
 from enforcer.core.pod import ContainerRef
 from enforcer.core.reclaim import views
-from enforcer.core.unaccounted import Unaccounted, UndeclaredContainer
+from enforcer.core.unaccounted import InNoPod, Unaccounted, UndeclaredContainer
 from enforcer.edge.metrics import AgentTelemetry, Telemetry, View, WebhookTelemetry
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm/vram-enforcer/dashboards/vram-enforcer.json"
@@ -49,7 +49,8 @@ def test_every_metric_the_dashboard_queries_is_exported() -> None:
     agent.node.lending = lending
     held = (("GPU-0", GiB),)
     undeclared = UndeclaredContainer("r", "p", "u", ContainerRef("c", "containers"), 0, held, False)
-    agent.node.unaccounted = Unaccounted((undeclared,), {"GPU-0": GiB})
+    in_no_pod = InNoPod(ProcessUsage(ProcessKey(8, 1), "GPU-0", GiB), None)
+    agent.node.unaccounted = Unaccounted((undeclared,), (in_no_pod,))
     webhook = WebhookTelemetry()
     webhook.requests.labels("patched").inc()
     names = exported(sidecar.registry) | exported(agent.registry) | exported(webhook.registry)

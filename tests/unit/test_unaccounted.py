@@ -17,10 +17,10 @@ from enforcer.core.declaration import ENFORCED, SIDECAR, Declares
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import ContainerRef
-from enforcer.core.unaccounted import Unaccounted, UndeclaredContainer, unaccounted
+from enforcer.core.unaccounted import InNoPod, Unaccounted, UndeclaredContainer, unaccounted
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.modes.node_view import NodeView
-from enforcer.modes.unaccounted import PER_PASS, UnaccountedStep
+from enforcer.modes.unaccounted import PER_PASS, SAY_AFTER, UnaccountedStep
 
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
@@ -179,7 +179,8 @@ def test_the_series_name_each_container_and_gpu_and_every_gpus_memory_outside_po
     held = UndeclaredContainer(
         "research", "plain", "u", ContainerRef("a", "containers"), 0, (("GPU-a", GiB),), False
     )
-    telemetry.node.unaccounted = Unaccounted((held,), {"GPU-b": 2 * GiB})
+    host = ProcessUsage(ProcessKey(9, 1), "GPU-b", 2 * GiB)
+    telemetry.node.unaccounted = Unaccounted((held,), (InNoPod(host, None),))
     text = generate_latest(telemetry.registry).decode()
     assert (
         'vram_enforcer_undeclared_used_bytes{container="a",gpu="GPU-a",namespace="research",'
@@ -255,3 +256,37 @@ def test_each_undeclared_container_is_told_once_while_its_pod_lives_a_few_a_pass
     pods["uid-p1"] = gone  # the same UID back: forgotten meanwhile, told again
     step(seen, lambda: keys)
     assert [name for name, *_ in recorder.said].count("p1") == 2
+
+
+def test_a_process_in_no_pod_is_said_once_with_its_pid_once_it_stays_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A host process and one in a container no pod lists: each said once, after SAY_AFTER
+    passes in a row (a new pod's container may be seen before the watch names it), however
+    many passes follow; one that a pod claims meanwhile is never said."""
+    newcomer = pod("newcomer", "ml", {"c": cid(3)}, limits={"c": "8Gi"}, injected=True)
+    pods: dict[str, Pod] = {}
+    seen = sample((1, "GPU-a", 2 * GiB), (2, "GPU-b", GiB), (3, "GPU-a", GiB))
+    keys = {ProcessKey(2, 1): cid(2), ProcessKey(3, 1): cid(3)}
+    step = UnaccountedStep(
+        NodeView(lambda: pods, lambda: OPTED_IN, DECLARES),
+        AgentTelemetry().node,
+        cast("EventRecorder", Recorded()),
+        "vram-enforcer",
+    )
+    with caplog.at_level(logging.WARNING, "enforcer.modes.unaccounted"):
+        for n in range(SAY_AFTER * 3):
+            if n == SAY_AFTER - 2:
+                pods["uid-newcomer"] = newcomer  # the watch names its container now
+            step(seen, lambda: keys)
+            assert len(caplog.records) == (2 if n >= SAY_AFTER - 1 else 0)
+    host, docker = (r.getMessage() for r in caplog.records)
+    assert host == (
+        "pid 1 holds 2.00 GiB on GPU-a and is in no pod of this node: it runs in no container "
+        "(a host process). Nothing limits it; its memory is counted as in no pod "
+        "(vram_enforcer_gpu_outside_pods_bytes)"
+    )
+    assert docker.startswith(
+        f"pid 2 holds 1.00 GiB on GPU-b and is in no pod of this node: its container "
+        f"{cid(2)[:12]} is in no pod's status"
+    )
