@@ -333,7 +333,7 @@ def undeclared(c: UndeclaredContainer) -> str:
     )
     why = (
         'the webhook did not inject its pod (it opted out with vram-enforcer.io/inject: "false", '
-        "or was created while the webhook was not called)"
+        "or was created before its namespace opted in, or while the webhook was not called)"
         if c.opted_in
         else f"its namespace {c.namespace!r} has not opted in (label vram-enforcer.io/inject="
         "enabled)"

@@ -39,10 +39,6 @@ class UndeclaredContainer:
     gpus: tuple[tuple[str, int], ...]  # (GPU UUID, bytes held there), by GPU
     opted_in: bool  # whether its namespace opted in (then the pod opted out, or was missed)
 
-    @property
-    def used(self) -> int:
-        return sum(used for _, used in self.gpus)
-
 
 @dataclass(frozen=True, slots=True)
 class InNoPod:
