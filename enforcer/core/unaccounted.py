@@ -66,57 +66,76 @@ class Unaccounted:
         return held
 
 
-def unaccounted(
-    sample: Sample,
-    containers: Mapping[ProcessKey, str],
-    pods: Mapping[str, Pod] | None,
-    opted_in: AbstractSet[str] | None,
-    declares: Declares,
-) -> Unaccounted | None:
-    """What the pass's processes hold outside the injected pods' containers (`containers`:
-    each process's container ID; `pods`: the node's, by UID). None until the pods and the
-    namespaces that opted in are listed: until then nothing is known to be unaccounted."""
-    if pods is None or opted_in is None:
-        return None
-    accounted: set[str] = set()  # container IDs of the injected pods: their series hold them
-    owners: dict[str, list[tuple[Pod, ContainerRef]]] = {}
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The pod the webhook did not inject that a container ID is of, and what the pod
+    declares in its resources (container name -> bytes)."""
+
+    pod: Pod
+    container: ContainerRef
+    declared: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class PodIndex:
+    """The node's pods as the passes read them, made once per change of the pods: the
+    container IDs of the pods the webhook injected (their series hold them), and the owner
+    of each other container ID that one pod alone lists."""
+
+    accounted: frozenset[str]
+    owners: Mapping[str, Owner]
+    opted_in: AbstractSet[str]
+
+
+def pod_index(pods: Mapping[str, Pod], opted_in: AbstractSet[str], declares: Declares) -> PodIndex:
+    """The index of `pods` (by UID): injected is `declaration.injected` (its namespace in
+    `opted_in`); a container ID two pods list is neither's (nor accounted: in no pod)."""
+    accounted: set[str] = set()
+    claimed: dict[str, list[Owner]] = {}
     for pod in pods.values():
         listed = containers_by_id(pod)
         if injected(pod, opted_in):
             accounted.update(listed)
-        else:
+        elif listed:
+            declared = _declared(pod, declares)
             for cid, ref in listed.items():
-                owners.setdefault(cid, []).append((pod, ref))
-    held = usage_by_container(sample, containers)
+                claimed.setdefault(cid, []).append(Owner(pod, ref, declared))
+    owners = {cid: o[0] for cid, o in claimed.items() if len(o) == 1 and cid not in accounted}
+    return PodIndex(frozenset(accounted), owners, opted_in)
+
+
+def unaccounted(
+    sample: Sample, containers: Mapping[ProcessKey, str], index: PodIndex
+) -> Unaccounted:
+    """What the pass's processes hold outside the injected pods' containers (`containers`:
+    each process's container ID; `index`: the node's pods)."""
     found = []
-    for cid, per_gpu in held.items():
-        claimed = owners.get(cid, [])
-        if cid in accounted or len(claimed) != 1:
-            continue  # two pods that list one container: in neither (below, in no pod)
-        ((pod, ref),) = claimed
-        declared = _declared(pod, declares).get(ref.name, 0)
+    for cid, per_gpu in usage_by_container(sample, containers).items():
+        owner = index.owners.get(cid)
+        if owner is None:
+            continue  # an injected pod's, or in no pod (below)
+        declared = owner.declared.get(owner.container.name, 0)
         if declared == 0 or sum(per_gpu.values()) > declared:
-            meta = json_map(pod.get("metadata"))
+            meta = json_map(owner.pod.get("metadata"))
             namespace = str(meta.get("namespace") or "")
             found.append(
                 UndeclaredContainer(
                     namespace,
                     str(meta.get("name") or ""),
                     str(meta.get("uid") or ""),
-                    ref,
+                    owner.container,
                     declared,
                     tuple(sorted(per_gpu.items())),
-                    namespace in opted_in,
+                    namespace in index.opted_in,
                 )
             )
     found.sort(key=lambda c: (c.namespace, c.pod, c.container.name))
-    in_pods = accounted | {cid for cid, claimed in owners.items() if len(claimed) == 1}
-    outside = tuple(
-        InNoPod(usage, containers.get(usage.key))
-        for usage in sample.processes
-        if usage.used_bytes and containers.get(usage.key) not in in_pods
-    )
-    return Unaccounted(tuple(found), outside)
+    outside = []
+    for usage in sample.processes:
+        of = containers.get(usage.key)
+        if usage.used_bytes and of not in index.accounted and of not in index.owners:
+            outside.append(InNoPod(usage, of))
+    return Unaccounted(tuple(found), tuple(outside))
 
 
 def _declared(pod: Pod, declares: Declares) -> dict[str, int]:

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 
 from enforcer.core import messages
 from enforcer.core.model import ProcessKey, Sample
+from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
 from enforcer.core.reasons import Reason
-from enforcer.core.unaccounted import InNoPod, unaccounted
+from enforcer.core.unaccounted import InNoPod, PodIndex, pod_index, unaccounted
 from enforcer.modes.node_view import NodeView
 
 if TYPE_CHECKING:
@@ -49,13 +50,15 @@ class UnaccountedStep:
         self._own = own_namespace
         self._said: set[tuple[str, str]] = set()  # (pod UID, container), while the pod lives
         self._in_no_pod: dict[ProcessKey, int] = {}  # passes in no pod in a row (said: above)
+        self._indexed: tuple[Mapping[str, Pod], frozenset[str], PodIndex] | None = None
 
     def __call__(self, sample: Sample, containers: Callable[[], Mapping[ProcessKey, str]]) -> None:
-        pods = self._node.pods()
-        found = unaccounted(sample, containers(), pods, self._node.opted_in(), self._node.declares)
-        self._shown.unaccounted = found
-        if found is None or pods is None:
+        pods, opted_in = self._node.pods(), self._node.opted_in()
+        if pods is None or opted_in is None:  # nothing is known to be unaccounted yet
+            self._shown.unaccounted = None
             return
+        found = unaccounted(sample, containers(), self._index(pods, opted_in))
+        self._shown.unaccounted = found
         self._say_in_no_pod(found.in_no_pod)
         self._said = {said for said in self._said if said[0] in pods}
         due = [c for c in found.undeclared if (c.uid, c.container.name) not in self._said]
@@ -66,6 +69,21 @@ class UnaccountedStep:
                 about = pod_reference(c.namespace, c.pod, c.uid, c.container)
                 self._recorder.record(about, str(Reason.UNDECLARED), text, True, once=True)
             self._said.add((c.uid, c.container.name))
+
+    def _index(self, pods: Mapping[str, Pod], opted_in: frozenset[str]) -> PodIndex:
+        """The pods' index, made again only when a pod or the namespaces changed: the watch
+        replaces a pod's object on each change, and the pods indexed are kept (a copy of
+        the mapping, holding each object), so an object found again is the same pod."""
+        last = self._indexed
+        if (
+            last is None
+            or last[1] != opted_in
+            or len(last[0]) != len(pods)
+            or any(last[0].get(uid) is not pod for uid, pod in pods.items())
+        ):
+            index = pod_index(pods, opted_in, self._node.declares)
+            last = self._indexed = (dict(pods), opted_in, index)
+        return last[2]
 
     def _say_in_no_pod(self, outside: Sequence[InNoPod]) -> None:
         """Each process in no pod said once in the log, after SAY_AFTER passes in a row."""

@@ -17,8 +17,14 @@ from enforcer.core.declaration import ENFORCED, SIDECAR, Declares
 from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import ContainerRef
-from enforcer.core.unaccounted import InNoPod, Unaccounted, UndeclaredContainer, unaccounted
-from enforcer.edge.metrics import AgentTelemetry
+from enforcer.core.unaccounted import (
+    InNoPod,
+    Unaccounted,
+    UndeclaredContainer,
+    pod_index,
+    unaccounted,
+)
+from enforcer.edge.metrics import AgentTelemetry, NodeCollector
 from enforcer.modes.node_view import NodeView
 from enforcer.modes.unaccounted import PER_PASS, SAY_AFTER, UnaccountedStep
 
@@ -88,9 +94,7 @@ def found(
 ) -> Unaccounted:
     by_uid = {p["metadata"]["uid"]: p for p in pods}
     keys = {ProcessKey(p, 1): c for p, c in containers.items()}
-    result = unaccounted(seen, keys, by_uid, opted_in, DECLARES)
-    assert result is not None
-    return result
+    return unaccounted(seen, keys, pod_index(by_uid, opted_in, DECLARES))
 
 
 def shown(result: Unaccounted) -> dict[tuple[str, str, str], tuple[tuple[str, int], ...]]:
@@ -167,10 +171,40 @@ def test_a_container_two_pods_list_is_in_neither() -> None:
     assert result.undeclared == () and dict(result.outside_pods) == {"GPU-a": GiB}
 
 
+def stepping(
+    pods: Mapping[str, Pod] | None, opted_in: frozenset[str] | None = OPTED_IN
+) -> tuple[UnaccountedStep, NodeCollector, Recorded]:
+    """The agent's step over `pods` (read as they are at each pass), what it shows, and
+    what it tells."""
+    recorder, node = Recorded(), AgentTelemetry().node
+    view = NodeView(lambda: pods, lambda: opted_in, DECLARES)
+    return (
+        UnaccountedStep(view, node, cast("EventRecorder", recorder), "vram-enforcer"),
+        node,
+        recorder,
+    )
+
+
 def test_nothing_is_known_before_the_pods_and_the_namespaces_are_listed() -> None:
-    seen = sample((1, "GPU-a", GiB))
-    assert unaccounted(seen, {}, None, OPTED_IN, DECLARES) is None
-    assert unaccounted(seen, {}, {}, None, DECLARES) is None
+    seen, keys = sample((1, "GPU-a", GiB)), {ProcessKey(1, 1): cid(1)}
+    for pods, opted_in in (({}, None), (None, OPTED_IN)):
+        step, shown, recorder = stepping(pods, opted_in)
+        step(seen, lambda: keys)
+        assert shown.unaccounted is None and recorder.said == []
+
+
+def test_a_pod_that_changes_is_read_again() -> None:
+    """The pods' index is made again when a pod's object changes (the watch replaces it):
+    a container the kubelet names later, in a new status, is then the pod's."""
+    pods = {"uid-p": pod("p", "research", {})}
+    seen, keys = sample((1, "GPU-a", GiB)), {ProcessKey(1, 1): cid(1)}
+    step, shown, _ = stepping(pods)
+    step(seen, lambda: keys)
+    assert shown.unaccounted is not None and shown.unaccounted.outside_pods == {"GPU-a": GiB}
+    pods["uid-p"] = pod("p", "research", {"c": cid(1)})
+    step(seen, lambda: keys)
+    assert shown.unaccounted.undeclared[0].gpus == (("GPU-a", GiB),)
+    assert shown.unaccounted.outside_pods == {}
 
 
 def test_the_series_name_each_container_and_gpu_and_every_gpus_memory_outside_pods() -> None:
@@ -236,9 +270,7 @@ def test_each_undeclared_container_is_told_once_while_its_pod_lives_a_few_a_pass
     }
     seen = sample(*((n, "GPU-a", GiB) for n in range(1, 8)))
     keys = {ProcessKey(n, 1): cid(n) for n in range(1, 8)}
-    recorder, node = Recorded(), AgentTelemetry().node
-    view = NodeView(lambda: pods, lambda: OPTED_IN, DECLARES)
-    step = UnaccountedStep(view, node, cast("EventRecorder", recorder), "vram-enforcer")
+    step, node, recorder = stepping(pods)
     with caplog.at_level(logging.WARNING, "enforcer.modes.unaccounted"):
         step(seen, lambda: keys)
         assert len(caplog.records) == PER_PASS == 5
@@ -268,12 +300,7 @@ def test_a_process_in_no_pod_is_said_once_with_its_pid_once_it_stays_so(
     pods: dict[str, Pod] = {}
     seen = sample((1, "GPU-a", 2 * GiB), (2, "GPU-b", GiB), (3, "GPU-a", GiB))
     keys = {ProcessKey(2, 1): cid(2), ProcessKey(3, 1): cid(3)}
-    step = UnaccountedStep(
-        NodeView(lambda: pods, lambda: OPTED_IN, DECLARES),
-        AgentTelemetry().node,
-        cast("EventRecorder", Recorded()),
-        "vram-enforcer",
-    )
+    step, _, _ = stepping(pods)
     with caplog.at_level(logging.WARNING, "enforcer.modes.unaccounted"):
         for n in range(SAY_AFTER * 3):
             if n == SAY_AFTER - 2:
