@@ -91,7 +91,7 @@ REFUSED: list[tuple[dict[str, Any], Sequence[str]]] = [
     ({"webhook": {"undeclaredGpu": "allow"}}, ["/webhook/undeclaredGpu", "deny"]),
     ({"webhook": {"defaultAction": "audit"}}, ["/webhook/defaultAction", "dry-run"]),
     ({"webhook": {"gpuResources": ["gpu"]}}, ["/webhook/gpuResources/0", "'gpu'"]),
-    ({"webhook": {"defaultVram": "8GB"}}, ["/webhook/defaultVram", "'8GB'"]),
+    ({"webhook": {"defaultVram": "8GB"}}, ["webhook.defaultVram", '"8GB"']),
     (  # the webhook refuses to start: default with nothing to give
         {"webhook": {"undeclaredGpu": "default"}},
         ["webhook: undeclaredGpu: default", "Set webhook.defaultVram"],

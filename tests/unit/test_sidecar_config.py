@@ -149,7 +149,7 @@ def test_portions_of_a_gpu_from_the_webhook() -> None:
 def test_dry_run_from_the_environment_as_the_webhook_writes_it() -> None:
     """The webhook's action `dry-run` is `VRAM_ENFORCER_DRY_RUN=true` beside the would-be
     action; the node agent's backstop reads the same variables with the same parsers."""
-    from enforcer.modes.backstop import policy_of
+    from tests.unit.test_backstop import policy_of
 
     written = {"VRAM_ENFORCER_ACTION": "terminate", "VRAM_ENFORCER_DRY_RUN": "true"}
     assert settings(written).policy.dry_run is True

@@ -164,7 +164,7 @@ the schema's and the forms'. Included at the top of webhook-deployment.yaml.
 {{- $vram := get $bounds "defaultVram" | default $webhook.defaultVram | toString -}}
 {{- if and (eq $undeclared "default") (eq $vram "0") -}}
 {{- $where := ternary "webhook" (printf "webhook.tenants.namespaces.%s" $namespace) (eq $namespace "") -}}
-{{- fail (printf "%s: undeclaredGpu: default declares a default VRAM on each container that asks for a GPU and declares none, and no defaultVram is set (0). Set webhook.defaultVram (or the namespace's defaultVram), e.g. 8Gi, or use undeclaredGpu: deny or observe" $where) -}}
+{{- include "vram-enforcer.refuse" (printf "%s: undeclaredGpu: default declares a default VRAM on each container that asks for a GPU and declares none, and no defaultVram is set (0). Set webhook.defaultVram (or the namespace's defaultVram), e.g. 8Gi, or use undeclaredGpu: deny or observe" $where) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
