@@ -32,6 +32,9 @@ class PodsApi(ThreadingHTTPServer):
         self.watching = threading.Event()
         self.posts: list[tuple[str, Any]] = []  # each POST's path and JSON body, in order
         self.deletes: list[tuple[str, Any]] = []  # each DELETE's path and JSON body, in order
+        # each PATCH's path, Content-Type and JSON body, in order (pods' status: conditions)
+        self.patches: list[tuple[str, str, Any]] = []
+        self.patch_status = 200  # what a PATCH is answered (403: RBAC, 404: the pod is gone)
         # Evictions answered as a PodDisruptionBudget that allows no disruption answers them
         # (429), with a Retry-After past any caller's deadline, so that each is one request.
         self.refuse_evictions = False
@@ -100,6 +103,19 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(429, refusal, {"Retry-After": "3600"})
         else:
             self._send(201, b"{}")
+
+    def do_PATCH(self) -> None:  # pods' status (an Event is not: a repeat is posted anew)
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if not self.path.endswith("/status"):
+            self._send(404, b'{"kind":"Status","code":404}')
+            return
+        kind = self.headers.get("Content-Type") or ""
+        self.server.patches.append((self.path, kind, json.loads(body) if body else None))
+        code = self.server.patch_status
+        if code == 200:
+            self._send(200, b'{"kind":"Pod","apiVersion":"v1","metadata":{}}')
+        else:
+            self._send(code, b'{"kind":"Status","code":%d,"message":"refused"}' % code)
 
     def do_DELETE(self) -> None:  # pods
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))

@@ -233,14 +233,21 @@ def _containers(value: object) -> list[dict[str, Any]]:
 
 _CLAIM = _each({"name": True, "resourceClaimName": True})
 _STATUSES = _each(
-    {"name": True, "containerID": True, "state": {"running": {}, "terminated": {"exitCode": True}}}
+    {
+        "name": True,
+        "containerID": True,
+        "restartCount": True,
+        "state": {"running": {}, "terminated": {"exitCode": True}},
+    }
 )
 # Who reads what: the container IDs and names in the status, for every reply, Event and
 # signal (`pod.containers_by_id`, `spec_field_of`); the declaration (`declaration.of_pod`);
 # DRA claims (`dra.claim_names`, `container_claims`); the phase and priority (the hard
 # limits and reclaims: `hard_limits`, `lending`); the enforced label and the sidecar's
 # state (`sidecar_presence`); the restart policy and exit codes (the sidecar's
-# `pod.others_finished`); the resourceVersion (what changed: the limiter, the claim cache).
+# `pod.others_finished`); the restart count (a pod's condition names the instance
+# enforced: `last_enforcement.seen`); the resourceVersion (what changed: the limiter, the
+# claim cache).
 _KEPT: _Shape = {
     "metadata": {
         "name": True,

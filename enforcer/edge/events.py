@@ -84,6 +84,10 @@ class EventRecorder(threading.Thread):
         self._failures = failures
         self._deadline = deadline
         self._clock = clock
+        # Called with each Event's object and reason as it is queued, once set (before the
+        # threads start): the agent keeps a pod's last enforcement as its condition
+        # (`modes/last_enforcement.py`), made after the recorder, as the pod watch is.
+        self.told: Callable[[ObjectReference, str], None] | None = None
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=QUEUED)
         self._sent: OrderedDict[_Key, _Sent] = OrderedDict()  # least recently used first
         self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
@@ -108,6 +112,8 @@ class EventRecorder(threading.Thread):
             self._queue.put_nowait((about, reason, message, warning, once))
         except queue.Full:
             self._failures.labels("dropped").inc()
+        if self.told is not None:  # past the object's rate only: a flood sets no condition
+            self.told(about, reason)
 
     def _allowed(self, obj: str) -> bool:
         """A token of the object's bucket, if it has one left."""

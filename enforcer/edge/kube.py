@@ -3,7 +3,8 @@
 Everything goes through the official client's `ApiClient`: its kubeconfig and in-cluster
 loading, bearer tokens (re-read when the projected token rotates), TLS and proxies. Objects
 are handled as plain JSON, so the pure modules see the same dicts the API server sends.
-Writes are JSON patches.
+Writes are JSON patches, but for a pod's condition (a strategic-merge patch: it merges by
+`type`, which a JSON patch cannot address).
 
 The generated typed API classes are not used. Importing `CoreV1Api` alone costs about
 20 MiB of resident memory (hundreds of pydantic-validated methods), and every object was
@@ -35,6 +36,9 @@ NODE = "/api/v1/nodes/{name}"
 POD = "/api/v1/namespaces/{namespace}/pods/{name}"
 EVENTS = "/api/v1/namespaces/{namespace}/events"
 EVICTION = POD + "/eviction"  # policy/v1 Eviction, a subresource of the pod
+POD_STATUS = POD + "/status"
+JSON_PATCH = "application/json-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
 # Connection problems and the API statuses that a later attempt can fix.
 _RETRYABLE_STATUS = frozenset({409, 429, 500, 502, 503, 504})
@@ -120,20 +124,19 @@ def request(
     query: dict[str, str] | None = None,
     body: Any = None,
     timeout: float = 10.0,
+    patch: str = JSON_PATCH,
 ) -> Any:
     """One API call as JSON: `path` has `{name}` placeholders filled (escaped) from `params`,
     and `query` is the query string.
 
-    Every PATCH we send is a JSON patch. A status outside 2xx raises the client's
-    `ApiException`, as its typed methods do. `timeout` bounds the whole request, connecting
-    and reading (urllib3 makes one try), so a server that accepts and never answers cannot
-    hold a thread.
+    A PATCH is of the kind `patch` names (a JSON patch unless told). A status outside 2xx
+    raises the client's `ApiException`, as its typed methods do. `timeout` bounds the whole
+    request, connecting and reading (urllib3 makes one try), so a server that accepts and
+    never answers cannot hold a thread.
     """
     headers = {"Accept": "application/json"}
     if body is not None:
-        headers["Content-Type"] = (
-            "application/json-patch+json" if method == "PATCH" else "application/json"
-        )
+        headers["Content-Type"] = patch if method == "PATCH" else "application/json"
     response = _send(api, method, path, params, query, headers, body, timeout)
     data: bytes = response.read()
     if not 200 <= response.status <= 299:
@@ -286,6 +289,7 @@ def call(  # noqa: PLR0913
     body: Any = None,
     timeout: float = 10.0,
     verb: str | None = None,
+    patch: str = JSON_PATCH,
 ) -> Any:
     """`request()` under the retry policy, within `deadline` seconds in all: each try gets
     what is left of it (at most `timeout`, at least MIN_TRY_TIMEOUT) as its own timeout, and
@@ -300,7 +304,14 @@ def call(  # noqa: PLR0913
             with attempt:
                 left = max(MIN_TRY_TIMEOUT, min(timeout, ends - time.monotonic()))
                 reply = request(
-                    api, method, path, params=params, query=query, body=body, timeout=left
+                    api,
+                    method,
+                    path,
+                    params=params,
+                    query=query,
+                    body=body,
+                    timeout=left,
+                    patch=patch,
                 )
                 if not isinstance(reply, dict):
                     raise KubeError(

@@ -599,6 +599,13 @@ class AgentTelemetry:
             registry=self.registry,
         )
         self.event_failures = event_failures(self.registry)
+        self.condition_failures = Counter(
+            PREFIX + "conditions_failed",
+            "Pod conditions (the last enforcement on a pod) not written, by reason (api, "
+            "forbidden, dropped, gone, unexpected)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.hard_limits = hard_limit_gauge(["namespace", "pod", "container", "gpu"], self.registry)
         self.hard_limit_calls = Counter(
             PREFIX + "hard_limit_calls",

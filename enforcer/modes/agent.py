@@ -65,13 +65,14 @@ if TYPE_CHECKING:
     from enforcer.edge.eviction import Evictor
     from enforcer.edge.node_advertiser import NodeAdvertiser
     from enforcer.edge.node_pods import WatchedPods
+    from enforcer.edge.pod_conditions import ConditionWriter
     from enforcer.edge.pod_resources import PodResources
     from enforcer.modes.pod_publisher import PodPublisher
     from enforcer.modes.sidecar_watch import SidecarNews, SidecarWatch
     from enforcer.modes.unaccounted import UnaccountedStep
 
     # The threads the pod watch wakes: each stops on its `stop` event.
-    Woken = HardLimiter | PodPublisher | SidecarWatch | PodResources | Evictor
+    Woken = HardLimiter | PodPublisher | SidecarWatch | PodResources | Evictor | ConditionWriter
 
 log = logging.getLogger(__name__)
 
@@ -500,8 +501,10 @@ def _pod_watch(
     from enforcer.edge.eviction import Evictor  # noqa: PLC0415
     from enforcer.edge.namespaces import OptedInNamespaces  # noqa: PLC0415
     from enforcer.edge.node_pods import NodePods  # noqa: PLC0415
+    from enforcer.edge.pod_conditions import ConditionWriter  # noqa: PLC0415
     from enforcer.edge.pod_resources import PodResources  # noqa: PLC0415
     from enforcer.edge.sidecar_dialer import Dialer, dial_container  # noqa: PLC0415
+    from enforcer.modes.last_enforcement import LastEnforcement  # noqa: PLC0415
     from enforcer.modes.pod_publisher import PodPublisher  # noqa: PLC0415
     from enforcer.modes.sidecar_watch import SidecarProcesses, SidecarWatch  # noqa: PLC0415
     from enforcer.modes.unaccounted import UnaccountedStep  # noqa: PLC0415
@@ -579,6 +582,13 @@ def _pod_watch(
         backstop = Backstop(
             node, lambda: sidecars.silent, recorder, telemetry, host_proc, evictor.evict
         )
+        # Each enforcement the recorder is told of (the sidecars' and the agent's own) is
+        # kept on its pod as a condition, which outlives the Event.
+        conditions = ConditionWriter(api, telemetry.condition_failures)
+        woken.append(conditions)
+        recorder.told = LastEnforcement(
+            conditions, pods.snapshot, passes.last.get, lambda: lender.tenants
+        ).told
         view = functools.partial(
             pods_view,
             passes.last.get,

@@ -396,7 +396,8 @@ def _unix_sockets(table: str, path: str) -> tuple[bool, bool]:
 # What each component asks of the API, as (verb, resource, subresource, namespaced).
 # The sidecar's are those of --api-access direct (the Role of deploy/rbac/sidecar.yaml,
 # which sidecars of 0.1.0 need); the agent's include reading the node's pods and posting
-# Events, which it does for the sidecars of 0.2.0, and reading which namespaces opted in.
+# Events, which it does for the sidecars of 0.2.0, setting a pod's condition (its last
+# enforcement), and reading which namespaces opted in.
 _NEEDS: dict[str, list[tuple[str, str, str | None, bool]]] = {
     "sidecar": [
         ("get", "pods", None, True),
@@ -410,6 +411,7 @@ _NEEDS: dict[str, list[tuple[str, str, str | None, bool]]] = {
         ("list", "pods", None, False),
         ("watch", "pods", None, False),
         ("delete", "pods", None, False),
+        ("patch", "pods", "status", False),
         ("create", "pods", "eviction", False),
         ("list", "namespaces", None, False),
         ("watch", "namespaces", None, False),

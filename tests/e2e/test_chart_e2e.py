@@ -25,6 +25,9 @@ import pytest
 import yaml
 from kubernetes import client
 
+from enforcer.core.last_enforcement import Enforced, condition, status_patch
+from enforcer.core.reasons import Reason
+from enforcer.edge.kube import POD_STATUS, STRATEGIC_MERGE_PATCH, Forbidden, KubeError, call
 from enforcer.edge.kube import access_allowed as allowed
 from tests.e2e.actors import default_service_account
 from tests.e2e.cluster import ISSUER, OLDEST, ApiServer, oldest_apiserver_binary
@@ -534,6 +537,121 @@ def test_the_agent_may_delete_and_evict_only_the_enforced_pods_of_its_own_node(
         core.delete_namespaced_pod("vap-agent", NAMESPACE, grace_period_seconds=0)
         core.delete_namespace(ns)
         for node in ("vap-gpu-a", "vap-gpu-b"):
+            core.delete_node(node)
+
+
+def test_the_agent_may_set_only_its_condition_and_only_on_its_own_nodes_enforced_pods(
+    installed: Path, admin: client.ApiClient, apiserver: ApiServer
+) -> None:
+    """The agent keeps a pod's last enforcement as its condition vram-enforcer.io/Enforced
+    (issue 43, item 5), with `patch` on pods/status, which RBAC grants on every pod and for
+    every field of its status. The chart's policy holds it to that condition, on the
+    enforced pods of the node its pod-bound token names, in a namespace that opted in:
+    merged by type, the condition leaves the pod's other conditions as they were. Another
+    node's pod, a pod not labelled enforced, a token bound to no pod, and a change of any
+    other condition, of the pod's IP or of its labels: refused."""
+    core = client.CoreV1Api(admin)
+    agent_sa, ns = f"{RELEASE}-agent", "cond-fenced"
+    for node in ("cond-gpu-a", "cond-gpu-b"):
+        core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=node)))
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+    for name, node in (
+        ("cond-mine", "cond-gpu-a"),
+        ("cond-theirs", "cond-gpu-b"),
+        ("cond-unlabelled", "cond-gpu-a"),
+    ):
+        spec = {"nodeName": node, "containers": [{"name": "c", "image": "x"}]}
+        core.create_namespaced_pod(ns, {"metadata": {"name": name}, "spec": spec})
+        ready = {"type": "Ready", "status": "False", "reason": "ContainersNotReady"}
+        core.patch_namespaced_pod_status(name, ns, {"status": {"conditions": [ready]}})
+    core.patch_namespace(ns, {"metadata": {"labels": {"vram-enforcer.io/inject": "enabled"}}})
+    for name in ("cond-mine", "cond-theirs"):
+        core.patch_namespaced_pod(name, ns, {"metadata": {"labels": {ENFORCED: "true"}}})
+    agent_pod = core.create_namespaced_pod(
+        NAMESPACE,
+        {
+            "metadata": {"name": "cond-agent"},
+            "spec": {
+                "nodeName": "cond-gpu-a",
+                "serviceAccountName": agent_sa,
+                "containers": [{"name": "agent", "image": "x"}],
+            },
+        },
+    )
+    request = client.AuthenticationV1TokenRequest(
+        spec=client.V1TokenRequestSpec(
+            audiences=[ISSUER],
+            bound_object_ref=client.V1BoundObjectReference(
+                kind="Pod", api_version="v1", name="cond-agent", uid=agent_pod.metadata.uid
+            ),
+        )
+    )
+    bound = core.create_namespaced_service_account_token(agent_sa, NAMESPACE, request)
+    agent = apiserver.client(bound.status.token)
+    unbound = apiserver.client(apiserver.token_for(NAMESPACE, agent_sa))
+    ours = condition(Enforced(Reason.ENFORCED, "c"), "2026-11-29T03:12:05Z")
+
+    def patch(api: client.ApiClient, name: str, body: dict[str, Any]) -> Any:
+        return call(
+            api,
+            "PATCH",
+            POD_STATUS,
+            "pods/status",
+            body=body,
+            params={"namespace": ns, "name": name},
+            deadline=10,
+            patch=STRATEGIC_MERGE_PATCH,
+        )
+
+    def refused(api: client.ApiClient, name: str, body: dict[str, Any], words: str) -> bool:
+        try:
+            patch(api, name, body)
+        except Forbidden as exc:
+            return words in str(exc)
+        return False
+
+    def uid(name: str) -> str:
+        return str(core.read_namespaced_pod(name, ns).metadata.uid)
+
+    try:
+        wait_for(  # the API server loads a new policy within a few seconds
+            lambda: refused(
+                agent,
+                "cond-theirs",
+                status_patch(uid("cond-theirs"), ours),
+                "its token names node cond-gpu-a",
+            ),
+            timeout=30,
+            what="the agent's condition policy to be in force",
+        )
+        for name, api, words in (
+            ("cond-unlabelled", agent, "its token names node cond-gpu-a"),
+            ("cond-mine", unbound, "its token names no node"),
+        ):
+            assert refused(api, name, status_patch(uid(name), ours), words), name
+        only = "may change only the vram-enforcer.io/Enforced condition"
+        ready = {"type": "Ready", "status": "True", "reason": "forged"}
+        for forged in (
+            {"status": {"conditions": [ours, ready]}},
+            {"status": {"podIP": "10.0.0.66", "podIPs": [{"ip": "10.0.0.66"}]}},
+            {"metadata": {"labels": {"team": "other"}}, "status": {"conditions": [ours]}},
+        ):
+            assert refused(agent, "cond-mine", forged, only), forged
+        patch(agent, "cond-mine", status_patch(uid("cond-mine"), ours))
+        kept = core.read_namespaced_pod_status("cond-mine", ns).status.conditions
+        assert [(c.type, c.status, c.reason) for c in kept] == [
+            ("Ready", "False", "ContainersNotReady"),
+            ("vram-enforcer.io/Enforced", "True", "VRAMEnforced"),
+        ]
+        # A newcomer of the same name is not the pod enforced: its UID refuses the patch.
+        with pytest.raises(KubeError):
+            patch(agent, "cond-mine", status_patch("not-its-uid", ours))
+    finally:
+        for stale in core.list_namespaced_pod(ns).items:
+            core.delete_namespaced_pod(stale.metadata.name, ns, grace_period_seconds=0)
+        core.delete_namespaced_pod("cond-agent", NAMESPACE, grace_period_seconds=0)
+        core.delete_namespace(ns)
+        for node in ("cond-gpu-a", "cond-gpu-b"):
             core.delete_node(node)
 
 

@@ -15,7 +15,7 @@ from tests.e2e.cluster import ApiServer
 
 AGENT_NEEDS = (
     "get nodes, patch nodes, patch nodes/status, list pods, watch pods, delete pods, "
-    "create pods/eviction, list namespaces, watch namespaces, create events, patch events, "
+    "patch pods/status, create pods/eviction, list namespaces, watch namespaces, create events, patch events, "
     "list events"
 )
 NONE_NEEDED = (

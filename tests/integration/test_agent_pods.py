@@ -27,17 +27,23 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import pytest
+from kubernetes import client
 
-from enforcer.core.declaration import ENFORCED, SIDECAR
-from enforcer.core.model import SourceDown
+from enforcer.core.declaration import ENFORCED, SIDECAR, Declares
+from enforcer.core.lending import tenants
+from enforcer.core.model import Device, GiB, MiB, ProcessKey, ProcessUsage, Sample, SourceDown
+from enforcer.core.owed import pod_owed
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod_directory import Directory, directory, event_about, kept
 from enforcer.core.protocol import SIDECAR_SOCKET
 from enforcer.core.sidecar_presence import FIRST_RETRY
 from enforcer.edge import sidecar_dialer
+from enforcer.edge.events import EventRecorder
+from enforcer.edge.kube import api_client
+from enforcer.edge.pod_conditions import ConditionWriter
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.sidecar_dialer import dial_container
 from enforcer.edge.usage_server import (
@@ -46,14 +52,14 @@ from enforcer.edge.usage_server import (
     ServerMetrics,
     UsageServer,
 )
+from enforcer.modes.agent import _served
+from enforcer.modes.last_enforcement import LastEnforcement
 from enforcer.modes.pod_metrics import PodCounts
 from enforcer.modes.pod_publisher import PodPublisher
 from enforcer.modes.sidecar_watch import HANDED_FOR, SidecarNews, SidecarProcesses, SidecarWatch
+from tests import pods_api
 from tests.helpers import POD_NAMESPACES, children, scratch_cgroup, wait_for
 from tests.integration.conftest import TELEMETRY, check_and_dial, dialer, serving
-
-if TYPE_CHECKING:
-    from enforcer.edge.events import EventRecorder
 
 ROOT = Path(__file__).resolve().parents[2]
 # Container IDs of this run's own: the agent looks for a container's processes in the whole
@@ -897,3 +903,77 @@ def test_a_pod_with_the_webhooks_marks_outside_the_opted_in_namespaces_is_said_o
     assert "pod elsewhere/forged carries the marks" in said.getMessage()
     assert "Recreate it in a namespace that opted in" in said.getMessage()
     assert set(published[-1].replies) == {A}
+
+
+def test_an_enforcement_stays_on_the_callers_own_pod_as_a_condition_in_the_agents_words(
+    cgroups: Path, tmp_path: Path
+) -> None:
+    """A sidecar's report of an enforcement (issue 43, item 5) is kept on its own pod as the
+    condition `vram-enforcer.io/Enforced`, patched by the agent on pods/status (a
+    strategic-merge patch: merged by type, on the pod's UID). What it says is the agent's:
+    the container and its instance from the pod's status, what the agent's last NVML pass
+    saw it hold, and what the pod declares; the report's text, the tenant's, is not in it.
+    A warning, and a caller in no pod, set none. Wired as the agent wires it (`_served`,
+    the recorder's `told`), against a stand-in of the API server."""
+    trainer = secrets.token_hex(32)
+    in_pod = pod("pod-a", UA, A, trainer, names=(SIDECAR, "trainer"))
+    cast(dict[str, Any], in_pod["spec"]["containers"][1])["resources"] = {
+        "limits": {"vram-enforcer.io/vram": "4Gi"}
+    }
+    owed = pod_owed(
+        in_pod, Declares("vram-enforcer.io/vram"), opted_in=TEAM, basis=None, claims=None
+    )
+    holder = ProcessKey(4242, 1)
+    sample = Sample(
+        0.0,
+        (Device(0, "GPU-a", "H100", 16 * GiB, 6 * GiB),),
+        (ProcessUsage(holder, "GPU-a", 5 * GiB + 102 * MiB),),
+    )
+    with pods_api.serving([]) as api:
+        configuration = client.Configuration()
+        configuration.host = api.url
+        kube = api_client(configuration)
+        recorder = EventRecorder(kube, "node-a", "node-a", TELEMETRY.event_failures)
+        writer = ConditionWriter(kube, TELEMETRY.condition_failures)
+        recorder.told = LastEnforcement(
+            writer,
+            lambda: {UA: in_pod},
+            lambda: (sample, lambda: {holder: trainer}),
+            lambda: tenants([(in_pod, owed)], {}),
+        ).told
+        recorder.start()
+        writer.start()
+        with serving(tmp_path / "agent.sock", _served(recorder).hooks) as server:
+            server.publish_pods(node([in_pod]))
+            sock = tmp_path / "agent.sock"
+            in_a, stranger = Caller(sock, cgroups, UA, A), Caller(sock, cgroups, UC, C)
+            try:
+                assert in_a.next()["pod"] == "pod-a" and stranger.next()["pod"] is None
+                in_a.report("VRAMNearLimit", "trainer", "a warning: nothing was done")
+                stranger.report("VRAMEnforced", "-", "from a container no pod lists")
+                in_a.report("VRAMEnforced", "trainer", "all is well, you were never stopped")
+                wait_for(lambda: api.patches, what="the pod's condition")
+                wait_for(lambda: len(api.posts) == 2, what="the two Events of pod-a")
+            finally:
+                in_a.stop()
+                stranger.stop()
+                writer.stop.set()
+                recorder.close()
+    ((path, kind, body),) = api.patches
+    assert (path, kind) == (
+        "/api/v1/namespaces/team/pods/pod-a/status",
+        "application/strategic-merge-patch+json",
+    )
+    assert body["metadata"] == {"uid": UA}
+    ((cond),) = body["status"]["conditions"]
+    assert (cond["type"], cond["status"], cond["reason"]) == (
+        "vram-enforcer.io/Enforced",
+        "True",
+        "VRAMEnforced",
+    )
+    message = cond["message"]
+    assert message.startswith("container 'trainer' was enforced over its VRAM limit"), message
+    assert "the node agent saw it hold 5.10 GiB of its 4.00 GiB limit (127%)" in message
+    assert f"its instance containerd://{trainer}" in message
+    assert "never stopped" not in message  # the tenant's words stay in its Event
+    assert cond["lastTransitionTime"] in message

@@ -393,6 +393,7 @@ AGENT_NEEDS = [
     ("list", "pods", "", ""),
     ("watch", "pods", "", ""),
     ("delete", "pods", "", ""),
+    ("patch", "pods", "status", ""),
     ("create", "pods", "eviction", ""),
     ("list", "namespaces", "", ""),
     ("watch", "namespaces", "", ""),

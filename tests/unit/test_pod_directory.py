@@ -24,6 +24,7 @@ from enforcer.core.declaration import (
     of_pod,
 )
 from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names, container_claims
+from enforcer.core.last_enforcement import seen
 from enforcer.core.lending import tenants
 from enforcer.core.model import Action, GiB, MiB
 from enforcer.core.owed import Claims, pod_owed
@@ -32,6 +33,7 @@ from enforcer.core.pod import containers_by_id, json_map, json_maps, others_fini
 from enforcer.core.pod_directory import DraRead, directory, event_about, kept
 from enforcer.core.policy import PolicyConfig
 from enforcer.core.protocol import PodReply, decode_reply, encode_pod
+from enforcer.core.reasons import Reason
 from enforcer.core.settings.sidecar import pod_policy
 from enforcer.core.sidecar_presence import guarded, reachable, sidecar_id
 
@@ -262,6 +264,8 @@ def readings(pod: Pod) -> dict[str, object]:
         "tenants": tenants([(pod, from_claims)], {}).all,
         # the sidecar watch
         "presence": (guarded(pod), sidecar_id(pod), reachable(pod)),
+        # a pod's last enforcement: the instance of the container, its restarts
+        "condition": [seen(Reason.ENFORCED, pod, n, ()) for n in sorted(names)],
         # read in the modes themselves: what changed (the limiter, the claim cache), whether
         # the pod runs (the limiter), whom an Event or a log line names
         "direct": [meta.get(k) for k in ("uid", "namespace", "name", "resourceVersion")]

@@ -1,0 +1,73 @@
+"""The agent keeps the last enforcement on each pod as its condition: told of each Event it
+posts on a pod (`EventRecorder`'s `told`, the sidecars' reports and its own alike), it
+writes the condition (`edge/pod_conditions.py`) from its own view (`core/last_enforcement.py`):
+the pod and the sampler's pass as they were when told, what the pod declares, and its
+action (its sidecar's environment, which the webhook wrote: the backstop's `policy_of`)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Mapping
+
+from enforcer.core.declaration import SIDECAR, sidecar_env
+from enforcer.core.last_enforcement import ENFORCING, condition, container_named, seen
+from enforcer.core.lending import Tenants
+from enforcer.core.payloads import ObjectReference, Pod
+from enforcer.core.pod import containers_by_id
+from enforcer.core.pod_metrics import ContainerSeries, Named, container_series
+from enforcer.core.reasons import Reason
+from enforcer.edge.pod_conditions import ConditionWriter
+from enforcer.modes.backstop import policy_of
+from enforcer.modes.pod_metrics import LastPass
+
+
+class LastEnforcement:
+    """Reads the node's pods, the sampler's last pass and the lender's tenants (what each
+    container declares) when told; works the condition out on the writer's thread."""
+
+    def __init__(
+        self,
+        writer: ConditionWriter,
+        pods: Callable[[], Mapping[str, Pod] | None],
+        last: Callable[[], LastPass | None],
+        owed: Callable[[], Tenants | None],
+    ) -> None:
+        self._writer = writer
+        self._pods = pods
+        self._last = last
+        self._owed = owed
+
+    def told(self, about: ObjectReference, reason: str) -> None:
+        """An Event about to be posted: an enforcement on a pod sets the pod's condition."""
+        if about.get("kind") != "Pod" or reason not in ENFORCING:
+            return
+        at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        pod = (self._pods() or {}).get(about.get("uid", ""))
+        make = functools.partial(
+            _condition, Reason(reason), about, at, pod, self._last(), self._owed()
+        )
+        self._writer.set(about, make)
+
+
+def _condition(
+    reason: Reason,
+    about: ObjectReference,
+    at: str,
+    pod: Pod | None,
+    passed: LastPass | None,
+    owed: Tenants | None,
+) -> dict[str, str]:
+    container = container_named(about.get("fieldPath", ""))
+    action = policy_of(sidecar_env(pod, SIDECAR)).action if pod is not None else None
+    series: tuple[ContainerSeries, ...] = ()
+    if pod is not None and passed is not None and container is not None:
+        sample, containers = passed
+        ns, name = about.get("namespace", ""), about.get("name", "")
+        named = {
+            cid: Named(ns, name, ref.name)
+            for cid, ref in containers_by_id(pod).items()
+            if ref.name == container
+        }
+        series = container_series(sample, containers(), named, owed)
+    return condition(seen(reason, pod, container, series, action), at)
