@@ -19,6 +19,8 @@ gives them. Its fake GPUs accept hard limits, as a driver from R615 would.
 - A Job whose pod carries the native sidecar completes.
 - A GPU pod that declares nothing, in a namespace that did not opt in, is shown in the
   agent's series and told once on its pod (VRAMUndeclared).
+- A pod stopped over its limit keeps, as its condition, why, after its Events are gone; so
+  does a Job's pod that failed for it, and a container restarted names its instance.
 - Uninstalling the chart leaves nothing behind.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -43,10 +46,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from enforcer.core.admission import TOKEN_DIR
+from enforcer.core.last_enforcement import Enforced, condition, status_patch
 from enforcer.core.model import GiB, MiB
+from enforcer.core.reasons import Reason
+from enforcer.edge.kube import POD_STATUS, STRATEGIC_MERGE_PATCH, call
 from tests.e2e.actors import default_service_account
 from tests.e2e.agent_pod import AgentPod, label_gpu_node
-from tests.e2e.cluster import ApiServer
+from tests.e2e.cluster import ISSUER, ApiServer
 from tests.e2e.deviceplugin import DevicePlugin
 from tests.e2e.helm import CHART, helm
 from tests.e2e.images import ENFORCER_IMAGE, enforcer_image, image_missing
@@ -967,6 +973,19 @@ def test_restart_makes_the_kubelet_restart_the_container(installed: Cluster) -> 
         what="the VRAMEnforced Event",
     )
     assert enforced.involved_object.field_path == "spec.containers{trainer}"
+    # The condition names the instance that was restarted, which lastState shows ended.
+    before = pod.status.container_statuses[0].container_id
+    reason, _, message = wait_for(
+        lambda: last_enforcement(installed, "trainer-1"), timeout=30, what="the condition"
+    )
+    assert reason == "VRAMEnforced", message
+    assert message.startswith(
+        "container 'trainer' was enforced over its VRAM limit with its action, restart (the "
+        "container is killed, and the kubelet starts it again)"
+    ), message
+    assert f"that was its instance {before}, after 0 restarts" in message, message
+    now = core.read_namespaced_pod("trainer-1", OPTED_IN).status.container_statuses[0]
+    assert now.container_id != before and now.last_state.terminated.container_id == before
     core.delete_namespaced_pod("trainer-1", OPTED_IN)
     wait_for(lambda: gone(core, OPTED_IN, "trainer-1"), timeout=60, what="the pod to be gone")
 
@@ -1498,6 +1517,161 @@ def test_with_its_sidecar_stopped_restart_still_restarts_the_container(installed
         os.kill(sidecar, signal.SIGCONT)
     core.delete_namespaced_pod("held-restart", OPTED_IN)
     wait_for(lambda: gone(core, OPTED_IN, "held-restart"), timeout=60, what="the pod to be gone")
+
+
+# The command of docs/operations.md's "My pod was killed: why?", run as it is written there.
+WHY = re.search(
+    r"-o jsonpath='([^']+)'",
+    (ROOT / "docs" / "operations.md").read_text().split("### My pod was killed: why?", 1)[1],
+)
+
+
+def last_enforcement(installed: Cluster, name: str) -> tuple[str, str, str] | None:
+    """The pod's condition vram-enforcer.io/Enforced, as the troubleshooting entry reads it:
+    its reason, its time and its message (None: the pod has none)."""
+    assert WHY is not None
+    out = installed.kubectl("get", "pod", name, "-n", OPTED_IN, "-o", f"jsonpath={WHY[1]}")
+    if not out.strip():
+        return None
+    head, message = out.rstrip("\n").split("\n", 1)
+    reason, at = head.split("\t")
+    return reason, at, message
+
+
+def without_events(installed: Cluster, name: str) -> None:
+    """Delete the pod's Events, as their expiry an hour later does."""
+    installed.kubectl(
+        "delete", "events", "-n", OPTED_IN, "--field-selector", f"involvedObject.name={name}"
+    )
+    assert "VRAMEnforced" not in vram_events(installed.core, OPTED_IN, name)
+
+
+def test_a_killed_pods_condition_says_why_once_its_events_are_gone(installed: Cluster) -> None:
+    """The morning after (issue 43, item 5): the pod's Events have expired, and its
+    condition still says which container was stopped, what the agent saw it hold of what
+    limit, with which action, and which instance of the container that was."""
+    core, node = installed.core, installed.node
+    core.create_namespaced_pod(OPTED_IN, workload("killed-0", "1Gi"))
+    pod = wait_for(lambda: running(core, OPTED_IN, "killed-0"), timeout=90, what="the pod")
+    assert last_enforcement(installed, "killed-0") is None  # none before an enforcement
+    stopped_over(installed, "killed-0", the_holder(node, pod), 2 * GiB)
+    wait_for(lambda: last_enforcement(installed, "killed-0"), timeout=30, what="the condition")
+    without_events(installed, "killed-0")
+    found = last_enforcement(installed, "killed-0")
+    assert found is not None
+    reason, at, message = found
+    assert reason == "VRAMEnforced"
+    assert message.startswith(
+        "container 'trainer' was enforced over its VRAM limit with its action, terminate "
+        f"(SIGTERM to its largest process, SIGKILL after the grace period) (VRAMEnforced, at {at})"
+    ), message
+    assert "the node agent saw it hold 2.00 GiB of its 1.00 GiB limit (200%)" in message
+    instance = pod.status.container_statuses[0].container_id
+    assert f"that was its instance {instance}, after 0 restarts" in message, message
+    described = installed.kubectl("describe", "pod", "killed-0", "-n", OPTED_IN)
+    assert re.search(r"vram-enforcer\.io/Enforced\s+True", described), described
+    assert "VRAMEnforced" not in described.split("Events:", 1)[1]
+    assert installed.served("vram_enforcer_conditions_failed_total", reason="forbidden") == 0
+    core.delete_namespaced_pod("killed-0", OPTED_IN)
+    wait_for(lambda: gone(core, OPTED_IN, "killed-0"), timeout=60, what="the pod to be gone")
+
+
+def test_a_jobs_pod_that_failed_over_its_limit_keeps_its_condition(installed: Cluster) -> None:
+    """A Job's pod whose one process is stopped over its limit fails (exit 143, the Job
+    with it); the kubelet's writes of its status as it fails keep the agent's condition,
+    which its Events outlive; and the agent's own token may still set a failed pod's
+    condition, through the chart's policy."""
+    core, node = installed.core, installed.node
+    batch = client.BatchV1Api(installed.server.client())
+    container = {
+        "name": "step",
+        "image": ENFORCER_IMAGE,
+        "imagePullPolicy": "Never",
+        "command": ["python", "-c", CHILD],  # its first process holds the VRAM
+        "resources": {"limits": {RESOURCE: "1Gi"}},
+    }
+    template = {"restartPolicy": "Never", "containers": [container]}
+    job = {
+        "metadata": {"name": "overrun"},
+        "spec": {"backoffLimit": 0, "template": {"spec": template}},
+    }
+    batch.create_namespaced_job(OPTED_IN, job)
+
+    def the_pod() -> client.V1Pod | None:
+        found = core.list_namespaced_pod(OPTED_IN, label_selector="job-name=overrun").items
+        return found[0] if found and found[0].status.phase == "Running" else None
+
+    try:
+        pod = wait_for(the_pod, timeout=90, what="the Job's pod to run")
+        name = pod.metadata.name
+        holder = the_holder(node, pod, "step")
+        installed.use(holder, 2 * GiB)
+        try:
+            failed = wait_for(
+                lambda: (
+                    (p := core.read_namespaced_pod(name, OPTED_IN)).status.phase == "Failed" and p
+                ),
+                timeout=60,
+                what="the Job's pod to fail",
+            )
+        finally:
+            installed.use(holder, None)
+        (step,) = [s for s in failed.status.container_statuses if s.name == "step"]
+        assert step.state.terminated.exit_code == 128 + signal.SIGTERM
+        wait_for(
+            lambda: any(
+                c.type == "Failed" and c.status == "True"
+                for c in batch.read_namespaced_job("overrun", OPTED_IN).status.conditions or ()
+            ),
+            timeout=60,
+            what="the Job to fail",
+        )
+        without_events(installed, name)
+        found = last_enforcement(installed, name)
+        assert found is not None
+        reason, _, message = found
+        assert reason == "VRAMEnforced"
+        assert message.startswith("container 'step' was enforced over its VRAM limit"), message
+        assert "the node agent saw it hold 2.00 GiB of its 1.00 GiB limit (200%)" in message
+        assert f"that was its instance {step.container_id}" in message, message
+        # The agent's own token (bound to its pod, as the kubelet mounts it) may set the
+        # condition of a pod that has failed.
+        assert installed.agent is not None
+        agent_pod = installed.agent.pod()
+        assert agent_pod is not None
+        request = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(
+                audiences=[ISSUER],
+                bound_object_ref=client.V1BoundObjectReference(
+                    kind="Pod",
+                    api_version="v1",
+                    name=agent_pod.metadata.name,
+                    uid=agent_pod.metadata.uid,
+                ),
+            )
+        )
+        token = core.create_namespaced_service_account_token(
+            agent_pod.spec.service_account_name, NAMESPACE, request
+        ).status.token
+        later = condition(Enforced(Reason.ENFORCED, "step"), "2026-11-29T04:00:00Z")
+        call(
+            installed.server.client(token),
+            "PATCH",
+            POD_STATUS,
+            "pods/status",
+            body=status_patch(failed.metadata.uid, later),
+            params={"namespace": OPTED_IN, "name": name},
+            deadline=10,
+            patch=STRATEGIC_MERGE_PATCH,
+        )
+        assert last_enforcement(installed, name) == (
+            "VRAMEnforced",
+            "2026-11-29T04:00:00Z",
+            later["message"],
+        )
+        assert core.read_namespaced_pod(name, OPTED_IN).status.phase == "Failed"
+    finally:
+        batch.delete_namespaced_job("overrun", OPTED_IN, propagation_policy="Foreground")
 
 
 def _restarts(pod: client.V1Pod, container: str) -> int:
