@@ -85,10 +85,15 @@ def seen(
     container: str | None,
     series: Iterable[ContainerSeries],
     action: Action | None = None,
+    dry_run: bool = False,
 ) -> Enforced:
     """The enforcement of `reason` on `container` of `pod` (None: the agent does not have
     it), with the container's instance from the pod's status, what the agent's series of
-    that container (`series`, of that instance) show, and the pod's `action`."""
+    that container (`series`, of that instance) show, and the pod's `action`. A pod whose
+    policy is a dry-run (`dry_run`) was not enforced, whatever the report's reason: it
+    would have been."""
+    if dry_run and reason in (Reason.ENFORCED, Reason.RECLAIMED):
+        reason = Reason.WOULD_ENFORCE
     instance, restarts = "", None
     statuses = json_map((pod or {}).get("status"))
     for status in (s for field in STATUSES for s in json_maps(statuses.get(field))):

@@ -59,7 +59,7 @@ def _condition(
     owed: Tenants | None,
 ) -> dict[str, str]:
     container = container_named(about.get("fieldPath", ""))
-    action = policy_of(sidecar_env(pod, SIDECAR)).action if pod is not None else None
+    policy = policy_of(sidecar_env(pod, SIDECAR)) if pod is not None else None
     series: tuple[ContainerSeries, ...] = ()
     if pod is not None and passed is not None and container is not None:
         sample, containers = passed
@@ -70,4 +70,5 @@ def _condition(
             if ref.name == container
         }
         series = container_series(sample, containers(), named, owed)
-    return condition(seen(reason, pod, container, series, action), at)
+    action, dry_run = (policy.action, policy.dry_run) if policy is not None else (None, False)
+    return condition(seen(reason, pod, container, series, action, dry_run), at)

@@ -101,6 +101,16 @@ def test_a_dry_run_sets_the_condition_false_with_its_own_reason() -> None:
     assert "6.00 GiB of its 4.00 GiB limit (150%)" in cond["message"]
 
 
+@pytest.mark.parametrize("reason", [Reason.ENFORCED, Reason.RECLAIMED])
+def test_a_pod_in_dry_run_was_not_enforced_whatever_its_report_says(reason: Reason) -> None:
+    """The pod's policy (the webhook's) says dry-run: its sidecar's report (of a release
+    that said a would-be enforcement as VRAMEnforced, or a forged one) sets it False."""
+    e = seen(reason, pod(), "trainer", [], Action.TERMINATE, dry_run=True)
+    cond = condition(e, AT)
+    assert (cond["status"], cond["reason"]) == ("False", "VRAMWouldEnforce")
+    assert "with its action" not in cond["message"]
+
+
 def test_a_reclaim_says_the_request_and_the_ceiling() -> None:
     e = seen(Reason.RECLAIMED, pod(), "trainer", [series(6 * GiB, 2 * GiB, 8 * GiB)])
     assert (
