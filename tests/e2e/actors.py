@@ -19,7 +19,7 @@ import yaml
 from kubernetes import client, utils
 
 from enforcer.edge.procfs import ProcFs
-from tests.e2e.cluster import ApiServer, make_ca, make_serving_cert
+from tests.e2e.cluster import ISSUER, ApiServer, make_ca, make_serving_cert
 from tests.e2e.podsim import SimPod
 from tests.fakenvml import FakeGpuState, limit_records
 from tests.helpers import free_port, wait_for
@@ -207,6 +207,23 @@ def default_service_account(core: client.CoreV1Api, namespace: str) -> None:
         return True
 
     wait_for(made, timeout=30, what=f"the default ServiceAccount of {namespace}")
+
+
+def token_bound_to(core: client.CoreV1Api, pod: client.V1Pod) -> str:
+    """A token of the pod's ServiceAccount bound to the pod, as the kubelet mounts it: the
+    API server names the pod's node in it (`authentication.kubernetes.io/node-name`)."""
+    request = client.AuthenticationV1TokenRequest(
+        spec=client.V1TokenRequestSpec(
+            audiences=[ISSUER],
+            bound_object_ref=client.V1BoundObjectReference(
+                kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid
+            ),
+        )
+    )
+    account, namespace = pod.spec.service_account_name, pod.metadata.namespace
+    return str(
+        core.create_namespaced_service_account_token(account, namespace, request).status.token
+    )
 
 
 def namespace_with_sidecar_rbac(

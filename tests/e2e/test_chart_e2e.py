@@ -29,8 +29,8 @@ from enforcer.core.last_enforcement import Enforced, condition, status_patch
 from enforcer.core.reasons import Reason
 from enforcer.edge.kube import POD_STATUS, STRATEGIC_MERGE_PATCH, Forbidden, KubeError, call
 from enforcer.edge.kube import access_allowed as allowed
-from tests.e2e.actors import default_service_account
-from tests.e2e.cluster import ISSUER, OLDEST, ApiServer, oldest_apiserver_binary
+from tests.e2e.actors import default_service_account, token_bound_to
+from tests.e2e.cluster import OLDEST, ApiServer, oldest_apiserver_binary
 from tests.e2e.helm import CHART, helm
 from tests.helpers import configured, free_port, wait_for
 
@@ -466,16 +466,7 @@ def test_the_agent_may_delete_and_evict_only_the_enforced_pods_of_its_own_node(
             },
         },
     )
-    request = client.AuthenticationV1TokenRequest(
-        spec=client.V1TokenRequestSpec(
-            audiences=[ISSUER],
-            bound_object_ref=client.V1BoundObjectReference(
-                kind="Pod", api_version="v1", name="vap-agent", uid=agent_pod.metadata.uid
-            ),
-        )
-    )
-    bound = core.create_namespaced_service_account_token(agent_sa, NAMESPACE, request)
-    agent = client.CoreV1Api(apiserver.client(bound.status.token))
+    agent = client.CoreV1Api(apiserver.client(token_bound_to(core, agent_pod)))
     unbound = client.CoreV1Api(apiserver.client(apiserver.token_for(NAMESPACE, agent_sa)))
 
     def refused(call: Any, words: str) -> bool:
@@ -578,16 +569,7 @@ def test_the_agent_may_set_only_its_condition_and_only_on_its_own_nodes_enforced
             },
         },
     )
-    request = client.AuthenticationV1TokenRequest(
-        spec=client.V1TokenRequestSpec(
-            audiences=[ISSUER],
-            bound_object_ref=client.V1BoundObjectReference(
-                kind="Pod", api_version="v1", name="cond-agent", uid=agent_pod.metadata.uid
-            ),
-        )
-    )
-    bound = core.create_namespaced_service_account_token(agent_sa, NAMESPACE, request)
-    agent = apiserver.client(bound.status.token)
+    agent = apiserver.client(token_bound_to(core, agent_pod))
     unbound = apiserver.client(apiserver.token_for(NAMESPACE, agent_sa))
     ours = condition(Enforced(Reason.ENFORCED, "c"), "2026-11-29T03:12:05Z")
 

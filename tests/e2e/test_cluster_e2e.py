@@ -50,9 +50,9 @@ from enforcer.core.last_enforcement import Enforced, condition, status_patch
 from enforcer.core.model import GiB, MiB
 from enforcer.core.reasons import Reason
 from enforcer.edge.kube import POD_STATUS, STRATEGIC_MERGE_PATCH, call
-from tests.e2e.actors import default_service_account
+from tests.e2e.actors import default_service_account, token_bound_to
 from tests.e2e.agent_pod import AgentPod, label_gpu_node
-from tests.e2e.cluster import ISSUER, ApiServer
+from tests.e2e.cluster import ApiServer
 from tests.e2e.deviceplugin import DevicePlugin
 from tests.e2e.helm import CHART, helm
 from tests.e2e.images import ENFORCER_IMAGE, enforcer_image, image_missing
@@ -1639,20 +1639,7 @@ def test_a_jobs_pod_that_failed_over_its_limit_keeps_its_condition(installed: Cl
         assert installed.agent is not None
         agent_pod = installed.agent.pod()
         assert agent_pod is not None
-        request = client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(
-                audiences=[ISSUER],
-                bound_object_ref=client.V1BoundObjectReference(
-                    kind="Pod",
-                    api_version="v1",
-                    name=agent_pod.metadata.name,
-                    uid=agent_pod.metadata.uid,
-                ),
-            )
-        )
-        token = core.create_namespaced_service_account_token(
-            agent_pod.spec.service_account_name, NAMESPACE, request
-        ).status.token
+        token = token_bound_to(core, agent_pod)
         later = condition(Enforced(Reason.ENFORCED, "step"), "2026-11-29T04:00:00Z")
         call(
             installed.server.client(token),
