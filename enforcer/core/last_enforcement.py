@@ -38,7 +38,8 @@ ENFORCING = frozenset({Reason.ENFORCED, Reason.RECLAIMED, Reason.EVICTED, Reason
 _WHAT = {
     Reason.ENFORCED: "was enforced over its VRAM limit",
     Reason.RECLAIMED: "was asked to give back GPU memory it borrowed above its request",
-    Reason.EVICTED: "was over its VRAM limit and out of reach of signals: the pod is evicted",
+    Reason.EVICTED: "was over its VRAM limit and out of reach of signals: the pod is made to "
+    "leave (evicted, or deleted once its budgets have refused that for long)",
     Reason.WOULD_ENFORCE: "would have been enforced (dry-run): nothing was signalled",
 }
 
