@@ -7,6 +7,7 @@ action (its sidecar's environment, which the webhook wrote: the backstop's `poli
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Mapping
 
@@ -37,13 +38,25 @@ class LastEnforcement:
         self._pods = pods
         self._last = last
         self._owed = owed
+        self._evicted: set[str] = set()  # pods made to leave: their condition says so
+        self._lock = threading.Lock()  # told in any thread
 
     def told(self, about: ObjectReference, reason: str) -> None:
-        """An Event about to be posted: an enforcement on a pod sets the pod's condition."""
+        """An Event about to be posted: an enforcement on a pod sets the pod's condition,
+        the latest replacing the one before, but for an eviction: the pod is leaving, and
+        the backstop's signal, refused again on later passes, does not hide why."""
         if about.get("kind") != "Pod" or reason not in ENFORCING:
             return
         at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        pod = (self._pods() or {}).get(about.get("uid", ""))
+        uid, pods = about.get("uid", ""), self._pods()
+        with self._lock:
+            if pods is not None:
+                self._evicted &= pods.keys()  # those gone are forgotten
+            if reason == Reason.EVICTED:
+                self._evicted.add(uid)
+            elif uid in self._evicted:
+                return
+        pod = (pods or {}).get(uid)
         make = functools.partial(
             _condition, Reason(reason), about, at, pod, self._last(), self._owed()
         )

@@ -282,7 +282,9 @@ from enforcer.edge.eviction import Evictor
 from enforcer.edge.kube import api_client
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.procfs import ProcFs
+from enforcer.edge.pod_conditions import ConditionWriter
 from enforcer.modes.backstop import Backstop
+from enforcer.modes.last_enforcement import LastEnforcement
 from enforcer.modes.node_view import NodeView
 
 url, pid, start, cid, pod, timeout = sys.argv[1:]
@@ -292,20 +294,26 @@ api = api_client(configuration)
 telemetry = AgentTelemetry()
 recorder = EventRecorder(api, "node-a", "node-a", telemetry.event_failures)
 evictor = Evictor(api, recorder, telemetry.unexpected.labels("evictor"), float(timeout))
+key = ProcessKey(int(pid), int(start))
+sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
+writer = ConditionWriter(api, telemetry.condition_failures)
+recorder.told = LastEnforcement(
+    writer, lambda: {"u": json.loads(pod)}, lambda: (sample, lambda: {key: cid}), lambda: None
+).told
 recorder.start()
 evictor.start()
+writer.start()
 node = NodeView(lambda: {"u": json.loads(pod)}, lambda: frozenset({"team"}),
                 Declares("vram-enforcer.io/vram"))
 backstop = Backstop(node, lambda: frozenset({"u"}), recorder, telemetry, ProcFs(), evictor.evict)
-key = ProcessKey(int(pid), int(start))
-sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
 for _ in range(5):  # the sampler's passes: one eviction for all of them
     backstop(sample, lambda: {key: cid}, None)
     time.sleep(0.1)
 ends = time.monotonic() + 10
-while evictor.pending and time.monotonic() < ends:
+while (evictor.pending or writer.waiting) and time.monotonic() < ends:
     time.sleep(0.05)
 evictor.stop.set()
+writer.stop.set()
 recorder.close(5)
 """
 
@@ -548,6 +556,15 @@ def test_a_pod_whose_signal_the_kernel_refuses_is_evicted_once_with_an_event(
     assert "container 'trainer'" in message and "2.00 GiB" in message, message
     assert "1.00 GiB VRAM limit" in message and "kernel refused the signal" in message
     assert "evicted instead, with a grace period of 7s" in message
+    # The agent's own enforcement stays on the pod as its condition, the latest last.
+    (path, _, body) = api.patches[-1]
+    assert path == "/api/v1/namespaces/team/pods/p/status"
+    (kept,) = body["status"]["conditions"]
+    assert kept["reason"] == "VRAMEvicted", kept
+    assert kept["message"].startswith(
+        "container 'trainer' was over its VRAM limit and out of reach of signals"
+    )
+    assert "the node agent saw it hold 2.00 GiB" in kept["message"]
 
 
 @pytest.mark.skipif(
