@@ -124,6 +124,17 @@ def parse_bytes(text: str, field: str, unit: int = 1) -> int:
     return int(value)
 
 
+_SUFFIXES = (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10))
+
+
+def format_quantity(n: int) -> str:
+    """Bytes as the shortest exact binary quantity: 8589934592 -> 8Gi."""
+    for suffix, shift in _SUFFIXES:
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{suffix}"
+    return str(n)
+
+
 def kubernetes_version(git_version: str) -> tuple[int, int] | None:
     """(major, minor) of an API server's gitVersion (`v1.37.2`, `v1.31.4-gke.100`)."""
     m = re.match(r"v?(\d+)\.(\d+)", git_version)

@@ -19,7 +19,6 @@ container, the field, the value and the fix. The parts:
 """
 
 from enforcer.core.admission.claims import claim_template as claim_template
-from enforcer.core.admission.claims import format_quantity as format_quantity
 from enforcer.core.admission.common import INJECTED as INJECTED
 from enforcer.core.admission.common import AdmissionSettings as AdmissionSettings
 from enforcer.core.admission.common import Denied as Denied
@@ -30,3 +29,4 @@ from enforcer.core.admission.review import review as review
 from enforcer.core.admission.review import sidecar_mode_for as sidecar_mode_for
 from enforcer.core.admission.review import templates_named as templates_named
 from enforcer.core.admission.sidecar import TOKEN_DIR as TOKEN_DIR
+from enforcer.core.parsing import format_quantity as format_quantity

@@ -16,6 +16,7 @@ from enforcer.core.admission.common import (
 from enforcer.core.admission.patch import Patch
 from enforcer.core.parsing import (
     ConfigError,
+    format_quantity,
     parse_bytes,
 )
 from enforcer.core.payloads import (
@@ -116,14 +117,3 @@ def claimed_limits(spec: PodSpec) -> dict[str, int]:
         if claim in claims and size is not None:
             found[c["name"]] = size
     return found
-
-
-_SUFFIXES = (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10))
-
-
-def format_quantity(n: int) -> str:
-    """Bytes as the shortest exact binary quantity: 8589934592 -> 8Gi."""
-    for suffix, shift in _SUFFIXES:
-        if n and n % (1 << shift) == 0:
-            return f"{n >> shift}{suffix}"
-    return str(n)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from enforcer.core.admission.claims import format_quantity
 from enforcer.core.admission.common import (
     SHM_SIZE,
     AdmissionSettings,
@@ -26,6 +25,7 @@ from enforcer.core.declaration import (
 from enforcer.core.model import Action
 from enforcer.core.parsing import (
     ConfigError,
+    format_quantity,
     parse_bytes,
 )
 from enforcer.core.payloads import (
