@@ -18,6 +18,7 @@ from enforcer.core.attribution import attribute, gpu_shares
 from enforcer.core.declaration import SIDECAR, injected
 from enforcer.core.lending import Tenants
 from enforcer.core.model import Activity, ProcessKey, Sample
+from enforcer.core.owners import Owner, owner_of
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import containers_by_id, json_map
 from enforcer.core.reclaim import Gpu
@@ -129,3 +130,22 @@ def container_series(
             )
         )
     return tuple(found)
+
+
+def peak_series(
+    named: Mapping[str, Named], peaks: Mapping[str, int]
+) -> tuple[tuple[Named, int], ...]:
+    """Each named container's peak (`peaks`: by container ID, the highest it held over all
+    GPUs): its current instance's alone, as its pod's status names it (0 until it holds
+    some), so that a restart starts it again."""
+    found = ((who, peaks.get(cid, 0)) for cid, who in named.items())
+    return tuple(sorted(found, key=lambda s: (s[0].namespace, s[0].pod, s[0].container)))
+
+
+def pod_owners(pods: Iterable[Pod]) -> tuple[tuple[str, str, Owner], ...]:
+    """(namespace, pod, its workload) of each of `pods`: one series per pod."""
+    found = set()
+    for pod in pods:
+        meta = json_map(pod.get("metadata"))
+        found.add((str(meta.get("namespace") or ""), str(meta.get("name") or ""), owner_of(pod)))
+    return tuple(sorted(found))

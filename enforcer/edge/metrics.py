@@ -18,7 +18,8 @@ from prometheus_client.registry import Collector
 
 from enforcer.core.attribution import gpu_shares
 from enforcer.core.model import Device, Unplaced
-from enforcer.core.pod_metrics import ContainerSeries
+from enforcer.core.owners import Owner
+from enforcer.core.pod_metrics import ContainerSeries, Named
 from enforcer.core.reclaim import Gpu
 from enforcer.core.sidecar_report import ACTIONS, NEEDED_BY, REFUSED, SidecarReport
 from enforcer.core.unaccounted import Unaccounted
@@ -403,6 +404,9 @@ class PodsView:
     # (namespace, pod) -> what its sidecar alone knows, with what the agent's backstop did
     # there while the sidecar was silent (`core/sidecar_report.py`).
     reports: Mapping[tuple[str, str], SidecarReport] = field(default_factory=dict)
+    # Each enforced container's peak, and each pod's workload (`vram-enforcer recommend`).
+    peaks: Sequence[tuple[Named, int]] = ()
+    owners: Sequence[tuple[str, str, Owner]] = ()
 
 
 _CONTAINER_LABELS = ["namespace", "pod", "container"]
@@ -454,6 +458,7 @@ class PodsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         view = self._view()
         yield from _container_families(view.containers, self._per_process)
+        yield from _workload_families(view)
         for family, metric, label, help in _REPORTED:
             counter = CounterMetricFamily(PREFIX + metric, help, labels=[*_POD_LABELS, label])
             for pod, report in sorted(view.reports.items()):
@@ -546,6 +551,28 @@ def _container_families(
     yield from (used, limit, ceiling, gpu_used, gpu_limit, over, sm, bandwidth)
     if per_process:
         yield process
+
+
+def _workload_families(view: PodsView) -> Iterator[Metric]:
+    """What a limit is chosen from: each container's peak, and each pod's owner."""
+    peak = GaugeMetricFamily(
+        PREFIX + "container_peak_bytes",
+        "The most GPU memory the container held at once over all its GPUs, as the agent saw "
+        "it since the container (re)started; max_over_time() gives it over a window",
+        labels=_CONTAINER_LABELS,
+    )
+    for who, held in view.peaks:
+        peak.add_metric([who.namespace, who.pod, who.container], held)
+    owner = GaugeMetricFamily(
+        PREFIX + "pod_owner",
+        "1 for the workload the pod belongs to (Deployment, StatefulSet, DaemonSet, Job, "
+        "ReplicaSet, another controller's kind, or Pod), as the pod says it",
+        labels=[*_POD_LABELS, "owner_kind", "owner_name"],
+    )
+    for namespace, pod, of in view.owners:
+        owner.add_metric([namespace, pod, of.kind, of.name], 1)
+    yield peak
+    yield owner
 
 
 class AgentTelemetry:

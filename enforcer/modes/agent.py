@@ -54,7 +54,7 @@ from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
 from enforcer.modes.node_view import ClaimReads, NodeView
-from enforcer.modes.pod_metrics import LastPass, PodCounts, pods_view
+from enforcer.modes.pod_metrics import LastPass, Peaks, PodCounts, pods_view, with_workloads
 
 if TYPE_CHECKING:
     from kubernetes import client
@@ -156,6 +156,7 @@ class PodSteps:
     backstop: Backstop | None = None
     keeps_usage: bool = False
     unaccounted: UnaccountedStep | None = None
+    peaks: Peaks | None = None  # each container's peak, kept for its series
 
 
 class Sampler(threading.Thread):
@@ -213,8 +214,12 @@ class Sampler(threading.Thread):
                 lending = steps.lender(sample, containers)
             if steps.backstop is not None:  # a silent pod's borrowers, held as told its sidecar
                 steps.backstop(sample, containers, lending)
-            if steps.keeps_usage:
-                self._passes.container_usage.set(usage_by_container(sample, containers()))
+            if steps.keeps_usage or steps.peaks is not None:
+                usage = usage_by_container(sample, containers())
+                if steps.keeps_usage:
+                    self._passes.container_usage.set(usage)
+                if steps.peaks is not None:
+                    steps.peaks.see(usage)
             self._passes.last.set((sample, containers))
         self._server.publish(sample, lending)
         self._record(sample)
@@ -540,6 +545,7 @@ def _pod_watch(
             )
         )
     lender, backstop = None, None
+    peaks: Peaks | None = None
     if served is not None:
         dra = claims if settings.dra.drivers else None
         assigned = None
@@ -599,9 +605,12 @@ def _pod_watch(
             backstop,
             namespaces.names,
         )
+        peaks = Peaks(pods.snapshot)
+        view = functools.partial(with_workloads, view, pods.snapshot, peaks, namespaces.names)
         telemetry.registry.register(PodsCollector(view, settings.per_process_metrics))
     shown = UnaccountedStep(node, telemetry.node, recorder, settings.namespace)
-    return (pods, namespaces), woken, PodSteps(lender, backstop, settings.hard_limits, shown)
+    steps = PodSteps(lender, backstop, settings.hard_limits, shown, peaks)
+    return (pods, namespaces), woken, steps
 
 
 def health(sampler: Sampler, after: float, sidecars: SidecarWatch | None = None) -> str | None:

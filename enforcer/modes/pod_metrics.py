@@ -14,7 +14,13 @@ from enforcer.core.lending import Tenants
 from enforcer.core.model import ProcessKey, Sample
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import containers_by_id, json_map
-from enforcer.core.pod_metrics import ContainerSeries, container_series, enforced_containers
+from enforcer.core.pod_metrics import (
+    ContainerSeries,
+    container_series,
+    enforced_containers,
+    peak_series,
+    pod_owners,
+)
 from enforcer.core.reclaim import Gpu
 from enforcer.core.sidecar_report import SidecarReport
 from enforcer.edge.metrics import PodsView
@@ -111,3 +117,52 @@ def pods_view(
             done = replace(counts.report(), ticks=0, tick_seconds=0.0)  # not a sidecar's ticks
             reports[key] = reports.get(key, SidecarReport()) + done
     return PodsView(series, reports)
+
+
+class Peaks:
+    """Each container's highest GPU memory over all its GPUs, as the sampler's passes saw
+    it, by container ID: a restarted container has a new ID, and its peak starts again.
+    Only the containers of the node's pods (and those holding memory now, their pod's
+    status not read yet) are kept: a pod that left is forgotten once the pods are read
+    again. Fed by the sampler's thread, read by the scrapes'."""
+
+    def __init__(self, pods: Callable[[], Mapping[str, Pod] | None]) -> None:
+        self._pods = pods
+        self._lock = threading.Lock()
+        self._peaks: dict[str, int] = {}
+        self._kept_for: Mapping[str, Pod] | None = None  # the pods it was last pruned to
+
+    def see(self, usage: Mapping[str, Mapping[str, int]]) -> None:
+        """One pass's usage: container ID -> GPU -> bytes."""
+        now = self._pods()
+        with self._lock:
+            for cid, per_gpu in usage.items():
+                held = sum(per_gpu.values())
+                if held > self._peaks.get(cid, 0):
+                    self._peaks[cid] = held
+            if now is not None and now is not self._kept_for:  # the pods changed
+                ids = {cid for pod in now.values() for cid in containers_by_id(pod)}
+                self._peaks = {c: p for c, p in self._peaks.items() if c in ids or c in usage}
+                self._kept_for = now
+
+    @property
+    def by_container(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._peaks)
+
+
+def with_workloads(
+    view: Callable[[], PodsView],
+    pods: Callable[[], Mapping[str, Pod] | None],
+    peaks: Peaks,
+    opted_in: Callable[[], frozenset[str] | None],
+) -> PodsView:
+    """`view`'s series, with each enforced container's peak and the owner of each pod that
+    is enforced or had a container on a GPU (a pod that declares nothing is recommended
+    for too): what `vram-enforcer recommend` reads."""
+    now = (pods() or {}).values()
+    seen = peaks.by_container
+    named = enforced_containers(now, opted_in() or frozenset())
+    counted = seen.keys() | named.keys()
+    owned = [pod for pod in now if not counted.isdisjoint(containers_by_id(pod))]
+    return replace(view(), peaks=peak_series(named, seen), owners=pod_owners(owned))
