@@ -203,6 +203,27 @@ examples:
 """
 
 
+RECOMMEND_EPILOG = """\
+examples:
+  vram-enforcer recommend --prometheus http://localhost:9090
+  vram-enforcer recommend --prometheus http://localhost:9090 --namespace ml --window 14d
+  vram-enforcer recommend --prometheus http://localhost:9090 --namespace ml --output yaml
+
+what it does:
+  Asks Prometheus for each container's highest GPU memory over --window (the agents'
+  vram_enforcer_container_peak_bytes, and vram_enforcer_undeclared_used_bytes for pods
+  that declare nothing), groups the pods by workload (vram_enforcer_pod_owner: a
+  Deployment, StatefulSet, DaemonSet, Job, CronJob, or the pod itself), and for each
+  workload's container prints the highest peak, the peak at --percentile of its pods,
+  and a limit: that peak plus --headroom, rounded up to --round. The PromQL is in
+  docs/operations.md, "Choosing a limit".
+
+exit status:
+  0 the recommendations were printed; 1 Prometheus could not be asked, or holds no
+  peak (one line says what to check); 2 bad flags.
+"""
+
+
 def _interference_epilog() -> str:
     from enforcer.core.interference.workloads import BUILTINS  # noqa: PLC0415 - for this --help only
 
@@ -293,6 +314,16 @@ MODES = {
         "its GPU memory limit, and report each workload's slowdown, its peak GPU memory and "
         "what crashed.",
         _interference_epilog,
+    ),
+    "recommend": Mode(
+        "enforcer.core.settings.recommend",
+        lambda cfg, values, _: cfg.recommend_settings(values),
+        logging.WARNING,
+        "enforcer.modes.recommend",
+        "recommend each workload's VRAM limit from the peaks Prometheus kept",
+        "Read each container's observed GPU memory peak from Prometheus and print, per "
+        "workload, the peak and a recommended limit, as a table or as YAML for its manifest.",
+        lambda: RECOMMEND_EPILOG,
     ),
     "doctor": Mode(
         "enforcer.core.settings.doctor",

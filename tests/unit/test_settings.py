@@ -26,6 +26,7 @@ MINIMAL = {
         {},
     ),
     "doctor": (["doctor"], {}),
+    "recommend": (["recommend", "--prometheus", "http://localhost:9090"], {}),
     "interference": (["interference", "--workload", "a:1Gi:true", "--builtin", "matmul"], {}),
 }
 

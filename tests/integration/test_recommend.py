@@ -1,0 +1,179 @@
+"""`vram-enforcer recommend` against a real Prometheus (Debian's package) that scrapes the
+agent's own collectors over HTTP, beside the series another part of the agent serves for
+pods that declare nothing (`vram_enforcer_undeclared_used_bytes`, fed here): the command
+as a user runs it, its PromQL run by Prometheus itself, its table and its YAML."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import yaml
+from prometheus_client import start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from enforcer.core.attribution import usage_by_container
+from enforcer.core.declaration import ENFORCED, SIDECAR
+from enforcer.core.model import Device, GiB, MiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.payloads import Pod
+from enforcer.core.pod_metrics import ContainerSeries, Named
+from enforcer.edge.metrics import AgentTelemetry, PodsCollector, PodsView
+from enforcer.modes.pod_metrics import Peaks, with_workloads
+from tests.e2e.prometheus import Prometheus
+from tests.e2e.prometheus import missing as prometheus_missing
+from tests.helpers import free_port, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+GPUS = (Device(0, "GPU-0", "H100", 80 * GiB, 0), Device(1, "GPU-1", "H100", 80 * GiB, 0))
+A, B, NOTEBOOK, SIDE = "a" * 64, "b" * 64, "c" * 64, "d" * 64
+
+
+def pod(name: str, owner: str | None, enforced: bool, **containers: str) -> Pod:
+    labels = {"pod-template-hash": "5f6"} | ({ENFORCED: "true"} if enforced else {})
+    meta: dict[str, Any] = {"namespace": "ml", "name": name, "uid": name, "labels": labels}
+    if owner:
+        meta["ownerReferences"] = [{"kind": "ReplicaSet", "name": owner, "controller": True}]
+    statuses = [{"name": n, "containerID": f"containerd://{c}"} for n, c in containers.items()]
+    spec = {"containers": [{"name": n} for n in containers]}
+    return cast(Pod, {"metadata": meta, "spec": spec, "status": {"containerStatuses": statuses}})
+
+
+class Undeclared(Collector):
+    """What the agent serves for a container of a pod that declares nothing, per GPU."""
+
+    def __init__(self) -> None:
+        self.held = {"GPU-0": 3 * GiB, "GPU-1": 1 * GiB}
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "vram_enforcer_undeclared_used_bytes",
+            "held",
+            labels=["namespace", "pod", "container", "gpu"],
+        )
+        for gpu, held in self.held.items():
+            family.add_metric(["ml", "notebook", "lab", gpu], held)
+        yield family
+
+
+def recommend(url: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "enforcer", "recommend", "--prometheus", url, *flags]
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+
+
+@pytest.fixture
+def agent() -> Iterator[tuple[str, Undeclared]]:
+    """The agent's pod series over HTTP: two pods of the Deployment `serve` whose trainer
+    peaked at 8 GiB and at 9.5 GiB (over two GPUs, in a pass no scrape saw), their declared
+    16 GiB, and a notebook that declares nothing (its owner, and its usage fed as the
+    agent's undeclared series)."""
+    pods = {
+        "serve-5f6-a": pod("serve-5f6-a", "serve-5f6", True, trainer=A, **{SIDECAR: SIDE}),
+        "serve-5f6-b": pod("serve-5f6-b", "serve-5f6", True, trainer=B, **{SIDECAR: SIDE}),
+        "notebook": pod("notebook", None, False, lab=NOTEBOOK),
+    }
+    peaks = Peaks(lambda: pods)
+    keys = {cid: ProcessKey(100 + i, 1) for i, cid in enumerate((A, B, NOTEBOOK))}
+    passes = [
+        ((A, "GPU-0", 8 * GiB), (B, "GPU-0", 6 * GiB), (B, "GPU-1", 3 * GiB + 512 * MiB)),
+        ((A, "GPU-0", 1 * GiB), (B, "GPU-0", 1 * GiB), (NOTEBOOK, "GPU-0", 1 * GiB)),
+    ]
+    for held in passes:
+        usage = tuple(ProcessUsage(keys[cid], gpu, used) for cid, gpu, used in held)
+        peaks.see(usage_by_container(Sample(0.0, GPUS, usage), {k: c for c, k in keys.items()}))
+
+    def declared() -> PodsView:
+        return PodsView(
+            tuple(
+                ContainerSeries(Named("ml", name, "trainer"), GiB, 16 * GiB, None, (), ())
+                for name in ("serve-5f6-a", "serve-5f6-b")
+            )
+        )
+
+    telemetry = AgentTelemetry()
+    view = lambda: with_workloads(declared, lambda: pods, peaks, lambda: frozenset({"ml"}))  # noqa: E731
+    telemetry.registry.register(PodsCollector(view))
+    undeclared = Undeclared()
+    telemetry.registry.register(undeclared)
+    port = free_port()
+    server, thread = start_http_server(port, "127.0.0.1", registry=telemetry.registry)
+    try:
+        yield f"127.0.0.1:{port}", undeclared
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, agent: tuple[str, Undeclared]) -> Iterator[Prometheus]:
+    if reason := prometheus_missing():
+        pytest.skip(reason)
+    found = Prometheus(tmp_path, {"agent": [agent[0]]}, honor_labels={"agent"})
+    try:
+        wait_for(found.targets_up, timeout=30, what="the agent up in Prometheus")
+        yield found
+    finally:
+        found.close()
+
+
+def test_recommends_each_workloads_limit_from_the_peaks_prometheus_kept(
+    prometheus: Prometheus, agent: tuple[str, Undeclared]
+) -> None:
+    """serve's pods peaked at 8 and 9.5 GiB: 9.5 GiB plus 15%, 10.925 GiB, rounded up to
+    11Gi. The notebook, which declares nothing, held 3 + 1 GiB on two GPUs, then less:
+    its highest sum, plus 15%, 4.6 GiB, is 5Gi."""
+    _, undeclared = agent
+    url = f"http://127.0.0.1:{prometheus.port}"
+    top = "max_over_time((sum(vram_enforcer_undeclared_used_bytes))[1h:])"
+    wait_for(lambda: prometheus.series(f"{top} >= {4 * GiB}"), timeout=30, what="a scrape of 4 GiB")
+    undeclared.held = {"GPU-0": 1 * GiB}
+    now = f"sum(vram_enforcer_undeclared_used_bytes) == {GiB}"
+    wait_for(lambda: prometheus.series(now), timeout=30, what="a scrape of 1 GiB")
+
+    shown = recommend(url, "--window", "1h", "--no-api")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == [
+        "# limit = p100 of each pod's peak over 1h, + 15% headroom, rounded up to 1Gi",
+        "NAMESPACE  WORKLOAD          CONTAINER  PODS  PEAK      P100      LIMIT  DECLARED",
+        "ml         Deployment/serve  trainer    2     9.50 GiB  9.50 GiB  11Gi   16Gi",
+        "ml         Pod/notebook      lab        1     4.00 GiB  4.00 GiB  5Gi    -",
+    ]
+
+    pasted = recommend(url, "--window", "1h", "--no-api", "--output", "yaml", "--percentile", "50")
+    assert pasted.returncode == 0, pasted.stderr
+    serve = next(d for d in yaml.safe_load_all(pasted.stdout) if d["kind"] == "Deployment")
+    assert serve["metadata"] == {"name": "serve", "namespace": "ml"}
+    (trainer,) = serve["spec"]["template"]["spec"]["containers"]
+    assert trainer == {
+        "name": "trainer",
+        "resources": {"limits": {"vram-enforcer.io/vram": "10Gi"}},
+    }
+
+
+def test_says_what_to_check_when_prometheus_has_nothing_or_cannot_be_reached(
+    prometheus: Prometheus,
+) -> None:
+    empty = recommend(f"http://127.0.0.1:{prometheus.port}", "--namespace", "nobody", "--no-api")
+    assert empty.returncode == 1
+    assert "holds no GPU memory peak in namespace nobody over the last 7d" in empty.stderr
+    assert "scrapes the node agents" in empty.stderr
+    assert not empty.stdout
+
+    closed = free_port()
+    away = recommend(f"http://127.0.0.1:{closed}", "--no-api")
+    assert away.returncode == 1
+    assert away.stderr.startswith(
+        f"vram-enforcer recommend: cannot reach Prometheus at http://127.0.0.1:{closed}"
+    )
+    assert "check --prometheus" in away.stderr
+    assert "Traceback" not in away.stderr
+
+    wrong = recommend(f"http://127.0.0.1:{prometheus.port}/graph", "--no-api")
+    assert wrong.returncode == 1
+    assert "/graph/api/v1/query: HTTP 404: check --prometheus" in wrong.stderr

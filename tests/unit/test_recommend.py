@@ -1,0 +1,225 @@
+"""`vram-enforcer recommend`'s arithmetic: Prometheus' answers read, each workload's pods'
+peaks, a percentile of them, headroom, rounding up; the table and the YAML."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from enforcer.core.model import GiB, MiB
+from enforcer.core.owners import Owner
+from enforcer.core.recommend import (
+    AnswerError,
+    Method,
+    Observed,
+    Queries,
+    Recommendation,
+    manifests,
+    observed,
+    owners,
+    percentile,
+    recommend,
+    round_up,
+    table,
+)
+
+P100 = Method(1.0, 0.15, GiB)
+
+
+def answer(*series: tuple[dict[str, str], object]) -> dict[str, Any]:
+    result = [{"metric": labels, "value": [1700000000.0, str(v)]} for labels, v in series]
+    return {"status": "success", "data": {"resultType": "vector", "result": result}}
+
+
+def peak(pod: str, value: int, container: str = "server", namespace: str = "ml") -> Observed:
+    return Observed(namespace, pod, container, value)
+
+
+def test_the_percentile_is_the_nearest_rank_a_value_that_was_seen() -> None:
+    values = [GiB * n for n in (3, 1, 2, 10, 4, 5, 6, 7, 8, 9)]
+    assert percentile(values, 1.0) == 10 * GiB
+    assert percentile(values, 0.9) == 9 * GiB
+    assert (
+        percentile(values, 0.95) == 10 * GiB
+    )  # rank 9.5, up: 10 pods are too few to leave one out
+    assert percentile(values, 0.5) == 5 * GiB
+    assert percentile(values, 0.01) == 1 * GiB
+    assert percentile([7], 0.5) == 7
+
+
+def test_a_limit_is_rounded_up_to_whole_steps_and_is_never_0() -> None:
+    assert round_up(0, GiB) == GiB
+    assert round_up(8 * GiB, GiB) == 8 * GiB
+    assert round_up(8 * GiB + 1, GiB) == 9 * GiB
+    assert round_up(700 * MiB, 512 * MiB) == 1024 * MiB
+
+
+def test_each_workloads_pods_make_one_limit_with_its_percentile_and_headroom() -> None:
+    """Three pods of one Deployment peaked at 8, 9.5 and 7 GiB: at p100 the highest, plus
+    15% (10.925 GiB), rounded up to 11Gi; at p50 the middle one, 9.2 GiB, to 10Gi; a pod
+    nothing owns is its own workload."""
+    peaks = [
+        peak("serve-a", 8 * GiB),
+        peak("serve-b", 9 * GiB + 512 * MiB),
+        peak("serve-c", 7 * GiB),
+        peak("lone", 3 * GiB),
+    ]
+    owned = {("ml", p): Owner("Deployment", "serve") for p in ("serve-a", "serve-b", "serve-c")}
+    declared = [peak("serve-a", 16 * GiB), peak("serve-b", 12 * GiB)]
+    serve, lone = sorted(recommend(peaks, owned, P100, declared), key=lambda r: r.owner.kind)
+    assert serve == Recommendation(
+        "ml",
+        Owner("Deployment", "serve"),
+        "server",
+        3,
+        9 * GiB + 512 * MiB,
+        9 * GiB + 512 * MiB,
+        11 * GiB,
+        16 * GiB,
+    )
+    assert lone == Recommendation(
+        "ml", Owner("Pod", "lone"), "server", 1, 3 * GiB, 3 * GiB, 4 * GiB, None
+    )
+    (median,) = recommend(peaks[:3], owned, Method(0.5, 0.15, GiB))
+    assert (median.at_percentile, median.limit, median.peak) == (
+        8 * GiB,
+        10 * GiB,
+        9 * GiB + 512 * MiB,
+    )
+    (exact,) = recommend(peaks[:1], owned, Method(1.0, 0.0, GiB))
+    assert exact.limit == 8 * GiB
+
+
+def test_containers_namespaces_and_cronjob_runs_are_grouped_as_a_user_names_them() -> None:
+    """Each container of a workload has its own limit; the same name in two namespaces is
+    two workloads; the runs of a CronJob (Jobs `<cronjob>-<minutes>`) are one."""
+    peaks = [
+        peak("serve-a", 2 * GiB, "server"),
+        peak("serve-a", 1 * GiB, "cache"),
+        peak("serve-b", 2 * GiB, "server", namespace="prod"),
+        peak("nightly-29412360-abcde", 5 * GiB, "train"),
+        peak("nightly-29413800-fghij", 6 * GiB, "train"),
+    ]
+    owned = {
+        ("ml", "serve-a"): Owner("Deployment", "serve"),
+        ("prod", "serve-b"): Owner("Deployment", "serve"),
+        ("ml", "nightly-29412360-abcde"): Owner("Job", "nightly-29412360"),
+        ("ml", "nightly-29413800-fghij"): Owner("Job", "nightly-29413800"),
+    }
+    found = recommend(peaks, owned, P100, cronjobs={"ml": {"nightly"}})
+    assert [(r.namespace, r.owner, r.container, r.pods) for r in found] == [
+        ("ml", Owner("CronJob", "nightly"), "train", 2),
+        ("ml", Owner("Deployment", "serve"), "cache", 1),
+        ("ml", Owner("Deployment", "serve"), "server", 1),
+        ("prod", Owner("Deployment", "serve"), "server", 1),
+    ]
+    without = recommend(peaks, owned, P100)  # the CronJobs not read: each run is its Job
+    assert {r.owner for r in without} >= {
+        Owner("Job", "nightly-29412360"),
+        Owner("Job", "nightly-29413800"),
+    }
+
+
+def test_prometheus_answers_are_read_and_what_is_not_a_peak_is_left_out() -> None:
+    got = answer(
+        ({"namespace": "ml", "pod": "a", "container": "c", "job": "agent"}, 1073741824),
+        ({"namespace": "ml", "pod": "b"}, 5),  # no container
+        ({"namespace": "ml", "pod": "c", "container": "c"}, "NaN"),
+        ({"namespace": "ml", "pod": "d", "container": "c"}, "-1"),
+        ({"namespace": "ml", "pod": "e", "container": "c"}, "+Inf"),
+    )
+    assert observed(got) == [Observed("ml", "a", "c", GiB)]
+    who = answer(
+        ({"namespace": "ml", "pod": "a", "owner_kind": "Deployment", "owner_name": "serve"}, 1),
+        ({"namespace": "ml", "pod": "a", "owner_kind": "ReplicaSet", "owner_name": "serve-1"}, 1),
+        ({"namespace": "ml", "pod": "b", "owner_kind": "", "owner_name": "x"}, 1),
+    )
+    assert owners(who) == {("ml", "a"): Owner("ReplicaSet", "serve-1")}  # one per pod
+
+
+@pytest.mark.parametrize(
+    "got",
+    [
+        {"status": "success", "data": {"resultType": "matrix", "result": []}},
+        {"status": "error", "error": "bad"},
+        [],
+        {"status": "success", "data": {"resultType": "vector", "result": [{"metric": {}}]}},
+        {
+            "status": "success",
+            "data": {"resultType": "vector", "result": [{"metric": {}, "value": [0, "x"]}]},
+        },
+    ],
+)
+def test_an_answer_that_is_not_an_instant_vector_is_an_error_that_says_so(got: object) -> None:
+    with pytest.raises(AnswerError):
+        observed(got)
+
+
+def test_the_queries_read_peaks_and_undeclared_usage_over_the_window_in_one_namespace() -> None:
+    q = Queries("7d", "ml")
+    assert 'max_over_time(vram_enforcer_container_peak_bytes{namespace="ml"}[7d])' in q.peaks
+    assert (
+        '(sum by (namespace, pod, container) (vram_enforcer_undeclared_used_bytes{namespace="ml"}))[7d:]'
+        in q.peaks
+    )
+    assert 'last_over_time(vram_enforcer_pod_owner{namespace="ml"}[7d])' in q.owners
+    assert "{" not in Queries("36h").limits
+
+
+FOUND = [
+    Recommendation(
+        "ml",
+        Owner("Deployment", "serve"),
+        "server",
+        3,
+        9 * GiB + 512 * MiB,
+        9 * GiB,
+        11 * GiB,
+        16 * GiB,
+    ),
+    Recommendation("ml", Owner("CronJob", "nightly"), "train", 2, 6 * GiB, 6 * GiB, 7 * GiB, None),
+    Recommendation("ml", Owner("Pod", "yes"), "main", 1, GiB, GiB, 2 * GiB, None),
+    Recommendation("ml", Owner("RayCluster", "ray"), "head", 1, GiB, GiB, 2 * GiB, None),
+]
+
+
+def test_the_table_says_how_each_limit_was_made() -> None:
+    text = table(FOUND[:2], P100, "7d")
+    assert text.splitlines() == [
+        "# limit = p100 of each pod's peak over 7d, + 15% headroom, rounded up to 1Gi",
+        "NAMESPACE  WORKLOAD          CONTAINER  PODS  PEAK      P100      LIMIT  DECLARED",
+        "ml         Deployment/serve  server     3     9.50 GiB  9.00 GiB  11Gi   16Gi",
+        "ml         CronJob/nightly   train      2     6.00 GiB  6.00 GiB  7Gi    -",
+    ]
+
+
+def test_the_yaml_is_each_workloads_manifest_shape_with_its_containers_limits() -> None:
+    """Pasted into a manifest, or given to `kubectl patch --patch-file`: each kind's pod
+    template where it keeps it, names quoted as strings (a pod named `yes` stays one)."""
+    docs = list(yaml.safe_load_all(manifests(FOUND, P100, "7d", "vram-enforcer.io/vram", 1)))
+    limits = {"vram-enforcer.io/vram": "11Gi"}
+    assert docs[1] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "serve", "namespace": "ml"},
+        "spec": {
+            "template": {
+                "spec": {"containers": [{"name": "server", "resources": {"limits": limits}}]}
+            }
+        },
+    }
+    assert (
+        docs[0]["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]["name"]
+        == "train"
+    )
+    assert docs[2]["metadata"]["name"] == "yes"
+    assert docs[2]["spec"]["containers"][0]["resources"]["limits"] == {
+        "vram-enforcer.io/vram": "2Gi"
+    }
+    assert "apiVersion" not in docs[3]  # a kind whose API is not known: said in a comment
+    in_units = yaml.safe_load_all(manifests(FOUND[:1], P100, "7d", "example.com/vram", GiB))
+    assert next(in_units)["spec"]["template"]["spec"]["containers"][0]["resources"] == {
+        "limits": {"example.com/vram": "11"}
+    }
