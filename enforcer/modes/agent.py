@@ -149,8 +149,9 @@ class Passes:
 class PodSteps:
     """What each pass also does with the pod watch: the reclaims (`Lender`), the pods whose
     sidecar is silent enforced by the agent itself (`Backstop`), each container's usage
-    kept (`Passes.container_usage`, with hard limits), and the memory that no declaration
-    accounts for shown and said (`UnaccountedStep`)."""
+    kept (`Passes.container_usage`, with hard limits), the memory that no declaration
+    accounts for shown and said (`UnaccountedStep`), and each container's peak (`Peaks`,
+    where the agent serves pods)."""
 
     lender: Lender | None = None
     backstop: Backstop | None = None
