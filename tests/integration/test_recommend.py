@@ -156,6 +156,39 @@ def test_recommends_each_workloads_limit_from_the_peaks_prometheus_kept(
     }
 
 
+def documented_queries() -> list[str]:
+    """The PromQL of operations.md's "Choosing a limit", one query per paragraph."""
+    text = (ROOT / "docs" / "operations.md").read_text().split("## Choosing a limit", 1)[1]
+    block = text.split("```promql\n", 1)[1].split("```", 1)[0]
+    paragraphs = block.split("\n\n")
+    lines = ([ln for ln in p.splitlines() if not ln.startswith("#")] for p in paragraphs)
+    return ["\n".join(ln) for ln in lines if ln]
+
+
+def test_the_promql_of_the_docs_answers_per_workload(prometheus: Prometheus) -> None:
+    """What operations.md gives an operator to run by hand or on a dashboard parses, and
+    answers: the peaks (the notebook's from its undeclared usage too), per workload."""
+    peaks, per_workload, declared = documented_queries()
+
+    def named() -> set[tuple[str, str]]:
+        return {(s["metric"]["pod"], s["metric"]["container"]) for s in prometheus.series(peaks)}
+
+    every = {("serve-5f6-a", "trainer"), ("serve-5f6-b", "trainer"), ("notebook", "lab")}
+    wait_for(lambda: named() == every, timeout=30, what=f"{every} from {peaks}")
+    (serve, notebook) = sorted(
+        prometheus.series(per_workload), key=lambda s: s["metric"]["owner_kind"]
+    )
+    assert serve["metric"] == {
+        "namespace": "ml",
+        "owner_kind": "Deployment",
+        "owner_name": "serve",
+        "container": "trainer",
+    }
+    assert float(serve["value"][1]) == 9 * GiB + 512 * MiB
+    assert notebook["metric"]["owner_kind"] == "Pod"  # its peak is its undeclared usage's
+    assert {float(s["value"][1]) for s in prometheus.series(declared)} == {16 * GiB}
+
+
 def test_says_what_to_check_when_prometheus_has_nothing_or_cannot_be_reached(
     prometheus: Prometheus,
 ) -> None:
