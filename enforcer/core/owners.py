@@ -44,7 +44,7 @@ def owner_of(pod: Pod) -> Owner:
     (`cronjob_of` tells, knowing the namespace's CronJobs)."""
     meta = json_map(pod.get("metadata"))
     itself = Owner("Pod", str(meta.get("name") or ""))
-    controllers = [r for r in json_maps(meta.get("ownerReferences")) if r.get("controller")]
+    controllers = [r for r in json_maps(meta.get("ownerReferences")) if r.get("controller") is True]
     if len(controllers) != 1:  # none, or more than the API server would let a pod have
         return itself
     kind, name = controllers[0].get("kind"), controllers[0].get("name")

@@ -25,6 +25,7 @@ from typing import Any, Literal, TypeAlias, cast
 
 from enforcer.core.declaration import ENFORCED, OPT_IN, SIDECAR, injected
 from enforcer.core.dra import DraObjects
+from enforcer.core.owners import TEMPLATE_HASH
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import (
     ContainerRef,
@@ -232,6 +233,22 @@ def _containers(value: object) -> list[dict[str, Any]]:
 
 
 _CLAIM = _each({"name": True, "resourceClaimName": True})
+
+
+def _controllers(value: object) -> list[dict[str, Any]]:
+    """The pod's controllers, each its kind and name: two at most (`owners.owner_of` takes
+    two for none), each text cut past the longest it reads."""
+    found = [r for r in json_maps(value) if r.get("controller") is True][:2]
+    return [
+        {"kind": _cut(r.get("kind"), 64), "name": _cut(r.get("name"), 254), "controller": True}
+        for r in found
+    ]
+
+
+def _cut(text: object, most: int) -> object:
+    return text[:most] if isinstance(text, str) else None
+
+
 _STATUSES = _each(
     {
         "name": True,
@@ -247,14 +264,16 @@ _STATUSES = _each(
 # state (`sidecar_presence`); the restart policy and exit codes (the sidecar's
 # `pod.others_finished`); the restart count (a pod's condition names the instance
 # enforced: `last_enforcement.seen`); the resourceVersion (what changed: the limiter, the
-# claim cache).
+# claim cache); the controller and the template hash (the pod's owner series:
+# `owners.owner_of`).
 _KEPT: _Shape = {
     "metadata": {
         "name": True,
         "namespace": True,
         "uid": True,
         "resourceVersion": True,
-        "labels": {ENFORCED: True},
+        "labels": {ENFORCED: True, TEMPLATE_HASH: True},
+        "ownerReferences": _controllers,
     },
     "spec": {
         "initContainers": _containers,

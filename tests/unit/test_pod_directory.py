@@ -28,6 +28,7 @@ from enforcer.core.last_enforcement import seen
 from enforcer.core.lending import tenants
 from enforcer.core.model import Action, GiB, MiB
 from enforcer.core.owed import Claims, pod_owed
+from enforcer.core.owners import Owner, owner_of
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import containers_by_id, json_map, json_maps, others_finished, spec_field_of
 from enforcer.core.pod_directory import DraRead, directory, event_about, kept
@@ -100,7 +101,10 @@ def as_sent(pod: Doc, name: str, namespace: str, labels: Doc) -> Doc:
             "vram-enforcer.io/injected": "true",
             "kubectl.kubernetes.io/last-applied-configuration": json.dumps(pod),
         },
-        "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": "j"}],
+        "ownerReferences": [
+            {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": f"{name}-5f6", "uid": "r"}
+            | {"controller": True, "blockOwnerDeletion": True}
+        ],
         "managedFields": [
             {
                 "manager": "kubectl",
@@ -170,7 +174,7 @@ def declared() -> Doc:
             "ephemeralContainerStatuses": [status("debug", D, waiting={"reason": "Pulling"})],
         },
     }
-    return as_sent(pod, "train", "ml", {"app": "train"})
+    return as_sent(pod, "train", "ml", {"app": "train", "pod-template-hash": "5f6"})
 
 
 def kai() -> Doc:
@@ -268,6 +272,8 @@ def readings(pod: Pod) -> dict[str, object]:
         "condition": [seen(Reason.ENFORCED, pod, n, ()) for n in sorted(names)],
         # read in the modes themselves: what changed (the limiter, the claim cache), whether
         # the pod runs (the limiter), whom an Event or a log line names
+        # the pod's owner series
+        "owner": owner_of(pod),
         "direct": [meta.get(k) for k in ("uid", "namespace", "name", "resourceVersion")]
         + [status_.get("phase")],
     }
@@ -316,6 +322,8 @@ def test_the_pods_reach_every_reader() -> None:
     assert cast(Any, got["dra"]["claims"])[2].units and got["dra"]["dra_ceilings"] == {"c": 8 * GiB}
     assert cast(Any, got["dra"]["from_claims"]).owed.claimed
     assert "differs from limits" in str(got["refused"]["declaration"])
+    assert got["declared"]["owner"] == Owner("Deployment", "train")
+    assert got["kai"]["owner"] == Owner("ReplicaSet", "kai-5f6")
 
 
 def hostile(pod: Doc, size: int = MiB) -> Doc:
@@ -327,6 +335,10 @@ def hostile(pod: Doc, size: int = MiB) -> Doc:
     meta["annotations"].update(dict.fromkeys(many, "x" * 100))
     meta["labels"].update({f"k{i:06}": "v" * 50 for i in range(size // 64)})
     meta["managedFields"].append({"fieldsV1": {"f:metadata": {f"f:{k}": {} for k in many}}})
+    owners = [
+        {"kind": "K" * 100, "name": "n" * 300, "controller": i % 2 == 0} for i in range(size // 512)
+    ]
+    meta["ownerReferences"] += [*owners, {"kind": "Job", "name": "x" * size, "controller": True}]
     work = spec["containers"][0]
     work.setdefault("env", []).extend(variable(f"E{i:06}", "x" * 100) for i in range(size // 128))
     work["command"] = ["sh", "-c", "x" * size]
