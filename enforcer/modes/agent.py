@@ -594,7 +594,7 @@ def _pod_watch(
         conditions = ConditionWriter(api, telemetry.condition_failures)
         woken.append(conditions)
         recorder.told = LastEnforcement(
-            conditions, pods.snapshot, passes.last.get, lambda: lender.tenants
+            conditions, pods.snapshot, passes.last.get, lambda: lender.tenants, namespaces.names
         ).told
         view = functools.partial(
             pods_view,

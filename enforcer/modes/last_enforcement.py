@@ -2,7 +2,8 @@
 posts on a pod (`EventRecorder`'s `told`, the sidecars' reports and its own alike), it
 writes the condition (`edge/pod_conditions.py`) from its own view (`core/last_enforcement.py`):
 the pod and the sampler's pass as they were when told, what the pod declares, and its
-action (its sidecar's environment, which the webhook wrote: the backstop's `policy_of`)."""
+action (its sidecar's environment, which the webhook wrote, read where its namespace opted
+in: `pod_policy`, as the backstop reads it)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from enforcer.core.declaration import SIDECAR, sidecar_env
+from enforcer.core.declaration import SIDECAR
 from enforcer.core.last_enforcement import ENFORCING, condition, container_named, seen
 from enforcer.core.lending import Tenants
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import containers_by_id
 from enforcer.core.pod_metrics import ContainerSeries, Named, container_series
 from enforcer.core.reasons import Reason
+from enforcer.core.settings.sidecar import pod_policy
 from enforcer.edge.pod_conditions import ConditionWriter
-from enforcer.modes.backstop import policy_of
 from enforcer.modes.pod_metrics import LastPass
 
 
@@ -33,11 +34,13 @@ class LastEnforcement:
         pods: Callable[[], Mapping[str, Pod] | None],
         last: Callable[[], LastPass | None],
         owed: Callable[[], Tenants | None],
+        opted_in: Callable[[], frozenset[str] | None],
     ) -> None:
         self._writer = writer
         self._pods = pods
         self._last = last
         self._owed = owed
+        self._opted_in = opted_in
         self._evicted: set[str] = set()  # pods made to leave: their condition says so
         self._lock = threading.Lock()  # told in any thread
 
@@ -58,7 +61,14 @@ class LastEnforcement:
                 return
         pod = (pods or {}).get(uid)
         make = functools.partial(
-            _condition, Reason(reason), about, at, pod, self._last(), self._owed()
+            _condition,
+            Reason(reason),
+            about,
+            at,
+            pod,
+            self._last(),
+            self._owed(),
+            self._opted_in() or frozenset(),
         )
         self._writer.set(about, make)
 
@@ -70,9 +80,10 @@ def _condition(
     pod: Pod | None,
     passed: LastPass | None,
     owed: Tenants | None,
+    opted_in: frozenset[str],
 ) -> dict[str, str]:
     container = container_named(about.get("fieldPath", ""))
-    policy = policy_of(sidecar_env(pod, SIDECAR)) if pod is not None else None
+    policy = pod_policy(pod, SIDECAR, opted_in) if pod is not None else None
     series: tuple[ContainerSeries, ...] = ()
     if pod is not None and passed is not None and container is not None:
         sample, containers = passed

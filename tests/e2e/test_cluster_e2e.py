@@ -745,6 +745,8 @@ def test_a_gpu_pod_that_declares_nothing_in_a_namespace_not_opted_in_is_shown_an
                 installed.use(pid, None)
         ended_undeclared(core, "undeclared")
         plugin.close()
+
+
 def test_recommend_reads_each_workloads_peaks_from_a_prometheus_scraping_the_agent(
     installed: Cluster,
 ) -> None:

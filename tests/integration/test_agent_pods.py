@@ -940,6 +940,7 @@ def test_an_enforcement_stays_on_the_callers_own_pod_as_a_condition_in_the_agent
             lambda: {UA: in_pod},
             lambda: (sample, lambda: {holder: trainer}),
             lambda: tenants([(in_pod, owed)], {}),
+            lambda: frozenset({"team"}),
         ).told
         recorder.start()
         writer.start()

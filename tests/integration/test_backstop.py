@@ -298,7 +298,11 @@ key = ProcessKey(int(pid), int(start))
 sample = Sample(0.0, (), (ProcessUsage(key, "GPU-a", 2 * GiB),))
 writer = ConditionWriter(api, telemetry.condition_failures)
 recorder.told = LastEnforcement(
-    writer, lambda: {"u": json.loads(pod)}, lambda: (sample, lambda: {key: cid}), lambda: None
+    writer,
+    lambda: {"u": json.loads(pod)},
+    lambda: (sample, lambda: {key: cid}),
+    lambda: None,
+    lambda: frozenset({"team"}),
 ).told
 recorder.start()
 evictor.start()

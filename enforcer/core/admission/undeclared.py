@@ -20,9 +20,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from enforcer.core.admission.claims import format_quantity
 from enforcer.core.admission.common import AdmissionSettings, Denied, containers
-from enforcer.core.parsing import ConfigError, parse_quantity, shown
+from enforcer.core.parsing import ConfigError, format_quantity, parse_quantity, shown
 from enforcer.core.payloads import PodSpec
 from enforcer.core.pod import json_map, json_maps
 from enforcer.core.tenancy import DEFAULT, DENY, Bounds, in_namespace
