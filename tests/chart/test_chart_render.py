@@ -94,19 +94,33 @@ REFUSED: list[tuple[dict[str, Any], Sequence[str]]] = [
     ({"webhook": {"defaultVram": "8GB"}}, ["webhook.defaultVram", '"8GB"']),
     (  # the webhook refuses to start: default with nothing to give
         {"webhook": {"undeclaredGpu": "default"}},
-        ["webhook: undeclaredGpu: default", "Set webhook.defaultVram"],
+        ["webhook.undeclaredGpu is default", "Set webhook.defaultVram to a size"],
     ),
     (
         {"webhook": {"tenants": {"namespaces": {"team-a": {"undeclaredGpu": "default"}}}}},
-        ["webhook.tenants.namespaces.team-a: undeclaredGpu: default", "defaultVram"],
+        ["webhook.tenants.namespaces.team-a.undeclaredGpu is default", "webhook.defaultVram"],
     ),
+    (  # a values file's whole number past 2^53 is read as another (...788): refused, not changed
+        {"image": {"tag": 20240101123456789}},
+        ["image.tag: this number reads as 20240101123456788", "Quote it"],
+    ),
+    (
+        {"agent": {"nodeSelector": {"pool": 2**53}}},
+        ["agent.nodeSelector.pool: this number reads as 9007199254740992", "Quote it"],
+    ),
+    ({"agent": {"reserve": 2**60}}, ["agent.reserve: this number reads as", "Quote it"]),
 ]
 VALID: list[dict[str, Any]] = [
     {},
     {  # numbers, as a values file gives them (they reach the templates as float64)
-        "image": {"tag": 20240101},
+        "image": {"tag": 2**53 - 1},  # the largest whole float64 below which each is exact
         "resource": {"unit": 1},
-        "agent": {"reserve": 1073741824, "utilizationInterval": 0, "evictionTimeout": 0},
+        "agent": {
+            "reserve": 1073741824,
+            "utilizationInterval": 0,
+            "evictionTimeout": 0,
+            "nodeSelector": {"pool": 20240101},
+        },
         "webhook": {
             "shmDefault": 1073741824,
             "sidecarResources": {"cpu": 0.5, "memory": 100000000},
@@ -238,12 +252,14 @@ def _program_refusal(args: list[str]) -> str | None:
 
 
 def test_valid_values_render_into_arguments_the_programs_take(renders: Renders) -> None:
-    for values, release in zip(VALID, renders([(v, False) for v in VALID]), strict=True):
+    releases = renders([(v, False) for v in VALID])
+    for values, release in zip(VALID, releases, strict=True):
         arguments = _arguments(release["manifest"])
         assert set(arguments) == {"agent", "webhook"}
         for args in arguments.values():
             assert _program_refusal(args) is None, (values, args)
         assert "1e+" not in release["manifest"], values  # float64's way of printing
+    assert "vram-enforcer:9007199254740991\n" in releases[1]["manifest"]  # digit for digit
 
 
 WEBHOOK_COMBINATIONS = [
@@ -300,6 +316,78 @@ def test_the_chart_renders_the_webhook_values_it_starts_with_and_no_others(
             }
             named = [f"webhook.{value}" for flag, value in flags.items() if flag in refusal]
             assert named and all(name in result for name in named), (values, refusal, result)
+
+
+# The values of the webhook's defaults for an undeclared GPU, which it checks together
+# (check_defaults in enforcer/core/tenancy.py): a mode, a size (0 spelt as the docs, a number
+# and other quantities), the resource's unit, and a namespace's own.
+DEFAULT_COMBINATIONS: list[dict[str, Any]] = [
+    {
+        "resource": {"unit": unit},
+        "webhook": {
+            "undeclaredGpu": mode,
+            "defaultVram": vram,
+            "tenants": {"namespaces": namespaces},
+        },
+    }
+    for mode, vram, unit, namespaces in itertools.product(
+        ["deny", "default"],
+        ["0Gi", 0, "8Gi", "1500Mi"],
+        ["1", "1Gi"],
+        [
+            {},
+            {"ml": {"defaultVram": 0}},
+            {"ml": {"undeclaredGpu": "default"}},
+            {"ml": {"defaultVram": ".5Gi"}},
+        ],
+    )
+] + [
+    {"resource": {"unit": "512Mi"}, "webhook": {"defaultVram": vram}}
+    for vram in ["0.0Mi", "1.5Gi", "1.25Gi", "7.875Pi", "8e9", ".5Ki"]
+]
+
+
+def _default_arguments(values: dict[str, Any]) -> list[str]:
+    """The webhook's arguments for these values, as the webhook is given them: every value
+    as text (a number as its digits), each namespace's as JSON."""
+    webhook = values["webhook"]
+    namespaces = webhook.get("tenants", {}).get("namespaces", {})
+    bounds = {
+        ns: {key: str(value) for key, value in given.items()} for ns, given in namespaces.items()
+    }
+    return [
+        "webhook",
+        "--tls-cert-file=/tls/tls.crt",
+        "--tls-key-file=/tls/tls.key",
+        "--sidecar-image=vram-enforcer:test",
+        f"--resource-unit={values['resource']['unit']}",
+        f"--undeclared-gpu={webhook.get('undeclaredGpu', 'deny')}",
+        f"--default-vram={webhook['defaultVram']}",
+        f"--namespace-bounds={json.dumps(bounds)}",
+    ]
+
+
+def test_the_chart_renders_the_webhook_defaults_it_starts_with_and_no_others(
+    renders: Renders,
+) -> None:
+    """Issue 43's defaults for an undeclared GPU: a size of zero however spelt (0Gi, a
+    number 0 in a namespace, which `default` took for unset), or one that is no whole number
+    of resource.unit, made a webhook that refused to start, crash-looping with failurePolicy
+    Fail. The chart refuses exactly what the webhook refuses, naming the size it checked."""
+    refusals = [_program_refusal(_default_arguments(v)) for v in DEFAULT_COMBINATIONS]
+    results = renders(
+        [(v, r is not None) for v, r in zip(DEFAULT_COMBINATIONS, refusals, strict=True)]
+    )
+    assert None in refusals and any(refusals)  # both ways
+    for values, refusal, result in zip(DEFAULT_COMBINATIONS, refusals, results, strict=True):
+        if refusal is None:
+            assert _program_refusal(_arguments(result["manifest"])["webhook"]) is None, values
+        else:
+            ml = values["webhook"].get("tenants", {}).get("namespaces", {}).get("ml", {})
+            own = "'ml'" in refusal and "defaultVram" in ml  # the namespace's own size
+            where = "webhook.tenants.namespaces.ml" if own else "webhook"
+            assert f"{where}.defaultVram" in result, (values, refusal, result)
+            assert "execution error at" in result and len(result) < 600, result
 
 
 def test_the_sidecar_pod_monitor_of_0_1_0_fails_the_install_naming_what_replaces_it(
@@ -394,3 +482,4 @@ def test_the_webhook_budget_lets_a_node_drain(renders: Renders) -> None:
             if doc and doc["kind"] == "PodDisruptionBudget"
         ]
         assert budget["spec"]["minAvailable"] == kept
+

@@ -28,7 +28,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .Values.image.digest -}}
 {{ .Values.image.repository }}@{{ .Values.image.digest }}
 {{- else -}}
-{{ .Values.image.repository }}:{{ include "vram-enforcer.text" (.Values.image.tag | default .Chart.AppVersion) }}
+{{ .Values.image.repository }}:{{ include "vram-enforcer.text" (dict "name" "image.tag" "value" (.Values.image.tag | default .Chart.AppVersion)) }}
 {{- end -}}
 {{- end -}}
 
@@ -58,14 +58,20 @@ exist, an error lint reports (".. no template "<message>" associated with ..").
 {{- end -}}
 
 {{/*
-A value as text: a number as its digits. A values file's numbers reach the templates as
-float64, which print as 1e+06 (--set's are int64); a whole one is written whole.
+A value as text: a number as its digits. dict: name (the value's path), value. A values
+file's numbers reach the templates as float64, which print as 1e+06 (--set's are int64); a
+whole one is written whole. From 2^53 on, a float64 no longer holds every whole number
+(20240101123456789 is read as ...788): such a number is refused, naming the value, rather
+than written with other digits than the user gave.
 */}}
 {{- define "vram-enforcer.text" -}}
-{{- if and (kindIs "float64" .) (eq (floor .) .) -}}
-{{- printf "%.0f" . -}}
+{{- $value := .value -}}
+{{- if and (kindIs "float64" $value) (or (ge $value 9007199254740992.0) (le $value -9007199254740992.0)) -}}
+{{- include "vram-enforcer.refuse" (printf "%s: this number reads as %.0f, which may not be the digits written: Helm reads a values file's numbers as float64, exact only below 2^53 (9007199254740992). Quote it in the values file (%s: \"...\"), or give it with --set" .name $value (last (splitList "." .name))) -}}
+{{- else if and (kindIs "float64" $value) (eq (floor $value) $value) -}}
+{{- printf "%.0f" $value -}}
 {{- else -}}
-{{- toString . -}}
+{{- toString $value -}}
 {{- end -}}
 {{- end -}}
 
@@ -78,7 +84,7 @@ expression, and nothing of what it means. forms.json is made with the schema by
 tests/chart/values_schema.py, from the programs' own parsers' bounds.
 */}}
 {{- define "vram-enforcer.inForm" -}}
-{{- $text := include "vram-enforcer.text" .value -}}
+{{- $text := include "vram-enforcer.text" . -}}
 {{- $form := index (.root.Files.Get "forms.json" | fromJson) .form -}}
 {{- $words := .words | default list -}}
 {{- if not (has $text $words) -}}
@@ -94,12 +100,13 @@ tests/chart/values_schema.py, from the programs' own parsers' bounds.
 {{/*
 A map of label values (a nodeSelector, labels) as YAML, each value as text: Kubernetes
 takes only strings there, where `--set agent.nodeSelector.gpu=true` gives a boolean and
-`--set ...labels.release=1` a number.
+`--set ...labels.release=1` a number. dict: name (the map's path), values.
 */}}
 {{- define "vram-enforcer.labelValues" -}}
 {{- $texts := dict -}}
-{{- range $key, $value := . -}}
-{{- $_ := set $texts $key (include "vram-enforcer.text" $value) -}}
+{{- $name := .name -}}
+{{- range $key, $value := .values -}}
+{{- $_ := set $texts $key (include "vram-enforcer.text" (dict "name" (printf "%s.%s" $name $key) "value" $value)) -}}
 {{- end -}}
 {{- toYaml $texts -}}
 {{- end -}}
@@ -136,6 +143,52 @@ maxGracePeriod and maxCeiling in their forms, as text.
 {{- end -}}
 
 {{/*
+The bytes of a quantity in the form "bytes" (forms.json: at most 18 digits, no more decimals
+than its suffix makes whole, a binary suffix's in eighths), as exact int64 arithmetic: the
+chart checks what the webhook checks of a size (zero, a multiple of resource.unit) on the
+number, not on its spelling (0Mi is 0; 1500Mi is no whole number of 1Gi).
+*/}}
+{{- define "vram-enforcer.bytes" -}}
+{{- $m := regexReplaceAll "^\\+?([0-9]*)(?:\\.([0-9]*))?(?:[eE]\\+?([0-9]+)|(k|[KMGTPE]i|[MGTPE]))?$" . "${1} ${2}. ${3}. ${4}." | splitList " " -}}
+{{- $whole := index $m 0 | atoi -}}
+{{- $fraction := index $m 1 | trimSuffix "." -}}
+{{- range until 18 }}{{ $fraction = trimSuffix "0" $fraction }}{{ end -}}
+{{- $exponent := index $m 2 | trimSuffix "." -}}
+{{- $suffix := index $m 3 | trimSuffix "." -}}
+{{- if $exponent -}}
+{{- $whole = mul $whole (include "vram-enforcer.power" (dict "base" 10 "exponent" (atoi $exponent)) | atoi) -}}
+{{- else if hasSuffix "i" $suffix -}}
+{{- $scale := include "vram-enforcer.power" (dict "base" 1024 "exponent" (add 1 (index (dict "K" 0 "M" 1 "G" 2 "T" 3 "P" 4 "E" 5) (trimSuffix "i" $suffix)))) | atoi -}}
+{{- $eighths := div (printf "%s000" $fraction | trunc 3 | atoi) 125 -}}
+{{- $whole = add (mul $whole $scale) (mul $eighths (div $scale 8)) -}}
+{{- else if $suffix -}}
+{{- $scale := include "vram-enforcer.power" (dict "base" 10 "exponent" (index (dict "k" 3 "M" 6 "G" 9 "T" 12 "P" 15 "E" 18) $suffix)) | atoi -}}
+{{- $whole = add (mul $whole $scale) (mul (atoi $fraction) (div $scale (include "vram-enforcer.power" (dict "base" 10 "exponent" (len $fraction)) | atoi))) -}}
+{{- end -}}
+{{- $whole -}}
+{{- end -}}
+
+{{/* base ** exponent, an int64. */}}
+{{- define "vram-enforcer.power" -}}
+{{- $result := 1 -}}
+{{- range until (int .exponent) }}{{ $result = mul $result $.base }}{{ end -}}
+{{- $result -}}
+{{- end -}}
+
+{{/* Bytes as the shortest exact binary quantity (format_quantity in enforcer/core/parsing.py). */}}
+{{- define "vram-enforcer.quantity" -}}
+{{- $bytes := int64 . -}}
+{{- $text := toString $bytes -}}
+{{- range $suffix := list "Ki" "Mi" "Gi" "Ti" "Pi" "Ei" -}}
+{{- if and $bytes (eq (mod $bytes 1024) 0) -}}
+{{- $bytes = div $bytes 1024 -}}
+{{- $text = printf "%d%s" $bytes $suffix -}}
+{{- end -}}
+{{- end -}}
+{{- $text -}}
+{{- end -}}
+
+{{/*
 The combinations of values the webhook refuses to start with (webhook_settings in
 enforcer/core/settings/webhook.py), or could not serve with (one port for both servers; a
 metrics port its Service has already), refused here by name: a webhook that crash-loops
@@ -159,12 +212,23 @@ the schema's and the forms'. Included at the top of webhook-deployment.yaml.
 {{- if and $webhook.draDeviceClass $webhook.kaiAnnotations -}}
 {{- include "vram-enforcer.refuse" (printf "webhook.kaiAnnotations: true cannot be combined with webhook.draDeviceClass (%s): a KAI share is counted per node, not allocated on one GPU by a claim. Set kaiAnnotations: false, or leave draDeviceClass empty" $webhook.draDeviceClass) -}}
 {{- end -}}
-{{- range $namespace, $bounds := merge (dict "" (dict)) $webhook.tenants.namespaces -}}
-{{- $undeclared := get $bounds "undeclaredGpu" | default $webhook.undeclaredGpu -}}
-{{- $vram := get $bounds "defaultVram" | default $webhook.defaultVram | toString -}}
-{{- if and (eq $undeclared "default") (eq $vram "0") -}}
-{{- $where := ternary "webhook" (printf "webhook.tenants.namespaces.%s" $namespace) (eq $namespace "") -}}
-{{- include "vram-enforcer.refuse" (printf "%s: undeclaredGpu: default declares a default VRAM on each container that asks for a GPU and declares none, and no defaultVram is set (0). Set webhook.defaultVram (or the namespace's defaultVram), e.g. 8Gi, or use undeclaredGpu: deny or observe" $where) -}}
+{{- $unit := include "vram-enforcer.bytes" (include "vram-enforcer.formed" (dict "root" . "path" "resource.unit" "form" "bytesFrom1")) | atoi -}}
+{{- range $namespace, $given := merge (dict "" (dict)) $webhook.tenants.namespaces -}}
+{{- $mode := dict "name" "webhook.undeclaredGpu" "value" $webhook.undeclaredGpu -}}
+{{- $vram := dict "name" "webhook.defaultVram" "value" $webhook.defaultVram -}}
+{{- if and $namespace (hasKey $given "undeclaredGpu") -}}
+{{- $mode = dict "name" (printf "webhook.tenants.namespaces.%s.undeclaredGpu" $namespace) "value" $given.undeclaredGpu -}}
+{{- end -}}
+{{- if and $namespace (hasKey $given "defaultVram") -}}
+{{- $vram = dict "name" (printf "webhook.tenants.namespaces.%s.defaultVram" $namespace) "value" $given.defaultVram -}}
+{{- end -}}
+{{- $text := include "vram-enforcer.inForm" (dict "root" $ "name" $vram.name "value" $vram.value "form" "bytes") -}}
+{{- $bytes := include "vram-enforcer.bytes" $text | atoi -}}
+{{- if and (eq $mode.value "default") (eq $bytes 0) -}}
+{{- include "vram-enforcer.refuse" (printf "%s is default, which declares a default VRAM on each container that asks for a GPU and declares none, and %s is %s: none to declare. Set %s to a size, e.g. 8Gi, or %s to deny or observe" $mode.name $vram.name (quote $text) $vram.name $mode.name) -}}
+{{- end -}}
+{{- if mod $bytes $unit -}}
+{{- include "vram-enforcer.refuse" (printf "%s (%s) is not a whole number of resource.unit (%d bytes): it is declared on the pods in that unit. Give a multiple of it, e.g. %s" $vram.name (quote $text) $unit (include "vram-enforcer.quantity" (mul (add (div $bytes $unit) 1) $unit))) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -177,7 +241,7 @@ the webhook runs on. Rendered only with two replicas or more (webhook-deployment
 */}}
 {{- define "vram-enforcer.webhookMinAvailable" -}}
 {{- $replicas := int .Values.webhook.replicas -}}
-{{- $text := include "vram-enforcer.text" .Values.webhook.podDisruptionBudget.minAvailable -}}
+{{- $text := include "vram-enforcer.text" (dict "name" "webhook.podDisruptionBudget.minAvailable" "value" .Values.webhook.podDisruptionBudget.minAvailable) -}}
 {{- $kept := 0 -}}
 {{- if hasSuffix "%" $text -}}
 {{- $kept = div (add (mul (trimSuffix "%" $text | int) $replicas) 99) 100 -}}
