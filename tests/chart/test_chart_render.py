@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -483,3 +484,35 @@ def test_the_webhook_budget_lets_a_node_drain(renders: Renders) -> None:
         ]
         assert budget["spec"]["minAvailable"] == kept
 
+
+def test_the_agent_condition_fence_holds_the_whole_status_and_metadata(renders: Renders) -> None:
+    """The agent's `patch pods/status` is fenced to its condition (the policy
+    <release>-agent-conditions). It compared the status fields it named, and left the
+    others (resourceClaimStatuses, resize, observedGeneration, ...) and the finalizers free:
+    now every key of the status but the conditions, and of the metadata but what the API
+    server writes itself, is compared, both ways, whatever fields a Kubernetes has. (No CEL
+    evaluator here: tests/e2e/test_chart_e2e.py runs the policy in a real API server.)"""
+    (release,) = renders([({}, False)])
+    (policy,) = [
+        doc
+        for doc in yaml.safe_load_all(release["manifest"])
+        if doc
+        and doc["kind"] == "ValidatingAdmissionPolicy"
+        and doc["metadata"]["name"].endswith("-agent-conditions")
+    ]
+    variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+    assert variables["status"] == "has(object.status) ? dyn(object.status) : {}"
+    assert variables["oldStatus"] == "has(oldObject.status) ? dyn(oldObject.status) : {}"
+    assert variables["metadata"] == "dyn(object.metadata)"
+    assert variables["oldMetadata"] == "dyn(oldObject.metadata)"
+    fence = " ".join(policy["spec"]["validations"][1]["expression"].split())
+    assert fence.startswith("variables.newOthers == variables.oldOthers && ")
+    for new, old, own in (
+        ("variables.status", "variables.oldStatus", "['conditions']"),
+        ("variables.metadata", "variables.oldMetadata", "['resourceVersion', 'managedFields']"),
+    ):
+        assert f"&& {new}.all(k, k in {own} || (k in {old} && {new}[k] == {old}[k])) &&" in fence
+        assert f"&& {old}.all(k, k in {own} || k in {new})" in fence
+    # No field named one by one: what the fence names of a status is the conditions only.
+    names = set(re.findall(r"[oO]bject\.status\.(\w+)", yaml.safe_dump(policy["spec"])))
+    assert names == {"conditions"}, names

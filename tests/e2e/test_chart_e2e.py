@@ -540,7 +540,7 @@ def test_the_agent_may_set_only_its_condition_and_only_on_its_own_nodes_enforced
     enforced pods of the node its pod-bound token names, in a namespace that opted in:
     merged by type, the condition leaves the pod's other conditions as they were. Another
     node's pod, a pod not labelled enforced, a token bound to no pod, and a change of any
-    other condition, of the pod's IP or of its labels: refused."""
+    other condition, of the pod's IP, of its labels or of its finalizers: refused."""
     core = client.CoreV1Api(admin)
     agent_sa, ns = f"{RELEASE}-agent", "cond-fenced"
     for node in ("cond-gpu-a", "cond-gpu-b"):
@@ -617,6 +617,8 @@ def test_the_agent_may_set_only_its_condition_and_only_on_its_own_nodes_enforced
             {"status": {"conditions": [ours, ready]}},
             {"status": {"podIP": "10.0.0.66", "podIPs": [{"ip": "10.0.0.66"}]}},
             {"metadata": {"labels": {"team": "other"}}, "status": {"conditions": [ours]}},
+            # Named by no field list: the metadata is compared whole (issue 43's review).
+            {"metadata": {"finalizers": ["example.com/held"]}, "status": {"conditions": [ours]}},
         ):
             assert refused(agent, "cond-mine", forged, only), forged
         patch(agent, "cond-mine", status_patch(uid("cond-mine"), ours))
