@@ -135,9 +135,9 @@ def container_series(
 def peak_series(
     named: Mapping[str, Named], peaks: Mapping[str, int]
 ) -> tuple[tuple[Named, int], ...]:
-    """Each named container's peak (`peaks`: by container ID, the highest it held over all
-    GPUs): its current instance's alone, as its pod's status names it (0 until it holds
-    some), so that a restart starts it again."""
+    """Each named container's peak (`peaks`: by the container ID its pod's status names,
+    the most the container held over all GPUs, over all its instances: a restart does not
+    start it again), 0 until it holds some."""
     found = ((who, peaks.get(cid, 0)) for cid, who in named.items())
     return tuple(sorted(found, key=lambda s: (s[0].namespace, s[0].pod, s[0].container)))
 

@@ -5,7 +5,7 @@ and from the agent's backstop (`core/pod_metrics.py` works them out)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -27,6 +27,17 @@ from enforcer.edge.metrics import PodsView
 from enforcer.edge.telemetry import SidecarTelemetry
 
 PodKey = tuple[str, str]  # (namespace, pod): the labels of its series
+PodContainer = tuple[str, str]  # (pod UID, container name): a container over its instances
+
+
+def pod_containers(pods: Iterable[Pod]) -> dict[str, PodContainer]:
+    """Container ID -> the container it is an instance of, for each ID the pods' statuses
+    name (a container's name is its pod's alone, across its kinds)."""
+    found: dict[str, PodContainer] = {}
+    for pod in pods:
+        uid = pod_key(pod)[0]
+        found.update((cid, (uid, ref.name)) for cid, ref in containers_by_id(pod).items())
+    return found
 
 
 def pod_key(pod: Pod) -> tuple[str, PodKey]:
@@ -121,34 +132,50 @@ def pods_view(
 
 class Peaks:
     """Each container's highest GPU memory over all its GPUs, as the sampler's passes saw
-    it, by container ID: a restarted container has a new ID, and its peak starts again.
-    Only the containers of the node's pods (and those holding memory now, their pod's
-    status not read yet) are kept: a pod that left is forgotten once the pods are read
-    again. Fed by the sampler's thread, read by the scrapes'."""
+    it, over its pod's life on the node: kept by pod UID and container name, across the
+    container's instances. What an instance reached in its last passes, which no scrape
+    may have seen, outlives its container ID (one stopped for going over its limit is at
+    its highest then), and a restart does not start it again. A container ID no pod's
+    status names yet (its pod's status not read yet) is kept by itself while it holds
+    memory, and joins its container once named. A pod that left is forgotten once the
+    pods are read again. Fed by the sampler's thread, read by the scrapes'."""
 
     def __init__(self, pods: Callable[[], Mapping[str, Pod] | None]) -> None:
         self._pods = pods
         self._lock = threading.Lock()
-        self._peaks: dict[str, int] = {}
-        self._kept_for: Mapping[str, Pod] | None = None  # the pods it was last pruned to
+        self._peaks: dict[PodContainer, int] = {}
+        self._unnamed: dict[str, int] = {}  # container ID -> its peak, until a pod names it
+        self._kept_for: Mapping[str, Pod] | None = None  # the pods last read, and their IDs:
+        self._names: dict[str, PodContainer] = {}
 
     def see(self, usage: Mapping[str, Mapping[str, int]]) -> None:
         """One pass's usage: container ID -> GPU -> bytes."""
         now = self._pods()
         with self._lock:
-            for cid, per_gpu in usage.items():
-                held = sum(per_gpu.values())
-                if held > self._peaks.get(cid, 0):
-                    self._peaks[cid] = held
             if now is not None and now is not self._kept_for:  # the pods changed
-                ids = {cid for pod in now.values() for cid in containers_by_id(pod)}
-                self._peaks = {c: p for c, p in self._peaks.items() if c in ids or c in usage}
-                self._kept_for = now
+                self._kept_for, self._names = now, pod_containers(now.values())
+                self._peaks = {k: p for k, p in self._peaks.items() if k[0] in now}
+                unnamed, self._unnamed = self._unnamed, {}
+                for cid, peak in unnamed.items():
+                    if cid in self._names or cid in usage:
+                        self._raise(cid, peak)
+            for cid, per_gpu in usage.items():
+                self._raise(cid, sum(per_gpu.values()))
 
-    @property
-    def by_container(self) -> dict[str, int]:
+    def _raise(self, cid: str, held: int) -> None:
+        """Raise to `held` the peak of the container `cid` is an instance of (or its own)."""
+        key = self._names.get(cid)
+        if key is None:
+            self._unnamed[cid] = max(held, self._unnamed.get(cid, 0))
+        else:
+            self._peaks[key] = max(held, self._peaks.get(key, 0))
+
+    def of(self, pods: Iterable[Pod]) -> dict[str, int]:
+        """By each container ID that `pods` name, the peak of its container (those that
+        held GPU memory)."""
         with self._lock:
-            return dict(self._peaks)
+            peaks = dict(self._peaks)
+        return {cid: peaks[key] for cid, key in pod_containers(pods).items() if key in peaks}
 
 
 def with_workloads(
@@ -161,7 +188,7 @@ def with_workloads(
     is enforced or had a container on a GPU (a pod that declares nothing is recommended
     for too): what `vram-enforcer recommend` reads."""
     now = (pods() or {}).values()
-    seen = peaks.by_container
+    seen = peaks.of(now)
     named = enforced_containers(now, opted_in() or frozenset())
     counted = seen.keys() | named.keys()
     owned = [pod for pod in now if not counted.isdisjoint(containers_by_id(pod))]

@@ -1,6 +1,6 @@
 """Each container's peak, kept by the agent from every sampler pass (not only what a scrape
-happens to see), for its current instance, and each pod's owner, served where Prometheus
-reads them (`vram-enforcer recommend`)."""
+happens to see), over its pod's life on the node (across its restarts), and each pod's
+owner, served where Prometheus reads them (`vram-enforcer recommend`)."""
 
 from __future__ import annotations
 
@@ -60,9 +60,9 @@ def peak_of(container: str, pod: str = "serve-5f6-x") -> tuple[str, frozenset[tu
     return ("vram_enforcer_container_peak_bytes", frozenset(labels.items()))
 
 
-def test_the_peak_is_the_highest_sum_over_gpus_of_any_pass_for_the_current_instance() -> None:
+def test_the_peak_is_the_highest_sum_over_gpus_of_any_pass() -> None:
     """trainer holds 3 GiB + 2 GiB on two GPUs in one pass, 1 GiB in the next: its peak is
-    5 GiB, whatever a scrape sees now. Restarted (a new container ID), it starts again."""
+    5 GiB, whatever a scrape sees now."""
     serve = pod("serve-5f6-x", True, "serve-5f6", trainer=TRAINER, **{SIDECAR: SIDE})
     pods = {"serve-5f6-x": serve}
     peaks = Peaks(lambda: pods)
@@ -80,11 +80,41 @@ def test_the_peak_is_the_highest_sum_over_gpus_of_any_pass_for_the_current_insta
     }
     assert got[("vram_enforcer_pod_owner", frozenset(owner.items()))] == 1
 
-    restarted = pod("serve-5f6-x", True, "serve-5f6", trainer=RESTARTED, **{SIDECAR: SIDE})
-    pods = {"serve-5f6-x": restarted}
-    assert scraped(pods, peaks)[peak_of("trainer")] == 0  # its new instance holds nothing yet
-    passed(peaks, (P3, "GPU-0", 2 * GiB), on={P3: RESTARTED})
+
+def serving(trainer: str) -> Pod:
+    return pod("serve-5f6-x", True, "serve-5f6", trainer=trainer, **{SIDECAR: SIDE})
+
+
+def test_what_a_container_reached_before_it_was_stopped_outlives_its_restart() -> None:
+    """trainer is scraped at 2 GiB, grows to 6 GiB in the passes after (no scrape sees
+    them), and is stopped there, over its limit; the kubelet restarts it (a new container
+    ID in its pod's status) before the next scrape. Its series says 6 GiB: what it needed,
+    not the 2 GiB seen before, nor the 0 its new instance starts at. Its new instance's 3
+    GiB leave it there; 7 GiB raise it: the most over its pod's life on the node."""
+    pods = {"serve-5f6-x": serving(TRAINER)}
+    peaks = Peaks(lambda: pods)
+    passed(peaks, (P1, "GPU-0", 2 * GiB), on={P1: TRAINER})
     assert scraped(pods, peaks)[peak_of("trainer")] == 2 * GiB
+    passed(peaks, (P1, "GPU-0", 6 * GiB), on={P1: TRAINER})
+    pods = {"serve-5f6-x": serving(RESTARTED)}
+    passed(peaks, on={})  # stopped; its pod's status names its next instance
+    assert scraped(pods, peaks)[peak_of("trainer")] == 6 * GiB
+    passed(peaks, (P3, "GPU-0", 3 * GiB), on={P3: RESTARTED})
+    assert scraped(pods, peaks)[peak_of("trainer")] == 6 * GiB
+    passed(peaks, (P3, "GPU-0", 7 * GiB), on={P3: RESTARTED})
+    assert scraped(pods, peaks)[peak_of("trainer")] == 7 * GiB
+
+
+def test_a_container_on_a_gpu_before_its_pod_names_it_counts_once_named() -> None:
+    """trainer's new instance holds 4 GiB before the pod watch has read the status that
+    names it, then less: once named, its 4 GiB are its container's."""
+    pods = {"serve-5f6-x": serving(TRAINER)}
+    peaks = Peaks(lambda: pods)
+    passed(peaks, (P1, "GPU-0", GiB), on={P1: TRAINER})
+    passed(peaks, (P3, "GPU-0", 4 * GiB), on={P3: RESTARTED})
+    pods = {"serve-5f6-x": serving(RESTARTED)}
+    passed(peaks, (P3, "GPU-0", GiB), on={P3: RESTARTED})
+    assert scraped(pods, peaks)[peak_of("trainer")] == 4 * GiB
 
 
 def test_a_pod_that_left_is_forgotten_and_one_that_declares_nothing_has_its_owner() -> None:
@@ -100,8 +130,9 @@ def test_a_pod_that_left_is_forgotten_and_one_that_declares_nothing_has_its_owne
     assert peak_of("web", "notebook") not in got
     owner = {"namespace": "ml", "pod": "notebook", "owner_kind": "Pod", "owner_name": "notebook"}
     assert got[("vram_enforcer_pod_owner", frozenset(owner.items()))] == 1
-    assert set(peaks.by_container) == {TRAINER, PLAIN}
+    assert peaks.of(pods.values()) == {TRAINER: 3 * GiB, PLAIN: GiB}
 
     pods = {"notebook": plain}  # serve's pod left the node: a new snapshot of the pods
     passed(peaks, on={})
-    assert set(peaks.by_container) == {PLAIN}
+    pods = {"serve-5f6-x": serve, "notebook": plain}  # named again: it is not kept
+    assert peaks.of(pods.values()) == {PLAIN: GiB}
