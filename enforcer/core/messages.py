@@ -323,8 +323,17 @@ def unplaced(pid: int, held: Sequence[Unplaced]) -> str:
 
 def undeclared(c: UndeclaredContainer) -> str:
     """Said once on a container of a pod the webhook did not inject that holds GPU memory
-    and declares none (or less than it holds)."""
+    and declares none (or less than it holds), or on the sidecar's container of a pod it
+    did, which should hold none."""
     held = " and ".join(f"{format_bytes(used)} of {gpu}" for gpu, used in c.gpus)
+    if c.sidecar:
+        return (
+            f"the vram-enforcer sidecar's container holds {held}; the sidecar uses no GPU "
+            "memory, so another process runs in its container (kubectl exec -c "
+            f"{c.container.name}, which the chart's webhook.protectInjectedPods refuses to "
+            "all but cluster administrators) and declares no VRAM. Nothing limits it; its "
+            "memory is counted as undeclared (vram_enforcer_undeclared_used_bytes)"
+        )
     what = (
         " and declares no VRAM"
         if c.declared == 0

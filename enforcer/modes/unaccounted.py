@@ -1,8 +1,8 @@
 """Each NVML pass, the node's GPU memory that no declaration accounts for
 (`core/unaccounted.py`): left for its series, and each container of a pod the webhook did
-not inject that holds some said once, in the log and on its pod (`VRAMUndeclared`), while
-the pod lives; each process in no pod said once in the log, with its pid, once it has
-stayed so for `SAY_AFTER` passes.
+not inject that holds some (or an injected pod's sidecar container that does) said once,
+in the log and on its pod (`VRAMUndeclared`), while the pod lives; each process in no pod
+said once in the log, with its pid, once it has stayed so for `SAY_AFTER` passes.
 
 The Events are bounded: one per container while its pod is on the node (a restarted agent
 updates the Event it finds, through the recorder's `once`), each for a container that

@@ -171,3 +171,78 @@ def test_a_pod_that_declares_nothing_is_shown_and_told_once_and_a_host_process_a
         for each in (workload, own, host):
             each.kill()
             each.wait()
+
+
+def test_what_a_process_in_an_injected_pods_sidecar_container_holds_is_shown_and_told(
+    cgroup2: Path, fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    """An injected pod of an opted-in namespace: a process in its sidecar's container (the
+    sidecar uses no GPU memory) holds 3 GiB. It is in no enforced series, so it is shown
+    as undeclared under the sidecar's name and told once on that container; it is never
+    signalled (the sidecar's container never is)."""
+    box = cgroup2 / f"cri-containerd-{CID}.scope"
+    box.mkdir()
+    exec_d = in_box(box, SLEEP)
+    pod = {
+        "metadata": {
+            "name": "enforced",
+            "namespace": "ml",
+            "uid": "uid-enforced",
+            "labels": {"vram-enforcer.io/enforced": "true"},
+        },
+        "spec": {
+            "nodeName": "gpu-node",
+            "containers": [
+                {"name": "trainer", "resources": {"limits": {"vram-enforcer.io/vram": "8Gi"}}},
+                {"name": "vram-enforcer"},
+            ],
+        },
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {"name": "vram-enforcer", "containerID": f"containerd://{CID}"},
+            ],
+        },
+    }
+    labels = {"vram-enforcer.io/inject": "enabled"}
+    namespaces = [{"metadata": {"name": "ml", "uid": "uid-ml", "labels": labels}}]
+    port = free_port()
+    proc = None
+    try:
+        moved_in(box, exec_d)
+        list_on_gpu(fake_nvml, {exec_d.pid: 3 * GiB})
+        uuid = fake_nvml.state.devices[0]["uuid"]
+        with serving([json.dumps(pod).encode()]) as api:
+            api.namespaces = [json.dumps(n).encode() for n in namespaces]
+            proc = agent(api, tmp_path, fake_nvml, port)
+            held = f'container="vram-enforcer",gpu="{uuid}",namespace="ml",pod="enforced"'
+            try:
+                wait_for(
+                    lambda: (
+                        sample(metrics(port), "vram_enforcer_undeclared_used_bytes", held)
+                        == 3 * GiB
+                    ),
+                    what="the sidecar's container's memory, undeclared",
+                )
+            except AssertionError:
+                raise AssertionError((tmp_path / "agent.log").read_text()[-3000:]) from None
+            assert sample(metrics(port), "vram_enforcer_gpu_outside_pods_bytes", uuid) == 0
+            (told,) = wait_for(lambda: undeclared_events(api), what="the VRAMUndeclared Event")
+            later = passes(port) + 20
+            wait_for(lambda: passes(port) >= later, what="20 passes more")
+            assert len(undeclared_events(api)) == 1, undeclared_events(api)
+            assert told["involvedObject"]["fieldPath"] == "spec.containers{vram-enforcer}"
+            assert told["message"].startswith(
+                f"the vram-enforcer sidecar's container holds 3.00 GiB of {uuid}; the sidecar "
+                "uses no GPU memory"
+            ), told["message"]
+            assert exec_d.poll() is None  # never signalled
+            proc.terminate()
+            assert proc.wait(timeout=10) == 0
+        assert "Traceback" not in (tmp_path / "agent.log").read_text()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        exec_d.kill()
+        exec_d.wait()

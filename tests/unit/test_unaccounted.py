@@ -57,7 +57,7 @@ def pod(
     ]
     marks = dict(labels or {})
     if injected:
-        specs.append({"name": SIDECAR})
+        specs += [] if SIDECAR in containers else [{"name": SIDECAR}]
         marks[ENFORCED] = "true"
     return cast(
         Pod,
@@ -144,6 +144,42 @@ def test_a_pod_that_opted_out_of_an_opted_in_namespace_counts_and_says_so() -> N
     result = found([out], sample((1, "GPU-b", GiB)), {1: cid(1)}, OPTED_IN)
     ((held,),) = [c.gpus for c in result.undeclared]
     assert held == ("GPU-b", GiB) and result.undeclared[0].opted_in
+
+
+def test_what_an_injected_pods_sidecar_container_holds_is_undeclared_and_told_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The sidecar uses no GPU memory, and is in no enforced series: what a process in its
+    container holds (exec'd there) is shown as its container's, declaring nothing, not
+    left out as an injected pod's, and told once on the pod as any undeclared container."""
+    enforced = pod(
+        "enforced",
+        "ml",
+        {"trainer": cid(1), SIDECAR: cid(2)},
+        limits={"trainer": "8Gi"},
+        injected=True,
+    )
+    seen = sample((1, "GPU-a", 9 * GiB), (2, "GPU-b", 3 * GiB))  # trainer: its own series
+    containers = {1: cid(1), 2: cid(2)}
+    result = found([enforced], seen, containers, OPTED_IN)
+    assert shown(result) == {("ml", "enforced", SIDECAR): (("GPU-b", 3 * GiB),)}
+    assert dict(result.outside_pods) == {}
+    (held,) = result.undeclared
+    assert (held.declared, held.sidecar) == (0, True)
+
+    step, _, recorder = stepping({"uid-enforced": enforced})
+    with caplog.at_level(logging.WARNING, "enforcer.modes.unaccounted"):
+        for _ in range(3):
+            step(seen, lambda: {ProcessKey(p, 1): c for p, c in containers.items()})
+    assert recorder.said == [("enforced", f"spec.containers{{{SIDECAR}}}", "VRAMUndeclared", True)]
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said == (
+        "pod ml/enforced: the vram-enforcer sidecar's container holds 3.00 GiB of GPU-b; the "
+        "sidecar uses no GPU memory, so another process runs in its container (kubectl exec "
+        "-c vram-enforcer, which the chart's webhook.protectInjectedPods refuses to all but "
+        "cluster administrators) and declares no VRAM. Nothing limits it; its memory is "
+        "counted as undeclared (vram_enforcer_undeclared_used_bytes)"
+    )
 
 
 def test_a_declaration_no_sidecar_holds_counts_only_while_it_is_kept() -> None:
