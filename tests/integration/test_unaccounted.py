@@ -10,6 +10,7 @@ however many passes go by, and counts the host process apart, per GPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import secrets
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,21 @@ def agent(api: PodsApi, tmp: Path, fake_nvml: FakeNvml, port: int) -> subprocess
     return subprocess.Popen(argv, env={**os.environ, **fake_nvml.env()}, stderr=log, text=True)
 
 
+@contextlib.contextmanager
+def running(api: PodsApi, tmp: Path, fake_nvml: FakeNvml, port: int) -> Iterator[None]:
+    """The agent, run over the block: then it must stop cleanly, with no traceback."""
+    proc = agent(api, tmp, fake_nvml, port)
+    try:
+        yield
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+        assert "Traceback" not in (tmp / "agent.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def metrics(port: int) -> str:
     """The agent's /metrics ("" while it does not listen yet)."""
     try:
@@ -100,6 +117,26 @@ def undeclared_events(api: PodsApi) -> list[dict[str, Any]]:
     ]
 
 
+def undeclared_shown(port: int, tmp: Path, labels: str, held: int) -> None:
+    """Wait until the agent shows `held` bytes undeclared for `labels` (its log if not)."""
+    try:
+        wait_for(
+            lambda: sample(metrics(port), "vram_enforcer_undeclared_used_bytes", labels) == held,
+            what=f"undeclared memory of {labels}",
+        )
+    except AssertionError:
+        raise AssertionError((tmp / "agent.log").read_text()[-3000:]) from None
+
+
+def told_once(api: PodsApi, port: int) -> dict[str, Any]:
+    """The one VRAMUndeclared Event, still one 20 passes later."""
+    (told,) = wait_for(lambda: undeclared_events(api), what="the VRAMUndeclared Event")
+    later = passes(port) + 20
+    wait_for(lambda: passes(port) >= later, what="20 passes more")
+    assert len(undeclared_events(api)) == 1, undeclared_events(api)
+    return dict(told)
+
+
 def said(tmp: Path, text: str) -> list[str]:
     """The lines of the agent's log that say `text`."""
     return [line for line in (tmp / "agent.log").read_text().splitlines() if text in line]
@@ -119,7 +156,6 @@ def test_a_pod_that_declares_nothing_is_shown_and_told_once_and_a_host_process_a
     pods = [plain("plain", "research", CID), plain("mine", OWN, OWN_CID)]
     namespaces = [{"metadata": {"name": "ml", "labels": {"vram-enforcer.io/inject": "enabled"}}}]
     port = free_port()
-    proc = None
     try:
         moved_in(box, workload)
         moved_in(own_box, own)
@@ -127,47 +163,29 @@ def test_a_pod_that_declares_nothing_is_shown_and_told_once_and_a_host_process_a
         uuid = fake_nvml.state.devices[0]["uuid"]
         with serving([json.dumps(p).encode() for p in pods]) as api:
             api.namespaces = [json.dumps(n).encode() for n in namespaces]
-            proc = agent(api, tmp_path, fake_nvml, port)
-            held = f'container="trainer",gpu="{uuid}",namespace="research",pod="plain"'
-            try:
-                wait_for(
-                    lambda: (
-                        sample(metrics(port), "vram_enforcer_undeclared_used_bytes", held)
-                        == 12 * GiB
-                    ),
-                    what="the pod's undeclared memory",
-                )
-            except AssertionError:
-                raise AssertionError((tmp_path / "agent.log").read_text()[-3000:]) from None
-            shown = metrics(port)
-            mine = f'container="trainer",gpu="{uuid}",namespace="{OWN}",pod="mine"'
-            assert sample(shown, "vram_enforcer_undeclared_used_bytes", mine) == GiB, shown
-            outside = sample(shown, "vram_enforcer_gpu_outside_pods_bytes", f'uuid="{uuid}"')
-            assert outside == 2 * GiB, shown
-            (told,) = wait_for(lambda: undeclared_events(api), what="the VRAMUndeclared Event")
-            later = passes(port) + 20
-            wait_for(lambda: passes(port) >= later, what="20 passes more")
-            assert len(undeclared_events(api)) == 1, undeclared_events(api)
-            (host_said,) = said(tmp_path, "and is in no pod of this node")  # with its pid, once
-            assert f"pid {host.pid} holds 2.00 GiB on {uuid} and is in no pod" in host_said
-            assert len(said(tmp_path, f"pod {OWN}/mine: ")) == 1  # there alone: no Event
-            assert (told["type"], told["involvedObject"]["uid"]) == ("Warning", "uid-plain")
-            assert told["involvedObject"]["fieldPath"] == "spec.containers{trainer}"
-            assert told["message"].startswith(
-                f"container 'trainer' holds 12.00 GiB of {uuid} and declares no VRAM: its "
-                "namespace 'research' has not opted in"
-            ), told["message"]
-            # The pod leaves: its series with it; the host process is still counted apart.
-            api.send("DELETED", pods[0])
-            wait_for(lambda: 'pod="plain"' not in metrics(port), what="the pod's series gone")
-            assert sample(metrics(port), "vram_enforcer_gpu_outside_pods_bytes", uuid)
-            proc.terminate()
-            assert proc.wait(timeout=10) == 0
-        assert "Traceback" not in (tmp_path / "agent.log").read_text()
+            with running(api, tmp_path, fake_nvml, port):
+                held = f'container="trainer",gpu="{uuid}",namespace="research",pod="plain"'
+                undeclared_shown(port, tmp_path, held, 12 * GiB)
+                shown = metrics(port)
+                mine = f'container="trainer",gpu="{uuid}",namespace="{OWN}",pod="mine"'
+                assert sample(shown, "vram_enforcer_undeclared_used_bytes", mine) == GiB, shown
+                outside = sample(shown, "vram_enforcer_gpu_outside_pods_bytes", f'uuid="{uuid}"')
+                assert outside == 2 * GiB, shown
+                told = told_once(api, port)
+                (host_said,) = said(tmp_path, "and is in no pod of this node")  # with its pid, once
+                assert f"pid {host.pid} holds 2.00 GiB on {uuid} and is in no pod" in host_said
+                assert len(said(tmp_path, f"pod {OWN}/mine: ")) == 1  # there alone: no Event
+                assert (told["type"], told["involvedObject"]["uid"]) == ("Warning", "uid-plain")
+                assert told["involvedObject"]["fieldPath"] == "spec.containers{trainer}"
+                assert told["message"].startswith(
+                    f"container 'trainer' holds 12.00 GiB of {uuid} and declares no VRAM: its "
+                    "namespace 'research' has not opted in"
+                ), told["message"]
+                # The pod leaves: its series with it; the host process is still counted apart.
+                api.send("DELETED", pods[0])
+                wait_for(lambda: 'pod="plain"' not in metrics(port), what="the pod's series gone")
+                assert sample(metrics(port), "vram_enforcer_gpu_outside_pods_bytes", uuid)
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
         for each in (workload, own, host):
             each.kill()
             each.wait()
@@ -207,42 +225,23 @@ def test_what_a_process_in_an_injected_pods_sidecar_container_holds_is_shown_and
     labels = {"vram-enforcer.io/inject": "enabled"}
     namespaces = [{"metadata": {"name": "ml", "uid": "uid-ml", "labels": labels}}]
     port = free_port()
-    proc = None
     try:
         moved_in(box, exec_d)
         list_on_gpu(fake_nvml, {exec_d.pid: 3 * GiB})
         uuid = fake_nvml.state.devices[0]["uuid"]
         with serving([json.dumps(pod).encode()]) as api:
             api.namespaces = [json.dumps(n).encode() for n in namespaces]
-            proc = agent(api, tmp_path, fake_nvml, port)
-            held = f'container="vram-enforcer",gpu="{uuid}",namespace="ml",pod="enforced"'
-            try:
-                wait_for(
-                    lambda: (
-                        sample(metrics(port), "vram_enforcer_undeclared_used_bytes", held)
-                        == 3 * GiB
-                    ),
-                    what="the sidecar's container's memory, undeclared",
-                )
-            except AssertionError:
-                raise AssertionError((tmp_path / "agent.log").read_text()[-3000:]) from None
-            assert sample(metrics(port), "vram_enforcer_gpu_outside_pods_bytes", uuid) == 0
-            (told,) = wait_for(lambda: undeclared_events(api), what="the VRAMUndeclared Event")
-            later = passes(port) + 20
-            wait_for(lambda: passes(port) >= later, what="20 passes more")
-            assert len(undeclared_events(api)) == 1, undeclared_events(api)
-            assert told["involvedObject"]["fieldPath"] == "spec.containers{vram-enforcer}"
-            assert told["message"].startswith(
-                f"the vram-enforcer sidecar's container holds 3.00 GiB of {uuid}; the sidecar "
-                "uses no GPU memory"
-            ), told["message"]
-            assert exec_d.poll() is None  # never signalled
-            proc.terminate()
-            assert proc.wait(timeout=10) == 0
-        assert "Traceback" not in (tmp_path / "agent.log").read_text()
+            with running(api, tmp_path, fake_nvml, port):
+                held = f'container="vram-enforcer",gpu="{uuid}",namespace="ml",pod="enforced"'
+                undeclared_shown(port, tmp_path, held, 3 * GiB)
+                assert sample(metrics(port), "vram_enforcer_gpu_outside_pods_bytes", uuid) == 0
+                told = told_once(api, port)
+                assert told["involvedObject"]["fieldPath"] == "spec.containers{vram-enforcer}"
+                assert told["message"].startswith(
+                    f"the vram-enforcer sidecar's container holds 3.00 GiB of {uuid}; the sidecar "
+                    "uses no GPU memory"
+                ), told["message"]
+                assert exec_d.poll() is None  # never signalled
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
         exec_d.kill()
         exec_d.wait()
