@@ -257,6 +257,7 @@ def test_without_hard_limits_the_agent_gets_no_cgroup_mount_and_still_watches_po
             "nodes",
             "nodes/status",
             "pods",
+            "pods/status",
             "pods/eviction",
             "namespaces",
             "events",

@@ -1546,7 +1546,11 @@ def test_a_forged_sidecar_in_a_namespace_that_did_not_opt_in_is_neither_dialled_
             for line in metrics.splitlines()
             if f'namespace="{elsewhere}"' in line
         }
-        assert named <= {"vram_enforcer_hard_limit_bytes", "vram_enforcer_undeclared_used_bytes"}
+        assert named <= {
+            "vram_enforcer_hard_limit_bytes",
+            "vram_enforcer_undeclared_used_bytes",
+            "vram_enforcer_pod_owner",  # the workload its undeclared memory is recommended for
+        }
         assert "vram_enforcer_pods_unguarded 0.0" in metrics
         # Nor an Event, but the hard limiter's on its limit (VRAMHardLimit, or
         # VRAMSamplingOnly where the driver takes none), as on any declaring pod, and the
