@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
 from enforcer.core.recommend import (
     AnswerError,
@@ -17,6 +18,9 @@ from enforcer.core.recommend import (
 )
 from enforcer.core.settings.recommend import RecommendSettings
 from enforcer.edge.prometheus import PrometheusApi, QueryFailed
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
 
 EXIT_FAILED = 1  # Prometheus could not be asked, or holds no peak
 
@@ -67,11 +71,11 @@ def _nothing(q: Queries) -> str:
 
 def _cronjobs(settings: RecommendSettings, namespaces: Collection[str]) -> Mapping[str, set[str]]:
     """Each namespace's CronJobs, by name; none where the API cannot say (said once)."""
-    from enforcer.edge.kube import KubeError, call, connect  # noqa: PLC0415 - only with the API
+    from enforcer.edge.kube import KubeError, call  # noqa: PLC0415 - only with the API
 
     found: dict[str, set[str]] = {}
     try:
-        api = connect(settings.kubeconfig)
+        api = _connect(settings.kubeconfig)
         for namespace in sorted(namespaces):
             path = "/apis/batch/v1/namespaces/{namespace}/cronjobs"
             listed = call(
@@ -84,8 +88,25 @@ def _cronjobs(settings: RecommendSettings, namespaces: Collection[str]) -> Mappi
             }
     except KubeError as exc:
         print(
-            f"vram-enforcer recommend: CronJobs not read ({exc}); each run of a CronJob is shown "
-            "as its Job (--no-api: do not try)",
+            f"vram-enforcer recommend: CronJobs not read ({' '.join(str(exc).split())}); each "
+            "run of a CronJob is shown as its Job (--no-api: do not try)",
             file=sys.stderr,
         )
     return found
+
+
+def _connect(kubeconfig: str | None) -> ApiClient:
+    """`kube.connect`, with a file that is not a kubeconfig a KubeError too: the client
+    reads it unchecked, and fails with whatever Python or its YAML parser raise on the way
+    (a TypeError for a list, a YAMLError, a UnicodeDecodeError)."""
+    from enforcer.edge.kube import KubeError, connect  # noqa: PLC0415 - only with the API
+
+    try:
+        return connect(kubeconfig)
+    except KubeError:
+        raise
+    except Exception as exc:
+        raise KubeError(
+            f"the kubeconfig is not one ({type(exc).__name__}: {str(exc)[:100]}): check "
+            "--kubeconfig, or KUBECONFIG"
+        ) from exc

@@ -5,10 +5,14 @@ as a user runs it, its PromQL run by Prometheus itself, its table and its YAML."
 
 from __future__ import annotations
 
+import json
 import os
+import socketserver
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -61,8 +65,10 @@ class Undeclared(Collector):
         yield family
 
 
-def recommend(url: str, *flags: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def recommend(
+    url: str, *flags: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     argv = [sys.executable, "-m", "enforcer", "recommend", "--prometheus", url, *flags]
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
 
@@ -210,3 +216,143 @@ def test_says_what_to_check_when_prometheus_has_nothing_or_cannot_be_reached(
     wrong = recommend(f"http://127.0.0.1:{prometheus.port}/graph", "--no-api")
     assert wrong.returncode == 1
     assert "/graph/api/v1/query: HTTP 404: check --prometheus" in wrong.stderr
+
+
+class Answer(socketserver.BaseRequestHandler):
+    """Reads one HTTP request, whole, and answers the server's `reply`, whatever it was."""
+
+    server: Answering
+
+    def handle(self) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data and (chunk := self.request.recv(65536)):
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next(
+            (
+                int(v)
+                for k, _, v in (h.partition(b":") for h in head.split(b"\r\n"))
+                if k.lower() == b"content-length"
+            ),
+            0,
+        )
+        while len(body) < length and (chunk := self.request.recv(65536)):
+            body += chunk
+        self.server.asked.append(body)
+        self.request.sendall(self.server.reply)
+
+
+class Answering(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+
+    def __init__(self, reply: bytes) -> None:
+        super().__init__(("127.0.0.1", 0), Answer)
+        self.reply = reply
+        self.asked: list[bytes] = []
+
+
+@contextmanager
+def answering(reply: bytes) -> Iterator[Answering]:
+    """A server on a real socket that answers each request `reply`, then closes."""
+    server = Answering(reply)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def http(body: bytes, length: int | None = None) -> bytes:
+    size = len(body) if length is None else length
+    head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {size}\r\n"
+    return head.encode() + b"Connection: close\r\n\r\n" + body
+
+
+EMPTY = json.dumps({"status": "success", "data": {"resultType": "vector", "result": []}})
+
+
+@pytest.mark.parametrize(
+    ("reply", "said"),
+    [
+        (b"SSH-2.0-OpenSSH_9.2p1\r\n", "did not answer in HTTP (BadStatusLine"),
+        (http(b'{"status": "succ', length=4096), "did not answer in HTTP (IncompleteRead"),
+        (http(b"[" * 100_000), "did not answer JSON (nested too deeply): is it Prometheus?"),
+        (http(b"<html>Grafana</html>"), "did not answer JSON (Expecting value"),
+    ],
+    ids=["not-http", "cut-short", "nested", "not-json"],
+)
+def test_an_answer_that_is_not_prometheus_is_one_line_that_says_what_to_check(
+    reply: bytes, said: str
+) -> None:
+    with answering(reply) as server:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        got = recommend(url, "--no-api")
+    assert got.returncode == 1
+    assert "Traceback" not in got.stderr
+    (line,) = got.stderr.splitlines()
+    assert line.startswith(f"vram-enforcer recommend: {url}/api/v1/query {said}"), line
+    assert "check --prometheus" in line or "is it Prometheus?" in line
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"\xff\xfetoken", "is not text (not UTF-8): check that it holds the token"),
+        (b"first\nsecond\n", "does not hold one bearer token"),
+        (b"a token\n", "does not hold one bearer token"),
+        (b"\n", "does not hold one bearer token"),
+    ],
+    ids=["not-utf8", "two-lines", "space", "empty"],
+)
+def test_a_token_file_that_holds_no_token_is_said_so_before_anything_is_sent(
+    tmp_path: Path, content: bytes, said: str
+) -> None:
+    token = tmp_path / "token"
+    token.write_bytes(content)
+    with answering(http(EMPTY.encode())) as server:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        got = recommend(url, "--no-api", "--bearer-token-file", str(token))
+        asked = server.asked
+    assert got.returncode == 1
+    assert (
+        got.stderr
+        == f"vram-enforcer recommend: --bearer-token-file {token} {said}"
+        + (got.stderr.split(said, 1)[1])
+    )
+    assert len(got.stderr.splitlines()) == 1
+    assert not asked  # the token file is read first: nothing went out
+    missing = recommend(url, "--no-api", "--bearer-token-file", str(tmp_path / "none"))
+    assert missing.stderr == (
+        f"vram-enforcer recommend: cannot read --bearer-token-file {tmp_path / 'none'}: "
+        "No such file or directory\n"
+    )
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "a: [", "\udcff"])
+def test_a_kubeconfig_that_is_not_one_is_one_line_and_the_runs_are_shown_as_jobs(
+    prometheus: Prometheus, tmp_path: Path, content: str
+) -> None:
+    """The kubernetes client reads a YAML file that is not a kubeconfig without checking
+    it, and raises what Python raises: said in one line, as a kubeconfig that is missing."""
+    wait_for(lambda: prometheus.series("vram_enforcer_container_peak_bytes"), timeout=30)
+    config = tmp_path / "kubeconfig"
+    config.write_bytes(content.encode(errors="surrogateescape"))
+    got = recommend(f"http://127.0.0.1:{prometheus.port}", env={"KUBECONFIG": str(config)})
+    assert got.returncode == 0, got.stderr
+    (line,) = got.stderr.splitlines()
+    assert line.startswith("vram-enforcer recommend: CronJobs not read (")
+    assert "check --kubeconfig, or KUBECONFIG" in line or "pass --kubeconfig" in line
+    assert "Deployment/serve" in got.stdout
+
+
+def test_a_ca_file_that_holds_no_certificate_is_one_line(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.crt"
+    ca.write_text("not a certificate\n")
+    got = recommend("https://127.0.0.1:1", "--no-api", "--ca-file", str(ca))
+    assert got.returncode == 1
+    assert got.stderr.startswith(f"vram-enforcer recommend: cannot read --ca-file {ca} (")
+    assert got.stderr.endswith("): check that it holds PEM certificates\n")
+    assert len(got.stderr.splitlines()) == 1
