@@ -25,6 +25,8 @@ TEMPLATE_HASH = "pod-template-hash"
 _KIND = re.compile(r"[A-Za-z][A-Za-z0-9]{0,62}")
 # A DNS-1123 subdomain (every workload's name has this form, at most 253 characters).
 _NAME = re.compile(r"[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?")
+# A DNS-1123 label: a namespace's name, a container's (at most 63 characters).
+_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
 # The CronJob controller names each run's Job `<cronjob>-<scheduled time in Unix minutes>`.
 _RUN = re.compile(r"(.+)-[0-9]+")
 
@@ -38,6 +40,22 @@ class Owner:
     name: str
 
 
+def is_kind(text: str) -> bool:
+    """Whether `text` has the form of a Kubernetes kind (`Deployment`, `RayCluster`)."""
+    return _KIND.fullmatch(text) is not None
+
+
+def is_name(text: str) -> bool:
+    """Whether `text` has the form of a workload's or a pod's name (a DNS-1123 subdomain)."""
+    return _NAME.fullmatch(text) is not None
+
+
+def is_label(text: str) -> bool:
+    """Whether `text` has the form of a namespace's or a container's name (a DNS-1123
+    label)."""
+    return _LABEL.fullmatch(text) is not None
+
+
 def owner_of(pod: Pod) -> Owner:
     """The workload of `pod`: its controller, with a Deployment's ReplicaSet read as the
     Deployment. A Job is its Job: the pod does not say which CronJob made it
@@ -48,9 +66,9 @@ def owner_of(pod: Pod) -> Owner:
     if len(controllers) != 1:  # none, or more than the API server would let a pod have
         return itself
     kind, name = controllers[0].get("kind"), controllers[0].get("name")
-    if not (isinstance(kind, str) and _KIND.fullmatch(kind)):
+    if not (isinstance(kind, str) and is_kind(kind)):
         return itself
-    if not (isinstance(name, str) and _NAME.fullmatch(name)):
+    if not (isinstance(name, str) and is_name(name)):
         return itself
     if kind == "ReplicaSet":
         return _deployment(name, json_map(meta.get("labels")).get(TEMPLATE_HASH)) or Owner(

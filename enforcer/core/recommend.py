@@ -15,9 +15,11 @@ import json
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
+from enforcer.core.messages import shown
 from enforcer.core.model import format_bytes
-from enforcer.core.owners import Owner, cronjob_of
+from enforcer.core.owners import Owner, cronjob_of, is_kind, is_label, is_name
 from enforcer.core.parsing import format_quantity
 
 PEAK = "vram_enforcer_container_peak_bytes"
@@ -25,6 +27,8 @@ UNDECLARED = "vram_enforcer_undeclared_used_bytes"
 LIMIT = "vram_enforcer_container_limit_bytes"
 OWNER = "vram_enforcer_pod_owner"
 _CONTAINER = "namespace, pod, container"
+_CELL = 320  # characters of a table's cell: a kind and a name, `Kind/name`, fit
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,14 +43,18 @@ class Method:
 
 @dataclass(frozen=True, slots=True)
 class Queries:
-    """The PromQL behind a recommendation, over `window` (a Prometheus duration) and, if
-    given, one namespace."""
+    """The PromQL behind a recommendation, over `window` (a Prometheus duration), in one
+    namespace if given, of the series that `selector` matches (label matchers such as
+    `job="vram-enforcer-agent"`, checked by `settings.recommend.parse_selector`) if given."""
 
     window: str
     namespace: str | None = None
+    selector: str = ""
 
     def _selector(self) -> str:
-        return "" if self.namespace is None else f'{{namespace="{self.namespace}"}}'
+        namespace = [] if self.namespace is None else [f'namespace="{self.namespace}"']
+        matchers = ",".join([*namespace, *([self.selector] if self.selector else [])])
+        return f"{{{matchers}}}" if matchers else ""
 
     @property
     def peaks(self) -> str:
@@ -73,6 +81,17 @@ class Queries:
 
 class AnswerError(ValueError):
     """Prometheus answered something that is not an instant vector."""
+
+
+@dataclass(frozen=True, slots=True)
+class Read(Generic[T]):
+    """What was read from an answer, and how many series were `dropped` for labels that
+    are not in the form of the Kubernetes names they stand for. Whoever can have a series
+    scraped (a tenant's pod with a scrape annotation) chooses its labels: only names that
+    cannot break a line of YAML or drive a terminal are read."""
+
+    found: T
+    dropped: int
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -106,27 +125,34 @@ def vector(answer: object) -> list[tuple[dict[str, str], float]]:
     return found
 
 
-def observed(answer: object) -> list[Observed]:
+def observed(answer: object) -> Read[list[Observed]]:
     """Each container's value in an answer of `Queries.peaks` or `Queries.limits` (a value
-    that is not a finite number of bytes, or a series without the labels, is left out)."""
-    found = []
+    that is not a finite number of bytes is left out; a series whose namespace, pod or
+    container is not such a name is dropped)."""
+    found, dropped = [], 0
     for labels, number in vector(answer):
         namespace, pod, container = (labels.get(k, "") for k in ("namespace", "pod", "container"))
-        if namespace and pod and container and math.isfinite(number) and number >= 0:
+        if not (is_label(namespace) and is_name(pod) and is_label(container)):
+            dropped += 1
+        elif math.isfinite(number) and number >= 0:
             found.append(Observed(namespace, pod, container, int(number)))
-    return found
+    return Read(found, dropped)
 
 
-def owners(answer: object) -> dict[tuple[str, str], Owner]:
+def owners(answer: object) -> Read[dict[tuple[str, str], Owner]]:
     """(namespace, pod) -> its owner, from an answer of `Queries.owners` (the greatest
-    where a pod's owner changed in the window: one per pod)."""
+    where a pod's owner changed in the window: one per pod; a series whose labels are not
+    such names is dropped)."""
     found: dict[tuple[str, str], Owner] = {}
+    dropped = 0
     for labels, _ in vector(answer):
-        pod = (labels.get("namespace", ""), labels.get("pod", ""))
+        namespace, pod = labels.get("namespace", ""), labels.get("pod", "")
         owner = Owner(labels.get("owner_kind", ""), labels.get("owner_name", ""))
-        if all(pod) and owner.kind and owner.name:
-            found[pod] = max(found.get(pod, owner), owner)
-    return found
+        if is_label(namespace) and is_name(pod) and is_kind(owner.kind) and is_name(owner.name):
+            found[namespace, pod] = max(found.get((namespace, pod), owner), owner)
+        else:
+            dropped += 1
+    return Read(found, dropped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,9 +232,9 @@ def table(found: Sequence[Recommendation], method: Method, window: str) -> str:
         ("NAMESPACE", "WORKLOAD", "CONTAINER", "PODS", "PEAK", pct.upper(), "LIMIT", "DECLARED"),
         *(
             (
-                r.namespace,
-                f"{r.owner.kind}/{r.owner.name}",
-                r.container,
+                shown(r.namespace, _CELL),
+                shown(f"{r.owner.kind}/{r.owner.name}", _CELL),
+                shown(r.container, _CELL),
                 str(r.pods),
                 format_bytes(r.peak),
                 format_bytes(r.at_percentile),
@@ -245,7 +271,8 @@ def manifests(
 ) -> str:
     """Each workload's containers' limits as YAML, one document per workload, in the shape
     of its manifest (a strategic merge patch: `kubectl patch --patch-file` takes it as it
-    is). Each limit is in `unit`s of `resource` (`--resource-unit`), a quantity at 1."""
+    is). Each limit is in `unit`s of `resource` (`--resource-unit`), a quantity at 1. Every
+    value from Prometheus is a quoted string, comments included."""
     by_workload: dict[tuple[str, Owner], list[Recommendation]] = {}
     for r in found:
         by_workload.setdefault((r.namespace, r.owner), []).append(r)
@@ -253,12 +280,12 @@ def manifests(
     for (namespace, owner), recs in sorted(by_workload.items()):
         path = _POD_SPEC.get(owner.kind, _TEMPLATE)
         lines = [
-            f"# {namespace} {owner.kind}/{owner.name}: p{method.percentile * 100:g} of "
-            f"{window}'s peaks + {method.headroom * 100:g}%",
+            f"# {_string(f'{owner.kind}/{owner.name}')} in namespace {_string(namespace)}: "
+            f"p{method.percentile * 100:g} of {window}'s peaks + {method.headroom * 100:g}%",
             f"apiVersion: {_API_VERSIONS[owner.kind]}"
             if owner.kind in _API_VERSIONS
-            else f"# apiVersion: that of {owner.kind}",
-            f"kind: {owner.kind}",
+            else f"# apiVersion: that of {_string(owner.kind)}",
+            f"kind: {_string(owner.kind)}",
             "metadata:",
             f"  name: {_string(owner.name)}",
             f"  namespace: {_string(namespace)}",
@@ -280,5 +307,6 @@ def manifests(
 
 
 def _string(text: str) -> str:
-    """A YAML scalar that reads back as the string `text` (a JSON string is one)."""
+    """A YAML scalar that reads back as the string `text` (a JSON string is one, all on
+    one line: a line break or a control character is escaped)."""
     return json.dumps(text)

@@ -38,10 +38,13 @@ def run(settings: RecommendSettings) -> int:
         peaks, owned, declared = observed(answers[0]), owners(answers[1]), observed(answers[2])
     except AnswerError as exc:
         return _failed(f"{settings.prometheus}: {exc}")
-    if not peaks:
+    if dropped := peaks.dropped + owned.dropped + declared.dropped:
+        print(_dropped(dropped, q), file=sys.stderr)
+    if not peaks.found:
         return _failed(_nothing(q))
-    cronjobs = _cronjobs(settings, {p.namespace for p in peaks}) if settings.api else None
-    found = recommend(peaks, owned, settings.method, declared, cronjobs)
+    namespaces = {p.namespace for p in peaks.found}
+    cronjobs = _cronjobs(settings, namespaces) if settings.api else None
+    found = recommend(peaks.found, owned.found, settings.method, declared.found, cronjobs)
     if settings.output == "yaml":
         text = manifests(
             found, settings.method, q.window, settings.resource_name, settings.resource_unit
@@ -55,6 +58,21 @@ def run(settings: RecommendSettings) -> int:
 def _failed(why: str) -> int:
     print(f"vram-enforcer recommend: {why}", file=sys.stderr)
     return EXIT_FAILED
+
+
+def _dropped(n: int, q: Queries) -> str:
+    """One line for the series left out: whoever can have its own series scraped writes
+    their labels, and none of it reaches what is printed."""
+    narrow = (
+        ""
+        if q.selector
+        else '; pass --selector (e.g. job="vram-enforcer-agent") to read the agents\' only'
+    )
+    return (
+        f"vram-enforcer recommend: {n} series left out: a namespace, pod, container or owner "
+        f"label that is not in the form of a Kubernetes name (a series scraped from elsewhere "
+        f"than the node agents?){narrow}"
+    )
 
 
 def _nothing(q: Queries) -> str:

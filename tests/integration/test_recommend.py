@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import pytest
 import yaml
-from prometheus_client import start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -27,7 +27,7 @@ from enforcer.core.declaration import ENFORCED, SIDECAR
 from enforcer.core.model import Device, GiB, MiB, ProcessKey, ProcessUsage, Sample
 from enforcer.core.payloads import Pod
 from enforcer.core.pod_metrics import ContainerSeries, Named
-from enforcer.edge.metrics import AgentTelemetry, PodsCollector, PodsView
+from enforcer.edge.metrics import PodsCollector, PodsView
 from enforcer.modes.pod_metrics import Peaks, with_workloads
 from tests.e2e.prometheus import Prometheus
 from tests.e2e.prometheus import missing as prometheus_missing
@@ -73,6 +73,21 @@ def recommend(
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
 
 
+@contextmanager
+def serving(*collectors: Collector) -> Iterator[str]:
+    """`collectors` served in Prometheus' text format over HTTP: the address."""
+    registry = CollectorRegistry()
+    for c in collectors:
+        registry.register(c)
+    port = free_port()
+    server, thread = start_http_server(port, "127.0.0.1", registry=registry)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+
+
 @pytest.fixture
 def agent() -> Iterator[tuple[str, Undeclared]]:
     """The agent's pod series over HTTP: two pods of the Deployment `serve` whose trainer
@@ -102,30 +117,68 @@ def agent() -> Iterator[tuple[str, Undeclared]]:
             )
         )
 
-    telemetry = AgentTelemetry()
     view = lambda: with_workloads(declared, lambda: pods, peaks, lambda: frozenset({"ml"}))  # noqa: E731
-    telemetry.registry.register(PodsCollector(view))
     undeclared = Undeclared()
-    telemetry.registry.register(undeclared)
-    port = free_port()
-    server, thread = start_http_server(port, "127.0.0.1", registry=telemetry.registry)
+    with serving(PodsCollector(view), undeclared) as address:
+        yield address, undeclared
+
+
+# What a tenant may write into a label of its own series: a whole document more.
+CLUSTER_ROLE_BINDING = (
+    "x\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata:\n"
+    "  name: mine\nroleRef: {kind: ClusterRole, name: cluster-admin}\nsubjects:\n"
+    "- {kind: ServiceAccount, name: default, namespace: ml}"
+)
+
+
+class Tenant(Collector):
+    """A tenant's pod whose own series a scrape by annotation takes: the agent's metrics'
+    names, with a document in an owner's name, a terminal's escape in a container's, and a
+    workload of its own making in the form of a real one."""
+
+    def collect(self) -> Iterator[Metric]:
+        owner = GaugeMetricFamily(
+            "vram_enforcer_pod_owner",
+            "forged",
+            labels=["namespace", "pod", "owner_kind", "owner_name"],
+        )
+        owner.add_metric(["ml", "notebook", "Deployment", CLUSTER_ROLE_BINDING], 1)
+        yield owner
+        peak = GaugeMetricFamily(
+            "vram_enforcer_container_peak_bytes", "forged", labels=["namespace", "pod", "container"]
+        )
+        peak.add_metric(["ml", "serve-5f6-a", "c\x1b[31m"], 20 * GiB)
+        peak.add_metric(["ml", "made-up", "main"], 30 * GiB)
+        yield peak
+
+
+@contextmanager
+def scraping(tmp: Path, targets: dict[str, list[str]]) -> Iterator[Prometheus]:
+    """A Prometheus that scrapes `targets` (job -> addresses), the agent's labels honoured."""
+    if reason := prometheus_missing():
+        pytest.skip(reason)
+    found = Prometheus(tmp, targets, honor_labels={"agent"})
     try:
-        yield f"127.0.0.1:{port}", undeclared
+        wait_for(found.targets_up, timeout=30, what=f"{', '.join(targets)} up in Prometheus")
+        yield found
     finally:
-        server.shutdown()
-        thread.join(timeout=10)
+        found.close()
 
 
 @pytest.fixture
 def prometheus(tmp_path: Path, agent: tuple[str, Undeclared]) -> Iterator[Prometheus]:
-    if reason := prometheus_missing():
-        pytest.skip(reason)
-    found = Prometheus(tmp_path, {"agent": [agent[0]]}, honor_labels={"agent"})
-    try:
-        wait_for(found.targets_up, timeout=30, what="the agent up in Prometheus")
+    with scraping(tmp_path, {"agent": [agent[0]]}) as found:
         yield found
-    finally:
-        found.close()
+
+
+@pytest.fixture
+def with_tenant(tmp_path: Path, agent: tuple[str, Undeclared]) -> Iterator[Prometheus]:
+    """A Prometheus that scrapes the agent, and a tenant's pod (`job="tenant"`)."""
+    with (
+        serving(Tenant()) as tenant,
+        scraping(tmp_path, {"agent": [agent[0]], "tenant": [tenant]}) as found,
+    ):
+        yield found
 
 
 def test_recommends_each_workloads_limit_from_the_peaks_prometheus_kept(
@@ -160,6 +213,50 @@ def test_recommends_each_workloads_limit_from_the_peaks_prometheus_kept(
         "name": "trainer",
         "resources": {"limits": {"vram-enforcer.io/vram": "10Gi"}},
     }
+
+
+def test_a_tenants_own_series_reach_neither_the_yaml_nor_the_terminal(
+    with_tenant: Prometheus,
+) -> None:
+    """A tenant whose pod is scraped by its annotations serves series of the agent's
+    names: labels that are not Kubernetes names are dropped, and said in one line; the
+    YAML an operator pastes holds the workloads' documents and nothing more, the table no
+    escape. What has the form of a real workload is read unless --selector takes only the
+    agents' series."""
+    prometheus = with_tenant
+    url = f"http://127.0.0.1:{prometheus.port}"
+    tenant = 'vram_enforcer_pod_owner{job="tenant"}'
+    wait_for(lambda: prometheus.series(tenant), timeout=30, what="a scrape of the tenant")
+    peaks = "vram_enforcer_container_peak_bytes"
+    wait_for(lambda: len(prometheus.series(peaks)) == 4, timeout=30, what="every peak scraped")
+
+    pasted = recommend(url, "--window", "1h", "--no-api", "--output", "yaml")
+    assert pasted.returncode == 0, pasted.stderr
+    assert pasted.stderr.splitlines() == [
+        "vram-enforcer recommend: 2 series left out: a namespace, pod, container or owner "
+        "label that is not in the form of a Kubernetes name (a series scraped from elsewhere "
+        'than the node agents?); pass --selector (e.g. job="vram-enforcer-agent") to read '
+        "the agents' only"
+    ]
+    docs = list(yaml.safe_load_all(pasted.stdout))
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("Deployment", "serve"),
+        ("Pod", "made-up"),  # a name in the form of one: --selector keeps it out
+        ("Pod", "notebook"),
+    ]
+    assert "ClusterRoleBinding" not in pasted.stdout
+    shown = recommend(url, "--window", "1h", "--no-api")
+    assert shown.returncode == 0, shown.stderr
+    assert "\x1b" not in shown.stdout
+    assert len(shown.stdout.splitlines()) == 5
+
+    agents = recommend(url, "--window", "1h", "--no-api", "--selector", 'job="agent"')
+    assert agents.returncode == 0, agents.stderr
+    assert not agents.stderr
+    assert [line.split()[1] for line in agents.stdout.splitlines()[2:]] == [
+        "Deployment/serve",
+        "Pod/notebook",
+    ]
 
 
 def documented_queries() -> list[str]:

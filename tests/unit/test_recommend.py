@@ -10,11 +10,13 @@ import yaml
 
 from enforcer.core.model import GiB, MiB
 from enforcer.core.owners import Owner
+from enforcer.core.parsing import ConfigError
 from enforcer.core.recommend import (
     AnswerError,
     Method,
     Observed,
     Queries,
+    Read,
     Recommendation,
     manifests,
     observed,
@@ -24,6 +26,7 @@ from enforcer.core.recommend import (
     round_up,
     table,
 )
+from enforcer.core.settings.recommend import parse_selector
 
 P100 = Method(1.0, 0.15, GiB)
 
@@ -130,13 +133,73 @@ def test_prometheus_answers_are_read_and_what_is_not_a_peak_is_left_out() -> Non
         ({"namespace": "ml", "pod": "d", "container": "c"}, "-1"),
         ({"namespace": "ml", "pod": "e", "container": "c"}, "+Inf"),
     )
-    assert observed(got) == [Observed("ml", "a", "c", GiB)]
+    assert observed(got) == Read([Observed("ml", "a", "c", GiB)], dropped=1)
     who = answer(
         ({"namespace": "ml", "pod": "a", "owner_kind": "Deployment", "owner_name": "serve"}, 1),
         ({"namespace": "ml", "pod": "a", "owner_kind": "ReplicaSet", "owner_name": "serve-1"}, 1),
         ({"namespace": "ml", "pod": "b", "owner_kind": "", "owner_name": "x"}, 1),
     )
-    assert owners(who) == {("ml", "a"): Owner("ReplicaSet", "serve-1")}  # one per pod
+    assert owners(who) == Read({("ml", "a"): Owner("ReplicaSet", "serve-1")}, 1)  # one per pod
+
+
+CLUSTER_ROLE_BINDING = (
+    "x\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata:\n"
+    "  name: mine\nroleRef: {kind: ClusterRole, name: cluster-admin}"
+)
+
+
+def test_labels_that_are_not_kubernetes_names_are_dropped_and_counted() -> None:
+    """Whoever can have a series scraped writes its labels (a tenant's pod with scrape
+    annotations): only a namespace, pod, container, kind and name in their Kubernetes form
+    is read, so that none can break a line of YAML or drive a terminal."""
+    ok = {"namespace": "ml", "pod": "serve-5f6-a", "container": "server"}
+    got = answer(
+        (ok, GiB),
+        (ok | {"container": "c\x1b[31m"}, GiB),
+        (ok | {"pod": "a\nb"}, GiB),
+        (ok | {"namespace": "Ml"}, GiB),
+        (ok | {"namespace": "n" * 64}, GiB),
+        (ok | {"container": "c" * 64}, GiB),
+        (ok | {"pod": "p" * 254}, GiB),
+    )
+    assert observed(got) == Read([Observed("ml", "serve-5f6-a", "server", GiB)], 6)
+    pod = {"namespace": "ml", "pod": "serve-5f6-a"}
+    who = answer(
+        (pod | {"owner_kind": "Deployment", "owner_name": CLUSTER_ROLE_BINDING}, 1),
+        (pod | {"owner_kind": "Deploy\u202ement", "owner_name": "serve"}, 1),
+        (pod | {"owner_kind": "Deployment", "owner_name": "serve"}, 1),
+        (pod | {"pod": "serve\x1b]0;x", "owner_kind": "Deployment", "owner_name": "serve"}, 1),
+    )
+    assert owners(who) == Read({("ml", "serve-5f6-a"): Owner("Deployment", "serve")}, 3)
+
+
+def test_what_is_printed_quotes_and_escapes_every_value_from_prometheus() -> None:
+    """Should a name that is not in its Kubernetes form get this far, it stays one quoted
+    value in the YAML (no document of its own, comments included) and one escaped cell in
+    the table."""
+    hostile = Recommendation(
+        "ml\nkind: Secret",
+        Owner("Deployment", CLUSTER_ROLE_BINDING),
+        "c\x1b[31m",
+        1,
+        GiB,
+        GiB,
+        2 * GiB,
+        None,
+    )
+    pasted = manifests([hostile], P100, "7d", "vram-enforcer.io/vram", 1)
+    (doc,) = yaml.safe_load_all(pasted)
+    assert doc["metadata"] == {"name": CLUSTER_ROLE_BINDING, "namespace": "ml\nkind: Secret"}
+    assert doc["spec"]["template"]["spec"]["containers"][0]["name"] == "c\x1b[31m"
+    assert "\x1b" not in pasted
+    assert all(
+        line.startswith(("#", " ", "-", "apiVersion:", "kind:", "metadata:", "spec:"))
+        for line in pasted.splitlines()
+    )
+    shown = table([hostile], P100, "7d")
+    assert "\x1b" not in shown
+    assert len(shown.splitlines()) == 3
+    assert "c\\x1b[31m" in shown
 
 
 @pytest.mark.parametrize(
@@ -166,6 +229,11 @@ def test_the_queries_read_peaks_and_undeclared_usage_over_the_window_in_one_name
     )
     assert 'last_over_time(vram_enforcer_pod_owner{namespace="ml"}[7d])' in q.owners
     assert "{" not in Queries("36h").limits
+    only = Queries("7d", "ml", 'job="vram-enforcer-agent"')
+    assert 'vram_enforcer_pod_owner{namespace="ml",job="vram-enforcer-agent"}[7d]' in only.owners
+    every = Queries("7d", selector='job="a",instance=~"10\\..*"')
+    for query in (every.peaks, every.limits, every.owners):
+        assert query.count('{job="a",instance=~"10\\..*"}') == query.count("vram_enforcer_")
 
 
 FOUND = [
@@ -223,3 +291,37 @@ def test_the_yaml_is_each_workloads_manifest_shape_with_its_containers_limits() 
     assert next(in_units)["spec"]["template"]["spec"]["containers"][0]["resources"] == {
         "limits": {"example.com/vram": "11"}
     }
+
+
+@pytest.mark.parametrize(
+    ("given", "taken"),
+    [
+        ('job="vram-enforcer-agent"', 'job="vram-enforcer-agent"'),
+        (' job = "a" , instance=~"10.0.*" ', 'job="a",instance=~"10.0.*"'),
+        ('cluster!="", env!~"dev|test"', 'cluster!="",env!~"dev|test"'),
+        ("", ""),
+    ],
+)
+def test_a_selector_is_label_matchers_written_back_as_promql_takes_them(
+    given: str, taken: str
+) -> None:
+    assert parse_selector(given, "--selector") == taken
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        'job="a"}) or vector(1) or (x{a="b"',  # a query of one's own
+        '{job="a"}',
+        'job="a\\"b"',
+        'job="a\nb"',
+        "job=a",
+        'job=="a"',
+        '1job="a"',
+        'job="a",',
+        'job="a" or up',
+    ],
+)
+def test_a_selector_that_is_not_only_label_matchers_is_refused(given: str) -> None:
+    with pytest.raises(ConfigError, match=r"--selector.*use e\.g\. job=\"vram-enforcer-agent\""):
+        parse_selector(given, "--selector")

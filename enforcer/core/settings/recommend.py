@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from enforcer.core.owners import is_label
 from enforcer.core.parsing import ConfigError, as_text, choice, parse_unit
 from enforcer.core.recommend import Method, Queries
 from enforcer.core.settings import Setting, Values, switch, value, verbosity
@@ -18,7 +19,6 @@ _WINDOW = re.compile(
     r"(?:[0-9]+y)?(?:[0-9]+w)?(?:[0-9]+d)?(?:[0-9]+h)?(?:[0-9]+m)?"
     r"(?:[0-9]+s)?(?:[0-9]+ms)?"
 )
-_NAMESPACE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def parse_url(text: str, field: str) -> str:
@@ -41,9 +41,31 @@ def parse_window(text: str, field: str) -> str:
 
 def parse_namespace(text: str, field: str) -> str:
     """A namespace's name (a DNS-1123 label)."""
-    if not _NAMESPACE.fullmatch(text):
+    if not is_label(text):
         raise ConfigError(field, text, "is not a namespace's name; use e.g. ml-team")
     return text
+
+
+# One PromQL label matcher: a label name, an operator, a double-quoted value without an
+# escape or a quote (what a label value of the scrape's own, a job or a namespace, needs).
+_MATCHER = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"([^"\\\x00-\x1f\x7f]*)"\s*')
+
+
+def parse_selector(text: str, field: str) -> str:
+    """PromQL label matchers, comma-separated (`job="vram-enforcer-agent"`), written back
+    as the queries take them; nothing else (no braces, no escapes), so that they cannot
+    change a query beyond choosing its series."""
+    if not text.strip():
+        return ""
+    matchers = [_MATCHER.fullmatch(part) for part in text.split(",")]
+    if not all(matchers):
+        raise ConfigError(
+            field,
+            text,
+            'is not a list of PromQL label matchers; use e.g. job="vram-enforcer-agent" '
+            '(name="value", also !=, =~ and !~, comma-separated, no backslash in a value)',
+        )
+    return ",".join(f'{m[1]}{m[2]}"{m[3]}"' for m in matchers if m)
 
 
 def parse_headroom(text: str, field: str) -> float:
@@ -91,6 +113,24 @@ NAMESPACE = value(
     flag="--namespace",
     metavar="NAMESPACE",
     shown_default="every namespace",
+)
+SELECTOR = value(
+    "selector",
+    parse_selector,
+    "PromQL label matchers that the series read must match",
+    flag="--selector",
+    default="",
+    metavar="MATCHERS",
+    shown_default="every series",
+    doc="PromQL label matchers, comma-separated, that every series read must match: "
+    "`job=\"vram-enforcer-agent\"` takes the node agents' series only (the chart's "
+    "ServiceMonitor scrapes them under the name of the agents' Service, `vram-enforcer-agent` "
+    "for a release named `vram-enforcer`). None, the default, reads every series of the "
+    "agents' metric names, whatever the scrape job is called; but where Prometheus also "
+    "scrapes pods' own ports (by annotation), a tenant can serve series of those names and "
+    "put pods and workloads of its own making into the recommendation: set it there, on a "
+    "label the scrape sets (`job`), not one a target may set. Labels that are not Kubernetes "
+    "names are dropped either way, and counted on stderr",
 )
 PERCENTILE = value(
     "percentile",
@@ -169,6 +209,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     PROMETHEUS,
     WINDOW,
     NAMESPACE,
+    SELECTOR,
     PERCENTILE,
     HEADROOM,
     ROUND,
@@ -204,7 +245,7 @@ def recommend_settings(values: Values) -> RecommendSettings:
     unit = values[RESOURCE_UNIT]
     return RecommendSettings(
         prometheus=values[PROMETHEUS],
-        queries=Queries(values[WINDOW], values[NAMESPACE]),
+        queries=Queries(values[WINDOW], values[NAMESPACE], values[SELECTOR]),
         method=Method(values[PERCENTILE], values[HEADROOM], math.lcm(values[ROUND], unit)),
         resource_name=values[RESOURCE_NAME],
         resource_unit=unit,
