@@ -249,61 +249,91 @@ def table(found: Sequence[Recommendation], method: Method, window: str) -> str:
     return head + "\n".join(line.rstrip() for line in lines) + "\n"
 
 
-# Where each kind keeps its pod template's spec, for a patch of its containers' limits.
-_POD_SPEC = {
-    "Pod": ("spec",),
-    "CronJob": ("spec", "jobTemplate", "spec", "template", "spec"),
+_TEMPLATE = ("spec", "template", "spec")
+# The built-in workload kinds: each one's apiVersion, and where it keeps its pod template's
+# spec, for a strategic merge patch of its containers' limits. Any other kind (a custom
+# resource: RayCluster, PyTorchJob, LeaderWorkerSet) keeps its templates where its own API
+# says, and takes no strategic merge patch: it is told in words.
+_BUILT_IN = {
+    "Pod": ("v1", ("spec",)),
+    "Deployment": ("apps/v1", _TEMPLATE),
+    "StatefulSet": ("apps/v1", _TEMPLATE),
+    "DaemonSet": ("apps/v1", _TEMPLATE),
+    "ReplicaSet": ("apps/v1", _TEMPLATE),
+    "Job": ("batch/v1", _TEMPLATE),
+    "CronJob": ("batch/v1", ("spec", "jobTemplate", "spec", "template", "spec")),
 }
-_TEMPLATE = ("spec", "template", "spec")  # Deployment, StatefulSet, DaemonSet, Job, ...
-_API_VERSIONS = {
-    "Pod": "v1",
-    "Deployment": "apps/v1",
-    "StatefulSet": "apps/v1",
-    "DaemonSet": "apps/v1",
-    "ReplicaSet": "apps/v1",
-    "Job": "batch/v1",
-    "CronJob": "batch/v1",
+# Those whose pod template cannot change once made: the limit goes into the next one.
+_IMMUTABLE = {
+    "Pod": "# a Pod's containers cannot change: write this into its next manifest",
+    "Job": "# a Job's pod template cannot change: write this into its next manifest",
 }
 
 
 def manifests(
     found: Sequence[Recommendation], method: Method, window: str, resource: str, unit: int
 ) -> str:
-    """Each workload's containers' limits as YAML, one document per workload, in the shape
-    of its manifest (a strategic merge patch: `kubectl patch --patch-file` takes it as it
-    is). Each limit is in `unit`s of `resource` (`--resource-unit`), a quantity at 1. Every
-    value from Prometheus is a quoted string, comments included."""
+    """Each workload's containers' limits as YAML, one document per workload: a built-in
+    kind's in the shape of its manifest (a strategic merge patch: `kubectl patch
+    --patch-file` takes it as it is), any other kind's as comments that say what to set on
+    which container. Each limit is in `unit`s of `resource` (`--resource-unit`), a quantity
+    at 1. Every value from Prometheus is a quoted string, comments included."""
     by_workload: dict[tuple[str, Owner], list[Recommendation]] = {}
     for r in found:
         by_workload.setdefault((r.namespace, r.owner), []).append(r)
     docs = []
     for (namespace, owner), recs in sorted(by_workload.items()):
-        path = _POD_SPEC.get(owner.kind, _TEMPLATE)
-        lines = [
+        head = (
             f"# {_string(f'{owner.kind}/{owner.name}')} in namespace {_string(namespace)}: "
-            f"p{method.percentile * 100:g} of {window}'s peaks + {method.headroom * 100:g}%",
-            f"apiVersion: {_API_VERSIONS[owner.kind]}"
-            if owner.kind in _API_VERSIONS
-            else f"# apiVersion: that of {_string(owner.kind)}",
-            f"kind: {_string(owner.kind)}",
-            "metadata:",
-            f"  name: {_string(owner.name)}",
-            f"  namespace: {_string(namespace)}",
+            f"p{method.percentile * 100:g} of {window}'s peaks + {method.headroom * 100:g}%"
+        )
+        limits = [
+            (r, format_quantity(r.limit) if unit == 1 else str(r.limit // unit)) for r in recs
         ]
-        lines += [f"{'  ' * depth}{key}:" for depth, key in enumerate(path)]
-        indent = "  " * len(path)
-        lines.append(f"{indent}containers:")
-        for r in recs:
-            value = format_quantity(r.limit) if unit == 1 else str(r.limit // unit)
-            lines += [
-                f"{indent}- name: {_string(r.container)}  # peak {format_bytes(r.peak)}, "
-                f"{r.pods} pod{'s' if r.pods != 1 else ''}",
-                f"{indent}  resources:",
-                f"{indent}    limits:",
-                f"{indent}      {resource}: {_string(value)}",
+        if owner.kind in _BUILT_IN:
+            lines = _patch(namespace, owner, limits, resource)
+        else:
+            lines = [
+                "# not a built-in workload kind, so no patch: its own API says where its pod",
+                "# templates are and how it is patched. In its templates' containers, set:",
+                *(
+                    f"#   {_string(r.container)}: resources.limits.{_string(resource)}: "
+                    f"{_string(value)}  # {_seen(r)}"
+                    for r, value in limits
+                ),
             ]
-        docs.append("\n".join(lines) + "\n")
+        docs.append("\n".join([head, *lines]) + "\n")
     return "---\n".join(docs)
+
+
+def _patch(
+    namespace: str, owner: Owner, limits: Sequence[tuple[Recommendation, str]], resource: str
+) -> list[str]:
+    """A built-in workload's manifest with its containers' limits (and nothing else)."""
+    api_version, path = _BUILT_IN[owner.kind]
+    lines = [
+        *([_IMMUTABLE[owner.kind]] if owner.kind in _IMMUTABLE else []),
+        f"apiVersion: {api_version}",
+        f"kind: {_string(owner.kind)}",
+        "metadata:",
+        f"  name: {_string(owner.name)}",
+        f"  namespace: {_string(namespace)}",
+    ]
+    lines += [f"{'  ' * depth}{key}:" for depth, key in enumerate(path)]
+    indent = "  " * len(path)
+    lines.append(f"{indent}containers:")
+    for r, value in limits:
+        lines += [
+            f"{indent}- name: {_string(r.container)}  # {_seen(r)}",
+            f"{indent}  resources:",
+            f"{indent}    limits:",
+            f"{indent}      {resource}: {_string(value)}",
+        ]
+    return lines
+
+
+def _seen(r: Recommendation) -> str:
+    return f"peak {format_bytes(r.peak)}, {r.pods} pod{'s' if r.pods != 1 else ''}"
 
 
 def _string(text: str) -> str:

@@ -820,7 +820,8 @@ def test_recommend_reads_each_workloads_peaks_from_a_prometheus_scraping_the_age
             "4Gi",
         ], shown
         pasted = yaml.safe_load_all(recommend(installed, prometheus, "--output", "yaml"))
-        (patch,) = [d for d in pasted if d["metadata"]["name"] == "serve"]
+        # A custom resource's recommendation is comments only: no document (None).
+        (patch,) = [d for d in pasted if d is not None and d["metadata"]["name"] == "serve"]
         apps.patch_namespaced_deployment(
             "serve", OPTED_IN, patch, _content_type="application/strategic-merge-patch+json"
         )

@@ -202,6 +202,32 @@ def test_what_is_printed_quotes_and_escapes_every_value_from_prometheus() -> Non
     assert "c\\x1b[31m" in shown
 
 
+def test_custom_resources_are_told_in_words_not_patched() -> None:
+    """A kind that is not a built-in workload keeps its pod templates where its own API
+    says (RayCluster's head and worker groups, PyTorchJob's replica specs) and takes no
+    strategic merge patch: what to set on which container, as comments."""
+    ray = FOUND[3]
+    pasted = manifests([ray, FOUND[0]], P100, "7d", "vram-enforcer.io/vram", 1)
+    serve, first = pasted.split("---\n")  # by kind
+    assert all(line.startswith("#") for line in first.splitlines())
+    assert '"RayCluster/ray" in namespace "ml"' in first
+    assert (
+        '#   "head": resources.limits."vram-enforcer.io/vram": "2Gi"  # peak 1.00 GiB, 1 pod'
+        in first
+    )
+    assert list(yaml.safe_load_all(first)) == []  # nothing to apply
+    assert yaml.safe_load(serve)["kind"] == "Deployment"
+
+
+def test_a_pod_or_a_jobs_limit_is_for_its_next_manifest() -> None:
+    pod, job = (
+        Recommendation("ml", Owner(kind, "x"), "main", 1, GiB, GiB, 2 * GiB, None)
+        for kind in ("Pod", "Job")
+    )
+    assert "a Pod's containers cannot change" in manifests([pod], P100, "7d", "r.io/v", 1)
+    assert "a Job's pod template cannot change" in manifests([job], P100, "7d", "r.io/v", 1)
+
+
 @pytest.mark.parametrize(
     "got",
     [
@@ -286,7 +312,7 @@ def test_the_yaml_is_each_workloads_manifest_shape_with_its_containers_limits() 
     assert docs[2]["spec"]["containers"][0]["resources"]["limits"] == {
         "vram-enforcer.io/vram": "2Gi"
     }
-    assert "apiVersion" not in docs[3]  # a kind whose API is not known: said in a comment
+    assert docs[3] is None  # a custom resource: comments only (below)
     in_units = yaml.safe_load_all(manifests(FOUND[:1], P100, "7d", "example.com/vram", GiB))
     assert next(in_units)["spec"]["template"]["spec"]["containers"][0]["resources"] == {
         "limits": {"example.com/vram": "11"}
