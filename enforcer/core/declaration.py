@@ -100,6 +100,13 @@ class Declaration:
     def __bool__(self) -> bool:
         return bool(self.requests or self.portions)
 
+    def held_to_requests(self) -> Declaration:
+        """The declaration without its ceilings (in bytes or portions): what a pod that is
+        only reported on (`PolicyConfig.reports_only`) is owed, since nothing it borrowed
+        could be taken back."""
+        portions = {name: Portion(p.request) for name, p in self.portions.items()}
+        return replace(self, ceilings={}, portions=portions)
+
     def in_bytes(self, basis: int | None) -> tuple[dict[str, int], dict[str, int]]:
         """(requests, ceilings above them) in bytes. Portions count only with a `basis`:
         without one they are left out, unknown, never taken as 0."""

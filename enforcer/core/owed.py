@@ -33,6 +33,7 @@ from enforcer.core.dra import (
 from enforcer.core.model import ProcessKey, Sample
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import containers_by_id, json_map
+from enforcer.core.settings.sidecar import pod_policy
 from enforcer.core.units import Unit
 
 
@@ -197,8 +198,15 @@ def pod_owed(
     """What the agent owes `pod`: its declaration (`declaration.of_pod`, its sidecar's
     environment read only in a namespace of `opted_in`), and with its claims (`claims`: as
     read, with their users; None where the pod claims nothing, or nothing is read) what
-    they give it, through `owed`."""
+    they give it, through `owed`. A pod whose policy only reports (`pod_policy`, read as
+    the declaration is) is owed its requests alone: it borrows nothing, since what it
+    borrowed could not be taken back while its neighbours go without their requests."""
     declared = of_pod(pod, declares, opted_in=opted_in)
+    if (
+        isinstance(declared, Declaration)
+        and pod_policy(pod, declares.sidecar, opted_in).reports_only
+    ):
+        declared = declared.held_to_requests()
     claimed = None
     if claims is not None:
         objects = claims.objects

@@ -37,6 +37,15 @@ class PolicyConfig:
     grace_period: float = 5.0
     dry_run: bool = False
 
+    @property
+    def reports_only(self) -> bool:
+        """Whether nothing is enforced, only reported (`warn`, or a dry run): the webhook's
+        report-only actions (`tenancy.REPORT_ONLY`) as the sidecar and the agent run them.
+        Such a unit is given no hard limit (the driver would refuse its allocations: that
+        is enforcing) and borrows nothing above its request (what it borrowed could not be
+        taken back, and its neighbours' requests would go unmet)."""
+        return self.dry_run or self.action is Action.WARN
+
 
 @dataclass(frozen=True, slots=True)
 class UnitState:

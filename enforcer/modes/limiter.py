@@ -210,10 +210,14 @@ class HardLimiter(threading.Thread):
         known = self._parsed.get(uid)
         if known and version and known[0] == version:
             return known
-        if pod_policy(pod, self._declares.sidecar, trusted).dry_run:
-            # The driver would refuse its allocations past the limit: enforcement, which a
-            # dry run only reports. Limits set before are cleared.
-            log.info("pod %s/%s: a dry run: no hard limit", meta.get("namespace"), meta.get("name"))
+        if pod_policy(pod, self._declares.sidecar, trusted).reports_only:
+            # The driver would refuse its allocations past the limit: enforcement, which
+            # `warn` and a dry run only report. Limits set before are cleared.
+            log.info(
+                "pod %s/%s: only reported on (warn or a dry run): no hard limit",
+                meta.get("namespace"),
+                meta.get("name"),
+            )
             return (version, None, "")
         read_now = pod_owed(pod, self._declares, opted_in=trusted, basis=basis, claims=mine)
         problem = unreadable(read_now.declared)

@@ -1,10 +1,11 @@
 """A pod in a dry run (`VRAM_ENFORCER_DRY_RUN=true`, as the webhook writes it for the action
 `dry-run`) is never enforced, whoever holds it, and says what would have been done (issue
 43, item 3): the node agent's backstop, holding it while its sidecar is silent, signals
-nothing over its limit nor to take back what it borrowed, asks for no eviction, and posts
-`VRAMWouldEnforce` with the usage, the peak and the limit; the hard limiter gives it no
-hard limit (the driver's refusal of an allocation would enforce the limit). Real processes
-in a real cgroup named as containerd names a container's, run as a user other than root."""
+nothing over its limit, asks for no eviction, and posts `VRAMWouldEnforce` with the usage,
+the peak and the limit; it borrows nothing above its request (what it borrowed could not be
+taken back); the hard limiter gives it, and a pod in `warn`, no hard limit (the driver's
+refusal of an allocation would enforce the limit). Real processes in a real cgroup named as
+containerd names a container's, run as a user other than root."""
 
 from __future__ import annotations
 
@@ -121,30 +122,33 @@ def test_a_silent_pod_in_a_dry_run_is_never_signalled_nor_evicted_and_says_what_
         worker.wait()
 
 
-def test_a_borrower_in_a_dry_run_is_not_made_to_give_back_what_it_borrowed(
+def test_a_pod_in_a_dry_run_borrows_nothing_above_its_request(
     cgroup2: Path, tmp_path: Path
 ) -> None:
-    """The borrower of `test_backstop`'s reclaim, in a dry run: once the GPU is short of
-    what its neighbour is owed, the lender asks it back, and the backstop holding it says
-    what would have been taken back, as a would-be enforcement (no `VRAMReclaimed`: nothing
-    was taken back), and signals nothing."""
+    """The borrower of `test_backstop`'s reclaim, in a dry run: what it borrowed could not
+    be taken back, and its neighbour, enforced, would go without its request. So its
+    ceiling is its request: the lender lends it nothing, and the backstop holding it, with
+    the GPU far from short, says what would have been done at its request (a would-be
+    enforcement, not a reclaim), and signals nothing."""
     box = cgroup2 / f"cri-containerd-{CID}.scope"
     box.mkdir()
     worker, key = started(box)
     try:
         with lending_node(dry_pod("u", BORROWING), key, tmp_path) as agent:
-            agent.source.now = gpu(key, 6 * GiB)  # 6 GiB free: 3 short of the neighbour's due
+            agent.source.now = gpu(key, 0)  # 12 GiB free: nobody is short
             for _ in range(3):
                 agent.sampler._pass()  # one NVML pass, as the sampler's thread runs it
             (unit,) = agent.backstop._held["u"]._pipeline.last_units  # it saw its usage
-            assert (unit.name, unit.used_bytes) == ("trainer", 3 * GiB)
-            assert agent.recorder.reasons == ["VRAMWouldEnforce"], agent.recorder.messages
-            (would,) = agent.recorder.messages
-            assert "2.00 GiB above its 1.00 GiB request" in would, would
+            assert (unit.name, unit.used_bytes, unit.limit_bytes) == ("trainer", 3 * GiB, GiB)
+            assert agent.recorder.reasons == ["VRAMLimitExceeded", "VRAMWouldEnforce"], (
+                agent.recorder.messages
+            )
+            _, would = agent.recorder.messages
+            assert "uses 3.00 GiB of its 1.00 GiB VRAM limit" in would, would
             assert (
-                "; dry run, so nothing was signalled: would have taken back what it lent, "
-                f"sending SIGTERM to pid {key.pid}"
-            ) in would
+                f"dry run, so nothing was signalled: would have sent SIGTERM to pid {key.pid}"
+                in would
+            )
             time.sleep(0.2)  # a SIGTERM sent would have ended it by now
             assert worker.poll() is None
             assert not any(agent.backstop.counts["u"].reclaims.counts().values())
@@ -154,11 +158,17 @@ def test_a_borrower_in_a_dry_run_is_not_made_to_give_back_what_it_borrowed(
     assert worker.returncode == -signal.SIGKILL  # ours, at the end
 
 
-def test_the_hard_limiter_sets_no_hard_limit_on_a_pod_in_a_dry_run(tmp_path: Path) -> None:
-    """Its neighbour, enforced, gets its limit; the pod in a dry run none."""
+def test_the_hard_limiter_sets_no_hard_limit_on_a_pod_only_reported_on(tmp_path: Path) -> None:
+    """Its neighbour, enforced, gets its limit; the pod in a dry run none, nor the one in
+    `warn` (the driver's refusal would enforce what they only report)."""
     (tmp_path / "cgroup.controllers").write_text("memory\n")
-    dry, wet = uid("dry"), uid("wet")
+    dry, wet, warn = uid("dry"), uid("wet"), uid("warn")
+    warning = declaring(warn, "warner", "trainer", "c" * 64, {"VRAM_ENFORCER_LIMITS": 2 * GiB})
+    warning["spec"]["containers"][1]["env"].append(
+        {"name": "VRAM_ENFORCER_ACTION", "value": "warn"}
+    )
     pods = {
+        warn: warning,
         dry: dry_pod(dry, {"VRAM_ENFORCER_LIMITS": 2 * GiB}),
         wet: declaring(wet, "serve", "server", NEIGHBOUR_ID, {"VRAM_ENFORCER_LIMITS": 3 * GiB}),
     }

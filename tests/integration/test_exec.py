@@ -967,25 +967,42 @@ def test_hard_limits_off_is_silent_and_required_refuses_without_them(run: Run) -
 
 
 @needs_cgroup2
-def test_a_dry_run_sets_no_hard_limit_and_refuses_to_require_one(run: Run) -> None:
-    """Where the driver could hold the command to its limit, a dry run does not ask it to:
-    the driver would refuse the allocation a dry run only reports. Sampling sees it over."""
+@pytest.mark.parametrize(
+    ("reporting", "said"),
+    [
+        (("--dry-run",), "would have sent SIGTERM"),
+        (("--action", "warn"), "the action is warn, so nothing is signalled"),
+    ],
+)
+def test_reporting_only_sets_no_hard_limit_and_refuses_to_require_one_or_to_borrow(
+    run: Run, reporting: tuple[str, ...], said: str
+) -> None:
+    """Where the driver could hold the command to its limit, a dry run or `warn` does not
+    ask it to: the driver would refuse the allocation they only report. Sampling sees it
+    over. Nor may it borrow above a request: what it borrowed could not be taken back."""
     run.gpu.state.support_memory_limits()
     run.gpu.write()
-    run.start("--limit", "1Gi", "--dry-run")
+    run.start("--limit", "1Gi", *reporting)
     w = run.worker()
     assert "/vram-enforcer-" not in w["cgroup"], w["cgroup"]  # no cgroup of its own
     assert w["limits"] == [], w["limits"]  # the driver's records, as the command starts
     run.use(w["pid"], 3 * GiB)
-    run.logged("would have sent SIGTERM")
+    run.logged(said)
     run.release()
     assert run.wait() == 0
     run.report.with_name(run.report.name + ".main").unlink()
-    run.start("--limit", "1Gi", "--dry-run", "--hard-limits", "required")
+    flag = " ".join(reporting)
+    run.start("--limit", "1Gi", *reporting, "--hard-limits", "required")
     assert run.wait() == 2
     assert (
-        "--hard-limits: 'required' cannot go with --dry-run: under a hard limit the driver "
+        f"--hard-limits: 'required' cannot go with {flag}: under a hard limit the driver "
         "refuses allocations past it" in run.stderr
+    )
+    run.start("--limit", "4Gi", "--request", "1Gi", *reporting)
+    assert run.wait() == 2
+    assert (
+        f"--request: '1.00 GiB' cannot go with {flag}: a command that is only reported on "
+        "borrows nothing above its request" in run.stderr
     )
 
 

@@ -98,6 +98,11 @@ class RecordingNvml:
     def memory_limit(self, gpu: str, cgroup: str) -> None:
         return None
 
+    def clear_memory_limit(self, gpu: str, cgroup: str) -> LimitOutcome:
+        self.set.pop((cgroup, gpu), None)
+        self.soft.pop((cgroup, gpu), None)
+        return LimitOutcome(LimitResult.SET)
+
 
 def test_each_pod_cgroup_gets_its_part_of_a_shared_claim(tmp_path: Path) -> None:
     """A 10 GiB claim that four pods reserve: each pod's cgroup is held to 2.5 GiB on the

@@ -31,7 +31,9 @@ from enforcer.core.admission import (
     templates_named,
 )
 from enforcer.core.declaration import Portion, parse_portions
-from enforcer.core.tenancy import ALL_ACTIONS, Bounds, Tenancy
+from enforcer.core.model import Action
+from enforcer.core.policy import PolicyConfig
+from enforcer.core.tenancy import ALL_ACTIONS, REPORT_ONLY, Bounds, Tenancy
 
 GiB = 1024**3
 RES = "vram-enforcer.io/vram"
@@ -1592,3 +1594,60 @@ def test_dry_run_may_be_asked_for_only_where_allowed_and_sets_no_toolkit_limit()
         p = pod(gpu("t"), annotations={"vram-enforcer.io/action": action})
         env = env_of(applied(p, toolkit, "ml")["spec"]["containers"][0])
         assert ("NVIDIA_GPU_MEMORY_LIMIT" in env) is hard, action
+
+
+def test_a_pod_only_reported_on_borrows_nothing_above_its_request() -> None:
+    """What a pod in `warn` or a dry run borrowed could not be taken back, so its neighbours
+    would go without their requests. A ceiling beside a report-only action the pod chose is
+    denied, naming the field, the value and the fix; beside its namespace's report-only
+    default it is dropped and the user told (denying would stop a workload's replacement
+    pods in a namespace switched to observe)."""
+    chooser = in_ml(actions=ALL_ACTIONS, max_ceiling=40 * GiB)
+    for action in ("warn", "dry-run"):
+        asks = pod(
+            gpu("t", "4Gi"), annotations={CEILING: "16Gi", "vram-enforcer.io/action": action}
+        )
+        with pytest.raises(Denied) as denied:
+            mutate(asks, chooser, "ml")
+        assert str(denied.value) == (
+            f"metadata.annotations['vram-enforcer.io/vram-ceiling']: a ceiling cannot go with "
+            f"metadata.annotations['vram-enforcer.io/action']: {action!r}: a pod that is only "
+            "reported on borrows nothing above its request (what it borrowed could not be "
+            "taken back while its neighbours go without theirs). Remove the ceiling, or "
+            "choose an enforcing action"
+        )
+    # KAI's limit too: it is a ceiling.
+    kai = pod(on_gpu("main"), annotations={"gpu-memory": "2048", "gpu-memory.limit": "8Gi"})
+    kai["metadata"]["annotations"]["vram-enforcer.io/action"] = "warn"
+    with pytest.raises(Denied, match="the limit in KAI Scheduler's annotations: a ceiling"):
+        mutate(kai, dataclasses.replace(KAI, tenancy=chooser.tenancy), "ml")
+    # The namespace's default: admitted, held to its request, and said.
+    observing = in_ml(default_action="dry-run", max_ceiling=40 * GiB)
+    given = pod(gpu("t", "4Gi"), annotations={CEILING: "16Gi"})
+    side = env_of(sidecar_of(applied(given, observing, "ml")))
+    assert "VRAM_ENFORCER_CEILINGS" not in side
+    assert json.loads(side["VRAM_ENFORCER_LIMITS"]) == {"t": 4 * GiB}
+    out = review(admission_review(given), observing)  # in namespace ml
+    assert out.result == "patched"
+    assert out.review["response"]["warnings"] == [
+        "metadata.annotations['vram-enforcer.io/vram-ceiling'] is ignored: the default action "
+        "in namespace 'ml' is 'dry-run', and a pod that is only reported on borrows nothing "
+        "above its request (what it borrowed could not be taken back while its neighbours go "
+        "without theirs); the pod is held to its request. Remove the ceiling, or choose an "
+        "enforcing action with metadata.annotations['vram-enforcer.io/action']"
+    ]
+    # Stricter, it borrows as before.
+    strict = pod(gpu("t", "4Gi"), annotations={CEILING: "16Gi", "vram-enforcer.io/action": "kill"})
+    side = env_of(sidecar_of(applied(strict, observing, "ml")))
+    assert json.loads(side["VRAM_ENFORCER_CEILINGS"]) == {"t": 16 * GiB}
+
+
+def test_the_webhook_and_the_agent_agree_on_which_actions_only_report() -> None:
+    """One definition: what the webhook leaves the toolkit's limit out for, and refuses a
+    ceiling on (`REPORT_ONLY`), is what the sidecar and the agent give no hard limit and
+    lend nothing (`PolicyConfig.reports_only`), as they read what the webhook wrote."""
+    for action in ALL_ACTIONS:
+        asks = pod(gpu("t"), annotations={"vram-enforcer.io/action": action})
+        read, dry_run = sidecar_policy(asks, in_ml(actions=ALL_ACTIONS))
+        policy = PolicyConfig(action=Action(read), dry_run=dry_run)
+        assert policy.reports_only is (action in REPORT_ONLY), action

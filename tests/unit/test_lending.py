@@ -181,6 +181,40 @@ def test_a_ceiling_is_read_from_the_sidecars_environment_never_from_an_annotatio
     assert tenants(read([other]), {}).all[0].ceiling == 4 * GiB
 
 
+def test_a_pod_only_reported_on_borrows_nothing_above_its_request() -> None:
+    """A pod in `warn` or a dry run is never made to give back what it borrowed: lent it,
+    its neighbours would go without their requests. Its ceiling (in bytes or a portion) is
+    its request; read only where the namespace opted in, as its ceilings are."""
+    dry = [{"name": "VRAM_ENFORCER_DRY_RUN", "value": "true"}]
+    warn = [{"name": "VRAM_ENFORCER_ACTION", "value": "warn"}]
+    kai = [
+        {"name": "VRAM_ENFORCER_LIMITS", "value": "{}"},
+        {
+            "name": "VRAM_ENFORCER_PORTIONS",
+            "value": json.dumps({"c": {"request": "0.25", "ceiling": "0.5"}}),
+        },
+        *dry,
+    ]
+    found = tenants(
+        read(
+            [
+                pod("d", "ml", "4Gi", "d" * 64, ceiling=16 * GiB, sidecar_env=list(dry)),
+                pod("w", "ml", "4Gi", "e" * 64, ceiling=16 * GiB, sidecar_env=list(warn)),
+                pod("k", "ml", None, "f" * 64, sidecar_env=kai),
+                pod("t", "ml", "4Gi", "a" * 64, ceiling=16 * GiB),  # enforced: it borrows
+            ],
+            80 * GiB,
+        ),
+        {},
+    )
+    assert [(t.unit, t.request, t.ceiling) for t in found.all] == [
+        ("ml/d/c", 4 * GiB, 4 * GiB),
+        ("ml/w/c", 4 * GiB, 4 * GiB),
+        ("ml/k/c", 20 * GiB, 20 * GiB),
+        ("ml/t/c", 4 * GiB, 16 * GiB),
+    ]
+
+
 def test_a_kai_fraction_is_a_tenant_once_its_gpus_memory_is_known() -> None:
     """A pod that declares by KAI's annotations has no resource of ours: its share is what
     the webhook froze into its sidecar's environment, a portion counted against one GPU."""

@@ -113,6 +113,28 @@ def test_ceilings_from_the_webhook_and_only_with_the_agent() -> None:
         settings({"VRAM_ENFORCER_CEILINGS": '{"other": 1}'})
 
 
+@pytest.mark.parametrize(
+    "reporting", [{"VRAM_ENFORCER_DRY_RUN": "true"}, {"VRAM_ENFORCER_ACTION": "warn"}]
+)
+def test_a_sidecar_only_reporting_holds_its_containers_to_their_requests(
+    reporting: dict[str, str],
+) -> None:
+    """What it borrowed could not be taken back: it borrows nothing, as the agent owes it
+    (a pod admitted before the webhook refused such ceilings)."""
+    ceilings = {"VRAM_ENFORCER_CEILINGS": '{"trainer": 21474836480}'}
+    portions = {
+        "VRAM_ENFORCER_LIMITS": "{}",
+        "VRAM_ENFORCER_PORTIONS": '{"trainer": {"request": "0.25", "ceiling": "0.5"}}',
+    }
+    assert settings({**ceilings, **reporting}).ceilings == {}
+    from decimal import Decimal
+
+    held = settings({**portions, **reporting}).portions
+    assert {n: (p.request, p.ceiling) for n, p in held.items()} == {
+        "trainer": (Decimal("0.25"), None)
+    }
+
+
 def test_portions_of_a_gpu_from_the_webhook() -> None:
     """KAI's gpu-fraction, frozen by the webhook: a portion is not also a limit in bytes,
     and a ceiling on one needs the agent, as any ceiling does."""

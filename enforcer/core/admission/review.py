@@ -150,14 +150,15 @@ def review(doc: object, settings: AdmissionSettings) -> Outcome:
     if what == _EPHEMERAL and not isinstance(stored, dict):
         return Outcome(_deny(uid, "request.oldObject is not a Pod object", 400), "invalid")
     namespace = request.get("namespace")
+    said: list[str] = []
     try:
         if what == _EPHEMERAL:
             ops = mutate_ephemeral(pod, as_map(stored))
         else:
-            ops = mutate(pod, settings, namespace if isinstance(namespace, str) else "")
+            ops = mutate(pod, settings, namespace if isinstance(namespace, str) else "", said)
     except Denied as exc:
         return Outcome(_deny(uid, str(exc), 403), "denied")
-    warnings = _warnings(pod) if ops and what == _CREATE else []
+    warnings = [*_warnings(pod), *said] if ops and what == _CREATE else []
     return Outcome(_allow(uid, ops, warnings), "patched" if ops else "skipped")
 
 
@@ -228,9 +229,13 @@ def _deny(uid: str, message: str, code: int) -> AdmissionReview:
 
 
 def mutate(
-    pod: Mapping[str, object], settings: AdmissionSettings, namespace: str = ""
+    pod: Mapping[str, object],
+    settings: AdmissionSettings,
+    namespace: str = "",
+    said: list[str] | None = None,
 ) -> list[PatchOperation]:
-    """The JSON patch that makes `pod` enforced; [] when it is not ours to touch.
+    """The JSON patch that makes `pod` enforced; [] when it is not ours to touch. What the
+    user is told of it (kubectl's "Warning: ..."), if anything, is appended to `said`.
 
     In DRA mode (`settings.dra_class`), a declaration becomes a claim (see `claim_vram`),
     and a pod with claims made by hand is enforced too: the sidecar takes its limits from
@@ -273,6 +278,7 @@ def mutate(
         declared = _kai(annotations, spec, bounds, namespace)
     else:
         declared = Declaration(limits, _ceilings(annotations, limits, bounds, namespace))
+    declared = _reporting(declared, annotations, action, namespace, said)
     limits, ceilings = dict(declared.requests), dict(declared.ceilings)
     if declared.portions:
         sidecar_env[PORTIONS_ENV] = encode_portions(declared.portions)
@@ -415,6 +421,44 @@ def _action(annotations: Mapping[str, object], bounds: Bounds, namespace: str) -
         return check_action(str(annotations[ACTION]), bounds, field, namespace)
     except ConfigError as exc:
         raise Denied(str(exc)) from None
+
+
+def _reporting(
+    declared: Declaration,
+    annotations: Mapping[str, object],
+    action: str,
+    namespace: str,
+    said: list[str] | None,
+) -> Declaration:
+    """The declaration of a pod only reported on (`REPORT_ONLY`) borrows nothing: what it
+    borrowed could not be taken back, and its neighbours would go without their requests.
+    A ceiling the pod asks for beside a report-only action it chose is denied; beside its
+    namespace's report-only default it is dropped, and the user told: denying it would stop
+    a workload's replacement pods in a namespace switched to observe."""
+    held = declared.held_to_requests()
+    if action not in REPORT_ONLY or held == declared:
+        return declared
+    field = (
+        f"metadata.annotations[{CEILING!r}]"
+        if CEILING in annotations
+        else "the limit in KAI Scheduler's annotations"
+    )
+    why = (
+        "a pod that is only reported on borrows nothing above its request (what it borrowed "
+        "could not be taken back while its neighbours go without theirs)"
+    )
+    if ACTION in annotations:
+        raise Denied(
+            f"{field}: a ceiling cannot go with metadata.annotations[{ACTION!r}]: "
+            f"{annotations[ACTION]!r}: {why}. Remove the ceiling, or choose an enforcing action"
+        )
+    if said is not None:
+        said.append(
+            f"{field} is ignored: the default action {in_namespace(namespace)} is {action!r}, "
+            f"and {why}; the pod is held to its request. Remove the ceiling, or choose an "
+            f"enforcing action with metadata.annotations[{ACTION!r}]"
+        )
+    return held
 
 
 def _ceilings(

@@ -165,7 +165,8 @@ HARD_LIMITS = hard_limits(
     ("auto", "off"),
     "`auto`: hold each pod bound to this node (and each of its containers) to its declared "
     "limit on every GPU, through the driver's per-cgroup limits, where the driver can "
-    "(R615+); one Event per pod says which tier holds. `off`: sampling only. Needs "
+    "(R615+); one Event per pod says which tier holds. A pod only reported on (`warn`, "
+    "`dry-run`) gets none: the driver's refusal would enforce it. `off`: sampling only. Needs "
     "`--node-name`, RBAC to list and watch pods and to create Events, root, and the host's "
     "cgroup v2 mount at `--cgroup-root`",
 )

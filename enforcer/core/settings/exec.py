@@ -50,7 +50,8 @@ REQUEST = value(
     "free for its other users (other processes, the driver). When it does not, CMD's "
     "largest process on that GPU is stopped (the `--action`), one at a time, until the "
     "GPU is safe again or CMD is back at its request. With hard limits, the request is "
-    "also the driver's soft limit",
+    "also the driver's soft limit. Not with `--dry-run` or `--action warn`, which could "
+    "not take back what CMD borrowed",
 )
 RECLAIM_WATERMARK = reclaim_watermark(
     "free GPU memory kept for other processes while CMD borrows above --request",
@@ -106,7 +107,8 @@ HARD_LIMITS = hard_limits(
     "`auto`: put CMD in a cgroup of its own with the limit on every GPU where the driver "
     "can (R615+, cgroup v2, root), else say why once and enforce by sampling alone. A GPU "
     "process of CMD that writes itself into another cgroup is moved back within a second, "
-    "and said. `required`: refuse to start without them. `off`: sampling alone",
+    "and said. `required`: refuse to start without them. `off`: sampling alone. None with "
+    "`--dry-run` or `--action warn` (the driver's refusal would enforce what they only report)",
 )
 SUMMARY = value(
     "summary",
@@ -180,12 +182,21 @@ def exec_settings(values: Values, command: list[str]) -> ExecSettings:
             "most the limit",
         )
     policy, hard = POLICY.config(values), values[HARD_LIMITS]
-    if policy.dry_run and hard == "required":
+    reporting = "--dry-run" if policy.dry_run else "--action warn"
+    if policy.reports_only and hard == "required":
         raise ConfigError(
             "--hard-limits",
             hard,
-            "cannot go with --dry-run: under a hard limit the driver refuses allocations past "
-            "it, which enforces the limit; leave out one of the two",
+            f"cannot go with {reporting}: under a hard limit the driver refuses allocations "
+            "past it, which enforces the limit; leave out one of the two",
+        )
+    if policy.reports_only and request is not None and request < limit:
+        raise ConfigError(
+            "--request",
+            format_bytes(request),
+            f"cannot go with {reporting}: a command that is only reported on borrows nothing "
+            "above its request, since what it borrowed could not be taken back when its GPU's "
+            "other processes need it; leave out --request (the limit is then its request)",
         )
     return ExecSettings(
         command=tuple(command),
@@ -196,7 +207,7 @@ def exec_settings(values: Values, command: list[str]) -> ExecSettings:
         metrics_port=values[METRICS_PORT],
         metrics_address=values[METRICS_ADDRESS],
         host_proc=values[HOST_PROC],
-        hard_limits="off" if policy.dry_run else hard,  # a dry run refuses no allocation
+        hard_limits="off" if policy.reports_only else hard,  # reporting refuses no allocation
         summary=values[SUMMARY],
         request_bytes=request if request != limit else None,
         reclaim_watermark=values[RECLAIM_WATERMARK],

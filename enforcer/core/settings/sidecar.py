@@ -12,6 +12,7 @@ from enforcer.core.declaration import (
     LIMITS_ENV,
     LIMITS_FROM_ENV,
     PORTIONS_ENV,
+    Declaration,
     Portion,
     encode_portions,
     env_trusted,
@@ -371,6 +372,10 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         raise ConfigError(LIMITS_ENV, None, f"is missing; use {LIMITS_FORM} (or --limits-from dra)")
     ceilings = _ceilings(values[CEILINGS] or {}, values[LIMITS] or {}, values[SOURCE])
     portions = _portions(values[PORTIONS] or {}, values[LIMITS] or {}, values[SOURCE], dra)
+    policy = POLICY.config(values)
+    if policy.reports_only:  # it borrows nothing, as the agent owes it (`owed.pod_owed`)
+        held = Declaration(ceilings=ceilings, portions=portions).held_to_requests()
+        ceilings, portions = dict(held.ceilings), dict(held.portions)
     return SidecarSettings(
         pod_name=values[POD_NAME],
         namespace=values[POD_NAMESPACE],
@@ -384,7 +389,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         dra=dra,
         containers=values[CONTAINERS],
         undeclared_allowed=values[UNDECLARED_ALLOWED],
-        policy=POLICY.config(values),
+        policy=policy,
         interval=values[INTERVAL],
         source=values[SOURCE],
         api_access=values[API_ACCESS],
