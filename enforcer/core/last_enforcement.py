@@ -80,21 +80,30 @@ def container_named(field_path: str) -> str | None:
     return match[1] if match else None
 
 
+def as_policy_says(reason: Reason, dry_run: bool) -> Reason | None:
+    """The reason an Event about to be posted gives the pod's condition, as the pod's policy
+    says (`dry_run`: the agent's view of it, not the report's): a pod in a dry run was not
+    enforced, whatever a report says, it would have been; and a pod that is not in a dry run
+    was never "would have been" enforced: such a report (a sidecar's, so the tenant's, who
+    may forge it) sets no condition. None: none."""
+    if dry_run and reason in (Reason.ENFORCED, Reason.RECLAIMED):
+        return Reason.WOULD_ENFORCE
+    if not dry_run and reason is Reason.WOULD_ENFORCE:
+        return None
+    return reason
+
+
 def seen(
     reason: Reason,
     pod: Pod | None,
     container: str | None,
     series: Iterable[ContainerSeries],
     action: Action | None = None,
-    dry_run: bool = False,
 ) -> Enforced:
-    """The enforcement of `reason` on `container` of `pod` (None: the agent does not have
-    it), with the container's instance from the pod's status, what the agent's series of
-    that container (`series`, of that instance) show, and the pod's `action`. A pod whose
-    policy is a dry-run (`dry_run`) was not enforced, whatever the report's reason: it
-    would have been."""
-    if dry_run and reason in (Reason.ENFORCED, Reason.RECLAIMED):
-        reason = Reason.WOULD_ENFORCE
+    """The enforcement of `reason` (`as_policy_says`) on `container` of `pod` (None: the
+    agent does not have it), with the container's instance from the pod's status, what the
+    agent's series of that container (`series`, of that instance) show, and the pod's
+    `action`."""
     instance, restarts = "", None
     statuses = json_map((pod or {}).get("status"))
     for status in (s for field in STATUSES for s in json_maps(statuses.get(field))):

@@ -11,7 +11,10 @@ from growing without bound or flooding the API server:
   is remembered for that is forgotten ten minutes after its last use.
 - Each object may post a burst of 25 Events, then one per 5 minutes (client-go's
   EventSourceObjectSpamFilter); the rest are dropped at once, counted as `spam`, before they
-  take a place in the queue that other objects' Events need.
+  take a place in the queue that other objects' Events need. A sidecar's reports, which
+  the agent posts on the sidecar's pod (`from_sidecar`), have a budget of their own: a
+  tenant that floods its reports spends none of the agent's own Events about its pod (an
+  enforcement, an eviction), which are said all the same.
 - An Event that says a lasting fact about an object (`once`: the agent's VRAMHardLimit) is
   posted only if the API does not already hold it, so a restarted agent does not say it
   again about every pod of its node.
@@ -90,7 +93,8 @@ class EventRecorder(threading.Thread):
         self.told: Callable[[ObjectReference, str], None] | None = None
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=QUEUED)
         self._sent: OrderedDict[_Key, _Sent] = OrderedDict()  # least recently used first
-        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        # (object, from a sidecar's report) -> its budget
+        self._buckets: OrderedDict[tuple[str, bool], _Bucket] = OrderedDict()
         self._lock = threading.Lock()  # the buckets: record() runs in any thread
         self._forbidden_logged = False
         self._list_forbidden_logged = False
@@ -102,20 +106,24 @@ class EventRecorder(threading.Thread):
         message: str,
         warning: bool,
         once: bool = False,
+        from_sidecar: bool = False,
     ) -> None:
         """Queue an Event about `about` (a pod, with a fieldPath for one of its containers).
-        `once`: a lasting fact, not posted again if the API already holds it."""
-        if not self._allowed(about.get("uid", "") or about.get("name", "")):
+        `once`: a lasting fact, not posted again if the API already holds it. `from_sidecar`:
+        a sidecar's report, whose budget on its pod is not the agent's own Events'. Told
+        (the pod's condition) whatever the budget: what waits to be written is one per pod,
+        and an enforcement is not hidden by a flood of reports before it."""
+        if self.told is not None:
+            self.told(about, reason)
+        if not self._allowed((about.get("uid", "") or about.get("name", ""), from_sidecar)):
             self._failures.labels("spam").inc()
             return
         try:
             self._queue.put_nowait((about, reason, message, warning, once))
         except queue.Full:
             self._failures.labels("dropped").inc()
-        if self.told is not None:  # past the object's rate only: a flood sets no condition
-            self.told(about, reason)
 
-    def _allowed(self, obj: str) -> bool:
+    def _allowed(self, obj: tuple[str, bool]) -> bool:
         """A token of the object's bucket, if it has one left."""
         now = self._clock()
         with self._lock:

@@ -467,7 +467,7 @@ def _served(recorder: EventRecorder) -> _Served:
     def post(pod: Pod, event: EventRequest) -> None:
         """A sidecar's report, on its own pod: sidecars no longer post Events."""
         about = event_about(pod, event.container)
-        recorder.record(about, event.reason, event.message, event.warning)
+        recorder.record(about, event.reason, event.message, event.warning, from_sidecar=True)
 
     def keep(pod: Pod, container_id: str, report: SidecarReport) -> None:
         """A sidecar's counts, kept for its pod's series; one whose signals the kernel

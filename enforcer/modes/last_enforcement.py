@@ -13,11 +13,18 @@ import time
 from collections.abc import Callable, Mapping
 
 from enforcer.core.declaration import SIDECAR
-from enforcer.core.last_enforcement import ENFORCING, condition, container_named, seen
+from enforcer.core.last_enforcement import (
+    ENFORCING,
+    as_policy_says,
+    condition,
+    container_named,
+    seen,
+)
 from enforcer.core.lending import Tenants
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import containers_by_id
 from enforcer.core.pod_metrics import ContainerSeries, Named, container_series
+from enforcer.core.policy import PolicyConfig
 from enforcer.core.reasons import Reason
 from enforcer.core.settings.sidecar import pod_policy
 from enforcer.edge.pod_conditions import ConditionWriter
@@ -52,6 +59,12 @@ class LastEnforcement:
             return
         at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         uid, pods = about.get("uid", ""), self._pods()
+        pod = (pods or {}).get(uid)
+        opted_in = self._opted_in() or frozenset()
+        policy = pod_policy(pod, SIDECAR, opted_in) if pod is not None else None
+        said = as_policy_says(Reason(reason), policy is not None and policy.dry_run)
+        if said is None:  # a would-be report on a pod not in a dry run: a forgery
+            return
         with self._lock:
             if pods is not None:
                 self._evicted &= pods.keys()  # those gone are forgotten
@@ -59,16 +72,8 @@ class LastEnforcement:
                 self._evicted.add(uid)
             elif uid in self._evicted:
                 return
-        pod = (pods or {}).get(uid)
         make = functools.partial(
-            _condition,
-            Reason(reason),
-            about,
-            at,
-            pod,
-            self._last(),
-            self._owed(),
-            self._opted_in() or frozenset(),
+            _condition, said, about, at, pod, policy, self._last(), self._owed()
         )
         self._writer.set(about, make)
 
@@ -78,12 +83,11 @@ def _condition(
     about: ObjectReference,
     at: str,
     pod: Pod | None,
+    policy: PolicyConfig | None,
     passed: LastPass | None,
     owed: Tenants | None,
-    opted_in: frozenset[str],
 ) -> dict[str, str]:
     container = container_named(about.get("fieldPath", ""))
-    policy = pod_policy(pod, SIDECAR, opted_in) if pod is not None else None
     series: tuple[ContainerSeries, ...] = ()
     if pod is not None and passed is not None and container is not None:
         sample, containers = passed
@@ -94,5 +98,5 @@ def _condition(
             if ref.name == container
         }
         series = container_series(sample, containers(), named, owed)
-    action, dry_run = (policy.action, policy.dry_run) if policy is not None else (None, False)
-    return condition(seen(reason, pod, container, series, action, dry_run), at)
+    action = policy.action if policy is not None else None
+    return condition(seen(reason, pod, container, series, action), at)

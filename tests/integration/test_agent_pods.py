@@ -24,7 +24,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -905,21 +905,13 @@ def test_a_pod_with_the_webhooks_marks_outside_the_opted_in_namespaces_is_said_o
     assert set(published[-1].replies) == {A}
 
 
-def test_an_enforcement_stays_on_the_callers_own_pod_as_a_condition_in_the_agents_words(
-    cgroups: Path, tmp_path: Path
-) -> None:
-    """A sidecar's report of an enforcement (issue 43, item 5) is kept on its own pod as the
-    condition `vram-enforcer.io/Enforced`, patched by the agent on pods/status (a
-    strategic-merge patch: merged by type, on the pod's UID). What it says is the agent's:
-    the container and its instance from the pod's status, what the agent's last NVML pass
-    saw it hold, and what the pod declares; the report's text, the tenant's, is not in it.
-    A warning, and a caller in no pod, set none. Wired as the agent wires it (`_served`,
-    the recorder's `told`), against a stand-in of the API server."""
-    trainer = secrets.token_hex(32)
-    in_pod = pod("pod-a", UA, A, trainer, names=(SIDECAR, "trainer"))
-    cast(dict[str, Any], in_pod["spec"]["containers"][1])["resources"] = {
-        "limits": {"vram-enforcer.io/vram": "4Gi"}
-    }
+@contextlib.contextmanager
+def conditions_kept(
+    in_pod: Pod, trainer: str, tmp_path: Path
+) -> Iterator[tuple[pods_api.PodsApi, EventRecorder]]:
+    """The agent's Events and conditions, wired as the agent wires them (`_served`, the
+    recorder's `told`) against a stand-in of the API server, for `in_pod` (pod `UA`, its
+    container `trainer` holding 5.10 GiB), served on `tmp_path / "agent.sock"`."""
     owed = pod_owed(
         in_pod, Declares("vram-enforcer.io/vram"), opted_in=TEAM, basis=None, claims=None
     )
@@ -944,22 +936,48 @@ def test_an_enforcement_stays_on_the_callers_own_pod_as_a_condition_in_the_agent
         ).told
         recorder.start()
         writer.start()
-        with serving(tmp_path / "agent.sock", _served(recorder).hooks) as server:
-            server.publish_pods(node([in_pod]))
-            sock = tmp_path / "agent.sock"
-            in_a, stranger = Caller(sock, cgroups, UA, A), Caller(sock, cgroups, UC, C)
-            try:
-                assert in_a.next()["pod"] == "pod-a" and stranger.next()["pod"] is None
-                in_a.report("VRAMNearLimit", "trainer", "a warning: nothing was done")
-                stranger.report("VRAMEnforced", "-", "from a container no pod lists")
-                in_a.report("VRAMEnforced", "trainer", "all is well, you were never stopped")
-                wait_for(lambda: api.patches, what="the pod's condition")
-                wait_for(lambda: len(api.posts) == 2, what="the two Events of pod-a")
-            finally:
-                in_a.stop()
-                stranger.stop()
-                writer.stop.set()
-                recorder.close()
+        try:
+            with serving(tmp_path / "agent.sock", _served(recorder).hooks) as server:
+                server.publish_pods(node([in_pod]))
+                yield api, recorder
+        finally:
+            writer.stop.set()
+            recorder.close()
+
+
+def declaring_trainer() -> tuple[Pod, str]:
+    """Pod-a, whose container `trainer` (its ID, the second) declares 4 GiB."""
+    trainer = secrets.token_hex(32)
+    in_pod = pod("pod-a", UA, A, trainer, names=(SIDECAR, "trainer"))
+    cast(dict[str, Any], in_pod["spec"]["containers"][1])["resources"] = {
+        "limits": {"vram-enforcer.io/vram": "4Gi"}
+    }
+    return in_pod, trainer
+
+
+def test_an_enforcement_stays_on_the_callers_own_pod_as_a_condition_in_the_agents_words(
+    cgroups: Path, tmp_path: Path
+) -> None:
+    """A sidecar's report of an enforcement (issue 43, item 5) is kept on its own pod as the
+    condition `vram-enforcer.io/Enforced`, patched by the agent on pods/status (a
+    strategic-merge patch: merged by type, on the pod's UID). What it says is the agent's:
+    the container and its instance from the pod's status, what the agent's last NVML pass
+    saw it hold, and what the pod declares; the report's text, the tenant's, is not in it.
+    A warning, and a caller in no pod, set none."""
+    in_pod, trainer = declaring_trainer()
+    with conditions_kept(in_pod, trainer, tmp_path) as (api, _):
+        sock = tmp_path / "agent.sock"
+        in_a, stranger = Caller(sock, cgroups, UA, A), Caller(sock, cgroups, UC, C)
+        try:
+            assert in_a.next()["pod"] == "pod-a" and stranger.next()["pod"] is None
+            in_a.report("VRAMNearLimit", "trainer", "a warning: nothing was done")
+            stranger.report("VRAMEnforced", "-", "from a container no pod lists")
+            in_a.report("VRAMEnforced", "trainer", "all is well, you were never stopped")
+            wait_for(lambda: api.patches, what="the pod's condition")
+            wait_for(lambda: len(api.posts) == 2, what="the two Events of pod-a")
+        finally:
+            in_a.stop()
+            stranger.stop()
     ((path, kind, body),) = api.patches
     assert (path, kind) == (
         "/api/v1/namespaces/team/pods/pod-a/status",
@@ -978,3 +996,67 @@ def test_an_enforcement_stays_on_the_callers_own_pod_as_a_condition_in_the_agent
     assert f"its instance containerd://{trainer}" in message
     assert "never stopped" not in message  # the tenant's words stay in its Event
     assert cond["lastTransitionTime"] in message
+
+
+def test_a_flood_of_reports_hides_no_enforcement_of_the_agents_own(
+    cgroups: Path, tmp_path: Path
+) -> None:
+    """A workload that forges its sidecar's reports (found by review of issue 43): 40
+    VRAMNearLimit empty its pod's budget of Events, but not the agent's own: the backstop's
+    VRAMEnforced after them is posted, and sets the condition."""
+    in_pod, trainer = declaring_trainer()
+    with conditions_kept(in_pod, trainer, tmp_path) as (api, recorder):
+        in_a = Caller(tmp_path / "agent.sock", cgroups, UA, A)
+        try:
+            assert in_a.next()["pod"] == "pod-a"
+            for i in range(40):
+                in_a.report("VRAMNearLimit", "trainer", f"near, time {i}")
+            wait_for(lambda: len(api.posts) == 25, what="the reports' budget spent")
+            recorder.record(event_about(in_pod, "trainer"), "VRAMEnforced", "the backstop's", True)
+            wait_for(lambda: api.patches, what="the pod's condition")
+            wait_for(lambda: len(api.posts) == 26, what="the agent's own Event")
+        finally:
+            in_a.stop()
+    assert api.posts[-1][1]["reason"] == "VRAMEnforced"
+    ((_, _, body),) = api.patches
+    assert body["status"]["conditions"][0]["reason"] == "VRAMEnforced"
+
+
+class Kept:
+    """The condition writer's place: each condition as it would be written."""
+
+    def __init__(self) -> None:
+        self.written: list[dict[str, str] | None] = []
+
+    def set(self, about: ObjectReference, build: Callable[[], dict[str, str] | None]) -> None:
+        self.written.append(build())
+
+
+def test_a_would_be_report_on_a_pod_not_in_a_dry_run_sets_no_condition() -> None:
+    """A forged VRAMWouldEnforce (a reason a sidecar may report) on an enforcing pod would
+    have said "would have been enforced (dry-run): nothing was signalled" on it (found by
+    review of issue 43): the reason is the pod's policy's, as the agent reads it. On a pod
+    in a dry run, it, and a VRAMEnforced, say would-be."""
+    in_pod, _ = declaring_trainer()
+    dry, _ = declaring_trainer()
+    sidecar = cast(dict[str, Any], dry["spec"]["containers"][0])
+    sidecar["env"] = [{"name": "VRAM_ENFORCER_DRY_RUN", "value": "true"}]
+    kept = Kept()
+    told = LastEnforcement(
+        cast(ConditionWriter, kept),
+        lambda: {UA: in_pod, "dry": dry},
+        lambda: None,
+        lambda: None,
+        lambda: frozenset({"team"}),
+    ).told
+    about = event_about(in_pod, "trainer")
+    told(about, "VRAMWouldEnforce")
+    assert kept.written == []
+    told(about, "VRAMEnforced")
+    told({**about, "uid": "dry"}, "VRAMWouldEnforce")
+    told({**about, "uid": "dry"}, "VRAMEnforced")
+    assert [(c or {}).get("reason") for c in kept.written] == [
+        "VRAMEnforced",
+        "VRAMWouldEnforce",
+        "VRAMWouldEnforce",
+    ]

@@ -13,6 +13,7 @@ from enforcer.core.last_enforcement import (
     ENFORCING,
     MESSAGE_CHARS,
     Enforced,
+    as_policy_says,
     condition,
     container_named,
     seen,
@@ -105,10 +106,21 @@ def test_a_dry_run_sets_the_condition_false_with_its_own_reason() -> None:
 def test_a_pod_in_dry_run_was_not_enforced_whatever_its_report_says(reason: Reason) -> None:
     """The pod's policy (the webhook's) says dry-run: its sidecar's report (of a release
     that said a would-be enforcement as VRAMEnforced, or a forged one) sets it False."""
-    e = seen(reason, pod(), "trainer", [], Action.TERMINATE, dry_run=True)
-    cond = condition(e, AT)
+    said = as_policy_says(reason, dry_run=True)
+    assert said is Reason.WOULD_ENFORCE
+    cond = condition(seen(said, pod(), "trainer", [], Action.TERMINATE), AT)
     assert (cond["status"], cond["reason"]) == ("False", "VRAMWouldEnforce")
     assert "with its action" not in cond["message"]
+
+
+def test_a_would_be_report_on_a_pod_not_in_a_dry_run_sets_nothing() -> None:
+    """A sidecar may report VRAMWouldEnforce, so a forged one could write "would have been
+    enforced (dry-run): nothing was signalled" on an enforcing pod: the pod's policy, as
+    the agent reads it, decides (found by review of issue 43)."""
+    assert as_policy_says(Reason.WOULD_ENFORCE, dry_run=False) is None
+    assert as_policy_says(Reason.WOULD_ENFORCE, dry_run=True) is Reason.WOULD_ENFORCE
+    for reason in (Reason.ENFORCED, Reason.RECLAIMED, Reason.EVICTED):
+        assert as_policy_says(reason, dry_run=False) is reason
 
 
 def test_a_reclaim_says_the_request_and_the_ceiling() -> None:
