@@ -21,6 +21,10 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from enforcer.core.model import Device
 
 NVIDIA_GPU = "nvidia.com/gpu"
+# The extended resources that give a container a GPU, by default: NVIDIA's device plugin's,
+# and the name it gives time-sliced replicas with `renameByDefault: true`. One list for the
+# webhook (which container asks for a GPU) and the agent (whose devices are GPUs).
+GPU_RESOURCES = (NVIDIA_GPU, f"{NVIDIA_GPU}.shared")
 
 # (namespace, pod, container) -> resource name -> the device IDs the kubelet gave it
 Assignments = Mapping[tuple[str, str, str], Mapping[str, tuple[str, ...]]]

@@ -125,3 +125,13 @@ def test_the_environment_in_help_is_laid_out_as_argparse_lays_out_options(
     names = [s.env for s in MODES[name].declared if s.env]
     assert [head.split()[0] for head in heads] == names
     assert all(h == n or h.startswith(f"{n}  ") for h, n in zip(heads, names, strict=True))
+
+
+def test_the_agent_and_the_webhook_take_the_same_gpu_resources_by_default() -> None:
+    """What the webhook counts as a GPU (time-slicing's renamed `nvidia.com/gpu.shared`
+    among them) the agent maps through the kubelet's pod-resources too (found by review of
+    issue 43): a renamed replica's request is owed on its GPU before it starts."""
+    agent = configured(*MINIMAL["agent"])
+    webhook = configured(*MINIMAL["webhook"])
+    assert agent.gpu_resources == webhook.admission.gpu_resources
+    assert "nvidia.com/gpu.shared" in agent.gpu_resources

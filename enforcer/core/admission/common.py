@@ -14,16 +14,12 @@ from enforcer.core.payloads import (
     Container,
     PodSpec,
 )
-from enforcer.core.pod_resources import NVIDIA_GPU
+from enforcer.core.pod_resources import GPU_RESOURCES
 from enforcer.core.tenancy import (
     Tenancy,
 )
 
 MiB = 1024 * 1024
-
-# The extended resources that give a container a GPU: NVIDIA's device plugin's, and the name
-# it gives time-sliced replicas with `renameByDefault: true`.
-GPU_RESOURCES = (NVIDIA_GPU, f"{NVIDIA_GPU}.shared")
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from enforcer.core.parsing import (
     parse_names,
     positive_duration,
 )
-from enforcer.core.pod_resources import NVIDIA_GPU
+from enforcer.core.pod_resources import GPU_RESOURCES as DEFAULT_GPU_RESOURCES
 from enforcer.core.settings import Setting, Values, switch, value, verbosity
 from enforcer.core.settings.common import (
     DEFAULT_SOCKET,
@@ -211,11 +211,13 @@ GPU_RESOURCES: Setting[tuple[str, ...]] = value(
     parse_names,
     "device plugin resources that are GPUs",
     flag="--gpu-resources",
-    default=NVIDIA_GPU,
+    default=",".join(DEFAULT_GPU_RESOURCES),
     metavar="NAMES",
-    doc="the device plugins' resources whose devices are GPUs, comma-separated. NVIDIA's "
-    "device plugin names a GPU by its UUID, a time-sliced or MPS replica by `UUID::n`, or "
-    "by its index: a container whose devices all name one GPU is owed its request there",
+    doc="the device plugins' resources whose devices are GPUs, comma-separated; by default "
+    "the webhook's `--gpu-resources` (time-slicing's renamed `nvidia.com/gpu.shared` "
+    "included). NVIDIA's device plugin names a GPU by its UUID, a time-sliced or MPS "
+    "replica by `UUID::n`, or by its index: a container whose devices all name one GPU is "
+    "owed its request there",
 )
 LOG_FORMAT = log_format("json")
 VERBOSE = verbosity("info")

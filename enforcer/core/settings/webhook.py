@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from enforcer.core.admission import AdmissionSettings
-from enforcer.core.admission.common import GPU_RESOURCES as DEFAULT_GPU_RESOURCES
 from enforcer.core.parsing import (
     ConfigError,
     as_text,
@@ -18,6 +17,7 @@ from enforcer.core.parsing import (
     parse_quantity,
     parse_resource_name,
 )
+from enforcer.core.pod_resources import GPU_RESOURCES as DEFAULT_GPU_RESOURCES
 from enforcer.core.settings import Setting, Values, switch, value, verbosity
 from enforcer.core.settings.common import (
     DRA_CAPACITY,
