@@ -111,11 +111,13 @@ class EventRecorder(threading.Thread):
         """Queue an Event about `about` (a pod, with a fieldPath for one of its containers).
         `once`: a lasting fact, not posted again if the API already holds it. `from_sidecar`:
         a sidecar's report, whose budget on its pod is not the agent's own Events'. Told
-        (the pod's condition) whatever the budget: what waits to be written is one per pod,
-        and an enforcement is not hidden by a flood of reports before it."""
-        if self.told is not None:
+        (the pod's condition): the agent's own whatever their budget, so that no flood
+        hides an enforcement; a sidecar's report only within its budget, so that a flood of
+        forged ones is not a flood of status patches."""
+        allowed = self._allowed((about.get("uid", "") or about.get("name", ""), from_sidecar))
+        if self.told is not None and (allowed or not from_sidecar):
             self.told(about, reason)
-        if not self._allowed((about.get("uid", "") or about.get("name", ""), from_sidecar)):
+        if not allowed:
             self._failures.labels("spam").inc()
             return
         try:

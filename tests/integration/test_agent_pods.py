@@ -1060,3 +1060,21 @@ def test_a_would_be_report_on_a_pod_not_in_a_dry_run_sets_no_condition() -> None
         "VRAMWouldEnforce",
         "VRAMWouldEnforce",
     ]
+
+
+def test_a_flood_of_forged_enforcements_is_no_flood_of_condition_writes() -> None:
+    """A sidecar's reports set the pod's condition only within their budget of Events (found
+    by review of issue 43's fixes): 100 forged VRAMEnforced are 25 condition writes at most,
+    not 100 status patches; the agent's own enforcements are told past any budget."""
+    told: list[tuple[str, bool]] = []
+    recorder = EventRecorder(
+        cast(Any, object()), "node-a", "node-a", TELEMETRY.event_failures
+    )  # never started: nothing is posted, only told
+    recorder.told = lambda about, reason: told.append((reason, about.get("fieldPath") == "x"))
+    about: ObjectReference = {"kind": "Pod", "uid": UA, "name": "pod-a", "fieldPath": "x"}
+    for _ in range(100):
+        recorder.record(about, "VRAMEnforced", "forged", True, from_sidecar=True)
+    assert len(told) == 25
+    for _ in range(30):
+        recorder.record(about, "VRAMEnforced", "the agent's", True)
+    assert len(told) == 25 + 30
