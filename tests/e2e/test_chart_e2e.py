@@ -210,7 +210,7 @@ def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
     # The rendered arguments are ones the agent's own command line accepts.
     rendered = configured(list(agent.args), {"NODE_NAME": "gpu-node-1"})
     assert rendered.utilization_interval == 1.0
-    assert rendered.gpu_resources == ("nvidia.com/gpu",)
+    assert rendered.gpu_resources == ("nvidia.com/gpu", "nvidia.com/gpu.shared")
     shipped = yaml.safe_load_all((ROOT / "deploy" / "rbac" / "agent.yaml").read_text())
     rules = next(d for d in shipped if d["kind"] == "ClusterRole")["rules"]
     role = client.RbacAuthorizationV1Api(admin).read_cluster_role("vram-enforcer-e2e-agent")
