@@ -229,6 +229,10 @@ def test_a_tenants_own_series_reach_neither_the_yaml_nor_the_terminal(
     wait_for(lambda: prometheus.series(tenant), timeout=30, what="a scrape of the tenant")
     peaks = "vram_enforcer_container_peak_bytes"
     wait_for(lambda: len(prometheus.series(peaks)) == 4, timeout=30, what="every peak scraped")
+    # A subquery's steps fall on whole evaluation intervals (1 s here): a sample scraped
+    # since the last one is not in it yet.
+    top = "max_over_time((sum(vram_enforcer_undeclared_used_bytes))[1h:])"
+    wait_for(lambda: prometheus.series(top), timeout=30, what="the notebook's usage in a subquery")
 
     pasted = recommend(url, "--window", "1h", "--no-api", "--output", "yaml")
     assert pasted.returncode == 0, pasted.stderr
