@@ -149,6 +149,18 @@ def test_the_lender_still_reclaims_for_the_good_pods(caplog: pytest.LogCaptureFi
     said_once(caplog, "")
 
 
+def holding_all_but_burst(pods: dict[str, Pod], telemetry: AgentTelemetry) -> Backstop:
+    """The agent's backstop over `pods`, every one silent but `burst`."""
+    silent = frozenset(each for each in pods if each != uid("burst"))
+    return Backstop(
+        NodeView(lambda: pods, lambda: READ, Declares(RES)),
+        lambda: silent,
+        cast("EventRecorder", Recorded()),
+        telemetry,
+        ProcFs(),
+    )
+
+
 def hard_limiter(
     pods: dict[str, Pod],
     tmp_path: Path,
@@ -197,14 +209,7 @@ def test_the_backstop_still_holds_a_silent_good_pod(caplog: pytest.LogCaptureFix
     """Every sidecar but the borrower's is silent: the good pod among them is held (within its
     limit: nobody is signalled), and each poisoned one is said to be beyond the agent."""
     pods, telemetry = node(), AgentTelemetry()
-    silent = frozenset(each for each in pods if each != uid("burst"))
-    backstop = Backstop(
-        NodeView(lambda: pods, lambda: READ, Declares(RES)),
-        lambda: silent,
-        cast("EventRecorder", Recorded()),
-        telemetry,
-        ProcFs(),
-    )
+    backstop = holding_all_but_burst(pods, telemetry)
     with caplog.at_level(logging.WARNING, "enforcer.modes.backstop"):
         for _ in range(3):
             backstop(SEEN, lambda: CONTAINERS, None)
@@ -269,14 +274,7 @@ def test_a_pod_whose_data_trips_a_bug_in_the_hard_limiter_or_the_backstop_is_lef
     pods, telemetry = node(), AgentTelemetry()
     pods[uid("tripping")] = cast(Pod, _Tripping(running("tripping", "ml", "f" * 64, {}, {})))
     limiter, nvml = hard_limiter(pods, tmp_path, telemetry)
-    silent = frozenset(each for each in pods if each != uid("burst"))
-    backstop = Backstop(
-        NodeView(lambda: pods, lambda: READ, Declares(RES)),
-        lambda: silent,
-        cast("EventRecorder", Recorded()),
-        telemetry,
-        ProcFs(),
-    )
+    backstop = holding_all_but_burst(pods, telemetry)
     with caplog.at_level(logging.ERROR):
         for _ in range(3):
             limiter._pass()
