@@ -464,20 +464,94 @@ def test_shm_off_and_no_framework_env() -> None:
     assert "volumeMounts" not in out["spec"]["containers"][0]
 
 
-def test_toolkit_memory_limits_are_whole_mib_and_ours_replace_the_users() -> None:
-    """Read by the NVIDIA container toolkit's apply-cuda-memory-limits hook, which needs
-    both, in MiB, request <= limit."""
+def test_toolkit_memory_limits_are_whole_mib_per_gpu_with_soft_0() -> None:
+    """Read by the NVIDIA container toolkit's apply-cuda-memory-limits hook, which sets
+    nothing unless both are there, soft = the request and hard = the limit in MiB, one
+    value on each of the container's GPUs. Soft is 0: the driver adds a soft limit to every
+    ancestor as a reservation that outlives the container's cgroup."""
     s = AdmissionSettings("img", "native", RES, 1, toolkit_limits=True)
     odd = gpu("odd", str(12 * GiB + 5))
-    odd["env"] = [{"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "999999"}]
     out = applied(pod(gpu("t"), odd, gpu("cpu-only", None)), s)
     t, o, c = out["spec"]["containers"][:3]
-    assert env_of(t)["NVIDIA_GPU_MEMORY_REQUEST"] == env_of(t)["NVIDIA_GPU_MEMORY_LIMIT"] == "12288"
-    assert env_of(o)["NVIDIA_GPU_MEMORY_LIMIT"] == "12288"  # rounded down; the user's replaced
-    assert [e["name"] for e in o["env"]].count("NVIDIA_GPU_MEMORY_LIMIT") == 1
+    assert (env_of(t)["NVIDIA_GPU_MEMORY_REQUEST"], env_of(t)["NVIDIA_GPU_MEMORY_LIMIT"]) == (
+        "0",
+        "12288",
+    )
+    assert env_of(o)["NVIDIA_GPU_MEMORY_LIMIT"] == "12288"  # rounded down: never above it
     assert "env" not in c
+    assert mutate(out, s) == []  # a second pass changes nothing
     default = applied(pod(gpu("t")))  # off by default: the hook fails containers on old drivers
     assert "NVIDIA_GPU_MEMORY_LIMIT" not in env_of(default["spec"]["containers"][0])
+
+
+def test_a_share_spread_over_gpus_is_one_share_in_the_toolkits_limit() -> None:
+    """KAI's gpu-fraction-num-devices: 2 GPUs with 2048 MiB on each. The hook applies the one
+    value on each GPU: the sum (4096) would let the container hold twice its share."""
+    s = dataclasses.replace(KAI, toolkit_limits=True)
+    p = pod(gpu("main", None), annotations={"gpu-memory": "2048", "gpu-fraction-num-devices": "2"})
+    main = applied(p, s)["spec"]["containers"][0]
+    assert env_of(main)["VRAM_LIMIT_BYTES"] == str(4 * GiB)  # what the workload is told: all
+    assert (env_of(main)["NVIDIA_GPU_MEMORY_REQUEST"], env_of(main)["NVIDIA_GPU_MEMORY_LIMIT"]) == (
+        "0",
+        "2048",
+    )
+
+
+TENANTS_OWN = [
+    {"name": "NVIDIA_GPU_MEMORY_REQUEST", "value": "81920"},
+    {"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "81920"},
+    {"name": "KEEP", "value": "1"},
+    {"name": "NVIDIA_GPU_MEMORY_LIMIT", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    {"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "81920"},
+]
+
+
+@pytest.mark.parametrize("toolkit", [True, False])
+def test_no_container_sets_its_own_limit_through_the_toolkits_hook(toolkit: bool) -> None:
+    """A tenant that writes the hook's variables into its pod would have NVIDIA's hook set
+    its GPU limit at 80 GiB before the agent sees the container, and the agent defers to a
+    limit it did not set. Every container of a pod the webhook mutates, declaring or not,
+    init containers too, gets the webhook's values or none: every copy of the tenant's goes
+    (the kubelet gives a container the last of a name)."""
+    s = AdmissionSettings("img", "native", RES, 1, toolkit_limits=toolkit)
+
+    def owning(c: dict[str, Any]) -> dict[str, Any]:
+        return {**c, "env": copy.deepcopy(TENANTS_OWN)}
+
+    p = pod(
+        owning(gpu("t")),
+        owning(gpu("helper", None)),
+        init=[owning(gpu("warmup", "1Gi"))],
+    )
+    out = applied(p, s)
+    spec = out["spec"]
+    wanted = {"t": "12288", "helper": None, "warmup": "1024"} if toolkit else {}
+    for c in spec["initContainers"] + spec["containers"]:
+        if c["name"] == "vram-enforcer":
+            continue
+        limits = [e for e in c["env"] if e["name"].startswith("NVIDIA_GPU_MEMORY_")]
+        if wanted.get(c["name"]) is None:
+            assert limits == [], c["name"]
+        else:
+            assert limits == [
+                {"name": "NVIDIA_GPU_MEMORY_REQUEST", "value": "0"},
+                {"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": wanted[c["name"]]},
+            ], c["name"]
+        assert env_of(c)["KEEP"] == "1"  # the rest of its environment is its own
+    assert mutate(out, s) == []  # a second pass changes nothing
+
+
+def test_a_debugging_container_sets_no_limit_of_its_own_through_the_toolkits_hook() -> None:
+    """`kubectl debug` adds an ephemeral container with a GPU given by its environment (the
+    NVIDIA runtime's NVIDIA_VISIBLE_DEVICES) to an injected pod: it gets none of the hook's
+    variables."""
+    added = {**debugger(), "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}
+    added["env"] += copy.deepcopy(TENANTS_OWN)
+    doc = ephemeral_review(INJECTED_POD, added)
+    out = review(doc, NATIVE)
+    ops = json.loads(base64.b64decode(out.review["response"]["patch"]))
+    (debug,) = jsonpatch.apply_patch(doc["request"]["object"], ops)["spec"]["ephemeralContainers"]
+    assert env_of(debug) == {"NVIDIA_VISIBLE_DEVICES": "all", "KEEP": "1"}
 
 
 def test_gpu_exposure_env_and_runtime_class() -> None:
@@ -852,9 +926,10 @@ def test_a_ceiling_goes_to_the_sidecar_and_tells_the_workload_both_amounts() -> 
     assert json.loads(side["VRAM_ENFORCER_LIMITS"]) == {"trainer": 4 * GiB}  # the request
     assert trainer["VRAM_LIMIT_BYTES"] == str(16 * GiB)
     assert trainer["VRAM_REQUEST_BYTES"] == str(4 * GiB)
-    # The container toolkit's hook: soft = the request, hard = the ceiling (MiB).
+    # The container toolkit's hook: soft 0 (the agent lends and reclaims), hard = the
+    # ceiling (MiB).
     assert (trainer["NVIDIA_GPU_MEMORY_REQUEST"], trainer["NVIDIA_GPU_MEMORY_LIMIT"]) == (
-        "4096",
+        "0",
         "16384",
     )
     assert mutate(out, s) == []  # a second pass changes nothing

@@ -4,7 +4,8 @@
 The webhook sees a pod when it is created; an ephemeral container comes later, through a
 subresource of its own. In a pod the webhook injected, a new one is held to the rules of
 `isolation`: it drops KILL, and is denied what would let it ptrace the sidecar or run under
-another label; nor may it target the sidecar (`targetContainerName`, which the chart's
+another label; it sets no limit of its own through the NVIDIA toolkit's hook
+(`sidecar.toolkit_env`); nor may it target the sidecar (`targetContainerName`, which the chart's
 policy refuses too). In any pod, none is named like the sidecar. Whether the pod is ours,
 and its SELinux options, are read from the stored pod (`oldObject`): the rest of the
 request's copy is the requester's to write (the API server keeps only its ephemeral
@@ -20,6 +21,7 @@ from enforcer.core import shapes
 from enforcer.core.admission import isolation
 from enforcer.core.admission.common import Denied, as_list, as_map
 from enforcer.core.admission.patch import Patch
+from enforcer.core.admission.sidecar import toolkit_env
 from enforcer.core.declaration import SIDECAR
 from enforcer.core.payloads import PatchOperation
 
@@ -68,4 +70,5 @@ def mutate_ephemeral(
     patch = Patch(checked)
     for i, _ in added:
         isolation.drop_kill(patch, ("spec", "ephemeralContainers", i))
+        toolkit_env(patch, ("spec", "ephemeralContainers", i), None)
     return patch.ops

@@ -38,6 +38,7 @@ from enforcer.core.admission.sidecar import (
     check_sidecar_env,
     shm_size_limit,
     sidecar_variables,
+    toolkit_env,
     workload_env,
 )
 from enforcer.core.declaration import (
@@ -51,6 +52,7 @@ from enforcer.core.declaration import (
     declared_limits,
     encode_portions,
 )
+from enforcer.core.owed import owed
 from enforcer.core.parsing import (
     ConfigError,
     kubernetes_version,
@@ -293,7 +295,8 @@ def mutate(
     patch = Patch(checked)
     patch.set(("spec", "shareProcessNamespace"), True)
     isolation.drop_kill_beside_the_sidecar(patch)
-    _declaring_containers(patch, limits, ceilings, defaults, settings, action)
+    _declaring_containers(patch, limits, ceilings, defaults, settings)
+    _toolkit_limits(patch, declared, settings.toolkit_limits and action not in REPORT_ONLY)
     if shm != "off":
         add_shm(patch, shm_limit)
     add_sidecar(patch, env, settings)
@@ -311,21 +314,31 @@ def _declaring_containers(
     ceilings: Mapping[str, int],
     defaults: Mapping[str, int],
     settings: AdmissionSettings,
-    action: str,
 ) -> None:
     """Each declaring container: the declaration it is given by default (in DRA mode, the
     claim made from it is the declaration), its environment, and in DRA mode its claim."""
-    # The toolkit's limit refuses allocations: not where the pod is only reported on.
-    toolkit = settings.toolkit_limits and action not in REPORT_ONLY
     for where, c in containers_at(patch.get(("spec",))):
         name = c["name"]
         if name in defaults and settings.dra_class is None:
             quantity = undeclared.declared_quantity(defaults[name], settings)
             patch.set((*where, "resources", "limits", settings.resource_name), quantity)
         if name in limits:
-            workload_env(patch, where, limits[name], ceilings.get(name), settings, toolkit)
+            workload_env(patch, where, limits[name], ceilings.get(name), settings)
             if settings.dra_class is not None:
                 claim_vram(patch, where, limits[name], settings)
+
+
+def _toolkit_limits(patch: Patch, declared: Declaration, toolkit: bool) -> None:
+    """The NVIDIA toolkit hook's variables on every container of the pod. With `toolkit`
+    (`--toolkit-memory-limits`, and an action that enforces: the hook's limit refuses
+    allocations, not for a pod only reported on), on each declaring container what it is
+    owed on each of its GPUs (`owed`: its ceiling; one share of a share spread over N
+    GPUs), since the hook sets one value on every GPU the container was given. On every
+    other container, none of its own: no container sets its own limit through the hook."""
+    units = owed(declared, None, None).units if toolkit else ()
+    per_gpu = {o.unit.containers[0]: o.ceiling for o in units}
+    for where, c in containers_at(patch.get(("spec",))):
+        toolkit_env(patch, where, per_gpu.get(c["name"]))
 
 
 def _may_opt_out(annotations: Mapping[str, object], bounds: Bounds) -> bool:

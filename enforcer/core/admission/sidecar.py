@@ -65,8 +65,12 @@ FRAMEWORK_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "TF_FORCE_GPU_ALLOW_G
 GPU_ENV = {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}
 
 
-# Read by the NVIDIA container toolkit's `apply-cuda-memory-limits` CDI hook, in MiB: it
-# sets them as the container cgroup's soft and hard limit on each of the container's GPUs.
+# Read by the NVIDIA container toolkit's `apply-cuda-memory-limits` CDI hook (toolkit
+# 1.20.1+) from the container's OCI environment, in whole MiB: with both present it sets
+# them as the soft and the hard limit of the container's cgroup, one value on each GPU the
+# container was given; with either absent it sets nothing. The soft limit is the cgroup's
+# `dmem.min`, a reservation the driver adds to every ancestor and that outlives the
+# container's cgroup (NVIDIA's MPS v3 page): ours is 0, and the agent lends and reclaims.
 TOOLKIT_ENV = ("NVIDIA_GPU_MEMORY_REQUEST", "NVIDIA_GPU_MEMORY_LIMIT")
 
 
@@ -103,27 +107,47 @@ def workload_env(
     limit: int,
     ceiling: int | None,
     settings: AdmissionSettings,
-    toolkit: bool,
 ) -> None:
     """What the workload is told: the most it may use (its ceiling, when it may borrow)
-    and what it is guaranteed; with `toolkit`, what the NVIDIA toolkit's hook holds it to."""
+    and what it is guaranteed."""
     env = (*where, "env")
     names = {e.get("name") for e in patch.get(env) or ()}
     most = limit if ceiling is None else ceiling
     ours = {"VRAM_LIMIT_BYTES": str(most)}
     if ceiling is not None:
         ours["VRAM_REQUEST_BYTES"] = str(limit)
-    if toolkit:  # whole MiB, rounded down: never above what is declared
-        request_mib, limit_mib = TOOLKIT_ENV
-        ours.update({request_mib: str(limit // MiB), limit_mib: str(most // MiB)})
     for name, value in ours.items():
-        put(patch, env, {"name": name, "value": value})
+        only(patch, env, name, value)
     extra = {**(FRAMEWORK_ENV if settings.framework_env else {})}
     if settings.gpu_exposure == "env" and not _requests_gpus(patch.get(where)):
         extra.update(GPU_ENV)  # a container given GPUs by the device plugin keeps those
     for k, v in extra.items():
         if k not in names:
             patch.append(env, {"name": k, "value": v})
+
+
+def toolkit_env(patch: Patch, where: Path, per_gpu: int | None) -> None:
+    """The toolkit hook's variables on one container, which are the webhook's alone: with
+    `per_gpu` (what the container is owed on each of its GPUs, in bytes), soft 0 and that
+    hard limit in whole MiB, rounded down (never above what is owed); without, none. A
+    variable the pod's own `env` gives is dropped, every copy of it (the kubelet keeps the
+    last of a name); one from `envFrom` or the image is overridden only where ours is set,
+    since a container's `env` wins over both."""
+    values = (None, None) if per_gpu is None else ("0", str(per_gpu // MiB))
+    for name, value in zip(TOOLKIT_ENV, values, strict=True):
+        only(patch, (*where, "env"), name, value)
+
+
+def only(patch: Patch, env: Path, name: str, value: str | None) -> None:
+    """One entry `name` = `value` in the list of variables at `env` (None: no entry), in
+    place of the first the container lists and with every other copy gone: the kubelet
+    gives a container the last of a name, so a second copy would win over ours."""
+    copies = [i for i, e in enumerate(patch.get(env) or ()) if e.get("name") == name]
+    kept = copies[:1] if value is not None else []
+    for i in reversed(copies[len(kept) :]):
+        patch.remove((*env, i))
+    if value is not None:
+        put(patch, env, {"name": name, "value": value})
 
 
 def _requests_gpus(c: Container) -> bool:

@@ -159,12 +159,15 @@ TOOLKIT_LIMITS = switch(
     "toolkit_limits",
     "--toolkit-memory-limits",
     "also set NVIDIA_GPU_MEMORY_REQUEST/LIMIT (MiB) for the NVIDIA container toolkit's hook",
-    doc="also set `NVIDIA_GPU_MEMORY_REQUEST` and `NVIDIA_GPU_MEMORY_LIMIT` (the limit in "
-    "whole MiB, rounded down) on each declaring container, replacing values the user set. "
-    "The NVIDIA container toolkit's `apply-cuda-memory-limits` CDI hook (recent toolkits) "
-    "then sets the container cgroup's limit on each of its GPUs as the container is "
-    "created. Off by default: where that hook runs, a driver before R615, cgroup v1, or a "
-    "limit above a GPU's memory makes it fail the container's creation. The node agent's "
+    doc="also set `NVIDIA_GPU_MEMORY_REQUEST=0` and `NVIDIA_GPU_MEMORY_LIMIT` on each "
+    "declaring container: what it is owed on each of its GPUs (its ceiling; a share spread "
+    "over N GPUs, one share), in whole MiB, rounded down. The NVIDIA container toolkit's "
+    "`apply-cuda-memory-limits` CDI hook (toolkit 1.20.1+) then sets that hard limit, with "
+    "soft limit 0, on the container's cgroup on each GPU it was given, as the container is "
+    "created. On or off, the webhook removes these variables from every other container of "
+    "the pods it mutates, and every copy a user wrote beside its own (security.md). Off by "
+    "default: where that hook runs, a driver before R615, cgroup v1, or a limit above a "
+    "GPU's memory makes it fail the container's creation. The node agent's "
     "`--hard-limits auto` does the same without those failures",
 )
 SHM_DEFAULT = value(
