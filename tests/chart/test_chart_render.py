@@ -516,3 +516,21 @@ def test_the_agent_condition_fence_holds_the_whole_status_and_metadata(renders: 
     # No field named one by one: what the fence names of a status is the conditions only.
     names = set(re.findall(r"[oO]bject\.status\.(\w+)", yaml.safe_dump(policy["spec"])))
     assert names == {"conditions"}, names
+
+
+def test_the_agent_mounts_the_hosts_cgroup_tree_read_write_only_for_hard_limits(
+    renders: Renders,
+) -> None:
+    """Issue 44, item 6: NVML opens the cgroup's directory in the agent's mount namespace
+    and the driver writes the cgroup's `dmem.*` files and its ancestors' (NVIDIA's MPS v3
+    page), which a read-only mount refuses. Hard limits off: no cgroup tree at all."""
+    on, off = renders([({}, False), ({"agent": {"hardLimits": "off"}}, False)])
+
+    def cgroup_mounts(release: Any) -> list[dict[str, Any]]:
+        agent = _containers(release["manifest"])["agent"]
+        return [m for m in agent["volumeMounts"] if m["name"] == "cgroup"]
+
+    assert cgroup_mounts(on) == [{"name": "cgroup", "mountPath": "/host/sys/fs/cgroup"}]
+    assert "--cgroup-root=/host/sys/fs/cgroup" in _containers(on["manifest"])["agent"]["args"]
+    assert cgroup_mounts(off) == []
+    assert "/sys/fs/cgroup" not in off["manifest"]

@@ -196,10 +196,11 @@ def test_the_agent_objects(installed: Path, admin: client.ApiClient) -> None:
     liveness = agent.liveness_probe.http_get
     assert (liveness.path, liveness.port) == ("/healthz", "metrics")
     assert spec.volumes[0].host_path.path == "/run/vram-enforcer"
-    # The host's cgroup tree, read-only, where --cgroup-root says (hard limits, by default).
+    # The host's cgroup tree, read-write as the driver needs it (issue 44, item 6), where
+    # --cgroup-root says (hard limits, by default).
     assert spec.volumes[1].host_path.path == "/sys/fs/cgroup"
     mount = next(m for m in agent.volume_mounts if m.name == spec.volumes[1].name)
-    assert (mount.mount_path, mount.read_only) == ("/host/sys/fs/cgroup", True)
+    assert (mount.mount_path, mount.read_only) == ("/host/sys/fs/cgroup", None)
     assert "--cgroup-root=/host/sys/fs/cgroup" in agent.args
     # The kubelet's pod-resources directory, read-only: which GPU a device plugin gave whom.
     assert spec.volumes[2].host_path.path == "/var/lib/kubelet/pod-resources"
