@@ -4,9 +4,9 @@ it over gRPC.
 It registers `nvidia.com/gpu` with the kubelet (`v1beta1.Registration/Register`) and
 lists the devices NVIDIA's plugin lists for a time-sliced GPU: `<UUID>::<n>` replicas of
 it (`ListAndWatch`); `Allocate` answers each container with nothing to mount, as the fake
-GPU needs nothing. The kubelet then counts the resource, admits pods that ask for it,
-and lists which replica each container got on its pod-resources socket, exactly as it
-does for the real plugin. The messages are written by hand (`tests/protowire.py`): the
+GPU needs nothing, or with its GPUs' CDI devices. The kubelet then counts the resource,
+admits pods that ask for it, and lists which replica each container got on its
+pod-resources socket, exactly as it does for the real plugin. The messages are written by hand (`tests/protowire.py`): the
 plugin's API, `k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1/api.proto`.
 """
 
@@ -34,8 +34,14 @@ PLUGINS = Path("/var/lib/kubelet/device-plugins")
 class DevicePlugin:
     """Serving on `PLUGINS/<name>.sock` once made, registered with the kubelet there."""
 
-    def __init__(self, ids: list[str], name: str = "vram-enforcer-test") -> None:
+    def __init__(
+        self, ids: list[str], name: str = "vram-enforcer-test", cdi_kind: str | None = None
+    ) -> None:
+        """`cdi_kind`: answer each container with the CDI devices of its GPUs,
+        `<cdi_kind>=<UUID>` (as NVIDIA's plugin does with its CDI spec), for the runtime to
+        resolve; else with nothing."""
         self._ids = ids
+        self._cdi_kind = cdi_kind
         self._stop = threading.Event()
         plugins = PLUGINS
         self.socket = plugins / f"{name}.sock"
@@ -72,9 +78,17 @@ class DevicePlugin:
             pass
 
     def _allocate(self, request: bytes, context: Any) -> bytes:
-        """One empty answer per container asked for (`container_requests`, field 1)."""
-        containers = [value for number, value in fields(request) if number == 1]
-        return b"".join(field(1, b"") for _ in containers)
+        """One answer per container asked for (`container_requests`, field 1, each with its
+        `devices_ids`, field 1): empty, or its GPUs' CDI devices (`cdi_devices`, field 5,
+        each a `CDIDevice` whose `name` is field 1)."""
+        answers = []
+        for number, asked in fields(request):
+            if number != 1 or not isinstance(asked, bytes):
+                continue
+            ids = [v.decode() for n, v in fields(asked) if n == 1 and isinstance(v, bytes)]
+            gpus = dict.fromkeys(i.split("::")[0] for i in ids) if self._cdi_kind else {}
+            answers.append(b"".join(field(5, field(1, f"{self._cdi_kind}={g}")) for g in gpus))
+        return b"".join(field(1, answer) for answer in answers)
 
     def close(self) -> None:
         self._stop.set()

@@ -105,13 +105,16 @@ class RealNode:
         images: Sequence[Path] = (),
         kube_proxy: bool = False,
         runtime: Path | None = None,
+        cdi: Path | None = None,
     ) -> None:
         """`images`: OCI archives to import beside the pause image; `kube_proxy`: route
         Services (needs `ApiServer(for_pods=True)`); `runtime`: the OCI runtime containerd
         runs every container with, in place of runc (a wrapper around it, such as
-        `nvidia_runtime`)."""
+        `nvidia_runtime`); `cdi`: the directory of CDI specs containerd resolves a device
+        plugin's CDI devices from (none: the host's /etc/cdi and /var/run/cdi are not read)."""
         self.name = name
         self._runtime = runtime
+        self._cdi = cdi or directory / "cdi-specs"
         self.dir = directory
         # containerd's state (the containers' bundles and root filesystems) where the root of
         # a user-namespaced pod, a high host uid, can reach it: the pytest directories are
@@ -212,6 +215,7 @@ state = "{self.state}"
     sandbox = "{PAUSE_IMAGE}"
 [plugins."io.containerd.cri.v1.runtime"]
   restrict_oom_score_adj = true
+  cdi_spec_dirs = ["{self._cdi}"]
   [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
     runtime_type = "io.containerd.runc.v2"
     [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
