@@ -66,7 +66,7 @@ GPU_ENV = {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "compu
 
 
 # Read by the NVIDIA container toolkit's `apply-cuda-memory-limits` CDI hook (toolkit
-# 1.20.1+) from the container's OCI environment, in whole MiB: with both present it sets
+# v1.20.1+) from the container's OCI environment, in whole MiB: with both present it sets
 # them as the soft and the hard limit of the container's cgroup, one value on each GPU the
 # container was given; with either absent it sets nothing. The soft limit is the cgroup's
 # `dmem.min`, a reservation the driver adds to every ancestor and that outlives the

@@ -162,7 +162,7 @@ TOOLKIT_LIMITS = switch(
     doc="also set `NVIDIA_GPU_MEMORY_REQUEST=0` and `NVIDIA_GPU_MEMORY_LIMIT` on each "
     "declaring container: what it is owed on each of its GPUs (its ceiling; a share spread "
     "over N GPUs, one share), in whole MiB, rounded down. The NVIDIA container toolkit's "
-    "`apply-cuda-memory-limits` CDI hook (toolkit 1.20.1+) then sets that hard limit, with "
+    "`apply-cuda-memory-limits` CDI hook (toolkit v1.20.1+) then sets that hard limit, with "
     "soft limit 0, on the container's cgroup on each GPU it was given, as the container is "
     "created. On or off, the webhook removes these variables from every other container of "
     "the pods it mutates, and every copy a user wrote beside its own (security.md). Off by "
