@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from enforcer.core.reasons import Reason
+from enforcer.core.tier_choice import TierName
 
 SUMMARY_VERSION = 1
 # The events of an excursion over the limit (a reclaim is not one: it happens under it).
@@ -60,6 +61,7 @@ class ExecSummary:
     peak_bytes: int | None = None
     samples: int = 0  # ticks that had data
     hard_limit: bool = False  # the driver held the command to the limit as well
+    tier: str = TierName.SAMPLING  # the tier that held it, as exec logged it
     events: tuple[SummaryEvent, ...] = field(default=())
     sm_percent: float | None = None
     memory_percent: float | None = None
@@ -96,6 +98,7 @@ class ExecSummary:
             "peak_bytes": self.peak_bytes,
             "samples": self.samples,
             "hard_limit": self.hard_limit,
+            "tier": self.tier,
             "exceeded_after_seconds": self.exceeded_after,
             "sm_percent": self.sm_percent,
             "memory_percent": self.memory_percent,
@@ -131,6 +134,10 @@ def from_json(doc: object) -> ExecSummary:
             peak_bytes=_optional(doc["peak_bytes"], int),
             samples=int(doc["samples"]),
             hard_limit=bool(doc["hard_limit"]),
+            # Summaries written before the tier was named have only hard_limit.
+            tier=str(
+                doc.get("tier") or (TierName.DRIVER if doc["hard_limit"] else TierName.SAMPLING)
+            ),
             events=tuple(
                 SummaryEvent(
                     str(e["reason"]),
@@ -148,6 +155,11 @@ def from_json(doc: object) -> ExecSummary:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"a malformed exec summary ({exc!r})") from None
+
+
+def _tier(hard_limit: bool) -> str:
+    """The tier of a summary written before the tier was named: only hard_limit says it."""
+    return TierName.DRIVER if hard_limit else TierName.SAMPLING
 
 
 def _optional(value: Any, kind: Callable[[Any], T]) -> T | None:

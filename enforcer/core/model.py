@@ -213,6 +213,7 @@ class LimitResult(StrEnum):
     UNSUPPORTED = "unsupported"  # the driver or the GPU has no per-cgroup limits
     FORBIDDEN = "forbidden"  # NVML's NO_PERMISSION: the caller is not root
     NO_CGROUP = "no-cgroup"  # the driver cannot open the cgroup (gone, or not cgroup v2)
+    NO_DMEM = "no-dmem"  # Set's NOT_FOUND: that cgroup has no dmem files (NVIDIA's MPS v3 page)
     REJECTED = "rejected"  # NVML refused the values themselves
     FAILED = "failed"  # anything else; worth another try later
 

@@ -219,6 +219,11 @@ class PodDirs:
         return found
 
 
+def kubepods_dirs(root: Path, depth: int = 4) -> list[str]:
+    """The kubelet's `kubepods` (or `kubepods.slice`) directories, up to `depth` below `root`."""
+    return [path for _, path in _find(str(root), is_kubepods_dir, depth)]
+
+
 class PodScanner:
     """Finds the kubelet's pod and container cgroups below `root` (the host's cgroup v2
     mount, as this process sees it).
@@ -236,9 +241,7 @@ class PodScanner:
 
     def scan(self) -> PodDirs:
         if not self._kubepods or not all(exists(Path(k)) for k in self._kubepods):
-            self._kubepods = [
-                path for _, path in _find(str(self.root), is_kubepods_dir, self._depth)
-            ]
+            self._kubepods = kubepods_dirs(self.root, self._depth)
         found = PodDirs()
         for kubepods in self._kubepods:
             for name, pod_dir in _find(kubepods, _is_pod_dir, 2):  # below a QoS class, or not

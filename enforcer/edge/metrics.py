@@ -641,6 +641,14 @@ class AgentTelemetry:
             ["operation", "result"],
             registry=self.registry,
         )
+        self.node_tier = Gauge(
+            PREFIX + "node_tier",
+            "The enforcement tier that holds limits on this node (1; the others 0), by tier: "
+            "driver-limit (the driver refuses an allocation past a limit, sampling as the "
+            "backstop) or sampling (alone); the agent logs why",
+            ["tier"],
+            registry=self.registry,
+        )
         self.unexpected = _unexpected_errors(self.registry)
         self.http_closed = http_closed(self.registry)
 

@@ -324,6 +324,15 @@ class Nvml:
             return None
         return ret if isinstance(ret, LimitOutcome) else _limit_outcome(ret)
 
+    def has_limit_calls(self) -> bool:
+        """Whether this NVML has the per-cgroup limit calls at all: a driver before R615
+        answers FUNCTION_NOT_FOUND to each (`doctor` tells "driver too old" by it)."""
+        try:
+            pynvml._nvmlGetFunctionPointer("nvmlDeviceGetMemoryLimits_v1")
+        except pynvml.NVMLError:
+            return False
+        return True
+
     def _memory_limits(self, gpu_uuid: str, cgroup: str, soft: int, hard: int) -> LimitOutcome:
         limits = _SetMemoryLimits(cgroup.encode(), soft, hard)
         ret = self._limits_call("nvmlDeviceSetMemoryLimits_v1", gpu_uuid, limits)

@@ -37,6 +37,7 @@ from enforcer.core.pod_directory import event_about
 from enforcer.core.reasons import Reason
 from enforcer.core.settings.agent import AgentSettings
 from enforcer.core.sidecar_report import SidecarReport, newly_denied
+from enforcer.core.tier_choice import HARD_LIMITS_OFF
 from enforcer.edge import logs
 from enforcer.edge.cgroupfs import ContainerCgroups
 from enforcer.edge.guard import LoopGuard, stopped
@@ -49,12 +50,14 @@ from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.pid_view import PidView, PidViewError
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.tenants import TenantCache
+from enforcer.edge.tier_probe import TierProbe, host_root, pods_cgroup
 from enforcer.edge.usage_server import ServerHooks, ServerMetrics, UsageServer
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
 from enforcer.modes.node_view import ClaimReads, NodeView
 from enforcer.modes.pod_metrics import LastPass, Peaks, PodCounts, pods_view, with_workloads
+from enforcer.modes.tier_watch import TierWatch, told
 
 if TYPE_CHECKING:
     from kubernetes import client
@@ -391,12 +394,13 @@ def _serve(
         return EXIT_USAGE
     source = NvmlSource(nvml, PidView.host(host_proc), gpu_device_majors(host_proc))
     passes = Passes()
+    tier = _tier_watch(settings, telemetry)
     watches: tuple[WatchedPods, ...] = ()  # the pods' and the namespaces'
     others: list[Woken] = []
     steps = None
     if api is not None and recorder is not None:
         watches, others, steps = _pod_watch(
-            settings, api, recorder, telemetry, server, passes, served
+            settings, api, recorder, telemetry, server, passes, served, tier
         )
     faults = GpuFaults(telemetry, settings.node_name, recorder)
     sampler = Sampler(
@@ -409,10 +413,10 @@ def _serve(
         faults,
         steps,
     )
-    threads: list[Sampler | Advertiser | WatchedPods | Woken] = [sampler]
+    threads: list[Sampler | Advertiser | WatchedPods | Woken | TierWatch] = [sampler]
     if advertiser is not None:
         threads.append(Advertiser(advertiser, passes.devices, telemetry, settings.resync))
-    threads.extend([*watches, *others])
+    threads.extend([*watches, *others, *([tier] if tier is not None else [])])
     liveness = max(LIVENESS_AFTER, STALE_INTERVALS * settings.interval)
     sidecars = served.watch if served is not None else None
     check = functools.partial(health, sampler, liveness, sidecars)
@@ -486,6 +490,16 @@ def _served(recorder: EventRecorder) -> _Served:
     return _Served(hooks, counts, news)
 
 
+def _tier_watch(settings: AgentSettings, telemetry: AgentTelemetry) -> TierWatch | None:
+    """The node's tier, probed now and every minute, where the agent sets hard limits;
+    sampling alone, said once, where it does not."""
+    if not settings.hard_limits:
+        told(HARD_LIMITS_OFF, telemetry)
+        return None
+    where = pods_cgroup(Path(settings.cgroup_root))
+    return TierWatch(Nvml(), TierProbe(where, host_root(Path(settings.host_proc))), telemetry)
+
+
 def _pod_watch(
     settings: AgentSettings,
     api: client.ApiClient,
@@ -494,6 +508,7 @@ def _pod_watch(
     server: UsageServer,
     passes: Passes,
     served: _Served | None,
+    tier: TierWatch | None,
 ) -> tuple[tuple[WatchedPods, ...], list[Woken], PodSteps]:
     """The one watch of this node's pods, and what it wakes: the hard limiter (with the
     recorder of its Events) and the pod replies to sidecars; and the watch of the namespaces
@@ -543,6 +558,7 @@ def _pod_watch(
                 telemetry,
                 cgroups=(Path(settings.cgroup_root), settings.cgroup_scan),
                 changed=limiter_woken,
+                tier=tier.latest if tier is not None else None,
             )
         )
     lender, backstop = None, None

@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING
 
 from enforcer.core import messages
 from enforcer.core.dra import shareable_gpus
-from enforcer.core.hard_limits import mig_gpus, per_gpu
-from enforcer.core.model import LimitOutcome, SourceDown, format_bytes
+from enforcer.core.model import SourceDown, format_bytes
 from enforcer.core.parsing import kubernetes_version
 from enforcer.core.protocol import Challenge, ProtocolError, Usage, decode_reply, encode_request
 from enforcer.core.settings.common import DEFAULT_SOCKET
 from enforcer.core.settings.doctor import DoctorSettings
-from enforcer.edge import cgroupfs
+from enforcer.core.tier_choice import R615, Probe, choose
 from enforcer.edge.nvml import Nvml, NvmlError, unavailable_fix
 from enforcer.edge.pod_resources import PodResourcesError, list_once
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
+from enforcer.edge.tier_probe import TierProbe, host_root, own_cgroup
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
@@ -102,54 +102,43 @@ TIER = "enforcement tier"
 
 
 def check_tier() -> Check:
-    """Which tier holds a limit on this machine: the driver's per-cgroup hard limits with
-    sampling as the backstop, or sampling alone, and why. Reads, never sets: NVML's Get
-    call on this process's own cgroup tells whether the driver can."""
-    try:
-        own = cgroupfs.own_dir()
-    except cgroupfs.CgroupFsError as exc:
-        return _sampling_only(f"{exc}; the driver's limits need cgroup v2")
+    """Which tier holds a limit on this machine and why: `tier_choice.choose` over what the
+    tier probe finds for this process's own cgroup (what exec would make its command's
+    cgroup below), as exec and the agent choose. Reads, never sets."""
     nvml = Nvml()
     try:
-        nvml.init()
-        devices = nvml.snapshot().devices
-        answers = {gpu: nvml.memory_limit(gpu, str(own)) for gpu in per_gpu(1, devices)}
-    except NvmlError:
-        return Check(TIER, "skip", "NVML is not available: the NVML check says why")
+        probe = TierProbe(own_cgroup, host_root()).probe(nvml)
     finally:
         nvml.shutdown()
-    why = [
-        f"{gpu}: {messages.no_hard_limit(a, nvml.driver_version, str(own))}"
-        for gpu, a in answers.items()
-        if isinstance(a, LimitOutcome)
-    ]
-    if mig_gpus(devices):
-        why.append(messages.mig_without_hard_limit(mig_gpus(devices)))
-    able = [gpu for gpu, a in answers.items() if not isinstance(a, LimitOutcome)]
-    if not able:
-        return _sampling_only("; ".join(dict.fromkeys(why)) or "no GPU to limit")
-    root = cgroupfs.v2_root()
-    dmem = root is not None and "dmem" in cgroupfs.controllers(root)
-    no_dmem = "not in this hierarchy (Linux < 6.14, or bound to v1): the driver counts alone"
-    detail = (
-        f"hard limits (driver {nvml.driver_version}, cgroup v2) on {len(able)} GPU(s), "
-        f"with sampling as the backstop; the kernel's dmem controller is "
-        f"{'there' if dmem else no_dmem}. Whether the driver charges an ordinary process (not "
-        "an MPS client) to them shows only once one uses memory: the agent says it per pod "
-        "(VRAMHardLimit or VRAMSamplingOnly), exec in its log"
-    )
-    if os.geteuid() != 0:
-        detail += "; setting them needs root (exec falls back to sampling without it)"
-    return Check(TIER, "ok", "; ".join([detail, *why]))
+    if probe.nvml_error:
+        return Check(TIER, "skip", "NVML is not available: the NVML check says why")
+    choice = choose(probe)
+    if choice.refuses:
+        proof = (
+            "whether the driver charges an ordinary process (not an MPS client) to them shows "
+            "only once one uses memory: the agent says it per pod (VRAMHardLimit or "
+            "VRAMSamplingOnly), exec in its log"
+        )
+        return Check(TIER, "ok", f"{choice.said()}; {proof}")
+    return Check(TIER, "note", choice.said(), _fix(probe))
 
 
-def _sampling_only(why: str) -> Check:
-    return Check(
-        TIER,
-        "note",
-        f"sampling only: {why}",
+def _fix(probe: Probe) -> str:
+    """What to do for the driver to refuse allocations past a limit here."""
+    if probe.too_old:
+        do = f"install an NVIDIA driver of R{R615} or later"
+    elif probe.children_without_dmem:
+        do = (
+            f"enable dmem for the children of {probe.no_dmem_at} and of each ancestor "
+            "(echo +dmem > cgroup.subtree_control, from the top down)"
+        )
+    elif not probe.root:
+        do = "run as root"
+    else:
+        do = f"NVIDIA R{R615}+, cgroup v2, root, a GPU not in MIG mode"
+    return (
         "allocations past a limit succeed and the offender is stopped within one "
-        "interval; for the driver to refuse them: NVIDIA R615+, cgroup v2, a GPU not in MIG mode",
+        f"interval; for the driver to refuse them: {do}"
     )
 
 

@@ -33,6 +33,7 @@ from enforcer.core.model import (
 )
 from enforcer.core.reasons import Reason
 from enforcer.core.settings.exec import ExecSettings
+from enforcer.core.tier_choice import HARD_LIMITS_OFF, TierName, choose
 from enforcer.edge import logs
 from enforcer.edge.cgroupfs import CgroupFsError
 from enforcer.edge.metrics import Telemetry
@@ -42,6 +43,7 @@ from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.pid_view import PidView, PidViewError
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator, signal_children
+from enforcer.edge.tier_probe import TierProbe, host_root, own_cgroup
 from enforcer.modes.exec_limits import CgroupKeeper, ChargeWatch, Placed, place
 from enforcer.modes.pipeline import LogReporter, Pipeline, Report, WholeUnit, reclaim_here
 
@@ -220,6 +222,7 @@ class _Record:
     end: float | None = None
     signal: str | None = None
     hard_limit: bool = False
+    tier: TierName = TierName.SAMPLING
     tree: TreeAttributor | None = None
     events: list[SummaryEvent] = field(default_factory=list)
 
@@ -228,9 +231,14 @@ class _Record:
         self.end = time.monotonic()
         self.signal = signal.Signals(-code).name if code < 0 else None
 
+    def held(self, by_driver: bool) -> None:
+        """Which tier holds the command: the driver's limits (and sampling), or sampling."""
+        self.hard_limit = by_driver
+        self.tier = TierName.DRIVER if by_driver else TierName.SAMPLING
+
     def unbound(self) -> None:
         """The driver does not charge the tree to its hard limit: the summary claims none."""
-        self.hard_limit = False
+        self.held(False)
 
     def report(self, report: Report) -> None:
         limit = report.reason in (
@@ -260,6 +268,7 @@ class _Record:
             peak_bytes=self.tree.peak_bytes if self.tree else None,
             samples=self.tree.samples if self.tree else 0,
             hard_limit=self.hard_limit,
+            tier=str(self.tier),
             events=tuple(self.events),
             sm_percent=sm,
             memory_percent=memory,
@@ -336,7 +345,7 @@ def _run(settings: ExecSettings, record: _Record, gpus: Gpus | None) -> int:
             _set_child_subreaper()
             source = NvmlSource(gpu.nvml, gpu.view, gpu.majors)
             with _hard_limits(settings, gpu.nvml) as placed:
-                record.hard_limit = placed is not None
+                record.held(placed is not None)
                 watch = (
                     ChargeWatch(gpu.nvml, placed, settings.interval, record.unbound)
                     if placed
@@ -353,8 +362,14 @@ def _run(settings: ExecSettings, record: _Record, gpus: Gpus | None) -> int:
 @contextlib.contextmanager
 def _hard_limits(settings: ExecSettings, nvml: Nvml) -> Iterator[Placed | None]:
     """A cgroup for the command, held to the limit on every GPU where the driver can, or
-    None where it cannot (said once, unless --hard-limits off); removed afterwards."""
-    placed, missing = (None, "") if settings.hard_limits == "off" else place(settings, nvml)
+    None where it cannot (said once, unless --hard-limits off); removed afterwards. The
+    tier chosen (`tier_choice`) is logged first, as doctor and the agent say it."""
+    if settings.hard_limits == "off":
+        choice = HARD_LIMITS_OFF
+    else:
+        choice = choose(TierProbe(own_cgroup, host_root()).probe(nvml))
+    log.info("%s", choice.said())
+    placed, missing = (None, "") if settings.hard_limits == "off" else place(settings, nvml, choice)
     if missing and settings.hard_limits == "required":
         if placed is not None:
             placed.cgroup.close()

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from enforcer.core import messages
-from enforcer.core.hard_limits import mig_gpus, per_gpu
+from enforcer.core.hard_limits import per_gpu
 from enforcer.core.model import (
     LimitOutcome,
     LimitResult,
@@ -17,6 +17,7 @@ from enforcer.core.model import (
     format_bytes,
 )
 from enforcer.core.settings.exec import ExecSettings
+from enforcer.core.tier_choice import Choice
 from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup, move
 from enforcer.edge.charge_proof import ChargeProof
 from enforcer.edge.nvml import Nvml, NvmlError
@@ -115,16 +116,19 @@ class CgroupKeeper:
                 )
 
 
-def place(settings: ExecSettings, nvml: Nvml) -> tuple[Placed | None, str]:
-    """The command's cgroup and its limits, and why some or all GPUs have none ("")."""
+def place(settings: ExecSettings, nvml: Nvml, choice: Choice) -> tuple[Placed | None, str]:
+    """The command's cgroup and its limits on the GPUs of the tier `choice` (`tier_choice`),
+    and why some or all GPUs have none ("")."""
+    if not choice.refuses:
+        return None, choice.why
     try:
         devices = nvml.snapshot().devices
     except NvmlError as exc:
         return None, f"the GPUs could not be listed ({exc})"
-    wanted = per_gpu(settings.limit_bytes, devices)
-    mig = messages.mig_without_hard_limit(mig_gpus(devices)) if mig_gpus(devices) else ""
+    wanted = {g: b for g, b in per_gpu(settings.limit_bytes, devices).items() if g in choice.gpus}
+    gaps = "; ".join(choice.gaps)
     if not wanted:
-        return None, mig or "NVML reports no GPU memory to limit"
+        return None, gaps or "NVML reports no GPU memory to limit"
     try:
         cgroup = CommandCgroup.create()
     except CgroupFsError as exc:
@@ -137,7 +141,7 @@ def place(settings: ExecSettings, nvml: Nvml) -> tuple[Placed | None, str]:
     limits = {gpu: wanted[gpu] for gpu, o in outcomes.items() if o.result is LimitResult.SET}
     failed = {gpu: o for gpu, o in outcomes.items() if o.result is not LimitResult.SET}
     why = [_why(o, nvml, cgroup, gpu if limits else None) for gpu, o in failed.items()]
-    missing = "; ".join(dict.fromkeys([*why, mig] if mig else why))
+    missing = "; ".join(dict.fromkeys([*why, gaps] if gaps else why))
     if not limits:
         cgroup.close()
         return None, missing

@@ -41,6 +41,7 @@ from enforcer.core.pod import pod_reference
 from enforcer.core.reasons import Reason
 from enforcer.core.settings.sidecar import pod_policy
 from enforcer.core.sidecar_presence import running_containers
+from enforcer.core.tier_choice import Choice
 from enforcer.core.units import POD_UNIT
 from enforcer.edge import cgroupfs
 from enforcer.edge.charge_proof import ChargeProof
@@ -82,8 +83,10 @@ class HardLimiter(threading.Thread):
         *,
         cgroups: tuple[Path, float],
         changed: threading.Event,
+        tier: Latest[Choice] | None = None,
     ) -> None:
-        """`cgroups`: the host's cgroupfs, and how often its pods' cgroups are scanned."""
+        """`cgroups`: the host's cgroupfs, and how often its pods' cgroups are scanned;
+        `tier`: the node's choice of tier (`tier_watch`), where the agent probes it."""
         super().__init__(name="hard-limiter", daemon=True)
         cgroup_root, scan_every = cgroups
         self._nvml = nvml
@@ -98,6 +101,7 @@ class HardLimiter(threading.Thread):
         self._claims = node.claims  # DRA: reads a pod's claims and this node's slices
         self._scan_every = scan_every
         self._changed = changed
+        self._tier = tier
         self.stop = threading.Event()
         self._guard = LoopGuard("hard-limiter", telemetry.unexpected.labels("hard-limiter"), log)
         # The limits this agent set and that are still in place, with whom they are for.
@@ -230,7 +234,11 @@ class HardLimiter(threading.Thread):
         return (version, read_now if read_now.owed.units else None, problem)
 
     def _node_reason(self, devices: Sequence[Device], usable: Sequence[Device]) -> str:
-        """Why no pod on this node can get a hard limit; "" while some can."""
+        """Why no pod on this node can get a hard limit; "" while some can: the node's
+        tier (`tier_choice`, as doctor and exec choose), then what the driver answered."""
+        choice = self._tier.get() if self._tier is not None else None
+        if choice is not None and not choice.refuses:
+            return choice.why
         if not cgroupfs.exists(self._root):
             return f"no cgroup v2 hierarchy at {self._root} (--cgroup-root)"
         if per_gpu(1, usable):

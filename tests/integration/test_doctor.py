@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import pytest
 
 from enforcer.core.settings.common import DEFAULT_SOCKET
+from enforcer.edge import cgroupfs
 from enforcer.modes.doctor import Check, render
 from tests.helpers import standalone_agent, wait_for
 from tests.kubelet import Kubelet
@@ -67,11 +68,12 @@ def test_everything_reachable_passes(fake_nvml: Any, agent: Path) -> None:
     assert out.stdout.rstrip().endswith("all checks passed")
     # A driver before R615: sampling alone, which is said, and is no failure.
     assert (
-        "[note] enforcement tier: sampling only: GPU-00000000-fake-4000-8000-000000000000: the "
-        "NVIDIA driver 550.54.15 cannot hold a cgroup to a GPU memory limit (Not Supported); "
-        "drivers from R615 can" in out.stdout
+        "[note] enforcement tier: tier sampling on GPU-00000000-fake-4000-8000-000000000000: "
+        "driver 550.54.15 has no per-cgroup limits: R615+\n"
+        "       fix: allocations past a limit succeed and the offender is stopped within one "
+        "interval; for the driver to refuse them: install an NVIDIA driver of R615 or later"
+        in out.stdout
     )
-    assert "fix: allocations past a limit succeed" in out.stdout
 
 
 def test_the_tier_on_an_r615_driver_is_hard_limits(fake_nvml: Any) -> None:
@@ -84,11 +86,33 @@ def test_the_tier_on_an_r615_driver_is_hard_limits(fake_nvml: Any) -> None:
     out = doctor(fake_nvml.env(), "--json", "--no-agent")
     (tier,) = [c for c in json.loads(out.stdout) if c["name"] == "enforcement tier"]
     assert tier["status"] == "ok", tier
+    hierarchy = cgroupfs.v2_root()
     assert tier["detail"].startswith(
-        "hard limits (driver 615.43.02, cgroup v2) on 1 GPU(s), with sampling as the backstop"
+        "tier driver-limit on GPU-00000000-fake-4000-8000-000000000000, sampling as the "
+        f"backstop: driver 615.43.02, cgroup v2 at {hierarchy} ("
     )
-    assert "GPU-00000001-fake-4000-8000-000000000001 in MIG mode" in tier["detail"]
+    assert (
+        "; GPU-00000001-fake-4000-8000-000000000001 in MIG mode: NVML takes no MIG handle; "
+        "whether the driver charges an ordinary process" in tier["detail"]
+    )
     assert fake_nvml.limit_records() == []
+
+
+def test_a_cgroup_without_dmem_files_is_not_a_driver_too_old(fake_nvml: Any) -> None:
+    """NVIDIA: Not Supported from Get on an R615 driver means the cgroup has no dmem files.
+    doctor names the cgroup and does not ask for a newer driver."""
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.state.inject_error("nvmlDeviceGetMemoryLimits_v1", "NOT_SUPPORTED")
+    fake_nvml.write()
+    out = doctor(fake_nvml.env(), "--json", "--no-agent")
+    (tier,) = [c for c in json.loads(out.stdout) if c["name"] == "enforcement tier"]
+    own = cgroupfs.own_dir()
+    assert tier["status"] == "note", tier
+    assert tier["detail"].startswith(
+        f"tier sampling on GPU-00000000-fake-4000-8000-000000000000: cgroup {own} has no dmem "
+        "files (Not Supported)"
+    )
+    assert "R615" not in tier["detail"] and "install an NVIDIA driver" not in tier["fix"]
 
 
 def test_a_lost_gpu_fails_the_nvml_check_and_names_it(fake_nvml: Any) -> None:

@@ -930,9 +930,37 @@ def test_the_hard_limit_is_claimed_only_where_the_driver_charges_the_tree_to_it(
         )
     run.release()
     assert run.wait() == 0, run.stderr
-    assert json.loads(summary.read_text())["hard_limit"] is charges
+    # The choice, logged at start as doctor says it; the summary, which tier held the tree.
+    assert f"tier driver-limit on {gpu0}, sampling as the backstop: driver 615.43.02" in run.stderr
+    doc = json.loads(summary.read_text())
+    assert (doc["hard_limit"], doc["tier"]) == (charges, "driver-limit" if charges else "sampling")
     said = "no hard limit" in run.stderr
     assert said is not charges  # said once, and only where it does not bind
+
+
+@needs_cgroup2
+def test_a_cgroup_the_driver_cannot_count_is_said_and_sampling_holds_the_command(
+    run: Run,
+) -> None:
+    """An R615 driver that answers Not Supported for exec's own cgroup (NVIDIA: it has no
+    dmem files): that cgroup is named, the driver is not called too old, no limit is set,
+    and the summary says sampling held the command."""
+    run.gpu.state.support_memory_limits()
+    run.gpu.state.inject_error("nvmlDeviceGetMemoryLimits_v1", "NOT_SUPPORTED")
+    run.gpu.write()
+    summary = run.tmp / "summary.json"
+    run.start("--limit", "4Gi", "--summary", str(summary))
+    w = run.worker()
+    run.release()
+    assert run.wait() == 0, run.stderr
+    assert w["limits"] == []
+    own = v2_root() / Path(  # type: ignore[operator]
+        Path("/proc/self/cgroup").read_text().split("0::")[1].strip()
+    ).relative_to("/")
+    assert f"no hard limit: cgroup {own} has no dmem files (Not Supported)" in run.stderr
+    assert "R615" not in run.stderr
+    doc = json.loads(summary.read_text())
+    assert (doc["hard_limit"], doc["tier"]) == (False, "sampling")
 
 
 @needs_cgroup2
@@ -960,8 +988,8 @@ def test_hard_limits_off_is_silent_and_required_refuses_without_them(run: Run) -
     run.start("--limit", "4Gi", "--hard-limits", "required")
     assert run.wait() == 2
     assert (
-        "--hard-limits required, but there is no hard limit: the NVIDIA driver 550.54.15"
-        in run.stderr
+        "--hard-limits required, but there is no hard limit: driver 550.54.15 has no "
+        "per-cgroup limits: R615+" in run.stderr
     )
     assert not run.report.with_name(run.report.name + ".main").exists()  # never started
 

@@ -1,0 +1,206 @@
+"""The tier probe: what the choice of enforcement tier (`tier_choice.choose`) depends on, read
+from this machine. It reads, never sets: NVML's Get on the probed cgroup (no privilege
+needed) tells whether the driver can count it.
+
+The probed cgroup is the one below which limited cgroups are made: `exec`'s own (its
+command's cgroup goes below it), the kubelet's `kubepods` for the agent. The driver needs a
+cgroup's `dmem` files where the kernel's dmem controller is in use, and a cgroup has them
+only where every ancestor hands `dmem` down (`cgroup.subtree_control`): the first that
+does not is named.
+
+The filesystem reads (the cgroup hierarchy, CDI specs on the host, which a hostile or hung
+mount can hold) run on a `tier-probe` thread of their own, within `READ_WITHIN`: a read
+that does not come back is said ("did not answer"), and is not started again while its
+thread still waits.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from enforcer.core.cdi import SPEC_SUFFIXES, memory_limit_hook_gpus
+from enforcer.core.hard_limits import mig_gpus, per_gpu
+from enforcer.core.model import LimitOutcome
+from enforcer.core.tier_choice import Probe
+from enforcer.edge import cgroupfs
+from enforcer.edge.nvml import Nvml, NvmlError
+
+READ_WITHIN = 2.0  # s: the filesystem part of one probe, at most
+CDI_DIRS = ("etc/cdi", "var/run/cdi")  # below the host's root: the CDI registry's defaults
+MOST_SPECS = 64  # spec files read per directory
+MOST_SPEC_BYTES = 1 << 20  # of each
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """What the filesystem part found."""
+
+    cgroup_v2: str = ""
+    dmem: bool = False
+    cgroup: str = ""
+    no_dmem_at: str = ""
+    hook_gpus: tuple[str, ...] = ()
+
+
+Where = Callable[[], tuple[Path | None, Path | None]]
+"""(the cgroup v2 hierarchy, the cgroup below which limited cgroups are made), each None
+where there is none; raises CgroupFsError with the reason."""
+
+
+class TierProbe:
+    """Probes for one caller. `where`: which hierarchy and cgroup; `host_root`: where the
+    host's / is seen (`/proc/1/root` for the agent, with the host's PID namespace)."""
+
+    def __init__(self, where: Where, host_root: Path, within: float = READ_WITHIN) -> None:
+        self._where = where
+        self._host_root = host_root
+        self._within = within
+        self._reader: threading.Thread | None = None
+        self._reading = ""  # the path the reader is at, for when it does not come back
+
+    def probe(self, nvml: Nvml) -> Probe:
+        """What this machine offers now. `nvml`: a session (started here if it is not)."""
+        found, unreadable = self._filesystem()
+        try:
+            devices = nvml.snapshot().devices
+        except NvmlError as exc:
+            return Probe("", str(exc), found.cgroup_v2, found.dmem, os.geteuid() == 0, (), ())
+        whole = tuple(per_gpu(1, devices))
+        calls = nvml.has_limit_calls()
+        answers: tuple[tuple[str, LimitOutcome | None], ...] = ()
+        if found.cgroup and calls:
+            answers = tuple((gpu, _answer(nvml, gpu, found.cgroup)) for gpu in whole)
+        return Probe(
+            driver_version=nvml.driver_version,
+            nvml_error="",
+            cgroup_v2=found.cgroup_v2,
+            dmem=found.dmem,
+            root=os.geteuid() == 0,
+            whole_gpus=whole,
+            mig_gpus=mig_gpus(devices),
+            answers=answers,
+            toolkit_hook=found.hook_gpus,
+            limit_calls=calls,
+            cgroup=found.cgroup,
+            no_dmem_at=found.no_dmem_at,
+            unreadable=unreadable,
+        )
+
+    def _filesystem(self) -> tuple[_Found, str]:
+        """What the filesystem says, read on a thread of its own within `within`; and what
+        could not be read ("" when all was)."""
+        if self._reader is not None and self._reader.is_alive():
+            return _Found(), f"{self._reading} has still not answered an earlier read"
+        result: list[_Found | str] = []
+        self._reader = threading.Thread(
+            target=lambda: result.append(self._read()), name="tier-probe", daemon=True
+        )
+        self._reader.start()
+        self._reader.join(self._within)
+        if not result:
+            return _Found(), f"{self._reading} did not answer within {self._within:g} s"
+        found = result[0]
+        return (_Found(), found) if isinstance(found, str) else (found, "")
+
+    def _read(self) -> _Found | str:
+        """What the filesystem says, or why the probed cgroup cannot be known."""
+        try:
+            hierarchy, cgroup = self._where()
+        except cgroupfs.CgroupFsError as exc:
+            return str(exc)
+        hooks = self._hook_gpus()
+        if hierarchy is None:
+            return _Found(hook_gpus=hooks)
+        self._reading = str(hierarchy)
+        dmem = "dmem" in cgroupfs.controllers(hierarchy)
+        below = "" if cgroup is None else str(cgroup)
+        no_dmem_at = self._first_without_dmem(cgroup, hierarchy) if cgroup and dmem else ""
+        return _Found(str(hierarchy), dmem, below, no_dmem_at, hooks)
+
+    def _first_without_dmem(self, cgroup: Path, hierarchy: Path) -> str:
+        """The first of `cgroup` and its ancestors up to `hierarchy` that does not hand dmem
+        down to its children; "" when each does."""
+        at = cgroup
+        while True:
+            self._reading = str(at / "cgroup.subtree_control")
+            try:
+                enabled = (at / "cgroup.subtree_control").read_text().split()
+            except OSError:
+                enabled = []
+            if "dmem" not in enabled:
+                return str(at)
+            if at in (hierarchy, at.parent) or not at.is_relative_to(hierarchy):
+                return ""
+            at = at.parent
+
+    def _hook_gpus(self) -> tuple[str, ...]:
+        """The GPUs for which a CDI spec on the host runs NVIDIA's memory-limit hook."""
+        found: list[str] = []
+        for name in CDI_DIRS:
+            directory = self._host_root / name
+            self._reading = str(directory)
+            try:
+                with os.scandir(directory) as entries:
+                    specs = sorted(e.path for e in entries if e.name.endswith(SPEC_SUFFIXES))
+            except OSError:
+                continue
+            for path in specs[:MOST_SPECS]:
+                self._reading = path
+                found.extend(memory_limit_hook_gpus(_spec(path)))
+        return tuple(dict.fromkeys(found))
+
+
+def _spec(path: str) -> str:
+    """A spec file's text, "" where it is not a regular file or cannot be read (a FIFO is
+    not waited on: it is opened without blocking, and only a regular file is read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return os.read(fd, MOST_SPEC_BYTES).decode(errors="replace")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+
+
+def _answer(nvml: Nvml, gpu: str, cgroup: str) -> LimitOutcome | None:
+    """The driver's answer to a Get on `cgroup`: None where it answered (a limit or none)."""
+    answer = nvml.memory_limit(gpu, cgroup)
+    return answer if isinstance(answer, LimitOutcome) else None
+
+
+def own_cgroup() -> tuple[Path | None, Path | None]:
+    """`doctor`'s and `exec`'s: the hierarchy this process sees, and its own cgroup, below
+    which exec makes its command's."""
+    hierarchy = cgroupfs.v2_root()
+    return hierarchy, (cgroupfs.own_dir() if hierarchy is not None else None)
+
+
+def pods_cgroup(root: Path) -> Where:
+    """The agent's: the host's hierarchy at `root` (a hybrid host's `unified`), and the
+    kubelet's kubepods below it (the hierarchy itself until one is found)."""
+
+    def where() -> tuple[Path | None, Path | None]:
+        hierarchy = cgroupfs.v2_at(root)
+        if not cgroupfs.exists(hierarchy):
+            return None, None
+        found = cgroupfs.kubepods_dirs(hierarchy)
+        return hierarchy, Path(found[0]) if found else hierarchy
+
+    return where
+
+
+def host_root(proc: Path = Path("/proc")) -> Path:
+    """Where the host's / is seen: init's root where this process may look (the host's
+    PID namespace, and root or ptrace read access), else this process's own."""
+    init_root = proc / "1" / "root"
+    return init_root if os.access(init_root / "etc", os.R_OK) else Path("/")

@@ -1,0 +1,125 @@
+"""The tier probe on real files and the fake NVML: the first ancestor that does not hand dmem
+down, NVIDIA's hook in a CDI spec on the host, a FIFO not waited on, a hung mount bounded,
+the real cgroup v2 hierarchy answered by the driver's Get, and nothing ever set."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from enforcer.core.tier_choice import TierName, choose
+from enforcer.edge import cgroupfs
+from enforcer.edge.nvml import Nvml
+from enforcer.edge.tier_probe import TierProbe, own_cgroup, pods_cgroup
+from tests.hung_fuse import hung_fuse
+
+HOOK_SPEC = """\
+cdiVersion: 0.5.0
+kind: nvidia.com/gpu
+devices:
+- name: "0"
+  containerEdits:
+    hooks:
+    - hookName: createRuntime
+      path: /usr/bin/nvidia-cdi-hook
+      args:
+      - nvidia-cdi-hook
+      - apply-cuda-memory-limits
+      - --driver-root
+      - /
+      - --gpu-id
+      - GPU-00000000-fake-4000-8000-000000000000
+"""
+
+
+@pytest.fixture
+def nvml(fake_nvml: Any) -> Iterator[Nvml]:
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.write()
+    session = Nvml()
+    yield session
+    session.shutdown()
+
+
+def _tree(root: Path, handed_down: dict[str, str]) -> None:
+    """A cgroupfs-shaped tree of plain files: each directory's controllers and what it
+    hands down (`cgroup.subtree_control`)."""
+    for rel, subtree in handed_down.items():
+        at = root / rel
+        at.mkdir(parents=True, exist_ok=True)
+        (at / "cgroup.controllers").write_text("cpu memory dmem\n")
+        (at / "cgroup.subtree_control").write_text(subtree + "\n")
+
+
+def test_the_first_ancestor_without_dmem_is_named_and_nothing_is_set(
+    nvml: Nvml, fake_nvml: Any, tmp_path: Path
+) -> None:
+    root = tmp_path / "cgroup"
+    _tree(root, {"": "cpu memory dmem", "kubepods.slice": "cpu memory"})
+    probe = TierProbe(pods_cgroup(root), tmp_path / "host").probe(nvml)
+    assert (probe.dmem, probe.no_dmem_at) == (True, str(root / "kubepods.slice"))
+    choice = choose(probe)
+    assert choice.tier is TierName.SAMPLING
+    assert choice.why == (
+        f"cgroups below {root / 'kubepods.slice'} have no dmem files: dmem is missing from "
+        f"{root / 'kubepods.slice'}'s cgroup.subtree_control"
+    )
+    assert fake_nvml.limit_records() == []
+
+
+def test_nvidias_hook_in_a_cdi_spec_on_the_host_is_found_and_a_fifo_not_waited_on(
+    nvml: Nvml, tmp_path: Path
+) -> None:
+    host = tmp_path / "host"
+    (host / "etc/cdi").mkdir(parents=True)
+    (host / "var/run/cdi").mkdir(parents=True)
+    os.mkfifo(host / "etc/cdi/a-fifo.yaml")  # nobody writes it: opening it to read would wait
+    (host / "var/run/cdi/nvidia.yaml").write_text(HOOK_SPEC)
+    (host / "etc/cdi/other.json").write_text('{"kind": "vendor.com/device"}')
+    started = time.monotonic()
+    probe = TierProbe(own_cgroup, host, within=30).probe(nvml)
+    assert time.monotonic() - started < 10
+    assert probe.toolkit_hook == ("GPU-00000000-fake-4000-8000-000000000000",)
+    assert probe.unreadable == ""
+
+
+def test_the_real_hierarchy_is_answered_by_the_drivers_get(nvml: Nvml, tmp_path: Path) -> None:
+    """This process's own cgroup, on the machine's cgroup v2 mount: the fake driver (R615)
+    answers its Get, so the driver tier is chosen where this process is root."""
+    if cgroupfs.v2_root() is None:
+        pytest.skip("no cgroup v2 hierarchy on this machine")
+    probe = TierProbe(own_cgroup, tmp_path).probe(nvml)
+    assert probe.cgroup == str(cgroupfs.own_dir())
+    assert probe.answers == (("GPU-00000000-fake-4000-8000-000000000000", None),)
+    expected = TierName.DRIVER if os.geteuid() == 0 and not probe.children_without_dmem else None
+    if expected is not None:
+        assert choose(probe).tier is expected
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"
+)
+def test_a_hung_cdi_directory_bounds_the_probe_and_is_not_read_again_while_it_hangs(
+    nvml: Nvml, tmp_path: Path
+) -> None:
+    host = tmp_path / "host"
+    (host / "etc").mkdir(parents=True)
+    with hung_fuse(host / "etc/cdi") as fuse:
+        fuse.hang()
+        probe = TierProbe(own_cgroup, host, within=0.5)
+        started = time.monotonic()
+        first = probe.probe(nvml)
+        assert time.monotonic() - started < 5
+        assert first.unreadable == f"{host / 'etc/cdi'} did not answer within 0.5 s"
+        assert choose(first).why == (
+            f"cannot tell whether the driver can hold limits: {first.unreadable}"
+        )
+        started = time.monotonic()
+        again = probe.probe(nvml)  # its reader still waits: no second one is started
+        assert time.monotonic() - started < 0.5
+        assert again.unreadable == f"{host / 'etc/cdi'} has still not answered an earlier read"
