@@ -253,11 +253,9 @@ def test_on_an_older_driver_each_pod_is_told_that_sampling_alone_enforces(
             what="the VRAMSamplingOnly Event",
         )
         (event,) = [e for e in events(core, pod) if e.reason.startswith("VRAM")]
-        assert (
-            "the NVIDIA driver 550.54.15 cannot hold a cgroup to a GPU memory limit"
-            in event.message
-        )
-        assert "drivers from R615 can" in event.message
+        # The node's choice of tier, as doctor and exec say it (tier_choice.choose).
+        assert "driver 550.54.15 has no per-cgroup limits: R615+" in event.message
+        assert "this node's enforcement tier sampling on " in agent.log()
         assert "enforced by sampling" in event.message
         assert agent.log().count("no hard limit:") == 1  # said once, not per pod or per pass
         assert limit_records(agent.state_file) == []

@@ -27,6 +27,7 @@ def test_the_summary_reads_back_what_was_written() -> None:
         peak_bytes=2048,
         samples=3,
         hard_limit=True,
+        tier="driver-limit",
         events=(reclaim, event),
         sm_percent=87.5,
         memory_percent=12.25,
@@ -46,6 +47,17 @@ def test_a_summary_written_before_utilisation_was_read_has_none() -> None:
     read = exec_summary.from_json(doc)
     assert (read.sm_percent, read.memory_percent, read.busy_samples) == (None, None, 0)
     assert read.request_bytes is None
+
+
+@pytest.mark.parametrize(("hard_limit", "tier"), [(True, "driver-limit"), (False, "sampling")])
+def test_a_summary_written_before_the_tier_was_named_has_it_from_hard_limit(
+    hard_limit: bool, tier: str
+) -> None:
+    doc = ExecSummary(
+        ("x",), 1, "terminate", False, exit_status=0, started=True, hard_limit=hard_limit
+    ).to_json()
+    del doc["tier"]
+    assert exec_summary.from_json(doc).tier == tier
 
 
 def test_a_command_that_never_ran_has_no_time() -> None:

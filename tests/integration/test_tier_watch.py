@@ -1,0 +1,81 @@
+"""The agent's tier watch over a real cgroup laid out as the kubelet's, the fake NVML and
+its real registry: the node's choice logged once at start and again only when it changes,
+and served as vram_enforcer_node_tier{tier}."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+
+from enforcer.core.tier_choice import Probe, TierName
+from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.nvml import Nvml
+from enforcer.edge.tier_probe import TierProbe, pods_cgroup
+from enforcer.modes.tier_watch import TierWatch
+from tests.helpers import scratch_cgroup, wait_for
+
+GPU = "GPU-00000000-fake-4000-8000-000000000000"
+
+
+@pytest.fixture
+def kubelet_root() -> Iterator[Path]:
+    with scratch_cgroup() as root:
+        (root / "kubepods.slice").mkdir()
+        yield root
+
+
+def tiers(telemetry: AgentTelemetry) -> dict[str, float]:
+    text = generate_latest(telemetry.registry).decode()
+    found = {}
+    for tier in TierName:
+        line = f'vram_enforcer_node_tier{{tier="{tier}"}} '
+        (value,) = [ln.removeprefix(line) for ln in text.splitlines() if ln.startswith(line)]
+        found[str(tier)] = float(value)
+    return found
+
+
+def test_the_nodes_choice_is_logged_once_served_and_said_again_when_it_changes(
+    fake_nvml: Any, kubelet_root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.write()
+    caplog.set_level(logging.INFO, logger="enforcer.modes.tier_watch")
+    telemetry = AgentTelemetry()
+    nvml = Nvml()
+    probe = TierProbe(pods_cgroup(kubelet_root), tmp_path)
+    probes: list[Probe] = []
+    probing = probe.probe
+    probe.probe = lambda nvml: probes.append(probing(nvml)) or probes[-1]  # type: ignore[method-assign]
+    watch = TierWatch(nvml, probe, telemetry, every=0.05)
+    try:
+        assert watch.latest.get().tier is TierName.DRIVER
+        assert tiers(telemetry) == {"driver-limit": 1.0, "sampling": 0.0}
+        watch.start()
+        wait_for(lambda: len(caplog.records) >= 1, what="the choice at start")
+        # The kubepods cgroup no longer answers: the driver says Not Supported for it.
+        fake_nvml.state.inject_error("nvmlDeviceGetMemoryLimits_v1", "NOT_SUPPORTED")
+        fake_nvml.write()
+        wait_for(lambda: watch.latest.get().tier is TierName.SAMPLING, what="the new choice")
+        wait_for(lambda: tiers(telemetry)["sampling"] == 1.0, what="the series")
+        assert tiers(telemetry)["driver-limit"] == 0.0
+        later = len(probes) + 10
+        wait_for(lambda: len(probes) >= later, what="10 probes more")
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2, said  # once at start, once on the change: not on every probe
+        assert said[0].startswith(
+            f"this node's enforcement tier driver-limit on {GPU}, sampling as the backstop: "
+            "driver 615.43.02"
+        )
+        assert said[1].startswith(
+            f"this node's enforcement tier sampling on {GPU}: cgroup "
+            f"{kubelet_root / 'kubepods.slice'} has no dmem files (Not Supported)"
+        )
+    finally:
+        watch.stop.set()
+        watch.join(5)
+        nvml.shutdown()
