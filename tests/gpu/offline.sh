@@ -11,8 +11,9 @@
 # pytest and the like are expected there), and kube-apiserver, kube-controller-manager and
 # etcd compressed, for tests/e2e/test_sidecar_gpu.py. `run` installs the wheels into
 # /tmp/gpu-site (nothing of the machine's Python changes), unpacks the binaries into
-# /tmp/gpu-bin, and runs tests/gpu and the GPU e2e test (default arguments: -s -v, every
-# GPU test; the interference matrix alone takes about 7 minutes on an H100).
+# /tmp/gpu-bin, prints the enforcement tier the probe chooses here (with the driver and
+# why), and runs tests/gpu and the GPU e2e test (default arguments: -s -v, every GPU test;
+# the interference matrix alone takes about 7 minutes on an H100).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUNDLE=.gpu-bundle
@@ -52,11 +53,26 @@ run)
     export KUBE_APISERVER_BIN=/tmp/gpu-bin/kube-apiserver ETCD_BIN=/tmp/gpu-bin/etcd
     export KUBE_CONTROLLER_MANAGER_BIN=/tmp/gpu-bin/kube-controller-manager
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    # The enforcement tier this machine gets, and why (docs/architecture.md, "Tiers"): the
+    # probe reads, never sets. Said before the tests, whatever they do.
+    python3 -c '
+from enforcer.core.tier_choice import choose
+from enforcer.edge.nvml import Nvml
+from enforcer.edge.tier_probe import TierProbe, host_root, own_cgroup
+nvml = Nvml()
+try:
+    probe = TierProbe(own_cgroup, host_root()).probe(nvml)
+finally:
+    nvml.shutdown()
+driver = probe.driver_version or "(none)"
+print(f"tier probe: driver {driver}, per-cgroup calls {probe.limit_calls}")
+print(f"tier probe: {choose(probe).said()}")
+' || echo "tier probe: failed (above); the tests go on" >&2
     [ $# -gt 0 ] || set -- -s -v tests/gpu tests/e2e/test_sidecar_gpu.py
     exec python3 -m pytest -p no:cacheprovider "$@"
     ;;
 *)
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac

@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 from enforcer.core.model import GiB, ProcessUsage, Sample
+from enforcer.core.tier_choice import R615, TierName, choose, driver_branch
 from enforcer.edge.nvml import Nvml
 from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.pid_view import PidView
 from enforcer.edge.procfs import ProcFs
+from enforcer.edge.tier_probe import TierProbe, host_root, own_cgroup
 from tests.helpers import children, standalone_agent, wait_for
 
 ALLOC = Path(__file__).with_name("alloc.py")
@@ -45,6 +47,28 @@ def enforce(limit: str, step_mib: int, steps: int, hold: float) -> subprocess.Co
         timeout=300,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+def test_the_tier_probe_on_this_driver() -> None:
+    """The tier's probe against the real driver: it reads, sets nothing, and its choice
+    follows the driver's branch; whether the NVML library has the per-cgroup calls is
+    learnt here, not assumed (printed with -s: what offline.sh prints too)."""
+    nvml = Nvml()
+    try:
+        probe = TierProbe(own_cgroup, host_root()).probe(nvml)
+    finally:
+        nvml.shutdown()
+    choice = choose(probe)
+    print(f"driver {probe.driver_version}, per-cgroup calls: {probe.limit_calls}")
+    print(choice.said())
+    assert probe.nvml_error == "" and probe.driver_version
+    branch = driver_branch(probe.driver_version)
+    assert branch is not None
+    if branch < R615:
+        assert choice.tier is TierName.SAMPLING
+        assert f"driver {probe.driver_version} has no per-cgroup limits: R615+" in choice.why
+    else:
+        assert probe.limit_calls  # an R615 driver's NVML has them
 
 
 def test_real_nvml_lists_devices_and_memory() -> None:
