@@ -83,7 +83,7 @@ class HardLimiter(threading.Thread):
         *,
         cgroups: tuple[Path, float],
         changed: threading.Event,
-        tier: Latest[Choice] | None = None,
+        tier: Latest[Choice | None] | None = None,
     ) -> None:
         """`cgroups`: the host's cgroupfs, and how often its pods' cgroups are scanned;
         `tier`: the node's choice of tier (`tier_watch`), where the agent probes it."""

@@ -44,15 +44,22 @@ class TierWatch(threading.Thread):
         self._every = every
         self.stop = threading.Event()
         self._guard = LoopGuard("tier-watch", telemetry.unexpected.labels("tier-watch"), log)
-        first = choose(probe.probe(nvml))
-        told(first, telemetry)
-        self.latest = Latest(first)
+        # The choice the hard limiter reads: None until NVML has answered a probe. One made
+        # while NVML cannot be read is logged and served, not published: the sampler says
+        # that NVML is down, and the limiter, which acts only on a pass of NVML, must not
+        # tell each pod "sampling only" for a driver that is starting or re-initialising.
+        self.latest: Latest[Choice | None] = Latest(None)
+        self._said: Choice | None = None
+        self._again()
 
     def run(self) -> None:
         while not self.stop.wait(self._every):
             self._guard.run(self._again)
 
     def _again(self) -> None:
-        choice = choose(self._probe.probe(self._nvml))
-        told(choice, self._telemetry, self.latest.get())
-        self.latest.set(choice)
+        probe = self._probe.probe(self._nvml)
+        choice = choose(probe)
+        told(choice, self._telemetry, self._said)
+        self._said = choice
+        if not probe.nvml_error:
+            self.latest.set(choice)

@@ -39,6 +39,11 @@ def tiers(telemetry: AgentTelemetry) -> dict[str, float]:
     return found
 
 
+def _tier(watch: TierWatch) -> TierName | None:
+    choice = watch.latest.get()
+    return None if choice is None else choice.tier
+
+
 def test_the_nodes_choice_is_logged_once_served_and_said_again_when_it_changes(
     fake_nvml: Any, kubelet_root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -53,14 +58,14 @@ def test_the_nodes_choice_is_logged_once_served_and_said_again_when_it_changes(
     probe.probe = lambda nvml: probes.append(probing(nvml)) or probes[-1]  # type: ignore[method-assign]
     watch = TierWatch(nvml, probe, telemetry, every=0.05)
     try:
-        assert watch.latest.get().tier is TierName.DRIVER
+        assert _tier(watch) is TierName.DRIVER
         assert tiers(telemetry) == {"driver-limit": 1.0, "sampling": 0.0}
         watch.start()
         wait_for(lambda: len(caplog.records) >= 1, what="the choice at start")
         # The kubepods cgroup no longer answers: the driver says Not Supported for it.
         fake_nvml.state.inject_error("nvmlDeviceGetMemoryLimits_v1", "NOT_SUPPORTED")
         fake_nvml.write()
-        wait_for(lambda: watch.latest.get().tier is TierName.SAMPLING, what="the new choice")
+        wait_for(lambda: _tier(watch) is TierName.SAMPLING, what="the new choice")
         wait_for(lambda: tiers(telemetry)["sampling"] == 1.0, what="the series")
         assert tiers(telemetry)["driver-limit"] == 0.0
         later = len(probes) + 10
@@ -75,6 +80,38 @@ def test_the_nodes_choice_is_logged_once_served_and_said_again_when_it_changes(
             f"this node's enforcement tier sampling on {GPU}: cgroup "
             f"{kubelet_root / 'kubepods.slice'} has no dmem files (Not Supported)"
         )
+    finally:
+        watch.stop.set()
+        watch.join(5)
+        nvml.shutdown()
+
+
+def test_a_choice_made_while_nvml_cannot_be_read_is_said_but_not_given_to_the_limiter(
+    fake_nvml: Any, kubelet_root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The driver is not loaded yet as the agent starts: the hard limiter gets no choice
+    (it would tell each pod "sampling only", a lasting Event), the log and the series say
+    sampling; once NVML answers, the driver's tier is chosen and given."""
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.state.data["init_error"] = "DRIVER_NOT_LOADED"
+    fake_nvml.write()
+    caplog.set_level(logging.INFO, logger="enforcer.modes.tier_watch")
+    telemetry = AgentTelemetry()
+    nvml = Nvml()
+    watch = TierWatch(nvml, TierProbe(pods_cgroup(kubelet_root), tmp_path), telemetry, every=0.05)
+    try:
+        assert watch.latest.get() is None
+        assert tiers(telemetry) == {"driver-limit": 0.0, "sampling": 1.0}
+        assert (
+            caplog.records[0]
+            .getMessage()
+            .startswith("this node's enforcement tier sampling: NVML cannot be read (")
+        )
+        watch.start()
+        fake_nvml.state.data["init_error"] = None
+        fake_nvml.write()
+        wait_for(lambda: _tier(watch) is TierName.DRIVER, what="the driver's tier, given")
+        assert tiers(telemetry) == {"driver-limit": 1.0, "sampling": 0.0}
     finally:
         watch.stop.set()
         watch.join(5)
