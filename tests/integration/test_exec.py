@@ -154,7 +154,9 @@ def test_a_compliant_command_runs_to_its_own_exit_status(run: Run) -> None:
     assert run.wait() == 3, run.stderr
     # The fake's default driver (550) has no hard limits: the one line that says so, no more.
     (line,) = run.stderr.splitlines()
-    assert line.startswith("vram-enforcer: warning: no hard limit: the NVIDIA driver 550.54.15")
+    assert line.startswith(
+        "vram-enforcer: warning: no hard limit: driver 550.54.15 has no per-cgroup limits: R615+"
+    )
 
 
 def test_the_exit_is_seen_while_nvml_is_busy(run: Run) -> None:
