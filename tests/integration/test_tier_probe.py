@@ -17,24 +17,9 @@ from enforcer.edge import cgroupfs
 from enforcer.edge.nvml import Nvml
 from enforcer.edge.tier_probe import TierProbe, own_cgroup, pods_cgroup
 from tests.hung_fuse import hung_fuse
+from tests.unit.test_cdi import hook_spec
 
-HOOK_SPEC = """\
-cdiVersion: 0.5.0
-kind: nvidia.com/gpu
-devices:
-- name: "0"
-  containerEdits:
-    hooks:
-    - hookName: createRuntime
-      path: /usr/bin/nvidia-cdi-hook
-      args:
-      - nvidia-cdi-hook
-      - apply-cuda-memory-limits
-      - --driver-root
-      - /
-      - --gpu-id
-      - GPU-00000000-fake-4000-8000-000000000000
-"""
+HOOK_SPEC = hook_spec("GPU-00000000-fake-4000-8000-000000000000")
 
 
 @pytest.fixture
