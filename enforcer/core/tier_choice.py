@@ -81,7 +81,7 @@ class Choice:
     tier: TierName
     gpus: tuple[str, ...]  # where the tier holds limits; sampling covers every GPU
     why: str
-    # Why a better tier holds no limit on some GPU, or on any: what `why` says of them.
+    # Why this tier or a better one holds no limit on some GPU, or on any (part of `why`).
     gaps: tuple[str, ...] = ()
 
     @property

@@ -109,6 +109,7 @@ class TierProbe:
 
     def _read(self) -> _Found | str:
         """What the filesystem says, or why the probed cgroup cannot be known."""
+        self._reading = "the cgroup v2 hierarchy"
         try:
             hierarchy, cgroup = self._where()
         except cgroupfs.CgroupFsError as exc:
