@@ -117,6 +117,16 @@ class FakeGpuState:
         self.data["driver_version"] = LIMITS_DRIVER if supported else "550.54.15"
         self.data["limits_charge"] = int(charges)
 
+    def limits_backend(self, backend: str) -> None:
+        """ "dmem" (the default: the kernel's dmem controller, Linux 6.14+) or "misc" (the
+        driver's own fallback on older kernels, whose limits do not nest)."""
+        self.data["limits_backend"] = backend
+
+    def without_dmem_below(self, cgroup: Path) -> None:
+        """`cgroup`'s cgroup.subtree_control lacks dmem: no cgroup below it has dmem files
+        (this kernel has no dmem controller, so the state file says it)."""
+        self.data.setdefault("subtree_without_dmem", []).append(str(cgroup))
+
     def copy(self) -> FakeGpuState:
         return FakeGpuState(copy.deepcopy(self.data))
 
@@ -131,12 +141,21 @@ class FakeGpuState:
         return device
 
     def set_process(
-        self, device_index: int, pid: int, used_bytes: int | None, kind: str = "compute"
+        self,
+        device_index: int,
+        pid: int,
+        used_bytes: int | None,
+        kind: str = "compute",
+        managed_bytes: int = 0,
     ) -> None:
-        """Report `pid` (a host pid) holding `used_bytes` (None: not available) on a device."""
+        """Report `pid` (a host pid) holding `used_bytes` (None: not available) on a device,
+        `managed_bytes` of it allocated with cudaMallocManaged (charged to no cgroup)."""
         procs = self.devices[device_index][f"{kind}_processes"]
         procs[:] = [p for p in procs if p["pid"] != pid]
-        procs.append({"pid": pid, "used_bytes": used_bytes})
+        process: dict[str, Any] = {"pid": pid, "used_bytes": used_bytes}
+        if managed_bytes:
+            process["managed_bytes"] = managed_bytes
+        procs.append(process)
         self._sync_used(device_index)
 
     def set_utilization(self, device_index: int, pid: int, sm: int, memory: int) -> None:
@@ -183,7 +202,10 @@ class FakeGpuState:
 
 def limit_records(state_file: Path) -> list[dict[str, Any]]:
     """Every nvmlDeviceSetMemoryLimits_v1 call the fake accepted, oldest first: device,
-    cgroup (the path as given), inode, soft, hard and the caller's pid."""
+    cgroup (the path as given), inode, soft, hard (what the driver holds since), asked_hard
+    (what the caller asked: `hard` differs where the driver kept the old one, a limit below
+    usage),
+    ancestors (the inodes whose dmem.min it moved) and the caller's pid."""
     path = state_file.with_name(state_file.name + ".limits.jsonl")
     if not path.exists():
         return []

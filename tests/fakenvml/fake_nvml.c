@@ -23,6 +23,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
+#include <sys/statvfs.h>
 #include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
@@ -35,6 +36,7 @@
 #define MAX_MIG_SLOTS 7 /* what nvmlDeviceGetMaxMigDeviceCount reports on an H100 */
 #define CGROUP2_MAGIC 0x63677270
 #define FIRST_LIMITS_DRIVER 615 /* nvmlDeviceSetMemoryLimits_v1 came with R615 (CUDA 13.4) */
+#define MAX_ANCESTORS 32
 
 /* ---------------------------------------------------------------- a small JSON parser */
 
@@ -293,6 +295,7 @@ static void jget_str(const jv *obj, const char *key, char *out, size_t size, con
 typedef struct {
     unsigned int pid;
     unsigned long long used; /* NVML_VALUE_NOT_AVAILABLE for JSON null */
+    unsigned long long managed; /* of `used`, cudaMallocManaged memory: no cgroup is charged for it */
     unsigned int sm_util, mem_util; /* percent of the GPU in the last sample period */
 } fproc;
 
@@ -326,6 +329,9 @@ typedef struct {
     nvmlReturn_t init_error;
     unsigned int query_delay_ms;
     int limits_charge; /* 0: a limit is held but no process's memory is charged to it */
+    int limits_misc;   /* the driver's misc backend (no dmem controller): limits do not nest */
+    char **no_dmem_below; /* cgroups whose cgroup.subtree_control lacks dmem */
+    int nno_dmem_below;
     ferror_t *errors;
     int nerrors;
     fdev *devs;
@@ -395,6 +401,8 @@ static void free_state(fstate *s) {
     for (int i = 0; i < s->ndevs; i++) free_dev(&s->devs[i]);
     free(s->devs);
     free(s->errors);
+    for (int i = 0; i < s->nno_dmem_below; i++) free(s->no_dmem_below[i]);
+    free(s->no_dmem_below);
     free(s);
 }
 
@@ -426,6 +434,7 @@ static int load_procs(const jv *arr, fproc **out, int *n) {
         (*out)[*n].pid = (unsigned int)jget_u64(p, "pid", 0);
         (*out)[*n].used = (!used || used->type == J_NULL) ? (unsigned long long)NVML_VALUE_NOT_AVAILABLE
                                                           : jget_u64(p, "used_bytes", 0);
+        (*out)[*n].managed = jget_u64(p, "managed_bytes", 0);
         (*out)[*n].sm_util = (unsigned int)jget_u64(p, "sm_util", 0);
         (*out)[*n].mem_util = (unsigned int)jget_u64(p, "mem_util", 0);
         (*n)++;
@@ -477,6 +486,19 @@ static fstate *build_state(const jv *root) {
     s->init_error = (ie && ie->type == J_STR) ? error_code(ie->str) : NVML_SUCCESS;
     s->query_delay_ms = (unsigned int)jget_u64(root, "query_delay_ms", 0);
     s->limits_charge = (int)jget_u64(root, "limits_charge", 1);
+    char backend[16];
+    jget_str(root, "limits_backend", backend, sizeof backend, "dmem");
+    s->limits_misc = strcmp(backend, "misc") == 0;
+    const jv *off = jget(root, "subtree_without_dmem");
+    if (off && off->type == J_ARR && off->n > 0) {
+        s->no_dmem_below = calloc(off->n, sizeof(char *));
+        if (!s->no_dmem_below) { free_state(s); return NULL; }
+        for (size_t i = 0; i < off->n; i++) {
+            if (off->items[i]->type != J_STR) continue;
+            if (!(s->no_dmem_below[s->nno_dmem_below] = strdup(off->items[i]->str))) { free_state(s); return NULL; }
+            s->nno_dmem_below++;
+        }
+    }
     if (!load_errors(jget(root, "errors"), &s->errors, &s->nerrors)) { free_state(s); return NULL; }
     const jv *devs = jget(root, "devices");
     if (devs && devs->type == J_ARR && devs->n > 0) {
@@ -1027,12 +1049,15 @@ nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *i
 
 /* ---------------------------------------------------------------- per-cgroup memory limits
  *
- * nvmlDeviceSetMemoryLimits_v1 / nvmlDeviceGetMemoryLimits_v1 (R615+). Every Set call is
- * appended as one JSON line to "<FAKE_NVML_STATE>.limits.jsonl": the fake's record of what
- * the driver would hold, shared by every process that loads the fake (as the driver's
- * state is), and readable by tests and by the limited command itself. Get answers from
- * the last record for that device and cgroup directory (by inode, so a cgroup re-created
- * at the same path starts without limits, as a new kernel object would). */
+ * nvmlDeviceSetMemoryLimits_v1 / nvmlDeviceGetMemoryLimits_v1 (R615+): the codes nvml.h
+ * declares, and the behaviour NVIDIA's documents describe (README.md beside this file
+ * cites each). Every accepted Set is appended as one JSON line to
+ * "<FAKE_NVML_STATE>.limits.jsonl": what the driver would have written, shared by every
+ * process that loads the fake, as the driver's state is. What a cgroup holds is replayed
+ * from those lines: its own last Set (by inode, so that a cgroup re-created at the same
+ * path starts without limits, as a new kernel object would) and, on the dmem backend, what
+ * its descendants' soft limits added to its dmem.min, which stays when a descendant is
+ * removed without being zeroed first. */
 
 static int driver_major(void) { return atoi(g_state->driver_version); }
 
@@ -1043,6 +1068,97 @@ static nvmlReturn_t cgroup_dir(const char *path, struct stat *st) {
     if (statfs(path, &fs) != 0 || (unsigned long)fs.f_type != CGROUP2_MAGIC) return NVML_ERROR_OPERATING_SYSTEM;
     if (stat(path, st) != 0 || !S_ISDIR(st->st_mode)) return NVML_ERROR_OPERATING_SYSTEM;
     return NVML_SUCCESS;
+}
+
+/* Where a cgroup directory is: the cgroup2 mount that shows it (its mount point, and the
+ * cgroup at that point, from /proc/self/mountinfo), the cgroup's own path in the hierarchy
+ * ("/" for the root, as /proc/<pid>/cgroup names it), and whether that mount is read-only. */
+typedef struct {
+    char real[PATH_MAX];
+    char mount[PATH_MAX];
+    char root[PATH_MAX];
+    char rel[PATH_MAX];
+    int read_only;
+} cgroup_at;
+
+static int below(const char *path, const char *top) {
+    size_t n = strlen(top);
+    if (strcmp(top, "/") == 0) return path[0] == '/' && path[1] != '\0';
+    return strncmp(path, top, n) == 0 && path[n] == '/';
+}
+
+static int at_or_below(const char *path, const char *top) { return strcmp(path, top) == 0 || below(path, top); }
+
+static int locate(const char *path, cgroup_at *at) {
+    char line[3 * PATH_MAX], root[PATH_MAX], mnt[PATH_MAX];
+    struct statvfs vfs;
+    size_t best = 0;
+    int found = 0;
+    if (!realpath(path, at->real)) return 0;
+    FILE *f = fopen("/proc/self/mountinfo", "re");
+    if (!f) return 0;
+    while (fgets(line, sizeof line, f)) {
+        const char *sep = strstr(line, " - ");
+        if (!sep || strncmp(sep + 3, "cgroup2 ", 8) != 0) continue;
+        if (sscanf(line, "%*s %*s %*s %4095s %4095s", root, mnt) != 2) continue;
+        size_t n = strcmp(mnt, "/") == 0 ? 0 : strlen(mnt);
+        if (n < best || !(n == 0 || at_or_below(at->real, mnt))) continue;
+        best = n; /* the deepest mount point wins; of equal ones the last, mounted on top */
+        found = 1;
+        snprintf(at->mount, sizeof at->mount, "%s", mnt);
+        snprintf(at->root, sizeof at->root, "%s", root);
+    }
+    fclose(f);
+    if (!found) return 0;
+    const char *rest = at->real + best;
+    if (strcmp(at->root, "/") == 0) snprintf(at->rel, sizeof at->rel, "%s", *rest ? rest : "/");
+    else snprintf(at->rel, sizeof at->rel, "%s%s", at->root, rest);
+    at->read_only = statvfs(at->real, &vfs) == 0 && (vfs.f_flag & ST_RDONLY);
+    return 1;
+}
+
+/* The directory, through the same mount, of the cgroup `rel`: 0 when that mount does not show it. */
+static int path_of(const cgroup_at *at, const char *rel, char *out, size_t size) {
+    if (strcmp(at->root, "/") == 0) {
+        snprintf(out, size, "%s%s", strcmp(at->mount, "/") == 0 ? "" : at->mount, strcmp(rel, "/") == 0 ? "" : rel);
+        if (!*out) snprintf(out, size, "/");
+        return 1;
+    }
+    if (!at_or_below(rel, at->root)) return 0;
+    snprintf(out, size, "%s%s", at->mount, rel + strlen(at->root));
+    return 1;
+}
+
+static void parent_of(char *rel) {
+    char *slash = strrchr(rel, '/');
+    if (slash == rel) rel[1] = '\0';
+    else if (slash) *slash = '\0';
+}
+
+/* Whether the cgroup has dmem files: not the root (the kernel gives dmem.max and dmem.min
+ * to non-root cgroups only), and no ancestor whose cgroup.subtree_control lacks dmem, as
+ * the state's `subtree_without_dmem` says (this kernel may have no dmem controller). */
+static int has_dmem_files(const cgroup_at *at) {
+    if (strcmp(at->rel, "/") == 0) return 0;
+    for (int i = 0; i < g_state->nno_dmem_below; i++) {
+        cgroup_at off;
+        if (locate(g_state->no_dmem_below[i], &off) && below(at->rel, off.rel)) return 0;
+    }
+    return 1;
+}
+
+/* The inodes of a cgroup's ancestors that this mount shows, the root cgroup left out (it has
+ * no dmem.min): those whose dmem.min the driver keeps when a soft limit is set below them. */
+static int ancestors(const cgroup_at *at, unsigned long long *out) {
+    char rel[PATH_MAX], dir[PATH_MAX];
+    struct stat st;
+    int n = 0;
+    snprintf(rel, sizeof rel, "%s", at->rel);
+    for (parent_of(rel); strcmp(rel, "/") != 0 && n < MAX_ANCESTORS; parent_of(rel)) {
+        if (!path_of(at, rel, dir, sizeof dir) || stat(dir, &st) != 0) break;
+        out[n++] = (unsigned long long)st.st_ino;
+    }
+    return n;
 }
 
 static void records_path(char *out, size_t size) {
@@ -1062,14 +1178,18 @@ static void json_escape(char *out, size_t size, const char *in) {
 }
 
 static nvmlReturn_t record_limits(const fdev *d, const char *path, const struct stat *st,
-                                  unsigned long long soft, unsigned long long hard) {
-    char file[PATH_MAX + 32], escaped[2 * PATH_MAX], line[3 * PATH_MAX];
+                                  unsigned long long soft, unsigned long long hard, unsigned long long asked,
+                                  const unsigned long long *up, int nup) {
+    char file[PATH_MAX + 32], escaped[2 * PATH_MAX], line[3 * PATH_MAX], list[MAX_ANCESTORS * 24 + 4];
+    size_t k = 0;
     records_path(file, sizeof file);
     json_escape(escaped, sizeof escaped, path);
+    list[0] = '\0';
+    for (int i = 0; i < nup; i++) k += (size_t)snprintf(list + k, sizeof list - k, "%s%llu", i ? ", " : "", up[i]);
     int n = snprintf(line, sizeof line,
                      "{\"device\": \"%s\", \"cgroup\": \"%s\", \"inode\": %llu, \"soft\": %llu, "
-                     "\"hard\": %llu, \"pid\": %d}\n",
-                     d->uuid, escaped, (unsigned long long)st->st_ino, soft, hard, (int)getpid());
+                     "\"hard\": %llu, \"asked_hard\": %llu, \"ancestors\": [%s], \"pid\": %d}\n",
+                     d->uuid, escaped, (unsigned long long)st->st_ino, soft, hard, asked, list, (int)getpid());
     int fd = open(file, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) return NVML_ERROR_UNKNOWN;
     ssize_t wrote = write(fd, line, (size_t)n); /* one write: lines from several processes never mix */
@@ -1077,50 +1197,114 @@ static nvmlReturn_t record_limits(const fdev *d, const char *path, const struct 
     return wrote == n ? NVML_SUCCESS : NVML_ERROR_UNKNOWN;
 }
 
-/* The last record for (device, cgroup inode): 1 and the limits, or 0 when there is none. */
-static int recorded_limits(const fdev *d, const struct stat *st, unsigned long long *soft, unsigned long long *hard) {
-    char file[PATH_MAX + 32], want_dev[160], want_ino[64], line[3 * PATH_MAX];
+/* What the driver holds for one cgroup on one device: its soft limit (dmem.min, with what
+ * descendants added), its hard one, and whether it was ever set itself. */
+typedef struct {
+    unsigned long long ino, soft, hard;
+    int own;
+} held_t;
+
+typedef struct {
+    held_t *v;
+    size_t n;
+} ledger;
+
+static held_t *held_at(ledger *l, unsigned long long ino, int add) {
+    for (size_t i = 0; i < l->n; i++)
+        if (l->v[i].ino == ino) return &l->v[i];
+    if (!add) return NULL;
+    held_t *v = realloc(l->v, (l->n + 1) * sizeof(held_t));
+    if (!v) return NULL;
+    l->v = v;
+    l->v[l->n] = (held_t){ino, 0, NVML_DEVICE_MEMORY_LIMIT_MAX, 0};
+    return &l->v[l->n++];
+}
+
+static unsigned long long field_u64(const char *from, const char *key) {
+    const char *at = strstr(from, key);
+    return at ? strtoull(at + strlen(key), NULL, 10) : 0;
+}
+
+/* Replay the device's records, oldest first: each Set writes the cgroup's own limits and
+ * moves each recorded ancestor's dmem.min by the change of its soft limit. */
+static void replay(const fdev *d, ledger *l) {
+    char file[PATH_MAX + 32], want_dev[160], line[3 * PATH_MAX];
     records_path(file, sizeof file);
     snprintf(want_dev, sizeof want_dev, "{\"device\": \"%s\", ", d->uuid);
-    snprintf(want_ino, sizeof want_ino, "\"inode\": %llu, ", (unsigned long long)st->st_ino);
     FILE *f = fopen(file, "re");
-    int found = 0;
-    if (!f) return 0;
+    if (!f) return;
     while (fgets(line, sizeof line, f)) {
-        const char *s, *h;
-        if (strncmp(line, want_dev, strlen(want_dev)) != 0 || !strstr(line, want_ino)) continue;
-        if (!(s = strstr(line, "\"soft\": ")) || !(h = strstr(line, "\"hard\": "))) continue;
-        *soft = strtoull(s + 8, NULL, 10);
-        *hard = strtoull(h + 8, NULL, 10);
+        const char *from = strstr(line, "\"inode\": ");
+        if (strncmp(line, want_dev, strlen(want_dev)) != 0 || !from) continue;
+        held_t *h = held_at(l, field_u64(from, "\"inode\": "), 1);
+        if (!h) break;
+        unsigned long long old = h->soft, soft = field_u64(from, "\"soft\": ");
+        h->soft = soft;
+        h->hard = field_u64(from, "\"hard\": ");
+        h->own = 1;
+        const char *list = strstr(from, "\"ancestors\": [");
+        for (char *p = list ? (char *)list + 14 : NULL; p && *p && *p != ']';) {
+            char *end;
+            unsigned long long ino = strtoull(p, &end, 10);
+            if (end == p) break;
+            held_t *a = held_at(l, ino, 1);
+            if (!a) break;
+            a->soft = soft >= old ? a->soft + (soft - old) : (a->soft > old - soft ? a->soft - (old - soft) : 0);
+            p = end + strspn(end, ", ");
+        }
+    }
+    fclose(f);
+}
+
+static int holds_a_limit(const held_t *h) {
+    return h && h->own && !(h->soft == 0 && h->hard == NVML_DEVICE_MEMORY_LIMIT_MAX);
+}
+
+/* The cgroup a process is in, from /proc/<pid>/cgroup's cgroup v2 line: 0 when unreadable. */
+static int process_cgroup(unsigned int pid, char *rel, size_t size) {
+    char path[64], line[PATH_MAX];
+    int found = 0;
+    snprintf(path, sizeof path, "/proc/%u/cgroup", pid);
+    FILE *f = fopen(path, "re");
+    if (!f) return 0;
+    while (!found && fgets(line, sizeof line, f)) {
+        if (strncmp(line, "0::", 3) != 0) continue;
+        line[strcspn(line, "\n")] = '\0';
+        snprintf(rel, size, "%s", line + 3);
         found = 1;
     }
     fclose(f);
-    return found && !(*soft == 0 && *hard == NVML_DEVICE_MEMORY_LIMIT_MAX);
+    return found;
 }
 
-/* Whether `pid` is in the cgroup at `dir` or below it (depth-limited walk of cgroup.procs). */
-static int in_cgroup(const char *dir, unsigned int pid, int depth) {
-    char path[PATH_MAX];
-    snprintf(path, sizeof path, "%s/cgroup.procs", dir);
-    FILE *f = fopen(path, "re");
-    if (f) {
-        unsigned int p;
-        while (fscanf(f, "%u", &p) == 1) {
-            if (p == pid) { fclose(f); return 1; }
-        }
-        fclose(f);
+/* On the misc backend limits do not nest: whether a cgroup between the process's (included)
+ * and `at` (left out) holds a limit of its own, which then counts the process instead. */
+static int counted_below(const cgroup_at *at, const char *prel, ledger *l) {
+    char rel[PATH_MAX], dir[PATH_MAX];
+    struct stat st;
+    snprintf(rel, sizeof rel, "%s", prel);
+    for (; below(rel, at->rel); parent_of(rel))
+        if (path_of(at, rel, dir, sizeof dir) && stat(dir, &st) == 0 && holds_a_limit(held_at(l, st.st_ino, 0)))
+            return 1;
+    return 0;
+}
+
+/* What the driver charges to a cgroup on a device: the device memory of the processes in its
+ * subtree, by /proc/<pid>/cgroup (so a process the listing names but that runs elsewhere, or
+ * no longer exists, is not charged), less what they hold as managed memory, which no cgroup
+ * is charged for; on the misc backend, less the processes below a cgroup with a limit of its
+ * own; nothing at all with `"limits_charge": 0`. */
+static unsigned long long charged(const fdev *d, const cgroup_at *at, ledger *l) {
+    char prel[PATH_MAX];
+    unsigned long long used = 0;
+    for (int i = 0; g_state->limits_charge && i < d->ncompute; i++) {
+        const fproc *p = &d->compute[i];
+        if (p->used == (unsigned long long)NVML_VALUE_NOT_AVAILABLE || !process_cgroup(p->pid, prel, sizeof prel)) continue;
+        if (!at_or_below(prel, at->rel)) continue;
+        if (g_state->limits_misc && counted_below(at, prel, l)) continue;
+        used += p->used > p->managed ? p->used - p->managed : 0;
     }
-    if (depth <= 0) return 0;
-    DIR *dp = opendir(dir);
-    if (!dp) return 0;
-    int found = 0;
-    for (struct dirent *e; !found && (e = readdir(dp));) {
-        if (e->d_type != DT_DIR || e->d_name[0] == '.') continue;
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        found = in_cgroup(path, pid, depth - 1);
-    }
-    closedir(dp);
-    return found;
+    return used;
 }
 
 static nvmlReturn_t limits_supported(const fdev *d) {
@@ -1129,9 +1313,30 @@ static nvmlReturn_t limits_supported(const fdev *d) {
     return NVML_SUCCESS;
 }
 
+static nvmlReturn_t set_limits(const fdev *d, const char *path, unsigned long long soft, unsigned long long hard) {
+    struct stat st;
+    cgroup_at at;
+    ledger l = {NULL, 0};
+    unsigned long long up[MAX_ANCESTORS];
+    nvmlReturn_t r = cgroup_dir(path, &st);
+    if (r != NVML_SUCCESS) return r;
+    if (!locate(path, &at)) return NVML_ERROR_OPERATING_SYSTEM;
+    int dmem = !g_state->limits_misc;
+    if (dmem && !has_dmem_files(&at)) return NVML_ERROR_NOT_FOUND; /* "no dmem files": MPS v3 page */
+    if (dmem && at.read_only) return NVML_ERROR_OPERATING_SYSTEM;   /* EROFS writing dmem.max */
+    replay(d, &l);
+    unsigned long long held = hard;
+    if (dmem && hard != NVML_DEVICE_MEMORY_LIMIT_MAX && hard < charged(d, &at, &l)) {
+        const held_t *h = held_at(&l, st.st_ino, 0); /* dmem.max below usage: silently unchanged */
+        held = h && h->own ? h->hard : NVML_DEVICE_MEMORY_LIMIT_MAX;
+    }
+    free(l.v);
+    int nup = dmem ? ancestors(&at, up) : 0;
+    return record_limits(d, path, &st, soft, held, hard, up, nup);
+}
+
 nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, nvmlSetMemoryLimits_v1_t *limits) {
     fdev *d;
-    struct stat st;
     nvmlReturn_t r = enter("nvmlDeviceSetMemoryLimits_v1");
     if (r != NVML_SUCCESS) return r;
     if ((r = resolve(device, "nvmlDeviceSetMemoryLimits_v1", &d)) != NVML_SUCCESS) return leave(r);
@@ -1141,24 +1346,31 @@ nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, nvmlSetMemoryLimi
     int clearing = limits->softLimit == 0 && limits->hardLimit == NVML_DEVICE_MEMORY_LIMIT_MAX;
     if (limits->softLimit > limits->hardLimit || (!clearing && limits->hardLimit > d->total))
         return leave(NVML_ERROR_INVALID_ARGUMENT);
-    if ((r = cgroup_dir(limits->nameSpace, &st)) != NVML_SUCCESS) return leave(r);
-    return leave(record_limits(d, limits->nameSpace, &st, limits->softLimit, limits->hardLimit));
+    return leave(set_limits(d, limits->nameSpace, limits->softLimit, limits->hardLimit));
 }
 
 nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, nvmlGetMemoryLimits_v1_t *limits) {
     fdev *d;
     struct stat st;
+    cgroup_at at;
     nvmlReturn_t r = enter("nvmlDeviceGetMemoryLimits_v1");
     if (r != NVML_SUCCESS) return r;
     if ((r = resolve(device, "nvmlDeviceGetMemoryLimits_v1", &d)) != NVML_SUCCESS) return leave(r);
     if ((r = limits_supported(d)) != NVML_SUCCESS) return leave(r);
     if (!limits) return leave(NVML_ERROR_INVALID_ARGUMENT);
     if ((r = cgroup_dir(limits->nameSpace, &st)) != NVML_SUCCESS) return leave(r);
-    if (!recorded_limits(d, &st, &limits->softLimit, &limits->hardLimit)) return leave(NVML_ERROR_NOT_FOUND);
-    unsigned long long used = 0;
-    for (int i = 0; g_state->limits_charge && i < d->ncompute; i++)
-        if (d->compute[i].used != (unsigned long long)NVML_VALUE_NOT_AVAILABLE && in_cgroup(limits->nameSpace, d->compute[i].pid, 8))
-            used += d->compute[i].used;
-    limits->currentUsed = used;
-    return leave(NVML_SUCCESS);
+    if (!locate(limits->nameSpace, &at)) return leave(NVML_ERROR_OPERATING_SYSTEM);
+    /* "Unable to get memory limit: Not Supported" where the cgroup has no dmem files (Dynamo guide) */
+    if (!g_state->limits_misc && !has_dmem_files(&at)) return leave(NVML_ERROR_NOT_SUPPORTED);
+    ledger l = {NULL, 0};
+    replay(d, &l);
+    const held_t *h = held_at(&l, st.st_ino, 0);
+    if (!h || (!h->own && h->soft == 0)) r = NVML_ERROR_NOT_FOUND; /* never set here, nothing below */
+    else {
+        limits->softLimit = h->soft;
+        limits->hardLimit = h->hard;
+        limits->currentUsed = charged(d, &at, &l);
+    }
+    free(l.v);
+    return leave(r);
 }

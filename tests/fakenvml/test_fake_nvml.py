@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pynvml
@@ -192,13 +194,15 @@ def test_memory_limits_are_recorded_read_back_and_cleared(
             "inode": cgroup2.stat().st_ino,
             "soft": 0,
             "hard": 4 * GiB,
+            "asked_hard": 4 * GiB,
+            "ancestors": [],  # the root cgroup has no dmem.min
             "pid": os.getpid(),
         }
         pynvml.nvmlDeviceSetMemoryLimits_v1(
             gpu, _limits(cgroup2, 0, pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX)
         )
-        with pytest.raises(pynvml.NVMLError_NotFound):
-            _read_limits(gpu, cgroup2)  # cleared
+        # Cleared: "No limit is set when softLimit is 0 and hardLimit is MAX" (nvml.h)
+        assert _read_limits(gpu, cgroup2) == (0, pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX, 3 * GiB)
     finally:
         pynvml.nvmlShutdown()
         child.kill()
@@ -307,3 +311,173 @@ def test_process_utilization_is_not_supported_under_mig(fake_nvml: FakeNvml) -> 
     with pytest.raises(pynvml.NVMLError_NotSupported):
         pynvml.nvmlDeviceGetProcessesUtilizationInfo(handle, 0)
     pynvml.nvmlShutdown()
+
+
+@contextlib.contextmanager
+def _sleeping_in(*cgroups: Path) -> Iterator[list[int]]:
+    """The pids of one process sleeping in each cgroup (moved there before the test goes
+    on), killed afterwards."""
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        for cgroup in cgroups:
+            children.append(subprocess.Popen(["sleep", "60"]))
+            (cgroup / "cgroup.procs").write_text(str(children[-1].pid))
+        yield [child.pid for child in children]
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
+@contextlib.contextmanager
+def _session() -> Iterator[object]:
+    """An NVML session on the fake's first GPU (its handle), shut down afterwards."""
+    pynvml.nvmlInit()
+    try:
+        yield pynvml.nvmlDeviceGetHandleByIndex(0)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _set(handle: object, path: Path, soft: int, hard: int) -> None:
+    pynvml.nvmlDeviceSetMemoryLimits_v1(handle, _limits(path, soft, hard))
+
+
+def test_a_cgroup_without_dmem_files_is_not_found_to_set_and_not_supported_to_read(
+    fake_nvml: FakeNvml, cgroup2: Path
+) -> None:
+    """NVIDIA's MPS v3 page: Set on a cgroup with no dmem files says "not found"; the Dynamo
+    guide: Get there says "Not Supported". The root cgroup has none (the kernel gives them to
+    non-root cgroups only); below a subtree_control without dmem, none has."""
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.state.without_dmem_below(cgroup2)
+    fake_nvml.write()
+    leaf = cgroup2 / "leaf"
+    leaf.mkdir()
+    with _session() as gpu:
+        for path in (leaf, cgroup2.parent):  # below it, and the root cgroup
+            with pytest.raises(pynvml.NVMLError_NotFound):
+                _set(gpu, path, 0, GiB)
+            with pytest.raises(pynvml.NVMLError_NotSupported):
+                _read_limits(gpu, path)
+        _set(gpu, cgroup2, 0, GiB)  # its own files are its parent's to give: it has them
+        assert _read_limits(gpu, cgroup2)[:2] == (0, GiB)
+    assert [r["cgroup"] for r in fake_nvml.limit_records()] == [str(cgroup2)]
+
+
+def test_soft_limits_add_up_in_every_ancestor_and_stay_when_a_leaf_goes_unzeroed(
+    fake_nvml: FakeNvml, cgroup2: Path
+) -> None:
+    """The driver keeps each ancestor's dmem.min at the sum of its leaves' soft limits; a
+    leaf removed without zeroing it first leaves its share there (MPS v3, "Known
+    limitations"): the residue reads as the ancestors' soft limit."""
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.write()
+    pod = cgroup2 / "pod"
+    a, b = pod / "a", pod / "b"
+    for path in (pod, a, b):
+        path.mkdir()
+    top = pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX
+    with _session() as gpu:
+        with pytest.raises(pynvml.NVMLError_NotFound):
+            _read_limits(gpu, pod)
+        _set(gpu, a, GiB, 4 * GiB)
+        _set(gpu, b, 2 * GiB, 4 * GiB)
+        assert _read_limits(gpu, pod) == (3 * GiB, top, 0)
+        assert _read_limits(gpu, cgroup2) == (3 * GiB, top, 0)
+        _set(gpu, b, 0, top)  # zeroed first, as NVIDIA says to
+        b.rmdir()
+        a.rmdir()  # not zeroed: what it reserved stays
+        assert _read_limits(gpu, pod) == (GiB, top, 0)
+        assert _read_limits(gpu, cgroup2) == (GiB, top, 0)
+    (record,) = [r for r in fake_nvml.limit_records() if r["cgroup"] == str(a)]
+    assert record["ancestors"] == [pod.stat().st_ino, cgroup2.stat().st_ino]
+
+
+@pytest.mark.parametrize(("backend", "charged"), [("dmem", 4 * GiB), ("misc", GiB)])
+def test_on_the_misc_backend_a_parent_is_not_charged_for_a_limited_child(
+    fake_nvml: FakeNvml, cgroup2: Path, backend: str, charged: int
+) -> None:
+    """dmem charges a cgroup for its whole subtree; on the misc backend "limits do not nest":
+    a process below a cgroup with a limit of its own counts there, not in the parent."""
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.state.limits_backend(backend)
+    leaf = cgroup2 / "leaf"
+    leaf.mkdir()
+    with _sleeping_in(cgroup2, leaf) as (outside, inside), _session() as gpu:
+        fake_nvml.state.set_process(0, outside, GiB)
+        fake_nvml.state.set_process(0, inside, 3 * GiB)
+        fake_nvml.write()
+        _set(gpu, cgroup2, 0, 8 * GiB)
+        _set(gpu, leaf, 0, 4 * GiB)
+        assert _read_limits(gpu, cgroup2)[2] == charged
+        assert _read_limits(gpu, leaf)[2] == 3 * GiB
+
+
+def test_what_is_charged_is_what_proc_says_runs_there_less_managed_memory(
+    fake_nvml: FakeNvml, cgroup2: Path
+) -> None:
+    """`currentUsed` is not the listing by construction: a listed pid that is not in the
+    cgroup by /proc/<pid>/cgroup (gone, or moved out) is not charged, nor is
+    cudaMallocManaged memory, which the cgroup limit does not count (MPS v3 page)."""
+    fake_nvml.state.support_memory_limits()
+    with _sleeping_in(cgroup2, cgroup2) as (child, moved), _session() as gpu:
+        fake_nvml.state.set_process(0, child, 3 * GiB, managed_bytes=GiB)
+        fake_nvml.state.set_process(0, moved, GiB)
+        fake_nvml.state.set_process(0, 2**22 + 12345, GiB)  # above pid_max: no such process
+        fake_nvml.write()
+        _set(gpu, cgroup2, 0, 8 * GiB)
+        assert _read_limits(gpu, cgroup2)[2] == 3 * GiB
+        (cgroup2.parent / "cgroup.procs").write_text(str(moved))
+        assert _read_limits(gpu, cgroup2)[2] == 2 * GiB
+
+
+def test_a_hard_limit_below_usage_is_silently_left_as_it_was(
+    fake_nvml: FakeNvml, cgroup2: Path
+) -> None:
+    """dmem leaves dmem.max unchanged when asked for less than the cgroup holds, and says
+    nothing (the patch "cgroup/dmem: Return error when setting max below current usage"):
+    Set succeeds, Get shows the old value."""
+    fake_nvml.state.support_memory_limits()
+    with _sleeping_in(cgroup2) as (child,), _session() as gpu:
+        fake_nvml.state.set_process(0, child, 3 * GiB)
+        fake_nvml.write()
+        _set(gpu, cgroup2, 0, 2 * GiB)
+        assert _read_limits(gpu, cgroup2)[:2] == (0, pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX)
+        _set(gpu, cgroup2, 0, 6 * GiB)
+        _set(gpu, cgroup2, GiB, 2 * GiB)  # the soft limit is written, the hard one kept
+        assert _read_limits(gpu, cgroup2)[:2] == (GiB, 6 * GiB)
+    assert [(r["hard"], r["asked_hard"]) for r in fake_nvml.limit_records()] == [
+        (pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX, 2 * GiB),
+        (6 * GiB, 6 * GiB),
+        (6 * GiB, 2 * GiB),
+    ]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount")
+@pytest.mark.parametrize(("backend", "refused"), [("dmem", True), ("misc", False)])
+def test_a_read_only_mount_refuses_a_set_on_dmem(
+    fake_nvml: FakeNvml, cgroup2: Path, tmp_path: Path, backend: str, refused: bool
+) -> None:
+    """The driver writes the cgroup's dmem files, which a read-only mount refuses (EROFS):
+    NVML's OPERATING_SYSTEM, its one code for the OS refusing (README.md says why). Reading
+    through it works; the misc backend keeps its limits inside the driver."""
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.state.limits_backend(backend)
+    fake_nvml.write()
+    view = tmp_path / "ro"
+    view.mkdir()
+    subprocess.run(["mount", "--bind", str(cgroup2), str(view)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+        with _session() as gpu:
+            _set(gpu, cgroup2, 0, 2 * GiB)
+            if refused:
+                with pytest.raises(pynvml.NVMLError_OperatingSystem):
+                    _set(gpu, view, 0, GiB)
+            else:
+                _set(gpu, view, 0, GiB)
+            assert _read_limits(gpu, view)[1] == (2 * GiB if refused else GiB)
+    finally:
+        subprocess.run(["umount", str(view)], check=True)
+

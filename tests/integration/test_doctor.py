@@ -23,14 +23,22 @@ from tests.helpers import standalone_agent, wait_for
 from tests.kubelet import Kubelet
 
 
-def doctor(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
-    return with_api(env, "--no-api", *flags)
+def doctor(
+    env: dict[str, str], *flags: str, cgroup: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return with_api(env, "--no-api", *flags, cgroup=cgroup)
 
 
-def with_api(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
-    """doctor as run, the API checks included unless `flags` say --no-api."""
+def with_api(
+    env: dict[str, str], *flags: str, cgroup: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """doctor as run, the API checks included unless `flags` say --no-api; in `cgroup`
+    (a cgroup v2 directory) from its first instruction where one is given."""
+    command = [sys.executable, "-m", "enforcer", "doctor", *flags]
+    if cgroup is not None:
+        command = ["sh", "-c", f'echo $$ > "{cgroup}/cgroup.procs" && exec "$@"', "sh", *command]
     return subprocess.run(
-        [sys.executable, "-m", "enforcer", "doctor", *flags],
+        command,
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -76,14 +84,15 @@ def test_everything_reachable_passes(fake_nvml: Any, agent: Path) -> None:
     )
 
 
-def test_the_tier_on_an_r615_driver_is_hard_limits(fake_nvml: Any) -> None:
+def test_the_tier_on_an_r615_driver_is_hard_limits(fake_nvml: Any, cgroup2: Path) -> None:
     """Asked with NVML's Get call on doctor's own cgroup, which the fake answers as an R615
-    driver would; nothing is set."""
+    driver would; nothing is set. Not the root cgroup, which has no dmem files (as in a
+    pod)."""
     fake_nvml.state.support_memory_limits()
     fake_nvml.state.add_device()
     fake_nvml.state.enable_mig(1, [{"uuid": "MIG-x", "total_bytes": 40 * 1024**3}])
     fake_nvml.write()
-    out = doctor(fake_nvml.env(), "--json", "--no-agent")
+    out = doctor(fake_nvml.env(), "--json", "--no-agent", cgroup=cgroup2)
     (tier,) = [c for c in json.loads(out.stdout) if c["name"] == "enforcement tier"]
     assert tier["status"] == "ok", tier
     hierarchy = cgroupfs.v2_root()
