@@ -406,6 +406,11 @@ def no_hard_limit(outcome: LimitOutcome, driver_version: str, cgroup: str) -> st
         return f"the NVIDIA driver cannot open the cgroup {cgroup}{detail}"
     if outcome.result is LimitResult.REJECTED:
         return f"NVML rejected the limit for {cgroup}{detail}"
+    if outcome.result is LimitResult.NO_DMEM:
+        return (
+            f"the cgroup {cgroup} has no dmem files{detail}: an ancestor's "
+            "cgroup.subtree_control lacks dmem"
+        )
     return f"setting the GPU memory limit on {cgroup} failed{detail}"
 
 

@@ -119,6 +119,9 @@ _LIMIT_RESULTS = {
     pynvml.NVML_ERROR_NO_PERMISSION: LimitResult.FORBIDDEN,
     pynvml.NVML_ERROR_OPERATING_SYSTEM: LimitResult.NO_CGROUP,
     pynvml.NVML_ERROR_INVALID_ARGUMENT: LimitResult.REJECTED,
+    # Set only (Get's NOT_FOUND is "no limit"): "Setting on a cgroup with no dmem files
+    # returns 'not found'" (NVIDIA's MPS v3 memory-partitioning page)
+    pynvml.NVML_ERROR_NOT_FOUND: LimitResult.NO_DMEM,
 }
 
 # Each list, newest first; drivers older than R510 lack `_v3`, and `_v2` has the same layout.
@@ -314,12 +317,17 @@ class Nvml:
 
     def memory_limit(self, gpu_uuid: str, cgroup: str) -> HeldLimit | LimitOutcome | None:
         """The limits the driver holds for `cgroup` on the GPU and what it charges to them,
-        None when there are none, or why it cannot say. Needs no privilege: `doctor` asks it
-        to learn the tier."""
+        None when there are none, or why it cannot say. None is NVML's NOT_FOUND, and also
+        the pair soft 0, hard MAX, which a clear leaves: "No limit is set when softLimit is 0
+        and hardLimit is MAX" (nvml.h). Needs no privilege: `doctor` asks it to learn the
+        tier."""
         limits = _GetMemoryLimits(cgroup.encode(), 0, 0, 0)
         ret = self._limits_call("nvmlDeviceGetMemoryLimits_v1", gpu_uuid, limits)
         if ret == pynvml.NVML_SUCCESS:
-            return HeldLimit(int(limits.hardLimit), int(limits.softLimit), int(limits.currentUsed))
+            soft, hard = int(limits.softLimit), int(limits.hardLimit)
+            if soft == 0 and hard == MEMORY_LIMIT_MAX:
+                return None
+            return HeldLimit(hard, soft, int(limits.currentUsed))
         if ret == pynvml.NVML_ERROR_NOT_FOUND:
             return None
         return ret if isinstance(ret, LimitOutcome) else _limit_outcome(ret)

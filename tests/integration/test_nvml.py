@@ -639,6 +639,8 @@ def test_memory_limits_set_read_and_clear(fake_nvml: Any, nvml: Nvml, cgroup2: P
         (str(cgroup2), GiB, 4 * GiB)
     ]
     assert nvml.clear_memory_limit(gpu, str(cgroup2)).result is LimitResult.SET
+    # NVML answers a cleared cgroup with soft 0 and hard MAX, not NOT_FOUND: "No limit is
+    # set when softLimit is 0 and hardLimit is MAX" (nvml.h)
     assert nvml.memory_limit(gpu, str(cgroup2)) is None
     assert fake_nvml.limit_records()[-1]["hard"] == MEMORY_LIMIT_MAX
 
@@ -650,6 +652,7 @@ def test_memory_limits_set_read_and_clear(fake_nvml: Any, nvml: Nvml, cgroup2: P
         (True, "FUNCTION_NOT_FOUND", "cgroup", LimitResult.UNSUPPORTED),  # its library
         (True, "NO_PERMISSION", "cgroup", LimitResult.FORBIDDEN),
         (True, None, "missing", LimitResult.NO_CGROUP),
+        (True, None, "no-dmem", LimitResult.NO_DMEM),  # Set's NOT_FOUND
         (True, None, "too-much", LimitResult.REJECTED),
         (True, "TIMEOUT", "cgroup", LimitResult.FAILED),
     ],
@@ -664,17 +667,36 @@ def test_memory_limit_failures_are_values(
     expected: LimitResult,
 ) -> None:
     fake_nvml.state.support_memory_limits(driver_new)
+    fake_nvml.state.without_dmem_below(cgroup2)
+    (cgroup2 / "no-dmem").mkdir()
     if inject:
         fake_nvml.state.inject_error("nvmlDeviceSetMemoryLimits_v1", inject)
     fake_nvml.write()
     nvml.init()
     gpu = fake_nvml.state.devices[0]["uuid"]
-    path = str(cgroup2 / "missing") if target == "missing" else str(cgroup2)
+    path = str(cgroup2 / target) if target in ("missing", "no-dmem") else str(cgroup2)
     outcome = nvml.set_memory_limit(gpu, path, 81 * GiB if target == "too-much" else GiB)
     assert outcome.result is expected
     assert outcome.detail
+    assert outcome.final is (expected in (LimitResult.UNSUPPORTED, LimitResult.FORBIDDEN))
     assert fake_nvml.limit_records() == []
     assert nvml.set_memory_limit("GPU-nope", str(cgroup2), GiB).result is LimitResult.FAILED
+
+
+def test_a_limit_set_elsewhere_reads_as_held_and_a_reservation_left_below_too(
+    fake_nvml: Any, nvml: Nvml, cgroup2: Path
+) -> None:
+    """Only (0, MAX) and NOT_FOUND are "no limit": the soft limit a leaf left in its
+    ancestors' dmem.min when it went without being zeroed is held there, hard MAX."""
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.write()
+    leaf = cgroup2 / "leaf"
+    leaf.mkdir()
+    nvml.init()
+    gpu = fake_nvml.state.devices[0]["uuid"]
+    assert nvml.set_memory_limit(gpu, str(leaf), 4 * GiB, GiB).result is LimitResult.SET
+    leaf.rmdir()
+    assert nvml.memory_limit(gpu, str(cgroup2)) == HeldLimit(MEMORY_LIMIT_MAX, GiB, 0)
 
 
 def only_process(**nvml: Any) -> Any:
