@@ -165,10 +165,12 @@ def decide(
     containers: Mapping[ProcessKey, str],
     found: Tenants,
     watermark: int,
+    reserve_bytes: int = 0,
 ) -> Lending:
     """`containers`: each GPU process's container ID, as its cgroup says. Only containers
     with a ceiling above their request borrow; every declaring container may be owed its
-    request, and all else on a GPU (other pods, the driver) may grow into the watermark."""
+    request, and all else on a GPU (other pods, the driver) may grow into the watermark.
+    Nothing is lent of the driver's reserved memory or of `reserve_bytes` (`--reserve`)."""
     if not found.borrowing:
         return Lending()  # nobody may borrow: nothing is ever lent, nothing to decide
     shares = _shares(sample, containers, found)
@@ -177,7 +179,9 @@ def decide(
     if shares:
         requests = {**requests, **{t.unit: t.request for t in shares}}
         priorities = {**priorities, **{t.unit: t.priority for t in shares}}
-    gpus = views(sample.devices, units, requests, priorities=priorities)
+    gpus = views(
+        sample.devices, units, requests, priorities=priorities, reserve_bytes=reserve_bytes
+    )
     asked: dict[str, Reclaim] = {}
     victims: dict[str, frozenset[ProcessKey]] = {}
     for unit_name, reclaim in reclaims(gpus, watermark).items():

@@ -31,7 +31,10 @@ class ProcessKey(NamedTuple):
 class Device:
     """One GPU, or one MIG partition of a GPU (then `parent_uuid` names the GPU).
 
-    Byte counts are None when NVML could not tell: unknown is never zero.
+    Byte counts are None when NVML could not tell: unknown is never zero. `used_bytes` is
+    what processes and the driver hold beyond `reserved_bytes`, the memory the driver and
+    firmware set aside, which nothing can allocate (NVML's memory info v2; None from a
+    driver without it, whose `used_bytes` then includes it).
     """
 
     index: int
@@ -40,6 +43,7 @@ class Device:
     total_bytes: int | None
     used_bytes: int | None
     parent_uuid: str | None = None
+    reserved_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

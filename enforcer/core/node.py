@@ -3,7 +3,8 @@ patches that bring a Node object there (and nothing when it is there already).
 
 What counts: every *schedulable* device, that is each GPU not in MIG mode and each MIG
 partition of a GPU in MIG mode (a pod's process lands on one of those, never on the MIG
-parent). Capacity is the sum over those devices of their total memory minus `reserve`.
+parent). Capacity is the sum over those devices of what can be allocated on each: its
+total memory less the driver's reserved memory and `reserve`.
 """
 
 from __future__ import annotations
@@ -30,9 +31,16 @@ def schedulable(devices: Sequence[Device]) -> list[Device]:
     return [d for d in devices if d.uuid not in parents]
 
 
+def allocatable(device: Device, reserve_bytes: int = 0) -> int:
+    """Bytes of a device that processes can be given: its total less what the driver and
+    firmware reserve (NVML's `reserved`: a pod counted on it would be OOM-killed below its
+    request, as in KAI-Scheduler issue #2212) and less `reserve_bytes`, the operator's."""
+    return max(0, (device.total_bytes or 0) - (device.reserved_bytes or 0) - reserve_bytes)
+
+
 def node_vram(devices: Sequence[Device], reserve_bytes: int) -> int:
-    """Bytes to advertise: the sum over schedulable devices of total minus the reserve."""
-    return sum(max(0, (d.total_bytes or 0) - reserve_bytes) for d in schedulable(devices))
+    """Bytes to advertise: the sum over schedulable devices of what can be allocated."""
+    return sum(allocatable(d, reserve_bytes) for d in schedulable(devices))
 
 
 def to_units(value_bytes: int, unit_bytes: int) -> int:

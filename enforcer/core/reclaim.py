@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from enforcer.core.model import Device, GiB, UnitUsage
+from enforcer.core.node import allocatable
 from enforcer.core.units import Unit
 
 # The default watermark: what a container within its request may still allocate before a
@@ -149,6 +150,7 @@ def views(
     requests: Mapping[str, int],
     exiting: frozenset[str] = frozenset(),
     priorities: Mapping[str, int] | None = None,
+    reserve_bytes: int = 0,
 ) -> tuple[Gpu, ...]:
     """Each GPU as `plan` needs it, from one tick: the units with a request (`requests`,
     by unit name; the unit's limit is its ceiling), and all else its memory holds as
@@ -159,8 +161,9 @@ def views(
     of it. One that uses several lends on each what it holds there, up to all it holds
     above its request, and is owed nothing on any (which GPU would be a guess). A unit
     that uses no GPU yet is owed nothing anywhere. `priorities`: its pod's priority, by
-    unit. MIG partitions and GPUs in MIG mode are left out, as for hard limits: their
-    memory is split already."""
+    unit. A GPU's memory is what can be allocated on it (`node.allocatable`: less the
+    driver's reserved memory and `reserve_bytes`), as the node advertises it. MIG partitions
+    and GPUs in MIG mode are left out, as for hard limits: their memory is split already."""
     in_mig_mode = {d.parent_uuid for d in devices if d.parent_uuid}
     gpus = [d for d in devices if d.parent_uuid is None and d.uuid not in in_mig_mode]
     held: dict[tuple[str, str], int] = {}
@@ -194,7 +197,8 @@ def views(
             priority = (priorities or {}).get(unit.name, 0)
             shares.append(Share(unit.name, request, ceiling, used, priority, unit.name in exiting))
         others = max(d.used_bytes - sum(s.used for s in shares), 0)
-        result.append(Gpu(d.uuid, d.total_bytes, d.used_bytes, tuple(shares), others))
+        total = allocatable(d, reserve_bytes)
+        result.append(Gpu(d.uuid, total, d.used_bytes, tuple(shares), others))
     return tuple(result)
 
 

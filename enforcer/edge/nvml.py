@@ -261,6 +261,7 @@ class Nvml:
         self._handles: list[_Handle] | None = None
         self.driver_version = ""
         self._lists = [names[0] for names in _PROCESS_LISTS]
+        self._memory_v2 = True  # until the driver says it has no nvmlDeviceGetMemoryInfo_v2
         self._buffer = (_ProcessInfo * 64)()
         self._sizes: dict[str, int | None] = {}  # each GPU's total memory when last read
 
@@ -452,10 +453,23 @@ class Nvml:
         return NvmlSnapshot(tuple(devices), processes, tuple(failed), self._utilisation.read_at)
 
     def _read_device(self, h: _Handle) -> tuple[Device, list[tuple[int, int | None]]]:
-        mem = pynvml.nvmlDeviceGetMemoryInfo(h.handle)
-        total = self._sizes[h.uuid] = _bytes(mem.total)
-        device = Device(h.index, h.uuid, h.name, total, _bytes(mem.used), h.parent_uuid)
+        total, used, reserved = self._memory(h.handle)
+        self._sizes[h.uuid] = total
+        device = Device(h.index, h.uuid, h.name, total, used, h.parent_uuid, reserved)
         return device, self._processes(h.handle) if h.query_processes else []
+
+    def _memory(self, handle: Any) -> tuple[int | None, int | None, int | None]:
+        """Total, used and reserved bytes. Memory info v2 (R510+) keeps the driver's reserved
+        memory out of `used`; v1 counts it in "used" and does not say how much it is."""
+        if self._memory_v2:
+            try:
+                mem = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+            except (pynvml.NVMLError_FunctionNotFound, pynvml.NVMLError_ArgumentVersionMismatch):
+                self._memory_v2 = False
+            else:
+                return _bytes(mem.total), _bytes(mem.used), _bytes(mem.reserved)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return _bytes(mem.total), _bytes(mem.used), None
 
     def _processes(self, handle: Any) -> list[tuple[int, int | None]]:
         """(host pid, bytes or None) from both process lists of one device."""

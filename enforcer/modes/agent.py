@@ -570,7 +570,14 @@ def _pod_watch(
             kubelet = PodResources(Path(settings.pod_resources_socket), resources_woken, telemetry)
             assigned = (lambda: kubelet.last, settings.gpu_resources)
             woken.append(kubelet)
-        lender = Lender(node, lender_woken, settings.reclaim_watermark, telemetry, assigned)
+        lender = Lender(
+            node,
+            lender_woken,
+            settings.reclaim_watermark,
+            telemetry,
+            assigned,
+            reserve_bytes=settings.reserve_bytes,
+        )
         woken.append(
             PodPublisher(
                 pods,

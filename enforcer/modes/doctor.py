@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from enforcer.core import messages
 from enforcer.core.dra import shareable_gpus
-from enforcer.core.model import SourceDown, format_bytes
+from enforcer.core.model import Device, SourceDown, format_bytes
 from enforcer.core.parsing import kubernetes_version
 from enforcer.core.protocol import Challenge, ProtocolError, Usage, decode_reply, encode_request
 from enforcer.core.settings.common import DEFAULT_SOCKET
@@ -67,6 +67,15 @@ def render(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
+def _memory(d: Device) -> str:
+    """A GPU's memory, and how much of it the driver keeps (nothing can allocate that, and
+    neither the capacity nor the lending counts it)."""
+    total = format_bytes(d.total_bytes or 0)
+    if d.reserved_bytes is None:
+        return f"{total}, reserved by the driver: unknown (no NVML memory info v2)"
+    return f"{total}, {format_bytes(d.reserved_bytes)} of it reserved by the driver"
+
+
 def check_nvml() -> Check:
     nvml = Nvml()
     try:
@@ -77,9 +86,7 @@ def check_nvml() -> Check:
         return Check("NVML", "fail", str(exc), f"{unavailable_fix(exc)}. {needs}")
     finally:
         nvml.shutdown()
-    gpus = ", ".join(
-        f"{d.index}: {d.name} ({format_bytes(d.total_bytes or 0)})" for d in snap.devices
-    )
+    gpus = ", ".join(f"{d.index}: {d.name} ({_memory(d)})" for d in snap.devices)
     found = (
         f"driver {nvml.driver_version}, {len(snap.devices)} device(s) [{gpus}], "
         f"{len(snap.processes)} process(es) using them"

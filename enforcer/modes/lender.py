@@ -56,12 +56,14 @@ class Lender:
         telemetry: AgentTelemetry,
         assigned: tuple[Callable[[], Assignments | None], tuple[str, ...]] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        reserve_bytes: int = 0,
     ) -> None:
         """`changed`: set by the pod watch on every change of the node's pods. The pods'
         claims (DRA) are taken as last read (`ClaimReads.last`), never read here: the
         sampler does not wait on the API. `assigned`: the devices the kubelet gave each
         container, as last read, and the resources that are GPUs. `clock`: what the hold
-        after a failed pass is timed on (monotonic)."""
+        after a failed pass is timed on (monotonic). `reserve_bytes`: `--reserve`, lent to
+        nobody, as it is advertised to nobody."""
         self._pods = node.pods
         self._opted_in = node.opted_in
         self._trusted: frozenset[str] | None = None  # as the tenants were made with
@@ -73,6 +75,7 @@ class Lender:
         self._changed = changed
         self._declares = node.declares
         self._watermark = watermark
+        self._reserve = reserve_bytes
         self._telemetry = telemetry
         self._tenants: Tenants | None = None  # None: the pods are not known yet
         self._basis: int | None = None  # one GPU's memory, for portions (KAI's gpu-fraction)
@@ -176,7 +179,7 @@ class Lender:
         if found is None or not found.borrowing:
             self._telemetry.node.lending = ()
             return Lending()  # nobody may borrow: nothing is lent, nothing to decide
-        lending = decide(sample, containers(), found, self._watermark)
+        lending = decide(sample, containers(), found, self._watermark, self._reserve)
         self._telemetry.node.lending = lending.gpus
         asked = frozenset((cid, r.gpu) for cid, r in lending.reclaims.items())
         for cid, reclaim in lending.reclaims.items():

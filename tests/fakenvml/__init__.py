@@ -127,6 +127,11 @@ class FakeGpuState:
         (this kernel has no dmem controller, so the state file says it)."""
         self.data.setdefault("subtree_without_dmem", []).append(str(cgroup))
 
+    def set_reserved(self, device_index: int, reserved_bytes: int) -> None:
+        """The memory the driver and firmware set aside on a GPU (NVML memory info v2's
+        `reserved`; 512 MiB unless set)."""
+        self.devices[device_index]["reserved_bytes"] = reserved_bytes
+
     def copy(self) -> FakeGpuState:
         return FakeGpuState(copy.deepcopy(self.data))
 

@@ -36,6 +36,7 @@
 #define MAX_MIG_SLOTS 7 /* what nvmlDeviceGetMaxMigDeviceCount reports on an H100 */
 #define CGROUP2_MAGIC 0x63677270
 #define FIRST_LIMITS_DRIVER 615 /* nvmlDeviceSetMemoryLimits_v1 came with R615 (CUDA 13.4) */
+#define DEFAULT_RESERVED (512ULL << 20) /* a GPU's driver-reserved memory unless the state says */
 #define MAX_ANCESTORS 32
 
 /* ---------------------------------------------------------------- a small JSON parser */
@@ -308,6 +309,7 @@ typedef struct fdev {
     char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
     char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
     unsigned long long total, used;
+    unsigned long long reserved; /* set aside by the driver and firmware: never allocatable */
     unsigned int minor;
     unsigned int gpu_instance_id, compute_instance_id; /* 0xFFFFFFFF unless a MIG device */
     int is_mig;
@@ -450,6 +452,7 @@ static int load_dev(const jv *obj, fdev *d, int index, int is_mig) {
     jget_str(obj, "name", d->name, sizeof d->name, dflt_name);
     d->total = jget_u64(obj, "total_bytes", 80ULL << 30);
     d->used = jget_u64(obj, "used_bytes", 0);
+    d->reserved = jget_u64(obj, "reserved_bytes", is_mig ? 0 : DEFAULT_RESERVED);
     d->minor = (unsigned int)jget_u64(obj, "minor_number", (unsigned long long)index);
     d->util_timestamp = jget_u64(obj, "utilization_timestamp_us", 0);
     d->is_mig = is_mig;
@@ -818,9 +821,11 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) 
     if (r != NVML_SUCCESS) return r;
     if ((r = resolve(device, "nvmlDeviceGetMemoryInfo", &d)) != NVML_SUCCESS) return leave(r);
     if (!memory) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    /* v1's used is "the sum of Reserved and Allocated" (nvml.h) */
+    unsigned long long used = d->used + d->reserved;
     memory->total = d->total;
-    memory->used = d->used;
-    memory->free = d->total > d->used ? d->total - d->used : 0;
+    memory->used = used < d->total ? used : d->total;
+    memory->free = d->total - memory->used;
     return leave(NVML_SUCCESS);
 }
 
@@ -831,10 +836,12 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
     if ((r = resolve(device, "nvmlDeviceGetMemoryInfo_v2", &d)) != NVML_SUCCESS) return leave(r);
     if (!memory) return leave(NVML_ERROR_INVALID_ARGUMENT);
     if (memory->version != nvmlMemory_v2) return leave(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    /* v2 keeps them apart: used is what is allocated, free what is neither */
     memory->total = d->total;
-    memory->reserved = 0;
+    memory->reserved = d->reserved < d->total ? d->reserved : d->total;
     memory->used = d->used;
-    memory->free = d->total > d->used ? d->total - d->used : 0;
+    unsigned long long taken = memory->reserved + d->used;
+    memory->free = d->total > taken ? d->total - taken : 0;
     return leave(NVML_SUCCESS);
 }
 

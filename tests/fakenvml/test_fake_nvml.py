@@ -42,7 +42,7 @@ def test_state_is_reread_while_running(fake_nvml: FakeNvml) -> None:
     procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
     assert [(p.pid, p.usedGpuMemory) for p in procs] == [(4242, 3 * GiB), (4243, None)]
     assert procs[0].gpuInstanceId == 0xFFFFFFFF
-    assert pynvml.nvmlDeviceGetMemoryInfo(handle).used == 3 * GiB
+    assert pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2).used == 3 * GiB
     pynvml.nvmlShutdown()
 
 
@@ -481,3 +481,14 @@ def test_a_read_only_mount_refuses_a_set_on_dmem(
     finally:
         subprocess.run(["umount", str(view)], check=True)
 
+
+def test_memory_info_v2_keeps_the_driver_reserve_apart(fake_nvml: FakeNvml) -> None:
+    """v1's used is "the sum of Reserved and Allocated"; v2 reports `reserved` on its own."""
+    fake_nvml.state.set_process(0, 4242, 3 * GiB)
+    fake_nvml.state.set_reserved(0, GiB // 2)
+    fake_nvml.write()
+    with _session() as gpu:
+        v1 = pynvml.nvmlDeviceGetMemoryInfo(gpu)
+        v2 = pynvml.nvmlDeviceGetMemoryInfo(gpu, version=pynvml.nvmlMemory_v2)
+    assert (v1.total, v1.used, v1.free) == (80 * GiB, 3.5 * GiB, 76.5 * GiB)
+    assert (v2.total, v2.reserved, v2.used, v2.free) == (80 * GiB, GiB // 2, 3 * GiB, 76.5 * GiB)

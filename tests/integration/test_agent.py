@@ -350,7 +350,7 @@ def test_two_hundred_concurrent_clients(agent: Agent, fake_nvml: FakeNvml) -> No
 
 
 def test_nvml_down_is_an_error_reply_and_it_recovers(agent: Agent, fake_nvml: FakeNvml) -> None:
-    fake_nvml.state.inject_error("nvmlDeviceGetMemoryInfo", "GPU_IS_LOST", device_index=0)
+    fake_nvml.state.inject_error("nvmlDeviceGetMemoryInfo_v2", "GPU_IS_LOST", device_index=0)
     fake_nvml.write()
     reply = wait_for(lambda: "error" in (r := agent.ask()) and r, what="an error reply")
     assert "GPU usage is unavailable on this node" in reply["error"]

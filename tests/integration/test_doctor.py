@@ -64,8 +64,8 @@ def test_everything_reachable_passes(fake_nvml: Any, agent: Path) -> None:
     out = doctor(fake_nvml.env(), "--agent-socket", str(agent))
     assert out.returncode == 0, out.stdout
     assert (
-        "[ok  ] NVML: driver 550.54.15, 1 device(s) [0: NVIDIA H100 80GB HBM3 (80.00 GiB)]"
-        in out.stdout
+        "[ok  ] NVML: driver 550.54.15, 1 device(s) [0: NVIDIA H100 80GB HBM3 (80.00 GiB, "
+        "512.00 MiB of it reserved by the driver)]" in out.stdout
     )
     assert (
         "[ok  ] agent socket: 1 GPU(s); 0 GPU process(es) visible to this PID namespace"
@@ -126,7 +126,7 @@ def test_a_cgroup_without_dmem_files_is_not_a_driver_too_old(fake_nvml: Any) -> 
 
 def test_a_lost_gpu_fails_the_nvml_check_and_names_it(fake_nvml: Any) -> None:
     fake_nvml.state.add_device()
-    fake_nvml.state.inject_error("nvmlDeviceGetMemoryInfo", "GPU_IS_LOST", device_index=1)
+    fake_nvml.state.inject_error("nvmlDeviceGetMemoryInfo_v2", "GPU_IS_LOST", device_index=1)
     fake_nvml.write()
     out = doctor(fake_nvml.env(), "--json", "--no-agent")
     assert out.returncode == 1

@@ -387,7 +387,7 @@ def test_nvml_errors_mid_run_kill_nothing_and_enforcement_recovers(run: Run) -> 
     run.use(w["pid"], 100)
     run.saw(100)
     # The GPU falls off the bus while the worker's usage goes over the limit.
-    run.gpu.state.inject_error("nvmlDeviceGetMemoryInfo", "GPU_IS_LOST", device_index=0)
+    run.gpu.state.inject_error("nvmlDeviceGetMemoryInfo_v2", "GPU_IS_LOST", device_index=0)
     run.use(w["pid"], 5 * GiB)
     run.logged("VRAM usage cannot be observed")
     wait_for(lambda: "vram_enforcer_source_up 0.0" in run.metrics(), what="ticks without data")
@@ -668,7 +668,9 @@ def _outsider(run: Run, used: int) -> subprocess.Popen[str]:
 def test_a_borrower_keeps_what_it_borrows_until_the_others_need_the_room(run: Run) -> None:
     """--request 2Gi --limit 8Gi: 6 GiB used is 4 GiB borrowed, left alone while the GPU
     keeps the watermark (4 GiB) free for the process beside it; once that one grows into
-    it, the borrower is stopped, one line saying why, and counted."""
+    it, the borrower is stopped, one line saying why, and counted. The driver reserves
+    nothing on this GPU: every byte of its 80 GiB is there to be lent."""
+    run.gpu.state.set_reserved(0, 0)
     summary = run.tmp / "summary.json"
     run.start(
         "--limit",

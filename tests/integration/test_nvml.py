@@ -169,7 +169,7 @@ def test_one_lost_gpu_leaves_the_others_read(fake_nvml: Any, nvml: Nvml) -> None
     assert [uuid for uuid, _ in snap.failed] == [lost] and "GPU is lost" in snap.failed[0][1]
     device = snap.devices[1]
     assert (device.uuid, device.total_bytes, device.used_bytes) == (lost, 80 * GiB, None)
-    st.inject_error("nvmlDeviceGetMemoryInfo", "GPU_IS_LOST", device_index=0)
+    st.inject_error("nvmlDeviceGetMemoryInfo_v2", "GPU_IS_LOST", device_index=0)
     fake_nvml.write()
     with pytest.raises(NvmlLost, match="GPU is lost"):
         nvml.snapshot()
@@ -198,7 +198,7 @@ def test_a_failed_reinit_backs_off_further(fake_nvml: Any) -> None:
 
 def test_a_transient_query_error_needs_no_reinit(fake_nvml: Any, nvml: Nvml) -> None:
     nvml.init()
-    fake_nvml.state.inject_error("nvmlDeviceGetMemoryInfo", "TIMEOUT")
+    fake_nvml.state.inject_error("nvmlDeviceGetMemoryInfo_v2", "TIMEOUT")
     fake_nvml.write()
     with pytest.raises(NvmlQueryError):
         nvml.snapshot()
@@ -250,7 +250,7 @@ def test_source_drops_a_process_born_after_nvml_looked(
 
 def test_source_down_is_a_value(fake_nvml: Any, nvml: Nvml) -> None:
     nvml.init()
-    fake_nvml.state.inject_error("nvmlDeviceGetMemoryInfo", "GPU_IS_LOST", device_index=0)
+    fake_nvml.state.inject_error("nvmlDeviceGetMemoryInfo_v2", "GPU_IS_LOST", device_index=0)
     fake_nvml.write()
     down = NvmlSource(nvml, PidView.host(ProcFs())).sample()
     assert isinstance(down, SourceDown)
@@ -697,6 +697,26 @@ def test_a_limit_set_elsewhere_reads_as_held_and_a_reservation_left_below_too(
     assert nvml.set_memory_limit(gpu, str(leaf), 4 * GiB, GiB).result is LimitResult.SET
     leaf.rmdir()
     assert nvml.memory_limit(gpu, str(cgroup2)) == HeldLimit(MEMORY_LIMIT_MAX, GiB, 0)
+
+
+def test_the_driver_reserve_is_read_apart_from_what_is_used(fake_nvml: Any) -> None:
+    """NVML's memory info v2 says what the driver reserves, and leaves it out of `used`; a
+    driver without v2 counts it in `used`, and how much it is stays unknown."""
+    fake_nvml.state.set_reserved(0, 600 * 1024**2)
+    fake_nvml.state.set_process(0, os.getpid(), 3 * GiB)
+    fake_nvml.write()
+    session = Nvml()
+    session.init()
+    (device,) = session.snapshot().devices
+    assert (device.total_bytes, device.used_bytes) == (80 * GiB, 3 * GiB)
+    assert device.reserved_bytes == 600 * 1024**2
+    session.shutdown()
+    fake_nvml.state.inject_error("nvmlDeviceGetMemoryInfo_v2", "FUNCTION_NOT_FOUND")
+    fake_nvml.write()
+    session.init()
+    (device,) = session.snapshot().devices
+    assert (device.used_bytes, device.reserved_bytes) == (3 * GiB + 600 * 1024**2, None)
+    session.shutdown()
 
 
 def only_process(**nvml: Any) -> Any:

@@ -1,5 +1,7 @@
 """What a node advertises, and the patches that get it there without flapping."""
 
+from dataclasses import replace
+
 from enforcer.core.model import Device, GiB, MiB
 from enforcer.core.node import (
     LABEL_COUNT,
@@ -30,6 +32,14 @@ def mig(parent: Device, n: int, total: int) -> Device:
 def test_capacity_is_total_minus_reserve_per_gpu() -> None:
     assert node_vram([gpu(0), gpu(1)], reserve_bytes=1 * GiB) == 158 * GiB
     assert node_vram([gpu(0, total=GiB // 2)], reserve_bytes=GiB) == 0  # never negative
+
+
+def test_capacity_leaves_out_what_the_driver_reserves() -> None:
+    """NVML's `reserved` can never be allocated (KAI-Scheduler issue #2212): it is out of the
+    capacity as `--reserve` is; a driver that does not say (None) leaves the total."""
+    reserved = replace(gpu(0), reserved_bytes=512 * MiB)
+    assert node_vram([reserved, gpu(1)], reserve_bytes=GiB) == 158 * GiB - 512 * MiB
+    assert node_vram([replace(gpu(0), reserved_bytes=81 * GiB)], reserve_bytes=0) == 0
 
 
 def test_mig_partitions_replace_their_parent() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -177,6 +179,16 @@ def test_a_request_over_all_gpus_lends_on_each_what_it_holds_above_it() -> None:
     (quiet,) = views([device(0, 38), device(2, 0)], [unit("cmd", 40, a)], {"cmd": 10 * GiB})[:1]
     assert quiet.shares[0].borrowed == 0 and quiet.shares[0].owed == 2 * GiB
     assert views([device(2, 0)], [unit("cmd", 40, a)], {"cmd": GiB})[0].shares == ()
+
+
+def test_nothing_is_lent_of_what_the_driver_or_the_operator_reserves() -> None:
+    """A GPU's memory in a view is what can be allocated on it, as the node advertises it:
+    its total less NVML's `reserved` and `--reserve`. 4 GiB is free of 80 less 1 less 3."""
+    a = process(10, "GPU-0", 30)
+    gpu = replace(device(0, 72), reserved_bytes=GiB)
+    (seen,) = views([gpu], [unit("a", 40, a)], {"a": 10 * GiB}, reserve_bytes=3 * GiB)
+    assert (seen.total, seen.free) == (76 * GiB, 4 * GiB)
+    assert plan(seen, watermark=5 * GiB).reclaims  # short by 1: the borrower gives back
 
 
 def test_a_unit_of_one_gpu_has_its_request_there_and_is_owed_the_rest() -> None:
