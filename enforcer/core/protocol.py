@@ -158,6 +158,7 @@ def usage_head(sampled_at: float, devices: Iterable[Device]) -> bytes:
             "total_bytes": d.total_bytes,
             "used_bytes": d.used_bytes,
             "parent_uuid": d.parent_uuid,
+            "reserved_bytes": d.reserved_bytes,
         }
         for d in devices
     ]
@@ -343,6 +344,7 @@ def _device(d: dict[str, Any]) -> Device:
         _optional_int(d["total_bytes"]),
         _optional_int(d["used_bytes"]),
         d.get("parent_uuid"),
+        _optional_int(d.get("reserved_bytes")),  # an older agent does not send it
     )
 
 

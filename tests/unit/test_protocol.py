@@ -82,7 +82,7 @@ def test_a_sidecar_may_report_its_own_reasons_and_no_other() -> None:
 
 def test_usage_reply_round_trip() -> None:
     devices = (
-        Device(0, "GPU-a", 'NVIDIA "quoted"', 80, 10, None),
+        Device(0, "GPU-a", 'NVIDIA "quoted"', 80, 10, None, reserved_bytes=3),
         Device(0, "MIG-b", "m", 40, None, "GPU-a"),
     )
     procs = (
@@ -90,6 +90,10 @@ def test_usage_reply_round_trip() -> None:
         ProcessUsage(ProcessKey(8, 124), "MIG-b", None),
     )
     line = encode_usage(1700000000.25, devices, procs)
+    older = json.loads(line)  # an agent that does not send the driver's reserve
+    del older["devices"][0]["reserved_bytes"]
+    reply = decode_reply(json.dumps(older).encode())
+    assert isinstance(reply, Usage) and reply.sample.devices[0].reserved_bytes is None
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     doc = json.loads(line)
     assert doc["processes"][0] == {
