@@ -219,7 +219,6 @@ class LimitResult(StrEnum):
     NO_CGROUP = "no-cgroup"  # the driver cannot open the cgroup (gone, or not cgroup v2)
     NO_DMEM = "no-dmem"  # Set's NOT_FOUND: that cgroup has no dmem files (NVIDIA's MPS v3 page)
     REJECTED = "rejected"  # NVML refused the values themselves
-    NO_DMEM = "no-dmem"  # Set's NOT_FOUND: this cgroup has no dmem files (others may)
     FAILED = "failed"  # anything else; worth another try later
 
 
