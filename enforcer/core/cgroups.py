@@ -14,6 +14,7 @@ pod's `status.containerStatuses[].containerID`, which the sidecar checks.
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,3 +109,27 @@ def container_id_of_dir(name: str) -> str | None:
     """The container ID in the name of a container's cgroup directory (not conmon's)."""
     match = _CONTAINER_DIR.match(name)
     return (match[1] or match[2]) if match else None
+
+
+class Level(enum.Enum):
+    """Where a directory sits in the kubelet's cgroups: its top (`kubepods`), a QoS class's
+    (`burstable`, `kubepods-besteffort.slice`; not under every driver), a pod's."""
+
+    KUBEPODS = "kubepods"
+    QOS = "qos"
+    POD = "pod"
+
+
+def made_in(level: Level, name: str) -> tuple[Level | None, bool]:
+    """What a directory `name` made in a directory at `level` is to the hard limiter: the
+    level to watch it at (None: not watched), and whether there is work for it now (a pod's
+    cgroup, which takes the pod's limit; a container's, which takes the container's).
+
+    Nothing below a pod's own directory is ever watched: a container with a cgroup namespace
+    of its own may make any number of directories below its cgroup, and they hold no one
+    the kubelet started."""
+    if level is Level.POD:
+        return None, container_id_of_dir(name) is not None
+    if pod_uid_of_dir(name) is not None:
+        return Level.POD, True
+    return (Level.QOS if level is Level.KUBEPODS else None), False

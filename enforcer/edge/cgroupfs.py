@@ -15,7 +15,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from enforcer.core.cgroups import container_id_of_dir, is_kubepods_dir, pod_uid_of_dir
+from enforcer.core.cgroups import (
+    Level,
+    container_id_of_dir,
+    is_kubepods_dir,
+    made_in,
+    pod_uid_of_dir,
+)
 from enforcer.core.mounts import first_of_type, parse_mountinfo
 
 MOUNTINFO = Path("/proc/self/mountinfo")
@@ -240,10 +246,8 @@ class PodScanner:
         self._kubepods: list[str] = []
 
     def scan(self) -> PodDirs:
-        if not self._kubepods or not all(exists(Path(k)) for k in self._kubepods):
-            self._kubepods = kubepods_dirs(self.root, self._depth)
         found = PodDirs()
-        for kubepods in self._kubepods:
+        for kubepods in self._found():
             for name, pod_dir in _find(kubepods, _is_pod_dir, 2):  # below a QoS class, or not
                 uid = pod_uid_of_dir(name)
                 assert uid is not None  # noqa: S101 - _is_pod_dir matched it
@@ -254,6 +258,25 @@ class PodScanner:
                     if (cid := container_id_of_dir(child)) is not None
                 }
         return found
+
+    def levels(self) -> dict[str, Level]:
+        """The kubelet's directories down to the pods' (none below), each with its level:
+        where its new pods and containers are made, for `cgroup_watch` to watch."""
+        found = dict.fromkeys(self._found(), Level.KUBEPODS)
+        above = list(found.items())
+        while above:
+            directory, at = above.pop()
+            for name, path in _subdirs(directory):
+                if (deeper := made_in(at, name)[0]) is not None:
+                    found[path] = deeper
+                    if deeper is not Level.POD:
+                        above.append((path, deeper))
+        return found
+
+    def _found(self) -> list[str]:
+        if not self._kubepods or not all(exists(Path(k)) for k in self._kubepods):
+            self._kubepods = kubepods_dirs(self.root, self._depth)
+        return self._kubepods
 
 
 def _is_pod_dir(name: str) -> bool:

@@ -649,6 +649,12 @@ class AgentTelemetry:
             ["tier"],
             registry=self.registry,
         )
+        self.cgroup_watch_overflows = Counter(
+            PREFIX + "cgroup_watch_overflows",
+            "Times the inotify queue of the watch of new pods' and containers' cgroups "
+            "overflowed: their limits waited for the next --cgroup-scan",
+            registry=self.registry,
+        )
         self.unexpected = _unexpected_errors(self.registry)
         self.http_closed = http_closed(self.registry)
 

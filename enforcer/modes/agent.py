@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 
     from enforcer.core.payloads import Pod
     from enforcer.core.protocol import EventRequest
+    from enforcer.edge.cgroup_watch import CgroupWatch
     from enforcer.edge.events import EventRecorder
     from enforcer.edge.eviction import Evictor
     from enforcer.edge.node_advertiser import NodeAdvertiser
@@ -75,7 +76,15 @@ if TYPE_CHECKING:
     from enforcer.modes.unaccounted import UnaccountedStep
 
     # The threads the pod watch wakes: each stops on its `stop` event.
-    Woken = HardLimiter | PodPublisher | SidecarWatch | PodResources | Evictor | ConditionWriter
+    Woken = (
+        HardLimiter
+        | CgroupWatch
+        | PodPublisher
+        | SidecarWatch
+        | PodResources
+        | Evictor
+        | ConditionWriter
+    )
 
 log = logging.getLogger(__name__)
 
@@ -549,18 +558,7 @@ def _pod_watch(
     )
     woken: list[Woken] = []
     if settings.hard_limits:
-        woken.append(
-            HardLimiter(
-                Nvml(),
-                node,
-                passes,
-                recorder,
-                telemetry,
-                cgroups=(Path(settings.cgroup_root), settings.cgroup_scan),
-                changed=limiter_woken,
-                tier=tier.latest if tier is not None else None,
-            )
-        )
+        woken += _hard_limits(settings, node, passes, recorder, telemetry, limiter_woken, tier)
     lender, backstop = None, None
     peaks: Peaks | None = None
     if served is not None:
@@ -635,6 +633,41 @@ def _pod_watch(
     shown = UnaccountedStep(node, telemetry.node, recorder, settings.namespace)
     steps = PodSteps(lender, backstop, settings.hard_limits, shown, peaks)
     return (pods, namespaces), woken, steps
+
+
+def _hard_limits(
+    settings: AgentSettings,
+    node: NodeView,
+    passes: Passes,
+    recorder: EventRecorder,
+    telemetry: AgentTelemetry,
+    woken: threading.Event,
+    tier: TierWatch | None,
+) -> list[Woken]:
+    """The hard limiter, woken by the pod watch, its --cgroup-scan, and a watch of new pods'
+    and containers' cgroups: a container's limit lands a pass, not a scan, after the runtime
+    made its cgroup (the scan stays, for what inotify misses)."""
+    from enforcer.edge.cgroup_watch import CgroupWatch  # noqa: PLC0415 - only when used
+
+    root = Path(settings.cgroup_root)
+    return [
+        HardLimiter(
+            Nvml(),
+            node,
+            passes,
+            recorder,
+            telemetry,
+            cgroups=(root, settings.cgroup_scan),
+            changed=woken,
+            tier=tier.latest if tier is not None else None,
+        ),
+        CgroupWatch(
+            root,
+            woken,
+            telemetry.cgroup_watch_overflows,
+            telemetry.unexpected.labels("cgroup-watch"),
+        ),
+    ]
 
 
 def health(sampler: Sampler, after: float, sidecars: SidecarWatch | None = None) -> str | None:

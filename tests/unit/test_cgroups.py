@@ -4,9 +4,11 @@ cgroup v1 and v2, with the systemd and cgroupfs drivers, with and without cgroup
 import pytest
 
 from enforcer.core.cgroups import (
+    Level,
     container_id,
     container_id_of_dir,
     is_kubepods_dir,
+    made_in,
     parse_cgroup,
     pod_uid_of_dir,
     status_container_id,
@@ -122,3 +124,31 @@ def test_a_tenant_is_a_container_or_else_a_cgroup() -> None:
     assert tenant(parse_cgroup(hybrid)) == "cgroup:/system.slice/ollama.service"
     assert tenant(parse_cgroup("4:cpu,cpuacct:/user.slice\n")) == "cgroup:/user.slice"
     assert tenant(()) is None
+
+
+@pytest.mark.parametrize(
+    ("level", "name", "means"),
+    [
+        # systemd driver: a QoS class's slice, then a pod's, then a container's scope
+        (Level.KUBEPODS, "kubepods-burstable.slice", (Level.QOS, False)),
+        (Level.QOS, f"kubepods-burstable-pod{UID_SYSTEMD}.slice", (Level.POD, True)),
+        (Level.KUBEPODS, f"kubepods-pod{UID_SYSTEMD}.slice", (Level.POD, True)),  # guaranteed
+        (Level.POD, f"cri-containerd-{A}.scope", (None, True)),
+        (Level.POD, f"crio-{A}.scope", (None, True)),
+        # cgroupfs driver
+        (Level.KUBEPODS, "besteffort", (Level.QOS, False)),
+        (Level.QOS, f"pod{UID}", (Level.POD, True)),
+        (Level.POD, A, (None, True)),
+        # what is not the kubelet's or the runtime's: neither watched nor work
+        (Level.QOS, "besteffort", (None, False)),  # no QoS class below a QoS class
+        (Level.POD, f"crio-conmon-{A}.scope", (None, False)),
+        (Level.POD, "tenant-made", (None, False)),
+        (Level.POD, f"pod{UID}", (None, False)),  # a pod's name below a pod: not a pod
+    ],
+)
+def test_what_a_directory_made_in_the_kubelets_cgroups_is(
+    level: Level, name: str, means: tuple[Level | None, bool]
+) -> None:
+    """Only the kubelet's levels are watched, never below a pod: what a container makes
+    below its own cgroup (its own cgroup namespace) adds no watch."""
+    assert made_in(level, name) == means
