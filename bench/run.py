@@ -9,6 +9,7 @@
     .venv/bin/python bench/run.py --only pod-memory # what a tenant's large pods cost the agent
     .venv/bin/python bench/run.py --only scrape # the agent's /metrics for a full node, vs per-pod scrapes
     .venv/bin/python bench/run.py --only container-init # a container's init: its cgroup vs /proc
+    .venv/bin/python bench/run.py --only cgroup-watch # a new cgroup to its hard limit: inotify vs the scan
     .venv/bin/python bench/run.py --only dial # a sidecar's dial, and the watch with dials hung
     .venv/bin/python bench/run.py --only slow-flood # /healthz and reviews while pods drip into every place
 
@@ -37,6 +38,7 @@ from bench import (
     agent_bench,
     api_load_bench,
     backstop_bench,
+    cgroup_watch_bench,
     container_init_bench,
     dial_bench,
     exec_bench,
@@ -76,6 +78,7 @@ def main() -> None:
             "pod-memory",
             "scrape",
             "container-init",
+            "cgroup-watch",
             "dial",
             "slow-flood",
         ),
@@ -174,6 +177,10 @@ def of_the_agent(only: str | None, quick: bool, lib_dir: Path, tmp: Path) -> dic
             container_init_bench.run(extra, 110, 5 if quick else 20)
             for extra in ((2000,) if quick else (2000, 20000))
         ]
+    if only in (None, "cgroup-watch"):  # about 2 s a trial, 40 trials (--quick: 10)
+        results["cgroup_watch"] = cgroup_watch_bench.available() or cgroup_watch_bench.run(
+            lib_dir, tmp, 10 if quick else 40
+        )
     if only in (None, "dial"):  # 15 s a watch, twice (--quick: 5 s)
         results["dial"] = dial_bench.available() or dial_bench.run(
             50 if quick else 200, 20, 5.0 if quick else 15.0
@@ -206,6 +213,10 @@ def show_agent(results: dict[str, Any]) -> None:
         pod_memory_bench.show(pod_memory)
     if scrape := results.get("scrape"):
         scrape_bench.show(scrape)
+    if isinstance(watched := results.get("cgroup_watch"), str):
+        print(f"cgroup watch: skipped ({watched})")
+    elif watched:
+        cgroup_watch_bench.show(watched)
     if isinstance(dialled := results.get("dial"), str):
         print(f"dial: skipped ({dialled})")
     elif dialled:
