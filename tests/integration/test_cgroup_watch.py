@@ -95,11 +95,12 @@ def watching(
 
 
 @pytest.mark.parametrize("where", ["cgroup v2, systemd driver", "a directory, cgroupfs driver"])
-def test_a_containers_cgroup_gets_its_limit_without_waiting_for_the_scan(
+def test_a_pods_and_a_containers_cgroups_get_their_limits_without_waiting_for_the_scan(
     where: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """The runtime makes a container's cgroup below its pod's: the watch wakes the limiter,
-    which sets the container's limit there, with its scan an hour away."""
+    """The kubelet makes a pod's cgroup, then the runtime a container's below it (the pod's
+    status naming it already): the watch wakes the limiter each time, which sets the pod's
+    limit, then the container's, with its scan an hour away."""
     systemd = where.startswith("cgroup v2")
     root: Path = request.getfixturevalue("cgroup2") if systemd else tmp_path
     if not systemd:
@@ -107,7 +108,7 @@ def test_a_containers_cgroup_gets_its_limit_without_waiting_for_the_scan(
     pod_uid = uid("train")
     pods = {pod_uid: declaring(pod_uid, "train", "trainer", CID, {"VRAM_ENFORCER_LIMITS": GiB})}
     pod_dir = (systemd_pod if systemd else cgroupfs_pod)(root, pod_uid)
-    pod_dir.mkdir(parents=True)
+    pod_dir.parent.mkdir(parents=True)
     container_dir = pod_dir / (f"cri-containerd-{CID}.scope" if systemd else CID)
     nvml, wakes = RecordingNvml(), threading.Event()
     limiter = HardLimiter(
@@ -119,9 +120,11 @@ def test_a_containers_cgroup_gets_its_limit_without_waiting_for_the_scan(
         cgroups=(root, HOUR),
         changed=wakes,
     )
-    with running(limiter, watching(root, wakes)):
-        # The watch's first look woke it: the pod's cgroup has the pod's limit.
-        wait_for(lambda: (str(pod_dir), GPU.uuid) in nvml.set, what="the pod's limit")
+    watch = watching(root, wakes)
+    with running(limiter, watch):
+        wait_for(lambda: watch.watching == 2, what="the watch of kubepods and its QoS class")
+        pod_dir.mkdir()
+        wait_for(lambda: (str(pod_dir), GPU.uuid) in nvml.set, timeout=60, what="the pod's limit")
         assert (str(container_dir), GPU.uuid) not in nvml.set
         container_dir.mkdir()
         wait_for(
