@@ -81,7 +81,12 @@ def said(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def watching(
-    root: Path, wakes: threading.Event, telemetry: AgentTelemetry | None = None, **options: Any
+    root: Path,
+    wakes: threading.Event,
+    telemetry: AgentTelemetry | None = None,
+    *,
+    most: int = cgroup_watch.MOST,
+    resync: float = HOUR,
 ) -> CgroupWatch:
     telemetry = telemetry or AgentTelemetry()
     return CgroupWatch(
@@ -89,8 +94,8 @@ def watching(
         wakes,
         telemetry.cgroup_watch_overflows,
         telemetry.unexpected.labels("cgroup-watch"),
-        resync=HOUR,
-        **options,
+        most=most,
+        resync=resync,
     )
 
 
@@ -236,4 +241,33 @@ def test_without_inotify_the_watch_says_so_and_stays_until_stopped(
         "new pods' and containers' cgroups are found by the --cgroup-scan poll (each "
         "container's limit lands up to a scan later): inotify is not available here "
         "(Too many open files)"
+    ]
+
+
+def test_a_hierarchy_that_goes_and_comes_back_is_found_and_watched_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The kubepods directory goes (a kubelet restarted with another cgroup driver, say):
+    the log says the scan finds new cgroups; once one is there again, the watch finds it on
+    its next look (here every 0.1 s; a minute in the agent) and wakes the limiter again."""
+    old = cgroupfs_pod(tmp_path, uid("a"))
+    old.mkdir(parents=True)
+    wakes = Wakes()
+    watch = watching(tmp_path, wakes, resync=0.1)
+    with caplog.at_level(logging.INFO, LOGGER), running(watch):
+        wait_for(lambda: watch.watching == 3, what="the first look")
+        for gone in (old, old.parent, old.parent.parent):
+            gone.rmdir()
+        wait_for(lambda: watch.watching == 0, what="the watches gone with their directories")
+        new = systemd_pod(tmp_path, uid("b"))
+        new.parent.mkdir(parents=True)
+        wait_for(lambda: watch.watching == 2, what="the new hierarchy watched")
+        before = wakes.count
+        new.mkdir()
+        wait_for(lambda: wakes.count > before, what="the new pod's wake-up")
+    assert said(caplog) == [
+        "new pods' and containers' cgroups are found by the --cgroup-scan poll (each "
+        f"container's limit lands up to a scan later): no kubepods directory is below "
+        f"{tmp_path} yet",
+        "new pods' and containers' cgroups wake the hard limiter again (inotify)",
     ]
