@@ -189,7 +189,9 @@ CGROUP_SCAN = value(
     default="1s",
     metavar="DURATION",
     doc="how often the kubelet's pod and container cgroups are scanned for new ones (a pod "
-    "change triggers a scan at once). A new cgroup gets its limit within this long",
+    "change, and a new cgroup that the agent's inotify watch sees, trigger a scan at once). "
+    "Where the watch falls back (the agent's log says when), a new cgroup gets its limit "
+    "within this long",
 )
 EVICTION_TIMEOUT = value(
     "eviction_timeout",
