@@ -40,6 +40,14 @@ def on_gpus(gpu_limits: Mapping[str, int], devices: Sequence[Device]) -> dict[st
 
 MAX_BYTES = 1 << 62  # above any GPU's memory: per_gpu() caps it to each GPU's total
 
+# The soft limit every hard limit of ours goes with, on the pod, the leaf and exec's cgroup.
+# A soft limit is the cgroup's `dmem.min` reservation: the driver adds it to every ancestor
+# and leaves it there when the runtime deletes the cgroup without zeroing it first (NVIDIA's
+# MPS v3 page, "Known limitations"), and the runtime, not we, deletes container cgroups.
+# It buys us nothing: we run no MPS eviction, and the lender takes back what a borrower holds
+# above its request itself. So none, and none to offer as an option.
+SOFT_BYTES = 0
+
 
 def pod_limits(pod: PodOwed, devices: Sequence[Device]) -> dict[str, int]:
     """The pod cgroup's hard limit on each GPU."""
@@ -98,7 +106,6 @@ class Target:
     container: str  # "" for the pod as a whole
     limit_bytes: int
     gpu_limits: tuple[tuple[str, int], ...] = ()  # DRA: per GPU, instead of limit_bytes on all
-    request_bytes: int = 0  # the soft limit (a request below a ceiling), capped per GPU
 
     def limits_on(self, devices: Sequence[Device]) -> dict[str, int]:
         """The hard limit on each GPU that can take one."""
@@ -117,8 +124,7 @@ def targets(
     its current container ID, below that pod's cgroup. What each is held to is what it is
     owed (`owed.owed`): its ceiling, the driver's hard limit, on each GPU it may use (one
     share on each, for a container spread over GPUs: the driver's limit is per GPU; with
-    DRA, on its allocations' GPUs alone), and its request as the soft limit where a unit
-    of the pod may borrow."""
+    DRA, on its allocations' GPUs alone). No soft limit: see `SOFT_BYTES`."""
     found: dict[str, Target] = {}
     for p in pods:
         pod_dir = pod_dirs.get(p.uid)
@@ -146,17 +152,9 @@ def _target(cgroup: str, pod: PodOwed, container: str, units: Sequence[Owing]) -
     for o in units:
         if o.unit.gpu is not None:
             gpus[o.unit.gpu] = gpus.get(o.unit.gpu, 0) + o.ceiling
-    soft = sum(o.request for o in units) if pod.owed.borrowing else 0
     limit = sum(o.ceiling for o in units)
     return Target(
-        cgroup,
-        pod.namespace,
-        pod.name,
-        pod.uid,
-        container,
-        limit,
-        tuple(sorted(gpus.items())),
-        soft,
+        cgroup, pod.namespace, pod.name, pod.uid, container, limit, tuple(sorted(gpus.items()))
     )
 
 

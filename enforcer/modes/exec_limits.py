@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from enforcer.core import messages
-from enforcer.core.hard_limits import per_gpu
+from enforcer.core.hard_limits import SOFT_BYTES, per_gpu
 from enforcer.core.model import (
     LimitOutcome,
     LimitResult,
@@ -133,9 +133,8 @@ def place(settings: ExecSettings, nvml: Nvml, choice: Choice) -> tuple[Placed | 
         cgroup = CommandCgroup.create()
     except CgroupFsError as exc:
         return None, str(exc)
-    request = settings.request_bytes or 0  # the driver's soft limit: guaranteed
     outcomes = {
-        gpu: nvml.set_memory_limit(gpu, str(cgroup.command), b, min(request, b))
+        gpu: nvml.set_memory_limit(gpu, str(cgroup.command), b, SOFT_BYTES)
         for gpu, b in wanted.items()
     }
     limits = {gpu: wanted[gpu] for gpu, o in outcomes.items() if o.result is LimitResult.SET}

@@ -26,6 +26,7 @@ from enforcer.core import messages
 from enforcer.core.declaration import env_trusted, portion_basis, unreadable
 from enforcer.core.dra import DraObjects, claim_names
 from enforcer.core.hard_limits import (
+    SOFT_BYTES,
     Key,
     Target,
     mig_gpus,
@@ -252,8 +253,7 @@ class HardLimiter(threading.Thread):
         return "; ".join(dict.fromkeys(reasons)) or "NVML reports no GPU memory to limit"
 
     def _set(self, target: Target, gpu: str, limit: int) -> None:
-        soft = min(target.request_bytes, limit)
-        outcome = self._nvml.set_memory_limit(gpu, target.cgroup, limit, soft)
+        outcome = self._nvml.set_memory_limit(gpu, target.cgroup, limit, SOFT_BYTES)
         self._telemetry.hard_limit_calls.labels("set", outcome.result.value).inc()
         key = (target.cgroup, gpu)
         if outcome.result is LimitResult.SET:

@@ -465,8 +465,8 @@ def test_the_agent_holds_each_claim_to_its_allocation_on_its_gpu(
 ) -> None:  # `token`: the namespace, and its templates
     """Hard limits from DRA: an R615 driver (the fake NVML records each limit), the agent as
     shipped (deploy/rbac/agent.yaml), the kubelet's cgroup layout named by the pod's UID.
-    The trainer's claim is 8Gi and its ceiling 12Gi: the soft limit is the claim, the hard
-    one the ceiling, on the claim's GPU only."""
+    The trainer's claim is 8Gi and its ceiling 12Gi: the hard limit is the ceiling, on the
+    claim's GPU only, with soft limit 0 (no reservation that outlives the cgroup)."""
     # As the webhook's DRA mode writes it: the sidecar is told the sums too, and the agent
     # must still hold the pod to its claim on its GPU alone.
     pod = SimPod(
@@ -501,7 +501,7 @@ def test_the_agent_holds_each_claim_to_its_allocation_on_its_gpu(
             "200ms",
             state=state,
         )
-        soft_hard = (8 * GiB, 12 * GiB)
+        soft_hard = (0, 12 * GiB)
         # the pod's cgroup and the container's: on the allocated GPU, none on the other
         wait_for(lambda: records(agent, pod.pod_slice) == {gpu: soft_hard}, what="the pod's limit")
         pod.start("trainer", [sys.executable, "-c", "import time; time.sleep(60)"])

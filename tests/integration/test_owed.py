@@ -228,10 +228,9 @@ def backstop(lending: Lending) -> Owed:
     return found
 
 
-def hard_limits(tmp_path: Path) -> Owed:
-    """The hard limiter's pass: each container's cgroup, its hard limit (the ceiling) and
-    soft limit (the request, where a unit of its pod may borrow; else the hard limit is the
-    request) on each GPU it uses."""
+def hard_limits(tmp_path: Path) -> dict[tuple[str, str], int]:
+    """The hard limiter's pass: each container's cgroup and its hard limit (the ceiling) on
+    each GPU it uses; never a soft limit (a reservation that outlives the cgroup)."""
     tmp_path.mkdir()
     (tmp_path / "cgroup.controllers").write_text("memory\n")
     dirs = {}
@@ -250,8 +249,9 @@ def hard_limits(tmp_path: Path) -> Owed:
         changed=threading.Event(),
     )
     limiter._pass()
+    assert set(nvml.soft.values()) == {0}
     return {
-        (name, gpu): (nvml.soft[str(dirs[name]), gpu] or hard, hard)
+        (name, gpu): hard
         for (cgroup, gpu), hard in nvml.set.items()
         for name, (_, held, _) in TABLE.items()
         if cgroup == str(dirs[name]) and gpu in held
@@ -267,7 +267,7 @@ def test_the_lender_the_hard_limiter_the_backstop_and_the_sidecar_owe_each_conta
     assert by_lender == owed
     assert sidecars(tmp_path / "sidecars") == owed
     assert backstop(lending) == owed
-    assert hard_limits(tmp_path / "cgroups") == owed
+    assert hard_limits(tmp_path / "cgroups") == {key: at[1] for key, at in owed.items()}
 
 
 # --- a share of KAI's over two GPUs, used on one ------------------------------------------

@@ -9,6 +9,7 @@ from enforcer.core.declaration import Declaration, Declares
 from enforcer.core.dra import DraObjects, DraSettings
 from enforcer.core.hard_limits import (
     EVIDENCE_BYTES,
+    SOFT_BYTES,
     Target,
     charged,
     per_gpu,
@@ -98,9 +99,10 @@ def test_targets_are_the_pod_cgroup_and_the_cgroups_named_by_its_status() -> Non
     assert set(targets([p], {UID: "/k/pod"}, {"other-uid": {A: "/k/x/a"}})) == {"/k/pod"}
 
 
-def test_a_container_that_may_borrow_is_held_to_its_ceiling_with_its_request_as_soft() -> None:
-    """The driver's soft limit is "guaranteed before allocations may fail" (nvml.h): the
-    request. The hard limit is the ceiling, or the driver would refuse what the agent lends."""
+def test_a_container_that_may_borrow_is_held_to_its_ceiling_and_nothing_is_reserved() -> None:
+    """The hard limit is the ceiling, or the driver would refuse what the agent lends. No
+    soft limit: it is a `dmem.min` reservation the driver adds to every ancestor and leaves
+    behind when the runtime deletes the cgroup (NVIDIA's MPS v3 page)."""
     running = {"containerStatuses": [{"name": "trainer", "containerID": f"containerd://{A}"}]}
     got = vram(pod({"trainer": 20 * GiB}, **running))
     assert {str(o.unit): (o.request, o.ceiling) for o in got.owed.units} == {
@@ -108,14 +110,12 @@ def test_a_container_that_may_borrow_is_held_to_its_ceiling_with_its_request_as_
         "trainer": (8 * GiB, 20 * GiB),
     }
     found = targets([got], {UID: "/k/pod"}, {UID: {A: "/k/pod/a"}})
-    assert found["/k/pod"].request_bytes == 9 * GiB and found["/k/pod"].limit_bytes == 21 * GiB
-    assert found["/k/pod/a"] == Target(
-        "/k/pod/a", "ml", "train", UID, "trainer", 20 * GiB, (), 8 * GiB
-    )
+    assert found["/k/pod"].limit_bytes == 21 * GiB
+    assert found["/k/pod/a"] == Target("/k/pod/a", "ml", "train", UID, "trainer", 20 * GiB)
+    assert SOFT_BYTES == 0
     # A ceiling not above the request borrows nothing: exactly what it was before.
     same = vram(pod({"trainer": 8 * GiB}, **running))
     assert same == vram(pod(**running))
-    assert targets([same], {UID: "/k/pod"}, {})["/k/pod"].request_bytes == 0
 
 
 def test_a_limit_spread_over_gpus_is_one_share_on_each_gpu_never_the_sum() -> None:
@@ -128,9 +128,8 @@ def test_a_limit_spread_over_gpus_is_one_share_on_each_gpu_never_the_sum() -> No
     borrowing = declared(
         {"trainer": 8 * GiB}, {"trainer": A}, {"trainer": 16 * GiB}, {"trainer": 2}
     )
-    soft = targets([borrowing], {UID: "/k/pod"}, {UID: {A: "/k/pod/a"}})
-    assert (soft["/k/pod/a"].limit_bytes, soft["/k/pod/a"].request_bytes) == (8 * GiB, 4 * GiB)
-    assert (soft["/k/pod"].limit_bytes, soft["/k/pod"].request_bytes) == (8 * GiB, 4 * GiB)
+    ceiling = targets([borrowing], {UID: "/k/pod"}, {UID: {A: "/k/pod/a"}})
+    assert (ceiling["/k/pod/a"].limit_bytes, ceiling["/k/pod"].limit_bytes) == (8 * GiB, 8 * GiB)
 
 
 def test_plan_sets_what_differs_and_clears_only_its_own_limits() -> None:
@@ -195,14 +194,11 @@ def test_dra_claims_become_hard_limits_on_the_allocated_gpu_only() -> None:
     assert pod_limits(got, devices) == {gpu0: 4 * GiB}  # what the VRAMHardLimit Event waits for
     assert read(found=DraObjects({}, (slice_,))).owed.units == ()  # its claim not read
     # With a ceiling (the sidecar's env, by container): the hard limit is the ceiling on the
-    # claim's GPU, the soft limit the claim, for the container and its pod alike.
+    # claim's GPU, for the container and its pod alike.
     bursting = read({"c": 10 * GiB})
     assert pod_limits(bursting, devices) == {gpu0: 10 * GiB}
     wanted = targets([bursting], {uid: "/pod"}, {uid: {A: "/pod/a"}})
-    assert [(t.gpu_limits, t.request_bytes) for t in wanted.values()] == [
-        (((gpu0, 10 * GiB),), 4 * GiB),
-        (((gpu0, 10 * GiB),), 4 * GiB),
-    ]
+    assert [t.gpu_limits for t in wanted.values()] == [((gpu0, 10 * GiB),)] * 2
 
 
 def test_a_limit_is_proven_to_bind_only_by_what_the_driver_charges_to_it() -> None:

@@ -49,8 +49,9 @@ REQUEST = value(
     "Above it, up to `--limit`, they borrow: while the GPU keeps `--reclaim-watermark` "
     "free for its other users (other processes, the driver). When it does not, CMD's "
     "largest process on that GPU is stopped (the `--action`), one at a time, until the "
-    "GPU is safe again or CMD is back at its request. With hard limits, the request is "
-    "also the driver's soft limit. Not with `--dry-run` or `--action warn`, which could "
+    "GPU is safe again or CMD is back at its request. The request is never the driver's "
+    "soft limit (a reservation that outlives its cgroup): hard limits hold `--limit` "
+    "alone. Not with `--dry-run` or `--action warn`, which could "
     "not take back what CMD borrowed",
 )
 RECLAIM_WATERMARK = reclaim_watermark(
