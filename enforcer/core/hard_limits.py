@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from enforcer.core.model import Device, MiB
+from enforcer.core.model import Device, HeldLimit, LimitOutcome, MiB
 from enforcer.core.owed import Owing, PodOwed
 
 
@@ -176,7 +176,8 @@ def plan(
     rejected: AbstractSet[tuple[str, str, int]] = frozenset(),
 ) -> LimitChanges:
     """What to change so that exactly the wanted limits hold, touching only limits that we
-    set ourselves (`applied`). A value NVML rejected is not tried again until it changes."""
+    set ourselves (`applied`). A value NVML rejected, or did not hold when read back, is not
+    tried again until it changes."""
     desired = {
         (t.cgroup, gpu): limit
         for t in wanted.values()
@@ -193,3 +194,21 @@ def plan(
         tuple(key for key in gone if key[0] in existing),
         tuple(key for key in gone if key[0] not in existing),
     )
+
+
+# How far the limit the driver reports may be from the one set and still be that one: the
+# driver may round it to its page (2 MiB, the GPU's large page), and NVIDIA's toolkit hook
+# sets whole MiB.
+ROUNDING_BYTES = 2 * MiB
+
+
+def same_hard(held: HeldLimit, hard: int) -> bool:
+    """Whether the driver holds the cgroup to `hard`, give or take its rounding."""
+    return abs(held.hard_bytes - hard) < ROUNDING_BYTES
+
+
+def holds(held: HeldLimit | LimitOutcome | None, hard: int) -> bool:
+    """Whether a read after our Set shows what we set (`hard`, soft `SOFT_BYTES`): a
+    read-only mount, a racing writer or a value the driver ignored (one below what the
+    cgroup holds, on dmem) all fail it."""
+    return isinstance(held, HeldLimit) and same_hard(held, hard) and held.soft_bytes == SOFT_BYTES

@@ -411,6 +411,13 @@ def no_hard_limit(outcome: LimitOutcome, driver_version: str, cgroup: str) -> st
             f"the cgroup {cgroup} has no dmem files{detail}: an ancestor's "
             "cgroup.subtree_control lacks dmem"
         )
+    if outcome.result is LimitResult.NOT_APPLIED:
+        return (
+            f"NVML accepted the limit for {cgroup}, but the driver then reads {outcome.detail}: "
+            "it does not hold (a read-only cgroup mount, another writer, or a limit below what "
+            "the cgroup already holds, which the driver ignores); tried again when the limit "
+            "or the cgroup changes"
+        )
     return f"setting the GPU memory limit on {cgroup} failed{detail}"
 
 

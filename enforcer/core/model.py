@@ -219,6 +219,7 @@ class LimitResult(StrEnum):
     NO_CGROUP = "no-cgroup"  # the driver cannot open the cgroup (gone, or not cgroup v2)
     NO_DMEM = "no-dmem"  # Set's NOT_FOUND: that cgroup has no dmem files (NVIDIA's MPS v3 page)
     REJECTED = "rejected"  # NVML refused the values themselves
+    NOT_APPLIED = "not-applied"  # accepted, but a read afterwards does not show it
     FAILED = "failed"  # anything else; worth another try later
 
 

@@ -637,7 +637,8 @@ class AgentTelemetry:
         self.hard_limit_calls = Counter(
             PREFIX + "hard_limit_calls",
             "Per-cgroup GPU memory limits set or cleared through NVML, by operation (set, "
-            "clear) and result (set, unsupported, forbidden, no-cgroup, rejected, failed)",
+            "clear) and result (set, unsupported, forbidden, no-cgroup, rejected, "
+            "not-applied, failed)",
             ["operation", "result"],
             registry=self.registry,
         )

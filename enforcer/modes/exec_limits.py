@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from enforcer.core import messages
-from enforcer.core.hard_limits import SOFT_BYTES, per_gpu
+from enforcer.core.hard_limits import mig_gpus, per_gpu
 from enforcer.core.model import (
     LimitOutcome,
     LimitResult,
@@ -20,6 +20,7 @@ from enforcer.core.settings.exec import ExecSettings
 from enforcer.core.tier_choice import Choice
 from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup, move
 from enforcer.edge.charge_proof import ChargeProof
+from enforcer.edge.driver_tier import apply
 from enforcer.edge.nvml import Nvml, NvmlError
 
 log = logging.getLogger(__name__)
@@ -133,10 +134,8 @@ def place(settings: ExecSettings, nvml: Nvml, choice: Choice) -> tuple[Placed | 
         cgroup = CommandCgroup.create()
     except CgroupFsError as exc:
         return None, str(exc)
-    outcomes = {
-        gpu: nvml.set_memory_limit(gpu, str(cgroup.command), b, SOFT_BYTES)
-        for gpu, b in wanted.items()
-    }
+    # A cgroup of our own, new: no one else's limit to read first; each Set read back.
+    outcomes = {gpu: apply(nvml, gpu, str(cgroup.command), b) for gpu, b in wanted.items()}
     limits = {gpu: wanted[gpu] for gpu, o in outcomes.items() if o.result is LimitResult.SET}
     failed = {gpu: o for gpu, o in outcomes.items() if o.result is not LimitResult.SET}
     why = [_why(o, nvml, cgroup, gpu if limits else None) for gpu, o in failed.items()]

@@ -26,7 +26,6 @@ from enforcer.core import messages
 from enforcer.core.declaration import env_trusted, portion_basis, unreadable
 from enforcer.core.dra import DraObjects, claim_names
 from enforcer.core.hard_limits import (
-    SOFT_BYTES,
     Key,
     Target,
     mig_gpus,
@@ -46,6 +45,7 @@ from enforcer.core.tier_choice import Choice
 from enforcer.core.units import POD_UNIT
 from enforcer.edge import cgroupfs
 from enforcer.edge.charge_proof import ChargeProof
+from enforcer.edge.driver_tier import apply
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.nvml import Nvml
@@ -107,7 +107,9 @@ class HardLimiter(threading.Thread):
         self._guard = LoopGuard("hard-limiter", telemetry.unexpected.labels("hard-limiter"), log)
         # The limits this agent set and that are still in place, with whom they are for.
         self._applied: dict[Key, tuple[Target, int]] = {}
-        self._rejected: set[tuple[str, str, int]] = set()
+        # Values NVML rejected, or that did not read back, with why: not tried again until
+        # the value or the cgroup changes.
+        self._rejected: dict[tuple[str, str, int], str] = {}
         self._final: dict[str, LimitOutcome] = {}  # GPU -> why it never gets a limit
         self._told: set[str] = set()  # pods whose Event has gone out
         self._proof = ChargeProof(nvml)  # whether the driver charges each pod's processes
@@ -145,10 +147,10 @@ class HardLimiter(threading.Thread):
             return
         found = self._scanner.scan()
         pod_dirs, existing = found.pods, found.paths()
-        self._rejected = {r for r in self._rejected if r[0] in existing}  # gone with the cgroup
+        self._rejected = {r: why for r, why in self._rejected.items() if r[0] in existing}
         wanted = targets(declared, pod_dirs, found.containers)
         limits = {key: limit for key, (_, limit) in self._applied.items()}
-        todo = plan(wanted, usable, limits, existing, self._rejected)
+        todo = plan(wanted, usable, limits, existing, set(self._rejected))
         for key in todo.forget:
             self._drop(key)
         for key in todo.clear:
@@ -253,24 +255,38 @@ class HardLimiter(threading.Thread):
         return "; ".join(dict.fromkeys(reasons)) or "NVML reports no GPU memory to limit"
 
     def _set(self, target: Target, gpu: str, limit: int) -> None:
-        outcome = self._nvml.set_memory_limit(gpu, target.cgroup, limit, SOFT_BYTES)
+        outcome = apply(self._nvml, gpu, target.cgroup, limit)
         self._telemetry.hard_limit_calls.labels("set", outcome.result.value).inc()
-        key = (target.cgroup, gpu)
         if outcome.result is LimitResult.SET:
-            self._applied[key] = (target, limit)
-            self._telemetry.hard_limits.labels(*_labels(target), gpu).set(limit)
-            log.info(
-                "hard limit of %s on %s for %s: %s",
-                format_bytes(limit),
-                gpu,
-                _name(target),
-                target.cgroup,
-            )
-        elif outcome.final:
+            self._hold(target, gpu, limit, "set")
+        else:
+            self._failed(target, gpu, limit, outcome)
+
+    def _hold(self, target: Target, gpu: str, limit: int, how: str) -> None:
+        self._applied[(target.cgroup, gpu)] = (target, limit)
+        self._telemetry.hard_limits.labels(*_labels(target), gpu).set(limit)
+        log.info(
+            "hard limit of %s on %s for %s (%s): %s",
+            format_bytes(limit),
+            gpu,
+            _name(target),
+            how,
+            target.cgroup,
+        )
+
+    def _failed(self, target: Target, gpu: str, limit: int, outcome: LimitOutcome) -> None:
+        if outcome.final:
             self._final[gpu] = outcome  # said once, as this node's reason
-        elif outcome.result is LimitResult.REJECTED:
-            self._rejected.add((target.cgroup, gpu, limit))
-            log.warning("%s", messages.no_hard_limit(outcome, "", target.cgroup))
+        elif outcome.result in (LimitResult.REJECTED, LimitResult.NOT_APPLIED):
+            why = messages.no_hard_limit(outcome, "", target.cgroup)
+            self._rejected[(target.cgroup, gpu, limit)] = why
+            log.warning("%s: %s", _name(target), why)
+            if target.container:  # the pod's own is its tier's Event (`_announce`)
+                about = pod_reference(target.namespace, target.pod, target.uid)
+                text = f"container {target.container} on {gpu}: {messages.sampling_only(why)}"
+                self._recorder.record(
+                    about, str(Reason.SAMPLING_ONLY), text, warning=True, once=True
+                )
         else:  # the cgroup went away meanwhile, or NVML failed: the next pass tries again
             log.debug("%s", messages.no_hard_limit(outcome, "", target.cgroup))
 
@@ -295,11 +311,13 @@ class HardLimiter(threading.Thread):
     def _announce(self, pod: PodOwed, pod_dir: str, usable: Sequence[Device]) -> None:
         """The pod's Event, once its own cgroup has its limit on every GPU that can."""
         limits = {gpu: b for (cg, gpu), (_, b) in self._applied.items() if cg == pod_dir}
-        rejected = [gpu for cg, gpu, _ in self._rejected if cg == pod_dir]
+        owed = pod_limits(pod, usable)
+        rejected = [
+            f"{gpu}: {why}" for (cg, gpu, _), why in self._rejected.items() if cg == pod_dir
+        ]
         if rejected:
-            why = f"NVML rejected the limit of the pod's cgroup {pod_dir} on {', '.join(rejected)}"
-            self._tell(pod, Reason.SAMPLING_ONLY, messages.sampling_only(why))
-        elif limits and set(limits) == set(pod_limits(pod, usable)):
+            self._tell(pod, Reason.SAMPLING_ONLY, messages.sampling_only("; ".join(rejected)))
+        elif limits and set(limits) == set(owed):
             self._prove(pod, pod_dir, limits)
 
     def _prove(self, pod: PodOwed, pod_dir: str, limits: Mapping[str, int]) -> None:

@@ -13,7 +13,15 @@ from typing import Any, cast
 
 from enforcer.core.declaration import Declares
 from enforcer.core.dra import DraObjects, DraSettings
-from enforcer.core.model import Device, GiB, LimitOutcome, LimitResult, ProcessKey, Sample
+from enforcer.core.model import (
+    Device,
+    GiB,
+    HeldLimit,
+    LimitOutcome,
+    LimitResult,
+    ProcessKey,
+    Sample,
+)
 from enforcer.core.model import ProcessUsage as Usage
 from enforcer.core.payloads import Pod
 from enforcer.edge.latest import Latest
@@ -95,8 +103,10 @@ class RecordingNvml:
         self.set[(cgroup, gpu)], self.soft[(cgroup, gpu)] = hard, soft
         return LimitOutcome(LimitResult.SET)
 
-    def memory_limit(self, gpu: str, cgroup: str) -> None:
-        return None
+    def memory_limit(self, gpu: str, cgroup: str) -> HeldLimit | None:
+        """What was set, as the driver reads it back."""
+        hard = self.set.get((cgroup, gpu))
+        return None if hard is None else HeldLimit(hard, self.soft[(cgroup, gpu)], 0)
 
     def clear_memory_limit(self, gpu: str, cgroup: str) -> LimitOutcome:
         self.set.pop((cgroup, gpu), None)

@@ -12,12 +12,22 @@ from enforcer.core.hard_limits import (
     SOFT_BYTES,
     Target,
     charged,
+    holds,
     per_gpu,
     plan,
     pod_limits,
     targets,
 )
-from enforcer.core.model import Device, GiB, ProcessKey, ProcessUsage, Sample
+from enforcer.core.model import (
+    Device,
+    GiB,
+    HeldLimit,
+    LimitOutcome,
+    LimitResult,
+    ProcessKey,
+    ProcessUsage,
+    Sample,
+)
 from enforcer.core.owed import Claims, PodOwed, owed, pod_owed
 
 A, B = "a" * 64, "b" * 64
@@ -157,6 +167,14 @@ def test_plan_sets_what_differs_and_clears_only_its_own_limits() -> None:
     assert plan({"/k/pod": pod_t}, [H100], {}, {"/k/pod"}, rejected).set == ()
     bigger = Target("/k/pod", "ml", "train", UID, "", 10 * GiB)
     assert len(plan({"/k/pod": bigger}, [H100], {}, {"/k/pod"}, rejected).set) == 1
+
+
+def test_a_set_holds_only_when_read_back_as_set_with_soft_0() -> None:
+    assert holds(HeldLimit(8 * GiB, 0, GiB), 8 * GiB)
+    assert not holds(HeldLimit(8 * GiB, GiB, 0), 8 * GiB)  # a reservation: not ours
+    assert not holds(HeldLimit(4 * GiB, 0, 0), 8 * GiB)  # below usage, ignored; or overwritten
+    assert not holds(None, 8 * GiB)  # not taken at all (a read-only mount)
+    assert not holds(LimitOutcome(LimitResult.FAILED), 8 * GiB)
 
 
 def test_dra_claims_become_hard_limits_on_the_allocated_gpu_only() -> None:
