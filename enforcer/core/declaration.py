@@ -310,11 +310,17 @@ def _above(ceilings: Mapping[str, int], limits: Mapping[str, int]) -> dict[str, 
 def sidecar_env(pod: Pod, sidecar: str) -> dict[str, str]:
     """The literal variables of the pod's sidecar, read from its spec: fixed at admission,
     unlike the pod's annotations."""
+    return container_env(pod, sidecar)
+
+
+def container_env(pod: Pod, container: str) -> dict[str, str]:
+    """The literal variables a container of the pod (init containers included) is given in
+    its spec."""
     spec = json_map(pod.get("spec"))
     found: dict[str, str] = {}
     for spec_field in ("initContainers", "containers"):
         for c in json_maps(spec.get(spec_field)):
-            if c.get("name") == sidecar:
+            if c.get("name") == container:
                 for e in json_maps(c.get("env")):
                     name, value = e.get("name"), e.get("value")
                     if isinstance(name, str) and isinstance(value, str):

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from enum import StrEnum
 
+from enforcer.core.kai import nv_fractions
 from enforcer.core.model import Device, HeldLimit, LimitOutcome, MiB
 from enforcer.core.owed import Owing, PodOwed
 
@@ -174,10 +176,11 @@ def plan(
     applied: Mapping[Key, int],
     existing: AbstractSet[str],
     rejected: AbstractSet[tuple[str, str, int]] = frozenset(),
+    foreign: AbstractSet[Key] = frozenset(),
 ) -> LimitChanges:
     """What to change so that exactly the wanted limits hold, touching only limits that we
-    set ourselves (`applied`). A value NVML rejected, or did not hold when read back, is not
-    tried again until it changes."""
+    set ourselves (`applied`), never one someone else set (`foreign`). A value NVML
+    rejected, or did not hold when read back, is not tried again until it changes."""
     desired = {
         (t.cgroup, gpu): limit
         for t in wanted.values()
@@ -186,7 +189,9 @@ def plan(
     to_set = tuple(
         (wanted[cgroup], gpu, limit)
         for (cgroup, gpu), limit in desired.items()
-        if applied.get((cgroup, gpu)) != limit and (cgroup, gpu, limit) not in rejected
+        if applied.get((cgroup, gpu)) != limit
+        and (cgroup, gpu, limit) not in rejected
+        and (cgroup, gpu) not in foreign
     )
     gone = [key for key in applied if key not in desired]
     return LimitChanges(
@@ -212,3 +217,47 @@ def holds(held: HeldLimit | LimitOutcome | None, hard: int) -> bool:
     read-only mount, a racing writer or a value the driver ignored (one below what the
     cgroup holds, on dmem) all fail it."""
     return isinstance(held, HeldLimit) and same_hard(held, hard) and held.soft_bytes == SOFT_BYTES
+
+
+class Found(StrEnum):
+    """What a read before our first write to a (cgroup, GPU) found there."""
+
+    FREE = "free"  # no limit (or only the one its pod cgroup has, read through): ours to set
+    OURS = "ours"  # the limit we would set: a restarted or upgraded agent's own, adopted
+    FOREIGN = "foreign"  # a limit someone else set: never written or cleared by us
+
+
+def first_read(held: HeldLimit | None, hard: int, inherited: int | None = None) -> Found:
+    """Who holds a (cgroup, GPU) we have not written to yet. `held`: the driver's answer
+    (None: no limit). `inherited`: the limit we hold the pod's cgroup to there, which a leaf
+    without `dmem` files reads as its own (NVIDIA's MPS v3 page) and is no one else's."""
+    if held is None:
+        return Found.FREE
+    if same_hard(held, hard):
+        return Found.OURS
+    if inherited is not None and same_hard(held, inherited):
+        return Found.FREE
+    return Found.FOREIGN
+
+
+# Who set a foreign limit, as the Event and the series name it.
+TOOLKIT = "nvidia-container-toolkit"  # its apply-cuda-memory-limits hook, from the env below
+UNKNOWN_OWNER = "unknown"
+TOOLKIT_LIMIT_ENV = "NVIDIA_GPU_MEMORY_LIMIT"  # read by the hook as the container is created
+
+
+def owner(container_env: AbstractSet[str]) -> str:
+    """Who most likely set a limit we did not: the toolkit's hook where the container's spec
+    gives it its variable, else unknown."""
+    return TOOLKIT if TOOLKIT_LIMIT_ENV in container_env else UNKNOWN_OWNER
+
+
+# The label gpu-fractioning's MPS daemon puts on a node it serves (its README).
+FRACTIONING_LABEL = "gpu-fractioning.kai.scheduler/nvidia-driver-version.major"
+
+
+def fractioned(annotations: Mapping[str, object], node_labels: Mapping[str, str]) -> bool:
+    """Whether gpu-fractioning serves the pod: it declares in KAI's NvFractions form on a
+    node that gpu-fractioning's MPS daemon labelled. Its hook sets the pod's leaves (R615 +
+    MPS), and its clients are invisible to sampling: nothing of ours is set there."""
+    return FRACTIONING_LABEL in node_labels and nv_fractions(annotations)

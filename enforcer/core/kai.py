@@ -48,6 +48,12 @@ def declares(annotations: Mapping[str, object]) -> bool:
     )
 
 
+def nv_fractions(annotations: Mapping[str, object]) -> bool:
+    """Whether the pod declares its share in the NvFractions form, the one gpu-fractioning
+    serves."""
+    return any(_container_of(k, _NV_REQUEST) or _container_of(k, _NV_LIMIT) for k in annotations)
+
+
 # Checks a limit above the request: (ceiling in bytes, or None for a portion of a GPU;
 # the request in bytes; the annotation's key; its value). Raises ConfigError to refuse it.
 Borrowing = Callable[[int | None, int, str, object], None]

@@ -461,3 +461,26 @@ def not_charged(gpu: str, listed: int, whose: str) -> str:
         f"{format_bytes(listed)} for {whose} there: the limit does not bind them (the "
         "driver's limits may bind MPS clients only; docs/nvml.md)"
     )
+
+
+def foreign_limit(whose: str, gpu: str, held: int, owed: int, owner: str) -> str:
+    """A limit someone else set on a cgroup we would hold: left as it is, and whether it
+    holds `whose` processes to what they are owed there."""
+    text = (
+        f"{whose} is held by {owner} at {format_bytes(held)} on {gpu}: a limit vram-enforcer "
+        "did not set, which it never changes or clears"
+    )
+    if held <= owed:
+        return f"{text}; it is within the {format_bytes(owed)} owed there, so the driver holds it"
+    return (
+        f"{text}; it is above the {format_bytes(owed)} owed there, so the driver lets it "
+        "allocate past its limit, and sampling enforces that limit"
+    )
+
+
+def held_by_fractioning() -> str:
+    """A pod that gpu-fractioning serves: its limits are its own, set by its hook."""
+    return (
+        "held by gpu-fractioning (R615 + MPS): its hook sets this pod's limits, and "
+        "vram-enforcer sets none; sampling cannot see MPS clients"
+    )

@@ -15,6 +15,7 @@ class Reason(StrEnum):
     USAGE_UNKNOWN = "VRAMUsageUnknown"
     HARD_LIMIT = "VRAMHardLimit"  # the agent: the driver holds the pod to its limits
     SAMPLING_ONLY = "VRAMSamplingOnly"  # the agent: no hard limit for the pod, and why
+    FOREIGN_LIMIT = "VRAMForeignLimit"  # the agent: a limit it did not set, left as it is
     ALLOCATION_UNKNOWN = "VRAMAllocationUnknown"  # DRA: a container's GPUs are not proven
     GPU_UNREADABLE = "VRAMGpuUnreadable"  # the agent, on its Node: NVML cannot read a GPU
     SIDECAR_SILENT = "VRAMSidecarSilent"  # the agent: a pod's sidecar is gone (or back)

@@ -634,6 +634,13 @@ class AgentTelemetry:
             registry=self.registry,
         )
         self.hard_limits = hard_limit_gauge(["namespace", "pod", "container", "gpu"], self.registry)
+        self.foreign_limits = Gauge(
+            PREFIX + "foreign_limit_bytes",
+            "A GPU memory limit someone else (owner) set on a cgroup the agent would hold, "
+            "which it leaves as it is (bytes)",
+            ["namespace", "pod", "container", "gpu", "owner"],
+            registry=self.registry,
+        )
         self.hard_limit_calls = Counter(
             PREFIX + "hard_limit_calls",
             "Per-cgroup GPU memory limits set or cleared through NVML, by operation (set, "

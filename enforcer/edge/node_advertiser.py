@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kubernetes import client
 
@@ -35,6 +35,11 @@ class NodeAdvertiser:
         self._advertise = advertise
         self._labels = labels
         self._deadline = deadline
+        self._node_labels: Mapping[str, str] = {}  # the Node's, as last read (swapped whole)
+
+    def last_labels(self) -> Mapping[str, str]:
+        """The Node's labels as `sync` last read them (none before)."""
+        return self._node_labels
 
     def desired_bytes(self, devices: Sequence[Device]) -> int:
         return to_units(node_vram(devices, self._reserve), self._unit) * self._unit
@@ -42,6 +47,7 @@ class NodeAdvertiser:
     def sync(self, devices: Sequence[Device]) -> tuple[int, int]:
         """Patch what differs; returns (status ops, label ops) applied. Raises KubeError."""
         node = self._read()
+        self._node_labels = dict((node.get("metadata") or {}).get("labels") or {})
         status_ops: list[PatchOperation] = []
         label_changes: list[PatchOperation] = []
         if self._advertise:

@@ -22,7 +22,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -408,8 +408,10 @@ def _serve(
     others: list[Woken] = []
     steps = None
     if api is not None and recorder is not None:
+        # The Node's labels as its advertiser last read them: gpu-fractioning's among them.
+        labels = advertiser.last_labels if advertiser is not None else dict
         watches, others, steps = _pod_watch(
-            settings, api, recorder, telemetry, server, passes, served, tier
+            settings, api, recorder, telemetry, server, passes, served, tier, labels
         )
     faults = GpuFaults(telemetry, settings.node_name, recorder)
     sampler = Sampler(
@@ -518,6 +520,7 @@ def _pod_watch(
     passes: Passes,
     served: _Served | None,
     tier: TierWatch | None,
+    node_labels: Callable[[], Mapping[str, str]],
 ) -> tuple[tuple[WatchedPods, ...], list[Woken], PodSteps]:
     """The one watch of this node's pods, and what it wakes: the hard limiter (with the
     recorder of its Events) and the pod replies to sidecars; and the watch of the namespaces
@@ -526,7 +529,7 @@ def _pod_watch(
     pod, for both. The limiter has an NVML session of its own (NVML counts
     initialisations): the sampler's is not shared. `served`: where the agent serves pods,
     what its server's hooks feed. Returned with them: what each sampler pass does with the
-    pods (`PodSteps`)."""
+    pods (`PodSteps`). `node_labels`: the Node's, as last read."""
     from enforcer.edge.claims import ClaimCache, ClaimReader  # noqa: PLC0415 - only when used
     from enforcer.edge.eviction import Evictor  # noqa: PLC0415
     from enforcer.edge.namespaces import OptedInNamespaces  # noqa: PLC0415
@@ -555,6 +558,7 @@ def _pod_watch(
         namespaces.names,
         Declares(settings.resource_name, settings.resource_unit, SIDECAR),
         reads if settings.dra.drivers else None,
+        node_labels,
     )
     woken: list[Woken] = []
     if settings.hard_limits:

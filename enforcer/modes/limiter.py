@@ -23,18 +23,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from enforcer.core import messages
-from enforcer.core.declaration import env_trusted, portion_basis, unreadable
+from enforcer.core.declaration import container_env, env_trusted, portion_basis, unreadable
 from enforcer.core.dra import DraObjects, claim_names
 from enforcer.core.hard_limits import (
+    SOFT_BYTES,
+    Found,
     Key,
     Target,
+    first_read,
+    fractioned,
     mig_gpus,
+    owner,
     per_gpu,
     plan,
     pod_limits,
     targets,
 )
-from enforcer.core.model import Device, LimitOutcome, LimitResult, format_bytes
+from enforcer.core.model import Device, HeldLimit, LimitOutcome, LimitResult, format_bytes
 from enforcer.core.owed import Claims, PodOwed, node_claims, pod_owed
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
@@ -93,6 +98,7 @@ class HardLimiter(threading.Thread):
         self._nvml = nvml
         self._pods = node.pods
         self._opted_in = node.opted_in
+        self._node_labels = node.labels
         self._sampled = sampled
         self._recorder = recorder
         self._telemetry = telemetry
@@ -107,6 +113,9 @@ class HardLimiter(threading.Thread):
         self._guard = LoopGuard("hard-limiter", telemetry.unexpected.labels("hard-limiter"), log)
         # The limits this agent set and that are still in place, with whom they are for.
         self._applied: dict[Key, tuple[Target, int]] = {}
+        # Limits someone else set where we would set ours, never written or cleared by us:
+        # with whom they are on, the hard limit the driver holds, and who set it.
+        self._foreign: dict[Key, tuple[Target, int, str]] = {}
         # Values NVML rejected, or that did not read back, with why: not tried again until
         # the value or the cgroup changes.
         self._rejected: dict[tuple[str, str, int], str] = {}
@@ -138,6 +147,7 @@ class HardLimiter(threading.Thread):
         live = {p.uid for p in declared}
         self._told &= live
         self._proof.keep(live)
+        declared = self._not_fractioned(declared, pods)
         usable = [d for d in devices if d.uuid not in self._final]
         why = self._node_reason(devices, usable)
         if why:
@@ -149,20 +159,35 @@ class HardLimiter(threading.Thread):
         pod_dirs, existing = found.pods, found.paths()
         self._rejected = {r: why for r, why in self._rejected.items() if r[0] in existing}
         wanted = targets(declared, pod_dirs, found.containers)
+        for key in [key for key in self._foreign if key[0] not in wanted]:
+            self._drop_foreign(key)  # its pod, or its cgroup, is gone: never cleared by us
         limits = {key: limit for key, (_, limit) in self._applied.items()}
-        todo = plan(wanted, usable, limits, existing, set(self._rejected))
+        todo = plan(wanted, usable, limits, existing, set(self._rejected), set(self._foreign))
         for key in todo.forget:
             self._drop(key)
         for key in todo.clear:
             self._clear(key)
         for target, gpu, limit in todo.set:
-            self._set(target, gpu, limit)
+            self._set(target, gpu, limit, pods.get(target.uid))
         for p in declared:
             if p.uid in pod_dirs:
                 self._announce(p, pod_dirs[p.uid], usable)
             elif running_containers(pods[p.uid]):
                 why = f"the pod's cgroup is not below {self._root} (is --cgroup-root the host's?)"
                 self._tell(p, Reason.SAMPLING_ONLY, messages.sampling_only(why))
+
+    def _not_fractioned(self, declared: list[PodOwed], pods: Mapping[str, Pod]) -> list[PodOwed]:
+        """The pods whose limits are ours to hold: gpu-fractioning holds the others itself
+        (`hard_limits.fractioned`), each said once."""
+        labels = self._node_labels()
+        mine = []
+        for p in declared:
+            annotations = (pods[p.uid].get("metadata") or {}).get("annotations") or {}
+            if fractioned(annotations, labels):
+                self._tell(p, Reason.FOREIGN_LIMIT, messages.held_by_fractioning())
+            else:
+                mine.append(p)
+        return mine
 
     def _declared(
         self, pods: Mapping[str, Pod], basis: int | None, trusted: frozenset[str]
@@ -254,13 +279,44 @@ class HardLimiter(threading.Thread):
             reasons.append(messages.mig_without_hard_limit(mig_gpus(devices)))
         return "; ".join(dict.fromkeys(reasons)) or "NVML reports no GPU memory to limit"
 
-    def _set(self, target: Target, gpu: str, limit: int) -> None:
+    def _set(self, target: Target, gpu: str, limit: int, pod: Pod | None) -> None:
+        """Hold the target to `limit` on the GPU. A (cgroup, GPU) we have not written to is
+        read first: no limit there is ours to set, our own value (a restarted agent's) is
+        adopted, anything else is someone else's and left as it is (`first_read`)."""
+        key = (target.cgroup, gpu)
+        if key not in self._applied:
+            held = self._nvml.memory_limit(gpu, target.cgroup)
+            if isinstance(held, LimitOutcome):
+                self._failed(target, gpu, limit, held)
+                return
+            found = first_read(held, limit, self._pods_limit(target, gpu))
+            if found is Found.FOREIGN and held is not None:
+                self._found_foreign(target, gpu, held, pod)
+                return
+            if found is Found.OURS and held is not None:
+                self._hold(target, gpu, limit, "adopted, as found")
+                if held.soft_bytes == SOFT_BYTES:
+                    return  # else an older release's reservation: rewritten with soft 0
         outcome = apply(self._nvml, gpu, target.cgroup, limit)
         self._telemetry.hard_limit_calls.labels("set", outcome.result.value).inc()
         if outcome.result is LimitResult.SET:
             self._hold(target, gpu, limit, "set")
         else:
             self._failed(target, gpu, limit, outcome)
+
+    def _pods_limit(self, target: Target, gpu: str) -> int | None:
+        """For a container's cgroup, the limit we hold its pod's cgroup to on the GPU: what
+        a cgroup without dmem files reads as its own (NVIDIA's MPS v3 page)."""
+        if not target.container:
+            return None
+        return next(
+            (
+                b
+                for (_, g), (t, b) in self._applied.items()
+                if g == gpu and t.uid == target.uid and not t.container
+            ),
+            None,
+        )
 
     def _hold(self, target: Target, gpu: str, limit: int, how: str) -> None:
         self._applied[(target.cgroup, gpu)] = (target, limit)
@@ -290,6 +346,23 @@ class HardLimiter(threading.Thread):
         else:  # the cgroup went away meanwhile, or NVML failed: the next pass tries again
             log.debug("%s", messages.no_hard_limit(outcome, "", target.cgroup))
 
+    def _found_foreign(self, target: Target, gpu: str, held: HeldLimit, pod: Pod | None) -> None:
+        """A limit we did not set: kept as it is, said once on the pod and in the series.
+        Within what the target is owed there, the driver holds it; above, sampling does."""
+        owned_by = owner(set(container_env(pod, target.container)) if pod else set())
+        self._foreign[(target.cgroup, gpu)] = (target, held.hard_bytes, owned_by)
+        self._telemetry.foreign_limits.labels(*_labels(target), gpu, owned_by).set(held.hard_bytes)
+        owed = target.limits_on(self._sampled.devices.get()).get(gpu, 0)
+        text = messages.foreign_limit(_whose(target), gpu, held.hard_bytes, owed, owned_by)
+        above = held.hard_bytes > owed
+        (log.warning if above else log.info)("%s: %s", _name(target), text)
+        about = pod_reference(target.namespace, target.pod, target.uid)
+        self._recorder.record(about, str(Reason.FOREIGN_LIMIT), text, warning=above, once=True)
+
+    def _drop_foreign(self, key: Key) -> None:
+        target, _, owned_by = self._foreign.pop(key)
+        self._telemetry.foreign_limits.remove(*_labels(target), key[1], owned_by)
+
     def _clear(self, key: Key) -> None:
         outcome = self._nvml.clear_memory_limit(key[1], key[0])
         self._telemetry.hard_limit_calls.labels("clear", outcome.result.value).inc()
@@ -311,7 +384,13 @@ class HardLimiter(threading.Thread):
     def _announce(self, pod: PodOwed, pod_dir: str, usable: Sequence[Device]) -> None:
         """The pod's Event, once its own cgroup has its limit on every GPU that can."""
         limits = {gpu: b for (cg, gpu), (_, b) in self._applied.items() if cg == pod_dir}
+        # A limit someone else set within what the pod is owed holds it as well as ours.
         owed = pod_limits(pod, usable)
+        limits |= {
+            gpu: b
+            for (cg, gpu), (_, b, _) in self._foreign.items()
+            if cg == pod_dir and b <= owed.get(gpu, 0)
+        }
         rejected = [
             f"{gpu}: {why}" for (cg, gpu, _), why in self._rejected.items() if cg == pod_dir
         ]
@@ -359,6 +438,10 @@ class HardLimiter(threading.Thread):
 def _name(target: Target) -> str:
     pod = f"pod {target.namespace}/{target.pod}"
     return f"{pod}, container {target.container}" if target.container else pod
+
+
+def _whose(target: Target) -> str:
+    return f"container {target.container}" if target.container else "the pod"
 
 
 def _labels(target: Target) -> tuple[str, str, str]:

@@ -27,12 +27,14 @@ class ClaimReads:
 class NodeView:
     """The node's pods by UID (None before the first list), the namespaces that opted in
     (None before theirs: no pod's sidecar environment is read until then), where the pods
-    declare VRAM, and with DRA their claims (None: no DRA driver's allocations are GPUs)."""
+    declare VRAM, with DRA their claims (None: no DRA driver's allocations are GPUs), and
+    the Node's labels as last read (none where the agent does not read its Node)."""
 
     pods: Callable[[], Mapping[str, Pod] | None]
     opted_in: Callable[[], frozenset[str] | None]
     declares: Declares
     claims: ClaimReads | None = None
+    labels: Callable[[], Mapping[str, str]] = dict
 
     def injected(self) -> dict[str, Pod] | None:
         """The node's pods that the webhook injected, by UID (`declaration.injected`); None

@@ -1,5 +1,6 @@
-"""The agent's driver limits against the fake NVML and real cgroups: a Set that does not
-read back is not counted as held (issue 44, item 3)."""
+"""The agent's driver limits against the fake NVML and real cgroups: read before the first
+write, a limit someone else set left as it is and explained, our own adopted, and a Set
+that does not read back not counted as held (issue 44, items 2 and 3)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, cast
 import pytest
 
 from enforcer.core.declaration import SIDECAR, Declares
+from enforcer.core.hard_limits import FRACTIONING_LABEL
 from enforcer.core.model import Device, GiB, HeldLimit, LimitResult
 from enforcer.core.payloads import Pod
 from enforcer.edge.driver_tier import apply
@@ -48,7 +50,7 @@ class Recorder:
         return [s for s in self.said if s.reason == reason]
 
 
-def trainer(env: dict[str, str] | None = None) -> Pod:
+def trainer(env: dict[str, str] | None = None, annotations: dict[str, str] | None = None) -> Pod:
     """A running pod whose container `c` declares 8Gi, with `env` in its own spec."""
     spec = {
         "containers": [
@@ -64,7 +66,13 @@ def trainer(env: dict[str, str] | None = None) -> Pod:
         "phase": "Running",
         "containerStatuses": [{"name": "c", "containerID": f"containerd://{CID}"}],
     }
-    meta = {"name": "train", "namespace": "ml", "uid": uid("train"), "resourceVersion": "1"}
+    meta = {
+        "name": "train",
+        "namespace": "ml",
+        "uid": uid("train"),
+        "resourceVersion": "1",
+        "annotations": annotations or {},
+    }
     return cast(Pod, {"metadata": meta, "spec": spec, "status": status})
 
 
@@ -77,6 +85,7 @@ class Node:
     pod_dir: Path
     leaf: Path
     gpu: str
+    labels: dict[str, str]
 
 
 @pytest.fixture
@@ -90,12 +99,13 @@ def node(fake_nvml: Any, cgroup2: Path) -> Node:
     leaf.mkdir(parents=True)
     gpu = fake_nvml.state.devices[0]["uuid"]
     pods: dict[str, Pod] = {}
+    labels: dict[str, str] = {}
     recorder, telemetry = Recorder(), AgentTelemetry()
     nvml = Nvml()
     nvml.init()
     limiter = HardLimiter(
         nvml,
-        NodeView(lambda: pods, lambda: frozenset({"ml"}), Declares(RES)),
+        NodeView(lambda: pods, lambda: frozenset({"ml"}), Declares(RES), labels=lambda: labels),
         cast(
             Any,
             SimpleNamespace(
@@ -107,7 +117,7 @@ def node(fake_nvml: Any, cgroup2: Path) -> Node:
         cgroups=(cgroup2, 60.0),
         changed=threading.Event(),
     )
-    return Node(limiter, pods, recorder, telemetry, pod_dir, leaf, gpu)
+    return Node(limiter, pods, recorder, telemetry, pod_dir, leaf, gpu, labels)
 
 
 def another_writer(gpu: str, cgroup: Path, hard: int, soft: int = 0) -> None:
@@ -123,6 +133,91 @@ def another_writer(gpu: str, cgroup: Path, hard: int, soft: int = 0) -> None:
 def on(fake_nvml: Any, cgroup: Path) -> list[tuple[int, int]]:
     """(soft, hard) of every Set on `cgroup`, by anyone, in order."""
     return [(r["soft"], r["hard"]) for r in fake_nvml.limit_records() if r["cgroup"] == str(cgroup)]
+
+
+@pytest.mark.parametrize(("held", "warning"), [(6 * GiB, False), (12 * GiB, True)])
+def test_a_limit_the_toolkit_set_on_the_leaf_is_left_as_it_is_and_explained(
+    node: Node, fake_nvml: Any, held: int, warning: bool
+) -> None:
+    """NVIDIA's hook set the container's leaf at creation, from NVIDIA_GPU_MEMORY_LIMIT in
+    its spec: the agent reads before its first write, never sets or clears that limit, and
+    says so once on the pod (a Warning when it lets the container past what it is owed),
+    with the series naming the owner."""
+    another_writer(node.gpu, node.leaf, held)
+    node.pods[uid("train")] = trainer({"NVIDIA_GPU_MEMORY_LIMIT": str(held // 2**20)})
+    for _ in range(2):
+        node.limiter._pass()
+    assert on(fake_nvml, node.leaf) == [(0, held)]  # untouched
+    assert on(fake_nvml, node.pod_dir) == [(0, 8 * GiB)]  # the pod's is ours
+    (said,) = node.recorder.of("VRAMForeignLimit")
+    assert said.warning is warning
+    assert f"held by nvidia-container-toolkit at {held // GiB}.00 GiB on {node.gpu}" in (
+        said.message
+    )
+    series = node.telemetry.registry.get_sample_value(
+        "vram_enforcer_foreign_limit_bytes",
+        {
+            "namespace": "ml",
+            "pod": "train",
+            "container": "c",
+            "gpu": node.gpu,
+            "owner": "nvidia-container-toolkit",
+        },
+    )
+    assert series == held
+    # The pod goes: its own limit is cleared, the foreign one never, and its series goes.
+    node.pods.clear()
+    node.limiter._pass()
+    assert on(fake_nvml, node.leaf) == [(0, held)]
+    assert on(fake_nvml, node.pod_dir)[-1][1] != 8 * GiB
+    assert "vram_enforcer_foreign_limit_bytes{" not in _exposition(node.telemetry)
+
+
+def test_a_limit_nobody_names_is_foreign_with_an_unknown_owner(node: Node, fake_nvml: Any) -> None:
+    another_writer(node.gpu, node.pod_dir, 4 * GiB)
+    node.pods[uid("train")] = trainer()
+    node.limiter._pass()
+    assert on(fake_nvml, node.pod_dir) == [(0, 4 * GiB)]
+    (said,) = node.recorder.of("VRAMForeignLimit")
+    assert "the pod is held by unknown at 4.00 GiB" in said.message and not said.warning
+
+
+def test_a_restarted_agent_adopts_its_own_limits_and_drops_an_older_releases_reservation(
+    node: Node, fake_nvml: Any
+) -> None:
+    """The agent before this one held the pod to 8Gi with a soft limit (an older release)
+    and the leaf to 8Gi: the pod's is rewritten with soft 0, the leaf's left as it is;
+    both are its own, so both are cleared when the pod goes."""
+    another_writer(node.gpu, node.pod_dir, 8 * GiB, 4 * GiB)
+    another_writer(node.gpu, node.leaf, 8 * GiB)
+    node.pods[uid("train")] = trainer()
+    node.limiter._pass()
+    assert on(fake_nvml, node.pod_dir) == [(4 * GiB, 8 * GiB), (0, 8 * GiB)]
+    assert on(fake_nvml, node.leaf) == [(0, 8 * GiB)]
+    assert node.recorder.of("VRAMForeignLimit") == []
+    node.pods.clear()
+    node.limiter._pass()
+    assert on(fake_nvml, node.leaf)[-1][1] != 8 * GiB  # cleared: it was ours
+
+
+def test_a_pod_gpu_fractioning_serves_gets_nothing_of_ours_and_is_told_once(
+    node: Node, fake_nvml: Any
+) -> None:
+    """KAI's NvFractions on a node that gpu-fractioning's MPS daemon labelled: its hook sets
+    the pod's leaves, and sampling cannot see its MPS clients. Nothing is set; said once.
+    The same pod on an unlabelled node is ours."""
+    nv = {"nvidia.com/container.c.gpu-memory.request": "8Gi"}
+    node.pods[uid("train")] = trainer(annotations=nv)
+    node.labels[FRACTIONING_LABEL] = "615"
+    for _ in range(2):
+        node.limiter._pass()
+    assert fake_nvml.limit_records() == []
+    (said,) = node.recorder.said
+    assert said.reason == "VRAMForeignLimit" and not said.warning
+    assert said.message.startswith("held by gpu-fractioning (R615 + MPS)")
+    del node.labels[FRACTIONING_LABEL]
+    node.limiter._pass()
+    assert on(fake_nvml, node.pod_dir) == [(0, 8 * GiB)]
 
 
 class RacedNvml(Nvml):
@@ -178,3 +273,9 @@ def test_a_leaf_limit_that_does_not_read_back_is_said_and_not_retried_until_it_c
     assert leaf.warning
     assert leaf.message.startswith(f"container c on {node.gpu}: no hard limit: NVML accepted")
     assert "the driver then reads a hard limit of 6.00 GiB" in leaf.message
+
+
+def _exposition(telemetry: AgentTelemetry) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(telemetry.registry).decode()

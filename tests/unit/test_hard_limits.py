@@ -9,10 +9,17 @@ from enforcer.core.declaration import Declaration, Declares
 from enforcer.core.dra import DraObjects, DraSettings
 from enforcer.core.hard_limits import (
     EVIDENCE_BYTES,
+    FRACTIONING_LABEL,
     SOFT_BYTES,
+    TOOLKIT,
+    UNKNOWN_OWNER,
+    Found,
     Target,
     charged,
+    first_read,
+    fractioned,
     holds,
+    owner,
     per_gpu,
     plan,
     pod_limits,
@@ -24,6 +31,7 @@ from enforcer.core.model import (
     HeldLimit,
     LimitOutcome,
     LimitResult,
+    MiB,
     ProcessKey,
     ProcessUsage,
     Sample,
@@ -167,6 +175,22 @@ def test_plan_sets_what_differs_and_clears_only_its_own_limits() -> None:
     assert plan({"/k/pod": pod_t}, [H100], {}, {"/k/pod"}, rejected).set == ()
     bigger = Target("/k/pod", "ml", "train", UID, "", 10 * GiB)
     assert len(plan({"/k/pod": bigger}, [H100], {}, {"/k/pod"}, rejected).set) == 1
+    # A limit someone else set is never written, whatever it is.
+    assert plan({"/k/pod": bigger}, [H100], {}, {"/k/pod"}, foreign={("/k/pod", "GPU-0")}).set == ()
+
+
+def test_a_first_read_tells_no_limit_our_own_and_someone_elses() -> None:
+    """Read before the first write: nothing there is ours to set; our own value (within the
+    driver's rounding) is adopted; the pod cgroup's limit, read through a leaf without dmem
+    files, is no one else's; anything else is foreign."""
+    want = 8 * GiB
+    assert first_read(None, want) is Found.FREE
+    assert first_read(HeldLimit(want, 0, 0), want) is Found.OURS
+    assert first_read(HeldLimit(want - MiB, 0, 0), want) is Found.OURS  # whole MiB, rounded
+    assert first_read(HeldLimit(want, 4 * GiB, 0), want) is Found.OURS  # an older release's
+    assert first_read(HeldLimit(6 * GiB, 0, 0), want) is Found.FOREIGN
+    assert first_read(HeldLimit(9 * GiB, 0, 0), want, inherited=9 * GiB) is Found.FREE
+    assert first_read(HeldLimit(9 * GiB, 0, 0), want, inherited=10 * GiB) is Found.FOREIGN
 
 
 def test_a_set_holds_only_when_read_back_as_set_with_soft_0() -> None:
@@ -175,6 +199,19 @@ def test_a_set_holds_only_when_read_back_as_set_with_soft_0() -> None:
     assert not holds(HeldLimit(4 * GiB, 0, 0), 8 * GiB)  # below usage, ignored; or overwritten
     assert not holds(None, 8 * GiB)  # not taken at all (a read-only mount)
     assert not holds(LimitOutcome(LimitResult.FAILED), 8 * GiB)
+
+
+def test_a_foreign_limits_owner_is_the_toolkit_where_the_container_gives_its_hook_the_env() -> None:
+    assert owner({"NVIDIA_GPU_MEMORY_LIMIT", "PATH"}) == TOOLKIT
+    assert owner(set()) == UNKNOWN_OWNER
+
+
+def test_gpu_fractioning_serves_a_pod_of_nvfractions_on_a_node_its_mps_daemon_labelled() -> None:
+    nv = {"nvidia.com/container.c.gpu-memory.request": "4Gi"}
+    labelled = {FRACTIONING_LABEL: "615"}
+    assert fractioned(nv, labelled)
+    assert not fractioned(nv, {})  # KAI's annotations alone: KAI schedules, nobody holds
+    assert not fractioned({"gpu-memory": "4096"}, labelled)  # KAI's own form: not served
 
 
 def test_dra_claims_become_hard_limits_on_the_allocated_gpu_only() -> None:
