@@ -177,10 +177,12 @@ def plan(
     existing: AbstractSet[str],
     rejected: AbstractSet[tuple[str, str, int]] = frozenset(),
     foreign: AbstractSet[Key] = frozenset(),
+    refused: AbstractSet[str] = frozenset(),
 ) -> LimitChanges:
     """What to change so that exactly the wanted limits hold, touching only limits that we
     set ourselves (`applied`), never one someone else set (`foreign`). A value NVML
-    rejected, or did not hold when read back, is not tried again until it changes."""
+    rejected, or did not hold when read back, is not tried again until it changes; a cgroup
+    the driver cannot hold (`refused`: no dmem files) is not tried at all."""
     desired = {
         (t.cgroup, gpu): limit
         for t in wanted.values()
@@ -192,6 +194,7 @@ def plan(
         if applied.get((cgroup, gpu)) != limit
         and (cgroup, gpu, limit) not in rejected
         and (cgroup, gpu) not in foreign
+        and cgroup not in refused
     )
     gone = [key for key in applied if key not in desired]
     return LimitChanges(

@@ -408,8 +408,9 @@ def no_hard_limit(outcome: LimitOutcome, driver_version: str, cgroup: str) -> st
         return f"NVML rejected the limit for {cgroup}{detail}"
     if outcome.result is LimitResult.NO_DMEM:
         return (
-            f"the cgroup {cgroup} has no dmem files{detail}: an ancestor's "
-            "cgroup.subtree_control lacks dmem"
+            f"the cgroup {cgroup} has no dmem files, so the driver cannot hold it to a limit"
+            f"{detail}; NVIDIA's MPS v3 page: keep `+dmem` in cgroup.subtree_control of every "
+            "cgroup from the root down to it"
         )
     if outcome.result is LimitResult.NOT_APPLIED:
         return (

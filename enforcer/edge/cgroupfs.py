@@ -116,6 +116,27 @@ def controllers(path: Path) -> frozenset[str]:
         return frozenset()
 
 
+def first_without(controller: str, cgroup: Path, root: Path) -> Path | None:
+    """The first cgroup from `root` down to `cgroup`'s parent whose `cgroup.subtree_control`
+    does not enable `controller` for its children: where it stops reaching `cgroup` (a
+    controller's files exist only where every ancestor enables it). None when all do, or
+    `cgroup` is not below `root`."""
+    try:
+        below = cgroup.relative_to(root)
+    except ValueError:
+        return None
+    at = root
+    for part in below.parts:
+        try:
+            enabled = (at / "cgroup.subtree_control").read_text().split()
+        except OSError:
+            return at
+        if controller not in enabled:
+            return at
+        at = at / part
+    return None
+
+
 def enable(path: Path, controller: str) -> bool:
     """Enable `controller` for the children of `path`; False when the kernel refuses."""
     try:

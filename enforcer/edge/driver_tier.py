@@ -5,8 +5,11 @@ limit below what the cgroup already holds, which the driver leaves unchanged."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from enforcer.core.hard_limits import SOFT_BYTES, holds
 from enforcer.core.model import HeldLimit, LimitOutcome, LimitResult, format_bytes
+from enforcer.edge.cgroupfs import first_without
 from enforcer.edge.nvml import Nvml
 
 
@@ -21,6 +24,17 @@ def apply(nvml: Nvml, gpu: str, cgroup: str, hard: int) -> LimitOutcome:
     if holds(read, hard):
         return outcome
     return LimitOutcome(LimitResult.NOT_APPLIED, described(read))
+
+
+def without_dmem(
+    outcome: LimitOutcome, cgroup: str, root: Path
+) -> tuple[LimitOutcome, Path | None]:
+    """A refusal for want of dmem files, naming the first cgroup from `root` that does not
+    enable dmem below it (where it stops reaching `cgroup`), and that cgroup."""
+    at = first_without("dmem", Path(cgroup), root)
+    if at is None:
+        return outcome, None
+    return LimitOutcome(outcome.result, f"{at} does not enable dmem for its children"), at
 
 
 def described(read: HeldLimit | LimitOutcome | None) -> str:

@@ -645,7 +645,7 @@ class AgentTelemetry:
             PREFIX + "hard_limit_calls",
             "Per-cgroup GPU memory limits set or cleared through NVML, by operation (set, "
             "clear) and result (set, unsupported, forbidden, no-cgroup, rejected, "
-            "not-applied, failed)",
+            "no-dmem, not-applied, failed)",
             ["operation", "result"],
             registry=self.registry,
         )

@@ -18,9 +18,9 @@ from enforcer.core.model import (
 )
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.core.tier_choice import Choice
-from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup, move
+from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup, move, v2_root
 from enforcer.edge.charge_proof import ChargeProof
-from enforcer.edge.driver_tier import apply
+from enforcer.edge.driver_tier import apply, without_dmem
 from enforcer.edge.nvml import Nvml, NvmlError
 
 log = logging.getLogger(__name__)
@@ -148,5 +148,8 @@ def place(settings: ExecSettings, nvml: Nvml, choice: Choice) -> tuple[Placed | 
 
 
 def _why(outcome: LimitOutcome, nvml: Nvml, cgroup: CommandCgroup, gpu: str | None) -> str:
+    root = v2_root()
+    if outcome.result is LimitResult.NO_DMEM and root is not None:
+        outcome, _ = without_dmem(outcome, str(cgroup.command), root)
     reason = messages.no_hard_limit(outcome, nvml.driver_version, str(cgroup.command))
     return f"{gpu}: {reason}" if gpu else reason

@@ -50,7 +50,7 @@ from enforcer.core.tier_choice import Choice
 from enforcer.core.units import POD_UNIT
 from enforcer.edge import cgroupfs
 from enforcer.edge.charge_proof import ChargeProof
-from enforcer.edge.driver_tier import apply
+from enforcer.edge.driver_tier import apply, without_dmem
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.nvml import Nvml
@@ -119,6 +119,11 @@ class HardLimiter(threading.Thread):
         # Values NVML rejected, or that did not read back, with why: not tried again until
         # the value or the cgroup changes.
         self._rejected: dict[tuple[str, str, int], str] = {}
+        # Cgroups the driver cannot hold (no dmem files; or NOT_SUPPORTED where it holds
+        # others on that GPU), with why and the first cgroup from the root that does not
+        # enable dmem below it: a fact about that cgroup, never the GPU's, and not asked
+        # again until that cgroup is gone or the first such cgroup changes.
+        self._refused: dict[str, tuple[str, Path | None]] = {}
         self._final: dict[str, LimitOutcome] = {}  # GPU -> why it never gets a limit
         self._told: set[str] = set()  # pods whose Event has gone out
         self._proof = ChargeProof(nvml)  # whether the driver charges each pod's processes
@@ -158,11 +163,24 @@ class HardLimiter(threading.Thread):
         found = self._scanner.scan()
         pod_dirs, existing = found.pods, found.paths()
         self._rejected = {r: why for r, why in self._rejected.items() if r[0] in existing}
+        self._refused = {
+            cgroup: (why, at)
+            for cgroup, (why, at) in self._refused.items()
+            if cgroup in existing and cgroupfs.first_without("dmem", Path(cgroup), self._root) == at
+        }
         wanted = targets(declared, pod_dirs, found.containers)
         for key in [key for key in self._foreign if key[0] not in wanted]:
             self._drop_foreign(key)  # its pod, or its cgroup, is gone: never cleared by us
         limits = {key: limit for key, (_, limit) in self._applied.items()}
-        todo = plan(wanted, usable, limits, existing, set(self._rejected), set(self._foreign))
+        todo = plan(
+            wanted,
+            usable,
+            limits,
+            existing,
+            set(self._rejected),
+            set(self._foreign),
+            set(self._refused),
+        )
         for key in todo.forget:
             self._drop(key)
         for key in todo.clear:
@@ -331,20 +349,33 @@ class HardLimiter(threading.Thread):
         )
 
     def _failed(self, target: Target, gpu: str, limit: int, outcome: LimitOutcome) -> None:
-        if outcome.final:
+        elsewhere = any(g == gpu for _, g in self._applied)  # the driver holds another there
+        if outcome.result is LimitResult.NO_DMEM or (
+            outcome.result is LimitResult.UNSUPPORTED and elsewhere
+        ):
+            outcome, at = without_dmem(outcome, target.cgroup, self._root)
+            why = messages.no_hard_limit(outcome, self._nvml.driver_version, target.cgroup)
+            if outcome.result is LimitResult.UNSUPPORTED:
+                why = f"{why}; it holds other cgroups on {gpu}, so this one alone is refused"
+            self._refused[target.cgroup] = (why, at)
+            self._not_held(target, gpu, why)
+        elif outcome.final:
             self._final[gpu] = outcome  # said once, as this node's reason
         elif outcome.result in (LimitResult.REJECTED, LimitResult.NOT_APPLIED):
             why = messages.no_hard_limit(outcome, "", target.cgroup)
             self._rejected[(target.cgroup, gpu, limit)] = why
-            log.warning("%s: %s", _name(target), why)
-            if target.container:  # the pod's own is its tier's Event (`_announce`)
-                about = pod_reference(target.namespace, target.pod, target.uid)
-                text = f"container {target.container} on {gpu}: {messages.sampling_only(why)}"
-                self._recorder.record(
-                    about, str(Reason.SAMPLING_ONLY), text, warning=True, once=True
-                )
+            self._not_held(target, gpu, why)
         else:  # the cgroup went away meanwhile, or NVML failed: the next pass tries again
             log.debug("%s", messages.no_hard_limit(outcome, "", target.cgroup))
+
+    def _not_held(self, target: Target, gpu: str, why: str) -> None:
+        """Said once: in the log, and for a container's cgroup in a Warning on its pod (the
+        pod's own is its tier's Event, `_announce`)."""
+        log.warning("%s: %s", _name(target), why)
+        if target.container:
+            about = pod_reference(target.namespace, target.pod, target.uid)
+            text = f"container {target.container} on {gpu}: {messages.sampling_only(why)}"
+            self._recorder.record(about, str(Reason.SAMPLING_ONLY), text, warning=True, once=True)
 
     def _found_foreign(self, target: Target, gpu: str, held: HeldLimit, pod: Pod | None) -> None:
         """A limit we did not set: kept as it is, said once on the pod and in the series.
@@ -394,6 +425,8 @@ class HardLimiter(threading.Thread):
         rejected = [
             f"{gpu}: {why}" for (cg, gpu, _), why in self._rejected.items() if cg == pod_dir
         ]
+        if pod_dir in self._refused:
+            rejected.append(self._refused[pod_dir][0])
         if rejected:
             self._tell(pod, Reason.SAMPLING_ONLY, messages.sampling_only("; ".join(rejected)))
         elif limits and set(limits) == set(owed):

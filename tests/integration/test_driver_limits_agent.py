@@ -14,8 +14,9 @@ import pytest
 
 from enforcer.core.declaration import SIDECAR, Declares
 from enforcer.core.hard_limits import FRACTIONING_LABEL
-from enforcer.core.model import Device, GiB, HeldLimit, LimitResult
+from enforcer.core.model import Device, GiB, HeldLimit, LimitOutcome, LimitResult
 from enforcer.core.payloads import Pod
+from enforcer.edge.cgroupfs import first_without
 from enforcer.edge.driver_tier import apply
 from enforcer.edge.latest import Latest
 from enforcer.edge.metrics import AgentTelemetry
@@ -50,7 +51,11 @@ class Recorder:
         return [s for s in self.said if s.reason == reason]
 
 
-def trainer(env: dict[str, str] | None = None, annotations: dict[str, str] | None = None) -> Pod:
+def trainer(
+    env: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    container_id: str = CID,
+) -> Pod:
     """A running pod whose container `c` declares 8Gi, with `env` in its own spec."""
     spec = {
         "containers": [
@@ -64,7 +69,7 @@ def trainer(env: dict[str, str] | None = None, annotations: dict[str, str] | Non
     }
     status = {
         "phase": "Running",
-        "containerStatuses": [{"name": "c", "containerID": f"containerd://{CID}"}],
+        "containerStatuses": [{"name": "c", "containerID": f"containerd://{container_id}"}],
     }
     meta = {
         "name": "train",
@@ -279,3 +284,68 @@ def _exposition(telemetry: AgentTelemetry) -> str:
     from prometheus_client import generate_latest
 
     return generate_latest(telemetry.registry).decode()
+
+
+class RefusingNvml(Nvml):
+    """The agent's NVML session, where the driver refuses one cgroup as NVIDIA documents a
+    cgroup without dmem files (Set NOT_FOUND: `LimitResult.NO_DMEM`, as `Nvml` answers it),
+    or with NOT_SUPPORTED, and takes every other."""
+
+    def __init__(self, cgroup: Path, result: LimitResult) -> None:
+        super().__init__()
+        self.refused, self.result, self.asked = str(cgroup), result, 0
+
+    def set_memory_limit(
+        self, gpu_uuid: str, cgroup: str, hard_bytes: int, soft_bytes: int = 0
+    ) -> LimitOutcome:
+        if cgroup != self.refused:
+            return super().set_memory_limit(gpu_uuid, cgroup, hard_bytes, soft_bytes)
+        self.asked += 1
+        return LimitOutcome(self.result, "Not Found")
+
+
+@pytest.mark.parametrize("result", [LimitResult.NO_DMEM, LimitResult.UNSUPPORTED])
+def test_a_cgroup_the_driver_refuses_is_said_once_and_never_makes_the_gpu_final(
+    node: Node, fake_nvml: Any, cgroup2: Path, result: LimitResult
+) -> None:
+    """A leaf without dmem files (or NOT_SUPPORTED from it, where the pod's cgroup on the
+    same GPU took its limit) is a fact about that cgroup: said once, naming the first
+    cgroup that does not enable dmem below it, not asked again, and the GPU goes on taking
+    limits: a container restarted into a new cgroup gets its own."""
+    refusing = RefusingNvml(node.leaf, result)
+    refusing.init()
+    node.limiter._nvml = refusing
+    node.pods[uid("train")] = trainer()
+    for _ in range(3):
+        node.limiter._pass()
+    assert refusing.asked == 1
+    assert on(fake_nvml, node.pod_dir) == [(0, 8 * GiB)]
+    (said,) = node.recorder.of("VRAMSamplingOnly")
+    assert said.warning and said.message.startswith(f"container c on {node.gpu}: no hard limit:")
+    assert f"({cgroup2} does not enable dmem for its children)" in said.message
+    # The container restarts: a new ID, a new cgroup, asked (and the GPU still takes limits).
+    restarted = node.pod_dir / f"cri-containerd-{'e' * 64}.scope"
+    restarted.mkdir()
+    restart = trainer(container_id="e" * 64)
+    restart["metadata"]["resourceVersion"] = "2"
+    node.pods[uid("train")] = restart
+    node.limiter._pass()
+    assert on(fake_nvml, restarted) == [(0, 8 * GiB)]
+
+
+def test_the_first_cgroup_that_does_not_enable_a_controller_below_it(
+    cgroup2: Path, tmp_path: Path
+) -> None:
+    """On the real cgroupfs (no dmem below the test's scratch cgroup), then on a tree of
+    such files (this host's root enables no controller the test may turn on below it)."""
+    leaf = cgroup2 / "a" / "b"
+    leaf.mkdir(parents=True)
+    assert first_without("dmem", leaf, cgroup2) == cgroup2
+    tree = tmp_path / "a" / "b"
+    tree.mkdir(parents=True)
+    (tmp_path / "cgroup.subtree_control").write_text("memory dmem\n")
+    (tmp_path / "a" / "cgroup.subtree_control").write_text("memory\n")
+    assert first_without("dmem", tree, tmp_path) == tmp_path / "a"
+    (tmp_path / "a" / "cgroup.subtree_control").write_text("dmem\n")
+    assert first_without("dmem", tree, tmp_path) is None
+    assert first_without("dmem", Path("/elsewhere"), tmp_path) is None
