@@ -18,6 +18,7 @@ from enum import StrEnum
 from enforcer.core.kai import nv_fractions
 from enforcer.core.model import Device, HeldLimit, LimitOutcome, MiB
 from enforcer.core.owed import Owing, PodOwed
+from enforcer.core.tier_choice import TierName
 
 
 def per_gpu(limit_bytes: int, devices: Sequence[Device]) -> dict[str, int]:
@@ -264,3 +265,13 @@ def fractioned(annotations: Mapping[str, object], node_labels: Mapping[str, str]
     node that gpu-fractioning's MPS daemon labelled. Its hook sets the pod's leaves (R615 +
     MPS), and its clients are invisible to sampling: nothing of ours is set there."""
     return FRACTIONING_LABEL in node_labels and nv_fractions(annotations)
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """Which tier holds one container, and how (the driver's limit, with its value, who set
+    it and the driver's proof) or why sampling alone does: a line of its pod's Event."""
+
+    container: str
+    tier: TierName
+    how: str

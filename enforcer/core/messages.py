@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from enforcer.core.hard_limits import Holding
 from enforcer.core.model import (
     Action,
     LimitOutcome,
@@ -22,6 +23,7 @@ from enforcer.core.parsing import format_duration
 from enforcer.core.policy import Enforcement, Notice
 from enforcer.core.reasons import Reason
 from enforcer.core.reclaim import Reclaim
+from enforcer.core.tier_choice import TierName
 from enforcer.core.unaccounted import InNoPod, UndeclaredContainer
 
 _SIGNAL_NAME = {Action.TERMINATE: "SIGTERM", Action.KILL: "SIGKILL", Action.RESTART: "SIGTERM"}
@@ -436,23 +438,43 @@ def sampling_only(reason: str, interval: float | None = None) -> str:
     )
 
 
-def hard_limit_in_place(
-    label: str, limits: Mapping[str, int], proof: tuple[str, int, int] | None = None
-) -> str:
-    """`hard limit in place: the command tree may allocate at most 4.00 GiB on GPU-a, ...`,
-    with the driver's proof that it counts the processes, `(gpu, charged, listed)`."""
+def hard_limit_in_place(label: str, limits: Mapping[str, int]) -> str:
+    """`hard limit in place: the command tree may allocate at most 4.00 GiB on GPU-a, ...`."""
     per_gpu = ", ".join(f"{format_bytes(b)} on {gpu}" for gpu, b in limits.items())
-    text = (
+    return (
         f"hard limit in place: {label} may allocate at most {per_gpu}; the driver refuses an "
         "allocation past it (out of memory), and sampling checks the sum over GPUs"
     )
-    if proof is None:
-        return text
+
+
+def held_by_driver(limits: Mapping[str, int], owner: str, proof: tuple[str, int, int]) -> str:
+    """How the driver holds one container: its limit on each GPU, who set it where it is
+    not ours, and the driver's proof that it counts the container's own processes,
+    `(gpu, charged, listed)`."""
+    per_gpu = ", ".join(f"{format_bytes(b)} on {gpu}" for gpu, b in limits.items())
+    by = f" (set by {owner})" if owner else ""
     gpu, charged, listed = proof
     return (
-        f"{text}. The driver counts its processes: it charges {format_bytes(charged)} on "
-        f"{gpu}, where NVML lists {format_bytes(listed)} for them"
+        f"driver-limit, at most {per_gpu}{by}; the driver charges {format_bytes(charged)} on "
+        f"{gpu}, where NVML lists {format_bytes(listed)} for its processes"
     )
+
+
+def pod_tiers(
+    pod_limits: Mapping[str, int] | None, pod_why: str, holdings: Sequence[Holding]
+) -> str:
+    """The pod's one Event: which tier holds each container, led by its pod cgroup's limit
+    (or why it has none) where the driver holds some container, else by what sampling
+    means."""
+    each = "; ".join(f"container {h.container}: {h.how}" for h in holdings)
+    if any(h.tier is TierName.DRIVER for h in holdings):
+        lead = (
+            hard_limit_in_place("the pod", pod_limits)
+            if pod_limits is not None
+            else f"the pod's cgroup holds no hard limit ({pod_why})"
+        )
+        return f"{lead}. Per container: {each}"
+    return sampling_only(f"{pod_why}; {each}" if pod_why else each)
 
 
 def not_charged(gpu: str, listed: int, whose: str) -> str:

@@ -29,29 +29,27 @@ class ChargeProof:
 
     def __init__(self, nvml: Nvml) -> None:
         self._nvml = nvml
-        # (whose, GPU) -> reads in a row on which the driver charged the cgroup nothing.
+        # (cgroup, GPU) -> reads in a row on which the driver charged the cgroup nothing.
         self._misses: dict[tuple[str, str], int] = {}
 
-    def read(self, cgroup: str, listed: Mapping[str, int], whose: str = "") -> Proof | None:
+    def read(self, cgroup: str, listed: Mapping[str, int]) -> Proof | None:
         """The answer on the first GPU where there is one (`listed`: what NVML lists for the
         cgroup's processes on each GPU its limit is on): binds as soon as the driver charges
         them; does not once it has charged nothing on UNCHARGED_READS reads in a row; None
-        until then. A GPU where they hold too little to tell is not asked. The reads are
-        counted under `whose` (the cgroup, by default; the agent counts a pod's by its UID,
-        which a scan that misses its cgroup once does not reset)."""
+        until then. A GPU where they hold too little to tell is not asked."""
         for gpu, amount in listed.items():
             if amount < EVIDENCE_BYTES:
                 continue
             held = self._nvml.memory_limit(gpu, cgroup)
             if not isinstance(held, HeldLimit):
                 continue
-            key = (whose or cgroup, gpu)
+            key = (cgroup, gpu)
             verdict = charged(amount, held.charged_bytes)
             self._misses[key], binds = proven(self._misses.get(key, 0), verdict)
             if binds is not None:
                 return Proof(gpu, binds, held.charged_bytes, amount)
         return None
 
-    def keep(self, whose: AbstractSet[str]) -> None:
-        """Forget the counts of all but these (the others are gone)."""
-        self._misses = {key: n for key, n in self._misses.items() if key[0] in whose}
+    def keep(self, cgroups: AbstractSet[str]) -> None:
+        """Forget the counts of all cgroups but these (the others are gone)."""
+        self._misses = {key: n for key, n in self._misses.items() if key[0] in cgroups}

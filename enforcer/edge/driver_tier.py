@@ -34,7 +34,8 @@ def without_dmem(
     at = first_without("dmem", Path(cgroup), root)
     if at is None:
         return outcome, None
-    return LimitOutcome(outcome.result, f"{at} does not enable dmem for its children"), at
+    found = f"{at} does not enable dmem for its children"
+    return LimitOutcome(outcome.result, "; ".join(filter(None, (outcome.detail, found)))), at
 
 
 def described(read: HeldLimit | LimitOutcome | None) -> str:

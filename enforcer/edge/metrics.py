@@ -641,6 +641,13 @@ class AgentTelemetry:
             ["namespace", "pod", "container", "gpu", "owner"],
             registry=self.registry,
         )
+        self.container_tier = Gauge(
+            PREFIX + "container_tier",
+            "1 for the enforcement tier that holds a running container that declares VRAM "
+            "(driver-limit, sampling), once the agent knows it",
+            ["namespace", "pod", "container", "tier"],
+            registry=self.registry,
+        )
         self.hard_limit_calls = Counter(
             PREFIX + "hard_limit_calls",
             "Per-cgroup GPU memory limits set or cleared through NVML, by operation (set, "

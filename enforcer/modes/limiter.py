@@ -28,6 +28,7 @@ from enforcer.core.dra import DraObjects, claim_names
 from enforcer.core.hard_limits import (
     SOFT_BYTES,
     Found,
+    Holding,
     Key,
     Target,
     first_read,
@@ -46,7 +47,7 @@ from enforcer.core.pod import pod_reference
 from enforcer.core.reasons import Reason
 from enforcer.core.settings.sidecar import pod_policy
 from enforcer.core.sidecar_presence import running_containers
-from enforcer.core.tier_choice import Choice
+from enforcer.core.tier_choice import Choice, TierName
 from enforcer.core.units import POD_UNIT
 from enforcer.edge import cgroupfs
 from enforcer.edge.charge_proof import ChargeProof
@@ -126,7 +127,9 @@ class HardLimiter(threading.Thread):
         self._refused: dict[str, tuple[str, Path | None]] = {}
         self._final: dict[str, LimitOutcome] = {}  # GPU -> why it never gets a limit
         self._told: set[str] = set()  # pods whose Event has gone out
-        self._proof = ChargeProof(nvml)  # whether the driver charges each pod's processes
+        self._proof = ChargeProof(nvml)  # whether the driver charges each leaf's processes
+        # Container cgroup -> its target and the tier that holds it, once known.
+        self._holdings: dict[str, tuple[Target, Holding]] = {}
         # uid -> (version, parsed, what of its declaration could not be read, as said)
         self._parsed: dict[str, tuple[str, PodOwed | None, str]] = {}
         self._logged = ""
@@ -151,7 +154,6 @@ class HardLimiter(threading.Thread):
         declared = self._declared(pods, portion_basis(devices), trusted)
         live = {p.uid for p in declared}
         self._told &= live
-        self._proof.keep(live)
         declared = self._not_fractioned(declared, pods)
         usable = [d for d in devices if d.uuid not in self._final]
         why = self._node_reason(devices, usable)
@@ -187,9 +189,14 @@ class HardLimiter(threading.Thread):
             self._clear(key)
         for target, gpu, limit in todo.set:
             self._set(target, gpu, limit, pods.get(target.uid))
+        for gone in [cg for cg in self._holdings if cg not in wanted]:
+            leaf, held = self._holdings.pop(gone)
+            self._telemetry.container_tier.remove(*_labels(leaf), held.tier)
+        self._proof.keep(existing)
         for p in declared:
             if p.uid in pod_dirs:
-                self._announce(p, pod_dirs[p.uid], usable)
+                leaves = [t for t in wanted.values() if t.uid == p.uid and t.container]
+                self._announce(p, pod_dirs[p.uid], usable, leaves)
             elif running_containers(pods[p.uid]):
                 why = f"the pod's cgroup is not below {self._root} (is --cgroup-root the host's?)"
                 self._tell(p, Reason.SAMPLING_ONLY, messages.sampling_only(why))
@@ -353,10 +360,11 @@ class HardLimiter(threading.Thread):
         if outcome.result is LimitResult.NO_DMEM or (
             outcome.result is LimitResult.UNSUPPORTED and elsewhere
         ):
+            if outcome.result is LimitResult.UNSUPPORTED:  # S4: "Not Supported": no dmem files
+                elsewhere_too = f"NOT_SUPPORTED here, while it holds other cgroups on {gpu}"
+                outcome = LimitOutcome(LimitResult.NO_DMEM, elsewhere_too)
             outcome, at = without_dmem(outcome, target.cgroup, self._root)
-            why = messages.no_hard_limit(outcome, self._nvml.driver_version, target.cgroup)
-            if outcome.result is LimitResult.UNSUPPORTED:
-                why = f"{why}; it holds other cgroups on {gpu}, so this one alone is refused"
+            why = messages.no_hard_limit(outcome, "", target.cgroup)
             self._refused[target.cgroup] = (why, at)
             self._not_held(target, gpu, why)
         elif outcome.final:
@@ -412,47 +420,78 @@ class HardLimiter(threading.Thread):
         target, _ = self._applied.pop(key)
         self._telemetry.hard_limits.remove(*_labels(target), key[1])
 
-    def _announce(self, pod: PodOwed, pod_dir: str, usable: Sequence[Device]) -> None:
-        """The pod's Event, once its own cgroup has its limit on every GPU that can."""
-        limits = {gpu: b for (cg, gpu), (_, b) in self._applied.items() if cg == pod_dir}
-        # A limit someone else set within what the pod is owed holds it as well as ours.
-        owed = pod_limits(pod, usable)
-        limits |= {
-            gpu: b
-            for (cg, gpu), (_, b, _) in self._foreign.items()
-            if cg == pod_dir and b <= owed.get(gpu, 0)
-        }
-        rejected = [
-            f"{gpu}: {why}" for (cg, gpu, _), why in self._rejected.items() if cg == pod_dir
+    def _announce(
+        self, pod: PodOwed, pod_dir: str, usable: Sequence[Device], leaves: Sequence[Target]
+    ) -> None:
+        """The pod's one Event, once the tier that holds each of its running declaring
+        containers is known (`_holding`): which, per container."""
+        for leaf in leaves:
+            if leaf.cgroup not in self._holdings:
+                holding = self._holding(pod, leaf, usable)
+                if holding is not None:
+                    self._holdings[leaf.cgroup] = (leaf, holding)
+                    self._telemetry.container_tier.labels(*_labels(leaf), holding.tier).set(1)
+        holdings = [
+            self._holdings[leaf.cgroup][1] for leaf in leaves if leaf.cgroup in self._holdings
         ]
-        if pod_dir in self._refused:
-            rejected.append(self._refused[pod_dir][0])
-        if rejected:
-            self._tell(pod, Reason.SAMPLING_ONLY, messages.sampling_only("; ".join(rejected)))
-        elif limits and set(limits) == set(owed):
-            self._prove(pod, pod_dir, limits)
+        if pod.uid in self._told or not leaves or len(holdings) < len(leaves):
+            return
+        owed = pod_limits(pod, usable)
+        held = self._held_on(pod_dir, owed)
+        failed = self._failures(pod_dir)
+        if set(held) != set(owed) and not failed:
+            return  # the pod's own limit is still to come
+        driver = any(h.tier is TierName.DRIVER for h in holdings)
+        text = messages.pod_tiers(held if set(held) == set(owed) else None, failed, holdings)
+        self._tell(pod, Reason.HARD_LIMIT if driver else Reason.SAMPLING_ONLY, text)
 
-    def _prove(self, pod: PodOwed, pod_dir: str, limits: Mapping[str, int]) -> None:
-        """The hard tier is claimed for a pod only once the driver shows that it counts the
-        pod's processes against the limit (`charged`); said to bind nothing when, on two
-        passes in a row, it charged nothing while NVML lists enough for them to tell."""
-        if pod.uid in self._told:
-            return
-        usage = self._sampled.container_usage.get()
-        listed = {
-            gpu: sum(usage.get(cid, {}).get(gpu, 0) for cid in pod.ids.values()) for gpu in limits
-        }
-        proof = self._proof.read(pod_dir, listed, pod.uid)
+    def _holding(self, pod: PodOwed, leaf: Target, usable: Sequence[Device]) -> Holding | None:
+        """Which tier holds the container of `leaf`, or None while that is not known: a
+        limit on its leaf (ours, or someone else's within what it is owed) on every GPU it
+        is owed, once the driver shows it charges the container's own processes (NVML's
+        listing of them, by container ID) to it; sampling where the leaf has none, one
+        above what it is owed, or one the driver charges nothing to."""
+        owed = leaf.limits_on(usable)
+        whose = f"container {leaf.container}'s processes"
+        foreign = {g: (b, o) for (cg, g), (_, b, o) in self._foreign.items() if cg == leaf.cgroup}
+        for gpu, (b, owned_by) in foreign.items():
+            if b > owed.get(gpu, 0):
+                text = messages.foreign_limit("it", gpu, b, owed.get(gpu, 0), owned_by)
+                return Holding(leaf.container, TierName.SAMPLING, text)
+        failed = self._failures(leaf.cgroup)
+        if failed:
+            return Holding(leaf.container, TierName.SAMPLING, failed)
+        held = self._held_on(leaf.cgroup, owed)
+        if set(held) != set(owed):
+            return None
+        usage = self._sampled.container_usage.get().get(pod.ids.get(leaf.container, ""), {})
+        proof = self._proof.read(leaf.cgroup, {gpu: usage.get(gpu, 0) for gpu in held})
         if proof is None:
-            return
-        if proof.binds:
-            said = (proof.gpu, proof.charged_bytes, proof.listed_bytes)
-            text = messages.hard_limit_in_place("the pod", limits, said)
-            self._tell(pod, Reason.HARD_LIMIT, text)
-        else:
-            why = messages.not_charged(proof.gpu, proof.listed_bytes, "the pod's processes")
-            log.warning("pod %s/%s: %s", pod.namespace, pod.name, why)
-            self._tell(pod, Reason.SAMPLING_ONLY, messages.sampling_only(why))
+            return None
+        if not proof.binds:
+            why = messages.not_charged(proof.gpu, proof.listed_bytes, whose)
+            log.warning("%s: %s", _name(leaf), why)
+            return Holding(leaf.container, TierName.SAMPLING, why)
+        owners = ", ".join(sorted({o for _, o in foreign.values()}))
+        said = (proof.gpu, proof.charged_bytes, proof.listed_bytes)
+        return Holding(leaf.container, TierName.DRIVER, messages.held_by_driver(held, owners, said))
+
+    def _held_on(self, cgroup: str, owed: Mapping[str, int]) -> dict[str, int]:
+        """The limits that hold `cgroup` on each GPU: ours, and someone else's within what
+        it is owed there."""
+        held = {gpu: b for (cg, gpu), (_, b) in self._applied.items() if cg == cgroup}
+        for (cg, gpu), (_, b, _) in self._foreign.items():
+            if cg == cgroup and b <= owed.get(gpu, 0):
+                held[gpu] = b
+        return held
+
+    def _failures(self, cgroup: str) -> str:
+        """Why the driver holds `cgroup` to none of ours on some GPU ("" where nothing
+        failed): a value it rejected or did not read back, or no dmem files."""
+        why = [f"{gpu}: {w}" for (cg, gpu, _), w in self._rejected.items() if cg == cgroup]
+        if cgroup in self._refused:
+            why.append(self._refused[cgroup][0])
+        return "; ".join(why)
 
     def _tell(self, pod: PodOwed, reason: Reason, message: str) -> None:
         if pod.uid in self._told:

@@ -418,7 +418,7 @@ def test_hard_limits_land_on_the_cgroups_the_real_kubelet_makes(installed: Clust
         )
     finally:
         installed.use(pid, None)
-    assert "it charges 1.00 GiB on GPU-" in event.message
+    assert "the driver charges 1.00 GiB on GPU-" in event.message  # on the container's leaf
     core.delete_namespaced_pod("limited", "default")
     wait_for(lambda: gone(core, "default", "limited"), timeout=60, what="the pod to be gone")
     assert "Traceback" not in installed.agent.log()

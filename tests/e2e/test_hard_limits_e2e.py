@@ -164,8 +164,10 @@ def test_pod_and_container_limits_follow_the_pod_from_its_first_cgroup_to_its_de
         (event,) = [e for e in events(core, pod) if e.reason.startswith("VRAM")]
         assert event.type == "Normal"
         assert "the pod may allocate at most 16.00 GiB on GPU-" in event.message
-        assert "it charges 2.00 GiB on GPU-00000000" in event.message
-        assert "where NVML lists 2.00 GiB for them" in event.message
+        # Per container, proven on its own leaf against its own usage.
+        assert "container train: driver-limit, at most 12.00 GiB on GPU-" in event.message
+        assert "the driver charges 2.00 GiB on GPU-00000000" in event.message
+        assert "where NVML lists 2.00 GiB for its processes" in event.message
         gauges = hard_limit_gauges(agent)
         gpus = {
             "GPU-00000000-fake-4000-8000-000000000000",

@@ -4,6 +4,7 @@ that does not read back not counted as held (issue 44, items 2 and 3)."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from enforcer.core.declaration import SIDECAR, Declares
 from enforcer.core.hard_limits import FRACTIONING_LABEL
 from enforcer.core.model import Device, GiB, HeldLimit, LimitOutcome, LimitResult
 from enforcer.core.payloads import Pod
-from enforcer.edge.cgroupfs import first_without
+from enforcer.edge.cgroupfs import first_without, move
 from enforcer.edge.driver_tier import apply
 from enforcer.edge.latest import Latest
 from enforcer.edge.metrics import AgentTelemetry
@@ -320,9 +321,13 @@ def test_a_cgroup_the_driver_refuses_is_said_once_and_never_makes_the_gpu_final(
         node.limiter._pass()
     assert refusing.asked == 1
     assert on(fake_nvml, node.pod_dir) == [(0, 8 * GiB)]
-    (said,) = node.recorder.of("VRAMSamplingOnly")
+    # Said once on the pod (a Warning), and in its tier Event: sampling holds container c.
+    said, tier = node.recorder.of("VRAMSamplingOnly")
     assert said.warning and said.message.startswith(f"container c on {node.gpu}: no hard limit:")
-    assert f"({cgroup2} does not enable dmem for its children)" in said.message
+    assert f"the cgroup {node.leaf} has no dmem files" in said.message
+    assert f"{cgroup2} does not enable dmem for its children)" in said.message
+    assert "drivers from R615" not in said.message
+    assert tier.message.startswith(f"no hard limit: container c: the cgroup {node.leaf} has no")
     # The container restarts: a new ID, a new cgroup, asked (and the GPU still takes limits).
     restarted = node.pod_dir / f"cri-containerd-{'e' * 64}.scope"
     restarted.mkdir()
@@ -349,3 +354,60 @@ def test_the_first_cgroup_that_does_not_enable_a_controller_below_it(
     (tmp_path / "a" / "cgroup.subtree_control").write_text("dmem\n")
     assert first_without("dmem", tree, tmp_path) is None
     assert first_without("dmem", Path("/elsewhere"), tmp_path) is None
+
+
+def test_each_container_is_proven_on_its_own_leaf_and_the_pod_says_which_tier_holds_each(
+    node: Node, fake_nvml: Any
+) -> None:
+    """Two declaring containers, each with a process holding 2 GiB as NVML lists it by
+    container ID. `train`'s process is in its leaf: the driver charges it there, so the
+    driver holds `train`. `helper`'s process is in the pod's cgroup, not its leaf (where the
+    pod's total would have charged it and proven the whole pod): its leaf is charged
+    nothing, so sampling holds `helper`. One Event says both; the series too."""
+    helper_id = "f" * 64
+    helper_leaf = node.pod_dir / f"cri-containerd-{helper_id}.scope"
+    helper_leaf.mkdir()
+    pod = trainer()
+    pod["spec"]["containers"].insert(1, {"name": "helper", "resources": {"limits": {RES: "4Gi"}}})
+    pod["status"]["containerStatuses"].append(
+        {"name": "helper", "containerID": f"containerd://{helper_id}"}
+    )
+    node.pods[uid("train")] = pod
+    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        move(sleepers[0].pid, node.leaf)
+        move(sleepers[1].pid, node.pod_dir)
+        for each in sleepers:
+            fake_nvml.state.set_process(0, each.pid, 2 * GiB)
+        fake_nvml.write()
+        usage = {CID: {node.gpu: 2 * GiB}, helper_id: {node.gpu: 2 * GiB}}
+        node.limiter._sampled.container_usage.set(usage)  # type: ignore[attr-defined]
+        for _ in range(3):
+            node.limiter._pass()
+        (said,) = node.recorder.of("VRAMHardLimit")
+        assert said.message.startswith("hard limit in place: the pod may allocate at most 12.00")
+        assert (
+            f"container c: driver-limit, at most 8.00 GiB on {node.gpu}; the driver charges "
+            f"2.00 GiB on {node.gpu}, where NVML lists 2.00 GiB for its processes"
+        ) in said.message
+        assert (
+            f"container helper: the driver holds the limit on {node.gpu} but charges nothing"
+        ) in said.message
+        tiers = {
+            (c, tier): node.telemetry.registry.get_sample_value(
+                "vram_enforcer_container_tier",
+                {"namespace": "ml", "pod": "train", "container": c, "tier": tier},
+            )
+            for c in ("c", "helper")
+            for tier in ("driver-limit", "sampling")
+        }
+        assert tiers == {
+            ("c", "driver-limit"): 1,
+            ("c", "sampling"): None,
+            ("helper", "driver-limit"): None,
+            ("helper", "sampling"): 1,
+        }
+    finally:
+        for each in sleepers:
+            each.kill()
+            each.wait()

@@ -1,6 +1,6 @@
 """The proof that the driver charges a cgroup's processes to its hard limit, asked one way by
 exec and the agent (`edge/charge_proof.py`): binds at once, does not after two reads in a
-row that charged nothing, and the count of those reads is kept by whose it is."""
+row that charged nothing, and the count of those reads is kept while its cgroup is."""
 
 from typing import cast
 
@@ -36,16 +36,16 @@ def test_too_little_to_tell_is_not_asked() -> None:
 
 def test_a_limit_does_not_bind_after_reads_in_a_row_that_charged_nothing() -> None:
     proof = ChargeProof(cast(Nvml, Driver(charged=0)))
-    answers = [proof.read("/pod", {"GPU-0": GiB}, "uid") for _ in range(UNCHARGED_READS)]
+    answers = [proof.read("/pod", {"GPU-0": GiB}) for _ in range(UNCHARGED_READS)]
     assert answers[:-1] == [None] * (UNCHARGED_READS - 1)
     assert answers[-1] == Proof("GPU-0", False, 0, GiB)
 
 
-def test_the_count_is_kept_while_its_owner_is_and_forgotten_after() -> None:
+def test_the_count_is_kept_while_its_cgroup_is_and_forgotten_after() -> None:
     proof = ChargeProof(cast(Nvml, Driver(charged=0)))
-    assert proof.read("/pod", {"GPU-0": GiB}, "uid") is None
-    proof.keep({"uid"})  # a pass where the pod still declares (its cgroup may be unseen)
-    assert proof.read("/pod", {"GPU-0": GiB}, "uid") is not None
-    assert proof.read("/other", {"GPU-0": GiB}, "gone") is None
-    proof.keep(set())  # the pod is gone: its count with it
-    assert proof.read("/other", {"GPU-0": GiB}, "gone") is None
+    assert proof.read("/leaf", {"GPU-0": GiB}) is None
+    proof.keep({"/leaf"})  # a pass where the container's cgroup is still there
+    assert proof.read("/leaf", {"GPU-0": GiB}) is not None
+    assert proof.read("/other", {"GPU-0": GiB}) is None
+    proof.keep(set())  # the cgroup is gone: its count with it
+    assert proof.read("/other", {"GPU-0": GiB}) is None
