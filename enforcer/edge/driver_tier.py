@@ -1,16 +1,48 @@
-"""The driver-limit tier's one write, for the agent and `exec` alike: Set, then Get, and
-the limit counts as held only when the driver reads back what was set (`hard_limits.holds`):
-an accepted Set proves nothing on a read-only mount, against a racing writer, or for a
-limit below what the cgroup already holds, which the driver leaves unchanged."""
+"""The driver-limit tier (NVIDIA R615+ per-cgroup limits), for the agent and `exec` alike:
+read before the first write (`hard_limits.first_read`: someone else's limit is never
+written), Set with soft 0, then Get: the limit counts as held only when the driver reads
+back what was set (`hard_limits.holds`): an accepted Set proves nothing on a read-only
+mount, against a racing writer, or for a limit below what the cgroup already holds, which
+the driver leaves unchanged."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
-from enforcer.core.hard_limits import SOFT_BYTES, holds
+from enforcer.core.hard_limits import SOFT_BYTES, Found, first_read, holds
 from enforcer.core.model import HeldLimit, LimitOutcome, LimitResult, format_bytes
+from enforcer.core.tier_choice import TierName
+from enforcer.core.tiers import Held, Holds, Want
 from enforcer.edge.cgroupfs import first_without
 from enforcer.edge.nvml import Nvml
+
+
+class DriverTier:
+    """The driver holds each wanted cgroup to its limit, refusing allocations past it."""
+
+    name = TierName.DRIVER
+
+    def __init__(self, nvml: Nvml) -> None:
+        self._nvml = nvml
+
+    def hold(self, wants: Sequence[Want]) -> list[Held]:
+        return [self._hold(want) for want in wants]
+
+    def _hold(self, want: Want) -> Held:
+        if want.first:
+            read = self._nvml.memory_limit(want.gpu, want.cgroup)
+            if isinstance(read, LimitOutcome):
+                return Held(Holds.FAILED, outcome=read)
+            found = first_read(read, want.hard_bytes, want.inherited)
+            if found is Found.FOREIGN and read is not None:
+                return Held(Holds.FOREIGN, read.hard_bytes)
+            if found is Found.OURS and read is not None and read.soft_bytes == SOFT_BYTES:
+                return Held(Holds.ADOPTED, want.hard_bytes)
+            # else none there, or ours with an older release's reservation: (re)written
+        outcome = apply(self._nvml, want.gpu, want.cgroup, want.hard_bytes)
+        held = Holds.SET if outcome.result is LimitResult.SET else Holds.FAILED
+        return Held(held, want.hard_bytes if held is Holds.SET else 0, outcome, wrote=True)
 
 
 def apply(nvml: Nvml, gpu: str, cgroup: str, hard: int) -> LimitOutcome:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from enforcer.core import messages
-from enforcer.core.hard_limits import mig_gpus, per_gpu
+from enforcer.core.hard_limits import UNKNOWN_OWNER, mig_gpus, per_gpu
 from enforcer.core.model import (
     LimitOutcome,
     LimitResult,
@@ -17,11 +17,13 @@ from enforcer.core.model import (
     format_bytes,
 )
 from enforcer.core.settings.exec import ExecSettings
-from enforcer.core.tier_choice import Choice
+from enforcer.core.tier_choice import Choice, TierName
+from enforcer.core.tiers import Holds, Want
 from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup, move, v2_root
 from enforcer.edge.charge_proof import ChargeProof
-from enforcer.edge.driver_tier import apply, without_dmem
+from enforcer.edge.driver_tier import without_dmem
 from enforcer.edge.nvml import Nvml, NvmlError
+from enforcer.edge.tiers import tier_for
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +136,20 @@ def place(settings: ExecSettings, nvml: Nvml, choice: Choice) -> tuple[Placed | 
         cgroup = CommandCgroup.create()
     except CgroupFsError as exc:
         return None, str(exc)
-    # A cgroup of our own, new: no one else's limit to read first; each Set read back.
-    outcomes = {gpu: apply(nvml, gpu, str(cgroup.command), b) for gpu, b in wanted.items()}
-    limits = {gpu: wanted[gpu] for gpu, o in outcomes.items() if o.result is LimitResult.SET}
-    failed = {gpu: o for gpu, o in outcomes.items() if o.result is not LimitResult.SET}
-    why = [_why(o, nvml, cgroup, gpu if limits else None) for gpu, o in failed.items()]
+    command = str(cgroup.command)
+    held = tier_for(choice, nvml).hold([Want(command, gpu, b) for gpu, b in wanted.items()])
+    limits: dict[str, int] = {}
+    failed: dict[str, LimitOutcome] = {}
+    foreign: list[str] = []  # a limit someone else set on our new cgroup: never ours to change
+    for (gpu, b), h in zip(wanted.items(), held, strict=True):
+        if h.holds is Holds.FOREIGN and h.hard_bytes > b:
+            text = messages.foreign_limit("the command tree", gpu, h.hard_bytes, b, UNKNOWN_OWNER)
+            foreign.append(text)
+        elif h.holds in (Holds.SET, Holds.ADOPTED, Holds.FOREIGN):
+            limits[gpu] = h.hard_bytes
+        elif h.outcome is not None:
+            failed[gpu] = h.outcome
+    why = [*foreign, *(_why(o, nvml, cgroup, gpu if limits else None) for gpu, o in failed.items())]
     missing = "; ".join(dict.fromkeys([*why, gaps] if gaps else why))
     if not limits:
         cgroup.close()

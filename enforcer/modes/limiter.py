@@ -26,12 +26,9 @@ from enforcer.core import messages
 from enforcer.core.declaration import container_env, env_trusted, portion_basis, unreadable
 from enforcer.core.dra import DraObjects, claim_names
 from enforcer.core.hard_limits import (
-    SOFT_BYTES,
-    Found,
     Holding,
     Key,
     Target,
-    first_read,
     fractioned,
     mig_gpus,
     owner,
@@ -40,7 +37,7 @@ from enforcer.core.hard_limits import (
     pod_limits,
     targets,
 )
-from enforcer.core.model import Device, HeldLimit, LimitOutcome, LimitResult, format_bytes
+from enforcer.core.model import Device, LimitOutcome, LimitResult, format_bytes
 from enforcer.core.owed import Claims, PodOwed, node_claims, pod_owed
 from enforcer.core.payloads import Pod
 from enforcer.core.pod import pod_reference
@@ -48,13 +45,15 @@ from enforcer.core.reasons import Reason
 from enforcer.core.settings.sidecar import pod_policy
 from enforcer.core.sidecar_presence import running_containers
 from enforcer.core.tier_choice import Choice, TierName
+from enforcer.core.tiers import Holds, Tier, Want
 from enforcer.core.units import POD_UNIT
 from enforcer.edge import cgroupfs
 from enforcer.edge.charge_proof import ChargeProof
-from enforcer.edge.driver_tier import apply, without_dmem
+from enforcer.edge.driver_tier import without_dmem
 from enforcer.edge.guard import LoopGuard
 from enforcer.edge.metrics import AgentTelemetry
 from enforcer.edge.nvml import Nvml
+from enforcer.edge.tiers import tier_for
 from enforcer.modes.left_out import LeftOut
 from enforcer.modes.node_view import NodeView
 
@@ -156,8 +155,9 @@ class HardLimiter(threading.Thread):
         self._told &= live
         declared = self._not_fractioned(declared, pods)
         usable = [d for d in devices if d.uuid not in self._final]
-        why = self._node_reason(devices, usable)
-        if why:
+        choice = self._choice(devices, usable)
+        if not choice.refuses:
+            why = choice.why
             self._say_once(why)
             for p in declared:
                 self._tell(p, Reason.SAMPLING_ONLY, messages.sampling_only(why))
@@ -187,8 +187,7 @@ class HardLimiter(threading.Thread):
             self._drop(key)
         for key in todo.clear:
             self._clear(key)
-        for target, gpu, limit in todo.set:
-            self._set(target, gpu, limit, pods.get(target.uid))
+        self._hold(tier_for(choice, self._nvml), todo.set, pods)
         for gone in [cg for cg in self._holdings if cg not in wanted]:
             leaf, held = self._holdings.pop(gone)
             self._telemetry.container_tier.remove(*_labels(leaf), held.tier)
@@ -286,6 +285,13 @@ class HardLimiter(threading.Thread):
             return (known[0], known[1], problem) if known else ("", None, problem)
         return (version, read_now if read_now.owed.units else None, problem)
 
+    def _choice(self, devices: Sequence[Device], usable: Sequence[Device]) -> Choice:
+        """The tier that holds this node's pods, from `_node_reason`."""
+        why = self._node_reason(devices, usable)
+        if why:
+            return Choice(TierName.SAMPLING, (), why)
+        return Choice(TierName.DRIVER, tuple(per_gpu(1, usable)), "")
+
     def _node_reason(self, devices: Sequence[Device], usable: Sequence[Device]) -> str:
         """Why no pod on this node can get a hard limit; "" while some can: the node's
         tier (`tier_choice`, as doctor and exec choose), then what the driver answered."""
@@ -304,30 +310,28 @@ class HardLimiter(threading.Thread):
             reasons.append(messages.mig_without_hard_limit(mig_gpus(devices)))
         return "; ".join(dict.fromkeys(reasons)) or "NVML reports no GPU memory to limit"
 
-    def _set(self, target: Target, gpu: str, limit: int, pod: Pod | None) -> None:
-        """Hold the target to `limit` on the GPU. A (cgroup, GPU) we have not written to is
-        read first: no limit there is ours to set, our own value (a restarted agent's) is
-        adopted, anything else is someone else's and left as it is (`first_read`)."""
-        key = (target.cgroup, gpu)
-        if key not in self._applied:
-            held = self._nvml.memory_limit(gpu, target.cgroup)
-            if isinstance(held, LimitOutcome):
-                self._failed(target, gpu, limit, held)
-                return
-            found = first_read(held, limit, self._pods_limit(target, gpu))
-            if found is Found.FOREIGN and held is not None:
-                self._found_foreign(target, gpu, held, pod)
-                return
-            if found is Found.OURS and held is not None:
-                self._hold(target, gpu, limit, "adopted, as found")
-                if held.soft_bytes == SOFT_BYTES:
-                    return  # else an older release's reservation: rewritten with soft 0
-        outcome = apply(self._nvml, gpu, target.cgroup, limit)
-        self._telemetry.hard_limit_calls.labels("set", outcome.result.value).inc()
-        if outcome.result is LimitResult.SET:
-            self._hold(target, gpu, limit, "set")
-        else:
-            self._failed(target, gpu, limit, outcome)
+    def _hold(
+        self, tier: Tier, changes: Sequence[tuple[Target, str, int]], pods: Mapping[str, Pod]
+    ) -> None:
+        """Make the tier hold each target to its limit on the GPU, and keep what came of it.
+        A (cgroup, GPU) we have not written to is read first (`DriverTier`): no limit there
+        is ours to set, our own value (a restarted agent's) is adopted, anything else is
+        someone else's and left as it is."""
+        wants = [
+            Want(
+                t.cgroup, gpu, limit, (t.cgroup, gpu) not in self._applied, self._pods_limit(t, gpu)
+            )
+            for t, gpu, limit in changes
+        ]
+        for (target, gpu, limit), held in zip(changes, tier.hold(wants), strict=True):
+            if held.wrote and held.outcome is not None:
+                self._telemetry.hard_limit_calls.labels("set", held.outcome.result.value).inc()
+            if held.holds in (Holds.SET, Holds.ADOPTED):
+                self._took(target, gpu, limit, held.holds)
+            elif held.holds is Holds.FOREIGN:
+                self._found_foreign(target, gpu, held.hard_bytes, pods.get(target.uid))
+            elif held.outcome is not None:
+                self._failed(target, gpu, limit, held.outcome)
 
     def _pods_limit(self, target: Target, gpu: str) -> int | None:
         """For a container's cgroup, the limit we hold its pod's cgroup to on the GPU: what
@@ -343,7 +347,7 @@ class HardLimiter(threading.Thread):
             None,
         )
 
-    def _hold(self, target: Target, gpu: str, limit: int, how: str) -> None:
+    def _took(self, target: Target, gpu: str, limit: int, how: Holds) -> None:
         self._applied[(target.cgroup, gpu)] = (target, limit)
         self._telemetry.hard_limits.labels(*_labels(target), gpu).set(limit)
         log.info(
@@ -385,15 +389,15 @@ class HardLimiter(threading.Thread):
             text = f"container {target.container} on {gpu}: {messages.sampling_only(why)}"
             self._recorder.record(about, str(Reason.SAMPLING_ONLY), text, warning=True, once=True)
 
-    def _found_foreign(self, target: Target, gpu: str, held: HeldLimit, pod: Pod | None) -> None:
+    def _found_foreign(self, target: Target, gpu: str, hard: int, pod: Pod | None) -> None:
         """A limit we did not set: kept as it is, said once on the pod and in the series.
         Within what the target is owed there, the driver holds it; above, sampling does."""
         owned_by = owner(set(container_env(pod, target.container)) if pod else set())
-        self._foreign[(target.cgroup, gpu)] = (target, held.hard_bytes, owned_by)
-        self._telemetry.foreign_limits.labels(*_labels(target), gpu, owned_by).set(held.hard_bytes)
+        self._foreign[(target.cgroup, gpu)] = (target, hard, owned_by)
+        self._telemetry.foreign_limits.labels(*_labels(target), gpu, owned_by).set(hard)
         owed = target.limits_on(self._sampled.devices.get()).get(gpu, 0)
-        text = messages.foreign_limit(_whose(target), gpu, held.hard_bytes, owed, owned_by)
-        above = held.hard_bytes > owed
+        text = messages.foreign_limit(_whose(target), gpu, hard, owed, owned_by)
+        above = hard > owed
         (log.warning if above else log.info)("%s: %s", _name(target), text)
         about = pod_reference(target.namespace, target.pod, target.uid)
         self._recorder.record(about, str(Reason.FOREIGN_LIMIT), text, warning=above, once=True)
