@@ -3,9 +3,12 @@ containers, held by the driver to its limit on every GPU (NVIDIA R615+ per-cgrou
 
 One pass, on every pod change and every --cgroup-scan: the pods from the watch, the
 kubelet's cgroups from a scan, `hard_limits.plan()` for what to set, clear or forget, and
-NVML for the doing. The pod's total goes on the pod's cgroup, which the kubelet creates
+the chosen tier for the doing (`edge/tiers.tier_for`: read before the first write, Set with
+soft 0, read back). The pod's total goes on the pod's cgroup, which the kubelet creates
 before any container; a container's limit on the cgroup named by its current container ID,
-so a restart (a new ID, a new cgroup) moves it. Only limits this agent set are cleared.
+so a restart (a new ID, a new cgroup) moves it. Only limits this agent set (or adopted as
+its own) are cleared; someone else's are left as they are, and said. Each running
+declaring container is proven on its own cgroup, and the pod told which tier holds each.
 
 Where the driver cannot (an older driver, MIG, no root, no cgroup v2), each pod is told
 once, and the sidecar's sampling enforces alone. A pod in a dry run gets none: the

@@ -165,8 +165,11 @@ HARD_LIMITS = hard_limits(
     ("auto", "off"),
     "`auto`: hold each pod bound to this node (and each of its containers) to its declared "
     "limit on every GPU, through the driver's per-cgroup limits, where the driver can "
-    "(R615+); one Event per pod says which tier holds. A pod only reported on (`warn`, "
-    "`dry-run`) gets none: the driver's refusal would enforce it. `off`: sampling only. Needs "
+    "(R615+), soft limit 0; one Event per pod says which tier holds each container. A "
+    "limit someone else set (NVIDIA's hook, an operator) is left as it is and said "
+    "(`VRAMForeignLimit`); a pod that gpu-fractioning serves gets none. A pod only "
+    "reported on (`warn`, `dry-run`) gets none: the driver's refusal would enforce it. "
+    "`off`: sampling only. Needs "
     "`--node-name`, RBAC to list and watch pods and to create Events, root, and the host's "
     "cgroup v2 mount at `--cgroup-root`",
 )
