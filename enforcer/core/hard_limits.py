@@ -231,13 +231,17 @@ class Found(StrEnum):
     FOREIGN = "foreign"  # a limit someone else set: never written or cleared by us
 
 
-def first_read(held: HeldLimit | None, hard: int, inherited: int | None = None) -> Found:
+def first_read(
+    held: HeldLimit | None, hard: int, inherited: int | None = None, adopt: bool = True
+) -> Found:
     """Who holds a (cgroup, GPU) we have not written to yet. `held`: the driver's answer
     (None: no limit). `inherited`: the limit we hold the pod's cgroup to there, which a leaf
-    without `dmem` files reads as its own (NVIDIA's MPS v3 page) and is no one else's."""
+    without `dmem` files reads as its own (NVIDIA's MPS v3 page) and is no one else's.
+    `adopt`: whether a limit equal to ours may be ours (a restarted agent's); not where
+    another writer sets that cgroup (NVIDIA's hook, for a container given its variable)."""
     if held is None:
         return Found.FREE
-    if same_hard(held, hard):
+    if adopt and same_hard(held, hard):
         return Found.OURS
     if inherited is not None and same_hard(held, inherited):
         return Found.FREE

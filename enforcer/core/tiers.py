@@ -21,13 +21,15 @@ class Want:
     """One cgroup to hold to `hard_bytes` on one GPU. `first`: the caller has not written
     there yet, so what is there is read before anything is written; `inherited`: the limit
     the caller holds the cgroup's parent to there (what a cgroup without dmem files reads
-    as its own), None where it holds none."""
+    as its own), None where it holds none; `adopt`: whether a limit equal to this one found
+    there may be the caller's own (a restarted agent's)."""
 
     cgroup: str
     gpu: str
     hard_bytes: int
     first: bool = True
     inherited: int | None = None
+    adopt: bool = True  # `hard_limits.first_read`: False where another writer sets it
 
 
 class Holds(StrEnum):

@@ -34,7 +34,7 @@ class DriverTier:
             read = self._nvml.memory_limit(want.gpu, want.cgroup)
             if isinstance(read, LimitOutcome):
                 return Held(Holds.FAILED, outcome=read)
-            found = first_read(read, want.hard_bytes, want.inherited)
+            found = first_read(read, want.hard_bytes, want.inherited, want.adopt)
             if found is Found.FOREIGN and read is not None:
                 return Held(Holds.FOREIGN, read.hard_bytes)
             if found is Found.OURS and read is not None and read.soft_bytes == SOFT_BYTES:

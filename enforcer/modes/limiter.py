@@ -29,6 +29,7 @@ from enforcer.core import messages
 from enforcer.core.declaration import container_env, env_trusted, portion_basis, unreadable
 from enforcer.core.dra import DraObjects, claim_names
 from enforcer.core.hard_limits import (
+    TOOLKIT,
     Holding,
     Key,
     Target,
@@ -319,20 +320,28 @@ class HardLimiter(threading.Thread):
         """Make the tier hold each target to its limit on the GPU, and keep what came of it.
         A (cgroup, GPU) we have not written to is read first (`DriverTier`): no limit there
         is ours to set, our own value (a restarted agent's) is adopted, anything else is
-        someone else's and left as it is."""
+        someone else's and left as it is; so is any limit on a container that NVIDIA's hook
+        sets (given its variable), whatever its value: the hook's and ours never both act."""
+        owners = [self._owner(t, pods) for t, _, _ in changes]
         wants = [
             Want(
-                t.cgroup, gpu, limit, (t.cgroup, gpu) not in self._applied, self._pods_limit(t, gpu)
+                t.cgroup,
+                gpu,
+                limit,
+                (t.cgroup, gpu) not in self._applied,
+                self._pods_limit(t, gpu),
+                adopt=owned_by != TOOLKIT,
             )
-            for t, gpu, limit in changes
+            for (t, gpu, limit), owned_by in zip(changes, owners, strict=True)
         ]
-        for (target, gpu, limit), held in zip(changes, tier.hold(wants), strict=True):
+        held_by = zip(changes, owners, tier.hold(wants), strict=True)
+        for (target, gpu, limit), owned_by, held in held_by:
             if held.wrote and held.outcome is not None:
                 self._telemetry.hard_limit_calls.labels("set", held.outcome.result.value).inc()
             if held.holds in (Holds.SET, Holds.ADOPTED):
                 self._took(target, gpu, limit, held.holds)
             elif held.holds is Holds.FOREIGN:
-                self._found_foreign(target, gpu, held.hard_bytes, pods.get(target.uid))
+                self._found_foreign(target, gpu, held.hard_bytes, owned_by)
             elif held.outcome is not None:
                 self._failed(target, gpu, limit, held.outcome)
 
@@ -392,10 +401,14 @@ class HardLimiter(threading.Thread):
             text = f"container {target.container} on {gpu}: {messages.sampling_only(why)}"
             self._recorder.record(about, str(Reason.SAMPLING_ONLY), text, warning=True, once=True)
 
-    def _found_foreign(self, target: Target, gpu: str, hard: int, pod: Pod | None) -> None:
+    def _owner(self, target: Target, pods: Mapping[str, Pod]) -> str:
+        """Who would set a limit on the target's cgroup but us (`hard_limits.owner`)."""
+        pod = pods.get(target.uid)
+        return owner(set(container_env(pod, target.container)) if pod else set())
+
+    def _found_foreign(self, target: Target, gpu: str, hard: int, owned_by: str) -> None:
         """A limit we did not set: kept as it is, said once on the pod and in the series.
         Within what the target is owed there, the driver holds it; above, sampling does."""
-        owned_by = owner(set(container_env(pod, target.container)) if pod else set())
         self._foreign[(target.cgroup, gpu)] = (target, hard, owned_by)
         self._telemetry.foreign_limits.labels(*_labels(target), gpu, owned_by).set(hard)
         owed = target.limits_on(self._sampled.devices.get()).get(gpu, 0)

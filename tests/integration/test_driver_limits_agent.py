@@ -15,7 +15,14 @@ import pytest
 
 from enforcer.core.declaration import SIDECAR, Declares
 from enforcer.core.hard_limits import FRACTIONING_LABEL
-from enforcer.core.model import Device, GiB, HeldLimit, LimitOutcome, LimitResult
+from enforcer.core.model import (
+    Device,
+    GiB,
+    HeldLimit,
+    LimitOutcome,
+    LimitResult,
+    format_bytes,
+)
 from enforcer.core.payloads import Pod
 from enforcer.edge.cgroupfs import first_without, move
 from enforcer.edge.driver_tier import apply
@@ -141,14 +148,17 @@ def on(fake_nvml: Any, cgroup: Path) -> list[tuple[int, int]]:
     return [(r["soft"], r["hard"]) for r in fake_nvml.limit_records() if r["cgroup"] == str(cgroup)]
 
 
-@pytest.mark.parametrize(("held", "warning"), [(6 * GiB, False), (12 * GiB, True)])
+@pytest.mark.parametrize(
+    ("held", "warning"), [(6 * GiB, False), (8 * GiB - 1000, False), (12 * GiB, True)]
+)
 def test_a_limit_the_toolkit_set_on_the_leaf_is_left_as_it_is_and_explained(
     node: Node, fake_nvml: Any, held: int, warning: bool
 ) -> None:
     """NVIDIA's hook set the container's leaf at creation, from NVIDIA_GPU_MEMORY_LIMIT in
     its spec: the agent reads before its first write, never sets or clears that limit, and
     says so once on the pod (a Warning when it lets the container past what it is owed),
-    with the series naming the owner."""
+    with the series naming the owner. Even where it is what the agent would have set (in
+    whole MiB): the hook's, not adopted, so the two never both act on one container."""
     another_writer(node.gpu, node.leaf, held)
     node.pods[uid("train")] = trainer({"NVIDIA_GPU_MEMORY_LIMIT": str(held // 2**20)})
     for _ in range(2):
@@ -157,7 +167,7 @@ def test_a_limit_the_toolkit_set_on_the_leaf_is_left_as_it_is_and_explained(
     assert on(fake_nvml, node.pod_dir) == [(0, 8 * GiB)]  # the pod's is ours
     (said,) = node.recorder.of("VRAMForeignLimit")
     assert said.warning is warning
-    assert f"held by nvidia-container-toolkit at {held // GiB}.00 GiB on {node.gpu}" in (
+    assert f"held by nvidia-container-toolkit at {format_bytes(held)} on {node.gpu}" in (
         said.message
     )
     series = node.telemetry.registry.get_sample_value(

@@ -191,6 +191,9 @@ def test_a_first_read_tells_no_limit_our_own_and_someone_elses() -> None:
     assert first_read(HeldLimit(6 * GiB, 0, 0), want) is Found.FOREIGN
     assert first_read(HeldLimit(9 * GiB, 0, 0), want, inherited=9 * GiB) is Found.FREE
     assert first_read(HeldLimit(9 * GiB, 0, 0), want, inherited=10 * GiB) is Found.FOREIGN
+    # Where NVIDIA's hook sets the cgroup, even our own value is its: never adopted.
+    assert first_read(HeldLimit(want, 0, 0), want, adopt=False) is Found.FOREIGN
+    assert first_read(None, want, adopt=False) is Found.FREE
 
 
 def test_a_set_holds_only_when_read_back_as_set_with_soft_0() -> None:
