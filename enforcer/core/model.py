@@ -220,7 +220,6 @@ class LimitResult(StrEnum):
     NO_DMEM = "no-dmem"  # Set's NOT_FOUND: that cgroup has no dmem files (NVIDIA's MPS v3 page)
     REJECTED = "rejected"  # NVML refused the values themselves
     NOT_APPLIED = "not-applied"  # accepted, but a read afterwards does not show it
-    NO_DMEM = "no-dmem"  # Set answered NOT_FOUND: that cgroup has no dmem files
     FAILED = "failed"  # anything else; worth another try later
 
 

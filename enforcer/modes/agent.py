@@ -411,7 +411,7 @@ def _serve(
         # The Node's labels as its advertiser last read them: gpu-fractioning's among them.
         labels = advertiser.last_labels if advertiser is not None else dict
         watches, others, steps = _pod_watch(
-            settings, api, recorder, telemetry, server, passes, served, tier, labels
+            settings, api, recorder, telemetry, server, passes, served, _Node(tier, labels)
         )
     faults = GpuFaults(telemetry, settings.node_name, recorder)
     sampler = Sampler(
@@ -461,6 +461,15 @@ def _serve(
     if metrics is not None:
         metrics.close()
     return status
+
+
+@dataclass(frozen=True, slots=True)
+class _Node:
+    """What the agent knows of its node beside its pods: its choice of tier (where it sets
+    hard limits), and its labels as its advertiser last read them (gpu-fractioning's)."""
+
+    tier: TierWatch | None
+    labels: Callable[[], Mapping[str, str]]
 
 
 @dataclass(slots=True)
@@ -519,8 +528,7 @@ def _pod_watch(
     server: UsageServer,
     passes: Passes,
     served: _Served | None,
-    tier: TierWatch | None,
-    node_labels: Callable[[], Mapping[str, str]],
+    node_facts: _Node,
 ) -> tuple[tuple[WatchedPods, ...], list[Woken], PodSteps]:
     """The one watch of this node's pods, and what it wakes: the hard limiter (with the
     recorder of its Events) and the pod replies to sidecars; and the watch of the namespaces
@@ -529,7 +537,7 @@ def _pod_watch(
     pod, for both. The limiter has an NVML session of its own (NVML counts
     initialisations): the sampler's is not shared. `served`: where the agent serves pods,
     what its server's hooks feed. Returned with them: what each sampler pass does with the
-    pods (`PodSteps`). `node_labels`: the Node's, as last read."""
+    pods (`PodSteps`). `node_facts`: its tier and its labels, as last read."""
     from enforcer.edge.claims import ClaimCache, ClaimReader  # noqa: PLC0415 - only when used
     from enforcer.edge.eviction import Evictor  # noqa: PLC0415
     from enforcer.edge.namespaces import OptedInNamespaces  # noqa: PLC0415
@@ -558,11 +566,13 @@ def _pod_watch(
         namespaces.names,
         Declares(settings.resource_name, settings.resource_unit, SIDECAR),
         reads if settings.dra.drivers else None,
-        node_labels,
+        node_facts.labels,
     )
     woken: list[Woken] = []
     if settings.hard_limits:
-        woken += _hard_limits(settings, node, passes, recorder, telemetry, limiter_woken, tier)
+        woken += _hard_limits(
+            settings, node, passes, recorder, telemetry, limiter_woken, node_facts.tier
+        )
     lender, backstop = None, None
     peaks: Peaks | None = None
     if served is not None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from enforcer.core import messages
-from enforcer.core.hard_limits import UNKNOWN_OWNER, mig_gpus, per_gpu
+from enforcer.core.hard_limits import UNKNOWN_OWNER, per_gpu
 from enforcer.core.model import (
     LimitOutcome,
     LimitResult,
@@ -17,7 +17,7 @@ from enforcer.core.model import (
     format_bytes,
 )
 from enforcer.core.settings.exec import ExecSettings
-from enforcer.core.tier_choice import Choice, TierName
+from enforcer.core.tier_choice import Choice
 from enforcer.core.tiers import Holds, Want
 from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup, move, v2_root
 from enforcer.edge.charge_proof import ChargeProof

@@ -166,6 +166,7 @@ class HardLimiter(threading.Thread):
             for p in declared:
                 self._tell(p, Reason.SAMPLING_ONLY, messages.sampling_only(why))
             return
+        usable = [d for d in usable if d.uuid in choice.gpus]
         found = self._scanner.scan()
         pod_dirs, existing = found.pods, found.paths()
         self._rejected = {r: why for r, why in self._rejected.items() if r[0] in existing}
@@ -290,11 +291,16 @@ class HardLimiter(threading.Thread):
         return (version, read_now if read_now.owed.units else None, problem)
 
     def _choice(self, devices: Sequence[Device], usable: Sequence[Device]) -> Choice:
-        """The tier that holds this node's pods, from `_node_reason`."""
+        """The tier that holds this node's pods, from `_node_reason`: on the GPUs the node's
+        choice (`tier_watch`) gives it, once made, that the driver has not refused since."""
         why = self._node_reason(devices, usable)
         if why:
             return Choice(TierName.SAMPLING, (), why)
-        return Choice(TierName.DRIVER, tuple(per_gpu(1, usable)), "")
+        node = self._tier.get() if self._tier is not None else None
+        gpus = tuple(g for g in per_gpu(1, usable) if node is None or g in node.gpus)
+        if not gpus and node is not None:
+            return Choice(TierName.SAMPLING, (), node.why)
+        return Choice(TierName.DRIVER, gpus, node.why if node is not None else "")
 
     def _node_reason(self, devices: Sequence[Device], usable: Sequence[Device]) -> str:
         """Why no pod on this node can get a hard limit; "" while some can: the node's
