@@ -55,6 +55,17 @@ class Probe:
     unreadable: str = ""  # what the probe could not read (a hung filesystem), "" if nothing
 
     @property
+    def conclusive(self) -> bool:
+        """Whether the choice made from it may be acted on: NVML answered, every file was
+        read, and no Get failed for a reason that may pass (NVML's FAILED). An
+        inconclusive probe's choice is said, but the last conclusive one stays in force."""
+        return (
+            not self.nvml_error
+            and not self.unreadable
+            and not any(a is not None and a.result is LimitResult.FAILED for _, a in self.answers)
+        )
+
+    @property
     def too_old(self) -> bool:
         """The driver has no per-cgroup limits: a branch before R615, or an NVML without
         the calls (FUNCTION_NOT_FOUND)."""

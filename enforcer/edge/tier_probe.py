@@ -31,7 +31,9 @@ from enforcer.edge import cgroupfs
 from enforcer.edge.nvml import Nvml, NvmlError
 
 READ_WITHIN = 2.0  # s: the filesystem part of one probe, at most
-CDI_DIRS = ("etc/cdi", "var/run/cdi")  # below the host's root: the CDI registry's defaults
+# Below the host's root: the CDI registry's defaults. `var/run` is an absolute link to
+# `/run` on most distributions, which would resolve in our own root, not the host's.
+CDI_DIRS = ("etc/cdi", "var/run/cdi", "run/cdi")
 MOST_SPECS = 64  # spec files read per directory
 MOST_SPEC_BYTES = 1 << 20  # of each
 
@@ -73,7 +75,11 @@ class TierProbe:
         whole = tuple(per_gpu(1, devices))
         calls = nvml.has_limit_calls()
         answers: tuple[tuple[str, LimitOutcome | None], ...] = ()
-        if found.cgroup and calls:
+        if found.cgroup and calls and found.cgroup == found.cgroup_v2:
+            # The root cgroup has no dmem files (the kernel gives it none), so the driver's
+            # answer there says nothing of the cgroups made below it: `no_dmem_at` does.
+            answers = tuple((gpu, None) for gpu in whole)
+        elif found.cgroup and calls:
             answers = tuple((gpu, _answer(nvml, gpu, found.cgroup)) for gpu in whole)
         return Probe(
             driver_version=nvml.driver_version,
@@ -98,7 +104,7 @@ class TierProbe:
             return _Found(), f"{self._reading} has still not answered an earlier read"
         result: list[_Found | str] = []
         self._reader = threading.Thread(
-            target=lambda: result.append(self._read()), name="tier-probe", daemon=True
+            target=lambda: result.append(self._read_or_why()), name="tier-probe", daemon=True
         )
         self._reader.start()
         self._reader.join(self._within)
@@ -106,6 +112,14 @@ class TierProbe:
             return _Found(), f"{self._reading} did not answer within {self._within:g} s"
         found = result[0]
         return (_Found(), found) if isinstance(found, str) else (found, "")
+
+    def _read_or_why(self) -> _Found | str:
+        """`_read`, or why it failed: an error a host's files raise (a permission, a
+        mount gone) is the probe's answer, never a thread's traceback."""
+        try:
+            return self._read()
+        except (OSError, cgroupfs.CgroupFsError) as exc:
+            return f"{self._reading}: {exc}"
 
     def _read(self) -> _Found | str:
         """What the filesystem says, or why the probed cgroup cannot be known."""

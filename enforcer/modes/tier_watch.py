@@ -44,12 +44,14 @@ class TierWatch(threading.Thread):
         self._every = every
         self.stop = threading.Event()
         self._guard = LoopGuard("tier-watch", telemetry.unexpected.labels("tier-watch"), log)
-        # The choice the hard limiter reads: None until NVML has answered a probe. One made
-        # while NVML cannot be read is logged and served, not published: the sampler says
-        # that NVML is down, and the limiter, which acts only on a pass of NVML, must not
-        # tell each pod "sampling only" for a driver that is starting or re-initialising.
+        # The choice the hard limiter reads: None until a probe was conclusive. One made
+        # while NVML cannot be read, a file does not answer or a Get failed for a reason
+        # that may pass (`Probe.conclusive`) is logged and served, not published: the
+        # limiter keeps the last conclusive one, and must not tell each pod "sampling only"
+        # for a driver that is re-initialising or a mount that hung for a moment.
         self.latest: Latest[Choice | None] = Latest(None)
         self._said: Choice | None = None
+        self._said_inconclusive: Choice | None = None
         self._again()
 
     def run(self) -> None:
@@ -61,5 +63,11 @@ class TierWatch(threading.Thread):
         choice = choose(probe)
         told(choice, self._telemetry, self._said)
         self._said = choice
-        if not probe.nvml_error:
+        if probe.conclusive:
             self.latest.set(choice)
+        elif choice != self._said_inconclusive:
+            log.warning(
+                "this node's tier probe was inconclusive; the hard limiter keeps %s",
+                "its last choice" if self.latest.get() is not None else "to sampling until one",
+            )
+        self._said_inconclusive = None if probe.conclusive else choice

@@ -73,6 +73,48 @@ def test_nvidias_hook_in_a_cdi_spec_on_the_host_is_found_and_a_fifo_not_waited_o
     assert probe.unreadable == ""
 
 
+def test_the_hierarchys_root_is_judged_by_what_it_hands_down_not_by_the_drivers_get(
+    nvml: Nvml, fake_nvml: Any, tmp_path: Path
+) -> None:
+    """Limited cgroups are made below the root (no kubepods yet, or exec run from the root
+    cgroup), which the kernel gives no dmem files: the driver's Get there says nothing of
+    the cgroups below it, which get dmem files where the root hands dmem down."""
+    root = tmp_path / "cgroup"
+    _tree(root, {"": "cpu memory dmem"})
+    probe = TierProbe(pods_cgroup(root), tmp_path / "host").probe(nvml)
+    assert probe.cgroup == probe.cgroup_v2 == str(root)
+    assert probe.answers == (("GPU-00000000-fake-4000-8000-000000000000", None),)
+    assert choose(probe).tier is TierName.DRIVER
+    assert fake_nvml.limit_records() == []
+
+
+def test_the_hosts_cdi_specs_are_found_where_var_run_links_to_run(
+    nvml: Nvml, tmp_path: Path
+) -> None:
+    """On most distributions /var/run is an absolute link to /run, which resolves in the
+    agent's own root, not the host's: the host's run/cdi is read too."""
+    host = tmp_path / "host"
+    (host / "run/cdi").mkdir(parents=True)
+    (host / "var").mkdir()
+    (host / "var/run").symlink_to("/nonexistent-run-of-this-test")
+    (host / "run/cdi/nvidia.yaml").write_text(HOOK_SPEC)
+    probe = TierProbe(own_cgroup, host).probe(nvml)
+    assert probe.toolkit_hook == ("GPU-00000000-fake-4000-8000-000000000000",)
+
+
+def test_a_host_file_that_refuses_to_be_read_is_the_probes_answer_not_a_traceback(
+    nvml: Nvml, tmp_path: Path
+) -> None:
+    def refused() -> tuple[Path | None, Path | None]:
+        raise PermissionError(13, "Permission denied", "/host/sys/fs/cgroup")
+
+    probe = TierProbe(refused, tmp_path).probe(nvml)
+    assert "Permission denied" in probe.unreadable
+    assert "did not answer" not in probe.unreadable
+    assert not probe.conclusive
+    assert choose(probe).tier is TierName.SAMPLING
+
+
 def test_the_real_hierarchy_is_answered_by_the_drivers_get(nvml: Nvml, tmp_path: Path) -> None:
     """This process's own cgroup, on the machine's cgroup v2 mount: the fake driver (R615)
     answers its Get, so the driver tier is chosen where this process is root."""

@@ -116,3 +116,32 @@ def test_a_choice_made_while_nvml_cannot_be_read_is_said_but_not_given_to_the_li
         watch.stop.set()
         watch.join(5)
         nvml.shutdown()
+
+
+def test_an_inconclusive_probe_is_said_but_the_limiter_keeps_the_last_conclusive_choice(
+    fake_nvml: Any, kubelet_root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Get on kubepods that fails for a reason that may pass (NVML's Unknown Error): the
+    node's choice is said and served as sampling, but the hard limiter keeps the driver's
+    tier, and does not tell each new pod "sampling only", a lasting Event."""
+    fake_nvml.state.support_memory_limits()
+    fake_nvml.write()
+    caplog.set_level(logging.INFO, logger="enforcer.modes.tier_watch")
+    telemetry = AgentTelemetry()
+    nvml = Nvml()
+    watch = TierWatch(nvml, TierProbe(pods_cgroup(kubelet_root), tmp_path), telemetry, every=0.05)
+    try:
+        assert _tier(watch) is TierName.DRIVER
+        watch.start()
+        fake_nvml.state.inject_error("nvmlDeviceGetMemoryLimits_v1", "UNKNOWN")
+        fake_nvml.write()
+        wait_for(lambda: tiers(telemetry)["sampling"] == 1.0, what="the inconclusive choice, said")
+        wait_for(
+            lambda: any("inconclusive" in r.getMessage() for r in caplog.records),
+            what="the warning",
+        )
+        assert _tier(watch) is TierName.DRIVER
+    finally:
+        watch.stop.set()
+        watch.join(5)
+        nvml.shutdown()
