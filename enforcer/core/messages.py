@@ -23,7 +23,7 @@ from enforcer.core.parsing import format_duration
 from enforcer.core.policy import Enforcement, Notice
 from enforcer.core.reasons import Reason
 from enforcer.core.reclaim import Reclaim
-from enforcer.core.tier_choice import TierName
+from enforcer.core.tier_choice import R615, TierName, driver_branch
 from enforcer.core.unaccounted import InNoPod, UndeclaredContainer
 
 _SIGNAL_NAME = {Action.TERMINATE: "SIGTERM", Action.KILL: "SIGKILL", Action.RESTART: "SIGTERM"}
@@ -397,6 +397,11 @@ def source_up() -> str:
 def no_hard_limit(outcome: LimitOutcome, driver_version: str, cgroup: str) -> str:
     """Why a cgroup got no hard limit, in words a person can act on."""
     detail = f" ({outcome.detail})" if outcome.detail else ""
+    branch = driver_branch(driver_version)
+    if outcome.result is LimitResult.UNSUPPORTED and branch is not None and branch >= R615:
+        # An R615+ driver's Not Supported is the cgroup's: it has no dmem files (NVIDIA).
+        where = f"cgroup {cgroup}" if cgroup else "the cgroup"
+        return f"{where} has no dmem files{detail}: the driver cannot count it"
     if outcome.result is LimitResult.UNSUPPORTED:
         return (
             f"the NVIDIA driver {driver_version or '(unknown version)'} cannot hold a cgroup to a "

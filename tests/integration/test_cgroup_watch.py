@@ -259,6 +259,9 @@ def test_a_hierarchy_that_goes_and_comes_back_is_found_and_watched_again(
         for gone in (old, old.parent, old.parent.parent):
             gone.rmdir()
         wait_for(lambda: watch.watching == 0, what="the watches gone with their directories")
+        # Its next look finds no kubepods and says so; only then does one come back (made
+        # before that look, it would be found at once, and nothing said: not this case).
+        wait_for(lambda: len(said(caplog)) == 1, what="the fallback, said")
         new = systemd_pod(tmp_path, uid("b"))
         new.parent.mkdir(parents=True)
         wait_for(lambda: watch.watching == 2, what="the new hierarchy watched")

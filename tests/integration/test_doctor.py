@@ -107,15 +107,16 @@ def test_the_tier_on_an_r615_driver_is_hard_limits(fake_nvml: Any, cgroup2: Path
     assert fake_nvml.limit_records() == []
 
 
-def test_a_cgroup_without_dmem_files_is_not_a_driver_too_old(fake_nvml: Any) -> None:
+def test_a_cgroup_without_dmem_files_is_not_a_driver_too_old(fake_nvml: Any, cgroup2: Path) -> None:
     """NVIDIA: Not Supported from Get on an R615 driver means the cgroup has no dmem files.
-    doctor names the cgroup and does not ask for a newer driver."""
+    doctor names the cgroup and does not ask for a newer driver. Run in a cgroup of its
+    own: the root cgroup is judged by what it hands down, not asked."""
     fake_nvml.state.support_memory_limits()
     fake_nvml.state.inject_error("nvmlDeviceGetMemoryLimits_v1", "NOT_SUPPORTED")
     fake_nvml.write()
-    out = doctor(fake_nvml.env(), "--json", "--no-agent")
+    out = doctor(fake_nvml.env(), "--json", "--no-agent", cgroup=cgroup2)
     (tier,) = [c for c in json.loads(out.stdout) if c["name"] == "enforcement tier"]
-    own = cgroupfs.own_dir()
+    own = cgroup2
     assert tier["status"] == "note", tier
     assert tier["detail"].startswith(
         f"tier sampling on GPU-00000000-fake-4000-8000-000000000000: cgroup {own} has no dmem "

@@ -959,10 +959,9 @@ def test_a_cgroup_the_driver_cannot_count_is_said_and_sampling_holds_the_command
     run.release()
     assert run.wait() == 0, run.stderr
     assert w["limits"] == []
-    own = v2_root() / Path(  # type: ignore[operator]
-        Path("/proc/self/cgroup").read_text().split("0::")[1].strip()
-    ).relative_to("/")
-    assert f"no hard limit: cgroup {own} has no dmem files (Not Supported)" in run.stderr
+    # exec's own cgroup where it is not the root (which the kernel gives no dmem files, so
+    # the probe asks what it hands down), else the command's: named either way.
+    assert re.search(r"no hard limit: cgroup /\S+ has no dmem files \(Not Supported\)", run.stderr)
     assert "R615" not in run.stderr
     doc = json.loads(summary.read_text())
     assert (doc["hard_limit"], doc["tier"]) == (False, "sampling")
