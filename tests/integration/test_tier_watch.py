@@ -4,6 +4,7 @@ and served as vram_enforcer_node_tier{tier}."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,21 @@ def tiers(telemetry: AgentTelemetry) -> dict[str, float]:
         (value,) = [ln.removeprefix(line) for ln in text.splitlines() if ln.startswith(line)]
         found[str(tier)] = float(value)
     return found
+
+
+@contextlib.contextmanager
+def watching(kubelet_root: Path, host: Path, telemetry: AgentTelemetry) -> Iterator[TierWatch]:
+    """A tier watch of the kubelet's cgroups probing every 50 ms (made, so probed once, not
+    started: the caller starts it), stopped and its NVML session shut down afterwards."""
+    nvml = Nvml()
+    watch = TierWatch(nvml, TierProbe(pods_cgroup(kubelet_root), host), telemetry, every=0.05)
+    try:
+        yield watch
+    finally:
+        watch.stop.set()
+        if watch.is_alive():
+            watch.join(5)
+        nvml.shutdown()
 
 
 def _tier(watch: TierWatch) -> TierName | None:
@@ -97,9 +113,7 @@ def test_a_choice_made_while_nvml_cannot_be_read_is_said_but_not_given_to_the_li
     fake_nvml.write()
     caplog.set_level(logging.INFO, logger="enforcer.modes.tier_watch")
     telemetry = AgentTelemetry()
-    nvml = Nvml()
-    watch = TierWatch(nvml, TierProbe(pods_cgroup(kubelet_root), tmp_path), telemetry, every=0.05)
-    try:
+    with watching(kubelet_root, tmp_path, telemetry) as watch:
         assert watch.latest.get() is None
         assert tiers(telemetry) == {"driver-limit": 0.0, "sampling": 1.0}
         assert (
@@ -112,10 +126,6 @@ def test_a_choice_made_while_nvml_cannot_be_read_is_said_but_not_given_to_the_li
         fake_nvml.write()
         wait_for(lambda: _tier(watch) is TierName.DRIVER, what="the driver's tier, given")
         assert tiers(telemetry) == {"driver-limit": 1.0, "sampling": 0.0}
-    finally:
-        watch.stop.set()
-        watch.join(5)
-        nvml.shutdown()
 
 
 def test_an_inconclusive_probe_is_said_but_the_limiter_keeps_the_last_conclusive_choice(
@@ -128,9 +138,7 @@ def test_an_inconclusive_probe_is_said_but_the_limiter_keeps_the_last_conclusive
     fake_nvml.write()
     caplog.set_level(logging.INFO, logger="enforcer.modes.tier_watch")
     telemetry = AgentTelemetry()
-    nvml = Nvml()
-    watch = TierWatch(nvml, TierProbe(pods_cgroup(kubelet_root), tmp_path), telemetry, every=0.05)
-    try:
+    with watching(kubelet_root, tmp_path, telemetry) as watch:
         assert _tier(watch) is TierName.DRIVER
         watch.start()
         fake_nvml.state.inject_error("nvmlDeviceGetMemoryLimits_v1", "UNKNOWN")
@@ -141,7 +149,3 @@ def test_an_inconclusive_probe_is_said_but_the_limiter_keeps_the_last_conclusive
             what="the warning",
         )
         assert _tier(watch) is TierName.DRIVER
-    finally:
-        watch.stop.set()
-        watch.join(5)
-        nvml.shutdown()
