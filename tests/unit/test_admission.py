@@ -79,6 +79,10 @@ def env_of(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
 
 
+# On every container of a pod the webhook mutates: no reservation through the toolkit's hook.
+SOFT_0 = {"NVIDIA_GPU_MEMORY_REQUEST": "0"}
+
+
 def sidecar_of(out: dict[str, Any]) -> dict[str, Any]:
     spec = out["spec"]
     (found,) = [
@@ -134,6 +138,7 @@ def test_a_bare_pod_gets_the_sidecar_first_among_init_containers() -> None:
         "VRAM_LIMIT_BYTES": str(12 * GiB),
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
         "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+        **SOFT_0,
     }
     assert {"name": "vram-enforcer-shm", "mountPath": "/dev/shm"} in trainer["volumeMounts"]
     assert volumes["vram-enforcer-shm"]["emptyDir"] == {"medium": "Memory"}  # no memory limit: none
@@ -224,7 +229,7 @@ def test_existing_volumes_env_and_shm_mounts_are_kept() -> None:
     assert [e["name"] for e in t["env"]].count("VRAM_LIMIT_BYTES") == 1
     assert [m["mountPath"] for m in t["volumeMounts"]] == ["/dev/shm/", "/data"]  # has its own
     assert {"name": "vram-enforcer-shm", "mountPath": "/dev/shm"} in h["volumeMounts"]
-    assert "env" not in h  # declares no VRAM
+    assert env_of(h) == SOFT_0  # declares no VRAM
     assert [v["name"] for v in out["spec"]["volumes"]][:2] == ["dshm", "data"]
 
 
@@ -460,7 +465,7 @@ def test_the_sidecar_takes_no_port_and_the_metrics_port_annotation_is_ignored_wi
 def test_shm_off_and_no_framework_env() -> None:
     s = AdmissionSettings("img", "native", RES, 1, framework_env=False, shm_default="off")
     out = applied(pod(gpu("t")), s)
-    assert env_of(out["spec"]["containers"][0]) == {"VRAM_LIMIT_BYTES": str(12 * GiB)}
+    assert env_of(out["spec"]["containers"][0]) == {"VRAM_LIMIT_BYTES": str(12 * GiB), **SOFT_0}
     assert "volumeMounts" not in out["spec"]["containers"][0]
 
 
@@ -478,7 +483,7 @@ def test_toolkit_memory_limits_are_whole_mib_per_gpu_with_soft_0() -> None:
         "12288",
     )
     assert env_of(o)["NVIDIA_GPU_MEMORY_LIMIT"] == "12288"  # rounded down: never above it
-    assert "env" not in c
+    assert env_of(c) == SOFT_0
     assert mutate(out, s) == []  # a second pass changes nothing
     default = applied(pod(gpu("t")))  # off by default: the hook fails containers on old drivers
     assert "NVIDIA_GPU_MEMORY_LIMIT" not in env_of(default["spec"]["containers"][0])
@@ -530,15 +535,42 @@ def test_no_container_sets_its_own_limit_through_the_toolkits_hook(toolkit: bool
         if c["name"] == "vram-enforcer":
             continue
         limits = [e for e in c["env"] if e["name"].startswith("NVIDIA_GPU_MEMORY_")]
+        soft = [{"name": "NVIDIA_GPU_MEMORY_REQUEST", "value": "0"}]
         if wanted.get(c["name"]) is None:
-            assert limits == [], c["name"]
+            assert limits == soft, c["name"]
         else:
             assert limits == [
-                {"name": "NVIDIA_GPU_MEMORY_REQUEST", "value": "0"},
+                *soft,
                 {"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": wanted[c["name"]]},
             ], c["name"]
         assert env_of(c)["KEEP"] == "1"  # the rest of its environment is its own
     assert mutate(out, s) == []  # a second pass changes nothing
+
+
+@pytest.mark.parametrize("toolkit", [True, False])
+def test_no_reservation_reaches_the_toolkits_hook_from_env_from_or_the_image(toolkit: bool) -> None:
+    """The hook sets soft = NVIDIA_GPU_MEMORY_REQUEST, the `dmem.min` reservation the
+    driver adds to every ancestor and that leaks when the runtime deletes the cgroup: a
+    crash-looping container given it by `envFrom` or its image would reserve without bound.
+    A container's `env` wins over both, so every container the webhook mutates, whatever it
+    declares and with the flag on or off, gets exactly one soft 0 there, and no hard limit
+    but ours."""
+    s = AdmissionSettings("img", "native", RES, 1, toolkit_limits=toolkit)
+    from_config = {"envFrom": [{"configMapRef": {"name": "tenant-hook-values"}}]}
+    p = pod(
+        {**gpu("t"), **from_config},
+        {**gpu("helper", None), **from_config},
+        init=[{**gpu("warmup", None), **from_config}],
+    )
+    spec = applied(p, s)["spec"]
+    for c in spec["initContainers"] + spec["containers"]:
+        if c["name"] == "vram-enforcer":
+            continue
+        hook = [e for e in c["env"] if e["name"].startswith("NVIDIA_GPU_MEMORY_")]
+        assert hook[0] == {"name": "NVIDIA_GPU_MEMORY_REQUEST", "value": "0"}, c["name"]
+        ours = [{"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "12288"}]
+        assert hook[1:] == (ours if toolkit and c["name"] == "t" else []), c["name"]
+        assert c["envFrom"] == from_config["envFrom"]  # the rest of it stays the tenant's
 
 
 def test_a_debugging_container_sets_no_limit_of_its_own_through_the_toolkits_hook() -> None:
@@ -551,7 +583,7 @@ def test_a_debugging_container_sets_no_limit_of_its_own_through_the_toolkits_hoo
     out = review(doc, NATIVE)
     ops = json.loads(base64.b64decode(out.review["response"]["patch"]))
     (debug,) = jsonpatch.apply_patch(doc["request"]["object"], ops)["spec"]["ephemeralContainers"]
-    assert env_of(debug) == {"NVIDIA_VISIBLE_DEVICES": "all", "KEEP": "1"}
+    assert env_of(debug) == {"NVIDIA_VISIBLE_DEVICES": "all", "KEEP": "1", **SOFT_0}
 
 
 def test_gpu_exposure_env_and_runtime_class() -> None:
@@ -564,7 +596,7 @@ def test_gpu_exposure_env_and_runtime_class() -> None:
         env["NVIDIA_VISIBLE_DEVICES"] == "all"
         and env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
     )
-    assert "env" not in out["spec"]["containers"][1]
+    assert env_of(out["spec"]["containers"][1]) == SOFT_0
     # The device plugin's assignment stands for a container that asks for nvidia.com/gpu.
     assert "NVIDIA_VISIBLE_DEVICES" not in env_of(out["spec"]["containers"][2])
     assert out["spec"]["runtimeClassName"] == "nvidia"
@@ -602,6 +634,7 @@ def test_the_patch_is_made_at_the_paths_it_changes_with_keys_escaped() -> None:
         ("replace", "/spec/containers/0/env"),  # null: replaced with our variables
         ("add", "/spec/containers/0/env/1"),
         ("add", "/spec/containers/0/env/2"),
+        ("add", "/spec/containers/0/env/3"),  # soft 0 for the toolkit's hook
         ("add", "/spec/volumes"),
         ("add", "/spec/containers/0/volumeMounts"),
         ("add", "/spec/volumes/1"),
@@ -1410,12 +1443,15 @@ def test_an_ephemeral_container_added_to_an_injected_pod_drops_kill() -> None:
     out = review(doc, NATIVE)
     assert out.result == "patched"
     ops = json.loads(base64.b64decode(out.review["response"]["patch"]))
+    soft_0 = [{"name": "NVIDIA_GPU_MEMORY_REQUEST", "value": "0"}]
     assert ops == [
         {
             "op": "add",
             "path": "/spec/ephemeralContainers/1/securityContext",
             "value": {"capabilities": {"drop": ["KILL"]}},
-        }
+        },
+        {"op": "add", "path": "/spec/ephemeralContainers/1/env", "value": soft_0},
+        {"op": "add", "path": "/spec/ephemeralContainers/2/env", "value": soft_0},
     ]
     again = jsonpatch.apply_patch(doc["request"]["object"], ops)
     assert (

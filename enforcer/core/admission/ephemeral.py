@@ -4,13 +4,14 @@
 The webhook sees a pod when it is created; an ephemeral container comes later, through a
 subresource of its own. In a pod the webhook injected, a new one is held to the rules of
 `isolation`: it drops KILL, and is denied what would let it ptrace the sidecar or run under
-another label; it sets no limit of its own through the NVIDIA toolkit's hook
-(`sidecar.toolkit_env`); nor may it target the sidecar (`targetContainerName`, which the chart's
-policy refuses too). In any pod, none is named like the sidecar. Whether the pod is ours,
-and its SELinux options, are read from the stored pod (`oldObject`): the rest of the
-request's copy is the requester's to write (the API server keeps only its ephemeral
-containers). Ephemeral containers added before are left as they are: the API server
-refuses any change to them, and an upgrade must not make a running pod's update fail.
+another label; it sets no limit or reservation of its own through the NVIDIA toolkit's
+hook (`sidecar.toolkit_env`: soft 0, no hard limit); nor may it target the sidecar
+(`targetContainerName`, which the chart's policy refuses too). In any pod, none is named
+like the sidecar. Whether the pod is ours, and its SELinux options, are read from the
+stored pod (`oldObject`): the rest of the request's copy is the requester's to write (the
+API server keeps only its ephemeral containers). Ephemeral containers added before are
+left as they are: the API server refuses any change to them, and an upgrade must not make
+a running pod's update fail.
 """
 
 from __future__ import annotations

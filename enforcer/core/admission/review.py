@@ -334,11 +334,14 @@ def _toolkit_limits(patch: Patch, declared: Declaration, toolkit: bool) -> None:
     allocations, not for a pod only reported on), on each declaring container what it is
     owed on each of its GPUs (`owed`: its ceiling; one share of a share spread over N
     GPUs), since the hook sets one value on every GPU the container was given. On every
-    other container, none of its own: no container sets its own limit through the hook."""
+    other container, no hard limit of its own; on all of them soft 0 (`toolkit_env`): no
+    container sets its own limit or reservation through the hook. The sidecar is ours,
+    and `add_sidecar` writes all of it."""
     units = owed(declared, None, None).units if toolkit else ()
     per_gpu = {o.unit.containers[0]: o.ceiling for o in units}
     for where, c in containers_at(patch.get(("spec",))):
-        toolkit_env(patch, where, per_gpu.get(c["name"]))
+        if c["name"] != SIDECAR:
+            toolkit_env(patch, where, per_gpu.get(c["name"]))
 
 
 def _may_opt_out(annotations: Mapping[str, object], bounds: Bounds) -> bool:

@@ -127,13 +127,14 @@ def workload_env(
 
 
 def toolkit_env(patch: Patch, where: Path, per_gpu: int | None) -> None:
-    """The toolkit hook's variables on one container, which are the webhook's alone: with
-    `per_gpu` (what the container is owed on each of its GPUs, in bytes), soft 0 and that
-    hard limit in whole MiB, rounded down (never above what is owed); without, none. A
-    variable the pod's own `env` gives is dropped, every copy of it (the kubelet keeps the
-    last of a name); one from `envFrom` or the image is overridden only where ours is set,
-    since a container's `env` wins over both."""
-    values = (None, None) if per_gpu is None else ("0", str(per_gpu // MiB))
+    """The toolkit hook's variables on one container, which are the webhook's alone: soft 0
+    always, and with `per_gpu` (what the container is owed on each of its GPUs, in bytes)
+    that hard limit in whole MiB, rounded down (never above what is owed); without, no hard
+    limit in `env`. Every copy the pod's own `env` gives is dropped (the kubelet keeps the
+    last of a name). Soft 0 is written even where we set no hard limit: a container's `env`
+    wins over `envFrom` and the image's ENV, so a soft limit from either never reaches the
+    hook, whose soft limit is a reservation that outlives the container's cgroup."""
+    values = ("0", None if per_gpu is None else str(per_gpu // MiB))
     for name, value in zip(TOOLKIT_ENV, values, strict=True):
         only(patch, (*where, "env"), name, value)
 

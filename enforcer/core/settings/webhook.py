@@ -158,14 +158,19 @@ FRAMEWORK_ENV = switch(
 TOOLKIT_LIMITS = switch(
     "toolkit_limits",
     "--toolkit-memory-limits",
-    "also set NVIDIA_GPU_MEMORY_REQUEST/LIMIT (MiB) for the NVIDIA container toolkit's hook",
-    doc="also set `NVIDIA_GPU_MEMORY_REQUEST=0` and `NVIDIA_GPU_MEMORY_LIMIT` on each "
+    "also set NVIDIA_GPU_MEMORY_LIMIT (MiB) for the NVIDIA container toolkit's hook",
+    doc="also set `NVIDIA_GPU_MEMORY_LIMIT` on each "
     "declaring container: what it is owed on each of its GPUs (its ceiling; a share spread "
     "over N GPUs, one share), in whole MiB, rounded down. The NVIDIA container toolkit's "
     "`apply-cuda-memory-limits` CDI hook (toolkit v1.20.1+) then sets that hard limit, with "
     "soft limit 0, on the container's cgroup on each GPU it was given, as the container is "
-    "created. On or off, the webhook removes these variables from every other container of "
-    "the pods it mutates, and every copy a user wrote beside its own (security.md). Off by "
+    "created. On or off, the webhook removes every copy of these variables a pod wrote in "
+    "`env` and gives every container of the pods it mutates (init, regular, ephemeral) "
+    "exactly one `NVIDIA_GPU_MEMORY_REQUEST=0`, declaring or not: a container's `env` wins "
+    "over `envFrom` and the image, so no soft limit (a reservation that outlives the "
+    "container's cgroup) reaches the hook from either; a `NVIDIA_GPU_MEMORY_LIMIT` from "
+    "them still does where the webhook writes none, a limit the container puts on itself "
+    "that the agent leaves as a foreign limit and sampling still holds (security.md). Off by "
     "default: where that hook runs, a driver before R615, cgroup v1, or a limit above a "
     "GPU's memory makes it fail the container's creation. The node agent's "
     "`--hard-limits auto` does the same without those failures",
