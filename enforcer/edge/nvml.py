@@ -140,14 +140,14 @@ _SESSION_LOST = frozenset(
     }
 )
 
+# Errors that say the GPU itself is gone until it is reset or back on the bus.
+_GPU_LOST = frozenset({pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_RESET_REQUIRED})
+
 # Errors after which the NVML session or a device handle is no longer usable.
-_LOST = frozenset(
-    {
-        pynvml.NVML_ERROR_UNINITIALIZED,
-        pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
-        pynvml.NVML_ERROR_GPU_IS_LOST,
-        pynvml.NVML_ERROR_RESET_REQUIRED,
-        pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+_LOST = (
+    _SESSION_LOST
+    | _GPU_LOST
+    | {
         pynvml.NVML_ERROR_NOT_FOUND,
         pynvml.NVML_ERROR_INVALID_ARGUMENT,
         pynvml.NVML_ERROR_UNKNOWN,
@@ -460,12 +460,18 @@ class Nvml:
 
     def _memory(self, handle: Any) -> tuple[int | None, int | None, int | None]:
         """Total, used and reserved bytes. Memory info v2 (R510+) keeps the driver's reserved
-        memory out of `used`; v1 counts it in "used" and does not say how much it is."""
+        memory out of `used`; v1 counts it in "used" and does not say how much it is. A driver
+        without v2 switches it off for the session; any other v2 failure that does not say
+        the session or the GPU is lost (NOT_SUPPORTED or UNKNOWN under WSL, where v1 answers)
+        falls back to v1 for this read only, and v1's own failure is the device's."""
         if self._memory_v2:
             try:
                 mem = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
             except (pynvml.NVMLError_FunctionNotFound, pynvml.NVMLError_ArgumentVersionMismatch):
                 self._memory_v2 = False
+            except pynvml.NVMLError as exc:
+                if _code(exc) in _SESSION_LOST or _code(exc) in _GPU_LOST:
+                    raise
             else:
                 return _bytes(mem.total), _bytes(mem.used), _bytes(mem.reserved)
         mem = pynvml.nvmlDeviceGetMemoryInfo(handle)

@@ -20,6 +20,7 @@ from enforcer.core.model import (
     HeldLimit,
     LimitOutcome,
     LimitResult,
+    MiB,
     ProcessKey,
     Sample,
     SourceDown,
@@ -198,7 +199,7 @@ def test_a_failed_reinit_backs_off_further(fake_nvml: Any) -> None:
 
 def test_a_transient_query_error_needs_no_reinit(fake_nvml: Any, nvml: Nvml) -> None:
     nvml.init()
-    fake_nvml.state.inject_error("nvmlDeviceGetMemoryInfo_v2", "TIMEOUT")
+    fake_nvml.state.inject_error("nvmlDeviceGetComputeRunningProcesses_v3", "TIMEOUT")
     fake_nvml.write()
     with pytest.raises(NvmlQueryError):
         nvml.snapshot()
@@ -716,6 +717,40 @@ def test_the_driver_reserve_is_read_apart_from_what_is_used(fake_nvml: Any) -> N
     session.init()
     (device,) = session.snapshot().devices
     assert (device.used_bytes, device.reserved_bytes) == (3 * GiB + 600 * 1024**2, None)
+    session.shutdown()
+
+
+@pytest.mark.parametrize("error", ["NOT_SUPPORTED", "UNKNOWN", "TIMEOUT"])
+def test_a_device_whose_memory_info_v2_fails_is_read_with_v1(fake_nvml: Any, error: str) -> None:
+    """Memory info v2 answers NOT_SUPPORTED or UNKNOWN where v1 works (WSL): that device is
+    read with v1, for that read only (v2 again once it answers), and the others with v2. An
+    error that says the GPU is lost stays the device's failure."""
+    st = fake_nvml.state
+    st.add_device()
+    st.set_reserved(0, 600 * MiB)
+    st.set_reserved(1, 600 * MiB)
+    st.set_process(0, os.getpid(), 3 * GiB)
+    st.inject_error("nvmlDeviceGetMemoryInfo_v2", error, device_index=0)
+    fake_nvml.write()
+    session = Nvml()
+    session.init()
+    snap = session.snapshot()
+    assert snap.failed == ()
+    first, second = snap.devices
+    assert (first.total_bytes, first.used_bytes, first.reserved_bytes) == (
+        80 * GiB,
+        3 * GiB + 600 * MiB,  # v1: the driver's reserve is in `used`, its size unknown
+        None,
+    )
+    assert (second.used_bytes, second.reserved_bytes) == (0, 600 * MiB)
+    st.clear_errors()
+    fake_nvml.write()
+    first = session.snapshot().devices[0]
+    assert (first.used_bytes, first.reserved_bytes) == (3 * GiB, 600 * MiB)
+    st.inject_error("nvmlDeviceGetMemoryInfo_v2", "GPU_IS_LOST", device_index=0)
+    fake_nvml.write()
+    snap = session.snapshot()
+    assert [uuid for uuid, _ in snap.failed] == [first.uuid] and "GPU is lost" in snap.failed[0][1]
     session.shutdown()
 
 
