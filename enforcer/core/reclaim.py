@@ -162,8 +162,11 @@ def views(
     above its request, and is owed nothing on any (which GPU would be a guess). A unit
     that uses no GPU yet is owed nothing anywhere. `priorities`: its pod's priority, by
     unit. A GPU's memory is what can be allocated on it (`node.allocatable`: less the
-    driver's reserved memory and `reserve_bytes`), as the node advertises it. MIG partitions
-    and GPUs in MIG mode are left out, as for hard limits: their memory is split already."""
+    driver's reserved memory and `reserve_bytes`), as the node advertises it. `--reserve`
+    is kept for the node's other processes, whose use NVML counts in `used`: what they use
+    of it is counted once, in the reserve, and only what they use beyond it in `used`;
+    counted twice, borrowers would be reclaimed that much early. MIG partitions and GPUs in
+    MIG mode are left out, as for hard limits: their memory is split already."""
     in_mig_mode = {d.parent_uuid for d in devices if d.parent_uuid}
     gpus = [d for d in devices if d.parent_uuid is None and d.uuid not in in_mig_mode]
     held: dict[tuple[str, str], int] = {}
@@ -197,8 +200,8 @@ def views(
             priority = (priorities or {}).get(unit.name, 0)
             shares.append(Share(unit.name, request, ceiling, used, priority, unit.name in exiting))
         others = max(d.used_bytes - sum(s.used for s in shares), 0)
-        total = allocatable(d, reserve_bytes)
-        result.append(Gpu(d.uuid, total, d.used_bytes, tuple(shares), others))
+        counted = d.used_bytes - min(others, reserve_bytes)  # the reserve is out of the total
+        result.append(Gpu(d.uuid, allocatable(d, reserve_bytes), counted, tuple(shares), others))
     return tuple(result)
 
 

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from enforcer.core.model import Device, GiB, ProcessKey, ProcessTotal, ProcessUsage, UnitUsage
+from enforcer.core.model import (
+    Device,
+    GiB,
+    MiB,
+    ProcessKey,
+    ProcessTotal,
+    ProcessUsage,
+    UnitUsage,
+)
+from enforcer.core.node import allocatable
 from enforcer.core.reclaim import (
     DEFAULT_WATERMARK,
     Gpu,
@@ -183,12 +193,37 @@ def test_a_request_over_all_gpus_lends_on_each_what_it_holds_above_it() -> None:
 
 def test_nothing_is_lent_of_what_the_driver_or_the_operator_reserves() -> None:
     """A GPU's memory in a view is what can be allocated on it, as the node advertises it:
-    its total less NVML's `reserved` and `--reserve`. 4 GiB is free of 80 less 1 less 3."""
-    a = process(10, "GPU-0", 30)
+    its total less NVML's `reserved` and `--reserve`. Pods hold 72 GiB, so 4 GiB is free
+    of 80 less 1 less 3, while b is owed 2 more."""
+    a, b = process(10, "GPU-0", 30), process(11, "GPU-0", 42)
     gpu = replace(device(0, 72), reserved_bytes=GiB)
-    (seen,) = views([gpu], [unit("a", 40, a)], {"a": 10 * GiB}, reserve_bytes=3 * GiB)
+    units = [unit("a", 40, a), unit("b", 44, b)]
+    (seen,) = views([gpu], units, {"a": 10 * GiB, "b": 44 * GiB}, reserve_bytes=3 * GiB)
     assert (seen.total, seen.free) == (76 * GiB, 4 * GiB)
-    assert plan(seen, watermark=5 * GiB).reclaims  # short by 1: the borrower gives back
+    assert plan(seen, watermark=5 * GiB).reclaims  # short by 3: the borrower gives back
+
+
+@pytest.mark.parametrize("reserved", [450 * MiB, None])
+def test_what_the_nodes_other_processes_use_of_the_reserve_is_counted_once(
+    reserved: int | None,
+) -> None:
+    """`--reserve` keeps memory out of the capacity for the node's processes that are not
+    pods (and, on a driver without memory info v2, for the driver's reserve, which v1 counts
+    in `used`). NVML counts what they use in `used`: lending must not subtract it from the
+    total as well, or borrowers are reclaimed that much early. A T4 (16 GiB) with a 450 MiB
+    reserve held by them, and 10 GiB used by pods: the lender sees what the node advertises,
+    less what the pods use, and sees anything they use beyond the reserve."""
+    pods = process(10, "GPU-0", 10)
+    held_by_others = 450 * MiB
+    gpu = replace(device(0, 0, total=16), reserved_bytes=reserved)
+    gpu = replace(gpu, used_bytes=10 * GiB + held_by_others)
+    (seen,) = views([gpu], [unit("a", 12, pods)], {"a": 8 * GiB}, reserve_bytes=held_by_others)
+    advertised = allocatable(gpu, held_by_others)
+    assert seen.free == advertised - 10 * GiB
+    assert seen.unrequested == held_by_others  # still there, to grow into the watermark
+    more = replace(gpu, used_bytes=11 * GiB + held_by_others)  # they grow 1 GiB past it
+    (seen,) = views([more], [unit("a", 12, pods)], {"a": 8 * GiB}, reserve_bytes=held_by_others)
+    assert seen.free == advertised - 11 * GiB
 
 
 def test_a_unit_of_one_gpu_has_its_request_there_and_is_owed_the_rest() -> None:
