@@ -157,10 +157,5 @@ def from_json(doc: object) -> ExecSummary:
         raise ValueError(f"a malformed exec summary ({exc!r})") from None
 
 
-def _tier(hard_limit: bool) -> str:
-    """The tier of a summary written before the tier was named: only hard_limit says it."""
-    return TierName.DRIVER if hard_limit else TierName.SAMPLING
-
-
 def _optional(value: Any, kind: Callable[[Any], T]) -> T | None:
     return None if value is None else kind(value)
