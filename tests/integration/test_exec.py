@@ -314,9 +314,11 @@ def test_sigterm_while_the_command_runs_reaches_an_orphan_as_well(run: Run) -> N
 
 
 def _ppid(pid: int) -> int | None:
+    """The parent of `pid`, None once it is gone (reaped between the open and the read, the
+    kernel answers ESRCH: ProcessLookupError)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
     return int(text.rpartition(")")[2].split()[1])
 
