@@ -25,6 +25,7 @@ from typing import Any, Literal, TypeAlias, cast
 
 from enforcer.core.declaration import ENFORCED, OPT_IN, SIDECAR, injected
 from enforcer.core.dra import DraObjects
+from enforcer.core.hard_limits import TOOLKIT_LIMIT_ENV
 from enforcer.core.owners import TEMPLATE_HASH
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import (
@@ -218,16 +219,21 @@ _CONTAINER: _Shape = {
 
 def _containers(value: object) -> list[dict[str, Any]]:
     """Each container's name and resources (declared limits, DRA claims); the sidecar's own
-    variables too."""
+    variables too; and on any other, the NVIDIA toolkit hook's limit where its spec gives
+    one (the last, as the kubelet does: one at most, however many a pod repeats), by which
+    the hard limiter knows whose a limit it did not set is (`hard_limits.owner`)."""
     found = []
     for container in json_maps(value):
         trimmed = _trim(container, _CONTAINER)
+        variables = json_maps(container.get("env"))
         if container.get("name") == SIDECAR and "env" in container:
             trimmed["env"] = [
                 _trim(variable, {"name": True, "value": True})
-                for variable in json_maps(container["env"])
+                for variable in variables
                 if str(variable.get("name")).startswith(_OURS)
             ]
+        elif toolkit := [v for v in variables if v.get("name") == TOOLKIT_LIMIT_ENV][-1:]:
+            trimmed["env"] = [_trim(toolkit[0], {"name": True, "value": True})]
         found.append(trimmed)
     return found
 

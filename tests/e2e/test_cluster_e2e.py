@@ -1549,6 +1549,7 @@ def test_a_forged_sidecar_in_a_namespace_that_did_not_opt_in_is_neither_dialled_
         }
         assert named <= {
             "vram_enforcer_hard_limit_bytes",
+            "vram_enforcer_container_tier",  # which tier holds it, as any declaring pod's
             "vram_enforcer_undeclared_used_bytes",
             "vram_enforcer_pod_owner",  # the workload its undeclared memory is recommended for
         }

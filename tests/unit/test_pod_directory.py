@@ -20,10 +20,12 @@ from enforcer.core.declaration import (
     ENFORCED,
     SIDECAR,
     Declares,
+    container_env,
     dra_ceilings,
     of_pod,
 )
 from enforcer.core.dra import DraObjects, DraSettings, allocations, claim_names, container_claims
+from enforcer.core.hard_limits import TOOLKIT_LIMIT_ENV, owner
 from enforcer.core.last_enforcement import seen
 from enforcer.core.lending import tenants
 from enforcer.core.model import Action, GiB, MiB
@@ -142,7 +144,12 @@ def declared() -> Doc:
         "image": "pytorch",
         "command": ["python", "train.py"],
         "args": ["--epochs", "10"],
-        "env": [variable("VRAM_ENFORCER_ACTION", "warn")],
+        "env": [
+            variable("VRAM_ENFORCER_ACTION", "warn"),
+            # NVIDIA's toolkit hook's, twice (the kubelet keeps the last)
+            variable("NVIDIA_GPU_MEMORY_LIMIT", "4096"),
+            variable("NVIDIA_GPU_MEMORY_LIMIT", "8192"),
+        ],
         "resources": {"limits": {RES: "8Gi", "cpu": "4"}, "requests": {RES: "8Gi"}},
     }
     pod = {
@@ -266,6 +273,11 @@ def readings(pod: Pod) -> dict[str, object]:
         "claims": (claim_names(pod), container_claims(pod), found),
         "from_claims": from_claims,
         "tenants": tenants([(pod, from_claims)], {}).all,
+        # whose a limit the hard limiter did not set is (the toolkit's, or unknown)
+        "limit_owner": {
+            n: (owner(set(container_env(pod, n))), container_env(pod, n).get(TOOLKIT_LIMIT_ENV))
+            for n in sorted(names)
+        },
         # the sidecar watch
         "presence": (guarded(pod), sidecar_id(pod), reachable(pod)),
         # a pod's last enforcement: the instance of the container, its restarts
