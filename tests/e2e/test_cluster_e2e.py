@@ -544,7 +544,9 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
             installed.use(pid, used)  # a pod that declares nothing, a process of no pod
         lent = f'vram_enforcer_gpu_lent_bytes{{uuid="{uuid}"}} {floatToGoString(4 * GiB)}'
         installed.wait_for_metric(lent, "the agent's view")
-        free = f'vram_enforcer_gpu_free_bytes{{uuid="{uuid}"}} {floatToGoString(22 * GiB)}'
+        # 80 GiB less what the driver reserves (the fake's 512 MiB), --reserve (1Gi, which
+        # the 50 GiB of no request's covers in part) and what the processes hold (58 GiB)
+        free = f'vram_enforcer_gpu_free_bytes{{uuid="{uuid}"}} {floatToGoString(21.5 * GiB)}'
         assert free in installed.agent_metrics()
         over = 'vram_enforcer_container_gpu_over_request_bytes{pod="lender-0"} > 0'
         wait_for(lambda: prometheus.series(over), timeout=30, what="Prometheus to see it")
@@ -556,7 +558,7 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
         borrowing = time.time()
         assert Path(f"/proc/{borrower}").exists()
         assert not events(core, OPTED_IN, "lender-0", "VRAMReclaimed")
-        installed.use(other, 59 * GiB)  # 12 GiB free: 4 short of 14 owed plus 2
+        installed.use(other, 59 * GiB)  # 11.5 GiB free: 4.5 short of 14 owed plus 2
         reclaimed = wait_for(
             lambda: events(core, OPTED_IN, "lender-0", "VRAMReclaimed"),
             timeout=30,
@@ -577,7 +579,7 @@ def test_a_borrower_is_left_alone_while_its_gpu_has_room_and_reclaimed_when_it_h
     text = " | ".join(e.message for e in reclaimed)
     assert (
         f"container 'trainer' holds 6.00 GiB on GPU {uuid}, 4.00 GiB above its 2.00 GiB "
-        "request (ceiling 8.00 GiB); the GPU has 12.00 GiB free, 4.00 GiB less than it must "
+        "request (ceiling 8.00 GiB); the GPU has 11.50 GiB free, 4.50 GiB less than it must "
         f"keep free for what {OPTED_IN}/owed-0/trainer is still owed of its request" in text
     )
     assert "sent SIGTERM to pid" in text
@@ -596,11 +598,11 @@ def test_a_container_the_device_plugin_gave_a_gpu_is_owed_its_request_there_befo
 ) -> None:
     """Node mode with a device plugin (a stand-in of NVIDIA's, handing out time-sliced
     replicas of the one GPU): a borrower (2Gi request, 8Gi ceiling) holds 6Gi while a
-    process of no pod holds 58Gi, so 16Gi are free. A pod owed 16Gi starts on the GPU and
-    uses none of it yet: NVML cannot say where it is owed, the kubelet can. The agent reads
-    the kubelet's pod resources, owes the newcomer its request on its replica's GPU (16 plus
-    the 2Gi watermark: 2 short), and asks the borrower back before the newcomer's first
-    allocation could fail."""
+    process of no pod holds 58Gi, so 15.5Gi are free (the driver reserves 512 MiB). A pod
+    owed 16Gi starts on the GPU and uses none of it yet: NVML cannot say where it is owed,
+    the kubelet can. The agent reads the kubelet's pod resources, owes the newcomer its
+    request on its replica's GPU (16 plus the 2Gi watermark: 2.5 short), and asks the
+    borrower back before the newcomer's first allocation could fail."""
     core, node = installed.core, installed.node
     uuid = installed.gpus.devices[0]["uuid"]
     plugin = DevicePlugin([f"{uuid}::{n}" for n in range(4)])
@@ -640,7 +642,7 @@ def test_a_container_the_device_plugin_gave_a_gpu_is_owed_its_request_there_befo
         )
         assert (
             f"container 'trainer' holds 6.00 GiB on GPU {uuid}, 4.00 GiB above its 2.00 GiB "
-            "request (ceiling 8.00 GiB); the GPU has 16.00 GiB free, 2.00 GiB less than it must "
+            "request (ceiling 8.00 GiB); the GPU has 15.50 GiB free, 2.50 GiB less than it must "
             f"keep free for what {OPTED_IN}/owed-9/trainer is still owed of its request"
         ) in reclaimed.message, reclaimed.message
         assert Path(f"/proc/{newcomer}").exists()

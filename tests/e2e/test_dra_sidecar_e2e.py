@@ -631,7 +631,7 @@ def test_a_borrower_above_its_claim_is_reclaimed_when_the_scheduler_hands_out_wh
         assert not events(api, owed.name, "VRAMEnforced")
         assert reclaimed.message.startswith(
             f"container 'burst' on GPU {uuid} holds 12.00 GiB, 10.00 GiB above its 2.00 GiB "
-            "request (ceiling 16.00 GiB); the GPU has 11.00 GiB free, 2.00 GiB less than it "
+            "request (ceiling 16.00 GiB); the GPU has 10.50 GiB free, 2.50 GiB less than it "
             f"must keep free for what {NAMESPACE}/{owed.name}/grow, "
             f"{NAMESPACE}/{newcomer.name}/c are still owed"
         ), reclaimed.message
