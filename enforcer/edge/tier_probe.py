@@ -134,24 +134,14 @@ class TierProbe:
         self._reading = str(hierarchy)
         dmem = "dmem" in cgroupfs.controllers(hierarchy)
         below = "" if cgroup is None else str(cgroup)
-        no_dmem_at = self._first_without_dmem(cgroup, hierarchy) if cgroup and dmem else ""
+        no_dmem_at = ""
+        if cgroup and dmem:
+            # Where dmem stops reaching a child of `cgroup` (one made below it, as limited
+            # cgroups are): the same walk the hard limiter names a refused cgroup's by.
+            self._reading = f"the cgroup.subtree_control files from {hierarchy} to {cgroup}"
+            at = cgroupfs.first_without("dmem", cgroup / "child", hierarchy)
+            no_dmem_at = "" if at is None else str(at)
         return _Found(str(hierarchy), dmem, below, no_dmem_at, hooks)
-
-    def _first_without_dmem(self, cgroup: Path, hierarchy: Path) -> str:
-        """The first of `cgroup` and its ancestors up to `hierarchy` that does not hand dmem
-        down to its children; "" when each does."""
-        at = cgroup
-        while True:
-            self._reading = str(at / "cgroup.subtree_control")
-            try:
-                enabled = (at / "cgroup.subtree_control").read_text().split()
-            except OSError:
-                enabled = []
-            if "dmem" not in enabled:
-                return str(at)
-            if at in (hierarchy, at.parent) or not at.is_relative_to(hierarchy):
-                return ""
-            at = at.parent
 
     def _hook_gpus(self) -> tuple[str, ...]:
         """The GPUs for which a CDI spec on the host runs NVIDIA's memory-limit hook."""
