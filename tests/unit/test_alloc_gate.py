@@ -1,0 +1,79 @@
+"""The allocation gate's decision over plain data: what the tree holds (the sampler's last
+pass plus what was let through since), and when it refuses at once or looks again."""
+
+from __future__ import annotations
+
+from enforcer.core import messages
+from enforcer.core.alloc_gate import MAX_GRANTS, SETTLE, Verdict, View, decide
+
+GIB = 1 << 30
+
+
+def test_an_allocation_up_to_the_limit_is_allowed_one_byte_more_is_refused() -> None:
+    view = View(4 * GIB).saw(GIB, at=10.0)
+    assert decide(3 * GIB, view) == (Verdict.ALLOW, GIB)
+    assert decide(3 * GIB + 1, view) == (Verdict.REFUSE, GIB)
+
+
+def test_one_allocation_larger_than_the_limit_is_refused_whatever_the_view() -> None:
+    assert decide(5 * GIB, View(4 * GIB)) == (Verdict.REFUSE, 0)
+
+
+def test_what_was_let_through_counts_until_a_pass_that_began_settle_after_it() -> None:
+    view = View(4 * GIB).saw(0, at=10.0).granted(10.01, 3 * GIB)
+    assert view.held() == 3 * GIB
+    assert view.saw(3 * GIB, at=10.01 + SETTLE / 2).held() == 6 * GIB  # counted twice, meanwhile
+    later = view.saw(3 * GIB, at=10.01 + 2 * SETTLE)
+    assert (later.held(), later.grants) == (3 * GIB, ())
+
+
+def test_over_the_limit_with_grants_not_yet_sampled_it_looks_again_then_refuses() -> None:
+    view = View(4 * GIB).saw(0, at=10.0).granted(10.01, 3 * GIB)
+    assert decide(2 * GIB, view) == (Verdict.RECHECK, 3 * GIB)
+    assert decide(2 * GIB, view.saw(3 * GIB, at=11.0)) == (Verdict.REFUSE, 3 * GIB)
+
+
+def test_after_a_refusal_a_free_seen_by_the_next_pass_makes_room() -> None:
+    """PyTorch frees its cache on an out-of-memory and asks again."""
+    view = View(4 * GIB).saw(int(3.5 * GIB), at=10.0)
+    assert decide(GIB, view)[0] == Verdict.REFUSE
+    refused = view.refused(10.02)
+    assert decide(GIB, refused)[0] == Verdict.RECHECK  # frees since that pass may make room
+    assert decide(GIB, refused.saw(GIB, at=10.03)) == (Verdict.ALLOW, GIB)
+    assert decide(GIB, refused.saw(int(3.5 * GIB), at=10.03))[0] == Verdict.REFUSE
+
+
+def test_before_the_first_pass_only_grants_are_held_and_nothing_is_fresh() -> None:
+    view = View(4 * GIB).granted(1.0, 3 * GIB)
+    assert decide(GIB, view) == (Verdict.ALLOW, 3 * GIB)
+    assert decide(2 * GIB, view)[0] == Verdict.RECHECK
+
+
+def test_an_unread_pass_changes_nothing_usage_it_could_not_see_never_makes_room() -> None:
+    """On SourceDown nothing calls `saw`: the view is the last good pass and the grants."""
+    view = View(4 * GIB).saw(3 * GIB, at=10.0)
+    assert decide(2 * GIB, view)[0] == Verdict.REFUSE
+
+
+def test_a_grant_whose_call_was_interrupted_is_not_held() -> None:
+    view = View(4 * GIB).granted(1.0, GIB).granted(1.1, GIB)
+    assert view.ungranted(1.0, GIB).grants == ((1.1, GIB),)
+    assert view.ungranted(7.0, GIB) == view
+
+
+def test_grants_are_bounded_the_oldest_merged_and_counted_until_the_newer_expires() -> None:
+    view = View(4 * GIB)
+    for i in range(MAX_GRANTS + 1):
+        view = view.granted(float(i), 1)
+    assert len(view.grants) == MAX_GRANTS
+    assert view.grants[0] == (1.0, 2) and view.held() == MAX_GRANTS + 1
+
+
+def test_a_refusal_is_one_line_naming_the_call_the_size_the_limit_and_what_was_held() -> None:
+    view = View(4 * GIB).saw(int(2.9 * GIB), at=10.0).granted(10.02, int(0.2 * GIB))
+    line = messages.allocation_refused("RM_ALLOC/NVOS64 class 0x40", 2 * GIB, 42, 43, view, 10.04)
+    assert line == (
+        "refused a GPU allocation of 2.00 GiB (RM_ALLOC/NVOS64 class 0x40, pid 42 thread 43): "
+        "the command tree holds 3.10 GiB (2.90 GiB sampled 40 ms ago + 204.80 MiB let through "
+        "since) of its 4.00 GiB limit; it got the driver's out-of-memory status (NV_ERR_NO_MEMORY)"
+    )
