@@ -53,6 +53,12 @@ class View:
             return False
         return self.refused_at is None or self.sampled_at > self.refused_at
 
+    def settled_after(self) -> float:
+        """The time after which a pass that begins shows every grant and every free made
+        after the last refusal (-inf: any pass does)."""
+        newest = self.grants[-1][0] + SETTLE if self.grants else float("-inf")
+        return max(newest, float("-inf") if self.refused_at is None else self.refused_at)
+
     def saw(self, used_bytes: int, at: float) -> View:
         """After a good pass that began at `at`: the grants it shows are dropped."""
         cutoff = at - SETTLE

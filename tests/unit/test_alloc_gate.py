@@ -77,3 +77,10 @@ def test_a_refusal_is_one_line_naming_the_call_the_size_the_limit_and_what_was_h
         "the command tree holds 3.10 GiB (2.90 GiB sampled 40 ms ago + 204.80 MiB let through "
         "since) of its 4.00 GiB limit; it got the driver's out-of-memory status (NV_ERR_NO_MEMORY)"
     )
+
+
+def test_a_pass_settles_what_was_let_through_and_the_last_refusal() -> None:
+    view = View(4 * GIB).granted(1.0, GIB).granted(2.0, GIB)
+    assert view.settled_after() == 2.0 + SETTLE
+    assert view.refused(9.0).settled_after() == 9.0
+    assert View(4 * GIB).settled_after() == float("-inf")

@@ -1,0 +1,354 @@
+"""The allocation gate's listener: reads each notified driver call from the seccomp listener
+fd, decodes its parameters from the caller's memory, and lets it go on or refuses it the way
+a full GPU does (the driver's NV_ERR_NO_MEMORY written into its status, the ioctl returning 0).
+
+It fails open: a bug, an unreadable parameter, a task that vanished, an unknown call, a full
+recheck queue or a missed recheck deadline let the call go on (sampling still holds the
+line). It never dies silently: each call runs under a `LoopGuard`, and `check()` (the main
+loop's, every tick) restarts a receiver that stopped and says when one stalls. While the fd
+is open in this process a gated call waits for an answer; it fails with ENOSYS only once
+every copy of the fd is closed (this process killed), which the kernel offers no way around.
+
+A call let through continues after the check, and another thread of the caller can change
+its parameters in between (the kernel documents the race): the gate is for workloads that do
+not race it, and sampling is the enforcement of record.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import logging
+import os
+import queue
+import select
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from enum import StrEnum
+
+from enforcer.core import messages
+from enforcer.core.alloc_gate import Verdict, View, decide
+from enforcer.core.rm_abi import NV_ERR_NO_MEMORY, Call, decode
+from enforcer.edge.guard import ErrorCounter, LoopGuard
+from enforcer.edge.seccomp_filter import COMPAT_ARCHES
+
+log = logging.getLogger(__name__)
+
+# include/uapi/linux/seccomp.h: the ioctls on a listener fd, and the one response flag used
+SECCOMP_IOCTL_NOTIF_RECV = 0xC0502100  # _IOWR('!', 0, struct seccomp_notif), 80 bytes
+SECCOMP_IOCTL_NOTIF_SEND = 0xC0182101  # _IOWR('!', 1, struct seccomp_notif_resp), 24 bytes
+SECCOMP_IOCTL_NOTIF_ID_VALID = 0x40082102  # _IOW('!', 2, __u64)
+SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1
+# struct seccomp_notif: id, pid (the thread), flags, then seccomp_data (nr, arch, ip, args[6]).
+# 80 bytes, so fcntl.ioctl copies it and releases the GIL while RECV blocks (it holds the GIL
+# for a buffer over 1024 bytes): a bigger buffer would freeze every other thread of ours.
+_NOTIF = struct.Struct("<QIIiIQ6Q")
+_RESP = struct.Struct("<QqiI")
+
+RECHECK_QUEUE = 64
+STALL_AFTER = 1.0  # s a notification may wait unread before the listener is said stalled
+
+
+class Outcome(StrEnum):
+    """What became of one notified call."""
+
+    ALLOWED = "allowed"
+    REFUSED = "refused"
+    NOT_MEMORY = "not_memory"  # no video-memory allocation (another class, function or form)
+    NOT_GPU = "not_gpu"  # the request's number on a file that is no NVIDIA device
+    UNSURE = "unsure"  # a recheck that could not be made in time: let go on
+    ABANDONED = "abandoned"  # the caller was interrupted before the answer
+    ERROR = "error"  # a bug or an unreadable caller: let go on
+
+
+@dataclass(frozen=True, slots=True)
+class Notification:
+    id: int
+    tid: int
+    arch: int
+    fd: int
+    cmd: int
+    argp: int
+
+    @classmethod
+    def unpack(cls, raw: bytes | bytearray) -> Notification:
+        nid, tid, _flags, _nr, arch, _ip, fd, cmd, argp, *_ = _NOTIF.unpack(raw)
+        pointer = 0xFFFFFFFF if arch in COMPAT_ARCHES else (1 << 64) - 1
+        return cls(nid, tid, arch, fd & 0xFFFFFFFF, cmd & 0xFFFFFFFF, argp & pointer)
+
+
+class Ledger:
+    """The gate's `View` shared by the sampler's thread (`saw`) and the listener's."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self._view = View(limit_bytes)
+        self._changed = threading.Condition()
+
+    def view(self) -> View:
+        with self._changed:
+            return self._view
+
+    def saw(self, used_bytes: int, at: float) -> None:
+        """A good pass of the sampler, begun at `at` (monotonic)."""
+        with self._changed:
+            self._view = self._view.saw(used_bytes, at)
+            self._changed.notify_all()
+
+    def judge(self, ask_bytes: int) -> tuple[Verdict, View, float]:
+        """The verdict on one allocation, the view it was judged on and when; an allowed one
+        is counted as held from now, a refusal makes the next over-limit call look again."""
+        with self._changed:
+            now, view = time.monotonic(), self._view
+            verdict, _ = decide(ask_bytes, view)
+            if verdict == Verdict.ALLOW:
+                self._view = view.granted(now, ask_bytes)
+            elif verdict == Verdict.REFUSE:
+                self._view = view.refused(now)
+            return verdict, view, now
+
+    def ungrant(self, at: float, ask_bytes: int) -> None:
+        with self._changed:
+            self._view = self._view.ungranted(at, ask_bytes)
+
+    def wait_pass(self, after: float | None, timeout: float) -> bool:
+        """Whether a pass newer than `after` came within `timeout` seconds."""
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: (
+                    self._view.sampled_at is not None
+                    and (after is None or self._view.sampled_at > after)
+                ),
+                timeout,
+            )
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A call over the limit that waits for a fresh pass, its caller's memory held open."""
+
+    notif: Notification
+    call: Call
+    ask: int
+    status_addr: int
+    mem: int
+
+
+class GateListener:
+    """Serves one listener fd (`start`), checked by its owner's loop (`check`).
+
+    `majors`: the device majors of NVIDIA's nodes (the request numbers on another file are
+    not the driver's). `count(outcome, seconds)` is told of each call; `want_pass()` asks
+    the owner for an early sampler pass when a call waits for one (at most `recheck_wait`
+    seconds, then it goes on)."""
+
+    def __init__(
+        self,
+        fd: int,
+        ledger: Ledger,
+        majors: Collection[int],
+        errors: ErrorCounter,
+        count: Callable[[Outcome, float], None] = lambda outcome, seconds: None,
+        want_pass: Callable[[], None] = lambda: None,
+        recheck_wait: float = 0.25,
+        pid: int = 0,
+    ) -> None:
+        self._fd = fd
+        self._ledger = ledger
+        self._majors = frozenset(majors)
+        self._count = count
+        self._want_pass = want_pass
+        self._recheck_wait = recheck_wait
+        self._pid = pid  # the command's, for the lines people read
+        self._guard = LoopGuard("allocation gate", errors, log)
+        self._rechecks: queue.Queue[_Pending] = queue.Queue(RECHECK_QUEUE)
+        self._stopping = threading.Event()
+        self._receiver: threading.Thread | None = None
+        self._worker: threading.Thread | None = None
+        self._answered = 0
+        self._seen = (0, time.monotonic())  # (answered, when that count was first seen)
+        self.stalled = False
+
+    def start(self) -> None:
+        self._receiver = self._thread("allocation-gate", self._receive)
+        self._worker = self._thread("allocation-gate-recheck", self._recheck_loop)
+
+    def _thread(self, name: str, target: Callable[[], None]) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def check(self) -> None:
+        """The owner's check, once a tick: a stopped thread is restarted on the same fd (the
+        callers wait meanwhile, they never fail), and a listener that has not answered a
+        waiting call for `STALL_AFTER` is said stalled."""
+        if self._stopping.is_set():
+            return
+        if self._receiver is not None and not self._receiver.is_alive():
+            log.error("the allocation gate's receiver stopped (a bug); it is restarted")
+            self._receiver = self._thread("allocation-gate", self._receive)
+        if self._worker is not None and not self._worker.is_alive():
+            log.error("the allocation gate's recheck worker stopped (a bug); it is restarted")
+            self._worker = self._thread("allocation-gate-recheck", self._recheck_loop)
+        now, waiting = time.monotonic(), _readable(self._fd)
+        if self._answered != self._seen[0] or not waiting:
+            self._seen = (self._answered, now)
+        stalled = waiting and now - self._seen[1] > STALL_AFTER
+        if stalled and not self.stalled:
+            log.error("the allocation gate has not answered for %.0f s", STALL_AFTER)
+        self.stalled = stalled
+
+    def stop(self) -> None:
+        """Stop serving (the fd stays open: its owner closes it)."""
+        self._stopping.set()
+        for thread in (self._receiver, self._worker):
+            if thread is not None:
+                thread.join()
+
+    def _receive(self) -> None:
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        buf = bytearray(_NOTIF.size)
+        while not self._stopping.is_set():
+            events = dict(poller.poll(100))
+            if events.get(self._fd, 0) & select.POLLIN:
+                buf[:] = bytes(_NOTIF.size)  # RECV refuses a struct that is not zeroed
+                try:
+                    fcntl.ioctl(self._fd, SECCOMP_IOCTL_NOTIF_RECV, buf, True)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOENT, errno.EINTR):
+                        continue  # the caller moved on before we read it
+                    raise
+                self._one(Notification.unpack(buf))
+            elif events.get(self._fd, 0):  # POLLHUP: no task of the filter is left
+                return
+
+    def _one(self, notif: Notification) -> None:
+        started = time.perf_counter()
+        served: list[Outcome | None] = []
+        if not self._guard.run(lambda: served.append(self._serve(notif))):
+            served = [self._reply(notif, Outcome.ERROR)]  # a bug: the call goes on
+        if served[0] is not None:  # None: handed to the recheck worker
+            self._done(served[0], started)
+
+    def _done(self, outcome: Outcome, started: float) -> None:
+        self._answered += 1
+        self._count(outcome, time.perf_counter() - started)
+
+    def _serve(self, notif: Notification) -> Outcome | None:
+        """Decide one call and answer it; None if it was handed to the recheck worker."""
+        if not self._on_gpu(notif):
+            return self._reply(notif, Outcome.NOT_GPU)
+        mem = os.open(f"/proc/{notif.tid}/mem", os.O_RDWR | os.O_CLOEXEC)
+        handed = False
+        try:
+            # The fd names the notifying task's memory only if the call is still pending now.
+            if not self._valid(notif):
+                return Outcome.ABANDONED
+            call = decode(notif.cmd, notif.argp, lambda at, n: os.pread(mem, n, at))
+            if call.ask_bytes is None or call.status_addr is None:
+                log.debug("gate: %s -> not_memory", call.what)
+                return self._reply(notif, Outcome.NOT_MEMORY)
+            pending = _Pending(notif, call, call.ask_bytes, call.status_addr, mem)
+            outcome = self._judge(pending)
+            if outcome is not None:
+                return outcome
+            try:
+                self._rechecks.put_nowait(pending)
+            except queue.Full:
+                return self._reply(notif, Outcome.UNSURE)
+            handed = True
+            return None
+        finally:
+            if not handed:
+                os.close(mem)
+
+    def _judge(self, p: _Pending) -> Outcome | None:
+        """Allow or refuse one allocation and answer it; None where a fresh pass may change
+        the verdict (nothing answered yet)."""
+        verdict, view, at = self._ledger.judge(p.ask)
+        if verdict == Verdict.RECHECK:
+            return None
+        if verdict == Verdict.ALLOW:
+            outcome = self._reply(p.notif, Outcome.ALLOWED)
+            if outcome == Outcome.ABANDONED:  # it never went on: not held
+                self._ledger.ungrant(at, p.ask)
+            log.debug("gate: %s %d B -> %s", p.call.what, p.ask, outcome)
+            return outcome
+        os.pwrite(p.mem, struct.pack("<I", NV_ERR_NO_MEMORY), p.status_addr)
+        # Written only into the memory of a call still pending (the man page's recipe).
+        if not self._valid(p.notif):
+            return Outcome.ABANDONED
+        outcome = self._reply(p.notif, Outcome.REFUSED)
+        if outcome == Outcome.REFUSED:
+            log.warning(
+                messages.allocation_refused(p.call.what, p.ask, self._pid, p.notif.tid, view, at)
+            )
+        return outcome
+
+    def _recheck_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                p = self._rechecks.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            started = time.perf_counter()
+            try:
+                outcome = self._guard.result(functools.partial(self._recheck, p))
+            finally:
+                os.close(p.mem)
+            self._done(outcome or self._reply(p.notif, Outcome.ERROR), started)
+
+    def _recheck(self, p: _Pending) -> Outcome:
+        """Wait for a pass that shows what the verdict was unsure of (asking the owner for
+        one early), then judge again; when the time is up the call goes on: sampling holds
+        the line."""
+        deadline = time.monotonic() + self._recheck_wait
+        while (left := deadline - time.monotonic()) > 0:
+            due = self._ledger.view().settled_after()
+            if self._stopping.wait(max(0.0, min(left, due - time.monotonic()))):
+                break
+            self._want_pass()
+            seen = self._ledger.wait_pass(due, deadline - time.monotonic())
+            if seen and (outcome := self._judge(p)) is not None:
+                return outcome
+        return self._reply(p.notif, Outcome.UNSURE)
+
+    def _on_gpu(self, notif: Notification) -> bool:
+        """Whether the call's fd is an NVIDIA device node: other drivers' requests can share
+        the escapes' NR and SIZE bits."""
+        st = os.stat(f"/proc/{notif.tid}/fd/{notif.fd}")
+        return stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) in self._majors
+
+    def _valid(self, notif: Notification) -> bool:
+        try:
+            fcntl.ioctl(self._fd, SECCOMP_IOCTL_NOTIF_ID_VALID, struct.pack("<Q", notif.id))
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return False
+            raise
+        return True
+
+    def _reply(self, notif: Notification, outcome: Outcome) -> Outcome:
+        """Answer a call: a refusal returns 0 (its status already written), anything else
+        goes on to the driver. ABANDONED where the caller is no longer waiting."""
+        refused = outcome == Outcome.REFUSED
+        flags = 0 if refused else SECCOMP_USER_NOTIF_FLAG_CONTINUE
+        try:
+            fcntl.ioctl(self._fd, SECCOMP_IOCTL_NOTIF_SEND, _RESP.pack(notif.id, 0, 0, flags))
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return Outcome.ABANDONED
+            raise
+        return outcome
+
+
+def _readable(fd: int) -> bool:
+    """Whether a notification waits to be read on `fd` now."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return any(ev & select.POLLIN for _, ev in poller.poll(0))

@@ -1,0 +1,298 @@
+"""The allocation gate end to end on this kernel: the real seccomp filter installed by the
+trampoline, the real listener, and a stand-in of the driver's callers (rm_standin.py) that
+issues the driver's real requests on /dev/null, whose device major stands in for NVIDIA's.
+
+A call let go on reaches /dev/null (ENOTTY, status untouched); a refused one returns 0 with
+NV_ERR_NO_MEMORY (0x51) in its status, and the process goes on. The sampler is stood in for
+by the test: `usage` is what it would read, reported when the gate asks for a pass."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import platform
+import select
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from enforcer.core.alloc_gate import Verdict, View
+from enforcer.edge import gate_child
+from enforcer.edge.gate_listener import GateListener, Ledger, Outcome
+from enforcer.edge.seccomp_filter import program
+
+GIB = 1 << 30
+STANDIN = str(Path(__file__).with_name("rm_standin.py"))
+NULL_MAJOR = os.major(os.stat("/dev/null").st_rdev)
+NO_MEMORY, UNTOUCHED = 0x51, 0xFFFFFFFF
+DEADLINE = 60.0  # s: a bound for a hang, never a measure
+
+
+class Errors:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def inc(self, amount: float = 1) -> None:
+        self.count += int(amount)
+
+
+class Gated:
+    """The stand-in run under the gate, its lines read as they come."""
+
+    def __init__(self, steps: list[str], limit: int, usage: int, ledger: Ledger | None) -> None:
+        self.usage = usage
+        self.outcomes: list[Outcome] = []
+        self.errors = Errors()
+        self.ledger = ledger or Ledger(limit)
+        self.ledger.saw(usage, time.monotonic())
+        self._out, out = os.pipe()
+        self.go_r, self.go_w = os.pipe()  # `wait=GO`: the stand-in waits for `go_on()`
+        os.set_inheritable(out, True)
+        os.set_inheritable(self.go_r, True)
+        steps = [s.replace("wait=GO", f"wait={self.go_r}") for s in steps]
+        argv = [sys.executable, STANDIN, f"out={out}", *steps]
+        self.spawned = gate_child.spawn(sys.executable, argv, program())
+        os.close(out)
+        assert self.spawned.listener is not None, self.spawned.why_not
+        self.fd = self.spawned.listener
+        self.listener = GateListener(
+            self.fd,
+            self.ledger,
+            {NULL_MAJOR},
+            self.errors,
+            count=lambda outcome, seconds: self.outcomes.append(outcome),
+            want_pass=self.sample,
+            recheck_wait=DEADLINE,
+            pid=self.spawned.pid,
+        )
+        self.listener.start()
+        assert self.spawned.go() == 0
+        self._buf = b""
+
+    def sample(self) -> None:
+        self.ledger.saw(self.usage, time.monotonic())
+
+    def line(self) -> dict[str, int]:
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([self._out], [], [], DEADLINE)
+            assert ready, "the stand-in hung"
+            chunk = os.read(self._out, 4096)
+            assert chunk, "the stand-in ended early"
+            self._buf += chunk
+        raw, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(raw)  # type: ignore[no-any-return]
+
+    def go_on(self) -> None:
+        os.write(self.go_w, b"g")
+
+    def exit_code(self) -> int:
+        for _ in range(int(DEADLINE * 100)):
+            pid, status = os.waitpid(self.spawned.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.01)
+        raise AssertionError("the stand-in did not end")
+
+    def answered(self) -> list[Outcome]:
+        """What became of each call, once the stand-in has ended and the listener stopped
+        (it counts a call just after answering it)."""
+        assert self.exit_code() == 0
+        self.listener.stop()
+        return self.outcomes
+
+    def close(self) -> None:
+        self.listener.stop()
+        for fd in (self.fd, self._out, self.go_r, self.go_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+Start = Callable[..., Gated]  # (*steps, limit=, usage=, ledger=) -> a run
+
+
+@pytest.fixture
+def gated() -> Iterator[Start]:
+    runs: list[Gated] = []
+
+    class Run(Gated):
+        def __init__(
+            self, *steps: str, limit: int = 4 * GIB, usage: int = 0, ledger: Ledger | None = None
+        ) -> None:
+            super().__init__(list(steps), limit, usage, ledger)
+            runs.append(self)
+
+    yield Run
+    for run in runs:
+        run.close()
+        try:
+            os.kill(run.spawned.pid, 9)
+            os.waitpid(run.spawned.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def continued(line: dict[str, int]) -> bool:
+    """The call reached the file: /dev/null's ENOTTY, the status as the caller left it."""
+    return (line["ret"], line["errno"], line["status"]) == (-1, errno.ENOTTY, UNTOUCHED)
+
+
+def refused(line: dict[str, int]) -> bool:
+    """A full GPU's answer: the ioctl returns 0, NV_ERR_NO_MEMORY in the status."""
+    return (line["ret"], line["status"]) == (0, NO_MEMORY)
+
+
+def test_an_allocation_within_the_limit_goes_on_to_the_driver(gated: Start) -> None:
+    run = gated(f"size={3 * GIB}")
+    assert continued(run.line())
+    assert run.answered() == [Outcome.ALLOWED] and run.errors.count == 0
+
+
+def test_an_allocation_past_the_limit_is_refused_with_the_drivers_status_and_the_process_lives(
+    gated: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    run = gated(f"size={2 * GIB}", f"size={GIB}", usage=3 * GIB)
+    assert refused(run.line())
+    assert continued(run.line())  # within the limit: the process went on and was served
+    assert run.answered() == [Outcome.REFUSED, Outcome.ALLOWED]
+    [line] = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert line.startswith("refused a GPU allocation of 2.00 GiB (RM_ALLOC/NVOS64 class 0x40, ")
+    assert "holds 3.00 GiB" in line and "of its 4.00 GiB limit" in line
+
+
+def test_what_was_let_through_counts_until_the_sampler_shows_it(gated: Start) -> None:
+    """3 GiB let through, then 2 GiB asked: the gate waits for a pass that shows the first
+    (the sampler then reads 3 GiB) and refuses."""
+    run = gated(f"size={3 * GIB}", "wait=GO", f"size={2 * GIB}")
+    assert continued(run.line())
+    run.usage = 3 * GIB  # what the driver now holds for it
+    run.go_on()
+    assert refused(run.line())
+    assert run.answered() == [Outcome.ALLOWED, Outcome.REFUSED]
+
+
+def test_a_free_seen_by_the_next_pass_lets_the_retry_through(gated: Start) -> None:
+    """PyTorch frees its cache after an out-of-memory and asks again."""
+    run = gated(f"size={GIB}", "wait=GO", f"size={GIB}", usage=int(3.5 * GIB))
+    assert refused(run.line())
+    run.usage = GIB
+    run.go_on()
+    assert continued(run.line())
+
+
+@pytest.mark.parametrize(
+    "step", ["form=nvos21", "form=vidheap,fn=2", "form=vidheap,fn=14", "form=vidheap,fn=6"]
+)
+def test_each_form_is_refused_at_its_own_status(gated: Start, step: str) -> None:
+    """The stand-in reads the status where its form keeps it: NVOS21 28, NVOS32 20."""
+    run = gated(f"{step},size={5 * GIB}")
+    assert refused(run.line())
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        "form=vidheap,fn=2,loc=3",  # ANY: the driver allocates it as system memory
+        "form=vidheap,fn=2,loc=1",  # PCI
+        "form=vidheap,fn=2,flags=0x80000",  # VIRTUAL
+        "form=vidheap,fn=2,egm=1",
+        "form=vidheap,fn=5",  # INFO
+        "class=0x3E",  # system memory
+        "class=0x50A0",  # virtual
+        "class=0x80",  # a context: decoded and let go on
+        "class=0x42",  # EGM
+    ],
+)
+def test_calls_that_take_no_video_memory_go_on_uncounted(gated: Start, step: str) -> None:
+    run = gated(f"{step},size={5 * GIB}", f"size={4 * GIB}")
+    assert continued(run.line())
+    assert continued(run.line())  # nothing was counted: the whole limit is still there
+    assert run.answered() == [Outcome.NOT_MEMORY, Outcome.ALLOWED]
+
+
+def test_a_wrapped_call_is_refused_at_its_inner_parameters(gated: Start) -> None:
+    run = gated(f"wrap=1,size={5 * GIB}", f"wrap=1,form=nvos21,size={5 * GIB}")
+    assert refused(run.line())
+    assert refused(run.line())
+
+
+def test_a_wrapped_command_that_is_no_escape_goes_on(gated: Start) -> None:
+    """The driver compares the inner command whole: 0x12B is not RM_ALLOC to it."""
+    run = gated(f"wrap=1,inner=0x12B,size={5 * GIB}")
+    assert continued(run.line())
+    assert run.answered() == [Outcome.NOT_MEMORY]
+
+
+@pytest.mark.parametrize("change", ["kind=0x47", "dir=2", "dir=1", "dir=0", "hi32=1"])
+def test_a_request_with_its_type_byte_direction_or_upper_bits_changed_is_still_refused(
+    gated: Start, change: str
+) -> None:
+    """The driver decodes only NR and SIZE: these reach it as the real allocation."""
+    run = gated(f"{change},size={5 * GIB}")
+    assert refused(run.line())
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="int 0x80 is x86's")
+def test_an_i386_call_from_a_64_bit_process_is_refused(gated: Start) -> None:
+    run = gated(f"abi=i386,size={5 * GIB}")
+    line = run.line()
+    if line["errno"] == errno.ENOSYS and not run.outcomes:
+        pytest.skip("this kernel has no i386 entry (IA32_EMULATION off)")
+    assert refused(line)
+
+
+def test_the_request_on_a_file_that_is_no_gpu_goes_on(gated: Start, tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"")
+    run = gated(f"file={plain},size={5 * GIB}")
+    assert continued(run.line())
+    assert run.answered() == [Outcome.NOT_GPU]
+
+
+class _Faulty(Ledger):
+    """A bug in the gate, once."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.faults = 1
+
+    def judge(self, ask_bytes: int) -> tuple[Verdict, View, float]:
+        if self.faults:
+            self.faults -= 1
+            raise RuntimeError("a bug")
+        return super().judge(ask_bytes)
+
+
+def test_a_bug_lets_the_call_go_on_and_the_next_call_is_judged(
+    gated: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = gated(f"size={5 * GIB}", f"size={5 * GIB}", ledger=_Faulty(4 * GIB))
+    assert continued(run.line())
+    assert refused(run.line())
+    assert run.answered() == [Outcome.ERROR, Outcome.REFUSED] and run.errors.count == 1
+    assert "unexpected error in the allocation gate loop" in caplog.text
+
+
+def test_with_the_listener_gone_a_gated_call_fails_with_enosys_and_nothing_hangs(
+    gated: Start,
+) -> None:
+    """The kernel's limit, asserted so that a change is seen: once every copy of the fd is
+    closed, the pending call and every later one fail at once with ENOSYS."""
+    run = gated(f"size={GIB}", "wait=GO", f"size={GIB}", f"size={GIB}")
+    assert continued(run.line())
+    run.listener.stop()  # nobody reads: the next call waits
+    run.go_on()
+    poller = select.poll()
+    poller.register(run.fd, select.POLLIN)
+    assert poller.poll(int(DEADLINE * 1000)), "the call was never notified"  # it waits
+    os.close(run.fd)
+    pending, later = run.line(), run.line()
+    assert (pending["ret"], pending["errno"]) == (-1, errno.ENOSYS)
+    assert (later["ret"], later["errno"]) == (-1, errno.ENOSYS)
+    assert run.exit_code() == 0
