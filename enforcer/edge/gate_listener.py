@@ -170,6 +170,7 @@ class GateListener:
         self._receiver: threading.Thread | None = None
         self._worker: threading.Thread | None = None
         self._answered = 0
+        self._ended = False  # every task under the filter has exited: nothing more to serve
         self._seen = (0, time.monotonic())  # (answered, when that count was first seen)
         self.stalled = False
 
@@ -186,7 +187,7 @@ class GateListener:
         """The owner's check, once a tick: a stopped thread is restarted on the same fd (the
         callers wait meanwhile, they never fail), and a listener that has not answered a
         waiting call for `STALL_AFTER` is said stalled."""
-        if self._stopping.is_set():
+        if self._stopping.is_set() or self._ended:
             return
         if self._receiver is not None and not self._receiver.is_alive():
             log.error("the allocation gate's receiver stopped (a bug); it is restarted")
@@ -225,6 +226,7 @@ class GateListener:
                     raise
                 self._one(Notification.unpack(buf))
             elif events.get(self._fd, 0):  # POLLHUP: no task of the filter is left
+                self._ended = True
                 return
 
     def _one(self, notif: Notification) -> None:

@@ -16,6 +16,7 @@ import os
 import platform
 import select
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,7 +46,14 @@ class Errors:
 class Gated:
     """The stand-in run under the gate, its lines read as they come."""
 
-    def __init__(self, steps: list[str], limit: int, usage: int, ledger: Ledger | None) -> None:
+    def __init__(
+        self,
+        steps: list[str],
+        limit: int,
+        usage: int,
+        ledger: Ledger | None,
+        kind: type[GateListener] = GateListener,
+    ) -> None:
         self.usage = usage
         self.outcomes: list[Outcome] = []
         self.errors = Errors()
@@ -61,7 +69,7 @@ class Gated:
         os.close(out)
         assert self.spawned.listener is not None, self.spawned.why_not
         self.fd = self.spawned.listener
-        self.listener = GateListener(
+        self.listener = kind(
             self.fd,
             self.ledger,
             {NULL_MAJOR},
@@ -122,9 +130,14 @@ def gated() -> Iterator[Start]:
 
     class Run(Gated):
         def __init__(
-            self, *steps: str, limit: int = 4 * GIB, usage: int = 0, ledger: Ledger | None = None
+            self,
+            *steps: str,
+            limit: int = 4 * GIB,
+            usage: int = 0,
+            ledger: Ledger | None = None,
+            kind: type[GateListener] = GateListener,
         ) -> None:
-            super().__init__(list(steps), limit, usage, ledger)
+            super().__init__(list(steps), limit, usage, ledger, kind)
             runs.append(self)
 
     yield Run
@@ -279,6 +292,48 @@ def test_a_bug_lets_the_call_go_on_and_the_next_call_is_judged(
     assert "unexpected error in the allocation gate loop" in caplog.text
 
 
+class _Crashing(GateListener):
+    """A receiver that stops on a bug past its guard, once."""
+
+    crashed = False
+
+    def _receive(self) -> None:
+        if not self.crashed:
+            self.crashed = True
+            raise RuntimeError("a bug past the guard")
+        super()._receive()
+
+
+def waiting(fd: int) -> bool:
+    """Whether a notified call waits on the listener fd (a bound, not a measure)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(int(DEADLINE * 1000)))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_stopped_receiver_is_restarted_by_its_owners_check_and_the_waiting_call_is_served(
+    gated: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = gated(f"size={5 * GIB}", kind=_Crashing)
+    assert waiting(run.fd)  # the call waits for an answer; it does not fail
+    run.listener.check()
+    assert refused(run.line())
+    assert "the allocation gate's receiver stopped (a bug); it is restarted" in caplog.text
+
+
+def test_once_the_command_has_ended_the_check_starts_nothing(gated: Start) -> None:
+    run = gated(f"size={GIB}")
+    assert continued(run.line())
+    assert run.exit_code() == 0
+    for _ in range(int(DEADLINE * 100)):  # the receiver sees the hang-up within its poll
+        if not any(t.name == "allocation-gate" for t in threading.enumerate()):
+            break
+        time.sleep(0.01)
+    run.listener.check()
+    assert not any(t.name == "allocation-gate" for t in threading.enumerate())
+
+
 def test_with_the_listener_gone_a_gated_call_fails_with_enosys_and_nothing_hangs(
     gated: Start,
 ) -> None:
@@ -288,9 +343,7 @@ def test_with_the_listener_gone_a_gated_call_fails_with_enosys_and_nothing_hangs
     assert continued(run.line())
     run.listener.stop()  # nobody reads: the next call waits
     run.go_on()
-    poller = select.poll()
-    poller.register(run.fd, select.POLLIN)
-    assert poller.poll(int(DEADLINE * 1000)), "the call was never notified"  # it waits
+    assert waiting(run.fd), "the call was never notified"
     os.close(run.fd)
     pending, later = run.line(), run.line()
     assert (pending["ret"], pending["errno"]) == (-1, errno.ENOSYS)
