@@ -15,6 +15,8 @@ import logging
 import os
 import platform
 import select
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -266,6 +268,34 @@ def test_the_request_on_a_file_that_is_no_gpu_goes_on(gated: Start, tmp_path: Pa
     run = gated(f"file={plain},size={5 * GIB}")
     assert continued(run.line())
     assert run.answered() == [Outcome.NOT_GPU]
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
+def test_without_cap_sys_admin_the_trampoline_sets_no_new_privs_and_the_gate_holds() -> None:
+    """The kernel takes a filter from a process without CAP_SYS_ADMIN only under
+    no_new_privs. (Running it as another uid is for a machine whose Python that uid can
+    run: this one's is under /root.)"""
+    host = Path(__file__).with_name("gate_host.py")
+    no_admin = ["setpriv", "--inh-caps", "-all", "--bounding-set", "-sys_admin"]
+    out = subprocess.run(
+        [
+            *no_admin,
+            sys.executable,
+            str(host),
+            str(4 * GIB),
+            str(3 * GIB),
+            f"size={2 * GIB}",
+            f"size={GIB}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        check=False,
+    )
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(lines) == 3, out.stderr
+    assert refused(lines[0]) and continued(lines[1])
+    assert lines[2] == {"outcomes": ["refused", "allowed"], "exit": 0}
 
 
 class _Faulty(Ledger):

@@ -1,0 +1,32 @@
+"""The allocation gate listener's reading of a notification, over plain bytes."""
+
+from __future__ import annotations
+
+import struct
+
+from enforcer.edge.gate_listener import _NOTIF, Notification
+from enforcer.edge.seccomp_filter import AUDIT_ARCH_I386, AUDIT_ARCH_X86_64
+
+
+def test_the_receive_buffer_is_the_kernels_struct_and_small_enough_to_release_the_gil() -> None:
+    """fcntl.ioctl copies a buffer of up to 1024 bytes and releases the GIL while RECV
+    blocks; a larger one is passed in place with the GIL held, which would freeze exec's
+    sampler while the receiver waits."""
+    assert _NOTIF.size == 80  # struct seccomp_notif; fcntl releases the GIL up to 1024
+
+
+def raw(arch: int, fd: int, cmd: int, argp: int) -> bytes:
+    return struct.pack("<QIIiIQ6Q", 7, 4242, 0, 16, arch, 0, fd, cmd, argp, 0, 0, 0)
+
+
+def test_the_request_keeps_its_low_32_bits_and_a_compat_callers_pointer_its_low_32() -> None:
+    native = Notification.unpack(raw(AUDIT_ARCH_X86_64, 3, (1 << 32) | 0xC030462B, 1 << 40))
+    assert (native.id, native.tid, native.fd, native.cmd, native.argp) == (
+        7,
+        4242,
+        3,
+        0xC030462B,
+        1 << 40,
+    )
+    compat = Notification.unpack(raw(AUDIT_ARCH_I386, 3, 0xC030462B, (1 << 40) | 0x1000))
+    assert compat.argp == 0x1000
