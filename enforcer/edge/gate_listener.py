@@ -66,6 +66,28 @@ class Outcome(StrEnum):
     ERROR = "error"  # a bug or an unreadable caller: let go on
 
 
+class LineQuota:
+    """At most `most` lines a second (a flood of refusals must not flood the log); the lines
+    held back are counted, and said with the next line let out."""
+
+    def __init__(self, most: int = 5) -> None:
+        self._most = most
+        self._start = float("-inf")
+        self._said = 0
+        self._held = 0
+
+    def take(self, now: float) -> int | None:
+        """None: hold this line back; else how many were held back before it."""
+        held = 0
+        if now - self._start >= 1.0:
+            held, self._start, self._said, self._held = self._held, now, 0, 0
+        if self._said >= self._most:
+            self._held += 1
+            return None
+        self._said += 1
+        return held
+
+
 @dataclass(frozen=True, slots=True)
 class Notification:
     id: int
@@ -166,6 +188,7 @@ class GateListener:
         self._pid = pid  # the command's, for the lines people read
         self._guard = LoopGuard("allocation gate", errors, log)
         self._rechecks: queue.Queue[_Pending] = queue.Queue(RECHECK_QUEUE)
+        self._quota = LineQuota()
         self._stopping = threading.Event()
         self._receiver: threading.Thread | None = None
         self._worker: threading.Thread | None = None
@@ -286,10 +309,10 @@ class GateListener:
         if not self._valid(p.notif):
             return Outcome.ABANDONED
         outcome = self._reply(p.notif, Outcome.REFUSED)
-        if outcome == Outcome.REFUSED:
-            log.warning(
-                messages.allocation_refused(p.call.what, p.ask, self._pid, p.notif.tid, view, at)
-            )
+        if outcome == Outcome.REFUSED and (held := self._quota.take(at)) is not None:
+            line = messages.allocation_refused(p.call.what, p.ask, self._pid, p.notif.tid, view, at)
+            more = f" ({held} more refusals were not logged in the second before)" if held else ""
+            log.warning("%s%s", line, more)
         return outcome
 
     def _recheck_loop(self) -> None:

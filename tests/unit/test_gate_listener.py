@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 
-from enforcer.edge.gate_listener import _NOTIF, Notification
+from enforcer.edge.gate_listener import _NOTIF, LineQuota, Notification
 from enforcer.edge.seccomp_filter import AUDIT_ARCH_I386, AUDIT_ARCH_X86_64
 
 
@@ -30,3 +30,10 @@ def test_the_request_keeps_its_low_32_bits_and_a_compat_callers_pointer_its_low_
     )
     compat = Notification.unpack(raw(AUDIT_ARCH_I386, 3, 0xC030462B, (1 << 40) | 0x1000))
     assert compat.argp == 0x1000
+
+
+def test_refusal_lines_are_at_most_five_a_second_and_those_held_back_are_counted() -> None:
+    quota = LineQuota()
+    assert [quota.take(10.0 + i / 100) for i in range(8)] == [0, 0, 0, 0, 0, None, None, None]
+    assert quota.take(11.0) == 3  # the next second's first line says the three held back
+    assert quota.take(11.1) == 0
