@@ -227,11 +227,20 @@ class GateListener:
         self.stalled = stalled
 
     def stop(self) -> None:
-        """Stop serving (the fd stays open: its owner closes it)."""
+        """Stop serving (the fd stays open: its owner closes it); calls still waiting for a
+        recheck go on."""
         self._stopping.set()
         for thread in (self._receiver, self._worker):
             if thread is not None:
                 thread.join()
+        while not self._rechecks.empty():
+            p = self._rechecks.get_nowait()
+            try:
+                self._reply(p.notif, Outcome.UNSURE)
+            except OSError:
+                pass  # nothing more to tell it
+            finally:
+                os.close(p.mem)
 
     def _receive(self) -> None:
         poller = select.poll()
@@ -330,15 +339,16 @@ class GateListener:
 
     def _recheck(self, p: _Pending) -> Outcome:
         """Wait for a pass that shows what the verdict was unsure of (asking the owner for
-        one early), then judge again; when the time is up the call goes on: sampling holds
-        the line."""
+        one early), then judge again; when the time is up, or the listener stops, the call
+        goes on: sampling holds the line."""
         deadline = time.monotonic() + self._recheck_wait
-        while (left := deadline - time.monotonic()) > 0:
+        while not self._stopping.is_set() and (left := deadline - time.monotonic()) > 0:
             due = self._ledger.view().settled_after()
-            if self._stopping.wait(max(0.0, min(left, due - time.monotonic()))):
-                break
+            if (early := due - time.monotonic()) > 0:
+                self._stopping.wait(min(left, early))
+                continue
             self._want_pass()
-            seen = self._ledger.wait_pass(due, deadline - time.monotonic())
+            seen = self._ledger.wait_pass(due, min(left, 0.1))
             if seen and (outcome := self._judge(p)) is not None:
                 return outcome
         return self._reply(p.notif, Outcome.UNSURE)

@@ -57,6 +57,8 @@ class Gated:
         kind: type[GateListener] = GateListener,
     ) -> None:
         self.usage = usage
+        self.sampling = True
+        self.asked = threading.Event()
         self.outcomes: list[Outcome] = []
         self.errors = Errors()
         self.ledger = ledger or Ledger(limit)
@@ -86,7 +88,10 @@ class Gated:
         self._buf = b""
 
     def sample(self) -> None:
-        self.ledger.saw(self.usage, time.monotonic())
+        """The sampler's pass, asked for early by the gate; with `sampling` off, none comes."""
+        self.asked.set()
+        if self.sampling:
+            self.ledger.saw(self.usage, time.monotonic())
 
     def line(self) -> dict[str, int]:
         while b"\n" not in self._buf:
@@ -320,6 +325,19 @@ def test_a_bug_lets_the_call_go_on_and_the_next_call_is_judged(
     assert refused(run.line())
     assert run.answered() == [Outcome.ERROR, Outcome.REFUSED] and run.errors.count == 1
     assert "unexpected error in the allocation gate loop" in caplog.text
+
+
+def test_a_call_waiting_for_a_pass_goes_on_when_the_listener_stops(gated: Start) -> None:
+    run = gated(f"size={3 * GIB}", "wait=GO", f"size={2 * GIB}")
+    assert continued(run.line())
+    run.sampling = False
+    run.go_on()
+    assert run.asked.wait(DEADLINE)  # the second call waits for a pass that never comes
+    began = time.monotonic()
+    run.listener.stop()
+    assert time.monotonic() - began < DEADLINE / 2  # not the recheck's whole wait (a bound)
+    assert continued(run.line())
+    assert run.answered() == [Outcome.ALLOWED, Outcome.UNSURE]
 
 
 class _Crashing(GateListener):
