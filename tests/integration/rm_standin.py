@@ -14,6 +14,8 @@ Steps (arguments), each `key=value,...`:
   kind=0x47 dir=2 hi32=1       the request's type byte, direction, bit 32 set
   abi=i386     through `int 0x80` (x86_64 only)
   file=PATH    the file the request is issued on (default /dev/null)
+  threads=T,repeat=N           the step N times in each of T threads: one line of counts
+                               {"step", "counts": {"RET/ERRNO/STATUS": n}}
 and the steps `out=FD` (write the lines to FD from now on) and `wait=FD` (read one byte
 from FD before going on).
 """
@@ -26,6 +28,8 @@ import mmap
 import os
 import struct
 import sys
+import threading
+from collections import Counter
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -123,6 +127,24 @@ def step(spec: str) -> dict[str, object]:
     return {"step": spec, "ret": ret, "errno": err, "status": status}
 
 
+def flood(spec: str, threads: int, repeat: int) -> dict[str, object]:
+    counts: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def one() -> None:
+        for _ in range(repeat):
+            r = step(spec)
+            with lock:
+                counts[f"{r['ret']}/{r['errno']}/{r['status']:#x}"] += 1
+
+    workers = [threading.Thread(target=one) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return {"step": spec, "counts": dict(counts)}
+
+
 def main() -> None:
     out = sys.stdout.fileno()
     for spec in sys.argv[1:]:
@@ -131,7 +153,10 @@ def main() -> None:
         elif spec.startswith("wait="):
             os.read(int(spec[5:]), 1)
         else:
-            os.write(out, (json.dumps(step(spec)) + "\n").encode())
+            o = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+            threads, repeat = int(o.get("threads", "0")), int(o.get("repeat", "1"))
+            line = flood(spec, threads, repeat) if threads else step(spec)
+            os.write(out, (json.dumps(line) + "\n").encode())
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,7 +94,7 @@ class Gated:
         if self.sampling:
             self.ledger.saw(self.usage, time.monotonic())
 
-    def line(self) -> dict[str, int]:
+    def line(self) -> dict[str, Any]:
         while b"\n" not in self._buf:
             ready, _, _ = select.select([self._out], [], [], DEADLINE)
             assert ready, "the stand-in hung"
@@ -157,12 +158,12 @@ def gated() -> Iterator[Start]:
             pass
 
 
-def continued(line: dict[str, int]) -> bool:
+def continued(line: dict[str, Any]) -> bool:
     """The call reached the file: /dev/null's ENOTTY, the status as the caller left it."""
     return (line["ret"], line["errno"], line["status"]) == (-1, errno.ENOTTY, UNTOUCHED)
 
 
-def refused(line: dict[str, int]) -> bool:
+def refused(line: dict[str, Any]) -> bool:
     """A full GPU's answer: the ioctl returns 0, NV_ERR_NO_MEMORY in the status."""
     return (line["ret"], line["status"]) == (0, NO_MEMORY)
 
@@ -338,6 +339,19 @@ def test_a_call_waiting_for_a_pass_goes_on_when_the_listener_stops(gated: Start)
     assert time.monotonic() - began < DEADLINE / 2  # not the recheck's whole wait (a bound)
     assert continued(run.line())
     assert run.answered() == [Outcome.ALLOWED, Outcome.UNSURE]
+
+
+def test_a_flood_of_gated_calls_from_many_threads_is_answered_call_by_call(gated: Start) -> None:
+    """8 threads, 2000 calls: context-like objects (decoded, let go on) and allocations
+    within the limit (counted), each answered once, none by mistake or error."""
+    run = gated("class=0x80,threads=4,repeat=250", "size=1,threads=4,repeat=250")
+    untouched = f"-1/{errno.ENOTTY}/{UNTOUCHED:#x}"
+    assert run.line()["counts"] == {untouched: 1000}
+    assert run.line()["counts"] == {untouched: 1000}
+    outcomes = run.answered()
+    assert (outcomes.count(Outcome.NOT_MEMORY), outcomes.count(Outcome.ALLOWED)) == (1000, 1000)
+    assert len(outcomes) == 2000 and run.errors.count == 0
+    assert run.ledger.view().since() == 1000  # every byte let through is counted once
 
 
 class _Crashing(GateListener):
