@@ -12,8 +12,16 @@ Steps (arguments), each `key=value,...`:
   class=0x40   size=1073741824 fn=2 loc=0 flags=0 egm=0     what it asks
   wrap=1       through NV_ESC_IOCTL_XFER_CMD; inner=0x12B replaces the inner command
   kind=0x47 dir=2 hi32=1       the request's type byte, direction, bit 32 set
-  abi=i386     through `int 0x80` (x86_64 only)
+  abi=i386     through `int 0x80` (x86_64 only); abi=i386hi the same with junk in the upper
+               halves of the 64-bit registers (the kernel passes the lower ones)
   file=PATH    the file the request is issued on (default /dev/null)
+  at=N         the block N bytes into its page (odd; at the end of the mapping: a short read)
+  argp=A       the request's pointer replaced by A (unmapped, past user space)
+  params=A     NVOS64's pAllocParms replaced by A; far=1 the allocation's parameters mapped
+               anywhere (above 4 GiB, where an i386 call's 64-bit field can still point)
+  flip=SIZE,tries=N   a second thread rewrites the size to SIZE while the call waits for the
+               gate, until one call the gate let go on is seen to have reached the file
+               with SIZE (at most N calls): one line {"step", "tries", "raced", "refused"}
   threads=T,repeat=N           the step N times in each of T threads: one line of counts
                                {"step", "counts": {"RET/ERRNO/STATUS": n}}
 and the steps `out=FD` (write the lines to FD from now on) and `wait=FD` (read one byte
@@ -29,6 +37,7 @@ import os
 import struct
 import sys
 import threading
+import time
 from collections import Counter
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -48,14 +57,18 @@ FORM = {"nvos21": (0x2B, 32), "nvos64": (0x2B, 48), "vidheap": (0x4A, 184)}
 VIDHEAP = {2: (56, 144, 88), 14: (56, 136, 80), 6: (64, 144, 88)}  # attr, attr2, size
 
 
-def region() -> int:
-    """One page for the step's blocks, below 4 GiB on x86_64."""
-    flags = (
-        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (MAP_32BIT if os.uname().machine == "x86_64" else 0)
-    )
-    address = libc.mmap(None, PAGE, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def region(low: bool = True) -> int:
+    """One page for the step's blocks, below 4 GiB on x86_64 unless not `low`, with no
+    mapping right after it (a block at its end is read short)."""
+    below = MAP_32BIT if low and os.uname().machine == "x86_64" else 0
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | below
+    address = libc.mmap(None, 2 * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
     if address in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), "mmap")
+    libc.munmap(address + PAGE, PAGE)
     return int(address)
 
 
@@ -63,9 +76,17 @@ def put(address: int, data: bytes) -> None:
     ctypes.memmove(address, data, len(data))
 
 
-def i386_ioctl() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    """An `int 0x80` stub: (nr, ebx, ecx, edx) -> eax sign-extended."""
-    code = bytes.fromhex("5389f889f34189d189ca4489c9cd804863c05bc3")
+# (nr, ebx, ecx, edx) -> eax sign-extended; the second loads the whole 64-bit registers
+I386_STUBS = {
+    "i386": "5389f889f34189d189ca4489c9cd804863c05bc3",
+    "i386hi": "5389f84889f34989d14889ca4c89c9cd804863c05bc3",
+}
+JUNK = 0x5A5A5A5A << 32  # what a 64-bit program may leave in a register's upper half
+
+
+def i386_ioctl(abi: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """An `int 0x80` stub."""
+    code = bytes.fromhex(I386_STUBS[abi])
     page = libc.mmap(
         None,
         PAGE,
@@ -86,7 +107,9 @@ def step(spec: str) -> dict[str, object]:
     form = o.get("form", "nvos64")
     nr, size = FORM[form]
     base = region()
-    params, alloc, xfer = base, base + 512, base + 1024
+    params, alloc, xfer = base + int(o.get("at", "0"), 0), base + 512, base + 1024
+    if o.get("far") == "1":
+        alloc = region(low=False)
     block = bytearray(size)
     if form == "vidheap":
         fn = int(o.get("fn", "2"), 0)
@@ -97,34 +120,97 @@ def step(spec: str) -> dict[str, object]:
         struct.pack_into("<I", block, attr2, int(o.get("egm", "0"), 0) << 24)
         struct.pack_into("<Q", block, at, int(o.get("size", "0"), 0))
     else:
-        struct.pack_into("<IQ", block, 12, int(o.get("class", "0x40"), 0), alloc)
+        pointer = int(o.get("params", str(alloc)), 0)
+        struct.pack_into("<IQ", block, 12, int(o.get("class", "0x40"), 0), pointer)
         memory = bytearray(128)
         struct.pack_into("<Q", memory, 64, int(o.get("size", "0"), 0))
         put(alloc, bytes(memory))
     struct.pack_into("<I", block, STATUS_AT[form], 0xFFFFFFFF)
-    put(params, bytes(block))
+    put(params, bytes(block)[: base + PAGE - params])  # a block past the page is cut short
     kind, direction = int(o.get("kind", str(ord("F"))), 0), int(o.get("dir", "3"), 0)
     if o.get("wrap") == "1":
         put(xfer, struct.pack("<IIQ", int(o.get("inner", hex(nr)), 0), size, params))
         nr, size, argp = 0xD3, 16, xfer
     else:
-        argp = params
+        argp = int(o.get("argp", str(params)), 0)
     cmd = (direction << 30) | (size << 16) | (kind << 8) | nr | (int(o.get("hi32", "0")) << 32)
+    if "flip" in o:
+        return race(spec, o, cmd, argp, alloc + 64)
+    ret, err = issue(o, cmd, argp)
+    status_at = params + STATUS_AT[form]
+    status = None  # past the mapping: nothing to read
+    if status_at + 4 <= base + PAGE:
+        (status,) = struct.unpack("<I", ctypes.string_at(status_at, 4))
+    return {"step": spec, "ret": ret, "errno": err, "status": status}
+
+
+def issue(o: dict[str, str], cmd: int, argp: int) -> tuple[int, int]:
+    """The request issued: what the call returned, and its errno."""
     fd = os.open(o.get("file", "/dev/null"), os.O_RDONLY)
     try:
         ctypes.set_errno(0)
-        if o.get("abi") == "i386":
-            ret = i386_ioctl()(54, fd, cmd & 0xFFFFFFFF, argp)
-            err, ret = (-ret, -1) if ret < 0 else (0, ret)
-        else:
-            ret = libc.syscall(
-                ctypes.c_long(16), ctypes.c_long(fd), ctypes.c_ulong(cmd), ctypes.c_void_p(argp)
-            )
-            err = ctypes.get_errno() if ret < 0 else 0
+        abi = o.get("abi", "")
+        if abi.startswith("i386"):
+            junk = JUNK if abi == "i386hi" else 0
+            ret = i386_ioctl(abi)(54, fd | junk, (cmd & 0xFFFFFFFF) | junk, argp | junk)
+            return (-1, -ret) if ret < 0 else (ret, 0)
+        ret = libc.syscall(
+            ctypes.c_long(16), ctypes.c_long(fd), ctypes.c_ulong(cmd), ctypes.c_void_p(argp)
+        )
+        return ret, ctypes.get_errno() if ret < 0 else 0
     finally:
         os.close(fd)
-    (status,) = struct.unpack("<I", ctypes.string_at(params + STATUS_AT[form], 4))
-    return {"step": spec, "ret": ret, "errno": err, "status": status}
+
+
+def in_the_call(tid: int) -> bool:
+    """Whether the thread is asleep in an ioctl: on /dev/null, only the seccomp wait for the
+    gate's answer sleeps, so the call has not reached the file yet."""
+    with open(f"/proc/self/task/{tid}/syscall") as f:
+        return f.read().split(" ", 1)[0] == "16"
+
+
+def flip(
+    caller: int,
+    size: ctypes.c_uint64,
+    big: int,
+    delay: float,
+    done: threading.Event,
+    before: list[bool],
+) -> None:
+    """Waits for the call to wait for the gate, then `delay` more, and rewrites the size;
+    `before[0]`: the caller was still seen waiting after the rewrite."""
+    while not done.is_set():
+        if in_the_call(caller):
+            until = time.perf_counter() + delay
+            while time.perf_counter() < until:
+                pass
+            size.value = big
+            before[0] = in_the_call(caller)
+            return
+
+
+def race(spec: str, o: dict[str, str], cmd: int, argp: int, size_at: int) -> dict[str, object]:
+    """The CONTINUE race: while the call waits for the gate's answer, another thread
+    rewrites its size. The rewrite counts as having reached the file only if the calling
+    thread was still seen waiting after it; the first such call let go on ends the step."""
+    size, big = ctypes.c_uint64.from_address(size_at), int(o["flip"], 0)
+    asked = size.value
+    caller, tries, raced, refused = threading.get_native_id(), 0, 0, 0
+    while not raced and tries < int(o.get("tries", "1000")):
+        tries += 1
+        size.value, done, before = asked, threading.Event(), [False]
+
+        delay = (tries % 64) * 10e-6  # 0 to 630 µs: the gate's read lands in there
+        flipper = threading.Thread(target=flip, args=(caller, size, big, delay, done, before))
+        flipper.start()
+        ret, err = issue(o, cmd, argp)
+        done.set()
+        flipper.join()
+        (status,) = struct.unpack("<I", ctypes.string_at(argp + STATUS_AT["nvos64"], 4))
+        refused += status == 0x51
+        raced += ret == -1 and err == 25 and before[0]  # ENOTTY: it reached the file
+        ctypes.memmove(argp + STATUS_AT["nvos64"], struct.pack("<I", 0xFFFFFFFF), 4)
+    return {"step": spec, "tries": tries, "raced": raced, "refused": refused}
 
 
 def flood(spec: str, threads: int, repeat: int) -> dict[str, object]:

@@ -411,3 +411,40 @@ def test_with_the_listener_gone_a_gated_call_fails_with_enosys_and_nothing_hangs
     assert (pending["ret"], pending["errno"]) == (-1, errno.ENOSYS)
     assert (later["ret"], later["errno"]) == (-1, errno.ENOSYS)
     assert run.exit_code() == 0
+
+
+class _Judged(Ledger):
+    """The ledger, with each ask it judged and its verdict kept."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.judged: list[tuple[int, Verdict]] = []
+
+    def judge(self, ask_bytes: int) -> tuple[Verdict, View, float]:
+        verdict, view, at = super().judge(ask_bytes)
+        self.judged.append((ask_bytes, verdict))
+        return verdict, view, at
+
+
+def test_a_racing_thread_gets_a_bigger_size_past_the_gate_and_the_next_pass_stops_it(
+    gated: Start,
+) -> None:
+    """The CONTINUE race, documented (the kernel's limit, asserted so that a change is
+    seen): the gate reads 1 GiB and lets the call go on; a second thread has rewritten the
+    size to 8 GiB while the call still waited, so 8 GiB reach the driver. The gate counted
+    only the 1 GiB it read; once the sampler's pass shows what the driver holds, the next
+    allocation is refused (and exec's sampling ends the command)."""
+    ledger = _Judged(4 * GIB)
+    run = gated(f"size={GIB},flip={8 * GIB},tries=2000", "wait=GO", f"size={GIB}", ledger=ledger)
+    race = run.line()
+    assert race["raced"] == 1, race  # seen within the bound: the race is real
+    assert 0 < race["tries"] <= 2000
+    allowed = [ask for ask, verdict in ledger.judged if verdict == Verdict.ALLOW]
+    assert allowed == [GIB] * (race["tries"] - race["refused"])  # what it read, each once
+    assert all(ask == 8 * GIB for ask, v in ledger.judged if v == Verdict.REFUSE)
+    run.usage = 8 * GIB  # what the driver now holds for it
+    run.sample()  # the sampler's next pass
+    run.go_on()
+    assert refused(run.line())
+    outcomes = run.answered()
+    assert outcomes.count(Outcome.REFUSED) == race["refused"] + 1 and run.errors.count == 0
