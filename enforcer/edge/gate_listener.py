@@ -340,9 +340,12 @@ class GateListener:
     def _recheck(self, p: _Pending) -> Outcome:
         """Wait for a pass that shows what the verdict was unsure of (asking the owner for
         one early), then judge again; when the time is up, or the listener stops, the call
-        goes on: sampling holds the line."""
+        goes on: sampling holds the line. A call abandoned meanwhile is dropped within a
+        slice, so that the calls queued behind it do not wait for its whole wait."""
         deadline = time.monotonic() + self._recheck_wait
         while not self._stopping.is_set() and (left := deadline - time.monotonic()) > 0:
+            if not self._valid(p.notif):  # a signal interrupted it: the kernel asks again
+                return Outcome.ABANDONED
             due = self._ledger.view().settled_after()
             if (early := due - time.monotonic()) > 0:
                 self._stopping.wait(min(left, early))

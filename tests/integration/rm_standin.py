@@ -19,6 +19,8 @@ Steps (arguments), each `key=value,...`:
   argp=A       the request's pointer replaced by A (unmapped, past user space)
   params=A     NVOS64's pAllocParms replaced by A; far=1 the allocation's parameters mapped
                anywhere (above 4 GiB, where an i386 call's 64-bit field can still point)
+  restart=1    SIGUSR1 caught by a handler that does nothing, with SA_RESTART: a signal
+               interrupts the call, which the kernel then issues again
   flip=SIZE,tries=N   a second thread rewrites the size to SIZE while the call waits for the
                gate, until one call the gate let go on is seen to have reached the file
                with SIZE (at most N calls): one line {"step", "tries", "raced", "refused"}
@@ -34,6 +36,7 @@ import ctypes
 import json
 import mmap
 import os
+import signal
 import struct
 import sys
 import threading
@@ -136,6 +139,8 @@ def step(spec: str) -> dict[str, object]:
     cmd = (direction << 30) | (size << 16) | (kind << 8) | nr | (int(o.get("hi32", "0")) << 32)
     if "flip" in o:
         return race(spec, o, cmd, argp, alloc + 64)
+    if o.get("restart") == "1":
+        restart_on_sigusr1()
     ret, err = issue(o, cmd, argp)
     status_at = params + STATUS_AT[form]
     status = None  # past the mapping: nothing to read
@@ -160,6 +165,29 @@ def issue(o: dict[str, str], cmd: int, argp: int) -> tuple[int, int]:
         return ret, ctypes.get_errno() if ret < 0 else 0
     finally:
         os.close(fd)
+
+
+SA_RESTART = 0x10000000
+RETURN = {"x86_64": "c3", "aarch64": "c0035fd6"}  # a handler that returns at once
+
+
+def restart_on_sigusr1() -> None:
+    """SIGUSR1 handled in C (Python's handlers run between bytecodes, and it sets no
+    SA_RESTART), by one `ret` instruction."""
+    page = libc.mmap(
+        None,
+        PAGE,
+        mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC,
+        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+        -1,
+        0,
+    )
+    put(page, bytes.fromhex(RETURN[os.uname().machine]))
+    action = bytearray(152)  # glibc's struct sigaction: handler, mask[128], flags, restorer
+    struct.pack_into("<Q", action, 0, page)
+    struct.pack_into("<i", action, 136, SA_RESTART)
+    if libc.sigaction(signal.SIGUSR1, (ctypes.c_char * 152).from_buffer(action), None):
+        raise OSError(ctypes.get_errno(), "sigaction")
 
 
 def in_the_call(tid: int) -> bool:

@@ -16,6 +16,7 @@ import os
 import platform
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -448,3 +449,61 @@ def test_a_racing_thread_gets_a_bigger_size_past_the_gate_and_the_next_pass_stop
     assert refused(run.line())
     outcomes = run.answered()
     assert outcomes.count(Outcome.REFUSED) == race["refused"] + 1 and run.errors.count == 0
+
+
+class _Held(Ledger):
+    """A gate that takes its time over its first verdict: it judges (an allowed ask is
+    counted), then waits for the test before it answers."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def judge(self, ask_bytes: int) -> tuple[Verdict, View, float]:
+        judged = super().judge(ask_bytes)
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(DEADLINE)
+        return judged
+
+
+@pytest.mark.parametrize(
+    ("size", "answer", "outcome"),
+    [(GIB, continued, Outcome.ALLOWED), (5 * GIB, refused, Outcome.REFUSED)],
+)
+def test_a_call_a_signal_restarts_while_the_gate_judges_it_is_abandoned_once_and_judged_again(
+    gated: Start, size: int, answer: Callable[[dict[str, Any]], bool], outcome: Outcome
+) -> None:
+    """SIGUSR1 with SA_RESTART interrupts the call while the gate holds its verdict: the
+    kernel drops that notification (ENOENT) and issues the call again. The first is
+    counted abandoned, its grant undone; the second is judged; the bytes count once."""
+    ledger = _Held(4 * GIB)
+    run = gated(f"restart=1,size={size}", ledger=ledger)
+    assert ledger.entered.wait(DEADLINE)
+    os.kill(run.spawned.pid, signal.SIGUSR1)
+    assert waiting(run.fd), "the call was not issued again"  # while the first is held
+    ledger.release.set()
+    assert answer(run.line())
+    assert run.answered() == [Outcome.ABANDONED, outcome] and run.errors.count == 0
+    assert run.ledger.view().since() == (GIB if outcome == Outcome.ALLOWED else 0)
+
+
+def test_a_call_a_signal_restarts_while_it_waits_for_a_pass_is_let_go_at_once(
+    gated: Start,
+) -> None:
+    """The recheck worker waits for a pass for one call at a time: one that a signal
+    restarted is dropped as abandoned at once, not after the whole wait, and its second
+    notification is the one judged when the pass comes."""
+    run = gated(f"size={GIB}", f"restart=1,size={GIB}", usage=int(3.5 * GIB))
+    assert refused(run.line())
+    run.sampling = False
+    assert run.asked.wait(DEADLINE)  # the second call waits for a pass
+    os.kill(run.spawned.pid, signal.SIGUSR1)
+    for _ in range(int(DEADLINE * 5)):  # a bound: half the recheck's wait (DEADLINE)
+        if Outcome.ABANDONED in run.outcomes:
+            break
+        time.sleep(0.1)
+    assert run.outcomes == [Outcome.REFUSED, Outcome.ABANDONED]
+    run.usage, run.sampling = GIB, True  # the pass comes, and shows a free
+    assert continued(run.line())
+    assert run.answered() == [Outcome.REFUSED, Outcome.ABANDONED, Outcome.ALLOWED]
