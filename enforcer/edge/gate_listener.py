@@ -33,7 +33,7 @@ from enum import StrEnum
 
 from enforcer.core import messages
 from enforcer.core.alloc_gate import Verdict, View, decide
-from enforcer.core.rm_abi import NV_ERR_NO_MEMORY, Call, decode
+from enforcer.core.rm_abi import NV_ERR_NO_MEMORY, Call, Read, ShortRead, decode
 from enforcer.edge.guard import ErrorCounter, LoopGuard
 from enforcer.edge.seccomp_filter import COMPAT_ARCHES
 
@@ -51,6 +51,7 @@ _NOTIF = struct.Struct("<QIIiIQ6Q")
 _RESP = struct.Struct("<QqiI")
 
 RECHECK_QUEUE = 64
+_USER_END = 1 << 63  # no user address is above; pread's offset is signed
 STALL_AFTER = 1.0  # s a notification may wait unread before the listener is said stalled
 
 
@@ -63,7 +64,7 @@ class Outcome(StrEnum):
     NOT_GPU = "not_gpu"  # the request's number on a file that is no NVIDIA device
     UNSURE = "unsure"  # a recheck that could not be made in time: let go on
     ABANDONED = "abandoned"  # the caller was interrupted before the answer
-    ERROR = "error"  # a bug or an unreadable caller: let go on
+    ERROR = "error"  # a bug, or parameters that cannot be read: let go on
 
 
 class LineQuota:
@@ -275,15 +276,24 @@ class GateListener:
 
     def _serve(self, notif: Notification) -> Outcome | None:
         """Decide one call and answer it; None if it was handed to the recheck worker."""
-        if not self._on_gpu(notif):
-            return self._reply(notif, Outcome.NOT_GPU)
-        mem = os.open(f"/proc/{notif.tid}/mem", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if not self._on_gpu(notif):
+                return self._reply(notif, Outcome.NOT_GPU)
+            mem = os.open(f"/proc/{notif.tid}/mem", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            if self._valid(notif):
+                raise  # its task is there: our fault (a bug, or ptrace refused)
+            return Outcome.ABANDONED  # its task ended before it was looked at
         handed = False
         try:
             # The fd names the notifying task's memory only if the call is still pending now.
             if not self._valid(notif):
                 return Outcome.ABANDONED
-            call = decode(notif.cmd, notif.argp, lambda at, n: os.pread(mem, n, at))
+            try:
+                call = decode(notif.cmd, notif.argp, _reader(mem))
+            except ShortRead as exc:  # the driver answers it EFAULT: it allocates nothing
+                log.debug("gate: unreadable parameters (%s) -> error", exc)
+                return self._reply(notif, Outcome.ERROR)
             if call.ask_bytes is None or call.status_addr is None:
                 log.debug("gate: %s -> not_memory", call.what)
                 return self._reply(notif, Outcome.NOT_MEMORY)
@@ -383,6 +393,24 @@ class GateListener:
                 return Outcome.ABANDONED
             raise
         return outcome
+
+
+def _reader(mem: int) -> Read:
+    """A caller's memory (`/proc/<tid>/mem`, open) as `decode` reads it: a range that is
+    not there (unmapped, past the end of a mapping, past user space) reads short, where
+    the driver's own copy would fail."""
+
+    def read(at: int, n: int) -> bytes:
+        if not 0 <= at <= _USER_END - n:
+            return b""
+        try:
+            return os.pread(mem, n, at)
+        except OSError as exc:
+            if exc.errno != errno.EIO:  # EIO: nothing mapped at `at`
+                raise
+            return b""
+
+    return read
 
 
 def _readable(fd: int) -> bool:

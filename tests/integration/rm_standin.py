@@ -135,7 +135,8 @@ def step(spec: str) -> dict[str, object]:
         put(xfer, struct.pack("<IIQ", int(o.get("inner", hex(nr)), 0), size, params))
         nr, size, argp = 0xD3, 16, xfer
     else:
-        argp = int(o.get("argp", str(params)), 0)
+        argp = params
+    argp = int(o.get("argp", str(argp)), 0)
     cmd = (direction << 30) | (size << 16) | (kind << 8) | nr | (int(o.get("hi32", "0")) << 32)
     if "flip" in o:
         return race(spec, o, cmd, argp, alloc + 64)

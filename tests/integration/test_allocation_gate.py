@@ -29,7 +29,7 @@ import pytest
 
 from enforcer.core.alloc_gate import Verdict, View
 from enforcer.edge import gate_child
-from enforcer.edge.gate_listener import GateListener, Ledger, Outcome
+from enforcer.edge.gate_listener import GateListener, Ledger, Notification, Outcome
 from enforcer.edge.seccomp_filter import program
 
 GIB = 1 << 30
@@ -507,3 +507,92 @@ def test_a_call_a_signal_restarts_while_it_waits_for_a_pass_is_let_go_at_once(
     run.usage, run.sampling = GIB, True  # the pass comes, and shows a free
     assert continued(run.line())
     assert run.answered() == [Outcome.REFUSED, Outcome.ABANDONED, Outcome.ALLOWED]
+
+
+def went_on(line: dict[str, Any]) -> bool:
+    """The call reached the file, whatever its status (which may not be readable)."""
+    return (line["ret"], line["errno"]) == (-1, errno.ENOTTY)
+
+
+PAST_USER_SPACE = [hex((1 << 64) - 16), hex(1 << 63), hex(1 << 47)]
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        "argp=0x1000",  # below mmap_min_addr: never mapped
+        *(f"argp={a}" for a in PAST_USER_SPACE),
+        "at=4076",  # NVOS64 runs 28 bytes past the end of its mapping
+        "params=0x1000",
+        *(f"params={a}" for a in PAST_USER_SPACE),
+        "wrap=1,argp=0x1000",
+        "wrap=1,at=4076",  # the inner block, short
+    ],
+)
+def test_parameters_the_gate_cannot_read_let_the_call_go_on_and_are_no_bug(
+    gated: Start, step: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The driver answers such a call EFAULT; the gate lets it go on (it cannot allocate)
+    and says it at debug, not as a bug of ours with a traceback: a workload's garbage is
+    input. The receiver goes on: the next call is judged."""
+    run = gated(f"{step},size={5 * GIB}", f"size={5 * GIB}")
+    assert went_on(run.line())
+    assert refused(run.line())
+    assert run.answered() == [Outcome.ERROR, Outcome.REFUSED]
+    assert run.errors.count == 0 and "unexpected error" not in caplog.text
+
+
+@pytest.mark.parametrize("size", [(1 << 64) - 1, 1 << 63, 4 * GIB + 1])
+def test_a_huge_size_is_refused_and_nothing_is_counted(gated: Start, size: int) -> None:
+    run = gated(f"size={size}", f"form=vidheap,size={size}", f"size={4 * GIB}")
+    assert refused(run.line()) and refused(run.line())
+    assert continued(run.line())  # nothing of the refused ones was counted
+    assert run.answered() == [Outcome.REFUSED, Outcome.REFUSED, Outcome.ALLOWED]
+
+
+@pytest.mark.parametrize("at", ["1", "4048"])  # odd; the block's last byte on the page's last
+def test_a_block_at_an_odd_address_or_the_end_of_its_mapping_is_refused_at_its_status(
+    gated: Start, at: str
+) -> None:
+    run = gated(f"at={at},size={5 * GIB}")
+    assert refused(run.line())
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="int 0x80 is x86's")
+@pytest.mark.parametrize("step", ["abi=i386hi", "abi=i386,far=1", "abi=i386hi,far=1,wrap=1"])
+def test_an_i386_call_is_read_as_the_driver_reads_it(gated: Start, step: str) -> None:
+    """The kernel passes an i386 call the lower halves of its registers (junk above is
+    dropped), while the pointers inside the parameters are 64-bit fields the driver uses
+    whole (one above 4 GiB included)."""
+    run = gated(f"{step},size={5 * GIB}")
+    line = run.line()
+    if line["errno"] == errno.ENOSYS and not run.outcomes:
+        pytest.skip("this kernel has no i386 entry (IA32_EMULATION off)")
+    assert refused(line)
+
+
+class _Slow(GateListener):
+    """A receiver that waits for the test before it looks at its first call's task."""
+
+    entered, release = threading.Event(), threading.Event()
+
+    def _on_gpu(self, notif: Notification) -> bool:
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(DEADLINE)
+        return super()._on_gpu(notif)
+
+
+def test_a_task_that_ends_before_its_call_is_read_is_abandoned_not_a_bug(gated: Start) -> None:
+    _Slow.entered.clear()
+    _Slow.release.clear()
+    run = gated(f"size={GIB}", kind=_Slow)
+    assert _Slow.entered.wait(DEADLINE)
+    os.kill(run.spawned.pid, signal.SIGKILL)
+    os.waitpid(run.spawned.pid, 0)
+    _Slow.release.set()
+    for _ in range(int(DEADLINE * 100)):
+        if run.outcomes:
+            break
+        time.sleep(0.01)
+    assert run.outcomes == [Outcome.ABANDONED] and run.errors.count == 0
