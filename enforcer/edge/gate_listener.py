@@ -323,14 +323,24 @@ class GateListener:
                 self._ledger.ungrant(at, p.ask)
             log.debug("gate: %s %d B -> %s", p.call.what, p.ask, outcome)
             return outcome
-        os.pwrite(p.mem, struct.pack("<I", NV_ERR_NO_MEMORY), p.status_addr)
+        error = 0
+        try:
+            os.pwrite(p.mem, struct.pack("<I", NV_ERR_NO_MEMORY), p.status_addr)
+        except OSError as exc:
+            if exc.errno != errno.EIO:
+                raise
+            # Unmapped since it was read: failed as the driver fails a block it cannot
+            # write back, never let go on (it could be mapped again before the driver reads).
+            error = errno.EFAULT
         # Written only into the memory of a call still pending (the man page's recipe).
         if not self._valid(p.notif):
             return Outcome.ABANDONED
-        outcome = self._reply(p.notif, Outcome.REFUSED)
+        outcome = self._reply(p.notif, Outcome.REFUSED, error)
         if outcome == Outcome.REFUSED and (held := self._quota.take(at)) is not None:
             line = messages.allocation_refused(p.call.what, p.ask, self._pid, p.notif.tid, view, at)
             more = f" ({held} more refusals were not logged in the second before)" if held else ""
+            if error:
+                more += "; its block was unmapped before the status was written: it failed EFAULT"
             log.warning("%s%s", line, more)
         return outcome
 
@@ -381,13 +391,15 @@ class GateListener:
             raise
         return True
 
-    def _reply(self, notif: Notification, outcome: Outcome) -> Outcome:
-        """Answer a call: a refusal returns 0 (its status already written), anything else
-        goes on to the driver. ABANDONED where the caller is no longer waiting."""
+    def _reply(self, notif: Notification, outcome: Outcome, error: int = 0) -> Outcome:
+        """Answer a call: a refusal returns 0 (its status already written) or fails with
+        `error`, anything else goes on to the driver. ABANDONED where the caller is no
+        longer waiting."""
         refused = outcome == Outcome.REFUSED
         flags = 0 if refused else SECCOMP_USER_NOTIF_FLAG_CONTINUE
+        response = _RESP.pack(notif.id, 0, -error, flags)
         try:
-            fcntl.ioctl(self._fd, SECCOMP_IOCTL_NOTIF_SEND, _RESP.pack(notif.id, 0, 0, flags))
+            fcntl.ioctl(self._fd, SECCOMP_IOCTL_NOTIF_SEND, response)
         except OSError as exc:
             if exc.errno == errno.ENOENT:
                 return Outcome.ABANDONED

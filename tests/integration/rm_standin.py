@@ -19,6 +19,8 @@ Steps (arguments), each `key=value,...`:
   argp=A       the request's pointer replaced by A (unmapped, past user space)
   params=A     NVOS64's pAllocParms replaced by A; far=1 the allocation's parameters mapped
                anywhere (above 4 GiB, where an i386 call's 64-bit field can still point)
+  unmap=FD     a second thread unmaps the block once it reads a byte from FD, and says so
+               in a line {"unmapped": 1}
   restart=1    SIGUSR1 caught by a handler that does nothing, with SA_RESTART: a signal
                interrupts the call, which the kernel then issues again
   flip=SIZE,tries=N   a second thread rewrites the size to SIZE while the call waits for the
@@ -142,12 +144,21 @@ def step(spec: str) -> dict[str, object]:
         return race(spec, o, cmd, argp, alloc + 64)
     if o.get("restart") == "1":
         restart_on_sigusr1()
+    if "unmap" in o:
+        unmapper = threading.Thread(target=unmap_when_told, args=(int(o["unmap"]), base))
+        unmapper.start()
     ret, err = issue(o, cmd, argp)
     status_at = params + STATUS_AT[form]
-    status = None  # past the mapping: nothing to read
-    if status_at + 4 <= base + PAGE:
+    status = None  # past the mapping, or unmapped: nothing to read
+    if status_at + 4 <= base + PAGE and "unmap" not in o:
         (status,) = struct.unpack("<I", ctypes.string_at(status_at, 4))
     return {"step": spec, "ret": ret, "errno": err, "status": status}
+
+
+def unmap_when_told(told: int, base: int) -> None:
+    os.read(told, 1)
+    libc.munmap(base, PAGE)
+    os.write(OUT[0], b'{"unmapped": 1}\n')
 
 
 def issue(o: dict[str, str], cmd: int, argp: int) -> tuple[int, int]:
@@ -260,18 +271,20 @@ def flood(spec: str, threads: int, repeat: int) -> dict[str, object]:
     return {"step": spec, "counts": dict(counts)}
 
 
+OUT = [1]  # where the lines go
+
+
 def main() -> None:
-    out = sys.stdout.fileno()
     for spec in sys.argv[1:]:
         if spec.startswith("out="):
-            out = int(spec[4:])
+            OUT[0] = int(spec[4:])
         elif spec.startswith("wait="):
             os.read(int(spec[5:]), 1)
         else:
             o = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
             threads, repeat = int(o.get("threads", "0")), int(o.get("repeat", "1"))
             line = flood(spec, threads, repeat) if threads else step(spec)
-            os.write(out, (json.dumps(line) + "\n").encode())
+            os.write(OUT[0], (json.dumps(line) + "\n").encode())
 
 
 if __name__ == "__main__":

@@ -66,10 +66,10 @@ class Gated:
         self.ledger = ledger or Ledger(limit)
         self.ledger.saw(usage, time.monotonic())
         self._out, out = os.pipe()
-        self.go_r, self.go_w = os.pipe()  # `wait=GO`: the stand-in waits for `go_on()`
+        self.go_r, self.go_w = os.pipe()  # `wait=GO`, `unmap=GO`: for `go_on()`
         os.set_inheritable(out, True)
         os.set_inheritable(self.go_r, True)
-        steps = [s.replace("wait=GO", f"wait={self.go_r}") for s in steps]
+        steps = [s.replace("=GO", f"={self.go_r}") for s in steps]
         argv = [sys.executable, STANDIN, f"out={out}", *steps]
         self.spawned = gate_child.spawn(sys.executable, argv, program())
         os.close(out)
@@ -596,3 +596,22 @@ def test_a_task_that_ends_before_its_call_is_read_is_abandoned_not_a_bug(gated: 
             break
         time.sleep(0.01)
     assert run.outcomes == [Outcome.ABANDONED] and run.errors.count == 0
+
+
+def test_a_block_unmapped_before_its_refusal_is_written_is_refused_efault_never_let_on(
+    gated: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another thread unmaps the block between the gate's read and its write of the
+    status: the call is refused as the driver fails a block it cannot write back (EFAULT),
+    not let go on past the limit (the block could be mapped again before the driver
+    reads it), and it is no bug of ours."""
+    ledger = _Held(4 * GIB)
+    run = gated(f"unmap=GO,size={5 * GIB}", ledger=ledger)
+    assert ledger.entered.wait(DEADLINE)  # refused, not yet written
+    run.go_on()
+    assert run.line() == {"unmapped": 1}
+    ledger.release.set()
+    line = run.line()
+    assert (line["ret"], line["errno"]) == (-1, errno.EFAULT)
+    assert run.answered() == [Outcome.REFUSED] and run.errors.count == 0
+    assert "unexpected error" not in caplog.text and "it failed EFAULT" in caplog.text
