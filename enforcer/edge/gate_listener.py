@@ -52,7 +52,7 @@ _RESP = struct.Struct("<QqiI")
 
 RECHECK_QUEUE = 64
 _USER_END = 1 << 63  # no user address is above; pread's offset is signed
-STALL_AFTER = 1.0  # s a notification may wait unread before the listener is said stalled
+STALL_AFTER = 1.0  # s a call may wait unread, or the receiver over one, before it is stalled
 
 
 class Outcome(StrEnum):
@@ -194,9 +194,21 @@ class GateListener:
         self._receiver: threading.Thread | None = None
         self._worker: threading.Thread | None = None
         self._answered = 0
+        self._last_answer: float | None = None
+        self._busy_since: float | None = None  # the receiver is over one call since then
         self._ended = False  # every task under the filter has exited: nothing more to serve
         self._seen = (0, time.monotonic())  # (answered, when that count was first seen)
         self.stalled = False
+
+    @property
+    def answered(self) -> int:
+        """Calls answered so far: the progress its owner's stall gauge follows."""
+        return self._answered
+
+    @property
+    def last_answer(self) -> float | None:
+        """When (monotonic) the last call was answered; None before the first."""
+        return self._last_answer
 
     def start(self) -> None:
         self._receiver = self._thread("allocation-gate", self._receive)
@@ -210,7 +222,8 @@ class GateListener:
     def check(self) -> None:
         """The owner's check, once a tick: a stopped thread is restarted on the same fd (the
         callers wait meanwhile, they never fail), and a listener that has not answered a
-        waiting call for `STALL_AFTER` is said stalled."""
+        waiting call, or whose receiver has been over one call, for `STALL_AFTER` is said
+        stalled (a workload's memory the receiver reads can keep it waiting)."""
         if self._stopping.is_set() or self._ended:
             return
         if self._receiver is not None and not self._receiver.is_alive():
@@ -222,9 +235,14 @@ class GateListener:
         now, waiting = time.monotonic(), _readable(self._fd)
         if self._answered != self._seen[0] or not waiting:
             self._seen = (self._answered, now)
-        stalled = waiting and now - self._seen[1] > STALL_AFTER
+        busy = self._busy_since
+        stalled = (waiting and now - self._seen[1] > STALL_AFTER) or (
+            busy is not None and now - busy > STALL_AFTER
+        )
         if stalled and not self.stalled:
             log.error("the allocation gate has not answered for %.0f s", STALL_AFTER)
+        elif self.stalled and not stalled:
+            log.warning("the allocation gate answers again")
         self.stalled = stalled
 
     def stop(self) -> None:
@@ -264,14 +282,19 @@ class GateListener:
 
     def _one(self, notif: Notification) -> None:
         started = time.perf_counter()
+        self._busy_since = time.monotonic()
         served: list[Outcome | None] = []
-        if not self._guard.run(lambda: served.append(self._serve(notif))):
-            served = [self._reply(notif, Outcome.ERROR)]  # a bug: the call goes on
+        try:
+            if not self._guard.run(lambda: served.append(self._serve(notif))):
+                served = [self._reply(notif, Outcome.ERROR)]  # a bug: the call goes on
+        finally:
+            self._busy_since = None
         if served[0] is not None:  # None: handed to the recheck worker
             self._done(served[0], started)
 
     def _done(self, outcome: Outcome, started: float) -> None:
         self._answered += 1
+        self._last_answer = time.monotonic()
         self._count(outcome, time.perf_counter() - started)
 
     def _serve(self, notif: Notification) -> Outcome | None:

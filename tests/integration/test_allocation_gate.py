@@ -29,7 +29,13 @@ import pytest
 
 from enforcer.core.alloc_gate import Verdict, View
 from enforcer.edge import gate_child
-from enforcer.edge.gate_listener import GateListener, Ledger, Notification, Outcome
+from enforcer.edge.gate_listener import (
+    STALL_AFTER,
+    GateListener,
+    Ledger,
+    Notification,
+    Outcome,
+)
 from enforcer.edge.seccomp_filter import program
 
 GIB = 1 << 30
@@ -615,3 +621,30 @@ def test_a_block_unmapped_before_its_refusal_is_written_is_refused_efault_never_
     assert (line["ret"], line["errno"]) == (-1, errno.EFAULT)
     assert run.answered() == [Outcome.REFUSED] and run.errors.count == 0
     assert "unexpected error" not in caplog.text and "it failed EFAULT" in caplog.text
+
+
+def test_a_receiver_held_over_one_call_is_said_stalled_and_answers_again(
+    gated: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The receiver is held inside one call (as a workload's memory that never answers a
+    read could hold it) while no other call waits: the owner's check says it is stalled
+    after `STALL_AFTER`, and no longer once it answers; its progress is readable."""
+    ledger = _Held(4 * GIB)
+    run = gated(f"size={GIB}", ledger=ledger)
+    assert ledger.entered.wait(DEADLINE)
+    assert (run.listener.answered, run.listener.last_answer) == (0, None)
+    for _ in range(int(STALL_AFTER * 100)):  # a bound: 10 times STALL_AFTER
+        run.listener.check()
+        if run.listener.stalled:
+            break
+        time.sleep(0.1)
+    assert run.listener.stalled and "has not answered for 1 s" in caplog.text
+    ledger.release.set()
+    assert continued(run.line())
+    for _ in range(int(DEADLINE * 100)):  # it counts the call just after answering it
+        if run.listener.answered:
+            break
+        time.sleep(0.01)
+    assert run.listener.answered == 1 and run.listener.last_answer is not None
+    run.listener.check()
+    assert not run.listener.stalled and "the allocation gate answers again" in caplog.text
