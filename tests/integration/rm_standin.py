@@ -28,6 +28,7 @@ Steps (arguments), each `key=value,...`:
                with SIZE (at most N calls): one line {"step", "tries", "raced", "refused"}
   threads=T,repeat=N           the step N times in each of T threads: one line of counts
                                {"step", "counts": {"RET/ERRNO/STATUS": n}}
+  bg=1         the step in a thread of its own, the next steps going on meanwhile
 and the steps `out=FD` (write the lines to FD from now on) and `wait=FD` (read one byte
 from FD before going on).
 """
@@ -282,9 +283,16 @@ def main() -> None:
             os.read(int(spec[5:]), 1)
         else:
             o = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
-            threads, repeat = int(o.get("threads", "0")), int(o.get("repeat", "1"))
-            line = flood(spec, threads, repeat) if threads else step(spec)
-            os.write(OUT[0], (json.dumps(line) + "\n").encode())
+            if o.get("bg") == "1":
+                threading.Thread(target=say, args=(spec, o)).start()
+            else:
+                say(spec, o)
+
+
+def say(spec: str, o: dict[str, str]) -> None:
+    threads, repeat = int(o.get("threads", "0")), int(o.get("repeat", "1"))
+    line = flood(spec, threads, repeat) if threads else step(spec)
+    os.write(OUT[0], (json.dumps(line) + "\n").encode())
 
 
 if __name__ == "__main__":

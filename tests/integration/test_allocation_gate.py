@@ -648,3 +648,86 @@ def test_a_receiver_held_over_one_call_is_said_stalled_and_answers_again(
     assert run.listener.answered == 1 and run.listener.last_answer is not None
     run.listener.check()
     assert not run.listener.stalled and "the allocation gate answers again" in caplog.text
+
+
+def test_a_flood_of_gated_calls_does_not_starve_another_threads_call(gated: Start) -> None:
+    """8 threads issue gated calls as fast as they can; another thread's allocation is
+    answered while they go on, not after them: the kernel hands notifications out oldest
+    first, and a thread has one call at a time, so a call waits behind at most one call
+    of each flooding thread."""
+    run = gated("bg=1,class=0x80,threads=8,repeat=500", f"size={GIB}")
+    first, second = run.line(), run.line()
+    assert continued(first) and first["step"] == f"size={GIB}"  # before the flood's end
+    assert second["counts"] == {f"-1/{errno.ENOTTY}/{UNTOUCHED:#x}": 4000}
+    outcomes = run.answered()
+    assert outcomes.count(Outcome.ALLOWED) == 1 and len(outcomes) == 4001
+    assert outcomes[-1] == Outcome.NOT_MEMORY  # the flood went on after it
+
+
+def state(pid: int, tid: str) -> str:
+    with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def _lines(fd: int) -> Iterator[dict[str, Any]]:
+    buf = b""
+    while True:
+        while b"\n" not in buf:
+            ready, _, _ = select.select([fd], [], [], DEADLINE)
+            assert ready, "the gate host hung"
+            chunk = os.read(fd, 4096)
+            assert chunk, "the gate host ended early"
+            buf += chunk
+        raw, buf = buf.split(b"\n", 1)
+        yield json.loads(raw)
+
+
+def test_a_stopped_listener_makes_the_call_wait_never_fail_and_serves_it_once_continued() -> None:
+    """The listener's process stopped (SIGSTOP) while a gated call comes: the call waits
+    in the kernel (it neither fails nor goes on), and is judged once the listener runs
+    again (SIGCONT)."""
+    told, tell = os.pipe()
+    host = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("gate_host.py")),
+            str(4 * GIB),
+            "0",
+            f"size={GIB}",
+            f"wait={told}",
+            f"size={5 * GIB}",
+        ],
+        stdout=subprocess.PIPE,
+        pass_fds=(told,),
+    )
+    os.close(told)
+    try:
+        assert host.stdout is not None
+        lines = _lines(host.stdout.fileno())
+        assert continued(next(lines))
+        os.kill(host.pid, signal.SIGSTOP)
+        for _ in range(int(DEADLINE * 100)):  # a bound: each of its threads stops
+            if all(state(host.pid, tid) == "T" for tid in os.listdir(f"/proc/{host.pid}/task")):
+                break
+            time.sleep(0.01)
+        os.write(tell, b"g")
+        with open(f"/proc/{host.pid}/task/{host.pid}/children") as children:
+            standin = int(children.read().split()[0])
+        seen = ""
+        for _ in range(int(DEADLINE * 100)):  # a bound: it is in the call at once
+            with open(f"/proc/{standin}/syscall") as call:
+                seen = call.read()
+            if seen.split(" ", 1)[0] == "16":
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError(f"the call never waited for the gate: {seen}")
+        assert not select.select([host.stdout], [], [], 0)[0]  # it has not been answered
+        os.kill(host.pid, signal.SIGCONT)
+        assert refused(next(lines))
+        assert next(lines) == {"outcomes": ["allowed", "refused"], "exit": 0}
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+        host.kill()
+        host.wait()
+        os.close(tell)
