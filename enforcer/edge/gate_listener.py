@@ -16,6 +16,7 @@ not race it, and sampling is the enforcement of record.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -324,15 +325,35 @@ class GateListener:
             outcome = self._judge(pending)
             if outcome is not None:
                 return outcome
-            try:
-                self._rechecks.put_nowait(pending)
-            except queue.Full:
+            if not self._queue(pending):
                 return self._reply(notif, Outcome.UNSURE)
             handed = True
             return None
         finally:
             if not handed:
                 os.close(mem)
+
+    def _queue(self, pending: _Pending) -> bool:
+        """Hand a call to the recheck worker; False if the queue is full of live calls.
+        Calls that signals interrupted are dropped first: each signal makes the kernel
+        issue a waiting call again, and a storm of them must not fill the queue so that
+        the call goes on past its limit."""
+        with contextlib.suppress(queue.Full):
+            self._rechecks.put_nowait(pending)
+            return True
+        with self._rechecks.mutex:  # the worker takes from the left meanwhile, never more
+            queued = self._rechecks.queue
+            gone = [p for p in queued if not self._valid(p.notif)]
+            for p in gone:
+                queued.remove(p)
+        for p in gone:
+            os.close(p.mem)
+            self._done(Outcome.ABANDONED, time.perf_counter())
+        try:
+            self._rechecks.put_nowait(pending)
+        except queue.Full:
+            return False
+        return True
 
     def _judge(self, p: _Pending) -> Outcome | None:
         """Allow or refuse one allocation and answer it; None where a fresh pass may change

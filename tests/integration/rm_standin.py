@@ -23,6 +23,8 @@ Steps (arguments), each `key=value,...`:
                in a line {"unmapped": 1}
   restart=1    SIGUSR1 caught by a handler that does nothing, with SA_RESTART: a signal
                interrupts the call, which the kernel then issues again
+  storm=N      (with restart=1) a second thread sends the calling thread N SIGUSR1s while
+               its call waits, then says so in a line {"stormed": N}
   flip=SIZE,tries=N   a second thread rewrites the size to SIZE while the call waits for the
                gate, until one call the gate let go on is seen to have reached the file
                with SIZE (at most N calls): one line {"step", "tries", "raced", "refused"}
@@ -145,6 +147,9 @@ def step(spec: str) -> dict[str, object]:
         return race(spec, o, cmd, argp, alloc + 64)
     if o.get("restart") == "1":
         restart_on_sigusr1()
+    if "storm" in o:
+        caller = threading.get_ident()
+        threading.Thread(target=storm, args=(caller, int(o["storm"]))).start()
     if "unmap" in o:
         unmapper = threading.Thread(target=unmap_when_told, args=(int(o["unmap"]), base))
         unmapper.start()
@@ -154,6 +159,15 @@ def step(spec: str) -> dict[str, object]:
     if status_at + 4 <= base + PAGE and "unmap" not in o:
         (status,) = struct.unpack("<I", ctypes.string_at(status_at, 4))
     return {"step": spec, "ret": ret, "errno": err, "status": status}
+
+
+def storm(caller: int, n: int) -> None:
+    """Signals at the caller while its call waits: each one makes the kernel issue the
+    call again, as a new notification."""
+    for _ in range(n):
+        signal.pthread_kill(caller, signal.SIGUSR1)
+        time.sleep(0.0001)
+    os.write(OUT[0], (json.dumps({"stormed": n}) + "\n").encode())
 
 
 def unmap_when_told(told: int, base: int) -> None:

@@ -731,3 +731,22 @@ def test_a_stopped_listener_makes_the_call_wait_never_fail_and_serves_it_once_co
         host.kill()
         host.wait()
         os.close(tell)
+
+
+def test_a_signal_storm_on_a_call_that_waits_for_a_pass_does_not_let_it_go_on(
+    gated: Start,
+) -> None:
+    """Each signal makes the kernel issue the waiting call again, as a new notification
+    that waits for a pass too, the old ones abandoned: they must not fill the recheck
+    queue so that the call finds it full and goes on (`unsure`) past its limit."""
+    run = gated(f"size={GIB}", "wait=GO", f"restart=1,storm=3000,size={GIB}", usage=int(3.5 * GIB))
+    assert refused(run.line())
+    run.sampling = False
+    run.go_on()
+    assert run.line() == {"stormed": 3000}
+    assert Outcome.UNSURE not in run.outcomes
+    run.sampling = True  # the pass comes, and still shows 3.5 GiB
+    assert refused(run.line())
+    outcomes = run.answered()
+    assert Outcome.ABANDONED in outcomes and Outcome.UNSURE not in outcomes
+    assert outcomes.count(Outcome.REFUSED) == 2 and run.errors.count == 0
