@@ -92,9 +92,8 @@ I386_STUBS = {
 JUNK = 0x5A5A5A5A << 32  # what a 64-bit program may leave in a register's upper half
 
 
-def i386_ioctl(abi: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    """An `int 0x80` stub."""
-    code = bytes.fromhex(I386_STUBS[abi])
+def machine_code(code: str) -> int:
+    """A page of its own holding `code` (hex), executable."""
     page = libc.mmap(
         None,
         PAGE,
@@ -103,7 +102,13 @@ def i386_ioctl(abi: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         -1,
         0,
     )
-    put(page, code)
+    put(page, bytes.fromhex(code))
+    return int(page)
+
+
+def i386_ioctl(abi: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """An `int 0x80` stub."""
+    page = machine_code(I386_STUBS[abi])
     kind = ctypes.CFUNCTYPE(
         ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long
     )
@@ -201,15 +206,7 @@ RETURN = {"x86_64": "c3", "aarch64": "c0035fd6"}  # a handler that returns at on
 def restart_on_sigusr1() -> None:
     """SIGUSR1 handled in C (Python's handlers run between bytecodes, and it sets no
     SA_RESTART), by one `ret` instruction."""
-    page = libc.mmap(
-        None,
-        PAGE,
-        mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC,
-        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-        -1,
-        0,
-    )
-    put(page, bytes.fromhex(RETURN[os.uname().machine]))
+    page = machine_code(RETURN[os.uname().machine])
     action = bytearray(152)  # glibc's struct sigaction: handler, mask[128], flags, restorer
     struct.pack_into("<Q", action, 0, page)
     struct.pack_into("<i", action, 136, SA_RESTART)
