@@ -244,15 +244,15 @@ def flip(
 def race(spec: str, o: dict[str, str], cmd: int, argp: int, size_at: int) -> dict[str, object]:
     """The CONTINUE race: while the call waits for the gate's answer, another thread
     rewrites its size. The rewrite counts as having reached the file only if the calling
-    thread was still seen waiting after it; the first such call let go on ends the step."""
+    thread was still seen waiting after it; the first such call let go on ends the step.
+    The rewrite's delay follows the gate's read, whatever the machine's load: later after
+    a refusal (the gate read the rewrite), sooner after a call that went on untouched."""
     size, big = ctypes.c_uint64.from_address(size_at), int(o["flip"], 0)
     asked = size.value
-    caller, tries, raced, refused = threading.get_native_id(), 0, 0, 0
+    caller, tries, raced, refused, delay = threading.get_native_id(), 0, 0, 0, 0.0
     while not raced and tries < int(o.get("tries", "1000")):
         tries += 1
         size.value, done, before = asked, threading.Event(), [False]
-
-        delay = (tries % 64) * 10e-6  # 0 to 630 µs: the gate's read lands in there
         flipper = threading.Thread(target=flip, args=(caller, size, big, delay, done, before))
         flipper.start()
         ret, err = issue(o, cmd, argp)
@@ -261,6 +261,8 @@ def race(spec: str, o: dict[str, str], cmd: int, argp: int, size_at: int) -> dic
         (status,) = struct.unpack("<I", ctypes.string_at(argp + STATUS_AT["nvos64"], 4))
         refused += status == 0x51
         raced += ret == -1 and err == 25 and before[0]  # ENOTTY: it reached the file
+        step = 10e-6 + delay / 16
+        delay = delay + step if status == 0x51 else max(0.0, delay - step)
         ctypes.memmove(argp + STATUS_AT["nvos64"], struct.pack("<I", 0xFFFFFFFF), 4)
     return {"step": spec, "tries": tries, "raced": raced, "refused": refused}
 

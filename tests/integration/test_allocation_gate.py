@@ -507,9 +507,11 @@ def test_a_call_a_signal_restarts_while_it_waits_for_a_pass_is_let_go_at_once(
     """The recheck worker waits for a pass for one call at a time: one that a signal
     restarted is dropped as abandoned at once, not after the whole wait, and its second
     notification is the one judged when the pass comes."""
-    run = gated(f"size={GIB}", f"restart=1,size={GIB}", usage=int(3.5 * GIB))
+    run = gated(f"size={GIB}", "wait=GO", f"restart=1,size={GIB}", usage=int(3.5 * GIB))
     assert refused(run.line())
     run.sampling = False
+    run.asked.clear()
+    run.go_on()
     assert run.asked.wait(DEADLINE)  # the second call waits for a pass
     os.kill(run.spawned.pid, signal.SIGUSR1)
     for _ in range(int(DEADLINE * 5)):  # a bound: half the recheck's wait (DEADLINE)
@@ -736,6 +738,7 @@ def test_a_signal_storm_on_a_call_that_waits_for_a_pass_does_not_let_it_go_on(
     run = gated(f"size={GIB}", "wait=GO", f"restart=1,storm=3000,size={GIB}", usage=int(3.5 * GIB))
     assert refused(run.line())
     run.sampling = False
+    run.asked.clear()
     run.go_on()
     assert run.line() == {"stormed": 3000}
     assert Outcome.UNSURE not in run.outcomes
