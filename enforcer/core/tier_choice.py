@@ -4,7 +4,9 @@
 A tier is one way of holding a unit to its limit. Sampling is the floor and the backstop
 everywhere: it sees usage one interval late and stops the offender. Tiers above it refuse
 the allocation itself, so the offender gets an out-of-memory error it can handle and its
-neighbours never see the overshoot: the driver's per-cgroup limits (NVIDIA R615+).
+neighbours never see the overshoot: the driver's per-cgroup limits (NVIDIA R615+), and, on
+request only (`candidates(gate=True)`), the allocation gate, which checks the driver's
+allocation calls before they run (seccomp user notification; issue 45).
 
 The tiers that refuse are candidates, tried best first (`CANDIDATES`); each says on which
 GPUs it can hold limits and, where it cannot, why. The first that can hold some GPU is
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from enforcer.core.model import LimitOutcome, LimitResult
+from enforcer.core.rm_abi import FIRST_BRANCH, LAST_BRANCH, PROVEN_BRANCHES, layout_for
 
 R615 = 615  # the first driver branch with per-cgroup limits (nvmlDeviceSetMemoryLimits_v1)
 
@@ -29,6 +32,7 @@ class TierName(StrEnum):
     """The tiers, as logs, Events, series and docs name them."""
 
     DRIVER = "driver-limit"  # the driver refuses an allocation past the cgroup's limit
+    GATE = "allocation-gate"  # the driver's allocation calls checked before they run
     SAMPLING = "sampling"  # usage read each interval, the offender stopped
 
 
@@ -53,6 +57,14 @@ class Probe:
     # dmem: the cgroups below it get no dmem files ("" where none lacks it, or no dmem).
     no_dmem_at: str = ""
     unreadable: str = ""  # what the probe could not read (a hung filesystem), "" if nothing
+    # The allocation gate's needs (the defaults offer it nothing): why the kernel's seccomp
+    # user notification cannot serve it ("" where it can), the machine (`uname -m`), why the
+    # callers' parameters cannot be read (Yama's ptrace_scope; "" where they can), and the
+    # character majors of NVIDIA's device nodes (the gate judges calls on those alone).
+    seccomp_notify: str = "not probed"
+    machine: str = ""
+    ptrace_blocked: str = ""
+    gpu_majors: tuple[int, ...] = ()
 
     @property
     def conclusive(self) -> bool:
@@ -172,7 +184,53 @@ def driver_fit(probe: Probe) -> Fit:
     return Fit(able, (*why, *mig), tuple(said))
 
 
+GATE_MACHINES = ("x86_64", "aarch64")  # where the filter and the layouts were checked
+
+
+def gate_fit(probe: Probe) -> Fit:
+    """The allocation gate: NVML read (the gate judges from the sampler's view), a driver
+    branch whose parameter layout is known, the kernel's seccomp user notification with
+    CONTINUE, a machine the filter covers, the callers' memory readable, NVIDIA's device
+    nodes present, and no GPU in MIG mode."""
+    version = probe.driver_version or "(unknown version)"
+    branch = driver_branch(probe.driver_version)
+    if probe.nvml_error:
+        return Fit((), (f"NVML cannot be read ({probe.nvml_error})",))
+    if branch is None or layout_for(branch) is None:
+        known = f"{FIRST_BRANCH}-{LAST_BRANCH}"
+        return Fit((), (f"driver {version}: the allocation gate knows the layouts of {known}",))
+    if probe.seccomp_notify:
+        return Fit((), (f"no allocation gate: {probe.seccomp_notify}",))
+    if probe.machine not in GATE_MACHINES:
+        return Fit((), (f"no allocation gate for {probe.machine or 'this machine'}",))
+    if probe.ptrace_blocked:
+        return Fit((), (f"no allocation gate: {probe.ptrace_blocked}",))
+    if not probe.gpu_majors:
+        return Fit((), ("no allocation gate: no NVIDIA device node on this machine",))
+    if probe.mig_gpus:
+        mig = ", ".join(probe.mig_gpus)
+        return Fit((), (f"{mig} in MIG mode: the allocation gate does not gate MIG yet",))
+    if not probe.whole_gpus:
+        return Fit((), ("no whole GPU to limit",))
+    said = [
+        "the driver's allocation calls are checked before they run (cooperative: a racing "
+        "thread can get past; sampling is the backstop)"
+    ]
+    if branch not in PROVEN_BRANCHES:
+        said.append(f"not yet verified on driver branch {branch} (tests/gpu/offline.sh gate)")
+    return Fit(probe.whole_gpus, (), tuple(said))
+
+
 CANDIDATES: tuple[Candidate, ...] = ((TierName.DRIVER, driver_fit),)
+
+
+def candidates(gate: bool) -> tuple[Candidate, ...]:
+    """The candidates, with the allocation gate after the driver's limits where it is asked
+    for (`exec --allocation-gate on`): it is opt-in, so `CANDIDATES` (doctor's and the
+    agent's) stay without it."""
+    return (*CANDIDATES, (TierName.GATE, gate_fit)) if gate else CANDIDATES
+
+
 HARD_LIMITS_OFF = Choice(TierName.SAMPLING, (), "--hard-limits off")  # exec's and the agent's
 
 

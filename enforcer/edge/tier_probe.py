@@ -12,15 +12,19 @@ The filesystem reads (the cgroup hierarchy, CDI specs on the host, which a hosti
 mount can hold) run on a `tier-probe` thread of their own, within `READ_WITHIN`: a read
 that does not come back is said ("did not answer"), and is not started again while its
 thread still waits.
+
+What the allocation gate needs (`_GateFacts`) is read from small `/proc` files and
+`uname`: the kernel's seccomp user notification, Yama's ptrace scope, NVIDIA's majors.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from enforcer.core.cdi import SPEC_SUFFIXES, memory_limit_hook_gpus
@@ -29,6 +33,7 @@ from enforcer.core.model import LimitOutcome
 from enforcer.core.tier_choice import Probe
 from enforcer.edge import cgroupfs
 from enforcer.edge.nvml import Nvml, NvmlError
+from enforcer.edge.nvml_source import gpu_device_majors
 
 READ_WITHIN = 2.0  # s: the filesystem part of one probe, at most
 # Below the host's root: the CDI registry's defaults. `var/run` is an absolute link to
@@ -49,6 +54,77 @@ class _Found:
     hook_gpus: tuple[str, ...] = ()
 
 
+# The kernel that first has SECCOMP_USER_NOTIF_FLAG_CONTINUE: the gate lets calls go on with it
+CONTINUE_SINCE = (5, 5)
+_CAP_SYS_PTRACE = 19
+
+
+@dataclass(frozen=True, slots=True)
+class _GateFacts:
+    """What the allocation gate needs of this machine (`tier_choice.gate_fit`)."""
+
+    seccomp_notify: str
+    machine: str
+    ptrace_blocked: str
+    gpu_majors: tuple[int, ...]
+
+    @classmethod
+    def read(cls, proc: Path = Path("/proc")) -> _GateFacts:
+        majors = gpu_device_majors()
+        return cls(
+            _seccomp_notify(proc, os.uname().release),
+            os.uname().machine,
+            _ptrace_blocked(proc),
+            tuple(sorted(majors or ())),
+        )
+
+    def onto(self, probe: Probe) -> Probe:
+        return replace(
+            probe,
+            seccomp_notify=self.seccomp_notify,
+            machine=self.machine,
+            ptrace_blocked=self.ptrace_blocked,
+            gpu_majors=self.gpu_majors,
+        )
+
+
+def _seccomp_notify(proc: Path, release: str) -> str:
+    """Why the kernel's seccomp user notification cannot serve the gate, "" where it can."""
+    try:
+        actions = (proc / "sys/kernel/seccomp/actions_avail").read_text().split()
+    except OSError as exc:
+        return f"cannot read the kernel's seccomp actions ({exc.strerror or exc})"
+    if "user_notif" not in actions:
+        return "the kernel's seccomp actions (actions_avail) lack user_notif"
+    found = re.match(r"(\d+)\.(\d+)", release)
+    if found is None or (int(found[1]), int(found[2])) < CONTINUE_SINCE:
+        since = ".".join(map(str, CONTINUE_SINCE))
+        return f"kernel {release} has no SECCOMP_USER_NOTIF_FLAG_CONTINUE ({since}+)"
+    return ""
+
+
+def _ptrace_blocked(proc: Path) -> str:
+    """Why the gate could not read a caller's parameters (`/proc/<tid>/mem` takes ptrace's
+    attach check), "" where it can: Yama's scope 3, or 2 without CAP_SYS_PTRACE."""
+    try:
+        scope = int((proc / "sys/kernel/yama/ptrace_scope").read_text())
+    except (OSError, ValueError):
+        return ""  # no Yama: the ordinary same-user or CAP_SYS_PTRACE check
+    if scope >= 3 or (scope == 2 and not _has_cap(proc, _CAP_SYS_PTRACE)):
+        return f"cannot read the command's parameters: kernel.yama.ptrace_scope={scope}"
+    return ""
+
+
+def _has_cap(proc: Path, bit: int) -> bool:
+    try:
+        for line in (proc / "self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> bit & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 Where = Callable[[], tuple[Path | None, Path | None]]
 """(the cgroup v2 hierarchy, the cgroup below which limited cgroups are made), each None
 where there is none; raises CgroupFsError with the reason."""
@@ -67,6 +143,9 @@ class TierProbe:
 
     def probe(self, nvml: Nvml) -> Probe:
         """What this machine offers now. `nvml`: a session (started here if it is not)."""
+        return _GateFacts.read().onto(self._probe(nvml))
+
+    def _probe(self, nvml: Nvml) -> Probe:
         found, unreadable = self._filesystem()
         try:
             devices = nvml.snapshot().devices

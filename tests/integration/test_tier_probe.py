@@ -15,7 +15,14 @@ import pytest
 from enforcer.core.tier_choice import TierName, choose
 from enforcer.edge import cgroupfs
 from enforcer.edge.nvml import Nvml
-from enforcer.edge.tier_probe import TierProbe, own_cgroup, pods_cgroup
+from enforcer.edge.nvml_source import gpu_device_majors
+from enforcer.edge.tier_probe import (
+    TierProbe,
+    _ptrace_blocked,
+    _seccomp_notify,
+    own_cgroup,
+    pods_cgroup,
+)
 from tests.hung_fuse import hung_fuse
 from tests.unit.test_cdi import hook_spec
 
@@ -150,3 +157,75 @@ def test_a_hung_cdi_directory_bounds_the_probe_and_is_not_read_again_while_it_ha
         again = probe.probe(nvml)  # its reader still waits: no second one is started
         assert time.monotonic() - started < 0.5
         assert again.unreadable == f"{host / 'etc/cdi'} has still not answered an earlier read"
+
+
+def _proc(root: Path, actions: str | None, scope: str | None, cap_eff: str) -> Path:
+    """A /proc of plain files: seccomp's actions, Yama's scope, this process's CapEff."""
+    if actions is not None:
+        (root / "sys/kernel/seccomp").mkdir(parents=True)
+        (root / "sys/kernel/seccomp/actions_avail").write_text(actions + "\n")
+    if scope is not None:
+        (root / "sys/kernel/yama").mkdir(parents=True)
+        (root / "sys/kernel/yama/ptrace_scope").write_text(scope + "\n")
+    (root / "self").mkdir(parents=True)
+    (root / "self/status").write_text(f"Name:\tx\nCapEff:\t{cap_eff}\n")
+    return root
+
+
+NOTIFY = "kill_process kill_thread trap errno user_notif trace log allow"
+
+
+@pytest.mark.parametrize(
+    ("actions", "release", "why"),
+    [
+        (NOTIFY, "6.1.0-18-amd64", ""),
+        (NOTIFY, "5.5.0", ""),
+        (
+            NOTIFY,
+            "5.4.0-150-generic",
+            "kernel 5.4.0-150-generic has no SECCOMP_USER_NOTIF_FLAG_CONTINUE (5.5+)",
+        ),
+        (
+            "kill_process errno allow",
+            "6.1.0",
+            "the kernel's seccomp actions (actions_avail) lack user_notif",
+        ),
+        (None, "6.1.0", "cannot read the kernel's seccomp actions (No such file or directory)"),
+    ],
+)
+def test_the_gate_needs_user_notif_and_continue(
+    tmp_path: Path, actions: str | None, release: str, why: str
+) -> None:
+    proc = _proc(tmp_path, actions, None, "0")
+    assert _seccomp_notify(proc, release) == why
+
+
+@pytest.mark.parametrize(
+    ("scope", "cap_eff", "why"),
+    [
+        (None, "0", ""),
+        ("1", "0", ""),
+        ("2", "000001ffffffffff", ""),  # CAP_SYS_PTRACE (19) held
+        (
+            "2",
+            "0000000000000000",
+            "cannot read the command's parameters: kernel.yama.ptrace_scope=2",
+        ),
+        (
+            "3",
+            "000001ffffffffff",
+            "cannot read the command's parameters: kernel.yama.ptrace_scope=3",
+        ),
+    ],
+)
+def test_yama_blocks_the_gate_at_scope_3_or_at_2_without_cap_sys_ptrace(
+    tmp_path: Path, scope: str | None, cap_eff: str, why: str
+) -> None:
+    assert _ptrace_blocked(_proc(tmp_path, NOTIFY, scope, cap_eff)) == why
+
+
+def test_the_probe_reads_what_the_gate_needs_of_this_machine(nvml: Nvml) -> None:
+    probe = TierProbe(own_cgroup, Path("/")).probe(nvml)
+    assert probe.machine == os.uname().machine
+    assert probe.seccomp_notify == ""  # CI's kernels have had it since 5.5
+    assert probe.gpu_majors == tuple(sorted(gpu_device_majors() or ()))

@@ -4,9 +4,22 @@ that the reason names what a person acts on."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import pytest
 
 from enforcer.core.model import LimitOutcome, LimitResult
-from enforcer.core.tier_choice import Candidate, Fit, Probe, TierName, choose, driver_fit
+from enforcer.core.tier_choice import (
+    CANDIDATES,
+    Candidate,
+    Fit,
+    Probe,
+    TierName,
+    candidates,
+    choose,
+    driver_fit,
+    gate_fit,
+)
 
 A, B, M = "GPU-a", "GPU-b", "GPU-m"
 R615 = Probe(
@@ -133,3 +146,74 @@ def test_a_tier_between_the_driver_and_sampling_is_one_more_candidate() -> None:
         "the allocation calls are refused; driver 550.54.15 has no per-cgroup limits: R615+"
     )
     assert choose(R615, candidates).tier is TierName.DRIVER  # the better one still wins
+
+
+# A driver 550 machine where the allocation gate can serve: only `--allocation-gate on` asks.
+GATE = dataclasses.replace(
+    R615,
+    driver_version="550.54.15",
+    seccomp_notify="",
+    machine="x86_64",
+    gpu_majors=(195, 508),
+)
+
+
+def test_the_gate_is_no_candidate_unless_asked_for() -> None:
+    assert candidates(gate=False) == CANDIDATES
+    assert [tier for tier, _ in candidates(gate=True)] == [TierName.DRIVER, TierName.GATE]
+    assert choose(GATE).tier is TierName.SAMPLING  # doctor's and the agent's choice
+
+
+def test_asked_for_the_gate_holds_a_driver_550_on_every_whole_gpu_and_says_it_is_unverified() -> (
+    None
+):
+    choice = choose(GATE, candidates(gate=True))
+    assert (choice.tier, choice.gpus, choice.refuses) == (TierName.GATE, (A, B), True)
+    assert choice.said() == (
+        f"tier allocation-gate on {A}, {B}, sampling as the backstop: the driver's allocation "
+        "calls are checked before they run (cooperative: a racing thread can get past; "
+        "sampling is the backstop); not yet verified on driver branch 550 "
+        "(tests/gpu/offline.sh gate); driver 550.54.15 has no per-cgroup limits: R615+"
+    )
+
+
+def test_the_driver_limit_wins_over_the_gate_where_it_can_hold() -> None:
+    choice = choose(dataclasses.replace(GATE, driver_version="615.43.02"), candidates(gate=True))
+    assert choice.tier is TierName.DRIVER
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"nvml_error": "Driver Not Loaded"}, "NVML cannot be read (Driver Not Loaded)"),
+        (
+            {"driver_version": "525.147.05"},
+            "driver 525.147.05: the allocation gate knows the layouts of 535-599",
+        ),
+        (
+            {"driver_version": "615.43.02", "limit_calls": False},
+            "driver 615.43.02: the allocation gate knows the layouts of 535-599",
+        ),
+        (
+            {"seccomp_notify": "the kernel's seccomp actions (actions_avail) lack user_notif"},
+            "no allocation gate: the kernel's seccomp actions (actions_avail) lack user_notif",
+        ),
+        (
+            {"seccomp_notify": "kernel 5.4.0 has no SECCOMP_USER_NOTIF_FLAG_CONTINUE (5.5+)"},
+            "no allocation gate: kernel 5.4.0 has no SECCOMP_USER_NOTIF_FLAG_CONTINUE (5.5+)",
+        ),
+        ({"machine": "ppc64le"}, "no allocation gate for ppc64le"),
+        (
+            {"ptrace_blocked": "cannot read the command's parameters: kernel.yama.ptrace_scope=3"},
+            "no allocation gate: cannot read the command's parameters: kernel.yama.ptrace_scope=3",
+        ),
+        ({"gpu_majors": ()}, "no allocation gate: no NVIDIA device node on this machine"),
+        ({"mig_gpus": (M,)}, f"{M} in MIG mode: the allocation gate does not gate MIG yet"),
+    ],
+)
+def test_each_reason_the_gate_cannot_hold_is_said(change: dict[str, Any], reason: str) -> None:
+    probe = dataclasses.replace(GATE, **change)
+    assert gate_fit(probe) == Fit((), (reason,))
+    choice = choose(probe, candidates(gate=True))
+    assert choice.tier is TierName.SAMPLING
+    assert reason in choice.gaps
