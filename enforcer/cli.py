@@ -41,6 +41,15 @@ hard limits (--hard-limits auto):
   neighbour is affected. Sampling goes on as above, for the sum over GPUs. Elsewhere one
   line says why there is no hard limit, and sampling alone enforces.
 
+allocation gate (--allocation-gate on; experimental, unverified on any GPU):
+  Where the driver's limits cannot hold (NVIDIA 535 to 599, kernel 5.5+, no MIG), the
+  command starts under a seccomp filter that hands the driver's allocation calls to
+  vram-enforcer before they run. A call that would take the command tree past --limit
+  gets the driver's own out-of-memory status: the program sees CUDA's out-of-memory error
+  and lives, and one line says the sizes. It is cooperative, not a boundary (a thread that
+  rewrites a call after the check gets past; managed memory is not seen), so sampling stays
+  on as the backstop. Under another seccomp listener it warns and samples only.
+
 processes that outlive the command:
   A process the command started and left running (a double fork, `cmd &`) is re-parented
   to vram-enforcer and stays under the limit: vram-enforcer keeps running until the last

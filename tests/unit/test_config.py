@@ -219,6 +219,13 @@ def test_exec_settings_defaults() -> None:
     assert s.policy.grace_period == 5.0
     assert s.interval == pytest.approx(0.1)
     assert s.name == "python"
+    assert s.allocation_gate == "off"  # experimental: asked for only
+
+
+def test_the_allocation_gate_is_asked_for_and_goes_with_hard_limits_required() -> None:
+    assert configured(exec_argv("--allocation-gate", "on")).allocation_gate == "on"
+    s = configured(exec_argv("--allocation-gate", "on", "--hard-limits", "required"))
+    assert (s.allocation_gate, s.hard_limits) == ("on", "required")
 
 
 @pytest.mark.parametrize(
@@ -234,6 +241,22 @@ def test_exec_settings_defaults() -> None:
         (exec_argv("--interval", "1ms"), "--interval: '1ms' is too short; use at least 10ms"),
         (exec_argv("--metrics-port", "70000"), "--metrics-port: '70000' is not a TCP port"),
         (["exec", "--limit", "4GB!", "--", "true"], "--limit: '4GB!' is not a quantity"),
+        (
+            exec_argv("--allocation-gate", "auto"),
+            "--allocation-gate: 'auto' is not a choice; use one of: off, on",
+        ),
+        (
+            exec_argv("--allocation-gate", "on", "--hard-limits", "off"),
+            "--allocation-gate: 'on' cannot go with --hard-limits off: the gate refuses",
+        ),
+        (
+            exec_argv("--allocation-gate", "on", "--dry-run"),
+            "--allocation-gate: 'on' cannot go with --dry-run: the gate refuses",
+        ),
+        (
+            exec_argv("--allocation-gate", "on", "--action", "warn"),
+            "--allocation-gate: 'on' cannot go with --action warn: the gate refuses",
+        ),
     ],
 )
 def test_exec_settings_errors(argv: list[str], message: str) -> None:

@@ -7,7 +7,7 @@ from pathlib import PurePath
 from typing import Any
 
 from enforcer.core.model import Action, GiB, format_bytes
-from enforcer.core.parsing import ConfigError, as_text, parse_bytes
+from enforcer.core.parsing import ConfigError, as_text, choice, parse_bytes
 from enforcer.core.policy import PolicyConfig
 from enforcer.core.settings import Setting, Values, value, verbosity
 from enforcer.core.settings.common import (
@@ -111,6 +111,29 @@ HARD_LIMITS = hard_limits(
     "and said. `required`: refuse to start without them. `off`: sampling alone. None with "
     "`--dry-run` or `--action warn` (the driver's refusal would enforce what they only report)",
 )
+ALLOCATION_GATE = value(
+    "allocation_gate",
+    choice("off", "on"),
+    "experimental, unverified on any GPU: check the driver's allocation calls before they "
+    "run (seccomp user notification), and refuse one past --limit with the driver's own "
+    "out-of-memory status, so CMD gets CUDA's out-of-memory error and lives; NVIDIA "
+    "535-599, where the driver's limits (R615+) cannot hold",
+    flag="--allocation-gate",
+    default="off",
+    metavar="off|on",
+    doc="experimental, **unverified on any GPU**: `on` adds the allocation gate as a tier "
+    "after the driver's limits. CMD starts under a seccomp filter that hands the NVIDIA "
+    "driver's allocation calls to vram-enforcer before they run; a call that would take "
+    "the command tree past `--limit` (summed over GPUs: what it held at the last sample "
+    "plus what was let through since) gets the driver's out-of-memory status and CMD "
+    "lives, with one log line saying the sizes. Cooperative, not a boundary: a thread "
+    "that rewrites a call's parameters after the check gets past, and managed memory is "
+    "not seen, so sampling stays on as the backstop (security.md). Driver branches "
+    "535-599, kernel 5.5+, x86_64 or aarch64, no MIG; elsewhere one line says why and "
+    "sampling enforces. Under another seccomp listener (a nested `exec`) it warns and "
+    "samples only. `--hard-limits required` is satisfied by it. Not with "
+    "`--hard-limits off`, `--dry-run` or `--action warn`",
+)
 SUMMARY = value(
     "summary",
     as_text,
@@ -141,6 +164,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     METRICS_ADDRESS,
     HOST_PROC,
     HARD_LIMITS,
+    ALLOCATION_GATE,
     SUMMARY,
     LOG_FORMAT,
     VERBOSE,
@@ -163,6 +187,7 @@ class ExecSettings:
     summary: str | None = None  # where to write the JSON summary at exit
     request_bytes: int | None = None  # None: the limit, no borrowing
     reclaim_watermark: int = 2 * GiB
+    allocation_gate: str = "off"  # off or on: the allocation gate is a candidate tier
 
 
 def exec_settings(values: Values, command: list[str]) -> ExecSettings:
@@ -191,6 +216,15 @@ def exec_settings(values: Values, command: list[str]) -> ExecSettings:
             f"cannot go with {reporting}: under a hard limit the driver refuses allocations "
             "past it, which enforces the limit; leave out one of the two",
         )
+    gate = values[ALLOCATION_GATE]
+    if gate == "on" and (policy.reports_only or hard == "off"):
+        raise ConfigError(
+            "--allocation-gate",
+            gate,
+            f"cannot go with {'--hard-limits off' if hard == 'off' else reporting}: the "
+            "gate refuses allocations past the limit, which enforces it; leave out one of "
+            "the two",
+        )
     if policy.reports_only and request is not None and request < limit:
         raise ConfigError(
             "--request",
@@ -212,4 +246,5 @@ def exec_settings(values: Values, command: list[str]) -> ExecSettings:
         summary=values[SUMMARY],
         request_bytes=request if request != limit else None,
         reclaim_watermark=values[RECLAIM_WATERMARK],
+        allocation_gate=gate,
     )
