@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from enforcer.core.alloc_gate import Verdict
 from enforcer.core.reasons import Reason
 from enforcer.core.tier_choice import TierName
 
@@ -32,6 +33,26 @@ class SummaryEvent:
     after_seconds: float
     message: str
     pid: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GateCounts:
+    """What the allocation gate answered (`--allocation-gate on`): its calls by outcome
+    (`gate_listener.Outcome`'s values), and its slowest answer, in microseconds."""
+
+    calls: tuple[tuple[str, int], ...] = ()
+    max_listener_us: float = 0.0
+
+    @property
+    def refusals(self) -> int:
+        return dict(self.calls).get(str(Verdict.REFUSE), 0)  # a refused call's outcome
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "calls": dict(self.calls),
+            "refusals": self.refusals,
+            "max_listener_us": self.max_listener_us,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +88,7 @@ class ExecSummary:
     memory_percent: float | None = None
     busy_samples: int = 0
     request_bytes: int | None = None  # None: the limit, no borrowing
+    allocation_gate: GateCounts | None = None  # None: the gate did not hold the command
 
     @property
     def wall_seconds(self) -> float | None:
@@ -103,6 +125,7 @@ class ExecSummary:
             "sm_percent": self.sm_percent,
             "memory_percent": self.memory_percent,
             "busy_samples": self.busy_samples,
+            "allocation_gate": self.allocation_gate and self.allocation_gate.to_json(),
             "events": [
                 {
                     "reason": e.reason,
@@ -152,9 +175,15 @@ def from_json(doc: object) -> ExecSummary:
             memory_percent=_optional(doc.get("memory_percent"), float),
             busy_samples=int(doc.get("busy_samples", 0)),
             request_bytes=_optional(doc.get("request_bytes"), int),  # not before requests
+            allocation_gate=_optional(doc.get("allocation_gate"), _gate_counts),  # nor the gate
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"a malformed exec summary ({exc!r})") from None
+
+
+def _gate_counts(doc: dict[str, Any]) -> GateCounts:
+    calls = tuple((str(k), int(v)) for k, v in doc["calls"].items())
+    return GateCounts(calls, float(doc["max_listener_us"]))
 
 
 def _optional(value: Any, kind: Callable[[Any], T]) -> T | None:

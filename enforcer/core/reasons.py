@@ -23,6 +23,7 @@ class Reason(StrEnum):
     EVICTED = "VRAMEvicted"  # the agent: the kernel refused a signal, the pod is evicted
     WOULD_ENFORCE = "VRAMWouldEnforce"  # dry run: what would have been signalled; nothing was
     UNDECLARED = "VRAMUndeclared"  # the agent: a pod it does not enforce holds GPU memory
+    ALLOCATION_REFUSED = "VRAMAllocationRefused"  # the allocation gate refused one allocation
 
 
 # What a sidecar reports, for the agent to post on the sidecar's own pod (`protocol`): its

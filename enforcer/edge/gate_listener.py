@@ -186,6 +186,8 @@ class GateListener:
         self._majors = frozenset(majors)
         self._count = count
         self._want_pass = want_pass
+        # Told of each refusal's line (also those the log holds back); set before `start`.
+        self.refused: Callable[[str], None] = lambda line: None
         self._recheck_wait = recheck_wait
         self._pid = pid  # the command's, for the lines people read
         self._guard = LoopGuard("allocation gate", errors, log)
@@ -380,8 +382,11 @@ class GateListener:
         if not self._valid(p.notif):
             return Outcome.ABANDONED
         outcome = self._reply(p.notif, Outcome.REFUSED, error)
-        if outcome == Outcome.REFUSED and (held := self._quota.take(at)) is not None:
-            line = messages.allocation_refused(p.call.what, p.ask, self._pid, p.notif.tid, view, at)
+        if outcome != Outcome.REFUSED:
+            return outcome
+        line = messages.allocation_refused(p.call.what, p.ask, self._pid, p.notif.tid, view, at)
+        self.refused(line)
+        if (held := self._quota.take(at)) is not None:
             more = f" ({held} more refusals were not logged in the second before)" if held else ""
             if error:
                 more += "; its block was unmapped before the status was written: it failed EFAULT"

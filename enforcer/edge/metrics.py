@@ -241,6 +241,42 @@ def hard_limit_gauge(labels: list[str], registry: CollectorRegistry) -> Gauge:
     )
 
 
+# The allocation gate's time per call: a few microseconds served inline, up to a recheck's
+# wait (at least 250 ms) for a call that waits for a fresh pass.
+GATE_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.25, 1.0)
+
+
+class GateMetrics:
+    """exec's allocation gate: its calls by outcome, its refusals, its time per call, and
+    whether its listener is stuck (`container` is exec's unit)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.calls = Counter(
+            PREFIX + "allocation_gate_calls",
+            "The driver's allocation calls the allocation gate answered, by outcome "
+            "(allowed, refused, not_memory, not_gpu, unsure, abandoned, error)",
+            ["container", "outcome"],
+            registry=registry,
+        )
+        self.refusals = Counter(
+            PREFIX + "allocation_refusals",
+            "GPU allocations the allocation gate refused with the driver's out-of-memory status",
+            ["container"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            PREFIX + "allocation_gate_seconds",
+            "The allocation gate's time per call, from reading it to answering it",
+            buckets=GATE_BUCKETS,
+            registry=registry,
+        )
+        self.stalled = Gauge(
+            PREFIX + "allocation_gate_stalled",
+            "1 while a call has waited unanswered for a second (the listener is stuck)",
+            registry=registry,
+        )
+
+
 class Telemetry:
     """The registry of one long-running mode and the metrics every mode shares."""
 
@@ -287,6 +323,7 @@ class Telemetry:
         )
         self.unexpected = _unexpected_errors(self.registry)
         self.http_closed = http_closed(self.registry)
+        self.gate = GateMetrics(self.registry)
 
 
 class NodeCollector(Collector):

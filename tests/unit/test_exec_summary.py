@@ -7,7 +7,7 @@ import json
 import pytest
 
 from enforcer.core import exec_summary
-from enforcer.core.exec_summary import ExecSummary, SummaryEvent
+from enforcer.core.exec_summary import ExecSummary, GateCounts, SummaryEvent
 
 
 def test_the_summary_reads_back_what_was_written() -> None:
@@ -47,6 +47,24 @@ def test_a_summary_written_before_utilisation_was_read_has_none() -> None:
     read = exec_summary.from_json(doc)
     assert (read.sm_percent, read.memory_percent, read.busy_samples) == (None, None, 0)
     assert read.request_bytes is None
+
+
+def test_the_allocation_gates_counts_read_back_and_are_absent_from_older_summaries() -> None:
+    refusal = SummaryEvent("VRAMAllocationRefused", 0.25, "refused a GPU allocation of 2.00 GiB")
+    counts = GateCounts((("allowed", 3), ("not_memory", 9), ("refused", 2)), 41.5)
+    written = ExecSummary(
+        ("x",), 1, "terminate", False, exit_status=0, started=True, tier="allocation-gate",
+        events=(refusal,), allocation_gate=counts,
+    )  # fmt: skip
+    doc = json.loads(json.dumps(written.to_json()))
+    assert doc["allocation_gate"] == {
+        "calls": {"allowed": 3, "not_memory": 9, "refused": 2},
+        "refusals": 2,
+        "max_listener_us": 41.5,
+    }
+    assert exec_summary.from_json(doc) == written
+    del doc["allocation_gate"]
+    assert exec_summary.from_json(doc).allocation_gate is None
 
 
 @pytest.mark.parametrize(("hard_limit", "tier"), [(True, "driver-limit"), (False, "sampling")])
