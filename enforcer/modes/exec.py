@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from enforcer.core.model import (
 )
 from enforcer.core.reasons import Reason
 from enforcer.core.settings.exec import ExecSettings
-from enforcer.core.tier_choice import HARD_LIMITS_OFF, TierName, choose
+from enforcer.core.tier_choice import TierName
 from enforcer.edge import logs
 from enforcer.edge.cgroupfs import CgroupFsError
 from enforcer.edge.metrics import Telemetry
@@ -43,20 +43,20 @@ from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.pid_view import PidView, PidViewError
 from enforcer.edge.procfs import INITIAL_PID_NS, ProcFs
 from enforcer.edge.signals import Membership, Signaller, Terminator, signal_children
-from enforcer.edge.tier_probe import TierProbe, host_root, own_cgroup
-from enforcer.modes.exec_limits import CgroupKeeper, ChargeWatch, Placed, place
+from enforcer.modes.exec_gate import ExecGate
+from enforcer.modes.exec_limits import CgroupKeeper, ChargeWatch, Placed, hard_limits
+from enforcer.modes.exec_spawn import SpawnError, StartupError, spawn
 from enforcer.modes.pipeline import LogReporter, Pipeline, Report, WholeUnit, reclaim_here
 
 log = logging.getLogger(__name__)
 
 EXIT_USAGE = 2  # our own failure to start: bad flags, no NVML, wrong namespace
-EXIT_NOT_EXECUTABLE = 126
-EXIT_NOT_FOUND = 127
 
 # How often per-process utilisation is read from NVML: for the metrics and the summary's
 # mean. Often enough for a run of a few seconds to have samples; a read costs about as
 # much as one pass over memory, so twice a second is nothing next to the 10 passes.
 UTILISATION_EVERY = 0.5
+MOST_REFUSALS = 100  # the allocation gate's refusals that --summary tells one by one
 
 _PR_SET_CHILD_SUBREAPER = 36
 _SI_KERNEL = 0x80  # si_code of signals the kernel generates (the terminal's ^C)
@@ -64,15 +64,19 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _WAITED = frozenset({*_FORWARDED, signal.SIGCHLD})
 
 
-class StartupError(Exception):
-    """Why the command was not started; printed as one line, exit status 2."""
-
-
 class TreeAttributor:
     """The unit is every descendant of this process: the command and whatever it spawns."""
 
-    def __init__(self, procfs: ProcFs, name: str, limit_bytes: int) -> None:
+    def __init__(
+        self,
+        procfs: ProcFs,
+        name: str,
+        limit_bytes: int,
+        on_pass: Callable[[tuple[UnitUsage, ...]], None] = lambda units: None,
+    ) -> None:
+        """`on_pass(units)`: told of the tree's usage in each pass that could be read."""
         self._procfs = procfs
+        self._on_pass = on_pass
         self._root = os.getpid()
         self._name = name
         self._limits = {name: limit_bytes}
@@ -114,6 +118,7 @@ class TreeAttributor:
         self._known = known
         cmdlines = {key: cmd for key, cmd in known.items() if cmd is not None}
         units = attribute(sample, dict.fromkeys(cmdlines, self._name), self._limits, cmdlines)
+        self._on_pass(units)
         self.samples += 1
         self.peak_bytes = max([self.peak_bytes or 0, *(u.used_bytes for u in units)])
         # Once per utilisation read, on the first sample that carries it: every reading the
@@ -178,30 +183,6 @@ def _pid_view(settings: ExecSettings) -> PidView:
     return PidView.host(local)
 
 
-def _spawn(command: tuple[str, ...]) -> int:
-    try:
-        return os.posix_spawnp(
-            command[0],
-            list(command),
-            os.environ,
-            setsigmask=(),
-            # Python ignores SIGPIPE and SIGXFSZ; an ignored disposition survives exec.
-            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
-        )
-    except FileNotFoundError:
-        raise _SpawnError(EXIT_NOT_FOUND, f"{command[0]}: command not found") from None
-    except PermissionError:
-        raise _SpawnError(EXIT_NOT_EXECUTABLE, f"{command[0]}: permission denied") from None
-    except OSError as exc:
-        raise _SpawnError(EXIT_NOT_EXECUTABLE, f"{command[0]}: {exc.strerror}") from None
-
-
-class _SpawnError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 @contextlib.contextmanager
 def _blocked_signals() -> Iterator[None]:
     """Hold our signals for `sigtimedwait`; threads started inside inherit the mask."""
@@ -221,9 +202,9 @@ class _Record:
     started_at: float | None = None
     end: float | None = None
     signal: str | None = None
-    hard_limit: bool = False
     tier: TierName = TierName.SAMPLING
     tree: TreeAttributor | None = None
+    gate: ExecGate | None = None
     events: list[SummaryEvent] = field(default_factory=list)
 
     def exited(self, code: int) -> None:
@@ -231,14 +212,20 @@ class _Record:
         self.end = time.monotonic()
         self.signal = signal.Signals(-code).name if code < 0 else None
 
-    def held(self, by_driver: bool) -> None:
-        """Which tier holds the command: the driver's limits (and sampling), or sampling."""
-        self.hard_limit = by_driver
-        self.tier = TierName.DRIVER if by_driver else TierName.SAMPLING
+    def held(self, tier: TierName) -> None:
+        """Which tier holds the command (sampling as the backstop of any other)."""
+        self.tier = tier
 
     def unbound(self) -> None:
-        """The driver does not charge the tree to its hard limit: the summary claims none."""
-        self.held(False)
+        """The tier chosen does not hold the tree (the driver does not charge it, the gate
+        could not be installed): the summary claims no tier but sampling."""
+        self.held(TierName.SAMPLING)
+
+    def refused(self, line: str) -> None:
+        """The allocation gate refused an allocation (the first `MOST_REFUSALS` are told)."""
+        if sum(e.reason == Reason.ALLOCATION_REFUSED for e in self.events) < MOST_REFUSALS:
+            after = time.monotonic() - self.start if self.start is not None else 0.0
+            self.events.append(SummaryEvent(str(Reason.ALLOCATION_REFUSED), after, line))
 
     def report(self, report: Report) -> None:
         limit = report.reason in (
@@ -267,12 +254,13 @@ class _Record:
             started_at=self.started_at,
             peak_bytes=self.tree.peak_bytes if self.tree else None,
             samples=self.tree.samples if self.tree else 0,
-            hard_limit=self.hard_limit,
+            hard_limit=self.tier is TierName.DRIVER,
             tier=str(self.tier),
             events=tuple(self.events),
             sm_percent=sm,
             memory_percent=memory,
             busy_samples=self.tree.busy_samples if self.tree else 0,
+            allocation_gate=self.gate.counts() if self.gate and self.gate.installed else None,
         )
 
 
@@ -344,46 +332,20 @@ def _run(settings: ExecSettings, record: _Record, gpus: Gpus | None) -> int:
         try:
             _set_child_subreaper()
             source = NvmlSource(gpu.nvml, gpu.view, gpu.majors)
-            with _hard_limits(settings, gpu.nvml) as placed:
-                record.held(placed is not None)
+            with hard_limits(settings, gpu.nvml) as (placed, majors):
+                gated = TierName.GATE if majors is not None else TierName.SAMPLING
+                record.held(TierName.DRIVER if placed is not None else gated)
                 watch = (
                     ChargeWatch(gpu.nvml, placed, settings.interval, record.unbound)
                     if placed
                     else None
                 )
-                return _supervise(settings, source, placed, record, watch)
+                return _supervise(settings, source, placed, record, watch, majors)
         except (StartupError, MetricsPortError) as exc:
             log.error("%s", exc, exc_info=logs.detail(exc))
             return EXIT_USAGE
         finally:
             gpu.nvml.shutdown()
-
-
-@contextlib.contextmanager
-def _hard_limits(settings: ExecSettings, nvml: Nvml) -> Iterator[Placed | None]:
-    """A cgroup for the command, held to the limit on every GPU where the driver can, or
-    None where it cannot (said once, unless --hard-limits off); removed afterwards. The
-    tier chosen (`tier_choice`) is logged first, as doctor and the agent say it."""
-    if settings.hard_limits == "off":
-        choice = HARD_LIMITS_OFF
-    else:
-        choice = choose(TierProbe(own_cgroup, host_root()).probe(nvml))
-    log.info("%s", choice.said())
-    placed, missing = (None, "") if settings.hard_limits == "off" else place(settings, nvml, choice)
-    if missing and settings.hard_limits == "required":
-        if placed is not None:
-            placed.cgroup.close()
-        raise StartupError(f"--hard-limits required, but there is no hard limit: {missing}")
-    if missing:
-        log.warning("%s", messages.sampling_only(missing, settings.interval))
-    try:
-        yield placed
-    finally:
-        if placed is not None and not placed.cgroup.close():
-            log.warning(
-                "left the cgroup %s in place: it still holds processes of the command",
-                placed.cgroup.command,
-            )
 
 
 def _supervise(
@@ -392,13 +354,18 @@ def _supervise(
     placed: Placed | None,
     record: _Record,
     watch: ChargeWatch | None = None,
+    majors: tuple[int, ...] | None = None,
 ) -> int:
+    """`majors`: NVIDIA's device majors where the allocation gate holds the command."""
     procfs = ProcFs()
     telemetry = Telemetry({}, unit_label="container")
-    for gpu, limit in (placed.limits if placed else {}).items():
+    limits = placed.limits if placed else {"": settings.limit_bytes} if majors else {}
+    for gpu, limit in limits.items():  # the gate's is the tree's, over every GPU
         telemetry.hard_limits.labels(settings.name, gpu).set(limit)
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
-    record.tree = TreeAttributor(procfs, settings.name, settings.limit_bytes)
+    gate = record.gate = ExecGate.of(settings, majors, telemetry, record.refused)
+    on_pass = gate.saw if gate else lambda units: None
+    record.tree = TreeAttributor(procfs, settings.name, settings.limit_bytes, on_pass)
     requests = {} if settings.request_bytes is None else {settings.name: settings.request_bytes}
     pipeline = Pipeline(
         source,
@@ -415,11 +382,15 @@ def _supervise(
         try:
             with placed.cgroup.entered() if placed else contextlib.nullcontext():
                 spawned = time.monotonic(), time.time()
-                child = _spawn(settings.command)
+                required = settings.hard_limits == "required"
+                child = gate.spawn(settings.command, required) if gate else spawn(settings.command)
             record.start, record.started_at = spawned
+            if gate is not None and not gate.installed:
+                record.unbound()
+                telemetry.hard_limits.clear()
         except CgroupFsError as exc:
             raise StartupError(str(exc)) from exc
-        except _SpawnError as exc:
+        except SpawnError as exc:
             log.error("%s", exc)
             return exc.status
         request = settings.request_bytes
@@ -434,6 +405,8 @@ def _supervise(
         keeper = CgroupKeeper(placed.cgroup) if placed is not None else None
         return _loop(child, pipeline, terminator, procfs, settings.interval, record, keeper, watch)
     finally:
+        if gate is not None:
+            gate.stop()
         terminator.close()
         if server is not None:
             server.close()
@@ -459,17 +432,22 @@ def _loop(
     children_left = True
     announced = False
     next_tick = time.monotonic()
+    gate = record.gate if record.gate and record.gate.installed else None
     while status is None or children_left or terminator.busy():
         now = time.monotonic()
-        if now >= next_tick:
+        early = gate.early() if gate else None  # a gated call waits for a fresh pass
+        if now >= next_tick or (early is not None and now >= early):
+            if gate is not None:
+                gate.ticking(now)
             pipeline.tick()
-            next_tick = max(next_tick + interval, now)
+            next_tick = max(next_tick + interval, now) if now >= next_tick else next_tick
             if keeper is not None:
                 keeper.check(pipeline.last_units, now)
             if watch is not None:
                 watch.check(pipeline.last_units)
         deadline = terminator.next_deadline()
-        wake = next_tick if deadline is None else min(next_tick, deadline)
+        early = gate.early() if gate else None
+        wake = min(t for t in (next_tick, deadline, early) if t is not None)
         info = signal.sigtimedwait(_WAITED, max(0.0, wake - time.monotonic()))
         if info is not None and info.si_signo != signal.SIGCHLD:
             _forward(info, procfs)

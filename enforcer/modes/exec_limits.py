@@ -1,11 +1,13 @@
-"""exec's hard limit: the command's cgroup, the driver's limit on each GPU where it can hold
-one (`place`), the command's GPU processes kept in that cgroup (`CgroupKeeper`), and the
-proof that the driver charges the tree to it (`ChargeWatch`)."""
+"""exec's hard limit: the tier chosen (`hard_limits`), the command's cgroup, the driver's limit
+on each GPU where it can hold one (`place`), the command's GPU processes kept in that cgroup
+(`CgroupKeeper`), and the proof that the driver charges the tree to it (`ChargeWatch`). The
+allocation gate, where it is chosen instead, is `exec_gate`'s."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from enforcer.core import messages
@@ -17,13 +19,15 @@ from enforcer.core.model import (
     format_bytes,
 )
 from enforcer.core.settings.exec import ExecSettings
-from enforcer.core.tier_choice import Choice
+from enforcer.core.tier_choice import HARD_LIMITS_OFF, Choice, TierName, candidates, choose
 from enforcer.core.tiers import Holds, Want
 from enforcer.edge.cgroupfs import CgroupFsError, CommandCgroup, move, v2_root
 from enforcer.edge.charge_proof import ChargeProof
 from enforcer.edge.driver_tier import without_dmem
 from enforcer.edge.nvml import Nvml, NvmlError
+from enforcer.edge.tier_probe import TierProbe, host_root, own_cgroup
 from enforcer.edge.tiers import tier_for
+from enforcer.modes.exec_spawn import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -164,3 +168,39 @@ def _why(outcome: LimitOutcome, nvml: Nvml, cgroup: CommandCgroup, gpu: str | No
         outcome, _ = without_dmem(outcome, str(cgroup.command), root)
     reason = messages.no_hard_limit(outcome, nvml.driver_version, str(cgroup.command))
     return f"{gpu}: {reason}" if gpu else reason
+
+
+@contextlib.contextmanager
+def hard_limits(
+    settings: ExecSettings, nvml: Nvml
+) -> Iterator[tuple[Placed | None, tuple[int, ...] | None]]:
+    """A cgroup for the command, held to the limit on every GPU where the driver can, or
+    None where it cannot (said once, unless --hard-limits off); removed afterwards. Or,
+    where the allocation gate is chosen, no cgroup but NVIDIA's device majors for the gate
+    (else None). The tier chosen (`tier_choice`) is logged first, as doctor and the agent
+    say it."""
+    choice: Choice = HARD_LIMITS_OFF
+    majors: tuple[int, ...] = ()
+    if settings.hard_limits != "off":
+        probe = TierProbe(own_cgroup, host_root()).probe(nvml)
+        choice = choose(probe, candidates(gate=settings.allocation_gate == "on"))
+        majors = probe.gpu_majors
+    log.info("%s", choice.said())
+    if choice.tier is TierName.GATE:  # it holds the tree, summed over GPUs: no cgroup
+        yield None, majors
+        return
+    placed, missing = (None, "") if settings.hard_limits == "off" else place(settings, nvml, choice)
+    if missing and settings.hard_limits == "required":
+        if placed is not None:
+            placed.cgroup.close()
+        raise StartupError(f"--hard-limits required, but there is no hard limit: {missing}")
+    if missing:
+        log.warning("%s", messages.sampling_only(missing, settings.interval))
+    try:
+        yield placed, None
+    finally:
+        if placed is not None and not placed.cgroup.close():
+            log.warning(
+                "left the cgroup %s in place: it still holds processes of the command",
+                placed.cgroup.command,
+            )

@@ -1,0 +1,261 @@
+"""`vram-enforcer exec --allocation-gate on` end to end: the real CLI in a subprocess over the
+fake libnvidia-ml.so.1, with the stand-in of the driver's callers (rm_standin.py) as the
+command. It issues the driver's real allocation requests on /dev/null, whose device major
+stands in for NVIDIA's (gate_exec.py: the only change to the CLI). A call let go on reaches
+/dev/null (ENOTTY, status untouched); a refused one returns 0 with NV_ERR_NO_MEMORY (0x51).
+The fake NVML plays the driver's bookkeeping: the test sets what the stand-in holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.utils import floatToGoString
+
+from enforcer.core.model import GiB
+from tests.helpers import free_port, wait_for
+
+HERE = Path(__file__).resolve().parent
+GATE_EXEC = str(HERE / "gate_exec.py")
+STANDIN = str(HERE / "rm_standin.py")
+ROOT = HERE.parents[1]
+NO_MEMORY, UNTOUCHED, ENOTTY = 0x51, 0xFFFFFFFF, 25
+DEADLINE = 20.0  # s: a bound for a hang, never a measure
+NAME = "standin"
+
+
+def ask(n: int) -> str:
+    """A step of the stand-in: RM_ALLOC/NVOS64 of class 0x40 (video memory) for `n` bytes."""
+    return f"form=nvos64,class=0x40,size={n}"
+
+
+class GatedExec:
+    """One `exec` run over the stand-in, which waits before each step for `go()`."""
+
+    def __init__(self, gpu: Any, tmp: Path) -> None:
+        self.gpu = gpu
+        self.tmp = tmp
+        self.port = free_port()
+        self.summary = tmp / "summary.json"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._buf = b""
+        self._go_r, self._go_w = os.pipe()
+
+    def start(self, *flags: str, steps: tuple[str, ...], inner: tuple[str, ...] = ()) -> None:
+        """exec with `flags` over the stand-in's `steps` (each after a `go()`); `inner`: the
+        flags of an exec of its own between them (a nested exec)."""
+        waited = [s for step in steps for s in (f"wait={self._go_r}", step)]
+        command = [sys.executable, STANDIN, *waited, f"wait={self._go_r}"]
+        if inner:
+            command = [sys.executable, GATE_EXEC, "exec", *inner, "--", *command]
+        cmd = [
+            sys.executable,
+            GATE_EXEC,
+            "exec",
+            "-v",
+            "--name",
+            NAME,
+            "--metrics-port",
+            str(self.port),
+            "--summary",
+            str(self.summary),
+            *flags,
+            "--",
+            *command,
+        ]
+        env = {**os.environ, **self.gpu.env(), "PYTHONUNBUFFERED": "1"}
+        with (self.tmp / "exec.stderr").open("w") as stderr:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=stderr, cwd=ROOT, pass_fds=[self._go_r]
+            )
+        os.close(self._go_r)
+
+    @property
+    def stderr(self) -> str:
+        return (self.tmp / "exec.stderr").read_text()
+
+    def pid(self) -> int:
+        """The command's pid, as exec says it at start."""
+        found = wait_for(
+            lambda: re.search(r"enforcing a [\d.]+ GiB limit on pid (\d+)", self.stderr),
+            what="exec to start the command",
+        )
+        return int(found[1])
+
+    def go(self) -> dict[str, Any]:
+        """Let the stand-in make its next call; what came of it."""
+        os.write(self._go_w, b"g")
+        return self.line()
+
+    def line(self) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        out = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([out], [], [], DEADLINE)
+            assert ready, f"the stand-in hung:\n{self.stderr}"
+            chunk = os.read(out, 4096)
+            assert chunk, f"the stand-in ended early:\n{self.stderr}"
+            self._buf += chunk
+        raw, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(raw)  # type: ignore[no-any-return]
+
+    def use(self, pid: int, used: int) -> None:
+        self.gpu.state.set_process(0, pid, used)
+        self.gpu.write()
+
+    def metrics(self) -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
+                return str(r.read().decode())
+        except OSError:
+            return ""
+
+    def saw(self, used: int) -> None:
+        """Wait until a tick has counted `used` bytes for the command tree."""
+        line = f'vram_enforcer_container_used_bytes{{container="{NAME}"}} {floatToGoString(used)}'
+        wait_for(lambda: line in self.metrics(), what=f"a tick to count {used} bytes")
+
+    def end(self) -> tuple[int, dict[str, Any]]:
+        """Let the stand-in end; exec's exit status and summary."""
+        os.write(self._go_w, b"g")
+        assert self.proc is not None
+        status = self.proc.wait(timeout=DEADLINE)
+        return status, json.loads(self.summary.read_text())
+
+    def close(self) -> None:
+        os.close(self._go_w)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def gated(fake_nvml: Any, tmp_path: Path) -> Iterator[GatedExec]:
+    run = GatedExec(fake_nvml, tmp_path)
+    yield run
+    run.close()
+
+
+def refused(line: dict[str, Any]) -> bool:
+    return bool(line["ret"] == 0 and line["status"] == NO_MEMORY)
+
+
+def went_on(line: dict[str, Any]) -> bool:
+    """The call reached the "driver" (/dev/null) with its parameters untouched."""
+    return bool((line["ret"], line["errno"], line["status"]) == (-1, ENOTTY, UNTOUCHED))
+
+
+def test_a_call_within_the_limit_goes_on_and_one_past_it_is_refused_and_the_command_lives(
+    gated: GatedExec,
+) -> None:
+    gated.start(
+        "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
+        steps=(ask(3 * GiB), ask(2 * GiB)),
+    )  # fmt: skip
+    pid = gated.pid()
+    assert "tier allocation-gate on GPU-" in gated.stderr
+    assert went_on(gated.go())
+    gated.use(pid, 3 * GiB)  # what the driver would show for it
+    gated.saw(3 * GiB)
+    assert refused(gated.go())
+    counted = f'vram_enforcer_allocation_refusals_total{{container="{NAME}"}} 1.0'
+    # The listener counts a call just after answering it.
+    wait_for(lambda: counted in gated.metrics(), what="the refusal to be counted")
+    metrics = gated.metrics()
+    for outcome, n in (("allowed", 1), ("refused", 1), ("unsure", 0), ("error", 0)):
+        series = (
+            f'vram_enforcer_allocation_gate_calls_total{{container="{NAME}",outcome="{outcome}"}}'
+        )
+        assert f"{series} {float(n)}" in metrics
+    assert "vram_enforcer_allocation_gate_stalled 0.0" in metrics
+    status, summary = gated.end()
+    assert status == 0, gated.stderr
+    (line,) = [x for x in gated.stderr.splitlines() if "refused a GPU allocation" in x]
+    assert f"refused a GPU allocation of 2.00 GiB (RM_ALLOC/NVOS64 class 0x40, pid {pid}" in line
+    assert "the command tree holds 3.00 GiB" in line and "of its 4.00 GiB limit" in line
+    assert summary["tier"] == "allocation-gate" and summary["hard_limit"] is False
+    gate = summary["allocation_gate"]
+    assert (gate["calls"], gate["refusals"]) == ({"allowed": 1, "refused": 1}, 1)
+    (event,) = summary["events"]
+    assert (event["reason"], event["message"]) == ("VRAMAllocationRefused", line.split(": ", 2)[2])
+
+
+def test_a_call_over_the_limit_is_judged_on_an_early_pass_that_sees_a_free(
+    gated: GatedExec,
+) -> None:
+    """A call over the limit on a view that may be stale waits for a pass the main loop
+    makes at once (the regular one is 30 s away): it is refused while the command holds
+    3.5 GiB, and allowed once the driver shows the memory freed."""
+    gated.start(
+        "--limit", "4Gi", "--interval", "30s", "--allocation-gate", "on",
+        steps=(ask(3 * GiB), ask(GiB + GiB // 2), ask(GiB + GiB // 2)),
+    )  # fmt: skip
+    pid = gated.pid()
+    assert went_on(gated.go())
+    gated.use(pid, 3 * GiB + GiB // 2)
+    started = time.monotonic()
+    assert refused(gated.go())  # on a pass made for it: the first showed nothing held
+    gated.use(pid, GiB)  # the command freed its cache
+    assert went_on(gated.go())
+    assert time.monotonic() - started < 15  # well before the regular pass, 30 s after start
+    status, summary = gated.end()
+    assert status == 0, gated.stderr
+    assert summary["allocation_gate"]["calls"] == {"allowed": 2, "refused": 1}
+
+
+def test_with_the_gate_off_the_same_calls_go_on_after_the_enforcer_saw_the_usage(
+    gated: GatedExec,
+) -> None:
+    gated.start("--limit", "4Gi", "--interval", "20ms", steps=(ask(3 * GiB), ask(2 * GiB)))
+    pid = gated.pid()
+    assert went_on(gated.go())
+    gated.use(pid, 3 * GiB)
+    gated.saw(3 * GiB)  # the enforcer looked
+    assert went_on(gated.go())
+    assert "allocation_gate_calls_total{" not in gated.metrics()
+    status, summary = gated.end()
+    assert status == 0, gated.stderr
+    assert (summary["tier"], summary["allocation_gate"]) == ("sampling", None)
+
+
+def test_a_nested_exec_under_the_gate_warns_and_samples_only(gated: GatedExec) -> None:
+    """The kernel allows one seccomp listener per task (EBUSY): the inner exec runs its
+    command without a gate of its own, said; the outer gate still judges the calls."""
+    gated.start(
+        "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
+        steps=(ask(5 * GiB),),
+        inner=("--limit", "8Gi", "--interval", "20ms", "--allocation-gate", "on"),
+    )  # fmt: skip
+    assert refused(gated.go())  # by the outer gate: 5 GiB is past its 4 GiB
+    status, summary = gated.end()
+    assert status == 0, gated.stderr
+    assert (
+        "no hard limit: the allocation gate could not be installed: EBUSY (Device or "
+        "resource busy). The limit is enforced by sampling every 20ms"
+    ) in gated.stderr
+    assert summary["allocation_gate"]["calls"] == {"refused": 1}
+
+
+def test_a_nested_exec_that_requires_a_hard_limit_does_not_start(gated: GatedExec) -> None:
+    gated.start(
+        "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
+        steps=(ask(GiB),),
+        inner=("--limit", "4Gi", "--allocation-gate", "on", "--hard-limits", "required"),
+    )  # fmt: skip
+    assert gated.proc is not None
+    assert gated.proc.wait(timeout=DEADLINE) == 2  # the inner exec's, passed on by the outer
+    assert (
+        "--hard-limits required, but there is no hard limit: the allocation gate could not "
+        "be installed: EBUSY"
+    ) in gated.stderr
+    assert "enforcing a 4.00 GiB limit" not in gated.stderr.split("EBUSY", 1)[1]
