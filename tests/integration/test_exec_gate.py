@@ -51,9 +51,12 @@ class GatedExec:
         self._buf = b""
         self._go_r, self._go_w = os.pipe()
 
-    def start(self, *flags: str, steps: tuple[str, ...], inner: tuple[str, ...] = ()) -> None:
+    def start(
+        self, *flags: str, steps: tuple[str, ...], inner: tuple[str, ...] = (), fault: str = ""
+    ) -> None:
         """exec with `flags` over the stand-in's `steps` (each after a `go()`); `inner`: the
-        flags of an exec of its own between them (a nested exec)."""
+        flags of an exec of its own between them (a nested exec); `fault`: what becomes of
+        the gate's receiver (gate_exec.py)."""
         waited = [s for step in steps for s in (f"wait={self._go_r}", step)]
         command = [sys.executable, STANDIN, *waited, f"wait={self._go_r}"]
         if inner:
@@ -73,7 +76,7 @@ class GatedExec:
             "--",
             *command,
         ]
-        env = {**os.environ, **self.gpu.env(), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.gpu.env(), "PYTHONUNBUFFERED": "1", "GATE_EXEC_FAULT": fault}
         with (self.tmp / "exec.stderr").open("w") as stderr:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdout=subprocess.PIPE, stderr=stderr, cwd=ROOT, pass_fds=[self._go_r]
@@ -94,8 +97,12 @@ class GatedExec:
 
     def go(self) -> dict[str, Any]:
         """Let the stand-in make its next call; what came of it."""
-        os.write(self._go_w, b"g")
+        self.release()
         return self.line()
+
+    def release(self) -> None:
+        """Let the stand-in go on (make its next call, or end)."""
+        os.write(self._go_w, b"g")
 
     def line(self) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdout is not None
@@ -127,7 +134,7 @@ class GatedExec:
 
     def end(self) -> tuple[int, dict[str, Any]]:
         """Let the stand-in end; exec's exit status and summary."""
-        os.write(self._go_w, b"g")
+        self.release()
         assert self.proc is not None
         status = self.proc.wait(timeout=DEADLINE)
         return status, json.loads(self.summary.read_text())
@@ -259,3 +266,43 @@ def test_a_nested_exec_that_requires_a_hard_limit_does_not_start(gated: GatedExe
         "be installed: EBUSY"
     ) in gated.stderr
     assert "enforcing a 4.00 GiB limit" not in gated.stderr.split("EBUSY", 1)[1]
+
+
+def test_a_receiver_that_stopped_is_restarted_by_execs_loop_and_the_waiting_call_judged(
+    gated: GatedExec,
+) -> None:
+    gated.start(
+        "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
+        steps=(ask(5 * GiB),), fault="crash",
+    )  # fmt: skip
+    assert refused(gated.go())  # it waited for the new receiver; it did not fail
+    status, summary = gated.end()
+    assert status == 0, gated.stderr
+    assert "the allocation gate's receiver stopped (a bug); it is restarted" in gated.stderr
+    assert summary["allocation_gate"]["calls"] == {"refused": 1}
+
+
+def test_a_stalled_receiver_is_said_and_served_while_the_loop_goes_on_ticking(
+    gated: GatedExec,
+) -> None:
+    """The call waits unread for 3 s: exec's loop, which goes on ticking, says so after a
+    second and shows it (`allocation_gate_stalled`); then the call is served."""
+    gated.start(
+        "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
+        steps=(ask(GiB), ask(GiB)), fault="stall",
+    )  # fmt: skip
+    gated.release()
+    wait_for(
+        lambda: "vram_enforcer_allocation_gate_stalled 1.0" in gated.metrics(),
+        what="the stall to be shown",
+    )
+    assert went_on(gated.line())
+    assert went_on(gated.go())  # served at once now
+    wait_for(
+        lambda: "vram_enforcer_allocation_gate_stalled 0.0" in gated.metrics(),
+        what="the stall to end",
+    )
+    status, summary = gated.end()
+    assert status == 0, gated.stderr
+    assert "the allocation gate has not answered for 1 s" in gated.stderr
+    assert summary["allocation_gate"]["calls"] == {"allowed": 2}
