@@ -14,16 +14,16 @@ import select
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.utils import floatToGoString
 
 from enforcer.core.model import GiB
-from tests.helpers import free_port, wait_for
+from tests.helpers import wait_for
+from tests.integration.test_exec import Run
 
 HERE = Path(__file__).resolve().parent
 GATE_EXEC = str(HERE / "gate_exec.py")
@@ -39,26 +39,29 @@ def ask(n: int) -> str:
     return f"form=nvos64,class=0x40,size={n}"
 
 
-class GatedExec:
+@dataclass
+class GatedExec(Run):
     """One `exec` run over the stand-in, which waits before each step for `go()`."""
 
-    def __init__(self, gpu: Any, tmp: Path) -> None:
-        self.gpu = gpu
-        self.tmp = tmp
-        self.port = free_port()
-        self.summary = tmp / "summary.json"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._buf = b""
-        self._go_r, self._go_w = os.pipe()
+    _buf: bytes = b""
+    _go: tuple[int, int] = field(default_factory=os.pipe)  # the stand-in reads, the test writes
 
-    def start(
+    @property
+    def summary(self) -> Path:
+        return self.tmp / "summary.json"
+
+    @property
+    def name(self) -> str:
+        return NAME
+
+    def launch(
         self, *flags: str, steps: tuple[str, ...], inner: tuple[str, ...] = (), fault: str = ""
     ) -> None:
         """exec with `flags` over the stand-in's `steps` (each after a `go()`); `inner`: the
         flags of an exec of its own between them (a nested exec); `fault`: what becomes of
         the gate's receiver (gate_exec.py)."""
-        waited = [s for step in steps for s in (f"wait={self._go_r}", step)]
-        command = [sys.executable, STANDIN, *waited, f"wait={self._go_r}"]
+        waited = [s for step in steps for s in (f"wait={self._go[0]}", step)]
+        command = [sys.executable, STANDIN, *waited, f"wait={self._go[0]}"]
         if inner:
             command = [sys.executable, GATE_EXEC, "exec", *inner, "--", *command]
         cmd = [
@@ -79,13 +82,10 @@ class GatedExec:
         env = {**os.environ, **self.gpu.env(), "PYTHONUNBUFFERED": "1", "GATE_EXEC_FAULT": fault}
         with (self.tmp / "exec.stderr").open("w") as stderr:
             self.proc = subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=stderr, cwd=ROOT, pass_fds=[self._go_r]
-            )
-        os.close(self._go_r)
-
-    @property
-    def stderr(self) -> str:
-        return (self.tmp / "exec.stderr").read_text()
+                cmd, env=env, stdout=subprocess.PIPE, stderr=stderr, cwd=ROOT, text=True,
+                pass_fds=[self._go[0]],
+            )  # fmt: skip
+        os.close(self._go[0])
 
     def pid(self) -> int:
         """The command's pid, as exec says it at start."""
@@ -102,7 +102,7 @@ class GatedExec:
 
     def release(self) -> None:
         """Let the stand-in go on (make its next call, or end)."""
-        os.write(self._go_w, b"g")
+        os.write(self._go[1], b"g")
 
     def line(self) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdout is not None
@@ -116,31 +116,13 @@ class GatedExec:
         raw, self._buf = self._buf.split(b"\n", 1)
         return json.loads(raw)  # type: ignore[no-any-return]
 
-    def use(self, pid: int, used: int) -> None:
-        self.gpu.state.set_process(0, pid, used)
-        self.gpu.write()
-
-    def metrics(self) -> str:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
-                return str(r.read().decode())
-        except OSError:
-            return ""
-
-    def saw(self, used: int) -> None:
-        """Wait until a tick has counted `used` bytes for the command tree."""
-        line = f'vram_enforcer_container_used_bytes{{container="{NAME}"}} {floatToGoString(used)}'
-        wait_for(lambda: line in self.metrics(), what=f"a tick to count {used} bytes")
-
     def end(self) -> tuple[int, dict[str, Any]]:
         """Let the stand-in end; exec's exit status and summary."""
         self.release()
-        assert self.proc is not None
-        status = self.proc.wait(timeout=DEADLINE)
-        return status, json.loads(self.summary.read_text())
+        return self.wait(timeout=DEADLINE), json.loads(self.summary.read_text())
 
     def close(self) -> None:
-        os.close(self._go_w)
+        os.close(self._go[1])
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -165,7 +147,7 @@ def went_on(line: dict[str, Any]) -> bool:
 def test_a_call_within_the_limit_goes_on_and_one_past_it_is_refused_and_the_command_lives(
     gated: GatedExec,
 ) -> None:
-    gated.start(
+    gated.launch(
         "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
         steps=(ask(3 * GiB), ask(2 * GiB)),
     )  # fmt: skip
@@ -203,7 +185,7 @@ def test_a_call_over_the_limit_is_judged_on_an_early_pass_that_sees_a_free(
     """A call over the limit on a view that may be stale waits for a pass the main loop
     makes at once (the regular one is 30 s away): it is refused while the command holds
     3.5 GiB, and allowed once the driver shows the memory freed."""
-    gated.start(
+    gated.launch(
         "--limit", "4Gi", "--interval", "30s", "--allocation-gate", "on",
         steps=(ask(3 * GiB), ask(GiB + GiB // 2), ask(GiB + GiB // 2)),
     )  # fmt: skip
@@ -223,7 +205,7 @@ def test_a_call_over_the_limit_is_judged_on_an_early_pass_that_sees_a_free(
 def test_with_the_gate_off_the_same_calls_go_on_after_the_enforcer_saw_the_usage(
     gated: GatedExec,
 ) -> None:
-    gated.start("--limit", "4Gi", "--interval", "20ms", steps=(ask(3 * GiB), ask(2 * GiB)))
+    gated.launch("--limit", "4Gi", "--interval", "20ms", steps=(ask(3 * GiB), ask(2 * GiB)))
     pid = gated.pid()
     assert went_on(gated.go())
     gated.use(pid, 3 * GiB)
@@ -238,7 +220,7 @@ def test_with_the_gate_off_the_same_calls_go_on_after_the_enforcer_saw_the_usage
 def test_a_nested_exec_under_the_gate_warns_and_samples_only(gated: GatedExec) -> None:
     """The kernel allows one seccomp listener per task (EBUSY): the inner exec runs its
     command without a gate of its own, said; the outer gate still judges the calls."""
-    gated.start(
+    gated.launch(
         "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
         steps=(ask(5 * GiB),),
         inner=("--limit", "8Gi", "--interval", "20ms", "--allocation-gate", "on"),
@@ -254,7 +236,7 @@ def test_a_nested_exec_under_the_gate_warns_and_samples_only(gated: GatedExec) -
 
 
 def test_a_nested_exec_that_requires_a_hard_limit_does_not_start(gated: GatedExec) -> None:
-    gated.start(
+    gated.launch(
         "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
         steps=(ask(GiB),),
         inner=("--limit", "4Gi", "--allocation-gate", "on", "--hard-limits", "required"),
@@ -271,7 +253,7 @@ def test_a_nested_exec_that_requires_a_hard_limit_does_not_start(gated: GatedExe
 def test_a_receiver_that_stopped_is_restarted_by_execs_loop_and_the_waiting_call_judged(
     gated: GatedExec,
 ) -> None:
-    gated.start(
+    gated.launch(
         "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
         steps=(ask(5 * GiB),), fault="crash",
     )  # fmt: skip
@@ -287,7 +269,7 @@ def test_a_stalled_receiver_is_said_and_served_while_the_loop_goes_on_ticking(
 ) -> None:
     """The call waits unread for 3 s: exec's loop, which goes on ticking, says so after a
     second and shows it (`allocation_gate_stalled`); then the call is served."""
-    gated.start(
+    gated.launch(
         "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
         steps=(ask(GiB), ask(GiB)), fault="stall",
     )  # fmt: skip
