@@ -7,10 +7,12 @@ The fake NVML plays the driver's bookkeeping: the test sets what the stand-in ho
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import select
+import shutil
 import subprocess
 import sys
 import time
@@ -55,16 +57,24 @@ class GatedExec(Run):
         return NAME
 
     def launch(
-        self, *flags: str, steps: tuple[str, ...], inner: tuple[str, ...] = (), fault: str = ""
+        self,
+        *flags: str,
+        steps: tuple[str, ...] = (),
+        inner: tuple[str, ...] = (),
+        fault: str = "",
+        prefix: tuple[str, ...] = (),
+        command: tuple[str, ...] = (),
     ) -> None:
-        """exec with `flags` over the stand-in's `steps` (each after a `go()`); `inner`: the
-        flags of an exec of its own between them (a nested exec); `fault`: what becomes of
-        the gate's receiver (gate_exec.py)."""
+        """exec with `flags` over the stand-in's `steps` (each after a `go()`), or over
+        `command`; `inner`: the flags of an exec of its own between them (a nested exec);
+        `fault`: what becomes of the gate's receiver (gate_exec.py); `prefix`: what runs
+        exec."""
         waited = [s for step in steps for s in (f"wait={self._go[0]}", step)]
-        command = [sys.executable, STANDIN, *waited, f"wait={self._go[0]}"]
+        command = command or (sys.executable, STANDIN, *waited, f"wait={self._go[0]}")
         if inner:
-            command = [sys.executable, GATE_EXEC, "exec", *inner, "--", *command]
+            command = (sys.executable, GATE_EXEC, "exec", *inner, "--", *command)
         cmd = [
+            *prefix,
             sys.executable,
             GATE_EXEC,
             "exec",
@@ -288,3 +298,37 @@ def test_a_stalled_receiver_is_said_and_served_while_the_loop_goes_on_ticking(
     assert status == 0, gated.stderr
     assert "the allocation gate has not answered for 1 s" in gated.stderr
     assert summary["allocation_gate"]["calls"] == {"allowed": 2}
+
+
+# The command tries to take each of its parent's (exec's) first 64 fds, as a workload that
+# would answer its own calls on the gate's listener fd.
+TAKE_FDS = """
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+pidfd = os.pidfd_open(os.getppid())
+took, errors = [], set()
+for fd in range(64):
+    got = libc.syscall(438, pidfd, fd, 0)  # pidfd_getfd
+    if got >= 0:
+        took.append(fd)
+    else:
+        errors.add(ctypes.get_errno())
+print(json.dumps({"took": took, "errnos": sorted(errors)}), flush=True)
+"""
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
+def test_a_process_of_execs_own_user_cannot_take_the_gates_fd_from_it(gated: GatedExec) -> None:
+    """exec is not dumpable once the command runs: a process of its user without
+    CAP_SYS_PTRACE (both run without it here; the fds of a dumpable exec would be its to
+    take) gets EPERM for each fd, so it cannot answer its own calls on the listener."""
+    no_ptrace = ("setpriv", "--inh-caps", "-all", "--bounding-set", "-sys_ptrace")
+    gated.launch(
+        "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
+        prefix=no_ptrace, command=(sys.executable, "-c", TAKE_FDS),
+    )  # fmt: skip
+    assert "the allocation gate is installed on pid" in wait_for(
+        lambda: gated.stderr if "installed" in gated.stderr else "", what="the gate"
+    )
+    assert gated.line() == {"took": [], "errnos": [errno.EPERM]}
+    assert gated.wait(timeout=DEADLINE) == 0, gated.stderr
