@@ -72,9 +72,9 @@ class TreeAttributor:
         procfs: ProcFs,
         name: str,
         limit_bytes: int,
-        on_pass: Callable[[tuple[UnitUsage, ...]], None] = lambda units: None,
+        on_pass: Callable[[Sample, tuple[UnitUsage, ...]], None] = lambda sample, units: None,
     ) -> None:
-        """`on_pass(units)`: told of the tree's usage in each pass that could be read."""
+        """`on_pass(sample, units)`: told of the tree's usage in each pass that came."""
         self._procfs = procfs
         self._on_pass = on_pass
         self._root = os.getpid()
@@ -118,7 +118,7 @@ class TreeAttributor:
         self._known = known
         cmdlines = {key: cmd for key, cmd in known.items() if cmd is not None}
         units = attribute(sample, dict.fromkeys(cmdlines, self._name), self._limits, cmdlines)
-        self._on_pass(units)
+        self._on_pass(sample, units)
         self.samples += 1
         self.peak_bytes = max([self.peak_bytes or 0, *(u.used_bytes for u in units)])
         # Once per utilisation read, on the first sample that carries it: every reading the
@@ -364,7 +364,7 @@ def _supervise(
         telemetry.hard_limits.labels(settings.name, gpu).set(limit)
     terminator = Terminator(Signaller(procfs, protected=frozenset({1})))
     gate = record.gate = ExecGate.of(settings, majors, telemetry, record.refused)
-    on_pass = gate.saw if gate else lambda units: None
+    on_pass = gate.saw if gate else lambda sample, units: None
     record.tree = TreeAttributor(procfs, settings.name, settings.limit_bytes, on_pass)
     requests = {} if settings.request_bytes is None else {settings.name: settings.request_bytes}
     pipeline = Pipeline(

@@ -3,11 +3,12 @@ driver allocation calls, fed by exec's own sampling, with its metrics and its co
 
 The command tree is held to `--limit` summed over GPUs, as sampling holds it. After each
 tick with a good pass the ledger learns what the tree holds and when that pass began (a
-pass the source could not read, or one with usage it could not place, keeps the last good
-view: usage the gate cannot see never makes room). A call that waits for a fresh pass asks
-the main loop for an early tick by waking it (SIGCHLD, which it waits on); the loop ticks
-then, at most once per `EARLY_TICK_GAP`. The listener's threads are started inside exec's
-blocked signals, so they inherit the mask that keeps SIGCHLD for the main loop.
+pass the source could not read, one that missed a GPU, or one with usage it could not
+place, keeps the last good view: usage the gate cannot see never makes room). A call that
+waits for a fresh pass asks the main loop for an early tick by waking it (SIGCHLD, which it
+waits on); the loop ticks then, at most once per `EARLY_TICK_GAP`. The listener's threads
+are started inside exec's blocked signals, so they inherit the mask that keeps SIGCHLD for
+the main loop.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Collection
 
 from enforcer.core.exec_summary import GateCounts
-from enforcer.core.model import UnitUsage
+from enforcer.core.model import Sample, UnitUsage
 from enforcer.core.settings.exec import ExecSettings
 from enforcer.edge.dumpable import forbid_inspection
 from enforcer.edge.gate_listener import GateListener, Ledger, Outcome
@@ -137,10 +138,10 @@ class ExecGate:
             self._listener.check()
             self._metrics.stalled.set(int(self._listener.stalled))
 
-    def saw(self, units: tuple[UnitUsage, ...]) -> None:
-        """The tree's usage in the good pass of the tick that began last; a pass with usage
-        that could not be placed keeps the last view."""
-        if not any(unit.has_unknown for unit in units):
+    def saw(self, sample: Sample, units: tuple[UnitUsage, ...]) -> None:
+        """The tree's usage in the pass of the tick that began last. A pass that could not
+        read some GPU, or with usage it could not place, keeps the last view."""
+        if not sample.failed and not any(unit.has_unknown for unit in units):
             self._ledger.saw(sum(unit.used_bytes for unit in units), self._began)
 
     def stop(self) -> None:

@@ -332,3 +332,27 @@ def test_a_process_of_execs_own_user_cannot_take_the_gates_fd_from_it(gated: Gat
     )
     assert gated.line() == {"took": [], "errnos": [errno.EPERM]}
     assert gated.wait(timeout=DEADLINE) == 0, gated.stderr
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_usage_that_cannot_be_read_never_makes_room(gated: GatedExec, gpus: int) -> None:
+    """NVML fails on the GPU where a pass showed 3 GiB held (allocated where the gate does
+    not count): the gate judges on that pass, never on the passes that follow, which read
+    nothing (one GPU) or only the other GPU (two)."""
+    if gpus == 2:
+        gated.gpu.state.add_device()
+    gated.launch(
+        "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
+        steps=(ask(2 * GiB),),
+    )  # fmt: skip
+    pid = gated.pid()
+    gated.use(pid, 3 * GiB)
+    gated.saw(3 * GiB)
+    gated.gpu.state.inject_error("nvmlDeviceGetMemoryInfo_v2", "GPU_IS_LOST", device_index=0)
+    gated.use(pid, 0)
+    if gpus == 1:
+        wait_for(lambda: "vram_enforcer_source_up 0.0" in gated.metrics(), what="no data")
+    else:
+        gated.saw(0)  # a pass without GPU 0 shows the tree holding nothing
+    assert refused(gated.go())
+    assert "the command tree holds 3.00 GiB (3.00 GiB sampled" in gated.stderr
