@@ -75,7 +75,7 @@ def test_the_nodes_choice_is_logged_once_served_and_said_again_when_it_changes(
     watch = TierWatch(nvml, probe, telemetry, every=0.05)
     try:
         assert _tier(watch) is TierName.DRIVER
-        assert tiers(telemetry) == {"driver-limit": 1.0, "sampling": 0.0}
+        assert tiers(telemetry) == {"driver-limit": 1.0, "allocation-gate": 0.0, "sampling": 0.0}
         watch.start()
         wait_for(lambda: len(caplog.records) >= 1, what="the choice at start")
         # The kubepods cgroup no longer answers: the driver says Not Supported for it.
@@ -115,7 +115,7 @@ def test_a_choice_made_while_nvml_cannot_be_read_is_said_but_not_given_to_the_li
     telemetry = AgentTelemetry()
     with watching(kubelet_root, tmp_path, telemetry) as watch:
         assert watch.latest.get() is None
-        assert tiers(telemetry) == {"driver-limit": 0.0, "sampling": 1.0}
+        assert tiers(telemetry) == {"driver-limit": 0.0, "allocation-gate": 0.0, "sampling": 1.0}
         assert (
             caplog.records[0]
             .getMessage()
@@ -125,7 +125,7 @@ def test_a_choice_made_while_nvml_cannot_be_read_is_said_but_not_given_to_the_li
         fake_nvml.state.data["init_error"] = None
         fake_nvml.write()
         wait_for(lambda: _tier(watch) is TierName.DRIVER, what="the driver's tier, given")
-        assert tiers(telemetry) == {"driver-limit": 1.0, "sampling": 0.0}
+        assert tiers(telemetry) == {"driver-limit": 1.0, "allocation-gate": 0.0, "sampling": 0.0}
 
 
 def test_an_inconclusive_probe_is_said_but_the_limiter_keeps_the_last_conclusive_choice(
