@@ -23,7 +23,6 @@ from collections.abc import Callable, Collection
 from enforcer.core.exec_summary import GateCounts
 from enforcer.core.model import Sample, UnitUsage
 from enforcer.core.settings.exec import ExecSettings
-from enforcer.edge.dumpable import forbid_inspection
 from enforcer.edge.gate_listener import GateListener, Ledger, Outcome
 from enforcer.edge.guard import ErrorCounter
 from enforcer.edge.metrics import GateMetrics, Telemetry
@@ -88,9 +87,7 @@ class ExecGate:
 
     def spawn(self, command: tuple[str, ...], required: bool) -> int:
         """The command started under the gate (or without it, said, where it cannot be
-        installed: `installed` is then False); its pid. This process is then made not
-        dumpable: a same-user workload could otherwise take the listener fd from it
-        (`pidfd_getfd`) and answer its own calls."""
+        installed: `installed` is then False); its pid."""
         pid, fd = spawn_gated(command, required, self._interval)
         if fd is None:
             return pid
@@ -107,12 +104,6 @@ class ExecGate:
         )
         self._listener.refused = self._refused
         self._listener.start()
-        if (why := forbid_inspection()) is not None:
-            log.warning(
-                "could not make vram-enforcer not dumpable (%s): a process of the "
-                "same user may take the allocation gate's fd from it",
-                why,
-            )
         log.info(
             "the allocation gate is installed on pid %d: the driver's allocation calls of "
             "the command tree are checked before they run",

@@ -14,6 +14,7 @@ import signal
 
 from enforcer.core import messages
 from enforcer.edge import gate_child
+from enforcer.edge.dumpable import forbid_inspection
 from enforcer.edge.seccomp_filter import program
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,10 @@ def spawn_gated(
     command: tuple[str, ...], required: bool, interval: float
 ) -> tuple[int, int | None]:
     """The command started under the allocation gate's filter: its pid, and the filter's
-    listener fd. Where the filter cannot be installed (EBUSY: the command would already run
-    under a seccomp listener, as in a nested `exec`), the command runs without it (None)
-    after one line that says so, or not at all under `--hard-limits required`."""
+    listener fd (this process made not dumpable before the command runs). Where the filter
+    cannot be installed (EBUSY: the command would already run under a seccomp listener, as
+    in a nested `exec`), the command runs without it (None) after one line that says so, or
+    not at all under `--hard-limits required`."""
     path = command[0] if "/" in command[0] else shutil.which(command[0])
     if path is None:
         raise _failed(command[0], errno.ENOENT)
@@ -68,6 +70,14 @@ def spawn_gated(
             raise StartupError(f"--hard-limits required, but there is no hard limit: {why}")
         log.warning("%s", messages.sampling_only(why, interval))
         return spawn(command), None
+    # Not dumpable before the command runs: a process of our user could otherwise take the
+    # listener fd from us (pidfd_getfd, ptrace) and answer its own calls.
+    if (refused := forbid_inspection()) is not None:
+        log.warning(
+            "could not make vram-enforcer not dumpable (%s): a process of its user "
+            "may take the allocation gate's fd from it",
+            refused,
+        )
     failed = spawned.go()
     if failed:
         os.waitpid(spawned.pid, 0)
