@@ -12,6 +12,7 @@
     .venv/bin/python bench/run.py --only cgroup-watch # a new cgroup to its hard limit: inotify vs the scan
     .venv/bin/python bench/run.py --only dial # a sidecar's dial, and the watch with dials hung
     .venv/bin/python bench/run.py --only slow-flood # /healthz and reviews while pods drip into every place
+    .venv/bin/python bench/run.py --only allocation-gate # a gated driver call's cost; overshoot at 10 GiB/s
 
     # the footprint that ships: the components run from a venv without the dev extras
     python3 -m venv /tmp/rt && /tmp/rt/bin/pip install . && .venv/bin/python bench/run.py --runtime /tmp/rt/bin/python
@@ -43,6 +44,7 @@ from bench import (
     dial_bench,
     exec_bench,
     flood_bench,
+    gate_bench,
     hard_limits_bench,
     pod_memory_bench,
     reclaim_bench,
@@ -81,8 +83,16 @@ def main() -> None:
             "cgroup-watch",
             "dial",
             "slow-flood",
+            "allocation-gate",
         ),
         help="run one group",
+    )
+    p.add_argument(
+        "--gate-calls",
+        type=int,
+        metavar="N",
+        help="calls of each kind the allocation gate's cost is measured over "
+        "[default: 20000; --quick 5000]",
     )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     p.add_argument(
@@ -106,13 +116,7 @@ def main() -> None:
         }
     }
     with tempfile.TemporaryDirectory() as tmp:
-        if args.only in (None, "exec"):
-            results["latency"] = [
-                exec_bench.latency(lib_dir, Path(tmp), iv, trials) for iv in ("100ms", "20ms")
-            ]
-            results["tick_cost"] = [
-                exec_bench.tick_cost(lib_dir, Path(tmp), n, window) for n in (10, 100, 1000)
-            ]
+        results.update(of_exec(args, trials, window, lib_dir, Path(tmp)))
         if args.only in (None, "reclaim"):
             results["reclaim"] = {
                 "latency": reclaim_bench.latency(lib_dir, Path(tmp), "100ms", trials // 2),
@@ -160,6 +164,28 @@ def main() -> None:
     show(results)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def of_exec(
+    args: argparse.Namespace, trials: int, window: float, lib_dir: Path, tmp: Path
+) -> dict[str, Any]:
+    """`exec`'s own figures: detection latency, CPU per tick, and the allocation gate's."""
+    results: dict[str, Any] = {}
+    if args.only in (None, "exec"):
+        results["latency"] = [
+            exec_bench.latency(lib_dir, tmp, iv, trials) for iv in ("100ms", "20ms")
+        ]
+        results["tick_cost"] = [
+            exec_bench.tick_cost(lib_dir, tmp, n, window) for n in (10, 100, 1000)
+        ]
+    if args.only in (None, "allocation-gate"):  # about a minute (--quick: half)
+        results["allocation_gate"] = gate_bench.run(
+            lib_dir,
+            tmp,
+            args.gate_calls or (5000 if args.quick else 20000),
+            10 if args.quick else 20,
+        )
+    return results
 
 
 def of_the_agent(only: str | None, quick: bool, lib_dir: Path, tmp: Path) -> dict[str, Any]:
@@ -245,6 +271,8 @@ def show(results: dict[str, Any]) -> None:
     """One line per figure, as docs/performance.md quotes them."""
     if row := results.get("slow_flood"):
         slow_flood_bench.show(row)
+    if row := results.get("allocation_gate"):
+        gate_bench.show(row)
     if row := results.get("flood"):
         peak = row["peak"]
         print(

@@ -31,6 +31,14 @@ Steps (arguments), each `key=value,...`:
   threads=T,repeat=N           the step N times in each of T threads: one line of counts
                                {"step", "counts": {"RET/ERRNO/STATUS": n}}
   bg=1         the step in a thread of its own, the next steps going on meanwhile
+  nr=0x2A      another escape's NR (not gated: what the filter alone costs)
+  time=N[,cpu=C]               the step built once and issued N times on one fd (pinned
+                               to CPU C), each call timed: {"step", "ns": [sorted], "counts"}
+  rate=B,upto=B[,driver=1][,race=B][,after=S][,hold=S]   the step paced at B bytes a second until
+                               `upto` bytes went on or a call was refused; driver=1: what
+                               went on is added to this process's usage in the fake NVML's
+                               state ($FAKE_NVML_STATE), as a driver would hold it (see
+                               `paced`): {"step", "calls", "let_go", "refused", "counts"}
 and the steps `out=FD` (write the lines to FD from now on) and `wait=FD` (read one byte
 from FD before going on).
 """
@@ -47,6 +55,8 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -60,6 +70,7 @@ libc.mmap.argtypes = [
 ]
 MAP_32BIT = 0x40  # x86_64: below 4 GiB, where an i386 call's pointers can reach
 PAGE = 4096
+NV_ERR_NO_MEMORY = 0x51
 STATUS_AT = {"nvos21": 28, "nvos64": 40, "vidheap": 20}
 FORM = {"nvos21": (0x2B, 32), "nvos64": (0x2B, 48), "vidheap": (0x4A, 184)}
 VIDHEAP = {2: (56, 144, 88), 14: (56, 136, 80), 6: (64, 144, 88)}  # attr, attr2, size
@@ -115,7 +126,64 @@ def i386_ioctl(abi: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     return kind(page)
 
 
-def step(spec: str) -> dict[str, object]:
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """One step's request and blocks, built once, issuable many times."""
+
+    spec: str
+    options: dict[str, str]
+    base: int  # the page the blocks are on
+    cmd: int
+    argp: int
+    status_at: int | None  # the status word's address (None: past the mapping, or unmapped)
+    size_at: int | None  # the asked size's address (None: no size, e.g. another function)
+
+    def issue(self, fd: int) -> tuple[int, int]:
+        """The ioctl, as (ret, errno)."""
+        ctypes.set_errno(0)
+        abi = self.options.get("abi", "")
+        if abi.startswith("i386"):
+            junk = JUNK if abi == "i386hi" else 0
+            ret = i386_ioctl(abi)(54, fd | junk, (self.cmd & 0xFFFFFFFF) | junk, self.argp | junk)
+            return (-1, -ret) if ret < 0 else (ret, 0)
+        ret = libc.syscall(
+            ctypes.c_long(16),
+            ctypes.c_long(fd),
+            ctypes.c_ulong(self.cmd),
+            ctypes.c_void_p(self.argp),
+        )
+        return ret, ctypes.get_errno() if ret < 0 else 0
+
+    def issue_once(self) -> tuple[int, int]:
+        """The request issued on a file of its own."""
+        fd = self.open()
+        try:
+            return self.issue(fd)
+        finally:
+            os.close(fd)
+
+    def status(self) -> int | None:
+        if self.status_at is None:
+            return None
+        (status,) = struct.unpack("<I", ctypes.string_at(self.status_at, 4))
+        return int(status)
+
+    def reset(self) -> None:
+        if self.status_at is not None:
+            put(self.status_at, struct.pack("<I", 0xFFFFFFFF))
+
+    def asked(self) -> int:
+        """The size the block asks for now: what the driver reads once the call goes on."""
+        if self.size_at is None:
+            return 0
+        (size,) = struct.unpack("<Q", ctypes.string_at(self.size_at, 8))
+        return int(size)
+
+    def open(self) -> int:
+        return os.open(self.options.get("file", "/dev/null"), os.O_RDONLY)
+
+
+def prepare(spec: str) -> Prepared:
     o = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
     form = o.get("form", "nvos64")
     nr, size = FORM[form]
@@ -132,15 +200,18 @@ def step(spec: str) -> dict[str, object]:
         struct.pack_into("<I", block, attr, int(o.get("loc", "0"), 0) << 25)
         struct.pack_into("<I", block, attr2, int(o.get("egm", "0"), 0) << 24)
         struct.pack_into("<Q", block, at, int(o.get("size", "0"), 0))
+        size_at: int | None = params + at
     else:
         pointer = int(o.get("params", str(alloc)), 0)
         struct.pack_into("<IQ", block, 12, int(o.get("class", "0x40"), 0), pointer)
         memory = bytearray(128)
         struct.pack_into("<Q", memory, 64, int(o.get("size", "0"), 0))
         put(alloc, bytes(memory))
+        size_at = alloc + 64
     struct.pack_into("<I", block, STATUS_AT[form], 0xFFFFFFFF)
     put(params, bytes(block)[: base + PAGE - params])  # a block past the page is cut short
     kind, direction = int(o.get("kind", str(ord("F"))), 0), int(o.get("dir", "3"), 0)
+    nr = int(o.get("nr", hex(nr)), 0)
     if o.get("wrap") == "1":
         put(xfer, struct.pack("<IIQ", int(o.get("inner", hex(nr)), 0), size, params))
         nr, size, argp = 0xD3, 16, xfer
@@ -148,22 +219,26 @@ def step(spec: str) -> dict[str, object]:
         argp = params
     argp = int(o.get("argp", str(argp)), 0)
     cmd = (direction << 30) | (size << 16) | (kind << 8) | nr | (int(o.get("hi32", "0")) << 32)
+    status_at = params + STATUS_AT[form]
+    readable = status_at + 4 <= base + PAGE and "unmap" not in o
+    return Prepared(spec, o, base, cmd, argp, status_at if readable else None, size_at)
+
+
+def step(spec: str) -> dict[str, object]:
+    call = prepare(spec)
+    o = call.options
     if "flip" in o:
-        return race(spec, o, cmd, argp, alloc + 64)
+        return race(spec, call)
     if o.get("restart") == "1":
         restart_on_sigusr1()
     if "storm" in o:
         caller = threading.get_ident()
         threading.Thread(target=storm, args=(caller, int(o["storm"]))).start()
     if "unmap" in o:
-        unmapper = threading.Thread(target=unmap_when_told, args=(int(o["unmap"]), base))
+        unmapper = threading.Thread(target=unmap_when_told, args=(int(o["unmap"]), call.base))
         unmapper.start()
-    ret, err = issue(o, cmd, argp)
-    status_at = params + STATUS_AT[form]
-    status = None  # past the mapping, or unmapped: nothing to read
-    if status_at + 4 <= base + PAGE and "unmap" not in o:
-        (status,) = struct.unpack("<I", ctypes.string_at(status_at, 4))
-    return {"step": spec, "ret": ret, "errno": err, "status": status}
+    ret, err = call.issue_once()
+    return {"step": spec, "ret": ret, "errno": err, "status": call.status()}
 
 
 def storm(caller: int, n: int) -> None:
@@ -179,24 +254,6 @@ def unmap_when_told(told: int, base: int) -> None:
     os.read(told, 1)
     libc.munmap(base, PAGE)
     os.write(OUT[0], b'{"unmapped": 1}\n')
-
-
-def issue(o: dict[str, str], cmd: int, argp: int) -> tuple[int, int]:
-    """The request issued: what the call returned, and its errno."""
-    fd = os.open(o.get("file", "/dev/null"), os.O_RDONLY)
-    try:
-        ctypes.set_errno(0)
-        abi = o.get("abi", "")
-        if abi.startswith("i386"):
-            junk = JUNK if abi == "i386hi" else 0
-            ret = i386_ioctl(abi)(54, fd | junk, (cmd & 0xFFFFFFFF) | junk, argp | junk)
-            return (-1, -ret) if ret < 0 else (ret, 0)
-        ret = libc.syscall(
-            ctypes.c_long(16), ctypes.c_long(fd), ctypes.c_ulong(cmd), ctypes.c_void_p(argp)
-        )
-        return ret, ctypes.get_errno() if ret < 0 else 0
-    finally:
-        os.close(fd)
 
 
 SA_RESTART = 0x10000000
@@ -241,13 +298,15 @@ def flip(
             return
 
 
-def race(spec: str, o: dict[str, str], cmd: int, argp: int, size_at: int) -> dict[str, object]:
+def race(spec: str, call: Prepared) -> dict[str, object]:
     """The CONTINUE race: while the call waits for the gate's answer, another thread
     rewrites its size. The rewrite counts as having reached the file only if the calling
     thread was still seen waiting after it; the first such call let go on ends the step.
     The rewrite's delay follows the gate's read, whatever the machine's load: later after
     a refusal (the gate read the rewrite), sooner after a call that went on untouched."""
-    size, big = ctypes.c_uint64.from_address(size_at), int(o["flip"], 0)
+    o = call.options
+    assert call.size_at is not None, "flip= needs a step that asks a size"
+    size, big = ctypes.c_uint64.from_address(call.size_at), int(o["flip"], 0)
     asked = size.value
     caller, tries, raced, refused, delay = threading.get_native_id(), 0, 0, 0, 0.0
     while not raced and tries < int(o.get("tries", "1000")):
@@ -255,16 +314,114 @@ def race(spec: str, o: dict[str, str], cmd: int, argp: int, size_at: int) -> dic
         size.value, done, before = asked, threading.Event(), [False]
         flipper = threading.Thread(target=flip, args=(caller, size, big, delay, done, before))
         flipper.start()
-        ret, err = issue(o, cmd, argp)
+        ret, err = call.issue_once()
         done.set()
         flipper.join()
-        (status,) = struct.unpack("<I", ctypes.string_at(argp + STATUS_AT["nvos64"], 4))
-        refused += status == 0x51
+        status = call.status()
+        refused += status == NV_ERR_NO_MEMORY
         raced += ret == -1 and err == 25 and before[0]  # ENOTTY: it reached the file
         step = 10e-6 + delay / 16
-        delay = delay + step if status == 0x51 else max(0.0, delay - step)
-        ctypes.memmove(argp + STATUS_AT["nvos64"], struct.pack("<I", 0xFFFFFFFF), 4)
+        delay = delay + step if status == NV_ERR_NO_MEMORY else max(0.0, delay - step)
+        call.reset()
     return {"step": spec, "tries": tries, "raced": raced, "refused": refused}
+
+
+def outcome(ret: int, err: int, status: int | None) -> str:
+    return f"{ret}/{err}/{status:#x}" if status is not None else f"{ret}/{err}/-"
+
+
+def timed(spec: str, calls: int) -> dict[str, object]:
+    """The step issued `calls` times on one fd, each call timed alone (ns, sorted)."""
+    call = prepare(spec)
+    if "cpu" in call.options:
+        os.sched_setaffinity(0, {int(call.options["cpu"])})
+    counts: Counter[str] = Counter()
+    took = []
+    fd = call.open()
+    try:
+        for _ in range(calls):
+            call.reset()
+            started = time.perf_counter_ns()
+            ret, err = call.issue(fd)
+            took.append(time.perf_counter_ns() - started)
+            counts[outcome(ret, err, call.status())] += 1
+    finally:
+        os.close(fd)
+    return {"step": spec, "ns": sorted(took), "counts": dict(counts)}
+
+
+class Driver:
+    """The fake NVML's state file (FAKE_NVML_STATE) as this process's driver: what each
+    call let go on asked for is added to this process's usage on the first GPU."""
+
+    def __init__(self) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from tests.fakenvml import FakeGpuState  # only this mode needs it
+
+        self._path = Path(os.environ["FAKE_NVML_STATE"])
+        self._state = FakeGpuState
+        self.held = 0
+
+    def allocated(self, n: int) -> None:
+        self.held += n
+        state = self._state(json.loads(self._path.read_text()))
+        state.set_process(0, os.getpid(), self.held)
+        state.write(self._path)  # replaced at once: the reader never sees half a file
+
+
+def paced(spec: str) -> dict[str, object]:
+    """`rate=B/s,upto=B`: the step again and again at `rate` bytes a second until `upto`
+    bytes were let go on or one call was refused. With `driver=1`, each call let go on adds
+    what its block asked for when it returned to this process's usage in the fake NVML's
+    state; with `race=B`, another thread keeps flipping the asked size between the step's
+    and B (the race a listener cannot close: the driver reads what is there after the
+    check). `after=S`: wait S seconds first; `hold=S`: wait S seconds before the line."""
+    call = prepare(spec)
+    o = call.options
+    rate, upto, ask = int(o["rate"], 0), int(o["upto"], 0), call.asked()
+    driver = Driver() if o.get("driver") == "1" else None
+    stop = threading.Event()
+    if "race" in o and call.size_at is not None:
+        sizes = [struct.pack("<Q", ask), struct.pack("<Q", int(o["race"], 0))]
+        size_at = call.size_at
+
+        def flip() -> None:
+            i = 0
+            while not stop.is_set():
+                put(size_at, sizes[i & 1])
+                i += 1
+
+        threading.Thread(target=flip, daemon=True).start()
+    counts: Counter[str] = Counter()
+    let_go, calls, refused = 0, 0, False
+    fd = call.open()
+    time.sleep(float(o.get("after", "0")))
+    started = time.monotonic()
+    try:
+        while let_go < upto and not refused:
+            if (early := started + calls * ask / rate - time.monotonic()) > 0:
+                time.sleep(early)
+            call.reset()
+            ret, err = call.issue(fd)
+            calls += 1
+            counts[outcome(ret, err, call.status())] += 1
+            refused = ret == 0 and call.status() == NV_ERR_NO_MEMORY
+            if not refused:
+                n = call.asked()
+                let_go += n
+                if driver is not None:
+                    driver.allocated(n)
+    finally:
+        stop.set()
+        os.close(fd)
+    time.sleep(float(o.get("hold", "0")))
+    return {
+        "step": spec,
+        "calls": calls,
+        "let_go": let_go,
+        "refused": refused,
+        "counts": dict(counts),
+    }
 
 
 def flood(spec: str, threads: int, repeat: int) -> dict[str, object]:
@@ -273,9 +430,10 @@ def flood(spec: str, threads: int, repeat: int) -> dict[str, object]:
 
     def one() -> None:
         for _ in range(repeat):
-            r = step(spec)
+            call = prepare(spec)
+            got = outcome(*call.issue_once(), call.status())
             with lock:
-                counts[f"{r['ret']}/{r['errno']}/{r['status']:#x}"] += 1
+                counts[got] += 1
 
     workers = [threading.Thread(target=one) for _ in range(threads)]
     for w in workers:
@@ -304,7 +462,12 @@ def main() -> None:
 
 def say(spec: str, o: dict[str, str]) -> None:
     threads, repeat = int(o.get("threads", "0")), int(o.get("repeat", "1"))
-    line = flood(spec, threads, repeat) if threads else step(spec)
+    if "time" in o:
+        line = timed(spec, int(o["time"]))
+    elif "rate" in o:
+        line = paced(spec)
+    else:
+        line = flood(spec, threads, repeat) if threads else step(spec)
     os.write(OUT[0], (json.dumps(line) + "\n").encode())
 
 

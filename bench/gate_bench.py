@@ -1,0 +1,375 @@
+"""The allocation gate (issue 45, `--only allocation-gate`): what a gated call costs, and
+the overshoot at 10 GiB/s with the gate against sampling alone.
+
+**Cost.** The stand-in of the driver's callers (`tests/integration/rm_standin.py`) issues
+the driver's real requests on /dev/null under the real filter, installed by the real
+trampoline (`edge/gate_child.py`), and the real `GateListener` answers them in this
+process (its device majors: /dev/null's, standing in for NVIDIA's). Each call is timed in
+the stand-in around the bare syscall, against the same ioctl with no filter. A thread
+plays the sampler (a pass every 100 ms, as `exec --interval 100ms` makes), so the grants
+the gate counts expire as they do in `exec`. The kinds:
+
+- `not_memory`: RM_ALLOC of class 0x80, the kind a context's creation makes by the
+  hundred: decoded, let go on;
+- `allowed`: RM_ALLOC of class 0x40 (video memory, 2 MiB: PyTorch's small granule) within
+  the limit;
+- `refused`: an ask over the whole limit, refused at once (the driver's status written
+  into the caller's block). A refusal over what the tree holds waits for a fresh sampler
+  pass first (`core/alloc_gate.py`): that is a pass's latency, not the listener's;
+- `filtered, not gated`: RM_CONTROL (0x2A), the busiest escape: the filter alone.
+
+The listener's CPU per call is this process's CPU time over the stand-in's calls divided
+by their number (nothing else here is busy then: the sampler thread wakes 10 times a
+second); its own time per call is what it measures around each call.
+
+**Overshoot.** `vram-enforcer exec --allocation-gate on --limit 4Gi --interval 100ms` over
+the fake NVML, around the stand-in allocating 20 MiB calls at 10 GiB/s up to 8 GiB, each
+call let go on added to its usage in the fake's state (the stand-in plays the driver):
+the largest usage over the limit, with the gate and with sampling alone, and with a
+racing thread that rewrites the size after the check.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from bench.common import ROOT, GiB, enforcer_argv, percentile
+from enforcer.edge import gate_child, gate_listener
+from enforcer.edge.gate_listener import GateListener, Ledger, Outcome
+from enforcer.edge.seccomp_filter import program
+from tests.fakenvml import FakeGpuState
+
+STANDIN = ROOT / "tests" / "integration" / "rm_standin.py"
+NULL_MAJOR = os.major(os.stat("/dev/null").st_rdev)
+MiB = 1024**2
+INTERVAL = 0.1  # s between the stand-in sampler's passes, as exec's default
+COST_LIMIT = 1024 * GiB  # the cost arms' limit: 2 MiB grants never reach it
+GOAL_P99_US = 50.0
+# include/uapi/linux/seccomp.h: SECCOMP_IOW(4, __u64), and its one flag (Linux 6.6+)
+SECCOMP_IOCTL_NOTIF_SET_FLAGS = 0x40082104
+SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP = 1
+
+KINDS = {  # the stand-in's step, and what the listener makes of each call
+    "not_memory": ("class=0x80", Outcome.NOT_MEMORY),
+    "allowed": (f"class=0x40,size={2 * MiB}", Outcome.ALLOWED),
+    "refused": (f"class=0x40,size={2 * COST_LIMIT}", Outcome.REFUSED),
+}
+UNGATED = "nr=0x2A"  # RM_CONTROL: the filter lets it by
+
+
+def available() -> str | None:
+    """Why the gate cannot run here (None: it can)."""
+    if platform.machine() not in ("x86_64", "aarch64"):
+        return f"no allocation gate for {platform.machine()}"
+    try:
+        actions = Path("/proc/sys/kernel/seccomp/actions_avail").read_text().split()
+    except OSError as exc:
+        return f"cannot read the kernel's seccomp actions: {exc}"
+    return None if "user_notif" in actions else "the kernel's seccomp lacks user_notif"
+
+
+class _Errors:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def inc(self, amount: float = 1) -> None:
+        self.count += int(amount)
+
+
+def _timed_line(argv: list[str]) -> dict[str, Any]:
+    line = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600).stdout
+    found: dict[str, Any] = json.loads(line)
+    return found
+
+
+def _figures(ns: list[int]) -> dict[str, float]:
+    us = [n / 1000 for n in ns]
+    return {"p50_us": statistics.median(us), "p99_us": percentile(us, 0.99), "max_us": us[-1]}
+
+
+def _sync_wake_up(fd: int) -> str:
+    """Ask the kernel to wake the caller on the listener's CPU (6.6+); why not, or ""."""
+    try:
+        # The flags go by value, not through a pointer (kernel/seccomp.c)
+        fcntl.ioctl(fd, SECCOMP_IOCTL_NOTIF_SET_FLAGS, SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP)
+    except OSError as exc:
+        return f"the kernel does not take SYNC_WAKE_UP ({errno.errorcode.get(exc.errno or 0)})"
+    return ""
+
+
+def gated(
+    step: str,
+    calls: int,
+    listener_cpu: int | None = None,
+    standin_cpu: int | None = None,
+    sync_wake_up: bool = False,
+) -> dict[str, Any]:
+    """`calls` of the stand-in's `step` through the trampoline and the listener."""
+    if standin_cpu is not None:
+        step += f",cpu={standin_cpu}"
+    mask = os.sched_getaffinity(0)
+    if listener_cpu is not None:  # threads started from here on inherit it
+        os.sched_setaffinity(0, {listener_cpu})
+    # The refusal lines (five a second) are made as in exec, and go nowhere.
+    lines = logging.getLogger(gate_listener.__name__)
+    quiet = logging.NullHandler()
+    lines.addHandler(quiet)
+    lines.propagate = False
+    try:
+        return _gated(step, calls, sync_wake_up)
+    finally:
+        lines.propagate = True
+        lines.removeHandler(quiet)
+        os.sched_setaffinity(0, mask)
+
+
+def _gated(step: str, calls: int, sync_wake_up: bool) -> dict[str, Any]:
+    out_r, out_w = os.pipe()
+    os.set_inheritable(out_w, True)
+    argv = [sys.executable, str(STANDIN), f"out={out_w}", f"{step},time={calls}"]
+    spawned = gate_child.spawn(sys.executable, argv, program())
+    os.close(out_w)
+    if spawned.listener is None:
+        spawned.abort()
+        os.waitpid(spawned.pid, 0)
+        os.close(out_r)
+        raise RuntimeError(f"the gate could not be installed: {spawned.why_not}")
+    why_not = _sync_wake_up(spawned.listener) if sync_wake_up else ""
+    ledger = Ledger(COST_LIMIT)
+    ledger.saw(0, time.monotonic())
+    outcomes: Counter[str] = Counter()
+    own: list[float] = []
+
+    def count(outcome: Outcome, seconds: float) -> None:
+        outcomes[outcome] += 1
+        own.append(seconds)
+
+    errors = _Errors()
+    listener = GateListener(
+        spawned.listener, ledger, {NULL_MAJOR}, errors, count=count, pid=spawned.pid
+    )
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sampler, args=(ledger, stop), daemon=True)
+    listener.start()
+    sampler.start()
+    try:
+        assert spawned.go() == 0
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        with os.fdopen(out_r) as lines:
+            found: dict[str, Any] = json.loads(lines.readline())
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        _, status = os.waitpid(spawned.pid, 0)
+    finally:
+        stop.set()
+        listener.stop()
+        sampler.join()
+        os.close(spawned.listener)
+    assert os.waitstatus_to_exitcode(status) == 0 and errors.count == 0
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    mine = sorted(s * 1e6 for s in own)
+    return {
+        **_figures(found["ns"]),
+        "calls": calls,
+        "answers": found["counts"],
+        "outcomes": dict(outcomes),
+        "listener_cpu_us_per_call": cpu * 1e6 / calls if own else 0.0,
+        "listener_own_p50_us": statistics.median(mine) if mine else 0.0,
+        "listener_own_p99_us": percentile(mine, 0.99) if mine else 0.0,
+        "sync_wake_up": sync_wake_up and not why_not,
+        "why_not": why_not,
+    }
+
+
+def _sampler(ledger: Ledger, stop: threading.Event) -> None:
+    """A pass every INTERVAL that sees nothing held: what /dev/null's "driver" holds."""
+    while not stop.wait(INTERVAL):
+        ledger.saw(0, time.monotonic())
+
+
+def bare(step: str, calls: int) -> dict[str, Any]:
+    """The same calls with no filter at all."""
+    found = _timed_line([sys.executable, str(STANDIN), f"{step},time={calls}"])
+    return {**_figures(found["ns"]), "calls": calls, "answers": found["counts"]}
+
+
+def cost(calls: int) -> dict[str, Any]:
+    """Each kind, unpinned; then the allowed kind with the listener and the stand-in on one
+    CPU and on two, and with SYNC_WAKE_UP. About 20 s for 20,000 calls a kind here."""
+    rows: dict[str, Any] = {"unfiltered": bare(KINDS["allowed"][0], calls)}
+    rows["filtered, not gated"] = gated(UNGATED, calls)
+    for kind, (step, outcome) in KINDS.items():
+        row = gated(step, calls)
+        assert row["outcomes"] == {outcome: calls}, row["outcomes"]
+        rows[kind] = row
+    allowed = KINDS["allowed"][0]
+    placed = min(calls, 5000)
+    rows["allowed, one CPU"] = gated(allowed, placed, listener_cpu=0, standin_cpu=0)
+    if (os.cpu_count() or 1) > 1:
+        rows["allowed, two CPUs"] = gated(allowed, placed, listener_cpu=0, standin_cpu=1)
+    rows["allowed, SYNC_WAKE_UP"] = gated(allowed, placed, sync_wake_up=True)
+    return {"goal_p99_us": GOAL_P99_US, "interval_ms": INTERVAL * 1000, "arms": rows}
+
+
+def show_cost(found: dict[str, Any]) -> None:
+    base = found["arms"]["unfiltered"]
+    print(
+        f"allocation gate, a call with no filter: p50 {base['p50_us']:.1f} us, p99 "
+        f"{base['p99_us']:.1f} us ({base['calls']} calls)"
+    )
+    for name, row in found["arms"].items():
+        if name == "unfiltered":
+            continue
+        if row.get("why_not"):
+            print(f"allocation gate, {name}: {row['why_not']}")
+            continue
+        print(
+            f"allocation gate, {name}: round trip p50 {row['p50_us']:.1f} us, p99 "
+            f"{row['p99_us']:.1f} us (goal < {found['goal_p99_us']:.0f}), max "
+            f"{row['max_us']:.0f} us; listener CPU {row['listener_cpu_us_per_call']:.1f} us a "
+            f"call, its own time p50 {row['listener_own_p50_us']:.1f} us, p99 "
+            f"{row['listener_own_p99_us']:.1f} us ({row['calls']} calls)"
+        )
+
+
+# --- overshoot: needs `vram-enforcer exec --allocation-gate` ---------------------------
+
+LIMIT = 4 * GiB
+RATE = 10 * GiB  # bytes a second
+STEP_BYTES = 20 * MiB  # PyTorch's large granule
+UP_TO = 8 * GiB
+RACE_TO = GiB  # what the racing thread writes into the size after the check
+
+
+def exec_has_gate() -> str | None:
+    """Why the overshoot arm cannot run (None: it can), from `exec --help`'s own text."""
+    shown = subprocess.run(
+        [*enforcer_argv("exec"), "--help"], capture_output=True, text=True, check=False
+    ).stdout
+    return None if "--allocation-gate" in shown else "needs exec --allocation-gate"
+
+
+def overshoot(lib_dir: Path, tmp: Path, trials: int) -> dict[str, Any]:
+    """Bytes over the limit, p50 and largest, per arm: sampling alone, the gate, and the gate
+    with a racing thread (sampling is then what stops it). The gate's arms need
+    `exec --allocation-gate`: without it they say so and sampling's runs alone."""
+    missing = exec_has_gate()
+    arms = {
+        "sampling alone": (None, ""),
+        "allocation-gate": ("on", ""),
+        "allocation-gate, racing": ("on", f",race={RACE_TO}"),
+    }
+    rows: dict[str, Any] = {}
+    for name, (gate, race) in arms.items():
+        if gate is not None and missing:
+            rows[name] = missing
+            continue
+        found = [
+            _overshoot_trial(lib_dir, tmp / f"{name}-{i}".replace(" ", "_"), gate, race)
+            for i in range(trials)
+        ]
+        chose = {t["tier"] for t in found}
+        if gate is not None and chose != {"allocation-gate"}:
+            rows[name] = f"exec chose the tier {sorted(map(str, chose))}: see {tmp}/*/exec.log"
+            continue
+        over = sorted(t["over_bytes"] for t in found)
+        rows[name] = {
+            "trials": trials,
+            "p50_gib": statistics.median(over) / GiB,
+            "max_gib": over[-1] / GiB,
+            "refused": sum(t["refused"] for t in found),
+            "signalled": sum(t["signal"] is not None for t in found),
+        }
+    return {
+        "limit_gib": LIMIT / GiB,
+        "rate_gib_per_s": RATE / GiB,
+        "step_mib": STEP_BYTES / MiB,
+        "interval_ms": INTERVAL * 1000,
+        "arms": rows,
+    }
+
+
+def _overshoot_trial(lib_dir: Path, tmp: Path, gate: str | None, race: str) -> dict[str, Any]:
+    """One run of exec around the paced stand-in; what it held at most over the limit (it
+    only ever grows, so its last usage in the fake's state)."""
+    tmp.mkdir(parents=True)
+    state_file, summary = tmp / "gpu.json", tmp / "summary.json"
+    FakeGpuState.single_gpu().write(state_file)
+    after = random.uniform(0, INTERVAL)  # a random phase against exec's tick
+    step = (
+        f"class=0x40,size={STEP_BYTES},rate={RATE},upto={UP_TO},driver=1,after={after:.4f},"
+        f"hold=0.3{race}"
+    )
+    argv = [
+        *enforcer_argv("exec"),
+        *(("--allocation-gate", gate) if gate else ()),
+        "--limit",
+        f"{LIMIT}",
+        "--interval",
+        f"{int(INTERVAL * 1000)}ms",
+        "--grace-period",
+        "2s",
+        "--summary",
+        str(summary),
+        "--",
+        sys.executable,
+        str(STANDIN),
+        step,
+    ]
+    env = {**os.environ, "LD_LIBRARY_PATH": str(lib_dir), "FAKE_NVML_STATE": str(state_file)}
+    done = subprocess.run(
+        argv, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False
+    )
+    (tmp / "exec.log").write_text(done.stderr)
+    state = json.loads(state_file.read_text())
+    held = max((p["used_bytes"] or 0 for p in state["devices"][0]["compute_processes"]), default=0)
+    ran = json.loads(summary.read_text())
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {
+        "over_bytes": max(0, held - LIMIT),
+        "tier": ran["tier"],
+        "signal": ran["signal"],
+        "refused": bool(lines and lines[-1]["refused"]),
+    }
+
+
+def show_overshoot(found: dict[str, Any]) -> None:
+    for name, row in found["arms"].items():
+        what = f"overshoot, {name} at {found['rate_gib_per_s']:.0f} GiB/s in {found['step_mib']:.0f} MiB calls, --limit {found['limit_gib']:.0f}Gi --interval {found['interval_ms']:.0f}ms"
+        if isinstance(row, str):
+            print(f"{what}: not run ({row})")
+            continue
+        print(
+            f"{what}: p50 {row['p50_gib']:.3f} GiB, max {row['max_gib']:.3f} GiB over "
+            f"{row['trials']} trials ({row['refused']} ended by a refused call, "
+            f"{row['signalled']} by a signal)"
+        )
+
+
+def run(lib_dir: Path, tmp: Path, calls: int, trials: int) -> dict[str, Any]:
+    reason = available()
+    if reason:
+        return {"skipped": reason}
+    return {"cost": cost(calls), "overshoot": overshoot(lib_dir, tmp, trials)}
+
+
+def show(found: dict[str, Any]) -> None:
+    if "skipped" in found:
+        print(f"allocation gate: skipped ({found['skipped']})")
+        return
+    show_cost(found["cost"])
+    show_overshoot(found["overshoot"])
