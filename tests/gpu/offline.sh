@@ -5,6 +5,8 @@
 #   bash tests/gpu/offline.sh bundle [PYTHON_VERSION]   # here, with network and the
 #                                                       # binaries of build-kubernetes.sh
 #   bash tests/gpu/offline.sh run [PYTEST ARGS...]      # there, as root, from the checkout
+#   bash tests/gpu/offline.sh gate [PYTEST ARGS...]     # there: the allocation gate's GPU
+#                                                       # questions alone (about 4 minutes)
 #
 # `bundle` writes .gpu-bundle/ (git-ignored, about 55 MiB): the project's runtime
 # dependencies as wheels for the GPU machine's Python (3.12 by default; PyTorch, numpy,
@@ -12,8 +14,10 @@
 # etcd compressed, for tests/e2e/test_sidecar_gpu.py. `run` installs the wheels into
 # /tmp/gpu-site (nothing of the machine's Python changes), unpacks the binaries into
 # /tmp/gpu-bin, prints the enforcement tier the probe chooses here (with the driver and
-# why), and runs tests/gpu and the GPU e2e test (default arguments: -s -v, every GPU test;
-# the interference matrix alone takes about 7 minutes on an H100).
+# why), and runs tests/gpu and the GPU e2e test (default arguments: -s -v, every GPU test,
+# the allocation gate's first; the interference matrix alone takes about 7 minutes on an
+# H100). `gate` runs tests/gpu/test_allocation_gate_gpu.py only: its results go to
+# .gpu-results/allocation-gate-<driver>.json, and a summary is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUNDLE=.gpu-bundle
@@ -25,6 +29,15 @@ WHEELS=(kubernetes==37.0.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-type
         urllib3==2.8.0 durationpy==0.11 websocket-client==1.9.2 requests-oauthlib==2.0.0
         oauthlib==4.0.1 tenacity==9.2.1 jsonpatch==1.48 jsonpointer==3.12
         nvidia-ml-py==13.615.71)
+
+# The wheels into /tmp/gpu-site (nothing of the machine's Python changes), and the GPU said.
+setup() {
+    [ -d "$BUNDLE/wheels" ] || { echo "no $BUNDLE: run 'bash tests/gpu/offline.sh bundle' where there is network" >&2; exit 2; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/gpu-site "$BUNDLE"/wheels/*.whl
+    export PYTHONPATH=/tmp/gpu-site:$PWD PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+}
 
 case "${1:-}" in
 bundle)
@@ -41,18 +54,15 @@ bundle)
     ;;
 run)
     shift
-    [ -d "$BUNDLE/wheels" ] || { echo "no $BUNDLE: run 'bash tests/gpu/offline.sh bundle' where there is network" >&2; exit 2; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/gpu-site "$BUNDLE"/wheels/*.whl
+    setup
     mkdir -p /tmp/gpu-bin
     for name in kube-apiserver kube-controller-manager etcd; do
         [ -x "/tmp/gpu-bin/$name" ] || xz -dc "$BUNDLE/$name.xz" > "/tmp/gpu-bin/$name"
         chmod +x "/tmp/gpu-bin/$name"
     done
-    export PYTHONPATH=/tmp/gpu-site:$PWD PYTHONUNBUFFERED=1 VRAM_ENFORCER_E2E=required
+    export VRAM_ENFORCER_E2E=required
     export KUBE_APISERVER_BIN=/tmp/gpu-bin/kube-apiserver ETCD_BIN=/tmp/gpu-bin/etcd
     export KUBE_CONTROLLER_MANAGER_BIN=/tmp/gpu-bin/kube-controller-manager
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     # The enforcement tier this machine gets, and why (docs/architecture.md, "Tiers"): the
     # probe reads, never sets. Said before the tests, whatever they do.
     python3 -c '
@@ -68,11 +78,16 @@ driver = probe.driver_version or "(none)"
 print(f"tier probe: driver {driver}, per-cgroup calls {probe.limit_calls}")
 print(f"tier probe: {choose(probe).said()}")
 ' || echo "tier probe: failed (above); the tests go on" >&2
-    [ $# -gt 0 ] || set -- -s -v tests/gpu tests/e2e/test_sidecar_gpu.py
+    [ $# -gt 0 ] || set -- -s -v tests/gpu/test_allocation_gate_gpu.py tests/gpu tests/e2e/test_sidecar_gpu.py
     exec python3 -m pytest -p no:cacheprovider "$@"
     ;;
+gate)    # about 4 minutes: the allocation gate's GPU questions (docs/architecture.md)
+    shift
+    setup
+    exec python3 -m pytest -p no:cacheprovider -s -v tests/gpu/test_allocation_gate_gpu.py "$@"
+    ;;
 *)
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
