@@ -32,8 +32,9 @@ Steps (arguments), each `key=value,...`:
                                {"step", "counts": {"RET/ERRNO/STATUS": n}}
   bg=1         the step in a thread of its own, the next steps going on meanwhile
   nr=0x2A      another escape's NR (not gated: what the filter alone costs)
-  time=N[,cpu=C]               the step built once and issued N times on one fd (pinned
-                               to CPU C), each call timed: {"step", "ns": [sorted], "counts"}
+  time=N[,cpu=C][,gap=S]       the step built once and issued N times on one fd (pinned
+                               to CPU C; S seconds apart), each call timed:
+                               {"step", "ns": [sorted], "counts"}
   rate=B,upto=B[,driver=1][,race=B][,after=S][,hold=S]   the step paced at B bytes a second until
                                `upto` bytes went on or a call was refused; driver=1: what
                                went on is added to this process's usage in the fake NVML's
@@ -331,15 +332,19 @@ def outcome(ret: int, err: int, status: int | None) -> str:
 
 
 def timed(spec: str, calls: int) -> dict[str, object]:
-    """The step issued `calls` times on one fd, each call timed alone (ns, sorted)."""
+    """The step issued `calls` times on one fd, each call timed alone (ns, sorted); `gap`
+    seconds apart if given (a listener woken from idle each time, as real calls come)."""
     call = prepare(spec)
     if "cpu" in call.options:
         os.sched_setaffinity(0, {int(call.options["cpu"])})
     counts: Counter[str] = Counter()
     took = []
+    gap = float(call.options.get("gap", "0"))
     fd = call.open()
     try:
         for _ in range(calls):
+            if gap:
+                time.sleep(gap)
             call.reset()
             started = time.perf_counter_ns()
             ret, err = call.issue(fd)
