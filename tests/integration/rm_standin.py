@@ -35,11 +35,12 @@ Steps (arguments), each `key=value,...`:
   time=N[,cpu=C][,gap=S]       the step built once and issued N times on one fd (pinned
                                to CPU C; S seconds apart), each call timed:
                                {"step", "ns": [sorted], "counts"}
-  rate=B,upto=B[,driver=1][,race=B][,after=S][,hold=S]   the step paced at B bytes a second until
-                               `upto` bytes went on or a call was refused; driver=1: what
-                               went on is added to this process's usage in the fake NVML's
-                               state ($FAKE_NVML_STATE), as a driver would hold it (see
-                               `paced`): {"step", "calls", "let_go", "refused", "counts"}
+  rate=B,upto=B[,driver=1][,race=B][,stop=0][,after=S][,hold=S]
+                               the step paced at B bytes a second until it asked for
+                               `upto` bytes or a call was refused (see `paced`);
+                               driver=1: what went on is added to this process's usage in
+                               the fake NVML's state ($FAKE_NVML_STATE), as a driver would
+                               hold it: {"step", "calls", "let_go", "refused", "counts"}
 and the steps `out=FD` (write the lines to FD from now on) and `wait=FD` (read one byte
 from FD before going on).
 """
@@ -375,8 +376,9 @@ class Driver:
 
 
 def paced(spec: str) -> dict[str, object]:
-    """`rate=B/s,upto=B`: the step again and again at `rate` bytes a second until `upto`
-    bytes were let go on or one call was refused. With `driver=1`, each call let go on adds
+    """`rate=B/s,upto=B`: the step again and again at `rate` bytes a second until it has
+    asked for `upto` bytes or one call was refused (`stop=0`: a refusal stops nothing, as a
+    racing workload goes on). With `driver=1`, each call let go on adds
     what its block asked for when it returned to this process's usage in the fake NVML's
     state; with `race=B`, another thread keeps flipping the asked size between the step's
     and B (the race a listener cannot close: the driver reads what is there after the
@@ -398,24 +400,26 @@ def paced(spec: str) -> dict[str, object]:
 
         threading.Thread(target=flip, daemon=True).start()
     counts: Counter[str] = Counter()
-    let_go, calls, refused = 0, 0, False
+    let_go, calls, refused = 0, 0, 0
+    stops = o.get("stop", "1") == "1"
     fd = call.open()
     time.sleep(float(o.get("after", "0")))
     started = time.monotonic()
     try:
-        while let_go < upto and not refused:
+        while calls * ask < upto and not (refused and stops):
             if (early := started + calls * ask / rate - time.monotonic()) > 0:
                 time.sleep(early)
             call.reset()
             ret, err = call.issue(fd)
             calls += 1
             counts[outcome(ret, err, call.status())] += 1
-            refused = ret == 0 and call.status() == NV_ERR_NO_MEMORY
-            if not refused:
-                n = call.asked()
-                let_go += n
-                if driver is not None:
-                    driver.allocated(n)
+            if ret == 0 and call.status() == NV_ERR_NO_MEMORY:
+                refused += 1
+                continue
+            n = call.asked()
+            let_go += n
+            if driver is not None:
+                driver.allocated(n)
     finally:
         stop.set()
         os.close(fd)

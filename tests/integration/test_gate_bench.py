@@ -58,7 +58,7 @@ def test_the_standin_holds_in_the_fake_nvml_what_went_on(tmp_path: Path) -> None
     )
     out, _ = proc.communicate(timeout=60)
     line = json.loads(out)
-    assert (line["calls"], line["let_go"], line["refused"]) == (3, 3 * GIB, False)
+    assert (line["calls"], line["let_go"], line["refused"]) == (3, 3 * GIB, 0)
     assert line["counts"] == {WENT_ON: 3}
     assert _held(Path(env["FAKE_NVML_STATE"])) == {proc.pid: 3 * GIB}
 
@@ -77,6 +77,6 @@ def test_under_the_gate_the_standin_stops_at_the_refusal_and_holds_nothing_for_i
         check=True,
     )
     line, host = (json.loads(raw) for raw in done.stdout.splitlines())
-    assert (line["calls"], line["let_go"], line["refused"]) == (1, 0, True)
+    assert (line["calls"], line["let_go"], line["refused"]) == (1, 0, 1)
     assert host == {"outcomes": ["refused"], "exit": 0}
     assert _held(Path(env["FAKE_NVML_STATE"])) == {}
