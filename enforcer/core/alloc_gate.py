@@ -13,7 +13,7 @@ next good pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 SETTLE = 0.05  # s, from a call let through until NVML shows it (to be measured on a GPU)
@@ -30,18 +30,31 @@ class Verdict(StrEnum):
 class View:
     """What the gate knows of the command tree: its limit (bytes, summed over GPUs), the
     sampler's last good pass (its usage and monotonic time; None before the first), the
-    allocations let through (monotonic time, bytes), oldest first, and the last refusal."""
+    allocations let through (monotonic time, bytes), oldest first, and the last refusal.
+
+    `since_bytes` is `since()` kept as a running total, so that judging a call costs the
+    same with a thousand grants outstanding as with none (a flood of calls reaches that);
+    None (the default) counts it from `grants` once, on creation."""
 
     limit_bytes: int
     sampled_bytes: int = 0
     sampled_at: float | None = None
     grants: tuple[tuple[float, int], ...] = ()
     refused_at: float | None = None
+    since_bytes: int | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.since_bytes is None:
+            counted = sum(self._counted(at, n) for at, n in self.grants)
+            object.__setattr__(self, "since_bytes", counted)
+
+    def _counted(self, at: float, n: int) -> int:
+        """`n` if a grant made at `at` is one the last pass may not show yet, else 0."""
+        return n if self.sampled_at is None or at > self.sampled_at - SETTLE else 0
 
     def since(self) -> int:
         """Bytes let through that the last pass may not show yet."""
-        cutoff = float("-inf") if self.sampled_at is None else self.sampled_at - SETTLE
-        return sum(n for at, n in self.grants if at > cutoff)
+        return self.since_bytes or 0
 
     def held(self) -> int:
         return self.sampled_bytes + self.since()
@@ -60,31 +73,40 @@ class View:
         return max(newest, float("-inf") if self.refused_at is None else self.refused_at)
 
     def saw(self, used_bytes: int, at: float) -> View:
-        """After a good pass that began at `at`: the grants it shows are dropped."""
+        """After a good pass that began at `at`: the grants it shows are dropped (and the
+        total counted afresh from those left, once a pass)."""
         cutoff = at - SETTLE
         return replace(
             self,
             sampled_bytes=used_bytes,
             sampled_at=at,
             grants=tuple(g for g in self.grants if g[0] > cutoff),
+            since_bytes=None,
         )
 
     def granted(self, at: float, n: int) -> View:
         grants = (*self.grants, (at, n))
+        since = (self.since_bytes or 0) + self._counted(at, n)
         if len(grants) > MAX_GRANTS:  # the merged pair counts until its newer one expires
-            (_, a), (t, b) = grants[0], grants[1]
+            (old, a), (t, b) = grants[0], grants[1]
             grants = ((t, a + b), *grants[2:])
-        return replace(self, grants=grants)
+            since += self._counted(t, a + b) - self._counted(old, a) - self._counted(t, b)
+        # Made directly, not by replace(): this is the one change on every allowed call.
+        return View(
+            self.limit_bytes, self.sampled_bytes, self.sampled_at, grants, self.refused_at, since
+        )
 
     def refused(self, at: float) -> View:
         return replace(self, refused_at=at)
 
     def ungranted(self, at: float, n: int) -> View:
         """A grant whose call never went on (its caller was interrupted): not held."""
+        if (at, n) not in self.grants:
+            return self
         grants = list(self.grants)
-        if (at, n) in grants:
-            grants.remove((at, n))
-        return replace(self, grants=tuple(grants))
+        grants.remove((at, n))
+        since = (self.since_bytes or 0) - self._counted(at, n)
+        return replace(self, grants=tuple(grants), since_bytes=since)
 
 
 def decide(ask_bytes: int, view: View) -> tuple[Verdict, int]:

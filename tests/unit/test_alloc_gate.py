@@ -3,6 +3,8 @@ pass plus what was let through since), and when it refuses at once or looks agai
 
 from __future__ import annotations
 
+import random
+
 from enforcer.core import messages
 from enforcer.core.alloc_gate import MAX_GRANTS, SETTLE, Verdict, View, decide
 
@@ -84,3 +86,55 @@ def test_a_pass_settles_what_was_let_through_and_the_last_refusal() -> None:
     assert view.settled_after() == 2.0 + SETTLE
     assert view.refused(9.0).settled_after() == 9.0
     assert View(4 * GIB).settled_after() == float("-inf")
+
+
+def test_a_long_run_of_grants_passes_and_undoings_keeps_the_answers_of_the_whole_sum() -> None:
+    """`since()` is a running total: it must stay what summing the grants gives, through
+    merges past MAX_GRANTS, passes, refusals, undone grants and times out of order."""
+    rng = random.Random(45)  # noqa: S311 (a fixed sequence, not a secret)
+    # The first grant is stamped before the pass's cutoff: the first merge counts it anew.
+    view, now = View(64 * GIB).saw(0, at=10.0).granted(9.0, GIB), 10.0
+
+    def summed(v: View) -> int:
+        cutoff = float("-inf") if v.sampled_at is None else v.sampled_at - SETTLE
+        return sum(n for at, n in v.grants if at > cutoff)
+
+    merged = 0
+    for step in range(MAX_GRANTS + 2000):
+        now += rng.uniform(0, 2 * SETTLE / MAX_GRANTS)
+        roll = rng.random()
+        merged += len(view.grants) == MAX_GRANTS
+        if roll < 0.001 and step > MAX_GRANTS:  # none before: the first merges meet 9.0
+            view = view.saw(rng.randrange(8 * GIB), now - rng.uniform(0, 2 * SETTLE))
+        elif roll < 0.01 and view.grants:
+            view = view.ungranted(*rng.choice(view.grants))
+        elif roll < 0.012:
+            view = view.refused(now)
+        else:  # now and then a grant stamped before the last pass's cutoff
+            view = view.granted(now - rng.choice((0.0, 0.0, 0.0, 4 * SETTLE)), rng.randrange(GIB))
+        if step % 7 == 0:  # summing each time would make the test itself quadratic
+            since = summed(view)
+            assert view.since() == since == _anew(view).since(), step
+            ask = rng.randrange(16 * GIB)
+            assert decide(ask, view) == _decided(ask, view, since), step
+    assert merged > 100  # the bound was reached, and merging kept the total
+
+
+def _anew(view: View) -> View:
+    """The same view made from its fields, its total counted from the grants."""
+    return View(view.limit_bytes, view.sampled_bytes, view.sampled_at, view.grants, view.refused_at)
+
+
+def _decided(ask: int, view: View, since: int) -> tuple[Verdict, int]:
+    """decide() as it read before the running total: the grants summed on each call."""
+    held = view.sampled_bytes + since
+    if held + ask <= view.limit_bytes:
+        return Verdict.ALLOW, held
+    fresh = (
+        view.sampled_at is not None
+        and not since
+        and (view.refused_at is None or view.sampled_at > view.refused_at)
+    )
+    if ask > view.limit_bytes or fresh:
+        return Verdict.REFUSE, held
+    return Verdict.RECHECK, held
