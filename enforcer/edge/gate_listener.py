@@ -305,7 +305,7 @@ class GateListener:
         try:
             if not self._on_gpu(notif):
                 return self._reply(notif, Outcome.NOT_GPU)
-            mem = os.open(f"/proc/{notif.tid}/mem", os.O_RDWR | os.O_CLOEXEC)
+            mem = _memory(notif.tid)
         except OSError:
             if self._valid(notif):
                 raise  # its task is there: our fault (a bug, or ptrace refused)
@@ -472,6 +472,16 @@ def _reader(mem: int) -> Read:
             return b""
 
     return read
+
+
+def _memory(tid: int) -> int:
+    """The caller's memory, opened afresh for each call: an open fd pins the memory it was
+    opened on, and only a check of the call made after the open proves that memory is the
+    caller's. A cached fd could not be proven so: after an exec its old memory lives on
+    while a vfork parent (or any task sharing it with CLONE_VM) does, and a tid, freed and
+    taken by a thread of another process, would be served from the first process's memory
+    while its other threads live; reads through it succeed, so no short read tells."""
+    return os.open(f"/proc/{tid}/mem", os.O_RDWR | os.O_CLOEXEC)
 
 
 def _readable(fd: int) -> bool:
