@@ -72,6 +72,7 @@ def _gated(script: str, *steps: str) -> tuple[list[dict[str, Any]], list[Outcome
         with os.fdopen(out_r) as lines:
             found = [json.loads(line) for line in lines]  # to EOF: every process has ended
         _, status = os.waitpid(spawned.pid, 0)
+        listener.stop()  # the answer wakes the caller before the listener closes its file
         held = _mem_files()
     finally:
         listener.stop()
