@@ -85,11 +85,12 @@ class View:
         )
 
     def granted(self, at: float, n: int) -> View:
-        grants = (*self.grants, (at, n))
+        # Concatenated: one copy of the grants, where (*grants, g) makes two (a list first).
+        grants = self.grants + ((at, n),)  # noqa: RUF005
         since = (self.since_bytes or 0) + self._counted(at, n)
         if len(grants) > MAX_GRANTS:  # the merged pair counts until its newer one expires
             (old, a), (t, b) = grants[0], grants[1]
-            grants = ((t, a + b), *grants[2:])
+            grants = ((t, a + b),) + grants[2:]  # noqa: RUF005
             since += self._counted(t, a + b) - self._counted(old, a) - self._counted(t, b)
         # Made directly, not by replace(): this is the one change on every allowed call.
         return View(
