@@ -29,8 +29,10 @@ second); its own time per call is what it measures around each call.
 **Overshoot.** `vram-enforcer exec --allocation-gate on --limit 4Gi --interval 100ms` over
 the fake NVML, around the stand-in allocating 20 MiB calls at 10 GiB/s up to 8 GiB, each
 call let go on added to its usage in the fake's state (the stand-in plays the driver):
-the largest usage over the limit, with the gate and with sampling alone, and with a
-racing thread that rewrites the size after the check.
+the usage over the limit, with the gate and with sampling alone, and with a racing thread
+that rewrites the size after the check. The gate's `exec` is the real CLI run by
+`tests/integration/gate_exec.py`, which only makes /dev/null's major NVIDIA's; an arm
+that ran on another tier, or whose gate judged or refused nothing, says so instead.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from enforcer.edge.seccomp_filter import program
 from tests.fakenvml import FakeGpuState
 
 STANDIN = ROOT / "tests" / "integration" / "rm_standin.py"
+GATE_EXEC = ROOT / "tests" / "integration" / "gate_exec.py"
 NULL_MAJOR = os.major(os.stat("/dev/null").st_rdev)
 MiB = 1024**2
 INTERVAL = 0.1  # s between the stand-in sampler's passes, as exec's default
@@ -262,19 +265,12 @@ UP_TO = 8 * GiB
 RACE_TO = GiB  # what the racing thread writes into the size after the check
 
 
-def exec_has_gate() -> str | None:
-    """Why the overshoot arm cannot run (None: it can), from `exec --help`'s own text."""
-    shown = subprocess.run(
-        [*enforcer_argv("exec"), "--help"], capture_output=True, text=True, check=False
-    ).stdout
-    return None if "--allocation-gate" in shown else "needs exec --allocation-gate"
-
-
 def overshoot(lib_dir: Path, tmp: Path, trials: int) -> dict[str, Any]:
-    """Bytes over the limit, p50 and largest, per arm: sampling alone, the gate, and the gate
-    with a racing thread (sampling is then what stops it). The gate's arms need
-    `exec --allocation-gate`: without it they say so and sampling's runs alone."""
-    missing = exec_has_gate()
+    """Bytes over the limit per arm, its p50, p99 and largest over the trials: sampling
+    alone, the gate, and the gate with a racing thread (sampling is then what stops it);
+    with in how many trials the command lived to its end and saw a refused call (one
+    killed says nothing), and the summaries' refusals. An arm whose trials did not measure
+    what it names says why instead of a figure."""
     arms = {
         "sampling alone": (None, ""),
         "allocation-gate": ("on", ""),
@@ -282,23 +278,23 @@ def overshoot(lib_dir: Path, tmp: Path, trials: int) -> dict[str, Any]:
     }
     rows: dict[str, Any] = {}
     for name, (gate, race) in arms.items():
-        if gate is not None and missing:
-            rows[name] = missing
-            continue
         found = [
-            _overshoot_trial(lib_dir, tmp / f"{name}-{i}".replace(" ", "_"), gate, race)
+            overshoot_trial(lib_dir, tmp / f"{name}-{i}".replace(" ", "_"), gate, race)
             for i in range(trials)
         ]
-        if reason := _not_gated(gate, race, found):
+        if reason := mismeasured(gate, race, found):
             rows[name] = f"{reason}: see {tmp}/*/exec.log"
             continue
-        over = sorted(t["over_bytes"] for t in found)
+        over = sorted(t["over_bytes"] / GiB for t in found)
         rows[name] = {
             "trials": trials,
-            "p50_gib": statistics.median(over) / GiB,
-            "max_gib": over[-1] / GiB,
-            "refused": sum(t["refused"] for t in found),
+            "p50_gib": statistics.median(over),
+            "p99_gib": percentile(over, 0.99),
+            "max_gib": over[-1],
+            "refused": sum(t["refused"] > 0 for t in found),  # seen by the stand-in
+            "lived": sum(t["lived"] for t in found),
             "signalled": sum(t["signal"] is not None for t in found),
+            "summary_refusals": sum(t["summary_refusals"] for t in found),
         }
     return {
         "limit_gib": LIMIT / GiB,
@@ -309,23 +305,26 @@ def overshoot(lib_dir: Path, tmp: Path, trials: int) -> dict[str, Any]:
     }
 
 
-def _not_gated(gate: str | None, race: str, found: list[dict[str, Any]]) -> str:
-    """Why a gate arm's trials measured no gate ("": they did): exec chose another tier, or
-    the gate refused nothing a workload that does not race it asked past the limit (its
-    listener did not take the stand-in's file for the driver's)."""
-    if gate is None:
-        return ""
+def mismeasured(gate: str | None, race: str, found: list[dict[str, Any]]) -> str:
+    """Why an arm's trials did not measure what it names ("": they did): exec chose another
+    tier than the arm's, the gate judged no allocation (its listener did not take the
+    stand-in's file for the driver's), or it refused nothing in a trial of a workload that
+    does not race it, all of whose asks past the limit it should refuse."""
     chose = {t["tier"] for t in found}
-    if chose != {"allocation-gate"}:
+    if chose != {"allocation-gate" if gate else "sampling"}:
         return f"exec chose the tier {sorted(map(str, chose))}"
-    if not race and not all(t["refused"] for t in found):
+    if gate and not all(t["judged"] for t in found):
+        return "the gate judged no allocation in some trials"
+    if gate and not race and not all(t["refused"] and t["summary_refusals"] for t in found):
         return "the gate refused nothing in some trials"
     return ""
 
 
-def _overshoot_trial(lib_dir: Path, tmp: Path, gate: str | None, race: str) -> dict[str, Any]:
+def overshoot_trial(lib_dir: Path, tmp: Path, gate: str | None, race: str) -> dict[str, Any]:
     """One run of exec around the paced stand-in; what it held at most over the limit (it
-    only ever grows, so its last usage in the fake's state)."""
+    only ever grows, so its last usage in the fake's state). With the gate, exec runs as
+    gate_exec.py runs it: /dev/null's device major stands in for NVIDIA's, as the stand-in
+    issues its calls there."""
     tmp.mkdir(parents=True)
     state_file, summary = tmp / "gpu.json", tmp / "summary.json"
     FakeGpuState.single_gpu().write(state_file)
@@ -334,9 +333,12 @@ def _overshoot_trial(lib_dir: Path, tmp: Path, gate: str | None, race: str) -> d
         f"class=0x40,size={STEP_BYTES},rate={RATE},upto={UP_TO},driver=1,after={after:.4f},"
         f"hold=0.3{race}"
     )
+    if gate:
+        launcher = [enforcer_argv()[0], str(GATE_EXEC), "exec", "--allocation-gate", gate]
+    else:
+        launcher = enforcer_argv("exec")
     argv = [
-        *enforcer_argv("exec"),
-        *(("--allocation-gate", gate) if gate else ()),
+        *launcher,
         "--limit",
         f"{LIMIT}",
         "--interval",
@@ -359,11 +361,15 @@ def _overshoot_trial(lib_dir: Path, tmp: Path, gate: str | None, race: str) -> d
     held = max((p["used_bytes"] or 0 for p in state["devices"][0]["compute_processes"]), default=0)
     ran = json.loads(summary.read_text())
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    gated = ran["allocation_gate"] or {"calls": {}, "refusals": 0}
     return {
         "over_bytes": max(0, held - LIMIT),
         "tier": ran["tier"],
         "signal": ran["signal"],
-        "refused": bool(lines and lines[-1]["refused"]),
+        "refused": lines[-1]["refused"] if lines else 0,
+        "lived": bool(lines) and ran["signal"] is None and ran["exit_status"] == 0,
+        "judged": sum(gated["calls"].get(o, 0) for o in (Outcome.ALLOWED, Outcome.REFUSED)),
+        "summary_refusals": gated["refusals"],
     }
 
 
@@ -374,9 +380,10 @@ def show_overshoot(found: dict[str, Any]) -> None:
             print(f"{what}: not run ({row})")
             continue
         print(
-            f"{what}: p50 {row['p50_gib']:.3f} GiB, max {row['max_gib']:.3f} GiB over "
-            f"{row['trials']} trials ({row['refused']} ended by a refused call, "
-            f"{row['signalled']} by a signal)"
+            f"{what}: p50 {row['p50_gib']:.3f} GiB, p99 {row['p99_gib']:.3f} GiB, max "
+            f"{row['max_gib']:.3f} GiB over {row['trials']} trials (the command lived in "
+            f"{row['lived']} and saw a call refused in {row['refused']}, ended by a signal in "
+            f"{row['signalled']}; the summaries' refusals: {row['summary_refusals']})"
         )
 
 

@@ -1,7 +1,8 @@
 """`vram-enforcer` with /dev/null's device major standing in for NVIDIA's: the allocation gate
 judges calls on NVIDIA's device nodes only, and this machine has none, so the stand-in
 (rm_standin.py) issues the driver's requests on /dev/null. Only what the tier probe reads
-from /proc/devices is changed; everything else is the real CLI: `gate_exec.py exec ...`.
+from /proc/devices is changed; everything else is the real CLI: `gate_exec.py exec ...` (the
+exec tests, and the gate arms of the overshoot benchmark, bench/gate_bench.py).
 
 With GATE_EXEC_FAULT set, the gate's receiver is made to fail, once, as a bug would:
 `crash` (its thread stops past its guard before it serves anything) or `stall` (it waits

@@ -1,6 +1,7 @@
 """The allocation gate's benchmark measures what it says (bench/gate_bench.py): each kind of
-call is answered as its row claims, and the stand-in's "driver" mode, which the overshoot
-arm reads, holds exactly what the gate let go on."""
+call is answered as its row claims, the stand-in's "driver" mode, which the overshoot
+arm reads, holds exactly what the gate let go on, and the overshoot's gate arm runs exec
+on the gate's tier."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from bench import gate_bench
+from bench.common import ROOT
 from enforcer.edge.gate_listener import Outcome
-from tests.fakenvml import FakeGpuState
+from tests.fakenvml import FakeGpuState, build_fake_nvml
 
 GIB = 1 << 30
 HERE = Path(__file__).parent
@@ -80,3 +82,12 @@ def test_under_the_gate_the_standin_stops_at_the_refusal_and_holds_nothing_for_i
     assert (line["calls"], line["let_go"], line["refused"]) == (1, 0, 1)
     assert host == {"outcomes": ["refused"], "exit": 0}
     assert _held(Path(env["FAKE_NVML_STATE"])) == {}
+
+
+def test_the_overshoot_gate_arm_runs_exec_on_the_gate_tier(tmp_path: Path) -> None:
+    """Through the plain CLI the stand-in's /dev/null is no NVIDIA device and exec falls back
+    to sampling: the arm would measure sampling under the gate's name."""
+    lib_dir = build_fake_nvml(ROOT / ".build" / "fakenvml")
+    trial = gate_bench.overshoot_trial(lib_dir, tmp_path / "trial", "on", "")
+    assert trial["tier"] == "allocation-gate", (tmp_path / "trial" / "exec.log").read_text()
+    assert trial["judged"] > 0
