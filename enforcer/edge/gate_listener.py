@@ -36,7 +36,7 @@ from enforcer.core import messages
 from enforcer.core.alloc_gate import Verdict, View, decide
 from enforcer.core.rm_abi import NV_ERR_NO_MEMORY, Call, Read, ShortRead, decode
 from enforcer.edge.guard import ErrorCounter, LoopGuard
-from enforcer.edge.seccomp_filter import COMPAT_ARCHES
+from enforcer.edge.seccomp_filter import COMPAT_ARCHES, X32_BIT
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,11 @@ class Notification:
 
     @classmethod
     def unpack(cls, raw: bytes | bytearray) -> Notification:
-        nid, tid, _flags, _nr, arch, _ip, fd, cmd, argp, *_ = _NOTIF.unpack(raw)
-        pointer = 0xFFFFFFFF if arch in COMPAT_ARCHES else (1 << 64) - 1
+        nid, tid, _flags, nr, arch, _ip, fd, cmd, argp, *_ = _NOTIF.unpack(raw)
+        # x32 (x86_64's arch, the number's x32 bit) enters compat_sys_ioctl too: the kernel
+        # passes the driver the argument's low 32 bits, whatever the register's upper half
+        compat = arch in COMPAT_ARCHES or nr & X32_BIT
+        pointer = 0xFFFFFFFF if compat else (1 << 64) - 1
         return cls(nid, tid, arch, fd & 0xFFFFFFFF, cmd & 0xFFFFFFFF, argp & pointer)
 
 

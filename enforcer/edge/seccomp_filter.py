@@ -22,9 +22,9 @@ AUDIT_ARCH_ARM = 0x40000028
 COMPAT_ARCHES = (AUDIT_ARCH_I386, AUDIT_ARCH_ARM)  # their pointers are 32 bits
 
 # ioctl's number in each ABI: an arch's syscalls, by the label of the arm that checks them
-_X32_BIT = 0x40000000
+X32_BIT = 0x40000000  # on an x86_64 syscall number: x32, whose pointers are 32 bits
 _IOCTL_NRS = {
-    "x86_64": (16, _X32_BIT | 16, _X32_BIT | 514),  # native; x32's bit on 16 and on x32's 514
+    "x86_64": (16, X32_BIT | 16, X32_BIT | 514),  # native; x32's bit on 16 and on x32's 514
     "compat": (54,),  # i386 and ARM EABI
     "aarch64": (29,),
 }
