@@ -507,6 +507,16 @@ def foreign_limit(whose: str, gpu: str, held: int, owed: int, owner: str) -> str
     )
 
 
+def allocation_unreadable(pid: int, tid: int) -> str:
+    """The allocation gate's line for a call it may not read: refused, and how to avoid it."""
+    return (
+        f"refused a GPU driver call unread (pid {pid} thread {tid}): vram-enforcer cannot read "
+        "its process's memory (the process made itself not dumpable, or runs a program its "
+        "user may not read, and vram-enforcer lacks CAP_SYS_PTRACE); it failed EPERM. Keep "
+        "the command dumpable, run exec as root, or use --allocation-gate off"
+    )
+
+
 def held_by_fractioning() -> str:
     """A pod that gpu-fractioning serves: its limits are its own, set by its hook."""
     return (

@@ -309,9 +309,11 @@ class GateListener:
             if not self._on_gpu(notif):
                 return self._reply(notif, Outcome.NOT_GPU)
             mem = _memory(notif.tid)
+        except PermissionError:  # the ptrace check, on a task of ours: it chose to hide
+            return self._unreadable(notif) if self._valid(notif) else Outcome.ABANDONED
         except OSError:
             if self._valid(notif):
-                raise  # its task is there: our fault (a bug, or ptrace refused)
+                raise  # its task is there: our fault (a bug)
             return Outcome.ABANDONED  # its task ended before it was looked at
         handed = False
         try:
@@ -388,12 +390,25 @@ class GateListener:
         if outcome != Outcome.REFUSED:
             return outcome
         line = messages.allocation_refused(p.call.what, p.ask, self._pid, p.notif.tid, view, at)
+        unmapped = "; its block was unmapped before the status was written: it failed EFAULT"
+        self._say(line, at, unmapped if error else "")
+        return outcome
+
+    def _say(self, line: str, at: float, after: str = "") -> None:
+        """One refusal's line: told to the owner, and logged if the quota lets it out."""
         self.refused(line)
         if (held := self._quota.take(at)) is not None:
             more = f" ({held} more refusals were not logged in the second before)" if held else ""
-            if error:
-                more += "; its block was unmapped before the status was written: it failed EFAULT"
-            log.warning("%s%s", line, more)
+            log.warning("%s%s%s", line, more, after)
+
+    def _unreadable(self, notif: Notification) -> Outcome:
+        """A call whose process the kernel will not let us read (it made itself not
+        dumpable, or runs a program its user may not read, and we lack CAP_SYS_PTRACE):
+        failed EPERM, never let go on unjudged, since one prctl would otherwise take a
+        command past every check."""
+        outcome = self._reply(notif, Outcome.REFUSED, errno.EPERM)
+        if outcome == Outcome.REFUSED:
+            self._say(messages.allocation_unreadable(self._pid, notif.tid), time.monotonic())
         return outcome
 
     def _recheck_loop(self) -> None:

@@ -41,8 +41,8 @@ Steps (arguments), each `key=value,...`:
                                driver=1: what went on is added to this process's usage in
                                the fake NVML's state ($FAKE_NVML_STATE), as a driver would
                                hold it: {"step", "calls", "let_go", "refused", "counts"}
-and the steps `out=FD` (write the lines to FD from now on) and `wait=FD` (read one byte
-from FD before going on).
+and the steps `out=FD` (write the lines to FD from now on), `wait=FD` (read one byte
+from FD before going on) and `undumpable` (prctl(PR_SET_DUMPABLE, 0)).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ libc.mmap.argtypes = [
 MAP_32BIT = 0x40  # x86_64: below 4 GiB, where an i386 call's pointers can reach
 PAGE = 4096
 NV_ERR_NO_MEMORY = 0x51
+PR_SET_DUMPABLE = 4
 STATUS_AT = {"nvos21": 28, "nvos64": 40, "vidheap": 20}
 FORM = {"nvos21": (0x2B, 32), "nvos64": (0x2B, 48), "vidheap": (0x4A, 184)}
 VIDHEAP = {2: (56, 144, 88), 14: (56, 136, 80), 6: (64, 144, 88)}  # attr, attr2, size
@@ -461,6 +462,8 @@ def main() -> None:
             OUT[0] = int(spec[4:])
         elif spec.startswith("wait="):
             os.read(int(spec[5:]), 1)
+        elif spec == "undumpable":
+            libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
         else:
             o = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
             if o.get("bg") == "1":

@@ -318,6 +318,31 @@ def test_without_cap_sys_admin_the_trampoline_sets_no_new_privs_and_the_gate_hol
     assert lines[2] == {"outcomes": ["refused", "allowed"], "exit": 0}
 
 
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
+def test_a_command_that_makes_itself_not_dumpable_gets_its_calls_refused_never_let_on() -> None:
+    """Without CAP_SYS_PTRACE the kernel lets the listener read a process of its user only
+    while that process is dumpable: one prctl made every gated call unreadable, and each went
+    on to the driver unjudged (outcome error, as a bug of ours). The listener runs as exec
+    does without root: here root without CAP_SYS_PTRACE (its bounding set)."""
+    host = Path(__file__).with_name("gate_host.py")
+    no_ptrace = ["setpriv", "--inh-caps", "-all", "--bounding-set", "-sys_ptrace"]
+    steps = [f"size={5 * GIB}", "undumpable", f"size={GIB}", "class=0x80"]
+    out = subprocess.run(
+        [*no_ptrace, sys.executable, str(host), str(4 * GIB), "0", *steps],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        check=False,
+    )
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(lines) == 4, (out.stdout, out.stderr)
+    assert refused(lines[0])  # read and judged while it was dumpable: the gate saw it
+    for line in lines[1:3]:  # unread, so not let on, whatever it asked
+        assert (line["ret"], line["errno"], line["status"]) == (-1, errno.EPERM, UNTOUCHED)
+    assert lines[3] == {"outcomes": ["refused", "refused", "refused"], "exit": 0}
+    assert "cannot read" in out.stderr and "CAP_SYS_PTRACE" in out.stderr
+
+
 class _Faulty(Ledger):
     """A bug in the gate, once."""
 
