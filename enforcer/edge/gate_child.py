@@ -88,6 +88,7 @@ def spawn(path: str, argv: list[str], program: bytes, sigdef: tuple[int, ...] = 
         theirs.close()
     message, fds, _, _ = socket.recv_fds(ours, 64, 1)
     if message == b"ok" and len(fds) == 1:
+        os.set_inheritable(fds[0], False)  # SCM_RIGHTS gives it inheritable: no later child
         return Spawned(pid, ours, fds[0])
     for fd in fds:
         os.close(fd)

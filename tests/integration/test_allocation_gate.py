@@ -181,6 +181,15 @@ def test_an_allocation_within_the_limit_goes_on_to_the_driver(gated: Start) -> N
     assert run.answered() == [Outcome.ALLOWED] and run.errors.count == 0
 
 
+def test_the_listener_fd_is_closed_in_any_later_child_of_its_holder(gated: Start) -> None:
+    """A descriptor taken from SCM_RIGHTS is inheritable unless asked otherwise: a process
+    the holder started later (posix_spawn closes nothing) would hold the listener and could
+    answer the command's calls."""
+    run = gated(f"size={GIB}")
+    assert continued(run.line())
+    assert not os.get_inheritable(run.fd)
+
+
 def test_an_allocation_past_the_limit_is_refused_with_the_drivers_status_and_the_process_lives(
     gated: Start, caplog: pytest.LogCaptureFixture
 ) -> None:
