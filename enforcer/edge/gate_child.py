@@ -61,7 +61,7 @@ class Spawned:
             self.sock.close()
 
 
-def spawn(path: str, argv: list[str], program: bytes, sigdef: tuple[int, ...] = ()) -> Spawned:
+def spawn(path: str, argv: list[str], program: bytes) -> Spawned:
     """Start the trampoline for `path` (already resolved: the parent says what is not found)
     and wait for its filter; the command does not run until `go()`."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -82,7 +82,6 @@ def spawn(path: str, argv: list[str], program: bytes, sigdef: tuple[int, ...] = 
             ],
             os.environ,
             setsigmask=(),
-            setsigdef=sigdef,
         )
     finally:
         theirs.close()
