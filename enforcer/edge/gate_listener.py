@@ -54,6 +54,7 @@ _RESP = struct.Struct("<QqiI")
 RECHECK_QUEUE = 64
 _USER_END = 1 << 63  # no user address is above; pread's offset is signed
 STALL_AFTER = 1.0  # s a call may wait unread, or the receiver over one, before it is stalled
+STOP_WITHIN = 2.0  # s stop() waits for a thread held inside a call
 
 
 class Outcome(StrEnum):
@@ -251,13 +252,24 @@ class GateListener:
             log.warning("the allocation gate answers again")
         self.stalled = stalled
 
-    def stop(self) -> None:
-        """Stop serving (the fd stays open: its owner closes it); calls still waiting for a
-        recheck go on."""
+    def stop(self, within: float = STOP_WITHIN) -> bool:
+        """Stop serving; calls still waiting for a recheck go on. True once both threads
+        have ended: its owner may then close the fd. False (said) where one is still held
+        inside a call after `within` seconds (a workload's memory or file that never
+        answers, served by a process outside the command): it is left, with the fd."""
         self._stopping.set()
+        deadline = time.monotonic() + within
         for thread in (self._receiver, self._worker):
             if thread is not None:
-                thread.join()
+                thread.join(max(0.0, deadline - time.monotonic()))
+        held = [t.name for t in (self._receiver, self._worker) if t and t.is_alive()]
+        if held:
+            log.warning(
+                "the allocation gate's %s is still held inside a call after %.0f s (the "
+                "command's memory or file does not answer its read): it is left behind",
+                " and ".join(held),
+                within,
+            )
         while not self._rechecks.empty():
             p = self._rechecks.get_nowait()
             try:
@@ -266,6 +278,7 @@ class GateListener:
                 pass  # nothing more to tell it
             finally:
                 os.close(p.mem)
+        return not held
 
     def _receive(self) -> None:
         poller = select.poll()

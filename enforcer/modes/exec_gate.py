@@ -136,8 +136,8 @@ class ExecGate:
             self._ledger.saw(sum(unit.used_bytes for unit in units), self._began)
 
     def stop(self) -> None:
-        if self._listener is not None:
-            self._listener.stop()
+        if self._listener is not None and not self._listener.stop():
+            return  # a thread held inside a call still reads the fd: it stays open
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -514,6 +514,29 @@ class _Held(Ledger):
         return judged
 
 
+def test_a_receiver_held_in_a_call_does_not_hold_its_owners_stop() -> None:
+    """A workload can hold the receiver inside one call for ever (its block on memory whose
+    fault a process outside the command never serves, its fd on a FUSE file whose daemon
+    outside never answers): stop() waited for it, and exec never exited after its command.
+    It gives up after a bound, says so, and leaves the fd open for the held thread."""
+    ledger = _Held(4 * GIB)
+    run = Gated([f"size={GIB}"], 4 * GIB, 0, ledger)
+    try:
+        assert ledger.entered.wait(DEADLINE)
+        stopped: list[bool] = []
+        stopper = threading.Thread(target=lambda: stopped.append(run.listener.stop()))
+        stopper.start()
+        stopper.join(DEADLINE)
+        assert stopped == [False]  # came back while the receiver is still held
+        ledger.release.set()
+        assert continued(run.line())  # the held call was still answered
+    finally:
+        ledger.release.set()
+        run.close()
+        os.kill(run.spawned.pid, signal.SIGKILL)
+        os.waitpid(run.spawned.pid, 0)
+
+
 @pytest.mark.parametrize(
     ("size", "answer", "outcome"),
     [(GIB, continued, Outcome.ALLOWED), (5 * GIB, refused, Outcome.REFUSED)],
