@@ -459,7 +459,10 @@ class GateListener:
     def _on_gpu(self, notif: Notification) -> bool:
         """Whether the call's fd is an NVIDIA device node: other drivers' requests can share
         the escapes' NR and SIZE bits."""
-        st = os.stat(f"/proc/{notif.tid}/fd/{notif.fd}")
+        try:
+            st = os.stat(f"/proc/{notif.tid}/fd/{notif.fd}")
+        except FileNotFoundError:  # no such descriptor (the kernel answers EBADF), or task
+            return False
         return stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) in self._majors
 
     def _valid(self, notif: Notification) -> bool:

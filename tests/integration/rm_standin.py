@@ -14,7 +14,8 @@ Steps (arguments), each `key=value,...`:
   kind=0x47 dir=2 hi32=1       the request's type byte, direction, bit 32 set
   abi=i386     through `int 0x80` (x86_64 only); abi=i386hi the same with junk in the upper
                halves of the 64-bit registers (the kernel passes the lower ones)
-  file=PATH    the file the request is issued on (default /dev/null)
+  file=PATH    the file the request is issued on (default /dev/null); fd=N on descriptor
+               N as it is (one that is not open: EBADF)
   at=N         the block N bytes into its page (odd; at the end of the mapping: a short read)
   argp=A       the request's pointer replaced by A (unmapped, past user space)
   params=A     NVOS64's pAllocParms replaced by A; far=1 the allocation's parameters mapped
@@ -158,7 +159,9 @@ class Prepared:
         return ret, ctypes.get_errno() if ret < 0 else 0
 
     def issue_once(self) -> tuple[int, int]:
-        """The request issued on a file of its own."""
+        """The request issued on a file of its own, or on `fd=N` as it is."""
+        if "fd" in self.options:
+            return self.issue(int(self.options["fd"]))
         fd = self.open()
         try:
             return self.issue(fd)

@@ -299,6 +299,17 @@ def test_the_request_on_a_file_that_is_no_gpu_goes_on(gated: Start, tmp_path: Pa
     assert run.answered() == [Outcome.NOT_GPU]
 
 
+def test_a_request_on_a_descriptor_that_is_not_open_goes_on_and_is_no_bug(gated: Start) -> None:
+    """The kernel answers it EBADF (nothing reaches any driver): workload garbage, not a
+    bug of ours in unexpected_errors_total, which a workload could otherwise fill at will."""
+    run = gated(f"fd=999,size={5 * GIB}", f"size={5 * GIB}")
+    line = run.line()
+    assert (line["ret"], line["errno"]) == (-1, errno.EBADF)
+    assert refused(run.line())  # the next call judged: the gate goes on
+    assert run.answered() == [Outcome.NOT_GPU, Outcome.REFUSED]
+    assert run.errors.count == 0
+
+
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
 def test_without_cap_sys_admin_the_trampoline_sets_no_new_privs_and_the_gate_holds() -> None:
     """The kernel takes a filter from a process without CAP_SYS_ADMIN only under
