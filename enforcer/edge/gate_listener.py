@@ -17,6 +17,7 @@ not race it, and sampling is the enforcement of record.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import functools
@@ -460,10 +461,10 @@ class GateListener:
         """Whether the call's fd is an NVIDIA device node: other drivers' requests can share
         the escapes' NR and SIZE bits."""
         try:
-            st = os.stat(f"/proc/{notif.tid}/fd/{notif.fd}")
+            mode, major = _cached_device(f"/proc/{notif.tid}/fd/{notif.fd}")
         except FileNotFoundError:  # no such descriptor (the kernel answers EBADF), or task
             return False
-        return stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) in self._majors
+        return stat.S_ISCHR(mode) and major in self._majors
 
     def _valid(self, notif: Notification) -> bool:
         try:
@@ -516,6 +517,24 @@ def _memory(tid: int) -> int:
     taken by a thread of another process, would be served from the first process's memory
     while its other threads live; reads through it succeed, so no short read tells."""
     return os.open(f"/proc/{tid}/mem", os.O_RDWR | os.O_CLOEXEC)
+_libc = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD, _AT_STATX_DONT_SYNC, _STATX_TYPE = -100, 0x4000, 0x1
+_STATX_SIZE, _STATX_MODE_AT, _STATX_RDEV_MAJOR_AT = 256, 28, 128  # struct statx
+
+
+def _cached_device(path: str) -> tuple[int, int]:
+    """The mode and device major of the file `path` leads to, as the kernel has them
+    cached: never asked of its filesystem (AT_STATX_DONT_SYNC), since a workload's file
+    can be on a FUSE mount whose daemon never answers. A device node's type and number
+    do not change."""
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    flags = _AT_STATX_DONT_SYNC
+    if _libc.statx(_AT_FDCWD, os.fsencode(path), flags, _STATX_TYPE, buf) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), path)
+    (mode,) = struct.unpack_from("<H", buf.raw, _STATX_MODE_AT)
+    (major,) = struct.unpack_from("<I", buf.raw, _STATX_RDEV_MAJOR_AT)
+    return mode, major
 
 
 def _readable(fd: int) -> bool:

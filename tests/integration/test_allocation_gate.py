@@ -37,6 +37,7 @@ from enforcer.edge.gate_listener import (
     Outcome,
 )
 from enforcer.edge.seccomp_filter import program
+from tests.hung_fuse import hung_fuse
 
 GIB = 1 << 30
 STANDIN = str(Path(__file__).with_name("rm_standin.py"))
@@ -308,6 +309,34 @@ def test_a_request_on_a_descriptor_that_is_not_open_goes_on_and_is_no_bug(gated:
     assert refused(run.line())  # the next call judged: the gate goes on
     assert run.answered() == [Outcome.NOT_GPU, Outcome.REFUSED]
     assert run.errors.count == 0
+
+
+def test_a_request_on_a_file_of_a_hung_mount_does_not_hold_the_gate(
+    gated: Start, tmp_path: Path
+) -> None:
+    """The gate looks at the file a call is on to tell an NVIDIA node: a `stat` that asks a
+    FUSE daemon which never answers held the receiver for ever, and every later call of the
+    command with it. Its cached attributes are enough (a device node's type and number do
+    not change): the call goes on (to the hung file, the workload's own) and the next one
+    on another thread is judged."""
+    held: list[int] = []  # closed once the mount is gone: a flush would wait
+    try:
+        with hung_fuse(tmp_path / "mnt") as fuse:
+            held.append(fd := os.open(fuse.file, os.O_RDONLY))
+            os.set_inheritable(fd, True)
+            fuse.hang()
+            run = gated(f"fd={fd},size={5 * GIB},bg=1", f"size={5 * GIB}")
+            assert refused(run.line())
+            for _ in range(int(DEADLINE * 100)):  # it counts the call just after answering
+                if len(run.outcomes) == 2:
+                    break
+                time.sleep(0.01)
+            assert sorted(run.outcomes) == sorted([Outcome.NOT_GPU, Outcome.REFUSED])
+            assert run.errors.count == 0
+    finally:
+        for fd in held:
+            with contextlib.suppress(OSError):  # ENOTCONN: its flush had no mount to go to
+                os.close(fd)
 
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
