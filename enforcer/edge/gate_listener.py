@@ -256,8 +256,8 @@ class GateListener:
     def stop(self, within: float = STOP_WITHIN) -> bool:
         """Stop serving; calls still waiting for a recheck go on. True once both threads
         have ended: its owner may then close the fd. False (said) where one is still held
-        inside a call after `within` seconds (a workload's memory or file that never
-        answers, served by a process outside the command): it is left, with the fd."""
+        inside a call after `within` seconds (a workload's memory that never
+        answers a read, served by a process outside the command): it is left, with the fd."""
         self._stopping.set()
         deadline = time.monotonic() + within
         for thread in (self._receiver, self._worker):
@@ -267,7 +267,7 @@ class GateListener:
         if held:
             log.warning(
                 "the allocation gate's %s is still held inside a call after %.0f s (the "
-                "command's memory or file does not answer its read): it is left behind",
+                "command's memory does not answer its read): it is left behind",
                 " and ".join(held),
                 within,
             )

@@ -556,8 +556,8 @@ class _Held(Ledger):
 
 def test_a_receiver_held_in_a_call_does_not_hold_its_owners_stop() -> None:
     """A workload can hold the receiver inside one call for ever (its block on memory whose
-    fault a process outside the command never serves, its fd on a FUSE file whose daemon
-    outside never answers): stop() waited for it, and exec never exited after its command.
+    fault a process outside the command never serves: the listener's read waits on it):
+    stop() waited for it, and exec never exited after its command.
     It gives up after a bound, says so, and leaves the fd open for the held thread."""
     ledger = _Held(4 * GIB)
     run = Gated([f"size={GIB}"], 4 * GIB, 0, ledger)
