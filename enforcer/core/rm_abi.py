@@ -56,12 +56,15 @@ _LOCATION_VIDMEM = 0  # NVOS32_ATTR_LOCATION (attr 26:25); PCI and ANY are syste
 
 @dataclass(frozen=True, slots=True)
 class VidHeapFields:
-    """Where one NVOS32 allocating function keeps its fields."""
+    """Where one NVOS32 allocating function keeps its fields. `height_pitch`: where a
+    function whose size the driver sets to height * pitch keeps those two (it overwrites
+    the size field), None where the size field is what it allocates."""
 
     flags: int
     attr: int
     attr2: int
     size: int
+    height_pitch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +88,7 @@ LAYOUT = Layout(
     vid_heap={
         2: VidHeapFields(flags=52, attr=56, attr2=144, size=88),
         14: VidHeapFields(flags=52, attr=56, attr2=136, size=80),
-        6: VidHeapFields(flags=52, attr=64, attr2=144, size=88),
+        6: VidHeapFields(flags=52, attr=64, attr2=144, size=88, height_pitch=56),
     },
 )
 FIRST_BRANCH, LAST_BRANCH = 535, 599  # the branches whose layouts were compiled and compared
@@ -181,7 +184,11 @@ def _vid_heap(argp: int, read: Read, layout: Layout) -> Call:
         return Call(escape, detail="EGM")
     if (location := (attr >> 25) & 3) != _LOCATION_VIDMEM:  # PCI and ANY: system memory
         return Call(escape, detail=f"location {('VIDMEM', 'PCI', 'AGP', 'ANY')[location]}")
-    (ask,) = struct.unpack_from("<Q", params, fields.size)
+    if fields.height_pitch is None:
+        (ask,) = struct.unpack_from("<Q", params, fields.size)
+    else:  # `(NvU64)height * pitch`, pitch an NvS32: as the driver computes it
+        height, pitch = struct.unpack_from("<Ii", params, fields.height_pitch)
+        ask = height * pitch % (1 << 64)
     return Call(
         escape, detail="VIDMEM", ask_bytes=ask, status_addr=argp + layout.status[NVOS32_SIZE]
     )

@@ -10,6 +10,7 @@ NV_ERR_NO_MEMORY (0x51) in its status. One JSON line per step on stdout:
 Steps (arguments), each `key=value,...`:
   form=nvos64|nvos21|vidheap   the block (default nvos64)
   class=0x40   size=1073741824 fn=2 loc=0 flags=0 egm=0     what it asks
+  field=N      VID_HEAP's size field written as N (fn=6 still asks `size` as height * pitch)
   wrap=1       through NV_ESC_IOCTL_XFER_CMD; inner=0x12B replaces the inner command
   kind=0x47 dir=2 hi32=1       the request's type byte, direction, bit 32 set
   abi=i386     through `int 0x80` (x86_64 only); abi=i386hi the same with junk in the upper
@@ -205,7 +206,10 @@ def prepare(spec: str) -> Prepared:
         struct.pack_into("<I", block, 52, int(o.get("flags", "0"), 0))
         struct.pack_into("<I", block, attr, int(o.get("loc", "0"), 0) << 25)
         struct.pack_into("<I", block, attr2, int(o.get("egm", "0"), 0) << 24)
-        struct.pack_into("<Q", block, at, int(o.get("size", "0"), 0))
+        ask = int(o.get("size", "0"), 0)
+        struct.pack_into("<Q", block, at, int(o.get("field", str(ask)), 0))
+        if fn == 6:  # the driver allocates height * pitch, whatever the size field says
+            struct.pack_into("<Ii", block, 56, ask >> 16, 1 << 16)
         size_at: int | None = params + at
     else:
         pointer = int(o.get("params", str(alloc)), 0)

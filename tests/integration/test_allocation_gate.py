@@ -225,7 +225,14 @@ def test_a_free_seen_by_the_next_pass_lets_the_retry_through(gated: Start) -> No
 
 
 @pytest.mark.parametrize(
-    "step", ["form=nvos21", "form=vidheap,fn=2", "form=vidheap,fn=14", "form=vidheap,fn=6"]
+    "step",
+    [
+        "form=nvos21",
+        "form=vidheap,fn=2",
+        "form=vidheap,fn=14",
+        "form=vidheap,fn=6",
+        "form=vidheap,fn=6,field=0",  # the driver allocates height * pitch: not the field
+    ],
 )
 def test_each_form_is_refused_at_its_own_status(gated: Start, step: str) -> None:
     """The stand-in reads the status where its form keeps it: NVOS21 28, NVOS32 20."""

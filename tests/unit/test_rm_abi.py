@@ -60,6 +60,8 @@ def nvos32(function: int, size: int, location: int = 0, flags: int = 0, egm: boo
     struct.pack_into("<I", block, attr_at, location << 25)
     struct.pack_into("<I", block, attr2_at, int(egm) << 24)
     struct.pack_into("<Q", block, size_at, size)
+    if function == 6:  # the driver allocates height * pitch
+        struct.pack_into("<Ii", block, 56, size >> 16, 1 << 16)
     return bytes(block)
 
 
@@ -132,6 +134,19 @@ def test_vid_heap_video_memory_is_asked_at_each_functions_offsets_and_refused_at
     assert call == Call(
         f"VID_HEAP/{name}", detail="VIDMEM", ask_bytes=2 * GIB, status_addr=PARAMS + 20
     )
+
+
+def test_a_tiled_pitch_height_call_asks_height_times_pitch_whatever_its_size_field_says() -> None:
+    """The driver sets the size to height * pitch before it allocates
+    (`_nvos32FunctionAllocTiledPitchHeight`): read from the size field, a caller that wrote
+    0 there got any amount past the gate, with no race at all."""
+    block = bytearray(nvos32(6, 0))
+    struct.pack_into("<Ii", block, 56, 1 << 16, 1 << 16)  # height, pitch: 4 GiB
+    call = decode(ioc(0x4A, 184), PARAMS, reader(memory(params=bytes(block))))
+    assert call.ask_bytes == 4 * GIB
+    struct.pack_into("<i", block, 60, -1)  # pitch is signed: the driver's NvU64 product wraps
+    call = decode(ioc(0x4A, 184), PARAMS, reader(memory(params=bytes(block))))
+    assert call.ask_bytes == ((1 << 16) * ((1 << 64) - 1)) % (1 << 64)
 
 
 @pytest.mark.parametrize(
