@@ -517,6 +517,8 @@ def _memory(tid: int) -> int:
     taken by a thread of another process, would be served from the first process's memory
     while its other threads live; reads through it succeed, so no short read tells."""
     return os.open(f"/proc/{tid}/mem", os.O_RDWR | os.O_CLOEXEC)
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD, _AT_STATX_DONT_SYNC, _STATX_TYPE = -100, 0x4000, 0x1
 _STATX_SIZE, _STATX_MODE_AT, _STATX_RDEV_MAJOR_AT = 256, 28, 128  # struct statx
