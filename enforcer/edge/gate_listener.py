@@ -209,6 +209,11 @@ class GateListener:
         self.stalled = False
 
     @property
+    def ended(self) -> bool:
+        """Every task under the filter has exited: nothing more to serve, nor to stall."""
+        return self._ended
+
+    @property
     def answered(self) -> int:
         """Calls answered so far: the progress its owner's stall gauge follows."""
         return self._answered
@@ -232,8 +237,17 @@ class GateListener:
         callers wait meanwhile, they never fail), and a listener that has not answered a
         waiting call, or whose receiver has been over one call, for `STALL_AFTER` is said
         stalled (a workload's memory the receiver reads can keep it waiting)."""
-        if self._stopping.is_set() or self._ended:
+        if self._stopping.is_set():
             return
+        stalled = not self._ended and self._stalled_now()
+        if stalled and not self.stalled:
+            log.error("the allocation gate has not answered for %.0f s", STALL_AFTER)
+        elif self.stalled and not stalled:
+            log.warning("the allocation gate answers again")
+        self.stalled = stalled
+
+    def _stalled_now(self) -> bool:
+        """Restarts a stopped thread; whether a call has waited unanswered too long."""
         if self._receiver is not None and not self._receiver.is_alive():
             log.error("the allocation gate's receiver stopped (a bug); it is restarted")
             self._receiver = self._thread("allocation-gate", self._receive)
@@ -244,14 +258,9 @@ class GateListener:
         if self._answered != self._seen[0] or not waiting:
             self._seen = (self._answered, now)
         busy = self._busy_since
-        stalled = (waiting and now - self._seen[1] > STALL_AFTER) or (
+        return (waiting and now - self._seen[1] > STALL_AFTER) or (
             busy is not None and now - busy > STALL_AFTER
         )
-        if stalled and not self.stalled:
-            log.error("the allocation gate has not answered for %.0f s", STALL_AFTER)
-        elif self.stalled and not stalled:
-            log.warning("the allocation gate answers again")
-        self.stalled = stalled
 
     def stop(self, within: float = STOP_WITHIN) -> bool:
         """Stop serving; calls still waiting for a recheck go on. True once both threads
