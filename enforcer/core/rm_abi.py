@@ -15,6 +15,8 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from enforcer.core.model import format_bytes
+
 IOC_NR_SIZE_MASK = 0x3FFF00FF  # _IOC_SIZE | _IOC_NR of a request: what the driver decodes
 
 # The escapes' NR numbers (nv_escape.h, nv-ioctl-numbers.h: 'F', base 200, XFER = base + 11)
@@ -52,6 +54,12 @@ _VID_HEAP_FUNCTIONS = {
 }
 _ALLOC_FLAGS_VIRTUAL = 0x00080000  # NVOS32_ALLOC_FLAGS_VIRTUAL: address space, no memory
 _LOCATION_VIDMEM = 0  # NVOS32_ATTR_LOCATION (attr 26:25); PCI and ANY are system memory
+# NVOS32_ATTR_PAGE_SIZE (attr 24:23) 4KB, BIG, HUGE; HUGE's size is NVOS32_ATTR2_PAGE_SIZE_HUGE
+# (attr2 21:20: DEFAULT, which the driver takes as 2MB, 2MB, 512MB, 256GB). BIG is the GPU's
+# largest big page, 64 or 128 KiB: the larger counted. DEFAULT (0) is the driver's choice.
+# 535 has no 256GB (it takes attr2 3 as a default page): counted as 256 GiB all the same.
+_PAGE_4KB, _PAGE_BIG = 4 << 10, 128 << 10
+_PAGE_HUGE = (2 << 20, 2 << 20, 512 << 20, 256 << 30)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +82,7 @@ class Layout:
     status: dict[int, int]  # request SIZE -> offset of `status` (NVOS21, NVOS64, NVOS32)
     hclass: int  # NVOS21/NVOS64
     alloc_params: int  # NVOS21/NVOS64: pAllocParms
+    memory_attr: int  # NV_MEMORY_ALLOCATION_PARAMS.attr (attr2 follows it)
     memory_size: int  # NV_MEMORY_ALLOCATION_PARAMS.size
     function: int  # NVOS32
     vid_heap: dict[int, VidHeapFields]  # NVOS32 function -> its fields
@@ -83,6 +92,7 @@ LAYOUT = Layout(
     status={NVOS21_SIZE: 28, NVOS64_SIZE: 40, NVOS32_SIZE: 20},
     hclass=12,
     alloc_params=16,
+    memory_attr=24,
     memory_size=64,
     function=8,
     vid_heap={
@@ -163,7 +173,10 @@ def _rm_alloc(size: int, argp: int, read: Read, layout: Layout) -> Call:
     detail = f"class 0x{hclass:x}"
     if hclass != NV01_MEMORY_LOCAL_USER or alloc_params == 0:
         return Call(escape, detail=detail if alloc_params else f"{detail}, no parameters")
-    (ask,) = struct.unpack("<Q", _read(read, alloc_params + layout.memory_size, 8))
+    memory = _read(read, alloc_params, layout.memory_size + 8)
+    attr, attr2 = struct.unpack_from("<II", memory, layout.memory_attr)
+    (size_field,) = struct.unpack_from("<Q", memory, layout.memory_size)
+    ask, detail = _in_pages(size_field, attr, attr2, detail)
     return Call(escape, detail=detail, ask_bytes=ask, status_addr=argp + layout.status[size])
 
 
@@ -189,9 +202,32 @@ def _vid_heap(argp: int, read: Read, layout: Layout) -> Call:
     else:  # `(NvU64)height * pitch`, pitch an NvS32: as the driver computes it
         height, pitch = struct.unpack_from("<Ii", params, fields.height_pitch)
         ask = height * pitch % (1 << 64)
-    return Call(
-        escape, detail="VIDMEM", ask_bytes=ask, status_addr=argp + layout.status[NVOS32_SIZE]
-    )
+    ask, detail = _in_pages(ask, attr, attr2, "VIDMEM")
+    return Call(escape, detail=detail, ask_bytes=ask, status_addr=argp + layout.status[NVOS32_SIZE])
+
+
+def _page_bytes(attr: int, attr2: int) -> int | None:
+    """The page size an allocation's attributes ask for; None where they leave it to the
+    driver (DEFAULT), which picks by size and GPU."""
+    match (attr >> 23) & 3:
+        case 0:
+            return None
+        case 1:
+            return _PAGE_4KB
+        case 2:
+            return _PAGE_BIG
+        case _:
+            return _PAGE_HUGE[(attr2 >> 20) & 3]
+
+
+def _in_pages(size: int, attr: int, attr2: int, detail: str) -> tuple[int, str]:
+    """What an allocation of `size` holds: the driver rounds it up to the page size asked,
+    so a 1-byte ask in 512 MiB pages holds 512 MiB. Never wraps (the driver's NvU64 sum can):
+    a size near 2^64 stays past any limit."""
+    page = _page_bytes(attr, attr2)
+    if page is None:
+        return size, detail
+    return -(-size // page) * page, f"{detail}, {format_bytes(page)} pages"
 
 
 def _read(read: Read, address: int, n: int) -> bytes:

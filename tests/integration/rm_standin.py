@@ -11,6 +11,8 @@ Steps (arguments), each `key=value,...`:
   form=nvos64|nvos21|vidheap   the block (default nvos64)
   class=0x40   size=1073741824 fn=2 loc=0 flags=0 egm=0     what it asks
   field=N      VID_HEAP's size field written as N (fn=6 still asks `size` as height * pitch)
+  attr=N attr2=N  the attributes (NVOS32_ATTR*: page size 24:23, huge page size 21:20),
+               in class 0x40's NV_MEMORY_ALLOCATION_PARAMS or or'ed into VID_HEAP's
   wrap=1       through NV_ESC_IOCTL_XFER_CMD; inner=0x12B replaces the inner command
   kind=0x47 dir=2 hi32=1       the request's type byte, direction, bit 32 set
   abi=i386     through `int 0x80` (x86_64 only); abi=i386hi the same with junk in the upper
@@ -199,13 +201,14 @@ def prepare(spec: str) -> Prepared:
     if o.get("far") == "1":
         alloc = region(low=False)
     block = bytearray(size)
+    attrs = int(o.get("attr", "0"), 0), int(o.get("attr2", "0"), 0)
     if form == "vidheap":
         fn = int(o.get("fn", "2"), 0)
         attr, attr2, at = VIDHEAP.get(fn, VIDHEAP[2])
         struct.pack_into("<I", block, 8, fn)
         struct.pack_into("<I", block, 52, int(o.get("flags", "0"), 0))
-        struct.pack_into("<I", block, attr, int(o.get("loc", "0"), 0) << 25)
-        struct.pack_into("<I", block, attr2, int(o.get("egm", "0"), 0) << 24)
+        struct.pack_into("<I", block, attr, int(o.get("loc", "0"), 0) << 25 | attrs[0])
+        struct.pack_into("<I", block, attr2, int(o.get("egm", "0"), 0) << 24 | attrs[1])
         ask = int(o.get("size", "0"), 0)
         struct.pack_into("<Q", block, at, int(o.get("field", str(ask)), 0))
         if fn == 6:  # the driver allocates height * pitch, whatever the size field says
@@ -215,6 +218,7 @@ def prepare(spec: str) -> Prepared:
         pointer = int(o.get("params", str(alloc)), 0)
         struct.pack_into("<IQ", block, 12, int(o.get("class", "0x40"), 0), pointer)
         memory = bytearray(128)
+        struct.pack_into("<II", memory, 24, *attrs)
         struct.pack_into("<Q", memory, 64, int(o.get("size", "0"), 0))
         put(alloc, bytes(memory))
         size_at = alloc + 64

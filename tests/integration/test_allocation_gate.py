@@ -240,6 +240,20 @@ def test_each_form_is_refused_at_its_own_status(gated: Start, step: str) -> None
     assert refused(run.line())
 
 
+@pytest.mark.parametrize("form", ["nvos64", "vidheap"])
+def test_a_1_byte_ask_in_512_mib_pages_counts_512_mib(gated: Start, form: str) -> None:
+    """The driver rounds a size up to the page size asked for (attr HUGE, attr2 512MB): 8 of
+    them fill 4 GiB, and the 9th is refused (the gate counted 8 bytes, and let it on)."""
+    step = f"form={form},size=1,attr={3 << 23},attr2={2 << 20}"
+    run = gated(*[step] * 8, "wait=GO", step)
+    for _ in range(8):
+        assert continued(run.line())
+    run.usage = 4 * GIB  # what the driver holds for the 8 calls let through
+    run.go_on()
+    assert refused(run.line())
+    assert run.answered() == [Outcome.ALLOWED] * 8 + [Outcome.REFUSED]
+
+
 @pytest.mark.parametrize(
     "step",
     [

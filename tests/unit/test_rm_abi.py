@@ -42,14 +42,24 @@ def nvos64(hclass: int, alloc: int = ALLOC) -> bytes:
     return bytes(block)
 
 
-def memory_params(size: int) -> bytes:
+def memory_params(size: int, attr: int = 0, attr2: int = 0) -> bytes:
     block = bytearray(128)
+    struct.pack_into("<II", block, 24, attr, attr2)
     struct.pack_into("<Q", block, 64, size)
     return bytes(block)
 
 
-def nvos32(function: int, size: int, location: int = 0, flags: int = 0, egm: bool = False) -> bytes:
-    """NVOS32_PARAMETERS with an allocating function's fields where that function has them."""
+def nvos32(
+    function: int,
+    size: int,
+    location: int = 0,
+    flags: int = 0,
+    egm: bool = False,
+    attr: int = 0,
+    attr2: int = 0,
+) -> bytes:
+    """NVOS32_PARAMETERS with an allocating function's fields where that function has them;
+    `attr` and `attr2` are or'ed into those the other arguments set."""
     attr_at, attr2_at, size_at = {2: (56, 144, 88), 14: (56, 136, 80), 6: (64, 144, 88)}.get(
         function, (56, 144, 88)
     )
@@ -57,8 +67,8 @@ def nvos32(function: int, size: int, location: int = 0, flags: int = 0, egm: boo
     struct.pack_into("<I", block, 8, function)
     struct.pack_into("<I", block, 20, 0xFFFFFFFF)  # status
     struct.pack_into("<I", block, 52, flags)
-    struct.pack_into("<I", block, attr_at, location << 25)
-    struct.pack_into("<I", block, attr2_at, int(egm) << 24)
+    struct.pack_into("<I", block, attr_at, location << 25 | attr)
+    struct.pack_into("<I", block, attr2_at, int(egm) << 24 | attr2)
     struct.pack_into("<Q", block, size_at, size)
     if function == 6:  # the driver allocates height * pitch
         struct.pack_into("<Ii", block, 56, size >> 16, 1 << 16)
@@ -147,6 +157,66 @@ def test_a_tiled_pitch_height_call_asks_height_times_pitch_whatever_its_size_fie
     struct.pack_into("<i", block, 60, -1)  # pitch is signed: the driver's NvU64 product wraps
     call = decode(ioc(0x4A, 184), PARAMS, reader(memory(params=bytes(block))))
     assert call.ask_bytes == ((1 << 16) * ((1 << 64) - 1)) % (1 << 64)
+
+
+MIB = 1 << 20
+# NVOS32_ATTR_PAGE_SIZE (attr 24:23) and NVOS32_ATTR2_PAGE_SIZE_HUGE (attr2 21:20), nvos.h
+PAGE_4KB, PAGE_BIG, PAGE_HUGE = 1 << 23, 2 << 23, 3 << 23
+HUGE_2MB, HUGE_512MB, HUGE_256GB = 1 << 20, 2 << 20, 3 << 20
+PAGES = [
+    (PAGE_4KB, 0, 4096, "4.00 KiB"),
+    (PAGE_BIG, 0, 128 << 10, "128.00 KiB"),  # 64 or 128 KiB by GPU: the larger
+    (PAGE_HUGE, 0, 2 * MIB, "2.00 MiB"),  # the driver takes HUGE's DEFAULT as 2MB
+    (PAGE_HUGE, HUGE_2MB, 2 * MIB, "2.00 MiB"),
+    (PAGE_HUGE, HUGE_512MB, 512 * MIB, "512.00 MiB"),
+    (PAGE_HUGE, HUGE_256GB, 256 * GIB, "256.00 GiB"),
+]
+PAGE_IDS = ["4KB", "BIG", "HUGE-DEFAULT", "HUGE-2MB", "HUGE-512MB", "HUGE-256GB"]
+
+
+@pytest.mark.parametrize(("attr", "attr2", "page", "name"), PAGES, ids=PAGE_IDS)
+def test_local_user_memory_asks_its_size_rounded_up_to_the_page_size_it_asks_for(
+    attr: int, attr2: int, page: int, name: str
+) -> None:
+    """The driver rounds the size up to the page size (memmgrAllocDetermineAlignment): read
+    as the size alone, a 1-byte ask in 512 MiB pages got 512 MiB past the gate."""
+    for size, pages in ((1, 1), (page, 1), (page + 1, 2), (3 * GIB + 1, -(-(3 * GIB + 1) // page))):
+        mem = memory(params=nvos64(0x40), alloc=memory_params(size, attr, attr2))
+        call = decode(ioc(0x2B, 48), PARAMS, reader(mem))
+        assert (call.ask_bytes, call.detail) == (pages * page, f"class 0x40, {name} pages")
+
+
+@pytest.mark.parametrize(("attr", "attr2", "page", "name"), PAGES, ids=PAGE_IDS)
+@pytest.mark.parametrize("function", [2, 14, 6])
+def test_vid_heap_video_memory_asks_its_size_rounded_up_to_the_page_size_it_asks_for(
+    function: int, attr: int, attr2: int, page: int, name: str
+) -> None:
+    block = nvos32(function, 1 << 16, attr=attr, attr2=attr2)  # 64 KiB (fn 6: 1 x 64 KiB)
+    call = decode(ioc(0x4A, 184), PARAMS, reader(memory(params=block)))
+    assert (call.ask_bytes, call.detail) == (max(page, 1 << 16), f"VIDMEM, {name} pages")
+
+
+def test_the_default_page_size_is_the_drivers_choice_and_the_size_is_counted_as_asked() -> None:
+    """The driver picks a default page by size and GPU (2 MiB from 2 MiB up): rounding to the
+    largest it may pick would refuse small allocations it places in 64 KiB pages."""
+    mem = memory(params=nvos64(0x40), alloc=memory_params(1, attr2=HUGE_512MB))
+    assert decode(ioc(0x2B, 48), PARAMS, reader(mem)).ask_bytes == 1
+    call = decode(ioc(0x4A, 184), PARAMS, reader(memory(params=nvos32(2, 1, attr2=HUGE_256GB))))
+    assert (call.ask_bytes, call.detail) == (1, "VIDMEM")
+
+
+def test_a_size_near_2_64_rounded_up_stays_past_any_limit_never_wraps_to_small() -> None:
+    """The driver's NvU64 (size + page - 1) wraps to a few bytes; the ask must not."""
+    top = (1 << 64) - 1
+    for attr, attr2, _, _ in PAGES:
+        mem = memory(params=nvos64(0x40), alloc=memory_params(top, attr, attr2))
+        assert decode(ioc(0x2B, 48), PARAMS, reader(mem)).ask_bytes == 1 << 64
+        block = nvos32(2, top, attr=attr, attr2=attr2)
+        assert decode(ioc(0x4A, 184), PARAMS, reader(memory(params=block))).ask_bytes == 1 << 64
+    tiled = bytearray(nvos32(6, 0, attr=PAGE_HUGE, attr2=HUGE_512MB))
+    struct.pack_into("<Ii", tiled, 56, 1 << 16, -1)  # height x pitch: 2^64 - 2^16
+    call = decode(ioc(0x4A, 184), PARAMS, reader(memory(params=bytes(tiled))))
+    assert call.ask_bytes == 1 << 64
 
 
 @pytest.mark.parametrize(
