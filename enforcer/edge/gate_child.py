@@ -28,8 +28,12 @@ EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND = 126, 127  # as a shell's
 _SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
 _SECCOMP_SET_MODE_FILTER = 1
 _SECCOMP_FILTER_FLAG_NEW_LISTENER = 1 << 3
-_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 4, 38
 _CAP_SYS_ADMIN = 21
+
+
+class TrampolineError(Exception):
+    """The trampoline could not be started, or ended before it ran the command: what and why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +47,14 @@ class Spawned:
     why_not: str = ""
 
     def go(self) -> int:
-        """Let the child exec the command; 0 once it has, or the errno its exec failed with."""
+        """Let the child exec the command; 0 once it has, or the errno its exec failed with;
+        TrampolineError (it reaped) where it has gone."""
         try:
             self.sock.send(b"g")
             answer = self.sock.recv(64)
+        except OSError:  # it has gone: killed, as nothing else ends it before "g"
+            why = f"it ended before it ran the command ({_reap(self.pid)})"
+            raise TrampolineError(why) from None
         finally:
             self.sock.close()
         return int(answer.split()[1]) if answer.startswith(b"exec ") else 0
@@ -63,36 +71,58 @@ class Spawned:
 
 def spawn(path: str, argv: list[str], program: bytes) -> Spawned:
     """Start the trampoline for `path` (already resolved: the parent says what is not found)
-    and wait for its filter; the command does not run until `go()`."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    and wait for its filter; the command does not run until `go()`. Where it cannot be
+    started or ends before it answers, TrampolineError, with nothing left open or running
+    (it ends when its socket closes)."""
     try:
-        os.set_inheritable(theirs.fileno(), True)
-        pid = os.posix_spawn(
-            sys.executable,
-            [
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except OSError as exc:
+        raise TrampolineError(f"socketpair: {exc.strerror}") from None
+    try:
+        with theirs:
+            os.set_inheritable(theirs.fileno(), True)
+            pid = os.posix_spawn(
                 sys.executable,
-                "-I",
-                "-S",
-                os.path.abspath(__file__),
-                str(theirs.fileno()),
-                program.hex(),
-                "--",
-                path,
-                *argv,
-            ],
-            os.environ,
-            setsigmask=(),
-        )
-    finally:
-        theirs.close()
-    message, fds, _, _ = socket.recv_fds(ours, 64, 1)
+                [
+                    sys.executable,
+                    "-I",
+                    "-S",
+                    os.path.abspath(__file__),
+                    str(theirs.fileno()),
+                    program.hex(),
+                    "--",
+                    path,
+                    *argv,
+                ],
+                os.environ,
+                setsigmask=(),
+            )
+    except OSError as exc:
+        ours.close()
+        raise TrampolineError(f"posix_spawn {sys.executable}: {exc.strerror}") from None
+    try:
+        message, fds, _, _ = socket.recv_fds(ours, 64, 1)
+    except OSError as exc:
+        message, fds = f"recv: {exc.strerror}".encode(), []
     if message == b"ok" and len(fds) == 1:
         os.set_inheritable(fds[0], False)  # SCM_RIGHTS gives it inheritable: no later child
         return Spawned(pid, ours, fds[0])
     for fd in fds:
         os.close(fd)
-    code = int(message.split()[1]) if message.startswith(b"error ") else errno.EIO
+    if not message.startswith(b"error "):  # gone, or the fd lost
+        ours.close()  # it ends (exit 126) if it still waits
+        ended = _reap(pid)
+        if message == b"ok":  # the kernel drops an fd it has no free number for (MSG_CTRUNC)
+            raise TrampolineError("its listener fd did not arrive: no fd was free for it")
+        raise TrampolineError(message.decode() or f"it ended before it answered ({ended})")
+    code = int(message.split()[1])
     return Spawned(pid, ours, None, f"{errno.errorcode.get(code, code)} ({os.strerror(code)})")
+
+
+def _reap(pid: int) -> str:
+    """How the trampoline ended, once it has: `killed by SIGKILL`, `exit status 126`."""
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
 
 
 def _has_sys_admin() -> bool:
@@ -105,8 +135,12 @@ def _has_sys_admin() -> bool:
 
 def _install(program: bytes) -> int:
     """The filter installed on this process; the listener fd. Without CAP_SYS_ADMIN the
-    kernel requires no_new_privs (setuid programs in the command then gain nothing)."""
+    kernel requires no_new_privs (setuid programs in the command then gain nothing). Not
+    dumpable first, as its parent, while it holds the fd: a process of its user could
+    otherwise take it (pidfd_getfd, ptrace); the command's exec makes it dumpable again."""
     libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0):
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
     if not _has_sys_admin() and libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     code = ctypes.create_string_buffer(program, len(program))
@@ -137,7 +171,10 @@ def main(args: list[str]) -> int:
     except OSError as exc:
         sock.send(f"error {exc.errno or errno.EIO}".encode())
         return EXIT_NOT_EXECUTABLE
-    socket.send_fds(sock, [b"ok"], [fd])
+    try:
+        socket.send_fds(sock, [b"ok"], [fd])
+    except OSError:  # the parent has gone, or given up on us
+        return EXIT_NOT_EXECUTABLE
     os.close(fd)
     if sock.recv(1) != b"g":
         return EXIT_NOT_EXECUTABLE

@@ -54,14 +54,25 @@ def spawn_gated(
     command: tuple[str, ...], required: bool, interval: float
 ) -> tuple[int, int | None]:
     """The command started under the allocation gate's filter: its pid, and the filter's
-    listener fd (this process made not dumpable before the command runs). Where the filter
+    listener fd (this process made not dumpable before that fd exists). Where the filter
     cannot be installed (EBUSY: the command would already run under a seccomp listener, as
     in a nested `exec`), the command runs without it (None) after one line that says so, or
     not at all under `--hard-limits required`."""
     path = command[0] if "/" in command[0] else shutil.which(command[0])
     if path is None:
         raise _failed(command[0], errno.ENOENT)
-    spawned = gate_child.spawn(path, list(command), program())
+    # Not dumpable before the listener fd exists here: a process of our user could otherwise
+    # take it from us (pidfd_getfd, ptrace) and answer the command's calls.
+    if (refused := forbid_inspection()) is not None:
+        log.warning(
+            "could not make vram-enforcer not dumpable (%s): a process of its user "
+            "may take the allocation gate's fd from it",
+            refused,
+        )
+    try:
+        spawned = gate_child.spawn(path, list(command), program())
+    except gate_child.TrampolineError as exc:
+        raise _unstarted(command[0], str(exc)) from None
     if spawned.listener is None:  # the trampoline has given up: it exits
         spawned.abort()
         os.waitpid(spawned.pid, 0)
@@ -70,20 +81,22 @@ def spawn_gated(
             raise StartupError(f"--hard-limits required, but there is no hard limit: {why}")
         log.warning("%s", messages.sampling_only(why, interval))
         return spawn(command), None
-    # Not dumpable before the command runs: a process of our user could otherwise take the
-    # listener fd from us (pidfd_getfd, ptrace) and answer its own calls.
-    if (refused := forbid_inspection()) is not None:
-        log.warning(
-            "could not make vram-enforcer not dumpable (%s): a process of its user "
-            "may take the allocation gate's fd from it",
-            refused,
-        )
-    failed = spawned.go()
+    try:
+        failed = spawned.go()
+    except gate_child.TrampolineError as exc:
+        os.close(spawned.listener)
+        raise _unstarted(command[0], str(exc)) from None
     if failed:
         os.waitpid(spawned.pid, 0)
         os.close(spawned.listener)
         raise _failed(command[0], failed)
     return spawned.pid, spawned.listener
+
+
+def _unstarted(name: str, why: str) -> SpawnError:
+    return SpawnError(
+        EXIT_NOT_EXECUTABLE, f"{name}: not started, the allocation gate's trampoline failed: {why}"
+    )
 
 
 def _failed(name: str, code: int) -> SpawnError:

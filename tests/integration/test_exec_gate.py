@@ -356,3 +356,112 @@ def test_usage_that_cannot_be_read_never_makes_room(gated: GatedExec, gpus: int)
         gated.saw(0)  # a pass without GPU 0 shows the tree holding nothing
     assert refused(gated.go())
     gated.logged("the command tree holds 3.00 GiB (3.00 GiB sampled")  # said after the answer
+
+
+def test_a_trampoline_killed_before_it_runs_the_command_is_said_in_one_line_exit_126(
+    gated: GatedExec,
+) -> None:
+    """Killed once it has handed over the listener fd (gate_exec.py's `trampoline-killed`):
+    exec says what failed, as a command it cannot run (126), and never starts its loop."""
+    gated.launch(
+        "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
+        steps=(ask(GiB),), fault="trampoline-killed",
+    )  # fmt: skip
+    assert gated.wait(timeout=DEADLINE) == 126, gated.stderr
+    assert (
+        "not started, the allocation gate's trampoline failed: it ended before it ran the "
+        "command (killed by SIGKILL)"
+    ) in gated.stderr
+    assert "Traceback" not in gated.stderr
+    assert "enforcing a" not in gated.stderr
+
+
+# exec's gated spawn, run in a process of its own: each line printed is a JSON object.
+SPAWN_GATED = """
+import ctypes, json, os, resource, sys
+from enforcer.edge import gate_child
+from enforcer.modes import exec_spawn
+libc = ctypes.CDLL(None, use_errno=True)
+def fds():
+    return sorted(os.listdir("/proc/self/fd"))
+def dumpable():
+    return libc.prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE
+SHOW = "import ctypes, json; print(json.dumps({'command': ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)}))"
+command = (sys.executable, "-c", SHOW)
+if sys.argv[1] == "no-fd":  # one fd free: socketpair needs two
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    held, before = [], fds()
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        os.close(held.pop())
+    try:
+        exec_spawn.spawn_gated(command, False, 1.0)
+        said = None
+    except exec_spawn.SpawnError as exc:
+        said = [exc.status, str(exc)]
+    for fd in held:
+        os.close(fd)
+    try:
+        child = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        child = None
+    print(json.dumps({"said": said, "fds_kept": fds() == before, "child": child}))
+else:  # who can read the trampoline while it holds the listener fd
+    start = gate_child.spawn
+    def spawn(path, argv, program):
+        seen = {"exec": dumpable()}
+        spawned = start(path, argv, program)
+        try:
+            open(f"/proc/{spawned.pid}/mem", "rb").close()
+            seen["trampoline"] = 0
+        except OSError as exc:
+            seen["trampoline"] = exc.errno
+        print(json.dumps(seen), flush=True)
+        return spawned
+    gate_child.spawn = spawn
+    pid, _ = exec_spawn.spawn_gated(command, False, 1.0)
+    os.waitpid(pid, 0)
+"""
+
+
+def spawn_gated(case: str) -> list[dict[str, Any]]:
+    no_ptrace = ("setpriv", "--inh-caps", "-all", "--bounding-set", "-sys_ptrace")
+    out = subprocess.run(
+        [*no_ptrace, sys.executable, "-c", SPAWN_GATED, case],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=DEADLINE, check=True,
+    )  # fmt: skip
+    assert "Traceback" not in out.stderr, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
+def test_no_fd_free_for_the_trampolines_socket_is_said_exit_126_and_nothing_leaks() -> None:
+    """RLIMIT_NOFILE reached (EMFILE): one line naming socketpair and why; no fd kept, no
+    child left."""
+    assert spawn_gated("no-fd") == [
+        {
+            "said": [
+                126,
+                f"{sys.executable}: not started, the allocation gate's trampoline failed: "
+                "socketpair: Too many open files",
+            ],
+            "fds_kept": True,
+            "child": None,
+        }
+    ]
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
+def test_exec_and_the_trampoline_are_not_dumpable_while_they_hold_the_fd_and_the_command_is() -> (
+    None
+):
+    """exec is not dumpable before the listener fd exists, and the trampoline while it holds
+    it: a process of their user without CAP_SYS_PTRACE cannot read it (EACCES). The
+    command's exec makes it dumpable again, as any program its user may read."""
+    assert spawn_gated("dumpable") == [
+        {"exec": 0, "trampoline": errno.EACCES},
+        {"command": 1},
+    ]
