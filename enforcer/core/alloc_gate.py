@@ -4,11 +4,14 @@ or look again after a fresh sample, from what the command is owed and what it ho
 What it holds is the sampler's last pass plus what the gate let through since: NVML shows
 an allocation only some time after the driver made it (`SETTLE`), so a grant is counted
 until a pass that began `SETTLE` after it. Counting one twice for that long errs toward a
-recheck, never toward an overshoot. A refusal makes the next pass matter too: a workload
-told "out of memory" frees what it caches and asks again (PyTorch does), so a call over
-the limit is refused at once only on a pass newer than the last refusal. Usage the sampler
-could not read never makes room: the last good pass and the grants since stay until the
-next good pass.
+recheck, never toward an overshoot. Frees are not gated, so only a pass sees them: a
+workload that frees 2 GiB and then asks 2 GiB would be refused a spurious out-of-memory on
+a pass taken before its free. A call over the limit is therefore refused only on a pass
+that began after it arrived, and so after every free its caller made before asking (a
+retry after an out-of-memory, as PyTorch makes once it has freed its cache, is one such
+call). Usage the sampler could not read never makes room: the last good pass and the
+grants since stay until the next good pass, and a pass that could not read, begun after
+the call, refuses it on them as a good one would.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ class Verdict(StrEnum):
 class View:
     """What the gate knows of the command tree: its limit (bytes, summed over GPUs), the
     sampler's last good pass (its usage and monotonic time; None before the first), the
-    allocations let through (monotonic time, bytes), oldest first, and the last refusal.
+    allocations let through (monotonic time, bytes), oldest first, and when the last pass
+    began, good or not (`tried_at`).
 
     `since_bytes` is `since()` kept as a running total, so that judging a call costs the
     same with a thousand grants outstanding as with none (a flood of calls reaches that);
@@ -40,7 +44,7 @@ class View:
     sampled_bytes: int = 0
     sampled_at: float | None = None
     grants: tuple[tuple[float, int], ...] = ()
-    refused_at: float | None = None
+    tried_at: float | None = None
     since_bytes: int | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -59,18 +63,18 @@ class View:
     def held(self) -> int:
         return self.sampled_bytes + self.since()
 
-    def fresh(self) -> bool:
-        """The last pass shows every allocation let through and every free made after the
-        last refusal: looking again cannot help."""
-        if self.sampled_at is None or self.since():
+    def fresh(self, arrived: float) -> bool:
+        """The last good pass shows every allocation let through, and the last pass began
+        after a call that arrived at `arrived`, so after every free its caller made before
+        it (one that could not read shows no free): looking again cannot help."""
+        if self.sampled_at is None or self.tried_at is None or self.since():
             return False
-        return self.refused_at is None or self.sampled_at > self.refused_at
+        return self.tried_at > arrived
 
-    def settled_after(self) -> float:
-        """The time after which a pass that begins shows every grant and every free made
-        after the last refusal (-inf: any pass does)."""
-        newest = self.grants[-1][0] + SETTLE if self.grants else float("-inf")
-        return max(newest, float("-inf") if self.refused_at is None else self.refused_at)
+    def settled_after(self, arrived: float) -> float:
+        """The time after which a pass that begins is `fresh` for a call that arrived at
+        `arrived`: it shows every grant and every free made before the call."""
+        return max(self.grants[-1][0] + SETTLE, arrived) if self.grants else arrived
 
     def saw(self, used_bytes: int, at: float) -> View:
         """After a good pass that began at `at`: the grants it shows are dropped (and the
@@ -80,6 +84,7 @@ class View:
             self,
             sampled_bytes=used_bytes,
             sampled_at=at,
+            tried_at=at,
             grants=tuple(g for g in self.grants if g[0] > cutoff),
             since_bytes=None,
         )
@@ -94,11 +99,12 @@ class View:
             since += self._counted(t, a + b) - self._counted(old, a) - self._counted(t, b)
         # Made directly, not by replace(): this is the one change on every allowed call.
         return View(
-            self.limit_bytes, self.sampled_bytes, self.sampled_at, grants, self.refused_at, since
+            self.limit_bytes, self.sampled_bytes, self.sampled_at, grants, self.tried_at, since
         )
 
-    def refused(self, at: float) -> View:
-        return replace(self, refused_at=at)
+    def tried(self, at: float) -> View:
+        """After a pass begun at `at` that could not read the tree's usage."""
+        return replace(self, tried_at=at)
 
     def ungranted(self, at: float, n: int) -> View:
         """A grant whose call never went on (its caller was interrupted): not held."""
@@ -110,11 +116,12 @@ class View:
         return replace(self, grants=tuple(grants), since_bytes=since)
 
 
-def decide(ask_bytes: int, view: View) -> tuple[Verdict, int]:
-    """The verdict on one allocation of `ask_bytes`, and what the tree held when judged."""
+def decide(ask_bytes: int, view: View, arrived: float) -> tuple[Verdict, int]:
+    """The verdict on one allocation of `ask_bytes` whose call arrived at `arrived`
+    (monotonic), and what the tree held when judged."""
     held = view.held()
     if held + ask_bytes <= view.limit_bytes:
         return Verdict.ALLOW, held
-    if ask_bytes > view.limit_bytes or view.fresh():
+    if ask_bytes > view.limit_bytes or view.fresh(arrived):
         return Verdict.REFUSE, held
-    return Verdict.RECHECK, held  # PyTorch frees its cache and retries: a new pass may see room
+    return Verdict.RECHECK, held  # a free made before the call may not be sampled yet

@@ -128,43 +128,46 @@ class Ledger:
             self._view = self._view.saw(used_bytes, at)
             self._changed.notify_all()
 
-    def judge(self, ask_bytes: int) -> tuple[Verdict, View, float]:
-        """The verdict on one allocation, the view it was judged on and when; an allowed one
-        is counted as held from now, a refusal makes the next over-limit call look again."""
+    def tried(self, at: float) -> None:
+        """A pass of the sampler, begun at `at`, that could not read the tree's usage."""
+        with self._changed:
+            self._view = self._view.tried(at)
+            self._changed.notify_all()
+
+    def judge(self, ask_bytes: int, arrived: float) -> tuple[Verdict, View, float]:
+        """The verdict on one allocation whose call arrived at `arrived`, the view it was
+        judged on and when; an allowed one is counted as held from now."""
         with self._changed:
             now, view = time.monotonic(), self._view
-            verdict, _ = decide(ask_bytes, view)
+            verdict, _ = decide(ask_bytes, view, arrived)
             if verdict == Verdict.ALLOW:
                 self._view = view.granted(now, ask_bytes)
-            elif verdict == Verdict.REFUSE:
-                self._view = view.refused(now)
             return verdict, view, now
 
     def ungrant(self, at: float, ask_bytes: int) -> None:
         with self._changed:
             self._view = self._view.ungranted(at, ask_bytes)
 
-    def wait_pass(self, after: float | None, timeout: float) -> bool:
-        """Whether a pass newer than `after` came within `timeout` seconds."""
+    def wait_pass(self, after: float, timeout: float) -> bool:
+        """Whether a pass (good or not) newer than `after` came within `timeout` seconds."""
         with self._changed:
             return self._changed.wait_for(
-                lambda: (
-                    self._view.sampled_at is not None
-                    and (after is None or self._view.sampled_at > after)
-                ),
+                lambda: self._view.tried_at is not None and self._view.tried_at > after,
                 timeout,
             )
 
 
 @dataclass(slots=True)
 class _Pending:
-    """A call over the limit that waits for a fresh pass, its caller's memory held open."""
+    """A call over the limit that waits for a fresh pass, its caller's memory held open;
+    `arrived`: when (monotonic) it was received, after its caller's frees before it."""
 
     notif: Notification
     call: Call
     ask: int
     status_addr: int
     mem: int
+    arrived: float
 
 
 class GateListener:
@@ -311,10 +314,10 @@ class GateListener:
 
     def _one(self, notif: Notification) -> None:
         started = time.perf_counter()
-        self._busy_since = time.monotonic()
+        self._busy_since = arrived = time.monotonic()
         served: list[Outcome | None] = []
         try:
-            if not self._guard.run(lambda: served.append(self._serve(notif))):
+            if not self._guard.run(lambda: served.append(self._serve(notif, arrived))):
                 served = [self._reply(notif, Outcome.ERROR)]  # a bug: the call goes on
         finally:
             self._busy_since = None
@@ -326,8 +329,9 @@ class GateListener:
         self._last_answer = time.monotonic()
         self._count(outcome, time.perf_counter() - started)
 
-    def _serve(self, notif: Notification) -> Outcome | None:
-        """Decide one call and answer it; None if it was handed to the recheck worker."""
+    def _serve(self, notif: Notification, arrived: float) -> Outcome | None:
+        """Decide one call, received at `arrived`, and answer it; None if it was handed to
+        the recheck worker."""
         try:
             if not self._on_gpu(notif):
                 return self._reply(notif, Outcome.NOT_GPU)
@@ -351,7 +355,7 @@ class GateListener:
             if call.ask_bytes is None or call.status_addr is None:
                 log.debug("gate: %s -> not_memory", call.what)
                 return self._reply(notif, Outcome.NOT_MEMORY)
-            pending = _Pending(notif, call, call.ask_bytes, call.status_addr, mem)
+            pending = _Pending(notif, call, call.ask_bytes, call.status_addr, mem, arrived)
             outcome = self._judge(pending)
             if outcome is not None:
                 return outcome
@@ -388,7 +392,7 @@ class GateListener:
     def _judge(self, p: _Pending) -> Outcome | None:
         """Allow or refuse one allocation and answer it; None where a fresh pass may change
         the verdict (nothing answered yet)."""
-        verdict, view, at = self._ledger.judge(p.ask)
+        verdict, view, at = self._ledger.judge(p.ask, p.arrived)
         if verdict == Verdict.RECHECK:
             return None
         if verdict == Verdict.ALLOW:
@@ -456,12 +460,16 @@ class GateListener:
         while not self._stopping.is_set() and (left := deadline - time.monotonic()) > 0:
             if not self._valid(p.notif):  # a signal interrupted it: the kernel asks again
                 return Outcome.ABANDONED
-            due = self._ledger.view().settled_after()
+            view = self._ledger.view()
+            due = view.settled_after(p.arrived)
             if (early := due - time.monotonic()) > 0:
                 self._stopping.wait(min(left, early))
                 continue
             self._want_pass()
-            seen = self._ledger.wait_pass(due, min(left, 0.1))
+            # A pass newer than the last one judged on: one that could not read left the
+            # grants counted, and judging on it again would only spin.
+            last = float("-inf") if view.tried_at is None else view.tried_at
+            seen = self._ledger.wait_pass(max(due, last), min(left, 0.1))
             if seen and (outcome := self._judge(p)) is not None:
                 return outcome
         return self._reply(p.notif, Outcome.UNSURE)

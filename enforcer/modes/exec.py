@@ -440,6 +440,8 @@ def _loop(
             if gate is not None:
                 gate.ticking(now)
             pipeline.tick()
+            if gate is not None:
+                gate.ticked()
             next_tick = max(next_tick + interval, now) if now >= next_tick else next_tick
             if keeper is not None:
                 keeper.check(pipeline.last_units, now)

@@ -36,8 +36,8 @@ RECHECK_WAIT = 0.25  # s: the least a call over the limit waits for a fresh pass
 
 class ExecGate:
     """One command's gate: `spawn` the command under it, `ticking` as each tick begins,
-    `saw` each good pass, `early` for an early tick, `stop` at the end; `counts` for the
-    summary."""
+    `saw` each pass, `ticked` after it, `early` for an early tick, `stop` at the end;
+    `counts` for the summary."""
 
     def __init__(
         self,
@@ -61,6 +61,7 @@ class ExecGate:
         self._main = threading.get_ident()
         self._wanted = threading.Event()
         self._began = float("-inf")  # the last tick's
+        self._read = False  # the last tick's pass read the tree's usage
         self._lock = threading.Lock()
         self._calls: Counter[str] = Counter()
         self._slowest = 0.0
@@ -124,7 +125,7 @@ class ExecGate:
         """The main loop's, as a tick begins at `now` (monotonic): the listener restarted
         if it stopped, and whether it is stuck."""
         self._wanted.clear()
-        self._began = now
+        self._began, self._read = now, False
         if self._listener is not None:
             self._listener.check()
             self._metrics.stalled.set(int(self._listener.stalled))
@@ -134,6 +135,14 @@ class ExecGate:
         read some GPU, or with usage it could not place, keeps the last view."""
         if not sample.failed and not any(unit.has_unknown for unit in units):
             self._ledger.saw(sum(unit.used_bytes for unit in units), self._began)
+            self._read = True
+
+    def ticked(self) -> None:
+        """The main loop's, once the tick's pass is done: one that could not read (NVML
+        down, usage it could not place) is told to the gate too, which refuses on the last
+        good pass a call that waited for it."""
+        if not self._read:
+            self._ledger.tried(self._began)
 
     def stop(self) -> None:
         if self._listener is not None and not self._listener.stop():

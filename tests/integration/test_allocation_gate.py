@@ -68,6 +68,7 @@ class Gated:
         self.usage = usage
         self.sampling = True
         self.asked = threading.Event()
+        self.passes = 0  # the early passes the gate asked for
         self.outcomes: list[Outcome] = []
         self.errors = Errors()
         self.ledger = ledger or Ledger(limit)
@@ -99,6 +100,7 @@ class Gated:
     def sample(self) -> None:
         """The sampler's pass, asked for early by the gate; with `sampling` off, none comes."""
         self.asked.set()
+        self.passes += 1
         if self.sampling:
             self.ledger.saw(self.usage, time.monotonic())
 
@@ -198,7 +200,8 @@ def test_an_allocation_past_the_limit_is_refused_with_the_drivers_status_and_the
     run = gated(f"size={2 * GIB}", f"size={GIB}", usage=3 * GIB)
     assert refused(run.line())
     assert continued(run.line())  # within the limit: the process went on and was served
-    assert run.answered() == [Outcome.REFUSED, Outcome.ALLOWED]
+    # Refused on an early pass, counted by the recheck worker: maybe after the next call.
+    assert sorted(run.answered()) == [Outcome.ALLOWED, Outcome.REFUSED]
     [line] = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert line.startswith("refused a GPU allocation of 2.00 GiB (RM_ALLOC/NVOS64 class 0x40, ")
     assert "holds 3.00 GiB" in line and "of its 4.00 GiB limit" in line
@@ -222,6 +225,29 @@ def test_a_free_seen_by_the_next_pass_lets_the_retry_through(gated: Start) -> No
     run.usage = GIB
     run.go_on()
     assert continued(run.line())
+
+
+def test_a_free_just_before_an_allocation_makes_room_though_the_last_pass_came_before_it(
+    gated: Start,
+) -> None:
+    """Frees are not gated: 3.9 GiB of 4 sampled, no refusal yet, then the command frees
+    2 GiB and asks 2 GiB at once. The pass before the free showed no room: the call waits
+    for an early pass, which shows the free, and goes on; it was refused a spurious
+    out-of-memory on the older pass."""
+    run = gated("wait=GO", f"size={2 * GIB}", usage=int(3.9 * GIB))
+    run.usage = int(1.9 * GIB)  # what the driver holds once the command freed 2 GiB
+    run.go_on()
+    assert continued(run.line())
+    assert run.answered() == [Outcome.ALLOWED] and run.passes == 1
+
+
+def test_calls_looping_over_the_limit_cost_at_most_one_early_pass_each(gated: Start) -> None:
+    """A workload that keeps asking past its limit (4 threads, 50 calls each): each call is
+    refused on a pass begun after it arrived, and one pass serves every call that waits."""
+    run = gated(f"size={GIB},threads=4,repeat=50", usage=int(3.5 * GIB))
+    assert run.line()["counts"] == {f"0/0/{NO_MEMORY:#x}": 200}
+    assert run.answered() == [Outcome.REFUSED] * 200 and run.errors.count == 0
+    assert 0 < run.passes <= 200
 
 
 @pytest.mark.parametrize(
@@ -385,7 +411,8 @@ def test_without_cap_sys_admin_the_trampoline_sets_no_new_privs_and_the_gate_hol
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(lines) == 3, out.stderr
     assert refused(lines[0]) and continued(lines[1])
-    assert lines[2] == {"outcomes": ["refused", "allowed"], "exit": 0}
+    # The refusal, made on an early pass, is counted by the recheck worker: maybe after.
+    assert sorted(lines[2]["outcomes"]) == ["allowed", "refused"] and lines[2]["exit"] == 0
 
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
@@ -420,11 +447,11 @@ class _Faulty(Ledger):
         super().__init__(limit)
         self.faults = 1
 
-    def judge(self, ask_bytes: int) -> tuple[Verdict, View, float]:
+    def judge(self, ask_bytes: int, arrived: float) -> tuple[Verdict, View, float]:
         if self.faults:
             self.faults -= 1
             raise RuntimeError("a bug")
-        return super().judge(ask_bytes)
+        return super().judge(ask_bytes, arrived)
 
 
 def test_a_bug_lets_the_call_go_on_and_the_next_call_is_judged(
@@ -529,8 +556,8 @@ class _Judged(Ledger):
         super().__init__(limit)
         self.judged: list[tuple[int, Verdict]] = []
 
-    def judge(self, ask_bytes: int) -> tuple[Verdict, View, float]:
-        verdict, view, at = super().judge(ask_bytes)
+    def judge(self, ask_bytes: int, arrived: float) -> tuple[Verdict, View, float]:
+        verdict, view, at = super().judge(ask_bytes, arrived)
         self.judged.append((ask_bytes, verdict))
         return verdict, view, at
 
@@ -567,8 +594,8 @@ class _Held(Ledger):
         super().__init__(limit)
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def judge(self, ask_bytes: int) -> tuple[Verdict, View, float]:
-        judged = super().judge(ask_bytes)
+    def judge(self, ask_bytes: int, arrived: float) -> tuple[Verdict, View, float]:
+        judged = super().judge(ask_bytes, arrived)
         if not self.entered.is_set():
             self.entered.set()
             assert self.release.wait(DEADLINE)

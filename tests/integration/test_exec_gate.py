@@ -338,12 +338,13 @@ def test_a_process_of_execs_own_user_cannot_take_the_gates_fd_from_it(gated: Gat
 def test_usage_that_cannot_be_read_never_makes_room(gated: GatedExec, gpus: int) -> None:
     """NVML fails on the GPU where a pass showed 3 GiB held (allocated where the gate does
     not count): the gate judges on that pass, never on the passes that follow, which read
-    nothing (one GPU) or only the other GPU (two)."""
+    nothing (one GPU) or only the other GPU (two). The retry after the out-of-memory is
+    refused too: it waited for a good pass, none came, and it went on (`unsure`)."""
     if gpus == 2:
         gated.gpu.state.add_device()
     gated.launch(
         "--limit", "4Gi", "--interval", "20ms", "--allocation-gate", "on",
-        steps=(ask(2 * GiB),),
+        steps=(ask(2 * GiB), ask(2 * GiB)),
     )  # fmt: skip
     pid = gated.pid()
     gated.use(pid, 3 * GiB)
@@ -355,6 +356,7 @@ def test_usage_that_cannot_be_read_never_makes_room(gated: GatedExec, gpus: int)
     else:
         gated.saw(0)  # a pass without GPU 0 shows the tree holding nothing
     assert refused(gated.go())
+    assert refused(gated.go())  # the retry
     gated.logged("the command tree holds 3.00 GiB (3.00 GiB sampled")  # said after the answer
 
 
