@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -42,7 +43,7 @@ from tests.pods_api import PodsApi, serving
 if TYPE_CHECKING:
     from enforcer.edge.events import EventRecorder
 
-CID = "ab" * 32
+CID = secrets.token_hex(32)  # its own: another run on the machine finds no process of it
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 

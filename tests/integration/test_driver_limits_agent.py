@@ -4,6 +4,7 @@ that does not read back not counted as held (issue 44, items 2 and 3)."""
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from enforcer.modes.node_view import NodeView
 from tests.unit.test_shared_claims import uid
 
 RES = "vram-enforcer.io/vram"
-CID = "d" * 64
+CID = secrets.token_hex(32)  # its own: another run on the machine finds no process of it
 
 
 @dataclass
