@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.e2e.cluster import CACHE
+
 ROOT = Path(__file__).resolve().parents[2]
 ENFORCER_IMAGE = "localhost/vram-enforcer:e2e"
 
@@ -38,6 +40,22 @@ def image_archive(
                     t.add(str(child), arcname=child.name)
             else:
                 t.add(str(src), arcname=dest.lstrip("/"))
+    return _archive(path, ref, layer.getvalue(), entrypoint, **config)
+
+
+def python_image(path: Path, ref: str) -> Path:
+    """An image of Debian's python3 and nothing else (the base build-image.sh makes and
+    caches, as its one layer): for stand-ins that need Python but not the project."""
+    bases = sorted((CACHE / "image-base").glob("debian-*-python-*.tar"))
+    if not bases:
+        raise RuntimeError(
+            f"no Python base in {CACHE / 'image-base'}: run tests/e2e/build-image.sh"
+        )
+    env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"]
+    return _archive(path, ref, bases[-1].read_bytes(), ["python3"], Env=env)
+
+
+def _archive(path: Path, ref: str, layer: bytes, entrypoint: list[str], **config: Any) -> Path:
     blobs: dict[str, bytes] = {}
 
     def blob(data: bytes) -> tuple[str, int]:
@@ -45,7 +63,7 @@ def image_archive(
         blobs[digest] = data
         return f"sha256:{digest}", len(data)
 
-    layer_digest, layer_size = blob(layer.getvalue())
+    layer_digest, layer_size = blob(layer)
     image = {
         "architecture": "amd64",
         "os": "linux",

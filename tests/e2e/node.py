@@ -393,3 +393,15 @@ state = "{self.state}"
 def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+def container_log(node: RealNode, pod: client.V1Pod, container: str) -> str:
+    """What a container wrote, from the kubelet's log files (CRI lines: time, stream,
+    F(ull) or P(artial), then the text)."""
+    found = node.dir / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}_{pod.metadata.uid}"
+    lines = [
+        line.split(" ", 3)
+        for run in sorted((found / container).glob("*.log"))
+        for line in run.read_text().splitlines()
+    ]
+    return "".join(p[3] + ("\n" if p[2] == "F" else "") for p in lines if len(p) == 4)

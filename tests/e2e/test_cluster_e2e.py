@@ -57,7 +57,7 @@ from tests.e2e.cluster import ApiServer
 from tests.e2e.deviceplugin import DevicePlugin
 from tests.e2e.helm import CHART, helm
 from tests.e2e.images import ENFORCER_IMAGE, enforcer_image, image_missing
-from tests.e2e.node import BIN, PAUSE_IMAGE, RealNode, missing, userns_missing
+from tests.e2e.node import BIN, PAUSE_IMAGE, RealNode, container_log, missing, userns_missing
 from tests.e2e.nvidia_runtime import nvidia_runtime
 from tests.e2e.prometheus import Prometheus, dashboard_queries, exported
 from tests.e2e.prometheus import missing as prometheus_missing
@@ -1651,18 +1651,6 @@ def userns_pod(installed: Cluster, name: str) -> None:
     if reason := userns_missing():
         (pytest.fail if os.environ.get("VRAM_ENFORCER_E2E") == "required" else pytest.skip)(reason)
     installed.core.create_namespaced_pod(OPTED_IN, workload(name, "1Gi", hostUsers=False))
-
-
-def container_log(node: RealNode, pod: client.V1Pod, container: str) -> str:
-    """What a container wrote, from the kubelet's log files (CRI lines: time, stream,
-    F(ull) or P(artial), then the text)."""
-    found = node.dir / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}_{pod.metadata.uid}"
-    lines = [
-        line.split(" ", 3)
-        for run in sorted((found / container).glob("*.log"))
-        for line in run.read_text().splitlines()
-    ]
-    return "".join(p[3] + ("\n" if p[2] == "F" else "") for p in lines if len(p) == 4)
 
 
 def test_with_its_sidecar_stopped_restart_still_restarts_the_container(installed: Cluster) -> None:
