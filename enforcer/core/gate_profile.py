@@ -28,7 +28,6 @@ from enforcer.core.rm_abi import GATED, IOC_NR_SIZE_MASK
 PROFILE_NAME = "vram-enforcer/gpu-v1.json"
 # runc sends it with each container's listener fd: what the listener recognises as ours
 LISTENER_METADATA = "vram-enforcer/gpu-v1"
-LISTENER_PATH = "/run/vram-enforcer/seccomp.sock"
 
 _GOARCH = {"x86_64": "amd64", "aarch64": "arm64"}  # uname's machine -> containerd's
 

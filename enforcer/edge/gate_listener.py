@@ -30,7 +30,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from enforcer.core import messages
@@ -147,6 +147,11 @@ class Ledger:
     def ungrant(self, at: float, ask_bytes: int) -> None:
         with self._changed:
             self._view = self._view.ungranted(at, ask_bytes)
+
+    def limit(self, limit_bytes: int) -> None:
+        """A new limit (the node agent learns a container's once its pod lists it)."""
+        with self._changed:
+            self._view = replace(self._view, limit_bytes=limit_bytes)
 
     def wait_pass(self, after: float, timeout: float) -> bool:
         """Whether a pass (good or not) newer than `after` came within `timeout` seconds."""

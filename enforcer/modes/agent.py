@@ -55,6 +55,7 @@ from enforcer.edge.usage_server import ServerHooks, ServerMetrics, UsageServer
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
+from enforcer.modes.node_gate import GATE_SOCKET, NodeGate
 from enforcer.modes.node_view import ClaimReads, NodeView
 from enforcer.modes.pod_metrics import LastPass, Peaks, PodCounts, pods_view, with_workloads
 from enforcer.modes.tier_watch import TierWatch, told
@@ -163,13 +164,15 @@ class PodSteps:
     sidecar is silent enforced by the agent itself (`Backstop`), each container's usage
     kept (`Passes.container_usage`, with hard limits), the memory that no declaration
     accounts for shown and said (`UnaccountedStep`), and each container's peak (`Peaks`,
-    where the agent serves pods)."""
+    where the agent serves pods), and the allocation gate's view of each gated container
+    (`NodeGate.saw`, with `--allocation-gate on`)."""
 
     lender: Lender | None = None
     backstop: Backstop | None = None
     keeps_usage: bool = False
     unaccounted: UnaccountedStep | None = None
     peaks: Peaks | None = None  # each container's peak, kept for its series
+    gate: NodeGate | None = None  # the allocation gate's containers, fed each pass
 
 
 class Sampler(threading.Thread):
@@ -212,9 +215,11 @@ class Sampler(threading.Thread):
             next_tick = max(next_tick + self._interval, time.monotonic())
             if self._guard.run(self._pass):
                 self.last_pass = time.monotonic()
+        if self._steps.gate is not None:  # what it feeds stops with it
+            self._steps.gate.stop()
 
     def _pass(self) -> None:
-        started = time.perf_counter()
+        started, began = time.perf_counter(), time.monotonic()
         sample = self._source.sample()
         self._telemetry.tick_duration.observe(time.perf_counter() - started)
         lending = None
@@ -227,12 +232,14 @@ class Sampler(threading.Thread):
                 lending = steps.lender(sample, containers)
             if steps.backstop is not None:  # a silent pod's borrowers, held as told its sidecar
                 steps.backstop(sample, containers, lending)
-            if steps.keeps_usage or steps.peaks is not None:
+            if steps.keeps_usage or steps.peaks is not None or steps.gate is not None:
                 usage = usage_by_container(sample, containers())
                 if steps.keeps_usage:
                     self._passes.container_usage.set(usage)
                 if steps.peaks is not None:
                     steps.peaks.see(usage)
+                if steps.gate is not None:
+                    steps.gate.saw(usage, began)
             self._passes.last.set((sample, containers))
         self._server.publish(sample, lending)
         self._record(sample)
@@ -645,8 +652,34 @@ def _pod_watch(
         view = functools.partial(with_workloads, view, pods.snapshot, peaks, namespaces.names)
         telemetry.registry.register(PodsCollector(view, settings.per_process_metrics))
     shown = UnaccountedStep(node, telemetry.node, recorder, settings.namespace)
-    steps = PodSteps(lender, backstop, settings.hard_limits, shown, peaks)
-    return (pods, namespaces), woken, steps
+    gate = _node_gate(settings, server.host_proc, lender, telemetry)  # started: before a pass
+    return (
+        (pods, namespaces),
+        woken,
+        PodSteps(lender, backstop, settings.hard_limits, shown, peaks, gate),
+    )
+
+
+def _node_gate(
+    settings: AgentSettings, host_proc: ProcFs, lender: Lender | None, telemetry: AgentTelemetry
+) -> NodeGate | None:
+    """With `--allocation-gate on` (which needs the pods served: the lender's tenants give
+    each container's ceiling), the node's gate, started (it stops with the sampler)."""
+    if settings.allocation_gate != "on" or lender is None:
+        return None
+    gate = NodeGate(
+        Path(settings.kubelet_root),
+        Path(settings.socket).parent / GATE_SOCKET,
+        Path(settings.host_proc),
+        gpu_device_majors(host_proc) or (),
+        lambda: lender.tenants,
+        telemetry.unexpected.labels("allocation-gate"),
+        recheck_wait=max(2 * settings.interval, 0.25),
+    )
+    why = gate.start()
+    if why is not None:
+        log.warning("the allocation gate does not run on this node: %s", why)
+    return gate
 
 
 def _hard_limits(

@@ -135,3 +135,18 @@ def test_the_agent_and_the_webhook_take_the_same_gpu_resources_by_default() -> N
     webhook = configured(*MINIMAL["webhook"])
     assert agent.gpu_resources == webhook.admission.gpu_resources
     assert "nvidia.com/gpu.shared" in agent.gpu_resources
+
+
+def test_the_agents_allocation_gate_is_off_by_default_and_needs_the_pods_served() -> None:
+    """Each gated container's ceiling comes from the pods the agent serves (issue 45,
+    step 2): without them, `on` is refused by name, not run unbounded."""
+    agent = configured(*MINIMAL["agent"])
+    assert (agent.allocation_gate, agent.kubelet_root) == ("off", "/var/lib/kubelet")
+    argv, env = MINIMAL["agent"]
+    with pytest.raises(ConfigError) as info:
+        configured([*argv, "--allocation-gate", "on"], env)
+    assert "--allocation-gate" in str(info.value) and "--no-serve-pods" in str(info.value)
+    on = configured(
+        ["agent", "--node-name", "n", "--allocation-gate", "on", "--kubelet-root", "/k"]
+    )
+    assert (on.allocation_gate, on.kubelet_root) == ("on", "/k")

@@ -10,6 +10,7 @@ from enforcer.core.dra import DraSettings
 from enforcer.core.parsing import (
     ConfigError,
     as_text,
+    choice,
     duration_or_off,
     parse_bytes,
     parse_duration,
@@ -224,6 +225,33 @@ GPU_RESOURCES: Setting[tuple[str, ...]] = value(
     "replica by `UUID::n`, or by its index: a container whose devices all name one GPU is "
     "owed its request there",
 )
+ALLOCATION_GATE = value(
+    "allocation_gate",
+    choice("off", "on"),
+    "check gated containers' GPU allocations before they run (experimental)",
+    flag="--allocation-gate",
+    default="off",
+    metavar="off|on",
+    doc="`on`: write the allocation gate's seccomp profile under `--kubelet-root` and serve "
+    "its listener socket beside `--socket` (`seccomp.sock`): a container the webhook gave the "
+    "profile has each driver allocation checked against its ceiling before it runs, and one "
+    "past it gets the driver's out-of-memory status (docs/architecture.md, \"The allocation "
+    'gate on Kubernetes"). Experimental, unverified on a GPU. Where the gate cannot run '
+    "(no NVIDIA device, another architecture) the same file holds RuntimeDefault's "
+    "allowlist alone. Needs the pods served (not `--no-serve-pods`), root and the host's "
+    "PID namespace",
+)
+KUBELET_ROOT = value(
+    "kubelet_root",
+    as_text,
+    "the kubelet's root directory",
+    flag="--kubelet-root",
+    default="/var/lib/kubelet",
+    metavar="PATH",
+    doc="the kubelet's `--root-dir` as this container sees it (the chart mounts its "
+    "`seccomp/vram-enforcer` directory at the same path): the allocation gate's profile is "
+    "written to `seccomp/vram-enforcer/gpu-v1.json` below it",
+)
 LOG_FORMAT = log_format("json")
 VERBOSE = verbosity("info")
 
@@ -255,6 +283,8 @@ DECLARED: tuple[Setting[Any], ...] = (
     POD_RESOURCES_SOCKET,
     GPU_RESOURCES,
     EVICTION_TIMEOUT,
+    ALLOCATION_GATE,
+    KUBELET_ROOT,
     LOG_FORMAT,
     VERBOSE,
 )
@@ -289,6 +319,8 @@ class AgentSettings:
     pod_resources_socket: str  # "": the kubelet's assignments are not read
     gpu_resources: tuple[str, ...]
     eviction_timeout: float  # s: how long an eviction may be refused before the pod is deleted
+    allocation_gate: str = "off"  # "on": the allocation gate's profile and listener
+    kubelet_root: str = "/var/lib/kubelet"
 
     @property
     def uses_api(self) -> bool:
@@ -308,6 +340,13 @@ def agent_settings(values: Values) -> AgentSettings:
             None,
             "is missing; set it, or NODE_NAME from the Downward API (spec.nodeName), "
             "or pass --no-advertise, --no-labels, --no-serve-pods and --hard-limits off",
+        )
+    if values[ALLOCATION_GATE] == "on" and not values[SERVE_PODS]:
+        raise ConfigError(
+            "--allocation-gate",
+            "on",
+            "needs the pods served (each container's ceiling comes from them); "
+            "drop --no-serve-pods, or set --allocation-gate off",
         )
     return AgentSettings(
         node_name=node_name or "",
@@ -335,4 +374,6 @@ def agent_settings(values: Values) -> AgentSettings:
         pod_resources_socket=values[POD_RESOURCES_SOCKET],
         gpu_resources=values[GPU_RESOURCES],
         eviction_timeout=values[EVICTION_TIMEOUT],
+        allocation_gate=values[ALLOCATION_GATE],
+        kubelet_root=values[KUBELET_ROOT],
     )

@@ -1,0 +1,222 @@
+"""The allocation gate on a node (issue 45, step 2): the agent's `NodeGate` writes the
+profile, serves the socket runc dials, finds who a handed-over process is from its cgroup,
+and holds that container to its ceiling from the agent's passes. Real seccomp filters (the
+trampoline's, as runc's would be), real cgroups, a real unix socket; the stand-in of the
+driver's callers issues the driver's requests on /dev/null, whose major stands in for
+NVIDIA's. The test plays runc: it sends the listener fd with the state, as runc does."""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import logging
+import os
+import select
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from enforcer.core import gate_profile
+from enforcer.core.lending import Tenant, Tenants
+from enforcer.edge import gate_child
+from enforcer.edge.seccomp_filter import program
+from enforcer.modes.node_gate import NodeGate
+from tests.helpers import scratch_cgroup, wait_for
+
+GIB = 1 << 30
+STANDIN = str(Path(__file__).with_name("rm_standin.py"))
+NULL_MAJOR = os.major(os.stat("/dev/null").st_rdev)
+NO_MEMORY, UNTOUCHED = 0x51, 0xFFFFFFFF
+UID = "0c6a1b2e-5d1f-4b7e-9a51-3f0d2c7e8a90"
+CID = "ab" * 32
+DEADLINE = 60.0  # s: a bound for a hang, never a measure
+
+
+class _Errors:
+    def __init__(self) -> None:
+        self.count = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.count += amount
+
+
+class Node:
+    """A NodeGate over a kubelet root and a socket of the test's; `tenants` is what the
+    agent's pods say (container ID -> ceiling)."""
+
+    def __init__(self, tmp: Path, majors: frozenset[int] = frozenset({NULL_MAJOR})) -> None:
+        self.tenants: dict[str, int] = {}
+        self.errors = _Errors()
+        self.socket = tmp / "run" / "seccomp.sock"
+        self.kubelet = tmp / "kubelet"
+        self.gate = NodeGate(
+            self.kubelet,
+            self.socket,
+            Path("/proc"),
+            majors,
+            self._tenants,
+            self.errors,
+            recheck_wait=DEADLINE,
+        )
+
+    def _tenants(self) -> Tenants:
+        return Tenants.of(
+            Tenant(f"ml/p/{cid}", "ml", request=b, ceiling=b, priority=0, ids=frozenset({cid}))
+            for cid, b in self.tenants.items()
+        )
+
+    def profile(self) -> dict[str, Any]:
+        path = self.kubelet / "seccomp" / gate_profile.PROFILE_NAME
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+class Process:
+    """The stand-in under the gate's filter, in `cgroup`, not yet running its steps."""
+
+    def __init__(self, steps: list[str], cgroup: Path) -> None:
+        self._out, out = os.pipe()
+        os.set_inheritable(out, True)
+        self.spawned = gate_child.spawn(
+            sys.executable, [sys.executable, STANDIN, f"out={out}", *steps], program()
+        )
+        os.close(out)
+        assert self.spawned.listener is not None, self.spawned.why_not
+        (cgroup / "cgroup.procs").write_text(str(self.spawned.pid))
+        self._buf = b""
+
+    def hand_over(self, path: Path, container: str) -> None:
+        """What runc does: the listener fd and the container's state, in one message."""
+        state = {
+            "ociVersion": "1.2.1",
+            "fds": ["seccompFd"],
+            "pid": self.spawned.pid,
+            "metadata": gate_profile.LISTENER_METADATA,
+            "state": {"ociVersion": "1.2.1", "id": container, "status": "creating"},
+        }
+        assert self.spawned.listener is not None
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.connect(str(path))
+            rights = array.array("i", [self.spawned.listener]).tobytes()
+            c.sendmsg(
+                [json.dumps(state).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)]
+            )
+        os.close(self.spawned.listener)  # runc's copy: the gate holds its own now
+
+    def run(self) -> list[dict[str, Any]]:
+        assert self.spawned.go() == 0
+        lines = []
+        while True:
+            ready, _, _ = select.select([self._out], [], [], DEADLINE)
+            assert ready, "the stand-in hung"
+            chunk = os.read(self._out, 4096)
+            if not chunk:
+                break
+            self._buf += chunk
+        os.close(self._out)
+        _, status = os.waitpid(self.spawned.pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        for raw in self._buf.splitlines():
+            lines.append(json.loads(raw))
+        return lines
+
+
+@pytest.fixture
+def container() -> Iterator[Path]:
+    """A container's cgroup as the kubelet (cgroupfs) and runc name it."""
+    with scratch_cgroup() as root:
+        leaf = root / "kubepods" / f"pod{UID}" / CID
+        leaf.mkdir(parents=True)
+        yield leaf
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    made = Node(tmp_path)
+    assert made.gate.start() is None
+    try:
+        yield made
+    finally:
+        made.gate.stop()
+
+
+def test_a_handed_over_container_is_found_by_its_cgroup_and_held_to_its_ceiling(
+    node: Node, container: Path
+) -> None:
+    profile = node.profile()
+    assert profile["listenerPath"] == str(node.socket)
+    assert node.socket.stat().st_mode & 0o777 == 0o600
+    node.tenants[CID] = 4 * GIB
+    over = f"form=nvos64,class=0x40,size={2 * GIB}"
+    within = f"form=nvos64,class=0x40,size={GIB // 2}"
+    process = Process([over, within], container)
+    process.hand_over(node.socket, CID)
+    wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+    # The agent's pass: the container holds 3 GiB on one GPU, 1 GiB on another.
+    node.gate.saw(
+        {CID: {"GPU-a": 3 * GIB, "GPU-b": GIB // 2}, "other": {"GPU-a": 9 * GIB}}, time.monotonic()
+    )
+    over_line, within_line = process.run()
+    assert (over_line["ret"], over_line["status"]) == (0, NO_MEMORY), over_line  # 3.5 + 2 > 4
+    assert (within_line["ret"], within_line["status"]) == (-1, UNTOUCHED), within_line
+    # Every task under the filter gone: its fd closed, the container forgotten.
+    node.gate.saw({}, time.monotonic())
+    assert node.gate.gated() == {}
+    assert node.errors.count == 0
+
+
+def test_a_container_the_pods_do_not_name_yet_is_served_but_not_bounded(
+    node: Node, container: Path
+) -> None:
+    """Before its pod's status lists its container ID (it is being created), the gate
+    knows no ceiling: its calls go on, and sampling holds it."""
+    process = Process([f"form=nvos64,class=0x40,size={8 * GIB}"], container)
+    process.hand_over(node.socket, CID)
+    wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+    node.gate.saw({CID: {"GPU-a": 3 * GIB}}, time.monotonic())
+    (line,) = process.run()
+    assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line
+
+
+def test_a_process_whose_cgroup_is_not_the_container_runc_names_is_never_bounded(
+    node: Node, container: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """runc's word is a hint: a process is held to a container's ceiling only where its
+    own cgroup names that container. Served all the same: closing its fd would fail every
+    gated call with ENOSYS."""
+    other = "cd" * 32
+    node.tenants[other] = GIB  # the container runc names, which would refuse 2 GiB
+    process = Process([f"form=nvos64,class=0x40,size={2 * GIB}"], container)
+    with caplog.at_level(logging.WARNING):
+        process.hand_over(node.socket, other)
+        wait_for(lambda: len(node.gate.gated()) == 1, what="the handoff")
+    assert f"is in container {CID} by its cgroup, not {other} as runc says" in caplog.text
+    assert other not in node.gate.gated() and CID not in node.gate.gated()
+    node.gate.saw({CID: {"GPU-a": 3 * GIB}, other: {}}, time.monotonic())
+    (line,) = process.run()
+    assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line
+
+
+def test_where_the_gate_cannot_run_the_file_is_runtime_default_and_nothing_listens(
+    tmp_path: Path,
+) -> None:
+    """The webhook names the file on every node: where the gate cannot run, the same file
+    holds RuntimeDefault's allowlist, so a container still starts, without the gate."""
+    made = Node(tmp_path, majors=frozenset())
+    assert made.gate.start() == "no NVIDIA device node on this machine"
+    profile = made.profile()
+    assert "listenerPath" not in profile
+    assert profile == gate_profile.profile(os.uname().machine, None)
+    assert not made.socket.exists()
+    made.gate.stop()
+    # And back: a gate that can run swaps the whole file for the gating one.
+    again = Node(tmp_path)
+    with contextlib.ExitStack() as stack:
+        assert again.gate.start() is None
+        stack.callback(again.gate.stop)
+        assert again.profile()["listenerPath"] == str(again.socket)
