@@ -25,11 +25,12 @@ _CONTAINER = {
 }
 # In a securityContext (the pod's, or a container's): the maps the webhook reads, and the
 # values each holds (`_SECURITY_VALUES`; capabilities hold lists of them).
-_SECURITY_MAPS = ("appArmorProfile", "seLinuxOptions", "capabilities")
+_SECURITY_MAPS = ("appArmorProfile", "seLinuxOptions", "capabilities", "seccompProfile")
 _SECURITY_VALUES: dict[str, type | tuple[type, ...]] = {
     "appArmorProfile": str,
     "seLinuxOptions": str,
     "capabilities": list,
+    "seccompProfile": str,
 }
 _ITEM_NAMES = {"env": "name", "volumeMounts": "mountPath", "ports": "containerPort"}
 _ITEM_TYPES: dict[str, type | tuple[type, ...]] = {

@@ -50,6 +50,8 @@ class AdmissionSettings:
     kai_annotations: bool = False
     # The extended resources that give a container a GPU (`undeclared` reads them).
     gpu_resources: tuple[str, ...] = GPU_RESOURCES
+    # Whether each declaring container gets the allocation gate's seccomp profile.
+    allocation_gate: bool = False
 
 
 class Denied(Exception):

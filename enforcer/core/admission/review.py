@@ -27,6 +27,7 @@ from enforcer.core.admission.common import (
     deny_sidecar_name,
 )
 from enforcer.core.admission.ephemeral import EPHEMERAL, mutate_ephemeral
+from enforcer.core.admission.gate import gate_containers
 from enforcer.core.admission.patch import Patch
 from enforcer.core.admission.sidecar import (
     NO_TOKEN_VOLUME,
@@ -296,7 +297,7 @@ def mutate(
     patch.set(("spec", "shareProcessNamespace"), True)
     isolation.drop_kill_beside_the_sidecar(patch)
     _declaring_containers(patch, limits, ceilings, defaults, settings)
-    _toolkit_limits(patch, declared, settings.toolkit_limits and action not in REPORT_ONLY)
+    _refusing(patch, declared, action, settings, said)
     if shm != "off":
         add_shm(patch, shm_limit)
     add_sidecar(patch, env, settings)
@@ -326,6 +327,21 @@ def _declaring_containers(
             workload_env(patch, where, limits[name], ceilings.get(name), settings)
             if settings.dra_class is not None:
                 claim_vram(patch, where, limits[name], settings)
+
+
+def _refusing(
+    patch: Patch,
+    declared: Declaration,
+    action: str,
+    settings: AdmissionSettings,
+    said: list[str] | None,
+) -> None:
+    """What makes the node refuse a container's allocations past its limit, where the
+    flags ask for it: the toolkit hook's limit, the allocation gate's profile. Refusing is
+    enforcing: a pod only reported on gets neither."""
+    enforced = action not in REPORT_ONLY
+    _toolkit_limits(patch, declared, settings.toolkit_limits and enforced)
+    gate_containers(patch, set(declared.requests), said, settings.allocation_gate and enforced)
 
 
 def _toolkit_limits(patch: Patch, declared: Declaration, toolkit: bool) -> None:

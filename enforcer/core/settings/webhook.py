@@ -155,6 +155,24 @@ FRAMEWORK_ENV = switch(
     "do not set XLA_PYTHON_CLIENT_PREALLOCATE=false and TF_FORCE_GPU_ALLOW_GROWTH=true",
     doc="do not add `XLA_PYTHON_CLIENT_PREALLOCATE=false` and `TF_FORCE_GPU_ALLOW_GROWTH=true`",
 )
+ALLOCATION_GATE = value(
+    "allocation_gate",
+    choice("off", "on"),
+    "give declaring containers the allocation gate's seccomp profile (experimental)",
+    flag="--allocation-gate",
+    default="off",
+    metavar="off|on",
+    doc="`on`: each declaring container of a pod that is enforced (not `warn` or `dry-run`) "
+    "whose seccomp profile is unset or `RuntimeDefault` gets `Localhost` "
+    "`vram-enforcer/gpu-v1.json`, the profile the node agent writes with its own "
+    "`--allocation-gate on`: RuntimeDefault's allowlist, and its driver allocations checked "
+    'against its ceiling before they run (docs/architecture.md, "The allocation gate on '
+    'Kubernetes"). Never the sidecar, a privileged container, one that adds capabilities or '
+    "one with a profile of its own: each such container is said in a warning, and sampling "
+    "holds it. Every node the pods may run on needs the agent with the gate on (its file "
+    "missing, a container fails to start with `CreateContainerError`). Experimental, "
+    "unverified on a GPU",
+)
 TOOLKIT_LIMITS = switch(
     "toolkit_limits",
     "--toolkit-memory-limits",
@@ -393,6 +411,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     RESOURCE_UNIT,
     FRAMEWORK_ENV,
     TOOLKIT_LIMITS,
+    ALLOCATION_GATE,
     SHM_DEFAULT,
     GPU_EXPOSURE,
     DRA_DEVICE_CLASS,
@@ -481,6 +500,7 @@ def webhook_settings(values: Values) -> WebhookSettings:
             resource_unit=values[RESOURCE_UNIT],
             framework_env=values[FRAMEWORK_ENV],
             toolkit_limits=values[TOOLKIT_LIMITS],
+            allocation_gate=values[ALLOCATION_GATE] == "on",
             shm_default=values[SHM_DEFAULT],
             gpu_exposure=values[GPU_EXPOSURE],
             runtime_class=runtime_class,
