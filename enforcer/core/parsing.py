@@ -306,6 +306,19 @@ def as_text(text: str, field: str) -> str:
     return text
 
 
+# An absolute path without whitespace: the chart's schema holds a value to the same pattern.
+ABSOLUTE_PATH = r"^/[^\t\n\v\f\r ]*$"
+
+
+def absolute_path(text: str, field: str) -> str:
+    """An absolute path (a directory of the host's, as the kubelet's `--root-dir`)."""
+    if not re.match(ABSOLUTE_PATH, text):
+        raise ConfigError(
+            field, text, "is not an absolute path without spaces, e.g. /var/lib/kubelet"
+        )
+    return text
+
+
 def parse_names(text: str, field: str) -> tuple[str, ...]:
     """Comma-separated names (container names cannot hold commas)."""
     return tuple(name for name in text.split(",") if name)

@@ -534,3 +534,30 @@ def test_the_agent_mounts_the_hosts_cgroup_tree_read_write_only_for_hard_limits(
     assert "--cgroup-root=/host/sys/fs/cgroup" in _containers(on["manifest"])["agent"]["args"]
     assert cgroup_mounts(off) == []
     assert "/sys/fs/cgroup" not in off["manifest"]
+
+
+def test_the_allocation_gate_is_off_by_default_and_on_sets_both_programs_and_the_mount(
+    renders: Renders,
+) -> None:
+    """Issue 45, step 2: one value turns it on for the webhook (which names the profile)
+    and the agent (which writes it under the kubelet's seccomp root, mounted at the host's
+    path, and listens); off, neither has a flag or the mount. The programs take what it
+    renders (`_program_refusal`)."""
+    off, on = renders(
+        [
+            ({}, False),
+            ({"allocationGate": {"enabled": True, "kubeletRoot": "/var/lib/k0s/kubelet"}}, False),
+        ]
+    )
+    for release, gated in ((off, False), (on, True)):
+        arguments = _arguments(release["manifest"])
+        assert ("--allocation-gate=on" in arguments["agent"]) is gated
+        assert ("--allocation-gate=on" in arguments["webhook"]) is gated
+        assert all(_program_refusal(args) is None for args in arguments.values())
+    assert "--kubelet-root=/var/lib/k0s/kubelet" in _arguments(on["manifest"])["agent"]
+    where = "/var/lib/k0s/kubelet/seccomp/vram-enforcer"
+    agent = _containers(on["manifest"])["agent"]
+    assert {"name": "seccomp", "mountPath": where} in agent["volumeMounts"]
+    assert "seccomp/vram-enforcer" not in off["manifest"]
+    (errors,) = renders([({"allocationGate": {"kubeletRoot": "var/lib/kubelet"}}, True)])
+    assert "kubeletRoot" in errors

@@ -144,6 +144,7 @@ CHART_FLAGS: tuple[ChartFlag, ...] = (
     ChartFlag("dra.capacity", "webhook", "--dra-capacity"),
     ChartFlag("agent.metricsPort", "agent", "--metrics-port"),
     ChartFlag("agent.logFormat", "agent", "--log-format"),
+    ChartFlag("allocationGate.kubeletRoot", "agent", "--kubelet-root"),
     ChartFlag("webhook.port", "webhook", "--port"),
     ChartFlag("webhook.sidecarMode", "webhook", "--sidecar-mode", "sidecar-mode"),
     ChartFlag(

@@ -9,6 +9,7 @@ from typing import Any
 from enforcer.core.dra import DraSettings
 from enforcer.core.parsing import (
     ConfigError,
+    absolute_path,
     as_text,
     choice,
     duration_or_off,
@@ -243,7 +244,7 @@ ALLOCATION_GATE = value(
 )
 KUBELET_ROOT = value(
     "kubelet_root",
-    as_text,
+    absolute_path,
     "the kubelet's root directory",
     flag="--kubelet-root",
     default="/var/lib/kubelet",
