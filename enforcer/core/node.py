@@ -20,7 +20,11 @@ from enforcer.core.payloads import NodeStatus, PatchOperation
 LABEL_PRODUCT = "vram-enforcer.io/gpu.product"
 LABEL_COUNT = "vram-enforcer.io/gpu.count"
 LABEL_MEMORY = "vram-enforcer.io/gpu.memory"
-LABELS = (LABEL_PRODUCT, LABEL_COUNT, LABEL_MEMORY)
+# The allocation gate on this node (`agent --allocation-gate on`): `pending` once its
+# profile and socket are up, `v1` once the runtime has handed it a gated container (the
+# node's runc and libseccomp proven to do so); absent where the gate does not run.
+LABEL_ALLOCATION_GATE = "vram-enforcer.io/allocation-gate"
+LABELS = (LABEL_PRODUCT, LABEL_COUNT, LABEL_MEMORY, LABEL_ALLOCATION_GATE)
 
 _LABEL_VALUE_BAD = re.compile(r"[^A-Za-z0-9._-]+")
 

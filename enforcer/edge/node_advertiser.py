@@ -10,6 +10,7 @@ from enforcer.core.model import Device
 from enforcer.core.node import capacity_patch, gpu_labels, label_ops, node_vram, to_units
 from enforcer.core.payloads import Node, PatchOperation
 from enforcer.edge.kube import NODE, call
+from enforcer.edge.latest import Latest
 
 
 class NodeAdvertiser:
@@ -36,6 +37,8 @@ class NodeAdvertiser:
         self._labels = labels
         self._deadline = deadline
         self._node_labels: Mapping[str, str] = {}  # the Node's, as last read (swapped whole)
+        # Labels of the agent's own beside the GPUs' (the allocation gate's), set by others
+        self.extra_labels: Latest[Mapping[str, str]] = Latest({})
 
     def last_labels(self) -> Mapping[str, str]:
         """The Node's labels as `sync` last read them (none before)."""
@@ -55,7 +58,7 @@ class NodeAdvertiser:
             status_ops = capacity_patch(node.get("status"), self._resource, units)
         if self._labels:
             labels = (node.get("metadata") or {}).get("labels")
-            label_changes = label_ops(labels, gpu_labels(devices))
+            label_changes = label_ops(labels, {**gpu_labels(devices), **self.extra_labels.get()})
         if status_ops:
             call(
                 self._api,

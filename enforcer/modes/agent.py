@@ -32,6 +32,7 @@ from enforcer.core.attribution import usage_by_container
 from enforcer.core.declaration import SIDECAR, Declares
 from enforcer.core.gpu_faults import Faults, passed
 from enforcer.core.model import Device, Sample, SourceDown, Unplaced
+from enforcer.core.node import LABEL_ALLOCATION_GATE
 from enforcer.core.payloads import ObjectReference
 from enforcer.core.pod_directory import event_about
 from enforcer.core.reasons import Reason
@@ -418,7 +419,14 @@ def _serve(
         # The Node's labels as its advertiser last read them: gpu-fractioning's among them.
         labels = advertiser.last_labels if advertiser is not None else dict
         watches, others, steps = _pod_watch(
-            settings, api, recorder, telemetry, server, passes, served, _Node(tier, labels)
+            settings,
+            api,
+            recorder,
+            telemetry,
+            server,
+            passes,
+            served,
+            _Node(tier, labels, _gate_label(advertiser, passes)),
         )
     faults = GpuFaults(telemetry, settings.node_name, recorder)
     sampler = Sampler(
@@ -477,6 +485,7 @@ class _Node:
 
     tier: TierWatch | None
     labels: Callable[[], Mapping[str, str]]
+    gate_label: Callable[[str], None] = lambda value: None  # the allocation gate's ("": none)
 
 
 @dataclass(slots=True)
@@ -515,6 +524,18 @@ def _served(recorder: EventRecorder) -> _Served:
     no_pods = "the agent has not listed this node's pods yet"
     hooks = ServerHooks(post, keep, news.hung_up, no_pods, sidecars_only=True)
     return _Served(hooks, counts, news)
+
+
+def _gate_label(advertiser: NodeAdvertiser | None, passes: Passes) -> Callable[[str], None]:
+    """How the allocation gate says its state on the Node (`node.LABEL_ALLOCATION_GATE`,
+    "": none): through the advertiser, woken to write it now (not at its next resync)."""
+
+    def say(value: str) -> None:
+        if advertiser is not None:
+            advertiser.extra_labels.set({LABEL_ALLOCATION_GATE: value} if value else {})
+            passes.devices.wake()
+
+    return say
 
 
 def _tier_watch(settings: AgentSettings, telemetry: AgentTelemetry) -> TierWatch | None:
@@ -652,7 +673,9 @@ def _pod_watch(
         view = functools.partial(with_workloads, view, pods.snapshot, peaks, namespaces.names)
         telemetry.registry.register(PodsCollector(view, settings.per_process_metrics))
     shown = UnaccountedStep(node, telemetry.node, recorder, settings.namespace)
-    gate = _node_gate(settings, server.host_proc, lender, telemetry)  # started: before a pass
+    gate = _node_gate(
+        settings, server.host_proc, lender, telemetry, node_facts.gate_label
+    )  # started: before a pass
     return (
         (pods, namespaces),
         woken,
@@ -661,7 +684,11 @@ def _pod_watch(
 
 
 def _node_gate(
-    settings: AgentSettings, host_proc: ProcFs, lender: Lender | None, telemetry: AgentTelemetry
+    settings: AgentSettings,
+    host_proc: ProcFs,
+    lender: Lender | None,
+    telemetry: AgentTelemetry,
+    label: Callable[[str], None],
 ) -> NodeGate | None:
     """With `--allocation-gate on` (which needs the pods served: the lender's tenants give
     each container's ceiling), the node's gate, started (it stops with the sampler)."""
@@ -675,6 +702,7 @@ def _node_gate(
         lambda: lender.tenants,
         telemetry.unexpected.labels("allocation-gate"),
         recheck_wait=max(2 * settings.interval, 0.25),
+        label=label,
     )
     why = gate.start()
     if why is not None:

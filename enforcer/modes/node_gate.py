@@ -61,20 +61,23 @@ class NodeGate:
         tenants: Callable[[], Tenants | None],
         errors: ErrorCounter,
         recheck_wait: float,
-        machine: str | None = None,
+        label: Callable[[str], None] = lambda value: None,
     ) -> None:
+        """`label(value)`: the gate's state for the Node's label (`pending` while it waits
+        for the runtime's first handoff, `v1` after it; "" where it does not run)."""
         self._profile = profile_path(kubelet_root, gate_profile.PROFILE_NAME)
         self._host_proc = host_proc
         self._majors = frozenset(majors)
         self._tenants = tenants
         self._errors = errors
         self._recheck_wait = recheck_wait
-        self._machine = machine or os.uname().machine
+        self._machine = os.uname().machine
+        self._label = label
         self._socket = GateSocket(socket_path, self._take, errors)
         self._socket_path = socket_path
         self._lock = threading.Lock()
         self._containers: dict[str, _Container] = {}
-        self.handed_over = threading.Event()  # set at the first gated process: proven here
+        self._handed_over = False  # a gated process came: the node's runtime is proven
 
     def start(self) -> str | None:
         """Serves the socket, then writes the gating profile (the plain one where the gate
@@ -93,6 +96,7 @@ class NodeGate:
             if why is None:
                 self._socket.stop()
             return wrote
+        self._label("" if why else "pending")
         log.info(
             "allocation gate: %s written%s",
             self._profile,
@@ -150,7 +154,9 @@ class NodeGate:
             )
             gated.listeners[handoff.fd] = listener
         listener.start()
-        self.handed_over.set()
+        if not self._handed_over:  # only the socket's thread takes handoffs
+            self._handed_over = True
+            self._label("v1")
         log.info("allocation gate: serving pid %d of container %s", handoff.pid, cid)
 
     def saw(self, usage: Mapping[str, Mapping[str, int]], at: float) -> None:

@@ -52,6 +52,7 @@ class Node:
 
     def __init__(self, tmp: Path, majors: frozenset[int] = frozenset({NULL_MAJOR})) -> None:
         self.tenants: dict[str, int] = {}
+        self.labels: list[str] = []  # what the gate said for the Node's label, in order
         self.errors = _Errors()
         self.socket = tmp / "run" / "seccomp.sock"
         self.kubelet = tmp / "kubelet"
@@ -63,6 +64,7 @@ class Node:
             self._tenants,
             self.errors,
             recheck_wait=DEADLINE,
+            label=self.labels.append,
         )
 
     def _tenants(self) -> Tenants:
@@ -150,6 +152,7 @@ def test_a_handed_over_container_is_found_by_its_cgroup_and_held_to_its_ceiling(
 ) -> None:
     profile = node.profile()
     assert profile["listenerPath"] == str(node.socket)
+    assert node.labels == ["pending"]  # nothing handed over yet: the runtime not proven
     assert node.socket.stat().st_mode & 0o777 == 0o600
     node.tenants[CID] = 4 * GIB
     over = f"form=nvos64,class=0x40,size={2 * GIB}"
@@ -157,6 +160,7 @@ def test_a_handed_over_container_is_found_by_its_cgroup_and_held_to_its_ceiling(
     process = Process([over, within], container)
     process.hand_over(node.socket, CID)
     wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+    assert node.labels == ["pending", "v1"]
     # The agent's pass: the container holds 3 GiB on one GPU, 1 GiB on another.
     node.gate.saw(
         {CID: {"GPU-a": 3 * GIB, "GPU-b": GIB // 2}, "other": {"GPU-a": 9 * GIB}}, time.monotonic()
@@ -209,6 +213,7 @@ def test_where_the_gate_cannot_run_the_file_is_runtime_default_and_nothing_liste
     holds RuntimeDefault's allowlist, so a container still starts, without the gate."""
     made = Node(tmp_path, majors=frozenset())
     assert made.gate.start() == "no NVIDIA device node on this machine"
+    assert made.labels == [""]  # no label: the gate does not run here
     profile = made.profile()
     assert "listenerPath" not in profile
     assert profile == gate_profile.profile(os.uname().machine, None)

@@ -4,6 +4,7 @@ from dataclasses import replace
 
 from enforcer.core.model import Device, GiB, MiB
 from enforcer.core.node import (
+    LABEL_ALLOCATION_GATE,
     LABEL_COUNT,
     LABEL_MEMORY,
     LABEL_PRODUCT,
@@ -116,3 +117,13 @@ def test_label_ops() -> None:
     } in ops
     assert {"op": "remove", "path": "/metadata/labels/vram-enforcer.io~1gpu.product"} in ops
     assert all("team" not in op["path"] for op in ops)
+
+
+def test_the_allocation_gates_label_goes_when_the_gate_no_longer_says_it() -> None:
+    """Issue 45, step 2: an agent restarted with the gate off (or where it cannot run)
+    removes the label its last run wrote; others' labels stay."""
+    current = {LABEL_ALLOCATION_GATE: "v1", LABEL_COUNT: "2", "team": "ml"}
+    assert label_ops(current, {LABEL_COUNT: "2"}) == [
+        {"op": "remove", "path": "/metadata/labels/vram-enforcer.io~1allocation-gate"}
+    ]
+    assert label_ops(current, {LABEL_COUNT: "2", LABEL_ALLOCATION_GATE: "v1"}) == []
