@@ -11,8 +11,11 @@ container ID until it runs) or is not one the gate bounds (a share on each of se
 a DRA allocation), its calls go on and sampling holds it; the bound applies from the first
 pass that knows it.
 
-Nothing here may make a running workload's allocations fail: each fd stays open in this
-process until every task under its filter has exited, and the listeners fail open.
+While the agent runs, nothing here makes a workload's allocations fail: each fd stays open
+in this process until every task under its filter has exited, and the listeners fail open.
+When the agent exits, its copies close and every later gated call of those containers
+fails with ENOSYS: the second holder the design gives each pod (its sidecar, failing open
+while the agent is away) is not built yet (docs/security.md).
 """
 
 from __future__ import annotations
