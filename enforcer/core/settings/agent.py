@@ -11,7 +11,6 @@ from enforcer.core.parsing import (
     ConfigError,
     absolute_path,
     as_text,
-    choice,
     duration_or_off,
     parse_bytes,
     parse_duration,
@@ -27,6 +26,7 @@ from enforcer.core.settings.common import (
     DRA_UUID_ATTRIBUTE,
     POD_RESOURCES_SOCKET,
     RESOURCE_NAME,
+    allocation_gate,
     dra_settings,
     hard_limits,
     interval,
@@ -226,14 +226,9 @@ GPU_RESOURCES: Setting[tuple[str, ...]] = value(
     "replica by `UUID::n`, or by its index: a container whose devices all name one GPU is "
     "owed its request there",
 )
-ALLOCATION_GATE = value(
-    "allocation_gate",
-    choice("off", "on"),
+ALLOCATION_GATE = allocation_gate(
     "check gated containers' GPU allocations before they run (experimental)",
-    flag="--allocation-gate",
-    default="off",
-    metavar="off|on",
-    doc="`on`: write the allocation gate's seccomp profile under `--kubelet-root` and serve "
+    "`on`: write the allocation gate's seccomp profile under `--kubelet-root` and serve "
     "its listener socket beside `--socket` (`seccomp.sock`): a container the webhook gave the "
     "profile has each driver allocation checked against its ceiling before it runs, and one "
     "past it gets the driver's out-of-memory status (docs/architecture.md, \"The allocation "

@@ -198,6 +198,20 @@ def hard_limits(choices: tuple[str, ...], doc: str) -> Setting[str]:
     )
 
 
+def allocation_gate(help: str, doc: str) -> Setting[str]:
+    """`--allocation-gate off|on` (issue 45's gate), off by default, for each mode that
+    takes it."""
+    return value(
+        "allocation_gate",
+        choice("off", "on"),
+        help,
+        flag="--allocation-gate",
+        default="off",
+        metavar="off|on",
+        doc=doc,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class PolicySettings:
     """A mode's own declarations of the policy settings (their help and variables differ

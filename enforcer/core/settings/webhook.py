@@ -24,6 +24,7 @@ from enforcer.core.settings.common import (
     DRA_DRIVERS,
     DRA_UUID_ATTRIBUTE,
     RESOURCE_NAME,
+    allocation_gate,
     kubeconfig,
     log_format,
     metrics_address,
@@ -155,14 +156,9 @@ FRAMEWORK_ENV = switch(
     "do not set XLA_PYTHON_CLIENT_PREALLOCATE=false and TF_FORCE_GPU_ALLOW_GROWTH=true",
     doc="do not add `XLA_PYTHON_CLIENT_PREALLOCATE=false` and `TF_FORCE_GPU_ALLOW_GROWTH=true`",
 )
-ALLOCATION_GATE = value(
-    "allocation_gate",
-    choice("off", "on"),
+ALLOCATION_GATE = allocation_gate(
     "give declaring containers the allocation gate's seccomp profile (experimental)",
-    flag="--allocation-gate",
-    default="off",
-    metavar="off|on",
-    doc="`on`: each declaring container of a pod that is enforced (not `warn` or `dry-run`) "
+    "`on`: each declaring container of a pod that is enforced (not `warn` or `dry-run`) "
     "whose seccomp profile is unset or `RuntimeDefault` gets `Localhost` "
     "`vram-enforcer/gpu-v1.json`, the profile the node agent writes with its own "
     "`--allocation-gate on`: RuntimeDefault's allowlist, and its driver allocations checked "
