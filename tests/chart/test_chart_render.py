@@ -559,5 +559,8 @@ def test_the_allocation_gate_is_off_by_default_and_on_sets_both_programs_and_the
     agent = _containers(on["manifest"])["agent"]
     assert {"name": "seccomp", "mountPath": where} in agent["volumeMounts"]
     assert "seccomp/vram-enforcer" not in off["manifest"]
+    assert "allocation gate is on" not in off["info"]["notes"]
+    notes = on["info"]["notes"]  # what a restart does, and the order to turn it off in
+    assert "ENOSYS" in notes and "set allocationGate.enabled=false first" in notes
     (errors,) = renders([({"allocationGate": {"kubeletRoot": "var/lib/kubelet"}}, True)])
     assert "kubeletRoot" in errors
