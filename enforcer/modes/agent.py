@@ -208,6 +208,9 @@ class Sampler(threading.Thread):
         self._unaccounted_guard = LoopGuard(
             "unaccounted", telemetry.unexpected.labels("unaccounted"), log
         )
+        self._gate_guard = LoopGuard(
+            "allocation gate", telemetry.unexpected.labels("allocation-gate"), log
+        )
         self.last_pass = time.monotonic()  # when the last pass completed without a bug
 
     def run(self) -> None:
@@ -223,7 +226,7 @@ class Sampler(threading.Thread):
         started, began = time.perf_counter(), time.monotonic()
         sample = self._source.sample()
         self._telemetry.tick_duration.observe(time.perf_counter() - started)
-        lending = None
+        lending, usage = None, None
         if isinstance(sample, Sample):
             self._telemetry.node.tenants = self._tenants.count(sample)
             # Each process's container, built once per pass, by the first that needs it.
@@ -239,11 +242,11 @@ class Sampler(threading.Thread):
                     self._passes.container_usage.set(usage)
                 if steps.peaks is not None:
                     steps.peaks.see(usage)
-                if steps.gate is not None:
-                    steps.gate.saw(usage, began)
             self._passes.last.set((sample, containers))
         self._server.publish(sample, lending)
         self._record(sample)
+        if self._steps.gate is not None:  # after the usage is out: a bug here never delays it
+            self._gate_guard.run(functools.partial(self._steps.gate.saw, usage, began))
         if isinstance(sample, Sample) and self._steps.unaccounted is not None:
             # Last: what is only shown and said never delays the usage the sidecars read.
             self._unaccounted_guard.run(

@@ -162,15 +162,18 @@ class NodeGate:
             self._label("v1")
         log.info("allocation gate: serving pid %d of container %s", handoff.pid, cid)
 
-    def saw(self, usage: Mapping[str, Mapping[str, int]], at: float) -> None:
-        """A good NVML pass begun at `at` (monotonic): each container's usage by GPU."""
+    def saw(self, usage: Mapping[str, Mapping[str, int]] | None, at: float) -> None:
+        """An NVML pass begun at `at` (monotonic): each container's usage by GPU, or None
+        where the pass failed (each ledger keeps its last good view: usage not read never
+        makes room). The listeners are checked either way."""
         tenants = self._tenants()
         whole = tenants.whole if tenants is not None else {}
         with self._lock:
             for cid, gated in list(self._containers.items()):
                 tenant = whole.get(cid)  # an unproven key is never a container ID
                 gated.ledger.limit(tenant.ceiling if tenant is not None else UNBOUNDED)
-                gated.ledger.saw(sum(usage.get(cid, {}).values()), at)
+                if usage is not None:
+                    gated.ledger.saw(sum(usage.get(cid, {}).values()), at)
                 self._check(cid, gated)
 
     def _check(self, cid: str, gated: _Container) -> None:

@@ -132,7 +132,7 @@ def test_runc_hands_the_container_to_the_agents_gate_which_holds_it_to_its_ceili
     try:
         wait_for(lambda: gate.gated() == {CID: 1} or run.poll() is not None, DEADLINE, "runc")
         assert gate.gated() == {CID: 1}, run.stderr.read() if run.stderr else ""
-        assert labels == ["pending", "v1"]
+        wait_for(lambda: labels == ["pending", "v1"], what="the label of a proven runtime")
         # The agent's passes, as its sampler makes them: the container holds 3 GiB over
         # its GPUs (what the gate lets through never reaches /dev/null's "driver").
         sampling = threading.Event()
