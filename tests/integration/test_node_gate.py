@@ -18,14 +18,21 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
 from enforcer.core import gate_profile
 from enforcer.core.lending import Tenant, Tenants
+from enforcer.core.model import Sample
 from enforcer.edge import gate_child
+from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.nvml_source import NvmlSource
 from enforcer.edge.seccomp_filter import program
+from enforcer.edge.tenants import TenantCache
+from enforcer.edge.usage_server import UsageServer
+from enforcer.modes.agent import Passes, PodSteps, Sampler
 from enforcer.modes.node_gate import NodeGate
 from tests.helpers import scratch_cgroup, wait_for
 
@@ -226,3 +233,33 @@ def test_where_the_gate_cannot_run_the_file_is_runtime_default_and_nothing_liste
         assert again.gate.start() is None
         stack.callback(again.gate.stop)
         assert again.profile()["listenerPath"] == str(again.socket)
+
+
+def test_a_bug_in_the_gate_never_keeps_a_pass_from_the_sidecars() -> None:
+    """The gate is fed after the pass's usage is published, under a guard of its own: a
+    bug there is counted, and the sidecars still get their usage."""
+    published: list[object] = []
+    fed: list[object] = []
+
+    class Broken:
+        def saw(self, usage: object, at: float) -> None:
+            fed.append((list(published), usage))
+            raise RuntimeError("a bug in the gate")
+
+    telemetry = AgentTelemetry()
+    source = SimpleNamespace(sample=lambda: Sample(0.0, (), ()))
+    server = SimpleNamespace(publish=lambda sample, lending: published.append(sample))
+    tenants = SimpleNamespace(count=lambda sample: {}, containers=lambda: {})
+    sampler = Sampler(
+        cast(NvmlSource, source),
+        cast(UsageServer, server),
+        telemetry,
+        1.0,
+        Passes(),
+        cast(TenantCache, tenants),
+        steps=PodSteps(gate=cast(NodeGate, Broken())),
+    )
+    sampler._pass()
+    assert len(published) == 1
+    assert fed == [([published[0]], {})]  # fed after the publication, with the pass's usage
+    assert telemetry.unexpected.labels("allocation-gate")._value.get() == 1
