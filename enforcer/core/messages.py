@@ -525,15 +525,17 @@ def held_by_fractioning() -> str:
     )
 
 
-def allocation_refused(what: str, ask: int, pid: int, tid: int, view: View, now: float) -> str:
-    """The allocation gate's one line per refusal: the call, the size, the limit, what the
-    command tree held and how the gate knew it."""
+def allocation_refused(
+    what: str, ask: int, pid: int, tid: int, view: View, now: float, who: str = "the command tree"
+) -> str:
+    """The allocation gate's one line per refusal: the call, the size, the limit, what `who`
+    (exec's command tree, or a container) held and how the gate knew it."""
     ago = (
         "no pass yet" if view.sampled_at is None else f"{(now - view.sampled_at) * 1000:.0f} ms ago"
     )
     return (
         f"refused a GPU allocation of {format_bytes(ask)} ({what}, pid {pid} thread {tid}): "
-        f"the command tree holds {format_bytes(view.held())} ({format_bytes(view.sampled_bytes)} "
+        f"{who} holds {format_bytes(view.held())} ({format_bytes(view.sampled_bytes)} "
         f"sampled {ago} + {format_bytes(view.since())} let through since) of its "
         f"{format_bytes(view.limit_bytes)} limit; it got the driver's out-of-memory status "
         "(NV_ERR_NO_MEMORY)"

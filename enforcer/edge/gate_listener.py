@@ -183,7 +183,7 @@ class GateListener:
     the owner for an early sampler pass when a call waits for one (at most `recheck_wait`
     seconds, then it goes on)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - each a part of what the listener serves, or says
         self,
         fd: int,
         ledger: Ledger,
@@ -193,6 +193,7 @@ class GateListener:
         want_pass: Callable[[], None] = lambda: None,
         recheck_wait: float = 0.25,
         pid: int = 0,
+        who: str = "the command tree",
     ) -> None:
         self._fd = fd
         self._ledger = ledger
@@ -203,6 +204,7 @@ class GateListener:
         self.refused: Callable[[str], None] = lambda line: None
         self._recheck_wait = recheck_wait
         self._pid = pid  # the command's, for the lines people read
+        self._who = who  # what the limit is of, in those lines
         self._guard = LoopGuard("allocation gate", errors, log)
         self._rechecks: queue.Queue[_Pending] = queue.Queue(RECHECK_QUEUE)
         self._quota = LineQuota()
@@ -421,7 +423,9 @@ class GateListener:
         outcome = self._reply(p.notif, Outcome.REFUSED, error)
         if outcome != Outcome.REFUSED:
             return outcome
-        line = messages.allocation_refused(p.call.what, p.ask, self._pid, p.notif.tid, view, at)
+        line = messages.allocation_refused(
+            p.call.what, p.ask, self._pid, p.notif.tid, view, at, self._who
+        )
         unmapped = "; its block was unmapped before the status was written: it failed EFAULT"
         self._say(line, at, unmapped if error else "")
         return outcome

@@ -154,6 +154,7 @@ class NodeGate:
                 self._errors,
                 recheck_wait=self._recheck_wait,
                 pid=handoff.pid,
+                who=f"container {handoff.container_id[:12]}",
             )
             gated.listeners[handoff.fd] = listener
         listener.start()

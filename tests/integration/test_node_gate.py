@@ -155,7 +155,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
 
 
 def test_a_handed_over_container_is_found_by_its_cgroup_and_held_to_its_ceiling(
-    node: Node, container: Path
+    node: Node, container: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     profile = node.profile()
     assert profile["listenerPath"] == str(node.socket)
@@ -172,7 +172,10 @@ def test_a_handed_over_container_is_found_by_its_cgroup_and_held_to_its_ceiling(
     node.gate.saw(
         {CID: {"GPU-a": 3 * GIB, "GPU-b": GIB // 2}, "other": {"GPU-a": 9 * GIB}}, time.monotonic()
     )
-    over_line, within_line = process.run()
+    with caplog.at_level(logging.WARNING):
+        over_line, within_line = process.run()
+    # Said in the container's words: its own limit, not a command tree's.
+    assert f"container {CID[:12]} holds 3.50 GiB" in caplog.text, caplog.text
     assert (over_line["ret"], over_line["status"]) == (0, NO_MEMORY), over_line  # 3.5 + 2 > 4
     assert (within_line["ret"], within_line["status"]) == (-1, UNTOUCHED), within_line
     # Every task under the filter gone: its fd closed, the container forgotten, on a pass
