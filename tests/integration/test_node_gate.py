@@ -15,6 +15,7 @@ import os
 import select
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,6 +80,24 @@ class Node:
             Tenant(f"ml/p/{cid}", "ml", request=b, ceiling=b, priority=0, ids=frozenset({cid}))
             for cid, b in self.tenants.items()
         )
+
+    @contextlib.contextmanager
+    def passes(self, usage: dict[str, dict[str, int]]) -> Iterator[None]:
+        """The agent's sampler meanwhile: a pass showing `usage` every 20 ms."""
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.02):
+                self.gate.saw(usage, time.monotonic())
+
+        self.gate.saw(usage, time.monotonic())
+        feeder = threading.Thread(target=sample)
+        feeder.start()
+        try:
+            yield
+        finally:
+            done.set()
+            feeder.join()
 
     def profile(self) -> dict[str, Any]:
         path = self.kubelet / "seccomp" / gate_profile.PROFILE_NAME
@@ -266,3 +285,22 @@ def test_a_bug_in_the_gate_never_keeps_a_pass_from_the_sidecars() -> None:
     assert len(published) == 1
     assert fed == [([published[0]], {})]  # fed after the publication, with the pass's usage
     assert telemetry.unexpected.labels("allocation-gate")._value.get() == 1
+
+
+def test_the_processes_of_one_container_share_its_ceiling(node: Node, container: Path) -> None:
+    """A `kubectl exec` process gets a filter and an fd of its own from runc, with the same
+    container: what either holds counts against the one ceiling."""
+    node.tenants[CID] = 4 * GIB
+    first = Process([f"form=nvos64,class=0x40,size={GIB}"], container)
+    second = Process([f"form=nvos64,class=0x40,size={GIB // 2}"], container)
+    first.hand_over(node.socket, CID)
+    second.hand_over(node.socket, CID)
+    wait_for(lambda: node.gate.gated() == {CID: 2}, what="both handoffs")
+    with node.passes({CID: {"GPU-a": 3 * GIB}}):
+        (line,) = first.run()
+    assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line  # 3 + 1 <= 4
+    with node.passes({CID: {"GPU-a": 4 * GIB}}):  # the driver shows the first's GiB now
+        (line,) = second.run()
+    assert (line["ret"], line["status"]) == (0, NO_MEMORY), line  # 4 + 0.5 > 4
+    node.gate.saw(None, time.monotonic())
+    assert node.gate.gated() == {}
