@@ -56,7 +56,7 @@ from enforcer.edge.usage_server import ServerHooks, ServerMetrics, UsageServer
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
-from enforcer.modes.node_gate import GATE_SOCKET, NodeGate
+from enforcer.modes.node_gate import GATE_SOCKET, NodeGate, container_ceiling
 from enforcer.modes.node_view import ClaimReads, NodeView
 from enforcer.modes.pod_metrics import LastPass, Peaks, PodCounts, pods_view, with_workloads
 from enforcer.modes.tier_watch import TierWatch, told
@@ -429,7 +429,7 @@ def _serve(
             server,
             passes,
             served,
-            _Node(tier, labels, _gate_label(advertiser, passes)),
+            _Node(tier, labels, _gate_label(advertiser, passes), lambda: nvml.driver_version),
         )
     faults = GpuFaults(telemetry, settings.node_name, recorder)
     sampler = Sampler(
@@ -489,6 +489,7 @@ class _Node:
     tier: TierWatch | None
     labels: Callable[[], Mapping[str, str]]
     gate_label: Callable[[str], None] = lambda value: None  # the allocation gate's ("": none)
+    driver_version: Callable[[], str] = str  # the sampler's NVML's ("": not read yet)
 
 
 @dataclass(slots=True)
@@ -676,9 +677,7 @@ def _pod_watch(
         view = functools.partial(with_workloads, view, pods.snapshot, peaks, namespaces.names)
         telemetry.registry.register(PodsCollector(view, settings.per_process_metrics))
     shown = UnaccountedStep(node, telemetry.node, recorder, settings.namespace)
-    gate = _node_gate(
-        settings, server.host_proc, lender, telemetry, node_facts.gate_label
-    )  # started: before a pass
+    gate = _node_gate(settings, server.host_proc, lender, telemetry, node_facts)  # started
     return (
         (pods, namespaces),
         woken,
@@ -691,10 +690,11 @@ def _node_gate(
     host_proc: ProcFs,
     lender: Lender | None,
     telemetry: AgentTelemetry,
-    label: Callable[[str], None],
+    node_facts: _Node,
 ) -> NodeGate | None:
     """With `--allocation-gate on` (which needs the pods served: the lender's tenants give
-    each container's ceiling), the node's gate, started (it stops with the sampler)."""
+    each container's ceiling; the sampler's NVML, the driver's branch), the node's gate,
+    started before the first pass (it stops with the sampler)."""
     if settings.allocation_gate != "on" or lender is None:
         return None
     gate = NodeGate(
@@ -702,10 +702,10 @@ def _node_gate(
         Path(settings.socket).parent / GATE_SOCKET,
         Path(settings.host_proc),
         gpu_device_majors(host_proc) or (),
-        lambda: lender.tenants,
+        lambda cid: container_ceiling(lender.tenants, node_facts.driver_version(), cid),
         telemetry.unexpected.labels("allocation-gate"),
         recheck_wait=max(2 * settings.interval, 0.25),
-        label=label,
+        label=node_facts.gate_label,
     )
     why = gate.start()
     if why is not None:

@@ -4,7 +4,10 @@ container process's listener fd, as runc hands it over, served by a `GateListene
 
 One `Ledger` per container (its init and each `kubectl exec` share it), fed by the agent's
 NVML passes with what that container holds over all its GPUs, and bounded by its ceiling as
-the agent's tenants give it (`Tenants.whole`: a container over any of its GPUs). Who the
+the agent's tenants give it (`ceiling`: `Tenants.whole`, a container over any of its GPUs),
+and only where the driver's branch is one whose parameter layouts are known
+(`rm_abi.layout_for`): elsewhere a refusal would write the status at a guessed offset of
+the caller's memory, so every call goes on. Who the
 process is comes from its cgroup on the host (`/proc/<pid>/cgroup`), never from what runc
 says alone. Where the container is not known yet (its pod's status does not list its
 container ID until it runs) or is not one the gate bounds (a share on each of several GPUs,
@@ -32,6 +35,8 @@ from pathlib import Path
 from enforcer.core import gate_profile
 from enforcer.core.cgroups import container_id, parse_cgroup
 from enforcer.core.lending import Tenants
+from enforcer.core.rm_abi import layout_for
+from enforcer.core.tier_choice import driver_branch
 from enforcer.edge.gate_listener import GateListener, Ledger
 from enforcer.edge.gate_socket import GateSocket, Handoff
 from enforcer.edge.guard import ErrorCounter
@@ -61,17 +66,19 @@ class NodeGate:
         socket_path: Path,
         host_proc: Path,
         majors: Collection[int],
-        tenants: Callable[[], Tenants | None],
+        ceiling: Callable[[str], int | None],
         errors: ErrorCounter,
         recheck_wait: float,
         label: Callable[[str], None] = lambda value: None,
     ) -> None:
-        """`label(value)`: the gate's state for the Node's label (`pending` while it waits
-        for the runtime's first handoff, `v1` after it; "" where it does not run)."""
+        """`ceiling(container_id)`: what the gate holds a container to, None where it does
+        not bound it (`container_ceiling`). `label(value)`: the gate's state for the Node's
+        label (`pending` while it waits for the runtime's first handoff, `v1` after it; ""
+        where it does not run)."""
         self._profile = profile_path(kubelet_root, gate_profile.PROFILE_NAME)
         self._host_proc = host_proc
         self._majors = frozenset(majors)
-        self._tenants = tenants
+        self._ceiling = ceiling
         self._errors = errors
         self._recheck_wait = recheck_wait
         self._machine = os.uname().machine
@@ -167,12 +174,10 @@ class NodeGate:
         """An NVML pass begun at `at` (monotonic): each container's usage by GPU, or None
         where the pass failed (each ledger keeps its last good view: usage not read never
         makes room). The listeners are checked either way."""
-        tenants = self._tenants()
-        whole = tenants.whole if tenants is not None else {}
         with self._lock:
             for cid, gated in list(self._containers.items()):
-                tenant = whole.get(cid)  # an unproven key is never a container ID
-                gated.ledger.limit(tenant.ceiling if tenant is not None else UNBOUNDED)
+                ceiling = self._ceiling(cid)  # an unproven key is never a container ID
+                gated.ledger.limit(UNBOUNDED if ceiling is None else ceiling)
                 if usage is not None:
                     gated.ledger.saw(sum(usage.get(cid, {}).values()), at)
                 self._check(cid, gated)
@@ -195,6 +200,16 @@ class NodeGate:
         """Container ID -> how many of its processes are served (for tests and doctor)."""
         with self._lock:
             return {cid: len(c.listeners) for cid, c in self._containers.items()}
+
+
+def container_ceiling(tenants: Tenants | None, driver_version: str, cid: str) -> int | None:
+    """What the gate holds container `cid` to: its ceiling over any of its GPUs, where the
+    agent's pods name it and the driver's parameter layouts are known; else None."""
+    branch = driver_branch(driver_version)
+    if tenants is None or branch is None or layout_for(branch) is None:
+        return None
+    tenant = tenants.whole.get(cid)
+    return None if tenant is None else tenant.ceiling
 
 
 def _hung_up(fd: int) -> bool:

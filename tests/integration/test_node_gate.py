@@ -34,7 +34,7 @@ from enforcer.edge.seccomp_filter import program
 from enforcer.edge.tenants import TenantCache
 from enforcer.edge.usage_server import UsageServer
 from enforcer.modes.agent import Passes, PodSteps, Sampler
-from enforcer.modes.node_gate import NodeGate
+from enforcer.modes.node_gate import NodeGate, container_ceiling
 from tests.helpers import scratch_cgroup, wait_for
 
 GIB = 1 << 30
@@ -69,7 +69,7 @@ class Node:
             self.socket,
             Path("/proc"),
             majors,
-            self._tenants,
+            lambda cid: container_ceiling(self._tenants(), "580.142", cid),
             self.errors,
             recheck_wait=DEADLINE,
             label=self.labels.append,

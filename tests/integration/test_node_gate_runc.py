@@ -27,7 +27,7 @@ import pytest
 
 from enforcer.core import gate_profile
 from enforcer.core.lending import Tenant, Tenants
-from enforcer.modes.node_gate import NodeGate
+from enforcer.modes.node_gate import NodeGate, container_ceiling
 from tests.helpers import scratch_cgroup, wait_for
 
 GIB = 1 << 30
@@ -108,7 +108,7 @@ def test_runc_hands_the_container_to_the_agents_gate_which_holds_it_to_its_ceili
         tmp_path / "run" / "seccomp.sock",
         Path("/proc"),
         {NULL_MAJOR},
-        lambda: tenants,
+        lambda cid: container_ceiling(tenants, "580.142", cid),
         errors,
         recheck_wait=DEADLINE,
         label=labels.append,
