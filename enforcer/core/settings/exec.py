@@ -7,12 +7,13 @@ from pathlib import PurePath
 from typing import Any
 
 from enforcer.core.model import Action, GiB, format_bytes
-from enforcer.core.parsing import ConfigError, as_text, choice, parse_bytes
+from enforcer.core.parsing import ConfigError, as_text, parse_bytes
 from enforcer.core.policy import PolicyConfig
 from enforcer.core.settings import Setting, Values, value, verbosity
 from enforcer.core.settings.common import (
     PolicySettings,
     action,
+    allocation_gate,
     dry_run,
     grace_period,
     hard_limits,
@@ -111,17 +112,12 @@ HARD_LIMITS = hard_limits(
     "and said. `required`: refuse to start without them. `off`: sampling alone. None with "
     "`--dry-run` or `--action warn` (the driver's refusal would enforce what they only report)",
 )
-ALLOCATION_GATE = value(
-    "allocation_gate",
-    choice("off", "on"),
+ALLOCATION_GATE = allocation_gate(
     "experimental, unverified on any GPU: check the driver's allocation calls before they "
     "run (seccomp user notification), and refuse one past --limit with the driver's own "
     "out-of-memory status, so CMD gets CUDA's out-of-memory error and lives; NVIDIA "
     "535-599, where the driver's limits (R615+) cannot hold",
-    flag="--allocation-gate",
-    default="off",
-    metavar="off|on",
-    doc="experimental, **unverified on any GPU**: `on` adds the allocation gate as a tier "
+    "experimental, **unverified on any GPU**: `on` adds the allocation gate as a tier "
     "after the driver's limits. CMD starts under a seccomp filter that hands the NVIDIA "
     "driver's allocation calls to vram-enforcer before they run; a call that would take "
     "the command tree past `--limit` (summed over GPUs: what it held at the last sample "
