@@ -25,6 +25,8 @@ VERSION = 1
 # an emptyDir that only the sidecar mounts.
 SIDECAR_SOCKET_DIR = "/run/vram-enforcer"
 SIDECAR_SOCKET = f"{SIDECAR_SOCKET_DIR}/sidecar.sock"
+# Beside it: the allocation gate's second holder of the pod's listener fds (`gate_holder`).
+GATE_HOLDER_SOCKET = f"{SIDECAR_SOCKET_DIR}/gate-holder.sock"
 MAX_REQUEST_BYTES = 4096
 OPS = ("usage", "subscribe", "event", "report")
 _CONTAINER = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")

@@ -517,6 +517,22 @@ class GateListener:
         return outcome
 
 
+def let_go_on(fd: int) -> None:
+    """Read the notification waiting on `fd` and let its call go on, unjudged: a second
+    holder's answer while the listener is away (`gate_holder`). Call it only once `fd`
+    polls readable: RECV waits for a call otherwise."""
+    buf = bytearray(_NOTIF.size)
+    try:
+        fcntl.ioctl(fd, SECCOMP_IOCTL_NOTIF_RECV, buf, True)
+        nid = Notification.unpack(buf).id
+        fcntl.ioctl(
+            fd, SECCOMP_IOCTL_NOTIF_SEND, _RESP.pack(nid, 0, 0, SECCOMP_USER_NOTIF_FLAG_CONTINUE)
+        )
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.EINTR):  # the caller moved on
+            raise
+
+
 def _reader(mem: int) -> Read:
     """A caller's memory (`/proc/<tid>/mem`, open) as `decode` reads it: a range that is
     not there (unmapped, past the end of a mapping, past user space) reads short, where

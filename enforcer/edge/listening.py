@@ -15,9 +15,10 @@ class SocketInUse(Exception):
     """Another process is listening on the socket path, or the path is not a socket."""
 
 
-def prepare_path(path: Path, whose: str, option: str) -> None:
+def prepare_path(path: Path, whose: str, option: str, kind: int = socket.SOCK_STREAM) -> None:
     """Create the directory; replace a stale socket, but never a live one or a non-socket.
-    `whose` names the process that would be listening, `option` the setting of the path."""
+    `whose` names the process that would be listening, `option` the setting of the path,
+    `kind` the socket's type (a probe of another type is refused, live or not)."""
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     try:
         mode = path.lstat().st_mode
@@ -27,7 +28,7 @@ def prepare_path(path: Path, whose: str, option: str) -> None:
         raise SocketInUse(
             f"{path} exists and is not a socket; remove it or choose another {option}"
         )
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe = socket.socket(socket.AF_UNIX, kind)
     try:
         probe.connect(str(path))
     except OSError as exc:
@@ -40,10 +41,13 @@ def prepare_path(path: Path, whose: str, option: str) -> None:
     raise SocketInUse(f"another {whose} is already listening on {path}")
 
 
-def listen(path: Path, mode: int, backlog: int, whose: str, option: str) -> socket.socket:
-    """A non-blocking listener at `path`, with the file's permissions set to `mode`."""
-    prepare_path(path, whose, option)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+def listen(
+    path: Path, mode: int, backlog: int, whose: str, option: str, kind: int = socket.SOCK_STREAM
+) -> socket.socket:
+    """A non-blocking listener of `kind` at `path`, with the file's permissions set to
+    `mode`."""
+    prepare_path(path, whose, option, kind)
+    listener = socket.socket(socket.AF_UNIX, kind | socket.SOCK_NONBLOCK)
     try:
         listener.bind(str(path))
         os.chmod(path, mode)

@@ -59,9 +59,16 @@ Dialled = socket.socket | Refused | str
 """A connection to a sidecar, or why there is none."""
 
 
-def dial(host_proc: ProcFs, container_id: str, init: ProcessKey) -> socket.socket | Refused | str:
-    """A connection to the sidecar socket in the filesystem of `init`, the container's first
-    process, on which that process listens; or why not."""
+def dial(
+    host_proc: ProcFs,
+    container_id: str,
+    init: ProcessKey,
+    path: str = SIDECAR_SOCKET,
+    kind: int = socket.SOCK_STREAM,
+) -> socket.socket | Refused | str:
+    """A connection to the sidecar's socket at `path` (its usage link's, or the allocation
+    gate's holder's, of `kind`) in the filesystem of `init`, the container's first process,
+    on which that process listens; or why not."""
     pinned = Pinned.open(init.pid)
     if not isinstance(pinned, Pinned):
         return f"the sidecar's first process (pid {init.pid}) has exited"
@@ -73,15 +80,15 @@ def dial(host_proc: ProcFs, container_id: str, init: ProcessKey) -> socket.socke
             or host_proc.container_id(init.pid) != container_id
         ):
             return f"the sidecar's first process (pid {init.pid}) has exited"
-        found = open_in(host_proc, pinned, SIDECAR_SOCKET, stat.S_IFSOCK)
-    where = f"{SIDECAR_SOCKET} of the sidecar (pid {init.pid})"
+        found = open_in(host_proc, pinned, path, stat.S_IFSOCK)
+    where = f"{path} of the sidecar (pid {init.pid})"
     if isinstance(found, Planted):
         return Refused(f"{where}: {found}; not connected to")
     if isinstance(found, str):
         return f"cannot reach {where}: {found}"
     try:
         # A socket that cannot be made (EMFILE) must not leak the walk's descriptor.
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        sock = socket.socket(socket.AF_UNIX, kind | socket.SOCK_NONBLOCK)
     except OSError as exc:
         os.close(found)
         return f"cannot connect to {where}: {exc.strerror or exc}"
@@ -106,14 +113,19 @@ def dial(host_proc: ProcFs, container_id: str, init: ProcessKey) -> socket.socke
     return sock
 
 
-def dial_container(host_proc: ProcFs, container_id: str) -> Dialled:
+def dial_container(
+    host_proc: ProcFs,
+    container_id: str,
+    path: str = SIDECAR_SOCKET,
+    kind: int = socket.SOCK_STREAM,
+) -> Dialled:
     """`dial`, to the first process of the container of this ID, found on the host."""
     init = host_proc.container_inits([container_id]).get(container_id)
     if init is None:
         return "no process of the sidecar's container was found"
     if isinstance(init, str):
         return init
-    return dial(host_proc, container_id, init)
+    return dial(host_proc, container_id, init, path, kind)
 
 
 DIAL_DEADLINE = 5.0  # seconds a dial may take before it is said to hang

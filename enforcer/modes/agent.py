@@ -56,7 +56,7 @@ from enforcer.edge.usage_server import ServerHooks, ServerMetrics, UsageServer
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
-from enforcer.modes.node_gate import GATE_SOCKET, NodeGate, container_ceiling
+from enforcer.modes.node_gate import GATE_SOCKET, NodeGate, container_ceiling, dial_sidecar
 from enforcer.modes.node_view import ClaimReads, NodeView
 from enforcer.modes.pod_metrics import LastPass, Peaks, PodCounts, pods_view, with_workloads
 from enforcer.modes.tier_watch import TierWatch, told
@@ -576,7 +576,7 @@ def _pod_watch(
     from enforcer.edge.node_pods import NodePods  # noqa: PLC0415
     from enforcer.edge.pod_conditions import ConditionWriter  # noqa: PLC0415
     from enforcer.edge.pod_resources import PodResources  # noqa: PLC0415
-    from enforcer.edge.sidecar_dialer import Dialer, dial_container  # noqa: PLC0415
+    from enforcer.edge.sidecar_dialer import Dialer  # noqa: PLC0415
     from enforcer.modes.last_enforcement import LastEnforcement  # noqa: PLC0415
     from enforcer.modes.pod_publisher import PodPublisher  # noqa: PLC0415
     from enforcer.modes.sidecar_watch import SidecarProcesses, SidecarWatch  # noqa: PLC0415
@@ -605,7 +605,7 @@ def _pod_watch(
         woken += _hard_limits(
             settings, node, passes, recorder, telemetry, limiter_woken, node_facts.tier
         )
-    lender, backstop = None, None
+    lender, backstop, gate = None, None, None
     peaks: Peaks | None = None
     if served is not None:
         dra = claims if settings.dra.drivers else None
@@ -622,6 +622,7 @@ def _pod_watch(
             assigned,
             reserve_bytes=settings.reserve_bytes,
         )
+        gate = _node_gate(settings, server.host_proc, lender, telemetry, node_facts)  # started
         woken.append(
             PodPublisher(
                 pods,
@@ -634,7 +635,7 @@ def _pod_watch(
         )
         host_proc = server.host_proc
         dialer = Dialer(
-            functools.partial(dial_container, host_proc),
+            functools.partial(dial_sidecar, host_proc, gate, node.injected),
             served.news.woken.set,
             telemetry.unexpected.labels("sidecar-dial"),
         )
@@ -677,7 +678,6 @@ def _pod_watch(
         view = functools.partial(with_workloads, view, pods.snapshot, peaks, namespaces.names)
         telemetry.registry.register(PodsCollector(view, settings.per_process_metrics))
     shown = UnaccountedStep(node, telemetry.node, recorder, settings.namespace)
-    gate = _node_gate(settings, server.host_proc, lender, telemetry, node_facts)  # started
     return (
         (pods, namespaces),
         woken,

@@ -16,17 +16,19 @@ pass that knows it.
 
 While the agent runs, nothing here makes a workload's allocations fail: each fd stays open
 in this process until every task under its filter has exited, and the listeners fail open.
-When the agent exits, its copies close and every later gated call of those containers
-fails with ENOSYS: the second holder the design gives each pod (its sidecar, failing open
-while the agent is away) is not built yet (docs/security.md).
+When the agent exits its copies close, and the pod's sidecar, which holds a second copy of
+each (`gate_holder`, reached by `dial_sidecar`), lets the calls go on until an agent takes
+the fds back from it (`hold`): without it, every later gated call would fail with ENOSYS.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import select
+import socket
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -35,16 +37,24 @@ from pathlib import Path
 from enforcer.core import gate_profile
 from enforcer.core.cgroups import container_id, parse_cgroup
 from enforcer.core.lending import Tenants
+from enforcer.core.payloads import Pod
+from enforcer.core.pod import containers_by_id
+from enforcer.core.protocol import GATE_HOLDER_SOCKET
 from enforcer.core.rm_abi import layout_for
+from enforcer.core.sidecar_presence import sidecar_id
 from enforcer.core.tier_choice import driver_branch
+from enforcer.edge.gate_holder import Held, pass_fd, same_file, take_over
 from enforcer.edge.gate_listener import GateListener, Ledger
 from enforcer.edge.gate_socket import GateSocket, Handoff
 from enforcer.edge.guard import ErrorCounter
+from enforcer.edge.procfs import ProcFs
 from enforcer.edge.seccomp_root import profile_path, write_profile
+from enforcer.edge.sidecar_dialer import Dialled, dial_container
 
 log = logging.getLogger(__name__)
 
 GATE_SOCKET = "seccomp.sock"  # beside the agent's usage socket (the chart's hostPath)
+HOLDER_TIMEOUT = 1.0  # s a pod's holder may take to hand its fds over, or take one
 UNBOUNDED = 1 << 62  # the limit of a container the gate does not bound (yet): calls go on
 
 
@@ -54,6 +64,15 @@ class _Container:
 
     ledger: Ledger
     listeners: dict[int, GateListener] = field(default_factory=dict)
+    pids: dict[int, int] = field(default_factory=dict)  # fd -> the process it was handed for
+
+
+@dataclass(slots=True, eq=False)
+class _Holder:
+    """A connection to one pod's gate holder, and which containers are that pod's."""
+
+    sock: socket.socket
+    member: Callable[[str], bool]
 
 
 class NodeGate:
@@ -88,6 +107,7 @@ class NodeGate:
         self._lock = threading.Lock()
         self._containers: dict[str, _Container] = {}
         self._handed_over = False  # a gated process came: the node's runtime is proven
+        self._holders: list[_Holder] = []
 
     def start(self) -> str | None:
         """Serves the socket, then writes the gating profile (the plain one where the gate
@@ -122,23 +142,23 @@ class NodeGate:
         return None
 
     def stop(self) -> None:
-        """Stops serving: the fds stay open (a gated call then waits, never fails) until
-        this process exits."""
+        """Stops serving: the fds stay open until this process exits; a gated call then
+        waits, never fails, and goes on unjudged where its pod's holder has a copy (told
+        by the end of its connection, once no listener here reads)."""
         if self._socket.alive():
             self._socket.stop()
         with self._lock:
             for c in self._containers.values():
                 for listener in c.listeners.values():
                     listener.stop()
+            for holder in self._holders:
+                holder.sock.close()
+            self._holders.clear()
 
     def _take(self, handoff: Handoff) -> None:
-        """One process runc handed over: its container found from its cgroup, and served."""
-        try:
-            text = (self._host_proc / str(handoff.pid) / "cgroup").read_text()
-        except OSError as exc:
-            text = ""
-            log.warning("allocation gate: cannot read pid %d's cgroup: %s", handoff.pid, exc)
-        cid = container_id(parse_cgroup(text)) if text else None
+        """One process runc handed over: its container found from its cgroup, served, and
+        a copy handed to its pod's holder."""
+        cid = self._container_of(handoff.pid)
         if cid != handoff.container_id:
             # Served all the same (closing the fd would fail every gated call of the
             # process with ENOSYS), but never bounded: its calls go on.
@@ -150,25 +170,107 @@ class NodeGate:
                 handoff.container_id,
             )
             cid = f"unproven:{handoff.pid}:{handoff.container_id}"
+        self._serve(Held(handoff.fd, cid, handoff.pid))
+        if not self._handed_over:  # only the socket's thread takes handoffs
+            self._handed_over = True
+            self._label("v1")
+        with self._lock:
+            holders = [h for h in self._holders if h.member(cid)]
+        for holder in holders:
+            self._pass(holder, Held(handoff.fd, cid, handoff.pid))
+
+    def _container_of(self, pid: int) -> str | None:
+        try:
+            text = (self._host_proc / str(pid) / "cgroup").read_text()
+        except OSError as exc:
+            log.warning("allocation gate: cannot read pid %d's cgroup: %s", pid, exc)
+            return None
+        return container_id(parse_cgroup(text))
+
+    def _serve(self, held: Held) -> None:
+        """Serve one process's fd under its container's ledger (`held.container_id`,
+        proven by the caller, or an unproven key that is never bounded)."""
+        cid = held.container_id
         with self._lock:
             gated = self._containers.get(cid)
             if gated is None:
                 gated = self._containers[cid] = _Container(Ledger(UNBOUNDED))
             listener = GateListener(
-                handoff.fd,
+                held.fd,
                 gated.ledger,
                 self._majors,
                 self._errors,
                 recheck_wait=self._recheck_wait,
-                pid=handoff.pid,
-                who=f"container {handoff.container_id[:12]}",
+                pid=held.pid,
+                who=f"container {cid.rsplit(':', 1)[-1][:12]}",
             )
-            gated.listeners[handoff.fd] = listener
+            gated.listeners[held.fd] = listener
+            gated.pids[held.fd] = held.pid
         listener.start()
-        if not self._handed_over:  # only the socket's thread takes handoffs
-            self._handed_over = True
-            self._label("v1")
-        log.info("allocation gate: serving pid %d of container %s", handoff.pid, cid)
+        log.info("allocation gate: serving pid %d of container %s", held.pid, cid)
+
+    def hold(self, sock: socket.socket, member: Callable[[str], bool]) -> None:
+        """A connection to the gate holder of one pod's sidecar, proven to be that
+        sidecar's by whoever connected; `member(container_id)`: whether a container is of
+        that pod. The fds it held are served (after this agent's restart they are its only
+        copies), and it is given a copy of each fd served for the pod's containers, now
+        and as they come. The connection stays open: its end, when this process exits, is
+        the holder's word to let the calls go on until an agent is back."""
+        sock.settimeout(HOLDER_TIMEOUT)
+        try:
+            taken = take_over(sock)
+        except (OSError, ValueError) as exc:
+            sock.close()
+            log.warning("allocation gate: a holder's fds not taken: %s", exc)
+            return
+        holder = _Holder(sock, member)
+        for held in taken:
+            if self._served(held.fd):
+                os.close(held.fd)  # a copy of one this agent serves already
+                continue
+            # Its claim is a hint: the process's own cgroup says whose it is, and only a
+            # container of the holder's pod is bounded.
+            cid = self._container_of(held.pid)
+            proven = cid is not None and cid == held.container_id and member(cid)
+            if not proven:
+                log.warning(
+                    "allocation gate: a holder's fd for pid %d is not of container %s of "
+                    "its pod by its cgroup (%s); its allocations are not gated",
+                    held.pid,
+                    held.container_id,
+                    cid,
+                )
+            key = held.container_id if proven else f"unproven:{held.pid}:{held.container_id}"
+            self._serve(Held(held.fd, key, held.pid))
+        with self._lock:
+            self._holders.append(holder)
+            ours = [
+                Held(fd, cid, gated.pids[fd])
+                for cid, gated in self._containers.items()
+                if member(cid)
+                for fd in gated.listeners
+            ]
+        for held in ours:
+            if not any(same_file(held.fd, t.fd) for t in taken):
+                self._pass(holder, held)
+
+    def _served(self, fd: int) -> bool:
+        with self._lock:
+            return any(
+                same_file(fd, ours)
+                for gated in self._containers.values()
+                for ours in gated.listeners
+            )
+
+    def _pass(self, holder: _Holder, held: Held) -> None:
+        try:
+            pass_fd(holder.sock, held)
+        except OSError as exc:
+            log.warning("allocation gate: a pod's holder is gone (%s)", exc)
+            with self._lock:
+                if holder in self._holders:
+                    self._holders.remove(holder)
+            holder.sock.close()
 
     def saw(self, usage: Mapping[str, Mapping[str, int]] | None, at: float) -> None:
         """An NVML pass begun at `at` (monotonic): each container's usage by GPU, or None
@@ -191,6 +293,7 @@ class NodeGate:
                 with contextlib.suppress(OSError):
                     os.close(fd)
                 del gated.listeners[fd]
+                del gated.pids[fd]
             else:
                 listener.check()
         if not gated.listeners:
@@ -217,3 +320,34 @@ def _hung_up(fd: int) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return any(ev & (select.POLLHUP | select.POLLNVAL) for _, ev in poller.poll(0))
+
+
+def dial_sidecar(
+    host_proc: ProcFs,
+    gate: NodeGate | None,
+    injected: Callable[[], Mapping[str, Pod] | None],
+    sidecar: str,
+) -> Dialled:
+    """A connection to the usage link of the sidecar container `sidecar`; with the gate
+    on, its pod's gate holder too, dialled and proven as the link is and handed to the
+    gate (`NodeGate.hold`) here, on the dial's thread (the handover may wait)."""
+    found = dial_container(host_proc, sidecar)
+    if gate is None or not isinstance(found, socket.socket):
+        return found
+    holder = dial_container(host_proc, sidecar, GATE_HOLDER_SOCKET, socket.SOCK_SEQPACKET)
+    if isinstance(holder, socket.socket):
+        holder.setblocking(True)
+        gate.hold(holder, functools.partial(_of_pod, injected, sidecar))
+    else:
+        log.info(
+            "allocation gate: sidecar %s holds no copy of its pod's fds: %s", sidecar[:12], holder
+        )
+    return found
+
+
+def _of_pod(injected: Callable[[], Mapping[str, Pod] | None], sidecar: str, cid: str) -> bool:
+    """Whether `cid` is a container of the pod whose sidecar is `sidecar` (not the sidecar)."""
+    return cid != sidecar and any(
+        sidecar_id(pod) == sidecar and cid in containers_by_id(pod)
+        for pod in (injected() or {}).values()
+    )

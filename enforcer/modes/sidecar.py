@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 from enforcer.core.model import (
     Action,
@@ -28,6 +29,7 @@ from enforcer.core.pod import (
     others_finished,
     spec_field_of,
 )
+from enforcer.core.protocol import GATE_HOLDER_SOCKET
 from enforcer.core.reasons import Reason
 from enforcer.core.settings.sidecar import SidecarSettings
 from enforcer.core.sidecar_report import REPORT_EVERY, SidecarReport, newly_denied
@@ -35,6 +37,7 @@ from enforcer.core.units import Unit
 from enforcer.edge import logs
 from enforcer.edge.agent_link import AgentLink
 from enforcer.edge.dumpable import forbid_inspection
+from enforcer.edge.gate_holder import Holder
 from enforcer.edge.guard import stopped
 from enforcer.edge.listening import SocketInUse
 from enforcer.edge.pid_view import PidView, PidViewError
@@ -116,6 +119,27 @@ def _source(settings: SidecarSettings) -> UsageSource:
     return NvmlSource(nvml, view, gpu_device_majors())
 
 
+def _holder(settings: SidecarSettings, telemetry: SidecarTelemetry) -> Holder | None:
+    """Where the agent connects (`--listen`), the allocation gate's second holder of this
+    pod's listener fds beside that socket: while the agent is away, the pod's gated calls
+    go on unjudged instead of failing with ENOSYS. None (said) where it cannot listen."""
+    if settings.listen is None:
+        return None
+    path = Path(settings.listen).with_name(Path(GATE_HOLDER_SOCKET).name)
+    try:
+        holder = Holder(path, telemetry.unexpected.labels("gate-holder"))
+    except (OSError, SocketInUse) as exc:
+        log.warning(
+            "cannot hold this pod's allocation gate fds at %s (%s): if the pod is gated, "
+            "its allocation calls fail with ENOSYS while the node agent restarts",
+            path,
+            exc,
+        )
+        return None
+    holder.start()
+    return holder
+
+
 def run(settings: SidecarSettings) -> int:
     procfs = ProcFs()
     if os.getpid() == 1:
@@ -165,11 +189,14 @@ def run(settings: SidecarSettings) -> int:
         settings.api_access,
     )
     counts = _Counts(source, telemetry) if isinstance(source, AgentLink) else None
+    holder = _holder(settings, telemetry)
     try:
         return _loop(
             settings, source, pipeline, terminator, procfs, access.pod, access.helpers, counts
         )
     finally:
+        if holder is not None:
+            holder.stop()
         terminator.close()
         source.close()
         access.close()

@@ -1,0 +1,280 @@
+"""The second holder of the allocation gate's listener fds: the pod's sidecar keeps a copy of
+each of its containers' fds, so that the agent's exit (a restart, a rollout, a crash) does
+not close the last copy, which fails every later gated call of those containers with ENOSYS
+for the rest of their lives (`seccomp_notify_detach`, kernel/seccomp.c).
+
+While an agent is connected the holder reads none of the fds: the agent serves them. Once
+the agent's connection is gone (the kernel hangs it up the moment the agent's process dies),
+the holder lets every notified call go on unjudged (fail open: sampling still holds the
+line) until an agent connects again; it then stops reading, and hands the new agent a copy
+of each fd it holds, which the agent serves from then on. One reader at a time: the holder's
+one thread either answers or hands over, never both.
+
+The wire is a SOCK_SEQPACKET socket in the sidecar's own filesystem, reached by the agent as
+the usage link's `SidecarSocket` is, and refused to callers inside the pod's PID namespace:
+one message per fd, its claim as JSON (`{"container": ID, "pid": N}`) with the fd in
+SCM_RIGHTS. Neither end takes anything but a seccomp listener fd, and the claim is a hint:
+who a process is, the agent proves from its cgroup.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import platform
+import select
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from enforcer.edge.agent_link import SOCKET_MODE  # the agent may not be root of the pod
+from enforcer.edge.gate_listener import let_go_on
+from enforcer.edge.guard import ErrorCounter, LoopGuard
+from enforcer.edge.listening import listen, peer_credentials
+
+log = logging.getLogger(__name__)
+
+MAX_HANDED = 4096  # fds one holder may hand over: a pod's processes under the gate
+MAX_CLAIM = 512  # bytes of one message's JSON: a container ID and a pid
+NOTIFY_FD = "anon_inode:seccomp notify"
+_KCMP = {"x86_64": 312, "aarch64": 272}  # the syscall's number (the gate's architectures)
+_KCMP_FILE = 0  # what /proc/self/fd/N names a listener fd
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A listener fd (the taker's to close) and what its sender says it serves: a hint."""
+
+    fd: int
+    container_id: str
+    pid: int
+
+
+def pass_fd(sock: socket.socket, held: Held) -> None:
+    """Send a copy of `held.fd` with its claim (one message; raises OSError)."""
+    claim = json.dumps({"container": held.container_id, "pid": held.pid}).encode()
+    sock.sendmsg([claim], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [held.fd]))])
+
+
+def hand_over(sock: socket.socket, helds: list[Held]) -> None:
+    """The holder's greeting to an agent that connects: how many fds follow, then each."""
+    sock.sendmsg([json.dumps({"fds": len(helds)}).encode()])
+    for held in helds:
+        pass_fd(sock, held)
+
+
+def take_over(sock: socket.socket) -> list[Held]:
+    """The agent's side of `hand_over`: the fds the holder held. Raises OSError, or
+    ValueError for a greeting that is no count or a connection that ends early (the fds
+    taken so far closed then)."""
+    raw, _, _, _ = sock.recvmsg(MAX_CLAIM)
+    try:
+        count = json.loads(raw)["fds"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"the holder's greeting {raw[:80]!r} says no count of fds") from exc
+    if not isinstance(count, int) or not 0 <= count <= MAX_HANDED:
+        raise ValueError(f"the holder's greeting says {count!r} fds (0 to {MAX_HANDED})")
+    taken: list[Held] = []
+    for seen in range(count):
+        try:
+            found = take_fd(sock)
+        except OSError:
+            found = None
+        if found is None:
+            for held in taken:
+                os.close(held.fd)
+            raise ValueError(f"the holder's connection ended after {seen} of {count} fds")
+        if isinstance(found, str):
+            log.warning("allocation gate: dropped a message of a holder: %s", found)
+        else:
+            taken.append(found)
+    return taken
+
+
+def take_fd(sock: socket.socket) -> Held | str | None:
+    """One message: the fd and its claim; why it is not one (every fd it brought closed);
+    None once the other end has hung up (raises OSError)."""
+    fds = array.array("i")
+    raw, ancillary, flags, _ = sock.recvmsg(MAX_CLAIM, socket.CMSG_SPACE(4 * fds.itemsize))
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    if not raw and not fds:
+        return None
+    found = _claim(raw, flags, list(fds))
+    if isinstance(found, str):
+        for fd in fds:
+            os.close(fd)
+    return found
+
+
+def _claim(raw: bytes, flags: int, fds: list[int]) -> Held | str:
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        return "the message was longer than one claim and one fd"
+    if len(fds) != 1:
+        return f"the message brought {len(fds)} fds, not 1"
+    if not is_listener_fd(fds[0]):
+        return "its fd is no seccomp listener"
+    try:
+        found = json.loads(raw)
+    except ValueError as exc:
+        return f"the claim is not JSON ({exc})"
+    cid = found.get("container") if isinstance(found, dict) else None
+    pid = found.get("pid") if isinstance(found, dict) else None
+    if not isinstance(cid, str) or not isinstance(pid, int) or isinstance(pid, bool):
+        return f"the claim {raw[:80]!r} names no container and pid"
+    return Held(fds[0], cid, pid)
+
+
+def is_listener_fd(fd: int) -> bool:
+    """Whether `fd` is a seccomp listener: the only kind either end polls and answers."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == NOTIFY_FD
+    except OSError:
+        return False
+
+
+def same_file(a: int, b: int) -> bool:
+    """Whether two fds of this process are copies of one open file (kcmp(2) KCMP_FILE):
+    every listener fd is on the one anonymous inode, so fstat cannot tell them apart."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pid = os.getpid()
+    found: int = libc.syscall(_KCMP[platform.machine()], pid, pid, _KCMP_FILE, a, b)
+    if found < 0:
+        raise OSError(ctypes.get_errno(), f"kcmp: {os.strerror(ctypes.get_errno())}")
+    return found == 0
+
+
+class Holder:
+    """The sidecar's side (`start`, `stop`): listens on `path`, takes the fds an agent hands
+    it, lets their calls go on while no agent is connected, and hands them to each agent
+    that connects. An fd is closed once every task under its filter has exited."""
+
+    def __init__(self, path: Path, errors: ErrorCounter) -> None:
+        # Raises SocketInUse or OSError.
+        self._sock = listen(path, SOCKET_MODE, 4, "gate holder", "path", socket.SOCK_SEQPACKET)
+        self._path = path
+        self._guard = LoopGuard("allocation gate holder", errors, log)
+        self._held: dict[int, Held] = {}
+        self._agent: socket.socket | None = None
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.let_on = 0  # calls let go on unjudged while no agent was connected
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="gate-holder", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop, closing every copy held (the agent's, if it runs, keep the calls served)."""
+        self._stopping.set()
+        os.write(self._wake_w, b"s")
+        if self._thread is not None:
+            self._thread.join()
+        for held in self._held.values():
+            os.close(held.fd)
+        self._held.clear()
+        self._hang_up()
+        self._sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        with contextlib.suppress(OSError):
+            self._path.unlink()
+
+    @property
+    def agent_connected(self) -> bool:
+        return self._agent is not None
+
+    def held(self) -> list[Held]:
+        return list(self._held.values())
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            if not self._guard.run(self._once):
+                self._stopping.wait(1.0)  # a bug: said and counted, tried again after a breath
+
+    def _once(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        poller.register(self._sock, select.POLLIN)
+        if self._agent is not None:
+            poller.register(self._agent, select.POLLIN)
+        # While an agent serves them, an fd is watched only for its end (POLLHUP).
+        watch = 0 if self._agent is not None else select.POLLIN
+        for fd in self._held:
+            poller.register(fd, watch)
+        for fd, events in poller.poll(1000):
+            if fd == self._sock.fileno():
+                self._accept()
+            elif self._agent is not None and fd == self._agent.fileno():
+                self._from_agent(self._agent)
+            elif fd in self._held:
+                self._serve(fd, events)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        pid, _uid = peer_credentials(sock)
+        if pid != 0:  # inside this PID namespace: of this pod, not the agent
+            sock.close()
+            log.warning(
+                "refused a connection to %s from pid %d of this pod: only the node agent may "
+                "connect to it",
+                self._path,
+                pid,
+            )
+            return
+        # The new agent reads the fds from now on: this loop stopped reading them when it
+        # came here, and hands them over before it polls again.
+        self._hang_up()
+        sock.setblocking(True)
+        sock.settimeout(1.0)
+        try:
+            hand_over(sock, list(self._held.values()))
+        except OSError as exc:
+            sock.close()
+            log.warning("allocation gate: cannot hand the fds to the node agent: %s", exc)
+            return
+        self._agent = sock
+        log.info("allocation gate: the node agent serves this pod's %d fds", len(self._held))
+
+    def _from_agent(self, agent: socket.socket) -> None:
+        try:
+            found = take_fd(agent)
+        except OSError as exc:
+            found = None
+            log.warning("allocation gate: the node agent's connection failed: %s", exc)
+        if found is None:
+            self._hang_up()
+            log.warning(
+                "allocation gate: the node agent is gone; this pod's %d gated processes' "
+                "allocations go on unchecked until it is back",
+                len(self._held),
+            )
+        elif isinstance(found, str):
+            log.warning("allocation gate: dropped a message of the node agent: %s", found)
+        elif any(same_file(found.fd, fd) for fd in self._held):
+            os.close(found.fd)  # a copy of one held already (the agent handed it again)
+        else:
+            self._held[found.fd] = found
+
+    def _serve(self, fd: int, events: int) -> None:
+        if events & select.POLLIN and self._agent is None:
+            let_go_on(fd)
+            self.let_on += 1
+        elif events & (select.POLLHUP | select.POLLNVAL):  # every task under it has exited
+            del self._held[fd]
+            os.close(fd)
+
+    def _hang_up(self) -> None:
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None

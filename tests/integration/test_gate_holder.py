@@ -1,0 +1,292 @@
+"""The allocation gate's second holder (issue 45, step 2; design §3.1): the pod's sidecar
+holds a copy of each of its containers' listener fds, so that the agent's exit does not
+fail their gated calls with ENOSYS. Real processes: the agent's `NodeGate` in a process of
+its own (`gate_agent.py`, SIGKILLed as a crash or a rollout would), the sidecar's `Holder`
+in a PID namespace of its own as the pod's (`gate_sidecar.py`), the stand-in of the
+driver's callers under a real seccomp filter in a container's cgroup; the test plays runc."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from enforcer.core.payloads import Pod
+from enforcer.core.protocol import GATE_HOLDER_SOCKET, SIDECAR_SOCKET
+from enforcer.edge.gate_holder import Held, Holder, hand_over, is_listener_fd, pass_fd, take_fd
+from enforcer.edge.procfs import ProcFs
+from enforcer.modes.node_gate import dial_sidecar
+from tests.helpers import POD_NAMESPACES, children, scratch_cgroup, wait_for
+from tests.integration.test_node_gate import (
+    CID,
+    GIB,
+    NO_MEMORY,
+    UID,
+    UNTOUCHED,
+    Node,
+    Process,
+)
+
+HERE = Path(__file__).parent
+DEADLINE = 60.0  # s: a bound for a hang, never a measure
+OVER = f"form=nvos64,class=0x40,size={2 * GIB}"  # 3 GiB held + 2 GiB > the 4 GiB ceiling
+
+
+class Lines:
+    """A child's JSON lines, read as they come."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        self.proc, self._fd, self._buf = proc, proc.stdout.fileno(), b""
+
+    def next(self) -> dict[str, Any]:
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([self._fd], [], [], DEADLINE)
+            assert ready, "the child hung"
+            chunk = os.read(self._fd, 4096)
+            assert chunk, f"the child ended early: {self.proc.wait()}"
+            self._buf += chunk
+        raw, self._buf = self._buf.split(b"\n", 1)
+        line: dict[str, Any] = json.loads(raw)
+        assert "bug" not in line, line
+        return line
+
+    def until(self, want: dict[str, Any]) -> dict[str, Any]:
+        """The first line that has every key of `want` at its value."""
+        while True:
+            line = self.next()
+            if all(line.get(k) == v for k, v in want.items()):
+                return line
+
+
+class Standin(Process):
+    """The stand-in, its lines read one at a time."""
+
+    def line(self) -> dict[str, Any]:
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([self._out], [], [], DEADLINE)
+            assert ready, "the stand-in hung"
+            chunk = os.read(self._out, 4096)
+            assert chunk, "the stand-in ended early"
+            self._buf += chunk
+        raw, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(raw)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def container() -> Iterator[Path]:
+    with scratch_cgroup() as root:
+        leaf = root / "kubepods" / f"pod{UID}" / CID
+        leaf.mkdir(parents=True)
+        yield leaf
+
+
+@pytest.fixture
+def spawned() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _start(spawned: list[subprocess.Popen[bytes]], argv: list[str]) -> Lines:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, start_new_session=True)
+    spawned.append(proc)
+    return Lines(proc)
+
+
+def _agent(spawned: list[subprocess.Popen[bytes]], where: Path, holder: Path) -> Lines:
+    where.mkdir()
+    argv = [sys.executable, str(HERE / "gate_agent.py"), str(where), CID, str(4 * GIB)]
+    agent = _start(spawned, [*argv, str(3 * GIB), str(holder)])
+    agent.until({"ready": True})
+    return agent
+
+
+def _hand_over(process: Process, where: Path) -> None:
+    process.hand_over(where / "run" / "seccomp.sock", CID)
+
+
+def test_the_agent_killed_the_calls_go_on_through_the_sidecar_and_a_new_agent_judges_them(
+    tmp_path: Path, container: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    """The agent SIGKILLed: its copy of the container's fd closes, and the sidecar's copy
+    keeps the filter's listener alive; it lets each gated call go on (never ENOSYS, never
+    a hang). A new agent connects: the sidecar hands it the fd, and it judges the calls
+    again (refused past the ceiling)."""
+    holder = tmp_path / "gate-holder.sock"
+    sidecar = _start(
+        spawned,
+        ["unshare", "--pid", "--fork", sys.executable, str(HERE / "gate_sidecar.py"), str(holder)],
+    )
+    sidecar.until({"held": 0, "agent": False})
+    first = _agent(spawned, tmp_path / "a", holder)
+    go_r, go_w = os.pipe()
+    os.set_inheritable(go_r, True)
+    process = Standin([OVER, f"wait={go_r}", OVER, OVER, f"wait={go_r}", OVER], container)
+    os.close(go_r)
+    _hand_over(process, tmp_path / "a")  # the test's copy (runc's) closed: the agent's is one
+    first.until({"gated": 1})
+    sidecar.until({"held": 1, "agent": True})  # the sidecar's copy: the second
+    try:
+        assert process.spawned.go() == 0
+        line = process.line()
+        assert (line["ret"], line["status"]) == (0, NO_MEMORY), line  # the agent judged it
+
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        first.proc.wait()
+        sidecar.until({"held": 1, "agent": False})
+        os.write(go_w, b"g")
+        for _ in range(2):
+            line = process.line()
+            assert line["errno"] != errno.ENOSYS, line
+            assert (line["ret"], line["errno"], line["status"]) == (-1, errno.ENOTTY, UNTOUCHED), (
+                line
+            )
+        sidecar.until({"let_on": 2})
+
+        second = _agent(spawned, tmp_path / "b", holder)  # it takes the fd from the sidecar
+        second.until({"gated": 1})
+        sidecar.until({"held": 1, "agent": True})
+        os.write(go_w, b"g")
+        line = process.line()
+        assert (line["ret"], line["status"]) == (0, NO_MEMORY), line  # judged again
+        os.close(go_w)
+        # The stand-in done: every task under the filter gone, the sidecar's copy closed too.
+        _, status = os.waitpid(process.spawned.pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        sidecar.until({"held": 0})
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(process.spawned.pid, signal.SIGKILL)
+            os.waitpid(process.spawned.pid, 0)
+
+
+def test_a_holder_refuses_a_connection_from_inside_its_pod(tmp_path: Path) -> None:
+    """A process of the pod (in the holder's PID namespace) could take the fds and answer
+    its own calls: it is refused before anything is handed over."""
+    path = tmp_path / "gate-holder.sock"
+    holder = Holder(path, _NoBugs())
+    holder.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(str(path))
+            sock.settimeout(DEADLINE)
+            assert sock.recv(512) == b""  # hung up, no greeting
+        assert not holder.agent_connected
+    finally:
+        holder.stop()
+
+
+def test_a_message_that_is_not_one_listener_fd_with_its_claim_is_dropped_with_its_fds() -> None:
+    """Neither end takes an fd it would poll and answer unless it is a seccomp listener."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b, open(os.devnull) as null:
+        pass_fd(a, Held(null.fileno(), CID, 1))
+        assert take_fd(b) == "its fd is no seccomp listener"
+        a.sendmsg([b"{}"])
+        assert take_fd(b) == "the message brought 0 fds, not 1"
+        hand_over(a, [])
+        assert take_fd(b) == "the message brought 0 fds, not 1"
+        assert not is_listener_fd(null.fileno())
+        a.close()
+        assert take_fd(b) is None
+
+
+SIDECAR_CID = "5e" * 32
+
+
+def _pod(workload: str) -> Pod:
+    """The running pod of the sidecar SIDECAR_CID and one workload container."""
+    status = {
+        "phase": "Running",
+        "initContainerStatuses": [
+            {"name": "vram-enforcer", "containerID": f"containerd://{SIDECAR_CID}"}
+        ],
+        "containerStatuses": [{"name": "trainer", "containerID": f"containerd://{workload}"}],
+    }
+    spec = {
+        "initContainers": [{"name": "vram-enforcer", "restartPolicy": "Always"}],
+        "containers": [{"name": "trainer"}],
+    }
+    meta = {"uid": UID, "name": "p", "namespace": "ml"}
+    return cast(Pod, {"metadata": meta, "spec": spec, "status": status})
+
+
+@pytest.mark.parametrize("workload", [CID, "77" * 32])
+def test_the_agent_reaches_a_sidecars_holder_in_its_filesystem_and_hands_it_only_its_pods_fds(
+    tmp_path: Path, container: Path, spawned: list[subprocess.Popen[bytes]], workload: str
+) -> None:
+    """The agent's dial (`dial_sidecar`): the sidecar's usage socket, then its holder's, in
+    the sidecar container's own filesystem (a pod's mount and PID namespaces), the listener
+    proven to be that container's first process; the holder gets a copy of the fd of a
+    container of its own pod, and none of another pod's (`workload` names no container of
+    the stand-in's: the fd served is then another pod's)."""
+    node = Node(tmp_path)
+    assert node.gate.start() is None
+    argv = [sys.executable, str(HERE / "gate_sidecar.py"), GATE_HOLDER_SOCKET, SIDECAR_SOCKET]
+    sidecar = _start(spawned, [*POD_NAMESPACES, *argv])
+    pid = wait_for(lambda: children(sidecar.proc.pid), what="the pod's first process")[0]
+    (container.parent / SIDECAR_CID).mkdir()
+    (container.parent / SIDECAR_CID / "cgroup.procs").write_text(str(pid))
+    sidecar.until({"held": 0, "agent": False})
+    process = Standin([OVER], container)
+    try:
+        process.hand_over(node.socket, CID)
+        wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+        link = dial_sidecar(ProcFs(), node.gate, lambda: {UID: _pod(workload)}, SIDECAR_CID)
+        assert isinstance(link, socket.socket), link
+        link.close()
+        held = sidecar.until({"agent": True})
+        assert held["held"] == (1 if workload == CID else 0), held
+    finally:
+        node.gate.stop()
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(process.spawned.pid, signal.SIGKILL)
+            os.waitpid(process.spawned.pid, 0)
+
+
+def test_a_holders_claim_is_believed_only_where_the_processs_cgroup_says_so(
+    tmp_path: Path, container: Path
+) -> None:
+    """A holder hands the agent an fd it says serves container OTHER of its pod (whose
+    ceiling would refuse the call), but the process is in CID: the agent serves the fd and
+    never bounds it (the call goes on). Without the check, OTHER's ceiling refuses it."""
+    other = "0e" * 32
+    node = Node(tmp_path)
+    node.tenants[other] = GIB
+    process = Standin([OVER], container)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        assert process.spawned.listener is not None
+        hand_over(theirs, [Held(process.spawned.listener, other, process.spawned.pid)])
+        os.close(process.spawned.listener)
+        node.gate.hold(ours, lambda cid: cid in (CID, other))
+        assert list(node.gate.gated()) == [f"unproven:{process.spawned.pid}:{other}"]
+        node.gate.saw({other: {"GPU-a": 0}, CID: {"GPU-a": 0}}, 0.0)
+        (line,) = process.run()
+        assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line
+    finally:
+        node.gate.stop()
+        theirs.close()
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(process.spawned.pid, signal.SIGKILL)
+            os.waitpid(process.spawned.pid, 0)
+
+
+class _NoBugs:
+    def inc(self, amount: float = 1) -> None:
+        raise AssertionError("a bug in the holder")
