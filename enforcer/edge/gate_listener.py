@@ -65,6 +65,7 @@ class Outcome(StrEnum):
     REFUSED = "refused"
     NOT_MEMORY = "not_memory"  # no video-memory allocation (another class, function or form)
     NOT_GPU = "not_gpu"  # the request's number on a file that is no NVIDIA device
+    UNPROVEN = "unproven"  # a caller not proven of the container whose limit it is: let go on
     UNSURE = "unsure"  # a recheck that could not be made in time: let go on
     ABANDONED = "abandoned"  # the caller was interrupted before the answer
     ERROR = "error"  # a bug, or parameters that cannot be read: let go on
@@ -194,6 +195,7 @@ class GateListener:
         recheck_wait: float = 0.25,
         pid: int = 0,
         who: str = "the command tree",
+        vouch: Callable[[int], bool] | None = None,
     ) -> None:
         self._fd = fd
         self._ledger = ledger
@@ -205,6 +207,9 @@ class GateListener:
         self._recheck_wait = recheck_wait
         self._pid = pid  # the command's, for the lines people read
         self._who = who  # what the limit is of, in those lines
+        # Whether a calling thread is of `who` (None: each is, as the fd's source proved);
+        # a caller it does not vouch for is let go on, never judged against `who`'s limit.
+        self._vouch = vouch
         self._guard = LoopGuard("allocation gate", errors, log)
         self._rechecks: queue.Queue[_Pending] = queue.Queue(RECHECK_QUEUE)
         self._quota = LineQuota()
@@ -342,6 +347,8 @@ class GateListener:
         try:
             if not self._on_gpu(notif):
                 return self._reply(notif, Outcome.NOT_GPU)
+            if self._vouch is not None and not self._vouch(notif.tid):
+                return self._reply(notif, Outcome.UNPROVEN)
             mem = _memory(notif.tid)
         except PermissionError:  # the ptrace check, on a task of ours: it chose to hide
             return self._unreadable(notif) if self._valid(notif) else Outcome.ABANDONED

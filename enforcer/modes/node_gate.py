@@ -180,16 +180,18 @@ class NodeGate:
             self._pass(holder, Held(handoff.fd, cid, handoff.pid))
 
     def _container_of(self, pid: int) -> str | None:
+        """The container a process (or thread) is in by its own cgroup; None where it is
+        in none, or has ended."""
         try:
             text = (self._host_proc / str(pid) / "cgroup").read_text()
-        except OSError as exc:
-            log.warning("allocation gate: cannot read pid %d's cgroup: %s", pid, exc)
+        except OSError:
             return None
         return container_id(parse_cgroup(text))
 
-    def _serve(self, held: Held) -> None:
+    def _serve(self, held: Held, vouch: Callable[[int], bool] | None = None) -> None:
         """Serve one process's fd under its container's ledger (`held.container_id`,
-        proven by the caller, or an unproven key that is never bounded)."""
+        proven by the caller, or an unproven key that is never bounded); `vouch`: for an
+        fd a holder handed back, whether each caller is of that container."""
         cid = held.container_id
         with self._lock:
             gated = self._containers.get(cid)
@@ -203,6 +205,7 @@ class NodeGate:
                 recheck_wait=self._recheck_wait,
                 pid=held.pid,
                 who=f"container {cid.rsplit(':', 1)[-1][:12]}",
+                vouch=vouch,
             )
             gated.listeners[held.fd] = listener
             gated.pids[held.fd] = held.pid
@@ -228,20 +231,18 @@ class NodeGate:
             if self._served(held.fd):
                 os.close(held.fd)  # a copy of one this agent serves already
                 continue
-            # Its claim is a hint: the process's own cgroup says whose it is, and only a
-            # container of the holder's pod is bounded.
-            cid = self._container_of(held.pid)
-            proven = cid is not None and cid == held.container_id and member(cid)
-            if not proven:
+            # Its claim is a hint. Only a container of the holder's pod is bounded, and
+            # only in calls whose own thread's cgroup names it (the fd may be anyone's).
+            if member(held.container_id):
+                self._serve(held, functools.partial(self._in_container, held.container_id))
+            else:
                 log.warning(
-                    "allocation gate: a holder's fd for pid %d is not of container %s of "
-                    "its pod by its cgroup (%s); its allocations are not gated",
+                    "allocation gate: a holder says its fd for pid %d serves container %s, "
+                    "which is not of its pod; its allocations are not gated",
                     held.pid,
                     held.container_id,
-                    cid,
                 )
-            key = held.container_id if proven else f"unproven:{held.pid}:{held.container_id}"
-            self._serve(Held(held.fd, key, held.pid))
+                self._serve(Held(held.fd, f"unproven:{held.pid}:{held.container_id}", held.pid))
         with self._lock:
             self._holders.append(holder)
             ours = [
@@ -253,6 +254,9 @@ class NodeGate:
         for held in ours:
             if not any(same_file(held.fd, t.fd) for t in taken):
                 self._pass(holder, held)
+
+    def _in_container(self, cid: str, tid: int) -> bool:
+        return self._container_of(tid) == cid
 
     def _served(self, fd: int) -> bool:
         with self._lock:
