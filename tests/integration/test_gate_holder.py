@@ -27,7 +27,8 @@ from enforcer.core.protocol import GATE_HOLDER_SOCKET, SIDECAR_SOCKET
 from enforcer.edge.gate_holder import Held, Holder, hand_over, is_listener_fd, pass_fd, take_fd
 from enforcer.edge.procfs import ProcFs
 from enforcer.modes.node_gate import dial_sidecar
-from tests.helpers import POD_NAMESPACES, children, scratch_cgroup, wait_for
+from tests.helpers import POD_NAMESPACES, children, wait_for
+from tests.integration import test_node_gate
 from tests.integration.test_node_gate import (
     CID,
     GIB,
@@ -44,18 +45,17 @@ OVER = f"form=nvos64,class=0x40,size={2 * GIB}"  # 3 GiB held + 2 GiB > the 4 Gi
 
 
 class Lines:
-    """A child's JSON lines, read as they come."""
+    """JSON lines read from `fd` as they come (a child's stdout, the stand-in's pipe)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
-        self.proc, self._fd, self._buf = proc, proc.stdout.fileno(), b""
+    def __init__(self, fd: int) -> None:
+        self._fd, self._buf = fd, b""
 
     def next(self) -> dict[str, Any]:
         while b"\n" not in self._buf:
             ready, _, _ = select.select([self._fd], [], [], DEADLINE)
-            assert ready, "the child hung"
+            assert ready, "it hung"
             chunk = os.read(self._fd, 4096)
-            assert chunk, f"the child ended early: {self.proc.wait()}"
+            assert chunk, "it ended early"
             self._buf += chunk
         raw, self._buf = self._buf.split(b"\n", 1)
         line: dict[str, Any] = json.loads(raw)
@@ -70,26 +70,25 @@ class Lines:
                 return line
 
 
+class Child(Lines):
+    """A child process of the test, its stdout's lines read as they come."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        super().__init__(proc.stdout.fileno())
+        self.proc = proc
+
+
 class Standin(Process):
     """The stand-in, its lines read one at a time."""
 
     def line(self) -> dict[str, Any]:
-        while b"\n" not in self._buf:
-            ready, _, _ = select.select([self._out], [], [], DEADLINE)
-            assert ready, "the stand-in hung"
-            chunk = os.read(self._out, 4096)
-            assert chunk, "the stand-in ended early"
-            self._buf += chunk
-        raw, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(raw)  # type: ignore[no-any-return]
+        if not hasattr(self, "lines"):
+            self.lines = Lines(self._out)
+        return self.lines.next()
 
 
-@pytest.fixture
-def container() -> Iterator[Path]:
-    with scratch_cgroup() as root:
-        leaf = root / "kubepods" / f"pod{UID}" / CID
-        leaf.mkdir(parents=True)
-        yield leaf
+container = test_node_gate.container  # a container's cgroup as the kubelet names it
 
 
 @pytest.fixture
@@ -102,13 +101,13 @@ def spawned() -> Iterator[list[subprocess.Popen[bytes]]]:
         proc.wait()
 
 
-def _start(spawned: list[subprocess.Popen[bytes]], argv: list[str]) -> Lines:
+def _start(spawned: list[subprocess.Popen[bytes]], argv: list[str]) -> Child:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, start_new_session=True)
     spawned.append(proc)
-    return Lines(proc)
+    return Child(proc)
 
 
-def _agent(spawned: list[subprocess.Popen[bytes]], where: Path, holder: Path) -> Lines:
+def _agent(spawned: list[subprocess.Popen[bytes]], where: Path, holder: Path) -> Child:
     where.mkdir()
     argv = [sys.executable, str(HERE / "gate_agent.py"), str(where), CID, str(4 * GIB)]
     agent = _start(spawned, [*argv, str(3 * GIB), str(holder)])
