@@ -279,8 +279,12 @@ class NodeGate:
     def saw(self, usage: Mapping[str, Mapping[str, int]] | None, at: float) -> None:
         """An NVML pass begun at `at` (monotonic): each container's usage by GPU, or None
         where the pass failed (each ledger keeps its last good view: usage not read never
-        makes room). The listeners are checked either way."""
+        makes room). The listeners are checked either way, and the connections of holders
+        that hung up (a sidecar that ended, or took a newer connection) are closed."""
         with self._lock:
+            for holder in [h for h in self._holders if _hung_up(h.sock.fileno())]:
+                self._holders.remove(holder)
+                holder.sock.close()
             for cid, gated in list(self._containers.items()):
                 ceiling = self._ceiling(cid)  # an unproven key is never a container ID
                 gated.ledger.limit(UNBOUNDED if ceiling is None else ceiling)
@@ -303,6 +307,11 @@ class NodeGate:
         if not gated.listeners:
             del self._containers[cid]
 
+    def holders(self) -> int:
+        """How many pods' holders this agent is connected to (for tests and doctor)."""
+        with self._lock:
+            return len(self._holders)
+
     def gated(self) -> dict[str, int]:
         """Container ID -> how many of its processes are served (for tests and doctor)."""
         with self._lock:
@@ -320,7 +329,8 @@ def container_ceiling(tenants: Tenants | None, driver_version: str, cid: str) ->
 
 
 def _hung_up(fd: int) -> bool:
-    """Whether every task under the fd's filter has exited."""
+    """Whether every task under the fd's filter has exited (or its socket's peer has
+    closed)."""
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return any(ev & (select.POLLHUP | select.POLLNVAL) for _, ev in poller.poll(0))

@@ -288,6 +288,23 @@ def test_a_holders_claim_bounds_only_the_calls_of_its_pods_container_by_the_call
             os.waitpid(process.spawned.pid, 0)
 
 
+def test_the_connection_of_a_holder_that_hung_up_is_closed_on_the_next_pass(
+    tmp_path: Path,
+) -> None:
+    """A sidecar that ended, or took the agent's newer connection, leaves nothing behind
+    in the agent."""
+    node = Node(tmp_path)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    hand_over(theirs, [])
+    node.gate.hold(ours, lambda cid: True)
+    node.gate.saw(None, 0.0)
+    assert node.gate.holders() == 1
+    theirs.close()
+    node.gate.saw(None, 0.0)
+    assert node.gate.holders() == 0
+    assert ours.fileno() == -1  # closed
+
+
 class _NoBugs:
     def inc(self, amount: float = 1) -> None:
         raise AssertionError("a bug in the holder")
