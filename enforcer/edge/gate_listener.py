@@ -524,10 +524,13 @@ class GateListener:
         return outcome
 
 
-def let_go_on(fd: int) -> None:
+def let_go_on(fd: int) -> bool:
     """Read the notification waiting on `fd` and let its call go on, unjudged: a second
-    holder's answer while the listener is away (`gate_holder`). Call it only once `fd`
-    polls readable: RECV waits for a call otherwise."""
+    holder's answer while the listener is away (`gate_holder`). Whether one waited: it is
+    looked for first, since RECV on a listener with none waits for the next call (another
+    copy of the same listener, polled with it, may have just answered it)."""
+    if not _readable(fd):
+        return False
     buf = bytearray(_NOTIF.size)
     try:
         fcntl.ioctl(fd, SECCOMP_IOCTL_NOTIF_RECV, buf, True)
@@ -538,6 +541,7 @@ def let_go_on(fd: int) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ENOENT, errno.EINTR):  # the caller moved on
             raise
+    return True
 
 
 def _reader(mem: int) -> Read:

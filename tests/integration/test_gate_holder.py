@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -24,8 +25,11 @@ import pytest
 
 from enforcer.core.payloads import Pod
 from enforcer.core.protocol import GATE_HOLDER_SOCKET, SIDECAR_SOCKET
+from enforcer.edge import gate_child
 from enforcer.edge.gate_holder import Held, Holder, hand_over, is_listener_fd, pass_fd, take_fd
+from enforcer.edge.gate_listener import let_go_on
 from enforcer.edge.procfs import ProcFs
+from enforcer.edge.seccomp_filter import program
 from enforcer.modes.node_gate import dial_sidecar
 from tests.helpers import POD_NAMESPACES, children, wait_for
 from tests.integration import test_node_gate
@@ -40,6 +44,7 @@ from tests.integration.test_node_gate import (
 )
 
 HERE = Path(__file__).parent
+STANDIN = str(HERE / "rm_standin.py")
 DEADLINE = 60.0  # s: a bound for a hang, never a measure
 OVER = f"form=nvos64,class=0x40,size={2 * GIB}"  # 3 GiB held + 2 GiB > the 4 GiB ceiling
 
@@ -303,6 +308,42 @@ def test_the_connection_of_a_holder_that_hung_up_is_closed_on_the_next_pass(
     node.gate.saw(None, 0.0)
     assert node.gate.holders() == 0
     assert ours.fileno() == -1  # closed
+
+
+def test_two_copies_of_one_listener_answer_a_call_once_and_the_second_never_waits() -> None:
+    """Where kcmp is refused (containerd's RuntimeDefault, the sidecar's) the holder may
+    keep two copies of one listener, both readable for one call: the first lets it go on,
+    the second finds nothing and returns at once, never waiting in RECV for the next call
+    (which would hold up every other fd of the pod)."""
+    out_r, out_w = os.pipe()
+    go_r, go_w = os.pipe()
+    os.set_inheritable(out_w, True)
+    os.set_inheritable(go_r, True)
+    argv = [sys.executable, STANDIN, f"out={out_w}", OVER, f"wait={go_r}", OVER]
+    spawned = gate_child.spawn(sys.executable, argv, program())
+    os.close(out_w)
+    os.close(go_r)
+    assert spawned.listener is not None, spawned.why_not
+    first, second = spawned.listener, os.dup(spawned.listener)
+    lines, found = Lines(out_r), list[bool]()
+    late = threading.Thread(target=lambda: found.append(let_go_on(second)))
+    try:
+        assert spawned.go() == 0
+        select.select([first], [], [], DEADLINE)
+        assert let_go_on(first)
+        assert lines.next()["errno"] == errno.ENOTTY
+        late.start()
+        late.join(DEADLINE)  # a bound: at once, where it does not wait
+        assert found == [False]
+    finally:
+        os.write(go_w, b"g")  # the next call, which a waiting RECV would take
+        if late.ident is not None:
+            late.join()
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(spawned.pid, signal.SIGKILL)
+            os.waitpid(spawned.pid, 0)
+        for fd in (first, second, out_r, go_w):
+            os.close(fd)
 
 
 class _NoBugs:
