@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import array
 import contextlib
-import ctypes
+import fcntl
 import json
 import logging
 import os
-import platform
 import select
 import socket
 import threading
@@ -41,9 +40,8 @@ log = logging.getLogger(__name__)
 
 MAX_HANDED = 4096  # fds one holder may hand over: a pod's processes under the gate
 MAX_CLAIM = 512  # bytes of one message's JSON: a container ID and a pid
-NOTIFY_FD = "anon_inode:seccomp notify"
-_KCMP = {"x86_64": 312, "aarch64": 272}  # the syscall's number (the gate's architectures)
-_KCMP_FILE = 0  # what /proc/self/fd/N names a listener fd
+NOTIFY_FD = "anon_inode:seccomp notify"  # what /proc/self/fd/N names a listener fd
+_FLIPPING = threading.Lock()  # one `same_file` at a time: each flips a flag and reads it back
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,14 +138,20 @@ def is_listener_fd(fd: int) -> bool:
 
 
 def same_file(a: int, b: int) -> bool:
-    """Whether two fds of this process are copies of one open file (kcmp(2) KCMP_FILE):
-    every listener fd is on the one anonymous inode, so fstat cannot tell them apart.
-    False where kcmp is refused (containerd's RuntimeDefault has no kcmp): two copies of
-    one listener are then kept, which costs nothing (each answers only what it reads)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    pid = os.getpid()
-    found: int = libc.syscall(_KCMP[platform.machine()], pid, pid, _KCMP_FILE, a, b)
-    return found == 0
+    """Whether two fds of this process are copies of one open file. Every listener fd is
+    on the one anonymous inode (fstat cannot tell them apart), and kcmp(2), which could,
+    is refused under containerd's RuntimeDefault (the agent's and the sidecar's): but a
+    file's status flags are the open file's, so a flag flipped through `a` shows through
+    `b` only where both are copies of one. O_NONBLOCK, which a listener's RECV ignores."""
+    with _FLIPPING:
+        flags_a, flags_b = fcntl.fcntl(a, fcntl.F_GETFL), fcntl.fcntl(b, fcntl.F_GETFL)
+        if flags_a != flags_b:
+            return False
+        fcntl.fcntl(a, fcntl.F_SETFL, flags_a ^ os.O_NONBLOCK)
+        try:
+            return bool(fcntl.fcntl(b, fcntl.F_GETFL) != flags_b)
+        finally:
+            fcntl.fcntl(a, fcntl.F_SETFL, flags_a)
 
 
 class Holder:

@@ -227,10 +227,13 @@ class NodeGate:
             log.warning("allocation gate: a holder's fds not taken: %s", exc)
             return
         holder = _Holder(sock, member)
+        has: set[int] = set()  # the fds served here of which the holder has a copy
         for held in taken:
-            if self._served(held.fd):
+            if (served := self._served_as(held.fd)) is not None:
                 os.close(held.fd)  # a copy of one this agent serves already
+                has.add(served)
                 continue
+            has.add(held.fd)
             # Its claim is a hint. Only a container of the holder's pod is bounded, and
             # only in calls whose own thread's cgroup names it (the fd may be anyone's).
             if member(held.container_id):
@@ -252,18 +255,23 @@ class NodeGate:
                 for fd in gated.listeners
             ]
         for held in ours:
-            if not any(same_file(held.fd, t.fd) for t in taken):
+            if held.fd not in has:
                 self._pass(holder, held)
 
     def _in_container(self, cid: str, tid: int) -> bool:
         return self._container_of(tid) == cid
 
-    def _served(self, fd: int) -> bool:
+    def _served_as(self, fd: int) -> int | None:
+        """The fd served here that `fd` is a copy of, if any."""
         with self._lock:
-            return any(
-                same_file(fd, ours)
-                for gated in self._containers.values()
-                for ours in gated.listeners
+            return next(
+                (
+                    ours
+                    for gated in self._containers.values()
+                    for ours in gated.listeners
+                    if same_file(fd, ours)
+                ),
+                None,
             )
 
     def _pass(self, holder: _Holder, held: Held) -> None:

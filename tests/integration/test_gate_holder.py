@@ -26,7 +26,15 @@ import pytest
 from enforcer.core.payloads import Pod
 from enforcer.core.protocol import GATE_HOLDER_SOCKET, SIDECAR_SOCKET
 from enforcer.edge import gate_child
-from enforcer.edge.gate_holder import Held, Holder, hand_over, is_listener_fd, pass_fd, take_fd
+from enforcer.edge.gate_holder import (
+    Held,
+    Holder,
+    hand_over,
+    is_listener_fd,
+    pass_fd,
+    same_file,
+    take_fd,
+)
 from enforcer.edge.gate_listener import let_go_on
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.seccomp_filter import program
@@ -256,6 +264,12 @@ def test_the_agent_reaches_a_sidecars_holder_in_its_filesystem_and_hands_it_only
         link.close()
         held = sidecar.until({"agent": True})
         assert held["held"] == (1 if workload == CID else 0), held
+        # Dialled again (its usage link lost, say): it hands back the copy the agent
+        # serves already, which the agent drops rather than serve twice.
+        again = dial_sidecar(ProcFs(), node.gate, lambda: {UID: _pod(workload)}, SIDECAR_CID)
+        assert isinstance(again, socket.socket), again
+        again.close()
+        assert node.gate.gated() == {CID: 1}
     finally:
         node.gate.stop()
         with contextlib.suppress(ProcessLookupError, ChildProcessError):
@@ -343,6 +357,20 @@ def test_two_copies_of_one_listener_answer_a_call_once_and_the_second_never_wait
             os.kill(spawned.pid, signal.SIGKILL)
             os.waitpid(spawned.pid, 0)
         for fd in (first, second, out_r, go_w):
+            os.close(fd)
+
+
+def test_copies_of_one_open_file_are_told_apart_from_other_files_without_kcmp() -> None:
+    """`same_file`, which both ends use so as not to hold or serve one listener twice."""
+    r, w = os.pipe()
+    other, other_w = os.pipe()
+    copy = os.dup(r)
+    try:
+        assert same_file(r, copy) and same_file(copy, r)
+        assert not same_file(r, other) and not same_file(r, w)
+        assert os.get_blocking(r) and os.get_blocking(copy)  # each flag put back
+    finally:
+        for fd in (r, w, other, other_w, copy):
             os.close(fd)
 
 
