@@ -17,10 +17,12 @@ import contextlib
 import errno
 import json
 import os
+import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,7 +105,7 @@ class Gate:
 
 
 @pytest.fixture
-def gate_node(apiserver: ApiServer, tmp_path: Path) -> Iterator[tuple[RealNode, Gate, Path]]:
+def real_node(apiserver: ApiServer, tmp_path: Path) -> Iterator[RealNode]:
     reason = missing()
     if reason:
         if os.environ.get("VRAM_ENFORCER_E2E") == "required":
@@ -112,21 +114,33 @@ def gate_node(apiserver: ApiServer, tmp_path: Path) -> Iterator[tuple[RealNode, 
     image = python_image(tmp_path / "python.tar", IMAGE)
     (tmp_path / "node").mkdir()
     node = RealNode(apiserver, tmp_path / "node", name=NODE, images=[image])
+    try:
+        core = node.core
+        assert core is not None
+        with contextlib.suppress(client.ApiException):  # made by an earlier test
+            core.create_namespace({"metadata": {"name": NAMESPACE}})
+        yield node
+    finally:
+        node.close()
+
+
+@pytest.fixture
+def gate_node(real_node: RealNode, tmp_path: Path) -> Iterator[tuple[RealNode, Gate, Path]]:
     gate = Gate()
     gate.ledger.saw(0, time.monotonic())
     sock = tmp_path / "seccomp.sock"
     server = GateSocket(sock, gate.take, gate.errors)
     server.start()
     try:
-        yield node, gate, sock
+        yield real_node, gate, sock
     finally:
         server.stop()
         gate.close()
-        node.close()
 
 
-def pod(name: str, seccomp: dict[str, str]) -> dict[str, Any]:
-    """The stand-in's steps in a non-root container with `seccomp` as its profile."""
+def pod(name: str, seccomp: dict[str, str], steps: list[str] | None = None) -> dict[str, Any]:
+    """The stand-in's steps (STEPS') in a non-root container with `seccomp` as its
+    profile."""
     return {
         "metadata": {"name": name},
         "spec": {
@@ -137,7 +151,11 @@ def pod(name: str, seccomp: dict[str, str]) -> dict[str, Any]:
                     "name": "standin",
                     "image": IMAGE,
                     "imagePullPolicy": "Never",
-                    "command": ["python3", "/standin/rm_standin.py", *STEPS.values()],
+                    "command": [
+                        "python3",
+                        "/standin/rm_standin.py",
+                        *(list(STEPS.values()) if steps is None else steps),
+                    ],
                     "securityContext": {
                         "runAsUser": 65532,
                         "runAsNonRoot": True,
@@ -194,10 +212,6 @@ def test_runc_hands_each_gated_container_to_the_listener_and_its_calls_are_judge
     gate_node: tuple[RealNode, Gate, Path],
 ) -> None:
     node, gate, sock = gate_node
-    core = node.core
-    assert core is not None
-    with contextlib.suppress(client.ApiException):  # made by an earlier test
-        core.create_namespace({"metadata": {"name": NAMESPACE}})
     seccomp_root = node.dir / "kubelet" / "seccomp"
     written = seccomp_root / gate_profile.PROFILE_NAME
     written.parent.mkdir(parents=True)
@@ -244,3 +258,75 @@ def test_runc_hands_each_gated_container_to_the_listener_and_its_calls_are_judge
     for key, line in lines.items():
         assert (line["ret"], line["status"]) == (-1, UNTOUCHED), (key, lines)
     assert len(gate.outcomes) == before
+
+
+def _child(argv: list[str], started: list[subprocess.Popen[bytes]]) -> Iterator[dict[str, Any]]:
+    """A helper process of the test (killed with its group at the end), its JSON lines."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, start_new_session=True)
+    started.append(proc)
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        line: dict[str, Any] = json.loads(raw)
+        assert "bug" not in line, line
+        yield line
+
+
+def _until(lines: Iterator[dict[str, Any]], done: Callable[[dict[str, Any]], bool]) -> None:
+    for line in lines:
+        if done(line):
+            return
+    raise AssertionError("the helper ended first")
+
+
+def test_the_agent_killed_and_started_again_under_a_gated_container_never_fails_its_calls(
+    real_node: RealNode, tmp_path: Path
+) -> None:
+    """Design §3.5's restart: a gated container calls every 20 ms for a minute while the
+    agent's gate (`NodeGate`, in a process of its own, over the node's kubelet root) is
+    SIGKILLed and started again; the pod's gate holder (`gate-holder`, here in a PID
+    namespace of its own on the host, not yet in the sidecar's container) lets the calls go
+    on meanwhile and hands the fd to the new gate. No call fails with ENOSYS or hangs; the
+    calls over the limit are refused before the kill and after the restart."""
+    node, started = real_node, list[subprocess.Popen[bytes]]()
+    holder = tmp_path / "gate-holder.sock"
+    gated_steps = [f"form=nvos64,class=0x40,size={2 * GiB},time=3000,gap=0.02", STEPS["over"]]
+    agent = [sys.executable, str(STANDIN / "gate_agent.py"), str(node.dir), "*", str(LIMIT)]
+    agent += [str(3 * GiB), str(holder)]
+    try:
+        holding = [sys.executable, str(STANDIN / "gate_sidecar.py"), str(holder)]
+        sidecar = _child(["unshare", "--pid", "--fork", *holding], started)
+        _until(sidecar, lambda line: line["agent"] is False)
+        first = _child(agent, started)
+        _until(first, lambda line: line.get("ready") is True)
+        core = node.core
+        assert core is not None
+        profile = {"type": "Localhost", "localhostProfile": gate_profile.PROFILE_NAME}
+        core.create_namespaced_pod(NAMESPACE, pod("restarted", profile, gated_steps))
+        _until(first, lambda line: line.get("gated") == 1)
+        _until(sidecar, lambda line: line["held"] == 1 and line["agent"])
+        os.killpg(started[1].pid, signal.SIGKILL)
+        started[1].wait()
+        _until(sidecar, lambda line: line["let_on"] >= 5 and not line["agent"])
+        second = _child(agent, started)
+        _until(second, lambda line: line.get("gated") == 1)
+        _until(sidecar, lambda line: line["agent"])
+
+        def ended() -> client.V1Pod | None:
+            found = core.read_namespaced_pod("restarted", NAMESPACE)
+            return found if found.status.phase in ("Succeeded", "Failed") else None
+
+        done: client.V1Pod = wait_for(ended, timeout=180, what="the gated pod to end")
+        text = container_log(node, done, "standin")
+        assert done.status.phase == "Succeeded", text
+        looped, last = (json.loads(line) for line in text.splitlines())
+        counts = looped["counts"]
+        print("calls by ret/errno/status:", counts)
+        assert not [k for k in counts if k.split("/")[1] == str(errno.ENOSYS)], counts
+        assert counts.get(f"0/0/{NV_ERR_NO_MEMORY:#x}", 0) > 0, counts  # judged
+        assert counts.get(f"-1/{errno.ENOTTY}/{UNTOUCHED:#x}", 0) >= 5, counts  # let go on
+        assert (last["ret"], last["status"]) == (0, NV_ERR_NO_MEMORY), last  # judged again
+    finally:
+        for proc in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

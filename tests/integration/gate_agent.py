@@ -2,8 +2,9 @@
 as a restart would: `gate_agent.py DIR CONTAINER CEILING USAGE HOLDER`. A `NodeGate` over
 DIR's kubelet root and DIR/run/seccomp.sock, the container held to CEILING, fed passes
 showing USAGE, and dialled to the pod's gate holder at HOLDER (as the agent reaches a
-sidecar's socket). One line {"ready": true} on stdout once it serves, then {"gated": n}
-each time the count of the container's served processes changes."""
+sidecar's socket); CONTAINER `*`: every container it is handed (one whose ID the test
+cannot know before it runs). One line {"ready": true} on stdout once it serves, then
+{"gated": n} each time the count of the container's served processes changes."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def main() -> int:
         where / "run" / "seccomp.sock",
         Path("/proc"),
         {os.major(os.stat("/dev/null").st_rdev)},
-        lambda c: int(ceiling) if c == cid else None,
+        lambda c: int(ceiling) if cid in (c, "*") else None,
         _Errors(),
         recheck_wait=60.0,
     )
@@ -40,12 +41,13 @@ def main() -> int:
         return 1
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.connect(holder)
-    gate.hold(sock, lambda c: c == cid)
+    gate.hold(sock, lambda c: cid in (c, "*"))
     print(json.dumps({"ready": True}), flush=True)
     said = -1
     while True:
-        gate.saw({cid: {"GPU-a": int(usage)}}, time.monotonic())
-        if (n := gate.gated().get(cid, 0)) != said:
+        gated = gate.gated()
+        gate.saw({c: {"GPU-a": int(usage)} for c in gated}, time.monotonic())
+        if (n := sum(n for c, n in gated.items() if cid in (c, "*"))) != said:
             said = n
             print(json.dumps({"gated": n}), flush=True)
         time.sleep(0.02)
