@@ -3,18 +3,23 @@ each of its containers' fds, so that the agent's exit (a restart, a rollout, a c
 not close the last copy, which fails every later gated call of those containers with ENOSYS
 for the rest of their lives (`seccomp_notify_detach`, kernel/seccomp.c).
 
-While an agent is connected the holder reads none of the fds: the agent serves them. Once
-the agent's connection is gone (the kernel hangs it up the moment the agent's process dies),
-the holder lets every notified call go on unjudged (fail open: sampling still holds the
-line) until an agent connects again; it then stops reading, and hands the new agent a copy
-of each fd it holds, which the agent serves from then on. One reader at a time: the holder's
-one thread either answers or hands over, never both.
+Who reads the fds is a lease the agent renews. The agent sends a renewal every `RENEW_EVERY`
+seconds; the holder, on each, promises to read nothing for `LEASE` seconds from when it got
+it, and acknowledges it; the agent reads and judges only until `LEASE` after it *sent* the
+renewal last acknowledged (sent before it was got: its lease ends first, on the one
+monotonic clock of the node). So when the agent stops answering (stopped, stuck, or dead:
+the kernel hangs its connection up then) the holder lets every notified call go on unjudged
+(fail open: sampling still holds the line) within `LEASE`, and stops as soon as a renewal
+comes again, before it acknowledges it. One reader at a time: the holder's one thread either
+answers, hands over or acknowledges, and the agent waits for the acknowledgement. A new
+agent is handed a copy of each fd the holder holds, and is renewed from its connection.
 
 The wire is a SOCK_SEQPACKET socket in the sidecar's own filesystem, reached by the agent as
 the usage link's `SidecarSocket` is, and refused to callers inside the pod's PID namespace:
 one message per fd, its claim as JSON (`{"container": ID, "pid": N}`) with the fd in
-SCM_RIGHTS. Neither end takes anything but a seccomp listener fd, and the claim is a hint:
-who a process is, the agent proves from its cgroup.
+SCM_RIGHTS; a renewal `{"renew": N}` and its acknowledgement `{"ack": N}` bring no fd.
+Neither end takes anything but a seccomp listener fd, and the claim is a hint: who a
+process is, the agent proves from its cgroup.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import os
 import select
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +47,8 @@ log = logging.getLogger(__name__)
 MAX_HANDED = 4096  # fds one holder may hand over: a pod's processes under the gate
 MAX_CLAIM = 512  # bytes of one message's JSON: a container ID and a pid
 NOTIFY_FD = "anon_inode:seccomp notify"  # what /proc/self/fd/N names a listener fd
+LEASE = 2.0  # s one acknowledged renewal lets the agent judge, and keeps the holder off
+RENEW_EVERY = LEASE / 4  # s between the agent's renewals: three may be late before it lapses
 _FLIPPING = threading.Lock()  # one `same_file` at a time: each flips a flag and reads it back
 
 
@@ -94,9 +102,37 @@ def take_over(sock: socket.socket) -> list[Held]:
     return taken
 
 
+def renew(sock: socket.socket, number: int) -> None:
+    """The agent's renewal of its lease (raises OSError)."""
+    sock.sendmsg([json.dumps({"renew": number}).encode()])
+
+
+def acknowledge(sock: socket.socket, number: int) -> None:
+    """The holder's word that it reads nothing for `LEASE` from now (raises OSError)."""
+    sock.sendmsg([json.dumps({"ack": number}).encode()])
+
+
+def beat(raw: bytes, kind: str) -> int | None:
+    """The number of a message without fd that is a renewal (`kind` "renew") or an
+    acknowledgement ("ack"); None where it is not one."""
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        return None
+    number = found.get(kind) if isinstance(found, dict) and len(found) == 1 else None
+    return number if isinstance(number, int) and not isinstance(number, bool) else None
+
+
 def take_fd(sock: socket.socket) -> Held | str | None:
     """One message: the fd and its claim; why it is not one (every fd it brought closed);
     None once the other end has hung up (raises OSError)."""
+    found = take(sock)
+    return "the message brought 0 fds, not 1" if isinstance(found, bytes) else found
+
+
+def take(sock: socket.socket) -> Held | bytes | str | None:
+    """As `take_fd`, and the bytes of a message that brings no fd (a renewal or its
+    acknowledgement: `beat`)."""
     fds = array.array("i")
     raw, ancillary, flags, _ = sock.recvmsg(MAX_CLAIM, socket.CMSG_SPACE(4 * fds.itemsize))
     for level, kind, data in ancillary:
@@ -104,6 +140,8 @@ def take_fd(sock: socket.socket) -> Held | str | None:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
     if not raw and not fds:
         return None
+    if not fds and not flags & socket.MSG_TRUNC:
+        return raw
     found = _claim(raw, flags, list(fds))
     if isinstance(found, str):
         for fd in fds:
@@ -156,7 +194,7 @@ def same_file(a: int, b: int) -> bool:
 
 class Holder:
     """The sidecar's side (`start`, `stop`): listens on `path`, takes the fds an agent hands
-    it, lets their calls go on while no agent is connected, and hands them to each agent
+    it, lets their calls go on while no agent holds the lease, and hands them to each agent
     that connects. An fd is closed once every task under its filter has exited."""
 
     def __init__(self, path: Path, errors: ErrorCounter) -> None:
@@ -166,6 +204,8 @@ class Holder:
         self._guard = LoopGuard("allocation gate holder", errors, log)
         self._held: dict[int, Held] = {}
         self._agent: socket.socket | None = None
+        self._quiet_until = 0.0  # monotonic: the agent's lease, in which nothing is read
+        self._was_reading = True  # for the lines that say when the agent is away, or back
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -195,6 +235,11 @@ class Holder:
     def agent_connected(self) -> bool:
         return self._agent is not None
 
+    @property
+    def reading(self) -> bool:
+        """Whether the holder answers the calls now: no agent holds the lease."""
+        return self._agent is None or time.monotonic() >= self._quiet_until
+
     def held(self) -> list[Held]:
         return list(self._held.values())
 
@@ -209,17 +254,38 @@ class Holder:
         poller.register(self._sock, select.POLLIN)
         if self._agent is not None:
             poller.register(self._agent, select.POLLIN)
-        # While an agent serves them, an fd is watched only for its end (POLLHUP).
-        watch = 0 if self._agent is not None else select.POLLIN
+        reading = self._says_reading()
+        # While an agent holds the lease, an fd is watched only for its end (POLLHUP),
+        # and the wait ends when the lease does.
+        watch, wait = select.POLLIN, 1000
+        if not reading:
+            watch, wait = 0, min(wait, int((self._quiet_until - time.monotonic()) * 1000) + 1)
         for fd in self._held:
             poller.register(fd, watch)
-        for fd, events in poller.poll(1000):
+        found = poller.poll(wait)
+        # The agent's messages first: a renewal stops the reading before an fd is read.
+        if self._agent is not None and any(fd == self._agent.fileno() for fd, _ in found):
+            self._from_agent(self._agent)
+        for fd, events in found:
             if fd == self._sock.fileno():
                 self._accept()
-            elif self._agent is not None and fd == self._agent.fileno():
-                self._from_agent(self._agent)
             elif fd in self._held:
                 self._serve(fd, events)
+
+    def _says_reading(self) -> bool:
+        """Whether the holder reads now, said when that changes while an agent is
+        connected (a connection that ends says so itself)."""
+        reading = self.reading
+        if reading and not self._was_reading and self._agent is not None:
+            log.warning(
+                "allocation gate: the node agent has not renewed its lease for %.0f s (it is "
+                "stopped or stuck); this pod's %d gated processes' allocations go on "
+                "unchecked until it answers again",
+                LEASE,
+                len(self._held),
+            )
+        self._was_reading = reading
+        return reading
 
     def _accept(self) -> None:
         try:
@@ -248,15 +314,19 @@ class Holder:
             log.warning("allocation gate: cannot hand the fds to the node agent: %s", exc)
             return
         self._agent = sock
+        self._quiet_until = time.monotonic() + LEASE  # its lease runs from before it dialled
+        self._was_reading = False
         log.info("allocation gate: the node agent serves this pod's %d fds", len(self._held))
 
     def _from_agent(self, agent: socket.socket) -> None:
         try:
-            found = take_fd(agent)
+            found = take(agent)
         except OSError as exc:
             found = None
             log.warning("allocation gate: the node agent's connection failed: %s", exc)
-        if found is None:
+        if isinstance(found, bytes):
+            self._renewed(agent, found)
+        elif found is None:
             self._hang_up()
             log.warning(
                 "allocation gate: the node agent is gone; this pod's %d gated processes' "
@@ -270,8 +340,28 @@ class Holder:
         else:
             self._held[found.fd] = found
 
+    def _renewed(self, agent: socket.socket, raw: bytes) -> None:
+        """A renewal: nothing read for `LEASE` from now (this thread reads nothing until
+        it has said so), then acknowledged."""
+        number = beat(raw, "renew")
+        if number is None:
+            log.warning("allocation gate: dropped a message of the node agent: %r", raw[:80])
+            return
+        self._quiet_until = time.monotonic() + LEASE
+        if self._was_reading:
+            log.warning(
+                "allocation gate: the node agent answers again; it judges this pod's %d gated "
+                "processes' allocations",
+                len(self._held),
+            )
+            self._was_reading = False
+        try:
+            acknowledge(agent, number)
+        except OSError as exc:  # its lease then lapses, and the calls go on here
+            log.warning("allocation gate: cannot acknowledge the node agent's renewal: %s", exc)
+
     def _serve(self, fd: int, events: int) -> None:
-        if events & select.POLLIN and self._agent is None:
+        if events & select.POLLIN and self.reading:
             if let_go_on(fd):
                 self.let_on += 1
         elif events & (select.POLLHUP | select.POLLNVAL):  # every task under it has exited

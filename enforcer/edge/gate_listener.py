@@ -66,7 +66,7 @@ class Outcome(StrEnum):
     NOT_MEMORY = "not_memory"  # no video-memory allocation (another class, function or form)
     NOT_GPU = "not_gpu"  # the request's number on a file that is no NVIDIA device
     UNPROVEN = "unproven"  # a caller not proven of the container whose limit it is: let go on
-    UNSURE = "unsure"  # a recheck that could not be made in time: let go on
+    UNSURE = "unsure"  # a recheck that could not be made in time, or a lease lapsed: let go on
     ABANDONED = "abandoned"  # the caller was interrupted before the answer
     ERROR = "error"  # a bug, or parameters that cannot be read: let go on
 
@@ -196,6 +196,7 @@ class GateListener:
         pid: int = 0,
         who: str = "the command tree",
         vouch: Callable[[int], bool] | None = None,
+        may_read: Callable[[], bool] = lambda: True,
     ) -> None:
         self._fd = fd
         self._ledger = ledger
@@ -210,6 +211,9 @@ class GateListener:
         # Whether a calling thread is of `who` (None: each is, as the fd's source proved);
         # a caller it does not vouch for is let go on, never judged against `who`'s limit.
         self._vouch = vouch
+        # Whether this listener may read now: False while a second holder of the fd reads
+        # it (`gate_holder`'s lease); a call read as it lapses is let go on, unjudged.
+        self._may_read = may_read
         self._guard = LoopGuard("allocation gate", errors, log)
         self._rechecks: queue.Queue[_Pending] = queue.Queue(RECHECK_QUEUE)
         self._quota = LineQuota()
@@ -311,7 +315,9 @@ class GateListener:
         buf = bytearray(_NOTIF.size)
         while not self._stopping.is_set():
             events = dict(poller.poll(100))
-            if events.get(self._fd, 0) & select.POLLIN:
+            if events.get(self._fd, 0) & select.POLLIN and not self._may_read():
+                self._stopping.wait(0.01)  # the other holder's to answer
+            elif events.get(self._fd, 0) & select.POLLIN:
                 buf[:] = bytes(_NOTIF.size)  # RECV refuses a struct that is not zeroed
                 try:
                     fcntl.ioctl(self._fd, SECCOMP_IOCTL_NOTIF_RECV, buf, True)
@@ -345,6 +351,8 @@ class GateListener:
         """Decide one call, received at `arrived`, and answer it; None if it was handed to
         the recheck worker."""
         try:
+            if not self._may_read():  # lapsed since it was looked at (this process stopped)
+                return self._reply(notif, Outcome.UNSURE)
             if not self._on_gpu(notif):
                 return self._reply(notif, Outcome.NOT_GPU)
             if self._vouch is not None and not self._vouch(notif.tid):

@@ -19,17 +19,22 @@ in this process until every task under its filter has exited, and the listeners 
 When the agent exits its copies close, and the pod's sidecar, which holds a second copy of
 each (`gate_holder`, reached by `dial_sidecar`), lets the calls go on until an agent takes
 the fds back from it (`hold`): without it, every later gated call would fail with ENOSYS.
+The same holder takes over while the agent is stopped or stuck: the agent reads an fd of
+which a holder has a copy only under that holder's lease, renewed by the `gate-lease`
+thread (`gate_holder.LEASE`), and a listener whose lease has lapsed reads nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,10 +48,20 @@ from enforcer.core.protocol import GATE_HOLDER_SOCKET
 from enforcer.core.rm_abi import layout_for
 from enforcer.core.sidecar_presence import sidecar_id
 from enforcer.core.tier_choice import driver_branch
-from enforcer.edge.gate_holder import Held, pass_fd, same_file, take_over
+from enforcer.edge.gate_holder import (
+    LEASE,
+    RENEW_EVERY,
+    Held,
+    beat,
+    pass_fd,
+    renew,
+    same_file,
+    take,
+    take_over,
+)
 from enforcer.edge.gate_listener import GateListener, Ledger
 from enforcer.edge.gate_socket import GateSocket, Handoff
-from enforcer.edge.guard import ErrorCounter
+from enforcer.edge.guard import ErrorCounter, LoopGuard
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.seccomp_root import profile_path, write_profile
 from enforcer.edge.sidecar_dialer import Dialled, dial_container
@@ -58,6 +73,21 @@ HOLDER_TIMEOUT = 1.0  # s a pod's holder may take to hand its fds over, or take 
 UNBOUNDED = 1 << 62  # the limit of a container the gate does not bound (yet): calls go on
 
 
+@dataclass(slots=True, eq=False)
+class _Holder:
+    """A connection to one pod's gate holder, which containers are that pod's, and the
+    lease under which this agent reads the fds the holder has a copy of."""
+
+    sock: socket.socket
+    member: Callable[[str], bool]
+    leased_until: float  # monotonic: `LEASE` after the last acknowledged renewal was sent
+    sent: dict[int, float] = field(default_factory=dict)  # the renewal in flight: when sent
+    gone: bool = False  # the holder hung up: it reads nothing under this connection
+
+    def lets_read(self) -> bool:
+        return self.gone or time.monotonic() < self.leased_until
+
+
 @dataclass(slots=True)
 class _Container:
     """One gated container: its ledger and the listeners of its processes, by fd."""
@@ -65,14 +95,12 @@ class _Container:
     ledger: Ledger
     listeners: dict[int, GateListener] = field(default_factory=dict)
     pids: dict[int, int] = field(default_factory=dict)  # fd -> the process it was handed for
+    held_by: dict[int, _Holder] = field(default_factory=dict)  # fd -> its copy's holder, last
 
-
-@dataclass(slots=True, eq=False)
-class _Holder:
-    """A connection to one pod's gate holder, and which containers are that pod's."""
-
-    sock: socket.socket
-    member: Callable[[str], bool]
+    def lets_read(self, fd: int) -> bool:
+        """Whether this agent may read `fd` now: no holder has a copy, or under its lease."""
+        holder = self.held_by.get(fd)
+        return holder is None or holder.lets_read()
 
 
 class NodeGate:
@@ -108,6 +136,10 @@ class NodeGate:
         self._containers: dict[str, _Container] = {}
         self._handed_over = False  # a gated process came: the node's runtime is proven
         self._holders: list[_Holder] = []
+        self._numbers = itertools.count(1)  # of the renewals
+        self._stopping = threading.Event()
+        self._renewer: threading.Thread | None = None  # `gate-lease`, from the first holder
+        self._renewing = LoopGuard("allocation gate lease", errors, log)
 
     def start(self) -> str | None:
         """Serves the socket, then writes the gating profile (the plain one where the gate
@@ -147,6 +179,9 @@ class NodeGate:
         by the end of its connection, once no listener here reads)."""
         if self._socket.alive():
             self._socket.stop()
+        self._stopping.set()
+        if self._renewer is not None:
+            self._renewer.join()
         with self._lock:
             for c in self._containers.values():
                 for listener in c.listeners.values():
@@ -188,15 +223,23 @@ class NodeGate:
             return None
         return container_id(parse_cgroup(text))
 
-    def _serve(self, held: Held, vouch: Callable[[int], bool] | None = None) -> None:
+    def _serve(
+        self,
+        held: Held,
+        vouch: Callable[[int], bool] | None = None,
+        holder: _Holder | None = None,
+    ) -> None:
         """Serve one process's fd under its container's ledger (`held.container_id`,
         proven by the caller, or an unproven key that is never bounded); `vouch`: for an
-        fd a holder handed back, whether each caller is of that container."""
+        fd a holder handed back, whether each caller is of that container; `holder`: the
+        one that has a copy, under whose lease it is read."""
         cid = held.container_id
         with self._lock:
             gated = self._containers.get(cid)
             if gated is None:
                 gated = self._containers[cid] = _Container(Ledger(UNBOUNDED))
+            if holder is not None:
+                gated.held_by[held.fd] = holder
             listener = GateListener(
                 held.fd,
                 gated.ledger,
@@ -206,19 +249,23 @@ class NodeGate:
                 pid=held.pid,
                 who=f"container {cid.rsplit(':', 1)[-1][:12]}",
                 vouch=vouch,
+                may_read=functools.partial(gated.lets_read, held.fd),
             )
             gated.listeners[held.fd] = listener
             gated.pids[held.fd] = held.pid
         listener.start()
         log.info("allocation gate: serving pid %d of container %s", held.pid, cid)
 
-    def hold(self, sock: socket.socket, member: Callable[[str], bool]) -> None:
+    def hold(self, sock: socket.socket, member: Callable[[str], bool], since: float) -> None:
         """A connection to the gate holder of one pod's sidecar, proven to be that
-        sidecar's by whoever connected; `member(container_id)`: whether a container is of
-        that pod. The fds it held are served (after this agent's restart they are its only
-        copies), and it is given a copy of each fd served for the pod's containers, now
-        and as they come. The connection stays open: its end, when this process exits, is
-        the holder's word to let the calls go on until an agent is back."""
+        sidecar's by whoever connected, begun at `since` (monotonic, before the connect:
+        the holder keeps off for `LEASE` from its accept, which is later);
+        `member(container_id)`: whether a container is of that pod. The fds it held are
+        served (after this agent's restart they are its only copies), and it is given a
+        copy of each fd served for the pod's containers, now and as they come; each is
+        read here under the holder's lease from then on. The connection stays open: its
+        end, when this process exits, is the holder's word to let the calls go on until
+        an agent is back, as a lease not renewed is while this process is stopped."""
         sock.settimeout(HOLDER_TIMEOUT)
         try:
             taken = take_over(sock)
@@ -226,18 +273,20 @@ class NodeGate:
             sock.close()
             log.warning("allocation gate: a holder's fds not taken: %s", exc)
             return
-        holder = _Holder(sock, member)
+        holder = _Holder(sock, member, since + LEASE)
         has: set[int] = set()  # the fds served here of which the holder has a copy
         for held in taken:
             if (served := self._served_as(held.fd)) is not None:
                 os.close(held.fd)  # a copy of one this agent serves already
                 has.add(served)
+                self._held_by(served, holder)
                 continue
             has.add(held.fd)
             # Its claim is a hint. Only a container of the holder's pod is bounded, and
             # only in calls whose own thread's cgroup names it (the fd may be anyone's).
             if member(held.container_id):
-                self._serve(held, functools.partial(self._in_container, held.container_id))
+                vouch = functools.partial(self._in_container, held.container_id)
+                self._serve(held, vouch, holder)
             else:
                 log.warning(
                     "allocation gate: a holder says its fd for pid %d serves container %s, "
@@ -245,7 +294,8 @@ class NodeGate:
                     held.pid,
                     held.container_id,
                 )
-                self._serve(Held(held.fd, f"unproven:{held.pid}:{held.container_id}", held.pid))
+                unproven = f"unproven:{held.pid}:{held.container_id}"
+                self._serve(Held(held.fd, unproven, held.pid), holder=holder)
         with self._lock:
             self._holders.append(holder)
             ours = [
@@ -254,9 +304,67 @@ class NodeGate:
                 if member(cid)
                 for fd in gated.listeners
             ]
+            if self._renewer is None:
+                self._renewer = threading.Thread(
+                    target=self._renew_loop, name="gate-lease", daemon=True
+                )
+                self._renewer.start()
         for held in ours:
             if held.fd not in has:
                 self._pass(holder, held)
+
+    def _held_by(self, fd: int, holder: _Holder) -> None:
+        """`holder` has a copy of `fd`, served here: read under its lease from now."""
+        with self._lock:
+            for gated in self._containers.values():
+                if fd in gated.listeners:
+                    gated.held_by[fd] = holder
+
+    def _renew_loop(self) -> None:
+        while not self._stopping.is_set():
+            if not self._renewing.run(self._renew_round):
+                self._stopping.wait(1.0)  # a bug: said and counted, tried again after a breath
+
+    def _renew_round(self) -> None:
+        """Each holder's lease renewed (one renewal in flight each: a stopped holder's
+        socket never fills), then their acknowledgements read for `RENEW_EVERY`."""
+        with self._lock:
+            holders = list(self._holders)
+        for holder in holders:
+            if not holder.sent:
+                number = next(self._numbers)
+                holder.sent[number] = time.monotonic()
+                try:
+                    renew(holder.sock, number)
+                except OSError as exc:
+                    self._lost(holder, f"cannot renew its lease: {exc}")
+        deadline = time.monotonic() + RENEW_EVERY
+        while not self._stopping.is_set() and (left := deadline - time.monotonic()) > 0:
+            poller = select.poll()
+            by_fd = {h.sock.fileno(): h for h in holders if h.sock.fileno() != -1}
+            for fd in by_fd:
+                poller.register(fd, select.POLLIN)
+            for fd, _ in poller.poll(min(left, 0.1) * 1000):
+                self._acknowledged(by_fd[fd])
+
+    def _acknowledged(self, holder: _Holder) -> None:
+        """One message of a holder: an acknowledgement extends the lease from when its
+        renewal was sent; its end (the sidecar ended) frees its fds."""
+        try:
+            found = take(holder.sock)
+        except OSError as exc:
+            self._lost(holder, f"its connection failed: {exc}")
+            return
+        if found is None:
+            self._drop_hung_up()
+            return
+        number = beat(found, "ack") if isinstance(found, bytes) else None
+        if number is None or number not in holder.sent:
+            if isinstance(found, Held):
+                os.close(found.fd)
+            log.warning("allocation gate: dropped a message of a holder: %r", found)
+            return
+        holder.leased_until = max(holder.leased_until, holder.sent.pop(number) + LEASE)
 
     def _in_container(self, cid: str, tid: int) -> bool:
         return self._container_of(tid) == cid
@@ -278,21 +386,41 @@ class NodeGate:
         try:
             pass_fd(holder.sock, held)
         except OSError as exc:
-            log.warning("allocation gate: a pod's holder is gone (%s)", exc)
-            with self._lock:
-                if holder in self._holders:
-                    self._holders.remove(holder)
-            holder.sock.close()
+            self._lost(holder, f"cannot hand it an fd: {exc}")
+            return
+        self._held_by(held.fd, holder)
+
+    def _lost(self, holder: _Holder, why: str) -> None:
+        """A holder whose connection this agent closes: its lease is never renewed, so
+        the fds it has a copy of are its to read (it sees the connection end) until the
+        sidecar is dialled again, never both of ours."""
+        log.warning(
+            "allocation gate: lost a pod's holder (%s); its pod's calls go on unjudged "
+            "until its sidecar is dialled again",
+            why,
+        )
+        with self._lock:
+            if holder in self._holders:
+                self._holders.remove(holder)
+        holder.sock.close()
+
+    def _drop_hung_up(self) -> None:
+        """The connections of holders that hung up closed: a sidecar that ended (its
+        copies closed with it), or one that took a newer connection (read under that one's
+        lease from then on); the fds they had a copy of are this agent's to read."""
+        with self._lock:
+            for holder in [h for h in self._holders if _hung_up(h.sock.fileno())]:
+                holder.gone = True
+                self._holders.remove(holder)
+                holder.sock.close()
 
     def saw(self, usage: Mapping[str, Mapping[str, int]] | None, at: float) -> None:
         """An NVML pass begun at `at` (monotonic): each container's usage by GPU, or None
         where the pass failed (each ledger keeps its last good view: usage not read never
         makes room). The listeners are checked either way, and the connections of holders
         that hung up (a sidecar that ended, or took a newer connection) are closed."""
+        self._drop_hung_up()
         with self._lock:
-            for holder in [h for h in self._holders if _hung_up(h.sock.fileno())]:
-                self._holders.remove(holder)
-                holder.sock.close()
             for cid, gated in list(self._containers.items()):
                 ceiling = self._ceiling(cid)  # an unproven key is never a container ID
                 gated.ledger.limit(UNBOUNDED if ceiling is None else ceiling)
@@ -310,6 +438,7 @@ class NodeGate:
                     os.close(fd)
                 del gated.listeners[fd]
                 del gated.pids[fd]
+                gated.held_by.pop(fd, None)
             else:
                 listener.check()
         if not gated.listeners:
@@ -356,10 +485,11 @@ def dial_sidecar(
     found = dial_container(host_proc, sidecar)
     if gate is None or not isinstance(found, socket.socket):
         return found
+    since = time.monotonic()
     holder = dial_container(host_proc, sidecar, GATE_HOLDER_SOCKET, socket.SOCK_SEQPACKET)
     if isinstance(holder, socket.socket):
         holder.setblocking(True)
-        gate.hold(holder, functools.partial(_of_pod, injected, sidecar))
+        gate.hold(holder, functools.partial(_of_pod, injected, sidecar), since)
     else:
         log.info(
             "allocation gate: sidecar %s holds no copy of its pod's fds: %s", sidecar[:12], holder

@@ -40,8 +40,9 @@ def main() -> int:
         print(json.dumps({"why_not": why}), flush=True)
         return 1
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    since = time.monotonic()
     sock.connect(holder)
-    gate.hold(sock, lambda c: cid in (c, "*"))
+    gate.hold(sock, lambda c: cid in (c, "*"), since)
     print(json.dumps({"ready": True}), flush=True)
     said = -1
     while True:

@@ -2,7 +2,8 @@
 [USAGE]`, run in a PID namespace of its own (`unshare --pid --fork`), as the pod's is, so
 that the agent, outside it, may connect; with USAGE, a socket listening there too, where
 the agent dials the sidecar's usage link first (nothing is answered on it). One line
-{"held", "agent", "let_on"} on stdout each time one of them changes."""
+{"held", "agent", "reading",
+"let_on"} on stdout each time one of them changes."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def main() -> int:
         now: dict[str, object] = {
             "held": len(holder.held()),
             "agent": holder.agent_connected,
+            "reading": holder.reading,
             "let_on": holder.let_on,
         }
         if now != said:

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -27,8 +28,11 @@ from enforcer.core.payloads import Pod
 from enforcer.core.protocol import GATE_HOLDER_SOCKET, SIDECAR_SOCKET
 from enforcer.edge import gate_child
 from enforcer.edge.gate_holder import (
+    LEASE,
     Held,
     Holder,
+    acknowledge,
+    beat,
     hand_over,
     is_listener_fd,
     pass_fd,
@@ -97,7 +101,7 @@ class Standin(Process):
 
     def line(self) -> dict[str, Any]:
         if not hasattr(self, "lines"):
-            self.lines = Lines(self._out)
+            self.lines = Lines(self.out)
         return self.lines.next()
 
 
@@ -185,6 +189,129 @@ def test_the_agent_killed_the_calls_go_on_through_the_sidecar_and_a_new_agent_ju
         with contextlib.suppress(ProcessLookupError, ChildProcessError):
             os.kill(process.spawned.pid, signal.SIGKILL)
             os.waitpid(process.spawned.pid, 0)
+
+
+def test_the_agent_stopped_the_sidecar_lets_the_calls_go_on_and_hands_them_back_when_it_runs(
+    tmp_path: Path, container: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    """The agent SIGSTOPped with its connection to the sidecar open (stuck, or stopped by
+    a debugger): it no longer renews its lease, and within `LEASE` the sidecar lets each
+    gated call go on (a call never waits for ever on a reader that does not read). The
+    agent SIGCONTed: its next renewal stops the sidecar's reading, and the agent judges
+    the calls again (refused past the ceiling), the sidecar's count unchanged."""
+    holder = tmp_path / "gate-holder.sock"
+    sidecar = _start(
+        spawned,
+        ["unshare", "--pid", "--fork", sys.executable, str(HERE / "gate_sidecar.py"), str(holder)],
+    )
+    sidecar.until({"held": 0, "agent": False})
+    agent = _agent(spawned, tmp_path / "a", holder)
+    go_r, go_w = os.pipe()
+    os.set_inheritable(go_r, True)
+    process = Standin([OVER, f"wait={go_r}", OVER, OVER, f"wait={go_r}", OVER], container)
+    os.close(go_r)
+    _hand_over(process, tmp_path / "a")
+    agent.until({"gated": 1})
+    sidecar.until({"held": 1, "agent": True, "reading": False})
+    try:
+        assert process.spawned.go() == 0
+        line = process.line()
+        assert (line["ret"], line["status"]) == (0, NO_MEMORY), line  # the agent judged it
+
+        os.killpg(agent.proc.pid, signal.SIGSTOP)
+        sidecar.until({"agent": True, "reading": True})  # its connection still open
+        os.write(go_w, b"g")
+        for _ in range(2):
+            line = process.line()
+            assert (line["ret"], line["errno"], line["status"]) == (-1, errno.ENOTTY, UNTOUCHED), (
+                line
+            )
+        sidecar.until({"let_on": 2})
+
+        os.killpg(agent.proc.pid, signal.SIGCONT)
+        sidecar.until({"agent": True, "reading": False, "let_on": 2})
+        os.write(go_w, b"g")
+        line = process.line()
+        assert (line["ret"], line["status"]) == (0, NO_MEMORY), line  # judged again
+        _, status = os.waitpid(process.spawned.pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert sidecar.until({"held": 0})["let_on"] == 2  # none let on after the handback
+    finally:
+        os.close(go_w)
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(process.spawned.pid, signal.SIGKILL)
+            os.waitpid(process.spawned.pid, 0)
+
+
+def test_the_agent_reads_no_fd_a_holder_has_a_copy_of_once_its_lease_lapses(
+    tmp_path: Path, container: Path
+) -> None:
+    """The other side of one reader at a time: a holder that does not acknowledge the
+    agent's renewals (a sidecar stopped, or slow) reads the fds from `LEASE` after the
+    agent connected; the agent then leaves each call to it, unread, and judges again only
+    once a renewal is acknowledged."""
+    node = Node(tmp_path)
+    node.tenants[CID] = 4 * GIB
+    go_r, go_w = os.pipe()
+    os.set_inheritable(go_r, True)
+    process = Standin([f"wait={go_r}", OVER, f"wait={go_r}", OVER], container)
+    os.close(go_r)
+    ours, theirs = socketpair = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener = process.spawned.listener
+    assert listener is not None
+    try:
+        with node.passes({CID: {"GPU-a": 3 * GIB}}):
+            hand_over(theirs, [Held(listener, CID, process.spawned.pid)])
+            since = time.monotonic()
+            node.gate.hold(ours, {CID}.__contains__, since)
+            assert process.spawned.go() == 0
+            # Not acknowledged: the lease lapses at since + LEASE, whatever the load.
+            time.sleep(max(0.0, since + LEASE - time.monotonic()) + 0.1)
+            os.write(go_w, b"g")
+            ready, _, _ = select.select([listener], [], [], DEADLINE)
+            assert ready  # the call waits, the enforcer saw it
+            # Left to the holder: still unanswered a while later (the agent would have
+            # refused it at once), then let go on by the test, as the holder does.
+            assert not select.select([process.out], [], [], 0.5)[0]
+            assert let_go_on(listener)
+            line = process.line()
+            assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line
+            with _acking(theirs):  # read by the agent once a renewal is acknowledged
+                os.write(go_w, b"g")
+                line = process.line()
+                assert (line["ret"], line["status"]) == (0, NO_MEMORY), line  # judged again
+    finally:
+        node.gate.stop()
+        os.close(go_w)
+        os.close(listener)
+        for sock in socketpair:
+            sock.close()
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(process.spawned.pid, signal.SIGKILL)
+            os.waitpid(process.spawned.pid, 0)
+
+
+@contextlib.contextmanager
+def _acking(sock: socket.socket) -> Iterator[None]:
+    """The holder's side of the lease on `sock`: each renewal acknowledged at once."""
+    done = threading.Event()
+
+    def run() -> None:
+        while not done.is_set():
+            if select.select([sock], [], [], 0.02)[0]:
+                raw = sock.recv(512)
+                if not raw:
+                    return
+                if (number := beat(raw, "renew")) is not None:
+                    acknowledge(sock, number)
+
+    acker = threading.Thread(target=run)
+    acker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        acker.join()
 
 
 def test_a_holder_refuses_a_connection_from_inside_its_pod(tmp_path: Path) -> None:
@@ -294,11 +421,12 @@ def test_a_holders_claim_bounds_only_the_calls_of_its_pods_container_by_the_call
         assert process.spawned.listener is not None
         hand_over(theirs, [Held(process.spawned.listener, other, process.spawned.pid)])
         os.close(process.spawned.listener)
-        node.gate.hold(ours, pod.__contains__)
-        assert len(node.gate.gated()) == 1
-        node.gate.saw({other: {"GPU-a": 0}, CID: {"GPU-a": 0}}, 0.0)
-        for line in process.run():
-            assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line
+        with _acking(theirs):
+            node.gate.hold(ours, pod.__contains__, time.monotonic())
+            assert len(node.gate.gated()) == 1
+            node.gate.saw({other: {"GPU-a": 0}, CID: {"GPU-a": 0}}, 0.0)
+            for line in process.run():
+                assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line
     finally:
         node.gate.stop()
         theirs.close()
@@ -315,7 +443,7 @@ def test_the_connection_of_a_holder_that_hung_up_is_closed_on_the_next_pass(
     node = Node(tmp_path)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     hand_over(theirs, [])
-    node.gate.hold(ours, lambda cid: True)
+    node.gate.hold(ours, lambda cid: True, time.monotonic())
     node.gate.saw(None, 0.0)
     assert node.gate.holders() == 1
     theirs.close()

@@ -108,7 +108,7 @@ class Process:
     """The stand-in under the gate's filter, in `cgroup`, not yet running its steps."""
 
     def __init__(self, steps: list[str], cgroup: Path) -> None:
-        self._out, out = os.pipe()
+        self.out, out = os.pipe()
         os.set_inheritable(out, True)
         self.spawned = gate_child.spawn(
             sys.executable, [sys.executable, STANDIN, f"out={out}", *steps], program()
@@ -140,13 +140,13 @@ class Process:
         assert self.spawned.go() == 0
         lines = []
         while True:
-            ready, _, _ = select.select([self._out], [], [], DEADLINE)
+            ready, _, _ = select.select([self.out], [], [], DEADLINE)
             assert ready, "the stand-in hung"
-            chunk = os.read(self._out, 4096)
+            chunk = os.read(self.out, 4096)
             if not chunk:
                 break
             self._buf += chunk
-        os.close(self._out)
+        os.close(self.out)
         _, status = os.waitpid(self.spawned.pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         for raw in self._buf.splitlines():
