@@ -22,7 +22,9 @@ LABEL_COUNT = "vram-enforcer.io/gpu.count"
 LABEL_MEMORY = "vram-enforcer.io/gpu.memory"
 # The allocation gate on this node (`agent --allocation-gate on`): `pending` once its
 # profile and socket are up, `v1` once the runtime has handed it a gated container (the
-# node's runc and libseccomp proven to do so); absent where the gate does not run.
+# node's runc and libseccomp proven to do so), on a driver branch proven on a GPU;
+# `unproven` on another branch (the gate off), `forced` there with
+# `--allocation-gate-unproven`; absent where the gate does not run otherwise.
 LABEL_ALLOCATION_GATE = "vram-enforcer.io/allocation-gate"
 LABELS = (LABEL_PRODUCT, LABEL_COUNT, LABEL_MEMORY, LABEL_ALLOCATION_GATE)
 

@@ -17,7 +17,9 @@ agent is handed a copy of each fd the holder holds, and is renewed from its conn
 The wire is a SOCK_SEQPACKET socket in the sidecar's own filesystem, reached by the agent as
 the usage link's `SidecarSocket` is, and refused to callers inside the pod's PID namespace:
 one message per fd, its claim as JSON (`{"container": ID, "pid": N}`) with the fd in
-SCM_RIGHTS; a renewal `{"renew": N}` and its acknowledgement `{"ack": N}` bring no fd.
+SCM_RIGHTS; a renewal `{"renew": N}` and its acknowledgement `{"ack": N, "let_on": K}`
+bring no fd (K: the calls let go on here since the last count the agent was told, as in
+the greeting `{"fds": N, "let_on": K}`).
 Neither end takes anything but a seccomp listener fd, and the claim is a hint: who a
 process is, the agent proves from its cgroup.
 """
@@ -67,17 +69,18 @@ def pass_fd(sock: socket.socket, held: Held) -> None:
     sock.sendmsg([claim], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [held.fd]))])
 
 
-def hand_over(sock: socket.socket, helds: list[Held]) -> None:
-    """The holder's greeting to an agent that connects: how many fds follow, then each."""
-    sock.sendmsg([json.dumps({"fds": len(helds)}).encode()])
+def hand_over(sock: socket.socket, helds: list[Held], let_on: int = 0) -> None:
+    """The holder's greeting to an agent that connects: how many fds follow (and how many
+    calls it let go on that no agent was told of), then each."""
+    sock.sendmsg([json.dumps({"fds": len(helds), "let_on": let_on}).encode()])
     for held in helds:
         pass_fd(sock, held)
 
 
-def take_over(sock: socket.socket) -> list[Held]:
-    """The agent's side of `hand_over`: the fds the holder held. Raises OSError, or
-    ValueError for a greeting that is no count or a connection that ends early (the fds
-    taken so far closed then)."""
+def take_over(sock: socket.socket) -> tuple[list[Held], int]:
+    """The agent's side of `hand_over`: the fds the holder held, and the calls it let go
+    on that no agent was told of. Raises OSError, or ValueError for a greeting that is no
+    count or a connection that ends early (the fds taken so far closed then)."""
     raw, _, _, _ = sock.recvmsg(MAX_CLAIM)
     try:
         count = json.loads(raw)["fds"]
@@ -99,7 +102,7 @@ def take_over(sock: socket.socket) -> list[Held]:
             log.warning("allocation gate: dropped a message of a holder: %s", found)
         else:
             taken.append(found)
-    return taken
+    return taken, calls_let_on(raw)
 
 
 def renew(sock: socket.socket, number: int) -> None:
@@ -107,20 +110,31 @@ def renew(sock: socket.socket, number: int) -> None:
     sock.sendmsg([json.dumps({"renew": number}).encode()])
 
 
-def acknowledge(sock: socket.socket, number: int) -> None:
-    """The holder's word that it reads nothing for `LEASE` from now (raises OSError)."""
-    sock.sendmsg([json.dumps({"ack": number}).encode()])
+def acknowledge(sock: socket.socket, number: int, let_on: int = 0) -> None:
+    """The holder's word that it reads nothing for `LEASE` from now, with the calls it let
+    go on since it last told an agent (raises OSError)."""
+    sock.sendmsg([json.dumps({"ack": number, "let_on": let_on}).encode()])
 
 
 def beat(raw: bytes, kind: str) -> int | None:
     """The number of a message without fd that is a renewal (`kind` "renew") or an
     acknowledgement ("ack"); None where it is not one."""
+    return _count_in(raw, kind)
+
+
+def calls_let_on(raw: bytes) -> int:
+    """The calls a holder's greeting or acknowledgement says it let go on (0: none said)."""
+    return _count_in(raw, "let_on") or 0
+
+
+def _count_in(raw: bytes, key: str) -> int | None:
     try:
         found = json.loads(raw)
     except ValueError:
         return None
-    number = found.get(kind) if isinstance(found, dict) and len(found) == 1 else None
-    return number if isinstance(number, int) and not isinstance(number, bool) else None
+    number = found.get(key) if isinstance(found, dict) else None
+    ok = isinstance(number, int) and not isinstance(number, bool) and number >= 0
+    return number if ok else None
 
 
 def take_fd(sock: socket.socket) -> Held | str | None:
@@ -209,7 +223,8 @@ class Holder:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self.let_on = 0  # calls let go on unjudged while no agent was connected
+        self.let_on = 0  # calls let go on unjudged while no agent held the lease
+        self._told = 0  # of those, how many an agent was told of
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="gate-holder", daemon=True)
@@ -308,7 +323,8 @@ class Holder:
         sock.setblocking(True)
         sock.settimeout(1.0)
         try:
-            hand_over(sock, list(self._held.values()))
+            hand_over(sock, list(self._held.values()), self.let_on - self._told)
+            self._told = self.let_on
         except OSError as exc:
             sock.close()
             log.warning("allocation gate: cannot hand the fds to the node agent: %s", exc)
@@ -356,7 +372,8 @@ class Holder:
             )
             self._was_reading = False
         try:
-            acknowledge(agent, number)
+            acknowledge(agent, number, self.let_on - self._told)
+            self._told = self.let_on
         except OSError as exc:  # its lease then lapses, and the calls go on here
             log.warning("allocation gate: cannot acknowledge the node agent's renewal: %s", exc)
 

@@ -24,6 +24,7 @@ from enforcer.core.reclaim import Gpu
 from enforcer.core.sidecar_report import ACTIONS, NEEDED_BY, REFUSED, SidecarReport
 from enforcer.core.unaccounted import Unaccounted
 from enforcer.core.units import Unit
+from enforcer.edge.gate_listener import Outcome
 from enforcer.edge.telemetry import View
 
 log = logging.getLogger(__name__)
@@ -246,6 +247,15 @@ def hard_limit_gauge(labels: list[str], registry: CollectorRegistry) -> Gauge:
 GATE_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.25, 1.0)
 
 
+def _gate_seconds(registry: CollectorRegistry) -> Histogram:
+    return Histogram(
+        PREFIX + "allocation_gate_seconds",
+        "The allocation gate's time per call, from reading it to answering it",
+        buckets=GATE_BUCKETS,
+        registry=registry,
+    )
+
+
 class GateMetrics:
     """exec's allocation gate: its calls by outcome, its refusals, its time per call, and
     whether its listener is stuck (`container` is exec's unit)."""
@@ -264,17 +274,50 @@ class GateMetrics:
             ["container"],
             registry=registry,
         )
-        self.seconds = Histogram(
-            PREFIX + "allocation_gate_seconds",
-            "The allocation gate's time per call, from reading it to answering it",
-            buckets=GATE_BUCKETS,
-            registry=registry,
-        )
+        self.seconds = _gate_seconds(registry)
         self.stalled = Gauge(
             PREFIX + "allocation_gate_stalled",
             "1 while a call has waited unanswered for a second (the listener is stuck)",
             registry=registry,
         )
+
+
+class NodeGateMetrics:
+    """The agent's allocation gate (`--allocation-gate on`), under exec's names: its calls
+    by outcome and its time per call over the node (container IDs come and go: a series
+    per container and outcome would be kept for ever), its refusals by container (each
+    removed when the container's last gated process exits), how many of its listeners are
+    stuck, and the calls the pods' holders let go on while the agent was away."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.calls = Counter(
+            PREFIX + "allocation_gate_calls",
+            "The driver's allocation calls the node's allocation gate answered, by outcome "
+            "(allowed, refused, not_memory, not_gpu, unproven, unsure, abandoned, error)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.refusals = Counter(
+            PREFIX + "allocation_refusals",
+            "GPU allocations the allocation gate refused with the driver's out-of-memory "
+            "status, by container",
+            ["namespace", "pod", "container"],
+            registry=registry,
+        )
+        self.seconds = _gate_seconds(registry)
+        self.stalled = Gauge(
+            PREFIX + "allocation_gate_stalled",
+            "Gated processes whose listener has left a call unanswered for a second",
+            registry=registry,
+        )
+        self.let_on = Counter(
+            PREFIX + "allocation_gate_let_on",
+            "Gated calls the pods' gate holders let go on unjudged while the agent was "
+            "away (restarted, stopped or stuck), as they tell it when it is back",
+            registry=registry,
+        )
+        for outcome in Outcome:  # every series at 0 from the start
+            self.calls.labels(outcome)
 
 
 class Telemetry:
@@ -707,6 +750,7 @@ class AgentTelemetry:
             "overflowed: their limits waited for the next --cgroup-scan",
             registry=self.registry,
         )
+        self.gate = NodeGateMetrics(self.registry)
         self.unexpected = _unexpected_errors(self.registry)
         self.http_closed = http_closed(self.registry)
 

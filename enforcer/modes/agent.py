@@ -56,7 +56,14 @@ from enforcer.edge.usage_server import ServerHooks, ServerMetrics, UsageServer
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
 from enforcer.modes.limiter import HardLimiter
-from enforcer.modes.node_gate import GATE_SOCKET, NodeGate, container_ceiling, dial_sidecar
+from enforcer.modes.node_gate import (
+    GATE_SOCKET,
+    GateReports,
+    NodeGate,
+    container_ceiling,
+    container_of,
+    dial_sidecar,
+)
 from enforcer.modes.node_view import ClaimReads, NodeView
 from enforcer.modes.pod_metrics import LastPass, Peaks, PodCounts, pods_view, with_workloads
 from enforcer.modes.tier_watch import TierWatch, told
@@ -622,7 +629,16 @@ def _pod_watch(
             assigned,
             reserve_bytes=settings.reserve_bytes,
         )
-        gate = _node_gate(settings, server.host_proc, lender, telemetry, node_facts)  # started
+        gate = _node_gate(
+            settings,
+            server.host_proc,
+            lender,
+            telemetry,
+            node_facts,
+            GateReports(
+                telemetry.gate, functools.partial(container_of, node.injected), recorder.record
+            ),
+        )
         woken.append(
             PodPublisher(
                 pods,
@@ -691,10 +707,12 @@ def _node_gate(
     lender: Lender | None,
     telemetry: AgentTelemetry,
     node_facts: _Node,
+    reports: GateReports,
 ) -> NodeGate | None:
     """With `--allocation-gate on` (which needs the pods served: the lender's tenants give
     each container's ceiling; the sampler's NVML, the driver's branch), the node's gate,
-    started before the first pass (it stops with the sampler)."""
+    started before the first pass (it stops with the sampler), its metrics and Events
+    `reports`."""
     if settings.allocation_gate != "on" or lender is None:
         return None
     gate = NodeGate(
@@ -706,6 +724,9 @@ def _node_gate(
         telemetry.unexpected.labels("allocation-gate"),
         recheck_wait=max(2 * settings.interval, 0.25),
         label=node_facts.gate_label,
+        reports=reports,
+        driver=node_facts.driver_version,
+        unproven=settings.allocation_gate_unproven,
     )
     why = gate.start()
     if why is not None:

@@ -39,12 +39,14 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from enforcer.core import gate_profile
+from enforcer.core import gate_profile, rm_abi
 from enforcer.core.cgroups import container_id, parse_cgroup
 from enforcer.core.lending import Tenants
-from enforcer.core.payloads import Pod
+from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import containers_by_id
+from enforcer.core.pod_directory import event_about
 from enforcer.core.protocol import GATE_HOLDER_SOCKET
+from enforcer.core.reasons import Reason
 from enforcer.core.rm_abi import layout_for
 from enforcer.core.sidecar_presence import sidecar_id
 from enforcer.core.tier_choice import driver_branch
@@ -53,15 +55,17 @@ from enforcer.edge.gate_holder import (
     RENEW_EVERY,
     Held,
     beat,
+    calls_let_on,
     pass_fd,
     renew,
     same_file,
     take,
     take_over,
 )
-from enforcer.edge.gate_listener import GateListener, Ledger
+from enforcer.edge.gate_listener import GateListener, Ledger, Outcome
 from enforcer.edge.gate_socket import GateSocket, Handoff
 from enforcer.edge.guard import ErrorCounter, LoopGuard
+from enforcer.edge.metrics import NodeGateMetrics
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.seccomp_root import profile_path, write_profile
 from enforcer.edge.sidecar_dialer import Dialled, dial_container
@@ -88,11 +92,23 @@ class _Holder:
         return self.gone or time.monotonic() < self.leased_until
 
 
+@dataclass(frozen=True, slots=True)
+class GateReports:
+    """What the agent makes of its gate: `metrics`, and an Event (`record`, the agent's
+    recorder's, rate-limited per pod) on the container's pod for each refusal; `whose`: the
+    pod of a container ID and the container's name, among the pods the agent serves."""
+
+    metrics: NodeGateMetrics
+    whose: Callable[[str], tuple[Pod, str] | None]
+    record: Callable[[ObjectReference, str, str, bool], None]
+
+
 @dataclass(slots=True)
 class _Container:
     """One gated container: its ledger and the listeners of its processes, by fd."""
 
     ledger: Ledger
+    named: tuple[str, str, str] | None = None  # its refusals' labels, once counted
     listeners: dict[int, GateListener] = field(default_factory=dict)
     pids: dict[int, int] = field(default_factory=dict)  # fd -> the process it was handed for
     held_by: dict[int, _Holder] = field(default_factory=dict)  # fd -> its copy's holder, last
@@ -107,7 +123,7 @@ class NodeGate:
     """`start()` writes the profile and serves the socket; `saw()`, on each good NVML pass,
     feeds every gated container's ledger and checks its listeners."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - each a part of the node the gate serves, or says
         self,
         kubelet_root: Path,
         socket_path: Path,
@@ -117,11 +133,18 @@ class NodeGate:
         errors: ErrorCounter,
         recheck_wait: float,
         label: Callable[[str], None] = lambda value: None,
+        reports: GateReports | None = None,
+        driver: Callable[[], str] = str,
+        unproven: bool = False,
     ) -> None:
         """`ceiling(container_id)`: what the gate holds a container to, None where it does
         not bound it (`container_ceiling`). `label(value)`: the gate's state for the Node's
-        label (`pending` while it waits for the runtime's first handoff, `v1` after it; ""
-        where it does not run)."""
+        label (`node.LABEL_ALLOCATION_GATE`: `pending` while it waits for the runtime's
+        first handoff, `v1` after it, `unproven` where the driver's branch keeps it off,
+        `forced` where `unproven` runs it there all the same; "" where it does not run).
+        `reports`: its metrics and Events (none in tests). `driver()`: the driver's version
+        as the sampler's NVML read it ("" before); `unproven`: run the gate on a driver
+        branch that no GPU run has proven (`rm_abi.PROVEN_BRANCHES`)."""
         self._profile = profile_path(kubelet_root, gate_profile.PROFILE_NAME)
         self._host_proc = host_proc
         self._majors = frozenset(majors)
@@ -130,6 +153,11 @@ class NodeGate:
         self._recheck_wait = recheck_wait
         self._machine = os.uname().machine
         self._label = label
+        self._reports = reports
+        self._driver = driver
+        self._unproven = unproven
+        self._proven = False  # the driver's branch is proven: the label may say v1
+        self._undecided = False  # the driver's version was not read at start
         self._socket = GateSocket(socket_path, self._take, errors)
         self._socket_path = socket_path
         self._lock = threading.Lock()
@@ -143,8 +171,9 @@ class NodeGate:
 
     def start(self) -> str | None:
         """Serves the socket, then writes the gating profile (the plain one where the gate
-        cannot run here); why the gate does not run, or None."""
-        why = self._why_not()
+        cannot run here, or before the driver's version is read: `saw` starts it again
+        once it is); why the gate does not run, or None."""
+        why, says = self._why_not()
         if why is None:
             try:
                 self._socket.start()
@@ -158,7 +187,7 @@ class NodeGate:
             if why is None:
                 self._socket.stop()
             return wrote
-        self._label("" if why else "pending")
+        self._label(says if why else "pending" if self._proven else "forced")
         log.info(
             "allocation gate: %s written%s",
             self._profile,
@@ -166,12 +195,27 @@ class NodeGate:
         )
         return why
 
-    def _why_not(self) -> str | None:
+    def _why_not(self) -> tuple[str | None, str]:
+        """Why the gate does not run here (None: it runs), and what the label says then."""
         if not gate_profile.supports(self._machine):
-            return f"no allocation gate profile for {self._machine} nodes (x86_64, aarch64)"
+            return f"no allocation gate profile for {self._machine} nodes (x86_64, aarch64)", ""
         if not self._majors:
-            return "no NVIDIA device node on this machine"
-        return None
+            return "no NVIDIA device node on this machine", ""
+        version = self._driver()
+        self._undecided = not version
+        if not version:
+            return "the driver's version is not read yet (decided on the first pass)", ""
+        branch = driver_branch(version)
+        self._proven = branch in rm_abi.PROVEN_BRANCHES
+        if self._proven or self._unproven:
+            return None, ""
+        proven = ", ".join(map(str, sorted(rm_abi.PROVEN_BRANCHES))) or "none yet"
+        return (
+            f"driver {version}: its branch is not proven for the allocation gate (proven: "
+            f"{proven}; tests/gpu/offline.sh gate proves one); --allocation-gate-unproven "
+            "runs it all the same",
+            "unproven",
+        )
 
     def stop(self) -> None:
         """Stops serving: the fds stay open until this process exits; a gated call then
@@ -208,7 +252,8 @@ class NodeGate:
         self._serve(Held(handoff.fd, cid, handoff.pid))
         if not self._handed_over:  # only the socket's thread takes handoffs
             self._handed_over = True
-            self._label("v1")
+            if self._proven:  # else it stays `forced`
+                self._label("v1")
         with self._lock:
             holders = [h for h in self._holders if h.member(cid)]
         for holder in holders:
@@ -250,7 +295,9 @@ class NodeGate:
                 who=f"container {cid.rsplit(':', 1)[-1][:12]}",
                 vouch=vouch,
                 may_read=functools.partial(gated.lets_read, held.fd),
+                count=self._count,
             )
+            listener.refused = functools.partial(self._refused, gated, cid)
             gated.listeners[held.fd] = listener
             gated.pids[held.fd] = held.pid
         listener.start()
@@ -268,11 +315,12 @@ class NodeGate:
         an agent is back, as a lease not renewed is while this process is stopped."""
         sock.settimeout(HOLDER_TIMEOUT)
         try:
-            taken = take_over(sock)
+            taken, let_on = take_over(sock)
         except (OSError, ValueError) as exc:
             sock.close()
             log.warning("allocation gate: a holder's fds not taken: %s", exc)
             return
+        self._let_on(let_on)
         holder = _Holder(sock, member, since + LEASE)
         has: set[int] = set()  # the fds served here of which the holder has a copy
         for held in taken:
@@ -359,12 +407,43 @@ class NodeGate:
             self._drop_hung_up()
             return
         number = beat(found, "ack") if isinstance(found, bytes) else None
-        if number is None or number not in holder.sent:
+        if not isinstance(found, bytes) or number is None or number not in holder.sent:
             if isinstance(found, Held):
                 os.close(found.fd)
             log.warning("allocation gate: dropped a message of a holder: %r", found)
             return
         holder.leased_until = max(holder.leased_until, holder.sent.pop(number) + LEASE)
+        self._let_on(calls_let_on(found))
+
+    def _let_on(self, calls: int) -> None:
+        """What a holder says it let go on while this agent was away (or before it ran)."""
+        if calls:
+            log.warning(
+                "allocation gate: a pod's holder let %d gated calls go on unjudged while the "
+                "agent was away",
+                calls,
+            )
+            if self._reports is not None:
+                self._reports.metrics.let_on.inc(calls)
+
+    def _count(self, outcome: Outcome, seconds: float) -> None:
+        if self._reports is not None:
+            self._reports.metrics.calls.labels(outcome).inc()
+            self._reports.metrics.seconds.observe(seconds)
+
+    def _refused(self, gated: _Container, cid: str, line: str) -> None:
+        """One refusal (its line, also those the log held back): counted by container, and
+        an Event on its pod (the recorder's budget per pod bounds a flood)."""
+        if self._reports is None:
+            return
+        found = self._reports.whose(cid)
+        if found is None:  # its pod no longer served: said in the log only
+            return
+        pod, name = found
+        meta = pod.get("metadata") or {}
+        gated.named = (meta.get("namespace", ""), meta.get("name", ""), name)
+        self._reports.metrics.refusals.labels(*gated.named).inc()
+        self._reports.record(event_about(pod, name), Reason.ALLOCATION_REFUSED, line, True)
 
     def _in_container(self, cid: str, tid: int) -> bool:
         return self._container_of(tid) == cid
@@ -417,8 +496,13 @@ class NodeGate:
     def saw(self, usage: Mapping[str, Mapping[str, int]] | None, at: float) -> None:
         """An NVML pass begun at `at` (monotonic): each container's usage by GPU, or None
         where the pass failed (each ledger keeps its last good view: usage not read never
-        makes room). The listeners are checked either way, and the connections of holders
-        that hung up (a sidecar that ended, or took a newer connection) are closed."""
+        makes room). The listeners are checked either way (how many are stuck, a gauge),
+        and the connections of holders that hung up (a sidecar that ended, or took a newer
+        connection) are closed."""
+        if self._undecided and self._driver():
+            why = self.start()
+            if why is not None:
+                log.warning("the allocation gate does not run on this node: %s", why)
         self._drop_hung_up()
         with self._lock:
             for cid, gated in list(self._containers.items()):
@@ -427,6 +511,13 @@ class NodeGate:
                 if usage is not None:
                     gated.ledger.saw(sum(usage.get(cid, {}).values()), at)
                 self._check(cid, gated)
+            stalled = sum(
+                listener.stalled
+                for gated in self._containers.values()
+                for listener in gated.listeners.values()
+            )
+        if self._reports is not None:
+            self._reports.metrics.stalled.set(stalled)
 
     def _check(self, cid: str, gated: _Container) -> None:
         """Each listener checked (restarted if it stopped); the fds whose tasks have all
@@ -443,6 +534,9 @@ class NodeGate:
                 listener.check()
         if not gated.listeners:
             del self._containers[cid]
+            if self._reports is not None and gated.named is not None:
+                with contextlib.suppress(KeyError):  # its series goes with it
+                    self._reports.metrics.refusals.remove(*gated.named)
 
     def holders(self) -> int:
         """How many pods' holders this agent is connected to (for tests and doctor)."""
@@ -495,6 +589,16 @@ def dial_sidecar(
             "allocation gate: sidecar %s holds no copy of its pod's fds: %s", sidecar[:12], holder
         )
     return found
+
+
+def container_of(
+    injected: Callable[[], Mapping[str, Pod] | None], cid: str
+) -> tuple[Pod, str] | None:
+    """The served pod of container `cid` and the container's name, if any (`GateReports`)."""
+    for pod in (injected() or {}).values():
+        if (ref := containers_by_id(pod).get(cid)) is not None:
+            return pod, ref.name
+    return None
 
 
 def _of_pod(injected: Callable[[], Mapping[str, Pod] | None], sidecar: str, cid: str) -> bool:

@@ -543,16 +543,19 @@ def test_the_allocation_gate_is_off_by_default_and_on_sets_both_programs_and_the
     and the agent (which writes it under the kubelet's seccomp root, mounted at the host's
     path, and listens); off, neither has a flag or the mount. The programs take what it
     renders (`_program_refusal`)."""
-    off, on = renders(
+    off, on, forced = renders(
         [
             ({}, False),
             ({"allocationGate": {"enabled": True, "kubeletRoot": "/var/lib/k0s/kubelet"}}, False),
+            ({"allocationGate": {"enabled": True, "unprovenDrivers": True}}, False),
         ]
     )
-    for release, gated in ((off, False), (on, True)):
+    for release, gated in ((off, False), (on, True), (forced, True)):
         arguments = _arguments(release["manifest"])
         assert ("--allocation-gate=on" in arguments["agent"]) is gated
         assert ("--allocation-gate=on" in arguments["webhook"]) is gated
+        unproven = "--allocation-gate-unproven" in arguments["agent"]
+        assert unproven is (release is forced)
         assert all(_program_refusal(args) is None for args in arguments.values())
     assert "--kubelet-root=/var/lib/k0s/kubelet" in _arguments(on["manifest"])["agent"]
     where = "/var/lib/k0s/kubelet/seccomp/vram-enforcer"

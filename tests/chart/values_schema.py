@@ -145,6 +145,7 @@ CHART_FLAGS: tuple[ChartFlag, ...] = (
     ChartFlag("agent.metricsPort", "agent", "--metrics-port"),
     ChartFlag("agent.logFormat", "agent", "--log-format"),
     ChartFlag("allocationGate.kubeletRoot", "agent", "--kubelet-root"),
+    ChartFlag("allocationGate.unprovenDrivers", "agent", "--allocation-gate-unproven", "switch"),
     ChartFlag("webhook.port", "webhook", "--port"),
     ChartFlag("webhook.sidecarMode", "webhook", "--sidecar-mode", "sidecar-mode"),
     ChartFlag(

@@ -45,7 +45,7 @@ from enforcer.edge.seccomp_filter import program
 from enforcer.modes.node_gate import dial_sidecar
 from tests.helpers import POD_NAMESPACES, children, wait_for
 from tests.integration import test_node_gate
-from tests.integration.test_node_gate import (
+from tests.integration.test_node_gate import (  # proven: a fixture
     CID,
     GIB,
     NO_MEMORY,
@@ -53,6 +53,7 @@ from tests.integration.test_node_gate import (
     UNTOUCHED,
     Node,
     Process,
+    proven,  # noqa: F401
 )
 
 HERE = Path(__file__).parent
@@ -136,6 +137,28 @@ def _hand_over(process: Process, where: Path) -> None:
     process.hand_over(where / "run" / "seccomp.sock", CID)
 
 
+def _gated_pod(
+    tmp_path: Path, container: Path, spawned: list[subprocess.Popen[bytes]]
+) -> tuple[Path, Child, Child, Standin, int]:
+    """A pod's sidecar (its holder's path, its lines), the agent serving it, and the
+    stand-in under the gate (calls: one, then two after each byte written to the pipe)."""
+    holder = tmp_path / "gate-holder.sock"
+    sidecar = _start(
+        spawned,
+        ["unshare", "--pid", "--fork", sys.executable, str(HERE / "gate_sidecar.py"), str(holder)],
+    )
+    sidecar.until({"held": 0, "agent": False})
+    agent = _agent(spawned, tmp_path / "a", holder)
+    go_r, go_w = os.pipe()
+    os.set_inheritable(go_r, True)
+    process = Standin([OVER, f"wait={go_r}", OVER, OVER, f"wait={go_r}", OVER], container)
+    os.close(go_r)
+    _hand_over(process, tmp_path / "a")  # the test's copy (runc's) closed: the agent's is one
+    agent.until({"gated": 1})
+    sidecar.until({"held": 1, "agent": True})  # the sidecar's copy: the second
+    return holder, sidecar, agent, process, go_w
+
+
 def test_the_agent_killed_the_calls_go_on_through_the_sidecar_and_a_new_agent_judges_them(
     tmp_path: Path, container: Path, spawned: list[subprocess.Popen[bytes]]
 ) -> None:
@@ -143,20 +166,7 @@ def test_the_agent_killed_the_calls_go_on_through_the_sidecar_and_a_new_agent_ju
     keeps the filter's listener alive; it lets each gated call go on (never ENOSYS, never
     a hang). A new agent connects: the sidecar hands it the fd, and it judges the calls
     again (refused past the ceiling)."""
-    holder = tmp_path / "gate-holder.sock"
-    sidecar = _start(
-        spawned,
-        ["unshare", "--pid", "--fork", sys.executable, str(HERE / "gate_sidecar.py"), str(holder)],
-    )
-    sidecar.until({"held": 0, "agent": False})
-    first = _agent(spawned, tmp_path / "a", holder)
-    go_r, go_w = os.pipe()
-    os.set_inheritable(go_r, True)
-    process = Standin([OVER, f"wait={go_r}", OVER, OVER, f"wait={go_r}", OVER], container)
-    os.close(go_r)
-    _hand_over(process, tmp_path / "a")  # the test's copy (runc's) closed: the agent's is one
-    first.until({"gated": 1})
-    sidecar.until({"held": 1, "agent": True})  # the sidecar's copy: the second
+    holder, sidecar, first, process, go_w = _gated_pod(tmp_path, container, spawned)
     try:
         assert process.spawned.go() == 0
         line = process.line()
@@ -199,20 +209,7 @@ def test_the_agent_stopped_the_sidecar_lets_the_calls_go_on_and_hands_them_back_
     gated call go on (a call never waits for ever on a reader that does not read). The
     agent SIGCONTed: its next renewal stops the sidecar's reading, and the agent judges
     the calls again (refused past the ceiling), the sidecar's count unchanged."""
-    holder = tmp_path / "gate-holder.sock"
-    sidecar = _start(
-        spawned,
-        ["unshare", "--pid", "--fork", sys.executable, str(HERE / "gate_sidecar.py"), str(holder)],
-    )
-    sidecar.until({"held": 0, "agent": False})
-    agent = _agent(spawned, tmp_path / "a", holder)
-    go_r, go_w = os.pipe()
-    os.set_inheritable(go_r, True)
-    process = Standin([OVER, f"wait={go_r}", OVER, OVER, f"wait={go_r}", OVER], container)
-    os.close(go_r)
-    _hand_over(process, tmp_path / "a")
-    agent.until({"gated": 1})
-    sidecar.until({"held": 1, "agent": True, "reading": False})
+    _, sidecar, agent, process, go_w = _gated_pod(tmp_path, container, spawned)
     try:
         assert process.spawned.go() == 0
         line = process.line()
@@ -365,6 +362,7 @@ def _pod(workload: str) -> Pod:
     return cast(Pod, {"metadata": meta, "spec": spec, "status": status})
 
 
+@pytest.mark.usefixtures("proven")
 @pytest.mark.parametrize("workload", [CID, "77" * 32])
 def test_the_agent_reaches_a_sidecars_holder_in_its_filesystem_and_hands_it_only_its_pods_fds(
     tmp_path: Path, container: Path, spawned: list[subprocess.Popen[bytes]], workload: str
@@ -389,8 +387,8 @@ def test_the_agent_reaches_a_sidecars_holder_in_its_filesystem_and_hands_it_only
         link = dial_sidecar(ProcFs(), node.gate, lambda: {UID: _pod(workload)}, SIDECAR_CID)
         assert isinstance(link, socket.socket), link
         link.close()
-        held = sidecar.until({"agent": True})
-        assert held["held"] == (1 if workload == CID else 0), held
+        # Handed before the dial returned (a copy only of its own pod's container's fd).
+        sidecar.until({"agent": True, "held": 1 if workload == CID else 0})
         # Dialled again (its usage link lost, say): it hands back the copy the agent
         # serves already, which the agent drops rather than serve twice.
         again = dial_sidecar(ProcFs(), node.gate, lambda: {UID: _pod(workload)}, SIDECAR_CID)
@@ -450,6 +448,27 @@ def test_the_connection_of_a_holder_that_hung_up_is_closed_on_the_next_pass(
     node.gate.saw(None, 0.0)
     assert node.gate.holders() == 0
     assert ours.fileno() == -1  # closed
+
+
+def test_the_calls_a_holder_let_on_while_the_agent_was_away_are_counted_by_the_agent(
+    tmp_path: Path,
+) -> None:
+    """What a holder let go on unjudged (the agent restarted, stopped or stuck), told in
+    its greeting and in each acknowledgement, and counted once by the agent."""
+    node = Node(tmp_path)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        hand_over(theirs, [], 3)
+        node.gate.hold(ours, lambda cid: True, time.monotonic())
+        assert node.metric("allocation_gate_let_on_total") == 3
+        theirs.settimeout(DEADLINE)
+        number = beat(theirs.recv(512), "renew")
+        assert number is not None
+        acknowledge(theirs, number, 2)
+        wait_for(lambda: node.metric("allocation_gate_let_on_total") == 5, what="the count")
+    finally:
+        node.gate.stop()
+        theirs.close()
 
 
 def test_two_copies_of_one_listener_answer_a_call_once_and_the_second_never_waits() -> None:

@@ -23,18 +23,20 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from enforcer.core import gate_profile
+from enforcer.core import gate_profile, rm_abi
 from enforcer.core.lending import Tenant, Tenants
 from enforcer.core.model import Sample
+from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.edge import gate_child
-from enforcer.edge.metrics import AgentTelemetry
+from enforcer.edge.metrics import PREFIX, AgentTelemetry, NodeGateMetrics
 from enforcer.edge.nvml_source import NvmlSource
 from enforcer.edge.seccomp_filter import program
 from enforcer.edge.tenants import TenantCache
 from enforcer.edge.usage_server import UsageServer
 from enforcer.modes.agent import Passes, PodSteps, Sampler
-from enforcer.modes.node_gate import NodeGate, container_ceiling
+from enforcer.modes.node_gate import GateReports, NodeGate, container_ceiling
 from tests.helpers import scratch_cgroup, wait_for
 
 GIB = 1 << 30
@@ -44,6 +46,13 @@ NO_MEMORY, UNTOUCHED = 0x51, 0xFFFFFFFF
 UID = "0c6a1b2e-5d1f-4b7e-9a51-3f0d2c7e8a90"
 CID = "ab" * 32
 DEADLINE = 60.0  # s: a bound for a hang, never a measure
+_POD = cast(
+    Pod,
+    {
+        "metadata": {"uid": UID, "name": "p", "namespace": "ml"},
+        "spec": {"containers": [{"name": "trainer"}]},
+    },
+)
 
 
 class _Errors:
@@ -58,10 +67,24 @@ class Node:
     """A NodeGate over a kubelet root and a socket of the test's; `tenants` is what the
     agent's pods say (container ID -> ceiling)."""
 
-    def __init__(self, tmp: Path, majors: frozenset[int] = frozenset({NULL_MAJOR})) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        majors: frozenset[int] = frozenset({NULL_MAJOR}),
+        driver: str = "580.142",
+        unproven: bool = False,
+    ) -> None:
+        self.driver = driver  # the sampler's NVML's version ("": not read yet)
         self.tenants: dict[str, int] = {}
         self.labels: list[str] = []  # what the gate said for the Node's label, in order
         self.errors = _Errors()
+        self.registry = CollectorRegistry()
+        self.events: list[tuple[ObjectReference, str, str, bool]] = []  # the recorder's
+        reports = GateReports(
+            NodeGateMetrics(self.registry),
+            lambda cid: (_POD, "trainer") if cid == CID else None,
+            lambda *event: self.events.append(event),
+        )
         self.socket = tmp / "run" / "seccomp.sock"
         self.kubelet = tmp / "kubelet"
         self.gate = NodeGate(
@@ -73,7 +96,13 @@ class Node:
             self.errors,
             recheck_wait=DEADLINE,
             label=self.labels.append,
+            reports=reports,
+            driver=lambda: self.driver,
+            unproven=unproven,
         )
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(PREFIX + name, labels)
 
     def _tenants(self) -> Tenants:
         return Tenants.of(
@@ -164,7 +193,14 @@ def container() -> Iterator[Path]:
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
+def proven(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Driver branch 580 proven, as a GPU run proves one (`rm_abi.PROVEN_BRANCHES`, empty
+    today)."""
+    monkeypatch.setattr(rm_abi, "PROVEN_BRANCHES", frozenset({580}))
+
+
+@pytest.fixture
+def node(tmp_path: Path, proven: None) -> Iterator[Node]:
     made = Node(tmp_path)
     assert made.gate.start() is None
     try:
@@ -204,6 +240,35 @@ def test_a_handed_over_container_is_found_by_its_cgroup_and_held_to_its_ceiling(
     assert node.errors.count == 0
 
 
+def test_the_gate_counts_its_calls_says_each_refusal_on_the_pod_and_drops_its_series_after(
+    node: Node, container: Path
+) -> None:
+    """The agent's metrics and Events (step 1's names): each call by outcome, each refusal
+    by container and as `VRAMAllocationRefused` on the container of its pod (through the
+    agent's rate-limited recorder); the container's series gone with its last process."""
+    node.tenants[CID] = 4 * GIB
+    over = f"form=nvos64,class=0x40,size={2 * GIB}"
+    process = Process([over, f"form=nvos64,class=0x40,size={GIB // 2}"], container)
+    process.hand_over(node.socket, CID)
+    wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+    assert node.metric("allocation_gate_calls_total", outcome="refused") == 0  # from the start
+    node.gate.saw({CID: {"GPU-a": 3 * GIB}}, time.monotonic())
+    process.run()
+    assert node.metric("allocation_gate_calls_total", outcome="refused") == 1
+    assert node.metric("allocation_gate_calls_total", outcome="allowed") == 1
+    assert node.metric("allocation_gate_seconds_count") == 2
+    named = {"namespace": "ml", "pod": "p", "container": "trainer"}
+    assert node.metric("allocation_refusals_total", **named) == 1
+    ((about, reason, message, warning),) = node.events
+    assert (reason, warning) == ("VRAMAllocationRefused", True)
+    assert about["uid"] == UID and about.get("fieldPath") == "spec.containers{trainer}", about
+    assert "refused a GPU allocation of 2.00 GiB" in message, message
+    node.gate.saw({CID: {"GPU-a": 3 * GIB}}, time.monotonic())
+    assert node.gate.gated() == {}
+    assert node.metric("allocation_refusals_total", **named) is None
+    assert node.metric("allocation_gate_stalled") == 0
+
+
 def test_a_container_the_pods_do_not_name_yet_is_served_but_not_bounded(
     node: Node, container: Path
 ) -> None:
@@ -237,7 +302,7 @@ def test_a_process_whose_cgroup_is_not_the_container_runc_names_is_never_bounded
 
 
 def test_where_the_gate_cannot_run_the_file_is_runtime_default_and_nothing_listens(
-    tmp_path: Path,
+    tmp_path: Path, proven: None
 ) -> None:
     """The webhook names the file on every node: where the gate cannot run, the same file
     holds RuntimeDefault's allowlist, so a container still starts, without the gate."""
@@ -255,6 +320,61 @@ def test_where_the_gate_cannot_run_the_file_is_runtime_default_and_nothing_liste
         assert again.gate.start() is None
         stack.callback(again.gate.stop)
         assert again.profile()["listenerPath"] == str(again.socket)
+
+
+def test_on_a_driver_branch_not_proven_the_gate_does_not_run_and_the_label_says_why(
+    tmp_path: Path, container: Path
+) -> None:
+    """Design §3.4: the node opts in only where a GPU run proved the driver's branch
+    (`rm_abi.PROVEN_BRANCHES`, empty today). Elsewhere the file is RuntimeDefault's, nothing
+    listens, and the label says `unproven`; with `--allocation-gate-unproven` the gate runs
+    and the label says `forced`, never `v1`, even once the runtime has handed a container
+    over."""
+    plain = Node(tmp_path / "plain")
+    why = plain.gate.start()
+    assert why is not None and "branch is not proven" in why, why
+    assert "--allocation-gate-unproven" in why
+    assert plain.labels == ["unproven"]
+    assert "listenerPath" not in plain.profile()
+    assert not plain.socket.exists()
+    plain.gate.stop()
+
+    forced = Node(tmp_path / "forced", unproven=True)
+    assert forced.gate.start() is None
+    try:
+        assert forced.profile()["listenerPath"] == str(forced.socket)
+        forced.tenants[CID] = 4 * GIB
+        process = Process([f"form=nvos64,class=0x40,size={2 * GIB}"], container)
+        process.hand_over(forced.socket, CID)
+        wait_for(lambda: forced.gate.gated() == {CID: 1}, what="the handoff")
+        forced.gate.saw({CID: {"GPU-a": 3 * GIB}}, time.monotonic())
+        (line,) = process.run()
+        assert (line["ret"], line["status"]) == (0, NO_MEMORY), line  # it runs
+        assert forced.labels == ["forced"]
+    finally:
+        forced.gate.stop()
+
+
+def test_before_the_drivers_version_is_read_the_file_is_plain_and_the_first_pass_decides(
+    tmp_path: Path, proven: None
+) -> None:
+    """The agent serves the file before its first NVML pass, which reads the driver's
+    version: until then the branch is unknown, so nothing gates; the pass that knows it
+    writes the gating profile and serves the socket."""
+    made = Node(tmp_path, driver="")
+    assert made.gate.start() is not None
+    try:
+        assert "listenerPath" not in made.profile()
+        assert made.labels == [""]
+        made.gate.saw(None, time.monotonic())  # NVML not read yet
+        assert not made.socket.exists()
+        made.driver = "580.142"
+        made.gate.saw({}, time.monotonic())
+        assert made.profile()["listenerPath"] == str(made.socket)
+        assert made.socket.exists()
+        assert made.labels == ["", "pending"]
+    finally:
+        made.gate.stop()
 
 
 def test_a_bug_in_the_gate_never_keeps_a_pass_from_the_sidecars() -> None:

@@ -29,6 +29,7 @@ from enforcer.core import gate_profile
 from enforcer.core.lending import Tenant, Tenants
 from enforcer.modes.node_gate import NodeGate, container_ceiling
 from tests.helpers import scratch_cgroup, wait_for
+from tests.integration.test_node_gate import proven  # noqa: F401 - a fixture
 
 GIB = 1 << 30
 HERE = Path(__file__).resolve().parent
@@ -93,6 +94,7 @@ def leaf() -> Iterator[Path]:
         yield path
 
 
+@pytest.mark.usefixtures("proven")
 def test_runc_hands_the_container_to_the_agents_gate_which_holds_it_to_its_ceiling(
     tmp_path: Path, leaf: Path
 ) -> None:
@@ -112,6 +114,7 @@ def test_runc_hands_the_container_to_the_agents_gate_which_holds_it_to_its_ceili
         errors,
         recheck_wait=DEADLINE,
         label=labels.append,
+        driver=lambda: "580.142",
     )
     assert gate.start() is None
     profile = json.loads((tmp_path / "kubelet" / "seccomp" / gate_profile.PROFILE_NAME).read_text())

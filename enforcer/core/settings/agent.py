@@ -237,6 +237,17 @@ ALLOCATION_GATE = allocation_gate(
     "allowlist alone. Needs the pods served (not `--no-serve-pods`), root and the host's "
     "PID namespace",
 )
+ALLOCATION_GATE_UNPROVEN = switch(
+    "allocation_gate_unproven",
+    "--allocation-gate-unproven",
+    "run the allocation gate on a driver branch no GPU run has proven",
+    doc="with `--allocation-gate on`, run the gate even where the driver's branch is not in "
+    "`rm_abi.PROVEN_BRANCHES` (the branches on which `tests/gpu/offline.sh gate` showed a "
+    "refusal reaching CUDA as out-of-memory; none yet). Without it such a node gets the "
+    "plain profile and the label `vram-enforcer.io/allocation-gate=unproven`; with it, the "
+    "gating profile and the label `forced` (never `v1`). For trying the gate on a "
+    "test node",
+)
 KUBELET_ROOT = value(
     "kubelet_root",
     absolute_path,
@@ -280,6 +291,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     GPU_RESOURCES,
     EVICTION_TIMEOUT,
     ALLOCATION_GATE,
+    ALLOCATION_GATE_UNPROVEN,
     KUBELET_ROOT,
     LOG_FORMAT,
     VERBOSE,
@@ -316,6 +328,7 @@ class AgentSettings:
     gpu_resources: tuple[str, ...]
     eviction_timeout: float  # s: how long an eviction may be refused before the pod is deleted
     allocation_gate: str = "off"  # "on": the allocation gate's profile and listener
+    allocation_gate_unproven: bool = False  # run it on a driver branch not proven
     kubelet_root: str = "/var/lib/kubelet"
 
     @property
@@ -371,5 +384,6 @@ def agent_settings(values: Values) -> AgentSettings:
         gpu_resources=values[GPU_RESOURCES],
         eviction_timeout=values[EVICTION_TIMEOUT],
         allocation_gate=values[ALLOCATION_GATE],
+        allocation_gate_unproven=values[ALLOCATION_GATE_UNPROVEN],
         kubelet_root=values[KUBELET_ROOT],
     )
