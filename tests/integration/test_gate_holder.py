@@ -240,6 +240,37 @@ def test_the_agent_stopped_the_sidecar_lets_the_calls_go_on_and_hands_them_back_
             os.waitpid(process.spawned.pid, 0)
 
 
+def test_a_sidecar_stopped_and_continued_by_its_tenant_never_lets_a_call_go_on_unjudged(
+    tmp_path: Path, container: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    """The tenant stops its own sidecar (the pod shares its PID namespace) so that its
+    holder's promise lapses, and continues it to have the holder let its calls go on: the
+    agent, unacknowledged, stops reading, so the call waits meanwhile; the continued holder
+    reads the agent's renewal, which waited for it, before any call, and keeps off; the
+    agent judges the call (refused), and the holder has let none go on."""
+    _, sidecar, _agent, process, go_w = _gated_pod(tmp_path, container, spawned)
+    try:
+        assert process.spawned.go() == 0
+        line = process.line()
+        assert (line["ret"], line["status"]) == (0, NO_MEMORY), line
+        os.killpg(sidecar.proc.pid, signal.SIGSTOP)
+        time.sleep(LEASE + 0.1)  # the holder's promise, and the agent's lease, lapse
+        os.write(go_w, b"g")
+        assert not select.select([process.out], [], [], 0.5)[0]  # nobody reads: it waits
+        os.killpg(sidecar.proc.pid, signal.SIGCONT)
+        os.close(go_w)  # the last call follows the two
+        for _ in range(3):
+            line = process.line()
+            assert (line["ret"], line["status"]) == (0, NO_MEMORY), line  # judged
+        _, status = os.waitpid(process.spawned.pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert sidecar.until({"held": 0})["let_on"] == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(process.spawned.pid, signal.SIGKILL)
+            os.waitpid(process.spawned.pid, 0)
+
+
 def test_the_agent_reads_no_fd_a_holder_has_a_copy_of_once_its_lease_lapses(
     tmp_path: Path, container: Path
 ) -> None:
