@@ -196,9 +196,7 @@ def test_the_agent_killed_the_calls_go_on_through_the_sidecar_and_a_new_agent_ju
         assert os.waitstatus_to_exitcode(status) == 0
         sidecar.until({"held": 0})
     finally:
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(process.spawned.pid, signal.SIGKILL)
-            os.waitpid(process.spawned.pid, 0)
+        _reap(process.spawned.pid)
 
 
 def test_the_agent_stopped_the_sidecar_lets_the_calls_go_on_and_hands_them_back_when_it_runs(
@@ -235,9 +233,7 @@ def test_the_agent_stopped_the_sidecar_lets_the_calls_go_on_and_hands_them_back_
         assert sidecar.until({"held": 0})["let_on"] == 2  # none let on after the handback
     finally:
         os.close(go_w)
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(process.spawned.pid, signal.SIGKILL)
-            os.waitpid(process.spawned.pid, 0)
+        _reap(process.spawned.pid)
 
 
 def test_a_sidecar_stopped_and_continued_by_its_tenant_never_lets_a_call_go_on_unjudged(
@@ -266,9 +262,7 @@ def test_a_sidecar_stopped_and_continued_by_its_tenant_never_lets_a_call_go_on_u
         assert os.waitstatus_to_exitcode(status) == 0
         assert sidecar.until({"held": 0})["let_on"] == 0
     finally:
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(process.spawned.pid, signal.SIGKILL)
-            os.waitpid(process.spawned.pid, 0)
+        _reap(process.spawned.pid)
 
 
 def test_the_agent_reads_no_fd_a_holder_has_a_copy_of_once_its_lease_lapses(
@@ -314,9 +308,7 @@ def test_the_agent_reads_no_fd_a_holder_has_a_copy_of_once_its_lease_lapses(
         os.close(listener)
         for sock in socketpair:
             sock.close()
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(process.spawned.pid, signal.SIGKILL)
-            os.waitpid(process.spawned.pid, 0)
+        _reap(process.spawned.pid)
 
 
 @contextlib.contextmanager
@@ -428,9 +420,7 @@ def test_the_agent_reaches_a_sidecars_holder_in_its_filesystem_and_hands_it_only
         assert node.gate.gated() == {CID: 1}
     finally:
         node.gate.stop()
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(process.spawned.pid, signal.SIGKILL)
-            os.waitpid(process.spawned.pid, 0)
+        _reap(process.spawned.pid)
 
 
 @pytest.mark.parametrize("pod", [{CID, "0e" * 32}, {CID}])
@@ -459,9 +449,7 @@ def test_a_holders_claim_bounds_only_the_calls_of_its_pods_container_by_the_call
     finally:
         node.gate.stop()
         theirs.close()
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(process.spawned.pid, signal.SIGKILL)
-            os.waitpid(process.spawned.pid, 0)
+        _reap(process.spawned.pid)
 
 
 def test_the_connection_of_a_holder_that_hung_up_is_closed_on_the_next_pass(
@@ -531,9 +519,7 @@ def test_two_copies_of_one_listener_answer_a_call_once_and_the_second_never_wait
         os.write(go_w, b"g")  # the next call, which a waiting RECV would take
         if late.ident is not None:
             late.join()
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(spawned.pid, signal.SIGKILL)
-            os.waitpid(spawned.pid, 0)
+        _reap(spawned.pid)
         for fd in (first, second, out_r, go_w):
             os.close(fd)
 
@@ -550,6 +536,13 @@ def test_copies_of_one_open_file_are_told_apart_from_other_files_without_kcmp() 
     finally:
         for fd in (r, w, other, other_w, copy):
             os.close(fd)
+
+
+def _reap(pid: int) -> None:
+    """The stand-in killed and waited for, if it still runs."""
+    with contextlib.suppress(ProcessLookupError, ChildProcessError):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 class _NoBugs:
