@@ -166,6 +166,9 @@ class NodeGate:
         self._holders: list[_Holder] = []
         self._numbers = itertools.count(1)  # of the renewals
         self._stopping = threading.Event()
+        # Set by a call over its container's limit: it waits for a pass begun after it
+        # arrived (`decide`), which the agent's sampler takes early (`Sampler`).
+        self.wanted = threading.Event()
         self._renewer: threading.Thread | None = None  # `gate-lease`, from the first holder
         self._renewing = LoopGuard("allocation gate lease", errors, log)
 
@@ -296,6 +299,7 @@ class NodeGate:
                 vouch=vouch,
                 may_read=functools.partial(gated.lets_read, held.fd),
                 count=self._count,
+                want_pass=self.wanted.set,
             )
             listener.refused = functools.partial(self._refused, gated, cid)
             gated.listeners[held.fd] = listener
@@ -510,6 +514,8 @@ class NodeGate:
                 gated.ledger.limit(UNBOUNDED if ceiling is None else ceiling)
                 if usage is not None:
                     gated.ledger.saw(sum(usage.get(cid, {}).values()), at)
+                else:  # shows no free: a call that waited for it is refused on the last view
+                    gated.ledger.tried(at)
                 self._check(cid, gated)
             stalled = sum(
                 listener.stalled

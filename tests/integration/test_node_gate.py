@@ -111,13 +111,17 @@ class Node:
         )
 
     @contextlib.contextmanager
-    def passes(self, usage: dict[str, dict[str, int]]) -> Iterator[None]:
-        """The agent's sampler meanwhile: a pass showing `usage` every 20 ms."""
+    def passes(self, usage: dict[str, dict[str, int]] | None) -> Iterator[None]:
+        """The agent's sampler meanwhile, a pass showing `usage` first and then each time
+        the gate wants one (a call over its limit waits for a pass begun after it arrived),
+        as the agent's `Sampler` takes them; None: passes that cannot read NVML."""
         done = threading.Event()
 
         def sample() -> None:
-            while not done.wait(0.02):
-                self.gate.saw(usage, time.monotonic())
+            while not done.is_set():
+                if self.gate.wanted.wait(0.02):
+                    self.gate.wanted.clear()
+                    self.gate.saw(usage, time.monotonic())
 
         self.gate.saw(usage, time.monotonic())
         feeder = threading.Thread(target=sample)
@@ -223,11 +227,9 @@ def test_a_handed_over_container_is_found_by_its_cgroup_and_held_to_its_ceiling(
     process.hand_over(node.socket, CID)
     wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
     wait_for(lambda: node.labels == ["pending", "v1"], what="the label of a proven runtime")
-    # The agent's pass: the container holds 3 GiB on one GPU, 1 GiB on another.
-    node.gate.saw(
-        {CID: {"GPU-a": 3 * GIB, "GPU-b": GIB // 2}, "other": {"GPU-a": 9 * GIB}}, time.monotonic()
-    )
-    with caplog.at_level(logging.WARNING):
+    # The agent's passes: the container holds 3 GiB on one GPU, 0.5 GiB on another.
+    usage = {CID: {"GPU-a": 3 * GIB, "GPU-b": GIB // 2}, "other": {"GPU-a": 9 * GIB}}
+    with caplog.at_level(logging.WARNING), node.passes(usage):
         over_line, within_line = process.run()
     # Said in the container's words: its own limit, not a command tree's.
     assert f"container {CID[:12]} holds 3.50 GiB" in caplog.text, caplog.text
@@ -252,8 +254,8 @@ def test_the_gate_counts_its_calls_says_each_refusal_on_the_pod_and_drops_its_se
     process.hand_over(node.socket, CID)
     wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
     assert node.metric("allocation_gate_calls_total", outcome="refused") == 0  # from the start
-    node.gate.saw({CID: {"GPU-a": 3 * GIB}}, time.monotonic())
-    process.run()
+    with node.passes({CID: {"GPU-a": 3 * GIB}}):
+        process.run()
     assert node.metric("allocation_gate_calls_total", outcome="refused") == 1
     assert node.metric("allocation_gate_calls_total", outcome="allowed") == 1
     assert node.metric("allocation_gate_seconds_count") == 2
@@ -347,8 +349,8 @@ def test_on_a_driver_branch_not_proven_the_gate_does_not_run_and_the_label_says_
         process = Process([f"form=nvos64,class=0x40,size={2 * GIB}"], container)
         process.hand_over(forced.socket, CID)
         wait_for(lambda: forced.gate.gated() == {CID: 1}, what="the handoff")
-        forced.gate.saw({CID: {"GPU-a": 3 * GIB}}, time.monotonic())
-        (line,) = process.run()
+        with forced.passes({CID: {"GPU-a": 3 * GIB}}):
+            (line,) = process.run()
         assert (line["ret"], line["status"]) == (0, NO_MEMORY), line  # it runs
         assert forced.labels == ["forced"]
     finally:
@@ -384,6 +386,8 @@ def test_a_bug_in_the_gate_never_keeps_a_pass_from_the_sidecars() -> None:
     fed: list[object] = []
 
     class Broken:
+        wanted = threading.Event()
+
         def saw(self, usage: object, at: float) -> None:
             fed.append((list(published), usage))
             raise RuntimeError("a bug in the gate")
@@ -424,3 +428,62 @@ def test_the_processes_of_one_container_share_its_ceiling(node: Node, container:
     assert (line["ret"], line["status"]) == (0, NO_MEMORY), line  # 4 + 0.5 > 4
     node.gate.saw(None, time.monotonic())
     assert node.gate.gated() == {}
+
+
+def test_a_call_over_the_limit_waits_for_a_pass_and_one_that_cannot_read_refuses_it(
+    node: Node, container: Path
+) -> None:
+    """A call over the ceiling on the last good pass is judged on a pass begun after it
+    arrived (a free before it may have made room); a pass that cannot read NVML shows no
+    free, so the call is refused on the last good view, not left to wait."""
+    node.tenants[CID] = 4 * GIB
+    process = Process([f"form=nvos64,class=0x40,size={2 * GIB}"], container)
+    process.hand_over(node.socket, CID)
+    wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+    node.gate.saw({CID: {"GPU-a": 3 * GIB}}, time.monotonic())
+    assert not node.gate.wanted.is_set()
+    with node.passes(None):
+        (line,) = process.run()
+    assert (line["ret"], line["status"]) == (0, NO_MEMORY), line  # 3 + 2 > 4, no free seen
+    assert node.metric("allocation_gate_calls_total", outcome="refused") == 1
+
+
+def test_the_sampler_takes_an_early_pass_when_the_gate_wants_one() -> None:
+    """A call over its limit waits for a pass begun after it arrived: the agent's sampler
+    takes one early (its interval here is a minute) when the gate asks."""
+    began: list[float] = []
+
+    class Gate:
+        wanted = threading.Event()
+
+        def saw(self, usage: object, at: float) -> None:
+            began.append(at)
+
+        def stop(self) -> None:
+            pass
+
+    telemetry = AgentTelemetry()
+    source = SimpleNamespace(sample=lambda: Sample(0.0, (), ()))
+    server = SimpleNamespace(publish=lambda sample, lending: None)
+    tenants = SimpleNamespace(count=lambda sample: {}, containers=lambda: {})
+    gate = Gate()
+    sampler = Sampler(
+        cast(NvmlSource, source),
+        cast(UsageServer, server),
+        telemetry,
+        60.0,
+        Passes(),
+        cast(TenantCache, tenants),
+        steps=PodSteps(gate=cast(NodeGate, gate)),
+    )
+    sampler.start()
+    try:
+        wait_for(lambda: len(began) == 1, what="the first pass")
+        asked = time.monotonic()
+        gate.wanted.set()
+        wait_for(lambda: len(began) == 2, timeout=DEADLINE / 2, what="an early pass")
+        assert began[1] >= asked and not gate.wanted.is_set()
+    finally:
+        sampler.stop.set()
+        sampler.join(DEADLINE)
+    assert not sampler.is_alive()
