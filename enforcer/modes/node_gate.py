@@ -223,8 +223,24 @@ class NodeGate:
     def stop(self) -> None:
         """Stops serving: the fds stay open until this process exits; a gated call then
         waits, never fails, and goes on unjudged where its pod's holder has a copy (told
-        by the end of its connection, once no listener here reads)."""
+        by the end of its connection, once no listener here reads). The file is the plain
+        profile first: runc refuses to start a container whose listener it cannot reach,
+        so one started while no agent serves (a rollout, an upgrade, an uninstall) starts
+        ungated, held by sampling, and the next agent's `start` writes the gate back."""
         if self._socket.alive():
+            wrote = write_profile(self._profile, gate_profile.profile(self._machine, None))
+            if wrote is not None:
+                log.warning(
+                    "allocation gate: %s; until an agent serves again here, "
+                    "containers given the profile fail to start",
+                    wrote,
+                )
+            else:
+                log.info(
+                    "allocation gate: %s written without the gate: containers started "
+                    "before an agent serves again here run ungated, held by sampling",
+                    self._profile,
+                )
             self._socket.stop()
         self._stopping.set()
         if self._renewer is not None:

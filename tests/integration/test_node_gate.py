@@ -487,3 +487,24 @@ def test_the_sampler_takes_an_early_pass_when_the_gate_wants_one() -> None:
         sampler.stop.set()
         sampler.join(DEADLINE)
     assert not sampler.is_alive()
+
+
+def test_an_agent_that_stops_leaves_the_plain_profile_and_the_next_writes_the_gate(
+    tmp_path: Path, proven: None
+) -> None:
+    """runc refuses to start a container whose listener socket it cannot reach: while no
+    agent serves (a rollout, an uninstall), containers given the profile start ungated,
+    held by sampling, rather than fail to start; the next agent gates again."""
+    first = Node(tmp_path)
+    assert first.gate.start() is None
+    assert first.profile()["listenerPath"] == str(first.socket)
+    first.gate.stop()
+    plain = first.profile()
+    assert "listenerPath" not in plain
+    assert plain == gate_profile.profile(os.uname().machine, None)
+    second = Node(tmp_path)
+    assert second.gate.start() is None
+    try:
+        assert second.profile()["listenerPath"] == str(second.socket)
+    finally:
+        second.gate.stop()
