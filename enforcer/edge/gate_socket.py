@@ -20,6 +20,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,19 +77,33 @@ def parse_state(raw: bytes, fd: int) -> Handoff | str:
 
 def receive(conn: socket.socket) -> Handoff | str:
     """Read one runc message from `conn`: the fd and the state, or why not (any fd that came
-    is closed then)."""
+    is closed then). The whole message within `READ_TIMEOUT`: a client that sends a byte at
+    a time never holds the one thread that takes runc's handoffs for longer."""
     fds = array.array("i")
-    conn.settimeout(READ_TIMEOUT)
-    data, ancdata, _flags, _addr = conn.recvmsg(MAX_STATE, socket.CMSG_SPACE(4 * 4))
-    for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    chunks = [data]
-    total = len(data)
-    while data and total <= MAX_STATE:
-        data = conn.recv(MAX_STATE)
+    deadline = time.monotonic() + READ_TIMEOUT
+    chunks: list[bytes] = []
+    total = 0
+    try:
+        conn.settimeout(READ_TIMEOUT)
+        data, ancdata, _flags, _addr = conn.recvmsg(MAX_STATE, socket.CMSG_SPACE(4 * 4))
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
         chunks.append(data)
-        total += len(data)
+        total = len(data)
+        while data and total <= MAX_STATE:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            conn.settimeout(left)
+            data = conn.recv(MAX_STATE)
+            chunks.append(data)
+            total += len(data)
+    except OSError as exc:  # TimeoutError among them
+        why = f"not sent within {READ_TIMEOUT:.0f} s" if isinstance(exc, TimeoutError) else exc
+        for fd in fds:
+            os.close(fd)
+        return f"the message could not be read: {why}"
     why = ""
     if len(fds) != 1:
         why = f"{len(fds)} fds came with the message, not one"

@@ -161,6 +161,9 @@ class NodeGate:
         self._socket = GateSocket(socket_path, self._take, errors)
         self._socket_path = socket_path
         self._lock = threading.Lock()
+        # The last pass (each container's usage by GPU, None where it failed, and when it
+        # began): a container served later starts from it, not from nothing.
+        self._last: tuple[Mapping[str, Mapping[str, int]] | None, float] | None = None
         self._containers: dict[str, _Container] = {}
         self._handed_over = False  # a gated process came: the node's runtime is proven
         self._holders: list[_Holder] = []
@@ -245,13 +248,13 @@ class NodeGate:
         self._stopping.set()
         if self._renewer is not None:
             self._renewer.join()
-        with self._lock:
-            for c in self._containers.values():
-                for listener in c.listeners.values():
-                    listener.stop()
+        with self._lock:  # a listener's stop may wait on a call it reads: not under it
+            listeners = [li for c in self._containers.values() for li in c.listeners.values()]
             for holder in self._holders:
                 holder.sock.close()
             self._holders.clear()
+        for listener in listeners:
+            listener.stop()
 
     def _take(self, handoff: Handoff) -> None:
         """One process runc handed over: its container found from its cgroup, served, and
@@ -268,7 +271,8 @@ class NodeGate:
                 handoff.container_id,
             )
             cid = f"unproven:{handoff.pid}:{handoff.container_id}"
-        self._serve(Held(handoff.fd, cid, handoff.pid))
+        held = Held(handoff.fd, cid, handoff.pid)
+        listener = self._serve(held)
         if not self._handed_over:  # only the socket's thread takes handoffs
             self._handed_over = True
             if self._proven:  # else it stays `forced`
@@ -276,7 +280,7 @@ class NodeGate:
         with self._lock:
             holders = [h for h in self._holders if h.member(cid)]
         for holder in holders:
-            self._pass(holder, Held(handoff.fd, cid, handoff.pid))
+            self._pass(holder, held, listener)
 
     def _container_of(self, pid: int) -> str | None:
         """The container a process (or thread) is in by its own cgroup; None where it is
@@ -292,16 +296,19 @@ class NodeGate:
         held: Held,
         vouch: Callable[[int], bool] | None = None,
         holder: _Holder | None = None,
-    ) -> None:
+    ) -> GateListener:
         """Serve one process's fd under its container's ledger (`held.container_id`,
         proven by the caller, or an unproven key that is never bounded); `vouch`: for an
         fd a holder handed back, whether each caller is of that container; `holder`: the
-        one that has a copy, under whose lease it is read."""
+        one that has a copy, under whose lease it is read. Its listener: who serves the fd
+        while its number names it (`_pass`)."""
         cid = held.container_id
         with self._lock:
             gated = self._containers.get(cid)
             if gated is None:
                 gated = self._containers[cid] = _Container(Ledger(UNBOUNDED))
+                if self._last is not None:  # after a restart, a holder's: usage to judge on
+                    self._feed(cid, gated.ledger, *self._last)
             if holder is not None:
                 gated.held_by[held.fd] = holder
             listener = GateListener(
@@ -322,6 +329,7 @@ class NodeGate:
             gated.pids[held.fd] = held.pid
         listener.start()
         log.info("allocation gate: serving pid %d of container %s", held.pid, cid)
+        return listener
 
     def hold(self, sock: socket.socket, member: Callable[[str], bool], since: float) -> None:
         """A connection to the gate holder of one pod's sidecar, proven to be that
@@ -346,8 +354,8 @@ class NodeGate:
         for held in taken:
             if (served := self._served_as(held.fd)) is not None:
                 os.close(held.fd)  # a copy of one this agent serves already
-                has.add(served)
-                self._held_by(served, holder)
+                has.add(served[0].fd)
+                self._held_by(*served, holder)
                 continue
             has.add(held.fd)
             # Its claim is a hint. Only a container of the holder's pod is bounded, and
@@ -367,26 +375,27 @@ class NodeGate:
         with self._lock:
             self._holders.append(holder)
             ours = [
-                Held(fd, cid, gated.pids[fd])
+                (Held(fd, cid, gated.pids[fd]), listener)
                 for cid, gated in self._containers.items()
                 if member(cid)
-                for fd in gated.listeners
+                for fd, listener in gated.listeners.items()
             ]
             if self._renewer is None:
                 self._renewer = threading.Thread(
                     target=self._renew_loop, name="gate-lease", daemon=True
                 )
                 self._renewer.start()
-        for held in ours:
+        for held, listener in ours:
             if held.fd not in has:
-                self._pass(holder, held)
+                self._pass(holder, held, listener)
 
-    def _held_by(self, fd: int, holder: _Holder) -> None:
-        """`holder` has a copy of `fd`, served here: read under its lease from now."""
+    def _held_by(self, held: Held, listener: GateListener, holder: _Holder) -> None:
+        """`holder` has a copy of `held.fd`, served here by `listener`: read under its lease
+        from now (nothing where the fd was closed meanwhile, its number perhaps reused)."""
         with self._lock:
-            for gated in self._containers.values():
-                if fd in gated.listeners:
-                    gated.held_by[fd] = holder
+            gated = self._containers.get(held.container_id)
+            if gated is not None and gated.listeners.get(held.fd) is listener:
+                gated.held_by[held.fd] = holder
 
     def _renew_loop(self) -> None:
         while not self._stopping.is_set():
@@ -468,26 +477,41 @@ class NodeGate:
     def _in_container(self, cid: str, tid: int) -> bool:
         return self._container_of(tid) == cid
 
-    def _served_as(self, fd: int) -> int | None:
-        """The fd served here that `fd` is a copy of, if any."""
+    def _served_as(self, fd: int) -> tuple[Held, GateListener] | None:
+        """The fd served here that `fd` is a copy of, if any, and its listener."""
         with self._lock:
             return next(
                 (
-                    ours
-                    for gated in self._containers.values()
-                    for ours in gated.listeners
+                    (Held(ours, cid, gated.pids[ours]), listener)
+                    for cid, gated in self._containers.items()
+                    for ours, listener in gated.listeners.items()
                     if same_file(fd, ours)
                 ),
                 None,
             )
 
-    def _pass(self, holder: _Holder, held: Held) -> None:
+    def _pass(self, holder: _Holder, held: Held, listener: GateListener) -> None:
+        """A copy of `held.fd` to `holder` while `listener` still serves it. The sampler
+        closes an fd whose tasks have all exited (a `kubectl exec -- true`), and its number
+        may then name another file of this agent: so the fd is duplicated under the lock,
+        where it is proven still ours, and the copy sent."""
+        with self._lock:
+            gated = self._containers.get(held.container_id)
+            if gated is None or gated.listeners.get(held.fd) is not listener:
+                return  # ended meanwhile: nothing left to hold
+            try:
+                copy = os.dup(held.fd)
+            except OSError as exc:
+                log.warning("allocation gate: cannot copy an fd for a holder: %s", exc)
+                return
         try:
-            pass_fd(holder.sock, held)
+            pass_fd(holder.sock, Held(copy, held.container_id, held.pid))
         except OSError as exc:
             self._lost(holder, f"cannot hand it an fd: {exc}")
             return
-        self._held_by(held.fd, holder)
+        finally:
+            os.close(copy)
+        self._held_by(held, listener, holder)
 
     def _lost(self, holder: _Holder, why: str) -> None:
         """A holder whose connection this agent closes: its lease is never renewed, so
@@ -524,15 +548,12 @@ class NodeGate:
             if why is not None:
                 log.warning("the allocation gate does not run on this node: %s", why)
         self._drop_hung_up()
+        ended: list[tuple[int, GateListener]] = []
         with self._lock:
+            self._last = (usage, at)
             for cid, gated in list(self._containers.items()):
-                ceiling = self._ceiling(cid)  # an unproven key is never a container ID
-                gated.ledger.limit(UNBOUNDED if ceiling is None else ceiling)
-                if usage is not None:
-                    gated.ledger.saw(sum(usage.get(cid, {}).values()), at)
-                else:  # shows no free: a call that waited for it is refused on the last view
-                    gated.ledger.tried(at)
-                self._check(cid, gated)
+                self._feed(cid, gated.ledger, usage, at)
+                ended += self._check(cid, gated)
             stalled = sum(
                 listener.stalled
                 for gated in self._containers.values()
@@ -540,15 +561,33 @@ class NodeGate:
             )
         if self._reports is not None:
             self._reports.metrics.stalled.set(stalled)
+        # Out of the lock: a stop waits for a call its listener may still be reading (up
+        # to `STOP_WITHIN`), and the lease's renewals and runc's handoffs need the lock.
+        for fd, listener in ended:
+            if listener.stop():
+                os.close(fd)  # else a thread still reads it: left open, as said
 
-    def _check(self, cid: str, gated: _Container) -> None:
-        """Each listener checked (restarted if it stopped); the fds whose tasks have all
-        exited closed, and the container forgotten once it has none."""
+    def _feed(
+        self, cid: str, ledger: Ledger, usage: Mapping[str, Mapping[str, int]] | None, at: float
+    ) -> None:
+        """A pass to one container's ledger, with its ceiling now (an unproven key is never
+        a container ID: unbounded). A failed pass shows no free: a call that waited for it
+        is refused on the last good view."""
+        ceiling = self._ceiling(cid)
+        ledger.limit(UNBOUNDED if ceiling is None else ceiling)
+        if usage is not None:
+            ledger.saw(sum(usage.get(cid, {}).values()), at)
+        else:
+            ledger.tried(at)
+
+    def _check(self, cid: str, gated: _Container) -> list[tuple[int, GateListener]]:
+        """Each listener checked (restarted if it stopped); those whose tasks have all
+        exited taken out, to be stopped and their fds closed by the caller, and the
+        container forgotten once it has none."""
+        ended = []
         for fd, listener in list(gated.listeners.items()):
             if _hung_up(fd):
-                listener.stop()
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+                ended.append((fd, listener))
                 del gated.listeners[fd]
                 del gated.pids[fd]
                 gated.held_by.pop(fd, None)
@@ -559,6 +598,7 @@ class NodeGate:
             if self._reports is not None and gated.named is not None:
                 with contextlib.suppress(KeyError):  # its series goes with it
                     self._reports.metrics.refusals.remove(*gated.named)
+        return ended
 
     def holders(self) -> int:
         """How many pods' holders this agent is connected to (for tests and doctor)."""

@@ -180,3 +180,35 @@ def test_the_socket_takes_no_fd_from_a_process_that_is_not_root(
     finally:
         server.stop()
         shutil.rmtree(where)
+
+
+def test_a_client_that_trickles_its_message_is_dropped_within_the_timeout_with_its_fd(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The one thread that takes runc's handoffs is held by a message for `READ_TIMEOUT`
+    in all, not per read: a client that sends a byte at a time, never ending, is dropped
+    then, and the fd it brought is closed."""
+    monkeypatch.setattr("enforcer.edge.gate_socket.READ_TIMEOUT", 1.0)
+    before = open_fds()
+    ours, theirs = socket.socketpair()
+    r, w = os.pipe()
+    done = threading.Event()
+
+    def trickle() -> None:
+        send(theirs, b"{", [w])
+        while not done.wait(0.1):
+            theirs.send(b" ")
+
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    try:
+        found = receive(ours)
+    finally:
+        done.set()
+        sender.join()
+    assert found == "the message could not be read: not sent within 1 s", found
+    for fd in (r, w):
+        os.close(fd)
+    ours.close()
+    theirs.close()
+    assert open_fds() == before  # the fd that came is closed

@@ -112,9 +112,10 @@ class Node:
 
     @contextlib.contextmanager
     def passes(self, usage: dict[str, dict[str, int]] | None) -> Iterator[None]:
-        """The agent's sampler meanwhile, a pass showing `usage` first and then each time
-        the gate wants one (a call over its limit waits for a pass begun after it arrived),
-        as the agent's `Sampler` takes them; None: passes that cannot read NVML."""
+        """The agent's sampler meanwhile: a pass showing `usage` first, then one each time
+        the gate wants one (a call over its limit waits for a pass begun after it
+        arrived), as the agent's `Sampler` takes them early; None: passes that cannot read
+        NVML."""
         done = threading.Event()
 
         def sample() -> None:
@@ -442,8 +443,13 @@ def test_a_call_over_the_limit_waits_for_a_pass_and_one_that_cannot_read_refuses
     wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
     node.gate.saw({CID: {"GPU-a": 3 * GIB}}, time.monotonic())
     assert not node.gate.wanted.is_set()
+    lines: list[list[dict[str, Any]]] = []
+    caller = threading.Thread(target=lambda: lines.append(process.run()))
+    caller.start()
+    wait_for(node.gate.wanted.is_set, timeout=DEADLINE, what="the gate to ask for a pass")
     with node.passes(None):
-        (line,) = process.run()
+        caller.join(DEADLINE)
+    ((line,),) = lines
     assert (line["ret"], line["status"]) == (0, NO_MEMORY), line  # 3 + 2 > 4, no free seen
     assert node.metric("allocation_gate_calls_total", outcome="refused") == 1
 
