@@ -88,6 +88,13 @@ class _GateFacts:
         )
 
 
+def gate_blocked(proc: Path = Path("/proc")) -> str:
+    """Why this kernel keeps the allocation gate from running ("" where it can): no user
+    notification with CONTINUE, or the callers' memory unreadable. The same in every PID
+    namespace: the node agent asks it of its own `/proc`."""
+    return _seccomp_notify(proc, os.uname().release) or _ptrace_blocked(proc)
+
+
 def _seccomp_notify(proc: Path, release: str) -> str:
     """Why the kernel's seccomp user notification cannot serve the gate, "" where it can."""
     try:

@@ -51,7 +51,7 @@ from enforcer.edge.nvml_source import NvmlSource, gpu_device_majors
 from enforcer.edge.pid_view import PidView, PidViewError
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.tenants import TenantCache
-from enforcer.edge.tier_probe import TierProbe, host_root, pods_cgroup
+from enforcer.edge.tier_probe import TierProbe, gate_blocked, host_root, pods_cgroup
 from enforcer.edge.usage_server import ServerHooks, ServerMetrics, UsageServer
 from enforcer.modes.backstop import Backstop
 from enforcer.modes.lender import Lender
@@ -754,6 +754,7 @@ def _node_gate(
         reports=reports,
         driver=node_facts.driver_version,
         unproven=settings.allocation_gate_unproven,
+        blocked=gate_blocked(),
     )
     why = gate.start()
     if why is not None:

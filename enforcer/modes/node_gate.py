@@ -136,6 +136,7 @@ class NodeGate:
         reports: GateReports | None = None,
         driver: Callable[[], str] = str,
         unproven: bool = False,
+        blocked: str = "",
     ) -> None:
         """`ceiling(container_id)`: what the gate holds a container to, None where it does
         not bound it (`container_ceiling`). `label(value)`: the gate's state for the Node's
@@ -144,7 +145,8 @@ class NodeGate:
         `forced` where `unproven` runs it there all the same; "" where it does not run).
         `reports`: its metrics and Events (none in tests). `driver()`: the driver's version
         as the sampler's NVML read it ("" before); `unproven`: run the gate on a driver
-        branch that no GPU run has proven (`rm_abi.PROVEN_BRANCHES`)."""
+        branch that no GPU run has proven (`rm_abi.PROVEN_BRANCHES`); `blocked`: why the
+        kernel keeps the gate from running here (`tier_probe.gate_blocked`), "" where not."""
         self._profile = profile_path(kubelet_root, gate_profile.PROFILE_NAME)
         self._host_proc = host_proc
         self._majors = frozenset(majors)
@@ -156,6 +158,7 @@ class NodeGate:
         self._reports = reports
         self._driver = driver
         self._unproven = unproven
+        self._blocked = blocked
         self._proven = False  # the driver's branch is proven: the label may say v1
         self._undecided = False  # the driver's version was not read at start
         self._socket = GateSocket(socket_path, self._take, errors)
@@ -207,6 +210,8 @@ class NodeGate:
             return f"no allocation gate profile for {self._machine} nodes (x86_64, aarch64)", ""
         if not self._majors:
             return "no NVIDIA device node on this machine", ""
+        if self._blocked:
+            return self._blocked, ""
         version = self._driver()
         self._undecided = not version
         if not version:

@@ -73,6 +73,7 @@ class Node:
         majors: frozenset[int] = frozenset({NULL_MAJOR}),
         driver: str = "580.142",
         unproven: bool = False,
+        blocked: str = "",
     ) -> None:
         self.driver = driver  # the sampler's NVML's version ("": not read yet)
         self.tenants: dict[str, int] = {}
@@ -99,6 +100,7 @@ class Node:
             reports=reports,
             driver=lambda: self.driver,
             unproven=unproven,
+            blocked=blocked,
         )
 
     def metric(self, name: str, **labels: str) -> float | None:
@@ -514,3 +516,23 @@ def test_an_agent_that_stops_leaves_the_plain_profile_and_the_next_writes_the_ga
         assert second.profile()["listenerPath"] == str(second.socket)
     finally:
         second.gate.stop()
+
+
+def test_where_the_kernel_keeps_the_gate_from_running_the_file_is_plain_and_says_why(
+    tmp_path: Path, proven: None
+) -> None:
+    """A kernel without seccomp's CONTINUE, or Yama's ptrace scope 3 (the callers' memory
+    unreadable: every call would go on as `error`): nothing listens, and the file is
+    RuntimeDefault's, as on a node without NVIDIA's devices."""
+    made = Node(
+        tmp_path, blocked="cannot read the command's parameters: kernel.yama.ptrace_scope=3"
+    )
+    try:
+        assert (
+            made.gate.start() == "cannot read the command's parameters: kernel.yama.ptrace_scope=3"
+        )
+        assert "listenerPath" not in made.profile()
+        assert not made.socket.exists()
+        assert made.labels == [""]
+    finally:
+        made.gate.stop()
