@@ -113,3 +113,22 @@ def test_a_privileged_container_is_never_gated() -> None:
     assert "privileged" in str(why_not_gated({"securityContext": {"privileged": True}}, {}))
     assert why_not_gated({}, {}) is None
     assert why_not_gated({}, {"type": "Unconfined"}) == "its seccomp profile is Unconfined"
+
+
+def test_a_container_that_adds_only_default_capabilities_is_gated() -> None:
+    """Every capability Pod Security `baseline` lets a pod add is in the runtime's default
+    set, for which the file is RuntimeDefault: adding one widens no runtime's RuntimeDefault,
+    so the container is gated (any case, `CAP_` or not, as the runtimes read them). One
+    outside the set keeps it out, and only that one is named."""
+    said: list[str] = []
+    added = {"capabilities": {"add": ["NET_BIND_SERVICE", "cap_chown", "CAP_SETUID"]}}
+    p = pod(gpu("trainer", securityContext=added))
+    mutate(p, ON, "", said)
+    assert profile_of(applied(p, ON)["spec"]["containers"][0]) == GATED
+    assert not [s for s in said if "allocation gate" in s]
+    assert why_not_gated({"securityContext": {"capabilities": {"add": ["NET_RAW"]}}}, {}) is None
+    wider = {"securityContext": {"capabilities": {"add": ["NET_BIND_SERVICE", "SYS_NICE"]}}}
+    assert why_not_gated(wider, {}) == (
+        "it adds capabilities (SYS_NICE), with which RuntimeDefault allows more than the "
+        "gate's profile"
+    )

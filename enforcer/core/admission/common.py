@@ -93,6 +93,12 @@ def as_list(value: object) -> list[object]:
     return value if isinstance(value, list) else []
 
 
+def capability(added: object) -> str:
+    """A capability a container adds, as the runtimes read it (any case, `CAP_` or not):
+    its name without the prefix."""
+    return str(added).upper().removeprefix("CAP_")
+
+
 Path = tuple[str | int, ...]  # map keys and list indexes, from the pod down
 
 # The annotations of ours that a pod may carry.

@@ -6,10 +6,13 @@ Kubernetes").
 The file is RuntimeDefault's allowlist for the default capability set plus the gate, so it
 replaces only what would have been RuntimeDefault (or no profile): a container that sets
 another profile keeps it, a privileged container (no seccomp applies to it) and one that
-adds capabilities (whose RuntimeDefault would allow more than the file) are left as they
-are, and the sidecar is never gated. Each container left so is said, with why: sampling
-still holds its limit. A container that already names our file (a reinvocation over our
-own output, or a user who asked for it) is as wanted.
+adds a capability outside that set (whose RuntimeDefault would allow more than the file)
+are left as they are, and the sidecar is never gated. Adding one of the default set (all
+that Pod Security `baseline` lets a pod add: NET_BIND_SERVICE, CHOWN, ...) does not widen
+containerd's RuntimeDefault, the file's source, so such a container is gated. Each
+container left so is said, with why: sampling still holds its limit. A container that
+already names our file (a reinvocation over our own output, or a user who asked for it) is
+as wanted.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from enforcer.core.admission.common import as_list, as_map, containers_at
+from enforcer.core.admission.common import as_list, as_map, capability, containers_at
 from enforcer.core.admission.patch import Patch
 from enforcer.core.gate_profile import PROFILE_NAME
+from enforcer.core.runtime_default import CAPABILITIES
 
 GATED = {"type": "Localhost", "localhostProfile": PROFILE_NAME}
 
@@ -30,9 +34,10 @@ def why_not_gated(container: Mapping[str, Any], pod_profile: Mapping[str, object
     if security.get("privileged") is True:
         return "it is privileged, and no seccomp profile applies to a privileged container"
     added = as_list(as_map(security.get("capabilities")).get("add"))
-    if added:
+    beyond = [str(c) for c in added if f"CAP_{capability(c)}" not in CAPABILITIES]
+    if beyond:
         return (
-            f"it adds capabilities ({', '.join(map(str, added))}), with which RuntimeDefault "
+            f"it adds capabilities ({', '.join(beyond)}), with which RuntimeDefault "
             "allows more than the gate's profile"
         )
     profile = as_map(security.get("seccompProfile")) or pod_profile

@@ -37,7 +37,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from enforcer.core.admission.common import Denied, Path, as_list, as_map, containers_at
+from enforcer.core.admission.common import (
+    Denied,
+    Path,
+    as_list,
+    as_map,
+    capability,
+    containers_at,
+)
 from enforcer.core.admission.patch import Patch
 from enforcer.core.admission.sidecar import NO_TOKEN_VOLUME, SOCKET_VOLUME
 from enforcer.core.declaration import SIDECAR
@@ -117,7 +124,7 @@ def check_container(c: Container, where: str, pod: Mapping[str, object]) -> None
             "remove it (a pod that declares VRAM runs unprivileged)"
         )
     for added in as_list(as_map(sc.get("capabilities")).get("add")):
-        name = str(added).upper().removeprefix("CAP_")
+        name = capability(added)
         if name in _OPENS_THE_SIDECAR:
             raise Denied(
                 f"{where}.securityContext.capabilities.add: {shown(added)} "

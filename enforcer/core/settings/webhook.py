@@ -163,8 +163,9 @@ ALLOCATION_GATE = allocation_gate(
     "`vram-enforcer/gpu-v1.json`, the profile the node agent writes with its own "
     "`--allocation-gate on`: RuntimeDefault's allowlist, and its driver allocations checked "
     'against its ceiling before they run (docs/architecture.md, "The allocation gate on '
-    'Kubernetes"). Never the sidecar, a privileged container, one that adds capabilities or '
-    "one with a profile of its own: each such container is said in a warning, and sampling "
+    'Kubernetes"). Never the sidecar, a privileged container, one that adds a capability '
+    "outside the runtime's default set (those `baseline` allows are in it) or one with a "
+    "profile of its own: each such container is said in a warning, and sampling "
     "holds it. Every node the pods may run on needs the agent with the gate on (its file "
     "missing, a container fails to start with `CreateContainerError`). Experimental, "
     "unverified on a GPU",
