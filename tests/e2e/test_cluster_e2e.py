@@ -21,6 +21,10 @@ gives them. Its fake GPUs accept hard limits, as a driver from R615 would.
   agent's series and told once on its pod (VRAMUndeclared).
 - A pod stopped over its limit keeps, as its condition, why, after its Events are gone; so
   does a Job's pod that failed for it, and a container restarted names its instance.
+- With the allocation gate on (the chart's `allocationGate`, for every test of this file),
+  a pod in the `baseline` namespace is admitted with the gate's `Localhost` profile on its
+  declaring container, and runs under the file the agent wrote under the kubelet's seccomp
+  root: the plain one, since this node has no NVIDIA device node for the gate to listen on.
 - Uninstalling the chart leaves nothing behind.
 """
 
@@ -46,9 +50,11 @@ from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
+from enforcer.core import gate_profile
 from enforcer.core.admission import TOKEN_DIR
 from enforcer.core.last_enforcement import Enforced, condition, status_patch
 from enforcer.core.model import GiB, MiB
+from enforcer.core.node import LABEL_ALLOCATION_GATE
 from enforcer.core.reasons import Reason
 from enforcer.edge.kube import POD_STATUS, STRATEGIC_MERGE_PATCH, call
 from tests.e2e.actors import default_service_account, token_bound_to
@@ -232,6 +238,11 @@ def installed(cluster: Cluster) -> Cluster:
             "podResources": {"path": str(cluster.node.dir / "kubelet" / "pod-resources")},
         },
         "sidecar": {"namespaces": [OPTED_IN]},
+        # The allocation gate on, as an operator turns it on (issue 45, step 2): every
+        # declaring container of this file runs under the webhook's `Localhost` profile, in
+        # the file the agent writes under this kubelet's --root-dir. No NVIDIA device node
+        # here: the file is the plain one, RuntimeDefault's, and nothing listens.
+        "allocationGate": {"enabled": True, "kubeletRoot": str(cluster.node.dir / "kubelet")},
     }
     assert not SOCKET.exists(), f"{SOCKET} is in use: is another vram-enforcer agent running here?"
     cluster.socket_dir_made = cluster.socket_dir_made or not SOCKET.parent.exists()
@@ -1362,6 +1373,104 @@ def test_a_baseline_namespace_runs_enforced_pods_and_the_workload_cannot_pose_as
     finally:
         core.delete_namespaced_pod("locked", OPTED_IN)
         wait_for(lambda: gone(core, OPTED_IN, "locked"), timeout=60, what="the pod to be gone")
+
+
+GATED = ("Localhost", gate_profile.PROFILE_NAME)
+# A profile a tenant chose itself (RuntimeDefault's, as containerd writes it), which the
+# webhook leaves as it is.
+OWN_PROFILE = "e2e/own.json"
+
+
+def seccomp_of(c: client.V1Container) -> tuple[str, str | None] | None:
+    """A container's own seccomp profile in its spec: its type and file, if it sets one."""
+    profile = c.security_context.seccomp_profile if c.security_context else None
+    return (profile.type, profile.localhost_profile) if profile else None
+
+
+def ready(core: client.CoreV1Api, namespace: str, name: str) -> client.V1Pod | None:
+    """The pod, once each of its containers (its native sidecar too) runs and is ready."""
+    pod = running(core, namespace, name)
+    status = pod.status if pod else None
+    statuses = (
+        [*status.container_statuses, *(status.init_container_statuses or [])] if status else []
+    )
+    return pod if statuses and all(s.state.running and s.ready for s in statuses) else None
+
+
+def seccomp_mode(pid: int) -> str:
+    """The kernel's word on a process: "2" under a filter, "0" under none."""
+    return Path(f"/proc/{pid}/status").read_text().split("Seccomp:")[1].split()[0]
+
+
+def test_with_the_allocation_gate_on_a_baseline_pod_runs_under_the_file_the_agent_wrote(
+    installed: Cluster,
+) -> None:
+    """The allocation gate's deployment path (issue 45, step 2) with the chart's
+    `allocationGate` on, where the gate cannot listen (no NVIDIA device node: the fake NVML
+    is a library, not the kernel's module). The agent wrote RuntimeDefault's allowlist
+    under the kubelet's seccomp root (`<kubeletRoot>/seccomp/vram-enforcer/gpu-v1.json`, the
+    chart's hostPath matching the kubelet's --root-dir), said why, and set no label: the
+    node does not gate. A pod in the `baseline` namespace is admitted by the API server's
+    PodSecurity after the webhook gave its declaring container the `Localhost` profile
+    (one `Unconfined` is refused there: PodSecurity judged the mutated seccomp fields), and
+    it runs: that container under the file (a filter, where it would have had none), a
+    declaring one with a profile of its own left with it and said in a warning, one that
+    declares nothing and the sidecar untouched."""
+    core, node = installed.core, installed.node
+    assert installed.agent is not None
+    seccomp_root = node.dir / "kubelet" / "seccomp"
+    written = seccomp_root / gate_profile.PROFILE_NAME
+    machine = os.uname().machine
+    assert json.loads(written.read_text()) == gate_profile.profile(machine, None)
+    assert written.stat().st_mode & 0o777 == 0o644
+    log = installed.agent.log()
+    assert f"allocation gate: {written} written without the gate (no NVIDIA device" in log, log
+    assert "the allocation gate does not run on this node: no NVIDIA device node" in log, log
+    assert LABEL_ALLOCATION_GATE not in (core.read_node(node.name).metadata.labels or {})
+    own = seccomp_root / OWN_PROFILE
+    own.parent.mkdir(exist_ok=True)
+    own.write_text(json.dumps(gate_profile.profile(machine, None)))
+
+    unconfined = workload("unconfined", "1Gi")
+    unconfined["spec"]["containers"][0]["securityContext"] = {
+        "seccompProfile": {"type": "Unconfined"}
+    }
+    with pytest.raises(client.ApiException) as refused:
+        core.create_namespaced_pod(OPTED_IN, unconfined)
+    assert refused.value.status == 403
+    reason = json.loads(refused.value.body)["message"]
+    assert 'violates PodSecurity "baseline:latest"' in reason and "seccompProfile" in reason
+
+    body = workload("gated", "1Gi")
+    (trainer,) = body["spec"]["containers"]
+    mine = {"type": "Localhost", "localhostProfile": OWN_PROFILE}
+    body["spec"]["containers"] += [
+        {**trainer, "name": "own", "securityContext": {"seccompProfile": mine}},
+        pause("idle"),
+    ]
+    _, _, headers = core.create_namespaced_pod_with_http_info(OPTED_IN, body)
+    try:
+        warnings = headers.get("Warning", "")
+        assert (
+            "container 'own': its GPU allocations are not checked before they run (the "
+            f"allocation gate), since it has a seccomp profile of its own ({OWN_PROFILE})"
+        ) in warnings, warnings
+        assert "'trainer'" not in warnings, warnings
+        pod = wait_for(lambda: ready(core, OPTED_IN, "gated"), timeout=90, what="the pod to run")
+        spec = {c.name: c for c in pod.spec.containers}
+        assert seccomp_of(spec["trainer"]) == GATED
+        assert seccomp_of(spec["own"]) == ("Localhost", OWN_PROFILE)
+        assert seccomp_of(spec["idle"]) is None
+        assert getattr(pod.spec.security_context, "seccomp_profile", None) is None
+        (sidecar,) = pod.spec.init_containers
+        assert seccomp_of(sidecar) != GATED
+        # The runtime applied the file: the trainer runs under a filter (it had none
+        # without the gate: this kubelet's default is Unconfined), its process alive.
+        (status,) = [s for s in pod.status.container_statuses if s.name == "trainer"]
+        assert seccomp_mode(node.pids(status.container_id.split("://")[1])[0]) == "2"
+    finally:
+        core.delete_namespaced_pod("gated", OPTED_IN)
+        wait_for(lambda: gone(core, OPTED_IN, "gated"), timeout=60, what="the pod to be gone")
 
 
 def test_a_workload_that_stops_its_sidecar_is_told_on_and_held_by_the_agent(
