@@ -1413,9 +1413,10 @@ def test_with_the_allocation_gate_on_a_baseline_pod_runs_under_the_file_the_agen
     node does not gate. A pod in the `baseline` namespace is admitted by the API server's
     PodSecurity after the webhook gave its declaring container the `Localhost` profile
     (one `Unconfined` is refused there: PodSecurity judged the mutated seccomp fields), and
-    it runs: that container under the file (a filter, where it would have had none), a
-    declaring one with a profile of its own left with it and said in a warning, one that
-    declares nothing and the sidecar untouched."""
+    it runs: that container under the file (a filter, where it would have had none), and
+    so one that adds a capability `baseline` allows (all are in the runtime's default set,
+    for which the file is RuntimeDefault); a declaring one with a profile of its own left
+    with it and said in a warning; one that declares nothing and the sidecar untouched."""
     core, node = installed.core, installed.node
     assert installed.agent is not None
     seccomp_root = node.dir / "kubelet" / "seccomp"
@@ -1444,8 +1445,10 @@ def test_with_the_allocation_gate_on_a_baseline_pod_runs_under_the_file_the_agen
     body = workload("gated", "1Gi")
     (trainer,) = body["spec"]["containers"]
     mine = {"type": "Localhost", "localhostProfile": OWN_PROFILE}
+    bind = {"capabilities": {"add": ["NET_BIND_SERVICE"]}}  # in the default set
     body["spec"]["containers"] += [
         {**trainer, "name": "own", "securityContext": {"seccompProfile": mine}},
+        {**trainer, "name": "bind", "securityContext": bind},
         pause("idle"),
     ]
     _, _, headers = core.create_namespaced_pod_with_http_info(OPTED_IN, body)
@@ -1455,19 +1458,21 @@ def test_with_the_allocation_gate_on_a_baseline_pod_runs_under_the_file_the_agen
             "container 'own': its GPU allocations are not checked before they run (the "
             f"allocation gate), since it has a seccomp profile of its own ({OWN_PROFILE})"
         ) in warnings, warnings
-        assert "'trainer'" not in warnings, warnings
+        assert "'trainer'" not in warnings and "'bind'" not in warnings, warnings
         pod = wait_for(lambda: ready(core, OPTED_IN, "gated"), timeout=90, what="the pod to run")
         spec = {c.name: c for c in pod.spec.containers}
-        assert seccomp_of(spec["trainer"]) == GATED
+        assert seccomp_of(spec["trainer"]) == seccomp_of(spec["bind"]) == GATED
         assert seccomp_of(spec["own"]) == ("Localhost", OWN_PROFILE)
         assert seccomp_of(spec["idle"]) is None
         assert getattr(pod.spec.security_context, "seccomp_profile", None) is None
         (sidecar,) = pod.spec.init_containers
         assert seccomp_of(sidecar) != GATED
-        # The runtime applied the file: the trainer runs under a filter (it had none
+        # The runtime applied the file: each gated container runs under a filter (none
         # without the gate: this kubelet's default is Unconfined), its process alive.
-        (status,) = [s for s in pod.status.container_statuses if s.name == "trainer"]
-        assert seccomp_mode(node.pids(status.container_id.split("://")[1])[0]) == "2"
+        for status in pod.status.container_statuses:
+            if status.name in ("trainer", "bind"):
+                pid = node.pids(status.container_id.split("://")[1])[0]
+                assert seccomp_mode(pid) == "2", status.name
     finally:
         core.delete_namespaced_pod("gated", OPTED_IN)
         wait_for(lambda: gone(core, OPTED_IN, "gated"), timeout=60, what="the pod to be gone")
