@@ -35,6 +35,7 @@ from enum import StrEnum
 
 from enforcer.core import messages
 from enforcer.core.alloc_gate import Verdict, View, decide
+from enforcer.core.gate_budget import Budget
 from enforcer.core.rm_abi import NV_ERR_NO_MEMORY, Call, Read, ShortRead, decode
 from enforcer.edge.guard import ErrorCounter, LoopGuard
 from enforcer.edge.seccomp_filter import COMPAT_ARCHES, X32_BIT
@@ -72,11 +73,12 @@ class Outcome(StrEnum):
 
 
 class LineQuota:
-    """At most `most` lines a second (a flood of refusals must not flood the log); the lines
-    held back are counted, and said with the next line let out."""
+    """At most `most` lines in `every` seconds (a flood of refusals must not flood the log);
+    the lines held back are counted, and said with the next line let out."""
 
-    def __init__(self, most: int = 5) -> None:
+    def __init__(self, most: int = 5, every: float = 1.0) -> None:
         self._most = most
+        self._every = every
         self._start = float("-inf")
         self._said = 0
         self._held = 0
@@ -84,7 +86,7 @@ class LineQuota:
     def take(self, now: float) -> int | None:
         """None: hold this line back; else how many were held back before it."""
         held = 0
-        if now - self._start >= 1.0:
+        if now - self._start >= self._every:
             held, self._start, self._said, self._held = self._held, now, 0, 0
         if self._said >= self._most:
             self._held += 1
@@ -163,6 +165,20 @@ class Ledger:
             )
 
 
+class Turns:
+    """A container's `Budget` shared by the receivers of its listeners: `take()` reserves
+    the next call's turn, and says how many seconds its receiver waits for it."""
+
+    def __init__(self, budget: Budget) -> None:
+        self._budget = budget
+        self._lock = threading.Lock()
+
+    def take(self) -> float:
+        with self._lock:
+            self._budget, wait = self._budget.take(time.monotonic())
+        return wait
+
+
 @dataclass(slots=True)
 class _Pending:
     """A call over the limit that waits for a fresh pass, its caller's memory held open;
@@ -182,7 +198,9 @@ class GateListener:
     `majors`: the device majors of NVIDIA's nodes (the request numbers on another file are
     not the driver's). `count(outcome, seconds)` is told of each call; `want_pass()` asks
     the owner for an early sampler pass when a call waits for one (at most `recheck_wait`
-    seconds, then it goes on)."""
+    seconds, then it goes on). `turn()`: how long to wait before reading the next call
+    waiting (its container's `Turns` on a node; 0: at once), its caller waiting meanwhile
+    in the kernel."""
 
     def __init__(  # noqa: PLR0913 - each a part of what the listener serves, or says
         self,
@@ -197,6 +215,7 @@ class GateListener:
         who: str = "the command tree",
         vouch: Callable[[int], bool] | None = None,
         may_read: Callable[[], bool] = lambda: True,
+        turn: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self._fd = fd
         self._ledger = ledger
@@ -214,6 +233,8 @@ class GateListener:
         # Whether this listener may read now: False while a second holder of the fd reads
         # it (`gate_holder`'s lease); a call read as it lapses is let go on, unjudged.
         self._may_read = may_read
+        self._turn = turn
+        self._waiting_turn = False  # the receiver waits for its turn: our pace, no stall
         self._guard = LoopGuard("allocation gate", errors, log)
         self._rechecks: queue.Queue[_Pending] = queue.Queue(RECHECK_QUEUE)
         self._quota = LineQuota()
@@ -274,7 +295,7 @@ class GateListener:
             log.error("the allocation gate's recheck worker stopped (a bug); it is restarted")
             self._worker = self._thread("allocation-gate-recheck", self._recheck_loop)
         now, waiting = time.monotonic(), _readable(self._fd)
-        if self._answered != self._seen[0] or not waiting:
+        if self._answered != self._seen[0] or not waiting or self._waiting_turn:
             self._seen = (self._answered, now)
         busy = self._busy_since
         return (waiting and now - self._seen[1] > STALL_AFTER) or (
@@ -313,11 +334,19 @@ class GateListener:
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         buf = bytearray(_NOTIF.size)
+        turn_taken = False
         while not self._stopping.is_set():
             events = dict(poller.poll(100))
             if events.get(self._fd, 0) & select.POLLIN and not self._may_read():
                 self._stopping.wait(0.01)  # the other holder's to answer
             elif events.get(self._fd, 0) & select.POLLIN:
+                if not turn_taken:
+                    turn_taken = True
+                    # A bug in the owner's budget is counted, and the call read now.
+                    if (wait := self._guard.result(self._turn) or 0.0) > 0:
+                        self._wait_turn(wait)
+                        continue  # looked at again: its caller may have gone meanwhile
+                turn_taken = False
                 buf[:] = bytes(_NOTIF.size)  # RECV refuses a struct that is not zeroed
                 try:
                     fcntl.ioctl(self._fd, SECCOMP_IOCTL_NOTIF_RECV, buf, True)
@@ -329,6 +358,15 @@ class GateListener:
             elif events.get(self._fd, 0):  # POLLHUP: no task of the filter is left
                 self._ended = True
                 return
+
+    def _wait_turn(self, wait: float) -> None:
+        """Wait `wait` seconds for the next call's turn (or until stopped): the calls
+        waiting meanwhile wait in the kernel, and are not a stall."""
+        self._waiting_turn = True
+        try:
+            self._stopping.wait(wait)
+        finally:
+            self._waiting_turn = False
 
     def _one(self, notif: Notification) -> None:
         started = time.perf_counter()

@@ -285,9 +285,10 @@ class GateMetrics:
 class NodeGateMetrics:
     """The agent's allocation gate (`--allocation-gate on`), under exec's names: its calls
     by outcome and its time per call over the node (container IDs come and go: a series
-    per container and outcome would be kept for ever), its refusals by container (each
-    removed when the container's last gated process exits), how many of its listeners are
-    stuck, and the calls the pods' holders let go on while the agent was away."""
+    per container and outcome would be kept for ever), its refusals and its calls throttled
+    by container (each removed when the container's last gated process exits), how many of
+    its listeners are stuck, and the calls the pods' holders let go on while the agent was
+    away."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.calls = Counter(
@@ -308,6 +309,13 @@ class NodeGateMetrics:
         self.stalled = Gauge(
             PREFIX + "allocation_gate_stalled",
             "Gated processes whose listener has left a call unanswered for a second",
+            registry=registry,
+        )
+        self.throttled = Counter(
+            PREFIX + "allocation_gate_throttled",
+            "Gated calls of a container read later than they came, its budget of calls "
+            "spent (its threads waited in the kernel), by container",
+            ["namespace", "pod", "container"],
             registry=registry,
         )
         self.let_on = Counter(

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from enforcer.core import gate_profile, rm_abi
 from enforcer.core.cgroups import container_id, parse_cgroup
+from enforcer.core.gate_budget import Budget
 from enforcer.core.lending import Tenants
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import containers_by_id
@@ -62,7 +63,7 @@ from enforcer.edge.gate_holder import (
     take,
     take_over,
 )
-from enforcer.edge.gate_listener import GateListener, Ledger, Outcome
+from enforcer.edge.gate_listener import GateListener, Ledger, LineQuota, Outcome, Turns
 from enforcer.edge.gate_socket import GateSocket, Handoff
 from enforcer.edge.guard import ErrorCounter, LoopGuard
 from enforcer.edge.metrics import NodeGateMetrics
@@ -75,6 +76,8 @@ log = logging.getLogger(__name__)
 GATE_SOCKET = "seccomp.sock"  # beside the agent's usage socket (the chart's hostPath)
 HOLDER_TIMEOUT = 1.0  # s a pod's holder may take to hand its fds over, or take one
 UNBOUNDED = 1 << 62  # the limit of a container the gate does not bound (yet): calls go on
+BUDGET = Budget()  # each container's budget of calls (`core/gate_budget.py`)
+SAY_THROTTLED_EVERY = 60.0  # s: a container held to its budget is said at most this often
 
 
 @dataclass(slots=True, eq=False)
@@ -105,10 +108,14 @@ class GateReports:
 
 @dataclass(slots=True)
 class _Container:
-    """One gated container: its ledger and the listeners of its processes, by fd."""
+    """One gated container: its ledger, its budget of calls (`core/gate_budget.py`) and
+    the listeners of its processes, by fd."""
 
     ledger: Ledger
-    named: tuple[str, str, str] | None = None  # its refusals' labels, once counted
+    turns: Turns
+    named: tuple[str, str, str] | None = None  # its series' labels, once counted
+    # Its calls throttled (held back by its budget): said once a `SAY_THROTTLED_EVERY`.
+    throttled: LineQuota = field(default_factory=lambda: LineQuota(1, SAY_THROTTLED_EVERY))
     listeners: dict[int, GateListener] = field(default_factory=dict)
     pids: dict[int, int] = field(default_factory=dict)  # fd -> the process it was handed for
     held_by: dict[int, _Holder] = field(default_factory=dict)  # fd -> its copy's holder, last
@@ -137,6 +144,7 @@ class NodeGate:
         driver: Callable[[], str] = str,
         unproven: bool = False,
         blocked: str = "",
+        budget: Budget = BUDGET,
     ) -> None:
         """`ceiling(container_id)`: what the gate holds a container to, None where it does
         not bound it (`container_ceiling`). `label(value)`: the gate's state for the Node's
@@ -146,7 +154,8 @@ class NodeGate:
         `reports`: its metrics and Events (none in tests). `driver()`: the driver's version
         as the sampler's NVML read it ("" before); `unproven`: run the gate on a driver
         branch that no GPU run has proven (`rm_abi.PROVEN_BRANCHES`); `blocked`: why the
-        kernel keeps the gate from running here (`tier_probe.gate_blocked`), "" where not."""
+        kernel keeps the gate from running here (`tier_probe.gate_blocked`), "" where not;
+        `budget`: each container's, from empty (`core/gate_budget.py`)."""
         self._profile = profile_path(kubelet_root, gate_profile.PROFILE_NAME)
         self._host_proc = host_proc
         self._majors = frozenset(majors)
@@ -159,6 +168,7 @@ class NodeGate:
         self._driver = driver
         self._unproven = unproven
         self._blocked = blocked
+        self._budget = budget
         self._proven = False  # the driver's branch is proven: the label may say v1
         self._undecided = False  # the driver's version was not read at start
         self._socket = GateSocket(socket_path, self._take, errors)
@@ -311,7 +321,8 @@ class NodeGate:
         with self._lock:
             gated = self._containers.get(cid)
             if gated is None:
-                gated = self._containers[cid] = _Container(Ledger(UNBOUNDED))
+                gated = _Container(Ledger(UNBOUNDED), Turns(self._budget))
+                self._containers[cid] = gated
                 if self._last is not None:  # after a restart, a holder's: usage to judge on
                     self._feed(cid, gated.ledger, *self._last)
             if holder is not None:
@@ -328,6 +339,7 @@ class NodeGate:
                 may_read=functools.partial(gated.lets_read, held.fd),
                 count=self._count,
                 want_pass=self.wanted.set,
+                turn=functools.partial(self._turn, gated, cid),
             )
             listener.refused = functools.partial(self._refused, gated, cid)
             gated.listeners[held.fd] = listener
@@ -468,16 +480,41 @@ class NodeGate:
     def _refused(self, gated: _Container, cid: str, line: str) -> None:
         """One refusal (its line, also those the log held back): counted by container, and
         an Event on its pod (the recorder's budget per pod bounds a flood)."""
-        if self._reports is None:
-            return
-        found = self._reports.whose(cid)
-        if found is None:  # its pod no longer served: said in the log only
-            return
+        if self._reports is None or (found := self._name(gated, cid)) is None:
+            return  # its pod no longer served: said in the log only
         pod, name = found
-        meta = pod.get("metadata") or {}
-        gated.named = (meta.get("namespace", ""), meta.get("name", ""), name)
-        self._reports.metrics.refusals.labels(*gated.named).inc()
+        self._reports.metrics.refusals.labels(*_labels(pod, name)).inc()
         self._reports.record(event_about(pod, name), Reason.ALLOCATION_REFUSED, line, True)
+
+    def _turn(self, gated: _Container, cid: str) -> float:
+        """How long one of the container's listeners waits before it reads its next call:
+        over its budget (throttled), the call is counted, and said at most once a minute."""
+        wait = gated.turns.take()
+        if wait <= 0:
+            return wait
+        if (held := gated.throttled.take(time.monotonic())) is not None:
+            self._name(gated, cid)
+            log.warning(
+                "allocation gate: %s issues gated driver calls faster than its budget (%g a "
+                "second after a burst of %d): its calls are throttled to that pace, its "
+                "threads waiting in the kernel meanwhile (%d more throttled since this was "
+                "last said)",
+                _who(gated, cid),
+                self._budget.rate,
+                self._budget.burst,
+                held,
+            )
+        if self._reports is not None and gated.named is not None:
+            self._reports.metrics.throttled.labels(*gated.named).inc()
+        return wait
+
+    def _name(self, gated: _Container, cid: str) -> tuple[Pod, str] | None:
+        """The container's pod and name, if the agent serves its pod now: its series'
+        labels from then on."""
+        if self._reports is None or (found := self._reports.whose(cid)) is None:
+            return None
+        gated.named = _labels(*found)
+        return found
 
     def _in_container(self, cid: str, tid: int) -> bool:
         return self._container_of(tid) == cid
@@ -601,8 +638,9 @@ class NodeGate:
         if not gated.listeners:
             del self._containers[cid]
             if self._reports is not None and gated.named is not None:
-                with contextlib.suppress(KeyError):  # its series goes with it
-                    self._reports.metrics.refusals.remove(*gated.named)
+                for series in (self._reports.metrics.refusals, self._reports.metrics.throttled):
+                    with contextlib.suppress(KeyError):  # its series go with it
+                        series.remove(*gated.named)
         return ended
 
     def holders(self) -> int:
@@ -624,6 +662,21 @@ def container_ceiling(tenants: Tenants | None, driver_version: str, cid: str) ->
         return None
     tenant = tenants.whole.get(cid)
     return None if tenant is None else tenant.ceiling
+
+
+def _labels(pod: Pod, name: str) -> tuple[str, str, str]:
+    """A container's series' labels: namespace, pod, container."""
+    meta = pod.get("metadata") or {}
+    return meta.get("namespace", ""), meta.get("name", ""), name
+
+
+def _who(gated: _Container, cid: str) -> str:
+    """A container as the log names it: by its pod where known, and its ID."""
+    short = cid.rsplit(":", 1)[-1][:12]
+    if gated.named is None:
+        return f"container {short}"
+    namespace, pod, name = gated.named
+    return f"container {name} of pod {namespace}/{pod} ({short})"
 
 
 def _hung_up(fd: int) -> bool:

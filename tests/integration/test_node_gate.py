@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import select
+import signal
 import socket
 import sys
 import threading
@@ -26,17 +27,19 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from enforcer.core import gate_profile, rm_abi
+from enforcer.core.gate_budget import Budget
 from enforcer.core.lending import Tenant, Tenants
 from enforcer.core.model import Sample
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.edge import gate_child
+from enforcer.edge.gate_listener import STALL_AFTER
 from enforcer.edge.metrics import PREFIX, AgentTelemetry, NodeGateMetrics
 from enforcer.edge.nvml_source import NvmlSource
 from enforcer.edge.seccomp_filter import program
 from enforcer.edge.tenants import TenantCache
 from enforcer.edge.usage_server import UsageServer
 from enforcer.modes.agent import Passes, PodSteps, Sampler
-from enforcer.modes.node_gate import GateReports, NodeGate, container_ceiling
+from enforcer.modes.node_gate import BUDGET, GateReports, NodeGate, container_ceiling
 from tests.helpers import scratch_cgroup, wait_for
 
 GIB = 1 << 30
@@ -74,6 +77,7 @@ class Node:
         driver: str = "580.142",
         unproven: bool = False,
         blocked: str = "",
+        budget: Budget = BUDGET,
     ) -> None:
         self.driver = driver  # the sampler's NVML's version ("": not read yet)
         self.tenants: dict[str, int] = {}
@@ -101,6 +105,7 @@ class Node:
             driver=lambda: self.driver,
             unproven=unproven,
             blocked=blocked,
+            budget=budget,
         )
 
     def metric(self, name: str, **labels: str) -> float | None:
@@ -188,6 +193,12 @@ class Process:
         for raw in self._buf.splitlines():
             lines.append(json.loads(raw))
         return lines
+
+    def kill(self) -> None:
+        """Ended where it is (a call waiting in the kernel), and reaped."""
+        os.kill(self.spawned.pid, signal.SIGKILL)
+        os.waitpid(self.spawned.pid, 0)
+        os.close(self.out)
 
 
 @pytest.fixture
@@ -536,3 +547,82 @@ def test_where_the_kernel_keeps_the_gate_from_running_the_file_is_plain_and_says
         assert made.labels == [""]
     finally:
         made.gate.stop()
+
+
+NAMED = {"namespace": "ml", "pod": "p", "container": "trainer"}  # CID's series' labels
+BACK_TO_BACK = "form=nvos64,class=0x80,time=1000000"  # non-memory calls, as fast as answered
+
+
+def test_a_flood_of_gated_calls_is_held_to_its_containers_budget_and_another_is_answered(
+    tmp_path: Path, proven: None, container: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One container issues gated calls back to back (as a tenant blinding the agent
+    would, the agent's CPU a call each): past its burst the agent reads them at its
+    budget's rate, the calling thread waiting in the kernel, counted and said once; another
+    container's call is answered meanwhile, unthrottled. The bound is the budget's own
+    arithmetic over the time the test saw, so a loaded machine only makes it looser."""
+    budget = Budget(rate=20.0, burst=50)
+    node = Node(tmp_path, budget=budget)
+    assert node.gate.start() is None
+    other = container.parent / ("ef" * 32)
+    other.mkdir()
+    flood = Process([BACK_TO_BACK], container)
+    try:
+        started = time.monotonic()  # before any call of the flood could be read
+        flood.hand_over(node.socket, CID)
+        wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+        with caplog.at_level(logging.WARNING):
+            assert flood.spawned.go() == 0
+            wait_for(lambda: _answered(node) > budget.burst, what="the flood past its burst")
+            second = Process([f"form=nvos64,class=0x40,size={GIB}"], other)
+            second.hand_over(node.socket, "ef" * 32)
+            (line,) = second.run()  # within DEADLINE: never waits for the flood's budget
+            elapsed, read = time.monotonic() - started, _answered(node)
+        assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line  # answered: went on
+        assert node.metric("allocation_gate_calls_total", outcome="allowed") == 1
+        # Without the budget the flood is read as fast as the listener answers (thousands
+        # a second here): far more than its burst and twice its rate over the whole time.
+        assert read <= budget.burst + 2 * budget.rate * elapsed, (read, elapsed)
+        throttled = node.metric("allocation_gate_throttled_total", **NAMED)
+        assert throttled is not None and throttled >= 1, throttled
+        said = [r.getMessage() for r in caplog.records if "faster than its budget" in r.message]
+        assert len(said) == 1, said  # once a minute at most
+        assert said[0].startswith(
+            f"allocation gate: container trainer of pod ml/p ({CID[:12]}) issues gated "
+            "driver calls faster than its budget (20 a second after a burst of 50)"
+        ), said
+        assert node.errors.count == 0
+    finally:
+        flood.kill()
+        node.gate.stop()
+
+
+def _answered(node: Node) -> float:
+    """The flood's calls answered so far (its only outcome)."""
+    return node.metric("allocation_gate_calls_total", outcome="not_memory") or 0
+
+
+def test_a_listener_its_containers_budget_throttles_is_not_said_stalled(
+    tmp_path: Path, proven: None, container: Path
+) -> None:
+    """A call that waits for its container's turn is our pace, not a stuck listener: the
+    stall gauge (one that alerts) stays 0 while the call waits past `STALL_AFTER`."""
+    node = Node(tmp_path, budget=Budget(rate=0.01, burst=1))  # the second call: 100 s on
+    assert node.gate.start() is None
+    process = Process(["form=nvos64,class=0x80,time=2"], container)
+    try:
+        process.hand_over(node.socket, CID)
+        wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+        assert process.spawned.go() == 0
+        wait_for(
+            lambda: node.metric("allocation_gate_throttled_total", **NAMED) == 1,
+            what="the second call throttled",
+        )
+        node.gate.saw({}, time.monotonic())  # the listener's progress, as of now
+        time.sleep(STALL_AFTER + 0.5)
+        node.gate.saw({}, time.monotonic())
+        assert _answered(node) == 1  # the second call waits
+        assert node.metric("allocation_gate_stalled") == 0
+    finally:
+        process.kill()
+        node.gate.stop()
