@@ -387,7 +387,9 @@ class NodeGate:
                     held.pid,
                     held.container_id,
                 )
-                unproven = f"unproven:{held.pid}:{held.container_id}"
+                # One key for all such fds of this holder: one budget of calls, however
+                # many fds it hands over (each would otherwise have a budget of its own).
+                unproven = f"unproven:holder:{id(holder):x}"
                 self._serve(Held(held.fd, unproven, held.pid), holder=holder)
         with self._lock:
             self._holders.append(holder)

@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import pytest
 
+from enforcer.core.gate_budget import Budget
 from enforcer.core.payloads import Pod
 from enforcer.core.protocol import GATE_HOLDER_SOCKET, SIDECAR_SOCKET
 from enforcer.edge import gate_child
@@ -450,6 +451,41 @@ def test_a_holders_claim_bounds_only_the_calls_of_its_pods_container_by_the_call
         node.gate.stop()
         theirs.close()
         _reap(process.spawned.pid)
+
+
+def test_the_fds_a_holder_claims_for_containers_not_of_its_pod_share_one_budget(
+    tmp_path: Path, container: Path
+) -> None:
+    """A claim for a container not of the holder's pod cannot be checked, and each such fd
+    was a container of its own to the agent, with a budget of calls of its own: a holder
+    (a sidecar taken over) that handed many could flood the agent at as many budgets. They
+    share one (served, unbounded, as before): with a burst of 1, one of the two processes'
+    calls is read, and the other waits for its turn (100 s on)."""
+    node = Node(tmp_path, budget=Budget(rate=0.01, burst=1))
+    first, second = Standin([OVER], container), Standin([OVER], container)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        claims = [(first, "0e" * 32), (second, "0f" * 32)]
+        hand_over(theirs, [Held(p.spawned.listener or -1, c, p.spawned.pid) for p, c in claims])
+        for p, _ in claims:
+            os.close(p.spawned.listener or -1)
+        with _acking(theirs):
+            node.gate.hold(ours, {CID}.__contains__, time.monotonic())
+            ((key, served),) = node.gate.gated().items()
+            assert key.startswith("unproven:") and served == 2, node.gate.gated()
+            assert first.spawned.go() == 0 and second.spawned.go() == 0
+            allowed = {"outcome": "allowed"}
+            wait_for(
+                lambda: node.metric("allocation_gate_calls_total", **allowed) == 1,
+                what="one call read",
+            )
+            time.sleep(0.5)  # the other, with a budget of its own, would be read by now
+            assert node.metric("allocation_gate_calls_total", **allowed) == 1
+    finally:
+        node.gate.stop()
+        theirs.close()
+        _reap(first.spawned.pid)
+        _reap(second.spawned.pid)
 
 
 def test_the_connection_of_a_holder_that_hung_up_is_closed_on_the_next_pass(
