@@ -26,6 +26,14 @@ The listener's CPU per call is this process's CPU time over the stand-in's calls
 by their number (nothing else here is busy then: the sampler thread wakes 10 times a
 second); its own time per call is what it measures around each call.
 
+**Flood.** One container's stand-in floods the gate (8 threads of class 0x80 back to
+back) while another container's makes a call every 5 ms, each served by a listener of its
+own in this process, as the agent serves them, and a thread stands in for the agent's
+NVML pass (a fixed piece of Python every 100 ms): the other container's round trip, the
+pass's time, the flood's pace and this process's CPU, with no flood, with the flood read
+as fast as its listener answers, and with the flood held to the agent's budget
+(`core/gate_budget.py`), measured once its burst is spent.
+
 **Overshoot.** `vram-enforcer exec --allocation-gate on --limit 4Gi --interval 100ms` over
 the fake NVML, around the stand-in allocating 20 MiB calls at 10 GiB/s up to 8 GiB, each
 call let go on added to its usage in the fake's state (the stand-in plays the driver):
@@ -37,6 +45,7 @@ that ran on another tier, or whose gate judged or refused nothing, says so inste
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -45,19 +54,23 @@ import os
 import platform
 import random
 import resource
+import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT, GiB, enforcer_argv, percentile
+from enforcer.core.gate_budget import Budget
 from enforcer.edge import gate_child, gate_listener
-from enforcer.edge.gate_listener import GateListener, Ledger, Outcome
+from enforcer.edge.gate_listener import GateListener, Ledger, Outcome, Turns
 from enforcer.edge.seccomp_filter import program
+from enforcer.modes.node_gate import BUDGET
 from tests.fakenvml import FakeGpuState
 
 STANDIN = ROOT / "tests" / "integration" / "rm_standin.py"
@@ -256,6 +269,145 @@ def show_cost(found: dict[str, Any]) -> None:
         )
 
 
+# --- a flood: what one container's flood costs the agent and another container ------
+
+FLOOD_STEP = "class=0x80,threads=8,repeat=1000000000"  # 8 threads back to back, until killed
+VICTIM_CALLS = 300  # the other container's calls, ...
+VICTIM_GAP = 0.005  # ... this many s apart
+PASS_WORK = 20_000  # a stand-in NVML pass: this much Python (about 1-2 ms idle)
+
+
+@contextlib.contextmanager
+def _served(
+    step: str, turn: Callable[[], float] = lambda: 0.0
+) -> Iterator[tuple[GateListener, Callable[[], dict[str, Any]]]]:
+    """The stand-in running `step` under the real filter, its calls answered by a listener
+    in this process (a gated container, as the agent serves one); its listener, and a
+    reader of its next line. Killed at the end, if it still runs."""
+    out_r, out_w = os.pipe()
+    os.set_inheritable(out_w, True)
+    argv = [sys.executable, str(STANDIN), f"out={out_w}", step]
+    spawned = gate_child.spawn(sys.executable, argv, program())
+    os.close(out_w)
+    if spawned.listener is None:
+        spawned.abort()
+        os.waitpid(spawned.pid, 0)
+        os.close(out_r)
+        raise RuntimeError(f"the gate could not be installed: {spawned.why_not}")
+    ledger = Ledger(COST_LIMIT)
+    ledger.saw(0, time.monotonic())
+    errors = _Errors()
+    listener = GateListener(spawned.listener, ledger, {NULL_MAJOR}, errors, turn=turn)
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sampler, args=(ledger, stop), daemon=True)
+    listener.start()
+    sampler.start()
+    lines = os.fdopen(out_r)
+    try:
+        assert spawned.go() == 0
+        yield listener, lambda: dict(json.loads(lines.readline()))
+    finally:
+        stop.set()
+        os.kill(spawned.pid, signal.SIGKILL)  # a zombie's too: not reaped yet
+        os.waitpid(spawned.pid, 0)
+        listener.stop()
+        sampler.join()
+        os.close(spawned.listener)
+        lines.close()
+    assert errors.count == 0
+
+
+def _passes(stop: threading.Event, took: list[float]) -> None:
+    """The agent's NVML pass, stood in for by a fixed piece of Python every INTERVAL: how
+    long it takes is what a flood's share of the GIL adds to it."""
+    while not stop.wait(INTERVAL):
+        started = time.perf_counter()
+        sum(i * i for i in range(PASS_WORK))
+        took.append(time.perf_counter() - started)
+
+
+def flood_arm(flooding: bool, budget: Budget | None) -> dict[str, Any]:
+    """Another container's gated calls (`VICTIM_CALLS`, `VICTIM_GAP` apart) and the passes
+    meanwhile, while one container floods (or none), read within `budget` (None: as fast as
+    the listener answers); past the flood's burst."""
+    took: list[float] = []
+    throttled = threading.Event()  # the flood's burst spent: its budget's rate from now
+    turns = Turns(budget) if budget is not None else None
+
+    def turn() -> float:
+        wait = turns.take() if turns is not None else 0.0
+        if wait > 0:
+            throttled.set()
+        return wait
+
+    with contextlib.ExitStack() as stack:
+        flooder = None
+        if flooding:
+            flooder, _ = stack.enter_context(_served(FLOOD_STEP, turn))
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (
+                throttled.is_set() if turns is not None else flooder.answered > 1000
+            ):
+                time.sleep(0.01)
+        stop = threading.Event()
+        passes = threading.Thread(target=_passes, args=(stop, took), daemon=True)
+        passes.start()
+        stack.callback(passes.join)
+        stack.callback(stop.set)
+        read0, t0 = (flooder.answered if flooder else 0), time.monotonic()
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        _, line = stack.enter_context(_served(f"class=0x80,time={VICTIM_CALLS},gap={VICTIM_GAP}"))
+        victim = line()
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        read1, t1 = (flooder.answered if flooder else 0), time.monotonic()
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    passes_ms = sorted(t * 1000 for t in took)
+    return {
+        **_figures(victim["ns"]),
+        "flood_calls_per_s": (read1 - read0) / (t1 - t0),
+        "agent_cpu_share": cpu / (t1 - t0),
+        "pass_p50_ms": statistics.median(passes_ms) if passes_ms else 0.0,
+        "pass_p99_ms": percentile(passes_ms, 0.99) if passes_ms else 0.0,
+        "passes": len(passes_ms),
+    }
+
+
+FLOOD_ARMS = {
+    "no flood": (False, None),
+    "a flood, no budget": (True, None),
+    "a flood, the budget": (True, BUDGET),
+}
+
+
+def flood(rounds: int) -> dict[str, Any]:
+    """What one container's flood (8 threads of non-memory calls back to back) costs the
+    agent and another container: the other's call round trip, a stand-in pass, the flood's
+    pace and the process's CPU, with no flood, a flood read as fast as answered, and a
+    flood held to the node agent's budget (`core/gate_budget.py`). The arms run in turn,
+    `rounds` times (a loaded machine moves each figure from run to run); each figure is
+    the median over the rounds."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in FLOOD_ARMS}
+    for _ in range(rounds):
+        for name, (flooding, budget) in FLOOD_ARMS.items():
+            runs[name].append(flood_arm(flooding, budget))
+    arms = {
+        name: {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        for name, rows in runs.items()
+    }
+    return {"rate": BUDGET.rate, "burst": BUDGET.burst, "rounds": rounds, "arms": arms}
+
+
+def show_flood(found: dict[str, Any]) -> None:
+    for name, row in found["arms"].items():
+        print(
+            f"allocation gate, {name}: another container's call p50 {row['p50_us']:.0f} us, "
+            f"p99 {row['p99_us']:.0f} us; a pass p50 {row['pass_p50_ms']:.2f} ms, p99 "
+            f"{row['pass_p99_ms']:.2f} ms; the flood read at {row['flood_calls_per_s']:.0f} "
+            f"calls/s; the process's CPU {row['agent_cpu_share']:.0%} of a core (the median "
+            f"of {found['rounds']} runs)"
+        )
+
+
 # --- overshoot: needs `vram-enforcer exec --allocation-gate` ---------------------------
 
 LIMIT = 4 * GiB
@@ -391,7 +543,11 @@ def run(lib_dir: Path, tmp: Path, calls: int, trials: int) -> dict[str, Any]:
     reason = available()
     if reason:
         return {"skipped": reason}
-    return {"cost": cost(calls), "overshoot": overshoot(lib_dir, tmp, trials)}
+    return {
+        "cost": cost(calls),
+        "flood": flood(max(1, trials // 4)),
+        "overshoot": overshoot(lib_dir, tmp, trials),
+    }
 
 
 def show(found: dict[str, Any]) -> None:
@@ -399,4 +555,5 @@ def show(found: dict[str, Any]) -> None:
         print(f"allocation gate: skipped ({found['skipped']})")
         return
     show_cost(found["cost"])
+    show_flood(found["flood"])
     show_overshoot(found["overshoot"])

@@ -12,7 +12,7 @@
     .venv/bin/python bench/run.py --only cgroup-watch # a new cgroup to its hard limit: inotify vs the scan
     .venv/bin/python bench/run.py --only dial # a sidecar's dial, and the watch with dials hung
     .venv/bin/python bench/run.py --only slow-flood # /healthz and reviews while pods drip into every place
-    .venv/bin/python bench/run.py --only allocation-gate # a gated driver call's cost; overshoot at 10 GiB/s
+    .venv/bin/python bench/run.py --only allocation-gate # a gated driver call's cost; a flood; overshoot at 10 GiB/s
 
     # the footprint that ships: the components run from a venv without the dev extras
     python3 -m venv /tmp/rt && /tmp/rt/bin/pip install . && .venv/bin/python bench/run.py --runtime /tmp/rt/bin/python
@@ -178,7 +178,7 @@ def of_exec(
         results["tick_cost"] = [
             exec_bench.tick_cost(lib_dir, tmp, n, window) for n in (10, 100, 1000)
         ]
-    if args.only in (None, "allocation-gate"):  # about a minute (--quick: half)
+    if args.only in (None, "allocation-gate"):  # about three minutes (--quick: half)
         results["allocation_gate"] = gate_bench.run(
             lib_dir,
             tmp,

@@ -16,8 +16,8 @@ note's estimate, which `tests/gpu/offline.sh gate` counts), so eight processes e
 starting CUDA on an 8-GPU container stay within `BURST`. PyTorch's caching allocator asks
 the driver only on a cache miss, at most some hundreds of calls a second while it warms
 up or loads a model, and none in a warm step; `RATE` is a few times that. A flooding
-container then costs the agent at most `RATE` calls' time a second (about a tenth of a
-core), after one `BURST`.
+container then costs the agent at most `RATE` calls' time a second, after one `BURST`
+(13% of a core, the waits' wake-ups included: `bench/gate_bench.py`'s flood arm).
 
 `exec` has none: its listener serves one command, whose only rival for the GIL is `exec`'s
 own loop, which watches that same command. A flood there slows only the flooder's own

@@ -16,6 +16,7 @@ import pytest
 
 from bench import gate_bench
 from bench.common import ROOT
+from enforcer.core.gate_budget import Budget
 from enforcer.edge.gate_listener import Outcome
 from tests.fakenvml import FakeGpuState, build_fake_nvml
 
@@ -31,6 +32,14 @@ def test_each_kind_of_the_cost_arm_is_answered_as_its_row_says(kind: str) -> Non
     assert row["outcomes"] == {outcome: 30}
     assert row["answers"] == {"0/0/0x51" if outcome == Outcome.REFUSED else WENT_ON: 30}
     assert row["p50_us"] > 0 and row["listener_cpu_us_per_call"] > 0
+
+
+def test_the_flood_arm_reads_the_flood_at_its_budget_once_its_burst_is_spent() -> None:
+    """The flood's figures are past its burst: read at its rate (with slack for the
+    window's edges), another container's calls timed, and passes made meanwhile."""
+    row = gate_bench.flood_arm(True, Budget(rate=100.0, burst=50))
+    assert 0 < row["flood_calls_per_s"] <= 2 * 100, row
+    assert row["p50_us"] > 0 and row["passes"] > 0, row
 
 
 def test_the_filtered_arm_is_never_notified() -> None:
