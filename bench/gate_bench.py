@@ -158,10 +158,12 @@ def gated(
         os.sched_setaffinity(0, mask)
 
 
-def _gated(step: str, calls: int, sync_wake_up: bool) -> dict[str, Any]:
+def _spawn(step: str) -> tuple[gate_child.Spawned, int, int]:
+    """The stand-in that will run `step` under the real filter, through the trampoline
+    (not started yet): it, its listener fd and the read end of its lines."""
     out_r, out_w = os.pipe()
     os.set_inheritable(out_w, True)
-    argv = [sys.executable, str(STANDIN), f"out={out_w}", f"{step},time={calls}"]
+    argv = [sys.executable, str(STANDIN), f"out={out_w}", step]
     spawned = gate_child.spawn(sys.executable, argv, program())
     os.close(out_w)
     if spawned.listener is None:
@@ -169,7 +171,12 @@ def _gated(step: str, calls: int, sync_wake_up: bool) -> dict[str, Any]:
         os.waitpid(spawned.pid, 0)
         os.close(out_r)
         raise RuntimeError(f"the gate could not be installed: {spawned.why_not}")
-    why_not = _sync_wake_up(spawned.listener) if sync_wake_up else ""
+    return spawned, spawned.listener, out_r
+
+
+def _gated(step: str, calls: int, sync_wake_up: bool) -> dict[str, Any]:
+    spawned, fd, out_r = _spawn(f"{step},time={calls}")
+    why_not = _sync_wake_up(fd) if sync_wake_up else ""
     ledger = Ledger(COST_LIMIT)
     ledger.saw(0, time.monotonic())
     outcomes: Counter[str] = Counter()
@@ -180,9 +187,7 @@ def _gated(step: str, calls: int, sync_wake_up: bool) -> dict[str, Any]:
         own.append(seconds)
 
     errors = _Errors()
-    listener = GateListener(
-        spawned.listener, ledger, {NULL_MAJOR}, errors, count=count, pid=spawned.pid
-    )
+    listener = GateListener(fd, ledger, {NULL_MAJOR}, errors, count=count, pid=spawned.pid)
     stop = threading.Event()
     sampler = threading.Thread(target=_sampler, args=(ledger, stop), daemon=True)
     listener.start()
@@ -198,7 +203,7 @@ def _gated(step: str, calls: int, sync_wake_up: bool) -> dict[str, Any]:
         stop.set()
         listener.stop()
         sampler.join()
-        os.close(spawned.listener)
+        os.close(fd)
     assert os.waitstatus_to_exitcode(status) == 0 and errors.count == 0
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     mine = sorted(s * 1e6 for s in own)
@@ -284,20 +289,11 @@ def _served(
     """The stand-in running `step` under the real filter, its calls answered by a listener
     in this process (a gated container, as the agent serves one); its listener, and a
     reader of its next line. Killed at the end, if it still runs."""
-    out_r, out_w = os.pipe()
-    os.set_inheritable(out_w, True)
-    argv = [sys.executable, str(STANDIN), f"out={out_w}", step]
-    spawned = gate_child.spawn(sys.executable, argv, program())
-    os.close(out_w)
-    if spawned.listener is None:
-        spawned.abort()
-        os.waitpid(spawned.pid, 0)
-        os.close(out_r)
-        raise RuntimeError(f"the gate could not be installed: {spawned.why_not}")
+    spawned, fd, out_r = _spawn(step)
     ledger = Ledger(COST_LIMIT)
     ledger.saw(0, time.monotonic())
     errors = _Errors()
-    listener = GateListener(spawned.listener, ledger, {NULL_MAJOR}, errors, turn=turn)
+    listener = GateListener(fd, ledger, {NULL_MAJOR}, errors, turn=turn)
     stop = threading.Event()
     sampler = threading.Thread(target=_sampler, args=(ledger, stop), daemon=True)
     listener.start()
@@ -312,7 +308,7 @@ def _served(
         os.waitpid(spawned.pid, 0)
         listener.stop()
         sampler.join()
-        os.close(spawned.listener)
+        os.close(fd)
         lines.close()
     assert errors.count == 0
 
