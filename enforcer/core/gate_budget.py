@@ -10,18 +10,21 @@ listener reads its next call only at its turn: the calling thread waits in the k
 so the cost falls on the flooding tenant alone. Nothing is refused, nothing fails, and
 no other container's call waits for it.
 
-The figures are ones a real CUDA program never meets. A context's creation makes a few
+The figures are ones a real CUDA program does not meet. A context's creation makes a few
 hundred `RM_ALLOC`s of other classes (client, device, channels, events; the research
-note's estimate, which `tests/gpu/offline.sh gate` counts), so eight processes each
-starting CUDA on an 8-GPU container stay within `BURST`. PyTorch's caching allocator asks
-the driver only on a cache miss, at most some hundreds of calls a second while it warms
-up or loads a model, and none in a warm step; `RATE` is a few times that. A flooding
-container then costs the agent at most `RATE` calls' time a second, after one `BURST`
-(13% of a core, the waits' wake-ups included: `bench/gate_bench.py`'s flood arm).
+note's estimate, not yet counted on a GPU: `tests/gpu/offline.sh gate` can), so eight
+processes each creating a context, one a GPU as DDP's do, stay within `BURST`. PyTorch's
+caching allocator asks the driver only on a cache miss, at most some hundreds of calls a
+second while it warms up or loads a model, and none in a warm step; `RATE` is a few times
+that. One that does make more only starts slower (1 ms a call past its burst), it never
+fails. A flooding container costs the agent at most `RATE` calls' time a second, after
+one `BURST` (13% of a core, the waits' wake-ups included: `bench/gate_bench.py`'s flood
+arm).
 
 `exec` has none: its listener serves one command, whose only rival for the GIL is `exec`'s
-own loop, which watches that same command. A flood there slows only the flooder's own
-enforcement, and no other tenant shares the process.
+own loop, which watches that same command. A flood there slows only its own command's
+sampling (the listener hands the GIL over at each of its syscalls), and no other tenant
+shares the process.
 
 The arithmetic is the generic cell rate algorithm (a token bucket kept as one time): each
 call read moves `due` on by one call's share of a second, and a call whose turn lies
