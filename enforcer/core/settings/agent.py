@@ -233,7 +233,8 @@ ALLOCATION_GATE = allocation_gate(
     "profile has each driver allocation checked against its ceiling before it runs, and one "
     "past it gets the driver's out-of-memory status (docs/architecture.md, \"The allocation "
     'gate on Kubernetes"). Experimental, unverified on a GPU. Where the gate cannot run '
-    "(no NVIDIA device, another architecture) the same file holds RuntimeDefault's "
+    "(no NVIDIA device, another architecture, a kernel before 5.5 or without seccomp's "
+    "user notification, `kernel.yama.ptrace_scope=3`) the same file holds RuntimeDefault's "
     "allowlist alone. Needs the pods served (not `--no-serve-pods`), root and the host's "
     "PID namespace",
 )
