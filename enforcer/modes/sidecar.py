@@ -120,10 +120,12 @@ def _source(settings: SidecarSettings) -> UsageSource:
 
 
 def _holder(settings: SidecarSettings, telemetry: SidecarTelemetry) -> Holder | None:
-    """Where the agent connects (`--listen`), the allocation gate's second holder of this
-    pod's listener fds beside that socket: while the agent is away, the pod's gated calls
-    go on unjudged instead of failing with ENOSYS. None (said) where it cannot listen."""
-    if settings.listen is None:
+    """In a gated pod (`--allocation-gate on`, the webhook's where a container has the
+    gate's profile), the allocation gate's second holder of this pod's listener fds beside
+    the socket the agent connects to (`--listen`): while the agent is away, the pod's gated
+    calls go on unjudged instead of failing with ENOSYS. None elsewhere (no thread, no
+    socket), and (said) where it cannot listen."""
+    if not settings.allocation_gate or settings.listen is None:
         return None
     path = Path(settings.listen).with_name(Path(GATE_HOLDER_SOCKET).name)
     try:

@@ -43,8 +43,10 @@ from enforcer.edge.gate_holder import (
 from enforcer.edge.gate_listener import let_go_on
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.seccomp_filter import program
+from enforcer.edge.telemetry import SidecarTelemetry
+from enforcer.modes import sidecar as sidecar_mode
 from enforcer.modes.node_gate import dial_sidecar
-from tests.helpers import POD_NAMESPACES, children, wait_for
+from tests.helpers import POD_NAMESPACES, children, configured, wait_for
 from tests.integration import test_node_gate
 from tests.integration.test_node_gate import (  # proven: a fixture
     CID,
@@ -349,6 +351,35 @@ def test_a_holder_refuses_a_connection_from_inside_its_pod(tmp_path: Path) -> No
         assert not holder.agent_connected
     finally:
         holder.stop()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_sidecar_holds_its_pods_fds_only_where_the_webhook_says_the_pod_is_gated(
+    tmp_path: Path, gated: bool
+) -> None:
+    """The webhook's sidecar (`--listen`) runs the `gate-holder` thread and serves its
+    socket only with `VRAM_ENFORCER_ALLOCATION_GATE=on`, which the webhook sets on a pod
+    with a container under the gate's profile: in any other pod (the gate off, the
+    default; a pod admitted before the gate) no thread wakes and no socket is opened."""
+    listen = tmp_path / "sidecar.sock"
+    env = {
+        "POD_NAME": "p",
+        "POD_NAMESPACE": "ns",
+        "POD_UID": "u",
+        "VRAM_ENFORCER_LIMITS": '{"t": 1}',
+        "VRAM_ENFORCER_LISTEN": str(listen),
+    }
+    if gated:
+        env["VRAM_ENFORCER_ALLOCATION_GATE"] = "on"
+    holder = sidecar_mode._holder(configured(["sidecar"], env), SidecarTelemetry())
+    try:
+        threads = [t.name for t in threading.enumerate()]
+        assert (holder is not None) == gated
+        assert ("gate-holder" in threads) == gated
+        assert (tmp_path / "gate-holder.sock").exists() == gated
+    finally:
+        if holder is not None:
+            holder.stop()
 
 
 def test_a_message_that_is_not_one_listener_fd_with_its_claim_is_dropped_with_its_fds() -> None:

@@ -1,10 +1,12 @@
 """The webhook's side of the allocation gate (issue 45, step 2): each declaring container
 whose seccomp profile is unset or RuntimeDefault gets `Localhost` vram-enforcer/gpu-v1.json;
 never the sidecar, a privileged container, one that adds capabilities or one with a profile
-of its own (each said, with why); never a pod only reported on; off by default."""
+of its own (each said, with why); never a pod only reported on; off by default. The sidecar
+of a pod with a gated container is told so, and of no other (its holder, issue 45)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -13,10 +15,11 @@ import pytest
 from enforcer.core.admission import mutate
 from enforcer.core.admission.gate import why_not_gated
 from enforcer.core.tenancy import ALL_ACTIONS, Bounds, Tenancy
-from tests.unit.test_admission import NATIVE, applied, gpu, pod, sidecar_of
+from tests.unit.test_admission import NATIVE, applied, env_of, gpu, pod, sidecar_of
 
 GATED = {"type": "Localhost", "localhostProfile": "vram-enforcer/gpu-v1.json"}
 ON = dataclasses.replace(NATIVE, allocation_gate=True)
+HOLDER = "VRAM_ENFORCER_ALLOCATION_GATE"  # the sidecar's: hold the pod's listener fds
 
 
 def profile_of(c: dict[str, Any]) -> object:
@@ -132,3 +135,69 @@ def test_a_container_that_adds_only_default_capabilities_is_gated() -> None:
         "it adds capabilities (SYS_NICE), with which RuntimeDefault allows more than the "
         "gate's profile"
     )
+
+
+def holds(out: dict[str, Any]) -> object:
+    """What the webhook told the pod's sidecar of its holder (None: nothing)."""
+    return env_of(sidecar_of(out)).get(HOLDER)
+
+
+@pytest.mark.parametrize(
+    ("p", "settings", "want"),
+    [
+        (pod(gpu("trainer")), ON, "on"),
+        (pod(gpu("cpu-only", None), init=[gpu("warm-up")]), ON, "on"),  # an init container
+        (pod(gpu("trainer")), NATIVE, None),  # the gate off: no holder
+        (
+            pod(gpu("trainer", securityContext={"capabilities": {"add": ["SYS_ADMIN"]}})),
+            ON,
+            None,
+        ),
+        (pod(gpu("trainer", securityContext={"seccompProfile": {"type": "Unconfined"}})), ON, None),
+        (pod(gpu("trainer"), annotations={"vram-enforcer.io/action": "warn"}), ON, None),
+        # Its author's choice, the gate off here: gated all the same on a node with the file.
+        (pod(gpu("trainer", securityContext={"seccompProfile": GATED})), NATIVE, "on"),
+        (
+            pod(gpu("trainer"), gpu("cpu-only", None), securityContext={"seccompProfile": GATED}),
+            NATIVE,
+            "on",
+        ),
+    ],
+)
+def test_the_sidecar_holds_the_pods_fds_exactly_where_a_container_runs_under_the_profile(
+    p: dict[str, Any], settings: Any, want: str | None
+) -> None:
+    """`VRAM_ENFORCER_ALLOCATION_GATE=on` on the sidecar of a pod with at least one
+    container under the gate's profile; nothing on any other, whose sidecar then runs no
+    holder (no thread, no socket)."""
+    settings = dataclasses.replace(settings, tenancy=Tenancy(Bounds(actions=ALL_ACTIONS)))
+    out = applied(p, settings)
+    assert holds(out) == want
+    assert mutate(out, settings) == []  # a second pass changes nothing
+
+
+@pytest.mark.parametrize("forged", ["off", "on", None])
+def test_a_pod_never_chooses_its_sidecars_holder(forged: str | None) -> None:
+    """The sidecar is the webhook's, replaced whole on every pass: a pod that names it
+    with the holder switched off (or on, or absent) gets ours, on where it is gated and
+    absent where it is not."""
+    for p, want in (
+        (pod(gpu("trainer")), "on"),
+        (
+            pod(
+                gpu("cpu", None),
+                gpu("t", "1Gi", securityContext={"seccompProfile": {"type": "Unconfined"}}),
+            ),
+            None,
+        ),
+    ):
+        genuine = applied(p, ON)
+        assert holds(genuine) == want
+        tampered = copy.deepcopy(genuine)
+        side = sidecar_of(tampered)
+        side["env"] = [e for e in side["env"] if e["name"] != HOLDER]
+        if forged is not None:
+            side["env"].append({"name": HOLDER, "value": forged})
+        out = applied(tampered, ON)
+        assert holds(out) == want
+        assert sidecar_of(out) == sidecar_of(genuine)

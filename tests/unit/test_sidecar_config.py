@@ -34,6 +34,7 @@ def test_defaults_from_the_environment() -> None:
     assert s.sidecar_mode == "native"
     assert s.api_access == "agent"  # the pod from the agent's watch: no API read of ours
     assert not s.undeclared_allowed
+    assert not s.allocation_gate  # no holder unless the webhook says the pod is gated
 
 
 def test_flags_override_the_environment() -> None:
@@ -87,6 +88,8 @@ def test_the_sidecar_has_no_metrics_port_and_0_1_0s_variable_changes_nothing() -
             "--listen: '/run/vram-enforcer/sidecar.sock' needs --source agent",
         ),
         ({}, {"undeclared": "maybe"}, "--undeclared: 'maybe'"),
+        ({"VRAM_ENFORCER_ALLOCATION_GATE": "on"}, {}, "--allocation-gate: 'on' needs --listen"),
+        ({"VRAM_ENFORCER_ALLOCATION_GATE": "yes"}, {}, "VRAM_ENFORCER_ALLOCATION_GATE: 'yes'"),
     ],
 )
 def test_bad_values_name_the_variable_or_flag(

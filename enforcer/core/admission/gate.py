@@ -13,6 +13,9 @@ containerd's RuntimeDefault, the file's source, so such a container is gated. Ea
 container left so is said, with why: sampling still holds its limit. A container that
 already names our file (a reinvocation over our own output, or a user who asked for it) is
 as wanted.
+
+A pod any of whose containers runs under the file is gated: its sidecar is told so
+(`holder_env`), and holds a second copy of the pod's listener fds (`gate_holder`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from typing import Any
 
 from enforcer.core.admission.common import as_list, as_map, capability, containers_at
 from enforcer.core.admission.patch import Patch
+from enforcer.core.declaration import SIDECAR
 from enforcer.core.gate_profile import PROFILE_NAME
+from enforcer.core.payloads import PodSpec
 from enforcer.core.runtime_default import CAPABILITIES
+from enforcer.core.settings.sidecar import ALLOCATION_GATE
 
 GATED = {"type": "Localhost", "localhostProfile": PROFILE_NAME}
 
@@ -67,3 +73,18 @@ def gate_containers(patch: Patch, declaring: set[str], said: list[str] | None, g
                 f"container {name!r}: its GPU allocations are not checked before they run "
                 f"(the allocation gate), since {why}; sampling still holds its limit"
             )
+
+
+def holder_env(spec: PodSpec) -> dict[str, str]:
+    """The sidecar's `--allocation-gate on` where a container of the pod (the sidecar aside)
+    runs under the gate's profile, its own or the pod's: the webhook's doing
+    (`gate_containers`), or its author's, whose container is gated all the same on a node
+    with the file. The sidecar then holds the pod's fds, so that an agent's restart never
+    fails their calls with ENOSYS; elsewhere it runs no holder (nothing set)."""
+    pod_profile = as_map(as_map(spec.get("securityContext")).get("seccompProfile"))
+    gated = any(
+        (as_map(as_map(c.get("securityContext")).get("seccompProfile")) or pod_profile) == GATED
+        for _, c in containers_at(spec)
+        if c["name"] != SIDECAR
+    )
+    return {ALLOCATION_GATE.variable: "on"} if gated else {}

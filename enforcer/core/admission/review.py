@@ -27,7 +27,7 @@ from enforcer.core.admission.common import (
     deny_sidecar_name,
 )
 from enforcer.core.admission.ephemeral import EPHEMERAL, mutate_ephemeral
-from enforcer.core.admission.gate import gate_containers
+from enforcer.core.admission.gate import gate_containers, holder_env
 from enforcer.core.admission.patch import Patch
 from enforcer.core.admission.sidecar import (
     NO_TOKEN_VOLUME,
@@ -291,13 +291,13 @@ def mutate(
         sidecar_env[CEILINGS_ENV] = json.dumps(ceilings, separators=(",", ":"))
     shm = str(annotations.get(SHM_SIZE, settings.shm_default))
     shm_limit = None if shm == "off" else shm_size_limit(shm, spec)
-    env = sidecar_variables(spec, limits, sidecar_env, settings)
-    check_sidecar_env(env)
     patch = Patch(checked)
     patch.set(("spec", "shareProcessNamespace"), True)
     isolation.drop_kill_beside_the_sidecar(patch)
     _declaring_containers(patch, limits, ceilings, defaults, settings)
-    _refusing(patch, declared, action, settings, said)
+    sidecar_env.update(_refusing(patch, declared, action, settings, said))
+    env = sidecar_variables(spec, limits, sidecar_env, settings)
+    check_sidecar_env(env)
     if shm != "off":
         add_shm(patch, shm_limit)
     add_sidecar(patch, env, settings)
@@ -335,13 +335,15 @@ def _refusing(
     action: str,
     settings: AdmissionSettings,
     said: list[str] | None,
-) -> None:
+) -> dict[str, str]:
     """What makes the node refuse a container's allocations past its limit, where the
     flags ask for it: the toolkit hook's limit, the allocation gate's profile. Refusing is
-    enforcing: a pod only reported on gets neither."""
+    enforcing: a pod only reported on gets neither. Returned: the sidecar's variables for
+    it (`holder_env`: a gated pod's sidecar holds its fds)."""
     enforced = action not in REPORT_ONLY
     _toolkit_limits(patch, declared, settings.toolkit_limits and enforced)
     gate_containers(patch, set(declared.requests), said, settings.allocation_gate and enforced)
+    return holder_env(patch.get(("spec",)))
 
 
 def _toolkit_limits(patch: Patch, declared: Declaration, toolkit: bool) -> None:

@@ -198,14 +198,15 @@ def hard_limits(choices: tuple[str, ...], doc: str) -> Setting[str]:
     )
 
 
-def allocation_gate(help: str, doc: str) -> Setting[str]:
+def allocation_gate(help: str, doc: str, env: str | None = None) -> Setting[str]:
     """`--allocation-gate off|on` (issue 45's gate), off by default, for each mode that
-    takes it."""
+    takes it (`env`: the variable the webhook writes, for the sidecar's)."""
     return value(
         "allocation_gate",
         choice("off", "on"),
         help,
         flag="--allocation-gate",
+        env=env,
         default="off",
         metavar="off|on",
         doc=doc,

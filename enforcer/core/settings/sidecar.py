@@ -42,6 +42,7 @@ from enforcer.core.settings.common import (
     DRA_UUID_ATTRIBUTE,
     PolicySettings,
     action,
+    allocation_gate,
     dra_settings,
     dry_run,
     grace_period,
@@ -236,6 +237,16 @@ LISTEN = value(
     "connecting to `--agent-socket`. The pod then needs no hostPath. Only a process outside "
     "the pod's PID namespace may connect; the webhook sets it to `/run/vram-enforcer/sidecar.sock`",
 )
+ALLOCATION_GATE = allocation_gate(
+    "hold a second copy of the pod's allocation gate fds (the webhook sets it)",
+    "`on`: containers of the pod run under the allocation gate's seccomp profile, and the "
+    "sidecar also listens on `gate-holder.sock` beside `--listen` (which it needs): the "
+    "gate's second holder of the pod's listener fds, so that the node agent's restart never "
+    "fails their gated calls with `ENOSYS`. The webhook sets `on` exactly where a container "
+    "of the pod names the gate's profile. `off`: no holder, no socket (a sidecar the webhook "
+    "injected before the gate existed has no such variable)",
+    env="VRAM_ENFORCER_ALLOCATION_GATE",
+)
 HOST_PROC = value(
     "host_proc",
     as_text,
@@ -312,6 +323,7 @@ DECLARED: tuple[Setting[Any], ...] = (
     API_ACCESS,
     AGENT_SOCKET,
     LISTEN,
+    ALLOCATION_GATE,
     HOST_PROC,
     STALE_AFTER,
     SIDECAR_MODE,
@@ -345,6 +357,7 @@ class SidecarSettings:
     api_access: str  # "agent": the pod comes with the usage and Events go back; "direct"
     agent_socket: str
     listen: str | None  # wait for the agent on this socket, rather than connecting to it
+    allocation_gate: bool  # the pod's gate holder beside `listen` (the pod is gated)
     host_proc: str | None
     stale_after: float
     sidecar_mode: str
@@ -366,6 +379,12 @@ def sidecar_settings(values: Values) -> SidecarSettings:
     if values[SOURCE] == "nvml" and values[LISTEN]:
         raise ConfigError(
             "--listen", values[LISTEN], "needs --source agent (it is where the agent connects)"
+        )
+    if values[ALLOCATION_GATE] == "on" and not values[LISTEN]:
+        raise ConfigError(
+            "--allocation-gate",
+            "on",
+            "needs --listen: the gate's holder listens beside the socket the agent connects to",
         )
     dra = dra_settings(values) if values[LIMITS_FROM] == "dra" else None
     if dra is None and values[LIMITS] is None:
@@ -395,6 +414,7 @@ def sidecar_settings(values: Values) -> SidecarSettings:
         api_access=values[API_ACCESS],
         agent_socket=values[AGENT_SOCKET],
         listen=values[LISTEN],
+        allocation_gate=values[ALLOCATION_GATE] == "on",
         host_proc=values[HOST_PROC],
         stale_after=values[STALE_AFTER],
         sidecar_mode=values[SIDECAR_MODE],

@@ -167,8 +167,10 @@ ALLOCATION_GATE = allocation_gate(
     "outside the runtime's default set (those `baseline` allows are in it) or one with a "
     "profile of its own: each such container is said in a warning, and sampling "
     "holds it. Every node the pods may run on needs the agent with the gate on (its file "
-    "missing, a container fails to start with `CreateContainerError`). Experimental, "
-    "unverified on a GPU",
+    "missing, a container fails to start with `CreateContainerError`). The sidecar of a pod "
+    "with a container under the profile (given here, or its own) gets "
+    "`VRAM_ENFORCER_ALLOCATION_GATE=on`: it holds a second copy of the pod's listener fds. "
+    "Experimental, unverified on a GPU",
 )
 TOOLKIT_LIMITS = switch(
     "toolkit_limits",
