@@ -287,8 +287,8 @@ class NodeGateMetrics:
     by outcome and its time per call over the node (container IDs come and go: a series
     per container and outcome would be kept for ever), its refusals and its calls throttled
     by container (each removed when the container's last gated process exits), how many of
-    its listeners are stuck, and the calls the pods' holders let go on while the agent was
-    away."""
+    its listeners are stuck, the calls the pods' holders let go on while the agent was
+    away, and its dials of the holders it lost."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.calls = Counter(
@@ -324,8 +324,17 @@ class NodeGateMetrics:
             "away (restarted, stopped or stuck), as they tell it when it is back",
             registry=registry,
         )
+        self.redials = Counter(
+            PREFIX + "allocation_gate_redials",
+            "Dials of a pod's gate holder the agent had lost (a renewal or an fd it could "
+            "not send), by result (held, failed)",
+            ["result"],
+            registry=registry,
+        )
         for outcome in Outcome:  # every series at 0 from the start
             self.calls.labels(outcome)
+        for result in ("held", "failed"):
+            self.redials.labels(result)
 
 
 class Telemetry:

@@ -21,7 +21,9 @@ each (`gate_holder`, reached by `dial_sidecar`), lets the calls go on until an a
 the fds back from it (`hold`): without it, every later gated call would fail with ENOSYS.
 The same holder takes over while the agent is stopped or stuck: the agent reads an fd of
 which a holder has a copy only under that holder's lease, renewed by the `gate-lease`
-thread (`gate_holder.LEASE`), and a listener whose lease has lapsed reads nothing.
+thread (`gate_holder.LEASE`), and a listener whose lease has lapsed reads nothing. A holder
+the agent loses (a renewal or an fd it cannot send) is dialled again by itself, backing
+off (`Redial`, thread `gate-redial`), while its sidecar is served.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tenacity
+
 from enforcer.core import gate_profile, rm_abi
 from enforcer.core.cgroups import container_id, parse_cgroup
 from enforcer.core.gate_budget import Budget
@@ -51,6 +55,7 @@ from enforcer.core.reasons import Reason
 from enforcer.core.rm_abi import layout_for
 from enforcer.core.sidecar_presence import sidecar_id
 from enforcer.core.tier_choice import driver_branch
+from enforcer.edge.backoff import Backoff
 from enforcer.edge.gate_holder import (
     LEASE,
     RENEW_EVERY,
@@ -78,6 +83,20 @@ HOLDER_TIMEOUT = 1.0  # s a pod's holder may take to hand its fds over, or take 
 UNBOUNDED = 1 << 62  # the limit of a container the gate does not bound (yet): calls go on
 BUDGET = Budget()  # each container's budget of calls (`core/gate_budget.py`)
 SAY_THROTTLED_EVERY = 60.0  # s: a container held to its budget is said at most this often
+REDIAL_FIRST = 1.0  # s before a lost holder is first dialled again; then doubled each time,
+REDIAL_MOST = 60.0  # up to this, while its sidecar is served
+HELD = "held"  # a lost holder dialled again, and held (a result of its redials)
+
+
+@dataclass(frozen=True, slots=True)
+class Redial:
+    """How this agent reaches a pod's holder again once it has lost it: its sidecar's
+    container ID, the dial (`dial_holder`), and whether that sidecar is still of a pod
+    served here (the dials stop when it is not)."""
+
+    sidecar: str
+    dial: Callable[[], Dialled]
+    served: Callable[[], bool]
 
 
 @dataclass(slots=True, eq=False)
@@ -90,6 +109,7 @@ class _Holder:
     leased_until: float  # monotonic: `LEASE` after the last acknowledged renewal was sent
     sent: dict[int, float] = field(default_factory=dict)  # the renewal in flight: when sent
     gone: bool = False  # the holder hung up: it reads nothing under this connection
+    redial: Redial | None = None  # how to reach it again once lost (None: it is not)
 
     def lets_read(self) -> bool:
         return self.gone or time.monotonic() < self.leased_until
@@ -187,6 +207,8 @@ class NodeGate:
         self.wanted = threading.Event()
         self._renewer: threading.Thread | None = None  # `gate-lease`, from the first holder
         self._renewing = LoopGuard("allocation gate lease", errors, log)
+        self._redialling: set[str] = set()  # sidecars with a `gate-redial` thread: one each
+        self._redials = LoopGuard("allocation gate redial", errors, log)
 
     def start(self) -> str | None:
         """Serves the socket, then writes the gating profile (the plain one where the gate
@@ -348,25 +370,38 @@ class NodeGate:
         log.info("allocation gate: serving pid %d of container %s", held.pid, cid)
         return listener
 
-    def hold(self, sock: socket.socket, member: Callable[[str], bool], since: float) -> None:
+    def hold(
+        self,
+        sock: socket.socket,
+        member: Callable[[str], bool],
+        since: float,
+        redial: Redial | None = None,
+    ) -> bool:
         """A connection to the gate holder of one pod's sidecar, proven to be that
         sidecar's by whoever connected, begun at `since` (monotonic, before the connect:
         the holder keeps off for `LEASE` from its accept, which is later);
-        `member(container_id)`: whether a container is of that pod. The fds it held are
+        `member(container_id)`: whether a container is of that pod; `redial`: how to reach
+        it again where its fds cannot be taken or it is lost later (`_redial`). Whether it
+        is held (its fds taken, and not lost as it was given the pod's). The fds it held are
         served (after this agent's restart they are its only copies), and it is given a
         copy of each fd served for the pod's containers, now and as they come; each is
         read here under the holder's lease from then on. The connection stays open: its
         end, when this process exits, is the holder's word to let the calls go on until
         an agent is back, as a lease not renewed is while this process is stopped."""
+        if self._stopping.is_set():  # a redial that ended after the gate stopped
+            sock.close()
+            return False
         sock.settimeout(HOLDER_TIMEOUT)
         try:
             taken, let_on = take_over(sock)
         except (OSError, ValueError) as exc:
             sock.close()
             log.warning("allocation gate: a holder's fds not taken: %s", exc)
-            return
+            if redial is not None:
+                self._redial_later(redial, member)
+            return False
         self._let_on(let_on)
-        holder = _Holder(sock, member, since + LEASE)
+        holder = _Holder(sock, member, since + LEASE, redial=redial)
         has: set[int] = set()  # the fds served here of which the holder has a copy
         for held in taken:
             if (served := self._served_as(held.fd)) is not None:
@@ -407,6 +442,8 @@ class NodeGate:
         for held, listener in ours:
             if held.fd not in has:
                 self._pass(holder, held, listener)
+        with self._lock:
+            return holder in self._holders  # not lost as it was given the fds
 
     def _held_by(self, held: Held, listener: GateListener, holder: _Holder) -> None:
         """`holder` has a copy of `held.fd`, served here by `listener`: read under its lease
@@ -559,17 +596,104 @@ class NodeGate:
 
     def _lost(self, holder: _Holder, why: str) -> None:
         """A holder whose connection this agent closes: its lease is never renewed, so
-        the fds it has a copy of are its to read (it sees the connection end) until the
-        sidecar is dialled again, never both of ours."""
-        log.warning(
-            "allocation gate: lost a pod's holder (%s); its pod's calls go on unjudged "
-            "until its sidecar is dialled again",
-            why,
-        )
+        the fds it has a copy of are its to read (it sees the connection end) until it is
+        dialled again (`_redial`, by itself), never both of ours."""
         with self._lock:
-            if holder in self._holders:
+            ours = holder in self._holders  # not lost already, by another thread
+            if ours:
                 self._holders.remove(holder)
         holder.sock.close()
+        if not ours:
+            return
+        log.warning(
+            "allocation gate: lost a pod's holder (%s); its pod's calls go on unjudged "
+            "until it is dialled again",
+            why,
+        )
+        if holder.redial is not None:
+            self._redial_later(holder.redial, holder.member)
+
+    def _redial_later(self, redial: Redial, member: Callable[[str], bool]) -> None:
+        """A `gate-redial` thread for a holder this agent lost or could not take, unless
+        one runs for its sidecar already (that one dials on) or the gate stops."""
+        with self._lock:
+            if self._stopping.is_set() or redial.sidecar in self._redialling:
+                return
+            self._redialling.add(redial.sidecar)
+        log.info(
+            "allocation gate: dialling the holder of sidecar %s again in %g s",
+            redial.sidecar[:12],
+            REDIAL_FIRST,
+        )
+        redialling = functools.partial(self._redial, redial, member)
+        threading.Thread(  # a bug: said and counted, and the next loss dials again
+            target=self._redials.run, args=(redialling,), name="gate-redial", daemon=True
+        ).start()
+
+    def _redial(self, redial: Redial, member: Callable[[str], bool]) -> None:
+        """A holder lost (or whose fds were not taken) dialled again, `REDIAL_FIRST` later
+        and then backing off (doubling up to `REDIAL_MOST`, jittered), until it is held
+        again (or by the dial of its sidecar's usage link), its sidecar is no longer
+        served, or the gate stops. Each dial counted by its result; the first failure and
+        the end said."""
+        wait = tenacity.wait_exponential(multiplier=REDIAL_FIRST, max=REDIAL_MOST)
+        backoff = Backoff(wait + tenacity.wait_random(0, REDIAL_FIRST / 2))
+        name = redial.sidecar[:12]
+        settled = False
+        try:
+            while not self._stopping.wait(backoff.failed(time.monotonic())):
+                if settled := self._settled(redial.sidecar):
+                    log.info("allocation gate: the holder of sidecar %s is held again", name)
+                    return
+                if not redial.served():
+                    log.info("allocation gate: sidecar %s is no longer served", name)
+                    return
+                dial = functools.partial(self._dial_again, redial, member)
+                why = self._redials.result(dial) or "a bug (said above)"
+                settled = why == HELD and self._settled(redial.sidecar)
+                self._redialled(HELD if settled else "failed")
+                if settled:
+                    log.info(
+                        "allocation gate: the holder of sidecar %s dialled again and held "
+                        "(dial %d)",
+                        name,
+                        backoff.failures,
+                    )
+                    return
+                if backoff.failures == 1:
+                    log.warning(
+                        "allocation gate: cannot dial the holder of sidecar %s again yet (%s); "
+                        "dialling it again, at most every %g s",
+                        name,
+                        why,
+                        REDIAL_MOST,
+                    )
+        finally:
+            if not settled:
+                with self._lock:
+                    self._redialling.discard(redial.sidecar)
+
+    def _dial_again(self, redial: Redial, member: Callable[[str], bool]) -> str:
+        """One dial of a lost holder, held where it answers: `HELD`, else why not."""
+        since = time.monotonic()
+        found = redial.dial()
+        if not isinstance(found, socket.socket):
+            return str(found)
+        held = self.hold(found, member, since, redial)
+        return HELD if held else "its fds not taken, or it was lost again as it was given them"
+
+    def _settled(self, sidecar: str) -> bool:
+        """Whether this agent holds a connection to the holder of `sidecar`; if so, its
+        redial ends (in the same step, so that a loss from now on starts another)."""
+        with self._lock:
+            held = any(h.redial is not None and h.redial.sidecar == sidecar for h in self._holders)
+            if held:
+                self._redialling.discard(sidecar)
+            return held
+
+    def _redialled(self, result: str) -> None:
+        if self._reports is not None:
+            self._reports.metrics.redials.labels(result).inc()
 
     def _drop_hung_up(self) -> None:
         """The connections of holders that hung up closed: a sidecar that ended (its
@@ -702,14 +826,27 @@ def dial_sidecar(
     if gate is None or not isinstance(found, socket.socket):
         return found
     since = time.monotonic()
-    holder = dial_container(host_proc, sidecar, GATE_HOLDER_SOCKET, socket.SOCK_SEQPACKET)
+    redial = Redial(
+        sidecar,
+        functools.partial(dial_holder, host_proc, sidecar),
+        functools.partial(_served, injected, sidecar),
+    )
+    holder = redial.dial()
     if isinstance(holder, socket.socket):
-        holder.setblocking(True)
-        gate.hold(holder, functools.partial(_of_pod, injected, sidecar), since)
+        gate.hold(holder, functools.partial(_of_pod, injected, sidecar), since, redial)
     else:
         log.info(
             "allocation gate: sidecar %s holds no copy of its pod's fds: %s", sidecar[:12], holder
         )
+    return found
+
+
+def dial_holder(host_proc: ProcFs, sidecar: str) -> Dialled:
+    """A connection to the gate holder of the sidecar container `sidecar` (blocking, as
+    `NodeGate.hold` reads it), found and proven as its usage link is; or why not."""
+    found = dial_container(host_proc, sidecar, GATE_HOLDER_SOCKET, socket.SOCK_SEQPACKET)
+    if isinstance(found, socket.socket):
+        found.setblocking(True)
     return found
 
 
@@ -729,3 +866,10 @@ def _of_pod(injected: Callable[[], Mapping[str, Pod] | None], sidecar: str, cid:
         sidecar_id(pod) == sidecar and cid in containers_by_id(pod)
         for pod in (injected() or {}).values()
     )
+
+
+def _served(injected: Callable[[], Mapping[str, Pod] | None], sidecar: str) -> bool:
+    """Whether `sidecar` is the sidecar of a pod served here (True before the pods are
+    known: its holder is dialled again until they are)."""
+    pods = injected()
+    return pods is None or any(sidecar_id(pod) == sidecar for pod in pods.values())

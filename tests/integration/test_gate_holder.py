@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import itertools
 import json
+import logging
 import os
 import select
 import signal
@@ -43,7 +46,9 @@ from enforcer.edge.gate_holder import (
 from enforcer.edge.gate_listener import let_go_on
 from enforcer.edge.procfs import ProcFs
 from enforcer.edge.seccomp_filter import program
+from enforcer.edge.sidecar_dialer import Dialled
 from enforcer.edge.telemetry import SidecarTelemetry
+from enforcer.modes import node_gate
 from enforcer.modes import sidecar as sidecar_mode
 from enforcer.modes.node_gate import dial_sidecar
 from tests.helpers import POD_NAMESPACES, children, configured, wait_for
@@ -417,6 +422,23 @@ def _pod(workload: str) -> Pod:
     return cast(Pod, {"metadata": meta, "spec": spec, "status": status})
 
 
+def _served_pod(
+    tmp_path: Path, container: Path, spawned: list[subprocess.Popen[bytes]]
+) -> tuple[Node, Child]:
+    """The agent's gate, and a pod's sidecar it can dial: the holder (and a usage socket)
+    in the pod's own mount and PID namespaces, its first process in the cgroup of the
+    sidecar container SIDECAR_CID."""
+    node = Node(tmp_path)
+    assert node.gate.start() is None
+    argv = [sys.executable, str(HERE / "gate_sidecar.py"), GATE_HOLDER_SOCKET, SIDECAR_SOCKET]
+    sidecar = _start(spawned, [*POD_NAMESPACES, *argv])
+    pid = wait_for(lambda: children(sidecar.proc.pid), what="the pod's first process")[0]
+    (container.parent / SIDECAR_CID).mkdir()
+    (container.parent / SIDECAR_CID / "cgroup.procs").write_text(str(pid))
+    sidecar.until({"held": 0, "agent": False})
+    return node, sidecar
+
+
 @pytest.mark.usefixtures("proven")
 @pytest.mark.parametrize("workload", [CID, "77" * 32])
 def test_the_agent_reaches_a_sidecars_holder_in_its_filesystem_and_hands_it_only_its_pods_fds(
@@ -427,14 +449,7 @@ def test_the_agent_reaches_a_sidecars_holder_in_its_filesystem_and_hands_it_only
     proven to be that container's first process; the holder gets a copy of the fd of a
     container of its own pod, and none of another pod's (`workload` names no container of
     the stand-in's: the fd served is then another pod's)."""
-    node = Node(tmp_path)
-    assert node.gate.start() is None
-    argv = [sys.executable, str(HERE / "gate_sidecar.py"), GATE_HOLDER_SOCKET, SIDECAR_SOCKET]
-    sidecar = _start(spawned, [*POD_NAMESPACES, *argv])
-    pid = wait_for(lambda: children(sidecar.proc.pid), what="the pod's first process")[0]
-    (container.parent / SIDECAR_CID).mkdir()
-    (container.parent / SIDECAR_CID / "cgroup.procs").write_text(str(pid))
-    sidecar.until({"held": 0, "agent": False})
+    node, sidecar = _served_pod(tmp_path, container, spawned)
     process = Standin([OVER], container)
     try:
         process.hand_over(node.socket, CID)
@@ -453,6 +468,115 @@ def test_the_agent_reaches_a_sidecars_holder_in_its_filesystem_and_hands_it_only
     finally:
         node.gate.stop()
         _reap(process.spawned.pid)
+
+
+@pytest.mark.usefixtures("proven")
+def test_a_holder_the_agent_lost_is_dialled_again_by_itself_and_given_the_fds_it_missed(
+    tmp_path: Path,
+    container: Path,
+    spawned: list[subprocess.Popen[bytes]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The agent cannot hand a pod's holder a new process's fd (its sidecar stopped, its
+    connection gone): it gives that connection up, and the holder reads the pod's fds. The
+    agent dials the holder again by itself (`gate-redial`), with the usage link still up
+    and never dialled again: the holder hands its copies back, and is given the fd it
+    missed; the dial is counted and said."""
+    node, sidecar = _served_pod(tmp_path, container, spawned)
+    first, second = Standin([OVER], container), Standin([OVER], container)
+    try:
+        first.hand_over(node.socket, CID)
+        wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+        link = dial_sidecar(ProcFs(), node.gate, lambda: {UID: _pod(CID)}, SIDECAR_CID)
+        assert isinstance(link, socket.socket), link
+        sidecar.until({"agent": True, "held": 1})
+        # The sidecar stopped (it cannot hang up first), the agent's end of the connection
+        # broken: handing it the next process's fd fails, and the agent gives it up.
+        os.killpg(sidecar.proc.pid, signal.SIGSTOP)
+        (lost,) = node.gate._holders
+        lost.sock.shutdown(socket.SHUT_WR)
+        with caplog.at_level(logging.INFO, logger="enforcer.modes.node_gate"):
+            second.hand_over(node.socket, CID)
+            wait_for(lambda: node.gate.holders() == 0, DEADLINE, "the holder given up")
+            os.killpg(sidecar.proc.pid, signal.SIGCONT)
+            sidecar.until({"agent": True, "held": 2})  # dialled again, given the fd it missed
+            redials = functools.partial(node.metric, "allocation_gate_redials_total")
+            wait_for(lambda: redials(result="held") == 1, DEADLINE, "the dial counted")
+        assert node.gate.holders() == 1 and node.gate.gated() == {CID: 2}
+        said = [r.getMessage() for r in caplog.records]
+        assert any("lost a pod's holder" in m for m in said), said
+        assert any(f"dialling the holder of sidecar {SIDECAR_CID[:12]} again" in m for m in said)
+        assert any("dialled again and held" in m for m in said), said
+        link.close()
+    finally:
+        node.gate.stop()
+        _reap(first.spawned.pid)
+        _reap(second.spawned.pid)
+
+
+def test_a_lost_holders_dials_back_off_are_counted_and_end_once_its_pod_is_not_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holder the agent lost whose sidecar cannot be reached: each dial counted as
+    failed, spaced out, the first failure said; once its pod is no longer served, its
+    thread ends (no more dials)."""
+    monkeypatch.setattr(node_gate, "REDIAL_FIRST", 0.05)
+    monkeypatch.setattr(node_gate, "REDIAL_MOST", 0.2)
+    node = Node(tmp_path)
+    served = threading.Event()
+    served.set()
+    dials: list[float] = []
+
+    def dial() -> str:
+        dials.append(time.monotonic())
+        return "no process of the sidecar's container was found"
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    hand_over(theirs, [])
+    redial = node_gate.Redial(SIDECAR_CID, dial, served.is_set)
+    try:
+        with caplog.at_level(logging.INFO, logger="enforcer.modes.node_gate"):
+            assert node.gate.hold(ours, lambda cid: True, time.monotonic(), redial)
+            ours.shutdown(socket.SHUT_WR)  # its next renewal cannot be sent: given up
+            failed = functools.partial(node.metric, "allocation_gate_redials_total")
+            wait_for(lambda: failed(result="failed") == 3, DEADLINE, "three failed dials")
+            served.clear()
+            wait_for(lambda: not _threads("gate-redial"), DEADLINE, "the dials to end")
+        assert len(dials) >= 3 and failed(result="held") == 0
+        assert all(b - a >= 0.05 for a, b in itertools.pairwise(dials)), dials  # spaced out
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("cannot dial the holder" in m for m in said) == 1, said
+        assert any("no longer served" in m for m in said), said
+    finally:
+        node.gate.stop()
+        theirs.close()
+
+
+def test_a_holder_whose_fds_could_not_be_taken_is_dialled_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder that does not greet the agent in time (a sidecar slow under load): its
+    connection is closed, and it is dialled again until it hands its fds over."""
+    monkeypatch.setattr(node_gate, "REDIAL_FIRST", 0.05)
+    node = Node(tmp_path)
+    slow, silent = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ready, greeting = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    hand_over(greeting, [])
+    answers: list[Dialled] = [ready]
+    redial = node_gate.Redial(SIDECAR_CID, answers.pop, lambda: True)
+    try:
+        assert not node.gate.hold(slow, lambda cid: True, time.monotonic(), redial)
+        wait_for(lambda: node.gate.holders() == 1, DEADLINE, "the holder dialled again")
+        assert node.metric("allocation_gate_redials_total", result="held") == 1
+        assert not answers
+    finally:
+        node.gate.stop()
+        for sock in (silent, greeting):
+            sock.close()
+
+
+def _threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == name]
 
 
 @pytest.mark.parametrize("pod", [{CID, "0e" * 32}, {CID}])
