@@ -105,6 +105,15 @@ def pod_uid_of_dir(name: str) -> str | None:
     return (match[1] or match[2]).replace("_", "-") if match else None
 
 
+def pod_uid(entries: Sequence[CgroupEntry]) -> str | None:
+    """The pod UID in a process's cgroup lines (its pod's directory, as the kubelet names
+    it); None where there is none or they disagree."""
+    found = {
+        uid for entry in entries for name in entry.path.split("/") if (uid := pod_uid_of_dir(name))
+    }
+    return found.pop() if len(found) == 1 else None
+
+
 def container_id_of_dir(name: str) -> str | None:
     """The container ID in the name of a container's cgroup directory (not conmon's)."""
     match = _CONTAINER_DIR.match(name)

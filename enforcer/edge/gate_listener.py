@@ -69,6 +69,7 @@ class Outcome(StrEnum):
     UNPROVEN = "unproven"  # a caller not proven of the container whose limit it is: let go on
     UNSURE = "unsure"  # a recheck that could not be made in time, or a lease lapsed: let go on
     ABANDONED = "abandoned"  # the caller was interrupted before the answer
+    OVERFLOW = "overflow"  # a process over the node's caps on listeners: let go on, unjudged
     ERROR = "error"  # a bug, or parameters that cannot be read: let go on
 
 

@@ -294,7 +294,8 @@ class NodeGateMetrics:
         self.calls = Counter(
             PREFIX + "allocation_gate_calls",
             "The driver's allocation calls the node's allocation gate answered, by outcome "
-            "(allowed, refused, not_memory, not_gpu, unproven, unsure, abandoned, error)",
+            "(allowed, refused, not_memory, not_gpu, unproven, unsure, abandoned, overflow, "
+            "error)",
             ["outcome"],
             registry=registry,
         )
@@ -316,6 +317,12 @@ class NodeGateMetrics:
             "Gated calls of a container read later than they came, its budget of calls "
             "spent (its threads waited in the kernel), by container",
             ["namespace", "pod", "container"],
+            registry=registry,
+        )
+        self.overflow = Gauge(
+            PREFIX + "allocation_gate_overflow",
+            "Gated processes served beyond the agent's caps (per pod, per node) by its one "
+            "overflow reader, which lets their calls go on unjudged (outcome overflow)",
             registry=registry,
         )
         self.let_on = Counter(

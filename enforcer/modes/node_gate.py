@@ -44,8 +44,9 @@ from pathlib import Path
 import tenacity
 
 from enforcer.core import gate_profile, rm_abi
-from enforcer.core.cgroups import container_id, parse_cgroup
+from enforcer.core.cgroups import CgroupEntry, container_id, parse_cgroup, pod_uid
 from enforcer.core.gate_budget import Budget
+from enforcer.core.gate_caps import Caps
 from enforcer.core.lending import Tenants
 from enforcer.core.payloads import ObjectReference, Pod
 from enforcer.core.pod import containers_by_id
@@ -69,6 +70,7 @@ from enforcer.edge.gate_holder import (
     take_over,
 )
 from enforcer.edge.gate_listener import GateListener, Ledger, LineQuota, Outcome, Turns
+from enforcer.edge.gate_overflow import Overflowed, OverflowReader
 from enforcer.edge.gate_socket import GateSocket, Handoff
 from enforcer.edge.guard import ErrorCounter, LoopGuard
 from enforcer.edge.metrics import NodeGateMetrics
@@ -97,6 +99,10 @@ class Redial:
     sidecar: str
     dial: Callable[[], Dialled]
     served: Callable[[], bool]
+
+
+# Who serves one fd: a listener of its own, or (beyond the caps) the overflow reader.
+Served = GateListener | Overflowed
 
 
 @dataclass(slots=True, eq=False)
@@ -128,15 +134,17 @@ class GateReports:
 
 @dataclass(slots=True)
 class _Container:
-    """One gated container: its ledger, its budget of calls (`core/gate_budget.py`) and
-    the listeners of its processes, by fd."""
+    """One gated container: its ledger, its budget of calls (`core/gate_budget.py`), the
+    listeners of its processes, by fd (beyond the node's caps, the overflow reader's), and
+    its pod (None: not known), for the caps."""
 
     ledger: Ledger
     turns: Turns
+    pod: str | None = None
     named: tuple[str, str, str] | None = None  # its series' labels, once counted
     # Its calls throttled (held back by its budget): said once a `SAY_THROTTLED_EVERY`.
     throttled: LineQuota = field(default_factory=lambda: LineQuota(1, SAY_THROTTLED_EVERY))
-    listeners: dict[int, GateListener] = field(default_factory=dict)
+    listeners: dict[int, Served] = field(default_factory=dict)
     pids: dict[int, int] = field(default_factory=dict)  # fd -> the process it was handed for
     held_by: dict[int, _Holder] = field(default_factory=dict)  # fd -> its copy's holder, last
 
@@ -165,6 +173,7 @@ class NodeGate:
         unproven: bool = False,
         blocked: str = "",
         budget: Budget = BUDGET,
+        caps: Caps | None = None,
     ) -> None:
         """`ceiling(container_id)`: what the gate holds a container to, None where it does
         not bound it (`container_ceiling`). `label(value)`: the gate's state for the Node's
@@ -175,7 +184,8 @@ class NodeGate:
         as the sampler's NVML read it ("" before); `unproven`: run the gate on a driver
         branch that no GPU run has proven (`rm_abi.PROVEN_BRANCHES`); `blocked`: why the
         kernel keeps the gate from running here (`tier_probe.gate_blocked`), "" where not;
-        `budget`: each container's, from empty (`core/gate_budget.py`)."""
+        `budget`: each container's, from empty (`core/gate_budget.py`); `caps`: how many
+        fds are served by threads of their own, the others by the overflow reader."""
         self._profile = profile_path(kubelet_root, gate_profile.PROFILE_NAME)
         self._host_proc = host_proc
         self._majors = frozenset(majors)
@@ -209,6 +219,9 @@ class NodeGate:
         self._renewing = LoopGuard("allocation gate lease", errors, log)
         self._redialling: set[str] = set()  # sidecars with a `gate-redial` thread: one each
         self._redials = LoopGuard("allocation gate redial", errors, log)
+        self._caps = caps or Caps()
+        gauge = reports.metrics.overflow.set if reports is not None else lambda n: None
+        self._overflow = OverflowReader(errors, self._count, gauge)
 
     def start(self) -> str | None:
         """Serves the socket, then writes the gating profile (the plain one where the gate
@@ -292,6 +305,7 @@ class NodeGate:
             self._holders.clear()
         for listener in listeners:
             listener.stop()
+        self._overflow.stop()
 
     def _take(self, handoff: Handoff) -> None:
         """One process runc handed over: its container found from its cgroup, served, and
@@ -322,24 +336,29 @@ class NodeGate:
     def _container_of(self, pid: int) -> str | None:
         """The container a process (or thread) is in by its own cgroup; None where it is
         in none, or has ended."""
+        entries = self._cgroup(pid)
+        return None if entries is None else container_id(entries)
+
+    def _cgroup(self, pid: int) -> tuple[CgroupEntry, ...] | None:
         try:
-            text = (self._host_proc / str(pid) / "cgroup").read_text()
+            return parse_cgroup((self._host_proc / str(pid) / "cgroup").read_text())
         except OSError:
             return None
-        return container_id(parse_cgroup(text))
 
     def _serve(
         self,
         held: Held,
         vouch: Callable[[int], bool] | None = None,
         holder: _Holder | None = None,
-    ) -> GateListener:
+    ) -> Served:
         """Serve one process's fd under its container's ledger (`held.container_id`,
         proven by the caller, or an unproven key that is never bounded); `vouch`: for an
         fd a holder handed back, whether each caller is of that container; `holder`: the
         one that has a copy, under whose lease it is read. Its listener: who serves the fd
         while its number names it (`_pass`)."""
         cid = held.container_id
+        entries = self._cgroup(held.pid)
+        pod = None if entries is None else pod_uid(entries)
         with self._lock:
             gated = self._containers.get(cid)
             if gated is None:
@@ -347,8 +366,16 @@ class NodeGate:
                 self._containers[cid] = gated
                 if self._last is not None:  # after a restart, a holder's: usage to judge on
                     self._feed(cid, gated.ledger, *self._last)
+            gated.pod = gated.pod or pod  # None: its first process ended before it was read
             if holder is not None:
                 gated.held_by[held.fd] = holder
+            may_read = functools.partial(gated.lets_read, held.fd)
+            if self._caps.overflows(self._threaded(), gated.pod):
+                served = gated.listeners[held.fd] = self._overflow.serve(
+                    held.fd, pod, held.pid, may_read
+                )
+                gated.pids[held.fd] = held.pid
+                return served
             listener = GateListener(
                 held.fd,
                 gated.ledger,
@@ -358,7 +385,7 @@ class NodeGate:
                 pid=held.pid,
                 who=f"container {cid.rsplit(':', 1)[-1][:12]}",
                 vouch=vouch,
-                may_read=functools.partial(gated.lets_read, held.fd),
+                may_read=may_read,
                 count=self._count,
                 want_pass=self.wanted.set,
                 turn=functools.partial(self._turn, gated, cid),
@@ -369,6 +396,14 @@ class NodeGate:
         listener.start()
         log.info("allocation gate: serving pid %d of container %s", held.pid, cid)
         return listener
+
+    def _threaded(self) -> dict[str | None, int]:
+        """`_lock` held: the fds served by threads of their own, by pod."""
+        served: dict[str | None, int] = {}
+        for gated in self._containers.values():
+            mine = sum(isinstance(s, GateListener) for s in gated.listeners.values())
+            served[gated.pod] = served.get(gated.pod, 0) + mine
+        return served
 
     def hold(
         self,
@@ -445,7 +480,7 @@ class NodeGate:
         with self._lock:
             return holder in self._holders  # not lost as it was given the fds
 
-    def _held_by(self, held: Held, listener: GateListener, holder: _Holder) -> None:
+    def _held_by(self, held: Held, listener: Served, holder: _Holder) -> None:
         """`holder` has a copy of `held.fd`, served here by `listener`: read under its lease
         from now (nothing where the fd was closed meanwhile, its number perhaps reused)."""
         with self._lock:
@@ -558,7 +593,7 @@ class NodeGate:
     def _in_container(self, cid: str, tid: int) -> bool:
         return self._container_of(tid) == cid
 
-    def _served_as(self, fd: int) -> tuple[Held, GateListener] | None:
+    def _served_as(self, fd: int) -> tuple[Held, Served] | None:
         """The fd served here that `fd` is a copy of, if any, and its listener."""
         with self._lock:
             return next(
@@ -571,7 +606,7 @@ class NodeGate:
                 None,
             )
 
-    def _pass(self, holder: _Holder, held: Held, listener: GateListener) -> None:
+    def _pass(self, holder: _Holder, held: Held, listener: Served) -> None:
         """A copy of `held.fd` to `holder` while `listener` still serves it. The sampler
         closes an fd whose tasks have all exited (a `kubectl exec -- true`), and its number
         may then name another file of this agent: so the fd is duplicated under the lock,
@@ -716,7 +751,7 @@ class NodeGate:
             if why is not None:
                 log.warning("the allocation gate does not run on this node: %s", why)
         self._drop_hung_up()
-        ended: list[tuple[int, GateListener]] = []
+        ended: list[tuple[int, Served]] = []
         with self._lock:
             self._last = (usage, at)
             for cid, gated in list(self._containers.items()):
@@ -748,7 +783,7 @@ class NodeGate:
         else:
             ledger.tried(at)
 
-    def _check(self, cid: str, gated: _Container) -> list[tuple[int, GateListener]]:
+    def _check(self, cid: str, gated: _Container) -> list[tuple[int, Served]]:
         """Each listener checked (restarted if it stopped); those whose tasks have all
         exited taken out, to be stopped and their fds closed by the caller, and the
         container forgotten once it has none."""

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from enforcer.core import gate_profile, rm_abi
 from enforcer.core.gate_budget import Budget
+from enforcer.core.gate_caps import Caps
 from enforcer.core.lending import Tenant, Tenants
 from enforcer.core.model import Sample
 from enforcer.core.payloads import ObjectReference, Pod
@@ -78,6 +79,7 @@ class Node:
         unproven: bool = False,
         blocked: str = "",
         budget: Budget = BUDGET,
+        caps: Caps | None = None,
     ) -> None:
         self.driver = driver  # the sampler's NVML's version ("": not read yet)
         self.tenants: dict[str, int] = {}
@@ -106,6 +108,7 @@ class Node:
             unproven=unproven,
             blocked=blocked,
             budget=budget,
+            caps=caps,
         )
 
     def metric(self, name: str, **labels: str) -> float | None:
@@ -626,3 +629,48 @@ def test_a_listener_its_containers_budget_throttles_is_not_said_stalled(
     finally:
         process.kill()
         node.gate.stop()
+
+
+def _threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == name]
+
+
+def test_processes_beyond_the_pods_cap_are_served_by_the_one_overflow_reader(
+    tmp_path: Path, proven: None, container: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding 3 of the review: each served fd cost two threads, for any number of
+    processes (`kubectl exec`, or a pod that names the profile). Beyond its pod's cap an
+    fd is served by the one `gate-overflow` thread: its calls go on, unjudged and counted,
+    never ENOSYS, and the agent's threads stay bounded; said once for the pod."""
+    node = Node(tmp_path, caps=Caps(per_pod=2))
+    assert node.gate.start() is None
+    before = len(_threads("allocation-gate"))
+    try:
+        node.tenants[CID] = 4 * GIB
+        over = f"form=nvos64,class=0x40,size={2 * GIB}"
+        processes = [Process([over], container) for _ in range(4)]
+        with caplog.at_level(logging.WARNING):
+            for process in processes:
+                process.hand_over(node.socket, CID)
+            wait_for(lambda: node.gate.gated() == {CID: 4}, what="the handoffs")
+        wait_for(lambda: len(_threads("allocation-gate")) - before == 2, what="two receivers")
+        assert len(_threads("gate-overflow")) == 1
+        assert node.metric("allocation_gate_overflow") == 2
+        assert caplog.text.count("more gated processes than the agent serves") == 1
+        assert f"pod {UID} has more gated processes" in caplog.text
+        with node.passes({CID: {"GPU-a": 3 * GIB}}):
+            lines = [line for process in processes for line in process.run()]
+        judged, overflowed = lines[:2], lines[2:]
+        for line in judged:  # 3 + 2 > 4: refused by their own listeners
+            assert (line["ret"], line["status"]) == (0, NO_MEMORY), line
+        for line in overflowed:  # let go on to the driver: /dev/null's ENOTTY, not ENOSYS
+            assert (line["ret"], line["errno"], line["status"]) == (-1, 25, UNTOUCHED), line
+        assert node.metric("allocation_gate_calls_total", outcome="overflow") == 2
+        # Every task gone: the fds closed, the reader's copies with them.
+        node.gate.saw(None, time.monotonic())
+        assert node.gate.gated() == {}
+        wait_for(lambda: node.metric("allocation_gate_overflow") == 0, what="the copies closed")
+        assert node.errors.count == 0
+    finally:
+        node.gate.stop()
+    assert not _threads("gate-overflow")

@@ -10,6 +10,7 @@ from enforcer.core.cgroups import (
     is_kubepods_dir,
     made_in,
     parse_cgroup,
+    pod_uid,
     pod_uid_of_dir,
     status_container_id,
     tenant,
@@ -102,6 +103,22 @@ def test_a_pod_directory_names_its_pod(name: str) -> None:
 )
 def test_other_directories_name_no_pod(name: str) -> None:
     assert pod_uid_of_dir(name) is None
+
+
+def test_the_pod_of_a_process_from_its_cgroup_lines() -> None:
+    """What the gate's caps count a process's listener fd by (its pod's directory)."""
+    systemd = f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_SYSTEMD}.slice/cri-containerd-{A}.scope"
+    assert pod_uid(parse_cgroup(systemd)) == UID
+    assert pod_uid(parse_cgroup(f"0::/kubepods/besteffort/pod{UID}/{A}")) == UID
+    v1 = f"12:memory:/kubepods/pod{UID}/{A}\n11:cpu:/kubepods/pod{UID}/{A}"
+    assert pod_uid(parse_cgroup(v1)) == UID
+    other = "0c6a1b2e-5d1f-4b7e-9a51-3f0d2c7e8a90"
+    assert (
+        pod_uid(parse_cgroup(f"12:memory:/kubepods/pod{UID}/{A}\n11:cpu:/kubepods/pod{other}/{A}"))
+        is None
+    )
+    assert pod_uid(parse_cgroup(f"0::/system.slice/docker-{A}.scope")) is None
+    assert pod_uid(parse_cgroup(f"0::/../cri-containerd-{A}.scope")) is None  # a namespace
 
 
 def test_container_directories() -> None:
