@@ -237,9 +237,14 @@ class GateListener:
         self._turn = turn
         self._waiting_turn = False  # the receiver waits for its turn: our pace, no stall
         self._guard = LoopGuard("allocation gate", errors, log)
-        self._rechecks: queue.Queue[_Pending] = queue.Queue(RECHECK_QUEUE)
+        # None: the worker's word to stop (it blocks on the queue, and wakes for nothing else)
+        self._rechecks: queue.Queue[_Pending | None] = queue.Queue(RECHECK_QUEUE)
         self._quota = LineQuota()
         self._stopping = threading.Event()
+        # Written by `stop`: the receiver waits on it with the fd, never waking for nothing.
+        self._wake: int | None = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._starting = threading.Lock()  # `start` and `check` start the threads
+        self._started = False
         self._receiver: threading.Thread | None = None
         self._worker: threading.Thread | None = None
         self._answered = 0
@@ -265,8 +270,23 @@ class GateListener:
         return self._last_answer
 
     def start(self) -> None:
-        self._receiver = self._thread("allocation-gate", self._receive)
-        self._worker = self._thread("allocation-gate-recheck", self._recheck_loop)
+        """Start serving. A thread that cannot start (the process's thread limit) is said,
+        and started by the next `check()`: the callers wait meanwhile, they never fail."""
+        with self._starting:
+            self._started = True
+            self._threads()
+
+    def _threads(self) -> None:
+        """Start each thread not running (`_starting` held), unless stopped."""
+        if self._stopping.is_set():
+            return
+        try:
+            if self._receiver is None or not self._receiver.is_alive():
+                self._receiver = self._thread("allocation-gate", self._receive)
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = self._thread("allocation-gate-recheck", self._recheck_loop)
+        except RuntimeError as exc:  # can't start new thread
+            log.error("the allocation gate cannot start a thread (%s); tried again", exc)
 
     def _thread(self, name: str, target: Callable[[], None]) -> threading.Thread:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -289,12 +309,12 @@ class GateListener:
 
     def _stalled_now(self) -> bool:
         """Restarts a stopped thread; whether a call has waited unanswered too long."""
-        if self._receiver is not None and not self._receiver.is_alive():
-            log.error("the allocation gate's receiver stopped (a bug); it is restarted")
-            self._receiver = self._thread("allocation-gate", self._receive)
-        if self._worker is not None and not self._worker.is_alive():
-            log.error("the allocation gate's recheck worker stopped (a bug); it is restarted")
-            self._worker = self._thread("allocation-gate-recheck", self._recheck_loop)
+        with self._starting:
+            for thread, what in ((self._receiver, "receiver"), (self._worker, "recheck worker")):
+                if self._started and thread is not None and not thread.is_alive():
+                    log.error("the allocation gate's %s stopped (a bug); it is restarted", what)
+            if self._started:  # one that never started (no thread to be had) too
+                self._threads()
         now, waiting = time.monotonic(), _readable(self._fd)
         if self._answered != self._seen[0] or not waiting or self._waiting_turn:
             self._seen = (self._answered, now)
@@ -308,7 +328,13 @@ class GateListener:
         have ended: its owner may then close the fd. False (said) where one is still held
         inside a call after `within` seconds (a workload's memory that never
         answers a read, served by a process outside the command): it is left, with the fd."""
-        self._stopping.set()
+        with self._starting:  # no thread (re)started after this
+            self._stopping.set()
+            wake = self._wake
+        if wake is not None:  # None: stopped before
+            os.eventfd_write(wake, 1)
+        with contextlib.suppress(queue.Full):  # full: the worker takes one without waiting
+            self._rechecks.put_nowait(None)
         deadline = time.monotonic() + within
         for thread in (self._receiver, self._worker):
             if thread is not None:
@@ -322,22 +348,31 @@ class GateListener:
                 within,
             )
         while not self._rechecks.empty():
-            p = self._rechecks.get_nowait()
+            if (p := self._rechecks.get_nowait()) is None:
+                continue
             try:
                 self._reply(p.notif, Outcome.UNSURE)
             except OSError:
                 pass  # nothing more to tell it
             finally:
                 os.close(p.mem)
+        with self._starting:
+            if not held and self._wake is not None:
+                os.close(self._wake)
+                self._wake = None
         return not held
 
     def _receive(self) -> None:
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
+        if self._wake is not None:  # else stopped: the loop ends at once
+            poller.register(self._wake, select.POLLIN)
         buf = bytearray(_NOTIF.size)
         turn_taken = False
         while not self._stopping.is_set():
-            events = dict(poller.poll(100))
+            events = dict(poller.poll())  # a call, the filter's end or `stop`: no timeout
+            if self._stopping.is_set():
+                return
             if events.get(self._fd, 0) & select.POLLIN and not self._may_read():
                 self._stopping.wait(0.01)  # the other holder's to answer
             elif events.get(self._fd, 0) & select.POLLIN:
@@ -438,7 +473,7 @@ class GateListener:
             return True
         with self._rechecks.mutex:  # the worker takes from the left meanwhile, never more
             queued = self._rechecks.queue
-            gone = [p for p in queued if not self._valid(p.notif)]
+            gone = [p for p in queued if p is not None and not self._valid(p.notif)]
             for p in gone:
                 queued.remove(p)
         for p in gone:
@@ -503,10 +538,8 @@ class GateListener:
 
     def _recheck_loop(self) -> None:
         while not self._stopping.is_set():
-            try:
-                p = self._rechecks.get(timeout=0.1)
-            except queue.Empty:
-                continue
+            if (p := self._rechecks.get()) is None:  # `stop`'s word
+                return
             started = time.perf_counter()
             try:
                 outcome = self._guard.result(functools.partial(self._recheck, p))

@@ -674,3 +674,68 @@ def test_processes_beyond_the_pods_cap_are_served_by_the_one_overflow_reader(
     finally:
         node.gate.stop()
     assert not _threads("gate-overflow")
+
+
+def test_a_listener_whose_thread_could_not_start_is_started_by_the_next_check(
+    node: Node, container: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 3: a receiver that never started (no thread to be had: the process's
+    limit) left its fd registered and unread, and the check restarted only a thread that
+    had run: the process's gated calls waited for ever. The next pass starts it."""
+    start, failed = threading.Thread.start, list[threading.Thread]()
+
+    def start_once(thread: threading.Thread) -> None:
+        if thread.name == "allocation-gate" and not failed:
+            failed.append(thread)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once)
+    node.tenants[CID] = 4 * GIB
+    process = Process([f"form=nvos64,class=0x40,size={2 * GIB}"], container)
+    process.hand_over(node.socket, CID)
+    wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+    assert failed
+    with node.passes({CID: {"GPU-a": 3 * GIB}}):  # its first pass checks the listener
+        (line,) = process.run()
+    assert (line["ret"], line["status"]) == (0, NO_MEMORY), line
+
+
+def _status(thread: threading.Thread, field: str) -> str:
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    return status.split(f"\n{field}:")[1].split()[0]
+
+
+def _wakeups(thread: threading.Thread) -> int:
+    return int(_status(thread, "voluntary_ctxt_switches"))
+
+
+def _state(thread: threading.Thread) -> str:
+    return _status(thread, "State")
+
+
+def test_an_idle_listener_sleeps_until_a_call_or_its_stop(node: Node, container: Path) -> None:
+    """Finding 3: each listener's two threads woke ten times a second to see whether to
+    stop (0.36 of a core for 500 idle listeners). They block until there is work, or
+    `stop` wakes them."""
+    process = Process([f"form=nvos64,class=0x40,size={GIB}"], container)
+    process.hand_over(node.socket, CID)
+    wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+    threads: list[threading.Thread] = []
+
+    def asleep() -> bool:
+        threads[:] = _threads("allocation-gate") + _threads("allocation-gate-recheck")
+        return len(threads) == 2 and all(t.native_id and _state(t) == "S" for t in threads)
+
+    wait_for(asleep, what="both threads started and asleep")
+    before = [_wakeups(t) for t in threads]
+    time.sleep(1.0)  # polled every 100 ms, each would wake some ten times, under load too
+    woken = [_wakeups(t) - b for t, b in zip(threads, before, strict=True)]
+    assert max(woken) <= 1, woken  # one: a thread that was still settling in
+    (line,) = process.run()  # and a call still wakes it
+    assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line
+    node.gate.saw(None, time.monotonic())
+    assert node.gate.gated() == {}
+    for thread in threads:  # stopped at once
+        thread.join(DEADLINE)
+        assert not thread.is_alive()
