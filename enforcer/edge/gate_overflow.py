@@ -125,16 +125,25 @@ class OverflowReader:
         self._gauge(len(self._served))
 
     def check(self) -> None:
-        """A thread that stopped (a bug) is restarted: its calls wait meanwhile."""
+        """A thread that stopped (a bug), or never started, is started: its calls wait
+        meanwhile, they never fail."""
         with self._lock:
-            if self._stopping or self._thread is None or self._thread.is_alive():
+            if self._stopping or not self._served:
                 return
-            log.error("the allocation gate's overflow reader stopped (a bug); it is restarted")
+            if self._thread is not None and self._thread.is_alive():
+                return
+            if self._thread is not None:
+                log.error("the allocation gate's overflow reader stopped (a bug); restarted")
             self._thread = self._start()
 
-    def _start(self) -> threading.Thread:
+    def _start(self) -> threading.Thread | None:
+        """The thread, started; None (said) where none can be had (the thread limit)."""
         thread = threading.Thread(target=self._run, name="gate-overflow", daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as exc:  # can't start new thread
+            log.error("the allocation gate cannot start its overflow reader (%s): tried again", exc)
+            return None
         return thread
 
     def stop(self, within: float = STOP_WITHIN) -> None:

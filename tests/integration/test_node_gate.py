@@ -676,21 +676,51 @@ def test_processes_beyond_the_pods_cap_are_served_by_the_one_overflow_reader(
     assert not _threads("gate-overflow")
 
 
+def _no_thread_once(name: str, monkeypatch: pytest.MonkeyPatch) -> list[threading.Thread]:
+    """The first thread named `name` cannot start, as at the process's thread limit."""
+    start, failed = threading.Thread.start, list[threading.Thread]()
+
+    def start_once(thread: threading.Thread) -> None:
+        if thread.name == name and not failed:
+            failed.append(thread)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once)
+    return failed
+
+
+def test_an_overflow_reader_that_could_not_start_is_started_by_the_next_check(
+    tmp_path: Path, proven: None, container: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sibling of a listener's: the fd is kept and served (its calls wait, never
+    fail), and the next pass starts the reader."""
+    failed = _no_thread_once("gate-overflow", monkeypatch)
+    node = Node(tmp_path, caps=Caps(per_pod=1))
+    assert node.gate.start() is None
+    try:
+        within = f"form=nvos64,class=0x40,size={GIB}"
+        first, second = Process([within], container), Process([within], container)
+        first.hand_over(node.socket, CID)
+        second.hand_over(node.socket, CID)
+        wait_for(lambda: node.gate.gated() == {CID: 2}, what="both handoffs")
+        assert failed
+        with node.passes({}):  # its first pass checks the reader
+            lines = first.run() + second.run()
+        for line in lines:
+            assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line
+        assert node.metric("allocation_gate_calls_total", outcome="overflow") == 1
+    finally:
+        node.gate.stop()
+
+
 def test_a_listener_whose_thread_could_not_start_is_started_by_the_next_check(
     node: Node, container: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Finding 3: a receiver that never started (no thread to be had: the process's
     limit) left its fd registered and unread, and the check restarted only a thread that
     had run: the process's gated calls waited for ever. The next pass starts it."""
-    start, failed = threading.Thread.start, list[threading.Thread]()
-
-    def start_once(thread: threading.Thread) -> None:
-        if thread.name == "allocation-gate" and not failed:
-            failed.append(thread)
-            raise RuntimeError("can't start new thread")
-        start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", start_once)
+    failed = _no_thread_once("allocation-gate", monkeypatch)
     node.tenants[CID] = 4 * GIB
     process = Process([f"form=nvos64,class=0x40,size={2 * GIB}"], container)
     process.hand_over(node.socket, CID)
