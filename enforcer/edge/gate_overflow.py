@@ -149,6 +149,8 @@ class OverflowReader:
     def stop(self, within: float = STOP_WITHIN) -> None:
         """Stop serving; our copies closed once the thread has ended (else left with it)."""
         with self._lock:
+            if self._stopping:
+                return  # stopped before
             self._stopping = True
             thread = self._thread
         os.eventfd_write(self._wake, 1)

@@ -769,3 +769,12 @@ def test_an_idle_listener_sleeps_until_a_call_or_its_stop(node: Node, container:
     for thread in threads:  # stopped at once
         thread.join(DEADLINE)
         assert not thread.is_alive()
+
+
+def test_a_gate_stopped_twice_stops_once(tmp_path: Path, proven: None) -> None:
+    """The overflow reader's wake-up is closed with it: a second stop touches nothing."""
+    made = Node(tmp_path)
+    assert made.gate.start() is None
+    made.gate.stop()
+    made.gate.stop()
+    assert made.errors.count == 0
