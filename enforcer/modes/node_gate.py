@@ -116,9 +116,17 @@ class _Holder:
     sent: dict[int, float] = field(default_factory=dict)  # the renewal in flight: when sent
     gone: bool = False  # the holder hung up: it reads nothing under this connection
     redial: Redial | None = None  # how to reach it again once lost (None: it is not)
+    # Held around each use of `sock` and its close: the threads that renew, hand fds over
+    # and drop a holder are several, and a number one closed may name another file of
+    # this agent (another pod's holder) by the time another sends on it.
+    using: threading.Lock = field(default_factory=threading.Lock)
 
     def lets_read(self) -> bool:
         return self.gone or time.monotonic() < self.leased_until
+
+    def close(self) -> None:
+        with self.using:
+            self.sock.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,9 +308,9 @@ class NodeGate:
             self._renewer.join()
         with self._lock:  # a listener's stop may wait on a call it reads: not under it
             listeners = [li for c in self._containers.values() for li in c.listeners.values()]
-            for holder in self._holders:
-                holder.sock.close()
-            self._holders.clear()
+            holders, self._holders = self._holders, []
+        for holder in holders:
+            holder.close()
         for listener in listeners:
             listener.stop()
         self._overflow.stop()
@@ -503,7 +511,8 @@ class NodeGate:
                 number = next(self._numbers)
                 holder.sent[number] = time.monotonic()
                 try:
-                    renew(holder.sock, number)
+                    with holder.using:
+                        renew(holder.sock, number)
                 except OSError as exc:
                     self._lost(holder, f"cannot renew its lease: {exc}")
         deadline = time.monotonic() + RENEW_EVERY
@@ -519,7 +528,8 @@ class NodeGate:
         """One message of a holder: an acknowledgement extends the lease from when its
         renewal was sent; its end (the sidecar ended) frees its fds."""
         try:
-            found = take(holder.sock)
+            with holder.using:
+                found = take(holder.sock)
         except OSError as exc:
             self._lost(holder, f"its connection failed: {exc}")
             return
@@ -621,7 +631,8 @@ class NodeGate:
                 log.warning("allocation gate: cannot copy an fd for a holder: %s", exc)
                 return
         try:
-            pass_fd(holder.sock, Held(copy, held.container_id, held.pid))
+            with holder.using:
+                pass_fd(holder.sock, Held(copy, held.container_id, held.pid))
         except OSError as exc:
             self._lost(holder, f"cannot hand it an fd: {exc}")
             return
@@ -637,7 +648,7 @@ class NodeGate:
             ours = holder in self._holders  # not lost already, by another thread
             if ours:
                 self._holders.remove(holder)
-        holder.sock.close()
+        holder.close()
         if not ours:
             return
         log.warning(
@@ -735,10 +746,12 @@ class NodeGate:
         copies closed with it), or one that took a newer connection (read under that one's
         lease from then on); the fds they had a copy of are this agent's to read."""
         with self._lock:
-            for holder in [h for h in self._holders if _hung_up(h.sock.fileno())]:
+            ended = [h for h in self._holders if _hung_up(h.sock.fileno())]
+            for holder in ended:
                 holder.gone = True
                 self._holders.remove(holder)
-                holder.sock.close()
+        for holder in ended:  # out of the lock: one may be in a send for `HOLDER_TIMEOUT`
+            holder.close()
 
     def saw(self, usage: Mapping[str, Mapping[str, int]] | None, at: float) -> None:
         """An NVML pass begun at `at` (monotonic): each container's usage by GPU, or None
