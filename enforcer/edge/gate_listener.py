@@ -230,7 +230,12 @@ class GateListener:
         self._who = who  # what the limit is of, in those lines
         # Whether a calling thread is of `who` (None: each is, as the fd's source proved);
         # a caller it does not vouch for is let go on, never judged against `who`'s limit.
+        # Asked until it vouches for one caller still waiting on the fd after: every task
+        # under one filter is of one container (a task cannot leave its container's
+        # cgroup), so that proves the fd is `who`'s filter, not one handed over with
+        # another's pid and id; the calls after it cost no read.
         self._vouch = vouch
+        self._vouched = vouch is None
         # Whether this listener may read now: False while a second holder of the fd reads
         # it (`gate_holder`'s lease); a call read as it lapses is let go on, unjudged.
         self._may_read = may_read
@@ -429,7 +434,7 @@ class GateListener:
                 return self._reply(notif, Outcome.UNSURE)
             if not self._on_gpu(notif):
                 return self._reply(notif, Outcome.NOT_GPU)
-            if self._vouch is not None and not self._vouch(notif.tid):
+            if not self._vouched and self._vouch is not None and not self._vouch(notif.tid):
                 return self._reply(notif, Outcome.UNPROVEN)
             mem = _memory(notif.tid)
         except PermissionError:  # the ptrace check, on a task of ours: it chose to hide
@@ -443,6 +448,7 @@ class GateListener:
             # The fd names the notifying task's memory only if the call is still pending now.
             if not self._valid(notif):
                 return Outcome.ABANDONED
+            self._vouched = True  # its caller, read above, is still the one waiting
             try:
                 call = decode(notif.cmd, notif.argp, _reader(mem))
             except ShortRead as exc:  # the driver answers it EFAULT: it allocates nothing

@@ -318,20 +318,24 @@ class NodeGate:
     def _take(self, handoff: Handoff) -> None:
         """One process runc handed over: its container found from its cgroup, served, and
         a copy handed to its pod's holder."""
-        cid = self._container_of(handoff.pid)
-        if cid != handoff.container_id:
+        found = self._container_of(handoff.pid)
+        cid = handoff.container_id
+        # Its pid is in `cid`, but the fd is whoever connected's word: the first caller's
+        # cgroup proves it is that container's filter (`GateListener`'s `vouch`).
+        vouch: Callable[[int], bool] | None = functools.partial(self._in_container, cid)
+        if found != cid:
             # Served all the same (closing the fd would fail every gated call of the
             # process with ENOSYS), but never bounded: its calls go on.
             log.warning(
                 "allocation gate: pid %d is in container %s by its cgroup, not %s as runc "
                 "says; its allocations are not gated",
                 handoff.pid,
+                found,
                 cid,
-                handoff.container_id,
             )
-            cid = f"unproven:{handoff.pid}:{handoff.container_id}"
+            cid, vouch = f"unproven:{handoff.pid}:{cid}", None
         held = Held(handoff.fd, cid, handoff.pid)
-        listener = self._serve(held)
+        listener = self._serve(held, vouch)
         if not self._handed_over:  # only the socket's thread takes handoffs
             self._handed_over = True
             if self._proven:  # else it stays `forced`

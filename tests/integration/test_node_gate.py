@@ -15,6 +15,7 @@ import os
 import select
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -162,12 +163,13 @@ class Process:
         (cgroup / "cgroup.procs").write_text(str(self.spawned.pid))
         self._buf = b""
 
-    def hand_over(self, path: Path, container: str) -> None:
-        """What runc does: the listener fd and the container's state, in one message."""
+    def hand_over(self, path: Path, container: str, pid: int | None = None) -> None:
+        """What runc does: the listener fd and the container's state, in one message
+        (`pid`: another's, as a forger would say)."""
         state = {
             "ociVersion": "1.2.1",
             "fds": ["seccompFd"],
-            "pid": self.spawned.pid,
+            "pid": self.spawned.pid if pid is None else pid,
             "metadata": gate_profile.LISTENER_METADATA,
             "state": {"ociVersion": "1.2.1", "id": container, "status": "creating"},
         }
@@ -778,3 +780,58 @@ def test_a_gate_stopped_twice_stops_once(tmp_path: Path, proven: None) -> None:
     made.gate.stop()
     made.gate.stop()
     assert made.errors.count == 0
+
+
+def test_a_handoff_forged_with_another_containers_pid_and_id_never_judges_on_its_ledger(
+    node: Node, container: Path
+) -> None:
+    """Whoever reaches the socket as root chooses the pid and the id it sends with its own
+    listener fd: the pid is checked to be in that container, but the fd is proven only by
+    its first caller's cgroup. A forger's calls (its own tasks, in its own container) are
+    let go on unjudged (`unproven`), never charged to the victim, whose ceiling would have
+    refused them."""
+    victim_cid = "cd" * 32
+    victim = container.parent / victim_cid
+    victim.mkdir()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        (victim / "cgroup.procs").write_text(str(sleeper.pid))
+        node.tenants[victim_cid] = GIB  # 2 GiB would be refused on the victim's ledger
+        forger = Process([f"form=nvos64,class=0x40,size={2 * GIB}"] * 2, container)
+        forger.hand_over(node.socket, victim_cid, pid=sleeper.pid)
+        wait_for(lambda: node.gate.gated() == {victim_cid: 1}, what="the forged handoff")
+        with node.passes({victim_cid: {"GPU-a": 0}}):
+            lines = forger.run()
+        for line in lines:  # on to the "driver": never judged against the victim's GiB
+            assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line
+        assert node.metric("allocation_gate_calls_total", outcome="unproven") == 2
+        assert node.metric("allocation_gate_calls_total", outcome="refused") == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_containers_fd_is_proven_by_its_first_caller_and_its_calls_after_cost_no_read(
+    node: Node, container: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every task under one filter is of one container: once a caller still waiting on the
+    fd is proven of it, the calls after are taken on that proof (a cgroup read a call
+    would double the gate's cost)."""
+    asked: list[int] = []
+    proven = node.gate._in_container
+
+    def counted(cid: str, tid: int) -> bool:
+        asked.append(tid)
+        return proven(cid, tid)
+
+    monkeypatch.setattr(node.gate, "_in_container", counted)
+    node.tenants[CID] = 4 * GIB
+    process = Process([f"form=nvos64,class=0x40,size={GIB // 4}"] * 3, container)
+    process.hand_over(node.socket, CID)
+    wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+    with node.passes({CID: {"GPU-a": GIB}}):
+        lines = process.run()
+    for line in lines:
+        assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line  # judged, and allowed
+    assert node.metric("allocation_gate_calls_total", outcome="allowed") == 3
+    assert len(asked) == 1, asked
