@@ -50,6 +50,7 @@ MAX_HANDED = 4096  # fds one holder may hand over: a pod's processes under the g
 MAX_CLAIM = 512  # bytes of one message's JSON: a container ID and a pid
 NOTIFY_FD = "anon_inode:seccomp notify"  # what /proc/self/fd/N names a listener fd
 LEASE = 2.0  # s one acknowledged renewal lets the agent judge, and keeps the holder off
+HANDOVER_WITHIN = 5.0  # s a holder may take to hand the agent every fd it holds
 RENEW_EVERY = LEASE / 4  # s between the agent's renewals: three may be late before it lapses
 _FLIPPING = threading.Lock()  # one `same_file` at a time: each flips a flag and reads it back
 
@@ -79,8 +80,19 @@ def hand_over(sock: socket.socket, helds: list[Held], let_on: int = 0) -> None:
 
 def take_over(sock: socket.socket) -> tuple[list[Held], int]:
     """The agent's side of `hand_over`: the fds the holder held, and the calls it let go
-    on that no agent was told of. Raises OSError, or ValueError for a greeting that is no
-    count or a connection that ends early (the fds taken so far closed then)."""
+    on that no agent was told of, all within `HANDOVER_WITHIN` (a holder paced a message
+    at a time, its sidecar stopped and continued, never holds the dial's thread longer).
+    Raises OSError, or ValueError for a greeting that is no count or a connection that
+    ends early or late (the fds taken so far closed then)."""
+    deadline, timeout = time.monotonic() + HANDOVER_WITHIN, sock.gettimeout()
+    try:
+        return _take_over(sock, deadline)
+    finally:
+        sock.settimeout(timeout)
+
+
+def _take_over(sock: socket.socket, deadline: float) -> tuple[list[Held], int]:
+    _until(sock, deadline)
     raw, _, _, _ = sock.recvmsg(MAX_CLAIM)
     try:
         count = json.loads(raw)["fds"]
@@ -90,19 +102,36 @@ def take_over(sock: socket.socket) -> tuple[list[Held], int]:
         raise ValueError(f"the holder's greeting says {count!r} fds (0 to {MAX_HANDED})")
     taken: list[Held] = []
     for seen in range(count):
+        late = False
         try:
+            _until(sock, deadline)
             found = take_fd(sock)
+        except TimeoutError:
+            found, late = None, True
         except OSError:
             found = None
         if found is None:
             for held in taken:
                 os.close(held.fd)
+            if late:
+                raise ValueError(
+                    f"the holder handed over {seen} of {count} fds in {HANDOVER_WITHIN:g} s"
+                )
             raise ValueError(f"the holder's connection ended after {seen} of {count} fds")
         if isinstance(found, str):
             log.warning("allocation gate: dropped a message of a holder: %s", found)
         else:
             taken.append(found)
     return taken, calls_let_on(raw)
+
+
+def _until(sock: socket.socket, deadline: float) -> None:
+    """The next read on `sock` ends by `deadline` (TimeoutError once it has passed)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    timeout = sock.gettimeout()
+    sock.settimeout(left if timeout is None else min(left, timeout))
 
 
 def renew(sock: socket.socket, number: int) -> None:

@@ -1,8 +1,10 @@
-"""The allocation gate's overflow reader: one thread (`gate-overflow`) for every listener fd
-served beyond the node's caps (`core/gate_caps.py`), waiting on all of them at once with
-epoll. It lets each notified call go on, unjudged (outcome `overflow`): it never reads a
-caller's memory nor waits for a pass, so one thread serves any number of fds and nothing a
-workload does can hold it. Sampling holds the containers whose calls it lets go on.
+"""The allocation gate's overflow reader: one thread (`gate-overflow`) per pod for its
+listener fds served beyond the node's caps (`core/gate_caps.py`), waiting on all of them at
+once with epoll. It lets each notified call go on, unjudged (outcome `overflow`): it never
+reads a caller's memory nor waits for a pass, so one thread serves any number of fds.
+Sampling holds the containers whose calls it lets go on. One per pod, because what holds a
+reader (a call its pod's holder took between the look and the read leaves it waiting for
+that fd's next call; a container's budget of calls spent) must hold that pod alone.
 
 It reads a copy of each fd (`os.dup`), which only its thread closes, once every task under
 the filter has exited or its owner has dropped it: the owner's copy keeps the listener open
@@ -23,12 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from enforcer.edge.gate_listener import STOP_WITHIN, Outcome, let_go_on
+from enforcer.edge.gate_listener import NOT_OURS_WAIT, STOP_WITHIN, Outcome, let_go_on
 from enforcer.edge.guard import ErrorCounter, LoopGuard
 
 log = logging.getLogger(__name__)
-
-NOT_OURS_WAIT = 0.01  # s before the calls a holder's lease keeps from us are looked at again
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +36,7 @@ class _Entry:
     copy: int  # our copy of the owner's fd
     pod: str | None
     may_read: Callable[[], bool]
+    turn: Callable[[], float]  # how long to wait before its next call (its container's budget)
 
 
 class Overflowed:
@@ -82,14 +83,24 @@ class OverflowReader:
         self._said: set[str | None] = set()  # the pods whose overflow was said
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._stopped = threading.Event()  # what a wait for a turn wakes on
 
-    def serve(self, fd: int, pod: str | None, pid: int, may_read: Callable[[], bool]) -> Overflowed:
+    def serve(
+        self,
+        fd: int,
+        pod: str | None,
+        pid: int,
+        may_read: Callable[[], bool],
+        turn: Callable[[], float] = lambda: 0.0,
+    ) -> Overflowed:
         """Serve `fd` (process `pid` of pod `pod`) from now; `may_read()`: whether a call may
-        be read now (a pod's holder with a copy of the fd reads it while its lease lapses)."""
+        be read now (a pod's holder with a copy of the fd reads it while its lease lapses);
+        `turn()`: how long to wait before its next call is let go on (its container's budget
+        of calls, as its listeners keep it: a flood past the caps costs no more)."""
         with self._lock:
             if self._stopping:  # the agent stops: nothing served, its fd kept by its owner
-                return Overflowed(self, _Entry(-1, pod, may_read))
-            entry = _Entry(os.dup(fd), pod, may_read)
+                return Overflowed(self, _Entry(-1, pod, may_read, turn))
+            entry = _Entry(os.dup(fd), pod, may_read, turn)
             self._served[entry.copy] = entry
             self._poll.register(entry.copy, select.EPOLLIN)
             first = pod not in self._said
@@ -124,6 +135,11 @@ class OverflowReader:
             self._said.discard(entry.pod)
         self._gauge(len(self._served))
 
+    def idle(self) -> bool:
+        """Nothing served, nothing left to close: its owner may stop it."""
+        with self._lock:
+            return not self._served and not self._dropped
+
     def check(self) -> None:
         """A thread that stopped (a bug), or never started, is started: its calls wait
         meanwhile, they never fail."""
@@ -153,6 +169,7 @@ class OverflowReader:
                 return  # stopped before
             self._stopping = True
             thread = self._thread
+        self._stopped.set()
         os.eventfd_write(self._wake, 1)
         if thread is not None:
             thread.join(within)
@@ -188,6 +205,9 @@ class OverflowReader:
         if events & select.EPOLLIN:
             if not entry.may_read():
                 return True
+            wait = entry.turn()  # a turn taken: the call after the wait is read whatever
+            if wait > 0:
+                self._stopped.wait(wait)
             started = time.perf_counter()
             if let_go_on(entry.copy):
                 self._count(Outcome.OVERFLOW, time.perf_counter() - started)

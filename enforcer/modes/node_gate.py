@@ -32,6 +32,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import os
 import select
 import socket
@@ -82,6 +83,9 @@ log = logging.getLogger(__name__)
 
 GATE_SOCKET = "seccomp.sock"  # beside the agent's usage socket (the chart's hostPath)
 HOLDER_TIMEOUT = 1.0  # s a pod's holder may take to hand its fds over, or take one
+# s before its lease ends that the agent stops reading a holder's fds: a reader held past
+# the look (the GIL, a loaded node) still never reads as the holder starts to.
+READ_MARGIN = RENEW_EVERY
 UNBOUNDED = 1 << 62  # the limit of a container the gate does not bound (yet): calls go on
 BUDGET = Budget()  # each container's budget of calls (`core/gate_budget.py`)
 SAY_THROTTLED_EVERY = 60.0  # s: a container held to its budget is said at most this often
@@ -122,9 +126,12 @@ class _Holder:
     using: threading.Lock = field(default_factory=threading.Lock)
 
     def lets_read(self) -> bool:
-        return self.gone or time.monotonic() < self.leased_until
+        return self.gone or time.monotonic() < self.leased_until - READ_MARGIN
 
     def close(self) -> None:
+        """Its lease ended first: the holder reads as soon as it sees the connection end,
+        and two readers of one fd may leave one waiting in RECV for the fd's next call."""
+        self.leased_until = -math.inf
         with self.using:
             self.sock.close()
 
@@ -228,8 +235,9 @@ class NodeGate:
         self._redialling: set[str] = set()  # sidecars with a `gate-redial` thread: one each
         self._redials = LoopGuard("allocation gate redial", errors, log)
         self._caps = caps or Caps()
-        gauge = reports.metrics.overflow.set if reports is not None else lambda n: None
-        self._overflow = OverflowReader(errors, self._count, gauge)
+        # One overflow reader per pod (`gate_overflow`): what holds one holds its pod alone.
+        self._overflow: dict[str | None, OverflowReader] = {}
+        self._overflowed: dict[str | None, int] = {}  # fds each serves, for the gauge
 
     def start(self) -> str | None:
         """Serves the socket, then writes the gating profile (the plain one where the gate
@@ -313,7 +321,10 @@ class NodeGate:
             holder.close()
         for listener in listeners:
             listener.stop()
-        self._overflow.stop()
+        with self._lock:
+            readers = list(self._overflow.values())
+        for reader in readers:
+            reader.stop()
 
     def _take(self, handoff: Handoff) -> None:
         """One process runc handed over: its container found from its cgroup, served, and
@@ -382,10 +393,11 @@ class NodeGate:
             if holder is not None:
                 gated.held_by[held.fd] = holder
             may_read = functools.partial(gated.lets_read, held.fd)
+            turn = functools.partial(self._turn, gated, cid)
             if self._caps.overflows(self._threaded(), gated.pod):
-                served = gated.listeners[held.fd] = self._overflow.serve(
-                    held.fd, pod, held.pid, may_read
-                )
+                reader = self._overflow_of(gated.pod)
+                served = reader.serve(held.fd, gated.pod, held.pid, may_read, turn)
+                gated.listeners[held.fd] = served
                 gated.pids[held.fd] = held.pid
                 return served
             listener = GateListener(
@@ -400,7 +412,7 @@ class NodeGate:
                 may_read=may_read,
                 count=self._count,
                 want_pass=self.wanted.set,
-                turn=functools.partial(self._turn, gated, cid),
+                turn=turn,
             )
             listener.refused = functools.partial(self._refused, gated, cid)
             gated.listeners[held.fd] = listener
@@ -408,6 +420,20 @@ class NodeGate:
         listener.start()
         log.info("allocation gate: serving pid %d of container %s", held.pid, cid)
         return listener
+
+    def _overflow_of(self, pod: str | None) -> OverflowReader:
+        """`_lock` held: the pod's overflow reader, made at its first fd past the caps."""
+        reader = self._overflow.get(pod)
+        if reader is None:
+            gauge = functools.partial(self._overflow_gauge, pod)
+            reader = self._overflow[pod] = OverflowReader(self._errors, self._count, gauge)
+        return reader
+
+    def _overflow_gauge(self, pod: str | None, served: int) -> None:
+        """From a pod's overflow reader (under its own lock: this takes none of ours)."""
+        self._overflowed[pod] = served
+        if self._reports is not None:
+            self._reports.metrics.overflow.set(sum(self._overflowed.values()))
 
     def _threaded(self) -> dict[str | None, int]:
         """`_lock` held: the fds served by threads of their own, by pod."""
@@ -779,6 +805,7 @@ class NodeGate:
                 for gated in self._containers.values()
                 for listener in gated.listeners.values()
             )
+            idle = [self._overflow.pop(p) for p, r in list(self._overflow.items()) if r.idle()]
         if self._reports is not None:
             self._reports.metrics.stalled.set(stalled)
         # Out of the lock: a stop waits for a call its listener may still be reading (up
@@ -786,6 +813,8 @@ class NodeGate:
         for fd, listener in ended:
             if listener.stop():
                 os.close(fd)  # else a thread still reads it: left open, as said
+        for reader in idle:  # a pod's reader with nothing left to serve: its thread ends
+            reader.stop()
 
     def _feed(
         self, cid: str, ledger: Ledger, usage: Mapping[str, Mapping[str, int]] | None, at: float

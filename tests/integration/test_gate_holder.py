@@ -30,7 +30,7 @@ import pytest
 from enforcer.core.gate_budget import Budget
 from enforcer.core.payloads import Pod
 from enforcer.core.protocol import GATE_HOLDER_SOCKET, SIDECAR_SOCKET
-from enforcer.edge import gate_child
+from enforcer.edge import gate_child, gate_holder
 from enforcer.edge.gate_holder import (
     LEASE,
     Held,
@@ -741,3 +741,62 @@ def _reap(pid: int) -> None:
 class _NoBugs:
     def inc(self, amount: float = 1) -> None:
         raise AssertionError("a bug in the holder")
+
+
+def test_the_agent_stops_reading_a_holders_fds_before_its_lease_ends_and_at_once_when_it_closes() -> (
+    None
+):
+    """Review 2 of issue 45, finding 2: two readers of one fd may leave one waiting in RECV
+    for the fd's next call. The agent stops `READ_MARGIN` before its lease ends (a reader
+    held past its look still never reads as the holder starts to), and at once when it
+    closes the connection itself (`_lost`, `stop`: the holder reads as soon as it sees the
+    end), where it read on until the lease ran out."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        holder = node_gate._Holder(ours, lambda cid: True, time.monotonic() + LEASE)
+        assert holder.lets_read()
+        holder.leased_until = time.monotonic() + node_gate.READ_MARGIN / 2
+        assert not holder.lets_read()
+        holder.leased_until = time.monotonic() + LEASE
+        holder.close()
+        assert not holder.lets_read()
+    finally:
+        theirs.close()
+
+
+def test_a_holder_that_trickles_its_handover_is_dropped_at_the_handovers_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review 2 of issue 45, finding 6 (the sibling of runc's trickled message): each read
+    had its own timeout, so a holder paced a message at a time (its sidecar stopped and
+    continued) held the dial's thread for up to 4096 of them. The whole handover has one
+    deadline now, and what came is closed."""
+    monkeypatch.setattr(gate_holder, "HANDOVER_WITHIN", 0.35)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.settimeout(1.0)  # as the agent's `hold` sets it: each read alone is in time
+    pipes = [os.pipe() for _ in range(10)]
+    done = threading.Event()
+
+    def trickle() -> None:
+        theirs.sendmsg([json.dumps({"fds": len(pipes), "let_on": 0}).encode()])
+        for r, _ in pipes:
+            if done.wait(0.1):
+                return
+            gate_holder.pass_fd(theirs, Held(r, CID, 1))
+
+    sender = threading.Thread(target=trickle)
+    before = len(os.listdir("/proc/self/fd"))
+    sender.start()
+    try:
+        with pytest.raises(ValueError, match=r"handed over \d of 10 fds in 0.35 s"):
+            gate_holder.take_over(ours)
+    finally:
+        done.set()
+        sender.join()
+    assert ours.gettimeout() == 1.0  # as it was, for the renewals after
+    assert len(os.listdir("/proc/self/fd")) == before  # nothing that came is left open
+    for r, w in pipes:
+        os.close(r)
+        os.close(w)
+    ours.close()
+    theirs.close()

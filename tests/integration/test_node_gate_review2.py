@@ -71,11 +71,14 @@ def test_a_second_reader_of_one_overflowed_fd_never_holds_the_other_pods_overflo
     exited), which its tenant need never make: the one `gate-overflow` thread then answers
     no other fd of the node. The race is forced here at its window: the holder (a copy of
     the fd, read by the test) takes the call just after the reader looked, and the tenant
-    stops its process. Another pod's overflowed call must still go on."""
+    stops its process. Another pod's overflowed call must still go on: its pod's reader is
+    another thread."""
     node = Node(tmp_path, caps=Caps(per_pod=0))  # every fd overflows
     assert node.gate.start() is None
-    other = container.parent / ("ef" * 32)
-    other.mkdir()
+    # Another pod's container (each pod's overflowed fds have a reader of their own: a
+    # wedge holds the tenant's own pod alone).
+    other = container.parent.parent / "pod5e1b0c7a-0d2e-4f6a-8b1c-2d3e4f5a6b7c" / ("ef" * 32)
+    other.mkdir(parents=True)
     tenant = Process(["form=nvos64,class=0x80,time=1000,gap=0.5"], container)
     assert tenant.spawned.listener is not None
     holder = os.dup(tenant.spawned.listener)  # the pod's holder's copy
