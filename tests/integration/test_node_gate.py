@@ -33,8 +33,9 @@ from enforcer.core.gate_caps import Caps
 from enforcer.core.lending import Tenant, Tenants
 from enforcer.core.model import Sample
 from enforcer.core.payloads import ObjectReference, Pod
-from enforcer.edge import gate_child
-from enforcer.edge.gate_listener import STALL_AFTER
+from enforcer.edge import gate_child, gate_listener
+from enforcer.edge.gate_holder import hand_over, is_listener_fd, take
+from enforcer.edge.gate_listener import STALL_AFTER, let_go_on
 from enforcer.edge.metrics import PREFIX, AgentTelemetry, NodeGateMetrics
 from enforcer.edge.nvml_source import NvmlSource
 from enforcer.edge.seccomp_filter import program
@@ -835,3 +836,136 @@ def test_a_containers_fd_is_proven_by_its_first_caller_and_its_calls_after_cost_
         assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line  # judged, and allowed
     assert node.metric("allocation_gate_calls_total", outcome="allowed") == 3
     assert len(asked) == 1, asked
+
+
+def test_a_handoff_whose_process_ends_at_once_is_handed_to_its_pods_holder_or_not_at_all(
+    tmp_path: Path, proven: None, container: Path
+) -> None:
+    """The first review's high finding: `NodeGate._take` served the fd, then, after
+    releasing its lock, handed `handoff.fd` to the pod's holder by number. A sampler pass
+    in between (`saw`), finding every task under the filter gone (`kubectl exec -- true`),
+    closed that fd: the holder was then handed a closed fd (EBADF: dropped, its pod's
+    calls unjudged) or whatever file reused the number. Now a copy made under the lock,
+    while the fd is still served, is sent, or nothing. The pass is made to fall in that
+    window by the label callback, which `_take` calls there."""
+    process: list[Process] = []
+    gate: list[NodeGate] = []
+
+    def label(value: str) -> None:
+        if value == "v1":  # on the socket's thread, between `_serve` and `_pass`
+            os.kill(process[0].spawned.pid, signal.SIGKILL)
+            os.waitpid(process[0].spawned.pid, 0)
+            gate[0].saw(None, time.monotonic())  # the sampler's pass: the fd is closed
+
+    gate.append(
+        NodeGate(
+            tmp_path / "kubelet",
+            tmp_path / "run" / "seccomp.sock",
+            Path("/proc"),
+            {NULL_MAJOR},
+            lambda cid: container_ceiling(None, "580.142", cid),
+            _Errors(),
+            recheck_wait=DEADLINE,
+            label=label,
+            driver=lambda: "580.142",
+        )
+    )
+    assert gate[0].start() is None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        hand_over(theirs, [])
+        gate[0].hold(ours, {CID}.__contains__, time.monotonic())
+        process.append(Process([], container))
+        process[0].hand_over(tmp_path / "run" / "seccomp.sock", CID)
+        wait_for(lambda: gate[0].gated() == {}, what="the handoff served and forgotten")
+        theirs.settimeout(0.5)
+        got = []
+        with contextlib.suppress(TimeoutError):
+            while (found := take(theirs)) is not None:  # renewals, and each fd with its claim
+                if not isinstance(found, bytes | str):
+                    got.append(is_listener_fd(found.fd))
+                    os.close(found.fd)
+        assert all(got), "a file that is no listener was handed to the pod's holder"
+        assert gate[0].holders() == 1, "the holder was dropped: its pod's calls go unjudged"
+    finally:
+        gate[0].stop()
+        theirs.close()
+        os.close(process[0].out)
+
+
+def test_a_flood_from_a_process_beyond_its_pods_cap_is_held_to_its_containers_budget(
+    tmp_path: Path, proven: None, container: Path
+) -> None:
+    """The second review's finding 1: a process past its pod's cap is served by the pod's
+    overflow reader, which lets its calls go on at its container's budget, as the
+    listeners do: a flood past the caps costs the agent no more (it answered at full
+    speed before, 17,426 calls in 1.09 s against 20 a second after 50). Same bound as the
+    listeners' flood test."""
+    budget = Budget(rate=20.0, burst=50)
+    node = Node(tmp_path, budget=budget, caps=Caps(per_pod=0))  # every fd overflows
+    assert node.gate.start() is None
+    flood = Process([BACK_TO_BACK], container)
+    try:
+        started = time.monotonic()
+        flood.hand_over(node.socket, CID)
+        wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+        assert flood.spawned.go() == 0
+        wait_for(lambda: _overflowed(node) > budget.burst, what="the flood past its burst")
+        time.sleep(1.0)
+        elapsed, read = time.monotonic() - started, _overflowed(node)
+        assert read <= budget.burst + 2 * budget.rate * elapsed, (read, elapsed)
+    finally:
+        flood.kill()
+        node.gate.stop()
+
+
+def _overflowed(node: Node) -> float:
+    return node.metric("allocation_gate_calls_total", outcome="overflow") or 0
+
+
+def test_a_second_reader_of_one_overflowed_fd_never_holds_the_other_pods_overflowed_calls(
+    tmp_path: Path, proven: None, container: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second review's finding 2: the pod's holder has a copy of every fd of its
+    pod, the overflowed ones too. `let_go_on` looks for a call and then RECVs; where the
+    holder takes the call between the two, RECV waits for the next call on that fd (the
+    kernel ends the wait only when the fd's tasks have all exited), which its tenant need
+    never make. With one reader for the node, no other pod's overflowed call was answered
+    then. The race is forced here at its window: the holder (a copy of the fd, read by the
+    test) takes the call just after the reader looked, and the tenant stops its process.
+    Another pod's overflowed call still goes on: its pod's reader is another thread."""
+    node = Node(tmp_path, caps=Caps(per_pod=0))  # every fd overflows
+    assert node.gate.start() is None
+    # Another pod's container (each pod's overflowed fds have a reader of their own: a
+    # wedge holds the tenant's own pod alone).
+    other = container.parent.parent / "pod5e1b0c7a-0d2e-4f6a-8b1c-2d3e4f5a6b7c" / ("ef" * 32)
+    other.mkdir(parents=True)
+    tenant = Process(["form=nvos64,class=0x80,time=1000,gap=0.5"], container)
+    assert tenant.spawned.listener is not None
+    holder = os.dup(tenant.spawned.listener)  # the pod's holder's copy
+    looked = gate_listener._readable
+    raced: list[int] = []
+
+    def race(fd: int) -> bool:
+        waiting = looked(fd)
+        if waiting and not raced and threading.current_thread().name == "gate-overflow":
+            raced.append(fd)
+            assert let_go_on(holder)  # the holder answers it first
+            os.kill(tenant.spawned.pid, signal.SIGSTOP)  # and no more calls come
+        return waiting
+
+    monkeypatch.setattr(gate_listener, "_readable", race)
+    try:
+        tenant.hand_over(node.socket, CID)
+        wait_for(lambda: node.gate.gated() == {CID: 1}, what="the handoff")
+        assert tenant.spawned.go() == 0
+        wait_for(lambda: bool(raced), what="the race")
+        second = Process([f"form=nvos64,class=0x40,size={GIB}"], other)
+        second.hand_over(node.socket, "ef" * 32)
+        (line,) = second.run()  # "the stand-in hung": the overflow reader waits in RECV
+        assert (line["ret"], line["status"]) == (-1, UNTOUCHED), line
+    finally:
+        os.kill(tenant.spawned.pid, signal.SIGKILL)
+        os.waitpid(tenant.spawned.pid, 0)
+        os.close(holder)
+        node.gate.stop()
