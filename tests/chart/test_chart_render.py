@@ -563,10 +563,11 @@ def test_the_allocation_gate_is_off_by_default_and_on_sets_both_programs_and_the
     assert {"name": "seccomp", "mountPath": where} in agent["volumeMounts"]
     assert "seccomp/vram-enforcer" not in off["manifest"]
     assert "allocation gate is on" not in off["info"]["notes"]
-    notes = on["info"]["notes"]  # what a restart does, and the order to turn it off in
+    notes = on["info"]["notes"]  # what a restart and a stop do, and how to turn it off
     assert (
         "lets its allocation calls go on" in notes
-        and "set allocationGate.enabled=false first" in notes
+        and "leaves the plain profile" in notes
+        and "set allocationGate.enabled=false, then let the gated pods end or restart" in notes
     )
     (errors,) = renders([({"allocationGate": {"kubeletRoot": "var/lib/kubelet"}}, True)])
     assert "kubeletRoot" in errors

@@ -478,7 +478,12 @@ def test_the_agent_may_delete_and_evict_only_the_enforced_pods_of_its_own_node(
             return exc.status == 403 and words in json.loads(exc.body)["message"]
         return False
 
-    def evict(name: str, namespace: str, grace: int | None = 30) -> Any:
+    def evict(name: str, namespace: str, grace: int | None = 30, dry: bool = False) -> Any:
+        """`dry`: a dry run, which admission judges as the real one but which deletes
+        nothing: a probe that the policy is in force may be repeated (a real eviction let
+        through before it is leaves its pod terminating, and the API server admits no
+        delete of a pod whose graceful deletion is pending: the probe would never see a
+        refusal)."""
         uid = core.read_namespaced_pod(name, namespace).metadata.uid
         options = client.V1DeleteOptions(
             grace_period_seconds=grace, preconditions=client.V1Preconditions(uid=uid)
@@ -486,11 +491,15 @@ def test_the_agent_may_delete_and_evict_only_the_enforced_pods_of_its_own_node(
         body = client.V1Eviction(
             metadata=client.V1ObjectMeta(name=name, namespace=namespace), delete_options=options
         )
+        if dry:
+            return lambda: agent.create_namespaced_pod_eviction(
+                name, namespace, body, dry_run="All"
+            )
         return lambda: agent.create_namespaced_pod_eviction(name, namespace, body)
 
     try:
         wait_for(  # the API server loads a new policy within a few seconds
-            lambda: refused(evict("vap-elsewhere", "default"), "only in the namespaces"),
+            lambda: refused(evict("vap-elsewhere", "default", dry=True), "only in the namespaces"),
             timeout=30,
             what="the agent's eviction policy to be in force",
         )
@@ -512,13 +521,21 @@ def test_the_agent_may_delete_and_evict_only_the_enforced_pods_of_its_own_node(
         evicted = core.read_namespaced_pod("vap-evicted", ns)
         assert evicted.metadata.deletion_grace_period_seconds == 30
         core.patch_namespace(ns, {"metadata": {"labels": {"vram-enforcer.io/inject": None}}})
+        # Probed by dry runs: a delete let through before the API server saw the label go
+        # leaves the pod terminating, and no later delete of it is admitted, nor refused.
         wait_for(
             lambda: refused(
-                lambda: agent.delete_namespaced_pod("vap-left", ns, grace_period_seconds=30),
+                lambda: agent.delete_namespaced_pod(
+                    "vap-left", ns, grace_period_seconds=30, dry_run="All"
+                ),
                 "in the namespaces that opted in",
             ),
             timeout=30,
             what="a namespace that no longer opts in to be fenced off",
+        )
+        assert refused(
+            lambda: agent.delete_namespaced_pod("vap-left", ns, grace_period_seconds=30),
+            "in the namespaces that opted in",
         )
     finally:
         for namespace in (ns, "default"):
