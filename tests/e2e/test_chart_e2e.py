@@ -419,6 +419,23 @@ def test_no_pod_outside_the_opted_in_namespaces_carries_the_marks_of_an_injected
                 core.delete_namespaced_pod(stale.metadata.name, "default", grace_period_seconds=0)
 
 
+def label_enforced(core: client.CoreV1Api, ns: str, name: str) -> None:
+    """Label a pod enforced, as the webhook does, in a namespace just patched to opt in: the
+    injected-marks policy's view of namespaces lags the patch by a moment, and refuses the
+    label until it has seen it (a failure seen once in CI)."""
+
+    def labelled() -> bool:
+        try:
+            core.patch_namespaced_pod(name, ns, {"metadata": {"labels": {ENFORCED: "true"}}})
+        except client.ApiException as exc:
+            if exc.status == 403 and "marks the pods" in json.loads(exc.body)["message"]:
+                return False
+            raise
+        return True
+
+    wait_for(labelled, timeout=30, what=f"{name} labelled enforced")
+
+
 def test_the_agent_may_delete_and_evict_only_the_enforced_pods_of_its_own_node(
     installed: Path, admin: client.ApiClient, apiserver: ApiServer
 ) -> None:
@@ -456,7 +473,7 @@ def test_the_agent_may_delete_and_evict_only_the_enforced_pods_of_its_own_node(
     core.create_namespaced_pod("default", pod("vap-elsewhere", "vap-gpu-a"))
     core.patch_namespace(ns, {"metadata": {"labels": {"vram-enforcer.io/inject": "enabled"}}})
     for name in ("vap-mine", "vap-theirs", "vap-evicted", "vap-left"):
-        core.patch_namespaced_pod(name, ns, {"metadata": {"labels": {ENFORCED: "true"}}})
+        label_enforced(core, ns, name)
     agent_pod = core.create_namespaced_pod(
         NAMESPACE,
         {
@@ -576,7 +593,7 @@ def test_the_agent_may_set_only_its_condition_and_only_on_its_own_nodes_enforced
         core.patch_namespaced_pod_status(name, ns, {"status": {"conditions": [ready]}})
     core.patch_namespace(ns, {"metadata": {"labels": {"vram-enforcer.io/inject": "enabled"}}})
     for name in ("cond-mine", "cond-theirs"):
-        core.patch_namespaced_pod(name, ns, {"metadata": {"labels": {ENFORCED: "true"}}})
+        label_enforced(core, ns, name)
     agent_pod = core.create_namespaced_pod(
         NAMESPACE,
         {
