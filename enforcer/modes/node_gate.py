@@ -484,7 +484,7 @@ class NodeGate:
                 continue
             has.add(held.fd)
             # Its claim is a hint. Only a container of the holder's pod is bounded, and
-            # only in calls whose own thread's cgroup names it (the fd may be anyone's).
+            # only once a caller's own cgroup names it (the fd may be anyone's: `vouch`).
             if member(held.container_id):
                 vouch = functools.partial(self._in_container, held.container_id)
                 self._serve(held, vouch, holder)
